@@ -1,0 +1,73 @@
+"""The table of gradient rules, one function per ONNX op type.
+
+A rule receives the forward node and the gradients of its outputs (``None`` where an output
+gets no gradient) and returns one entry per node input: a value name holding the gradient of
+that input, or ``None``. Rules only need to produce gradients for inputs where
+``ctx.needs_grad(name)`` is true; everything else may be ``None``. Rules emit standard ONNX
+ops through ``ctx.emit`` and can read the static type of any value with ``ctx.info``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import onnx
+
+from memcc.frontend.emit import Emitter
+from memcc.graph import Graph, TensorInfo
+
+
+@dataclass
+class GradContext:
+    """What a rule may use: the graph being extended and which values need gradients."""
+
+    graph: Graph
+    emit: Emitter
+    requires_grad: set[str]
+
+    def needs_grad(self, name: str) -> bool:
+        return bool(name) and name in self.requires_grad
+
+    def info(self, name: str) -> TensorInfo:
+        return self.graph.info[name]
+
+    @property
+    def opset(self) -> int:
+        return self.graph.opset
+
+    def constant_value(self, name: str):
+        """The numpy value of ``name`` when it is an initializer or a Constant node output."""
+        from memcc.frontend.constants import constant_value
+
+        return constant_value(self.graph, name)
+
+
+GradRule = Callable[[GradContext, onnx.NodeProto, list[str | None]], list[str | None]]
+
+RULES: dict[str, GradRule] = {}
+
+# Ops whose outputs never carry gradient even when they are floating point
+# (they are pieces of shape or index computations, or random/constant producers).
+NON_DIFFERENTIABLE: set[str] = {
+    "Shape", "Size", "Constant", "ConstantOfShape", "EyeLike", "RandomNormal",
+    "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Range", "NonZero",
+    "ArgMax", "ArgMin", "Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "Not",
+    "And", "Or", "Xor", "IsNaN", "IsInf", "Sign", "Floor", "Ceil", "Round",
+    "Bernoulli", "Multinomial", "OneHot",
+}
+
+
+def register(*op_types: str) -> Callable[[GradRule], GradRule]:
+    def deco(fn: GradRule) -> GradRule:
+        for op in op_types:
+            if op in RULES:
+                raise RuntimeError(f"gradient rule for {op} registered twice")
+            RULES[op] = fn
+        return fn
+
+    return deco
+
+
+def supported_ops() -> list[str]:
+    return sorted(set(RULES) | NON_DIFFERENTIABLE)

@@ -1,0 +1,198 @@
+"""Load an ONNX file into a ``Graph`` in which every value has a concrete shape and dtype.
+
+Exporters leave batch and sequence dimensions symbolic and compute shapes at run time
+(Shape -> Gather -> Concat -> Reshape). memcc plans memory ahead of time, so it binds every
+symbolic dimension (``--dim NAME=INT``), runs ONNX shape inference with data propagation,
+and, where inference still gives up, evaluates the model once in ORT to read the remaining
+shapes. A value whose shape stays unknown is an error that names it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, shape_inference
+
+from memcc.errors import InputError, ShapeError
+from memcc.graph import Graph, TensorInfo, node_label
+
+
+def read_model(path: str | os.PathLike) -> onnx.ModelProto:
+    """Parse an ONNX file (with its external data), with errors that say what to do."""
+    p = Path(path)
+    if not p.exists():
+        raise InputError(f"{p}: no such file")
+    if p.is_dir():
+        raise InputError(f"{p}: is a directory, expected an .onnx file")
+    try:
+        model = onnx.load(str(p), load_external_data=False)
+    except Exception as exc:
+        raise InputError(
+            f"{p}: not an ONNX model ({type(exc).__name__}). Pass a file written by "
+            "onnx.save or torch.onnx.export."
+        ) from exc
+    if not model.graph.node and not model.graph.output:
+        raise InputError(f"{p}: not an ONNX model (the file parsed but holds no graph)")
+    try:
+        onnx.load_external_data_for_model(model, str(p.parent))
+    except Exception as exc:
+        raise InputError(f"{p}: cannot read its external data next to the file: {exc}") from exc
+    return model
+
+
+def parse_dims(items: list[str] | None) -> dict[str, int]:
+    """``["batch=8", "seq=128"]`` -> ``{"batch": 8, "seq": 128}``."""
+    dims: dict[str, int] = {}
+    for item in items or []:
+        name, sep, value = item.partition("=")
+        if not sep or not name.strip():
+            raise InputError(f"--dim '{item}': expected NAME=INT, e.g. --dim batch=8")
+        try:
+            v = int(value)
+        except ValueError:
+            raise InputError(f"--dim '{item}': '{value}' is not an integer") from None
+        if v <= 0:
+            raise InputError(f"--dim '{item}': a dimension must be positive")
+        dims[name.strip()] = v
+    return dims
+
+
+def load_graph(
+    path_or_model: str | os.PathLike | onnx.ModelProto,
+    dims: Mapping[str, int] | None = None,
+    *,
+    source: str | None = None,
+) -> Graph:
+    """Read, bind symbolic dimensions, infer every shape; return a static ``Graph``."""
+    if isinstance(path_or_model, onnx.ModelProto):
+        model = onnx.ModelProto()
+        model.CopyFrom(path_or_model)
+        where = source or "<model>"
+    else:
+        model = read_model(path_or_model)
+        where = source or str(path_or_model)
+    if model.functions:
+        model = onnx.inliner.inline_local_functions(model)
+    _check_supported_structure(model, where)
+    _bind_input_dims(model, dict(dims or {}), where)
+    model = _infer(model, where)
+    graph = Graph.from_model(model)
+    missing = _unknown_values(graph)
+    if missing:
+        _shapes_by_running(model, graph, missing, where)
+        missing = _unknown_values(graph)
+    if missing:
+        name = missing[0]
+        producer = graph.producers().get(name)
+        at = f" (output of {node_label(producer)})" if producer is not None else ""
+        raise ShapeError(
+            f"{where}: value '{name}'{at} has no concrete shape after binding dimensions and "
+            f"shape inference ({len(missing)} value(s) unknown). Bind every symbolic "
+            "dimension with --dim NAME=INT."
+        )
+    return graph
+
+
+def _check_supported_structure(model: onnx.ModelProto, where: str) -> None:
+    for node in model.graph.node:
+        for a in node.attribute:
+            if a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS):
+                raise InputError(
+                    f"{where}: {node_label(node)} holds a subgraph; memcc handles graphs "
+                    "without control flow (export with static shapes / no If or Loop)."
+                )
+
+
+def _bind_input_dims(model: onnx.ModelProto, dims: dict[str, int], where: str) -> None:
+    inits = {t.name for t in model.graph.initializer}
+    unbound: dict[str, list[str]] = {}
+    used: set[str] = set()
+    for vi in model.graph.input:
+        if vi.name in inits:
+            continue
+        tt = vi.type.tensor_type
+        if not tt.HasField("shape"):
+            raise ShapeError(f"{where}: graph input '{vi.name}' has no shape (not even a rank)")
+        for i, d in enumerate(tt.shape.dim):
+            if d.HasField("dim_value") and d.dim_value > 0:
+                continue
+            key = d.dim_param if d.HasField("dim_param") and d.dim_param else None
+            if key is not None and key in dims:
+                d.Clear()
+                d.dim_value = dims[key]
+                used.add(key)
+            else:
+                unbound.setdefault(key or f"{vi.name}[{i}]", []).append(vi.name)
+    if unbound:
+        parts = [f"'{k}' (in {', '.join(sorted(set(v)))})" for k, v in unbound.items()]
+        hint = " ".join(f"--dim {k}=INT" for k in unbound if "[" not in k)
+        raise ShapeError(
+            f"{where}: unbound symbolic dimension(s): {'; '.join(parts)}. memcc plans with "
+            f"concrete sizes: bind each one, e.g. {hint or '--dim NAME=INT'}."
+        )
+    extra = set(dims) - used
+    if extra:
+        known = sorted({d.dim_param for vi in model.graph.input
+                        for d in vi.type.tensor_type.shape.dim if d.dim_param})
+        raise InputError(
+            f"{where}: --dim names no symbolic dimension of this model: {sorted(extra)}; "
+            f"its symbolic dimensions are {known or 'none'}"
+        )
+
+
+def _infer(model: onnx.ModelProto, where: str) -> onnx.ModelProto:
+    # Drop shapes written by the exporter: they carry symbolic dims that now conflict.
+    del model.graph.value_info[:]
+    for vi in model.graph.output:
+        tt = vi.type.tensor_type
+        if tt.HasField("shape"):
+            tt.ClearField("shape")
+    try:
+        return shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
+    except Exception as exc:
+        raise ShapeError(f"{where}: ONNX shape inference failed: {exc}") from exc
+
+
+def _unknown_values(graph: Graph) -> list[str]:
+    return [v for v in graph.values() if v not in graph.info]
+
+
+def _shapes_by_running(model: onnx.ModelProto, graph: Graph, missing: list[str],
+                       where: str) -> None:
+    """Run the forward graph once on dummy inputs and read the shapes inference missed."""
+    import onnxruntime as ort
+
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    existing = {o.name for o in m.graph.output}
+    for name in missing:
+        if name not in existing:
+            m.graph.output.append(helper.make_empty_tensor_value_info(name))
+    m.ir_version = min(m.ir_version, 10)
+    feeds = {}
+    for vi in m.graph.input:
+        if vi.name in graph.initializers:
+            continue
+        ti = graph.info.get(vi.name)
+        if ti is None:
+            return
+        feeds[vi.name] = np.zeros(ti.shape, dtype=ti.np_dtype)
+    try:
+        so = ort.SessionOptions()
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        sess = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        names = [o.name for o in sess.get_outputs()]
+        results = sess.run(names, feeds)
+    except Exception:
+        return
+    for name, arr in zip(names, results, strict=True):
+        if name in missing and isinstance(arr, np.ndarray):
+            graph.info[name] = TensorInfo(
+                helper.np_dtype_to_tensor_dtype(arr.dtype)
+                if arr.dtype != np.bool_ else TensorProto.BOOL,
+                tuple(int(d) for d in arr.shape),
+            )
