@@ -1,0 +1,371 @@
+"""Turn a forward model into one complete training step in standard ONNX ops.
+
+The step takes the data (and labels), the parameters and the optimizer state as graph
+inputs, and returns the loss plus everything that must be carried to the next step
+(updated parameters, optimizer state, BatchNormalization running statistics). Parameters
+and state are graph inputs whose initial values ship in the file as initializers of the
+same name, so one file is both the program and its starting point. The metadata written
+here (``memcc.*`` keys) is the contract the runner and the planner read.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+from onnx import TensorProto
+
+from memcc.errors import InputError
+from memcc.frontend.autodiff import differentiable_values, differentiate
+from memcc.frontend.emit import Emitter
+from memcc.graph import Graph, TensorInfo, attr, node_label
+
+LOSSES = ("cross-entropy", "mse", "none")
+OPTIMIZERS = ("none", "sgd", "adamw")
+DEFAULT_LR = {"none": 0.0, "sgd": 0.01, "adamw": 1e-3}
+
+KIND_KEY = "memcc.kind"
+LOSS_KEY = "memcc.loss"
+DATA_KEY = "memcc.data_inputs"
+STATE_KEY = "memcc.state"
+INT_RANGES_KEY = "memcc.int_ranges"
+PARAMS_KEY = "memcc.parameters"
+OPTIMIZER_KEY = "memcc.optimizer"
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """What kind of step to build; the CLI fills this from ``memcc build`` flags."""
+
+    loss: str = "cross-entropy"
+    optimizer: str = "sgd"
+    lr: float | None = None
+    momentum: float = 0.9
+    weight_decay: float | None = None
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+
+    def __post_init__(self) -> None:
+        if self.loss not in LOSSES:
+            raise InputError(f"--loss '{self.loss}': choose one of {', '.join(LOSSES)}")
+        if self.optimizer not in OPTIMIZERS:
+            raise InputError(
+                f"--optimizer '{self.optimizer}': choose one of {', '.join(OPTIMIZERS)}"
+            )
+        if self.lr is not None and self.lr < 0:
+            raise InputError("--lr must not be negative")
+
+    @property
+    def learning_rate(self) -> float:
+        return DEFAULT_LR[self.optimizer] if self.lr is None else self.lr
+
+    @property
+    def decay(self) -> float:
+        if self.weight_decay is not None:
+            return self.weight_decay
+        return 0.01 if self.optimizer == "adamw" else 0.0
+
+
+def is_training_step(graph: Graph) -> bool:
+    return graph.metadata.get(KIND_KEY) == "training_step"
+
+
+def build_training_step(forward: Graph, options: BuildOptions | None = None,
+                        *, source: str = "<model>") -> Graph:
+    """Return a new Graph: forward + loss + backward + optimizer update, in that order."""
+    opts = options or BuildOptions()
+    if is_training_step(forward):
+        raise InputError(f"{source}: already a memcc training step; pass the forward model")
+    if forward.opset < 13:
+        raise InputError(
+            f"{source}: opset {forward.opset} is older than 13, which memcc needs for its "
+            "backward ops; re-export with opset_version >= 13"
+        )
+    graph = forward.copy()
+    emit = Emitter(graph)
+    logits = _first_float_output(graph, source)
+    data_inputs = [i for i in graph.inputs if i not in graph.initializers]
+    int_ranges = _index_ranges(graph, data_inputs)
+
+    loss, extra_inputs, label_range = _emit_loss(graph, emit, logits, opts.loss, source)
+    data_inputs += extra_inputs
+    int_ranges.update(label_range)
+
+    bn_stats = _batchnorm_running_stats(graph)
+    params = _trainable_parameters(graph, loss, bn_stats)
+    if not params:
+        raise InputError(
+            f"{source}: no trainable parameters: no floating-point initializer lies on a "
+            "differentiable path to the loss"
+        )
+    grads = differentiate(graph, loss, params)
+
+    state: dict[str, str] = {}
+    outputs = [loss]
+    outputs += _emit_update(graph, emit, params, grads, opts, state)
+    outputs += _carry_batchnorm_stats(graph, emit, bn_stats, state)
+
+    graph.outputs = outputs
+    graph.inputs = data_inputs + [p for p in params] + [
+        s for s in state.values() if s not in params
+    ]
+    graph.metadata.update({
+        KIND_KEY: "training_step",
+        LOSS_KEY: loss,
+        DATA_KEY: json.dumps(data_inputs),
+        STATE_KEY: json.dumps(state),
+        INT_RANGES_KEY: json.dumps(int_ranges),
+        PARAMS_KEY: json.dumps(params),
+        OPTIMIZER_KEY: json.dumps({
+            "name": opts.optimizer, "lr": opts.learning_rate, "loss": opts.loss,
+            "momentum": opts.momentum if opts.optimizer == "sgd" else None,
+            "weight_decay": opts.decay,
+        }),
+    })
+    _drop_unused_initializers(graph)
+    return graph
+
+
+# ---------------------------------------------------------------------------- pieces
+def _first_float_output(graph: Graph, source: str) -> str:
+    for o in graph.outputs:
+        ti = graph.info.get(o)
+        if ti is not None and ti.is_float:
+            return o
+    raise InputError(
+        f"{source}: the model has no floating-point output to train on (outputs: "
+        f"{', '.join(graph.outputs) or 'none'}). memcc builds the loss from the first "
+        "floating-point output (logits, or the scalar loss with --loss none)."
+    )
+
+
+def _index_ranges(graph: Graph, data_inputs: list[str]) -> dict[str, list[int]]:
+    """Integer inputs used as Gather indices range over the gathered axis (token ids)."""
+    ranges: dict[str, list[int]] = {}
+    consumers = graph.consumers()
+    for name in data_inputs:
+        ti = graph.info[name]
+        if ti.is_float or ti.dtype == TensorProto.BOOL:
+            continue
+        for node in _through_casts(graph, name, consumers):
+            if node.op_type == "Gather" and len(node.input) > 1 and \
+                    node.input[1] in _cast_chain(graph, name, consumers):
+                table = graph.info[node.input[0]]
+                axis = attr(node, "axis", 0) % len(table.shape)
+                ranges[name] = [0, int(table.shape[axis])]
+    return ranges
+
+
+def _cast_chain(graph: Graph, name: str, consumers) -> set[str]:
+    chain = {name}
+    frontier = [name]
+    while frontier:
+        v = frontier.pop()
+        for n in consumers.get(v, []):
+            if n.op_type in ("Cast", "Identity", "Reshape", "Unsqueeze", "Squeeze", "Flatten"):
+                for o in n.output:
+                    if o not in chain:
+                        chain.add(o)
+                        frontier.append(o)
+    return chain
+
+
+def _through_casts(graph: Graph, name: str, consumers):
+    for v in _cast_chain(graph, name, consumers):
+        yield from consumers.get(v, [])
+
+
+def _emit_loss(graph: Graph, emit: Emitter, logits: str, kind: str, source: str):
+    ti = graph.info[logits]
+    taken = set(graph.values())
+    if "loss" in taken and kind != "none":
+        raise InputError(f"{source}: the model already has a value named 'loss'")
+    if kind == "none":
+        if ti.numel != 1:
+            raise InputError(
+                f"{source}: --loss none needs the first floating-point output to be the "
+                f"scalar loss, but '{logits}' has shape {list(ti.shape)}"
+            )
+        loss = emit.op("Reshape", [logits, emit.ints([])], outputs=["loss"],
+                       info=TensorInfo(ti.dtype, ())) if logits != "loss" else logits
+        return loss, [], {}
+    if kind == "mse":
+        for name in ("target",):
+            if name in taken:
+                raise InputError(f"{source}: the model already has a value named '{name}'")
+        graph.info["target"] = ti
+        diff = emit.sub(logits, "target")
+        sq = emit.mul(diff, diff)
+        loss = emit.op("ReduceMean", [sq], outputs=["loss"], keepdims=0,
+                       info=TensorInfo(ti.dtype, ()))
+        return loss, ["target"], {}
+    # cross-entropy over the last axis, mean over all positions (torch's default)
+    if len(ti.shape) < 1 or ti.shape[-1] < 1:
+        raise InputError(f"{source}: cross-entropy needs logits with a class axis; "
+                         f"'{logits}' has shape {list(ti.shape)}")
+    if "labels" in taken:
+        raise InputError(f"{source}: the model already has a value named 'labels'")
+    label_shape = ti.shape[:-1]
+    graph.info["labels"] = TensorInfo(TensorProto.INT64, label_shape)
+    logp = emit.op("LogSoftmax", [logits], axis=-1, info=ti)
+    idx = emit.unsqueeze("labels", [-1], info=TensorInfo(TensorProto.INT64, label_shape + (1,)))
+    picked = emit.op("GatherElements", [logp, idx], axis=-1,
+                     info=TensorInfo(ti.dtype, label_shape + (1,)))
+    mean = emit.reduce_mean(picked, None, keepdims=False, info=TensorInfo(ti.dtype, ()))
+    loss = emit.op("Neg", [mean], outputs=["loss"], info=TensorInfo(ti.dtype, ()))
+    return loss, ["labels"], {"labels": [0, int(ti.shape[-1])]}
+
+
+def _batchnorm_running_stats(graph: Graph) -> list[tuple[object, str, str]]:
+    """(node, running_mean, running_var) of BatchNormalization nodes in training mode."""
+    out = []
+    for node in graph.nodes:
+        if node.op_type != "BatchNormalization" or len(node.input) < 5:
+            continue
+        if attr(node, "training_mode", 0):
+            out.append((node, node.input[3], node.input[4]))
+    return out
+
+
+def _trainable_parameters(graph: Graph, loss: str, bn_stats) -> list[str]:
+    """Float initializers on a differentiable path to the loss, minus BN statistics.
+
+    Anonymous scalar constants that exporters store as initializers (TorchScript names them
+    ``onnx::...``; 0-d tensors in general) are constants of the model, not parameters.
+    """
+    excluded = {s for _, m, v in bn_stats for s in (m, v)}
+    for node in graph.nodes:
+        if node.op_type == "BatchNormalization" and len(node.input) >= 5:
+            excluded.update(node.input[3:5])
+    candidates = [
+        n for n, a in graph.initializers.items()
+        if n not in excluded and graph.info[n].is_float and np.ndim(a) > 0
+        and not n.startswith("onnx::")
+    ]
+    reachable = differentiable_values(graph, loss, candidates)
+    return [n for n in candidates if n in reachable]
+
+
+def _emit_update(graph: Graph, emit: Emitter, params: list[str], grads: dict[str, str],
+                 opts: BuildOptions, state: dict[str, str]) -> list[str]:
+    outputs: list[str] = []
+    lr = opts.learning_rate
+    wd = opts.decay
+    if opts.optimizer == "adamw":
+        step_in = "adamw.step"
+        graph.initializers[step_in] = np.zeros((), np.float32)
+        graph.info[step_in] = TensorInfo(TensorProto.FLOAT, ())
+        step_new = emit.op("Add", [step_in, emit.scalar(1.0, TensorProto.FLOAT)],
+                           outputs=[f"{step_in}.new"], info=graph.info[step_in])
+        state[step_new] = step_in
+        outputs.append(step_new)
+        b1, b2 = opts.betas
+        bc1 = emit.sub(emit.scalar(1.0, TensorProto.FLOAT),
+                       emit.binary("Pow", emit.scalar(b1, TensorProto.FLOAT), step_new))
+        bc2 = emit.sub(emit.scalar(1.0, TensorProto.FLOAT),
+                       emit.binary("Pow", emit.scalar(b2, TensorProto.FLOAT), step_new))
+    renamed: dict[str, str] = {}
+    for p in params:
+        g = grads.get(p)
+        g = renamed.get(g, g)
+        ti = graph.info[p]
+        if g is None:  # parameter on a path that carries no gradient (e.g. masked out)
+            g = emit.zeros_like(p)
+        if opts.optimizer == "none":
+            named = _name_value(graph, emit, g, f"{p}.grad")
+            renamed[g] = named
+            outputs.append(named)
+            continue
+        c = (lambda v, _dt=ti.dtype: emit.scalar(v, _dt))
+        if opts.optimizer == "sgd":
+            if wd:
+                g = emit.add(g, emit.mul(c(wd), p))
+            step = g
+            if opts.momentum:
+                buf = _state_input(graph, f"{p}.momentum", ti)
+                step = emit.op("Add", [emit.mul(c(opts.momentum), buf), g],
+                               outputs=[f"{buf}.new"], info=ti)
+                state[step] = buf
+                outputs.append(step)
+            new_p = emit.op("Sub", [p, emit.mul(c(lr), step)], outputs=[f"{p}.new"], info=ti)
+        else:  # adamw, as torch.optim.AdamW
+            m = _state_input(graph, f"{p}.exp_avg", ti)
+            v = _state_input(graph, f"{p}.exp_avg_sq", ti)
+            b1, b2 = opts.betas
+            m_new = emit.op("Add", [emit.mul(c(b1), m), emit.mul(c(1 - b1), g)],
+                            outputs=[f"{m}.new"], info=ti)
+            v_new = emit.op("Add", [emit.mul(c(b2), v), emit.mul(c(1 - b2), emit.mul(g, g))],
+                            outputs=[f"{v}.new"], info=ti)
+            state[m_new] = m
+            state[v_new] = v
+            outputs += [m_new, v_new]
+            m_hat = emit.div(m_new, emit.cast(bc1, ti.dtype))
+            v_hat = emit.div(v_new, emit.cast(bc2, ti.dtype))
+            denom = emit.add(emit.unary("Sqrt", v_hat), c(opts.eps))
+            decayed = emit.mul(c(1 - lr * wd), p) if wd else p
+            new_p = emit.op("Sub", [decayed, emit.mul(c(lr), emit.div(m_hat, denom))],
+                            outputs=[f"{p}.new"], info=ti)
+        state[new_p] = p
+        outputs.append(new_p)
+    return outputs
+
+
+def _state_input(graph: Graph, name: str, ti: TensorInfo) -> str:
+    if name in graph.info:
+        raise InputError(f"cannot add optimizer state '{name}': the name is taken")
+    graph.initializers[name] = np.zeros(ti.shape, ti.np_dtype)
+    graph.info[name] = ti
+    return name
+
+
+def _carry_batchnorm_stats(graph: Graph, emit: Emitter, bn_stats, state) -> list[str]:
+    """BatchNorm in training mode updates its running stats: make them carried state."""
+    outputs = []
+    for node, mean, var in bn_stats:
+        if mean not in graph.initializers or var not in graph.initializers:
+            raise InputError(
+                f"{node_label(node)}: running statistics must be initializers to be carried "
+                "between steps"
+            )
+        while len(node.output) < 3:
+            node.output.append("")
+        for k, stat in ((1, mean), (2, var)):
+            if stat in state.values():
+                raise InputError(f"{node_label(node)}: running statistic '{stat}' is shared "
+                                 "by several BatchNormalization nodes")
+            new_name = f"{stat}.new"
+            if node.output[k]:
+                new_name = _name_value(graph, emit, node.output[k], new_name)
+            else:
+                node.output[k] = new_name
+                graph.info[new_name] = graph.info[stat]
+            state[new_name] = stat
+            outputs.append(new_name)
+    return outputs
+
+
+def _name_value(graph: Graph, emit: Emitter, value: str, name: str) -> str:
+    """Give ``value`` the output name ``name``: rename its producer, or add an Identity."""
+    if name in graph.info:
+        raise InputError(f"cannot name an output '{name}': the name is taken")
+    producers = graph.producers()
+    node = producers.get(value)
+    reserved = set(graph.inputs) | set(graph.outputs) | set(graph.initializers)
+    if node is None or value in reserved or value.endswith((".grad", ".new")):
+        return emit.op("Identity", [value], outputs=[name], info=graph.info[value])
+    for n in graph.nodes:
+        for i, inp in enumerate(n.input):
+            if inp == value:
+                n.input[i] = name
+        for i, out in enumerate(n.output):
+            if out == value:
+                n.output[i] = name
+    graph.info[name] = graph.info.pop(value)
+    return name
+
+
+def _drop_unused_initializers(graph: Graph) -> None:
+    used = {i for n in graph.nodes for i in n.input} | set(graph.inputs) | set(graph.outputs)
+    for name in [n for n in graph.initializers if n not in used]:
+        del graph.initializers[name]
