@@ -81,6 +81,7 @@ def load_graph(
     _bind_input_dims(model, dict(dims or {}), where)
     model = _infer(model, where)
     graph = Graph.from_model(model)
+    name_nodes(graph)
     missing = _unknown_values(graph)
     if missing:
         _shapes_by_running(model, graph, missing, where)
@@ -95,6 +96,20 @@ def load_graph(
             "dimension with --dim NAME=INT."
         )
     return graph
+
+
+def name_nodes(graph: Graph) -> None:
+    """Give every node a unique name: profiling, plans and reports refer to nodes by name."""
+    seen: set[str] = set()
+    for i, node in enumerate(graph.nodes):
+        if not node.name or node.name in seen:
+            base = node.name or f"{node.op_type}_{i}"
+            name, k = base, 0
+            while name in seen:
+                k += 1
+                name = f"{base}__{k}"
+            node.name = name
+        seen.add(node.name)
 
 
 def _check_supported_structure(model: onnx.ModelProto, where: str) -> None:
