@@ -277,7 +277,10 @@ def _emit_update(graph: Graph, emit: Emitter, params: list[str], grads: dict[str
             renamed[g] = named
             outputs.append(named)
             continue
-        c = (lambda v, _dt=ti.dtype: emit.scalar(v, _dt))
+
+        def c(v: float, _dt: int = ti.dtype) -> str:
+            return emit.scalar(v, _dt)
+
         if opts.optimizer == "sgd":
             if wd:
                 g = emit.add(g, emit.mul(c(wd), p))

@@ -1,0 +1,102 @@
+"""Lower a ``Plan`` to ONNX: clone the recomputed forward nodes into the backward pass.
+
+Semantics (the simulator and every strategy rely on exactly this):
+- Walk the step in its order. Forward nodes stay as they are.
+- Before a non-forward node runs, every forward value it reads whose producer the plan marks
+  RECOMPUTE is made available by cloning its producer right there; the clone's own forward
+  inputs are resolved the same way (recursively), so a recomputed chain reaches back to
+  values that are kept (or to inputs and parameters).
+- A value is recomputed at most once: later readers use the first clone, which liveness
+  then keeps until its last reader. The original forward value is freed after its last
+  forward reader, which is where the saving comes from.
+Clones repeat the same kernels on the same inputs, so the rewritten step computes the same
+numbers bit for bit. Optional outputs that nobody reads are dropped from clones (ORT never
+frees an unconsumed output, ORT_NOTES.md §3).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import onnx
+
+from memcc.graph import Graph, unique_namer
+from memcc.passes.plan import Plan, StepStructure
+
+RECOMPUTE_SUFFIX = ".rc"
+
+
+@dataclass(frozen=True)
+class RecomputeResult:
+    graph: Graph
+    cloned_nodes: tuple[str, ...]      # names of forward nodes that were re-executed
+    recomputed_values: tuple[str, ...]  # forward values whose backward readers use a clone
+
+
+def apply_recompute(graph: Graph, plan: Plan, structure: StepStructure | None = None
+                    ) -> RecomputeResult:
+    """Return a new graph realising ``plan``; ``graph`` is left untouched."""
+    st = structure or StepStructure.of(graph)
+    recompute = plan.recompute & st.recomputable
+    out = graph.copy()
+    if not recompute:
+        return RecomputeResult(out, (), ())
+    producers = {o: n for n in out.nodes for o in n.output if o}
+    fresh = unique_namer(list(out.values()) + [n.name for n in out.nodes])
+    clone_of: dict[str, str] = {}   # forward value -> its recomputed name
+    cloned: list[str] = []
+    new_nodes: list[onnx.NodeProto] = []
+
+    # Which outputs of each forward node are read by anyone after the forward pass (or by
+    # other clones); computed lazily per clone from the final graph is not possible yet,
+    # so keep outputs that are read by any node: unread optional outputs are dropped.
+    readers: dict[str, int] = {}
+    for n in out.nodes:
+        for i in n.input:
+            if i:
+                readers[i] = readers.get(i, 0) + 1
+
+    def resolve(value: str, emitted: list[onnx.NodeProto]) -> str:
+        if value in clone_of:
+            return clone_of[value]
+        node = producers.get(value)
+        if node is None or node.name not in recompute:
+            return value
+        inputs = [resolve(i, emitted) if i else "" for i in node.input]
+        clone = onnx.NodeProto()
+        clone.CopyFrom(node)
+        clone.name = fresh(node.name + RECOMPUTE_SUFFIX)
+        del clone.input[:]
+        clone.input.extend(inputs)
+        outs = []
+        for o in node.output:
+            if o and readers.get(o, 0) > 0:
+                name = fresh(o + RECOMPUTE_SUFFIX)
+                clone_of[o] = name
+                out.info[name] = out.info[o]
+                outs.append(name)
+            else:
+                outs.append("")
+        while outs and not outs[-1]:
+            outs.pop()
+        del clone.output[:]
+        clone.output.extend(outs)
+        emitted.append(clone)
+        cloned.append(node.name)
+        return clone_of[value]
+
+    for node in out.nodes:
+        if node.name in st.forward:
+            new_nodes.append(node)
+            continue
+        emitted: list[onnx.NodeProto] = []
+        for k, i in enumerate(node.input):
+            if i:
+                r = resolve(i, emitted)
+                if r != i:
+                    node.input[k] = r
+        new_nodes.extend(emitted)
+        new_nodes.append(node)
+    out.nodes = new_nodes
+    recomputed = tuple(sorted(v for v in clone_of if v in st.saved))
+    return RecomputeResult(out, tuple(cloned), recomputed)
