@@ -1,0 +1,124 @@
+"""Exact recompute choice under a budget: a 0-1 ILP solved by HiGHS (CBC as fallback).
+
+Formulation (O(n) variables, unlike Checkmate's T x T stage grid): one binary per
+recomputable forward node, minimise the added time, subject to the modelled bytes live at
+each time point staying under the budget. Writing a row for every time point would give
+millions of nonzeros on real steps, so rows are generated lazily: start with the time points
+where the baseline is highest, solve, evaluate the model at every time point (one cumsum),
+add the most violated points, and repeat until none is violated. The rows that end up in
+the model are the handful of places where memory actually binds.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from memcc.errors import MemccError
+from memcc.passes.solvers.problem import Problem, Solution
+
+INITIAL_ROWS = 16
+ROWS_PER_ROUND = 8
+MAX_ROUNDS = 40
+
+
+class SolverUnavailable(MemccError):
+    """No MILP solver could be loaded (pulp with highspy, or pulp's bundled CBC)."""
+
+
+def _make_solver(time_limit: float, name: str):
+    try:
+        import pulp
+    except ImportError as exc:  # pragma: no cover - pulp is a dependency
+        raise SolverUnavailable("the ILP strategy needs pulp: pip install pulp highspy") from exc
+    if name == "highs":
+        try:
+            import highspy  # noqa: F401
+
+            return pulp.HiGHS(msg=False, timeLimit=max(time_limit, 0.1), threads=1), "HiGHS"
+        except (ImportError, pulp.PulpSolverError):
+            name = "cbc"
+    return pulp.PULP_CBC_CMD(msg=False, timeLimit=max(int(time_limit), 1)), "CBC"
+
+
+def _initial_rows(problem: Problem, k: int) -> list[int]:
+    order = np.argsort(-problem.base, kind="stable")
+    return sorted({int(t) for t in order[:k]})
+
+
+def solve(problem: Problem, budget: float, *, time_limit: float = 60.0,
+          solver: str = "highs", objective: str = "time") -> Solution:
+    """Minimise added time s.t. modelled memory <= budget (objective="time"), or minimise the
+    modelled peak with the added time as a tie-breaker (objective="peak")."""
+    import pulp
+
+    start = time.perf_counter()
+    n = problem.n_vars
+    if n == 0:
+        x = np.zeros(0, dtype=bool)
+        ok = problem.peak(x) <= budget or objective == "peak"
+        return Solution(x, "optimal" if ok else "infeasible", 0.0, 0.0, 0.0, "none")
+    rows = _initial_rows(problem, INITIAL_ROWS)
+    status, gap, name = "not solved", None, solver
+    x = np.zeros(n, dtype=bool)
+    rounds = 0
+    scale = max(float(problem.base.max(initial=1.0)), 1.0)
+    cost_scale = max(float(problem.cost.sum()), 1e-12)
+    for rounds in range(1, MAX_ROUNDS + 1):
+        remaining = time_limit - (time.perf_counter() - start)
+        if remaining <= 0:
+            status = "time limit" if status == "not solved" else status
+            break
+        prob = pulp.LpProblem("memcc_recompute", pulp.LpMinimize)
+        xv = [pulp.LpVariable(f"x{i}", cat="Binary") for i in range(n)]
+        added = pulp.lpSum(float(problem.cost[i]) / cost_scale * xv[i] for i in range(n)
+                           if problem.cost[i] > 0)
+        if objective == "peak":
+            peak = pulp.LpVariable("peak", lowBound=0)
+            prob += peak + 1e-6 * added
+        else:
+            prob += added + 1e-9 * pulp.lpSum(xv)
+        for t in rows:
+            coeffs = problem.row(t)
+            lhs = pulp.lpSum(c / scale * xv[i] for i, c in coeffs.items() if c != 0.0)
+            rhs = (budget - problem.base[t]) / scale
+            if objective == "peak":
+                prob += lhs + problem.base[t] / scale <= peak
+            else:
+                prob += lhs <= rhs
+        backend, name = _make_solver(remaining, solver)
+        prob.solve(backend)
+        st = pulp.LpStatus[prob.status]
+        values = np.array([(v.value() or 0.0) > 0.5 for v in xv], dtype=bool)
+        if st == "Infeasible":
+            return Solution(x, "infeasible", None, float("inf"),
+                            time.perf_counter() - start, name, rounds)
+        if st not in ("Optimal",) and not values.any() and prob.status != 1:
+            status = "time limit" if st == "Not Solved" else st.lower()
+            break
+        x = values
+        gap = _gap(prob)
+        status = "optimal" if st == "Optimal" and (gap is None or gap <= 1e-4) else "feasible"
+        mem = problem.memory(x)
+        limit = mem.max() if objective == "peak" else budget
+        violated = np.nonzero(mem > limit * (1 + 1e-9) + 1.0)[0] if objective != "peak" else \
+            np.array([int(np.argmax(mem))])
+        new = [int(t) for t in violated[np.argsort(-mem[violated])][:ROWS_PER_ROUND]
+               if int(t) not in rows]
+        if not new:
+            break
+        rows = sorted(set(rows) | set(new))
+    objective_s = float(problem.cost[x].sum())
+    return Solution(x, status, gap, objective_s, time.perf_counter() - start, name, rounds)
+
+
+def _gap(prob) -> float | None:
+    model = getattr(prob, "solverModel", None)
+    if model is None or not hasattr(model, "getInfo"):
+        return None
+    try:
+        g = float(model.getInfo().mip_gap)
+    except Exception:
+        return None
+    return g if np.isfinite(g) else None

@@ -1,0 +1,66 @@
+"""The array form of a memory-planning problem that every solver works on.
+
+Time is the step's schedule (one point after each node of the original order). Each
+decision variable ``x[i]`` (1 = recompute forward node i's outputs in the backward pass)
+changes the bytes live over some time intervals: it frees a saved activation between its
+last forward reader and its last backward reader (negative term), holds the recomputed
+copy from where it is rebuilt to its last reader (positive term), and keeps the inputs of
+the clone alive until the clone runs (positive term). ``base[t]`` is the baseline (nothing
+recomputed). The model is linear in ``x`` and conservative where the exact effect depends
+on other decisions; the exact simulator (lowering + liveness) has the last word.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Problem:
+    base: np.ndarray        # float64[T]: bytes live at each time point with no recompute
+    cost: np.ndarray        # float64[n]: added seconds when variable i is set
+    term_var: np.ndarray    # int64[m]
+    term_bytes: np.ndarray  # float64[m], signed
+    term_start: np.ndarray  # int64[m], inclusive
+    term_end: np.ndarray    # int64[m], inclusive
+    names: tuple[str, ...]  # variable -> forward node name
+
+    @property
+    def n_vars(self) -> int:
+        return len(self.cost)
+
+    @property
+    def horizon(self) -> int:
+        return len(self.base)
+
+    def memory(self, x: np.ndarray) -> np.ndarray:
+        """Modelled bytes live at every time point for a 0/1 (or fractional) choice ``x``."""
+        diff = np.zeros(self.horizon + 1)
+        w = self.term_bytes * np.asarray(x, dtype=np.float64)[self.term_var]
+        np.add.at(diff, self.term_start, w)
+        np.add.at(diff, self.term_end + 1, -w)
+        return self.base + np.cumsum(diff[:-1])
+
+    def peak(self, x: np.ndarray) -> float:
+        return float(self.memory(x).max(initial=0.0))
+
+    def row(self, t: int) -> dict[int, float]:
+        """Coefficients of the memory constraint at time ``t``."""
+        mask = (self.term_start <= t) & (t <= self.term_end)
+        coeffs: dict[int, float] = {}
+        for v, b in zip(self.term_var[mask], self.term_bytes[mask], strict=True):
+            coeffs[int(v)] = coeffs.get(int(v), 0.0) + float(b)
+        return coeffs
+
+
+@dataclass(frozen=True)
+class Solution:
+    x: np.ndarray           # bool[n]
+    status: str             # "optimal", "feasible" (time limit with incumbent), "infeasible", ...
+    gap: float | None       # relative optimality gap reported by the solver
+    objective: float        # modelled added seconds
+    solve_time_s: float
+    solver: str
+    iterations: int = 1
