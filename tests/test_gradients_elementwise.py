@@ -363,3 +363,11 @@ def test_dropout_inference_is_identity():
     np.testing.assert_allclose(y, x)
     np.testing.assert_allclose(dx, upstream_weight(x.shape), rtol=1e-6)
     assert len(graph.nodes[0].output) == 1
+
+
+def test_dropout_ratio_as_runtime_input():
+    x = rand(4, 8, lo=0.5, hi=2.0)
+    nodes = [helper.make_node("Dropout", ["x", "r", "t"], ["y"])]
+    extra = {"r": np.array(0.25, np.float32), "t": np.array(True)}
+    y, dx, _ = _dropout_run(nodes, x, {}, extra)
+    np.testing.assert_allclose(dx, upstream_weight(x.shape) * (y != 0) / 0.75, rtol=1e-5)
