@@ -1,0 +1,541 @@
+"""Gradient rules for convolution, pooling, normalization and resizing.
+
+ORT ships no gradient kernels, so each adjoint is spelled with forward ops: a Conv's input
+gradient is a ConvTranspose, its weight gradient a Conv over transposed tensors, pooling
+gradients scatter through MaxPool's own argmax indices or spread through a depthwise
+ConvTranspose. Padding, output sizes and averaging divisors are resolved from static shapes
+at compile time so the backward graph carries no shape arithmetic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import TensorProto
+
+from memcc.errors import GradientError
+from memcc.frontend.emit import Emitter
+from memcc.frontend.gradients.registry import GradContext, register
+from memcc.frontend.gradients.shape_ops import (
+    Grads,
+    norm_axis,
+    scatter_add_flat,
+    slice_values,
+    static_value,
+    tail,
+)
+from memcc.graph import TensorInfo, attr, node_label
+
+
+def _text(value, default: str) -> str:
+    if value is None:
+        return default
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+# ---------------------------------------------------------------------------- geometry
+@dataclass
+class Window:
+    """Sliding-window geometry of one Conv/Pool node, all spatial axes resolved."""
+
+    kernel: list[int]
+    strides: list[int]
+    dilations: list[int]
+    begins: list[int]
+    ends: list[int]
+
+    @property
+    def effective(self) -> list[int]:
+        """Extent of the dilated kernel."""
+        return [(k - 1) * d + 1 for k, d in zip(self.kernel, self.dilations, strict=True)]
+
+    def pads(self) -> list[int]:
+        return list(self.begins) + list(self.ends)
+
+
+def _window(node: onnx.NodeProto, kernel: Sequence[int], in_sp: Sequence[int],
+            out_sp: Sequence[int]) -> Window:
+    """Read strides/dilations/pads; auto_pad SAME_* pads are derived from the output size."""
+    nd = len(kernel)
+    strides = list(attr(node, "strides", [1] * nd))
+    dilations = list(attr(node, "dilations", [1] * nd))
+    auto_pad = _text(attr(node, "auto_pad"), "NOTSET")
+    if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        begins, ends = [], []
+        for i in range(nd):
+            eff = (kernel[i] - 1) * dilations[i] + 1
+            total = max(0, (out_sp[i] - 1) * strides[i] + eff - in_sp[i])
+            small, big = total // 2, total - total // 2
+            begins.append(small if auto_pad == "SAME_UPPER" else big)
+            ends.append(big if auto_pad == "SAME_UPPER" else small)
+    elif auto_pad == "VALID":
+        begins, ends = [0] * nd, [0] * nd
+    else:
+        pads = list(attr(node, "pads", [0] * 2 * nd))
+        begins, ends = pads[:nd], pads[nd:]
+    return Window(list(kernel), strides, dilations, begins, ends)
+
+
+def _spatial_sum(emit: Emitter, g: str) -> str:
+    """Bias-style gradient: sum over every axis but channels (axis 1)."""
+    rank = len(emit.info(g).shape)
+    return emit.reduce_sum(g, [0] + list(range(2, rank)), keepdims=False)
+
+
+# ---------------------------------------------------------------------------- conv
+def _conv_input_grad(emit: Emitter, gy: str, w: str, win: Window, group: int,
+                     x_info: TensorInfo) -> str:
+    """ConvTranspose with the same weight; output_padding restores floor-dropped cells."""
+    in_sp = x_info.shape[2:]
+    out_sp = emit.info(gy).shape[2:]
+    out_pad = [
+        i - ((o - 1) * s + e - b - p)
+        for i, o, s, e, b, p in zip(in_sp, out_sp, win.strides, win.effective, win.begins,
+                                    win.ends, strict=True)
+    ]
+    return emit.op(
+        "ConvTranspose", [gy, w], kernel_shape=win.kernel, strides=win.strides,
+        dilations=win.dilations, pads=win.pads(), group=group,
+        output_padding=out_pad if any(out_pad) else None, info=x_info,
+    )
+
+
+def _conv_weight_grad(emit: Emitter, x: str, gy: str, win: Window, group: int,
+                      w_info: TensorInfo) -> str:
+    """dW[m, c, k] = sum_{n,o} gy[n, m, o] * x[n, g*Cg + c, o*s + k*d - pad].
+
+    That is a Conv with batch and channels swapped: x as [Cg, G*N, *sp] (batch Cg), gy as
+    weights [M, N, *osp] with group G, stride = forward dilation, dilation = forward stride.
+    """
+    xi, gi = emit.info(x), emit.info(gy)
+    n, c = xi.shape[:2]
+    in_sp, out_sp = xi.shape[2:], gi.shape[2:]
+    cg = c // group
+    nd = len(in_sp)
+    if group == 1:
+        xt = emit.transpose(x, [1, 0] + list(range(2, nd + 2)))
+    else:
+        xr = emit.reshape(x, [n, group, cg] + list(in_sp))
+        xr = emit.transpose(xr, [2, 1, 0] + list(range(3, nd + 3)))
+        xt = emit.reshape(xr, [cg, group * n] + list(in_sp))
+    gt = emit.transpose(gy, [1, 0] + list(range(2, nd + 2)))
+    # End pads just large enough that the last kernel tap is computed; pad never negative.
+    ends = [max(0, (k - 1) * d + (o - 1) * s + 1 - i - b)
+            for k, d, o, s, i, b in zip(win.kernel, win.dilations, out_sp, win.strides, in_sp,
+                                        win.begins, strict=True)]
+    got = [(i + b + e - (o - 1) * s - 1) // d + 1
+           for i, b, e, o, s, d in zip(in_sp, win.begins, ends, out_sp, win.strides,
+                                       win.dilations, strict=True)]
+    m = gi.shape[1]
+    dw = emit.op(
+        "Conv", [xt, gt], kernel_shape=list(out_sp), strides=win.dilations,
+        dilations=win.strides, pads=list(win.begins) + ends, group=group,
+        info=TensorInfo(xi.dtype, (cg, m, *got)),
+    )
+    if got != list(win.kernel):
+        dw = slice_values(emit, dw, [0] * nd, win.kernel, list(range(2, nd + 2)))
+    return emit.transpose(dw, [1, 0] + list(range(2, nd + 2)))
+
+
+@register("Conv")
+def _conv_grad(ctx: GradContext, node: onnx.NodeProto, gouts: Grads) -> Grads:
+    emit = ctx.emit
+    x, w = node.input[0], node.input[1]
+    x_info, w_info = ctx.info(x), ctx.info(w)
+    gy = gouts[0]
+    group = int(attr(node, "group", 1))
+    win = _window(node, w_info.shape[2:], x_info.shape[2:], ctx.info(node.output[0]).shape[2:])
+    gx = _conv_input_grad(emit, gy, w, win, group, x_info) if ctx.needs_grad(x) else None
+    gw = _conv_weight_grad(emit, x, gy, win, group, w_info) if ctx.needs_grad(w) else None
+    grads: Grads = [gx, gw]
+    if len(node.input) > 2 and node.input[2]:
+        grads.append(_spatial_sum(emit, gy) if ctx.needs_grad(node.input[2]) else None)
+    return grads
+
+
+def _conv_transpose_window(node: onnx.NodeProto, kernel: Sequence[int], in_sp: Sequence[int],
+                           out_sp: Sequence[int]) -> Window:
+    """ConvTranspose pads: explicit, or derived from output_shape/auto_pad as the spec does."""
+    nd = len(kernel)
+    strides = list(attr(node, "strides", [1] * nd))
+    dilations = list(attr(node, "dilations", [1] * nd))
+    out_pad = list(attr(node, "output_padding", [0] * nd))
+    auto_pad = _text(attr(node, "auto_pad"), "NOTSET")
+    pads = attr(node, "pads")
+    if auto_pad == "VALID":
+        begins = [0] * nd
+    elif pads is not None and attr(node, "output_shape") is None and auto_pad == "NOTSET":
+        begins = list(pads)[:nd]
+    else:
+        begins = []
+        for i in range(nd):
+            total = (strides[i] * (in_sp[i] - 1) + out_pad[i] + (kernel[i] - 1) * dilations[i]
+                     + 1 - out_sp[i])
+            begins.append(total // 2 if auto_pad == "SAME_UPPER" else total - total // 2)
+    # Whatever the spelling, the static output size fixes the end side.
+    ends = [strides[i] * (in_sp[i] - 1) + (kernel[i] - 1) * dilations[i] + 1 - begins[i]
+            - out_sp[i] for i in range(nd)]
+    return Window(list(kernel), strides, dilations, begins, ends)
+
+
+@register("ConvTranspose")
+def _conv_transpose_grad(ctx: GradContext, node: onnx.NodeProto, gouts: Grads) -> Grads:
+    """The adjoint of a ConvTranspose is the Conv it transposes (and its weight gradient is
+    that Conv's weight gradient with input and output roles swapped)."""
+    emit = ctx.emit
+    x, w = node.input[0], node.input[1]
+    x_info, w_info = ctx.info(x), ctx.info(w)
+    gy = gouts[0]
+    group = int(attr(node, "group", 1))
+    in_sp, out_sp = x_info.shape[2:], ctx.info(node.output[0]).shape[2:]
+    win = _conv_transpose_window(node, w_info.shape[2:], in_sp, out_sp)
+    # As a Conv from gy (size out) to x (size in): end pads must keep every tap in range.
+    conv_win = Window(win.kernel, win.strides, win.dilations, win.begins,
+                      [max(0, e) for e in win.ends])
+    gx = gw = None
+    if ctx.needs_grad(x):
+        gx = _conv_from_grad(emit, gy, w, conv_win, group, x_info)
+    if ctx.needs_grad(w):
+        gw = _conv_weight_grad(emit, gy, x, conv_win, group, w_info)
+    grads: Grads = [gx, gw]
+    if len(node.input) > 2 and node.input[2]:
+        grads.append(_spatial_sum(emit, gy) if ctx.needs_grad(node.input[2]) else None)
+    return grads
+
+
+def _conv_from_grad(emit: Emitter, gy: str, w: str, win: Window, group: int,
+                    x_info: TensorInfo) -> str:
+    gi = emit.info(gy)
+    nd = len(win.kernel)
+    got = [(o + b + e - k) // s + 1 for o, b, e, k, s in
+           zip(gi.shape[2:], win.begins, win.ends, win.effective, win.strides, strict=True)]
+    out = emit.op(
+        "Conv", [gy, w], kernel_shape=win.kernel, strides=win.strides,
+        dilations=win.dilations, pads=win.pads(), group=group,
+        info=TensorInfo(gi.dtype, tuple(x_info.shape[:2]) + tuple(got)),
+    )
+    if got != list(x_info.shape[2:]):
+        out = slice_values(emit, out, [0] * nd, list(x_info.shape[2:]), list(range(2, nd + 2)))
+    return out
+
+
+# ---------------------------------------------------------------------------- pooling
+def _pool_window(node: onnx.NodeProto, x_info: TensorInfo, y_info: TensorInfo) -> Window:
+    return _window(node, list(attr(node, "kernel_shape")), x_info.shape[2:], y_info.shape[2:])
+
+
+@register("MaxPool")
+def _maxpool_grad(ctx: GradContext, node: onnx.NodeProto, gouts: Grads) -> Grads:
+    """Route each output gradient to its argmax, read from MaxPool's optional Indices output
+    (added to the forward node when the model did not ask for it)."""
+    if int(attr(node, "storage_order", 0)) != 0:
+        raise GradientError(f"{node_label(node)}: storage_order=1 is not supported")
+    if len(gouts) > 1 and gouts[1] is not None:
+        raise GradientError(f"{node_label(node)}: gradient flows into the Indices output")
+    x_info, y_info = ctx.info(node.input[0]), ctx.info(node.output[0])
+    indices = _ensure_output(ctx, node, 1, "indices", TensorInfo(TensorProto.INT64, y_info.shape))
+    win = _pool_window(node, x_info, y_info)
+    disjoint = all(e <= s for e, s in zip(win.effective, win.strides, strict=True))
+    gx = scatter_add_flat(ctx, node, x_info.shape, indices, gouts[0], unique=disjoint)
+    return [gx]
+
+
+def _ensure_output(ctx: GradContext, node: onnx.NodeProto, index: int, base: str,
+                   info: TensorInfo) -> str:
+    """Make the forward node also produce its optional output ``index``; return its name."""
+    if len(node.output) > index and node.output[index]:
+        return node.output[index]
+    name = ctx.emit.fresh(f"{node.output[0]}.{base}")
+    while len(node.output) < index:
+        node.output.append("")
+    if len(node.output) == index:
+        node.output.append(name)
+    else:
+        node.output[index] = name
+    ctx.graph.info[name] = info
+    return name
+
+
+def _avg_divisors(win: Window, in_sp: Sequence[int], out_sp: Sequence[int],
+                  include_pad: bool) -> np.ndarray:
+    """How many cells each output window averages (product of per-axis counts).
+
+    Windows count real cells, or with count_include_pad also the explicit pads, never the
+    overhang ceil_mode adds past the padded input (as ORT and torch do).
+    """
+    total = np.ones((), dtype=np.float64)
+    for i in range(len(in_sp)):
+        lo = -win.begins[i] if include_pad else 0
+        hi = in_sp[i] + win.ends[i] if include_pad else in_sp[i]
+        counts = []
+        for o in range(out_sp[i]):
+            taps = o * win.strides[i] - win.begins[i] + np.arange(win.kernel[i]) * win.dilations[i]
+            counts.append(int(np.count_nonzero((taps >= lo) & (taps < hi))))
+        total = np.multiply.outer(total, np.asarray(counts, dtype=np.float64))
+    return total
+
+
+@register("AveragePool")
+def _avgpool_grad(ctx: GradContext, node: onnx.NodeProto, gouts: Grads) -> Grads:
+    """Divide by each window's divisor, then spread over the window with a depthwise
+    ConvTranspose whose kernel is all ones."""
+    emit = ctx.emit
+    x_info, y_info = ctx.info(node.input[0]), ctx.info(node.output[0])
+    win = _pool_window(node, x_info, y_info)
+    in_sp, out_sp = x_info.shape[2:], y_info.shape[2:]
+    include = bool(attr(node, "count_include_pad", 0))
+    inv = 1.0 / np.maximum(_avg_divisors(win, in_sp, out_sp, include), 1.0)
+    g = emit.mul(gouts[0], emit.const(inv.reshape((1, 1) + inv.shape), x_info.dtype))
+    return [_spread_windows(emit, g, win, x_info)]
+
+
+def _spread_windows(emit: Emitter, g: str, win: Window, x_info: TensorInfo) -> str:
+    """Sum each output cell's value into every input cell of its window."""
+    c = x_info.shape[1]
+    in_sp, out_sp = x_info.shape[2:], emit.info(g).shape[2:]
+    ones = emit.const(np.ones([c, 1] + win.kernel), x_info.dtype)
+    ends, out_pad = [], []
+    for i, o, s, e, b in zip(in_sp, out_sp, win.strides, win.effective, win.begins,
+                             strict=True):
+        end = (o - 1) * s + e - b - i  # < 0 when floor mode dropped trailing cells
+        ends.append(max(end, 0))
+        out_pad.append(max(-end, 0))
+    return emit.op(
+        "ConvTranspose", [g, ones], kernel_shape=win.kernel, strides=win.strides,
+        dilations=win.dilations, pads=list(win.begins) + ends, group=c,
+        output_padding=out_pad if any(out_pad) else None, info=x_info,
+    )
+
+
+@register("GlobalAveragePool")
+def _global_avgpool_grad(ctx: GradContext, node: onnx.NodeProto, gouts: Grads) -> Grads:
+    emit = ctx.emit
+    x_info = ctx.info(node.input[0])
+    count = int(np.prod(x_info.shape[2:], dtype=np.int64))
+    g = emit.mul(gouts[0], emit.scalar(1.0 / count, x_info.dtype))
+    return [emit.expand(g, x_info.shape)]
+
+
+@register("GlobalMaxPool")
+def _global_maxpool_grad(ctx: GradContext, node: onnx.NodeProto, gouts: Grads) -> Grads:
+    """Gradient to the cells equal to the maximum (ties all receive it)."""
+    emit = ctx.emit
+    x, y = node.input[0], node.output[0]
+    x_info = ctx.info(x)
+    hit = emit.op("Equal", [x, y], info=TensorInfo(TensorProto.BOOL, x_info.shape))
+    mask = emit.op("Cast", [hit], to=x_info.dtype, info=x_info)
+    return [emit.mul(mask, gouts[0])]
+
+
+# ---------------------------------------------------------------------------- normalization
+def _stats(emit: Emitter, x: str, axes: list[int], eps: float) -> tuple[str, str]:
+    """Mean and 1/sqrt(var + eps) over ``axes`` (biased variance), kept as broadcast shapes."""
+    dtype = emit.info(x).dtype
+    mean = emit.reduce_mean(x, axes, keepdims=True)
+    centered = emit.sub(x, mean)
+    var = emit.reduce_mean(emit.mul(centered, centered), axes, keepdims=True)
+    std = emit.unary("Sqrt", emit.add(var, emit.scalar(eps, dtype)))
+    return mean, emit.unary("Reciprocal", std)
+
+
+def _norm_input_grad(emit: Emitter, gxhat: str, xhat: str, inv: str, axes: list[int]) -> str:
+    """dx = inv * (gxhat - mean(gxhat) - xhat * mean(gxhat * xhat)) over the stats axes."""
+    m1 = emit.reduce_mean(gxhat, axes, keepdims=True)
+    m2 = emit.reduce_mean(emit.mul(gxhat, xhat), axes, keepdims=True)
+    inner = emit.sub(emit.sub(gxhat, m1), emit.mul(xhat, m2))
+    return emit.mul(inner, inv)
+
+
+def _channel_view(emit: Emitter, v: str, rank: int, dtype: int) -> str:
+    """A per-channel vector [C] as [1, C, 1, ...] in the activation's dtype."""
+    c = emit.info(v).shape[0]
+    return emit.reshape(emit.cast(v, dtype), [1, c] + [1] * (rank - 2))
+
+
+@register("BatchNormalization")
+def _batchnorm_grad(ctx: GradContext, node: onnx.NodeProto, gouts: Grads) -> Grads:
+    """Training mode (opset 14+, training_mode=1) differentiates through the batch statistics,
+    recomputed here from x (which the backward keeps anyway); otherwise mean and var are
+    constants. Running-statistics outputs carry no gradient."""
+    emit = ctx.emit
+    x, scale, bias, mean_in, var_in = node.input[:5]
+    x_info = ctx.info(x)
+    rank, dtype = len(x_info.shape), x_info.dtype
+    eps = float(attr(node, "epsilon", 1e-5))
+    training = ctx.opset >= 14 and int(attr(node, "training_mode", 0)) == 1
+    axes = [0] + list(range(2, rank))
+    gy = gouts[0]
+    if training:
+        mean, inv = _stats(emit, x, axes, eps)
+    else:
+        mean = _channel_view(emit, mean_in, rank, dtype)
+        var = _channel_view(emit, var_in, rank, dtype)
+        inv = emit.unary("Reciprocal", emit.unary("Sqrt", emit.add(var, emit.scalar(eps, dtype))))
+    xhat = emit.mul(emit.sub(x, mean), inv)
+    gamma = _channel_view(emit, scale, rank, dtype)
+    gx = None
+    if ctx.needs_grad(x):
+        gxhat = emit.mul(gy, gamma)
+        gx = (_norm_input_grad(emit, gxhat, xhat, inv, axes) if training
+              else emit.mul(gxhat, inv))
+    s_dtype = ctx.info(scale).dtype
+    gs = gb = None
+    if ctx.needs_grad(scale):
+        gs = emit.cast(emit.reduce_sum(emit.mul(gy, xhat), axes, keepdims=False), s_dtype)
+    if ctx.needs_grad(bias):
+        gb = emit.cast(emit.reduce_sum(gy, axes, keepdims=False), ctx.info(bias).dtype)
+    return [gx, gs, gb, None, None]
+
+
+@register("InstanceNormalization")
+def _instancenorm_grad(ctx: GradContext, node: onnx.NodeProto, gouts: Grads) -> Grads:
+    emit = ctx.emit
+    x, scale, bias = node.input[:3]
+    x_info = ctx.info(x)
+    rank = len(x_info.shape)
+    axes = list(range(2, rank))
+    mean, inv = _stats(emit, x, axes, float(attr(node, "epsilon", 1e-5)))
+    xhat = emit.mul(emit.sub(x, mean), inv)
+    gy = gouts[0]
+    gamma = _channel_view(emit, scale, rank, x_info.dtype)
+    gx = (_norm_input_grad(emit, emit.mul(gy, gamma), xhat, inv, axes)
+          if ctx.needs_grad(x) else None)
+    outer = [0] + axes
+    gs = emit.reduce_sum(emit.mul(gy, xhat), outer, keepdims=False) if ctx.needs_grad(
+        scale) else None
+    gb = emit.reduce_sum(gy, outer, keepdims=False) if ctx.needs_grad(bias) else None
+    return [gx, gs, gb]
+
+
+@register("LayerNormalization")
+def _layernorm_grad(ctx: GradContext, node: onnx.NodeProto, gouts: Grads) -> Grads:
+    """Reuses the forward's Mean and InvStdDev outputs (added to the node when absent)."""
+    if any(g is not None for g in gouts[1:]):
+        raise GradientError(f"{node_label(node)}: gradient flows into its Mean/InvStdDev outputs")
+    emit = ctx.emit
+    x, scale = node.input[0], node.input[1]
+    bias = node.input[2] if len(node.input) > 2 else ""
+    x_info = ctx.info(x)
+    rank, dtype = len(x_info.shape), x_info.dtype
+    axis = norm_axis(int(attr(node, "axis", -1)), rank)
+    stat = TensorInfo(int(attr(node, "stash_type", TensorProto.FLOAT)),
+                      tuple(x_info.shape[:axis]) + (1,) * (rank - axis))
+    mean = emit.cast(_ensure_output(ctx, node, 1, "mean", stat), dtype)
+    inv = emit.cast(_ensure_output(ctx, node, 2, "inv_std", stat), dtype)
+    xhat = emit.mul(emit.sub(x, mean), inv)
+    gy = gouts[0]
+    lead, norm = list(range(axis)), list(range(axis, rank))
+    gx = None
+    if ctx.needs_grad(x):
+        gxhat = emit.mul(gy, emit.cast(scale, dtype))
+        gx = _norm_input_grad(emit, gxhat, xhat, inv, norm)
+    gs = gb = None
+    if ctx.needs_grad(scale):
+        gs = _param_grad(emit, emit.mul(gy, xhat), lead, ctx.info(scale))
+    if bias and ctx.needs_grad(bias):
+        gb = _param_grad(emit, gy, lead, ctx.info(bias))
+    return tail(node, [gx, gs, gb][: len(node.input)])
+
+
+def _param_grad(emit: Emitter, g: str, lead: list[int], p_info: TensorInfo) -> str:
+    """Sum over the batch-like axes, then undo the parameter's own broadcasting."""
+    summed = emit.reduce_sum(g, lead, keepdims=False)
+    return emit.cast(emit.sum_to_shape(summed, p_info.shape), p_info.dtype)
+
+
+# ---------------------------------------------------------------------------- resize
+@register("Resize", "Upsample")
+def _resize_grad(ctx: GradContext, node: onnx.NodeProto, gouts: Grads) -> Grads:
+    """Nearest and (bi/tri)linear resizes are separable: each resized axis applies a fixed
+    [out, in] matrix, so the gradient applies its transpose, axis by axis."""
+    emit = ctx.emit
+    x_info = ctx.info(node.input[0])
+    y_info = ctx.info(node.output[0])
+    mode = _text(attr(node, "mode"), "nearest")
+    if mode not in ("nearest", "linear"):
+        raise GradientError(f"{node_label(node)}: no gradient for Resize mode '{mode}'")
+    if int(attr(node, "antialias", 0)):
+        raise GradientError(f"{node_label(node)}: no gradient for antialiased Resize")
+    scales = _resize_scales(ctx, node, x_info, y_info)
+    g = gouts[0]
+    for axis in range(len(x_info.shape)):
+        n_in, n_out = x_info.shape[axis], y_info.shape[axis]
+        if n_in == n_out and scales[axis] == 1.0:
+            continue
+        matrix = _resize_matrix(node, n_in, n_out, scales[axis], ctx.opset)
+        g = _apply_on_axis(emit, g, matrix.T, axis)
+    return tail(node, [g])
+
+
+def _resize_scales(ctx: GradContext, node: onnx.NodeProto, x_info: TensorInfo,
+                   y_info: TensorInfo) -> list[float]:
+    rank = len(x_info.shape)
+    ratio = [o / i for o, i in zip(y_info.shape, x_info.shape, strict=True)]
+    name = ""
+    if node.op_type == "Upsample" or ctx.opset < 11:
+        name = node.input[1] if len(node.input) > 1 else ""
+        if not name:
+            return [float(s) for s in attr(node, "scales", ratio)]
+    elif len(node.input) > 2 and node.input[2]:
+        name = node.input[2]
+    if name:
+        value = static_value(ctx, name)
+        if value is not None and value.size:
+            values = [float(v) for v in value.reshape(-1)]
+            axes = attr(node, "axes")
+            if axes is None:
+                return values
+            full = [1.0] * rank
+            for a, v in zip(axes, values, strict=True):
+                full[norm_axis(a, rank)] = v
+            return full
+    policy = _text(attr(node, "keep_aspect_ratio_policy"), "stretch")
+    if policy != "stretch":
+        raise GradientError(f"{node_label(node)}: keep_aspect_ratio_policy '{policy}' unsupported")
+    return ratio
+
+
+def _resize_matrix(node: onnx.NodeProto, n_in: int, n_out: int, scale: float,
+                   opset: int) -> np.ndarray:
+    """[n_out, n_in] weights of a 1-D resize, computed by the ONNX reference Resize on the
+    identity (so every coordinate mode and rounding rule follows the specification)."""
+    from onnx import helper
+    from onnx.reference import ReferenceEvaluator
+
+    mode = _text(attr(node, "mode"), "nearest")
+    attrs = {"mode": mode}
+    for key in ("coordinate_transformation_mode", "nearest_mode", "cubic_coeff_a",
+                "exclude_outside", "extrapolation_value"):
+        value = attr(node, key)
+        if value is not None:
+            attrs[key] = _text(value, "") if isinstance(value, bytes | str) else value
+    if attrs.get("coordinate_transformation_mode") == "tf_crop_and_resize":
+        raise GradientError(f"{node_label(node)}: tf_crop_and_resize has no gradient rule")
+    eye = np.eye(n_in, dtype=np.float64)
+    rn = helper.make_node("Resize", ["x", "", "scales"], ["y"], **attrs)
+    g = helper.make_graph(
+        [rn], "m", [helper.make_tensor_value_info("x", TensorProto.DOUBLE, [n_in, n_in])],
+        [helper.make_empty_tensor_value_info("y")],
+        [onnx.numpy_helper.from_array(np.asarray([1.0, scale], np.float32), "scales")],
+    )
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", max(opset, 13))])
+    y = np.asarray(ReferenceEvaluator(model).run(None, {"x": eye})[0])
+    if y.shape != (n_in, n_out):
+        raise GradientError(
+            f"{node_label(node)}: 1-D resize of {n_in} gives {y.shape[1]}, expected {n_out}")
+    return y.T
+
+
+def _apply_on_axis(emit: Emitter, g: str, matrix: np.ndarray, axis: int) -> str:
+    """Contract ``g``'s ``axis`` (length matrix.shape[1]) with ``matrix`` [new, old]."""
+    gi = emit.info(g)
+    rank = len(gi.shape)
+    perm = [a for a in range(rank) if a != axis] + [axis]
+    gt = emit.transpose(g, perm)
+    m = emit.const(matrix.T, gi.dtype)  # [old, new]
+    shape = tuple(emit.info(gt).shape[:-1]) + (matrix.shape[0],)
+    out = emit.op("MatMul", [gt, m], info=TensorInfo(gi.dtype, shape))
+    return emit.transpose(out, [int(i) for i in np.argsort(perm)])

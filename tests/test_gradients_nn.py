@@ -1,0 +1,282 @@
+"""Gradients of convolution, pooling, normalization and resize ops against torch autograd."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch.nn.functional as F
+from gradcheck import FLOAT, assert_close, make_model, onnx_grads, torch_grads
+from onnx import helper
+
+from memcc.errors import GradientError
+from memcc.frontend.load import load_graph
+
+RNG = np.random.default_rng(1)
+
+
+def rand(*shape: int) -> np.ndarray:
+    return RNG.standard_normal(shape).astype(np.float32)
+
+
+def out_shape(model) -> list[int]:
+    graph = load_graph(model)
+    return list(graph.info[graph.nodes[-1].output[0]].shape)
+
+
+def single(op: str, inputs: dict[str, np.ndarray], opset: int = 17, outputs=("y",), **attrs):
+    """A one-node model whose output shape comes from ONNX shape inference."""
+    node = helper.make_node(op, list(inputs), list(outputs), **attrs)
+    ins = [(k, FLOAT, list(v.shape)) for k, v in inputs.items()]
+    probe = make_model([node], ins, [(outputs[0], FLOAT, None)], opset=opset)
+    return make_model([node], ins, [(outputs[0], FLOAT, out_shape(probe))], opset=opset)
+
+
+def check(model, feeds, fn, wrt, rtol: float = 1e-3):
+    loss, got = onnx_grads(model, feeds, wrt)
+    ref_loss, ref = torch_grads(fn, feeds, wrt)
+    assert abs(loss - ref_loss) <= 1e-3 * max(1.0, abs(ref_loss)), (loss, ref_loss)
+    for name in wrt:
+        assert_close(got[name], ref[name], rtol, name)
+
+
+# ---------------------------------------------------------------------------- conv
+@pytest.mark.parametrize("cin,cout,group,stride,pad,dil,bias", [
+    (3, 4, 1, 1, 0, 1, True),      # plain
+    (4, 6, 2, 1, 1, 1, False),     # grouped
+    (4, 4, 4, 1, 1, 1, True),      # depthwise
+    (3, 5, 1, 2, 1, 1, True),      # stride 2 with padding (floor drops a row)
+    (2, 3, 1, 1, 2, 2, False),     # dilation
+    (4, 8, 2, 2, 1, 2, True),      # everything at once
+])
+def test_conv2d(cin, cout, group, stride, pad, dil, bias):
+    feeds = {"x": rand(2, cin, 8, 7), "w": rand(cout, cin // group, 3, 3)}
+    if bias:
+        feeds["b"] = rand(cout)
+    m = single("Conv", feeds, group=group, strides=[stride] * 2, pads=[pad] * 4,
+               dilations=[dil] * 2, kernel_shape=[3, 3])
+
+    def fn(x, w, b=None):
+        return F.conv2d(x, w, b, stride=stride, padding=pad, dilation=dil, groups=group)
+
+    check(m, feeds, fn, list(feeds))
+
+
+def test_conv2d_asymmetric_kernel_and_pads():
+    feeds = {"x": rand(1, 2, 6, 9), "w": rand(3, 2, 2, 4)}
+    m = single("Conv", feeds, strides=[1, 3], pads=[1, 0, 0, 2])
+    fn = lambda x, w: F.conv2d(F.pad(x, (0, 2, 1, 0)), w, stride=(1, 3))  # noqa: E731
+    check(m, feeds, fn, ["x", "w"])
+
+
+@pytest.mark.parametrize("auto_pad", ["SAME_UPPER", "SAME_LOWER", "VALID"])
+def test_conv2d_auto_pad(auto_pad):
+    feeds = {"x": rand(1, 2, 8, 8), "w": rand(3, 2, 3, 3)}
+    m = single("Conv", feeds, strides=[2, 2], auto_pad=auto_pad)
+    # in 8, k 3, s 2 -> out 4, total pad 1: SAME_UPPER puts it at the end.
+    torch_pad = {"SAME_UPPER": (0, 1, 0, 1), "SAME_LOWER": (1, 0, 1, 0), "VALID": (0, 0, 0, 0)}
+    fn = lambda x, w: F.conv2d(F.pad(x, torch_pad[auto_pad]), w, stride=2)  # noqa: E731
+    check(m, feeds, fn, ["x", "w"])
+
+
+def test_conv1d_and_conv3d():
+    feeds = {"x": rand(2, 4, 9), "w": rand(6, 2, 3), "b": rand(6)}
+    m = single("Conv", feeds, group=2, strides=[2], pads=[1, 1])
+    fn = lambda x, w, b: F.conv1d(x, w, b, stride=2, padding=1, groups=2)  # noqa: E731
+    check(m, feeds, fn, list(feeds))
+    feeds = {"x": rand(1, 2, 5, 4, 5), "w": rand(3, 2, 3, 2, 3)}
+    m = single("Conv", feeds, strides=[2, 1, 2], pads=[1, 0, 1, 1, 0, 1])
+    fn = lambda x, w: F.conv3d(x, w, stride=(2, 1, 2), padding=(1, 0, 1))  # noqa: E731
+    check(m, feeds, fn, list(feeds))
+
+
+@pytest.mark.parametrize("group,stride,pad,out_pad,dil", [
+    (1, 2, 1, 1, 1),
+    (1, 2, 0, 0, 1),
+    (2, 2, 1, 0, 1),
+    (1, 3, 2, 2, 2),
+    (1, 1, 1, 0, 1),
+])
+def test_conv_transpose2d(group, stride, pad, out_pad, dil):
+    feeds = {"x": rand(2, 4, 4, 5), "w": rand(4, 6 // group, 3, 3), "b": rand(6)}
+    m = single("ConvTranspose", feeds, group=group, strides=[stride] * 2, pads=[pad] * 4,
+               output_padding=[out_pad] * 2, dilations=[dil] * 2)
+
+    def fn(x, w, b):
+        return F.conv_transpose2d(x, w, b, stride=stride, padding=pad, output_padding=out_pad,
+                                  groups=group, dilation=dil)
+
+    check(m, feeds, fn, list(feeds))
+
+
+def test_conv_transpose_output_shape_attribute():
+    feeds = {"x": rand(1, 2, 3, 3), "w": rand(2, 3, 2, 2)}
+    m = single("ConvTranspose", feeds, strides=[2, 2], output_shape=[6, 6])
+    fn = lambda x, w: F.conv_transpose2d(x, w, stride=2)  # noqa: E731
+    check(m, feeds, fn, list(feeds))
+
+
+# ---------------------------------------------------------------------------- pooling
+@pytest.mark.parametrize("kernel,stride,pad,ceil,dil", [
+    (2, 2, 0, False, 1),
+    (3, 2, 1, False, 1),
+    (3, 2, 1, True, 1),
+    (2, 2, 0, True, 1),
+    (3, 1, 1, False, 2),
+])
+def test_maxpool(kernel, stride, pad, ceil, dil):
+    feeds = {"x": rand(2, 3, 7, 8)}
+    m = single("MaxPool", feeds, kernel_shape=[kernel] * 2, strides=[stride] * 2,
+               pads=[pad] * 4, ceil_mode=int(ceil), dilations=[dil] * 2)
+
+    def fn(x):
+        return F.max_pool2d(x, kernel, stride, pad, dilation=dil, ceil_mode=ceil)
+
+    check(m, feeds, fn, ["x"])
+
+
+def test_maxpool_keeps_existing_indices_output_and_opset13():
+    feeds = {"x": rand(1, 2, 6, 6)}
+    node = helper.make_node("MaxPool", ["x"], ["y", "idx"], kernel_shape=[2, 2], strides=[2, 2])
+    m = make_model([node], [("x", FLOAT, [1, 2, 6, 6])], [("y", FLOAT, [1, 2, 3, 3])], opset=13)
+    check(m, feeds, lambda x: F.max_pool2d(x, 2, 2), ["x"])
+
+
+def test_maxpool_overlapping_needs_opset16():
+    feeds = {"x": rand(1, 1, 5, 5)}
+    m = single("MaxPool", feeds, opset=13, kernel_shape=[3, 3], strides=[2, 2])
+    with pytest.raises(GradientError, match="opset 16"):
+        onnx_grads(m, feeds, ["x"])
+
+
+@pytest.mark.parametrize("include_pad", [True, False])
+@pytest.mark.parametrize("kernel,stride,pad,ceil", [
+    (2, 2, 0, False),
+    (3, 2, 1, False),
+    (3, 2, 1, True),
+    (3, 1, 1, False),
+    (3, 2, 0, True),
+    (2, 3, 0, True),
+])
+def test_avgpool(include_pad, kernel, stride, pad, ceil):
+    feeds = {"x": rand(2, 3, 7, 8)}
+    m = single("AveragePool", feeds, kernel_shape=[kernel] * 2, strides=[stride] * 2,
+               pads=[pad] * 4, ceil_mode=int(ceil), count_include_pad=int(include_pad))
+
+    def fn(x):
+        return F.avg_pool2d(x, kernel, stride, pad, ceil_mode=ceil,
+                            count_include_pad=include_pad)
+
+    check(m, feeds, fn, ["x"])
+
+
+def test_global_pools():
+    feeds = {"x": rand(2, 3, 4, 5)}
+    m = single("GlobalAveragePool", feeds)
+    check(m, feeds, lambda x: x.mean((2, 3), keepdim=True), ["x"])
+    m = single("GlobalMaxPool", feeds)
+    check(m, feeds, lambda x: x.amax((2, 3), keepdim=True), ["x"])
+
+
+# ---------------------------------------------------------------------------- normalization
+def _bn_feeds(shape):
+    c = shape[1]
+    return {"x": rand(*shape), "s": rand(c), "b": rand(c), "m": rand(c),
+            "v": np.abs(rand(c)) + 0.5}
+
+
+@pytest.mark.parametrize("shape", [(4, 3, 2, 3), (5, 3)])
+def test_batchnorm_training_mode(shape):
+    feeds = _bn_feeds(shape)
+    node = helper.make_node("BatchNormalization", list(feeds), ["y", "rm", "rv"],
+                            training_mode=1, epsilon=1e-3, momentum=0.9)
+    ins = [(k, FLOAT, list(v.shape)) for k, v in feeds.items()]
+    c = shape[1]
+    m = make_model([node], ins, [("y", FLOAT, list(shape))], opset=15)
+    m.graph.value_info.extend([helper.make_tensor_value_info(n, FLOAT, [c]) for n in ("rm", "rv")])
+
+    def fn(x, s, b, m, v):
+        return F.batch_norm(x, m.clone(), v.clone(), s, b, training=True, eps=1e-3)
+
+    check(m, feeds, fn, ["x", "s", "b"])
+
+
+def test_batchnorm_inference_mode():
+    feeds = _bn_feeds((2, 3, 4, 4))
+    m = single("BatchNormalization", feeds, epsilon=1e-5)
+
+    def fn(x, s, b, m, v):
+        return F.batch_norm(x, m, v, s, b, training=False, eps=1e-5)
+
+    check(m, feeds, fn, ["x", "s", "b"])
+
+
+@pytest.mark.parametrize("axis,bias", [(-1, True), (-2, True), (1, False)])
+def test_layernorm(axis, bias):
+    x = rand(2, 3, 4, 5)
+    norm_shape = x.shape[axis % 4:]
+    feeds = {"x": x, "s": rand(*norm_shape)}
+    if bias:
+        feeds["b"] = rand(*norm_shape)
+    m = single("LayerNormalization", feeds, axis=axis, epsilon=1e-5)
+
+    def fn(x, s, b=None):
+        return F.layer_norm(x, norm_shape, s, b, eps=1e-5)
+
+    check(m, feeds, fn, list(feeds))
+
+
+def test_layernorm_reuses_requested_mean_output():
+    feeds = {"x": rand(3, 6), "s": rand(6), "b": rand(6)}
+    node = helper.make_node("LayerNormalization", ["x", "s", "b"], ["y", "mu"], axis=-1)
+    m = make_model([node], [(k, FLOAT, list(v.shape)) for k, v in feeds.items()],
+                   [("y", FLOAT, [3, 6])])
+    check(m, feeds, lambda x, s, b: F.layer_norm(x, (6,), s, b), list(feeds))
+
+
+def test_instancenorm():
+    feeds = {"x": rand(2, 3, 4, 5), "s": rand(3), "b": rand(3)}
+    m = single("InstanceNormalization", feeds, epsilon=1e-5)
+    check(m, feeds, lambda x, s, b: F.instance_norm(x, weight=s, bias=b, eps=1e-5),
+          list(feeds))
+
+
+# ---------------------------------------------------------------------------- resize
+def _resize_model(x, scales, **attrs):
+    node = helper.make_node("Resize", ["x", "", "scales"], ["y"], **attrs)
+    const = helper.make_node("Constant", [], ["scales"], value=helper.make_tensor(
+        "scales", 1, [len(scales)], scales))
+    y_shape = [int(d * s) for d, s in zip(x.shape, scales, strict=True)]
+    return make_model([const, node], [("x", FLOAT, list(x.shape))], [("y", FLOAT, y_shape)])
+
+
+def test_resize_nearest_2x():
+    x = rand(1, 2, 3, 4)
+    m = _resize_model(x, [1.0, 1.0, 2.0, 2.0], mode="nearest",
+                      coordinate_transformation_mode="asymmetric", nearest_mode="floor")
+    check(m, {"x": x}, lambda x: F.interpolate(x, scale_factor=2, mode="nearest"), ["x"])
+
+
+def test_resize_bilinear_half_pixel():
+    x = rand(1, 2, 3, 4)
+    m = _resize_model(x, [1.0, 1.0, 2.0, 2.0], mode="linear",
+                      coordinate_transformation_mode="half_pixel")
+    fn = lambda x: F.interpolate(x, scale_factor=2, mode="bilinear")  # noqa: E731
+    check(m, {"x": x}, fn, ["x"])
+
+
+@pytest.mark.parametrize("auto_pad,crop", [("SAME_UPPER", (0, 6)), ("SAME_LOWER", (1, 7))])
+def test_conv_transpose_auto_pad(auto_pad, crop):
+    feeds = {"x": rand(1, 2, 3, 3), "w": rand(2, 3, 3, 3)}
+    m = single("ConvTranspose", feeds, strides=[2, 2], auto_pad=auto_pad)
+    a, b = crop
+    fn = lambda x, w: F.conv_transpose2d(x, w, stride=2)[..., a:b, a:b]  # noqa: E731
+    check(m, feeds, fn, list(feeds))
+
+
+def test_resize_nearest_sizes_input_default_modes():
+    x = rand(1, 2, 3, 4)
+    sizes = helper.make_node("Constant", [], ["sizes"], value=helper.make_tensor(
+        "sizes", 7, [4], [1, 2, 6, 8]))
+    node = helper.make_node("Resize", ["x", "", "", "sizes"], ["y"], mode="nearest")
+    m = make_model([sizes, node], [("x", FLOAT, [1, 2, 3, 4])], [("y", FLOAT, [1, 2, 6, 8])])
+    check(m, {"x": x}, lambda x: F.interpolate(x, scale_factor=2, mode="nearest"), ["x"])
