@@ -393,7 +393,7 @@ def _export_dynamo(module: nn.Module, fam: Family, inputs: dict[str, torch.Tenso
     prog.save(str(path), external_data=False)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _export_cached(name: str, exporter: str, training: bool, dropout: float
                    ) -> tuple[Path, nn.Module, dict[str, np.ndarray], dict[str, int], float]:
     if exporter not in EXPORTERS:
