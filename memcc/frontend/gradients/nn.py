@@ -463,15 +463,31 @@ def _resize_grad(ctx: GradContext, node: onnx.NodeProto, gouts: Grads) -> Grads:
     g = gouts[0]
     for axis in range(len(x_info.shape)):
         n_in, n_out = x_info.shape[axis], y_info.shape[axis]
-        if n_in == n_out and scales[axis] == 1.0:
+        scale = None if scales is None else scales[axis]
+        if n_in == n_out and scale in (None, 1.0):
             continue
-        matrix = _resize_matrix(node, n_in, n_out, scales[axis], ctx.opset)
-        g = _apply_on_axis(emit, g, matrix.T, axis)
+        matrix = _resize_matrix(node, n_in, n_out, scale, ctx.opset)
+        factor = n_out // n_in
+        if n_out == factor * n_in and np.array_equal(
+                matrix, np.kron(np.eye(n_in), np.ones((factor, 1)))):
+            g = _sum_blocks(emit, g, axis, factor)  # integer nearest upsampling: cheap path
+        else:
+            g = _apply_on_axis(emit, g, matrix.T, axis)
     return tail(node, [g])
 
 
+def _sum_blocks(emit: Emitter, g: str, axis: int, factor: int) -> str:
+    """Each input cell was copied to ``factor`` consecutive cells: sum them back."""
+    shape = list(emit.info(g).shape)
+    split = shape[:axis] + [shape[axis] // factor, factor] + shape[axis + 1:]
+    summed = emit.reduce_sum(emit.reshape(g, split), [axis + 1], keepdims=False)
+    return summed
+
+
 def _resize_scales(ctx: GradContext, node: onnx.NodeProto, x_info: TensorInfo,
-                   y_info: TensorInfo) -> list[float]:
+                   y_info: TensorInfo) -> list[float] | None:
+    """Per-axis scales when the node gives scales (they steer the coordinate transform),
+    None when it gives target sizes (the scale is then out/in, as the op computes it)."""
     rank = len(x_info.shape)
     ratio = [o / i for o, i in zip(y_info.shape, x_info.shape, strict=True)]
     name = ""
@@ -495,10 +511,10 @@ def _resize_scales(ctx: GradContext, node: onnx.NodeProto, x_info: TensorInfo,
     policy = _text(attr(node, "keep_aspect_ratio_policy"), "stretch")
     if policy != "stretch":
         raise GradientError(f"{node_label(node)}: keep_aspect_ratio_policy '{policy}' unsupported")
-    return ratio
+    return None
 
 
-def _resize_matrix(node: onnx.NodeProto, n_in: int, n_out: int, scale: float,
+def _resize_matrix(node: onnx.NodeProto, n_in: int, n_out: int, scale: float | None,
                    opset: int) -> np.ndarray:
     """[n_out, n_in] weights of a 1-D resize, computed by the ONNX reference Resize on the
     identity (so every coordinate mode and rounding rule follows the specification)."""
@@ -515,11 +531,16 @@ def _resize_matrix(node: onnx.NodeProto, n_in: int, n_out: int, scale: float,
     if attrs.get("coordinate_transformation_mode") == "tf_crop_and_resize":
         raise GradientError(f"{node_label(node)}: tf_crop_and_resize has no gradient rule")
     eye = np.eye(n_in, dtype=np.float64)
-    rn = helper.make_node("Resize", ["x", "", "scales"], ["y"], **attrs)
+    if scale is None:
+        inputs = ["x", "", "", "sizes"]
+        param = onnx.numpy_helper.from_array(np.asarray([n_in, n_out], np.int64), "sizes")
+    else:
+        inputs = ["x", "", "scales"]
+        param = onnx.numpy_helper.from_array(np.asarray([1.0, scale], np.float32), "scales")
+    rn = helper.make_node("Resize", inputs, ["y"], **attrs)
     g = helper.make_graph(
         [rn], "m", [helper.make_tensor_value_info("x", TensorProto.DOUBLE, [n_in, n_in])],
-        [helper.make_empty_tensor_value_info("y")],
-        [onnx.numpy_helper.from_array(np.asarray([1.0, scale], np.float32), "scales")],
+        [helper.make_empty_tensor_value_info("y")], [param],
     )
     model = helper.make_model(g, opset_imports=[helper.make_opsetid("", max(opset, 13))])
     y = np.asarray(ReferenceEvaluator(model).run(None, {"x": eye})[0])
