@@ -19,7 +19,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 err = Console(stderr=True)
-out = Console()
+out = Console(soft_wrap=True)
 
 DimOpt = Annotated[
     Optional[list[str]],  # noqa: UP045 - typer needs Optional on py3.10
