@@ -1,0 +1,420 @@
+"""Run training steps in ONNX Runtime, measure them, and check them against the plan.
+
+``run_steps`` is ``memcc run``. It reads a training step written by ``memcc build`` or
+``memcc compile`` (the ``memcc.*`` metadata contract of ``frontend/build.py``), runs it for
+a number of steps on one fixed batch, carries the state (updated parameters, optimizer
+state, BatchNorm statistics) from each step to the next, and reports losses, step times,
+the measured and the predicted peak, and whether ORT executed the planned order.
+
+How a run is arranged, and why:
+
+- The session gets the graph without any tensor data: every initializer (parameters,
+  optimizer state, frozen weights) and every Constant node's value becomes a plain graph
+  input that the runner feeds from arrays it holds. ORT then keeps no second copy of the
+  state, and everything the step holds is allocated where the measurement sees it (see
+  ``backend/memory.py``). Liveness treats inputs, initializers and constants alike, so the
+  prediction is unchanged.
+- Each step feeds the current state arrays and replaces them by the step's outputs (ORT's
+  output buffers, returned to numpy without a copy); the old arrays and the other outputs
+  are dropped before the next step, so every step holds the same things.
+- The first run is a warm-up with profiling on: its profile gives the executed order
+  (``backend/profile_order.py``); its arrays are freed before the baseline is taken, and
+  its loss is not reported. Then ``steps`` measured steps run from the initial state.
+- On CPU the warm-up and the steps run in a child process started with the allocator
+  setting the measurement needs (``memory.run_child``). The parent only validates inputs,
+  predicts the peak (``passes.liveness``) and prepares two files in a temporary directory:
+  the session graph and an ``.npz`` of the initial state, constants and batch.
+- ``step_time_s`` is the median wall time of ``session.run`` over the measured steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto
+
+from memcc.backend import memory
+from memcc.backend.profile_order import check_session_order, planned_order
+from memcc.backend.session import make_session, resolve_provider
+from memcc.errors import InputError, RuntimeFailure
+from memcc.frontend.constants import constant_node_value
+from memcc.frontend.load import load_graph
+from memcc.graph import Graph, TensorInfo
+from memcc.passes.liveness import LivenessReport, analyze_liveness
+
+KIND_KEY = "memcc.kind"
+LOSS_KEY = "memcc.loss"
+DATA_KEY = "memcc.data_inputs"
+STATE_KEY = "memcc.state"
+INT_RANGES_KEY = "memcc.int_ranges"
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """What ``memcc run`` reports; ``to_json`` is the ``--json`` object."""
+
+    model: str
+    provider: str
+    steps: int
+    losses: tuple[float, ...]
+    step_times_s: tuple[float, ...]
+    step_time_s: float
+    measured_peak_bytes: int | None
+    measured_peak_bytes_per_step: tuple[int | None, ...]
+    predicted_peak_bytes: int
+    order_matches_plan: bool
+    executed_order_mismatch: dict | None
+    measurement_method: str
+    seed: int
+    data: str | None
+    prediction: Mapping[str, object] = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        m, p = self.measured_peak_bytes, self.predicted_peak_bytes
+        return {
+            "model": self.model,
+            "steps": self.steps,
+            "losses": list(self.losses),
+            "step_times_s": list(self.step_times_s),
+            "step_time_s": self.step_time_s,
+            "measured_peak_bytes": m,
+            "measured_peak_bytes_per_step": list(self.measured_peak_bytes_per_step),
+            "predicted_peak_bytes": p,
+            "measured_over_predicted": (m / p) if (m is not None and p) else None,
+            "order_matches_plan": self.order_matches_plan,
+            "executed_order_mismatch": self.executed_order_mismatch,
+            "provider": self.provider,
+            "measurement_method": self.measurement_method,
+            "seed": self.seed,
+            "data": self.data,
+            "prediction": dict(self.prediction),
+        }
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    """The training-step contract read from a file's ``memcc.*`` metadata."""
+
+    loss: str
+    data_inputs: tuple[str, ...]
+    state: Mapping[str, str]  # output name -> input name it replaces next step
+    int_ranges: Mapping[str, tuple[int, int]]
+
+
+# ---------------------------------------------------------------------------- entry point
+def run_steps(
+    model_path: str | os.PathLike,
+    *,
+    steps: int = 5,
+    provider: str = "cpu",
+    seed: int = 0,
+    data: str | os.PathLike | None = None,
+    isolate: bool | None = None,
+) -> RunResult:
+    """Run ``steps`` training steps of the file at ``model_path`` and measure them.
+
+    ``isolate`` (default: on CPU, unless this already is the measuring process) runs the
+    steps in a fresh child process so that the CPU measurement is exact.
+    """
+    if steps < 1:
+        raise InputError("--steps must be at least 1")
+    path = Path(model_path)
+    graph = load_graph(path)
+    spec = read_step_spec(graph, source=str(path))
+    prov = resolve_provider(provider)
+    feeds = load_data(data, graph, spec) if data is not None else synthetic_feeds(graph, seed)
+    prediction = analyze_liveness(graph)
+    if isolate is None:
+        isolate = prov == "cpu" and not memory.in_measuring_child()
+    with tempfile.TemporaryDirectory(prefix="memcc-run-") as tmp:
+        payload = prepare_run(graph, spec, feeds, Path(tmp), steps=steps, provider=prov)
+        if isolate:
+            out = memory.run_child("memcc.backend.runner", payload)
+        else:
+            out = execute(payload)
+    return _result(path, prov, steps, seed, data, prediction, out)
+
+
+def _result(path: Path, provider: str, steps: int, seed: int, data, prediction: LivenessReport,
+            out: Mapping) -> RunResult:
+    per_step = tuple(out["measured_per_step"])
+    known = [b for b in per_step if b is not None]
+    times = tuple(out["step_times_s"])
+    order = out["order"]
+    return RunResult(
+        model=str(path),
+        provider=provider,
+        steps=steps,
+        losses=tuple(out["losses"]),
+        step_times_s=times,
+        step_time_s=statistics.median(times),
+        measured_peak_bytes=max(known) if known else None,
+        measured_peak_bytes_per_step=per_step,
+        predicted_peak_bytes=prediction.peak_bytes,
+        order_matches_plan=bool(order["order_matches_plan"]),
+        executed_order_mismatch=order["first_mismatch"],
+        measurement_method=out["method"],
+        seed=seed,
+        data=str(data) if data is not None else None,
+        prediction={k: v for k, v in prediction.to_json().items() if k != "live_at_peak"}
+        | {"live_at_peak": list(prediction.live_at_peak[:10])},
+    )
+
+
+# ---------------------------------------------------------------------------- the contract
+def read_step_spec(graph: Graph, *, source: str = "<model>") -> StepSpec:
+    """Read the ``memcc.*`` metadata, or say how to make a training step."""
+    if graph.metadata.get(KIND_KEY) != "training_step":
+        raise InputError(
+            f"{source}: not a memcc training step (no memcc.kind=training_step metadata). "
+            f"Build one first: memcc build {source} -o step.onnx, then memcc run step.onnx"
+        )
+    try:
+        loss = graph.metadata.get(LOSS_KEY, "loss")
+        data_inputs = tuple(json.loads(graph.metadata.get(DATA_KEY, "[]")))
+        state = dict(json.loads(graph.metadata.get(STATE_KEY, "{}")))
+        ranges = {k: (int(v[0]), int(v[1]))
+                  for k, v in json.loads(graph.metadata.get(INT_RANGES_KEY, "{}")).items()}
+    except (ValueError, TypeError, IndexError) as exc:
+        raise InputError(f"{source}: malformed memcc.* metadata: {exc}") from exc
+    if loss not in graph.outputs:
+        raise InputError(f"{source}: memcc.loss names '{loss}', which is not a graph output")
+    for out, inp in state.items():
+        if out not in graph.outputs:
+            raise InputError(f"{source}: memcc.state names output '{out}', which the graph lacks")
+        if inp not in graph.inputs:
+            raise InputError(f"{source}: memcc.state names input '{inp}', which the graph lacks")
+        if graph.info.get(out) != graph.info.get(inp):
+            raise InputError(
+                f"{source}: state output '{out}' {_describe(graph.info.get(out))} does not "
+                f"match the input '{inp}' {_describe(graph.info.get(inp))} it replaces"
+            )
+    for name in data_inputs:
+        if name not in graph.inputs:
+            raise InputError(f"{source}: memcc.data_inputs names '{name}', not a graph input")
+    missing = [i for i in graph.inputs
+               if i not in graph.initializers and i not in data_inputs]
+    if missing:
+        raise InputError(
+            f"{source}: graph inputs {missing} have neither a stored value nor a place in "
+            "memcc.data_inputs; rebuild the step with memcc build"
+        )
+    return StepSpec(loss, data_inputs, state, ranges)
+
+
+def _describe(ti: TensorInfo | None) -> str:
+    if ti is None:
+        return "(unknown type)"
+    return f"(shape {list(ti.shape)}, dtype {ti.np_dtype})"
+
+
+# ---------------------------------------------------------------------------- the batch
+def synthetic_feeds(graph: Graph, seed: int = 0) -> dict[str, np.ndarray]:
+    """One fixed batch for every input without a stored value, reproducible from ``seed``.
+
+    Float data ~ N(0, 1); integer inputs listed in ``memcc.int_ranges`` (token ids, labels)
+    uniform in ``[low, high)``; other integers (attention masks) ones; bools True.
+    """
+    names = _json_list(graph.metadata.get(DATA_KEY))
+    if not names:
+        names = [i for i in graph.inputs if i not in graph.initializers]
+    ranges = json.loads(graph.metadata.get(INT_RANGES_KEY, "{}") or "{}")
+    rng = np.random.default_rng(seed)
+    feeds: dict[str, np.ndarray] = {}
+    for name in names:
+        ti = graph.info.get(name)
+        if ti is None:
+            raise InputError(f"data input '{name}' has no static shape; bind it with --dim")
+        feeds[name] = _synthetic_array(name, ti, ranges.get(name), rng)
+    return feeds
+
+
+def _synthetic_array(name: str, ti: TensorInfo, rng_range, rng: np.random.Generator
+                     ) -> np.ndarray:
+    dt = ti.np_dtype
+    if ti.is_float:
+        return rng.standard_normal(ti.shape, dtype=np.float32).astype(dt)
+    if ti.dtype == TensorProto.BOOL:
+        return np.ones(ti.shape, dtype=bool)
+    if np.issubdtype(dt, np.integer):
+        if rng_range is not None:
+            low, high = int(rng_range[0]), int(rng_range[1])
+            return rng.integers(low, high, size=ti.shape, dtype=np.int64).astype(dt)
+        return np.ones(ti.shape, dtype=dt)
+    raise InputError(f"data input '{name}' has dtype {dt}, which memcc cannot synthesise; "
+                     "pass --data FILE.npz")
+
+
+def load_data(path: str | os.PathLike, graph: Graph, spec: StepSpec) -> dict[str, np.ndarray]:
+    """Read ``--data FILE.npz``: one array per data input, named like the input."""
+    p = Path(path)
+    try:
+        with np.load(p, allow_pickle=False) as npz:
+            arrays = {k: np.asarray(npz[k]) for k in npz.files}
+    except (OSError, ValueError, EOFError) as exc:
+        raise InputError(f"--data {p}: cannot read it as an .npz file ({exc})") from exc
+    want = {n: graph.info[n] for n in spec.data_inputs}
+    missing = [n for n in want if n not in arrays]
+    if missing:
+        need = "; ".join(f"'{n}' {_describe(want[n])}" for n in missing)
+        raise InputError(
+            f"--data {p}: no array named {need}. The file has {sorted(arrays) or 'no arrays'}; "
+            f"the step's data inputs are {list(want)}"
+        )
+    feeds = {}
+    for name, ti in want.items():
+        arr = arrays[name]
+        if tuple(arr.shape) != ti.shape or arr.dtype != ti.np_dtype:
+            raise InputError(
+                f"--data {p}: array '{name}' has shape {list(arr.shape)}, dtype {arr.dtype}; "
+                f"the step expects {_describe(ti)}"
+            )
+        rng_range = spec.int_ranges.get(name)
+        if rng_range is not None and arr.size:
+            lo, hi = int(arr.min()), int(arr.max())
+            if lo < rng_range[0] or hi >= rng_range[1]:
+                raise InputError(
+                    f"--data {p}: array '{name}' holds values in [{lo}, {hi}]; it indexes "
+                    f"something of size {rng_range[1]}, so values must lie in "
+                    f"[{rng_range[0]}, {rng_range[1]})"
+                )
+        feeds[name] = np.ascontiguousarray(arr)
+    return feeds
+
+
+def _json_list(text: str | None) -> list[str]:
+    try:
+        return list(json.loads(text)) if text else []
+    except ValueError:
+        return []
+
+
+# ---------------------------------------------------------------------------- preparation
+def session_graph(graph: Graph) -> tuple[Graph, dict[str, np.ndarray]]:
+    """The graph ORT gets (no tensor data) and the values the runner feeds instead."""
+    g = graph.copy()
+    values = {n: np.ascontiguousarray(a) for n, a in graph.initializers.items()}
+    kept = []
+    for node in g.nodes:
+        if node.op_type == "Constant" and len(node.output) == 1:
+            v = constant_node_value(node)
+            if v is not None:
+                values[node.output[0]] = np.ascontiguousarray(v)
+                continue
+        kept.append(node)
+    g.nodes = kept
+    g.initializers = {}
+    g.inputs = list(graph.inputs) + [n for n in values if n not in graph.inputs]
+    for name, arr in values.items():
+        g.info.setdefault(name, TensorInfo(
+            onnx.helper.np_dtype_to_tensor_dtype(arr.dtype), tuple(arr.shape)))
+    return g, values
+
+
+def prepare_run(graph: Graph, spec: StepSpec, batch: Mapping[str, np.ndarray], tmp: Path, *,
+                steps: int, provider: str) -> dict:
+    """Write the session graph and the initial feeds into ``tmp``; return the run payload."""
+    g, values = session_graph(graph)
+    values.update(batch)
+    model_file = tmp / "session.onnx"
+    feeds_file = tmp / "feeds.npz"
+    onnx.save_model(g.to_model(), str(model_file))
+    np.savez(feeds_file, **values)
+    return {
+        "session_model": str(model_file),
+        "feeds": str(feeds_file),
+        "outputs": list(graph.outputs),
+        "loss": spec.loss,
+        "state": dict(spec.state),
+        "planned": planned_order(graph.nodes),
+        "steps": int(steps),
+        "provider": provider,
+        "profile_dir": str(tmp),
+    }
+
+
+# ---------------------------------------------------------------------------- execution
+def _load_feeds(path: str) -> dict[str, np.ndarray]:
+    with np.load(path, allow_pickle=False) as npz:
+        return {k: npz[k] for k in npz.files}
+
+
+def execute(payload: Mapping) -> dict:
+    """Warm-up (profiled, order check), baseline, then the measured steps.
+
+    Runs in the measuring child on CPU; returns plain JSON-able data.
+    """
+    provider = payload["provider"]
+    outputs = list(payload["outputs"])
+    state = dict(payload["state"])
+    loss_name = payload["loss"]
+    prefix = str(Path(payload["profile_dir"]) / "memcc_order")
+    session = make_session(payload["session_model"], provider, profile=True,
+                           profile_prefix=prefix)
+    meter = memory.CpuPeakMeter() if provider == "cpu" else memory.NvmlPeakMeter()
+    run_options = _run_options(provider)
+
+    feeds = _load_feeds(payload["feeds"])
+    _run(session, outputs, feeds, run_options)
+    order = check_session_order(session, payload["planned"])
+    del feeds
+    meter.set_baseline()
+
+    feeds = _load_feeds(payload["feeds"])
+    losses, times, peaks = [], [], []
+    for _ in range(int(payload["steps"])):
+        meter.start()
+        t0 = time.perf_counter()
+        result = _run(session, outputs, feeds, run_options)
+        times.append(time.perf_counter() - t0)
+        peaks.append(meter.stop())
+        losses.append(_scalar(result[loss_name], loss_name))
+        for out, inp in state.items():
+            feeds[inp] = result[out]
+        del result
+    return {
+        "losses": losses,
+        "step_times_s": times,
+        "measured_per_step": peaks,
+        "method": meter.method,
+        "order": order.to_json(),
+    }
+
+
+def _run(session, outputs: list[str], feeds: Mapping[str, np.ndarray], run_options
+         ) -> dict[str, np.ndarray]:
+    try:
+        values = session.run(outputs, dict(feeds), run_options)
+    except Exception as exc:  # pybind raises ORT's own exception types
+        raise RuntimeFailure(f"ONNX Runtime failed while running the step: {exc}") from exc
+    return dict(zip(outputs, values, strict=True))
+
+
+def _run_options(provider: str):
+    import onnxruntime as ort
+
+    ro = ort.RunOptions()
+    if provider == "cuda":  # return the arena after each step: every step starts level
+        ro.add_run_config_entry("memory.enable_memory_arena_shrinkage", "gpu:0")
+    return ro
+
+
+def _scalar(value: np.ndarray, name: str) -> float:
+    arr = np.asarray(value)
+    if arr.size != 1:
+        raise RuntimeFailure(f"the loss output '{name}' has shape {list(arr.shape)}, not a scalar")
+    return float(arr.reshape(-1)[0])
+
+
+if __name__ == "__main__":  # the measuring child: python -m memcc.backend.runner --child JSON
+    sys.exit(memory.child_main(sys.argv, execute))

@@ -1,0 +1,175 @@
+"""ONNX Runtime sessions under memcc's execution contract.
+
+A memory plan is a statement about one node order and one set of buffers. ORT keeps neither
+by default (ORT_NOTES.md §1-3), so every session memcc creates, for timing, for the order
+check and for the measured steps, is made here with the settings that keep a plan intact:
+
+- ``execution_order = PRIORITY_BASED``: Kahn's algorithm with ties broken by node index, and
+  node indices follow the file, so a file written in the planned topological order runs in
+  exactly that order. The default (``DEFAULT``) is a reverse DFS that runs a recompute node
+  next to its forward twin and undoes the plan.
+- ``graph_optimization_level = ORT_DISABLE_ALL``: level 1 already merges duplicated
+  (recomputed) nodes back (CommonSubexpressionElimination), folds the data dependencies that
+  pin a node late (ConstantFolding) and fuses nodes into new ones with high indices that
+  break the order. memcc writes the graph it wants run; ORT must run that graph. The
+  ``optimization.disable_specified_optimizers`` entry also names CSE and ConstantFolding so
+  that raising the level for an experiment can never silently bring them back.
+- ``enable_mem_pattern = False``: the pattern planner allocates one block from the first
+  run's trace; measured, it doubled the second run's peak.
+- ``enable_mem_reuse = False``: with reuse on, the planner hands a dead buffer to a later
+  value of the same shape and keeps it allocated in between (measured: 32 MB instead of
+  16 MB on a three-node graph), so the peak depends on which shapes happen to match. With
+  it off, a buffer is freed after its last consumer and nothing else, which is what
+  ``passes.liveness`` predicts. Kernel-level in-place updates and aliasing (Relu,
+  Reshape, ...) do not depend on this flag and liveness models them.
+- CPU arena off (``enable_cpu_mem_arena = False``): allocations go straight to malloc and
+  are returned at free, so the operating system sees the real peak. ``session.
+  disable_prepacking``: prepacking copies constant weights into a second layout that no
+  plan counts.
+- CUDA: ``arena_extend_strategy = kSameAsRequested`` (the default power-of-two growth took
+  133 MiB for a 96 MiB plan), ``cudnn_conv_use_max_workspace = 0`` (predictable scratch),
+  and ``gpu_mem_limit`` when a budget should make the run fail instead of spill. The CUDA
+  settings follow ORT's sources and have not been checked on a GPU yet.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+import onnx
+import onnxruntime as ort
+
+from memcc.errors import InputError, RuntimeFailure
+
+PROVIDERS = ("cpu", "cuda", "auto")
+ORT_PROVIDER = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
+DISABLED_OPTIMIZERS = ("CommonSubexpressionElimination", "ConstantFolding")
+
+
+def cuda_available() -> bool:
+    """Whether this onnxruntime build can run the CUDA execution provider at all."""
+    return ORT_PROVIDER["cuda"] in ort.get_available_providers()
+
+
+def resolve_provider(provider: str) -> str:
+    """Map ``cpu|cuda|auto`` to ``cpu`` or ``cuda``, failing early when CUDA is missing."""
+    p = (provider or "cpu").lower()
+    if p not in PROVIDERS:
+        raise InputError(f"--provider '{provider}': choose one of {', '.join(PROVIDERS)}")
+    if p == "auto":
+        return "cuda" if cuda_available() else "cpu"
+    if p == "cuda" and not cuda_available():
+        raise RuntimeFailure(
+            "--provider cuda: this onnxruntime has no CUDAExecutionProvider (available: "
+            f"{', '.join(ort.get_available_providers())}). Install the GPU package "
+            "(pip install 'memcc[gpu]', i.e. onnxruntime-gpu, instead of onnxruntime) on a "
+            "machine with an NVIDIA GPU, or run with --provider cpu."
+        )
+    return p
+
+
+def session_options(
+    *,
+    profile: bool = False,
+    profile_prefix: str | os.PathLike | None = None,
+    intra_op_threads: int | None = None,
+    log_severity: int = 3,
+) -> ort.SessionOptions:
+    """SessionOptions that keep the file's node order and make memory use predictable."""
+    so = ort.SessionOptions()
+    so.execution_order = ort.ExecutionOrder.PRIORITY_BASED
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    so.add_session_config_entry(
+        "optimization.disable_specified_optimizers", ";".join(DISABLED_OPTIMIZERS)
+    )
+    so.enable_mem_pattern = False
+    so.enable_mem_reuse = False
+    so.enable_cpu_mem_arena = False
+    so.add_session_config_entry("session.disable_prepacking", "1")
+    so.log_severity_level = log_severity
+    if intra_op_threads is not None:
+        so.intra_op_num_threads = int(intra_op_threads)
+    if profile:
+        so.enable_profiling = True
+        if profile_prefix is not None:
+            so.profile_file_prefix = str(profile_prefix)
+    return so
+
+
+def provider_options(provider: str, *, gpu_mem_limit: int | None = None) -> list:
+    """The ``providers=`` list for ``InferenceSession`` (CUDA falls back to CPU per node)."""
+    if provider == "cpu":
+        return [ORT_PROVIDER["cpu"]]
+    cuda: dict[str, str] = {
+        "arena_extend_strategy": "kSameAsRequested",
+        "cudnn_conv_use_max_workspace": "0",
+    }
+    if gpu_mem_limit is not None:
+        cuda["gpu_mem_limit"] = str(int(gpu_mem_limit))
+    return [(ORT_PROVIDER["cuda"], cuda), ORT_PROVIDER["cpu"]]
+
+
+def make_session(
+    model: onnx.ModelProto | bytes | str | os.PathLike,
+    provider: str = "cpu",
+    *,
+    profile: bool = False,
+    profile_prefix: str | os.PathLike | None = None,
+    gpu_mem_limit: int | None = None,
+    intra_op_threads: int | None = None,
+    extra_config: Mapping[str, str] | None = None,
+    option_overrides: Mapping[str, object] | None = None,
+) -> ort.InferenceSession:
+    """An ``InferenceSession`` under the execution contract, with errors memcc can report.
+
+    ``extra_config`` adds session config entries; ``option_overrides`` sets SessionOptions
+    attributes on top of the contract (experiments only: the contract exists because the
+    defaults break plans), enum values by member name, e.g. ``{"execution_order":
+    "DEFAULT"}``.
+    """
+    p = resolve_provider(provider)
+    so = session_options(profile=profile, profile_prefix=profile_prefix,
+                         intra_op_threads=intra_op_threads)
+    for key, value in (extra_config or {}).items():
+        so.add_session_config_entry(key, value)
+    for key, value in (option_overrides or {}).items():
+        _override(so, key, value)
+    if isinstance(model, onnx.ModelProto):
+        source: bytes | str = model.SerializeToString()
+        where = "<model>"
+    elif isinstance(model, bytes):
+        source, where = model, "<model>"
+    else:
+        source = where = str(Path(model))
+    try:
+        return ort.InferenceSession(
+            source, so, providers=provider_options(p, gpu_mem_limit=gpu_mem_limit)
+        )
+    except Exception as exc:  # ORT raises its own exception types from pybind
+        raise RuntimeFailure(
+            f"{where}: ONNX Runtime ({ort.__version__}, {ORT_PROVIDER[p]}) could not load the "
+            f"graph: {_first_line(exc)}"
+        ) from exc
+
+
+_ENUMS = {
+    "execution_order": ort.ExecutionOrder,
+    "graph_optimization_level": ort.GraphOptimizationLevel,
+    "execution_mode": ort.ExecutionMode,
+}
+
+
+def _override(so: ort.SessionOptions, key: str, value: object) -> None:
+    if not hasattr(so, key):
+        raise InputError(f"SessionOptions has no attribute '{key}'")
+    if key in _ENUMS and isinstance(value, str):
+        value = getattr(_ENUMS[key], value)
+    setattr(so, key, value)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

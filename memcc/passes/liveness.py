@@ -1,0 +1,409 @@
+"""Liveness analysis: which buffers ORT holds at every node of a step, and the peak.
+
+An analysis only (the graph is not changed). It predicts what the measured peak counts
+(``backend/memory.py``) under the execution contract (``backend/session.py``), following
+ORT's allocation planner (``core/framework/allocation_planner.cc``) and measurements on the
+CPU execution provider of onnxruntime 1.31.1 (``tests/test_ort_facts.py`` pins each rule):
+
+- Graph inputs, initializers and Constant-node outputs exist before the first node and for
+  the whole step. ORT turns Constant nodes into initializers when it loads a graph; they
+  never run. (The runner feeds initializers and constants as inputs, see
+  ``backend/runner.py``, which changes nothing here.)
+- A node's outputs are allocated while it runs; its inputs are freed after it, when it was
+  the last consumer (in execution order) of every value sharing their buffer. So while node
+  ``i`` runs, the live bytes are those live after node ``i-1``, plus its new outputs, plus
+  its scratch.
+- Graph outputs get their own buffer and are never freed during the step. A node output
+  that no node consumes and that is not a graph output is never freed either.
+- Aliasing: Reshape, Squeeze, Unsqueeze, Flatten and Identity return their input's buffer
+  (no allocation); the buffer lives until the last consumer of any alias. Not when the
+  output is a graph output: then it is a fresh buffer.
+- In place: Relu-like activations, Sigmoid, Tanh, Softmax, LogSoftmax, Clip and Cast write
+  into input 0 when this node is the only remaining use of that buffer, the buffer belongs
+  to a node output (not an input, initializer or graph output), shapes are equal and the
+  element sizes are equal.
+- Planner buffer reuse between unrelated values is off (``enable_mem_reuse = False``), so
+  freed memory is simply returned.
+- Kernel scratch, allocated and freed inside one kernel, that measurably matters: Where
+  builds both broadcast selections before merging them; Sum/Max/Min/Mean over more than two
+  inputs keep one accumulator; Dropout makes its mask even when the mask is not an output;
+  Softmax/LogSoftmax (opset >= 13) on a non-last axis transpose in and out. Scratch of other
+  kernels (Conv's im2col buffer, Einsum's operand copies, thread-local MLAS buffers) is not
+  modeled.
+
+Bytes are ``TensorInfo.nbytes``; the allocator's page rounding (under 4 KiB per buffer) is
+ignored.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+
+from memcc.graph import Graph, TensorInfo, attr
+
+ALIAS_OPS = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity"})
+INPLACE_OPS = frozenset({
+    "Relu", "LeakyRelu", "Elu", "Selu", "Celu", "HardSigmoid", "Softplus", "Softsign",
+    "ThresholdedRelu", "Sigmoid", "Tanh", "Softmax", "LogSoftmax", "Clip", "Cast",
+})
+VARIADIC_OPS = frozenset({"Sum", "Max", "Min", "Mean"})
+NOT_EXECUTED = frozenset({"Constant"})
+
+CATEGORIES = ("parameters", "optimizer_state", "gradients", "activations", "other", "scratch")
+BEFORE_FIRST_NODE = -1
+
+
+@dataclass(frozen=True)
+class ValueLife:
+    """One value: its size, when it appears and when its buffer goes away.
+
+    ``birth`` is the index (in the analysed order) of the node that produces it, or -1 for
+    values that exist before the first node. ``death`` is the index of the node after which
+    its buffer is freed, or None when it stays to the end of the step. ``buffer`` names the
+    value whose allocation holds it (itself unless aliased or updated in place); only a
+    value with ``buffer == name`` adds bytes.
+    """
+
+    name: str
+    nbytes: int
+    birth: int
+    death: int | None
+    buffer: str
+    category: str
+
+    @property
+    def owns_buffer(self) -> bool:
+        return self.buffer == self.name
+
+
+@dataclass(frozen=True)
+class LivenessReport:
+    """Bytes live at every node of one execution order, and what is live at the peak."""
+
+    order: tuple[str, ...]
+    values: Mapping[str, ValueLife]
+    start_bytes: int
+    live_during: tuple[int, ...]
+    live_after: tuple[int, ...]
+    scratch: tuple[int, ...]
+    peak_bytes: int
+    peak_step: int
+    live_at_peak: tuple[str, ...]
+    breakdown: Mapping[str, int]
+    category_bytes: Mapping[str, int]
+
+    @property
+    def peak_node(self) -> str | None:
+        return self.order[self.peak_step] if self.peak_step >= 0 else None
+
+    def to_json(self, *, per_node: bool = False) -> dict:
+        out = {
+            "peak_bytes": self.peak_bytes,
+            "peak_step": self.peak_step,
+            "peak_node": self.peak_node,
+            "start_bytes": self.start_bytes,
+            "breakdown_at_peak": dict(self.breakdown),
+            "category_bytes": dict(self.category_bytes),
+            "live_at_peak": list(self.live_at_peak),
+            "nodes": len(self.order),
+        }
+        if per_node:
+            out["live_during"] = list(self.live_during)
+            out["live_after"] = list(self.live_after)
+        return out
+
+
+# ---------------------------------------------------------------------------- entry point
+def analyze_liveness(graph: Graph, order: Sequence[str | onnx.NodeProto] | None = None
+                     ) -> LivenessReport:
+    """Simulate ORT's buffer lifetimes over ``order`` (default: the graph's node order)."""
+    nodes = _resolve_order(graph, order)
+    categories = categorize(graph)
+    sim = _Simulation(graph, nodes, categories)
+    sim.run()
+    return sim.report()
+
+
+# ---------------------------------------------------------------------------- simulation
+class _Simulation:
+    """One pass over the nodes, tracking buffers the way ORT's planner assigns them."""
+
+    def __init__(self, graph: Graph, nodes: list[onnx.NodeProto],
+                 categories: Mapping[str, str]) -> None:
+        self.graph = graph
+        self.nodes = nodes
+        self.categories = categories
+        self.outputs = set(graph.outputs)
+        self.uses: dict[str, int] = {}
+        for n in nodes:
+            for i in n.input:
+                if i:
+                    self.uses[i] = self.uses.get(i, 0) + 1
+        self.buffer_of: dict[str, str] = {}
+        self.buffer_bytes: dict[str, int] = {}
+        self.remaining: dict[str, int] = {}
+        self.pinned: set[str] = set()
+        self.birth: dict[str, int] = {}
+        self.buffer_death: dict[str, int] = {}
+        self.live = 0
+        self.start_bytes = 0
+        self.live_during: list[int] = []
+        self.live_after: list[int] = []
+        self.scratch: list[int] = []
+
+    def nbytes(self, name: str) -> int:
+        ti = self.graph.info.get(name)
+        return ti.nbytes if ti is not None else 0
+
+    def _new_buffer(self, name: str, birth: int, pinned: bool) -> int:
+        self.buffer_of[name] = name
+        self.buffer_bytes[name] = self.nbytes(name)
+        self.remaining[name] = self.uses.get(name, 0)
+        self.birth[name] = birth
+        if pinned:
+            self.pinned.add(name)
+        return self.buffer_bytes[name]
+
+    def run(self) -> None:
+        for name in _preexisting(self.graph, self.nodes):
+            self.live += self._new_buffer(name, BEFORE_FIRST_NODE, pinned=True)
+        self.start_bytes = self.live
+        for j, node in enumerate(self.nodes):
+            self._step(j, node)
+
+    def _step(self, j: int, node: onnx.NodeProto) -> None:
+        if node.op_type in NOT_EXECUTED:
+            self.live_during.append(self.live)
+            self.live_after.append(self.live)
+            self.scratch.append(0)
+            return
+        new = 0
+        for k, out in enumerate(node.output):
+            if not out:
+                continue
+            target = None if out in self.outputs else self._shared_buffer(node, k, out)
+            if target is not None:
+                self.buffer_of[out] = target
+                self.birth[out] = j
+                self.remaining[target] += self.uses.get(out, 0)
+            else:
+                unused = self.uses.get(out, 0) == 0
+                new += self._new_buffer(out, j, pinned=out in self.outputs or unused)
+        extra = scratch_bytes(node, self.graph.info, self.graph.opset)
+        self.scratch.append(extra)
+        self.live_during.append(self.live + new + extra)
+        self.live += new
+        for inp in node.input:
+            if not inp:
+                continue
+            b = self.buffer_of.get(inp)
+            if b is None:  # consumed but never defined: an invalid graph; count nothing
+                continue
+            self.remaining[b] -= 1
+            if self.remaining[b] == 0 and b not in self.pinned and b not in self.buffer_death:
+                self.buffer_death[b] = j
+                self.live -= self.buffer_bytes[b]
+        self.live_after.append(self.live)
+
+    def _shared_buffer(self, node: onnx.NodeProto, k: int, out: str) -> str | None:
+        """The buffer ``out`` is written into instead of a new one, if ORT shares one."""
+        if k != 0 or not node.input or not node.input[0]:
+            return None
+        src = node.input[0]
+        b = self.buffer_of.get(src)
+        if b is None:
+            return None
+        if node.op_type in ALIAS_OPS:
+            return b
+        if node.op_type in INPLACE_OPS and b not in self.pinned and self.remaining[b] == 1:
+            if _same_size(self.graph.info.get(src), self.graph.info.get(out)):
+                return b
+        return None
+
+    def report(self) -> LivenessReport:
+        values: dict[str, ValueLife] = {}
+        for name, b in self.buffer_of.items():
+            values[name] = ValueLife(
+                name=name,
+                nbytes=self.nbytes(name),
+                birth=self.birth[name],
+                death=self.buffer_death.get(b),
+                buffer=b,
+                category=self.categories.get(name, "activations"),
+            )
+        peak, step = self.start_bytes, BEFORE_FIRST_NODE
+        for j, v in enumerate(self.live_during):
+            if v > peak:
+                peak, step = v, j
+        live = self._buffers_live_at(step)
+        breakdown = dict.fromkeys(CATEGORIES, 0)
+        for b in live:
+            breakdown[values[b].category] += self.buffer_bytes[b]
+        if step >= 0:
+            breakdown["scratch"] += self.scratch[step]
+        cat_bytes = dict.fromkeys(CATEGORIES, 0)
+        for b, nbytes in self.buffer_bytes.items():
+            cat_bytes[values[b].category] += nbytes
+        return LivenessReport(
+            order=tuple(n.name for n in self.nodes),
+            values=values,
+            start_bytes=self.start_bytes,
+            live_during=tuple(self.live_during),
+            live_after=tuple(self.live_after),
+            scratch=tuple(self.scratch),
+            peak_bytes=peak,
+            peak_step=step,
+            live_at_peak=tuple(sorted(live, key=lambda b: -self.buffer_bytes[b])),
+            breakdown=breakdown,
+            category_bytes=cat_bytes,
+        )
+
+    def _buffers_live_at(self, step: int) -> list[str]:
+        """Buffers allocated while node ``step`` runs (-1: before the first node)."""
+        live = []
+        for b in self.buffer_bytes:
+            born = self.birth[b]
+            died = self.buffer_death.get(b)
+            if born <= step and (died is None or died >= step):
+                live.append(b)
+        return live
+
+
+def _preexisting(graph: Graph, nodes: Sequence[onnx.NodeProto]) -> list[str]:
+    """Values that exist before the first node: inputs, initializers, Constant outputs."""
+    seen: dict[str, None] = {}
+    for name in graph.inputs:
+        seen.setdefault(name, None)
+    for name in graph.initializers:
+        seen.setdefault(name, None)
+    for n in nodes:
+        if n.op_type in NOT_EXECUTED:
+            for o in n.output:
+                if o:
+                    seen.setdefault(o, None)
+    return list(seen)
+
+
+def _same_size(a: TensorInfo | None, b: TensorInfo | None) -> bool:
+    """ORT's SameSize: equal shapes and equal element sizes (types may differ)."""
+    return a is not None and b is not None and a.shape == b.shape and a.itemsize == b.itemsize
+
+
+def _resolve_order(graph: Graph, order) -> list[onnx.NodeProto]:
+    if order is None:
+        return list(graph.nodes)
+    by_name = {n.name: n for n in graph.nodes}
+    nodes = []
+    for item in order:
+        if isinstance(item, onnx.NodeProto):
+            nodes.append(item)
+        elif item in by_name:
+            nodes.append(by_name[item])
+        else:
+            raise ValueError(f"order names node '{item}', which the graph does not have")
+    if len(nodes) != len(graph.nodes):
+        raise ValueError(f"order has {len(nodes)} nodes, the graph {len(graph.nodes)}")
+    available = set(graph.inputs) | set(graph.initializers) | {""}
+    for n in nodes:
+        missing = [i for i in n.input if i not in available]
+        if missing:
+            raise ValueError(f"order runs node '{n.name}' before its input '{missing[0]}' exists")
+        available.update(n.output)
+    return nodes
+
+
+# ---------------------------------------------------------------------------- scratch
+def scratch_bytes(node: onnx.NodeProto, info: Mapping[str, TensorInfo], opset: int = 17) -> int:
+    """Bytes a kernel allocates and frees inside itself (see the module docstring)."""
+    op = node.op_type
+    if op == "Where" and len(node.input) == 3 and node.output[0] in info:
+        cond, x, y = (info.get(i) for i in node.input)
+        out = info[node.output[0]]
+        if cond is None or x is None or y is None:
+            return 0
+        sel_x = _broadcast_numel(cond.shape, x.shape)
+        sel_y = _broadcast_numel(cond.shape, y.shape)
+        return (sel_x + sel_y) * out.itemsize
+    if op in VARIADIC_OPS and len([i for i in node.input if i]) > 2:
+        out = info.get(node.output[0])
+        return out.nbytes if out is not None else 0
+    if op == "Dropout" and (len(node.output) < 2 or not node.output[1]):
+        out = info.get(node.output[0])
+        return out.numel if out is not None else 0  # bool mask, one byte per element
+    if op in ("Softmax", "LogSoftmax") and opset >= 13:
+        x = info.get(node.input[0])
+        if x is None or len(x.shape) < 2:
+            return 0
+        axis = attr(node, "axis", -1)
+        axis = axis + len(x.shape) if axis < 0 else axis
+        return 2 * x.nbytes if axis != len(x.shape) - 1 else 0
+    return 0
+
+
+def _broadcast_numel(a: Sequence[int], b: Sequence[int]) -> int:
+    try:
+        shape = np.broadcast_shapes(tuple(a), tuple(b))
+    except ValueError:
+        return 0
+    return int(np.prod(shape, dtype=np.int64)) if shape else 1
+
+
+# ---------------------------------------------------------------------------- categories
+def categorize(graph: Graph) -> dict[str, str]:
+    """Category of every value, from the training-step metadata written by ``memcc build``.
+
+    parameters: trainable parameters (``memcc.parameters``) and their updated values;
+    optimizer_state: other carried state (momentum, Adam moments, step counter) and its
+    updates; gradients: the parameter gradients ``P.grad``; other: data inputs, BatchNorm
+    running statistics, non-trainable initializers and constants; activations: every other
+    value a node produces (forward activations and backward intermediates alike).
+    """
+    md = graph.metadata
+    state: dict[str, str] = _json(md.get("memcc.state"), {})
+    data: list[str] = _json(md.get("memcc.data_inputs"), [])
+    produced = {o for n in graph.nodes for o in n.output if o}
+    params = set(_json(md.get("memcc.parameters"), []))
+    if not params:  # files without the list: the P.grad / P.new naming convention
+        params = {p for p in set(state.values()) | set(graph.initializers)
+                  if f"{p}.grad" in produced}
+    bn_stats = {n.input[i] for n in graph.nodes if n.op_type == "BatchNormalization"
+                for i in (3, 4) if len(n.input) > i}
+    cat: dict[str, str] = {}
+    for name in produced:
+        cat[name] = "activations"
+    for name in list(graph.inputs) + list(graph.initializers):
+        cat[name] = "other"
+    for n in graph.nodes:
+        if n.op_type in NOT_EXECUTED:
+            for o in n.output:
+                cat[o] = "other"
+    for p in params:
+        cat[p] = "parameters"
+        if f"{p}.grad" in produced:
+            cat[f"{p}.grad"] = "gradients"
+    for out, inp in state.items():
+        if inp in params:
+            kind = "parameters"
+        elif inp in bn_stats:
+            kind = "other"
+        else:
+            kind = "optimizer_state"
+        cat[inp] = kind
+        cat[out] = kind
+    for d in data:
+        cat[d] = "other"
+    return cat
+
+
+def _json(text: str | None, default):
+    if not text:
+        return default
+    try:
+        return json.loads(text)
+    except ValueError:
+        return default
