@@ -215,3 +215,32 @@ def test_pad_reflect_edge_wrap(mode):
     m = make_model(nodes, [("x", FLOAT, [1, 2, 4, 5])], [("y", FLOAT, [1, 2, 7, 8])], opset=19)
     torch_mode = {"reflect": "reflect", "edge": "replicate", "wrap": "circular"}[mode]
     check(m, {"x": rand(1, 2, 4, 5)}, lambda x: F.pad(x, (1, 2, 2, 1), mode=torch_mode), ["x"])
+
+
+@pytest.mark.parametrize("op,mode", [("DepthToSpace", "DCR"), ("DepthToSpace", "CRD"),
+                                     ("SpaceToDepth", None)])
+def test_depth_space_rearrangements(op, mode):
+    x = rand(2, 8, 2, 3) if op == "DepthToSpace" else rand(2, 2, 4, 6)
+    attrs = {"blocksize": 2} | ({"mode": mode} if mode else {})
+    node = helper.make_node(op, ["x"], ["y"], **attrs)
+    y_shape = [2, 2, 4, 6] if op == "DepthToSpace" else [2, 8, 2, 3]
+    m = make_model([node], [("x", FLOAT, list(x.shape))], [("y", FLOAT, y_shape)])
+    def fn(x):
+        n, c, h, w = x.shape
+        if op == "SpaceToDepth":
+            t = x.reshape(n, c, h // 2, 2, w // 2, 2).permute(0, 3, 5, 1, 2, 4)
+            return t.reshape(n, c * 4, h // 2, w // 2)
+        if mode == "CRD":
+            return F.pixel_shuffle(x, 2)
+        t = x.reshape(n, 2, 2, c // 4, h, w).permute(0, 3, 4, 1, 5, 2)
+        return t.reshape(n, c // 4, h * 2, w * 2)
+
+    check(m, {"x": x}, fn, ["x"])
+
+
+def test_trilu_lower_with_k():
+    nodes = [helper.make_node("Constant", [], ["k"], value=helper.make_tensor(
+                 "k", TensorProto.INT64, [], [1])),
+             helper.make_node("Trilu", ["x", "k"], ["y"], upper=0)]
+    m = make_model(nodes, [("x", FLOAT, [2, 4, 4])], [("y", FLOAT, [2, 4, 4])], opset=14)
+    check(m, {"x": rand(2, 4, 4)}, lambda x: torch.tril(x, 1), ["x"])

@@ -561,3 +561,38 @@ def _gather_elements_grad(ctx: GradContext, node: onnx.NodeProto, gouts: Grads) 
     gx = emit.op("ScatterElements", [zeros, idx, gouts[0]], axis=axis, reduction="add",
                  info=d_info)
     return [gx, None]
+
+
+# ---------------------------------------------------------------------------- rearrangements
+def _block_rearrangement(node: onnx.NodeProto, x_shape: Sequence[int]) -> tuple[list[int],
+                                                                                 list[int]]:
+    """DepthToSpace/SpaceToDepth as reshape -> transpose -> reshape: (first shape, perm)."""
+    n, c, h, w = x_shape
+    b = int(attr(node, "blocksize"))
+    if node.op_type == "SpaceToDepth":
+        return [n, c, h // b, b, w // b, b], [0, 3, 5, 1, 2, 4]
+    mode = attr(node, "mode", b"DCR")
+    mode = mode.decode() if isinstance(mode, bytes) else mode
+    if mode == "CRD":
+        return [n, c // (b * b), b, b, h, w], [0, 1, 4, 2, 5, 3]
+    return [n, b, b, c // (b * b), h, w], [0, 3, 4, 1, 5, 2]
+
+
+@register("DepthToSpace", "SpaceToDepth")
+def _depth_space_grad(ctx: GradContext, node: onnx.NodeProto, gouts: Grads) -> Grads:
+    """A fixed permutation of elements: undo its transpose on the gradient."""
+    emit = ctx.emit
+    x_shape = ctx.info(node.input[0]).shape
+    split, perm = _block_rearrangement(node, x_shape)
+    moved = [split[p] for p in perm]
+    g = emit.reshape(gouts[0], moved)
+    g = emit.transpose(g, [int(i) for i in np.argsort(perm)])
+    return [emit.reshape(g, x_shape)]
+
+
+@register("Trilu")
+def _trilu_grad(ctx: GradContext, node: onnx.NodeProto, gouts: Grads) -> Grads:
+    """Trilu keeps a fixed triangle: the gradient keeps the same triangle."""
+    inputs = [gouts[0]] + list(node.input[1:2])
+    g = ctx.emit.op("Trilu", inputs, upper=attr(node, "upper", 1), info=ctx.info(node.input[0]))
+    return tail(node, [g])
