@@ -237,10 +237,27 @@ def _maxpool_grad(ctx: GradContext, node: onnx.NodeProto, gouts: Grads) -> Grads
         raise GradientError(f"{node_label(node)}: gradient flows into the Indices output")
     x_info, y_info = ctx.info(node.input[0]), ctx.info(node.output[0])
     indices = _ensure_output(ctx, node, 1, "indices", TensorInfo(TensorProto.INT64, y_info.shape))
+    if x_info.numel < 2**31:
+        # Saved from forward to backward: int32 halves what the step keeps alive.
+        indices = _emit_after(ctx, node, lambda: ctx.emit.cast(indices, TensorProto.INT32))
     win = _pool_window(node, x_info, y_info)
     disjoint = all(e <= s for e, s in zip(win.effective, win.strides, strict=True))
     gx = scatter_add_flat(ctx, node, x_info.shape, indices, gouts[0], unique=disjoint)
     return [gx]
+
+
+def _emit_after(ctx: GradContext, node: onnx.NodeProto, build) -> str:
+    """Run ``build`` (which emits nodes) and move what it emitted to just after ``node``,
+    so a small forward-side conversion runs before the forward value could be freed."""
+    nodes = ctx.emit.nodes
+    start = len(nodes)
+    out = build()
+    if nodes is ctx.graph.nodes and len(nodes) > start:
+        new = nodes[start:]
+        del nodes[start:]
+        at = next(i for i, n in enumerate(nodes) if n is node) + 1
+        nodes[at:at] = new
+    return out
 
 
 def _ensure_output(ctx: GradContext, node: onnx.NodeProto, index: int, base: str,

@@ -226,7 +226,9 @@ def scatter_add_flat(ctx: GradContext, node: onnx.NodeProto, target_shape: Seque
     emit = ctx.emit
     dtype = ctx.info(updates).dtype
     numel = int(np.prod(target_shape, dtype=np.int64))
-    flat_idx = emit.reshape(emit.cast(indices, TensorProto.INT64), [ctx.info(indices).numel])
+    if ctx.info(indices).dtype not in (TensorProto.INT32, TensorProto.INT64):
+        indices = emit.cast(indices, TensorProto.INT64)
+    flat_idx = emit.reshape(indices, [ctx.info(indices).numel])
     flat_upd = emit.reshape(updates, [ctx.info(updates).numel])
     zeros = emit.zeros([numel], dtype)
     if ctx.opset >= 16:
