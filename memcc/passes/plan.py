@@ -20,6 +20,8 @@ from memcc.graph import Graph
 NOT_RECOMPUTABLE = frozenset({
     "Dropout", "RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike",
     "Bernoulli", "Multinomial", "MemcpyToHost", "MemcpyFromHost",
+    # Constants are initializers to ORT: they exist for the whole step anyway.
+    "Constant",
 })
 
 

@@ -97,6 +97,52 @@ def apply_recompute(graph: Graph, plan: Plan, structure: StepStructure | None = 
                     node.input[k] = r
         new_nodes.extend(emitted)
         new_nodes.append(node)
-    out.nodes = new_nodes
+    out.nodes = _drop_dead_forward_outputs(new_nodes, st, set(out.outputs))
     recomputed = tuple(sorted(v for v in clone_of if v in st.saved))
     return RecomputeResult(out, tuple(cloned), recomputed)
+
+
+def _drop_dead_forward_outputs(nodes: list[onnx.NodeProto], st: StepStructure,
+                               graph_outputs: set[str]) -> list[onnx.NodeProto]:
+    """Forward outputs that only the backward read, and now nobody reads, must go.
+
+    ORT never frees an output that no node consumes, so leaving one behind would pin it for
+    the whole step: drop unread optional outputs, and whole forward nodes nobody reads.
+    """
+    changed = True
+    while changed:
+        changed = False
+        read = {i for n in nodes for i in n.input if i} | graph_outputs
+        kept: list[onnx.NodeProto] = []
+        for n in nodes:
+            if n.name not in st.forward:
+                kept.append(n)
+                continue
+            outs = [o for o in n.output if o]
+            if outs and not any(o in read for o in outs) and n.op_type not in _SIDE_EFFECTS:
+                changed = True
+                continue
+            for k in range(len(n.output) - 1, 0, -1):
+                o = n.output[k]
+                if o and o not in read and _optional_output(n, k):
+                    n.output[k] = ""
+                    changed = True
+            while len(n.output) > 1 and not n.output[-1]:
+                n.output.pop()
+            kept.append(n)
+        nodes = kept
+    return nodes
+
+
+_SIDE_EFFECTS = frozenset()
+
+
+def _optional_output(node: onnx.NodeProto, k: int) -> bool:
+    try:
+        schema = onnx.defs.get_schema(node.op_type, domain=node.domain or "")
+    except Exception:
+        return False
+    outs = schema.outputs
+    if k >= len(outs):
+        return False
+    return outs[k].option == onnx.defs.OpSchema.FormalParameterOption.Optional

@@ -1,0 +1,323 @@
+"""The plan pass: choose what to recompute so the step fits a budget at least added time.
+
+Every strategy (``ilp``, ``sqrtn``, ``none``, ``auto``) returns a ``Plan`` and is judged by
+the same simulator. The ILP works on a linear model of memory (``solvers/problem.py``);
+when the simulated peak of its answer is above the budget (the model is an approximation
+of ORT's buffer rules), the model's budget is lowered by the excess and it is solved again,
+so a plan is only ever reported as fitting when the simulator says so.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from memcc.errors import MemccError
+from memcc.graph import Graph
+from memcc.passes.cost_model import CostModel
+from memcc.passes.liveness import LivenessReport, analyze_liveness
+from memcc.passes.plan import Plan, StepStructure
+from memcc.passes.simulate import Simulation, simulate
+from memcc.passes.solvers import ilp, sqrtn
+from memcc.passes.solvers.problem import Problem
+
+STRATEGIES = ("auto", "ilp", "sqrtn", "none")
+TIGHTEN_ROUNDS = 6
+
+
+class BudgetError(MemccError):
+    """No strategy found a plan within the budget; carries the smallest reachable peak."""
+
+    def __init__(self, message: str, *, budget: int, smallest: int) -> None:
+        super().__init__(message)
+        self.budget = budget
+        self.smallest = smallest
+
+
+@dataclass(frozen=True)
+class PlanProblem:
+    """The array problem plus the mapping back to node names."""
+
+    problem: Problem
+    groups: tuple[tuple[str, ...], ...]   # variable -> forward nodes recomputed together
+    crossing_bytes: np.ndarray
+    crossing_vars: list[list[int]]
+
+    def plan(self, x: np.ndarray, strategy: str, **notes) -> Plan:
+        names = frozenset(n for i in np.nonzero(x)[0] for n in self.groups[int(i)])
+        return Plan(names, strategy, notes)
+
+
+@dataclass
+class PlanOutcome:
+    """What the pass decided and how it got there (for the report)."""
+
+    best: Simulation
+    baseline: Simulation
+    strategy: str
+    solver: dict
+    candidates: list[dict] = field(default_factory=list)
+    smallest_peak: int | None = None
+
+
+# ---------------------------------------------------------------------------- the model
+def build_problem(graph: Graph, st: StepStructure, live: LivenessReport,
+                  costs: CostModel) -> PlanProblem:
+    nodes = graph.nodes
+    T = len(nodes)
+    pos = {n.name: i for i, n in enumerate(nodes)}
+    fwd_pos = np.array([n.name in st.forward for n in nodes], dtype=bool)
+    values = live.values
+    readers: dict[str, list[int]] = defaultdict(list)
+    for i, n in enumerate(nodes):
+        for inp in n.input:
+            if inp:
+                readers[inp].append(i)
+    members: dict[str, list[str]] = defaultdict(list)
+    for v, vl in values.items():
+        members[vl.buffer].append(v)
+    producer = {o: n for n in nodes for o in n.output if o}
+
+    # Nodes whose outputs share one buffer (in place / aliases) are decided together.
+    parent = {n.name: n.name for n in nodes if n.name in st.recomputable}
+
+    def find(a: str) -> str:
+        while parent[a] != a:
+            parent[a] = parent[parent[a]]
+            a = parent[a]
+        return a
+
+    for n in nodes:
+        if n.name not in parent:
+            continue
+        for o in n.output:
+            vl = values.get(o)
+            if vl is None or vl.buffer == o:
+                continue
+            owner = producer.get(vl.buffer)
+            if owner is not None and owner.name in parent:
+                parent[find(n.name)] = find(owner.name)
+
+    # tau: where a node would be re-run if recomputed (first reader outside the forward).
+    inf = T + 1
+    tau: dict[str, int] = {}
+    for n in reversed(nodes):
+        if n.name not in st.forward:
+            continue
+        t = inf
+        for o in n.output:
+            for r in readers.get(o, ()):
+                if not fwd_pos[r]:
+                    t = min(t, r)
+                elif nodes[r].name in parent:
+                    t = min(t, tau.get(nodes[r].name, inf))
+        tau[n.name] = t
+
+    roots = sorted({find(a) for a in parent if tau.get(a, inf) < inf}, key=lambda a: pos[a])
+    var_of = {r: i for i, r in enumerate(roots)}
+    groups: list[list[str]] = [[] for _ in roots]
+    for a in parent:
+        r = find(a)
+        if r in var_of:
+            groups[var_of[r]].append(a)
+    for g in groups:
+        g.sort(key=lambda a: pos[a])
+    cost = np.zeros(len(roots))
+    for i, g in enumerate(groups):
+        cost[i] = sum(costs.seconds.get(a, 0.0) for a in g if tau.get(a, inf) < inf)
+
+    tv: list[int] = []
+    tb: list[float] = []
+    ts: list[int] = []
+    te: list[int] = []
+
+    def term(var: int, nbytes: float, start: int, end: int) -> None:
+        start, end = max(start, 0), min(end, T - 1)
+        if nbytes and start <= end:
+            tv.append(var)
+            tb.append(nbytes)
+            ts.append(start)
+            te.append(end)
+
+    for b, vals in members.items():
+        owner = producer.get(b)
+        if owner is None or owner.name not in parent:
+            continue
+        var = var_of.get(find(owner.name))
+        if var is None:
+            continue
+        vl = values[b]
+        if vl.death is None:
+            continue
+        all_r = [r for v in vals for r in readers.get(v, ())]
+        bwd = [r for r in all_r if not fwd_pos[r]]
+        if not bwd:
+            continue
+        fwd = [r for r in all_r if fwd_pos[r]]
+        lf = max(fwd) if fwd else vl.birth
+        t0 = min(tau.get(producer[v].name, inf) for v in vals if v in producer)
+        term(var, -float(vl.nbytes), lf + 1, vl.death)
+        term(var, float(vl.nbytes), min(t0, vl.death), vl.death)
+
+    for n in nodes:
+        if n.name not in parent or tau.get(n.name, inf) >= inf:
+            continue
+        var = var_of.get(find(n.name))
+        if var is None:
+            continue
+        for inp in n.input:
+            vl = values.get(inp)
+            if vl is None or vl.birth < 0:
+                continue
+            bl = values[vl.buffer]
+            if bl.death is None:
+                continue
+            if tau[n.name] > bl.death:
+                term(var, float(bl.nbytes), bl.death + 1, tau[n.name])
+
+    problem = Problem(
+        base=np.asarray(live.live_during, dtype=np.float64),
+        cost=cost,
+        term_var=np.asarray(tv, dtype=np.int64),
+        term_bytes=np.asarray(tb, dtype=np.float64),
+        term_start=np.asarray(ts, dtype=np.int64),
+        term_end=np.asarray(te, dtype=np.int64),
+        names=tuple(roots),
+    )
+    crossing_bytes, crossing_vars = _forward_cuts(nodes, st, values, readers, members,
+                                                  producer, var_of, find, parent)
+    return PlanProblem(problem, tuple(tuple(g) for g in groups), crossing_bytes,
+                       crossing_vars)
+
+
+def _forward_cuts(nodes, st, values, readers, members, producer, var_of, find, parent):
+    """Bytes crossing each position of the forward order, and who produces them."""
+    fwd = [i for i, n in enumerate(nodes) if n.name in st.forward]
+    index = {p: k for k, p in enumerate(fwd)}
+    F = len(fwd)
+    diff = np.zeros(F + 1)
+    spans: list[tuple[int, int, int]] = []
+    for b, vl in values.items():
+        if vl.buffer != b or vl.birth < 0 or b not in producer:
+            continue
+        if producer[b].name not in st.forward:
+            continue
+        last = max((index[r] for v in members[b] for r in readers.get(v, ()) if r in index),
+                   default=None)
+        start = index.get(vl.birth)
+        if last is None or start is None or last <= start:
+            continue
+        diff[start] += vl.nbytes
+        diff[last] -= vl.nbytes
+        for v in members[b]:
+            owner = producer[v].name if v in producer else None
+            var = var_of.get(find(owner)) if owner in parent else None
+            if var is not None:
+                spans.append((start, last, var))
+    crossing = np.cumsum(diff[:-1])
+    crossing_vars: list[list[int]] = [[] for _ in range(F)]
+    for start, last, var in spans:
+        for k in range(start, last):
+            crossing_vars[k].append(var)
+    return crossing, crossing_vars
+
+
+# ---------------------------------------------------------------------------- strategies
+def choose_plan(graph: Graph, budget: int | None, costs: CostModel, *,
+                strategy: str = "auto", time_limit: float = 60.0,
+                structure: StepStructure | None = None,
+                baseline: Simulation | None = None) -> PlanOutcome:
+    """Pick the plan; ``budget=None`` means the smallest peak memcc can reach."""
+    if strategy not in STRATEGIES:
+        raise MemccError(f"--strategy '{strategy}': choose one of {', '.join(STRATEGIES)}")
+    st = structure or StepStructure.of(graph)
+    base = baseline or simulate(graph, Plan(), costs, st)
+    deadline = time.perf_counter() + time_limit
+    solver_info: dict = {"name": "none", "status": "not run", "gap": None}
+    found: list[tuple[str, Simulation]] = [("none", base)]
+    if strategy == "none":
+        return _finish(base, found, budget, "none", solver_info, graph)
+
+    pp = build_problem(graph, st, base.liveness, costs)
+    prob = pp.problem
+    target = budget
+
+    if strategy in ("sqrtn", "auto"):
+        rec = np.ones(prob.n_vars, dtype=bool)
+        for k, x in sqrtn.candidates(pp.crossing_bytes, pp.crossing_vars, prob.n_vars, rec):
+            found.append(("sqrtn", simulate(graph, pp.plan(x, "sqrtn", segments=k), costs, st)))
+        found.append(("sqrtn", simulate(graph, pp.plan(rec, "sqrtn", segments=0), costs, st)))
+        if strategy == "sqrtn":
+            return _finish(base, found, budget, "sqrtn", solver_info, graph)
+
+    if target is None:
+        # The smallest peak: minimise the modelled peak, then compare with the heuristics.
+        remaining = max(deadline - time.perf_counter(), 1.0)
+        sol = ilp.solve(prob, 0.0, time_limit=remaining / 2, objective="peak")
+        solver_info = _solver_info(sol)
+        if sol.status not in ("infeasible",):
+            found.append(("ilp", simulate(graph, pp.plan(sol.x, "ilp"), costs, st)))
+        target = min(s.peak_bytes for _, s in found)
+
+    eff = float(target)
+    for _ in range(TIGHTEN_ROUNDS):
+        remaining = deadline - time.perf_counter()
+        if remaining <= 0.5:
+            solver_info["status"] = solver_info.get("status", "time limit")
+            break
+        sol = ilp.solve(prob, eff, time_limit=remaining)
+        solver_info = _solver_info(sol)
+        if sol.status in ("infeasible", "time limit") or sol.status.startswith("not"):
+            break
+        sim = simulate(graph, pp.plan(sol.x, "ilp", modelled_peak=prob.peak(sol.x)), costs, st)
+        found.append(("ilp", sim))
+        if sim.peak_bytes <= target:
+            break
+        eff -= (sim.peak_bytes - target) * 1.05 + 1.0
+    return _finish(base, found, target, strategy, solver_info, graph)
+
+
+def _solver_info(sol) -> dict:
+    return {"name": sol.solver, "status": sol.status, "gap": sol.gap,
+            "solve_time_s": round(sol.solve_time_s, 3), "rounds": sol.iterations,
+            "objective_s": sol.objective}
+
+
+def _finish(base: Simulation, found: list[tuple[str, Simulation]], budget: int | None,
+            strategy: str, solver_info: dict, graph: Graph) -> PlanOutcome:
+    if strategy != "auto":
+        pool = [(s, sim) for s, sim in found if s == strategy or s == "none"]
+    else:
+        pool = found
+    smallest = min(sim.peak_bytes for _, sim in found)
+    limit = math.inf if budget is None else budget
+    fitting = [(s, sim) for s, sim in pool if sim.peak_bytes <= limit]
+    cands = [{"strategy": s, "peak_bytes": sim.peak_bytes, "added_time_s": sim.added_time_s,
+              **{k: v for k, v in sim.plan.notes.items() if k == "segments"}}
+             for s, sim in found]
+    if not fitting:
+        raise BudgetError(
+            f"the step does not fit the budget of {_fmt(budget)}: the smallest peak memcc "
+            f"reached is {_fmt(smallest)} (baseline {_fmt(base.peak_bytes)}). Use "
+            f"--budget {smallest} or more, or --budget min.",
+            budget=int(budget or 0), smallest=smallest,
+        )
+    name, best = min(fitting, key=lambda p: (p[1].added_time_s, p[1].peak_bytes))
+    if name == "none" and best is not base:
+        best = base
+    return PlanOutcome(best=best, baseline=base, strategy=name, solver=solver_info,
+                       candidates=cands, smallest_peak=smallest)
+
+
+def _fmt(n: float | None) -> str:
+    if n is None:
+        return "n/a"
+    return f"{n / 1e6:,.1f} MB ({int(n):,} bytes)"
+
+
+def liveness_of(graph: Graph) -> LivenessReport:
+    return analyze_liveness(graph)

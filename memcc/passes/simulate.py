@@ -1,0 +1,48 @@
+"""The one simulator every strategy is judged by: lower a plan, then analyse liveness.
+
+Because the peak comes from the same lowering that writes the output file and the same
+liveness analysis that the measurements are checked against, a strategy cannot look better
+here than it will be when run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memcc.graph import Graph
+from memcc.passes.cost_model import CostModel
+from memcc.passes.liveness import LivenessReport, analyze_liveness
+from memcc.passes.plan import Plan, StepStructure
+from memcc.passes.recompute import apply_recompute
+
+
+@dataclass(frozen=True)
+class Simulation:
+    plan: Plan
+    graph: Graph                      # the lowered step
+    liveness: LivenessReport
+    peak_bytes: int
+    compute_cost_s: float             # all nodes of the lowered step
+    added_time_s: float               # cloned nodes only
+    cloned_nodes: tuple[str, ...]
+    recomputed_values: tuple[str, ...]
+
+    def fits(self, budget: float) -> bool:
+        return self.peak_bytes <= budget
+
+
+def simulate(graph: Graph, plan: Plan, costs: CostModel,
+             structure: StepStructure | None = None) -> Simulation:
+    lowered = apply_recompute(graph, plan, structure)
+    live = analyze_liveness(lowered.graph)
+    added = float(sum(costs.seconds.get(n, 0.0) for n in lowered.cloned_nodes))
+    return Simulation(
+        plan=plan,
+        graph=lowered.graph,
+        liveness=live,
+        peak_bytes=int(live.peak_bytes),
+        compute_cost_s=costs.total(graph) + added,
+        added_time_s=added,
+        cloned_nodes=lowered.cloned_nodes,
+        recomputed_values=lowered.recomputed_values,
+    )
