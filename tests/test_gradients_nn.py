@@ -291,3 +291,40 @@ def test_resize_nearest_uneven_sizes():
                             coordinate_transformation_mode="asymmetric", nearest_mode="floor")
     m = make_model([sizes, node], [("x", FLOAT, [1, 1, 3, 4])], [("y", FLOAT, [1, 1, 5, 4])])
     check(m, {"x": x}, lambda x: F.interpolate(x, size=(5, 4), mode="nearest"), ["x"])
+
+
+@pytest.mark.parametrize("attrs", [
+    dict(kernel_shape=[3, 3], strides=[2, 2], auto_pad="SAME_UPPER"),
+    dict(kernel_shape=[3, 3], strides=[2, 2], auto_pad="SAME_LOWER", count_include_pad=1),
+    dict(kernel_shape=[2, 3], strides=[1, 2], pads=[1, 0, 0, 1], count_include_pad=1),
+    dict(kernel_shape=[2, 2], strides=[1, 1], dilations=[2, 2], pads=[1, 1, 1, 1]),
+    dict(kernel_shape=[3, 2], strides=[2, 2], dilations=[1, 2], ceil_mode=1,
+         count_include_pad=1, pads=[1, 1, 1, 1]),
+])
+def test_avgpool_adjoint_identity(attrs):
+    """AveragePool is linear, so sum(y * w) must equal sum(x * dx) for the loss sum(y * w)."""
+    x = rand(1, 2, 7, 8)
+    m = single("AveragePool", {"x": x}, opset=19, **attrs)
+    loss, got = onnx_grads(m, {"x": x}, ["x"])
+    assert abs(loss - float((x * got["x"]).sum())) <= 1e-4 * max(1.0, abs(loss))
+
+
+@pytest.mark.parametrize("mode,ctm,scale", [
+    ("linear", "align_corners", 1.5),
+    ("linear", "asymmetric", 2.5),
+    ("nearest", "half_pixel", 0.5),
+    ("nearest", "pytorch_half_pixel", 3.0),
+])
+def test_resize_adjoint_identity(mode, ctm, scale):
+    x = rand(1, 2, 4, 6)
+    m = _resize_model(x, [1.0, 1.0, scale, scale], mode=mode,
+                      coordinate_transformation_mode=ctm)
+    loss, got = onnx_grads(m, {"x": x}, ["x"])
+    assert abs(loss - float((x * got["x"]).sum())) <= 1e-4 * max(1.0, abs(loss))
+
+
+def test_conv_transpose1d_asymmetric_pads():
+    feeds = {"x": rand(2, 3, 5), "w": rand(3, 2, 4), "b": rand(2)}
+    m = single("ConvTranspose", feeds, strides=[2], pads=[1, 2])
+    fn = lambda x, w, b: F.conv_transpose1d(x, w, b, stride=2)[..., 1:-2]  # noqa: E731
+    check(m, feeds, fn, list(feeds))
