@@ -12,7 +12,7 @@ _SETTINGS = [(1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 3, 2), (6, 64, 4, 2), (6, 96,
              (6, 160, 3, 2), (6, 320, 1, 1)]
 
 
-def build(batch: int = 2, resolution: int = 32, width_mult: float = 0.25,
+def build(batch: int = 2, resolution: int = 64, width_mult: float = 0.25,
           num_classes: int = 10, in_channels: int = 3, last_channel: int | None = None,
           seed: int = 0, dynamic_batch: bool = False, bn_training: bool = True
           ) -> onnx.ModelProto:
@@ -27,6 +27,7 @@ def build(batch: int = 2, resolution: int = 32, width_mult: float = 0.25,
     (default: torchvision's 1280*max(1, width_mult)), ``seed``, ``dynamic_batch``,
     ``bn_training``. Input ``input`` [batch, in_channels, R, R]; output ``logits``
     [batch, num_classes]. Real size: ``width_mult=1.0, resolution=224, num_classes=1000``.
+    The small default resolution is 64 so that the last stage stays 2x2 (see resnet.build).
     """
     options = dict(batch=batch, resolution=resolution, width_mult=width_mult,
                    num_classes=num_classes, in_channels=in_channels, last_channel=last_channel,

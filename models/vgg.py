@@ -51,8 +51,10 @@ def build(batch: int = 2, resolution: int = 32, width: int = 8, hidden: int = 64
         cin = cout
     x = b.op("Flatten", [x], name="flatten", axis=1)
     feats = cin * (resolution // 32) ** 2
-    x = relu(b, linear(b, x, "classifier.0", feats, hidden), "classifier.1")
-    x = relu(b, linear(b, x, "classifier.3", hidden, hidden), "classifier.4")
-    x = linear(b, x, "classifier.6", hidden, num_classes, std=hidden**-0.5)
+    # torchvision's init for the classifier, normal(0, 0.01): with He init a plain 16-layer
+    # net without normalisation starts with gradients too large for plain SGD.
+    x = relu(b, linear(b, x, "classifier.0", feats, hidden, std=0.01), "classifier.1")
+    x = relu(b, linear(b, x, "classifier.3", hidden, hidden, std=0.01), "classifier.4")
+    x = linear(b, x, "classifier.6", hidden, num_classes, std=0.01)
     logits_output(b, x, [n, num_classes])
     return b.model(build.__doc__ or "", metadata("vgg16", options, num_classes=num_classes))
