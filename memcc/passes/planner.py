@@ -102,20 +102,23 @@ def build_problem(graph: Graph, st: StepStructure, live: LivenessReport,
             if owner is not None and owner.name in parent:
                 parent[find(n.name)] = find(owner.name)
 
-    # tau: where a node would be re-run if recomputed (first reader outside the forward).
+    # tau: where a node would be re-run if recomputed: before its first reader outside the
+    # forward pass. A node that only feeds other forward nodes is re-run where its first
+    # recomputed reader is. (If a longer recompute chain reaches it earlier, the model is
+    # optimistic there; the simulator catches that and the budget is tightened.)
     inf = T + 1
     tau: dict[str, int] = {}
     for n in reversed(nodes):
         if n.name not in st.forward:
             continue
-        t = inf
-        for o in n.output:
-            for r in readers.get(o, ()):
-                if not fwd_pos[r]:
-                    t = min(t, r)
-                elif nodes[r].name in parent:
-                    t = min(t, tau.get(nodes[r].name, inf))
-        tau[n.name] = t
+        direct = min((r for o in n.output for r in readers.get(o, ()) if not fwd_pos[r]),
+                     default=inf)
+        if direct < inf:
+            tau[n.name] = direct
+            continue
+        tau[n.name] = min((tau.get(nodes[r].name, inf) for o in n.output
+                           for r in readers.get(o, ()) if nodes[r].name in parent),
+                          default=inf)
 
     roots = sorted({find(a) for a in parent if tau.get(a, inf) < inf}, key=lambda a: pos[a])
     var_of = {r: i for i, r in enumerate(roots)}
