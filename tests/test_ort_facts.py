@@ -1,0 +1,210 @@
+"""Pin the ONNX Runtime behaviour memcc's design relies on, each as a small experiment.
+
+If an onnxruntime upgrade changes one of these, the matching test fails here, next to the
+fact, instead of a plan silently stopping to hold (see ORT_NOTES.md and
+``backend/session.py`` for why each matters). Memory facts are measured in a fresh process
+with the allocator setting of ``backend/memory.py``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from memcc.backend.memory import measure_many_in_subprocess
+from memcc.backend.profile_order import executed_order, planned_order
+from memcc.backend.session import make_session
+from memcc.frontend.load import load_graph
+from memcc.passes.liveness import analyze_liveness
+
+H = helper.make_node
+MiB = 1 << 20
+N = 1 << 20  # one float tensor of N elements = 4 MiB
+
+
+def model(nodes, outputs, *, inputs=(("x", [N]),), inits=(), opset=17) -> onnx.ModelProto:
+    g = helper.make_graph(
+        nodes, "facts",
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in inputs],
+        [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outputs],
+        list(inits),
+    )
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
+    m.ir_version = 10
+    return m
+
+
+def profiled_order(m: onnx.ModelProto, feeds, tmp_path, extra_config=None,
+                   **overrides) -> list[str]:
+    sess = make_session(m, "cpu", profile=True, profile_prefix=tmp_path / "p",
+                        option_overrides=overrides, extra_config=extra_config)
+    sess.run(None, feeds)
+    return executed_order(sess.end_profiling())
+
+
+def interleaved_chains() -> onnx.ModelProto:
+    """Two independent chains written interleaved: a1 b1 a2 b2, then the join."""
+    return model([
+        H("Neg", ["x"], ["a1"], name="a1"),
+        H("Abs", ["x"], ["b1"], name="b1"),
+        H("Neg", ["a1"], ["a2"], name="a2"),
+        H("Abs", ["b1"], ["b2"], name="b2"),
+        H("Add", ["a2", "b2"], ["y"], name="join"),
+    ], ["y"], inputs=[("x", [8])])
+
+
+# ---------------------------------------------------------------------------- §1 order
+def test_priority_based_keeps_file_order_where_default_does_not(tmp_path):
+    m = interleaved_chains()
+    feeds = {"x": np.ones(8, np.float32)}
+    planned = planned_order(m.graph.node)
+    assert profiled_order(m, feeds, tmp_path) == planned  # the contract: PRIORITY_BASED
+    default = profiled_order(m, feeds, tmp_path, execution_order="DEFAULT")
+    assert sorted(default) == sorted(planned)
+    assert default != planned
+
+
+def test_constant_nodes_never_run_ort_makes_them_initializers(tmp_path):
+    k = helper.make_tensor("k", TensorProto.FLOAT, [], [2.0])
+    m = model([H("Constant", [], ["k"], name="const", value=k),
+               H("Mul", ["x", "k"], ["y"], name="mul")], ["y"], inputs=[("x", [8])])
+    executed = profiled_order(m, {"x": np.ones(8, np.float32)}, tmp_path)
+    assert executed == ["mul"] == planned_order(m.graph.node)
+
+
+# ---------------------------------------------------------------------------- §2 optimizations
+def duplicated_node() -> onnx.ModelProto:
+    """The shape of a recompute: the same op on the same input twice, names differing."""
+    return model([
+        H("Neg", ["x"], ["n1"], name="orig"),
+        H("Neg", ["x"], ["n2"], name="recompute"),
+        H("Add", ["n1", "n2"], ["y"], name="use"),
+    ], ["y"], inputs=[("x", [8])])
+
+
+def test_cse_merges_duplicated_nodes_when_enabled_and_not_under_the_contract(tmp_path):
+    m = duplicated_node()
+    feeds = {"x": np.ones(8, np.float32)}
+    assert profiled_order(m, feeds, tmp_path) == ["orig", "recompute", "use"]
+    enable_all = {"optimization.disable_specified_optimizers": ""}
+    merged = profiled_order(m, feeds, tmp_path, extra_config=enable_all,
+                            graph_optimization_level="ORT_ENABLE_BASIC")
+    assert len(merged) == 2  # ORT's level 1 alone merges the duplicate: one Neg is gone
+
+
+def test_disabled_optimizers_entry_keeps_cse_off_at_a_raised_level(tmp_path):
+    """Belt and braces: the contract's disable list holds even if the level is raised."""
+    sess = make_session(duplicated_node(), "cpu", profile=True, profile_prefix=tmp_path / "p",
+                        option_overrides={"graph_optimization_level": "ORT_ENABLE_BASIC"})
+    assert sess.get_session_options().get_session_config_entry(
+        "optimization.disable_specified_optimizers"
+    ) == "CommonSubexpressionElimination;ConstantFolding"
+    sess.run(None, {"x": np.ones(8, np.float32)})
+    assert executed_order(sess.end_profiling()) == ["orig", "recompute", "use"]
+
+
+# ---------------------------------------------------------------------------- §3 allocation
+def _sum(src: str, out: str) -> onnx.NodeProto:
+    return H("ReduceSum", [src], [out], keepdims=0, name=f"sum_{out}")
+
+
+CASES = {
+    # b is produced and never consumed: it stays allocated to the end of the run (and with
+    # planner reuse on, d would take its buffer).
+    "unconsumed": model([H("Neg", ["x"], ["b"], name="b"), H("Neg", ["x"], ["d"], name="d"),
+                         _sum("d", "s2")], ["s2"]),
+    # the same with b consumed right away: b is freed before d is made.
+    "consumed": model([H("Neg", ["x"], ["b"], name="b"), _sum("b", "s1"),
+                       H("Neg", ["x"], ["d"], name="d"), _sum("d", "s2")], ["s1", "s2"]),
+    # a dies early; z (same shape) is made late; y (other shape) in between.
+    "reuse_window": model([
+        H("Neg", ["x"], ["a"], name="a"), _sum("a", "s1"),
+        H("Reshape", ["x", "shp"], ["xr"], name="r"), H("Neg", ["xr"], ["y"], name="y"),
+        _sum("y", "s2"), H("Neg", ["x"], ["z"], name="z"), _sum("z", "s3"),
+    ], ["s1", "s2", "s3"], inits=[helper.make_tensor("shp", TensorProto.INT64, [2], [2, N // 2])]),
+    "chain": model([H("Neg", ["x"], ["a"], name="a"), H("Neg", ["a"], ["b"], name="b"),
+                    H("Neg", ["b"], ["c"], name="c"), _sum("c", "s")], ["s"]),
+    "reshape_alias": model([
+        H("Neg", ["x"], ["a"], name="a"), H("Reshape", ["a", "shp"], ["r"], name="r"),
+        H("Unsqueeze", ["r", "ax"], ["u"], name="u"), H("Flatten", ["u"], ["f"], name="f"),
+        H("Identity", ["f"], ["i"], name="i"), _sum("i", "s"),
+    ], ["s"], inits=[helper.make_tensor("shp", TensorProto.INT64, [2], [2, N // 2]),
+                     helper.make_tensor("ax", TensorProto.INT64, [1], [0])]),
+    "relu_in_place": model([H("Neg", ["x"], ["a"], name="a"), H("Relu", ["a"], ["r"], name="r"),
+                            _sum("r", "s")], ["s"]),
+    "where_scratch": model([
+        H("Neg", ["x"], ["a"], name="a"), H("Greater", ["a", "x"], ["m"], name="m"),
+        H("Where", ["m", "a", "x"], ["w"], name="w"), _sum("w", "s")], ["s"]),
+}
+
+
+@pytest.fixture(scope="module")
+def measured() -> dict[str, list[int]]:
+    x = np.random.default_rng(0).standard_normal(N).astype(np.float32)
+    return measure_many_in_subprocess({k: (m, {"x": x}) for k, m in CASES.items()}, runs=2)
+
+
+@pytest.fixture(scope="module")
+def measured_with_reuse() -> dict[str, list[int]]:
+    x = np.ones(N, np.float32)
+    cases = {k: (CASES[k], {"x": x}) for k in ("unconsumed", "reuse_window")}
+    return measure_many_in_subprocess(cases, runs=1, overrides={"enable_mem_reuse": True})
+
+
+def mib(values) -> float:
+    return max(values) / MiB
+
+
+def test_unconsumed_outputs_are_never_freed(measured):
+    # 4 MiB tensors: x + b + d when b is never freed, x + d when it is.
+    assert mib(measured["unconsumed"]) == pytest.approx(12, abs=0.5)
+    assert mib(measured["consumed"]) == pytest.approx(8, abs=0.5)
+    g = load_graph(CASES["unconsumed"])
+    life = analyze_liveness(g).values["b"]
+    assert life.death is None
+    assert analyze_liveness(g).live_after[-1] >= 2 * 4 * N  # x and b are held to the end
+    assert analyze_liveness(load_graph(CASES["consumed"])).values["b"].death is not None
+
+
+def test_mem_reuse_keeps_dead_buffers_for_later_values(measured, measured_with_reuse):
+    """With planner reuse on, a's buffer waits for z and the peak rises; the contract's
+    enable_mem_reuse=False frees it after its last use."""
+    assert mib(measured["reuse_window"]) == pytest.approx(8, abs=0.5)
+    assert mib(measured_with_reuse["reuse_window"]) == pytest.approx(12, abs=0.5)
+    # ...and with reuse on, a later value can take an unconsumed output's buffer.
+    assert mib(measured_with_reuse["unconsumed"]) == pytest.approx(8, abs=0.5)
+
+
+def test_reshape_squeeze_flatten_identity_alias_their_input(measured):
+    assert mib(measured["reshape_alias"]) == pytest.approx(8, abs=0.5)  # x + a only
+
+
+def test_relu_writes_in_place_when_it_is_the_last_use(measured):
+    assert mib(measured["relu_in_place"]) == pytest.approx(8, abs=0.5)
+
+
+def test_where_allocates_both_selections_as_scratch(measured):
+    # x + a + m (1 MiB bool) + w + two 4 MiB selections inside the kernel
+    assert mib(measured["where_scratch"]) == pytest.approx(21, abs=0.5)
+
+
+def test_liveness_predicts_each_case(measured):
+    for name, m in CASES.items():
+        predicted = analyze_liveness(load_graph(m)).peak_bytes
+        got = max(measured[name])
+        assert abs(got - predicted) <= 0.02 * predicted + 256 * 1024, (name, got, predicted)
+
+
+def test_memory_pattern_off_gives_repeatable_peaks():
+    """With the pattern planner (it needs the arena) the second run takes a new block on top
+    of the first run's memory; with the contract every run peaks the same."""
+    x = np.ones(N, np.float32)
+    cases = {"chain": (CASES["chain"], {"x": x})}
+    contract = measure_many_in_subprocess(cases, runs=3, warmup=False)["chain"]
+    pattern = measure_many_in_subprocess(
+        cases, runs=3, warmup=False,
+        overrides={"enable_mem_pattern": True, "enable_cpu_mem_arena": True})["chain"]
+    assert max(contract) - min(contract) <= 0.02 * max(contract)
+    assert pattern[1] > 1.5 * pattern[0]
