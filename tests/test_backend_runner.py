@@ -1,0 +1,244 @@
+"""The training-step runner: state carried between steps, batches, errors, order check."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from memcc.backend.onnx_file import save_graph
+from memcc.backend.profile_order import compare_orders, executed_order
+from memcc.backend.runner import run_steps, synthetic_feeds
+from memcc.backend.session import cuda_available, resolve_provider
+from memcc.errors import InputError, RuntimeFailure
+from memcc.frontend.build import BuildOptions, build_training_step
+from memcc.frontend.load import load_graph
+
+H = helper.make_node
+F = TensorProto.FLOAT
+N, D, LR = 32, 5, 0.1
+
+
+def linreg_step(path, *, n=N, d=D, lr=LR, seed=1, metadata=True) -> np.ndarray:
+    """One SGD step of least-squares linear regression, written by hand with the metadata
+    contract of ``memcc build``. Returns the initial weights."""
+    w0 = np.random.default_rng(seed).standard_normal((d, 1)).astype(np.float32)
+
+    def const(name, value):
+        return H("Constant", [], [name], name=name,
+                 value=onnx.numpy_helper.from_array(np.asarray(value, np.float32), name))
+
+    nodes = [
+        H("MatMul", ["x", "W"], ["xw"], name="fwd/matmul"),
+        H("Add", ["xw", "b"], ["pred"], name="fwd/add"),
+        H("Sub", ["pred", "y"], ["diff"], name="fwd/sub"),
+        H("Mul", ["diff", "diff"], ["sq"], name="fwd/square"),
+        H("ReduceMean", ["sq"], ["loss"], keepdims=0, name="fwd/mean"),
+        const("two_over_n", 2.0 / n),
+        H("Mul", ["diff", "two_over_n"], ["g"], name="bwd/scale"),
+        H("Transpose", ["x"], ["xT"], name="bwd/transpose"),
+        H("MatMul", ["xT", "g"], ["W.grad"], name="bwd/matmul"),
+        H("ReduceSum", ["g", "axis0"], ["b.grad"], keepdims=0, name="bwd/sum"),
+        const("lr", lr),
+        H("Mul", ["W.grad", "lr"], ["W.step"], name="upd/w_step"),
+        H("Sub", ["W", "W.step"], ["W.new"], name="upd/w"),
+        H("Mul", ["b.grad", "lr"], ["b.step"], name="upd/b_step"),
+        H("Sub", ["b", "b.step"], ["b.new"], name="upd/b"),
+    ]
+    vi = helper.make_tensor_value_info
+    g = helper.make_graph(
+        nodes, "linreg",
+        [vi("x", F, [n, d]), vi("y", F, [n, 1]), vi("W", F, [d, 1]), vi("b", F, [1])],
+        [vi("loss", F, []), vi("W.new", F, [d, 1]), vi("b.new", F, [1])],
+        [onnx.numpy_helper.from_array(w0, "W"),
+         onnx.numpy_helper.from_array(np.zeros(1, np.float32), "b"),
+         onnx.numpy_helper.from_array(np.array([0], np.int64), "axis0")],
+    )
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 10
+    if metadata:
+        for k, v in {
+            "memcc.kind": "training_step", "memcc.loss": "loss",
+            "memcc.data_inputs": json.dumps(["x", "y"]), "memcc.int_ranges": "{}",
+            "memcc.state": json.dumps({"W.new": "W", "b.new": "b"}),
+            "memcc.parameters": json.dumps(["W", "b"]),
+        }.items():
+            m.metadata_props.add(key=k, value=v)
+    onnx.save_model(m, str(path))
+    return w0
+
+
+def numpy_sgd_losses(x, y, w, steps, lr=LR) -> list[float]:
+    b = np.zeros(1, np.float32)
+    losses = []
+    for _ in range(steps):
+        diff = x @ w + b - y
+        losses.append(float(np.mean(diff * diff)))
+        g = diff * np.float32(2.0 / len(x))
+        w, b = w - lr * (x.T @ g), b - lr * g.sum(axis=0)
+    return losses
+
+
+@pytest.fixture
+def linreg(tmp_path):
+    path = tmp_path / "linreg.onnx"
+    w0 = linreg_step(path)
+    return path, w0
+
+
+def test_state_is_carried_and_losses_follow_numpy_sgd(linreg):
+    path, w0 = linreg
+    r = run_steps(path, steps=20, seed=3)
+    feeds = synthetic_feeds(load_graph(path), seed=3)
+    expected = numpy_sgd_losses(feeds["x"], feeds["y"], w0, 20)
+    np.testing.assert_allclose(r.losses, expected, rtol=1e-4)
+    assert r.losses[-1] < 0.5 * r.losses[0]
+    assert r.order_matches_plan and r.executed_order_mismatch is None
+    assert len(r.step_times_s) == 20 and r.step_time_s > 0
+    assert r.measured_peak_bytes is not None and r.measured_peak_bytes > 0
+
+
+def test_json_has_the_contract_fields(linreg):
+    d = run_steps(linreg[0], steps=2).to_json()
+    for key in ("steps", "losses", "step_time_s", "measured_peak_bytes",
+                "predicted_peak_bytes", "order_matches_plan", "provider"):
+        assert key in d
+    assert d["steps"] == 2 and len(d["losses"]) == 2 and d["provider"] == "cpu"
+    assert "MALLOC_MMAP_THRESHOLD_" in d["measurement_method"]
+    json.dumps(d)
+
+
+def test_built_mlp_losses_fall_over_20_sgd_steps(tmp_path):
+    from models import mlp
+
+    forward = mlp.build(batch=16, in_features=12, width=32, depth=2, num_classes=4)
+    step = build_training_step(load_graph(forward), BuildOptions(optimizer="sgd", lr=0.05))
+    path = save_graph(step, tmp_path / "mlp_step.onnx")
+    r = run_steps(path, steps=20)
+    assert r.losses[-1] < 0.7 * r.losses[0]
+    assert all(np.isfinite(r.losses))
+    assert r.order_matches_plan
+
+
+def test_given_data_equals_the_same_synthetic_batch(linreg, tmp_path):
+    path, _ = linreg
+    feeds = synthetic_feeds(load_graph(path), seed=7)
+    np.savez(tmp_path / "batch.npz", **feeds)
+    from_file = run_steps(path, steps=3, data=tmp_path / "batch.npz")
+    synthetic = run_steps(path, steps=3, seed=7)
+    assert from_file.losses == synthetic.losses
+    assert from_file.to_json()["data"].endswith("batch.npz")
+
+
+def test_in_process_run_says_its_measurement_is_approximate(linreg):
+    r = run_steps(linreg[0], steps=2, isolate=False)
+    assert r.measurement_method.startswith("cpu-vmhwm-approximate")
+    assert len(r.losses) == 2
+
+
+def test_synthetic_batch_respects_int_ranges_masks_and_bools():
+    vi = helper.make_tensor_value_info
+    g = helper.make_graph(
+        [H("Cast", ["ids"], ["f"], to=F, name="c")], "g",
+        [vi("ids", TensorProto.INT64, [4, 50]), vi("mask", TensorProto.INT64, [4, 50]),
+         vi("flag", TensorProto.BOOL, [2]), vi("x", TensorProto.FLOAT16, [3])],
+        [vi("f", F, [4, 50])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.metadata_props.add(key="memcc.int_ranges", value=json.dumps({"ids": [3, 7]}))
+    feeds = synthetic_feeds(load_graph(m), seed=0)
+    assert feeds["ids"].min() >= 3 and feeds["ids"].max() < 7
+    assert (feeds["mask"] == 1).all() and feeds["flag"].all()
+    assert feeds["x"].dtype == np.float16
+    again = synthetic_feeds(load_graph(m), seed=0)
+    assert all(np.array_equal(feeds[k], again[k]) for k in feeds)
+
+
+# ---------------------------------------------------------------------------- errors
+def test_forward_model_is_refused_with_a_hint_to_build(tmp_path):
+    path = tmp_path / "fwd.onnx"
+    linreg_step(path, metadata=False)
+    with pytest.raises(InputError, match="memcc build"):
+        run_steps(path)
+
+
+def test_not_an_onnx_file(tmp_path):
+    path = tmp_path / "junk.onnx"
+    path.write_bytes(b"not a model")
+    with pytest.raises(InputError, match="not an ONNX model"):
+        run_steps(path)
+
+
+@pytest.mark.parametrize("arrays, message", [
+    ({"x": np.zeros((N, D), np.float32)}, r"no array named 'y' \(shape \[32, 1\], dtype float32"),
+    ({"x": np.zeros((N, D + 1), np.float32), "y": np.zeros((N, 1), np.float32)},
+     r"'x' has shape \[32, 6\].*expects \(shape \[32, 5\]"),
+    ({"x": np.zeros((N, D), np.float64), "y": np.zeros((N, 1), np.float32)},
+     r"'x' has shape \[32, 5\], dtype float64.*dtype float32"),
+])
+def test_bad_data_names_the_array_and_what_was_expected(linreg, tmp_path, arrays, message):
+    np.savez(tmp_path / "bad.npz", **arrays)
+    with pytest.raises(InputError, match=message):
+        run_steps(linreg[0], data=tmp_path / "bad.npz")
+
+
+def test_data_that_is_not_npz(linreg, tmp_path):
+    (tmp_path / "bad.npz").write_text("hello")
+    with pytest.raises(InputError, match="cannot read it as an .npz"):
+        run_steps(linreg[0], data=tmp_path / "bad.npz")
+
+
+def test_out_of_range_labels_are_refused(tmp_path):
+    from models import mlp
+
+    step = build_training_step(load_graph(mlp.build(batch=4, in_features=6, width=8, depth=1,
+                                                    num_classes=3)))
+    path = save_graph(step, tmp_path / "step.onnx")
+    feeds = synthetic_feeds(step, seed=0)
+    feeds["labels"] = np.full_like(feeds["labels"], 3)
+    np.savez(tmp_path / "d.npz", **feeds)
+    with pytest.raises(InputError, match=r"'labels' holds values in \[3, 3\].*\[0, 3\)"):
+        run_steps(path, data=tmp_path / "d.npz")
+
+
+def test_broken_state_metadata_is_reported(tmp_path):
+    path = tmp_path / "s.onnx"
+    linreg_step(path)
+    m = onnx.load(str(path))
+    for p in m.metadata_props:
+        if p.key == "memcc.state":
+            p.value = json.dumps({"W.new": "W", "nope.new": "b"})
+    onnx.save_model(m, str(path))
+    with pytest.raises(InputError, match="output 'nope.new'"):
+        run_steps(path)
+
+
+def test_providers():
+    assert resolve_provider("auto") == ("cuda" if cuda_available() else "cpu")
+    with pytest.raises(InputError, match="choose one of"):
+        resolve_provider("tpu")
+    if not cuda_available():
+        with pytest.raises(RuntimeFailure, match="no CUDAExecutionProvider"):
+            resolve_provider("cuda")
+
+
+# ---------------------------------------------------------------------------- order check
+def test_compare_orders_reports_the_first_mismatch():
+    assert compare_orders(["a", "b", "c"], ["a", "b", "c"]).matches
+    check = compare_orders(["a", "b", "c"], ["a", "c", "b"])
+    assert not check.matches
+    assert check.first_mismatch == {"index": 1, "planned": "b", "executed": "c"}
+    short = compare_orders(["a", "b"], ["a"])
+    assert short.first_mismatch == {"index": 1, "planned": "b", "executed": None}
+
+
+def test_executed_order_reads_kernel_events_by_start_time():
+    events = [
+        {"cat": "Session", "name": "model_run", "ts": 0},
+        {"cat": "Node", "name": "b_kernel_time", "ts": 20},
+        {"cat": "Node", "name": "a_fence_before", "ts": 5},
+        {"cat": "Node", "name": "a_kernel_time", "ts": 10},
+    ]
+    assert executed_order(events) == ["a", "b"]
