@@ -27,9 +27,10 @@ CPU execution provider of onnxruntime 1.31.1 (``tests/test_ort_facts.py`` pins e
 - Kernel scratch, allocated and freed inside one kernel, that measurably matters: Where
   builds both broadcast selections before merging them; Sum/Max/Min/Mean over more than two
   inputs keep one accumulator; Dropout makes its mask even when the mask is not an output;
-  Softmax/LogSoftmax (opset >= 13) on a non-last axis transpose in and out. Scratch of other
-  kernels (Conv's im2col buffer, Einsum's operand copies, thread-local MLAS buffers) is not
-  modeled.
+  Softmax/LogSoftmax (opset >= 13) on a non-last axis transpose in and out; ConvTranspose
+  expands one image into a column buffer. Conv measured no scratch worth counting (MLAS
+  works in small per-thread blocks). Scratch of other kernels (Einsum's operand copies,
+  pooling, thread-local MLAS buffers) is not modeled.
 
 Bytes are ``TensorInfo.nbytes``; the allocator's page rounding (under 4 KiB per buffer) is
 ignored.
@@ -335,6 +336,8 @@ def scratch_bytes(node: onnx.NodeProto, info: Mapping[str, TensorInfo], opset: i
     if op == "Dropout" and (len(node.output) < 2 or not node.output[1]):
         out = info.get(node.output[0])
         return out.numel if out is not None else 0  # bool mask, one byte per element
+    if op == "ConvTranspose" and len(node.input) >= 2:
+        return _conv_transpose_columns(node, info)
     if op in ("Softmax", "LogSoftmax") and opset >= 13:
         x = info.get(node.input[0])
         if x is None or len(x.shape) < 2:
@@ -343,6 +346,17 @@ def scratch_bytes(node: onnx.NodeProto, info: Mapping[str, TensorInfo], opset: i
         axis = axis + len(x.shape) if axis < 0 else axis
         return 2 * x.nbytes if axis != len(x.shape) - 1 else 0
     return 0
+
+
+def _conv_transpose_columns(node: onnx.NodeProto, info: Mapping[str, TensorInfo]) -> int:
+    """ORT's ConvTranspose expands one image into a column buffer before col2im:
+    (output channels per group x kernel size) x input image size elements."""
+    x, w = info.get(node.input[0]), info.get(node.input[1])
+    if x is None or w is None or len(w.shape) < 3:
+        return 0
+    kernel = int(np.prod(w.shape[2:]))
+    image = int(np.prod(x.shape[2:]))
+    return w.shape[1] * kernel * image * x.itemsize  # w: [C_in, C_out / group, *kernel]
 
 
 def _broadcast_numel(a: Sequence[int], b: Sequence[int]) -> int:

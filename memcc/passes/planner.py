@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import time
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -66,7 +67,15 @@ class PlanOutcome:
 
 # ---------------------------------------------------------------------------- the model
 def build_problem(graph: Graph, st: StepStructure, live: LivenessReport,
-                  costs: CostModel) -> PlanProblem:
+                  costs: CostModel, rerun_hint: Mapping[str, str] | None = None
+                  ) -> PlanProblem:
+    """The linear model of ``graph``'s memory under recompute decisions.
+
+    ``rerun_hint`` (forward node -> node it was re-run before, from simulating an earlier
+    plan) replaces the first-reader estimate of where a recomputed node runs: long recompute
+    chains re-run nodes earlier than their own first backward reader, and re-solving with
+    what the simulator saw makes the model exact around that plan.
+    """
     nodes = graph.nodes
     T = len(nodes)
     pos = {n.name: i for i, n in enumerate(nodes)}
@@ -113,12 +122,13 @@ def build_problem(graph: Graph, st: StepStructure, live: LivenessReport,
             continue
         direct = min((r for o in n.output for r in readers.get(o, ()) if not fwd_pos[r]),
                      default=inf)
+        hinted = pos.get(rerun_hint.get(n.name, ""), inf) if rerun_hint else inf
         if direct < inf:
-            tau[n.name] = direct
+            tau[n.name] = min(direct, hinted)
             continue
-        tau[n.name] = min((tau.get(nodes[r].name, inf) for o in n.output
-                           for r in readers.get(o, ()) if nodes[r].name in parent),
-                          default=inf)
+        tau[n.name] = min(hinted, min((tau.get(nodes[r].name, inf) for o in n.output
+                                       for r in readers.get(o, ()) if nodes[r].name in parent),
+                                      default=inf))
 
     roots = sorted({find(a) for a in parent if tau.get(a, inf) < inf}, key=lambda a: pos[a])
     var_of = {r: i for i, r in enumerate(roots)}
@@ -137,14 +147,16 @@ def build_problem(graph: Graph, st: StepStructure, live: LivenessReport,
     tb: list[float] = []
     ts: list[int] = []
     te: list[int] = []
+    tu: list[int] = []
 
-    def term(var: int, nbytes: float, start: int, end: int) -> None:
+    def term(var: int, nbytes: float, start: int, end: int, unless: int = -1) -> None:
         start, end = max(start, 0), min(end, T - 1)
         if nbytes and start <= end:
             tv.append(var)
             tb.append(nbytes)
             ts.append(start)
             te.append(end)
+            tu.append(unless)
 
     for b, vals in members.items():
         owner = producer.get(b)
@@ -158,11 +170,15 @@ def build_problem(graph: Graph, st: StepStructure, live: LivenessReport,
             continue
         all_r = [r for v in vals for r in readers.get(v, ())]
         bwd = [r for r in all_r if not fwd_pos[r]]
+        t0 = min(tau.get(producer[v].name, inf) for v in vals if v in producer)
         if not bwd:
+            # Only other clones read it: a transient of a recompute chain, live while the
+            # chain runs (counted at the reader's position; conservative for long chains).
+            if t0 < inf:
+                term(var, float(vl.nbytes), t0, t0)
             continue
         fwd = [r for r in all_r if fwd_pos[r]]
         lf = max(fwd) if fwd else vl.birth
-        t0 = min(tau.get(producer[v].name, inf) for v in vals if v in producer)
         term(var, -float(vl.nbytes), lf + 1, vl.death)
         term(var, float(vl.nbytes), min(t0, vl.death), vl.death)
 
@@ -180,7 +196,12 @@ def build_problem(graph: Graph, st: StepStructure, live: LivenessReport,
             if bl.death is None:
                 continue
             if tau[n.name] > bl.death:
-                term(var, float(bl.nbytes), bl.death + 1, tau[n.name])
+                src = producer.get(vl.buffer)
+                unless = var_of.get(find(src.name), -1) if src is not None and \
+                    src.name in parent else -1
+                if unless == var:
+                    continue
+                term(var, float(bl.nbytes), bl.death + 1, tau[n.name], unless)
 
     problem = Problem(
         base=np.asarray(live.live_during, dtype=np.float64),
@@ -190,6 +211,7 @@ def build_problem(graph: Graph, st: StepStructure, live: LivenessReport,
         term_start=np.asarray(ts, dtype=np.int64),
         term_end=np.asarray(te, dtype=np.int64),
         names=tuple(roots),
+        term_unless=np.asarray(tu, dtype=np.int64),
     )
     crossing_bytes, crossing_vars = _forward_cuts(nodes, st, values, readers, members,
                                                   producer, var_of, find, parent)
@@ -266,7 +288,10 @@ def choose_plan(graph: Graph, budget: int | None, costs: CostModel, *,
             found.append(("ilp", simulate(graph, pp.plan(sol.x, "ilp"), costs, st)))
         target = min(s.peak_bytes for _, s in found)
 
+    # Solve, simulate, and where the simulator disagrees with the model, re-solve with what
+    # it saw: re-run positions from the simulation, and a budget lowered by the excess.
     eff = float(target)
+    hint: dict[str, str] = {}
     for _ in range(TIGHTEN_ROUNDS):
         remaining = deadline - time.perf_counter()
         if remaining <= 0.5:
@@ -280,8 +305,44 @@ def choose_plan(graph: Graph, budget: int | None, costs: CostModel, *,
         found.append(("ilp", sim))
         if sim.peak_bytes <= target:
             break
-        eff -= (sim.peak_bytes - target) * 1.05 + 1.0
+        if any(hint.get(k) != v for k, v in sim.rerun_before.items()):
+            hint.update(sim.rerun_before)
+            pp = build_problem(graph, st, base.liveness, costs, hint)
+            prob = pp.problem
+        else:
+            eff -= (sim.peak_bytes - target) * 1.05 + 1.0
+    if strategy == "auto":
+        polished = _polish(graph, pp, found, target, costs, st, deadline)
+        if polished is not None:
+            found.append(("auto", polished))
     return _finish(base, found, target, strategy, solver_info, graph)
+
+
+POLISH_CANDIDATES = 48
+
+
+def _polish(graph: Graph, pp: PlanProblem, found: list[tuple[str, Simulation]],
+            budget: float, costs: CostModel, st: StepStructure,
+            deadline: float) -> Simulation | None:
+    """Take the cheapest fitting plan and stop recomputing its most expensive nodes one by
+    one while the simulator says the step still fits (exact, so it never breaks a plan)."""
+    fitting = [sim for _, sim in found if sim.peak_bytes <= budget and sim.plan.recompute]
+    if not fitting:
+        return None
+    best = min(fitting, key=lambda s: s.added_time_s)
+    chosen = set(best.plan.recompute)
+    index = {n: i for i, g in enumerate(pp.groups) for n in g}
+    groups = {index[n] for n in chosen if n in index}
+    order = sorted(groups, key=lambda i: -pp.problem.cost[i])[:POLISH_CANDIDATES]
+    improved = None
+    for i in order:
+        if time.perf_counter() > deadline:
+            break
+        trial = chosen - set(pp.groups[i])
+        sim = simulate(graph, Plan(frozenset(trial), "auto"), costs, st)
+        if sim.peak_bytes <= budget and sim.added_time_s < (improved or best).added_time_s:
+            chosen, improved = trial, sim
+    return improved
 
 
 def _solver_info(sol) -> dict:

@@ -16,7 +16,7 @@ frees an unconsumed output, ORT_NOTES.md §3).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import onnx
 
@@ -31,6 +31,8 @@ class RecomputeResult:
     graph: Graph
     cloned_nodes: tuple[str, ...]      # names of forward nodes that were re-executed
     recomputed_values: tuple[str, ...]  # forward values whose backward readers use a clone
+    # forward node -> the non-forward node whose input made it re-run (it runs just before)
+    rerun_before: dict[str, str] = field(default_factory=dict)
 
 
 def apply_recompute(graph: Graph, plan: Plan, structure: StepStructure | None = None
@@ -56,13 +58,16 @@ def apply_recompute(graph: Graph, plan: Plan, structure: StepStructure | None = 
             if i:
                 readers[i] = readers.get(i, 0) + 1
 
-    def resolve(value: str, emitted: list[onnx.NodeProto]) -> str:
+    rerun_before: dict[str, str] = {}
+
+    def resolve(value: str, emitted: list[onnx.NodeProto], reader: str) -> str:
         if value in clone_of:
             return clone_of[value]
         node = producers.get(value)
         if node is None or node.name not in recompute:
             return value
-        inputs = [resolve(i, emitted) if i else "" for i in node.input]
+        inputs = [resolve(i, emitted, reader) if i else "" for i in node.input]
+        rerun_before[node.name] = reader
         clone = onnx.NodeProto()
         clone.CopyFrom(node)
         clone.name = fresh(node.name + RECOMPUTE_SUFFIX)
@@ -92,14 +97,14 @@ def apply_recompute(graph: Graph, plan: Plan, structure: StepStructure | None = 
         emitted: list[onnx.NodeProto] = []
         for k, i in enumerate(node.input):
             if i:
-                r = resolve(i, emitted)
+                r = resolve(i, emitted, node.name)
                 if r != i:
                     node.input[k] = r
         new_nodes.extend(emitted)
         new_nodes.append(node)
     out.nodes = _drop_dead_forward_outputs(new_nodes, st, set(out.outputs))
     recomputed = tuple(sorted(v for v in clone_of if v in st.saved))
-    return RecomputeResult(out, tuple(cloned), recomputed)
+    return RecomputeResult(out, tuple(cloned), recomputed, rerun_before)
 
 
 def _drop_dead_forward_outputs(nodes: list[onnx.NodeProto], st: StepStructure,

@@ -26,6 +26,7 @@ class Simulation:
     added_time_s: float               # cloned nodes only
     cloned_nodes: tuple[str, ...]
     recomputed_values: tuple[str, ...]
+    rerun_before: dict[str, str]        # cloned forward node -> node it runs before
 
     def fits(self, budget: float) -> bool:
         return self.peak_bytes <= budget
@@ -45,4 +46,5 @@ def simulate(graph: Graph, plan: Plan, costs: CostModel,
         added_time_s=added,
         cloned_nodes=lowered.cloned_nodes,
         recomputed_values=lowered.recomputed_values,
+        rerun_before=lowered.rerun_before,
     )

@@ -70,23 +70,7 @@ def solve(problem: Problem, budget: float, *, time_limit: float = 60.0,
         if remaining <= 0:
             status = "time limit" if status == "not solved" else status
             break
-        prob = pulp.LpProblem("memcc_recompute", pulp.LpMinimize)
-        xv = [pulp.LpVariable(f"x{i}", cat="Binary") for i in range(n)]
-        added = pulp.lpSum(float(problem.cost[i]) / cost_scale * xv[i] for i in range(n)
-                           if problem.cost[i] > 0)
-        if objective == "peak":
-            peak = pulp.LpVariable("peak", lowBound=0)
-            prob += peak + 1e-6 * added
-        else:
-            prob += added + 1e-9 * pulp.lpSum(xv)
-        for t in rows:
-            coeffs = problem.row(t)
-            lhs = pulp.lpSum(c / scale * xv[i] for i, c in coeffs.items() if c != 0.0)
-            rhs = (budget - problem.base[t]) / scale
-            if objective == "peak":
-                prob += lhs + problem.base[t] / scale <= peak
-            else:
-                prob += lhs <= rhs
+        prob, xv = _model(problem, rows, budget, objective, scale, cost_scale)
         backend, name = _make_solver(remaining, solver)
         prob.solve(backend)
         st = pulp.LpStatus[prob.status]
@@ -111,6 +95,44 @@ def solve(problem: Problem, budget: float, *, time_limit: float = 60.0,
         rows = sorted(set(rows) | set(new))
     objective_s = float(problem.cost[x].sum())
     return Solution(x, status, gap, objective_s, time.perf_counter() - start, name, rounds)
+
+
+def _model(problem: Problem, rows: list[int], budget: float, objective: str, scale: float,
+           cost_scale: float):
+    """The MILP over the given memory rows; returns (pulp problem, x variables)."""
+    import pulp
+
+    n = problem.n_vars
+    prob = pulp.LpProblem("memcc_recompute", pulp.LpMinimize)
+    xv = [pulp.LpVariable(f"x{i}", cat="Binary") for i in range(n)]
+    zv: dict[tuple[int, int], pulp.LpVariable] = {}
+
+    def var(key):
+        if isinstance(key, int):
+            return xv[key]
+        if key not in zv:
+            # z >= x[v] - x[u], z >= 0: only ever pushed down, so z = max(0, x_v - x_u).
+            z = pulp.LpVariable(f"z{key[0]}_{key[1]}", lowBound=0, upBound=1)
+            prob.addConstraint(z >= xv[key[0]] - xv[key[1]])
+            zv[key] = z
+        return zv[key]
+
+    added = pulp.lpSum(float(problem.cost[i]) / cost_scale * xv[i] for i in range(n)
+                       if problem.cost[i] > 0)
+    peak = None
+    if objective == "peak":
+        peak = pulp.LpVariable("peak", lowBound=0)
+        prob += peak + 1e-6 * added
+    else:
+        prob += added + 1e-9 * pulp.lpSum(xv)
+    for t in rows:
+        coeffs = problem.row(t)
+        lhs = pulp.lpSum(c / scale * var(k) for k, c in coeffs.items() if c != 0.0)
+        if peak is not None:
+            prob += lhs + problem.base[t] / scale <= peak
+        else:
+            prob += lhs <= (budget - problem.base[t]) / scale
+    return prob, xv
 
 
 def _gap(prob) -> float | None:

@@ -26,6 +26,9 @@ class Problem:
     term_start: np.ndarray  # int64[m], inclusive
     term_end: np.ndarray    # int64[m], inclusive
     names: tuple[str, ...]  # variable -> forward node name
+    # Optional "unless" variable per term (-1: none): the term counts max(0, x[var] - x[u]),
+    # e.g. a kept input held until a recomputed reader re-runs, unless it is recomputed too.
+    term_unless: np.ndarray | None = None
 
     @property
     def n_vars(self) -> int:
@@ -38,20 +41,35 @@ class Problem:
     def memory(self, x: np.ndarray) -> np.ndarray:
         """Modelled bytes live at every time point for a 0/1 (or fractional) choice ``x``."""
         diff = np.zeros(self.horizon + 1)
-        w = self.term_bytes * np.asarray(x, dtype=np.float64)[self.term_var]
+        w = self.term_bytes * self.activation(x)
         np.add.at(diff, self.term_start, w)
         np.add.at(diff, self.term_end + 1, -w)
         return self.base + np.cumsum(diff[:-1])
+
+    def activation(self, x: np.ndarray) -> np.ndarray:
+        """How much of each term is switched on by ``x`` (0..1)."""
+        xf = np.asarray(x, dtype=np.float64)
+        on = xf[self.term_var]
+        if self.term_unless is not None:
+            u = self.term_unless
+            has = u >= 0
+            on = on.copy()
+            on[has] = np.maximum(0.0, on[has] - xf[u[has]])
+        return on
 
     def peak(self, x: np.ndarray) -> float:
         return float(self.memory(x).max(initial=0.0))
 
     def row(self, t: int) -> dict[int, float]:
-        """Coefficients of the memory constraint at time ``t``."""
+        """Coefficients of the memory constraint at time ``t``: keys are variable indices,
+        or ``(var, unless)`` pairs standing for max(0, x[var] - x[unless])."""
         mask = (self.term_start <= t) & (t <= self.term_end)
-        coeffs: dict[int, float] = {}
-        for v, b in zip(self.term_var[mask], self.term_bytes[mask], strict=True):
-            coeffs[int(v)] = coeffs.get(int(v), 0.0) + float(b)
+        unless = self.term_unless[mask] if self.term_unless is not None else \
+            np.full(int(mask.sum()), -1)
+        coeffs: dict = {}
+        for v, b, u in zip(self.term_var[mask], self.term_bytes[mask], unless, strict=True):
+            key = int(v) if u < 0 else (int(v), int(u))
+            coeffs[key] = coeffs.get(key, 0.0) + float(b)
         return coeffs
 
 
