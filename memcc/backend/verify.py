@@ -1,0 +1,82 @@
+"""Proof by running: the rewritten step computes what the original did, within budget.
+
+Both steps run once in ORT, same session settings, same inputs (the synthetic batch and
+the initial state); every output (loss, gradients, updated parameters and state) must be
+bit-identical on the CPU provider, because recomputation repeats the same kernels on the
+same inputs. On CUDA kernels may pick other algorithms between runs, so outputs are
+compared with a tight tolerance instead and the report says so. Then the rewritten file
+runs under ``run_steps`` (its own measuring process): the measured peak must be within the
+budget and ORT's executed order must be the planned order.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from memcc.backend.onnx_file import save_graph
+from memcc.backend.runner import run_steps, session_graph, synthetic_feeds
+from memcc.backend.session import make_session
+from memcc.graph import Graph
+
+
+def step_outputs(graph: Graph, feeds: dict[str, np.ndarray], provider: str
+                 ) -> dict[str, np.ndarray]:
+    g, values = session_graph(graph)
+    sess = make_session(g.to_model(), provider)
+    names = list(graph.outputs)
+    out = sess.run(names, {**values, **feeds})
+    return dict(zip(names, out, strict=True))
+
+
+def compare_outputs(a: dict[str, np.ndarray], b: dict[str, np.ndarray], *, exact: bool
+                    ) -> list[str]:
+    problems = []
+    for name in a:
+        if name not in b:
+            problems.append(f"output '{name}' missing from the rewritten step")
+            continue
+        x, y = np.asarray(a[name]), np.asarray(b[name])
+        if x.shape != y.shape or x.dtype != y.dtype:
+            problems.append(f"output '{name}': {x.dtype}{list(x.shape)} vs "
+                            f"{y.dtype}{list(y.shape)}")
+        elif exact and not np.array_equal(x, y, equal_nan=True):
+            diff = float(np.max(np.abs(x.astype(np.float64) - y.astype(np.float64))))
+            problems.append(f"output '{name}' differs (max abs diff {diff:.3g})")
+        elif not exact and not np.allclose(x, y, rtol=1e-5, atol=1e-6, equal_nan=True):
+            problems.append(f"output '{name}' differs beyond rtol 1e-5")
+    return problems
+
+
+def verify_rewrite(original: Graph, rewritten: Graph, *, budget: int, provider: str = "cpu",
+                   seed: int = 0, steps: int = 2) -> dict:
+    exact = provider == "cpu"
+    feeds = synthetic_feeds(original, seed)
+    ref = step_outputs(original, feeds, provider)
+    new = step_outputs(rewritten, feeds, provider)
+    problems = compare_outputs(ref, new, exact=exact)
+    del ref, new
+    with tempfile.TemporaryDirectory(prefix="memcc-verify-") as tmp:
+        path = Path(tmp) / "rewritten.onnx"
+        save_graph(rewritten, path)
+        run = run_steps(path, steps=steps, provider=provider, seed=seed)
+    measured = run.measured_peak_bytes
+    if measured is None:
+        problems.append(f"no peak measurement on {provider} ({run.measurement_method})")
+    elif measured > budget:
+        problems.append(f"measured peak {measured:,} bytes exceeds the budget {budget:,}")
+    if not run.order_matches_plan:
+        problems.append(f"ORT did not run the planned order: {run.executed_order_mismatch}")
+    return {
+        "ok": not problems,
+        "problems": problems,
+        "outputs_compared": len(rewritten.outputs),
+        "comparison": "bit-identical" if exact else "rtol 1e-5 (CUDA)",
+        "measured_peak_bytes": measured,
+        "predicted_peak_bytes": run.predicted_peak_bytes,
+        "order_matches_plan": run.order_matches_plan,
+        "measurement_method": run.measurement_method,
+        "step_time_s": run.step_time_s,
+    }

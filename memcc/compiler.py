@@ -1,0 +1,300 @@
+"""``memcc compile``: load, analyse, plan, rewrite, (verify), write; one report for all.
+
+The flow is the design card's: frontend (load, build the step when the model is forward
+only), liveness of the step as written (the baseline), the cost model, the plan pass
+(strategies judged by one simulator), the rewrite (the plan's lowering), and optionally the
+proof by running. Each stage adds a ``PassReport``. Nothing is written until a plan that
+fits exists, and files are written atomically, so a failed compile leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from memcc.backend.onnx_file import save_graph
+from memcc.errors import InputError, MemccError
+from memcc.frontend.build import BuildOptions, build_training_step, is_training_step
+from memcc.frontend.load import load_graph
+from memcc.graph import Graph
+from memcc.passes.cost_model import (
+    CUDA_NOMINAL,
+    CostModel,
+    analytic_costs,
+    calibrate_cpu_rates,
+    measured_costs,
+)
+from memcc.passes.plan import StepStructure
+from memcc.passes.planner import STRATEGIES, BudgetError, PlanOutcome, choose_plan
+from memcc.passes.simulate import Simulation
+from memcc.sizes import format_size, parse_size
+
+COST_SOURCES = ("auto", "measured", "analytic")
+PLAN_KEY = "memcc.plan"
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    budget: str | int = "min"
+    strategy: str = "auto"
+    provider: str = "cpu"
+    time_limit: float = 60.0
+    cost: str = "auto"
+    verify: bool = False
+    # Plans target budget * (1 - margin): the liveness model ignores allocator rounding and
+    # per-buffer headers, which the measurement sees (under 1% on the zoo; see README).
+    margin: float = 0.02
+    slack_bytes: int = 512 * 1024
+    build: BuildOptions = field(default_factory=BuildOptions)
+    dims: Mapping[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise InputError(f"--strategy '{self.strategy}': choose one of "
+                             f"{', '.join(STRATEGIES)}")
+        if self.cost not in COST_SOURCES:
+            raise InputError(f"--cost '{self.cost}': choose one of {', '.join(COST_SOURCES)}")
+        if self.time_limit <= 0:
+            raise InputError("--time-limit must be positive")
+        if not 0.0 <= self.margin < 0.5:
+            raise InputError("--margin must lie in [0, 0.5)")
+        if self.provider not in ("cpu", "cuda"):
+            raise InputError(f"--provider '{self.provider}': choose cpu or cuda")
+
+    @property
+    def budget_bytes(self) -> int | None:
+        """None means: the smallest budget memcc can reach."""
+        if isinstance(self.budget, str) and self.budget.strip().lower() == "min":
+            return None
+        return parse_size(self.budget)
+
+
+@dataclass(frozen=True)
+class PassReport:
+    name: str
+    time_s: float
+    summary: dict
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "time_s": round(self.time_s, 4), "summary": self.summary}
+
+
+@dataclass
+class CompileResult:
+    graph: Graph
+    report: dict
+    outcome: PlanOutcome
+    passes: list[PassReport]
+
+
+Progress = Callable[[str], None]
+
+
+def compile_model(model: str | os.PathLike, options: CompileOptions, *,
+                  output: str | os.PathLike | None = None,
+                  report_path: str | os.PathLike | None = None,
+                  progress: Progress | None = None) -> CompileResult:
+    """Compile ``model`` for ``options.budget``; write ``output``/``report_path`` if given."""
+    say = progress or (lambda _msg: None)
+    t_start = time.perf_counter()
+    passes: list[PassReport] = []
+
+    def timed(name: str, fn):
+        say(f"{name} ...")
+        t0 = time.perf_counter()
+        value, summary = fn()
+        passes.append(PassReport(name, time.perf_counter() - t0, summary))
+        return value
+
+    budget = options.budget_bytes
+    plan_budget = None if budget is None else \
+        max(int(budget * (1.0 - options.margin)) - options.slack_bytes, 0)
+    graph = timed("load", lambda: _load(model, options))
+    structure = StepStructure.of(graph)
+    costs = timed("cost_model", lambda: _costs(graph, options))
+    try:
+        outcome = timed("plan", lambda: _plan(graph, plan_budget, costs, options, structure))
+    except BudgetError as exc:
+        need = _user_budget(exc.smallest, options)
+        raise BudgetError(
+            f"{model}: the training step does not fit in {format_size(budget)} "
+            f"({budget:,} bytes). The smallest budget memcc can reach for it is "
+            f"{format_size(need)} ({need:,} bytes; strategy {options.strategy}, with "
+            f"{options.margin:.0%} + {options.slack_bytes:,} bytes of safety margin). "
+            "Nothing was written. Use --budget {need} "
+            "or more, --budget min, or a smaller batch.",
+            budget=budget or 0, smallest=need,
+        ) from None
+    plan_sim = outcome.best
+    base_sim = outcome.baseline
+    final_budget = budget if budget is not None else _user_budget(plan_sim.peak_bytes, options)
+    rewritten = timed("rewrite", lambda: _rewrite(plan_sim, base_sim))
+    rewritten.metadata[PLAN_KEY] = json.dumps(plan_sim.plan.to_json(), sort_keys=True)
+
+    verification = None
+    if options.verify:
+        verification = timed("verify", lambda: _verify(graph, rewritten, final_budget,
+                                                       options.provider))
+
+    report = _report(options, final_budget, plan_budget, budget is None, base_sim, plan_sim,
+                     outcome, costs, passes, time.perf_counter() - t_start, verification)
+    if verification is not None and not verification["ok"]:
+        raise VerificationError(
+            "verification failed: " + "; ".join(verification["problems"]), report=report
+        )
+    if output is not None:
+        say(f"writing {output}")
+        save_graph(rewritten, Path(output))
+    if report_path is not None:
+        _write_json(Path(report_path), report)
+    return CompileResult(rewritten, report, outcome, passes)
+
+
+def _user_budget(planned_peak: int, options: CompileOptions) -> int:
+    """The budget a user must give for a plan whose simulated peak is ``planned_peak``."""
+    return int((planned_peak + options.slack_bytes) / (1.0 - options.margin)) + 1
+
+
+class VerificationError(MemccError):
+    def __init__(self, message: str, *, report: dict) -> None:
+        super().__init__(message)
+        self.report = report
+
+
+# ---------------------------------------------------------------------------- stages
+def _load(model, options: CompileOptions):
+    graph = load_graph(model, options.dims)
+    built = False
+    if not is_training_step(graph):
+        graph = build_training_step(graph, options.build, source=str(model))
+        built = True
+    params = json.loads(graph.metadata.get("memcc.parameters", "[]"))
+    return graph, {
+        "model": str(model), "built_training_step": built, "nodes": len(graph.nodes),
+        "parameters": len(params),
+        "parameter_bytes": int(sum(graph.info[p].nbytes for p in params)),
+    }
+
+
+def _costs(graph: Graph, options: CompileOptions) -> tuple[CostModel, dict]:
+    note = None
+    if options.cost in ("auto", "measured"):
+        try:
+            cm = measured_costs(graph, options.provider)
+            return cm, {"source": "measured", "provider": options.provider,
+                        "total_s": round(cm.total(graph), 6)}
+        except MemccError as exc:
+            if options.cost == "measured":
+                raise
+            note = f"measuring failed, estimated instead: {exc}"
+    rates = calibrate_cpu_rates() if options.provider == "cpu" else CUDA_NOMINAL
+    cm = analytic_costs(graph, rates)
+    summary = {"source": "analytic", "provider": options.provider, "rates": rates.to_json(),
+               "total_s": round(cm.total(graph), 6)}
+    if note:
+        summary["note"] = note
+    return cm, summary
+
+
+def _plan(graph, budget, costs, options, structure) -> tuple[PlanOutcome, dict]:
+    outcome = choose_plan(graph, budget, costs, strategy=options.strategy,
+                          time_limit=options.time_limit, structure=structure)
+    best, base = outcome.best, outcome.baseline
+    saved = {v: graph.info[v].nbytes for v in best.recomputed_values}
+    summary = {
+        "strategy": outcome.strategy,
+        "recomputed_nodes": len(best.plan.recompute),
+        "recomputed_values": len(best.recomputed_values),
+        "recomputed_value_bytes": int(sum(saved.values())),
+        "peak_bytes": best.peak_bytes,
+        "baseline_peak_bytes": base.peak_bytes,
+        "bytes_saved": base.peak_bytes - best.peak_bytes,
+        "predicted_added_time_s": round(best.added_time_s, 6),
+        "smallest_peak_bytes": outcome.smallest_peak,
+        "solver": outcome.solver,
+        "candidates": outcome.candidates,
+    }
+    return outcome, summary
+
+
+def _rewrite(plan_sim: Simulation, base_sim: Simulation) -> tuple[Graph, dict]:
+    g = plan_sim.graph
+    return g, {
+        "nodes_before": len(base_sim.graph.nodes), "nodes_after": len(g.nodes),
+        "cloned_nodes": len(plan_sim.cloned_nodes),
+        "recomputed": list(plan_sim.recomputed_values),
+    }
+
+
+def _verify(original: Graph, rewritten: Graph, budget: int, provider: str):
+    from memcc.backend.verify import verify_rewrite
+
+    result = verify_rewrite(original, rewritten, budget=budget, provider=provider)
+    return result, result
+
+
+# ---------------------------------------------------------------------------- report
+def _report(options, budget, plan_budget, was_min, base: Simulation, plan: Simulation,
+            outcome: PlanOutcome, costs: CostModel, passes, compile_time, verification) -> dict:
+    base_cost = base.compute_cost_s
+    plan_cost = plan.compute_cost_s
+    live = plan.liveness
+    return {
+        "budget_bytes": int(budget),
+        "budget_was_min": was_min,
+        "margin": options.margin,
+        "slack_bytes": options.slack_bytes,
+        "planning_budget_bytes": int(plan_budget if plan_budget is not None else plan.peak_bytes),
+        "baseline": {
+            "peak_bytes": base.peak_bytes,
+            "compute_cost_s": base_cost,
+            "breakdown_at_peak": dict(base.liveness.breakdown),
+            "peak_node": base.liveness.peak_node,
+        },
+        "plan": {
+            "peak_bytes": plan.peak_bytes,
+            "compute_cost_s": plan_cost,
+            "overhead": (plan_cost / base_cost - 1.0) if base_cost > 0 else 0.0,
+            "fits": plan.peak_bytes <= budget,
+            "strategy": outcome.strategy,
+            "breakdown_at_peak": dict(live.breakdown),
+            "peak_node": live.peak_node,
+            "recomputed_values": list(plan.recomputed_values),
+            "recomputed_nodes": sorted(plan.plan.recompute),
+        },
+        "passes": [p.to_json() for p in passes],
+        "compile_time_s": compile_time,
+        "solver": {k: outcome.solver.get(k) for k in ("name", "status", "gap")}
+        | {k: v for k, v in outcome.solver.items() if k not in ("name", "status", "gap")},
+        "cost_model": {"source": costs.source, "provider": options.provider},
+        "timeline": {
+            "baseline": list(base.liveness.live_during),
+            "plan": list(live.live_during),
+        },
+        "verification": verification,
+        "options": {"strategy": options.strategy, "provider": options.provider,
+                    "time_limit": options.time_limit, "cost": options.cost},
+    }
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=1, sort_keys=False) + "\n")
+    os.replace(tmp, path)
+
+
+def summary_lines(report: dict) -> list[str]:
+    b, p = report["baseline"], report["plan"]
+    lines = [
+        f"budget   {format_size(report['budget_bytes'])}"
+        + (" (smallest reachable)" if report.get("budget_was_min") else ""),
+        f"baseline peak {format_size(b['peak_bytes'])}  ->  plan peak "
+        f"{format_size(p['peak_bytes'])}  ({'fits' if p['fits'] else 'DOES NOT FIT'})",
+        f"strategy {p['strategy']}: {len(p['recomputed_values'])} values recomputed, "
+        f"predicted added time {p['overhead'] * 100:.1f}%",
+    ]
+    return lines
