@@ -36,7 +36,10 @@ class GraphBuilder:
         self.name = name
         self.rng = np.random.default_rng(seed)
         self.nodes: list[onnx.NodeProto] = []
-        self.initializers: list[onnx.TensorProto] = []
+        # Initializers are written straight into the result: copying a multi-GB graph through
+        # helper.make_graph/make_model would take seconds per copy.
+        self._model = onnx.ModelProto()
+        self.initializers = self._model.graph.initializer
         self.inputs: list[onnx.ValueInfoProto] = []
         self.outputs: list[onnx.ValueInfoProto] = []
         self._names: set[str] = set()
@@ -59,10 +62,18 @@ class GraphBuilder:
         return name
 
     def output(self, value: str, name: str, elem_type: int, shape: Shape) -> str:
-        """Expose ``value`` as graph output ``name`` (through Identity if it is named otherwise)."""
+        """Expose ``value`` as graph output ``name``: its producer's output is renamed when
+        nothing else reads it (no extra Identity node to plan around), else via Identity."""
         if value != name:
             self._names.add(name)
-            self.nodes.append(helper.make_node("Identity", [value], [name], name=name))
+            producer = next((n for n in self.nodes if value in n.output), None)
+            consumed = any(value in n.input for n in self.nodes)
+            if producer is not None and not consumed:
+                outs = [name if o == value else o for o in producer.output]
+                del producer.output[:]
+                producer.output.extend(outs)
+            else:
+                self.nodes.append(helper.make_node("Identity", [value], [name], name=name))
         self.outputs.append(helper.make_tensor_value_info(name, elem_type, list(shape)))
         return name
 
@@ -111,7 +122,12 @@ class GraphBuilder:
         if name in self._names:
             raise ValueError(f"parameter name {name!r} used twice")
         self._names.add(name)
-        self.initializers.append(numpy_helper.from_array(np.asarray(array, np.float32), name))
+        arr = np.ascontiguousarray(array, dtype=np.float32)
+        tensor = self.initializers.add()
+        tensor.name = name
+        tensor.data_type = TensorProto.FLOAT
+        tensor.dims.extend(arr.shape)
+        tensor.raw_data = arr.tobytes()
         return name
 
     def normal(self, name: str, shape: Sequence[int], std: float) -> str:
@@ -131,10 +147,16 @@ class GraphBuilder:
 
     # ------------------------------------------------------------------ result
     def model(self, doc: str = "", metadata: dict[str, object] | None = None) -> onnx.ModelProto:
-        graph = helper.make_graph(self.nodes, self.name, self.inputs, self.outputs,
-                                  self.initializers, doc_string=doc)
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)],
-                                  producer_name="memcc.models")
+        """Finish the model (call once: the builder hands over its ModelProto)."""
+        model = self._model
+        graph = model.graph
+        graph.name = self.name
+        graph.doc_string = doc
+        graph.node.extend(self.nodes)
+        graph.input.extend(self.inputs)
+        graph.output.extend(self.outputs)
+        model.opset_import.append(helper.make_opsetid("", OPSET))
+        model.producer_name = "memcc.models"
         model.ir_version = IR_VERSION
         for key, value in (metadata or {}).items():
             text = value if isinstance(value, str) else json.dumps(value)
