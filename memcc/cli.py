@@ -99,6 +99,82 @@ def run(
     )
 
 
+@app.command(name="compile")
+def compile_cmd(
+    model: Annotated[Path, typer.Argument(help="Training step, or forward model (built first).")],
+    budget: Annotated[str, typer.Option(
+        help="Memory budget for the whole step: 6GB (10^9), 6GiB (2^30), MB/MiB/KB/KiB/TB/"
+             "TiB, plain bytes, or 'min' for the smallest memcc can reach.")],
+    output: Annotated[Optional[Path], typer.Option(  # noqa: UP045
+        "--output", "-o", help="Rewritten step (default: MODEL.memcc.onnx).")] = None,
+    report: Annotated[Optional[Path], typer.Option(  # noqa: UP045
+        help="Write the report JSON here (default: OUTPUT with .report.json).")] = None,
+    strategy: Annotated[str, typer.Option(
+        help="auto (ILP, heuristics, exact polish; best fitting plan), ilp, sqrtn or none."
+    )] = "auto",
+    provider: Annotated[str, typer.Option(help="Provider to plan and measure for: cpu, cuda.")
+                        ] = "cpu",
+    time_limit: Annotated[float, typer.Option(help="Seconds the planner may spend.")] = 60.0,
+    cost: Annotated[str, typer.Option(
+        help="Node times: auto (measure in ORT, estimate if that fails), measured, analytic."
+    )] = "auto",
+    verify: Annotated[bool, typer.Option(
+        "--verify", help="Run original and rewritten step: same outputs, measured peak within "
+                         "budget, planned order executed.")] = False,
+    margin: Annotated[float, typer.Option(
+        help="Safety margin: plan for budget*(1-margin) - 512 KiB.")] = 0.02,
+    loss: Annotated[str, typer.Option(help="(forward models) as in memcc build.")
+                    ] = "cross-entropy",
+    optimizer: Annotated[str, typer.Option(help="(forward models) as in memcc build.")
+                         ] = "sgd",
+    lr: Annotated[Optional[float], typer.Option(  # noqa: UP045
+        help="(forward models) as in memcc build.")] = None,
+    dim: DimOpt = None,
+) -> None:
+    """Rewrite a training step so that it fits a memory budget at the least added time."""
+    from memcc.compiler import CompileOptions, compile_model, summary_lines
+    from memcc.frontend.build import BuildOptions
+    from memcc.frontend.load import parse_dims
+
+    out_path = output or model.with_name(model.stem + ".memcc.onnx")
+    report_path = report or out_path.with_name(out_path.stem + ".report.json")
+    try:
+        opts = CompileOptions(
+            budget=budget, strategy=strategy, provider=provider, time_limit=time_limit,
+            cost=cost, verify=verify, margin=margin,
+            build=BuildOptions(loss=loss, optimizer=optimizer, lr=lr), dims=parse_dims(dim),
+        )
+        with err.status("compiling") as status:
+            result = compile_model(model, opts, output=out_path, report_path=report_path,
+                                   progress=lambda m: status.update(f"compiling: {m}"))
+    except MemccError as exc:
+        _fail(exc)
+        return
+    for line in summary_lines(result.report):
+        out.print(line, highlight=False)
+    out.print(f"wrote {out_path} and {report_path}", highlight=False)
+
+
+@app.command(name="report")
+def report_cmd(
+    report: Annotated[Path, typer.Argument(help="Report JSON written by memcc compile.")],
+    plot: Annotated[Optional[Path], typer.Option(  # noqa: UP045
+        help="Also draw bytes live over the schedule (baseline, plan, budget) to this PNG.")
+    ] = None,
+) -> None:
+    """Print a compile report as tables; optionally plot the memory timeline."""
+    from memcc.report import load_report, plot_timeline, print_report
+
+    try:
+        data = load_report(report)
+        print_report(data, out)
+        if plot is not None:
+            plot_timeline(data, plot)
+            out.print(f"wrote {plot}")
+    except MemccError as exc:
+        _fail(exc)
+
+
 def _mb(n: int | None) -> str:
     return "n/a" if n is None else f"{n / 1e6:,.1f} MB"
 
