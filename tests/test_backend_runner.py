@@ -22,9 +22,11 @@ F = TensorProto.FLOAT
 N, D, LR = 32, 5, 0.1
 
 
-def linreg_step(path, *, n=N, d=D, lr=LR, seed=1, metadata=True) -> np.ndarray:
+def linreg_step(path, *, n=N, d=D, lr=LR, seed=1, metadata=True, late_shape=False
+                ) -> np.ndarray:
     """One SGD step of least-squares linear regression, written by hand with the metadata
-    contract of ``memcc build``. Returns the initial weights."""
+    contract of ``memcc build``. Returns the initial weights. ``late_shape`` adds a Shape
+    node after the forward pass, which ORT runs first (so the order check must fail)."""
     w0 = np.random.default_rng(seed).standard_normal((d, 1)).astype(np.float32)
 
     def const(name, value):
@@ -43,7 +45,10 @@ def linreg_step(path, *, n=N, d=D, lr=LR, seed=1, metadata=True) -> np.ndarray:
         H("MatMul", ["xT", "g"], ["W.grad"], name="bwd/matmul"),
         H("ReduceSum", ["g", "axis0"], ["b.grad"], keepdims=0, name="bwd/sum"),
         const("lr", lr),
-        H("Mul", ["W.grad", "lr"], ["W.step"], name="upd/w_step"),
+        H("Mul", ["W.grad", "lr"], ["W.step0"], name="upd/w_step"),
+        *([H("Shape", ["W"], ["W.shape"], name="late/shape")] if late_shape else []),
+        H("Reshape", ["W.step0", "W.shape" if late_shape else "w_shape"], ["W.step"],
+          name="upd/reshape"),
         H("Sub", ["W", "W.step"], ["W.new"], name="upd/w"),
         H("Mul", ["b.grad", "lr"], ["b.step"], name="upd/b_step"),
         H("Sub", ["b", "b.step"], ["b.new"], name="upd/b"),
@@ -55,7 +60,8 @@ def linreg_step(path, *, n=N, d=D, lr=LR, seed=1, metadata=True) -> np.ndarray:
         [vi("loss", F, []), vi("W.new", F, [d, 1]), vi("b.new", F, [1])],
         [onnx.numpy_helper.from_array(w0, "W"),
          onnx.numpy_helper.from_array(np.zeros(1, np.float32), "b"),
-         onnx.numpy_helper.from_array(np.array([0], np.int64), "axis0")],
+         onnx.numpy_helper.from_array(np.array([0], np.int64), "axis0"),
+         onnx.numpy_helper.from_array(np.array([d, 1], np.int64), "w_shape")],
     )
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
     m.ir_version = 10
@@ -232,6 +238,28 @@ def test_compare_orders_reports_the_first_mismatch():
     assert check.first_mismatch == {"index": 1, "planned": "b", "executed": "c"}
     short = compare_orders(["a", "b"], ["a"])
     assert short.first_mismatch == {"index": 1, "planned": "b", "executed": None}
+
+
+def test_run_reports_where_ort_left_the_planned_order(tmp_path):
+    path = tmp_path / "late.onnx"
+    linreg_step(path, late_shape=True)
+    r = run_steps(path, steps=2)
+    assert not r.order_matches_plan
+    assert r.executed_order_mismatch == {"index": 0, "planned": "fwd/matmul",
+                                         "executed": "late/shape"}
+    assert r.to_json()["order_matches_plan"] is False
+
+
+def test_nodes_out_of_topological_order_are_refused(tmp_path):
+    path = tmp_path / "s.onnx"
+    linreg_step(path)
+    m = onnx.load(str(path))
+    nodes = list(m.graph.node)
+    del m.graph.node[:]
+    m.graph.node.extend([nodes[1], nodes[0], *nodes[2:]])
+    onnx.save_model(m, str(path))
+    with pytest.raises(InputError, match="topological order"):
+        run_steps(path)
 
 
 def test_executed_order_reads_kernel_events_by_start_time():

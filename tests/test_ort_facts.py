@@ -14,7 +14,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from memcc.backend.memory import measure_many_in_subprocess
-from memcc.backend.profile_order import executed_order, planned_order
+from memcc.backend.profile_order import executed_order, ort_priority_order, planned_order
 from memcc.backend.session import make_session
 from memcc.frontend.load import load_graph
 from memcc.passes.liveness import analyze_liveness
@@ -64,6 +64,21 @@ def test_priority_based_keeps_file_order_where_default_does_not(tmp_path):
     default = profiled_order(m, feeds, tmp_path, execution_order="DEFAULT")
     assert sorted(default) == sorted(planned)
     assert default != planned
+
+
+def test_priority_based_hoists_shape_nodes_as_soon_as_they_are_ready(tmp_path):
+    """The one exception to file order: ready Shape/Size nodes run first."""
+    m = model([
+        H("Neg", ["x"], ["a"], name="a"),
+        H("Neg", ["a"], ["b"], name="b"),
+        H("Shape", ["x"], ["shape"], name="late_shape"),
+        H("Reshape", ["b", "shape"], ["y"], name="reshape"),
+    ], ["y"], inputs=[("x", [2, 4])])
+    executed = profiled_order(m, {"x": np.ones((2, 4), np.float32)}, tmp_path)
+    assert executed == ["late_shape", "a", "b", "reshape"]
+    assert ort_priority_order(m.graph.node) == executed
+    assert ort_priority_order(interleaved_chains().graph.node) == planned_order(
+        interleaved_chains().graph.node)
 
 
 def test_constant_nodes_never_run_ort_makes_them_initializers(tmp_path):

@@ -13,6 +13,7 @@ they are not part of the planned order either.
 
 from __future__ import annotations
 
+import heapq
 import json
 import os
 from collections.abc import Iterable, Sequence
@@ -25,6 +26,8 @@ from memcc.errors import RuntimeFailure
 
 KERNEL_SUFFIX = "_kernel_time"
 NOT_EXECUTED = frozenset({"Constant"})
+# PRIORITY_BASED runs these first whenever they are ready (core/graph/graph_viewer.cc).
+HIGH_PRIORITY_OPS = frozenset({"Shape", "Size"})
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,40 @@ class OrderCheck:
 def planned_order(nodes: Iterable[onnx.NodeProto]) -> list[str]:
     """Names of the nodes ORT will execute, in file order (Constant nodes excluded)."""
     return [n.name for n in nodes if n.op_type not in NOT_EXECUTED]
+
+
+def ort_priority_order(nodes: Sequence[onnx.NodeProto]) -> list[str]:
+    """The order ORT's PRIORITY_BASED executes these nodes in: Kahn's algorithm taking, among
+    ready nodes, Shape/Size first, then the lowest file index.
+
+    A topologically sorted file runs in file order except where a Shape or Size node becomes
+    ready before its place in the file: ORT hoists it. A writer that wants its order kept
+    puts such nodes where this function puts them.
+    """
+    executed = [n for n in nodes if n.op_type not in NOT_EXECUTED]
+    producer = {o: i for i, n in enumerate(executed) for o in n.output if o}
+    waiting = [0] * len(executed)
+    readers: dict[int, list[int]] = {}
+    for i, n in enumerate(executed):
+        deps = {producer[x] for x in n.input if x in producer and producer[x] != i}
+        waiting[i] = len(deps)
+        for d in deps:
+            readers.setdefault(d, []).append(i)
+    heap = [(_priority(executed[i]), i) for i, w in enumerate(waiting) if w == 0]
+    heapq.heapify(heap)
+    order = []
+    while heap:
+        _, i = heapq.heappop(heap)
+        order.append(executed[i].name)
+        for r in readers.get(i, ()):
+            waiting[r] -= 1
+            if waiting[r] == 0:
+                heapq.heappush(heap, (_priority(executed[r]), r))
+    return order
+
+
+def _priority(node: onnx.NodeProto) -> int:
+    return 0 if node.op_type in HIGH_PRIORITY_OPS else 1
 
 
 def executed_order(profile: str | os.PathLike | Sequence[dict]) -> list[str]:

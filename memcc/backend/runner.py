@@ -133,7 +133,10 @@ def run_steps(
     spec = read_step_spec(graph, source=str(path))
     prov = resolve_provider(provider)
     feeds = load_data(data, graph, spec) if data is not None else synthetic_feeds(graph, seed)
-    prediction = analyze_liveness(graph)
+    try:
+        prediction = analyze_liveness(graph)
+    except ValueError as exc:  # the node list is not a topological order
+        raise InputError(f"{path}: {exc}; write nodes in a topological order") from exc
     if isolate is None:
         isolate = prov == "cpu" and not memory.in_measuring_child()
     with tempfile.TemporaryDirectory(prefix="memcc-run-") as tmp:

@@ -33,7 +33,9 @@ CPU execution provider of onnxruntime 1.31.1 (``tests/test_ort_facts.py`` pins e
   pooling, thread-local MLAS buffers) is not modeled.
 
 Bytes are ``TensorInfo.nbytes``; the allocator's page rounding (under 4 KiB per buffer) is
-ignored.
+ignored. The default order is the file's; ORT runs a file in that order except that it hoists
+ready Shape/Size nodes (``backend.profile_order.ort_priority_order`` gives the executed
+order, and ``memcc run`` reports any difference).
 """
 
 from __future__ import annotations
@@ -296,19 +298,21 @@ def _same_size(a: TensorInfo | None, b: TensorInfo | None) -> bool:
 
 
 def _resolve_order(graph: Graph, order) -> list[onnx.NodeProto]:
+    """The nodes in ``order`` (default: graph order), checked to be a topological order."""
     if order is None:
-        return list(graph.nodes)
-    by_name = {n.name: n for n in graph.nodes}
-    nodes = []
-    for item in order:
-        if isinstance(item, onnx.NodeProto):
-            nodes.append(item)
-        elif item in by_name:
-            nodes.append(by_name[item])
-        else:
-            raise ValueError(f"order names node '{item}', which the graph does not have")
-    if len(nodes) != len(graph.nodes):
-        raise ValueError(f"order has {len(nodes)} nodes, the graph {len(graph.nodes)}")
+        nodes = list(graph.nodes)
+    else:
+        by_name = {n.name: n for n in graph.nodes}
+        nodes = []
+        for item in order:
+            if isinstance(item, onnx.NodeProto):
+                nodes.append(item)
+            elif item in by_name:
+                nodes.append(by_name[item])
+            else:
+                raise ValueError(f"order names node '{item}', which the graph does not have")
+        if len(nodes) != len(graph.nodes):
+            raise ValueError(f"order has {len(nodes)} nodes, the graph {len(graph.nodes)}")
     available = set(graph.inputs) | set(graph.initializers) | {""}
     for n in nodes:
         missing = [i for i in n.input if i not in available]
