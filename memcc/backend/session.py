@@ -63,9 +63,9 @@ def resolve_provider(provider: str) -> str:
     if p == "cuda" and not cuda_available():
         raise RuntimeFailure(
             "--provider cuda: this onnxruntime has no CUDAExecutionProvider (available: "
-            f"{', '.join(ort.get_available_providers())}). Install the GPU package "
-            "(pip install 'memcc[gpu]', i.e. onnxruntime-gpu, instead of onnxruntime) on a "
-            "machine with an NVIDIA GPU, or run with --provider cpu."
+            f"{', '.join(ort.get_available_providers())}). On a machine with an NVIDIA GPU, "
+            "replace onnxruntime by onnxruntime-gpu (memcc's gpu extra), or run with "
+            "--provider cpu."
         )
     return p
 
