@@ -453,3 +453,18 @@ def test_ort_constant_sharing_breaks_small_training_batchnorm():
     ref = torch_forward(model, feeds)[0]["logits"].detach().numpy()
     assert not np.allclose(first, second) or not np.allclose(first, ref, rtol=1e-3)
     np.testing.assert_array_equal(ort_run(model, feeds)[0], ort_run(model, feeds)[0])
+
+
+def test_double_mode_promotes_every_float():
+    """double=True runs float32 graphs in float64 (constants and casts included)."""
+    for name in ("bert", "mobilenetv2"):
+        model = build_model(name)
+        feeds = make_feeds(model)
+        out64, params = torch_forward(model, feeds, double=True)
+        assert out64["logits"].dtype == torch.float64
+        assert all(p.dtype == torch.float64 for p in params.values())
+        out32, _ = torch_forward(model, feeds)
+        assert_matches(out64["logits"].detach().numpy(), out32["logits"].detach().numpy())
+    loss, grads = torch_loss_and_grads(build_model("mlp"), make_feeds(build_model("mlp")),
+                                       labels=make_labels(build_model("mlp")), double=True)
+    assert all(g.dtype == np.float64 for g in grads.values())

@@ -13,6 +13,8 @@ loss and one gradient per trainable parameter (BatchNormalization running statis
 excluded, as the contract in DESIGN.md says).
 
 Dropout is the identity unless ``train_dropout=True`` (random masks cannot match ORT's).
+``double=True`` evaluates float32 graphs in float64: when ORT and the float32 reference
+disagree, it tells which side carries the error.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ class _Node:
     attrs: dict
     opset: int
     train_dropout: bool
+    double: bool = False
 
     def get(self, name: str, default=None):
         return self.attrs.get(name, default)
@@ -78,31 +81,33 @@ class _Node:
 # ====================================================================== entry points
 def torch_forward(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray | Tensor],
                   params_require_grad: bool = True, *, all_values: bool = False,
-                  train_dropout: bool = False) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+                  train_dropout: bool = False, double: bool = False
+                  ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     """Run ``model`` on ``feeds`` with torch. Returns (outputs, params).
 
     ``outputs`` maps each graph output (every value with ``all_values``) to its tensor;
     ``params`` maps each floating initializer to its leaf tensor (requiring grad when
     ``params_require_grad``). A feed given as a torch tensor is used as is, so a caller can
-    make inputs require grad too.
+    make inputs require grad too. ``double``: float32 values are computed in float64.
     """
     graph = model.graph
     opset = _default_opset(model)
     values: dict[str, Tensor] = {}
     params: dict[str, Tensor] = {}
     for init in graph.initializer:
-        t = torch.from_numpy(np.array(numpy_helper.to_array(init)))
+        t = _promote(torch.from_numpy(np.array(numpy_helper.to_array(init))), double)
         if t.is_floating_point():
             t.requires_grad_(params_require_grad)
             params[init.name] = t
         values[init.name] = t
     for name, value in feeds.items():
-        values[name] = value if isinstance(value, Tensor) else torch.from_numpy(np.array(value))
+        values[name] = value if isinstance(value, Tensor) else _promote(
+            torch.from_numpy(np.array(value)), double)
     for vi in graph.input:
         if vi.name not in values:
             raise KeyError(f"no feed for graph input {vi.name!r}")
     for proto in graph.node:
-        _run_node(proto, values, opset, train_dropout)
+        _run_node(proto, values, opset, train_dropout, double)
     if all_values:
         return dict(values), params
     return {o.name: values[o.name] for o in graph.output}, params
@@ -120,7 +125,8 @@ def trainable_params(model: onnx.ModelProto) -> list[str]:
 def torch_loss_and_grads(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray],
                          loss: str = "cross-entropy", labels: np.ndarray | None = None,
                          target: np.ndarray | None = None, output: str | None = None,
-                         train_dropout: bool = False) -> tuple[float, dict[str, np.ndarray]]:
+                         train_dropout: bool = False, double: bool = False
+                         ) -> tuple[float, dict[str, np.ndarray]]:
     """The loss ``memcc build --loss`` adds, and d loss / d P for every trainable P.
 
     ``cross-entropy``: mean over all positions of torch's cross-entropy over the last axis of
@@ -128,7 +134,7 @@ def torch_loss_and_grads(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]
     mean((y - target)^2); ``none``: the output already is the scalar loss. Parameters that
     do not reach the loss get no entry.
     """
-    outputs, params = torch_forward(model, feeds, train_dropout=train_dropout)
+    outputs, params = torch_forward(model, feeds, train_dropout=train_dropout, double=double)
     y = outputs[output or model.graph.output[0].name]
     value = _loss(y, loss, labels, target)
     names = [n for n in trainable_params(model) if n in params]
@@ -169,7 +175,7 @@ def _attrs(proto: onnx.NodeProto) -> dict:
 
 
 def _run_node(proto: onnx.NodeProto, values: dict[str, Tensor], opset: int,
-              train_dropout: bool) -> None:
+              train_dropout: bool, double: bool = False) -> None:
     label = f"{proto.op_type} node {proto.name or proto.output[0]!r}"
     if proto.domain not in ("", "ai.onnx"):
         raise NotImplementedError(f"{label}: domain {proto.domain!r} is not supported")
@@ -177,12 +183,14 @@ def _run_node(proto: onnx.NodeProto, values: dict[str, Tensor], opset: int,
     if fn is None:
         raise NotImplementedError(f"{label}: op not supported by torch_reference")
     inputs = [values[n] if n else None for n in proto.input]
-    node = _Node(proto, _attrs(proto), opset, train_dropout)
+    node = _Node(proto, _attrs(proto), opset, train_dropout, double)
     try:
         result = fn(node, inputs)
     except NotImplementedError as exc:
         raise NotImplementedError(f"{label}: {exc}") from exc
     results = [result] if isinstance(result, Tensor) else list(result)
+    if double and proto.op_type in ("Constant", "ConstantOfShape", "Cast", "Range"):
+        results = [_promote(r, True) for r in results]
     for name, value in zip(proto.output, results, strict=False):
         if name:
             if value is None:
@@ -191,6 +199,11 @@ def _run_node(proto: onnx.NodeProto, values: dict[str, Tensor], opset: int,
 
 
 # ====================================================================== helpers
+def _promote(t: Tensor, double: bool) -> Tensor:
+    """float32 -> float64 under ``double`` (sources of float32 values call this)."""
+    return t.to(torch.float64) if double and t.dtype == torch.float32 else t
+
+
 def _ints(t: Tensor | None) -> list[int] | None:
     return None if t is None else [int(v) for v in t.reshape(-1).tolist()]
 
