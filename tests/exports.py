@@ -31,11 +31,14 @@ from __future__ import annotations
 import atexit
 import contextlib
 import copy
+import ctypes
 import functools
 import io
 import logging
 import math
+import os
 import shutil
+import sys
 import tempfile
 import time
 import warnings
@@ -307,6 +310,9 @@ class Family:
     axes: dict[str, dict[int, str]]
     out_axes: dict[int, str]
     sizes: dict[str, int] = field(default_factory=lambda: {"batch": 2})
+    # Users write dynamo dynamic_shapes both ways: named ``Dim("batch")`` keeps the name in
+    # the file, ``Dim.DYNAMIC`` gives sympy names like ``s31``; the fixtures use both.
+    dynamo_named_dims: bool = True
 
 
 _BATCH = {"x": {0: "batch"}}
@@ -318,14 +324,16 @@ FAMILIES: dict[str, Family] = {
         MobileNetBlock, lambda s, g: _image(s, g, 15),
         {"x": {0: "batch", 2: "height", 3: "width"}}, {0: "batch"},
         {"batch": 2, "height": 15, "width": 15}),
-    "convnext_block": Family(ConvNeXtBlock, _image, _BATCH, {0: "batch"}),
+    "convnext_block": Family(ConvNeXtBlock, _image, _BATCH, {0: "batch"},
+                             dynamo_named_dims=False),
     "vit": Family(ViT, _image, _BATCH, {0: "batch"}),
     "gpt2": Family(_gpt2, _tokens_mask, _TOKENS_MASK, {0: "batch", 1: "seq"}, _SEQ),
     "gpt2_nomask": Family(lambda p: _gpt2(p, GPT2NoMaskLogits), _tokens,
                           {"input_ids": {0: "batch", 1: "seq"}}, {0: "batch", 1: "seq"}, _SEQ),
-    "bert": Family(_bert, _tokens_mask, _TOKENS_MASK, {0: "batch"}, _SEQ),
+    "bert": Family(_bert, _tokens_mask, _TOKENS_MASK, {0: "batch"}, _SEQ,
+                   dynamo_named_dims=False),
     "mlp": Family(lambda p: MLP(p), lambda s, g: {"x": torch.randn(s["batch"], 20, generator=g)},
-                  _BATCH, {0: "batch"}),
+                  _BATCH, {0: "batch"}, dynamo_named_dims=False),
 }
 
 
@@ -357,13 +365,36 @@ def _session_dir() -> Path:
 
 
 @contextlib.contextmanager
+def _silence_fds():
+    """A failing TorchScript export dumps its whole IR graph through C stdio (its log switch
+    is forced on in torch 2.13), past Python's sys.stdout; point fds 1 and 2 at /dev/null."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        with contextlib.suppress(Exception):
+            ctypes.CDLL(None).fflush(None)
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in (*saved, devnull):
+            os.close(fd)
+
+
+@contextlib.contextmanager
 def _quiet():
-    """The exporters print progress and warnings (TracerWarning, torchvision missing)."""
+    """The exporters print progress and warnings (TracerWarning, torchvision missing).
+    Errors still raise with their message."""
     logger = logging.getLogger("torch")
     level = logger.level
     logger.setLevel(logging.ERROR)
     try:
-        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
+                contextlib.redirect_stderr(io.StringIO()), _silence_fds():
             warnings.simplefilter("ignore")
             yield
     finally:
@@ -383,11 +414,14 @@ def _export_torchscript(module: nn.Module, fam: Family, inputs: dict[str, torch.
 
 def _export_dynamo(module: nn.Module, fam: Family, inputs: dict[str, torch.Tensor],
                    path: Path, training: bool) -> None:
-    dim_objs: dict[str, torch.export.Dim] = {}
-    shapes = {
-        arg: {ax: dim_objs.setdefault(d, torch.export.Dim(d, min=1)) for ax, d in axes.items()}
-        for arg, axes in fam.axes.items()
-    }
+    dim_objs: dict[str, object] = {}
+
+    def dim(name: str) -> object:
+        if not fam.dynamo_named_dims:
+            return torch.export.Dim.DYNAMIC
+        return dim_objs.setdefault(name, torch.export.Dim(name, min=1))
+
+    shapes = {arg: {ax: dim(d) for ax, d in axes.items()} for arg, axes in fam.axes.items()}
     prog = torch.onnx.export(module, (), kwargs=inputs, dynamo=True, dynamic_shapes=shapes,
                              output_names=["logits"], verbose=False)
     prog.save(str(path), external_data=False)
