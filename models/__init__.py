@@ -17,6 +17,7 @@ import onnx
 from onnx import helper
 
 from models import bert, gpt2, mlp, mobilenetv2, resnet, unet, vgg
+from models._builder import META_PREFIX
 
 Builder = Callable[..., onnx.ModelProto]
 
@@ -67,14 +68,15 @@ def build_model(name: str, preset: str | None = None, **options) -> onnx.ModelPr
 
 
 def model_meta(model: onnx.ModelProto) -> dict[str, object]:
-    """The ``memcc.*`` metadata a zoo builder stamped on the model, JSON values decoded."""
+    """The ``memcc.zoo.*`` metadata a zoo builder stamped on the model, JSON decoded."""
     meta: dict[str, object] = {}
     for prop in model.metadata_props:
-        if prop.key.startswith("memcc."):
+        if prop.key.startswith(META_PREFIX):
+            key = prop.key[len(META_PREFIX):]
             try:
-                meta[prop.key[6:]] = json.loads(prop.value)
+                meta[key] = json.loads(prop.value)
             except json.JSONDecodeError:
-                meta[prop.key[6:]] = prop.value
+                meta[key] = prop.value
     return meta
 
 

@@ -27,6 +27,8 @@ OPSET = 17
 IR_VERSION = 8
 
 Shape = Sequence[int | str]
+# Own namespace inside memcc's metadata keys (memcc build writes memcc.kind, memcc.loss, ...).
+META_PREFIX = "memcc.zoo."
 
 
 class GraphBuilder:
@@ -179,6 +181,5 @@ def logits_output(b: GraphBuilder, value: str, shape: Shape) -> str:
 
 def metadata(family: str, options: dict[str, object], **extra: object) -> dict[str, object]:
     """Metadata stamped on every zoo model: what it is and how to make inputs for it."""
-    meta: dict[str, object] = {"memcc.family": family, "memcc.options": options}
-    meta.update({f"memcc.{k}": v for k, v in extra.items()})
-    return meta
+    meta: dict[str, object] = {"family": family, "options": options, **extra}
+    return {f"{META_PREFIX}{k}": v for k, v in meta.items()}
