@@ -11,7 +11,7 @@ from onnx import TensorProto, helper
 
 from memcc.backend.onnx_file import save_graph
 from memcc.backend.profile_order import compare_orders, executed_order
-from memcc.backend.runner import run_steps, synthetic_feeds
+from memcc.backend.runner import run_steps, session_graph, synthetic_feeds
 from memcc.backend.session import cuda_available, resolve_provider
 from memcc.errors import InputError, RuntimeFailure
 from memcc.frontend.build import BuildOptions, build_training_step
@@ -137,6 +137,17 @@ def test_given_data_equals_the_same_synthetic_batch(linreg, tmp_path):
     synthetic = run_steps(path, steps=3, seed=7)
     assert from_file.losses == synthetic.losses
     assert from_file.to_json()["data"].endswith("batch.npz")
+
+
+def test_session_graph_feeds_every_value_with_its_declared_shape(linreg):
+    g = load_graph(linreg[0])
+    stripped, values = session_graph(g)
+    assert not stripped.initializers
+    assert not any(n.op_type == "Constant" for n in stripped.nodes)
+    assert values["lr"].shape == () and values["two_over_n"].shape == ()
+    assert {"W", "b", "axis0", "lr"} <= set(stripped.inputs)
+    for name, arr in values.items():
+        assert tuple(arr.shape) == g.info[name].shape, name
 
 
 def test_in_process_run_says_its_measurement_is_approximate(linreg):

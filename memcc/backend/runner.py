@@ -291,7 +291,7 @@ def load_data(path: str | os.PathLike, graph: Graph, spec: StepSpec) -> dict[str
                     f"something of size {rng_range[1]}, so values must lie in "
                     f"[{rng_range[0]}, {rng_range[1]})"
                 )
-        feeds[name] = np.ascontiguousarray(arr)
+        feeds[name] = np.asarray(arr, order="C")
     return feeds
 
 
@@ -304,23 +304,30 @@ def _json_list(text: str | None) -> list[str]:
 
 # ---------------------------------------------------------------------------- preparation
 def session_graph(graph: Graph) -> tuple[Graph, dict[str, np.ndarray]]:
-    """The graph ORT gets (no tensor data) and the values the runner feeds instead."""
+    """The graph ORT gets (no tensor data) and the values the runner feeds instead.
+
+    ``np.asarray(order="C")``, not ``np.ascontiguousarray``: the latter turns 0-d constants
+    into shape (1,), which ORT accepts for a scalar input and then broadcasts to other ranks.
+    """
     g = graph.copy()
-    values = {n: np.ascontiguousarray(a) for n, a in graph.initializers.items()}
+    values = {n: np.asarray(a, order="C") for n, a in graph.initializers.items()}
     kept = []
     for node in g.nodes:
         if node.op_type == "Constant" and len(node.output) == 1:
             v = constant_node_value(node)
             if v is not None:
-                values[node.output[0]] = np.ascontiguousarray(v)
+                values[node.output[0]] = np.asarray(v, order="C")
                 continue
         kept.append(node)
     g.nodes = kept
     g.initializers = {}
     g.inputs = list(graph.inputs) + [n for n in values if n not in graph.inputs]
     for name, arr in values.items():
-        g.info.setdefault(name, TensorInfo(
-            onnx.helper.np_dtype_to_tensor_dtype(arr.dtype), tuple(arr.shape)))
+        ti = TensorInfo(onnx.helper.np_dtype_to_tensor_dtype(arr.dtype), tuple(arr.shape))
+        known = g.info.setdefault(name, ti)
+        if known != ti:  # ORT would take the array and broadcast differently than planned
+            raise InputError(f"stored value '{name}' {_describe(ti)} does not match its "
+                             f"declared type {_describe(known)}")
     return g, values
 
 
