@@ -104,7 +104,12 @@ def _model(problem: Problem, rows: list[int], budget: float, objective: str, sca
 
     n = problem.n_vars
     prob = pulp.LpProblem("memcc_recompute", pulp.LpMinimize)
-    xv = [pulp.LpVariable(f"x{i}", cat="Binary") for i in range(n)]
+    def new_var(name: str, low=None, up=None, cat: str = "Continuous"):
+        if hasattr(prob, "add_variable"):  # PuLP >= 3.3
+            return prob.add_variable(name, low, up, cat=cat)
+        return pulp.LpVariable(name, low, up, cat=cat)
+
+    xv = [new_var(f"x{i}", cat="Binary") for i in range(n)]
     zv: dict[tuple[int, int], pulp.LpVariable] = {}
 
     def var(key):
@@ -112,7 +117,7 @@ def _model(problem: Problem, rows: list[int], budget: float, objective: str, sca
             return xv[key]
         if key not in zv:
             # z >= x[v] - x[u], z >= 0: only ever pushed down, so z = max(0, x_v - x_u).
-            z = pulp.LpVariable(f"z{key[0]}_{key[1]}", lowBound=0, upBound=1)
+            z = new_var(f"z{key[0]}_{key[1]}", 0, 1)
             prob.addConstraint(z >= xv[key[0]] - xv[key[1]])
             zv[key] = z
         return zv[key]
@@ -121,7 +126,7 @@ def _model(problem: Problem, rows: list[int], budget: float, objective: str, sca
                        if problem.cost[i] > 0)
     peak = None
     if objective == "peak":
-        peak = pulp.LpVariable("peak", lowBound=0)
+        peak = new_var("peak", 0)
         prob += peak + 1e-6 * added
     else:
         prob += added + 1e-9 * pulp.lpSum(xv)
