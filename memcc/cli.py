@@ -122,7 +122,7 @@ def compile_cmd(
         "--verify", help="Run original and rewritten step: same outputs, measured peak within "
                          "budget, planned order executed.")] = False,
     margin: Annotated[float, typer.Option(
-        help="Safety margin: plan for budget*(1-margin) - 512 KiB.")] = 0.02,
+        help="Safety margin: plan for budget*(1-margin) - 1 MiB.")] = 0.02,
     loss: Annotated[str, typer.Option(help="(forward models) as in memcc build.")
                     ] = "cross-entropy",
     optimizer: Annotated[str, typer.Option(help="(forward models) as in memcc build.")

@@ -48,7 +48,7 @@ class CompileOptions:
     # Plans target budget * (1 - margin): the liveness model ignores allocator rounding and
     # per-buffer headers, which the measurement sees (under 1% on the zoo; see README).
     margin: float = 0.02
-    slack_bytes: int = 512 * 1024
+    slack_bytes: int = 1024 * 1024
     build: BuildOptions = field(default_factory=BuildOptions)
     dims: Mapping[str, int] = field(default_factory=dict)
 

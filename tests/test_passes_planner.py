@@ -1,0 +1,91 @@
+"""The plan pass: every strategy's answer is judged by the simulator; budgets are honoured,
+infeasible budgets fail with the smallest reachable one, and the ILP is never worse than
+the sqrt(n) heuristic at the same budget."""
+
+from __future__ import annotations
+
+import pytest
+
+from memcc.frontend.build import BuildOptions, build_training_step
+from memcc.frontend.load import load_graph
+from memcc.passes.cost_model import DeviceRates, analytic_costs, unit_costs
+from memcc.passes.plan import Plan, StepStructure
+from memcc.passes.planner import BudgetError, choose_plan
+from memcc.passes.simulate import simulate
+from models import build_model
+
+RATES = DeviceRates(5e10, 1e10, 5e-6, "fixed test rates")
+CASES = {
+    "gpt2": dict(batch=4, seq_len=64),
+    "resnet18": dict(batch=8, resolution=64),
+    "unet": dict(batch=2, resolution=64),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def step(request):
+    g = build_training_step(load_graph(build_model(request.param, **CASES[request.param])),
+                            BuildOptions())
+    costs = analytic_costs(g, RATES)
+    base = simulate(g, Plan(), costs)
+    return request.param, g, costs, base
+
+
+def test_none_keeps_the_baseline(step):
+    _, g, costs, base = step
+    out = choose_plan(g, base.peak_bytes, costs, strategy="none", baseline=base)
+    assert out.best.peak_bytes == base.peak_bytes and out.best.added_time_s == 0
+
+
+@pytest.mark.parametrize("strategy", ["ilp", "sqrtn", "auto"])
+def test_plans_fit_what_they_claim(step, strategy):
+    name, g, costs, base = step
+    smallest = choose_plan(g, None, costs, strategy="auto", time_limit=30,
+                           baseline=base).smallest_peak
+    budget = int(smallest + 0.5 * (base.peak_bytes - smallest))
+    try:
+        out = choose_plan(g, budget, costs, strategy=strategy, time_limit=30, baseline=base)
+    except BudgetError:
+        assert strategy != "auto", f"{name}: auto found nothing within {budget}"
+        return
+    assert out.best.peak_bytes <= budget
+    # The report's numbers are the simulator's: re-simulating the plan gives them again.
+    again = simulate(g, out.best.plan, costs)
+    assert again.peak_bytes == out.best.peak_bytes
+
+
+def test_ilp_is_not_worse_than_sqrtn_at_equal_budget(step):
+    name, g, costs, base = step
+    sq = choose_plan(g, base.peak_bytes, costs, strategy="sqrtn", baseline=base)
+    fitting = sorted((c for c in sq.candidates if c["strategy"] == "sqrtn"),
+                     key=lambda c: c["peak_bytes"])
+    budget = fitting[len(fitting) // 2]["peak_bytes"]
+    sq_best = choose_plan(g, budget, costs, strategy="sqrtn", baseline=base).best
+    auto = choose_plan(g, budget, costs, strategy="auto", time_limit=30, baseline=base).best
+    assert auto.peak_bytes <= budget
+    assert auto.added_time_s <= sq_best.added_time_s + 1e-12, name
+
+
+def test_infeasible_budget_names_the_smallest_reachable(step):
+    _, g, costs, base = step
+    with pytest.raises(BudgetError) as e:
+        choose_plan(g, base.liveness.start_bytes, costs, time_limit=20, baseline=base)
+    assert base.liveness.start_bytes < e.value.smallest <= base.peak_bytes
+    assert f"--budget {e.value.smallest}" in str(e.value)
+
+
+def test_zero_budget_and_unit_costs_are_handled(step):
+    _, g, _, base = step
+    costs = unit_costs(g)
+    with pytest.raises(BudgetError):
+        choose_plan(g, 0, costs, time_limit=10)
+    out = choose_plan(g, None, costs, time_limit=20)
+    assert out.best.peak_bytes == out.smallest_peak
+
+
+def test_structure_marks_forward_and_saved_values(step):
+    _, g, _, _ = step
+    st = StepStructure.of(g)
+    assert st.loss == "loss"
+    assert st.recomputable <= st.forward
+    assert st.saved, "a training step saves activations for its backward pass"

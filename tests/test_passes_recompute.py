@@ -1,0 +1,80 @@
+"""The recompute lowering: where clones go, what they compute, what the original keeps."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from memcc.backend.runner import synthetic_feeds
+from memcc.backend.verify import compare_outputs, step_outputs
+from memcc.frontend.build import BuildOptions, build_training_step
+from memcc.frontend.load import load_graph
+from memcc.passes.plan import Plan, StepStructure
+from memcc.passes.recompute import apply_recompute
+from models import build_model
+
+
+@pytest.fixture(scope="module")
+def mlp_step():
+    return build_training_step(load_graph(build_model("mlp", batch=64, width=256, depth=6)),
+                               BuildOptions(optimizer="sgd"))
+
+
+def test_empty_plan_changes_nothing(mlp_step):
+    res = apply_recompute(mlp_step, Plan())
+    assert [n.name for n in res.graph.nodes] == [n.name for n in mlp_step.nodes]
+    assert res.cloned_nodes == ()
+
+
+def test_clones_run_just_before_their_first_backward_reader(mlp_step):
+    st = StepStructure.of(mlp_step)
+    relus = [n.name for n in mlp_step.nodes if n.name in st.recomputable and n.op_type == "Relu"]
+    res = apply_recompute(mlp_step, Plan(frozenset(relus[:2])), st)
+    order = [n.name for n in res.graph.nodes]
+    last_forward = max(i for i, n in enumerate(res.graph.nodes) if n.name in st.forward)
+    for name in relus[:2]:
+        assert name in res.cloned_nodes
+        clone = next(i for i, n in enumerate(res.graph.nodes) if n.name.startswith(name + ".rc"))
+        assert clone > last_forward
+        reader = res.rerun_before[name]
+        assert order.index(reader) == clone + 1 or order.index(reader) > clone
+    # Forward originals no longer feed the backward pass.
+    backward_inputs = {i for n in res.graph.nodes if n.name not in st.forward for i in n.input}
+    for v in res.recomputed_values:
+        assert v not in backward_inputs
+
+
+def test_rewritten_step_is_bit_identical(mlp_step):
+    st = StepStructure.of(mlp_step)
+    res = apply_recompute(mlp_step, Plan(frozenset(st.recomputable)), st)
+    feeds = synthetic_feeds(mlp_step, seed=3)
+    a = step_outputs(mlp_step, feeds, "cpu")
+    b = step_outputs(res.graph, feeds, "cpu")
+    assert compare_outputs(a, b, exact=True) == []
+    assert len(res.graph.nodes) > len(mlp_step.nodes)
+
+
+def test_unread_forward_outputs_are_dropped_not_pinned():
+    """MaxPool's Indices output is read only by the backward pass: once the backward reads
+    the clone's, the original output must go (ORT never frees an unconsumed output)."""
+    step = build_training_step(load_graph(build_model("resnet18", batch=2, resolution=64)),
+                               BuildOptions(optimizer="none"))
+    st = StepStructure.of(step)
+    pool = next(n.name for n in step.nodes if n.op_type == "MaxPool")
+    res = apply_recompute(step, Plan(frozenset({pool})), st)
+    consumed = {i for n in res.graph.nodes for i in n.input} | set(res.graph.outputs)
+    for n in res.graph.nodes:
+        for o in n.output:
+            if o:
+                assert o in consumed or n.name not in st.forward, (n.name, o)
+    feeds = synthetic_feeds(step, seed=0)
+    assert compare_outputs(step_outputs(step, feeds, "cpu"),
+                           step_outputs(res.graph, feeds, "cpu"), exact=True) == []
+
+
+def test_dropout_is_never_recomputed():
+    step = build_training_step(load_graph(build_model("mlp", batch=4, depth=2)),
+                               BuildOptions())
+    st = StepStructure.of(step)
+    assert not any(n.op_type == "Dropout" and n.name in st.recomputable for n in step.nodes)
+    assert np.all([n.op_type != "Constant" for n in step.nodes if n.name in st.recomputable])
