@@ -47,16 +47,11 @@ from memcc.backend import memory
 from memcc.backend.profile_order import check_session_order, planned_order
 from memcc.backend.session import make_session, resolve_provider
 from memcc.errors import InputError, RuntimeFailure
+from memcc.frontend.build import DATA_KEY, INT_RANGES_KEY, KIND_KEY, LOSS_KEY, STATE_KEY
 from memcc.frontend.constants import constant_node_value
 from memcc.frontend.load import load_graph
 from memcc.graph import Graph, TensorInfo
 from memcc.passes.liveness import LivenessReport, analyze_liveness
-
-KIND_KEY = "memcc.kind"
-LOSS_KEY = "memcc.loss"
-DATA_KEY = "memcc.data_inputs"
-STATE_KEY = "memcc.state"
-INT_RANGES_KEY = "memcc.int_ranges"
 
 
 @dataclass(frozen=True)

@@ -10,12 +10,7 @@ _loaded = False
 
 def load_rules() -> None:
     global _loaded
-    if _loaded:
-        return
-    for mod in _MODULES:
-        try:
+    if not _loaded:
+        for mod in _MODULES:
             importlib.import_module(f"{__name__}.{mod}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"{__name__}.{mod}":
-                raise
-    _loaded = True
+        _loaded = True
