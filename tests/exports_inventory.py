@@ -68,6 +68,8 @@ class Case:
     attrs: dict[str, dict[str, set]] = field(default_factory=dict)
     notes: dict[str, str] = field(default_factory=dict)
     runtime_params: Counter = field(default_factory=Counter)
+    inits_named: int = 0
+    inits_other: list[str] = field(default_factory=list)
 
     @property
     def mode(self) -> str:
@@ -232,6 +234,7 @@ def analyse(name: str, exporter: str, training: bool) -> Case:
         return case
     import torch
 
+    _count_initializers(case, model, module)
     has_bn = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in module.modules())
     diff = _differentiable_nodes(graph)
     case.diff_ops = Counter(_op_key(n) for n in diff)
@@ -241,6 +244,26 @@ def analyse(name: str, exporter: str, training: bool) -> Case:
     if training:
         case.notes["fixture p=0"] = _fixture_dropout(name, exporter)
     return case
+
+
+def _count_initializers(case: Case, model: onnx.ModelProto, module) -> None:
+    """Float tensors (>1 element) that are / are not named after a torch parameter or buffer.
+
+    Exporters constant-fold Transpose(weight) and BN into new initializers with made-up names
+    (``onnx::MatMul_655``, ``val_92``): those train as separate parameters under names the
+    user does not know, and a tied weight stops being tied.
+    """
+    names = set(module.state_dict())
+    for t in model.graph.initializer:
+        if t.data_type not in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16,
+                               onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE):
+            continue
+        if int(np.prod(t.dims)) <= 1:
+            continue
+        if t.name in names:
+            case.inits_named += 1
+        else:
+            case.inits_other.append(f"{t.name}{list(t.dims)}")
 
 
 def _fixture_dropout(name: str, exporter: str) -> str:
@@ -282,17 +305,18 @@ def render(cases: list[Case], total_s: float) -> str:
     add("### Summary")
     add("")
     add("| family | exporter | mode | opset (IR) | nodes | Shape nodes | dims | export s | "
-        "load_graph | left to ORT after inference |")
-    add("|---|---|---|---|---|---|---|---|---|---|")
+        "float inits: torch-named / other | load_graph | left to ORT after inference |")
+    add("|---|---|---|---|---|---|---|---|---|---|---|")
     for c in cases:
         if c.error:
-            add(f"| {c.name} | {c.exporter} | {c.mode} | - | - | - | - | - | "
+            add(f"| {c.name} | {c.exporter} | {c.mode} | - | - | - | - | - | - | "
                 f"**export fails**: `{c.error}` | - |")
             continue
         ops = ", ".join(f"{d} {v}" for d, v in c.opsets.items())
         load = "ok" if c.load_error is None else f"**{c.load_error}**"
         add(f"| {c.name} | {c.exporter} | {c.mode} | {ops} ({c.ir}) | {sum(c.ops.values())} | "
-            f"{c.ops.get('Shape', 0)} | {', '.join(c.dims)} | {c.export_s:.1f} | {load} | "
+            f"{c.ops.get('Shape', 0)} | {', '.join(c.dims)} | {c.export_s:.1f} | "
+            f"{c.inits_named} / {len(c.inits_other)} | {load} | "
             f"{_fmt_counter(c.unknown_after_infer)} |")
     add("")
     add("### Idioms per export")
@@ -313,6 +337,14 @@ def render(cases: list[Case], total_s: float) -> str:
         if c.error:
             continue
         add(f"- **{c.name} / {c.exporter} / {c.mode}**: {_fmt_counter(c.ops)}")
+    add("")
+    add("### Float initializers not named after a torch parameter (folded copies)")
+    add("")
+    for c in cases:
+        if c.inits_other:
+            shown = ", ".join(f"`{n}`" for n in c.inits_other[:8])
+            more = f" (+{len(c.inits_other) - 8} more)" if len(c.inits_other) > 8 else ""
+            add(f"- **{c.name} / {c.exporter} / {c.mode}**: {shown}{more}")
     add("")
     add("### Ops on the differentiable path (gradient rules needed)")
     add("")
