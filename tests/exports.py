@@ -342,7 +342,19 @@ def build_module(name: str, dropout: float = 0.0) -> nn.Module:
     torch.manual_seed(0)
     module = FAMILIES[name].build(dropout)
     _randomize_batchnorm(module, torch.Generator().manual_seed(1))
+    _jitter_constant_parameters(module, torch.Generator().manual_seed(2))
     return module
+
+
+def _jitter_constant_parameters(module: nn.Module, gen: torch.Generator) -> None:
+    """Fresh LayerNorm weights are all ones and biases all zeros. Exporters deduplicate equal
+    initializers, and equal values make it impossible to tell which exported initializer is
+    which torch parameter; a small perturbation makes every parameter unique."""
+    with torch.no_grad():
+        for p in module.parameters():
+            flat = p.detach().reshape(-1)
+            if flat.numel() > 1 and bool((flat == flat[0]).all()):
+                p.add_(0.02 * torch.randn(p.shape, generator=gen))
 
 
 def make_inputs(name: str, sizes: dict[str, int] | None = None, seed: int = 0

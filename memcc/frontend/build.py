@@ -231,8 +231,10 @@ def _batchnorm_running_stats(graph: Graph) -> list[tuple[object, str, str]]:
 def _trainable_parameters(graph: Graph, loss: str, bn_stats) -> list[str]:
     """Float initializers on a differentiable path to the loss, minus BN statistics.
 
-    Anonymous scalar constants that exporters store as initializers (TorchScript names them
-    ``onnx::...``; 0-d tensors in general) are constants of the model, not parameters.
+    Scalar constants that exporters store as initializers (0-d tensors, and one-element
+    tensors TorchScript names ``onnx::...``) are constants of the model, not parameters.
+    Exporters also store pre-transposed copies of weights under made-up names
+    (``onnx::MatMul_12``, ``val_3``): those are the parameters the graph uses, so they train.
     """
     excluded = {s for _, m, v in bn_stats for s in (m, v)}
     for node in graph.nodes:
@@ -241,7 +243,7 @@ def _trainable_parameters(graph: Graph, loss: str, bn_stats) -> list[str]:
     candidates = [
         n for n, a in graph.initializers.items()
         if n not in excluded and graph.info[n].is_float and np.ndim(a) > 0
-        and not n.startswith("onnx::")
+        and not (n.startswith("onnx::") and np.size(a) == 1)
     ]
     reachable = differentiable_values(graph, loss, candidates)
     return [n for n in candidates if n in reachable]
