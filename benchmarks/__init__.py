@@ -1,0 +1,1 @@
+"""Benchmarks of memcc against its peers (not part of the installed tool)."""
