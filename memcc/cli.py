@@ -57,7 +57,8 @@ def build(
     try:
         opts = BuildOptions(loss=loss, optimizer=optimizer, lr=lr, momentum=momentum,
                             weight_decay=weight_decay)
-        graph = api.build(model, output, dims=parse_dims(dim), options=opts)
+        with err.status(f"building the training step of {model}"):
+            graph = api.build(model, output, dims=parse_dims(dim), options=opts)
     except MemccError as exc:
         _fail(exc)
         return

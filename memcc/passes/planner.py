@@ -20,7 +20,7 @@ import numpy as np
 from memcc.errors import MemccError
 from memcc.graph import Graph
 from memcc.passes.cost_model import CostModel
-from memcc.passes.liveness import LivenessReport, analyze_liveness
+from memcc.passes.liveness import LivenessReport
 from memcc.passes.plan import Plan, StepStructure
 from memcc.passes.simulate import Simulation, simulate
 from memcc.passes.solvers import ilp, sqrtn
@@ -381,7 +381,3 @@ def _fmt(n: float | None) -> str:
     if n is None:
         return "n/a"
     return f"{n / 1e6:,.1f} MB ({int(n):,} bytes)"
-
-
-def liveness_of(graph: Graph) -> LivenessReport:
-    return analyze_liveness(graph)
