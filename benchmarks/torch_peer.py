@@ -23,11 +23,13 @@ to mean anything, three things are held equal with memcc's own run (``memcc.back
 
 Threads: ``torch.set_num_threads(len(os.sched_getaffinity(0)))`` by default, i.e. every core
 this process may run on, which is what ORT's default intra-op pool uses on machines without
-SMT (ORT takes physical cores; pass ``threads=`` to match it on SMT machines). Timings need
-cores to themselves: with another busy process on the machine, OpenMP's spinning workers
-made a step 10-50x slower here (2 shared cores); ``OMP_WAIT_POLICY=PASSIVE`` in the
-environment (the child inherits it) or ``threads=1`` tames that, at some cost on an idle
-machine. Peaks are not affected.
+SMT (ORT takes physical cores; pass ``threads=`` to match it on SMT machines). The child
+sets ``OMP_WAIT_POLICY=PASSIVE`` by default (``omp_wait_policy=None`` keeps the environment's):
+with any other busy process on the machine, OpenMP workers spinning for a descheduled peer
+made steps 10-50x slower and erratic (0.2 s to 8 s for the same step on 2 shared cores),
+whereas ORT's own pool degrades gracefully; passive waiting costs little on big kernels and
+keeps the comparison about the step rather than about the neighbours. Peaks do not depend
+on it.
 
 Differences that remain are PyTorch's own and are the point of the comparison: in-place
 updates (torch's SGD writes parameters in place, memcc's step outputs new ones), in-place ReLU
@@ -64,12 +66,14 @@ _GRAPH_ONLY = ("dynamic_batch",)
 # ---------------------------------------------------------------------------- public API
 def measure_torch(family: str, options: dict, *, checkpoint: str = "none", steps: int = 3,
                   seed: int = 0, threads: int | None = None, attention: str = "eager",
-                  timeout_s: float | None = None) -> dict:
+                  omp_wait_policy: str | None = "PASSIVE", timeout_s: float | None = None
+                  ) -> dict:
     """Measure ``steps`` PyTorch eager training steps of zoo model ``family`` in a fresh child.
 
     ``options`` are the zoo builder's options (``models.build_model(family, **options)``);
     ``checkpoint`` is "none", "per-block" or "sqrt"; ``attention`` "eager" (explicit scores
-    tensor, as the zoo's graph and HF's eager GPT-2) or "sdpa" (torch's fused attention).
+    tensor, as the zoo's graph and HF's eager GPT-2) or "sdpa" (torch's fused attention);
+    ``threads`` defaults to every core; ``omp_wait_policy`` see the module docstring.
     Returns family, options, checkpoint, peak_bytes (max over steps), peak_bytes_per_step,
     step_time_s (median; a warm-up step ran before), step_times_s, losses, state_bytes
     (parameters + buffers + momentum + batch), threads, torch_version and method.
@@ -84,7 +88,8 @@ def measure_torch(family: str, options: dict, *, checkpoint: str = "none", steps
         raise ValueError("steps must be at least 1")
     payload = {"family": family, "options": dict(options), "checkpoint": checkpoint,
                "steps": steps, "seed": seed, "attention": attention,
-               "threads": threads or len(os.sched_getaffinity(0))}
+               "threads": threads or len(os.sched_getaffinity(0)),
+               "omp_wait_policy": omp_wait_policy}
     return memory.run_child("benchmarks.torch_peer", payload, timeout_s=timeout_s)
 
 
@@ -388,6 +393,8 @@ def _state_bytes(module, opt, x, y) -> int:
 
 def run_measurement(payload: dict) -> dict:
     """Child side of ``measure_torch`` (see the module docstring for the procedure)."""
+    if payload.get("omp_wait_policy"):  # libgomp reads it once, when torch loads it
+        os.environ["OMP_WAIT_POLICY"] = payload["omp_wait_policy"]
     torch = _torch()
     torch.set_num_threads(int(payload["threads"]))
     family, mode, attention = payload["family"], payload["checkpoint"], payload["attention"]
@@ -446,7 +453,9 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, dict]:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--seed", type=int, default=0, help="seed of the batch (weights: --weight-seed)")
     p.add_argument("--weight-seed", type=int, default=None, help="the zoo's seed option")
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--threads", type=int, default=None, help="default: every core")
+    p.add_argument("--omp-wait-policy", default="PASSIVE",
+                   help="OMP_WAIT_POLICY of the child; 'inherit' keeps the environment's")
     p.add_argument("--attention", choices=ATTENTIONS, default="eager")
     args, rest = p.parse_known_args(list(argv))
     options: dict = {}
@@ -466,7 +475,9 @@ def main(argv: Sequence[str]) -> int:
         return memory.child_main(list(argv), run_measurement)
     args, options = parse_args(argv)
     result = measure_torch(args.family, options, checkpoint=args.checkpoint, steps=args.steps,
-                           seed=args.seed, threads=args.threads, attention=args.attention)
+                           seed=args.seed, threads=args.threads, attention=args.attention,
+                           omp_wait_policy=None if args.omp_wait_policy == "inherit"
+                           else args.omp_wait_policy)
     print(json.dumps(result, indent=2))
     return 0
 
