@@ -43,6 +43,10 @@ import onnxruntime as ort
 
 from memcc.errors import InputError, RuntimeFailure
 
+# ORT's default logger prints graph-load warnings (initializers that are also inputs, unused
+# initializers) that are expected for memcc's files; errors still show.
+ort.set_default_logger_severity(3)
+
 PROVIDERS = ("cpu", "cuda", "auto")
 ORT_PROVIDER = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 DISABLED_OPTIMIZERS = ("CommonSubexpressionElimination", "ConstantFolding")

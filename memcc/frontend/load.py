@@ -18,6 +18,7 @@ import onnx
 from onnx import TensorProto, helper, shape_inference
 
 from memcc.errors import InputError, ShapeError
+from memcc.frontend.fold import fold_shape_computations
 from memcc.graph import Graph, TensorInfo, node_label
 
 
@@ -95,6 +96,7 @@ def load_graph(
             f"shape inference ({len(missing)} value(s) unknown). Bind every symbolic "
             "dimension with --dim NAME=INT."
         )
+    fold_shape_computations(graph)
     return graph
 
 
