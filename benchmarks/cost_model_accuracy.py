@@ -43,7 +43,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     rates = calibrate_cpu_rates(use_cache=False)
-    lines = ["| model | nodes | measured step (s) | sum of profiled node times (s) | ratio | "
+    lines = ["| model | nodes | measured step (s) | measured cost model total (s) | ratio | "
              "analytic estimate (s) | ratio |", "|---|---|---|---|---|---|---|"]
     with tempfile.TemporaryDirectory() as d:
         for name, opts in CASES.items():
