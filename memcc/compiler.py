@@ -110,10 +110,11 @@ def compile_model(model: str | os.PathLike, options: CompileOptions, *,
         passes.append(PassReport(name, time.perf_counter() - t0, summary))
         return value
 
+    label = str(model) if isinstance(model, (str, os.PathLike)) else "<model>"
     budget = options.budget_bytes
     plan_budget = None if budget is None else \
         max(int(budget * (1.0 - options.margin)) - options.slack_bytes, 0)
-    graph = timed("load", lambda: _load(model, options))
+    graph = timed("load", lambda: _load(model, label, options))
     structure = StepStructure.of(graph)
     costs = timed("cost_model", lambda: _costs(graph, options))
     try:
@@ -121,7 +122,7 @@ def compile_model(model: str | os.PathLike, options: CompileOptions, *,
     except BudgetError as exc:
         need = _user_budget(exc.smallest, options)
         raise BudgetError(
-            f"{model}: the training step does not fit in {format_size(budget)} "
+            f"{label}: the training step does not fit in {format_size(budget)} "
             f"({budget:,} bytes). The smallest budget memcc can reach for it is "
             f"{format_size(need)} ({need:,} bytes; strategy {options.strategy}, with "
             f"{options.margin:.0%} + {options.slack_bytes:,} bytes of safety margin). "
@@ -166,15 +167,15 @@ class VerificationError(MemccError):
 
 
 # ---------------------------------------------------------------------------- stages
-def _load(model, options: CompileOptions):
-    graph = load_graph(model, options.dims)
+def _load(model, label: str, options: CompileOptions):
+    graph = load_graph(model, options.dims, source=label)
     built = False
     if not is_training_step(graph):
-        graph = build_training_step(graph, options.build, source=str(model))
+        graph = build_training_step(graph, options.build, source=label)
         built = True
     params = json.loads(graph.metadata.get("memcc.parameters", "[]"))
     return graph, {
-        "model": str(model), "built_training_step": built, "nodes": len(graph.nodes),
+        "model": label, "built_training_step": built, "nodes": len(graph.nodes),
         "parameters": len(params),
         "parameter_bytes": int(sum(graph.info[p].nbytes for p in params)),
     }

@@ -6,8 +6,10 @@ costs more than time: ORT runs ready Shape/Size nodes ahead of everything else w
 file order says (PRIORITY_BASED), so a planned order could never be kept exactly. Folding
 turns them into Constant nodes, which ORT loads as initializers and never schedules.
 
-Only small values computed from Shape/Size and from non-float constants are folded; nothing
-that reads a parameter is, so no weight is ever baked into a constant.
+Only small integer values (shape arithmetic) computed from Shape/Size and from non-float
+constants are folded: nothing that reads a parameter, so no weight is baked into a constant,
+and no float tensor, because a folded value lives for the whole step (a ConstantOfShape
+zeros tensor computed when needed is cheaper than one held from the start).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from onnx import helper, numpy_helper
 from memcc.frontend.constants import constant_node_value
 from memcc.graph import Graph, TensorInfo
 
-MAX_FOLDED_ELEMENTS = 1 << 16
+MAX_FOLDED_ELEMENTS = 4096
 _NEVER = frozenset({"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike",
                     "Bernoulli", "Multinomial", "Dropout"})
 
@@ -57,7 +59,7 @@ def _fold(node: onnx.NodeProto, graph: Graph, known: dict[str, np.ndarray]
     if len(node.output) != 1 or node.op_type in _NEVER or node.domain not in ("", "ai.onnx"):
         return None
     out_info = graph.info.get(node.output[0])
-    if out_info is None or out_info.numel > MAX_FOLDED_ELEMENTS:
+    if out_info is None or out_info.numel > MAX_FOLDED_ELEMENTS or out_info.is_float:
         return None
     if node.op_type in ("Shape", "Size"):
         src = graph.info.get(node.input[0])
