@@ -2,8 +2,10 @@
 
 CPU (ORT_NOTES.md §3). glibc serves large requests from its heap and keeps freed heap
 memory resident, so the resident-set peak would count memory ORT already freed. With
-``MALLOC_MMAP_THRESHOLD_=65536`` every allocation of 64 KiB or more is its own ``mmap`` and
-goes back to the kernel at ``free``; since glibc reads that variable once at start-up, the
+``MALLOC_MMAP_THRESHOLD_=4096`` every allocation of 4 KiB or more is its own ``mmap`` (whole
+pages, which ``passes.liveness.allocation_bytes`` models) and goes back to the kernel at
+``free``, and ``MALLOC_ARENA_MAX=1`` keeps ORT's threads on one heap; since glibc reads these
+variables once at start-up, the
 measured steps run in a fresh child process started with it (``python -m
 memcc.backend.runner --child``, see ``run_child``). In that process:
 
@@ -45,14 +47,18 @@ from pathlib import Path
 import numpy as np
 
 from memcc import errors
+from memcc.passes.liveness import CPU_MMAP_THRESHOLD
 
-MMAP_THRESHOLD = 65536
-MMAP_ENV = {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)}
+MMAP_THRESHOLD = CPU_MMAP_THRESHOLD
+# One malloc arena: ORT's worker threads would otherwise each grow a heap of their own,
+# whose fragmentation the high-water mark sees and no model of the graph can predict.
+MMAP_ENV = {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD), "MALLOC_ARENA_MAX": "1"}
 CHILD_FLAG = "MEMCC_MEASURE_CHILD"
 RESULT_TAG = "MEMCC_RESULT "
 ERROR_TAG = "MEMCC_ERROR "
 
-CPU_METHOD = "cpu-vmhwm: VmHWM - baseline RSS in a fresh process with MALLOC_MMAP_THRESHOLD_=65536"
+CPU_METHOD = ("cpu-vmhwm: VmHWM - baseline RSS in a fresh process with "
+              f"MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD} MALLOC_ARENA_MAX=1")
 CPU_METHOD_APPROX = "cpu-vmhwm-approximate: in-process, glibc may keep freed memory resident"
 
 

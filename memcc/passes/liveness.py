@@ -49,6 +49,21 @@ import onnx
 
 from memcc.graph import Graph, TensorInfo, attr
 
+# How the CPU measurement allocates (backend/memory.py): every buffer of at least this many
+# bytes is its own mmap of size + 16 header bytes, rounded up to whole pages.
+CPU_MMAP_THRESHOLD = 4096
+PAGE_BYTES = 4096
+MMAP_HEADER_BYTES = 16
+
+
+def allocation_bytes(nbytes: int) -> int:
+    """Bytes a tensor of ``nbytes`` really occupies: small ones come from the heap as is,
+    large ones are whole pages (up to 4 KiB more each; hundreds of buffers make megabytes)."""
+    if nbytes < CPU_MMAP_THRESHOLD:
+        return nbytes
+    return -(-(nbytes + MMAP_HEADER_BYTES) // PAGE_BYTES) * PAGE_BYTES
+
+
 ALIAS_OPS = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity"})
 INPLACE_OPS = frozenset({
     "Relu", "LeakyRelu", "Elu", "Selu", "Celu", "HardSigmoid", "Softplus", "Softsign",
@@ -161,7 +176,7 @@ class _Simulation:
 
     def nbytes(self, name: str) -> int:
         ti = self.graph.info.get(name)
-        return ti.nbytes if ti is not None else 0
+        return allocation_bytes(ti.nbytes) if ti is not None else 0
 
     def _new_buffer(self, name: str, birth: int, pinned: bool) -> int:
         self.buffer_of[name] = name

@@ -74,8 +74,9 @@ def apply_recompute(graph: Graph, plan: Plan, structure: StepStructure | None = 
         del clone.input[:]
         clone.input.extend(inputs)
         outs = []
+        keep_all = _outputs_required(node)
         for o in node.output:
-            if o and readers.get(o, 0) > 0:
+            if o and (readers.get(o, 0) > 0 or keep_all):
                 name = fresh(o + RECOMPUTE_SUFFIX)
                 clone_of[o] = name
                 out.info[name] = out.info[o]
@@ -140,6 +141,14 @@ def _drop_dead_forward_outputs(nodes: list[onnx.NodeProto], st: StepStructure,
 
 
 _SIDE_EFFECTS = frozenset()
+
+
+def _outputs_required(node: onnx.NodeProto) -> bool:
+    """ORT refuses BatchNormalization in training mode without its three outputs (the
+    running statistics are tiny; the clone's copies are simply never read)."""
+    if node.op_type != "BatchNormalization":
+        return False
+    return any(a.name == "training_mode" and a.i for a in node.attribute)
 
 
 def _optional_output(node: onnx.NodeProto, k: int) -> bool:
