@@ -97,5 +97,15 @@ def assert_close(a: np.ndarray, b: np.ndarray, rtol: float = 1e-3, name: str = "
     assert err <= rtol, f"{name}: relative error {err:.2e} > {rtol:.0e}"
 
 
+def check_against_torch(model: onnx.ModelProto, feeds: dict[str, np.ndarray], fn: Callable,
+                        wrt: Sequence[str], rtol: float = 1e-3) -> None:
+    """memcc's gradients of ``model`` equal torch autograd's of ``fn`` (same loss)."""
+    loss, got = onnx_grads(model, feeds, wrt)
+    ref_loss, ref = torch_grads(fn, feeds, wrt)
+    assert abs(loss - ref_loss) <= 1e-3 * max(1.0, abs(ref_loss)), (loss, ref_loss)
+    for name in wrt:
+        assert_close(got[name], ref[name], rtol, name)
+
+
 FLOAT = TensorProto.FLOAT
 INT64 = TensorProto.INT64
