@@ -61,7 +61,7 @@ def verify_rewrite(original: Graph, rewritten: Graph, *, budget: int, provider: 
     with tempfile.TemporaryDirectory(prefix="memcc-verify-") as tmp:
         path = Path(tmp) / "rewritten.onnx"
         save_graph(rewritten, path)
-        run = run_steps(path, steps=steps, provider=provider, seed=seed)
+        run = run_steps(path, steps=steps, provider=provider, seed=seed, separate_timing=False)
     measured = run.measured_peak_bytes
     if measured is None:
         problems.append(f"no peak measurement on {provider} ({run.measurement_method})")
