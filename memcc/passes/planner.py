@@ -148,8 +148,10 @@ def build_problem(graph: Graph, st: StepStructure, live: LivenessReport,
     ts: list[int] = []
     te: list[int] = []
     tu: list[int] = []
+    tw: list[int] = []
 
-    def term(var: int, nbytes: float, start: int, end: int, unless: int = -1) -> None:
+    def term(var: int, nbytes: float, start: int, end: int, unless: int = -1,
+             with_: int = -1) -> None:
         start, end = max(start, 0), min(end, T - 1)
         if nbytes and start <= end:
             tv.append(var)
@@ -157,6 +159,7 @@ def build_problem(graph: Graph, st: StepStructure, live: LivenessReport,
             ts.append(start)
             te.append(end)
             tu.append(unless)
+            tw.append(with_)
 
     for b, vals in members.items():
         owner = producer.get(b)
@@ -195,13 +198,20 @@ def build_problem(graph: Graph, st: StepStructure, live: LivenessReport,
             bl = values[vl.buffer]
             if bl.death is None:
                 continue
+            src = producer.get(vl.buffer)
+            other = var_of.get(find(src.name), -1) if src is not None and \
+                src.name in parent else -1
+            if other == var:
+                continue
             if tau[n.name] > bl.death:
-                src = producer.get(vl.buffer)
-                unless = var_of.get(find(src.name), -1) if src is not None and \
-                    src.name in parent else -1
-                if unless == var:
-                    continue
-                term(var, float(bl.nbytes), bl.death + 1, tau[n.name], unless)
+                term(var, float(bl.nbytes), bl.death + 1, tau[n.name], unless=other)
+            if other >= 0:
+                # Both recomputed: the input's clone is made when this reader re-runs, which
+                # can be long before the input's own first backward reader.
+                t_in = min(tau.get(producer[v].name, inf) for v in members[vl.buffer]
+                           if v in producer)
+                if tau[n.name] < t_in:
+                    term(var, float(bl.nbytes), tau[n.name], min(t_in, T) - 1, with_=other)
 
     problem = Problem(
         base=np.asarray(live.live_during, dtype=np.float64),
@@ -212,6 +222,7 @@ def build_problem(graph: Graph, st: StepStructure, live: LivenessReport,
         term_end=np.asarray(te, dtype=np.int64),
         names=tuple(roots),
         term_unless=np.asarray(tu, dtype=np.int64),
+        term_with=np.asarray(tw, dtype=np.int64),
     )
     crossing_bytes, crossing_vars = _forward_cuts(nodes, st, values, readers, members,
                                                   producer, var_of, find, parent)

@@ -110,15 +110,21 @@ def _model(problem: Problem, rows: list[int], budget: float, objective: str, sca
         return pulp.LpVariable(name, low, up, cat=cat)
 
     xv = [new_var(f"x{i}", cat="Binary") for i in range(n)]
-    zv: dict[tuple[int, int], pulp.LpVariable] = {}
+    zv: dict[tuple[str, int, int], pulp.LpVariable] = {}
 
     def var(key):
         if isinstance(key, int):
             return xv[key]
         if key not in zv:
-            # z >= x[v] - x[u], z >= 0: only ever pushed down, so z = max(0, x_v - x_u).
-            z = new_var(f"z{key[0]}_{key[1]}", 0, 1)
-            prob.addConstraint(z >= xv[key[0]] - xv[key[1]])
+            # Memory rows only ever push z down, so with z >= 0:
+            # unless: z >= x_v - x_u gives max(0, x_v - x_u); and: z >= x_v + x_w - 1 gives
+            # the product of two binaries.
+            kind, v, u = key
+            z = new_var(f"z{kind[0]}{v}_{u}", 0, 1)
+            if kind == "unless":
+                prob.addConstraint(z >= xv[v] - xv[u])
+            else:
+                prob.addConstraint(z >= xv[v] + xv[u] - 1)
             zv[key] = z
         return zv[key]
 

@@ -29,6 +29,9 @@ class Problem:
     # Optional "unless" variable per term (-1: none): the term counts max(0, x[var] - x[u]),
     # e.g. a kept input held until a recomputed reader re-runs, unless it is recomputed too.
     term_unless: np.ndarray | None = None
+    # Optional "with" variable per term (-1: none): the term counts only when both x[var]
+    # and x[with] are set, e.g. a recomputed input re-run early for a recomputed reader.
+    term_with: np.ndarray | None = None
 
     @property
     def n_vars(self) -> int:
@@ -55,6 +58,11 @@ class Problem:
             has = u >= 0
             on = on.copy()
             on[has] = np.maximum(0.0, on[has] - xf[u[has]])
+        if self.term_with is not None:
+            w = self.term_with
+            has = w >= 0
+            on = on.copy()
+            on[has] = np.maximum(0.0, on[has] + xf[w[has]] - 1.0)
         return on
 
     def peak(self, x: np.ndarray) -> float:
@@ -62,13 +70,20 @@ class Problem:
 
     def row(self, t: int) -> dict[int, float]:
         """Coefficients of the memory constraint at time ``t``: keys are variable indices,
-        or ``(var, unless)`` pairs standing for max(0, x[var] - x[unless])."""
+        ``("unless", v, u)`` for max(0, x[v] - x[u]) or ``("and", v, w)`` for x[v] * x[w]."""
         mask = (self.term_start <= t) & (t <= self.term_end)
-        unless = self.term_unless[mask] if self.term_unless is not None else \
-            np.full(int(mask.sum()), -1)
+        none = np.full(int(mask.sum()), -1)
+        unless = self.term_unless[mask] if self.term_unless is not None else none
+        with_ = self.term_with[mask] if self.term_with is not None else none
         coeffs: dict = {}
-        for v, b, u in zip(self.term_var[mask], self.term_bytes[mask], unless, strict=True):
-            key = int(v) if u < 0 else (int(v), int(u))
+        for v, b, u, w in zip(self.term_var[mask], self.term_bytes[mask], unless, with_,
+                              strict=True):
+            if u >= 0:
+                key = ("unless", int(v), int(u))
+            elif w >= 0:
+                key = ("and", int(v), int(w))
+            else:
+                key = int(v)
             coeffs[key] = coeffs.get(key, 0.0) + float(b)
         return coeffs
 
