@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 import time
 from collections import defaultdict
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -27,7 +26,7 @@ from memcc.passes.solvers import ilp, sqrtn
 from memcc.passes.solvers.problem import Problem
 
 STRATEGIES = ("auto", "ilp", "sqrtn", "none")
-TIGHTEN_ROUNDS = 6
+TIGHTEN_ROUNDS = 10
 
 
 class BudgetError(MemccError):
@@ -67,14 +66,15 @@ class PlanOutcome:
 
 # ---------------------------------------------------------------------------- the model
 def build_problem(graph: Graph, st: StepStructure, live: LivenessReport,
-                  costs: CostModel, rerun_hint: Mapping[str, str] | None = None
-                  ) -> PlanProblem:
+                  costs: CostModel, *, no_chains: bool = False) -> PlanProblem:
     """The linear model of ``graph``'s memory under recompute decisions.
 
-    ``rerun_hint`` (forward node -> node it was re-run before, from simulating an earlier
-    plan) replaces the first-reader estimate of where a recomputed node runs: long recompute
-    chains re-run nodes earlier than their own first backward reader, and re-solving with
-    what the simulator saw makes the model exact around that plan.
+    A recomputed node whose inputs are recomputed too starts a chain: the lowering re-runs
+    the inputs where the node re-runs, which can be long before their own first backward
+    reader. One level of that is modelled exactly (product terms); deeper chains are not,
+    so the simulator judges every answer. ``no_chains`` forbids chains instead (a recomputed
+    node's recomputable inputs are kept): then the model is exact, at the price of the
+    savings that only chains reach.
     """
     nodes = graph.nodes
     T = len(nodes)
@@ -122,13 +122,12 @@ def build_problem(graph: Graph, st: StepStructure, live: LivenessReport,
             continue
         direct = min((r for o in n.output for r in readers.get(o, ()) if not fwd_pos[r]),
                      default=inf)
-        hinted = pos.get(rerun_hint.get(n.name, ""), inf) if rerun_hint else inf
         if direct < inf:
-            tau[n.name] = min(direct, hinted)
+            tau[n.name] = direct
             continue
-        tau[n.name] = min(hinted, min((tau.get(nodes[r].name, inf) for o in n.output
-                                       for r in readers.get(o, ()) if nodes[r].name in parent),
-                                      default=inf))
+        tau[n.name] = min((tau.get(nodes[r].name, inf) for o in n.output
+                           for r in readers.get(o, ()) if nodes[r].name in parent),
+                          default=inf)
 
     roots = sorted({find(a) for a in parent if tau.get(a, inf) < inf}, key=lambda a: pos[a])
     var_of = {r: i for i, r in enumerate(roots)}
@@ -213,6 +212,14 @@ def build_problem(graph: Graph, st: StepStructure, live: LivenessReport,
                 if tau[n.name] < t_in:
                     term(var, float(bl.nbytes), tau[n.name], min(t_in, T) - 1, with_=other)
 
+    exclusive = sorted({
+        (var_of[find(producer[i].name)], var_of[find(n.name)])
+        for n in nodes if n.name in parent and find(n.name) in var_of
+        for i in n.input
+        if i in producer and producer[i].name in parent and find(producer[i].name) in var_of
+        and var_of[find(producer[i].name)] != var_of[find(n.name)]
+    })
+
     problem = Problem(
         base=np.asarray(live.live_during, dtype=np.float64),
         cost=cost,
@@ -223,6 +230,7 @@ def build_problem(graph: Graph, st: StepStructure, live: LivenessReport,
         names=tuple(roots),
         term_unless=np.asarray(tu, dtype=np.int64),
         term_with=np.asarray(tw, dtype=np.int64),
+        exclusive=np.asarray(exclusive, dtype=np.int64).reshape(-1, 2) if no_chains else None,
     )
     crossing_bytes, crossing_vars = _forward_cuts(nodes, st, values, readers, members,
                                                   producer, var_of, find, parent)
@@ -301,29 +309,35 @@ def choose_plan(graph: Graph, budget: int | None, costs: CostModel, *,
             found.append(("ilp", simulate(graph, pp.plan(sol.x, "ilp"), costs, st)))
         target = min(s.peak_bytes for _, s in found)
 
-    # Solve, simulate, and where the simulator disagrees with the model, re-solve with what
-    # it saw: re-run positions from the simulation, and a budget lowered by the excess.
+    # 1. The chain-free model is exact: its optimum is a plan that fits whenever the model
+    #    says so (mild budgets).
+    exact = build_problem(graph, st, base.liveness, costs, no_chains=True)
+    sol = ilp.solve(exact.problem, float(target),
+                    time_limit=max(deadline - time.perf_counter(), 0.5))
+    solver_info = _solver_info(sol)
+    if sol.status in ("optimal", "feasible"):
+        found.append(("ilp", simulate(graph, exact.plan(sol.x, "ilp", model="exact"), costs,
+                                      st)))
+    # 2. With chains (lower budgets): solve, simulate, and while the simulator disagrees,
+    #    lower the budget the model aims for by the excess (at most 5% a round: an answer
+    #    far off says little about how far to go).
     eff = float(target)
-    hint: dict[str, str] = {}
     for _ in range(TIGHTEN_ROUNDS):
+        if any(s == "ilp" and sim.peak_bytes <= target for s, sim in found):
+            break
         remaining = deadline - time.perf_counter()
         if remaining <= 0.5:
             solver_info["status"] = solver_info.get("status", "time limit")
             break
         sol = ilp.solve(prob, eff, time_limit=remaining)
-        solver_info = _solver_info(sol)
         if sol.status in ("infeasible", "time limit") or sol.status.startswith("not"):
             break
+        solver_info = _solver_info(sol)
         sim = simulate(graph, pp.plan(sol.x, "ilp", modelled_peak=prob.peak(sol.x)), costs, st)
         found.append(("ilp", sim))
         if sim.peak_bytes <= target:
             break
-        if any(hint.get(k) != v for k, v in sim.rerun_before.items()):
-            hint.update(sim.rerun_before)
-            pp = build_problem(graph, st, base.liveness, costs, hint)
-            prob = pp.problem
-        else:
-            eff -= (sim.peak_bytes - target) * 1.05 + 1.0
+        eff -= min(sim.peak_bytes - target, 0.05 * target) * 1.05 + 1.0
     if strategy == "auto":
         polished = _polish(graph, pp, found, target, costs, st, deadline)
         if polished is not None:

@@ -136,6 +136,9 @@ def _model(problem: Problem, rows: list[int], budget: float, objective: str, sca
         prob += peak + 1e-6 * added
     else:
         prob += added + 1e-9 * pulp.lpSum(xv)
+    if problem.exclusive is not None:
+        for u, m in problem.exclusive:
+            prob += xv[int(u)] + xv[int(m)] <= 1
     for t in rows:
         coeffs = problem.row(t)
         lhs = pulp.lpSum(c / scale * var(k) for k, c in coeffs.items() if c != 0.0)

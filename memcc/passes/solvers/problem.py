@@ -32,6 +32,9 @@ class Problem:
     # Optional "with" variable per term (-1: none): the term counts only when both x[var]
     # and x[with] are set, e.g. a recomputed input re-run early for a recomputed reader.
     term_with: np.ndarray | None = None
+    # Pairs (u, m) that may not both be set: a recomputed node's recomputable inputs are then
+    # kept, so no recompute chain re-runs a node earlier than the model assumes.
+    exclusive: np.ndarray | None = None  # int64[k, 2]
 
     @property
     def n_vars(self) -> int:
