@@ -87,7 +87,7 @@ def bench_model(name: str, opts: dict, fractions, strategies, steps: int, time_l
                 rows.append({"model": name, "options": opts, "strategy": strategy,
                              "fraction": frac, "budget_bytes": budget,
                              "compile_time_s": time.perf_counter() - t0,
-                             "error": f"does not fit; smallest {exc.smallest}"})
+                             "error": f"does not fit (smallest {mb(exc.smallest)} MB)"})
                 log(f"  {strategy} @ {frac}: does not fit (smallest {mb(exc.smallest)} MB)")
                 continue
             compile_s = time.perf_counter() - t0
@@ -134,20 +134,23 @@ def torch_rows(name: str, opts: dict, steps: int, t_base: float, log) -> list[di
 
 def markdown(rows: list[dict]) -> str:
     lines = ["| model | strategy | budget (MB) | measured peak (MB) | predicted (MB) | "
-             "step time ratio | compile (s) | order ok |",
-             "|---|---|---|---|---|---|---|---|"]
+             "measured step time ratio | predicted overhead | compile (s) | order ok |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         frac = r.get("fraction")
         strat = r["strategy"] + (f" @ {frac:.0%} act" if frac not in (None, 1.0) else "")
         if "error" in r:
             lines.append(f"| {r['model']} | {strat} | {mb(r['budget_bytes'])} | "
-                         f"{r['error']} | | | {r['compile_time_s']:.1f} | |")
+                         f"{r['error']} | | | | {r['compile_time_s']:.1f} | |")
             continue
         ratio = r.get("time_ratio", r.get("time_ratio_vs_ort"))
+        predicted = r.get("predicted_overhead")
+        pred = "" if predicted is None else f"{predicted:.1%}"
         lines.append(
             f"| {r['model']} | {strat} | {mb(r.get('budget_bytes'))} | "
             f"{mb(r.get('measured_peak_bytes'))} | {mb(r.get('predicted_peak_bytes'))} | "
             f"{'' if ratio is None else f'{ratio:.3f}'} | "
+            f"{pred} | "
             f"{r.get('compile_time_s', 0.0):.1f} | {r.get('order_matches_plan', '')} |")
     return "\n".join(lines)
 
