@@ -126,7 +126,7 @@ def compile_model(model: str | os.PathLike, options: CompileOptions, *,
             f"({budget:,} bytes). The smallest budget memcc can reach for it is "
             f"{format_size(need)} ({need:,} bytes; strategy {options.strategy}, with "
             f"{options.margin:.0%} + {options.slack_bytes:,} bytes of safety margin). "
-            "Nothing was written. Use --budget {need} "
+            f"Nothing was written. Use --budget {need} "
             "or more, --budget min, or a smaller batch.",
             budget=budget or 0, smallest=need,
         ) from None
