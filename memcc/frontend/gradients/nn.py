@@ -386,7 +386,7 @@ def _batchnorm_grad(ctx: GradContext, node: onnx.NodeProto, gouts: Grads) -> Gra
     axes = [0] + list(range(2, rank))
     gy = gouts[0]
     if training:
-        mean, inv = _stats(emit, x, axes, eps)
+        return _batchnorm_train_grad(ctx, node, gy, axes, eps)
     else:
         mean = _channel_view(emit, mean_in, rank, dtype)
         var = _channel_view(emit, var_in, rank, dtype)
@@ -404,6 +404,40 @@ def _batchnorm_grad(ctx: GradContext, node: onnx.NodeProto, gouts: Grads) -> Gra
         gs = emit.cast(emit.reduce_sum(emit.mul(gy, xhat), axes, keepdims=False), s_dtype)
     if ctx.needs_grad(bias):
         gb = emit.cast(emit.reduce_sum(gy, axes, keepdims=False), ctx.info(bias).dtype)
+    return [gx, gs, gb, None, None]
+
+
+def _batchnorm_train_grad(ctx: GradContext, node: onnx.NodeProto, gy: str, axes: list[int],
+                          eps: float) -> Grads:
+    """dx = gamma * inv / N * (N * gy - sum(gy) - xhat * sum(gy * xhat)), with the channel
+    sums computed first: they are also the scale and bias gradients, and once they exist
+    xhat and gy can be freed one subtraction at a time. Written this way the backward holds
+    at most about three activation-sized temporaries besides x and gy, where the textbook
+    form (gxhat, its mean, its product with xhat, ...) holds five; that working set is what
+    recomputation cannot remove, so it sets the smallest budget a plan can reach."""
+    emit = ctx.emit
+    x, scale, bias = node.input[:3]
+    x_info = ctx.info(x)
+    rank, dtype = len(x_info.shape), x_info.dtype
+    n = float(np.prod([x_info.shape[a] for a in axes]))
+    mean = emit.reduce_mean(x, axes, keepdims=True)
+    centered = emit.sub(x, mean)
+    var = emit.reduce_mean(emit.mul(centered, centered), axes, keepdims=True)
+    inv = emit.unary("Reciprocal", emit.unary("Sqrt", emit.add(var, emit.scalar(eps, dtype))))
+    xhat = emit.mul(centered, inv)
+    sum_gy = emit.reduce_sum(gy, axes, keepdims=True)
+    sum_gy_xhat = emit.reduce_sum(emit.mul(gy, xhat), axes, keepdims=True)
+    gx = None
+    if ctx.needs_grad(x):
+        gamma = _channel_view(emit, scale, rank, dtype)
+        inv_n = emit.scalar(1.0 / n, dtype)
+        centred_gy = emit.sub(gy, emit.mul(xhat, emit.mul(sum_gy_xhat, inv_n)))
+        gx = emit.mul(emit.sub(centred_gy, emit.mul(sum_gy, inv_n)), emit.mul(gamma, inv))
+    c = ctx.info(scale).shape[0]
+    gs = emit.cast(emit.reshape(sum_gy_xhat, [c]), ctx.info(scale).dtype) \
+        if ctx.needs_grad(scale) else None
+    gb = emit.cast(emit.reshape(sum_gy, [c]), ctx.info(bias).dtype) \
+        if ctx.needs_grad(bias) else None
     return [gx, gs, gb, None, None]
 
 
