@@ -55,7 +55,7 @@ from torch import nn
 EXPORTERS = ("torchscript", "dynamo")
 
 # Families whose dynamo training export differs from torch's train-mode forward (BatchNorm).
-DYNAMO_TRAIN_BN_DIVERGES = frozenset({"convnet", "mobilenet_block"})
+DYNAMO_TRAIN_BN_DIVERGES = frozenset({"convnet", "mobilenet_block", "hf_resnet"})
 
 
 # --------------------------------------------------------------------------- modules
@@ -278,6 +278,31 @@ def _bert(dropout: float) -> nn.Module:
     return BertLogits(transformers.BertForSequenceClassification(cfg))
 
 
+def _llama(dropout: float) -> nn.Module:
+    """RMSNorm (Pow/ReduceMean/Sqrt), rotary embeddings (Sin/Cos, Slice, Neg, Concat),
+    grouped-query attention (Expand) and SiLU: what current decoder exports look like."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=32,
+                                   attention_dropout=dropout)
+    return GPT2Logits(transformers.LlamaForCausalLM(cfg))
+
+
+class ImageLogits(_LogitsOnly):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(pixel_values=x).logits
+
+
+def _hf_resnet(dropout: float) -> nn.Module:
+    import transformers
+
+    cfg = transformers.ResNetConfig(num_channels=3, embedding_size=8, hidden_sizes=[8, 16],
+                                    depths=[1, 1], num_labels=5)
+    return ImageLogits(transformers.ResNetForImageClassification(cfg))
+
+
 # --------------------------------------------------------------------------- families
 def _image(sizes: dict[str, int], gen: torch.Generator, hw: int = 16) -> dict[str, torch.Tensor]:
     h, w = sizes.get("height", hw), sizes.get("width", hw)
@@ -332,6 +357,9 @@ FAMILIES: dict[str, Family] = {
                           {"input_ids": {0: "batch", 1: "seq"}}, {0: "batch", 1: "seq"}, _SEQ),
     "bert": Family(_bert, _tokens_mask, _TOKENS_MASK, {0: "batch"}, _SEQ,
                    dynamo_named_dims=False),
+    "llama": Family(_llama, _tokens_mask, _TOKENS_MASK, {0: "batch", 1: "seq"}, _SEQ),
+    "hf_resnet": Family(_hf_resnet, lambda s, g: _image(s, g, 32), _BATCH, {0: "batch"},
+                        dynamo_named_dims=False),
     "mlp": Family(lambda p: MLP(p), lambda s, g: {"x": torch.randn(s["batch"], 20, generator=g)},
                   _BATCH, {0: "batch"}, dynamo_named_dims=False),
 }

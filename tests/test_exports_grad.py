@@ -25,7 +25,7 @@ from memcc.frontend.load import load_graph
 BROKEN = {("gpt2_nomask", "torchscript", False), ("gpt2_nomask", "torchscript", True)} | {
     (f, "dynamo", True) for f in DYNAMO_TRAIN_BN_DIVERGES}
 # Eval exports fold BatchNorm into the convolutions: those weights are not torch's.
-BN_FOLDED = {"convnet", "mobilenet_block"}
+BN_FOLDED = {"convnet", "mobilenet_block", "hf_resnet"}
 
 CASES = [(f, e, t) for f in sorted(FAMILIES) for e in EXPORTERS for t in (False, True)
          if (f, e, t) not in BROKEN]

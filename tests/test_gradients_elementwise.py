@@ -371,3 +371,15 @@ def test_dropout_ratio_as_runtime_input():
     extra = {"r": np.array(0.25, np.float32), "t": np.array(True)}
     y, dx, _ = _dropout_run(nodes, x, {}, extra)
     np.testing.assert_allclose(dx, upstream_weight(x.shape) * (y != 0) / 0.75, rtol=1e-5)
+
+
+@pytest.mark.parametrize("op,fn", [("Sin", "sin"), ("Cos", "cos")])
+def test_sin_cos(op, fn):
+    import torch
+
+    x = np.random.default_rng(5).standard_normal((3, 4)).astype(np.float32)
+    m = make_model([helper.make_node(op, ["x"], ["y"])], [("x", FLOAT, [3, 4])],
+                   [("y", FLOAT, [3, 4])])
+    _, got = onnx_grads(m, {"x": x}, ["x"])
+    _, ref = torch_grads(lambda x: getattr(torch, fn)(x), {"x": x}, ["x"])
+    assert_close(got["x"], ref["x"], name=op)

@@ -32,6 +32,8 @@ STATE_KEY = "memcc.state"
 INT_RANGES_KEY = "memcc.int_ranges"
 PARAMS_KEY = "memcc.parameters"
 OPTIMIZER_KEY = "memcc.optimizer"
+# torch buffers that exporters store as float initializers (never parameters).
+BUFFER_SUFFIXES = ("inv_freq", "running_mean", "running_var", "num_batches_tracked")
 
 
 @dataclass(frozen=True)
@@ -235,8 +237,11 @@ def _trainable_parameters(graph: Graph, loss: str, bn_stats) -> list[str]:
     tensors TorchScript names ``onnx::...``) are constants of the model, not parameters.
     Exporters also store pre-transposed copies of weights under made-up names
     (``onnx::MatMul_12``, ``val_3``): those are the parameters the graph uses, so they train.
+    ONNX cannot tell a torch buffer from a parameter; buffers known by name (rotary
+    ``inv_freq``, BatchNorm statistics) are not trained.
     """
     excluded = {s for _, m, v in bn_stats for s in (m, v)}
+    excluded.update(n for n in graph.initializers if n.endswith(BUFFER_SUFFIXES))
     for node in graph.nodes:
         if node.op_type == "BatchNormalization" and len(node.input) >= 5:
             excluded.update(node.input[3:5])

@@ -330,6 +330,16 @@ def _abs(ctx: GradContext, node: onnx.NodeProto, x: str, y: str, g: str) -> str:
     return ctx.emit.mul(g, ctx.emit.unary("Sign", x))
 
 
+@_unary("Sin")
+def _sin(ctx: GradContext, node: onnx.NodeProto, x: str, y: str, g: str) -> str:
+    return ctx.emit.mul(g, ctx.emit.unary("Cos", x))
+
+
+@_unary("Cos")
+def _cos(ctx: GradContext, node: onnx.NodeProto, x: str, y: str, g: str) -> str:
+    return ctx.emit.neg(ctx.emit.mul(g, ctx.emit.unary("Sin", x)))
+
+
 @_unary("Tanh")
 def _tanh(ctx: GradContext, node: onnx.NodeProto, x: str, y: str, g: str) -> str:
     e = ctx.emit
