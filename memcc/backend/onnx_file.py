@@ -43,8 +43,16 @@ def save_model(model: onnx.ModelProto, path: str | os.PathLike) -> Path:
             os.replace(tmp_data, out.parent / data_name)
         else:
             onnx.save_model(model, tmp)
+        _default_permissions(Path(tmp))
         os.replace(tmp, out)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     return out
+
+
+def _default_permissions(path: Path) -> None:
+    """mkstemp creates files only the owner can read; give the result the usual mode."""
+    umask = os.umask(0)
+    os.umask(umask)
+    path.chmod(0o666 & ~umask)
