@@ -104,9 +104,11 @@ def build_training_step(forward: Graph, options: BuildOptions | None = None,
     grads = differentiate(graph, loss, params)
 
     state: dict[str, str] = {}
+    namer = _OutputNamer(graph, emit)
     outputs = [loss]
-    outputs += _emit_update(graph, emit, params, grads, opts, state)
-    outputs += _carry_batchnorm_stats(graph, emit, bn_stats, state)
+    outputs += _emit_update(graph, emit, params, grads, opts, state, namer)
+    outputs += _carry_batchnorm_stats(graph, bn_stats, state, namer)
+    namer.apply()
 
     graph.outputs = outputs
     graph.inputs = data_inputs + [p for p in params] + [
@@ -255,7 +257,8 @@ def _trainable_parameters(graph: Graph, loss: str, bn_stats) -> list[str]:
 
 
 def _emit_update(graph: Graph, emit: Emitter, params: list[str], grads: dict[str, str],
-                 opts: BuildOptions, state: dict[str, str]) -> list[str]:
+                 opts: BuildOptions, state: dict[str, str], namer: _OutputNamer
+                 ) -> list[str]:
     outputs: list[str] = []
     lr = opts.learning_rate
     wd = opts.decay
@@ -272,17 +275,13 @@ def _emit_update(graph: Graph, emit: Emitter, params: list[str], grads: dict[str
                        emit.binary("Pow", emit.scalar(b1, TensorProto.FLOAT), step_new))
         bc2 = emit.sub(emit.scalar(1.0, TensorProto.FLOAT),
                        emit.binary("Pow", emit.scalar(b2, TensorProto.FLOAT), step_new))
-    renamed: dict[str, str] = {}
     for p in params:
         g = grads.get(p)
-        g = renamed.get(g, g)
         ti = graph.info[p]
         if g is None:  # parameter on a path that carries no gradient (e.g. masked out)
             g = emit.zeros_like(p)
         if opts.optimizer == "none":
-            named = _name_value(graph, emit, g, f"{p}.grad")
-            renamed[g] = named
-            outputs.append(named)
+            outputs.append(namer.name(g, f"{p}.grad"))
             continue
 
         def c(v: float, _dt: int = ti.dtype) -> str:
@@ -329,7 +328,7 @@ def _state_input(graph: Graph, name: str, ti: TensorInfo) -> str:
     return name
 
 
-def _carry_batchnorm_stats(graph: Graph, emit: Emitter, bn_stats, state) -> list[str]:
+def _carry_batchnorm_stats(graph: Graph, bn_stats, state, namer: _OutputNamer) -> list[str]:
     """BatchNorm in training mode updates its running stats: make them carried state."""
     outputs = []
     for node, mean, var in bn_stats:
@@ -346,7 +345,7 @@ def _carry_batchnorm_stats(graph: Graph, emit: Emitter, bn_stats, state) -> list
                                  "by several BatchNormalization nodes")
             new_name = f"{stat}.new"
             if node.output[k]:
-                new_name = _name_value(graph, emit, node.output[k], new_name)
+                new_name = namer.name(node.output[k], new_name)
             else:
                 node.output[k] = new_name
                 graph.info[new_name] = graph.info[stat]
@@ -355,24 +354,47 @@ def _carry_batchnorm_stats(graph: Graph, emit: Emitter, bn_stats, state) -> list
     return outputs
 
 
-def _name_value(graph: Graph, emit: Emitter, value: str, name: str) -> str:
-    """Give ``value`` the output name ``name``: rename its producer, or add an Identity."""
-    if name in graph.info:
-        raise InputError(f"cannot name an output '{name}': the name is taken")
-    producers = graph.producers()
-    node = producers.get(value)
-    reserved = set(graph.inputs) | set(graph.outputs) | set(graph.initializers)
-    if node is None or value in reserved or value.endswith((".grad", ".new")):
-        return emit.op("Identity", [value], outputs=[name], info=graph.info[value])
-    for n in graph.nodes:
-        for i, inp in enumerate(n.input):
-            if inp == value:
-                n.input[i] = name
-        for i, out in enumerate(n.output):
-            if out == value:
-                n.output[i] = name
-    graph.info[name] = graph.info.pop(value)
-    return name
+class _OutputNamer:
+    """Gives values the output names of the contract (``P.grad``, ``stat.new``).
+
+    A value produced by a node is renamed in place (no copy, no extra node); renames are
+    collected and applied in one pass over the graph at the end, because renaming one value
+    at a time costs a pass per parameter. Graph inputs, initializers and values that already
+    carry a contract name (one gradient shared by two parameters) get an Identity instead.
+    """
+
+    def __init__(self, graph: Graph, emit: Emitter) -> None:
+        self.graph = graph
+        self.emit = emit
+        self.producers = graph.producers()
+        self.renames: dict[str, str] = {}
+
+    def name(self, value: str, name: str) -> str:
+        graph = self.graph
+        if name in graph.info:
+            raise InputError(f"cannot name an output '{name}': the name is taken")
+        reserved = value in graph.inputs or value in graph.outputs or \
+            value in graph.initializers
+        if value not in self.producers or reserved or value in self.renames or \
+                value.endswith((".grad", ".new")):
+            return self.emit.op("Identity", [self.renames.get(value, value)], outputs=[name],
+                                info=graph.info[value])
+        self.renames[value] = name
+        graph.info[name] = graph.info[value]
+        return name
+
+    def apply(self) -> None:
+        if not self.renames:
+            return
+        for n in self.graph.nodes:
+            for i, inp in enumerate(n.input):
+                if inp in self.renames:
+                    n.input[i] = self.renames[inp]
+            for i, out in enumerate(n.output):
+                if out in self.renames:
+                    n.output[i] = self.renames[out]
+        for old in self.renames:
+            self.graph.info.pop(old, None)
 
 
 def _drop_unused_initializers(graph: Graph) -> None:
