@@ -346,31 +346,40 @@ def choose_plan(graph: Graph, budget: int | None, costs: CostModel, *,
                    smallest_first=budget is None)
 
 
-POLISH_CANDIDATES = 48
+POLISH_CANDIDATES = 64
+POLISH_STARTS = 4
 
 
 def _polish(graph: Graph, pp: PlanProblem, found: list[tuple[str, Simulation]],
             budget: float, costs: CostModel, st: StepStructure,
             deadline: float) -> Simulation | None:
-    """Take the cheapest fitting plan and stop recomputing its most expensive nodes one by
-    one while the simulator says the step still fits (exact, so it never breaks a plan)."""
-    fitting = [sim for _, sim in found if sim.peak_bytes <= budget and sim.plan.recompute]
-    if not fitting:
-        return None
-    best = min(fitting, key=lambda s: s.added_time_s)
-    chosen = set(best.plan.recompute)
+    """Start from the cheapest fitting plans and stop recomputing their most expensive nodes
+    one by one while the simulator says the step still fits (exact, so it never breaks a
+    plan). Several starts, because the cheapest plan is not always the one that polishes
+    best (a sqrt(n) plan with more segments may shed more)."""
+    fitting = sorted((sim for _, sim in found if sim.peak_bytes <= budget and sim.plan.recompute),
+                     key=lambda s: s.added_time_s)
     index = {n: i for i, g in enumerate(pp.groups) for n in g}
-    groups = {index[n] for n in chosen if n in index}
-    order = sorted(groups, key=lambda i: -pp.problem.cost[i])[:POLISH_CANDIDATES]
-    improved = None
-    for i in order:
-        if time.perf_counter() > deadline:
-            break
-        trial = chosen - set(pp.groups[i])
-        sim = simulate(graph, Plan(frozenset(trial), "auto"), costs, st)
-        if sim.peak_bytes <= budget and sim.added_time_s < (improved or best).added_time_s:
-            chosen, improved = trial, sim
-    return improved
+    best: Simulation | None = None
+    seen: set[frozenset[str]] = set()
+    for start in fitting[:POLISH_STARTS]:
+        if start.plan.recompute in seen:
+            continue
+        seen.add(start.plan.recompute)
+        chosen = set(start.plan.recompute)
+        groups = {index[n] for n in chosen if n in index}
+        order = sorted(groups, key=lambda i: -pp.problem.cost[i])[:POLISH_CANDIDATES]
+        current = start
+        for i in order:
+            if time.perf_counter() > deadline:
+                break
+            trial = chosen - set(pp.groups[i])
+            sim = simulate(graph, Plan(frozenset(trial), "auto"), costs, st)
+            if sim.peak_bytes <= budget and sim.added_time_s < current.added_time_s:
+                chosen, current = trial, sim
+        if current is not start and (best is None or current.added_time_s < best.added_time_s):
+            best = current
+    return best
 
 
 def _solver_info(sol) -> dict:
