@@ -339,7 +339,9 @@ def choose_plan(graph: Graph, budget: int | None, costs: CostModel, *,
             break
         eff -= min(sim.peak_bytes - target, 0.05 * target) * 1.05 + 1.0
     if strategy == "auto":
-        polished = _polish(graph, pp, found, target, costs, st, deadline)
+        # The polish is a refinement: it gets at most a quarter of the time limit.
+        polish_deadline = min(deadline, time.perf_counter() + POLISH_SHARE * time_limit)
+        polished = _polish(graph, pp, found, target, costs, st, polish_deadline)
         if polished is not None:
             found.append(("auto", polished))
     return _finish(base, found, target, strategy, solver_info, graph,
@@ -348,6 +350,7 @@ def choose_plan(graph: Graph, budget: int | None, costs: CostModel, *,
 
 POLISH_CANDIDATES = 64
 POLISH_STARTS = 4
+POLISH_SHARE = 0.25
 
 
 def _polish(graph: Graph, pp: PlanProblem, found: list[tuple[str, Simulation]],
