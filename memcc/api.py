@@ -7,18 +7,9 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from memcc.backend.onnx_file import save_graph
-from memcc.frontend.build import BuildOptions, build_training_step, is_training_step
+from memcc.frontend.build import BuildOptions, build_training_step
 from memcc.frontend.load import load_graph
 from memcc.graph import Graph
-
-
-def load_training_step(model: str | os.PathLike, *, dims: Mapping[str, int] | None = None,
-                       options: BuildOptions | None = None) -> Graph:
-    """Load a training step, building it first when ``model`` is a forward model."""
-    graph = load_graph(model, dims)
-    if is_training_step(graph):
-        return graph
-    return build_training_step(graph, options, source=str(model))
 
 
 def build(model: str | os.PathLike, output: str | os.PathLike, *,

@@ -10,7 +10,7 @@ the order the execution contract asks ORT to keep.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -217,24 +217,3 @@ def attr(node: onnx.NodeProto, name: str, default=None):
             return helper.get_attribute_value(a)
     return default
 
-
-def topo_sort(nodes: Sequence[onnx.NodeProto], available: Iterable[str]) -> list[onnx.NodeProto]:
-    """Stable topological order: keeps the given order wherever dependencies allow."""
-    ready = set(available) | {""}
-    pending = list(nodes)
-    out: list[onnx.NodeProto] = []
-    while pending:
-        progressed = False
-        rest = []
-        for n in pending:
-            if all(i in ready for i in n.input):
-                out.append(n)
-                ready.update(n.output)
-                progressed = True
-            else:
-                rest.append(n)
-        if not progressed:
-            missing = sorted({i for n in rest for i in n.input if i not in ready})
-            raise ValueError(f"graph has a cycle or undefined inputs: {missing[:5]}")
-        pending = rest
-    return out

@@ -95,16 +95,6 @@ def trim_heap() -> None:
         pass
 
 
-def cpu_measurement_supported() -> bool:
-    """Whether /proc offers what the CPU meter needs (Linux with a writable clear_refs)."""
-    try:
-        peak_rss_bytes()
-        reset_peak_rss()
-        return True
-    except (OSError, errors.RuntimeFailure):
-        return False
-
-
 def exact_cpu_measurement() -> bool:
     """True in a process that glibc started with the mmap threshold memcc measures under."""
     return os.environ.get("MALLOC_MMAP_THRESHOLD_") == str(MMAP_THRESHOLD)

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import helper, numpy_helper
 
 from memcc.graph import Graph, TensorInfo, unique_namer
 
@@ -128,19 +128,10 @@ class Emitter:
                     info: TensorInfo | None = None) -> str:
         return self._reduce("ReduceMean", x, axes, keepdims, info, 18)
 
-    def reduce_max(self, x: str, axes: Sequence[int] | None, keepdims: bool = True,
-                   info: TensorInfo | None = None) -> str:
-        return self._reduce("ReduceMax", x, axes, keepdims, info, 18)
-
     def unsqueeze(self, x: str, axes: Sequence[int], info: TensorInfo | None = None) -> str:
         if self.opset >= 13:
             return self.op("Unsqueeze", [x, self.ints(axes)], info=info)
         return self.op("Unsqueeze", [x], axes=list(axes), info=info)
-
-    def squeeze(self, x: str, axes: Sequence[int], info: TensorInfo | None = None) -> str:
-        if self.opset >= 13:
-            return self.op("Squeeze", [x, self.ints(axes)], info=info)
-        return self.op("Squeeze", [x], axes=list(axes), info=info)
 
     def reshape(self, x: str, shape: Sequence[int]) -> str:
         src = self.graph.info[x]
@@ -217,7 +208,3 @@ class Emitter:
             out = self.reduce_sum(g, axes, keepdims=True)
         return self.reshape(out, shape)
 
-
-def float_dtype_of(graph: Graph, name: str) -> int:
-    ti = graph.info[name]
-    return ti.dtype if ti.is_float else TensorProto.FLOAT

@@ -10,8 +10,7 @@ in the plan they pick. Swap-to-host and operator variants will be further decisi
 from __future__ import annotations
 
 import enum
-import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from memcc.graph import Graph
@@ -88,14 +87,3 @@ class StepStructure:
         }
         return cls(loss, frozenset(forward), frozenset(recomputable), frozenset(saved))
 
-
-def plan_from_json(text: str | Mapping) -> Plan:
-    d = json.loads(text) if isinstance(text, str) else dict(text)
-    return Plan(frozenset(d.get("recompute", [])), d.get("strategy", "none"),
-                dict(d.get("notes", {})))
-
-
-def restrict(plan: Plan, allowed: Iterable[str]) -> Plan:
-    allowed_set = set(allowed)
-    return Plan(frozenset(n for n in plan.recompute if n in allowed_set), plan.strategy,
-                plan.notes)

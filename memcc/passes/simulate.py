@@ -28,9 +28,6 @@ class Simulation:
     recomputed_values: tuple[str, ...]
     rerun_before: dict[str, str]        # cloned forward node -> node it runs before
 
-    def fits(self, budget: float) -> bool:
-        return self.peak_bytes <= budget
-
 
 def simulate(graph: Graph, plan: Plan, costs: CostModel,
              structure: StepStructure | None = None) -> Simulation:
