@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
+import onnx
 from onnx import helper, numpy_helper
 
 from memcc.graph import Graph
 
 
-def constant_value(graph: Graph, name: str) -> np.ndarray | None:
+def constant_value(graph: Graph, name: str,
+                   producers: Mapping[str, onnx.NodeProto] | None = None) -> np.ndarray | None:
+    """The value of ``name`` if it is a (non-overridable) initializer or a Constant output.
+
+    Pass ``producers`` (value -> node) when calling this many times: without it every call
+    walks the whole graph.
+    """
     if not name:
         return None
     if name in graph.initializers and name not in graph.inputs:
@@ -16,6 +25,10 @@ def constant_value(graph: Graph, name: str) -> np.ndarray | None:
     if name in graph.initializers:
         # A graph input with a default value can be overridden at run time.
         return None
+    if producers is not None:
+        node = producers.get(name)
+        return constant_node_value(node) if node is not None and node.op_type == "Constant" \
+            else None
     for node in graph.nodes:
         if node.op_type == "Constant" and node.output and node.output[0] == name:
             return constant_node_value(node)

@@ -36,11 +36,27 @@ class GradContext:
     def opset(self) -> int:
         return self.graph.opset
 
+    def producers(self) -> dict[str, onnx.NodeProto]:
+        """value -> producing node, indexed incrementally: rules ask often while the
+        backward pass grows, and a fresh walk of the graph per question is quadratic.
+        (Rules append nodes; the few forward-side insertions, like MaxPool's index Cast,
+        produce no constants and no shape values, so missing them changes no answer.)"""
+        if not hasattr(self, "_producers"):
+            self._producers: dict[str, onnx.NodeProto] = {}
+            self._indexed = 0
+        nodes = self.graph.nodes
+        for node in nodes[self._indexed:]:
+            for o in node.output:
+                if o:
+                    self._producers[o] = node
+        self._indexed = len(nodes)
+        return self._producers
+
     def constant_value(self, name: str):
         """The numpy value of ``name`` when it is an initializer or a Constant node output."""
         from memcc.frontend.constants import constant_value
 
-        return constant_value(self.graph, name)
+        return constant_value(self.graph, name, self.producers())
 
 
 GradRule = Callable[[GradContext, onnx.NodeProto, list[str | None]], list[str | None]]

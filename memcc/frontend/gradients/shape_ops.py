@@ -38,11 +38,12 @@ def static_value(ctx: GradContext, name: str) -> np.ndarray | None:
     value = ctx.constant_value(name)
     if value is not None:
         return value
-    return _fold(ctx.graph, name)
+    return _fold(ctx, name)
 
 
-def _fold(graph: Graph, name: str) -> np.ndarray | None:
-    producers = graph.producers()
+def _fold(ctx: GradContext, name: str) -> np.ndarray | None:
+    graph = ctx.graph
+    producers = ctx.producers()
     leaves: dict[str, np.ndarray] = {}
     needed: dict[int, onnx.NodeProto] = {}
     stack = [name]
@@ -50,7 +51,7 @@ def _fold(graph: Graph, name: str) -> np.ndarray | None:
         value = stack.pop()
         if value in leaves or not value:
             continue
-        const = constant_value(graph, value)
+        const = constant_value(graph, value, producers)
         if const is not None:
             leaves[value] = const
             continue
