@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -46,6 +46,12 @@ class PlanProblem:
     groups: tuple[tuple[str, ...], ...]   # variable -> forward nodes recomputed together
     crossing_bytes: np.ndarray
     crossing_vars: list[list[int]]
+    # (input, reader) variable pairs; forbidding both makes the model chain-free, and exact.
+    chain_pairs: np.ndarray
+
+    @property
+    def chain_free(self) -> Problem:
+        return replace(self.problem, exclusive=self.chain_pairs)
 
     def plan(self, x: np.ndarray, strategy: str, **notes) -> Plan:
         names = frozenset(n for i in np.nonzero(x)[0] for n in self.groups[int(i)])
@@ -66,15 +72,15 @@ class PlanOutcome:
 
 # ---------------------------------------------------------------------------- the model
 def build_problem(graph: Graph, st: StepStructure, live: LivenessReport,
-                  costs: CostModel, *, no_chains: bool = False) -> PlanProblem:
+                  costs: CostModel) -> PlanProblem:
     """The linear model of ``graph``'s memory under recompute decisions.
 
     A recomputed node whose inputs are recomputed too starts a chain: the lowering re-runs
     the inputs where the node re-runs, which can be long before their own first backward
     reader. One level of that is modelled exactly (product terms); deeper chains are not,
-    so the simulator judges every answer. ``no_chains`` forbids chains instead (a recomputed
-    node's recomputable inputs are kept): then the model is exact, at the price of the
-    savings that only chains reach.
+    so the simulator judges every answer. ``PlanProblem.chain_free`` forbids chains instead
+    (a recomputed node's recomputable inputs are kept): then the model is exact, at the
+    price of the savings that only chains reach.
     """
     nodes = graph.nodes
     T = len(nodes)
@@ -230,12 +236,11 @@ def build_problem(graph: Graph, st: StepStructure, live: LivenessReport,
         names=tuple(roots),
         term_unless=np.asarray(tu, dtype=np.int64),
         term_with=np.asarray(tw, dtype=np.int64),
-        exclusive=np.asarray(exclusive, dtype=np.int64).reshape(-1, 2) if no_chains else None,
     )
     crossing_bytes, crossing_vars = _forward_cuts(nodes, st, values, readers, members,
                                                   producer, var_of, find, parent)
     return PlanProblem(problem, tuple(tuple(g) for g in groups), crossing_bytes,
-                       crossing_vars)
+                       crossing_vars, np.asarray(exclusive, dtype=np.int64).reshape(-1, 2))
 
 
 def _forward_cuts(nodes, st, values, readers, members, producer, var_of, find, parent):
@@ -311,13 +316,11 @@ def choose_plan(graph: Graph, budget: int | None, costs: CostModel, *,
 
     # 1. The chain-free model is exact: its optimum is a plan that fits whenever the model
     #    says so (mild budgets).
-    exact = build_problem(graph, st, base.liveness, costs, no_chains=True)
-    sol = ilp.solve(exact.problem, float(target),
+    sol = ilp.solve(pp.chain_free, float(target),
                     time_limit=max(deadline - time.perf_counter(), 0.5))
     solver_info = _solver_info(sol)
     if sol.status in ("optimal", "feasible"):
-        found.append(("ilp", simulate(graph, exact.plan(sol.x, "ilp", model="exact"), costs,
-                                      st)))
+        found.append(("ilp", simulate(graph, pp.plan(sol.x, "ilp", model="exact"), costs, st)))
     # 2. With chains (lower budgets): solve, simulate, and while the simulator disagrees,
     #    lower the budget the model aims for by the excess (at most 5% a round: an answer
     #    far off says little about how far to go).
