@@ -282,3 +282,18 @@ def test_executed_order_reads_kernel_events_by_start_time():
         {"cat": "Node", "name": "a_kernel_time", "ts": 10},
     ]
     assert executed_order(events) == ["a", "b"]
+
+
+def test_labels_of_the_wrong_shape_are_refused_with_the_expected_shape(tmp_path):
+    from memcc.backend.onnx_file import save_graph
+    from memcc.frontend.build import BuildOptions, build_training_step
+    from models import build_model
+
+    step = build_training_step(load_graph(build_model("mlp", batch=4, depth=2)), BuildOptions())
+    path = tmp_path / "step.onnx"
+    save_graph(step, path)
+    feeds = synthetic_feeds(step, 0)
+    feeds["labels"] = np.zeros((5,), np.int64)  # the batch is 4
+    np.savez(tmp_path / "bad.npz", **feeds)
+    with pytest.raises(InputError, match=r"'labels' has shape \[5\].*expects \(shape \[4\]"):
+        run_steps(path, data=tmp_path / "bad.npz")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from gradcheck import FLOAT, make_model
+from onnx import helper, numpy_helper
 
 from memcc.backend.runner import synthetic_feeds
 from memcc.backend.verify import compare_outputs, step_outputs
@@ -72,9 +74,31 @@ def test_unread_forward_outputs_are_dropped_not_pinned():
                            step_outputs(res.graph, feeds, "cpu"), exact=True) == []
 
 
-def test_dropout_is_never_recomputed():
-    step = build_training_step(load_graph(build_model("mlp", batch=4, depth=2)),
-                               BuildOptions())
+def dropout_model():
+    """MatMul -> Dropout (training) -> Relu -> MatMul: a step whose Dropout mask is random."""
+    rng = np.random.default_rng(0)
+    w1 = (rng.standard_normal((16, 32)) * 0.3).astype(np.float32)
+    w2 = (rng.standard_normal((32, 4)) * 0.3).astype(np.float32)
+    nodes = [
+        helper.make_node("MatMul", ["x", "w1"], ["h"]),
+        helper.make_node("Constant", [], ["ratio"], value=numpy_helper.from_array(
+            np.asarray(0.5, np.float32), "ratio")),
+        helper.make_node("Constant", [], ["train"], value=numpy_helper.from_array(
+            np.asarray(True), "train")),
+        helper.make_node("Dropout", ["h", "ratio", "train"], ["d"], name="drop"),
+        helper.make_node("Relu", ["d"], ["r"]),
+        helper.make_node("MatMul", ["r", "w2"], ["logits"]),
+    ]
+    return make_model(nodes, [("x", FLOAT, [8, 16])], [("logits", FLOAT, [8, 4])],
+                      {"w1": w1, "w2": w2})
+
+
+def test_dropout_is_never_recomputed_and_the_rest_stays_bit_identical():
+    step = build_training_step(load_graph(dropout_model()), BuildOptions())
     st = StepStructure.of(step)
-    assert not any(n.op_type == "Dropout" and n.name in st.recomputable for n in step.nodes)
-    assert np.all([n.op_type != "Constant" for n in step.nodes if n.name in st.recomputable])
+    assert "drop" in st.forward and "drop" not in st.recomputable
+    res = apply_recompute(step, Plan(frozenset(st.forward)), st)
+    assert "drop" not in res.cloned_nodes and res.cloned_nodes
+    # A recomputed Dropout would draw a second, different mask: there must be exactly one.
+    assert sum(n.op_type == "Dropout" for n in res.graph.nodes) == 1
+    assert all(n.op_type != "Constant" for n in step.nodes if n.name in st.recomputable)
