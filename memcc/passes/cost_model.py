@@ -65,6 +65,7 @@ class CostModel:
     seconds: Mapping[str, float]
     source: str  # "measured", "analytic" or "unit"
     provider: str
+    kernel_s: float | None = None  # measured only: the profiled kernel time alone
 
     def of(self, node: onnx.NodeProto) -> float:
         return float(self.seconds.get(node.name, 0.0))
@@ -181,14 +182,21 @@ def calibrate_cpu_rates(*, use_cache: bool = True) -> DeviceRates:
 
 
 def _spread_executor_overhead(graph: Graph, seconds: dict[str, float], wall_s: float) -> None:
-    """Kernel times cover 30-60% of a CPU step's wall time (docs/COST_MODEL.md); the rest is
-    the executor's per-node work and, with the arena off, allocating and zero-filling each
-    output. Give every node its share, in proportion to the bytes it allocates, so that the
-    costs add up to the measured step and a recomputed node is charged its allocation too."""
+    """Make the per-node times add up to the measured step (a session without profiling).
+
+    Profiled kernel times are not the step: profiling slows kernels down, and the executor's
+    own per-node work (with the arena off: allocating and zero-filling every output) is not
+    in them. When the kernels add up to more than the step, scale them down; when to less,
+    give every node a share of the rest in proportion to the bytes it allocates, so that a
+    recomputed node is charged its allocation too (docs/COST_MODEL.md)."""
     kernel = sum(seconds.values())
-    rest = wall_s - kernel
-    if rest <= 0:
+    if kernel <= 0 or wall_s <= 0:
         return
+    if kernel >= wall_s:
+        for name in seconds:
+            seconds[name] *= wall_s / kernel
+        return
+    rest = wall_s - kernel
     weights = {n.name: sum(graph.info[o].nbytes for o in n.output if o in graph.info) + 4096
                for n in graph.nodes if n.op_type != "Constant"}
     total = float(sum(weights.values())) or 1.0
@@ -203,17 +211,19 @@ def model_hash(model: onnx.ModelProto) -> str:
 def measured_costs(graph: Graph, provider: str = "cpu", *, runs: int = 3,
                    use_cache: bool = True, feeds: Mapping[str, np.ndarray] | None = None
                    ) -> CostModel:
-    """Median kernel time per node over ``runs`` profiled runs of the graph in ORT."""
+    """Per node: median kernel time over ``runs`` profiled runs of the graph in ORT, plus its
+    share of the executor's time (``_spread_executor_overhead``)."""
     from memcc.backend.runner import synthetic_feeds
     from memcc.backend.session import make_session
 
     model = graph.to_model()
-    key = f"{model_hash(model)}-{provider}-v2"
+    key = f"{model_hash(model)}-{provider}-v4"
     cache = CACHE_DIR / "costs" / f"{key}.json"
     if use_cache and cache.exists():
         try:
-            return CostModel(json.loads(cache.read_text()), "measured", provider)
-        except ValueError:
+            d = json.loads(cache.read_text())
+            return CostModel(d["seconds"], "measured", provider, d["kernel_s"])
+        except (ValueError, KeyError):
             pass
     if feeds is None:
         feeds = synthetic_feeds(graph, seed=0)
@@ -221,13 +231,20 @@ def measured_costs(graph: Graph, provider: str = "cpu", *, runs: int = 3,
         prefix = str(Path(tmp) / "memcc_cost")
         sess = make_session(model, provider, profile=True, profile_prefix=prefix)
         sess.run(None, dict(feeds))  # warm-up: first-run allocations are not kernel time
+        for _ in range(runs):
+            sess.run(None, dict(feeds))
+        path = sess.end_profiling()
+        events = json.loads(Path(path).read_text())
+        del sess
+        # Profiling slows kernels down; the step's real length comes from a plain session.
+        plain = make_session(model, provider)
+        plain.run(None, dict(feeds))
         walls = []
         for _ in range(runs):
             t0 = time.perf_counter()
-            sess.run(None, dict(feeds))
+            plain.run(None, dict(feeds))
             walls.append(time.perf_counter() - t0)
-        path = sess.end_profiling()
-        events = json.loads(Path(path).read_text())
+        del plain
     samples: dict[str, list[float]] = {}
     for ev in events:
         if ev.get("cat") != "Node":
@@ -243,10 +260,11 @@ def measured_costs(graph: Graph, provider: str = "cpu", *, runs: int = 3,
         # Drop the warm-up sample when there are more.
         s = s[1:] if len(s) > runs else s
         seconds[node.name] = statistics.median(s) if s else 0.0
+    kernel_s = float(sum(seconds.values()))
     _spread_executor_overhead(graph, seconds, statistics.median(walls))
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
-        cache.write_text(json.dumps(seconds))
+        cache.write_text(json.dumps({"seconds": seconds, "kernel_s": kernel_s}))
     except OSError:
         pass
-    return CostModel(seconds, "measured", provider)
+    return CostModel(seconds, "measured", provider, kernel_s)
