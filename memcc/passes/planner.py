@@ -289,7 +289,7 @@ def choose_plan(graph: Graph, budget: int | None, costs: CostModel, *,
     solver_info: dict = {"name": "none", "status": "not run", "gap": None}
     found: list[tuple[str, Simulation]] = [("none", base)]
     if strategy == "none":
-        return _finish(base, found, budget, "none", solver_info, graph,
+        return _finish(base, found, budget, "none", solver_info,
                        smallest_first=budget is None)
 
     pp = build_problem(graph, st, base.liveness, costs)
@@ -302,7 +302,7 @@ def choose_plan(graph: Graph, budget: int | None, costs: CostModel, *,
             found.append(("sqrtn", simulate(graph, pp.plan(x, "sqrtn", segments=k), costs, st)))
         found.append(("sqrtn", simulate(graph, pp.plan(rec, "sqrtn", segments=0), costs, st)))
         if strategy == "sqrtn":
-            return _finish(base, found, budget, "sqrtn", solver_info, graph,
+            return _finish(base, found, budget, "sqrtn", solver_info,
                            smallest_first=budget is None)
 
     if target is None:
@@ -347,7 +347,7 @@ def choose_plan(graph: Graph, budget: int | None, costs: CostModel, *,
         polished = _polish(graph, pp, found, target, costs, st, polish_deadline)
         if polished is not None:
             found.append(("auto", polished))
-    return _finish(base, found, target, strategy, solver_info, graph,
+    return _finish(base, found, target, strategy, solver_info,
                    smallest_first=budget is None)
 
 
@@ -395,7 +395,7 @@ def _solver_info(sol) -> dict:
 
 
 def _finish(base: Simulation, found: list[tuple[str, Simulation]], budget: int | None,
-            strategy: str, solver_info: dict, graph: Graph, *,
+            strategy: str, solver_info: dict, *,
             smallest_first: bool = False) -> PlanOutcome:
     """The cheapest plan within the budget (``smallest_first``: the smallest peak, then the
     cheapest among equals, for ``--budget min``)."""
@@ -420,8 +420,6 @@ def _finish(base: Simulation, found: list[tuple[str, Simulation]], budget: int |
         name, best = min(fitting, key=lambda p: (p[1].peak_bytes, p[1].added_time_s))
     else:
         name, best = min(fitting, key=lambda p: (p[1].added_time_s, p[1].peak_bytes))
-    if name == "none" and best is not base:
-        best = base
     return PlanOutcome(best=best, baseline=base, strategy=name, solver=solver_info,
                        candidates=cands, smallest_peak=smallest)
 
