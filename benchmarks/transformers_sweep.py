@@ -10,7 +10,9 @@ none), and compares loss and parameter gradients with the torch module's own aut
 One line per case: loss (memcc vs torch), the worst relative gradient error (against each
 tensor's scale, floored at 1e-3 of the largest gradient) and how many torch parameters were
 matched. Cases whose torch loss already differs from the export's are export problems
-(functional dropout in train mode, dynamo's BatchNorm folding), not gradient ones.
+(functional dropout in train mode, dynamo's BatchNorm folding), not gradient ones; OPT in
+eval mode differs only in the embedding's padding row, which torch's ``padding_idx`` freezes
+and the ONNX file does not record.
 """
 
 from __future__ import annotations
