@@ -26,6 +26,10 @@ Grads = list[str | None]
 # Folding computes small integer parameters only; anything bigger is real data.
 _FOLD_MAX_NODES = 256
 _FOLD_MAX_ELEMENTS = 1 << 16
+# Largest transient of one chunk of an accumulating row scatter (expanded indices plus the
+# slice of the gradient it adds): a few chunks cost a few nodes, one full-size index tensor
+# would cost as much memory again as the gradient itself.
+SCATTER_CHUNK_BYTES = 16 << 20
 
 
 # ---------------------------------------------------------------------------- static values
@@ -518,15 +522,48 @@ def _positive_indices(ctx: GradContext, indices: str, dim: int) -> str:
 
 
 def _scatter_rows(ctx: GradContext, indices: str, g: str, rows_shape: list[int]) -> str:
+    """Sum the rows of ``g`` into a zero table: ScatterElements, chunked over the rows.
+
+    ScatterND(reduction='add') would take each row of ``g`` as one update, but ORT's CPU
+    kernel hands updates to intra-op threads with nothing guarding a row that repeats, so
+    repeated tokens race and the embedding gradient changes from run to run
+    (docs/DETERMINISM.md). ScatterElements accumulates in one serial loop, in index order
+    (the order torch's CPU embedding backward adds rows in), and ORT writes it in place into
+    its input. Its price is an index per element instead of per row: int32 indices expanded
+    to the gradient's shape, bounded by cutting the rows into chunks whose expanded indices
+    and gradient slice together stay under ``SCATTER_CHUNK_BYTES``.
+    """
     emit = ctx.emit
     dtype = ctx.info(g).dtype
-    idx = _positive_indices(ctx, indices, rows_shape[0])
-    idx_shape = ctx.info(idx).shape
-    idx = emit.unsqueeze(idx, [len(idx_shape)],
-                         info=TensorInfo(TensorProto.INT64, tuple(idx_shape) + (1,)))
-    zeros = emit.zeros(rows_shape, dtype)
-    return emit.op("ScatterND", [zeros, idx, g], reduction="add",
-                   info=TensorInfo(dtype, tuple(rows_shape)))
+    depth = rows_shape[0]
+    width = int(np.prod(rows_shape[1:], dtype=np.int64))
+    n = ctx.info(indices).numel
+    rows = _row_indices(ctx, indices, depth, n)
+    g2 = emit.reshape(g, [n, width])
+    per_row = width * (ctx.info(rows).itemsize + ctx.info(g).itemsize)
+    chunk = max(1, min(n, SCATTER_CHUNK_BYTES // max(per_row, 1)))
+    acc = emit.zeros([depth, width], dtype)
+    for start in range(0, n, chunk):
+        end = min(n, start + chunk)
+        part_g = g2 if end - start == n else slice_axis(emit, g2, 0, start, end)
+        part_i = rows if end - start == n else slice_axis(emit, rows, 0, start, end)
+        part_i = emit.expand(part_i, [end - start, width])
+        acc = emit.op("ScatterElements", [acc, part_i, part_g], axis=0, reduction="add",
+                      info=TensorInfo(dtype, (depth, width)))
+    return emit.reshape(acc, rows_shape)
+
+
+def _row_indices(ctx: GradContext, indices: str, depth: int, n: int) -> str:
+    """``indices`` as an [n, 1] column of rows in [0, depth), int32 where rows fit in it."""
+    emit = ctx.emit
+    narrow = depth < 2**31
+    value = ctx.constant_value(indices)
+    if value is not None:
+        rows = np.mod(value.astype(np.int64), depth).reshape(n, 1)
+        return emit.const(rows.astype(np.int32 if narrow else np.int64),
+                          TensorProto.INT32 if narrow else TensorProto.INT64, name="rows")
+    idx = emit.reshape(_positive_indices(ctx, indices, depth), [n, 1])
+    return emit.cast(idx, TensorProto.INT32) if narrow else idx
 
 
 def _onehot_rows(ctx: GradContext, indices: str, g: str, rows_shape: list[int]) -> str:
