@@ -33,6 +33,25 @@ def _fail(exc: MemccError) -> None:
     raise typer.Exit(code=2)
 
 
+def _print_version(value: bool) -> None:
+    """Print the installed package's version (its metadata, so it cannot drift from
+    pyproject.toml) and stop before any command runs."""
+    if value:
+        from importlib.metadata import version
+
+        out.print(f"memcc {version('memcc')}", highlight=False)
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: Annotated[bool, typer.Option(
+        "--version", callback=_print_version, is_eager=True,
+        help="Print memcc's version and exit.")] = False,
+) -> None:
+    """memcc: fit neural-network training steps (ONNX) into a memory budget."""
+
+
 @app.command()
 def build(
     model: Annotated[Path, typer.Argument(help="Forward ONNX model (e.g. from torch.onnx).")],
