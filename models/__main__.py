@@ -12,13 +12,16 @@ import argparse
 import ast
 import inspect
 import sys
+import textwrap
 from pathlib import Path
 
 import onnx
 
-from models import MODELS, PRESETS, SIGNATURES, build_model
+from models import MODELS, PRESETS, SIGNATURES, build_model, model_meta
 
 EXTERNAL_DATA_THRESHOLD = int(1.8e9)
+# torch buffers, not parameters
+_BUFFER_SUFFIXES = (".running_mean", ".running_var")
 
 # flag -> builder option
 _FLAGS = {
@@ -31,9 +34,7 @@ _FLAGS = {
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.list:
-        for name in MODELS:
-            presets = ", ".join(PRESETS.get(name, {})) or "-"
-            print(f"{name:12s} options: {', '.join(_accepted(name))}; presets: {presets}")
+        print(list_models())
         return 0
     if not args.name or not args.output:
         print("error: NAME and -o FILE are required (or --list)", file=sys.stderr)
@@ -52,6 +53,40 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {args.output}: {args.name}, {params:,} initializer elements, {nbytes:,} bytes "
           f"of weights, {len(model.graph.node)} nodes")
     return 0
+
+
+def list_models(width: int = 100) -> str:
+    """Every family with the sizes it gets when no option is given, and its presets.
+
+    A bare ``python -m models gpt2 -o f.onnx`` builds a tiny model (the defaults exist for
+    tests), so a user must see what they would get before asking for real sizes. The
+    defaults are read back from the model the builder stamps (``memcc.zoo.options``), so
+    values a builder derives (ResNet-50's ``blocks``, GPT-2's ``n_positions``) show as
+    built; building them all takes well under a second and needs no torch.
+    """
+    lines = textwrap.wrap(
+        "Each model with the options it is built with when none is given (tiny sizes, for "
+        "tests) and its parameter count at those sizes; --preset NAME gives real sizes. Change "
+        "any option with -O KEY=VALUE, or with its flag where one exists (--batch, --width, "
+        "--seq-len, ...).", width, break_on_hyphens=False)
+    labels = ["defaults"] + [f"--preset {p}" for presets in PRESETS.values() for p in presets]
+    indent = max(map(len, labels)) + 3
+    for name in MODELS:
+        model = build_model(name)
+        built = model_meta(model).get("options", {})
+        defaults = _defaults(name)
+        values = {k: built.get(k, defaults.get(k)) for k in _accepted(name)}
+        lines += ["", f"{name} ({parameter_count(model):,} parameters at the defaults)"]
+        lines += _wrapped("defaults", values, indent, width)
+        for preset, opts in PRESETS.get(name, {}).items():
+            lines += _wrapped(f"--preset {preset}", opts, indent, width)
+    return "\n".join(lines)
+
+
+def parameter_count(model: onnx.ModelProto) -> int:
+    """Trainable values as torch counts them: initializers minus BatchNorm running stats."""
+    return sum(_numel(t) for t in model.graph.initializer
+               if not t.name.endswith(_BUFFER_SUFFIXES))
 
 
 def save(model: onnx.ModelProto, path: str | Path) -> int:
@@ -79,7 +114,8 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--" + flag.replace("_", "-"), dest=flag, type=typ, default=None)
     p.add_argument("-O", "--option", action="append", default=[], metavar="KEY=VALUE",
                    help="any other builder option, value as a Python literal")
-    p.add_argument("--list", action="store_true", help="list models, options and presets")
+    p.add_argument("--list", action="store_true",
+                   help="list the models: default sizes, parameter counts, presets")
     return p
 
 
@@ -107,6 +143,18 @@ def _options(args: argparse.Namespace) -> dict[str, object]:
 def _accepted(name: str) -> list[str]:
     params = inspect.signature(SIGNATURES[name]).parameters
     return [p for p in params if p != "arch"]
+
+
+def _defaults(name: str) -> dict[str, object]:
+    params = inspect.signature(SIGNATURES[name]).parameters
+    return {k: p.default for k, p in params.items() if p.default is not inspect.Parameter.empty}
+
+
+def _wrapped(label: str, values: dict[str, object], indent: int, width: int) -> list[str]:
+    """``KEY=VALUE`` pairs as ``-O`` takes them (no spaces inside a value), wrapped."""
+    text = " ".join(f"{k}={v!r}".replace(" ", "") for k, v in values.items())
+    return textwrap.wrap(text, width, initial_indent=f"  {label:{indent - 2}s}",
+                         subsequent_indent=" " * indent, break_on_hyphens=False)
 
 
 def _numel(t: onnx.TensorProto) -> int:

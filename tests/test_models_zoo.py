@@ -238,6 +238,30 @@ def test_cli_options_and_errors(tmp_path, capsys):
     assert models_main(["--list"]) == 0
 
 
+def test_list_shows_default_sizes_parameter_counts_and_presets(capsys):
+    """--list says what a bare ``python -m models NAME`` builds, as built, and how big."""
+    assert models_main(["--list"]) == 0
+    out = capsys.readouterr().out
+    assert max(map(len, out.splitlines())) <= 100
+    blocks = dict(zip(MODELS, out.split("\n\n")[1:], strict=True))
+    for name, block in blocks.items():
+        model = build_model(name)
+        text = " ".join(block.split())  # undo the wrapping
+        buffers = sum(int(np.prod(t.dims)) for t in model.graph.initializer
+                      if "running_" in t.name)
+        params = sum(int(np.prod(t.dims)) for t in model.graph.initializer) - buffers
+        assert text.startswith(f"{name} ({params:,} parameters at the defaults)"), text
+        # every option as built, in the -O KEY=VALUE form that rebuilds it
+        for key, value in model_meta(model)["options"].items():
+            if key != "arch":
+                assert f" {key}={value!r}".replace(", ", ",") in text, (name, key)
+        assert "dynamic_batch=False" in text
+        for preset, opts in PRESETS.get(name, {}).items():
+            assert f"--preset {preset} " + " ".join(f"{k}={v!r}" for k, v in opts.items()) in text
+    assert "blocks=[3,4,6,3]" in blocks["resnet50"]  # derived defaults show as built
+    assert "batch_norm" not in blocks["gpt2"]
+
+
 def test_cli_external_data(tmp_path, monkeypatch):
     import models.__main__ as cli
 
