@@ -28,6 +28,7 @@ from memcc.passes.cost_model import (
     calibrate_cpu_rates,
     measured_costs,
 )
+from memcc.passes.phases import plan_origin, step_phases
 from memcc.passes.plan import StepStructure
 from memcc.passes.planner import STRATEGIES, BudgetError, PlanOutcome, choose_plan
 from memcc.passes.simulate import Simulation
@@ -275,6 +276,8 @@ def _report(options, budget, plan_budget, was_min, base: Simulation, plan: Simul
         "timeline": {
             "baseline": list(base.liveness.live_during),
             "plan": list(live.live_during),
+            "phases": step_phases(base.graph),
+            "plan_origin": plan_origin(base.graph, plan.graph),
         },
         "verification": verification,
         "options": {"strategy": options.strategy, "provider": options.provider,

@@ -78,37 +78,145 @@ def _short(v) -> str:
     return str(v)
 
 
+PHASE_STYLE = {  # letter in timeline.phases -> (name, shading)
+    "F": ("forward", "#e8eef8"),
+    "B": ("backward", "#f8eee4"),
+    "U": ("update", "#e8f4e8"),
+}
+
+
 def plot_timeline(report: dict, path: str | Path) -> Path:
-    """Bytes live over the schedule, baseline and plan, with the budget and the peak's parts."""
+    """Draw ``timeline_figure(report)`` to a PNG at ``path``."""
+    fig = timeline_figure(report)
+    import matplotlib.pyplot as plt
+
+    out = Path(path)
+    try:
+        fig.savefig(out, dpi=110)
+    finally:
+        plt.close(fig)
+    return out
+
+
+def timeline_figure(report: dict):
+    """Bytes live over the step, baseline and plan on one x axis, with the budget, the
+    planning target, the phases of the step and what each peak is made of.
+
+    x is the node of the step as built: the plan's nodes sit at the x of the same node in
+    the baseline, and its recompute clones between the two original nodes they run
+    between, so a vertical line crosses both curves at the same point of the step (node
+    indices alone would shift the plan right by every clone before it). Returns the
+    matplotlib Figure; the caller saves and closes it.
+    """
     import matplotlib
 
-    matplotlib.use("Agg")
+    matplotlib.use("Agg")  # no display needed, and none may exist
     import matplotlib.pyplot as plt
 
     tl = report.get("timeline") or {}
     if not tl.get("baseline"):
         raise InputError("the report has no timeline (written by an older memcc?)")
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.5), gridspec_kw={"width_ratios": [3, 1]})
     mb = 1e6
-    ax.plot([v / mb for v in tl["baseline"]], label="baseline", color="tab:gray", lw=1)
-    ax.plot([v / mb for v in tl["plan"]], label="plan", color="tab:blue", lw=1)
-    ax.axhline(report["budget_bytes"] / mb, color="tab:red", ls="--", label="budget")
-    ax.set_xlabel("node in execution order")
-    ax.set_ylabel("MB live")
-    ax.set_title("bytes live over the step")
-    ax.legend(loc="upper right")
+    base = [v / mb for v in tl["baseline"]]
+    plan = [v / mb for v in tl["plan"]]
+    origin = tl.get("plan_origin")
+    aligned = origin is not None and len(origin) == len(plan)
+    plan_x = aligned_x(origin) if aligned else list(range(len(plan)))
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(14, 5.8), gridspec_kw={"width_ratios": [3, 1]})
+
+    phases = tl.get("phases") or ""
+    if len(phases) == len(base):
+        for start, end, letter in _runs(phases):
+            name, colour = PHASE_STYLE.get(letter, (letter, "#f0f0f0"))
+            ax.axvspan(start - 0.5, end - 0.5, color=colour, lw=0, zorder=0)
+            if start:
+                ax.axvline(start - 0.5, color="0.6", lw=0.8, zorder=1)
+            if end - start >= 0.04 * len(phases):
+                ax.text((start + end - 1) / 2, 0.985, name, transform=ax.get_xaxis_transform(),
+                        ha="center", va="top", fontsize=9, color="0.35")
+
+    ax.plot(range(len(base)), base, color="0.45", lw=1.1,
+            label=f"baseline (peak {format_size(report['baseline']['peak_bytes'])})")
+    ax.plot(plan_x, plan, color="tab:blue", lw=1.1,
+            label=f"plan (peak {format_size(report['plan']['peak_bytes'])})")
+    if aligned:
+        clones = [i for i, o in enumerate(origin) if o < 0]
+        if clones:
+            ax.plot([plan_x[i] for i in clones], [plan[i] for i in clones], ls="none",
+                    marker="o", ms=3, color="tab:orange", zorder=3,
+                    label=f"plan: recomputed node ({len(clones)})")
+
+    budget = report["budget_bytes"]
+    ax.axhline(budget / mb, color="tab:red", ls="--", lw=1.2,
+               label=f"budget {format_size(budget)}")
+    target = report.get("planning_budget_bytes")
+    if target is not None:
+        slack_mib = report.get("slack_bytes", 1 << 20) / (1 << 20)
+        ax.axhline(target / mb, color="tab:red", ls=":", lw=1.2,
+                   label=f"planning target {format_size(target)} = budget x "
+                         f"(1 - {report.get('margin', 0.02):g}) - {slack_mib:g} MiB")
+    ax.set_xlim(-0.5, len(base) - 0.5)
+    ax.set_ylim(0, max(max(base), max(plan), budget / mb) * 1.12)
+    ax.set_xlabel("node of the step as built (the plan's recomputed nodes are drawn between "
+                  "the nodes they run between)" if aligned else
+                  "node in execution order (report without plan_origin: the plan's x is not "
+                  "aligned with the baseline's)", fontsize=9)
+    ax.set_ylabel("MB live (10^6 bytes)")
+    ax.set_title("bytes live over the training step")
+    # Below the axes: memory often stays high to the end of the step, and a legend inside
+    # would hide the curves wherever it went.
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=3, fontsize=8,
+              frameon=False)
+
     cats = list(report["baseline"].get("breakdown_at_peak", {}))
     bottoms = [0.0, 0.0]
     for cat in cats:
         vals = [report["baseline"]["breakdown_at_peak"].get(cat, 0) / mb,
                 report["plan"].get("breakdown_at_peak", {}).get(cat, 0) / mb]
-        bx.bar(["baseline", "plan"], vals, bottom=bottoms, label=cat)
+        bx.bar(["baseline", "plan"], vals, bottom=bottoms, label=cat.replace("_", " "))
         bottoms = [bottoms[0] + vals[0], bottoms[1] + vals[1]]
-    bx.set_title("what the peak is made of")
-    bx.set_ylabel("MB")
-    bx.legend(fontsize=8)
+    bx.axhline(budget / mb, color="tab:red", ls="--", lw=1.2)
+    if target is not None:
+        bx.axhline(target / mb, color="tab:red", ls=":", lw=1.2)
+    bx.set_ylim(ax.get_ylim())
+    bx.set_title("what each peak is made of")
+    bx.set_ylabel("MB at the peak")
+    bx.legend(loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=3, fontsize=8,
+              frameon=False)
     fig.tight_layout()
-    out = Path(path)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return fig
+
+
+def aligned_x(origin: list[int]) -> list[float]:
+    """x of each plan node in baseline coordinates (``timeline.plan_origin``).
+
+    A node the baseline has sits at that node's index. A run of recompute clones (-1) runs
+    just before the next original node, so the run is spread evenly over the gap between
+    the original nodes before and after it.
+    """
+    xs: list[float] = [float(o) for o in origin]
+    i = 0
+    while i < len(origin):
+        if origin[i] >= 0:
+            i += 1
+            continue
+        j = i
+        while j < len(origin) and origin[j] < 0:
+            j += 1
+        left = float(origin[i - 1]) if i else -0.5
+        right = float(origin[j]) if j < len(origin) else left + 1.0
+        for k in range(i, j):
+            xs[k] = left + (k - i + 1) * (right - left) / (j - i + 1)
+        i = j
+    return xs
+
+
+def _runs(letters: str) -> list[tuple[int, int, str]]:
+    """Maximal runs of one letter as (start, end exclusive, letter)."""
+    runs: list[tuple[int, int, str]] = []
+    start = 0
+    for i in range(1, len(letters) + 1):
+        if i == len(letters) or letters[i] != letters[start]:
+            runs.append((start, i, letters[start]))
+            start = i
+    return runs
