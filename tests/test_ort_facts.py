@@ -1,7 +1,7 @@
 """Pin the ONNX Runtime behaviour memcc's design relies on, each as a small experiment.
 
 If an onnxruntime upgrade changes one of these, the matching test fails here, next to the
-fact, instead of a plan silently stopping to hold (see ORT_NOTES.md and
+fact, instead of a plan silently stopping to hold (see docs/ORT_NOTES.md and
 ``backend/session.py`` for why each matters). Memory facts are measured in a fresh process
 with the allocator setting of ``backend/memory.py``.
 """
