@@ -37,9 +37,9 @@ def upstream_weight(shape, seed: int = 123) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
 
 
-def onnx_grads(model: onnx.ModelProto, feeds: dict[str, np.ndarray], wrt: Sequence[str],
-               output: str | None = None, seed: int = 123):
-    """Return (loss, {name: grad}) computed by memcc's backward graph in ORT (CPU)."""
+def grad_graph(model: onnx.ModelProto, wrt: Sequence[str], output: str | None = None,
+               seed: int = 123):
+    """The graph whose outputs are ``[loss, *grads of wrt]``, ready for ORT."""
     graph = load_graph(model)
     y = output or graph.outputs[0]
     yi = graph.info[y]
@@ -61,6 +61,13 @@ def onnx_grads(model: onnx.ModelProto, feeds: dict[str, np.ndarray], wrt: Sequen
         seen.add(name)
         outs.append(name)
     graph.outputs = outs
+    return graph
+
+
+def onnx_grads(model: onnx.ModelProto, feeds: dict[str, np.ndarray], wrt: Sequence[str],
+               output: str | None = None, seed: int = 123):
+    """Return (loss, {name: grad}) computed by memcc's backward graph in ORT (CPU)."""
+    graph = grad_graph(model, wrt, output, seed)
     m = graph.to_model()
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL

@@ -5,7 +5,9 @@ torch side runs the very module that was exported, on the same batch, with the s
 cross-entropy loss. Exporters rename or copy weights (pre-transposed ``onnx::MatMul_*``,
 dynamo's ``val_*``, GPT-2's tied embedding split in two), so each ONNX parameter is matched
 to a torch parameter by name, else by value (as is or transposed, only when unique); a torch
-parameter reached by several ONNX copies must get the sum of their gradients.
+parameter reached by several ONNX copies must get the sum of their gradients. The ONNX step
+runs twice at 2 and at 4 intra-op threads: runs of one count must agree bit for bit, and every
+count must match torch (tests/threads.py).
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ import numpy as np
 import pytest
 import torch
 from exports import DYNAMO_TRAIN_BN_DIVERGES, EXPORTERS, FAMILIES, export
+from threads import run_at_threads
 
-from memcc.backend.verify import step_outputs
 from memcc.frontend.build import BuildOptions, build_training_step
 from memcc.frontend.load import load_graph
 
@@ -88,7 +90,7 @@ def test_export_step_gradients_match_torch(family, exporter, training):
     logits_shape = step.info["labels"].shape
     n_classes = int(step.info[_logits_name(step)].shape[-1])
     labels = np.random.default_rng(0).integers(0, n_classes, size=logits_shape)
-    out = step_outputs(step, {**inputs, "labels": labels.astype(np.int64)}, "cpu")
+    runs = run_at_threads(step, {**inputs, "labels": labels.astype(np.int64)})
     assert classes == logits_shape
 
     m = copy.deepcopy(module)
@@ -97,8 +99,14 @@ def test_export_step_gradients_match_torch(family, exporter, training):
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, n_classes),
                                              torch.from_numpy(labels).reshape(-1))
     loss.backward()
-    assert abs(float(out["loss"]) - loss.item()) <= 1e-4 * max(1.0, abs(loss.item()))
+    for threads, out in runs.items():
+        _assert_matches(f"{family}/{exporter} at {threads} threads", out, step, m, loss.item(),
+                        bn_folded=family in BN_FOLDED and not training)
 
+
+def _assert_matches(where: str, out: dict[str, np.ndarray], step, m: torch.nn.Module,
+                    ref_loss: float, *, bn_folded: bool) -> None:
+    assert abs(float(out["loss"]) - ref_loss) <= 1e-4 * max(1.0, abs(ref_loss)), where
     tparams = {n: p.detach().numpy() for n, p in m.named_parameters() if p.grad is not None}
     tgrads = {n: p.grad.numpy() for n, p in m.named_parameters() if p.grad is not None}
     oparams = {k[: -len(".grad")]: step.initializers[k[: -len(".grad")]]
@@ -111,14 +119,15 @@ def test_export_step_gradients_match_torch(family, exporter, training):
                   for o, tr in onnx_members)
         ref = sum(tgrads[t].astype(np.float64) for t in torch_members)
         err = float(np.abs(got - ref).max()) / max(float(np.abs(ref).max()), floor)
-        assert err <= 1e-3, (f"{family}/{exporter}: grads of {[o for o, _ in onnx_members]} vs "
+        assert err <= 1e-3, (f"{where}: grads of {[o for o, _ in onnx_members]} vs "
                              f"torch {torch_members}: relative error {err:.2e}")
         covered.update(torch_members)
     unmatched = set(tgrads) - covered
-    if family in BN_FOLDED and not training:
-        assert covered, "no parameter of a BN-folded export could be matched"
+    if bn_folded:
+        assert covered, f"{where}: no parameter of a BN-folded export could be matched"
     else:
-        assert not unmatched, f"torch parameters without an ONNX gradient: {sorted(unmatched)}"
+        assert not unmatched, f"{where}: torch parameters without an ONNX gradient: " \
+            f"{sorted(unmatched)}"
 
 
 def _logits_name(step) -> str:
