@@ -9,6 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from memcc.errors import MemccError
 
@@ -29,8 +30,13 @@ DimOpt = Annotated[
 
 
 def _fail(exc: MemccError) -> None:
-    err.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+    err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
     raise typer.Exit(code=2)
+
+
+def _warn(message: str) -> None:
+    """A compile goes on, but the user should know (e.g. costs estimated, not measured)."""
+    err.print(f"[bold yellow]warning:[/] {escape(message)}", highlight=False, soft_wrap=True)
 
 
 def _print_version(value: bool) -> None:
@@ -152,7 +158,7 @@ def compile_cmd(
     dim: DimOpt = None,
 ) -> None:
     """Rewrite a training step so that it fits a memory budget at the least added time."""
-    from memcc.compiler import CompileOptions, compile_model, summary_lines
+    from memcc.compiler import CompileOptions, VerificationError, compile_model, summary_lines
     from memcc.frontend.build import BuildOptions
     from memcc.frontend.load import parse_dims
 
@@ -166,7 +172,14 @@ def compile_cmd(
         )
         with err.status("compiling") as status:
             result = compile_model(model, opts, output=out_path, report_path=report_path,
-                                   progress=lambda m: status.update(f"compiling: {m}"))
+                                   progress=lambda m: status.update(f"compiling: {m}"),
+                                   warn=_warn)
+    except VerificationError as exc:
+        # The summary says which checks failed; the error, what to try and what was written.
+        for line in summary_lines(exc.report):
+            out.print(line, highlight=False)
+        _fail(exc)
+        return
     except MemccError as exc:
         _fail(exc)
         return

@@ -5,18 +5,33 @@ only), liveness of the step as written (the baseline), the cost model, the plan 
 (strategies judged by one simulator), the rewrite (the plan's lowering), and optionally the
 proof by running. Each stage adds a ``PassReport``. Nothing is written until a plan that
 fits exists, and files are written atomically, so a failed compile leaves nothing behind.
+
+Both target paths are checked before any work (a read-only directory found after a long
+compile wastes it), and the rewritten step and its report are renamed into place together
+or not at all. A failed ``--verify`` is the one failure that writes: the report, with what
+failed and what to try, and the rewritten step under ``OUT.unverified.onnx`` (for
+inspection or a bug report; never at ``OUT``, where a later step or a build tool would
+take it for a verified result).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from memcc.backend.onnx_file import save_graph
+from memcc.backend.onnx_file import (
+    Staged,
+    check_writable,
+    discard,
+    stage_model,
+    stage_text,
+    write_together,
+)
 from memcc.errors import InputError, MemccError
 from memcc.frontend.build import BuildOptions, build_training_step, is_training_step
 from memcc.frontend.load import load_graph
@@ -95,12 +110,34 @@ class CompileResult:
 Progress = Callable[[str], None]
 
 
+def unverified_path(output: str | os.PathLike) -> Path:
+    """Where a rewritten step that failed ``--verify`` is kept: ``OUT.unverified.onnx``."""
+    out = Path(output)
+    return out.with_name(f"{out.stem}.unverified{out.suffix or '.onnx'}")
+
+
 def compile_model(model: str | os.PathLike, options: CompileOptions, *,
                   output: str | os.PathLike | None = None,
                   report_path: str | os.PathLike | None = None,
-                  progress: Progress | None = None) -> CompileResult:
-    """Compile ``model`` for ``options.budget``; write ``output``/``report_path`` if given."""
+                  progress: Progress | None = None,
+                  warn: Progress | None = None) -> CompileResult:
+    """Compile ``model`` for ``options.budget``; write ``output``/``report_path`` if given.
+
+    ``warn`` receives, as they happen, the things a user should know about a compile that
+    still succeeds (e.g. costs estimated because CUDA is missing); the report keeps them
+    under ``warnings``. A failed verification raises ``VerificationError`` after writing
+    the report (and ``unverified_path(output)``).
+    """
     say = progress or (lambda _msg: None)
+    warnings: list[str] = []
+
+    def warning(msg: str) -> None:
+        warnings.append(msg)
+        if warn is not None:
+            warn(msg)
+
+    _check_targets(model, output, report_path)
+    _check_provider(options, warning)
     t_start = time.perf_counter()
     passes: list[PassReport] = []
 
@@ -117,7 +154,7 @@ def compile_model(model: str | os.PathLike, options: CompileOptions, *,
         max(int(budget * (1.0 - options.margin)) - options.slack_bytes, 0)
     graph = timed("load", lambda: _load(model, label, options))
     structure = StepStructure.of(graph)
-    costs = timed("cost_model", lambda: _costs(graph, options))
+    costs = timed("cost_model", lambda: _costs(graph, options, warning))
     try:
         outcome = timed("plan", lambda: _plan(graph, plan_budget, costs, options, structure))
     except BudgetError as exc:
@@ -144,16 +181,135 @@ def compile_model(model: str | os.PathLike, options: CompileOptions, *,
 
     report = _report(options, final_budget, plan_budget, budget is None, base_sim, plan_sim,
                      outcome, costs, passes, time.perf_counter() - t_start, verification)
+    report["warnings"] = warnings
     if verification is not None and not verification["ok"]:
+        steps = next_steps(verification, options, plan_sim.peak_bytes, label)
+        kept = unverified_path(output) if output is not None else None
+        verification["next_steps"] = steps
+        verification["unverified_output"] = None if kept is None else str(kept)
+        say("writing the report of the failed verification")
+        _write(kept, rewritten, report_path, report)
+        written = [str(x) for x in (report_path, kept) if x is not None]
         raise VerificationError(
-            "verification failed: " + "; ".join(verification["problems"]), report=report
+            f"{label}: verification failed: " + "; ".join(verification["problems"]) + ". "
+            + " ".join(steps)
+            + (f" Wrote {' and '.join(written)}" if written else "")
+            + (f"; {output} was not written (it would be unverified)." if output is not None
+               else "."),
+            report=report,
         )
-    if output is not None:
-        say(f"writing {output}")
-        save_graph(rewritten, Path(output))
-    if report_path is not None:
-        _write_json(Path(report_path), report)
+    say(f"writing {output}" if output is not None else "writing the report")
+    _write(output, rewritten, report_path, report)
     return CompileResult(rewritten, report, outcome, passes)
+
+
+def _check_targets(model, output, report_path) -> None:
+    """Before any work: both files can be written, and are two different files."""
+    if isinstance(model, (str, os.PathLike)) and not Path(model).exists():
+        raise InputError(f"{model}: no such file")
+    if output is not None:
+        check_writable(output, "the rewritten step", "--output/-o")
+    if report_path is not None:
+        check_writable(report_path, "the report", "--report")
+    if output is not None and report_path is not None and \
+            Path(output).resolve() == Path(report_path).resolve():
+        raise InputError(f"--output and --report are the same file ({output}); give the "
+                         "report another name.")
+
+
+def _check_provider(options: CompileOptions, warning: Progress) -> None:
+    """``--provider cuda`` without CUDA: an error where the user asked for something to run
+    on CUDA (``--verify``, ``--cost measured``), a visible warning where memcc would
+    otherwise quietly estimate instead of measuring (``--cost auto``)."""
+    if options.provider != "cuda":
+        return
+    from memcc.backend.session import cuda_unavailable_reason
+
+    reason = cuda_unavailable_reason()
+    if reason is None:
+        return
+    if options.verify:
+        raise InputError(f"--verify --provider cuda: CUDA is not available: {reason}. "
+                         "--verify runs the step on CUDA: run this compile where CUDA works, "
+                         "or verify here with --provider cpu. Nothing was compiled.")
+    if options.cost == "measured":
+        raise InputError(f"--cost measured --provider cuda: CUDA is not available: {reason}. "
+                         "Use --cost analytic to plan for CUDA with estimated node times, or "
+                         "run on the GPU machine. Nothing was compiled.")
+    if options.cost == "auto":
+        warning("--provider cuda: CUDA is not available, so node times are estimated from "
+                "nominal GPU rates instead of measured: the predicted added time is an "
+                "estimate (--cost analytic says so and silences this warning). Why: "
+                f"{reason}.")
+
+
+def _write(output, graph: Graph | None, report_path, report: dict) -> None:
+    """The rewritten step and the report, renamed into place together or not at all."""
+    staged: list[Staged] = []
+    try:
+        if output is not None and graph is not None:
+            staged += stage_model(graph.to_model(), Path(output))
+        if report_path is not None:
+            staged += stage_text(json.dumps(report, indent=1, sort_keys=False) + "\n",
+                                 Path(report_path))
+    except OSError as exc:
+        discard(staged)
+        raise InputError(f"cannot write {exc.filename or output}: {exc.strerror or exc}. "
+                         "Nothing was written.") from None
+    except BaseException:
+        discard(staged)
+        raise
+    try:
+        write_together(staged)
+    except OSError as exc:
+        raise InputError(f"cannot write {exc.filename or output}: {exc.strerror or exc}. "
+                         "Nothing was written.") from None
+
+
+def next_steps(v: dict, options: CompileOptions, planned_peak: int, label: str) -> list[str]:
+    """What to try after a failed ``--verify``, one sentence per failed check (the report
+    keeps them as ``verification.next_steps``)."""
+    steps: list[str] = []
+    if v.get("outputs_match") is False:
+        if v.get("comparison") == "bit-identical":
+            steps.append(
+                "Outputs differ: recomputation repeats the same kernels on the same inputs, "
+                "so on CPU they should be bit-identical. Run the same command again: if the "
+                "difference comes and goes, it is nondeterminism in ONNX Runtime's "
+                "multi-threaded kernels, not the plan; if it stays, it is a memcc bug: "
+                f"please report it with {label}, the command and the report.")
+        else:
+            steps.append(
+                "Outputs differ beyond the CUDA tolerance: CUDA kernels may pick other "
+                "algorithms between runs, but not this far. Please report it with "
+                f"{label}, the command and the report.")
+    measured = v.get("measured_peak_bytes")
+    budget = int(v.get("budget_bytes") or 0)
+    if measured is None:
+        steps.append(
+            f"The peak could not be measured on {options.provider} "
+            f"({v.get('measurement_method')}); install pynvml for CUDA, or verify with "
+            "--provider cpu.")
+    elif budget and measured > budget:
+        ratio = measured / max(planned_peak, 1)
+        # The margin at which this plan's measured/predicted ratio would still fit.
+        need = 1.0 - (budget / ratio + options.slack_bytes) / budget
+        margin = min(max(math.ceil((need + 0.01) * 100) / 100, options.margin + 0.01), 0.49)
+        bigger = int((measured + options.slack_bytes) / (1.0 - options.margin)) + 1
+        steps.append(
+            f"The measured peak is {format_size(measured)}, {measured / budget - 1:.1%} over "
+            f"the budget, and {ratio - 1:+.1%} off the predicted {format_size(planned_peak)}"
+            f": compile again with a larger safety margin (--margin {margin:.2f}; now "
+            f"{options.margin:.2f}) to keep the budget, or with a larger budget "
+            f"(--budget {bigger} or more) if the device has room.")
+    if v.get("order_matches_plan") is False:
+        steps.append(
+            "ONNX Runtime did not run the nodes in the planned order, so the measured peak "
+            "does not test the plan. memcc relies on ORT's PRIORITY_BASED execution order "
+            "(README, How memory is predicted and measured); this is a memcc bug or an "
+            f"onnxruntime version that orders differently: please report it with {label}, "
+            "the command and the report.")
+    return steps
 
 
 def _user_budget(planned_peak: int, options: CompileOptions) -> int:
@@ -182,9 +338,17 @@ def _load(model, label: str, options: CompileOptions):
     }
 
 
-def _costs(graph: Graph, options: CompileOptions) -> tuple[CostModel, dict]:
+def _costs(graph: Graph, options: CompileOptions, warning: Progress
+           ) -> tuple[CostModel, dict]:
     note = None
-    if options.cost in ("auto", "measured"):
+    cuda_missing = None
+    if options.provider == "cuda":
+        from memcc.backend.session import cuda_unavailable_reason
+
+        cuda_missing = cuda_unavailable_reason()  # _check_provider already warned
+    if cuda_missing is not None and options.cost == "auto":
+        note = f"CUDA is not available, estimated instead: {cuda_missing}"
+    elif options.cost in ("auto", "measured"):
         try:
             cm = measured_costs(graph, options.provider)
             return cm, {"source": "measured", "provider": options.provider,
@@ -193,6 +357,8 @@ def _costs(graph: Graph, options: CompileOptions) -> tuple[CostModel, dict]:
             if options.cost == "measured":
                 raise
             note = f"measuring failed, estimated instead: {exc}"
+            warning(f"--cost auto: measuring node times failed ({exc}); they are estimated "
+                    "instead, so the predicted added time is an estimate.")
     rates = calibrate_cpu_rates() if options.provider == "cpu" else CUDA_NOMINAL
     cm = analytic_costs(graph, rates)
     summary = {"source": "analytic", "provider": options.provider, "rates": rates.to_json(),
@@ -209,6 +375,7 @@ def _plan(graph, budget, costs, options, structure) -> tuple[PlanOutcome, dict]:
     saved = {v: graph.info[v].nbytes for v in best.recomputed_values}
     summary = {
         "strategy": outcome.strategy,
+        "strategy_label": outcome.label,
         "recomputed_nodes": len(best.plan.recompute),
         "recomputed_values": len(best.recomputed_values),
         "recomputed_value_bytes": int(sum(saved.values())),
@@ -219,6 +386,7 @@ def _plan(graph, budget, costs, options, structure) -> tuple[PlanOutcome, dict]:
         "smallest_peak_bytes": outcome.smallest_peak,
         "solver": outcome.solver,
         "candidates": outcome.candidates,
+        "runs": outcome.runs,
     }
     return outcome, summary
 
@@ -263,6 +431,9 @@ def _report(options, budget, plan_budget, was_min, base: Simulation, plan: Simul
             "overhead": (plan_cost / base_cost - 1.0) if base_cost > 0 else 0.0,
             "fits": plan.peak_bytes <= budget,
             "strategy": outcome.strategy,
+            "requested_strategy": outcome.requested,
+            "picked_strategy": outcome.picked,
+            "strategy_label": outcome.label,
             "breakdown_at_peak": dict(live.breakdown),
             "peak_node": live.peak_node,
             "recomputed_values": list(plan.recomputed_values),
@@ -272,6 +443,9 @@ def _report(options, budget, plan_budget, was_min, base: Simulation, plan: Simul
         "compile_time_s": compile_time,
         "solver": {k: outcome.solver.get(k) for k in ("name", "status", "gap")}
         | {k: v for k, v in outcome.solver.items() if k not in ("name", "status", "gap")},
+        # Every strategy that ran and what it returned; ``solver`` is the last ILP solve
+        # only, which need not be where the plan came from.
+        "strategies": outcome.runs,
         "cost_model": {"source": costs.source, "provider": options.provider},
         "timeline": {
             "baseline": list(base.liveness.live_during),
@@ -285,20 +459,41 @@ def _report(options, budget, plan_budget, was_min, base: Simulation, plan: Simul
     }
 
 
-def _write_json(path: Path, obj: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=1, sort_keys=False) + "\n")
-    os.replace(tmp, path)
-
-
 def summary_lines(report: dict) -> list[str]:
+    """The few lines ``memcc compile`` prints: budget, peaks, strategy, and with --verify
+    each of the three checks (a user should not need the JSON to see what was proven)."""
     b, p = report["baseline"], report["plan"]
     lines = [
         f"budget   {format_size(report['budget_bytes'])}"
         + (" (smallest reachable)" if report.get("budget_was_min") else ""),
         f"baseline peak {format_size(b['peak_bytes'])}  ->  plan peak "
         f"{format_size(p['peak_bytes'])}  ({'fits' if p['fits'] else 'DOES NOT FIT'})",
-        f"strategy {p['strategy']}: {len(p['recomputed_values'])} values recomputed, "
+        f"strategy {p.get('strategy_label', p['strategy'])}: "
+        f"{len(p['recomputed_values'])} values recomputed, "
         f"predicted added time {p['overhead'] * 100:.1f}%",
     ]
+    v = report.get("verification")
+    if v:
+        lines.append(f"verify   {'OK' if v['ok'] else 'FAILED'}: " + "; ".join(verify_checks(v)))
     return lines
+
+
+def verify_checks(v: dict) -> list[str]:
+    """The three verification checks in words, e.g. for ``summary_lines``."""
+    n = v.get("outputs_compared")
+    if v.get("outputs_match", not any("output" in p for p in v.get("problems", []))):
+        outputs = f"{n} outputs {v.get('comparison')}"
+    else:
+        outputs = (f"{v.get('outputs_differing', '?')} of {n} outputs differ "
+                   f"(expected {v.get('comparison')})")
+    measured, budget = v.get("measured_peak_bytes"), v.get("budget_bytes")
+    if measured is None:
+        peak = f"peak not measured ({v.get('measurement_method')})"
+    elif budget is None:
+        peak = f"measured peak {format_size(measured)}"
+    else:
+        sign = "<=" if measured <= budget else ">"
+        peak = f"measured peak {format_size(measured)} {sign} budget {format_size(budget)}"
+    order = ("executed order = planned order" if v.get("order_matches_plan")
+             else "executed order differs from the plan")
+    return [outputs, peak, order]

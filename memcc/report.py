@@ -50,22 +50,91 @@ def print_report(report: dict, console: Console) -> None:
     pt.add_column("time", justify="right")
     pt.add_column("summary")
     for ps in report["passes"]:
+        # The plan pass's solver/runs are the strategies table below, readable there.
         summary = ", ".join(f"{k}={_short(v)}" for k, v in ps["summary"].items()
-                            if k not in ("candidates", "recomputed"))
+                            if k not in ("candidates", "recomputed", "solver", "runs"))
         pt.add_row(ps["name"], f"{ps['time_s']:.2f} s", summary)
     console.print(pt)
-    s = report["solver"]
-    console.print(f"solver {s.get('name')}: status {s.get('status')}, gap {s.get('gap')}; "
-                  f"compile time {report['compile_time_s']:.2f} s; strategy {p.get('strategy')}")
+    _print_strategies(report, console)
     rec = p.get("recomputed_values", [])
     if rec:
         console.print(f"recomputed ({len(rec)}): " + ", ".join(rec[:20])
                       + (" ..." if len(rec) > 20 else ""))
     v = report.get("verification")
     if v:
-        console.print(f"verified: {'OK' if v['ok'] else 'FAILED'}; measured peak "
-                      f"{format_size(v.get('measured_peak_bytes'))}, outputs "
-                      f"{v.get('comparison')}, order matches plan: {v.get('order_matches_plan')}")
+        from memcc.compiler import verify_checks
+
+        console.print(f"verified: {'OK' if v['ok'] else 'FAILED'}; "
+                      + "; ".join(verify_checks(v)), highlight=False)
+        for problem in v.get("problems", []):
+            console.print(f"  problem: {problem}", highlight=False)
+        for step in v.get("next_steps", []):
+            console.print(f"  next: {step}", highlight=False)
+        if v.get("unverified_output"):
+            console.print(f"  the rewritten step was kept as {v['unverified_output']}",
+                          highlight=False)
+    for warning in report.get("warnings", []):
+        console.print(f"warning: {warning}", highlight=False)
+
+
+def _print_strategies(report: dict, console: Console) -> None:
+    """Which strategies ran, what each returned, and which plan was picked.
+
+    The ``solver`` object describes the last ILP solve only: printed alone, an infeasible
+    last model read as if the plan had failed although another strategy found it.
+    """
+    p = report["plan"]
+    label = p.get("strategy_label", p.get("strategy"))
+    runs = report.get("strategies")
+    if not runs:  # a report from before the strategies list
+        s = report["solver"]
+        console.print(f"strategy {label}; last ILP solve ({s.get('name')}): status "
+                      f"{s.get('status')}, gap {s.get('gap')}; compile time "
+                      f"{report['compile_time_s']:.2f} s")
+        return
+    base_cost = report["baseline"].get("compute_cost_s") or 0.0
+    target = report.get("planning_budget_bytes")
+    title = f"strategies ({label}"
+    if target is not None:
+        title += f"; 'fits' means within the planning budget of {format_size(target)}"
+    st = Table(title=title + ")", header_style="bold")
+    for col in ("strategy", "run", "result", ""):
+        st.add_column(col)
+    for run in runs:
+        st.add_row(run.get("strategy", "?"), str(run.get("detail", "")),
+                   _run_result(run, base_cost), "<- picked" if run.get("picked") else "")
+    console.print(st)
+    console.print(f"picked: {p.get('picked_strategy', p.get('strategy'))}, the "
+                  + ("smallest peak" if report.get("budget_was_min") else "cheapest plan")
+                  + f" that fits; compile time {report['compile_time_s']:.2f} s")
+
+
+def _run_result(run: dict, base_cost: float) -> str:
+    """One strategy run in words: its status, then the plan it returned."""
+    parts = []
+    status = run.get("status")
+    if status is not None:
+        how = ", ".join(x for x in (run.get("solver"), _seconds(run.get("solve_time_s"))) if x)
+        parts.append(f"{status} ({how})" if how else str(status))
+        if status == "infeasible" and run.get("model_budget_bytes") is not None:
+            parts.append(f"no plan within the model budget of "
+                         f"{format_size(run['model_budget_bytes'])}")
+    if "peak_bytes" in run:
+        plans, fitting = run.get("plans", 1), run.get("fitting", 0)
+        added = run.get("added_time_s") or 0.0
+        cost = f", +{added / base_cost * 100:.1f}% time" \
+            if base_cost > 0 and run.get("strategy") != "none" else ""
+        plan = f"peak {format_size(run['peak_bytes'])}{cost}"
+        if plans > 1:
+            parts.append(f"{plans} plans, {fitting} fit" + (
+                f"; cheapest fitting: {plan}" if fitting else f"; smallest: {plan}"))
+        else:
+            parts.append(plan + (", fits" if fitting else ", does not fit"))
+    return "; ".join(parts)
+
+
+def _seconds(v) -> str:
+    return "" if v is None else f"{v:.2f} s"
 
 
 def _short(v) -> str:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -51,6 +53,10 @@ def test_compile_verify_fits_and_matches(gpt2_file, tmp_path):
     r = invoke("compile", gpt2_file, "--budget", budget, "-o", out, "--report", rep,
                "--cost", "analytic", "--verify")
     assert r.exit_code == 0, r.output
+    # The summary shows each check, not only the report.
+    verify_line = next(line for line in r.output.splitlines() if line.startswith("verify"))
+    assert "OK" in verify_line and "outputs bit-identical" in verify_line
+    assert "<= budget" in verify_line and "executed order = planned order" in verify_line
     report = json.loads(rep.read_text())
     for key in ("budget_bytes", "baseline", "plan", "passes", "compile_time_s", "solver"):
         assert key in report
@@ -124,3 +130,306 @@ def test_bad_budget_and_strategy(gpt2_file):
                                         ("123", 123), ("2TB", 2 * 10**12)])
 def test_sizes(text, value):
     assert parse_size(text) == value
+
+
+# ---------------------------------------------------------------------------- strategies
+def test_strategy_label_and_report_say_what_auto_picked(gpt2_file, tmp_path):
+    out, rep = tmp_path / "c.onnx", tmp_path / "c.json"
+    base = invoke("compile", gpt2_file, "--budget", "1TB", "-o", out, "--report", rep,
+                  "--cost", "analytic")
+    assert base.exit_code == 0, base.output
+    peak = json.loads(rep.read_text())["baseline"]["peak_bytes"]
+    r = invoke("compile", gpt2_file, "--budget", int(peak * 0.7), "-o", out, "--report", rep,
+               "--cost", "analytic")
+    assert r.exit_code == 0, r.output
+    plan = json.loads(rep.read_text())["plan"]
+    report = json.loads(rep.read_text())
+    picked = plan["picked_strategy"]
+    assert plan["requested_strategy"] == "auto" and picked not in ("auto", "")
+    assert plan["strategy_label"] == f"auto -> {picked}"
+    assert f"strategy auto -> {picked}:" in r.output
+    assert plan["strategy"] in ("none", "sqrtn", "ilp", "auto")  # the old field, unchanged
+    runs = report["strategies"]
+    assert [x for x in runs if x["picked"]] and sum(x["picked"] for x in runs) == 1
+    shown = invoke("report", rep)
+    assert shown.exit_code == 0, shown.output
+    text = " ".join(shown.output.split())
+    assert "<- picked" in text and f"picked: {picked}" in text
+    assert "objective_s" not in text and "inf" not in text.replace("infeasible", "")
+    # A fixed strategy is labelled the same way.
+    r = invoke("compile", gpt2_file, "--budget", "1TB", "-o", out, "--report", rep,
+               "--cost", "analytic", "--strategy", "sqrtn")
+    assert r.exit_code == 0, r.output
+    assert "strategy sqrtn -> none:" in r.output  # 1TB: nothing needs recomputing
+
+
+# ---------------------------------------------------------------------------- --verify failing
+def _over_budget(monkeypatch):
+    import dataclasses
+
+    import memcc.backend.verify as verify
+
+    real = verify.run_steps
+
+    def run_steps(*args, **kwargs):
+        res = real(*args, **kwargs)
+        return dataclasses.replace(res, measured_peak_bytes=2 * 10**12)
+
+    monkeypatch.setattr(verify, "run_steps", run_steps)
+
+
+def _outputs_differ(monkeypatch):
+    import memcc.backend.verify as verify
+
+    real, calls = verify.step_outputs, []
+
+    def step_outputs(graph, feeds, provider):
+        out = real(graph, feeds, provider)
+        calls.append(1)
+        if len(calls) == 2:  # the rewritten step
+            name = next(k for k, v in out.items() if v.dtype.kind == "f" and v.size)
+            out[name] = out[name] + 1.0
+        return out
+
+    monkeypatch.setattr(verify, "step_outputs", step_outputs)
+
+
+def _order_differs(monkeypatch):
+    import dataclasses
+
+    import memcc.backend.verify as verify
+
+    real = verify.run_steps
+
+    def run_steps(*args, **kwargs):
+        res = real(*args, **kwargs)
+        return dataclasses.replace(res, order_matches_plan=False,
+                                   executed_order_mismatch={"position": 3})
+
+    monkeypatch.setattr(verify, "run_steps", run_steps)
+
+
+@pytest.mark.parametrize("failure,check,advice", [
+    (_over_budget, "peak_within_budget", "--margin"),
+    (_outputs_differ, "outputs_match", "nondeterminism"),
+    (_order_differs, "order_matches_plan", "planned order"),
+])
+def test_failed_verify_writes_report_and_says_what_to_try(gpt2_file, tmp_path, monkeypatch,
+                                                          failure, check, advice):
+    failure(monkeypatch)
+    out, rep = tmp_path / "c.onnx", tmp_path / "c.json"
+    r = invoke("compile", gpt2_file, "--budget", "1TB", "-o", out, "--report", rep,
+               "--cost", "analytic", "--verify")
+    assert r.exit_code == 2, r.output
+    text = " ".join(r.output.split())
+    assert "Traceback" not in text
+    assert "verify FAILED" in text and "verification failed" in text
+    assert advice in text
+    # The report is written, with the failure and the next steps; the rewritten step is
+    # kept for inspection under .unverified.onnx, never at -o.
+    report = json.loads(rep.read_text())
+    v = report["verification"]
+    assert v["ok"] is False and v[check] is False and v["problems"]
+    assert any(advice in step for step in v["next_steps"])
+    kept = tmp_path / "c.unverified.onnx"
+    assert v["unverified_output"] == str(kept) and kept.stat().st_size > 0
+    assert not out.exists()
+    assert f"{out} was not written" in text and str(kept) in text
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.json", "c.unverified.onnx"]
+    shown = invoke("report", rep)
+    assert shown.exit_code == 0 and "FAILED" in shown.output
+
+
+def test_over_budget_advice_names_a_margin_that_would_hold(gpt2_file, tmp_path, monkeypatch):
+    """The suggested --margin is larger than the one used and below the 0.5 limit."""
+    _over_budget(monkeypatch)
+    rep = tmp_path / "c.json"
+    r = invoke("compile", gpt2_file, "--budget", "1TB", "-o", tmp_path / "c.onnx",
+               "--report", rep, "--cost", "analytic", "--verify")
+    assert r.exit_code == 2
+    step = " ".join(json.loads(rep.read_text())["verification"]["next_steps"])
+    margin = float(re.search(r"--margin (\d\.\d\d)", step).group(1))
+    assert 0.02 < margin < 0.5
+    assert re.search(r"--budget \d+ or more", step)
+
+
+# ---------------------------------------------------------------------------- output paths
+def _no_compile(monkeypatch):
+    """Fail the test if the compile gets past its checks (they must come first)."""
+    import memcc.compiler as compiler
+
+    def boom(*_a, **_k):
+        raise AssertionError("the compile started before the paths were checked")
+
+    monkeypatch.setattr(compiler, "_load", boom)
+
+
+def test_output_in_missing_directory_fails_before_compiling(gpt2_file, tmp_path, monkeypatch):
+    _no_compile(monkeypatch)
+    out = tmp_path / "nope" / "c.onnx"
+    r = invoke("compile", gpt2_file, "--budget", "1TB", "-o", out, "--report",
+               tmp_path / "c.json")
+    assert r.exit_code == 2, r.output
+    text = " ".join(r.output.split())
+    assert str(out) in text and "does not exist" in text and "mkdir -p" in text
+    assert "Traceback" not in text
+    assert not list(tmp_path.iterdir())
+
+
+def test_report_under_a_file_leaves_no_orphan_output(gpt2_file, tmp_path, monkeypatch):
+    """Runs as root too: a path whose parent is a regular file cannot be created by anyone."""
+    _no_compile(monkeypatch)
+    blocker = tmp_path / "afile"
+    blocker.write_text("x")
+    rep = blocker / "c.json"
+    r = invoke("compile", gpt2_file, "--budget", "1TB", "-o", tmp_path / "c.onnx",
+               "--report", rep)
+    assert r.exit_code == 2, r.output
+    text = " ".join(r.output.split())
+    assert str(rep) in text and "not a directory" in text and "--report" in text
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+
+
+def test_same_output_and_report_path_is_refused(gpt2_file, tmp_path, monkeypatch):
+    _no_compile(monkeypatch)
+    r = invoke("compile", gpt2_file, "--budget", "1TB", "-o", tmp_path / "c.onnx",
+               "--report", tmp_path / "c.onnx")
+    assert r.exit_code == 2 and "same file" in r.output
+    assert not list(tmp_path.iterdir())
+
+
+def _bypasses_permissions() -> bool:
+    """Whether this process writes into read-only directories anyway (root, or rather
+    CAP_DAC_OVERRIDE: under ``setpriv --bounding-set=-dac_override`` root runs the test)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        ro = Path(d) / "ro"
+        ro.mkdir()
+        ro.chmod(0o555)
+        try:
+            (ro / "x").write_text("")
+            return True
+        except OSError:
+            return False
+        finally:
+            ro.chmod(0o755)
+
+
+@pytest.mark.skipif(_bypasses_permissions(),
+                    reason="this process (root) writes into read-only directories and files")
+def test_read_only_directory_and_file_fail_before_compiling(gpt2_file, tmp_path,
+                                                            monkeypatch):
+    _no_compile(monkeypatch)
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    try:
+        r = invoke("compile", gpt2_file, "--budget", "1TB", "-o", ro / "c.onnx")
+        assert r.exit_code == 2, r.output
+        assert "cannot create files in" in r.output and "Traceback" not in r.output
+    finally:
+        ro.chmod(0o755)
+    existing = tmp_path / "c.json"
+    existing.write_text("{}")
+    existing.chmod(0o444)
+    r = invoke("compile", gpt2_file, "--budget", "1TB", "-o", tmp_path / "c.onnx",
+               "--report", existing)
+    assert r.exit_code == 2, r.output
+    assert "read-only" in r.output and "chmod u+w" in " ".join(r.output.split())
+    assert existing.read_text() == "{}" and not (tmp_path / "c.onnx").exists()
+
+
+def test_graph_and_report_are_written_together_or_not_at_all(tmp_path, monkeypatch):
+    """When the second rename fails, the first is undone: the old files come back and no
+    temporary file is left (runs as root: the failure is injected)."""
+    import memcc.backend.onnx_file as onnx_file
+
+    a, b = tmp_path / "a.onnx", tmp_path / "a.json"
+    a.write_text("old graph")
+    staged = onnx_file.stage_text("new graph", a) + onnx_file.stage_text("new report", b)
+    real = os.replace
+
+    def replace(src, dst):
+        if Path(dst) == b:
+            raise PermissionError(13, "Permission denied", str(dst))
+        return real(src, dst)
+
+    monkeypatch.setattr(onnx_file.os, "replace", replace)
+    with pytest.raises(PermissionError):
+        onnx_file.write_together(staged)
+    assert a.read_text() == "old graph" and not b.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.onnx"]
+    monkeypatch.setattr(onnx_file.os, "replace", real)
+    onnx_file.write_together(onnx_file.stage_text("new graph", a)
+                             + onnx_file.stage_text("new report", b))
+    assert a.read_text() == "new graph" and b.read_text() == "new report"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json", "a.onnx"]
+
+
+# ---------------------------------------------------------------------------- --provider cuda
+def _no_cuda(monkeypatch):
+    """CUDA missing, whatever this machine has (the message is the point)."""
+    import memcc.backend.session as session
+
+    monkeypatch.setattr(session, "cuda_unavailable_reason",
+                        lambda: "onnxruntime-gpu is not installed (test)")
+
+
+def test_cuda_verify_without_cuda_fails_before_compiling(gpt2_file, tmp_path, monkeypatch):
+    _no_cuda(monkeypatch)
+    _no_compile(monkeypatch)
+    r = invoke("compile", gpt2_file, "--budget", "1TB", "-o", tmp_path / "c.onnx",
+               "--verify", "--provider", "cuda")
+    assert r.exit_code == 2, r.output
+    text = " ".join(r.output.split())
+    assert "CUDA is not available" in text and "onnxruntime-gpu is not installed" in text
+    assert "--provider cpu" in text and not list(tmp_path.iterdir())
+
+
+def test_cuda_planning_without_cuda_warns(gpt2_file, tmp_path, monkeypatch):
+    _no_cuda(monkeypatch)
+    rep = tmp_path / "c.json"
+    r = invoke("compile", gpt2_file, "--budget", "1TB", "-o", tmp_path / "c.onnx",
+               "--report", rep, "--provider", "cuda")
+    assert r.exit_code == 0, r.output
+    text = " ".join(r.output.split())
+    assert "warning:" in text and "CUDA is not available" in text
+    assert "onnxruntime-gpu is not installed" in text
+    report = json.loads(rep.read_text())
+    assert report["cost_model"]["source"] == "analytic"
+    assert any("CUDA is not available" in w for w in report["warnings"])
+    # Asking for estimates on purpose is not warned about.
+    r = invoke("compile", gpt2_file, "--budget", "1TB", "-o", tmp_path / "c.onnx",
+               "--report", rep, "--provider", "cuda", "--cost", "analytic")
+    assert r.exit_code == 0 and "warning" not in r.output
+
+
+def test_run_on_cuda_without_cuda_is_a_clear_error(gpt2_file, tmp_path, monkeypatch):
+    _no_cuda(monkeypatch)
+    step = tmp_path / "step.onnx"
+    assert invoke("build", gpt2_file, "-o", step).exit_code == 0
+    r = invoke("run", step, "--provider", "cuda")
+    assert r.exit_code == 2, r.output
+    text = " ".join(r.output.split())
+    assert "CUDA is not available" in text and "onnxruntime-gpu is not installed" in text
+    assert "Traceback" not in text
+
+
+def test_cuda_session_that_fell_back_to_cpu_is_refused(monkeypatch):
+    """ORT's wrapper drops to the CPU when the CUDA provider cannot start; a session that
+    did must not be used for CUDA numbers."""
+    import memcc.backend.session as session
+    from memcc.errors import RuntimeFailure
+
+    class FellBack:
+        def __init__(self, *_a, **_k):
+            pass
+
+        def get_providers(self):
+            return ["CPUExecutionProvider"]
+
+    monkeypatch.setattr(session, "cuda_unavailable_reason", lambda: None)
+    monkeypatch.setattr(session.ort, "InferenceSession", FellBack)
+    with pytest.raises(RuntimeFailure, match="could not start it"):
+        session.make_session(b"", "cuda")

@@ -91,3 +91,36 @@ def test_structure_marks_forward_and_saved_values(step):
     assert st.loss == "loss"
     assert st.recomputable <= st.forward
     assert st.saved, "a training step saves activations for its backward pass"
+
+
+@pytest.mark.parametrize("strategy", ["ilp", "sqrtn", "auto"])
+def test_runs_say_what_each_strategy_returned(step, strategy):
+    """The report's strategy list: one entry per run, the winner marked once, the label
+    names what ``auto`` picked, and nothing in it is inf (not JSON)."""
+    import json
+
+    _, g, costs, base = step
+    sq = choose_plan(g, base.peak_bytes, costs, strategy="sqrtn", baseline=base)
+    budget = max(c["peak_bytes"] for c in sq.candidates
+                 if c["strategy"] == "sqrtn" and c["peak_bytes"] < base.peak_bytes)
+    out = choose_plan(g, budget, costs, strategy=strategy, time_limit=30, baseline=base)
+    assert out.requested == strategy
+    assert out.label == f"{strategy} -> {out.picked}"
+    assert out.picked != "auto" and out.picked
+    json.dumps(out.runs, allow_nan=False)
+    kinds = [r["strategy"] for r in out.runs]
+    assert kinds[0] == "none" and set(kinds) <= {"none", "sqrtn", "ilp", "polish"}
+    assert ("sqrtn" in kinds) == (strategy in ("sqrtn", "auto"))
+    assert ("ilp" in kinds) == (strategy in ("ilp", "auto"))
+    picked = [r for r in out.runs if r["picked"]]
+    assert len(picked) == 1
+    run = picked[0]
+    assert (run["peak_bytes"], run["added_time_s"]) == (out.best.peak_bytes,
+                                                        out.best.added_time_s)
+    if out.strategy == "auto":
+        assert run["strategy"] == "polish" and out.picked == f"{run['from']}+polish"
+    else:
+        assert run["strategy"] == out.picked == out.strategy
+    for r in out.runs:
+        if r.get("status") == "infeasible":
+            assert r["objective_s"] is None and "peak_bytes" not in r

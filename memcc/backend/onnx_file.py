@@ -1,9 +1,18 @@
-"""Write graphs to disk so that a failure never leaves a half-written file behind."""
+"""Write graphs to disk so that a failure never leaves a half-written file behind.
+
+Every file is first written to a temporary file in its target directory (so the final
+rename stays on one file system and is atomic), then renamed. ``write_together`` extends
+that to several files: all are staged first and renamed last, and a failure anywhere
+restores what was there before, so a compile never leaves a rewritten graph without its
+report (or the reverse). ``check_writable`` finds the common reasons a write would fail
+(missing or read-only directory, read-only file) before a long compile starts.
+"""
 
 from __future__ import annotations
 
 import os
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import onnx
@@ -15,6 +24,14 @@ from memcc.graph import Graph
 EXTERNAL_DATA_THRESHOLD = 1_800_000_000
 
 
+@dataclass(frozen=True)
+class Staged:
+    """A fully written temporary file and where it goes once every file is ready."""
+
+    tmp: Path
+    final: Path
+
+
 def save_graph(graph: Graph, path: str | os.PathLike) -> Path:
     """Write ``graph`` to ``path`` atomically (temp file + rename), external data if large."""
     return save_model(graph.to_model(), path)
@@ -22,33 +39,146 @@ def save_graph(graph: Graph, path: str | os.PathLike) -> Path:
 
 def save_model(model: onnx.ModelProto, path: str | os.PathLike) -> Path:
     out = Path(path)
+    write_together(stage_model(model, out))
+    return out
+
+
+def stage_model(model: onnx.ModelProto, path: str | os.PathLike) -> list[Staged]:
+    """Write ``model`` next to ``path`` under temporary names (the graph, and its external
+    data file when the model is too large for one protobuf message); nothing is renamed."""
+    out = Path(path)
     if out.parent and not out.parent.exists():
         raise InputError(f"{out}: directory {out.parent} does not exist")
     size = model.ByteSize()
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent or ".")
-    os.close(fd)
+    tmp = _mkstemp(out)
     data_name = out.name + ".data"
+    staged = [Staged(tmp, out)]
     try:
         if size > EXTERNAL_DATA_THRESHOLD:
-            tmp_data = Path(tmp).with_suffix(".data.tmp")
-            onnx.save_model(model, tmp, save_as_external_data=True, all_tensors_to_one_file=True,
-                            location=tmp_data.name, size_threshold=1024)
+            tmp_data = tmp.with_suffix(".data.tmp")
+            onnx.save_model(model, str(tmp), save_as_external_data=True,
+                            all_tensors_to_one_file=True, location=tmp_data.name,
+                            size_threshold=1024)
+            staged.insert(0, Staged(tmp_data, out.parent / data_name))
             # The location is recorded inside the model: rewrite it to the final name.
-            m = onnx.load(tmp, load_external_data=False)
+            m = onnx.load(str(tmp), load_external_data=False)
             for t in m.graph.initializer:
                 for e in t.external_data:
                     if e.key == "location":
                         e.value = data_name
-            onnx.save_model(m, tmp)
-            os.replace(tmp_data, out.parent / data_name)
+            onnx.save_model(m, str(tmp))
+            _default_permissions(tmp_data)
         else:
-            onnx.save_model(model, tmp)
-        _default_permissions(Path(tmp))
-        os.replace(tmp, out)
+            onnx.save_model(model, str(tmp))
+        _default_permissions(tmp)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        discard(staged)
         raise
-    return out
+    return staged
+
+
+def stage_text(text: str, path: str | os.PathLike) -> list[Staged]:
+    """Write ``text`` next to ``path`` under a temporary name; nothing is renamed."""
+    out = Path(path)
+    tmp = _mkstemp(out)
+    staged = [Staged(tmp, out)]
+    try:
+        tmp.write_text(text)
+        _default_permissions(tmp)
+    except BaseException:
+        discard(staged)
+        raise
+    return staged
+
+
+def write_together(staged: list[Staged]) -> None:
+    """Rename every staged file to its final name, or none of them.
+
+    An existing target is first hard-linked to a backup name, so that when a later rename
+    fails the earlier ones can be undone (the old files come back) and no mix of new and
+    old files is left. Temporary files are removed on any failure.
+    """
+    done: list[tuple[Staged, Path | None]] = []
+    try:
+        for item in staged:
+            backup = None
+            if item.final.exists():
+                backup = _backup_name(item.final)
+                try:
+                    os.link(item.final, backup)
+                except OSError:  # no hard links here: the old file cannot be restored
+                    backup = None
+            try:
+                os.replace(item.tmp, item.final)
+            except BaseException:
+                if backup is not None:
+                    backup.unlink(missing_ok=True)
+                raise
+            done.append((item, backup))
+    except BaseException:
+        for item, backup in reversed(done):
+            if backup is not None:
+                os.replace(backup, item.final)
+            else:
+                item.final.unlink(missing_ok=True)
+        discard(staged)
+        raise
+    for _, backup in done:
+        if backup is not None:
+            backup.unlink(missing_ok=True)
+
+
+def discard(staged: list[Staged]) -> None:
+    """Remove the temporary files of ``staged`` (those not renamed yet)."""
+    for item in staged:
+        item.tmp.unlink(missing_ok=True)
+
+
+def check_writable(path: str | os.PathLike, what: str, option: str) -> None:
+    """Fail now, with what to do, if ``path`` cannot be written later.
+
+    ``what`` names the file for the message ("the rewritten step"), ``option`` the flag that
+    chooses it. The test is the real one where it matters: a temporary file is created and
+    removed in the directory (permission bits, read-only mounts and root all decide
+    correctly). An existing read-only file is refused rather than replaced behind the
+    user's back, although renaming over it would succeed.
+    """
+    p = Path(path)
+    where = f"cannot write {what} {p}"
+    if p.is_dir():
+        raise InputError(f"{where}: it is a directory. Give a file name with {option}.")
+    parent = p.parent
+    if not parent.exists():
+        blocker = next((a for a in parent.parents if a.exists() and not a.is_dir()), None)
+        if blocker is not None:
+            raise InputError(f"{where}: {blocker} is a file, not a directory. Choose another "
+                             f"path with {option}.")
+        raise InputError(f"{where}: directory {parent} does not exist. Create it "
+                         f"(mkdir -p {parent}) or choose another path with {option}.")
+    if not parent.is_dir():
+        raise InputError(f"{where}: {parent} is a file, not a directory. Choose another path "
+                         f"with {option}.")
+    try:
+        _mkstemp(p).unlink()
+    except OSError as exc:
+        raise InputError(f"{where}: cannot create files in {parent} "
+                         f"({exc.strerror or exc}). Make the directory writable or choose "
+                         f"another path with {option}.") from None
+    if p.exists() and not os.access(p, os.W_OK):
+        raise InputError(f"{where}: the file exists and is read-only. Make it writable "
+                         f"(chmod u+w {p}), remove it, or choose another path with {option}.")
+
+
+def _mkstemp(out: Path) -> Path:
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent or ".")
+    os.close(fd)
+    return Path(tmp)
+
+
+def _backup_name(final: Path) -> Path:
+    tmp = _mkstemp(final)  # a unique name in the same directory
+    tmp.unlink()
+    return tmp.with_suffix(".old")
 
 
 def _default_permissions(path: Path) -> None:

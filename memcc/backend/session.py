@@ -57,6 +57,37 @@ def cuda_available() -> bool:
     return ORT_PROVIDER["cuda"] in ort.get_available_providers()
 
 
+def cuda_unavailable_reason() -> str | None:
+    """Why ``--provider cuda`` cannot work here, in words a user can act on; None if it can.
+
+    The two usual causes need different fixes: the CPU-only ``onnxruntime`` package (no
+    CUDA provider compiled in), or ``onnxruntime-gpu`` installed but shadowed by the CPU
+    package, which installs the same module (README, Install).
+    """
+    available = ort.get_available_providers()
+    if ORT_PROVIDER["cuda"] in available:
+        return None
+    offered = ", ".join(available)
+    if not _installed("onnxruntime-gpu"):
+        return (f"onnxruntime-gpu is not installed, and this onnxruntime ({ort.__version__}) "
+                f"has no CUDAExecutionProvider (it offers {offered}). On a machine with an "
+                "NVIDIA GPU, install memcc's gpu extra (README, Install)")
+    return (f"onnxruntime-gpu is installed, but the onnxruntime module that loads has no "
+            f"CUDAExecutionProvider (it offers {offered}); the CPU package probably shadows "
+            "it: pip uninstall -y onnxruntime && pip install --force-reinstall "
+            "onnxruntime-gpu")
+
+
+def _installed(distribution: str) -> bool:
+    from importlib import metadata
+
+    try:
+        metadata.distribution(distribution)
+    except metadata.PackageNotFoundError:
+        return False
+    return True
+
+
 def resolve_provider(provider: str) -> str:
     """Map ``cpu|cuda|auto`` to ``cpu`` or ``cuda``, failing early when CUDA is missing."""
     p = (provider or "cpu").lower()
@@ -64,13 +95,10 @@ def resolve_provider(provider: str) -> str:
         raise InputError(f"--provider '{provider}': choose one of {', '.join(PROVIDERS)}")
     if p == "auto":
         return "cuda" if cuda_available() else "cpu"
-    if p == "cuda" and not cuda_available():
-        raise RuntimeFailure(
-            "--provider cuda: this onnxruntime has no CUDAExecutionProvider (available: "
-            f"{', '.join(ort.get_available_providers())}). On a machine with an NVIDIA GPU, "
-            "replace onnxruntime by onnxruntime-gpu (memcc's gpu extra), or run with "
-            "--provider cpu."
-        )
+    reason = cuda_unavailable_reason() if p == "cuda" else None
+    if reason is not None:
+        raise RuntimeFailure(f"--provider cuda: CUDA is not available: {reason}; or run with "
+                             "--provider cpu.")
     return p
 
 
@@ -149,7 +177,7 @@ def make_session(
     else:
         source = where = str(Path(model))
     try:
-        return ort.InferenceSession(
+        sess = ort.InferenceSession(
             source, so, providers=provider_options(p, gpu_mem_limit=gpu_mem_limit)
         )
     except Exception as exc:  # ORT raises its own exception types from pybind
@@ -157,6 +185,18 @@ def make_session(
             f"{where}: ONNX Runtime ({ort.__version__}, {ORT_PROVIDER[p]}) could not load the "
             f"graph: {_first_line(exc)}"
         ) from exc
+    if p == "cuda" and ORT_PROVIDER["cuda"] not in sess.get_providers():
+        # ORT's Python wrapper falls back to the CPU when the CUDA provider cannot start (no
+        # driver, missing CUDA/cuDNN libraries) and only logs it: times and peaks measured
+        # in that session would be CPU numbers labelled CUDA.
+        raise RuntimeFailure(
+            f"{where}: --provider cuda: ONNX Runtime ({ort.__version__}) lists the "
+            "CUDAExecutionProvider but could not start it (session providers: "
+            f"{', '.join(sess.get_providers())}). Check the NVIDIA driver and the CUDA and "
+            "cuDNN libraries onnxruntime-gpu needs (nvidia-smi; ORT's CUDA requirements "
+            "page), or run with --provider cpu."
+        )
+    return sess
 
 
 _ENUMS = {

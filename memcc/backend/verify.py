@@ -52,11 +52,14 @@ def compare_outputs(a: dict[str, np.ndarray], b: dict[str, np.ndarray], *, exact
 
 def verify_rewrite(original: Graph, rewritten: Graph, *, budget: int, provider: str = "cpu",
                    seed: int = 0, steps: int = 2) -> dict:
+    """Run both steps and check outputs, measured peak and executed order (module doc);
+    every check runs even when an earlier one failed, so the report has all three."""
     exact = provider == "cpu"
     feeds = synthetic_feeds(original, seed)
     ref = step_outputs(original, feeds, provider)
     new = step_outputs(rewritten, feeds, provider)
     problems = compare_outputs(ref, new, exact=exact)
+    outputs_differing = len(problems)
     del ref, new
     with tempfile.TemporaryDirectory(prefix="memcc-verify-") as tmp:
         path = Path(tmp) / "rewritten.onnx"
@@ -69,11 +72,17 @@ def verify_rewrite(original: Graph, rewritten: Graph, *, budget: int, provider: 
         problems.append(f"measured peak {measured:,} bytes exceeds the budget {budget:,}")
     if not run.order_matches_plan:
         problems.append(f"ORT did not run the planned order: {run.executed_order_mismatch}")
+    # The three checks separately as well as in ``problems``: the compile summary prints
+    # each, and a failure's next step depends on which one failed.
     return {
         "ok": not problems,
         "problems": problems,
         "outputs_compared": len(rewritten.outputs),
         "comparison": "bit-identical" if exact else "rtol 1e-5 (CUDA)",
+        "outputs_match": outputs_differing == 0,
+        "outputs_differing": outputs_differing,
+        "budget_bytes": int(budget),
+        "peak_within_budget": None if measured is None else measured <= budget,
         "measured_peak_bytes": measured,
         "predicted_peak_bytes": run.predicted_peak_bytes,
         "order_matches_plan": run.order_matches_plan,

@@ -64,10 +64,22 @@ class PlanOutcome:
 
     best: Simulation
     baseline: Simulation
-    strategy: str
-    solver: dict
+    strategy: str  # the candidate that won: none, sqrtn, ilp, or auto (a polished plan)
+    solver: dict   # the last ILP solve only; ``runs`` says what every strategy returned
     candidates: list[dict] = field(default_factory=list)
     smallest_peak: int | None = None
+    requested: str = "auto"  # --strategy as given
+    # What the winner is, named so that ``auto`` never hides it: none, sqrtn, ilp, or
+    # "<start>+polish" for a plan the polish derived from a sqrtn or ILP plan.
+    picked: str = ""
+    # One entry per strategy run, in order, each with what it returned (``_finish``); the
+    # report prints them so that a failed first ILP model is not mistaken for the answer.
+    runs: list[dict] = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        """``auto -> ilp``: what was asked for and what was picked."""
+        return f"{self.requested} -> {self.picked or self.strategy}"
 
 
 # ---------------------------------------------------------------------------- the model
@@ -288,8 +300,10 @@ def choose_plan(graph: Graph, budget: int | None, costs: CostModel, *,
     deadline = time.perf_counter() + time_limit
     solver_info: dict = {"name": "none", "status": "not run", "gap": None}
     found: list[tuple[str, Simulation]] = [("none", base)]
+    runs: list[dict] = [{"strategy": "none", "detail": "baseline (recompute nothing)",
+                         "_sims": [base]}]
     if strategy == "none":
-        return _finish(base, found, budget, "none", solver_info,
+        return _finish(base, found, budget, "none", solver_info, runs,
                        smallest_first=budget is None)
 
     pp = build_problem(graph, st, base.liveness, costs)
@@ -298,11 +312,15 @@ def choose_plan(graph: Graph, budget: int | None, costs: CostModel, *,
 
     if strategy in ("sqrtn", "auto"):
         rec = np.ones(prob.n_vars, dtype=bool)
+        n_before = len(found)
         for k, x in sqrtn.candidates(pp.crossing_bytes, pp.crossing_vars, prob.n_vars, rec):
             found.append(("sqrtn", simulate(graph, pp.plan(x, "sqrtn", segments=k), costs, st)))
         found.append(("sqrtn", simulate(graph, pp.plan(rec, "sqrtn", segments=0), costs, st)))
+        sims = [sim for _, sim in found[n_before:]]
+        runs.append({"strategy": "sqrtn", "detail": f"{len(sims)} segmentations",
+                     "_sims": sims})
         if strategy == "sqrtn":
-            return _finish(base, found, budget, "sqrtn", solver_info,
+            return _finish(base, found, budget, "sqrtn", solver_info, runs,
                            smallest_first=budget is None)
 
     if target is None:
@@ -310,8 +328,11 @@ def choose_plan(graph: Graph, budget: int | None, costs: CostModel, *,
         remaining = max(deadline - time.perf_counter(), 1.0)
         sol = ilp.solve(prob, 0.0, time_limit=remaining / 2, objective="peak")
         solver_info = _solver_info(sol)
+        sims = []
         if sol.status not in ("infeasible",):
-            found.append(("ilp", simulate(graph, pp.plan(sol.x, "ilp"), costs, st)))
+            sims = [simulate(graph, pp.plan(sol.x, "ilp"), costs, st)]
+            found.append(("ilp", sims[0]))
+        runs.append(_ilp_run(sol, "smallest modelled peak", None, sims))
         target = min(s.peak_bytes for _, s in found)
 
     # 1. The chain-free model is exact: its optimum is a plan that fits whenever the model
@@ -319,25 +340,33 @@ def choose_plan(graph: Graph, budget: int | None, costs: CostModel, *,
     sol = ilp.solve(pp.chain_free, float(target),
                     time_limit=max(deadline - time.perf_counter(), 0.5))
     solver_info = _solver_info(sol)
+    sims = []
     if sol.status in ("optimal", "feasible"):
-        found.append(("ilp", simulate(graph, pp.plan(sol.x, "ilp", model="exact"), costs, st)))
+        sims = [simulate(graph, pp.plan(sol.x, "ilp", model="exact"), costs, st)]
+        found.append(("ilp", sims[0]))
+    runs.append(_ilp_run(sol, "exact model (no recompute chains)", target, sims))
     # 2. With chains (lower budgets): solve, simulate, and while the simulator disagrees,
     #    lower the budget the model aims for by the excess (at most 5% a round: an answer
     #    far off says little about how far to go).
     eff = float(target)
-    for _ in range(TIGHTEN_ROUNDS):
+    for round_ in range(1, TIGHTEN_ROUNDS + 1):
         if any(s == "ilp" and sim.peak_bytes <= target for s, sim in found):
             break
+        detail = f"model with recompute chains, round {round_}"
         remaining = deadline - time.perf_counter()
         if remaining <= 0.5:
             solver_info["status"] = solver_info.get("status", "time limit")
+            runs.append({"strategy": "ilp", "detail": detail,
+                         "status": "not run: time limit reached", "_sims": []})
             break
         sol = ilp.solve(prob, eff, time_limit=remaining)
         if sol.status in ("infeasible", "time limit") or sol.status.startswith("not"):
+            runs.append(_ilp_run(sol, detail, eff, []))
             break
         solver_info = _solver_info(sol)
         sim = simulate(graph, pp.plan(sol.x, "ilp", modelled_peak=prob.peak(sol.x)), costs, st)
         found.append(("ilp", sim))
+        runs.append(_ilp_run(sol, detail, eff, [sim]))
         if sim.peak_bytes <= target:
             break
         eff -= min(sim.peak_bytes - target, 0.05 * target) * 1.05 + 1.0
@@ -345,9 +374,15 @@ def choose_plan(graph: Graph, budget: int | None, costs: CostModel, *,
         # The polish is a refinement: it gets at most a quarter of the time limit.
         polish_deadline = min(deadline, time.perf_counter() + POLISH_SHARE * time_limit)
         polished = _polish(graph, pp, found, target, costs, st, polish_deadline)
-        if polished is not None:
-            found.append(("auto", polished))
-    return _finish(base, found, target, strategy, solver_info,
+        if polished is None:
+            runs.append({"strategy": "polish", "detail": "the cheapest fitting plans",
+                         "status": "no improvement", "_sims": []})
+        else:
+            sim, start = polished
+            found.append(("auto", sim))
+            runs.append({"strategy": "polish", "detail": f"from the {start} plan",
+                         "from": start, "status": "improved", "_sims": [sim]})
+    return _finish(base, found, target, strategy, solver_info, runs,
                    smallest_first=budget is None)
 
 
@@ -358,17 +393,19 @@ POLISH_SHARE = 0.25
 
 def _polish(graph: Graph, pp: PlanProblem, found: list[tuple[str, Simulation]],
             budget: float, costs: CostModel, st: StepStructure,
-            deadline: float) -> Simulation | None:
+            deadline: float) -> tuple[Simulation, str] | None:
     """Start from the cheapest fitting plans and stop recomputing their most expensive nodes
     one by one while the simulator says the step still fits (exact, so it never breaks a
     plan). Several starts, because the cheapest plan is not always the one that polishes
-    best (a sqrt(n) plan with more segments may shed more)."""
-    fitting = sorted((sim for _, sim in found if sim.peak_bytes <= budget and sim.plan.recompute),
-                     key=lambda s: s.added_time_s)
+    best (a sqrt(n) plan with more segments may shed more). Returns the best polished plan
+    and the strategy of the plan it started from (the report names it: ``sqrtn+polish``)."""
+    fitting = sorted(((name, sim) for name, sim in found
+                      if sim.peak_bytes <= budget and sim.plan.recompute),
+                     key=lambda p: p[1].added_time_s)
     index = {n: i for i, g in enumerate(pp.groups) for n in g}
-    best: Simulation | None = None
+    best: tuple[Simulation, str] | None = None
     seen: set[frozenset[str]] = set()
-    for start in fitting[:POLISH_STARTS]:
+    for start_name, start in fitting[:POLISH_STARTS]:
         if start.plan.recompute in seen:
             continue
         seen.add(start.plan.recompute)
@@ -383,8 +420,9 @@ def _polish(graph: Graph, pp: PlanProblem, found: list[tuple[str, Simulation]],
             sim = simulate(graph, Plan(frozenset(trial), "auto"), costs, st)
             if sim.peak_bytes <= budget and sim.added_time_s < current.added_time_s:
                 chosen, current = trial, sim
-        if current is not start and (best is None or current.added_time_s < best.added_time_s):
-            best = current
+        if current is not start and (best is None
+                                     or current.added_time_s < best[0].added_time_s):
+            best = (current, start_name)
     return best
 
 
@@ -394,8 +432,39 @@ def _solver_info(sol) -> dict:
             "objective_s": sol.objective}
 
 
+def _ilp_run(sol, detail: str, model_budget: float | None, sims: list[Simulation]) -> dict:
+    """One ILP solve for ``PlanOutcome.runs``; an infeasible model has no objective (None,
+    not inf: inf is not JSON)."""
+    objective = sol.objective if math.isfinite(sol.objective) else None
+    run = {"strategy": "ilp", "detail": detail, "status": sol.status, "solver": sol.solver,
+           "objective_s": objective, "gap": sol.gap,
+           "solve_time_s": round(sol.solve_time_s, 3), "_sims": sims}
+    if model_budget is not None:
+        run["model_budget_bytes"] = int(model_budget)
+    return run
+
+
+def _describe_runs(runs: list[dict], best: Simulation, limit: float) -> list[dict]:
+    """Replace each run's simulations by what the report needs: how many plans, whether
+    any fits, the cheapest fitting one (or else the smallest peak), and whether the winner
+    came from this run."""
+    out = []
+    for run in runs:
+        sims = run["_sims"]
+        entry = {k: v for k, v in run.items() if k != "_sims"}
+        fitting = [s for s in sims if s.peak_bytes <= limit]
+        if sims:
+            shown = min(fitting, key=lambda s: (s.added_time_s, s.peak_bytes)) if fitting \
+                else min(sims, key=lambda s: s.peak_bytes)
+            entry.update(plans=len(sims), fitting=len(fitting),
+                         peak_bytes=shown.peak_bytes, added_time_s=shown.added_time_s)
+        entry["picked"] = any(s is best for s in sims)
+        out.append(entry)
+    return out
+
+
 def _finish(base: Simulation, found: list[tuple[str, Simulation]], budget: int | None,
-            strategy: str, solver_info: dict, *,
+            strategy: str, solver_info: dict, runs: list[dict], *,
             smallest_first: bool = False) -> PlanOutcome:
     """The cheapest plan within the budget (``smallest_first``: the smallest peak, then the
     cheapest among equals, for ``--budget min``)."""
@@ -420,8 +489,14 @@ def _finish(base: Simulation, found: list[tuple[str, Simulation]], budget: int |
         name, best = min(fitting, key=lambda p: (p[1].peak_bytes, p[1].added_time_s))
     else:
         name, best = min(fitting, key=lambda p: (p[1].added_time_s, p[1].peak_bytes))
+    described = _describe_runs(runs, best, limit)
+    picked = name
+    if name == "auto":
+        start = next((r.get("from") for r in described if r["picked"] and r.get("from")), None)
+        picked = f"{start}+polish" if start else "polish"
     return PlanOutcome(best=best, baseline=base, strategy=name, solver=solver_info,
-                       candidates=cands, smallest_peak=smallest)
+                       candidates=cands, smallest_peak=smallest, requested=strategy,
+                       picked=picked, runs=described)
 
 
 def _fmt(n: float | None) -> str:
