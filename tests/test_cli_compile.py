@@ -433,3 +433,12 @@ def test_cuda_session_that_fell_back_to_cpu_is_refused(monkeypatch):
     monkeypatch.setattr(session.ort, "InferenceSession", FellBack)
     with pytest.raises(RuntimeFailure, match="could not start it"):
         session.make_session(b"", "cuda")
+
+
+def test_build_output_under_a_file_is_a_clear_error(gpt2_file, tmp_path):
+    blocker = tmp_path / "afile"
+    blocker.write_text("x")
+    r = invoke("build", gpt2_file, "-o", blocker / "step.onnx")
+    assert r.exit_code == 2, r.output
+    assert "not a directory" in r.output and "Traceback" not in r.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
