@@ -11,12 +11,19 @@ and of real exports get the same treatment in test_models_grad.py and test_expor
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
+from exports import EXPORTERS, export
 from gradcheck import grad_graph, make_model, upstream_weight
 from onnx import TensorProto, helper
 from threads import run_at_threads, run_once
 
 import memcc.frontend.gradients.shape_ops as shape_ops
+from memcc.backend.determinism import racing_nodes
+from memcc.frontend.build import BuildOptions, build_training_step
+from memcc.frontend.load import load_graph
+from memcc.graph import node_label
+from models import MODELS, build_model
 
 FLOAT, INT64 = TensorProto.FLOAT, TensorProto.INT64
 
@@ -133,3 +140,31 @@ def test_scatternd_add_still_races_at_2_threads():
         if errors[-1] > 1e-2:
             break
     assert max(errors) > 1e-2, f"ScatterND(add) was right {len(errors)} times in a row"
+
+
+ZOO_STEPS = [(family, optimizer) for family in sorted(MODELS) for optimizer in ("sgd", "adamw")]
+
+
+@pytest.mark.parametrize("family,optimizer", ZOO_STEPS)
+def test_zoo_steps_contain_no_kernel_that_races(family, optimizer):
+    """Structural and timing-free: the thread tests above catch a race only when ORT's
+    threads really overlap; this catches a racing kernel whenever a rule emits one."""
+    step = build_training_step(load_graph(build_model(family)), BuildOptions(optimizer=optimizer))
+    assert not racing_nodes(step), [node_label(n) for n in racing_nodes(step)]
+
+
+@pytest.mark.parametrize("family", ["gpt2", "bert", "llama", "vit"])
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_export_steps_contain_no_kernel_that_races(family, exporter):
+    path, _, _, dims = export(family, exporter)
+    step = build_training_step(load_graph(path, dims), BuildOptions())
+    assert not racing_nodes(step), [node_label(n) for n in racing_nodes(step)]
+
+
+def test_racing_nodes_names_scatternd_with_a_reduction_only():
+    graph = load_graph(make_model(
+        [helper.make_node("ScatterND", ["x", "i", "u"], ["a"], reduction="add", name="racy"),
+         helper.make_node("ScatterND", ["a", "i", "u"], ["y"], name="plain")],
+        [("x", FLOAT, [4, 3]), ("i", INT64, [2, 1]), ("u", FLOAT, [2, 3])],
+        [("y", FLOAT, [4, 3])]))
+    assert [n.name for n in racing_nodes(graph)] == ["racy"]
