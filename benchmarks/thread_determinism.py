@@ -450,9 +450,91 @@ def shape_cases() -> list[Case]:
     return cases
 
 
+def forward_cases() -> list[Case]:
+    """Forward ops memcc differentiates: a step runs them, and recomputation clones them."""
+    n = (512, 1024)  # 2 MiB of float32: these only need to be split, not timed
+    cases = []
+    for op, attrs in (("Abs", {}), ("Elu", {}), ("Selu", {}), ("Softplus", {}),
+                      ("HardSigmoid", {}), ("HardSwish", {}), ("LeakyRelu", {"alpha": 0.1}),
+                      ("Floor", {}), ("Ceil", {}), ("Round", {}), ("IsNaN", {}),
+                      ("IsInf", {})):
+        cases.append(_unary(op, n, 150, **attrs))
+    for approx in ("none", "tanh"):
+        case = _unary("Gelu", n, 151, variant=f"approximate={approx} (opset 20)",
+                      approximate=approx)
+        case.opset = 20
+        cases.append(case)
+    for op, k in (("Max", 2), ("Min", 2), ("Sum", 3), ("Mean", 3)):
+        names = [f"x{i}" for i in range(k)]
+        cases.append(Case(f"{op}/{k} inputs", op, f"{k} x {_shape(n)}",
+                          [helper.make_node(op, names, ["y"])],
+                          {nm: _randn(n, 152 + i) for i, nm in enumerate(names)}, ["y"]))
+    x = _randn((16, 64, 32, 32), 160)
+    cases.append(Case("InstanceNormalization/", "InstanceNormalization", "16x64x32x32",
+                      [helper.make_node("InstanceNormalization", ["x", "s", "b"], ["y"])],
+                      {"x": x, "s": _randn((64,), 161), "b": _randn((64,), 162)}, ["y"]))
+    small = _randn((8, 32, 64, 64), 163)
+    for mode in ("nearest", "linear"):
+        cases.append(Case(f"Resize/{mode} x2", "Resize", f"8x32x64x64 scales 1,1,2,2 {mode}",
+                          [helper.make_node("Resize", ["x", "", "sc"], ["y"], mode=mode)],
+                          {"x": small}, ["y"], initializers=[numpy_helper.from_array(
+                              np.asarray([1, 1, 2, 2], np.float32), "sc")]))
+    cases.append(Case("DepthToSpace/DCR", "DepthToSpace", "16x64x32x32 blocksize 2",
+                      [helper.make_node("DepthToSpace", ["x"], ["y"], blocksize=2)],
+                      {"x": x}, ["y"]))
+    cases.append(Case("SpaceToDepth/", "SpaceToDepth", "16x64x32x32 blocksize 2",
+                      [helper.make_node("SpaceToDepth", ["x"], ["y"], blocksize=2)],
+                      {"x": x}, ["y"]))
+    cases.append(Case("Tile/", "Tile", "16x64x16x16 repeats 1,1,2,2",
+                      [helper.make_node("Tile", ["x", "r"], ["y"])],
+                      {"x": _randn((16, 64, 16, 16), 164)}, ["y"],
+                      initializers=[_ints([1, 1, 2, 2], "r")]))
+    r = _randn((2048, 1024), 165)
+    for op in ("ReduceSumSquare", "ReduceL1", "ReduceL2", "ReduceLogSumExp", "ReduceMax",
+               "ReduceMin"):
+        for axes in (None, [1]):
+            attrs = {} if axes is None else {"axes": axes}
+            cases.append(Case(f"{op}/{'all axes' if axes is None else 'last axis'}", op,
+                              f"2048x1024 axes={'all' if axes is None else axes}",
+                              [helper.make_node(op, ["x"], ["y"], keepdims=0, **attrs)],
+                              {"x": r}, ["y"]))
+    pos = np.abs(r) + np.float32(0.5)
+    cases.append(Case("ReduceLogSum/last axis", "ReduceLogSum", "2048x1024 axes=[1]",
+                      [helper.make_node("ReduceLogSum", ["x"], ["y"], axes=[1], keepdims=0)],
+                      {"x": pos}, ["y"]))
+    near_one = (np.float32(1) + _randn((2048, 1024), 166) * np.float32(1e-3))
+    cases.append(Case("ReduceProd/last axis", "ReduceProd", "2048x1024 axes=[1]",
+                      [helper.make_node("ReduceProd", ["x"], ["y"], axes=[1], keepdims=0)],
+                      {"x": near_one.astype(np.float32)}, ["y"]))
+    for axes in (None, [0, 2, 3]):
+        ins = ["x"] if axes is None else ["x", "a"]
+        inits = [] if axes is None else [_ints(axes, "a")]
+        c = Case(f"ReduceMean/axes input {'all' if axes is None else axes} (opset 18)",
+                 "ReduceMean", f"32x64x32x32 axes={'all' if axes is None else axes}",
+                 [helper.make_node("ReduceMean", ins, ["y"], keepdims=1)],
+                 {"x": _randn((32, 64, 32, 32), 167)}, ["y"], initializers=inits)
+        c.opset = 18
+        cases.append(c)
+    cases.append(Case("GlobalMaxPool/", "GlobalMaxPool", "16x64x32x32",
+                      [helper.make_node("GlobalMaxPool", ["x"], ["y"])], {"x": x}, ["y"]))
+    cases.append(Case("ArgMax/last axis", "ArgMax", "2048x1024 axis=1",
+                      [helper.make_node("ArgMax", ["x"], ["y"], axis=1)], {"x": r}, ["y"]))
+    idx = _rng(168).integers(0, 1024, size=(4096, 2)).astype(np.int64)
+    idx[:, 0] %= 16
+    cases.append(Case("GatherND/", "GatherND", "16x1024x256 data, 4096 index pairs",
+                      [helper.make_node("GatherND", ["x", "i"], ["y"])],
+                      {"x": _randn((16, 1024, 256), 169), "i": idx}, ["y"]))
+    cases.append(Case("Squeeze/", "Squeeze", "16x1x64x1024 axis 1",
+                      [helper.make_node("Squeeze", ["x", "a"], ["y"])],
+                      {"x": _randn((16, 1, 64, 1024), 170)}, ["y"],
+                      initializers=[_ints([1], "a")]))
+    return cases
+
+
 def all_cases() -> list[Case]:
     return (elementwise_cases() + matmul_cases() + reduction_cases() + softmax_norm_cases()
-            + conv_cases() + pool_cases() + gather_scatter_cases() + shape_cases())
+            + conv_cases() + pool_cases() + gather_scatter_cases() + shape_cases()
+            + forward_cases())
 
 
 # ---------------------------------------------------------------------------- running
