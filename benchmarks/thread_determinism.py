@@ -363,6 +363,13 @@ def gather_scatter_cases() -> list[Case]:
                                         reduction="add")],
                       {"d": np.zeros((rows, width), np.float32), "i": idx2, "u": upd}, ["y"],
                       reference=_scatter_refs(rows, width, idx, upd)))
+    # the same with int32 indices, as the Gather gradient emits them since the ScatterND fix
+    cases.append(Case("ScatterElements/add 2-D axis 0 (row indices, int32)", "ScatterElements",
+                      f"[{n}, {width}] int32 indices into [{rows}, {width}]",
+                      [helper.make_node("ScatterElements", ["d", "i", "u"], ["y"], axis=0,
+                                        reduction="add")],
+                      {"d": np.zeros((rows, width), np.float32), "i": idx2.astype(np.int32),
+                       "u": upd}, ["y"], reference=_scatter_refs(rows, width, idx, upd)))
     # ... and with indices that vary along the row (GatherElements grad)
     idx3 = _rng(125).integers(0, rows, size=(n, width)).astype(np.int64)
     cols = np.broadcast_to(np.arange(width), (n, width))
