@@ -149,6 +149,14 @@ CASES = {
                      helper.make_tensor("ax", TensorProto.INT64, [1], [0])]),
     "relu_in_place": model([H("Neg", ["x"], ["a"], name="a"), H("Relu", ["a"], ["r"], name="r"),
                             _sum("r", "s")], ["s"]),
+    # a ScatterElements chain writes into its data input when it is the last reader: x + a.
+    "scatter_elements_in_place": model([
+        H("Neg", ["x"], ["a"], name="a"),
+        H("ScatterElements", ["a", "si", "su"], ["s1"], axis=0, reduction="add", name="s1"),
+        H("ScatterElements", ["s1", "si", "su"], ["s2"], axis=0, reduction="add", name="s2"),
+        _sum("s2", "s")], ["s"], inits=[
+            helper.make_tensor("si", TensorProto.INT64, [4], [1, 1, 2, 3]),
+            helper.make_tensor("su", TensorProto.FLOAT, [4], [1.0, 2.0, 3.0, 4.0])]),
     "where_scratch": model([
         H("Neg", ["x"], ["a"], name="a"), H("Greater", ["a", "x"], ["m"], name="m"),
         H("Where", ["m", "a", "x"], ["w"], name="w"), _sum("w", "s")], ["s"]),
@@ -198,6 +206,10 @@ def test_reshape_squeeze_flatten_identity_alias_their_input(measured):
 
 def test_relu_writes_in_place_when_it_is_the_last_use(measured):
     assert mib(measured["relu_in_place"]) == pytest.approx(8, abs=0.5)
+
+
+def test_scatter_elements_writes_in_place_into_its_last_use(measured):
+    assert mib(measured["scatter_elements_in_place"]) == pytest.approx(8, abs=0.5)
 
 
 def test_where_allocates_both_selections_as_scratch(measured):

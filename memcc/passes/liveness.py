@@ -18,17 +18,18 @@ CPU execution provider of onnxruntime 1.31.1 (``tests/test_ort_facts.py`` pins e
 - Aliasing: Reshape, Squeeze, Unsqueeze, Flatten and Identity return their input's buffer
   (no allocation); the buffer lives until the last consumer of any alias. Not when the
   output is a graph output: then it is a fresh buffer.
-- In place: Relu-like activations, Sigmoid, Tanh, Softmax, LogSoftmax, Clip and Cast write
-  into input 0 when this node is the only remaining use of that buffer, the buffer belongs
-  to a node output (not an input, initializer or graph output), shapes are equal and the
-  element sizes are equal.
+- In place: Relu-like activations, Sigmoid, Tanh, Softmax, LogSoftmax, Clip, Cast and
+  ScatterElements write into input 0 when this node is the only remaining use of that
+  buffer, the buffer belongs to a node output (not an input, initializer or graph output),
+  shapes are equal and the element sizes are equal.
 - Planner buffer reuse between unrelated values is off (``enable_mem_reuse = False``), so
   freed memory is simply returned.
 - Kernel scratch, allocated and freed inside one kernel, that measurably matters: Where
   builds both broadcast selections before merging them; Sum/Max/Min/Mean over more than two
   inputs keep one accumulator; Dropout makes its mask even when the mask is not an output;
   Softmax/LogSoftmax (opset >= 13) on a non-last axis transpose in and out; ConvTranspose
-  expands one image into a column buffer. Conv measured no scratch worth counting (MLAS
+  expands one image into a column buffer; ScatterElements copies its indices into an int64
+  vector (8 bytes per index, whatever their type). Conv measured no scratch worth counting (MLAS
   works in small per-thread blocks). Scratch of other kernels (Einsum's operand copies,
   pooling, thread-local MLAS buffers) is not modeled.
 
@@ -68,6 +69,8 @@ ALIAS_OPS = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity"}
 INPLACE_OPS = frozenset({
     "Relu", "LeakyRelu", "Elu", "Selu", "Celu", "HardSigmoid", "Softplus", "Softsign",
     "ThresholdedRelu", "Sigmoid", "Tanh", "Softmax", "LogSoftmax", "Clip", "Cast",
+    # Scatters into its data input: chained accumulation (the Gather gradient) costs one table.
+    "ScatterElements",
 })
 VARIADIC_OPS = frozenset({"Sum", "Max", "Min", "Mean"})
 NOT_EXECUTED = frozenset({"Constant"})
@@ -357,6 +360,9 @@ def scratch_bytes(node: onnx.NodeProto, info: Mapping[str, TensorInfo], opset: i
         return out.numel if out is not None else 0  # bool mask, one byte per element
     if op == "ConvTranspose" and len(node.input) >= 2:
         return _conv_transpose_columns(node, info)
+    if op == "ScatterElements" and len(node.input) >= 2:
+        idx = info.get(node.input[1])
+        return idx.numel * 8 if idx is not None else 0
     if op in ("Softmax", "LogSoftmax") and opset >= 13:
         x = info.get(node.input[0])
         if x is None or len(x.shape) < 2:

@@ -26,10 +26,11 @@ Grads = list[str | None]
 # Folding computes small integer parameters only; anything bigger is real data.
 _FOLD_MAX_NODES = 256
 _FOLD_MAX_ELEMENTS = 1 << 16
-# Largest transient of one chunk of an accumulating row scatter (expanded indices plus the
-# slice of the gradient it adds): a few chunks cost a few nodes, one full-size index tensor
-# would cost as much memory again as the gradient itself.
+# Largest transient of one chunk of an accumulating row scatter (expanded indices, the
+# kernel's copy of them and the slice of the gradient it adds): a few chunks cost a few
+# nodes, unchunked indices would cost three times the gradient's own size.
 SCATTER_CHUNK_BYTES = 16 << 20
+_KERNEL_INDEX_BYTES = 8  # ORT's ScatterElements copies every index into an int64 vector
 
 
 # ---------------------------------------------------------------------------- static values
@@ -530,8 +531,9 @@ def _scatter_rows(ctx: GradContext, indices: str, g: str, rows_shape: list[int])
     (docs/DETERMINISM.md). ScatterElements accumulates in one serial loop, in index order
     (the order torch's CPU embedding backward adds rows in), and ORT writes it in place into
     its input. Its price is an index per element instead of per row: int32 indices expanded
-    to the gradient's shape, bounded by cutting the rows into chunks whose expanded indices
-    and gradient slice together stay under ``SCATTER_CHUNK_BYTES``.
+    to the gradient's shape, plus the int64 copy of them the kernel makes, bounded by cutting
+    the rows into chunks whose indices, index copy and gradient slice together stay under
+    ``SCATTER_CHUNK_BYTES``.
     """
     emit = ctx.emit
     dtype = ctx.info(g).dtype
@@ -540,7 +542,7 @@ def _scatter_rows(ctx: GradContext, indices: str, g: str, rows_shape: list[int])
     n = ctx.info(indices).numel
     rows = _row_indices(ctx, indices, depth, n)
     g2 = emit.reshape(g, [n, width])
-    per_row = width * (ctx.info(rows).itemsize + ctx.info(g).itemsize)
+    per_row = width * (ctx.info(rows).itemsize + _KERNEL_INDEX_BYTES + ctx.info(g).itemsize)
     chunk = max(1, min(n, SCATTER_CHUNK_BYTES // max(per_row, 1)))
     acc = emit.zeros([depth, width], dtype)
     for start in range(0, n, chunk):
