@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from memcc.backend.determinism import racing_nodes
 from memcc.backend.onnx_file import (
     Staged,
     check_writable,
@@ -35,7 +36,7 @@ from memcc.backend.onnx_file import (
 from memcc.errors import InputError, MemccError
 from memcc.frontend.build import BuildOptions, build_training_step, is_training_step
 from memcc.frontend.load import load_graph
-from memcc.graph import Graph
+from memcc.graph import Graph, node_label
 from memcc.passes.cost_model import (
     CUDA_NOMINAL,
     CostModel,
@@ -153,6 +154,14 @@ def compile_model(model: str | os.PathLike, options: CompileOptions, *,
     plan_budget = None if budget is None else \
         max(int(budget * (1.0 - options.margin)) - options.slack_bytes, 0)
     graph = timed("load", lambda: _load(model, label, options))
+    racing = [node_label(n) for n in racing_nodes(graph)]
+    if racing:
+        warning(f"{label}: {len(racing)} node(s) from the model run an ONNX Runtime CPU kernel "
+                f"that races across intra-op threads ({', '.join(racing[:3])}"
+                f"{', ...' if len(racing) > 3 else ''}): their results, and every gradient "
+                "that depends on them, can change from run to run, and --verify's bit-for-bit "
+                "comparison can fail. Export ScatterND with a reduction as ScatterElements "
+                "(docs/DETERMINISM.md).")
     structure = StepStructure.of(graph)
     costs = timed("cost_model", lambda: _costs(graph, options, warning))
     try:
@@ -271,7 +280,13 @@ def next_steps(v: dict, options: CompileOptions, planned_peak: int, label: str) 
     keeps them as ``verification.next_steps``)."""
     steps: list[str] = []
     if v.get("outputs_match") is False:
-        if v.get("comparison") == "bit-identical":
+        if v.get("racing_nodes"):
+            steps.append(
+                "Outputs differ, and the model has nodes whose ONNX Runtime CPU kernel races "
+                f"across intra-op threads ({', '.join(v['racing_nodes'][:3])}): their results "
+                "change from run to run whatever the plan. Export ScatterND with a reduction "
+                "as ScatterElements (docs/DETERMINISM.md).")
+        elif v.get("comparison") == "bit-identical":
             steps.append(
                 "Outputs differ: recomputation repeats the same kernels on the same inputs, "
                 "so on CPU they should be bit-identical. Run the same command again: if the "

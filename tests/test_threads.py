@@ -11,6 +11,7 @@ and of real exports get the same treatment in test_models_grad.py and test_expor
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import pytest
 import torch
 from exports import EXPORTERS, export
@@ -20,6 +21,7 @@ from threads import run_at_threads, run_once
 
 import memcc.frontend.gradients.shape_ops as shape_ops
 from memcc.backend.determinism import racing_nodes
+from memcc.compiler import CompileOptions, compile_model, next_steps
 from memcc.frontend.build import BuildOptions, build_training_step
 from memcc.frontend.load import load_graph
 from memcc.graph import node_label
@@ -169,3 +171,31 @@ def test_racing_nodes_names_scatternd_with_a_reduction_only():
         [("x", FLOAT, [4, 3]), ("i", INT64, [2, 1]), ("u", FLOAT, [2, 3])],
         [("y", FLOAT, [4, 3])]))
     assert [n.name for n in racing_nodes(graph)] == ["racy"]
+
+
+def test_compile_warns_about_a_racing_node_the_model_brings(tmp_path):
+    """memcc's rules avoid racing kernels, but a model can bring one: say so up front, and
+    let a failed --verify point at it instead of at the plan."""
+    rng = np.random.default_rng(3)
+    m = make_model(
+        [helper.make_node("ScatterND", ["zero", "idx", "upd"], ["counts"], reduction="add",
+                          name="user_scatter"),  # integer data: no gradient, no folding
+         helper.make_node("Cast", ["counts"], ["mask"], to=FLOAT),
+         helper.make_node("Mul", ["x", "mask"], ["xm"]),
+         helper.make_node("MatMul", ["xm", "w"], ["y"])],
+        [("x", FLOAT, [4, 8]), ("idx", INT64, [3, 1])], [("y", FLOAT, [4, 3])],
+        initializers={"zero": np.zeros((4, 8), np.int64),
+                      "upd": np.ones((3, 8), np.int64),
+                      "w": rng.standard_normal((8, 3)).astype(np.float32)})
+    path = tmp_path / "scatter.onnx"
+    onnx.save_model(m, str(path))
+    warned: list[str] = []
+    result = compile_model(path, CompileOptions(budget="min", cost="analytic",
+                                                build=BuildOptions(loss="mse")),
+                           warn=warned.append)
+    assert any("user_scatter" in w and "races" in w for w in warned), warned
+    assert result.report["warnings"] == warned
+    steps = next_steps({"outputs_match": False, "comparison": "bit-identical",
+                        "racing_nodes": ["ScatterND node 'user_scatter'"], "budget_bytes": 0,
+                        "measured_peak_bytes": 1}, CompileOptions(), 1, str(path))
+    assert "user_scatter" in steps[0] and "ScatterElements" in steps[0]

@@ -16,10 +16,11 @@ from pathlib import Path
 
 import numpy as np
 
+from memcc.backend.determinism import racing_nodes
 from memcc.backend.onnx_file import save_graph
 from memcc.backend.runner import run_steps, session_graph, synthetic_feeds
 from memcc.backend.session import make_session
-from memcc.graph import Graph
+from memcc.graph import Graph, node_label
 
 
 def step_outputs(graph: Graph, feeds: dict[str, np.ndarray], provider: str
@@ -81,6 +82,7 @@ def verify_rewrite(original: Graph, rewritten: Graph, *, budget: int, provider: 
         "comparison": "bit-identical" if exact else "rtol 1e-5 (CUDA)",
         "outputs_match": outputs_differing == 0,
         "outputs_differing": outputs_differing,
+        "racing_nodes": [node_label(n) for n in racing_nodes(original)],
         "budget_bytes": int(budget),
         "peak_within_budget": None if measured is None else measured <= budget,
         "measured_peak_bytes": measured,
