@@ -62,12 +62,28 @@ class Case:
     # float64 reference and the float32 sequential reference (np.add.at), for scatters
     reference: Callable[[], tuple[np.ndarray, np.ndarray]] | None = None
     opset: int = OPSET
+    # independent copies of the node(s) in one model: each run then calls the kernel this
+    # many times, which raises the odds of catching a race in a short kernel
+    copies: int = 1
+
+    def all_outputs(self) -> list[str]:
+        return [o if k == 0 else f"{o}__copy{k}" for k in range(self.copies)
+                for o in self.outputs]
 
     def model(self) -> bytes:
         inputs = [helper.make_tensor_value_info(k, helper.np_dtype_to_tensor_dtype(v.dtype),
                                                 list(v.shape)) for k, v in self.feeds.items()]
-        outputs = [helper.make_empty_tensor_value_info(o) for o in self.outputs]
-        graph = helper.make_graph(self.nodes, self.name, inputs, outputs, self.initializers)
+        nodes = list(self.nodes)
+        for k in range(1, self.copies):
+            for node in self.nodes:
+                clone = onnx.NodeProto()
+                clone.CopyFrom(node)
+                clone.name = f"{node.name or node.op_type}__copy{k}"
+                del clone.output[:]
+                clone.output.extend(f"{o}__copy{k}" if o else "" for o in node.output)
+                nodes.append(clone)
+        outputs = [helper.make_empty_tensor_value_info(o) for o in self.all_outputs()]
+        graph = helper.make_graph(nodes, self.name, inputs, outputs, self.initializers)
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", self.opset)])
         model.ir_version = 8
         return model.SerializeToString()
@@ -339,7 +355,7 @@ def gather_scatter_cases() -> list[Case]:
                       f"{n} updates of {width} into {rows} rows (repeats)", [helper.make_node(
                           "ScatterND", ["d", "i", "u"], ["y"], reduction="add")],
                       {"d": np.zeros((rows, width), np.float32), "i": idx[:, None], "u": upd},
-                      ["y"], reference=_scatter_refs(rows, width, idx, upd)))
+                      ["y"], reference=_scatter_refs(rows, width, idx, upd), copies=8))
     uniq = _rng(122).permutation(4096)[:n].astype(np.int64)
     cases.append(Case("ScatterND/reduction=none (unique)", "ScatterND",
                       f"{n} unique rows of {width} into 4096", [helper.make_node(
@@ -347,14 +363,14 @@ def gather_scatter_cases() -> list[Case]:
                       {"d": np.zeros((4096, width), np.float32), "i": uniq[:, None], "u": upd},
                       ["y"]))
     # ScatterElements reduction=add, 1-D flat (MaxPool grad, scatter_add_flat)
-    size, n1 = 4096, 1 << 21
+    size, n1 = 4096, 1 << 20
     idx1 = _rng(123).integers(0, size, size=n1).astype(np.int64)
     upd1 = _randn((n1,), 124)
     cases.append(Case("ScatterElements/add 1-D flat", "ScatterElements",
                       f"{n1} updates into {size} (repeats), axis 0", [helper.make_node(
                           "ScatterElements", ["d", "i", "u"], ["y"], axis=0, reduction="add")],
                       {"d": np.zeros((size,), np.float32), "i": idx1, "u": upd1}, ["y"],
-                      reference=_scatter_refs(size, 0, idx1, upd1)))
+                      reference=_scatter_refs(size, 0, idx1, upd1), copies=4))
     # ScatterElements reduction=add, 2-D axis 0 with row-broadcast indices (embedding grad)
     idx2 = np.repeat(idx[:, None], width, axis=1)
     cases.append(Case("ScatterElements/add 2-D axis 0 (row indices)", "ScatterElements",
@@ -362,30 +378,33 @@ def gather_scatter_cases() -> list[Case]:
                       [helper.make_node("ScatterElements", ["d", "i", "u"], ["y"], axis=0,
                                         reduction="add")],
                       {"d": np.zeros((rows, width), np.float32), "i": idx2, "u": upd}, ["y"],
-                      reference=_scatter_refs(rows, width, idx, upd)))
+                      reference=_scatter_refs(rows, width, idx, upd), copies=4))
     # the same with int32 indices, as the Gather gradient emits them since the ScatterND fix
     cases.append(Case("ScatterElements/add 2-D axis 0 (row indices, int32)", "ScatterElements",
                       f"[{n}, {width}] int32 indices into [{rows}, {width}]",
                       [helper.make_node("ScatterElements", ["d", "i", "u"], ["y"], axis=0,
                                         reduction="add")],
                       {"d": np.zeros((rows, width), np.float32), "i": idx2.astype(np.int32),
-                       "u": upd}, ["y"], reference=_scatter_refs(rows, width, idx, upd)))
+                       "u": upd}, ["y"], reference=_scatter_refs(rows, width, idx, upd),
+                      copies=4))
     # ... and with indices that vary along the row (GatherElements grad)
-    idx3 = _rng(125).integers(0, rows, size=(n, width)).astype(np.int64)
-    cols = np.broadcast_to(np.arange(width), (n, width))
+    w3 = 256
+    idx3 = _rng(125).integers(0, rows, size=(n, w3)).astype(np.int64)
+    upd3 = np.ascontiguousarray(upd[:, :w3])
+    cols = np.broadcast_to(np.arange(w3), (n, w3))
 
     def ref3():
-        exact = np.zeros((rows, width), np.float64)
-        np.add.at(exact, (idx3, cols), upd.astype(np.float64))
-        seq = np.zeros((rows, width), np.float32)
-        np.add.at(seq, (idx3, cols), upd)
+        exact = np.zeros((rows, w3), np.float64)
+        np.add.at(exact, (idx3, cols), upd3.astype(np.float64))
+        seq = np.zeros((rows, w3), np.float32)
+        np.add.at(seq, (idx3, cols), upd3)
         return exact, seq
     cases.append(Case("ScatterElements/add 2-D axis 0 (free indices)", "ScatterElements",
-                      f"[{n}, {width}] into [{rows}, {width}], random per element",
+                      f"[{n}, {w3}] into [{rows}, {w3}], random per element",
                       [helper.make_node("ScatterElements", ["d", "i", "u"], ["y"], axis=0,
                                         reduction="add")],
-                      {"d": np.zeros((rows, width), np.float32), "i": idx3, "u": upd}, ["y"],
-                      reference=ref3))
+                      {"d": np.zeros((rows, w3), np.float32), "i": idx3, "u": upd3}, ["y"],
+                      reference=ref3, copies=4))
     uniq1 = _rng(126).permutation(1 << 22)[: 1 << 20].astype(np.int64)
     cases.append(Case("ScatterElements/none 1-D unique", "ScatterElements",
                       "2^20 unique into 2^22", [helper.make_node(
@@ -572,7 +591,7 @@ def parallel_blocks(case: Case, threads: int = 4) -> list[int]:
     """Block sizes of the parallel sections the kernel entered (ORT's profiler records one
     per ThreadPool parallel loop); empty when the kernel never used the intra-op pool."""
     sess = make_session(case.model(), threads, profile=True)
-    sess.run(case.outputs, case.feeds)
+    sess.run(case.all_outputs(), case.feeds)
     path = sess.end_profiling()
     with open(path) as f:
         events = json.load(f)
@@ -605,11 +624,14 @@ def _digest(outputs: list[np.ndarray]) -> bytes:
 
 def _timed_runs(sess: ort.InferenceSession, case: Case, runs: int
                 ) -> tuple[list[list[np.ndarray]], list[float]]:
+    """Each copy of the node counts as one run of the kernel."""
     outs, times = [], []
+    width = len(case.outputs)
     for _ in range(runs):
         t = time.perf_counter()
-        outs.append(sess.run(case.outputs, case.feeds))
+        got = sess.run(case.all_outputs(), case.feeds)
         times.append(time.perf_counter() - t)
+        outs += [got[k * width:(k + 1) * width] for k in range(case.copies)]
     return outs, times
 
 
@@ -643,7 +665,7 @@ def run_case(case: Case, threads=THREADS, runs: int = RUNS) -> dict:
         diff = max(max(_max_abs(o, b) for o, b in zip(r, base, strict=True))
                    for r, k in zip(outs, keys, strict=True) if k != base_key) \
             if any(k != base_key for k in keys) else 0.0
-        entry = {"runs": len(outs), "run_to_run_identical": len(set(keys)) == 1,
+        entry = {"kernel_runs": len(outs), "run_to_run_identical": len(set(keys)) == 1,
                  "identical_to_1_thread": all(k == base_key for k in keys),
                  "max_abs_diff_vs_1_thread": diff, "distinct_results": len(set(keys)),
                  "median_ms": median_ms[t]}
