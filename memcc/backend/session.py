@@ -165,6 +165,11 @@ def make_session(
     p = resolve_provider(provider)
     so = session_options(profile=profile, profile_prefix=profile_prefix,
                          intra_op_threads=intra_op_threads)
+    if p == "cuda":
+        # ORT's CUDA ReduceSum/ReduceMean take an atomic-add fast path (every bias gradient
+        # is one) unless this is set; scatters stay atomic either way (docs/DETERMINISM.md).
+        # Not yet run on a GPU.
+        so.use_deterministic_compute = True
     for key, value in (extra_config or {}).items():
         so.add_session_config_entry(key, value)
     for key, value in (option_overrides or {}).items():
