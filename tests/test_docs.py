@@ -64,6 +64,17 @@ def test_links_and_paths_stay_inside_the_repository_and_exist(doc):
         assert resolved.exists(), f"{doc.name} refers to {target}, which does not exist"
 
 
+def test_sources_cite_docs_that_exist():
+    """Module docstrings cite ``ORT_NOTES.md §n`` etc.; each cited doc must ship here."""
+    cited = set()
+    for py in (ROOT / "memcc").rglob("*.py"):
+        cited |= set(re.findall(r"\b([A-Z][A-Z_]+\.md)\b", py.read_text()))
+    assert "ORT_NOTES.md" in cited  # the check below must see the citations it is about
+    missing = [name for name in sorted(cited)
+               if not (ROOT / name).exists() and not (ROOT / "docs" / name).exists()]
+    assert not missing, f"cited in memcc/ but not in the repository: {missing}"
+
+
 def test_one_test_install_command_everywhere():
     """Quick start, Install section and .ci/run install the test extras the same way."""
     readme = [line for line in README.read_text().splitlines() if '".[test]"' in line]
