@@ -43,13 +43,17 @@ def test_build_then_run_trains(gpt2_file, tmp_path):
     assert out["measured_peak_bytes"] > 0 and out["predicted_peak_bytes"] > 0
 
 
-def test_compile_verify_fits_and_matches(gpt2_file, tmp_path):
-    out, rep = tmp_path / "c.onnx", tmp_path / "c.json"
+def _baseline_peak(gpt2_file, out, rep) -> int:
+    """The step's predicted baseline peak, from a compile that cannot fail to fit."""
     base = invoke("compile", gpt2_file, "--budget", "1TB", "-o", out, "--report", rep,
                   "--cost", "analytic")
     assert base.exit_code == 0, base.output
-    peak = json.loads(rep.read_text())["baseline"]["peak_bytes"]
-    budget = int(peak * 0.8)
+    return json.loads(rep.read_text())["baseline"]["peak_bytes"]
+
+
+def test_compile_verify_fits_and_matches(gpt2_file, tmp_path):
+    out, rep = tmp_path / "c.onnx", tmp_path / "c.json"
+    budget = int(_baseline_peak(gpt2_file, out, rep) * 0.8)
     r = invoke("compile", gpt2_file, "--budget", budget, "-o", out, "--report", rep,
                "--cost", "analytic", "--verify")
     assert r.exit_code == 0, r.output
@@ -135,10 +139,7 @@ def test_sizes(text, value):
 # ---------------------------------------------------------------------------- strategies
 def test_strategy_label_and_report_say_what_auto_picked(gpt2_file, tmp_path):
     out, rep = tmp_path / "c.onnx", tmp_path / "c.json"
-    base = invoke("compile", gpt2_file, "--budget", "1TB", "-o", out, "--report", rep,
-                  "--cost", "analytic")
-    assert base.exit_code == 0, base.output
-    peak = json.loads(rep.read_text())["baseline"]["peak_bytes"]
+    peak = _baseline_peak(gpt2_file, out, rep)
     r = invoke("compile", gpt2_file, "--budget", int(peak * 0.7), "-o", out, "--report", rep,
                "--cost", "analytic")
     assert r.exit_code == 0, r.output
