@@ -528,11 +528,12 @@ def _scatter_rows(ctx: GradContext, indices: str, g: str, rows_shape: list[int])
     ScatterND(reduction='add') would take each row of ``g`` as one update, but ORT's CPU
     kernel hands updates to intra-op threads with nothing guarding a row that repeats, so
     repeated tokens race and the embedding gradient changes from run to run
-    (docs/DETERMINISM.md). ScatterElements accumulates in one serial loop, in index order
-    (the order torch's CPU embedding backward adds rows in), and ORT writes it in place into
-    its input. Its price is an index per element instead of per row: int32 indices expanded
-    to the gradient's shape, plus the int64 copy of them the kernel makes, bounded by cutting
-    the rows into chunks whose indices, index copy and gradient slice together stay under
+    (docs/DETERMINISM.md). ScatterElements adds each output element's updates in index order
+    (the order torch's CPU embedding backward adds rows in; ORT splits its work only over
+    independent columns, if at all), and ORT writes it in place into its input. Its price is
+    an index per element instead of per row: int32 indices expanded to the gradient's shape,
+    plus the int64 copy of them the kernel makes, bounded by cutting the rows into chunks
+    whose indices, index copy and gradient slice together stay under
     ``SCATTER_CHUNK_BYTES``.
     """
     emit = ctx.emit
