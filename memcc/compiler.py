@@ -138,7 +138,7 @@ def compile_model(model: str | os.PathLike, options: CompileOptions, *,
             warn(msg)
 
     _check_targets(model, output, report_path)
-    _check_provider(options, warning)
+    cuda_missing = _check_provider(options, warning)
     t_start = time.perf_counter()
     passes: list[PassReport] = []
 
@@ -163,7 +163,7 @@ def compile_model(model: str | os.PathLike, options: CompileOptions, *,
                 "comparison can fail. Export ScatterND with a reduction as ScatterElements "
                 "(docs/DETERMINISM.md).")
     structure = StepStructure.of(graph)
-    costs = timed("cost_model", lambda: _costs(graph, options, warning))
+    costs = timed("cost_model", lambda: _costs(graph, options, warning, cuda_missing))
     try:
         outcome = timed("plan", lambda: _plan(graph, plan_budget, costs, options, structure))
     except BudgetError as exc:
@@ -226,17 +226,18 @@ def _check_targets(model, output, report_path) -> None:
                          "report another name.")
 
 
-def _check_provider(options: CompileOptions, warning: Progress) -> None:
+def _check_provider(options: CompileOptions, warning: Progress) -> str | None:
     """``--provider cuda`` without CUDA: an error where the user asked for something to run
     on CUDA (``--verify``, ``--cost measured``), a visible warning where memcc would
-    otherwise quietly estimate instead of measuring (``--cost auto``)."""
+    otherwise quietly estimate instead of measuring (``--cost auto``). Returns why CUDA is
+    missing, or None."""
     if options.provider != "cuda":
-        return
+        return None
     from memcc.backend.session import cuda_unavailable_reason
 
     reason = cuda_unavailable_reason()
     if reason is None:
-        return
+        return None
     if options.verify:
         raise InputError(f"--verify --provider cuda: CUDA is not available: {reason}. "
                          "--verify runs the step on CUDA: run this compile where CUDA works, "
@@ -250,6 +251,7 @@ def _check_provider(options: CompileOptions, warning: Progress) -> None:
                 "nominal GPU rates instead of measured: the predicted added time is an "
                 "estimate (--cost analytic says so and silences this warning). Why: "
                 f"{reason}.")
+    return reason
 
 
 def _write(output, graph: Graph | None, report_path, report: dict) -> None:
@@ -353,14 +355,10 @@ def _load(model, label: str, options: CompileOptions):
     }
 
 
-def _costs(graph: Graph, options: CompileOptions, warning: Progress
-           ) -> tuple[CostModel, dict]:
+def _costs(graph: Graph, options: CompileOptions, warning: Progress,
+           cuda_missing: str | None) -> tuple[CostModel, dict]:
+    """``cuda_missing``: why CUDA is not there (``_check_provider`` already warned)."""
     note = None
-    cuda_missing = None
-    if options.provider == "cuda":
-        from memcc.backend.session import cuda_unavailable_reason
-
-        cuda_missing = cuda_unavailable_reason()  # _check_provider already warned
     if cuda_missing is not None and options.cost == "auto":
         note = f"CUDA is not available, estimated instead: {cuda_missing}"
     elif options.cost in ("auto", "measured"):
