@@ -18,14 +18,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from memcc.backend.onnx_file import save_graph  # noqa: E402
+from memcc.backend.profiling import calibrate_cpu_rates, measured_costs  # noqa: E402
 from memcc.backend.runner import run_steps  # noqa: E402
 from memcc.frontend.build import BuildOptions, build_training_step  # noqa: E402
 from memcc.frontend.load import load_graph  # noqa: E402
-from memcc.passes.cost_model import (  # noqa: E402
-    analytic_costs,
-    calibrate_cpu_rates,
-    measured_costs,
-)
+from memcc.passes.cost_model import analytic_costs  # noqa: E402
 from models import build_model  # noqa: E402
 
 CASES = {

@@ -33,17 +33,12 @@ from memcc.backend.onnx_file import (
     stage_text,
     write_together,
 )
+from memcc.backend.profiling import calibrate_cpu_rates, measured_costs
 from memcc.errors import InputError, MemccError
 from memcc.frontend.build import BuildOptions, build_training_step, is_training_step
 from memcc.frontend.load import load_graph
 from memcc.graph import Graph, node_label
-from memcc.passes.cost_model import (
-    CUDA_NOMINAL,
-    CostModel,
-    analytic_costs,
-    calibrate_cpu_rates,
-    measured_costs,
-)
+from memcc.passes.cost_model import CUDA_NOMINAL, CostModel, analytic_costs
 from memcc.passes.phases import plan_origin, step_phases
 from memcc.passes.plan import StepStructure
 from memcc.passes.planner import STRATEGIES, BudgetError, PlanOutcome, choose_plan

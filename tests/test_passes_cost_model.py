@@ -1,19 +1,27 @@
-"""Cost model: estimates scale with work, measurements add up to the step and are cached."""
+"""Cost model: estimates scale with work, measurements add up to the step and are cached,
+and nodes nobody measured (clones, new nodes) get a calibrated time, never 0."""
 
 from __future__ import annotations
 
+import onnx
 import pytest
 
+from memcc.backend import profiling
+from memcc.backend.profiling import measured_costs
 from memcc.frontend.build import BuildOptions, build_training_step
 from memcc.frontend.load import load_graph
-from memcc.passes import cost_model
 from memcc.passes.cost_model import (
+    NOMINAL_CPU,
+    Calibration,
+    CostModel,
     DeviceRates,
     analytic_costs,
-    measured_costs,
+    analytic_estimate,
     node_flops_bytes,
     unit_costs,
 )
+from memcc.passes.plan import Plan, StepStructure
+from memcc.passes.recompute import apply_recompute
 from models import build_model
 
 RATES = DeviceRates(1e10, 1e10, 1e-6, "test")
@@ -43,10 +51,99 @@ def test_aliasing_ops_cost_nothing_and_unit_costs_count_nodes(step):
 
 
 def test_measured_costs_add_up_to_the_step_and_are_cached(step, tmp_path, monkeypatch):
-    monkeypatch.setattr(cost_model, "CACHE_DIR", tmp_path)
+    monkeypatch.setattr(profiling, "CACHE_DIR", tmp_path)
     first = measured_costs(step, "cpu", runs=2)
     assert first.source == "measured"
     assert first.total(step) > 0
     assert list(tmp_path.glob("costs/*.json"))
     again = measured_costs(step, "cpu", runs=2)
     assert dict(again.seconds) == dict(first.seconds)  # from the cache, not re-measured
+
+
+def _fake_measured(step, factor_of) -> CostModel:
+    """A "measured" model whose times are a known multiple of the roofline, per op type."""
+    seconds = {n.name: analytic_estimate(step, n, NOMINAL_CPU) * factor_of(n.op_type)
+               for n in step.nodes}
+    return CostModel(seconds, "measured", "cpu")
+
+
+def _new_gemm(step) -> onnx.NodeProto:
+    """A Gemm the model has never seen, over shapes that exist in the step."""
+    mm = next(n for n in step.nodes if n.op_type == "Gemm")
+    node = onnx.NodeProto()
+    node.CopyFrom(mm)
+    node.name = "brand_new_gemm"
+    return node
+
+
+def test_calibration_is_fitted_on_the_measured_nodes(step):
+    """Per op type: the median measured/estimate ratio; other ops: the median over all."""
+    costs = _fake_measured(step, lambda op: 3.0 if op == "Gemm" else 0.5)
+    cal = costs.calibration_for(step)
+    assert cal.samples > 0
+    assert cal.factor("Gemm") == pytest.approx(3.0)
+    assert cal.factor("Add") == pytest.approx(0.5)
+    never_seen = cal.factor("Conv")  # no Conv in an MLP: the median over all nodes
+    assert never_seen == pytest.approx(cal.overall)
+    assert 0.5 <= never_seen <= 3.0
+    # Fitting is what ``Calibration.fit`` does, stated explicitly by ``calibrated``.
+    fixed = costs.calibrated(step)
+    assert fixed.calibration == Calibration.fit(step, costs.seconds, NOMINAL_CPU)
+
+
+def test_an_unseen_node_gets_a_positive_calibrated_time(step):
+    costs = _fake_measured(step, lambda op: 3.0 if op == "Gemm" else 0.5)
+    node = _new_gemm(step)
+    assert costs.of(node) == 0.0  # the plain lookup knows nothing about it...
+    priced = costs.price(node, step)  # ...the model does: estimate x the Gemm factor
+    assert priced > 0
+    assert priced == pytest.approx(3.0 * analytic_estimate(step, node, NOMINAL_CPU))
+    assert costs.of(node, step) == priced
+
+
+def test_a_recompute_clone_costs_what_its_original_measured(step):
+    st = StepStructure.of(step)
+    # A Gemm feeds a saved Relu: recomputing both re-runs the Gemm as ``<name>.rc``.
+    relu = next(n for n in step.nodes if n.op_type == "Relu" and n.output[0] in st.saved)
+    mm = next(n for n in step.nodes if relu.input[0] in n.output)
+    lowered = apply_recompute(step, Plan(frozenset({mm.name, relu.name})), st).graph
+    clone = next(n for n in lowered.nodes if n.name.startswith(mm.name + ".rc"))
+    costs = _fake_measured(step, lambda op: 2.0)
+    assert clone.name not in costs.seconds
+    assert costs.seconds[mm.name] > 0
+    assert costs.price(clone, lowered) == pytest.approx(costs.seconds[mm.name])
+    renamed = onnx.NodeProto()
+    renamed.CopyFrom(mm)
+    renamed.name = mm.name + ".rc_3"  # a second clone of the same node
+    assert costs.price(renamed, lowered) == pytest.approx(costs.seconds[mm.name])
+
+
+def test_every_unseen_node_that_does_work_costs_more_than_zero(step):
+    """Price a whole lowered step with a model that has no entry for any node: only
+    aliasing ops (no kernel in ORT) may come out at 0."""
+    measured = _fake_measured(step, lambda op: 1.7)
+    nothing_known = CostModel({}, "measured", "cpu", calibration=measured.calibrated(step)
+                              .calibration)
+    for node in step.nodes:
+        t = nothing_known.price(node, step)
+        flops, nbytes = node_flops_bytes(step, node)
+        if flops or nbytes:
+            assert t > 0, node.name
+    # Analytic models price unseen nodes with their own rates (factor 1); unit models as 1.
+    node = _new_gemm(step)
+    assert analytic_costs(step, RATES).price(node, step) == \
+        pytest.approx(analytic_estimate(step, node, RATES))
+    assert unit_costs(step).price(node, step) == 1.0
+
+
+def test_aliasing_ops_are_priced_from_measured_ops_of_their_type(step):
+    """The roofline sees no work in a Reshape; a measured Reshape says what one costs."""
+    reshape = next((n for n in step.nodes if n.op_type == "Reshape"), None)
+    if reshape is None:
+        pytest.skip("this MLP has no Reshape")
+    seconds = {n.name: 1e-6 for n in step.nodes}
+    costs = CostModel(seconds, "measured", "cpu")
+    unseen = onnx.NodeProto()
+    unseen.CopyFrom(reshape)
+    unseen.name = "another_reshape"
+    assert costs.price(unseen, step) == pytest.approx(1e-6)

@@ -1,32 +1,30 @@
-"""Time of every node: measured in ORT on the target provider, or estimated from FLOPs/bytes.
+"""Time of every node, as the planner sees it: plain numbers, nothing executed here.
 
-The planner only sees numbers (seconds per node). Two sources fill them:
-``measured`` profiles the step in ORT under the execution contract and takes the median
-kernel time per node over a few runs (cached on disk by model hash and provider, because
-profiling a big step takes as long as a few training steps); ``analytic`` is a roofline
-estimate, max(FLOPs / compute rate, bytes / memory bandwidth) plus a per-kernel overhead,
-with rates calibrated once per machine on small ORT kernels. Unit costs (every node 1) exist
-for tests and for comparing strategies independently of timing noise.
+The planner only sees numbers (seconds per node). Three sources fill them:
+``measured`` (``backend/profiling.py`` profiles the step in ORT and hands the per-node
+times over: running ORT belongs to ``backend/``, this module only models); ``analytic``, a
+roofline estimate, max(FLOPs / compute rate, bytes / memory bandwidth) plus a per-kernel
+overhead, with rates calibrated once per machine (also in ``backend/profiling.py``); and
+``unit`` (every node 1), for tests and for comparing strategies independently of timing
+noise.
+
+A plan creates nodes nobody measured: recompute clones, a gradient-rule variant's nodes,
+copies to and from the host. Pricing them at 0 s would make them look free to every
+strategy, so ``CostModel.price`` gives them the analytic estimate scaled by a factor fitted
+on the measured nodes (``Calibration``), and a clone the time of the node it repeats.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
+import re
 import statistics
-import tempfile
-import time
 from collections.abc import Mapping
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
 
 from memcc.graph import Graph, attr
-
-CACHE_DIR = Path(os.environ.get("MEMCC_CACHE", Path.home() / ".cache" / "memcc"))
 
 # Ops that only move or reinterpret data: no arithmetic, cost is bytes.
 _MOVEMENT = {
@@ -36,6 +34,8 @@ _MOVEMENT = {
 }
 # Ops that alias their input in ORT CPU (no kernel work at all).
 _FREE = {"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Shape", "Size", "Constant"}
+# Never executed by ORT (turned into initializers at load).
+_NOT_RUN = {"Constant"}
 _TRANSCENDENTAL = {"Exp", "Log", "Tanh", "Sigmoid", "Erf", "Pow", "Sqrt", "Softmax",
                    "LogSoftmax", "Gelu", "Softplus", "Elu", "Selu", "Reciprocal", "Div"}
 
@@ -58,20 +58,130 @@ class DeviceRates:
 CUDA_NOMINAL = DeviceRates(4.0e13, 2.5e12, 8e-6, "nominal H100 fp32 rates (unverified)")
 
 
+# Shapes the estimate for unseen nodes when a measured model has no rates of its own; only
+# the ratio of the two rates matters there, the calibration fixes the scale.
+NOMINAL_CPU = DeviceRates(1e11, 1e10, 5e-6, "nominal CPU rates (scale fitted on measured nodes)")
+
+# An op type's own factor needs this many measured nodes of the type; fewer (one kernel on a
+# busy 2-core machine is noise) fall back to the factor over all measured nodes.
+MIN_OP_SAMPLES = 2
+# Recompute clones are named ``<node>.rc`` (``passes/recompute.py``), made unique with ``_k``.
+_CLONE_NAME = re.compile(r"^(?P<base>.+)\.rc(?:_\d+)?$")
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Measured time / analytic estimate, fitted on the nodes that were measured.
+
+    The median ratio per op type (robust to the few kernels a busy machine slowed down),
+    and the median over all nodes for op types with fewer than ``MIN_OP_SAMPLES``
+    measurements. ``by_op_seconds`` is the median measured time of op types the roofline
+    sees no work in (aliasing ops), so that they too are priced from what was measured."""
+
+    by_op: Mapping[str, float]
+    overall: float
+    samples: int
+    by_op_seconds: Mapping[str, float] = field(default_factory=dict)
+
+    def factor(self, op_type: str) -> float:
+        return float(self.by_op.get(op_type, self.overall))
+
+    @classmethod
+    def fit(cls, graph: Graph, seconds: Mapping[str, float],
+            rates: DeviceRates) -> Calibration:
+        ratios: dict[str, list[float]] = {}
+        free_times: dict[str, list[float]] = {}
+        for node in graph.nodes:
+            t = seconds.get(node.name)
+            if t is None or t <= 0.0:
+                continue
+            est = analytic_estimate(graph, node, rates)
+            if est > 0.0:
+                ratios.setdefault(node.op_type, []).append(t / est)
+            else:
+                free_times.setdefault(node.op_type, []).append(t)
+        every = [r for rs in ratios.values() for r in rs]
+        overall = statistics.median(every) if every else 1.0
+        by_op = {op: statistics.median(rs) for op, rs in ratios.items()
+                 if len(rs) >= MIN_OP_SAMPLES}
+        by_op_seconds = {op: statistics.median(ts) for op, ts in free_times.items()}
+        return cls(by_op, overall, len(every), by_op_seconds)
+
+
+IDENTITY_CALIBRATION = Calibration({}, 1.0, 0)
+
+
 @dataclass(frozen=True)
 class CostModel:
-    """Seconds per node name, plus where the numbers came from."""
+    """Seconds per node name, plus where the numbers came from.
+
+    ``seconds`` covers the nodes of the step the model was made for. ``price`` also covers
+    nodes that a plan adds (see the module docstring); ``of(node)`` without a graph is the
+    old lookup (0 for a node it has no number for) and is kept for callers that only ever
+    ask about the step's own nodes."""
 
     seconds: Mapping[str, float]
     source: str  # "measured", "analytic" or "unit"
     provider: str
     kernel_s: float | None = None  # measured only: the profiled kernel time alone
+    rates: DeviceRates | None = None  # the roofline that prices unseen nodes
+    calibration: Calibration | None = None  # fitted on first use when not given
+    # One lazily fitted calibration (a frozen dataclass cannot assign it later).
+    _fitted: dict = field(default_factory=dict, compare=False, repr=False)
 
-    def of(self, node: onnx.NodeProto) -> float:
+    def of(self, node: onnx.NodeProto, graph: Graph | None = None) -> float:
+        if graph is not None:
+            return self.price(node, graph)
         return float(self.seconds.get(node.name, 0.0))
 
     def total(self, graph: Graph) -> float:
         return float(sum(self.of(n) for n in graph.nodes))
+
+    def price(self, node: onnx.NodeProto, graph: Graph) -> float:
+        """Seconds for ``node`` of ``graph``, whether or not it was measured.
+
+        Measured (or estimated) when the model has it; for a recompute clone the time of the
+        node it repeats (same kernel, same shapes); otherwise the analytic estimate times the
+        calibration factor of its op type. Only aliasing ops (Reshape, Squeeze, Identity...:
+        ORT runs no kernel for them) can come out at 0, and only when no node of their op
+        type was measured; every other op gets at least the per-kernel overhead."""
+        known = self.seconds.get(node.name)
+        if known is not None:
+            return float(known)
+        m = _CLONE_NAME.match(node.name)
+        while m is not None:
+            base = m.group("base")
+            if base in self.seconds:
+                return float(self.seconds[base])
+            m = _CLONE_NAME.match(base)
+        if self.source == "unit":
+            return 1.0
+        if node.op_type in _NOT_RUN:
+            return 0.0
+        rates = self.rates or NOMINAL_CPU
+        cal = self.calibration_for(graph)
+        est = analytic_estimate(graph, node, rates)
+        if est <= 0.0:
+            return float(cal.by_op_seconds.get(node.op_type, 0.0))
+        return est * cal.factor(node.op_type)
+
+    def calibration_for(self, graph: Graph) -> Calibration:
+        """The calibration given, or the one fitted on ``graph``'s measured nodes the first
+        time it is needed (an analytic model's factor is 1 by construction)."""
+        if self.calibration is not None:
+            return self.calibration
+        if self.source != "measured":
+            return IDENTITY_CALIBRATION
+        if "cal" not in self._fitted:
+            self._fitted["cal"] = Calibration.fit(graph, self.seconds,
+                                                  self.rates or NOMINAL_CPU)
+        return self._fitted["cal"]
+
+    def calibrated(self, graph: Graph) -> CostModel:
+        """The same model with its calibration fitted on ``graph`` now, stated explicitly."""
+        cal = self.calibration_for(graph)
+        return CostModel(self.seconds, self.source, self.provider, self.kernel_s,
+                         self.rates, cal)
 
 
 def node_flops_bytes(graph: Graph, node: onnx.NodeProto) -> tuple[float, float]:
@@ -114,157 +224,14 @@ def unit_costs(graph: Graph) -> CostModel:
     return CostModel({n.name: 1.0 for n in graph.nodes}, "unit", "none")
 
 
+def analytic_estimate(graph: Graph, node: onnx.NodeProto, rates: DeviceRates) -> float:
+    """Roofline seconds of one node: 0 for ops that alias their input (no kernel runs)."""
+    flops, nbytes = node_flops_bytes(graph, node)
+    if flops == 0.0 and nbytes == 0.0:
+        return 0.0
+    return max(flops / rates.flops_per_s, nbytes / rates.bytes_per_s) + rates.overhead_s
+
+
 def analytic_costs(graph: Graph, rates: DeviceRates) -> CostModel:
-    seconds = {}
-    for node in graph.nodes:
-        flops, nbytes = node_flops_bytes(graph, node)
-        if flops == 0.0 and nbytes == 0.0:
-            seconds[node.name] = 0.0
-            continue
-        seconds[node.name] = max(flops / rates.flops_per_s, nbytes / rates.bytes_per_s) \
-            + rates.overhead_s
-    return CostModel(seconds, "analytic", rates.source)
-
-
-def calibrate_cpu_rates(*, use_cache: bool = True) -> DeviceRates:
-    """Measure this machine's ORT CPU MatMul rate, memory bandwidth and kernel overhead."""
-    cache = CACHE_DIR / "cpu_rates.json"
-    if use_cache and cache.exists():
-        try:
-            d = json.loads(cache.read_text())
-            return DeviceRates(d["flops_per_s"], d["bytes_per_s"], d["overhead_s"], d["source"])
-        except (KeyError, ValueError):
-            pass
-    from onnx import TensorProto, helper
-
-    from memcc.backend.session import make_session
-
-    def timed(model: onnx.ModelProto, feeds: dict, reps: int = 5) -> float:
-        sess = make_session(model, "cpu")
-        sess.run(None, feeds)
-        ts = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            sess.run(None, feeds)
-            ts.append(time.perf_counter() - t0)
-        return statistics.median(ts)
-
-    def model_of(op: str, shape_a, shape_b) -> onnx.ModelProto:
-        g = helper.make_graph(
-            [helper.make_node(op, ["a", "b"], ["y"])], "cal",
-            [helper.make_tensor_value_info("a", TensorProto.FLOAT, shape_a),
-             helper.make_tensor_value_info("b", TensorProto.FLOAT, shape_b)],
-            [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
-        m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
-        m.ir_version = 8
-        return m
-
-    rng = np.random.default_rng(0)
-    n = 768
-    a = rng.standard_normal((n, n), dtype=np.float32)
-    t_mm = timed(model_of("MatMul", [n, n], [n, n]), {"a": a, "b": a})
-    big = rng.standard_normal((4_000_000,), dtype=np.float32)
-    t_add = timed(model_of("Add", [4_000_000], [4_000_000]), {"a": big, "b": big})
-    tiny = np.ones((1,), np.float32)
-    t_tiny = timed(model_of("Add", [1], [1]), {"a": tiny, "b": tiny}, reps=50)
-    rates = DeviceRates(
-        flops_per_s=2.0 * n**3 / t_mm,
-        bytes_per_s=3 * big.nbytes / t_add,
-        overhead_s=t_tiny,
-        source="calibrated on this CPU",
-    )
-    try:
-        CACHE_DIR.mkdir(parents=True, exist_ok=True)
-        cache.write_text(json.dumps(rates.to_json()))
-    except OSError:
-        pass
-    return rates
-
-
-def _spread_executor_overhead(graph: Graph, seconds: dict[str, float], wall_s: float) -> None:
-    """Make the per-node times add up to the measured step (a session without profiling).
-
-    Profiled kernel times are not the step: profiling slows kernels down, and the executor's
-    own per-node work (with the arena off: allocating and zero-filling every output) is not
-    in them. When the kernels add up to more than the step, scale them down; when to less,
-    give every node a share of the rest in proportion to the bytes it allocates, so that a
-    recomputed node is charged its allocation too (docs/COST_MODEL.md)."""
-    kernel = sum(seconds.values())
-    if kernel <= 0 or wall_s <= 0:
-        return
-    if kernel >= wall_s:
-        for name in seconds:
-            seconds[name] *= wall_s / kernel
-        return
-    rest = wall_s - kernel
-    weights = {n.name: sum(graph.info[o].nbytes for o in n.output if o in graph.info) + 4096
-               for n in graph.nodes if n.op_type != "Constant"}
-    total = float(sum(weights.values())) or 1.0
-    for name, w in weights.items():
-        seconds[name] = seconds.get(name, 0.0) + rest * w / total
-
-
-def model_hash(model: onnx.ModelProto) -> str:
-    return hashlib.sha256(model.SerializeToString(deterministic=True)).hexdigest()[:24]
-
-
-def measured_costs(graph: Graph, provider: str = "cpu", *, runs: int = 3,
-                   use_cache: bool = True, feeds: Mapping[str, np.ndarray] | None = None
-                   ) -> CostModel:
-    """Per node: median kernel time over ``runs`` profiled runs of the graph in ORT, plus its
-    share of the executor's time (``_spread_executor_overhead``)."""
-    from memcc.backend.runner import synthetic_feeds
-    from memcc.backend.session import make_session
-
-    model = graph.to_model()
-    key = f"{model_hash(model)}-{provider}-v4"
-    cache = CACHE_DIR / "costs" / f"{key}.json"
-    if use_cache and cache.exists():
-        try:
-            d = json.loads(cache.read_text())
-            return CostModel(d["seconds"], "measured", provider, d["kernel_s"])
-        except (ValueError, KeyError):
-            pass
-    if feeds is None:
-        feeds = synthetic_feeds(graph, seed=0)
-    with tempfile.TemporaryDirectory() as tmp:
-        prefix = str(Path(tmp) / "memcc_cost")
-        sess = make_session(model, provider, profile=True, profile_prefix=prefix)
-        sess.run(None, dict(feeds))  # warm-up: first-run allocations are not kernel time
-        for _ in range(runs):
-            sess.run(None, dict(feeds))
-        path = sess.end_profiling()
-        events = json.loads(Path(path).read_text())
-        del sess
-        # Profiling slows kernels down; the step's real length comes from a plain session.
-        plain = make_session(model, provider)
-        plain.run(None, dict(feeds))
-        walls = []
-        for _ in range(runs):
-            t0 = time.perf_counter()
-            plain.run(None, dict(feeds))
-            walls.append(time.perf_counter() - t0)
-        del plain
-    samples: dict[str, list[float]] = {}
-    for ev in events:
-        if ev.get("cat") != "Node":
-            continue
-        name = ev.get("name", "")
-        if not name.endswith("_kernel_time"):
-            continue
-        node = name[: -len("_kernel_time")]
-        samples.setdefault(node, []).append(float(ev.get("dur", 0)) * 1e-6)
-    seconds = {}
-    for node in graph.nodes:
-        s = samples.get(node.name, [])
-        # Drop the warm-up sample when there are more.
-        s = s[1:] if len(s) > runs else s
-        seconds[node.name] = statistics.median(s) if s else 0.0
-    kernel_s = float(sum(seconds.values()))
-    _spread_executor_overhead(graph, seconds, statistics.median(walls))
-    try:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        cache.write_text(json.dumps({"seconds": seconds, "kernel_s": kernel_s}))
-    except OSError:
-        pass
-    return CostModel(seconds, "measured", provider, kernel_s)
+    seconds = {node.name: analytic_estimate(graph, node, rates) for node in graph.nodes}
+    return CostModel(seconds, "analytic", rates.source, rates=rates)

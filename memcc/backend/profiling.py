@@ -1,0 +1,180 @@
+"""Running ORT to time things: per-node times of a step, and this CPU's roofline rates.
+
+These are the only parts of the cost model that execute anything, so they live in
+``backend/`` (which may run ORT) and hand plain numbers to ``passes/cost_model.py`` (which
+may not). Both results are cached on disk: profiling a big step takes as long as a few
+training steps, and the rates are a property of the machine, not of the model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from memcc.graph import Graph
+from memcc.passes.cost_model import CostModel, DeviceRates
+
+CACHE_DIR = Path(os.environ.get("MEMCC_CACHE", Path.home() / ".cache" / "memcc"))
+# Bump when what ``measured_costs`` stores changes meaning.
+MEASURED_VERSION = "v4"
+
+
+def model_hash(model: onnx.ModelProto) -> str:
+    """Cache key of a step: the same bytes give the same measurements."""
+    return hashlib.sha256(model.SerializeToString(deterministic=True)).hexdigest()[:24]
+
+
+def calibrate_cpu_rates(*, use_cache: bool = True) -> DeviceRates:
+    """Measure this machine's ORT CPU MatMul rate, memory bandwidth and kernel overhead."""
+    cache = CACHE_DIR / "cpu_rates.json"
+    if use_cache and cache.exists():
+        try:
+            d = json.loads(cache.read_text())
+            return DeviceRates(d["flops_per_s"], d["bytes_per_s"], d["overhead_s"], d["source"])
+        except (KeyError, ValueError):
+            pass
+    rng = np.random.default_rng(0)
+    n = 768
+    a = rng.standard_normal((n, n), dtype=np.float32)
+    t_mm = _timed(_two_input_model("MatMul", [n, n], [n, n]), {"a": a, "b": a})
+    big = rng.standard_normal((4_000_000,), dtype=np.float32)
+    t_add = _timed(_two_input_model("Add", [4_000_000], [4_000_000]), {"a": big, "b": big})
+    tiny = np.ones((1,), np.float32)
+    t_tiny = _timed(_two_input_model("Add", [1], [1]), {"a": tiny, "b": tiny}, reps=50)
+    rates = DeviceRates(
+        flops_per_s=2.0 * n**3 / t_mm,
+        bytes_per_s=3 * big.nbytes / t_add,
+        overhead_s=t_tiny,
+        source="calibrated on this CPU",
+    )
+    try:
+        CACHE_DIR.mkdir(parents=True, exist_ok=True)
+        cache.write_text(json.dumps(rates.to_json()))
+    except OSError:
+        pass
+    return rates
+
+
+def _timed(model: onnx.ModelProto, feeds: dict, reps: int = 5) -> float:
+    """Median wall time of one warmed-up session run."""
+    from memcc.backend.session import make_session
+
+    sess = make_session(model, "cpu")
+    sess.run(None, feeds)
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        sess.run(None, feeds)
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def _two_input_model(op: str, shape_a, shape_b) -> onnx.ModelProto:
+    from onnx import TensorProto, helper
+
+    g = helper.make_graph(
+        [helper.make_node(op, ["a", "b"], ["y"])], "cal",
+        [helper.make_tensor_value_info("a", TensorProto.FLOAT, shape_a),
+         helper.make_tensor_value_info("b", TensorProto.FLOAT, shape_b)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    return m
+
+
+def _spread_executor_overhead(graph: Graph, seconds: dict[str, float], wall_s: float) -> None:
+    """Make the per-node times add up to the measured step (a session without profiling).
+
+    Profiled kernel times are not the step: profiling slows kernels down, and the executor's
+    own per-node work (with the arena off: allocating and zero-filling every output) is not
+    in them. When the kernels add up to more than the step, scale them down; when to less,
+    give every node a share of the rest in proportion to the bytes it allocates, so that a
+    recomputed node is charged its allocation too (docs/COST_MODEL.md)."""
+    kernel = sum(seconds.values())
+    if kernel <= 0 or wall_s <= 0:
+        return
+    if kernel >= wall_s:
+        for name in seconds:
+            seconds[name] *= wall_s / kernel
+        return
+    rest = wall_s - kernel
+    weights = {n.name: sum(graph.info[o].nbytes for o in n.output if o in graph.info) + 4096
+               for n in graph.nodes if n.op_type != "Constant"}
+    total = float(sum(weights.values())) or 1.0
+    for name, w in weights.items():
+        seconds[name] = seconds.get(name, 0.0) + rest * w / total
+
+
+def measured_costs(graph: Graph, provider: str = "cpu", *, runs: int = 3,
+                   use_cache: bool = True, feeds: Mapping[str, np.ndarray] | None = None,
+                   rates: DeviceRates | None = None) -> CostModel:
+    """Per node: median kernel time over ``runs`` profiled runs of the graph in ORT, plus its
+    share of the executor's time (``_spread_executor_overhead``).
+
+    ``rates`` shape the analytic estimate that prices nodes the profile did not see (clones,
+    variants, copies; ``CostModel.price``); its scale does not matter, the calibration
+    against the measured nodes fixes it."""
+    from memcc.backend.runner import synthetic_feeds
+    from memcc.backend.session import make_session
+
+    model = graph.to_model()
+    key = f"{model_hash(model)}-{provider}-{MEASURED_VERSION}"
+    cache = CACHE_DIR / "costs" / f"{key}.json"
+    if use_cache and cache.exists():
+        try:
+            d = json.loads(cache.read_text())
+            return CostModel(d["seconds"], "measured", provider, d["kernel_s"], rates=rates)
+        except (ValueError, KeyError):
+            pass
+    if feeds is None:
+        feeds = synthetic_feeds(graph, seed=0)
+    with tempfile.TemporaryDirectory() as tmp:
+        prefix = str(Path(tmp) / "memcc_cost")
+        sess = make_session(model, provider, profile=True, profile_prefix=prefix)
+        sess.run(None, dict(feeds))  # warm-up: first-run allocations are not kernel time
+        for _ in range(runs):
+            sess.run(None, dict(feeds))
+        path = sess.end_profiling()
+        events = json.loads(Path(path).read_text())
+        del sess
+        # Profiling slows kernels down; the step's real length comes from a plain session.
+        plain = make_session(model, provider)
+        plain.run(None, dict(feeds))
+        walls = []
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            plain.run(None, dict(feeds))
+            walls.append(time.perf_counter() - t0)
+        del plain
+    samples: dict[str, list[float]] = {}
+    for ev in events:
+        if ev.get("cat") != "Node":
+            continue
+        name = ev.get("name", "")
+        if not name.endswith("_kernel_time"):
+            continue
+        node = name[: -len("_kernel_time")]
+        samples.setdefault(node, []).append(float(ev.get("dur", 0)) * 1e-6)
+    seconds = {}
+    for node in graph.nodes:
+        s = samples.get(node.name, [])
+        # Drop the warm-up sample when there are more.
+        s = s[1:] if len(s) > runs else s
+        seconds[node.name] = statistics.median(s) if s else 0.0
+    kernel_s = float(sum(seconds.values()))
+    _spread_executor_overhead(graph, seconds, statistics.median(walls))
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.write_text(json.dumps({"seconds": seconds, "kernel_s": kernel_s}))
+    except OSError:
+        pass
+    return CostModel(seconds, "measured", provider, kernel_s, rates=rates)
