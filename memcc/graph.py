@@ -67,6 +67,7 @@ class Graph:
     opsets: dict[str, int] = field(default_factory=lambda: {"": 17})
     metadata: dict[str, str] = field(default_factory=dict)
     name: str = "memcc"
+    _def_use: DefUse | None = field(default=None, init=False, repr=False, compare=False)
 
     # ------------------------------------------------------------------ conversion
     @classmethod
@@ -130,6 +131,24 @@ class Graph:
         """Version of the default ONNX domain, which decides how ops are spelled."""
         return self.opsets.get("", self.opsets.get("ai.onnx", 17))
 
+    def def_use(self) -> DefUse:
+        """The def-use index of ``self.nodes``, built on first use and then kept.
+
+        Passes that edit the graph keep it correct through ``DefUse``'s edit methods or
+        ``set_nodes``; replacing or resizing ``self.nodes`` directly makes the next call
+        rebuild it. Code that edits nodes in place without telling the index (the frontend
+        while it emits) uses ``producers()`` / ``consumers()``, which always rebuild.
+        """
+        du = self._def_use
+        if du is None or not du.tracks(self.nodes):
+            du = self._def_use = DefUse.build(self.nodes)
+        return du
+
+    def set_nodes(self, nodes: list[onnx.NodeProto], index: DefUse | None = None) -> None:
+        """Replace the node list; ``index`` is its def-use index when the caller kept one."""
+        self.nodes = nodes
+        self._def_use = index if index is not None and index.tracks(nodes) else None
+
     def producers(self) -> dict[str, onnx.NodeProto]:
         return {o: n for n in self.nodes for o in n.output if o}
 
@@ -151,13 +170,15 @@ class Graph:
                 seen.add(name)
                 yield name
 
-    def copy(self) -> Graph:
+    def copy(self, *, with_index: bool = True) -> Graph:
+        """A deep copy of the nodes; the def-use index comes along (remapped, cheaper than
+        a rebuild) when this graph has a current one and ``with_index``."""
         nodes = []
         for n in self.nodes:
             c = onnx.NodeProto()
             c.CopyFrom(n)
             nodes.append(c)
-        return Graph(
+        g = Graph(
             nodes=nodes,
             inputs=list(self.inputs),
             outputs=list(self.outputs),
@@ -167,6 +188,156 @@ class Graph:
             metadata=dict(self.metadata),
             name=self.name,
         )
+        du = self._def_use
+        if with_index and du is not None and du.tracks(self.nodes):
+            g._def_use = du.remapped(self.nodes, nodes)
+        return g
+
+
+class DefUse:
+    """Def-use index of a node list: each value's producer and its readers, in node order.
+
+    Built once per graph (``Graph.def_use``) instead of one ad-hoc map per pass. A pass that
+    edits the graph keeps it correct with ``add`` / ``remove`` / ``rewire`` and hands it on
+    with ``Graph.set_nodes``; ``check`` rebuilds it from scratch and compares, which is what
+    the lowering's ``ensures`` checks and the tests use. Nodes are keyed by ``id()``:
+    ``NodeProto`` is not hashable, and the index never outlives the nodes it holds.
+    """
+
+    __slots__ = ("producer", "readers", "_nodes", "_size")
+
+    def __init__(self) -> None:
+        self.producer: dict[str, onnx.NodeProto] = {}
+        self.readers: dict[str, list[onnx.NodeProto]] = {}
+        self._nodes: list[onnx.NodeProto] | None = None
+        self._size = 0
+
+    @classmethod
+    def build(cls, nodes: list[onnx.NodeProto]) -> DefUse:
+        du = cls()
+        producer, readers = du.producer, du.readers
+        for n in nodes:
+            for o in n.output:
+                if o:
+                    producer[o] = n
+            for i in n.input:
+                if i:
+                    r = readers.get(i)
+                    if r is None:
+                        readers[i] = [n]
+                    else:
+                        r.append(n)
+        du._nodes, du._size = nodes, len(nodes)
+        return du
+
+    def tracks(self, nodes: list[onnx.NodeProto]) -> bool:
+        """Cheap guard: same list object, same length (in-place edits go through us)."""
+        return self._nodes is nodes and self._size == len(nodes)
+
+    def attach(self, nodes: list[onnx.NodeProto]) -> DefUse:
+        """Declare ``nodes`` (a reordering of what was indexed, after our edits) as ours."""
+        self._nodes, self._size = nodes, len(nodes)
+        return self
+
+    def reader_count(self, value: str) -> int:
+        return len(self.readers.get(value, ()))
+
+    def add(self, node: onnx.NodeProto) -> None:
+        """Index a node the caller is about to insert (it places it in the list itself)."""
+        for o in node.output:
+            if o:
+                self.producer[o] = node
+        for i in node.input:
+            if i:
+                self.readers.setdefault(i, []).append(node)
+        self._size += 1
+
+    def remove(self, node: onnx.NodeProto) -> None:
+        """Forget a node the caller removes from the list."""
+        for o in node.output:
+            if o and self.producer.get(o) is node:
+                del self.producer[o]
+        for i in node.input:
+            if i:
+                self._drop_reader(i, node)
+        self._size -= 1
+
+    def rewire(self, node: onnx.NodeProto, k: int, value: str) -> None:
+        """Make input ``k`` of ``node`` read ``value`` instead, index included."""
+        old = node.input[k]
+        if old == value:
+            return
+        if old:
+            self._drop_reader(old, node)
+        node.input[k] = value
+        if value:
+            self.readers.setdefault(value, []).append(node)
+
+    def drop_output(self, node: onnx.NodeProto, k: int) -> None:
+        """Blank output ``k`` of ``node`` (an optional output nobody reads)."""
+        o = node.output[k]
+        if o and self.producer.get(o) is node:
+            del self.producer[o]
+        node.output[k] = ""
+
+    def _drop_reader(self, value: str, node: onnx.NodeProto) -> None:
+        r = self.readers.get(value)
+        if not r:
+            return
+        for j, x in enumerate(r):
+            if x is node:
+                del r[j]
+                break
+        if not r:
+            del self.readers[value]
+
+    def remapped(self, old: list[onnx.NodeProto], new: list[onnx.NodeProto]) -> DefUse:
+        """The same index over ``new``, a node-for-node copy of ``old`` (``Graph.copy``)."""
+        to_new = {id(a): b for a, b in zip(old, new, strict=True)}
+        du = DefUse()
+        du.producer = {v: to_new[id(n)] for v, n in self.producer.items()}
+        du.readers = {v: [to_new[id(n)] for n in r] for v, r in self.readers.items()}
+        du._nodes, du._size = new, len(new)
+        return du
+
+    def check(self, nodes: list[onnx.NodeProto]) -> list[str]:
+        """Differences between this index and one rebuilt from ``nodes`` (empty: correct)."""
+        fresh = DefUse.build(nodes)
+        problems: list[str] = []
+        for v in set(fresh.producer) | set(self.producer):
+            if fresh.producer.get(v) is not self.producer.get(v):
+                problems.append(f"producer of '{v}' is stale")
+        for v in set(fresh.readers) | set(self.readers):
+            a = sorted(id(n) for n in fresh.readers.get(v, ()))
+            b = sorted(id(n) for n in self.readers.get(v, ()))
+            if a != b:
+                problems.append(f"readers of '{v}' are stale")
+        if not self.tracks(nodes):
+            problems.append("the index was built for another node list")
+        return sorted(problems)
+
+
+def topological_problems(graph: Graph) -> list[str]:
+    """Why ``graph.nodes`` is not a valid execution order (empty: it is).
+
+    Every node input must be a graph input, an initializer, or an output of an earlier
+    node; no value may be produced twice. The lowering passes ``ensure`` this.
+    """
+    ready = set(graph.inputs) | set(graph.initializers)
+    problems: list[str] = []
+    for n in graph.nodes:
+        for i in n.input:
+            if i and i not in ready:
+                problems.append(f"{node_label(n)} reads '{i}' before it is produced")
+        for o in n.output:
+            if o:
+                if o in ready:
+                    problems.append(f"{node_label(n)} produces '{o}' a second time")
+                ready.add(o)
+    missing = [o for o in graph.outputs if o not in ready]
+    if missing:
+        problems.append(f"graph outputs {missing} are never produced")
+    return problems
 
 
 def _tensor_info(vi: onnx.ValueInfoProto) -> TensorInfo | None:

@@ -29,7 +29,6 @@ How a run is arranged, and why:
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import sys
@@ -47,11 +46,12 @@ from memcc.backend import memory
 from memcc.backend.profile_order import check_session_order, planned_order
 from memcc.backend.session import make_session, resolve_provider
 from memcc.errors import InputError, RuntimeFailure
-from memcc.frontend.build import DATA_KEY, INT_RANGES_KEY, KIND_KEY, LOSS_KEY, STATE_KEY
 from memcc.frontend.constants import constant_node_value
 from memcc.frontend.load import load_graph
 from memcc.graph import Graph, TensorInfo
 from memcc.passes.liveness import LivenessReport, analyze_liveness
+from memcc.step import TrainingStep
+from memcc.step import describe_type as _describe
 
 
 @dataclass(frozen=True)
@@ -182,49 +182,9 @@ def _result(path: Path, provider: str, steps: int, seed: int, data, prediction: 
 
 # ---------------------------------------------------------------------------- the contract
 def read_step_spec(graph: Graph, *, source: str = "<model>") -> StepSpec:
-    """Read the ``memcc.*`` metadata, or say how to make a training step."""
-    if graph.metadata.get(KIND_KEY) != "training_step":
-        raise InputError(
-            f"{source}: not a memcc training step (no memcc.kind=training_step metadata). "
-            f"Build one first: memcc build {source} -o step.onnx, then memcc run step.onnx"
-        )
-    try:
-        loss = graph.metadata.get(LOSS_KEY, "loss")
-        data_inputs = tuple(json.loads(graph.metadata.get(DATA_KEY, "[]")))
-        state = dict(json.loads(graph.metadata.get(STATE_KEY, "{}")))
-        ranges = {k: (int(v[0]), int(v[1]))
-                  for k, v in json.loads(graph.metadata.get(INT_RANGES_KEY, "{}")).items()}
-    except (ValueError, TypeError, IndexError) as exc:
-        raise InputError(f"{source}: malformed memcc.* metadata: {exc}") from exc
-    if loss not in graph.outputs:
-        raise InputError(f"{source}: memcc.loss names '{loss}', which is not a graph output")
-    for out, inp in state.items():
-        if out not in graph.outputs:
-            raise InputError(f"{source}: memcc.state names output '{out}', which the graph lacks")
-        if inp not in graph.inputs:
-            raise InputError(f"{source}: memcc.state names input '{inp}', which the graph lacks")
-        if graph.info.get(out) != graph.info.get(inp):
-            raise InputError(
-                f"{source}: state output '{out}' {_describe(graph.info.get(out))} does not "
-                f"match the input '{inp}' {_describe(graph.info.get(inp))} it replaces"
-            )
-    for name in data_inputs:
-        if name not in graph.inputs:
-            raise InputError(f"{source}: memcc.data_inputs names '{name}', not a graph input")
-    missing = [i for i in graph.inputs
-               if i not in graph.initializers and i not in data_inputs]
-    if missing:
-        raise InputError(
-            f"{source}: graph inputs {missing} have neither a stored value nor a place in "
-            "memcc.data_inputs; rebuild the step with memcc build"
-        )
-    return StepSpec(loss, data_inputs, state, ranges)
-
-
-def _describe(ti: TensorInfo | None) -> str:
-    if ti is None:
-        return "(unknown type)"
-    return f"(shape {list(ti.shape)}, dtype {ti.np_dtype})"
+    """Read the ``memcc.*`` metadata (through ``TrainingStep``), or say how to make a step."""
+    step = TrainingStep.of(graph).validate(source)
+    return StepSpec(step.loss, step.data_inputs, step.state, step.int_ranges)
 
 
 # ---------------------------------------------------------------------------- the batch
@@ -234,10 +194,9 @@ def synthetic_feeds(graph: Graph, seed: int = 0) -> dict[str, np.ndarray]:
     Float data ~ N(0, 1); integer inputs listed in ``memcc.int_ranges`` (token ids, labels)
     uniform in ``[low, high)``; other integers (attention masks) ones; bools True.
     """
-    names = _json_list(graph.metadata.get(DATA_KEY))
-    if not names:
-        names = [i for i in graph.inputs if i not in graph.initializers]
-    ranges = json.loads(graph.metadata.get(INT_RANGES_KEY, "{}") or "{}")
+    step = TrainingStep.of(graph)
+    names = step.data_or_free_inputs()
+    ranges = step.int_ranges
     rng = np.random.default_rng(seed)
     feeds: dict[str, np.ndarray] = {}
     for name in names:
@@ -299,13 +258,6 @@ def load_data(path: str | os.PathLike, graph: Graph, spec: StepSpec) -> dict[str
                 )
         feeds[name] = np.asarray(arr, order="C")
     return feeds
-
-
-def _json_list(text: str | None) -> list[str]:
-    try:
-        return list(json.loads(text)) if text else []
-    except ValueError:
-        return []
 
 
 # ---------------------------------------------------------------------------- preparation

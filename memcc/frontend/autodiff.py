@@ -17,6 +17,7 @@ from memcc.frontend.emit import Emitter
 from memcc.frontend.gradients import load_rules
 from memcc.frontend.gradients.registry import NON_DIFFERENTIABLE, RULES, GradContext
 from memcc.graph import Graph, node_label
+from memcc.step import DEFAULT_RULE, tag_node
 
 
 def differentiable_values(graph: Graph, loss: str, wrt: Sequence[str]) -> set[str]:
@@ -70,6 +71,7 @@ def differentiate(graph: Graph, loss: str, wrt: Sequence[str]) -> dict[str, str]
                 f"'{node.domain or 'ai.onnx'}'). Supported ops: {', '.join(sorted(RULES))}. "
                 "Export the model without this op, or file an issue with the model."
             )
+        first = len(graph.nodes)
         try:
             gins = rule(ctx, node, gouts)
         except GradientError:
@@ -90,4 +92,8 @@ def differentiate(graph: Graph, loss: str, wrt: Sequence[str]) -> dict[str, str]
                 grads[inp] = emit.add(grads[inp], g)
             else:
                 grads[inp] = g
+        # Provenance (TrainingStep.provenance): the rule's nodes and the sums of its results
+        # belong to this forward node; variants will name themselves instead of the default.
+        for emitted in graph.nodes[first:]:
+            tag_node(emitted, grad_of=node.name, rule=DEFAULT_RULE)
     return {w: grads[w] for w in wrt if w in grads}

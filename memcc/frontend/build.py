@@ -20,18 +20,27 @@ from memcc.errors import InputError
 from memcc.frontend.autodiff import differentiable_values, differentiate
 from memcc.frontend.emit import Emitter
 from memcc.graph import Graph, TensorInfo, attr, node_label
+from memcc.step import (  # the contract's keys live with its one reader, memcc.step
+    DATA_KEY,
+    INT_RANGES_KEY,
+    KIND_KEY,
+    LOSS_KEY,
+    OPTIMIZER_KEY,
+    PARAMS_KEY,
+    STATE_KEY,
+    Role,
+    tag_node,
+)
+
+__all__ = [
+    "DATA_KEY", "INT_RANGES_KEY", "KIND_KEY", "LOSS_KEY", "OPTIMIZER_KEY", "PARAMS_KEY",
+    "STATE_KEY", "BuildOptions", "build_training_step", "is_training_step",
+]
 
 LOSSES = ("cross-entropy", "mse", "none")
 OPTIMIZERS = ("none", "sgd", "adamw")
 DEFAULT_LR = {"none": 0.0, "sgd": 0.01, "adamw": 1e-3}
 
-KIND_KEY = "memcc.kind"
-LOSS_KEY = "memcc.loss"
-DATA_KEY = "memcc.data_inputs"
-STATE_KEY = "memcc.state"
-INT_RANGES_KEY = "memcc.int_ranges"
-PARAMS_KEY = "memcc.parameters"
-OPTIMIZER_KEY = "memcc.optimizer"
 # torch buffers that exporters store as float initializers (never parameters).
 BUFFER_SUFFIXES = ("inv_freq", "running_mean", "running_var", "num_batches_tracked")
 
@@ -106,9 +115,12 @@ def build_training_step(forward: Graph, options: BuildOptions | None = None,
     state: dict[str, str] = {}
     namer = _OutputNamer(graph, emit)
     outputs = [loss]
+    first_update = len(graph.nodes)
     outputs += _emit_update(graph, emit, params, grads, opts, state, namer)
     outputs += _carry_batchnorm_stats(graph, bn_stats, state, namer)
     namer.apply()
+    for node in graph.nodes[first_update:]:  # provenance: TrainingStep.roles reads it
+        tag_node(node, role=Role.UPDATE.value)
 
     graph.outputs = outputs
     graph.inputs = data_inputs + [p for p in params] + [

@@ -41,7 +41,6 @@ order, and ``memcc run`` reports any difference).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -49,6 +48,7 @@ import numpy as np
 import onnx
 
 from memcc.graph import Graph, TensorInfo, attr
+from memcc.step import TrainingStep
 
 # How the CPU measurement allocates (backend/memory.py): every buffer of at least this many
 # bytes is its own mmap of size + 16 header bytes, rounded up to whole pages.
@@ -402,14 +402,11 @@ def categorize(graph: Graph) -> dict[str, str]:
     running statistics, non-trainable initializers and constants; activations: every other
     value a node produces (forward activations and backward intermediates alike).
     """
-    md = graph.metadata
-    state: dict[str, str] = _json(md.get("memcc.state"), {})
-    data: list[str] = _json(md.get("memcc.data_inputs"), [])
+    step = TrainingStep.of(graph)
+    state = step.state
+    data = step.data_inputs
     produced = {o for n in graph.nodes for o in n.output if o}
-    params = set(_json(md.get("memcc.parameters"), []))
-    if not params:  # files without the list: the P.grad / P.new naming convention
-        params = {p for p in set(state.values()) | set(graph.initializers)
-                  if f"{p}.grad" in produced}
+    params = step.trainable()
     bn_stats = {n.input[i] for n in graph.nodes if n.op_type == "BatchNormalization"
                 for i in (3, 4) if len(n.input) > i}
     cat: dict[str, str] = {}
@@ -438,11 +435,3 @@ def categorize(graph: Graph) -> dict[str, str]:
         cat[d] = "other"
     return cat
 
-
-def _json(text: str | None, default):
-    if not text:
-        return default
-    try:
-        return json.loads(text)
-    except ValueError:
-        return default

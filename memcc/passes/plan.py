@@ -1,10 +1,12 @@
 """The one decision type every strategy returns, and the graph facts strategies decide over.
 
-A ``Plan`` says, for each forward node of a training step, whether its outputs are kept
-until the backward pass needs them (the default) or recomputed there. Everything a plan
-implies (the rewritten graph, its peak, its added time) comes from the shared lowering
-(``passes/recompute.py``) and simulator (``passes/simulate.py``), so strategies differ only
-in the plan they pick. Swap-to-host and operator variants will be further decision kinds.
+A ``Plan`` says, for each value the forward pass hands to the backward pass, what happens to
+it: ``Keep`` it resident (the default), ``Recompute`` it there, or ``Offload`` it to host
+memory (declared; swap is a later issue), and for each forward node which gradient-rule
+variant its backward uses (only the default rule exists today). Everything a plan implies
+(the rewritten graph, its peak, its added time) comes from the shared lowering
+(``passes/lowering.py``) and simulator (``passes/simulate.py``), so strategies differ only
+in the plan they pick.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from memcc.graph import Graph
+from memcc.step import DEFAULT_RULE, TrainingStep
 
 # Ops whose re-execution would not reproduce the same values, or that have side effects.
 NOT_RECOMPUTABLE = frozenset({
@@ -29,20 +32,153 @@ class Decision(enum.Enum):
     RECOMPUTE = "recompute"
 
 
+# ---------------------------------------------------------------------------- actions
+@dataclass(frozen=True)
+class Keep:
+    """Keep the saved value resident from the forward pass to its backward readers
+    (JAX: ``Saveable``)."""
+
+    kind = "keep"
+
+    def to_json(self) -> str:
+        return self.kind
+
+
+@dataclass(frozen=True)
+class Recompute:
+    """Free the value after the forward pass; re-run its producer before the backward
+    reads it (JAX: ``Recompute``)."""
+
+    kind = "recompute"
+
+    def to_json(self) -> str:
+        return self.kind
+
+
+@dataclass(frozen=True)
+class Offload:
+    """Copy the value to another memory space after the forward pass and back before the
+    backward reads it (JAX: ``Offloadable(src, dst)``). Declared now; the lowering rejects
+    it until swap lands."""
+
+    dst: str = "host"
+    src: str = "device"
+    kind = "offload"
+
+    def __post_init__(self) -> None:
+        if self.dst not in MEMORY_SPACES or self.src not in MEMORY_SPACES:
+            raise ValueError(f"Offload({self.src!r} -> {self.dst!r}): memory spaces are "
+                             f"{', '.join(MEMORY_SPACES)}")
+        if self.dst == self.src:
+            raise ValueError(f"Offload to the space it is in ({self.dst!r}) moves nothing")
+
+    def to_json(self) -> dict:
+        return {"offload": {"src": self.src, "dst": self.dst}}
+
+
+Action = Keep | Recompute | Offload
+MEMORY_SPACES = ("device", "host")
+KEEP = Keep()
+RECOMPUTE = Recompute()
+# Names that read like JAX's checkpoint policies.
+Saveable = Keep
+Offloadable = Offload
+DEFAULT_VARIANT = DEFAULT_RULE
+
+
+class PlanError(ValueError):
+    """A plan that does not fit the step it is applied to (a bug in a strategy)."""
+
+
 @dataclass(frozen=True)
 class Plan:
-    """Per forward node: keep its outputs for the backward pass, or recompute them there."""
+    """Per saved value an action, per forward node a gradient-rule variant.
+
+    ``recompute`` (forward node names whose outputs are rebuilt in the backward pass) is how
+    strategies have always spoken and stays the primary field: ``Plan(names, strategy,
+    notes)`` works as before. ``offload`` (saved value -> ``Offload``) and ``variants``
+    (forward node -> rule variant, default ``"default"``) are the decision kinds to come;
+    ``actions(structure)`` is the per-value view of all three.
+    """
 
     recompute: frozenset[str] = frozenset()
     strategy: str = "none"
     notes: Mapping[str, object] = field(default_factory=dict)
+    offload: Mapping[str, Offload] = field(default_factory=dict)
+    variants: Mapping[str, str] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.recompute, frozenset):
+            object.__setattr__(self, "recompute", frozenset(self.recompute))
+        for value, action in self.offload.items():
+            if not isinstance(action, Offload):
+                raise PlanError(f"offload['{value}'] is {action!r}, not an Offload action")
+        for node, variant in self.variants.items():
+            if not isinstance(variant, str) or not variant:
+                raise PlanError(f"variant of forward node '{node}' must be a rule name")
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_recompute(cls, nodes, strategy: str = "none",
+                       notes: Mapping[str, object] | None = None) -> Plan:
+        """Today's plans: the forward nodes to recompute, everything else kept."""
+        return cls(frozenset(nodes), strategy, dict(notes or {}))
+
+    @classmethod
+    def from_actions(cls, actions: Mapping[str, Action], structure: StepStructure,
+                     strategy: str = "none", notes: Mapping[str, object] | None = None,
+                     variants: Mapping[str, str] | None = None) -> Plan:
+        """A plan from per-value actions. Recompute is realised per producer node, so all
+        saved outputs of one node must agree on Recompute."""
+        producer = structure.producer_of
+        recompute: set[str] = set()
+        offload: dict[str, Offload] = {}
+        for value, action in actions.items():
+            if value not in structure.saved:
+                raise PlanError(f"'{value}' is not a saved value of this step")
+            if isinstance(action, Recompute):
+                recompute.add(producer[value])
+            elif isinstance(action, Offload):
+                offload[value] = action
+            elif not isinstance(action, Keep):
+                raise PlanError(f"unknown action {action!r} for '{value}'")
+        for value in structure.saved:
+            node = producer[value]
+            if node in recompute and not isinstance(actions.get(value, KEEP), Recompute):
+                raise PlanError(
+                    f"'{value}' is kept but node '{node}', which also produces a recomputed "
+                    "value, is recomputed: actions on one node's outputs must agree")
+        return cls(frozenset(recompute), strategy, dict(notes or {}), offload,
+                   dict(variants or {}))
+
+    # ------------------------------------------------------------------ views
     def decision(self, node_name: str) -> Decision:
         return Decision.RECOMPUTE if node_name in self.recompute else Decision.KEEP
 
+    def variant(self, node_name: str) -> str:
+        return self.variants.get(node_name, DEFAULT_VARIANT)
+
+    def action(self, value: str, structure: StepStructure) -> Action:
+        if value in self.offload:
+            return self.offload[value]
+        node = structure.producer_of.get(value)
+        if node is not None and node in self.recompute and node in structure.recomputable:
+            return RECOMPUTE
+        return KEEP
+
+    def actions(self, structure: StepStructure) -> dict[str, Action]:
+        """Every saved value's action (recompute of a non-recomputable node reads Keep,
+        as the lowering treats it)."""
+        return {v: self.action(v, structure) for v in sorted(structure.saved)}
+
     def to_json(self) -> dict:
-        return {"strategy": self.strategy, "recompute": sorted(self.recompute),
-                "notes": dict(self.notes)}
+        out = {"strategy": self.strategy, "recompute": sorted(self.recompute),
+               "notes": dict(self.notes)}
+        if self.offload:
+            out["offload"] = {v: a.to_json()["offload"] for v, a in sorted(self.offload.items())}
+        if self.variants:
+            out["variants"] = dict(sorted(self.variants.items()))
+        return out
 
 
 @dataclass(frozen=True)
@@ -50,40 +186,26 @@ class StepStructure:
     """Which nodes of a training step are forward, and which forward nodes may be recomputed.
 
     Forward = the ancestors of the loss. Everything after is backward and optimizer update,
-    which no plan touches.
+    which no plan touches. A thin view of ``memcc.step.TrainingStep`` (the one reader of the
+    step's metadata) with what strategies decide over.
     """
 
     loss: str
     forward: frozenset[str]          # node names
     recomputable: frozenset[str]     # forward node names whose outputs a plan may recompute
     saved: frozenset[str]            # forward values read by non-forward nodes
+    producer_of: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
-    def of(cls, graph: Graph) -> StepStructure:
-        loss = graph.metadata.get("memcc.loss") or (graph.outputs[0] if graph.outputs else "")
-        producers = graph.producers()
-        forward: set[str] = set()
-        stack = [loss]
-        seen_values: set[str] = set()
-        while stack:
-            v = stack.pop()
-            if v in seen_values:
-                continue
-            seen_values.add(v)
-            node = producers.get(v)
-            if node is None or node.name in forward:
-                continue
-            forward.add(node.name)
-            stack.extend(i for i in node.input if i)
-        forward_values = {o for n in graph.nodes if n.name in forward for o in n.output if o}
-        saved = {
-            i for n in graph.nodes if n.name not in forward for i in n.input
-            if i in forward_values
-        }
+    def of(cls, graph: Graph | TrainingStep) -> StepStructure:
+        step = graph if isinstance(graph, TrainingStep) else TrainingStep.of(graph)
+        forward = step.forward
         recomputable = {
-            n.name for n in graph.nodes
+            n.name for n in step.graph.nodes
             if n.name in forward and n.op_type not in NOT_RECOMPUTABLE
             and n.domain in ("", "ai.onnx")
         }
-        return cls(loss, frozenset(forward), frozenset(recomputable), frozenset(saved))
-
+        producer = step.graph.def_use().producer
+        saved = step.saved
+        producer_of = {v: producer[v].name for v in saved}
+        return cls(step.loss, forward, frozenset(recomputable), saved, producer_of)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import onnx
 
-from memcc.graph import Graph, unique_namer
+from memcc.graph import DefUse, Graph, unique_namer
 from memcc.passes.plan import Plan, StepStructure
 
 RECOMPUTE_SUFFIX = ".rc"
@@ -37,26 +37,27 @@ class RecomputeResult:
 
 def apply_recompute(graph: Graph, plan: Plan, structure: StepStructure | None = None
                     ) -> RecomputeResult:
-    """Return a new graph realising ``plan``; ``graph`` is left untouched."""
+    """Return a new graph realising ``plan``; ``graph`` is left untouched.
+
+    The copy's def-use index (carried over from ``graph`` when it has one) is kept correct
+    through every edit and handed on with the result, so the passes after this one and
+    liveness do not rebuild it.
+    """
     st = structure or StepStructure.of(graph)
     recompute = plan.recompute & st.recomputable
-    out = graph.copy()
+    out = graph.copy(with_index=bool(recompute))
     if not recompute:
         return RecomputeResult(out, (), ())
-    producers = {o: n for n in out.nodes for o in n.output if o}
+    du = out.def_use()
+    producers = du.producer
     fresh = unique_namer(list(out.values()) + [n.name for n in out.nodes])
     clone_of: dict[str, str] = {}   # forward value -> its recomputed name
     cloned: list[str] = []
     new_nodes: list[onnx.NodeProto] = []
 
-    # Which outputs of each forward node are read by anyone after the forward pass (or by
-    # other clones); computed lazily per clone from the final graph is not possible yet,
-    # so keep outputs that are read by any node: unread optional outputs are dropped.
-    readers: dict[str, int] = {}
-    for n in out.nodes:
-        for i in n.input:
-            if i:
-                readers[i] = readers.get(i, 0) + 1
+    # Outputs read by any node of the input step; unread optional outputs are dropped from
+    # clones. (Taken before any edit: the clones must not depend on the order of edits.)
+    read_before = {v for v, r in du.readers.items() if r}
 
     rerun_before: dict[str, str] = {}
 
@@ -76,7 +77,7 @@ def apply_recompute(graph: Graph, plan: Plan, structure: StepStructure | None = 
         outs = []
         keep_all = _outputs_required(node)
         for o in node.output:
-            if o and (readers.get(o, 0) > 0 or keep_all):
+            if o and (o in read_before or keep_all):
                 name = fresh(o + RECOMPUTE_SUFFIX)
                 clone_of[o] = name
                 out.info[name] = out.info[o]
@@ -87,6 +88,7 @@ def apply_recompute(graph: Graph, plan: Plan, structure: StepStructure | None = 
             outs.pop()
         del clone.output[:]
         clone.output.extend(outs)
+        du.add(clone)
         emitted.append(clone)
         cloned.append(node.name)
         return clone_of[value]
@@ -100,38 +102,45 @@ def apply_recompute(graph: Graph, plan: Plan, structure: StepStructure | None = 
             if i:
                 r = resolve(i, emitted, node.name)
                 if r != i:
-                    node.input[k] = r
+                    du.rewire(node, k, r)
         new_nodes.extend(emitted)
         new_nodes.append(node)
-    out.nodes = _drop_dead_forward_outputs(new_nodes, st, set(out.outputs))
+    new_nodes = _drop_dead_forward_outputs(new_nodes, st, set(out.outputs), du)
+    out.set_nodes(new_nodes, du.attach(new_nodes))
     recomputed = tuple(sorted(v for v in clone_of if v in st.saved))
     return RecomputeResult(out, tuple(cloned), recomputed, rerun_before)
 
 
 def _drop_dead_forward_outputs(nodes: list[onnx.NodeProto], st: StepStructure,
-                               graph_outputs: set[str]) -> list[onnx.NodeProto]:
+                               graph_outputs: set[str], du: DefUse) -> list[onnx.NodeProto]:
     """Forward outputs that only the backward read, and now nobody reads, must go.
 
     ORT never frees an output that no node consumes, so leaving one behind would pin it for
     the whole step: drop unread optional outputs, and whole forward nodes nobody reads.
+    Removing a node can leave its inputs unread, so this repeats to a fixed point (which is
+    the same whatever the order of removals).
     """
+
+    def read(v: str) -> bool:
+        return v in graph_outputs or du.reader_count(v) > 0
+
     changed = True
     while changed:
         changed = False
-        read = {i for n in nodes for i in n.input if i} | graph_outputs
         kept: list[onnx.NodeProto] = []
         for n in nodes:
             if n.name not in st.forward:
                 kept.append(n)
                 continue
             outs = [o for o in n.output if o]
-            if outs and not any(o in read for o in outs) and n.op_type not in _SIDE_EFFECTS:
+            if outs and not any(read(o) for o in outs) and n.op_type not in _SIDE_EFFECTS:
+                du.remove(n)
                 changed = True
                 continue
             for k in range(len(n.output) - 1, 0, -1):
                 o = n.output[k]
-                if o and o not in read and _optional_output(n, k):
-                    n.output[k] = ""
+                if o and not read(o) and _optional_output(n, k):
+                    du.drop_output(n, k)
                     changed = True
             while len(n.output) > 1 and not n.output[-1]:
                 n.output.pop()

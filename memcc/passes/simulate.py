@@ -1,6 +1,7 @@
 """The one simulator every strategy is judged by: lower a plan, then analyse liveness.
 
-Because the peak comes from the same lowering that writes the output file and the same
+Because the peak comes from the same lowering that writes the output file
+(``passes/lowering.py``: variants -> recompute -> copies, each pass checked) and the same
 liveness analysis that the measurements are checked against, a strategy cannot look better
 here than it will be when run.
 """
@@ -12,8 +13,8 @@ from dataclasses import dataclass
 from memcc.graph import Graph
 from memcc.passes.cost_model import CostModel
 from memcc.passes.liveness import LivenessReport, analyze_liveness
+from memcc.passes.lowering import PassReport, lower
 from memcc.passes.plan import Plan, StepStructure
-from memcc.passes.recompute import apply_recompute
 
 
 @dataclass(frozen=True)
@@ -27,11 +28,12 @@ class Simulation:
     cloned_nodes: tuple[str, ...]
     recomputed_values: tuple[str, ...]
     rerun_before: dict[str, str]        # cloned forward node -> node it runs before
+    passes: tuple[PassReport, ...] = ()  # what each lowering pass did
 
 
 def simulate(graph: Graph, plan: Plan, costs: CostModel,
              structure: StepStructure | None = None) -> Simulation:
-    lowered = apply_recompute(graph, plan, structure)
+    lowered = lower(graph, plan, structure)
     live = analyze_liveness(lowered.graph)
     added = float(sum(costs.seconds.get(n, 0.0) for n in lowered.cloned_nodes))
     return Simulation(
@@ -43,5 +45,6 @@ def simulate(graph: Graph, plan: Plan, costs: CostModel,
         added_time_s=added,
         cloned_nodes=lowered.cloned_nodes,
         recomputed_values=lowered.recomputed_values,
-        rerun_before=lowered.rerun_before,
+        rerun_before=dict(lowered.rerun_before),
+        passes=lowered.reports,
     )

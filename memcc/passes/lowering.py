@@ -1,0 +1,218 @@
+"""Lower a ``Plan`` to ONNX as a fixed sequence of passes, each checked before and after.
+
+    substitute variants -> insert recompute -> insert copies
+
+Every pass states what it ``requires`` of its input (the plan fits the step, the graph is
+a valid order) and what it ``ensures`` of its output (every recomputed input is resident
+when its clone runs, no copy-in precedes its copy-out, the graph is a valid topological
+order with a correct def-use index), and returns the graph with a report. The simulator
+(``passes/simulate.py``) is this lowering plus liveness, and the compiler writes what it
+returns, so every strategy is judged by, and gets, the same rewrite.
+
+Variants and copies are identity passes today: they check the plan asks for none (the
+default gradient rule; no ``Offload``) and say clearly when it does, until the next issues
+give them something to do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from memcc.errors import MemccError
+from memcc.graph import Graph, topological_problems
+from memcc.passes.plan import DEFAULT_VARIANT, Plan, StepStructure
+from memcc.passes.recompute import apply_recompute
+
+# ORT's copy ops; the swap pass (a later issue) will insert them in pairs.
+COPY_OUT_OPS = frozenset({"MemcpyToHost"})
+COPY_IN_OPS = frozenset({"MemcpyFromHost"})
+
+
+class LoweringError(MemccError):
+    """A plan this lowering cannot realise, or a pass that broke its own guarantee."""
+
+
+@dataclass(frozen=True)
+class PassReport:
+    """What one pass did: its name, whether the graph changed, and pass-specific facts."""
+
+    name: str
+    changed: bool
+    details: Mapping[str, object] = field(default_factory=dict)
+
+
+class LoweringPass(Protocol):
+    """One step of the lowering. ``run`` must not modify its input graph."""
+
+    name: str
+
+    def requires(self, graph: Graph, plan: Plan, st: StepStructure) -> None: ...
+
+    def run(self, graph: Graph, plan: Plan, st: StepStructure) -> tuple[Graph, PassReport]: ...
+
+    def ensures(self, before: Graph, after: Graph, plan: Plan, st: StepStructure,
+                report: PassReport, full: bool = False) -> None: ...
+
+
+def _fail(pass_name: str, what: str, problems: list[str]) -> None:
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise LoweringError(f"{pass_name}: {what}: {'; '.join(problems[:3])}{more}")
+
+
+def _ensure_index(pass_name: str, graph: Graph) -> None:
+    """The def-use index the pass handed on equals one rebuilt from scratch (full checks)."""
+    _fail(pass_name, "the def-use index is stale", graph.def_use().check(graph.nodes))
+
+
+# ---------------------------------------------------------------------------- passes
+class SubstituteVariants:
+    """Replace a forward node's backward nodes by another gradient rule's (next issue).
+
+    Today only the default rule exists: a plan naming any other is rejected, and a variant
+    for a node that is not a forward node of this step is a strategy bug.
+    """
+
+    name = "substitute-variants"
+
+    def requires(self, graph: Graph, plan: Plan, st: StepStructure) -> None:
+        unknown = sorted(n for n in plan.variants if n not in st.forward)
+        _fail(self.name, "variants name nodes that are not forward nodes", unknown)
+        chosen = sorted(f"{n}: {v}" for n, v in plan.variants.items() if v != DEFAULT_VARIANT)
+        if chosen:
+            raise LoweringError(
+                f"{self.name}: operator variants are not implemented yet (only the "
+                f"'{DEFAULT_VARIANT}' gradient rule exists); the plan asks for "
+                f"{', '.join(chosen[:3])}{' ...' if len(chosen) > 3 else ''}")
+
+    def run(self, graph: Graph, plan: Plan, st: StepStructure) -> tuple[Graph, PassReport]:
+        return graph, PassReport(self.name, False, {"substituted": 0})
+
+    def ensures(self, before: Graph, after: Graph, plan: Plan, st: StepStructure,
+                report: PassReport, full: bool = False) -> None:
+        if after is not before:
+            raise LoweringError(f"{self.name}: an identity pass returned a new graph")
+
+
+class InsertRecompute:
+    """Clone recomputed forward nodes into the backward pass (``passes/recompute.py``)."""
+
+    name = "insert-recompute"
+
+    def requires(self, graph: Graph, plan: Plan, st: StepStructure) -> None:
+        # Recompute of a node that may not be recomputed (Dropout, Constant) is ignored, as
+        # it always was; a node that is not forward at all is a strategy bug.
+        stray = sorted(n for n in plan.recompute if n not in st.forward)
+        _fail(self.name, "the plan recomputes nodes that are not forward nodes", stray)
+
+    def run(self, graph: Graph, plan: Plan, st: StepStructure) -> tuple[Graph, PassReport]:
+        res = apply_recompute(graph, plan, st)
+        return res.graph, PassReport(self.name, bool(res.cloned_nodes), {
+            "cloned_nodes": res.cloned_nodes,
+            "recomputed_values": res.recomputed_values,
+            "rerun_before": res.rerun_before,
+        })
+
+    def ensures(self, before: Graph, after: Graph, plan: Plan, st: StepStructure,
+                report: PassReport, full: bool = False) -> None:
+        if not report.changed:  # a copy of the input, node for node
+            return
+        # One walk: the graph is a valid order, so every recomputed input is resident when
+        # its clone runs (ONNX values live until their last reader: produced earlier is
+        # enough), and nothing is produced twice.
+        _fail(self.name, "the lowered step is not a valid execution order",
+              topological_problems(after))
+        if full:
+            _ensure_index(self.name, after)
+        # The saving is real: no backward node still reads an original it was given a clone of.
+        du = after.def_use()
+        stale = [f"'{r.name}' reads '{v}'" for v in report.details["recomputed_values"]
+                 for r in du.readers.get(v, ()) if r.name not in st.forward]
+        _fail(self.name, "backward nodes still read recomputed originals", stale)
+
+
+class InsertCopies:
+    """Insert copy-out / copy-in pairs for offloaded values (swap: a later issue)."""
+
+    name = "insert-copies"
+
+    def requires(self, graph: Graph, plan: Plan, st: StepStructure) -> None:
+        not_saved = sorted(v for v in plan.offload if v not in st.saved)
+        _fail(self.name, "the plan offloads values that are not saved", not_saved)
+        if plan.offload:
+            values = sorted(plan.offload)
+            raise LoweringError(
+                f"{self.name}: Offload(host) is not implemented yet (swap to host memory is "
+                f"a later issue); the plan offloads {len(values)} value(s): "
+                f"{', '.join(values[:3])}{' ...' if len(values) > 3 else ''}")
+
+    def run(self, graph: Graph, plan: Plan, st: StepStructure) -> tuple[Graph, PassReport]:
+        return graph, PassReport(self.name, False, {"copies": 0})
+
+    def ensures(self, before: Graph, after: Graph, plan: Plan, st: StepStructure,
+                report: PassReport, full: bool = False) -> None:
+        _fail(self.name, "copy-in before copy-out", copy_order_problems(after))
+
+
+def copy_order_problems(graph: Graph) -> list[str]:
+    """Every copy-in must read a value whose copy-out already ran (empty: it does)."""
+    copied_out: set[str] = set()
+    problems: list[str] = []
+    for n in graph.nodes:
+        if n.op_type in COPY_OUT_OPS:
+            copied_out.update(o for o in n.output if o)
+        elif n.op_type in COPY_IN_OPS:
+            problems += [f"'{n.name}' copies '{i}' in before it was copied out"
+                         for i in n.input if i and i not in copied_out]
+    return problems
+
+
+PASSES: tuple[LoweringPass, ...] = (SubstituteVariants(), InsertRecompute(), InsertCopies())
+
+
+# ---------------------------------------------------------------------------- the lowering
+@dataclass(frozen=True)
+class Lowering:
+    """The lowered step, each pass's report, and the recompute facts the planner reads."""
+
+    graph: Graph
+    reports: tuple[PassReport, ...]
+    cloned_nodes: tuple[str, ...] = ()
+    recomputed_values: tuple[str, ...] = ()
+    rerun_before: Mapping[str, str] = field(default_factory=dict)
+
+    def to_json(self) -> list[dict]:
+        return [{"pass": r.name, "changed": r.changed} for r in self.reports]
+
+
+def lower(graph: Graph, plan: Plan, structure: StepStructure | None = None, *,
+          check: str = "fast", passes: tuple[LoweringPass, ...] = PASSES) -> Lowering:
+    """Run the passes in order.
+
+    ``requires`` (plans the passes cannot realise) always runs. ``check`` picks the
+    ``ensures``: "fast" (default: one O(nodes) walk per pass that changed the graph, about
+    a tenth of a simulation), "full" (also rebuilds each def-use index and compares: tests),
+    or "off".
+    """
+    if check not in ("off", "fast", "full"):
+        raise ValueError(f"check={check!r}: choose off, fast or full")
+    st = structure or StepStructure.of(graph)
+    reports: list[PassReport] = []
+    g = graph
+    for p in passes:
+        p.requires(g, plan, st)
+        out, report = p.run(g, plan, st)
+        if check != "off":
+            p.ensures(g, out, plan, st, report, full=check == "full")
+        reports.append(report)
+        g = out
+    rc = next((r.details for r in reports if r.name == InsertRecompute.name), {})
+    return Lowering(
+        graph=g,
+        reports=tuple(reports),
+        cloned_nodes=tuple(rc.get("cloned_nodes", ())),
+        recomputed_values=tuple(rc.get("recomputed_values", ())),
+        rerun_before=dict(rc.get("rerun_before", {})),
+    )

@@ -1,0 +1,237 @@
+"""The training step as one model: the only reader of the ``memcc.*`` metadata contract.
+
+``memcc build`` writes a training step as an ONNX file plus ``memcc.*`` metadata (which
+output is the loss, which inputs are data, parameters and carried state) and, on the nodes
+it emits, where each node came from (``memcc.role``, ``memcc.grad_of``, ``memcc.rule``).
+Before this module the runner, the planner's ``StepStructure`` and liveness each parsed that
+contract their own way; now they ask a ``TrainingStep``, so a change to the contract is a
+change here only.
+
+``TrainingStep.of`` is lenient (a plain graph without metadata is a step whose loss is its
+first output and whose other inputs are data): the planner and liveness analyse anything.
+``validate`` is strict and is what the runner calls before it trusts a file.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass
+from functools import cached_property
+
+import onnx
+
+from memcc.errors import InputError
+from memcc.graph import Graph, TensorInfo
+
+# The contract's keys (``frontend/build.py`` writes them, re-exporting these names).
+KIND_KEY = "memcc.kind"
+LOSS_KEY = "memcc.loss"
+DATA_KEY = "memcc.data_inputs"
+STATE_KEY = "memcc.state"
+INT_RANGES_KEY = "memcc.int_ranges"
+PARAMS_KEY = "memcc.parameters"
+OPTIMIZER_KEY = "memcc.optimizer"
+TRAINING_STEP = "training_step"
+
+# Node-level provenance (``NodeProto.metadata_props``, IR version 10).
+ROLE_PROP = "memcc.role"        # "update" on optimizer / carried-state nodes
+GRAD_OF_PROP = "memcc.grad_of"  # backward node -> the forward node it differentiates
+RULE_PROP = "memcc.rule"        # ... and the gradient rule (variant) that emitted it
+DEFAULT_RULE = "default"
+
+
+class Role(enum.Enum):
+    """What a node does in the step. Forward is structural: the ancestors of the loss."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    UPDATE = "update"
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """Where a backward node came from: the forward node and the gradient rule."""
+
+    forward_node: str
+    rule: str = DEFAULT_RULE
+
+
+def node_props(node: onnx.NodeProto) -> dict[str, str]:
+    return {p.key: p.value for p in node.metadata_props}
+
+
+def tag_node(node: onnx.NodeProto, **props: str) -> None:
+    """Set ``memcc.*`` provenance on a node the frontend emitted (keys without prefix)."""
+    have = {p.key: p for p in node.metadata_props}
+    for key, value in props.items():
+        full = f"memcc.{key}"
+        if full in have:
+            have[full].value = value
+        else:
+            node.metadata_props.add(key=full, value=value)
+
+
+class TrainingStep:
+    """A graph plus what the contract says about it; node roles are derived on first use."""
+
+    def __init__(self, graph: Graph) -> None:
+        self.graph = graph
+        md = graph.metadata
+        self.kind: str = md.get(KIND_KEY, "")
+        self.loss: str = md.get(LOSS_KEY) or (graph.outputs[0] if graph.outputs else "")
+        self._errors: list[str] = []
+        self.data_inputs: tuple[str, ...] = tuple(self._json(DATA_KEY, [], list))
+        self.state: dict[str, str] = dict(self._json(STATE_KEY, {}, dict))
+        self.parameters: tuple[str, ...] = tuple(self._json(PARAMS_KEY, [], list))
+        self.optimizer: dict = dict(self._json(OPTIMIZER_KEY, {}, dict))
+        ranges: dict[str, tuple[int, int]] = {}
+        for k, v in self._json(INT_RANGES_KEY, {}, dict).items():
+            try:
+                ranges[k] = (int(v[0]), int(v[1]))
+            except (ValueError, TypeError, IndexError) as exc:
+                self._errors.append(f"{INT_RANGES_KEY}: {exc}")
+        self.int_ranges: dict[str, tuple[int, int]] = ranges
+
+    @classmethod
+    def of(cls, graph: Graph) -> TrainingStep:
+        return cls(graph)
+
+    def _json(self, key: str, default, kind: type):
+        text = self.graph.metadata.get(key)
+        if not text:
+            return default
+        try:
+            value = json.loads(text)
+        except ValueError as exc:
+            self._errors.append(f"{key}: {exc}")
+            return default
+        if not isinstance(value, kind):
+            self._errors.append(f"{key}: expected a JSON {kind.__name__}")
+            return default
+        return value
+
+    # ------------------------------------------------------------------ contract
+    @property
+    def is_training_step(self) -> bool:
+        return self.kind == TRAINING_STEP
+
+    def data_or_free_inputs(self) -> list[str]:
+        """The inputs a run must feed: the declared data, else every non-stored input."""
+        if self.data_inputs:
+            return list(self.data_inputs)
+        return [i for i in self.graph.inputs if i not in self.graph.initializers]
+
+    def trainable(self) -> set[str]:
+        """Trainable parameters; files without the list fall back on ``P.grad`` naming."""
+        if self.parameters:
+            return set(self.parameters)
+        produced = self.graph.def_use().producer
+        return {p for p in set(self.state.values()) | set(self.graph.initializers)
+                if f"{p}.grad" in produced}
+
+    def validate(self, source: str = "<model>") -> TrainingStep:
+        """Raise ``InputError`` unless the file keeps the contract the runner relies on."""
+        g = self.graph
+        if not self.is_training_step:
+            raise InputError(
+                f"{source}: not a memcc training step (no memcc.kind=training_step metadata). "
+                f"Build one first: memcc build {source} -o step.onnx, then memcc run step.onnx"
+            )
+        if self._errors:
+            raise InputError(f"{source}: malformed memcc.* metadata: {self._errors[0]}")
+        if self.loss not in g.outputs:
+            raise InputError(
+                f"{source}: memcc.loss names '{self.loss}', which is not a graph output")
+        for out, inp in self.state.items():
+            if out not in g.outputs:
+                raise InputError(
+                    f"{source}: memcc.state names output '{out}', which the graph lacks")
+            if inp not in g.inputs:
+                raise InputError(
+                    f"{source}: memcc.state names input '{inp}', which the graph lacks")
+            if g.info.get(out) != g.info.get(inp):
+                raise InputError(
+                    f"{source}: state output '{out}' {describe_type(g.info.get(out))} does not "
+                    f"match the input '{inp}' {describe_type(g.info.get(inp))} it replaces"
+                )
+        for name in self.data_inputs:
+            if name not in g.inputs:
+                raise InputError(
+                    f"{source}: memcc.data_inputs names '{name}', not a graph input")
+        missing = [i for i in g.inputs
+                   if i not in g.initializers and i not in self.data_inputs]
+        if missing:
+            raise InputError(
+                f"{source}: graph inputs {missing} have neither a stored value nor a place in "
+                "memcc.data_inputs; rebuild the step with memcc build"
+            )
+        return self
+
+    # ------------------------------------------------------------------ structure
+    @cached_property
+    def forward(self) -> frozenset[str]:
+        """Forward node names: the ancestors of the loss (loss computation included)."""
+        producer = self.graph.def_use().producer
+        forward: set[str] = set()
+        stack = [self.loss]
+        seen: set[str] = set()
+        while stack:
+            v = stack.pop()
+            if v in seen:
+                continue
+            seen.add(v)
+            node = producer.get(v)
+            if node is None or node.name in forward:
+                continue
+            forward.add(node.name)
+            stack.extend(i for i in node.input if i)
+        return frozenset(forward)
+
+    @cached_property
+    def roles(self) -> dict[str, Role]:
+        """Role of every node: forward (structural), update (tagged by build), backward."""
+        fwd = self.forward
+        out: dict[str, Role] = {}
+        for n in self.graph.nodes:
+            if n.name in fwd:
+                out[n.name] = Role.FORWARD
+            elif any(p.key == ROLE_PROP and p.value == Role.UPDATE.value
+                     for p in n.metadata_props):
+                out[n.name] = Role.UPDATE
+            else:
+                out[n.name] = Role.BACKWARD
+        return out
+
+    @cached_property
+    def provenance(self) -> dict[str, Provenance]:
+        """Backward node -> the forward node and rule it came from (when build recorded it)."""
+        out: dict[str, Provenance] = {}
+        for n in self.graph.nodes:
+            if not n.metadata_props:
+                continue
+            props = node_props(n)
+            src = props.get(GRAD_OF_PROP)
+            if src:
+                out[n.name] = Provenance(src, props.get(RULE_PROP, DEFAULT_RULE))
+        return out
+
+    def nodes_with_role(self, role: Role) -> list[onnx.NodeProto]:
+        roles = self.roles
+        return [n for n in self.graph.nodes if roles[n.name] is role]
+
+    @cached_property
+    def saved(self) -> frozenset[str]:
+        """Forward values that a non-forward node reads: what the forward pass hands on."""
+        fwd = self.forward
+        du = self.graph.def_use()
+        return frozenset(
+            v for v, node in du.producer.items() if node.name in fwd
+            and any(r.name not in fwd for r in du.readers.get(v, ()))
+        )
+
+
+def describe_type(ti: TensorInfo | None) -> str:
+    if ti is None:
+        return "(unknown type)"
+    return f"(shape {list(ti.shape)}, dtype {ti.np_dtype})"

@@ -1,0 +1,199 @@
+"""The plan of actions and the lowering made of checked passes.
+
+Old-style plans (a set of forward nodes to recompute) keep working and lower to the very
+graph ``apply_recompute`` produced; the per-value actions are a view of the same plan; the
+passes refuse what they cannot do yet (variants, offload) with a clear error, and their
+``ensures`` catch a pass that breaks the graph.
+"""
+
+from __future__ import annotations
+
+import pytest
+from onnx import helper
+
+from memcc.backend.runner import synthetic_feeds
+from memcc.backend.verify import compare_outputs, step_outputs
+from memcc.frontend.build import BuildOptions, build_training_step
+from memcc.frontend.load import load_graph
+from memcc.passes.cost_model import unit_costs
+from memcc.passes.lowering import (
+    PASSES,
+    InsertRecompute,
+    LoweringError,
+    PassReport,
+    copy_order_problems,
+    lower,
+)
+from memcc.passes.plan import (
+    KEEP,
+    RECOMPUTE,
+    Keep,
+    Offload,
+    Offloadable,
+    Plan,
+    PlanError,
+    Recompute,
+    Saveable,
+    StepStructure,
+)
+from memcc.passes.recompute import apply_recompute
+from memcc.passes.simulate import simulate
+from models import build_model
+
+
+@pytest.fixture(scope="module")
+def step():
+    g = build_training_step(load_graph(build_model("mlp", batch=16, width=64, depth=4)),
+                            BuildOptions(optimizer="sgd"))
+    return g, StepStructure.of(g)
+
+
+def _names(graph):
+    return [(n.name, list(n.input), list(n.output)) for n in graph.nodes]
+
+
+# ---------------------------------------------------------------------------- the plan
+def test_old_constructor_and_field_work_as_before(step):
+    g, st = step
+    nodes = frozenset(sorted(st.recomputable)[:3])
+    plan = Plan(nodes, "sqrtn", {"segments": 2})
+    assert plan.recompute == nodes and plan.strategy == "sqrtn"
+    assert Plan.from_recompute(nodes, "sqrtn", {"segments": 2}) == plan
+    assert plan.to_json() == {"strategy": "sqrtn", "recompute": sorted(nodes),
+                              "notes": {"segments": 2}}
+    assert Plan().recompute == frozenset() and Plan().offload == {} and Plan().variants == {}
+
+
+def test_actions_are_per_saved_value(step):
+    g, st = step
+    node = sorted(st.recomputable & set(st.producer_of.values()))[0]
+    plan = Plan(frozenset({node}))
+    actions = plan.actions(st)
+    assert set(actions) == set(st.saved)
+    for value, action in actions.items():
+        want = RECOMPUTE if st.producer_of[value] == node else KEEP
+        assert action == want
+    assert Plan.from_actions(actions, st).recompute == plan.recompute
+    assert Saveable is Keep and Offloadable is Offload and isinstance(RECOMPUTE, Recompute)
+
+
+def test_from_actions_rejects_what_the_step_lacks(step):
+    g, st = step
+    with pytest.raises(PlanError, match="not a saved value"):
+        Plan.from_actions({"no-such-value": KEEP}, st)
+    value = sorted(st.saved)[0]
+    plan = Plan.from_actions({value: Offload("host")}, st)
+    assert plan.action(value, st) == Offload("host") and not plan.recompute
+    assert plan.to_json()["offload"] == {value: {"src": "device", "dst": "host"}}
+    with pytest.raises(ValueError, match="memory spaces"):
+        Offload("disk")
+
+
+def test_variants_default_and_validate(step):
+    g, st = step
+    node = sorted(st.forward)[0]
+    assert Plan().variant(node) == "default"
+    assert Plan(variants={node: "default"}).variant(node) == "default"
+    with pytest.raises(PlanError, match="rule name"):
+        Plan(variants={node: ""})
+
+
+# ---------------------------------------------------------------------------- the passes
+def test_passes_run_in_the_fixed_order(step):
+    g, st = step
+    low = lower(g, Plan(), st, check="full")
+    assert [r.name for r in low.reports] == \
+        ["substitute-variants", "insert-recompute", "insert-copies"]
+    assert [p.name for p in PASSES] == [r.name for r in low.reports]
+    assert not any(r.changed for r in low.reports)
+
+
+def test_lowering_is_the_recompute_lowering_node_for_node(step):
+    g, st = step
+    plan = Plan(frozenset(st.recomputable))
+    low = lower(g, plan, st, check="full")
+    old = apply_recompute(g, plan, st)
+    assert _names(low.graph) == _names(old.graph)
+    assert low.cloned_nodes == old.cloned_nodes and low.cloned_nodes
+    assert low.recomputed_values == old.recomputed_values
+    assert dict(low.rerun_before) == old.rerun_before
+    feeds = synthetic_feeds(g, seed=1)
+    assert compare_outputs(step_outputs(g, feeds, "cpu"),
+                           step_outputs(low.graph, feeds, "cpu"), exact=True) == []
+
+
+def test_simulate_is_lowering_plus_liveness(step):
+    g, st = step
+    plan = Plan(frozenset(sorted(st.recomputable)[::2]))
+    sim = simulate(g, plan, unit_costs(g), st)
+    assert [r.name for r in sim.passes] == [p.name for p in PASSES]
+    assert _names(sim.graph) == _names(lower(g, plan, st).graph)
+    assert sim.cloned_nodes and sim.added_time_s > 0
+
+
+def test_variants_other_than_the_default_are_refused_clearly(step):
+    g, st = step
+    node = sorted(st.forward)[0]
+    with pytest.raises(LoweringError, match="operator variants are not implemented yet"):
+        lower(g, Plan(variants={node: "inverted"}), st)
+    with pytest.raises(LoweringError, match="not forward nodes"):
+        lower(g, Plan(variants={"no-such-node": "default"}), st)
+
+
+def test_offload_is_declared_and_refused_by_the_lowering(step):
+    g, st = step
+    value = sorted(st.saved)[0]
+    with pytest.raises(LoweringError, match=r"Offload\(host\) is not implemented yet"):
+        simulate(g, Plan(offload={value: Offload("host")}), unit_costs(g), st)
+
+
+def test_recompute_of_a_backward_node_is_a_strategy_bug(step):
+    g, st = step
+    backward = next(n.name for n in g.nodes if n.name not in st.forward)
+    with pytest.raises(LoweringError, match="not forward nodes"):
+        lower(g, Plan(frozenset({backward})), st)
+
+
+def test_ensures_catch_a_pass_that_breaks_the_order(step):
+    g, st = step
+
+    class Broken(InsertRecompute):
+        def run(self, graph, plan, st):
+            out, report = super().run(graph, plan, st)
+            out.set_nodes(list(reversed(out.nodes)))
+            return out, report
+
+    plan = Plan(frozenset(st.recomputable))
+    with pytest.raises(LoweringError, match="not a valid execution order"):
+        lower(g, plan, st, passes=(Broken(),))
+    lower(g, plan, st, passes=(Broken(),), check="off")  # only ensures catch it
+
+
+def test_ensures_catch_a_stale_index(step):
+    g, st = step
+
+    class Sloppy(InsertRecompute):
+        def run(self, graph, plan, st):
+            out, report = super().run(graph, plan, st)
+            du = out.def_use()
+            node = out.nodes[-1]
+            node.input[0] = node.input[0]  # fine; now an edit behind the index's back:
+            node.output[0], keep = node.output[0] + ".renamed", node.output[0]
+            out.outputs = [o if o != keep else node.output[0] for o in out.outputs]
+            assert du is out.def_use()
+            return out, PassReport(report.name, True, report.details)
+
+    with pytest.raises(LoweringError, match="def-use index is stale"):
+        lower(g, Plan(frozenset(st.recomputable)), st, passes=(Sloppy(),), check="full")
+
+
+def test_copy_in_must_follow_its_copy_out():
+    out_node = helper.make_node("MemcpyToHost", ["a"], ["a.host"], name="out")
+    in_node = helper.make_node("MemcpyFromHost", ["a.host"], ["a.dev"], name="in")
+
+    class G:
+        nodes = [in_node, out_node]
+
+    assert copy_order_problems(G()) == ["'in' copies 'a.host' in before it was copied out"]
+    G.nodes = [out_node, in_node]
+    assert copy_order_problems(G()) == []
