@@ -18,9 +18,14 @@ import pytest
 from checkmate_reference import (
     Point,
     Simulated,
+    StageGraph,
+    checkmate_frontier,
+    checkmate_milp,
+    checkmate_peak,
     closed_recompute_sets,
     frontier,
     optimum,
+    schedule_of_plan,
     simulate_all,
 )
 
@@ -176,3 +181,33 @@ def test_ilp_is_within_two_percent_of_the_exact_optimum(name, cost, fraction):
         f"{name}/{cost} at {budget:,} B: ilp +{got.added_time_s:.6g} "
         f"({sorted(got.plan.recompute)}), optimum +{best.added_time_s:.6g} "
         f"({sorted(best.recompute)})")
+
+
+# ------------------------------------------------------------------ Checkmate's MILP
+@pytest.mark.parametrize("name", sorted(STEPS))
+def test_checkmate_milp_is_never_dearer_than_memccs_space(name):
+    """Checkmate's stage x node MILP, in its own memory model, at the smallest peak memcc's
+    space reaches in that model: solved to optimality by HiGHS, its schedule fits when
+    replayed, its modelled peak is the replayed one, and it costs no more than memcc's best
+    plan there (its space contains memcc's, so anything else is a modelling error)."""
+    g, st, plans = reference(name)
+    sg = StageGraph.of(g, unit_costs(g), st)
+    front = checkmate_frontier(sg, plans)
+    budget = front[0].peak_bytes
+    res = checkmate_milp(sg, budget, time_limit=30)
+    assert res.status == "optimal", name
+    replayed = checkmate_peak(sg, res.runs)
+    assert replayed <= budget
+    assert res.modelled_peak == pytest.approx(replayed)
+    assert all(t in runs for t, runs in enumerate(res.runs))  # every node runs in its stage
+    assert res.added_time_s <= front[0].added_time_s + 1e-9
+
+
+def test_memccs_baseline_is_checkmates_schedule_without_recompute():
+    """The replay agrees with the MILP on the schedule that recomputes nothing."""
+    g, st, _ = reference("mlp")
+    sg = StageGraph.of(g, unit_costs(g), st)
+    plain = schedule_of_plan(sg, ())
+    res = checkmate_milp(sg, checkmate_peak(sg, plain), time_limit=30)
+    assert res.status == "optimal" and res.added_time_s == 0.0
+    assert res.modelled_peak == pytest.approx(checkmate_peak(sg, plain))
