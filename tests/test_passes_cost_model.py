@@ -3,6 +3,8 @@ and nodes nobody measured (clones, new nodes) get a calibrated time, never 0."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import onnx
 import pytest
 
@@ -10,6 +12,7 @@ from memcc.backend import profiling
 from memcc.backend.profiling import measured_costs
 from memcc.frontend.build import BuildOptions, build_training_step
 from memcc.frontend.load import load_graph
+from memcc.passes import cost_model as cost_model_module
 from memcc.passes.cost_model import (
     NOMINAL_CPU,
     Calibration,
@@ -147,3 +150,23 @@ def test_aliasing_ops_are_priced_from_measured_ops_of_their_type(step):
     unseen.CopyFrom(reshape)
     unseen.name = "another_reshape"
     assert costs.price(unseen, step) == pytest.approx(1e-6)
+
+
+def test_a_copy_to_the_host_is_priced_by_its_bytes(step):
+    """A swap copy (a node no profile has seen) costs its bytes at the calibrated rate."""
+    costs = _fake_measured(step, lambda op: 2.0)
+    saved = next(n.output[0] for n in step.nodes if n.op_type == "Relu")
+    copy = onnx.helper.make_node("MemcpyToHost", [saved], [saved], name="copy_out")
+    flops, nbytes = node_flops_bytes(step, copy)
+    assert flops == 0 and nbytes == 2 * step.info[saved].nbytes
+    assert costs.price(copy, step) == pytest.approx(
+        2.0 * analytic_estimate(step, copy, NOMINAL_CPU))
+    assert costs.price(copy, step) > 0
+
+
+def test_the_planning_passes_run_nothing():
+    """Measuring runs ORT and lives in backend/; no module under passes/ imports it."""
+    passes = Path(cost_model_module.__file__).parent
+    offenders = [str(p.relative_to(passes)) for p in sorted(passes.rglob("*.py"))
+                 if "memcc.backend" in p.read_text()]
+    assert offenders == []

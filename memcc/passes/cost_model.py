@@ -31,6 +31,9 @@ _MOVEMENT = {
     "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Transpose", "Concat", "Split",
     "Slice", "Gather", "GatherElements", "GatherND", "ScatterElements", "ScatterND", "Expand",
     "Tile", "Pad", "Cast", "Shape", "Size", "Constant", "ConstantOfShape", "Where",
+    # Copies between memory spaces (swap): bytes at the estimate's bandwidth until a
+    # measured transfer model prices them.
+    "MemcpyToHost", "MemcpyFromHost",
 }
 # Ops that alias their input in ORT CPU (no kernel work at all).
 _FREE = {"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Shape", "Size", "Constant"}
