@@ -137,6 +137,10 @@ def test_every_unseen_node_that_does_work_costs_more_than_zero(step):
     assert analytic_costs(step, RATES).price(node, step) == \
         pytest.approx(analytic_estimate(step, node, RATES))
     assert unit_costs(step).price(node, step) == 1.0
+    # Estimates that came without their rates are calibrated like measurements.
+    scaled = {n.name: 3.0 * analytic_estimate(step, n, NOMINAL_CPU) for n in step.nodes}
+    assert CostModel(scaled, "analytic", "cpu").price(node, step) == \
+        pytest.approx(3.0 * analytic_estimate(step, node, NOMINAL_CPU))
 
 
 def test_aliasing_ops_are_priced_from_measured_ops_of_their_type(step):

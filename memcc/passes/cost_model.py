@@ -169,11 +169,12 @@ class CostModel:
         return est * cal.factor(node.op_type)
 
     def calibration_for(self, graph: Graph) -> Calibration:
-        """The calibration given, or the one fitted on ``graph``'s measured nodes the first
-        time it is needed (an analytic model's factor is 1 by construction)."""
+        """The calibration given, or the one fitted on ``graph``'s known nodes the first
+        time it is needed. An analytic model that carries its rates needs none (factor 1 by
+        construction); one without them is fitted like a measured one."""
         if self.calibration is not None:
             return self.calibration
-        if self.source != "measured":
+        if self.source == "unit" or (self.source == "analytic" and self.rates is not None):
             return IDENTITY_CALIBRATION
         if "cal" not in self._fitted:
             self._fitted["cal"] = Calibration.fit(graph, self.seconds,
