@@ -109,7 +109,9 @@ class InsertRecompute:
 
     def run(self, graph: Graph, plan: Plan, st: StepStructure) -> tuple[Graph, PassReport]:
         res = apply_recompute(graph, plan, st)
-        return res.graph, PassReport(self.name, bool(res.cloned_nodes), {
+        rewrote = bool(plan.recompute & st.recomputable)  # else a plain copy of the input
+        return res.graph, PassReport(self.name, rewrote and bool(res.cloned_nodes), {
+            "rewrote": rewrote,
             "cloned_nodes": res.cloned_nodes,
             "recomputed_values": res.recomputed_values,
             "rerun_before": res.rerun_before,
@@ -117,7 +119,7 @@ class InsertRecompute:
 
     def ensures(self, before: Graph, after: Graph, plan: Plan, st: StepStructure,
                 report: PassReport, full: bool = False) -> None:
-        if not report.changed:  # a copy of the input, node for node
+        if not report.details["rewrote"]:  # a copy of the input, node for node
             return
         # One walk: the graph is a valid order, so every recomputed input is resident when
         # its clone runs (ONNX values live until their last reader: produced earlier is
