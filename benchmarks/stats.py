@@ -34,10 +34,17 @@ def interleaved_times(
     warmup: int = 1,
     order: str = "random",
     seed: int = 0,
+    min_seconds: float = 0.0,
+    max_rounds: int | None = None,
     clock: Callable[[], float] = time.perf_counter,
     on_round: Callable[[int, dict[str, float]], None] | None = None,
 ) -> dict[str, list[float]]:
     """Run every callable once per round for ``rounds`` rounds; return each one's times.
+
+    With ``min_seconds``, rounds go on past ``rounds`` until that much time was spent
+    timing (at most ``max_rounds``, default ``rounds * 10``): a fast step gets many rounds
+    for the same wall time a slow one spends on few, and the interval narrows with the
+    square root of the rounds.
 
     ``warmup`` untimed rounds come first, because first calls pay for thread pools, kernel
     selection and page faults that no later step pays. ``order`` is "random" (a fresh
@@ -59,7 +66,10 @@ def interleaved_times(
         for name in names:
             fns[name]()
     times: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(rounds):
+    cap = max(rounds, max_rounds if max_rounds is not None else rounds * 10)
+    start = clock()
+    r = 0
+    while r < rounds or (min_seconds > 0 and r < cap and clock() - start < min_seconds):
         if order == "random":
             seq = [names[i] for i in rng.permutation(len(names))]
         elif order == "rotate":
@@ -76,6 +86,7 @@ def interleaved_times(
             times[name].append(this_round[name])
         if on_round is not None:
             on_round(r, this_round)
+        r += 1
     return times
 
 

@@ -35,12 +35,26 @@ Differences that remain are PyTorch's own and are the point of the comparison: i
 updates (torch's SGD writes parameters in place, memcc's step outputs new ones), in-place ReLU
 and ``+=`` in ResNet blocks (as torchvision writes them), and autograd's choice of what to save.
 
+torch.compile (``compile_budget=f``): the module's forward goes through ``torch.compile``
+(inductor, CPU) with ``torch._functorch.config.activation_memory_budget = f``, so the
+min-cut partitioner with its knapsack decides what the backward recomputes. That is
+PyTorch's own automatic answer to the question memcc answers, so it is the peer a plan
+should be held against at the same memory. The warm-up step compiles (its time is reported
+as ``compile_s``); each budget gets a code object of its own and every call runs under
+``config.patch`` so that a guard failure can never recompile under another budget. The
+optimizer step stays eager, as in most training loops.
+
+``time_torch`` times several variants interleaved in one process (``benchmarks.stats``), in
+a child with glibc's default allocator, for paired time ratios.
+
     python -m benchmarks.torch_peer resnet50 --batch 8 --resolution 128 --checkpoint per-block
+    python -m benchmarks.torch_peer gpt2 --seq-len 128 --compile-budget 0.5
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import math
@@ -48,7 +62,8 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+import types
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -66,17 +81,21 @@ _GRAPH_ONLY = ("dynamic_batch",)
 # ---------------------------------------------------------------------------- public API
 def measure_torch(family: str, options: dict, *, checkpoint: str = "none", steps: int = 3,
                   seed: int = 0, threads: int | None = None, attention: str = "eager",
-                  omp_wait_policy: str | None = "PASSIVE", timeout_s: float | None = None
-                  ) -> dict:
+                  omp_wait_policy: str | None = "PASSIVE", timeout_s: float | None = None,
+                  compile_budget: float | None = None) -> dict:
     """Measure ``steps`` PyTorch eager training steps of zoo model ``family`` in a fresh child.
 
     ``options`` are the zoo builder's options (``models.build_model(family, **options)``);
     ``checkpoint`` is "none", "per-block" or "sqrt"; ``attention`` "eager" (explicit scores
     tensor, as the zoo's graph and HF's eager GPT-2) or "sdpa" (torch's fused attention);
-    ``threads`` defaults to every core; ``omp_wait_policy`` see the module docstring.
-    Returns family, options, checkpoint, peak_bytes (max over steps), peak_bytes_per_step,
-    step_time_s (median; a warm-up step ran before), step_times_s, losses, state_bytes
-    (parameters + buffers + momentum + batch), threads, torch_version and method.
+    ``threads`` defaults to every core; ``omp_wait_policy`` see the module docstring;
+    ``compile_budget`` (0..1) runs the forward under torch.compile with that
+    ``activation_memory_budget`` (module docstring). Returns family, options, checkpoint,
+    peak_bytes (max over steps), peak_bytes_per_step, step_time_s (median; a warm-up step
+    ran before), step_times_s, losses, state_bytes (parameters + buffers + momentum + batch),
+    threads, torch_version and method; with ``compile_budget`` also compile_s and
+    graphs_compiled_during_steps (0 unless a guard failed and the measured steps paid for a
+    recompile).
     """
     if family not in FAMILIES:
         raise ValueError(f"family must be one of {FAMILIES}, not {family!r}")
@@ -86,11 +105,46 @@ def measure_torch(family: str, options: dict, *, checkpoint: str = "none", steps
         raise ValueError(f"attention must be one of {ATTENTIONS}, not {attention!r}")
     if steps < 1:
         raise ValueError("steps must be at least 1")
+    _check_budget(compile_budget)
     payload = {"family": family, "options": dict(options), "checkpoint": checkpoint,
                "steps": steps, "seed": seed, "attention": attention,
                "threads": threads or len(os.sched_getaffinity(0)),
-               "omp_wait_policy": omp_wait_policy}
+               "omp_wait_policy": omp_wait_policy, "compile_budget": compile_budget}
     return memory.run_child("benchmarks.torch_peer", payload, timeout_s=timeout_s)
+
+
+def time_torch(family: str, options: dict, variants: Sequence[dict], *, rounds: int = 10,
+               warmup: int = 1, order: str = "random", seed: int = 0,
+               threads: int | None = None, attention: str = "eager",
+               omp_wait_policy: str | None = "PASSIVE", timeout_s: float | None = None,
+               min_seconds: float = 0.0, max_rounds: int | None = None) -> dict:
+    """Time ``variants`` of one model interleaved, round by round, in one fresh child.
+
+    Each variant is ``{"name": ..., "checkpoint": ..., "compile_budget": ... or None}``.
+    One process for all of them so that round r of every variant shares the machine's state
+    (``benchmarks.stats``); glibc's default allocator (``memory.timing_env``) because the
+    measuring allocator's page faults are not what training costs. Each variant's first
+    step (compilation included) runs alone before the rounds start; ``min_seconds`` and
+    ``max_rounds`` as in ``benchmarks.stats.interleaved_times``. Returns
+    ``{"times": {name: [s per round]}, "compile_s": {name: s}, "threads", ...}``.
+    """
+    for v in variants:
+        if v.get("checkpoint", "none") not in CHECKPOINTS:
+            raise ValueError(f"variant {v}: checkpoint must be one of {CHECKPOINTS}")
+        _check_budget(v.get("compile_budget"))
+    payload = {"kind": "time", "family": family, "options": dict(options),
+               "variants": [dict(v) for v in variants], "rounds": int(rounds),
+               "warmup": int(warmup), "order": order, "seed": seed, "attention": attention,
+               "min_seconds": float(min_seconds), "max_rounds": max_rounds,
+               "threads": threads or len(os.sched_getaffinity(0)),
+               "omp_wait_policy": omp_wait_policy}
+    return memory.run_child("benchmarks.torch_peer", payload, timeout_s=timeout_s,
+                            measuring=False)
+
+
+def _check_budget(budget: float | None) -> None:
+    if budget is not None and not 0.0 <= float(budget) <= 1.0:
+        raise ValueError(f"compile_budget must lie in [0, 1], not {budget}")
 
 
 # ---------------------------------------------------------------------------- modules
@@ -101,8 +155,13 @@ def _torch():
     return torch
 
 
+@functools.cache
 def _modules():
-    """The torch modules, defined on first use so importing this file does not need torch."""
+    """The torch modules, defined on first use so importing this file does not need torch.
+
+    Defined once per process: torch.compile guards on the module's class, and fresh classes
+    per call would make every new model instance recompile (inside the measured steps).
+    """
     torch = _torch()
     nn = torch.nn
     F = nn.functional
@@ -373,10 +432,58 @@ def _setup(family: str, opts: dict, weights, batch, mode: str, attention: str):
     return module, opt, x, y
 
 
-def _train_step(module, opt, x, y) -> float:
+def _call_module(module, x):
+    """The frame torch.compile traces; each budget runs a renamed copy of its code."""
+    return module(x)
+
+
+def _eager_forward(module, x):
+    return module(x)
+
+
+def _forward_fn(compile_budget: float | None, tag: str) -> Callable:
+    """``forward(module, x)``: eager, or compiled under ``activation_memory_budget``.
+
+    Dynamo caches compiled code on the code object of the traced frame and does not guard
+    on functorch's config, so two budgets sharing one code object would share one partition.
+    A renamed copy of ``_call_module``'s code per budget keeps their caches apart; the
+    ``config.patch`` around every call makes any recompile use this variant's budget.
+    """
+    if compile_budget is None:
+        return _eager_forward
+    torch = _torch()
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config as inductor_config
+
+    # One compile thread: a worker pool competes with the measured process for 2 cores
+    # and lives on after compiling; the compiled code is the same either way.
+    inductor_config.compile_threads = 1
+    code = _call_module.__code__
+    name = f"_call_module_{tag}"
+    code = code.replace(co_name=name, **({"co_qualname": name}
+                                         if hasattr(code, "co_qualname") else {}))
+    compiled = torch.compile(types.FunctionType(code, _call_module.__globals__, name))
+    budget = float(compile_budget)
+
+    def forward(module, x):
+        with functorch_config.patch(activation_memory_budget=budget):
+            return compiled(module, x)
+
+    return forward
+
+
+def _graphs_compiled() -> int:
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:
+        return 0
+    return int(counters["stats"]["unique_graphs"])
+
+
+def _train_step(module, opt, x, y, forward: Callable = _eager_forward) -> float:
     """One step; grads are dropped at its end so nothing but the state outlives it."""
     torch = _torch()
-    logits = module(x)
+    logits = forward(module, x)
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
                                              y.reshape(-1))
     loss.backward()
@@ -398,37 +505,86 @@ def run_measurement(payload: dict) -> dict:
     torch = _torch()
     torch.set_num_threads(int(payload["threads"]))
     family, mode, attention = payload["family"], payload["checkpoint"], payload["attention"]
+    budget = payload.get("compile_budget")
     opts, model = zoo_options(family, payload["options"])
     weights = zoo_weights(model)
     del model
     batch = make_batch(family, opts, int(payload["seed"]))
+    forward = _forward_fn(budget, "measure")
 
     state = _setup(family, opts, weights, batch, mode, attention)
-    _train_step(*state)  # warm-up: thread pools, oneDNN primitives, autograd caches
+    t0 = time.perf_counter()
+    _train_step(*state, forward)  # warm-up: compile, thread pools, oneDNN primitives
+    compile_s = time.perf_counter() - t0
     del state
     gc.collect()
     meter = memory.CpuPeakMeter()
     meter.set_baseline()
 
     state = _setup(family, opts, weights, batch, mode, attention)
+    graphs_before = _graphs_compiled()
     losses, times, peaks = [], [], []
     for _ in range(int(payload["steps"])):
         meter.start()
         t0 = time.perf_counter()
-        losses.append(_train_step(*state))
+        losses.append(_train_step(*state, forward))
         times.append(time.perf_counter() - t0)
         peaks.append(meter.stop())
-    return {
+    how = "torch eager" if budget is None else \
+        f"torch.compile (inductor) with activation_memory_budget={budget}"
+    extra = {} if budget is None else {
+        "compile_budget": budget, "compile_s": compile_s,
+        "graphs_compiled_during_steps": _graphs_compiled() - graphs_before}
+    return extra | {
         "family": family, "options": payload["options"], "resolved_options": opts,
         "checkpoint": mode, "attention": attention,
         "peak_bytes": max(peaks), "peak_bytes_per_step": peaks,
         "step_time_s": statistics.median(times), "step_times_s": times, "losses": losses,
         "state_bytes": _state_bytes(*state), "threads": torch.get_num_threads(),
         "torch_version": torch.__version__,
-        "method": f"torch eager, {meter.method}; baseline after a warm-up step on a freed "
+        "method": f"{how}, {meter.method}; baseline after a warm-up step on a freed "
                   f"copy; {torch.get_num_threads()} threads, OMP_WAIT_POLICY="
                   f"{os.environ.get('OMP_WAIT_POLICY', 'unset')}",
     }
+
+
+def run_timing(payload: dict) -> dict:
+    """Child side of ``time_torch``: every variant set up and warmed, then timed in rounds."""
+    if payload.get("omp_wait_policy"):
+        os.environ["OMP_WAIT_POLICY"] = payload["omp_wait_policy"]
+    torch = _torch()
+    from benchmarks.stats import interleaved_times
+
+    torch.set_num_threads(int(payload["threads"]))
+    family, attention = payload["family"], payload["attention"]
+    opts, model = zoo_options(family, payload["options"])
+    weights = zoo_weights(model)
+    del model
+    batch = make_batch(family, opts, int(payload["seed"]))
+    steps: dict[str, Callable[[], float]] = {}
+    compile_s: dict[str, float] = {}
+    for i, v in enumerate(payload["variants"]):
+        forward = _forward_fn(v.get("compile_budget"), f"v{i}")
+        state = _setup(family, opts, weights, batch, v.get("checkpoint", "none"), attention)
+        t0 = time.perf_counter()
+        _train_step(*state, forward)
+        compile_s[v["name"]] = time.perf_counter() - t0
+        steps[v["name"]] = (lambda st=state, fw=forward: _train_step(*st, fw))
+    graphs_before = _graphs_compiled()
+    times = interleaved_times(steps, rounds=int(payload["rounds"]),
+                              warmup=int(payload["warmup"]), order=payload["order"],
+                              seed=int(payload["seed"]),
+                              min_seconds=float(payload.get("min_seconds") or 0.0),
+                              max_rounds=payload.get("max_rounds"))
+    return {"times": times, "compile_s": compile_s,
+            "graphs_compiled_during_rounds": _graphs_compiled() - graphs_before,
+            "threads": torch.get_num_threads(), "torch_version": torch.__version__,
+            "method": "interleaved rounds in one process, default allocator, "
+                      f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}"}
+
+
+def _child(payload: dict) -> dict:
+    return run_timing(payload) if payload.get("kind") == "time" else run_measurement(payload)
 
 
 # ---------------------------------------------------------------------------- CLI
@@ -457,6 +613,8 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, dict]:
     p.add_argument("--omp-wait-policy", default="PASSIVE",
                    help="OMP_WAIT_POLICY of the child; 'inherit' keeps the environment's")
     p.add_argument("--attention", choices=ATTENTIONS, default="eager")
+    p.add_argument("--compile-budget", type=float, default=None,
+                   help="torch.compile with this activation_memory_budget (0..1)")
     args, rest = p.parse_known_args(list(argv))
     options: dict = {}
     it = iter(rest)
@@ -472,12 +630,12 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, dict]:
 
 def main(argv: Sequence[str]) -> int:
     if "--child" in argv:
-        return memory.child_main(list(argv), run_measurement)
+        return memory.child_main(list(argv), _child)
     args, options = parse_args(argv)
     result = measure_torch(args.family, options, checkpoint=args.checkpoint, steps=args.steps,
                            seed=args.seed, threads=args.threads, attention=args.attention,
                            omp_wait_policy=None if args.omp_wait_policy == "inherit"
-                           else args.omp_wait_policy)
+                           else args.omp_wait_policy, compile_budget=args.compile_budget)
     print(json.dumps(result, indent=2))
     return 0
 

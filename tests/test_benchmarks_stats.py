@@ -107,3 +107,20 @@ def test_interleaving_pairs_rounds_and_varies_order() -> None:
 
 def test_rounds_for_grows_with_noise() -> None:
     assert rounds_for(0.02, 0.10) > rounds_for(0.02, 0.05) >= 2
+
+
+def test_min_seconds_adds_rounds_up_to_the_cap() -> None:
+    now = [0.0]
+
+    def clock() -> float:
+        return now[0]
+
+    def step() -> None:
+        now[0] += 0.5
+
+    t = interleaved_times({"A": step, "B": step}, rounds=3, warmup=0, min_seconds=10.0,
+                          max_rounds=50, clock=clock)
+    assert len(t["A"]) == 10  # 1 s per round until 10 s were spent
+    t = interleaved_times({"A": step, "B": step}, rounds=3, warmup=0, min_seconds=100.0,
+                          max_rounds=20, clock=clock)
+    assert len(t["B"]) == 20

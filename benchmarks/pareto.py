@@ -1,0 +1,610 @@
+"""Pareto benchmark: memory against time for memcc's plans and PyTorch's, on one noisy machine.
+
+Why it is built this way:
+
+- A plan's cost is a few percent of step time, and on the project's 2-core machine two
+  timings of the same step differ by up to 35%. So the original step and every distinct
+  plan are timed in ONE process, interleaved in a fresh random order each round
+  (``benchmarks.stats``), and each plan's ratio is the median of its per-round ratios to the
+  original with a 95% bootstrap interval. Where the interval spans 1.0 the table marks it
+  ``~`` and the verdict says "cannot tell from noise", with the interval.
+- Plans are compiled with ``--cost analytic`` by default, so which plan a budget gets does
+  not depend on how busy the machine was while profiling (``--cost measured`` is allowed).
+- Peaks are measured, never copied from a plan: memcc's steps by ``memcc.backend.runner``
+  (high-water mark in a fresh child with the measuring allocator), PyTorch's by
+  ``benchmarks.torch_peer`` the same way. Timing runs in separate children with glibc's
+  default allocator, as ``memcc run`` does (``memory.timing_env``).
+- Plans that rewrite the step to the same node list (``auto`` often picks the ``ilp`` plan;
+  a budget above the peak needs no rewrite) are measured once and the other rows say
+  "same step as ...", so the interleaved rounds stay short enough to repeat.
+- PyTorch peers on the same architecture, weights and batch: eager without and with
+  per-block ``torch.utils.checkpoint``, and ``torch.compile`` with
+  ``activation_memory_budget`` (min-cut + knapsack partitioner). Their ratios are against
+  PyTorch eager without checkpointing, timed interleaved in one torch process; absolute
+  medians are printed too, but ORT and torch run in different processes, so the
+  cross-framework comparison is unpaired. torch.compile budgets are chosen to land near
+  memcc's measured peaks: the partitioner is compiled at 1.0 and 0.0, and each further
+  budget is interpolated linearly between those two measured peaks towards a memcc peak;
+  the matched-memory table prints both peaks side by side, whatever they turned out to be.
+
+    python benchmarks/pareto.py --quick
+    python benchmarks/pareto.py --out pareto.md --json pareto.json
+
+The default run takes about half an hour on the 2-core machine, most of it torch.compile
+(2-3 minutes per budget for ResNet-50 while inductor's on-disk cache is cold, seconds once
+it is warm); ``--quick`` takes 5-8 minutes. It never runs in CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.stats import RatioInterval, interleaved_times, ratio_interval  # noqa: E402
+from memcc.backend import memory  # noqa: E402
+
+DEFAULT_MODELS = [
+    "gpt2:batch=8,seq_len=256,width=256,depth=6,heads=4",
+    "resnet50:batch=8,resolution=128",
+]
+QUICK_MODELS = [
+    "gpt2:batch=4,seq_len=128,width=128,depth=3,heads=4",
+    "resnet18:batch=8,resolution=96,width=16",
+]
+DEFAULT_FRACTIONS = ["1.0", "0.7", "0.5", "0.4", "0.33", "min"]
+QUICK_FRACTIONS = ["0.5", "min"]
+STRATEGIES = ["ilp", "sqrtn", "auto"]
+TORCH_FAMILIES = ("resnet18", "resnet50", "gpt2", "mlp")
+
+Log = Callable[[str], None]
+
+
+# ---------------------------------------------------------------------------- helpers
+def parse_model(spec: str) -> tuple[str, dict]:
+    """``name:key=value,...`` -> (name, options); ``blocks=3;4;6;3`` gives a list."""
+    name, _, rest = spec.partition(":")
+    opts: dict = {}
+    for kv in filter(None, rest.split(",")):
+        k, _, v = kv.partition("=")
+        opts[k] = _value(v)
+    return name, opts
+
+
+def _value(text: str):
+    if ";" in text:
+        return [_value(t) for t in text.split(";")]
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def mb(n: float | None) -> str:
+    return "-" if n is None else f"{n / 1e6:,.1f}"
+
+
+def _fraction_label(frac: str) -> str:
+    return "min" if frac == "min" else f"{float(frac):.0%} act"
+
+
+def graph_signature(graph) -> str:
+    """What ORT would run, ignoring metadata: equal signatures are the same step."""
+    h = hashlib.sha1()
+    for n in graph.nodes:
+        h.update(n.op_type.encode())
+        h.update(("|".join(n.input) + ">" + "|".join(n.output) + ";").encode())
+        h.update(b"".join(a.SerializeToString() for a in n.attribute))
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------------------- memcc side
+def compile_plans(step_path: Path, fractions: Sequence[str], strategies: Sequence[str],
+                  fixed: int, act: int, cost: str, time_limit: float, tmp: Path,
+                  log: Log) -> list[dict]:
+    """Compile every (fraction, strategy); a row per compile, with the error if it failed."""
+    from memcc.compiler import CompileOptions, compile_model
+    from memcc.errors import MemccError
+
+    rows = []
+    for frac in fractions:
+        budget = "min" if frac == "min" else int(fixed + float(frac) * act)
+        for strategy in strategies:
+            out = tmp / f"{strategy}.{frac}.onnx"
+            row: dict = {"framework": "memcc", "variant": strategy, "fraction": frac,
+                         "budget_bytes": None if budget == "min" else budget}
+            t0 = time.perf_counter()
+            try:
+                res = compile_model(step_path, CompileOptions(
+                    budget=budget, strategy=strategy, time_limit=time_limit, cost=cost),
+                    output=out)
+            except MemccError as exc:
+                row["compile_s"] = time.perf_counter() - t0
+                smallest = getattr(exc, "smallest", None)
+                row["error"] = (f"does not fit (smallest {mb(smallest)} MB)"
+                                if smallest else f"{type(exc).__name__}: {exc}")
+                log(f"  {strategy} @ {frac}: {row['error']}")
+                rows.append(row)
+                continue
+            except Exception as exc:  # a planner mid-edit elsewhere: report, keep going
+                row["compile_s"] = time.perf_counter() - t0
+                row["error"] = f"compile crashed: {type(exc).__name__}: {exc}"
+                log(f"  {strategy} @ {frac}: {row['error']}")
+                rows.append(row)
+                continue
+            plan = res.report["plan"]
+            row.update({
+                "compile_s": time.perf_counter() - t0, "path": str(out),
+                "budget_bytes": res.report["budget_bytes"],
+                "predicted_peak_bytes": plan["peak_bytes"],
+                "predicted_overhead": plan["overhead"],
+                "chosen": plan.get("strategy_label") or plan.get("picked_strategy"),
+                "fits": plan.get("fits"), "signature": graph_signature(res.graph),
+                "recomputed_nodes": len(plan.get("recomputed_nodes", [])),
+            })
+            log(f"  {strategy} @ {frac}: predicted {mb(plan['peak_bytes'])} MB, overhead "
+                f"{plan['overhead']:.1%}, {len(plan.get('recomputed_nodes', []))} recomputed "
+                f"nodes, compile {row['compile_s']:.1f} s")
+            rows.append(row)
+    return rows
+
+
+def prepare_timing_job(name: str, path: Path, tmp: Path) -> dict:
+    """Session graph and feeds exactly as ``memcc run`` prepares them (runner.prepare_run)."""
+    from memcc.backend.runner import prepare_run, read_step_spec, synthetic_feeds
+    from memcc.frontend.load import load_graph
+
+    graph = load_graph(path)
+    spec = read_step_spec(graph, source=str(path))
+    where = tmp / f"timing-{name}"
+    where.mkdir(parents=True, exist_ok=True)
+    payload = prepare_run(graph, spec, synthetic_feeds(graph, 0), where, steps=1,
+                          provider="cpu")
+    return {"name": name, "session_model": payload["session_model"],
+            "feeds": payload["feeds"], "outputs": payload["outputs"]}
+
+
+def time_ort(jobs: list[dict], rounds: int, warmup: int, seed: int, timeout_s: float | None,
+             min_seconds: float = 0.0, max_rounds: int | None = None) -> dict:
+    """Interleaved rounds of every step in one child with glibc's default allocator."""
+    payload = {"jobs": jobs, "rounds": rounds, "warmup": warmup, "order": "random",
+               "seed": seed, "min_seconds": min_seconds, "max_rounds": max_rounds}
+    return memory.run_child("benchmarks.pareto", payload, timeout_s=timeout_s,
+                            measuring=False)
+
+
+def _time_child(payload: dict) -> dict:
+    """Child side of ``time_ort``.
+
+    Every step runs from the same initial state each round (outputs dropped): the work per
+    step is identical, and identical arrays (parameters, momentum, batch are the same in
+    every variant) are shared, so twenty sessions fit where twenty copies of the state
+    would not. Sessions come from ``make_session``: the execution contract memcc runs under.
+    """
+    from memcc.backend.session import make_session
+
+    shared: dict[tuple, np.ndarray] = {}
+
+    def load(path: str) -> dict[str, np.ndarray]:
+        out = {}
+        with np.load(path, allow_pickle=False) as npz:
+            for k in npz.files:
+                a = npz[k]
+                key = (k, a.shape, a.dtype.str, hashlib.sha1(a.tobytes()).hexdigest())
+                out[k] = shared.setdefault(key, a)
+        return out
+
+    fns = {}
+    for job in payload["jobs"]:
+        session = make_session(job["session_model"], "cpu")
+        feeds = load(job["feeds"])
+        outputs = list(job["outputs"])
+        fns[job["name"]] = (lambda s=session, f=feeds, o=outputs: s.run(o, f))
+    times = interleaved_times(fns, rounds=int(payload["rounds"]),
+                              warmup=int(payload["warmup"]), order=payload["order"],
+                              seed=int(payload["seed"]),
+                              min_seconds=float(payload.get("min_seconds") or 0.0),
+                              max_rounds=payload.get("max_rounds"))
+    return {"times": times, "method": "interleaved rounds in one process, default allocator"}
+
+
+def measure_peak(path: Path, steps: int) -> dict:
+    from memcc.backend.runner import run_steps
+
+    r = run_steps(path, steps=steps, separate_timing=False)
+    return {"measured_peak_bytes": r.measured_peak_bytes,
+            "order_matches_plan": r.order_matches_plan}
+
+
+def memcc_section(name: str, opts: dict, args: argparse.Namespace, tmp: Path, log: Log
+                  ) -> tuple[list[dict], dict]:
+    from memcc.backend.onnx_file import save_graph
+    from memcc.frontend.build import BuildOptions, build_training_step
+    from memcc.frontend.load import load_graph
+    from memcc.passes.liveness import analyze_liveness
+    from models import build_model
+
+    step = build_training_step(load_graph(build_model(name, **opts)), BuildOptions())
+    step_path = tmp / "step.onnx"
+    save_graph(step, step_path)
+    live = analyze_liveness(step)
+    act = live.breakdown["activations"] + live.breakdown["scratch"]
+    fixed = live.peak_bytes - act
+    log(f"{name} {opts}: {len(step.nodes)} nodes, predicted peak {mb(live.peak_bytes)} MB "
+        f"({mb(act)} MB activations)")
+    original = {"framework": "memcc", "variant": "original (ORT)", "fraction": None,
+                "budget_bytes": None, "predicted_peak_bytes": live.peak_bytes,
+                "predicted_overhead": 0.0, "compile_s": 0.0, "path": str(step_path),
+                "signature": graph_signature(step)}
+    rows = [original] + compile_plans(step_path, args.fractions, args.strategies, fixed, act,
+                                      args.cost, args.time_limit, tmp, log)
+    # one measurement per distinct step
+    first: dict[str, dict] = {}
+    for r in rows:
+        if "error" in r:
+            continue
+        if r["signature"] in first:
+            twin = first[r["signature"]]
+            r["same_as"] = _row_label(twin)
+            continue
+        first[r["signature"]] = r
+        try:
+            r.update(measure_peak(Path(r["path"]), args.peak_steps))
+        except Exception as exc:
+            r["error"] = f"measuring failed: {type(exc).__name__}: {exc}"
+        log(f"  peak {_row_label(r)}: {mb(r.get('measured_peak_bytes'))} MB")
+    distinct = [r for r in first.values() if "error" not in r]
+    meta = {"fixed": fixed, "act": act, "baseline_s": None}
+    if "error" in original:
+        return rows, meta
+    try:
+        jobs = [prepare_timing_job(f"v{i}", Path(r["path"]), tmp)
+                for i, r in enumerate(distinct)]
+        log(f"  timing {len(jobs)} distinct steps x {args.rounds} rounds, interleaved ...")
+        t0 = time.perf_counter()
+        timed = time_ort(jobs, args.rounds, args.warmup, args.seed, args.timeout,
+                         args.timing_seconds, args.max_rounds)
+    except Exception as exc:
+        for r in distinct:
+            r["note"] = f"timing failed: {type(exc).__name__}: {exc}"
+        return rows, meta
+    log(f"  timed in {time.perf_counter() - t0:.0f} s")
+    base = timed["times"]["v0"]
+    meta["baseline_s"] = statistics.median(base)
+    for i, r in enumerate(distinct):
+        t = timed["times"][f"v{i}"]
+        r["step_times_s"] = t
+        r["median_step_s"] = statistics.median(t)
+        r["rounds"] = len(t)
+        if i:
+            r["ratio"] = ratio_interval(base, t, seed=args.seed)
+    for r in rows:  # twins share their measurement
+        if "same_as" in r:
+            twin = next(d for d in first.values() if _row_label(d) == r["same_as"])
+            for k in ("measured_peak_bytes", "order_matches_plan", "median_step_s", "ratio"):
+                if k in twin:
+                    r[k] = twin[k]
+    return rows, meta
+
+
+# ---------------------------------------------------------------------------- torch side
+def torch_section(name: str, opts: dict, memcc_rows: list[dict], args: argparse.Namespace,
+                  log: Log) -> list[dict]:
+    """PyTorch peers; every failure becomes a row that says what failed."""
+    if name not in TORCH_FAMILIES:
+        return [{"framework": "torch", "variant": "-", "error": f"no torch peer for {name}"}]
+    try:
+        from benchmarks import torch_peer
+    except ImportError as exc:
+        return [{"framework": "torch", "variant": "-", "error": f"torch peer: {exc}"}]
+    topts = {k: v for k, v in opts.items() if k != "dynamic_batch"}
+    rows: list[dict] = []
+
+    def measure(variant: str, checkpoint: str, budget: float | None) -> dict:
+        row = {"framework": "torch", "variant": variant, "checkpoint": checkpoint,
+               "compile_budget": budget, "fraction": None if budget is None else budget}
+        t0 = time.perf_counter()
+        try:
+            r = torch_peer.measure_torch(name, topts, checkpoint=checkpoint,
+                                         steps=args.peak_steps, compile_budget=budget,
+                                         timeout_s=args.timeout)
+        except Exception as exc:
+            row["error"] = f"{type(exc).__name__}: {exc}".strip()
+            log(f"  torch {variant}: FAILED: {row['error']}")
+            return row
+        row.update({"measured_peak_bytes": r["peak_bytes"],
+                    "compile_s": r.get("compile_s", 0.0),
+                    "recompiles": r.get("graphs_compiled_during_steps", 0)})
+        log(f"  torch {variant}: peak {mb(r['peak_bytes'])} MB "
+            f"({time.perf_counter() - t0:.0f} s)")
+        return row
+
+    rows.append(measure("eager", "none", None))
+    rows.append(measure("eager + checkpoint per block", "per-block", None))
+    if args.torch_compile:
+        budgets = [1.0, 0.0] if args.torch_budgets is None else list(args.torch_budgets)
+        for b in budgets:
+            rows.append(measure(f"compile, budget {b:g}", "none", b))
+        if args.torch_budgets is None:
+            rows += _matched_compiles(rows, memcc_rows, args.torch_matches, measure, log)
+    ok = [r for r in rows if "error" not in r]
+    if not ok or ok[0]["variant"] != "eager":
+        return rows
+    variants = [{"name": f"t{i}", "checkpoint": r["checkpoint"],
+                 "compile_budget": r["compile_budget"]} for i, r in enumerate(ok)]
+    log(f"  timing {len(variants)} torch variants x {args.rounds} rounds, interleaved ...")
+    t0 = time.perf_counter()
+    try:
+        timed = torch_peer.time_torch(name, topts, variants, rounds=args.rounds,
+                                      warmup=args.warmup, seed=args.seed,
+                                      timeout_s=args.timeout,
+                                      min_seconds=args.timing_seconds,
+                                      max_rounds=args.max_rounds)
+    except Exception as exc:
+        for r in ok:
+            r["note"] = f"timing failed: {type(exc).__name__}: {exc}"
+        return rows
+    log(f"  timed in {time.perf_counter() - t0:.0f} s")
+    base = timed["times"]["t0"]
+    for i, r in enumerate(ok):
+        t = timed["times"][f"t{i}"]
+        r["step_times_s"] = t
+        r["median_step_s"] = statistics.median(t)
+        if i:
+            r["ratio"] = ratio_interval(base, t, seed=args.seed)
+    if timed.get("graphs_compiled_during_rounds"):
+        for r in ok:
+            r["note"] = (f"{timed['graphs_compiled_during_rounds']} recompile(s) during the "
+                         "timed rounds")
+    return rows
+
+
+def _matched_compiles(rows: list[dict], memcc_rows: list[dict], k: int, measure, log: Log
+                      ) -> list[dict]:
+    """torch.compile budgets aimed at memcc's measured peaks, by linear interpolation
+    between the measured peaks at budgets 1.0 and 0.0 (the partitioner's two ends)."""
+    ends = {r["compile_budget"]: r.get("measured_peak_bytes") for r in rows
+            if r.get("compile_budget") in (0.0, 1.0) and "error" not in r}
+    p1, p0 = ends.get(1.0), ends.get(0.0)
+    if p1 is None or p0 is None or p1 <= p0:
+        # Nothing to interpolate (measured: on small steps budget 0.0 can peak above 1.0,
+        # inductor placing the recomputation early in the backward). Sample memcc's own
+        # fractions instead, so the table still shows where the partitioner lands.
+        fracs = sorted({float(r["fraction"]) for r in memcc_rows
+                        if r.get("fraction") not in (None, "min")
+                        and 0.0 < float(r["fraction"]) < 1.0}, reverse=True)[:k]
+        log(f"  torch.compile: budgets 1.0 and 0.0 peak at {mb(p1)} and {mb(p0)} MB, "
+            f"nothing to interpolate; trying memcc's fractions {fracs}")
+        return [measure(f"compile, budget {b:g}", "none", b) for b in fracs]
+    targets = sorted({r["measured_peak_bytes"] for r in memcc_rows
+                      if r.get("measured_peak_bytes") and "same_as" not in r
+                      and r.get("fraction") is not None and p0 < r["measured_peak_bytes"] < p1},
+                     reverse=True)
+    if not targets:
+        return []
+    picks = [targets[round(i * (len(targets) - 1) / max(k - 1, 1))] for i in range(k)]
+    budgets: list[float] = []
+    for t in picks:
+        b = round((t - p0) / (p1 - p0), 2)
+        if all(abs(b - x) >= 0.05 for x in [0.0, 1.0, *budgets]):
+            budgets.append(b)
+    log(f"  torch.compile budgets aimed at memcc peaks {[mb(t) for t in picks]} MB: {budgets}")
+    return [measure(f"compile, budget {b:g}", "none", b) for b in budgets]
+
+
+# ---------------------------------------------------------------------------- report
+def _row_label(r: dict) -> str:
+    if r["framework"] == "torch":
+        return f"torch {r['variant']}"
+    if r.get("fraction") is None:
+        return r["variant"]
+    return f"{r['variant']} @ {_fraction_label(r['fraction'])}"
+
+
+def mark_pareto(rows: list[dict]) -> None:
+    """Mark rows no other row beats on both measured peak and median time ratio.
+
+    Within one framework only: ratios are against each framework's own baseline."""
+    for fw in ("memcc", "torch"):
+        pts = [r for r in rows if r["framework"] == fw and "error" not in r
+               and "same_as" not in r and r.get("measured_peak_bytes") is not None
+               and r.get("median_step_s") is not None]
+        for r in pts:
+            ratio = r["ratio"].ratio if r.get("ratio") else 1.0
+            r["pareto"] = not any(
+                (o["measured_peak_bytes"] <= r["measured_peak_bytes"]
+                 and (o["ratio"].ratio if o.get("ratio") else 1.0) <= ratio)
+                and (o["measured_peak_bytes"] < r["measured_peak_bytes"]
+                     or (o["ratio"].ratio if o.get("ratio") else 1.0) < ratio)
+                for o in pts if o is not r)
+
+
+def markdown(model: str, rows: list[dict], meta: dict) -> str:
+    lines = [f"### {model}", "",
+             f"Baseline: ORT original step {_fmt_s(meta['baseline_s'])} s median; memcc ratios "
+             "are rewritten/original, torch ratios are against torch eager without "
+             "checkpointing, both paired per round (median, 95% bootstrap CI; `~`: the "
+             "interval spans 1.0, cannot tell from noise). * = on the Pareto front of its "
+             "framework (measured peak vs median ratio).", "",
+             "| strategy | budget | predicted peak (MB) | measured peak (MB) | predicted "
+             "overhead | measured time ratio (95% CI) | median step (s) | compile (s) | "
+             "note |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["framework"] == "torch":
+            strat = f"torch {r['variant']}"
+            budget = "-"
+        else:
+            strat = r["variant"]
+            budget = "-" if r.get("fraction") is None else (
+                f"{_fraction_label(r['fraction'])} ({mb(r.get('budget_bytes'))} MB)"
+                if r.get("budget_bytes") else _fraction_label(r["fraction"]))
+        if r.get("pareto"):
+            strat = f"**{strat}** *"
+        if "error" in r:
+            lines.append(f"| {strat} | {budget} | | | | | | {r.get('compile_s', 0):.1f} | "
+                         f"{_cell(r['error'])} |")
+            continue
+        pred = r.get("predicted_overhead")
+        ratio = r.get("ratio")
+        note = []
+        if r.get("same_as"):
+            note.append(f"same step as {r['same_as']}")
+        if r.get("chosen") and r["variant"] == "auto":
+            note.append(f"picked {r['chosen']}")
+        if r.get("order_matches_plan") is False:
+            note.append("ORT order differs from plan")
+        if r.get("recompiles"):
+            note.append(f"{r['recompiles']} recompile(s) in measured steps")
+        if r.get("note"):
+            note.append(r["note"])
+        if r.get("same_as") and not isinstance(ratio, RatioInterval):
+            ratio_cell = "1 (same step)"
+        elif isinstance(ratio, RatioInterval):
+            ratio_cell = ratio.cell()
+        else:
+            ratio_cell = "1 (baseline)" if r.get("median_step_s") is not None else "-"
+        lines.append(
+            f"| {strat} | {budget} | {mb(r.get('predicted_peak_bytes'))} | "
+            f"{mb(r.get('measured_peak_bytes'))} | "
+            f"{'-' if pred is None else f'{pred:.1%}'} | {ratio_cell} | "
+            f"{_fmt_s(r.get('median_step_s'))} | {r.get('compile_s', 0.0):.1f} | "
+            f"{_cell('; '.join(note))} |")
+    lines += ["", "Verdicts:", ""]
+    for r in rows:
+        if isinstance(r.get("ratio"), RatioInterval) and not r.get("same_as"):
+            base = "torch eager" if r["framework"] == "torch" else "the original step"
+            lines.append(f"- {_row_label(r)}: {r['ratio'].verdict(b='it', a=base)}")
+    lines += ["", matched_table(rows)]
+    return "\n".join(lines)
+
+
+def matched_table(rows: list[dict]) -> str:
+    """Each memcc plan beside the PyTorch peer whose measured peak is nearest."""
+    torch_rows = [r for r in rows if r["framework"] == "torch" and "error" not in r
+                  and r.get("measured_peak_bytes")]
+    mem = [r for r in rows if r["framework"] == "memcc" and "error" not in r
+           and "same_as" not in r and r.get("fraction") is not None
+           and r.get("measured_peak_bytes")]
+    if not torch_rows or not mem:
+        return "(no matched-memory comparison: a side has no measured peak)"
+    lines = ["Matched memory (nearest PyTorch peak to each distinct memcc plan):", "",
+             "| memcc plan | memcc peak (MB) | memcc ratio | nearest torch peer | torch peak "
+             "(MB) | peak difference | torch ratio vs eager |",
+             "|---|---|---|---|---|---|---|"]
+    for r in mem:
+        near = min(torch_rows, key=lambda t: abs(t["measured_peak_bytes"]
+                                                  - r["measured_peak_bytes"]))
+        diff = near["measured_peak_bytes"] / r["measured_peak_bytes"] - 1.0
+        rr, tr = r.get("ratio"), near.get("ratio")
+        lines.append(
+            f"| {_row_label(r)} | {mb(r['measured_peak_bytes'])} | "
+            f"{rr.cell() if rr else '-'} | {near['variant']} | "
+            f"{mb(near['measured_peak_bytes'])} | {diff:+.1%} | "
+            f"{tr.cell() if tr else ('1 (baseline)' if near['variant'] == 'eager' else '-')} |")
+    return "\n".join(lines)
+
+
+def _fmt_s(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "/").replace("\n", " ")[:300]
+
+
+def _jsonable(rows: list[dict]) -> list[dict]:
+    return [{k: (v.to_json() if isinstance(v, RatioInterval) else v) for k, v in r.items()}
+            for r in rows]
+
+
+# ---------------------------------------------------------------------------- CLI
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--child" in argv:
+        return memory.child_main(argv, _time_child)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", nargs="+", help="NAME:key=value,... (zoo builder options); "
+                    f"default {' '.join(DEFAULT_MODELS)}")
+    ap.add_argument("--fractions", nargs="+", help="fractions of the baseline's activation "
+                    f"memory, or min; default {' '.join(DEFAULT_FRACTIONS)}")
+    ap.add_argument("--strategies", nargs="+", default=STRATEGIES)
+    ap.add_argument("--cost", choices=["analytic", "measured", "auto"], default="analytic")
+    ap.add_argument("--time-limit", type=float, default=None,
+                    help="memcc's solver time limit (s); default 60, quick 15")
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="interleaved timing rounds at least; default 10, quick 8")
+    ap.add_argument("--timing-seconds", type=float, default=None,
+                    help="keep adding rounds until each timing child spent this long; "
+                         "default 60, quick 30")
+    ap.add_argument("--max-rounds", type=int, default=100)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--peak-steps", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-torch", dest="torch", action="store_false")
+    ap.add_argument("--no-torch-compile", dest="torch_compile", action="store_false")
+    ap.add_argument("--torch-budgets", nargs="+", type=float, default=None,
+                    help="explicit activation_memory_budget values (default: 1.0, 0.0 and "
+                         "budgets aimed at memcc's peaks)")
+    ap.add_argument("--torch-matches", type=int, default=None,
+                    help="torch.compile budgets aimed at memcc peaks; default 1")
+    ap.add_argument("--timeout", type=float, default=1200.0, help="per child process (s)")
+    ap.add_argument("--quick", action="store_true", help="smaller models, fewer budgets")
+    ap.add_argument("--out", type=Path, help="write the Markdown here")
+    ap.add_argument("--json", type=Path, help="write every row as JSON here")
+    args = ap.parse_args(argv)
+    q = args.quick
+    args.models = args.models or (QUICK_MODELS if q else DEFAULT_MODELS)
+    args.fractions = args.fractions or (QUICK_FRACTIONS if q else DEFAULT_FRACTIONS)
+    for f in args.fractions:
+        if f != "min":
+            float(f)
+    args.time_limit = args.time_limit or (15.0 if q else 60.0)
+    args.rounds = args.rounds or (8 if q else 10)
+    if args.timing_seconds is None:
+        args.timing_seconds = 30.0 if q else 60.0
+    args.torch_matches = 1 if args.torch_matches is None else args.torch_matches
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    t_start = time.perf_counter()
+    parts, all_rows = [], []
+    for spec in args.models:
+        name, opts = parse_model(spec)
+        with tempfile.TemporaryDirectory(prefix="memcc-pareto-") as tmp:
+            rows, meta = memcc_section(name, opts, args, Path(tmp), log)
+        if args.torch:
+            rows += torch_section(name, opts, rows, args, log)
+        mark_pareto(rows)
+        parts.append(markdown(spec, rows, meta))
+        all_rows += [{"model": spec} | r for r in rows]
+    elapsed = time.perf_counter() - t_start
+    header = (f"Pareto benchmark ({os.cpu_count()} CPUs; at least {args.rounds} interleaved "
+              f"rounds or {args.timing_seconds:g} s per timing process; "
+              f"--cost {args.cost}; total {elapsed / 60:.1f} min)\n\n"
+              f"    python benchmarks/pareto.py {' '.join(argv)}\n")
+    text = header + "\n" + "\n\n".join(parts) + "\n"
+    print(text)
+    if args.out:
+        args.out.write_text(text)
+    if args.json:
+        args.json.write_text(json.dumps(_jsonable(all_rows), indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
