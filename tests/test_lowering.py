@@ -35,6 +35,9 @@ from memcc.passes.plan import (
     Recompute,
     Saveable,
     StepStructure,
+    everything_saveable,
+    nothing_saveable,
+    save_only_these_values,
 )
 from memcc.passes.recompute import apply_recompute
 from memcc.passes.simulate import simulate
@@ -197,3 +200,18 @@ def test_copy_in_must_follow_its_copy_out():
     assert copy_order_problems(G()) == ["'in' copies 'a.host' in before it was copied out"]
     G.nodes = [out_node, in_node]
     assert copy_order_problems(G()) == []
+
+
+def test_policies_named_like_jax(step):
+    g, st = step
+    assert everything_saveable(st).recompute == frozenset()
+    everything = nothing_saveable(st)
+    assert all(isinstance(a, Recompute) or st.producer_of[v] not in st.recomputable
+               for v, a in everything.actions(st).items())
+    keep = sorted(st.saved)[:2]
+    plan = save_only_these_values(st, keep)
+    assert all(plan.action(v, st) == KEEP for v in keep)
+    assert plan.recompute < everything.recompute
+    with pytest.raises(PlanError, match="not saved values"):
+        save_only_these_values(st, ["nope"])
+    assert lower(g, everything, st, check="full").cloned_nodes

@@ -209,3 +209,29 @@ class StepStructure:
         saved = step.saved
         producer_of = {v: producer[v].name for v in saved}
         return cls(step.loss, forward, frozenset(recomputable), saved, producer_of)
+
+
+# ---------------------------------------------------------------------------- policies
+# Whole-step plans named like JAX's checkpoint policies: baselines, and starting points for
+# strategies and tests.
+def everything_saveable(st: StepStructure, strategy: str = "everything_saveable") -> Plan:
+    """Keep every saved value (no rewrite): the baseline."""
+    return Plan(frozenset(), strategy)
+
+
+def nothing_saveable(st: StepStructure, strategy: str = "nothing_saveable") -> Plan:
+    """Recompute every saved value whose producer may be recomputed (the rest is kept)."""
+    nodes = {st.producer_of[v] for v in st.saved} & st.recomputable
+    return Plan(frozenset(nodes), strategy)
+
+
+def save_only_these_values(st: StepStructure, values, strategy: str = "save_only") -> Plan:
+    """Keep ``values``; recompute every other saved value that can be. A node with one
+    output kept is kept whole (recompute is per node)."""
+    keep = set(values)
+    unknown = sorted(keep - st.saved)
+    if unknown:
+        raise PlanError(f"not saved values of this step: {', '.join(unknown[:3])}")
+    kept_nodes = {st.producer_of[v] for v in keep}
+    nodes = {st.producer_of[v] for v in st.saved} & st.recomputable - kept_nodes
+    return Plan(frozenset(nodes), strategy)
