@@ -1,7 +1,7 @@
 """Run training steps in ONNX Runtime, measure them, and check them against the plan.
 
 ``run_steps`` is ``memcc run``. It reads a training step written by ``memcc build`` or
-``memcc compile`` (the ``memcc.*`` metadata contract of ``frontend/build.py``), runs it for
+``memcc compile`` (the ``memcc.*`` metadata contract, read by ``memcc/step.py``), runs it for
 a number of steps on one fixed batch, carries the state (updated parameters, optimizer
 state, BatchNorm statistics) from each step to the next, and reports losses, step times,
 the measured and the predicted peak, and whether ORT executed the planned order.
