@@ -9,84 +9,107 @@ import numpy as np
 import pytest
 
 from memcc.passes.solvers import ilp, sqrtn
-from memcc.passes.solvers.problem import Problem
+from memcc.passes.solvers.problem import CONTINUOUS, Problem, ProblemBuilder
 
 
 def random_problem(n: int, horizon: int, seed: int) -> Problem:
+    """n binaries, each freeing a value and holding a clone; some hold an earlier value
+    alive (an auxiliary with a floor) unless that one is set too."""
     rng = np.random.default_rng(seed)
     base = np.zeros(horizon)
-    tv, tb, ts, te, tu = [], [], [], [], []
-    for i in range(n):
+    spans = []
+    for _ in range(n):
         s = int(rng.integers(1, horizon // 2))
         e = int(rng.integers(horizon // 2, horizon - 1))
         size = float(rng.uniform(1, 10))
         base[s : e + 1] += size
-        rec = int(rng.integers(s + 1, e + 1))
-        tv += [i, i]
-        tb += [-size, size]
-        ts += [s + 1, rec]
-        te += [e, e]
-        tu += [-1, -1]
-        if i > 0 and rng.random() < 0.5:  # keeps an earlier value alive unless recomputed
-            tv.append(i)
-            tb.append(float(rng.uniform(1, 5)))
-            ts.append(rec - 1)
-            te.append(rec)
-            tu.append(i - 1)
-    return Problem(base, rng.uniform(0.1, 1.0, n), np.array(tv), np.array(tb), np.array(ts),
-                   np.array(te), tuple(map(str, range(n))), np.array(tu))
+        spans.append((s, e, size, int(rng.integers(s + 1, e + 1))))
+    b = ProblemBuilder(base)
+    xs = [b.variable("recompute", str(i), float(rng.uniform(0.1, 1.0))) for i in range(n)]
+    for i, (s, e, size, rec) in enumerate(spans):
+        b.term(xs[i], -size, s + 1, e)
+        b.term(xs[i], size, rec, e)
+        if i > 0 and rng.random() < 0.5:
+            aux = b.variable("alive", f"held{i}", var_type=CONTINUOUS)
+            b.floor(aux, {xs[i]: 1.0, xs[i - 1]: -1.0})
+            b.term(aux, float(rng.uniform(1, 5)), rec - 1, rec)
+    return b.build()
+
+
+def choices(problem: Problem):
+    binary = np.nonzero(problem.binary)[0]
+    for bits in itertools.product([0.0, 1.0], repeat=len(binary)):
+        x = np.zeros(problem.n_vars)
+        x[binary] = bits
+        yield problem.settle(x)
 
 
 def brute_force(problem: Problem, budget: float) -> float:
-    best = np.inf
-    for bits in itertools.product([0, 1], repeat=problem.n_vars):
-        x = np.array(bits, dtype=bool)
-        if problem.peak(x) <= budget + 1e-9:
-            best = min(best, float(problem.cost[x].sum()))
-    return best
+    return min((problem.added_time(x) for x in choices(problem)
+                if problem.feasible(x) and problem.peak(x) <= budget + 1e-9), default=np.inf)
 
 
 @pytest.mark.parametrize("seed", range(6))
 def test_ilp_matches_brute_force_optimum(seed):
     p = random_problem(9, 40, seed)
-    peak0 = p.peak(np.zeros(p.n_vars, dtype=bool))
-    lowest = min(p.peak(np.array(b, dtype=bool))
-                 for b in itertools.product([0, 1], repeat=p.n_vars))
+    peak0 = p.peak(np.zeros(p.n_vars))
+    lowest = min(p.peak(x) for x in choices(p))
     budget = lowest + 0.4 * (peak0 - lowest)
     sol = ilp.solve(p, budget, time_limit=20)
-    assert sol.status == "optimal"
+    assert sol.status in ("optimal", "feasible")
     assert p.peak(sol.x) <= budget + 1e-6
-    assert sol.objective == pytest.approx(brute_force(p, budget), rel=1e-6, abs=1e-9)
+    best = brute_force(p, budget)
+    assert best - 1e-9 <= sol.objective <= best * (1 + ilp.MIP_REL_GAP) + 1e-9
 
 
 def test_ilp_reports_infeasible_below_the_lowest_model_peak():
     p = random_problem(6, 30, 3)
-    lowest = min(p.peak(np.array(b, dtype=bool))
-                 for b in itertools.product([0, 1], repeat=p.n_vars))
+    lowest = min(p.peak(x) for x in choices(p))
     assert ilp.solve(p, lowest * 0.5, time_limit=10).status == "infeasible"
 
 
 def test_ilp_minimum_peak_objective_reaches_the_brute_force_minimum():
     p = random_problem(8, 30, 5)
-    lowest = min(p.peak(np.array(b, dtype=bool))
-                 for b in itertools.product([0, 1], repeat=p.n_vars))
+    lowest = min(p.peak(x) for x in choices(p))
     sol = ilp.solve(p, 0.0, time_limit=20, objective="peak")
     assert p.peak(sol.x) == pytest.approx(lowest)
 
 
-def test_unless_terms_count_only_when_the_other_variable_is_off():
-    p = Problem(np.zeros(4), np.ones(2), np.array([0]), np.array([5.0]), np.array([1]),
-                np.array([2]), ("a", "b"), np.array([1]))
-    assert p.peak(np.array([1, 0], dtype=bool)) == 5.0
-    assert p.peak(np.array([1, 1], dtype=bool)) == 0.0
-    assert p.peak(np.array([0, 0], dtype=bool)) == 0.0
+def test_floors_hold_an_auxiliary_at_its_largest_lower_bound():
+    b = ProblemBuilder(np.zeros(4))
+    x0, x1 = b.variable("recompute", "a"), b.variable("recompute", "b")
+    aux = b.variable("alive", "held", var_type=CONTINUOUS)
+    b.floor(aux, {x0: 1.0, x1: -1.0})
+    b.term(aux, 5.0, 1, 2)
+    p = b.build()
+    assert p.peak(np.array([1.0, 0.0, 0.0])) == 5.0
+    assert p.peak(np.array([1.0, 1.0, 0.0])) == 0.0
+    assert p.peak(np.array([0.0, 0.0, 0.0])) == 0.0
+
+
+def test_choice_groups_allow_one_of_k():
+    b = ProblemBuilder(np.zeros(2))
+    vs = [b.variable("recompute", str(i)) for i in range(3)]
+    b.choice(vs)
+    p = b.build()
+    assert p.feasible(np.array([0.0, 1.0, 0.0]))
+    assert not p.feasible(np.array([1.0, 1.0, 0.0]))
 
 
 def test_empty_problem_is_solved_trivially():
-    p = Problem(np.array([3.0]), np.zeros(0), np.zeros(0, int), np.zeros(0), np.zeros(0, int),
-                np.zeros(0, int), ())
+    p = ProblemBuilder(np.array([3.0])).build()
     assert ilp.solve(p, 5.0).status == "optimal"
     assert ilp.solve(p, 1.0).status == "infeasible"
+
+
+def test_a_warm_start_that_fits_is_never_beaten_by_a_worse_answer():
+    p = random_problem(9, 40, 2)
+    peak0 = p.peak(np.zeros(p.n_vars))
+    lowest = min(p.peak(x) for x in choices(p))
+    budget = lowest + 0.4 * (peak0 - lowest)
+    best = min((x for x in choices(p) if p.peak(x) <= budget), key=p.added_time)
+    sol = ilp.solve(p, budget, time_limit=20, starts=[best])
+    assert sol.objective <= p.added_time(best) * (1 + 1e-9)
 
 
 def test_sqrtn_keeps_the_producers_crossing_each_cut():

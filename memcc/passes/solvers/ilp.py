@@ -1,45 +1,32 @@
-"""Exact recompute choice under a budget: a 0-1 ILP solved by HiGHS (CBC as fallback).
+"""Exact choice under a budget: a 0-1 ILP over a ``Problem``, solved by HiGHS (CBC fallback).
 
-Formulation (O(n) variables, unlike Checkmate's T x T stage grid): one binary per
-recomputable forward node, minimise the added time, subject to the modelled bytes live at
-each time point staying under the budget. Writing a row for every time point would give
-millions of nonzeros on real steps, so rows are generated lazily: start with the time points
-where the baseline is highest, solve, evaluate the model at every time point (one cumsum),
-add the most violated points, and repeat until none is violated. The rows that end up in
-the model are the handful of places where memory actually binds.
+Minimise the added time subject to the modelled bytes live at each time point staying under
+the budget. Writing a row for every time point would give millions of nonzeros on real
+steps, so memory rows are generated lazily: start with the points where the baseline is
+highest, solve, evaluate the model at every point (one cumsum over settled values), add the
+most violated points, and repeat until none is violated. The rows that end up in the model
+are the handful of places where memory actually binds.
+
+The search is bounded by work, never by the clock alone, so that the same input gives the
+same plan on an idle or a busy machine: at most ``MAX_ROUNDS`` row rounds and
+``MIP_MAX_NODES`` branch-and-bound nodes per solve, one thread, a fixed seed. The time limit
+stays as a safety net; hitting it is reported (``Solution.limit_hit``).
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
-from memcc.errors import MemccError
 from memcc.passes.solvers.problem import Problem, Solution
 
-INITIAL_ROWS = 16
-ROWS_PER_ROUND = 8
+INITIAL_ROWS = 32
+ROWS_PER_ROUND = 40
 MAX_ROUNDS = 40
-
-
-class SolverUnavailable(MemccError):
-    """No MILP solver could be loaded (pulp with highspy, or pulp's bundled CBC)."""
-
-
-def _make_solver(time_limit: float, name: str):
-    try:
-        import pulp
-    except ImportError as exc:  # pragma: no cover - pulp is a dependency
-        raise SolverUnavailable("the ILP strategy needs pulp: pip install pulp highspy") from exc
-    if name == "highs":
-        try:
-            import highspy  # noqa: F401
-
-            return pulp.HiGHS(msg=False, timeLimit=max(time_limit, 0.1), threads=1), "HiGHS"
-        except (ImportError, pulp.PulpSolverError):
-            name = "cbc"
-    return pulp.PULP_CBC_CMD(msg=False, timeLimit=max(int(time_limit), 1)), "CBC"
+MIP_MAX_NODES = 50
+MIP_REL_GAP = 0.025
 
 
 def _initial_rows(problem: Problem, k: int) -> list[int]:
@@ -48,113 +35,219 @@ def _initial_rows(problem: Problem, k: int) -> list[int]:
 
 
 def solve(problem: Problem, budget: float, *, time_limit: float = 60.0,
-          solver: str = "highs", objective: str = "time") -> Solution:
+          solver: str = "highs", objective: str = "time",
+          starts: list[np.ndarray] | None = None) -> Solution:
     """Minimise added time s.t. modelled memory <= budget (objective="time"), or minimise the
-    modelled peak with the added time as a tie-breaker (objective="peak")."""
-    import pulp
+    modelled peak with the added time as a tie-breaker (objective="peak").
 
+    ``starts`` are candidate solutions (e.g. heuristic plans written as variables); the
+    cheapest one that satisfies the model is handed to the solver as its first incumbent,
+    and each round starts from the previous round's answer when it still fits."""
     start = time.perf_counter()
     n = problem.n_vars
-    if n == 0:
-        x = np.zeros(0, dtype=bool)
-        ok = problem.peak(x) <= budget or objective == "peak"
-        return Solution(x, "optimal" if ok else "infeasible", 0.0, 0.0, 0.0, "none")
+    zero = problem.settle(np.zeros(n))
+    if n == 0 or not np.any(problem.binary):
+        ok = problem.peak(zero) <= budget or objective == "peak"
+        return Solution(zero, "optimal" if ok else "infeasible", 0.0, 0.0,
+                        time.perf_counter() - start, "none")
+    run = _highs if solver == "highs" and _has_highs() else _cbc
+    name = "HiGHS" if run is _highs else "CBC"
+    fitting = [problem.settle(x) for x in (starts or [])]
+    fitting = [x for x in fitting if problem.feasible(x)
+               and (objective == "peak" or problem.memory(x).max() <= budget * (1 + 1e-9))]
+    incumbent = min(fitting, key=problem.added_time) if fitting else None
     rows = _initial_rows(problem, INITIAL_ROWS)
-    status, gap, name = "not solved", None, solver
-    x = np.zeros(n, dtype=bool)
+    status, gap, limit_hit = "not solved", None, None
+    x = zero
     rounds = 0
-    scale = max(float(problem.base.max(initial=1.0)), 1.0)
-    cost_scale = max(float(problem.cost.sum()), 1e-12)
     for rounds in range(1, MAX_ROUNDS + 1):
         remaining = time_limit - (time.perf_counter() - start)
         if remaining <= 0:
+            limit_hit = "time"
             status = "time limit" if status == "not solved" else status
             break
-        prob, xv = _model(problem, rows, budget, objective, scale, cost_scale)
-        backend, name = _make_solver(remaining, solver)
-        prob.solve(backend)
-        st = pulp.LpStatus[prob.status]
-        values = np.array([(v.value() or 0.0) > 0.5 for v in xv], dtype=bool)
-        if st == "Infeasible":
+        result = run(problem, rows, budget, objective, remaining, incumbent)
+        if result.status == "infeasible":
             return Solution(x, "infeasible", None, float("inf"),
                             time.perf_counter() - start, name, rounds)
-        if st not in ("Optimal",) and not values.any() and prob.status != 1:
-            status = "time limit" if st == "Not Solved" else st.lower()
+        if result.values is None:
+            # No answer within this round's work limit: keep the last round's (the
+            # simulator judges it), or report the limit when there is none.
+            limit_hit = result.limit or "time"
+            status = "time limit" if status == "not solved" else "feasible"
             break
-        x = values
-        gap = _gap(prob)
-        status = "optimal" if st == "Optimal" and (gap is None or gap <= 1e-4) else "feasible"
+        x = problem.settle(result.values)
+        gap, limit_hit = result.gap, result.limit or limit_hit
+        status = "optimal" if result.status == "optimal" else "feasible"
         mem = problem.memory(x)
-        limit = mem.max() if objective == "peak" else budget
-        violated = np.nonzero(mem > limit * (1 + 1e-9) + 1.0)[0] if objective != "peak" else \
-            np.array([int(np.argmax(mem))])
-        new = [int(t) for t in violated[np.argsort(-mem[violated])][:ROWS_PER_ROUND]
-               if int(t) not in rows]
+        if objective == "peak":
+            violated = np.array([int(np.argmax(mem))])
+        else:
+            violated = np.nonzero(mem > budget * (1 + 1e-9) + 1.0)[0]
+        new = _spread_rows(violated, mem, set(rows), ROWS_PER_ROUND)
         if not new:
             break
         rows = sorted(set(rows) | set(new))
-    objective_s = float(problem.cost[x].sum())
-    return Solution(x, status, gap, objective_s, time.perf_counter() - start, name, rounds)
+        if incumbent is None or problem.added_time(x) < problem.added_time(incumbent):
+            if objective == "peak" or mem.max() <= budget * (1 + 1e-9):
+                incumbent = x
+    else:
+        limit_hit = limit_hit or "work"
+    return Solution(x, status, gap, problem.added_time(x), time.perf_counter() - start, name,
+                    rounds, limit_hit)
 
 
-def _model(problem: Problem, rows: list[int], budget: float, objective: str, scale: float,
-           cost_scale: float):
-    """The MILP over the given memory rows; returns (pulp problem, x variables)."""
+def _spread_rows(violated: np.ndarray, mem: np.ndarray, taken: set[int], k: int) -> list[int]:
+    """The most violated point of each of ``k`` stretches of the schedule: one round then
+    covers every separate peak instead of ``k`` neighbours of the highest one."""
+    fresh = np.array([t for t in violated.tolist() if t not in taken], dtype=np.int64)
+    if len(fresh) == 0:
+        return []
+    out = []
+    for part in np.array_split(fresh, min(k, len(fresh))):
+        out.append(int(part[np.argmax(mem[part])]))
+    return sorted(set(out))
+
+
+@dataclass(frozen=True)
+class _Result:
+    status: str                  # "optimal", "feasible", "infeasible", "none"
+    values: np.ndarray | None
+    gap: float | None
+    limit: str | None            # "work" or "time" when a limit stopped the search
+
+
+def _matrix(problem: Problem, rows: list[int], budget: float, objective: str):
+    """The MILP as arrays: (cost, lower, upper, integral, A rows (CSR), row lower, row upper).
+
+    Memory rows are scaled to the baseline peak and costs to their sum, so that HiGHS's
+    tolerances mean the same on a 100 MB and a 100 GB step."""
+    n = problem.n_vars
+    scale = max(float(problem.base.max(initial=1.0)), 1.0)
+    cost_scale = max(float(problem.cost.sum()), 1e-12)
+    binary = problem.binary
+    cost = problem.cost / cost_scale + 1e-9 * binary
+    ncol = n + (1 if objective == "peak" else 0)
+    lower = np.zeros(ncol)
+    upper = np.ones(ncol)
+    integral = np.concatenate([binary, np.zeros(ncol - n, dtype=bool)])
+    if objective == "peak":
+        cost = np.concatenate([1e-6 * cost, [1.0]])
+        upper[-1] = np.inf
+    ptr, idx, val, lo, hi = [0], [], [], [], []
+
+    def add(cols, coefs, low, high) -> None:
+        idx.extend(int(c) for c in cols)
+        val.extend(float(c) for c in coefs)
+        ptr.append(len(idx))
+        lo.append(low)
+        hi.append(high)
+
+    for group in problem.choice_groups:
+        add(group, np.ones(len(group)), -np.inf, 1.0)
+    for k in range(problem.rows.count):
+        var, coef = problem.rows.row(k)
+        add(var, coef, -np.inf, float(problem.rows.rhs[k]))
+    for k in range(problem.floors.count):
+        var, coef = problem.floors.row(k)
+        aux = int(problem.floor_aux[k])
+        add([aux, *var.tolist()], [1.0, *(-coef).tolist()], float(problem.floors.rhs[k]),
+            np.inf)
+    for t in rows:
+        coeffs = problem.memory_row(t)
+        cols = list(coeffs)
+        coefs = [coeffs[c] / scale for c in cols]
+        if objective == "peak":
+            add([*cols, n], [*coefs, -1.0], -np.inf, -float(problem.base[t]) / scale)
+        else:
+            add(cols, coefs, -np.inf, (budget - float(problem.base[t])) / scale)
+    return cost, lower, upper, integral, (ptr, idx, val), np.array(lo), np.array(hi)
+
+
+def _has_highs() -> bool:
+    try:
+        import highspy  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _highs(problem: Problem, rows: list[int], budget: float, objective: str,
+           time_limit: float, incumbent: np.ndarray | None) -> _Result:
+    import highspy
+
+    cost, lower, upper, integral, (ptr, idx, val), lo, hi = _matrix(problem, rows, budget,
+                                                                   objective)
+    inf = highspy.kHighsInf
+    h = highspy.Highs()
+    for key, value in (("output_flag", False), ("threads", 1), ("random_seed", 0),
+                       ("mip_rel_gap", MIP_REL_GAP), ("mip_max_nodes", MIP_MAX_NODES),
+                       ("time_limit", max(float(time_limit), 0.1))):
+        h.setOptionValue(key, value)
+    lp = highspy.HighsLp()
+    lp.num_col_ = len(cost)
+    lp.num_row_ = len(lo)
+    lp.col_cost_ = cost
+    lp.col_lower_ = lower
+    lp.col_upper_ = np.where(np.isinf(upper), inf, upper)
+    lp.row_lower_ = np.where(np.isinf(lo), -inf, lo)
+    lp.row_upper_ = np.where(np.isinf(hi), inf, hi)
+    lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
+    lp.a_matrix_.start_ = np.asarray(ptr, dtype=np.int32)
+    lp.a_matrix_.index_ = np.asarray(idx, dtype=np.int32)
+    lp.a_matrix_.value_ = np.asarray(val, dtype=np.float64)
+    lp.integrality_ = [highspy.HighsVarType.kInteger if b else highspy.HighsVarType.kContinuous
+                       for b in integral]
+    h.passModel(lp)
+    if incumbent is not None:
+        start = highspy.HighsSolution()
+        col = list(map(float, incumbent))
+        if objective == "peak":
+            col.append(float(problem.memory(incumbent).max()) /
+                       max(float(problem.base.max(initial=1.0)), 1.0))
+        start.col_value = col
+        h.setSolution(start)
+    h.run()
+    status = h.getModelStatus()
+    text = h.modelStatusToString(status).lower()
+    has_solution = h.getInfo().primal_solution_status == 2
+    values = np.asarray(h.getSolution().col_value[: problem.n_vars], dtype=np.float64) \
+        if has_solution else None
+    gap = float(h.getInfo().mip_gap) if has_solution else None
+    gap = gap if gap is not None and np.isfinite(gap) else None
+    if "infeasible" in text and not has_solution:
+        return _Result("infeasible", None, None, None)
+    limit = "time" if "time" in text else ("work" if "limit" in text else None)
+    if status == highspy.HighsModelStatus.kOptimal:
+        return _Result("optimal", values, gap, None)
+    return _Result("feasible" if values is not None else "none", values, gap, limit)
+
+
+def _cbc(problem: Problem, rows: list[int], budget: float, objective: str,
+         time_limit: float, incumbent: np.ndarray | None) -> _Result:
+    """pulp's bundled CBC, for installs without highspy (no warm start)."""
     import pulp
 
-    n = problem.n_vars
-    prob = pulp.LpProblem("memcc_recompute", pulp.LpMinimize)
-    def new_var(name: str, low=None, up=None, cat: str = "Continuous"):
-        if hasattr(prob, "add_variable"):  # PuLP >= 3.3
-            return prob.add_variable(name, low, up, cat=cat)
-        return pulp.LpVariable(name, low, up, cat=cat)
-
-    xv = [new_var(f"x{i}", cat="Binary") for i in range(n)]
-    zv: dict[tuple[str, int, int], pulp.LpVariable] = {}
-
-    def var(key):
-        if isinstance(key, int):
-            return xv[key]
-        if key not in zv:
-            # Memory rows only ever push z down, so with z >= 0:
-            # unless: z >= x_v - x_u gives max(0, x_v - x_u); and: z >= x_v + x_w - 1 gives
-            # the product of two binaries.
-            kind, v, u = key
-            z = new_var(f"z{kind[0]}{v}_{u}", 0, 1)
-            if kind == "unless":
-                prob.addConstraint(z >= xv[v] - xv[u])
-            else:
-                prob.addConstraint(z >= xv[v] + xv[u] - 1)
-            zv[key] = z
-        return zv[key]
-
-    added = pulp.lpSum(float(problem.cost[i]) / cost_scale * xv[i] for i in range(n)
-                       if problem.cost[i] > 0)
-    peak = None
-    if objective == "peak":
-        peak = new_var("peak", 0)
-        prob += peak + 1e-6 * added
-    else:
-        prob += added + 1e-9 * pulp.lpSum(xv)
-    if problem.exclusive is not None:
-        for u, m in problem.exclusive:
-            prob += xv[int(u)] + xv[int(m)] <= 1
-    for t in rows:
-        coeffs = problem.row(t)
-        lhs = pulp.lpSum(c / scale * var(k) for k, c in coeffs.items() if c != 0.0)
-        if peak is not None:
-            prob += lhs + problem.base[t] / scale <= peak
-        else:
-            prob += lhs <= (budget - problem.base[t]) / scale
-    return prob, xv
-
-
-def _gap(prob) -> float | None:
-    model = getattr(prob, "solverModel", None)
-    if model is None or not hasattr(model, "getInfo"):
-        return None
-    try:
-        g = float(model.getInfo().mip_gap)
-    except Exception:
-        return None
-    return g if np.isfinite(g) else None
+    cost, lower, upper, integral, (ptr, idx, val), lo, hi = _matrix(problem, rows, budget,
+                                                                   objective)
+    prob = pulp.LpProblem("memcc_plan", pulp.LpMinimize)
+    xs = [pulp.LpVariable(f"v{i}", lower[i], None if np.isinf(upper[i]) else upper[i],
+                          cat="Integer" if integral[i] else "Continuous")
+          for i in range(len(cost))]
+    prob += pulp.lpSum(float(c) * x for c, x in zip(cost, xs, strict=True) if c)
+    for k in range(len(lo)):
+        expr = pulp.lpSum(float(val[j]) * xs[idx[j]] for j in range(ptr[k], ptr[k + 1]))
+        if np.isfinite(hi[k]):
+            prob += expr <= float(hi[k])
+        if np.isfinite(lo[k]):
+            prob += expr >= float(lo[k])
+    prob.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=max(int(time_limit), 1), threads=1,
+                                 gapRel=MIP_REL_GAP))
+    st = pulp.LpStatus[prob.status]
+    if st == "Infeasible":
+        return _Result("infeasible", None, None, None)
+    values = np.array([x.value() or 0.0 for x in xs[: problem.n_vars]])
+    if st != "Optimal" and not values.any():
+        return _Result("none", None, None, "time")
+    return _Result("optimal" if st == "Optimal" else "feasible", values, None,
+                   None if st == "Optimal" else "time")
