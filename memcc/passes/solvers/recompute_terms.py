@@ -18,8 +18,8 @@ explicitly makes chains of any depth linear:
 - clone: ``+bytes`` from the birth to the value's death;
 - held past death: a value read by a recomputed consumer born after the value's death (a
   kept input the clone needs, or a clone another clone reads later) stays live until then.
-  One auxiliary ``alive[b, p]`` per buffer and candidate point, with floors
-  ``alive[b, p] >= sum(y[c, s] for s >= p) - sum(y[u, s] for s > p)`` per consumer c.
+  Between two candidate points nothing is born, so one auxiliary per point and one per gap
+  between points (``_hold``) make this exact at every time point.
 
 The optimiser always prefers the latest birth allowed (earlier costs memory), which is the
 lowering's rule, so the model is exact where a unit's true birth is one of its candidates.
@@ -190,7 +190,7 @@ def add_recompute_terms(builder: ProblemBuilder, graph: Graph, st: StepStructure
                 builder.term(v, float(vl.nbytes), s, vl.death)
 
     # Held past death: every value a recomputed consumer reads.
-    held: dict[str, dict[int, int]] = defaultdict(dict)
+    readers_of: dict[str, set[tuple[int, int | None]]] = defaultdict(set)
     for c in range(n_units):
         if not y[c]:
             continue
@@ -199,38 +199,66 @@ def add_recompute_terms(builder: ProblemBuilder, graph: Graph, st: StepStructure
                 vl = values.get(inp)
                 if vl is None:
                     continue
-                b = vl.buffer
-                bl = values.get(b)
+                bl = values.get(vl.buffer)
                 if bl is None or bl.death is None:
                     continue  # pinned for the whole step: nothing to extend
                 src = producer.get(inp)
                 u = unit_of_node.get(src.name) if src is not None else None
-                if u == c:
-                    continue
-                for p in y[c]:
-                    if p <= bl.death:
-                        continue
-                    aux = held[b].get(p)
-                    if aux is None:
-                        aux = builder.variable("alive", f"{b} alive at #{p}",
-                                               var_type=CONTINUOUS)
-                        held[b][p] = aux
-                    coeffs = {v: 1.0 for s, v in y[c].items() if s >= p}
-                    if u is not None:
-                        for v, one in later(u, p).items():
-                            coeffs[v] = coeffs.get(v, 0.0) - one
-                    builder.floor(aux, coeffs)
-    for b, points in held.items():
-        bl = values[b]
-        prev = bl.death
-        for p in sorted(points):
-            builder.term(points[p], float(bl.nbytes), prev + 1, p)
-            prev = p
+                if u != c:
+                    readers_of[vl.buffer].add((c, u))
+    for b, pairs in readers_of.items():
+        _hold(builder, b, values[b], sorted(pairs, key=lambda p: (p[0], -1 if p[1] is None
+                                                                   else p[1])), y)
 
     crossing_bytes, crossing_units = _forward_cuts(nodes, st, values, readers, members,
                                                    producer, unit_of_node)
     return RecomputeUnits(tuple(groups), unit_cost, var_unit, var_birth, crossing_bytes,
                           crossing_units)
+
+
+def _hold(builder: ProblemBuilder, b: str, bl, pairs: list[tuple[int, int | None]],
+          y: list[dict[int, int]]) -> None:
+    """Terms for buffer ``b`` staying live past its death for recomputed readers.
+
+    Births happen only at candidate points, so between two points p_i < p_next nothing
+    changes: the buffer is live at p_i when some reader c is born at or after p_i and its
+    producer u is kept or born by p_i; live strictly between p_i and p_next when a reader
+    is born at or after p_next and u is kept or born by p_i. One auxiliary per point and
+    per gap, each with one floor per (reader, producer) pair: exact at every time point."""
+    death = bl.death
+    points = sorted({p for c, u in pairs for p in list(y[c]) + list(y[u] if u is not None
+                                                                    else ()) if p > death})
+    if not points:
+        return
+    nbytes = float(bl.nbytes)
+
+    def after(unit: int | None, p: int, strict: bool) -> dict[int, float]:
+        if unit is None:
+            return {}
+        return {v: 1.0 for s, v in y[unit].items() if (s > p if strict else s >= p)}
+
+    def aux_with_floors(label: str, reader_from: int, born_after: int, start: int,
+                        end: int) -> None:
+        floors = []
+        for c, u in pairs:
+            coeffs = after(c, reader_from, strict=False)
+            if not coeffs:
+                continue
+            for v, one in after(u, born_after, strict=True).items():
+                coeffs[v] = coeffs.get(v, 0.0) - one
+            floors.append(coeffs)
+        if not floors or start > end:
+            return
+        aux = builder.variable("alive", f"{b} alive {label}", var_type=CONTINUOUS)
+        for coeffs in floors:
+            builder.floor(aux, coeffs)
+        builder.term(aux, nbytes, start, end)
+
+    aux_with_floors(f"after #{death}", points[0], death, death + 1, points[0] - 1)
+    for i, p in enumerate(points):
+        aux_with_floors(f"at #{p}", p, p, p, p)
+        if i + 1 < len(points):
+            aux_with_floors(f"after #{p}", points[i + 1], p, p + 1, points[i + 1] - 1)
 
 
 def _spread(points: list[int], k: int) -> list[int]:
