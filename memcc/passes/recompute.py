@@ -61,13 +61,38 @@ def apply_recompute(graph: Graph, plan: Plan, structure: StepStructure | None = 
 
     rerun_before: dict[str, str] = {}
 
+    def needs_clone(value: str) -> onnx.NodeProto | None:
+        if not value or value in clone_of:
+            return None
+        node = producers.get(value)
+        return node if node is not None and node.name in recompute else None
+
     def resolve(value: str, emitted: list[onnx.NodeProto], reader: str) -> str:
+        """The name ``reader`` reads for ``value``: its clone, made now (inputs first, in
+        input order) if it has none yet. Iterative, because a chain can run through a whole
+        forward pass (ResNet-152's is deeper than Python's recursion limit)."""
         if value in clone_of:
             return clone_of[value]
-        node = producers.get(value)
-        if node is None or node.name not in recompute:
+        first = needs_clone(value)
+        if first is None:
             return value
-        inputs = [resolve(i, emitted, reader) if i else "" for i in node.input]
+        stack: list[tuple[onnx.NodeProto, int]] = [(first, 0)]
+        while stack:
+            node, k = stack[-1]
+            child = None
+            while k < len(node.input) and child is None:
+                child = needs_clone(node.input[k])
+                k += 1
+            if child is not None:
+                stack[-1] = (node, k)
+                stack.append((child, 0))
+                continue
+            stack.pop()
+            emit(node, emitted, reader)
+        return clone_of[value]
+
+    def emit(node: onnx.NodeProto, emitted: list[onnx.NodeProto], reader: str) -> None:
+        inputs = [clone_of.get(i, i) if i else "" for i in node.input]
         rerun_before[node.name] = reader
         clone = onnx.NodeProto()
         clone.CopyFrom(node)
@@ -91,7 +116,6 @@ def apply_recompute(graph: Graph, plan: Plan, structure: StepStructure | None = 
         du.add(clone)
         emitted.append(clone)
         cloned.append(node.name)
-        return clone_of[value]
 
     for node in out.nodes:
         if node.name in st.forward:
