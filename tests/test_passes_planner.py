@@ -124,3 +124,37 @@ def test_runs_say_what_each_strategy_returned(step, strategy):
     for r in out.runs:
         if r.get("status") == "infeasible":
             assert r["objective_s"] is None and "peak_bytes" not in r
+
+
+def test_ilp_alone_reaches_the_smallest_peak_of_any_strategy(step):
+    """Issue 9: `--strategy ilp` reaches every budget down to the smallest any strategy
+    reaches (sqrt(n)'s recompute-everything plan included)."""
+    name, g, costs, base = step
+    auto = choose_plan(g, None, costs, strategy="auto", time_limit=60, baseline=base)
+    ilp_only = choose_plan(g, None, costs, strategy="ilp", time_limit=60, baseline=base)
+    assert ilp_only.best.peak_bytes <= auto.smallest_peak * 1.001 + 4096, name
+
+
+def test_the_smallest_budget_in_a_refusal_is_the_one_budget_min_reaches(step):
+    name, g, costs, base = step
+    smallest = choose_plan(g, None, costs, strategy="ilp", time_limit=60,
+                           baseline=base).best.peak_bytes
+    with pytest.raises(BudgetError) as exc:
+        choose_plan(g, int(smallest * 0.97), costs, strategy="ilp", time_limit=60,
+                    baseline=base)
+    assert exc.value.smallest == smallest, name
+    assert choose_plan(g, exc.value.smallest, costs, strategy="ilp", time_limit=60,
+                       baseline=base).best.peak_bytes <= smallest
+
+
+def test_the_plan_does_not_depend_on_the_time_limit(step):
+    """Issue 9 item 8: the search is bounded by work (rounds, branch-and-bound nodes), so a
+    time limit that is not hit changes nothing, whatever the machine's load."""
+    name, g, costs, base = step
+    smallest = choose_plan(g, None, costs, strategy="auto", time_limit=60,
+                           baseline=base).smallest_peak
+    budget = int(smallest + 0.3 * (base.peak_bytes - smallest))
+    plans = [choose_plan(g, budget, costs, strategy="auto", time_limit=t, baseline=base)
+             for t in (60, 600)]
+    assert plans[0].best.plan.recompute == plans[1].best.plan.recompute, name
+    assert plans[0].solver.get("limit_hit") != "time"

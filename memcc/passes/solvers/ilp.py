@@ -22,16 +22,23 @@ import numpy as np
 
 from memcc.passes.solvers.problem import Problem, Solution
 
-INITIAL_ROWS = 32
+INITIAL_ROWS = 48
 ROWS_PER_ROUND = 40
 MAX_ROUNDS = 40
 MIP_MAX_NODES = 50
 MIP_REL_GAP = 0.025
 
 
-def _initial_rows(problem: Problem, k: int) -> list[int]:
-    order = np.argsort(-problem.base, kind="stable")
-    return sorted({int(t) for t in order[:k]})
+def _initial_rows(problem: Problem, budget: float, objective: str, k: int) -> list[int]:
+    """The highest baseline point of each of ``k`` stretches of the schedule where the
+    baseline is over the budget (everywhere, for the peak objective): memory binds at
+    several separate places (the end of the forward pass, each backward block), and
+    starting with all of them saves rounds."""
+    over = np.arange(problem.horizon) if objective == "peak" else \
+        np.nonzero(problem.base > budget)[0]
+    if len(over) == 0:
+        over = np.array([int(np.argmax(problem.base))])
+    return _spread_rows(over, problem.base, set(), k)
 
 
 def solve(problem: Problem, budget: float, *, time_limit: float = 60.0,
@@ -56,7 +63,7 @@ def solve(problem: Problem, budget: float, *, time_limit: float = 60.0,
     fitting = [x for x in fitting if problem.feasible(x)
                and (objective == "peak" or problem.memory(x).max() <= budget * (1 + 1e-9))]
     incumbent = min(fitting, key=problem.added_time) if fitting else None
-    rows = _initial_rows(problem, INITIAL_ROWS)
+    rows = _initial_rows(problem, budget, objective, INITIAL_ROWS)
     status, gap, limit_hit = "not solved", None, None
     x = zero
     rounds = 0
