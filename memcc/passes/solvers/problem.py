@@ -73,6 +73,9 @@ class Problem:
     rows: SparseRows = field(default_factory=SparseRows.empty)      # sum <= rhs
     floors: SparseRows = field(default_factory=SparseRows.empty)    # aux >= sum + rhs
     floor_aux: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    # Tie-breaks between answers of equal cost, in [0, 1] per variable (smaller preferred),
+    # e.g. a clone born later: the lowering makes it as late as it can, so the model should.
+    preference: np.ndarray | None = None
 
     @property
     def n_vars(self) -> int:
@@ -139,6 +142,7 @@ class ProblemBuilder:
         self._type: list[str] = []
         self._kind: list[str] = []
         self._names: list[str] = []
+        self._preference: list[float] = []
         self._terms: tuple[list, list, list, list] = ([], [], [], [])
         self._groups: list[np.ndarray] = []
         self._rows: tuple[list, list, list] = ([0], [], [])
@@ -152,7 +156,8 @@ class ProblemBuilder:
         return len(self.base)
 
     def variable(self, kind: str, name: str, cost: float = 0.0, *,
-                 var_type: str = BINARY) -> int:
+                 var_type: str = BINARY, preference: float = 0.0) -> int:
+        self._preference.append(float(preference))
         self._cost.append(float(cost))
         self._type.append(var_type)
         self._kind.append(kind)
@@ -195,6 +200,7 @@ class ProblemBuilder:
             rows=_sparse(self._rows, self._rows_rhs),
             floors=_sparse(self._floors, self._floors_rhs),
             floor_aux=np.asarray(self._floor_aux, dtype=np.int64),
+            preference=np.asarray(self._preference, dtype=np.float64),
         )
 
 

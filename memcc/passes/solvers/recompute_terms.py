@@ -27,7 +27,7 @@ Candidates are the unit's own first backward reader plus its consumers' candidat
 ``CANDIDATE_BUDGET`` / units each, within [4, 10] (the latest ones and a spread back to the
 earliest); a true birth between two candidates is modelled at the earlier one, which can only
 overstate memory. Not modelled
-(the simulator judges every answer): clone kernels' scratch, in-place writes between clones,
+(the simulator judges every answer): in-place writes between clones,
 and forward nodes the lowering drops because nothing reads them any more (a saving).
 """
 
@@ -40,7 +40,7 @@ import numpy as np
 
 from memcc.graph import Graph
 from memcc.passes.cost_model import CostModel
-from memcc.passes.liveness import LivenessReport
+from memcc.passes.liveness import LivenessReport, scratch_bytes
 from memcc.passes.plan import StepStructure
 from memcc.passes.solvers.problem import CONTINUOUS, ProblemBuilder
 
@@ -162,7 +162,7 @@ def add_recompute_terms(builder: ProblemBuilder, graph: Graph, st: StepStructure
     for u in range(n_units):
         for s in sorted(cands[u]):
             v = builder.variable(KIND, f"recompute {groups[u][0]} before #{s}",
-                                 float(unit_cost[u]))
+                                 float(unit_cost[u]), preference=(T - s) / T)
             y[u][s] = v
             var_unit[v] = u
             var_birth[v] = s
@@ -171,6 +171,14 @@ def add_recompute_terms(builder: ProblemBuilder, graph: Graph, st: StepStructure
     def later(u: int, p: int) -> dict[int, float]:
         """sum(y[u, s] for s > p)."""
         return {v: 1.0 for s, v in y[u].items() if s > p}
+
+    # Scratch: a clone's kernel scratch (Where's two selections, ...) exists while it runs,
+    # just before its birth point, on top of everything live there.
+    for u in range(n_units):
+        scratch = max((scratch_bytes(nodes[pos[name]], graph.info, graph.opset)
+                       for name in groups[u]), default=0)
+        for s, v in y[u].items():
+            builder.term(v, float(scratch), s, s)
 
     # Chains: a consumer born at s_c needs u born at or before s_c.
     for u in range(n_units):
