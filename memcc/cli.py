@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from memcc.errors import MemccError
+from memcc.step import TrainingStep
 
 app = typer.Typer(
     help="memcc: fit neural-network training steps (ONNX) into a memory budget.",
@@ -87,7 +88,7 @@ def build(
     except MemccError as exc:
         _fail(exc)
         return
-    params = json.loads(graph.metadata["memcc.parameters"])
+    params = TrainingStep.of(graph).parameters
     n_params = sum(graph.info[p].numel for p in params)
     out.print(
         f"wrote {output}: {len(graph.nodes)} nodes, {len(params)} parameter tensors "

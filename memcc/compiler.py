@@ -44,6 +44,7 @@ from memcc.passes.plan import StepStructure
 from memcc.passes.planner import STRATEGIES, BudgetError, PlanOutcome, choose_plan
 from memcc.passes.simulate import Simulation
 from memcc.sizes import format_size, parse_size
+from memcc.step import TrainingStep
 
 COST_SOURCES = ("auto", "measured", "analytic")
 PLAN_KEY = "memcc.plan"
@@ -342,7 +343,7 @@ def _load(model, label: str, options: CompileOptions):
     if not is_training_step(graph):
         graph = build_training_step(graph, options.build, source=label)
         built = True
-    params = json.loads(graph.metadata.get("memcc.parameters", "[]"))
+    params = TrainingStep.of(graph).parameters
     return graph, {
         "model": label, "built_training_step": built, "nodes": len(graph.nodes),
         "parameters": len(params),

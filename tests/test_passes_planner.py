@@ -4,6 +4,8 @@ the sqrt(n) heuristic at the same budget."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from memcc.frontend.build import BuildOptions, build_training_step
@@ -22,13 +24,24 @@ CASES = {
 }
 
 
+@functools.cache
+def built(name: str):
+    g = build_training_step(load_graph(build_model(name, **CASES[name])), BuildOptions())
+    costs = analytic_costs(g, RATES)
+    return name, g, costs, simulate(g, Plan(), costs)
+
+
 @pytest.fixture(scope="module", params=sorted(CASES))
 def step(request):
-    g = build_training_step(load_graph(build_model(request.param, **CASES[request.param])),
-                            BuildOptions())
-    costs = analytic_costs(g, RATES)
-    base = simulate(g, Plan(), costs)
-    return request.param, g, costs, base
+    return built(request.param)
+
+
+@functools.cache
+def smallest(name: str, strategy: str):
+    """``--budget min`` for one model and strategy, searched once per test session (the
+    most expensive planner call)."""
+    _, g, costs, base = built(name)
+    return choose_plan(g, None, costs, strategy=strategy, time_limit=300, baseline=base)
 
 
 def test_none_keeps_the_baseline(step):
@@ -40,9 +53,8 @@ def test_none_keeps_the_baseline(step):
 @pytest.mark.parametrize("strategy", ["ilp", "sqrtn", "auto"])
 def test_plans_fit_what_they_claim(step, strategy):
     name, g, costs, base = step
-    smallest = choose_plan(g, None, costs, strategy="auto", time_limit=30,
-                           baseline=base).smallest_peak
-    budget = int(smallest + 0.5 * (base.peak_bytes - smallest))
+    least = smallest(name, "auto").smallest_peak
+    budget = int(least + 0.5 * (base.peak_bytes - least))
     try:
         out = choose_plan(g, budget, costs, strategy=strategy, time_limit=30, baseline=base)
     except BudgetError:
@@ -119,6 +131,9 @@ def test_runs_say_what_each_strategy_returned(step, strategy):
                                                         out.best.added_time_s)
     if out.strategy == "auto":
         assert run["strategy"] == "polish" and out.picked == f"{run['from']}+polish"
+    elif run.get("seed"):
+        assert run["strategy"] == out.strategy == "ilp"
+        assert out.picked == "ilp (sqrt(n) seed)"
     else:
         assert run["strategy"] == out.picked == out.strategy
     for r in out.runs:
@@ -130,31 +145,26 @@ def test_ilp_alone_reaches_the_smallest_peak_of_any_strategy(step):
     """Issue 9: `--strategy ilp` reaches every budget down to the smallest any strategy
     reaches (sqrt(n)'s recompute-everything plan included)."""
     name, g, costs, base = step
-    auto = choose_plan(g, None, costs, strategy="auto", time_limit=60, baseline=base)
-    ilp_only = choose_plan(g, None, costs, strategy="ilp", time_limit=60, baseline=base)
+    auto, ilp_only = smallest(name, "auto"), smallest(name, "ilp")
     assert ilp_only.best.peak_bytes <= auto.smallest_peak * 1.001 + 4096, name
 
 
 def test_the_smallest_budget_in_a_refusal_is_the_one_budget_min_reaches(step):
     name, g, costs, base = step
-    smallest = choose_plan(g, None, costs, strategy="ilp", time_limit=60,
-                           baseline=base).best.peak_bytes
+    least = smallest(name, "ilp").best.peak_bytes
     with pytest.raises(BudgetError) as exc:
-        choose_plan(g, int(smallest * 0.97), costs, strategy="ilp", time_limit=60,
+        choose_plan(g, int(least * 0.97), costs, strategy="ilp", time_limit=300,
                     baseline=base)
-    assert exc.value.smallest == smallest, name
-    assert choose_plan(g, exc.value.smallest, costs, strategy="ilp", time_limit=60,
-                       baseline=base).best.peak_bytes <= smallest
+    assert exc.value.smallest == least, name
 
 
 def test_the_plan_does_not_depend_on_the_time_limit(step):
     """Issue 9 item 8: the search is bounded by work (rounds, branch-and-bound nodes), so a
     time limit that is not hit changes nothing, whatever the machine's load."""
     name, g, costs, base = step
-    smallest = choose_plan(g, None, costs, strategy="auto", time_limit=60,
-                           baseline=base).smallest_peak
-    budget = int(smallest + 0.3 * (base.peak_bytes - smallest))
+    least = smallest(name, "auto").smallest_peak
+    budget = int(least + 0.3 * (base.peak_bytes - least))
     plans = [choose_plan(g, budget, costs, strategy="auto", time_limit=t, baseline=base)
-             for t in (60, 600)]
+             for t in (300, 3000)]
     assert plans[0].best.plan.recompute == plans[1].best.plan.recompute, name
     assert plans[0].solver.get("limit_hit") != "time"

@@ -24,8 +24,8 @@ from memcc.passes.solvers.problem import Problem, Solution
 
 INITIAL_ROWS = 48
 ROWS_PER_ROUND = 40
-MAX_ROUNDS = 12
-MIP_MAX_NODES = 50
+MAX_ROUNDS = 8
+MIP_MAX_NODES = 10
 MIP_REL_GAP = 0.025
 
 
@@ -194,6 +194,7 @@ def _highs(problem: Problem, rows: list[int], budget: float, objective: str,
     h = highspy.Highs()
     for key, value in (("output_flag", False), ("threads", 1), ("random_seed", 0),
                        ("mip_rel_gap", MIP_REL_GAP), ("mip_max_nodes", MIP_MAX_NODES),
+                       ("mip_allow_restart", False),
                        ("time_limit", max(float(time_limit), 0.1))):
         h.setOptionValue(key, value)
     lp = highspy.HighsLp()
