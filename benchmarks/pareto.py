@@ -55,6 +55,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.stats import RatioInterval, interleaved_times, ratio_interval  # noqa: E402
+from benchmarks.steps import build_step, mb, parse_model  # noqa: E402
 from memcc.backend import memory  # noqa: E402
 
 DEFAULT_MODELS = [
@@ -74,29 +75,6 @@ Log = Callable[[str], None]
 
 
 # ---------------------------------------------------------------------------- helpers
-def parse_model(spec: str) -> tuple[str, dict]:
-    """``name:key=value,...`` -> (name, options); ``blocks=3;4;6;3`` gives a list."""
-    name, _, rest = spec.partition(":")
-    opts: dict = {}
-    for kv in filter(None, rest.split(",")):
-        k, _, v = kv.partition("=")
-        opts[k] = _value(v)
-    return name, opts
-
-
-def _value(text: str):
-    if ";" in text:
-        return [_value(t) for t in text.split(";")]
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text
-
-
-def mb(n: float | None) -> str:
-    return "-" if n is None else f"{n / 1e6:,.1f}"
-
-
 def _fraction_label(frac: str) -> str:
     return "min" if frac == "min" else f"{float(frac):.0%} act"
 
@@ -231,20 +209,8 @@ def measure_peak(path: Path, steps: int) -> dict:
 
 def memcc_section(name: str, opts: dict, args: argparse.Namespace, tmp: Path, log: Log
                   ) -> tuple[list[dict], dict]:
-    from memcc.backend.onnx_file import save_graph
-    from memcc.frontend.build import BuildOptions, build_training_step
-    from memcc.frontend.load import load_graph
-    from memcc.passes.liveness import analyze_liveness
-    from models import build_model
-
-    step = build_training_step(load_graph(build_model(name, **opts)), BuildOptions())
     step_path = tmp / "step.onnx"
-    save_graph(step, step_path)
-    live = analyze_liveness(step)
-    act = live.breakdown["activations"] + live.breakdown["scratch"]
-    fixed = live.peak_bytes - act
-    log(f"{name} {opts}: {len(step.nodes)} nodes, predicted peak {mb(live.peak_bytes)} MB "
-        f"({mb(act)} MB activations)")
+    step, live, act, fixed = build_step(name, opts, step_path, log)
     original = {"framework": "memcc", "variant": "original (ORT)", "fraction": None,
                 "budget_bytes": None, "predicted_peak_bytes": live.peak_bytes,
                 "predicted_overhead": 0.0, "compile_s": 0.0, "path": str(step_path),

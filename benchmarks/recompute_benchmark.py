@@ -26,14 +26,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from memcc.backend.onnx_file import save_graph  # noqa: E402
+from benchmarks.steps import build_step, mb, parse_model  # noqa: E402
 from memcc.backend.runner import run_steps  # noqa: E402
 from memcc.compiler import CompileOptions, compile_model  # noqa: E402
-from memcc.frontend.build import BuildOptions, build_training_step  # noqa: E402
-from memcc.frontend.load import load_graph  # noqa: E402
-from memcc.passes.liveness import analyze_liveness  # noqa: E402
 from memcc.passes.planner import BudgetError  # noqa: E402
-from models import build_model  # noqa: E402
 
 DEFAULT_MODELS = [
     "resnet50:batch=8,resolution=128",
@@ -41,29 +37,10 @@ DEFAULT_MODELS = [
 ]
 
 
-def parse_model(spec: str) -> tuple[str, dict]:
-    name, _, rest = spec.partition(":")
-    opts = {}
-    for kv in filter(None, rest.split(",")):
-        k, _, v = kv.partition("=")
-        opts[k] = int(v) if v.lstrip("-").isdigit() else v
-    return name, opts
-
-
-def mb(n: float | None) -> str:
-    return "-" if n is None else f"{n / 1e6:,.1f}"
-
-
 def bench_model(name: str, opts: dict, fractions, strategies, steps: int, time_limit: float,
                 torch_peer: bool, tmp: Path, log) -> list[dict]:
-    step = build_training_step(load_graph(build_model(name, **opts)), BuildOptions())
     step_path = tmp / f"{name}.step.onnx"
-    save_graph(step, step_path)
-    live = analyze_liveness(step)
-    act = live.breakdown["activations"] + live.breakdown["scratch"]
-    fixed = live.peak_bytes - act
-    log(f"{name} {opts}: {len(step.nodes)} nodes, predicted peak {mb(live.peak_bytes)} MB "
-        f"({mb(act)} MB activations)")
+    step, live, act, fixed = build_step(name, opts, step_path, log)
     base = run_steps(step_path, steps=steps)
     base_times = [base.step_time_s]
     rows = [{

@@ -62,6 +62,15 @@ def _fail(pass_name: str, what: str, problems: list[str]) -> None:
         raise LoweringError(f"{pass_name}: {what}: {'; '.join(problems[:3])}{more}")
 
 
+def _not_implemented(pass_name: str, what: str, why: str, asked: list[str]) -> None:
+    """Refuse a decision kind the lowering cannot realise yet, naming what the plan asked
+    (``what`` is the subject of "... not implemented yet", verb included)."""
+    if asked:
+        more = " ..." if len(asked) > 3 else ""
+        raise LoweringError(f"{pass_name}: {what} not implemented yet ({why}); the plan "
+                            f"asks for {len(asked)}: {', '.join(asked[:3])}{more}")
+
+
 def _ensure_index(pass_name: str, graph: Graph) -> None:
     """The def-use index the pass handed on equals one rebuilt from scratch (full checks)."""
     _fail(pass_name, "the def-use index is stale", graph.def_use().check(graph.nodes))
@@ -80,12 +89,9 @@ class SubstituteVariants:
     def requires(self, graph: Graph, plan: Plan, st: StepStructure) -> None:
         unknown = sorted(n for n in plan.variants if n not in st.forward)
         _fail(self.name, "variants name nodes that are not forward nodes", unknown)
-        chosen = sorted(f"{n}: {v}" for n, v in plan.variants.items() if v != DEFAULT_VARIANT)
-        if chosen:
-            raise LoweringError(
-                f"{self.name}: operator variants are not implemented yet (only the "
-                f"'{DEFAULT_VARIANT}' gradient rule exists); the plan asks for "
-                f"{', '.join(chosen[:3])}{' ...' if len(chosen) > 3 else ''}")
+        asked = sorted(f"{n}: {v}" for n, v in plan.variants.items() if v != DEFAULT_VARIANT)
+        _not_implemented(self.name, "operator variants are",
+                         f"only the '{DEFAULT_VARIANT}' gradient rule exists", asked)
 
     def run(self, graph: Graph, plan: Plan, st: StepStructure) -> tuple[Graph, PassReport]:
         return graph, PassReport(self.name, False, {"substituted": 0})
@@ -143,12 +149,8 @@ class InsertCopies:
     def requires(self, graph: Graph, plan: Plan, st: StepStructure) -> None:
         not_saved = sorted(v for v in plan.offload if v not in st.saved)
         _fail(self.name, "the plan offloads values that are not saved", not_saved)
-        if plan.offload:
-            values = sorted(plan.offload)
-            raise LoweringError(
-                f"{self.name}: Offload(host) is not implemented yet (swap to host memory is "
-                f"a later issue); the plan offloads {len(values)} value(s): "
-                f"{', '.join(values[:3])}{' ...' if len(values) > 3 else ''}")
+        _not_implemented(self.name, "Offload(host) is", "swap to host memory is a later issue",
+                         sorted(plan.offload))
 
     def run(self, graph: Graph, plan: Plan, st: StepStructure) -> tuple[Graph, PassReport]:
         return graph, PassReport(self.name, False, {"copies": 0})

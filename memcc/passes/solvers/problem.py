@@ -229,7 +229,3 @@ class Solution:
     solver: str
     iterations: int = 1
     limit_hit: str | None = None  # "work" or "time" when the search stopped at a limit
-
-    @property
-    def chosen(self) -> np.ndarray:
-        return self.x > 0.5
