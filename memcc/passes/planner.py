@@ -118,12 +118,13 @@ def choose_plan(graph: Graph, budget: int | None, costs: CostModel, *,
         raise MemccError(f"--strategy '{strategy}': choose one of {', '.join(STRATEGIES)}")
     st = structure or StepStructure.of(graph)
     base = baseline or simulate(graph, Plan(), costs, st)
+    prepared = None if strategy == "none" else _prepare(graph, st, base, costs)
     try:
-        return _choose(graph, budget, costs, strategy, time_limit, st, base)
+        return _choose(graph, budget, costs, strategy, time_limit, st, base, prepared)
     except BudgetError:
         if budget is None:
             raise
-        smallest = _choose(graph, None, costs, strategy, time_limit, st, base)
+        smallest = _choose(graph, None, costs, strategy, time_limit, st, base, prepared)
         if smallest.best.peak_bytes <= budget:
             return smallest
         raise BudgetError(
@@ -133,8 +134,25 @@ def choose_plan(graph: Graph, budget: int | None, costs: CostModel, *,
             budget=int(budget), smallest=smallest.best.peak_bytes) from None
 
 
+def _prepare(graph: Graph, st: StepStructure, base: Simulation, costs: CostModel
+             ) -> tuple[PlanProblem, list[Simulation]]:
+    """The problem and the sqrt(n) segmentations (a strategy of their own, and the ILP's
+    warm starts): the same for every budget, so a refusal's ``--budget min`` search reuses
+    them."""
+    pp = build_problem(graph, st, base.liveness, costs)
+    n_units = len(pp.groups)
+    every = np.ones(n_units, dtype=bool)
+    segmentations = [
+        simulate(graph, pp.plan_units(chosen, "sqrtn", segments=k), costs, st)
+        for k, chosen in sqrtn.candidates(pp.units.crossing_bytes, pp.units.crossing_units,
+                                          n_units, every)]
+    segmentations.append(simulate(graph, pp.plan_units(every, "sqrtn", segments=0), costs, st))
+    return pp, segmentations
+
+
 def _choose(graph: Graph, budget: int | None, costs: CostModel, strategy: str,
-            time_limit: float, st: StepStructure, base: Simulation) -> PlanOutcome:
+            time_limit: float, st: StepStructure, base: Simulation,
+            prepared: tuple[PlanProblem, list[Simulation]] | None = None) -> PlanOutcome:
     deadline = time.perf_counter() + time_limit
     solver_info: dict = {"name": "none", "status": "not run", "gap": None}
     found: list[tuple[str, Simulation]] = [("none", base)]
@@ -144,18 +162,10 @@ def _choose(graph: Graph, budget: int | None, costs: CostModel, strategy: str,
         return _finish(base, found, budget, "none", solver_info, runs,
                        smallest_first=budget is None)
 
-    pp = build_problem(graph, st, base.liveness, costs)
+    pp, segmentations = prepared or _prepare(graph, st, base, costs)
     prob = pp.problem
     target = budget
 
-    # sqrt(n) segmentations: a strategy of their own, and the ILP's warm starts.
-    n_units = len(pp.groups)
-    every = np.ones(n_units, dtype=bool)
-    segmentations = [
-        simulate(graph, pp.plan_units(chosen, "sqrtn", segments=k), costs, st)
-        for k, chosen in sqrtn.candidates(pp.units.crossing_bytes, pp.units.crossing_units,
-                                          n_units, every)]
-    segmentations.append(simulate(graph, pp.plan_units(every, "sqrtn", segments=0), costs, st))
     starts = pp.starts(segmentations, graph)
     if strategy == "ilp":
         # The MILP's first incumbents are candidates of the ILP strategy too (judged by the
