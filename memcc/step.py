@@ -32,6 +32,8 @@ STATE_KEY = "memcc.state"
 INT_RANGES_KEY = "memcc.int_ranges"
 PARAMS_KEY = "memcc.parameters"
 OPTIMIZER_KEY = "memcc.optimizer"
+# The forward model's own outputs (logits, ...): ``memcc export`` writes them back out.
+FORWARD_OUTPUTS_KEY = "memcc.forward_outputs"
 TRAINING_STEP = "training_step"
 
 # Node-level provenance (``NodeProto.metadata_props``, IR version 10).
@@ -85,6 +87,8 @@ class TrainingStep:
         self.state: dict[str, str] = dict(self._json(STATE_KEY, {}, dict))
         self.parameters: tuple[str, ...] = tuple(self._json(PARAMS_KEY, [], list))
         self.optimizer: dict = dict(self._json(OPTIMIZER_KEY, {}, dict))
+        self.forward_outputs: tuple[str, ...] = tuple(
+            self._json(FORWARD_OUTPUTS_KEY, [], list))
         ranges: dict[str, tuple[int, int]] = {}
         for k, v in self._json(INT_RANGES_KEY, {}, dict).items():
             try:

@@ -22,6 +22,7 @@ from memcc.frontend.emit import Emitter
 from memcc.graph import Graph, TensorInfo, attr, node_label
 from memcc.step import (  # the contract's keys live with its one reader, memcc.step
     DATA_KEY,
+    FORWARD_OUTPUTS_KEY,
     INT_RANGES_KEY,
     KIND_KEY,
     LOSS_KEY,
@@ -133,6 +134,7 @@ def build_training_step(forward: Graph, options: BuildOptions | None = None,
         STATE_KEY: json.dumps(state),
         INT_RANGES_KEY: json.dumps(int_ranges),
         PARAMS_KEY: json.dumps(params),
+        FORWARD_OUTPUTS_KEY: json.dumps(list(forward.outputs)),
         OPTIMIZER_KEY: json.dumps({
             "name": opts.optimizer, "lr": opts.learning_rate, "loss": opts.loss,
             "momentum": opts.momentum if opts.optimizer == "sgd" else None,
