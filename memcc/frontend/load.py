@@ -18,8 +18,11 @@ import onnx
 from onnx import TensorProto, helper, shape_inference
 
 from memcc.errors import InputError, ShapeError
+from memcc.frontend.canonicalize import canonicalize, needs_canonicalizing
 from memcc.frontend.fold import fold_shape_computations
 from memcc.graph import Graph, TensorInfo, node_label
+
+_CANONICAL_ROUNDS = 4
 
 
 def read_model(path: str | os.PathLike) -> onnx.ModelProto:
@@ -78,9 +81,13 @@ def load_graph(
         where = source or str(path_or_model)
     if model.functions:
         model = onnx.inliner.inline_local_functions(model)
-    _check_supported_structure(model, where)
     _bind_input_dims(model, dict(dims or {}), where)
     model = _infer(model, where)
+    for _ in range(_CANONICAL_ROUNDS):  # a folded If may uncover another
+        if not needs_canonicalizing(model) or not canonicalize(model, where):
+            break
+        model = _infer(model, where)
+    _check_supported_structure(model, where)
     graph = Graph.from_model(model)
     name_nodes(graph)
     missing = _unknown_values(graph)
@@ -92,9 +99,11 @@ def load_graph(
         producer = graph.producers().get(name)
         at = f" (output of {node_label(producer)})" if producer is not None else ""
         raise ShapeError(
-            f"{where}: value '{name}'{at} has no concrete shape after binding dimensions and "
-            f"shape inference ({len(missing)} value(s) unknown). Bind every symbolic "
-            "dimension with --dim NAME=INT."
+            f"{where}: value '{name}'{at} has no concrete shape although every symbolic "
+            f"input dimension is bound ({len(missing)} value(s) unknown): neither ONNX shape "
+            "inference nor a run in ONNX Runtime could fix it, so it depends on the input "
+            "data or is not a plain tensor. memcc plans static shapes: export the model so "
+            "that this value's shape follows from the input shapes."
         )
     fold_shape_computations(graph)
     return graph
@@ -118,9 +127,13 @@ def _check_supported_structure(model: onnx.ModelProto, where: str) -> None:
     for node in model.graph.node:
         for a in node.attribute:
             if a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS):
+                what = ("its condition depends on the input data, not only on shapes"
+                        if node.op_type == "If" else "memcc handles graphs without loops")
                 raise InputError(
-                    f"{where}: {node_label(node)} holds a subgraph; memcc handles graphs "
-                    "without control flow (export with static shapes / no If or Loop)."
+                    f"{where}: {node_label(node)} holds a subgraph and {what}. memcc folds "
+                    "an If whose condition is fixed once dimensions are bound; export the "
+                    "model without data-dependent control flow (no torch.cond, no scripted "
+                    "loops)."
                 )
 
 
