@@ -1,0 +1,166 @@
+"""Training data for ``memcc train``: arrays checked against the step, batches in a seeded order.
+
+The data is an ``.npz`` file, or a directory of them (shards, taken in file-name order),
+with one array per data input of the step, named like the input, whose first axis is the
+sample axis. Everything is checked before a single step runs (a shape mismatch found after
+an hour of training is an hour lost): every shard, every array's name, dtype and per-sample
+shape, equal sample counts within a shard, and integer ranges where the step records them
+(token ids, labels).
+
+Order: the step has a fixed batch size (the first axis of its data inputs), so an epoch is
+``samples // batch`` full batches; the remainder is dropped, as ``drop_last=True`` does. Batch
+``k`` of the whole run (``k = 0, 1, ...``) is slice ``k mod batches_per_epoch`` of epoch
+``k // batches_per_epoch``'s permutation, drawn from ``numpy.random.default_rng([seed,
+epoch])``. So the data order position is just ``k`` (the number of batches consumed): a
+resumed run that knows ``k``, the seed and the data gets the very same batches, without
+replaying anything. Shards are read into memory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from memcc.errors import InputError
+from memcc.graph import Graph, TensorInfo
+from memcc.step import TrainingStep
+
+
+@dataclass(frozen=True)
+class DataInput:
+    """One data input of the step: name, dtype, the shape of one sample, the batch size."""
+
+    name: str
+    dtype: np.dtype
+    sample_shape: tuple[int, ...]
+    batch_size: int
+    int_range: tuple[int, int] | None = None
+
+    def describe(self) -> str:
+        return (f"samples of shape {list(self.sample_shape)} dtype {self.dtype} (the step "
+                f"takes batches of {[self.batch_size, *self.sample_shape]})")
+
+
+def data_inputs(graph: Graph, step: TrainingStep | None = None) -> list[DataInput]:
+    """The step's data inputs and the batch size they share, or an error saying why not."""
+    step = step or TrainingStep.of(graph)
+    out: list[DataInput] = []
+    for name in step.data_or_free_inputs():
+        ti: TensorInfo | None = graph.info.get(name)
+        if ti is None or not ti.shape:
+            raise InputError(f"data input '{name}' has no batch axis (shape "
+                             f"{list(ti.shape) if ti else 'unknown'}); memcc train batches "
+                             "along the first axis")
+        out.append(DataInput(name, ti.np_dtype, tuple(ti.shape[1:]), int(ti.shape[0]),
+                             step.int_ranges.get(name)))
+    sizes = {d.batch_size for d in out}
+    if len(sizes) > 1:
+        listed = ", ".join(f"'{d.name}' {d.batch_size}" for d in out)
+        raise InputError(f"the step's data inputs have different first axes ({listed}); "
+                         "memcc train needs one batch size for all of them")
+    return out
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """All samples of the data, checked, with the order of batches for a seed."""
+
+    source: str
+    arrays: Mapping[str, np.ndarray]
+    num_samples: int
+    batch_size: int
+    files: tuple[str, ...]
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return self.num_samples // self.batch_size
+
+    @property
+    def dropped_per_epoch(self) -> int:
+        return self.num_samples - self.batches_per_epoch * self.batch_size
+
+    def fingerprint(self) -> str:
+        """Names, shapes, dtypes and a digest of the bytes: resuming on other data fails."""
+        h = hashlib.sha256()
+        for name in sorted(self.arrays):
+            a = self.arrays[name]
+            h.update(f"{name}|{a.dtype.str}|{a.shape}|".encode())
+            h.update(memoryview(np.asarray(a, order="C").reshape(-1)).cast("B"))
+        return h.hexdigest()[:32]
+
+    def indices(self, k: int, seed: int) -> np.ndarray:
+        """Sample indices of batch ``k`` of the run (see the module docstring)."""
+        epoch, j = divmod(int(k), self.batches_per_epoch)
+        perm = np.random.default_rng([int(seed), epoch]).permutation(self.num_samples)
+        return perm[j * self.batch_size:(j + 1) * self.batch_size]
+
+    def batch(self, k: int, seed: int) -> dict[str, np.ndarray]:
+        idx = self.indices(k, seed)
+        return {n: np.asarray(a[idx], order="C") for n, a in self.arrays.items()}
+
+
+def load_dataset(path: str | os.PathLike, inputs: list[DataInput]) -> Dataset:
+    """Read ``--data``: an ``.npz`` file or a directory of ``.npz`` shards, fully checked."""
+    p = Path(path)
+    if not p.exists():
+        raise InputError(f"--data {p}: no such file or directory")
+    if p.is_dir():
+        files = sorted(f for f in p.iterdir() if f.suffix == ".npz" and f.is_file())
+        if not files:
+            raise InputError(f"--data {p}: the directory holds no .npz files")
+    else:
+        files = [p]
+    parts: dict[str, list[np.ndarray]] = {d.name: [] for d in inputs}
+    for f in files:
+        shard = _read_shard(f, inputs)
+        for name, arr in shard.items():
+            parts[name].append(arr)
+    arrays = {n: (a[0] if len(a) == 1 else np.concatenate(a)) for n, a in parts.items()}
+    batch = inputs[0].batch_size if inputs else 1
+    n = len(next(iter(arrays.values()))) if arrays else 0
+    if n < batch:
+        raise InputError(f"--data {p}: {n} samples, fewer than one batch of the step "
+                         f"({batch}); memcc train drops incomplete batches")
+    return Dataset(str(p), arrays, n, batch, tuple(str(f) for f in files))
+
+
+def _read_shard(f: Path, inputs: list[DataInput]) -> dict[str, np.ndarray]:
+    try:
+        with np.load(f, allow_pickle=False) as npz:
+            arrays = {k: np.asarray(npz[k]) for k in npz.files}
+    except (OSError, ValueError, EOFError) as exc:
+        raise InputError(f"--data {f}: cannot read it as an .npz file ({exc})") from None
+    missing = [d for d in inputs if d.name not in arrays]
+    if missing:
+        need = "; ".join(f"'{d.name}' ({d.describe()})" for d in missing)
+        raise InputError(
+            f"--data {f}: no array named {need}. The file has {sorted(arrays) or 'no arrays'}"
+            f"; the step's data inputs are {[d.name for d in inputs]}")
+    out: dict[str, np.ndarray] = {}
+    counts: dict[str, int] = {}
+    for d in inputs:
+        arr = arrays[d.name]
+        if arr.ndim < 1 or tuple(arr.shape[1:]) != d.sample_shape or arr.dtype != d.dtype:
+            raise InputError(
+                f"--data {f}: array '{d.name}' has shape {list(arr.shape)} dtype {arr.dtype}; "
+                f"the step expects {d.describe()}, so an array of shape "
+                f"{['N', *d.sample_shape]} dtype {d.dtype}")
+        if d.int_range is not None and arr.size:
+            lo, hi = int(arr.min()), int(arr.max())
+            if lo < d.int_range[0] or hi >= d.int_range[1]:
+                raise InputError(
+                    f"--data {f}: array '{d.name}' holds values in [{lo}, {hi}]; it indexes "
+                    f"something of size {d.int_range[1]}, so values must lie in "
+                    f"[{d.int_range[0]}, {d.int_range[1]})")
+        counts[d.name] = int(arr.shape[0])
+        out[d.name] = arr
+    if len(set(counts.values())) > 1:
+        listed = ", ".join(f"'{k}' {v}" for k, v in counts.items())
+        raise InputError(f"--data {f}: its arrays hold different numbers of samples ({listed})"
+                         "; the first axis of every array is the sample axis")
+    return out

@@ -1,0 +1,543 @@
+"""Train a memcc training step for real: ``memcc.Trainer`` and the ``memcc train`` loop.
+
+``Trainer`` owns one ONNX Runtime session of the step and the step's carried values
+(parameters, optimizer state, BatchNorm statistics). ``step(batch)`` runs one training step
+and returns the loss; the carried values are updated where they live:
+
+- Updates in place. Every input and output is bound with ORT's IOBinding. An update that
+  ``passes.inplace`` proves safe (an element-wise update that runs after the last reader of
+  the old value: every SGD, momentum and Adam update ``memcc build`` emits) is bound to the
+  buffer of the input it replaces, so ORT writes the new value over the old one and the step
+  holds one copy of that state instead of two. Any other update (BatchNorm running
+  statistics, written by the BatchNormalization kernel) gets a second buffer of its own, and
+  the two buffers swap roles after each step: still no copy, and the same memory as
+  ``memcc run``. The kernels are the same either way, so the numbers are bit-identical to
+  ``memcc run``'s copying loop (tests/test_trainer.py checks it).
+- On CUDA the carried values and the step's constants are device ``OrtValue``s, created
+  once; only the batch goes to the device and only the loss comes back. This path is
+  written from ORT's IOBinding documentation and has not been run on a GPU.
+
+The session is made under memcc's execution contract (``backend.session``), from the same
+graph ``memcc run`` gives ORT: no tensor data in the graph, every stored value fed as an
+input (``runner.session_graph``).
+
+``state_dict()`` returns the carried values under the names of the step's inputs, which for
+parameters and BatchNorm statistics are the initializer names of the model ``memcc build``
+started from (for a ``torch.onnx`` export, the PyTorch ``state_dict`` names); optimizer state
+is ``P.momentum``, ``P.exp_avg``, ``P.exp_avg_sq``, ``adamw.step``. ``save``/``resume`` write
+and read checkpoints (``backend.checkpoint``), ``export`` writes the trained forward model or
+its weights.
+
+``train(TrainOptions)`` is ``memcc train``: data checked before any step
+(``backend.data``), batches in a seeded order that a resumed run continues exactly,
+checkpoints every ``save_every`` steps.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from memcc.backend import checkpoint as ckpt
+from memcc.backend.data import DataInput, Dataset, data_inputs, load_dataset
+from memcc.backend.runner import session_graph
+from memcc.backend.session import make_session, resolve_provider
+from memcc.errors import InputError, RuntimeFailure
+from memcc.frontend.load import load_graph
+from memcc.graph import Graph
+from memcc.passes.inplace import InPlaceUpdates, analyze_in_place
+from memcc.step import TrainingStep
+
+EXPORT_FORMATS = ("onnx", "safetensors")
+
+
+class Trainer:
+    """One training step file, ready to train: ``step(batch) -> loss`` and checkpoints.
+
+    ``provider``: ``cpu``, ``cuda`` or ``auto``. ``threads``: ORT intra-op threads (default:
+    ORT's choice; results are bit-identical at any count, docs/DETERMINISM.md).
+    ``in_place=False`` gives every update its own buffer (the copying behaviour of
+    ``memcc run``), for comparisons.
+    """
+
+    def __init__(self, step_path: str | os.PathLike, *, provider: str = "cpu",
+                 threads: int | None = None, in_place: bool = True,
+                 graph: Graph | None = None) -> None:
+        self.path = Path(step_path)
+        self.graph = graph if graph is not None else load_graph(self.path)
+        self.spec = TrainingStep.of(self.graph).validate(str(self.path))
+        self.provider = resolve_provider(provider)
+        self.threads = threads
+        self.inputs: list[DataInput] = data_inputs(self.graph, self.spec)
+        self.steps_done = 0
+        self.data_state: dict = {}
+        self.updates: dict[str, str] = dict(self.spec.state)  # output -> input it replaces
+        self.in_place: InPlaceUpdates = (
+            analyze_in_place(self.graph, self.updates) if in_place
+            else InPlaceUpdates({}, dict.fromkeys(self.updates, "in_place=False")))
+
+        sgraph, values = session_graph(self.graph)
+        self._session = make_session(sgraph.to_model(), self.provider,
+                                     intra_op_threads=threads)
+        self._device = "cuda" if self.provider == "cuda" else "cpu"
+        carried = list(dict.fromkeys(self.updates.values()))
+        # The arrays the carried values live in on CPU (copied: ORT writes into them);
+        # on CUDA a host copy only while creating the device values.
+        self._host: dict[str, np.ndarray] = {n: np.array(values.pop(n), order="C", copy=True)
+                                             for n in carried}
+        self._state = {n: self._ortvalue(a) for n, a in self._host.items()}
+        # Updates that cannot be written in place get a second buffer (see the docstring).
+        self._spare_host: dict[str, np.ndarray] = {
+            inp: np.empty_like(self._host[inp]) for out, inp in self.updates.items()
+            if out not in self.in_place.aliased}
+        self._spare = {n: self._ortvalue(a) for n, a in self._spare_host.items()}
+        if self._device != "cpu":  # the device holds the values now; drop the host copies
+            self._host, self._spare_host = {}, {}
+        self._fixed = {n: self._ortvalue(np.asarray(a, order="C")) for n, a in values.items()}
+        self._outputs = list(self.graph.outputs)
+        self._run_options = _run_options(self.provider)
+
+    # ------------------------------------------------------------------ values
+    def _ortvalue(self, arr: np.ndarray):
+        import onnxruntime as ort
+
+        if self._device == "cpu":  # shares the array's memory: no copy
+            return ort.OrtValue.ortvalue_from_numpy(arr)
+        return ort.OrtValue.ortvalue_from_numpy(arr, "cuda", 0)
+
+    @property
+    def batch_size(self) -> int:
+        return self.inputs[0].batch_size if self.inputs else 1
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """Copies of every carried value (parameters, optimizer state, BN statistics)."""
+        if self._device == "cpu":
+            return {n: a.copy() for n, a in self._host.items()}
+        return {n: v.numpy() for n, v in self._state.items()}  # device -> host copies
+
+    def parameters(self) -> dict[str, np.ndarray]:
+        """Copies of the trainable parameters only."""
+        sd = self.state_dict()
+        return {p: sd[p] for p in self.spec.parameters if p in sd}
+
+    def load_state_dict(self, tensors: Mapping[str, np.ndarray], *, source: str = "state"
+                        ) -> None:
+        """Overwrite every carried value; names, dtypes and shapes must match exactly."""
+        missing = sorted(set(self._state) - set(tensors))
+        extra = sorted(set(tensors) - set(self._state))
+        if missing or extra:
+            raise InputError(f"{source}: carried values differ from the step's: missing "
+                             f"{missing[:5]}, unexpected {extra[:5]}")
+        for name, arr in tensors.items():
+            want = self._host_type(name)
+            a = np.asarray(arr)
+            if (a.dtype, tuple(a.shape)) != want:
+                raise InputError(f"{source}: '{name}' is {a.dtype} {list(a.shape)}; the step "
+                                 f"carries {want[0]} {list(want[1])}")
+        for name, arr in tensors.items():
+            if self._device == "cpu":  # into the arrays ORT reads: the bindings stay valid
+                np.copyto(self._host[name], arr)
+            else:
+                self._state[name].update_inplace(np.asarray(arr, order="C"))
+
+    def _host_type(self, name: str) -> tuple[np.dtype, tuple[int, ...]]:
+        ti = self.graph.info[name]
+        return ti.np_dtype, tuple(ti.shape)
+
+    def signature(self) -> dict:
+        return step_signature(self.graph, self.spec)
+
+    # ------------------------------------------------------------------ training
+    def check_batch(self, batch: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The batch as C-contiguous arrays, or an error naming the array at fault."""
+        feeds = {}
+        for d in self.inputs:
+            if d.name not in batch:
+                raise InputError(f"batch: no array '{d.name}' (the step's data inputs are "
+                                 f"{[x.name for x in self.inputs]})")
+            a = np.asarray(batch[d.name])
+            want = (d.batch_size, *d.sample_shape)
+            if tuple(a.shape) != want or a.dtype != d.dtype:
+                raise InputError(f"batch: array '{d.name}' has shape {list(a.shape)} dtype "
+                                 f"{a.dtype}; the step expects shape {list(want)} dtype "
+                                 f"{d.dtype}")
+            feeds[d.name] = np.asarray(a, order="C")
+        return feeds
+
+    def step(self, batch: Mapping[str, np.ndarray]) -> float:
+        """Run one training step on ``batch`` (name -> array); return the loss."""
+        feeds = self.check_batch(batch)
+        binding = self._session.io_binding()
+        for name, arr in feeds.items():
+            binding.bind_cpu_input(name, arr)
+        for name, value in self._state.items():
+            binding.bind_ortvalue_input(name, value)
+        for name, value in self._fixed.items():
+            binding.bind_ortvalue_input(name, value)
+        loss_index = None
+        for i, out in enumerate(self._outputs):
+            inp = self.updates.get(out)
+            if inp is not None:
+                target = self._state[inp] if out in self.in_place.aliased else self._spare[inp]
+                binding.bind_ortvalue_output(out, target)
+            else:
+                binding.bind_output(out, "cpu")
+            if out == self.spec.loss:
+                loss_index = i
+        try:
+            self._session.run_with_iobinding(binding, self._run_options)
+        except Exception as exc:  # pybind raises ORT's own exception types
+            raise RuntimeFailure(f"{self.path}: ONNX Runtime failed while running the step: "
+                                 f"{exc}") from exc
+        loss = binding.get_outputs()[loss_index].numpy() if loss_index is not None else None
+        for inp in self._spare:  # the new values are in the spare buffers: swap roles
+            self._state[inp], self._spare[inp] = self._spare[inp], self._state[inp]
+            if self._device == "cpu":
+                self._host[inp], self._spare_host[inp] = self._spare_host[inp], self._host[inp]
+        del binding
+        self.steps_done += 1
+        if loss is None:
+            return float("nan")
+        return float(np.asarray(loss).reshape(-1)[0])
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, directory: str | os.PathLike, *, data_state: Mapping | None = None,
+             keep: int = 2) -> Path:
+        """Write a checkpoint of the current state into ``directory`` (atomically)."""
+        if data_state is not None:
+            self.data_state = dict(data_state)
+        return ckpt.save(directory, self.state_dict(), step=self.steps_done,
+                         sig=self.signature(), data_state=self.data_state,
+                         step_file=str(self.path.resolve()), keep=keep)
+
+    def restore(self, checkpoint: str | os.PathLike | ckpt.Checkpoint) -> ckpt.Checkpoint:
+        """Load a checkpoint (file, directory = its newest, or a loaded one) into this run."""
+        c = checkpoint if isinstance(checkpoint, ckpt.Checkpoint) else ckpt.load(checkpoint)
+        c.check_step(self.signature())
+        self.load_state_dict(c.tensors, source=str(c.path))
+        self.steps_done = c.step
+        self.data_state = dict(c.data_state)
+        return c
+
+    @classmethod
+    def resume(cls, directory: str | os.PathLike, step_path: str | os.PathLike | None = None,
+               **options) -> Trainer:
+        """A trainer continuing from the newest checkpoint in ``directory``.
+
+        ``step_path`` defaults to the step file the checkpoint was written from (a compiled
+        version of the same step works too: the checkpoint belongs to the carried values,
+        not to the schedule)."""
+        c = ckpt.load(directory)
+        path = step_path if step_path is not None else c.step_file
+        if path is None:
+            raise InputError(f"{c.path}: does not record its step file; pass step_path")
+        trainer = cls(path, **options)
+        trainer.restore(c)
+        return trainer
+
+    # ------------------------------------------------------------------ export
+    def export(self, path: str | os.PathLike, *, format: str | None = None) -> Path:
+        """Write the trained forward model (``onnx``) or its weights (``safetensors``);
+        the format defaults to the file suffix."""
+        return export_weights(self.graph, self.spec, self.state_dict(), path, format=format,
+                              source=str(self.path))
+
+
+def _run_options(provider: str):
+    import onnxruntime as ort
+
+    ro = ort.RunOptions()
+    if provider == "cuda":  # return the arena after each step: every step starts level
+        ro.add_run_config_entry("memory.enable_memory_arena_shrinkage", "gpu:0")
+    return ro
+
+
+def step_signature(graph: Graph, spec: TrainingStep) -> dict:
+    """What a checkpoint must share with a step to belong to it (``backend.checkpoint``)."""
+    carried = {inp: (graph.info[inp].np_dtype, tuple(graph.info[inp].shape))
+               for inp in spec.state.values()}
+    data = {n: [str(graph.info[n].np_dtype), list(graph.info[n].shape)]
+            for n in spec.data_or_free_inputs() if n in graph.info}
+    return ckpt.signature(carried, {"optimizer": spec.optimizer.get("name"),
+                                    "loss": spec.loss, "data_inputs": data})
+
+
+# ---------------------------------------------------------------------------- export
+def export_checkpoint(step_path: str | os.PathLike, checkpoint: str | os.PathLike,
+                      output: str | os.PathLike, *, format: str | None = None) -> Path:
+    """``memcc export``: the trained weights of ``checkpoint`` out of ``step_path``'s model."""
+    path = Path(step_path)
+    graph = load_graph(path)
+    spec = TrainingStep.of(graph).validate(str(path))
+    c = ckpt.load(checkpoint, sig=step_signature(graph, spec))
+    return export_weights(graph, spec, c.tensors, output, format=format, source=str(path))
+
+
+def export_weights(graph: Graph, spec: TrainingStep, state: Mapping[str, np.ndarray],
+                   output: str | os.PathLike, *, format: str | None = None,
+                   source: str = "<step>") -> Path:
+    """Write the forward model with ``state`` as its weights, or those weights alone."""
+    from memcc.backend.onnx_file import check_writable, save_graph
+
+    out = Path(output)
+    fmt = (format or ("safetensors" if out.suffix == ".safetensors" else "onnx")).lower()
+    if fmt not in EXPORT_FORMATS:
+        raise InputError(f"--format '{format}': choose one of {', '.join(EXPORT_FORMATS)}")
+    check_writable(out, "the exported model", "--output/-o")
+    fwd = forward_graph(graph, spec, state, source=source)
+    if fmt == "onnx":
+        return save_graph(fwd, out)
+    weights = {n: np.asarray(state[n]) for n in exported_weight_names(graph, spec, fwd)}
+    return ckpt.write_safetensors(out, weights, {"format": "pt", "memcc.step_file": source})
+
+
+def exported_weight_names(graph: Graph, spec: TrainingStep, fwd: Graph) -> list[str]:
+    """Parameters and other carried values the forward model reads (BatchNorm statistics),
+    never optimizer state, which only update nodes read."""
+    carried = set(spec.state.values())
+    return [n for n in fwd.initializers if n in carried or n in set(spec.parameters)]
+
+
+def forward_graph(graph: Graph, spec: TrainingStep, state: Mapping[str, np.ndarray], *,
+                  source: str = "<step>") -> Graph:
+    """The forward model inside a step: the nodes its outputs need, ``state`` as weights."""
+    outputs = list(spec.forward_outputs)
+    if not outputs:
+        raise InputError(f"{source}: the step does not record its forward model's outputs "
+                         "(memcc.forward_outputs, written by memcc build since this version)"
+                         "; rebuild the step with memcc build to export it")
+    du = graph.def_use()
+    stored = set(graph.initializers)
+    needed: set[int] = set()
+    stack = list(outputs)
+    seen: set[str] = set()
+    while stack:
+        v = stack.pop()
+        if v in seen:
+            continue
+        seen.add(v)
+        node = du.producer.get(v)
+        if node is None:
+            if v not in stored and v not in graph.inputs:
+                raise InputError(f"{source}: forward output '{v}' is not computed in the step")
+            continue
+        if id(node) not in needed:
+            needed.add(id(node))
+            stack.extend(i for i in node.input if i)
+    import onnx
+
+    nodes = []
+    for n in graph.nodes:
+        if id(n) in needed:
+            c = onnx.NodeProto()
+            c.CopyFrom(n)
+            keep = [p for p in c.metadata_props if not p.key.startswith("memcc.")]
+            del c.metadata_props[:]
+            c.metadata_props.extend(keep)
+            nodes.append(c)
+    used = {i for n in nodes for i in n.input if i} | set(outputs)
+    produced = {o for n in nodes for o in n.output if o}
+    values = used | produced
+    inits = {n: np.asarray(state[n] if n in state else a)
+             for n, a in graph.initializers.items() if n in used}
+    inputs = [i for i in graph.inputs if i in used and i not in inits]
+    return Graph(
+        nodes=nodes, inputs=inputs, outputs=outputs, initializers=inits,
+        info={k: v for k, v in graph.info.items() if k in values},
+        opsets=dict(graph.opsets),
+        metadata={k: v for k, v in graph.metadata.items() if not k.startswith("memcc.")},
+        name=graph.name,
+    )
+
+
+# ---------------------------------------------------------------------------- memcc train
+@dataclass(frozen=True)
+class TrainOptions:
+    """``memcc train``'s options (the CLI fills this)."""
+
+    step: Path
+    data: Path
+    steps: int | None = None
+    epochs: int | None = None
+    seed: int = 0
+    checkpoint: Path | None = None
+    save_every: int | None = None
+    resume: bool = False
+    provider: str = "cpu"
+    threads: int | None = None
+    keep: int = 2
+
+    def __post_init__(self) -> None:
+        if self.steps is not None and self.epochs is not None:
+            raise InputError("give --steps or --epochs, not both")
+        if self.steps is not None and self.steps < 1:
+            raise InputError("--steps must be at least 1")
+        if self.epochs is not None and self.epochs < 1:
+            raise InputError("--epochs must be at least 1")
+        if self.save_every is not None and self.save_every < 1:
+            raise InputError("--save-every must be at least 1")
+        if (self.save_every is not None or self.resume) and self.checkpoint is None:
+            raise InputError("--save-every and --resume need --checkpoint DIR")
+
+
+@dataclass
+class TrainProgress:
+    """What the progress callback gets after every step."""
+
+    step: int
+    total: int
+    loss: float
+    samples_per_s: float
+    memory_bytes: int | None
+
+
+@dataclass
+class TrainResult:
+    start_step: int
+    steps_done: int
+    total_steps: int
+    losses: list[float] = field(default_factory=list)
+    checkpoint: str | None = None
+    resumed_from: str | None = None
+    samples_per_s: float | None = None
+    batch_size: int = 0
+    batches_per_epoch: int = 0
+
+    def to_json(self) -> dict:
+        return {
+            "start_step": self.start_step, "steps": self.steps_done,
+            "total_steps": self.total_steps, "losses": self.losses,
+            "final_loss": self.losses[-1] if self.losses else None,
+            "checkpoint": self.checkpoint, "resumed_from": self.resumed_from,
+            "samples_per_s": self.samples_per_s, "batch_size": self.batch_size,
+            "batches_per_epoch": self.batches_per_epoch,
+        }
+
+
+@dataclass(frozen=True)
+class TrainPlan:
+    """What a run will do, known before any step: ``memcc train --batch-size-check``."""
+
+    dataset: Dataset
+    inputs: list[DataInput]
+    total_steps: int
+
+    def describe(self) -> str:
+        d = self.dataset
+        return (f"{d.num_samples} samples in {len(d.files)} file(s), batch size "
+                f"{d.batch_size}: {d.batches_per_epoch} batches per epoch "
+                f"({d.dropped_per_epoch} samples dropped per epoch), {self.total_steps} steps")
+
+
+def plan_training(opts: TrainOptions, graph: Graph | None = None) -> TrainPlan:
+    """Check the step and the data against each other; nothing runs."""
+    graph = graph if graph is not None else load_graph(opts.step)
+    spec = TrainingStep.of(graph).validate(str(opts.step))
+    inputs = data_inputs(graph, spec)
+    dataset = load_dataset(opts.data, inputs)
+    total = opts.steps if opts.steps is not None else \
+        (opts.epochs or 1) * dataset.batches_per_epoch
+    return TrainPlan(dataset, inputs, total)
+
+
+def train(opts: TrainOptions, *, on_start: Callable[[TrainResult], None] | None = None,
+          on_step: Callable[[TrainProgress], None] | None = None) -> TrainResult:
+    """``memcc train``: check everything, resume if asked, train, checkpoint."""
+    graph = load_graph(opts.step)
+    plan = plan_training(opts, graph)
+    dataset = plan.dataset
+    data_fp = dataset.fingerprint()
+    start = None
+    if opts.resume:
+        assert opts.checkpoint is not None
+        start = ckpt.latest(opts.checkpoint)
+    loaded = ckpt.load(start) if start is not None else None
+    trainer = Trainer(opts.step, provider=opts.provider, threads=opts.threads, graph=graph)
+    if loaded is not None:
+        loaded.check_step(trainer.signature())
+        _check_data_state(loaded, opts.seed, data_fp)
+        trainer.restore(loaded)
+    position = int(trainer.data_state.get("batches_consumed", trainer.steps_done))
+    result = TrainResult(start_step=trainer.steps_done, steps_done=trainer.steps_done,
+                         total_steps=plan.total_steps,
+                         resumed_from=str(loaded.path) if loaded is not None else None,
+                         batch_size=dataset.batch_size,
+                         batches_per_epoch=dataset.batches_per_epoch)
+    if on_start is not None:
+        on_start(result)
+    last_saved = trainer.steps_done if loaded is not None else None
+    t0 = time.perf_counter()
+    done_here = 0
+    while trainer.steps_done < plan.total_steps:
+        loss = trainer.step(dataset.batch(position, opts.seed))
+        position += 1
+        done_here += 1
+        result.losses.append(loss)
+        result.steps_done = trainer.steps_done
+        elapsed = time.perf_counter() - t0
+        rate = done_here * dataset.batch_size / elapsed if elapsed > 0 else 0.0
+        result.samples_per_s = rate
+        if opts.checkpoint is not None and opts.save_every and \
+                trainer.steps_done % opts.save_every == 0:
+            result.checkpoint = str(trainer.save(
+                opts.checkpoint, data_state=_data_state(opts.seed, position, dataset, data_fp),
+                keep=opts.keep))
+            last_saved = trainer.steps_done
+        if on_step is not None:
+            on_step(TrainProgress(trainer.steps_done, plan.total_steps, loss, rate,
+                                  _memory_bytes(opts.provider)))
+    if opts.checkpoint is not None and last_saved != trainer.steps_done:
+        result.checkpoint = str(trainer.save(
+            opts.checkpoint, data_state=_data_state(opts.seed, position, dataset, data_fp),
+            keep=opts.keep))
+    elif opts.checkpoint is not None and result.checkpoint is None:
+        latest = ckpt.latest(opts.checkpoint)
+        result.checkpoint = str(latest) if latest is not None else None
+    return result
+
+
+def _data_state(seed: int, position: int, dataset: Dataset, fingerprint: str) -> dict:
+    epoch, batch = divmod(position, dataset.batches_per_epoch)
+    return {"seed": seed, "batches_consumed": position, "epoch": epoch,
+            "batch_in_epoch": batch, "batches_per_epoch": dataset.batches_per_epoch,
+            "data": fingerprint, "samples": dataset.num_samples}
+
+
+def _check_data_state(c: ckpt.Checkpoint, seed: int, fingerprint: str) -> None:
+    ds = c.data_state
+    if not ds:
+        return
+    if ds.get("seed") != seed:
+        raise InputError(f"{c.path}: this run was started with --seed {ds.get('seed')}; resume "
+                         f"it with the same seed (got --seed {seed}) so the data order "
+                         "continues where it stopped")
+    if ds.get("data") != fingerprint:
+        raise InputError(f"{c.path}: this run was trained on other data ({ds.get('samples')} "
+                         "samples, another content digest); resume it with the same --data")
+
+
+def _memory_bytes(provider: str) -> int | None:
+    """Resident memory of this process (CPU); None on CUDA (device memory is not read)."""
+    if provider != "cpu":
+        return None
+    from memcc.backend.memory import rss_bytes
+
+    try:
+        return rss_bytes()
+    except Exception:  # no /proc: show nothing rather than fail a training run
+        return None
+
+
+def describe_in_place(trainer: Trainer) -> str:
+    """One line: how many updates are written in place, and why the others are not."""
+    n, m = len(trainer.in_place.aliased), len(trainer.updates)
+    if not trainer.in_place.refused:
+        return f"{n}/{m} updates in place"
+    first = next(iter(trainer.in_place.refused.items()))
+    return f"{n}/{m} updates in place ('{first[0]}' not: {first[1]})"
+
