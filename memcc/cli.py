@@ -126,6 +126,125 @@ def run(
     )
 
 
+@app.command()
+def train(
+    model: Annotated[Path, typer.Argument(help="Training step written by memcc build/compile.")],
+    data: Annotated[Path, typer.Option(
+        help=".npz file, or a directory of .npz shards: one array per data input, named like "
+             "it, first axis = samples.")],
+    steps: Annotated[Optional[int], typer.Option(  # noqa: UP045
+        help="Train until this many steps in all (a resumed run counts its earlier steps).")
+    ] = None,
+    epochs: Annotated[Optional[int], typer.Option(  # noqa: UP045
+        help="Train this many epochs in all (default 1 when --steps is not given).")] = None,
+    seed: Annotated[int, typer.Option(help="Seed of the shuffled data order.")] = 0,
+    checkpoint: Annotated[Optional[Path], typer.Option(  # noqa: UP045
+        help="Directory for checkpoints (the newest is kept with one older).")] = None,
+    save_every: Annotated[Optional[int], typer.Option(  # noqa: UP045
+        help="Write a checkpoint every K steps (and always at the end).")] = None,
+    resume: Annotated[bool, typer.Option(
+        "--resume", help="Continue from the newest checkpoint in --checkpoint (a fresh start "
+                         "if it holds none).")] = False,
+    provider: Annotated[str, typer.Option(help="cpu, cuda or auto.")] = "cpu",
+    threads: Annotated[Optional[int], typer.Option(  # noqa: UP045
+        help="ONNX Runtime intra-op threads (default: ORT's choice).")] = None,
+    batch_size_check: Annotated[bool, typer.Option(
+        "--batch-size-check", help="Check the data against the step, print the batch size, "
+                                   "batches per epoch and steps, and stop before training.")
+    ] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object at the end.")
+                       ] = False,
+) -> None:
+    """Train a step on real data, with checkpoints a crash cannot damage."""
+    from memcc.trainer import TrainOptions, plan_training
+    from memcc.trainer import train as run_training
+
+    try:
+        opts = TrainOptions(step=model, data=data, steps=steps, epochs=epochs, seed=seed,
+                            checkpoint=checkpoint, save_every=save_every, resume=resume,
+                            provider=provider, threads=threads)
+        if batch_size_check:
+            plan = plan_training(opts)
+            out.print(f"{model}: data {data} fits: {plan.describe()}", highlight=False)
+            return
+        result = _train_with_progress(opts, run_training, quiet=as_json)
+    except MemccError as exc:
+        _fail(exc)
+        return
+    if as_json:
+        sys.stdout.write(json.dumps(result.to_json()) + "\n")
+        return
+    if result.steps_done == result.start_step:
+        out.print(f"nothing to do: already at step {result.steps_done} of "
+                  f"{result.total_steps}", highlight=False)
+    else:
+        out.print(
+            f"trained steps {result.start_step + 1}-{result.steps_done} of {result.total_steps}"
+            f"; final loss {result.losses[-1]:.6f}; {result.samples_per_s or 0:,.1f} samples/s",
+            highlight=False)
+    if result.checkpoint:
+        out.print(f"checkpoint: {result.checkpoint}", highlight=False)
+
+
+def _train_with_progress(opts, run_training, *, quiet: bool):
+    """Run ``memcc.trainer.train`` under a progress bar on stderr (loss, samples/s, memory)."""
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+    )
+
+    progress = Progress(
+        TextColumn("[bold]train[/]"), BarColumn(), MofNCompleteColumn(),
+        TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[rate]} samples/s"),
+        TextColumn("mem {task.fields[mem]}"), TimeRemainingColumn(),
+        console=err, disable=quiet, transient=False,
+    )
+    task = None
+
+    def on_start(result) -> None:
+        nonlocal task
+        if result.resumed_from:
+            err.print(f"resuming from {result.resumed_from} (step {result.start_step})",
+                      highlight=False)
+        elif opts.resume:
+            err.print(f"no checkpoint in {opts.checkpoint}: starting at step 0",
+                      highlight=False)
+        task = progress.add_task("train", total=result.total_steps,
+                                 completed=result.start_step, loss="-", rate="-", mem="-")
+
+    def on_step(p) -> None:
+        progress.update(task, completed=p.step, loss=f"{p.loss:.4f}",
+                        rate=f"{p.samples_per_s:,.0f}", mem=_mb(p.memory_bytes))
+
+    with progress:
+        return run_training(opts, on_start=on_start, on_step=on_step)
+
+
+@app.command(name="export")
+def export_cmd(
+    model: Annotated[Path, typer.Argument(help="The training step the checkpoint belongs to.")],
+    checkpoint: Annotated[Path, typer.Option(
+        help="Checkpoint file, or a directory (its newest checkpoint).")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Where to write.")],
+    fmt: Annotated[Optional[str], typer.Option(  # noqa: UP045
+        "--format", help="onnx (the forward model with the trained weights; default unless "
+                         "OUT ends in .safetensors) or safetensors (the weights under the "
+                         "exported model's initializer names).")] = None,
+) -> None:
+    """Write the trained weights out: the forward ONNX model, or a safetensors file."""
+    from memcc.trainer import export_checkpoint
+
+    try:
+        path = export_checkpoint(model, checkpoint, output, format=fmt)
+    except MemccError as exc:
+        _fail(exc)
+        return
+    out.print(f"wrote {path}", highlight=False)
+
+
 @app.command(name="compile")
 def compile_cmd(
     model: Annotated[Path, typer.Argument(help="Training step, or forward model (built first).")],

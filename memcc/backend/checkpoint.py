@@ -70,8 +70,9 @@ class Checkpoint:
         if self.fingerprint != fingerprint(sig):
             raise InputError(
                 f"{self.path}: written for another training step: "
-                f"{_first_difference(self.signature, sig)}. Resume with the step file that "
-                "wrote it, or start a new checkpoint directory.")
+                f"{_first_difference(self.signature, sig)}. Use it with the step file that "
+                "wrote it (or a memcc compile of that step); to train this step from the "
+                "start, choose a new checkpoint directory.")
 
 
 def signature(types: Mapping[str, tuple[np.dtype, tuple[int, ...]]], extra: Mapping

@@ -149,7 +149,7 @@ def _read_shard(f: Path, inputs: list[DataInput]) -> dict[str, np.ndarray]:
             raise InputError(
                 f"--data {f}: array '{d.name}' has shape {list(arr.shape)} dtype {arr.dtype}; "
                 f"the step expects {d.describe()}, so an array of shape "
-                f"{['N', *d.sample_shape]} dtype {d.dtype}")
+                f"[N{''.join(f', {x}' for x in d.sample_shape)}] dtype {d.dtype}")
         if d.int_range is not None and arr.size:
             lo, hi = int(arr.min()), int(arr.max())
             if lo < d.int_range[0] or hi >= d.int_range[1]:
