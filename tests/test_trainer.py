@@ -1,0 +1,265 @@
+"""memcc.Trainer: the same numbers as the copying runner, checkpoints that refuse what is not
+theirs, data checked before training, and the trained forward model out.
+
+Tiny zoo MLPs (a few thousand parameters), one ORT thread: the whole module runs in seconds.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+from memcc import Trainer
+from memcc.backend import checkpoint as ckpt
+from memcc.backend.data import data_inputs, load_dataset
+from memcc.backend.onnx_file import save_graph
+from memcc.backend.runner import run_steps, session_graph, synthetic_feeds
+from memcc.backend.session import make_session
+from memcc.errors import InputError
+from memcc.frontend.build import BuildOptions, build_training_step
+from memcc.frontend.load import load_graph
+from memcc.passes.inplace import analyze_in_place
+from memcc.step import TrainingStep
+from models import mlp
+
+STEPS = 4
+
+
+def _forward(batch: int = 8) -> onnx.ModelProto:
+    return mlp.build(batch=batch, in_features=12, width=16, depth=2, num_classes=4)
+
+
+@pytest.fixture(scope="module")
+def steps(tmp_path_factory):
+    """One tiny MLP step per optimizer, and its forward model."""
+    d = tmp_path_factory.mktemp("trainer")
+    out = {"forward": _forward()}
+    for opt in ("sgd", "adamw"):
+        step = build_training_step(load_graph(out["forward"]), BuildOptions(optimizer=opt))
+        out[opt] = save_graph(step, d / f"mlp_{opt}.onnx")
+    return out
+
+
+def _copying_loop(path, feeds, steps):
+    """memcc run's loop (plain session.run, outputs replace inputs): the reference."""
+    graph = load_graph(path)
+    spec = TrainingStep.of(graph)
+    sgraph, values = session_graph(graph)
+    session = make_session(sgraph.to_model(), "cpu", intra_op_threads=1)
+    values.update(feeds)
+    losses = []
+    for _ in range(steps):
+        result = dict(zip(graph.outputs, session.run(graph.outputs, values), strict=True))
+        losses.append(float(result[spec.loss]))
+        for out, inp in spec.state.items():
+            values[inp] = result[out]
+    return losses, {inp: values[inp] for inp in spec.state.values()}
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adamw"])
+def test_in_place_steps_are_bit_identical_to_the_copying_runner(steps, opt):
+    path = steps[opt]
+    feeds = synthetic_feeds(load_graph(path), seed=0)
+    trainer = Trainer(path, threads=1)
+    assert set(trainer.in_place.aliased) == set(trainer.updates), trainer.in_place.refused
+    losses = [trainer.step(feeds) for _ in range(STEPS)]
+    ref_losses, ref_state = _copying_loop(path, feeds, STEPS)
+    assert losses == ref_losses
+    assert losses == list(run_steps(path, steps=STEPS, isolate=False).losses)
+    state = trainer.state_dict()
+    assert state.keys() == ref_state.keys()
+    for name, value in ref_state.items():
+        np.testing.assert_array_equal(state[name], value, err_msg=name, strict=True)
+    assert losses[-1] < losses[0]
+
+
+def test_state_dict_uses_the_forward_models_initializer_names(steps):
+    trainer = Trainer(steps["sgd"], threads=1)
+    forward_names = {t.name for t in steps["forward"].graph.initializer}
+    params = trainer.parameters()
+    assert params and set(params) <= forward_names
+    assert set(trainer.state_dict()) == set(params) | {f"{p}.momentum" for p in params}
+
+
+def test_updates_that_are_read_later_keep_their_own_buffer():
+    """The analysis refuses an alias when a node after the update still reads the old value."""
+    graph = load_graph(_forward())
+    step = build_training_step(graph, BuildOptions(optimizer="sgd", momentum=0.0))
+    spec = TrainingStep.of(step)
+    ok = analyze_in_place(step, spec.state)
+    assert set(ok.aliased) == set(spec.state)
+    out, inp = next(iter(spec.state.items()))
+    late = onnx.helper.make_node("ReduceSum", [inp], ["late_read"], name="late_read")
+    step.nodes.append(late)
+    refused = analyze_in_place(step, spec.state)
+    assert out in refused.refused and "late_read" in refused.refused[out]
+
+
+def test_save_and_resume_continue_bit_identically(steps, tmp_path):
+    path = steps["adamw"]
+    feeds = synthetic_feeds(load_graph(path), seed=3)
+    straight = Trainer(path, threads=1)
+    for _ in range(5):
+        straight.step(feeds)
+    first = Trainer(path, threads=1)
+    for _ in range(3):
+        first.step(feeds)
+    first.save(tmp_path / "ck", data_state={"position": 3})
+    resumed = Trainer.resume(tmp_path / "ck", threads=1)
+    assert resumed.steps_done == 3 and resumed.data_state == {"position": 3}
+    for _ in range(2):
+        resumed.step(feeds)
+    a, b = straight.state_dict(), resumed.state_dict()
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name, strict=True)
+
+
+def test_checkpoints_are_atomic_and_only_the_newest_are_kept(steps, tmp_path):
+    d = tmp_path / "ck"
+    trainer = Trainer(steps["sgd"], threads=1)
+    feeds = synthetic_feeds(trainer.graph, seed=0)
+    d.mkdir()
+    stale = d / ".ckpt-killed.tmp"  # what a writer killed mid-write leaves behind
+    stale.write_bytes(b"\0" * 100)
+    assert ckpt.latest(d) is None
+    for _ in range(3):
+        trainer.step(feeds)
+        trainer.save(d)
+    names = sorted(p.name for p in d.iterdir())
+    assert names == ["ckpt-000000002.safetensors", "ckpt-000000003.safetensors"]
+    assert ckpt.load(d).step == 3
+
+
+def _corrupt_data_byte(path):
+    raw = bytearray(path.read_bytes())
+    raw[-3] ^= 0xFF  # the last tensor's bytes (the header is at the start)
+    path.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("flip", "corrupt: its tensor data does not match the checksum"),
+    ("truncate", "not a readable checkpoint"),
+    ("foreign", "written for another training step: it has no value"),
+    ("untagged", "not a memcc checkpoint"),
+])
+def test_corrupt_or_foreign_checkpoints_are_refused(steps, tmp_path, damage, message):
+    d = tmp_path / "ck"
+    source = steps["sgd"] if damage != "foreign" else steps["adamw"]
+    saved = Trainer(source, threads=1).save(d)
+    if damage == "flip":
+        _corrupt_data_byte(saved)
+    elif damage == "truncate":
+        saved.write_bytes(saved.read_bytes()[:40])
+    elif damage == "untagged":
+        from safetensors.numpy import save_file
+
+        save_file({"x": np.zeros(3, np.float32)}, str(saved))
+    trainer = Trainer(steps["sgd"], threads=1)
+    with pytest.raises(InputError, match=message) as info:
+        trainer.restore(d)
+    assert str(saved) in str(info.value)
+
+
+@pytest.mark.parametrize("arrays, message", [
+    ({"input": np.zeros((20, 12), np.float32)}, r"no array named 'labels' \(samples of shape"),
+    ({"input": np.zeros((20, 11), np.float32), "labels": np.zeros(20, np.int64)},
+     r"array 'input' has shape \[20, 11\] dtype float32; the step expects samples of shape "
+     r"\[12\].*\[N, 12\]"),
+    ({"input": np.zeros((20, 12), np.float64), "labels": np.zeros(20, np.int64)},
+     r"array 'input' has shape \[20, 12\] dtype float64"),
+    ({"input": np.zeros((20, 12), np.float32), "labels": np.zeros(19, np.int64)},
+     r"different numbers of samples \('input' 20, 'labels' 19\)"),
+    ({"input": np.zeros((20, 12), np.float32), "labels": np.full(20, 4, np.int64)},
+     r"array 'labels' holds values in \[4, 4\].*\[0, 4\)"),
+    ({"input": np.zeros((5, 12), np.float32), "labels": np.zeros(5, np.int64)},
+     r"5 samples, fewer than one batch of the step \(8\)"),
+])
+def test_data_mismatches_name_the_array_and_the_expected_shape(steps, tmp_path, arrays,
+                                                               message):
+    np.savez(tmp_path / "d.npz", **arrays)
+    inputs = data_inputs(load_graph(steps["sgd"]))
+    with pytest.raises(InputError, match=message):
+        load_dataset(tmp_path / "d.npz", inputs)
+
+
+def test_shards_equal_one_file_and_each_epoch_sees_every_sample_once(steps, tmp_path):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((36, 12), dtype=np.float32)
+    y = rng.integers(0, 4, 36)
+    np.savez(tmp_path / "all.npz", input=x, labels=y)
+    (tmp_path / "shards").mkdir()
+    np.savez(tmp_path / "shards" / "a.npz", input=x[:20], labels=y[:20])
+    np.savez(tmp_path / "shards" / "b.npz", input=x[20:], labels=y[20:])
+    inputs = data_inputs(load_graph(steps["sgd"]))
+    one = load_dataset(tmp_path / "all.npz", inputs)
+    sharded = load_dataset(tmp_path / "shards", inputs)
+    assert one.fingerprint() == sharded.fingerprint()
+    assert one.batches_per_epoch == 4 and one.dropped_per_epoch == 4
+    epoch0 = np.concatenate([one.indices(k, seed=1) for k in range(4)])
+    epoch1 = np.concatenate([one.indices(k, seed=1) for k in range(4, 8)])
+    assert len(set(epoch0)) == 32 and len(set(epoch1)) == 32
+    assert not np.array_equal(epoch0, epoch1)
+    assert not np.array_equal(epoch0, np.concatenate([one.indices(k, seed=2)
+                                                      for k in range(4)]))
+    np.testing.assert_array_equal(one.batch(5, 1)["input"], sharded.batch(5, 1)["input"])
+
+
+def test_a_wrong_batch_is_refused_naming_the_array(steps):
+    trainer = Trainer(steps["sgd"], threads=1)
+    feeds = synthetic_feeds(trainer.graph, seed=0)
+    feeds["input"] = feeds["input"][:4]
+    with pytest.raises(InputError, match=r"array 'input' has shape \[4, 12\].*\[8, 12\]"):
+        trainer.step(feeds)
+    assert trainer.steps_done == 0
+
+
+def test_exported_onnx_is_the_forward_model_with_the_trained_weights(steps, tmp_path):
+    trainer = Trainer(steps["sgd"], threads=1)
+    feeds = synthetic_feeds(trainer.graph, seed=0)
+    for _ in range(3):
+        trainer.step(feeds)
+    out = trainer.export(tmp_path / "trained.onnx")
+    exported = onnx.load(str(out))
+    assert [i.name for i in exported.graph.input] == ["input"]
+    assert [o.name for o in exported.graph.output] == ["logits"]
+    assert not any(p.key.startswith("memcc.") for p in exported.metadata_props)
+    # The reference: the forward model memcc build started from, weights swapped by hand.
+    reference = onnx.ModelProto()
+    reference.CopyFrom(steps["forward"])
+    state = trainer.state_dict()
+    for t in reference.graph.initializer:
+        if t.name in state:
+            t.CopyFrom(onnx.numpy_helper.from_array(state[t.name], t.name))
+    x = {"input": feeds["input"]}
+    got = ort.InferenceSession(str(out)).run(None, x)[0]
+    want = ort.InferenceSession(reference.SerializeToString()).run(None, x)[0]
+    np.testing.assert_array_equal(got, want)
+    untrained = ort.InferenceSession(steps["forward"].SerializeToString()).run(None, x)[0]
+    assert not np.array_equal(got, untrained)
+
+
+def test_export_without_recorded_forward_outputs_says_to_rebuild(steps, tmp_path):
+    model = onnx.load(str(steps["sgd"]))
+    keep = [p for p in model.metadata_props if p.key != "memcc.forward_outputs"]
+    del model.metadata_props[:]
+    model.metadata_props.extend(keep)
+    old = tmp_path / "old_step.onnx"
+    onnx.save(model, str(old))
+    with pytest.raises(InputError, match="rebuild the step with memcc build"):
+        Trainer(old, threads=1).export(tmp_path / "x.onnx")
+
+
+def test_checkpoint_metadata_records_step_data_position_and_format(steps, tmp_path):
+    from safetensors import safe_open
+
+    trainer = Trainer(steps["sgd"], threads=1)
+    path = trainer.save(tmp_path / "ck", data_state={"batches_consumed": 0, "seed": 7})
+    with safe_open(str(path), "np") as f:
+        meta = f.metadata()
+    assert meta[ckpt.FORMAT_KEY] == ckpt.FORMAT
+    assert meta[ckpt.STEP_KEY] == "0"
+    assert json.loads(meta[ckpt.DATA_KEY]) == {"batches_consumed": 0, "seed": 7}
