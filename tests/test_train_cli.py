@@ -1,0 +1,202 @@
+"""``memcc train`` and ``memcc export`` as a user runs them: killed runs resume bit-identically,
+bad data stops before any step, and trained weights go back into PyTorch."""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from typer.testing import CliRunner
+
+from memcc.backend import checkpoint as ckpt
+from memcc.backend.onnx_file import save_graph
+from memcc.cli import app
+from memcc.frontend.build import BuildOptions, build_training_step
+from memcc.frontend.load import load_graph
+from memcc.trainer import TrainOptions, train
+from models import mlp
+
+ROOT = Path(__file__).resolve().parents[1]
+runner = CliRunner()
+
+
+def invoke(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+@pytest.fixture(scope="module")
+def mlp_run(tmp_path_factory):
+    """A small MLP step (about 0.2M parameters, so a checkpoint write takes a moment) and
+    60 samples: 7 batches of 8 per epoch, so 30 steps cross four epoch boundaries."""
+    d = tmp_path_factory.mktemp("train_cli")
+    forward = mlp.build(batch=8, in_features=64, width=256, depth=2, num_classes=10)
+    step = save_graph(build_training_step(load_graph(forward), BuildOptions(optimizer="sgd")),
+                      d / "step.onnx")
+    rng = np.random.default_rng(0)
+    data = d / "data.npz"
+    np.savez(data, input=rng.standard_normal((60, 64), dtype=np.float32),
+             labels=rng.integers(0, 10, 60))
+    return step, data
+
+
+def _train_args(step, data, ck):
+    return ["train", str(step), "--data", str(data), "--steps", "30", "--checkpoint", str(ck),
+            "--save-every", "5", "--seed", "4", "--threads", "1", "--resume", "--json"]
+
+
+def test_three_sigkills_then_resume_give_the_uninterrupted_parameters(mlp_run, tmp_path):
+    step, data = mlp_run
+    reference = tmp_path / "straight"
+    train(TrainOptions(step=step, data=data, steps=30, seed=4, checkpoint=reference,
+                       save_every=5, threads=1))
+    ck = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "memcc.cli", *_train_args(step, data, ck)]
+    rng = random.Random(13)
+    outcomes = []
+    for _ in range(3):  # kill at a random moment after the run has written a new checkpoint
+        before = ckpt.latest(ck)
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        while proc.poll() is None and ckpt.latest(ck) == before:
+            time.sleep(0.002)
+        time.sleep(rng.uniform(0.0, 0.03))
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate()
+        outcomes.append(proc.returncode)
+    final = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert final.returncode == 0, final.stderr
+    assert json.loads(final.stdout)["steps"] == 30
+    got, want = ckpt.load(ck), ckpt.load(reference)
+    assert got.step == want.step == 30
+    assert got.data_state == want.data_state
+    assert got.tensors.keys() == want.tensors.keys()
+    for name in want.tensors:
+        np.testing.assert_array_equal(got.tensors[name], want.tensors[name], err_msg=name,
+                                      strict=True)
+    print(f"kill outcomes (returncode, -9 = killed mid-run): {outcomes}")
+
+
+def test_bad_data_stops_before_any_step_and_writes_nothing(mlp_run, tmp_path):
+    step, _ = mlp_run
+    bad = tmp_path / "bad.npz"
+    np.savez(bad, input=np.zeros((60, 63), np.float32), labels=np.zeros(60, np.int64))
+    ck = tmp_path / "ck"
+    r = invoke("train", step, "--data", bad, "--steps", "3", "--checkpoint", ck)
+    assert r.exit_code == 2
+    assert "array 'input' has shape [60, 63]" in r.output and "[N, 64]" in r.output
+    assert not ck.exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--save-every", "5"], "--save-every and --resume need --checkpoint DIR"),
+    (["--steps", "3", "--epochs", "1"], "give --steps or --epochs, not both"),
+])
+def test_option_errors(mlp_run, args, message):
+    step, data = mlp_run
+    r = invoke("train", step, "--data", data, *args)
+    assert r.exit_code == 2 and message in r.output
+
+
+def test_batch_size_check_reports_and_trains_nothing(mlp_run, tmp_path):
+    step, data = mlp_run
+    r = invoke("train", step, "--data", data, "--epochs", "2", "--batch-size-check",
+               "--checkpoint", tmp_path / "ck")
+    assert r.exit_code == 0, r.output
+    assert "60 samples in 1 file(s), batch size 8: 7 batches per epoch" in r.output
+    assert "14 steps" in r.output and not (tmp_path / "ck").exists()
+
+
+def test_installed_package_never_imports_torch():
+    code = ("import sys, memcc, memcc.cli, memcc.trainer, memcc.backend.checkpoint; "
+            "memcc.Trainer; sys.exit(int('torch' in sys.modules))")
+    assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
+
+
+# ---------------------------------------------------------------------------- PyTorch
+def _torch_export(path):
+    """Linear -> BatchNorm1d (training mode: running statistics are carried) -> ReLU ->
+    Linear, exported by the TorchScript exporter, whose initializer names are the module's
+    ``state_dict`` names."""
+    import torch
+    from torch import nn
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1 = nn.Linear(12, 32)
+            self.bn = nn.BatchNorm1d(32)
+            self.fc2 = nn.Linear(32, 4)
+
+        def forward(self, x):
+            return self.fc2(torch.relu(self.bn(self.fc1(x))))
+
+    torch.manual_seed(0)
+    net = Net().train()
+    with warnings.catch_warnings():  # the TorchScript exporter's deprecation notices
+        warnings.simplefilter("ignore")
+        torch.onnx.export(net, (torch.randn(8, 12),), str(path), dynamo=False,
+                          training=torch.onnx.TrainingMode.TRAINING, opset_version=17,
+                          input_names=["input"], output_names=["logits"],
+                          do_constant_folding=False)
+    return net
+
+
+def test_pytorch_round_trip_train_50_steps_export_and_load_state_dict(tmp_path):
+    import torch
+    from test_trainer import _copying_loop
+
+    net = _torch_export(tmp_path / "net.onnx")
+    step = tmp_path / "step.onnx"
+    assert invoke("build", tmp_path / "net.onnx", "-o", step).exit_code == 0
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((64, 12), dtype=np.float32)
+    np.savez(tmp_path / "data.npz", input=x, labels=rng.integers(0, 4, 64))
+    r = invoke("train", step, "--data", tmp_path / "data.npz", "--steps", "50",
+               "--checkpoint", tmp_path / "ck", "--threads", "1", "--json")
+    assert r.exit_code == 0, r.output
+    result = json.loads(r.output)
+    assert result["steps"] == 50 and result["losses"][-1] < result["losses"][0]
+    for fmt, name in (("safetensors", "w.safetensors"), ("onnx", "trained.onnx")):
+        r = invoke("export", step, "--checkpoint", tmp_path / "ck", "-o", tmp_path / name,
+                   "--format", fmt)
+        assert r.exit_code == 0, r.output
+
+    from safetensors.torch import load_file
+
+    batch = x[:8]
+    with torch.no_grad():
+        untrained = net(torch.from_numpy(batch)).numpy()
+    weights = load_file(str(tmp_path / "w.safetensors"))
+    assert set(weights) == {n for n, _ in net.named_parameters()} | {
+        "bn.running_mean", "bn.running_var"}
+    # strict: every key found (BatchNorm fills its num_batches_tracked, which no ONNX holds)
+    net.load_state_dict(weights, strict=True)
+    with torch.no_grad():
+        want = net(torch.from_numpy(batch)).numpy()
+    assert not np.allclose(want, untrained, rtol=1e-3)  # the trained weights arrived
+    got = ort.InferenceSession(str(tmp_path / "trained.onnx")).run(None, {"input": batch})[0]
+    rel = np.abs(got - want).max() / np.abs(want).max()
+    assert rel <= 1e-5, rel
+    onnx.checker.check_model(onnx.load(str(tmp_path / "trained.onnx")))
+
+    # BatchNorm statistics are updated through a second buffer, not in place: still the
+    # copying runner's numbers.
+    from memcc import Trainer
+
+    trainer = Trainer(step, threads=1)
+    assert set(trainer.in_place.refused) == {"bn.running_mean.new", "bn.running_var.new"}
+    feeds = {"input": batch, "labels": rng.integers(0, 4, 8)}
+    losses = [trainer.step(feeds) for _ in range(3)]
+    ref_losses, ref_state = _copying_loop(step, feeds, 3)
+    assert losses == ref_losses
+    for name, value in ref_state.items():
+        np.testing.assert_array_equal(trainer.state_dict()[name], value, err_msg=name)
