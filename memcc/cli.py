@@ -74,25 +74,41 @@ def build(
     weight_decay: Annotated[Optional[float], typer.Option(  # noqa: UP045
         help="Weight decay (default: sgd 0, adamw 0.01).")] = None,
     dim: DimOpt = None,
+    freeze: Annotated[Optional[list[str]], typer.Option(  # noqa: UP045
+        "--freeze", metavar="PATTERN",
+        help="Keep parameters whose initializer names match this shell pattern fixed: "
+             "their gradients are never built (repeatable), e.g. --freeze 'embeddings.*'.",
+    )] = None,
 ) -> None:
     """Build a complete training step (loss, backward, optimizer) in standard ONNX ops."""
+    import warnings
+
     from memcc import api
     from memcc.frontend.build import BuildOptions
+    from memcc.frontend.exported import ExportWarning
     from memcc.frontend.load import parse_dims
 
     try:
         opts = BuildOptions(loss=loss, optimizer=optimizer, lr=lr, momentum=momentum,
-                            weight_decay=weight_decay)
-        with err.status(f"building the training step of {model}"):
+                            weight_decay=weight_decay, freeze=tuple(freeze or ()))
+        with err.status(f"building the training step of {model}"), \
+                warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", ExportWarning)
             graph = api.build(model, output, dims=parse_dims(dim), options=opts)
     except MemccError as exc:
         _fail(exc)
         return
-    params = TrainingStep.of(graph).parameters
+    for w in caught:
+        if issubclass(w.category, ExportWarning):
+            _warn(str(w.message))
+    step = TrainingStep.of(graph)
+    params = step.parameters
     n_params = sum(graph.info[p].numel for p in params)
+    unnamed = sum(not s.get("named", True) for s in step.parameter_sources().values())
     out.print(
         f"wrote {output}: {len(graph.nodes)} nodes, {len(params)} parameter tensors "
-        f"({n_params:,} values), loss={loss}, optimizer={optimizer}"
+        f"({n_params:,} values; {len(params) - unnamed} under PyTorch names, {unnamed} "
+        f"under names the exporter made up), loss={loss}, optimizer={optimizer}"
     )
 
 

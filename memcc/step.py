@@ -32,6 +32,9 @@ STATE_KEY = "memcc.state"
 INT_RANGES_KEY = "memcc.int_ranges"
 PARAMS_KEY = "memcc.parameters"
 OPTIMIZER_KEY = "memcc.optimizer"
+# parameter -> {"exported_name": initializer name in the exported file, "named": it is the
+# PyTorch state_dict name, "tied_with": [parameters holding the same values]}
+PARAM_SOURCES_KEY = "memcc.parameter_sources"
 # The forward model's own outputs (logits, ...): ``memcc export`` writes them back out.
 FORWARD_OUTPUTS_KEY = "memcc.forward_outputs"
 TRAINING_STEP = "training_step"
@@ -133,6 +136,17 @@ class TrainingStep:
         produced = self.graph.def_use().producer
         return {p for p in set(self.state.values()) | set(self.graph.initializers)
                 if f"{p}.grad" in produced}
+
+    def parameter_sources(self) -> dict[str, dict]:
+        """Trainable parameter -> where it came from in the exported forward model:
+        ``exported_name`` (the initializer name there; with dynamo ``optimize=False`` and
+        TorchScript training exports, PyTorch's ``state_dict`` name), ``named`` (whether it
+        is a PyTorch name rather than one the exporter made up) and ``tied_with`` (other
+        parameters holding the same values: one PyTorch parameter exported as copies).
+        Steps built before this was recorded map every parameter to its own name."""
+        recorded = self._json(PARAM_SOURCES_KEY, {}, dict)
+        return {p: dict(recorded.get(p) or {"exported_name": p, "named": True})
+                for p in self.parameters}
 
     def validate(self, source: str = "<model>") -> TrainingStep:
         """Raise ``InputError`` unless the file keeps the contract the runner relies on."""

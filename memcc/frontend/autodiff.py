@@ -8,6 +8,7 @@ reshapes at compile time instead of emitting shape arithmetic.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import numpy as np
@@ -39,7 +40,8 @@ def differentiable_values(graph: Graph, loss: str, wrt: Sequence[str]) -> set[st
     return forward & backward
 
 
-def differentiate(graph: Graph, loss: str, wrt: Sequence[str]) -> dict[str, str]:
+def differentiate(graph: Graph, loss: str, wrt: Sequence[str], *,
+                  source: str = "<model>") -> dict[str, str]:
     """Append the backward pass of ``loss`` to ``graph``; return {value: its gradient}.
 
     Gradient contributions are summed as soon as a second one arrives, so at most one
@@ -66,11 +68,8 @@ def differentiate(graph: Graph, loss: str, wrt: Sequence[str]) -> dict[str, str]
             continue
         rule = RULES.get(node.op_type) if node.domain in ("", "ai.onnx") else None
         if rule is None:
-            raise UnsupportedOpError(
-                f"no gradient rule for {node_label(node)} (op '{node.op_type}', domain "
-                f"'{node.domain or 'ai.onnx'}'). Supported ops: {', '.join(sorted(RULES))}. "
-                "Export the model without this op, or file an issue with the model."
-            )
+            raise UnsupportedOpError(_no_rule_message(graph, node, loss, wrt, requires,
+                                                      forward_nodes, source))
         first = len(graph.nodes)
         try:
             gins = rule(ctx, node, gouts)
@@ -97,3 +96,95 @@ def differentiate(graph: Graph, loss: str, wrt: Sequence[str]) -> dict[str, str]
         for emitted in graph.nodes[first:]:
             tag_node(emitted, grad_of=node.name, rule=DEFAULT_RULE)
     return {w: grads[w] for w in wrt if w in grads}
+
+
+def _no_rule_message(graph: Graph, node, loss: str, wrt: Sequence[str], requires: set[str],
+                     forward_nodes: list, source: str) -> str:
+    """Say which op, where, how it reaches the loss, and whether freezing avoids it.
+
+    The node needs a gradient only because some trainable parameter lies upstream of it;
+    freezing exactly those parameters (``--freeze``) removes the need, at the price of not
+    training them, so the message names them and a pattern that covers them.
+    """
+    path = _path_to_loss(node, loss, forward_nodes)
+    shown = path if len(path) <= 6 else path[:3] + ["..."] + path[-2:]
+    behind = _parameters_upstream(node, wrt, requires, forward_nodes)
+    supported = ", ".join(sorted(RULES))
+    msg = (f"{source}: no gradient rule for {node_label(node)} (op '{node.op_type}', domain "
+           f"'{node.domain or 'ai.onnx'}'), which lies on the path to the loss: "
+           f"{' -> '.join(shown)} ({len(path)} nodes). ")
+    if behind and len(behind) < len(wrt):
+        flags = " ".join(f"--freeze '{p}'" for p in _covering_patterns(behind, wrt))
+        msg += (f"Freezing the {len(behind)} of {len(wrt)} trainable parameters upstream "
+                f"of it avoids it (they would then not train): {flags}. ")
+    else:
+        msg += ("Freezing parameters does not avoid it: every trainable parameter is "
+                "upstream of it. ")
+    return msg + (f"Export the model without this op, or file an issue with the model. "
+                  f"Ops with gradient rules: {supported}.")
+
+
+def _path_to_loss(node, loss: str, forward_nodes: list) -> list[str]:
+    """Node names from ``node`` to the producer of ``loss`` along data edges (BFS)."""
+    readers: dict[str, list] = {}
+    producer: dict[str, object] = {}
+    for n in forward_nodes:
+        for i in n.input:
+            if i:
+                readers.setdefault(i, []).append(n)
+        for o in n.output:
+            if o:
+                producer[o] = n
+    target = producer.get(loss)
+    prev: dict[str, str | None] = {node.name: None}
+    queue = [node]
+    while queue:
+        n = queue.pop(0)
+        if n is target:
+            break
+        for o in n.output:
+            for r in readers.get(o, []):
+                if r.name not in prev:
+                    prev[r.name] = n.name
+                    queue.append(r)
+    if target is None or target.name not in prev:
+        return [node.name]
+    path, cur = [], target.name
+    while cur is not None:
+        path.append(cur)
+        cur = prev[cur]
+    return path[::-1]
+
+
+def _parameters_upstream(node, wrt: Sequence[str], requires: set[str],
+                         forward_nodes: list) -> list[str]:
+    producer = {o: n for n in forward_nodes for o in n.output if o}
+    wanted = set(wrt)
+    seen: set[str] = set()
+    stack = [i for i in node.input if i in requires]
+    found: set[str] = set()
+    while stack:
+        v = stack.pop()
+        if v in seen:
+            continue
+        seen.add(v)
+        if v in wanted:
+            found.add(v)
+        p = producer.get(v)
+        if p is not None and p.op_type not in NON_DIFFERENTIABLE:
+            stack.extend(i for i in p.input if i in requires)
+    return [w for w in wrt if w in found]
+
+
+def _covering_patterns(names: list[str], among: Sequence[str]) -> list[str]:
+    """Shell patterns that match exactly ``names`` among ``among``: their common prefix and
+    ``*`` when that catches nothing else, else the names themselves (at most 4, then the
+    common prefix of the rest)."""
+    prefix = os.path.commonprefix(names)
+    if len(names) == 1:
+        return names
+    if prefix and not [a for a in among if a.startswith(prefix) and a not in names]:
+        return [f"{prefix}*"]
+    if len(names) <= 4:
+        return list(names)
+    return list(names[:4]) + [f"... ({len(names) - 4} more)"]

@@ -10,6 +10,7 @@ here (``memcc.*`` keys) is the contract the runner and the planner read.
 
 from __future__ import annotations
 
+import fnmatch
 import json
 from dataclasses import dataclass
 
@@ -19,6 +20,12 @@ from onnx import TensorProto
 from memcc.errors import InputError
 from memcc.frontend.autodiff import differentiable_values, differentiate
 from memcc.frontend.emit import Emitter
+from memcc.frontend.exported import (
+    parameter_sources,
+    report_parameters,
+    restore_training_batchnorm,
+    signature_of,
+)
 from memcc.graph import Graph, TensorInfo, attr, node_label
 from memcc.step import (  # the contract's keys live with its one reader, memcc.step
     DATA_KEY,
@@ -27,6 +34,7 @@ from memcc.step import (  # the contract's keys live with its one reader, memcc.
     KIND_KEY,
     LOSS_KEY,
     OPTIMIZER_KEY,
+    PARAM_SOURCES_KEY,
     PARAMS_KEY,
     STATE_KEY,
     Role,
@@ -57,6 +65,8 @@ class BuildOptions:
     weight_decay: float | None = None
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
+    # fnmatch patterns over initializer names: parameters kept fixed (no gradient built)
+    freeze: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.loss not in LOSSES:
@@ -104,14 +114,19 @@ def build_training_step(forward: Graph, options: BuildOptions | None = None,
     data_inputs += extra_inputs
     int_ranges.update(label_range)
 
+    restore_training_batchnorm(graph, source)
     bn_stats = _batchnorm_running_stats(graph)
     params = _trainable_parameters(graph, loss, bn_stats)
+    params = _apply_freeze(params, opts.freeze, source)
     if not params:
         raise InputError(
             f"{source}: no trainable parameters: no floating-point initializer lies on a "
-            "differentiable path to the loss"
+            "differentiable path to the loss" + (" (or every one is frozen)" if opts.freeze
+                                                else "")
         )
-    grads = differentiate(graph, loss, params)
+    sources = parameter_sources(graph, params)
+    report_parameters(sources, source, signature_of(graph))
+    grads = differentiate(graph, loss, params, source=source)
 
     state: dict[str, str] = {}
     namer = _OutputNamer(graph, emit)
@@ -134,6 +149,7 @@ def build_training_step(forward: Graph, options: BuildOptions | None = None,
         STATE_KEY: json.dumps(state),
         INT_RANGES_KEY: json.dumps(int_ranges),
         PARAMS_KEY: json.dumps(params),
+        PARAM_SOURCES_KEY: json.dumps({p: s.to_json() for p, s in sources.items()}),
         FORWARD_OUTPUTS_KEY: json.dumps(list(forward.outputs)),
         OPTIMIZER_KEY: json.dumps({
             "name": opts.optimizer, "lr": opts.learning_rate, "loss": opts.loss,
@@ -258,6 +274,9 @@ def _trainable_parameters(graph: Graph, loss: str, bn_stats) -> list[str]:
     """
     excluded = {s for _, m, v in bn_stats for s in (m, v)}
     excluded.update(n for n in graph.initializers if n.endswith(BUFFER_SUFFIXES))
+    sig = signature_of(graph)
+    if sig is not None:  # the dynamo exporter says which initializers are torch buffers
+        excluded.update(sig.buffers)
     for node in graph.nodes:
         if node.op_type == "BatchNormalization" and len(node.input) >= 5:
             excluded.update(node.input[3:5])
@@ -268,6 +287,21 @@ def _trainable_parameters(graph: Graph, loss: str, bn_stats) -> list[str]:
     ]
     reachable = differentiable_values(graph, loss, candidates)
     return [n for n in candidates if n in reachable]
+
+
+def _apply_freeze(params: list[str], patterns: tuple[str, ...], source: str) -> list[str]:
+    """Drop parameters matching any ``--freeze`` pattern; a pattern that matches nothing is
+    an error (a typo would otherwise silently train everything)."""
+    if not patterns:
+        return params
+    for pat in patterns:
+        if not any(fnmatch.fnmatchcase(p, pat) for p in params):
+            raise InputError(
+                f"{source}: --freeze '{pat}' matches no trainable parameter; parameters are "
+                f"named like {', '.join(params[:3])}. Patterns use shell wildcards, e.g. "
+                "--freeze 'embeddings.*'."
+            )
+    return [p for p in params if not any(fnmatch.fnmatchcase(p, pat) for pat in patterns)]
 
 
 def _emit_update(graph: Graph, emit: Emitter, params: list[str], grads: dict[str, str],

@@ -40,8 +40,23 @@ _MAX_STATIC_ELEMENTS = 4096
 
 def needs_canonicalizing(model: onnx.ModelProto) -> bool:
     """True when the graph holds anything :func:`canonicalize` rewrites."""
-    return any(n.op_type in SEQUENCE_OPS or n.op_type in ("CastLike", "If")
+    return any(n.op_type in SEQUENCE_OPS or n.op_type in ("CastLike", "If", "GatherND")
                for n in model.graph.node if n.domain in ("", "ai.onnx"))
+
+
+def shapes_needed(model: onnx.ModelProto) -> list[str]:
+    """Values whose static type the rewrites need but shape inference left unknown."""
+    types = _types(model)
+    wanted: list[str] = []
+    for n in model.graph.node:
+        if n.op_type == "SplitToSequence":
+            wanted.append(n.input[0])
+        elif n.op_type == "CastLike":
+            wanted.append(n.input[1])
+        elif n.op_type == "GatherND":
+            wanted += [n.input[0], n.input[1]]
+    return [w for w in dict.fromkeys(wanted)
+            if w and (w not in types or types[w][1] is None)]
 
 
 def canonicalize(model: onnx.ModelProto, where: str) -> bool:
@@ -69,6 +84,9 @@ def canonicalize(model: onnx.ModelProto, where: str) -> bool:
             changed = True
         elif node.op_type in SEQUENCE_OPS:
             out.extend(_sequence(node, seqs, types, consts, fresh, where))
+            changed = True
+        elif node.op_type == "GatherND" and _float_data_gathernd(node, types):
+            out.extend(_gathernd_as_gather(node, types, fresh))
             changed = True
         elif node.op_type == "If":
             cond = consts.value(node.input[0])
@@ -354,6 +372,62 @@ def _sequence(node: onnx.NodeProto, seqs: dict[str, list[str]],
             squeezed.append(s)
         parts = squeezed
     seqs[node.output[0]] = parts
+    return nodes
+
+
+_FLOATS = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16,
+                     onnx.TensorProto.BFLOAT16})
+
+
+def _float_data_gathernd(node: onnx.NodeProto, types) -> bool:
+    data, idx = types.get(node.input[0]), types.get(node.input[1])
+    return (data is not None and data[0] in _FLOATS and data[1] is not None
+            and idx is not None and idx[1] is not None and len(idx[1]) >= 1
+            and _attr(node, "batch_dims", 0) == 0 and 1 <= idx[1][-1] <= len(data[1]))
+
+
+def _gathernd_as_gather(node: onnx.NodeProto, types, fresh: _Namer) -> list[onnx.NodeProto]:
+    """``GatherND(data, idx)`` (batch_dims 0) as ``Gather(Reshape(data, [P, *rest]), lin)``
+    with ``lin`` the row-major linear index over the first ``k`` axes: exact, and the Gather
+    gradient (a deterministic chunked ScatterElements) then covers it, where a ScatterND
+    gradient would lose updates across threads on ORT's CPU provider."""
+    data_shape = types[node.input[0]][1]
+    idx_type, idx_shape = types[node.input[1]]
+    k = idx_shape[-1]
+    lead, rest = data_shape[:k], data_shape[k:]
+    strides = [int(np.prod(lead[j + 1:])) for j in range(k)]
+    name = node.name or node.output[0]
+
+    def v(base: str) -> str:
+        return fresh(f"{name}/{base}")
+
+    nodes: list[onnx.NodeProto] = []
+    idx = node.input[1]
+    if idx_type != onnx.TensorProto.INT64:
+        cast = v("indices_int64")
+        nodes.append(helper.make_node("Cast", [idx], [cast], name=v("Cast"),
+                                      to=onnx.TensorProto.INT64))
+        idx = cast
+    dims = _const_node(fresh, np.asarray(lead, np.int64))
+    strd = _const_node(fresh, np.asarray(strides, np.int64))
+    zero = _const_node(fresh, np.asarray(0, np.int64))
+    axes = _const_node(fresh, np.asarray([-1], np.int64))
+    shape = _const_node(fresh, np.asarray([int(np.prod(lead))] + list(rest), np.int64))
+    nodes += [dims, strd, zero, axes, shape]
+    neg, negi, wrap, norm, scaled, lin, flat = (v(s) for s in (
+        "negative", "negative_int", "wrap", "normalized", "scaled", "linear", "rows"))
+    nodes += [
+        helper.make_node("Less", [idx, zero.output[0]], [neg], name=v("Less")),
+        helper.make_node("Cast", [neg], [negi], name=v("Cast"), to=onnx.TensorProto.INT64),
+        helper.make_node("Mul", [negi, dims.output[0]], [wrap], name=v("Mul")),
+        helper.make_node("Add", [idx, wrap], [norm], name=v("Add")),
+        helper.make_node("Mul", [norm, strd.output[0]], [scaled], name=v("Mul")),
+        helper.make_node("ReduceSum", [scaled, axes.output[0]], [lin], name=v("ReduceSum"),
+                         keepdims=0),
+        helper.make_node("Reshape", [node.input[0], shape.output[0]], [flat],
+                         name=v("Reshape")),
+        helper.make_node("Gather", [flat, lin], [node.output[0]], name=name, axis=0),
+    ]
     return nodes
 
 

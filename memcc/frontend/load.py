@@ -18,7 +18,8 @@ import onnx
 from onnx import TensorProto, helper, shape_inference
 
 from memcc.errors import InputError, ShapeError
-from memcc.frontend.canonicalize import canonicalize, needs_canonicalizing
+from memcc.frontend.canonicalize import canonicalize, needs_canonicalizing, shapes_needed
+from memcc.frontend.exported import SIGNATURE_KEY, read_signature
 from memcc.frontend.fold import fold_shape_computations
 from memcc.graph import Graph, TensorInfo, node_label
 
@@ -84,11 +85,19 @@ def load_graph(
     _bind_input_dims(model, dict(dims or {}), where)
     model = _infer(model, where)
     for _ in range(_CANONICAL_ROUNDS):  # a folded If may uncover another
-        if not needs_canonicalizing(model) or not canonicalize(model, where):
+        if not needs_canonicalizing(model):
+            break
+        unknown = shapes_needed(model)
+        if unknown:
+            _add_types_by_running(model, unknown)
+        if not canonicalize(model, where):
             break
         model = _infer(model, where)
     _check_supported_structure(model, where)
     graph = Graph.from_model(model)
+    signature = read_signature(model)
+    if signature is not None:  # the builder reads which initializers are torch buffers
+        graph.metadata[SIGNATURE_KEY] = signature.to_json()
     name_nodes(graph)
     missing = _unknown_values(graph)
     if missing:
@@ -194,35 +203,55 @@ def _unknown_values(graph: Graph) -> list[str]:
 def _shapes_by_running(model: onnx.ModelProto, graph: Graph, missing: list[str],
                        where: str) -> None:
     """Run the forward graph once on dummy inputs and read the shapes inference missed."""
+    for name, (dtype, shape) in _run_for_types(model, missing).items():
+        graph.info[name] = TensorInfo(dtype, shape)
+
+
+def _add_types_by_running(model: onnx.ModelProto, names: list[str]) -> None:
+    """Record in ``model.graph.value_info`` the types ORT computes for ``names``: the
+    load-time rewrites need shapes that inference leaves unknown (data-dependent Reshape
+    targets in front of a SplitToSequence)."""
+    for name, (dtype, shape) in _run_for_types(model, names).items():
+        model.graph.value_info.append(helper.make_tensor_value_info(name, dtype, shape))
+
+
+def _run_for_types(model: onnx.ModelProto, names: list[str]
+                   ) -> dict[str, tuple[int, tuple[int, ...]]]:
+    """Run the model once in ORT on zero inputs; return (dtype, shape) of the tensors
+    ``names`` that it produced. Empty when the model cannot run (the caller reports)."""
     import onnxruntime as ort
 
     m = onnx.ModelProto()
     m.CopyFrom(model)
     existing = {o.name for o in m.graph.output}
-    for name in missing:
+    for name in names:
         if name not in existing:
             m.graph.output.append(helper.make_empty_tensor_value_info(name))
     m.ir_version = min(m.ir_version, 10)
+    inits = {t.name for t in m.graph.initializer}
     feeds = {}
     for vi in m.graph.input:
-        if vi.name in graph.initializers:
+        if vi.name in inits:
             continue
-        ti = graph.info.get(vi.name)
-        if ti is None:
-            return
-        feeds[vi.name] = np.zeros(ti.shape, dtype=ti.np_dtype)
+        tt = vi.type.tensor_type
+        dims = [d.dim_value for d in tt.shape.dim]
+        if not tt.elem_type or any(d <= 0 for d in dims):
+            return {}
+        feeds[vi.name] = np.zeros(dims, dtype=helper.tensor_dtype_to_np_dtype(tt.elem_type))
     try:
         so = ort.SessionOptions()
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        so.log_severity_level = 3
         sess = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
-        names = [o.name for o in sess.get_outputs()]
-        results = sess.run(names, feeds)
+        out_names = [o.name for o in sess.get_outputs()]
+        results = sess.run(out_names, feeds)
     except Exception:
-        return
-    for name, arr in zip(names, results, strict=True):
-        if name in missing and isinstance(arr, np.ndarray):
-            graph.info[name] = TensorInfo(
-                helper.np_dtype_to_tensor_dtype(arr.dtype)
-                if arr.dtype != np.bool_ else TensorProto.BOOL,
-                tuple(int(d) for d in arr.shape),
-            )
+        return {}
+    wanted = set(names)
+    found: dict[str, tuple[int, tuple[int, ...]]] = {}
+    for name, arr in zip(out_names, results, strict=True):
+        if name in wanted and isinstance(arr, np.ndarray):
+            dtype = (helper.np_dtype_to_tensor_dtype(arr.dtype)
+                     if arr.dtype != np.bool_ else TensorProto.BOOL)
+            found[name] = (dtype, tuple(int(d) for d in arr.shape))
+    return found
