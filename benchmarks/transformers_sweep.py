@@ -132,7 +132,8 @@ ARCHS: dict[str, Arch] = {
     "mobilenet_v2": Arch(lambda: T.MobileNetV2ForImageClassification(T.MobileNetV2Config(
         num_channels=3, image_size=IMG, depth_multiplier=0.35, num_labels=5)), kind="image"),
     "efficientnet": Arch(lambda: T.EfficientNetForImageClassification(T.EfficientNetConfig(
-        image_size=IMG, width_coefficient=0.1, depth_coefficient=0.1, num_labels=5)),
+        image_size=IMG, width_coefficient=0.1, depth_coefficient=0.1, hidden_dim=128,
+        num_labels=5)),
         kind="image", what="SiLU, squeeze-excite"),
     "regnet": Arch(lambda: T.RegNetForImageClassification(T.RegNetConfig(
         embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], groups_width=8,
@@ -174,6 +175,11 @@ def make(name: str) -> tuple[Logits, tuple, list[str], bool]:
     for mod in model.modules():
         if isinstance(mod, torch.nn.Dropout):
             mod.p = 0.0
+        for attr_name, value in list(vars(mod).items()):
+            # functional dropout and stochastic depth keep their rates as float attributes
+            # (attention_dropout, drop_prob, dropout_rate): zero them too, for determinism
+            if "drop" in attr_name and isinstance(value, float):
+                setattr(mod, attr_name, 0.0)
         if isinstance(mod, torch.nn.modules.batchnorm._BatchNorm):
             with torch.no_grad():
                 mod.running_mean.normal_(0, 0.1)
@@ -188,10 +194,13 @@ def make(name: str) -> tuple[Logits, tuple, list[str], bool]:
     if arch.kind == "image":
         return Logits(model, "image"), (torch.randn(2, 3, IMG, IMG, generator=gen),), \
             ["pixel_values"], training
-    ids = torch.randint(1, VOCAB, (2, 8), generator=gen)
+    # Token ids avoid the special tokens 0-2: nn.Embedding(padding_idx=...) keeps the
+    # padding row's gradient at zero in torch, and the ONNX file does not record padding_idx
+    # (README: coverage), so a batch without padding is what both sides agree on.
+    ids = torch.randint(3, VOCAB, (2, 8), generator=gen)
     mask = torch.ones(2, 8, dtype=torch.long)
     if arch.kind == "seq2seq":
-        dec = torch.randint(1, VOCAB, (2, 6), generator=gen)
+        dec = torch.randint(3, VOCAB, (2, 6), generator=gen)
         return Logits(model, "seq2seq"), (ids, mask, dec), \
             ["input_ids", "attention_mask", "decoder_input_ids"], training
     return Logits(model, "text"), (ids, mask), ["input_ids", "attention_mask"], training
@@ -266,18 +275,23 @@ def run_case(name: str, form: str, tmp: Path) -> Result:
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, classes),
                                              torch.from_numpy(labels).reshape(-1))
     loss.backward()
-    if not _export_matches_torch(path, feeds, logits.detach().numpy()):
-        why = ("dynamo writes train-mode BatchNorm in inference form"
+
+    def export_problem() -> Result | None:
+        if _export_matches_torch(path, feeds, logits.detach().numpy()):
+            return None
+        why = ("the exporter wrote train-mode BatchNorm in inference form and folded it "
+               "into the convolutions (memcc warns)"
                if form != "torchscript" and _has_batchnorm(wrapper) and training
                else "the exported file's forward differs from torch's")
         return result("export problem", why)
+
     try:
         with quiet():
             step = build_training_step(load_graph(path), BuildOptions(optimizer="none"),
                                        source=path.name)
             out = step_outputs(step, {**feeds, "labels": labels.astype(np.int64)}, "cpu")
     except MemccError as exc:
-        return result("memcc refused", _first_line(exc))
+        return export_problem() or result("memcc refused", _first_line(exc))
     except Exception as exc:  # a traceback in a sweep is a memcc bug: say so
         return result("memcc crashed", _first_line(exc))
     named = [(n, p) for n, p in wrapper.named_parameters() if p.grad is not None]
@@ -314,6 +328,14 @@ def run_case(name: str, form: str, tmp: Path) -> Result:
     detail = (f"loss err {loss_err:.0e}, grad err {worst:.0e}, "
               f"{len(covered)}/{len(tgrads)} params, {len(step.nodes)} nodes")
     ok = loss_err <= 1e-3 and worst <= 1e-3 and len(covered) == len(tgrads)
+    if not ok and loss_err > 1e-3:
+        return export_problem() or result("mismatch", detail)
+    if not ok and worst <= 1e-3 and loss_err <= 1e-3:
+        folded = sorted(set(tgrads) - covered)
+        return result("export problem", (
+            f"the exporter (constant folding) turned {', '.join(folded[:2])}"
+            f"{' ...' if len(folded) > 2 else ''} into derived constants, trained as "
+            f"separate tensors; every other gradient matches ({detail})"))
     return result("match" if ok else "mismatch", detail)
 
 
