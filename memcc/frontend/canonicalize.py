@@ -371,6 +371,12 @@ def _sequence(node: onnx.NodeProto, seqs: dict[str, list[str]],
                                           name=fresh(f"{node.name}/Squeeze")))
             squeezed.append(s)
         parts = squeezed
+    for p, n in zip(parts, sizes, strict=True):  # later sequence ops read the parts' ranks
+        part_shape = list(shape)
+        part_shape[axis] = n
+        if split is None and not keepdims:
+            del part_shape[axis]
+        types[p] = (t[0], tuple(part_shape))
     seqs[node.output[0]] = parts
     return nodes
 
