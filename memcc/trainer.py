@@ -44,13 +44,14 @@ from pathlib import Path
 import numpy as np
 
 from memcc.backend import checkpoint as ckpt
+from memcc.backend.arrange import Arrangement, arrange_step
 from memcc.backend.data import DataInput, Dataset, data_inputs, load_dataset
 from memcc.backend.runner import session_graph
 from memcc.backend.session import make_session, resolve_provider
 from memcc.errors import InputError, RuntimeFailure
 from memcc.frontend.load import load_graph
 from memcc.graph import Graph
-from memcc.passes.inplace import InPlaceUpdates, analyze_in_place
+from memcc.passes.inplace import InPlaceUpdates
 from memcc.step import TrainingStep
 
 EXPORT_FORMATS = ("onnx", "safetensors")
@@ -62,12 +63,14 @@ class Trainer:
     ``provider``: ``cpu``, ``cuda`` or ``auto``. ``threads``: ORT intra-op threads (default:
     ORT's choice; results are bit-identical at any count, docs/DETERMINISM.md).
     ``in_place=False`` gives every update its own buffer (the copying behaviour of
-    ``memcc run``), for comparisons.
+    ``memcc run``), for comparisons; ``early_updates=False`` keeps the file's node order
+    (``backend.arrange`` moves updates early only where that predicts a lower peak).
+    ``predicted_peak_bytes`` is the liveness prediction of the arrangement that runs.
     """
 
     def __init__(self, step_path: str | os.PathLike, *, provider: str = "cpu",
                  threads: int | None = None, in_place: bool = True,
-                 graph: Graph | None = None) -> None:
+                 early_updates: bool = True, graph: Graph | None = None) -> None:
         self.path = Path(step_path)
         self.graph = graph if graph is not None else load_graph(self.path)
         self.spec = TrainingStep.of(self.graph).validate(str(self.path))
@@ -77,11 +80,11 @@ class Trainer:
         self.steps_done = 0
         self.data_state: dict = {}
         self.updates: dict[str, str] = dict(self.spec.state)  # output -> input it replaces
-        self.in_place: InPlaceUpdates = (
-            analyze_in_place(self.graph, self.updates) if in_place
-            else InPlaceUpdates({}, dict.fromkeys(self.updates, "in_place=False")))
+        self.arrangement: Arrangement = arrange_step(self.graph, self.spec, in_place=in_place,
+                                                     early_updates=early_updates)
+        self.in_place: InPlaceUpdates = self.arrangement.in_place
 
-        sgraph, values = session_graph(self.graph)
+        sgraph, values = session_graph(self.arrangement.graph)
         self._session = make_session(sgraph.to_model(), self.provider,
                                      intra_op_threads=threads)
         self._device = "cuda" if self.provider == "cuda" else "cpu"
@@ -109,6 +112,10 @@ class Trainer:
         if self._device == "cpu":  # shares the array's memory: no copy
             return ort.OrtValue.ortvalue_from_numpy(arr)
         return ort.OrtValue.ortvalue_from_numpy(arr, "cuda", 0)
+
+    @property
+    def predicted_peak_bytes(self) -> int:
+        return self.arrangement.prediction.peak_bytes
 
     @property
     def batch_size(self) -> int:

@@ -118,6 +118,7 @@ def run_steps(
     data: str | os.PathLike | None = None,
     isolate: bool | None = None,
     separate_timing: bool = True,
+    in_place: bool = False,
 ) -> RunResult:
     """Run ``steps`` training steps of the file at ``model_path`` and measure them.
 
@@ -126,6 +127,10 @@ def run_steps(
     ``separate_timing`` (default) the step times come from a second child that uses glibc's
     default allocator (``memory.timing_env``): the measuring process pays a page fault on
     every fresh buffer, which is not what a training run costs.
+
+    ``in_place`` runs the step as ``memcc.Trainer`` does (``backend.arrange``): updates
+    written into the buffers of the values they replace (IOBinding), each update moved early
+    where that predicts a lower peak, and the prediction counts the aliasing.
     """
     if steps < 1:
         raise InputError("--steps must be at least 1")
@@ -134,14 +139,23 @@ def run_steps(
     spec = read_step_spec(graph, source=str(path))
     prov = resolve_provider(provider)
     feeds = load_data(data, graph, spec) if data is not None else synthetic_feeds(graph, seed)
+    aliased: dict[str, str] = {}
     try:
-        prediction = analyze_liveness(graph)
+        if in_place:
+            from memcc.backend.arrange import arrange_step
+
+            arrangement = arrange_step(graph, TrainingStep.of(graph))
+            graph, prediction = arrangement.graph, arrangement.prediction
+            aliased = dict(arrangement.in_place.aliased)
+        else:
+            prediction = analyze_liveness(graph)
     except ValueError as exc:  # the node list is not a topological order
         raise InputError(f"{path}: {exc}; write nodes in a topological order") from exc
     if isolate is None:
         isolate = prov == "cpu" and not memory.in_measuring_child()
     with tempfile.TemporaryDirectory(prefix="memcc-run-") as tmp:
         payload = prepare_run(graph, spec, feeds, Path(tmp), steps=steps, provider=prov)
+        payload["in_place"] = aliased
         if isolate:
             out = memory.run_child("memcc.backend.runner", payload)
             if separate_timing:
@@ -332,8 +346,15 @@ def execute(payload: Mapping) -> dict:
     meter = memory.CpuPeakMeter() if provider == "cpu" else memory.NvmlPeakMeter()
     run_options = _run_options(provider)
 
+    aliased = dict(payload.get("in_place") or {})
+
+    def run(feeds):
+        if aliased:
+            return _run_in_place(session, outputs, feeds, aliased, run_options)
+        return _run(session, outputs, feeds, run_options)
+
     feeds = _load_feeds(payload["feeds"])
-    _run(session, outputs, feeds, run_options)
+    run(feeds)
     order = check_session_order(session, payload["planned"])
     del feeds
     meter.set_baseline()
@@ -343,12 +364,13 @@ def execute(payload: Mapping) -> dict:
     for _ in range(int(payload["steps"])):
         meter.start()
         t0 = time.perf_counter()
-        result = _run(session, outputs, feeds, run_options)
+        result = run(feeds)
         times.append(time.perf_counter() - t0)
         peaks.append(meter.stop())
         losses.append(_scalar(result[loss_name], loss_name))
         for out, inp in state.items():
-            feeds[inp] = result[out]
+            if out not in aliased:  # an in-place update already is in feeds[inp]
+                feeds[inp] = result[out]
         del result
     return {
         "losses": losses,
@@ -366,6 +388,33 @@ def _run(session, outputs: list[str], feeds: Mapping[str, np.ndarray], run_optio
     except Exception as exc:  # pybind raises ORT's own exception types
         raise RuntimeFailure(f"ONNX Runtime failed while running the step: {exc}") from exc
     return dict(zip(outputs, values, strict=True))
+
+
+def _run_in_place(session, outputs: list[str], feeds: dict[str, np.ndarray],
+                  aliased: Mapping[str, str], run_options) -> dict[str, np.ndarray]:
+    """One step with IOBinding: each aliased output is written into its input's array
+    (``feeds`` is updated in place); the other outputs come back as new arrays."""
+    import onnxruntime as ort
+
+    binding = session.io_binding()
+    values = {}
+    for name, arr in feeds.items():
+        values[name] = ort.OrtValue.ortvalue_from_numpy(arr)  # shares the array's memory
+        binding.bind_ortvalue_input(name, values[name])
+    for out in outputs:
+        if out in aliased:
+            binding.bind_ortvalue_output(out, values[aliased[out]])
+        else:
+            binding.bind_output(out, "cpu")
+    try:
+        session.run_with_iobinding(binding, run_options)
+    except Exception as exc:  # pybind raises ORT's own exception types
+        raise RuntimeFailure(f"ONNX Runtime failed while running the step: {exc}") from exc
+    result = {out: feeds[aliased[out]] for out in outputs if out in aliased}
+    for out, value in zip(outputs, binding.get_outputs(), strict=True):
+        if out not in aliased:
+            result[out] = value.numpy()
+    return result
 
 
 def _run_options(provider: str):

@@ -86,7 +86,7 @@ def _refusal(graph: Graph, nodes, position, producer, readers, outputs: set[str]
     ti_out, ti_in = graph.info.get(out), graph.info.get(inp)
     if ti_out is None or ti_out != ti_in:
         return f"its type differs from '{inp}'"
-    shared = _sharing_buffer(nodes, inp)
+    shared = sharing_buffer(nodes, inp)
     for operand in node.input:
         if operand in shared and graph.info.get(operand) is not None and \
                 graph.info[operand].shape != ti_out.shape:
@@ -101,7 +101,7 @@ def _refusal(graph: Graph, nodes, position, producer, readers, outputs: set[str]
     return None
 
 
-def _sharing_buffer(nodes: Sequence[onnx.NodeProto], inp: str) -> set[str]:
+def sharing_buffer(nodes: Sequence[onnx.NodeProto], inp: str) -> set[str]:
     """``inp`` and every value ORT may hand out as a view of its buffer."""
     shared = {inp}
     for n in nodes:  # topological order: one pass reaches every alias chain

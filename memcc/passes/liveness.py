@@ -14,7 +14,8 @@ CPU execution provider of onnxruntime 1.31.1 (``tests/test_ort_facts.py`` pins e
   ``i`` runs, the live bytes are those live after node ``i-1``, plus its new outputs, plus
   its scratch.
 - Graph outputs get their own buffer and are never freed during the step. A node output
-  that no node consumes and that is not a graph output is never freed either.
+  that no node consumes and that is not a graph output is never freed either. An update
+  output bound to the buffer of the input it replaces (``in_place``) allocates nothing.
 - Aliasing: Reshape, Squeeze, Unsqueeze, Flatten and Identity return their input's buffer
   (no allocation); the buffer lives until the last consumer of any alias. Not when the
   output is a graph output: then it is a fresh buffer.
@@ -140,12 +141,17 @@ class LivenessReport:
 
 
 # ---------------------------------------------------------------------------- entry point
-def analyze_liveness(graph: Graph, order: Sequence[str | onnx.NodeProto] | None = None
-                     ) -> LivenessReport:
-    """Simulate ORT's buffer lifetimes over ``order`` (default: the graph's node order)."""
+def analyze_liveness(graph: Graph, order: Sequence[str | onnx.NodeProto] | None = None,
+                     *, in_place: Mapping[str, str] | None = None) -> LivenessReport:
+    """Simulate ORT's buffer lifetimes over ``order`` (default: the graph's node order).
+
+    ``in_place`` maps graph outputs to the graph inputs whose buffers they are written into
+    (IOBinding, ``memcc.trainer``; ``passes.inplace`` says which are safe): such an output
+    allocates nothing, it shares the input's buffer, which lives for the whole step anyway.
+    """
     nodes = _resolve_order(graph, order)
     categories = categorize(graph)
-    sim = _Simulation(graph, nodes, categories)
+    sim = _Simulation(graph, nodes, categories, in_place)
     sim.run()
     return sim.report()
 
@@ -155,8 +161,10 @@ class _Simulation:
     """One pass over the nodes, tracking buffers the way ORT's planner assigns them."""
 
     def __init__(self, graph: Graph, nodes: list[onnx.NodeProto],
-                 categories: Mapping[str, str]) -> None:
+                 categories: Mapping[str, str],
+                 in_place: Mapping[str, str] | None = None) -> None:
         self.graph = graph
+        self.in_place = dict(in_place or {})
         self.nodes = nodes
         self.categories = categories
         self.outputs = set(graph.outputs)
@@ -207,7 +215,10 @@ class _Simulation:
         for k, out in enumerate(node.output):
             if not out:
                 continue
-            target = None if out in self.outputs else self._shared_buffer(node, k, out)
+            if out in self.in_place:  # written into the buffer of the input it replaces
+                target = self.buffer_of.get(self.in_place[out])
+            else:
+                target = None if out in self.outputs else self._shared_buffer(node, k, out)
             if target is not None:
                 self.buffer_of[out] = target
                 self.birth[out] = j
