@@ -121,12 +121,17 @@ def run(
     data: Annotated[Optional[Path], typer.Option(  # noqa: UP045
         help=".npz file with one array per data input (named like the inputs).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    in_place: Annotated[bool, typer.Option(
+        "--in-place", help="Run as memcc train does: updates written over the values they "
+                           "replace, each update as early as it may run (predicted and "
+                           "measured that way).")] = False,
 ) -> None:
     """Run training steps in ONNX Runtime; print loss, time and memory per step."""
     from memcc.backend.runner import run_steps
 
     try:
-        result = run_steps(model, steps=steps, provider=provider, seed=seed, data=data)
+        result = run_steps(model, steps=steps, provider=provider, seed=seed, data=data,
+                           in_place=in_place)
     except MemccError as exc:
         _fail(exc)
         return
