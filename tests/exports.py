@@ -53,6 +53,9 @@ import torch.nn.functional as F
 from torch import nn
 
 EXPORTERS = ("torchscript", "dynamo")
+# The dynamo exporter without its optimizer (``optimize=False``): the form that keeps
+# PyTorch's parameter names. Accepted by ``export`` but not swept by the EXPORTERS tests.
+DYNAMO_NOOPT = "dynamo_noopt"
 
 # Families whose dynamo training export differs from torch's train-mode forward (BatchNorm).
 DYNAMO_TRAIN_BN_DIVERGES = frozenset({"convnet", "mobilenet_block", "hf_resnet"})
@@ -365,10 +368,46 @@ FAMILIES: dict[str, Family] = {
 }
 
 
+def _hf_vit(dropout: float) -> nn.Module:
+    import transformers
+
+    cfg = transformers.ViTConfig(image_size=16, patch_size=4, hidden_size=32,
+                                 num_hidden_layers=2, num_attention_heads=2,
+                                 intermediate_size=64, num_labels=5,
+                                 hidden_dropout_prob=dropout,
+                                 attention_probs_dropout_prob=dropout)
+    return ImageLogits(transformers.ViTForImageClassification(cfg))
+
+
+class ConvBN(nn.Module):
+    """Conv/BatchNorm/ReLU/pool/Linear: the smallest model whose train mode matters."""
+
+    def __init__(self, dropout: float = 0.0, classes: int = 4) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 6, 3, padding=1)
+        self.bn = nn.BatchNorm2d(6)
+        self.fc = nn.Linear(6, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(F.relu(self.bn(self.conv(x))).mean(dim=(2, 3)))
+
+
+# Families used by a few tests only (not swept by the EXPORTERS x FAMILIES tests, which CI's
+# time budget cannot grow by).
+EXTRA_FAMILIES: dict[str, Family] = {
+    "hf_vit": Family(_hf_vit, _image, _BATCH, {0: "batch"}),
+    "conv_bn": Family(ConvBN, lambda s, g: _image(s, g, 8), _BATCH, {0: "batch"}),
+}
+
+
+def family(name: str) -> Family:
+    return FAMILIES[name] if name in FAMILIES else EXTRA_FAMILIES[name]
+
+
 def build_module(name: str, dropout: float = 0.0) -> nn.Module:
     """The family's module with seeded weights (same weights on every call)."""
     torch.manual_seed(0)
-    module = FAMILIES[name].build(dropout)
+    module = family(name).build(dropout)
     _randomize_batchnorm(module, torch.Generator().manual_seed(1))
     _jitter_constant_parameters(module, torch.Generator().manual_seed(2))
     return module
@@ -388,7 +427,7 @@ def _jitter_constant_parameters(module: nn.Module, gen: torch.Generator) -> None
 def make_inputs(name: str, sizes: dict[str, int] | None = None, seed: int = 0
                 ) -> dict[str, torch.Tensor]:
     """Inputs for ``name`` at the given logical sizes (default: the export example sizes)."""
-    fam = FAMILIES[name]
+    fam = family(name)
     return fam.inputs({**fam.sizes, **(sizes or {})}, torch.Generator().manual_seed(seed))
 
 
@@ -453,7 +492,7 @@ def _export_torchscript(module: nn.Module, fam: Family, inputs: dict[str, torch.
 
 
 def _export_dynamo(module: nn.Module, fam: Family, inputs: dict[str, torch.Tensor],
-                   path: Path, training: bool) -> None:
+                   path: Path, training: bool, *, optimize: bool = True) -> None:
     dim_objs: dict[str, object] = {}
 
     def dim(name: str) -> object:
@@ -463,21 +502,23 @@ def _export_dynamo(module: nn.Module, fam: Family, inputs: dict[str, torch.Tenso
 
     shapes = {arg: {ax: dim(d) for ax, d in axes.items()} for arg, axes in fam.axes.items()}
     prog = torch.onnx.export(module, (), kwargs=inputs, dynamo=True, dynamic_shapes=shapes,
-                             output_names=["logits"], verbose=False)
+                             output_names=["logits"], verbose=False, optimize=optimize)
     prog.save(str(path), external_data=False)
 
 
 @functools.cache
 def _export_cached(name: str, exporter: str, training: bool, dropout: float
                    ) -> tuple[Path, nn.Module, dict[str, np.ndarray], dict[str, int], float]:
-    if exporter not in EXPORTERS:
-        raise ValueError(f"exporter must be one of {EXPORTERS}, got {exporter!r}")
-    fam = FAMILIES[name]
+    if exporter not in (*EXPORTERS, DYNAMO_NOOPT):
+        raise ValueError(f"exporter must be one of {EXPORTERS + (DYNAMO_NOOPT,)}, "
+                         f"got {exporter!r}")
+    fam = family(name)
     module = build_module(name, dropout)
     module.train(training)
     inputs = make_inputs(name)
     path = _session_dir() / f"{name}-{exporter}-{'train' if training else 'eval'}-p{dropout}.onnx"
-    fn = _export_torchscript if exporter == "torchscript" else _export_dynamo
+    fn = {"torchscript": _export_torchscript, "dynamo": _export_dynamo,
+          DYNAMO_NOOPT: functools.partial(_export_dynamo, optimize=False)}[exporter]
     t0 = time.perf_counter()
     with _quiet():
         fn(copy.deepcopy(module), fam, inputs, path, training)
@@ -534,7 +575,7 @@ def dim_names(name: str, dims: dict[str, int], path: Path) -> dict[str, str]:
     model = onnx.load(str(path), load_external_data=False)
     out: dict[str, str] = {}
     for vi in model.graph.input:
-        axes = FAMILIES[name].axes.get(vi.name, {})
+        axes = family(name).axes.get(vi.name, {})
         for i, d in enumerate(vi.type.tensor_type.shape.dim):
             if d.dim_param and i in axes:
                 out[d.dim_param] = axes[i]
