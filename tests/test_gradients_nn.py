@@ -260,6 +260,19 @@ def test_resize_bilinear_half_pixel():
     check(m, {"x": x}, fn, ["x"])
 
 
+@pytest.mark.parametrize("size", [(7, 5), (3, 2)])
+def test_resize_bicubic_as_torch_writes_it(size):
+    """F.interpolate(mode='bicubic') exports as cubic Resize with a=-0.75 (Dinov2)."""
+    x = rand(1, 2, 4, 3)
+    sizes = helper.make_node("Constant", [], ["sizes"], value=helper.make_tensor(
+        "sizes", 7, [4], [1, 2, *size]))
+    node = helper.make_node("Resize", ["x", "", "", "sizes"], ["y"], mode="cubic",
+                            cubic_coeff_a=-0.75, coordinate_transformation_mode="half_pixel")
+    m = make_model([sizes, node], [("x", FLOAT, [1, 2, 4, 3])], [("y", FLOAT, [1, 2, *size])])
+    fn = lambda x: F.interpolate(x, size=size, mode="bicubic")  # noqa: E731
+    check(m, {"x": x}, fn, ["x"])
+
+
 @pytest.mark.parametrize("auto_pad,crop", [("SAME_UPPER", (0, 6)), ("SAME_LOWER", (1, 7))])
 def test_conv_transpose_auto_pad(auto_pad, crop):
     feeds = {"x": rand(1, 2, 3, 3), "w": rand(2, 3, 3, 3)}
@@ -309,6 +322,7 @@ def test_avgpool_adjoint_identity(attrs):
     ("linear", "asymmetric", 2.5),
     ("nearest", "half_pixel", 0.5),
     ("nearest", "pytorch_half_pixel", 3.0),
+    ("cubic", "asymmetric", 1.5),
 ])
 def test_resize_adjoint_identity(mode, ctm, scale):
     x = rand(1, 2, 4, 6)

@@ -500,13 +500,14 @@ def _param_grad(emit: Emitter, g: str, lead: list[int], p_info: TensorInfo) -> s
 # ---------------------------------------------------------------------------- resize
 @register("Resize", "Upsample")
 def _resize_grad(ctx: GradContext, node: onnx.NodeProto, gouts: Grads) -> Grads:
-    """Nearest and (bi/tri)linear resizes are separable: each resized axis applies a fixed
-    [out, in] matrix, so the gradient applies its transpose, axis by axis."""
+    """Nearest, (bi/tri)linear and (bi)cubic resizes are separable: each resized axis
+    applies a fixed [out, in] matrix, so the gradient applies its transpose, axis by axis.
+    (Cubic is what TorchScript writes for Dinov2's position-embedding interpolation.)"""
     emit = ctx.emit
     x_info = ctx.info(node.input[0])
     y_info = ctx.info(node.output[0])
     mode = _text(attr(node, "mode"), "nearest")
-    if mode not in ("nearest", "linear"):
+    if mode not in ("nearest", "linear", "cubic"):
         raise GradientError(f"{node_label(node)}: no gradient for Resize mode '{mode}'")
     if int(attr(node, "antialias", 0)):
         raise GradientError(f"{node_label(node)}: no gradient for antialiased Resize")
