@@ -192,6 +192,14 @@ def train(
     except MemccError as exc:
         _fail(exc)
         return
+    except KeyboardInterrupt:
+        from memcc.backend.checkpoint import latest
+
+        last = latest(checkpoint) if checkpoint is not None else None
+        where = (f"newest checkpoint: {last} (continue with --resume)" if last
+                 else "no checkpoint was written")
+        err.print(f"interrupted; {where}", highlight=False)
+        raise typer.Exit(code=130) from None
     if as_json:
         sys.stdout.write(json.dumps(result.to_json()) + "\n")
         return

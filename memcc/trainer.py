@@ -218,7 +218,9 @@ class Trainer:
         """Write a checkpoint of the current state into ``directory`` (atomically)."""
         if data_state is not None:
             self.data_state = dict(data_state)
-        return ckpt.save(directory, self.state_dict(), step=self.steps_done,
+        # On CPU the live arrays go straight to the writer (no copy: nothing runs meanwhile).
+        state = self._host if self._device == "cpu" else self.state_dict()
+        return ckpt.save(directory, state, step=self.steps_done,
                          sig=self.signature(), data_state=self.data_state,
                          step_file=str(self.path.resolve()), keep=keep)
 
