@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 import torch.nn.functional as F
 from gradcheck import FLOAT, check_against_torch, make_model, onnx_grads
 from onnx import helper
@@ -337,3 +338,45 @@ def test_conv_transpose1d_asymmetric_pads():
     m = single("ConvTranspose", feeds, strides=[2], pads=[1, 2])
     fn = lambda x, w, b: F.conv_transpose1d(x, w, b, stride=2)[..., 1:-2]  # noqa: E731
     check(m, feeds, fn, list(feeds))
+
+
+# ---------------------------------------------------------------------------- expanded ops
+# Opset-21..23 ops without their own rule are expanded at load time into the function body
+# their ONNX schema defines (memcc/frontend/canonicalize.expand_function_ops).
+def _opset_model(op: str, feeds: dict, out_shape, opset: int, **attrs):
+    m = make_model([helper.make_node(op, list(feeds), ["y"], **attrs)],
+                   [(k, FLOAT, list(v.shape)) for k, v in feeds.items()],
+                   [("y", FLOAT, list(out_shape))], opset=opset)
+    m.ir_version = 10
+    return m
+
+
+def test_group_normalization_opset21():
+    feeds = {"x": rand(2, 4, 3, 3), "s": rand(4), "b": rand(4)}
+    m = _opset_model("GroupNormalization", feeds, (2, 4, 3, 3), 21, num_groups=2,
+                     epsilon=1e-5)
+    check(m, feeds, lambda x, s, b: F.group_norm(x, 2, s, b, 1e-5), list(feeds))
+
+
+def test_rms_normalization_opset23():
+    feeds = {"x": rand(2, 3, 8), "w": rand(8)}
+    m = _opset_model("RMSNormalization", feeds, (2, 3, 8), 23, epsilon=1e-6, axis=-1)
+    check(m, feeds, lambda x, w: F.rms_norm(x, (8,), w, 1e-6), list(feeds))
+
+
+def test_rotary_embedding_opset23():
+    b, h, s, d = 2, 2, 3, 8
+    feeds = {"x": rand(b, h, s, d), "c": rand(b, s, d // 2), "s": rand(b, s, d // 2)}
+    m = _opset_model("RotaryEmbedding", feeds, (b, h, s, d), 23)
+
+    def rotate(x, c, s):
+        c, s = c[:, None], s[:, None]
+        x1, x2 = x[..., : d // 2], x[..., d // 2:]
+        return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], -1)
+
+    check(m, feeds, rotate, list(feeds))
+
+
+def test_mish_opset18():
+    feeds = {"x": rand(3, 5)}
+    check(_opset_model("Mish", feeds, (3, 5), 18), feeds, lambda x: F.mish(x), ["x"])

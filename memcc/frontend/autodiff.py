@@ -121,7 +121,7 @@ def _no_rule_message(graph: Graph, node, loss: str, wrt: Sequence[str], requires
         msg += ("Freezing parameters does not avoid it: every trainable parameter is "
                 "upstream of it. ")
     return msg + (f"Export the model without this op, or file an issue with the model. "
-                  f"Ops with gradient rules: {supported}.")
+                  f"Supported ops: {supported}.")
 
 
 def _path_to_loss(node, loss: str, forward_nodes: list) -> list[str]:

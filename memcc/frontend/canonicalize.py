@@ -25,6 +25,7 @@ from collections.abc import Iterable
 
 import numpy as np
 import onnx
+import onnx.inliner
 from onnx import helper, numpy_helper
 
 from memcc.errors import InputError
@@ -42,6 +43,81 @@ def needs_canonicalizing(model: onnx.ModelProto) -> bool:
     """True when the graph holds anything :func:`canonicalize` rewrites."""
     return any(n.op_type in SEQUENCE_OPS or n.op_type in ("CastLike", "If", "GatherND")
                for n in model.graph.node if n.domain in ("", "ai.onnx"))
+
+
+def expand_function_ops(model: onnx.ModelProto, keep: frozenset[str] | set[str]
+                        ) -> onnx.ModelProto | None:
+    """Expand ops that have no gradient rule but whose ONNX schema defines them as a
+    function of other ops (``GroupNormalization``-21, ``RMSNormalization``-23,
+    ``RotaryEmbedding``-23, ``Mish``...): the schema's own body, made for this node's
+    attributes and input types, becomes a model-local function that ``onnx.inliner``
+    inlines. Returns the new model, or None when nothing was expanded. ``keep``: op types
+    memcc differentiates as they are."""
+    types = _types(model)
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+    functions: dict[str, onnx.FunctionProto] = {}
+    fresh = _Namer(model)
+    for node in model.graph.node:
+        if node.domain not in ("", "ai.onnx") or node.op_type in keep:
+            continue
+        body = _schema_function(node, opset, types)
+        if body is None:
+            continue
+        name = fresh(f"{node.op_type}_expanded")
+        body.name, body.domain = name, _EXPAND_DOMAIN
+        del body.attribute[:]
+        body.attribute.extend(a.name for a in node.attribute)
+        functions[name] = body
+        node.op_type, node.domain = name, _EXPAND_DOMAIN
+    if not functions:
+        return None
+    model.functions.extend(functions.values())
+    model.opset_import.append(helper.make_opsetid(_EXPAND_DOMAIN, 1))
+    inlined = onnx.inliner.inline_local_functions(model)
+    for i, o in enumerate(inlined.opset_import):
+        if o.domain == _EXPAND_DOMAIN:
+            del inlined.opset_import[i]
+            break
+    return inlined
+
+
+_EXPAND_DOMAIN = "memcc.expand"
+
+
+def _schema_function(node: onnx.NodeProto, opset: int, types) -> onnx.FunctionProto | None:
+    try:
+        schema = onnx.defs.get_schema(node.op_type, opset, node.domain or "")
+    except Exception:
+        return None
+    try:
+        if schema.has_context_dependent_function:
+            tps = []
+            for i in node.input:
+                t = types.get(i)
+                if t is None:
+                    return None
+                shape = list(t[1]) if t[1] is not None else None
+                tps.append(helper.make_tensor_type_proto(t[0], shape).SerializeToString())
+            version = _function_version(schema.context_dependent_function_opset_versions,
+                                        opset)
+            raw = schema.get_context_dependent_function_with_opset_version(
+                version, node.SerializeToString(), tps)
+        elif schema.has_function:
+            raw = schema.get_function_with_opset_version(
+                _function_version(schema.function_opset_versions, opset))
+        else:
+            return None
+    except Exception:
+        return None
+    body = onnx.FunctionProto()
+    body.ParseFromString(raw if isinstance(raw, bytes) else raw.SerializeToString())
+    return body if body.node else None
+
+
+def _function_version(versions: list[int], opset: int) -> int:
+    """The newest function body written for an opset no newer than the model's."""
+    usable = [v for v in versions if v <= opset]
+    return max(usable) if usable else min(versions)
 
 
 def shapes_needed(model: onnx.ModelProto) -> list[str]:

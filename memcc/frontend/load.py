@@ -15,10 +15,16 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnx.inliner
 from onnx import TensorProto, helper, shape_inference
 
 from memcc.errors import InputError, ShapeError
-from memcc.frontend.canonicalize import canonicalize, needs_canonicalizing, shapes_needed
+from memcc.frontend.canonicalize import (
+    canonicalize,
+    expand_function_ops,
+    needs_canonicalizing,
+    shapes_needed,
+)
 from memcc.frontend.exported import SIGNATURE_KEY, read_signature
 from memcc.frontend.fold import fold_shape_computations
 from memcc.graph import Graph, TensorInfo, node_label
@@ -84,6 +90,9 @@ def load_graph(
         model = onnx.inliner.inline_local_functions(model)
     _bind_input_dims(model, dict(dims or {}), where)
     model = _infer(model, where)
+    expanded = expand_function_ops(model, _differentiable_as_is())
+    if expanded is not None:
+        model = _infer(expanded, where)
     for _ in range(_CANONICAL_ROUNDS):  # a folded If may uncover another
         if not needs_canonicalizing(model):
             break
@@ -116,6 +125,15 @@ def load_graph(
         )
     fold_shape_computations(graph)
     return graph
+
+
+def _differentiable_as_is() -> frozenset[str]:
+    """Op types kept as they are: those with a gradient rule or never differentiated."""
+    from memcc.frontend.gradients import load_rules
+    from memcc.frontend.gradients.registry import NON_DIFFERENTIABLE, RULES
+
+    load_rules()
+    return frozenset(RULES) | frozenset(NON_DIFFERENTIABLE)
 
 
 def name_nodes(graph: Graph) -> None:
