@@ -245,3 +245,65 @@ def test_trilu_lower_with_k():
              helper.make_node("Trilu", ["x", "k"], ["y"], upper=0)]
     m = make_model(nodes, [("x", FLOAT, [2, 4, 4])], [("y", FLOAT, [2, 4, 4])], opset=14)
     check(m, {"x": rand(2, 4, 4)}, lambda x: torch.tril(x, 1), ["x"])
+
+
+# ---------------------------------------------------------------------------- scatters, cumsum
+@pytest.mark.parametrize("reduction", ["none", "add"])
+def test_scatter_elements_data_and_updates(reduction):
+    idx = np.asarray([[0, 2], [1, 0], [2, 1]], np.int64)  # unique per column
+    nodes = [helper.make_node("Constant", [], ["idx"], value=helper.make_tensor(
+                 "idx", INT64, list(idx.shape), idx.reshape(-1).tolist())),
+             helper.make_node("ScatterElements", ["x", "idx", "u"], ["y"], axis=0,
+                              reduction=reduction)]
+    feeds = {"x": rand(3, 2), "u": rand(3, 2)}
+    m = make_model(nodes, [("x", FLOAT, [3, 2]), ("u", FLOAT, [3, 2])], [("y", FLOAT, [3, 2])],
+                   opset=18)
+    ti = torch.from_numpy(idx)
+    if reduction == "add":
+        fn = lambda x, u: x.scatter_add(0, ti, u)  # noqa: E731
+    else:
+        fn = lambda x, u: x.scatter(0, ti, u)  # noqa: E731
+    check(m, feeds, fn, ["x", "u"])
+
+
+def test_scatter_nd_writes_rows():
+    idx = np.asarray([[2], [0]], np.int64)
+    nodes = [helper.make_node("Constant", [], ["idx"], value=helper.make_tensor(
+                 "idx", INT64, [2, 1], idx.reshape(-1).tolist())),
+             helper.make_node("ScatterND", ["x", "idx", "u"], ["y"])]
+    feeds = {"x": rand(4, 3), "u": rand(2, 3)}
+    m = make_model(nodes, [("x", FLOAT, [4, 3]), ("u", FLOAT, [2, 3])], [("y", FLOAT, [4, 3])])
+
+    def fn(x, u):
+        y = x.clone()
+        y[torch.tensor([2, 0])] = u
+        return y
+
+    check(m, feeds, fn, ["x", "u"])
+
+
+@pytest.mark.parametrize("exclusive,reverse", [(0, 0), (1, 0), (0, 1), (1, 1)])
+def test_cumsum(exclusive, reverse):
+    nodes = [helper.make_node("Constant", [], ["ax"], value=helper.make_tensor(
+                 "ax", INT64, [], [1])),
+             helper.make_node("CumSum", ["x", "ax"], ["y"], exclusive=exclusive,
+                              reverse=reverse)]
+    feeds = {"x": rand(2, 5)}
+    m = make_model(nodes, [("x", FLOAT, [2, 5])], [("y", FLOAT, [2, 5])])
+
+    def fn(x):
+        z = x.flip(1) if reverse else x
+        c = z.cumsum(1)
+        if exclusive:
+            c = c - z
+        return c.flip(1) if reverse else c
+
+    check(m, feeds, fn, ["x"])
+
+
+def test_float_mod():
+    # ONNX Mod on floats requires fmod=1 (torch.fmod); both operands get gradients
+    feeds = {"a": rand(3, 4) * 5, "b": np.abs(rand(4)) + 0.5}
+    nodes = [helper.make_node("Mod", ["a", "b"], ["y"], fmod=1)]
+    m = make_model(nodes, [("a", FLOAT, [3, 4]), ("b", FLOAT, [4])], [("y", FLOAT, [3, 4])])
+    check(m, feeds, lambda a, b: torch.fmod(a, b), ["a", "b"])

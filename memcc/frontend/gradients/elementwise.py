@@ -141,6 +141,29 @@ def _mul(ctx: GradContext, node: onnx.NodeProto, gouts: Grads) -> Grads:
     return out
 
 
+@register("Mod")
+def _mod(ctx: GradContext, node: onnx.NodeProto, gouts: Grads) -> Grads:
+    """Float Mod (ONNX requires ``fmod=1`` for floats: torch.fmod): ``y = a - b * q`` with
+    ``q = trunc(a/b)``, piecewise constant, so ``da = g`` and ``db = -g * q``. (``fmod=0``
+    would use floor; ORT refuses it on floats, the rule spells it anyway.)"""
+    g = gouts[0]
+    a, b = node.input[0], node.input[1]
+    out = _none(node)
+    if g is None:
+        return out
+    emit = ctx.emit
+    if _wants(ctx, node, 0):
+        out[0] = unbroadcast(ctx, g, a)
+    if _wants(ctx, node, 1):
+        ratio = emit.div(a, b)
+        if attr(node, "fmod", 0):
+            q = emit.mul(emit.unary("Sign", ratio), emit.unary("Floor", emit.unary("Abs", ratio)))
+        else:
+            q = emit.unary("Floor", ratio)
+        out[1] = emit.neg(unbroadcast(ctx, emit.mul(g, q), b))
+    return out
+
+
 @register("Div")
 def _div(ctx: GradContext, node: onnx.NodeProto, gouts: Grads) -> Grads:
     """d(a/b)/db = -y/b: uses the output, so ``a`` need not stay alive for this."""

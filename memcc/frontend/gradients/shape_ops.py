@@ -639,3 +639,52 @@ def _trilu_grad(ctx: GradContext, node: onnx.NodeProto, gouts: Grads) -> Grads:
     inputs = [gouts[0]] + list(node.input[1:2])
     g = ctx.emit.op("Trilu", inputs, upper=attr(node, "upper", 1), info=ctx.info(node.input[0]))
     return tail(node, [g])
+
+
+# ---------------------------------------------------------------------------- scatters
+def _scatter_reduction(node: onnx.NodeProto) -> str:
+    value = attr(node, "reduction", b"none")
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+@register("ScatterElements", "ScatterND")
+def _scatter_grad(ctx: GradContext, node: onnx.NodeProto, gouts: Grads) -> Grads:
+    """``y = data`` with ``updates`` written (reduction none) or added (add) at ``indices``.
+
+    The updates' gradient gathers ``g`` at the same indices. The data's gradient is ``g``
+    itself for add; for a plain write, the overwritten cells get none, so the same scatter
+    writes zeros there (indices are unique for a plain write, as ONNX requires, so that
+    scatter writes each cell once and no order matters). mul/max/min are refused.
+    """
+    emit = ctx.emit
+    data, indices, updates = node.input[0], node.input[1], node.input[2]
+    reduction = _scatter_reduction(node)
+    if reduction not in ("none", "add"):
+        raise GradientError(f"{node_label(node)}: no gradient for {node.op_type} with "
+                            f"reduction='{reduction}' (only none and add)")
+    g = gouts[0]
+    elements = node.op_type == "ScatterElements"
+    axis_attrs = {"axis": int(attr(node, "axis", 0))} if elements else {}
+    d_data = d_updates = None
+    if ctx.needs_grad(data):
+        if reduction == "add":
+            d_data = g
+        else:
+            u_info = ctx.info(updates)
+            zeros = emit.zeros(u_info.shape, u_info.dtype)
+            d_data = emit.op(node.op_type, [g, indices, zeros], info=ctx.info(data),
+                             **axis_attrs)
+    if ctx.needs_grad(updates):
+        gather = "GatherElements" if elements else "GatherND"
+        d_updates = emit.op(gather, [g, indices], info=ctx.info(updates), **axis_attrs)
+    return [d_data, None, d_updates]
+
+
+@register("CumSum")
+def _cumsum_grad(ctx: GradContext, node: onnx.NodeProto, gouts: Grads) -> Grads:
+    """Each input adds into every later (or, reversed, earlier) output: the gradient is the
+    cumulative sum of ``g`` the other way round, with the same exclusivity."""
+    g = ctx.emit.op("CumSum", [gouts[0], node.input[1]],
+                    exclusive=int(attr(node, "exclusive", 0)),
+                    reverse=1 - int(attr(node, "reverse", 0)), info=ctx.info(node.input[0]))
+    return [g, None]
