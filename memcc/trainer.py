@@ -306,10 +306,12 @@ def export_weights(graph: Graph, spec: TrainingStep, state: Mapping[str, np.ndar
 
 
 def exported_weight_names(graph: Graph, spec: TrainingStep, fwd: Graph) -> list[str]:
-    """Parameters and other carried values the forward model reads (BatchNorm statistics),
-    never optimizer state, which only update nodes read."""
-    carried = set(spec.state.values())
-    return [n for n in fwd.initializers if n in carried or n in set(spec.parameters)]
+    """Parameters, other carried values the forward model reads, and BatchNorm statistics
+    (carried in training mode, frozen in eval-mode exports); never optimizer state, which
+    only update nodes read."""
+    keep = set(spec.state.values()) | set(spec.parameters)
+    keep |= {i for n in fwd.nodes if n.op_type == "BatchNormalization" for i in n.input[3:5]}
+    return [n for n in fwd.initializers if n in keep]
 
 
 def forward_graph(graph: Graph, spec: TrainingStep, state: Mapping[str, np.ndarray], *,
