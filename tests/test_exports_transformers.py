@@ -155,3 +155,25 @@ def test_sequence_graph_output_is_refused_clearly():
     with pytest.raises(Exception, match="sequence of tensors") as e:
         load_graph(m)
     assert "--dim" not in str(e.value)
+
+
+def test_float16_model_trains_in_float16_with_a_float32_loss(tmp_path):
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.LayerNorm(16),
+                            torch.nn.Linear(16, 4)).half()
+    x = torch.randn(2, 8).half()
+    path = tmp_path / "half.onnx"
+    torch.onnx.export(m, (x,), str(path), dynamo=False, input_names=["x"])
+    step, _ = _build(path, {})
+    labels = np.asarray([1, 2], np.int64)
+    out = step_outputs(step, {"x": x.numpy(), "labels": labels}, "cpu")
+    loss = torch.nn.functional.cross_entropy(m(x).float(), torch.from_numpy(labels))
+    loss.backward()
+    assert out["loss"].dtype == np.float32
+    assert abs(float(out["loss"]) - loss.item()) <= 2e-3
+    for name, p in m.named_parameters():
+        got = out[f"{name}.grad"]
+        assert got.dtype == np.float16
+        ref = p.grad.float().numpy()
+        err = np.abs(got.astype(np.float32) - ref).max() / np.abs(ref).max()
+        assert err <= 2e-2, (name, err)  # float16 rounding, not a different formula

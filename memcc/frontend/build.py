@@ -210,9 +210,19 @@ def _through_casts(graph: Graph, name: str, consumers):
         yield from consumers.get(v, [])
 
 
+_HALF = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
+
+
 def _emit_loss(graph: Graph, emit: Emitter, logits: str, kind: str, source: str):
     ti = graph.info[logits]
     taken = set(graph.values())
+    if ti.dtype in _HALF and kind != "none":
+        # The model computes in its exported 16-bit type; the loss is taken in float32, as
+        # torch's autocast does for cross-entropy and MSE (a 16-bit log-softmax over a large
+        # vocabulary loses the small probabilities, and ORT's CPU provider has no 16-bit
+        # ScatterElements-add for the loss gradient). The Cast's gradient brings it back.
+        ti = TensorInfo(TensorProto.FLOAT, ti.shape)
+        logits = emit.cast(logits, TensorProto.FLOAT)
     if "loss" in taken and kind != "none":
         raise InputError(f"{source}: the model already has a value named 'loss'")
     if kind == "none":
