@@ -88,6 +88,7 @@ ARCHS: dict[str, Arch] = {
         vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=2))),
     "falcon": Arch(lambda: T.FalconForCausalLM(T.FalconConfig(
         vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2))),
+    "olmo": Arch(_decoder("OlmoForCausalLM", "OlmoConfig", num_key_value_heads=1)),
     # encoders
     "bert": Arch(lambda: T.BertForSequenceClassification(T.BertConfig(**LM))),
     "bert_mlm": Arch(lambda: T.BertForMaskedLM(T.BertConfig(**LM)), what="tied"),
@@ -110,6 +111,11 @@ ARCHS: dict[str, Arch] = {
         vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2,
         encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64,
         decoder_ffn_dim=64, max_position_embeddings=64)), kind="seq2seq"),
+    "marian": Arch(lambda: T.MarianMTModel(T.MarianConfig(
+        vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2,
+        encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64,
+        decoder_ffn_dim=64, max_position_embeddings=64, pad_token_id=0,
+        decoder_start_token_id=0)), kind="seq2seq", what="tied"),
     # vision
     "vit": Arch(lambda: T.ViTForImageClassification(T.ViTConfig(
         image_size=IMG, patch_size=8, num_labels=5, **SMALL)), kind="image"),
@@ -138,6 +144,12 @@ ARCHS: dict[str, Arch] = {
     "regnet": Arch(lambda: T.RegNetForImageClassification(T.RegNetConfig(
         embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], groups_width=8,
         num_labels=5)), kind="image"),
+    "swinv2": Arch(lambda: T.Swinv2ForImageClassification(T.Swinv2Config(
+        image_size=IMG, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 2],
+        window_size=4, num_labels=5)), kind="image", what="windows, log-spaced position MLP"),
+    "mobilevit": Arch(lambda: T.MobileViTForImageClassification(T.MobileViTConfig(
+        image_size=IMG, hidden_sizes=[16, 24, 32], neck_hidden_sizes=[8, 8, 16, 16, 24, 32, 48],
+        num_labels=5)), kind="image", what="conv + attention, SiLU"),
     "segformer": Arch(lambda: T.SegformerForSemanticSegmentation(T.SegformerConfig(
         num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[8, 16],
         patch_sizes=[7, 3], strides=[4, 2], num_attention_heads=[1, 2], mlp_ratios=[2, 2],

@@ -56,9 +56,14 @@ def expand_function_ops(model: onnx.ModelProto, keep: frozenset[str] | set[str]
     types = _types(model)
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
     functions: dict[str, onnx.FunctionProto] = {}
+    original = model
+    model = onnx.ModelProto()
+    model.CopyFrom(original)
     fresh = _Namer(model)
+    rewritten_here = SEQUENCE_OPS | {"CastLike", "If", "GatherND"}
     for node in model.graph.node:
-        if node.domain not in ("", "ai.onnx") or node.op_type in keep:
+        if node.domain not in ("", "ai.onnx") or node.op_type in keep or \
+                node.op_type in rewritten_here:
             continue
         body = _schema_function(node, opset, types)
         if body is None:
@@ -73,7 +78,12 @@ def expand_function_ops(model: onnx.ModelProto, keep: frozenset[str] | set[str]
         return None
     model.functions.extend(functions.values())
     model.opset_import.append(helper.make_opsetid(_EXPAND_DOMAIN, 1))
-    inlined = onnx.inliner.inline_local_functions(model)
+    try:
+        inlined = onnx.inliner.inline_local_functions(model)
+    except Exception:
+        return None  # leave the ops as they are: the gradient builder names them
+    if any(n.domain == _EXPAND_DOMAIN for n in inlined.graph.node):
+        return None
     for i, o in enumerate(inlined.opset_import):
         if o.domain == _EXPAND_DOMAIN:
             del inlined.opset_import[i]
