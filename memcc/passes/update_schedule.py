@@ -77,7 +77,7 @@ def schedule_updates_early(graph: Graph, step: TrainingStep | None = None,
             cone[id(n)] = n
             stack.extend(producer[i] for i in n.input
                          if i in producer and id(producer[i]) in is_update)
-        cones.append([n for n in updates if id(n) in cone])
+        cones.append(_late_leaves([n for n in updates if id(n) in cone]))
 
     def waits_for(cone: list[onnx.NodeProto]) -> set[int]:
         """Nodes outside the cone that must run before it."""
@@ -121,6 +121,36 @@ def schedule_updates_early(graph: Graph, step: TrainingStep | None = None,
         emit_ready()
     order += [n for n in nodes if id(n) not in placed]  # cones that never became ready
     return _ensure(graph, step, nodes, order, aliased)
+
+
+def _late_leaves(cone: list[onnx.NodeProto]) -> list[onnx.NodeProto]:
+    """The cone in file order, except that a node reading nothing the cone computes (AdamW's
+    ``(1 - lr * wd) * P``, momentum's ``0.9 * buf``) runs just before its first reader in
+    the cone: its output, as large as the parameter, is not held while the rest is computed.
+    Constants count as read from outside (ORT makes them initializers). Every node still
+    reads the same values, so the results are the same bits."""
+    made = {o for n in cone if n.op_type != "Constant" for o in n.output if o}
+    leaves = {id(n) for n in cone if not any(i in made for i in n.input if i)}
+    producer = {o: n for n in cone for o in n.output if o}
+    order: list[onnx.NodeProto] = []
+    done: set[int] = set()
+
+    def place(n: onnx.NodeProto) -> None:  # n after the deferred leaves it reads
+        for i in n.input:
+            src = producer.get(i)
+            if src is not None and id(src) in leaves and id(src) not in done:
+                done.add(id(src))
+                place(src)
+        order.append(n)
+        done.add(id(n))
+
+    for n in cone:
+        if id(n) not in leaves:
+            place(n)
+    for n in cone:
+        if id(n) not in done:
+            place(n)
+    return order
 
 
 def _ensure(graph: Graph, step: TrainingStep, nodes: list[onnx.NodeProto],
