@@ -60,6 +60,24 @@ def test_early_updates_follow_each_gradient_and_keep_the_backward_order():
     assert set(analyze_in_place(moved, spec.state).aliased) == set(spec.state)
 
 
+def test_a_cone_computes_the_decayed_parameter_just_before_it_is_read():
+    """AdamW's ``(1 - lr * wd) * P`` reads nothing the cone computes; held from the start of
+    the cone it would be one more parameter-sized buffer at the cone's peak."""
+    step = _step("adamw")
+    spec = TrainingStep.of(step)
+    sched = schedule_updates_early(step, spec)
+    assert sched.moved, sched.reason
+    order = sched.nodes
+    producer = {o: j for j, n in enumerate(order) for o in n.output}
+    for p in spec.parameters:
+        sub = order[producer[f"{p}.new"]]
+        decayed = order[producer[sub.input[0]]]
+        assert decayed.op_type == "Mul" and p in decayed.input
+        between = order[producer[sub.input[0]] + 1:producer[f"{p}.new"]]
+        assert all(n.op_type in ("Mul", "Constant") for n in between), \
+            [n.op_type for n in between]
+
+
 def test_arrangement_moves_updates_only_when_the_predicted_peak_does_not_rise():
     step = _step(width=256, batch=1)  # parameters dominate: early updates lower the peak
     spec = TrainingStep.of(step)
