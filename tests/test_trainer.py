@@ -263,3 +263,21 @@ def test_checkpoint_metadata_records_step_data_position_and_format(steps, tmp_pa
     assert meta[ckpt.FORMAT_KEY] == ckpt.FORMAT
     assert meta[ckpt.STEP_KEY] == "0"
     assert json.loads(meta[ckpt.DATA_KEY]) == {"batches_consumed": 0, "seed": 7}
+
+
+@pytest.mark.parametrize("name, opt", [("resnet18", "sgd"), ("gpt2", "adamw"), ("bert", "sgd")])
+def test_zoo_steps_train_bit_identically_to_the_copying_runner(tmp_path, name, opt):
+    """BatchNorm statistics (resnet: second buffer, swapped), tied embeddings (gpt2), masks
+    (bert): the Trainer's arrangement changes where values live, never what is computed."""
+    from models import build_model
+
+    step = build_training_step(load_graph(build_model(name)), BuildOptions(optimizer=opt))
+    path = save_graph(step, tmp_path / "step.onnx")
+    trainer = Trainer(path, threads=1)
+    feeds = synthetic_feeds(trainer.graph, seed=0)
+    losses = [trainer.step(feeds) for _ in range(2)]
+    ref_losses, ref_state = _copying_loop(path, feeds, 2)
+    assert losses == ref_losses
+    state = trainer.state_dict()
+    for name_, value in ref_state.items():
+        np.testing.assert_array_equal(state[name_], value, err_msg=name_, strict=True)
