@@ -168,3 +168,53 @@ def test_the_plan_does_not_depend_on_the_time_limit(step):
              for t in (300, 3000)]
     assert plans[0].best.plan.recompute == plans[1].best.plan.recompute, name
     assert plans[0].solver.get("limit_hit") != "time"
+
+
+def test_a_strategy_registered_by_name_is_judged_by_the_simulator(step):
+    """Strategies are functions of (planning, budget) in a registry: a new one plugs in by
+    name, and the pass reports what the simulator says of its plans, not what it claims."""
+    from memcc.passes import strategies
+
+    name, g, costs, base = step
+
+    @strategies.strategy("fewest-bytes")
+    def fewest(p: strategies.Planning, budget):
+        """The sqrt(n) segmentation with the smallest peak, under its own name."""
+        least = min(p.segmentations, key=lambda s: s.peak_bytes)
+        plan = Plan(least.plan.recompute, "fewest-bytes", {"claim": "fits anything"})
+        out = strategies.Found()
+        out.add("fewest-bytes", [p.simulate(plan)],
+                {"strategy": "fewest-bytes", "detail": "test"})
+        return out
+
+    try:
+        least = smallest(name, "sqrtn").best.peak_bytes
+        out = choose_plan(g, least, costs, strategy="fewest-bytes", baseline=base)
+        again = simulate(g, out.best.plan, costs)
+        assert out.best.plan.strategy == "fewest-bytes" and out.picked == "fewest-bytes"
+        assert (out.best.peak_bytes, out.best.added_time_s) == (again.peak_bytes,
+                                                                again.added_time_s)
+        with pytest.raises(BudgetError):
+            choose_plan(g, least - 1, costs, strategy="fewest-bytes", baseline=base)
+    finally:
+        strategies.REGISTRY.pop("fewest-bytes")
+
+
+def test_nodes_the_lowering_adds_are_priced_even_when_never_measured(step):
+    """Issue 9 item 6: a clone whose original has no measured time still costs its analytic
+    estimate (calibrated), never 0."""
+    from dataclasses import replace
+
+    from memcc.passes.simulate import added_seconds
+
+    name, g, costs, base = step
+    plan = smallest(name, "sqrtn").best.plan
+    sim = simulate(g, plan, costs)
+    assert sim.added_time_s > 0
+    cloned = set(sim.cloned_nodes)
+    unmeasured = replace(costs, seconds={k: v for k, v in costs.seconds.items()
+                                         if k not in cloned})
+    priced = added_seconds(g, sim.graph, unmeasured)
+    assert priced > 0, name
+    # The analytic prices are the ones the measured table was made from (fixed rates).
+    assert priced == pytest.approx(sim.added_time_s, rel=0.5), name

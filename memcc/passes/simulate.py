@@ -24,7 +24,7 @@ class Simulation:
     liveness: LivenessReport
     peak_bytes: int
     compute_cost_s: float             # all nodes of the lowered step
-    added_time_s: float               # cloned nodes only
+    added_time_s: float               # nodes the lowering added, less those it removed
     cloned_nodes: tuple[str, ...]
     recomputed_values: tuple[str, ...]
     rerun_before: dict[str, str]        # cloned forward node -> node it runs before
@@ -35,7 +35,7 @@ def simulate(graph: Graph, plan: Plan, costs: CostModel,
              structure: StepStructure | None = None) -> Simulation:
     lowered = lower(graph, plan, structure)
     live = analyze_liveness(lowered.graph)
-    added = float(sum(costs.seconds.get(n, 0.0) for n in lowered.cloned_nodes))
+    added = added_seconds(graph, lowered.graph, costs)
     return Simulation(
         plan=plan,
         graph=lowered.graph,
@@ -48,3 +48,14 @@ def simulate(graph: Graph, plan: Plan, costs: CostModel,
         rerun_before=dict(lowered.rerun_before),
         passes=lowered.reports,
     )
+
+
+def added_seconds(original: Graph, lowered: Graph, costs: CostModel) -> float:
+    """Seconds the lowering added: every node that is new (a recompute clone, a variant's
+    node, a copy) priced by ``CostModel.price`` (never 0 for a node that runs a kernel),
+    less the nodes it removed (a substituted rule's)."""
+    before = {n.name for n in original.nodes}
+    after = {n.name for n in lowered.nodes}
+    added = sum(costs.price(n, lowered) for n in lowered.nodes if n.name not in before)
+    removed = sum(costs.of(n) for n in original.nodes if n.name not in after)
+    return float(added - removed)

@@ -25,6 +25,7 @@ from memcc.passes.solvers.problem import Problem, Solution
 INITIAL_ROWS = 48
 ROWS_PER_ROUND = 40
 MAX_ROUNDS = 8
+LP_ROUNDS = 30
 MIP_MAX_NODES = 10
 MIP_REL_GAP = 0.025
 
@@ -43,13 +44,15 @@ def _initial_rows(problem: Problem, budget: float, objective: str, k: int) -> li
 
 def solve(problem: Problem, budget: float, *, time_limit: float = 60.0,
           solver: str = "highs", objective: str = "time",
-          starts: list[np.ndarray] | None = None) -> Solution:
+          starts: list[np.ndarray] | None = None,
+          rows: list[int] | None = None) -> Solution:
     """Minimise added time s.t. modelled memory <= budget (objective="time"), or minimise the
     modelled peak with the added time as a tie-breaker (objective="peak").
 
     ``starts`` are candidate solutions (e.g. heuristic plans written as variables); the
     cheapest one that satisfies the model is handed to the solver as its first incumbent,
-    and each round starts from the previous round's answer when it still fits."""
+    and each round starts from the previous round's answer when it still fits. ``rows`` are
+    time points known to bind (a previous solve's ``Solution.rows``), added from the start."""
     start = time.perf_counter()
     n = problem.n_vars
     zero = problem.settle(np.zeros(n))
@@ -63,9 +66,27 @@ def solve(problem: Problem, budget: float, *, time_limit: float = 60.0,
     fitting = [x for x in fitting if problem.feasible(x)
                and (objective == "peak" or problem.memory(x).max() <= budget * (1 + 1e-9))]
     incumbent = min(fitting, key=problem.added_time) if fitting else None
-    rows = _initial_rows(problem, budget, objective, INITIAL_ROWS)
+    rows = sorted(set(_initial_rows(problem, budget, objective, INITIAL_ROWS)) | set(rows or ()))
     status, gap, limit_hit = "not solved", None, None
     x = zero
+    # Phase 1: find where memory binds on the LP relaxation, whose solves are cheap; the
+    # MIP rounds then start with those rows and seldom need more than one or two.
+    for _ in range(LP_ROUNDS):
+        remaining = time_limit - (time.perf_counter() - start)
+        if remaining <= 0:
+            break
+        result = run(problem, rows, budget, objective, remaining, None, relax=True)
+        if result.status == "infeasible":
+            # No fractional answer fits, so no 0-1 answer does either.
+            return Solution(x, "infeasible", None, float("inf"),
+                            time.perf_counter() - start, name, 0)
+        if result.values is None:
+            break
+        new = _new_rows(problem, problem.settle(result.values, relaxed=True), rows, budget,
+                        objective)
+        if not new:
+            break
+        rows = sorted(set(rows) | set(new))
     rounds = 0
     for rounds in range(1, MAX_ROUNDS + 1):
         remaining = time_limit - (time.perf_counter() - start)
@@ -87,13 +108,7 @@ def solve(problem: Problem, budget: float, *, time_limit: float = 60.0,
         gap, limit_hit = result.gap, result.limit or limit_hit
         status = "optimal" if result.status == "optimal" else "feasible"
         mem = problem.memory(x)
-        if objective == "peak":
-            # Points above the peak the model saw on its rows: the peak is elsewhere.
-            seen = float(mem[rows].max())
-            violated = np.nonzero(mem > seen * (1 + 1e-9) + 1.0)[0]
-        else:
-            violated = np.nonzero(mem > budget * (1 + 1e-9) + 1.0)[0]
-        new = _spread_rows(violated, mem, set(rows), ROWS_PER_ROUND)
+        new = _new_rows(problem, x, rows, budget, objective)
         if not new:
             break
         rows = sorted(set(rows) | set(new))
@@ -103,7 +118,20 @@ def solve(problem: Problem, budget: float, *, time_limit: float = 60.0,
     else:
         limit_hit = limit_hit or "work"
     return Solution(x, status, gap, problem.added_time(x), time.perf_counter() - start, name,
-                    rounds, limit_hit)
+                    rounds, limit_hit, tuple(rows))
+
+
+def _new_rows(problem: Problem, x: np.ndarray, rows: list[int], budget: float,
+              objective: str) -> list[int]:
+    """Points where settled ``x`` breaks a memory row that is not in the model yet."""
+    mem = problem.memory(x)
+    if objective == "peak":
+        # Points above the peak the model saw on its rows: the peak is elsewhere.
+        seen = float(mem[rows].max())
+        violated = np.nonzero(mem > seen * (1 + 1e-9) + 1.0)[0]
+    else:
+        violated = np.nonzero(mem > budget * (1 + 1e-9) + 1.0)[0]
+    return _spread_rows(violated, mem, set(rows), ROWS_PER_ROUND)
 
 
 def _spread_rows(violated: np.ndarray, mem: np.ndarray, taken: set[int], k: int) -> list[int]:
@@ -185,7 +213,7 @@ def _has_highs() -> bool:
 
 
 def _highs(problem: Problem, rows: list[int], budget: float, objective: str,
-           time_limit: float, incumbent: np.ndarray | None) -> _Result:
+           time_limit: float, incumbent: np.ndarray | None, relax: bool = False) -> _Result:
     import highspy
 
     cost, lower, upper, integral, (ptr, idx, val), lo, hi = _matrix(problem, rows, budget,
@@ -209,8 +237,9 @@ def _highs(problem: Problem, rows: list[int], budget: float, objective: str,
     lp.a_matrix_.start_ = np.asarray(ptr, dtype=np.int32)
     lp.a_matrix_.index_ = np.asarray(idx, dtype=np.int32)
     lp.a_matrix_.value_ = np.asarray(val, dtype=np.float64)
-    lp.integrality_ = [highspy.HighsVarType.kInteger if b else highspy.HighsVarType.kContinuous
-                       for b in integral]
+    if not relax:
+        lp.integrality_ = [highspy.HighsVarType.kInteger if b else
+                           highspy.HighsVarType.kContinuous for b in integral]
     h.passModel(lp)
     if incumbent is not None:
         start = highspy.HighsSolution()
@@ -237,7 +266,7 @@ def _highs(problem: Problem, rows: list[int], budget: float, objective: str,
 
 
 def _cbc(problem: Problem, rows: list[int], budget: float, objective: str,
-         time_limit: float, incumbent: np.ndarray | None) -> _Result:
+         time_limit: float, incumbent: np.ndarray | None, relax: bool = False) -> _Result:
     """pulp's bundled CBC, for installs without highspy (no warm start)."""
     import pulp
 
@@ -245,7 +274,7 @@ def _cbc(problem: Problem, rows: list[int], budget: float, objective: str,
                                                                    objective)
     prob = pulp.LpProblem("memcc_plan", pulp.LpMinimize)
     xs = [pulp.LpVariable(f"v{i}", lower[i], None if np.isinf(upper[i]) else upper[i],
-                          cat="Integer" if integral[i] else "Continuous")
+                          cat="Integer" if integral[i] and not relax else "Continuous")
           for i in range(len(cost))]
     prob += pulp.lpSum(float(c) * x for c, x in zip(cost, xs, strict=True) if c)
     for k in range(len(lo)):

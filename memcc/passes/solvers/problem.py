@@ -89,12 +89,13 @@ class Problem:
     def binary(self) -> np.ndarray:
         return np.array([t == BINARY for t in self.var_type], dtype=bool)
 
-    def settle(self, values: np.ndarray) -> np.ndarray:
+    def settle(self, values: np.ndarray, *, relaxed: bool = False) -> np.ndarray:
         """``values`` with binaries rounded and every auxiliary variable at its largest floor
-        (what the memory rows would force it to if every row were in the model)."""
+        (what the memory rows would force it to if every row were in the model).
+        ``relaxed`` keeps fractional binaries (an LP relaxation's answer)."""
         v = np.asarray(values, dtype=np.float64).copy()
         binary = self.binary
-        v[binary] = np.round(v[binary])
+        v[binary] = np.clip(v[binary], 0.0, 1.0) if relaxed else np.round(v[binary])
         aux = ~binary
         v[aux] = 0.0
         if self.floors.count:
@@ -229,3 +230,4 @@ class Solution:
     solver: str
     iterations: int = 1
     limit_hit: str | None = None  # "work" or "time" when the search stopped at a limit
+    rows: tuple[int, ...] = ()    # the time points whose memory rows the model ended with

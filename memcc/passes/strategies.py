@@ -1,0 +1,267 @@
+"""Planning strategies, registered by name: each is a function of (what is planned, budget).
+
+A strategy reads a ``Planning`` (the step, its linear model, the sqrt(n) segmentations and
+the deadline; nothing in it changes) and a budget (``None``: the smallest peak it can
+reach), and returns what it found: simulated plans, one entry per run for the report, and
+the last solver's statistics. The plan pass (``planner.choose_plan``) picks the winner from
+what the strategy returned, judging every plan by the same simulator. A new strategy is one
+decorated function; ``--strategy`` lists whatever is registered.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from memcc.graph import Graph
+from memcc.passes.cost_model import CostModel
+from memcc.passes.plan import Plan, StepStructure
+from memcc.passes.simulate import Simulation, simulate
+from memcc.passes.solvers import ilp
+from memcc.passes.solvers.problem import Problem, Solution
+from memcc.passes.solvers.recompute_terms import RecomputeUnits
+
+TIGHTEN_ROUNDS = 10
+POLISH_CANDIDATES = 64
+POLISH_STARTS = 4
+POLISH_SHARE = 0.25
+
+
+@dataclass(frozen=True)
+class PlanProblem:
+    """The array problem plus the mapping from its variables back to forward nodes."""
+
+    problem: Problem
+    units: RecomputeUnits
+
+    @property
+    def groups(self) -> tuple[tuple[str, ...], ...]:
+        return self.units.groups
+
+    def plan(self, x: np.ndarray, strategy: str, **notes) -> Plan:
+        """The plan a solution of ``problem`` stands for."""
+        return self.plan_units(self.units.units_of(x), strategy, **notes)
+
+    def starts(self, sims: list[Simulation], graph: Graph) -> list[np.ndarray]:
+        """Warm starts for the ILP from plans already simulated."""
+        position = {n.name: i for i, n in enumerate(graph.nodes)}
+        out = []
+        for sim in sims:
+            if sim.plan.recompute:
+                x = self.units.start_from(self.problem.n_vars, sim.rerun_before, position)
+                if x is not None:
+                    out.append(x)
+        return out
+
+    def plan_units(self, chosen: np.ndarray, strategy: str, **notes) -> Plan:
+        """The plan that recomputes the units marked in ``chosen`` (bool per unit)."""
+        names = frozenset(n for u in np.nonzero(chosen)[0] for n in self.groups[int(u)])
+        return Plan(names, strategy, notes)
+
+
+@dataclass(frozen=True)
+class Planning:
+    """Everything a strategy may read. Built once per ``choose_plan`` call, so a refusal's
+    ``--budget min`` search reuses the model and the segmentations."""
+
+    graph: Graph
+    costs: CostModel
+    structure: StepStructure
+    baseline: Simulation
+    model: PlanProblem
+    segmentations: tuple[Simulation, ...]
+    deadline: float          # time.perf_counter() value after which strategies stop
+    time_limit: float
+
+    def simulate(self, plan: Plan) -> Simulation:
+        return simulate(self.graph, plan, self.costs, self.structure)
+
+    def remaining(self) -> float:
+        return self.deadline - time.perf_counter()
+
+
+@dataclass
+class Found:
+    """What a strategy returns: (candidate name, simulated plan) pairs, one report entry per
+    run (each with its plans under ``_sims``), and the last ILP solve's statistics."""
+
+    plans: list[tuple[str, Simulation]] = field(default_factory=list)
+    runs: list[dict] = field(default_factory=list)
+    solver: dict | None = None
+
+    def add(self, name: str, sims: list[Simulation], run: dict) -> None:
+        self.plans.extend((name, s) for s in sims)
+        self.runs.append({**run, "_sims": sims})
+
+    def extend(self, other: Found) -> None:
+        self.plans.extend(other.plans)
+        self.runs.extend(other.runs)
+        self.solver = other.solver or self.solver
+
+
+Strategy = Callable[[Planning, "int | None"], Found]
+REGISTRY: dict[str, Strategy] = {}
+
+
+def strategy(name: str) -> Callable[[Strategy], Strategy]:
+    """Register a strategy under ``name`` (what ``--strategy`` accepts)."""
+    def register(fn: Strategy) -> Strategy:
+        REGISTRY[name] = fn
+        return fn
+    return register
+
+
+@strategy("none")
+def keep_everything(p: Planning, budget: int | None) -> Found:
+    """The step as built: every value kept (the baseline)."""
+    return Found()
+
+
+@strategy("sqrtn")
+def sqrt_n(p: Planning, budget: int | None) -> Found:
+    """Chen et al.'s segmentations, one per segment count (``solvers/sqrtn.py``)."""
+    out = Found()
+    out.add("sqrtn", list(p.segmentations),
+            {"strategy": "sqrtn", "detail": f"{len(p.segmentations)} segmentations"})
+    return out
+
+
+@strategy("ilp")
+def exact_model(p: Planning, budget: int | None) -> Found:
+    """The MILP over the linear memory model (``solvers/ilp.py``), seeded with the sqrt(n)
+    segmentations. ``budget=None``: minimise the modelled peak, then the time at the smallest
+    peak found. While the simulator disagrees with the model (it states what the model
+    leaves out: clone scratch, in-place writes between clones), the budget the model aims
+    for is lowered by the excess (at most 5% a round: an answer far off says little about
+    how far to go)."""
+    out = Found()
+    pp, prob, graph = p.model, p.model.problem, p.graph
+    starts = pp.starts(list(p.segmentations), graph)
+    # The MILP's first incumbents are candidates of the ILP strategy too (judged by the
+    # simulator like its own answers), so the ILP never ends above a plan it started from;
+    # the report names such a winner "ilp (sqrt(n) seed)".
+    out.add("ilp", list(p.segmentations),
+            {"strategy": "ilp", "detail": "seeds: sqrt(n) segmentations", "seed": True})
+    target = budget
+    known_rows: list[int] = []   # time points where memory binds, carried between solves
+    if target is None:
+        sol = ilp.solve(prob, 0.0, time_limit=max(p.remaining(), 1.0) / 2, objective="peak",
+                        starts=starts)
+        known_rows = list(sol.rows)
+        out.solver = solver_info(sol)
+        sims = []
+        if sol.status != "infeasible":
+            sims = [p.simulate(pp.plan(sol.x, "ilp", modelled_peak=prob.peak(sol.x)))]
+        out.add("ilp", sims, _ilp_run(sol, "smallest modelled peak", None))
+        target = min(s.peak_bytes for _, s in out.plans + [("none", p.baseline)])
+
+    eff = float(target)
+    for round_ in range(1, TIGHTEN_ROUNDS + 1):
+        if any(sim.peak_bytes <= target and sim.plan.strategy == "ilp" for _, sim in out.plans):
+            break
+        detail = "exact recompute model" if round_ == 1 else \
+            f"exact recompute model, budget lowered by the simulator's excess (round {round_})"
+        if p.remaining() <= 0.5:
+            out.solver = {**(out.solver or {"name": "none", "gap": None}),
+                          "status": (out.solver or {}).get("status", "time limit"),
+                          "limit_hit": "time"}
+            out.add("ilp", [], {"strategy": "ilp", "detail": detail,
+                                "status": "not run: time limit reached"})
+            break
+        sol = ilp.solve(prob, eff, time_limit=p.remaining(),
+                        starts=starts + pp.starts([s for _, s in out.plans], graph),
+                        rows=known_rows)
+        known_rows = list(sol.rows)
+        if sol.status in ("infeasible", "time limit") or sol.status.startswith("not"):
+            out.add("ilp", [], _ilp_run(sol, detail, eff))
+            break
+        out.solver = solver_info(sol)
+        sim = p.simulate(pp.plan(sol.x, "ilp", modelled_peak=prob.peak(sol.x)))
+        out.add("ilp", [sim], _ilp_run(sol, detail, eff))
+        if sim.peak_bytes <= target:
+            break
+        eff -= min(sim.peak_bytes - target, 0.05 * target) * 1.05 + 1.0
+    return out
+
+
+@strategy("auto")
+def best_of_all(p: Planning, budget: int | None) -> Found:
+    """sqrt(n) and the ILP, then the polish (stop recomputing the most expensive nodes of
+    the cheapest fitting plans while the simulator says the step still fits)."""
+    out = sqrt_n(p, budget)
+    solved = exact_model(p, budget)
+    # The ILP's seeds are the segmentations sqrt(n) already returned.
+    solved.plans = [(n, s) for n, s in solved.plans if s not in p.segmentations]
+    solved.runs = [r for r in solved.runs if not r.get("seed")]
+    out.extend(solved)
+    target = budget if budget is not None else min(
+        [s.peak_bytes for _, s in out.plans] + [p.baseline.peak_bytes])
+    # The polish is a refinement: it gets at most a quarter of the time limit.
+    deadline = min(p.deadline, time.perf_counter() + POLISH_SHARE * p.time_limit)
+    polished = _polish(p, out.plans, target, deadline)
+    if polished is None:
+        out.add("auto", [], {"strategy": "polish", "detail": "the cheapest fitting plans",
+                             "status": "no improvement"})
+    else:
+        sim, start = polished
+        out.add("auto", [sim], {"strategy": "polish", "detail": f"from the {start} plan",
+                                "from": start, "status": "improved"})
+    return out
+
+
+def _polish(p: Planning, found: list[tuple[str, Simulation]], budget: float,
+            deadline: float) -> tuple[Simulation, str] | None:
+    """Start from the cheapest fitting plans and stop recomputing their most expensive nodes
+    one by one while the simulator says the step still fits (exact, so it never breaks a
+    plan). Several starts, because the cheapest plan is not always the one that polishes
+    best (a sqrt(n) plan with more segments may shed more). Returns the best polished plan
+    and the strategy of the plan it started from (the report names it: ``sqrtn+polish``)."""
+    pp = p.model
+    fitting = sorted(((name, sim) for name, sim in found
+                      if sim.peak_bytes <= budget and sim.plan.recompute),
+                     key=lambda q: q[1].added_time_s)
+    index = {n: i for i, g in enumerate(pp.groups) for n in g}
+    best: tuple[Simulation, str] | None = None
+    seen: set[frozenset[str]] = set()
+    for start_name, start in fitting[:POLISH_STARTS]:
+        if start.plan.recompute in seen:
+            continue
+        seen.add(start.plan.recompute)
+        chosen = set(start.plan.recompute)
+        groups = {index[n] for n in chosen if n in index}
+        order = sorted(groups, key=lambda i: -pp.units.unit_cost[i])[:POLISH_CANDIDATES]
+        current = start
+        for i in order:
+            if time.perf_counter() > deadline:
+                break
+            trial = chosen - set(pp.groups[i])
+            sim = p.simulate(Plan(frozenset(trial), "auto"))
+            if sim.peak_bytes <= budget and sim.added_time_s < current.added_time_s:
+                chosen, current = trial, sim
+        if current is not start and (best is None
+                                     or current.added_time_s < best[0].added_time_s):
+            best = (current, start_name)
+    return best
+
+
+def solver_info(sol: Solution) -> dict:
+    objective = sol.objective if math.isfinite(sol.objective) else None
+    return {"name": sol.solver, "status": sol.status, "gap": sol.gap,
+            "solve_time_s": round(sol.solve_time_s, 3), "rounds": sol.iterations,
+            "objective_s": objective, "limit_hit": sol.limit_hit}
+
+
+def _ilp_run(sol: Solution, detail: str, model_budget: float | None) -> dict:
+    """One ILP solve for the report; an infeasible model has no objective (None, not inf:
+    inf is not JSON)."""
+    objective = sol.objective if math.isfinite(sol.objective) else None
+    run = {"strategy": "ilp", "detail": detail, "status": sol.status, "solver": sol.solver,
+           "objective_s": objective, "gap": sol.gap,
+           "solve_time_s": round(sol.solve_time_s, 3), "limit_hit": sol.limit_hit}
+    if model_budget is not None:
+        run["model_budget_bytes"] = int(model_budget)
+    return run
