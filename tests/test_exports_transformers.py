@@ -177,3 +177,14 @@ def test_float16_model_trains_in_float16_with_a_float32_loss(tmp_path):
         ref = p.grad.float().numpy()
         err = np.abs(got.astype(np.float32) - ref).max() / np.abs(ref).max()
         assert err <= 2e-2, (name, err)  # float16 rounding, not a different formula
+
+
+def test_cli_build_prints_export_warnings_and_name_counts(tmp_path):
+    path, _, _, dims = export("gpt2", "torchscript", training=False)
+    args = ["build", str(path), "-o", str(tmp_path / "step.onnx")]
+    for k, v in dims.items():
+        args += ["--dim", f"{k}={v}"]
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0, r.output
+    assert "warning:" in r.output and "weight tying" in r.output
+    assert "under names the exporter made up" in r.output
