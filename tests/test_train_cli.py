@@ -200,3 +200,30 @@ def test_pytorch_round_trip_train_50_steps_export_and_load_state_dict(tmp_path):
     assert losses == ref_losses
     for name, value in ref_state.items():
         np.testing.assert_array_equal(trainer.state_dict()[name], value, err_msg=name)
+
+
+def test_a_compiled_step_trains_the_same_bits_and_resumes_the_original_checkpoint(tmp_path):
+    """A checkpoint belongs to the carried values, not to the schedule: the step rewritten by
+    memcc compile (recomputation) continues a run of the step it came from."""
+    from memcc import Trainer
+    from memcc.backend.runner import synthetic_feeds
+    from models import build_model
+
+    onnx.save(build_model("gpt2", batch=4, seq_len=32, width=32), str(tmp_path / "g.onnx"))
+    step, compiled = tmp_path / "step.onnx", tmp_path / "step.memcc.onnx"
+    assert invoke("build", tmp_path / "g.onnx", "-o", step, "--optimizer", "adamw"
+                  ).exit_code == 0
+    r = invoke("compile", step, "--budget", "min", "--strategy", "sqrtn", "--cost", "analytic",
+               "-o", compiled)
+    assert r.exit_code == 0, r.output
+    original = Trainer(step, threads=1)
+    feeds = synthetic_feeds(original.graph, seed=0)
+    for _ in range(2):
+        original.step(feeds)
+    original.save(tmp_path / "ck")
+    resumed = Trainer.resume(tmp_path / "ck", compiled, threads=1)
+    assert resumed.steps_done == 2
+    assert [original.step(feeds) for _ in range(2)] == [resumed.step(feeds) for _ in range(2)]
+    a, b = original.state_dict(), resumed.state_dict()
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
