@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -75,6 +75,7 @@ class Dataset:
     num_samples: int
     batch_size: int
     files: tuple[str, ...]
+    _orders: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def batches_per_epoch(self) -> int:
@@ -96,7 +97,11 @@ class Dataset:
     def indices(self, k: int, seed: int) -> np.ndarray:
         """Sample indices of batch ``k`` of the run (see the module docstring)."""
         epoch, j = divmod(int(k), self.batches_per_epoch)
-        perm = np.random.default_rng([int(seed), epoch]).permutation(self.num_samples)
+        perm = self._orders.get((seed, epoch))
+        if perm is None:  # one permutation per epoch, kept while the epoch lasts
+            perm = np.random.default_rng([int(seed), epoch]).permutation(self.num_samples)
+            self._orders.clear()
+            self._orders[(seed, epoch)] = perm
         return perm[j * self.batch_size:(j + 1) * self.batch_size]
 
     def batch(self, k: int, seed: int) -> dict[str, np.ndarray]:
