@@ -267,7 +267,7 @@ def export_cmd(
     from memcc.trainer import export_checkpoint
 
     try:
-        path = export_checkpoint(model, checkpoint, output, format=fmt)
+        path = export_checkpoint(model, checkpoint, output, format=fmt, warn=_warn)
     except MemccError as exc:
         _fail(exc)
         return

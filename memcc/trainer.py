@@ -278,13 +278,23 @@ def step_signature(graph: Graph, spec: TrainingStep) -> dict:
 
 # ---------------------------------------------------------------------------- export
 def export_checkpoint(step_path: str | os.PathLike, checkpoint: str | os.PathLike,
-                      output: str | os.PathLike, *, format: str | None = None) -> Path:
-    """``memcc export``: the trained weights of ``checkpoint`` out of ``step_path``'s model."""
+                      output: str | os.PathLike, *, format: str | None = None,
+                      warn: Callable[[str], None] | None = None) -> Path:
+    """``memcc export``: the trained weights of ``checkpoint`` out of ``step_path``'s model.
+
+    ``warn`` hears about parameters a PyTorch ``load_state_dict`` will not find by name."""
     path = Path(step_path)
     graph = load_graph(path)
     spec = TrainingStep.of(graph).validate(str(path))
     c = ckpt.load(checkpoint, sig=step_signature(graph, spec))
-    return export_weights(graph, spec, c.tensors, output, format=format, source=str(path))
+    out = export_weights(graph, spec, c.tensors, output, format=format, source=str(path))
+    weights_only = (format or "").lower() == "safetensors" or \
+        (format is None and out.suffix == ".safetensors")
+    unnamed = made_up_names(spec)
+    if warn is not None and weights_only and unnamed:
+        warn(f"{len(unnamed)} parameter(s) carry names the exporter made up (e.g. "
+             f"'{unnamed[0]}'); PyTorch's load_state_dict will not find them by these names")
+    return out
 
 
 def export_weights(graph: Graph, spec: TrainingStep, state: Mapping[str, np.ndarray],
@@ -303,6 +313,12 @@ def export_weights(graph: Graph, spec: TrainingStep, state: Mapping[str, np.ndar
         return save_graph(fwd, out)
     weights = {n: np.asarray(state[n]) for n in exported_weight_names(graph, spec, fwd)}
     return ckpt.write_safetensors(out, weights, {"format": "pt", "memcc.step_file": source})
+
+
+def made_up_names(spec: TrainingStep) -> list[str]:
+    """Parameters whose names the exporter made up (``onnx::MatMul_12``, ``val_3``; recorded
+    by ``memcc build``): a PyTorch ``load_state_dict`` will not find them by these names."""
+    return [p for p, src in spec.parameter_sources().items() if not src.get("named", True)]
 
 
 def exported_weight_names(graph: Graph, spec: TrainingStep, fwd: Graph) -> list[str]:

@@ -227,3 +227,24 @@ def test_a_compiled_step_trains_the_same_bits_and_resumes_the_original_checkpoin
     a, b = original.state_dict(), resumed.state_dict()
     for name in a:
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+
+
+def test_exporting_weights_warns_about_names_the_exporter_made_up(tmp_path):
+    forward = mlp.build(batch=8, in_features=12, width=16, depth=1, num_classes=4,
+                        linear="matmul")
+    for t in forward.graph.initializer:
+        if t.name == "layers.0.weight":
+            t.name = "onnx::MatMul_12"
+    for n in forward.graph.node:
+        n.input[:] = ["onnx::MatMul_12" if x == "layers.0.weight" else x for x in n.input]
+    onnx.save(forward, str(tmp_path / "f.onnx"))
+    step = tmp_path / "step.onnx"
+    assert invoke("build", tmp_path / "f.onnx", "-o", step).exit_code == 0
+    from memcc import Trainer
+
+    Trainer(step, threads=1).save(tmp_path / "ck")
+    r = invoke("export", step, "--checkpoint", tmp_path / "ck", "-o", tmp_path / "w.safetensors")
+    assert r.exit_code == 0, r.output
+    assert "'onnx::MatMul_12'" in r.output and "load_state_dict will not find" in r.output
+    r = invoke("export", step, "--checkpoint", tmp_path / "ck", "-o", tmp_path / "m.onnx")
+    assert r.exit_code == 0 and "load_state_dict" not in r.output
