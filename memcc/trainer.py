@@ -46,6 +46,7 @@ import numpy as np
 from memcc.backend import checkpoint as ckpt
 from memcc.backend.arrange import Arrangement, arrange_step
 from memcc.backend.data import DataInput, Dataset, data_inputs, load_dataset
+from memcc.backend.memory import trim_heap
 from memcc.backend.runner import session_graph
 from memcc.backend.session import make_session, resolve_provider
 from memcc.errors import InputError, RuntimeFailure
@@ -102,6 +103,11 @@ class Trainer:
         if self._device != "cpu":  # the device holds the values now; drop the host copies
             self._host, self._spare_host = {}, {}
         self._fixed = {n: self._ortvalue(np.asarray(a, order="C")) for n, a in values.items()}
+        # The initial values stored in the file are not needed any more (state_dict and
+        # export read the live ones): without this the process holds the state twice.
+        for n in carried:
+            self.graph.initializers.pop(n, None)
+        trim_heap()  # and give the freed loading buffers back (glibc keeps them otherwise)
         self._outputs = list(self.graph.outputs)
         self._run_options = _run_options(self.provider)
 
@@ -339,7 +345,7 @@ def forward_graph(graph: Graph, spec: TrainingStep, state: Mapping[str, np.ndarr
                          "(memcc.forward_outputs, written by memcc build since this version)"
                          "; rebuild the step with memcc build to export it")
     du = graph.def_use()
-    stored = set(graph.initializers)
+    stored = set(graph.initializers) | set(state)
     needed: set[int] = set()
     stack = list(outputs)
     seen: set[str] = set()
@@ -370,8 +376,10 @@ def forward_graph(graph: Graph, spec: TrainingStep, state: Mapping[str, np.ndarr
     used = {i for n in nodes for i in n.input if i} | set(outputs)
     produced = {o for n in nodes for o in n.output if o}
     values = used | produced
-    inits = {n: np.asarray(state[n] if n in state else a)
-             for n, a in graph.initializers.items() if n in used}
+    # Carried values come from ``state`` (a Trainer drops their initial values).
+    names = dict.fromkeys([*graph.inputs, *graph.initializers])
+    inits = {n: np.asarray(state[n] if n in state else graph.initializers[n])
+             for n in names if n in used and (n in state or n in graph.initializers)}
     inputs = [i for i in graph.inputs if i in used and i not in inits]
     return Graph(
         nodes=nodes, inputs=inputs, outputs=outputs, initializers=inits,
