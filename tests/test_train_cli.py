@@ -248,3 +248,15 @@ def test_exporting_weights_warns_about_names_the_exporter_made_up(tmp_path):
     assert "'onnx::MatMul_12'" in r.output and "load_state_dict will not find" in r.output
     r = invoke("export", step, "--checkpoint", tmp_path / "ck", "-o", tmp_path / "m.onnx")
     assert r.exit_code == 0 and "load_state_dict" not in r.output
+
+
+def test_plain_output_reports_progress_steps_and_the_checkpoint(mlp_run, tmp_path):
+    step, data = mlp_run
+    ck = tmp_path / "ck"
+    r = invoke("train", step, "--data", data, "--steps", "3", "--checkpoint", ck,
+               "--threads", "1")
+    assert r.exit_code == 0, r.output
+    assert "trained steps 1-3 of 3; final loss" in r.output and "samples/s" in r.output
+    assert f"checkpoint: {ck / 'ckpt-000000003.safetensors'}" in r.output
+    r = invoke("train", step, "--data", data, "--steps", "3", "--checkpoint", ck, "--resume")
+    assert r.exit_code == 0 and "nothing to do: already at step 3 of 3" in r.output
