@@ -491,6 +491,11 @@ def train(opts: TrainOptions, *, on_start: Callable[[TrainResult], None] | None 
     if opts.resume:
         assert opts.checkpoint is not None
         start = ckpt.latest(opts.checkpoint)
+    elif opts.checkpoint is not None and ckpt.latest(opts.checkpoint) is not None:
+        raise InputError(
+            f"--checkpoint {opts.checkpoint}: already holds a run's checkpoints (newest: "
+            f"{ckpt.latest(opts.checkpoint).name}). Pass --resume to continue it, or choose "
+            "an empty directory for a new run.")
     loaded = ckpt.load(start) if start is not None else None
     trainer = Trainer(opts.step, provider=opts.provider, threads=opts.threads, graph=graph)
     if loaded is not None:

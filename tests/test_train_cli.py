@@ -260,3 +260,13 @@ def test_plain_output_reports_progress_steps_and_the_checkpoint(mlp_run, tmp_pat
     assert f"checkpoint: {ck / 'ckpt-000000003.safetensors'}" in r.output
     r = invoke("train", step, "--data", data, "--steps", "3", "--checkpoint", ck, "--resume")
     assert r.exit_code == 0 and "nothing to do: already at step 3 of 3" in r.output
+
+
+def test_a_new_run_into_a_directory_with_checkpoints_is_refused(mlp_run, tmp_path):
+    step, data = mlp_run
+    ck = tmp_path / "ck"
+    assert invoke("train", step, "--data", data, "--steps", "2", "--checkpoint", ck
+                  ).exit_code == 0
+    r = invoke("train", step, "--data", data, "--steps", "4", "--checkpoint", ck)
+    assert r.exit_code == 2 and "already holds a run's checkpoints" in r.output
+    assert "--resume" in r.output

@@ -281,3 +281,17 @@ def test_zoo_steps_train_bit_identically_to_the_copying_runner(tmp_path, name, o
     state = trainer.state_dict()
     for name_, value in ref_state.items():
         np.testing.assert_array_equal(state[name_], value, err_msg=name_, strict=True)
+
+
+def test_saving_an_older_step_over_a_newer_run_is_refused(steps, tmp_path):
+    """Pruning keeps the newest steps: an older save would be deleted at once, and a resume
+    would pick the other run's checkpoint."""
+    d = tmp_path / "ck"
+    newer = Trainer(steps["sgd"], threads=1)
+    feeds = synthetic_feeds(newer.graph, seed=0)
+    for _ in range(2):
+        newer.step(feeds)
+    newer.save(d)
+    with pytest.raises(InputError, match="holds ckpt-000000002.safetensors, newer than step 0"):
+        Trainer(steps["sgd"], threads=1).save(d)
+    assert [p.name for p in ckpt.list_checkpoints(d)] == ["ckpt-000000002.safetensors"]

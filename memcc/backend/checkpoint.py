@@ -117,6 +117,12 @@ def save(directory: str | os.PathLike, tensors: Mapping[str, np.ndarray], *, ste
     except OSError as exc:
         raise InputError(f"--checkpoint {d}: cannot create the directory "
                          f"({exc.strerror or exc})") from None
+    newest = latest(d)
+    if newest is not None and _step_of(newest) > int(step):
+        raise InputError(
+            f"--checkpoint {d}: holds {newest.name}, newer than step {int(step)}; a resume "
+            "would pick that one, and pruning would delete this one. Use an empty directory "
+            "for a new run (or resume the run that wrote it).")
     _remove_stale_temporaries(d)
     arrays = {n: np.asarray(a, order="C") for n, a in tensors.items()}
     metadata = {
@@ -197,6 +203,11 @@ def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
         return []
     found = [(int(m.group(1)), p) for p in d.iterdir() if (m := _NAME.match(p.name))]
     return [p for _, p in sorted(found)]
+
+
+def _step_of(path: Path) -> int:
+    m = _NAME.match(path.name)
+    return int(m.group(1)) if m else -1
 
 
 def latest(directory: str | os.PathLike) -> Path | None:
