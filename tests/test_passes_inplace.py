@@ -95,7 +95,8 @@ def test_arrangement_moves_updates_only_when_the_predicted_peak_does_not_rise():
 def test_runner_in_place_is_bit_identical_and_measured_like_the_prediction(tmp_path):
     from memcc.backend.onnx_file import save_graph
 
-    path = save_graph(_step("adamw", width=256, batch=1), tmp_path / "step.onnx")
+    # 0.8M parameters: large buffers are whole mmaps, so the measurement is exact enough
+    path = save_graph(_step("adamw", width=512, batch=1), tmp_path / "step.onnx")
     copying = run_steps(path, steps=2, separate_timing=False)
     inplace = run_steps(path, steps=2, separate_timing=False, in_place=True)
     assert copying.losses == inplace.losses
@@ -103,6 +104,6 @@ def test_runner_in_place_is_bit_identical_and_measured_like_the_prediction(tmp_p
     assert inplace.predicted_peak_bytes < copying.predicted_peak_bytes
     if inplace.measured_peak_bytes is not None:  # measured on Linux
         ratio = inplace.measured_peak_bytes / inplace.predicted_peak_bytes
-        assert 0.9 < ratio < 1.2, ratio
+        assert 0.95 < ratio < 1.1, ratio
         assert inplace.measured_peak_bytes < copying.measured_peak_bytes
     assert np.isfinite(inplace.losses).all()
