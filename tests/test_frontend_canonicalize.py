@@ -184,3 +184,21 @@ def test_gathernd_on_integer_data_is_left_alone():
     model = make_model(nodes, [("m", INT64, [2, 3])], [("y", INT64, [2, 3])])
     graph = load_graph(model)
     assert [n.op_type for n in graph.nodes if n.op_type != "Constant"] == ["GatherND"]
+
+
+def test_model_local_function_is_inlined_and_differentiated():
+    # onnxscript exports keep functions unless inlined: y = scaled_tanh(x) as a local function
+    fn = helper.make_function(
+        "custom.fns", "scaled_tanh", ["a"], ["b"],
+        [helper.make_node("Tanh", ["a"], ["t"]), const("two", 2.0, TensorProto.FLOAT),
+         helper.make_node("Mul", ["t", "two"], ["b"])],
+        [helper.make_opsetid("", 17)])
+    g = helper.make_graph([helper.make_node("scaled_tanh", ["x"], ["y"], domain="custom.fns")],
+                          "t", [helper.make_tensor_value_info("x", FLOAT, [3, 2])],
+                          [helper.make_tensor_value_info("y", FLOAT, [3, 2])])
+    model = helper.make_model(g, functions=[fn], opset_imports=[
+        helper.make_opsetid("", 17), helper.make_opsetid("custom.fns", 1)])
+    model.ir_version = 8
+    feeds = {"x": rand(3, 2)}
+    assert {n.op_type for n in load_graph(model).nodes} >= {"Tanh", "Mul"}
+    check_against_torch(model, feeds, lambda x: torch.tanh(x) * 2.0, ["x"])
