@@ -188,3 +188,10 @@ def test_cli_build_prints_export_warnings_and_name_counts(tmp_path):
     assert r.exit_code == 0, r.output
     assert "warning:" in r.output and "weight tying" in r.output
     assert "under names the exporter made up" in r.output
+
+
+def test_made_up_names_without_a_signature_are_only_exporter_spellings():
+    from memcc.frontend.exported import is_made_up_name
+
+    assert all(map(is_made_up_name, ["onnx::MatMul_655", "val_92", "stem.0.weight_bias"]))
+    assert not any(map(is_made_up_name, ["fc_1", "layers.0.weight", "cls", "wte.weight"]))

@@ -35,10 +35,12 @@ SIGNATURE_PROP = "pkg.torch.export.ExportedProgram.graph_signature"
 # Graph.metadata key under which load_graph keeps the parsed signature for the builder.
 SIGNATURE_KEY = "memcc.export_signature"
 
-# Names exporters make up for values they create (folded copies, constants):
-# TorchScript's ``onnx::MatMul_12``, dynamo's ``val_3`` / ``embedding_1``, and the bias
-# onnxscript adds when it folds BatchNorm into a Conv (``stem.0.weight_bias``).
-_MADE_UP = re.compile(r"^(onnx::.*|[A-Za-z]+(_[A-Za-z]+)*_\d+|.*\.weight_bias)$")
+# Names exporters make up for values they create (folded copies, constants), for files
+# without a graph signature: TorchScript's ``onnx::MatMul_12``, onnxscript's ``val_3`` and
+# the bias it adds when it folds BatchNorm into a Conv (``stem.0.weight_bias``). Names such
+# as ``embedding_1`` are only judged against a signature: spelled like that, they could be
+# a hand-named parameter (``fc_1``).
+_MADE_UP = re.compile(r"^(onnx::.*|val_\d+|.*\.weight_bias)$")
 _SIGNATURE_LINE = re.compile(r"^\s*(\S+): (\w+)(?: target='([^']*)')?")
 
 
