@@ -10,7 +10,7 @@ the order the execution contract asks ORT to keep.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -315,6 +315,30 @@ class DefUse:
         if not self.tracks(nodes):
             problems.append("the index was built for another node list")
         return sorted(problems)
+
+
+def ancestors(values: Iterable[str], producer: Mapping[str, onnx.NodeProto],
+              inputs_of: Callable[[onnx.NodeProto], Iterable[str]] = lambda n: n.input,
+              ) -> tuple[list[onnx.NodeProto], set[str]]:
+    """The producers ``values`` depend on (each once, in the order reached) and every value
+    reached, ``values`` included. ``inputs_of`` says which inputs of a producer to follow
+    (all by default; a caller restricts it to differentiable paths, say)."""
+    nodes: list[onnx.NodeProto] = []
+    taken: set[int] = set()
+    seen: set[str] = set()
+    stack = [v for v in values if v]
+    while stack:
+        v = stack.pop()
+        if v in seen:
+            continue
+        seen.add(v)
+        node = producer.get(v)
+        if node is None or id(node) in taken:
+            continue
+        taken.add(id(node))
+        nodes.append(node)
+        stack.extend(i for i in inputs_of(node) if i)
+    return nodes, seen
 
 
 def topological_problems(graph: Graph) -> list[str]:

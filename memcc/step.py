@@ -22,7 +22,7 @@ from functools import cached_property
 import onnx
 
 from memcc.errors import InputError
-from memcc.graph import Graph, TensorInfo
+from memcc.graph import Graph, TensorInfo, ancestors
 
 # The contract's keys (``frontend/build.py`` writes them, re-exporting these names).
 KIND_KEY = "memcc.kind"
@@ -190,20 +190,8 @@ class TrainingStep:
     @cached_property
     def forward(self) -> frozenset[str]:
         """Forward node names: the ancestors of the loss (loss computation included)."""
-        producer = self.graph.def_use().producer
-        forward: set[str] = set()
-        stack = [self.loss]
-        seen: set[str] = set()
-        while stack:
-            v = stack.pop()
-            if v in seen:
-                continue
-            seen.add(v)
-            node = producer.get(v)
-            if node is None or node.name in forward:
-                continue
-            forward.add(node.name)
-            stack.extend(i for i in node.input if i)
+        nodes, _ = ancestors([self.loss], self.graph.def_use().producer)
+        forward = {n.name for n in nodes}
         return frozenset(forward)
 
     @cached_property

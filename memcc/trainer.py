@@ -51,7 +51,7 @@ from memcc.backend.runner import session_graph
 from memcc.backend.session import make_session, resolve_provider
 from memcc.errors import InputError, RuntimeFailure
 from memcc.frontend.load import load_graph
-from memcc.graph import Graph
+from memcc.graph import Graph, ancestors
 from memcc.passes.inplace import InPlaceUpdates
 from memcc.step import TrainingStep
 
@@ -346,22 +346,11 @@ def forward_graph(graph: Graph, spec: TrainingStep, state: Mapping[str, np.ndarr
                          "; rebuild the step with memcc build to export it")
     du = graph.def_use()
     stored = set(graph.initializers) | set(state)
-    needed: set[int] = set()
-    stack = list(outputs)
-    seen: set[str] = set()
-    while stack:
-        v = stack.pop()
-        if v in seen:
-            continue
-        seen.add(v)
-        node = du.producer.get(v)
-        if node is None:
-            if v not in stored and v not in graph.inputs:
-                raise InputError(f"{source}: forward output '{v}' is not computed in the step")
-            continue
-        if id(node) not in needed:
-            needed.add(id(node))
-            stack.extend(i for i in node.input if i)
+    reached, values = ancestors(outputs, du.producer)
+    for v in values:
+        if v not in du.producer and v not in stored and v not in graph.inputs:
+            raise InputError(f"{source}: forward output '{v}' is not computed in the step")
+    needed = {id(n) for n in reached}
     import onnx
 
     nodes = []

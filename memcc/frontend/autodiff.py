@@ -17,7 +17,7 @@ from memcc.errors import GradientError, UnsupportedOpError
 from memcc.frontend.emit import Emitter
 from memcc.frontend.gradients import load_rules
 from memcc.frontend.gradients.registry import NON_DIFFERENTIABLE, RULES, GradContext
-from memcc.graph import Graph, node_label
+from memcc.graph import Graph, ancestors, node_label
 from memcc.step import DEFAULT_RULE, tag_node
 
 
@@ -159,20 +159,9 @@ def _path_to_loss(node, loss: str, forward_nodes: list) -> list[str]:
 def _parameters_upstream(node, wrt: Sequence[str], requires: set[str],
                          forward_nodes: list) -> list[str]:
     producer = {o: n for n in forward_nodes for o in n.output if o}
-    wanted = set(wrt)
-    seen: set[str] = set()
-    stack = [i for i in node.input if i in requires]
-    found: set[str] = set()
-    while stack:
-        v = stack.pop()
-        if v in seen:
-            continue
-        seen.add(v)
-        if v in wanted:
-            found.add(v)
-        p = producer.get(v)
-        if p is not None and p.op_type not in NON_DIFFERENTIABLE:
-            stack.extend(i for i in p.input if i in requires)
+    _, found = ancestors(
+        [i for i in node.input if i in requires], producer,
+        lambda p: () if p.op_type in NON_DIFFERENTIABLE else [i for i in p.input if i in requires])
     return [w for w in wrt if w in found]
 
 
