@@ -337,6 +337,141 @@ def compile_cmd(
     out.print(f"wrote {out_path} and {report_path}", highlight=False)
 
 
+@app.command(name="tune")
+def tune_cmd(
+    model: Annotated[Path, typer.Argument(help="Forward ONNX model with a symbolic batch "
+                                               "dimension.")],
+    budget: Annotated[str, typer.Option(
+        help="Memory budget for the whole step: 6GB (10^9), 6GiB (2^30), MB/MiB/KB/KiB/TB/"
+             "TiB or plain bytes.")],
+    dim: Annotated[list[str], typer.Option(
+        "--dim", "-d", metavar="NAME=LOW..HIGH|NAME=INT",
+        help="The dimension to search, e.g. --dim batch=1..512 (once), and bindings of the "
+             "other symbolic dimensions, e.g. --dim seq=128 (repeatable).")],
+    output: Annotated[Optional[Path], typer.Option(  # noqa: UP045
+        "--output", "-o", help="Write the compiled step of the picked size here.")] = None,
+    pick: Annotated[str, typer.Option(
+        help="fastest (highest predicted samples/s) or largest: the size -o writes.")
+    ] = "fastest",
+    points: Annotated[int, typer.Option(
+        min=0, help="Sizes planned between the largest without rewriting and the largest "
+                    "(each costs a compile).")] = 2,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    plot: Annotated[Optional[Path], typer.Option(  # noqa: UP045
+        help="Plot peak and predicted throughput against the size (PNG).")] = None,
+    ref_batch: Annotated[Optional[int], typer.Option(  # noqa: UP045
+        help="Batch size at which --ref-lr is known to work.")] = None,
+    ref_lr: Annotated[Optional[float], typer.Option(  # noqa: UP045
+        help="Learning rate known to work at --ref-batch; the suggestion for the picked "
+             "size is built into the step.")] = None,
+    lr_rule: Annotated[str, typer.Option(
+        help="linear (lr * B/B_ref) or sqrt (lr * sqrt(B/B_ref)) scaling.")] = "linear",
+    strategy: Annotated[str, typer.Option(help="As in memcc compile.")] = "auto",
+    provider: Annotated[str, typer.Option(help="As in memcc compile: cpu, cuda.")] = "cpu",
+    time_limit: Annotated[float, typer.Option(help="Seconds each plan may spend.")] = 60.0,
+    cost: Annotated[str, typer.Option(
+        help="Node times: analytic (default here: measuring would run every size), "
+             "measured or auto.")] = "analytic",
+    margin: Annotated[float, typer.Option(
+        help="Safety margin: plan for budget*(1-margin) - 1 MiB.")] = 0.02,
+    loss: Annotated[str, typer.Option(help="As in memcc build.")] = "cross-entropy",
+    optimizer: Annotated[str, typer.Option(help="As in memcc build.")] = "sgd",
+    lr: Annotated[Optional[float], typer.Option(  # noqa: UP045
+        help="As in memcc build (or derive it: --ref-batch/--ref-lr).")] = None,
+) -> None:
+    """Find the largest batch, and the fastest, whose training step fits a memory budget."""
+    from memcc.backend.onnx_file import check_writable
+    from memcc.errors import InputError
+    from memcc.frontend.build import BuildOptions
+    from memcc.frontend.load import parse_dims
+    from memcc.tune import TuneOptions, plot_tune, tune, write_step
+
+    try:
+        ranges = [d for d in dim if ".." in d]
+        if len(ranges) != 1:
+            raise InputError(
+                "--dim: give exactly one dimension to search as NAME=LOW..HIGH, e.g. "
+                f"--dim batch=1..512 (got {len(ranges)}: {', '.join(ranges) or 'none'})")
+        if lr is not None and ref_lr is not None:
+            raise InputError("--lr and --ref-lr both set the learning rate: give one")
+        opts = TuneOptions(
+            strategy=strategy, cost=cost, provider=provider, time_limit=time_limit,
+            margin=margin, build=BuildOptions(loss=loss, optimizer=optimizer, lr=lr),
+            dims=parse_dims([d for d in dim if ".." not in d]), pick=pick, points=points,
+            ref_batch=ref_batch, ref_lr=ref_lr, lr_rule=lr_rule)
+        for path, what, flag in ((output, "the compiled step", "--output/-o"),
+                                 (plot, "the plot", "--plot")):
+            if path is not None:
+                check_writable(path, what, flag)
+        with err.status("tune") as status:
+            result = tune(model, budget, ranges[0], opts,
+                          progress=lambda m: status.update(f"tune: {escape(m)}"))
+            if output is not None:
+                status.update(f"tune: writing {output}")
+                write_step(result, output)
+            if plot is not None:
+                plot_tune(result, plot)
+    except MemccError as exc:
+        _fail(exc)
+        return
+    if as_json:
+        data = result.to_json()
+        data["output"] = None if output is None else str(output)
+        data["plot"] = None if plot is None else str(plot)
+        sys.stdout.write(json.dumps(data) + "\n")
+        return
+    _print_tune(result)
+    if output is not None:
+        out.print(f"wrote {output} ({result.range.dim}={result.picked_batch})",
+                  highlight=False)
+    if plot is not None:
+        out.print(f"wrote {plot}", highlight=False)
+
+
+def _print_tune(result) -> None:
+    """The table and the answers (the largest, the largest without rewriting, the
+    fastest, what was picked, the learning rate)."""
+    from rich.table import Table
+
+    from memcc.sizes import format_size
+
+    r = result
+    table = Table(title=f"{r.model}: {r.range.dim} {r.range.low}..{r.range.high}, budget "
+                        f"{format_size(r.budget_bytes)} (plans aim at "
+                        f"{format_size(r.planning_budget_bytes)})", title_justify="left")
+    for col in (r.range.dim, "fits", "peak", "as built", "step time", "samples/s",
+                "overhead", "decided by"):
+        table.add_column(col, justify="left" if col in ("fits", "decided by") else "right")
+    for c in r.candidates:
+        peak = "-" if c.peak_bytes is None else format_size(c.peak_bytes)
+        if c.peak_kind in ("smallest", "sqrt(n)", "floor") and c.peak_bytes is not None:
+            peak += f" ({c.peak_kind})"
+        table.add_row(
+            str(c.batch), "yes" if c.fits else "no", peak, format_size(c.baseline_peak_bytes),
+            "-" if c.step_s is None else f"{c.step_s * 1000:,.1f} ms",
+            "-" if c.samples_per_s is None else f"{c.samples_per_s:,.1f}",
+            "-" if c.overhead is None else f"{c.overhead:+.1%}",
+            c.decided_by + ("" if c.strategy is None or c.decided_by == "baseline"
+                            else f" ({c.strategy})"))
+    out.print(table)
+    base = r.largest_batch_without_rewrite
+    out.print(f"largest {r.range.dim}: {r.largest_batch} (without rewriting: "
+              f"{base if base is not None else 'none fits'}"
+              + (f", {r.largest_batch / base:.2f}x" if base else "") + ")", highlight=False)
+    fast = r.candidate(r.fastest_batch)
+    out.print(f"fastest {r.range.dim}: {r.fastest_batch} ({fast.samples_per_s:,.1f} samples/s "
+              f"predicted, {r.cost_source} cost model)", highlight=False)
+    out.print(f"picked ({r.pick}): {r.range.dim}={r.picked_batch}", highlight=False)
+    if r.lr is not None:
+        applied = "built into the step" if r.lr_applied else \
+            "not applied: the step has no optimizer"
+        out.print(f"learning rate for {r.range.dim}={r.picked_batch}: {r.lr:.6g} "
+                  f"({r.lr_rule} scaling; {applied})", highlight=False)
+    out.print(f"searched {r.stats['builds']} sizes: {r.stats['sqrtn_bounds']} sqrt(n) bounds, "
+              f"{r.stats['plans']} plans, {r.stats['min_searches']} smallest-peak searches; "
+              f"{r.time_s:.1f} s", highlight=False)
+
+
 @app.command(name="report")
 def report_cmd(
     report: Annotated[Path, typer.Argument(help="Report JSON written by memcc compile.")],
