@@ -153,7 +153,9 @@ class Candidate:
 
     batch: int
     fits: bool
-    decided_by: str        # baseline | floor | sqrtn | plan | min-search | above-edge
+    # baseline | floor | sqrtn | plan | min-search, or below-edge / above-edge: only the
+    # step as built was looked at, and the size lies below the largest / above its next
+    decided_by: str
     peak_bytes: int | None
     baseline_peak_bytes: int
     baseline_step_s: float
@@ -455,7 +457,7 @@ def tune(model: str | os.PathLike | onnx.ModelProto, budget: str | int, dim: str
         if search.plan(b) is None and b == largest:  # pragma: no cover - fits was certain
             raise MemccError(f"{label}: {rng.dim}={b} fitted but the plan at the budget was "
                              "refused; please report this with the command")
-    cands = tuple(_candidate(search, p) for _, p in sorted(search.probes.items()))
+    cands = tuple(_candidate(search, p, largest) for _, p in sorted(search.probes.items()))
     timed = [c for c in cands if c.fits and c.samples_per_s is not None]
     fastest = max(timed, key=lambda c: (c.samples_per_s, -c.batch)).batch
     picked = largest if opts.pick == "largest" else fastest
@@ -535,11 +537,14 @@ def _nothing_fits(search: _Search, b: int, budget: int) -> MemccError:
             "recomputation cannot shrink them. Give a larger --budget, a lighter optimizer "
             "(--optimizer sgd --momentum 0 keeps no state), or --freeze part of the model")
     smallest = p.smallest if p.smallest is not None else p.sqrtn_peak
+    need = int((smallest + search.opts.slack_bytes) / (1.0 - search.opts.margin)) + 1
     return InputError(
-        f"{label}: nothing fits {format_size(budget)}: even {dim}={b} needs "
+        f"{label}: nothing fits {format_size(budget)}: even {dim}={b} needs a peak of "
         f"{format_size(smallest)} at the least (strategy {search.opts.strategy}; its step "
-        f"as built peaks at {format_size(p.baseline.peak_bytes)}). Give a larger --budget "
-        "or smaller sizes of the other dimensions (--dim NAME=INT)")
+        f"as built peaks at {format_size(p.baseline.peak_bytes)}), and plans aim at "
+        f"{format_size(search.budget)} (the budget less the {search.opts.margin:.0%} + "
+        f"{search.opts.slack_bytes:,} bytes margin). Give --budget {need} or more, or "
+        "smaller sizes of the other dimensions (--dim NAME=INT)")
 
 
 def _largest_as_built(search: _Search, rng: SearchRange) -> int | None:
@@ -605,7 +610,7 @@ def _table_sizes(low: int, base_edge: int | None, largest: int, points: int) -> 
     return sorted(s for s in sizes if low <= s <= largest)
 
 
-def _candidate(search: _Search, p: _Probe) -> Candidate:
+def _candidate(search: _Search, p: _Probe, largest: int) -> Candidate:
     """The table row of a size, from what the search learnt (it computes nothing new)."""
     base_s = p.baseline.compute_cost_s
     budget = search.budget
@@ -632,8 +637,11 @@ def _candidate(search: _Search, p: _Probe) -> Candidate:
     if p.sqrtn_peak is not None and p.sqrtn_peak <= budget:
         return Candidate(fits=True, decided_by="sqrtn", peak_bytes=p.sqrtn_peak,
                          peak_kind="sqrt(n)", **row)
-    # Larger than a size shown not to fit: the peaks grow with the size.
-    return Candidate(fits=False, decided_by="above-edge", peak_bytes=p.sqrtn_peak,
+    # Only its baseline was needed: it lies below the largest size (and fits, as the
+    # peaks grow with the size) or above the size shown not to fit.
+    below = p.batch < largest
+    return Candidate(fits=below, decided_by="below-edge" if below else "above-edge",
+                     peak_bytes=p.sqrtn_peak,
                      peak_kind=None if p.sqrtn_peak is None else "sqrt(n)", **row)
 
 

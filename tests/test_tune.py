@@ -1,0 +1,192 @@
+"""``memcc tune``: the largest batch it reports fits and the next size up does not (each
+checked by compiling it, as a user would), the tuned step runs like the step it came from,
+and ranges, dimension names and budgets that cannot be searched fail with what to do.
+
+One tiny MLP with a symbolic batch serves every case (a search over it takes about a
+second), and its searches are shared across the module to keep CI fast.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import onnx
+import pytest
+from typer.testing import CliRunner
+
+from memcc.cli import app
+from memcc.compiler import CompileOptions, compile_model
+from memcc.errors import InputError
+from memcc.frontend.build import build_training_step
+from memcc.frontend.load import load_graph
+from memcc.passes.planner import BudgetError
+from memcc.tune import TuneOptions, parse_range, tune
+from models import build_model
+
+# Budget and sizes chosen so the step as built fits up to a batch in the middle of the
+# range, recomputation reaches further, and the range's top does not fit at all.
+BUDGET = 1_300_000
+RANGE = "batch=1..256"
+# Margin and slack off, so the tiny step's edges are set by its activations, not by the
+# 1 MiB slack meant for real models; compile is checked with the same settings.
+EXACT = dict(margin=0.0, slack_bytes=0, cost="analytic")
+runner = CliRunner()
+
+
+def _mlp(dynamic: bool = True) -> onnx.ModelProto:
+    return build_model("mlp", dynamic_batch=dynamic, width=128, depth=4, in_features=64)
+
+
+@pytest.fixture(scope="module")
+def model_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("tune") / "mlp.onnx"
+    onnx.save(_mlp(), str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def searched(model_file):
+    return tune(model_file, BUDGET, RANGE, TuneOptions(points=1, **EXACT))
+
+
+def _compile(model_file: Path, batch: int, strategy: str = "auto"):
+    opts = CompileOptions(budget=BUDGET, strategy=strategy, dims={"batch": batch}, **EXACT)
+    return compile_model(model_file, opts)
+
+
+def test_the_largest_batch_fits_and_the_next_size_does_not(searched, model_file):
+    r = searched
+    assert 1 < r.largest_batch_without_rewrite < r.largest_batch < 256
+    assert _compile(model_file, r.largest_batch).report["plan"]["fits"]
+    with pytest.raises(BudgetError):
+        _compile(model_file, r.largest_batch + 1)
+    # Without rewriting: the step as built (strategy none) fits up to the reported size.
+    _compile(model_file, r.largest_batch_without_rewrite, strategy="none")
+    with pytest.raises(BudgetError):
+        _compile(model_file, r.largest_batch_without_rewrite + 1, strategy="none")
+
+
+def test_the_table_is_consistent_and_the_search_compiled_few_sizes(searched):
+    r = searched
+    rows = {c.batch: c for c in r.candidates}
+    assert rows[r.largest_batch].fits and rows[r.largest_batch + 1].fits is False
+    timed = [c for c in r.candidates if c.samples_per_s is not None]
+    assert all(c.fits for c in timed)
+    assert r.fastest_batch == max(timed, key=lambda c: c.samples_per_s).batch
+    assert r.picked_batch == r.fastest_batch            # --pick fastest is the default
+    for c in timed:                                      # a rewrite never saves time
+        assert c.overhead >= 0 and c.peak_bytes <= r.planning_budget_bytes
+    assert rows[r.largest_batch].overhead > 0           # beyond the as-built edge
+    # Planner calls (plans and smallest-peak searches) are few; builds stay well under
+    # the 256 sizes of the range.
+    assert r.stats["plans"] + r.stats["min_searches"] <= 8
+    assert r.stats["builds"] < 40
+    doc = r.to_json()
+    for key in ("largest_batch", "largest_batch_without_rewrite", "fastest_batch",
+                "candidates"):
+        assert key in doc
+    json.dumps(doc)  # plain JSON, no numpy scalars or infinities
+
+
+def test_the_tuned_step_runs_like_the_step_it_came_from(model_file):
+    from memcc.backend.verify import verify_rewrite
+
+    r = tune(model_file, BUDGET, RANGE, TuneOptions(points=0, pick="largest", **EXACT))
+    assert r.picked_batch == r.largest_batch and r.step.metadata.get("memcc.plan")
+    original = build_training_step(load_graph(model_file, {"batch": r.picked_batch}))
+    v = verify_rewrite(original, r.step, budget=BUDGET)
+    # Outputs bit-identical and ORT ran the planned order. The measured peak is not
+    # asserted: this step is ~1 MB of tiny buffers, where malloc's own overhead is a few
+    # percent (README) and the margin is off on purpose.
+    assert v["outputs_match"] and v["order_matches_plan"], v["problems"]
+
+
+def test_cli_writes_json_the_step_and_the_plot_with_the_suggested_lr(model_file, tmp_path):
+    out, plot = tmp_path / "tuned.onnx", tmp_path / "tune.png"
+    # --margin 0 with the CLI's fixed 1 MiB slack: the same planning budget as above.
+    res = runner.invoke(app, [
+        "tune", str(model_file), "--budget", str(BUDGET + 1024 * 1024), "--dim", RANGE,
+        "--margin", "0", "--pick", "largest", "--points", "0", "--json", "-o", str(out),
+        "--plot", str(plot), "--ref-batch", "32", "--ref-lr", "0.1", "--lr-rule", "sqrt"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    batch = doc["largest_batch"]
+    assert doc["picked_batch"] == batch and doc["output"] == str(out)
+    assert doc["lr"]["rule"] == "sqrt" and doc["lr"]["applied"]
+    assert math.isclose(doc["lr"]["suggested"], 0.1 * math.sqrt(batch / 32))
+    step = onnx.load(str(out))
+    meta = {p.key: p.value for p in step.metadata_props}
+    assert math.isclose(json.loads(meta["memcc.optimizer"])["lr"], doc["lr"]["suggested"])
+    shape = [d.dim_value for d in step.graph.input[0].type.tensor_type.shape.dim]
+    assert shape[0] == batch
+    assert plot.stat().st_size > 0
+
+
+def test_cli_table_names_both_edges(model_file):
+    res = runner.invoke(app, ["tune", str(model_file), "--budget", "3MB", "--dim",
+                              "batch=1..64"])
+    assert res.exit_code == 0, res.output
+    assert "largest batch: 64" in res.stdout and "fastest batch:" in res.stdout
+    assert "analytic cost model" in res.stdout
+
+
+def test_the_whole_range_fitting_or_strategy_none(model_file):
+    r = tune(model_file, BUDGET, "batch=1..16", TuneOptions(points=0, **EXACT))
+    assert r.largest_batch == r.largest_batch_without_rewrite == 16
+    r = tune(model_file, BUDGET, RANGE, TuneOptions(points=0, strategy="none", **EXACT))
+    assert r.largest_batch == r.largest_batch_without_rewrite
+
+
+def test_lr_rules():
+    lin = TuneOptions(ref_batch=32, ref_lr=0.1)
+    assert math.isclose(lin.lr_for(128), 0.4)
+    assert math.isclose(TuneOptions(ref_batch=32, ref_lr=0.1, lr_rule="sqrt").lr_for(128), 0.2)
+    assert TuneOptions().lr_for(128) is None
+    with pytest.raises(InputError, match="go together"):
+        TuneOptions(ref_batch=32)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("batch=1-512", "NAME=LOW..HIGH"),
+    ("batch=..8", "NAME=LOW..HIGH"),
+    ("batch", "NAME=LOW..HIGH"),
+    ("batch=8..4", "empty"),
+    ("batch=0..4", "start at 1"),
+])
+def test_bad_ranges_fail_clearly(text, message):
+    with pytest.raises(InputError, match=message):
+        parse_range(text)
+
+
+def test_unknown_or_fixed_dimensions_say_how_to_export(model_file, tmp_path):
+    with pytest.raises(InputError, match=r"symbolic dimensions are batch") as exc:
+        tune(model_file, BUDGET, "seq=1..8", TuneOptions(**EXACT))
+    assert "dynamic_axes" in str(exc.value)
+    fixed = tmp_path / "fixed.onnx"
+    onnx.save(_mlp(dynamic=False), str(fixed))
+    with pytest.raises(InputError, match="no symbolic dimension") as exc:
+        tune(fixed, BUDGET, RANGE, TuneOptions(**EXACT))
+    assert "dynamic_axes" in str(exc.value) and "dynamic_shapes" in str(exc.value)
+
+
+def test_budgets_that_cannot_fit_fail_clearly(model_file, tmp_path):
+    with pytest.raises(InputError, match="parameters and optimizer state alone"):
+        tune(model_file, 200_000, RANGE, TuneOptions(**EXACT))
+    with pytest.raises(InputError, match="give a size"):
+        tune(model_file, "min", RANGE, TuneOptions(**EXACT))
+    res = runner.invoke(app, ["tune", str(model_file), "--budget", "1GB", "--dim", RANGE,
+                              "-o", str(tmp_path / "missing" / "x.onnx")])
+    assert res.exit_code == 2 and "does not exist" in res.output
+    res = runner.invoke(app, ["tune", str(model_file), "--budget", "1GB", "--dim", "batch=4"])
+    assert res.exit_code == 2 and "LOW..HIGH" in res.output
+
+
+def test_a_training_step_is_refused(tmp_path):
+    from memcc.backend.onnx_file import save_graph
+
+    step = tmp_path / "step.onnx"
+    save_graph(build_training_step(load_graph(_mlp(), {"batch": 4})), step)
+    with pytest.raises(InputError, match="forward model"):
+        tune(step, BUDGET, RANGE, TuneOptions(**EXACT))
