@@ -143,11 +143,64 @@ def test_variants_other_than_the_default_are_refused_clearly(step):
         lower(g, Plan(variants={"no-such-node": "default"}), st)
 
 
-def test_offload_is_declared_and_refused_by_the_lowering(step):
+def _offloadable(g, st):
+    from memcc.passes.swap import offload_problems
+
+    return [v for v in sorted(st.saved)
+            if not offload_problems(g, Plan(offload={v: Offload("host")}), st)]
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt2"])
+def test_offloaded_values_go_out_after_the_forward_and_back_before_the_backward(name, tmp_path):
+    """Issue 11 item 3/4 on CPU: the copies run there (plain copies), the outputs are bit
+    for bit the original's, ORT executes the planned order, and nothing but the copy-out
+    reads the device original after the forward pass."""
+    from memcc.backend.onnx_file import save_graph
+    from memcc.backend.runner import run_steps
+
+    kw = {"mlp": dict(batch=16, width=64, depth=4), "gpt2": dict(batch=2, seq_len=32)}[name]
+    g = build_training_step(load_graph(build_model(name, **kw)), BuildOptions(optimizer="sgd"))
+    st = StepStructure.of(g)
+    values = _offloadable(g, st)
+    assert len(values) >= 3, name
+    plan = Plan(frozenset(), "hand", {}, {v: Offload("host") for v in values})
+    low = lower(g, plan, st, check="full")
+    report = low.reports[-1]
+    assert report.changed and report.details["copies"] == 2 * len(values)
+    nodes = low.graph.nodes
+    where = {n.name: i for i, n in enumerate(nodes)}
+    for v in values:
+        out = next(n for n in nodes if n.op_type == "MemcpyToHost" and n.input[0] == v)
+        back = next(n for n in nodes if n.op_type == "MemcpyFromHost"
+                    and n.input[0] == out.output[0])
+        readers = [n for n in nodes if v in n.input and n is not out]
+        assert all(r.name in st.forward for r in readers), v
+        last = max(where[r.name] for r in readers + [n for n in nodes if v in n.output])
+        first = min(where[n.name] for n in nodes if back.output[0] in n.input)
+        # Right after the last forward reader, right before the first backward reader (other
+        # copies placed at the same point may sit in between).
+        assert last < where[out.name] and where[back.name] < first, v
+        between = nodes[last + 1:where[out.name]] + nodes[where[back.name] + 1:first]
+        assert all(n.op_type.startswith("Memcpy") for n in between), v
+    feeds = synthetic_feeds(g, seed=1)
+    assert compare_outputs(step_outputs(g, feeds, "cpu"),
+                           step_outputs(low.graph, feeds, "cpu"), exact=True) == []
+    path = save_graph(low.graph, tmp_path / "swapped.onnx")
+    run = run_steps(path, steps=2)
+    assert run.order_matches_plan, run.executed_order_mismatch
+
+
+def test_offload_refuses_what_it_cannot_copy(step):
     g, st = step
-    value = sorted(st.saved)[0]
-    with pytest.raises(LoweringError, match=r"Offload\(host\) is not implemented yet"):
-        simulate(g, Plan(offload={value: Offload("host")}), unit_costs(g), st)
+    value = _offloadable(g, st)[0]
+    producer = g.def_use().producer[value].name
+    with pytest.raises(LoweringError, match="both recomputed and offloaded"):
+        lower(g, Plan(frozenset({producer}), "hand", {}, {value: Offload("host")}), st)
+    for fixed in (g.inputs[0], sorted(g.initializers)[0]):  # stays where it is
+        with pytest.raises(LoweringError, match="not saved|not computed by the forward pass"):
+            lower(g, Plan(offload={fixed: Offload("host")}), st)
+    with pytest.raises(LoweringError, match="not saved"):
+        lower(g, Plan(offload={"no-such-value": Offload("host")}), st)
 
 
 def test_recompute_of_a_backward_node_is_a_strategy_bug(step):

@@ -9,9 +9,10 @@ order with a correct def-use index), and returns the graph with a report. The si
 (``passes/simulate.py``) is this lowering plus liveness, and the compiler writes what it
 returns, so every strategy is judged by, and gets, the same rewrite.
 
-Variants and copies are identity passes today: they check the plan asks for none (the
-default gradient rule; no ``Offload``) and say clearly when it does, until the next issues
-give them something to do.
+Variants are an identity pass today: it checks the plan asks for none (the default
+gradient rule) and says clearly when it does, until operator variants land. Copies are
+real (``passes/swap.py``); no strategy offloads yet (the planner's offload decision, with
+the CUDA provider's device/host split, is issue 11), so only hand-written plans use them.
 """
 
 from __future__ import annotations
@@ -24,10 +25,11 @@ from memcc.errors import MemccError
 from memcc.graph import Graph, topological_problems
 from memcc.passes.plan import DEFAULT_VARIANT, Plan, StepStructure
 from memcc.passes.recompute import apply_recompute
+from memcc.passes.swap import COPY_IN, COPY_OUT, apply_offload, offload_problems
 
-# ORT's copy ops; the swap pass (a later issue) will insert them in pairs.
-COPY_OUT_OPS = frozenset({"MemcpyToHost"})
-COPY_IN_OPS = frozenset({"MemcpyFromHost"})
+# ORT's copy ops, inserted in pairs by the swap pass.
+COPY_OUT_OPS = frozenset({COPY_OUT})
+COPY_IN_OPS = frozenset({COPY_IN})
 
 
 class LoweringError(MemccError):
@@ -142,22 +144,40 @@ class InsertRecompute:
 
 
 class InsertCopies:
-    """Insert copy-out / copy-in pairs for offloaded values (swap: a later issue)."""
+    """Copy offloaded values to host memory and back (``passes/swap.py``)."""
 
     name = "insert-copies"
 
     def requires(self, graph: Graph, plan: Plan, st: StepStructure) -> None:
         not_saved = sorted(v for v in plan.offload if v not in st.saved)
         _fail(self.name, "the plan offloads values that are not saved", not_saved)
-        _not_implemented(self.name, "Offload(host) is", "swap to host memory is a later issue",
-                         sorted(plan.offload))
+        _fail(self.name, "the plan offloads values it cannot", offload_problems(graph, plan, st))
 
     def run(self, graph: Graph, plan: Plan, st: StepStructure) -> tuple[Graph, PassReport]:
-        return graph, PassReport(self.name, False, {"copies": 0})
+        res = apply_offload(graph, plan, st)
+        return res.graph, PassReport(self.name, bool(res.copies), {
+            "copies": 2 * len(res.copies),
+            "offloaded_values": res.offloaded,
+            "copied_back_before": {v: first for v, _, _, first in res.copies},
+        })
 
     def ensures(self, before: Graph, after: Graph, plan: Plan, st: StepStructure,
                 report: PassReport, full: bool = False) -> None:
         _fail(self.name, "copy-in before copy-out", copy_order_problems(after))
+        if not report.changed:
+            return
+        _fail(self.name, "the lowered step is not a valid execution order",
+              topological_problems(after))
+        if full:
+            _ensure_index(self.name, after)
+        # Away means away: nothing but the forward pass and the copy-out reads the device
+        # original, so its buffer is free from the copy-out on.
+        du = after.def_use()
+        stale = [f"'{r.name}' reads '{v}' while it is on the host"
+                 for v in report.details["offloaded_values"]
+                 for r in du.readers.get(v, ())
+                 if r.name not in st.forward and r.op_type not in COPY_OUT_OPS]
+        _fail(self.name, "backward nodes still read offloaded originals", stale)
 
 
 def copy_order_problems(graph: Graph) -> list[str]:
