@@ -37,6 +37,8 @@ OPTIMIZER_KEY = "memcc.optimizer"
 PARAM_SOURCES_KEY = "memcc.parameter_sources"
 # The forward model's own outputs (logits, ...): ``memcc export`` writes them back out.
 FORWARD_OUTPUTS_KEY = "memcc.forward_outputs"
+# parameter -> the value holding its whole gradient (what the update reads).
+GRADIENTS_KEY = "memcc.gradients"
 TRAINING_STEP = "training_step"
 
 # Node-level provenance (``NodeProto.metadata_props``, IR version 10).
@@ -136,6 +138,15 @@ class TrainingStep:
         produced = self.graph.def_use().producer
         return {p for p in set(self.state.values()) | set(self.graph.initializers)
                 if f"{p}.grad" in produced}
+
+    def gradients(self) -> dict[str, str]:
+        """Parameter -> the value holding its gradient. Recorded by ``memcc build``; steps
+        built before fall back on ``P.grad`` naming (``--optimizer none``)."""
+        recorded = self._json(GRADIENTS_KEY, {}, dict)
+        if recorded:
+            return {str(p): str(g) for p, g in recorded.items()}
+        produced = self.graph.def_use().producer
+        return {p: f"{p}.grad" for p in self.trainable() if f"{p}.grad" in produced}
 
     def parameter_sources(self) -> dict[str, dict]:
         """Trainable parameter -> where it came from in the exported forward model:

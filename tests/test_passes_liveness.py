@@ -176,6 +176,10 @@ def test_categories_follow_the_training_step_metadata(optimizer):
         assert all(cat[f"{p}.grad"] == "gradients" for p in params)
     else:
         assert any(v == "optimizer_state" for v in cat.values())
+    # Each parameter's whole gradient, also where the update reads it directly (no P.grad).
+    grads = json.loads(step.metadata["memcc.gradients"])
+    assert sorted(grads) == sorted(params)
+    assert all(cat[g] == "gradients" for g in grads.values())
     assert cat["input"] == "other" and cat["h"] == "activations"
     r = analyze_liveness(step)
     assert sum(r.breakdown.values()) == r.peak_bytes

@@ -30,6 +30,7 @@ from memcc.graph import Graph, TensorInfo, attr, node_label
 from memcc.step import (  # the contract's keys live with its one reader, memcc.step
     DATA_KEY,
     FORWARD_OUTPUTS_KEY,
+    GRADIENTS_KEY,
     INT_RANGES_KEY,
     KIND_KEY,
     LOSS_KEY,
@@ -151,6 +152,7 @@ def build_training_step(forward: Graph, options: BuildOptions | None = None,
         PARAMS_KEY: json.dumps(params),
         PARAM_SOURCES_KEY: json.dumps({p: s.to_json() for p, s in sources.items()}),
         FORWARD_OUTPUTS_KEY: json.dumps(list(forward.outputs)),
+        GRADIENTS_KEY: json.dumps({p: namer.renamed(g) for p, g in grads.items()}),
         OPTIMIZER_KEY: json.dumps({
             "name": opts.optimizer, "lr": opts.learning_rate, "loss": opts.loss,
             "momentum": opts.momentum if opts.optimizer == "sgd" else None,
@@ -440,6 +442,10 @@ class _OutputNamer:
         self.renames[value] = name
         graph.info[name] = graph.info[value]
         return name
+
+    def renamed(self, value: str) -> str:
+        """The name ``value`` has once the renames are applied."""
+        return self.renames.get(value, value)
 
     def apply(self) -> None:
         if not self.renames:

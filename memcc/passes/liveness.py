@@ -409,8 +409,9 @@ def categorize(graph: Graph) -> dict[str, str]:
 
     parameters: trainable parameters (``memcc.parameters``) and their updated values;
     optimizer_state: other carried state (momentum, Adam moments, step counter) and its
-    updates; gradients: the parameter gradients ``P.grad``; other: data inputs, BatchNorm
-    running statistics, non-trainable initializers and constants; activations: every other
+    updates; gradients: each parameter's whole gradient (``TrainingStep.gradients``);
+    other: data inputs, BatchNorm running statistics, non-trainable initializers and
+    constants; activations: every other
     value a node produces (forward activations and backward intermediates alike).
     """
     step = TrainingStep.of(graph)
@@ -431,8 +432,9 @@ def categorize(graph: Graph) -> dict[str, str]:
                 cat[o] = "other"
     for p in params:
         cat[p] = "parameters"
-        if f"{p}.grad" in produced:
-            cat[f"{p}.grad"] = "gradients"
+    for g in [*step.gradients().values(), *(f"{p}.grad" for p in params)]:
+        if g in produced:
+            cat[g] = "gradients"
     for out, inp in state.items():
         if inp in params:
             kind = "parameters"
