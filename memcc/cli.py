@@ -355,7 +355,7 @@ def tune_cmd(
     ] = "fastest",
     points: Annotated[int, typer.Option(
         min=0, help="Sizes planned between the largest without rewriting and the largest "
-                    "(each costs a compile).")] = 2,
+                    "(each costs a compile).")] = 1,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     plot: Annotated[Optional[Path], typer.Option(  # noqa: UP045
         help="Plot peak and predicted throughput against the size (PNG).")] = None,
@@ -366,9 +366,17 @@ def tune_cmd(
              "size is built into the step.")] = None,
     lr_rule: Annotated[str, typer.Option(
         help="linear (lr * B/B_ref) or sqrt (lr * sqrt(B/B_ref)) scaling.")] = "linear",
+    measure: Annotated[bool, typer.Option(
+        "--measure", help="Run the sizes with the highest predicted throughput in ONNX "
+                          "Runtime and report measured samples/s and peak next to the "
+                          "prediction.")] = False,
+    measure_top: Annotated[int, typer.Option(
+        min=1, help="How many sizes --measure runs.")] = 3,
     strategy: Annotated[str, typer.Option(help="As in memcc compile.")] = "auto",
     provider: Annotated[str, typer.Option(help="As in memcc compile: cpu, cuda.")] = "cpu",
-    time_limit: Annotated[float, typer.Option(help="Seconds each plan may spend.")] = 60.0,
+    time_limit: Annotated[float, typer.Option(
+        help="Seconds each planner call may spend (compile's default is 60; tune plans "
+             "several sizes).")] = 20.0,
     cost: Annotated[str, typer.Option(
         help="Node times: analytic (default here: measuring would run every size), "
              "measured or auto.")] = "analytic",
@@ -385,6 +393,7 @@ def tune_cmd(
     from memcc.frontend.build import BuildOptions
     from memcc.frontend.load import parse_dims
     from memcc.tune import TuneOptions, plot_tune, tune, write_step
+    from memcc.tune import measure as measure_sizes
 
     try:
         ranges = [d for d in dim if ".." in d]
@@ -406,6 +415,9 @@ def tune_cmd(
         with err.status("tune") as status:
             result = tune(model, budget, ranges[0], opts,
                           progress=lambda m: status.update(f"tune: {escape(m)}"))
+            if measure:
+                result = measure_sizes(result, top=measure_top, provider=provider,
+                                       progress=lambda m: status.update(f"tune: {escape(m)}"))
             if output is not None:
                 status.update(f"tune: writing {output}")
                 write_step(result, output)
@@ -431,29 +443,44 @@ def tune_cmd(
 def _print_tune(result) -> None:
     """The table and the answers (the largest, the largest without rewriting, the
     fastest, what was picked, the learning rate)."""
+    from rich import box
     from rich.table import Table
 
     from memcc.sizes import format_size
 
     r = result
-    table = Table(title=f"{r.model}: {r.range.dim} {r.range.low}..{r.range.high}, budget "
-                        f"{format_size(r.budget_bytes)} (plans aim at "
-                        f"{format_size(r.planning_budget_bytes)})", title_justify="left")
-    for col in (r.range.dim, "fits", "peak", "as built", "step time", "samples/s",
-                "overhead", "decided by"):
-        table.add_column(col, justify="left" if col in ("fits", "decided by") else "right")
+    out.print(f"{r.model}: {r.range.dim} {r.range.low}..{r.range.high}, budget "
+              f"{format_size(r.budget_bytes)} (plans aim at "
+              f"{format_size(r.planning_budget_bytes)})", highlight=False)
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+    measured = any(c.measured_step_s is not None for c in r.candidates)
+    cols = [r.range.dim, "fits", "peak MB", "as built MB", "step ms", "samples/s", "overhead"]
+    cols += ["measured/s", "measured MB"] if measured else []
+    for col in [*cols, "decided by"]:
+        table.add_column(col, justify="left" if col in ("fits", "decided by") else "right",
+                         no_wrap=True)
+
+    def mb(n: int | None) -> str:
+        return "-" if n is None else f"{n / 1e6:,.1f}"
+
+    def rate(x: float | None) -> str:
+        return "-" if x is None else f"{x:,.1f}" if x < 100 else f"{x:,.0f}"
+
     for c in r.candidates:
-        peak = "-" if c.peak_bytes is None else format_size(c.peak_bytes)
-        if c.peak_kind in ("smallest", "sqrt(n)", "floor") and c.peak_bytes is not None:
-            peak += f" ({c.peak_kind})"
+        extra = [rate(c.measured_samples_per_s), mb(c.measured_peak_bytes)] if measured else []
         table.add_row(
-            str(c.batch), "yes" if c.fits else "no", peak, format_size(c.baseline_peak_bytes),
-            "-" if c.step_s is None else f"{c.step_s * 1000:,.1f} ms",
-            "-" if c.samples_per_s is None else f"{c.samples_per_s:,.1f}",
-            "-" if c.overhead is None else f"{c.overhead:+.1%}",
-            c.decided_by + ("" if c.strategy is None or c.decided_by == "baseline"
-                            else f" ({c.strategy})"))
-    out.print(table)
+            str(c.batch), "yes" if c.fits else "no", mb(c.peak_bytes),
+            mb(c.baseline_peak_bytes), "-" if c.step_s is None else f"{c.step_s * 1000:,.1f}",
+            rate(c.samples_per_s), "-" if c.overhead is None else f"{c.overhead:+.1%}",
+            *extra, c.decided_by)
+    # Rows stay whole (no wrapping) even where the console reports a narrow width (pipes).
+    wide = Console(width=max(out.width, 132 if measured else 110), file=out.file,
+                   force_terminal=out.is_terminal, no_color=out.no_color)
+    wide.print(table)
+    out.print("peak: of the plan (decided by plan, baseline), the smallest reachable "
+              "(min-search), the smallest sqrt(n) one (sqrtn), or inputs, parameters and "
+              "state alone (floor); below-edge/above-edge: only the step as built was looked "
+              "at", highlight=False)
     base = r.largest_batch_without_rewrite
     out.print(f"largest {r.range.dim}: {r.largest_batch} (without rewriting: "
               f"{base if base is not None else 'none fits'}"

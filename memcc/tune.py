@@ -71,13 +71,15 @@ class TuneOptions:
     strategy: str = "auto"
     cost: str = "analytic"   # analytic by default: a measured cost model times every size
     provider: str = "cpu"
-    time_limit: float = 60.0
+    # Seconds per planner call. Lower than compile's 60: tune plans several sizes, and
+    # near the edge the ILP's smallest-peak solve runs to half of this limit on large steps.
+    time_limit: float = 20.0
     margin: float = 0.02
     slack_bytes: int = 1024 * 1024
     build: BuildOptions = field(default_factory=BuildOptions)
     dims: Mapping[str, int] = field(default_factory=dict)
     pick: str = "fastest"
-    points: int = 2
+    points: int = 1
     ref_batch: int | None = None
     ref_lr: float | None = None
     lr_rule: str = "linear"
@@ -166,10 +168,17 @@ class Candidate:
     step_s: float | None = None
     strategy: str | None = None
     lr: float | None = None
+    # --measure: median step time and peak measured in ORT (``memcc run``'s runner)
+    measured_step_s: float | None = None
+    measured_peak_bytes: int | None = None
 
     @property
     def samples_per_s(self) -> float | None:
         return None if not self.step_s else self.batch / self.step_s
+
+    @property
+    def measured_samples_per_s(self) -> float | None:
+        return None if not self.measured_step_s else self.batch / self.measured_step_s
 
     @property
     def overhead(self) -> float | None:
@@ -186,6 +195,9 @@ class Candidate:
             "baseline_fits": self.decided_by == "baseline" and self.fits,
             "step_time_s": self.step_s, "samples_per_s": self.samples_per_s,
             "overhead": self.overhead, "strategy": self.strategy, "lr": self.lr,
+            "measured_step_time_s": self.measured_step_s,
+            "measured_samples_per_s": self.measured_samples_per_s,
+            "measured_peak_bytes": self.measured_peak_bytes,
         }
 
 
@@ -211,6 +223,8 @@ class TuneResult:
     lr_applied: bool
     stats: dict                              # how many builds, plans and searches it took
     time_s: float
+    # the compiled step of every size with a predicted time (for --measure)
+    steps: Mapping[int, Graph] = field(default_factory=dict, repr=False, compare=False)
 
     def candidate(self, batch: int) -> Candidate:
         return next(c for c in self.candidates if c.batch == batch)
@@ -463,10 +477,7 @@ def tune(model: str | os.PathLike | onnx.ModelProto, budget: str | int, dim: str
     picked = largest if opts.pick == "largest" else fastest
     chosen = search.plan(picked)
     assert chosen is not None
-    step = chosen.best.graph
-    from memcc.compiler import PLAN_KEY  # the same record a compiled step carries
-
-    step.metadata[PLAN_KEY] = json.dumps(chosen.best.plan.to_json(), sort_keys=True)
+    step = _compiled(chosen)
     lr = opts.lr_for(picked)
     return TuneResult(
         model=label, range=rng, budget_bytes=budget_bytes, planning_budget_bytes=plan_budget,
@@ -476,7 +487,18 @@ def tune(model: str | os.PathLike | onnx.ModelProto, budget: str | int, dim: str
         lr_rule=opts.lr_rule if lr is not None else None, lr=lr,
         lr_applied=lr is not None and opts.build.optimizer != "none",
         stats=dict(search.stats), time_s=time.perf_counter() - t0,
+        steps={b: _compiled(p.outcome) for b, p in search.probes.items()
+               if p.outcome is not None},
     )
+
+
+def _compiled(outcome: PlanOutcome) -> Graph:
+    """The rewritten step of a plan, with the plan recorded as ``memcc compile`` does."""
+    from memcc.compiler import PLAN_KEY
+
+    step = outcome.best.graph
+    step.metadata[PLAN_KEY] = json.dumps(outcome.best.plan.to_json(), sort_keys=True)
+    return step
 
 
 def _budget(budget: str | int) -> int:
@@ -645,6 +667,37 @@ def _candidate(search: _Search, p: _Probe, largest: int) -> Candidate:
                      peak_kind=None if p.sqrtn_peak is None else "sqrt(n)", **row)
 
 
+# ---------------------------------------------------------------------------- measuring
+def measure(result: TuneResult, *, top: int = 3, steps: int = 3, provider: str = "cpu",
+            progress: Say | None = None) -> TuneResult:
+    """Run the ``top`` sizes by predicted throughput in ONNX Runtime (``memcc run``'s
+    runner: peak in a fresh process, times in another) and return the result with their
+    measured step time and peak. The prediction ranks sizes; this says whether the ranking
+    holds on this machine. Each step is written to a temporary directory, then removed."""
+    import tempfile
+
+    from memcc.backend.runner import run_steps
+
+    say = progress or (lambda _m: None)
+    timed = sorted((c for c in result.candidates if c.samples_per_s is not None
+                    and c.batch in result.steps), key=lambda c: -(c.samples_per_s or 0))
+    measured: dict[int, tuple[float, int | None]] = {}
+    with tempfile.TemporaryDirectory(prefix="memcc-tune-") as tmp:
+        for c in timed[:top]:
+            say(f"{result.range.dim}={c.batch}: measuring {steps} steps in ONNX Runtime")
+            path = Path(tmp) / f"{result.range.dim}{c.batch}.onnx"
+            from memcc.backend.onnx_file import save_graph
+
+            save_graph(result.steps[c.batch], path)
+            run = run_steps(path, steps=steps, provider=provider)
+            measured[c.batch] = (run.step_time_s, run.measured_peak_bytes)
+            path.unlink()
+    cands = tuple(replace(c, measured_step_s=measured[c.batch][0],
+                          measured_peak_bytes=measured[c.batch][1])
+                  if c.batch in measured else c for c in result.candidates)
+    return replace(result, candidates=cands)
+
+
 # ---------------------------------------------------------------------------- outputs
 def write_step(result: TuneResult, path: str | os.PathLike) -> Path:
     """Write the chosen compiled step atomically (a temporary file, then a rename)."""
@@ -665,7 +718,9 @@ def plot_tune(result: TuneResult, path: str | os.PathLike) -> Path:
     matplotlib.use("Agg")  # no display needed, and none may exist
     import matplotlib.pyplot as plt
 
-    cands = result.candidates
+    # Sizes far past the edge (the search's first probes) would squash the part that matters.
+    reach = max(int(result.largest_batch * 1.3), result.largest_batch + 2)
+    cands = [c for c in result.candidates if c.batch <= reach]
     fig, ax = plt.subplots(figsize=(8, 4.5))
     try:
         xs = [c.batch for c in cands]
@@ -681,8 +736,7 @@ def plot_tune(result: TuneResult, path: str | os.PathLike) -> Path:
         ax.axvline(result.largest_batch, color="#1f5fa8", lw=0.8, ls=":")
         if result.largest_batch_without_rewrite:
             ax.axvline(result.largest_batch_without_rewrite, color="#999999", lw=0.8, ls=":")
-        top = max(c.peak_bytes or 0 for c in cands) / 1e6
-        ax.set_ylim(0, max(top, result.budget_bytes / 1e6) * 1.15)
+        ax.set_ylim(0, result.budget_bytes / 1e6 * 1.6)
         ax.set_xlabel(f"{result.range.dim}")
         ax.set_ylabel("peak (MB)")
         ax2 = ax.twinx()
@@ -693,7 +747,7 @@ def plot_tune(result: TuneResult, path: str | os.PathLike) -> Path:
         ax2.set_ylim(bottom=0)
         lines = ax.get_legend_handles_labels()
         lines2 = ax2.get_legend_handles_labels()
-        ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], loc="upper left", fontsize=8)
+        ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], loc="lower right", fontsize=8)
         ax.set_title(f"{Path(result.model).name}: largest {result.largest_batch}, fastest "
                      f"{result.fastest_batch}, budget {format_size(result.budget_bytes)}",
                      fontsize=10)
