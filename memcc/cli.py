@@ -375,8 +375,8 @@ def tune_cmd(
     strategy: Annotated[str, typer.Option(help="As in memcc compile.")] = "auto",
     provider: Annotated[str, typer.Option(help="As in memcc compile: cpu, cuda.")] = "cpu",
     time_limit: Annotated[float, typer.Option(
-        help="Seconds each planner call may spend (compile's default is 60; tune plans "
-             "several sizes).")] = 20.0,
+        help="Seconds each planner call may spend (compile's default is 60; tune makes "
+             "several calls; a larger limit can find larger batches).")] = 10.0,
     cost: Annotated[str, typer.Option(
         help="Node times: analytic (default here: measuring would run every size), "
              "measured or auto.")] = "analytic",

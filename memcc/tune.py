@@ -71,9 +71,11 @@ class TuneOptions:
     strategy: str = "auto"
     cost: str = "analytic"   # analytic by default: a measured cost model times every size
     provider: str = "cpu"
-    # Seconds per planner call. Lower than compile's 60: tune plans several sizes, and
-    # near the edge the ILP's smallest-peak solve runs to half of this limit on large steps.
-    time_limit: float = 20.0
+    # Seconds per planner call. Lower than compile's 60: tune makes several planner calls
+    # near the edge, where on large steps the ILP's smallest-peak solve runs to half of this
+    # limit (ResNet-50, 1 GB: 10 s per call -> 57 s in all, largest batch 409; 20 s -> 229 s,
+    # 439; BENCHMARKS.md). A larger limit can only find more.
+    time_limit: float = 10.0
     margin: float = 0.02
     slack_bytes: int = 1024 * 1024
     build: BuildOptions = field(default_factory=BuildOptions)
