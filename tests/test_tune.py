@@ -190,3 +190,13 @@ def test_a_training_step_is_refused(tmp_path):
     save_graph(build_training_step(load_graph(_mlp(), {"batch": 4})), step)
     with pytest.raises(InputError, match="forward model"):
         tune(step, BUDGET, RANGE, TuneOptions(**EXACT))
+
+
+def test_measure_reports_measured_throughput_next_to_the_prediction(searched):
+    from memcc.tune import measure
+
+    r = measure(searched, top=1, steps=1)
+    measured = [c for c in r.candidates if c.measured_step_s is not None]
+    assert len(measured) == 1 and measured[0].batch == searched.fastest_batch
+    assert measured[0].measured_samples_per_s > 0 and measured[0].measured_peak_bytes > 0
+    assert r.to_json()["candidates"][0].keys() >= {"measured_samples_per_s", "samples_per_s"}
