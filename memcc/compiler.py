@@ -21,7 +21,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from memcc.backend.determinism import racing_nodes
@@ -38,7 +38,7 @@ from memcc.errors import InputError, MemccError
 from memcc.frontend.build import BuildOptions, build_training_step, is_training_step
 from memcc.frontend.load import load_graph
 from memcc.graph import Graph, node_label
-from memcc.passes.cost_model import CUDA_NOMINAL, CostModel, analytic_costs
+from memcc.passes.cost_model import CUDA_NOMINAL, PCIE_NOMINAL, CostModel, analytic_costs
 from memcc.passes.phases import plan_origin, step_phases
 from memcc.passes.plan import StepStructure
 from memcc.passes.planner import STRATEGIES, BudgetError, PlanOutcome, choose_plan
@@ -360,6 +360,8 @@ def _costs(graph: Graph, options: CompileOptions, warning: Progress,
     elif options.cost in ("auto", "measured"):
         try:
             cm = measured_costs(graph, options.provider)
+            if options.provider == "cuda":  # the link is not measured yet (issue 11)
+                cm = replace(cm, link=PCIE_NOMINAL)
             return cm, {"source": "measured", "provider": options.provider,
                         "total_s": round(cm.total(graph), 6)}
         except MemccError as exc:
@@ -370,6 +372,8 @@ def _costs(graph: Graph, options: CompileOptions, warning: Progress,
                     "instead, so the predicted added time is an estimate.")
     rates = calibrate_cpu_rates() if options.provider == "cpu" else CUDA_NOMINAL
     cm = analytic_costs(graph, rates)
+    if options.provider == "cuda":
+        cm = replace(cm, link=PCIE_NOMINAL)
     summary = {"source": "analytic", "provider": options.provider, "rates": rates.to_json(),
                "total_s": round(cm.total(graph), 6)}
     if note:
@@ -378,8 +382,11 @@ def _costs(graph: Graph, options: CompileOptions, warning: Progress,
 
 
 def _plan(graph, budget, costs, options, structure) -> tuple[PlanOutcome, dict]:
+    # On CUDA, saved values may also be swapped to host memory (never on the CPU provider,
+    # where host and device are one memory).
     outcome = choose_plan(graph, budget, costs, strategy=options.strategy,
-                          time_limit=options.time_limit, structure=structure)
+                          time_limit=options.time_limit, structure=structure,
+                          offload=options.provider == "cuda")
     best, base = outcome.best, outcome.baseline
     saved = {v: graph.info[v].nbytes for v in best.recomputed_values}
     summary = {
@@ -447,6 +454,8 @@ def _report(options, budget, plan_budget, was_min, base: Simulation, plan: Simul
             "peak_node": live.peak_node,
             "recomputed_values": list(plan.recomputed_values),
             "recomputed_nodes": sorted(plan.plan.recompute),
+            "offloaded_values": sorted(plan.plan.offload),
+            "host_peak_bytes": live.host_peak_bytes,
         },
         "passes": [p.to_json() for p in passes],
         "compile_time_s": compile_time,

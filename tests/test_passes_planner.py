@@ -218,3 +218,34 @@ def test_nodes_the_lowering_adds_are_priced_even_when_never_measured(step):
     assert priced > 0, name
     # The analytic prices are the ones the measured table was made from (fixed rates).
     assert priced == pytest.approx(sim.added_time_s, rel=0.5), name
+
+
+def test_on_a_device_provider_the_ilp_swaps_when_copies_are_cheaper_than_recompute():
+    """Issue 11 item 2, checked on CPU with CUDA accounting (copies in host memory): with a
+    fast host link the ILP offloads saved values instead of recomputing them, the plan
+    fits when simulated that way, and its copies run on CPU with the original's outputs
+    bit for bit. With offload off (the CPU provider) no plan ever swaps."""
+    from dataclasses import replace
+
+    from memcc.backend.runner import synthetic_feeds
+    from memcc.backend.verify import compare_outputs, step_outputs
+    from memcc.passes.cost_model import CUDA_NOMINAL, HostLink
+
+    g = build_training_step(load_graph(build_model("gpt2", batch=4, seq_len=64)),
+                            BuildOptions())
+    fast = replace(analytic_costs(g, CUDA_NOMINAL), link=HostLink(1e13, 1e-7, "test link"))
+    base = simulate(g, Plan(), fast)
+    budget = int(0.7 * base.peak_bytes)
+    out = choose_plan(g, budget, fast, strategy="ilp", offload=True, time_limit=120,
+                      baseline=base)
+    best = out.best
+    assert best.plan.offload, "a link this fast makes swapping cheaper than any recompute"
+    again = simulate(g, best.plan, fast, host_copies=True)
+    assert again.peak_bytes == best.peak_bytes <= budget
+    assert again.liveness.host_peak_bytes > 0
+    assert best.added_time_s < 1e-4  # copies at 10 TB/s, not recompute
+    feeds = synthetic_feeds(g, seed=2)
+    assert compare_outputs(step_outputs(g, feeds, "cpu"),
+                           step_outputs(best.graph, feeds, "cpu"), exact=True) == []
+    cpu = choose_plan(g, budget, fast, strategy="ilp", time_limit=120, baseline=base)
+    assert not cpu.best.plan.offload

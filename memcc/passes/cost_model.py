@@ -57,6 +57,28 @@ class DeviceRates:
                 "overhead_s": self.overhead_s, "source": self.source}
 
 
+@dataclass(frozen=True)
+class HostLink:
+    """The device <-> host link a swap's copies cross: seconds = latency + bytes / rate,
+    each way. ORT runs ``MemcpyToHost`` / ``MemcpyFromHost`` on the compute stream by
+    default (docs/ORT_NOTES.md), so a copy adds its whole time to the step."""
+
+    bytes_per_s: float
+    latency_s: float
+    source: str
+
+    def seconds(self, nbytes: float) -> float:
+        return self.latency_s + float(nbytes) / self.bytes_per_s
+
+    def to_json(self) -> dict:
+        return {"bytes_per_s": self.bytes_per_s, "latency_s": self.latency_s,
+                "source": self.source}
+
+
+# Pinned-memory copies over PCIe 4/5 x16 reach 20-25 GB/s each way; not measured here.
+PCIE_NOMINAL = HostLink(2.0e10, 1.0e-5, "nominal PCIe pinned-memory rate (unverified)")
+COPY_OPS = frozenset({"MemcpyToHost", "MemcpyFromHost"})
+
 # Nominal FP32 rates for the CUDA provider (H100-class, non tensor-core); not measured here.
 CUDA_NOMINAL = DeviceRates(4.0e13, 2.5e12, 8e-6, "nominal H100 fp32 rates (unverified)")
 
@@ -137,6 +159,7 @@ class CostModel:
     kernel_s: float | None = None  # measured only: the profiled kernel time alone
     rates: DeviceRates | None = None  # the roofline that prices unseen nodes
     calibration: Calibration | None = None  # fitted on first use when not given
+    link: HostLink | None = None  # prices swap copies on a device provider
     # One lazily fitted calibration (a frozen dataclass cannot assign it later).
     _fitted: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -167,6 +190,9 @@ class CostModel:
             m = _CLONE_NAME.match(base)
         if self.source == "unit":
             return 1.0
+        if node.op_type in COPY_OPS and self.link is not None and node.input:
+            ti = graph.info.get(node.input[0])
+            return self.link.seconds(ti.nbytes if ti is not None else 0)
         if node.op_type in _NOT_RUN:
             return 0.0
         rates = self.rates or NOMINAL_CPU

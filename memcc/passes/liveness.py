@@ -51,6 +51,8 @@ import onnx
 from memcc.graph import Graph, TensorInfo, attr
 from memcc.step import TrainingStep
 
+HOST_COPY_OP = "MemcpyToHost"  # its output lives in host memory on a device provider
+
 # How the CPU measurement allocates (backend/memory.py): every buffer of at least this many
 # bytes is its own mmap of size + 16 header bytes, rounded up to whole pages.
 CPU_MMAP_THRESHOLD = 4096
@@ -118,6 +120,9 @@ class LivenessReport:
     live_at_peak: tuple[str, ...]
     breakdown: Mapping[str, int]
     category_bytes: Mapping[str, int]
+    # With ``host_copies``: the largest bytes held in host memory by swapped-out copies
+    # (they are not in ``peak_bytes``, which then counts device memory only).
+    host_peak_bytes: int = 0
 
     @property
     def peak_node(self) -> str | None:
@@ -134,6 +139,8 @@ class LivenessReport:
             "live_at_peak": list(self.live_at_peak),
             "nodes": len(self.order),
         }
+        if self.host_peak_bytes:
+            out["host_peak_bytes"] = self.host_peak_bytes
         if per_node:
             out["live_during"] = list(self.live_during)
             out["live_after"] = list(self.live_after)
@@ -142,16 +149,20 @@ class LivenessReport:
 
 # ---------------------------------------------------------------------------- entry point
 def analyze_liveness(graph: Graph, order: Sequence[str | onnx.NodeProto] | None = None,
-                     *, in_place: Mapping[str, str] | None = None) -> LivenessReport:
+                     *, in_place: Mapping[str, str] | None = None,
+                     host_copies: bool = False) -> LivenessReport:
     """Simulate ORT's buffer lifetimes over ``order`` (default: the graph's node order).
 
     ``in_place`` maps graph outputs to the graph inputs whose buffers they are written into
     (IOBinding, ``memcc.trainer``; ``passes.inplace`` says which are safe): such an output
     allocates nothing, it shares the input's buffer, which lives for the whole step anyway.
+    ``host_copies`` counts what ``MemcpyToHost`` writes as host memory, apart from the
+    peak (a device provider; on the CPU provider host and device are one memory, and the
+    copies count like any buffer).
     """
     nodes = _resolve_order(graph, order)
     categories = categorize(graph)
-    sim = _Simulation(graph, nodes, categories, in_place)
+    sim = _Simulation(graph, nodes, categories, in_place, host_copies)
     sim.run()
     return sim.report()
 
@@ -162,9 +173,14 @@ class _Simulation:
 
     def __init__(self, graph: Graph, nodes: list[onnx.NodeProto],
                  categories: Mapping[str, str],
-                 in_place: Mapping[str, str] | None = None) -> None:
+                 in_place: Mapping[str, str] | None = None,
+                 host_copies: bool = False) -> None:
         self.graph = graph
         self.in_place = dict(in_place or {})
+        self.host_copies = host_copies
+        self.host: set[str] = set()
+        self.host_live = 0
+        self.host_peak = 0
         self.nodes = nodes
         self.categories = categories
         self.outputs = set(graph.outputs)
@@ -223,6 +239,10 @@ class _Simulation:
                 self.buffer_of[out] = target
                 self.birth[out] = j
                 self.remaining[target] += self.uses.get(out, 0)
+            elif self.host_copies and node.op_type == HOST_COPY_OP:
+                self.host.add(out)
+                self.host_live += self._new_buffer(out, j, pinned=out in self.outputs)
+                self.host_peak = max(self.host_peak, self.host_live)
             else:
                 unused = self.uses.get(out, 0) == 0
                 new += self._new_buffer(out, j, pinned=out in self.outputs or unused)
@@ -239,7 +259,10 @@ class _Simulation:
             self.remaining[b] -= 1
             if self.remaining[b] == 0 and b not in self.pinned and b not in self.buffer_death:
                 self.buffer_death[b] = j
-                self.live -= self.buffer_bytes[b]
+                if b in self.host:
+                    self.host_live -= self.buffer_bytes[b]
+                else:
+                    self.live -= self.buffer_bytes[b]
         self.live_after.append(self.live)
 
     def _shared_buffer(self, node: onnx.NodeProto, k: int, out: str) -> str | None:
@@ -272,7 +295,7 @@ class _Simulation:
         for j, v in enumerate(self.live_during):
             if v > peak:
                 peak, step = v, j
-        live = self._buffers_live_at(step)
+        live = [b for b in self._buffers_live_at(step) if b not in self.host]
         breakdown = dict.fromkeys(CATEGORIES, 0)
         for b in live:
             breakdown[values[b].category] += self.buffer_bytes[b]
@@ -280,7 +303,8 @@ class _Simulation:
             breakdown["scratch"] += self.scratch[step]
         cat_bytes = dict.fromkeys(CATEGORIES, 0)
         for b, nbytes in self.buffer_bytes.items():
-            cat_bytes[values[b].category] += nbytes
+            if b not in self.host:
+                cat_bytes[values[b].category] += nbytes
         return LivenessReport(
             order=tuple(n.name for n in self.nodes),
             values=values,
@@ -293,6 +317,7 @@ class _Simulation:
             live_at_peak=tuple(sorted(live, key=lambda b: -self.buffer_bytes[b])),
             breakdown=breakdown,
             category_bytes=cat_bytes,
+            host_peak_bytes=self.host_peak,
         )
 
     def _buffers_live_at(self, step: int) -> list[str]:

@@ -22,6 +22,7 @@ from memcc.passes.liveness import LivenessReport
 from memcc.passes.plan import Plan, StepStructure
 from memcc.passes.simulate import Simulation, simulate
 from memcc.passes.solvers import sqrtn
+from memcc.passes.solvers.offload_terms import add_offload_terms
 from memcc.passes.solvers.problem import ProblemBuilder
 from memcc.passes.solvers.recompute_terms import add_recompute_terms
 from memcc.passes.strategies import REGISTRY, Found, Planning, PlanProblem
@@ -64,20 +65,28 @@ class PlanOutcome:
 
 # ---------------------------------------------------------------------------- the model
 def build_problem(graph: Graph, st: StepStructure, live: LivenessReport,
-                  costs: CostModel) -> PlanProblem:
-    """The linear model of ``graph``'s memory under every decision kind (recompute today;
-    each kind adds its variables and terms through its own generator)."""
+                  costs: CostModel, *, offload: bool = False) -> PlanProblem:
+    """The linear model of ``graph``'s memory under every decision kind: recompute, and on
+    a device provider (``offload``) swap to host memory; each kind adds its variables and
+    terms through its own generator."""
     builder = ProblemBuilder(np.asarray(live.live_during, dtype=np.float64))
     units = add_recompute_terms(builder, graph, st, live, costs)
-    return PlanProblem(builder.build(), units)
+    swaps = add_offload_terms(builder, graph, st, live, costs, units) if offload else None
+    if swaps is None:
+        return PlanProblem(builder.build(), units)
+    return PlanProblem(builder.build(), units, swaps)
 
 
 # ---------------------------------------------------------------------------- the pass
 def choose_plan(graph: Graph, budget: int | None, costs: CostModel, *,
                 strategy: str = "auto", time_limit: float = 60.0,
                 structure: StepStructure | None = None,
-                baseline: Simulation | None = None) -> PlanOutcome:
+                baseline: Simulation | None = None, offload: bool = False) -> PlanOutcome:
     """Pick the plan; ``budget=None`` means the smallest peak memcc can reach.
+
+    ``offload``: the step runs on a device provider, so saved values may also be swapped to
+    host memory (``costs.link`` prices the copies); never on the CPU provider, where host
+    and device are one memory.
 
     When nothing fits ``budget``, the smallest budget named in the error is found the way
     ``--budget min`` finds it (and if that search finds a plan within ``budget`` after all,
@@ -86,7 +95,8 @@ def choose_plan(graph: Graph, budget: int | None, costs: CostModel, *,
         raise MemccError(f"--strategy '{strategy}': choose one of {', '.join(STRATEGIES)}")
     st = structure or StepStructure.of(graph)
     base = baseline or simulate(graph, Plan(), costs, st)
-    planning = None if strategy == "none" else _prepare(graph, st, base, costs, time_limit)
+    planning = None if strategy == "none" else _prepare(graph, st, base, costs, time_limit,
+                                                         offload)
     try:
         return _choose(planning, base, budget, strategy)
     except BudgetError:
@@ -105,10 +115,11 @@ def choose_plan(graph: Graph, budget: int | None, costs: CostModel, *,
 
 
 def _prepare(graph: Graph, st: StepStructure, base: Simulation, costs: CostModel,
-             time_limit: float) -> Planning:
+             time_limit: float, offload: bool = False) -> Planning:
     """The problem and the sqrt(n) segmentations (a strategy of their own, and the ILP's
     warm starts): the same for every budget."""
-    pp = build_problem(graph, st, base.liveness, costs)
+    offload = offload and costs.link is not None
+    pp = build_problem(graph, st, base.liveness, costs, offload=offload)
     n_units = len(pp.groups)
     every = np.ones(n_units, dtype=bool)
     segmentations = [
@@ -117,7 +128,7 @@ def _prepare(graph: Graph, st: StepStructure, base: Simulation, costs: CostModel
                                           n_units, every)]
     segmentations.append(simulate(graph, pp.plan_units(every, "sqrtn", segments=0), costs, st))
     return Planning(graph, costs, st, base, pp, tuple(segmentations),
-                    time.perf_counter() + time_limit, time_limit)
+                    time.perf_counter() + time_limit, time_limit, host_copies=offload)
 
 
 def _choose(planning: Planning | None, base: Simulation, budget: int | None,

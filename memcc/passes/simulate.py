@@ -32,9 +32,12 @@ class Simulation:
 
 
 def simulate(graph: Graph, plan: Plan, costs: CostModel,
-             structure: StepStructure | None = None) -> Simulation:
+             structure: StepStructure | None = None, *,
+             host_copies: bool = False) -> Simulation:
+    """``host_copies``: the step runs on a device provider, where swapped-out copies live
+    in host memory (not in the peak; ``liveness.host_peak_bytes``)."""
     lowered = lower(graph, plan, structure)
-    live = analyze_liveness(lowered.graph)
+    live = analyze_liveness(lowered.graph, host_copies=host_copies)
     added = added_seconds(graph, lowered.graph, costs)
     return Simulation(
         plan=plan,

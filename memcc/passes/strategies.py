@@ -13,15 +13,16 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from memcc.graph import Graph
 from memcc.passes.cost_model import CostModel
-from memcc.passes.plan import Plan, StepStructure
+from memcc.passes.plan import Offload, Plan, StepStructure
 from memcc.passes.simulate import Simulation, simulate
 from memcc.passes.solvers import ilp
+from memcc.passes.solvers.offload_terms import OffloadVars
 from memcc.passes.solvers.problem import Problem, Solution
 from memcc.passes.solvers.recompute_terms import RecomputeUnits
 
@@ -33,10 +34,12 @@ POLISH_SHARE = 0.25
 
 @dataclass(frozen=True)
 class PlanProblem:
-    """The array problem plus the mapping from its variables back to forward nodes."""
+    """The array problem plus the mapping from its variables back to forward nodes (and,
+    on a device provider, to the values it may swap out)."""
 
     problem: Problem
     units: RecomputeUnits
+    offload: OffloadVars = field(default_factory=lambda: OffloadVars({}))
 
     @property
     def groups(self) -> tuple[tuple[str, ...], ...]:
@@ -44,7 +47,10 @@ class PlanProblem:
 
     def plan(self, x: np.ndarray, strategy: str, **notes) -> Plan:
         """The plan a solution of ``problem`` stands for."""
-        return self.plan_units(self.units.units_of(x), strategy, **notes)
+        plan = self.plan_units(self.units.units_of(x), strategy, **notes)
+        swapped = {v: Offload("host") for var, v in self.offload.value_of.items()
+                   if x[var] > 0.5}
+        return replace(plan, offload=swapped) if swapped else plan
 
     def starts(self, sims: list[Simulation], graph: Graph) -> list[np.ndarray]:
         """Warm starts for the ILP from plans already simulated."""
@@ -76,9 +82,11 @@ class Planning:
     segmentations: tuple[Simulation, ...]
     deadline: float          # time.perf_counter() value after which strategies stop
     time_limit: float
+    host_copies: bool = False  # a device provider: swapped-out copies are host memory
 
     def simulate(self, plan: Plan) -> Simulation:
-        return simulate(self.graph, plan, self.costs, self.structure)
+        return simulate(self.graph, plan, self.costs, self.structure,
+                        host_copies=self.host_copies)
 
     def remaining(self) -> float:
         return self.deadline - time.perf_counter()
@@ -239,7 +247,7 @@ def _polish(p: Planning, found: list[tuple[str, Simulation]], budget: float,
             if time.perf_counter() > deadline:
                 break
             trial = chosen - set(pp.groups[i])
-            sim = p.simulate(Plan(frozenset(trial), "auto"))
+            sim = p.simulate(replace(start.plan, recompute=frozenset(trial), strategy="auto"))
             if sim.peak_bytes <= budget and sim.added_time_s < current.added_time_s:
                 chosen, current = trial, sim
         if current is not start and (best is None
