@@ -73,6 +73,22 @@ def _not_implemented(pass_name: str, what: str, why: str, asked: list[str]) -> N
                             f"asks for {len(asked)}: {', '.join(asked[:3])}{more}")
 
 
+def _ensure_rewrite(pass_name: str, after: Graph, st: StepStructure, full: bool,
+                    replaced: tuple[str, ...], what: str, where: str) -> None:
+    """A rewrite that hands backward readers another copy of ``replaced`` values: the
+    result is a valid order, its index is right (full checks), and no backward node reads
+    an original any more (a copy-out reads it: that is how it leaves)."""
+    _fail(pass_name, "the lowered step is not a valid execution order",
+          topological_problems(after))
+    if full:
+        _ensure_index(pass_name, after)
+    du = after.def_use()
+    stale = [f"'{r.name}' reads '{v}'{where}" for v in replaced
+             for r in du.readers.get(v, ())
+             if r.name not in st.forward and r.op_type not in COPY_OUT_OPS]
+    _fail(pass_name, what, stale)
+
+
 def _ensure_index(pass_name: str, graph: Graph) -> None:
     """The def-use index the pass handed on equals one rebuilt from scratch (full checks)."""
     _fail(pass_name, "the def-use index is stale", graph.def_use().check(graph.nodes))
@@ -131,16 +147,10 @@ class InsertRecompute:
             return
         # One walk: the graph is a valid order, so every recomputed input is resident when
         # its clone runs (ONNX values live until their last reader: produced earlier is
-        # enough), and nothing is produced twice.
-        _fail(self.name, "the lowered step is not a valid execution order",
-              topological_problems(after))
-        if full:
-            _ensure_index(self.name, after)
-        # The saving is real: no backward node still reads an original it was given a clone of.
-        du = after.def_use()
-        stale = [f"'{r.name}' reads '{v}'" for v in report.details["recomputed_values"]
-                 for r in du.readers.get(v, ()) if r.name not in st.forward]
-        _fail(self.name, "backward nodes still read recomputed originals", stale)
+        # enough), and nothing is produced twice. The saving is real: no backward node still
+        # reads an original it was given a clone of.
+        _ensure_rewrite(self.name, after, st, full, report.details["recomputed_values"],
+                        "backward nodes still read recomputed originals", "")
 
 
 class InsertCopies:
@@ -166,18 +176,11 @@ class InsertCopies:
         _fail(self.name, "copy-in before copy-out", copy_order_problems(after))
         if not report.changed:
             return
-        _fail(self.name, "the lowered step is not a valid execution order",
-              topological_problems(after))
-        if full:
-            _ensure_index(self.name, after)
         # Away means away: nothing but the forward pass and the copy-out reads the device
         # original, so its buffer is free from the copy-out on.
-        du = after.def_use()
-        stale = [f"'{r.name}' reads '{v}' while it is on the host"
-                 for v in report.details["offloaded_values"]
-                 for r in du.readers.get(v, ())
-                 if r.name not in st.forward and r.op_type not in COPY_OUT_OPS]
-        _fail(self.name, "backward nodes still read offloaded originals", stale)
+        _ensure_rewrite(self.name, after, st, full, report.details["offloaded_values"],
+                        "backward nodes still read offloaded originals",
+                        " while it is on the host")
 
 
 def copy_order_problems(graph: Graph) -> list[str]:
