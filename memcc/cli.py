@@ -386,6 +386,8 @@ def tune_cmd(
     optimizer: Annotated[str, typer.Option(help="As in memcc build.")] = "sgd",
     lr: Annotated[Optional[float], typer.Option(  # noqa: UP045
         help="As in memcc build (or derive it: --ref-batch/--ref-lr).")] = None,
+    freeze: Annotated[Optional[list[str]], typer.Option(  # noqa: UP045
+        "--freeze", metavar="PATTERN", help="As in memcc build (repeatable).")] = None,
 ) -> None:
     """Find the largest batch, and the fastest, whose training step fits a memory budget."""
     from memcc.backend.onnx_file import check_writable
@@ -405,7 +407,8 @@ def tune_cmd(
             raise InputError("--lr and --ref-lr both set the learning rate: give one")
         opts = TuneOptions(
             strategy=strategy, cost=cost, provider=provider, time_limit=time_limit,
-            margin=margin, build=BuildOptions(loss=loss, optimizer=optimizer, lr=lr),
+            margin=margin, build=BuildOptions(loss=loss, optimizer=optimizer, lr=lr,
+                                              freeze=tuple(freeze or ())),
             dims=parse_dims([d for d in dim if ".." not in d]), pick=pick, points=points,
             ref_batch=ref_batch, ref_lr=ref_lr, lr_rule=lr_rule)
         for path, what, flag in ((output, "the compiled step", "--output/-o"),

@@ -558,8 +558,9 @@ def _nothing_fits(search: _Search, b: int, budget: int) -> MemccError:
             f"parameters and optimizer state alone take {format_size(p.floor_bytes)} "
             f"(planning budget {format_size(search.budget)} after the "
             f"{search.opts.margin:.0%} + {search.opts.slack_bytes:,} bytes margin), and "
-            "recomputation cannot shrink them. Give a larger --budget, a lighter optimizer "
-            "(--optimizer sgd --momentum 0 keeps no state), or --freeze part of the model")
+            "recomputation cannot shrink them (nor the updated copies the step outputs). Give "
+            "a larger --budget, or train fewer parameters (--freeze PATTERN keeps them fixed, "
+            "without gradients or state); adamw keeps two state tensors per parameter, sgd one")
     smallest = p.smallest if p.smallest is not None else p.sqrtn_peak
     need = int((smallest + search.opts.slack_bytes) / (1.0 - search.opts.margin)) + 1
     return InputError(
