@@ -128,6 +128,13 @@ def test_unbound_symbolic_dimension_names_it():
         load_graph(model)
 
 
+def test_a_dim_the_model_lacks_names_the_ones_it_has():
+    """The model's symbolic dimensions are listed as declared, before any is bound."""
+    model, _ = mlp_model()
+    with pytest.raises(InputError, match=r"\['seq'\]; its symbolic dimensions are \['batch'\]"):
+        load_graph(model, {"batch": 4, "seq": 3})
+
+
 def test_not_an_onnx_file(tmp_path):
     p = tmp_path / "junk.onnx"
     p.write_bytes(b"\x00\x01 definitely not protobuf \xff" * 10)

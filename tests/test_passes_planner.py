@@ -249,3 +249,13 @@ def test_on_a_device_provider_the_ilp_swaps_when_copies_are_cheaper_than_recompu
                            step_outputs(best.graph, feeds, "cpu"), exact=True) == []
     cpu = choose_plan(g, budget, fast, strategy="ilp", time_limit=120, baseline=base)
     assert not cpu.best.plan.offload
+
+
+@pytest.mark.parametrize("strategy", ["auto", "ilp", "sqrtn"])
+def test_a_step_that_fits_as_built_is_not_planned(step, strategy):
+    """No plan adds less than nothing: at or above the baseline peak no strategy runs (the
+    search would only spend time; `memcc tune` asks this at every size below its edge)."""
+    _, g, costs, base = step
+    out = choose_plan(g, base.peak_bytes, costs, strategy=strategy, baseline=base)
+    assert out.best is base and out.picked == "none"
+    assert [r["status"] for r in out.runs if r["strategy"] == strategy] == ["not run"]

@@ -168,6 +168,9 @@ def _bind_input_dims(model: onnx.ModelProto, dims: dict[str, int], where: str) -
     inits = {t.name for t in model.graph.initializer}
     unbound: dict[str, list[str]] = {}
     used: set[str] = set()
+    # Named before binding: binding clears them, and the message below lists them.
+    known = sorted({d.dim_param for vi in model.graph.input if vi.name not in inits
+                    for d in vi.type.tensor_type.shape.dim if d.dim_param})
     for vi in model.graph.input:
         if vi.name in inits:
             continue
@@ -193,8 +196,6 @@ def _bind_input_dims(model: onnx.ModelProto, dims: dict[str, int], where: str) -
         )
     extra = set(dims) - used
     if extra:
-        known = sorted({d.dim_param for vi in model.graph.input
-                        for d in vi.type.tensor_type.shape.dim if d.dim_param})
         raise InputError(
             f"{where}: --dim names no symbolic dimension of this model: {sorted(extra)}; "
             f"its symbolic dimensions are {known or 'none'}"

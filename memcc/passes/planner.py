@@ -95,8 +95,10 @@ def choose_plan(graph: Graph, budget: int | None, costs: CostModel, *,
         raise MemccError(f"--strategy '{strategy}': choose one of {', '.join(STRATEGIES)}")
     st = structure or StepStructure.of(graph)
     base = baseline or simulate(graph, Plan(), costs, st)
-    planning = None if strategy == "none" else _prepare(graph, st, base, costs, time_limit,
-                                                         offload)
+    # The step as built fits: no plan can add less than nothing, so no strategy runs.
+    fits_as_built = budget is not None and base.peak_bytes <= budget
+    planning = None if strategy == "none" or fits_as_built else _prepare(
+        graph, st, base, costs, time_limit, offload)
     try:
         return _choose(planning, base, budget, strategy)
     except BudgetError:
@@ -137,6 +139,9 @@ def _choose(planning: Planning | None, base: Simulation, budget: int | None,
     found.add("none", [base], {"strategy": "none", "detail": "baseline (recompute nothing)"})
     if planning is not None:
         found.extend(REGISTRY[strategy](planning, budget))
+    elif strategy != "none":
+        found.runs.append({"strategy": strategy, "detail": "the step as built fits the budget",
+                           "status": "not run", "_sims": []})
     solver = found.solver or {"name": "none", "status": "not run", "gap": None}
     target = budget
     if budget is None and strategy in ("ilp", "auto"):
