@@ -40,20 +40,20 @@ from pathlib import Path
 
 import onnx
 
+from memcc.compiler import CompileOptions
 from memcc.errors import InputError, MemccError
 from memcc.frontend.build import BuildOptions, build_training_step
 from memcc.frontend.load import load_graph, read_model
 from memcc.graph import Graph
 from memcc.passes.cost_model import CUDA_NOMINAL, CostModel, DeviceRates, analytic_costs
 from memcc.passes.plan import Plan, StepStructure
-from memcc.passes.planner import STRATEGIES, BudgetError, PlanOutcome, choose_plan
+from memcc.passes.planner import BudgetError, PlanOutcome, choose_plan
 from memcc.passes.simulate import Simulation, simulate
 from memcc.sizes import format_size, parse_size
 from memcc.step import KIND_KEY
 
 PICKS = ("fastest", "largest")
 LR_RULES = ("linear", "sqrt")
-COST_SOURCES = ("analytic", "measured", "auto")
 RECOMPUTING = ("auto", "ilp", "sqrtn")  # strategies whose candidates include sqrt(n) plans
 _RANGE = re.compile(r"^\s*([A-Za-z_][\w.:/-]*)\s*=\s*(-?\d+)\s*\.\.\s*(-?\d+)\s*$")
 
@@ -87,17 +87,10 @@ class TuneOptions:
     lr_rule: str = "linear"
 
     def __post_init__(self) -> None:
-        if self.strategy not in STRATEGIES:
-            raise InputError(f"--strategy '{self.strategy}': choose one of "
-                             f"{', '.join(STRATEGIES)}")
-        if self.cost not in COST_SOURCES:
-            raise InputError(f"--cost '{self.cost}': choose one of {', '.join(COST_SOURCES)}")
-        if self.provider not in ("cpu", "cuda"):
-            raise InputError(f"--provider '{self.provider}': choose cpu or cuda")
-        if self.time_limit <= 0:
-            raise InputError("--time-limit must be positive")
-        if not 0.0 <= self.margin < 0.5:
-            raise InputError("--margin must lie in [0, 0.5)")
+        # The options tune shares with compile are checked by compile's own rules.
+        CompileOptions(strategy=self.strategy, provider=self.provider, cost=self.cost,
+                       time_limit=self.time_limit, margin=self.margin,
+                       slack_bytes=self.slack_bytes, build=self.build, dims=self.dims)
         if self.pick not in PICKS:
             raise InputError(f"--pick '{self.pick}': choose one of {', '.join(PICKS)}")
         if self.points < 0:
