@@ -70,7 +70,7 @@ def test_ilp_is_not_worse_than_sqrtn_at_equal_budget(step):
     """At the mildest budget a sqrt(n) plan reaches, the ILP alone (not auto, which would
     include the sqrt(n) plan itself) must fit at no more added time."""
     name, g, costs, base = step
-    sq = choose_plan(g, base.peak_bytes, costs, strategy="sqrtn", baseline=base)
+    sq = choose_plan(g, None, costs, strategy="sqrtn", baseline=base)
     below = [c["peak_bytes"] for c in sq.candidates
              if c["strategy"] == "sqrtn" and c["peak_bytes"] < base.peak_bytes]
     budget = max(below)
@@ -112,7 +112,7 @@ def test_runs_say_what_each_strategy_returned(step, strategy):
     import json
 
     _, g, costs, base = step
-    sq = choose_plan(g, base.peak_bytes, costs, strategy="sqrtn", baseline=base)
+    sq = choose_plan(g, None, costs, strategy="sqrtn", baseline=base)
     budget = max(c["peak_bytes"] for c in sq.candidates
                  if c["strategy"] == "sqrtn" and c["peak_bytes"] < base.peak_bytes)
     out = choose_plan(g, budget, costs, strategy=strategy, time_limit=30, baseline=base)
