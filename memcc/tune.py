@@ -45,7 +45,13 @@ from memcc.errors import InputError, MemccError
 from memcc.frontend.build import BuildOptions, build_training_step
 from memcc.frontend.load import load_graph, read_model
 from memcc.graph import Graph
-from memcc.passes.cost_model import CUDA_NOMINAL, CostModel, DeviceRates, analytic_costs
+from memcc.passes.cost_model import (
+    CUDA_NOMINAL,
+    PCIE_NOMINAL,
+    CostModel,
+    DeviceRates,
+    analytic_costs,
+)
 from memcc.passes.plan import Plan, StepStructure
 from memcc.passes.planner import BudgetError, PlanOutcome, choose_plan
 from memcc.passes.simulate import Simulation, simulate
@@ -294,6 +300,12 @@ class _Search:
         return p
 
     def _costs(self, graph: Graph) -> CostModel:
+        """As compile prices a step (analytic rates calibrated once per search); on CUDA
+        with the host link, so that tune plans swaps where compile would."""
+        cm = self._node_costs(graph)
+        return replace(cm, link=PCIE_NOMINAL) if self.opts.provider == "cuda" else cm
+
+    def _node_costs(self, graph: Graph) -> CostModel:
         if self.opts.cost in ("measured", "auto"):
             from memcc.backend.profiling import measured_costs
 
@@ -353,7 +365,7 @@ class _Search:
         self.say(f"{self.rng.dim}={b}: smallest reachable peak ({self.opts.strategy})")
         out = choose_plan(p.graph, None, p.costs, strategy=self.opts.strategy,
                           time_limit=self.opts.time_limit, structure=p.structure,
-                          baseline=p.baseline)
+                          baseline=p.baseline, offload=self.opts.provider == "cuda")
         self.stats["min_searches"] += 1
         p.smallest = out.best.peak_bytes
         return p.smallest <= self.budget, "min-search"
@@ -373,7 +385,7 @@ class _Search:
         try:
             p.outcome = choose_plan(p.graph, self.budget, p.costs, strategy=strategy,
                                     time_limit=self.opts.time_limit, structure=p.structure,
-                                    baseline=p.baseline)
+                                    baseline=p.baseline, offload=self.opts.provider == "cuda")
         except BudgetError as exc:
             p.smallest = exc.smallest
             return None
@@ -386,7 +398,7 @@ class _Search:
             self.say(f"{self.rng.dim}={b}: sqrt(n) segmentations")
             out = choose_plan(p.graph, None, p.costs, strategy="sqrtn",
                               time_limit=self.opts.time_limit, structure=p.structure,
-                              baseline=p.baseline)
+                              baseline=p.baseline, offload=self.opts.provider == "cuda")
             p.sqrtn_peak = out.best.peak_bytes
             self.stats["sqrtn_bounds"] += 1
         return p.sqrtn_peak
