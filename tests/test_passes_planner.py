@@ -259,3 +259,34 @@ def test_a_step_that_fits_as_built_is_not_planned(step, strategy):
     out = choose_plan(g, base.peak_bytes, costs, strategy=strategy, baseline=base)
     assert out.best is base and out.picked == "none"
     assert [r["status"] for r in out.runs if r["strategy"] == strategy] == ["not run"]
+
+
+def test_the_offload_model_is_exact_for_each_value_alone():
+    """The swap term of each candidate equals what the simulator (lowering + liveness with
+    host copies) says at every point of the original schedule: no value is offloaded on a
+    model that over- or understates what it frees."""
+    from dataclasses import replace
+
+    import numpy as np
+
+    from memcc.passes.cost_model import CUDA_NOMINAL, HostLink
+    from memcc.passes.planner import build_problem
+
+    g = build_training_step(load_graph(build_model("gpt2", batch=2, seq_len=32)),
+                            BuildOptions())
+    costs = replace(analytic_costs(g, CUDA_NOMINAL), link=HostLink(2e10, 1e-5, "test"))
+    st = StepStructure.of(g)
+    base = simulate(g, Plan(), costs, st, host_copies=True)
+    pp = build_problem(g, st, base.liveness, costs, offload=True)
+    assert len(pp.offload.value_of) >= 10
+    names = [n.name for n in g.nodes]
+    for var, value in pp.offload.value_of.items():
+        x = np.zeros(pp.problem.n_vars)
+        x[var] = 1.0
+        x = pp.problem.settle(x)
+        sim = simulate(g, pp.plan(x, "test"), costs, st, host_copies=True)
+        assert sim.plan.offload.keys() == {value}
+        at = {n: i for i, n in enumerate(sim.liveness.order)}
+        real = np.array([sim.liveness.live_during[at[n]] for n in names])
+        assert np.array_equal(real, pp.problem.memory(x)), value
+        assert sim.peak_bytes <= base.peak_bytes and sim.liveness.host_peak_bytes > 0

@@ -406,14 +406,7 @@ def _sequence(node: onnx.NodeProto, seqs: dict[str, list[str]],
             if rank is None:
                 raise dynamic("the rank of the stacked tensors")
             axis += len(rank) + 1
-        ax = _const_node(fresh, np.asarray([axis], np.int64))
-        nodes = [ax]
-        parts = []
-        for it in items:
-            u = fresh(f"{node.name}/{it}/unsqueezed")
-            nodes.append(helper.make_node("Unsqueeze", [it, ax.output[0]], [u],
-                                          name=fresh(f"{node.name}/Unsqueeze")))
-            parts.append(u)
+        nodes, parts = _on_each_axis("Unsqueeze", items, axis, node, fresh)
         nodes.append(helper.make_node("Concat", parts, [node.output[0]], name=node.name,
                                       axis=axis))
         return nodes
@@ -448,15 +441,8 @@ def _sequence(node: onnx.NodeProto, seqs: dict[str, list[str]],
         nodes.append(helper.make_node("Split", [x], parts, name=node.name, axis=axis,
                                       split=sizes))
     if split is None and not keepdims:
-        ax = _const_node(fresh, np.asarray([axis], np.int64))
-        nodes.append(ax)
-        squeezed = []
-        for p in parts:
-            s = fresh(f"{p}/squeezed")
-            nodes.append(helper.make_node("Squeeze", [p, ax.output[0]], [s],
-                                          name=fresh(f"{node.name}/Squeeze")))
-            squeezed.append(s)
-        parts = squeezed
+        squeezing, parts = _on_each_axis("Squeeze", parts, axis, node, fresh)
+        nodes += squeezing
     for p, n in zip(parts, sizes, strict=True):  # later sequence ops read the parts' ranks
         part_shape = list(shape)
         part_shape[axis] = n
@@ -521,6 +507,20 @@ def _gathernd_as_gather(node: onnx.NodeProto, types, fresh: _Namer) -> list[onnx
         helper.make_node("Gather", [flat, lin], [node.output[0]], name=name, axis=0),
     ]
     return nodes
+
+
+def _on_each_axis(op_type: str, values: list[str], axis: int, node: onnx.NodeProto,
+                  fresh: _Namer) -> tuple[list[onnx.NodeProto], list[str]]:
+    """``op_type`` (Squeeze or Unsqueeze) on ``axis`` of every value, sharing one axes
+    constant: the nodes, the constant first, and the results in order."""
+    ax = _const_node(fresh, np.asarray([axis], np.int64))
+    nodes, outs = [ax], []
+    for v in values:
+        out = fresh(f"{v}/{op_type.lower()}d")
+        nodes.append(helper.make_node(op_type, [v, ax.output[0]], [out],
+                                      name=fresh(f"{node.name}/{op_type}")))
+        outs.append(out)
+    return nodes, outs
 
 
 def _const_node(fresh: _Namer, value: np.ndarray) -> onnx.NodeProto:
