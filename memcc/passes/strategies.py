@@ -203,7 +203,8 @@ def best_of_all(p: Planning, budget: int | None) -> Found:
     out = sqrt_n(p, budget)
     solved = exact_model(p, budget)
     # The ILP's seeds are the segmentations sqrt(n) already returned.
-    solved.plans = [(n, s) for n, s in solved.plans if s not in p.segmentations]
+    seeds = {id(s) for s in p.segmentations}
+    solved.plans = [(n, s) for n, s in solved.plans if id(s) not in seeds]
     solved.runs = [r for r in solved.runs if not r.get("seed")]
     out.extend(solved)
     target = budget if budget is not None else min(
