@@ -38,7 +38,7 @@ from memcc.errors import InputError, MemccError
 from memcc.frontend.build import BuildOptions, build_training_step, is_training_step
 from memcc.frontend.load import load_graph
 from memcc.graph import Graph, node_label
-from memcc.passes.cost_model import CUDA_NOMINAL, PCIE_NOMINAL, CostModel, analytic_costs
+from memcc.passes.cost_model import CUDA_NOMINAL, CostModel, analytic_costs, host_link_for
 from memcc.passes.phases import plan_origin, step_phases
 from memcc.passes.plan import StepStructure
 from memcc.passes.planner import STRATEGIES, BudgetError, PlanOutcome, choose_plan
@@ -359,9 +359,8 @@ def _costs(graph: Graph, options: CompileOptions, warning: Progress,
         note = f"CUDA is not available, estimated instead: {cuda_missing}"
     elif options.cost in ("auto", "measured"):
         try:
-            cm = measured_costs(graph, options.provider)
-            if options.provider == "cuda":  # the link is not measured yet (issue 11)
-                cm = replace(cm, link=PCIE_NOMINAL)
+            cm = replace(measured_costs(graph, options.provider),
+                         link=host_link_for(options.provider))
             return cm, {"source": "measured", "provider": options.provider,
                         "total_s": round(cm.total(graph), 6)}
         except MemccError as exc:
@@ -371,9 +370,7 @@ def _costs(graph: Graph, options: CompileOptions, warning: Progress,
             warning(f"--cost auto: measuring node times failed ({exc}); they are estimated "
                     "instead, so the predicted added time is an estimate.")
     rates = calibrate_cpu_rates() if options.provider == "cpu" else CUDA_NOMINAL
-    cm = analytic_costs(graph, rates)
-    if options.provider == "cuda":
-        cm = replace(cm, link=PCIE_NOMINAL)
+    cm = replace(analytic_costs(graph, rates), link=host_link_for(options.provider))
     summary = {"source": "analytic", "provider": options.provider, "rates": rates.to_json(),
                "total_s": round(cm.total(graph), 6)}
     if note:

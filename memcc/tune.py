@@ -47,10 +47,10 @@ from memcc.frontend.load import load_graph, read_model
 from memcc.graph import Graph
 from memcc.passes.cost_model import (
     CUDA_NOMINAL,
-    PCIE_NOMINAL,
     CostModel,
     DeviceRates,
     analytic_costs,
+    host_link_for,
 )
 from memcc.passes.plan import Plan, StepStructure
 from memcc.passes.planner import BudgetError, PlanOutcome, choose_plan
@@ -303,7 +303,7 @@ class _Search:
         """As compile prices a step (analytic rates calibrated once per search); on CUDA
         with the host link, so that tune plans swaps where compile would."""
         cm = self._node_costs(graph)
-        return replace(cm, link=PCIE_NOMINAL) if self.opts.provider == "cuda" else cm
+        return replace(cm, link=host_link_for(self.opts.provider))
 
     def _node_costs(self, graph: Graph) -> CostModel:
         if self.opts.cost in ("measured", "auto"):

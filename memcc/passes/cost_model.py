@@ -79,6 +79,13 @@ class HostLink:
 PCIE_NOMINAL = HostLink(2.0e10, 1.0e-5, "nominal PCIe pinned-memory rate (unverified)")
 COPY_OPS = frozenset({"MemcpyToHost", "MemcpyFromHost"})
 
+
+def host_link_for(provider: str) -> HostLink | None:
+    """The link swap copies cross on ``provider``: none on the CPU provider (host and
+    device are one memory, nothing to swap); the nominal PCIe link on CUDA until it is
+    measured (issue 11)."""
+    return PCIE_NOMINAL if provider == "cuda" else None
+
 # Nominal FP32 rates for the CUDA provider (H100-class, non tensor-core); not measured here.
 CUDA_NOMINAL = DeviceRates(4.0e13, 2.5e12, 8e-6, "nominal H100 fp32 rates (unverified)")
 
