@@ -42,10 +42,16 @@ GRADIENTS_KEY = "memcc.gradients"
 TRAINING_STEP = "training_step"
 
 # Node-level provenance (``NodeProto.metadata_props``, IR version 10).
-ROLE_PROP = "memcc.role"        # "update" on optimizer / carried-state nodes
+ROLE_PROP = "memcc.role"        # "update" on optimizer / carried-state nodes, "forward" on
+                                # nodes a variant adds to the forward pass
 GRAD_OF_PROP = "memcc.grad_of"  # backward node -> the forward node it differentiates
 RULE_PROP = "memcc.rule"        # ... and the gradient rule (variant) that emitted it
 DEFAULT_RULE = "default"
+# On a differentiated forward node: the gradients its rule read (one per output) and the
+# gradients it returned (one per input), as JSON lists ("" for none). A variant replaces
+# the rule's nodes by its own that read and return the same values (``passes/variants.py``).
+GRAD_IN_PROP = "memcc.grad_in"
+GRAD_OUT_PROP = "memcc.grad_out"
 
 
 class Role(enum.Enum):
@@ -77,6 +83,24 @@ def tag_node(node: onnx.NodeProto, **props: str) -> None:
             have[full].value = value
         else:
             node.metadata_props.add(key=full, value=value)
+
+
+def record_rule_io(node: onnx.NodeProto, gouts: list[str | None],
+                   gins: list[str | None]) -> None:
+    tag_node(node, grad_in=json.dumps([g or "" for g in gouts]),
+             grad_out=json.dumps([g or "" for g in gins]))
+
+
+def rule_io(node: onnx.NodeProto) -> tuple[list[str], list[str]] | None:
+    """(gradients read, gradients returned) of ``node``'s rule, or None when the step was
+    built before this was recorded (then no variant can replace its rule)."""
+    props = node_props(node)
+    if GRAD_IN_PROP not in props or GRAD_OUT_PROP not in props:
+        return None
+    try:
+        return list(json.loads(props[GRAD_IN_PROP])), list(json.loads(props[GRAD_OUT_PROP]))
+    except ValueError:
+        return None
 
 
 class TrainingStep:
@@ -200,8 +224,13 @@ class TrainingStep:
     # ------------------------------------------------------------------ structure
     @cached_property
     def forward(self) -> frozenset[str]:
-        """Forward node names: the ancestors of the loss (loss computation included)."""
-        nodes, _ = ancestors([self.loss], self.graph.def_use().producer)
+        """Forward node names: the ancestors of the loss (loss computation included), and
+        nodes a variant added to the forward pass (tagged ``memcc.role=forward``: a mask
+        taken while the activation is live) with their ancestors."""
+        extras = [o for n in self.graph.nodes if n.metadata_props
+                  and node_props(n).get(ROLE_PROP) == Role.FORWARD.value
+                  for o in n.output if o]
+        nodes, _ = ancestors([self.loss, *extras], self.graph.def_use().producer)
         forward = {n.name for n in nodes}
         return frozenset(forward)
 

@@ -18,7 +18,7 @@ from memcc.frontend.emit import Emitter
 from memcc.frontend.gradients import load_rules
 from memcc.frontend.gradients.registry import NON_DIFFERENTIABLE, RULES, GradContext
 from memcc.graph import Graph, ancestors, node_label
-from memcc.step import DEFAULT_RULE, tag_node
+from memcc.step import DEFAULT_RULE, record_rule_io, tag_node
 
 
 def differentiable_values(graph: Graph, loss: str, wrt: Sequence[str]) -> set[str]:
@@ -95,6 +95,9 @@ def differentiate(graph: Graph, loss: str, wrt: Sequence[str], *,
         # belong to this forward node; variants will name themselves instead of the default.
         for emitted in graph.nodes[first:]:
             tag_node(emitted, grad_of=node.name, rule=DEFAULT_RULE)
+        # What the rule read and returned, so that a variant can later take its place.
+        record_rule_io(node, gouts, [g if g is not None and ctx.needs_grad(i) else None
+                                     for i, g in zip(node.input, gins, strict=False)])
     return {w: grads[w] for w in wrt if w in grads}
 
 

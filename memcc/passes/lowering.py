@@ -9,10 +9,9 @@ order with a correct def-use index), and returns the graph with a report. The si
 (``passes/simulate.py``) is this lowering plus liveness, and the compiler writes what it
 returns, so every strategy is judged by, and gets, the same rewrite.
 
-Variants are an identity pass today: it checks the plan asks for none (the default
-gradient rule) and says clearly when it does, until operator variants land. Copies are
-real (``passes/swap.py``); no strategy offloads yet (the planner's offload decision, with
-the CUDA provider's device/host split, is issue 11), so only hand-written plans use them.
+Variants (``passes/variants.py``) run first: they change what the forward pass hands to the
+backward pass, so the passes after them decide over the step with the variants in place.
+Copies (``passes/swap.py``) are planned on device providers only.
 """
 
 from __future__ import annotations
@@ -23,9 +22,11 @@ from typing import Protocol
 
 from memcc.errors import MemccError
 from memcc.graph import Graph, topological_problems
-from memcc.passes.plan import DEFAULT_VARIANT, Plan, StepStructure
+from memcc.passes.plan import Plan, StepStructure
 from memcc.passes.recompute import apply_recompute
 from memcc.passes.swap import COPY_IN, COPY_OUT, apply_offload, offload_problems
+from memcc.passes.variants import apply_variants, variant_problems
+from memcc.step import TrainingStep
 
 # ORT's copy ops, inserted in pairs by the swap pass.
 COPY_OUT_OPS = frozenset({COPY_OUT})
@@ -96,28 +97,45 @@ def _ensure_index(pass_name: str, graph: Graph) -> None:
 
 # ---------------------------------------------------------------------------- passes
 class SubstituteVariants:
-    """Replace a forward node's backward nodes by another gradient rule's (next issue).
-
-    Today only the default rule exists: a plan naming any other is rejected, and a variant
-    for a node that is not a forward node of this step is a strategy bug.
-    """
+    """Replace forward nodes' default gradient rules by the variants the plan chose
+    (``passes/variants.py``)."""
 
     name = "substitute-variants"
 
     def requires(self, graph: Graph, plan: Plan, st: StepStructure) -> None:
         unknown = sorted(n for n in plan.variants if n not in st.forward)
         _fail(self.name, "variants name nodes that are not forward nodes", unknown)
-        asked = sorted(f"{n}: {v}" for n, v in plan.variants.items() if v != DEFAULT_VARIANT)
-        _not_implemented(self.name, "operator variants are",
-                         f"only the '{DEFAULT_VARIANT}' gradient rule exists", asked)
+        _fail(self.name, "the plan asks for variants it cannot have",
+              variant_problems(graph, plan))
 
     def run(self, graph: Graph, plan: Plan, st: StepStructure) -> tuple[Graph, PassReport]:
-        return graph, PassReport(self.name, False, {"substituted": 0})
+        res = apply_variants(graph, plan)
+        return res.graph, PassReport(self.name, bool(res.substituted), {
+            "substituted": res.substituted,
+            "forward_added": res.forward_added,
+            "backward_added": res.backward_added,
+            "removed": res.removed,
+        })
 
     def ensures(self, before: Graph, after: Graph, plan: Plan, st: StepStructure,
                 report: PassReport, full: bool = False) -> None:
-        if after is not before:
-            raise LoweringError(f"{self.name}: an identity pass returned a new graph")
+        if not report.changed:
+            if after is not before:
+                raise LoweringError(f"{self.name}: nothing substituted, yet a new graph")
+            return
+        _fail(self.name, "the step with variants is not a valid execution order",
+              topological_problems(after))
+        if full:
+            _ensure_index(self.name, after)
+        # The forward pass computes what it did: every original forward node is still there
+        # and still forward, and the loss is unchanged.
+        names = {n.name for n in after.nodes}
+        lost = sorted(n for n in st.forward if n not in names)
+        _fail(self.name, "forward nodes disappeared", lost)
+        added = set(report.details["forward_added"])
+        fwd_after = TrainingStep.of(after).forward
+        _fail(self.name, "the variants' forward nodes are not forward",
+              sorted(added - fwd_after))
 
 
 class InsertRecompute:
@@ -234,6 +252,10 @@ def lower(graph: Graph, plan: Plan, structure: StepStructure | None = None, *,
         if check != "off":
             p.ensures(g, out, plan, st, report, full=check == "full")
         reports.append(report)
+        if report.changed and isinstance(p, SubstituteVariants):
+            # The passes after this one decide over the step with the variants in place
+            # (what is saved changed: a mask instead of an activation).
+            st = StepStructure.of(out)
         g = out
     rc = next((r.details for r in reports if r.name == InsertRecompute.name), {})
     return Lowering(

@@ -1,0 +1,208 @@
+"""Substitute operator variants: replace a forward node's gradient rule by another one.
+
+``memcc build`` records on every differentiated forward node the gradients its rule read
+and the gradients it returned (``step.rule_io``), and tags the rule's nodes with
+``memcc.grad_of`` / ``memcc.rule``. For each node a plan gives a variant
+(``Plan.variants``) this pass:
+
+1. runs the variant's rule (``frontend/gradients/variant_rules.py``) on the same gradients,
+   collecting its backward nodes and the nodes it adds to the forward pass (a mask);
+2. gives the variant's results the names the default rule's results had, so every reader
+   downstream (gradient sums, the optimizer, step outputs) is untouched;
+3. removes the default rule's nodes that nothing reads any more (constants another rule
+   shares stay), puts the variant's backward nodes where the default rule's began and its
+   forward nodes right after the forward node (tagged ``memcc.role=forward``, so the step
+   counts them as forward: a recompute clone never reads them late).
+
+The forward pass is unchanged except for the added nodes, so a plan's recompute and offload
+decisions (which name forward nodes and values) still apply after this pass.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import onnx
+
+from memcc.frontend.emit import Emitter
+from memcc.frontend.gradients.variants import Variant, VariantContext, lookup, variants_for
+from memcc.graph import Graph, node_label
+from memcc.passes.plan import DEFAULT_VARIANT, Plan
+from memcc.step import DEFAULT_RULE, GRAD_OF_PROP, RULE_PROP, node_props, rule_io, tag_node
+
+
+@dataclass(frozen=True)
+class VariantResult:
+    graph: Graph
+    substituted: tuple[tuple[str, str], ...]  # (forward node, variant key), in plan order
+    forward_added: tuple[str, ...]            # names of nodes added to the forward pass
+    backward_added: tuple[str, ...]           # names of the variants' backward nodes
+    removed: tuple[str, ...]                  # names of the default rules' nodes removed
+
+
+def rule_nodes(graph: Graph) -> dict[str, list[onnx.NodeProto]]:
+    """forward node name -> the nodes its default rule emitted, in graph order."""
+    out: dict[str, list[onnx.NodeProto]] = defaultdict(list)
+    for n in graph.nodes:
+        if not n.metadata_props:
+            continue
+        props = node_props(n)
+        src = props.get(GRAD_OF_PROP)
+        if src and props.get(RULE_PROP, DEFAULT_RULE) == DEFAULT_RULE:
+            out[src].append(n)
+    return out
+
+
+def substitutable(graph: Graph, node: onnx.NodeProto,
+                  rules: dict[str, list[onnx.NodeProto]]) -> str | None:
+    """Why ``node``'s default rule cannot be replaced (None: it can): the step must say what
+    the rule read and returned, and each returned gradient must come from one of its own
+    nodes (a rule that hands a gradient through unchanged has nothing to replace)."""
+    io = rule_io(node)
+    if io is None:
+        return "the step does not record its gradient rule's inputs and outputs " \
+               "(built before variants existed: rebuild it with memcc build)"
+    _, gins = io
+    mine = {o for n in rules.get(node.name, ()) for o in n.output if o}
+    returned = [g for g in gins if g]
+    if not returned:
+        return "its rule returns no gradient"
+    if len(set(returned)) != len(returned) or any(g not in mine for g in returned):
+        return "its rule's results are not all computed by the rule itself"
+    return None
+
+
+def variant_problems(graph: Graph, plan: Plan) -> list[str]:
+    """Why the variants of ``plan`` cannot be realised on ``graph`` (empty: they can)."""
+    asked = {n: v for n, v in plan.variants.items() if v != DEFAULT_VARIANT}
+    if not asked:
+        return []
+    by_name = {n.name: n for n in graph.nodes}
+    rules = rule_nodes(graph)
+    problems = []
+    for name, vname in sorted(asked.items()):
+        node = by_name.get(name)
+        if node is None:
+            problems.append(f"'{name}' is not a node of this step")
+            continue
+        if lookup(node.op_type, vname) is None:
+            problems.append(f"{node_label(node)} has no variant '{vname}'")
+            continue
+        why = substitutable(graph, node, rules)
+        if why:
+            problems.append(f"{node_label(node)}: {why}")
+    return problems
+
+
+def applicable_variants(graph: Graph, node: onnx.NodeProto,
+                        rules: dict[str, list[onnx.NodeProto]]) -> list[Variant]:
+    """The variants a plan may choose for ``node`` on this step."""
+    if substitutable(graph, node, rules) is not None:
+        return []
+    return variants_for(_context(graph, node, detached_prefix=""), node)
+
+
+def _context(graph: Graph, node: onnx.NodeProto, detached_prefix: str) -> VariantContext:
+    _, gins = rule_io(node) or ([], [])
+    wants = {i for i, g in zip(node.input, gins, strict=False) if i and g}
+    back = Emitter(graph, prefix=detached_prefix, detached=True)
+    fwd = Emitter(graph, prefix=detached_prefix + "fwd/", detached=True)
+    return VariantContext(graph=graph, emit=back, requires_grad=wants, forward=fwd)
+
+
+def apply_variants(graph: Graph, plan: Plan) -> VariantResult:
+    """A new graph with the default rules of ``plan.variants`` replaced; ``graph`` is
+    untouched (returned as is when the plan asks for no variant)."""
+    asked = sorted((n, v) for n, v in plan.variants.items() if v != DEFAULT_VARIANT)
+    if not asked:
+        return VariantResult(graph, (), (), (), ())
+    out = graph.copy(with_index=False)
+    rules = rule_nodes(out)
+    by_name = {n.name: n for n in out.nodes}
+    substituted, fwd_added, back_added, removed = [], [], [], []
+    for name, vname in asked:
+        node = by_name[name]
+        variant = lookup(node.op_type, vname)
+        assert variant is not None  # variant_problems ran first
+        gouts, gins = rule_io(node)  # type: ignore[misc]
+        ctx = _context(out, node, f"{name}/{vname}/")
+        new = variant.rule(ctx, node, [g or None for g in gouts])
+        back_nodes = list(ctx.emit.nodes)
+        fwd_nodes = list(ctx.forward.nodes) if ctx.forward is not None else []
+        _rename_results(out, back_nodes, gins, new, node, variant)
+        old = rules[name]
+        dead = _dead_after_replacing(out, old, {g for g in gins if g})
+        for n in back_nodes:
+            tag_node(n, grad_of=name, rule=vname)
+        for n in fwd_nodes:
+            tag_node(n, role="forward", rule=vname)
+        anchor = next((n for n in old if n.op_type != "Constant"), old[0])
+        nodes: list[onnx.NodeProto] = []
+        dead_ids = {id(n) for n in dead}
+        for n in out.nodes:
+            if n is anchor:
+                nodes.extend(back_nodes)
+            if id(n) not in dead_ids:
+                nodes.append(n)
+            if n is node:
+                nodes.extend(fwd_nodes)
+        out.set_nodes(nodes)
+        rules[name] = []
+        substituted.append((name, variant.key))
+        fwd_added += [n.name for n in fwd_nodes]
+        back_added += [n.name for n in back_nodes]
+        removed += [n.name for n in dead]
+    return VariantResult(out, tuple(substituted), tuple(fwd_added), tuple(back_added),
+                         tuple(removed))
+
+
+def _rename_results(graph: Graph, back_nodes: list[onnx.NodeProto], gins: list[str],
+                    new: list[str | None], node: onnx.NodeProto, variant: Variant) -> None:
+    """Make the variant's results carry the default results' names (an Identity where the
+    variant returns a value it did not compute)."""
+    produced = {o: (n, k) for n in back_nodes for k, o in enumerate(n.output) if o}
+    for i, old in enumerate(gins):
+        got = new[i] if i < len(new) else None
+        if bool(old) != bool(got):
+            raise RuntimeError(f"variant {variant.key} of {node_label(node)} returns a "
+                               f"gradient for input {i} where the default rule "
+                               f"{'does not' if got else 'does'}")
+        if not old:
+            continue
+        if got in produced:
+            n, k = produced.pop(got)
+            n.output[k] = old
+            for m in back_nodes:
+                for j, inp in enumerate(m.input):
+                    if inp == got:
+                        m.input[j] = old
+            graph.info[old] = graph.info.get(got, graph.info.get(old))
+        else:
+            back_nodes.append(onnx.helper.make_node(
+                "Identity", [got], [old], name=f"{node.name}/{variant.name}/result{i}"))
+
+
+def _dead_after_replacing(graph: Graph, old: list[onnx.NodeProto],
+                          results: set[str]) -> list[onnx.NodeProto]:
+    """The default rule's nodes to remove: those producing the results (the variant now
+    does), then, backwards, every rule node nothing else reads."""
+    readers: dict[str, int] = defaultdict(int)
+    for n in graph.nodes:
+        for i in n.input:
+            if i:
+                readers[i] += 1
+    keep_out = set(graph.outputs)
+    dead: list[onnx.NodeProto] = []
+    dead_ids: set[int] = set()
+    for n in reversed(old):
+        outs = [o for o in n.output if o]
+        producing_result = any(o in results for o in outs)
+        unread = all(readers[o] == 0 and o not in keep_out for o in outs)
+        if producing_result or unread:
+            dead.append(n)
+            dead_ids.add(id(n))
+            for i in n.input:
+                if i:
+                    readers[i] -= 1
+    return [n for n in old if id(n) in dead_ids]
