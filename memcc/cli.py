@@ -298,6 +298,11 @@ def compile_cmd(
                          "budget, planned order executed.")] = False,
     margin: Annotated[float, typer.Option(
         help="Safety margin: plan for budget*(1-margin) - 1 MiB.")] = 0.02,
+    variants: Annotated[bool, typer.Option(
+        "--variants/--no-variants",
+        help="Let the planner replace gradient rules by leaner variants (masks, chunked "
+             "convolution weight gradients, inverted normalisation) where that is cheaper "
+             "than recomputing; --no-variants plans with the default rules only.")] = True,
     loss: Annotated[str, typer.Option(help="(forward models) as in memcc build.")
                     ] = "cross-entropy",
     optimizer: Annotated[str, typer.Option(help="(forward models) as in memcc build.")
@@ -316,7 +321,7 @@ def compile_cmd(
     try:
         opts = CompileOptions(
             budget=budget, strategy=strategy, provider=provider, time_limit=time_limit,
-            cost=cost, verify=verify, margin=margin,
+            cost=cost, verify=verify, margin=margin, variants=variants,
             build=BuildOptions(loss=loss, optimizer=optimizer, lr=lr), dims=parse_dims(dim),
         )
         with err.status("compiling") as status:

@@ -41,7 +41,13 @@ from memcc.graph import Graph, node_label
 from memcc.passes.cost_model import CUDA_NOMINAL, CostModel, analytic_costs, host_link_for
 from memcc.passes.phases import plan_origin, step_phases
 from memcc.passes.plan import StepStructure
-from memcc.passes.planner import STRATEGIES, BudgetError, PlanOutcome, choose_plan
+from memcc.passes.planner import (
+    STRATEGIES,
+    BudgetError,
+    PlanOutcome,
+    choose_plan,
+    describe_variants,
+)
 from memcc.passes.simulate import Simulation
 from memcc.sizes import format_size, parse_size
 from memcc.step import TrainingStep
@@ -62,6 +68,8 @@ class CompileOptions:
     # per-buffer headers, which the measurement sees (under 1% on the zoo; see README).
     margin: float = 0.02
     slack_bytes: int = 1024 * 1024
+    # The ILP may replace a node's default gradient rule by a variant (passes/variants.py).
+    variants: bool = True
     build: BuildOptions = field(default_factory=BuildOptions)
     dims: Mapping[str, int] = field(default_factory=dict)
 
@@ -181,8 +189,9 @@ def compile_model(model: str | os.PathLike, options: CompileOptions, *,
 
     verification = None
     if options.verify:
+        tolerance = _plan_tolerance(passes)
         verification = timed("verify", lambda: _verify(graph, rewritten, final_budget,
-                                                       options.provider))
+                                                       options.provider, tolerance))
 
     report = _report(options, final_budget, plan_budget, budget is None, base_sim, plan_sim,
                      outcome, costs, passes, time.perf_counter() - t_start, verification)
@@ -383,8 +392,10 @@ def _plan(graph, budget, costs, options, structure) -> tuple[PlanOutcome, dict]:
     # where host and device are one memory).
     outcome = choose_plan(graph, budget, costs, strategy=options.strategy,
                           time_limit=options.time_limit, structure=structure,
-                          offload=options.provider == "cuda")
+                          offload=options.provider == "cuda", variants=options.variants)
     best, base = outcome.best, outcome.baseline
+    variants = describe_variants(graph, best, costs, structure,
+                                 host_copies=options.provider == "cuda")
     saved = {v: graph.info[v].nbytes for v in best.recomputed_values}
     summary = {
         "strategy": outcome.strategy,
@@ -396,6 +407,9 @@ def _plan(graph, budget, costs, options, structure) -> tuple[PlanOutcome, dict]:
         "baseline_peak_bytes": base.peak_bytes,
         "bytes_saved": base.peak_bytes - best.peak_bytes,
         "predicted_added_time_s": round(best.added_time_s, 6),
+        "variant_nodes": len(variants["chosen"]),
+        "exactness": variants["exactness"],
+        "variants": variants,
         "smallest_peak_bytes": outcome.smallest_peak,
         "solver": outcome.solver,
         "candidates": outcome.candidates,
@@ -413,10 +427,20 @@ def _rewrite(plan_sim: Simulation, base_sim: Simulation) -> tuple[Graph, dict]:
     }
 
 
-def _verify(original: Graph, rewritten: Graph, budget: int, provider: str):
+def _plan_tolerance(passes: list[PassReport]) -> float | None:
+    """None when every rewrite repeats the same arithmetic (compare bit for bit), else the
+    largest relative error the chosen variants state (``equivalent`` tier)."""
+    plan = next((p.summary for p in passes if p.name == "plan"), {})
+    v = plan.get("variants") or {}
+    return None if v.get("exactness", "exact") == "exact" else float(v["tolerance"])
+
+
+def _verify(original: Graph, rewritten: Graph, budget: int, provider: str,
+            tolerance: float | None = None):
     from memcc.backend.verify import verify_rewrite
 
-    result = verify_rewrite(original, rewritten, budget=budget, provider=provider)
+    result = verify_rewrite(original, rewritten, budget=budget, provider=provider,
+                            tolerance=tolerance)
     return result, result
 
 
@@ -452,6 +476,8 @@ def _report(options, budget, plan_budget, was_min, base: Simulation, plan: Simul
             "recomputed_values": list(plan.recomputed_values),
             "recomputed_nodes": sorted(plan.plan.recompute),
             "offloaded_values": sorted(plan.plan.offload),
+            "variants": next((p.summary["variants"] for p in passes if p.name == "plan"
+                              and "variants" in p.summary), None),
             "host_peak_bytes": live.host_peak_bytes,
         },
         "passes": [p.to_json() for p in passes],

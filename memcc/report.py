@@ -52,10 +52,12 @@ def print_report(report: dict, console: Console) -> None:
     for ps in report["passes"]:
         # The plan pass's solver/runs are the strategies table below, readable there.
         summary = ", ".join(f"{k}={_short(v)}" for k, v in ps["summary"].items()
-                            if k not in ("candidates", "recomputed", "solver", "runs"))
+                            if k not in ("candidates", "recomputed", "solver", "runs",
+                                         "variants"))
         pt.add_row(ps["name"], f"{ps['time_s']:.2f} s", summary)
     console.print(pt)
     _print_strategies(report, console)
+    _print_variants(p.get("variants"), console)
     rec = p.get("recomputed_values", [])
     if rec:
         console.print(f"recomputed ({len(rec)}): " + ", ".join(rec[:20])
@@ -75,6 +77,22 @@ def print_report(report: dict, console: Console) -> None:
                           highlight=False)
     for warning in report.get("warnings", []):
         console.print(f"warning: {warning}", highlight=False)
+
+
+def _print_variants(v: dict | None, console: Console) -> None:
+    """Per variant kind: nodes, peak bytes saved and time added (each from simulating the
+    plan without that kind), and the plan's exactness tier."""
+    if not v or not v.get("by_kind"):
+        return
+    vt = Table(title=f"operator variants (plan is {v.get('exactness')}"
+               + (f", tolerance {v['tolerance']:g})" if v.get("exactness") != "exact"
+                  else ")"), header_style="bold")
+    for col in ("variant", "tier", "nodes", "peak saved", "time added"):
+        vt.add_column(col, justify="left" if col in ("variant", "tier") else "right")
+    for key, k in v["by_kind"].items():
+        vt.add_row(key, str(k.get("tier")), str(k["nodes"]), format_size(k["bytes_saved"]),
+                   f"{k['added_time_s'] * 1e3:+.2f} ms")
+    console.print(vt)
 
 
 def _print_strategies(report: dict, console: Console) -> None:

@@ -22,9 +22,10 @@ from memcc.passes.liveness import LivenessReport
 from memcc.passes.plan import Plan, StepStructure
 from memcc.passes.simulate import Simulation, simulate
 from memcc.passes.solvers import sqrtn
-from memcc.passes.solvers.offload_terms import add_offload_terms
+from memcc.passes.solvers.offload_terms import OffloadVars, add_offload_terms
 from memcc.passes.solvers.problem import ProblemBuilder
 from memcc.passes.solvers.recompute_terms import add_recompute_terms
+from memcc.passes.solvers.variant_terms import VariantVars, add_variant_terms
 from memcc.passes.strategies import REGISTRY, Found, Planning, PlanProblem
 
 STRATEGIES = ("auto", *sorted(n for n in REGISTRY if n != "auto"))
@@ -65,23 +66,26 @@ class PlanOutcome:
 
 # ---------------------------------------------------------------------------- the model
 def build_problem(graph: Graph, st: StepStructure, live: LivenessReport,
-                  costs: CostModel, *, offload: bool = False) -> PlanProblem:
-    """The linear model of ``graph``'s memory under every decision kind: recompute, and on
-    a device provider (``offload``) swap to host memory; each kind adds its variables and
-    terms through its own generator."""
+                  costs: CostModel, *, offload: bool = False,
+                  variants: bool = True) -> PlanProblem:
+    """The linear model of ``graph``'s memory under every decision kind: recompute, the
+    gradient-rule variant of each node (``variants``), and on a device provider
+    (``offload``) swap to host memory; each kind adds its variables and terms through its
+    own generator."""
     builder = ProblemBuilder(np.asarray(live.live_during, dtype=np.float64))
     units = add_recompute_terms(builder, graph, st, live, costs)
     swaps = add_offload_terms(builder, graph, st, live, costs, units) if offload else None
-    if swaps is None:
-        return PlanProblem(builder.build(), units)
-    return PlanProblem(builder.build(), units, swaps)
+    chosen = add_variant_terms(builder, graph, st, live, costs, units, swaps) \
+        if variants else VariantVars()
+    return PlanProblem(builder.build(), units, swaps or OffloadVars({}), chosen)
 
 
 # ---------------------------------------------------------------------------- the pass
 def choose_plan(graph: Graph, budget: int | None, costs: CostModel, *,
                 strategy: str = "auto", time_limit: float = 60.0,
                 structure: StepStructure | None = None,
-                baseline: Simulation | None = None, offload: bool = False) -> PlanOutcome:
+                baseline: Simulation | None = None, offload: bool = False,
+                variants: bool = True) -> PlanOutcome:
     """Pick the plan; ``budget=None`` means the smallest peak memcc can reach.
 
     ``offload``: the step runs on a device provider, so saved values may also be swapped to
@@ -98,7 +102,7 @@ def choose_plan(graph: Graph, budget: int | None, costs: CostModel, *,
     # The step as built fits: no plan can add less than nothing, so no strategy runs.
     fits_as_built = budget is not None and base.peak_bytes <= budget
     planning = None if strategy == "none" or fits_as_built else _prepare(
-        graph, st, base, costs, time_limit, offload)
+        graph, st, base, costs, time_limit, offload, variants)
     try:
         return _choose(planning, base, budget, strategy)
     except BudgetError:
@@ -117,11 +121,11 @@ def choose_plan(graph: Graph, budget: int | None, costs: CostModel, *,
 
 
 def _prepare(graph: Graph, st: StepStructure, base: Simulation, costs: CostModel,
-             time_limit: float, offload: bool = False) -> Planning:
+             time_limit: float, offload: bool = False, variants: bool = True) -> Planning:
     """The problem and the sqrt(n) segmentations (a strategy of their own, and the ILP's
     warm starts): the same for every budget."""
     offload = offload and costs.link is not None
-    pp = build_problem(graph, st, base.liveness, costs, offload=offload)
+    pp = build_problem(graph, st, base.liveness, costs, offload=offload, variants=variants)
     n_units = len(pp.groups)
     every = np.ones(n_units, dtype=bool)
     segmentations = [
@@ -205,6 +209,44 @@ def _finish(base: Simulation, found: list[tuple[str, Simulation]], budget: int |
     return PlanOutcome(best=best, baseline=base, strategy=name, solver=solver_info,
                        candidates=cands, smallest_peak=smallest, requested=strategy,
                        picked=picked, runs=described)
+
+
+def describe_variants(graph: Graph, sim: Simulation, costs: CostModel,
+                      structure: StepStructure | None = None, *,
+                      host_copies: bool = False) -> dict:
+    """What the plan's variants do, per variant kind (``Relu:mask``, ``Conv:chunks4``): how
+    many nodes use it, and the peak bytes saved and predicted seconds added, each measured
+    by simulating the same plan without that kind (so the figures come from the simulator,
+    not from the model). ``exactness`` is the plan's tier: ``exact`` when every variant is
+    bit-identical, else ``equivalent`` with the largest stated ``tolerance``."""
+    from memcc.frontend.gradients.variants import EXACT, lookup
+
+    op_of = {n.name: n.op_type for n in graph.nodes}
+    chosen = {n: v for n, v in sim.plan.variants.items() if v != "default"}
+    by_kind: dict[str, list[str]] = {}
+    tiers: list[tuple[str, float]] = []
+    for node, name in sorted(chosen.items()):
+        variant = lookup(op_of.get(node, ""), name)
+        if variant is None:
+            continue
+        by_kind.setdefault(variant.key, []).append(node)
+        tiers.append((variant.tier, variant.tolerance))
+    kinds = {}
+    for key, nodes in sorted(by_kind.items()):
+        rest = {n: v for n, v in chosen.items() if n not in nodes}
+        without = simulate(graph, replace(sim.plan, variants=rest), costs, structure,
+                           host_copies=host_copies)
+        kinds[key] = {"nodes": len(nodes),
+                      "bytes_saved": without.peak_bytes - sim.peak_bytes,
+                      "added_time_s": sim.added_time_s - without.added_time_s,
+                      "tier": lookup(*key.split(":", 1)).tier}  # type: ignore[union-attr]
+    inexact = [t for t in tiers if t[0] != EXACT]
+    return {
+        "chosen": dict(sorted(chosen.items())),
+        "by_kind": kinds,
+        "exactness": max((t for t, _ in inexact), default=EXACT),
+        "tolerance": max((tol for _, tol in inexact), default=0.0),
+    }
 
 
 def _fmt(n: float | None) -> str:

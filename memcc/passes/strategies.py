@@ -25,6 +25,7 @@ from memcc.passes.solvers import ilp
 from memcc.passes.solvers.offload_terms import OffloadVars
 from memcc.passes.solvers.problem import Problem, Solution
 from memcc.passes.solvers.recompute_terms import RecomputeUnits
+from memcc.passes.solvers.variant_terms import VariantVars
 
 TIGHTEN_ROUNDS = 10
 POLISH_CANDIDATES = 64
@@ -34,12 +35,14 @@ POLISH_SHARE = 0.25
 
 @dataclass(frozen=True)
 class PlanProblem:
-    """The array problem plus the mapping from its variables back to forward nodes (and,
-    on a device provider, to the values it may swap out)."""
+    """The array problem plus the mapping from its variables back to forward nodes, to the
+    gradient-rule variants it may choose and, on a device provider, to the values it may
+    swap out."""
 
     problem: Problem
     units: RecomputeUnits
     offload: OffloadVars = field(default_factory=lambda: OffloadVars({}))
+    variants: VariantVars = field(default_factory=VariantVars)
 
     @property
     def groups(self) -> tuple[tuple[str, ...], ...]:
@@ -50,7 +53,10 @@ class PlanProblem:
         plan = self.plan_units(self.units.units_of(x), strategy, **notes)
         swapped = {v: Offload("host") for var, v in self.offload.value_of.items()
                    if x[var] > 0.5}
-        return replace(plan, offload=swapped) if swapped else plan
+        chosen = dict(c for var, c in self.variants.choice_of.items() if x[var] > 0.5)
+        if swapped:
+            plan = replace(plan, offload=swapped)
+        return replace(plan, variants=chosen) if chosen else plan
 
     def starts(self, sims: list[Simulation], graph: Graph) -> list[np.ndarray]:
         """Warm starts for the ILP from plans already simulated."""

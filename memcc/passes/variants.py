@@ -100,10 +100,12 @@ def applicable_variants(graph: Graph, node: onnx.NodeProto,
     """The variants a plan may choose for ``node`` on this step."""
     if substitutable(graph, node, rules) is not None:
         return []
-    return variants_for(_context(graph, node, detached_prefix=""), node)
+    return variants_for(variant_context(graph, node, detached_prefix=""), node)
 
 
-def _context(graph: Graph, node: onnx.NodeProto, detached_prefix: str) -> VariantContext:
+def variant_context(graph: Graph, node: onnx.NodeProto, detached_prefix: str) -> VariantContext:
+    """A context that emits ``node``'s variant rule into detached node lists (backward and
+    forward extras), with the rule's recorded needs; nothing is added to ``graph.nodes``."""
     _, gins = rule_io(node) or ([], [])
     wants = {i for i, g in zip(node.input, gins, strict=False) if i and g}
     back = Emitter(graph, prefix=detached_prefix, detached=True)
@@ -126,7 +128,7 @@ def apply_variants(graph: Graph, plan: Plan) -> VariantResult:
         variant = lookup(node.op_type, vname)
         assert variant is not None  # variant_problems ran first
         gouts, gins = rule_io(node)  # type: ignore[misc]
-        ctx = _context(out, node, f"{name}/{vname}/")
+        ctx = variant_context(out, node, f"{name}/{vname}/")
         new = variant.rule(ctx, node, [g or None for g in gouts])
         back_nodes = list(ctx.emit.nodes)
         fwd_nodes = list(ctx.forward.nodes) if ctx.forward is not None else []

@@ -161,7 +161,7 @@ def _matrix(problem: Problem, rows: list[int], budget: float, objective: str):
     tolerances mean the same on a 100 MB and a 100 GB step."""
     n = problem.n_vars
     scale = max(float(problem.base.max(initial=1.0)), 1.0)
-    cost_scale = max(float(problem.cost.sum()), 1e-12)
+    cost_scale = max(float(np.abs(problem.cost).sum()), 1e-12)  # variants may save time
     binary = problem.binary
     cost = problem.cost / cost_scale + 1e-9 * binary
     if problem.preference is not None and n:
