@@ -231,21 +231,25 @@ def best_of_all(p: Planning, budget: int | None) -> Found:
 def _polish(p: Planning, found: list[tuple[str, Simulation]], budget: float,
             deadline: float) -> tuple[Simulation, str] | None:
     """Start from the cheapest fitting plans and stop recomputing their most expensive nodes
-    one by one while the simulator says the step still fits (exact, so it never breaks a
-    plan). Several starts, because the cheapest plan is not always the one that polishes
-    best (a sqrt(n) plan with more segments may shed more). Returns the best polished plan
-    and the strategy of the plan it started from (the report names it: ``sqrtn+polish``)."""
+    one by one, then drop their time-costing variants, while the simulator says the step
+    still fits (exact, so it never breaks a plan). Several starts, because the cheapest
+    plan is not always the one that polishes best (a sqrt(n) plan with more segments may
+    shed more). Returns the best polished plan and the strategy of the plan it started
+    from (the report names it: ``sqrtn+polish``)."""
     pp = p.model
     fitting = sorted(((name, sim) for name, sim in found
-                      if sim.peak_bytes <= budget and sim.plan.recompute),
+                      if sim.peak_bytes <= budget and (sim.plan.recompute
+                                                       or sim.plan.variants)),
                      key=lambda q: q[1].added_time_s)
+    variant_cost = {c: float(pp.problem.cost[var]) for var, c in pp.variants.choice_of.items()}
     index = {n: i for i, g in enumerate(pp.groups) for n in g}
     best: tuple[Simulation, str] | None = None
     seen: set[frozenset[str]] = set()
     for start_name, start in fitting[:POLISH_STARTS]:
-        if start.plan.recompute in seen:
+        key = (start.plan.recompute, frozenset(start.plan.variants.items()))
+        if key in seen:
             continue
-        seen.add(start.plan.recompute)
+        seen.add(key)
         chosen = set(start.plan.recompute)
         groups = {index[n] for n in chosen if n in index}
         order = sorted(groups, key=lambda i: -pp.units.unit_cost[i])[:POLISH_CANDIDATES]
@@ -254,9 +258,22 @@ def _polish(p: Planning, found: list[tuple[str, Simulation]], budget: float,
             if time.perf_counter() > deadline:
                 break
             trial = chosen - set(pp.groups[i])
-            sim = p.simulate(replace(start.plan, recompute=frozenset(trial), strategy="auto"))
+            sim = p.simulate(replace(current.plan, recompute=frozenset(trial),
+                                     strategy="auto"))
             if sim.peak_bytes <= budget and sim.added_time_s < current.added_time_s:
                 chosen, current = trial, sim
+        # Then the variants that cost time, dearest first: the model may have credited one
+        # with a saving the simulator does not see.
+        dear = sorted((n for n, v in current.plan.variants.items()
+                       if variant_cost.get((n, v), 0.0) > 0),
+                      key=lambda n: -variant_cost[(n, current.plan.variants[n])])
+        for node in dear[:POLISH_CANDIDATES]:
+            if time.perf_counter() > deadline:
+                break
+            rest = {n: v for n, v in current.plan.variants.items() if n != node}
+            sim = p.simulate(replace(current.plan, variants=rest, strategy="auto"))
+            if sim.peak_bytes <= budget and sim.added_time_s < current.added_time_s:
+                current = sim
         if current is not start and (best is None
                                      or current.added_time_s < best[0].added_time_s):
             best = (current, start_name)
