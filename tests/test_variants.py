@@ -1,0 +1,398 @@
+"""Operator variants against the default gradient rule and against torch autograd.
+
+Each variant replaces a forward node's default rule (``passes/variants.py``). Its loss and
+gradients must equal the default rule's bit for bit when it is ``exact``, and lie within its
+stated relative ``tolerance`` when it is ``equivalent`` (error measured per tensor as
+max |variant - default| / max |default|). Every comparison runs in fresh CPU sessions at 1 and
+at 2 intra-op threads (``threads.run_once``), and each family is also held to torch.
+
+Zoo steps are built with SGD and their gradient values (``TrainingStep.gradients``) added
+as outputs: with ``--optimizer none`` the build renames parameter gradients to ``P.grad``
+after recording the rule's results, so rules that return a parameter gradient could not be
+substituted there. Norm parameters are set to random values (scale ~ N(1, 0.3), bias ~
+N(0, 0.3)): at the zoo's initial scale 1 and bias 0 the inverted norms are bit-exact, which
+would test nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import onnx
+import pytest
+import torch
+import torch.nn.functional as F
+from gradcheck import FLOAT, grad_graph, make_model, torch_grads, upstream_weight
+from onnx import helper, numpy_helper
+from threads import run_once
+from torch_reference import torch_loss_and_grads
+
+from memcc.frontend.build import BuildOptions, build_training_step
+from memcc.frontend.gradients.variant_rules import CONV_CHUNKS
+from memcc.frontend.gradients.variants import (
+    EQUIVALENT,
+    EXACT,
+    TIERS,
+    VARIANTS,
+    Variant,
+    load_variants,
+    lookup,
+)
+from memcc.frontend.load import load_graph
+from memcc.graph import Graph
+from memcc.passes.lowering import lower
+from memcc.passes.plan import Plan, StepStructure
+from memcc.passes.variants import applicable_variants, apply_variants, rule_nodes
+from memcc.step import TrainingStep
+from models import build_model, make_feeds, make_labels
+
+THREADS = (1, 2)
+Outputs = dict[str, np.ndarray]
+
+
+# ---------------------------------------------------------------------------- helpers
+def rel_err(got: np.ndarray, ref: np.ndarray, floor: float = 0.0) -> float:
+    got64, ref64 = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    scale = max(float(np.abs(ref64).max(initial=0.0)), floor, 1e-30)
+    return float(np.abs(got64 - ref64).max(initial=0.0)) / scale
+
+
+def check_variant(ref: Graph, var: Graph, feeds: dict[str, np.ndarray], names: list[str],
+                  variant: Variant) -> dict[int, Outputs]:
+    """The variant step's ``names`` equal the default step's (``exact``) or lie within the
+    variant's tolerance (``equivalent``) at every thread count; returns its outputs."""
+    base = run_once(ref, feeds, 1)
+    outs = {}
+    for threads in THREADS:
+        out = run_once(var, feeds, threads)
+        for name in names:
+            a, b = out[name], base[name]
+            assert np.isfinite(a).all(), f"{variant.key}: {name} not finite"
+            if variant.tier == EXACT:
+                assert np.array_equal(a, b), \
+                    f"{variant.key} at {threads} threads: {name} differs from the default"
+            else:
+                err = rel_err(a, b)
+                assert err <= variant.tolerance, (f"{variant.key} at {threads} threads: "
+                                                  f"{name} relative error {err:.2e}")
+        outs[threads] = out
+    return outs
+
+
+def zoo_step(model: onnx.ModelProto) -> tuple[Graph, dict[str, np.ndarray], dict[str, str]]:
+    """SGD training step with every parameter's gradient added as an output."""
+    g = build_training_step(load_graph(model), BuildOptions(optimizer="sgd"))
+    grads = TrainingStep(g).gradients()
+    g.outputs = list(g.outputs) + [v for v in dict.fromkeys(grads.values())
+                                   if v not in g.outputs]
+    feeds = {**make_feeds(model, seed=0), "labels": make_labels(model, seed=0)}
+    return g, feeds, grads
+
+
+def forward_nodes(g: Graph, op: str) -> list[str]:
+    st = StepStructure.of(g)
+    return [n.name for n in g.nodes if n.op_type == op and n.name in st.forward]
+
+
+def lowered(g: Graph, variants: dict[str, str]) -> Graph:
+    return lower(g, Plan(variants=variants), StepStructure.of(g), check="full").graph
+
+
+def randomize_norm_params(model: onnx.ModelProto, op: str, seed: int = 1) -> onnx.ModelProto:
+    """Give every ``op`` node's scale and bias initializer trained-looking random values."""
+    rng = np.random.default_rng(seed)
+    roles = {}
+    for n in model.graph.node:
+        if n.op_type == op:
+            roles[n.input[1]] = 1.0
+            if len(n.input) > 2 and n.input[2]:
+                roles[n.input[2]] = 0.0
+    for t in model.graph.initializer:
+        if t.name in roles:
+            a = numpy_helper.to_array(t)
+            v = rng.normal(roles[t.name], 0.3, a.shape).astype(a.dtype)
+            t.CopyFrom(numpy_helper.from_array(v, t.name))
+    return model
+
+
+def assert_matches_torch(where: str, out: Outputs, grads: dict[str, str], ref_loss: float,
+                         ref: dict[str, np.ndarray], rtol: float = 1e-3) -> None:
+    """Loss and gradients against torch (float64), as tests/test_models_grad.py does."""
+    assert abs(float(out["loss"]) - ref_loss) <= 1e-4 * max(1.0, abs(ref_loss)), where
+    floor = 1e-3 * max(float(np.abs(g).max()) for g in ref.values())
+    for p, g in ref.items():
+        err = rel_err(out[grads[p]], g, floor)
+        assert err <= rtol, f"{where}: {p}: relative error {err:.2e} against torch"
+
+
+def hand_built(op: str, feeds: dict[str, np.ndarray], wrt: list[str], opset: int = 17,
+               **attrs) -> Graph:
+    """``y = op(*feeds)`` differentiated with loss sum(y * w), node named ``op``."""
+    outputs = ["y", "rm", "rv"] if attrs.get("training_mode") else ["y"]
+    node = helper.make_node(op, list(feeds), outputs, name="op", **attrs)
+    ins = [(k, FLOAT, list(v.shape)) for k, v in feeds.items()]
+    if op == "BatchNormalization":  # shape inference leaves training mode's y unknown
+        shape = list(feeds["x"].shape)
+    else:
+        probe = load_graph(make_model([node], ins, [("y", FLOAT, None)], opset=opset))
+        shape = list(probe.info["y"].shape)
+    return grad_graph(make_model([node], ins, [("y", FLOAT, shape)], opset=opset), wrt)
+
+
+def check_hand_built(op: str, vname: str, feeds: dict[str, np.ndarray], wrt: list[str],
+                     fn: Callable, opset: int = 17, rtol: float = 1e-4, **attrs) -> None:
+    """Variant vs default (tier), then vs torch float32 (``rtol``) at every thread count."""
+    ref = hand_built(op, feeds, wrt, opset, **attrs)
+    var = apply_variants(ref, Plan(variants={"op": vname})).graph
+    variant = lookup(op, vname)
+    assert variant is not None
+    outs = check_variant(ref, var, feeds, list(ref.outputs), variant)
+    torch_loss, torch_g = torch_grads(fn, feeds, wrt)
+    for out in outs.values():
+        assert abs(float(out[var.outputs[0]]) - torch_loss) <= 1e-4 * max(1.0, abs(torch_loss))
+        for name, out_name in zip(wrt, var.outputs[1:], strict=True):
+            err = rel_err(out[out_name], torch_g[name])
+            assert err <= rtol, f"{op}:{vname} {name}: {err:.2e} against torch"
+
+
+def rand(rng: np.random.Generator, *shape: int) -> np.ndarray:
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+# ---------------------------------------------------------------------------- registry
+def test_every_variant_states_a_valid_tier_and_its_tolerance():
+    load_variants()
+    keys = {v.key for table in VARIANTS.values() for v in table.values()}
+    assert {f"Conv:chunks{k}" for k in CONV_CHUNKS} <= keys
+    assert {"LayerNormalization:inverted", "BatchNormalization:inverted",
+            "Sigmoid:from_input", "Tanh:from_input", "Exp:from_input",
+            "Softmax:from_input"} <= keys
+    for table in VARIANTS.values():
+        for v in table.values():
+            assert v.tier in TIERS, v.key
+            assert v.summary, f"{v.key}: no docstring summary"
+            if v.tier == EQUIVALENT:
+                assert 0 < v.tolerance <= 1e-3, v.key
+            if v.tier == EXACT:
+                assert v.tolerance == 0, v.key
+
+
+# ---------------------------------------------------------------------------- conv chunks
+CONV_CASES = {
+    # name: (x shape, w shape, attrs, bias, chunk count); batches not divisible by k included
+    "2d-grouped-strided-dilated-bias": ((5, 4, 9, 8), (6, 2, 3, 3),
+                                        dict(group=2, strides=[2, 1], pads=[1, 1, 1, 1],
+                                             dilations=[1, 2]), True, 2),
+    "2d-depthwise-uneven": ((7, 4, 6, 6), (4, 1, 3, 3),
+                            dict(group=4, pads=[1, 1, 1, 1]), False, 4),
+    "1d-same-upper": ((8, 3, 11), (5, 3, 4), dict(auto_pad="SAME_UPPER", strides=[2]), True, 8),
+    "3d": ((4, 2, 5, 4, 6), (3, 2, 2, 3, 2), dict(strides=[1, 2, 1]), False, 4),
+}
+
+
+def _torch_conv(x_shape: tuple[int, ...], attrs: dict) -> Callable:
+    conv = {3: F.conv1d, 4: F.conv2d, 5: F.conv3d}[len(x_shape)]
+
+    def fn(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        if attrs.get("auto_pad") == "SAME_UPPER":  # SAME_UPPER: extra pad at the end
+            total = max(0, (-(-x.shape[2] // attrs["strides"][0]) - 1) * attrs["strides"][0]
+                        + w.shape[2] - x.shape[2])
+            x = F.pad(x, (total // 2, total - total // 2))
+            return conv(x, w, b, stride=attrs["strides"])
+        nd = len(x_shape) - 2
+        pads = attrs.get("pads", [0] * 2 * nd)
+        return conv(x, w, b, stride=attrs.get("strides", 1), padding=pads[:nd],
+                    dilation=attrs.get("dilations", 1), groups=attrs.get("group", 1))
+
+    return fn
+
+
+@pytest.mark.parametrize("case", list(CONV_CASES))
+def test_conv_chunks_hand_built(case):
+    x_shape, w_shape, attrs, bias, k = CONV_CASES[case]
+    rng = np.random.default_rng(0)
+    feeds = {"x": rand(rng, *x_shape), "w": rand(rng, *w_shape)}
+    if bias:
+        feeds["b"] = rand(rng, w_shape[0])
+    check_hand_built("Conv", f"chunks{k}", feeds, list(feeds), _torch_conv(x_shape, attrs),
+                     opset=13 if bias else 17, kernel_shape=list(w_shape[2:]), **attrs)
+
+
+@pytest.fixture(scope="module")
+def resnet():
+    model = build_model("resnet18", batch=8, resolution=32, width=8)
+    return model, *zoo_step(model)
+
+
+@pytest.mark.parametrize("k", CONV_CHUNKS)
+def test_conv_chunks_on_resnet(resnet, k):
+    """Every Conv of a ResNet-18 step chunked; chunks4 is also held to torch (float64)."""
+    model, g, feeds, grads = resnet
+    convs = forward_nodes(g, "Conv")
+    low = lowered(g, {c: f"chunks{k}" for c in convs})
+    by_name = {n.name: n for n in low.nodes}
+    for c in convs:  # k batch slices of the input per Conv, one per chunk
+        x = by_name[c].input[0]
+        mine = [n for n in low.nodes if n.name.startswith(f"{c}/chunks{k}/")]
+        assert sum(n.op_type == "Slice" and n.input[0] == x for n in mine) == k
+    variant = lookup("Conv", f"chunks{k}")
+    assert variant is not None
+    outs = check_variant(g, low, feeds, ["loss", *grads.values()], variant)
+    if k == 4:
+        data = {n: v for n, v in feeds.items() if n != "labels"}
+        ref_loss, ref = torch_loss_and_grads(model, data, labels=feeds["labels"], double=True)
+        for threads, out in outs.items():
+            assert_matches_torch(f"chunks4 at {threads} threads", out, grads, ref_loss, ref)
+
+
+def test_conv_chunks_apply_only_to_batches_of_at_least_k():
+    g, _, _ = zoo_step(build_model("resnet18", batch=4, resolution=16, width=4,
+                                   blocks=[1, 1, 1, 1]))
+    rules = rule_nodes(g)
+    conv = next(n for n in g.nodes if n.name == forward_nodes(g, "Conv")[1])
+    names = {v.name for v in applicable_variants(g, conv, rules)}
+    assert {"chunks2", "chunks4"} <= names and "chunks8" not in names
+
+
+# ---------------------------------------------------------------------------- inverted norms
+def test_layernorm_inverted_on_gpt2():
+    """All LayerNorms of a GPT-2 step inverted: within 1e-5 of the default, and torch's."""
+    model = randomize_norm_params(
+        build_model("gpt2", batch=2, seq_len=32, width=64, depth=2, heads=4, vocab_size=128),
+        "LayerNormalization")
+    g, feeds, grads = zoo_step(model)
+    lns = forward_nodes(g, "LayerNormalization")
+    assert len(lns) == 5
+    low = lowered(g, {n: "inverted" for n in lns})
+    # The backward no longer reads the LayerNorms' inputs.
+    back = [n for n in low.nodes if "/inverted/" in n.name]
+    ins = {n.input[0] for n in low.nodes if n.name in lns}
+    assert back and not ins & {i for n in back for i in n.input}
+    variant = lookup("LayerNormalization", "inverted")
+    assert variant is not None and variant.tolerance <= 1e-5
+    outs = check_variant(g, low, feeds, ["loss", *grads.values()], variant)
+    data = {n: v for n, v in feeds.items() if n != "labels"}
+    ref_loss, ref = torch_loss_and_grads(model, data, labels=feeds["labels"], double=True)
+    for threads, out in outs.items():
+        assert_matches_torch(f"LayerNorm inverted at {threads} threads", out, grads,
+                             ref_loss, ref)
+
+
+def _layernorm_feeds(rng: np.random.Generator, zero: bool) -> dict[str, np.ndarray]:
+    scale = (1.0 + 0.3 * rng.standard_normal(6)).astype(np.float32)
+    if zero:
+        scale[2] = 0.0
+    return {"x": rand(rng, 3, 4, 6), "s": scale,
+            "b": (0.3 * rng.standard_normal(6)).astype(np.float32)}
+
+
+def test_layernorm_inverted_hand_built_and_a_zero_scale_stays_finite():
+    rng = np.random.default_rng(2)
+    feeds = _layernorm_feeds(rng, zero=False)
+
+    def fn(x: torch.Tensor, s: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, (6,), s, b, eps=1e-5)
+
+    check_hand_built("LayerNormalization", "inverted", feeds, ["x", "s", "b"], fn,
+                     axis=-1, epsilon=1e-5)
+    # Scale 0 in channel 2: finite everywhere; only channel 2's scale gradient and the input
+    # gradient at channel 2 (which needs that channel's xhat) may differ from the default.
+    feeds = _layernorm_feeds(rng, zero=True)
+    ref = hand_built("LayerNormalization", feeds, ["x", "s", "b"], axis=-1, epsilon=1e-5)
+    var = apply_variants(ref, Plan(variants={"op": "inverted"})).graph
+    a, b = run_once(ref, feeds, 1), run_once(var, feeds, 1)
+    _, gx, gs, gb = var.outputs
+    assert all(np.isfinite(v).all() for v in b.values())
+    keep = [c for c in range(6) if c != 2]
+    assert rel_err(b[gs][keep], a[gs][keep]) <= 1e-5
+    assert rel_err(b[gb], a[gb]) <= 1e-5
+    assert rel_err(b[gx][..., keep], a[gx][..., keep]) <= 1e-5
+
+
+def test_batchnorm_inverted_on_resnet_with_bn_training():
+    model = randomize_norm_params(
+        build_model("resnet18", batch=8, resolution=32, width=8, bn_training=True),
+        "BatchNormalization")
+    g, feeds, grads = zoo_step(model)
+    bns = forward_nodes(g, "BatchNormalization")
+    low = lowered(g, {n: "inverted" for n in bns})
+    fwd = [n for n in low.nodes if "/inverted/fwd/" in n.name]
+    assert fwd and {n.op_type for n in fwd} >= {"ReduceSumSquare", "Reciprocal"}
+    variant = lookup("BatchNormalization", "inverted")
+    assert variant is not None
+    outs = check_variant(g, low, feeds, ["loss", *grads.values()], variant)
+    data = {n: v for n, v in feeds.items() if n != "labels"}
+    ref_loss, ref = torch_loss_and_grads(model, data, labels=feeds["labels"], double=True)
+    for threads, out in outs.items():
+        assert_matches_torch(f"BatchNorm inverted at {threads} threads", out, grads,
+                             ref_loss, ref)
+
+
+def test_batchnorm_inverted_hand_built_and_inference_mode_is_not_covered():
+    rng = np.random.default_rng(3)
+    c = 5
+    scale = (1.0 + 0.3 * rng.standard_normal(c)).astype(np.float32)
+    scale[1] = 0.0  # guarded: finite, channel 1's scale gradient inexact
+    feeds = {"x": rand(rng, 4, c, 3, 3), "s": scale,
+             "b": (0.3 * rng.standard_normal(c)).astype(np.float32),
+             "m": np.zeros(c, np.float32), "v": np.ones(c, np.float32)}
+    ref = hand_built("BatchNormalization", feeds, ["x", "s", "b"], opset=15, training_mode=1)
+    var = apply_variants(ref, Plan(variants={"op": "inverted"})).graph
+    a, b = run_once(ref, feeds, 1), run_once(var, feeds, 1)
+    _, gx, gs, gb = var.outputs
+    assert all(np.isfinite(v).all() for v in b.values())
+    keep = [k for k in range(c) if k != 1]
+    assert rel_err(b[gs][keep], a[gs][keep]) <= 1e-5
+    assert rel_err(b[gb], a[gb]) <= 1e-5
+    assert rel_err(b[gx][:, keep], a[gx][:, keep]) <= 1e-5
+    t = {k: torch.tensor(v, requires_grad=k in ("x", "s", "b")) for k, v in feeds.items()}
+    y = F.batch_norm(t["x"], t["m"].clone(), t["v"].clone(), t["s"], t["b"], training=True)
+    (y * torch.tensor(upstream_weight(tuple(y.shape)))).sum().backward()
+    assert rel_err(b[gs][keep], t["s"].grad.numpy()[keep]) <= 1e-4
+    assert rel_err(b[gx][:, keep], t["x"].grad.numpy()[:, keep]) <= 1e-4
+
+    inference = hand_built("BatchNormalization", feeds, ["x", "s", "b"], opset=15)
+    node = next(n for n in inference.nodes if n.name == "op")
+    names = {v.name for v in applicable_variants(inference, node, rule_nodes(inference))}
+    assert "inverted" not in names
+
+
+# ---------------------------------------------------------------------------- from input
+FROM_INPUT = {
+    "Sigmoid": (dict(), torch.sigmoid),
+    "Tanh": (dict(), torch.tanh),
+    "Exp": (dict(), torch.exp),
+    "Softmax": (dict(axis=1), lambda x: torch.softmax(x, dim=1)),
+}
+
+
+@pytest.mark.parametrize("op", list(FROM_INPUT))
+def test_from_input_is_bit_exact_hand_built(op):
+    attrs, fn = FROM_INPUT[op]
+    feeds = {"x": rand(np.random.default_rng(4), 3, 7, 5)}
+    check_hand_built(op, "from_input", feeds, ["x"], fn, rtol=1e-5, **attrs)
+
+
+def test_softmax_from_input_before_opset_13_coerces_like_the_op():
+    """Opset 11 Softmax normalizes over all axes from ``axis``: the recompute copies it."""
+    feeds = {"x": rand(np.random.default_rng(5), 2, 3, 4)}
+    check_hand_built("Softmax", "from_input", feeds, ["x"],
+                     lambda x: torch.softmax(x.reshape(2, 12), 1).reshape(2, 3, 4),
+                     opset=11, rtol=1e-5, axis=1)
+
+
+def test_from_input_on_gpt2_is_bit_exact():
+    """GPT-2's attention Softmax and GELU Tanh: the backward reads x, not y, same bits."""
+    model = build_model("gpt2", batch=2, seq_len=16, width=32, depth=1, heads=2,
+                        vocab_size=64)
+    g, feeds, grads = zoo_step(model)
+    chosen = {n: "from_input" for op in ("Softmax", "Tanh") for n in forward_nodes(g, op)}
+    assert len(chosen) == 2
+    low = lowered(g, chosen)
+    for node in (n for n in low.nodes if n.name in chosen):
+        readers = [n for n in low.nodes if node.output[0] in n.input]
+        assert all("/from_input/" not in n.name for n in readers)
+    variant = lookup("Softmax", "from_input")
+    assert variant is not None
+    check_variant(g, low, feeds, ["loss", *grads.values()], variant)
