@@ -2,7 +2,8 @@
 
 Old-style plans (a set of forward nodes to recompute) keep working and lower to the very
 graph ``apply_recompute`` produced; the per-value actions are a view of the same plan; the
-passes refuse what they cannot do yet (variants, offload) with a clear error, and their
+passes refuse what they cannot do (an unknown variant, an offload of a value that is
+not saved) with a clear error, and their
 ``ensures`` catch a pass that breaks the graph.
 """
 
@@ -134,10 +135,10 @@ def test_simulate_is_lowering_plus_liveness(step):
     assert sim.cloned_nodes and sim.added_time_s > 0
 
 
-def test_variants_other_than_the_default_are_refused_clearly(step):
+def test_variants_that_do_not_exist_are_refused_clearly(step):
     g, st = step
-    node = sorted(st.forward)[0]
-    with pytest.raises(LoweringError, match="operator variants are not implemented yet"):
+    node = next(n.name for n in g.nodes if n.op_type == "Relu")
+    with pytest.raises(LoweringError, match="has no variant 'inverted'"):
         lower(g, Plan(variants={node: "inverted"}), st)
     with pytest.raises(LoweringError, match="not forward nodes"):
         lower(g, Plan(variants={"no-such-node": "default"}), st)

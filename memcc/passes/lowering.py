@@ -65,15 +65,6 @@ def _fail(pass_name: str, what: str, problems: list[str]) -> None:
         raise LoweringError(f"{pass_name}: {what}: {'; '.join(problems[:3])}{more}")
 
 
-def _not_implemented(pass_name: str, what: str, why: str, asked: list[str]) -> None:
-    """Refuse a decision kind the lowering cannot realise yet, naming what the plan asked
-    (``what`` is the subject of "... not implemented yet", verb included)."""
-    if asked:
-        more = " ..." if len(asked) > 3 else ""
-        raise LoweringError(f"{pass_name}: {what} not implemented yet ({why}); the plan "
-                            f"asks for {len(asked)}: {', '.join(asked[:3])}{more}")
-
-
 def _ensure_rewrite(pass_name: str, after: Graph, st: StepStructure, full: bool,
                     replaced: tuple[str, ...], what: str, where: str) -> None:
     """A rewrite that hands backward readers another copy of ``replaced`` values: the

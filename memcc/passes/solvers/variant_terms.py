@@ -113,9 +113,6 @@ def add_variant_terms(builder: ProblemBuilder, graph: Graph, st: StepStructure,
     du = graph.def_use()
     pos = {id(n): i for i, n in enumerate(nodes)}
     values = live.values
-    sharing: dict[str, int] = defaultdict(int)
-    for vl in values.values():
-        sharing[vl.buffer] += 1
     outputs = set(graph.outputs)
     rules = rule_nodes(graph)
     unit_vars: dict[int, list[int]] = defaultdict(list)
@@ -128,12 +125,20 @@ def add_variant_terms(builder: ProblemBuilder, graph: Graph, st: StepStructure,
         p = du.producer.get(v)
         return p is not None and p.name in st.forward and p.op_type != "Constant"
 
-    def owned(v: str):
+    members: dict[str, list[str]] = defaultdict(list)
+    for name, vl in values.items():
+        members[vl.buffer].append(name)
+
+    def buffer_of(v: str):
+        """The buffer holding ``v`` (itself, or the one it aliases / was written into)
+        when that buffer is freed during the step."""
         vl = values.get(v)
-        if (vl is None or vl.buffer != v or sharing[v] != 1 or vl.death is None
-                or v in outputs):
+        if vl is None:
             return None
-        return vl
+        bl = values.get(vl.buffer)
+        if bl is None or bl.death is None or any(m in outputs for m in members[vl.buffer]):
+            return None
+        return bl
 
     out = VariantVars()
     for node in nodes:
@@ -173,7 +178,9 @@ def add_variant_terms(builder: ProblemBuilder, graph: Graph, st: StepStructure,
             if em is None:
                 continue
             made_fwd = {o for n in em.fwd for o in n.output if o}
-            reads_variant = {v for v in _external_reads(em.back) | _external_reads(em.fwd)
+            # What its backward reads (its forward nodes read right after the node, where
+            # the values they read are live anyway).
+            reads_variant = {v for v in _external_reads(em.back)
                              if forward_value(v)} - grads - made_fwd
             view_graph = Graph(nodes=nodes, inputs=graph.inputs, outputs=graph.outputs,
                                initializers=graph.initializers, info=em.info,
@@ -193,20 +200,21 @@ def add_variant_terms(builder: ProblemBuilder, graph: Graph, st: StepStructure,
             # Saved values the variant no longer reads.
             changed: set[str] = set()
             for v in reads_default - reads_variant:
-                vl = owned(v)
-                if vl is None:
+                bl = buffer_of(v)
+                if bl is None:
                     continue
-                others = [pos[id(r)] for r in du.readers.get(v, ()) if id(r) not in old_ids]
-                end = max(others + [vl.birth])
-                if end < vl.death:
-                    builder.term(var, -float(vl.nbytes), end + 1, vl.death)
-                    changed.add(v)
+                others = [pos[id(r)] for m in members[bl.name] for r in du.readers.get(m, ())
+                          if id(r) not in old_ids]
+                end = max(others + [bl.birth])
+                if end < bl.death:
+                    builder.term(var, -float(bl.nbytes), end + 1, bl.death)
+                    changed.update(members[bl.name])
             # Saved values it reads that the default does not, held to the rule's end.
             for v in reads_variant - reads_default:
-                vl = values.get(v)
                 changed.add(v)
-                if vl is not None and vl.death is not None and vl.death < b:
-                    builder.term(var, float(values[vl.buffer].nbytes), vl.death + 1, b)
+                bl = buffer_of(v)
+                if bl is not None and bl.death < b:
+                    builder.term(var, float(bl.nbytes), bl.death + 1, b)
             # Values it adds to the forward pass that its backward reads.
             back_reads = _external_reads(em.back)
             for n in em.fwd:
@@ -216,7 +224,8 @@ def add_variant_terms(builder: ProblemBuilder, graph: Graph, st: StepStructure,
             # Rows: not with recompute of the node or of producers whose values it changes,
             # nor with offloading what either rule reads.
             excluded = {unit_of_node.get(node.name)}
-            excluded |= {unit_of_node.get(du.producer[v].name) for v in changed}
+            excluded |= {unit_of_node.get(du.producer[v].name) for v in changed
+                         if v in du.producer}
             for u in sorted(x for x in excluded if x is not None):
                 if unit_vars[u]:
                     builder.row({var: 1.0, **dict.fromkeys(unit_vars[u], 1.0)}, 1.0)

@@ -1,0 +1,182 @@
+"""Variants in the planner: the ILP chooses them with recompute, the lowering realises
+them, the report describes them, and ``--verify`` holds them to their tier.
+
+(The numerics of each variant against the default rule and PyTorch: tests/test_variants.py.)
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from memcc.backend.runner import synthetic_feeds
+from memcc.backend.verify import compare_outputs, step_outputs
+from memcc.compiler import CompileOptions, compile_model
+from memcc.frontend.build import BuildOptions, build_training_step
+from memcc.frontend.load import load_graph
+from memcc.passes.cost_model import NOMINAL_CPU, analytic_costs
+from memcc.passes.lowering import LoweringError, lower
+from memcc.passes.plan import Plan, StepStructure
+from memcc.passes.planner import build_problem, choose_plan
+from memcc.passes.simulate import simulate
+from memcc.passes.variants import apply_variants
+from models import build_model
+
+
+def _relu_then_scale(batch: int = 2048, width: int = 64) -> onnx.ModelProto:
+    """x @ W1 -> Relu -> * 2 -> @ W2 -> Tanh -> @ W3: the Relu's output is saved only for
+    the Relu's own backward (Mul by a constant needs none), so a 1-byte mask frees it for
+    the whole rest of the step, while recomputing it means re-running the MatMul in front
+    (its input h dies after the Relu)."""
+    rng = np.random.default_rng(0)
+
+    def weight(name: str, shape: tuple[int, int]) -> onnx.TensorProto:
+        return numpy_helper.from_array(
+            (rng.standard_normal(shape) * 0.05).astype(np.float32), name)
+
+    two = numpy_helper.from_array(np.asarray(2.0, np.float32), "two")
+    nodes = [
+        helper.make_node("MatMul", ["x", "w1"], ["h"], name="mm1"),
+        helper.make_node("Relu", ["h"], ["r"], name="relu"),
+        helper.make_node("Mul", ["r", "two"], ["m"], name="scale"),
+        helper.make_node("MatMul", ["m", "w2"], ["h2"], name="mm2"),
+        helper.make_node("Tanh", ["h2"], ["t"], name="tanh"),
+        helper.make_node("MatMul", ["t", "w3"], ["y"], name="mm3"),
+    ]
+    g = helper.make_graph(
+        nodes, "relu_scale",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, width])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, 10])],
+        [weight("w1", (width, width)), weight("w2", (width, width)),
+         weight("w3", (width, 10)), two])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.fixture(scope="module")
+def relu_step():
+    g = build_training_step(load_graph(_relu_then_scale()), BuildOptions(optimizer="sgd"))
+    return g, StepStructure.of(g), analytic_costs(g, NOMINAL_CPU)
+
+
+def test_the_ilp_prefers_a_mask_to_recomputing_a_matmul(relu_step):
+    g, st, costs = relu_step
+    base = simulate(g, Plan(), costs, st)
+    r_bytes = g.info["r"].nbytes
+    budget = base.peak_bytes - r_bytes // 2
+    with_variants = choose_plan(g, budget, costs, strategy="ilp", structure=st,
+                                baseline=base)
+    assert with_variants.best.peak_bytes <= budget
+    assert with_variants.best.plan.variants == {"relu": "mask"}
+    assert "mm1" not in with_variants.best.plan.recompute
+    # Without variants the same budget needs the MatMul re-run: dearer.
+    without = choose_plan(g, budget, costs, strategy="ilp", structure=st, baseline=base,
+                          variants=False)
+    assert without.best.peak_bytes <= budget and not without.best.plan.variants
+    assert without.best.added_time_s > with_variants.best.added_time_s
+
+
+def test_a_variant_plan_lowers_to_the_same_numbers_and_keeps_the_forward(relu_step):
+    g, st, _ = relu_step
+    plan = Plan(variants={"relu": "mask"})
+    low = lower(g, plan, st, check="full")
+    after = StepStructure.of(low.graph)
+    assert "r" not in after.saved                 # the float output is no longer handed on
+    assert any(g2.op_type == "Greater" for g2 in low.graph.nodes
+               if g2.name in after.forward)       # the mask is taken in the forward pass
+    assert st.forward <= after.forward
+    feeds = synthetic_feeds(g, seed=0)
+    assert compare_outputs(step_outputs(g, feeds, "cpu"), step_outputs(low.graph, feeds, "cpu"),
+                           exact=True) == []
+    # The input graph is untouched.
+    assert [n.name for n in g.nodes] == [n.name for n in simulate(
+        g, Plan(), analytic_costs(g, NOMINAL_CPU), st).graph.nodes]
+
+
+def test_recompute_after_a_variant_uses_the_step_with_the_variant(relu_step):
+    g, st, costs = relu_step
+    sim = simulate(g, Plan(frozenset({"scale"}), variants={"relu": "mask"}), costs, st)
+    feeds = synthetic_feeds(g, seed=0)
+    assert compare_outputs(step_outputs(g, feeds, "cpu"), step_outputs(sim.graph, feeds, "cpu"),
+                           exact=True) == []
+
+
+def test_bad_variant_requests_are_refused_by_name(relu_step):
+    g, st, _ = relu_step
+    with pytest.raises(LoweringError, match="has no variant 'nope'"):
+        lower(g, Plan(variants={"relu": "nope"}), st)
+    with pytest.raises(LoweringError, match="not forward nodes"):
+        lower(g, Plan(variants={"no-such-node": "mask"}), st)
+    # A step built before rule records existed cannot take variants, and says why.
+    old = g.copy()
+    for n in old.nodes:
+        keep = [p for p in n.metadata_props if p.key not in ("memcc.grad_in",
+                                                             "memcc.grad_out")]
+        del n.metadata_props[:]
+        n.metadata_props.extend(keep)
+    with pytest.raises(LoweringError, match="rebuild it with memcc build"):
+        lower(old, Plan(variants={"relu": "mask"}), StepStructure.of(old))
+
+
+def test_one_variant_per_node_and_only_where_it_applies():
+    g = build_training_step(load_graph(build_model("resnet18", batch=4, resolution=32)),
+                            BuildOptions(optimizer="sgd"))
+    st = StepStructure.of(g)
+    costs = analytic_costs(g, NOMINAL_CPU)
+    base = simulate(g, Plan(), costs, st)
+    pp = build_problem(g, st, base.liveness, costs)
+    chosen = pp.variants.choice_of
+    assert chosen, "resnet18 offers variants (Relu masks at least)"
+    ops = {n.name: n.op_type for n in g.nodes}
+    assert {ops[node] for node, _ in chosen.values()} >= {"Relu"}
+    # Each node's variants form one choice group (at most one is picked).
+    groups = [set(grp.tolist()) for grp in pp.problem.choice_groups]
+    by_node: dict[str, set[int]] = {}
+    for var, (node, _) in chosen.items():
+        by_node.setdefault(node, set()).add(var)
+    for node, vars_ in by_node.items():
+        if len(vars_) > 1:
+            assert vars_ in groups, node
+    # Every candidate lowers and simulates (so the planner can judge it).
+    for node, name in list(chosen.values())[:12]:
+        res = apply_variants(g, Plan(variants={node: name}))
+        assert res.substituted == ((node, f"{ops[node]}:{name}"),)
+        sim = simulate(g, Plan(variants={node: name}), costs, st)
+        assert sim.peak_bytes > 0
+
+
+def test_compile_reports_variants_and_verifies_within_their_tier(tmp_path, relu_step):
+    g, st, costs = relu_step
+    budget = simulate(g, Plan(), costs, st).peak_bytes - g.info["r"].nbytes // 2
+    path = tmp_path / "m.onnx"
+    onnx.save(_relu_then_scale(), path)
+    opts = CompileOptions(budget=budget, cost="analytic", verify=True, margin=0.0,
+                          slack_bytes=0)
+    res = compile_model(path, opts, output=tmp_path / "out.onnx",
+                        report_path=tmp_path / "r.json")
+    report = json.loads((tmp_path / "r.json").read_text())
+    v = report["plan"]["variants"]
+    assert v["chosen"] == {"relu": "mask"}
+    kind = v["by_kind"]["Relu:mask"]
+    assert kind["nodes"] == 1 and kind["bytes_saved"] > 0 and kind["tier"] == "exact"
+    assert v["exactness"] == "exact"
+    assert report["verification"]["ok"]
+    assert report["verification"]["comparison"] == "bit-identical"
+    assert res.graph is not None
+    # --no-variants: the same compile chooses none.
+    res2 = compile_model(path, CompileOptions(budget=budget, cost="analytic", margin=0.0,
+                                              slack_bytes=0, variants=False))
+    assert res2.report["plan"]["variants"]["chosen"] == {}
+
+
+def test_equivalent_outputs_are_checked_against_the_stated_tolerance():
+    a = {"g": np.array([1.0, 2.0, 4.0], np.float32)}
+    close = {"g": np.array([1.0, 2.0, 4.0 + 4e-6], np.float32)}
+    far = {"g": np.array([1.0, 2.0, 4.01], np.float32)}
+    assert compare_outputs(a, close, exact=True)            # not bit-identical
+    assert compare_outputs(a, close, exact=False, tolerance=1e-5) == []
+    assert "beyond the plan's stated tolerance" in compare_outputs(
+        a, far, exact=False, tolerance=1e-5)[0]
