@@ -100,27 +100,29 @@ def compile_plans(step_path: Path, fractions: Sequence[str], strategies: Sequenc
     rows = []
     for frac in fractions:
         budget = "min" if frac == "min" else int(fixed + float(frac) * act)
-        for strategy in strategies:
-            out = tmp / f"{strategy}.{frac}.onnx"
-            row: dict = {"framework": "memcc", "variant": strategy, "fraction": frac,
+        for spec in strategies:
+            # "auto/novar": the same strategy with the default gradient rules only.
+            strategy, _, tag = spec.partition("/")
+            out = tmp / f"{strategy}.{tag or 'var'}.{frac}.onnx"
+            row: dict = {"framework": "memcc", "variant": spec, "fraction": frac,
                          "budget_bytes": None if budget == "min" else budget}
             t0 = time.perf_counter()
             try:
                 res = compile_model(step_path, CompileOptions(
-                    budget=budget, strategy=strategy, time_limit=time_limit, cost=cost),
-                    output=out)
+                    budget=budget, strategy=strategy, time_limit=time_limit, cost=cost,
+                    variants=tag != "novar"), output=out)
             except MemccError as exc:
                 row["compile_s"] = time.perf_counter() - t0
                 smallest = getattr(exc, "smallest", None)
                 row["error"] = (f"does not fit (smallest {mb(smallest)} MB)"
                                 if smallest else f"{type(exc).__name__}: {exc}")
-                log(f"  {strategy} @ {frac}: {row['error']}")
+                log(f"  {spec} @ {frac}: {row['error']}")
                 rows.append(row)
                 continue
             except Exception as exc:  # a planner mid-edit elsewhere: report, keep going
                 row["compile_s"] = time.perf_counter() - t0
                 row["error"] = f"compile crashed: {type(exc).__name__}: {exc}"
-                log(f"  {strategy} @ {frac}: {row['error']}")
+                log(f"  {spec} @ {frac}: {row['error']}")
                 rows.append(row)
                 continue
             plan = res.report["plan"]
@@ -133,9 +135,12 @@ def compile_plans(step_path: Path, fractions: Sequence[str], strategies: Sequenc
                 "fits": plan.get("fits"), "signature": graph_signature(res.graph),
                 "recomputed_nodes": len(plan.get("recomputed_nodes", [])),
             })
-            log(f"  {strategy} @ {frac}: predicted {mb(plan['peak_bytes'])} MB, overhead "
+            kinds = (plan.get("variants") or {}).get("by_kind", {})
+            row["variants"] = {k: v["nodes"] for k, v in kinds.items()}
+            log(f"  {spec} @ {frac}: predicted {mb(plan['peak_bytes'])} MB, overhead "
                 f"{plan['overhead']:.1%}, {len(plan.get('recomputed_nodes', []))} recomputed "
-                f"nodes, compile {row['compile_s']:.1f} s")
+                f"nodes, variants {row['variants'] or 'none'}, compile "
+                f"{row['compile_s']:.1f} s")
             rows.append(row)
     return rows
 
@@ -499,7 +504,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f"default {' '.join(DEFAULT_MODELS)}")
     ap.add_argument("--fractions", nargs="+", help="fractions of the baseline's activation "
                     f"memory, or min; default {' '.join(DEFAULT_FRACTIONS)}")
-    ap.add_argument("--strategies", nargs="+", default=STRATEGIES)
+    ap.add_argument("--strategies", nargs="+", default=STRATEGIES,
+                    help="strategies to compile with; NAME/novar plans with the default "
+                         "gradient rules only (no operator variants), e.g. auto auto/novar")
     ap.add_argument("--cost", choices=["analytic", "measured", "auto"], default="analytic")
     ap.add_argument("--time-limit", type=float, default=None,
                     help="memcc's solver time limit (s); default 20, quick 15 (memcc's own "
