@@ -14,6 +14,7 @@ import onnx
 from onnx import TensorProto
 
 from memcc.errors import GradientError
+from memcc.frontend.emit import Emitter
 from memcc.frontend.gradients.elementwise import (
     _clip_bounds,
     compare,
@@ -158,6 +159,20 @@ def _chunk_bounds(n: int, k: int) -> list[int]:
     return [i * n // k for i in range(k + 1)]
 
 
+def _before_last_transpose(emit: Emitter, part: str) -> tuple[str, bool]:
+    """The default weight gradient ends by swapping its first two axes; summing the chunks
+    before that swap (once, at the end) saves a weight-sized temporary per chunk. Returns
+    the value to sum and whether it still needs the swap."""
+    last = emit.nodes[-1] if emit.nodes else None
+    rank = len(emit.info(part).shape)
+    if (last is not None and last.op_type == "Transpose"
+            and last.output[0] == part
+            and list(attr(last, "perm", [])) == [1, 0] + list(range(2, rank))):
+        emit.nodes.pop()
+        return last.input[0], True
+    return part, False
+
+
 def _conv_chunked(k: int) -> VariantRule:
     def rule(ctx: VariantContext, node: onnx.NodeProto, gouts: Grads) -> Grads:
         emit = ctx.emit
@@ -174,11 +189,19 @@ def _conv_chunked(k: int) -> VariantRule:
             # One chunk after the other: a chunk's slices and transposes die at its Conv,
             # before the next chunk's are made; only the running sum is carried over.
             bounds = _chunk_bounds(int(x_info.shape[0]), k)
+            swapped = True
             for lo, hi in zip(bounds, bounds[1:], strict=False):
                 xs = slice_axis(emit, x, 0, lo, hi)
                 gs = slice_axis(emit, gy, 0, lo, hi)
                 part = _conv_weight_grad(emit, xs, gs, win, group, w_info)
+                part, unswapped = _before_last_transpose(emit, part)
+                if gw is None:
+                    swapped = unswapped
+                elif unswapped != swapped:
+                    raise RuntimeError(f"{node_label(node)}: chunks disagree on their layout")
                 gw = part if gw is None else emit.add(gw, part)
+            if gw is not None and swapped:
+                gw = emit.transpose(gw, [1, 0] + list(range(2, len(w_info.shape))))
         # After the weight gradient, so x may already be dead when gx is allocated.
         gx = _conv_input_grad(emit, gy, w, win, group, x_info) if ctx.needs_grad(x) else None
         grads: Grads = [gx, gw]
@@ -190,6 +213,10 @@ def _conv_chunked(k: int) -> VariantRule:
         f"Weight gradient as a sum over {k} batch chunks: the default transposes the whole "
         f"input and output gradient at once (two activation-sized temporaries); here at most "
         f"three 1/{k}-batch slices are live at a time.\n\n"
+        f"The chunks are summed before the default's final axis swap, which runs once; the "
+        f"sum costs up to three weight-sized buffers (partial, running sum, new sum), so the "
+        f"variant pays where activations outweigh the weight (early, wide layers), not in "
+        f"late layers of many channels and few pixels. "
         f"Input and bias gradients are the default's. The batch N must be at least {k}; "
         f"chunks hold N // {k} or N // {k} + 1 samples (uneven last chunks are fine). The sum "
         f"over chunks adds the same products in another order (tolerance 1e-5 relative).")
