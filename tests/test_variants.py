@@ -96,6 +96,12 @@ def forward_nodes(g: Graph, op: str) -> list[str]:
 
 
 def lowered(g: Graph, variants: dict[str, str]) -> Graph:
+    """The step with ``variants``, each of which the planner could have chosen too."""
+    rules = rule_nodes(g)
+    by_name = {n.name: n for n in g.nodes}
+    for name, vname in variants.items():
+        offered = {v.name for v in applicable_variants(g, by_name[name], rules)}
+        assert vname in offered, f"{name}: {vname} not applicable (offered: {offered})"
     return lower(g, Plan(variants=variants), StepStructure.of(g), check="full").graph
 
 
@@ -411,3 +417,14 @@ def test_from_input_on_gpt2_is_bit_exact():
     variant = lookup("Softmax", "from_input")
     assert variant is not None
     check_variant(g, low, feeds, ["loss", *grads.values()], variant)
+
+
+def test_layernorm_inverted_needs_scale_and_bias_the_backward_can_read():
+    """A scale computed in the forward pass would have to be kept for the backward: the
+    variant is not offered then."""
+    nodes = [helper.make_node("Mul", ["s", "s"], ["s2"], name="square"),
+             helper.make_node("LayerNormalization", ["x", "s2", "b"], ["y"], name="op")]
+    ins = [("x", FLOAT, [2, 3, 4]), ("s", FLOAT, [4]), ("b", FLOAT, [4])]
+    g = grad_graph(make_model(nodes, ins, [("y", FLOAT, [2, 3, 4])]), ["x", "s", "b"])
+    node = next(n for n in g.nodes if n.name == "op")
+    assert "inverted" not in {v.name for v in applicable_variants(g, node, rule_nodes(g))}

@@ -28,7 +28,6 @@ from memcc.frontend.gradients.nn import (
     _channel_view,
     _conv_input_grad,
     _conv_weight_grad,
-    _ensure_output,
     _norm_input_grad,
     _param_grad,
     _spatial_sum,
@@ -44,7 +43,7 @@ from memcc.frontend.gradients.variants import (
     VariantRule,
     register_variant,
 )
-from memcc.graph import TensorInfo, attr, node_label
+from memcc.graph import attr, node_label
 
 Grads = list[str | None]
 
@@ -240,7 +239,10 @@ def _norm_params_available(ctx: GradContext, node: onnx.NodeProto) -> bool:
 
 
 def _layernorm_inverted_applies(ctx: GradContext, node: onnx.NodeProto) -> bool:
+    """Also: the node outputs InvStdDev (the default rule adds it when the model did not)."""
     if not _norm_params_available(ctx, node) or not ctx.info(node.input[0]).is_float:
+        return False
+    if len(node.output) < 3 or not node.output[2]:
         return False
     x_shape = ctx.info(node.input[0]).shape
     axis = norm_axis(int(attr(node, "axis", -1)), len(x_shape))
@@ -266,29 +268,29 @@ def _layernorm_inverted(ctx: VariantContext, node: onnx.NodeProto, gouts: Grads)
     (the next layer's backward usually keeps y anyway).
 
     Then the default's formulas. Where |scale| is below a tiny threshold (``_tiny``) the
-    division uses that tiny value with scale's sign: no inf or NaN, but that channel's xhat,
-    and with it its scale gradient, is then inexact (its output carries no information about
-    x anyway). The rebuilt xhat is off by about eps * |bias / scale| per element, so the
-    tolerance holds while |bias| is not far larger than |scale|.
+    division uses that tiny value with scale's sign: no inf or NaN, but that channel's xhat
+    is lost (its output carries no information about x), so its scale gradient and the input
+    gradient at its positions (x still reaches the other channels through mean and variance)
+    are then inexact. The rebuilt xhat is off by about eps * |bias / scale| per element, so
+    the tolerance holds while |bias| is not far larger than |scale|. The Mean output the
+    default rule added stays on the forward node, unread (one value per normalized row).
     """
     if any(g is not None for g in gouts[1:]):
         raise GradientError(f"{node_label(node)}: gradient flows into its Mean/InvStdDev outputs")
+    gy = gouts[0]
+    if gy is None:
+        return tail(node, [None] * min(len(node.input), 3))
     emit = ctx.emit
     x, s = node.input[0], node.input[1]
     bias = node.input[2] if len(node.input) > 2 else ""
     x_info = ctx.info(x)
     rank, dtype = len(x_info.shape), x_info.dtype
     axis = norm_axis(int(attr(node, "axis", -1)), rank)
-    stat = TensorInfo(int(attr(node, "stash_type", TensorProto.FLOAT)),
-                      tuple(x_info.shape[:axis]) + (1,) * (rank - axis))
-    inv = emit.cast(_ensure_output(ctx, node, 2, "inv_std", stat), dtype)
+    inv = emit.cast(node.output[2], dtype)  # InvStdDev, added by the default rule at build
     gamma = emit.cast(s, dtype)
     y = node.output[0]
     shifted = emit.sub(y, emit.cast(bias, dtype)) if bias else y
     xhat = emit.div(shifted, _guarded(ctx, gamma))
-    gy = gouts[0]
-    if gy is None:
-        return tail(node, [None] * min(len(node.input), 3))
     lead, norm = list(range(axis)), list(range(axis, rank))
     gx = None
     if ctx.needs_grad(x):
