@@ -7,7 +7,7 @@ it, and opset differences (axes as attribute or input, Split sizes, ...) live in
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import onnx
@@ -19,12 +19,16 @@ from memcc.graph import Graph, TensorInfo, unique_namer
 class Emitter:
     """Appends nodes to ``graph.nodes`` (or to ``self.nodes`` when ``detached``)."""
 
-    def __init__(self, graph: Graph, *, prefix: str = "", detached: bool = False) -> None:
+    def __init__(self, graph: Graph, *, prefix: str = "", detached: bool = False,
+                 taken: Iterable[str] | None = None) -> None:
+        """``taken``: the names to avoid when the caller knows them (default: every value
+        and node name of ``graph``, one walk of the graph per emitter)."""
         self.graph = graph
         self.prefix = prefix
         self.nodes: list[onnx.NodeProto] = [] if detached else graph.nodes
-        names = set(graph.values()) | {n.name for n in graph.nodes if n.name}
-        self._fresh = unique_namer(names)
+        if taken is None:
+            taken = set(graph.values()) | {n.name for n in graph.nodes if n.name}
+        self._fresh = unique_namer(taken)
         self._consts: dict[tuple, str] = {}
 
     @property

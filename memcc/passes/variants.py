@@ -21,6 +21,7 @@ decisions (which name forward nodes and values) still apply after this pass.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import onnx
@@ -100,16 +101,21 @@ def applicable_variants(graph: Graph, node: onnx.NodeProto,
     """The variants a plan may choose for ``node`` on this step."""
     if substitutable(graph, node, rules) is not None:
         return []
-    return variants_for(variant_context(graph, node, detached_prefix=""), node)
+    return variants_for(variant_context(graph, node, detached_prefix="", taken=()), node)
 
 
-def variant_context(graph: Graph, node: onnx.NodeProto, detached_prefix: str) -> VariantContext:
+def variant_context(graph: Graph, node: onnx.NodeProto, detached_prefix: str, *,
+                    taken: Iterable[str] | None = None) -> VariantContext:
     """A context that emits ``node``'s variant rule into detached node lists (backward and
-    forward extras), with the rule's recorded needs; nothing is added to ``graph.nodes``."""
+    forward extras), with the rule's recorded needs; nothing is added to ``graph.nodes``.
+    ``taken``: names to avoid, when the caller knows them (the prefix is the node's name and
+    the variant's, which nothing in a built step starts with)."""
     _, gins = rule_io(node) or ([], [])
     wants = {i for i, g in zip(node.input, gins, strict=False) if i and g}
-    back = Emitter(graph, prefix=detached_prefix, detached=True)
-    fwd = Emitter(graph, prefix=detached_prefix + "fwd/", detached=True)
+    if taken is None:
+        taken = set(graph.values()) | {n.name for n in graph.nodes if n.name}
+    back = Emitter(graph, prefix=detached_prefix, detached=True, taken=taken)
+    fwd = Emitter(graph, prefix=detached_prefix + "fwd/", detached=True, taken=taken)
     return VariantContext(graph=graph, emit=back, requires_grad=wants, forward=fwd)
 
 

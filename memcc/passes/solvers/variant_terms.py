@@ -5,10 +5,12 @@ binary per variant and a choice group over them (none set = the default rule). A
 effect on memory is read off the variant's own nodes, emitted once here without touching
 the step, against the default rule's nodes in the baseline schedule:
 
-- saved values: a forward value the default rule reads and the variant does not dies at its
-  last other reader instead (``-bytes`` over the gap); one the variant reads and the default
-  does not lives on to the end of the rule (``+bytes``); a value the variant adds to the
-  forward pass (a mask) is live from the forward node to the end of the rule;
+- saved values: per buffer either rule reads, its death moves to its last reader outside
+  the default rule, or to the rule's end when the variant reads it (``-bytes`` or ``+bytes``
+  over the difference); a value the variant reads late can no longer be overwritten in
+  place by a later value (Tanh over its input), which then needs a buffer of its own; a
+  value the variant adds to the forward pass (a mask) is live from the forward node to the
+  end of the rule;
 - working set: over the rule's span ``[a, b]`` in the schedule, memory becomes what the
   default rule's own values do not hold, plus the variant's peak working set (its values
   walked in its own order, results held to the end); rule inputs the default frees inside
@@ -19,13 +21,14 @@ Cost: the variant's nodes priced by ``CostModel.price`` (calibrated analytic est
 nodes never measured) less the default nodes the substitution removes.
 
 Interactions kept exact by rows: a variant excludes recomputing the node itself and the
-producers of values whose lifetime it changes (the recompute terms assume the default's
-readers), and offloading any value either rule reads.
+producers and readers of values whose lifetime it changes (the recompute terms assume the
+default's readers: a recomputed reader would hold such a value past the death the variant
+term assumes), and offloading any value either rule reads.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import ChainMap, defaultdict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -63,11 +66,12 @@ class _Emitted:
 def _emit(graph: Graph, node: onnx.NodeProto, variant: Variant) -> _Emitted | None:
     """The variant's nodes for ``node``, emitted on a view of ``graph`` whose type table is
     a copy (the step is not touched)."""
+    info = ChainMap({}, graph.info)  # the variant's new types land in the first map
     view = Graph(nodes=graph.nodes, inputs=graph.inputs, outputs=graph.outputs,
-                 initializers=graph.initializers, info=dict(graph.info),
+                 initializers=graph.initializers, info=info,  # type: ignore[arg-type]
                  opsets=graph.opsets, metadata=graph.metadata, name=graph.name)
     gouts, _ = rule_io(node) or ([], [])
-    ctx = variant_context(view, node, f"{node.name}/{variant.name}/")
+    ctx = variant_context(view, node, f"{node.name}/{variant.name}/", taken=())
     try:
         variant.rule(ctx, node, [g or None for g in gouts])
     except Exception:  # a variant that cannot be emitted here is not offered
@@ -103,6 +107,53 @@ def _peak_working_set(nodes: list[onnx.NodeProto], info: dict) -> int:
         peak = max(peak, live)
         live -= ends.pop(k, 0)
     return peak
+
+
+@dataclass
+class _Candidate:
+    """One variant of one node before it becomes a variable: its cost, memory terms and the
+    recompute units / offloads it excludes."""
+
+    variant: Variant
+    cost: float
+    terms: list[tuple[float, int, int]] = field(default_factory=list)
+    units: list[int] = field(default_factory=list)
+    offloads: list[str] = field(default_factory=list)
+
+    def term(self, nbytes: float, start: int, end: int) -> None:
+        if nbytes and start <= end:
+            self.terms.append((nbytes, start, end))
+
+    def delta(self, lo: int, hi: int) -> np.ndarray:
+        """Bytes this variant adds (negative: frees) at each point of ``[lo, hi]``."""
+        diff = np.zeros(hi - lo + 2)
+        for nbytes, t0, t1 in self.terms:
+            diff[t0 - lo] += nbytes
+            diff[t1 - lo + 1] -= nbytes
+        return np.cumsum(diff[:-1])
+
+
+def _useful(found: list[_Candidate]) -> list[_Candidate]:
+    """The candidates worth a variable: each frees memory somewhere, and none is dominated
+    (another frees at least as much at every point for no more time). Fewer binaries keep
+    the MILP as fast as recompute alone where variants cannot help (late ResNet layers,
+    where a chunked weight gradient only adds weight-sized buffers)."""
+    if not found:
+        return []
+    lo = min((t0 for c in found for _, t0, _ in c.terms), default=0)
+    hi = max((t1 for c in found for _, _, t1 in c.terms), default=0)
+    deltas = [c.delta(lo, hi) for c in found]
+    keep = []
+    for i, c in enumerate(found):
+        if not c.terms or deltas[i].min() >= 0:
+            continue  # never lowers memory anywhere
+        dominated = any(
+            j != i and found[j].cost <= c.cost and np.all(deltas[j] <= deltas[i])
+            and (found[j].cost < c.cost or np.any(deltas[j] < deltas[i]) or j < i)
+            for j in range(len(found)) if found[j].terms and deltas[j].min() < 0)
+        if not dominated:
+            keep.append(c)
+    return keep
 
 
 def add_variant_terms(builder: ProblemBuilder, graph: Graph, st: StepStructure,
@@ -172,7 +223,7 @@ def add_variant_terms(builder: ProblemBuilder, graph: Graph, st: StepStructure,
         inputs_dying = [(v, vl) for v in _external_reads(old)
                         if (vl := values.get(v)) is not None and vl.owns_buffer
                         and vl.death is not None and a <= vl.death < b]
-        group: list[int] = []
+        found: list[_Candidate] = []
         for variant in candidates:
             em = _emit(graph, node, variant)
             if em is None:
@@ -186,51 +237,67 @@ def add_variant_terms(builder: ProblemBuilder, graph: Graph, st: StepStructure,
                                initializers=graph.initializers, info=em.info,
                                opsets=graph.opsets, metadata=graph.metadata)
             added_s = sum(costs.price(n, view_graph) for n in em.back + em.fwd)
-            var = builder.variable(KIND, f"{variant.key} for {node.name}",
-                                   float(added_s - removed_s))
-            group.append(var)
-            out.choice_of[var] = (node.name, variant.name)
-            out.variant_of[var] = variant
+            c = _Candidate(variant, float(added_s - removed_s))
             # Working set over the span.
             peak = _peak_working_set(em.back, em.info)
             for t in range(a, b + 1):
-                builder.term(var, float(peak - own[t - a]), t, t)
+                c.term(float(peak - own[t - a]), t, t)
             for _, vl in inputs_dying:
-                builder.term(var, float(vl.nbytes), vl.death + 1, b)
-            # Saved values the variant no longer reads.
+                c.term(float(vl.nbytes), vl.death + 1, b)
+            # Saved buffers: each buffer either rule reads now dies at its last reader
+            # outside the default rule, or at the rule's end if the variant reads it.
             changed: set[str] = set()
-            for v in reads_default - reads_variant:
-                bl = buffer_of(v)
-                if bl is None:
-                    continue
-                others = [pos[id(r)] for m in members[bl.name] for r in du.readers.get(m, ())
+            buffers = {bl.name: bl for v in reads_default | reads_variant
+                       if (bl := buffer_of(v)) is not None}
+            for name, bl in sorted(buffers.items()):
+                mem = members[name]
+                others = [pos[id(r)] for m in mem for r in du.readers.get(m, ())
                           if id(r) not in old_ids]
-                end = max(others + [bl.birth])
+                mine = [v for v in mem if v in reads_variant]
+                end = max(others + [bl.birth] + ([b] if mine else []))
                 if end < bl.death:
-                    builder.term(var, -float(bl.nbytes), end + 1, bl.death)
-                    changed.update(members[bl.name])
-            # Saved values it reads that the default does not, held to the rule's end.
-            for v in reads_variant - reads_default:
-                changed.add(v)
-                bl = buffer_of(v)
-                if bl is not None and bl.death < b:
-                    builder.term(var, float(bl.nbytes), bl.death + 1, b)
+                    c.term(-float(bl.nbytes), end + 1, bl.death)
+                elif end > bl.death:
+                    c.term(float(bl.nbytes), bl.death + 1, end)
+                # A value the variant reads late can no longer be overwritten in place by a
+                # later member of its buffer (Tanh over its input): that member gets its own.
+                for v in mine:
+                    later = [m for m in mem if values[m].birth > values[v].birth]
+                    if later:
+                        first = min(values[m].birth for m in later)
+                        stop = max([pos[id(r)] for m in later for r in du.readers.get(m, ())
+                                    if id(r) not in old_ids] + [first])
+                        c.term(float(bl.nbytes), first, stop)
+                if end != bl.death or mine:
+                    changed.update(mem)
             # Values it adds to the forward pass that its backward reads.
             back_reads = _external_reads(em.back)
             for n in em.fwd:
                 for o in n.output:
                     if o in back_reads and o in em.info:
-                        builder.term(var, float(em.info[o].nbytes), pos[id(node)] + 1, b)
-            # Rows: not with recompute of the node or of producers whose values it changes,
-            # nor with offloading what either rule reads.
+                        c.term(float(em.info[o].nbytes), pos[id(node)] + 1, b)
+            # Not with recompute of the node or of producers and readers of values whose
+            # lifetime it changes, nor with offloading what either rule reads.
             excluded = {unit_of_node.get(node.name)}
             excluded |= {unit_of_node.get(du.producer[v].name) for v in changed
                          if v in du.producer}
-            for u in sorted(x for x in excluded if x is not None):
-                if unit_vars[u]:
-                    builder.row({var: 1.0, **dict.fromkeys(unit_vars[u], 1.0)}, 1.0)
-            for v in sorted((reads_default | reads_variant | set(node.output))
-                            & set(offload_var)):
+            excluded |= {unit_of_node.get(r.name) for v in changed
+                         for r in du.readers.get(v, ())}
+            c.units = sorted(x for x in excluded if x is not None and unit_vars[x])
+            c.offloads = sorted((reads_default | reads_variant | set(node.output))
+                                & set(offload_var))
+            found.append(c)
+        group: list[int] = []
+        for c in _useful(found):
+            var = builder.variable(KIND, f"{c.variant.key} for {node.name}", c.cost)
+            group.append(var)
+            out.choice_of[var] = (node.name, c.variant.name)
+            out.variant_of[var] = c.variant
+            for nbytes, t0, t1 in c.terms:
+                builder.term(var, nbytes, t0, t1)
+            for u in c.units:
+                builder.row({var: 1.0, **dict.fromkeys(unit_vars[u], 1.0)}, 1.0)
+            for v in c.offloads:
                 builder.row({var: 1.0, offload_var[v]: 1.0}, 1.0)
         builder.choice(group)
     return out
