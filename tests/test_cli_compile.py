@@ -59,16 +59,24 @@ def test_compile_verify_fits_and_matches(gpt2_file, tmp_path):
     assert r.exit_code == 0, r.output
     # The summary shows each check, not only the report.
     verify_line = next(line for line in r.output.splitlines() if line.startswith("verify"))
-    assert "OK" in verify_line and "outputs bit-identical" in verify_line
-    assert "<= budget" in verify_line and "executed order = planned order" in verify_line
     report = json.loads(rep.read_text())
+    # Bit for bit unless the plan chose a numerically equivalent variant; then within the
+    # tolerance it states, and the line says which.
+    variants = report["plan"]["variants"]
+    expected = "outputs bit-identical" if variants["exactness"] == "exact" else \
+        f"outputs within relative {variants['tolerance']:g}"
+    assert "OK" in verify_line and expected in verify_line
+    assert "<= budget" in verify_line and "executed order = planned order" in verify_line
     for key in ("budget_bytes", "baseline", "plan", "passes", "compile_time_s", "solver"):
         assert key in report
     assert report["plan"]["fits"] and report["plan"]["peak_bytes"] <= budget
     v = report["verification"]
-    assert v["ok"] and v["comparison"] == "bit-identical" and v["order_matches_plan"]
+    assert v["ok"] and v["comparison"].startswith(expected[len("outputs "):])
+    assert v["order_matches_plan"]
     assert v["measured_peak_bytes"] <= budget
-    assert report["plan"]["overhead"] >= 0
+    # A variant can be cheaper than the default rule (LayerNorm from its output), so a plan
+    # may cost a little less than the step as built, never much less.
+    assert report["plan"]["overhead"] > -0.05
     assert {p["name"] for p in report["passes"]} >= {"load", "cost_model", "plan", "rewrite",
                                                      "verify"}
 

@@ -70,7 +70,7 @@ def differentiate(graph: Graph, loss: str, wrt: Sequence[str], *,
         if rule is None:
             raise UnsupportedOpError(_no_rule_message(graph, node, loss, wrt, requires,
                                                       forward_nodes, source))
-        first = len(graph.nodes)
+        emit.created = []
         try:
             gins = rule(ctx, node, gouts)
         except GradientError:
@@ -93,7 +93,7 @@ def differentiate(graph: Graph, loss: str, wrt: Sequence[str], *,
                 grads[inp] = g
         # Provenance (TrainingStep.provenance): the rule's nodes and the sums of its results
         # belong to this forward node; variants will name themselves instead of the default.
-        for emitted in graph.nodes[first:]:
+        for emitted in emit.created:
             tag_node(emitted, grad_of=node.name, rule=DEFAULT_RULE)
         # What the rule read and returned, so that a variant can later take its place.
         record_rule_io(node, gouts, [g if g is not None and ctx.needs_grad(i) else None

@@ -39,6 +39,8 @@ from memcc.step import (  # the contract's keys live with its one reader, memcc.
     PARAMS_KEY,
     STATE_KEY,
     Role,
+    record_rule_io,
+    rule_io,
     tag_node,
 )
 
@@ -457,8 +459,22 @@ class _OutputNamer:
             for i, out in enumerate(n.output):
                 if out in self.renames:
                     n.output[i] = self.renames[out]
+            if n.metadata_props:
+                _rename_rule_io(n, self.renames)
         for old in self.renames:
             self.graph.info.pop(old, None)
+
+
+def _rename_rule_io(node, renames: dict[str, str]) -> None:
+    """Keep a forward node's record of its rule's gradients (``step.rule_io``) in step with
+    the renames, or a variant could not find the values it replaces."""
+    io = rule_io(node)
+    if io is None:
+        return
+    gouts, gins = io
+    if any(g in renames for g in gouts + gins):
+        record_rule_io(node, [renames.get(g, g) for g in gouts],
+                       [renames.get(g, g) for g in gins])
 
 
 def _drop_unused_initializers(graph: Graph) -> None:

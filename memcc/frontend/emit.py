@@ -29,6 +29,9 @@ class Emitter:
         if taken is None:
             taken = set(graph.values()) | {n.name for n in graph.nodes if n.name}
         self._fresh = unique_namer(taken)
+        # Every node this emitter made since the caller last reset it (autodiff tags a
+        # rule's nodes from here: a rule may move some of them, so positions would lie).
+        self.created: list[onnx.NodeProto] = []
         self._consts: dict[tuple, str] = {}
 
     @property
@@ -62,6 +65,7 @@ class Emitter:
         node = helper.make_node(op_type, list(inputs), out_names, name=node_name, domain=domain,
                                 **attrs)
         self.nodes.append(node)
+        self.created.append(node)
         infos = [info] if isinstance(info, TensorInfo) or info is None else list(info)
         for o, ti in zip(out_names, infos, strict=False):
             if o and ti is not None:
@@ -85,6 +89,7 @@ class Emitter:
             value=numpy_helper.from_array(arr, out),
         )
         self.nodes.append(node)
+        self.created.append(node)
         self.graph.info[out] = TensorInfo(
             helper.np_dtype_to_tensor_dtype(arr.dtype), tuple(int(d) for d in arr.shape)
         )

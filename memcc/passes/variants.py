@@ -55,6 +55,15 @@ def rule_nodes(graph: Graph) -> dict[str, list[onnx.NodeProto]]:
     return out
 
 
+def rule_body(old: list[onnx.NodeProto], gouts: list[str]) -> list[onnx.NodeProto]:
+    """The rule's nodes that run in the backward pass: from the first that reads an
+    incoming gradient on, Constants left out (a rule may also have placed a node in the
+    forward pass, like MaxPool's index Cast, and constants run nowhere)."""
+    grads = {g for g in gouts if g}
+    start = next((k for k, n in enumerate(old) if any(i in grads for i in n.input)), 0)
+    return [n for n in old[start:] if n.op_type != "Constant"]
+
+
 def substitutable(graph: Graph, node: onnx.NodeProto,
                   rules: dict[str, list[onnx.NodeProto]]) -> str | None:
     """Why ``node``'s default rule cannot be replaced (None: it can): the step must say what
@@ -145,7 +154,8 @@ def apply_variants(graph: Graph, plan: Plan) -> VariantResult:
             tag_node(n, grad_of=name, rule=vname)
         for n in fwd_nodes:
             tag_node(n, role="forward", rule=vname)
-        anchor = next((n for n in old if n.op_type != "Constant"), old[0])
+        body = rule_body(old, gouts)
+        anchor = body[0] if body else old[0]
         nodes: list[onnx.NodeProto] = []
         dead_ids = {id(n) for n in dead}
         for n in out.nodes:

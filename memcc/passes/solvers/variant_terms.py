@@ -42,7 +42,12 @@ from memcc.passes.plan import StepStructure
 from memcc.passes.solvers.offload_terms import OffloadVars
 from memcc.passes.solvers.problem import ProblemBuilder
 from memcc.passes.solvers.recompute_terms import RecomputeUnits
-from memcc.passes.variants import applicable_variants, rule_nodes, variant_context
+from memcc.passes.variants import (
+    applicable_variants,
+    rule_body,
+    rule_nodes,
+    variant_context,
+)
 from memcc.step import rule_io
 
 KIND = "variant"
@@ -200,12 +205,12 @@ def add_variant_terms(builder: ProblemBuilder, graph: Graph, st: StepStructure,
         if not candidates:
             continue
         old = rules[node.name]
-        body = [n for n in old if n.op_type != "Constant"]
+        gouts, _ = rule_io(node)  # type: ignore[misc]
+        body = rule_body(old, gouts)
         if not body:
             continue
         a, b = pos[id(body[0])], pos[id(body[-1])]
         old_ids = {id(n) for n in old}
-        gouts, _ = rule_io(node)  # type: ignore[misc]
         grads = {g for g in gouts if g}
         reads_default = {v for v in _external_reads(old) if forward_value(v)} - grads
         # The default's own values live at each point of its span.
