@@ -275,6 +275,10 @@ def add_variant_terms(builder: ProblemBuilder, graph: Graph, st: StepStructure,
                         c.term(float(bl.nbytes), first, stop)
                 if end != bl.death or mine:
                     changed.update(mem)
+            # Its constants are initializers to ORT: resident for the whole step.
+            consts = sum(em.info[o].nbytes for n in em.back + em.fwd
+                         if n.op_type == "Constant" for o in n.output if o in em.info)
+            c.term(float(consts), 0, len(nodes) - 1)
             # Values it adds to the forward pass that its backward reads.
             back_reads = _external_reads(em.back)
             for n in em.fwd:
