@@ -180,3 +180,30 @@ def test_equivalent_outputs_are_checked_against_the_stated_tolerance():
     assert compare_outputs(a, close, exact=False, tolerance=1e-5) == []
     assert "beyond the plan's stated tolerance" in compare_outputs(
         a, far, exact=False, tolerance=1e-5)[0]
+
+
+@pytest.mark.parametrize("family,exporter", [("convnet", "torchscript"), ("gpt2", "dynamo"),
+                                             ("mobilenet_block", "dynamo")])
+def test_variants_on_real_exports_match_the_default_rules(family, exporter):
+    """Every variant the planner is offered on a torch.onnx export, all at once, gives the
+    default rules' loss and gradients within the largest tolerance they state (bit for bit
+    when all are exact)."""
+    from exports import export
+
+    from memcc.frontend.gradients.variants import EXACT
+    from memcc.passes.variants import applicable_variants, rule_nodes
+
+    path, _, _, dims = export(family, exporter, training=True)
+    g = build_training_step(load_graph(path, dims), BuildOptions(optimizer="sgd"))
+    rules = rule_nodes(g)
+    offered = {n.name: applicable_variants(g, n, rules) for n in g.nodes}
+    offered = {k: v for k, v in offered.items() if v}
+    assert offered, f"{family}/{exporter}: no variant offered"
+    # The last variant of each node (chunks8 for a Conv: the most chunks).
+    chosen = {k: v[-1] for k, v in offered.items()}
+    low = lower(g, Plan(variants={k: v.name for k, v in chosen.items()}), StepStructure.of(g),
+                check="full")
+    inexact = [v.tolerance for v in chosen.values() if v.tier != EXACT]
+    feeds = synthetic_feeds(g, seed=0)
+    assert compare_outputs(step_outputs(g, feeds, "cpu"), step_outputs(low.graph, feeds, "cpu"),
+                           exact=not inexact, tolerance=max(inexact) if inexact else None) == []
