@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from memcc.errors import InputError
+from memcc.passes.phases import COPY, RECOMPUTED, VARIANT
 from memcc.sizes import format_size
 
 REQUIRED = ("budget_bytes", "baseline", "plan", "passes", "compile_time_s", "solver")
@@ -227,11 +228,14 @@ def timeline_figure(report: dict):
     ax.plot(plan_x, plan, color="tab:blue", lw=1.1,
             label=f"plan (peak {format_size(report['plan']['peak_bytes'])})")
     if aligned:
-        clones = [i for i, o in enumerate(origin) if o < 0]
-        if clones:
-            ax.plot([plan_x[i] for i in clones], [plan[i] for i in clones], ls="none",
-                    marker="o", ms=3, color="tab:orange", zorder=3,
-                    label=f"plan: recomputed node ({len(clones)})")
+        for code, colour, what in ((RECOMPUTED, "tab:orange", "recomputed node"),
+                                   (VARIANT, "tab:green", "operator variant's node"),
+                                   (COPY, "tab:purple", "swap copy")):
+            marked = [i for i, o in enumerate(origin) if o == code]
+            if marked:
+                ax.plot([plan_x[i] for i in marked], [plan[i] for i in marked], ls="none",
+                        marker="o", ms=3, color=colour, zorder=3,
+                        label=f"plan: {what} ({len(marked)})")
 
     budget = report["budget_bytes"]
     ax.axhline(budget / mb, color="tab:red", ls="--", lw=1.2,
@@ -244,8 +248,8 @@ def timeline_figure(report: dict):
                          f"(1 - {report.get('margin', 0.02):g}) - {slack_mib:g} MiB")
     ax.set_xlim(-0.5, len(base) - 0.5)
     ax.set_ylim(0, max(max(base), max(plan), budget / mb) * 1.12)
-    ax.set_xlabel("node of the step as built (the plan's recomputed nodes are drawn between "
-                  "the nodes they run between)" if aligned else
+    ax.set_xlabel("node of the step as built (the plan's new nodes are drawn between the "
+                  "nodes they run between)" if aligned else
                   "node in execution order (report without plan_origin: the plan's x is not "
                   "aligned with the baseline's)", fontsize=9)
     ax.set_ylabel("MB live (10^6 bytes)")
@@ -277,9 +281,10 @@ def timeline_figure(report: dict):
 def aligned_x(origin: list[int]) -> list[float]:
     """x of each plan node in baseline coordinates (``timeline.plan_origin``).
 
-    A node the baseline has sits at that node's index. A run of recompute clones (-1) runs
-    just before the next original node, so the run is spread evenly over the gap between
-    the original nodes before and after it.
+    A node the baseline has sits at that node's index. A run of new nodes (recompute clones,
+    a variant's nodes, copies: negative origins) runs just before the next original node,
+    so the run is spread evenly over the gap between the original nodes before and after
+    it.
     """
     xs: list[float] = [float(o) for o in origin]
     i = 0

@@ -12,11 +12,14 @@ from __future__ import annotations
 
 from memcc.graph import Graph
 from memcc.passes.plan import StepStructure
+from memcc.step import DEFAULT_RULE, RULE_PROP
 
 FORWARD, BACKWARD, UPDATE = "F", "B", "U"
 # The prefix memcc's gradient builder (frontend/autodiff.py) gives every value it emits.
 GRAD_PREFIX = "grad/"
 RECOMPUTED = -1
+VARIANT = -2   # a node an operator variant added (its backward, or a mask in the forward)
+COPY = -3      # a swap copy to or from host memory
 
 
 def step_phases(graph: Graph, structure: StepStructure | None = None) -> str:
@@ -45,7 +48,15 @@ def step_phases(graph: Graph, structure: StepStructure | None = None) -> str:
 
 
 def plan_origin(baseline: Graph, plan: Graph) -> list[int]:
-    """For each node of ``plan``: the index of the same node in ``baseline``, or -1 for a
-    recompute clone (a new node, run just before the backward node that needs it)."""
+    """For each node of ``plan``: the index of the same node in ``baseline``, or for a new
+    node what made it: -1 a recompute clone (run just before the backward node that needs
+    it), -2 an operator variant's node, -3 a swap copy."""
     index = {n.name: i for i, n in enumerate(baseline.nodes)}
-    return [index.get(n.name, RECOMPUTED) for n in plan.nodes]
+    return [index[n.name] if n.name in index else _new_node_origin(n) for n in plan.nodes]
+
+
+def _new_node_origin(node) -> int:
+    if node.op_type in ("MemcpyToHost", "MemcpyFromHost"):
+        return COPY
+    rule = next((p.value for p in node.metadata_props if p.key == RULE_PROP), DEFAULT_RULE)
+    return VARIANT if rule != DEFAULT_RULE else RECOMPUTED
