@@ -114,6 +114,47 @@ def _clip_mask(ctx: VariantContext, node: onnx.NodeProto, gouts: Grads) -> Grads
     return _first_only(node, keep_where(ctx, inside, g))
 
 
+# ---------------------------------------------------------------------------- Relu as a product
+# Where(cond, g, 0) builds both broadcast selections before merging them (ORT's kernel:
+# liveness.scratch_bytes), so the default Relu backward holds the gradient, its result and
+# two activation-sized selections at once. g * float(cond) holds one float factor instead.
+# Values are equal; where g < 0 and the unit is off the product is -0.0 where Where gives
+# +0.0, and an infinite g gives NaN there instead of 0: hence "equivalent", not "exact".
+RELU_PRODUCT_TOLERANCE = 1e-6
+
+
+def _times_condition(ctx: GradContext, cond: str, g: str) -> str:
+    factor = ctx.emit.cast(cond, ctx.info(g).dtype)
+    return ctx.emit.mul(g, factor)
+
+
+@register_variant("Relu", name="product", tier=EQUIVALENT, tolerance=RELU_PRODUCT_TOLERANCE)
+def _relu_product(ctx: VariantContext, node: onnx.NodeProto, gouts: Grads) -> Grads:
+    """Backward as g * float(y > 0) from the output, as the default reads it, without
+    Where's two activation-sized selections: a smaller working set at the same saved
+    values."""
+    g = gouts[0]
+    if g is None or not ctx.needs_grad(node.input[0]):
+        return _first_only(node, None)
+    y = node.output[0]
+    return _first_only(node, _times_condition(
+        ctx, compare(ctx, "Greater", y, scalar_like(ctx, 0.0, y)), g))
+
+
+@register_variant("Relu", name="mask_product", tier=EQUIVALENT,
+                  tolerance=RELU_PRODUCT_TOLERANCE)
+def _relu_mask_product(ctx: VariantContext, node: onnx.NodeProto, gouts: Grads) -> Grads:
+    """Backward as g * float(mask) from a 1-byte mask taken in the forward pass: frees the
+    output early (as ``mask``) and avoids Where's selections (as ``product``)."""
+    g = gouts[0]
+    if g is None or not ctx.needs_grad(node.input[0]):
+        return _first_only(node, None)
+    y = node.output[0]
+    fctx = _forward_ctx(ctx)
+    mask = compare(fctx, "Greater", y, scalar_like(fctx, 0.0, y))
+    return _first_only(node, _times_condition(ctx, mask, g))
+
+
 # ---------------------------------------------------------------------------- shared
 def _available(ctx: GradContext, name: str) -> bool:
     """A value the backward can read without keeping an activation: a parameter (graph

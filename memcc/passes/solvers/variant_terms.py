@@ -37,7 +37,7 @@ import onnx
 from memcc.frontend.gradients.variants import LOSSY, Variant
 from memcc.graph import Graph
 from memcc.passes.cost_model import CostModel
-from memcc.passes.liveness import LivenessReport
+from memcc.passes.liveness import LivenessReport, scratch_bytes
 from memcc.passes.plan import StepStructure
 from memcc.passes.solvers.offload_terms import OffloadVars
 from memcc.passes.solvers.problem import ProblemBuilder
@@ -90,9 +90,10 @@ def _external_reads(nodes: list[onnx.NodeProto]) -> set[str]:
     return {i for n in nodes for i in n.input if i and i not in made}
 
 
-def _peak_working_set(nodes: list[onnx.NodeProto], info: dict) -> int:
-    """Largest bytes held by values ``nodes`` produce, walked in order; a value lives until
-    its last reader among them (results, read by nobody here, to the end)."""
+def _peak_working_set(nodes: list[onnx.NodeProto], info, opset: int) -> int:
+    """Largest bytes held by values ``nodes`` produce, walked in order, plus each kernel's
+    own scratch while it runs (Where's selections); a value lives until its last reader
+    among them (results, read by nobody here, to the end)."""
     last: dict[str, int] = {}
     for k, n in enumerate(nodes):
         for i in n.input:
@@ -109,7 +110,7 @@ def _peak_working_set(nodes: list[onnx.NodeProto], info: dict) -> int:
                 born += nb
                 ends[last.get(o, len(nodes))] += nb
         live += born
-        peak = max(peak, live)
+        peak = max(peak, live + scratch_bytes(n, info, opset))
         live -= ends.pop(k, 0)
     return peak
 
@@ -223,6 +224,8 @@ def add_variant_terms(builder: ProblemBuilder, graph: Graph, st: StepStructure,
                 lo, hi = max(vl.birth, a), min(b if vl.death is None else vl.death, b)
                 if lo <= hi:
                     own[lo - a:hi - a + 1] += vl.nbytes
+            if a <= pos[id(n)] <= b:
+                own[pos[id(n)] - a] += live.scratch[pos[id(n)]]
         removed_s = sum(costs.of(n) for n in old)
         # Rule inputs the default frees inside its span: the variant may read them later.
         inputs_dying = [(v, vl) for v in _external_reads(old)
@@ -244,7 +247,7 @@ def add_variant_terms(builder: ProblemBuilder, graph: Graph, st: StepStructure,
             added_s = sum(costs.price(n, view_graph) for n in em.back + em.fwd)
             c = _Candidate(variant, float(added_s - removed_s))
             # Working set over the span.
-            peak = _peak_working_set(em.back, em.info)
+            peak = _peak_working_set(em.back, em.info, graph.opset)
             for t in range(a, b + 1):
                 c.term(float(peak - own[t - a]), t, t)
             for _, vl in inputs_dying:
