@@ -219,7 +219,7 @@ def describe_variants(graph: Graph, sim: Simulation, costs: CostModel,
     by simulating the same plan without that kind (so the figures come from the simulator,
     not from the model). ``exactness`` is the plan's tier: ``exact`` when every variant is
     bit-identical, else ``equivalent`` with the largest stated ``tolerance``."""
-    from memcc.frontend.gradients.variants import EXACT, lookup
+    from memcc.frontend.gradients.variants import EXACT, TIERS, lookup
 
     op_of = {n.name: n.op_type for n in graph.nodes}
     chosen = {n: v for n, v in sim.plan.variants.items() if v != "default"}
@@ -244,7 +244,7 @@ def describe_variants(graph: Graph, sim: Simulation, costs: CostModel,
     return {
         "chosen": dict(sorted(chosen.items())),
         "by_kind": kinds,
-        "exactness": max((t for t, _ in inexact), default=EXACT),
+        "exactness": max((t for t, _ in inexact), key=TIERS.index, default=EXACT),
         "tolerance": max((tol for _, tol in inexact), default=0.0),
     }
 

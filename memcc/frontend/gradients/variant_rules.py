@@ -38,6 +38,7 @@ from memcc.frontend.gradients.shape_ops import norm_axis, slice_axis, tail
 from memcc.frontend.gradients.variants import (
     EQUIVALENT,
     EXACT,
+    LOSSY,
     Applies,
     VariantContext,
     VariantRule,
@@ -276,7 +277,42 @@ def _norm_params_available(ctx: GradContext, node: onnx.NodeProto) -> bool:
     if not node.output or not node.output[0]:
         return False
     params = [i for i in node.input[1:3] if i]
-    return len(params) >= 1 and all(_available(ctx, p) for p in params)
+    return (len(params) >= 1 and all(_available(ctx, p) for p in params)
+            and _well_conditioned(ctx, node))
+
+
+# Rebuilding xhat = (y - bias) / scale multiplies float rounding by |bias / scale|; a channel
+# with a scale near zero (zero-initialised residual BatchNorm, a pruned channel) cannot be
+# inverted at all. The variants are offered only where every channel of the step's weights
+# has |scale| >= SCALE_FLOOR * max(1, |bias|), i.e. the amplification stays below 1/SCALE_FLOOR
+# (float32: relative error about 6e-6, inside the stated tolerances). Checked on the weights
+# the step carries when it is compiled: a scale that drifts toward zero during training makes
+# that channel's gradient inexact (docs/VARIANTS.md).
+SCALE_FLOOR = 1e-2
+
+
+def _well_conditioned(ctx: GradContext, node: onnx.NodeProto) -> bool:
+    scale = _value_of(ctx, node.input[1])
+    if scale is None:
+        return False
+    bias_name = node.input[2] if len(node.input) > 2 else ""
+    bias = _value_of(ctx, bias_name) if bias_name else np.zeros(1)
+    if bias is None:
+        return False
+    s, b = np.abs(scale.astype(np.float64)), np.abs(bias.astype(np.float64))
+    try:
+        floor = SCALE_FLOOR * np.maximum(1.0, np.broadcast_to(b, np.broadcast_shapes(
+            s.shape, b.shape)))
+        return bool(np.all(np.broadcast_to(s, floor.shape) >= floor))
+    except ValueError:
+        return False
+
+
+def _value_of(ctx: GradContext, name: str):
+    if name in ctx.graph.initializers:
+        return np.asarray(ctx.graph.initializers[name])
+    value = ctx.constant_value(name)
+    return None if value is None else np.asarray(value)
 
 
 def _layernorm_inverted_applies(ctx: GradContext, node: onnx.NodeProto) -> bool:
@@ -351,12 +387,17 @@ def _batchnorm_inverted_applies(ctx: GradContext, node: onnx.NodeProto) -> bool:
 
 
 # Measured against the default on ResNet-18/50 steps (batch 16, 64x64, scale ~ N(1, 0.3-0.5),
-# bias ~ N(0, 0.2-1)): at most 4.3e-6 relative per gradient tensor (the change in xhat
-# propagates through every layer below; float32 rounding of the default itself is as large).
-BATCHNORM_INVERTED_TOLERANCE = 5e-5
+# bias ~ N(0, 0.2-1)): at most 4.3e-6 relative per gradient tensor. But on the zoo's
+# MobileNetV2 (batch 8, 64x64, scale 1, bias 0) one inverted BatchNorm moves other layers'
+# weight gradients by up to 3.5e-2 relative to the default, at every reduction size measured
+# (32 to 8192 values per channel). The rebuilt xhat is ORT's BatchNormalization output where
+# the default recomputes the normalisation with ONNX ops, and which of the two is nearer the
+# exact gradient is not established. Until it is, the variant is tiered "lossy": the planner
+# never offers it by default (docs/VARIANTS.md).
+BATCHNORM_INVERTED_TOLERANCE = 5e-2
 
 
-@register_variant("BatchNormalization", name="inverted", tier=EQUIVALENT,
+@register_variant("BatchNormalization", name="inverted", tier=LOSSY,
                   tolerance=BATCHNORM_INVERTED_TOLERANCE, applies=_batchnorm_inverted_applies)
 def _batchnorm_inverted(ctx: VariantContext, node: onnx.NodeProto, gouts: Grads) -> Grads:
     """Training-mode backward from the output y and a per-channel 1/std taken in the forward
