@@ -76,7 +76,21 @@ Log = Callable[[str], None]
 
 # ---------------------------------------------------------------------------- helpers
 def _fraction_label(frac: str) -> str:
-    return "min" if frac == "min" else f"{float(frac):.0%} act"
+    if frac == "min":
+        return "min"
+    if frac.endswith("p"):
+        return f"{float(frac[:-1]):.0%} peak"
+    return f"{float(frac):.0%} act"
+
+
+def _budget(frac: str, fixed: int, act: int) -> int | str:
+    """``min``; ``0.33``: the fixed part plus that share of the activations; ``0.33p``: that
+    share of the whole baseline peak (MONeT's convention)."""
+    if frac == "min":
+        return "min"
+    if frac.endswith("p"):
+        return int(float(frac[:-1]) * (fixed + act))
+    return int(fixed + float(frac) * act)
 
 
 def graph_signature(graph) -> str:
@@ -99,7 +113,7 @@ def compile_plans(step_path: Path, fractions: Sequence[str], strategies: Sequenc
 
     rows = []
     for frac in fractions:
-        budget = "min" if frac == "min" else int(fixed + float(frac) * act)
+        budget = _budget(frac, fixed, act)
         for spec in strategies:
             # "auto/novar": the same strategy with the default gradient rules only.
             strategy, _, tag = spec.partition("/")
@@ -354,9 +368,10 @@ def _matched_compiles(rows: list[dict], memcc_rows: list[dict], k: int, measure,
     measured; the matched-memory table then pairs every plan with the nearest peak.
     """
     done = {r.get("compile_budget") for r in rows}
-    fracs = sorted({float(r["fraction"]) for r in memcc_rows
+    fracs = sorted({float(str(r["fraction"]).removesuffix("p")) for r in memcc_rows
                     if r.get("fraction") not in (None, "min")
-                    and 0.0 < float(r["fraction"]) < 1.0}, reverse=True)
+                    and 0.0 < float(str(r["fraction"]).removesuffix("p")) < 1.0},
+                   reverse=True)
     if not fracs or k < 1:
         return []
     picks = [fracs[round(i * (len(fracs) - 1) / max(k - 1, 1))] for i in range(min(k, len(fracs)))]
@@ -503,7 +518,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--models", nargs="+", help="NAME:key=value,... (zoo builder options); "
                     f"default {' '.join(DEFAULT_MODELS)}")
     ap.add_argument("--fractions", nargs="+", help="fractions of the baseline's activation "
-                    f"memory, or min; default {' '.join(DEFAULT_FRACTIONS)}")
+                    "memory (0.33), of its whole peak (0.33p), or min; default "
+                    f"{' '.join(DEFAULT_FRACTIONS)}")
     ap.add_argument("--strategies", nargs="+", default=STRATEGIES,
                     help="strategies to compile with; NAME/novar plans with the default "
                          "gradient rules only (no operator variants), e.g. auto auto/novar")
@@ -539,7 +555,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.fractions = args.fractions or (QUICK_FRACTIONS if q else DEFAULT_FRACTIONS)
     for f in args.fractions:
         if f != "min":
-            float(f)
+            float(f.removesuffix("p"))
     args.time_limit = args.time_limit or (15.0 if q else 20.0)
     args.rounds = args.rounds or (8 if q else 10)
     if args.timing_seconds is None:
