@@ -418,18 +418,32 @@ def _batchnorm_train_grad(ctx: GradContext, node: onnx.NodeProto, gy: str, axes:
     emit = ctx.emit
     x, scale, bias = node.input[:3]
     x_info = ctx.info(x)
-    rank, dtype = len(x_info.shape), x_info.dtype
+    dtype = x_info.dtype
     n = float(np.prod([x_info.shape[a] for a in axes]))
     mean = emit.reduce_mean(x, axes, keepdims=True)
     centered = emit.sub(x, mean)
     var = emit.reduce_mean(emit.mul(centered, centered), axes, keepdims=True)
     inv = emit.unary("Reciprocal", emit.unary("Sqrt", emit.add(var, emit.scalar(eps, dtype))))
     xhat = emit.mul(centered, inv)
+    return batchnorm_train_backward(ctx, node, gy, xhat, inv, None, axes, n)
+
+
+def batchnorm_train_backward(ctx: GradContext, node: onnx.NodeProto, gy: str, xhat: str,
+                             inv: str, gamma: str | None, axes: list[int], n: float) -> Grads:
+    """The input, scale and bias gradients of training-mode BatchNormalization from the
+    normalised input ``xhat`` and ``inv`` = 1/std (shared by the default rule, which
+    recomputes both from x, and the ``inverted`` variant, which rebuilds them from y).
+    ``gamma``: the scale as [1, C, 1, ...] when the caller has it already."""
+    emit = ctx.emit
+    x, scale, bias = node.input[:3]
+    x_info = ctx.info(x)
+    dtype = x_info.dtype
     sum_gy = emit.reduce_sum(gy, axes, keepdims=True)
     sum_gy_xhat = emit.reduce_sum(emit.mul(gy, xhat), axes, keepdims=True)
     gx = None
     if ctx.needs_grad(x):
-        gamma = _channel_view(emit, scale, rank, dtype)
+        if gamma is None:
+            gamma = _channel_view(emit, scale, len(x_info.shape), dtype)
         inv_n = emit.scalar(1.0 / n, dtype)
         centred_gy = emit.sub(gy, emit.mul(xhat, emit.mul(sum_gy_xhat, inv_n)))
         gx = emit.mul(emit.sub(centred_gy, emit.mul(sum_gy, inv_n)), emit.mul(gamma, inv))
@@ -438,7 +452,7 @@ def _batchnorm_train_grad(ctx: GradContext, node: onnx.NodeProto, gy: str, axes:
         if ctx.needs_grad(scale) else None
     gb = emit.cast(emit.reshape(sum_gy, [c]), ctx.info(bias).dtype) \
         if ctx.needs_grad(bias) else None
-    return [gx, gs, gb, None, None]
+    return [gx, gs, gb] + [None] * (len(node.input) - 3)
 
 
 @register("InstanceNormalization")

@@ -32,6 +32,7 @@ from memcc.frontend.gradients.nn import (
     _param_grad,
     _spatial_sum,
     _window,
+    batchnorm_train_backward,
 )
 from memcc.frontend.gradients.registry import RULES, GradContext
 from memcc.frontend.gradients.shape_ops import norm_axis, slice_axis, tail
@@ -70,10 +71,14 @@ def _relu_mask(ctx: VariantContext, node: onnx.NodeProto, gouts: Grads) -> Grads
     g = gouts[0]
     if g is None or not ctx.needs_grad(node.input[0]):
         return _first_only(node, None)
+    return _first_only(node, keep_where(ctx, _relu_forward_mask(ctx, node), g))
+
+
+def _relu_forward_mask(ctx: VariantContext, node: onnx.NodeProto) -> str:
+    """y > 0, taken in the forward pass right after the Relu (one byte per element)."""
     y = node.output[0]
     fctx = _forward_ctx(ctx)
-    mask = compare(fctx, "Greater", y, scalar_like(fctx, 0.0, y))
-    return _first_only(node, keep_where(ctx, mask, g))
+    return compare(fctx, "Greater", y, scalar_like(fctx, 0.0, y))
 
 
 @register_variant("LeakyRelu", name="mask", tier=EXACT)
@@ -150,10 +155,7 @@ def _relu_mask_product(ctx: VariantContext, node: onnx.NodeProto, gouts: Grads) 
     g = gouts[0]
     if g is None or not ctx.needs_grad(node.input[0]):
         return _first_only(node, None)
-    y = node.output[0]
-    fctx = _forward_ctx(ctx)
-    mask = compare(fctx, "Greater", y, scalar_like(fctx, 0.0, y))
-    return _first_only(node, _times_condition(ctx, mask, g))
+    return _first_only(node, _times_condition(ctx, _relu_forward_mask(ctx, node), g))
 
 
 # ---------------------------------------------------------------------------- shared
@@ -429,19 +431,7 @@ def _batchnorm_inverted(ctx: VariantContext, node: onnx.NodeProto, gouts: Grads)
     gamma = _channel_view(emit, s, rank, dtype)
     beta = _channel_view(emit, b, rank, dtype)
     xhat = emit.div(emit.sub(node.output[0], beta), _guarded(ctx, gamma))
-    sum_gy = emit.reduce_sum(gy, axes, keepdims=True)
-    sum_gy_xhat = emit.reduce_sum(emit.mul(gy, xhat), axes, keepdims=True)
-    gx = None
-    if ctx.needs_grad(x):
-        inv_n = emit.scalar(1.0 / n, dtype)
-        centred_gy = emit.sub(gy, emit.mul(xhat, emit.mul(sum_gy_xhat, inv_n)))
-        gx = emit.mul(emit.sub(centred_gy, emit.mul(sum_gy, inv_n)), emit.mul(gamma, inv))
-    c = ctx.info(s).shape[0]
-    gs = emit.cast(emit.reshape(sum_gy_xhat, [c]), ctx.info(s).dtype) \
-        if ctx.needs_grad(s) else None
-    gb = emit.cast(emit.reshape(sum_gy, [c]), ctx.info(b).dtype) \
-        if ctx.needs_grad(b) else None
-    return [gx, gs, gb] + [None] * (len(node.input) - 3)
+    return batchnorm_train_backward(ctx, node, gy, xhat, inv, gamma, axes, n)
 
 
 # ---------------------------------------------------------------------------- from input
