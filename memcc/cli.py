@@ -298,6 +298,11 @@ def compile_cmd(
                          "budget, planned order executed.")] = False,
     margin: Annotated[float, typer.Option(
         help="Safety margin: plan for budget*(1-margin) - 1 MiB.")] = 0.02,
+    offload: Annotated[Optional[bool], typer.Option(  # noqa: UP045
+        "--offload/--no-offload",
+        help="Swap saved values to host memory where that is cheaper than recomputing. "
+             "Default: on with --provider cuda, off with cpu (one memory there: asking for "
+             "it with --provider cpu is refused, with why).")] = None,
     variants: Annotated[bool, typer.Option(
         "--variants/--no-variants",
         help="Let the planner replace gradient rules by leaner variants (masks, chunked "
@@ -321,7 +326,7 @@ def compile_cmd(
     try:
         opts = CompileOptions(
             budget=budget, strategy=strategy, provider=provider, time_limit=time_limit,
-            cost=cost, verify=verify, margin=margin, variants=variants,
+            cost=cost, verify=verify, margin=margin, variants=variants, offload=offload,
             build=BuildOptions(loss=loss, optimizer=optimizer, lr=lr), dims=parse_dims(dim),
         )
         with err.status("compiling") as status:

@@ -70,6 +70,9 @@ class CompileOptions:
     slack_bytes: int = 1024 * 1024
     # The ILP may replace a node's default gradient rule by a variant (passes/variants.py).
     variants: bool = True
+    # Swap saved values to host memory: None = wherever it can save memory (the CUDA
+    # provider); True asks for it (refused on the CPU provider, with why); False never.
+    offload: bool | None = None
     build: BuildOptions = field(default_factory=BuildOptions)
     dims: Mapping[str, int] = field(default_factory=dict)
 
@@ -85,6 +88,17 @@ class CompileOptions:
             raise InputError("--margin must lie in [0, 0.5)")
         if self.provider not in ("cpu", "cuda"):
             raise InputError(f"--provider '{self.provider}': choose cpu or cuda")
+        if self.offload and self.provider == "cpu":
+            raise InputError(
+                "--offload with --provider cpu: on the CPU provider the host is the device "
+                "(one memory), so copying a saved value to host memory frees nothing and only "
+                "adds the copies' time. Plan for the GPU with --provider cuda --offload, or "
+                "drop --offload.")
+
+    @property
+    def swaps(self) -> bool:
+        """Whether the planner may swap saved values to host memory."""
+        return self.provider == "cuda" if self.offload is None else self.offload
 
     @property
     def budget_bytes(self) -> int | None:
@@ -392,7 +406,7 @@ def _plan(graph, budget, costs, options, structure) -> tuple[PlanOutcome, dict]:
     # where host and device are one memory).
     outcome = choose_plan(graph, budget, costs, strategy=options.strategy,
                           time_limit=options.time_limit, structure=structure,
-                          offload=options.provider == "cuda", variants=options.variants)
+                          offload=options.swaps, variants=options.variants)
     best, base = outcome.best, outcome.baseline
     variants = describe_variants(graph, best, costs, structure,
                                  host_copies=options.provider == "cuda")

@@ -453,3 +453,17 @@ def test_build_output_under_a_file_is_a_clear_error(gpt2_file, tmp_path):
     assert r.exit_code == 2, r.output
     assert "not a directory" in r.output and "Traceback" not in r.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+
+
+def test_asking_for_offload_on_the_cpu_provider_says_why(gpt2_file, tmp_path):
+    """On the CPU provider host and device are one memory: --offload is refused before
+    anything runs, with the reason and what to do; nothing is written."""
+    out = tmp_path / "o.onnx"
+    r = invoke("compile", gpt2_file, "--budget", "min", "--offload", "-o", out)
+    assert r.exit_code == 2
+    assert "one memory" in r.output and "--provider cuda" in r.output
+    assert not out.exists()
+    from memcc.compiler import CompileOptions
+
+    assert CompileOptions(provider="cuda").swaps and not CompileOptions().swaps
+    assert not CompileOptions(provider="cuda", offload=False).swaps
