@@ -2,11 +2,11 @@
 
 A ``Plan`` says, for each value the forward pass hands to the backward pass, what happens to
 it: ``Keep`` it resident (the default), ``Recompute`` it there, or ``Offload`` it to host
-memory (declared; swap is a later issue), and for each forward node which gradient-rule
-variant its backward uses (only the default rule exists today). Everything a plan implies
-(the rewritten graph, its peak, its added time) comes from the shared lowering
-(``passes/lowering.py``) and simulator (``passes/simulate.py``), so strategies differ only
-in the plan they pick.
+memory (``passes/swap.py``), and for each forward node which gradient-rule variant its
+backward uses (``passes/variants.py``; the default rule unless chosen otherwise).
+Everything a plan implies (the rewritten graph, its peak, its added time) comes from the
+shared lowering (``passes/lowering.py``) and simulator (``passes/simulate.py``), so
+strategies differ only in the plan they pick.
 """
 
 from __future__ import annotations
@@ -58,8 +58,8 @@ class Recompute:
 @dataclass(frozen=True)
 class Offload:
     """Copy the value to another memory space after the forward pass and back before the
-    backward reads it (JAX: ``Offloadable(src, dst)``). Declared now; the lowering rejects
-    it until swap lands."""
+    backward reads it (JAX: ``Offloadable(src, dst)``); ``passes/swap.py`` inserts the
+    copies."""
 
     dst: str = "host"
     src: str = "device"
@@ -97,8 +97,8 @@ class Plan:
     ``recompute`` (forward node names whose outputs are rebuilt in the backward pass) is how
     strategies have always spoken and stays the primary field: ``Plan(names, strategy,
     notes)`` works as before. ``offload`` (saved value -> ``Offload``) and ``variants``
-    (forward node -> rule variant, default ``"default"``) are the decision kinds to come;
-    ``actions(structure)`` is the per-value view of all three.
+    (forward node -> rule variant, default ``"default"``) are the other decision kinds;
+    ``actions(structure)`` is the per-value view of keep / recompute / offload.
     """
 
     recompute: frozenset[str] = frozenset()
