@@ -219,28 +219,25 @@ def describe_variants(graph: Graph, sim: Simulation, costs: CostModel,
     by simulating the same plan without that kind (so the figures come from the simulator,
     not from the model). ``exactness`` is the plan's tier: ``exact`` when every variant is
     bit-identical, else ``equivalent`` with the largest stated ``tolerance``."""
-    from memcc.frontend.gradients.variants import EXACT, TIERS, lookup
+    from memcc.frontend.gradients.variants import EXACT, TIERS, Variant, lookup
 
     op_of = {n.name: n.op_type for n in graph.nodes}
     chosen = {n: v for n, v in sim.plan.variants.items() if v != "default"}
-    by_kind: dict[str, list[str]] = {}
-    tiers: list[tuple[str, float]] = []
+    by_kind: dict[str, tuple[Variant, list[str]]] = {}
     for node, name in sorted(chosen.items()):
         variant = lookup(op_of.get(node, ""), name)
-        if variant is None:
-            continue
-        by_kind.setdefault(variant.key, []).append(node)
-        tiers.append((variant.tier, variant.tolerance))
+        if variant is not None:
+            by_kind.setdefault(variant.key, (variant, []))[1].append(node)
     kinds = {}
-    for key, nodes in sorted(by_kind.items()):
+    for key, (variant, nodes) in sorted(by_kind.items()):
         rest = {n: v for n, v in chosen.items() if n not in nodes}
         without = simulate(graph, replace(sim.plan, variants=rest), costs, structure,
                            host_copies=host_copies)
         kinds[key] = {"nodes": len(nodes),
                       "bytes_saved": without.peak_bytes - sim.peak_bytes,
                       "added_time_s": sim.added_time_s - without.added_time_s,
-                      "tier": lookup(*key.split(":", 1)).tier}  # type: ignore[union-attr]
-    inexact = [t for t in tiers if t[0] != EXACT]
+                      "tier": variant.tier}
+    inexact = [(v.tier, v.tolerance) for v, _ in by_kind.values() if v.tier != EXACT]
     return {
         "chosen": dict(sorted(chosen.items())),
         "by_kind": kinds,

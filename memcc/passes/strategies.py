@@ -168,10 +168,10 @@ def exact_model(p: Planning, budget: int | None) -> Found:
         # binaries too, this peak-objective MILP took twice as long and stopped at a higher
         # peak on the planner tests' GPT-2 (measured: 60 s and 1,565,908 B against 26 s and
         # 1,559,764 B). The solves at that target below choose variants again.
-        sol = ilp.solve(_fixed_to_zero(prob, VARIANT_KIND), 0.0,
-                        time_limit=max(p.remaining(), 1.0) / 4, objective="peak",
-                        starts=starts)
-        if prob is not _fixed_to_zero(prob, VARIANT_KIND) and sol.status != "infeasible":
+        recompute_only = _fixed_to_zero(prob, VARIANT_KIND)
+        sol = ilp.solve(recompute_only, 0.0, time_limit=max(p.remaining(), 1.0) / 4,
+                        objective="peak", starts=starts)
+        if recompute_only is not prob and sol.status != "infeasible":
             # Then with the variants, from that answer: never higher, often lower.
             sol = ilp.solve(prob, 0.0, time_limit=max(p.remaining(), 1.0) / 3,
                             objective="peak", starts=[sol.x, *starts], rows=list(sol.rows))

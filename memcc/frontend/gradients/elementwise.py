@@ -481,24 +481,30 @@ def _clip(ctx: GradContext, node: onnx.NodeProto, gouts: Grads) -> Grads:
     if g is None:
         return out
     x = node.input[0]
-    lo, hi = _clip_bounds(ctx, node)
-    conds = []
-    if lo is not None:
-        conds.append(compare(ctx, "GreaterOrEqual", x, lo))
-    if hi is not None:
-        conds.append(compare(ctx, "LessOrEqual", x, hi))
+    inside = clip_inside(ctx, node)
     if ctx.needs_grad(x):
-        if not conds:
-            out[0] = g
-        else:
-            inside = conds[0] if len(conds) == 1 else logical(ctx, "And", *conds)
-            out[0] = keep_where(ctx, inside, g)
+        out[0] = g if inside is None else keep_where(ctx, inside, g)
     for i, op in ((1, "Less"), (2, "Greater")):
         if _wants(ctx, node, i):
             bound = node.input[i]
             clipped = keep_where(ctx, compare(ctx, op, x, bound), g)
             out[i] = unbroadcast(ctx, clipped, bound)
     return out
+
+
+def clip_inside(ctx: GradContext, node: onnx.NodeProto) -> str | None:
+    """min <= x <= max as a BOOL value (None: Clip has no bounds), emitted through ``ctx``
+    (the default rule's backward, or the ``mask`` variant's forward extras)."""
+    x = node.input[0]
+    lo, hi = _clip_bounds(ctx, node)
+    conds = []
+    if lo is not None:
+        conds.append(compare(ctx, "GreaterOrEqual", x, lo))
+    if hi is not None:
+        conds.append(compare(ctx, "LessOrEqual", x, hi))
+    if not conds:
+        return None
+    return conds[0] if len(conds) == 1 else logical(ctx, "And", *conds)
 
 
 def _clip_bounds(ctx: GradContext, node: onnx.NodeProto) -> tuple[str | None, str | None]:

@@ -481,8 +481,7 @@ def _layernorm_grad(ctx: GradContext, node: onnx.NodeProto, gouts: Grads) -> Gra
     if any(g is not None for g in gouts[1:]):
         raise GradientError(f"{node_label(node)}: gradient flows into its Mean/InvStdDev outputs")
     emit = ctx.emit
-    x, scale = node.input[0], node.input[1]
-    bias = node.input[2] if len(node.input) > 2 else ""
+    x = node.input[0]
     x_info = ctx.info(x)
     rank, dtype = len(x_info.shape), x_info.dtype
     axis = norm_axis(int(attr(node, "axis", -1)), rank)
@@ -491,12 +490,25 @@ def _layernorm_grad(ctx: GradContext, node: onnx.NodeProto, gouts: Grads) -> Gra
     mean = emit.cast(_ensure_output(ctx, node, 1, "mean", stat), dtype)
     inv = emit.cast(_ensure_output(ctx, node, 2, "inv_std", stat), dtype)
     xhat = emit.mul(emit.sub(x, mean), inv)
-    gy = gouts[0]
+    return layernorm_backward(ctx, node, gouts[0], xhat, inv, None, axis)
+
+
+def layernorm_backward(ctx: GradContext, node: onnx.NodeProto, gy: str, xhat: str, inv: str,
+                       gamma: str | None, axis: int) -> Grads:
+    """LayerNormalization's input, scale and bias gradients from the normalised input
+    ``xhat`` and ``inv`` = 1/std (shared by the default rule, which rebuilds xhat from x,
+    and the ``inverted`` variant, which rebuilds it from y). ``gamma``: the scale in x's
+    dtype when the caller has it already."""
+    emit = ctx.emit
+    x, scale = node.input[0], node.input[1]
+    bias = node.input[2] if len(node.input) > 2 else ""
+    rank = len(ctx.info(x).shape)
     lead, norm = list(range(axis)), list(range(axis, rank))
     gx = None
     if ctx.needs_grad(x):
-        gxhat = emit.mul(gy, emit.cast(scale, dtype))
-        gx = _norm_input_grad(emit, gxhat, xhat, inv, norm)
+        if gamma is None:
+            gamma = emit.cast(scale, ctx.info(x).dtype)
+        gx = _norm_input_grad(emit, emit.mul(gy, gamma), xhat, inv, norm)
     gs = gb = None
     if ctx.needs_grad(scale):
         gs = _param_grad(emit, emit.mul(gy, xhat), lead, ctx.info(scale))

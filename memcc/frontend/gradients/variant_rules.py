@@ -16,10 +16,9 @@ from onnx import TensorProto
 from memcc.errors import GradientError
 from memcc.frontend.emit import Emitter
 from memcc.frontend.gradients.elementwise import (
-    _clip_bounds,
+    clip_inside,
     compare,
     keep_where,
-    logical,
     scalar_like,
     scale,
     select,
@@ -28,11 +27,10 @@ from memcc.frontend.gradients.nn import (
     _channel_view,
     _conv_input_grad,
     _conv_weight_grad,
-    _norm_input_grad,
-    _param_grad,
     _spatial_sum,
     _window,
     batchnorm_train_backward,
+    layernorm_backward,
 )
 from memcc.frontend.gradients.registry import RULES, GradContext
 from memcc.frontend.gradients.shape_ops import norm_axis, slice_axis, tail
@@ -107,17 +105,8 @@ def _clip_mask(ctx: VariantContext, node: onnx.NodeProto, gouts: Grads) -> Grads
     x = node.input[0]
     if g is None or not ctx.needs_grad(x):
         return _first_only(node, None)
-    fctx = _forward_ctx(ctx)
-    lo, hi = _clip_bounds(fctx, node)
-    conds = []
-    if lo is not None:
-        conds.append(compare(fctx, "GreaterOrEqual", x, lo))
-    if hi is not None:
-        conds.append(compare(fctx, "LessOrEqual", x, hi))
-    if not conds:
-        return _first_only(node, g)
-    inside = conds[0] if len(conds) == 1 else logical(fctx, "And", *conds)
-    return _first_only(node, keep_where(ctx, inside, g))
+    inside = clip_inside(_forward_ctx(ctx), node)
+    return _first_only(node, g if inside is None else keep_where(ctx, inside, g))
 
 
 # ---------------------------------------------------------------------------- Relu as a product
@@ -370,16 +359,7 @@ def _layernorm_inverted(ctx: VariantContext, node: onnx.NodeProto, gouts: Grads)
     y = node.output[0]
     shifted = emit.sub(y, emit.cast(bias, dtype)) if bias else y
     xhat = emit.div(shifted, _guarded(ctx, gamma))
-    lead, norm = list(range(axis)), list(range(axis, rank))
-    gx = None
-    if ctx.needs_grad(x):
-        gx = _norm_input_grad(emit, emit.mul(gy, gamma), xhat, inv, norm)
-    gs = gb = None
-    if ctx.needs_grad(s):
-        gs = _param_grad(emit, emit.mul(gy, xhat), lead, ctx.info(s))
-    if bias and ctx.needs_grad(bias):
-        gb = _param_grad(emit, gy, lead, ctx.info(bias))
-    return tail(node, [gx, gs, gb][: len(node.input)])
+    return layernorm_backward(ctx, node, gy, xhat, inv, gamma, axis)
 
 
 def _batchnorm_inverted_applies(ctx: GradContext, node: onnx.NodeProto) -> bool:
