@@ -1,0 +1,98 @@
+"""The figures docs/VARIANTS.md and BENCHMARKS.md quote about operator variants, rerunnable.
+
+    python benchmarks/variant_checks.py min-search [--model gpt2:batch=4,seq_len=64]
+        ``--budget min`` (strategy ilp) with and without variants: smallest peak and seconds.
+        The default model is the planner tests' GPT-2 (tests/test_passes_planner.py).
+    python benchmarks/variant_checks.py bn-inverted [--model mobilenetv2:batch=8,resolution=64]
+        Each training-mode BatchNorm on its ``inverted`` variant alone: the largest relative
+        difference (max |variant - default| / max |default|) over the weight-momentum outputs,
+        grouped by how many values each channel normalises over.
+
+Planner results depend on the time limit when the search hits it (``solver.limit_hit``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.steps import parse_model  # noqa: E402
+from memcc.backend.runner import synthetic_feeds  # noqa: E402
+from memcc.backend.verify import step_outputs  # noqa: E402
+from memcc.frontend.build import BuildOptions, build_training_step  # noqa: E402
+from memcc.frontend.load import load_graph  # noqa: E402
+from memcc.passes.cost_model import DeviceRates, analytic_costs  # noqa: E402
+from memcc.passes.lowering import lower  # noqa: E402
+from memcc.passes.plan import Plan, StepStructure  # noqa: E402
+from memcc.passes.planner import choose_plan  # noqa: E402
+from memcc.passes.simulate import simulate  # noqa: E402
+from models import build_model  # noqa: E402
+
+# The planner tests' rates (tests/test_passes_planner.py), so the figures match that setup.
+RATES = DeviceRates(5e10, 1e10, 5e-6, "fixed test rates")
+
+
+def _step(spec: str, optimizer: str | None = None):
+    name, opts = parse_model(spec)
+    build = BuildOptions() if optimizer is None else BuildOptions(optimizer=optimizer)
+    return build_training_step(load_graph(build_model(name, **opts)), build)
+
+
+def min_search(args: argparse.Namespace) -> None:
+    g = _step(args.model)
+    costs = analytic_costs(g, RATES)
+    base = simulate(g, Plan(), costs)
+    print(f"{args.model}: {len(g.nodes)} nodes, baseline {base.peak_bytes:,} B")
+    for variants in (True, False):
+        t0 = time.perf_counter()
+        out = choose_plan(g, None, costs, strategy="ilp", time_limit=args.time_limit,
+                          baseline=base, variants=variants)
+        print(f"  variants={variants}: smallest peak {out.best.peak_bytes:,} B in "
+              f"{time.perf_counter() - t0:.1f} s (limit hit: {out.solver.get('limit_hit')})")
+
+
+def bn_inverted(args: argparse.Namespace) -> None:
+    g = _step(args.model, optimizer="sgd")
+    st = StepStructure.of(g)
+    feeds = synthetic_feeds(g, seed=0)
+    ref = step_outputs(g, feeds, "cpu")
+    worst: dict[int, float] = defaultdict(float)
+    for node in (n for n in g.nodes if n.op_type == "BatchNormalization"):
+        shape = g.info[node.input[0]].shape
+        per_channel = int(shape[0] * np.prod(shape[2:]))
+        new = step_outputs(lower(g, Plan(variants={node.name: "inverted"}), st).graph,
+                           feeds, "cpu")
+        for k, a in ref.items():
+            if "weight.momentum" in k:
+                scale = float(np.max(np.abs(a))) or 1e-30
+                worst[per_channel] = max(worst[per_channel],
+                                         float(np.max(np.abs(a - new[k]))) / scale)
+    print(f"{args.model}: values per channel -> largest relative difference")
+    for n, err in sorted(worst.items()):
+        print(f"  {n:6d}  {err:.2e}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="what", required=True)
+    m = sub.add_parser("min-search")
+    m.add_argument("--model", default="gpt2:batch=4,seq_len=64")
+    m.add_argument("--time-limit", type=float, default=300.0)
+    b = sub.add_parser("bn-inverted")
+    b.add_argument("--model", default="mobilenetv2:batch=8,resolution=64")
+    args = ap.parse_args(argv)
+    {"min-search": min_search, "bn-inverted": bn_inverted}[args.what](args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
