@@ -5,6 +5,12 @@ Builds each zoo model at a size where the step's activations pass 200 MB (and, w
 ``memcc run`` semantics, and prints measured/predicted and ``order_matches_plan``.
 
     python benchmarks/memory_truth.py --out docs/MEMORY_TRUTH.md
+
+``--arena`` runs the steps through ORT's arena with the CUDA provider's settings on the CPU
+(``memcc run --arena``) and compares with the arena model (``memcc/passes/arena.py``), next
+to the live-bytes prediction the arena-off measurement is checked against.
+
+    python benchmarks/memory_truth.py --arena --models mlp gpt2 bert resnet18
 """
 
 from __future__ import annotations
@@ -87,18 +93,19 @@ def export_cases(tmp: Path):
     return cases
 
 
-def measure(label: str, model, dims, tmp: Path, steps: int, log) -> dict:
+def measure(label: str, model, dims, tmp: Path, steps: int, log, arena: bool = False) -> dict:
     t0 = time.perf_counter()
     step = build_training_step(load_graph(model, dims), BuildOptions())
     path = tmp / "step.onnx"
     save_graph(step, path)
     live = analyze_liveness(step)
-    run = run_steps(path, steps=steps)
+    run = run_steps(path, steps=steps, arena=arena)
     act = live.breakdown["activations"]
     row = {"model": label, "nodes": len(step.nodes), "activations_at_peak": act,
            "predicted": run.predicted_peak_bytes, "measured": run.measured_peak_bytes,
            "ratio": run.measured_peak_bytes / run.predicted_peak_bytes,
-           "order": run.order_matches_plan, "seconds": time.perf_counter() - t0}
+           "order": run.order_matches_plan, "seconds": time.perf_counter() - t0,
+           "live": live.peak_bytes}
     log(f"{label}: predicted {row['predicted'] / 1e6:.1f} MB, measured "
         f"{row['measured'] / 1e6:.1f} MB, ratio {row['ratio']:.4f}, order {row['order']}")
     return row
@@ -110,6 +117,8 @@ def main(argv=None) -> int:
     ap.add_argument("--exports", action="store_true", help="also the torch.onnx exports")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--arena", action="store_true",
+                    help="measure through ORT's arena (CUDA's settings) against the arena model")
     args = ap.parse_args(argv)
 
     def log(m):
@@ -120,10 +129,19 @@ def main(argv=None) -> int:
         tmp = Path(d)
         for name in args.models:
             rows.append(measure(f"{name} {SIZES[name]}", build_model(name, **SIZES[name]), {},
-                                tmp, args.steps, log))
+                                tmp, args.steps, log, args.arena))
         if args.exports:
             for label, path, dims in export_cases(tmp):
-                rows.append(measure(label, path, dims, tmp, args.steps, log))
+                rows.append(measure(label, path, dims, tmp, args.steps, log, args.arena))
+    if args.arena:
+        lines = ["| model | live bytes, arena off (MB) | arena predicted (MB) | arena measured (MB) "
+                 "| measured/predicted |", "|---|---|---|---|---|"]
+        lines += [f"| {r['model']} | {r['live'] / 1e6:,.1f} | {r['predicted'] / 1e6:,.1f} | "
+                  f"{r['measured'] / 1e6:,.1f} | {r['ratio']:.4f} |" for r in rows]
+        print("\n".join(lines))
+        if args.out:
+            args.out.write_text("\n".join(lines) + "\n")
+        return 0
     lines = ["| model | nodes | activations at peak (MB) | predicted (MB) | measured (MB) | "
              "measured/predicted | order matches plan |", "|---|---|---|---|---|---|---|"]
     for r in rows:

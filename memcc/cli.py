@@ -125,13 +125,17 @@ def run(
         "--in-place", help="Run as memcc train does: updates written over the values they "
                            "replace, each update as early as it may run (predicted and "
                            "measured that way).")] = False,
+    arena: Annotated[bool, typer.Option(
+        "--arena", help="CPU: allocate through ORT's arena with the CUDA provider's settings "
+                        "and predict with the arena model (CUDA's allocation rules, "
+                        "measured on a machine without a GPU).")] = False,
 ) -> None:
     """Run training steps in ONNX Runtime; print loss, time and memory per step."""
     from memcc.backend.runner import run_steps
 
     try:
         result = run_steps(model, steps=steps, provider=provider, seed=seed, data=data,
-                           in_place=in_place)
+                           in_place=in_place, arena=arena)
     except MemccError as exc:
         _fail(exc)
         return

@@ -406,10 +406,12 @@ def _plan(graph, budget, costs, options, structure) -> tuple[PlanOutcome, dict]:
     # where host and device are one memory).
     outcome = choose_plan(graph, budget, costs, strategy=options.strategy,
                           time_limit=options.time_limit, structure=structure,
-                          offload=options.swaps, variants=options.variants)
+                          offload=options.swaps, variants=options.variants,
+                          device=options.provider)
     best, base = outcome.best, outcome.baseline
     variants = describe_variants(graph, best, costs, structure,
-                                 host_copies=options.provider == "cuda")
+                                 host_copies=options.provider == "cuda",
+                                 device=options.provider)
     saved = {v: graph.info[v].nbytes for v in best.recomputed_values}
     summary = {
         "strategy": outcome.strategy,
@@ -493,6 +495,8 @@ def _report(options, budget, plan_budget, was_min, base: Simulation, plan: Simul
             "variants": next((p.summary["variants"] for p in passes if p.name == "plan"
                               and "variants" in p.summary), None),
             "host_peak_bytes": live.host_peak_bytes,
+            "device_arena": plan.arena.to_json() if plan.arena is not None else None,
+            "live_peak_bytes": live.peak_bytes,
         },
         "passes": [p.to_json() for p in passes],
         "compile_time_s": compile_time,

@@ -35,7 +35,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -49,6 +49,7 @@ from memcc.errors import InputError, RuntimeFailure
 from memcc.frontend.constants import constant_node_value
 from memcc.frontend.load import load_graph
 from memcc.graph import Graph, TensorInfo
+from memcc.passes.arena import ArenaReport, replay_steps
 from memcc.passes.liveness import LivenessReport, analyze_liveness
 from memcc.step import TrainingStep
 from memcc.step import describe_type as _describe
@@ -119,6 +120,7 @@ def run_steps(
     isolate: bool | None = None,
     separate_timing: bool = True,
     in_place: bool = False,
+    arena: bool = False,
 ) -> RunResult:
     """Run ``steps`` training steps of the file at ``model_path`` and measure them.
 
@@ -131,6 +133,10 @@ def run_steps(
     ``in_place`` runs the step as ``memcc.Trainer`` does (``backend.arrange``): updates
     written into the buffers of the values they replace (IOBinding), each update moved early
     where that predicts a lower peak, and the prediction counts the aliasing.
+
+    ``arena`` (CPU): allocate through ORT's arena with CUDA's settings instead of straight
+    from malloc, and predict with ``passes.arena`` (the CUDA allocation rules, measured).
+    On CUDA the arena is always on and always predicted that way.
     """
     if steps < 1:
         raise InputError("--steps must be at least 1")
@@ -151,11 +157,19 @@ def run_steps(
             prediction = analyze_liveness(graph)
     except ValueError as exc:  # the node list is not a topological order
         raise InputError(f"{path}: {exc}; write nodes in a topological order") from exc
+    if arena and (in_place or prov != "cpu"):
+        raise InputError("--arena is for the CPU provider without --in-place (CUDA always "
+                         "runs through its arena)")
+    arena_report = None
+    if arena or prov == "cuda":
+        arena_report, arena_peak = arena_prediction(graph, prediction, spec, steps=steps,
+                                                    provider=prov)
     if isolate is None:
         isolate = prov == "cpu" and not memory.in_measuring_child()
     with tempfile.TemporaryDirectory(prefix="memcc-run-") as tmp:
         payload = prepare_run(graph, spec, feeds, Path(tmp), steps=steps, provider=prov)
         payload["in_place"] = aliased
+        payload["arena"] = bool(arena)
         if isolate:
             out = memory.run_child("memcc.backend.runner", payload)
             if separate_timing:
@@ -164,7 +178,36 @@ def run_steps(
                 out["timing"] = "separate process, default allocator"
         else:
             out = execute(payload)
-    return _result(path, prov, steps, seed, data, prediction, out)
+    result = _result(path, prov, steps, seed, data, prediction, out)
+    if arena_report is not None:
+        result = replace(result, predicted_peak_bytes=arena_peak,
+                         prediction=dict(result.prediction) | {
+                             "liveness_peak_bytes": prediction.peak_bytes,
+                             "arena": arena_report.to_json()})
+    return result
+
+
+def arena_prediction(graph: Graph, liveness: LivenessReport, spec: StepSpec, *, steps: int,
+                     provider: str) -> tuple[ArenaReport, int]:
+    """The arena's view of ``steps`` measured runs and the peak the meter will see.
+
+    CUDA: the feeds are copied into the device arena every run and the outputs copied out,
+    so the device peak is the arena's reserved bytes over its baseline. CPU (``--arena``):
+    ORT reads the runner's numpy feeds where they are and hands its own buffers back as the
+    outputs, so the state the runner feeds back lives in the arena from the second step on,
+    and the meter also sees the numpy feeds still alive: all of them in the first step, the
+    ones no output replaced after that.
+    """
+    if provider == "cuda":
+        report = replay_steps(graph, liveness, steps=steps, feeds_in_arena=True)
+        return report, report.measured_bytes
+    report = replay_steps(graph, liveness, steps=steps, feeds_in_arena=False,
+                          addresses_grow=False, state_outputs=spec.state)
+    replaced = sum(liveness.values[i].nbytes for i in set(spec.state.values())
+                   if i in liveness.values)
+    per_step = [liveness.start_bytes - (replaced if k else 0) + peak
+                - report.start_reserved_bytes for k, peak in enumerate(report.peaks_per_step)]
+    return report, max(per_step)
 
 
 def _result(path: Path, provider: str, steps: int, seed: int, data, prediction: LivenessReport,
@@ -342,9 +385,9 @@ def execute(payload: Mapping) -> dict:
     loss_name = payload["loss"]
     prefix = str(Path(payload["profile_dir"]) / "memcc_order")
     session = make_session(payload["session_model"], provider, profile=True,
-                           profile_prefix=prefix)
+                           profile_prefix=prefix, cpu_arena=bool(payload.get("arena")))
     meter = memory.CpuPeakMeter() if provider == "cpu" else memory.NvmlPeakMeter()
-    run_options = _run_options(provider)
+    run_options = _run_options(provider, arena=bool(payload.get("arena")))
 
     aliased = dict(payload.get("in_place") or {})
 
@@ -417,12 +460,15 @@ def _run_in_place(session, outputs: list[str], feeds: dict[str, np.ndarray],
     return result
 
 
-def _run_options(provider: str):
+def _run_options(provider: str, *, arena: bool = False):
     import onnxruntime as ort
 
     ro = ort.RunOptions()
-    if provider == "cuda":  # return the arena after each step: every step starts level
+    # Return the arena's unused regions after each step: every step starts level.
+    if provider == "cuda":
         ro.add_run_config_entry("memory.enable_memory_arena_shrinkage", "gpu:0")
+    elif arena:
+        ro.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
     return ro
 
 

@@ -30,6 +30,10 @@ check and for the measured steps, is made here with the settings that keep a pla
   133 MiB for a 96 MiB plan), ``cudnn_conv_use_max_workspace = 0`` (predictable scratch),
   and ``gpu_mem_limit`` when a budget should make the run fail instead of spill. The CUDA
   settings follow ORT's sources and have not been checked on a GPU yet.
+- ``cpu_arena=True`` (``memcc run --arena``): the CPU provider allocates through the same
+  arena class as CUDA (``BFCArena``, registered once per process with kSameAsRequested and
+  shared through ``session.use_env_allocators``), so the CUDA allocation rules that
+  ``passes.arena`` models are measured on a machine without a GPU.
 """
 
 from __future__ import annotations
@@ -144,6 +148,22 @@ def provider_options(provider: str, *, gpu_mem_limit: int | None = None) -> list
     return [(ORT_PROVIDER["cuda"], cuda), ORT_PROVIDER["cpu"]]
 
 
+ARENA_EXTEND_SAME_AS_REQUESTED = 1  # OrtArenaCfg's arena_extend_strategy: kSameAsRequested
+_cpu_arena_registered = False
+
+
+def register_cpu_arena() -> None:
+    """Register the process-wide CPU arena that ``cpu_arena`` sessions share (once)."""
+    global _cpu_arena_registered
+    if _cpu_arena_registered:
+        return
+    info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0,
+                             ort.OrtMemType.DEFAULT)
+    config = ort.OrtArenaCfg({"arena_extend_strategy": ARENA_EXTEND_SAME_AS_REQUESTED})
+    ort.create_and_register_allocator(info, config)
+    _cpu_arena_registered = True
+
+
 def make_session(
     model: onnx.ModelProto | bytes | str | os.PathLike,
     provider: str = "cpu",
@@ -154,6 +174,7 @@ def make_session(
     intra_op_threads: int | None = None,
     extra_config: Mapping[str, str] | None = None,
     option_overrides: Mapping[str, object] | None = None,
+    cpu_arena: bool = False,
 ) -> ort.InferenceSession:
     """An ``InferenceSession`` under the execution contract, with errors memcc can report.
 
@@ -170,6 +191,10 @@ def make_session(
         # is one) unless this is set; scatters stay atomic either way (docs/DETERMINISM.md).
         # Not yet run on a GPU.
         so.use_deterministic_compute = True
+    if cpu_arena:
+        register_cpu_arena()
+        so.enable_cpu_mem_arena = True
+        so.add_session_config_entry("session.use_env_allocators", "1")
     for key, value in (extra_config or {}).items():
         so.add_session_config_entry(key, value)
     for key, value in (option_overrides or {}).items():

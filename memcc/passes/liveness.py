@@ -379,34 +379,41 @@ def _resolve_order(graph: Graph, order) -> list[onnx.NodeProto]:
 # ---------------------------------------------------------------------------- scratch
 def scratch_bytes(node: onnx.NodeProto, info: Mapping[str, TensorInfo], opset: int = 17) -> int:
     """Bytes a kernel allocates and frees inside itself (see the module docstring)."""
+    return sum(scratch_buffers(node, info, opset))
+
+
+def scratch_buffers(node: onnx.NodeProto, info: Mapping[str, TensorInfo],
+                    opset: int = 17) -> tuple[int, ...]:
+    """The buffers behind ``scratch_bytes``, one request each (the arena serves them
+    separately: ``passes.arena``)."""
     op = node.op_type
     if op == "Where" and len(node.input) == 3 and node.output[0] in info:
         cond, x, y = (info.get(i) for i in node.input)
         out = info[node.output[0]]
         if cond is None or x is None or y is None:
-            return 0
+            return ()
         sel_x = _broadcast_numel(cond.shape, x.shape)
         sel_y = _broadcast_numel(cond.shape, y.shape)
-        return (sel_x + sel_y) * out.itemsize
+        return (sel_x * out.itemsize, sel_y * out.itemsize)
     if op in VARIADIC_OPS and len([i for i in node.input if i]) > 2:
         out = info.get(node.output[0])
-        return out.nbytes if out is not None else 0
+        return (out.nbytes,) if out is not None else ()
     if op == "Dropout" and (len(node.output) < 2 or not node.output[1]):
         out = info.get(node.output[0])
-        return out.numel if out is not None else 0  # bool mask, one byte per element
+        return (out.numel,) if out is not None else ()  # bool mask, one byte per element
     if op == "ConvTranspose" and len(node.input) >= 2:
-        return _conv_transpose_columns(node, info)
+        return (_conv_transpose_columns(node, info),)
     if op == "ScatterElements" and len(node.input) >= 2:
         idx = info.get(node.input[1])
-        return idx.numel * 8 if idx is not None else 0
+        return (idx.numel * 8,) if idx is not None else ()
     if op in ("Softmax", "LogSoftmax") and opset >= 13:
         x = info.get(node.input[0])
         if x is None or len(x.shape) < 2:
-            return 0
+            return ()
         axis = attr(node, "axis", -1)
         axis = axis + len(x.shape) if axis < 0 else axis
-        return 2 * x.nbytes if axis != len(x.shape) - 1 else 0
-    return 0
+        return (x.nbytes, x.nbytes) if axis != len(x.shape) - 1 else ()
+    return ()
 
 
 def _conv_transpose_columns(node: onnx.NodeProto, info: Mapping[str, TensorInfo]) -> int:

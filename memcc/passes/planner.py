@@ -85,7 +85,7 @@ def choose_plan(graph: Graph, budget: int | None, costs: CostModel, *,
                 strategy: str = "auto", time_limit: float = 60.0,
                 structure: StepStructure | None = None,
                 baseline: Simulation | None = None, offload: bool = False,
-                variants: bool = True) -> PlanOutcome:
+                variants: bool = True, device: str = "cpu") -> PlanOutcome:
     """Pick the plan; ``budget=None`` means the smallest peak memcc can reach.
 
     ``offload``: the step runs on a device provider, so saved values may also be swapped to
@@ -98,11 +98,11 @@ def choose_plan(graph: Graph, budget: int | None, costs: CostModel, *,
     if strategy not in REGISTRY:
         raise MemccError(f"--strategy '{strategy}': choose one of {', '.join(STRATEGIES)}")
     st = structure or StepStructure.of(graph)
-    base = baseline or simulate(graph, Plan(), costs, st)
+    base = baseline or simulate(graph, Plan(), costs, st, device=device)
     # The step as built fits: no plan can add less than nothing, so no strategy runs.
     fits_as_built = budget is not None and base.peak_bytes <= budget
     planning = None if strategy == "none" or fits_as_built else _prepare(
-        graph, st, base, costs, time_limit, offload, variants)
+        graph, st, base, costs, time_limit, offload, variants, device)
     try:
         return _choose(planning, base, budget, strategy)
     except BudgetError:
@@ -121,7 +121,8 @@ def choose_plan(graph: Graph, budget: int | None, costs: CostModel, *,
 
 
 def _prepare(graph: Graph, st: StepStructure, base: Simulation, costs: CostModel,
-             time_limit: float, offload: bool = False, variants: bool = True) -> Planning:
+             time_limit: float, offload: bool = False, variants: bool = True,
+             device: str = "cpu") -> Planning:
     """The problem and the sqrt(n) segmentations (a strategy of their own, and the ILP's
     warm starts): the same for every budget."""
     offload = offload and costs.link is not None
@@ -129,12 +130,14 @@ def _prepare(graph: Graph, st: StepStructure, base: Simulation, costs: CostModel
     n_units = len(pp.groups)
     every = np.ones(n_units, dtype=bool)
     segmentations = [
-        simulate(graph, pp.plan_units(chosen, "sqrtn", segments=k), costs, st)
+        simulate(graph, pp.plan_units(chosen, "sqrtn", segments=k), costs, st, device=device)
         for k, chosen in sqrtn.candidates(pp.units.crossing_bytes, pp.units.crossing_units,
                                           n_units, every)]
-    segmentations.append(simulate(graph, pp.plan_units(every, "sqrtn", segments=0), costs, st))
+    segmentations.append(simulate(graph, pp.plan_units(every, "sqrtn", segments=0), costs, st,
+                                  device=device))
     return Planning(graph, costs, st, base, pp, tuple(segmentations),
-                    time.perf_counter() + time_limit, time_limit, host_copies=offload)
+                    time.perf_counter() + time_limit, time_limit, host_copies=offload,
+                    device=device)
 
 
 def _choose(planning: Planning | None, base: Simulation, budget: int | None,
@@ -213,7 +216,7 @@ def _finish(base: Simulation, found: list[tuple[str, Simulation]], budget: int |
 
 def describe_variants(graph: Graph, sim: Simulation, costs: CostModel,
                       structure: StepStructure | None = None, *,
-                      host_copies: bool = False) -> dict:
+                      host_copies: bool = False, device: str = "cpu") -> dict:
     """What the plan's variants do, per variant kind (``Relu:mask``, ``Conv:chunks4``): how
     many nodes use it, and the peak bytes saved and predicted seconds added, each measured
     by simulating the same plan without that kind (so the figures come from the simulator,
@@ -232,7 +235,7 @@ def describe_variants(graph: Graph, sim: Simulation, costs: CostModel,
     for key, (variant, nodes) in sorted(by_kind.items()):
         rest = {n: v for n, v in chosen.items() if n not in nodes}
         without = simulate(graph, replace(sim.plan, variants=rest), costs, structure,
-                           host_copies=host_copies)
+                           host_copies=host_copies, device=device)
         kinds[key] = {"nodes": len(nodes),
                       "bytes_saved": without.peak_bytes - sim.peak_bytes,
                       "added_time_s": sim.added_time_s - without.added_time_s,

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memcc.graph import Graph
+from memcc.passes.arena import ArenaReport, replay_steps
 from memcc.passes.cost_model import CostModel
 from memcc.passes.liveness import LivenessReport, analyze_liveness
 from memcc.passes.lowering import PassReport, lower
@@ -29,27 +30,37 @@ class Simulation:
     recomputed_values: tuple[str, ...]
     rerun_before: dict[str, str]        # cloned forward node -> node it runs before
     passes: tuple[PassReport, ...] = ()  # what each lowering pass did
+    arena: ArenaReport | None = None     # device="cuda": the arena replay behind peak_bytes
 
 
 def simulate(graph: Graph, plan: Plan, costs: CostModel,
              structure: StepStructure | None = None, *,
-             host_copies: bool = False) -> Simulation:
+             host_copies: bool = False, device: str = "cpu") -> Simulation:
     """``host_copies``: the step runs on a device provider, where swapped-out copies live
-    in host memory (not in the peak; ``liveness.host_peak_bytes``)."""
+    in host memory (not in the peak; ``liveness.host_peak_bytes``).
+
+    ``device="cuda"``: the peak is what the CUDA arena reserves for the step
+    (``passes.arena``: 256-byte rounding, regions that cannot merge), feeds copied in, in
+    the steady state of repeated steps; it is never below the live bytes and is what
+    ``gpu_mem_limit`` caps. ``"cpu"``: the live bytes with the CPU allocator's page
+    rounding, as measured with the arena off (``backend/session.py``).
+    """
     lowered = lower(graph, plan, structure)
-    live = analyze_liveness(lowered.graph, host_copies=host_copies)
+    live = analyze_liveness(lowered.graph, host_copies=host_copies or device == "cuda")
+    arena = replay_steps(lowered.graph, live, feeds_in_arena=True) if device == "cuda" else None
     added = added_seconds(graph, lowered.graph, costs)
     return Simulation(
         plan=plan,
         graph=lowered.graph,
         liveness=live,
-        peak_bytes=int(live.peak_bytes),
+        peak_bytes=int(arena.peak_reserved_bytes if arena is not None else live.peak_bytes),
         compute_cost_s=costs.total(graph) + added,
         added_time_s=added,
         cloned_nodes=lowered.cloned_nodes,
         recomputed_values=lowered.recomputed_values,
         rerun_before=dict(lowered.rerun_before),
         passes=lowered.reports,
+        arena=arena,
     )
 
 

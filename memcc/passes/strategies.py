@@ -90,10 +90,11 @@ class Planning:
     deadline: float          # time.perf_counter() value after which strategies stop
     time_limit: float
     host_copies: bool = False  # a device provider: swapped-out copies are host memory
+    device: str = "cpu"        # whose allocation rules the peak follows (simulate)
 
     def simulate(self, plan: Plan) -> Simulation:
         return simulate(self.graph, plan, self.costs, self.structure,
-                        host_copies=self.host_copies)
+                        host_copies=self.host_copies, device=self.device)
 
     def remaining(self) -> float:
         return self.deadline - time.perf_counter()

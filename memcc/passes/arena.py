@@ -1,0 +1,341 @@
+"""Device bytes the way ORT's arena counts them: a replay of a step's allocations through a
+model of ``BFCArena`` (onnxruntime/core/framework/bfc_arena.cc), the allocator behind every
+CUDA tensor and, when the CPU arena is on, every CPU one.
+
+Liveness says how many bytes are live; a GPU runs out when the arena cannot find room, which
+can be sooner. The arena rounds every request up to 256 bytes, serves it from the smallest
+free chunk that fits (ties to the lower address), splits a chunk only when the rest is at
+least as large as the request (or at least ``max_dead_bytes_per_chunk``), merges a freed chunk
+with free neighbours of the same region only, and, with ``arena_extend_strategy =
+kSameAsRequested`` (memcc's setting, ``backend/session.py``), grows by a new region of exactly
+the request when nothing fits. Regions are never merged, so freed space in one region cannot
+serve a request larger than that region: the reserved bytes (what ``gpu_mem_limit`` caps and
+NVML sees) can exceed the live bytes. This module says by how much, for one order.
+
+Between steps ORT shrinks the arena (run option ``memory.enable_memory_arena_shrinkage``),
+giving back every region with nothing in use; a region that holds a step output at that
+moment survives into the next step, and a meter that subtracts a baseline taken between
+steps does not see it. ``replay_steps`` replays two steps to get that steady state.
+
+What is modelled from ORT's sources and checked on CPU (the same arena class, registered
+with kSameAsRequested; ``benchmarks/memory_truth.py --arena``): rounding, best fit, splits,
+coalescing, regions, shrink. What is not: kernel workspaces that cuDNN or cuBLAS take outside
+the arena, and the order in which one kernel allocates its outputs and scratch (modelled as
+outputs in output order, then scratch, then the inputs it was the last reader of, in input
+order).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from memcc.graph import Graph
+from memcc.passes.liveness import scratch_buffers
+
+MIN_ALLOCATION = 256                       # BFCArena::kMinAllocationSize
+MAX_DEAD_BYTES_PER_CHUNK = 128 * 1024 * 1024  # BFCArena default
+
+
+def rounded_bytes(nbytes: int) -> int:
+    """A request of ``nbytes`` as the arena serves it: whole 256-byte units (0 stays 0: the
+    arena returns no memory for an empty tensor)."""
+    return -(-int(nbytes) // MIN_ALLOCATION) * MIN_ALLOCATION
+
+
+@dataclass
+class _Chunk:
+    region: int
+    address: int
+    size: int
+    in_use: bool = False
+    prev: _Chunk | None = None
+    next: _Chunk | None = None
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.size, self.address)
+
+
+class ArenaExhausted(Exception):
+    """A request the arena could not serve under its limit (ORT fails the run)."""
+
+
+@dataclass
+class BfcArena:
+    """The arena's state: regions, chunks, free chunks by (size, address), statistics.
+
+    ``limit`` is ``gpu_mem_limit`` (None: unlimited). ``addresses_grow`` says whether each
+    new region lies above the previous ones (cudaMalloc) or below (glibc's mmap, the CPU
+    case); it only matters for which of two equal free chunks the arena picks.
+    """
+
+    limit: int | None = None
+    max_dead_bytes: int = MAX_DEAD_BYTES_PER_CHUNK
+    addresses_grow: bool = True
+    reserved: int = 0
+    in_use: int = 0
+    peak_reserved: int = 0
+    peak_in_use: int = 0
+    extensions: int = 0
+    _free: list[tuple[int, int]] = field(default_factory=list)
+    _free_chunks: dict[tuple[int, int], _Chunk] = field(default_factory=dict)
+    _regions: dict[int, _Chunk] = field(default_factory=dict)   # region -> first chunk
+    _held: dict[object, _Chunk] = field(default_factory=dict)
+    _next_region: int = 0
+    _low: int = 0
+    _high: int = 0
+
+    def alloc(self, key: object, nbytes: int) -> None:
+        """Serve ``nbytes`` for ``key`` (an empty request takes nothing)."""
+        size = rounded_bytes(nbytes)
+        if size == 0:
+            return
+        chunk = self._best_fit(size)
+        if chunk is None:
+            self._extend(size)
+            chunk = self._best_fit(size)
+        assert chunk is not None
+        self._unfree(chunk)
+        if chunk.size >= 2 * size or chunk.size - size >= self.max_dead_bytes:
+            rest = _Chunk(chunk.region, chunk.address + size, chunk.size - size,
+                          prev=chunk, next=chunk.next)
+            if chunk.next is not None:
+                chunk.next.prev = rest
+            chunk.next, chunk.size = rest, size
+            self._add_free(rest)
+        chunk.in_use = True
+        self._held[key] = chunk
+        self.in_use += chunk.size
+        self.peak_in_use = max(self.peak_in_use, self.in_use)
+
+    def free(self, key: object) -> None:
+        """Give ``key``'s chunk back, merged with free neighbours (unknown keys: nothing)."""
+        chunk = self._held.pop(key, None)
+        if chunk is None:
+            return
+        chunk.in_use = False
+        self.in_use -= chunk.size
+        nxt = chunk.next
+        if nxt is not None and not nxt.in_use:
+            self._unfree(nxt)
+            chunk.size += nxt.size
+            chunk.next = nxt.next
+            if nxt.next is not None:
+                nxt.next.prev = chunk
+        prev = chunk.prev
+        if prev is not None and not prev.in_use:
+            self._unfree(prev)
+            prev.size += chunk.size
+            prev.next = chunk.next
+            if chunk.next is not None:
+                chunk.next.prev = prev
+            chunk = prev
+        self._add_free(chunk)
+
+    def shrink(self) -> int:
+        """Give back every region with nothing in use (ORT's end-of-run shrink); bytes freed."""
+        freed = 0
+        for region, first in list(self._regions.items()):
+            if first.next is None and not first.in_use:
+                self._unfree(first)
+                del self._regions[region]
+                self.reserved -= first.size
+                freed += first.size
+        return freed
+
+    def holds(self, key: object) -> bool:
+        return key in self._held
+
+    # ---------------------------------------------------------------- internals
+    def _best_fit(self, size: int) -> _Chunk | None:
+        i = bisect.bisect_left(self._free, (size, -(1 << 62)))
+        return self._free_chunks[self._free[i]] if i < len(self._free) else None
+
+    def _extend(self, size: int) -> None:
+        if self.limit is not None and size > (self.limit - self.reserved) // MIN_ALLOCATION \
+                * MIN_ALLOCATION:
+            raise ArenaExhausted(f"the arena holds {self.reserved} bytes and cannot add "
+                                 f"{size} under its limit of {self.limit}")
+        if self.addresses_grow:
+            address, self._high = self._high, self._high + size + MIN_ALLOCATION
+        else:
+            self._low -= size + MIN_ALLOCATION
+            address = self._low
+        region = self._next_region
+        self._next_region += 1
+        chunk = _Chunk(region, address, size)
+        self._regions[region] = chunk
+        self.reserved += size
+        self.extensions += 1
+        self.peak_reserved = max(self.peak_reserved, self.reserved)
+        self._add_free(chunk)
+
+    def _add_free(self, chunk: _Chunk) -> None:
+        bisect.insort(self._free, chunk.key)
+        self._free_chunks[chunk.key] = chunk
+
+    def _unfree(self, chunk: _Chunk) -> None:
+        i = bisect.bisect_left(self._free, chunk.key)
+        del self._free[i]
+        del self._free_chunks[chunk.key]
+
+
+# ---------------------------------------------------------------------------- a step's events
+@dataclass(frozen=True)
+class Event:
+    """One arena request or release; ``node`` is the index of the node it belongs to (-1:
+    before the first node, ``len(order)``: after the last)."""
+
+    node: int
+    key: str
+    nbytes: int        # > 0: allocate; 0: free
+
+
+def step_events(graph: Graph, liveness, *, feeds_in_arena: bool) -> list[Event]:
+    """The arena requests of one run of ``graph`` in the order of ``liveness``
+    (a ``passes.liveness.LivenessReport`` of that graph).
+
+    ``feeds_in_arena``: the run copies its inputs into the arena first (CUDA: numpy feeds are
+    copied to the device); on CPU ORT reads the caller's arrays where they are. Initializers
+    belong to the session, not to a run. Host copies (``MemcpyToHost``) live in another
+    allocator and are left out. Step outputs are released after the run (``after_run``).
+    """
+    order = list(liveness.order)
+    nodes = {n.name: n for n in graph.nodes}
+    values = liveness.values
+    born: dict[int, list[str]] = {}
+    died: dict[int, list[str]] = {}
+    feeds = set(graph.inputs)
+    host = {o for n in graph.nodes if n.op_type == "MemcpyToHost" for o in n.output}
+    events: list[Event] = []
+    for name, life in values.items():
+        if not life.owns_buffer or name in host:
+            continue
+        if life.birth < 0:
+            if feeds_in_arena and name in feeds:
+                events.append(Event(-1, name, _raw(graph, name)))
+            continue
+        born.setdefault(life.birth, []).append(name)
+        if life.death is not None:
+            died.setdefault(life.death, []).append(name)
+    for j, node_name in enumerate(order):
+        node = nodes[node_name]
+        outs = {o: k for k, o in enumerate(node.output)}
+        for name in sorted(born.get(j, ()), key=lambda v: outs.get(v, len(outs))):
+            events.append(Event(j, name, _raw(graph, name)))
+        scratch = [b for b in scratch_buffers(node, graph.info, graph.opset) if b]
+        for k, nbytes in enumerate(scratch):
+            events.append(Event(j, f"scratch:{j}:{k}", int(nbytes)))
+        for k in range(len(scratch)):
+            events.append(Event(j, f"scratch:{j}:{k}", 0))
+        ins = {i: k for k, i in reversed(list(enumerate(node.input)))}
+        for name in sorted(died.get(j, ()), key=lambda v: ins.get(v, len(ins))):
+            events.append(Event(j, name, 0))
+    return events
+
+
+def _raw(graph: Graph, name: str) -> int:
+    ti = graph.info.get(name)
+    return int(ti.nbytes) if ti is not None else 0
+
+
+# ---------------------------------------------------------------------------- replay
+@dataclass(frozen=True)
+class ArenaReport:
+    """The arena over the last replayed step (the steady state)."""
+
+    peak_reserved_bytes: int     # regions held at the step's worst moment: the device peak
+    start_reserved_bytes: int    # regions still held from the step before (a meter's baseline)
+    peak_in_use_bytes: int       # chunks handed out at the worst moment (rounded live bytes)
+    extensions: int              # regions the step added
+    peak_node: str | None        # the node during which the reserved peak was reached
+    fails_at: str | None = None  # under ``limit``: the node whose request found no room
+    peaks_per_step: tuple[int, ...] = ()  # each measured run's reserved peak
+
+    @property
+    def measured_bytes(self) -> int:
+        """What a meter that subtracts the memory held between steps sees."""
+        return self.peak_reserved_bytes - self.start_reserved_bytes
+
+    @property
+    def fragmentation_bytes(self) -> int:
+        return self.peak_reserved_bytes - self.peak_in_use_bytes
+
+    def to_json(self) -> dict:
+        return {"peak_reserved_bytes": self.peak_reserved_bytes,
+                "start_reserved_bytes": self.start_reserved_bytes,
+                "measured_bytes": self.measured_bytes,
+                "peak_in_use_bytes": self.peak_in_use_bytes,
+                "fragmentation_bytes": self.fragmentation_bytes,
+                "extensions": self.extensions,
+                "peak_node": self.peak_node,
+                "fails_at": self.fails_at,
+                "peaks_per_step": list(self.peaks_per_step)}
+
+
+def replay_steps(graph: Graph, liveness, *, steps: int = 2, feeds_in_arena: bool = True,
+                 limit: int | None = None, addresses_grow: bool = True,
+                 state_outputs: Iterable[str] = ()) -> ArenaReport:
+    """Replay a warm-up run and then ``steps`` runs through a fresh arena, the way
+    ``backend.runner`` runs a step, and report the measured runs against the reserved bytes
+    after the warm-up (the meter's baseline).
+
+    Each run: the feeds (``feeds_in_arena``: copied in first, released before the shrink),
+    the step's requests, then ORT's shrink while the run's outputs are still held, then the
+    outputs the caller drops. ``state_outputs`` are outputs the caller feeds back as the next
+    run's inputs (on CPU ORT hands out its own buffers as the returned arrays, so their
+    chunks live until the next run has replaced them); the warm-up's outputs are all dropped.
+    """
+    if steps < 1:
+        raise ValueError("replay_steps needs at least one step")
+    order = list(liveness.order)
+    events = step_events(graph, liveness, feeds_in_arena=feeds_in_arena)
+    keep = set(state_outputs)
+    arena = BfcArena(limit=limit, addresses_grow=addresses_grow)
+    carried: list[str] = []
+    baseline = peak = peak_in_use = extensions = 0
+    peak_at = -1
+    peaks: list[int] = []
+    for run in range(steps + 1):
+        tag = f"#{run}"
+        if run == 1:
+            baseline = peak = arena.reserved
+            peak_in_use, extensions = arena.in_use, arena.extensions
+        run_peak = arena.reserved
+        try:
+            for e in events:
+                if e.nbytes:
+                    arena.alloc(e.key + tag, e.nbytes)
+                else:
+                    arena.free(e.key + tag)
+                if run and arena.reserved > peak:
+                    peak, peak_at = arena.reserved, e.node
+                if run:
+                    peak_in_use = max(peak_in_use, arena.in_use)
+                    run_peak = max(run_peak, arena.reserved)
+        except ArenaExhausted:
+            where = order[e.node] if 0 <= e.node < len(order) else "(the feeds)"
+            return ArenaReport(max(peak, arena.reserved), baseline, peak_in_use,
+                               arena.extensions - extensions, where, fails_at=where,
+                               peaks_per_step=tuple(peaks))
+        if run:
+            peaks.append(run_peak)
+        if feeds_in_arena:
+            for name in graph.inputs:
+                arena.free(name + tag)
+        arena.shrink()
+        for key in carried:  # the previous run's kept outputs were this run's inputs
+            arena.free(key)
+        carried = []
+        for o in graph.outputs:
+            if run and o in keep:
+                carried.append(o + tag)
+            else:
+                arena.free(o + tag)
+    return ArenaReport(
+        peak_reserved_bytes=peak, start_reserved_bytes=baseline, peak_in_use_bytes=peak_in_use,
+        extensions=arena.extensions - extensions,
+        peak_node=order[peak_at] if 0 <= peak_at < len(order) else None,
+        peaks_per_step=tuple(peaks))
