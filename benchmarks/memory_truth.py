@@ -134,7 +134,8 @@ def main(argv=None) -> int:
             for label, path, dims in export_cases(tmp):
                 rows.append(measure(label, path, dims, tmp, args.steps, log, args.arena))
     if args.arena:
-        lines = ["| model | live bytes, arena off (MB) | arena predicted (MB) | arena measured (MB) "
+        lines = ["| model | live bytes, arena off (MB) | arena predicted (MB) "
+                 "| arena measured (MB) "
                  "| measured/predicted |", "|---|---|---|---|---|"]
         lines += [f"| {r['model']} | {r['live'] / 1e6:,.1f} | {r['predicted'] / 1e6:,.1f} | "
                   f"{r['measured'] / 1e6:,.1f} | {r['ratio']:.4f} |" for r in rows]
