@@ -410,6 +410,11 @@ def test_cuda_planning_without_cuda_warns(gpt2_file, tmp_path, monkeypatch):
     report = json.loads(rep.read_text())
     assert report["cost_model"]["source"] == "analytic"
     assert any("CUDA is not available" in w for w in report["warnings"])
+    # The device peak is the CUDA arena's (regions of 256-byte units), reported with it.
+    arena = report["plan"]["device_arena"]
+    assert report["plan"]["peak_bytes"] == arena["peak_reserved_bytes"]
+    assert arena["peak_reserved_bytes"] >= arena["peak_in_use_bytes"] > 0
+    assert arena["peak_in_use_bytes"] % 256 == 0 and arena["fails_at"] is None
     # Asking for estimates on purpose is not warned about.
     r = invoke("compile", gpt2_file, "--budget", "1TB", "-o", tmp_path / "c.onnx",
                "--report", rep, "--provider", "cuda", "--cost", "analytic")
