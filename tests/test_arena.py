@@ -152,14 +152,14 @@ def _step(tmp_path, name: str, **dims):
 def test_the_arena_model_predicts_ort_s_own_arena_measured_on_cpu(tmp_path):
     """ORT's CPU arena is the same BFCArena class the CUDA provider uses; registered with
     kSameAsRequested it is the CUDA allocation rules, measured by the OS. A transformer step
-    (MatMul, Softmax, LayerNorm, Where scratch): measured within 8% of the arena model."""
+    (MatMul, Softmax, LayerNorm, Where scratch): measured within 5% of the arena model."""
     step, path = _step(tmp_path, "gpt2", batch=4, seq_len=128, width=128, depth=2, heads=4)
     result = run_steps(path, steps=3, arena=True)
     arena = result.prediction["arena"]
     assert result.prediction["liveness_peak_bytes"] == analyze_liveness(step).peak_bytes
     assert arena["fails_at"] is None and len(arena["peaks_per_step"]) == 3
     ratio = result.measured_peak_bytes / result.predicted_peak_bytes
-    assert 0.92 <= ratio <= 1.08, result.to_json()
+    assert 0.95 <= ratio <= 1.05, result.to_json()
 
 
 def test_arena_runs_are_refused_where_they_mean_nothing(tmp_path):

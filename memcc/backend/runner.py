@@ -49,7 +49,7 @@ from memcc.errors import InputError, RuntimeFailure
 from memcc.frontend.constants import constant_node_value
 from memcc.frontend.load import load_graph
 from memcc.graph import Graph, TensorInfo
-from memcc.passes.arena import ArenaReport, replay_steps
+from memcc.passes.arena import MIN_ALLOCATION, REGION_INDEX_BYTES, ArenaReport, replay_steps
 from memcc.passes.liveness import LivenessReport, analyze_liveness
 from memcc.step import TrainingStep
 from memcc.step import describe_type as _describe
@@ -193,21 +193,18 @@ def arena_prediction(graph: Graph, liveness: LivenessReport, spec: StepSpec, *, 
 
     CUDA: the feeds are copied into the device arena every run and the outputs copied out,
     so the device peak is the arena's reserved bytes over its baseline. CPU (``--arena``):
-    ORT reads the runner's numpy feeds where they are and hands its own buffers back as the
-    outputs, so the state the runner feeds back lives in the arena from the second step on,
-    and the meter also sees the numpy feeds still alive: all of them in the first step, the
-    ones no output replaced after that.
+    ORT reads the runner's numpy feeds where they are, and the runner copies the outputs
+    it keeps out of the arena (as CUDA does), so the meter sees the feeds plus the arena's
+    reserved bytes over its baseline, plus the arena's own index of each region (one
+    8-byte chunk handle per 256 bytes, in host memory: on CUDA the device never sees it).
     """
-    if provider == "cuda":
-        report = replay_steps(graph, liveness, steps=steps, feeds_in_arena=True)
+    cuda = provider == "cuda"
+    report = replay_steps(graph, liveness, steps=steps, feeds_in_arena=cuda,
+                          addresses_grow=cuda)
+    if cuda:
         return report, report.measured_bytes
-    report = replay_steps(graph, liveness, steps=steps, feeds_in_arena=False,
-                          addresses_grow=False, state_outputs=spec.state)
-    replaced = sum(liveness.values[i].nbytes for i in set(spec.state.values())
-                   if i in liveness.values)
-    per_step = [liveness.start_bytes - (replaced if k else 0) + peak
-                - report.start_reserved_bytes for k, peak in enumerate(report.peaks_per_step)]
-    return report, max(per_step)
+    index = report.measured_bytes * REGION_INDEX_BYTES // MIN_ALLOCATION
+    return report, liveness.start_bytes + report.measured_bytes + index
 
 
 def _result(path: Path, provider: str, steps: int, seed: int, data, prediction: LivenessReport,
@@ -390,6 +387,7 @@ def execute(payload: Mapping) -> dict:
     run_options = _run_options(provider, arena=bool(payload.get("arena")))
 
     aliased = dict(payload.get("in_place") or {})
+    arena = bool(payload.get("arena"))
 
     def run(feeds):
         if aliased:
@@ -413,7 +411,9 @@ def execute(payload: Mapping) -> dict:
         losses.append(_scalar(result[loss_name], loss_name))
         for out, inp in state.items():
             if out not in aliased:  # an in-place update already is in feeds[inp]
-                feeds[inp] = result[out]
+                # With the arena on, ORT's own buffer would pin an arena region into the
+                # next step; a copy keeps the arena as CUDA leaves it (outputs copied out).
+                feeds[inp] = np.array(result[out]) if arena else result[out]
         del result
     return {
         "losses": losses,

@@ -36,6 +36,9 @@ from memcc.passes.liveness import scratch_buffers
 
 MIN_ALLOCATION = 256                       # BFCArena::kMinAllocationSize
 MAX_DEAD_BYTES_PER_CHUNK = 128 * 1024 * 1024  # BFCArena default
+# Each region keeps a host-side index, one chunk handle (size_t) per 256 bytes: 1/32 of the
+# region again, in host memory (so it shows in a CPU measurement, never on a device).
+REGION_INDEX_BYTES = 8
 
 
 def rounded_bytes(nbytes: int) -> int:
