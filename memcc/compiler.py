@@ -38,7 +38,13 @@ from memcc.errors import InputError, MemccError
 from memcc.frontend.build import BuildOptions, build_training_step, is_training_step
 from memcc.frontend.load import load_graph
 from memcc.graph import Graph, node_label
-from memcc.passes.cost_model import CUDA_NOMINAL, CostModel, analytic_costs, host_link_for
+from memcc.passes.cost_model import (
+    CUDA_NOMINAL,
+    CostModel,
+    HostLink,
+    analytic_costs,
+    host_link_for,
+)
 from memcc.passes.phases import plan_origin, step_phases
 from memcc.passes.plan import StepStructure
 from memcc.passes.planner import (
@@ -383,9 +389,12 @@ def _costs(graph: Graph, options: CompileOptions, warning: Progress,
     elif options.cost in ("auto", "measured"):
         try:
             cm = replace(measured_costs(graph, options.provider),
-                         link=host_link_for(options.provider))
-            return cm, {"source": "measured", "provider": options.provider,
-                        "total_s": round(cm.total(graph), 6)}
+                         link=_measured_link(options.provider, warning))
+            summary = {"source": "measured", "provider": options.provider,
+                       "total_s": round(cm.total(graph), 6)}
+            if cm.link is not None:
+                summary["host_link"] = cm.link.to_json()
+            return cm, summary
         except MemccError as exc:
             if options.cost == "measured":
                 raise
@@ -396,9 +405,26 @@ def _costs(graph: Graph, options: CompileOptions, warning: Progress,
     cm = replace(analytic_costs(graph, rates), link=host_link_for(options.provider))
     summary = {"source": "analytic", "provider": options.provider, "rates": rates.to_json(),
                "total_s": round(cm.total(graph), 6)}
+    if cm.link is not None:
+        summary["host_link"] = cm.link.to_json()
     if note:
         summary["note"] = note
     return cm, summary
+
+
+def _measured_link(provider: str, warning: Progress) -> HostLink | None:
+    """The swap copies' link measured on this machine (CUDA only: nothing is swapped on the
+    CPU provider); the nominal PCIe figure, with a warning, when measuring fails."""
+    if host_link_for(provider) is None:
+        return None
+    from memcc.backend.host_link import measure_host_link
+
+    try:
+        return measure_host_link(provider)
+    except MemccError as exc:
+        warning(f"measuring the host link failed ({exc}); swap copies are priced at the "
+                "nominal PCIe rate instead.")
+        return host_link_for(provider)
 
 
 def _plan(graph, budget, costs, options, structure) -> tuple[PlanOutcome, dict]:

@@ -59,20 +59,41 @@ class DeviceRates:
 
 @dataclass(frozen=True)
 class HostLink:
-    """The device <-> host link a swap's copies cross: seconds = latency + bytes / rate,
-    each way. ORT runs ``MemcpyToHost`` / ``MemcpyFromHost`` on the compute stream by
-    default (docs/ORT_NOTES.md), so a copy adds its whole time to the step."""
+    """The device <-> host link a swap's copies cross: seconds = latency + bytes / rate.
+    ``bytes_per_s`` / ``latency_s`` are the device-to-host direction; the host-to-device one
+    is the same unless measured apart (``backend/host_link.py``). ORT runs ``MemcpyToHost`` /
+    ``MemcpyFromHost`` on the compute stream by default (docs/ORT_NOTES.md), so a copy adds
+    its whole time to the step."""
 
     bytes_per_s: float
     latency_s: float
     source: str
+    from_host_bytes_per_s: float | None = None
+    from_host_latency_s: float | None = None
 
-    def seconds(self, nbytes: float) -> float:
+    def seconds(self, nbytes: float, op: str = "MemcpyToHost") -> float:
+        if op == "MemcpyFromHost" and self.from_host_bytes_per_s:
+            latency = self.from_host_latency_s if self.from_host_latency_s is not None \
+                else self.latency_s
+            return latency + float(nbytes) / self.from_host_bytes_per_s
         return self.latency_s + float(nbytes) / self.bytes_per_s
 
+    def round_trip(self, nbytes: float) -> float:
+        """One copy out and one back (an offload)."""
+        return self.seconds(nbytes, "MemcpyToHost") + self.seconds(nbytes, "MemcpyFromHost")
+
     def to_json(self) -> dict:
-        return {"bytes_per_s": self.bytes_per_s, "latency_s": self.latency_s,
-                "source": self.source}
+        out = {"bytes_per_s": self.bytes_per_s, "latency_s": self.latency_s,
+               "source": self.source}
+        if self.from_host_bytes_per_s is not None:
+            out["from_host_bytes_per_s"] = self.from_host_bytes_per_s
+            out["from_host_latency_s"] = self.from_host_latency_s
+        return out
+
+    @classmethod
+    def from_json(cls, d: dict) -> HostLink:
+        return cls(float(d["bytes_per_s"]), float(d["latency_s"]), str(d["source"]),
+                   d.get("from_host_bytes_per_s"), d.get("from_host_latency_s"))
 
 
 # Pinned-memory copies over PCIe 4/5 x16 reach 20-25 GB/s each way; not measured here.
@@ -199,7 +220,7 @@ class CostModel:
             return 1.0
         if node.op_type in COPY_OPS and self.link is not None and node.input:
             ti = graph.info.get(node.input[0])
-            return self.link.seconds(ti.nbytes if ti is not None else 0)
+            return self.link.seconds(ti.nbytes if ti is not None else 0, node.op_type)
         if node.op_type in _NOT_RUN:
             return 0.0
         rates = self.rates or NOMINAL_CPU

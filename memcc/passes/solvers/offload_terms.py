@@ -72,7 +72,7 @@ def add_offload_terms(builder: ProblemBuilder, graph: Graph, st: StepStructure,
         first_backward = min(backward)
         if first_backward - last_forward - 1 < MIN_GAP:
             continue
-        var = builder.variable(KIND, f"offload {v}", 2 * costs.link.seconds(vl.nbytes))
+        var = builder.variable(KIND, f"offload {v}", costs.link.round_trip(vl.nbytes))
         builder.term(var, -float(vl.nbytes), last_forward + 1, first_backward - 1)
         value_of[var] = v
         # Not with recompute of v itself, nor of a node whose clone reads v.

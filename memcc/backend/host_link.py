@@ -1,0 +1,107 @@
+"""Measure the link swap copies cross: ``MemcpyToHost`` and ``MemcpyFromHost`` timed by ORT's
+profiler at several sizes, and a latency + bytes / rate line fitted to each direction.
+
+The planner prices an offload as one copy out and one copy in (``passes/solvers/
+offload_terms.py``); a nominal PCIe figure can be off by a factor of two either way (pinned
+or pageable host memory, PCIe generation, a shared bus), which moves every swap decision. So
+the link is measured once per machine and provider and cached next to the CPU rates
+(``backend/profiling.py``). ORT gives ``MemcpyToHost`` a pinned host buffer on CUDA, so
+the figure is the pinned-memory rate the plan will see.
+
+On the CPU provider the copies are plain memcpy (ORT >= 1.31 runs them there): memcc never
+swaps on CPU, and the CPU measurement only exercises this code where no GPU is present.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from memcc.backend.profiling import CACHE_DIR
+from memcc.errors import RuntimeFailure
+from memcc.passes.cost_model import HostLink
+
+# Float32 elements per probe: 256 KiB to 64 MiB, where latency and bandwidth both show.
+PROBE_ELEMENTS = (1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24)
+LINK_VERSION = "v1"
+
+
+def _probe_model(elements: int) -> onnx.ModelProto:
+    """x -> Neg (on the device) -> copy out -> copy in -> Neg -> y: the copies have device
+    tensors on both sides, as a planned swap does."""
+    h = helper.make_node
+    nodes = [h("Neg", ["x"], ["a"], name="on_device"),
+             h("MemcpyToHost", ["a"], ["a_host"], name="to_host"),
+             h("MemcpyFromHost", ["a_host"], ["a_back"], name="from_host"),
+             h("Neg", ["a_back"], ["y"], name="back_on_device")]
+    g = helper.make_graph(nodes, "host_link",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [elements])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [elements])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    return m
+
+
+def _fit(points: list[tuple[int, float]], source: str) -> tuple[float, float]:
+    """Least-squares latency and rate of seconds = latency + bytes / rate (latency >= 0)."""
+    x = np.array([b for b, _ in points], dtype=float)
+    y = np.array([s for _, s in points], dtype=float)
+    slope, intercept = np.polyfit(x, y, 1)
+    if slope <= 0:
+        raise RuntimeFailure(f"{source}: copy times do not grow with size ({points}); the "
+                             "link could not be measured")
+    return max(float(intercept), 0.0), 1.0 / float(slope)
+
+
+def measure_host_link(provider: str, *, runs: int = 5, use_cache: bool = True,
+                      elements: tuple[int, ...] = PROBE_ELEMENTS) -> HostLink:
+    """The measured link on ``provider`` (cached per machine and provider)."""
+    import onnxruntime as ort
+
+    from memcc.backend.session import make_session
+
+    cache = CACHE_DIR / f"host_link-{provider}-{ort.__version__}-{LINK_VERSION}.json"
+    if use_cache and cache.exists():
+        try:
+            return HostLink.from_json(json.loads(cache.read_text()))
+        except (KeyError, ValueError, TypeError):
+            pass
+    out: list[tuple[int, float]] = []
+    back: list[tuple[int, float]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in elements:
+            x = np.ones(n, dtype=np.float32)
+            sess = make_session(_probe_model(n), provider, profile=True,
+                                profile_prefix=Path(tmp) / f"link_{n}")
+            for _ in range(runs + 1):
+                sess.run(None, {"x": x})
+            events = json.loads(Path(sess.end_profiling()).read_text())
+            times: dict[str, list[float]] = {"to_host": [], "from_host": []}
+            for ev in events:
+                name = str(ev.get("name", ""))
+                for node in times:
+                    if ev.get("cat") == "Node" and name == f"{node}_kernel_time":
+                        times[node].append(float(ev.get("dur", 0)) * 1e-6)
+            for node, series in (("to_host", out), ("from_host", back)):
+                samples = times[node][1:]  # the first run allocates
+                if not samples:
+                    raise RuntimeFailure(f"ORT's profile has no time for the {node} copy on "
+                                         f"{provider}: the link could not be measured")
+                series.append((4 * n, statistics.median(samples)))
+    lat_out, rate_out = _fit(out, "MemcpyToHost")
+    lat_back, rate_back = _fit(back, "MemcpyFromHost")
+    link = HostLink(rate_out, lat_out, f"measured on this machine ({provider}, ORT "
+                    f"{ort.__version__}, {len(elements)} sizes x {runs} runs)",
+                    from_host_bytes_per_s=rate_back, from_host_latency_s=lat_back)
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.write_text(json.dumps(link.to_json()))
+    except OSError:
+        pass
+    return link

@@ -1,0 +1,43 @@
+"""The swap copies' link: measured through ORT's own copy ops (on CPU here, where ORT runs
+them as memcpy: the code path, not a PCIe figure), fitted per direction, cached."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import memcc.backend.host_link as host_link
+from memcc.errors import RuntimeFailure
+from memcc.passes.cost_model import PCIE_NOMINAL, HostLink
+
+
+def test_the_link_is_measured_per_direction_and_cached(tmp_path, monkeypatch):
+    monkeypatch.setattr(host_link, "CACHE_DIR", tmp_path)
+    link = host_link.measure_host_link("cpu", runs=2, elements=(1 << 14, 1 << 18, 1 << 21))
+    assert link.bytes_per_s > 1e7 and link.from_host_bytes_per_s > 1e7
+    assert link.latency_s >= 0 and link.from_host_latency_s >= 0
+    assert "measured on this machine (cpu" in link.source
+    # A bigger copy takes longer, each way.
+    assert link.seconds(1 << 24) > link.seconds(1 << 10)
+    assert link.seconds(1 << 24, "MemcpyFromHost") > link.seconds(1 << 10, "MemcpyFromHost")
+    cached = list(tmp_path.glob("host_link-cpu-*.json"))
+    assert len(cached) == 1
+    assert HostLink.from_json(json.loads(cached[0].read_text())) == link
+    # The second call reads the cache instead of measuring.
+    monkeypatch.setattr(host_link, "_probe_model", None)
+    assert host_link.measure_host_link("cpu") == link
+
+
+def test_directions_price_their_own_copies_and_a_round_trip_is_both():
+    link = HostLink(1e9, 1e-5, "test", from_host_bytes_per_s=2e9, from_host_latency_s=2e-5)
+    assert link.seconds(1e9, "MemcpyToHost") == pytest.approx(1.0 + 1e-5)
+    assert link.seconds(1e9, "MemcpyFromHost") == pytest.approx(0.5 + 2e-5)
+    assert link.round_trip(1e9) == pytest.approx(1.5 + 3e-5)
+    # Measured one way only: the other direction uses the same figures.
+    assert PCIE_NOMINAL.round_trip(2e10) == pytest.approx(2 * PCIE_NOMINAL.seconds(2e10))
+
+
+def test_copy_times_that_do_not_grow_are_refused():
+    with pytest.raises(RuntimeFailure, match="do not grow"):
+        host_link._fit([(1000, 1e-3), (10_000, 1e-4)], "MemcpyToHost")
