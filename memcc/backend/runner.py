@@ -200,11 +200,19 @@ def arena_prediction(graph: Graph, liveness: LivenessReport, spec: StepSpec, *, 
     """
     cuda = provider == "cuda"
     report = replay_steps(graph, liveness, steps=steps, feeds_in_arena=cuda,
-                          addresses_grow=cuda)
+                          addresses_grow=cuda, cpu_threads=None if cuda else _ort_threads())
     if cuda:
         return report, report.measured_bytes
     index = report.measured_bytes * REGION_INDEX_BYTES // MIN_ALLOCATION
     return report, liveness.start_bytes + report.measured_bytes + index
+
+
+def _ort_threads() -> int:
+    """ORT's default intra-op threads on this machine: one per core it may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 def _result(path: Path, provider: str, steps: int, seed: int, data, prediction: LivenessReport,

@@ -196,7 +196,69 @@ class Event:
     nbytes: int        # > 0: allocate; 0: free
 
 
-def step_events(graph: Graph, liveness, *, feeds_in_arena: bool) -> list[Event]:
+# MLAS's convolution (onnxruntime/core/mlas/lib/convolve.cpp, MlasConvPrepare): per-thread
+# working buffers of STRIDEN x STRIDEK floats, threads by multiplies per thread.
+MLAS_CONV_BUFFER_PER_THREAD = 128 * 128
+MLAS_THREAD_COMPLEXITY = 64 * 1024
+MLAS_MAXIMUM_THREADS = 16
+MLAS_STRIDEN_ALIGN = 16
+
+
+def mlas_conv_working_bytes(node, info, threads: int) -> int:
+    """The working buffer ORT's CPU Conv takes from its allocator (float Conv through MLAS):
+    none for a pointwise convolution; the whole im2col matrix when there are more filters
+    than output positions (every weight gradient memcc writes as a Conv over the batch
+    is one: its output positions are the kernel's); else a 64 KiB block per thread.
+
+    Invisible with the arena off (a transient buffer, rarely at the peak), but with the
+    arena on it is a region of its own that stays reserved for the rest of the run."""
+    if node.op_type != "Conv" or len(node.input) < 2:
+        return 0
+    x, w, y = (info.get(n) for n in (node.input[0], node.input[1], node.output[0]))
+    if x is None or w is None or y is None or not 3 <= len(w.shape) <= 5 or x.itemsize != 4:
+        return 0
+    dims = len(w.shape) - 2
+    cin = int(w.shape[1])
+    group = int(_attr(node, "group", 1))
+    filters = int(w.shape[0]) // max(group, 1)
+    kernel = [int(k) for k in w.shape[2:]]
+    k = cin
+    for d in kernel:
+        k *= d
+    out_size = 1
+    for d in y.shape[2:]:
+        out_size *= int(d)
+    strides = list(_attr(node, "strides", [1] * dims))
+    pads = list(_attr(node, "pads", [0] * 2 * dims))
+    auto_pad = _attr(node, "auto_pad", b"NOTSET")
+    padded = any(pads) or auto_pad not in (b"NOTSET", "NOTSET", b"VALID", "VALID")
+    if all(s == 1 for s in strides) and not padded and k == cin:
+        return 0  # pointwise: a GEMM straight on the input
+    if filters > out_size:
+        return out_size * k * 4
+    complexity = filters * out_size * k
+    target = (complexity // MLAS_THREAD_COMPLEXITY + 1
+              if complexity < MLAS_THREAD_COMPLEXITY * MLAS_MAXIMUM_THREADS
+              else MLAS_MAXIMUM_THREADS)
+    target = max(1, min(target, threads))
+    stride_n = -(-out_size // target)
+    if target > 1:
+        stride_n = -(-stride_n // MLAS_STRIDEN_ALIGN) * MLAS_STRIDEN_ALIGN
+        if stride_n >= out_size:
+            target = 1
+        elif stride_n * (target - 1) >= out_size:
+            target -= 1
+    return target * MLAS_CONV_BUFFER_PER_THREAD * 4
+
+
+def _attr(node, name: str, default):
+    from memcc.graph import attr
+
+    return attr(node, name, default)
+
+
+def step_events(graph: Graph, liveness, *, feeds_in_arena: bool,
+                cpu_threads: int | None = None) -> list[Event]:
     """The arena requests of one run of ``graph`` in the order of ``liveness``
     (a ``passes.liveness.LivenessReport`` of that graph).
 
@@ -204,6 +266,8 @@ def step_events(graph: Graph, liveness, *, feeds_in_arena: bool) -> list[Event]:
     copied to the device); on CPU ORT reads the caller's arrays where they are. Initializers
     belong to the session, not to a run. Host copies (``MemcpyToHost``) live in another
     allocator and are left out. Step outputs are released after the run (``after_run``).
+    ``cpu_threads``: the CPU provider's kernels with that many intra-op threads, whose
+    convolution working buffers come from the arena too (``mlas_conv_working_bytes``).
     """
     order = list(liveness.order)
     nodes = {n.name: n for n in graph.nodes}
@@ -229,6 +293,9 @@ def step_events(graph: Graph, liveness, *, feeds_in_arena: bool) -> list[Event]:
         for name in sorted(born.get(j, ()), key=lambda v: outs.get(v, len(outs))):
             events.append(Event(j, name, _raw(graph, name)))
         scratch = [b for b in scratch_buffers(node, graph.info, graph.opset) if b]
+        if cpu_threads is not None:
+            scratch.append(mlas_conv_working_bytes(node, graph.info, cpu_threads))
+            scratch = [b for b in scratch if b]
         for k, nbytes in enumerate(scratch):
             events.append(Event(j, f"scratch:{j}:{k}", int(nbytes)))
         for k in range(len(scratch)):
@@ -280,7 +347,8 @@ class ArenaReport:
 
 def replay_steps(graph: Graph, liveness, *, steps: int = 2, feeds_in_arena: bool = True,
                  limit: int | None = None, addresses_grow: bool = True,
-                 state_outputs: Iterable[str] = ()) -> ArenaReport:
+                 state_outputs: Iterable[str] = (), cpu_threads: int | None = None
+                 ) -> ArenaReport:
     """Replay a warm-up run and then ``steps`` runs through a fresh arena, the way
     ``backend.runner`` runs a step, and report the measured runs against the reserved bytes
     after the warm-up (the meter's baseline).
@@ -294,7 +362,8 @@ def replay_steps(graph: Graph, liveness, *, steps: int = 2, feeds_in_arena: bool
     if steps < 1:
         raise ValueError("replay_steps needs at least one step")
     order = list(liveness.order)
-    events = step_events(graph, liveness, feeds_in_arena=feeds_in_arena)
+    events = step_events(graph, liveness, feeds_in_arena=feeds_in_arena,
+                         cpu_threads=cpu_threads)
     keep = set(state_outputs)
     arena = BfcArena(limit=limit, addresses_grow=addresses_grow)
     carried: list[str] = []
