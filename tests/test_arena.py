@@ -182,3 +182,36 @@ def test_cuda_plans_are_judged_by_the_arena_replay(tmp_path):
     assert cuda.arena.peak_reserved_bytes >= cuda.arena.peak_in_use_bytes
     # The same buffers, rounded to 256 bytes instead of CPU pages.
     assert 0.9 <= cuda.peak_bytes / cpu.peak_bytes <= 1.2
+
+
+def test_cuda_verify_caps_the_arena_at_the_budget_and_a_refused_run_does_not_fit(
+        tmp_path, monkeypatch):
+    """No GPU here: the CUDA run is replaced by one that records what it was asked for and
+    then fails the way ORT does when the arena may not grow (the outputs are compared on
+    the CPU stand-in)."""
+    import memcc.backend.verify as verify
+    from memcc.errors import RuntimeFailure
+
+    step, _ = _step(tmp_path, "mlp", batch=8, in_features=16, width=16, depth=1, num_classes=3)
+    asked = {}
+
+    def refused(path, **kw):
+        asked.update(kw)
+        raise RuntimeFailure("ONNX Runtime failed while running the step: Available memory "
+                             "of 0 is smaller than requested bytes of 4096")
+
+    on_cpu = verify.step_outputs
+    monkeypatch.setattr(verify, "run_steps", refused)
+    monkeypatch.setattr(verify, "step_outputs",
+                        lambda graph, feeds, provider: on_cpu(graph, feeds, "cpu"))
+    result = verify.verify_rewrite(step, step, budget=123_456, provider="cuda")
+    assert asked["gpu_mem_limit"] == 123_456 and asked["provider"] == "cuda"
+    assert not result["ok"] and result["peak_within_budget"] is False
+    assert result["gpu_mem_limit_bytes"] == 123_456 and result["outputs_match"]
+    assert "gpu_mem_limit 123,456" in result["problems"][0]
+    # On the CPU provider nothing is capped.
+    monkeypatch.setattr(verify, "run_steps", lambda path, **kw: asked.update(cpu=kw) or
+                        run_steps(path, **kw))
+    assert verify.verify_rewrite(step, step, budget=1 << 40)["ok"]
+    assert asked["cpu"]["gpu_mem_limit"] is None
+

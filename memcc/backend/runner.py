@@ -121,6 +121,7 @@ def run_steps(
     separate_timing: bool = True,
     in_place: bool = False,
     arena: bool = False,
+    gpu_mem_limit: int | None = None,
 ) -> RunResult:
     """Run ``steps`` training steps of the file at ``model_path`` and measure them.
 
@@ -137,6 +138,10 @@ def run_steps(
     ``arena`` (CPU): allocate through ORT's arena with CUDA's settings instead of straight
     from malloc, and predict with ``passes.arena`` (the CUDA allocation rules, measured).
     On CUDA the arena is always on and always predicted that way.
+
+    ``gpu_mem_limit`` (CUDA): the arena may not hold more than this many bytes; a step that
+    needs more fails (``RuntimeFailure``) instead of growing, so a step that runs is proved
+    to fit.
     """
     if steps < 1:
         raise InputError("--steps must be at least 1")
@@ -170,6 +175,7 @@ def run_steps(
         payload = prepare_run(graph, spec, feeds, Path(tmp), steps=steps, provider=prov)
         payload["in_place"] = aliased
         payload["arena"] = bool(arena)
+        payload["gpu_mem_limit"] = int(gpu_mem_limit) if gpu_mem_limit is not None else None
         if isolate:
             out = memory.run_child("memcc.backend.runner", payload)
             if separate_timing:
@@ -390,7 +396,9 @@ def execute(payload: Mapping) -> dict:
     loss_name = payload["loss"]
     prefix = str(Path(payload["profile_dir"]) / "memcc_order")
     session = make_session(payload["session_model"], provider, profile=True,
-                           profile_prefix=prefix, cpu_arena=bool(payload.get("arena")))
+                           profile_prefix=prefix, cpu_arena=bool(payload.get("arena")),
+                           gpu_mem_limit=payload.get("gpu_mem_limit") if provider == "cuda"
+                           else None)
     meter = memory.CpuPeakMeter() if provider == "cpu" else memory.NvmlPeakMeter()
     run_options = _run_options(provider, arena=bool(payload.get("arena")))
 

@@ -21,6 +21,7 @@ from memcc.backend.determinism import racing_nodes
 from memcc.backend.onnx_file import save_graph
 from memcc.backend.runner import run_steps, session_graph, synthetic_feeds
 from memcc.backend.session import make_session
+from memcc.errors import RuntimeFailure
 from memcc.graph import Graph, node_label
 
 
@@ -80,7 +81,19 @@ def verify_rewrite(original: Graph, rewritten: Graph, *, budget: int, provider: 
     with tempfile.TemporaryDirectory(prefix="memcc-verify-") as tmp:
         path = Path(tmp) / "rewritten.onnx"
         save_graph(rewritten, path)
-        run = run_steps(path, steps=steps, provider=provider, seed=seed, separate_timing=False)
+        # On CUDA the arena is capped at the budget: a step that completes fits, whatever
+        # the sampled peak says.
+        try:
+            run = run_steps(path, steps=steps, provider=provider, seed=seed,
+                            separate_timing=False,
+                            gpu_mem_limit=budget if provider == "cuda" else None)
+        except RuntimeFailure as exc:
+            if provider != "cuda":
+                raise
+            problems.append(f"the step did not run with the CUDA arena capped at the budget "
+                            f"(gpu_mem_limit {budget:,} bytes): {exc}")
+            return _failed_run(problems, outputs_differing, original, rewritten, budget,
+                               exact, tolerance)
     measured = run.measured_peak_bytes
     if measured is None:
         problems.append(f"no peak measurement on {provider} ({run.measurement_method})")
@@ -94,9 +107,7 @@ def verify_rewrite(original: Graph, rewritten: Graph, *, budget: int, provider: 
         "ok": not problems,
         "problems": problems,
         "outputs_compared": len(rewritten.outputs),
-        "comparison": ("bit-identical" if exact else
-                       f"within relative {tolerance:g} (equivalent variants)"
-                       if tolerance is not None else "rtol 1e-5 (CUDA)"),
+        "comparison": _comparison(exact, tolerance),
         "outputs_match": outputs_differing == 0,
         "outputs_differing": outputs_differing,
         "racing_nodes": [node_label(n) for n in racing_nodes(original)],
@@ -107,4 +118,29 @@ def verify_rewrite(original: Graph, rewritten: Graph, *, budget: int, provider: 
         "order_matches_plan": run.order_matches_plan,
         "measurement_method": run.measurement_method,
         "step_time_s": run.step_time_s,
+        "gpu_mem_limit_bytes": int(budget) if provider == "cuda" else None,
     }
+
+
+def _failed_run(problems: list[str], outputs_differing: int, original: Graph,
+                rewritten: Graph, budget: int, exact: bool, tolerance: float | None) -> dict:
+    """The verification of a CUDA step that ORT refused to run under ``gpu_mem_limit``:
+    it does not fit, and nothing was measured."""
+    return {
+        "ok": False, "problems": problems, "outputs_compared": len(rewritten.outputs),
+        "comparison": _comparison(exact, tolerance),
+        "outputs_match": outputs_differing == 0, "outputs_differing": outputs_differing,
+        "racing_nodes": [node_label(n) for n in racing_nodes(original)],
+        "budget_bytes": int(budget), "peak_within_budget": False,
+        "measured_peak_bytes": None, "predicted_peak_bytes": None,
+        "order_matches_plan": None, "measurement_method": "none: the run failed",
+        "step_time_s": None, "gpu_mem_limit_bytes": int(budget),
+    }
+
+
+def _comparison(exact: bool, tolerance: float | None) -> str:
+    if exact:
+        return "bit-identical"
+    if tolerance is not None:
+        return f"within relative {tolerance:g} (equivalent variants)"
+    return "rtol 1e-5 (CUDA)"
