@@ -312,6 +312,11 @@ def compile_cmd(
         help="Let the planner replace gradient rules by leaner variants (masks, chunked "
              "convolution weight gradients, inverted normalisation) where that is cheaper "
              "than recomputing; --no-variants plans with the default rules only.")] = True,
+    allow_lossy: Annotated[bool, typer.Option(
+        "--allow-lossy",
+        help="Also offer lossy variants: saved activations of convolutions and matrix "
+             "products kept in bfloat16 (gradients within 2e-2 relative of the default "
+             "rule's; docs/VARIANTS.md). Never by default.")] = False,
     loss: Annotated[str, typer.Option(help="(forward models) as in memcc build.")
                     ] = "cross-entropy",
     optimizer: Annotated[str, typer.Option(help="(forward models) as in memcc build.")
@@ -331,6 +336,7 @@ def compile_cmd(
         opts = CompileOptions(
             budget=budget, strategy=strategy, provider=provider, time_limit=time_limit,
             cost=cost, verify=verify, margin=margin, variants=variants, offload=offload,
+            allow_lossy=allow_lossy,
             build=BuildOptions(loss=loss, optimizer=optimizer, lr=lr), dims=parse_dims(dim),
         )
         with err.status("compiling") as status:

@@ -76,6 +76,8 @@ class CompileOptions:
     slack_bytes: int = 1024 * 1024
     # The ILP may replace a node's default gradient rule by a variant (passes/variants.py).
     variants: bool = True
+    # Lossy-tier variants (bfloat16 storage of saved activations) only when asked for.
+    allow_lossy: bool = False
     # Swap saved values to host memory: None = wherever it can save memory (the CUDA
     # provider); True asks for it (refused on the CPU provider, with why); False never.
     offload: bool | None = None
@@ -433,7 +435,7 @@ def _plan(graph, budget, costs, options, structure) -> tuple[PlanOutcome, dict]:
     outcome = choose_plan(graph, budget, costs, strategy=options.strategy,
                           time_limit=options.time_limit, structure=structure,
                           offload=options.swaps, variants=options.variants,
-                          device=options.provider)
+                          device=options.provider, allow_lossy=options.allow_lossy)
     best, base = outcome.best, outcome.baseline
     variants = describe_variants(graph, best, costs, structure,
                                  host_copies=options.provider == "cuda",

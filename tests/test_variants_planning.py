@@ -252,3 +252,34 @@ def test_variant_model_matches_the_simulator_one_variant_at_a_time():
         assert abs(prob.peak(x) - sim.peak_bytes) <= 0.01 * base.peak_bytes, (node, name)
         checked += 1
     assert checked >= 5
+
+
+def test_lossy_variants_only_with_allow_lossy_and_verified_within_their_tolerance(
+        tmp_path, relu_step):
+    """bfloat16 storage of the saved MatMul inputs is offered to the ILP only with
+    ``allow_lossy``; a compile that uses it says ``lossy`` and verifies within the stated
+    tolerance, not bit for bit."""
+    g, st, costs = relu_step
+    live = simulate(g, Plan(), costs, st).liveness
+
+    def offered(allow: bool) -> set[str]:
+        pp = build_problem(g, st, live, costs, allow_lossy=allow)
+        return {v.key for v in pp.variants.variant_of.values()}
+
+    assert not any(k.endswith(":bf16_saved") for k in offered(False))
+    assert "MatMul:bf16_saved" in offered(True)
+    path = tmp_path / "m.onnx"
+    onnx.save(_relu_then_scale(), path)
+    smallest = compile_model(path, CompileOptions(budget="min", cost="analytic", margin=0.0,
+                                                  slack_bytes=0, allow_lossy=True))
+    default = compile_model(path, CompileOptions(budget="min", cost="analytic", margin=0.0,
+                                                 slack_bytes=0))
+    assert smallest.report["plan"]["peak_bytes"] < default.report["plan"]["peak_bytes"]
+    budget = smallest.report["plan"]["peak_bytes"]
+    res = compile_model(path, CompileOptions(budget=budget, cost="analytic", margin=0.0,
+                                             slack_bytes=0, allow_lossy=True, verify=True))
+    v = res.report["plan"]["variants"]
+    assert any(k.endswith(":bf16_saved") for k in v["by_kind"])
+    assert v["exactness"] == "lossy" and v["tolerance"] == pytest.approx(2e-2)
+    assert res.report["verification"]["ok"]
+    assert res.report["verification"]["comparison"].startswith("within relative 0.02")

@@ -142,5 +142,5 @@ def _comparison(exact: bool, tolerance: float | None) -> str:
     if exact:
         return "bit-identical"
     if tolerance is not None:
-        return f"within relative {tolerance:g} (equivalent variants)"
+        return f"within relative {tolerance:g} (the plan's inexact variants)"
     return "rtol 1e-5 (CUDA)"

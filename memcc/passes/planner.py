@@ -67,16 +67,16 @@ class PlanOutcome:
 # ---------------------------------------------------------------------------- the model
 def build_problem(graph: Graph, st: StepStructure, live: LivenessReport,
                   costs: CostModel, *, offload: bool = False,
-                  variants: bool = True) -> PlanProblem:
+                  variants: bool = True, allow_lossy: bool = False) -> PlanProblem:
     """The linear model of ``graph``'s memory under every decision kind: recompute, the
     gradient-rule variant of each node (``variants``), and on a device provider
     (``offload``) swap to host memory; each kind adds its variables and terms through its
-    own generator."""
+    own generator. ``allow_lossy`` also offers the lossy-tier variants (16-bit storage)."""
     builder = ProblemBuilder(np.asarray(live.live_during, dtype=np.float64))
     units = add_recompute_terms(builder, graph, st, live, costs)
     swaps = add_offload_terms(builder, graph, st, live, costs, units) if offload else None
-    chosen = add_variant_terms(builder, graph, st, live, costs, units, swaps) \
-        if variants else VariantVars()
+    chosen = add_variant_terms(builder, graph, st, live, costs, units, swaps,
+                               allow_lossy=allow_lossy) if variants else VariantVars()
     return PlanProblem(builder.build(), units, swaps or OffloadVars({}), chosen)
 
 
@@ -85,7 +85,8 @@ def choose_plan(graph: Graph, budget: int | None, costs: CostModel, *,
                 strategy: str = "auto", time_limit: float = 60.0,
                 structure: StepStructure | None = None,
                 baseline: Simulation | None = None, offload: bool = False,
-                variants: bool = True, device: str = "cpu") -> PlanOutcome:
+                variants: bool = True, device: str = "cpu",
+                allow_lossy: bool = False) -> PlanOutcome:
     """Pick the plan; ``budget=None`` means the smallest peak memcc can reach.
 
     ``offload``: the step runs on a device provider, so saved values may also be swapped to
@@ -102,7 +103,7 @@ def choose_plan(graph: Graph, budget: int | None, costs: CostModel, *,
     # The step as built fits: no plan can add less than nothing, so no strategy runs.
     fits_as_built = budget is not None and base.peak_bytes <= budget
     planning = None if strategy == "none" or fits_as_built else _prepare(
-        graph, st, base, costs, time_limit, offload, variants, device)
+        graph, st, base, costs, time_limit, offload, variants, device, allow_lossy)
     try:
         return _choose(planning, base, budget, strategy)
     except BudgetError:
@@ -122,11 +123,12 @@ def choose_plan(graph: Graph, budget: int | None, costs: CostModel, *,
 
 def _prepare(graph: Graph, st: StepStructure, base: Simulation, costs: CostModel,
              time_limit: float, offload: bool = False, variants: bool = True,
-             device: str = "cpu") -> Planning:
+             device: str = "cpu", allow_lossy: bool = False) -> Planning:
     """The problem and the sqrt(n) segmentations (a strategy of their own, and the ILP's
     warm starts): the same for every budget."""
     offload = offload and costs.link is not None
-    pp = build_problem(graph, st, base.liveness, costs, offload=offload, variants=variants)
+    pp = build_problem(graph, st, base.liveness, costs, offload=offload, variants=variants,
+                       allow_lossy=allow_lossy)
     n_units = len(pp.groups)
     every = np.ones(n_units, dtype=bool)
     segmentations = [

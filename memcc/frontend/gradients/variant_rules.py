@@ -430,3 +430,58 @@ def _from_input(ctx: VariantContext, node: onnx.NodeProto, gouts: Grads) -> Grad
     twin.CopyFrom(node)
     twin.output[0] = y
     return RULES[node.op_type](ctx, twin, gouts)
+
+
+# ---------------------------------------------------------------------------- 16-bit storage
+# bfloat16 keeps float32's exponent (no overflow to inf, unlike float16) and 8 bits of
+# mantissa: each stored element is off by at most 2^-9 relative, and the products summed in
+# a weight gradient average much of that out. The stated bound is for the gradients.
+BF16_SAVED_TOLERANCE = 2e-2
+_SAVED_FOR: dict[str, tuple[tuple[int, int], ...]] = {
+    # (stored input, the input whose gradient reads it)
+    "Conv": ((0, 1),),
+    "MatMul": ((0, 1), (1, 0)),
+    "Gemm": ((0, 1), (1, 0)),
+}
+
+
+def _activation(ctx: GradContext, name: str) -> bool:
+    """A float32 value the forward pass computes (not a weight, input or constant)."""
+    producer = ctx.producers().get(name)
+    return (producer is not None and producer.op_type != "Constant"
+            and ctx.graph.info.get(name) is not None
+            and ctx.info(name).dtype == TensorProto.FLOAT)
+
+
+def _stored_in_bf16(ctx: GradContext, node: onnx.NodeProto) -> list[int]:
+    """The inputs the default backward reads that the variant keeps in 16 bits."""
+    out = []
+    for stored, reader in _SAVED_FOR.get(node.op_type, ()):
+        if (stored < len(node.input) and reader < len(node.input)
+                and ctx.needs_grad(node.input[reader]) and _activation(ctx, node.input[stored])):
+            out.append(stored)
+    return out
+
+
+@register_variant("Conv", "MatMul", "Gemm", name="bf16_saved", tier=LOSSY,
+                  tolerance=BF16_SAVED_TOLERANCE,
+                  applies=lambda ctx, node: bool(_stored_in_bf16(ctx, node)))
+def _bf16_saved(ctx: VariantContext, node: onnx.NodeProto, gouts: Grads) -> Grads:
+    """The activations the backward reads (a convolution's input for its weight gradient,
+    a product's operands for each other's gradients) are kept as bfloat16 copies taken right
+    after the forward node, half the bytes of the float32 originals, which are then freed
+    once their forward readers are done; the backward casts them back and runs the default
+    rule. Lossy: only with ``--allow-lossy``."""
+    fctx = _forward_ctx(ctx)
+    restored = list(node.input)
+    for i in _stored_in_bf16(ctx, node):
+        half = fctx.emit.cast(node.input[i], TensorProto.BFLOAT16)
+        restored[i] = ctx.emit.cast(half, TensorProto.FLOAT)
+    twin = onnx.NodeProto()
+    twin.CopyFrom(node)
+    del twin.input[:]
+    twin.input.extend(restored)
+    wanted = {r for r, o in zip(restored, node.input, strict=True)
+              if r != o and ctx.needs_grad(o)}
+    return RULES[node.op_type](replace(ctx, requires_grad=ctx.requires_grad | wanted), twin,
+                               gouts)
