@@ -533,7 +533,8 @@ def _report(options, budget, plan_budget, was_min, base: Simulation, plan: Simul
         # Every strategy that ran and what it returned; ``solver`` is the last ILP solve
         # only, which need not be where the plan came from.
         "strategies": outcome.runs,
-        "cost_model": {"source": costs.source, "provider": options.provider},
+        "cost_model": {"source": costs.source, "provider": options.provider}
+        | ({"host_link": costs.link.to_json()} if costs.link is not None else {}),
         "timeline": {
             "baseline": list(base.liveness.live_during),
             "plan": list(live.live_during),
