@@ -24,6 +24,14 @@ Interactions kept exact by rows: a variant excludes recomputing the node itself 
 producers and readers of values whose lifetime it changes (the recompute terms assume the
 default's readers: a recomputed reader would hold such a value past the death the variant
 term assumes), and offloading any value either rule reads.
+
+Joint freeing: a saved buffer that the default rules of two nodes read (a block output
+read by its Relu's backward and by the next convolution's weight gradient) dies early only
+when both nodes use a variant that stops reading it. Each variant alone moves nothing before
+the other rule's last read, so each such buffer gets one more binary, ``y <= (the variants
+of the first node that drop it)`` and ``y <= (those of the second)``, that frees the buffer
+from its last read outside the two rules to the earlier of their last reads (the later
+part is the single variant's own term). Buffers read by three or more rules are left out.
 """
 
 from __future__ import annotations
@@ -125,6 +133,7 @@ class _Candidate:
     terms: list[tuple[float, int, int]] = field(default_factory=list)
     units: list[int] = field(default_factory=list)
     offloads: list[str] = field(default_factory=list)
+    drops: set[str] = field(default_factory=set)   # saved buffers it stops reading
 
     def term(self, nbytes: float, start: int, end: int) -> None:
         if nbytes and start <= end:
@@ -151,6 +160,9 @@ def _useful(found: list[_Candidate]) -> list[_Candidate]:
     deltas = [c.delta(lo, hi) for c in found]
     keep = []
     for i, c in enumerate(found):
+        if c.drops:  # may free a buffer together with another node's variant
+            keep.append(c)
+            continue
         if not c.terms or deltas[i].min() >= 0:
             continue  # never lowers memory anywhere
         dominated = any(
@@ -198,6 +210,8 @@ def add_variant_terms(builder: ProblemBuilder, graph: Graph, st: StepStructure,
         return bl
 
     out = VariantVars()
+    # buffer -> [(rule node, last read of the buffer inside the rule, variables dropping it)]
+    rule_reads: dict[str, list[tuple[str, int, list[int]]]] = defaultdict(list)
     for node in nodes:
         if node.name not in st.forward or node.name not in rules:
             continue
@@ -257,6 +271,8 @@ def add_variant_terms(builder: ProblemBuilder, graph: Graph, st: StepStructure,
             changed: set[str] = set()
             buffers = {bl.name: bl for v in reads_default | reads_variant
                        if (bl := buffer_of(v)) is not None}
+            c.drops = {bl.name for v in reads_default if (bl := buffer_of(v)) is not None
+                       and not any(m in reads_variant for m in members[bl.name])}
             for name, bl in sorted(buffers.items()):
                 mem = members[name]
                 others = [pos[id(r)] for m in mem for r in du.readers.get(m, ())
@@ -300,9 +316,12 @@ def add_variant_terms(builder: ProblemBuilder, graph: Graph, st: StepStructure,
                                 & set(offload_var))
             found.append(c)
         group: list[int] = []
+        dropping: dict[str, list[int]] = defaultdict(list)
         for c in _useful(found):
             var = builder.variable(KIND, f"{c.variant.key} for {node.name}", c.cost)
             group.append(var)
+            for name in c.drops:
+                dropping[name].append(var)
             out.choice_of[var] = (node.name, c.variant.name)
             out.variant_of[var] = c.variant
             for nbytes, t0, t1 in c.terms:
@@ -312,4 +331,45 @@ def add_variant_terms(builder: ProblemBuilder, graph: Graph, st: StepStructure,
             for v in c.offloads:
                 builder.row({var: 1.0, offload_var[v]: 1.0}, 1.0)
         builder.choice(group)
+        old_ids = {id(n) for n in old}
+        for name in {bl.name for v in reads_default if (bl := buffer_of(v)) is not None}:
+            last = max(pos[id(r)] for m in members[name] for r in du.readers.get(m, ())
+                       if id(r) in old_ids)
+            rule_reads[name].append((node.name, last, dropping.get(name, [])))
+    _add_joint_freeing(builder, rule_reads, members, values, du, pos, rules, unit_of_node,
+                       unit_vars, offload_var, buffer_of)
     return out
+
+
+def _add_joint_freeing(builder: ProblemBuilder, rule_reads, members, values, du, pos, rules,
+                       unit_of_node, unit_vars, offload_var, buffer_of) -> None:
+    """One binary per saved buffer that exactly two nodes' default rules read, set only
+    when both use a variant that stops reading it (module docstring)."""
+    for name, readers in sorted(rule_reads.items()):
+        if len(readers) != 2 or not all(vars_ for _, _, vars_ in readers):
+            continue
+        bl = buffer_of(name)
+        if bl is None:
+            continue
+        mem = members[name]
+        both = {id(n) for r, _, _ in readers for n in rules[r]}
+        outside = [pos[id(r)] for m in mem for r in du.readers.get(m, ())
+                   if id(r) not in both]
+        start = max(outside + [bl.birth]) + 1
+        end = min(last for _, last, _ in readers)
+        if start > end:
+            continue
+        y = builder.variable(KIND, f"joint free {name}", 0.0)
+        builder.term(y, -float(bl.nbytes), start, end)
+        for _, _, vars_ in readers:
+            builder.row({y: 1.0, **dict.fromkeys(vars_, -1.0)}, 0.0)
+        # Not with recompute of its producers or readers (a recomputed reader reads it in
+        # the backward pass), nor with offloading it.
+        touching = {du.producer[m].name for m in mem if m in du.producer}
+        touching |= {r.name for m in mem for r in du.readers.get(m, ())}
+        for u in {unit_of_node.get(p) for p in touching} - {None}:
+            if unit_vars[u]:
+                builder.row({y: 1.0, **dict.fromkeys(unit_vars[u], 1.0)}, 1.0)
+        for m in mem:
+            if m in offload_var:
+                builder.row({y: 1.0, offload_var[m]: 1.0}, 1.0)
