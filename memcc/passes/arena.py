@@ -120,22 +120,24 @@ class BfcArena:
             return
         chunk.in_use = False
         self.in_use -= chunk.size
-        nxt = chunk.next
-        if nxt is not None and not nxt.in_use:
-            self._unfree(nxt)
-            chunk.size += nxt.size
-            chunk.next = nxt.next
-            if nxt.next is not None:
-                nxt.next.prev = chunk
-        prev = chunk.prev
-        if prev is not None and not prev.in_use:
-            self._unfree(prev)
-            prev.size += chunk.size
-            prev.next = chunk.next
-            if chunk.next is not None:
-                chunk.next.prev = prev
-            chunk = prev
+        if chunk.next is not None and not chunk.next.in_use:
+            self._unfree(chunk.next)
+            self._absorb_next(chunk)
+        if chunk.prev is not None and not chunk.prev.in_use:
+            chunk = chunk.prev
+            self._unfree(chunk)
+            self._absorb_next(chunk)
         self._add_free(chunk)
+
+    @staticmethod
+    def _absorb_next(chunk: _Chunk) -> None:
+        """Merge the chunk after ``chunk`` (same region, free, out of the free set) into it."""
+        nxt = chunk.next
+        assert nxt is not None
+        chunk.size += nxt.size
+        chunk.next = nxt.next
+        if nxt.next is not None:
+            nxt.next.prev = chunk
 
     def shrink(self) -> int:
         """Give back every region with nothing in use (ORT's end-of-run shrink); bytes freed."""
