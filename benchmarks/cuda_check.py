@@ -1,0 +1,261 @@
+"""Everything a session with a GPU should run, in one command that writes one summary.
+
+Device time is scarce (30 minutes a session, a few minutes per call), so the CUDA checks of
+issue 11 are one script with phases, each writing its rows as soon as they exist:
+
+- ``env``: the GPU (NVML), ONNX Runtime's version and providers.
+- ``truth``: memory truth on the zoo. Each step is run with ``memcc run`` semantics, and
+  the device peak predicted by the arena model (``memcc/passes/arena.py``) is set against
+  the one NVML measured. The step is then run again with ``gpu_mem_limit`` at the
+  predicted reserved peak: if ORT completes it, the prediction was enough.
+- ``link``: the host link, measured both ways (``memcc/backend/host_link.py``).
+- ``plans``: ``memcc compile --verify`` at fractions of the baseline peak, with and without
+  swap. Each row has the measured peak and the step-time ratio against the step as built,
+  timed interleaved (baseline, plan, baseline, ...).
+
+    python benchmarks/cuda_check.py --out $OUT                      # on the GPU machine
+    python benchmarks/cuda_check.py --provider cpu --small --out /tmp/x  # the code path, here
+
+Nothing here has run on a GPU yet (no session has had one); ``--provider cpu`` runs the same
+code on CPU (no swap there), which is what ``tests/test_benchmarks_cuda_check.py`` checks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from memcc.backend.onnx_file import save_graph  # noqa: E402
+from memcc.backend.runner import run_steps  # noqa: E402
+from memcc.frontend.build import BuildOptions, build_training_step  # noqa: E402
+from memcc.frontend.load import load_graph  # noqa: E402
+from models import build_model  # noqa: E402
+
+# Sizes with a few hundred MB of activations (the CPU table's), and small ones for --small.
+SIZES = {
+    "mlp": dict(batch=8192, width=1024, depth=8),
+    "resnet18": dict(batch=32, resolution=224, width=32),
+    "resnet50": dict(batch=32, resolution=224),
+    "vgg16": dict(batch=16, resolution=224, width=32),
+    "mobilenetv2": dict(batch=32, resolution=128, width_mult=1.0),
+    "unet": dict(batch=8, resolution=128, width=32),
+    "gpt2": dict(batch=8, seq_len=256, width=256, depth=6, heads=4),
+    "bert": dict(batch=8, seq_len=256, width=256, depth=6, heads=4),
+}
+SMALL = {
+    "mlp": dict(batch=64, width=64, depth=2),
+    "resnet18": dict(batch=4, resolution=32, width=8),
+    "resnet50": dict(batch=2, resolution=32),
+    "vgg16": dict(batch=2, resolution=32, width=8),
+    "mobilenetv2": dict(batch=2, resolution=32, width_mult=0.5),
+    "unet": dict(batch=2, resolution=32, width=8),
+    "gpt2": dict(batch=2, seq_len=32, width=32, depth=2, heads=2),
+    "bert": dict(batch=2, seq_len=32, width=32, depth=2, heads=2),
+}
+PHASES = ("env", "truth", "link", "plans")
+
+
+class Summary:
+    """Rows per phase, rewritten to ``summary.json`` and ``summary.md`` after every row, so
+    a call cut short by its time limit still returns what it measured."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.data: dict[str, object] = {"started": time.strftime("%Y-%m-%d %H:%M:%S")}
+        out.mkdir(parents=True, exist_ok=True)
+
+    def add(self, phase: str, row: dict) -> None:
+        rows = self.data.setdefault(phase, [])
+        assert isinstance(rows, list)
+        rows.append(row)
+        print(f"[{phase}] {json.dumps(row, default=str)}", flush=True)
+        self.write()
+
+    def write(self) -> None:
+        (self.out / "summary.json").write_text(json.dumps(self.data, indent=1, default=str))
+        (self.out / "summary.md").write_text(markdown(self.data))
+
+
+def markdown(data: dict) -> str:
+    lines = [f"# cuda_check ({data.get('started')})", ""]
+    for phase, rows in data.items():
+        if not isinstance(rows, list) or not rows:
+            continue
+        keys = list(dict.fromkeys(k for r in rows for k in r if not isinstance(r[k], dict)))
+        lines += [f"## {phase}", "", "| " + " | ".join(keys) + " |",
+                  "|" + "---|" * len(keys)]
+        lines += ["| " + " | ".join(_cell(r.get(k)) for k in keys) + " |" for r in rows]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _cell(v: object) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v).replace("|", "/") if v is not None else ""
+
+
+def env_phase(summary: Summary, provider: str) -> None:
+    import onnxruntime as ort
+
+    row: dict[str, object] = {"onnxruntime": ort.__version__, "provider": provider,
+                              "providers": ",".join(ort.get_available_providers())}
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        name = pynvml.nvmlDeviceGetName(handle)
+        row["gpu"] = name.decode() if isinstance(name, bytes) else name
+        row["gpu_memory_bytes"] = int(pynvml.nvmlDeviceGetMemoryInfo(handle).total)
+    except Exception as exc:  # no NVML here: say why, the other phases still run
+        row["gpu"] = f"none ({type(exc).__name__}: {exc})"
+    summary.add("env", row)
+
+
+def build_step(name: str, dims: dict, tmp: Path) -> Path:
+    step = build_training_step(load_graph(build_model(name, **dims)), BuildOptions())
+    return save_graph(step, tmp / f"{name}_step.onnx")
+
+
+def truth_phase(summary: Summary, provider: str, models: Sequence[str], sizes: dict,
+                tmp: Path, steps: int) -> None:
+    for name in models:
+        try:
+            path = build_step(name, sizes[name], tmp)
+            run = run_steps(path, steps=steps, provider=provider)
+            arena = run.prediction.get("arena") or {}
+            row = {"model": name, "dims": sizes[name],
+                   "predicted_bytes": run.predicted_peak_bytes,
+                   "measured_bytes": run.measured_peak_bytes,
+                   "measured_over_predicted": (run.measured_peak_bytes
+                                               / run.predicted_peak_bytes)
+                   if run.measured_peak_bytes else None,
+                   "live_bytes": run.prediction.get("liveness_peak_bytes",
+                                                    run.prediction.get("peak_bytes")),
+                   "reserved_bytes": arena.get("peak_reserved_bytes"),
+                   "order_matches_plan": run.order_matches_plan,
+                   "step_time_s": run.step_time_s, "method": run.measurement_method}
+            if provider == "cuda" and arena.get("peak_reserved_bytes"):
+                limit = int(arena["peak_reserved_bytes"])
+                try:
+                    run_steps(path, steps=2, provider=provider, gpu_mem_limit=limit)
+                    row["runs_under_predicted_limit"] = True
+                except Exception as exc:  # ORT refused: the prediction was too small
+                    row["runs_under_predicted_limit"] = f"no: {exc}"[:300]
+            summary.add("truth", row)
+        except Exception as exc:
+            summary.add("truth", {"model": name, "error": _error(exc)})
+
+
+def link_phase(summary: Summary, provider: str) -> None:
+    from memcc.backend.host_link import measure_host_link
+
+    try:
+        summary.add("link", measure_host_link(provider, use_cache=False).to_json())
+    except Exception as exc:
+        summary.add("link", {"error": _error(exc)})
+
+
+def plans_phase(summary: Summary, provider: str, models: Sequence[str], sizes: dict,
+                fractions: Sequence[float], tmp: Path, rounds: int, time_limit: float,
+                slack_bytes: int | None) -> None:
+    from memcc.compiler import CompileOptions, compile_model
+
+    for name in models:
+        try:
+            path = build_step(name, sizes[name], tmp)
+        except Exception as exc:
+            summary.add("plans", {"model": name, "error": _error(exc)})
+            continue
+        for frac in fractions:
+            for offload in ((False, True) if provider == "cuda" else (False,)):
+                row: dict[str, object] = {"model": name, "fraction": frac, "offload": offload}
+                try:
+                    base = compile_model(path, CompileOptions(
+                        budget="1TB", provider=provider, cost="analytic"))
+                    baseline = int(base.report["baseline"]["peak_bytes"])
+                    out = tmp / f"{name}_{frac}_{int(offload)}.onnx"
+                    res = compile_model(path, CompileOptions(
+                        budget=int(frac * baseline), provider=provider, cost="measured",
+                        verify=True, offload=offload, time_limit=time_limit,
+                        **({} if slack_bytes is None else {"slack_bytes": slack_bytes})),
+                        output=out)
+                    plan, ver = res.report["plan"], res.report["verification"]
+                    row.update(baseline_bytes=baseline, plan_bytes=plan["peak_bytes"],
+                               predicted_overhead=plan["overhead"],
+                               offloaded=len(plan["offloaded_values"]),
+                               recomputed=len(plan["recomputed_values"]),
+                               measured_bytes=ver["measured_peak_bytes"], verified=ver["ok"])
+                    row["step_time_ratio"], row["ratio_spread"] = _time_ratio(
+                        path, out, provider, rounds)
+                except Exception as exc:
+                    row["error"] = _error(exc)
+                summary.add("plans", row)
+
+
+def _time_ratio(base: Path, plan: Path, provider: str, rounds: int
+                ) -> tuple[float, list[float]]:
+    """Median of per-round plan/baseline step-time ratios, timed interleaved, and the
+    smallest and largest round ratio."""
+    ratios = []
+    for _ in range(rounds):
+        b = run_steps(base, steps=3, provider=provider, separate_timing=False).step_time_s
+        p = run_steps(plan, steps=3, provider=provider, separate_timing=False).step_time_s
+        ratios.append(p / b)
+    return statistics.median(ratios), [min(ratios), max(ratios)]
+
+
+def _error(exc: BaseException) -> str:
+    where = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
+    at = f" (at {Path(where.filename).name}:{where.lineno})" if where else ""
+    return f"{type(exc).__name__}: {exc}"[:500] + at
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True, help="folder for summary.json / .md")
+    ap.add_argument("--provider", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--phases", nargs="+", default=list(PHASES), choices=PHASES)
+    ap.add_argument("--models", nargs="+", default=list(SIZES), choices=list(SIZES))
+    ap.add_argument("--plan-models", nargs="+", default=["gpt2", "resnet50"],
+                    choices=list(SIZES))
+    ap.add_argument("--fractions", nargs="+", type=float, default=[0.5, 0.33, 0.25])
+    ap.add_argument("--small", action="store_true", help="tiny sizes (a smoke test)")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds")
+    ap.add_argument("--time-limit", type=float, default=60.0)
+    ap.add_argument("--slack-bytes", type=int, default=None,
+                    help="compile's fixed safety margin (default: compile's; 0 with --small)")
+    args = ap.parse_args(argv)
+    sizes = SMALL if args.small else SIZES
+    summary = Summary(args.out)
+    with tempfile.TemporaryDirectory(prefix="memcc-cuda-check-") as d:
+        tmp = Path(d)
+        if "env" in args.phases:
+            env_phase(summary, args.provider)
+        if "truth" in args.phases:
+            truth_phase(summary, args.provider, args.models, sizes, tmp, args.steps)
+        if "link" in args.phases:
+            link_phase(summary, args.provider)
+        if "plans" in args.phases:
+            slack = args.slack_bytes if args.slack_bytes is not None else (
+                0 if args.small else None)
+            plans_phase(summary, args.provider, args.plan_models, sizes, args.fractions, tmp,
+                        args.rounds, args.time_limit, slack)
+    summary.write()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
