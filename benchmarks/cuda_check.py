@@ -9,6 +9,11 @@ issue 11 are one script with phases, each writing its rows as soon as they exist
   the one NVML measured. The step is then run again with ``gpu_mem_limit`` at the
   predicted reserved peak: if ORT completes it, the prediction was enough.
 - ``link``: the host link, measured both ways (``memcc/backend/host_link.py``).
+- ``overlap``: whether a copy to the host and back overlaps compute. A chain of MatMuls
+  and an independent copy round trip are timed alone and together, with ORT's copies on
+  the compute stream (``do_copy_in_default_stream=1``, the default) and on their own
+  (``0``). ``overlap`` is the share of the shorter of the two that disappears when they
+  run together: what the planner would model if it is large (today it assumes none).
 - ``plans``: ``memcc compile --verify`` at fractions of the baseline peak, with and without
   swap. Each row has the measured peak and the step-time ratio against the step as built,
   timed interleaved (baseline, plan, baseline, ...).
@@ -62,7 +67,7 @@ SMALL = {
     "gpt2": dict(batch=2, seq_len=32, width=32, depth=2, heads=2),
     "bert": dict(batch=2, seq_len=32, width=32, depth=2, heads=2),
 }
-PHASES = ("env", "truth", "link", "plans")
+PHASES = ("env", "truth", "link", "overlap", "plans")
 
 
 class Summary:
@@ -167,6 +172,73 @@ def link_phase(summary: Summary, provider: str) -> None:
         summary.add("link", {"error": _error(exc)})
 
 
+def _overlap_model(n: int, chain: int, elements: int, parts: str):
+    """MatMuls on ``a`` (``compute``), a copy of ``b`` out and back (``copy``), or both."""
+    from onnx import TensorProto, helper
+
+    h = helper.make_node
+    nodes, outs = [], []
+    if parts in ("compute", "both"):
+        prev = "a"
+        for k in range(chain):
+            nodes.append(h("MatMul", [prev, "w"], [f"m{k}"], name=f"mm{k}"))
+            prev = f"m{k}"
+        outs.append((prev, [n, n]))
+    if parts in ("copy", "both"):
+        nodes += [h("Neg", ["b"], ["bn"], name="neg"),
+                  h("MemcpyToHost", ["bn"], ["bh"], name="out"),
+                  h("MemcpyFromHost", ["bh"], ["bd"], name="in"),
+                  h("Neg", ["bd"], ["c"], name="neg2")]
+        outs.append(("c", [elements]))
+    inputs = [helper.make_tensor_value_info("a", TensorProto.FLOAT, [n, n]),
+              helper.make_tensor_value_info("w", TensorProto.FLOAT, [n, n]),
+              helper.make_tensor_value_info("b", TensorProto.FLOAT, [elements])]
+    used = {i for nd in nodes for i in nd.input}
+    g = helper.make_graph(nodes, "overlap", [i for i in inputs if i.name in used],
+                          [helper.make_tensor_value_info(o, TensorProto.FLOAT, s)
+                           for o, s in outs])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    return m
+
+
+def overlap_phase(summary: Summary, provider: str, small: bool, rounds: int) -> None:
+    import numpy as np
+
+    from memcc.backend.session import make_session
+
+    n, chain, elements = (64, 4, 1 << 12) if small else (4096, 16, 1 << 26)
+    rng = np.random.default_rng(0)
+    feeds = {"a": rng.standard_normal((n, n), dtype=np.float32) / n ** 0.5,
+             "w": rng.standard_normal((n, n), dtype=np.float32) / n ** 0.5,
+             "b": np.ones(elements, np.float32)}
+    settings = ("1", "0") if provider == "cuda" else ("cpu",)
+    for setting in settings:
+        try:
+            times = {}
+            for parts in ("compute", "copy", "both"):
+                model = _overlap_model(n, chain, elements, parts)
+                opts = {"do_copy_in_default_stream": setting} if provider == "cuda" else None
+                sess = make_session(model, provider, cuda_options=opts)
+                names = {i.name for i in sess.get_inputs()}
+                mine = {k: v for k, v in feeds.items() if k in names}
+                sess.run(None, mine)
+                samples = []
+                for _ in range(max(rounds, 3) * 3):
+                    t0 = time.perf_counter()
+                    sess.run(None, mine)
+                    samples.append(time.perf_counter() - t0)
+                times[parts] = statistics.median(samples)
+            hidden = times["compute"] + times["copy"] - times["both"]
+            summary.add("overlap", {
+                "do_copy_in_default_stream": setting, "compute_s": times["compute"],
+                "copy_s": times["copy"], "both_s": times["both"],
+                "overlap": hidden / min(times["compute"], times["copy"])})
+        except Exception as exc:
+            summary.add("overlap", {"do_copy_in_default_stream": setting,
+                                    "error": _error(exc)})
+
+
 def plans_phase(summary: Summary, provider: str, models: Sequence[str], sizes: dict,
                 fractions: Sequence[float], tmp: Path, rounds: int, time_limit: float,
                 slack_bytes: int | None) -> None:
@@ -248,6 +320,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             truth_phase(summary, args.provider, args.models, sizes, tmp, args.steps)
         if "link" in args.phases:
             link_phase(summary, args.provider)
+        if "overlap" in args.phases:
+            overlap_phase(summary, args.provider, args.small, args.rounds)
         if "plans" in args.phases:
             slack = args.slack_bytes if args.slack_bytes is not None else (
                 0 if args.small else None)

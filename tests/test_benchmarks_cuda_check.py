@@ -11,7 +11,7 @@ from benchmarks import cuda_check
 def test_the_gpu_script_runs_every_phase_and_writes_its_summary(tmp_path):
     out = tmp_path / "out"
     rc = cuda_check.main(["--provider", "cpu", "--small", "--out", str(out),
-                          "--phases", "env", "truth", "plans", "--models", "mlp",
+                          "--phases", "env", "truth", "overlap", "plans", "--models", "mlp",
                           "--plan-models", "gpt2", "--fractions", "0.8", "--rounds", "1",
                           "--steps", "2"])
     assert rc == 0
@@ -25,5 +25,8 @@ def test_the_gpu_script_runs_every_phase_and_writes_its_summary(tmp_path):
     assert plan["verified"] is True and plan["offload"] is False
     assert plan["plan_bytes"] <= 0.8 * plan["baseline_bytes"]
     assert plan["step_time_ratio"] > 0 and len(plan["ratio_spread"]) == 2
+    overlap = data["overlap"][0]
+    assert "error" not in overlap, overlap
+    assert overlap["compute_s"] > 0 and overlap["copy_s"] > 0 and overlap["both_s"] > 0
     md = (out / "summary.md").read_text()
     assert "## truth" in md and "## plans" in md

@@ -135,8 +135,11 @@ def session_options(
     return so
 
 
-def provider_options(provider: str, *, gpu_mem_limit: int | None = None) -> list:
-    """The ``providers=`` list for ``InferenceSession`` (CUDA falls back to CPU per node)."""
+def provider_options(provider: str, *, gpu_mem_limit: int | None = None,
+                     cuda_options: Mapping[str, str] | None = None) -> list:
+    """The ``providers=`` list for ``InferenceSession`` (CUDA falls back to CPU per node).
+    ``cuda_options`` adds CUDA provider options (experiments, e.g. whether copies on their
+    own stream overlap compute: ``do_copy_in_default_stream``)."""
     if provider == "cpu":
         return [ORT_PROVIDER["cpu"]]
     cuda: dict[str, str] = {
@@ -145,6 +148,7 @@ def provider_options(provider: str, *, gpu_mem_limit: int | None = None) -> list
     }
     if gpu_mem_limit is not None:
         cuda["gpu_mem_limit"] = str(int(gpu_mem_limit))
+    cuda.update(cuda_options or {})
     return [(ORT_PROVIDER["cuda"], cuda), ORT_PROVIDER["cpu"]]
 
 
@@ -175,6 +179,7 @@ def make_session(
     extra_config: Mapping[str, str] | None = None,
     option_overrides: Mapping[str, object] | None = None,
     cpu_arena: bool = False,
+    cuda_options: Mapping[str, str] | None = None,
 ) -> ort.InferenceSession:
     """An ``InferenceSession`` under the execution contract, with errors memcc can report.
 
@@ -208,7 +213,8 @@ def make_session(
         source = where = str(Path(model))
     try:
         sess = ort.InferenceSession(
-            source, so, providers=provider_options(p, gpu_mem_limit=gpu_mem_limit)
+            source, so, providers=provider_options(p, gpu_mem_limit=gpu_mem_limit,
+                                                   cuda_options=cuda_options)
         )
     except Exception as exc:  # ORT raises its own exception types from pybind
         raise RuntimeFailure(
