@@ -58,14 +58,14 @@ SIZES = {
     "bert": dict(batch=8, seq_len=256, width=256, depth=6, heads=4),
 }
 SMALL = {
-    "mlp": dict(batch=64, width=64, depth=2),
+    "mlp": dict(batch=512, width=256, depth=2),
     "resnet18": dict(batch=4, resolution=32, width=8),
     "resnet50": dict(batch=2, resolution=32),
     "vgg16": dict(batch=2, resolution=32, width=8),
     "mobilenetv2": dict(batch=2, resolution=32, width_mult=0.5),
     "unet": dict(batch=2, resolution=32, width=8),
-    "gpt2": dict(batch=2, seq_len=32, width=32, depth=2, heads=2),
-    "bert": dict(batch=2, seq_len=32, width=32, depth=2, heads=2),
+    "gpt2": dict(batch=8, seq_len=128, width=64, depth=2, heads=2),
+    "bert": dict(batch=8, seq_len=128, width=64, depth=2, heads=2),
 }
 PHASES = ("env", "truth", "link", "overlap", "plans")
 
@@ -308,7 +308,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds")
     ap.add_argument("--time-limit", type=float, default=60.0)
     ap.add_argument("--slack-bytes", type=int, default=None,
-                    help="compile's fixed safety margin (default: compile's; 0 with --small)")
+                    help="compile's fixed safety margin (default: compile's)")
     args = ap.parse_args(argv)
     sizes = SMALL if args.small else SIZES
     summary = Summary(args.out)
@@ -323,10 +323,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "overlap" in args.phases:
             overlap_phase(summary, args.provider, args.small, args.rounds)
         if "plans" in args.phases:
-            slack = args.slack_bytes if args.slack_bytes is not None else (
-                0 if args.small else None)
             plans_phase(summary, args.provider, args.plan_models, sizes, args.fractions, tmp,
-                        args.rounds, args.time_limit, slack)
+                        args.rounds, args.time_limit, args.slack_bytes)
     summary.write()
     return 0
 

@@ -12,18 +12,18 @@ def test_the_gpu_script_runs_every_phase_and_writes_its_summary(tmp_path):
     out = tmp_path / "out"
     rc = cuda_check.main(["--provider", "cpu", "--small", "--out", str(out),
                           "--phases", "env", "truth", "overlap", "plans", "--models", "mlp",
-                          "--plan-models", "gpt2", "--fractions", "0.8", "--rounds", "1",
+                          "--plan-models", "gpt2", "--fractions", "0.6", "--rounds", "1",
                           "--steps", "2"])
     assert rc == 0
     data = json.loads((out / "summary.json").read_text())
     assert data["env"][0]["provider"] == "cpu" and data["env"][0]["onnxruntime"]
     truth = data["truth"][0]
     assert "error" not in truth, truth
-    assert truth["measured_bytes"] > 0 and 0.7 <= truth["measured_over_predicted"] <= 1.3
+    assert truth["measured_bytes"] > 0 and 0.8 <= truth["measured_over_predicted"] <= 1.25
     plan = data["plans"][0]
     assert "error" not in plan, plan
     assert plan["verified"] is True and plan["offload"] is False
-    assert plan["plan_bytes"] <= 0.8 * plan["baseline_bytes"]
+    assert plan["plan_bytes"] <= 0.6 * plan["baseline_bytes"]
     assert plan["step_time_ratio"] > 0 and len(plan["ratio_spread"]) == 2
     overlap = data["overlap"][0]
     assert "error" not in overlap, overlap
