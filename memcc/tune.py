@@ -291,7 +291,8 @@ class _Search:
                                     source=self.label)
         costs = self._costs(graph)
         st = StepStructure.of(graph)
-        base = simulate(graph, Plan(), costs, st)
+        # On CUDA, judged by the arena replay, as compile judges it.
+        base = simulate(graph, Plan(), costs, st, device=self.opts.provider)
         persistent = set(graph.inputs) | set(graph.initializers)
         floor = sum(graph.info[v].nbytes for v in persistent if v in graph.info)
         p = _Probe(b, graph, costs, st, base, int(floor), lr)
@@ -365,7 +366,8 @@ class _Search:
         self.say(f"{self.rng.dim}={b}: smallest reachable peak ({self.opts.strategy})")
         out = choose_plan(p.graph, None, p.costs, strategy=self.opts.strategy,
                           time_limit=self.opts.time_limit, structure=p.structure,
-                          baseline=p.baseline, offload=self.opts.provider == "cuda")
+                          baseline=p.baseline, offload=self.opts.provider == "cuda",
+                          device=self.opts.provider)
         self.stats["min_searches"] += 1
         p.smallest = out.best.peak_bytes
         return p.smallest <= self.budget, "min-search"
@@ -385,7 +387,8 @@ class _Search:
         try:
             p.outcome = choose_plan(p.graph, self.budget, p.costs, strategy=strategy,
                                     time_limit=self.opts.time_limit, structure=p.structure,
-                                    baseline=p.baseline, offload=self.opts.provider == "cuda")
+                                    baseline=p.baseline, offload=self.opts.provider == "cuda",
+                                    device=self.opts.provider)
         except BudgetError as exc:
             p.smallest = exc.smallest
             return None
@@ -398,7 +401,8 @@ class _Search:
             self.say(f"{self.rng.dim}={b}: sqrt(n) segmentations")
             out = choose_plan(p.graph, None, p.costs, strategy="sqrtn",
                               time_limit=self.opts.time_limit, structure=p.structure,
-                              baseline=p.baseline, offload=self.opts.provider == "cuda")
+                              baseline=p.baseline, offload=self.opts.provider == "cuda",
+                              device=self.opts.provider)
             p.sqrtn_peak = out.best.peak_bytes
             self.stats["sqrtn_bounds"] += 1
         return p.sqrtn_peak

@@ -200,3 +200,19 @@ def test_measure_reports_measured_throughput_next_to_the_prediction(searched):
     assert len(measured) == 1 and measured[0].batch == searched.fastest_batch
     assert measured[0].measured_samples_per_s > 0 and measured[0].measured_peak_bytes > 0
     assert r.to_json()["candidates"][0].keys() >= {"measured_samples_per_s", "samples_per_s"}
+
+
+def test_on_cuda_the_edge_follows_the_arena_as_compile_does(model_file):
+    """With ``--provider cuda`` (no GPU here: node times estimated), tune judges sizes by the
+    CUDA arena replay, as compile does: the largest size it reports compiles for CUDA, and
+    the next size up is refused."""
+    opts = dict(EXACT, provider="cuda")
+    r = tune(model_file, BUDGET, "batch=1..64", TuneOptions(points=0, strategy="none", **opts))
+    edge = r.largest_batch
+    res = compile_model(model_file, CompileOptions(budget=BUDGET, strategy="none",
+                                                   dims={"batch": edge}, **opts))
+    assert res.report["plan"]["device_arena"]["peak_reserved_bytes"] <= BUDGET
+    if edge < 64:
+        with pytest.raises(BudgetError):
+            compile_model(model_file, CompileOptions(budget=BUDGET, strategy="none",
+                                                     dims={"batch": edge + 1}, **opts))

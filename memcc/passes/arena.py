@@ -272,7 +272,10 @@ def step_events(graph: Graph, liveness, *, feeds_in_arena: bool,
     convolution working buffers come from the arena too (``mlas_conv_working_bytes``).
     """
     order = list(liveness.order)
-    nodes = {n.name: n for n in graph.nodes}
+    by_name = {n.name: n for n in graph.nodes}
+    # Names index the order; a graph with repeated or empty names is analysed in file order.
+    nodes = [by_name[name] for name in order] if len(by_name) == len(graph.nodes) \
+        else list(graph.nodes)
     values = liveness.values
     born: dict[int, list[str]] = {}
     died: dict[int, list[str]] = {}
@@ -289,8 +292,7 @@ def step_events(graph: Graph, liveness, *, feeds_in_arena: bool,
         born.setdefault(life.birth, []).append(name)
         if life.death is not None:
             died.setdefault(life.death, []).append(name)
-    for j, node_name in enumerate(order):
-        node = nodes[node_name]
+    for j, node in enumerate(nodes):
         outs = {o: k for k, o in enumerate(node.output)}
         for name in sorted(born.get(j, ()), key=lambda v: outs.get(v, len(outs))):
             events.append(Event(j, name, _raw(graph, name)))
