@@ -44,6 +44,13 @@ def print_report(report: dict, console: Console) -> None:
         t.add_row(f"  at peak: {cat}", format_size(b["breakdown_at_peak"][cat]),
                   format_size(p.get("breakdown_at_peak", {}).get(cat, 0)))
     t.add_row("peak at node", str(b.get("peak_node")), str(p.get("peak_node")))
+    arena = p.get("device_arena")
+    if arena:  # --provider cuda: the peak is the arena's, say what it is made of
+        t.add_row("  device: live bytes", "", format_size(p.get("live_peak_bytes", 0)))
+        t.add_row("  device: arena fragmentation", "",
+                  format_size(arena["fragmentation_bytes"]))
+    if p.get("host_peak_bytes"):
+        t.add_row("host memory (swapped copies)", "", format_size(p["host_peak_bytes"]))
     console.print(t)
 
     pt = Table(title="passes", header_style="bold")

@@ -417,6 +417,8 @@ def test_cuda_planning_without_cuda_warns(gpt2_file, tmp_path, monkeypatch):
     assert arena["peak_in_use_bytes"] % 256 == 0 and arena["fails_at"] is None
     # Node times estimated: the swap copies are priced at the nominal link, and it says so.
     assert "nominal" in report["cost_model"]["host_link"]["source"]
+    shown = invoke("report", rep)
+    assert shown.exit_code == 0 and "arena fragmentation" in shown.output
     # Asking for estimates on purpose is not warned about.
     r = invoke("compile", gpt2_file, "--budget", "1TB", "-o", tmp_path / "c.onnx",
                "--report", rep, "--provider", "cuda", "--cost", "analytic")
