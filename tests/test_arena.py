@@ -114,10 +114,11 @@ def test_replay_reuses_freed_regions_and_keeps_the_output_region_between_steps()
     assert r.measured_bytes == 4 * MB
     assert r.peaks_per_step == (8 * MB, 8 * MB)
     assert r.fails_at is None and r.fragmentation_bytes == 0
-    # With the feeds copied in (CUDA), x is one more region; under a limit below that the
-    # replay names where the run fails.
+    # With the feeds copied in (CUDA), x is one more region, and so are the slice bounds s
+    # and e (the runner feeds initializers too: one 256-byte unit each); under a limit below
+    # that the replay names where the run fails.
     cuda = replay_steps(g, live, steps=1, feeds_in_arena=True)
-    assert cuda.peak_reserved_bytes == 12 * MB
+    assert cuda.peak_reserved_bytes == 12 * MB + 2 * 256
     failed = replay_steps(g, live, steps=1, feeds_in_arena=True, limit=10 * MB)
     assert failed.fails_at == "b"
 

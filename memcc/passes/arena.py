@@ -15,7 +15,8 @@ NVML sees) can exceed the live bytes. This module says by how much, for one orde
 Between steps ORT shrinks the arena (run option ``memory.enable_memory_arena_shrinkage``),
 giving back every region with nothing in use; a region that holds a step output at that
 moment survives into the next step, and a meter that subtracts a baseline taken between
-steps does not see it. ``replay_steps`` replays two steps to get that steady state.
+steps does not see it. ``replay_steps`` replays a warm-up step before the measured ones to
+get that steady state.
 
 What is modelled from ORT's sources and checked on CPU (the same arena class, registered
 with kSameAsRequested; ``benchmarks/memory_truth.py --arena``): rounding, best fit, splits,
@@ -28,7 +29,6 @@ order).
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from memcc.graph import Graph
@@ -79,8 +79,6 @@ class BfcArena:
     addresses_grow: bool = True
     reserved: int = 0
     in_use: int = 0
-    peak_reserved: int = 0
-    peak_in_use: int = 0
     extensions: int = 0
     _free: list[tuple[int, int]] = field(default_factory=list)
     _free_chunks: dict[tuple[int, int], _Chunk] = field(default_factory=dict)
@@ -111,7 +109,6 @@ class BfcArena:
         chunk.in_use = True
         self._held[key] = chunk
         self.in_use += chunk.size
-        self.peak_in_use = max(self.peak_in_use, self.in_use)
 
     def free(self, key: object) -> None:
         """Give ``key``'s chunk back, merged with free neighbours (unknown keys: nothing)."""
@@ -174,7 +171,6 @@ class BfcArena:
         self._regions[region] = chunk
         self.reserved += size
         self.extensions += 1
-        self.peak_reserved = max(self.peak_reserved, self.reserved)
         self._add_free(chunk)
 
     def _add_free(self, chunk: _Chunk) -> None:
@@ -191,72 +187,11 @@ class BfcArena:
 @dataclass(frozen=True)
 class Event:
     """One arena request or release; ``node`` is the index of the node it belongs to (-1:
-    before the first node, ``len(order)``: after the last)."""
+    the values that exist before the first node)."""
 
     node: int
     key: str
     nbytes: int        # > 0: allocate; 0: free
-
-
-# MLAS's convolution (onnxruntime/core/mlas/lib/convolve.cpp, MlasConvPrepare): per-thread
-# working buffers of STRIDEN x STRIDEK floats, threads by multiplies per thread.
-MLAS_CONV_BUFFER_PER_THREAD = 128 * 128
-MLAS_THREAD_COMPLEXITY = 64 * 1024
-MLAS_MAXIMUM_THREADS = 16
-MLAS_STRIDEN_ALIGN = 16
-
-
-def mlas_conv_working_bytes(node, info, threads: int) -> int:
-    """The working buffer ORT's CPU Conv takes from its allocator (float Conv through MLAS):
-    none for a pointwise convolution; the whole im2col matrix when there are more filters
-    than output positions (every weight gradient memcc writes as a Conv over the batch
-    is one: its output positions are the kernel's); else a 64 KiB block per thread.
-
-    Invisible with the arena off (a transient buffer, rarely at the peak), but with the
-    arena on it is a region of its own that stays reserved for the rest of the run."""
-    if node.op_type != "Conv" or len(node.input) < 2:
-        return 0
-    x, w, y = (info.get(n) for n in (node.input[0], node.input[1], node.output[0]))
-    if x is None or w is None or y is None or not 3 <= len(w.shape) <= 5 or x.itemsize != 4:
-        return 0
-    dims = len(w.shape) - 2
-    cin = int(w.shape[1])
-    group = int(_attr(node, "group", 1))
-    filters = int(w.shape[0]) // max(group, 1)
-    kernel = [int(k) for k in w.shape[2:]]
-    k = cin
-    for d in kernel:
-        k *= d
-    out_size = 1
-    for d in y.shape[2:]:
-        out_size *= int(d)
-    strides = list(_attr(node, "strides", [1] * dims))
-    pads = list(_attr(node, "pads", [0] * 2 * dims))
-    auto_pad = _attr(node, "auto_pad", b"NOTSET")
-    padded = any(pads) or auto_pad not in (b"NOTSET", "NOTSET", b"VALID", "VALID")
-    if all(s == 1 for s in strides) and not padded and k == cin:
-        return 0  # pointwise: a GEMM straight on the input
-    if filters > out_size:
-        return out_size * k * 4
-    complexity = filters * out_size * k
-    target = (complexity // MLAS_THREAD_COMPLEXITY + 1
-              if complexity < MLAS_THREAD_COMPLEXITY * MLAS_MAXIMUM_THREADS
-              else MLAS_MAXIMUM_THREADS)
-    target = max(1, min(target, threads))
-    stride_n = -(-out_size // target)
-    if target > 1:
-        stride_n = -(-stride_n // MLAS_STRIDEN_ALIGN) * MLAS_STRIDEN_ALIGN
-        if stride_n >= out_size:
-            target = 1
-        elif stride_n * (target - 1) >= out_size:
-            target -= 1
-    return target * MLAS_CONV_BUFFER_PER_THREAD * 4
-
-
-def _attr(node, name: str, default):
-    from memcc.graph import attr
-
-    return attr(node, name, default)
 
 
 def step_events(graph: Graph, liveness, *, feeds_in_arena: bool,
@@ -264,12 +199,13 @@ def step_events(graph: Graph, liveness, *, feeds_in_arena: bool,
     """The arena requests of one run of ``graph`` in the order of ``liveness``
     (a ``passes.liveness.LivenessReport`` of that graph).
 
-    ``feeds_in_arena``: the run copies its inputs into the arena first (CUDA: numpy feeds are
-    copied to the device); on CPU ORT reads the caller's arrays where they are. Initializers
-    belong to the session, not to a run. Host copies (``MemcpyToHost``) live in another
-    allocator and are left out. Step outputs are released after the run (``after_run``).
-    ``cpu_threads``: the CPU provider's kernels with that many intra-op threads, whose
-    convolution working buffers come from the arena too (``mlas_conv_working_bytes``).
+    ``feeds_in_arena``: every value that exists before the first node (inputs,
+    initializers, constants: the runner feeds them all) is copied into the arena first, as
+    on CUDA; on CPU ORT reads the caller's arrays where they are. Host copies
+    (``MemcpyToHost``) live in another allocator and are left out. Step outputs are released
+    by ``replay_steps`` after the run. ``cpu_threads``: the CPU provider's kernels with that
+    many intra-op threads, whose convolution working buffers come from the arena too
+    (``liveness.scratch_buffers``).
     """
     order = list(liveness.order)
     by_name = {n.name: n for n in graph.nodes}
@@ -279,14 +215,13 @@ def step_events(graph: Graph, liveness, *, feeds_in_arena: bool,
     values = liveness.values
     born: dict[int, list[str]] = {}
     died: dict[int, list[str]] = {}
-    feeds = set(graph.inputs)
     host = {o for n in graph.nodes if n.op_type == "MemcpyToHost" for o in n.output}
     events: list[Event] = []
     for name, life in values.items():
         if not life.owns_buffer or name in host:
             continue
         if life.birth < 0:
-            if feeds_in_arena and name in feeds:
+            if feeds_in_arena:
                 events.append(Event(-1, name, _raw(graph, name)))
             continue
         born.setdefault(life.birth, []).append(name)
@@ -296,10 +231,8 @@ def step_events(graph: Graph, liveness, *, feeds_in_arena: bool,
         outs = {o: k for k, o in enumerate(node.output)}
         for name in sorted(born.get(j, ()), key=lambda v: outs.get(v, len(outs))):
             events.append(Event(j, name, _raw(graph, name)))
-        scratch = [b for b in scratch_buffers(node, graph.info, graph.opset) if b]
-        if cpu_threads is not None:
-            scratch.append(mlas_conv_working_bytes(node, graph.info, cpu_threads))
-            scratch = [b for b in scratch if b]
+        scratch = [b for b in scratch_buffers(node, graph.info, graph.opset,
+                                              cpu_threads=cpu_threads) if b]
         for k, nbytes in enumerate(scratch):
             events.append(Event(j, f"scratch:{j}:{k}", int(nbytes)))
         for k in range(len(scratch)):
@@ -351,26 +284,22 @@ class ArenaReport:
 
 def replay_steps(graph: Graph, liveness, *, steps: int = 2, feeds_in_arena: bool = True,
                  limit: int | None = None, addresses_grow: bool = True,
-                 state_outputs: Iterable[str] = (), cpu_threads: int | None = None
-                 ) -> ArenaReport:
+                 cpu_threads: int | None = None) -> ArenaReport:
     """Replay a warm-up run and then ``steps`` runs through a fresh arena, the way
     ``backend.runner`` runs a step, and report the measured runs against the reserved bytes
     after the warm-up (the meter's baseline).
 
     Each run: the feeds (``feeds_in_arena``: copied in first, released before the shrink),
     the step's requests, then ORT's shrink while the run's outputs are still held, then the
-    outputs the caller drops. ``state_outputs`` are outputs the caller feeds back as the next
-    run's inputs (on CPU ORT hands out its own buffers as the returned arrays, so their
-    chunks live until the next run has replaced them); the warm-up's outputs are all dropped.
+    outputs, which the caller copies out (CUDA; ``memcc run --arena`` on CPU).
     """
     if steps < 1:
         raise ValueError("replay_steps needs at least one step")
     order = list(liveness.order)
     events = step_events(graph, liveness, feeds_in_arena=feeds_in_arena,
                          cpu_threads=cpu_threads)
-    keep = set(state_outputs)
+    feeds = [e.key for e in events if e.node < 0]
     arena = BfcArena(limit=limit, addresses_grow=addresses_grow)
-    carried: list[str] = []
     baseline = peak = peak_in_use = extensions = 0
     peak_at = -1
     peaks: list[int] = []
@@ -398,18 +327,11 @@ def replay_steps(graph: Graph, liveness, *, steps: int = 2, feeds_in_arena: bool
                                peaks_per_step=tuple(peaks))
         if run:
             peaks.append(run_peak)
-        if feeds_in_arena:
-            for name in graph.inputs:
-                arena.free(name + tag)
+        for name in feeds:
+            arena.free(name + tag)
         arena.shrink()
-        for key in carried:  # the previous run's kept outputs were this run's inputs
-            arena.free(key)
-        carried = []
         for o in graph.outputs:
-            if run and o in keep:
-                carried.append(o + tag)
-            else:
-                arena.free(o + tag)
+            arena.free(o + tag)
     return ArenaReport(
         peak_reserved_bytes=peak, start_reserved_bytes=baseline, peak_in_use_bytes=peak_in_use,
         extensions=arena.extensions - extensions,

@@ -30,9 +30,15 @@ CPU execution provider of onnxruntime 1.31.1 (``tests/test_ort_facts.py`` pins e
   inputs keep one accumulator; Dropout makes its mask even when the mask is not an output;
   Softmax/LogSoftmax (opset >= 13) on a non-last axis transpose in and out; ConvTranspose
   expands one image into a column buffer; ScatterElements copies its indices into an int64
-  vector (8 bytes per index, whatever their type). Conv measured no scratch worth counting (MLAS
-  works in small per-thread blocks). Scratch of other kernels (Einsum's operand copies,
-  pooling, thread-local MLAS buffers) is not modeled.
+  vector (8 bytes per index, whatever their type). Conv's MLAS working buffer is left out
+  here: a 64 KiB block per thread, or the whole im2col when a Conv has more filters than
+  output positions (every weight gradient memcc writes as a Conv), but freed at once and,
+  on the model zoo, never at the peak (measured/predicted 0.9997-1.0021,
+  docs/MEMORY_TRUTH.md). With an arena it matters, because the region it took stays
+  reserved: ``scratch_buffers`` adds it when given the CPU threads, which ``passes.arena``
+  does for ``memcc run --arena``.
+  Scratch of other kernels (Einsum's operand copies, pooling, thread-local MLAS buffers) is
+  not modeled.
 
 Bytes are ``TensorInfo.nbytes``; the allocator's page rounding (under 4 KiB per buffer) is
 ignored. The default order is the file's; ORT runs a file in that order except that it hoists
@@ -383,10 +389,14 @@ def scratch_bytes(node: onnx.NodeProto, info: Mapping[str, TensorInfo], opset: i
 
 
 def scratch_buffers(node: onnx.NodeProto, info: Mapping[str, TensorInfo],
-                    opset: int = 17) -> tuple[int, ...]:
+                    opset: int = 17, *, cpu_threads: int | None = None) -> tuple[int, ...]:
     """The buffers behind ``scratch_bytes``, one request each (the arena serves them
-    separately: ``passes.arena``)."""
+    separately: ``passes.arena``); with ``cpu_threads``, also Conv's MLAS working buffer
+    (module docstring)."""
     op = node.op_type
+    if op == "Conv" and cpu_threads is not None:
+        work = _mlas_conv_working_bytes(node, info, cpu_threads)
+        return (work,) if work else ()
     if op == "Where" and len(node.input) == 3 and node.output[0] in info:
         cond, x, y = (info.get(i) for i in node.input)
         out = info[node.output[0]]
@@ -414,6 +424,51 @@ def scratch_buffers(node: onnx.NodeProto, info: Mapping[str, TensorInfo],
         axis = axis + len(x.shape) if axis < 0 else axis
         return (x.nbytes, x.nbytes) if axis != len(x.shape) - 1 else ()
     return ()
+
+
+# MLAS's convolution (onnxruntime/core/mlas/lib/convolve.cpp, MlasConvPrepare): per-thread
+# working buffers of STRIDEN x STRIDEK floats, threads by multiplies per thread.
+MLAS_CONV_BUFFER_PER_THREAD = 128 * 128
+MLAS_THREAD_COMPLEXITY = 64 * 1024
+MLAS_MAXIMUM_THREADS = 16
+MLAS_STRIDEN_ALIGN = 16
+
+
+def _mlas_conv_working_bytes(node: onnx.NodeProto, info: Mapping[str, TensorInfo],
+                             threads: int) -> int:
+    """The working buffer ORT's CPU Conv takes from its allocator (float Conv through MLAS):
+    none for a pointwise convolution; the whole im2col matrix when there are more filters
+    than output positions; else a 64 KiB block per thread it uses."""
+    if len(node.input) < 2:
+        return 0
+    x, w, y = (info.get(n) for n in (node.input[0], node.input[1], node.output[0]))
+    if x is None or w is None or y is None or not 3 <= len(w.shape) <= 5 or x.itemsize != 4:
+        return 0
+    dims = len(w.shape) - 2
+    filters = int(w.shape[0]) // max(int(attr(node, "group", 1)), 1)
+    k = int(np.prod(w.shape[1:]))           # input channels per group x kernel size
+    out_size = int(np.prod(y.shape[2:]))
+    strides = list(attr(node, "strides", [1] * dims))
+    pads = list(attr(node, "pads", [0] * 2 * dims))
+    auto_pad = attr(node, "auto_pad", b"NOTSET")
+    padded = any(pads) or auto_pad not in (b"NOTSET", "NOTSET", b"VALID", "VALID")
+    if all(s == 1 for s in strides) and not padded and k == int(w.shape[1]):
+        return 0  # pointwise: a GEMM straight on the input
+    if filters > out_size:
+        return out_size * k * 4
+    complexity = filters * out_size * k
+    target = (complexity // MLAS_THREAD_COMPLEXITY + 1
+              if complexity < MLAS_THREAD_COMPLEXITY * MLAS_MAXIMUM_THREADS
+              else MLAS_MAXIMUM_THREADS)
+    target = max(1, min(target, threads))
+    stride_n = -(-out_size // target)
+    if target > 1:
+        stride_n = -(-stride_n // MLAS_STRIDEN_ALIGN) * MLAS_STRIDEN_ALIGN
+        if stride_n >= out_size:
+            target = 1
+        elif stride_n * (target - 1) >= out_size:
+            target -= 1
+    return target * MLAS_CONV_BUFFER_PER_THREAD * 4
 
 
 def _conv_transpose_columns(node: onnx.NodeProto, info: Mapping[str, TensorInfo]) -> int:
