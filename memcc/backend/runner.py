@@ -395,15 +395,15 @@ def execute(payload: Mapping) -> dict:
     state = dict(payload["state"])
     loss_name = payload["loss"]
     prefix = str(Path(payload["profile_dir"]) / "memcc_order")
+    arena = bool(payload.get("arena"))
     session = make_session(payload["session_model"], provider, profile=True,
-                           profile_prefix=prefix, cpu_arena=bool(payload.get("arena")),
+                           profile_prefix=prefix, cpu_arena=arena,
                            gpu_mem_limit=payload.get("gpu_mem_limit") if provider == "cuda"
                            else None)
     meter = memory.CpuPeakMeter() if provider == "cpu" else memory.NvmlPeakMeter()
-    run_options = _run_options(provider, arena=bool(payload.get("arena")))
+    run_options = _run_options(provider, arena=arena)
 
     aliased = dict(payload.get("in_place") or {})
-    arena = bool(payload.get("arena"))
 
     def run(feeds):
         if aliased:
