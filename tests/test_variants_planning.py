@@ -121,13 +121,19 @@ def test_bad_variant_requests_are_refused_by_name(relu_step):
         lower(old, Plan(variants={"relu": "mask"}), StepStructure.of(old))
 
 
-def test_one_variant_per_node_and_only_where_it_applies():
-    g = build_training_step(load_graph(build_model("resnet18", batch=4, resolution=32)),
+def _resnet_problem(batch: int, resolution: int):
+    """A ResNet-18 SGD step, its structure, costs, baseline and ILP problem."""
+    g = build_training_step(load_graph(build_model("resnet18", batch=batch,
+                                                   resolution=resolution)),
                             BuildOptions(optimizer="sgd"))
     st = StepStructure.of(g)
     costs = analytic_costs(g, NOMINAL_CPU)
     base = simulate(g, Plan(), costs, st)
-    pp = build_problem(g, st, base.liveness, costs)
+    return g, st, costs, base, build_problem(g, st, base.liveness, costs)
+
+
+def test_one_variant_per_node_and_only_where_it_applies():
+    g, st, costs, base, pp = _resnet_problem(4, 32)
     chosen = pp.variants.choice_of
     assert chosen, "resnet18 offers variants (Relu masks at least)"
     ops = {n.name: n.op_type for n in g.nodes}
@@ -237,12 +243,7 @@ def test_variant_model_matches_the_simulator_one_variant_at_a_time():
     """The ILP's terms for a variant, alone, give the peak the simulator finds (within 1%:
     the model ignores allocator-level effects the simulator also ignores, so the two agree
     closely or the model is wrong)."""
-    g = build_training_step(load_graph(build_model("resnet18", batch=8, resolution=64)),
-                            BuildOptions(optimizer="sgd"))
-    st = StepStructure.of(g)
-    costs = analytic_costs(g, NOMINAL_CPU)
-    base = simulate(g, Plan(), costs, st)
-    pp = build_problem(g, st, base.liveness, costs)
+    g, st, costs, base, pp = _resnet_problem(8, 64)
     prob = pp.problem
     checked = 0
     for var, (node, name) in sorted(pp.variants.choice_of.items())[::7]:
