@@ -193,30 +193,35 @@ def test_equivalent_outputs_are_checked_against_the_stated_tolerance():
 def test_variants_on_real_exports_match_the_default_rules(family, exporter):
     """Every variant the planner is offered on a torch.onnx export, all at once, gives the
     default rules' loss and gradients within the largest tolerance they state (bit for bit
-    when all are exact)."""
+    when all are exact); the lossy ones (``--allow-lossy``) are checked the same way, on
+    their own."""
     from exports import export
     from threads import run_at_threads
 
-    from memcc.frontend.gradients.variants import EXACT
+    from memcc.frontend.gradients.variants import EXACT, LOSSY
     from memcc.passes.variants import applicable_variants, rule_nodes
 
     path, _, _, dims = export(family, exporter, training=True)
     g = build_training_step(load_graph(path, dims), BuildOptions(optimizer="sgd"))
     rules = rule_nodes(g)
-    offered = {n.name: applicable_variants(g, n, rules) for n in g.nodes}
-    offered = {k: v for k, v in offered.items() if v}
-    assert offered, f"{family}/{exporter}: no variant offered"
-    # The last variant of each node (chunks8 for a Conv: the most chunks).
-    chosen = {k: v[-1] for k, v in offered.items()}
-    low = lower(g, Plan(variants={k: v.name for k, v in chosen.items()}), StepStructure.of(g),
-                check="full")
-    inexact = [v.tolerance for v in chosen.values() if v.tier != EXACT]
     feeds = synthetic_feeds(g, seed=0)
     # At 2 and 4 intra-op threads, each run twice (run_at_threads fails if they differ).
-    ref, new = run_at_threads(g, feeds), run_at_threads(low.graph, feeds)
-    for threads in ref:
-        assert compare_outputs(ref[threads], new[threads], exact=not inexact,
-                               tolerance=max(inexact) if inexact else None) == [], threads
+    ref = run_at_threads(g, feeds)
+    for lossy in (False, True):
+        offered = {n.name: [v for v in applicable_variants(g, n, rules)
+                            if (v.tier == LOSSY) == lossy] for n in g.nodes}
+        offered = {k: v for k, v in offered.items() if v}
+        assert offered, f"{family}/{exporter}: no {'lossy ' if lossy else ''}variant offered"
+        # The last variant of each node (chunks8 for a Conv: the most chunks).
+        chosen = {k: v[-1] for k, v in offered.items()}
+        low = lower(g, Plan(variants={k: v.name for k, v in chosen.items()}),
+                    StepStructure.of(g), check="full")
+        inexact = [v.tolerance for v in chosen.values() if v.tier != EXACT]
+        new = run_at_threads(low.graph, feeds)
+        for threads in ref:
+            assert compare_outputs(ref[threads], new[threads], exact=not inexact,
+                                   tolerance=max(inexact) if inexact else None) == [], \
+                (threads, lossy)
 
 
 @pytest.mark.parametrize("variant", ["mask", "product", "mask_product"])

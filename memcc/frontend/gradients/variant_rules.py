@@ -448,9 +448,9 @@ _SAVED_FOR: dict[str, tuple[tuple[int, int], ...]] = {
 def _activation(ctx: GradContext, name: str) -> bool:
     """A float32 value the forward pass computes (not a weight, input or constant)."""
     producer = ctx.producers().get(name)
-    return (producer is not None and producer.op_type != "Constant"
-            and ctx.graph.info.get(name) is not None
-            and ctx.info(name).dtype == TensorProto.FLOAT)
+    ti = ctx.graph.info.get(name)
+    return (producer is not None and producer.op_type != "Constant" and ti is not None
+            and ti.dtype == TensorProto.FLOAT)
 
 
 def _stored_in_bf16(ctx: GradContext, node: onnx.NodeProto) -> list[int]:

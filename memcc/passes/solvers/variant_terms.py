@@ -336,12 +336,12 @@ def add_variant_terms(builder: ProblemBuilder, graph: Graph, st: StepStructure,
             last = max(pos[id(r)] for m in members[name] for r in du.readers.get(m, ())
                        if id(r) in old_ids)
             rule_reads[name].append((node.name, last, dropping.get(name, [])))
-    _add_joint_freeing(builder, rule_reads, members, values, du, pos, rules, unit_of_node,
+    _add_joint_freeing(builder, rule_reads, members, du, pos, rules, unit_of_node,
                        unit_vars, offload_var, buffer_of)
     return out
 
 
-def _add_joint_freeing(builder: ProblemBuilder, rule_reads, members, values, du, pos, rules,
+def _add_joint_freeing(builder: ProblemBuilder, rule_reads, members, du, pos, rules,
                        unit_of_node, unit_vars, offload_var, buffer_of) -> None:
     """One binary per saved buffer that exactly two nodes' default rules read, set only
     when both use a variant that stops reading it (module docstring)."""
