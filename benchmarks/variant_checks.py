@@ -7,6 +7,10 @@
         Each training-mode BatchNorm on its ``inverted`` variant alone: the largest relative
         difference (max |variant - default| / max |default|) over the weight-momentum outputs,
         grouped by how many values each channel normalises over.
+    python benchmarks/variant_checks.py bf16 [--conv-model ...] [--matmul-model ...]
+        ``bf16_saved`` on every Conv of a ResNet-18 step, and on every MatMul and Gemm of a
+        GPT-2 step: the largest and median relative difference (max |variant - default| /
+        max |default|) over the loss and every parameter gradient.
 
 Planner results depend on the time limit when the search hits it (``solver.limit_hit``).
 """
@@ -35,6 +39,8 @@ from memcc.passes.lowering import lower  # noqa: E402
 from memcc.passes.plan import Plan, StepStructure  # noqa: E402
 from memcc.passes.planner import choose_plan  # noqa: E402
 from memcc.passes.simulate import simulate  # noqa: E402
+from memcc.passes.variants import applicable_variants, rule_nodes  # noqa: E402
+from memcc.step import TrainingStep  # noqa: E402
 from models import build_model  # noqa: E402
 
 # The planner tests' rates (tests/test_passes_planner.py), so the figures match that setup.
@@ -81,6 +87,25 @@ def bn_inverted(args: argparse.Namespace) -> None:
         print(f"  {n:6d}  {err:.2e}")
 
 
+def bf16(args: argparse.Namespace) -> None:
+    for spec, ops in ((args.conv_model, ("Conv",)), (args.matmul_model, ("MatMul", "Gemm"))):
+        g = _step(spec, optimizer="sgd")
+        grads = list(dict.fromkeys(TrainingStep(g).gradients().values()))
+        g.outputs = list(g.outputs) + [v for v in grads if v not in g.outputs]
+        st, rules = StepStructure.of(g), rule_nodes(g)
+        chosen = {n.name: "bf16_saved" for n in g.nodes
+                  if n.op_type in ops and n.name in st.forward
+                  and any(v.name == "bf16_saved" for v in applicable_variants(g, n, rules))}
+        feeds = synthetic_feeds(g, seed=0)
+        ref = step_outputs(g, feeds, "cpu")
+        new = step_outputs(lower(g, Plan(variants=chosen), st).graph, feeds, "cpu")
+        errs = [float(np.max(np.abs(ref[k] - new[k]))) / (float(np.max(np.abs(ref[k])))
+                                                         or 1e-30)
+                for k in ["loss", *grads]]
+        print(f"{spec}: bf16_saved on {len(chosen)} nodes; relative difference over "
+              f"{len(errs)} outputs: largest {max(errs):.2e}, median {np.median(errs):.2e}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="what", required=True)
@@ -89,8 +114,12 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--time-limit", type=float, default=300.0)
     b = sub.add_parser("bn-inverted")
     b.add_argument("--model", default="mobilenetv2:batch=8,resolution=64")
+    h = sub.add_parser("bf16")
+    h.add_argument("--conv-model", default="resnet18:batch=8,resolution=32,width=8")
+    h.add_argument("--matmul-model",
+                   default="gpt2:batch=2,seq_len=32,width=64,depth=2,heads=4,vocab_size=128")
     args = ap.parse_args(argv)
-    {"min-search": min_search, "bn-inverted": bn_inverted}[args.what](args)
+    {"min-search": min_search, "bn-inverted": bn_inverted, "bf16": bf16}[args.what](args)
     return 0
 
 
