@@ -207,12 +207,12 @@ def test_on_cuda_the_edge_follows_the_arena_as_compile_does(model_file):
     CUDA arena replay, as compile does: the largest size it reports compiles for CUDA, and
     the next size up is refused."""
     opts = dict(EXACT, provider="cuda")
-    r = tune(model_file, BUDGET, "batch=1..64", TuneOptions(points=0, strategy="none", **opts))
+    r = tune(model_file, BUDGET, RANGE, TuneOptions(points=0, strategy="none", **opts))
     edge = r.largest_batch
+    assert 1 <= edge < 256  # inside the range, so the size above it is checked too
     res = compile_model(model_file, CompileOptions(budget=BUDGET, strategy="none",
                                                    dims={"batch": edge}, **opts))
     assert res.report["plan"]["device_arena"]["peak_reserved_bytes"] <= BUDGET
-    if edge < 64:
-        with pytest.raises(BudgetError):
-            compile_model(model_file, CompileOptions(budget=BUDGET, strategy="none",
-                                                     dims={"batch": edge + 1}, **opts))
+    with pytest.raises(BudgetError):
+        compile_model(model_file, CompileOptions(budget=BUDGET, strategy="none",
+                                                 dims={"batch": edge + 1}, **opts))
