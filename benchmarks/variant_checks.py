@@ -7,10 +7,13 @@
         Each training-mode BatchNorm on its ``inverted`` variant alone: the largest relative
         difference (max |variant - default| / max |default|) over the weight-momentum outputs,
         grouped by how many values each channel normalises over.
-    python benchmarks/variant_checks.py bf16 [--conv-model ...] [--matmul-model ...]
-        ``bf16_saved`` on every Conv of a ResNet-18 step, and on every MatMul and Gemm of a
-        GPT-2 step: the largest and median relative difference (max |variant - default| /
-        max |default|) over the loss and every parameter gradient.
+    python benchmarks/variant_checks.py bf16 [--cnn-model ...] [--transformer-model ...]
+        ``bf16_saved`` on every node of one op family (Conv, BatchNorm, MatMul/Gemm, ...)
+        where it applies, family by family, then on all of them at once, on a ResNet-18 and
+        a GPT-2 step whose norm scales and biases are random (``randomize_norm_params``):
+        the largest and median relative difference (max |variant - default| /
+        max |default|) over the loss and every parameter gradient that is not zero up to
+        rounding (``ZERO_GRADIENT``).
 
 Planner results depend on the time limit when the search hits it (``solver.limit_hit``).
 """
@@ -24,6 +27,8 @@ from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
+import onnx
+from onnx import numpy_helper
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -87,23 +92,88 @@ def bn_inverted(args: argparse.Namespace) -> None:
         print(f"  {n:6d}  {err:.2e}")
 
 
+# bf16_saved's op families, as the docs report them.
+BF16_FAMILIES: dict[str, tuple[str, ...]] = {
+    "Conv/ConvTranspose": ("Conv", "ConvTranspose"),
+    "MatMul/Gemm": ("MatMul", "Gemm"),
+    "BatchNorm": ("BatchNormalization",),
+    "LayerNorm": ("LayerNormalization",),
+    "Softmax": ("Softmax",),
+    "LogSoftmax": ("LogSoftmax",),
+    "Tanh/Sigmoid/Exp": ("Tanh", "Sigmoid", "Exp"),
+    "Mul/Div/Pow": ("Mul", "Div", "Pow"),
+    "Erf/Gelu": ("Erf", "Gelu"),
+}
+# A gradient whose largest entry is below this fraction of the step's largest is left out.
+ZERO_GRADIENT = 1e-5
+
+
+def randomize_norm_params(model: onnx.ModelProto, op: str, seed: int = 1) -> onnx.ModelProto:
+    """Give every ``op`` node's scale and bias initializer trained-looking random values
+    (scale ~ N(1, 0.3), bias ~ N(0, 0.3)): at the zoo's scale 1 and bias 0 a norm's
+    backward errors are those of one special case."""
+    rng = np.random.default_rng(seed)
+    roles = {}
+    for n in model.graph.node:
+        if n.op_type == op:
+            roles[n.input[1]] = 1.0
+            if len(n.input) > 2 and n.input[2]:
+                roles[n.input[2]] = 0.0
+    for t in model.graph.initializer:
+        if t.name in roles:
+            a = numpy_helper.to_array(t)
+            v = rng.normal(roles[t.name], 0.3, a.shape).astype(a.dtype)
+            t.CopyFrom(numpy_helper.from_array(v, t.name))
+    return model
+
+
+def _bf16_step(spec: str):
+    """The SGD step of ``spec`` with random norm parameters and every parameter gradient
+    as an output; returns it with the gradients' names."""
+    name, opts = parse_model(spec)
+    model = build_model(name, **opts)
+    for op in ("BatchNormalization", "LayerNormalization"):
+        randomize_norm_params(model, op)
+    g = build_training_step(load_graph(model), BuildOptions(optimizer="sgd"))
+    grads = list(dict.fromkeys(TrainingStep(g).gradients().values()))
+    g.outputs = list(g.outputs) + [v for v in grads if v not in g.outputs]
+    return g, grads
+
+
+def _nonzero_gradients(ref: dict[str, np.ndarray], grads: list[str]
+                       ) -> tuple[list[str], list[str]]:
+    """The loss and the gradients worth a relative error, and those left out: below
+    ``ZERO_GRADIENT`` times the largest gradient entry, a gradient is zero up to rounding
+    (a bias in front of a batch-statistics BatchNorm, which subtracts it again), and its
+    relative error is rounding noise over rounding noise."""
+    top = max(float(np.max(np.abs(ref[k]))) for k in grads)
+    zero = [k for k in grads if float(np.max(np.abs(ref[k]))) < ZERO_GRADIENT * top]
+    return ["loss", *(k for k in grads if k not in zero)], zero
+
+
 def bf16(args: argparse.Namespace) -> None:
-    for spec, ops in ((args.conv_model, ("Conv",)), (args.matmul_model, ("MatMul", "Gemm"))):
-        g = _step(spec, optimizer="sgd")
-        grads = list(dict.fromkeys(TrainingStep(g).gradients().values()))
-        g.outputs = list(g.outputs) + [v for v in grads if v not in g.outputs]
+    for spec in (args.cnn_model, args.transformer_model):
+        g, grads = _bf16_step(spec)
         st, rules = StepStructure.of(g), rule_nodes(g)
-        chosen = {n.name: "bf16_saved" for n in g.nodes
-                  if n.op_type in ops and n.name in st.forward
-                  and any(v.name == "bf16_saved" for v in applicable_variants(g, n, rules))}
+        offered = [n for n in g.nodes if n.name in st.forward
+                   and any(v.name == "bf16_saved" for v in applicable_variants(g, n, rules))]
         feeds = synthetic_feeds(g, seed=0)
         ref = step_outputs(g, feeds, "cpu")
-        new = step_outputs(lower(g, Plan(variants=chosen), st).graph, feeds, "cpu")
-        errs = [float(np.max(np.abs(ref[k] - new[k]))) / (float(np.max(np.abs(ref[k])))
-                                                         or 1e-30)
-                for k in ["loss", *grads]]
-        print(f"{spec}: bf16_saved on {len(chosen)} nodes; relative difference over "
-              f"{len(errs)} outputs: largest {max(errs):.2e}, median {np.median(errs):.2e}")
+        compared, zero = _nonzero_gradients(ref, grads)
+        print(f"{spec}: relative difference over the loss and {len(compared) - 1} gradients"
+              + (f" ({len(zero)} left out: zero up to rounding)" if zero else ""))
+        runs = [(fam, [n.name for n in offered if n.op_type in ops])
+                for fam, ops in BF16_FAMILIES.items()]
+        runs.append(("all at once", [n.name for n in offered]))
+        for fam, names in runs:
+            if not names:
+                continue
+            plan = Plan(variants=dict.fromkeys(names, "bf16_saved"))
+            new = step_outputs(lower(g, plan, st).graph, feeds, "cpu")
+            errs = [float(np.max(np.abs(ref[k] - new[k])))
+                    / (float(np.max(np.abs(ref[k]))) or 1e-30) for k in compared]
+            print(f"  {fam:18s} {len(names):3d} nodes: largest {max(errs):.2e}, "
+                  f"median {np.median(errs):.2e}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,8 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     b = sub.add_parser("bn-inverted")
     b.add_argument("--model", default="mobilenetv2:batch=8,resolution=64")
     h = sub.add_parser("bf16")
-    h.add_argument("--conv-model", default="resnet18:batch=8,resolution=32,width=8")
-    h.add_argument("--matmul-model",
+    h.add_argument("--cnn-model", default="resnet18:batch=8,resolution=32,width=8")
+    h.add_argument("--transformer-model",
                    default="gpt2:batch=2,seq_len=32,width=64,depth=2,heads=4,vocab_size=128")
     args = ap.parse_args(argv)
     {"min-search": min_search, "bn-inverted": bn_inverted, "bf16": bf16}[args.what](args)

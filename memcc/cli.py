@@ -314,9 +314,10 @@ def compile_cmd(
              "than recomputing; --no-variants plans with the default rules only.")] = True,
     allow_lossy: Annotated[bool, typer.Option(
         "--allow-lossy",
-        help="Also offer lossy variants: saved activations of convolutions and matrix "
-             "products kept in bfloat16 (gradients within 2e-2 relative of the default "
-             "rule's; docs/VARIANTS.md). Never by default.")] = False,
+        help="Also offer lossy variants: saved activations kept in bfloat16 (the inputs "
+             "of convolutions, matrix products and normalisations, the outputs of Softmax, "
+             "Sigmoid, Tanh and the like; gradients within 2e-2 relative of the default "
+             "rule's, 5e-2 for BatchNorm; docs/VARIANTS.md). Never by default.")] = False,
     loss: Annotated[str, typer.Option(help="(forward models) as in memcc build.")
                     ] = "cross-entropy",
     optimizer: Annotated[str, typer.Option(help="(forward models) as in memcc build.")
