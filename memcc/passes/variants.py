@@ -166,6 +166,7 @@ def apply_variants(graph: Graph, plan: Plan) -> VariantResult:
             if n is node:
                 nodes.extend(fwd_nodes)
         out.set_nodes(nodes)
+        _drop_outputs_only_dead_read(node, dead, nodes, out.outputs)
         rules[name] = []
         substituted.append((name, variant.key))
         fwd_added += [n.name for n in fwd_nodes]
@@ -199,6 +200,21 @@ def _rename_results(graph: Graph, back_nodes: list[onnx.NodeProto], gins: list[s
         else:
             back_nodes.append(onnx.helper.make_node(
                 "Identity", [got], [old], name=f"{node.name}/{variant.name}/result{i}"))
+
+
+def _drop_outputs_only_dead_read(node: onnx.NodeProto, dead: list[onnx.NodeProto],
+                                 nodes: list[onnx.NodeProto], keep: Iterable[str]) -> None:
+    """Optional outputs of the forward node that only the removed rule nodes read (MaxPool's
+    Indices, LayerNorm's Mean, added at build for the default rule) become unnamed, so ORT
+    no longer computes or allocates them."""
+    read_by_dead = {i for n in dead for i in n.input}
+    still_read = {i for n in nodes for i in n.input} | set(keep)
+    unread = [k for k, o in enumerate(node.output)
+              if k > 0 and o and o in read_by_dead and o not in still_read]
+    for k in unread:
+        node.output[k] = ""
+    while unread and len(node.output) > 1 and not node.output[-1]:
+        del node.output[-1]
 
 
 def _dead_after_replacing(graph: Graph, old: list[onnx.NodeProto],

@@ -102,7 +102,7 @@ def register_variant(*op_types: str, name: str, tier: str, tolerance: float = 0.
 
 def load_variants() -> None:
     """Import the modules that register variants (and the default rules they build on)."""
-    from memcc.frontend.gradients import load_rules, variant_rules  # noqa: F401
+    from memcc.frontend.gradients import load_rules, variant_pool, variant_rules  # noqa: F401
 
     load_rules()
 

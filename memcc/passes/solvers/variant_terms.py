@@ -10,10 +10,13 @@ the step, against the default rule's nodes in the baseline schedule:
   over the difference); a value the variant reads late can no longer be overwritten in
   place by a later value (Tanh over its input), which then needs a buffer of its own; a
   value the variant adds to the forward pass (a mask) is live from the forward node to the
-  end of the rule;
+  end of the rule; what the default's nodes placed before its span hold (MaxPool's index
+  Cast) is freed up to the span, since every variant removes them, and an optional output
+  the forward node no longer produces (MaxPool's Indices) from its birth;
 - working set: over the rule's span ``[a, b]`` in the schedule, memory becomes what the
   default rule's own values do not hold, plus the variant's peak working set (its values
-  walked in its own order, results held to the end); rule inputs the default frees inside
+  walked in its own order with the liveness analysis's aliases and in-place writes,
+  results held to the end); rule inputs the default frees inside
   the span are held to its end. So the model is exact at the default's peak point inside the
   span and never understates elsewhere.
 
@@ -45,7 +48,13 @@ import onnx
 from memcc.frontend.gradients.variants import LOSSY, Variant
 from memcc.graph import Graph
 from memcc.passes.cost_model import CostModel
-from memcc.passes.liveness import LivenessReport, scratch_bytes
+from memcc.passes.liveness import (
+    ALIAS_OPS,
+    INPLACE_OPS,
+    LivenessReport,
+    allocation_bytes,
+    scratch_bytes,
+)
 from memcc.passes.plan import StepStructure
 from memcc.passes.solvers.offload_terms import OffloadVars
 from memcc.passes.solvers.problem import ProblemBuilder
@@ -100,27 +109,64 @@ def _external_reads(nodes: list[onnx.NodeProto]) -> set[str]:
 
 def _peak_working_set(nodes: list[onnx.NodeProto], info, opset: int) -> int:
     """Largest bytes held by values ``nodes`` produce, walked in order, plus each kernel's
-    own scratch while it runs (Where's selections); a value lives until its last reader
-    among them (results, read by nobody here, to the end)."""
+    own scratch while it runs (Where's selections); a buffer lives until the last reader
+    among them of any value it holds (results, read by nobody here, to the end). Buffers
+    are shared as the liveness analysis shares them: a Reshape returns its input's buffer
+    and an in-place op (ScatterElements into its zeros) writes into it, so a rule that
+    reshapes and scatters is not counted three times over."""
     last: dict[str, int] = {}
     for k, n in enumerate(nodes):
         for i in n.input:
             last[i] = k
+    size, birth, end = _buffers(nodes, info, last)
     live, peak = 0, 0
     ends: dict[int, int] = defaultdict(int)
+    for b, k in end.items():
+        ends[k] += size[b]
     for k, n in enumerate(nodes):
         if n.op_type == "Constant":
             continue
-        born = 0
-        for o in n.output:
-            if o and o in info:
-                nb = int(info[o].nbytes)
-                born += nb
-                ends[last.get(o, len(nodes))] += nb
-        live += born
+        live += sum(size[o] for o in n.output if o and birth.get(o) == k)
         peak = max(peak, live + scratch_bytes(n, info, opset))
         live -= ends.pop(k, 0)
     return peak
+
+
+def _buffers(nodes: list[onnx.NodeProto], info, last: dict[str, int]
+             ) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+    """The buffers ``nodes`` allocate, by ``liveness``'s alias and in-place rules (a view
+    of a value from outside holds no bytes here; an outside value is never written over):
+    each buffer's bytes, birth and the index of its last reader among ``nodes``."""
+    buffer_of: dict[str, str] = {}
+    size: dict[str, int] = {}
+    birth: dict[str, int] = {}
+    end: dict[str, int] = {}
+    for k, n in enumerate(nodes):
+        if n.op_type == "Constant":
+            continue
+        for j, o in enumerate(n.output):
+            if not o or o not in info:
+                continue
+            src = n.input[0] if j == 0 and n.input else ""
+            b = buffer_of.get(src) if src else None
+            if src and n.op_type in ALIAS_OPS:
+                if b is None:
+                    continue
+            elif b is None or not _writes_over(n, b, src, o, k, end, info):
+                b = o
+                size[o], birth[o], end[o] = allocation_bytes(int(info[o].nbytes)), k, k
+            buffer_of[o] = b
+            end[b] = max(end[b], last.get(o, len(nodes)))
+    return size, birth, end
+
+
+def _writes_over(n: onnx.NodeProto, b: str, src: str, out: str, k: int,
+                 end: dict[str, int], info) -> bool:
+    """``n`` (at ``k``) writes ``out`` into the buffer ``b`` of its input ``src``: an
+    in-place op, the buffer's last read, the same shape and element size."""
+    return (n.op_type in INPLACE_OPS and end[b] == k
+            and info[src].shape == info[out].shape
+            and info[src].itemsize == info[out].itemsize)
 
 
 @dataclass
@@ -146,6 +192,25 @@ class _Candidate:
             diff[t0 - lo] += nbytes
             diff[t1 - lo + 1] -= nbytes
         return np.cumsum(diff[:-1])
+
+
+def _before_span(old: list[onnx.NodeProto], a: int, pos: dict[int, int], values,
+                 live: LivenessReport) -> list[tuple[float, int, int]]:
+    """Terms freeing what the default rule's nodes placed before its backward span hold
+    there (MaxPool's index Cast, right after the forward node): every variant removes them,
+    and the span's own part is already in the working-set terms."""
+    terms = []
+    for n in old:
+        k = pos[id(n)]
+        if k >= a or n.op_type == "Constant":
+            continue
+        terms.append((-float(live.scratch[k]), k, k))
+        for o in n.output:
+            vl = values.get(o)
+            if vl is not None and vl.owns_buffer:
+                end = a - 1 if vl.death is None else min(vl.death, a - 1)
+                terms.append((-float(vl.nbytes), vl.birth, end))
+    return terms
 
 
 def _useful(found: list[_Candidate]) -> list[_Candidate]:
@@ -241,6 +306,8 @@ def add_variant_terms(builder: ProblemBuilder, graph: Graph, st: StepStructure,
             if a <= pos[id(n)] <= b:
                 own[pos[id(n)] - a] += live.scratch[pos[id(n)]]
         removed_s = sum(costs.of(n) for n in old)
+        early = _before_span(old, a, pos, values, live)
+        optional_outs = {o for o in node.output[1:] if o}
         # Rule inputs the default frees inside its span: the variant may read them later.
         inputs_dying = [(v, vl) for v in _external_reads(old)
                         if (vl := values.get(v)) is not None and vl.owns_buffer
@@ -264,6 +331,8 @@ def add_variant_terms(builder: ProblemBuilder, graph: Graph, st: StepStructure,
             peak = _peak_working_set(em.back, em.info, graph.opset)
             for t in range(a, b + 1):
                 c.term(float(peak - own[t - a]), t, t)
+            for nbytes, t0, t1 in early:
+                c.term(nbytes, t0, t1)
             for _, vl in inputs_dying:
                 c.term(float(vl.nbytes), vl.death + 1, b)
             # Saved buffers: each buffer either rule reads now dies at its last reader
@@ -279,6 +348,8 @@ def add_variant_terms(builder: ProblemBuilder, graph: Graph, st: StepStructure,
                           if id(r) not in old_ids]
                 mine = [v for v in mem if v in reads_variant]
                 end = max(others + [bl.birth] + ([b] if mine else []))
+                if not others and not mine and set(mem) <= optional_outs:
+                    end = bl.birth - 1  # the node no longer produces it (passes/variants.py)
                 if end < bl.death:
                     c.term(-float(bl.nbytes), end + 1, bl.death)
                 elif end > bl.death:
