@@ -519,6 +519,7 @@ def _report(options, budget, plan_budget, was_min, base: Simulation, plan: Simul
             "peak_node": live.peak_node,
             "recomputed_values": list(plan.recomputed_values),
             "recomputed_nodes": sorted(plan.plan.recompute),
+            "recompute_again_nodes": sorted(plan.plan.recompute_again),
             "offloaded_values": sorted(plan.plan.offload),
             "variants": next((p.summary["variants"] for p in passes if p.name == "plan"
                               and "variants" in p.summary), None),
@@ -557,8 +558,10 @@ def summary_lines(report: dict) -> list[str]:
         f"baseline peak {format_size(b['peak_bytes'])}  ->  plan peak "
         f"{format_size(p['peak_bytes'])}  ({'fits' if p['fits'] else 'DOES NOT FIT'})",
         f"strategy {p.get('strategy_label', p['strategy'])}: "
-        f"{len(p['recomputed_values'])} values recomputed, "
-        f"predicted added time {p['overhead'] * 100:.1f}%",
+        f"{len(p['recomputed_values'])} values recomputed"
+        + (f" ({len(p['recompute_again_nodes'])} nodes rebuilt again for later readers)"
+           if p.get("recompute_again_nodes") else "")
+        + f", predicted added time {p['overhead'] * 100:.1f}%",
     ]
     v = report.get("verification")
     if v:

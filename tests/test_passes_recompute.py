@@ -102,3 +102,40 @@ def test_dropout_is_never_recomputed_and_the_rest_stays_bit_identical():
     # A recomputed Dropout would draw a second, different mask: there must be exactly one.
     assert sum(n.op_type == "Dropout" for n in res.graph.nodes) == 1
     assert all(n.op_type != "Constant" for n in step.nodes if n.name in st.recomputable)
+
+
+# ---------------------------------------------------------------------------- rebuilt again
+def test_recompute_again_rebuilds_chain_clones_for_each_later_reader():
+    """Every recomputable node recomputed, once with clones kept (one chain from the inputs,
+    every clone live until its own backward reader) and once rebuilt again: each layer's
+    backward rebuilds what it reads from the inputs, so early layers run once per later
+    layer, the step's numbers are still the original's bit for bit (at 1 and 2 threads),
+    and less is live at the peak (activations outweigh the weights at this batch)."""
+    from threads import run_once
+
+    from memcc.passes.liveness import analyze_liveness
+
+    mlp_step = build_training_step(
+        load_graph(build_model("mlp", batch=1024, width=64, depth=6)),
+        BuildOptions(optimizer="sgd"))
+    st = StepStructure.of(mlp_step)
+    every = frozenset(st.recomputable)
+    kept = apply_recompute(mlp_step, Plan(every), st)
+    again = apply_recompute(mlp_step, Plan(every, recompute_again=every), st)
+    clones = [n.name for n in again.graph.nodes if ".rc" in n.name]
+    first_relu = next(n.name for n in mlp_step.nodes if n.op_type == "Relu")
+    assert sum(c.startswith(first_relu + ".rc") for c in clones) > 1
+    assert len(again.graph.nodes) > len(kept.graph.nodes)
+    assert set(again.recomputed_values) == set(kept.recomputed_values)
+    assert analyze_liveness(again.graph).peak_bytes < analyze_liveness(kept.graph).peak_bytes
+    feeds = synthetic_feeds(mlp_step, seed=3)
+    for threads in (1, 2):
+        assert compare_outputs(run_once(mlp_step, feeds, threads),
+                               run_once(again.graph, feeds, threads), exact=True) == []
+
+
+def test_recompute_again_must_name_recomputed_nodes():
+    from memcc.passes.plan import PlanError
+
+    with pytest.raises(PlanError, match="recompute_again"):
+        Plan(frozenset({"a"}), recompute_again=frozenset({"a", "b"}))

@@ -106,10 +106,18 @@ class Plan:
     notes: Mapping[str, object] = field(default_factory=dict)
     offload: Mapping[str, Offload] = field(default_factory=dict)
     variants: Mapping[str, str] = field(default_factory=dict)
+    # Recomputed forward nodes whose clones, made only to rebuild another value, are not
+    # kept for later readers: those rebuild them again (``passes/recompute.py``).
+    recompute_again: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         if not isinstance(self.recompute, frozenset):
             object.__setattr__(self, "recompute", frozenset(self.recompute))
+        if not isinstance(self.recompute_again, frozenset):
+            object.__setattr__(self, "recompute_again", frozenset(self.recompute_again))
+        if not self.recompute_again <= self.recompute:
+            extra = sorted(self.recompute_again - self.recompute)[:3]
+            raise PlanError(f"recompute_again names nodes the plan does not recompute: {extra}")
         for value, action in self.offload.items():
             if not isinstance(action, Offload):
                 raise PlanError(f"offload['{value}'] is {action!r}, not an Offload action")

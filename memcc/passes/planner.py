@@ -191,7 +191,7 @@ def _finish(base: Simulation, found: list[tuple[str, Simulation]], budget: int |
     limit = math.inf if budget is None else budget
     fitting = [(s, sim) for s, sim in pool if sim.peak_bytes <= limit]
     cands = [{"strategy": s, "peak_bytes": sim.peak_bytes, "added_time_s": sim.added_time_s,
-              **{k: v for k, v in sim.plan.notes.items() if k == "segments"}}
+              **{k: v for k, v in sim.plan.notes.items() if k in ("segments", "rebuilt_again")}}
              for s, sim in found]
     if not fitting:
         raise BudgetError(

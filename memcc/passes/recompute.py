@@ -45,6 +45,7 @@ def apply_recompute(graph: Graph, plan: Plan, structure: StepStructure | None = 
     """
     st = structure or StepStructure.of(graph)
     recompute = plan.recompute & st.recomputable
+    again = plan.recompute_again & recompute
     out = graph.copy(with_index=bool(recompute))
     if not recompute:
         return RecomputeResult(out, (), ())
@@ -60,6 +61,7 @@ def apply_recompute(graph: Graph, plan: Plan, structure: StepStructure | None = 
     read_before = {v for v, r in du.readers.items() if r}
 
     rerun_before: dict[str, str] = {}
+    ever_cloned: set[str] = set()
 
     def needs_clone(value: str) -> onnx.NodeProto | None:
         if not value or value in clone_of:
@@ -77,6 +79,7 @@ def apply_recompute(graph: Graph, plan: Plan, structure: StepStructure | None = 
         if first is None:
             return value
         stack: list[tuple[onnx.NodeProto, int]] = [(first, 0)]
+        private: list[str] = []   # clones only this chain may read (plan.recompute_again)
         while stack:
             node, k = stack[-1]
             child = None
@@ -89,7 +92,12 @@ def apply_recompute(graph: Graph, plan: Plan, structure: StepStructure | None = 
                 continue
             stack.pop()
             emit(node, emitted, reader)
-        return clone_of[value]
+            if stack and node.name in again:
+                private.extend(o for o in node.output if o in clone_of)
+        result = clone_of[value]
+        for o in private:
+            del clone_of[o]
+        return result
 
     def emit(node: onnx.NodeProto, emitted: list[onnx.NodeProto], reader: str) -> None:
         inputs = [clone_of.get(i, i) if i else "" for i in node.input]
@@ -105,6 +113,7 @@ def apply_recompute(graph: Graph, plan: Plan, structure: StepStructure | None = 
             if o and (o in read_before or keep_all):
                 name = fresh(o + RECOMPUTE_SUFFIX)
                 clone_of[o] = name
+                ever_cloned.add(o)
                 out.info[name] = out.info[o]
                 outs.append(name)
             else:
@@ -131,8 +140,8 @@ def apply_recompute(graph: Graph, plan: Plan, structure: StepStructure | None = 
         new_nodes.append(node)
     new_nodes = _drop_dead_forward_outputs(new_nodes, st, set(out.outputs), du)
     out.set_nodes(new_nodes, du.attach(new_nodes))
-    recomputed = tuple(sorted(v for v in clone_of if v in st.saved))
-    return RecomputeResult(out, tuple(cloned), recomputed, rerun_before)
+    recomputed = tuple(sorted(v for v in ever_cloned if v in st.saved))
+    return RecomputeResult(out, tuple(dict.fromkeys(cloned)), recomputed, rerun_before)
 
 
 def _drop_dead_forward_outputs(nodes: list[onnx.NodeProto], st: StepStructure,

@@ -149,7 +149,7 @@ def apply_variants(graph: Graph, plan: Plan) -> VariantResult:
         fwd_nodes = list(ctx.forward.nodes) if ctx.forward is not None else []
         _rename_results(out, back_nodes, gins, new, node, variant)
         old = rules[name]
-        dead = _dead_after_replacing(out, old, {g for g in gins if g})
+        dead = dead_after_replacing(out, old, {g for g in gins if g})
         for n in back_nodes:
             tag_node(n, grad_of=name, rule=vname)
         for n in fwd_nodes:
@@ -217,7 +217,7 @@ def _drop_outputs_only_dead_read(node: onnx.NodeProto, dead: list[onnx.NodeProto
         del node.output[-1]
 
 
-def _dead_after_replacing(graph: Graph, old: list[onnx.NodeProto],
+def dead_after_replacing(graph: Graph, old: list[onnx.NodeProto],
                           results: set[str]) -> list[onnx.NodeProto]:
     """The default rule's nodes to remove: those producing the results (the variant now
     does), then, backwards, every rule node nothing else reads."""

@@ -341,7 +341,7 @@ def _layernorm_inverted(ctx: VariantContext, node: onnx.NodeProto, gouts: Grads)
     gradient at its positions (x still reaches the other channels through mean and variance)
     are then inexact. The rebuilt xhat is off by about eps * |bias / scale| per element, so
     the tolerance holds while |bias| is not far larger than |scale|. The Mean output the
-    default rule added stays on the forward node, unread (one value per normalized row).
+    default rule added is dropped from the forward node with the default's nodes.
     """
     if any(g is not None for g in gouts[1:]):
         raise GradientError(f"{node_label(node)}: gradient flows into its Mean/InvStdDev outputs")

@@ -61,6 +61,7 @@ from memcc.passes.solvers.problem import ProblemBuilder
 from memcc.passes.solvers.recompute_terms import RecomputeUnits
 from memcc.passes.variants import (
     applicable_variants,
+    dead_after_replacing,
     rule_body,
     rule_nodes,
     variant_context,
@@ -285,7 +286,7 @@ def add_variant_terms(builder: ProblemBuilder, graph: Graph, st: StepStructure,
         if not candidates:
             continue
         old = rules[node.name]
-        gouts, _ = rule_io(node)  # type: ignore[misc]
+        gouts, gins = rule_io(node)  # type: ignore[misc]
         body = rule_body(old, gouts)
         if not body:
             continue
@@ -305,7 +306,9 @@ def add_variant_terms(builder: ProblemBuilder, graph: Graph, st: StepStructure,
                     own[lo - a:hi - a + 1] += vl.nbytes
             if a <= pos[id(n)] <= b:
                 own[pos[id(n)] - a] += live.scratch[pos[id(n)]]
-        removed_s = sum(costs.of(n) for n in old)
+        # Only what the substitution removes: a gradient sum the rule emitted stays.
+        removed_s = sum(costs.of(n)
+                        for n in dead_after_replacing(graph, old, {g for g in gins if g}))
         early = _before_span(old, a, pos, values, live)
         optional_outs = {o for o in node.output[1:] if o}
         # Rule inputs the default frees inside its span: the variant may read them later.
