@@ -252,12 +252,33 @@ def exact_model(p: Planning, budget: int | None) -> Found:
         out.add("ilp", sims, _ilp_run(sol, "smallest modelled peak", None))
         target = min(s.peak_bytes for _, s in out.plans + [("none", p.baseline)])
 
-    eff = float(target)
+    rounds = _tighten(p, prob, float(target), starts, known_rows, out, "exact recompute model")
+    if budget is not None and rounds > 1 and VARIANT_KIND in prob.kind:
+        # The variants' terms are exact one at a time, but a combination with recompute can
+        # be modelled below what the simulator finds, and the rounds that lower the budget
+        # then end far above the plan recompute alone reaches (measured: ResNet-50 at batch
+        # 184 and 6.00 GB, +13.9% against +7.5%). So when the first answer did not fit, the
+        # same rounds run again over recompute alone; the cheapest fitting plan wins.
+        alone = Found()
+        _tighten(p, _fixed_to_zero(prob, VARIANT_KIND), float(target), starts, [], alone,
+                 "exact recompute model without variants")
+        out.extend(alone)
+    return out
+
+
+def _tighten(p: Planning, prob: Problem, target: float, starts: list[np.ndarray],
+             known_rows: list[int], out: Found, label: str) -> int:
+    """Solve ``prob`` at ``target``; while the simulator finds the answer above it, lower
+    the budget the model aims for by the excess (at most 5% a round) and solve again.
+    Returns the number of solves."""
+    pp, graph = p.model, p.graph
+    eff = target
+    solves = 0
     for round_ in range(1, TIGHTEN_ROUNDS + 1):
         if any(sim.peak_bytes <= target and sim.plan.strategy == "ilp" for _, sim in out.plans):
             break
-        detail = "exact recompute model" if round_ == 1 else \
-            f"exact recompute model, budget lowered by the simulator's excess (round {round_})"
+        detail = label if round_ == 1 else \
+            f"{label}, budget lowered by the simulator's excess (round {round_})"
         if p.remaining() <= 0.5:
             out.solver = {**(out.solver or {"name": "none", "gap": None}),
                           "status": (out.solver or {}).get("status", "time limit"),
@@ -268,6 +289,7 @@ def exact_model(p: Planning, budget: int | None) -> Found:
         sol = ilp.solve(prob, eff, time_limit=p.remaining(),
                         starts=starts + pp.starts([s for _, s in out.plans], graph),
                         rows=known_rows)
+        solves += 1
         known_rows = list(sol.rows)
         if sol.status in ("infeasible", "time limit") or sol.status.startswith("not"):
             out.add("ilp", [], _ilp_run(sol, detail, eff))
@@ -278,7 +300,7 @@ def exact_model(p: Planning, budget: int | None) -> Found:
         if sim.peak_bytes <= target:
             break
         eff -= min(sim.peak_bytes - target, 0.05 * target) * 1.05 + 1.0
-    return out
+    return solves
 
 
 @strategy("auto")
