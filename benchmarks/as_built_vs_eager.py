@@ -114,6 +114,8 @@ def _torch_child(payload: dict) -> dict:
     """Child side of ``measure_torch``: warm-up on a freed copy, baseline, measured steps."""
     import torch
 
+    from benchmarks.torch_peer import _train_step as train_step
+
     cfg, steps = payload["cfg"], int(payload["steps"])
     torch.set_num_threads(len(__import__("os").sched_getaffinity(0)))
     ids, labels = (torch.tensor(a) for a in _batch(cfg))
@@ -126,13 +128,7 @@ def _torch_child(payload: dict) -> dict:
         return module, opt
 
     def step(module, opt) -> float:
-        logits = module(ids)
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                                 labels.reshape(-1))
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return float(loss.detach())
+        return train_step(module, opt, ids, labels)
 
     state = setup()
     step(*state)
