@@ -9,6 +9,10 @@ Semantics (the simulator and every strategy rely on exactly this):
 - A value is recomputed at most once: later readers use the first clone, which liveness
   then keeps until its last reader. The original forward value is freed after its last
   forward reader, which is where the saving comes from.
+- Except for the nodes in ``plan.recompute_again``: a clone of theirs made only to rebuild
+  another value (inside a chain) is read by that chain alone, so it dies there; a later
+  reader rebuilds it, from the nearest kept value. Such values are recomputed once per
+  chain that passes through them.
 Clones repeat the same kernels on the same inputs, so the rewritten step computes the same
 numbers bit for bit. Optional outputs that nobody reads are dropped from clones (ORT never
 frees an unconsumed output, ORT_NOTES.md §3).
