@@ -164,8 +164,9 @@ def _add_rebuilt_again(p: Planning, budget: int | None, out: Found) -> None:
     as soon as that value exists; the next reader rebuilds it from the nearest kept value.
     What stays is the boundaries, one chain and one layer's activations, at the price of
     recomputing early layers of a segment once per later layer (Chen et al.'s recursive
-    form, Griewank's revolve). Measured on the zoo's ResNet-50 (batch 32, 128 px): the
-    smallest peak goes from 35.2% to 30.2% of the step as built, at +74% predicted time.
+    form, Griewank's revolve). Measured on the zoo's ResNet-50 (batch 32, 128 px,
+    ``--budget min --no-variants``, BENCHMARKS.md): the smallest peak goes from 35.2% to
+    30.1% of the step as built, at +26.9% predicted time once polished.
     Only where it is needed, since each plan costs a simulation; bounded by work (one
     simulation per segmentation of at least two segments, one per variant kind), not by the
     clock, so a busy machine gets the same plans. One segment rebuilds every layer from the
@@ -256,9 +257,11 @@ def exact_model(p: Planning, budget: int | None) -> Found:
     if budget is not None and rounds > 1 and VARIANT_KIND in prob.kind:
         # The variants' terms are exact one at a time, but a combination with recompute can
         # be modelled below what the simulator finds, and the rounds that lower the budget
-        # then end far above the plan recompute alone reaches (measured: ResNet-50 at batch
-        # 184 and 6.00 GB, +13.9% against +7.5%). So when the first answer did not fit, the
-        # same rounds run again over recompute alone; the cheapest fitting plan wins.
+        # then end far above the plan recompute alone reaches. MONeT's ResNet-50 step
+        # (BENCHMARKS.md) at 6.00 GB: the report's runs show five rounds with variants, the
+        # only fitting one at +17.2%, and one round over recompute alone at +7.7%. So
+        # when the first answer did not fit, the same rounds run again over recompute alone;
+        # the cheapest fitting plan wins.
         alone = Found()
         _tighten(p, _fixed_to_zero(prob, VARIANT_KIND), float(target), starts, [], alone,
                  "exact recompute model without variants")
@@ -347,53 +350,54 @@ def _polish(p: Planning, found: list[tuple[str, Simulation]], budget: float,
     index = {n: i for i, g in enumerate(pp.groups) for n in g}
     best: tuple[Simulation, str] | None = None
     seen: set[frozenset[str]] = set()
+
+    def by_cost(names: frozenset[str]) -> list[int]:
+        """The units holding ``names``, dearest first."""
+        units = {index[n] for n in names if n in index}
+        return sorted(units, key=lambda u: -pp.units.unit_cost[u])[:POLISH_CANDIDATES]
+
     for start_name, start in fitting[:POLISH_STARTS]:
         key = (start.plan.recompute, frozenset(start.plan.variants.items()))
         if key in seen:
             continue
         seen.add(key)
-        chosen = set(start.plan.recompute)
-        groups = {index[n] for n in chosen if n in index}
-        order = sorted(groups, key=lambda i: -pp.units.unit_cost[i])[:POLISH_CANDIDATES]
-        current = start
-        for i in order:
-            if time.perf_counter() > deadline:
-                break
-            trial = chosen - set(pp.groups[i])
-            sim = p.simulate(replace(current.plan, recompute=frozenset(trial),
-                                     recompute_again=current.plan.recompute_again & trial,
-                                     strategy="auto"))
-            if sim.peak_bytes <= budget and sim.added_time_s < current.added_time_s:
-                chosen, current = trial, sim
-        # Then share the clones of rebuilt-again units, dearest first, where the step still
-        # fits with them kept: each one shared is a chain that no longer runs twice.
-        again = set(current.plan.recompute_again)
-        shared = sorted({index[n] for n in again if n in index},
-                        key=lambda i: -pp.units.unit_cost[i])[:POLISH_CANDIDATES]
-        for i in shared:
-            if time.perf_counter() > deadline:
-                break
-            trial = again - set(pp.groups[i])
-            sim = p.simulate(replace(current.plan, recompute_again=frozenset(trial),
-                                     strategy="auto"))
-            if sim.peak_bytes <= budget and sim.added_time_s < current.added_time_s:
-                again, current = trial, sim
+        # Stop recomputing the dearest units (their rebuilt-again marks go with them).
+        current = _shed(p, start, budget, deadline, [
+            lambda plan, g=frozenset(pp.groups[i]): replace(
+                plan, recompute=plan.recompute - g, recompute_again=plan.recompute_again - g)
+            for i in by_cost(start.plan.recompute)])
+        # Then share the clones of rebuilt-again units, dearest first: each one shared is a
+        # chain that no longer runs twice.
+        current = _shed(p, current, budget, deadline, [
+            lambda plan, g=frozenset(pp.groups[i]): replace(
+                plan, recompute_again=plan.recompute_again - g)
+            for i in by_cost(current.plan.recompute_again)])
         # Then the variants that cost time, dearest first: the model may have credited one
         # with a saving the simulator does not see.
         dear = sorted((n for n, v in current.plan.variants.items()
                        if variant_cost.get((n, v), 0.0) > 0),
                       key=lambda n: -variant_cost[(n, current.plan.variants[n])])
-        for node in dear[:POLISH_CANDIDATES]:
-            if time.perf_counter() > deadline:
-                break
-            rest = {n: v for n, v in current.plan.variants.items() if n != node}
-            sim = p.simulate(replace(current.plan, variants=rest, strategy="auto"))
-            if sim.peak_bytes <= budget and sim.added_time_s < current.added_time_s:
-                current = sim
+        current = _shed(p, current, budget, deadline, [
+            lambda plan, node=node: replace(
+                plan, variants={n: v for n, v in plan.variants.items() if n != node})
+            for node in dear[:POLISH_CANDIDATES]])
         if current is not start and (best is None
                                      or current.added_time_s < best[0].added_time_s):
             best = (current, start_name)
     return best
+
+
+def _shed(p: Planning, current: Simulation, budget: float, deadline: float,
+          steps: list[Callable[[Plan], Plan]]) -> Simulation:
+    """Apply each of ``steps`` (a plan -> a cheaper plan) to the plan kept so far, in order,
+    keeping the result where the simulator says the step still fits and costs less."""
+    for step in steps:
+        if time.perf_counter() > deadline:
+            break
+        sim = p.simulate(replace(step(current.plan), strategy="auto"))
+        if sim.peak_bytes <= budget and sim.added_time_s < current.added_time_s:
+            current = sim
+    return current
 
 
 def _fixed_to_zero(prob: Problem, kind: str) -> Problem:
