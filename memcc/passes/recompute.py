@@ -176,7 +176,7 @@ def _drop_dead_forward_outputs(nodes: list[onnx.NodeProto], st: StepStructure,
                 continue
             for k in range(len(n.output) - 1, 0, -1):
                 o = n.output[k]
-                if o and not read(o) and _optional_output(n, k):
+                if o and not read(o) and optional_output(n, k):
                     du.drop_output(n, k)
                     changed = True
             while len(n.output) > 1 and not n.output[-1]:
@@ -197,7 +197,9 @@ def _outputs_required(node: onnx.NodeProto) -> bool:
     return any(a.name == "training_mode" and a.i for a in node.attribute)
 
 
-def _optional_output(node: onnx.NodeProto, k: int) -> bool:
+def optional_output(node: onnx.NodeProto, k: int) -> bool:
+    """Whether output ``k`` of ``node`` is optional in its op's schema (ORT accepts the node
+    without it)."""
     try:
         schema = onnx.defs.get_schema(node.op_type, domain=node.domain or "")
     except Exception:

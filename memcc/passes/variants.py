@@ -30,6 +30,7 @@ from memcc.frontend.emit import Emitter
 from memcc.frontend.gradients.variants import Variant, VariantContext, lookup, variants_for
 from memcc.graph import Graph, node_label
 from memcc.passes.plan import DEFAULT_VARIANT, Plan
+from memcc.passes.recompute import optional_output
 from memcc.step import DEFAULT_RULE, GRAD_OF_PROP, RULE_PROP, node_props, rule_io, tag_node
 
 
@@ -206,11 +207,13 @@ def _drop_outputs_only_dead_read(node: onnx.NodeProto, dead: list[onnx.NodeProto
                                  nodes: list[onnx.NodeProto], keep: Iterable[str]) -> None:
     """Optional outputs of the forward node that only the removed rule nodes read (MaxPool's
     Indices, LayerNorm's Mean, added at build for the default rule) become unnamed, so ORT
-    no longer computes or allocates them."""
+    no longer computes or allocates them; by the schema's rule the recompute lowering also
+    drops unread outputs with (``recompute.optional_output``)."""
     read_by_dead = {i for n in dead for i in n.input}
     still_read = {i for n in nodes for i in n.input} | set(keep)
     unread = [k for k, o in enumerate(node.output)
-              if k > 0 and o and o in read_by_dead and o not in still_read]
+              if k > 0 and o and o in read_by_dead and o not in still_read
+              and optional_output(node, k)]
     for k in unread:
         node.output[k] = ""
     while unread and len(node.output) > 1 and not node.output[-1]:

@@ -240,10 +240,16 @@ def _maxpool_grad(ctx: GradContext, node: onnx.NodeProto, gouts: Grads) -> Grads
     if x_info.numel < 2**31:
         # Saved from forward to backward: int32 halves what the step keeps alive.
         indices = _emit_after(ctx, node, lambda: ctx.emit.cast(indices, TensorProto.INT32))
-    win = _pool_window(node, x_info, y_info)
+    return [scatter_to_argmax(ctx, node, indices, gouts[0])]
+
+
+def scatter_to_argmax(ctx: GradContext, node: onnx.NodeProto, indices: str, g: str) -> str:
+    """MaxPool's input gradient: ``g`` added at the flat positions ``indices`` name (each
+    written once where the windows do not overlap)."""
+    x_info = ctx.info(node.input[0])
+    win = _pool_window(node, x_info, ctx.info(node.output[0]))
     disjoint = all(e <= s for e, s in zip(win.effective, win.strides, strict=True))
-    gx = scatter_add_flat(ctx, node, x_info.shape, indices, gouts[0], unique=disjoint)
-    return [gx]
+    return scatter_add_flat(ctx, node, x_info.shape, indices, g, unique=disjoint)
 
 
 def _emit_after(ctx: GradContext, node: onnx.NodeProto, build) -> str:

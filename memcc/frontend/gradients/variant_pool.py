@@ -19,9 +19,9 @@ import onnx
 from onnx import TensorProto
 
 from memcc.errors import GradientError
-from memcc.frontend.gradients.nn import _pool_window
+from memcc.frontend.gradients.nn import scatter_to_argmax
 from memcc.frontend.gradients.registry import GradContext
-from memcc.frontend.gradients.shape_ops import scatter_add_flat, slice_values
+from memcc.frontend.gradients.shape_ops import slice_values
 from memcc.frontend.gradients.variants import EXACT, VariantContext, register_variant
 from memcc.graph import TensorInfo, attr, node_label
 from memcc.step import rule_io
@@ -77,11 +77,6 @@ def _maxpool_recompute(ctx: VariantContext, node: onnx.NodeProto, gouts: Grads) 
     longer computes them), at the cost of a second MaxPool."""
     if any(g is not None for g in gouts[1:]):
         raise GradientError(f"{node_label(node)}: gradient flows into the Indices output")
-    x = node.input[0]
-    if gouts[0] is None or not ctx.needs_grad(x):
+    if gouts[0] is None or not ctx.needs_grad(node.input[0]):
         return [None]
-    x_info, y_info = ctx.info(x), ctx.info(node.output[0])
-    win = _pool_window(node, x_info, y_info)
-    disjoint = all(e <= s for e, s in zip(win.effective, win.strides, strict=True))
-    return [scatter_add_flat(ctx, node, x_info.shape, _argmax_again(ctx, node), gouts[0],
-                             unique=disjoint)]
+    return [scatter_to_argmax(ctx, node, _argmax_again(ctx, node), gouts[0])]
