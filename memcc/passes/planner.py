@@ -27,6 +27,7 @@ from memcc.passes.solvers.problem import ProblemBuilder
 from memcc.passes.solvers.recompute_terms import add_recompute_terms
 from memcc.passes.solvers.variant_terms import VariantVars, add_variant_terms
 from memcc.passes.strategies import REGISTRY, Found, Planning, PlanProblem
+from memcc.passes.variants import apply_variants, region_variants
 
 STRATEGIES = ("auto", *sorted(n for n in REGISTRY if n != "auto"))
 
@@ -86,7 +87,7 @@ def choose_plan(graph: Graph, budget: int | None, costs: CostModel, *,
                 structure: StepStructure | None = None,
                 baseline: Simulation | None = None, offload: bool = False,
                 variants: bool = True, device: str = "cpu",
-                allow_lossy: bool = False) -> PlanOutcome:
+                allow_lossy: bool = False, regions: bool = True) -> PlanOutcome:
     """Pick the plan; ``budget=None`` means the smallest peak memcc can reach.
 
     ``offload``: the step runs on a device provider, so saved values may also be swapped to
@@ -95,7 +96,10 @@ def choose_plan(graph: Graph, budget: int | None, costs: CostModel, *,
 
     When nothing fits ``budget``, the smallest budget named in the error is found the way
     ``--budget min`` finds it (and if that search finds a plan within ``budget`` after all,
-    it is returned), so the two can never disagree."""
+    it is returned), so the two can never disagree.
+
+    ``regions``: where that search runs (``--budget min``, or nothing fits), plan once more
+    over the step with its region variants in place (``_over_region_variants``)."""
     if strategy not in REGISTRY:
         raise MemccError(f"--strategy '{strategy}': choose one of {', '.join(STRATEGIES)}")
     st = structure or StepStructure.of(graph)
@@ -104,8 +108,20 @@ def choose_plan(graph: Graph, budget: int | None, costs: CostModel, *,
     fits_as_built = budget is not None and base.peak_bytes <= budget
     planning = None if strategy == "none" or fits_as_built else _prepare(
         graph, st, base, costs, time_limit, offload, variants, device, allow_lossy)
+
+    def over_regions(target: int | None) -> PlanOutcome | None:
+        if planning is None or not (variants and regions):
+            return None
+        return _over_region_variants(graph, target, costs, st, base, strategy=strategy,
+                                     time_limit=time_limit, offload=planning.host_copies,
+                                     device=device, allow_lossy=allow_lossy)
+
     try:
-        return _choose(planning, base, budget, strategy)
+        found = _choose(planning, base, budget, strategy)
+        if budget is not None:
+            return found
+        alt = over_regions(None)
+        return found if alt is None or found.best.peak_bytes <= alt.best.peak_bytes else alt
     except BudgetError:
         if budget is None:
             raise
@@ -114,11 +130,53 @@ def choose_plan(graph: Graph, budget: int | None, costs: CostModel, *,
         smallest = _choose(planning, base, None, strategy)
         if smallest.best.peak_bytes <= budget:
             return smallest
+        alt = over_regions(None)
+        if alt is not None and alt.best.peak_bytes < smallest.best.peak_bytes:
+            if alt.best.peak_bytes <= budget:
+                return over_regions(budget) or alt
+            smallest = alt
         raise BudgetError(
             f"the step does not fit the budget of {_fmt(budget)}: the smallest peak memcc "
             f"reached is {_fmt(smallest.best.peak_bytes)} (baseline {_fmt(base.peak_bytes)})."
             f" Use --budget {smallest.best.peak_bytes} or more, or --budget min.",
             budget=int(budget), smallest=smallest.best.peak_bytes) from None
+
+
+def _over_region_variants(graph: Graph, budget: int | None, costs: CostModel,
+                          st: StepStructure, base: Simulation, *, strategy: str,
+                          time_limit: float, offload: bool, device: str,
+                          allow_lossy: bool) -> PlanOutcome | None:
+    """The plan found over the step with every region variant in place (a decomposed GELU
+    differentiated from its input: ``activation_from_input``), or None when there is none
+    or it does not lower the step's peak.
+
+    The ILP offers these variants too, but excludes recomputing the nodes they cover: its
+    recompute terms assume the default rules' readers. Near the floor the best plans do
+    both (recompute the MLP, and keep only the GELU's input for its backward), so where the
+    floor is searched the plan is also sought over the step with the variants already
+    substituted, where the recompute terms are exact. The plan returned carries those
+    variants too and is simulated again over ``graph``; the peaks agree."""
+    pre = region_variants(graph, st, allow_lossy=allow_lossy)
+    if not pre:
+        return None
+    over = apply_variants(graph, Plan(variants=pre)).graph
+    st1 = StepStructure.of(over)
+    base1 = simulate(over, Plan(), costs, st1, device=device)
+    if base1.peak_bytes >= base.peak_bytes:
+        return None
+    try:
+        alt = choose_plan(over, budget, costs, strategy=strategy, time_limit=time_limit,
+                          structure=st1, baseline=base1, offload=offload, device=device,
+                          allow_lossy=allow_lossy, regions=False)
+    except BudgetError:
+        return None
+    plan = replace(alt.best.plan, variants={**pre, **alt.best.plan.variants})
+    best = simulate(graph, plan, costs, st, host_copies=offload, device=device)
+    runs = alt.runs + [{"strategy": "region variants", "status": "done",
+                        "detail": f"planned over the step with {len(pre)} region "
+                                  "variant(s) in place", "picked": True}]
+    return replace(alt, best=best, baseline=base, runs=runs,
+                   picked=f"{alt.picked or alt.strategy} over region variants")
 
 
 def _prepare(graph: Graph, st: StepStructure, base: Simulation, costs: CostModel,

@@ -27,6 +27,7 @@ from memcc.passes.solvers.problem import Problem, Solution, SparseRows
 from memcc.passes.solvers.recompute_terms import RecomputeUnits
 from memcc.passes.solvers.variant_terms import KIND as VARIANT_KIND
 from memcc.passes.solvers.variant_terms import VariantVars
+from memcc.passes.variants import overlapping
 
 TIGHTEN_ROUNDS = 10
 POLISH_CANDIDATES = 64
@@ -207,6 +208,10 @@ def _variant_kinds(p: Planning, start: Simulation) -> Simulation:
     current = start
     for name in sorted(kinds):
         chosen = {**kinds[name], **current.plan.variants}   # a node keeps its first kind
+        # A variant covering several nodes' rules (a decomposed GELU) excludes those nodes'
+        # own variants: the kind chosen first keeps them.
+        clash = overlapping(p.graph, chosen, keep=current.plan.variants)
+        chosen = {n: v for n, v in chosen.items() if n not in clash}
         if chosen == dict(current.plan.variants):
             continue
         sim = p.simulate(replace(current.plan, variants=chosen))

@@ -27,9 +27,15 @@ from dataclasses import dataclass
 import onnx
 
 from memcc.frontend.emit import Emitter
-from memcc.frontend.gradients.variants import Variant, VariantContext, lookup, variants_for
+from memcc.frontend.gradients.variants import (
+    LOSSY,
+    Variant,
+    VariantContext,
+    lookup,
+    variants_for,
+)
 from memcc.graph import Graph, node_label
-from memcc.passes.plan import DEFAULT_VARIANT, Plan
+from memcc.passes.plan import DEFAULT_VARIANT, Plan, StepStructure
 from memcc.passes.recompute import optional_output
 from memcc.step import DEFAULT_RULE, GRAD_OF_PROP, RULE_PROP, node_props, rule_io, tag_node
 
@@ -84,6 +90,55 @@ def substitutable(graph: Graph, node: onnx.NodeProto,
     return None
 
 
+@dataclass(frozen=True)
+class Replaced:
+    """What a variant of one node takes the place of: the default rules of ``members`` (the
+    node itself, or every node of its ``Region``), whose results the variant's results are
+    renamed to."""
+
+    members: tuple[str, ...]
+    old: list[onnx.NodeProto]        # the members' rule nodes, in graph order
+    gouts: list[str]                 # the gradients the node's rule reads ("": none)
+    results: list[str]               # the default results, one per variant result ("": none)
+    wants: set[str]                  # the values the variant returns gradients for
+
+
+def replaced_rule(graph: Graph, node: onnx.NodeProto, variant: Variant,
+                  rules: dict[str, list[onnx.NodeProto]]) -> Replaced | str:
+    """What ``variant`` replaces on ``node``, or why it cannot replace anything there."""
+    why = substitutable(graph, node, rules)
+    if why:
+        return why
+    gouts, gins = rule_io(node)  # type: ignore[misc]
+    if variant.region is None:
+        wants = {i for i, g in zip(node.input, gins, strict=False) if i and g}
+        return Replaced((node.name,), rules.get(node.name, []), gouts, gins, wants)
+    region = variant.region(graph, node)
+    if region is None:
+        return f"variant {variant.key} finds nothing it covers here"
+    by_name = {n.name: n for n in graph.nodes if n.name in region.nodes}
+    if any(rule_io(by_name[m]) is None for m in region.nodes if m in by_name) \
+            or len(by_name) != len(region.nodes):
+        return "the step does not record its gradient rules' inputs and outputs " \
+               "(built before variants existed: rebuild it with memcc build)"
+    ids = {id(n) for m in region.nodes for n in rules.get(m, ())}
+    old = [n for n in graph.nodes if id(n) in ids]
+    # The region's results: what its rules compute that anything else reads (the summed
+    # gradient of each input; a shared Constant is not a result).
+    outside = {i for n in graph.nodes if id(n) not in ids for i in n.input} \
+        | set(graph.outputs)
+    made = [o for n in old if n.op_type != "Constant" for o in n.output if o in outside]
+    if len(made) != len(region.inputs):
+        return f"the default rules of {len(region.nodes)} nodes from {node_label(node)} " \
+               f"return {len(made)} gradients where the variant returns " \
+               f"{len(region.inputs)}"
+    results = [next((o for o in made if graph.info.get(o) == graph.info.get(i)), "")
+               for i in region.inputs]
+    if not all(results) or len(set(results)) != len(results):
+        return "the region's gradients do not match its inputs"
+    return Replaced(region.nodes, old, gouts, results, set(region.inputs))
+
+
 def variant_problems(graph: Graph, plan: Plan) -> list[str]:
     """Why the variants of ``plan`` cannot be realised on ``graph`` (empty: they can)."""
     asked = {n: v for n, v in plan.variants.items() if v != DEFAULT_VARIANT}
@@ -92,18 +147,66 @@ def variant_problems(graph: Graph, plan: Plan) -> list[str]:
     by_name = {n.name: n for n in graph.nodes}
     rules = rule_nodes(graph)
     problems = []
+    covered: dict[str, str] = {}   # member node -> the node whose variant replaces its rule
     for name, vname in sorted(asked.items()):
         node = by_name.get(name)
         if node is None:
             problems.append(f"'{name}' is not a node of this step")
             continue
-        if lookup(node.op_type, vname) is None:
+        variant = lookup(node.op_type, vname)
+        if variant is None:
             problems.append(f"{node_label(node)} has no variant '{vname}'")
             continue
-        why = substitutable(graph, node, rules)
-        if why:
-            problems.append(f"{node_label(node)}: {why}")
+        got = replaced_rule(graph, node, variant, rules)
+        if isinstance(got, str):
+            problems.append(f"{node_label(node)}: {got}")
+            continue
+        for m in got.members:
+            if m in covered:
+                problems.append(f"{node_label(node)}: variant {variant.key} replaces the "
+                                f"rule of '{m}', which the variant of '{covered[m]}' "
+                                "replaces too")
+            covered[m] = name
     return problems
+
+
+def overlapping(graph: Graph, variants: dict[str, str], keep: Iterable[str] = ()) -> set[str]:
+    """The nodes of ``variants`` to leave out so that no two replace the same rule: the
+    ones not in ``keep`` (a plan's earlier choices) that overlap another."""
+    by_name = {n.name: n for n in graph.nodes}
+    rules = rule_nodes(graph)
+    keep = set(keep)
+    covered: dict[str, str] = {}
+    drop: set[str] = set()
+    for name in sorted(variants, key=lambda n: (n not in keep, n)):
+        node = by_name.get(name)
+        variant = lookup(node.op_type, variants[name]) if node is not None else None
+        if variant is None or variants[name] == DEFAULT_VARIANT:
+            continue
+        got = replaced_rule(graph, node, variant, rules)
+        members = got.members if not isinstance(got, str) else (name,)
+        if any(m in covered for m in members):
+            drop.add(name)
+            continue
+        covered.update(dict.fromkeys(members, name))
+    return drop
+
+
+def region_variants(graph: Graph, st: StepStructure, *,
+                    allow_lossy: bool = False) -> dict[str, str]:
+    """Forward node -> its first applicable variant that covers a region (the rules of
+    several nodes, ``Variant.region``), for every node that has one; none overlap."""
+    rules = rule_nodes(graph)
+    found: dict[str, str] = {}
+    for node in graph.nodes:
+        if node.name not in st.forward or node.name not in rules:
+            continue
+        for v in applicable_variants(graph, node, rules):
+            if v.region is not None and (allow_lossy or v.tier != LOSSY):
+                found[node.name] = v.name
+                break
+    drop = overlapping(graph, found)
+    return {n: v for n, v in found.items() if n not in drop}
 
 
 def applicable_variants(graph: Graph, node: onnx.NodeProto,
@@ -115,13 +218,16 @@ def applicable_variants(graph: Graph, node: onnx.NodeProto,
 
 
 def variant_context(graph: Graph, node: onnx.NodeProto, detached_prefix: str, *,
-                    taken: Iterable[str] | None = None) -> VariantContext:
+                    taken: Iterable[str] | None = None,
+                    wants: set[str] | None = None) -> VariantContext:
     """A context that emits ``node``'s variant rule into detached node lists (backward and
-    forward extras), with the rule's recorded needs; nothing is added to ``graph.nodes``.
-    ``taken``: names to avoid, when the caller knows them (the prefix is the node's name and
-    the variant's, which nothing in a built step starts with)."""
-    _, gins = rule_io(node) or ([], [])
-    wants = {i for i, g in zip(node.input, gins, strict=False) if i and g}
+    forward extras), with the rule's recorded needs (or ``wants``: a region variant's
+    inputs); nothing is added to ``graph.nodes``. ``taken``: names to avoid, when the
+    caller knows them (the prefix is the node's name and the variant's, which nothing in a
+    built step starts with)."""
+    if wants is None:
+        _, gins = rule_io(node) or ([], [])
+        wants = {i for i, g in zip(node.input, gins, strict=False) if i and g}
     if taken is None:
         taken = set(graph.values()) | {n.name for n in graph.nodes if n.name}
     back = Emitter(graph, prefix=detached_prefix, detached=True, taken=taken)
@@ -143,19 +249,20 @@ def apply_variants(graph: Graph, plan: Plan) -> VariantResult:
         node = by_name[name]
         variant = lookup(node.op_type, vname)
         assert variant is not None  # variant_problems ran first
-        gouts, gins = rule_io(node)  # type: ignore[misc]
-        ctx = variant_context(out, node, f"{name}/{vname}/")
-        new = variant.rule(ctx, node, [g or None for g in gouts])
+        got = replaced_rule(out, node, variant, rules)
+        assert not isinstance(got, str), got
+        ctx = variant_context(out, node, f"{name}/{vname}/", wants=got.wants)
+        new = variant.rule(ctx, node, [g or None for g in got.gouts])
         back_nodes = list(ctx.emit.nodes)
         fwd_nodes = list(ctx.forward.nodes) if ctx.forward is not None else []
-        _rename_results(out, back_nodes, gins, new, node, variant)
-        old = rules[name]
-        dead = dead_after_replacing(out, old, {g for g in gins if g})
+        _rename_results(out, back_nodes, got.results, new, node, variant)
+        old = got.old
+        dead = dead_after_replacing(out, old, {g for g in got.results if g})
         for n in back_nodes:
             tag_node(n, grad_of=name, rule=vname)
         for n in fwd_nodes:
             tag_node(n, role="forward", rule=vname)
-        body = rule_body(old, gouts)
+        body = rule_body(old, got.gouts)
         anchor = body[0] if body else old[0]
         nodes: list[onnx.NodeProto] = []
         dead_ids = {id(n) for n in dead}
@@ -168,7 +275,8 @@ def apply_variants(graph: Graph, plan: Plan) -> VariantResult:
                 nodes.extend(fwd_nodes)
         out.set_nodes(nodes)
         _drop_outputs_only_dead_read(node, dead, nodes, out.outputs)
-        rules[name] = []
+        for m in got.members:
+            rules[m] = []
         substituted.append((name, variant.key))
         fwd_added += [n.name for n in fwd_nodes]
         back_added += [n.name for n in back_nodes]

@@ -31,6 +31,7 @@ import onnx
 
 from memcc.frontend.emit import Emitter
 from memcc.frontend.gradients.registry import GradContext
+from memcc.graph import Graph
 
 EXACT = "exact"
 EQUIVALENT = "equivalent"
@@ -51,6 +52,21 @@ VariantRule = Callable[[VariantContext, onnx.NodeProto, Grads], Grads]
 Applies = Callable[[GradContext, onnx.NodeProto], bool]
 
 
+@dataclass(frozen=True)
+class Region:
+    """The forward nodes whose default rules one variant replaces together, ending at the
+    node it is registered on: a decomposed GELU is eight nodes, and saving only its input
+    takes one backward for all of them. The rule then returns one gradient per ``inputs``
+    entry instead of one per input of the node."""
+
+    nodes: tuple[str, ...]   # forward node names, the anchor last
+    inputs: tuple[str, ...]  # the values it returns gradients for
+
+
+# graph, anchor node -> the region the variant covers there (None: it does not apply)
+RegionOf = Callable[[Graph, onnx.NodeProto], "Region | None"]
+
+
 def _always(ctx: GradContext, node: onnx.NodeProto) -> bool:
     return True
 
@@ -66,6 +82,7 @@ class Variant:
     applies: Applies = _always
     tolerance: float = 0.0    # relative error bound against the default rule (equivalent)
     summary: str = ""
+    region: RegionOf | None = None   # set: it replaces the rules of several nodes (Region)
 
     @property
     def key(self) -> str:
@@ -78,9 +95,10 @@ VARIANTS: dict[str, dict[str, Variant]] = {}
 
 
 def register_variant(*op_types: str, name: str, tier: str, tolerance: float = 0.0,
-                     applies: Applies | None = None,
-                     summary: str = "") -> Callable[[VariantRule], VariantRule]:
-    """Register ``rule`` as variant ``name`` of each op in ``op_types``."""
+                     applies: Applies | None = None, summary: str = "",
+                     region: RegionOf | None = None) -> Callable[[VariantRule], VariantRule]:
+    """Register ``rule`` as variant ``name`` of each op in ``op_types``; with ``region``, it
+    applies where that finds one and replaces the rules of all its nodes."""
     if tier not in TIERS:
         raise ValueError(f"variant tier {tier!r}: choose one of {', '.join(TIERS)}")
     if tier == EQUIVALENT and not tolerance > 0:
@@ -94,7 +112,8 @@ def register_variant(*op_types: str, name: str, tier: str, tolerance: float = 0.
             if name in table:
                 raise RuntimeError(f"variant {op}:{name} registered twice")
             table[name] = Variant(op, name, tier, rule, applies or _always, tolerance,
-                                  summary or (rule.__doc__ or "").strip().split("\n")[0])
+                                  summary or (rule.__doc__ or "").strip().split("\n")[0],
+                                  region)
         return rule
 
     return deco
@@ -102,7 +121,12 @@ def register_variant(*op_types: str, name: str, tier: str, tolerance: float = 0.
 
 def load_variants() -> None:
     """Import the modules that register variants (and the default rules they build on)."""
-    from memcc.frontend.gradients import load_rules, variant_pool, variant_rules  # noqa: F401
+    from memcc.frontend.gradients import (  # noqa: F401
+        load_rules,
+        variant_activations,
+        variant_pool,
+        variant_rules,
+    )
 
     load_rules()
 
@@ -115,7 +139,8 @@ def variants_for(ctx: GradContext, node: onnx.NodeProto) -> list[Variant]:
     out = []
     for v in VARIANTS.get(node.op_type, {}).values():
         try:
-            ok = v.applies(ctx, node)
+            ok = v.applies(ctx, node) and (v.region is None
+                                           or v.region(ctx.graph, node) is not None)
         except Exception:  # an applicability test must never break planning
             ok = False
         if ok:

@@ -60,8 +60,10 @@ from memcc.passes.solvers.offload_terms import OffloadVars
 from memcc.passes.solvers.problem import ProblemBuilder
 from memcc.passes.solvers.recompute_terms import RecomputeUnits
 from memcc.passes.variants import (
+    Replaced,
     applicable_variants,
     dead_after_replacing,
+    replaced_rule,
     rule_body,
     rule_nodes,
     variant_context,
@@ -86,17 +88,19 @@ class _Emitted:
     info: dict
 
 
-def _emit(graph: Graph, node: onnx.NodeProto, variant: Variant) -> _Emitted | None:
+def _emit(graph: Graph, node: onnx.NodeProto, variant: Variant,
+          replaced: Replaced) -> _Emitted | None:
     """The variant's nodes for ``node``, emitted on a view of ``graph`` whose type table is
     a copy (the step is not touched)."""
     info = ChainMap({}, graph.info)  # the variant's new types land in the first map
     view = Graph(nodes=graph.nodes, inputs=graph.inputs, outputs=graph.outputs,
                  initializers=graph.initializers, info=info,  # type: ignore[arg-type]
                  opsets=graph.opsets, metadata=graph.metadata, name=graph.name)
-    gouts, _ = rule_io(node) or ([], [])
-    ctx = variant_context(view, node, f"{node.name}/{variant.name}/", taken=())
+    view.set_nodes(graph.nodes, graph.def_use())
+    ctx = variant_context(view, node, f"{node.name}/{variant.name}/", taken=(),
+                          wants=replaced.wants)
     try:
-        variant.rule(ctx, node, [g or None for g in gouts])
+        variant.rule(ctx, node, [g or None for g in replaced.gouts])
     except Exception:  # a variant that cannot be emitted here is not offered
         return None
     fwd = list(ctx.forward.nodes) if ctx.forward is not None else []
@@ -181,6 +185,7 @@ class _Candidate:
     units: list[int] = field(default_factory=list)
     offloads: list[str] = field(default_factory=list)
     drops: set[str] = field(default_factory=set)   # saved buffers it stops reading
+    members: tuple[str, ...] = ()                   # the nodes whose rules it replaces
 
     def term(self, nbytes: float, start: int, end: int) -> None:
         if nbytes and start <= end:
@@ -278,6 +283,8 @@ def add_variant_terms(builder: ProblemBuilder, graph: Graph, st: StepStructure,
     out = VariantVars()
     # buffer -> [(rule node, last read of the buffer inside the rule, variables dropping it)]
     rule_reads: dict[str, list[tuple[str, int, list[int]]]] = defaultdict(list)
+    groups: dict[str, list[int]] = {}
+    covering: list[tuple[int, tuple[str, ...]]] = []
     for node in nodes:
         if node.name not in st.forward or node.name not in rules:
             continue
@@ -285,41 +292,22 @@ def add_variant_terms(builder: ProblemBuilder, graph: Graph, st: StepStructure,
                       if allow_lossy or v.tier != LOSSY]
         if not candidates:
             continue
-        old = rules[node.name]
-        gouts, gins = rule_io(node)  # type: ignore[misc]
-        body = rule_body(old, gouts)
-        if not body:
-            continue
-        a, b = pos[id(body[0])], pos[id(body[-1])]
-        old_ids = {id(n) for n in old}
-        grads = {g for g in gouts if g}
-        reads_default = {v for v in _external_reads(old) if forward_value(v)} - grads
-        # The default's own values live at each point of its span.
-        own = np.zeros(b - a + 1)
-        for n in old:
-            for o in n.output:
-                vl = values.get(o)
-                if vl is None or not vl.owns_buffer or n.op_type == "Constant":
-                    continue
-                lo, hi = max(vl.birth, a), min(b if vl.death is None else vl.death, b)
-                if lo <= hi:
-                    own[lo - a:hi - a + 1] += vl.nbytes
-            if a <= pos[id(n)] <= b:
-                own[pos[id(n)] - a] += live.scratch[pos[id(n)]]
-        # Only what the substitution removes: a gradient sum the rule emitted stays.
-        removed_s = sum(costs.of(n)
-                        for n in dead_after_replacing(graph, old, {g for g in gins if g}))
-        early = _before_span(old, a, pos, values, live)
         optional_outs = {o for o in node.output[1:] if o}
-        # Rule inputs the default frees inside its span: the variant may read them later.
-        inputs_dying = [(v, vl) for v in _external_reads(old)
-                        if (vl := values.get(v)) is not None and vl.owns_buffer
-                        and vl.death is not None and a <= vl.death < b]
+        spans: dict[tuple[str, ...], _Span | None] = {}
         found: list[_Candidate] = []
         for variant in candidates:
-            em = _emit(graph, node, variant)
-            if em is None:
+            got = replaced_rule(graph, node, variant, rules)
+            if isinstance(got, str):
                 continue
+            if got.members not in spans:
+                spans[got.members] = _default_span(graph, got, pos, live, costs,
+                                                   forward_value)
+            span = spans[got.members]
+            em = _emit(graph, node, variant, got) if span is not None else None
+            if span is None or em is None:
+                continue
+            a, b, old_ids, grads = span.a, span.b, span.old_ids, span.grads
+            reads_default, own = span.reads_default, span.own
             made_fwd = {o for n in em.fwd for o in n.output if o}
             # What its backward reads (its forward nodes read right after the node, where
             # the values they read are live anyway).
@@ -329,14 +317,14 @@ def add_variant_terms(builder: ProblemBuilder, graph: Graph, st: StepStructure,
                                initializers=graph.initializers, info=em.info,
                                opsets=graph.opsets, metadata=graph.metadata)
             added_s = sum(costs.price(n, view_graph) for n in em.back + em.fwd)
-            c = _Candidate(variant, float(added_s - removed_s))
+            c = _Candidate(variant, float(added_s - span.removed_s), members=got.members)
             # Working set over the span.
             peak = _peak_working_set(em.back, em.info, graph.opset)
             for t in range(a, b + 1):
                 c.term(float(peak - own[t - a]), t, t)
-            for nbytes, t0, t1 in early:
+            for nbytes, t0, t1 in span.early:
                 c.term(nbytes, t0, t1)
-            for _, vl in inputs_dying:
+            for _, vl in span.inputs_dying:
                 c.term(float(vl.nbytes), vl.death + 1, b)
             # Saved buffers: each buffer either rule reads now dies at its last reader
             # outside the default rule, or at the rule's end if the variant reads it.
@@ -380,7 +368,7 @@ def add_variant_terms(builder: ProblemBuilder, graph: Graph, st: StepStructure,
                         c.term(float(em.info[o].nbytes), pos[id(node)] + 1, b)
             # Not with recompute of the node or of producers and readers of values whose
             # lifetime it changes, nor with offloading what either rule reads.
-            excluded = {unit_of_node.get(node.name)}
+            excluded = {unit_of_node.get(m) for m in got.members}
             excluded |= {unit_of_node.get(du.producer[v].name) for v in changed
                          if v in du.producer}
             excluded |= {unit_of_node.get(r.name) for v in changed
@@ -394,6 +382,8 @@ def add_variant_terms(builder: ProblemBuilder, graph: Graph, st: StepStructure,
         for c in _useful(found):
             var = builder.variable(KIND, f"{c.variant.key} for {node.name}", c.cost)
             group.append(var)
+            if len(c.members) > 1:
+                covering.append((var, c.members))
             for name in c.drops:
                 dropping[name].append(var)
             out.choice_of[var] = (node.name, c.variant.name)
@@ -405,14 +395,75 @@ def add_variant_terms(builder: ProblemBuilder, graph: Graph, st: StepStructure,
             for v in c.offloads:
                 builder.row({var: 1.0, offload_var[v]: 1.0}, 1.0)
         builder.choice(group)
+        groups[node.name] = group
+        old = rules[node.name]
         old_ids = {id(n) for n in old}
-        for name in {bl.name for v in reads_default if (bl := buffer_of(v)) is not None}:
+        gouts, _ = rule_io(node)  # type: ignore[misc]
+        reads_own = {v for v in _external_reads(old) if forward_value(v)} \
+            - {g for g in gouts if g}
+        for name in {bl.name for v in reads_own if (bl := buffer_of(v)) is not None}:
             last = max(pos[id(r)] for m in members[name] for r in du.readers.get(m, ())
                        if id(r) in old_ids)
             rule_reads[name].append((node.name, last, dropping.get(name, [])))
+    # A variant that replaces several nodes' rules excludes those nodes' own variants.
+    for var, names in covering:
+        for m in names:
+            for other in groups.get(m, ()):
+                if other != var:
+                    builder.row({var: 1.0, other: 1.0}, 1.0)
     _add_joint_freeing(builder, rule_reads, members, du, pos, rules, unit_of_node,
                        unit_vars, offload_var, buffer_of)
     return out
+
+
+@dataclass
+class _Span:
+    """The default rules a variant replaces, as the baseline schedule runs them: their
+    backward span ``[a, b]``, what they read and hold there, and what removing them saves."""
+
+    a: int
+    b: int
+    old_ids: set[int]
+    grads: set[str]
+    reads_default: set[str]
+    own: np.ndarray
+    removed_s: float
+    early: list[tuple[float, int, int]]
+    inputs_dying: list
+
+
+def _default_span(graph: Graph, got: Replaced, pos: dict[int, int], live: LivenessReport,
+                  costs: CostModel, forward_value) -> _Span | None:
+    values = live.values
+    old = got.old
+    body = rule_body(old, got.gouts)
+    if not body:
+        return None
+    a, b = pos[id(body[0])], max(pos[id(n)] for n in body)
+    grads = {g for g in got.gouts if g}
+    # The default's own values live at each point of its span.
+    own = np.zeros(b - a + 1)
+    for n in old:
+        for o in n.output:
+            vl = values.get(o)
+            if vl is None or not vl.owns_buffer or n.op_type == "Constant":
+                continue
+            lo, hi = max(vl.birth, a), min(b if vl.death is None else vl.death, b)
+            if lo <= hi:
+                own[lo - a:hi - a + 1] += vl.nbytes
+        if a <= pos[id(n)] <= b:
+            own[pos[id(n)] - a] += live.scratch[pos[id(n)]]
+    # Only what the substitution removes: a gradient sum the rule emitted stays.
+    removed = dead_after_replacing(graph, old, {g for g in got.results if g})
+    return _Span(
+        a, b, {id(n) for n in old}, grads,
+        {v for v in _external_reads(old) if forward_value(v)} - grads, own,
+        float(sum(costs.of(n) for n in removed)),
+        _before_span(old, a, pos, values, live),
+        # Rule inputs the default frees inside its span: the variant may read them later.
+        [(v, vl) for v in _external_reads(old)
+         if (vl := values.get(v)) is not None and vl.owns_buffer
+         and vl.death is not None and a <= vl.death < b])
 
 
 def _add_joint_freeing(builder: ProblemBuilder, rule_reads, members, du, pos, rules,
