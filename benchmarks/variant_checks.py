@@ -14,6 +14,11 @@
         the largest and median relative difference (max |variant - default| /
         max |default|) over the loss and every parameter gradient that is not zero up to
         rounding (``ZERO_GRADIENT``).
+    python benchmarks/variant_checks.py activations [--model gpt2:batch=8,...] [--rounds 12]
+        Every decomposed GELU / SiLU on ``activation_from_input``: the simulated peak and the
+        analytic cost model's step time with and without, the largest relative difference
+        to the default rules at 1 and 2 threads (gradients not zero up to rounding), and
+        the measured step time ratio (median of interleaved rounds, 95% bootstrap interval).
 
 Planner results depend on the time limit when the search hits it (``solver.limit_hit``).
 """
@@ -176,6 +181,55 @@ def bf16(args: argparse.Namespace) -> None:
                   f"median {np.median(errs):.2e}")
 
 
+def activations(args: argparse.Namespace) -> None:
+    from benchmarks.stats import interleaved_times, ratio_interval
+    from memcc.backend.session import make_session
+    from memcc.backend.verify import session_graph
+    from memcc.passes.cost_model import NOMINAL_CPU
+    from memcc.passes.variants import region_variants
+
+    g = _step(args.model)
+    st = StepStructure.of(g)
+    chosen = region_variants(g, st)
+    print(f"{args.model}: {len(chosen)} decomposed activation(s) on activation_from_input")
+    if not chosen:
+        return
+    low = lower(g, Plan(variants=chosen), st).graph
+    costs = analytic_costs(g, NOMINAL_CPU)
+    base = simulate(g, Plan(), costs, st)
+    var = simulate(g, Plan(variants=chosen), costs, st)
+    print(f"  simulated peak {base.peak_bytes / 1e6:.1f} MB -> {var.peak_bytes / 1e6:.1f} MB; "
+          f"analytic step time {base.compute_cost_s:.4f} s -> {var.compute_cost_s:.4f} s "
+          f"({var.compute_cost_s / base.compute_cost_s - 1:+.1%})")
+    feeds = synthetic_feeds(g, seed=0)
+    outs = TrainingStep(g).gradients()
+    names = [g.metadata.get("memcc.loss", "loss"), *dict.fromkeys(outs.values())]
+    for graph in (g, low):
+        graph.outputs = list(dict.fromkeys([*graph.outputs, *names]))
+
+    def session(graph, threads: int | None = None):
+        sg, values = session_graph(graph)
+        sess = make_session(sg.to_model(), "cpu", intra_op_threads=threads)
+        every = {**values, **feeds}
+        return lambda: dict(zip(graph.outputs, sess.run(list(graph.outputs), every),
+                                strict=True))
+
+    ref = session(g, 1)()
+    names = [k for k in names if k in ref]
+    top = max(float(np.max(np.abs(ref[k]))) for k in names)
+    for threads in (1, 2):
+        new = session(low, threads)()
+        errs = [float(np.max(np.abs(ref[k] - new[k]))) / float(np.max(np.abs(ref[k])))
+                for k in names if float(np.max(np.abs(ref[k]))) >= 1e-5 * top]
+        print(f"  {threads} thread(s): largest relative difference {max(errs):.2e} "
+              f"over {len(errs)} outputs")
+    times = interleaved_times({"default": session(g), "variant": session(low)},
+                              rounds=args.rounds, warmup=2)
+    ri = ratio_interval(times["default"], times["variant"])
+    print(f"  measured step time: default {ri.a_median_s:.3f} s, variant {ri.b_median_s:.3f} s;"
+          f" ratio {ri.cell()}: {ri.verdict('the variant', 'the default')}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="what", required=True)
@@ -188,8 +242,12 @@ def main(argv: list[str] | None = None) -> int:
     h.add_argument("--cnn-model", default="resnet18:batch=8,resolution=32,width=8")
     h.add_argument("--transformer-model",
                    default="gpt2:batch=2,seq_len=32,width=64,depth=2,heads=4,vocab_size=128")
+    a = sub.add_parser("activations")
+    a.add_argument("--model", default="gpt2:batch=8,seq_len=256,width=256,depth=6,heads=4")
+    a.add_argument("--rounds", type=int, default=12)
     args = ap.parse_args(argv)
-    {"min-search": min_search, "bn-inverted": bn_inverted, "bf16": bf16}[args.what](args)
+    {"min-search": min_search, "bn-inverted": bn_inverted, "bf16": bf16,
+     "activations": activations}[args.what](args)
     return 0
 
 

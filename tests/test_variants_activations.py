@@ -25,7 +25,7 @@ from memcc.graph import Graph
 from memcc.passes.cost_model import NOMINAL_CPU, analytic_costs
 from memcc.passes.lowering import lower
 from memcc.passes.plan import Plan, StepStructure
-from memcc.passes.planner import choose_plan
+from memcc.passes.planner import BudgetError, choose_plan
 from memcc.passes.simulate import simulate
 from memcc.passes.variants import apply_variants, region_variants, variant_problems
 from models import build_model
@@ -179,3 +179,10 @@ def test_budget_min_plans_over_the_gelus_in_place_where_that_is_lower():
     again = simulate(g, best.best.plan, costs, st)
     assert again.peak_bytes == best.best.peak_bytes
     lower(g, best.best.plan, st, check="full")
+    # A budget between the two floors fits; one below both is refused naming this floor.
+    between = (best.best.peak_bytes + without.best.peak_bytes) // 2
+    fit = choose_plan(g, between, costs, strategy="sqrtn", structure=st)
+    assert fit.best.peak_bytes <= between
+    with pytest.raises(BudgetError) as exc:
+        choose_plan(g, best.best.peak_bytes - 1, costs, strategy="sqrtn", structure=st)
+    assert exc.value.smallest == best.best.peak_bytes

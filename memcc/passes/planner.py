@@ -121,7 +121,9 @@ def choose_plan(graph: Graph, budget: int | None, costs: CostModel, *,
         if budget is not None:
             return found
         alt = over_regions(None)
-        return found if alt is None or found.best.peak_bytes <= alt.best.peak_bytes else alt
+        if alt is None or found.best.peak_bytes <= alt.best.peak_bytes:
+            return found
+        return replace(alt, candidates=found.candidates + alt.candidates)
     except BudgetError:
         if budget is None:
             raise
@@ -133,7 +135,8 @@ def choose_plan(graph: Graph, budget: int | None, costs: CostModel, *,
         alt = over_regions(None)
         if alt is not None and alt.best.peak_bytes < smallest.best.peak_bytes:
             if alt.best.peak_bytes <= budget:
-                return over_regions(budget) or alt
+                alt = over_regions(budget) or alt
+                return replace(alt, candidates=smallest.candidates + alt.candidates)
             smallest = alt
         raise BudgetError(
             f"the step does not fit the budget of {_fmt(budget)}: the smallest peak memcc "
@@ -175,7 +178,8 @@ def _over_region_variants(graph: Graph, budget: int | None, costs: CostModel,
     runs = alt.runs + [{"strategy": "region variants", "status": "done",
                         "detail": f"planned over the step with {len(pre)} region "
                                   "variant(s) in place", "picked": True}]
-    return replace(alt, best=best, baseline=base, runs=runs,
+    cands = [{**c, "region_variants": True} for c in alt.candidates]
+    return replace(alt, best=best, baseline=base, runs=runs, candidates=cands,
                    picked=f"{alt.picked or alt.strategy} over region variants")
 
 
