@@ -21,6 +21,7 @@ both figures; the ratio is memcc / torch.
 
     python benchmarks/as_built_vs_eager.py [--batch 8 --seq-len 256 --vocab 8192 --width 256
         --depth 4 --heads 4] [--forms dynamo,dynamo-noopt,torchscript] [--steps 3]
+        [--loss-chunks K]
 """
 
 from __future__ import annotations
@@ -93,10 +94,11 @@ def export(cfg: dict, form: str, path: Path) -> None:
                               verbose=False).save(str(path), external_data=False)
 
 
-def measure_memcc(cfg: dict, form: str, steps: int, tmp: Path) -> dict:
+def measure_memcc(cfg: dict, form: str, steps: int, tmp: Path, loss_chunks: int = 1) -> dict:
     src, step = tmp / f"{form}.onnx", tmp / f"{form}_step.onnx"
     export(cfg, form, src)
-    graph = build_training_step(load_graph(src), BuildOptions(optimizer="sgd"))
+    graph = build_training_step(load_graph(src), BuildOptions(optimizer="sgd",
+                                                              loss_chunks=loss_chunks))
     onnx.save(graph.to_model(), str(step))
     out = {"nodes": len(graph.nodes)}
     for label, in_place in (("step", False), ("in_place", True)):
@@ -172,6 +174,8 @@ def main(argv: list[str]) -> int:
         ap.add_argument(f"--{name}", type=int, default=default)
     ap.add_argument("--forms", default=",".join(FORMS))
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--loss-chunks", type=int, default=1,
+                    help="memcc build --loss-chunks (1: the plain loss)")
     ap.add_argument("--json", type=Path, help="also write the figures here")
     args = ap.parse_args(argv)
     cfg = {k: getattr(args, k) for k in ("batch", "seq_len", "vocab", "width", "depth",
@@ -186,9 +190,12 @@ def main(argv: list[str]) -> int:
         for form in forms:
             print(f"{form}: export, build, run ...", file=sys.stderr, flush=True)
             try:
-                rows[form] = measure_memcc(cfg, form, args.steps, Path(tmp))
+                rows[form] = measure_memcc(cfg, form, args.steps, Path(tmp),
+                                           args.loss_chunks)
             except Exception as exc:  # one failing export form must not hide the others
                 rows[form] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+    if args.loss_chunks > 1:
+        print(f"memcc build --loss-chunks {args.loss_chunks}")
     print(table(cfg, eager, rows))
     if args.json:
         args.json.write_text(json.dumps({"config": cfg, "eager": eager, "memcc": rows},

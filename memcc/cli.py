@@ -79,6 +79,13 @@ def build(
         help="Keep parameters whose initializer names match this shell pattern fixed: "
              "their gradients are never built (repeatable), e.g. --freeze 'embeddings.*'.",
     )] = None,
+    loss_chunks: Annotated[int, typer.Option(
+        "--loss-chunks", min=1,
+        help="Cross-entropy and the vocabulary projection (a MatMul of the hidden states "
+             "by the output weight) over this many row chunks, each chunk's gradient taken "
+             "right away: the full logits are never held. For language models, whose "
+             "logits are often the largest tensor; gradients within 1e-5 of the plain "
+             "loss's.")] = 1,
 ) -> None:
     """Build a complete training step (loss, backward, optimizer) in standard ONNX ops."""
     import warnings
@@ -90,7 +97,8 @@ def build(
 
     try:
         opts = BuildOptions(loss=loss, optimizer=optimizer, lr=lr, momentum=momentum,
-                            weight_decay=weight_decay, freeze=tuple(freeze or ()))
+                            weight_decay=weight_decay, freeze=tuple(freeze or ()),
+                            loss_chunks=loss_chunks)
         with err.status(f"building the training step of {model}"), \
                 warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", ExportWarning)
@@ -324,6 +332,8 @@ def compile_cmd(
                          ] = "sgd",
     lr: Annotated[Optional[float], typer.Option(  # noqa: UP045
         help="(forward models) as in memcc build.")] = None,
+    loss_chunks: Annotated[int, typer.Option(
+        "--loss-chunks", min=1, help="(forward models) as in memcc build.")] = 1,
     dim: DimOpt = None,
 ) -> None:
     """Rewrite a training step so that it fits a memory budget at the least added time."""
@@ -338,7 +348,8 @@ def compile_cmd(
             budget=budget, strategy=strategy, provider=provider, time_limit=time_limit,
             cost=cost, verify=verify, margin=margin, variants=variants, offload=offload,
             allow_lossy=allow_lossy,
-            build=BuildOptions(loss=loss, optimizer=optimizer, lr=lr), dims=parse_dims(dim),
+            build=BuildOptions(loss=loss, optimizer=optimizer, lr=lr,
+                               loss_chunks=loss_chunks), dims=parse_dims(dim),
         )
         with err.status("compiling") as status:
             result = compile_model(model, opts, output=out_path, report_path=report_path,

@@ -37,6 +37,9 @@ OPTIMIZER_KEY = "memcc.optimizer"
 PARAM_SOURCES_KEY = "memcc.parameter_sources"
 # The forward model's own outputs (logits, ...): ``memcc export`` writes them back out.
 FORWARD_OUTPUTS_KEY = "memcc.forward_outputs"
+# With --loss-chunks the step never forms the logits: the projection that computed them
+# ({"inputs": [h, W], "output": logits}), for exporting the forward model.
+PROJECTION_KEY = "memcc.loss_projection"
 # parameter -> the value holding its whole gradient (what the update reads).
 GRADIENTS_KEY = "memcc.gradients"
 TRAINING_STEP = "training_step"

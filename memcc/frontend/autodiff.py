@@ -9,7 +9,7 @@ reshapes at compile time instead of emitting shape arithmetic.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import numpy as np
 
@@ -41,11 +41,14 @@ def differentiable_values(graph: Graph, loss: str, wrt: Sequence[str]) -> set[st
 
 
 def differentiate(graph: Graph, loss: str, wrt: Sequence[str], *,
-                  source: str = "<model>") -> dict[str, str]:
+                  source: str = "<model>", seeds: Mapping[str, str] | None = None,
+                  skip: Collection[str] = ()) -> dict[str, str]:
     """Append the backward pass of ``loss`` to ``graph``; return {value: its gradient}.
 
     Gradient contributions are summed as soon as a second one arrives, so at most one
-    partial sum per value is live at a time.
+    partial sum per value is live at a time. ``seeds``: gradients the forward pass already
+    computed (value -> gradient), for nodes named in ``skip``, whose rules are not run (the
+    chunked loss takes its own gradient on the way, ``frontend/chunked_loss.py``).
     """
     load_rules()
     requires = differentiable_values(graph, loss, wrt)
@@ -58,8 +61,9 @@ def differentiate(graph: Graph, loss: str, wrt: Sequence[str], *,
     grads: dict[str, str] = {
         loss: emit.const(np.ones(loss_info.shape), loss_info.dtype, name=f"{loss}.seed")
     }
+    grads.update(seeds or {})
     for node in reversed(forward_nodes):
-        if node.op_type in NON_DIFFERENTIABLE:
+        if node.op_type in NON_DIFFERENTIABLE or node.name in skip:
             continue
         gouts = [grads.get(o) if o else None for o in node.output]
         if all(g is None for g in gouts):

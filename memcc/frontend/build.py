@@ -19,6 +19,7 @@ from onnx import TensorProto
 
 from memcc.errors import InputError
 from memcc.frontend.autodiff import differentiable_values, differentiate
+from memcc.frontend.chunked_loss import ChunkedLoss, emit_chunked_loss
 from memcc.frontend.emit import Emitter
 from memcc.frontend.exported import (
     parameter_sources,
@@ -37,6 +38,7 @@ from memcc.step import (  # the contract's keys live with its one reader, memcc.
     OPTIMIZER_KEY,
     PARAM_SOURCES_KEY,
     PARAMS_KEY,
+    PROJECTION_KEY,
     STATE_KEY,
     Role,
     record_rule_io,
@@ -70,10 +72,19 @@ class BuildOptions:
     eps: float = 1e-8
     # fnmatch patterns over initializer names: parameters kept fixed (no gradient built)
     freeze: tuple[str, ...] = ()
+    # > 1: cross-entropy and the vocabulary projection over that many row chunks, each
+    # chunk's gradient taken right away (frontend/chunked_loss.py)
+    loss_chunks: int = 1
 
     def __post_init__(self) -> None:
         if self.loss not in LOSSES:
             raise InputError(f"--loss '{self.loss}': choose one of {', '.join(LOSSES)}")
+        if self.loss_chunks < 1:
+            raise InputError(f"--loss-chunks {self.loss_chunks}: give 1 (the plain loss) or "
+                             "more")
+        if self.loss_chunks > 1 and self.loss != "cross-entropy":
+            raise InputError(f"--loss-chunks applies to --loss cross-entropy, not "
+                             f"'{self.loss}'")
         if self.optimizer not in OPTIMIZERS:
             raise InputError(
                 f"--optimizer '{self.optimizer}': choose one of {', '.join(OPTIMIZERS)}"
@@ -113,9 +124,13 @@ def build_training_step(forward: Graph, options: BuildOptions | None = None,
     data_inputs = [i for i in graph.inputs if i not in graph.initializers]
     int_ranges = _index_ranges(graph, data_inputs)
 
-    loss, extra_inputs, label_range = _emit_loss(graph, emit, logits, opts.loss, source)
+    loss, extra_inputs, label_range = _emit_loss(graph, emit, logits, opts.loss, source,
+                                                 opts.loss_chunks)
     data_inputs += extra_inputs
     int_ranges.update(label_range)
+    chunked = None
+    if isinstance(loss, ChunkedLoss):
+        chunked, loss = loss, loss.loss
 
     restore_training_batchnorm(graph, source)
     bn_stats = _batchnorm_running_stats(graph)
@@ -129,7 +144,9 @@ def build_training_step(forward: Graph, options: BuildOptions | None = None,
         )
     sources = parameter_sources(graph, params)
     report_parameters(sources, source, signature_of(graph))
-    grads = differentiate(graph, loss, params, source=source)
+    grads = differentiate(graph, loss, params, source=source,
+                          seeds=chunked.seeds if chunked else None,
+                          skip=chunked.nodes if chunked else ())
 
     state: dict[str, str] = {}
     namer = _OutputNamer(graph, emit)
@@ -154,6 +171,7 @@ def build_training_step(forward: Graph, options: BuildOptions | None = None,
         PARAMS_KEY: json.dumps(params),
         PARAM_SOURCES_KEY: json.dumps({p: s.to_json() for p, s in sources.items()}),
         FORWARD_OUTPUTS_KEY: json.dumps(list(forward.outputs)),
+        **({PROJECTION_KEY: json.dumps(chunked.projection)} if chunked else {}),
         GRADIENTS_KEY: json.dumps({p: namer.renamed(g) for p, g in grads.items()}),
         OPTIMIZER_KEY: json.dumps({
             "name": opts.optimizer, "lr": opts.learning_rate, "loss": opts.loss,
@@ -217,7 +235,8 @@ def _through_casts(graph: Graph, name: str, consumers):
 _HALF = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
 
 
-def _emit_loss(graph: Graph, emit: Emitter, logits: str, kind: str, source: str):
+def _emit_loss(graph: Graph, emit: Emitter, logits: str, kind: str, source: str,
+               chunks: int = 1):
     ti = graph.info[logits]
     taken = set(graph.values())
     if ti.dtype in _HALF and kind != "none":
@@ -256,6 +275,9 @@ def _emit_loss(graph: Graph, emit: Emitter, logits: str, kind: str, source: str)
         raise InputError(f"{source}: the model already has a value named 'labels'")
     label_shape = ti.shape[:-1]
     graph.info["labels"] = TensorInfo(TensorProto.INT64, label_shape)
+    if chunks > 1:
+        return (emit_chunked_loss(graph, emit, logits, chunks, source), ["labels"],
+                {"labels": [0, int(ti.shape[-1])]})
     logp = emit.op("LogSoftmax", [logits], axis=-1, info=ti)
     idx = emit.unsqueeze("labels", [-1], info=TensorInfo(TensorProto.INT64, label_shape + (1,)))
     picked = emit.op("GatherElements", [logp, idx], axis=-1,

@@ -1,0 +1,112 @@
+"""``memcc build --loss-chunks K``: cross-entropy and the vocabulary projection over row
+chunks, each chunk's gradient taken at once (``frontend/chunked_loss.py``).
+
+Against the plain loss of the same model: loss, parameter gradients and updated weights
+within ``LOSS_CHUNKS_TOLERANCE`` at 1 and 2 threads (a chunk count that does not divide
+the rows included), the logits never formed, a lower simulated peak where the logits are
+large, the step still planned and verified by ``memcc compile``, and the trained forward
+model exported with its logits.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from threads import run_once
+
+from memcc import Trainer
+from memcc.backend.onnx_file import save_graph
+from memcc.backend.runner import synthetic_feeds
+from memcc.compiler import CompileOptions, compile_model
+from memcc.errors import InputError
+from memcc.frontend.build import BuildOptions, build_training_step
+from memcc.frontend.chunked_loss import LOSS_CHUNKS_TOLERANCE
+from memcc.frontend.load import load_graph
+from memcc.graph import Graph
+from memcc.passes.cost_model import NOMINAL_CPU, analytic_costs
+from memcc.passes.plan import Plan
+from memcc.passes.simulate import simulate
+from memcc.step import TrainingStep
+from models import build_model
+
+
+def compare(plain: Graph, chunked: Graph) -> None:
+    """The step outputs: the loss, and per parameter its new value and its new momentum,
+    which from the zero initial state is its gradient."""
+    feeds = synthetic_feeds(plain, seed=0)
+    ref = run_once(plain, feeds, 1)
+    names = [k for k in ref if k in set(chunked.outputs)]
+    assert len(names) == len(ref)
+    top = max(float(np.abs(ref[k]).max()) for k in names)
+    for threads in (1, 2):
+        got = run_once(chunked, feeds, threads)
+        for k in names:
+            scale = max(float(np.abs(ref[k]).max()), 1e-5 * top)
+            err = float(np.abs(got[k].astype(np.float64) - ref[k]).max()) / scale
+            assert err <= LOSS_CHUNKS_TOLERANCE, (threads, k, err)
+
+
+@pytest.mark.parametrize("chunks", [3, 8])
+def test_zoo_gpt2_matches_the_plain_loss(chunks):
+    model = build_model("gpt2", batch=3, seq_len=10, width=32, depth=2, heads=2,
+                        vocab_size=96)
+    plain = build_training_step(load_graph(model), BuildOptions())
+    chunked = build_training_step(load_graph(model), BuildOptions(loss_chunks=chunks))
+    assert not [n for n in chunked.nodes if "logits" in n.output]
+    assert sum(n.op_type == "LogSoftmax" for n in chunked.nodes) == chunks
+    compare(plain, chunked)
+
+
+def test_large_logits_lower_the_peak_and_compile_verifies(tmp_path):
+    """At a vocabulary of 2,048 the logits are the step's largest tensors: the simulated
+    peak goes down, and ``memcc compile --verify`` plans and checks the chunked step."""
+    model = build_model("gpt2", batch=4, seq_len=64, width=32, depth=2, heads=2,
+                        vocab_size=2048)
+    plain = build_training_step(load_graph(model), BuildOptions())
+    chunked = build_training_step(load_graph(model), BuildOptions(loss_chunks=8))
+    peaks = [simulate(g, Plan(), analytic_costs(g, NOMINAL_CPU)).peak_bytes
+             for g in (plain, chunked)]
+    assert peaks[1] < 0.75 * peaks[0], peaks
+    path = tmp_path / "chunked.onnx"
+    save_graph(chunked, path)
+    result = compile_model(path, CompileOptions(budget=int(peaks[1] * 0.8), cost="analytic",
+                                                verify=True, time_limit=20),
+                           output=tmp_path / "out.onnx")
+    assert result.report["verification"]["ok"]
+
+
+def test_real_export_matches_and_the_trained_forward_model_has_its_logits(tmp_path):
+    """A transformers GPT-2 exported by torch.onnx (dynamo): the chunked step matches the
+    plain one, and the forward model exported after training computes the logits again,
+    with the trained weights."""
+    from exports import export
+
+    path, _, _, dims = export("gpt2", "dynamo", training=True)
+    plain = build_training_step(load_graph(path, dims), BuildOptions())
+    chunked_step = build_training_step(load_graph(path, dims), BuildOptions(loss_chunks=4))
+    compare(plain, chunked_step)
+    step_path = tmp_path / "step.onnx"
+    save_graph(chunked_step, step_path)
+    trainer = Trainer(step_path, threads=1)
+    feeds = synthetic_feeds(trainer.graph, seed=0)
+    trainer.step(feeds)
+    out = trainer.export(tmp_path / "trained.onnx")
+    exported = onnx.load(str(out))
+    forward_outputs = list(TrainingStep(chunked_step).forward_outputs)
+    assert [o.name for o in exported.graph.output] == forward_outputs
+    data = {i.name: feeds[i.name] for i in exported.graph.input}
+    logits = ort.InferenceSession(str(out)).run(None, data)[0]
+    assert logits.shape == chunked_step.info[forward_outputs[0]].shape
+    assert np.isfinite(logits).all()
+
+
+def test_what_it_cannot_take_is_refused_clearly():
+    with pytest.raises(InputError, match="--loss-chunks applies to --loss cross-entropy"):
+        BuildOptions(loss="mse", loss_chunks=4)
+    with pytest.raises(InputError, match="give 1"):
+        BuildOptions(loss_chunks=0)
+    resnet = build_model("resnet18", batch=2, resolution=32)   # logits from a Gemm
+    with pytest.raises(InputError, match="--loss-chunks needs the logits"):
+        build_training_step(load_graph(resnet), BuildOptions(loss_chunks=2))
