@@ -420,6 +420,8 @@ def tune_cmd(
         help="As in memcc build (or derive it: --ref-batch/--ref-lr).")] = None,
     freeze: Annotated[Optional[list[str]], typer.Option(  # noqa: UP045
         "--freeze", metavar="PATTERN", help="As in memcc build (repeatable).")] = None,
+    loss_chunks: Annotated[int, typer.Option(
+        "--loss-chunks", min=1, help="As in memcc build.")] = 1,
 ) -> None:
     """Find the largest batch, and the fastest, whose training step fits a memory budget."""
     from memcc.backend.onnx_file import check_writable
@@ -440,7 +442,8 @@ def tune_cmd(
         opts = TuneOptions(
             strategy=strategy, cost=cost, provider=provider, time_limit=time_limit,
             margin=margin, build=BuildOptions(loss=loss, optimizer=optimizer, lr=lr,
-                                              freeze=tuple(freeze or ())),
+                                              freeze=tuple(freeze or ()),
+                                              loss_chunks=loss_chunks),
             dims=parse_dims([d for d in dim if ".." not in d]), pick=pick, points=points,
             ref_batch=ref_batch, ref_lr=ref_lr, lr_rule=lr_rule)
         for path, what, flag in ((output, "the compiled step", "--output/-o"),

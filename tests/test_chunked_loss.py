@@ -110,3 +110,22 @@ def test_what_it_cannot_take_is_refused_clearly():
     resnet = build_model("resnet18", batch=2, resolution=32)   # logits from a Gemm
     with pytest.raises(InputError, match="--loss-chunks needs the logits"):
         build_training_step(load_graph(resnet), BuildOptions(loss_chunks=2))
+
+
+def test_the_command_line_builds_it(tmp_path):
+    from typer.testing import CliRunner
+
+    from memcc.cli import app
+
+    model = tmp_path / "gpt2.onnx"
+    onnx.save(build_model("gpt2", batch=2, seq_len=8, width=32, depth=1, heads=2,
+                          vocab_size=64), str(model))
+    out = tmp_path / "step.onnx"
+    res = CliRunner().invoke(app, ["build", str(model), "-o", str(out), "--loss-chunks", "4"])
+    assert res.exit_code == 0, res.output
+    step = onnx.load(str(out))
+    assert sum(n.op_type == "LogSoftmax" for n in step.graph.node) == 4
+    assert any(p.key == "memcc.loss_projection" for p in step.metadata_props)
+    bad = CliRunner().invoke(app, ["build", str(model), "-o", str(out), "--loss", "mse",
+                                   "--loss-chunks", "4"])
+    assert bad.exit_code != 0 and "--loss-chunks applies to --loss cross-entropy" in bad.output
