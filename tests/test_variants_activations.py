@@ -174,6 +174,9 @@ def test_budget_min_plans_over_the_gelus_in_place_where_that_is_lower():
     assert best.best.peak_bytes < without.best.peak_bytes
     assert best.picked.endswith("over region variants")
     assert best.baseline.peak_bytes == without.baseline.peak_bytes
+    # The report keeps both searches' runs; the second's say so.
+    assert any(r.get("region_variants") == 2 for r in best.runs)
+    assert any(not r.get("region_variants") for r in best.runs)
     over = {n: v for n, v in best.best.plan.variants.items() if v == VARIANT}
     assert len(over) == 2
     again = simulate(g, best.best.plan, costs, st)

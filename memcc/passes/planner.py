@@ -123,7 +123,8 @@ def choose_plan(graph: Graph, budget: int | None, costs: CostModel, *,
         alt = over_regions(None)
         if alt is None or found.best.peak_bytes <= alt.best.peak_bytes:
             return found
-        return replace(alt, candidates=found.candidates + alt.candidates)
+        return replace(alt, candidates=found.candidates + alt.candidates,
+                       runs=found.runs + alt.runs)
     except BudgetError:
         if budget is None:
             raise
@@ -136,7 +137,8 @@ def choose_plan(graph: Graph, budget: int | None, costs: CostModel, *,
         if alt is not None and alt.best.peak_bytes < smallest.best.peak_bytes:
             if alt.best.peak_bytes <= budget:
                 alt = over_regions(budget) or alt
-                return replace(alt, candidates=smallest.candidates + alt.candidates)
+                return replace(alt, candidates=smallest.candidates + alt.candidates,
+                               runs=smallest.runs + alt.runs)
             smallest = alt
         raise BudgetError(
             f"the step does not fit the budget of {_fmt(budget)}: the smallest peak memcc "
@@ -175,9 +177,7 @@ def _over_region_variants(graph: Graph, budget: int | None, costs: CostModel,
         return None
     plan = replace(alt.best.plan, variants={**pre, **alt.best.plan.variants})
     best = simulate(graph, plan, costs, st, host_copies=offload, device=device)
-    runs = alt.runs + [{"strategy": "region variants", "status": "done",
-                        "detail": f"planned over the step with {len(pre)} region "
-                                  "variant(s) in place", "picked": True}]
+    runs = [{**r, "region_variants": len(pre)} for r in alt.runs]
     cands = [{**c, "region_variants": True} for c in alt.candidates]
     return replace(alt, best=best, baseline=base, runs=runs, candidates=cands,
                    picked=f"{alt.picked or alt.strategy} over region variants")
