@@ -127,7 +127,10 @@ def _print_strategies(report: dict, console: Console) -> None:
     for col in ("strategy", "run", "result", ""):
         st.add_column(col)
     for run in runs:
-        st.add_row(run.get("strategy", "?"), str(run.get("detail", "")),
+        name = run.get("strategy", "?")
+        if run.get("region_variants"):  # times here are over the step with them in place
+            name += f" (over {run['region_variants']} region variants)"
+        st.add_row(name, str(run.get("detail", "")),
                    _run_result(run, base_cost), "<- picked" if run.get("picked") else "")
     console.print(st)
     console.print(f"picked: {p.get('picked_strategy', p.get('strategy'))}, the "

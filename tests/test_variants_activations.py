@@ -177,6 +177,7 @@ def test_budget_min_plans_over_the_gelus_in_place_where_that_is_lower():
     # The report keeps both searches' runs; the second's say so.
     assert any(r.get("region_variants") == 2 for r in best.runs)
     assert any(not r.get("region_variants") for r in best.runs)
+    assert all(r.get("region_variants") for r in best.runs if r.get("picked"))
     over = {n: v for n, v in best.best.plan.variants.items() if v == VARIANT}
     assert len(over) == 2
     again = simulate(g, best.best.plan, costs, st)

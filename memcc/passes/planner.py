@@ -124,7 +124,7 @@ def choose_plan(graph: Graph, budget: int | None, costs: CostModel, *,
         if alt is None or found.best.peak_bytes <= alt.best.peak_bytes:
             return found
         return replace(alt, candidates=found.candidates + alt.candidates,
-                       runs=found.runs + alt.runs)
+                       runs=_not_picked(found.runs) + alt.runs)
     except BudgetError:
         if budget is None:
             raise
@@ -138,13 +138,17 @@ def choose_plan(graph: Graph, budget: int | None, costs: CostModel, *,
             if alt.best.peak_bytes <= budget:
                 alt = over_regions(budget) or alt
                 return replace(alt, candidates=smallest.candidates + alt.candidates,
-                               runs=smallest.runs + alt.runs)
+                               runs=_not_picked(smallest.runs) + alt.runs)
             smallest = alt
         raise BudgetError(
             f"the step does not fit the budget of {_fmt(budget)}: the smallest peak memcc "
             f"reached is {_fmt(smallest.best.peak_bytes)} (baseline {_fmt(base.peak_bytes)})."
             f" Use --budget {smallest.best.peak_bytes} or more, or --budget min.",
             budget=int(budget), smallest=smallest.best.peak_bytes) from None
+
+
+def _not_picked(runs: list[dict]) -> list[dict]:
+    return [{**r, "picked": False} for r in runs]
 
 
 def _over_region_variants(graph: Graph, budget: int | None, costs: CostModel,
