@@ -121,6 +121,8 @@ class TrainingStep:
         self.optimizer: dict = dict(self._json(OPTIMIZER_KEY, {}, dict))
         self.forward_outputs: tuple[str, ...] = tuple(
             self._json(FORWARD_OUTPUTS_KEY, [], list))
+        # {"inputs": [h, W], "output": logits} when built with --loss-chunks, else None
+        self.loss_projection: dict | None = self._json(PROJECTION_KEY, None, dict)
         ranges: dict[str, tuple[int, int]] = {}
         for k, v in self._json(INT_RANGES_KEY, {}, dict).items():
             try:

@@ -53,7 +53,7 @@ from memcc.errors import InputError, RuntimeFailure
 from memcc.frontend.load import load_graph
 from memcc.graph import Graph, ancestors
 from memcc.passes.inplace import InPlaceUpdates
-from memcc.step import PROJECTION_KEY, TrainingStep
+from memcc.step import TrainingStep
 
 EXPORT_FORMATS = ("onnx", "safetensors")
 
@@ -336,18 +336,13 @@ def exported_weight_names(graph: Graph, spec: TrainingStep, fwd: Graph) -> list[
     return [n for n in fwd.initializers if n in keep]
 
 
-def _with_projection(graph: Graph) -> Graph:
+def _with_projection(graph: Graph, spec: TrainingStep) -> Graph:
     """A step built with ``--loss-chunks`` never forms the logits; the forward model needs
     them, so the projection the chunks replaced is put back (a copy of the graph)."""
-    import json
-
     import onnx
 
-    spec = graph.metadata.get(PROJECTION_KEY)
-    if not spec:
-        return graph
-    proj = json.loads(spec)
-    if proj["output"] in graph.def_use().producer:
+    proj = spec.loss_projection
+    if not proj or proj["output"] in graph.def_use().producer:
         return graph
     out = graph.copy(with_index=False)
     out.set_nodes([*out.nodes, onnx.helper.make_node(
@@ -363,7 +358,7 @@ def forward_graph(graph: Graph, spec: TrainingStep, state: Mapping[str, np.ndarr
         raise InputError(f"{source}: the step does not record its forward model's outputs "
                          "(memcc.forward_outputs, written by memcc build since this version)"
                          "; rebuild the step with memcc build to export it")
-    graph = _with_projection(graph)
+    graph = _with_projection(graph, spec)
     du = graph.def_use()
     stored = set(graph.initializers) | set(state)
     reached, values = ancestors(outputs, du.producer)

@@ -58,10 +58,11 @@ def differentiate(graph: Graph, loss: str, wrt: Sequence[str], *,
     emit = Emitter(graph, prefix="grad/")
     ctx = GradContext(graph=graph, emit=emit, requires_grad=requires)
     loss_info = graph.info[loss]
-    grads: dict[str, str] = {
-        loss: emit.const(np.ones(loss_info.shape), loss_info.dtype, name=f"{loss}.seed")
-    }
-    grads.update(seeds or {})
+    grads: dict[str, str] = dict(seeds or {})
+    producer = next((n for n in forward_nodes if loss in n.output), None)
+    if producer is None or producer.name not in skip:  # else its rule would read the seed
+        grads[loss] = emit.const(np.ones(loss_info.shape), loss_info.dtype,
+                                 name=f"{loss}.seed")
     for node in reversed(forward_nodes):
         if node.op_type in NON_DIFFERENTIABLE or node.name in skip:
             continue

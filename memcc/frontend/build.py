@@ -124,13 +124,10 @@ def build_training_step(forward: Graph, options: BuildOptions | None = None,
     data_inputs = [i for i in graph.inputs if i not in graph.initializers]
     int_ranges = _index_ranges(graph, data_inputs)
 
-    loss, extra_inputs, label_range = _emit_loss(graph, emit, logits, opts.loss, source,
-                                                 opts.loss_chunks)
+    loss, extra_inputs, label_range, chunked = _emit_loss(graph, emit, logits, opts.loss,
+                                                          source, opts.loss_chunks)
     data_inputs += extra_inputs
     int_ranges.update(label_range)
-    chunked = None
-    if isinstance(loss, ChunkedLoss):
-        chunked, loss = loss, loss.loss
 
     restore_training_batchnorm(graph, source)
     bn_stats = _batchnorm_running_stats(graph)
@@ -236,7 +233,9 @@ _HALF = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
 
 
 def _emit_loss(graph: Graph, emit: Emitter, logits: str, kind: str, source: str,
-               chunks: int = 1):
+               chunks: int = 1) -> tuple[str, list[str], dict, ChunkedLoss | None]:
+    """The loss value, the data inputs it adds, their integer ranges, and (``chunks`` > 1)
+    the chunked loss whose gradients the autodiff takes as seeds."""
     ti = graph.info[logits]
     taken = set(graph.values())
     if ti.dtype in _HALF and kind != "none":
@@ -256,7 +255,7 @@ def _emit_loss(graph: Graph, emit: Emitter, logits: str, kind: str, source: str,
             )
         loss = emit.op("Reshape", [logits, emit.ints([])], outputs=["loss"],
                        info=TensorInfo(ti.dtype, ())) if logits != "loss" else logits
-        return loss, [], {}
+        return loss, [], {}, None
     if kind == "mse":
         for name in ("target",):
             if name in taken:
@@ -266,7 +265,7 @@ def _emit_loss(graph: Graph, emit: Emitter, logits: str, kind: str, source: str,
         sq = emit.mul(diff, diff)
         loss = emit.op("ReduceMean", [sq], outputs=["loss"], keepdims=0,
                        info=TensorInfo(ti.dtype, ()))
-        return loss, ["target"], {}
+        return loss, ["target"], {}, None
     # cross-entropy over the last axis, mean over all positions (torch's default)
     if len(ti.shape) < 1 or ti.shape[-1] < 1:
         raise InputError(f"{source}: cross-entropy needs logits with a class axis; "
@@ -275,16 +274,17 @@ def _emit_loss(graph: Graph, emit: Emitter, logits: str, kind: str, source: str,
         raise InputError(f"{source}: the model already has a value named 'labels'")
     label_shape = ti.shape[:-1]
     graph.info["labels"] = TensorInfo(TensorProto.INT64, label_shape)
+    ranges = {"labels": [0, int(ti.shape[-1])]}
     if chunks > 1:
-        return (emit_chunked_loss(graph, emit, logits, chunks, source), ["labels"],
-                {"labels": [0, int(ti.shape[-1])]})
+        chunked = emit_chunked_loss(graph, emit, logits, chunks, source)
+        return chunked.loss, ["labels"], ranges, chunked
     logp = emit.op("LogSoftmax", [logits], axis=-1, info=ti)
     idx = emit.unsqueeze("labels", [-1], info=TensorInfo(TensorProto.INT64, label_shape + (1,)))
     picked = emit.op("GatherElements", [logp, idx], axis=-1,
                      info=TensorInfo(ti.dtype, label_shape + (1,)))
     mean = emit.reduce_mean(picked, None, keepdims=False, info=TensorInfo(ti.dtype, ()))
     loss = emit.op("Neg", [mean], outputs=["loss"], info=TensorInfo(ti.dtype, ()))
-    return loss, ["labels"], {"labels": [0, int(ti.shape[-1])]}
+    return loss, ["labels"], ranges, None
 
 
 def _batchnorm_running_stats(graph: Graph) -> list[tuple[object, str, str]]:

@@ -7,9 +7,8 @@ at once. Here the projection ``logits = h @ W`` and the loss run over row chunks
 and since the loss is the step's last value, each chunk's gradient is known as soon as its
 probabilities are (``(softmax - onehot) / N``): the chunk's ``dh`` and its share of ``dW``
 are computed right there, and the chunk's logits are freed before the next chunk starts.
-Nothing is recomputed, so the step does the same products in smaller pieces, and at most
-two chunk-sized buffers are live besides ``W`` and the ``dW`` being summed (the approach of
-Liger's fused linear cross-entropy, in standard ONNX ops).
+Nothing is recomputed, so the step does the same products in smaller pieces (the approach
+of Liger's fused linear cross-entropy, in standard ONNX ops).
 
 The chunks' gradients are handed to the autodiff as seeds (``differentiate(seeds=...)``),
 which skips the chunk nodes. Sums over chunks are reassociated, so the loss and gradients
@@ -26,6 +25,7 @@ from onnx import TensorProto
 
 from memcc.errors import InputError
 from memcc.frontend.emit import Emitter
+from memcc.frontend.gradients.shape_ops import slice_axis
 from memcc.graph import Graph, TensorInfo
 
 # Relative difference to the plain loss's loss and gradients that tests/test_chunked_loss.py
@@ -91,8 +91,8 @@ def emit_chunked_loss(graph: Graph, emit: Emitter, logits: str, chunks: int,
     for k in range(chunks):
         lo, hi_ = bounds[k], bounds[k + 1]
         n = hi_ - lo
-        hk = _rows(emit, h2, lo, hi_, TensorInfo(f32, (n, width)))
-        yk = _rows(emit, labels, lo, hi_, TensorInfo(TensorProto.INT64, (n, 1)))
+        hk = slice_axis(emit, h2, 0, lo, hi_)
+        yk = slice_axis(emit, labels, 0, lo, hi_)
         zk = emit.op("MatMul", [hk, w], info=TensorInfo(f32, (n, vocab)))
         lp = emit.op("LogSoftmax", [zk], axis=-1, info=TensorInfo(f32, (n, vocab)))
         picked = emit.op("GatherElements", [lp, yk], axis=1, info=TensorInfo(f32, (n, 1)))
@@ -117,6 +117,3 @@ def emit_chunked_loss(graph: Graph, emit: Emitter, logits: str, chunks: int,
     return ChunkedLoss(loss, {h: dh, w: dw}, nodes,
                        {"inputs": [h, w], "output": logits})
 
-
-def _rows(emit: Emitter, x: str, lo: int, hi: int, info: TensorInfo) -> str:
-    return emit.op("Slice", [x, emit.ints([lo]), emit.ints([hi]), emit.ints([0])], info=info)
