@@ -109,12 +109,19 @@ def choose_plan(graph: Graph, budget: int | None, costs: CostModel, *,
     planning = None if strategy == "none" or fits_as_built else _prepare(
         graph, st, base, costs, time_limit, offload, variants, device, allow_lossy)
 
+    region_step: list = []   # built once, on first use: (variants, step, structure, baseline)
+
     def over_regions(target: int | None) -> PlanOutcome | None:
         if planning is None or not (variants and regions):
             return None
-        return _over_region_variants(graph, target, costs, st, base, strategy=strategy,
-                                     time_limit=time_limit, offload=planning.host_copies,
-                                     device=device, allow_lossy=allow_lossy)
+        if not region_step:
+            region_step.append(_region_step(graph, st, base, costs, device, allow_lossy))
+        if region_step[0] is None:
+            return None
+        return _over_region_variants(graph, target, costs, st, base, region_step[0],
+                                     strategy=strategy, time_limit=time_limit,
+                                     offload=planning.host_copies, device=device,
+                                     allow_lossy=allow_lossy)
 
     try:
         found = _choose(planning, base, budget, strategy)
@@ -150,20 +157,12 @@ def _not_picked(runs: list[dict]) -> list[dict]:
     return [{**r, "picked": False} for r in runs]
 
 
-def _over_region_variants(graph: Graph, budget: int | None, costs: CostModel,
-                          st: StepStructure, base: Simulation, *, strategy: str,
-                          time_limit: float, offload: bool, device: str,
-                          allow_lossy: bool) -> PlanOutcome | None:
-    """The plan found over the step with every region variant in place (a decomposed GELU
-    differentiated from its input: ``activation_from_input``), or None when there is none
-    or it does not lower the step's peak.
-
-    The ILP offers these variants too, but excludes recomputing the nodes they cover: its
-    recompute terms assume the default rules' readers. Near the floor the best plans do
-    both (recompute the MLP, and keep only the GELU's input for its backward), so where the
-    floor is searched the plan is also sought over the step with the variants already
-    substituted, where the recompute terms are exact. The plan returned carries those
-    variants too and is simulated again over ``graph``; the peaks agree."""
+def _region_step(graph: Graph, st: StepStructure, base: Simulation, costs: CostModel,
+                 device: str, allow_lossy: bool
+                 ) -> tuple[dict[str, str], Graph, StepStructure, Simulation] | None:
+    """The step with every region variant substituted (a decomposed GELU differentiated
+    from its input: ``activation_from_input``), its structure and its baseline; None when
+    there is no region variant or substituting them does not lower the step's peak."""
     pre = region_variants(graph, st, allow_lossy=allow_lossy)
     if not pre:
         return None
@@ -172,6 +171,24 @@ def _over_region_variants(graph: Graph, budget: int | None, costs: CostModel,
     base1 = simulate(over, Plan(), costs, st1, device=device)
     if base1.peak_bytes >= base.peak_bytes:
         return None
+    return pre, over, st1, base1
+
+
+def _over_region_variants(graph: Graph, budget: int | None, costs: CostModel,
+                          st: StepStructure, base: Simulation,
+                          region_step: tuple[dict[str, str], Graph, StepStructure,
+                                             Simulation], *,
+                          strategy: str, time_limit: float, offload: bool, device: str,
+                          allow_lossy: bool) -> PlanOutcome | None:
+    """The plan found over ``region_step`` (``_region_step``), or None when none fits.
+
+    The ILP offers these variants too, but excludes recomputing the nodes they cover: its
+    recompute terms assume the default rules' readers. Near the floor the best plans do
+    both (recompute the MLP, and keep only the GELU's input for its backward), so where the
+    floor is searched the plan is also sought over the step with the variants already
+    substituted, where the recompute terms are exact. The plan returned carries those
+    variants too and is simulated again over ``graph``; the peaks agree."""
+    pre, over, st1, base1 = region_step
     # sqrt(n) plans only (segmentations, rebuilt-again chains, variant kinds) unless the ILP
     # alone was asked for: a second ILP search would double the planner's time, and on the
     # steps measured its time-limited floor search did not beat sqrt(n) here.

@@ -21,7 +21,7 @@ decisions (which name forward nodes and values) still apply after this pass.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import onnx
@@ -125,9 +125,9 @@ def replaced_rule(graph: Graph, node: onnx.NodeProto, variant: Variant,
     old = [n for n in graph.nodes if id(n) in ids]
     # The region's results: what its rules compute that anything else reads (the summed
     # gradient of each input; a shared Constant is not a result).
-    outside = {i for n in graph.nodes if id(n) not in ids for i in n.input} \
-        | set(graph.outputs)
-    made = [o for n in old if n.op_type != "Constant" for o in n.output if o in outside]
+    readers, outputs = graph.def_use().readers, set(graph.outputs)
+    made = [o for n in old if n.op_type != "Constant" for o in n.output if o and (
+        o in outputs or any(id(r) not in ids for r in readers.get(o, ())))]
     if len(made) != len(region.inputs):
         return f"the default rules of {len(region.nodes)} nodes from {node_label(node)} " \
                f"return {len(made)} gradients where the variant returns " \
@@ -139,56 +139,59 @@ def replaced_rule(graph: Graph, node: onnx.NodeProto, variant: Variant,
     return Replaced(region.nodes, old, gouts, results, set(region.inputs))
 
 
+def _replacements(graph: Graph, variants: dict[str, str], order: list[str]
+                  ) -> Iterator[tuple[str, onnx.NodeProto | None, Variant | None,
+                                      Replaced | str]]:
+    """For each node of ``order`` that ``variants`` gives a variant: the node, the variant
+    (None where either is unknown) and what it replaces (or why it cannot)."""
+    by_name = {n.name: n for n in graph.nodes}
+    rules = rule_nodes(graph)
+    for name in order:
+        node = by_name.get(name)
+        variant = lookup(node.op_type, variants[name]) if node is not None else None
+        got = replaced_rule(graph, node, variant, rules) \
+            if node is not None and variant is not None else ""
+        yield name, node, variant, got
+
+
 def variant_problems(graph: Graph, plan: Plan) -> list[str]:
     """Why the variants of ``plan`` cannot be realised on ``graph`` (empty: they can)."""
     asked = {n: v for n, v in plan.variants.items() if v != DEFAULT_VARIANT}
-    if not asked:
-        return []
-    by_name = {n.name: n for n in graph.nodes}
-    rules = rule_nodes(graph)
     problems = []
     covered: dict[str, str] = {}   # member node -> the node whose variant replaces its rule
-    for name, vname in sorted(asked.items()):
-        node = by_name.get(name)
+    for name, node, variant, got in _replacements(graph, asked, sorted(asked)):
         if node is None:
             problems.append(f"'{name}' is not a node of this step")
-            continue
-        variant = lookup(node.op_type, vname)
-        if variant is None:
-            problems.append(f"{node_label(node)} has no variant '{vname}'")
-            continue
-        got = replaced_rule(graph, node, variant, rules)
-        if isinstance(got, str):
+        elif variant is None:
+            problems.append(f"{node_label(node)} has no variant '{asked[name]}'")
+        elif isinstance(got, str):
             problems.append(f"{node_label(node)}: {got}")
-            continue
-        for m in got.members:
-            if m in covered:
-                problems.append(f"{node_label(node)}: variant {variant.key} replaces the "
-                                f"rule of '{m}', which the variant of '{covered[m]}' "
-                                "replaces too")
-            covered[m] = name
+        else:
+            for m in got.members:
+                if m in covered:
+                    problems.append(f"{node_label(node)}: variant {variant.key} replaces "
+                                    f"the rule of '{m}', which the variant of "
+                                    f"'{covered[m]}' replaces too")
+                covered[m] = name
     return problems
 
 
 def overlapping(graph: Graph, variants: dict[str, str], keep: Iterable[str] = ()) -> set[str]:
     """The nodes of ``variants`` to leave out so that no two replace the same rule: the
     ones not in ``keep`` (a plan's earlier choices) that overlap another."""
-    by_name = {n.name: n for n in graph.nodes}
-    rules = rule_nodes(graph)
     keep = set(keep)
-    covered: dict[str, str] = {}
+    asked = {n: v for n, v in variants.items() if v != DEFAULT_VARIANT}
+    covered: set[str] = set()
     drop: set[str] = set()
-    for name in sorted(variants, key=lambda n: (n not in keep, n)):
-        node = by_name.get(name)
-        variant = lookup(node.op_type, variants[name]) if node is not None else None
-        if variant is None or variants[name] == DEFAULT_VARIANT:
+    for name, _, variant, got in _replacements(
+            graph, asked, sorted(asked, key=lambda n: (n not in keep, n))):
+        if variant is None:
             continue
-        got = replaced_rule(graph, node, variant, rules)
         members = got.members if not isinstance(got, str) else (name,)
-        if any(m in covered for m in members):
+        if covered & set(members):
             drop.add(name)
-            continue
-        covered.update(dict.fromkeys(members, name))
+        else:
+            covered.update(members)
     return drop
 
 

@@ -6,7 +6,8 @@ activation-sized values from the forward pass to the backward (x, 0.5x, tanh(.),
 BERT's erf GELU keeps three, SiLU two. Recomputing them cannot help much: the recomputed
 intermediates are all live again at the backward. This variant replaces the rules of the
 whole chain by one backward that reads only the chain's input x and evaluates the
-closed-form derivative, holding at most three temporaries at a time.
+closed-form derivative, holding at most four activation-sized buffers of its own at a
+time, its result included.
 
 The chain is found by what it computes, not by how it is spelled: the elementwise nodes
 with scalar constants that end at the anchor node are evaluated in float64 on probe points
@@ -119,6 +120,8 @@ ACTIVATIONS = (
     Activation("silu", lambda v: v * UNARY["Sigmoid"](v), _silu_derivative),
 )
 _PROBES = np.linspace(-6.0, 6.0, 97)
+# Each activation's values on the probes, computed once.
+_EXPECTED = tuple((act, act.f(_PROBES)) for act in ACTIVATIONS)
 
 
 @dataclass(frozen=True)
@@ -176,17 +179,17 @@ def match_activation(graph: Graph, anchor: onnx.NodeProto) -> ActivationRegion |
             if i and _scalar(graph, i, producers) is None and i in producers:
                 stack.append(producers[i])
     best: ActivationRegion | None = None
+    ordered = _topological(members)
     for x in _candidate_inputs(members, producers, graph):
         if graph.info.get(x) != yi:   # a broadcast input: its gradient would need a sum
             continue
-        chain = _chain_from(x, anchor, members, du, graph.outputs)
+        chain = _chain_from(x, anchor, ordered, du, graph.outputs)
         if chain is None or (best is not None and len(chain) <= len(best.region.nodes)):
             continue
         values = _evaluate(chain, x, graph, producers)
         if values is None:
             continue
-        for act in ACTIVATIONS:
-            want = act.f(_PROBES)
+        for act, want in _EXPECTED:
             if np.allclose(values, want, rtol=1e-6, atol=1e-7):
                 best = ActivationRegion(Region(tuple(n.name for n in chain), (x,)), act)
                 break
@@ -205,16 +208,16 @@ def _candidate_inputs(members: dict[str, onnx.NodeProto], producers,
     return out
 
 
-def _chain_from(x: str, anchor: onnx.NodeProto, members: dict[str, onnx.NodeProto],
+def _chain_from(x: str, anchor: onnx.NodeProto, ordered: list[onnx.NodeProto],
                 du, outputs: list[str]) -> list[onnx.NodeProto] | None:
-    """The members on a path from ``x`` to the anchor, in graph order, when they compute the
-    anchor's output from ``x`` and scalar constants alone and their values are read only by
-    each other, by their own default rules, and (the anchor's) by anyone."""
+    """The members (``ordered``: producers first) on a path from ``x`` to the anchor, when
+    they compute the anchor's output from ``x`` and scalar constants alone and their values
+    are read only by each other, by their own default rules, and (the anchor's) by anyone."""
     if x == anchor.output[0]:
         return None
     downstream: set[str] = {x}
     chain: list[onnx.NodeProto] = []
-    for n in _topological(members):
+    for n in ordered:
         if any(i in downstream for i in n.input):
             chain.append(n)
             downstream.add(n.output[0])

@@ -112,6 +112,11 @@ def _external_reads(nodes: list[onnx.NodeProto]) -> set[str]:
     return {i for n in nodes for i in n.input if i and i not in made}
 
 
+def _forward_reads(rule: list[onnx.NodeProto], gouts: list[str], forward_value) -> set[str]:
+    """The forward-pass values a rule's nodes read, its incoming gradients left out."""
+    return {v for v in _external_reads(rule) if forward_value(v)} - {g for g in gouts if g}
+
+
 def _peak_working_set(nodes: list[onnx.NodeProto], info, opset: int) -> int:
     """Largest bytes held by values ``nodes`` produce, walked in order, plus each kernel's
     own scratch while it runs (Where's selections); a buffer lives until the last reader
@@ -399,8 +404,7 @@ def add_variant_terms(builder: ProblemBuilder, graph: Graph, st: StepStructure,
         old = rules[node.name]
         old_ids = {id(n) for n in old}
         gouts, _ = rule_io(node)  # type: ignore[misc]
-        reads_own = {v for v in _external_reads(old) if forward_value(v)} \
-            - {g for g in gouts if g}
+        reads_own = _forward_reads(old, gouts, forward_value)
         for name in {bl.name for v in reads_own if (bl := buffer_of(v)) is not None}:
             last = max(pos[id(r)] for m in members[name] for r in du.readers.get(m, ())
                        if id(r) in old_ids)
@@ -457,7 +461,7 @@ def _default_span(graph: Graph, got: Replaced, pos: dict[int, int], live: Livene
     removed = dead_after_replacing(graph, old, {g for g in got.results if g})
     return _Span(
         a, b, {id(n) for n in old}, grads,
-        {v for v in _external_reads(old) if forward_value(v)} - grads, own,
+        _forward_reads(old, got.gouts, forward_value), own,
         float(sum(costs.of(n) for n in removed)),
         _before_span(old, a, pos, values, live),
         # Rule inputs the default frees inside its span: the variant may read them later.
