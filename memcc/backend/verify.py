@@ -48,9 +48,9 @@ def compare_outputs(a: dict[str, np.ndarray], b: dict[str, np.ndarray], *, exact
     under Softmax): it is held to that floor instead, since its own relative error is
     rounding noise over rounding noise."""
     problems = []
-    floor = ZERO_FLOOR * max((float(np.max(np.abs(np.asarray(v, np.float64)), initial=0.0))
-                              for v in a.values() if np.asarray(v).dtype.kind == "f"),
-                             default=0.0)
+    floor = 0.0 if tolerance is None else ZERO_FLOOR * max(
+        (float(np.max(np.abs(v), initial=0.0)) for v in map(np.asarray, a.values())
+         if v.dtype.kind == "f"), default=0.0)
     for name in a:
         if name not in b:
             problems.append(f"output '{name}' missing from the rewritten step")
