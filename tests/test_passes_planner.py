@@ -331,3 +331,31 @@ def test_budget_min_rebuilds_clones_again_where_that_holds_less():
     feeds = synthetic_feeds(g, seed=0)
     assert compare_outputs(step_outputs(g, feeds, "cpu"),
                            step_outputs(fit.best.graph, feeds, "cpu"), exact=True) == []
+
+
+def test_recompute_alone_is_tried_only_when_the_rounds_cost_clearly_more():
+    """The fallback over recompute alone costs a whole second set of solves (18 s on a
+    5,000-node step), so it runs only where the rounds' fitting plan costs more than 2% of
+    the step above what the first answer promised, or where no round fit."""
+    from types import SimpleNamespace
+
+    from memcc.passes.strategies import Found, _rounds_cost_more
+
+    def sim(strategy: str, peak: int, added: float) -> SimpleNamespace:
+        return SimpleNamespace(plan=SimpleNamespace(strategy=strategy), peak_bytes=peak,
+                               added_time_s=added)
+
+    def found(*sims: SimpleNamespace) -> Found:
+        out = Found()
+        out.plans = [("ilp", s) for s in sims]
+        return out
+
+    step_s = 10.0
+    first = sim("ilp", 120, 1.0)          # above the 100-byte target
+    assert not _rounds_cost_more(found(first, sim("ilp", 99, 1.1)), 100, 1.0, step_s)
+    assert _rounds_cost_more(found(first, sim("ilp", 99, 1.3)), 100, 1.0, step_s)
+    assert _rounds_cost_more(found(first), 100, 1.0, step_s)             # nothing fit
+    # A fitting sqrt(n) seed is not the rounds' answer.
+    assert _rounds_cost_more(found(first, sim("sqrtn", 90, 0.5)), 100, 1.0, step_s)
+    assert not _rounds_cost_more(found(sim("ilp", 99, 1.0)), 100, 1.0, step_s)  # first fit
+    assert not _rounds_cost_more(found(), 100, None, step_s)             # nothing solved
