@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from gradcheck import FLOAT, check_against_torch, make_model, onnx_grads
+from gradcheck import FLOAT, check_against_torch, grad_graph, make_model, onnx_grads
 from onnx import helper
 
 from memcc.errors import GradientError
@@ -84,6 +84,41 @@ def test_conv1d_and_conv3d():
     m = single("Conv", feeds, strides=[2, 1, 2], pads=[1, 0, 1, 1, 0, 1])
     fn = lambda x, w: F.conv3d(x, w, stride=(2, 1, 2), padding=(1, 0, 1))  # noqa: E731
     check(m, feeds, fn, list(feeds))
+
+
+@pytest.mark.parametrize("cin,cout,spatial,stride", [
+    (3, 8, (6, 5), 1),       # fewer channels than pixels, cin < cout: x transposed
+    (8, 3, (6, 5), 1),       # cin > cout: the output gradient transposed
+    (16, 12, (3, 3), 1),     # more channels than pixels: both flattened
+    (4, 6, (7, 6), 2),       # strided (downsample): every other pixel, odd extent
+    (5, 4, (9,), 3),         # 1-D
+    (3, 4, (3, 4, 5), 2),    # 3-D
+])
+def test_pointwise_conv_weight_gradient_is_a_matmul(cin, cout, spatial, stride):
+    """1x1 convolutions take the MatMul weight gradient (``_pointwise_weight_grad``) in
+    each of its three layouts; the backward holds no Conv."""
+    nd = len(spatial)
+    feeds = {"x": rand(2, cin, *spatial), "w": rand(cout, cin, *[1] * nd), "b": rand(cout)}
+    m = single("Conv", feeds, opset=13, strides=[stride] * nd)
+    conv = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[nd]
+    check(m, feeds, lambda x, w, b: conv(x, w, b, stride=stride), list(feeds))
+    backward = grad_graph(m, ["w"], None, 123).nodes[1:]
+    assert "MatMul" in {n.op_type for n in backward}
+    assert "Conv" not in {n.op_type for n in backward}
+
+
+def test_pointwise_conv_weight_gradient_is_the_same_at_1_2_and_4_threads():
+    """The MatMul and the sum over the batch split work across threads; each thread count,
+    run twice, must give the same bits, and every count the same gradient."""
+    from threads import run_at_threads
+
+    feeds = {"x": rand(8, 24, 16, 16), "w": rand(40, 24, 1, 1)}
+    m = single("Conv", feeds)
+    runs = run_at_threads(grad_graph(m, ["x", "w"], None, 123), feeds, threads=(1, 2, 4))
+    for n, out in runs.items():
+        for name, value in out.items():
+            np.testing.assert_allclose(value, runs[1][name], rtol=1e-5, atol=1e-5,
+                                       err_msg=f"{name} at {n} threads")
 
 
 @pytest.mark.parametrize("group,stride,pad,out_pad,dil", [
