@@ -19,6 +19,11 @@
         analytic cost model's step time with and without, the largest relative difference
         to the default rules at 1 and 2 threads (gradients not zero up to rounding), and
         the measured step time ratio (median of interleaved rounds, 95% bootstrap interval).
+    python benchmarks/variant_checks.py pointwise-conv [--model resnet50:...] [--rounds 12]
+        The step as built with 1x1 convolutions' weight gradients as a MatMul (the rule
+        today) against the Conv over transposed copies (the rule before): simulated and
+        measured peak, the largest relative difference at 1 and 2 threads, and the measured
+        step time ratio.
 
 Planner results depend on the time limit when the search hits it (``solver.limit_hit``).
 """
@@ -182,9 +187,6 @@ def bf16(args: argparse.Namespace) -> None:
 
 
 def activations(args: argparse.Namespace) -> None:
-    from benchmarks.stats import interleaved_times, ratio_interval
-    from memcc.backend.session import make_session
-    from memcc.backend.verify import session_graph
     from memcc.passes.cost_model import NOMINAL_CPU
     from memcc.passes.variants import region_variants
 
@@ -201,10 +203,24 @@ def activations(args: argparse.Namespace) -> None:
     print(f"  simulated peak {base.peak_bytes / 1e6:.1f} MB -> {var.peak_bytes / 1e6:.1f} MB; "
           f"analytic step time {base.compute_cost_s:.4f} s -> {var.compute_cost_s:.4f} s "
           f"({var.compute_cost_s / base.compute_cost_s - 1:+.1%})")
-    feeds = synthetic_feeds(g, seed=0)
-    outs = TrainingStep(g).gradients()
-    names = [g.metadata.get("memcc.loss", "loss"), *dict.fromkeys(outs.values())]
-    for graph in (g, low):
+    _compare_steps(g, low, args.rounds, "the variant", "the default")
+
+
+def _compare_steps(ref_step, new_step, rounds: int, new_label: str, ref_label: str) -> None:
+    """The largest relative difference of ``new_step``'s loss and gradients to
+    ``ref_step``'s at 1 and 2 threads (outputs not zero up to rounding), then both steps'
+    times in interleaved rounds (median ratio, 95% bootstrap interval)."""
+    from benchmarks.stats import interleaved_times, ratio_interval
+    from memcc.backend.session import make_session
+    from memcc.backend.verify import session_graph
+
+    feeds = synthetic_feeds(ref_step, seed=0)
+    # The loss and each parameter's gradient, under each step's own names.
+    ref_grads, new_grads = TrainingStep(ref_step).gradients(), TrainingStep(new_step).gradients()
+    pairs = [(ref_step.metadata.get("memcc.loss", "loss"),
+              new_step.metadata.get("memcc.loss", "loss")),
+             *((ref_grads[p], new_grads[p]) for p in ref_grads if p in new_grads)]
+    for graph, names in ((ref_step, [a for a, _ in pairs]), (new_step, [b for _, b in pairs])):
         graph.outputs = list(dict.fromkeys([*graph.outputs, *names]))
 
     def session(graph, threads: int | None = None):
@@ -214,20 +230,54 @@ def activations(args: argparse.Namespace) -> None:
         return lambda: dict(zip(graph.outputs, sess.run(list(graph.outputs), every),
                                 strict=True))
 
-    ref = session(g, 1)()
-    names = [k for k in names if k in ref]
-    top = max(float(np.max(np.abs(ref[k]))) for k in names)
+    ref = session(ref_step, 1)()
+    pairs = [(a, b) for a, b in pairs if a in ref]
+    top = max(float(np.max(np.abs(ref[a]))) for a, _ in pairs)
     for threads in (1, 2):
-        new = session(low, threads)()
-        errs = [float(np.max(np.abs(ref[k] - new[k]))) / float(np.max(np.abs(ref[k])))
-                for k in names if float(np.max(np.abs(ref[k]))) >= 1e-5 * top]
+        new = session(new_step, threads)()
+        errs = [float(np.max(np.abs(ref[a] - new[b]))) / float(np.max(np.abs(ref[a])))
+                for a, b in pairs if float(np.max(np.abs(ref[a]))) >= 1e-5 * top]
         print(f"  {threads} thread(s): largest relative difference {max(errs):.2e} "
               f"over {len(errs)} outputs")
-    times = interleaved_times({"default": session(g), "variant": session(low)},
-                              rounds=args.rounds, warmup=2)
-    ri = ratio_interval(times["default"], times["variant"])
-    print(f"  measured step time: default {ri.a_median_s:.3f} s, variant {ri.b_median_s:.3f} s;"
-          f" ratio {ri.cell()}: {ri.verdict('the variant', 'the default')}")
+    times = interleaved_times({"ref": session(ref_step), "new": session(new_step)},
+                              rounds=rounds, warmup=2)
+    ri = ratio_interval(times["ref"], times["new"])
+    print(f"  measured step time: {ref_label} {ri.a_median_s:.3f} s, {new_label} "
+          f"{ri.b_median_s:.3f} s; ratio {ri.cell()}: {ri.verdict(new_label, ref_label)}")
+
+
+def pointwise_conv(args: argparse.Namespace) -> None:
+    """The step as built with 1x1 weight gradients as a MatMul (today's rule) and as a Conv
+    over transposed copies (the rule before it, ``_is_pointwise`` off): simulated and
+    measured peak, difference and step time."""
+    import tempfile
+    from unittest import mock
+
+    from memcc.backend.runner import run_steps
+    from memcc.frontend.gradients import nn
+    from memcc.passes.cost_model import NOMINAL_CPU
+
+    with mock.patch.object(nn, "_is_pointwise", lambda *a: False):
+        old = _step(args.model, args.optimizer)
+    new = _step(args.model, args.optimizer)
+    pointwise = sum(1 for n in new.nodes if n.op_type == "MatMul"
+                    and n.output[0].startswith("grad/"))
+    print(f"{args.model}: {len(old.nodes)} -> {len(new.nodes)} nodes, "
+          f"{pointwise} weight-gradient MatMul(s)")
+    st_old, st_new = StepStructure.of(old), StepStructure.of(new)
+    sims = [simulate(g, Plan(), analytic_costs(g, NOMINAL_CPU), st)
+            for g, st in ((old, st_old), (new, st_new))]
+    with tempfile.TemporaryDirectory() as tmp:
+        measured = []
+        for name, g in (("old", old), ("new", new)):
+            path = Path(tmp) / f"{name}.onnx"
+            onnx.save(g.to_model(), str(path))
+            measured.append(run_steps(path, steps=2, separate_timing=False)
+                            .measured_peak_bytes)
+    print(f"  peak: Conv rule {sims[0].peak_bytes / 1e6:.1f} MB simulated, "
+          f"{measured[0] / 1e6:.1f} MB measured; MatMul rule {sims[1].peak_bytes / 1e6:.1f} MB "
+          f"simulated, {measured[1] / 1e6:.1f} MB measured")
+    _compare_steps(old, new, args.rounds, "the MatMul rule", "the Conv rule")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -245,9 +295,13 @@ def main(argv: list[str] | None = None) -> int:
     a = sub.add_parser("activations")
     a.add_argument("--model", default="gpt2:batch=8,seq_len=256,width=256,depth=6,heads=4")
     a.add_argument("--rounds", type=int, default=12)
+    c = sub.add_parser("pointwise-conv")
+    c.add_argument("--model", default="resnet50:batch=32,resolution=128")
+    c.add_argument("--optimizer", default=None)
+    c.add_argument("--rounds", type=int, default=12)
     args = ap.parse_args(argv)
     {"min-search": min_search, "bn-inverted": bn_inverted, "bf16": bf16,
-     "activations": activations}[args.what](args)
+     "activations": activations, "pointwise-conv": pointwise_conv}[args.what](args)
     return 0
 
 
