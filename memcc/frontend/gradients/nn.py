@@ -1,7 +1,8 @@
 """Gradient rules for convolution, pooling, normalization and resizing.
 
 ORT ships no gradient kernels, so each adjoint is spelled with forward ops: a Conv's input
-gradient is a ConvTranspose, its weight gradient a Conv over transposed tensors, pooling
+gradient is a ConvTranspose, its weight gradient a Conv over transposed tensors (a MatMul
+for 1x1 convolutions), pooling
 gradients scatter through MaxPool's own argmax indices or spread through a depthwise
 ConvTranspose. Padding, output sizes and averaging divisors are resolved from static shapes
 at compile time so the backward graph carries no shape arithmetic.

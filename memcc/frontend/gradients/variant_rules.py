@@ -243,8 +243,9 @@ def _conv_chunked(k: int) -> VariantRule:
 
     rule.__doc__ = (
         f"Weight gradient as a sum over {k} batch chunks: the default transposes the whole "
-        f"input and output gradient at once (two activation-sized temporaries); here at most "
-        f"three 1/{k}-batch slices are live at a time.\n\n"
+        f"input and output gradient at once (two activation-sized temporaries; for a 1x1 "
+        f"convolution, a MatMul, at most one of them); here at most three 1/{k}-batch "
+        f"slices are live at a time.\n\n"
         f"The chunks are summed before the default's final axis swap, which runs once; the "
         f"sum costs up to three weight-sized buffers (partial, running sum, new sum), so the "
         f"variant pays where activations outweigh the weight (early, wide layers), not in "
