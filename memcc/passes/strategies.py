@@ -285,7 +285,7 @@ def _rounds_cost_more(out: Found, target: float, first_cost: float | None,
     costs more than ``ROUNDS_SLACK`` of the step's time above the first answer's modelled
     cost (or at none). A first answer that fits, or rounds that cost about what it
     promised, leave nothing for recompute alone to win: on the 5,097-node GPT-2 at 33% the
-    second round cost 0.4% of the step more than the first, and recompute alone then found a
+    second round cost 0.35% of the step more than the first, and recompute alone then found a
     plan 0.03% cheaper in 18 s of solving (BENCHMARKS.md)."""
     if first_cost is None:
         return False
