@@ -297,3 +297,13 @@ def test_labels_of_the_wrong_shape_are_refused_with_the_expected_shape(tmp_path)
     np.savez(tmp_path / "bad.npz", **feeds)
     with pytest.raises(InputError, match=r"'labels' has shape \[5\].*expects \(shape \[4\]"):
         run_steps(path, data=tmp_path / "bad.npz")
+
+
+def test_a_child_payload_larger_than_one_command_line_argument_reaches_it():
+    """Linux caps one argument at 128 KiB; a ResNet-50 plan's payload passed that when it
+    went on the command line (``OSError: Argument list too long``). It goes on stdin."""
+    from memcc.backend import memory
+
+    payload = {"jobs": [], "runs": 1, "warmup": False, "provider": "cpu", "overrides": {},
+               "padding": "x" * 300_000}
+    assert memory.run_child("memcc.backend.memory", payload) == {}

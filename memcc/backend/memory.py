@@ -211,17 +211,19 @@ def timing_env() -> dict[str, str]:
 
 def run_child(module: str, payload: dict, *, timeout_s: float | None = None,
               measuring: bool = True) -> dict:
-    """Run ``python -m module --child JSON`` under ``child_env`` (or ``timing_env`` when not
-    ``measuring``) and return its result.
+    """Run ``python -m module --child -`` under ``child_env`` (or ``timing_env`` when not
+    ``measuring``), the JSON payload on its standard input, and return its result. Not on
+    the command line: Linux caps one argument at 128 KiB, and a plan's payload (its
+    recomputed and variant nodes, by name) passes that on a ResNet-50 ``--budget min``.
 
     The child prints one ``MEMCC_RESULT {json}`` line, or ``MEMCC_ERROR {json}`` naming a
     ``memcc.errors`` class, which is raised here again so callers see the same errors as
     in-process.
     """
-    cmd = [sys.executable, "-m", module, "--child", json.dumps(payload)]
+    cmd = [sys.executable, "-m", module, "--child", "-"]
     try:
         proc = subprocess.run(cmd, env=child_env() if measuring else timing_env(),
-                              capture_output=True, text=True,
+                              input=json.dumps(payload), capture_output=True, text=True,
                               timeout=timeout_s, check=False)
     except subprocess.TimeoutExpired as exc:
         raise errors.RuntimeFailure(f"the measuring process timed out after {timeout_s} s") from exc
@@ -324,9 +326,11 @@ def _load_npz(path: str) -> dict[str, np.ndarray]:
 
 
 def child_main(argv: list[str], handler) -> int:
-    """Body of a ``--child`` entry point: run ``handler(payload)``, print the tagged result."""
+    """Body of a ``--child`` entry point: run ``handler(payload)``, print the tagged result.
+    The payload is the JSON after ``--child``, or standard input where that is ``-``."""
     try:
-        payload = json.loads(argv[argv.index("--child") + 1])
+        arg = argv[argv.index("--child") + 1]
+        payload = json.loads(sys.stdin.read() if arg == "-" else arg)
         result = handler(payload)
     except errors.MemccError as exc:
         print(ERROR_TAG + json.dumps({"type": type(exc).__name__, "message": str(exc)}),
@@ -340,5 +344,5 @@ def child_main(argv: list[str], handler) -> int:
     return 0
 
 
-if __name__ == "__main__":  # python -m memcc.backend.memory --child JSON
+if __name__ == "__main__":  # python -m memcc.backend.memory --child - (JSON on stdin)
     sys.exit(child_main(sys.argv, _measure_jobs))

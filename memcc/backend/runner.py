@@ -495,5 +495,5 @@ def _scalar(value: np.ndarray, name: str) -> float:
     return float(arr.reshape(-1)[0])
 
 
-if __name__ == "__main__":  # the measuring child: python -m memcc.backend.runner --child JSON
+if __name__ == "__main__":  # the measuring child: python -m memcc.backend.runner --child -
     sys.exit(memory.child_main(sys.argv, execute))
