@@ -333,13 +333,14 @@ def test_budget_min_rebuilds_clones_again_where_that_holds_less():
                            step_outputs(fit.best.graph, feeds, "cpu"), exact=True) == []
 
 
-def test_recompute_alone_is_tried_only_when_the_rounds_cost_clearly_more():
+def test_recompute_alone_is_tried_only_where_the_rounds_may_have_missed_it():
     """The fallback over recompute alone costs a whole second set of solves (18 s on a
-    5,000-node step), so it runs only where the rounds' fitting plan costs more than 2% of
-    the step above what the first answer promised, or where no round fit."""
+    5,000-node step), so it runs only where no round fit, the first answer simulated more
+    than 5% above the target, or the rounds' fitting plan costs more than 2% of the step
+    above what the first answer promised."""
     from types import SimpleNamespace
 
-    from memcc.passes.strategies import Found, _rounds_cost_more
+    from memcc.passes.strategies import Found, _Rounds, _worth_recompute_alone
 
     def sim(strategy: str, peak: int, added: float) -> SimpleNamespace:
         return SimpleNamespace(plan=SimpleNamespace(strategy=strategy), peak_bytes=peak,
@@ -350,12 +351,17 @@ def test_recompute_alone_is_tried_only_when_the_rounds_cost_clearly_more():
         out.plans = [("ilp", s) for s in sims]
         return out
 
-    step_s = 10.0
-    first = sim("ilp", 120, 1.0)          # above the 100-byte target
-    assert not _rounds_cost_more(found(first, sim("ilp", 99, 1.1)), 100, 1.0, step_s)
-    assert _rounds_cost_more(found(first, sim("ilp", 99, 1.3)), 100, 1.0, step_s)
-    assert _rounds_cost_more(found(first), 100, 1.0, step_s)             # nothing fit
+    step_s, target = 10.0, 1000
+    near, far = _Rounds(1.0, 1020, (), "optimal"), _Rounds(1.0, 1080, (), "optimal")
+    cheap_fit, dear_fit = sim("ilp", 990, 1.1), sim("ilp", 990, 1.3)
+    assert not _worth_recompute_alone(found(sim("ilp", 1020, 1.0), cheap_fit), target, near,
+                                      step_s)
+    assert _worth_recompute_alone(found(sim("ilp", 1020, 1.0), dear_fit), target, near, step_s)
+    assert _worth_recompute_alone(found(sim("ilp", 1080, 1.0), cheap_fit), target, far, step_s)
+    assert _worth_recompute_alone(found(sim("ilp", 1020, 1.0)), target, near, step_s)
     # A fitting sqrt(n) seed is not the rounds' answer.
-    assert _rounds_cost_more(found(first, sim("sqrtn", 90, 0.5)), 100, 1.0, step_s)
-    assert not _rounds_cost_more(found(sim("ilp", 99, 1.0)), 100, 1.0, step_s)  # first fit
-    assert not _rounds_cost_more(found(), 100, None, step_s)             # nothing solved
+    assert _worth_recompute_alone(found(sim("ilp", 1020, 1.0), sim("sqrtn", 900, 0.5)),
+                                  target, near, step_s)
+    assert not _worth_recompute_alone(found(sim("ilp", 990, 1.0)), target,
+                                      _Rounds(1.0, 990, (), "optimal"), step_s)  # first fit
+    assert not _worth_recompute_alone(found(), target, _Rounds(None, None, (), ""), step_s)
