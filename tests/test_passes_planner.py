@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import pytest
 
 from memcc.frontend.build import BuildOptions, build_training_step
@@ -365,3 +366,32 @@ def test_recompute_alone_is_tried_only_where_the_rounds_may_have_missed_it():
     assert not _worth_recompute_alone(found(sim("ilp", 990, 1.0)), target,
                                       _Rounds(1.0, 990, (), "optimal"), step_s)  # first fit
     assert not _worth_recompute_alone(found(), target, _Rounds(None, None, (), ""), step_s)
+
+
+def test_rounds_that_stop_with_nothing_start_again_from_the_smallest_peak(monkeypatch):
+    """Where the time objective stops at its work limit with no fitting incumbent (every
+    seed above the budget), the smallest-peak solve gives it one, and the plan fits. The
+    limit is imitated: the first time-objective solve answers as HiGHS does at its work
+    limit without an incumbent."""
+    from memcc.passes import strategies
+    from memcc.passes.solvers.problem import Solution
+
+    _, g, costs, base = built("gpt2")
+    budget = int(smallest("gpt2", "ilp").best.peak_bytes * 1.10)
+    real = strategies.ilp.solve
+    calls: list[str] = []
+
+    def solve(problem, target, **kw):
+        calls.append(kw.get("objective", "time"))
+        if calls == ["time"]:
+            return Solution(np.zeros(problem.n_vars), "time limit", None, 0.0, 0.1, "HiGHS",
+                            limit_hit="work")
+        return real(problem, target, **kw)
+
+    monkeypatch.setattr(strategies.ilp, "solve", solve)
+    res = choose_plan(g, budget, costs, strategy="ilp", time_limit=300, baseline=base)
+    details = [r.get("detail", "") for r in res.runs]
+    assert any(d.startswith("smallest modelled peak, as a start") for d in details), details
+    assert "exact recompute model, from the smallest peak" in details
+    assert calls[:2] == ["time", "peak"]
+    assert res.best.peak_bytes <= budget and res.best.plan.strategy == "ilp"

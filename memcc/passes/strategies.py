@@ -234,7 +234,8 @@ def exact_model(p: Planning, budget: int | None) -> Found:
     peak found. While the simulator disagrees with the model (it states what the model
     leaves out: clone scratch, in-place writes between clones), the budget the model aims
     for is lowered by the excess (at most 5% a round: an answer far off says little about
-    how far to go)."""
+    how far to go). What runs when, and why: docs/PLANNING_CORE.md, "What the ``ilp``
+    strategy runs"."""
     out = Found()
     pp, prob, graph = p.model, p.model.problem, p.graph
     starts = pp.starts(list(p.segmentations), graph)
@@ -287,8 +288,14 @@ def exact_model(p: Planning, budget: int | None) -> Found:
     return out
 
 
+def _fitting_ilp_costs(out: Found, target: float) -> list[float]:
+    """The added time of every plan the ILP strategy found that fits ``target``."""
+    return [sim.added_time_s for _, sim in out.plans
+            if sim.plan.strategy == "ilp" and sim.peak_bytes <= target]
+
+
 def _ilp_fits(out: Found, target: float) -> bool:
-    return any(sim.peak_bytes <= target and sim.plan.strategy == "ilp" for _, sim in out.plans)
+    return bool(_fitting_ilp_costs(out, target))
 
 
 def _smallest_peak(p: Planning, starts: list[np.ndarray], out: Found, detail: str, *,
@@ -316,7 +323,9 @@ def _smallest_peak(p: Planning, starts: list[np.ndarray], out: Found, detail: st
 
 class _Rounds(NamedTuple):
     """What ``_tighten`` learnt: the first answer's modelled cost and simulated peak (None
-    when nothing was solved), and the memory rows the last solve ended with."""
+    when nothing was solved), the memory rows the last solve ended with, and its status
+    (a work or time limit without an answer is what ``exact_model`` starts again from the
+    smallest peak for)."""
 
     first_cost: float | None
     first_peak: int | None
@@ -337,8 +346,7 @@ def _worth_recompute_alone(out: Found, target: float, first: _Rounds, step_s: fl
     recompute alone was cheaper by 0.3-1% of the step (BENCHMARKS.md)."""
     if first.first_cost is None or first.first_peak is None:
         return False
-    fitting = [sim.added_time_s for _, sim in out.plans
-               if sim.plan.strategy == "ilp" and sim.peak_bytes <= target]
+    fitting = _fitting_ilp_costs(out, target)
     if not fitting or first.first_peak > (1 + FAR_OFF) * target:
         return True
     return min(fitting) - first.first_cost > ROUNDS_SLACK * step_s
