@@ -343,7 +343,7 @@ def _worth_recompute_alone(out: Found, target: float, first: _Rounds, step_s: fl
     33% the first answer was 1.7% above the target, the second round cost 0.35% of the step
     more, and recompute alone then found a plan 0.03% cheaper in 18 s of solving. On
     MONeT's ResNet-50 step the first answers were 7-10% above at 8.01 and 6.00 GB, and
-    recompute alone was cheaper by 0.3-1% of the step (BENCHMARKS.md)."""
+    recompute alone was cheaper by about 0.5% of the step (BENCHMARKS.md)."""
     if first.first_cost is None or first.first_peak is None:
         return False
     fitting = _fitting_ilp_costs(out, target)
