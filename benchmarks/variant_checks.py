@@ -23,7 +23,8 @@
         The step as built with 1x1 convolutions' weight gradients as a MatMul (the rule
         today) against the Conv over transposed copies (the rule before): simulated and
         measured peak, the largest relative difference at 1 and 2 threads, and the measured
-        step time ratio.
+        step time ratio; then each distinct 1x1 layer shape alone (its weight gradient under
+        each rule, timed in interleaved rounds).
 
 Planner results depend on the time limit when the search hits it (``solver.limit_hit``).
 """
@@ -278,6 +279,58 @@ def pointwise_conv(args: argparse.Namespace) -> None:
           f"{measured[0] / 1e6:.1f} MB measured; MatMul rule {sims[1].peak_bytes / 1e6:.1f} MB "
           f"simulated, {measured[1] / 1e6:.1f} MB measured")
     _compare_steps(old, new, args.rounds, "the MatMul rule", "the Conv rule")
+    _pointwise_layers(new, args.rounds)
+
+
+def _pointwise_layers(step, rounds: int) -> None:
+    """Each distinct 1x1 convolution of ``step`` alone: a one-node model, its weight
+    gradient (and nothing else) under each rule, timed in interleaved rounds."""
+    from unittest import mock
+
+    from onnx import helper
+
+    from benchmarks.stats import interleaved_times, ratio_interval
+    from memcc.backend.session import make_session
+    from memcc.frontend.autodiff import differentiate
+    from memcc.frontend.emit import Emitter
+    from memcc.frontend.gradients import nn
+    from memcc.graph import attr
+
+    shapes = {}
+    for node in step.nodes:
+        if node.op_type == "Conv" and node.input[1] in step.initializers:
+            w = step.info[node.input[1]].shape
+            if all(k == 1 for k in w[2:]):
+                strides = tuple(attr(node, "strides", [1] * (len(w) - 2)))
+                shapes.setdefault((step.info[node.input[0]].shape, w, strides), node.name)
+    print(f"  {len(shapes)} distinct 1x1 layer shapes, weight gradient alone:")
+    rng = np.random.default_rng(0)
+    for (x_shape, w_shape, strides), name in shapes.items():
+        feeds = {"x": rng.standard_normal(x_shape).astype(np.float32),
+                 "w": rng.standard_normal(w_shape).astype(np.float32)}
+
+        def session(pointwise: bool, feeds=feeds, x_shape=x_shape, w_shape=w_shape,
+                    strides=strides):
+            conv = helper.make_node("Conv", ["x", "w"], ["y"], strides=list(strides))
+            graph = load_graph(helper.make_model(helper.make_graph(
+                [conv], "layer",
+                [helper.make_tensor_value_info(k, onnx.TensorProto.FLOAT, list(v.shape))
+                 for k, v in feeds.items()],
+                [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)]),
+                opset_imports=[helper.make_opsetid("", 17)]))
+            loss = Emitter(graph).reduce_sum("y", None, keepdims=False)
+            with mock.patch.object(nn, "_is_pointwise",
+                                   nn._is_pointwise if pointwise else lambda *a: False):
+                graph.outputs = [differentiate(graph, loss, ["w"])["w"]]
+            sess = make_session(graph.to_model(), "cpu")
+            return lambda: sess.run(None, feeds)
+
+        times = interleaved_times({"conv": session(False), "matmul": session(True)},
+                                  rounds=rounds, warmup=1)
+        ri = ratio_interval(times["conv"], times["matmul"])
+        print(f"    {name}: x {list(x_shape)}, w {list(w_shape)}, strides {list(strides)}: "
+              f"Conv rule {ri.a_median_s * 1e3:.1f} ms, MatMul rule {ri.b_median_s * 1e3:.1f} ms,"
+              f" ratio {ri.cell()}")
 
 
 def main(argv: list[str] | None = None) -> int:

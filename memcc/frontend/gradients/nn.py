@@ -118,9 +118,11 @@ def _pointwise_weight_grad(emit: Emitter, x: str, gy: str, win: Window,
                            w_info: TensorInfo) -> str:
     """dW[m, c] = sum_{n,p} gy[n, m, p] * x[n, c, p*s] as a MatMul over pixels.
 
-    The Conv over transposed tensors runs one matrix-vector product per input channel, each
-    reading the whole output gradient: on the zoo ResNet-50's 1x1 layers it took 2.5-13x
-    the time of a MatMul, and its two transposed copies are activation-sized. Here, where
+    The Conv over transposed tensors has the input channels as its batch and one output
+    pixel per filter, so it multiplies image by image: a matrix-vector product per input
+    channel, each over the whole output gradient. On the zoo ResNet-50's 1x1 layers it took
+    1.7-10x the time of this MatMul (``benchmarks/variant_checks.py pointwise-conv``), and
+    its two transposed copies are activation-sized. Here, where
     the smaller channel count is below the pixel count, a batched MatMul transposes only the
     smaller operand and its per-sample products (N x M x C) are smaller than that copy; the
     sum over the batch follows. Otherwise both operands are flattened to [channels,
