@@ -102,9 +102,17 @@ def test_pointwise_conv_weight_gradient_is_a_matmul(cin, cout, spatial, stride):
     m = single("Conv", feeds, opset=13, strides=[stride] * nd)
     conv = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[nd]
     check(m, feeds, lambda x, w, b: conv(x, w, b, stride=stride), list(feeds))
-    backward = grad_graph(m, ["w"], None, 123).nodes[1:]
+    g = grad_graph(m, ["w"], None, 123)
+    backward = g.nodes[1:]
     assert "MatMul" in {n.op_type for n in backward}
     assert "Conv" not in {n.op_type for n in backward}
+    # Activation-sized copies: the smaller operand alone when batched, one of each when flat.
+    n, pixels = 2, int(np.prod(out_shape(m)[2:]))
+    x_size, gy_size = n * cin * pixels, n * cout * pixels
+    copied = sorted(g.info[t.input[0]].numel for t in backward
+                    if t.op_type == "Transpose" and g.info[t.input[0]].numel > cin * cout)
+    flat = min(cin, cout) >= pixels
+    assert copied == (sorted([x_size, gy_size]) if flat else [min(x_size, gy_size)])
 
 
 def test_pointwise_conv_weight_gradient_is_the_same_at_1_2_and_4_threads():

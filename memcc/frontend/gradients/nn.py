@@ -125,8 +125,9 @@ def _pointwise_weight_grad(emit: Emitter, x: str, gy: str, win: Window,
     its two transposed copies are activation-sized. Here, where
     the smaller channel count is below the pixel count, a batched MatMul transposes only the
     smaller operand and its per-sample products (N x M x C) are smaller than that copy; the
-    sum over the batch follows. Otherwise both operands are flattened to [channels,
-    N * pixels] (the default's two copies) and one MatMul contracts them.
+    sum over the batch follows. Otherwise both operands are flattened, x to [N * pixels, C]
+    and gy to [M, N * pixels] (one copy each, as the default's two), and one MatMul
+    contracts them.
     """
     xi, gi = emit.info(x), emit.info(gy)
     nd = len(xi.shape) - 2
@@ -148,10 +149,10 @@ def _pointwise_weight_grad(emit: Emitter, x: str, gy: str, win: Window,
                            info=TensorInfo(xi.dtype, (n, c, m)))
             dw = emit.transpose(emit.reduce_sum(prod, [0], keepdims=False), [1, 0])
     else:
-        xf = emit.reshape(emit.transpose(xr, [1, 0, 2]), [c, n * pixels])
+        # One copy of each operand: x as [N * pixels, C], gy as [M, N * pixels].
+        xf = emit.reshape(emit.transpose(xr, [0, 2, 1]), [n * pixels, c])
         gf = emit.reshape(emit.transpose(gr, [1, 0, 2]), [m, n * pixels])
-        dw = emit.op("MatMul", [gf, emit.transpose(xf, [1, 0])],
-                     info=TensorInfo(xi.dtype, (m, c)))
+        dw = emit.op("MatMul", [gf, xf], info=TensorInfo(xi.dtype, (m, c)))
     return emit.reshape(dw, list(w_info.shape))
 
 
