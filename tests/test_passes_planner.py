@@ -353,7 +353,7 @@ def test_recompute_alone_is_tried_only_where_the_rounds_may_have_missed_it():
         return out
 
     step_s, target = 10.0, 1000
-    near, far = _Rounds(1.0, 1020, (), "optimal"), _Rounds(1.0, 1080, (), "optimal")
+    near, far = _Rounds(1.0, 1020, (), "optimal", 0.0), _Rounds(1.0, 1080, (), "optimal", 0.0)
     cheap_fit, dear_fit = sim("ilp", 990, 1.1), sim("ilp", 990, 1.3)
     assert not _worth_recompute_alone(found(sim("ilp", 1020, 1.0), cheap_fit), target, near,
                                       step_s)
@@ -364,8 +364,8 @@ def test_recompute_alone_is_tried_only_where_the_rounds_may_have_missed_it():
     assert _worth_recompute_alone(found(sim("ilp", 1020, 1.0), sim("sqrtn", 900, 0.5)),
                                   target, near, step_s)
     assert not _worth_recompute_alone(found(sim("ilp", 990, 1.0)), target,
-                                      _Rounds(1.0, 990, (), "optimal"), step_s)  # first fit
-    assert not _worth_recompute_alone(found(), target, _Rounds(None, None, (), ""), step_s)
+                                      _Rounds(1.0, 990, (), "optimal", 0.0), step_s)
+    assert not _worth_recompute_alone(found(), target, _Rounds(None, None, (), "", None), step_s)
 
 
 def test_rounds_that_stop_with_nothing_start_again_from_the_smallest_peak(monkeypatch):
@@ -391,7 +391,26 @@ def test_rounds_that_stop_with_nothing_start_again_from_the_smallest_peak(monkey
     monkeypatch.setattr(strategies.ilp, "solve", solve)
     res = choose_plan(g, budget, costs, strategy="ilp", time_limit=300, baseline=base)
     details = [r.get("detail", "") for r in res.runs]
-    assert any(d.startswith("smallest modelled peak, as a start") for d in details), details
+    assert "smallest modelled peak, as another start" in details, details
     assert "exact recompute model, from the smallest peak" in details
     assert calls[:2] == ["time", "peak"]
     assert res.best.peak_bytes <= budget and res.best.plan.strategy == "ilp"
+
+
+def test_only_rounds_stopped_at_a_limit_far_from_optimal_are_searched_again():
+    """``_weak_rounds``: a proven answer is left alone; one stopped at a limit is searched
+    again from the smallest peak where nothing fits or its gap is above 10%."""
+    from types import SimpleNamespace
+
+    from memcc.passes.strategies import Found, _Rounds, _weak_rounds
+
+    fits = Found()
+    fits.plans = [("ilp", SimpleNamespace(plan=SimpleNamespace(strategy="ilp"),
+                                          peak_bytes=90, added_time_s=1.0))]
+    nothing = Found()
+    assert _weak_rounds(nothing, 100, _Rounds(None, None, (), "time limit", None))
+    assert _weak_rounds(fits, 100, _Rounds(1.0, 90, (), "feasible", 0.5))
+    assert not _weak_rounds(fits, 100, _Rounds(1.0, 90, (), "feasible", 0.05))
+    assert not _weak_rounds(fits, 100, _Rounds(1.0, 90, (), "optimal", 0.02))
+    assert not _weak_rounds(nothing, 100, _Rounds(None, None, (), "infeasible", None))
+    assert not _weak_rounds(nothing, 100, _Rounds(None, None, (), "", None))

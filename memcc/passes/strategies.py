@@ -40,6 +40,9 @@ ROUNDS_SLACK = 0.02
 # How far above the target the ILP's first answer may simulate before recompute alone is tried
 # too, whatever the rounds cost (``_worth_recompute_alone``).
 FAR_OFF = 0.05
+# An answer stopped at a limit with a larger optimality gap than this is searched again from
+# the smallest peak (``_weak_rounds``).
+WEAK_GAP = 0.10
 
 
 @dataclass(frozen=True)
@@ -265,18 +268,22 @@ def exact_model(p: Planning, budget: int | None) -> Found:
         _tighten(p, _fixed_to_zero(prob, VARIANT_KIND), float(target), starts,
                  list(first.rows), alone, "exact recompute model without variants")
         out.extend(alone)
-    if budget is not None and first.status not in ("infeasible", "optimal") \
-            and not _ilp_fits(out, float(target)) and p.remaining() > 1.0:
-        # The rounds stopped at their work or time limit without a plan that fits: the
-        # time objective had no fitting incumbent to improve (the sqrt(n) seeds were all
-        # above the budget). The smallest-peak search finds one, and the time objective
-        # then starts from it. MONeT's ResNet-50 step at 4.99 GB (BENCHMARKS.md): the
-        # rounds ended with nothing, and the polished rebuilt-again plan cost +21.7%; the
-        # smallest modelled peak alone is 4.55 GB at +15.4%.
-        low = _smallest_peak(p, starts, out, "smallest modelled peak, as a start: no round "
-                             "fit", with_variants=False)
-        if _ilp_fits(out, float(target)) and p.remaining() > 1.0:
-            sol = ilp.solve(prob, float(target), time_limit=p.remaining(),
+    if budget is not None and p.remaining() > 1.0 and _weak_rounds(out, float(target), first):
+        # The rounds stopped at their work or time limit without a plan that fits (every
+        # sqrt(n) seed above the budget, so the time objective had no incumbent to improve),
+        # or with a fitting one far from optimal. The smallest-peak search finds another
+        # fitting start, and the time objective runs again from it; the polish then starts
+        # from the cheapest of them. MONeT's ResNet-50 step at 4.99 GB (BENCHMARKS.md): the
+        # rounds ended with nothing (+21.7% polished, +11.7% with this), or, on the step
+        # built a commit later, with a plan at +18.2% and a 50% gap (+15.7% polished,
+        # +12.25% with this).
+        low = _smallest_peak(p, starts, out, "smallest modelled peak, as another start",
+                             with_variants=False)
+        if low.status != "infeasible" and p.remaining() > 1.0:
+            # One solve, on half of what is left, so the polish keeps its share of the
+            # clock. Rounds here found nothing more on that step (a second round stopped
+            # at its work limit without an answer) and took the compile to the time limit.
+            sol = ilp.solve(prob, float(target), time_limit=p.remaining() / 2,
                             starts=[low.x, *starts], rows=list(low.rows))
             if sol.status not in ("infeasible", "time limit") \
                     and not sol.status.startswith("not"):
@@ -296,6 +303,17 @@ def _fitting_ilp_costs(out: Found, target: float) -> list[float]:
 
 def _ilp_fits(out: Found, target: float) -> bool:
     return bool(_fitting_ilp_costs(out, target))
+
+
+def _weak_rounds(out: Found, target: float, rounds: _Rounds) -> bool:
+    """Whether the rounds ended at a work or time limit with no fitting plan, or with one
+    whose optimality gap is above ``WEAK_GAP``. A proven answer (optimal, or infeasible) is
+    left alone."""
+    if rounds.status in ("infeasible", "optimal", ""):
+        return False
+    if not _ilp_fits(out, target):
+        return True
+    return rounds.gap is None or rounds.gap > WEAK_GAP
 
 
 def _smallest_peak(p: Planning, starts: list[np.ndarray], out: Found, detail: str, *,
@@ -324,13 +342,13 @@ def _smallest_peak(p: Planning, starts: list[np.ndarray], out: Found, detail: st
 class _Rounds(NamedTuple):
     """What ``_tighten`` learnt: the first answer's modelled cost and simulated peak (None
     when nothing was solved), the memory rows the last solve ended with, and its status
-    (a work or time limit without an answer is what ``exact_model`` starts again from the
-    smallest peak for)."""
+    and gap (``_weak_rounds``)."""
 
     first_cost: float | None
     first_peak: int | None
     rows: tuple[int, ...]
-    status: str        # the last solve's ("" when none ran)
+    status: str          # the last solve's ("" when none ran)
+    gap: float | None    # the last solve's optimality gap
 
 
 def _worth_recompute_alone(out: Found, target: float, first: _Rounds, step_s: float) -> bool:
@@ -360,7 +378,7 @@ def _tighten(p: Planning, prob: Problem, target: float, starts: list[np.ndarray]
     eff = target
     first_cost: float | None = None
     first_peak: int | None = None
-    status = ""
+    status, gap = "", None
     for round_ in range(1, TIGHTEN_ROUNDS + 1):
         if _ilp_fits(out, target):
             break
@@ -377,7 +395,7 @@ def _tighten(p: Planning, prob: Problem, target: float, starts: list[np.ndarray]
                         starts=starts + pp.starts([s for _, s in out.plans], graph),
                         rows=known_rows)
         known_rows = list(sol.rows)
-        status = sol.status
+        status, gap = sol.status, sol.gap
         if sol.status in ("infeasible", "time limit") or sol.status.startswith("not"):
             out.add("ilp", [], _ilp_run(sol, detail, eff))
             break
@@ -389,7 +407,7 @@ def _tighten(p: Planning, prob: Problem, target: float, starts: list[np.ndarray]
         if sim.peak_bytes <= target:
             break
         eff -= min(sim.peak_bytes - target, 0.05 * target) * 1.05 + 1.0
-    return _Rounds(first_cost, first_peak, tuple(known_rows), status)
+    return _Rounds(first_cost, first_peak, tuple(known_rows), status, gap)
 
 
 @strategy("auto")
