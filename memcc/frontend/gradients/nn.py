@@ -121,7 +121,7 @@ def _pointwise_weight_grad(emit: Emitter, x: str, gy: str, win: Window,
     The Conv over transposed tensors has the input channels as its batch and one output
     pixel per filter, so it multiplies image by image: a matrix-vector product per input
     channel, each over the whole output gradient. On the zoo ResNet-50's 1x1 layers it took
-    1.7-10x the time of this MatMul (``benchmarks/variant_checks.py pointwise-conv``), and
+    1.6-10x the time of this MatMul (``benchmarks/variant_checks.py pointwise-conv``), and
     its two transposed copies are activation-sized. Here, where
     the smaller channel count is below the pixel count, a batched MatMul transposes only the
     smaller operand and its per-sample products (N x M x C) are smaller than that copy; the
