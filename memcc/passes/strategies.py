@@ -285,14 +285,22 @@ def exact_model(p: Planning, budget: int | None) -> Found:
             # at its work limit without an answer) and took the compile to the time limit.
             sol = ilp.solve(prob, float(target), time_limit=p.remaining() / 2,
                             starts=[low.x, *starts], rows=list(low.rows))
-            if sol.status not in ("infeasible", "time limit") \
-                    and not sol.status.startswith("not"):
-                out.solver = solver_info(sol)
-                out.add("ilp", [p.simulate(pp.plan(sol.x, "ilp",
-                                                   modelled_peak=prob.peak(sol.x)))],
-                        _ilp_run(sol, "exact recompute model, from the smallest peak",
-                                 float(target)))
+            _add_answer(p, prob, sol, out, "exact recompute model, from the smallest peak",
+                        float(target))
     return out
+
+
+def _add_answer(p: Planning, prob: Problem, sol: Solution, out: Found, detail: str,
+                model_budget: float) -> Simulation | None:
+    """Record one time-objective solve in ``out``: its plan, simulated, when the solver
+    answered (None when it proved the budget infeasible or stopped without an answer)."""
+    if sol.status in ("infeasible", "time limit") or sol.status.startswith("not"):
+        out.add("ilp", [], _ilp_run(sol, detail, model_budget))
+        return None
+    out.solver = solver_info(sol)
+    sim = p.simulate(p.model.plan(sol.x, "ilp", modelled_peak=prob.peak(sol.x)))
+    out.add("ilp", [sim], _ilp_run(sol, detail, model_budget))
+    return sim
 
 
 def _fitting_ilp_costs(out: Found, target: float) -> list[float]:
@@ -396,14 +404,11 @@ def _tighten(p: Planning, prob: Problem, target: float, starts: list[np.ndarray]
                         rows=known_rows)
         known_rows = list(sol.rows)
         status, gap = sol.status, sol.gap
-        if sol.status in ("infeasible", "time limit") or sol.status.startswith("not"):
-            out.add("ilp", [], _ilp_run(sol, detail, eff))
+        sim = _add_answer(p, prob, sol, out, detail, eff)
+        if sim is None:
             break
-        out.solver = solver_info(sol)
-        sim = p.simulate(pp.plan(sol.x, "ilp", modelled_peak=prob.peak(sol.x)))
         if first_cost is None:
             first_cost, first_peak = float(sol.objective), sim.peak_bytes
-        out.add("ilp", [sim], _ilp_run(sol, detail, eff))
         if sim.peak_bytes <= target:
             break
         eff -= min(sim.peak_bytes - target, 0.05 * target) * 1.05 + 1.0
