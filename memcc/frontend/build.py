@@ -19,6 +19,7 @@ from onnx import TensorProto
 
 from memcc.errors import InputError
 from memcc.frontend.autodiff import differentiable_values, differentiate
+from memcc.frontend.chunked_attention import chunk_attentions
 from memcc.frontend.chunked_loss import ChunkedLoss, emit_chunked_loss
 from memcc.frontend.emit import Emitter
 from memcc.frontend.exported import (
@@ -29,6 +30,7 @@ from memcc.frontend.exported import (
 )
 from memcc.graph import Graph, TensorInfo, attr, node_label
 from memcc.step import (  # the contract's keys live with its one reader, memcc.step
+    ATTENTION_CHUNKS_KEY,
     DATA_KEY,
     FORWARD_OUTPUTS_KEY,
     GRADIENTS_KEY,
@@ -75,6 +77,9 @@ class BuildOptions:
     # > 1: cross-entropy and the vocabulary projection over that many row chunks, each
     # chunk's gradient taken right away (frontend/chunked_loss.py)
     loss_chunks: int = 1
+    # > 1: every attention's scores and probabilities over that many query chunks
+    # (frontend/chunked_attention.py)
+    attention_chunks: int = 1
 
     def __post_init__(self) -> None:
         if self.loss not in LOSSES:
@@ -82,6 +87,9 @@ class BuildOptions:
         if self.loss_chunks < 1:
             raise InputError(f"--loss-chunks {self.loss_chunks}: give 1 (the plain loss) or "
                              "more")
+        if self.attention_chunks < 1:
+            raise InputError(f"--attention-chunks {self.attention_chunks}: give 1 (whole "
+                             "attentions) or more")
         if self.loss_chunks > 1 and self.loss != "cross-entropy":
             raise InputError(f"--loss-chunks applies to --loss cross-entropy, not "
                              f"'{self.loss}'")
@@ -119,6 +127,7 @@ def build_training_step(forward: Graph, options: BuildOptions | None = None,
             "backward ops; re-export with opset_version >= 13"
         )
     graph = forward.copy()
+    attentions = chunk_attentions(graph, opts.attention_chunks, source)
     emit = Emitter(graph)
     logits = _first_float_output(graph, source)
     data_inputs = [i for i in graph.inputs if i not in graph.initializers]
@@ -169,6 +178,9 @@ def build_training_step(forward: Graph, options: BuildOptions | None = None,
         PARAM_SOURCES_KEY: json.dumps({p: s.to_json() for p, s in sources.items()}),
         FORWARD_OUTPUTS_KEY: json.dumps(list(forward.outputs)),
         **({PROJECTION_KEY: json.dumps(chunked.projection)} if chunked else {}),
+        **({ATTENTION_CHUNKS_KEY: json.dumps({"chunks": opts.attention_chunks,
+                                              "attentions": attentions})}
+           if attentions else {}),
         GRADIENTS_KEY: json.dumps({p: namer.renamed(g) for p, g in grads.items()}),
         OPTIMIZER_KEY: json.dumps({
             "name": opts.optimizer, "lr": opts.learning_rate, "loss": opts.loss,
