@@ -25,6 +25,14 @@
         measured peak, the largest relative difference at 1 and 2 threads, and the measured
         step time ratio; then each distinct 1x1 layer shape alone (its weight gradient under
         each rule, timed in interleaved rounds).
+    python benchmarks/variant_checks.py attention-chunks [--model gpt2:...] [--chunks 8]
+            [--fractions 0.5p 0.33p min] [--rounds 10]
+        Whole attentions against ``memcc build --attention-chunks K`` on one model: the
+        largest relative difference at 1 and 2 threads and the as-built step time ratio;
+        then each step as built and compiled (``auto``, analytic costs) at each budget
+        (``0.33p``: that share of the whole-attention step's peak; ``min``), with the
+        predicted and measured peak, and every step's measured time against the whole
+        step as built (interleaved in one child, median ratio and 95% interval).
 
 Planner results depend on the time limit when the search hits it (``solver.limit_hit``).
 """
@@ -333,6 +341,77 @@ def _pointwise_layers(step, rounds: int) -> None:
               f" ratio {ri.cell()}")
 
 
+def attention_chunks(args: argparse.Namespace) -> None:
+    """Whole attentions against attentions over query chunks: as built, then planned at the
+    same budgets, every peak measured and every step timed against the whole step."""
+    import statistics
+    import tempfile
+
+    from benchmarks.pareto import (
+        _fraction_label,
+        compile_plans,
+        measure_peak,
+        prepare_timing_job,
+        time_ort,
+    )
+    from memcc.backend.onnx_file import save_graph
+    from memcc.passes.cost_model import NOMINAL_CPU
+    from memcc.passes.liveness import analyze_liveness
+
+    name, opts = parse_model(args.model)
+    forward = build_model(name, **opts)
+    whole = build_training_step(load_graph(forward), BuildOptions())
+    chunked = build_training_step(load_graph(forward),
+                                  BuildOptions(attention_chunks=args.chunks))
+    split = chunked.metadata.get("memcc.attention_chunks")
+    cost = [analytic_costs(g, NOMINAL_CPU).total(g) for g in (whole, chunked)]
+    print(f"{args.model}: {len(whole.nodes)} -> {len(chunked.nodes)} nodes ({split}); "
+          f"analytic step time {cost[1] / cost[0] - 1:+.1%}")
+    _compare_steps(whole, chunked, args.rounds, "the chunked step", "the whole step")
+    live = analyze_liveness(whole)
+    act = live.breakdown["activations"] + live.breakdown["scratch"]
+    fixed = live.peak_bytes - act
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        rows: list[dict] = []
+        for label, step in (("whole", whole), (f"{args.chunks} chunks", chunked)):
+            where = tmp / label.replace(" ", "_")
+            where.mkdir()
+            path = where / "step.onnx"
+            save_graph(step, path)
+            rows.append({"label": f"{label}, as built", "path": str(path),
+                         "predicted_peak_bytes": analyze_liveness(step).peak_bytes,
+                         "predicted_overhead": 0.0})
+            for r in compile_plans(path, args.fractions, ["auto"], fixed, act, "analytic",
+                                   args.time_limit, where, print):
+                r["label"] = f"{label}, {_fraction_label(r['fraction'])}"
+                rows.append(r)
+        ok = [r for r in rows if "error" not in r]
+        for r in ok:
+            r.update(measure_peak(Path(r["path"]), 2))
+        jobs = [prepare_timing_job(f"v{i}", Path(r["path"]), tmp) for i, r in enumerate(ok)]
+        timed = time_ort(jobs, args.rounds, 1, 0, None, args.timing_seconds, 100)
+    base = timed["times"]["v0"]
+    print("\n| step | budget (MB) | predicted peak (MB) | measured peak (MB) | predicted "
+          "overhead (own step) | measured time / whole as built |\n|---|---|---|---|---|---|")
+    for i, r in enumerate(ok):
+        t = timed["times"][f"v{i}"]
+        ratio = "1" if i == 0 else ratio_interval_cell(base, t)
+        budget = f"{r['budget_bytes'] / 1e6:.1f}" if r.get("budget_bytes") else "-"
+        print(f"| {r['label']} | {budget} | "
+              f"{r['predicted_peak_bytes'] / 1e6:.1f} | {r['measured_peak_bytes'] / 1e6:.1f} | "
+              f"{r['predicted_overhead']:+.1%} | {ratio} (median {statistics.median(t):.3f} s) |")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['label']} | | {r['error']} | | | |")
+
+
+def ratio_interval_cell(base: list[float], times: list[float]) -> str:
+    from benchmarks.stats import ratio_interval
+
+    return ratio_interval(base, times).cell()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="what", required=True)
@@ -352,9 +431,17 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--model", default="resnet50:batch=32,resolution=128")
     c.add_argument("--optimizer", default=None)
     c.add_argument("--rounds", type=int, default=12)
+    t = sub.add_parser("attention-chunks")
+    t.add_argument("--model", default="gpt2:batch=2,seq_len=1024,width=256,depth=4,heads=4")
+    t.add_argument("--chunks", type=int, default=8)
+    t.add_argument("--fractions", nargs="+", default=["0.5p", "0.33p", "min"])
+    t.add_argument("--time-limit", type=float, default=60.0)
+    t.add_argument("--rounds", type=int, default=10)
+    t.add_argument("--timing-seconds", type=float, default=0.0)
     args = ap.parse_args(argv)
     {"min-search": min_search, "bn-inverted": bn_inverted, "bf16": bf16,
-     "activations": activations, "pointwise-conv": pointwise_conv}[args.what](args)
+     "activations": activations, "pointwise-conv": pointwise_conv,
+     "attention-chunks": attention_chunks}[args.what](args)
     return 0
 
 

@@ -86,6 +86,13 @@ def build(
              "right away: the full logits are never held. For language models, whose "
              "logits are often the largest tensor; gradients within 1e-5 of the plain "
              "loss's.")] = 1,
+    attention_chunks: Annotated[int, typer.Option(
+        "--attention-chunks", min=1,
+        help="Every attention (queries-by-keys MatMul, Softmax, MatMul by the values) "
+             "over this many query chunks: the backward, and a plan that recomputes the "
+             "probabilities, then hold one chunk's scores at a time. For long sequences, "
+             "whose batch x heads x tokens x tokens scores outgrow the rest of a layer; "
+             "gradients within 1e-5 of whole attentions.")] = 1,
 ) -> None:
     """Build a complete training step (loss, backward, optimizer) in standard ONNX ops."""
     import warnings
@@ -98,7 +105,7 @@ def build(
     try:
         opts = BuildOptions(loss=loss, optimizer=optimizer, lr=lr, momentum=momentum,
                             weight_decay=weight_decay, freeze=tuple(freeze or ()),
-                            loss_chunks=loss_chunks)
+                            loss_chunks=loss_chunks, attention_chunks=attention_chunks)
         with err.status(f"building the training step of {model}"), \
                 warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", ExportWarning)
@@ -334,6 +341,8 @@ def compile_cmd(
         help="(forward models) as in memcc build.")] = None,
     loss_chunks: Annotated[int, typer.Option(
         "--loss-chunks", min=1, help="(forward models) as in memcc build.")] = 1,
+    attention_chunks: Annotated[int, typer.Option(
+        "--attention-chunks", min=1, help="(forward models) as in memcc build.")] = 1,
     dim: DimOpt = None,
 ) -> None:
     """Rewrite a training step so that it fits a memory budget at the least added time."""
@@ -349,7 +358,8 @@ def compile_cmd(
             cost=cost, verify=verify, margin=margin, variants=variants, offload=offload,
             allow_lossy=allow_lossy,
             build=BuildOptions(loss=loss, optimizer=optimizer, lr=lr,
-                               loss_chunks=loss_chunks), dims=parse_dims(dim),
+                               loss_chunks=loss_chunks, attention_chunks=attention_chunks),
+            dims=parse_dims(dim),
         )
         with err.status("compiling") as status:
             result = compile_model(model, opts, output=out_path, report_path=report_path,
@@ -422,6 +432,8 @@ def tune_cmd(
         "--freeze", metavar="PATTERN", help="As in memcc build (repeatable).")] = None,
     loss_chunks: Annotated[int, typer.Option(
         "--loss-chunks", min=1, help="As in memcc build.")] = 1,
+    attention_chunks: Annotated[int, typer.Option(
+        "--attention-chunks", min=1, help="As in memcc build.")] = 1,
 ) -> None:
     """Find the largest batch, and the fastest, whose training step fits a memory budget."""
     from memcc.backend.onnx_file import check_writable
@@ -443,7 +455,8 @@ def tune_cmd(
             strategy=strategy, cost=cost, provider=provider, time_limit=time_limit,
             margin=margin, build=BuildOptions(loss=loss, optimizer=optimizer, lr=lr,
                                               freeze=tuple(freeze or ()),
-                                              loss_chunks=loss_chunks),
+                                              loss_chunks=loss_chunks,
+                                              attention_chunks=attention_chunks),
             dims=parse_dims([d for d in dim if ".." not in d]), pick=pick, points=points,
             ref_batch=ref_batch, ref_lr=ref_lr, lr_rule=lr_rule)
         for path, what, flag in ((output, "the compiled step", "--output/-o"),

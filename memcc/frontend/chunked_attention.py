@@ -117,7 +117,8 @@ def _core_ending_at(graph: Graph, du, last: onnx.NodeProto) -> Attention | None:
     return best
 
 
-def _downstream(between: dict[str, onnx.NodeProto], scores: str) -> dict[str, onnx.NodeProto] | None:
+def _downstream(between: dict[str, onnx.NodeProto],
+                scores: str) -> dict[str, onnx.NodeProto] | None:
     """The nodes of ``between`` that read ``scores`` or each other's outputs."""
     made = {scores}
     chosen: dict[str, onnx.NodeProto] = {}
