@@ -1,0 +1,172 @@
+"""``memcc build --attention-chunks K``: every attention's scores and probabilities over query
+chunks (``frontend/chunked_attention.py``).
+
+Against whole attentions of the same model: loss, parameter gradients and updated weights
+within ``ATTENTION_CHUNKS_TOLERANCE`` at 1, 2 and 4 threads, each run twice, on the zoo's
+GPT-2 (a chunk count that does not divide the tokens, and one above them) and on torch.onnx
+exports of transformers models with both exporters (their masks, NaN guards and Dropout);
+no Softmax over all the queries left; a lower smallest budget where the scores dominate,
+verified by running the plan; and clear refusals.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+from threads import run_at_threads, run_once
+
+from memcc.backend.onnx_file import save_graph
+from memcc.backend.runner import synthetic_feeds
+from memcc.compiler import CompileOptions, compile_model
+from memcc.errors import InputError
+from memcc.frontend.build import BuildOptions, build_training_step
+from memcc.frontend.chunked_attention import ATTENTION_CHUNKS_TOLERANCE, find_attentions
+from memcc.frontend.load import load_graph
+from memcc.graph import Graph
+from memcc.step import ATTENTION_CHUNKS_KEY
+from models import build_model
+
+
+def compare(whole: Graph, chunked: Graph) -> None:
+    """The step outputs: the loss, and per parameter its new value and its new momentum,
+    which from the zero initial state is its gradient."""
+    feeds = synthetic_feeds(whole, seed=0)
+    ref = run_once(whole, feeds, 1)
+    assert set(ref) == set(chunked.outputs)
+    top = max(float(np.abs(ref[k]).max()) for k in ref)
+    for threads, got in run_at_threads(chunked, feeds, threads=(1, 2, 4)).items():
+        for k in ref:
+            scale = max(float(np.abs(ref[k]).max()), 1e-5 * top)
+            err = float(np.abs(got[k].astype(np.float64) - ref[k]).max()) / scale
+            assert err <= ATTENTION_CHUNKS_TOLERANCE, (threads, k, err)
+
+
+def softmax_rows(step: Graph) -> list[int]:
+    """The query rows of each Softmax of the step's forward pass."""
+    return [step.info[n.output[0]].shape[-2] for n in step.nodes
+            if n.op_type == "Softmax" and not n.name.startswith("grad/")]
+
+
+@pytest.mark.parametrize("chunks", [3, 16])
+def test_zoo_gpt2_matches_whole_attention(chunks):
+    model = build_model("gpt2", batch=3, seq_len=10, width=32, depth=2, heads=2,
+                        vocab_size=96)
+    whole = build_training_step(load_graph(model), BuildOptions())
+    chunked = build_training_step(load_graph(model), BuildOptions(attention_chunks=chunks))
+    assert softmax_rows(whole) == [10, 10]
+    used = min(chunks, 10)   # at most one query per chunk
+    rows = softmax_rows(chunked)
+    assert len(rows) == 2 * used and sum(rows) == 20 and max(rows) <= -(-10 // used)
+    assert chunked.metadata[ATTENTION_CHUNKS_KEY] == f'{{"chunks": {chunks}, "attentions": 2}}'
+    compare(whole, chunked)
+
+
+@pytest.mark.parametrize("family,exporter", [
+    ("gpt2", "torchscript"), ("gpt2", "dynamo"), ("gpt2", "dynamo_noopt"),
+    ("bert", "torchscript"), ("llama", "dynamo"), ("vit", "torchscript"),
+])
+def test_real_exports_match_whole_attention(family, exporter):
+    """transformers models through torch.onnx: GPT-2's and BERT's additive masks and NaN
+    guards (``Where(IsNaN(p), 0, p)``), Llama's grouped-query keys, ViT's Dropout (p=0 in
+    training mode, as TorchScript writes it)."""
+    from exports import export
+
+    path, _, _, dims = export(family, exporter, training=True)
+    whole = build_training_step(load_graph(path, dims), BuildOptions())
+    chunked = build_training_step(load_graph(path, dims), BuildOptions(attention_chunks=3))
+    assert '"attentions": 2' in chunked.metadata[ATTENTION_CHUNKS_KEY]
+    assert max(softmax_rows(chunked)) < max(softmax_rows(whole))
+    compare(whole, chunked)
+
+
+def test_long_sequences_get_a_lower_smallest_budget_that_holds_when_run(tmp_path):
+    """At 256 tokens and width 32 the scores are the largest tensors: the smallest plan of
+    the chunked step is far below the whole step's, and ``--verify`` runs it within its
+    budget with the same outputs."""
+    model = build_model("gpt2", batch=1, seq_len=256, width=32, depth=2, heads=4,
+                        vocab_size=64)
+    plans = {}
+    for chunks in (1, 8):
+        step = build_training_step(load_graph(model), BuildOptions(attention_chunks=chunks))
+        path = tmp_path / f"step{chunks}.onnx"
+        save_graph(step, path)
+        result = compile_model(path, CompileOptions(budget="min", cost="analytic",
+                                                    verify=chunks > 1, time_limit=10),
+                               output=tmp_path / f"min{chunks}.onnx")
+        plans[chunks] = result.report
+    whole, chunked = plans[1]["plan"]["peak_bytes"], plans[8]["plan"]["peak_bytes"]
+    assert chunked < 0.6 * whole, (whole, chunked)
+    check = plans[8]["verification"]
+    assert check["ok"] and check["measured_peak_bytes"] <= plans[8]["budget_bytes"]
+
+
+def _attention_model(probs_is_output: bool) -> onnx.ModelProto:
+    """softmax(q k^T / 4 + bias) v with a learned [T, T] bias, by hand."""
+    t, d = 6, 4
+    rng = np.random.default_rng(0)
+    inits = [helper.make_tensor(n, TensorProto.FLOAT, s, rng.standard_normal(s).ravel())
+             for n, s in (("wq", [d, d]), ("wk", [d, d]), ("bias", [t, t]))]
+    nodes = [
+        helper.make_node("MatMul", ["x", "wq"], ["q"]),
+        helper.make_node("MatMul", ["x", "wk"], ["k"]),
+        helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 2, 1]),
+        helper.make_node("MatMul", ["q", "kt"], ["s"]),
+        helper.make_node("Div", ["s", "four"], ["s4"]),
+        helper.make_node("Add", ["s4", "bias"], ["sb"]),
+        helper.make_node("Softmax", ["sb"], ["p"], axis=-1),
+        helper.make_node("MatMul", ["p", "x"], ["y"]),
+    ]
+    inits.append(helper.make_tensor("four", TensorProto.FLOAT, [], [4.0]))
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, t, d])]
+    if probs_is_output:
+        outputs.append(helper.make_tensor_value_info("p", TensorProto.FLOAT, [2, t, t]))
+    graph = helper.make_graph(nodes, "attn", [helper.make_tensor_value_info(
+        "x", TensorProto.FLOAT, [2, t, d])], outputs, inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_a_split_side_input_gets_its_gradient_and_shared_values_are_left_whole():
+    """A learned bias spanning the queries is split with them (its gradient is the Concat of
+    the chunks'); probabilities that the model also returns are not chunked."""
+    free = load_graph(_attention_model(False))
+    assert len(find_attentions(free)) == 1
+    whole = build_training_step(free, BuildOptions(loss="mse"))
+    chunked = build_training_step(load_graph(_attention_model(False)),
+                                  BuildOptions(loss="mse", attention_chunks=4))
+    assert any(n.op_type == "Split" and n.input[0] == "bias" for n in chunked.nodes)
+    compare(whole, chunked)
+    assert find_attentions(load_graph(_attention_model(True))) == []
+
+
+def test_what_it_cannot_take_is_refused_clearly():
+    with pytest.raises(InputError, match="--attention-chunks 0: give 1"):
+        BuildOptions(attention_chunks=0)
+    resnet = build_model("resnet18", batch=2, resolution=32)
+    with pytest.raises(InputError, match="--attention-chunks found no attention"):
+        build_training_step(load_graph(resnet), BuildOptions(attention_chunks=2))
+    with pytest.raises(InputError, match="found no attention"):
+        build_training_step(load_graph(_attention_model(True)),
+                            BuildOptions(loss="mse", attention_chunks=2))
+
+
+def test_the_command_line_builds_it(tmp_path):
+    from typer.testing import CliRunner
+
+    from memcc.cli import app
+
+    model = tmp_path / "gpt2.onnx"
+    onnx.save(build_model("gpt2", batch=2, seq_len=8, width=32, depth=1, heads=2,
+                          vocab_size=64), str(model))
+    out = tmp_path / "step.onnx"
+    res = CliRunner().invoke(app, ["build", str(model), "-o", str(out),
+                                   "--attention-chunks", "4"])
+    assert res.exit_code == 0, res.output
+    step = onnx.load(str(out))
+    assert sum(n.op_type == "Softmax" for n in step.graph.node
+               if not n.name.startswith("grad/")) == 4
+    assert any(p.key == ATTENTION_CHUNKS_KEY for p in step.metadata_props)
+    bad = CliRunner().invoke(app, ["build", str(model), "-o", str(out),
+                                   "--attention-chunks", "0"])
+    assert bad.exit_code != 0
