@@ -25,9 +25,9 @@
         measured peak, the largest relative difference at 1 and 2 threads, and the measured
         step time ratio; then each distinct 1x1 layer shape alone (its weight gradient under
         each rule, timed in interleaved rounds).
-    python benchmarks/variant_checks.py attention-chunks [--model gpt2:...] [--chunks 8]
-            [--fractions 0.5p 0.33p min] [--rounds 10]
-        Whole attentions against ``memcc build --attention-chunks K`` on one model: the
+    python benchmarks/variant_checks.py row-chunks [--model gpt2:...] [--attention-chunks 8]
+            [--mlp-chunks 1] [--fractions 0.5p 0.33p min] [--rounds 10]
+        Whole regions against ``memcc build --attention-chunks K --mlp-chunks M``: the
         largest relative difference at 1 and 2 threads and the as-built step time ratio;
         then each step as built and compiled (``auto``, analytic costs) at each budget
         (``0.33p``: that share of the whole-attention step's peak; ``min``), with the
@@ -341,9 +341,9 @@ def _pointwise_layers(step, rounds: int) -> None:
               f" ratio {ri.cell()}")
 
 
-def attention_chunks(args: argparse.Namespace) -> None:
-    """Whole attentions against attentions over query chunks: as built, then planned at the
-    same budgets, every peak measured and every step timed against the whole step."""
+def row_chunks(args: argparse.Namespace) -> None:
+    """Whole attentions and MLPs against row chunks: as built, then planned at the same
+    budgets, every peak measured and every step timed against the whole step."""
     import statistics
     import tempfile
 
@@ -361,9 +361,9 @@ def attention_chunks(args: argparse.Namespace) -> None:
     name, opts = parse_model(args.model)
     forward = build_model(name, **opts)
     whole = build_training_step(load_graph(forward), BuildOptions())
-    chunked = build_training_step(load_graph(forward),
-                                  BuildOptions(attention_chunks=args.chunks))
-    split = chunked.metadata.get("memcc.attention_chunks")
+    chunked = build_training_step(load_graph(forward), BuildOptions(
+        attention_chunks=args.attention_chunks, mlp_chunks=args.mlp_chunks))
+    split = chunked.metadata.get("memcc.row_chunks")
     cost = [analytic_costs(g, NOMINAL_CPU).total(g) for g in (whole, chunked)]
     print(f"{args.model}: {len(whole.nodes)} -> {len(chunked.nodes)} nodes ({split}); "
           f"analytic step time {cost[1] / cost[0] - 1:+.1%}")
@@ -374,7 +374,8 @@ def attention_chunks(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         rows: list[dict] = []
-        for label, step in (("whole", whole), (f"{args.chunks} chunks", chunked)):
+        label_chunked = f"chunks {args.attention_chunks}/{args.mlp_chunks}"
+        for label, step in (("whole", whole), (label_chunked, chunked)):
             where = tmp / label.replace(" ", "_")
             where.mkdir()
             path = where / "step.onnx"
@@ -431,9 +432,10 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--model", default="resnet50:batch=32,resolution=128")
     c.add_argument("--optimizer", default=None)
     c.add_argument("--rounds", type=int, default=12)
-    t = sub.add_parser("attention-chunks")
+    t = sub.add_parser("row-chunks")
     t.add_argument("--model", default="gpt2:batch=2,seq_len=1024,width=256,depth=4,heads=4")
-    t.add_argument("--chunks", type=int, default=8)
+    t.add_argument("--attention-chunks", type=int, default=8)
+    t.add_argument("--mlp-chunks", type=int, default=1)
     t.add_argument("--fractions", nargs="+", default=["0.5p", "0.33p", "min"])
     t.add_argument("--time-limit", type=float, default=60.0)
     t.add_argument("--rounds", type=int, default=10)
@@ -441,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     {"min-search": min_search, "bn-inverted": bn_inverted, "bf16": bf16,
      "activations": activations, "pointwise-conv": pointwise_conv,
-     "attention-chunks": attention_chunks}[args.what](args)
+     "row-chunks": row_chunks}[args.what](args)
     return 0
 
 

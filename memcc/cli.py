@@ -93,6 +93,12 @@ def build(
              "probabilities, then hold one chunk's scores at a time. For long sequences, "
              "whose batch x heads x tokens x tokens scores outgrow the rest of a layer; "
              "gradients within 1e-5 of whole attentions.")] = 1,
+    mlp_chunks: Annotated[int, typer.Option(
+        "--mlp-chunks", min=1,
+        help="Every MLP (MatMuls by 2-D weights around an activation or a gate) over this "
+             "many token chunks: the backward, and a plan that recomputes the hidden "
+             "activations, then hold one chunk's at a time. Gradients within 1e-5 of whole "
+             "MLPs.")] = 1,
 ) -> None:
     """Build a complete training step (loss, backward, optimizer) in standard ONNX ops."""
     import warnings
@@ -105,7 +111,8 @@ def build(
     try:
         opts = BuildOptions(loss=loss, optimizer=optimizer, lr=lr, momentum=momentum,
                             weight_decay=weight_decay, freeze=tuple(freeze or ()),
-                            loss_chunks=loss_chunks, attention_chunks=attention_chunks)
+                            loss_chunks=loss_chunks, attention_chunks=attention_chunks,
+                            mlp_chunks=mlp_chunks)
         with err.status(f"building the training step of {model}"), \
                 warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", ExportWarning)
@@ -343,6 +350,8 @@ def compile_cmd(
         "--loss-chunks", min=1, help="(forward models) as in memcc build.")] = 1,
     attention_chunks: Annotated[int, typer.Option(
         "--attention-chunks", min=1, help="(forward models) as in memcc build.")] = 1,
+    mlp_chunks: Annotated[int, typer.Option(
+        "--mlp-chunks", min=1, help="(forward models) as in memcc build.")] = 1,
     dim: DimOpt = None,
 ) -> None:
     """Rewrite a training step so that it fits a memory budget at the least added time."""
@@ -358,7 +367,8 @@ def compile_cmd(
             cost=cost, verify=verify, margin=margin, variants=variants, offload=offload,
             allow_lossy=allow_lossy,
             build=BuildOptions(loss=loss, optimizer=optimizer, lr=lr,
-                               loss_chunks=loss_chunks, attention_chunks=attention_chunks),
+                               loss_chunks=loss_chunks, attention_chunks=attention_chunks,
+                            mlp_chunks=mlp_chunks),
             dims=parse_dims(dim),
         )
         with err.status("compiling") as status:
@@ -434,6 +444,8 @@ def tune_cmd(
         "--loss-chunks", min=1, help="As in memcc build.")] = 1,
     attention_chunks: Annotated[int, typer.Option(
         "--attention-chunks", min=1, help="As in memcc build.")] = 1,
+    mlp_chunks: Annotated[int, typer.Option(
+        "--mlp-chunks", min=1, help="As in memcc build.")] = 1,
 ) -> None:
     """Find the largest batch, and the fastest, whose training step fits a memory budget."""
     from memcc.backend.onnx_file import check_writable
@@ -456,7 +468,8 @@ def tune_cmd(
             margin=margin, build=BuildOptions(loss=loss, optimizer=optimizer, lr=lr,
                                               freeze=tuple(freeze or ()),
                                               loss_chunks=loss_chunks,
-                                              attention_chunks=attention_chunks),
+                                              attention_chunks=attention_chunks,
+                                              mlp_chunks=mlp_chunks),
             dims=parse_dims([d for d in dim if ".." not in d]), pick=pick, points=points,
             ref_batch=ref_batch, ref_lr=ref_lr, lr_rule=lr_rule)
         for path, what, flag in ((output, "the compiled step", "--output/-o"),

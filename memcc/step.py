@@ -40,8 +40,9 @@ FORWARD_OUTPUTS_KEY = "memcc.forward_outputs"
 # With --loss-chunks the step never forms the logits: the projection that computed them
 # ({"inputs": [h, W], "output": logits}), for exporting the forward model.
 PROJECTION_KEY = "memcc.loss_projection"
-# Set by --attention-chunks: {"chunks": K, "attentions": how many were split}.
-ATTENTION_CHUNKS_KEY = "memcc.attention_chunks"
+# Set by --attention-chunks / --mlp-chunks: {"attention": {"chunks": K, "regions": how many
+# were split}, "mlp": {...}}.
+ROW_CHUNKS_KEY = "memcc.row_chunks"
 # parameter -> the value holding its whole gradient (what the update reads).
 GRADIENTS_KEY = "memcc.gradients"
 TRAINING_STEP = "training_step"

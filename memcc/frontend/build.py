@@ -19,7 +19,6 @@ from onnx import TensorProto
 
 from memcc.errors import InputError
 from memcc.frontend.autodiff import differentiable_values, differentiate
-from memcc.frontend.chunked_attention import chunk_attentions
 from memcc.frontend.chunked_loss import ChunkedLoss, emit_chunked_loss
 from memcc.frontend.emit import Emitter
 from memcc.frontend.exported import (
@@ -28,9 +27,9 @@ from memcc.frontend.exported import (
     restore_training_batchnorm,
     signature_of,
 )
+from memcc.frontend.row_chunks import ATTENTION, MLP, chunk_regions
 from memcc.graph import Graph, TensorInfo, attr, node_label
 from memcc.step import (  # the contract's keys live with its one reader, memcc.step
-    ATTENTION_CHUNKS_KEY,
     DATA_KEY,
     FORWARD_OUTPUTS_KEY,
     GRADIENTS_KEY,
@@ -41,6 +40,7 @@ from memcc.step import (  # the contract's keys live with its one reader, memcc.
     PARAM_SOURCES_KEY,
     PARAMS_KEY,
     PROJECTION_KEY,
+    ROW_CHUNKS_KEY,
     STATE_KEY,
     Role,
     record_rule_io,
@@ -77,9 +77,10 @@ class BuildOptions:
     # > 1: cross-entropy and the vocabulary projection over that many row chunks, each
     # chunk's gradient taken right away (frontend/chunked_loss.py)
     loss_chunks: int = 1
-    # > 1: every attention's scores and probabilities over that many query chunks
-    # (frontend/chunked_attention.py)
+    # > 1: every attention's scores and probabilities, every MLP's hidden activations, over
+    # that many row chunks (frontend/row_chunks.py)
     attention_chunks: int = 1
+    mlp_chunks: int = 1
 
     def __post_init__(self) -> None:
         if self.loss not in LOSSES:
@@ -87,9 +88,10 @@ class BuildOptions:
         if self.loss_chunks < 1:
             raise InputError(f"--loss-chunks {self.loss_chunks}: give 1 (the plain loss) or "
                              "more")
-        if self.attention_chunks < 1:
-            raise InputError(f"--attention-chunks {self.attention_chunks}: give 1 (whole "
-                             "attentions) or more")
+        for flag, k in (("--attention-chunks", self.attention_chunks),
+                        ("--mlp-chunks", self.mlp_chunks)):
+            if k < 1:
+                raise InputError(f"{flag} {k}: give 1 (whole regions) or more")
         if self.loss_chunks > 1 and self.loss != "cross-entropy":
             raise InputError(f"--loss-chunks applies to --loss cross-entropy, not "
                              f"'{self.loss}'")
@@ -127,7 +129,9 @@ def build_training_step(forward: Graph, options: BuildOptions | None = None,
             "backward ops; re-export with opset_version >= 13"
         )
     graph = forward.copy()
-    attentions = chunk_attentions(graph, opts.attention_chunks, source)
+    row_chunks = {kind: {"chunks": k, "regions": chunk_regions(graph, kind, k, source)}
+                  for kind, k in ((ATTENTION, opts.attention_chunks), (MLP, opts.mlp_chunks))
+                  if k > 1}
     emit = Emitter(graph)
     logits = _first_float_output(graph, source)
     data_inputs = [i for i in graph.inputs if i not in graph.initializers]
@@ -178,9 +182,7 @@ def build_training_step(forward: Graph, options: BuildOptions | None = None,
         PARAM_SOURCES_KEY: json.dumps({p: s.to_json() for p, s in sources.items()}),
         FORWARD_OUTPUTS_KEY: json.dumps(list(forward.outputs)),
         **({PROJECTION_KEY: json.dumps(chunked.projection)} if chunked else {}),
-        **({ATTENTION_CHUNKS_KEY: json.dumps({"chunks": opts.attention_chunks,
-                                              "attentions": attentions})}
-           if attentions else {}),
+        **({ROW_CHUNKS_KEY: json.dumps(row_chunks)} if row_chunks else {}),
         GRADIENTS_KEY: json.dumps({p: namer.renamed(g) for p, g in grads.items()}),
         OPTIMIZER_KEY: json.dumps({
             "name": opts.optimizer, "lr": opts.learning_rate, "loss": opts.loss,

@@ -1,12 +1,13 @@
-"""``memcc build --attention-chunks K``: every attention's scores and probabilities over query
-chunks (``frontend/chunked_attention.py``).
+"""``memcc build --attention-chunks K`` and ``--mlp-chunks K``: every attention's scores and
+probabilities over query chunks, every MLP's hidden activations over token chunks
+(``frontend/row_chunks.py``).
 
-Against whole attentions of the same model: loss, parameter gradients and updated weights
-within ``ATTENTION_CHUNKS_TOLERANCE`` at 1, 2 and 4 threads, each run twice, on the zoo's
-GPT-2 (a chunk count that does not divide the tokens, and one above them) and on torch.onnx
-exports of transformers models with both exporters (their masks, NaN guards and Dropout);
-no Softmax over all the queries left; a lower smallest budget where the scores dominate,
-verified by running the plan; and clear refusals.
+Against whole regions of the same model: loss, parameter gradients and updated weights
+within ``ROW_CHUNKS_TOLERANCE`` at 1, 2 and 4 threads, each run twice, on the zoo's GPT-2
+(a chunk count that does not divide the tokens, and one above them) and on torch.onnx
+exports of transformers models with both exporters (their masks, NaN guards, Dropout and
+gated MLPs); no Softmax over all the queries left; a lower smallest budget where the
+chunked tensors dominate, verified by running the plan; and clear refusals.
 """
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ from memcc.backend.runner import synthetic_feeds
 from memcc.compiler import CompileOptions, compile_model
 from memcc.errors import InputError
 from memcc.frontend.build import BuildOptions, build_training_step
-from memcc.frontend.chunked_attention import ATTENTION_CHUNKS_TOLERANCE, find_attentions
 from memcc.frontend.load import load_graph
+from memcc.frontend.row_chunks import ROW_CHUNKS_TOLERANCE, find_attentions, find_mlps
 from memcc.graph import Graph
-from memcc.step import ATTENTION_CHUNKS_KEY
+from memcc.step import ROW_CHUNKS_KEY
 from models import build_model
 
 
@@ -40,7 +41,7 @@ def compare(whole: Graph, chunked: Graph) -> None:
         for k in ref:
             scale = max(float(np.abs(ref[k]).max()), 1e-5 * top)
             err = float(np.abs(got[k].astype(np.float64) - ref[k]).max()) / scale
-            assert err <= ATTENTION_CHUNKS_TOLERANCE, (threads, k, err)
+            assert err <= ROW_CHUNKS_TOLERANCE, (threads, k, err)
 
 
 def softmax_rows(step: Graph) -> list[int]:
@@ -59,7 +60,23 @@ def test_zoo_gpt2_matches_whole_attention(chunks):
     used = min(chunks, 10)   # at most one query per chunk
     rows = softmax_rows(chunked)
     assert len(rows) == 2 * used and sum(rows) == 20 and max(rows) <= -(-10 // used)
-    assert chunked.metadata[ATTENTION_CHUNKS_KEY] == f'{{"chunks": {chunks}, "attentions": 2}}'
+    assert chunked.metadata[ROW_CHUNKS_KEY] == \
+        f'{{"attention": {{"chunks": {chunks}, "regions": 2}}}}'
+    compare(whole, chunked)
+
+
+def test_zoo_gpt2_mlps_match_whole_mlps_with_attentions_chunked_too():
+    model = build_model("gpt2", batch=3, seq_len=10, width=32, depth=2, heads=2,
+                        vocab_size=96)
+    whole = build_training_step(load_graph(model), BuildOptions())
+    assert len(find_mlps(load_graph(model))) == 2
+    chunked = build_training_step(load_graph(model),
+                                  BuildOptions(mlp_chunks=3, attention_chunks=4))
+    hidden = [chunked.info[n.output[0]].shape for n in chunked.nodes
+              if n.op_type == "Tanh" and not n.name.startswith("grad/")]
+    assert len(hidden) == 2 * 3 and all(s[-2] <= 4 for s in hidden), hidden
+    assert chunked.metadata[ROW_CHUNKS_KEY] == ('{"attention": {"chunks": 4, "regions": 2}, '
+                                                '"mlp": {"chunks": 3, "regions": 2}}')
     compare(whole, chunked)
 
 
@@ -76,20 +93,45 @@ def test_real_exports_match_whole_attention(family, exporter):
     path, _, _, dims = export(family, exporter, training=True)
     whole = build_training_step(load_graph(path, dims), BuildOptions())
     chunked = build_training_step(load_graph(path, dims), BuildOptions(attention_chunks=3))
-    assert '"attentions": 2' in chunked.metadata[ATTENTION_CHUNKS_KEY]
+    assert '"attention": {"chunks": 3, "regions": 2}' in chunked.metadata[ROW_CHUNKS_KEY]
     assert max(softmax_rows(chunked)) < max(softmax_rows(whole))
     compare(whole, chunked)
+
+
+@pytest.mark.parametrize("family,exporter", [
+    ("bert", "dynamo"), ("llama", "torchscript"), ("vit", "dynamo_noopt"),
+])
+def test_real_exports_mlps_match_whole_mlps(family, exporter):
+    """BERT's erf GELU, Llama's gated SiLU MLP (two products of one input), ViT's GELU."""
+    from exports import export
+
+    path, _, _, dims = export(family, exporter, training=True)
+    whole = build_training_step(load_graph(path, dims), BuildOptions())
+    chunked = build_training_step(load_graph(path, dims), BuildOptions(mlp_chunks=3))
+    assert '"mlp": {"chunks": 3, "regions": 2}' in chunked.metadata[ROW_CHUNKS_KEY]
+    compare(whole, chunked)
+
+
+def test_mlps_on_flattened_rows_are_refused_clearly():
+    """transformers' GPT-2 writes its MLP as Gemm on [tokens, width] between Reshapes:
+    not taken, and the error says so."""
+    from exports import export
+
+    path, _, _, dims = export("gpt2", "torchscript", training=True)
+    with pytest.raises(InputError, match="--mlp-chunks found no mlp.*Gemm on flattened"):
+        build_training_step(load_graph(path, dims), BuildOptions(mlp_chunks=2))
 
 
 def test_long_sequences_get_a_lower_smallest_budget_that_holds_when_run(tmp_path):
     """At 256 tokens and width 32 the scores are the largest tensors: the smallest plan of
     the chunked step is far below the whole step's, and ``--verify`` runs it within its
-    budget with the same outputs."""
+    budget with the same outputs (the MLPs are chunked too)."""
     model = build_model("gpt2", batch=1, seq_len=256, width=32, depth=2, heads=4,
                         vocab_size=64)
     plans = {}
     for chunks in (1, 8):
-        step = build_training_step(load_graph(model), BuildOptions(attention_chunks=chunks))
+        step = build_training_step(load_graph(model), BuildOptions(attention_chunks=chunks,
+                                                                   mlp_chunks=chunks))
         path = tmp_path / f"step{chunks}.onnx"
         save_graph(step, path)
         result = compile_model(path, CompileOptions(budget="min", cost="analytic",
@@ -143,9 +185,13 @@ def test_a_split_side_input_gets_its_gradient_and_shared_values_are_left_whole()
 def test_what_it_cannot_take_is_refused_clearly():
     with pytest.raises(InputError, match="--attention-chunks 0: give 1"):
         BuildOptions(attention_chunks=0)
+    with pytest.raises(InputError, match="--mlp-chunks 0: give 1"):
+        BuildOptions(mlp_chunks=0)
     resnet = build_model("resnet18", batch=2, resolution=32)
     with pytest.raises(InputError, match="--attention-chunks found no attention"):
         build_training_step(load_graph(resnet), BuildOptions(attention_chunks=2))
+    with pytest.raises(InputError, match="--mlp-chunks found no mlp"):
+        build_training_step(load_graph(resnet), BuildOptions(mlp_chunks=2))
     with pytest.raises(InputError, match="found no attention"):
         build_training_step(load_graph(_attention_model(True)),
                             BuildOptions(loss="mse", attention_chunks=2))
@@ -161,12 +207,14 @@ def test_the_command_line_builds_it(tmp_path):
                           vocab_size=64), str(model))
     out = tmp_path / "step.onnx"
     res = CliRunner().invoke(app, ["build", str(model), "-o", str(out),
-                                   "--attention-chunks", "4"])
+                                   "--attention-chunks", "4", "--mlp-chunks", "2"])
     assert res.exit_code == 0, res.output
     step = onnx.load(str(out))
     assert sum(n.op_type == "Softmax" for n in step.graph.node
                if not n.name.startswith("grad/")) == 4
-    assert any(p.key == ATTENTION_CHUNKS_KEY for p in step.metadata_props)
+    assert sum(n.op_type == "Tanh" for n in step.graph.node
+               if not n.name.startswith("grad/")) == 2
+    assert any(p.key == ROW_CHUNKS_KEY for p in step.metadata_props)
     bad = CliRunner().invoke(app, ["build", str(model), "-o", str(out),
                                    "--attention-chunks", "0"])
     assert bad.exit_code != 0

@@ -1,0 +1,323 @@
+"""Attentions and MLPs over row chunks: their largest tensors never formed whole.
+
+A transformer layer's largest tensors live between two matrix products, and each of their
+rows depends on the same row of the products' first input only:
+
+- an attention's scores ``q k^T`` and probabilities ``softmax(.)``: batch x heads x queries
+  x keys floats, which outgrow everything else at long sequences; each query row needs
+  its own row of ``q`` and all of ``k`` and ``v``;
+- an MLP's hidden activations ``act(x W1) W2`` (and a gated MLP's ``act(x Wg) * (x Wu)``):
+  four times the model width per token, and a decomposed GELU keeps several of them.
+
+So the nodes from the first product to the last can run over row chunks of the first
+input (the queries, or the tokens). The forward makes the same rows in pieces; the
+backward works on one chunk at a time, and where the planner recomputes the chunk's
+values, only one chunk's are live (FlashAttention's backward, and the sequence chunking
+of long-context training, in standard ONNX ops).
+
+The rewrite runs on the forward model before the autodiff (``memcc build
+--attention-chunks K`` / ``--mlp-chunks K``), so the gradient rules see ordinary nodes.
+Regions are found by structure, not by names:
+
+- attention: a MatMul whose first input is computed from another MatMul's output by
+  row-wise nodes only (elementwise ops with broadcasting, Softmax over the last axis,
+  Dropout, the NaN guards of transformers' exports), with exactly one Softmax among them;
+- MLP: a MatMul by a 2-D weight whose first input is computed by row-wise nodes from
+  MatMuls of one value by 2-D weights (one for a plain MLP, two for a gated one);
+- in both, nothing outside reads the region's values, and every other input of its nodes
+  (a scale, a mask, a bias) either spans the row axis (it is split too) or broadcasts
+  over it.
+
+Rows are computed by the same arithmetic, but the gradients of what every chunk reads
+(the keys and values, the weights) become sums over the chunks, rounded in another order:
+the tier is equivalent, within ``ROW_CHUNKS_TOLERANCE`` (tests/test_row_chunks.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import onnx
+
+from memcc.errors import InputError
+from memcc.frontend.emit import Emitter
+from memcc.frontend.gradients.shape_ops import concat_values, norm_axis, split_values
+from memcc.graph import Graph, TensorInfo, attr
+
+# Relative difference of the loss and every gradient to the whole regions', at 1, 2 and 4
+# threads, that tests/test_row_chunks.py holds the zoo's GPT-2 and exports to.
+ROW_CHUNKS_TOLERANCE = 1e-5
+
+ATTENTION = "attention"
+MLP = "mlp"
+
+# Ops that compute each row from the same row of their inputs (with broadcasting).
+_ELEMENTWISE = frozenset({
+    "Add", "Sub", "Mul", "Div", "Where", "Cast", "IsNaN", "IsInf", "Not", "And", "Or",
+    "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "Neg", "Exp", "Tanh",
+    "Max", "Min", "Identity", "Dropout",
+})
+_ROW_WISE = {
+    ATTENTION: _ELEMENTWISE | {"Softmax"},
+    MLP: _ELEMENTWISE | {"Pow", "Erf", "Sigmoid", "Relu", "LeakyRelu", "Elu", "Selu",
+                         "Softplus", "HardSigmoid", "HardSwish", "Clip", "Sqrt",
+                         "Reciprocal", "Gelu"},
+}
+# The command-line flag that asks for each kind.
+FLAGS = {ATTENTION: "--attention-chunks", MLP: "--mlp-chunks"}
+
+
+@dataclass(frozen=True)
+class RowRegion:
+    """Nodes computed row by row: ``firsts`` (products whose first input is split into
+    rows), the row-wise ``nodes`` after them, and ``last`` (the product whose first input
+    they compute; its output is joined again)."""
+
+    kind: str
+    firsts: tuple[onnx.NodeProto, ...]
+    nodes: tuple[onnx.NodeProto, ...]   # in graph order
+    last: onnx.NodeProto
+    rows: int                           # the length of the row axis (-2)
+
+    @property
+    def members(self) -> tuple[onnx.NodeProto, ...]:
+        return (*self.firsts, *self.nodes, self.last)
+
+
+def find_regions(graph: Graph, kind: str) -> list[RowRegion]:
+    """Every region of ``kind`` in ``graph`` that can run over row chunks."""
+    du = graph.def_use()
+    order = {id(n): i for i, n in enumerate(graph.nodes)}
+    found: list[RowRegion] = []
+    taken: set[int] = set()
+    for node in graph.nodes:
+        if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx"):
+            continue
+        region = _region_ending_at(graph, du, node, kind)
+        if region is None or any(id(n) in taken for n in region.members):
+            continue
+        taken.update(id(n) for n in region.members)
+        found.append(RowRegion(kind, region.firsts,
+                               tuple(sorted(region.nodes, key=lambda n: order[id(n)])),
+                               region.last, region.rows))
+    return found
+
+
+def find_attentions(graph: Graph) -> list[RowRegion]:
+    return find_regions(graph, ATTENTION)
+
+
+def find_mlps(graph: Graph) -> list[RowRegion]:
+    return find_regions(graph, MLP)
+
+
+def _is_weight(graph: Graph, name: str) -> bool:
+    ti = graph.info.get(name)
+    return ti is not None and len(ti.shape) == 2
+
+
+def _region_ending_at(graph: Graph, du, last: onnx.NodeProto, kind: str) -> RowRegion | None:
+    a = last.input[0]
+    ai = graph.info.get(a)
+    if ai is None or len(ai.shape) < 2 or ai.shape[-2] < 2:
+        return None
+    if kind == MLP and not _is_weight(graph, last.input[1]):
+        return None
+    rows = ai.shape[-2]
+    # Walk back from the last product's input over row-wise nodes to the first products.
+    between: dict[str, onnx.NodeProto] = {}
+    products: dict[str, onnx.NodeProto] = {}
+    stack = [a]
+    while stack:
+        p = du.producer.get(stack.pop())
+        if p is None or p.name in between or p.name in products:
+            continue
+        if p.op_type == "MatMul" and p.domain in ("", "ai.onnx"):
+            products[p.name] = p
+            continue
+        if p.op_type not in _ROW_WISE[kind] or p.domain not in ("", "ai.onnx"):
+            continue
+        between[p.name] = p
+        stack.extend(i for i in p.input if i)
+    if kind == ATTENTION:
+        return _attention(graph, du, between, products.values(), last, rows)
+    firsts = tuple(products.values())
+    if not firsts or any(not _is_weight(graph, f.input[1]) for f in firsts) \
+            or len({f.input[0] for f in firsts}) != 1:
+        return None
+    nodes = _downstream(between, {f.output[0] for f in firsts})
+    if not nodes or not _is_closed(graph, du, nodes, firsts, last, rows):
+        return None
+    return RowRegion(MLP, firsts, tuple(nodes.values()), last, rows)
+
+
+def _attention(graph: Graph, du, between: dict[str, onnx.NodeProto], products,
+               last: onnx.NodeProto, rows: int) -> RowRegion | None:
+    """The scores' MatMul is the one whose output the chain starts from; a bias made by
+    another MatMul joins the chain later, so its candidate covers fewer nodes."""
+    best: RowRegion | None = None
+    for first in products:
+        nodes = _downstream(between, {first.output[0]})
+        if not nodes or not _is_closed(graph, du, nodes, (first,), last, rows):
+            continue
+        softmaxes = [n for n in nodes.values() if n.op_type == "Softmax"]
+        if len(softmaxes) != 1 or not _softmax_over_last(graph, softmaxes[0]):
+            continue
+        if best is None or len(nodes) > len(best.nodes):
+            best = RowRegion(ATTENTION, (first,), tuple(nodes.values()), last, rows)
+    return best
+
+
+def _downstream(between: dict[str, onnx.NodeProto], starts: set[str]
+                ) -> dict[str, onnx.NodeProto]:
+    """The nodes of ``between`` that read ``starts`` or each other's outputs."""
+    made = set(starts)
+    chosen: dict[str, onnx.NodeProto] = {}
+    changed = True
+    while changed:
+        changed = False
+        for n in between.values():
+            if n.name not in chosen and any(i in made for i in n.input):
+                chosen[n.name] = n
+                made.update(o for o in n.output if o)
+                changed = True
+    return chosen
+
+
+def _made(region_nodes, firsts) -> set[str]:
+    made = {f.output[0] for f in firsts}
+    for n in region_nodes:
+        made.update(o for o in n.output if o)
+    return made
+
+
+def _is_closed(graph: Graph, du, nodes: dict[str, onnx.NodeProto], firsts,
+               last: onnx.NodeProto, rows: int) -> bool:
+    """Only the region reads its values, each spans the row axis, the last product's
+    first input is one of them, and every outside input splits along the rows or
+    broadcasts over them."""
+    names = set(nodes) | {last.name}
+    made = _made(nodes.values(), firsts)
+    if last.input[0] not in made or last.input[1] in made:
+        return False
+    outputs = set(graph.outputs)
+    masks = {n.output[1] for n in nodes.values() if n.op_type == "Dropout" and len(n.output) > 1}
+    for v in made - masks:
+        ti = graph.info.get(v)
+        if v in outputs or ti is None or len(ti.shape) < 2 or ti.shape[-2] != rows:
+            return False
+        if any(r.name not in names for r in du.readers.get(v, ())):
+            return False
+    for f in firsts:
+        q = graph.info.get(f.input[0])
+        if q is None or len(q.shape) < 2 or q.shape[-2] != rows:
+            return False
+    for n in nodes.values():
+        if n.op_type == "Dropout" and len(n.output) > 1 and n.output[1] \
+                and du.readers.get(n.output[1]):
+            return False          # its mask is read outside
+        for i in n.input:
+            if i and i not in made and _side_split(graph.info.get(i), rows) is None:
+                return False
+    return True
+
+
+def _side_split(ti: TensorInfo | None, rows: int) -> bool | None:
+    """True: split it with the rows; False: it broadcasts over them; None: neither."""
+    if ti is None:
+        return None
+    if len(ti.shape) < 2 or ti.shape[-2] == 1:
+        return False
+    return True if ti.shape[-2] == rows else None
+
+
+def _softmax_over_last(graph: Graph, node: onnx.NodeProto) -> bool:
+    rank = len(graph.info[node.output[0]].shape)
+    axis = attr(node, "axis", -1 if graph.opset >= 13 else 1)
+    return graph.opset >= 13 and norm_axis(axis, rank) == rank - 1
+
+
+_WHAT = {
+    ATTENTION: "a MatMul of queries by keys, row-wise nodes with one Softmax over the last "
+               "axis, and a MatMul by the values",
+    MLP: "MatMuls of one value by 2-D weights, row-wise nodes (bias, activation, gate), and "
+         "a MatMul by a 2-D weight (MLPs written with Gemm on flattened rows, as "
+         "transformers' GPT-2 exports them, are not taken)",
+}
+
+
+def chunk_regions(graph: Graph, kind: str, chunks: int, source: str) -> int:
+    """Rewrite every region of ``kind`` in ``graph`` (a forward model) over ``chunks`` row
+    chunks, in place; return how many there were."""
+    if chunks <= 1:
+        return 0
+    regions = find_regions(graph, kind)
+    if not regions:
+        raise InputError(
+            f"{source}: {FLAGS[kind]} found no {kind} to split: it looks for {_WHAT[kind]}, "
+            f"whose values nothing else reads. Build without {FLAGS[kind]}.")
+    emit = Emitter(graph, detached=True)
+    for region in regions:
+        _rewrite(graph, emit, region, chunks)
+    graph.set_nodes(graph.nodes)
+    return len(regions)
+
+
+def _rewrite(graph: Graph, emit: Emitter, region: RowRegion, chunks: int) -> None:
+    k = min(int(chunks), region.rows)
+    sizes = [region.rows * (c + 1) // k - region.rows * c // k for c in range(k)]
+    emit.nodes.clear()
+    split_of: dict[str, list[str]] = {}
+
+    def parts(v: str) -> list[str]:
+        if v not in split_of:
+            split_of[v] = split_values(emit, v, len(graph.info[v].shape) - 2, sizes)
+        return split_of[v]
+
+    outs: list[str] = []
+    for c in range(k):
+        renamed: dict[str, str] = {}
+
+        def chunk_of(v: str, c: int = c, renamed: dict[str, str] = renamed) -> str:
+            if not v or v in renamed:
+                return renamed.get(v, v)
+            return parts(v)[c] if _side_split(graph.info.get(v), region.rows) else v
+
+        for node in region.members:
+            clone = onnx.NodeProto()
+            clone.CopyFrom(node)
+            clone.name = emit.fresh(f"{node.name}/r{c}")
+            del clone.input[:]
+            if any(node is f for f in region.firsts):   # the first input's rows
+                clone.input.extend([parts(node.input[0])[c], *node.input[1:]])
+            elif node is region.last:     # the chunk's rows by the whole second input
+                clone.input.extend([renamed[node.input[0]], node.input[1]])
+            else:
+                clone.input.extend(chunk_of(i) for i in node.input)
+            del clone.output[:]
+            for o in node.output:
+                if not o or (node.op_type == "Dropout" and o != node.output[0]):
+                    clone.output.append("")
+                    continue
+                new = emit.fresh(f"{o}/r{c}")
+                ti = graph.info[o]
+                shape = list(ti.shape)
+                shape[-2] = sizes[c]
+                graph.info[new] = TensorInfo(ti.dtype, tuple(shape))
+                renamed[o] = new
+                clone.output.append(new)
+            while clone.output and not clone.output[-1]:
+                del clone.output[-1]
+            emit.nodes.append(clone)
+        outs.append(renamed[region.last.output[0]])
+    out = region.last.output[0]
+    joined = concat_values(emit, outs, len(graph.info[out].shape) - 2)
+    # The Concat writes the original output name, so its readers stay as they are.
+    emit.nodes[-1].output[0] = out
+    graph.info.pop(joined, None)
+    removed = {id(n) for n in region.members}
+    at = next(i for i, n in enumerate(graph.nodes) if n is region.last)
+    graph.nodes[:] = ([n for n in graph.nodes[:at] if id(n) not in removed] + list(emit.nodes)
+                      + [n for n in graph.nodes[at + 1:] if id(n) not in removed])
+    for v in _made(region.nodes, region.firsts):
+        graph.info.pop(v, None)
