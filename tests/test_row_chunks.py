@@ -144,6 +144,30 @@ def test_long_sequences_get_a_lower_smallest_budget_that_holds_when_run(tmp_path
     assert check["ok"] and check["measured_peak_bytes"] <= plans[8]["budget_bytes"]
 
 
+def test_the_trained_forward_model_is_exported_in_chunks(tmp_path):
+    """``memcc export`` writes the forward pass the step holds, chunked, after a training
+    step: plain ORT loads it and computes logits of the step's shape."""
+    import onnxruntime as ort
+
+    from memcc import Trainer
+    from memcc.step import TrainingStep
+
+    model = build_model("gpt2", batch=2, seq_len=8, width=32, depth=1, heads=2, vocab_size=64)
+    step = build_training_step(load_graph(model), BuildOptions(attention_chunks=2,
+                                                               mlp_chunks=2))
+    path = tmp_path / "step.onnx"
+    save_graph(step, path)
+    trainer = Trainer(path, threads=1)
+    feeds = synthetic_feeds(trainer.graph, seed=0)
+    trainer.step(feeds)
+    exported = onnx.load(str(trainer.export(tmp_path / "trained.onnx")))
+    assert sum(n.op_type == "Softmax" for n in exported.graph.node) == 2
+    data = {i.name: feeds[i.name] for i in exported.graph.input}
+    logits = ort.InferenceSession(exported.SerializeToString()).run(None, data)[0]
+    forward = TrainingStep(step).forward_outputs[0]
+    assert logits.shape == step.info[forward].shape and np.isfinite(logits).all()
+
+
 def _attention_model(probs_is_output: bool) -> onnx.ModelProto:
     """softmax(q k^T / 4 + bias) v with a learned [T, T] bias, by hand."""
     t, d = 6, 4
