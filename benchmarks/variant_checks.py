@@ -376,7 +376,7 @@ def row_chunks(args: argparse.Namespace) -> None:
         rows: list[dict] = []
         label_chunked = f"chunks {args.attention_chunks}/{args.mlp_chunks}"
         for label, step in (("whole", whole), (label_chunked, chunked)):
-            where = tmp / label.replace(" ", "_")
+            where = tmp / ("whole" if step is whole else "chunked")
             where.mkdir()
             path = where / "step.onnx"
             save_graph(step, path)
