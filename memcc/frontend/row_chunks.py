@@ -22,8 +22,11 @@ Regions are found by structure, not by names:
 - attention: a MatMul whose first input is computed from another MatMul's output by
   row-wise nodes only (elementwise ops with broadcasting, Softmax over the last axis,
   Dropout, the NaN guards of transformers' exports), with exactly one Softmax among them;
-- MLP: a MatMul by a 2-D weight whose first input is computed by row-wise nodes from
-  MatMuls of one value by 2-D weights (one for a plain MLP, two for a gated one);
+- MLP: a MatMul (or Gemm) by a 2-D weight whose first input is computed by row-wise nodes
+  from MatMuls of one value by 2-D weights (one for a plain MLP, two for a gated one). Where
+  the products run on flattened [tokens, width] rows and Reshapes turn them into [batch,
+  tokens, width] for the activation and back (transformers' GPT-2 writes its Conv1D layers
+  so), the chunks stay flat and the Reshapes are dropped from them;
 - in both, nothing outside reads the region's values, and every other input of its nodes
   (a scale, a mask, a bias) either spans the row axis (it is split too) or broadcasts
   over it.
@@ -78,6 +81,9 @@ class RowRegion:
     nodes: tuple[onnx.NodeProto, ...]   # in graph order
     last: onnx.NodeProto
     rows: int                           # the length of the row axis (-2)
+    # The products run on flattened 2-D rows and the region reshapes them (the chunks stay
+    # 2-D: its Reshapes are dropped, its other inputs are scalars or per-column vectors).
+    flat: bool = False
 
     @property
     def members(self) -> tuple[onnx.NodeProto, ...]:
@@ -91,7 +97,7 @@ def find_regions(graph: Graph, kind: str) -> list[RowRegion]:
     found: list[RowRegion] = []
     taken: set[int] = set()
     for node in graph.nodes:
-        if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx"):
+        if not _is_product(graph, node, kind):
             continue
         region = _region_ending_at(graph, du, node, kind)
         if region is None or any(id(n) in taken for n in region.members):
@@ -99,7 +105,7 @@ def find_regions(graph: Graph, kind: str) -> list[RowRegion]:
         taken.update(id(n) for n in region.members)
         found.append(RowRegion(kind, region.firsts,
                                tuple(sorted(region.nodes, key=lambda n: order[id(n)])),
-                               region.last, region.rows))
+                               region.last, region.rows, region.flat))
     return found
 
 
@@ -116,6 +122,27 @@ def _is_weight(graph: Graph, name: str) -> bool:
     return ti is not None and len(ti.shape) == 2
 
 
+def _is_product(graph: Graph, node: onnx.NodeProto, kind: str) -> bool:
+    """A MatMul; for MLPs also a Gemm of rows by a 2-D weight plus a per-column bias."""
+    if node.domain not in ("", "ai.onnx"):
+        return False
+    if node.op_type == "MatMul":
+        return True
+    if kind != MLP or node.op_type != "Gemm" or attr(node, "transA", 0):
+        return False
+    bias = graph.info.get(node.input[2]) if len(node.input) > 2 and node.input[2] else None
+    return _is_weight(graph, node.input[1]) and (bias is None or len(bias.shape) <= 1)
+
+
+def _keeps_rows(graph: Graph, node: onnx.NodeProto) -> bool:
+    """A Reshape that only regroups the leading axes (the last one, the width, stays)."""
+    if node.op_type != "Reshape":
+        return False
+    a, b = graph.info.get(node.input[0]), graph.info.get(node.output[0])
+    return (a is not None and b is not None and len(a.shape) >= 2 and len(b.shape) >= 2
+            and a.shape[-1] == b.shape[-1] and a.numel == b.numel)
+
+
 def _region_ending_at(graph: Graph, du, last: onnx.NodeProto, kind: str) -> RowRegion | None:
     a = last.input[0]
     ai = graph.info.get(a)
@@ -123,7 +150,6 @@ def _region_ending_at(graph: Graph, du, last: onnx.NodeProto, kind: str) -> RowR
         return None
     if kind == MLP and not _is_weight(graph, last.input[1]):
         return None
-    rows = ai.shape[-2]
     # Walk back from the last product's input over row-wise nodes to the first products.
     between: dict[str, onnx.NodeProto] = {}
     products: dict[str, onnx.NodeProto] = {}
@@ -132,23 +158,30 @@ def _region_ending_at(graph: Graph, du, last: onnx.NodeProto, kind: str) -> RowR
         p = du.producer.get(stack.pop())
         if p is None or p.name in between or p.name in products:
             continue
-        if p.op_type == "MatMul" and p.domain in ("", "ai.onnx"):
+        if _is_product(graph, p, kind):
             products[p.name] = p
             continue
-        if p.op_type not in _ROW_WISE[kind] or p.domain not in ("", "ai.onnx"):
+        if p.domain not in ("", "ai.onnx") or not (
+                p.op_type in _ROW_WISE[kind] or (kind == MLP and _keeps_rows(graph, p))):
             continue
         between[p.name] = p
-        stack.extend(i for i in p.input if i)
+        # A Reshape's shape input is not data; every other input may come from the region.
+        stack.extend(i for i in (p.input[:1] if p.op_type == "Reshape" else p.input) if i)
     if kind == ATTENTION:
-        return _attention(graph, du, between, products.values(), last, rows)
+        return _attention(graph, du, between, products.values(), last, ai.shape[-2])
     firsts = tuple(products.values())
     if not firsts or any(not _is_weight(graph, f.input[1]) for f in firsts) \
             or len({f.input[0] for f in firsts}) != 1:
         return None
     nodes = _downstream(between, {f.output[0] for f in firsts})
-    if not nodes or not _is_closed(graph, du, nodes, firsts, last, rows):
+    flat = any(n.op_type == "Reshape" for n in nodes.values())
+    x = graph.info.get(firsts[0].input[0])
+    if not nodes or x is None or (flat and (len(x.shape) != 2 or len(ai.shape) != 2)):
         return None
-    return RowRegion(MLP, firsts, tuple(nodes.values()), last, rows)
+    rows = x.shape[0] if flat else ai.shape[-2]
+    if not _is_closed(graph, du, nodes, firsts, last, rows, flat):
+        return None
+    return RowRegion(MLP, firsts, tuple(nodes.values()), last, rows, flat)
 
 
 def _attention(graph: Graph, du, between: dict[str, onnx.NodeProto], products,
@@ -192,19 +225,21 @@ def _made(region_nodes, firsts) -> set[str]:
 
 
 def _is_closed(graph: Graph, du, nodes: dict[str, onnx.NodeProto], firsts,
-               last: onnx.NodeProto, rows: int) -> bool:
-    """Only the region reads its values, each spans the row axis, the last product's
-    first input is one of them, and every outside input splits along the rows or
-    broadcasts over them."""
+               last: onnx.NodeProto, rows: int, flat: bool = False) -> bool:
+    """Only the region reads its values, each spans the row axis (``flat``: its leading
+    axes hold the rows), the last product's first input is one of them, and every outside
+    input splits along the rows or broadcasts over them."""
     names = set(nodes) | {last.name}
     made = _made(nodes.values(), firsts)
-    if last.input[0] not in made or last.input[1] in made:
+    if last.input[0] not in made or any(i in made for i in last.input[1:]):
         return False
     outputs = set(graph.outputs)
     masks = {n.output[1] for n in nodes.values() if n.op_type == "Dropout" and len(n.output) > 1}
     for v in made - masks:
         ti = graph.info.get(v)
-        if v in outputs or ti is None or len(ti.shape) < 2 or ti.shape[-2] != rows:
+        if v in outputs or ti is None or len(ti.shape) < 2:
+            return False
+        if (ti.numel // ti.shape[-1] if flat else ti.shape[-2]) != rows:
             return False
         if any(r.name not in names for r in du.readers.get(v, ())):
             return False
@@ -216,16 +251,21 @@ def _is_closed(graph: Graph, du, nodes: dict[str, onnx.NodeProto], firsts,
         if n.op_type == "Dropout" and len(n.output) > 1 and n.output[1] \
                 and du.readers.get(n.output[1]):
             return False          # its mask is read outside
+        if n.op_type == "Reshape":
+            continue              # its shape input is dropped with it in the chunks
         for i in n.input:
-            if i and i not in made and _side_split(graph.info.get(i), rows) is None:
+            if i and i not in made and _side_split(graph.info.get(i), rows, flat) is None:
                 return False
     return True
 
 
-def _side_split(ti: TensorInfo | None, rows: int) -> bool | None:
-    """True: split it with the rows; False: it broadcasts over them; None: neither."""
+def _side_split(ti: TensorInfo | None, rows: int, flat: bool = False) -> bool | None:
+    """True: split it with the rows; False: it broadcasts over them; None: neither. On
+    flat chunks only scalars and per-column vectors broadcast the same way."""
     if ti is None:
         return None
+    if flat:
+        return False if len(ti.shape) <= 1 else None
     if len(ti.shape) < 2 or ti.shape[-2] == 1:
         return False
     return True if ti.shape[-2] == rows else None
@@ -240,9 +280,8 @@ def _softmax_over_last(graph: Graph, node: onnx.NodeProto) -> bool:
 _WHAT = {
     ATTENTION: "a MatMul of queries by keys, row-wise nodes with one Softmax over the last "
                "axis, and a MatMul by the values",
-    MLP: "MatMuls of one value by 2-D weights, row-wise nodes (bias, activation, gate), and "
-         "a MatMul by a 2-D weight (MLPs written with Gemm on flattened rows, as "
-         "transformers' GPT-2 exports them, are not taken)",
+    MLP: "MatMuls (or Gemms) of one value by 2-D weights, row-wise nodes (bias, activation, "
+         "gate, Reshapes of flattened rows), and a MatMul by a 2-D weight",
 }
 
 
@@ -281,17 +320,21 @@ def _rewrite(graph: Graph, emit: Emitter, region: RowRegion, chunks: int) -> Non
         def chunk_of(v: str, c: int = c, renamed: dict[str, str] = renamed) -> str:
             if not v or v in renamed:
                 return renamed.get(v, v)
-            return parts(v)[c] if _side_split(graph.info.get(v), region.rows) else v
+            split = _side_split(graph.info.get(v), region.rows, region.flat)
+            return parts(v)[c] if split else v
 
         for node in region.members:
+            if region.flat and node.op_type == "Reshape":
+                renamed[node.output[0]] = chunk_of(node.input[0])   # chunks stay flat
+                continue
             clone = onnx.NodeProto()
             clone.CopyFrom(node)
             clone.name = emit.fresh(f"{node.name}/r{c}")
             del clone.input[:]
             if any(node is f for f in region.firsts):   # the first input's rows
                 clone.input.extend([parts(node.input[0])[c], *node.input[1:]])
-            elif node is region.last:     # the chunk's rows by the whole second input
-                clone.input.extend([renamed[node.input[0]], node.input[1]])
+            elif node is region.last:     # the chunk's rows by the whole weight (and bias)
+                clone.input.extend([renamed[node.input[0]], *node.input[1:]])
             else:
                 clone.input.extend(chunk_of(i) for i in node.input)
             del clone.output[:]
@@ -301,7 +344,7 @@ def _rewrite(graph: Graph, emit: Emitter, region: RowRegion, chunks: int) -> Non
                     continue
                 new = emit.fresh(f"{o}/r{c}")
                 ti = graph.info[o]
-                shape = list(ti.shape)
+                shape = [sizes[c], ti.shape[-1]] if region.flat else list(ti.shape)
                 shape[-2] = sizes[c]
                 graph.info[new] = TensorInfo(ti.dtype, tuple(shape))
                 renamed[o] = new
