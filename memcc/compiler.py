@@ -374,11 +374,14 @@ def _load(model, label: str, options: CompileOptions):
     if not is_training_step(graph):
         graph = build_training_step(graph, options.build, source=label)
         built = True
-    params = TrainingStep.of(graph).parameters
+    step = TrainingStep.of(graph)
+    params = step.parameters
     return graph, {
         "model": label, "built_training_step": built, "nodes": len(graph.nodes),
         "parameters": len(params),
         "parameter_bytes": int(sum(graph.info[p].nbytes for p in params)),
+        # Attentions / MLPs over row chunks (memcc build --attention-chunks/--mlp-chunks).
+        **({"row_chunks": step.row_chunks} if step.row_chunks else {}),
     }
 
 

@@ -126,6 +126,8 @@ class TrainingStep:
             self._json(FORWARD_OUTPUTS_KEY, [], list))
         # {"inputs": [h, W], "output": logits} when built with --loss-chunks, else None
         self.loss_projection: dict | None = self._json(PROJECTION_KEY, None, dict)
+        # {"attention": {"chunks": K, "regions": n}, "mlp": ...} with row chunks, else {}
+        self.row_chunks: dict = dict(self._json(ROW_CHUNKS_KEY, {}, dict))
         ranges: dict[str, tuple[int, int]] = {}
         for k, v in self._json(INT_RANGES_KEY, {}, dict).items():
             try:

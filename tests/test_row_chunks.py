@@ -140,6 +140,11 @@ def test_long_sequences_get_a_lower_smallest_budget_that_holds_when_run(tmp_path
     assert chunked < 0.6 * whole, (whole, chunked)
     check = plans[8]["verification"]
     assert check["ok"] and check["measured_peak_bytes"] <= plans[8]["budget_bytes"]
+    loads = {k: next(p["summary"] for p in r["passes"] if p["name"] == "load")
+             for k, r in plans.items()}
+    assert "row_chunks" not in loads[1]
+    assert loads[8]["row_chunks"] == {"attention": {"chunks": 8, "regions": 2},
+                                      "mlp": {"chunks": 8, "regions": 2}}
 
 
 def test_the_trained_forward_model_is_exported_in_chunks(tmp_path):
