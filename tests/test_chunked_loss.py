@@ -14,7 +14,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from threads import run_at_threads, run_once
+from threads import assert_step_matches
 
 from memcc import Trainer
 from memcc.backend.onnx_file import save_graph
@@ -33,19 +33,7 @@ from models import build_model
 
 
 def compare(plain: Graph, chunked: Graph) -> None:
-    """The step outputs: the loss, and per parameter its new value and its new momentum,
-    which from the zero initial state is its gradient."""
-    feeds = synthetic_feeds(plain, seed=0)
-    ref = run_once(plain, feeds, 1)
-    names = [k for k in ref if k in set(chunked.outputs)]
-    assert len(names) == len(ref)
-    top = max(float(np.abs(ref[k]).max()) for k in names)
-    # At 1, 2 and 4 intra-op threads, each run twice in fresh sessions (the same bits).
-    for threads, got in run_at_threads(chunked, feeds, threads=(1, 2, 4)).items():
-        for k in names:
-            scale = max(float(np.abs(ref[k]).max()), 1e-5 * top)
-            err = float(np.abs(got[k].astype(np.float64) - ref[k]).max()) / scale
-            assert err <= LOSS_CHUNKS_TOLERANCE, (threads, k, err)
+    assert_step_matches(plain, chunked, LOSS_CHUNKS_TOLERANCE)
 
 
 @pytest.mark.parametrize("chunks", [3, 8])

@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper
-from threads import run_at_threads, run_once
+from threads import assert_step_matches
 
 from memcc.backend.onnx_file import save_graph
 from memcc.backend.runner import synthetic_feeds
@@ -31,17 +31,7 @@ from models import build_model
 
 
 def compare(whole: Graph, chunked: Graph) -> None:
-    """The step outputs: the loss, and per parameter its new value and its new momentum,
-    which from the zero initial state is its gradient."""
-    feeds = synthetic_feeds(whole, seed=0)
-    ref = run_once(whole, feeds, 1)
-    assert set(ref) == set(chunked.outputs)
-    top = max(float(np.abs(ref[k]).max()) for k in ref)
-    for threads, got in run_at_threads(chunked, feeds, threads=(1, 2, 4)).items():
-        for k in ref:
-            scale = max(float(np.abs(ref[k]).max()), 1e-5 * top)
-            err = float(np.abs(got[k].astype(np.float64) - ref[k]).max()) / scale
-            assert err <= ROW_CHUNKS_TOLERANCE, (threads, k, err)
+    assert_step_matches(whole, chunked, ROW_CHUNKS_TOLERANCE)
 
 
 def softmax_rows(step: Graph) -> list[int]:

@@ -55,3 +55,23 @@ def run_at_threads(graph: Graph, feeds: Mapping[str, np.ndarray],
                              f"{len(bad)} outputs: {bad[:5]}")
         results[n] = first
     return results
+
+
+def assert_step_matches(reference: Graph, step: Graph, tolerance: float,
+                        threads: Sequence[int] = (1, 2, 4)) -> None:
+    """``step`` (a rewrite of ``reference`` with the same outputs: the loss, and per
+    parameter its new value and momentum, which from the zero initial state is its
+    gradient) within ``tolerance`` relative of ``reference`` at one thread, at each thread
+    count, each run twice with the same bits. Outputs far below the largest are held
+    to ``tolerance`` of 1e-5 of it (their relative error is rounding noise)."""
+    from memcc.backend.runner import synthetic_feeds
+
+    feeds = synthetic_feeds(reference, seed=0)
+    ref = run_once(reference, feeds, 1)
+    assert set(ref) <= set(step.outputs), sorted(set(ref) - set(step.outputs))
+    top = max(float(np.abs(ref[k]).max()) for k in ref)
+    for n, got in run_at_threads(step, feeds, threads=threads).items():
+        for k in ref:
+            scale = max(float(np.abs(ref[k]).max()), 1e-5 * top)
+            err = float(np.abs(got[k].astype(np.float64) - ref[k]).max()) / scale
+            assert err <= tolerance, (n, k, err)
