@@ -37,6 +37,7 @@ from memcc.backend.profiling import calibrate_cpu_rates, measured_costs
 from memcc.errors import InputError, MemccError
 from memcc.frontend.build import BuildOptions, build_training_step, is_training_step
 from memcc.frontend.load import load_graph
+from memcc.frontend.row_chunks import ATTENTION, FLAGS, MLP, find_regions
 from memcc.graph import Graph, node_label
 from memcc.passes.cost_model import (
     CUDA_NOMINAL,
@@ -200,7 +201,7 @@ def compile_model(model: str | os.PathLike, options: CompileOptions, *,
             f"{format_size(need)} ({need:,} bytes; strategy {options.strategy}, with "
             f"{options.margin:.0%} + {options.slack_bytes:,} bytes of safety margin). "
             f"Nothing was written. Use --budget {need} "
-            "or more, --budget min, or a smaller batch.",
+            "or more, --budget min, or a smaller batch." + _chunks_hint(passes[0].summary),
             budget=budget or 0, smallest=need,
         ) from None
     plan_sim = outcome.best
@@ -367,11 +368,30 @@ class VerificationError(MemccError):
         self.report = report
 
 
+def _chunks_hint(load_summary: dict) -> str:
+    """Where the model has attentions or MLPs left whole, the flags that split them."""
+    found = load_summary.get("splittable") or {}
+    if not found:
+        return ""
+    what = " and ".join(f"{n} {'attention' if kind == ATTENTION else 'MLP'}"
+                        f"{'s' if n > 1 else ''} ({FLAGS[kind]} K)"
+                        for kind, n in found.items())
+    return (f" The model also has {what} that row chunks can split, which lowers the "
+            "smallest budget where their tensors are the largest (docs/VARIANTS.md, "
+            "\"Attentions and MLPs over row chunks\").")
+
+
 # ---------------------------------------------------------------------------- stages
 def _load(model, label: str, options: CompileOptions):
     graph = load_graph(model, options.dims, source=label)
     built = False
+    splittable: dict[str, int] = {}
     if not is_training_step(graph):
+        # What row chunks could split that this build leaves whole (a hint if nothing fits).
+        for kind, k in ((ATTENTION, options.build.attention_chunks),
+                        (MLP, options.build.mlp_chunks)):
+            if k == 1 and (n := len(find_regions(graph, kind))):
+                splittable[kind] = n
         graph = build_training_step(graph, options.build, source=label)
         built = True
     step = TrainingStep.of(graph)
@@ -382,6 +402,7 @@ def _load(model, label: str, options: CompileOptions):
         "parameter_bytes": int(sum(graph.info[p].nbytes for p in params)),
         # Attentions / MLPs over row chunks (memcc build --attention-chunks/--mlp-chunks).
         **({"row_chunks": step.row_chunks} if step.row_chunks else {}),
+        **({"splittable": splittable} if splittable else {}),
     }
 
 
