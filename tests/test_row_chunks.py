@@ -55,13 +55,13 @@ def test_zoo_gpt2_matches_whole_attention(chunks):
     compare(whole, chunked)
 
 
-def test_zoo_gpt2_mlps_match_whole_mlps_with_attentions_chunked_too():
+def test_zoo_gpt2_mlps_match_whole_mlps_with_attentions_and_the_loss_chunked_too():
     model = build_model("gpt2", batch=3, seq_len=10, width=32, depth=2, heads=2,
                         vocab_size=96)
     whole = build_training_step(load_graph(model), BuildOptions())
     assert len(find_mlps(load_graph(model))) == 2
-    chunked = build_training_step(load_graph(model),
-                                  BuildOptions(mlp_chunks=3, attention_chunks=4))
+    chunked = build_training_step(load_graph(model), BuildOptions(
+        mlp_chunks=3, attention_chunks=4, loss_chunks=3))
     hidden = [chunked.info[n.output[0]].shape for n in chunked.nodes
               if n.op_type == "Tanh" and not n.name.startswith("grad/")]
     assert len(hidden) == 2 * 3 and all(s[-2] <= 4 for s in hidden), hidden
