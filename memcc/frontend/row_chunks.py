@@ -143,6 +143,15 @@ def _keeps_rows(graph: Graph, node: onnx.NodeProto) -> bool:
             and a.shape[-1] == b.shape[-1] and a.numel == b.numel)
 
 
+def _splits_columns(graph: Graph, node: onnx.NodeProto) -> bool:
+    """A Split along the last axis: a fused gate-and-up product's two halves (Phi-3)."""
+    if node.op_type != "Split":
+        return False
+    x = graph.info.get(node.input[0])
+    return x is not None and len(x.shape) >= 2 and \
+        norm_axis(attr(node, "axis", 0), len(x.shape)) == len(x.shape) - 1
+
+
 def _region_ending_at(graph: Graph, du, last: onnx.NodeProto, kind: str) -> RowRegion | None:
     a = last.input[0]
     ai = graph.info.get(a)
@@ -162,7 +171,8 @@ def _region_ending_at(graph: Graph, du, last: onnx.NodeProto, kind: str) -> RowR
             products[p.name] = p
             continue
         if p.domain not in ("", "ai.onnx") or not (
-                p.op_type in _ROW_WISE[kind] or (kind == MLP and _keeps_rows(graph, p))):
+                p.op_type in _ROW_WISE[kind] or (kind == MLP and (
+                    _keeps_rows(graph, p) or _splits_columns(graph, p)))):
             continue
         between[p.name] = p
         # A Reshape's shape input is not data; every other input may come from the region.
