@@ -220,6 +220,34 @@ def test_a_split_side_input_gets_its_gradient_and_shared_values_are_left_whole()
     assert find_attentions(load_graph(_attention_model(True))) == []
 
 
+def test_a_fused_gate_and_up_product_split_by_columns():
+    """Phi-3's MLP: one product makes gate and up side by side, a Split along the last axis
+    takes them apart, silu(gate) * up goes down: one MLP, chunked, the same gradients."""
+    t, c, h = 6, 4, 8
+    rng = np.random.default_rng(1)
+    inits = [helper.make_tensor(n, TensorProto.FLOAT, sh, rng.standard_normal(sh).ravel())
+             for n, sh in (("w_gate_up", [c, 2 * h]), ("w_down", [h, c]))]
+    inits.append(helper.make_tensor("halves", TensorProto.INT64, [2], [h, h]))
+    nodes = [
+        helper.make_node("MatMul", ["x", "w_gate_up"], ["gu"]),
+        helper.make_node("Split", ["gu", "halves"], ["gate", "up"], axis=-1),
+        helper.make_node("Sigmoid", ["gate"], ["sg"]),
+        helper.make_node("Mul", ["gate", "sg"], ["silu"]),
+        helper.make_node("Mul", ["silu", "up"], ["hidden"]),
+        helper.make_node("MatMul", ["hidden", "w_down"], ["y"]),
+    ]
+    model = helper.make_model(helper.make_graph(
+        nodes, "gated", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, t, c])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, t, c])], inits),
+        opset_imports=[helper.make_opsetid("", 17)])
+    mlps = find_mlps(load_graph(model))
+    assert len(mlps) == 1 and any(n.op_type == "Split" for n in mlps[0].nodes)
+    whole = build_training_step(load_graph(model), BuildOptions(loss="mse"))
+    chunked = build_training_step(load_graph(model), BuildOptions(loss="mse", mlp_chunks=3))
+    assert sum(n.op_type == "Split" and n.input[0] == "x" for n in chunked.nodes) == 1
+    compare(whole, chunked)
+
+
 def test_what_it_cannot_take_is_refused_clearly():
     with pytest.raises(InputError, match="--attention-chunks 0: give 1"):
         BuildOptions(attention_chunks=0)
