@@ -354,6 +354,7 @@ def row_chunks(args: argparse.Namespace) -> None:
         prepare_timing_job,
         time_ort,
     )
+    from benchmarks.stats import ratio_interval
     from memcc.backend.onnx_file import save_graph
     from memcc.passes.cost_model import NOMINAL_CPU
     from memcc.passes.liveness import analyze_liveness
@@ -397,7 +398,7 @@ def row_chunks(args: argparse.Namespace) -> None:
           "overhead (own step) | measured time / whole as built |\n|---|---|---|---|---|---|")
     for i, r in enumerate(ok):
         t = timed["times"][f"v{i}"]
-        ratio = "1" if i == 0 else ratio_interval_cell(base, t)
+        ratio = "1" if i == 0 else ratio_interval(base, t).cell()
         budget = f"{r['budget_bytes'] / 1e6:.1f}" if r.get("budget_bytes") else "-"
         print(f"| {r['label']} | {budget} | "
               f"{r['predicted_peak_bytes'] / 1e6:.1f} | {r['measured_peak_bytes'] / 1e6:.1f} | "
@@ -405,12 +406,6 @@ def row_chunks(args: argparse.Namespace) -> None:
     for r in rows:
         if "error" in r:
             print(f"| {r['label']} | | {r['error']} | | | |")
-
-
-def ratio_interval_cell(base: list[float], times: list[float]) -> str:
-    from benchmarks.stats import ratio_interval
-
-    return ratio_interval(base, times).cell()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -368,7 +368,7 @@ def compile_cmd(
             allow_lossy=allow_lossy,
             build=BuildOptions(loss=loss, optimizer=optimizer, lr=lr,
                                loss_chunks=loss_chunks, attention_chunks=attention_chunks,
-                            mlp_chunks=mlp_chunks),
+                               mlp_chunks=mlp_chunks),
             dims=parse_dims(dim),
         )
         with err.status("compiling") as status:

@@ -201,7 +201,8 @@ def compile_model(model: str | os.PathLike, options: CompileOptions, *,
             f"{format_size(need)} ({need:,} bytes; strategy {options.strategy}, with "
             f"{options.margin:.0%} + {options.slack_bytes:,} bytes of safety margin). "
             f"Nothing was written. Use --budget {need} "
-            "or more, --budget min, or a smaller batch." + _chunks_hint(passes[0].summary),
+            "or more, --budget min, or a smaller batch."
+            + _chunks_hint(next(p.summary for p in passes if p.name == "load")),
             budget=budget or 0, smallest=need,
         ) from None
     plan_sim = outcome.best

@@ -38,13 +38,13 @@ the tier is equivalent, within ``ROW_CHUNKS_TOLERANCE`` (tests/test_row_chunks.p
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import onnx
 
 from memcc.errors import InputError
 from memcc.frontend.emit import Emitter
-from memcc.frontend.gradients.shape_ops import concat_values, norm_axis, split_values
+from memcc.frontend.gradients.shape_ops import norm_axis, split_values
 from memcc.graph import Graph, TensorInfo, attr
 
 # Relative difference of the loss and every gradient to the whole regions', at 1, 2 and 4
@@ -103,9 +103,9 @@ def find_regions(graph: Graph, kind: str) -> list[RowRegion]:
         if region is None or any(id(n) in taken for n in region.members):
             continue
         taken.update(id(n) for n in region.members)
-        found.append(RowRegion(kind, region.firsts,
-                               tuple(sorted(region.nodes, key=lambda n: order[id(n)])),
-                               region.last, region.rows, region.flat))
+        # Graph order, so that each chunk's clones are emitted producers first.
+        found.append(replace(region, nodes=tuple(sorted(region.nodes,
+                                                        key=lambda n: order[id(n)]))))
     return found
 
 
@@ -306,16 +306,30 @@ def chunk_regions(graph: Graph, kind: str, chunks: int, source: str) -> int:
             f"{source}: {FLAGS[kind]} found no {kind} to split: it looks for {_WHAT[kind]}, "
             f"whose values nothing else reads. Build without {FLAGS[kind]}.")
     emit = Emitter(graph, detached=True)
-    for region in regions:
-        _rewrite(graph, emit, region, chunks)
-    graph.set_nodes(graph.nodes)
+    # Each region's chunked nodes take the place of its last product (every input of the
+    # region exists by then, and its output's readers come after); one pass over the nodes.
+    instead = {id(r.last): _rewrite(graph, emit, r, chunks) for r in regions}
+    removed = {id(n) for r in regions for n in r.members}
+    nodes: list[onnx.NodeProto] = []
+    for n in graph.nodes:
+        if id(n) in instead:
+            nodes.extend(instead[id(n)])
+        elif id(n) not in removed:
+            nodes.append(n)
+    graph.set_nodes(nodes)
+    for r in regions:
+        for v in _made(r.nodes, r.firsts):
+            graph.info.pop(v, None)
     return len(regions)
 
 
-def _rewrite(graph: Graph, emit: Emitter, region: RowRegion, chunks: int) -> None:
+def _rewrite(graph: Graph, emit: Emitter, region: RowRegion,
+             chunks: int) -> list[onnx.NodeProto]:
+    """The nodes that compute ``region`` over ``chunks`` row chunks, its output joined
+    under the original name."""
     k = min(int(chunks), region.rows)
     sizes = [region.rows * (c + 1) // k - region.rows * c // k for c in range(k)]
-    emit.nodes.clear()
+    start = len(emit.nodes)
     split_of: dict[str, list[str]] = {}
 
     def parts(v: str) -> list[str]:
@@ -354,9 +368,8 @@ def _rewrite(graph: Graph, emit: Emitter, region: RowRegion, chunks: int) -> Non
                     continue
                 new = emit.fresh(f"{o}/r{c}")
                 ti = graph.info[o]
-                shape = [sizes[c], ti.shape[-1]] if region.flat else list(ti.shape)
-                shape[-2] = sizes[c]
-                graph.info[new] = TensorInfo(ti.dtype, tuple(shape))
+                lead = () if region.flat else ti.shape[:-2]   # flat chunks stay 2-D
+                graph.info[new] = TensorInfo(ti.dtype, (*lead, sizes[c], ti.shape[-1]))
                 renamed[o] = new
                 clone.output.append(new)
             while clone.output and not clone.output[-1]:
@@ -364,13 +377,7 @@ def _rewrite(graph: Graph, emit: Emitter, region: RowRegion, chunks: int) -> Non
             emit.nodes.append(clone)
         outs.append(renamed[region.last.output[0]])
     out = region.last.output[0]
-    joined = concat_values(emit, outs, len(graph.info[out].shape) - 2)
-    # The Concat writes the original output name, so its readers stay as they are.
-    emit.nodes[-1].output[0] = out
-    graph.info.pop(joined, None)
-    removed = {id(n) for n in region.members}
-    at = next(i for i, n in enumerate(graph.nodes) if n is region.last)
-    graph.nodes[:] = ([n for n in graph.nodes[:at] if id(n) not in removed] + list(emit.nodes)
-                      + [n for n in graph.nodes[at + 1:] if id(n) not in removed])
-    for v in _made(region.nodes, region.firsts):
-        graph.info.pop(v, None)
+    # Joined under the original name, so the output's readers stay as they are.
+    emit.op("Concat", outs, outputs=[out], axis=len(graph.info[out].shape) - 2,
+            info=graph.info[out])
+    return emit.nodes[start:]
