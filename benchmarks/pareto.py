@@ -12,8 +12,15 @@ Why it is built this way:
   not depend on how busy the machine was while profiling (``--cost measured`` is allowed).
 - Peaks are measured, never copied from a plan: memcc's steps by ``memcc.backend.runner``
   (high-water mark in a fresh child with the measuring allocator), PyTorch's by
-  ``benchmarks.torch_peer`` the same way. Timing runs in separate children with glibc's
-  default allocator, as ``memcc run`` does (``memory.timing_env``).
+  ``benchmarks.torch_peer`` the same way. Timing runs in separate children
+  (``--timing-allocator``): with glibc's default allocator, as ``memcc run`` does
+  (``memory.timing_env``), and with ORT's CPU arena. The two answer different questions.
+  Under glibc's default the freed heap goes back to the kernel and every step faults its
+  pages in again, which costs the step as built more than a leaner plan (BENCHMARKS.md,
+  "Allocators"), and the process holds far more than the plan's peak. Under the arena
+  nothing faults and the process holds close to the plan's peak, so its ratio is the one
+  whose memory holds. ``held_*`` is what the timing process held: its high-water mark
+  over its resident size before the first step, for each step in a child of its own.
 - Plans that rewrite the step to the same node list (``auto`` often picks the ``ilp`` plan;
   a budget above the peak needs no rewrite) are measured once and the other rows say
   "same step as ...", so the interleaved rounds stay short enough to repeat.
@@ -174,13 +181,31 @@ def prepare_timing_job(name: str, path: Path, tmp: Path) -> dict:
             "feeds": payload["feeds"], "outputs": payload["outputs"]}
 
 
+ALLOCATORS = ("glibc", "arena")
+SUFFIX = {"glibc": "", "arena": "_arena"}   # row keys: ratio, ratio_arena, ...
+
+
 def time_ort(jobs: list[dict], rounds: int, warmup: int, seed: int, timeout_s: float | None,
-             min_seconds: float = 0.0, max_rounds: int | None = None) -> dict:
-    """Interleaved rounds of every step in one child with glibc's default allocator."""
+             min_seconds: float = 0.0, max_rounds: int | None = None,
+             allocator: str = "glibc") -> dict:
+    """Interleaved rounds of every step in one child: with glibc's default allocator, or
+    (``allocator="arena"``) through ORT's CPU arena, the one ``memcc run --arena`` uses."""
     payload = {"jobs": jobs, "rounds": rounds, "warmup": warmup, "order": "random",
-               "seed": seed, "min_seconds": min_seconds, "max_rounds": max_rounds}
+               "seed": seed, "min_seconds": min_seconds, "max_rounds": max_rounds,
+               "allocator": allocator}
     return memory.run_child("benchmarks.pareto", payload, timeout_s=timeout_s,
                             measuring=False)
+
+
+def held_bytes(job: dict, allocator: str, steps: int, timeout_s: float | None) -> int:
+    """What a process running ``job`` holds: its resident high-water mark over ``steps``
+    steps, over its resident size once the session and feeds are ready. ``allocator``:
+    ``exact`` (the measuring child's mmap per buffer), ``glibc`` or ``arena`` (as timed)."""
+    payload = {"held": True, "jobs": [job], "steps": steps,
+               "allocator": "glibc" if allocator == "exact" else allocator}
+    out = memory.run_child("benchmarks.pareto", payload, timeout_s=timeout_s,
+                           measuring=allocator == "exact")
+    return int(out["held_bytes"])
 
 
 def _time_child(payload: dict) -> dict:
@@ -193,6 +218,9 @@ def _time_child(payload: dict) -> dict:
     """
     from memcc.backend.session import make_session
 
+    arena = payload.get("allocator", "glibc") == "arena"
+    if payload.get("held"):
+        return _held_child(payload, arena)
     shared: dict[tuple, np.ndarray] = {}
 
     def load(path: str) -> dict[str, np.ndarray]:
@@ -206,7 +234,7 @@ def _time_child(payload: dict) -> dict:
 
     fns = {}
     for job in payload["jobs"]:
-        session = make_session(job["session_model"], "cpu")
+        session = make_session(job["session_model"], "cpu", cpu_arena=arena)
         feeds = load(job["feeds"])
         outputs = list(job["outputs"])
         fns[job["name"]] = (lambda s=session, f=feeds, o=outputs: s.run(o, f))
@@ -215,7 +243,25 @@ def _time_child(payload: dict) -> dict:
                               seed=int(payload["seed"]),
                               min_seconds=float(payload.get("min_seconds") or 0.0),
                               max_rounds=payload.get("max_rounds"))
-    return {"times": times, "method": "interleaved rounds in one process, default allocator"}
+    allocator = "ORT's CPU arena" if arena else "glibc's default allocator"
+    return {"times": times, "method": f"interleaved rounds in one process, {allocator}"}
+
+
+def _held_child(payload: dict, arena: bool) -> dict:
+    """Child side of ``held_bytes``: one step's session, run ``steps`` times."""
+    from memcc.backend.session import make_session
+
+    job = payload["jobs"][0]
+    session = make_session(job["session_model"], "cpu", cpu_arena=arena)
+    with np.load(job["feeds"], allow_pickle=False) as npz:
+        feeds = {k: npz[k] for k in npz.files}
+    outputs = list(job["outputs"])
+    meter = memory.CpuPeakMeter()
+    meter.set_baseline()
+    meter.start()
+    for _ in range(int(payload["steps"])):
+        session.run(outputs, feeds)
+    return {"held_bytes": meter.stop()}
 
 
 def measure_peak(path: Path, steps: int) -> dict:
@@ -255,33 +301,47 @@ def memcc_section(name: str, opts: dict, args: argparse.Namespace, tmp: Path, lo
     meta = {"fixed": fixed, "act": act, "baseline_s": None}
     if "error" in original:
         return rows, meta
-    try:
-        jobs = [prepare_timing_job(f"v{i}", Path(r["path"]), tmp)
-                for i, r in enumerate(distinct)]
-        log(f"  timing {len(jobs)} distinct steps x {args.rounds} rounds, interleaved ...")
-        t0 = time.perf_counter()
-        timed = time_ort(jobs, args.rounds, args.warmup, args.seed, args.timeout,
-                         args.timing_seconds, args.max_rounds)
-    except Exception as exc:
-        for r in distinct:
-            r["note"] = f"timing failed: {type(exc).__name__}: {exc}"
-        return rows, meta
-    log(f"  timed in {time.perf_counter() - t0:.0f} s")
-    base = timed["times"]["v0"]
-    meta["baseline_s"] = statistics.median(base)
-    for i, r in enumerate(distinct):
-        t = timed["times"][f"v{i}"]
-        r["step_times_s"] = t
-        r["median_step_s"] = statistics.median(t)
-        r["rounds"] = len(t)
-        if i:
-            r["ratio"] = ratio_interval(base, t, seed=args.seed)
+    jobs = []
+    for allocator in args.timing_allocators:
+        suffix = SUFFIX[allocator]
+        try:
+            jobs = jobs or [prepare_timing_job(f"v{i}", Path(r["path"]), tmp)
+                            for i, r in enumerate(distinct)]
+            log(f"  timing {len(jobs)} distinct steps x {args.rounds} rounds, interleaved, "
+                f"{allocator} ...")
+            t0 = time.perf_counter()
+            timed = time_ort(jobs, args.rounds, args.warmup, args.seed, args.timeout,
+                             args.timing_seconds, args.max_rounds, allocator)
+            log(f"  timed in {time.perf_counter() - t0:.0f} s")
+        except Exception as exc:
+            for r in distinct:
+                r["note"] = f"timing ({allocator}) failed: {type(exc).__name__}: {exc}"
+            continue
+        base = timed["times"]["v0"]
+        meta["baseline_s" + suffix] = statistics.median(base)
+        for i, r in enumerate(distinct):
+            t = timed["times"][f"v{i}"]
+            r["step_times_s" + suffix] = t
+            r["median_step_s" + suffix] = statistics.median(t)
+            r["rounds" + suffix] = len(t)
+            if i:
+                r["ratio" + suffix] = ratio_interval(base, t, seed=args.seed)
+    for i, r in enumerate(distinct if jobs else []):
+        for allocator in ("exact", *args.timing_allocators):
+            try:
+                r[f"held_{allocator}"] = held_bytes(jobs[i], allocator, args.peak_steps + 1,
+                                                    args.timeout)
+            except Exception as exc:
+                r["note"] = f"held memory ({allocator}) failed: {type(exc).__name__}: {exc}"
+        log(f"  held {_row_label(r)}: " + ", ".join(
+            f"{a} {mb(r.get(f'held_{a}'))} MB" for a in ("exact", *args.timing_allocators)))
     for r in rows:  # twins share their measurement
         if "same_as" in r:
             twin = next(d for d in first.values() if _row_label(d) == r["same_as"])
-            for k in ("measured_peak_bytes", "order_matches_plan", "median_step_s", "ratio"):
-                if k in twin:
-                    r[k] = twin[k]
+            for k, v in twin.items():
+                if k in ("measured_peak_bytes", "order_matches_plan") or k.startswith(
+                        ("median_step_s", "ratio", "held_")):
+                    r[k] = v
     return rows, meta
 
 
@@ -412,15 +472,19 @@ def mark_pareto(rows: list[dict]) -> None:
 
 def markdown(model: str, rows: list[dict], meta: dict) -> str:
     lines = [f"### {model}", "",
-             f"Baseline: ORT original step {_fmt_s(meta['baseline_s'])} s median; memcc ratios "
+             f"Baseline: ORT original step {_fmt_s(meta.get('baseline_s'))} s median with "
+             f"glibc's default allocator, {_fmt_s(meta.get('baseline_s_arena'))} s with ORT's "
+             "CPU arena; memcc ratios "
              "are rewritten/original, torch ratios are against torch eager without "
              "checkpointing, both paired per round (median, 95% bootstrap CI; `~`: the "
              "interval spans 1.0, cannot tell from noise). * = on the Pareto front of its "
-             "framework (measured peak vs median ratio).", "",
+             "framework (measured peak vs median glibc ratio). Held: the timing process's "
+             "high-water mark over its resident size before the first step, with one buffer "
+             "per mmap (exact), glibc's default allocator, and ORT's CPU arena.", "",
              "| strategy | budget | predicted peak (MB) | measured peak (MB) | predicted "
-             "overhead | measured time ratio (95% CI) | median step (s) | compile (s) | "
-             "note |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "overhead | time ratio, glibc (95% CI) | time ratio, arena (95% CI) | "
+             "held: exact / glibc / arena (MB) | median step (s) | compile (s) | note |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["framework"] == "torch":
             strat = f"torch {r['variant']}"
@@ -433,11 +497,10 @@ def markdown(model: str, rows: list[dict], meta: dict) -> str:
         if r.get("pareto"):
             strat = f"**{strat}** *"
         if "error" in r:
-            lines.append(f"| {strat} | {budget} | | | | | | {r.get('compile_s', 0):.1f} | "
+            lines.append(f"| {strat} | {budget} | | | | | | | | {r.get('compile_s', 0):.1f} | "
                          f"{_cell(r['error'])} |")
             continue
         pred = r.get("predicted_overhead")
-        ratio = r.get("ratio")
         note = []
         if r.get("same_as"):
             note.append(f"same step as {r['same_as']}")
@@ -449,25 +512,33 @@ def markdown(model: str, rows: list[dict], meta: dict) -> str:
             note.append(f"{r['recompiles']} recompile(s) in measured steps")
         if r.get("note"):
             note.append(r["note"])
-        if r.get("same_as") and not isinstance(ratio, RatioInterval):
-            ratio_cell = "1 (same step)"
-        elif isinstance(ratio, RatioInterval):
-            ratio_cell = ratio.cell()
-        else:
-            ratio_cell = "1 (baseline)" if r.get("median_step_s") is not None else "-"
+        cells = [_ratio_cell(r, suffix) for suffix in SUFFIX.values()]
+        held = " / ".join(mb(r.get(f"held_{a}")) for a in ("exact", *ALLOCATORS))
         lines.append(
             f"| {strat} | {budget} | {mb(r.get('predicted_peak_bytes'))} | "
             f"{mb(r.get('measured_peak_bytes'))} | "
-            f"{'-' if pred is None else f'{pred:.1%}'} | {ratio_cell} | "
+            f"{'-' if pred is None else f'{pred:.1%}'} | {' | '.join(cells)} | "
+            f"{held if r['framework'] == 'memcc' else '-'} | "
             f"{_fmt_s(r.get('median_step_s'))} | {r.get('compile_s', 0.0):.1f} | "
             f"{_cell('; '.join(note))} |")
     lines += ["", "Verdicts:", ""]
     for r in rows:
-        if isinstance(r.get("ratio"), RatioInterval) and not r.get("same_as"):
-            base = "torch eager" if r["framework"] == "torch" else "the original step"
-            lines.append(f"- {_row_label(r)}: {r['ratio'].verdict(b='it', a=base)}")
+        for suffix, how in (("", ""), ("_arena", " (ORT's CPU arena)")):
+            if isinstance(r.get("ratio" + suffix), RatioInterval) and not r.get("same_as"):
+                base = "torch eager" if r["framework"] == "torch" else "the original step"
+                lines.append(f"- {_row_label(r)}{how}: "
+                             f"{r['ratio' + suffix].verdict(b='it', a=base)}")
     lines += ["", matched_table(rows)]
     return "\n".join(lines)
+
+
+def _ratio_cell(r: dict, suffix: str) -> str:
+    ratio = r.get("ratio" + suffix)
+    if isinstance(ratio, RatioInterval):
+        return ratio.cell()
+    if r.get("same_as"):
+        return "1 (same step)"
+    return "1 (baseline)" if r.get("median_step_s" + suffix) is not None else "-"
 
 
 def matched_table(rows: list[dict]) -> str:
@@ -537,6 +608,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--peak-steps", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timing-allocator", dest="timing_allocators", nargs="+",
+                    choices=ALLOCATORS, default=list(ALLOCATORS),
+                    help="time under glibc's default allocator (as memcc run; PyTorch's "
+                         "peers are timed so too), ORT's CPU arena (memcc run --arena), or "
+                         "both (default); glibc's gives the ratio column that is compared "
+                         "with PyTorch's, the arena's its own column")
     ap.add_argument("--no-torch", dest="torch", action="store_false")
     ap.add_argument("--no-torch-compile", dest="torch_compile", action="store_false")
     ap.add_argument("--torch-budgets", nargs="+", type=float, default=None,
