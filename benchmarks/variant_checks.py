@@ -392,20 +392,24 @@ def row_chunks(args: argparse.Namespace) -> None:
         for r in ok:
             r.update(measure_peak(Path(r["path"]), 2))
         jobs = [prepare_timing_job(f"v{i}", Path(r["path"]), tmp) for i, r in enumerate(ok)]
-        timed = time_ort(jobs, args.rounds, 1, 0, None, args.timing_seconds, 100)
-    base = timed["times"]["v0"]
+        timed = {a: time_ort(jobs, args.rounds, 1, 0, None, args.timing_seconds, 100,
+                             allocator=a)["times"] for a in args.timing_allocators}
+    heads = " | ".join(f"measured time / whole as built, {a}" for a in timed)
     print("\n| step | budget (MB) | predicted peak (MB) | measured peak (MB) | predicted "
-          "overhead (own step) | measured time / whole as built |\n|---|---|---|---|---|---|")
+          f"overhead (own step) | {heads} |\n|---|---|---|---|---|" + "---|" * len(timed))
     for i, r in enumerate(ok):
-        t = timed["times"][f"v{i}"]
-        ratio = "1" if i == 0 else ratio_interval(base, t).cell()
+        cells = []
+        for times in timed.values():
+            t = times[f"v{i}"]
+            ratio = "1" if i == 0 else ratio_interval(times["v0"], t).cell()
+            cells.append(f"{ratio} (median {statistics.median(t):.3f} s)")
         budget = f"{r['budget_bytes'] / 1e6:.1f}" if r.get("budget_bytes") else "-"
         print(f"| {r['label']} | {budget} | "
               f"{r['predicted_peak_bytes'] / 1e6:.1f} | {r['measured_peak_bytes'] / 1e6:.1f} | "
-              f"{r['predicted_overhead']:+.1%} | {ratio} (median {statistics.median(t):.3f} s) |")
+              f"{r['predicted_overhead']:+.1%} | {' | '.join(cells)} |")
     for r in rows:
         if "error" in r:
-            print(f"| {r['label']} | | {r['error']} | | | |")
+            print(f"| {r['label']} | | {r['error']} | | |" + " |" * len(timed))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -435,6 +439,10 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--time-limit", type=float, default=60.0)
     t.add_argument("--rounds", type=int, default=10)
     t.add_argument("--timing-seconds", type=float, default=0.0)
+    t.add_argument("--timing-allocator", dest="timing_allocators", nargs="+",
+                   choices=["glibc", "arena"], default=["glibc", "arena"],
+                   help="time under glibc's default allocator, ORT's CPU arena, or both "
+                        "(benchmarks/pareto.py says why both)")
     args = ap.parse_args(argv)
     {"min-search": min_search, "bn-inverted": bn_inverted, "bf16": bf16,
      "activations": activations, "pointwise-conv": pointwise_conv,
