@@ -147,10 +147,12 @@ def run(
         "--in-place", help="Run as memcc train does: updates written over the values they "
                            "replace, each update as early as it may run (predicted and "
                            "measured that way).")] = False,
-    arena: Annotated[bool, typer.Option(
-        "--arena", help="CPU: allocate through ORT's arena with the CUDA provider's settings "
-                        "and predict with the arena model (CUDA's allocation rules, "
-                        "measured on a machine without a GPU).")] = False,
+    arena: Annotated[Optional[bool], typer.Option(  # noqa: UP045
+        "--arena/--no-arena",
+        help="CPU: allocate through ORT's arena with the CUDA provider's settings and "
+             "predict with the arena model (CUDA's allocation rules, measured on a machine "
+             "without a GPU). Default: as the step was compiled (memcc compile --arena).")
+    ] = None,
 ) -> None:
     """Run training steps in ONNX Runtime; print loss, time and memory per step."""
     from memcc.backend.runner import run_steps
@@ -195,6 +197,11 @@ def train(
     provider: Annotated[str, typer.Option(help="cpu, cuda or auto.")] = "cpu",
     threads: Annotated[Optional[int], typer.Option(  # noqa: UP045
         help="ONNX Runtime intra-op threads (default: ORT's choice).")] = None,
+    arena: Annotated[Optional[bool], typer.Option(  # noqa: UP045
+        "--arena/--no-arena",
+        help="CPU: allocate through ORT's CPU arena. Default: as the step was compiled "
+             "(memcc compile --arena), else straight from malloc, where glibc's heap can hold "
+             "several times the plan's peak.")] = None,
     batch_size_check: Annotated[bool, typer.Option(
         "--batch-size-check", help="Check the data against the step, print the batch size, "
                                    "batches per epoch and steps, and stop before training.")
@@ -209,7 +216,7 @@ def train(
     try:
         opts = TrainOptions(step=model, data=data, steps=steps, epochs=epochs, seed=seed,
                             checkpoint=checkpoint, save_every=save_every, resume=resume,
-                            provider=provider, threads=threads)
+                            provider=provider, threads=threads, arena=arena)
         if batch_size_check:
             plan = plan_training(opts)
             out.print(f"{model}: data {data} fits: {plan.describe()}", highlight=False)
@@ -340,6 +347,12 @@ def compile_cmd(
              "of convolutions, matrix products and normalisations, the outputs of Softmax, "
              "Sigmoid, Tanh and the like; gradients within 2e-2 relative of the default "
              "rule's, 5e-2 for BatchNorm; docs/VARIANTS.md). Never by default.")] = False,
+    arena: Annotated[bool, typer.Option(
+        "--arena",
+        help="CPU: plan for ORT's CPU arena (its 256-byte rounding and regions, as on "
+             "CUDA), verify through it, and mark the step so that memcc train and run "
+             "allocate through it: no page faults each step, and the process holds the "
+             "plan's peak, where glibc's heap can hold several times it.")] = False,
     loss: Annotated[str, typer.Option(help="(forward models) as in memcc build.")
                     ] = "cross-entropy",
     optimizer: Annotated[str, typer.Option(help="(forward models) as in memcc build.")
@@ -365,7 +378,7 @@ def compile_cmd(
         opts = CompileOptions(
             budget=budget, strategy=strategy, provider=provider, time_limit=time_limit,
             cost=cost, verify=verify, margin=margin, variants=variants, offload=offload,
-            allow_lossy=allow_lossy,
+            allow_lossy=allow_lossy, arena=arena,
             build=BuildOptions(loss=loss, optimizer=optimizer, lr=lr,
                                loss_chunks=loss_chunks, attention_chunks=attention_chunks,
                                mlp_chunks=mlp_chunks),

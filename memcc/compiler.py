@@ -57,7 +57,7 @@ from memcc.passes.planner import (
 )
 from memcc.passes.simulate import Simulation
 from memcc.sizes import format_size, parse_size
-from memcc.step import TrainingStep
+from memcc.step import ALLOCATOR_KEY, TrainingStep
 
 COST_SOURCES = ("auto", "measured", "analytic")
 PLAN_KEY = "memcc.plan"
@@ -82,6 +82,8 @@ class CompileOptions:
     # Swap saved values to host memory: None = wherever it can save memory (the CUDA
     # provider); True asks for it (refused on the CPU provider, with why); False never.
     offload: bool | None = None
+    # CPU: plan for ORT's CPU arena (the step then trains through it) instead of malloc.
+    arena: bool = False
     build: BuildOptions = field(default_factory=BuildOptions)
     dims: Mapping[str, int] = field(default_factory=dict)
 
@@ -97,12 +99,20 @@ class CompileOptions:
             raise InputError("--margin must lie in [0, 0.5)")
         if self.provider not in ("cpu", "cuda"):
             raise InputError(f"--provider '{self.provider}': choose cpu or cuda")
+        if self.arena and self.provider != "cpu":
+            raise InputError("--arena is for --provider cpu: the CUDA provider always "
+                             "allocates through its arena, and its plans are judged by it")
         if self.offload and self.provider == "cpu":
             raise InputError(
                 "--offload with --provider cpu: on the CPU provider the host is the device "
                 "(one memory), so copying a saved value to host memory frees nothing and only "
                 "adds the copies' time. Plan for the GPU with --provider cuda --offload, or "
                 "drop --offload.")
+
+    @property
+    def device(self) -> str:
+        """Whose allocation rules plans are judged by (``passes.simulate.DEVICES``)."""
+        return "cpu-arena" if self.arena else self.provider
 
     @property
     def swaps(self) -> bool:
@@ -210,12 +220,14 @@ def compile_model(model: str | os.PathLike, options: CompileOptions, *,
     final_budget = budget if budget is not None else _user_budget(plan_sim.peak_bytes, options)
     rewritten = timed("rewrite", lambda: _rewrite(plan_sim, base_sim))
     rewritten.metadata[PLAN_KEY] = json.dumps(plan_sim.plan.to_json(), sort_keys=True)
+    if options.arena:
+        rewritten.metadata[ALLOCATOR_KEY] = "arena"
 
     verification = None
     if options.verify:
         tolerance = _plan_tolerance(passes)
         verification = timed("verify", lambda: _verify(graph, rewritten, final_budget,
-                                                       options.provider, tolerance))
+                                                       options, tolerance))
 
     report = _report(options, final_budget, plan_budget, budget is None, base_sim, plan_sim,
                      outcome, costs, passes, time.perf_counter() - t_start, verification)
@@ -460,11 +472,11 @@ def _plan(graph, budget, costs, options, structure) -> tuple[PlanOutcome, dict]:
     outcome = choose_plan(graph, budget, costs, strategy=options.strategy,
                           time_limit=options.time_limit, structure=structure,
                           offload=options.swaps, variants=options.variants,
-                          device=options.provider, allow_lossy=options.allow_lossy)
+                          device=options.device, allow_lossy=options.allow_lossy)
     best, base = outcome.best, outcome.baseline
     variants = describe_variants(graph, best, costs, structure,
                                  host_copies=options.provider == "cuda",
-                                 device=options.provider)
+                                 device=options.device)
     saved = {v: graph.info[v].nbytes for v in best.recomputed_values}
     summary = {
         "strategy": outcome.strategy,
@@ -504,12 +516,12 @@ def _plan_tolerance(passes: list[PassReport]) -> float | None:
     return None if v.get("exactness", "exact") == "exact" else float(v["tolerance"])
 
 
-def _verify(original: Graph, rewritten: Graph, budget: int, provider: str,
+def _verify(original: Graph, rewritten: Graph, budget: int, options: CompileOptions,
             tolerance: float | None = None):
     from memcc.backend.verify import verify_rewrite
 
-    result = verify_rewrite(original, rewritten, budget=budget, provider=provider,
-                            tolerance=tolerance)
+    result = verify_rewrite(original, rewritten, budget=budget, provider=options.provider,
+                            tolerance=tolerance, arena=options.arena)
     return result, result
 
 
@@ -569,7 +581,8 @@ def _report(options, budget, plan_budget, was_min, base: Simulation, plan: Simul
         },
         "verification": verification,
         "options": {"strategy": options.strategy, "provider": options.provider,
-                    "time_limit": options.time_limit, "cost": options.cost},
+                    "arena": options.arena, "time_limit": options.time_limit,
+                    "cost": options.cost},
     }
 
 

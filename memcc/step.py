@@ -43,6 +43,9 @@ PROJECTION_KEY = "memcc.loss_projection"
 # Set by --attention-chunks / --mlp-chunks: {"attention": {"chunks": K, "regions": how many
 # were split}, "mlp": {...}}.
 ROW_CHUNKS_KEY = "memcc.row_chunks"
+# Set by ``memcc compile --arena``: the plan was judged by ORT's CPU arena, so it holds when
+# the CPU provider allocates through that arena (``memcc train`` and ``run`` then do).
+ALLOCATOR_KEY = "memcc.allocator"
 # parameter -> the value holding its whole gradient (what the update reads).
 GRADIENTS_KEY = "memcc.gradients"
 TRAINING_STEP = "training_step"
@@ -128,6 +131,8 @@ class TrainingStep:
         self.loss_projection: dict | None = self._json(PROJECTION_KEY, None, dict)
         # {"attention": {"chunks": K, "regions": n}, "mlp": ...} with row chunks, else {}
         self.row_chunks: dict = dict(self._json(ROW_CHUNKS_KEY, {}, dict))
+        # "arena" for a plan compiled with --arena, else None (malloc, or not compiled)
+        self.allocator: str | None = self.graph.metadata.get(ALLOCATOR_KEY) or None
         ranges: dict[str, tuple[int, int]] = {}
         for k, v in self._json(INT_RANGES_KEY, {}, dict).items():
             try:

@@ -67,15 +67,24 @@ class Trainer:
     ``memcc run``), for comparisons; ``early_updates=False`` keeps the file's node order
     (``backend.arrange`` moves updates early only where that predicts a lower peak).
     ``predicted_peak_bytes`` is the liveness prediction of the arrangement that runs.
+    ``arena`` (CPU): allocate through ORT's CPU arena; by default wherever the plan was
+    compiled for it (``memcc compile --arena``). Without it glibc's heap can hold several
+    times the plan's peak between steps (BENCHMARKS.md, "Allocators").
     """
 
     def __init__(self, step_path: str | os.PathLike, *, provider: str = "cpu",
                  threads: int | None = None, in_place: bool = True,
-                 early_updates: bool = True, graph: Graph | None = None) -> None:
+                 early_updates: bool = True, graph: Graph | None = None,
+                 arena: bool | None = None) -> None:
         self.path = Path(step_path)
         self.graph = graph if graph is not None else load_graph(self.path)
         self.spec = TrainingStep.of(self.graph).validate(str(self.path))
         self.provider = resolve_provider(provider)
+        if arena and self.provider != "cpu":
+            raise InputError("--arena is for the CPU provider: CUDA always allocates through "
+                             "its arena")
+        self.arena = self.provider == "cpu" and (
+            self.spec.allocator == "arena" if arena is None else arena)
         self.threads = threads
         self.inputs: list[DataInput] = data_inputs(self.graph, self.spec)
         self.steps_done = 0
@@ -87,7 +96,7 @@ class Trainer:
 
         sgraph, values = session_graph(self.arrangement.graph)
         self._session = make_session(sgraph.to_model(), self.provider,
-                                     intra_op_threads=threads)
+                                     intra_op_threads=threads, cpu_arena=self.arena)
         self._device = "cuda" if self.provider == "cuda" else "cpu"
         carried = list(dict.fromkeys(self.updates.values()))
         # The arrays the carried values live in on CPU (copied: ORT writes into them);
@@ -109,7 +118,7 @@ class Trainer:
             self.graph.initializers.pop(n, None)
         trim_heap()  # and give the freed loading buffers back (glibc keeps them otherwise)
         self._outputs = list(self.graph.outputs)
-        self._run_options = _run_options(self.provider)
+        self._run_options = _run_options(self.provider, arena=self.arena)
 
     # ------------------------------------------------------------------ values
     def _ortvalue(self, arr: np.ndarray):
@@ -263,12 +272,16 @@ class Trainer:
                               source=str(self.path))
 
 
-def _run_options(provider: str):
+def _run_options(provider: str, *, arena: bool = False):
     import onnxruntime as ort
 
     ro = ort.RunOptions()
-    if provider == "cuda":  # return the arena after each step: every step starts level
+    # Return the arena after each step: every step starts level, as the plan's arena
+    # replay (``passes.arena``) assumes.
+    if provider == "cuda":
         ro.add_run_config_entry("memory.enable_memory_arena_shrinkage", "gpu:0")
+    elif arena:
+        ro.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
     return ro
 
 
@@ -410,6 +423,7 @@ class TrainOptions:
     provider: str = "cpu"
     threads: int | None = None
     keep: int = 2
+    arena: bool | None = None   # None: as the plan was compiled (``Trainer``)
 
     def __post_init__(self) -> None:
         if self.steps is not None and self.epochs is not None:
@@ -501,7 +515,8 @@ def train(opts: TrainOptions, *, on_start: Callable[[TrainResult], None] | None 
             f"{ckpt.latest(opts.checkpoint).name}). Pass --resume to continue it, or choose "
             "an empty directory for a new run.")
     loaded = ckpt.load(start) if start is not None else None
-    trainer = Trainer(opts.step, provider=opts.provider, threads=opts.threads, graph=graph)
+    trainer = Trainer(opts.step, provider=opts.provider, threads=opts.threads, graph=graph,
+                      arena=opts.arena)
     if loaded is not None:
         loaded.check_step(trainer.signature())
         _check_data_state(loaded, opts.seed, data_fp)

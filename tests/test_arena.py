@@ -216,3 +216,36 @@ def test_cuda_verify_caps_the_arena_at_the_budget_and_a_refused_run_does_not_fit
     assert verify.verify_rewrite(step, step, budget=1 << 40)["ok"]
     assert asked["cpu"]["gpu_mem_limit"] is None
 
+
+
+def test_cpu_plans_made_for_the_cpu_arena_verify_through_it_and_train_through_it(tmp_path):
+    """``memcc compile --arena``: the plan is judged by the CPU arena's replay, verified by
+    running through ORT's CPU arena, and the step is marked so that ``memcc run`` and the
+    trainer allocate through it without being told."""
+    from memcc.compiler import CompileOptions, compile_model
+    from memcc.passes.arena import cpu_arena_peak
+    from memcc.passes.cost_model import NOMINAL_CPU, analytic_costs
+    from memcc.passes.plan import Plan
+    from memcc.passes.simulate import simulate
+    from memcc.step import ALLOCATOR_KEY
+    from memcc.trainer import Trainer
+
+    step, path = _step(tmp_path, "gpt2", batch=4, seq_len=128, width=128, depth=2, heads=4)
+    base = simulate(step, Plan(), analytic_costs(step, NOMINAL_CPU), device="cpu-arena")
+    assert base.arena is not None
+    assert base.peak_bytes == cpu_arena_peak(step, analyze_liveness(step))[1]
+    out = tmp_path / "planned.onnx"
+    result = compile_model(path, CompileOptions(budget=int(0.6 * base.peak_bytes), arena=True,
+                                                verify=True, cost="analytic", time_limit=10),
+                           output=out)
+    report = result.report
+    assert report["verification"]["ok"], report["verification"]
+    assert report["options"]["arena"] and report["plan"]["device_arena"] is not None
+    assert report["baseline"]["peak_bytes"] == base.peak_bytes
+    assert result.graph.metadata[ALLOCATOR_KEY] == "arena"
+    assert Trainer(out).arena and not Trainer(out, arena=False).arena
+    assert not Trainer(path).arena
+    run = run_steps(out, steps=1)
+    assert "arena" in run.prediction and "arena" in run.timing_method
+    with pytest.raises(InputError, match="--arena is for --provider cpu"):
+        CompileOptions(budget="min", arena=True, provider="cuda")

@@ -49,7 +49,7 @@ from memcc.errors import InputError, RuntimeFailure
 from memcc.frontend.constants import constant_node_value
 from memcc.frontend.load import load_graph
 from memcc.graph import Graph, TensorInfo
-from memcc.passes.arena import MIN_ALLOCATION, REGION_INDEX_BYTES, ArenaReport, replay_steps
+from memcc.passes.arena import ArenaReport, cpu_arena_peak, replay_steps
 from memcc.passes.liveness import LivenessReport, analyze_liveness
 from memcc.step import TrainingStep
 from memcc.step import describe_type as _describe
@@ -120,7 +120,7 @@ def run_steps(
     isolate: bool | None = None,
     separate_timing: bool = True,
     in_place: bool = False,
-    arena: bool = False,
+    arena: bool | None = None,
     gpu_mem_limit: int | None = None,
 ) -> RunResult:
     """Run ``steps`` training steps of the file at ``model_path`` and measure them.
@@ -137,7 +137,8 @@ def run_steps(
 
     ``arena`` (CPU): allocate through ORT's arena with CUDA's settings instead of straight
     from malloc, and predict with ``passes.arena`` (the CUDA allocation rules, measured).
-    On CUDA the arena is always on and always predicted that way.
+    On CUDA the arena is always on and always predicted that way. ``None``: as the step was
+    compiled (``memcc compile --arena`` marks it), unless ``in_place``.
 
     ``gpu_mem_limit`` (CUDA): the arena may not hold more than this many bytes; a step that
     needs more fails (``RuntimeFailure``) instead of growing, so a step that runs is proved
@@ -162,6 +163,8 @@ def run_steps(
             prediction = analyze_liveness(graph)
     except ValueError as exc:  # the node list is not a topological order
         raise InputError(f"{path}: {exc}; write nodes in a topological order") from exc
+    if arena is None:
+        arena = prov == "cpu" and not in_place and TrainingStep.of(graph).allocator == "arena"
     if arena and (in_place or prov != "cpu"):
         raise InputError("--arena is for the CPU provider without --in-place (CUDA always "
                          "runs through its arena)")
@@ -181,7 +184,8 @@ def run_steps(
             if separate_timing:
                 timed = memory.run_child("memcc.backend.runner", payload, measuring=False)
                 out["step_times_s"] = timed["step_times_s"]
-                out["timing"] = "separate process, default allocator"
+                out["timing"] = ("separate process, ORT's CPU arena" if arena else
+                                 "separate process, default allocator")
         else:
             out = execute(payload)
     result = _result(path, prov, steps, seed, data, prediction, out)
@@ -199,26 +203,13 @@ def arena_prediction(graph: Graph, liveness: LivenessReport, spec: StepSpec, *, 
 
     CUDA: the feeds are copied into the device arena every run and the outputs copied out,
     so the device peak is the arena's reserved bytes over its baseline. CPU (``--arena``):
-    ORT reads the runner's numpy feeds where they are, and the runner copies the outputs
-    it keeps out of the arena (as CUDA does), so the meter sees the feeds plus the arena's
-    reserved bytes over its baseline, plus the arena's own index of each region (one
-    8-byte chunk handle per 256 bytes, in host memory: on CUDA the device never sees it).
+    ``passes.arena.cpu_arena_peak``, the feeds where the runner keeps them plus the arena.
     """
-    cuda = provider == "cuda"
-    report = replay_steps(graph, liveness, steps=steps, feeds_in_arena=cuda,
-                          addresses_grow=cuda, cpu_threads=None if cuda else _ort_threads())
-    if cuda:
-        return report, report.measured_bytes
-    index = report.measured_bytes * REGION_INDEX_BYTES // MIN_ALLOCATION
-    return report, liveness.start_bytes + report.measured_bytes + index
-
-
-def _ort_threads() -> int:
-    """ORT's default intra-op threads on this machine: one per core it may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+    if provider != "cuda":
+        return cpu_arena_peak(graph, liveness, steps=steps)
+    report = replay_steps(graph, liveness, steps=steps, feeds_in_arena=True,
+                          addresses_grow=True)
+    return report, report.measured_bytes
 
 
 def _result(path: Path, provider: str, steps: int, seed: int, data, prediction: LivenessReport,

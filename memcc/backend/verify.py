@@ -76,11 +76,14 @@ def compare_outputs(a: dict[str, np.ndarray], b: dict[str, np.ndarray], *, exact
 
 
 def verify_rewrite(original: Graph, rewritten: Graph, *, budget: int, provider: str = "cpu",
-                   seed: int = 0, steps: int = 2, tolerance: float | None = None) -> dict:
+                   seed: int = 0, steps: int = 2, tolerance: float | None = None,
+                   arena: bool = False) -> dict:
     """Run both steps and check outputs, measured peak and executed order (module doc);
     every check runs even when an earlier one failed, so the report has all three.
     ``tolerance``: the plan uses numerically equivalent variants (chunked sums, inverted
-    affine), so outputs are compared within that relative error instead of bit for bit."""
+    affine), so outputs are compared within that relative error instead of bit for bit.
+    ``arena`` (CPU): the plan was made for ORT's CPU arena, so the rewritten step is
+    measured allocating through it (``run_steps(arena=True)``)."""
     exact = provider == "cpu" and tolerance is None
     feeds = synthetic_feeds(original, seed)
     ref = step_outputs(original, feeds, provider)
@@ -96,7 +99,7 @@ def verify_rewrite(original: Graph, rewritten: Graph, *, budget: int, provider: 
         run = None
         try:
             run = run_steps(path, steps=steps, provider=provider, seed=seed,
-                            separate_timing=False,
+                            separate_timing=False, arena=arena,
                             gpu_mem_limit=budget if provider == "cuda" else None)
         except RuntimeFailure as exc:
             if provider != "cuda":

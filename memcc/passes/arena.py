@@ -29,6 +29,7 @@ order).
 from __future__ import annotations
 
 import bisect
+import os
 from dataclasses import dataclass, field
 
 from memcc.graph import Graph
@@ -337,3 +338,24 @@ def replay_steps(graph: Graph, liveness, *, steps: int = 2, feeds_in_arena: bool
         extensions=arena.extensions - extensions,
         peak_node=order[peak_at] if 0 <= peak_at < len(order) else None,
         peaks_per_step=tuple(peaks))
+
+
+def cpu_threads() -> int:
+    """ORT's default intra-op threads on this machine: one per core it may run on (the CPU
+    provider's convolution working buffers, which come from the arena, depend on it)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def cpu_arena_peak(graph: Graph, liveness, *, steps: int = 2) -> tuple[ArenaReport, int]:
+    """The CPU provider with its arena on (``memcc run --arena``, ``memcc compile --arena``,
+    ``memcc train`` of such a plan): the bytes a process holds over its resident size
+    between steps. ORT reads the caller's feeds where they are (``liveness.start_bytes``),
+    everything else comes from the arena, and each region keeps a host-side index of one
+    chunk handle per 256 bytes. Measured against this on the zoo: docs/MEMORY_TRUTH.md."""
+    report = replay_steps(graph, liveness, steps=steps, feeds_in_arena=False,
+                          addresses_grow=False, cpu_threads=cpu_threads())
+    index = report.measured_bytes * REGION_INDEX_BYTES // MIN_ALLOCATION
+    return report, liveness.start_bytes + report.measured_bytes + index

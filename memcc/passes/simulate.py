@@ -11,11 +11,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memcc.graph import Graph
-from memcc.passes.arena import ArenaReport, replay_steps
+from memcc.passes.arena import ArenaReport, cpu_arena_peak, replay_steps
 from memcc.passes.cost_model import CostModel
 from memcc.passes.liveness import LivenessReport, analyze_liveness
 from memcc.passes.lowering import PassReport, lower
 from memcc.passes.plan import Plan, StepStructure
+
+# Whose allocation rules a peak follows: the CPU provider straight from malloc, the CUDA
+# arena, or the CPU provider through the same arena class.
+DEVICES = ("cpu", "cuda", "cpu-arena")
 
 
 @dataclass(frozen=True)
@@ -30,7 +34,7 @@ class Simulation:
     recomputed_values: tuple[str, ...]
     rerun_before: dict[str, str]        # cloned forward node -> node it runs before
     passes: tuple[PassReport, ...] = ()  # what each lowering pass did
-    arena: ArenaReport | None = None     # device="cuda": the arena replay behind peak_bytes
+    arena: ArenaReport | None = None     # an arena device: the replay behind peak_bytes
 
 
 def simulate(graph: Graph, plan: Plan, costs: CostModel,
@@ -43,17 +47,25 @@ def simulate(graph: Graph, plan: Plan, costs: CostModel,
     (``passes.arena``: 256-byte rounding, regions that cannot merge), feeds copied in, in
     the steady state of repeated steps; it is never below the live bytes and is what
     ``gpu_mem_limit`` caps. ``"cpu"``: the live bytes with the CPU allocator's page
-    rounding, as measured with the arena off (``backend/session.py``).
+    rounding, as measured with the arena off (``backend/session.py``). ``"cpu-arena"``:
+    the CPU provider allocating through the same arena class (``arena.cpu_arena_peak``).
     """
+    if device not in DEVICES:
+        raise ValueError(f"device '{device}': one of {', '.join(DEVICES)}")
     lowered = lower(graph, plan, structure)
     live = analyze_liveness(lowered.graph, host_copies=host_copies or device == "cuda")
-    arena = replay_steps(lowered.graph, live, feeds_in_arena=True) if device == "cuda" else None
+    arena, peak = None, live.peak_bytes
+    if device == "cuda":
+        arena = replay_steps(lowered.graph, live, feeds_in_arena=True)
+        peak = arena.peak_reserved_bytes
+    elif device == "cpu-arena":
+        arena, peak = cpu_arena_peak(lowered.graph, live)
     added = added_seconds(graph, lowered.graph, costs)
     return Simulation(
         plan=plan,
         graph=lowered.graph,
         liveness=live,
-        peak_bytes=int(arena.peak_reserved_bytes if arena is not None else live.peak_bytes),
+        peak_bytes=int(peak),
         compute_cost_s=costs.total(graph) + added,
         added_time_s=added,
         cloned_nodes=lowered.cloned_nodes,
