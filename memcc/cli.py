@@ -274,6 +274,8 @@ def _train_with_progress(opts, run_training, *, quiet: bool):
         elif opts.resume:
             err.print(f"no checkpoint in {opts.checkpoint}: starting at step 0",
                       highlight=False)
+        for note in result.notes:
+            err.print(f"note: {note}", highlight=False)
         task = progress.add_task("train", total=result.total_steps,
                                  completed=result.start_step, loss="-", rate="-", mem="-")
 

@@ -57,10 +57,9 @@ from memcc.passes.planner import (
 )
 from memcc.passes.simulate import Simulation
 from memcc.sizes import format_size, parse_size
-from memcc.step import ALLOCATOR_KEY, TrainingStep
+from memcc.step import ALLOCATOR_KEY, PLAN_KEY, TrainingStep
 
 COST_SOURCES = ("auto", "measured", "analytic")
-PLAN_KEY = "memcc.plan"
 
 
 @dataclass(frozen=True)

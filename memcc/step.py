@@ -43,6 +43,8 @@ PROJECTION_KEY = "memcc.loss_projection"
 # Set by --attention-chunks / --mlp-chunks: {"attention": {"chunks": K, "regions": how many
 # were split}, "mlp": {...}}.
 ROW_CHUNKS_KEY = "memcc.row_chunks"
+# Set by ``memcc compile``: the plan the step was rewritten by (``Plan.to_json``).
+PLAN_KEY = "memcc.plan"
 # Set by ``memcc compile --arena``: the plan was judged by ORT's CPU arena, so it holds when
 # the CPU provider allocates through that arena (``memcc train`` and ``run`` then do).
 ALLOCATOR_KEY = "memcc.allocator"

@@ -53,7 +53,7 @@ from memcc.errors import InputError, RuntimeFailure
 from memcc.frontend.load import load_graph
 from memcc.graph import Graph, ancestors
 from memcc.passes.inplace import InPlaceUpdates
-from memcc.step import TrainingStep
+from memcc.step import PLAN_KEY, TrainingStep
 
 EXPORT_FORMATS = ("onnx", "safetensors")
 
@@ -460,6 +460,9 @@ class TrainResult:
     samples_per_s: float | None = None
     batch_size: int = 0
     batches_per_epoch: int = 0
+    allocator: str = "malloc"    # CPU: "arena" or "malloc"; "cuda-arena" on CUDA
+    # What a user should know before the first step (a plan made for another allocator).
+    notes: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return {
@@ -468,7 +471,8 @@ class TrainResult:
             "final_loss": self.losses[-1] if self.losses else None,
             "checkpoint": self.checkpoint, "resumed_from": self.resumed_from,
             "samples_per_s": self.samples_per_s, "batch_size": self.batch_size,
-            "batches_per_epoch": self.batches_per_epoch,
+            "batches_per_epoch": self.batches_per_epoch, "allocator": self.allocator,
+            "notes": self.notes,
         }
 
 
@@ -526,7 +530,8 @@ def train(opts: TrainOptions, *, on_start: Callable[[TrainResult], None] | None 
                          total_steps=plan.total_steps,
                          resumed_from=str(loaded.path) if loaded is not None else None,
                          batch_size=dataset.batch_size,
-                         batches_per_epoch=dataset.batches_per_epoch)
+                         batches_per_epoch=dataset.batches_per_epoch,
+                         allocator=_allocator(trainer), notes=_allocator_notes(trainer))
     if on_start is not None:
         on_start(result)
     last_saved = trainer.steps_done if loaded is not None else None
@@ -578,6 +583,22 @@ def _check_data_state(c: ckpt.Checkpoint, seed: int, fingerprint: str) -> None:
     if ds.get("data") != fingerprint:
         raise InputError(f"{c.path}: this run was trained on other data ({ds.get('samples')} "
                          "samples, another content digest); resume it with the same --data")
+
+
+def _allocator(trainer: Trainer) -> str:
+    if trainer.provider != "cpu":
+        return "cuda-arena"
+    return "arena" if trainer.arena else "malloc"
+
+
+def _allocator_notes(trainer: Trainer) -> list[str]:
+    """A compiled plan trained straight from malloc: the plan holds, glibc's heap need not."""
+    if trainer.provider != "cpu" or trainer.arena or PLAN_KEY not in trainer.graph.metadata:
+        return []
+    return [f"{trainer.path}: this plan was compiled for malloc, and glibc's heap can hold "
+            "several times a plan's peak between steps (BENCHMARKS.md, \"Allocators\"); to "
+            "train within the budget, compile with --arena (or train with --arena, whose "
+            "peak the plan did not check)"]
 
 
 def _memory_bytes(provider: str) -> int | None:

@@ -505,7 +505,7 @@ def tune(model: str | os.PathLike | onnx.ModelProto, budget: str | int, dim: str
 
 def _compiled(outcome: PlanOutcome) -> Graph:
     """The rewritten step of a plan, with the plan recorded as ``memcc compile`` does."""
-    from memcc.compiler import PLAN_KEY
+    from memcc.step import PLAN_KEY
 
     step = outcome.best.graph
     step.metadata[PLAN_KEY] = json.dumps(outcome.best.plan.to_json(), sort_keys=True)

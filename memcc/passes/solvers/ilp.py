@@ -7,10 +7,12 @@ highest, solve, evaluate the model at every point (one cumsum over settled value
 most violated points, and repeat until none is violated. The rows that end up in the model
 are the handful of places where memory actually binds.
 
-The search is bounded by work, never by the clock alone, so that the same input gives the
-same plan on an idle or a busy machine: at most ``MAX_ROUNDS`` row rounds and
-``MIP_MAX_NODES`` branch-and-bound nodes per solve, one thread, a fixed seed. The time limit
-stays as a safety net; hitting it is reported (``Solution.limit_hit``).
+The search is bounded by work, so that the same input gives the same plan on an idle or a
+busy machine: at most ``MAX_ROUNDS`` row rounds and ``MIP_MAX_NODES`` branch-and-bound nodes
+per solve, one thread, a fixed seed. The time limit still binds where a caller passes a
+short one (``strategies._smallest_peak`` gets a share of what is left, and on large steps
+uses it up); hitting it is reported (``Solution.limit_hit``), and only then may the answer
+depend on the machine's load.
 """
 
 from __future__ import annotations
