@@ -352,7 +352,7 @@ def row_chunks(args: argparse.Namespace) -> None:
         compile_plans,
         measure_peak,
         prepare_timing_job,
-        time_ort,
+        time_against_first,
     )
     from benchmarks.stats import ratio_interval
     from memcc.backend.onnx_file import save_graph
@@ -392,16 +392,16 @@ def row_chunks(args: argparse.Namespace) -> None:
         for r in ok:
             r.update(measure_peak(Path(r["path"]), 2))
         jobs = [prepare_timing_job(f"v{i}", Path(r["path"]), tmp) for i, r in enumerate(ok)]
-        timed = {a: time_ort(jobs, args.rounds, 1, 0, None, args.timing_seconds, 100,
-                             allocator=a)["times"] for a in args.timing_allocators}
+        timed = {a: time_against_first(jobs, args.rounds, 1, 0, None, args.timing_seconds,
+                                       100, allocator=a) for a in args.timing_allocators}
     heads = " | ".join(f"measured time / whole as built, {a}" for a in timed)
     print("\n| step | budget (MB) | predicted peak (MB) | measured peak (MB) | predicted "
           f"overhead (own step) | {heads} |\n|---|---|---|---|---|" + "---|" * len(timed))
     for i, r in enumerate(ok):
         cells = []
         for times in timed.values():
-            t = times[f"v{i}"]
-            ratio = "1" if i == 0 else ratio_interval(times["v0"], t).cell()
+            base, t = times[f"v{i}"]
+            ratio = "1" if i == 0 else ratio_interval(base, t).cell()
             cells.append(f"{ratio} (median {statistics.median(t):.3f} s)")
         budget = f"{r['budget_bytes'] / 1e6:.1f}" if r.get("budget_bytes") else "-"
         print(f"| {r['label']} | {budget} | "

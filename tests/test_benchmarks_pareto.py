@@ -22,3 +22,8 @@ def test_timing_allocators_and_held_memory(tmp_path):
         timed = pareto.time_ort([job], 2, 1, 0, 120, allocator=allocator)
         assert len(timed["times"]["v0"]) >= 2
         assert ("arena" in timed["method"]) == (allocator == "arena"), timed["method"]
+    # Each later step against the first, in a child of its own.
+    other = pareto.prepare_timing_job("v1", step_path, tmp_path / "other")
+    timed = pareto.time_against_first([job, other], 2, 1, 0, 120, allocator="arena")
+    assert set(timed) == {"v0", "v1"} and timed["v1"][0] == timed["v0"][0]
+    assert len(timed["v1"][1]) >= 2
