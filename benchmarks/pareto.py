@@ -123,7 +123,9 @@ def compile_plans(step_path: Path, fractions: Sequence[str], strategies: Sequenc
     for frac in fractions:
         budget = _budget(frac, fixed, act)
         for spec in strategies:
-            # "auto/novar": the same strategy with the default gradient rules only.
+            # "auto/novar": the same strategy with the default gradient rules only;
+            # "auto/arena": planned for ORT's CPU arena (compile --arena), and measured
+            # through it (the step is marked, and memcc run follows the mark).
             strategy, _, tag = spec.partition("/")
             out = tmp / f"{strategy}.{tag or 'var'}.{frac}.onnx"
             row: dict = {"framework": "memcc", "variant": spec, "fraction": frac,
@@ -132,7 +134,7 @@ def compile_plans(step_path: Path, fractions: Sequence[str], strategies: Sequenc
             try:
                 res = compile_model(step_path, CompileOptions(
                     budget=budget, strategy=strategy, time_limit=time_limit, cost=cost,
-                    variants=tag != "novar"), output=out)
+                    variants=tag != "novar", arena=tag == "arena"), output=out)
             except MemccError as exc:
                 row["compile_s"] = time.perf_counter() - t0
                 smallest = getattr(exc, "smallest", None)
@@ -154,7 +156,8 @@ def compile_plans(step_path: Path, fractions: Sequence[str], strategies: Sequenc
                 "predicted_peak_bytes": plan["peak_bytes"],
                 "predicted_overhead": plan["overhead"],
                 "chosen": plan.get("strategy_label") or plan.get("picked_strategy"),
-                "fits": plan.get("fits"), "signature": graph_signature(res.graph),
+                "fits": plan.get("fits"),
+                "signature": graph_signature(res.graph) + (":arena" if tag == "arena" else ""),
                 "recomputed_nodes": len(plan.get("recomputed_nodes", [])),
             })
             kinds = (plan.get("variants") or {}).get("by_kind", {})
@@ -617,7 +620,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f"{' '.join(DEFAULT_FRACTIONS)}")
     ap.add_argument("--strategies", nargs="+", default=STRATEGIES,
                     help="strategies to compile with; NAME/novar plans with the default "
-                         "gradient rules only (no operator variants), e.g. auto auto/novar")
+                         "gradient rules only (no operator variants), NAME/arena for ORT's "
+                         "CPU arena (compile --arena, measured through it), e.g. auto "
+                         "auto/novar auto/arena")
     ap.add_argument("--cost", choices=["analytic", "measured", "auto"], default="analytic")
     ap.add_argument("--time-limit", type=float, default=None,
                     help="memcc's solver time limit (s); default 20, quick 15 (memcc's own "
