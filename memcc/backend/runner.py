@@ -206,7 +206,7 @@ def arena_prediction(graph: Graph, liveness: LivenessReport, spec: StepSpec, *, 
     ``passes.arena.cpu_arena_peak``, the feeds where the runner keeps them plus the arena.
     """
     if provider != "cuda":
-        return cpu_arena_peak(graph, liveness, steps=steps)
+        return cpu_arena_peak(graph, liveness, steps=steps, meter=True)
     report = replay_steps(graph, liveness, steps=steps, feeds_in_arena=True,
                           addresses_grow=True)
     return report, report.measured_bytes

@@ -349,13 +349,21 @@ def cpu_threads() -> int:
         return os.cpu_count() or 1
 
 
-def cpu_arena_peak(graph: Graph, liveness, *, steps: int = 2) -> tuple[ArenaReport, int]:
-    """The CPU provider with its arena on (``memcc run --arena``, ``memcc compile --arena``,
-    ``memcc train`` of such a plan): the bytes a process holds over its resident size
-    between steps. ORT reads the caller's feeds where they are (``liveness.start_bytes``),
-    everything else comes from the arena, and each region keeps a host-side index of one
-    chunk handle per 256 bytes. Measured against this on the zoo: docs/MEMORY_TRUTH.md."""
+def cpu_arena_peak(graph: Graph, liveness, *, steps: int = 2,
+                   meter: bool = False) -> tuple[ArenaReport, int]:
+    """The CPU provider with its arena on (``memcc compile --arena``, ``memcc run --arena``,
+    ``memcc train`` of such a plan): ORT reads the caller's feeds where they are
+    (``liveness.start_bytes``), everything else comes from the arena, and each region keeps
+    a host-side index of one chunk handle per 256 bytes.
+
+    Returns the bytes the process holds at the step's worst moment: the feeds, every region
+    the arena has reserved then, and their index. That includes the regions that held the
+    last step's outputs when ORT shrank the arena and so survive into this step, empty, as
+    the CUDA peak does (``simulate``). ``meter=True``: what a meter that takes its baseline
+    between steps sees instead (``backend.runner``'s measurement), those regions left out.
+    Measured against the meter on the zoo: docs/MEMORY_TRUTH.md."""
     report = replay_steps(graph, liveness, steps=steps, feeds_in_arena=False,
                           addresses_grow=False, cpu_threads=cpu_threads())
-    index = report.measured_bytes * REGION_INDEX_BYTES // MIN_ALLOCATION
-    return report, liveness.start_bytes + report.measured_bytes + index
+    held = report.measured_bytes if meter else report.peak_reserved_bytes
+    index = held * REGION_INDEX_BYTES // MIN_ALLOCATION
+    return report, liveness.start_bytes + held + index
