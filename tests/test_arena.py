@@ -245,6 +245,15 @@ def test_cpu_plans_made_for_the_cpu_arena_verify_through_it_and_train_through_it
     assert result.graph.metadata[ALLOCATOR_KEY] == "arena"
     assert Trainer(out).arena and not Trainer(out, arena=False).arena
     assert not Trainer(path).arena
+    # Training through the arena gives the same losses as from malloc, bit for bit.
+    from memcc.backend.runner import synthetic_feeds
+    losses = []
+    for arena in (True, False):
+        trainer = Trainer(out, arena=arena)
+        feeds = synthetic_feeds(trainer.graph, 0)
+        batch = {i.name: feeds[i.name] for i in trainer.inputs}
+        losses.append([trainer.step(batch) for _ in range(2)])
+    assert losses[0] == losses[1], losses
     # A compiled plan trained from malloc is told what glibc's heap may hold; the step as
     # built (no plan) and the plan trained through the arena are not.
     from memcc.trainer import _allocator_notes
