@@ -47,7 +47,7 @@ from memcc.backend import checkpoint as ckpt
 from memcc.backend.arrange import Arrangement, arrange_step
 from memcc.backend.data import DataInput, Dataset, data_inputs, load_dataset
 from memcc.backend.memory import trim_heap
-from memcc.backend.runner import session_graph
+from memcc.backend.runner import run_options, session_graph
 from memcc.backend.session import make_session, resolve_provider
 from memcc.errors import InputError, RuntimeFailure
 from memcc.frontend.load import load_graph
@@ -118,7 +118,7 @@ class Trainer:
             self.graph.initializers.pop(n, None)
         trim_heap()  # and give the freed loading buffers back (glibc keeps them otherwise)
         self._outputs = list(self.graph.outputs)
-        self._run_options = _run_options(self.provider, arena=self.arena)
+        self._run_options = run_options(self.provider, arena=self.arena)
 
     # ------------------------------------------------------------------ values
     def _ortvalue(self, arr: np.ndarray):
@@ -270,19 +270,6 @@ class Trainer:
         the format defaults to the file suffix."""
         return export_weights(self.graph, self.spec, self.state_dict(), path, format=format,
                               source=str(self.path))
-
-
-def _run_options(provider: str, *, arena: bool = False):
-    import onnxruntime as ort
-
-    ro = ort.RunOptions()
-    # Return the arena after each step: every step starts level, as the plan's arena
-    # replay (``passes.arena``) assumes.
-    if provider == "cuda":
-        ro.add_run_config_entry("memory.enable_memory_arena_shrinkage", "gpu:0")
-    elif arena:
-        ro.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
-    return ro
 
 
 def step_signature(graph: Graph, spec: TrainingStep) -> dict:

@@ -392,14 +392,14 @@ def execute(payload: Mapping) -> dict:
                            gpu_mem_limit=payload.get("gpu_mem_limit") if provider == "cuda"
                            else None)
     meter = memory.CpuPeakMeter() if provider == "cpu" else memory.NvmlPeakMeter()
-    run_options = _run_options(provider, arena=arena)
+    options = run_options(provider, arena=arena)
 
     aliased = dict(payload.get("in_place") or {})
 
     def run(feeds):
         if aliased:
-            return _run_in_place(session, outputs, feeds, aliased, run_options)
-        return _run(session, outputs, feeds, run_options)
+            return _run_in_place(session, outputs, feeds, aliased, options)
+        return _run(session, outputs, feeds, options)
 
     feeds = _load_feeds(payload["feeds"])
     run(feeds)
@@ -467,7 +467,7 @@ def _run_in_place(session, outputs: list[str], feeds: dict[str, np.ndarray],
     return result
 
 
-def _run_options(provider: str, *, arena: bool = False):
+def run_options(provider: str, *, arena: bool = False):
     import onnxruntime as ort
 
     ro = ort.RunOptions()
