@@ -149,6 +149,26 @@ class MobileNetBlock(nn.Module):
         return self.fc(self.drop(y.mean(dim=(2, 3))))
 
 
+class HardSwishSE(nn.Module):
+    """MobileNetV3's pattern: Hardswish after a conv and a squeeze-excite gate with
+    Hardsigmoid, Hardswish and Dropout in the head. ORT has no HardSwish kernel and inlines
+    its ONNX function, which memcc must do first (``backend.ort_kernels``)."""
+
+    def __init__(self, dropout: float = 0.0, classes: int = 10) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, 2, 1, bias=False), nn.BatchNorm2d(16),
+                                  nn.Hardswish())
+        self.se_down = nn.Conv2d(16, 8, 1)
+        self.se_up = nn.Conv2d(8, 16, 1)
+        self.head = nn.Sequential(nn.Linear(16, 32), nn.Hardswish(), nn.Dropout(dropout),
+                                  nn.Linear(32, classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.stem(x)
+        gate = F.hardsigmoid(self.se_up(F.relu(self.se_down(y.mean((2, 3), keepdim=True)))))
+        return self.head((y * gate).mean((2, 3)))
+
+
 class ConvNeXtBlock(nn.Module):
     """ConvNeXt block: 7x7 depthwise conv, channels-last LayerNorm, Linear/GELU(erf), scale."""
 
@@ -397,6 +417,7 @@ class ConvBN(nn.Module):
 EXTRA_FAMILIES: dict[str, Family] = {
     "hf_vit": Family(_hf_vit, _image, _BATCH, {0: "batch"}),
     "conv_bn": Family(ConvBN, lambda s, g: _image(s, g, 8), _BATCH, {0: "batch"}),
+    "hardswish_se": Family(HardSwishSE, lambda s, g: _image(s, g, 8), _BATCH, {0: "batch"}),
 }
 
 

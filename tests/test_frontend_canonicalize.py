@@ -202,3 +202,39 @@ def test_model_local_function_is_inlined_and_differentiated():
     feeds = {"x": rand(3, 2)}
     assert {n.op_type for n in load_graph(model).nodes} >= {"Tanh", "Mul"}
     check_against_torch(model, feeds, lambda x: torch.tanh(x) * 2.0, ["x"])
+
+
+@pytest.mark.parametrize("op,opset,fn", [
+    ("HardSwish", 17, torch.nn.functional.hardswish),
+    ("Mish", 18, torch.nn.functional.mish),
+])
+def test_ops_without_an_ort_kernel_are_expanded_as_ort_would(op, opset, fn):
+    # ORT runs these as their ONNX function body, inlined at session creation under new
+    # names after everything else (backend.ort_kernels): memcc expands them itself, so the
+    # graph it plans is the one ORT runs, with the same arithmetic.
+    model = make_model([helper.make_node(op, ["x"], ["y"])], [("x", FLOAT, [3, 4])],
+                       [("y", FLOAT, [3, 4])], opset=opset)
+    graph = load_graph(model)
+    assert op not in {n.op_type for n in graph.nodes}
+    feeds = {"x": rand(3, 4) * 4}
+    for a, b in zip(run(model, feeds), run(graph.to_model(), feeds), strict=True):
+        np.testing.assert_array_equal(a, b)
+    check_against_torch(model, feeds, lambda x: fn(x), ["x"])
+
+
+def test_every_dropout_gets_a_fixed_seed_of_its_own():
+    # Unseeded, ORT's Dropout draws another mask in every session (test_ort_facts.py), so a
+    # step with dropout never gave the same loss twice and --verify could not pass.
+    nodes = [const("ratio", 0.5, FLOAT), const("train", True, TensorProto.BOOL),
+             helper.make_node("Dropout", ["x", "ratio", "train"], ["a"], name="first"),
+             helper.make_node("Dropout", ["a", "ratio", "train"], ["y"], name="second")]
+    model = make_model(nodes, [("x", FLOAT, [64])], [("y", FLOAT, [64])])
+    graph = load_graph(model)
+    seeds = {n.name: [a.i for a in n.attribute if a.name == "seed"]
+             for n in graph.nodes if n.op_type == "Dropout"}
+    assert all(len(s) == 1 for s in seeds.values()), seeds
+    assert seeds["first"] != seeds["second"]
+    feeds = {"x": np.ones(64, np.float32)}
+    first, again = run(graph.to_model(), feeds), run(graph.to_model(), feeds)
+    np.testing.assert_array_equal(first[0], again[0])
+    assert 0 < np.count_nonzero(first[0]) < 64

@@ -13,7 +13,9 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
+from memcc.backend import ort_kernels
 from memcc.backend.memory import measure_many_in_subprocess
+from memcc.backend.ort_kernels import INLINED_BY_ORT_1_31, has_kernel
 from memcc.backend.profile_order import executed_order, ort_priority_order, planned_order
 from memcc.backend.session import make_session
 from memcc.frontend.load import load_graph
@@ -240,3 +242,41 @@ def test_memory_pattern_off_gives_repeatable_peaks():
         overrides={"enable_mem_pattern": True, "enable_cpu_mem_arena": True})["chain"]
     assert max(contract) - min(contract) <= 0.02 * max(contract) + 256 * 1024
     assert pattern[1] > 1.5 * pattern[0]
+
+
+@pytest.mark.parametrize("op,opset,kernel", [("HardSwish", 17, False), ("Mish", 18, False),
+                                             ("HardSigmoid", 17, True), ("Gelu", 20, True)])
+def test_ops_without_a_kernel_run_as_their_inlined_function_body(op, opset, kernel, tmp_path):
+    # No kernel for the model's opset: ORT inlines the op's ONNX function at session
+    # creation, under new node names that run last among the ready nodes. The registry
+    # memcc asks (backend.ort_kernels) says which ops; memcc expands them at load.
+    m = model([H(op, ["x"], ["y"], name="the_op"), H("Relu", ["y"], ["z"], name="after")],
+              ["z"], inputs=(("x", [8]),), opset=opset)
+    executed = profiled_order(m, {"x": np.linspace(-4, 4, 8, dtype=np.float32)}, tmp_path)
+    assert ("the_op" in executed) is kernel, executed
+    assert has_kernel(op, opset) is kernel
+
+
+def test_the_fallback_list_names_what_the_registry_says(monkeypatch):
+    # Without ORT's registry (a private function), memcc falls back to the list measured
+    # for onnxruntime 1.31; on this ORT both must give the same answers.
+    seen = {op: has_kernel(op, 18) for op in sorted(INLINED_BY_ORT_1_31) + ["Relu", "Conv"]}
+    monkeypatch.setattr(ort_kernels, "_registry", lambda provider: None)
+    assert {op: has_kernel(op, 18) for op in seen} == seen
+
+
+def test_unseeded_dropout_draws_another_mask_in_every_session():
+    # Why memcc seeds every Dropout at load (frontend.canonicalize.seed_dropouts).
+    inits = [helper.make_tensor("r", TensorProto.FLOAT, [], [0.5]),
+             helper.make_tensor("t", TensorProto.BOOL, [], [True])]
+    feeds = {"x": np.ones(256, np.float32)}
+
+    def two_sessions(attrs) -> tuple[np.ndarray, np.ndarray]:
+        m = model([H("Dropout", ["x", "r", "t"], ["y"], **attrs)], ["y"],
+                  inputs=(("x", [256]),), inits=inits)
+        return tuple(make_session(m, "cpu").run(None, feeds)[0] for _ in range(2))
+
+    a, b = two_sessions({})
+    assert not np.array_equal(a, b)
+    a, b = two_sessions({"seed": 7})
+    np.testing.assert_array_equal(a, b)

@@ -21,6 +21,7 @@ node, never a missing-shape error that would send the user after ``--dim``.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Iterable
 
 import numpy as np
@@ -47,12 +48,14 @@ def needs_canonicalizing(model: onnx.ModelProto) -> bool:
 
 def expand_function_ops(model: onnx.ModelProto, keep: frozenset[str] | set[str]
                         ) -> onnx.ModelProto | None:
-    """Expand ops that have no gradient rule but whose ONNX schema defines them as a
-    function of other ops (``GroupNormalization``-21, ``RMSNormalization``-23,
-    ``RotaryEmbedding``-23, ``Mish``...): the schema's own body, made for this node's
-    attributes and input types, becomes a model-local function that ``onnx.inliner``
-    inlines. Returns the new model, or None when nothing was expanded. ``keep``: op types
-    memcc differentiates as they are."""
+    """Expand ops whose ONNX schema defines them as a function of other ops and that either
+    have no gradient rule (``GroupNormalization``-21, ``RMSNormalization``-23,
+    ``RotaryEmbedding``-23...) or no ORT kernel (``HardSwish``, ``Mish``, ``Bernoulli``: ORT
+    would inline them itself, out of the planned order; ``backend.ort_kernels``): the
+    schema's own body, made for this node's attributes and input types, becomes a
+    model-local function that ``onnx.inliner`` inlines. Returns the new model, or None when
+    nothing was expanded. ``keep``: op types memcc differentiates as they are and ORT runs
+    as they are."""
     types = _types(model)
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
     functions: dict[str, onnx.FunctionProto] = {}
@@ -121,13 +124,57 @@ def _schema_function(node: onnx.NodeProto, opset: int, types) -> onnx.FunctionPr
         return None
     body = onnx.FunctionProto()
     body.ParseFromString(raw if isinstance(raw, bytes) else raw.SerializeToString())
-    return body if body.node else None
+    return body if body.node and _at_opset(body, opset) else None
+
+
+def _at_opset(body: onnx.FunctionProto, opset: int) -> bool:
+    """Declare ``body`` at the model's ONNX opset, which ``onnx.inliner`` requires (it leaves
+    a function written for another version in place). Written for an older opset (HardSwish's
+    body is opset 14's), it means the same at the model's when none of its ops changed in
+    between; otherwise the op is left for ORT to inline."""
+    for imp in body.opset_import:
+        if imp.domain not in ("", "ai.onnx") or imp.version == opset:
+            continue
+        for node in body.node:
+            if node.domain not in ("", "ai.onnx"):
+                continue
+            try:
+                then = onnx.defs.get_schema(node.op_type, imp.version, "").since_version
+                now = onnx.defs.get_schema(node.op_type, opset, "").since_version
+            except Exception:  # noqa: BLE001 - an op unknown at one of the versions
+                return False
+            if then != now:
+                return False
+        imp.version = opset
+    return True
 
 
 def _function_version(versions: list[int], opset: int) -> int:
     """The newest function body written for an opset no newer than the model's."""
     usable = [v for v in versions if v <= opset]
     return max(usable) if usable else min(versions)
+
+
+def seed_dropouts(nodes: Iterable[onnx.NodeProto]) -> int:
+    """Give every ``Dropout`` without a ``seed`` attribute a fixed seed of its own; return
+    how many were seeded.
+
+    Without one, ORT's Dropout draws its mask from a generator seeded anew in every session
+    (measured: two sessions of one model give different masks), so a step with dropout never
+    gave the same loss twice and ``--verify`` could not compare a plan with its original.
+    With a seed, each session draws the same sequence of masks, step after step, and the
+    other random ops already behave so (an unseeded ``RandomUniformLike`` takes its seed
+    from a fixed process-wide sequence). The seed is a hash of the node's name, so that no
+    two Dropouts share a mask sequence and a rewrite that keeps the name keeps the draw.
+    """
+    count = 0
+    for node in nodes:
+        if node.op_type == "Dropout" and node.domain in ("", "ai.onnx") and \
+                not any(a.name == "seed" for a in node.attribute):
+            node.attribute.append(helper.make_attribute(
+                "seed", zlib.crc32(node.name.encode()) & 0x7FFFFFFF))
+            count += 1
+    return count
 
 
 def shapes_needed(model: onnx.ModelProto) -> list[str]:

@@ -23,6 +23,7 @@ from memcc.frontend.canonicalize import (
     canonicalize,
     expand_function_ops,
     needs_canonicalizing,
+    seed_dropouts,
     shapes_needed,
 )
 from memcc.frontend.exported import SIGNATURE_KEY, read_signature
@@ -90,7 +91,7 @@ def load_graph(
         model = onnx.inliner.inline_local_functions(model)
     _bind_input_dims(model, dict(dims or {}), where)
     model = _infer(model, where)
-    expanded = expand_function_ops(model, _differentiable_as_is())
+    expanded = expand_function_ops(model, _differentiable_as_is() - _inlined_by_ort(model))
     if expanded is not None:
         model = _infer(expanded, where)
     for _ in range(_CANONICAL_ROUNDS):  # a folded If may uncover another
@@ -108,6 +109,7 @@ def load_graph(
     if signature is not None:  # the builder reads which initializers are torch buffers
         graph.metadata[SIGNATURE_KEY] = signature.to_json()
     name_nodes(graph)
+    seed_dropouts(graph.nodes)
     missing = _unknown_values(graph)
     if missing:
         _shapes_by_running(model, graph, missing, where)
@@ -134,6 +136,17 @@ def _differentiable_as_is() -> frozenset[str]:
 
     load_rules()
     return frozenset(RULES) | frozenset(NON_DIFFERENTIABLE)
+
+
+def _inlined_by_ort(model: onnx.ModelProto) -> frozenset[str]:
+    """The model's ops that ORT has no kernel for and runs as their ONNX function body:
+    memcc expands them itself, even those it has a gradient rule for, so that it plans the
+    nodes ORT runs (``backend.ort_kernels``)."""
+    from memcc.backend.ort_kernels import inlined_by_ort
+
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+    ops = {n.op_type for n in model.graph.node if n.domain in ("", "ai.onnx")}
+    return inlined_by_ort(ops, opset)
 
 
 def name_nodes(graph: Graph) -> None:
