@@ -186,12 +186,18 @@ def test_equivalent_outputs_are_checked_against_the_stated_tolerance():
     assert compare_outputs(a, close, exact=False, tolerance=1e-5) == []
     assert "beyond the plan's stated tolerance" in compare_outputs(
         a, far, exact=False, tolerance=1e-5)[0]
-    # An output that is zero up to rounding is held to 1e-5 of the largest output, not to
-    # its own noise; one that is small but real still is.
+    # An output that is zero up to rounding is compared relative to a tenth of the largest
+    # output of its kind, not to its own noise; one that is small but real still is.
     a["noise"], a["small"] = (np.array([2e-14], np.float32), np.array([3e-3], np.float32))
     b = {**a, "noise": np.array([-1e-14], np.float32), "small": np.array([3.1e-3], np.float32)}
     assert compare_outputs(a, {**b, "small": a["small"]}, exact=False, tolerance=1e-5) == []
     assert "'small'" in compare_outputs(a, b, exact=False, tolerance=1e-5)[0]
+    # Kinds: a small output is judged against the largest of its own kind. Alone in its
+    # kind, "small" is its own scale: 3% relative is beyond 1e-5.
+    kinds = {"g": "parameters", "noise": "gradients", "small": "gradients"}
+    tiny = {**b, "small": np.array([3e-3 * (1 + 5e-6)], np.float32)}
+    assert compare_outputs(a, tiny, exact=False, tolerance=1e-5, kinds=kinds) == []
+    assert "'small'" in compare_outputs(a, b, exact=False, tolerance=1e-5, kinds=kinds)[0]
 
 
 @pytest.mark.parametrize("family,exporter", [("convnet", "torchscript"), ("gpt2", "dynamo"),
