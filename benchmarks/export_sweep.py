@@ -1,0 +1,145 @@
+"""First use on models memcc was not built around: torchvision and timm models exported by
+torch.onnx in train mode, each compiled at ``--budget min`` with ``--verify``.
+
+    pip install torchvision timm        # not test dependencies: only this script needs them
+    python benchmarks/export_sweep.py                       # every model, two exporters
+    python benchmarks/export_sweep.py --models tv_mobilenet_v3_small timm_levit --exporters dynamo
+
+For each model and exporter: export (batch 8, 64x64 unless the model needs another size),
+``memcc compile --budget 1TB`` for the step as built, then ``memcc compile --budget min
+--verify`` as a user would run it, each in its own process. Prints one markdown row per case
+from the reports: the peaks predicted and measured, the predicted overhead, what the verify
+line said, and the compile time. A row that failed says why (the first problem of the
+report, or the error).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+EXPORTERS = ("torchscript", "dynamo_noopt", "dynamo")
+
+
+def _models() -> dict:
+    import timm
+    import torchvision.models as tv
+
+    return {
+        "tv_resnet18": lambda: tv.resnet18(num_classes=10),
+        "tv_mobilenet_v3_small": lambda: tv.mobilenet_v3_small(num_classes=10),
+        "tv_efficientnet_b0": lambda: tv.efficientnet_b0(num_classes=10),
+        "tv_squeezenet1_1": lambda: tv.squeezenet1_1(num_classes=10),
+        "tv_shufflenet_v2_x0_5": lambda: tv.shufflenet_v2_x0_5(num_classes=10),
+        "tv_convnext_tiny": lambda: tv.convnext_tiny(num_classes=10),
+        "tv_densenet121": lambda: tv.densenet121(num_classes=10),
+        "tv_regnet_y_400mf": lambda: tv.regnet_y_400mf(num_classes=10),
+        "tv_vit": lambda: tv.VisionTransformer(image_size=32, patch_size=8, num_layers=2,
+                                               num_heads=2, hidden_dim=32, mlp_dim=64,
+                                               num_classes=10),
+        "tv_swin_t": lambda: tv.swin_t(num_classes=10),
+        "timm_vit_tiny": lambda: timm.create_model("vit_tiny_patch16_224", num_classes=10,
+                                                   img_size=32, patch_size=8),
+        "timm_resnet26d": lambda: timm.create_model("resnet26d", num_classes=10),
+        "timm_efficientnet_b0": lambda: timm.create_model("efficientnet_b0", num_classes=10),
+        "timm_convnext_atto": lambda: timm.create_model("convnext_atto", num_classes=10),
+        "timm_mixer": lambda: timm.create_model("mixer_s32_224", num_classes=10, img_size=64),
+        "timm_mobilevit_xxs": lambda: timm.create_model("mobilevit_xxs", num_classes=10),
+        "timm_deit_tiny": lambda: timm.create_model("deit_tiny_patch16_224", num_classes=10,
+                                                    img_size=32, patch_size=8),
+        "timm_regnetx_002": lambda: timm.create_model("regnetx_002", num_classes=10),
+        "timm_ghostnet": lambda: timm.create_model("ghostnet_100", num_classes=10),
+        "timm_levit": lambda: timm.create_model("levit_128s", num_classes=10),
+    }
+
+
+RESOLUTION = {"tv_vit": 32, "timm_vit_tiny": 32, "timm_deit_tiny": 32, "timm_levit": 224}
+
+
+def export(name: str, exporter: str, path: Path, batch: int) -> None:
+    import torch
+
+    torch.manual_seed(0)
+    model = _models()[name]()
+    model.train()
+    res = RESOLUTION.get(name, 64)
+    x = torch.randn(batch, 3, res, res)
+    if exporter == "torchscript":
+        torch.onnx.export(model, (x,), str(path), dynamo=False,
+                          training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False,
+                          input_names=["x"], output_names=["logits"], opset_version=17)
+    else:
+        torch.onnx.export(model, (x,), str(path), dynamo=True,
+                          optimize=exporter == "dynamo", input_names=["x"],
+                          output_names=["logits"])
+
+
+def compile_step(path: Path, out: Path, budget: str, verify: bool, time_limit: int
+                 ) -> tuple[int, float, str, dict | None]:
+    cmd = ["memcc", "compile", str(path), "--budget", budget, "-o", str(out),
+           "--cost", "analytic", "--time-limit", str(time_limit)] + (["--verify"] if verify else [])
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    seconds = time.perf_counter() - start
+    report = out.with_suffix(".report.json")
+    data = json.loads(report.read_text()) if report.exists() else None
+    return proc.returncode, seconds, proc.stdout + proc.stderr, data
+
+
+def one(name: str, exporter: str, out_dir: Path, batch: int, time_limit: int) -> str:
+    base = out_dir / f"{name}.{exporter}"
+    path = base.with_suffix(".onnx")
+    try:
+        if not path.exists():
+            export(name, exporter, path, batch)
+    except Exception as exc:  # noqa: BLE001 - an exporter failure is a row, not a crash
+        return f"| {name} | {exporter} | export failed: {type(exc).__name__}: {str(exc)[:80]} |"
+    for stale in out_dir.glob(f"{base.name}.min*"):
+        stale.unlink()
+    rc, _, text, as_built = compile_step(path, Path(f"{base}.built.onnx"), "1TB", False,
+                                         time_limit)
+    if rc != 0 or as_built is None:
+        last = text.strip().splitlines()[-1][:120] if text.strip() else f"exit {rc}"
+        return f"| {name} | {exporter} | build failed: {last} |"
+    rc, seconds, text, rep = compile_step(path, Path(f"{base}.min.onnx"), "min", True,
+                                          time_limit)
+    baseline = as_built["baseline"]["peak_bytes"]
+    if rep is None or "verification" not in rep or rep["verification"] is None:
+        last = text.strip().splitlines()[-1][:120] if text.strip() else f"exit {rc}"
+        return f"| {name} | {exporter} | {baseline / 1e6:.1f} | | | | | compile failed: {last} |"
+    v, plan = rep["verification"], rep["plan"]
+    measured = v.get("measured_peak_bytes")
+    ratio = f"{measured / plan['peak_bytes']:.3f}" if measured else ""
+    verdict = ("OK: " + v["comparison"]) if v["ok"] else "FAILED: " + v["problems"][0][:90]
+    return (f"| {name} | {exporter} | {baseline / 1e6:.1f} | {plan['peak_bytes'] / 1e6:.1f} | "
+            f"{(measured or 0) / 1e6:.1f} | {ratio} | {100 * plan['overhead']:.1f}% | "
+            f"{verdict} | {seconds:.0f} |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", nargs="*", help="default: all")
+    ap.add_argument("--exporters", nargs="*", default=["torchscript", "dynamo_noopt"],
+                    choices=EXPORTERS)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--time-limit", type=int, default=30)
+    ap.add_argument("--out", default="export_sweep", help="folder for exports and reports")
+    args = ap.parse_args(argv)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    names = args.models or list(_models())
+    print("| model | exporter | as built (MB) | plan at min (MB) | measured (MB) | "
+          "measured/plan | predicted overhead | verify | compile (s) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name in names:
+        for exporter in args.exporters:
+            print(one(name, exporter, out_dir, args.batch, args.time_limit), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
