@@ -92,7 +92,7 @@ def compile_step(path: Path, out: Path, budget: str, verify: bool, time_limit: i
 
 def one(name: str, exporter: str, out_dir: Path, batch: int, time_limit: int) -> str:
     base = out_dir / f"{name}.{exporter}"
-    path = base.with_suffix(".onnx")
+    path = out_dir / f"{name}.{exporter}.onnx"
     try:
         if not path.exists():
             export(name, exporter, path, batch)

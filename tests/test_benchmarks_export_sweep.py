@@ -4,6 +4,7 @@ one table row from the reports."""
 
 from __future__ import annotations
 
+import onnx
 from exports import HardSwishSE
 
 from benchmarks import export_sweep
@@ -11,10 +12,16 @@ from benchmarks import export_sweep
 
 def test_a_row_reports_the_verified_plan(monkeypatch, tmp_path):
     monkeypatch.setattr(export_sweep, "_models", lambda: {"tiny": lambda: HardSwishSE(0.2)})
-    monkeypatch.setitem(export_sweep.RESOLUTION, "tiny", 8)
-    row = export_sweep.one("tiny", "torchscript", tmp_path, batch=4, time_limit=20)
-    cells = [c.strip() for c in row.strip("|").split("|")]
-    assert cells[:2] == ["tiny", "torchscript"], row
-    assert cells[7].startswith("OK:"), row
-    as_built, plan, measured = (float(c) for c in cells[2:5])
-    assert plan <= as_built and measured > 0
+    monkeypatch.setitem(export_sweep.RESOLUTION, "tiny", 32)
+    for exporter in ("torchscript", "dynamo_noopt"):
+        row = export_sweep.one("tiny", exporter, tmp_path, batch=16, time_limit=20)
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[:2] == ["tiny", exporter], row
+        assert cells[7].startswith("OK:"), row
+        as_built, plan, measured = (float(c) for c in cells[2:5])
+        assert plan <= as_built and measured > 0
+        # Each exporter's own file (the script asks TorchScript for opset 17, dynamo writes
+        # its own newer default).
+        model = onnx.load(str(tmp_path / f"tiny.{exporter}.onnx"), load_external_data=False)
+        opset = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
+        assert (opset == 17) == (exporter == "torchscript"), opset
