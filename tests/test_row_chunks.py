@@ -88,6 +88,21 @@ def test_real_exports_match_whole_attention(family, exporter):
     compare(whole, chunked)
 
 
+def test_every_chunk_of_a_dropout_draws_its_own_masks():
+    """memcc seeds every Dropout at load (``canonicalize.seed_dropouts``); a chunk copies its
+    whole node, so without a seed of its own every chunk would draw the same mask."""
+    from exports import export
+
+    path, _, _, dims = export("vit", "torchscript", training=True, dropout=0.1)
+    step = build_training_step(load_graph(path, dims),
+                               BuildOptions(attention_chunks=3, mlp_chunks=2))
+    seeds = {n.name: [a.i for a in n.attribute if a.name == "seed"]
+             for n in step.nodes if n.op_type == "Dropout"}
+    assert sum("/r" in name for name in seeds) >= 6, sorted(seeds)
+    assert all(len(s) == 1 for s in seeds.values())
+    assert len({s[0] for s in seeds.values()}) == len(seeds)
+
+
 @pytest.mark.parametrize("family,exporter", [
     ("bert", "dynamo"), ("llama", "torchscript"), ("vit", "dynamo_noopt"),
     ("gpt2", "torchscript"), ("gpt2", "dynamo"),
