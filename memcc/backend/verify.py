@@ -57,8 +57,8 @@ def compare_outputs(a: dict[str, np.ndarray], b: dict[str, np.ndarray], *, exact
     1e-7 of the layer's largest gradient in it, different for every rounding (timm's
     EfficientNet-B0 and MobileViT: relative errors of 1e-3 to 1e-2 on such gradients under a
     plan whose variants are within 1e-6 everywhere else). A real error in a small output
-    still shows: at a thousandth of the largest, 0.01% relative error is beyond 1e-5 of the
-    floor."""
+    still shows: with a tolerance of 1e-5, an output at a thousandth of the largest of its
+    kind fails beyond 0.1% of its own size."""
     problems = []
     largest: dict[str, float] = {}
     if tolerance is not None:
