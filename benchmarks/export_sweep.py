@@ -16,6 +16,7 @@ report, or the error).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import subprocess
 import sys
@@ -95,7 +96,8 @@ def one(name: str, exporter: str, out_dir: Path, batch: int, time_limit: int) ->
     path = out_dir / f"{name}.{exporter}.onnx"
     try:
         if not path.exists():
-            export(name, exporter, path, batch)
+            with contextlib.redirect_stdout(sys.stderr):   # the exporter's progress lines
+                export(name, exporter, path, batch)
     except Exception as exc:  # noqa: BLE001 - an exporter failure is a row, not a crash
         return f"| {name} | {exporter} | export failed: {type(exc).__name__}: {str(exc)[:80]} |"
     for stale in out_dir.glob(f"{base.name}.min*"):
