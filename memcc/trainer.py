@@ -50,6 +50,7 @@ from memcc.backend.memory import trim_heap
 from memcc.backend.runner import run_options, session_graph
 from memcc.backend.session import make_session, resolve_provider
 from memcc.errors import InputError, RuntimeFailure
+from memcc.frontend.canonicalize import reseed_dropouts
 from memcc.frontend.load import load_graph
 from memcc.graph import Graph, ancestors
 from memcc.passes.inplace import InPlaceUpdates
@@ -95,8 +96,7 @@ class Trainer:
         self.in_place: InPlaceUpdates = self.arrangement.in_place
 
         sgraph, values = session_graph(self.arrangement.graph)
-        self._session = make_session(sgraph.to_model(), self.provider,
-                                     intra_op_threads=threads, cpu_arena=self.arena)
+        self._session = self._open_session(sgraph)
         self._device = "cuda" if self.provider == "cuda" else "cpu"
         carried = list(dict.fromkeys(self.updates.values()))
         # The arrays the carried values live in on CPU (copied: ORT writes into them);
@@ -240,13 +240,27 @@ class Trainer:
                          step_file=str(self.path.resolve()), keep=keep)
 
     def restore(self, checkpoint: str | os.PathLike | ckpt.Checkpoint) -> ckpt.Checkpoint:
-        """Load a checkpoint (file, directory = its newest, or a loaded one) into this run."""
+        """Load a checkpoint (file, directory = its newest, or a loaded one) into this run.
+
+        A step with Dropout gets a session whose Dropouts are seeded from the checkpoint's
+        step: ORT's Dropout keeps its generator in the session, which no checkpoint holds,
+        and the step's own seeds would draw the masks of the run's first steps again."""
         c = checkpoint if isinstance(checkpoint, ckpt.Checkpoint) else ckpt.load(checkpoint)
         c.check_step(self.signature())
         self.load_state_dict(c.tensors, source=str(c.path))
         self.steps_done = c.step
         self.data_state = dict(c.data_state)
+        if c.step and any(n.op_type == "Dropout" for n in self.arrangement.graph.nodes):
+            self._session = self._open_session(session_graph(self.arrangement.graph)[0],
+                                               resumed_at=c.step)
         return c
+
+    def _open_session(self, sgraph: Graph, resumed_at: int = 0):
+        model = sgraph.to_model()
+        if resumed_at:
+            reseed_dropouts(model.graph.node, f"@step{resumed_at}")
+        return make_session(model, self.provider, intra_op_threads=self.threads,
+                            cpu_arena=self.arena)
 
     @classmethod
     def resume(cls, directory: str | os.PathLike, step_path: str | os.PathLike | None = None,

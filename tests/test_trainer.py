@@ -295,3 +295,35 @@ def test_saving_an_older_step_over_a_newer_run_is_refused(steps, tmp_path):
     with pytest.raises(InputError, match="holds ckpt-000000002.safetensors, newer than step 0"):
         Trainer(steps["sgd"], threads=1).save(d)
     assert [p.name for p in ckpt.list_checkpoints(d)] == ["ckpt-000000002.safetensors"]
+
+
+def test_a_resumed_run_does_not_draw_the_first_steps_dropout_masks_again(tmp_path):
+    """Dropout keeps its generator in ORT's session, which no checkpoint holds. With lr 0
+    the loss depends on the mask alone: every step of one run draws another mask, and a run
+    resumed at step 2 must not draw steps 1 and 2's masks again (it did while every session
+    started the step's seed sequence afresh)."""
+    from onnx import TensorProto, helper
+
+    w = np.random.default_rng(0).standard_normal((4, 12)).astype(np.float32)
+    nodes = [helper.make_node("Gemm", ["x", "w"], ["h"], transB=1),
+             helper.make_node("Dropout", ["h", "ratio", "train"], ["logits"], name="drop")]
+    graph = helper.make_graph(
+        nodes, "drop", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [8, 12])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [8, 4])],
+        [onnx.numpy_helper.from_array(w, "w"),
+         helper.make_tensor("ratio", TensorProto.FLOAT, [], [0.5]),
+         helper.make_tensor("train", TensorProto.BOOL, [], [True])])
+    forward = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    forward.ir_version = 8
+    path = save_graph(build_training_step(load_graph(forward), BuildOptions(lr=0.0)),
+                      tmp_path / "drop.onnx")
+    feeds = synthetic_feeds(load_graph(path), seed=1)
+    straight = Trainer(path, threads=1)
+    losses = [straight.step(feeds) for _ in range(4)]
+    assert len(set(losses)) == 4, losses              # a new mask every step
+    first = Trainer(path, threads=1)
+    assert [first.step(feeds) for _ in range(2)] == losses[:2]   # seeded: repeatable
+    first.save(tmp_path / "ck")
+    resumed = Trainer.resume(tmp_path / "ck", threads=1)
+    again = [resumed.step(feeds) for _ in range(2)]
+    assert not set(again) & set(losses[:2]), (again, losses)

@@ -171,10 +171,29 @@ def seed_dropouts(nodes: Iterable[onnx.NodeProto]) -> int:
     for node in nodes:
         if node.op_type == "Dropout" and node.domain in ("", "ai.onnx") and \
                 not any(a.name == "seed" for a in node.attribute):
-            node.attribute.append(helper.make_attribute(
-                "seed", zlib.crc32(node.name.encode()) & 0x7FFFFFFF))
+            node.attribute.append(helper.make_attribute("seed", _seed(node.name)))
             count += 1
     return count
+
+
+def reseed_dropouts(nodes: Iterable[onnx.NodeProto], salt: str) -> int:
+    """Replace every ``Dropout``'s seed by one drawn from its name and ``salt``: a row chunk
+    of a Dropout (which copied its whole node's seed), a training run resumed at step k
+    (which would otherwise draw the masks of the run's first steps again). Returns how many
+    were reseeded."""
+    count = 0
+    for node in nodes:
+        if node.op_type == "Dropout" and node.domain in ("", "ai.onnx"):
+            kept = [a for a in node.attribute if a.name != "seed"]
+            del node.attribute[:]
+            node.attribute.extend(kept)
+            node.attribute.append(helper.make_attribute("seed", _seed(node.name + salt)))
+            count += 1
+    return count
+
+
+def _seed(text: str) -> int:
+    return zlib.crc32(text.encode()) & 0x7FFFFFFF
 
 
 def shapes_needed(model: onnx.ModelProto) -> list[str]:

@@ -43,7 +43,7 @@ from dataclasses import dataclass, replace
 import onnx
 
 from memcc.errors import InputError
-from memcc.frontend.canonicalize import seed_dropouts
+from memcc.frontend.canonicalize import reseed_dropouts
 from memcc.frontend.emit import Emitter
 from memcc.frontend.gradients.shape_ops import norm_axis, split_values
 from memcc.graph import Graph, TensorInfo, attr
@@ -356,7 +356,7 @@ def _rewrite(graph: Graph, emit: Emitter, region: RowRegion,
             clone.CopyFrom(node)
             clone.name = emit.fresh(f"{node.name}/r{c}")
             if clone.op_type == "Dropout":   # a mask sequence of its own for every chunk
-                _reseed(clone)
+                reseed_dropouts([clone], "")
             del clone.input[:]
             if any(node is f for f in region.firsts):   # the first input's rows
                 clone.input.extend([parts(node.input[0])[c], *node.input[1:]])
@@ -384,12 +384,3 @@ def _rewrite(graph: Graph, emit: Emitter, region: RowRegion,
     emit.op("Concat", outs, outputs=[out], axis=len(graph.info[out].shape) - 2,
             info=graph.info[out])
     return emit.nodes[start:]
-
-
-def _reseed(dropout: onnx.NodeProto) -> None:
-    """A chunk's Dropout copied its whole node's seed (``canonicalize.seed_dropouts``), so
-    every chunk would draw the same mask: it gets a seed from its own name instead."""
-    kept = [a for a in dropout.attribute if a.name != "seed"]
-    del dropout.attribute[:]
-    dropout.attribute.extend(kept)
-    seed_dropouts([dropout])
