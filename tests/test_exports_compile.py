@@ -7,9 +7,12 @@ import json
 
 import pytest
 from exports import export
+from threads import mismatches, run_at_threads
 from typer.testing import CliRunner
 
+from memcc.backend.runner import synthetic_feeds
 from memcc.cli import app
+from memcc.frontend.build import BuildOptions, build_training_step
 from memcc.frontend.load import load_graph
 
 
@@ -34,6 +37,13 @@ def test_ops_ort_inlines_and_real_dropout_verify(exporter, tmp_path):
     seeds = [a.i for n in graph.nodes if n.op_type == "Dropout"
              for a in n.attribute if a.name == "seed"]
     assert len(seeds) == len([n for n in graph.nodes if n.op_type == "Dropout"])
+    # The seeded masks do not depend on the thread count: 1, 2 and 4 intra-op threads,
+    # each run twice in fresh sessions, give the same bits.
+    step = build_training_step(graph, BuildOptions())
+    values = synthetic_feeds(step, 0)
+    feeds = {i: values[i] for i in step.inputs if i not in step.initializers}
+    runs = run_at_threads(step, feeds, threads=(1, 2, 4))
+    assert not mismatches(runs[1], runs[2]) and not mismatches(runs[1], runs[4])
     _assert_min_budget_verifies(path, dims, tmp_path)
 
 

@@ -263,6 +263,8 @@ def test_the_fallback_list_names_what_the_registry_says(monkeypatch):
     seen = {op: has_kernel(op, 18) for op in sorted(INLINED_BY_ORT_1_31) + ["Relu", "Conv"]}
     monkeypatch.setattr(ort_kernels, "_registry", lambda provider: None)
     assert {op: has_kernel(op, 18) for op in seen} == seen
+    # An op ONNX does not know at this opset is ORT's to judge, never memcc's to expand.
+    assert has_kernel("NoSuchOp", 18) and has_kernel("Swish", 18)
 
 
 def test_unseeded_dropout_draws_another_mask_in_every_session():

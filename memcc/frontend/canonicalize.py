@@ -155,9 +155,8 @@ def _function_version(versions: list[int], opset: int) -> int:
     return max(usable) if usable else min(versions)
 
 
-def seed_dropouts(nodes: Iterable[onnx.NodeProto]) -> int:
-    """Give every ``Dropout`` without a ``seed`` attribute a fixed seed of its own; return
-    how many were seeded.
+def seed_dropouts(nodes: Iterable[onnx.NodeProto]) -> None:
+    """Give every ``Dropout`` without a ``seed`` attribute a fixed seed of its own.
 
     Without one, ORT's Dropout draws its mask from a generator seeded anew in every session
     (measured: two sessions of one model give different masks), so a step with dropout never
@@ -167,33 +166,21 @@ def seed_dropouts(nodes: Iterable[onnx.NodeProto]) -> int:
     from a fixed process-wide sequence). The seed is a hash of the node's name, so that no
     two Dropouts share a mask sequence and a rewrite that keeps the name keeps the draw.
     """
-    count = 0
-    for node in nodes:
-        if node.op_type == "Dropout" and node.domain in ("", "ai.onnx") and \
-                not any(a.name == "seed" for a in node.attribute):
-            node.attribute.append(helper.make_attribute("seed", _seed(node.name)))
-            count += 1
-    return count
+    reseed_dropouts([n for n in nodes if not any(a.name == "seed" for a in n.attribute)], "")
 
 
-def reseed_dropouts(nodes: Iterable[onnx.NodeProto], salt: str) -> int:
-    """Replace every ``Dropout``'s seed by one drawn from its name and ``salt``: a row chunk
-    of a Dropout (which copied its whole node's seed), a training run resumed at step k
-    (which would otherwise draw the masks of the run's first steps again). Returns how many
-    were reseeded."""
-    count = 0
+def reseed_dropouts(nodes: Iterable[onnx.NodeProto], salt: str) -> None:
+    """Seed every ``Dropout`` among ``nodes`` from its name and ``salt``, replacing any seed
+    it had: at load (``seed_dropouts``), for a row chunk of a Dropout (which copied its whole
+    node's seed), for a training run resumed at step k (which would otherwise draw the masks
+    of the run's first steps again)."""
     for node in nodes:
         if node.op_type == "Dropout" and node.domain in ("", "ai.onnx"):
             kept = [a for a in node.attribute if a.name != "seed"]
+            kept.append(helper.make_attribute(
+                "seed", zlib.crc32((node.name + salt).encode()) & 0x7FFFFFFF))
             del node.attribute[:]
             node.attribute.extend(kept)
-            node.attribute.append(helper.make_attribute("seed", _seed(node.name + salt)))
-            count += 1
-    return count
-
-
-def _seed(text: str) -> int:
-    return zlib.crc32(text.encode()) & 0x7FFFFFFF
 
 
 def shapes_needed(model: onnx.ModelProto) -> list[str]:

@@ -18,6 +18,7 @@ import onnx
 import onnx.inliner
 from onnx import TensorProto, helper, shape_inference
 
+from memcc.backend.ort_kernels import inlined_by_ort
 from memcc.errors import InputError, ShapeError
 from memcc.frontend.canonicalize import (
     canonicalize,
@@ -142,8 +143,6 @@ def _inlined_by_ort(model: onnx.ModelProto) -> frozenset[str]:
     """The model's ops that ORT has no kernel for and runs as their ONNX function body:
     memcc expands them itself, even those it has a gradient rule for, so that it plans the
     nodes ORT runs (``backend.ort_kernels``)."""
-    from memcc.backend.ort_kernels import inlined_by_ort
-
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
     ops = {n.op_type for n in model.graph.node if n.domain in ("", "ai.onnx")}
     return inlined_by_ort(ops, opset)
