@@ -1,11 +1,13 @@
-"""First use on models memcc was not built around: torchvision and timm models exported by
-torch.onnx in train mode, each compiled at ``--budget min`` with ``--verify``.
+"""First use on models memcc was not built around: torchvision, timm and small transformers
+models exported by torch.onnx in train mode, each compiled at ``--budget min`` with
+``--verify``.
 
     pip install torchvision timm        # not test dependencies: only this script needs them
     python benchmarks/export_sweep.py                       # every model, two exporters
     python benchmarks/export_sweep.py --models tv_mobilenet_v3_small timm_levit --exporters dynamo
 
-For each model and exporter: export (batch 8, 64x64 unless the model needs another size),
+For each model and exporter: export (batch 8, 64x64 unless the model needs another size;
+the transformers models take 32 token ids, or 32x32 images, with dropout 0.1),
 ``memcc compile --budget 1TB`` for the step as built, then ``memcc compile --budget min
 --verify`` as a user would run it, each in its own process. Prints one markdown row per case
 from the reports: the peaks predicted and measured, the predicted overhead, what the verify
@@ -30,7 +32,7 @@ def _models() -> dict:
     import timm
     import torchvision.models as tv
 
-    return {
+    return {**_transformers_models(), **{
         "tv_resnet18": lambda: tv.resnet18(num_classes=10),
         "tv_mobilenet_v3_small": lambda: tv.mobilenet_v3_small(num_classes=10),
         "tv_efficientnet_b0": lambda: tv.efficientnet_b0(num_classes=10),
@@ -55,10 +57,43 @@ def _models() -> dict:
         "timm_regnetx_002": lambda: timm.create_model("regnetx_002", num_classes=10),
         "timm_ghostnet": lambda: timm.create_model("ghostnet_100", num_classes=10),
         "timm_levit": lambda: timm.create_model("levit_128s", num_classes=10),
+    }}
+
+
+def _transformers_models() -> dict:
+    """Small transformers models with dropout 0.1 (GPT-2's and BERT's default; set for Llama's
+    attention and ViT, whose default is 0): token ids or images in, logits out."""
+    import torch
+    import transformers as tf
+
+    class Logits(torch.nn.Module):
+        def __init__(self, model: torch.nn.Module, key: str) -> None:
+            super().__init__()
+            self.model, self.key = model, key
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.model(**{self.key: x}).logits
+
+    small = dict(num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
+                 vocab_size=500, max_position_embeddings=64)
+    return {
+        "hf_gpt2": lambda: Logits(tf.GPT2LMHeadModel(tf.GPT2Config(
+            n_embd=64, n_layer=2, n_head=2, vocab_size=500, n_positions=64)), "input_ids"),
+        "hf_bert": lambda: Logits(tf.BertForSequenceClassification(tf.BertConfig(
+            hidden_size=64, num_labels=3, **small)), "input_ids"),
+        "hf_llama": lambda: Logits(tf.LlamaForCausalLM(tf.LlamaConfig(
+            hidden_size=64, num_key_value_heads=1, attention_dropout=0.1, **small)),
+            "input_ids"),
+        "hf_vit": lambda: Logits(tf.ViTForImageClassification(tf.ViTConfig(
+            image_size=32, patch_size=8, hidden_size=64, num_hidden_layers=2,
+            num_attention_heads=2, intermediate_size=128, num_labels=5,
+            hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)), "pixel_values"),
     }
 
 
-RESOLUTION = {"tv_vit": 32, "timm_vit_tiny": 32, "timm_deit_tiny": 32, "timm_levit": 224}
+RESOLUTION = {"tv_vit": 32, "timm_vit_tiny": 32, "timm_deit_tiny": 32, "timm_levit": 224,
+              "hf_vit": 32}
+TOKENS = {"hf_gpt2", "hf_bert", "hf_llama"}   # token ids [batch, 32] below 500
 
 
 def export(name: str, exporter: str, path: Path, batch: int) -> None:
@@ -68,7 +103,7 @@ def export(name: str, exporter: str, path: Path, batch: int) -> None:
     model = _models()[name]()
     model.train()
     res = RESOLUTION.get(name, 64)
-    x = torch.randn(batch, 3, res, res)
+    x = torch.randint(0, 500, (batch, 32)) if name in TOKENS else torch.randn(batch, 3, res, res)
     if exporter == "torchscript":
         torch.onnx.export(model, (x,), str(path), dynamo=False,
                           training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False,
@@ -106,7 +141,7 @@ def one(name: str, exporter: str, out_dir: Path, batch: int, time_limit: int) ->
                                          time_limit)
     if rc != 0 or as_built is None:
         last = text.strip().splitlines()[-1][:120] if text.strip() else f"exit {rc}"
-        return f"| {name} | {exporter} | build failed: {last} |"
+        return f"| {name} | {exporter} | as-built compile failed: {last} |"
     rc, seconds, text, rep = compile_step(path, Path(f"{base}.min.onnx"), "min", True,
                                           time_limit)
     baseline = as_built["baseline"]["peak_bytes"]
