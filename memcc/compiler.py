@@ -46,6 +46,7 @@ from memcc.passes.cost_model import (
     analytic_costs,
     host_link_for,
 )
+from memcc.passes.liveness import HEAP_BYTES_PER_SMALL_BUFFER, heap_allowance_bytes
 from memcc.passes.phases import plan_origin, step_phases
 from memcc.passes.plan import StepStructure
 from memcc.passes.planner import (
@@ -60,6 +61,7 @@ from memcc.sizes import format_size, parse_size
 from memcc.step import ALLOCATOR_KEY, PLAN_KEY, TrainingStep
 
 COST_SOURCES = ("auto", "measured", "analytic")
+BASE_SLACK_BYTES = 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -70,10 +72,12 @@ class CompileOptions:
     time_limit: float = 60.0
     cost: str = "auto"
     verify: bool = False
-    # Plans target budget * (1 - margin): the liveness model ignores allocator rounding and
-    # per-buffer headers, which the measurement sees (under 1% on the zoo; see README).
+    # Plans target budget * (1 - margin) - slack: the liveness model ignores allocator
+    # rounding and per-buffer headers, which the measurement sees (under 1% on the zoo; see
+    # README). None: 1 MiB, plus the heap allowance of the step's small buffers where it
+    # allocates from malloc (``slack_for``); a number is the slack exactly.
     margin: float = 0.02
-    slack_bytes: int = 1024 * 1024
+    slack_bytes: int | None = None
     # The ILP may replace a node's default gradient rule by a variant (passes/variants.py).
     variants: bool = True
     # Lossy-tier variants (bfloat16 storage of saved activations) only when asked for.
@@ -96,6 +100,8 @@ class CompileOptions:
             raise InputError("--time-limit must be positive")
         if not 0.0 <= self.margin < 0.5:
             raise InputError("--margin must lie in [0, 0.5)")
+        if self.slack_bytes is not None and self.slack_bytes < 0:
+            raise InputError("the slack must be zero or more bytes")
         if self.provider not in ("cpu", "cuda"):
             raise InputError(f"--provider '{self.provider}': choose cpu or cuda")
         if self.arena and self.provider != "cpu":
@@ -112,6 +118,13 @@ class CompileOptions:
     def device(self) -> str:
         """Whose allocation rules plans are judged by (``passes.simulate.DEVICES``)."""
         return "cpu-arena" if self.arena else self.provider
+
+    def slack_for(self, graph: Graph) -> int:
+        """Bytes of the budget that plans for ``graph`` leave free besides ``margin``."""
+        if self.slack_bytes is not None:
+            return self.slack_bytes
+        heap = heap_allowance_bytes(graph) if self.device == "cpu" else 0
+        return BASE_SLACK_BYTES + heap
 
     @property
     def swaps(self) -> bool:
@@ -187,9 +200,9 @@ def compile_model(model: str | os.PathLike, options: CompileOptions, *,
 
     label = str(model) if isinstance(model, (str, os.PathLike)) else "<model>"
     budget = options.budget_bytes
-    plan_budget = None if budget is None else \
-        max(int(budget * (1.0 - options.margin)) - options.slack_bytes, 0)
     graph = timed("load", lambda: _load(model, label, options))
+    slack = options.slack_for(graph)
+    plan_budget = None if budget is None else _plan_budget(budget, options, slack)
     racing = [node_label(n) for n in racing_nodes(graph)]
     if racing:
         warning(f"{label}: {len(racing)} node(s) from the model run an ONNX Runtime CPU kernel "
@@ -200,24 +213,51 @@ def compile_model(model: str | os.PathLike, options: CompileOptions, *,
                 "(docs/DETERMINISM.md).")
     structure = StepStructure.of(graph)
     costs = timed("cost_model", lambda: _costs(graph, options, warning, cuda_missing))
-    try:
-        outcome = timed("plan", lambda: _plan(graph, plan_budget, costs, options, structure))
-    except BudgetError as exc:
-        need = _user_budget(exc.smallest, options)
-        raise BudgetError(
+
+    def no_fit(exc: BudgetError) -> BudgetError:
+        need = _user_budget(exc.smallest, options, slack)
+        return BudgetError(
             f"{label}: the training step does not fit in {format_size(budget)} "
             f"({budget:,} bytes). The smallest budget memcc can reach for it is "
             f"{format_size(need)} ({need:,} bytes; strategy {options.strategy}, with "
-            f"{options.margin:.0%} + {options.slack_bytes:,} bytes of safety margin). "
+            f"{options.margin:.0%} + {slack:,} bytes of safety margin). "
             f"Nothing was written. Use --budget {need} "
             "or more, --budget min, or a smaller batch."
             + _chunks_hint(next(p.summary for p in passes if p.name == "load")),
             budget=budget or 0, smallest=need,
-        ) from None
+        )
+
+    try:
+        outcome = timed("plan", lambda: _plan(graph, plan_budget, costs, options, structure))
+    except BudgetError as exc:
+        raise no_fit(exc) from None
     plan_sim = outcome.best
     base_sim = outcome.baseline
-    final_budget = budget if budget is not None else _user_budget(plan_sim.peak_bytes, options)
     rewritten = timed("rewrite", lambda: _rewrite(plan_sim, base_sim))
+    # Recomputed values are buffers too: keep heap room for the plan's own small buffers,
+    # planning once more, for less, where they leave the plan over its budget.
+    plan_slack = max(slack, options.slack_for(rewritten))
+    if plan_budget is not None and plan_sim.peak_bytes > _plan_budget(budget, options,
+                                                                     plan_slack):
+        first = {"peak_bytes": plan_sim.peak_bytes, "planning_budget_bytes": plan_budget,
+                 "small_buffers_heap_bytes": plan_slack - slack}
+        slack = plan_slack
+        plan_budget = _plan_budget(budget, options, slack)
+        say(f"planning again, for {format_size(plan_budget)}: the plan's recomputed values "
+            "need heap room of their own")
+        del passes[-2:]  # the first plan and its rewrite: the report keeps the one used
+        try:
+            outcome = timed("plan", lambda: _plan(graph, plan_budget, costs, options,
+                                                  structure))
+        except BudgetError as exc:
+            raise no_fit(exc) from None
+        passes[-1].summary["planned_again"] = first
+        plan_sim, base_sim = outcome.best, outcome.baseline
+        rewritten = timed("rewrite", lambda: _rewrite(plan_sim, base_sim))
+    if budget is None:
+        slack = max(slack, options.slack_for(rewritten))
+    final_budget = budget if budget is not None else _user_budget(plan_sim.peak_bytes, options,
+                                                                  slack)
     rewritten.metadata[PLAN_KEY] = json.dumps(plan_sim.plan.to_json(), sort_keys=True)
     if options.arena:
         rewritten.metadata[ALLOCATOR_KEY] = "arena"
@@ -228,11 +268,12 @@ def compile_model(model: str | os.PathLike, options: CompileOptions, *,
         verification = timed("verify", lambda: _verify(graph, rewritten, final_budget,
                                                        options, tolerance))
 
-    report = _report(options, final_budget, plan_budget, budget is None, base_sim, plan_sim,
-                     outcome, costs, passes, time.perf_counter() - t_start, verification)
+    report = _report(options, final_budget, plan_budget, slack, budget is None, base_sim,
+                     plan_sim, outcome, costs, passes, time.perf_counter() - t_start,
+                     verification)
     report["warnings"] = warnings
     if verification is not None and not verification["ok"]:
-        steps = next_steps(verification, options, plan_sim.peak_bytes, label)
+        steps = next_steps(verification, options, plan_sim.peak_bytes, label, slack)
         kept = unverified_path(output) if output is not None else None
         verification["next_steps"] = steps
         verification["unverified_output"] = None if kept is None else str(kept)
@@ -317,7 +358,8 @@ def _write(output, graph: Graph | None, report_path, report: dict) -> None:
                          "Nothing was written.") from None
 
 
-def next_steps(v: dict, options: CompileOptions, planned_peak: int, label: str) -> list[str]:
+def next_steps(v: dict, options: CompileOptions, planned_peak: int, label: str,
+               slack: int) -> list[str]:
     """What to try after a failed ``--verify``, one sentence per failed check (the report
     keeps them as ``verification.next_steps``)."""
     steps: list[str] = []
@@ -350,9 +392,9 @@ def next_steps(v: dict, options: CompileOptions, planned_peak: int, label: str) 
     elif budget and measured > budget:
         ratio = measured / max(planned_peak, 1)
         # The margin at which this plan's measured/predicted ratio would still fit.
-        need = 1.0 - (budget / ratio + options.slack_bytes) / budget
+        need = 1.0 - (budget / ratio + slack) / budget
         margin = min(max(math.ceil((need + 0.01) * 100) / 100, options.margin + 0.01), 0.49)
-        bigger = int((measured + options.slack_bytes) / (1.0 - options.margin)) + 1
+        bigger = int((measured + slack) / (1.0 - options.margin)) + 1
         steps.append(
             f"The measured peak is {format_size(measured)}, {measured / budget - 1:.1%} over "
             f"the budget, and {ratio - 1:+.1%} off the predicted {format_size(planned_peak)}"
@@ -369,15 +411,30 @@ def next_steps(v: dict, options: CompileOptions, planned_peak: int, label: str) 
     return steps
 
 
-def _user_budget(planned_peak: int, options: CompileOptions) -> int:
+def _user_budget(planned_peak: int, options: CompileOptions, slack: int) -> int:
     """The budget a user must give for a plan whose simulated peak is ``planned_peak``."""
-    return int((planned_peak + options.slack_bytes) / (1.0 - options.margin)) + 1
+    return int((planned_peak + slack) / (1.0 - options.margin)) + 1
+
+
+def _plan_budget(budget: int, options: CompileOptions, slack: int) -> int:
+    """What plans aim at under a user's ``budget``: less the margin and the slack."""
+    return max(int(budget * (1.0 - options.margin)) - slack, 0)
 
 
 class VerificationError(MemccError):
     def __init__(self, message: str, *, report: dict) -> None:
         super().__init__(message)
         self.report = report
+
+
+def _margin_note(report: dict) -> str:
+    """What the budget keeps free besides the plan's peak, where the heap takes a share."""
+    heap = report.get("heap_allowance_bytes") or 0
+    if not heap:
+        return ""
+    return (f"; plans aim {report['margin']:.0%} + {format_size(report['slack_bytes'])} "
+            f"below it, {format_size(heap)} of that for the heap of "
+            f"{heap // HEAP_BYTES_PER_SMALL_BUFFER:,} small buffers")
 
 
 def _chunks_hint(load_summary: dict) -> str:
@@ -525,7 +582,7 @@ def _verify(original: Graph, rewritten: Graph, budget: int, options: CompileOpti
 
 
 # ---------------------------------------------------------------------------- report
-def _report(options, budget, plan_budget, was_min, base: Simulation, plan: Simulation,
+def _report(options, budget, plan_budget, slack, was_min, base: Simulation, plan: Simulation,
             outcome: PlanOutcome, costs: CostModel, passes, compile_time, verification) -> dict:
     base_cost = base.compute_cost_s
     plan_cost = plan.compute_cost_s
@@ -534,7 +591,9 @@ def _report(options, budget, plan_budget, was_min, base: Simulation, plan: Simul
         "budget_bytes": int(budget),
         "budget_was_min": was_min,
         "margin": options.margin,
-        "slack_bytes": options.slack_bytes,
+        "slack_bytes": int(slack),
+        "heap_allowance_bytes": int(max(slack - BASE_SLACK_BYTES, 0)
+                                    if options.slack_bytes is None else 0),
         "planning_budget_bytes": int(plan_budget if plan_budget is not None else plan.peak_bytes),
         "baseline": {
             "peak_bytes": base.peak_bytes,
@@ -591,7 +650,8 @@ def summary_lines(report: dict) -> list[str]:
     b, p = report["baseline"], report["plan"]
     lines = [
         f"budget   {format_size(report['budget_bytes'])}"
-        + (" (smallest reachable)" if report.get("budget_was_min") else ""),
+        + (" (smallest reachable)" if report.get("budget_was_min") else "")
+        + _margin_note(report),
         f"baseline peak {format_size(b['peak_bytes'])}  ->  plan peak "
         f"{format_size(p['peak_bytes'])}  ({'fits' if p['fits'] else 'DOES NOT FIT'})",
         f"strategy {p.get('strategy_label', p['strategy'])}: "

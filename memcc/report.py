@@ -255,7 +255,7 @@ def timeline_figure(report: dict):
         slack_mib = report.get("slack_bytes", 1 << 20) / (1 << 20)
         ax.axhline(target / mb, color="tab:red", ls=":", lw=1.2,
                    label=f"planning target {format_size(target)} = budget x "
-                         f"(1 - {report.get('margin', 0.02):g}) - {slack_mib:g} MiB")
+                         f"(1 - {report.get('margin', 0.02):g}) - {slack_mib:.3g} MiB")
     ax.set_xlim(-0.5, len(base) - 0.5)
     ax.set_ylim(0, max(max(base), max(plan), budget / mb) * 1.12)
     ax.set_xlabel("node of the step as built (the plan's new nodes are drawn between the "

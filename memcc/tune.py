@@ -83,7 +83,9 @@ class TuneOptions:
     # 439; BENCHMARKS.md). A larger limit can only find more.
     time_limit: float = 10.0
     margin: float = 0.02
-    slack_bytes: int = 1024 * 1024
+    # None: as compile's default (1 MiB, plus the heap allowance of the step's small
+    # buffers on the CPU, counted at the range's smallest size, which has the most).
+    slack_bytes: int | None = None
     build: BuildOptions = field(default_factory=BuildOptions)
     dims: Mapping[str, int] = field(default_factory=dict)
     pick: str = "fastest"
@@ -92,11 +94,16 @@ class TuneOptions:
     ref_lr: float | None = None
     lr_rule: str = "linear"
 
+    def compile_options(self) -> CompileOptions:
+        """The options tune shares with compile, as compile takes them."""
+        return CompileOptions(strategy=self.strategy, provider=self.provider, cost=self.cost,
+                              time_limit=self.time_limit, margin=self.margin,
+                              slack_bytes=self.slack_bytes, build=self.build,
+                              dims=self.dims)
+
     def __post_init__(self) -> None:
         # The options tune shares with compile are checked by compile's own rules.
-        CompileOptions(strategy=self.strategy, provider=self.provider, cost=self.cost,
-                       time_limit=self.time_limit, margin=self.margin,
-                       slack_bytes=self.slack_bytes, build=self.build, dims=self.dims)
+        self.compile_options()
         if self.pick not in PICKS:
             raise InputError(f"--pick '{self.pick}': choose one of {', '.join(PICKS)}")
         if self.points < 0:
@@ -272,6 +279,7 @@ class _Search:
                  options: TuneOptions, plan_budget: int, say: Say) -> None:
         self.model, self.label, self.rng, self.opts = model, label, rng, options
         self.budget = plan_budget
+        self.slack = options.slack_bytes or 0  # tune() counts it on the smallest size
         self.say = say
         self.probes: dict[int, _Probe] = {}
         self.stats = {"builds": 0, "sqrtn_bounds": 0, "plans": 0, "min_searches": 0}
@@ -453,15 +461,16 @@ def tune(model: str | os.PathLike | onnx.ModelProto, budget: str | int, dim: str
     t0 = time.perf_counter()
     rng = dim if isinstance(dim, SearchRange) else parse_range(dim)
     budget_bytes = _budget(budget)
-    plan_budget = max(int(budget_bytes * (1.0 - opts.margin)) - opts.slack_bytes, 0)
     if isinstance(model, onnx.ModelProto):
         proto, label = model, "<model>"
     else:
         proto, label = read_model(model), str(model)
     _check_searchable(proto, label, rng, opts)
-    search = _Search(proto, label, rng, opts, plan_budget, say)
-
+    search = _Search(proto, label, rng, opts, 0, say)
     first = rng.low
+    search.slack = opts.compile_options().slack_for(search.probe(first).graph)
+    plan_budget = max(int(budget_bytes * (1.0 - opts.margin)) - search.slack, 0)
+    search.budget = plan_budget
     if not search.fits(first, expect=True)[0]:
         raise _nothing_fits(search, first, budget_bytes)
     # The largest size without a rewrite: liveness of the built step only.
@@ -566,18 +575,18 @@ def _nothing_fits(search: _Search, b: int, budget: int) -> MemccError:
             f"{label}: nothing fits {format_size(budget)}: at {dim}={b} the inputs, "
             f"parameters and optimizer state alone take {format_size(p.floor_bytes)} "
             f"(planning budget {format_size(search.budget)} after the "
-            f"{search.opts.margin:.0%} + {search.opts.slack_bytes:,} bytes margin), and "
+            f"{search.opts.margin:.0%} + {search.slack:,} bytes margin), and "
             "recomputation cannot shrink them (nor the updated copies the step outputs). Give "
             "a larger --budget, or train fewer parameters (--freeze PATTERN keeps them fixed, "
             "without gradients or state); adamw keeps two state tensors per parameter, sgd one")
     smallest = p.smallest if p.smallest is not None else p.sqrtn_peak
-    need = int((smallest + search.opts.slack_bytes) / (1.0 - search.opts.margin)) + 1
+    need = int((smallest + search.slack) / (1.0 - search.opts.margin)) + 1
     return InputError(
         f"{label}: nothing fits {format_size(budget)}: even {dim}={b} needs a peak of "
         f"{format_size(smallest)} at the least (strategy {search.opts.strategy}; its step "
         f"as built peaks at {format_size(p.baseline.peak_bytes)}), and plans aim at "
         f"{format_size(search.budget)} (the budget less the {search.opts.margin:.0%} + "
-        f"{search.opts.slack_bytes:,} bytes margin). Give --budget {need} or more, or "
+        f"{search.slack:,} bytes margin). Give --budget {need} or more, or "
         "smaller sizes of the other dimensions (--dim NAME=INT)")
 
 

@@ -198,5 +198,5 @@ def test_compile_warns_about_a_racing_node_the_model_brings(tmp_path):
     assert result.report["warnings"] == warned
     steps = next_steps({"outputs_match": False, "comparison": "bit-identical",
                         "racing_nodes": ["ScatterND node 'user_scatter'"], "budget_bytes": 0,
-                        "measured_peak_bytes": 1}, CompileOptions(), 1, str(path))
+                        "measured_peak_bytes": 1}, CompileOptions(), 1, str(path), 0)
     assert "user_scatter" in steps[0] and "ScatterElements" in steps[0]

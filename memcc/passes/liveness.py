@@ -74,6 +74,37 @@ def allocation_bytes(nbytes: int) -> int:
     return -(-(nbytes + MMAP_HEADER_BYTES) // PAGE_BYTES) * PAGE_BYTES
 
 
+# What glibc's heap costs a step beyond the bytes of its small buffers, under the CPU
+# measurement: every buffer under CPU_MMAP_THRESHOLD, and the bookkeeping ORT allocates for
+# each value, share one heap that fragments within a step and from one step to the next.
+# It depends on the order in which ORT's threads allocate, not on which values are live, so
+# it is not part of the predicted peak; plans keep room for it in the safety margin
+# (``heap_allowance_bytes``). Measured on the min plans of 20 torchvision and timm models,
+# both exporters, the worst of four steps: 20-870 bytes per small buffer beyond the
+# prediction (BENCHMARKS.md, "Heap allowance for small buffers").
+HEAP_BYTES_PER_SMALL_BUFFER = 1024
+
+
+def small_buffers(graph: Graph) -> int:
+    """How many buffers of the step come from the heap: its inputs and stored values under
+    the mmap threshold, and every value under it that a node writes (an alias included: ORT
+    still allocates its tensor's bookkeeping there)."""
+    def small(name: str) -> bool:
+        ti = graph.info.get(name)
+        return ti is not None and ti.nbytes < CPU_MMAP_THRESHOLD
+
+    stored = set(graph.inputs) | set(graph.initializers)
+    written = {o for n in graph.nodes for o in n.output if o} - stored
+    return sum(1 for name in stored | written if small(name))
+
+
+def heap_allowance_bytes(graph: Graph) -> int:
+    """Room a plan keeps free for glibc's heap (``HEAP_BYTES_PER_SMALL_BUFFER``) when the
+    step allocates straight from malloc on the CPU; none for an arena, which the arena
+    model already rounds (``passes.arena``)."""
+    return HEAP_BYTES_PER_SMALL_BUFFER * small_buffers(graph)
+
+
 ALIAS_OPS = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity"})
 INPLACE_OPS = frozenset({
     "Relu", "LeakyRelu", "Elu", "Selu", "Celu", "HardSigmoid", "Softplus", "Softsign",
