@@ -7,10 +7,17 @@ buffers under 4 KiB from glibc's heap, a fresh process):
 
     python benchmarks/heap_overhead.py tiny              # chains and held values of N Adds
     python benchmarks/heap_overhead.py prefix STEP.onnx --points 1000 2000 4000
+    python benchmarks/heap_overhead.py steps PLAN.onnx ... --steps 4 [--in-place]
 
 ``tiny``: N ``Add`` nodes on K floats, either a chain whose every value is freed at once
 (``chain``) or N values held until one ``Concat`` reads them all (``held``). Prints
 predicted and measured peaks and the extra bytes per node.
+
+``steps``: whole compiled steps run as ``memcc run`` runs them (``--in-place``: as ``memcc
+train`` does), several steps in one process: the worst step's excess over the prediction per
+small buffer (``passes.liveness.small_buffers``), against the heap allowance that compile
+keeps free for them (``HEAP_BYTES_PER_SMALL_BUFFER``), and whether the worst step stays
+within the budget ``--budget min`` would have given the plan (margin and slack included).
 
 ``prefix``: the first k nodes of a step, every value a later node still needs kept as an
 output, so that each prefix's peak is the step's live memory up to node k: where along the
@@ -105,6 +112,30 @@ def prefix(path: str, points: list[int], runs: int) -> list[dict]:
              "extra_per_node": (max(measured[str(k)]) - predicted[k]) / k} for k in points]
 
 
+def steps(paths: list[str], steps: int, in_place: bool) -> list[dict]:
+    from memcc.backend.runner import run_steps
+    from memcc.compiler import CompileOptions, _user_budget
+    from memcc.frontend.load import load_graph
+    from memcc.passes.liveness import small_buffers
+
+    options = CompileOptions()
+    rows = []
+    for path in paths:
+        graph = load_graph(path)
+        run = run_steps(path, steps=steps, in_place=in_place, separate_timing=False)
+        predicted = run.predicted_peak_bytes
+        worst = max(run.measured_peak_bytes_per_step)
+        small = small_buffers(graph)
+        rows.append({"case": path.rsplit("/", 1)[-1], "small_buffers": small,
+                     "predicted": predicted, "measured": run.measured_peak_bytes_per_step,
+                     "extra_per_small_buffer": (worst - predicted) / max(small, 1),
+                     # what compile --budget min gives this plan (its prediction without
+                     # the in-place arrangement)
+                     "budget": _user_budget(analyze_liveness(graph).peak_bytes, options,
+                                            options.slack_for(graph))})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="probe", required=True)
@@ -116,7 +147,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--points", type=int, nargs="+", required=True)
     for s in (t, p):
         s.add_argument("--runs", type=int, default=3)
+    w = sub.add_parser("steps", help="whole steps, several in one process, against the "
+                                     "heap allowance")
+    w.add_argument("plans", nargs="+")
+    w.add_argument("--steps", type=int, default=4)
+    w.add_argument("--in-place", action="store_true", help="run as memcc train does")
     args = ap.parse_args(argv)
+    if args.probe == "steps":
+        rows = steps(args.plans, args.steps, args.in_place)
+        print("| step | small buffers | predicted (MB) | measured per step (MB) | "
+              "extra per small buffer (B) | budget at min (MB) | worst step within |")
+        print("|---|---|---|---|---|---|---|")
+        for r in rows:
+            runs = ", ".join(f"{v / 1e6:.2f}" for v in r["measured"])
+            print(f"| {r['case']} | {r['small_buffers']:,} | {r['predicted'] / 1e6:.2f} | "
+                  f"{runs} | {r['extra_per_small_buffer']:.0f} | {r['budget'] / 1e6:.2f} | "
+                  f"{'yes' if max(r['measured']) <= r['budget'] else 'NO'} |")
+        return 0
     rows = (tiny(args.nodes, args.sizes, args.runs) if args.probe == "tiny"
             else prefix(args.step, args.points, args.runs))
     print("| case | predicted (MB) | measured per run (MB) | extra per node (B) |")

@@ -332,7 +332,8 @@ def compile_cmd(
         "--verify", help="Run original and rewritten step: same outputs, measured peak within "
                          "budget, planned order executed.")] = False,
     margin: Annotated[float, typer.Option(
-        help="Safety margin: plan for budget*(1-margin) - 1 MiB.")] = 0.02,
+        help="Safety margin: plan for budget*(1-margin) - slack; the slack is 1 MiB plus, "
+             "on the CPU without --arena, 1 KiB of heap per buffer under 4 KiB.")] = 0.02,
     offload: Annotated[Optional[bool], typer.Option(  # noqa: UP045
         "--offload/--no-offload",
         help="Swap saved values to host memory where that is cheaper than recomputing. "
@@ -448,7 +449,8 @@ def tune_cmd(
         help="Node times: analytic (default here: measuring would run every size), "
              "measured or auto.")] = "analytic",
     margin: Annotated[float, typer.Option(
-        help="Safety margin: plan for budget*(1-margin) - 1 MiB.")] = 0.02,
+        help="Safety margin: plan for budget*(1-margin) - slack; the slack is 1 MiB plus, "
+             "on the CPU without --arena, 1 KiB of heap per buffer under 4 KiB.")] = 0.02,
     loss: Annotated[str, typer.Option(help="As in memcc build.")] = "cross-entropy",
     optimizer: Annotated[str, typer.Option(help="As in memcc build.")] = "sgd",
     lr: Annotated[Optional[float], typer.Option(  # noqa: UP045

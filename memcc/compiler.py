@@ -62,6 +62,9 @@ from memcc.step import ALLOCATOR_KEY, PLAN_KEY, TrainingStep
 
 COST_SOURCES = ("auto", "measured", "analytic")
 BASE_SLACK_BYTES = 1024 * 1024
+# Each round plans for less room than the last; the plan's own small buffers settle within
+# one or two (a handful of recomputed values each time).
+REPLANS_FOR_HEAP_ROOM = 3
 
 
 @dataclass(frozen=True)
@@ -235,25 +238,26 @@ def compile_model(model: str | os.PathLike, options: CompileOptions, *,
     base_sim = outcome.baseline
     rewritten = timed("rewrite", lambda: _rewrite(plan_sim, base_sim))
     # Recomputed values are buffers too: keep heap room for the plan's own small buffers,
-    # planning once more, for less, where they leave the plan over its budget.
-    plan_slack = max(slack, options.slack_for(rewritten))
-    if plan_budget is not None and plan_sim.peak_bytes > _plan_budget(budget, options,
-                                                                     plan_slack):
+    # planning again, for less, while they leave the plan over its budget.
+    for _ in range(REPLANS_FOR_HEAP_ROOM):
+        own = max(slack, options.slack_for(rewritten))
+        if plan_budget is None or plan_sim.peak_bytes <= _plan_budget(budget, options, own):
+            break
         first = {"peak_bytes": plan_sim.peak_bytes, "planning_budget_bytes": plan_budget,
-                 "small_buffers_heap_bytes": plan_slack - slack}
-        slack = plan_slack
+                 "small_buffers_heap_bytes": own - slack}
+        slack = own
         plan_budget = _plan_budget(budget, options, slack)
         say(f"planning again, for {format_size(plan_budget)}: the plan's recomputed values "
             "need heap room of their own")
-        del passes[-2:]  # the first plan and its rewrite: the report keeps the one used
+        del passes[-2:]  # that plan and its rewrite: the report keeps the one used
         try:
-            outcome = timed("plan", lambda: _plan(graph, plan_budget, costs, options,
-                                                  structure))
+            outcome = timed("plan", lambda b=plan_budget: _plan(graph, b, costs, options,
+                                                                structure))
         except BudgetError as exc:
             raise no_fit(exc) from None
         passes[-1].summary["planned_again"] = first
         plan_sim, base_sim = outcome.best, outcome.baseline
-        rewritten = timed("rewrite", lambda: _rewrite(plan_sim, base_sim))
+        rewritten = timed("rewrite", lambda p=plan_sim, b=base_sim: _rewrite(p, b))
     if budget is None:
         slack = max(slack, options.slack_for(rewritten))
     final_budget = budget if budget is not None else _user_budget(plan_sim.peak_bytes, options,
