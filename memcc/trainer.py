@@ -68,6 +68,9 @@ class Trainer:
     ``memcc run``), for comparisons; ``early_updates=False`` keeps the file's node order
     (``backend.arrange`` moves updates early only where that predicts a lower peak).
     ``predicted_peak_bytes`` is the liveness prediction of the arrangement that runs.
+    ``resumed_at``: the step of the checkpoint that ``restore`` will load (``resume`` and
+    ``memcc train --resume`` pass it), so the session is opened once, with that step's
+    Dropout seeds.
     ``arena`` (CPU): allocate through ORT's CPU arena; by default wherever the plan was
     compiled for it (``memcc compile --arena``). Without it glibc's heap can hold several
     times the plan's peak between steps (BENCHMARKS.md, "Allocators").
@@ -76,7 +79,7 @@ class Trainer:
     def __init__(self, step_path: str | os.PathLike, *, provider: str = "cpu",
                  threads: int | None = None, in_place: bool = True,
                  early_updates: bool = True, graph: Graph | None = None,
-                 arena: bool | None = None) -> None:
+                 arena: bool | None = None, resumed_at: int = 0) -> None:
         self.path = Path(step_path)
         self.graph = graph if graph is not None else load_graph(self.path)
         self.spec = TrainingStep.of(self.graph).validate(str(self.path))
@@ -96,7 +99,10 @@ class Trainer:
         self.in_place: InPlaceUpdates = self.arrangement.in_place
 
         sgraph, values = session_graph(self.arrangement.graph)
-        self._session = self._open_session(sgraph)
+        # ``resumed_at``: the step of the checkpoint ``restore`` will load, so that the
+        # session is opened once with the Dropout seeds of that step (see ``restore``).
+        self._seeded_at = resumed_at
+        self._session = self._open_session(sgraph, resumed_at)
         self._device = "cuda" if self.provider == "cuda" else "cpu"
         carried = list(dict.fromkeys(self.updates.values()))
         # The arrays the carried values live in on CPU (copied: ORT writes into them);
@@ -250,7 +256,9 @@ class Trainer:
         self.load_state_dict(c.tensors, source=str(c.path))
         self.steps_done = c.step
         self.data_state = dict(c.data_state)
-        if c.step and any(n.op_type == "Dropout" for n in self.arrangement.graph.nodes):
+        if c.step != self._seeded_at and any(n.op_type == "Dropout"
+                                             for n in self.arrangement.graph.nodes):
+            self._seeded_at = c.step
             self._session = self._open_session(session_graph(self.arrangement.graph)[0],
                                                resumed_at=c.step)
         return c
@@ -274,7 +282,7 @@ class Trainer:
         path = step_path if step_path is not None else c.step_file
         if path is None:
             raise InputError(f"{c.path}: does not record its step file; pass step_path")
-        trainer = cls(path, **options)
+        trainer = cls(path, resumed_at=c.step, **options)
         trainer.restore(c)
         return trainer
 
@@ -521,7 +529,7 @@ def train(opts: TrainOptions, *, on_start: Callable[[TrainResult], None] | None 
             "an empty directory for a new run.")
     loaded = ckpt.load(start) if start is not None else None
     trainer = Trainer(opts.step, provider=opts.provider, threads=opts.threads, graph=graph,
-                      arena=opts.arena)
+                      arena=opts.arena, resumed_at=loaded.step if loaded is not None else 0)
     if loaded is not None:
         loaded.check_step(trainer.signature())
         _check_data_state(loaded, opts.seed, data_fp)

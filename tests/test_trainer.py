@@ -297,7 +297,7 @@ def test_saving_an_older_step_over_a_newer_run_is_refused(steps, tmp_path):
     assert [p.name for p in ckpt.list_checkpoints(d)] == ["ckpt-000000002.safetensors"]
 
 
-def test_a_resumed_run_does_not_draw_the_first_steps_dropout_masks_again(tmp_path):
+def test_a_resumed_run_does_not_draw_the_first_steps_dropout_masks_again(tmp_path, monkeypatch):
     """Dropout keeps its generator in ORT's session, which no checkpoint holds. With lr 0
     the loss depends on the mask alone: every step of one run draws another mask, and a run
     resumed at step 2 must not draw steps 1 and 2's masks again (it did while every session
@@ -324,6 +324,15 @@ def test_a_resumed_run_does_not_draw_the_first_steps_dropout_masks_again(tmp_pat
     first = Trainer(path, threads=1)
     assert [first.step(feeds) for _ in range(2)] == losses[:2]   # seeded: repeatable
     first.save(tmp_path / "ck")
+    opened = []
+    real_open = Trainer._open_session
+
+    def counting(self, sgraph, resumed_at=0):
+        opened.append(resumed_at)
+        return real_open(self, sgraph, resumed_at)
+
+    monkeypatch.setattr(Trainer, "_open_session", counting)
     resumed = Trainer.resume(tmp_path / "ck", threads=1)
+    assert opened == [2]                     # one session, seeded for the checkpoint's step
     again = [resumed.step(feeds) for _ in range(2)]
     assert not set(again) & set(losses[:2]), (again, losses)
