@@ -67,12 +67,12 @@ def _transformers_models() -> dict:
     import transformers as tf
 
     class Logits(torch.nn.Module):
-        def __init__(self, model: torch.nn.Module, key: str) -> None:
+        def __init__(self, model: torch.nn.Module, key: str, out: str = "logits") -> None:
             super().__init__()
-            self.model, self.key = model, key
+            self.model, self.key, self.out = model, key, out
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.model(**{self.key: x}).logits
+            return getattr(self.model(**{self.key: x}), self.out)
 
     small = dict(num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
                  vocab_size=500, max_position_embeddings=64)
@@ -88,12 +88,55 @@ def _transformers_models() -> dict:
             image_size=32, patch_size=8, hidden_size=64, num_hidden_layers=2,
             num_attention_heads=2, intermediate_size=128, num_labels=5,
             hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)), "pixel_values"),
+        # More architectures, each at its default dropout (0 where the config says so).
+        "hf_distilbert": lambda: Logits(tf.DistilBertForSequenceClassification(
+            tf.DistilBertConfig(dim=64, n_layers=2, n_heads=2, hidden_dim=128, vocab_size=500,
+                                max_position_embeddings=64, num_labels=3)), "input_ids"),
+        "hf_roberta": lambda: Logits(tf.RobertaForSequenceClassification(tf.RobertaConfig(
+            hidden_size=64, num_labels=3, pad_token_id=1, **small)), "input_ids"),
+        "hf_albert": lambda: Logits(tf.AlbertForSequenceClassification(tf.AlbertConfig(
+            hidden_size=64, embedding_size=32, num_labels=3, **small)), "input_ids"),
+        "hf_opt": lambda: Logits(tf.OPTForCausalLM(tf.OPTConfig(
+            hidden_size=64, num_hidden_layers=2, num_attention_heads=2, ffn_dim=128,
+            vocab_size=500, max_position_embeddings=64, word_embed_proj_dim=64)),
+            "input_ids"),
+        "hf_gpt_neo": lambda: Logits(tf.GPTNeoForCausalLM(tf.GPTNeoConfig(
+            hidden_size=64, num_layers=2, num_heads=2, attention_types=[[["global", "local"], 1]],
+            window_size=16, vocab_size=500, max_position_embeddings=64)), "input_ids"),
+        "hf_bloom": lambda: Logits(tf.BloomForCausalLM(tf.BloomConfig(
+            hidden_size=64, n_layer=2, n_head=2, vocab_size=500)), "input_ids"),
+        "hf_phi": lambda: Logits(tf.PhiForCausalLM(tf.PhiConfig(
+            hidden_size=64, partial_rotary_factor=0.5, **small)), "input_ids"),
+        "hf_qwen2": lambda: Logits(tf.Qwen2ForCausalLM(tf.Qwen2Config(
+            hidden_size=64, num_key_value_heads=2, **small)), "input_ids"),
+        "hf_gemma": lambda: Logits(tf.GemmaForCausalLM(tf.GemmaConfig(
+            hidden_size=64, num_key_value_heads=2, head_dim=32, **small)), "input_ids"),
+        "hf_gpt_neox": lambda: Logits(tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(
+            hidden_size=64, **small)), "input_ids"),
+        "hf_t5_encoder": lambda: Logits(tf.T5EncoderModel(tf.T5Config(
+            d_model=64, d_kv=32, d_ff=128, num_layers=2, num_heads=2, vocab_size=500)),
+            "input_ids", "last_hidden_state"),
+        "hf_mobilebert": lambda: Logits(tf.MobileBertForSequenceClassification(
+            tf.MobileBertConfig(hidden_size=64, embedding_size=32, intra_bottleneck_size=32,
+                                true_hidden_size=32, num_feedforward_networks=2,
+                                num_labels=3, **small)), "input_ids"),
+        "hf_convnext": lambda: Logits(tf.ConvNextForImageClassification(tf.ConvNextConfig(
+            hidden_sizes=[16, 32, 64, 128], depths=[1, 1, 2, 1], num_labels=5)),
+            "pixel_values"),
+        "hf_swin": lambda: Logits(tf.SwinForImageClassification(tf.SwinConfig(
+            image_size=32, patch_size=2, embed_dim=16, depths=[1, 1], num_heads=[2, 2],
+            window_size=4, num_labels=5)), "pixel_values"),
     }
 
 
 RESOLUTION = {"tv_vit": 32, "timm_vit_tiny": 32, "timm_deit_tiny": 32, "timm_levit": 224,
-              "hf_vit": 32}
-TOKENS = {"hf_gpt2", "hf_bert", "hf_llama"}   # token ids [batch, 32] below 500
+              "hf_vit": 32, "hf_convnext": 32, "hf_swin": 32}
+HF_IMAGES = {"hf_vit", "hf_convnext", "hf_swin"}   # the other hf_ models take token ids
+
+
+def _takes_tokens(name: str) -> bool:
+    """Token ids [batch, 32] below 500 in, rather than images."""
+    return name.startswith("hf_") and name not in HF_IMAGES
 
 
 def export(name: str, exporter: str, path: Path, batch: int) -> None:
@@ -103,7 +146,8 @@ def export(name: str, exporter: str, path: Path, batch: int) -> None:
     model = _models()[name]()
     model.train()
     res = RESOLUTION.get(name, 64)
-    x = torch.randint(0, 500, (batch, 32)) if name in TOKENS else torch.randn(batch, 3, res, res)
+    x = (torch.randint(0, 500, (batch, 32)) if _takes_tokens(name)
+         else torch.randn(batch, 3, res, res))
     if exporter == "torchscript":
         torch.onnx.export(model, (x,), str(path), dynamo=False,
                           training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False,
