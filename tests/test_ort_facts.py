@@ -282,3 +282,41 @@ def test_unseeded_dropout_draws_another_mask_in_every_session():
     assert not np.array_equal(a, b)
     a, b = two_sessions({"seed": 7})
     np.testing.assert_array_equal(a, b)
+
+
+F, D, F16, BF16, I32, I64, BOOL = (TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16,
+                                   TensorProto.BFLOAT16, TensorProto.INT32, TensorProto.INT64,
+                                   TensorProto.BOOL)
+
+
+@pytest.mark.parametrize("src,chain,other_reader", [
+    (F, [F], False), (F, [F, F], False), (F, [D, F], False), (F, [F16, F], False),
+    (F, [BF16, F], False), (F, [D, F16], False), (F, [I64, F], False), (I64, [F, I64], False),
+    (F, [D, F], True), (F, [F, F, F], False), (F, [D, D, F], False), (F, [I32, I64], False),
+    (BOOL, [F, BOOL], False), (F, [F16, D], False), (F, [F, F], True),
+])
+def test_cast_chains_ort_removes_even_with_every_optimization_off(src, chain, other_reader,
+                                                                   tmp_path):
+    # ORT's RemoveDuplicateCastTransformer runs at session creation whatever the
+    # optimization level; memcc removes the same Casts at load
+    # (frontend.cast_chains.drop_cast_chains), so that the planned order is the one run.
+    nodes, prev = [H("Identity", ["x"], ["x0"], name="first")], "x0"
+    for k, to in enumerate(chain):
+        nodes.append(H("Cast", [prev], [f"c{k}"], to=to, name=f"cast{k}"))
+        prev = f"c{k}"
+    nodes.append(H("Identity", [prev], ["y"], name="last"))
+    outputs = [helper.make_tensor_value_info("y", chain[-1], [4])]
+    if other_reader:
+        nodes.append(H("Identity", ["c0"], ["z"], name="other"))
+        outputs.append(helper.make_tensor_value_info("z", chain[0], [4]))
+    g = helper.make_graph(nodes, "casts", [helper.make_tensor_value_info("x", src, [4])],
+                          outputs)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 10
+    feeds = {"x": np.ones(4, helper.tensor_dtype_to_np_dtype(src))}
+    run_by_ort = [n for n in profiled_order(m, feeds, tmp_path) if n.startswith("cast")]
+    kept = [n.name for n in load_graph(m).nodes if n.op_type == "Cast"]
+    assert kept == run_by_ort
+    # and what memcc keeps, ORT runs as it is
+    again = profiled_order(load_graph(m).to_model(), feeds, tmp_path)
+    assert [n for n in again if n.startswith("cast")] == kept

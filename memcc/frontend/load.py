@@ -27,6 +27,7 @@ from memcc.frontend.canonicalize import (
     seed_dropouts,
     shapes_needed,
 )
+from memcc.frontend.cast_chains import drop_cast_chains
 from memcc.frontend.exported import SIGNATURE_KEY, read_signature
 from memcc.frontend.fold import fold_shape_computations
 from memcc.graph import Graph, TensorInfo, node_label
@@ -127,6 +128,7 @@ def load_graph(
             "that this value's shape follows from the input shapes."
         )
     fold_shape_computations(graph)
+    drop_cast_chains(graph)
     return graph
 
 
