@@ -24,3 +24,15 @@ def test_prefixes_of_a_step_grow_towards_the_whole_step(tmp_path):
     rows = heap_overhead.prefix(str(path), [5, 10**6], runs=1)
     assert rows[0]["predicted"] <= rows[1]["predicted"]
     assert all(min(r["measured"]) > 0 for r in rows)
+
+
+def test_whole_steps_are_measured_against_the_budget_min_would_give(tmp_path):
+    step = build_training_step(load_graph(build_model("mlp", batch=8, in_features=16,
+                                                      width=32, depth=2)), BuildOptions())
+    path = save_graph(step, tmp_path / "mlp.onnx")
+    for in_place in (False, True):
+        [row] = heap_overhead.steps([str(path)], 2, in_place)
+        assert row["small_buffers"] > 0 and len(row["measured"]) == 2
+        assert min(row["measured"]) > 0
+        # the budget keeps the margin, 1 MiB and the heap allowance above the prediction
+        assert row["budget"] > row["predicted"] + (1 << 20) + 1024 * row["small_buffers"]

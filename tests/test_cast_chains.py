@@ -8,10 +8,13 @@ compiles, and ``--verify`` finds ORT running the planned order.
 from __future__ import annotations
 
 import numpy as np
+import onnx
 from onnx import TensorProto, helper, numpy_helper
+from threads import mismatches, run_once
 
 from memcc.compiler import CompileOptions, compile_model
 from memcc.frontend.load import load_graph
+from memcc.graph import Graph
 
 
 def _probs_cast_twice(tmp_path):
@@ -43,3 +46,16 @@ def test_load_drops_the_chain_and_compile_verifies_the_order(tmp_path):
                            output=tmp_path / "out.onnx")
     v = result.report["verification"]
     assert v["ok"] and v["order_matches_plan"], v
+
+
+def test_the_loaded_step_gives_the_bits_of_the_file_at_1_2_and_4_threads(tmp_path):
+    """What load removes ORT removes too, so the outputs cannot change: bit for bit, at
+    every thread count, twice each."""
+    path = _probs_cast_twice(tmp_path)
+    as_written = Graph.from_model(onnx.shape_inference.infer_shapes(onnx.load(str(path))))
+    loaded = load_graph(path)
+    feeds = {"x": np.random.default_rng(1).standard_normal((64, 16)).astype(np.float32)}
+    for threads in (1, 2, 4):
+        for _ in range(2):
+            assert not mismatches(run_once(as_written, feeds, threads),
+                                  run_once(loaded, feeds, threads))
