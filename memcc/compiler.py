@@ -130,6 +130,12 @@ class CompileOptions:
         return BASE_SLACK_BYTES + heap
 
     @property
+    def heap_room(self) -> bool:
+        """Whether plans weigh the heap room of the small buffers they add (the default
+        slack on the CPU with malloc; ``slack_for`` keeps the step's own)."""
+        return self.slack_bytes is None and self.device == "cpu"
+
+    @property
     def swaps(self) -> bool:
         """Whether the planner may swap saved values to host memory."""
         return self.provider == "cuda" if self.offload is None else self.offload
@@ -204,7 +210,8 @@ def compile_model(model: str | os.PathLike, options: CompileOptions, *,
     label = str(model) if isinstance(model, (str, os.PathLike)) else "<model>"
     budget = options.budget_bytes
     graph = timed("load", lambda: _load(model, label, options))
-    slack = options.slack_for(graph)
+    # The step as built has the fewest small buffers; each plan's own count is weighed below.
+    slack = base_slack = options.slack_for(graph)
     plan_budget = None if budget is None else _plan_budget(budget, options, slack)
     racing = [node_label(n) for n in racing_nodes(graph)]
     if racing:
@@ -217,30 +224,46 @@ def compile_model(model: str | os.PathLike, options: CompileOptions, *,
     structure = StepStructure.of(graph)
     costs = timed("cost_model", lambda: _costs(graph, options, warning, cuda_missing))
 
+    def own_slack(outcome: PlanOutcome) -> int:
+        return max(base_slack, options.slack_for(outcome.best.graph))
+
     def no_fit(exc: BudgetError) -> BudgetError:
-        need = _user_budget(exc.smallest, options, slack)
+        # what --budget min gives: the smallest plan with its own heap room
+        room = slack if exc.outcome is None else own_slack(exc.outcome)
+        need = _user_budget(exc.smallest, options, room)
         return BudgetError(
             f"{label}: the training step does not fit in {format_size(budget)} "
             f"({budget:,} bytes). The smallest budget memcc can reach for it is "
             f"{format_size(need)} ({need:,} bytes; strategy {options.strategy}, with "
-            f"{options.margin:.0%} + {slack:,} bytes of safety margin). "
+            f"{options.margin:.0%} + {room:,} bytes of safety margin). "
             f"Nothing was written. Use --budget {need} "
             "or more, --budget min, or a smaller batch."
             + _chunks_hint(next(p.summary for p in passes if p.name == "load")),
             budget=budget or 0, smallest=need,
         )
 
-    try:
-        outcome = timed("plan", lambda: _plan(graph, plan_budget, costs, options, structure))
-    except BudgetError as exc:
-        raise no_fit(exc) from None
+    def plan_for(target: int | None) -> PlanOutcome:
+        """The plan for ``target``; where none fits it, the smallest plan if that fits the
+        budget with the heap room of its own small buffers (a previous plan's may have been
+        more), else the refusal, naming the budget that --budget min gives."""
+        try:
+            return timed("plan", lambda: _plan(graph, target, costs, options, structure))
+        except BudgetError as exc:
+            smallest = exc.outcome
+            if smallest is None or budget is None or smallest.best.peak_bytes > _plan_budget(
+                    budget, options, own_slack(smallest)):
+                raise no_fit(exc) from None
+            return timed("plan", lambda: (smallest, _plan_summary(graph, smallest, costs,
+                                                                  options, structure)))
+
+    outcome = plan_for(plan_budget)
     plan_sim = outcome.best
     base_sim = outcome.baseline
     rewritten = timed("rewrite", lambda: _rewrite(plan_sim, base_sim))
     # Recomputed values are buffers too: keep heap room for the plan's own small buffers,
     # planning again, for less, while they leave the plan over its budget.
     for _ in range(REPLANS_FOR_HEAP_ROOM):
-        own = max(slack, options.slack_for(rewritten))
+        own = own_slack(outcome)
         if plan_budget is None or plan_sim.peak_bytes <= _plan_budget(budget, options, own):
             break
         first = {"peak_bytes": plan_sim.peak_bytes, "planning_budget_bytes": plan_budget,
@@ -250,16 +273,14 @@ def compile_model(model: str | os.PathLike, options: CompileOptions, *,
         say(f"planning again, for {format_size(plan_budget)}: the plan's recomputed values "
             "need heap room of their own")
         del passes[-2:]  # that plan and its rewrite: the report keeps the one used
-        try:
-            outcome = timed("plan", lambda b=plan_budget: _plan(graph, b, costs, options,
-                                                                structure))
-        except BudgetError as exc:
-            raise no_fit(exc) from None
+        outcome = plan_for(plan_budget)
         passes[-1].summary["planned_again"] = first
         plan_sim, base_sim = outcome.best, outcome.baseline
         rewritten = timed("rewrite", lambda p=plan_sim, b=base_sim: _rewrite(p, b))
-    if budget is None:
-        slack = max(slack, options.slack_for(rewritten))
+    # What the report states: the room the returned plan keeps for its own small buffers.
+    slack = own_slack(outcome)
+    if budget is not None:
+        plan_budget = _plan_budget(budget, options, slack)
     final_budget = budget if budget is not None else _user_budget(plan_sim.peak_bytes, options,
                                                                   slack)
     rewritten.metadata[PLAN_KEY] = json.dumps(plan_sim.plan.to_json(), sort_keys=True)
@@ -532,7 +553,12 @@ def _plan(graph, budget, costs, options, structure) -> tuple[PlanOutcome, dict]:
     outcome = choose_plan(graph, budget, costs, strategy=options.strategy,
                           time_limit=options.time_limit, structure=structure,
                           offload=options.swaps, variants=options.variants,
-                          device=options.device, allow_lossy=options.allow_lossy)
+                          device=options.device, allow_lossy=options.allow_lossy,
+                          heap_room=options.heap_room)
+    return outcome, _plan_summary(graph, outcome, costs, options, structure)
+
+
+def _plan_summary(graph, outcome: PlanOutcome, costs, options, structure) -> dict:
     best, base = outcome.best, outcome.baseline
     variants = describe_variants(graph, best, costs, structure,
                                  host_copies=options.provider == "cuda",
@@ -556,7 +582,7 @@ def _plan(graph, budget, costs, options, structure) -> tuple[PlanOutcome, dict]:
         "candidates": outcome.candidates,
         "runs": outcome.runs,
     }
-    return outcome, summary
+    return summary
 
 
 def _rewrite(plan_sim: Simulation, base_sim: Simulation) -> tuple[Graph, dict]:

@@ -396,7 +396,8 @@ class _Search:
             p.outcome = choose_plan(p.graph, self.budget, p.costs, strategy=strategy,
                                     time_limit=self.opts.time_limit, structure=p.structure,
                                     baseline=p.baseline, offload=self.opts.provider == "cuda",
-                                    device=self.opts.provider)
+                                    device=self.opts.provider,
+                                    heap_room=self.opts.compile_options().heap_room)
         except BudgetError as exc:
             p.smallest = exc.smallest
             return None

@@ -81,10 +81,10 @@ def test_budget_min_keeps_room_for_the_plans_own_small_buffers(tmp_path):
     assert exact.report["heap_allowance_bytes"] == 0 and exact.report["slack_bytes"] == 0
 
 
-def test_a_budget_without_room_for_recomputed_small_buffers_is_planned_again(tmp_path):
+def test_a_budget_without_room_for_recomputed_small_buffers_is_refused_as_min_would(tmp_path):
     """The smallest plan recomputes small values, which the step as built does not have: a
-    budget that leaves room only for the built step's small buffers does not fit, and the
-    budget the refusal names does."""
+    budget that leaves room only for the built step's small buffers does not fit, the
+    refusal names the budget --budget min gives, and that budget fits."""
     path = _mlp(tmp_path, batch=60, width=15, depth=16)
     smallest = compile_model(path, CompileOptions(budget="min", cost="analytic"))
     built = build_training_step(load_graph(path), BuildOptions())

@@ -33,12 +33,16 @@ STRATEGIES = ("auto", *sorted(n for n in REGISTRY if n != "auto"))
 
 
 class BudgetError(MemccError):
-    """No strategy found a plan within the budget; carries the smallest reachable peak."""
+    """No strategy found a plan within the budget; carries the smallest reachable peak and,
+    where the search for it ran, its plan (``outcome``: compile weighs that plan's own heap
+    room before refusing, so the budget a refusal names is one it accepts)."""
 
-    def __init__(self, message: str, *, budget: int, smallest: int) -> None:
+    def __init__(self, message: str, *, budget: int, smallest: int,
+                 outcome: PlanOutcome | None = None) -> None:
         super().__init__(message)
         self.budget = budget
         self.smallest = smallest
+        self.outcome = outcome
 
 
 @dataclass
@@ -87,8 +91,13 @@ def choose_plan(graph: Graph, budget: int | None, costs: CostModel, *,
                 structure: StepStructure | None = None,
                 baseline: Simulation | None = None, offload: bool = False,
                 variants: bool = True, device: str = "cpu",
-                allow_lossy: bool = False, regions: bool = True) -> PlanOutcome:
+                allow_lossy: bool = False, regions: bool = True,
+                heap_room: bool = False) -> PlanOutcome:
     """Pick the plan; ``budget=None`` means the smallest peak memcc can reach.
+
+    ``heap_room``: a plan fits where its peak and the heap room of the small buffers it
+    adds do (``Simulation.fit_bytes``; CPU with malloc, where compile's slack holds the
+    room of the step's own), so that its own recomputed values do not leave it over.
 
     ``offload``: the step runs on a device provider, so saved values may also be swapped to
     host memory (``costs.link`` prices the copies); never on the CPU provider, where host
@@ -107,7 +116,7 @@ def choose_plan(graph: Graph, budget: int | None, costs: CostModel, *,
     # The step as built fits: no plan can add less than nothing, so no strategy runs.
     fits_as_built = budget is not None and base.peak_bytes <= budget
     planning = None if strategy == "none" or fits_as_built else _prepare(
-        graph, st, base, costs, time_limit, offload, variants, device, allow_lossy)
+        graph, st, base, costs, time_limit, offload, variants, device, allow_lossy, heap_room)
 
     region_step: list = []   # built once, on first use: (variants, step, structure, baseline)
 
@@ -121,7 +130,7 @@ def choose_plan(graph: Graph, budget: int | None, costs: CostModel, *,
         return _over_region_variants(graph, target, costs, st, base, region_step[0],
                                      strategy=strategy, time_limit=time_limit,
                                      offload=planning.host_copies, device=device,
-                                     allow_lossy=allow_lossy)
+                                     allow_lossy=allow_lossy, heap_room=heap_room)
 
     try:
         found = _choose(planning, base, budget, strategy)
@@ -141,7 +150,7 @@ def choose_plan(graph: Graph, budget: int | None, costs: CostModel, *,
         if planning is not None:
             planning = replace(planning, deadline=time.perf_counter() + time_limit)
         smallest = _choose(planning, base, None, strategy)
-        if smallest.best.peak_bytes <= budget:
+        if smallest.best.fit_bytes <= budget:
             return smallest
         alt = over_regions(None)
         if alt is not None and alt.best.peak_bytes < smallest.best.peak_bytes:
@@ -150,7 +159,7 @@ def choose_plan(graph: Graph, budget: int | None, costs: CostModel, *,
             f"the step does not fit the budget of {_fmt(budget)}: the smallest peak memcc "
             f"reached is {_fmt(smallest.best.peak_bytes)} (baseline {_fmt(base.peak_bytes)})."
             f" Use --budget {smallest.best.peak_bytes} or more, or --budget min.",
-            budget=int(budget), smallest=smallest.best.peak_bytes) from None
+            budget=int(budget), smallest=smallest.best.peak_bytes, outcome=smallest) from None
 
 
 def _not_picked(runs: list[dict]) -> list[dict]:
@@ -179,7 +188,7 @@ def _over_region_variants(graph: Graph, budget: int | None, costs: CostModel,
                           region_step: tuple[dict[str, str], Graph, StepStructure,
                                              Simulation], *,
                           strategy: str, time_limit: float, offload: bool, device: str,
-                          allow_lossy: bool) -> PlanOutcome | None:
+                          allow_lossy: bool, heap_room: bool = False) -> PlanOutcome | None:
     """The plan found over ``region_step`` (``_region_step``), or None when none fits.
 
     The ILP offers these variants too, but excludes recomputing the nodes they cover: its
@@ -197,11 +206,12 @@ def _over_region_variants(graph: Graph, budget: int | None, costs: CostModel,
                           strategy="ilp" if strategy == "ilp" else "sqrtn",
                           time_limit=time_limit,
                           structure=st1, baseline=base1, offload=offload, device=device,
-                          allow_lossy=allow_lossy, regions=False)
+                          allow_lossy=allow_lossy, regions=False, heap_room=heap_room)
     except BudgetError:
         return None
     plan = replace(alt.best.plan, variants={**pre, **alt.best.plan.variants})
-    best = simulate(graph, plan, costs, st, host_copies=offload, device=device)
+    best = simulate(graph, plan, costs, st, host_copies=offload, device=device,
+                    heap_room=heap_room)
     runs = [{**r, "region_variants": len(pre)} for r in alt.runs]
     cands = [{**c, "region_variants": True} for c in alt.candidates]
     return replace(alt, best=best, baseline=base, runs=runs, candidates=cands,
@@ -210,7 +220,8 @@ def _over_region_variants(graph: Graph, budget: int | None, costs: CostModel,
 
 def _prepare(graph: Graph, st: StepStructure, base: Simulation, costs: CostModel,
              time_limit: float, offload: bool = False, variants: bool = True,
-             device: str = "cpu", allow_lossy: bool = False) -> Planning:
+             device: str = "cpu", allow_lossy: bool = False,
+             heap_room: bool = False) -> Planning:
     """The problem and the sqrt(n) segmentations (a strategy of their own, and the ILP's
     warm starts): the same for every budget."""
     offload = offload and costs.link is not None
@@ -219,14 +230,15 @@ def _prepare(graph: Graph, st: StepStructure, base: Simulation, costs: CostModel
     n_units = len(pp.groups)
     every = np.ones(n_units, dtype=bool)
     segmentations = [
-        simulate(graph, pp.plan_units(chosen, "sqrtn", segments=k), costs, st, device=device)
+        simulate(graph, pp.plan_units(chosen, "sqrtn", segments=k), costs, st, device=device,
+                 heap_room=heap_room)
         for k, chosen in sqrtn.candidates(pp.units.crossing_bytes, pp.units.crossing_units,
                                           n_units, every)]
     segmentations.append(simulate(graph, pp.plan_units(every, "sqrtn", segments=0), costs, st,
-                                  device=device))
+                                  device=device, heap_room=heap_room))
     return Planning(graph, costs, st, base, pp, tuple(segmentations),
                     time.perf_counter() + time_limit, time_limit, host_copies=offload,
-                    device=device)
+                    device=device, heap_room=heap_room)
 
 
 def _choose(planning: Planning | None, base: Simulation, budget: int | None,
@@ -276,7 +288,9 @@ def _finish(base: Simulation, found: list[tuple[str, Simulation]], budget: int |
         pool = found
     smallest = min(sim.peak_bytes for _, sim in found)
     limit = math.inf if budget is None else budget
-    fitting = [(s, sim) for s, sim in pool if sim.peak_bytes <= limit]
+    # a budget holds a plan's added small buffers too (fit_bytes); the smallest peak is a peak
+    fitting = [(s, sim) for s, sim in pool
+               if (sim.peak_bytes if smallest_first else sim.fit_bytes) <= limit]
     cands = [{"strategy": s, "peak_bytes": sim.peak_bytes, "added_time_s": sim.added_time_s,
               **{k: v for k, v in sim.plan.notes.items() if k in ("segments", "rebuilt_again")}}
              for s, sim in found]

@@ -13,7 +13,12 @@ from dataclasses import dataclass
 from memcc.graph import Graph
 from memcc.passes.arena import ArenaReport, cpu_arena_peak, replay_steps
 from memcc.passes.cost_model import CostModel
-from memcc.passes.liveness import LivenessReport, analyze_liveness
+from memcc.passes.liveness import (
+    HEAP_BYTES_PER_SMALL_BUFFER,
+    LivenessReport,
+    analyze_liveness,
+    small_buffers,
+)
 from memcc.passes.lowering import PassReport, lower
 from memcc.passes.plan import Plan, StepStructure
 
@@ -35,11 +40,21 @@ class Simulation:
     rerun_before: dict[str, str]        # cloned forward node -> node it runs before
     passes: tuple[PassReport, ...] = ()  # what each lowering pass did
     arena: ArenaReport | None = None     # an arena device: the replay behind peak_bytes
+    # Heap room for the small buffers the lowering added (``simulate(heap_room=True)``):
+    # not part of the peak, but of what the plan needs to fit (``fit_bytes``).
+    heap_room: int = 0
+
+    @property
+    def fit_bytes(self) -> int:
+        """What a budget must hold for this plan: its peak and its added small buffers'
+        heap room (passes.liveness.heap_allowance_bytes)."""
+        return self.peak_bytes + self.heap_room
 
 
 def simulate(graph: Graph, plan: Plan, costs: CostModel,
              structure: StepStructure | None = None, *,
-             host_copies: bool = False, device: str = "cpu") -> Simulation:
+             host_copies: bool = False, device: str = "cpu",
+             heap_room: bool = False) -> Simulation:
     """``host_copies``: the step runs on a device provider, where swapped-out copies live
     in host memory (not in the peak; ``liveness.host_peak_bytes``).
 
@@ -49,6 +64,9 @@ def simulate(graph: Graph, plan: Plan, costs: CostModel,
     ``gpu_mem_limit`` caps. ``"cpu"``: the live bytes with the CPU allocator's page
     rounding, as measured with the arena off (``backend/session.py``). ``"cpu-arena"``:
     the CPU provider allocating through the same arena class (``arena.cpu_arena_peak``).
+    ``heap_room``: weigh the heap room of the small buffers the lowering adds (recompute
+    clones, variants' values) into ``fit_bytes``; the room of the step's own is the
+    budget's slack (``compiler.CompileOptions.slack_for``).
     """
     if device not in DEVICES:
         raise ValueError(f"device '{device}': one of {', '.join(DEVICES)}")
@@ -73,6 +91,9 @@ def simulate(graph: Graph, plan: Plan, costs: CostModel,
         rerun_before=dict(lowered.rerun_before),
         passes=lowered.reports,
         arena=arena,
+        heap_room=(HEAP_BYTES_PER_SMALL_BUFFER
+                   * max(small_buffers(lowered.graph) - small_buffers(graph), 0)
+                   if heap_room else 0),
     )
 
 

@@ -102,10 +102,12 @@ class Planning:
     time_limit: float
     host_copies: bool = False  # a device provider: swapped-out copies are host memory
     device: str = "cpu"        # whose allocation rules the peak follows (simulate)
+    heap_room: bool = False    # plans must fit with their added small buffers' heap room
 
     def simulate(self, plan: Plan) -> Simulation:
         return simulate(self.graph, plan, self.costs, self.structure,
-                        host_copies=self.host_copies, device=self.device)
+                        host_copies=self.host_copies, device=self.device,
+                        heap_room=self.heap_room)
 
     def remaining(self) -> float:
         return self.deadline - time.perf_counter()
@@ -431,7 +433,7 @@ def best_of_all(p: Planning, budget: int | None) -> Found:
         [s.peak_bytes for _, s in out.plans] + [p.baseline.peak_bytes])
     # The polish is a refinement: it gets at most a quarter of the time limit.
     deadline = min(p.deadline, time.perf_counter() + POLISH_SHARE * p.time_limit)
-    polished = _polish(p, out.plans, target, deadline)
+    polished = _polish(p, out.plans, target, deadline, room=budget is not None)
     if polished is None:
         out.add("auto", [], {"strategy": "polish", "detail": "the cheapest fitting plans",
                              "status": "no improvement"})
@@ -443,16 +445,22 @@ def best_of_all(p: Planning, budget: int | None) -> Found:
 
 
 def _polish(p: Planning, found: list[tuple[str, Simulation]], budget: float,
-            deadline: float) -> tuple[Simulation, str] | None:
+            deadline: float, *, room: bool = False) -> tuple[Simulation, str] | None:
     """Start from the cheapest fitting plans and stop recomputing their most expensive nodes
     one by one, then drop their time-costing variants, while the simulator says the step
     still fits (exact, so it never breaks a plan). Several starts, because the cheapest
     plan is not always the one that polishes best (a sqrt(n) plan with more segments may
     shed more). Returns the best polished plan and the strategy of the plan it started
-    from (the report names it: ``sqrtn+polish``)."""
+    from (the report names it: ``sqrtn+polish``). ``room``: judge fitting by
+    ``Simulation.fit_bytes`` (a budget, not the smallest peak, holds the heap room of the
+    small buffers a plan adds)."""
     pp = p.model
+
+    def size(sim: Simulation) -> int:
+        return sim.fit_bytes if room else sim.peak_bytes
+
     fitting = sorted(((name, sim) for name, sim in found
-                      if sim.peak_bytes <= budget and (sim.plan.recompute
+                      if size(sim) <= budget and (sim.plan.recompute
                                                        or sim.plan.variants)),
                      key=lambda q: q[1].added_time_s)
     variant_cost = {c: float(pp.problem.cost[var]) for var, c in pp.variants.choice_of.items()}
@@ -471,13 +479,13 @@ def _polish(p: Planning, found: list[tuple[str, Simulation]], budget: float,
             continue
         seen.add(key)
         # Stop recomputing the dearest units (their rebuilt-again marks go with them).
-        current = _shed(p, start, budget, deadline, [
+        current = _shed(p, start, budget, deadline, size, [
             lambda plan, g=frozenset(pp.groups[i]): replace(
                 plan, recompute=plan.recompute - g, recompute_again=plan.recompute_again - g)
             for i in by_cost(start.plan.recompute)])
         # Then share the clones of rebuilt-again units, dearest first: each one shared is a
         # chain that no longer runs twice.
-        current = _shed(p, current, budget, deadline, [
+        current = _shed(p, current, budget, deadline, size, [
             lambda plan, g=frozenset(pp.groups[i]): replace(
                 plan, recompute_again=plan.recompute_again - g)
             for i in by_cost(current.plan.recompute_again)])
@@ -486,7 +494,7 @@ def _polish(p: Planning, found: list[tuple[str, Simulation]], budget: float,
         dear = sorted((n for n, v in current.plan.variants.items()
                        if variant_cost.get((n, v), 0.0) > 0),
                       key=lambda n: -variant_cost[(n, current.plan.variants[n])])
-        current = _shed(p, current, budget, deadline, [
+        current = _shed(p, current, budget, deadline, size, [
             lambda plan, node=node: replace(
                 plan, variants={n: v for n, v in plan.variants.items() if n != node})
             for node in dear[:POLISH_CANDIDATES]])
@@ -497,14 +505,15 @@ def _polish(p: Planning, found: list[tuple[str, Simulation]], budget: float,
 
 
 def _shed(p: Planning, current: Simulation, budget: float, deadline: float,
-          steps: list[Callable[[Plan], Plan]]) -> Simulation:
+          size: Callable[[Simulation], int], steps: list[Callable[[Plan], Plan]]
+          ) -> Simulation:
     """Apply each of ``steps`` (a plan -> a cheaper plan) to the plan kept so far, in order,
     keeping the result where the simulator says the step still fits and costs less."""
     for step in steps:
         if time.perf_counter() > deadline:
             break
         sim = p.simulate(replace(step(current.plan), strategy="auto"))
-        if sim.peak_bytes <= budget and sim.added_time_s < current.added_time_s:
+        if size(sim) <= budget and sim.added_time_s < current.added_time_s:
             current = sim
     return current
 
