@@ -106,9 +106,11 @@ def test_in_place_only_on_the_last_use_of_a_node_output():
 
 
 def test_cast_in_place_needs_the_same_element_size():
+    # (a Neg between the last two Casts: ORT would remove a Cast read only by Casts)
     g = graph([neg("x", "a"), H("Cast", ["a"], ["i"], to=TensorProto.INT32, name="i"),
                H("Cast", ["i"], ["d"], to=TensorProto.DOUBLE, name="d"),
-               H("Cast", ["d"], ["f"], to=TensorProto.FLOAT, name="f")], ["f"])
+               H("Neg", ["d"], ["n"], name="n"),
+               H("Cast", ["n"], ["f"], to=TensorProto.FLOAT, name="f")], ["f"])
     r = analyze_liveness(g)
     assert r.values["i"].buffer == "a"
     assert r.values["d"].owns_buffer
