@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import re
 import subprocess
 import sys
 import time
@@ -170,7 +171,10 @@ def compile_step(path: Path, out: Path, budget: str, verify: bool, time_limit: i
     return proc.returncode, seconds, proc.stdout + proc.stderr, data
 
 
-def one(name: str, exporter: str, out_dir: Path, batch: int, time_limit: int) -> str:
+def one(name: str, exporter: str, out_dir: Path, batch: int, time_limit: int,
+        at: float | None = None) -> str:
+    """One row: ``at`` None compiles at ``--budget min``; else at that fraction of the
+    step's peak as built, and where that is refused, at the budget the refusal names."""
     base = out_dir / f"{name}.{exporter}"
     path = out_dir / f"{name}.{exporter}.onnx"
     try:
@@ -186,16 +190,23 @@ def one(name: str, exporter: str, out_dir: Path, batch: int, time_limit: int) ->
     if rc != 0 or as_built is None:
         last = text.strip().splitlines()[-1][:120] if text.strip() else f"exit {rc}"
         return f"| {name} | {exporter} | as-built compile failed: {last} |"
-    rc, seconds, text, rep = compile_step(path, Path(f"{base}.min.onnx"), "min", True,
-                                          time_limit)
     baseline = as_built["baseline"]["peak_bytes"]
+    budget, out, note = "min", Path(f"{base}.min.onnx"), ""
+    if at is not None:
+        budget, out = str(int(at * baseline)), Path(f"{base}.at.onnx")
+    rc, seconds, text, rep = compile_step(path, out, budget, True, time_limit)
+    named = re.search(r"Use --budget (\d+)", text) if at is not None and rc != 0 else None
+    if named:
+        note = f" (refused {int(budget):,} B; compiled at the {int(named.group(1)):,} B it named)"
+        rc, seconds, text, rep = compile_step(path, out, named.group(1), True, time_limit)
     if rep is None or "verification" not in rep or rep["verification"] is None:
         last = text.strip().splitlines()[-1][:120] if text.strip() else f"exit {rc}"
         return f"| {name} | {exporter} | {baseline / 1e6:.1f} | | | | | compile failed: {last} |"
     v, plan = rep["verification"], rep["plan"]
     measured = v.get("measured_peak_bytes")
     ratio = f"{measured / plan['peak_bytes']:.3f}" if measured else ""
-    verdict = ("OK: " + v["comparison"]) if v["ok"] else "FAILED: " + v["problems"][0][:90]
+    verdict = (("OK: " + v["comparison"]) if v["ok"] else "FAILED: " + v["problems"][0][:90]) \
+        + note
     return (f"| {name} | {exporter} | {baseline / 1e6:.1f} | {plan['peak_bytes'] / 1e6:.1f} | "
             f"{(measured or 0) / 1e6:.1f} | {ratio} | {100 * plan['overhead']:.1f}% | "
             f"{verdict} | {seconds:.0f} |")
@@ -209,16 +220,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--time-limit", type=int, default=30)
     ap.add_argument("--out", default="export_sweep", help="folder for exports and reports")
+    ap.add_argument("--at", type=float, help="compile at this fraction of the peak as built "
+                    "(and at the budget a refusal names) instead of --budget min")
     args = ap.parse_args(argv)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     names = args.models or list(_models())
-    print("| model | exporter | as built (MB) | plan at min (MB) | measured (MB) | "
+    print("| model | exporter | as built (MB) | plan (MB) | measured (MB) | "
           "measured/plan | predicted overhead | verify | compile (s) |")
     print("|---|---|---|---|---|---|---|---|---|")
     for name in names:
         for exporter in args.exporters:
-            print(one(name, exporter, out_dir, args.batch, args.time_limit), flush=True)
+            print(one(name, exporter, out_dir, args.batch, args.time_limit, args.at),
+                  flush=True)
     return 0
 
 

@@ -457,8 +457,8 @@ def _margin_note(report: dict) -> str:
     heap = report.get("heap_allowance_bytes") or 0
     if not heap:
         return ""
-    return (f"; plans aim {report['margin']:.0%} + {format_size(report['slack_bytes'])} "
-            f"below it, {format_size(heap)} of that for the heap of "
+    return (f"; margin {report['margin']:.0%} + {format_size(report['slack_bytes'])}, "
+            f"{format_size(heap)} of it for the heap of "
             f"{heap // HEAP_BYTES_PER_SMALL_BUFFER:,} small buffers")
 
 

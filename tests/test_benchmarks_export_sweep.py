@@ -25,3 +25,12 @@ def test_a_row_reports_the_verified_plan(monkeypatch, tmp_path):
         model = onnx.load(str(tmp_path / f"tiny.{exporter}.onnx"), load_external_data=False)
         opset = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
         assert (opset == 17) == (exporter == "torchscript"), opset
+
+
+def test_at_a_fraction_too_small_the_named_budget_is_compiled(monkeypatch, tmp_path):
+    monkeypatch.setattr(export_sweep, "_models", lambda: {"tiny": lambda: HardSwishSE(0.2)})
+    monkeypatch.setitem(export_sweep.RESOLUTION, "tiny", 32)
+    # a tenth of the step's peak as built: below what parameters and state alone take
+    row = export_sweep.one("tiny", "torchscript", tmp_path, batch=16, time_limit=20, at=0.1)
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[7].startswith("OK:") and "it named" in cells[7], row
