@@ -210,9 +210,6 @@ def compile_model(model: str | os.PathLike, options: CompileOptions, *,
     label = str(model) if isinstance(model, (str, os.PathLike)) else "<model>"
     budget = options.budget_bytes
     graph = timed("load", lambda: _load(model, label, options))
-    # The step as built has the fewest small buffers; each plan's own count is weighed below.
-    slack = base_slack = options.slack_for(graph)
-    plan_budget = None if budget is None else _plan_budget(budget, options, slack)
     racing = [node_label(n) for n in racing_nodes(graph)]
     if racing:
         warning(f"{label}: {len(racing)} node(s) from the model run an ONNX Runtime CPU kernel "
@@ -224,63 +221,9 @@ def compile_model(model: str | os.PathLike, options: CompileOptions, *,
     structure = StepStructure.of(graph)
     costs = timed("cost_model", lambda: _costs(graph, options, warning, cuda_missing))
 
-    def own_slack(outcome: PlanOutcome) -> int:
-        return max(base_slack, options.slack_for(outcome.best.graph))
-
-    def no_fit(exc: BudgetError) -> BudgetError:
-        # what --budget min gives: the smallest plan with its own heap room
-        room = slack if exc.outcome is None else own_slack(exc.outcome)
-        need = _user_budget(exc.smallest, options, room)
-        return BudgetError(
-            f"{label}: the training step does not fit in {format_size(budget)} "
-            f"({budget:,} bytes). The smallest budget memcc can reach for it is "
-            f"{format_size(need)} ({need:,} bytes; strategy {options.strategy}, with "
-            f"{options.margin:.0%} + {room:,} bytes of safety margin). "
-            f"Nothing was written. Use --budget {need} "
-            "or more, --budget min, or a smaller batch."
-            + _chunks_hint(next(p.summary for p in passes if p.name == "load")),
-            budget=budget or 0, smallest=need,
-        )
-
-    def plan_for(target: int | None) -> PlanOutcome:
-        """The plan for ``target``; where none fits it, the smallest plan if that fits the
-        budget with the heap room of its own small buffers (a previous plan's may have been
-        more), else the refusal, naming the budget that --budget min gives."""
-        try:
-            return timed("plan", lambda: _plan(graph, target, costs, options, structure))
-        except BudgetError as exc:
-            smallest = exc.outcome
-            if smallest is None or budget is None or smallest.best.peak_bytes > _plan_budget(
-                    budget, options, own_slack(smallest)):
-                raise no_fit(exc) from None
-            return timed("plan", lambda: (smallest, _plan_summary(graph, smallest, costs,
-                                                                  options, structure)))
-
-    outcome = plan_for(plan_budget)
-    plan_sim = outcome.best
-    base_sim = outcome.baseline
-    rewritten = timed("rewrite", lambda: _rewrite(plan_sim, base_sim))
-    # Recomputed values are buffers too: keep heap room for the plan's own small buffers,
-    # planning again, for less, while they leave the plan over its budget.
-    for _ in range(REPLANS_FOR_HEAP_ROOM):
-        own = own_slack(outcome)
-        if plan_budget is None or plan_sim.peak_bytes <= _plan_budget(budget, options, own):
-            break
-        first = {"peak_bytes": plan_sim.peak_bytes, "planning_budget_bytes": plan_budget,
-                 "small_buffers_heap_bytes": own - slack}
-        slack = own
-        plan_budget = _plan_budget(budget, options, slack)
-        say(f"planning again, for {format_size(plan_budget)}: the plan's recomputed values "
-            "need heap room of their own")
-        del passes[-2:]  # that plan and its rewrite: the report keeps the one used
-        outcome = plan_for(plan_budget)
-        passes[-1].summary["planned_again"] = first
-        plan_sim, base_sim = outcome.best, outcome.baseline
-        rewritten = timed("rewrite", lambda p=plan_sim, b=base_sim: _rewrite(p, b))
-    # What the report states: the room the returned plan keeps for its own small buffers.
-    slack = own_slack(outcome)
-    if budget is not None:
-        plan_budget = _plan_budget(budget, options, slack)
+    outcome, rewritten, slack, plan_budget = _plan_in_budget(
+        graph, budget, costs, options, structure, timed, passes, say, label)
+    plan_sim, base_sim = outcome.best, outcome.baseline
     final_budget = budget if budget is not None else _user_budget(plan_sim.peak_bytes, options,
                                                                   slack)
     rewritten.metadata[PLAN_KEY] = json.dumps(plan_sim.plan.to_json(), sort_keys=True)
@@ -434,6 +377,79 @@ def next_steps(v: dict, options: CompileOptions, planned_peak: int, label: str,
             f"onnxruntime version that orders differently: please report it with {label}, "
             "the command and the report.")
     return steps
+
+
+def _plan_in_budget(graph: Graph, budget: int | None, costs: CostModel,
+                    options: CompileOptions, structure: StepStructure,
+                    timed: Callable[[str, Callable[[], tuple]], object],
+                    passes: list[PassReport], say: Progress, label: str
+                    ) -> tuple[PlanOutcome, Graph, int, int | None]:
+    """The plan pass and its rewrite, keeping heap room for the small buffers of the plan
+    it returns (``CompileOptions.slack_for``): (outcome, rewritten step, slack, planning
+    budget). The step as built has the fewest small buffers; recompute clones add some,
+    which the planner weighs when it picks a plan (``Simulation.fit_bytes``) and, where the
+    plan it returns still lacks room, compile plans again for less."""
+    slack = base_slack = options.slack_for(graph)
+    plan_budget = None if budget is None else _plan_budget(budget, options, slack)
+
+    def own_slack(outcome: PlanOutcome) -> int:
+        return max(base_slack, options.slack_for(outcome.best.graph))
+
+    def no_fit(exc: BudgetError) -> BudgetError:
+        # what --budget min gives: the smallest plan with its own heap room
+        room = slack if exc.outcome is None else own_slack(exc.outcome)
+        need = _user_budget(exc.smallest, options, room)
+        return BudgetError(
+            f"{label}: the training step does not fit in {format_size(budget)} "
+            f"({budget:,} bytes). The smallest budget memcc can reach for it is "
+            f"{format_size(need)} ({need:,} bytes; strategy {options.strategy}, with "
+            f"{options.margin:.0%} + {room:,} bytes of safety margin). "
+            f"Nothing was written. Use --budget {need} "
+            "or more, --budget min, or a smaller batch."
+            + _chunks_hint(next(p.summary for p in passes if p.name == "load")),
+            budget=budget or 0, smallest=need,
+        )
+
+    def plan_for(target: int | None) -> PlanOutcome:
+        """The plan for ``target``; where none fits it, the smallest plan if that fits the
+        budget with the heap room of its own small buffers (a previous plan's may have been
+        more), else the refusal, naming the budget that --budget min gives."""
+        try:
+            return timed("plan", lambda: _plan(graph, target, costs, options, structure))
+        except BudgetError as exc:
+            smallest = exc.outcome
+            if smallest is None or budget is None or smallest.best.peak_bytes > _plan_budget(
+                    budget, options, own_slack(smallest)):
+                raise no_fit(exc) from None
+            return timed("plan", lambda: (smallest, _plan_summary(graph, smallest, costs,
+                                                                  options, structure)))
+
+    outcome = plan_for(plan_budget)
+    plan_sim = outcome.best
+    base_sim = outcome.baseline
+    rewritten = timed("rewrite", lambda: _rewrite(plan_sim, base_sim))
+    # Recomputed values are buffers too: keep heap room for the plan's own small buffers,
+    # planning again, for less, while they leave the plan over its budget.
+    for _ in range(REPLANS_FOR_HEAP_ROOM):
+        own = own_slack(outcome)
+        if plan_budget is None or plan_sim.peak_bytes <= _plan_budget(budget, options, own):
+            break
+        first = {"peak_bytes": plan_sim.peak_bytes, "planning_budget_bytes": plan_budget,
+                 "small_buffers_heap_bytes": own - slack}
+        slack = own
+        plan_budget = _plan_budget(budget, options, slack)
+        say(f"planning again, for {format_size(plan_budget)}: the plan's recomputed values "
+            "need heap room of their own")
+        del passes[-2:]  # that plan and its rewrite: the report keeps the one used
+        outcome = plan_for(plan_budget)
+        passes[-1].summary["planned_again"] = first
+        plan_sim, base_sim = outcome.best, outcome.baseline
+        rewritten = timed("rewrite", lambda p=plan_sim, b=base_sim: _rewrite(p, b))
+    # What the report states: the room the returned plan keeps for its own small buffers.
+    slack = own_slack(outcome)
+    if budget is not None:
+        plan_budget = _plan_budget(budget, options, slack)
+    return outcome, rewritten, slack, plan_budget
 
 
 def _user_budget(planned_peak: int, options: CompileOptions, slack: int) -> int:
