@@ -103,3 +103,26 @@ def test_a_budget_without_room_for_recomputed_small_buffers_is_refused_as_min_wo
         report["budget_bytes"] * (1 - report["margin"])) - report["slack_bytes"]
     assert report["slack_bytes"] >= (BASE_SLACK_BYTES + HEAP_BYTES_PER_SMALL_BUFFER
                                      * small_buffers(fits.graph))
+
+
+def test_a_plan_fits_a_budget_with_the_heap_room_of_the_small_buffers_it_adds(tmp_path):
+    from memcc.passes.cost_model import NOMINAL_CPU, analytic_costs
+    from memcc.passes.planner import choose_plan
+
+    step = build_training_step(load_graph(_mlp(tmp_path, batch=60, width=15, depth=16)),
+                               BuildOptions())
+    costs = analytic_costs(step, NOMINAL_CPU)
+    smallest = choose_plan(step, None, costs, heap_room=True).best
+    added = small_buffers(smallest.graph) - small_buffers(step)
+    assert added > 0 and smallest.heap_room == HEAP_BYTES_PER_SMALL_BUFFER * added
+    assert smallest.fit_bytes == smallest.peak_bytes + smallest.heap_room
+    # a budget that holds the smallest peak but not its added buffers' room: with the room
+    # weighed, that plan does not fit it
+    tight = smallest.peak_bytes + smallest.heap_room // 2
+    loose = choose_plan(step, tight, costs)
+    assert loose.best.peak_bytes <= tight
+    try:
+        weighed = choose_plan(step, tight, costs, heap_room=True).best
+    except BudgetError:
+        return
+    assert weighed.fit_bytes <= tight
