@@ -140,18 +140,19 @@ def _takes_tokens(name: str) -> bool:
     return name.startswith("hf_") and name not in HF_IMAGES
 
 
-def export(name: str, exporter: str, path: Path, batch: int) -> None:
+def export(name: str, exporter: str, path: Path, batch: int, train: bool = True) -> None:
     import torch
 
     torch.manual_seed(0)
     model = _models()[name]()
-    model.train()
+    model.train(train)
     res = RESOLUTION.get(name, 64)
     x = (torch.randint(0, 500, (batch, 32)) if _takes_tokens(name)
          else torch.randn(batch, 3, res, res))
     if exporter == "torchscript":
         torch.onnx.export(model, (x,), str(path), dynamo=False,
-                          training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False,
+                          training=torch.onnx.TrainingMode.TRAINING if train
+                          else torch.onnx.TrainingMode.EVAL, do_constant_folding=False,
                           input_names=["x"], output_names=["logits"], opset_version=17)
     else:
         torch.onnx.export(model, (x,), str(path), dynamo=True,
@@ -172,15 +173,17 @@ def compile_step(path: Path, out: Path, budget: str, verify: bool, time_limit: i
 
 
 def one(name: str, exporter: str, out_dir: Path, batch: int, time_limit: int,
-        at: float | None = None) -> str:
+        at: float | None = None, train: bool = True) -> str:
     """One row: ``at`` None compiles at ``--budget min``; else at that fraction of the
-    step's peak as built, and where that is refused, at the budget the refusal names."""
-    base = out_dir / f"{name}.{exporter}"
-    path = out_dir / f"{name}.{exporter}.onnx"
+    step's peak as built, and where that is refused, at the budget the refusal names.
+    ``train=False`` exports the model in eval mode (no dropout, BatchNorm from its running
+    statistics), into files named ``*.eval.onnx``."""
+    base = out_dir / f"{name}.{exporter}{'' if train else '.eval'}"
+    path = Path(f"{base}.onnx")
     try:
         if not path.exists():
             with contextlib.redirect_stdout(sys.stderr):   # the exporter's progress lines
-                export(name, exporter, path, batch)
+                export(name, exporter, path, batch, train)
     except Exception as exc:  # noqa: BLE001 - an exporter failure is a row, not a crash
         return f"| {name} | {exporter} | export failed: {type(exc).__name__}: {str(exc)[:80]} |"
     for stale in out_dir.glob(f"{base.name}.min*"):
@@ -220,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--time-limit", type=int, default=30)
     ap.add_argument("--out", default="export_sweep", help="folder for exports and reports")
+    ap.add_argument("--eval", action="store_true",
+                    help="export in eval mode (no dropout, BatchNorm from running statistics)")
     ap.add_argument("--at", type=float, help="compile at this fraction of the peak as built "
                     "(and at the budget a refusal names) instead of --budget min")
     args = ap.parse_args(argv)
@@ -231,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|---|---|---|---|")
     for name in names:
         for exporter in args.exporters:
-            print(one(name, exporter, out_dir, args.batch, args.time_limit, args.at),
+            print(one(name, exporter, out_dir, args.batch, args.time_limit, args.at,
+                      not args.eval),
                   flush=True)
     return 0
 

@@ -34,3 +34,15 @@ def test_at_a_fraction_too_small_the_named_budget_is_compiled(monkeypatch, tmp_p
     row = export_sweep.one("tiny", "torchscript", tmp_path, batch=16, time_limit=20, at=0.1)
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[7].startswith("OK:") and "it named" in cells[7], row
+
+
+def test_an_eval_mode_export_is_its_own_file_and_verifies(monkeypatch, tmp_path):
+    monkeypatch.setattr(export_sweep, "_models", lambda: {"tiny": lambda: HardSwishSE(0.2)})
+    monkeypatch.setitem(export_sweep.RESOLUTION, "tiny", 32)
+    row = export_sweep.one("tiny", "torchscript", tmp_path, batch=16, time_limit=20,
+                           train=False)
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[7].startswith("OK:"), row
+    model = onnx.load(str(tmp_path / "tiny.torchscript.eval.onnx"))
+    # eval mode: no Dropout left in the graph
+    assert not [n for n in model.graph.node if n.op_type == "Dropout"]
