@@ -5,6 +5,8 @@ models exported by torch.onnx in train mode, each compiled at ``--budget min`` w
     pip install torchvision timm        # not test dependencies: only this script needs them
     python benchmarks/export_sweep.py                       # every model, two exporters
     python benchmarks/export_sweep.py --models tv_mobilenet_v3_small timm_levit --exporters dynamo
+    python benchmarks/export_sweep.py --eval ...      # exported in eval mode
+    python benchmarks/export_sweep.py --at 0.6 ...    # a budget of 60% of the step as built
 
 For each model and exporter: export (batch 8, 64x64 unless the model needs another size;
 the transformers models take 32 token ids, or 32x32 images, with dropout 0.1),
