@@ -7,8 +7,10 @@ whose consumers are all Casts disappears, and so does a consumer that casts back
 first Cast's input type, unless a step of the chain loses precision (ORT_NOTES §1). A step
 planned with those Casts in it is not the step that runs: ORT leaves the planned order at
 the first of them (a transformers BLOOM export casts its attention probabilities float ->
-float twice). memcc applies the same rule when it loads a model and after it builds the
-training step, until nothing more goes, so that ORT finds nothing left to remove.
+float twice). memcc applies the same rule when it loads a model, until nothing more goes,
+so that ORT finds nothing left to remove. Building the training step added no chain ORT
+would remove on any of 43 transformers, torchvision and timm exports checked, so the rule
+runs at load only; ``--verify``'s order check would catch one.
 
 The rule, as onnxruntime 1.31's ``insert_cast_transformer.cc`` states it and
 ``tests/test_ort_facts.py`` measures it on chains of two and three Casts, for each Cast

@@ -100,9 +100,9 @@ def small_buffers(graph: Graph) -> int:
 
 
 def heap_allowance_bytes(graph: Graph) -> int:
-    """Room a plan keeps free for glibc's heap (``HEAP_BYTES_PER_SMALL_BUFFER``) when the
-    step allocates straight from malloc on the CPU; none for an arena, which the arena
-    model already rounds (``passes.arena``)."""
+    """Room for glibc's heap (``HEAP_BYTES_PER_SMALL_BUFFER`` per small buffer). Only a
+    step that allocates straight from malloc on the CPU needs it; compile decides where
+    (``CompileOptions.slack_for``: not with an arena, which the arena model rounds)."""
     return HEAP_BYTES_PER_SMALL_BUFFER * small_buffers(graph)
 
 

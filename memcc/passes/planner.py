@@ -18,7 +18,7 @@ import numpy as np
 from memcc.errors import MemccError
 from memcc.graph import Graph
 from memcc.passes.cost_model import CostModel
-from memcc.passes.liveness import LivenessReport
+from memcc.passes.liveness import LivenessReport, small_buffers
 from memcc.passes.plan import Plan, StepStructure
 from memcc.passes.simulate import Simulation, simulate
 from memcc.passes.solvers import sqrtn
@@ -211,7 +211,7 @@ def _over_region_variants(graph: Graph, budget: int | None, costs: CostModel,
         return None
     plan = replace(alt.best.plan, variants={**pre, **alt.best.plan.variants})
     best = simulate(graph, plan, costs, st, host_copies=offload, device=device,
-                    heap_room=heap_room)
+                    heap_base=small_buffers(graph) if heap_room else None)
     runs = [{**r, "region_variants": len(pre)} for r in alt.runs]
     cands = [{**c, "region_variants": True} for c in alt.candidates]
     return replace(alt, best=best, baseline=base, runs=runs, candidates=cands,
@@ -225,20 +225,21 @@ def _prepare(graph: Graph, st: StepStructure, base: Simulation, costs: CostModel
     """The problem and the sqrt(n) segmentations (a strategy of their own, and the ILP's
     warm starts): the same for every budget."""
     offload = offload and costs.link is not None
+    heap_base = small_buffers(graph) if heap_room else None
     pp = build_problem(graph, st, base.liveness, costs, offload=offload, variants=variants,
                        allow_lossy=allow_lossy)
     n_units = len(pp.groups)
     every = np.ones(n_units, dtype=bool)
     segmentations = [
         simulate(graph, pp.plan_units(chosen, "sqrtn", segments=k), costs, st, device=device,
-                 heap_room=heap_room)
+                 heap_base=heap_base)
         for k, chosen in sqrtn.candidates(pp.units.crossing_bytes, pp.units.crossing_units,
                                           n_units, every)]
     segmentations.append(simulate(graph, pp.plan_units(every, "sqrtn", segments=0), costs, st,
-                                  device=device, heap_room=heap_room))
+                                  device=device, heap_base=heap_base))
     return Planning(graph, costs, st, base, pp, tuple(segmentations),
                     time.perf_counter() + time_limit, time_limit, host_copies=offload,
-                    device=device, heap_room=heap_room)
+                    device=device, heap_base=heap_base)
 
 
 def _choose(planning: Planning | None, base: Simulation, budget: int | None,

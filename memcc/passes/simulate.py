@@ -40,7 +40,7 @@ class Simulation:
     rerun_before: dict[str, str]        # cloned forward node -> node it runs before
     passes: tuple[PassReport, ...] = ()  # what each lowering pass did
     arena: ArenaReport | None = None     # an arena device: the replay behind peak_bytes
-    # Heap room for the small buffers the lowering added (``simulate(heap_room=True)``):
+    # Heap room for the small buffers the lowering added (``simulate(heap_base=...)``):
     # not part of the peak, but of what the plan needs to fit (``fit_bytes``).
     heap_room: int = 0
 
@@ -54,7 +54,7 @@ class Simulation:
 def simulate(graph: Graph, plan: Plan, costs: CostModel,
              structure: StepStructure | None = None, *,
              host_copies: bool = False, device: str = "cpu",
-             heap_room: bool = False) -> Simulation:
+             heap_base: int | None = None) -> Simulation:
     """``host_copies``: the step runs on a device provider, where swapped-out copies live
     in host memory (not in the peak; ``liveness.host_peak_bytes``).
 
@@ -64,9 +64,10 @@ def simulate(graph: Graph, plan: Plan, costs: CostModel,
     ``gpu_mem_limit`` caps. ``"cpu"``: the live bytes with the CPU allocator's page
     rounding, as measured with the arena off (``backend/session.py``). ``"cpu-arena"``:
     the CPU provider allocating through the same arena class (``arena.cpu_arena_peak``).
-    ``heap_room``: weigh the heap room of the small buffers the lowering adds (recompute
-    clones, variants' values) into ``fit_bytes``; the room of the step's own is the
-    budget's slack (``compiler.CompileOptions.slack_for``).
+    ``heap_base``: the small buffers of ``graph`` (``liveness.small_buffers``, counted once
+    by the caller), to weigh the heap room of those the lowering adds (recompute clones,
+    variants' values) into ``fit_bytes``; None weighs none. The room of the step's own is
+    the budget's slack (``compiler.CompileOptions.slack_for``).
     """
     if device not in DEVICES:
         raise ValueError(f"device '{device}': one of {', '.join(DEVICES)}")
@@ -92,8 +93,8 @@ def simulate(graph: Graph, plan: Plan, costs: CostModel,
         passes=lowered.reports,
         arena=arena,
         heap_room=(HEAP_BYTES_PER_SMALL_BUFFER
-                   * max(small_buffers(lowered.graph) - small_buffers(graph), 0)
-                   if heap_room else 0),
+                   * max(small_buffers(lowered.graph) - heap_base, 0)
+                   if heap_base is not None else 0),
     )
 
 

@@ -102,12 +102,14 @@ class Planning:
     time_limit: float
     host_copies: bool = False  # a device provider: swapped-out copies are host memory
     device: str = "cpu"        # whose allocation rules the peak follows (simulate)
-    heap_room: bool = False    # plans must fit with their added small buffers' heap room
+    # The step's small buffers, where plans must fit with the heap room of those they add
+    # (``simulate(heap_base=...)``); None where they need not.
+    heap_base: int | None = None
 
     def simulate(self, plan: Plan) -> Simulation:
         return simulate(self.graph, plan, self.costs, self.structure,
                         host_copies=self.host_copies, device=self.device,
-                        heap_room=self.heap_room)
+                        heap_base=self.heap_base)
 
     def remaining(self) -> float:
         return self.deadline - time.perf_counter()
