@@ -114,7 +114,7 @@ def prefix(path: str, points: list[int], runs: int) -> list[dict]:
 
 def steps(paths: list[str], steps: int, in_place: bool) -> list[dict]:
     from memcc.backend.runner import run_steps
-    from memcc.compiler import CompileOptions, _user_budget
+    from memcc.compiler import CompileOptions, user_budget
     from memcc.frontend.load import load_graph
     from memcc.passes.liveness import small_buffers
 
@@ -131,7 +131,7 @@ def steps(paths: list[str], steps: int, in_place: bool) -> list[dict]:
                      "extra_per_small_buffer": (worst - predicted) / max(small, 1),
                      # what compile --budget min gives this plan (its prediction without
                      # the in-place arrangement)
-                     "budget": _user_budget(analyze_liveness(graph).peak_bytes, options,
+                     "budget": user_budget(analyze_liveness(graph).peak_bytes, options,
                                             options.slack_for(graph))})
     return rows
 

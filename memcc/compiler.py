@@ -122,18 +122,18 @@ class CompileOptions:
         """Whose allocation rules plans are judged by (``passes.simulate.DEVICES``)."""
         return "cpu-arena" if self.arena else self.provider
 
+    @property
+    def heap_room(self) -> bool:
+        """Whether plans keep heap room for their small buffers: with the default slack,
+        on the CPU with malloc (``slack_for`` holds the step's own; the planner weighs
+        those a plan adds)."""
+        return self.slack_bytes is None and self.device == "cpu"
+
     def slack_for(self, graph: Graph) -> int:
         """Bytes of the budget that plans for ``graph`` leave free besides ``margin``."""
         if self.slack_bytes is not None:
             return self.slack_bytes
-        heap = heap_allowance_bytes(graph) if self.device == "cpu" else 0
-        return BASE_SLACK_BYTES + heap
-
-    @property
-    def heap_room(self) -> bool:
-        """Whether plans weigh the heap room of the small buffers they add (the default
-        slack on the CPU with malloc; ``slack_for`` keeps the step's own)."""
-        return self.slack_bytes is None and self.device == "cpu"
+        return BASE_SLACK_BYTES + (heap_allowance_bytes(graph) if self.heap_room else 0)
 
     @property
     def swaps(self) -> bool:
@@ -224,7 +224,7 @@ def compile_model(model: str | os.PathLike, options: CompileOptions, *,
     outcome, rewritten, slack, plan_budget = _plan_in_budget(
         graph, budget, costs, options, structure, timed, passes, say, label)
     plan_sim, base_sim = outcome.best, outcome.baseline
-    final_budget = budget if budget is not None else _user_budget(plan_sim.peak_bytes, options,
+    final_budget = budget if budget is not None else user_budget(plan_sim.peak_bytes, options,
                                                                   slack)
     rewritten.metadata[PLAN_KEY] = json.dumps(plan_sim.plan.to_json(), sort_keys=True)
     if options.arena:
@@ -390,7 +390,7 @@ def _plan_in_budget(graph: Graph, budget: int | None, costs: CostModel,
     which the planner weighs when it picks a plan (``Simulation.fit_bytes``) and, where the
     plan it returns still lacks room, compile plans again for less."""
     slack = base_slack = options.slack_for(graph)
-    plan_budget = None if budget is None else _plan_budget(budget, options, slack)
+    plan_budget = None if budget is None else plan_budget_under(budget, options, slack)
 
     def own_slack(outcome: PlanOutcome) -> int:
         return max(base_slack, options.slack_for(outcome.best.graph))
@@ -398,7 +398,7 @@ def _plan_in_budget(graph: Graph, budget: int | None, costs: CostModel,
     def no_fit(exc: BudgetError) -> BudgetError:
         # what --budget min gives: the smallest plan with its own heap room
         room = slack if exc.outcome is None else own_slack(exc.outcome)
-        need = _user_budget(exc.smallest, options, room)
+        need = user_budget(exc.smallest, options, room)
         return BudgetError(
             f"{label}: the training step does not fit in {format_size(budget)} "
             f"({budget:,} bytes). The smallest budget memcc can reach for it is "
@@ -418,7 +418,7 @@ def _plan_in_budget(graph: Graph, budget: int | None, costs: CostModel,
             return timed("plan", lambda: _plan(graph, target, costs, options, structure))
         except BudgetError as exc:
             smallest = exc.outcome
-            if smallest is None or budget is None or smallest.best.peak_bytes > _plan_budget(
+            if smallest is None or budget is None or smallest.best.peak_bytes > plan_budget_under(
                     budget, options, own_slack(smallest)):
                 raise no_fit(exc) from None
             return timed("plan", lambda: (smallest, _plan_summary(graph, smallest, costs,
@@ -432,12 +432,12 @@ def _plan_in_budget(graph: Graph, budget: int | None, costs: CostModel,
     # planning again, for less, while they leave the plan over its budget.
     for _ in range(REPLANS_FOR_HEAP_ROOM):
         own = own_slack(outcome)
-        if plan_budget is None or plan_sim.peak_bytes <= _plan_budget(budget, options, own):
+        if plan_budget is None or plan_sim.peak_bytes <= plan_budget_under(budget, options, own):
             break
         first = {"peak_bytes": plan_sim.peak_bytes, "planning_budget_bytes": plan_budget,
                  "small_buffers_heap_bytes": own - slack}
         slack = own
-        plan_budget = _plan_budget(budget, options, slack)
+        plan_budget = plan_budget_under(budget, options, slack)
         say(f"planning again, for {format_size(plan_budget)}: the plan's recomputed values "
             "need heap room of their own")
         del passes[-2:]  # that plan and its rewrite: the report keeps the one used
@@ -448,16 +448,16 @@ def _plan_in_budget(graph: Graph, budget: int | None, costs: CostModel,
     # What the report states: the room the returned plan keeps for its own small buffers.
     slack = own_slack(outcome)
     if budget is not None:
-        plan_budget = _plan_budget(budget, options, slack)
+        plan_budget = plan_budget_under(budget, options, slack)
     return outcome, rewritten, slack, plan_budget
 
 
-def _user_budget(planned_peak: int, options: CompileOptions, slack: int) -> int:
+def user_budget(planned_peak: int, options: CompileOptions, slack: int) -> int:
     """The budget a user must give for a plan whose simulated peak is ``planned_peak``."""
     return int((planned_peak + slack) / (1.0 - options.margin)) + 1
 
 
-def _plan_budget(budget: int, options: CompileOptions, slack: int) -> int:
+def plan_budget_under(budget: int, options: CompileOptions, slack: int) -> int:
     """What plans aim at under a user's ``budget``: less the margin and the slack."""
     return max(int(budget * (1.0 - options.margin)) - slack, 0)
 

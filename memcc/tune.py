@@ -40,7 +40,7 @@ from pathlib import Path
 
 import onnx
 
-from memcc.compiler import CompileOptions
+from memcc.compiler import CompileOptions, plan_budget_under, user_budget
 from memcc.errors import InputError, MemccError
 from memcc.frontend.build import BuildOptions, build_training_step
 from memcc.frontend.load import load_graph, read_model
@@ -279,6 +279,7 @@ class _Search:
                  options: TuneOptions, plan_budget: int, say: Say) -> None:
         self.model, self.label, self.rng, self.opts = model, label, rng, options
         self.budget = plan_budget
+        self.compile = options.compile_options()
         self.slack = options.slack_bytes or 0  # tune() counts it on the smallest size
         self.say = say
         self.probes: dict[int, _Probe] = {}
@@ -397,7 +398,7 @@ class _Search:
                                     time_limit=self.opts.time_limit, structure=p.structure,
                                     baseline=p.baseline, offload=self.opts.provider == "cuda",
                                     device=self.opts.provider,
-                                    heap_room=self.opts.compile_options().heap_room)
+                                    heap_room=self.compile.heap_room)
         except BudgetError as exc:
             p.smallest = exc.smallest
             return None
@@ -469,8 +470,8 @@ def tune(model: str | os.PathLike | onnx.ModelProto, budget: str | int, dim: str
     _check_searchable(proto, label, rng, opts)
     search = _Search(proto, label, rng, opts, 0, say)
     first = rng.low
-    search.slack = opts.compile_options().slack_for(search.probe(first).graph)
-    plan_budget = max(int(budget_bytes * (1.0 - opts.margin)) - search.slack, 0)
+    search.slack = search.compile.slack_for(search.probe(first).graph)
+    plan_budget = plan_budget_under(budget_bytes, search.compile, search.slack)
     search.budget = plan_budget
     if not search.fits(first, expect=True)[0]:
         raise _nothing_fits(search, first, budget_bytes)
@@ -581,7 +582,7 @@ def _nothing_fits(search: _Search, b: int, budget: int) -> MemccError:
             "a larger --budget, or train fewer parameters (--freeze PATTERN keeps them fixed, "
             "without gradients or state); adamw keeps two state tensors per parameter, sgd one")
     smallest = p.smallest if p.smallest is not None else p.sqrtn_peak
-    need = int((smallest + search.slack) / (1.0 - search.opts.margin)) + 1
+    need = user_budget(smallest, search.compile, search.slack)
     return InputError(
         f"{label}: nothing fits {format_size(budget)}: even {dim}={b} needs a peak of "
         f"{format_size(smallest)} at the least (strategy {search.opts.strategy}; its step "

@@ -12,7 +12,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from memcc.compiler import BASE_SLACK_BYTES, CompileOptions, _user_budget, compile_model
+from memcc.compiler import BASE_SLACK_BYTES, CompileOptions, compile_model, user_budget
 from memcc.frontend.build import BuildOptions, build_training_step
 from memcc.frontend.load import load_graph
 from memcc.graph import Graph
@@ -74,7 +74,7 @@ def test_budget_min_keeps_room_for_the_plans_own_small_buffers(tmp_path):
     heap = HEAP_BYTES_PER_SMALL_BUFFER * small_buffers(result.graph)
     assert report["heap_allowance_bytes"] == heap
     assert report["slack_bytes"] == BASE_SLACK_BYTES + heap
-    assert report["budget_bytes"] == _user_budget(report["plan"]["peak_bytes"],
+    assert report["budget_bytes"] == user_budget(report["plan"]["peak_bytes"],
                                                   CompileOptions(), BASE_SLACK_BYTES + heap)
     exact = compile_model(_mlp(tmp_path, batch=60, width=15, depth=16),
                           CompileOptions(budget="min", cost="analytic", slack_bytes=0))
@@ -90,7 +90,7 @@ def test_a_budget_without_room_for_recomputed_small_buffers_is_refused_as_min_wo
     built = build_training_step(load_graph(path), BuildOptions())
     assert small_buffers(smallest.graph) > small_buffers(built)
     options = CompileOptions(cost="analytic")
-    tight = _user_budget(smallest.report["plan"]["peak_bytes"], options,
+    tight = user_budget(smallest.report["plan"]["peak_bytes"], options,
                          options.slack_for(built))
     with pytest.raises(BudgetError) as refused:
         compile_model(path, CompileOptions(budget=tight, cost="analytic"))
