@@ -39,6 +39,7 @@ from memcc.frontend.build import BuildOptions, build_training_step, is_training_
 from memcc.frontend.load import load_graph
 from memcc.frontend.row_chunks import ATTENTION, FLAGS, MLP, find_regions
 from memcc.graph import Graph, node_label
+from memcc.passes.batchnorm_for_cuda import for_provider
 from memcc.passes.cost_model import (
     CUDA_NOMINAL,
     CostModel,
@@ -504,6 +505,7 @@ def _load(model, label: str, options: CompileOptions):
                 splittable[kind] = n
         graph = build_training_step(graph, options.build, source=label)
         built = True
+    graph, rewritten_for_cuda = for_provider(graph, options.provider)
     step = TrainingStep.of(graph)
     params = step.parameters
     return graph, {
@@ -513,6 +515,9 @@ def _load(model, label: str, options: CompileOptions):
         # Attentions / MLPs over row chunks (memcc build --attention-chunks/--mlp-chunks).
         **({"row_chunks": step.row_chunks} if step.row_chunks else {}),
         **({"splittable": splittable} if splittable else {}),
+        # Training-mode BatchNorms written as the CUDA provider runs them
+        # (passes/batchnorm_for_cuda.py).
+        **({"batchnorm_rewritten": rewritten_for_cuda} if rewritten_for_cuda else {}),
     }
 
 

@@ -53,6 +53,7 @@ from memcc.errors import InputError, RuntimeFailure
 from memcc.frontend.canonicalize import reseed_dropouts
 from memcc.frontend.load import load_graph
 from memcc.graph import Graph, ancestors
+from memcc.passes.batchnorm_for_cuda import for_provider
 from memcc.passes.inplace import InPlaceUpdates
 from memcc.step import PLAN_KEY, TrainingStep
 
@@ -81,9 +82,10 @@ class Trainer:
                  early_updates: bool = True, graph: Graph | None = None,
                  arena: bool | None = None, resumed_at: int = 0) -> None:
         self.path = Path(step_path)
-        self.graph = graph if graph is not None else load_graph(self.path)
-        self.spec = TrainingStep.of(self.graph).validate(str(self.path))
         self.provider = resolve_provider(provider)
+        self.graph, _ = for_provider(graph if graph is not None else load_graph(self.path),
+                                     self.provider)
+        self.spec = TrainingStep.of(self.graph).validate(str(self.path))
         if arena and self.provider != "cpu":
             raise InputError("--arena is for the CPU provider: CUDA always allocates through "
                              "its arena")

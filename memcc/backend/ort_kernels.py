@@ -24,6 +24,10 @@ from functools import lru_cache
 import onnx.defs
 
 CPU = "CPUExecutionProvider"
+# Builds whose providers are all among these can list their kernels. On onnxruntime-gpu
+# 1.31.1 (measured on an H100), listing them loads every provider library, TensorRT's
+# included, and the process dies with a segmentation fault where TensorRT is not installed.
+SAFE_TO_LIST = frozenset({CPU, "AzureExecutionProvider"})
 # The ONNX-domain ops that onnxruntime 1.31.1's CPU provider has no kernel for at any opset
 # up to 24 and that ONNX defines as functions (Constant is never run: ORT turns it into an
 # initializer).
@@ -38,7 +42,10 @@ def _registry(provider: str) -> dict[str, tuple[tuple[int, int], ...]] | None:
     """ONNX-domain op -> the opset ranges ORT's ``provider`` has kernels for, or None when
     this onnxruntime does not expose its registry."""
     try:
+        import onnxruntime
         from onnxruntime.capi import _pybind_state
+        if set(onnxruntime.get_available_providers()) - SAFE_TO_LIST:
+            return None
         defs = _pybind_state.get_all_opkernel_def()
     except (ImportError, AttributeError, RuntimeError):
         return None

@@ -50,6 +50,7 @@ from memcc.frontend.constants import constant_node_value
 from memcc.frontend.load import load_graph
 from memcc.graph import Graph, TensorInfo
 from memcc.passes.arena import ArenaReport, cpu_arena_peak, replay_steps
+from memcc.passes.batchnorm_for_cuda import for_provider
 from memcc.passes.liveness import LivenessReport, analyze_liveness
 from memcc.step import TrainingStep
 from memcc.step import describe_type as _describe
@@ -150,6 +151,7 @@ def run_steps(
     graph = load_graph(path)
     spec = read_step_spec(graph, source=str(path))
     prov = resolve_provider(provider)
+    graph, _ = for_provider(graph, prov)
     feeds = load_data(data, graph, spec) if data is not None else synthetic_feeds(graph, seed)
     aliased: dict[str, str] = {}
     try:

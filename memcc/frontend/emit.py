@@ -137,6 +137,10 @@ class Emitter:
                     info: TensorInfo | None = None) -> str:
         return self._reduce("ReduceMean", x, axes, keepdims, info, 18)
 
+    def reduce_sum_square(self, x: str, axes: Sequence[int] | None, keepdims: bool = True,
+                          info: TensorInfo | None = None) -> str:
+        return self._reduce("ReduceSumSquare", x, axes, keepdims, info, 18)
+
     def unsqueeze(self, x: str, axes: Sequence[int], info: TensorInfo | None = None) -> str:
         if self.opset >= 13:
             return self.op("Unsqueeze", [x, self.ints(axes)], info=info)
