@@ -304,9 +304,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--time-limit", type=float, default=60.0)
     ap.add_argument("--slack-bytes", type=int, default=None,
                     help="compile's fixed safety margin (default: compile's)")
+    ap.add_argument("--cudnn-search", choices=("EXHAUSTIVE", "HEURISTIC", "DEFAULT"),
+                    help="cuDNN's convolution algorithm search (default: memcc's)")
     args = ap.parse_args(argv)
+    if args.cudnn_search:
+        import os
+
+        from memcc.backend.session import CUDNN_SEARCH_ENV
+        os.environ[CUDNN_SEARCH_ENV] = args.cudnn_search  # the measuring children read it
     sizes = SMALL if args.small else SIZES
     summary = Summary(args.out)
+    from memcc.backend.session import cudnn_conv_algo_search
+    summary.data["cudnn_conv_algo_search"] = cudnn_conv_algo_search()
     with tempfile.TemporaryDirectory(prefix="memcc-cuda-check-") as d:
         tmp = Path(d)
         if "env" in args.phases:

@@ -135,6 +135,23 @@ def session_options(
     return so
 
 
+CUDNN_SEARCH_ENV = "MEMCC_CUDNN_CONV_ALGO_SEARCH"
+
+
+def cudnn_conv_algo_search() -> str:
+    """How the CUDA provider picks each convolution's cuDNN algorithm. ``DEFAULT`` (one
+    fixed algorithm, implicit precomputed GEMM): ORT's own default, ``EXHAUSTIVE``, times
+    every algorithm per node and keeps the fastest, and the winners asked for workspaces of
+    up to 6x an activation through the arena (VGG-16 on an H100: 614 MiB requests), which
+    no plan can know in advance, and differ between a node and its recomputed clone, so
+    recompute stops being exact. ``MEMCC_CUDNN_CONV_ALGO_SEARCH`` (EXHAUSTIVE, HEURISTIC or
+    DEFAULT) overrides it, for experiments."""
+    value = os.environ.get(CUDNN_SEARCH_ENV, "DEFAULT").upper()
+    if value not in ("EXHAUSTIVE", "HEURISTIC", "DEFAULT"):
+        raise InputError(f"{CUDNN_SEARCH_ENV}={value}: choose EXHAUSTIVE, HEURISTIC or DEFAULT")
+    return value
+
+
 def provider_options(provider: str, *, gpu_mem_limit: int | None = None,
                      cuda_options: Mapping[str, str] | None = None) -> list:
     """The ``providers=`` list for ``InferenceSession`` (CUDA falls back to CPU per node).
@@ -145,6 +162,7 @@ def provider_options(provider: str, *, gpu_mem_limit: int | None = None,
     cuda: dict[str, str] = {
         "arena_extend_strategy": "kSameAsRequested",
         "cudnn_conv_use_max_workspace": "0",
+        "cudnn_conv_algo_search": cudnn_conv_algo_search(),
     }
     if gpu_mem_limit is not None:
         cuda["gpu_mem_limit"] = str(int(gpu_mem_limit))
