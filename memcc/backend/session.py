@@ -139,14 +139,16 @@ CUDNN_SEARCH_ENV = "MEMCC_CUDNN_CONV_ALGO_SEARCH"
 
 
 def cudnn_conv_algo_search() -> str:
-    """How the CUDA provider picks each convolution's cuDNN algorithm. ``DEFAULT`` (one
-    fixed algorithm, implicit precomputed GEMM): ORT's own default, ``EXHAUSTIVE``, times
-    every algorithm per node and keeps the fastest, and the winners asked for workspaces of
-    up to 6x an activation through the arena (VGG-16 on an H100: 614 MiB requests), which
-    no plan can know in advance, and differ between a node and its recomputed clone, so
-    recompute stops being exact. ``MEMCC_CUDNN_CONV_ALGO_SEARCH`` (EXHAUSTIVE, HEURISTIC or
-    DEFAULT) overrides it, for experiments."""
-    value = os.environ.get(CUDNN_SEARCH_ENV, "DEFAULT").upper()
+    """How the CUDA provider picks each convolution's cuDNN algorithm: ``HEURISTIC``, one
+    choice per shape from cuDNN's heuristics. Measured on an H100 (onnxruntime-gpu 1.31.1,
+    BENCHMARKS.md "CUDA"): ORT's default, ``EXHAUSTIVE``, times every algorithm per node;
+    its winners asked for workspaces of up to 6x an activation (614 MiB on VGG-16), which
+    no plan can know in advance, and a node and its recomputed clone can get different
+    algorithms, so recompute stopped being exact (ResNet-50's plans failed ``--verify``).
+    ``DEFAULT`` (implicit precomputed GEMM for every convolution) is exact with small
+    workspaces but ran MobileNetV2's step 19x slower (its depthwise convolutions).
+    ``MEMCC_CUDNN_CONV_ALGO_SEARCH`` (EXHAUSTIVE, HEURISTIC or DEFAULT) overrides it."""
+    value = os.environ.get(CUDNN_SEARCH_ENV, "HEURISTIC").upper()
     if value not in ("EXHAUSTIVE", "HEURISTIC", "DEFAULT"):
         raise InputError(f"{CUDNN_SEARCH_ENV}={value}: choose EXHAUSTIVE, HEURISTIC or DEFAULT")
     return value
