@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmarks import cuda_check
 
 
@@ -30,3 +32,21 @@ def test_the_gpu_script_runs_every_phase_and_writes_its_summary(tmp_path):
     assert overlap["compute_s"] > 0 and overlap["copy_s"] > 0 and overlap["both_s"] > 0
     md = (out / "summary.md").read_text()
     assert "## truth" in md and "## plans" in md
+
+
+def test_cuda_sessions_fix_the_cudnn_algorithm_search(monkeypatch):
+    """ORT's default search (EXHAUSTIVE) asked for workspaces no plan can know (614 MiB on
+    VGG-16, measured on an H100); memcc asks for HEURISTIC unless told otherwise."""
+    from memcc.backend.session import CUDNN_SEARCH_ENV, provider_options
+    from memcc.errors import InputError
+
+    monkeypatch.delenv(CUDNN_SEARCH_ENV, raising=False)
+    (_, cuda), _ = provider_options("cuda")
+    assert cuda["cudnn_conv_algo_search"] == "HEURISTIC"
+    assert cuda["arena_extend_strategy"] == "kSameAsRequested"
+    monkeypatch.setenv(CUDNN_SEARCH_ENV, "default")
+    (_, cuda), _ = provider_options("cuda")
+    assert cuda["cudnn_conv_algo_search"] == "DEFAULT"
+    monkeypatch.setenv(CUDNN_SEARCH_ENV, "fastest")
+    with pytest.raises(InputError, match=CUDNN_SEARCH_ENV):
+        provider_options("cuda")

@@ -267,6 +267,29 @@ def test_the_fallback_list_names_what_the_registry_says(monkeypatch):
     assert has_kernel("NoSuchOp", 18) and has_kernel("Swish", 18)
 
 
+def test_a_gpu_build_is_never_asked_for_its_kernel_list(monkeypatch):
+    # On onnxruntime-gpu 1.31.1 (an H100, BENCHMARKS.md "CUDA") get_all_opkernel_def loads
+    # every provider library, TensorRT's too, and the process dies with a segmentation fault
+    # where TensorRT is not installed. A build listing more than the CPU provider gets the
+    # measured list instead, and the listing is never called.
+    import onnxruntime
+    from onnxruntime.capi import _pybind_state
+
+    def crash():
+        raise AssertionError("get_all_opkernel_def called on a GPU build")
+
+    monkeypatch.setattr(_pybind_state, "get_all_opkernel_def", crash)
+    monkeypatch.setattr(onnxruntime, "get_available_providers",
+                        lambda: ["TensorrtExecutionProvider", "CUDAExecutionProvider",
+                                 "CPUExecutionProvider"])
+    ort_kernels._registry.cache_clear()
+    try:
+        assert ort_kernels._registry("CPUExecutionProvider") is None
+        assert not has_kernel("HardSwish", 17) and has_kernel("Relu", 17)
+    finally:
+        ort_kernels._registry.cache_clear()
+
+
 def test_unseeded_dropout_draws_another_mask_in_every_session():
     # Why memcc seeds every Dropout at load (frontend.canonicalize.seed_dropouts).
     inits = [helper.make_tensor("r", TensorProto.FLOAT, [], [0.5]),

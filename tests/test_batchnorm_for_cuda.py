@@ -1,0 +1,118 @@
+"""Training-mode BatchNorm written as the CUDA provider runs it (passes/batchnorm_for_cuda.py).
+
+ORT's CUDA provider refuses ``BatchNormalization(training_mode=1)`` at opset 14+ (measured on
+an H100, BENCHMARKS.md "CUDA"). The rewrite has to compute what ORT's CPU kernel computes:
+checked here on the CPU provider, which runs both forms, against the step as built, at 1, 2
+and 4 intra-op threads, twice each.
+
+Tolerance: the batch statistics are summed in another order (ReduceMean and ReduceSumSquare
+instead of the kernel's own loop), so outputs differ in the last bits; every output of the
+step stays within 1e-4 of its largest magnitude (measured at most 4e-5 on the zoo ResNet-18)
+and the running statistics within 1e-5. Values that are zero in exact arithmetic (the
+gradient of a convolution bias in front of BatchNorm, and its momentum) are rounding noise
+near 1e-9 in both forms: they are held to 1e-6 absolute.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from exports import export
+from threads import run_once
+
+from memcc.backend.runner import synthetic_feeds
+from memcc.compiler import CompileOptions, compile_model
+from memcc.frontend.build import BuildOptions, build_training_step
+from memcc.frontend.load import load_graph
+from memcc.passes.batchnorm_for_cuda import (
+    expand_training_batchnorm,
+    for_provider,
+    is_training_batchnorm,
+)
+from memcc.step import Role, TrainingStep
+from models import build_model
+
+STEP_RTOL = 1e-4
+STATS_RTOL = 1e-5
+NOISE_ATOL = 1e-6
+
+
+def _zoo_step():
+    return build_training_step(load_graph(build_model("resnet18", batch=4, resolution=32,
+                                                      width=8)), BuildOptions())
+
+
+def _data(graph):
+    feeds = synthetic_feeds(graph, 0)
+    return {k: v for k, v in feeds.items() if k not in graph.initializers}
+
+
+def _relative(a: np.ndarray, b: np.ndarray) -> float:
+    """The largest difference over the largest magnitude, or 0 where both are noise."""
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    diff = float(np.max(np.abs(a64 - b64)))
+    if diff <= NOISE_ATOL and float(np.max(np.abs(a64))) <= NOISE_ATOL:
+        return 0.0
+    return diff / max(float(np.max(np.abs(a64))), 1e-30)
+
+
+def _running_stats(graph) -> set[str]:
+    return {o for n in graph.nodes if is_training_batchnorm(n, graph.opset)
+            for o in n.output[1:3] if o} | {
+        out for out, inp in TrainingStep.of(graph).state.items()
+        if any(inp in n.input[3:5] for n in graph.nodes if n.op_type == "BatchNormalization")}
+
+
+@pytest.mark.parametrize("source", ["zoo", "torchscript"])
+def test_rewritten_step_matches_the_step_as_built(source, tmp_path):
+    if source == "zoo":
+        step = _zoo_step()
+    else:
+        path, _, _, dims = export("conv_bn", "torchscript", tmp_path, training=True)
+        step = build_training_step(load_graph(path, dims), BuildOptions())
+    before = sum(is_training_batchnorm(n, step.opset) for n in step.nodes)
+    assert before > 0
+    rewritten, report = expand_training_batchnorm(step)
+    assert report == {"batchnorm_rewritten": before}
+    assert not [n for n in rewritten.nodes if is_training_batchnorm(n, rewritten.opset)]
+    feeds = _data(step)
+    stats = {o for o in step.outputs if o in _running_stats(step)}
+    assert stats, "the step carries BatchNorm running statistics"
+    for threads in (1, 2, 4):
+        built = run_once(step, feeds, threads)
+        first = run_once(rewritten, feeds, threads)
+        again = run_once(rewritten, feeds, threads)
+        for name, value in built.items():
+            assert np.array_equal(first[name], again[name]), (threads, name)
+            limit = STATS_RTOL if name in stats else STEP_RTOL
+            assert _relative(value, first[name]) <= limit, (threads, name)
+
+
+def test_rewrite_keeps_names_roles_and_leaves_other_providers_alone():
+    step = _zoo_step()
+    assert for_provider(step, "cpu") == (step, 0)
+    rewritten, n = for_provider(step, "cuda")
+    assert n == 20
+    bn_names = {node.name for node in step.nodes if is_training_batchnorm(node, step.opset)}
+    inference = {node.name for node in rewritten.nodes if node.op_type == "BatchNormalization"}
+    assert inference == bn_names  # reports and provenance name the node as it was
+    roles = TrainingStep.of(rewritten).roles
+    producers = rewritten.def_use().producer
+    for out in _running_stats(step) & set(rewritten.outputs):
+        assert roles[producers[out].name] is Role.FORWARD, out
+    assert for_provider(rewritten, "cuda") == (rewritten, 0)  # nothing left to rewrite
+
+
+def test_compile_for_cuda_plans_the_rewritten_step(tmp_path):
+    """Planned, lowered and written for CUDA on a machine without one (costs estimated):
+    the file has no training-mode BatchNorm, and the load pass says how many it rewrote."""
+    model = tmp_path / "resnet.onnx"
+    model.write_bytes(build_model("resnet18", batch=2, resolution=32, width=8)
+                      .SerializeToString())
+    out = tmp_path / "out.onnx"
+    result = compile_model(model, CompileOptions(budget="min", provider="cuda",
+                                                 cost="analytic", offload=False), output=out)
+    load = next(p for p in result.report["passes"] if p["name"] == "load")
+    assert load["summary"]["batchnorm_rewritten"] == 20
+    written = load_graph(out)
+    assert not [n for n in written.nodes if is_training_batchnorm(n, written.opset)]
