@@ -3,9 +3,12 @@
 Both steps run once in ORT, same session settings, same inputs (the synthetic batch and
 the initial state); every output (loss, gradients, updated parameters and state) must be
 bit-identical on the CPU provider, because recomputation repeats the same kernels on the
-same inputs. On CUDA kernels may pick other algorithms between runs, so outputs are
-compared with a tight tolerance instead and the report says so; a plan with numerically
-equivalent operator variants is compared within the largest tolerance they state. Then the
+same inputs. On CUDA the step as built is not reproducible itself (measured on an H100:
+two runs of one ResNet-50 step differ, BENCHMARKS.md "CUDA on an H100"), so the original
+runs twice there and each output may differ from it by rtol 1e-5 or by
+``SPREAD_FACTOR`` times what the original's two runs differ by, whichever is larger; the
+report says which outputs needed the second. A plan with numerically equivalent operator
+variants is compared within the largest tolerance they state. Then the
 rewritten file runs under ``run_steps`` (its own measuring process): the measured peak must
 be within the budget and ORT's executed order must be the planned order.
 """
@@ -39,11 +42,29 @@ def step_outputs(graph: Graph, feeds: dict[str, np.ndarray], provider: str
 # An output is compared relative to its own largest entry, or to this fraction of the largest
 # output of its kind, whichever is larger.
 NOISE_FLOOR = 0.1
+# On CUDA a plan's output may differ from the original's by this many times what two runs
+# of the original differ by: the plan's run and the original's are two draws of the same
+# irreproducible arithmetic, and one draw of their difference can exceed another.
+SPREAD_FACTOR = 4.0
+
+
+def run_to_run_spread(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray]
+                      ) -> dict[str, float]:
+    """Per floating-point output, the largest difference between two runs of one step."""
+    out = {}
+    for name, x in a.items():
+        x = np.asarray(x)
+        if x.dtype.kind == "f" and name in b and np.shape(b[name]) == x.shape:
+            out[name] = float(np.max(np.abs(x.astype(np.float64)
+                                            - np.asarray(b[name]).astype(np.float64)),
+                                     initial=0.0))
+    return out
 
 
 def compare_outputs(a: dict[str, np.ndarray], b: dict[str, np.ndarray], *, exact: bool,
                     tolerance: float | None = None,
-                    kinds: Mapping[str, str] | None = None) -> list[str]:
+                    kinds: Mapping[str, str] | None = None,
+                    spread: Mapping[str, float] | None = None) -> list[str]:
     """Problems found comparing every output of ``a`` with ``b``: bit for bit (``exact``),
     else within rtol 1e-5, or with ``tolerance`` (a plan with numerically equivalent
     variants): max |a - b| <= tolerance * max |a| per output, a relative error that stays
@@ -58,7 +79,10 @@ def compare_outputs(a: dict[str, np.ndarray], b: dict[str, np.ndarray], *, exact
     EfficientNet-B0 and MobileViT: relative errors of 1e-3 to 1e-2 on such gradients under a
     plan whose variants are within 1e-6 everywhere else). A real error in a small output
     still shows: with a tolerance of 1e-5, an output at a thousandth of the largest of its
-    kind fails beyond 0.1% of its own size."""
+    kind fails beyond 0.1% of its own size.
+
+    ``spread`` (CUDA: ``run_to_run_spread`` of two runs of the original): an output also
+    passes when it differs by at most ``SPREAD_FACTOR`` times its own spread."""
     problems = []
     largest: dict[str, float] = {}
     if tolerance is not None:
@@ -81,7 +105,8 @@ def compare_outputs(a: dict[str, np.ndarray], b: dict[str, np.ndarray], *, exact
             err = float(np.max(np.abs(x64 - y64), initial=0.0))
             floor = NOISE_FLOOR * largest.get((kinds or {}).get(name, ""), 0.0)
             scale = max(float(np.max(np.abs(x64), initial=0.0)), floor)
-            if err > tolerance * scale and not np.array_equal(x, y, equal_nan=True):
+            if err > tolerance * scale and not np.array_equal(x, y, equal_nan=True) \
+                    and not _within_spread(err, name, spread):
                 problems.append(f"output '{name}' differs by {err:.3g} (relative "
                                 f"{err / scale if scale else float('inf'):.3g}), beyond "
                                 f"the plan's stated tolerance {tolerance:g}")
@@ -89,8 +114,17 @@ def compare_outputs(a: dict[str, np.ndarray], b: dict[str, np.ndarray], *, exact
             diff = float(np.max(np.abs(x.astype(np.float64) - y.astype(np.float64))))
             problems.append(f"output '{name}' differs (max abs diff {diff:.3g})")
         elif not exact and not np.allclose(x, y, rtol=1e-5, atol=1e-6, equal_nan=True):
-            problems.append(f"output '{name}' differs beyond rtol 1e-5")
+            err = float(np.max(np.abs(x.astype(np.float64) - y.astype(np.float64))))
+            if not _within_spread(err, name, spread):
+                own = (f" (the original's own runs differ by {spread[name]:.3g})"
+                       if spread and name in spread else "")
+                problems.append(f"output '{name}' differs beyond rtol 1e-5 (by {err:.3g})"
+                                f"{own}")
     return problems
+
+
+def _within_spread(err: float, name: str, spread: Mapping[str, float] | None) -> bool:
+    return bool(spread) and spread.get(name, 0.0) > 0.0 and err <= SPREAD_FACTOR * spread[name]
 
 
 def verify_rewrite(original: Graph, rewritten: Graph, *, budget: int, provider: str = "cpu",
@@ -105,10 +139,14 @@ def verify_rewrite(original: Graph, rewritten: Graph, *, budget: int, provider: 
     exact = provider == "cpu" and tolerance is None
     feeds = synthetic_feeds(original, seed)
     ref = step_outputs(original, feeds, provider)
+    spread = None
+    if provider == "cuda":
+        spread = run_to_run_spread(ref, step_outputs(original, feeds, provider))
     new = step_outputs(rewritten, feeds, provider)
     kinds = categorize(original)
     problems = compare_outputs(ref, new, exact=exact, tolerance=tolerance,
-                               kinds={name: kinds.get(name, "") for name in ref})
+                               kinds={name: kinds.get(name, "") for name in ref},
+                               spread=spread)
     outputs_differing = len(problems)
     del ref, new
     with tempfile.TemporaryDirectory(prefix="memcc-verify-") as tmp:
@@ -140,7 +178,10 @@ def verify_rewrite(original: Graph, rewritten: Graph, *, budget: int, provider: 
         "ok": not problems,
         "problems": problems,
         "outputs_compared": len(rewritten.outputs),
-        "comparison": _comparison(exact, tolerance),
+        "comparison": _comparison(exact, tolerance, spread is not None),
+        # CUDA: outputs on which two runs of the original itself differed.
+        "irreproducible_outputs": (sum(v > 0 for v in spread.values())
+                                   if spread is not None else None),
         "outputs_match": outputs_differing == 0,
         "outputs_differing": outputs_differing,
         "racing_nodes": [node_label(n) for n in racing_nodes(original)],
@@ -157,9 +198,11 @@ def verify_rewrite(original: Graph, rewritten: Graph, *, budget: int, provider: 
     }
 
 
-def _comparison(exact: bool, tolerance: float | None) -> str:
+def _comparison(exact: bool, tolerance: float | None, spread: bool = False) -> str:
+    own = (f", or within {SPREAD_FACTOR:g}x the original's own run-to-run difference (CUDA)"
+           if spread else "")
     if exact:
         return "bit-identical"
     if tolerance is not None:
-        return f"within relative {tolerance:g} (the plan's inexact variants)"
-    return "rtol 1e-5 (CUDA)"
+        return f"within relative {tolerance:g} (the plan's inexact variants){own}"
+    return f"rtol 1e-5{own}"
