@@ -41,3 +41,33 @@ def test_directions_price_their_own_copies_and_a_round_trip_is_both():
 def test_copy_times_that_do_not_grow_are_refused():
     with pytest.raises(RuntimeFailure, match="do not grow"):
         host_link._fit([(1000, 1e-3), (10_000, 1e-4)], "MemcpyToHost")
+
+
+def test_a_link_faster_than_any_host_link_is_refused_and_compile_falls_back(tmp_path,
+                                                                            monkeypatch):
+    """On CUDA, ORT's profiler timed the copies' launch (3 TB/s on an H100, where the copies
+    ran at about 2 GB/s): such a figure is refused, never cached, and compile prices the
+    copies at the nominal rate with a warning."""
+    import onnxruntime
+
+    from memcc.compiler import _measured_link
+
+    monkeypatch.setattr(host_link, "CACHE_DIR", tmp_path)
+    monkeypatch.setattr(host_link, "_fit", lambda points, source: (2e-5, 3.1e12))
+    with pytest.raises(RuntimeFailure, match="launch"):
+        host_link.measure_host_link("cpu", runs=1, elements=(1 << 10, 1 << 12))
+    assert not list(tmp_path.glob("host_link-*.json"))
+    # An impossible figure in the cache (an older memcc's) is measured again, not trusted.
+    cache = tmp_path / f"host_link-cpu-{onnxruntime.__version__}-{host_link.LINK_VERSION}.json"
+    cache.write_text(json.dumps(HostLink(3e12, 0.0, "old").to_json()))
+    monkeypatch.setattr(host_link, "_fit", lambda points, source: (1e-5, 1e10))
+    assert host_link.measure_host_link("cpu", runs=1, elements=(1 << 10, 1 << 12)
+                                       ).bytes_per_s == 1e10
+
+    def refuse(provider):
+        raise RuntimeFailure("MemcpyToHost measured at 3,100 GB/s")
+
+    warnings: list[str] = []
+    monkeypatch.setattr(host_link, "measure_host_link", refuse)
+    assert _measured_link("cuda", warnings.append) == PCIE_NOMINAL
+    assert warnings and "nominal PCIe rate" in warnings[0]

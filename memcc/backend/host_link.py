@@ -6,7 +6,10 @@ offload_terms.py``); a nominal PCIe figure can be off by a factor of two either 
 or pageable host memory, PCIe generation, a shared bus), which moves every swap decision. So
 the link is measured once per machine and provider and cached next to the CPU rates
 (``backend/profiling.py``). ORT gives ``MemcpyToHost`` a pinned host buffer on CUDA, so
-the figure is the pinned-memory rate the plan will see.
+the figure would be the pinned-memory rate the plan will see; but on CUDA the profiler
+times the copies' launch (measured on an H100), so a figure faster than any host link
+(``MAX_BYTES_PER_S``) is refused and the compile prices copies at the nominal rate, with a
+warning. Timing the copies by the wall clock on CUDA is still to be built and run.
 
 On the CPU provider the copies are plain memcpy (ORT >= 1.31 runs them there): memcc never
 swaps on CPU, and the CPU measurement only exercises this code where no GPU is present.
@@ -29,7 +32,13 @@ from memcc.passes.cost_model import HostLink
 
 # Float32 elements per probe: 256 KiB to 64 MiB, where latency and bandwidth both show.
 PROBE_ELEMENTS = (1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24)
-LINK_VERSION = "v1"
+LINK_VERSION = "v2"  # v1 could cache the impossible CUDA figures MAX_BYTES_PER_S refuses
+# No host link is this fast (PCIe 5.0 x16 carries about 64 GB/s each way, NVLink-C2C about
+# 450 GB/s). On an H100 with onnxruntime-gpu 1.31.1, ORT's profiler timed the CUDA copies'
+# launch, not the copies: 3.1 TB/s to the host and 2.1 TB/s back, where a 256 MiB round trip
+# took 0.25 s inside a step (BENCHMARKS.md, "CUDA on an H100"). A rate above this bound is
+# refused, and the caller prices the copies at the nominal rate instead.
+MAX_BYTES_PER_S = 5e11
 
 
 def _probe_model(elements: int) -> onnx.ModelProto:
@@ -69,7 +78,9 @@ def measure_host_link(provider: str, *, runs: int = 5, use_cache: bool = True,
     cache = CACHE_DIR / f"host_link-{provider}-{ort.__version__}-{LINK_VERSION}.json"
     if use_cache and cache.exists():
         try:
-            return HostLink.from_json(json.loads(cache.read_text()))
+            cached = HostLink.from_json(json.loads(cache.read_text()))
+            if max(cached.bytes_per_s, cached.from_host_bytes_per_s or 0) <= MAX_BYTES_PER_S:
+                return cached
         except (KeyError, ValueError, TypeError):
             pass
     out: list[tuple[int, float]] = []
@@ -96,6 +107,12 @@ def measure_host_link(provider: str, *, runs: int = 5, use_cache: bool = True,
                 series.append((4 * n, statistics.median(samples)))
     lat_out, rate_out = _fit(out, "MemcpyToHost")
     lat_back, rate_back = _fit(back, "MemcpyFromHost")
+    for op, rate in (("MemcpyToHost", rate_out), ("MemcpyFromHost", rate_back)):
+        if rate > MAX_BYTES_PER_S:
+            raise RuntimeFailure(
+                f"{op} measured at {rate / 1e9:,.0f} GB/s on {provider}, faster than any "
+                "host link: ORT's profiler timed the copy's launch, not the copy (as on "
+                "CUDA with onnxruntime-gpu 1.31.1), so the link could not be measured")
     link = HostLink(rate_out, lat_out, f"measured on this machine ({provider}, ORT "
                     f"{ort.__version__}, {len(elements)} sizes x {runs} runs)",
                     from_host_bytes_per_s=rate_back, from_host_latency_s=lat_back)
