@@ -45,6 +45,7 @@ from memcc.errors import InputError, MemccError
 from memcc.frontend.build import BuildOptions, build_training_step
 from memcc.frontend.load import load_graph, read_model
 from memcc.graph import Graph
+from memcc.passes.batchnorm_for_cuda import for_provider
 from memcc.passes.cost_model import (
     CUDA_NOMINAL,
     CostModel,
@@ -298,6 +299,7 @@ class _Search:
         dims = {**self.opts.dims, self.rng.dim: b}
         graph = build_training_step(load_graph(self.model, dims, source=self.label), build,
                                     source=self.label)
+        graph, _ = for_provider(graph, self.opts.provider)  # as compile plans it
         costs = self._costs(graph)
         st = StepStructure.of(graph)
         # On CUDA, judged by the arena replay, as compile judges it.

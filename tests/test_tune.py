@@ -216,3 +216,24 @@ def test_on_cuda_the_edge_follows_the_arena_as_compile_does(model_file):
     with pytest.raises(BudgetError):
         compile_model(model_file, CompileOptions(budget=BUDGET, strategy="none",
                                                  dims={"batch": edge + 1}, **opts))
+
+
+def test_on_cuda_tune_plans_batchnorm_as_compile_does(tmp_path):
+    """With ``--provider cuda``, compile writes training-mode BatchNorm as standard ops
+    (the CUDA provider refuses it); tune has to judge the same graph, or its edge is a size
+    compile refuses."""
+    from exports import export
+
+    path, _, _, _ = export("conv_bn", "torchscript", tmp_path, training=True)
+    opts = dict(EXACT, provider="cuda")
+    budget = 3_000_000
+    r = tune(path, budget, "batch=1..512", TuneOptions(points=0, strategy="none", **opts))
+    edge = r.largest_batch
+    assert 1 <= edge < 512
+    res = compile_model(path, CompileOptions(budget=budget, strategy="none",
+                                             dims={"batch": edge}, **opts))
+    load = next(p for p in res.report["passes"] if p["name"] == "load")
+    assert load["summary"]["batchnorm_rewritten"] == 1
+    with pytest.raises(BudgetError):
+        compile_model(path, CompileOptions(budget=budget, strategy="none",
+                                           dims={"batch": edge + 1}, **opts))
