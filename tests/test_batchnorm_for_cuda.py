@@ -29,6 +29,7 @@ from memcc.passes.batchnorm_for_cuda import (
     for_provider,
     is_training_batchnorm,
 )
+from memcc.passes.liveness import categorize
 from memcc.step import Role, TrainingStep
 from models import build_model
 
@@ -101,6 +102,11 @@ def test_rewrite_keeps_names_roles_and_leaves_other_providers_alone():
     for out in _running_stats(step) & set(rewritten.outputs):
         assert roles[producers[out].name] is Role.FORWARD, out
     assert for_provider(rewritten, "cuda") == (rewritten, 0)  # nothing left to rewrite
+    # The running statistics stay what the reports call them ("other", not optimizer state).
+    kinds, kinds_after = categorize(step), categorize(rewritten)
+    state = TrainingStep.of(step).state
+    assert {v: kinds[v] for v in state.values()} == {v: kinds_after[v] for v in state.values()}
+    assert sum(kinds[v] == "other" for v in state.values()) == 2 * n
 
 
 def test_compile_for_cuda_plans_the_rewritten_step(tmp_path):

@@ -55,7 +55,7 @@ import numpy as np
 import onnx
 
 from memcc.graph import Graph, TensorInfo, attr
-from memcc.step import TrainingStep
+from memcc.step import Role, TrainingStep
 
 HOST_COPY_OP = "MemcpyToHost"  # its output lives in host memory on a device provider
 
@@ -538,8 +538,13 @@ def categorize(graph: Graph) -> dict[str, str]:
     data = step.data_inputs
     produced = {o for n in graph.nodes for o in n.output if o}
     params = step.trainable()
-    bn_stats = {n.input[i] for n in graph.nodes if n.op_type == "BatchNormalization"
-                for i in (3, 4) if len(n.input) > i}
+    # State the forward pass itself updates (BatchNorm running statistics: written by the
+    # BatchNormalization node, or by the ops passes/batchnorm_for_cuda.py puts in its place)
+    # is not optimizer state.
+    producer = graph.def_use().producer
+    roles = step.roles
+    forward_updated = {out for out in state if out in producer
+                       and roles.get(producer[out].name) is Role.FORWARD}
     cat: dict[str, str] = {}
     for name in produced:
         cat[name] = "activations"
@@ -557,7 +562,7 @@ def categorize(graph: Graph) -> dict[str, str]:
     for out, inp in state.items():
         if inp in params:
             kind = "parameters"
-        elif inp in bn_stats:
+        elif out in forward_updated:
             kind = "other"
         else:
             kind = "optimizer_state"
