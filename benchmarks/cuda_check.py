@@ -140,6 +140,7 @@ def truth_phase(summary: Summary, provider: str, models: Sequence[str], sizes: d
                    "live_bytes": run.prediction.get("liveness_peak_bytes",
                                                     run.prediction.get("peak_bytes")),
                    "reserved_bytes": arena.get("peak_reserved_bytes"),
+                   "device_bytes": arena.get("peak_device_bytes"),
                    "order_matches_plan": run.order_matches_plan,
                    "step_time_s": run.step_time_s, "method": run.measurement_method}
             if provider == "cuda" and arena.get("peak_reserved_bytes"):

@@ -49,6 +49,9 @@ def print_report(report: dict, console: Console) -> None:
         t.add_row("  device: live bytes", "", format_size(p.get("live_peak_bytes", 0)))
         t.add_row("  device: arena fragmentation", "",
                   format_size(arena["fragmentation_bytes"]))
+        if arena.get("peak_device_bytes") is not None:  # CUDA: regions in whole pages
+            t.add_row("  device: partly used pages", "",
+                      format_size(arena["peak_device_bytes"] - arena["peak_reserved_bytes"]))
     if p.get("host_peak_bytes"):
         t.add_row("host memory (swapped copies)", "", format_size(p["host_peak_bytes"]))
     console.print(t)

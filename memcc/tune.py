@@ -583,7 +583,9 @@ def _nothing_fits(search: _Search, b: int, budget: int) -> MemccError:
             "recomputation cannot shrink them (nor the updated copies the step outputs). Give "
             "a larger --budget, or train fewer parameters (--freeze PATTERN keeps them fixed, "
             "without gradients or state); adamw keeps two state tensors per parameter, sgd one")
-    smallest = p.smallest if p.smallest is not None else p.sqrtn_peak
+    # The smallest peak found; with --strategy none, the step as built.
+    smallest = next(v for v in (p.smallest, p.sqrtn_peak, p.baseline.peak_bytes)
+                    if v is not None)
     need = user_budget(smallest, search.compile, search.slack)
     return InputError(
         f"{label}: nothing fits {format_size(budget)}: even {dim}={b} needs a peak of "

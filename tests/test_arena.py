@@ -169,6 +169,43 @@ def test_arena_runs_are_refused_where_they_mean_nothing(tmp_path):
         run_steps(path, steps=1, arena=True, in_place=True)
 
 
+def test_cuda_regions_hold_whole_pages_and_small_ones_share_them():
+    """Measured on an H100 (ORT's verbose arena log, BENCHMARKS.md "CUDA on an H100"): a
+    region of 1 MiB or more starts on a 2 MiB boundary and holds whole 2 MiB pages; smaller
+    regions are packed, 512-byte aligned, into shared pages; NVML counts pages."""
+    a = BfcArena(cuda_pages=True)
+    a.alloc("big", 3 * MB)  # 3 MiB: two pages
+    assert a.reserved == 3 * MB and a.device_bytes == 4 * MB
+    for k in range(7):  # 7 x 300 KiB, packed: 2.05 MiB of regions in two shared pages
+        a.alloc(f"small{k}", 300 * 1024)
+    assert a.device_bytes == 4 * MB + 4 * MB
+    a.free("big")
+    a.shrink()  # the big region goes, with its pages
+    assert a.device_bytes == 4 * MB
+    for k in range(7):
+        a.free(f"small{k}")
+    a.shrink()
+    assert a.reserved == 0 and a.device_bytes == 0
+    # Without pages (the CPU arena) the device bytes are the reserved bytes.
+    cpu = BfcArena()
+    cpu.alloc("big", 3 * MB)
+    assert cpu.device_bytes == cpu.reserved == 3 * MB
+
+
+def test_replay_counts_pages_on_cuda_and_a_meter_sees_them():
+    g = _chain(MB)
+    live = analyze_liveness(g)
+    plain = replay_steps(g, live, steps=2, feeds_in_arena=True)
+    paged = replay_steps(g, live, steps=2, feeds_in_arena=True, cuda_pages=True)
+    assert plain.peak_device_bytes is None and plain.peak_bytes == plain.peak_reserved_bytes
+    assert paged.peak_reserved_bytes == plain.peak_reserved_bytes  # what gpu_mem_limit caps
+    # Three 4 MiB regions in whole pages, and the 256-byte regions (slice bounds, scalar
+    # output) in one shared page.
+    assert paged.peak_device_bytes == 12 * MB + 2 * MB
+    assert paged.measured_bytes == paged.peak_device_bytes - paged.start_device_bytes
+    assert paged.to_json()["peak_device_bytes"] == paged.peak_device_bytes
+
+
 def test_cuda_plans_are_judged_by_the_arena_replay(tmp_path):
     from memcc.passes.cost_model import CUDA_NOMINAL, analytic_costs
     from memcc.passes.plan import Plan
@@ -179,10 +216,11 @@ def test_cuda_plans_are_judged_by_the_arena_replay(tmp_path):
     cpu = simulate(step, Plan(), costs)
     cuda = simulate(step, Plan(), costs, device="cuda")
     assert cpu.arena is None and cuda.arena is not None
-    assert cuda.peak_bytes == cuda.arena.peak_reserved_bytes
+    assert cuda.peak_bytes == cuda.arena.peak_device_bytes >= cuda.arena.peak_reserved_bytes
     assert cuda.arena.peak_reserved_bytes >= cuda.arena.peak_in_use_bytes
-    # The same buffers, rounded to 256 bytes instead of CPU pages.
-    assert 0.9 <= cuda.peak_bytes / cpu.peak_bytes <= 1.2
+    # The same buffers, rounded to 256 bytes instead of CPU pages, in whole device pages.
+    assert 0.9 <= cuda.arena.peak_reserved_bytes / cpu.peak_bytes <= 1.2
+    assert cuda.peak_bytes % (2 * MB) == 0
 
 
 def test_cuda_verify_caps_the_arena_at_the_budget_and_a_refused_run_does_not_fit(

@@ -50,3 +50,21 @@ def test_cuda_sessions_fix_the_cudnn_algorithm_search(monkeypatch):
     monkeypatch.setenv(CUDNN_SEARCH_ENV, "fastest")
     with pytest.raises(InputError, match=CUDNN_SEARCH_ENV):
         provider_options("cuda")
+
+
+def test_repredict_sets_recorded_nvml_figures_against_todays_model(tmp_path):
+    """``benchmarks/cuda_repredict.py`` rebuilds each recorded step and predicts it with
+    today's CUDA model (device pages included), so the model can be checked against the
+    H100's figures without a GPU."""
+    from benchmarks.cuda_repredict import repredict
+
+    dims = cuda_check.SMALL["mlp"]
+    summary = tmp_path / "summary.json"
+    summary.write_text(json.dumps({"truth": [
+        {"model": "mlp", "dims": dims, "predicted_bytes": 1_000_000,
+         "measured_bytes": 4 << 20},
+        {"model": "resnet18", "error": "not measured"}]}))
+    (row,) = repredict([summary])
+    assert row["model"] == "mlp" and row["then"] == (4 << 20) / 1_000_000
+    assert row["predicted_now"] % (2 << 20) == 0  # whole device pages
+    assert row["now"] == (4 << 20) / row["predicted_now"]

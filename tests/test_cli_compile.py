@@ -412,13 +412,17 @@ def test_cuda_planning_without_cuda_warns(gpt2_file, tmp_path, monkeypatch):
     assert any("CUDA is not available" in w for w in report["warnings"])
     # The device peak is the CUDA arena's (regions of 256-byte units), reported with it.
     arena = report["plan"]["device_arena"]
-    assert report["plan"]["peak_bytes"] == arena["peak_reserved_bytes"]
+    # ... in whole 2 MiB device pages (docs/CUDA.md), never below the reserved bytes.
+    assert report["plan"]["peak_bytes"] == arena["peak_device_bytes"]
+    assert arena["peak_device_bytes"] % (2 << 20) == 0
+    assert arena["peak_device_bytes"] >= arena["peak_reserved_bytes"]
     assert arena["peak_reserved_bytes"] >= arena["peak_in_use_bytes"] > 0
     assert arena["peak_in_use_bytes"] % 256 == 0 and arena["fails_at"] is None
     # Node times estimated: the swap copies are priced at the nominal link, and it says so.
     assert "nominal" in report["cost_model"]["host_link"]["source"]
     shown = invoke("report", rep)
     assert shown.exit_code == 0 and "arena fragmentation" in shown.output
+    assert "partly used pages" in shown.output
     # Asking for estimates on purpose is not warned about.
     r = invoke("compile", gpt2_file, "--budget", "1TB", "-o", tmp_path / "c.onnx",
                "--report", rep, "--provider", "cuda", "--cost", "analytic")

@@ -205,17 +205,24 @@ def test_measure_reports_measured_throughput_next_to_the_prediction(searched):
 def test_on_cuda_the_edge_follows_the_arena_as_compile_does(model_file):
     """With ``--provider cuda`` (no GPU here: node times estimated), tune judges sizes by the
     CUDA arena replay, as compile does: the largest size it reports compiles for CUDA, and
-    the next size up is refused."""
+    the next size up is refused. (A CUDA step takes whole 2 MiB device pages, so the
+    budget is above one page, and the range wider.)"""
     opts = dict(EXACT, provider="cuda")
-    r = tune(model_file, BUDGET, RANGE, TuneOptions(points=0, strategy="none", **opts))
+    budget = 3_000_000
+    r = tune(model_file, budget, "batch=1..8192", TuneOptions(points=0, strategy="none",
+                                                               **opts))
     edge = r.largest_batch
-    assert 1 <= edge < 256  # inside the range, so the size above it is checked too
-    res = compile_model(model_file, CompileOptions(budget=BUDGET, strategy="none",
+    assert 1 <= edge < 8192  # inside the range, so the size above it is checked too
+    res = compile_model(model_file, CompileOptions(budget=budget, strategy="none",
                                                    dims={"batch": edge}, **opts))
-    assert res.report["plan"]["device_arena"]["peak_reserved_bytes"] <= BUDGET
+    assert res.report["plan"]["device_arena"]["peak_device_bytes"] <= budget
+    assert res.report["plan"]["device_arena"]["peak_reserved_bytes"] <= budget
     with pytest.raises(BudgetError):
-        compile_model(model_file, CompileOptions(budget=BUDGET, strategy="none",
+        compile_model(model_file, CompileOptions(budget=budget, strategy="none",
                                                  dims={"batch": edge + 1}, **opts))
+    # Below one page nothing fits, and tune says what would (strategy none included).
+    with pytest.raises(InputError, match="needs a peak of"):
+        tune(model_file, 1_300_000, RANGE, TuneOptions(points=0, strategy="none", **opts))
 
 
 def test_on_cuda_tune_plans_batchnorm_as_compile_does(tmp_path):

@@ -24,6 +24,15 @@ coalescing, regions, shrink. What is not: kernel workspaces that cuDNN or cuBLAS
 the arena, and the order in which one kernel allocates its outputs and scratch (modelled as
 outputs in output order, then scratch, then the inputs it was the last reader of, in input
 order).
+
+On CUDA the arena's regions come from ``cudaMalloc``, and what NVML (and a user's budget)
+counts is the device pages behind them. Measured on an H100 (ORT's verbose arena log gives
+every region's address, BENCHMARKS.md "CUDA on an H100"): every region of 1 MiB or more
+started on a 2 MiB boundary, the next one on the next boundary, so it holds whole 2 MiB
+pages; smaller regions were packed 512-byte aligned into shared pages. Every NVML reading
+was a whole number of 2 MiB pages. ``BfcArena(cuda_pages=True)`` counts those pages
+(``device_bytes``): on the zoo the prediction moved from 0.99-1.36x short of NVML to
+0.95-1.18x (ResNet-50 1.36 -> 1.11, MobileNetV2 1.13 -> 1.04).
 """
 
 from __future__ import annotations
@@ -40,6 +49,15 @@ MAX_DEAD_BYTES_PER_CHUNK = 128 * 1024 * 1024  # BFCArena default
 # Each region keeps a host-side index, one chunk handle (size_t) per 256 bytes: 1/32 of the
 # region again, in host memory (so it shows in a CPU measurement, never on a device).
 REGION_INDEX_BYTES = 8
+# cudaMalloc beneath the arena (module docstring): large regions hold whole pages, small
+# ones share pages, each at this alignment.
+CUDA_PAGE_BYTES = 2 << 20
+CUDA_LARGE_REGION_BYTES = 1 << 20
+CUDA_SMALL_ALIGNMENT = 512
+
+
+def _round_up(n: int, unit: int) -> int:
+    return -(-int(n) // unit) * unit
 
 
 def rounded_bytes(nbytes: int) -> int:
@@ -73,11 +91,13 @@ class BfcArena:
     ``limit`` is ``gpu_mem_limit`` (None: unlimited). ``addresses_grow`` says whether each
     new region lies above the previous ones (cudaMalloc) or below (glibc's mmap, the CPU
     case); it only matters for which of two equal free chunks the arena picks.
+    ``cuda_pages``: also count the device pages the regions occupy (``device_bytes``).
     """
 
     limit: int | None = None
     max_dead_bytes: int = MAX_DEAD_BYTES_PER_CHUNK
     addresses_grow: bool = True
+    cuda_pages: bool = False
     reserved: int = 0
     in_use: int = 0
     extensions: int = 0
@@ -88,6 +108,23 @@ class BfcArena:
     _next_region: int = 0
     _low: int = 0
     _high: int = 0
+    _region_bytes: dict[int, int] = field(default_factory=dict)
+    _large_pages_bytes: int = 0
+    _small_bytes: int = 0
+
+    @property
+    def device_bytes(self) -> int:
+        """The device memory behind the regions: whole pages for large regions, small ones
+        packed into shared pages (``cuda_pages``); the reserved bytes otherwise."""
+        if not self.cuda_pages:
+            return self.reserved
+        return self._large_pages_bytes + _round_up(self._small_bytes, CUDA_PAGE_BYTES)
+
+    def _count_region(self, size: int, sign: int) -> None:
+        if size >= CUDA_LARGE_REGION_BYTES:
+            self._large_pages_bytes += sign * _round_up(size, CUDA_PAGE_BYTES)
+        else:
+            self._small_bytes += sign * _round_up(size, CUDA_SMALL_ALIGNMENT)
 
     def alloc(self, key: object, nbytes: int) -> None:
         """Serve ``nbytes`` for ``key`` (an empty request takes nothing)."""
@@ -146,6 +183,8 @@ class BfcArena:
                 del self._regions[region]
                 self.reserved -= first.size
                 freed += first.size
+                if self.cuda_pages:
+                    self._count_region(self._region_bytes.pop(region), -1)
         return freed
 
     def holds(self, key: object) -> bool:
@@ -171,6 +210,9 @@ class BfcArena:
         chunk = _Chunk(region, address, size)
         self._regions[region] = chunk
         self.reserved += size
+        if self.cuda_pages:
+            self._region_bytes[region] = size
+            self._count_region(size, +1)
         self.extensions += 1
         self._add_free(chunk)
 
@@ -261,10 +303,22 @@ class ArenaReport:
     peak_node: str | None        # the node during which the reserved peak was reached
     fails_at: str | None = None  # under ``limit``: the node whose request found no room
     peaks_per_step: tuple[int, ...] = ()  # each measured run's reserved peak
+    # CUDA: the device pages behind the regions at the worst moment and between steps
+    # (``BfcArena.device_bytes``); None elsewhere.
+    peak_device_bytes: int | None = None
+    start_device_bytes: int | None = None
+
+    @property
+    def peak_bytes(self) -> int:
+        """The step's peak as the device counts it: pages on CUDA, reserved bytes else."""
+        return (self.peak_device_bytes if self.peak_device_bytes is not None
+                else self.peak_reserved_bytes)
 
     @property
     def measured_bytes(self) -> int:
         """What a meter that subtracts the memory held between steps sees."""
+        if self.peak_device_bytes is not None and self.start_device_bytes is not None:
+            return self.peak_device_bytes - self.start_device_bytes
         return self.peak_reserved_bytes - self.start_reserved_bytes
 
     @property
@@ -280,12 +334,14 @@ class ArenaReport:
                 "extensions": self.extensions,
                 "peak_node": self.peak_node,
                 "fails_at": self.fails_at,
-                "peaks_per_step": list(self.peaks_per_step)}
+                "peaks_per_step": list(self.peaks_per_step),
+                "peak_device_bytes": self.peak_device_bytes,
+                "start_device_bytes": self.start_device_bytes}
 
 
 def replay_steps(graph: Graph, liveness, *, steps: int = 2, feeds_in_arena: bool = True,
                  limit: int | None = None, addresses_grow: bool = True,
-                 cpu_threads: int | None = None) -> ArenaReport:
+                 cpu_threads: int | None = None, cuda_pages: bool = False) -> ArenaReport:
     """Replay a warm-up run and then ``steps`` runs through a fresh arena, the way
     ``backend.runner`` runs a step, and report the measured runs against the reserved bytes
     after the warm-up (the meter's baseline).
@@ -293,6 +349,8 @@ def replay_steps(graph: Graph, liveness, *, steps: int = 2, feeds_in_arena: bool
     Each run: the feeds (``feeds_in_arena``: copied in first, released before the shrink),
     the step's requests, then ORT's shrink while the run's outputs are still held, then the
     outputs, which the caller copies out (CUDA; ``memcc run --arena`` on CPU).
+    ``cuda_pages`` (CUDA): also the device pages behind the regions, and the peak node is
+    where they peak.
     """
     if steps < 1:
         raise ValueError("replay_steps needs at least one step")
@@ -300,14 +358,27 @@ def replay_steps(graph: Graph, liveness, *, steps: int = 2, feeds_in_arena: bool
     events = step_events(graph, liveness, feeds_in_arena=feeds_in_arena,
                          cpu_threads=cpu_threads)
     feeds = [e.key for e in events if e.node < 0]
-    arena = BfcArena(limit=limit, addresses_grow=addresses_grow)
+    arena = BfcArena(limit=limit, addresses_grow=addresses_grow, cuda_pages=cuda_pages)
     baseline = peak = peak_in_use = extensions = 0
-    peak_at = -1
+    device_base = device_peak = 0
+    peak_at = device_at = -1
     peaks: list[int] = []
+
+    def report(**kw) -> ArenaReport:
+        at = device_at if cuda_pages else peak_at
+        node = order[at] if 0 <= at < len(order) else None
+        return ArenaReport(
+            peak_reserved_bytes=peak, start_reserved_bytes=baseline,
+            peak_in_use_bytes=peak_in_use, extensions=arena.extensions - extensions,
+            peak_node=kw.pop("peak_node", node), peaks_per_step=tuple(peaks),
+            peak_device_bytes=device_peak if cuda_pages else None,
+            start_device_bytes=device_base if cuda_pages else None, **kw)
+
     for run in range(steps + 1):
         tag = f"#{run}"
         if run == 1:
             baseline = peak = arena.reserved
+            device_base = device_peak = arena.device_bytes
             peak_in_use, extensions = arena.in_use, arena.extensions
         run_peak = arena.reserved
         try:
@@ -316,16 +387,18 @@ def replay_steps(graph: Graph, liveness, *, steps: int = 2, feeds_in_arena: bool
                     arena.alloc(e.key + tag, e.nbytes)
                 else:
                     arena.free(e.key + tag)
-                if run and arena.reserved > peak:
-                    peak, peak_at = arena.reserved, e.node
                 if run:
+                    if arena.reserved > peak:
+                        peak, peak_at = arena.reserved, e.node
+                    if cuda_pages and arena.device_bytes > device_peak:
+                        device_peak, device_at = arena.device_bytes, e.node
                     peak_in_use = max(peak_in_use, arena.in_use)
                     run_peak = max(run_peak, arena.reserved)
         except ArenaExhausted:
             where = order[e.node] if 0 <= e.node < len(order) else "(the feeds)"
-            return ArenaReport(max(peak, arena.reserved), baseline, peak_in_use,
-                               arena.extensions - extensions, where, fails_at=where,
-                               peaks_per_step=tuple(peaks))
+            peak = max(peak, arena.reserved)
+            device_peak = max(device_peak, arena.device_bytes)
+            return report(peak_node=where, fails_at=where)
         if run:
             peaks.append(run_peak)
         for name in feeds:
@@ -333,11 +406,7 @@ def replay_steps(graph: Graph, liveness, *, steps: int = 2, feeds_in_arena: bool
         arena.shrink()
         for o in graph.outputs:
             arena.free(o + tag)
-    return ArenaReport(
-        peak_reserved_bytes=peak, start_reserved_bytes=baseline, peak_in_use_bytes=peak_in_use,
-        extensions=arena.extensions - extensions,
-        peak_node=order[peak_at] if 0 <= peak_at < len(order) else None,
-        peaks_per_step=tuple(peaks))
+    return report()
 
 
 def cpu_threads() -> int:

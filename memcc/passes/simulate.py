@@ -58,10 +58,11 @@ def simulate(graph: Graph, plan: Plan, costs: CostModel,
     """``host_copies``: the step runs on a device provider, where swapped-out copies live
     in host memory (not in the peak; ``liveness.host_peak_bytes``).
 
-    ``device="cuda"``: the peak is what the CUDA arena reserves for the step
-    (``passes.arena``: 256-byte rounding, regions that cannot merge), feeds copied in, in
-    the steady state of repeated steps; it is never below the live bytes and is what
-    ``gpu_mem_limit`` caps. ``"cpu"``: the live bytes with the CPU allocator's page
+    ``device="cuda"``: the peak is the device pages behind what the CUDA arena reserves for
+    the step (``passes.arena``: 256-byte rounding, regions that cannot merge, each large
+    region in whole 2 MiB pages), feeds copied in, in the steady state of repeated steps;
+    it is never below the live bytes, nor below the reserved bytes ``gpu_mem_limit``
+    caps. ``"cpu"``: the live bytes with the CPU allocator's page
     rounding, as measured with the arena off (``backend/session.py``). ``"cpu-arena"``:
     the CPU provider allocating through the same arena class (``arena.cpu_arena_peak``).
     ``heap_base``: the small buffers of ``graph`` (``liveness.small_buffers``, counted once
@@ -75,8 +76,8 @@ def simulate(graph: Graph, plan: Plan, costs: CostModel,
     live = analyze_liveness(lowered.graph, host_copies=host_copies or device == "cuda")
     arena, peak = None, live.peak_bytes
     if device == "cuda":
-        arena = replay_steps(lowered.graph, live, feeds_in_arena=True)
-        peak = arena.peak_reserved_bytes
+        arena = replay_steps(lowered.graph, live, feeds_in_arena=True, cuda_pages=True)
+        peak = arena.peak_bytes
     elif device == "cpu-arena":
         arena, peak = cpu_arena_peak(lowered.graph, live)
     added = added_seconds(graph, lowered.graph, costs)
