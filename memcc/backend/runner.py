@@ -210,7 +210,7 @@ def arena_prediction(graph: Graph, liveness: LivenessReport, spec: StepSpec, *, 
     if provider != "cuda":
         return cpu_arena_peak(graph, liveness, steps=steps, meter=True)
     report = replay_steps(graph, liveness, steps=steps, feeds_in_arena=True,
-                          addresses_grow=True, cuda_pages=True)
+                          addresses_grow=True, cuda=True)
     return report, report.measured_bytes
 
 

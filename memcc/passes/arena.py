@@ -27,12 +27,12 @@ order).
 
 On CUDA the arena's regions come from ``cudaMalloc``, and what NVML (and a user's budget)
 counts is the device pages behind them. Measured on an H100 (ORT's verbose arena log gives
-every region's address, BENCHMARKS.md "CUDA on an H100"): every region of 1 MiB or more
-started on a 2 MiB boundary, the next one on the next boundary, so it holds whole 2 MiB
-pages; smaller regions were packed 512-byte aligned into shared pages. Every NVML reading
-was a whole number of 2 MiB pages. ``BfcArena(cuda_pages=True)`` counts those pages
-(``device_bytes``): on the zoo the prediction moved from 0.99-1.36x short of NVML to
-0.95-1.18x (ResNet-50 1.36 -> 1.11, MobileNetV2 1.13 -> 1.04).
+every region's address, BENCHMARKS.md "CUDA on an H100"): every region over 1 MiB started
+on a 2 MiB boundary, the next one on the next boundary, so it holds whole 2 MiB pages;
+regions of 1 MiB or less were packed, 512-byte aligned, into shared pages. Every NVML
+reading was a whole number of 2 MiB pages, and the regions ORT's log shows one step adding,
+counted this way, came within 0.5% of NVML on GPT-2, the MLP, VGG-16 and ResNet-50.
+``BfcArena(cuda_pages=True)`` counts those pages (``device_bytes``).
 """
 
 from __future__ import annotations
@@ -49,8 +49,8 @@ MAX_DEAD_BYTES_PER_CHUNK = 128 * 1024 * 1024  # BFCArena default
 # Each region keeps a host-side index, one chunk handle (size_t) per 256 bytes: 1/32 of the
 # region again, in host memory (so it shows in a CPU measurement, never on a device).
 REGION_INDEX_BYTES = 8
-# cudaMalloc beneath the arena (module docstring): large regions hold whole pages, small
-# ones share pages, each at this alignment.
+# cudaMalloc beneath the arena (module docstring): regions over 1 MiB hold whole pages,
+# the others share pages, each at this alignment.
 CUDA_PAGE_BYTES = 2 << 20
 CUDA_LARGE_REGION_BYTES = 1 << 20
 CUDA_SMALL_ALIGNMENT = 512
@@ -66,12 +66,19 @@ def rounded_bytes(nbytes: int) -> int:
     return -(-int(nbytes) // MIN_ALLOCATION) * MIN_ALLOCATION
 
 
+# The stream tags of ORT's stream-aware arena (CUDA): a chunk first handed out to a node
+# keeps that node's stream after it is freed; a request without a stream (the step's
+# outputs) may only take chunks with none, and only chunks with the same tag merge.
+STREAM = 1
+
+
 @dataclass
 class _Chunk:
     region: int
     address: int
     size: int
     in_use: bool = False
+    stream: int | None = None
     prev: _Chunk | None = None
     next: _Chunk | None = None
 
@@ -92,12 +99,16 @@ class BfcArena:
     new region lies above the previous ones (cudaMalloc) or below (glibc's mmap, the CPU
     case); it only matters for which of two equal free chunks the arena picks.
     ``cuda_pages``: also count the device pages the regions occupy (``device_bytes``).
+    ``streams``: keep the stream tags of ORT's stream-aware CUDA arena (``STREAM``):
+    ``alloc(stream=None)`` then takes only chunks no node has used since the last
+    ``release_streams``, and freed chunks merge only with neighbours of the same tag.
     """
 
     limit: int | None = None
     max_dead_bytes: int = MAX_DEAD_BYTES_PER_CHUNK
     addresses_grow: bool = True
     cuda_pages: bool = False
+    streams: bool = False
     reserved: int = 0
     in_use: int = 0
     extensions: int = 0
@@ -121,29 +132,33 @@ class BfcArena:
         return self._large_pages_bytes + _round_up(self._small_bytes, CUDA_PAGE_BYTES)
 
     def _count_region(self, size: int, sign: int) -> None:
-        if size >= CUDA_LARGE_REGION_BYTES:
+        if size > CUDA_LARGE_REGION_BYTES:
             self._large_pages_bytes += sign * _round_up(size, CUDA_PAGE_BYTES)
         else:
             self._small_bytes += sign * _round_up(size, CUDA_SMALL_ALIGNMENT)
 
-    def alloc(self, key: object, nbytes: int) -> None:
-        """Serve ``nbytes`` for ``key`` (an empty request takes nothing)."""
+    def alloc(self, key: object, nbytes: int, stream: int | None = STREAM) -> None:
+        """Serve ``nbytes`` for ``key`` (an empty request takes nothing); ``stream``: the
+        requester's stream (``streams`` only; None: a request without one)."""
         size = rounded_bytes(nbytes)
         if size == 0:
             return
-        chunk = self._best_fit(size)
+        stream = stream if self.streams else None
+        chunk = self._best_fit(size, stream)
         if chunk is None:
             self._extend(size)
-            chunk = self._best_fit(size)
+            chunk = self._best_fit(size, stream)
         assert chunk is not None
         self._unfree(chunk)
         if chunk.size >= 2 * size or chunk.size - size >= self.max_dead_bytes:
             rest = _Chunk(chunk.region, chunk.address + size, chunk.size - size,
-                          prev=chunk, next=chunk.next)
+                          prev=chunk, next=chunk.next, stream=chunk.stream)
             if chunk.next is not None:
                 chunk.next.prev = rest
             chunk.next, chunk.size = rest, size
             self._add_free(rest)
+        if chunk.stream is None:
+            chunk.stream = stream
         chunk.in_use = True
         self._held[key] = chunk
         self.in_use += chunk.size
@@ -155,14 +170,42 @@ class BfcArena:
             return
         chunk.in_use = False
         self.in_use -= chunk.size
-        if chunk.next is not None and not chunk.next.in_use:
-            self._unfree(chunk.next)
+        self._add_free(self._coalesce(chunk))
+
+    def _coalesce(self, chunk: _Chunk) -> _Chunk:
+        """Merge a free chunk (out of the free set) with its free neighbours of the same
+        stream tag; the merged chunk, still out of the free set."""
+        nxt = chunk.next
+        if nxt is not None and not nxt.in_use and nxt.stream == chunk.stream:
+            self._unfree(nxt)
             self._absorb_next(chunk)
-        if chunk.prev is not None and not chunk.prev.in_use:
-            chunk = chunk.prev
-            self._unfree(chunk)
-            self._absorb_next(chunk)
-        self._add_free(chunk)
+        prev = chunk.prev
+        if prev is not None and not prev.in_use and prev.stream == chunk.stream:
+            self._unfree(prev)
+            self._absorb_next(prev)
+            chunk = prev
+        return chunk
+
+    def release_streams(self) -> None:
+        """The end of a run (ORT's ``ReleaseStreamBuffers``): every chunk's stream tag is
+        cleared and free neighbours merge."""
+        if not self.streams:
+            return
+        for first in list(self._regions.values()):
+            c: _Chunk | None = first
+            while c is not None:
+                c.stream = None
+                c = c.next
+        for first in list(self._regions.values()):
+            c = first
+            while c is not None:
+                if not c.in_use and c.next is not None and not c.next.in_use:
+                    self._unfree(c)
+                    self._unfree(c.next)
+                    self._absorb_next(c)
+                    self._add_free(c)
+                    continue  # c may absorb the next one too
+                c = c.next
 
     @staticmethod
     def _absorb_next(chunk: _Chunk) -> None:
@@ -191,9 +234,16 @@ class BfcArena:
         return key in self._held
 
     # ---------------------------------------------------------------- internals
-    def _best_fit(self, size: int) -> _Chunk | None:
+    def _best_fit(self, size: int, stream: int | None = None) -> _Chunk | None:
+        """The smallest free chunk of at least ``size`` (lower address first) that a
+        request on ``stream`` may take: one with its stream's tag or with none."""
         i = bisect.bisect_left(self._free, (size, -(1 << 62)))
-        return self._free_chunks[self._free[i]] if i < len(self._free) else None
+        while i < len(self._free):
+            chunk = self._free_chunks[self._free[i]]
+            if chunk.stream is None or chunk.stream == stream:
+                return chunk
+            i += 1
+        return None
 
     def _extend(self, size: int) -> None:
         if self.limit is not None and size > (self.limit - self.reserved) // MIN_ALLOCATION \
@@ -341,7 +391,7 @@ class ArenaReport:
 
 def replay_steps(graph: Graph, liveness, *, steps: int = 2, feeds_in_arena: bool = True,
                  limit: int | None = None, addresses_grow: bool = True,
-                 cpu_threads: int | None = None, cuda_pages: bool = False) -> ArenaReport:
+                 cpu_threads: int | None = None, cuda: bool = False) -> ArenaReport:
     """Replay a warm-up run and then ``steps`` runs through a fresh arena, the way
     ``backend.runner`` runs a step, and report the measured runs against the reserved bytes
     after the warm-up (the meter's baseline).
@@ -349,8 +399,11 @@ def replay_steps(graph: Graph, liveness, *, steps: int = 2, feeds_in_arena: bool
     Each run: the feeds (``feeds_in_arena``: copied in first, released before the shrink),
     the step's requests, then ORT's shrink while the run's outputs are still held, then the
     outputs, which the caller copies out (CUDA; ``memcc run --arena`` on CPU).
-    ``cuda_pages`` (CUDA): also the device pages behind the regions, and the peak node is
-    where they peak.
+    ``cuda``: the CUDA arena and the device beneath it: device pages (``peak_device_bytes``;
+    the peak node is where they peak) and stream tags, the step's outputs requested without
+    a stream (measured on an H100: ORT gave GPT-2's updated parameters and momenta new
+    regions where freed chunks of the right size were there, 243 region extensions per step
+    where the replay without tags made 128), and the tags cleared at the end of each run.
     """
     if steps < 1:
         raise ValueError("replay_steps needs at least one step")
@@ -358,7 +411,10 @@ def replay_steps(graph: Graph, liveness, *, steps: int = 2, feeds_in_arena: bool
     events = step_events(graph, liveness, feeds_in_arena=feeds_in_arena,
                          cpu_threads=cpu_threads)
     feeds = [e.key for e in events if e.node < 0]
-    arena = BfcArena(limit=limit, addresses_grow=addresses_grow, cuda_pages=cuda_pages)
+    arena = BfcArena(limit=limit, addresses_grow=addresses_grow, cuda_pages=cuda,
+                     streams=cuda)
+    cuda_pages = cuda
+    outputs = set(graph.outputs)
     baseline = peak = peak_in_use = extensions = 0
     device_base = device_peak = 0
     peak_at = device_at = -1
@@ -384,7 +440,8 @@ def replay_steps(graph: Graph, liveness, *, steps: int = 2, feeds_in_arena: bool
         try:
             for e in events:
                 if e.nbytes:
-                    arena.alloc(e.key + tag, e.nbytes)
+                    arena.alloc(e.key + tag, e.nbytes,
+                                stream=None if e.key in outputs else STREAM)
                 else:
                     arena.free(e.key + tag)
                 if run:
@@ -403,6 +460,7 @@ def replay_steps(graph: Graph, liveness, *, steps: int = 2, feeds_in_arena: bool
             peaks.append(run_peak)
         for name in feeds:
             arena.free(name + tag)
+        arena.release_streams()
         arena.shrink()
         for o in graph.outputs:
             arena.free(o + tag)

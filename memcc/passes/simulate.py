@@ -76,7 +76,7 @@ def simulate(graph: Graph, plan: Plan, costs: CostModel,
     live = analyze_liveness(lowered.graph, host_copies=host_copies or device == "cuda")
     arena, peak = None, live.peak_bytes
     if device == "cuda":
-        arena = replay_steps(lowered.graph, live, feeds_in_arena=True, cuda_pages=True)
+        arena = replay_steps(lowered.graph, live, feeds_in_arena=True, cuda=True)
         peak = arena.peak_bytes
     elif device == "cpu-arena":
         arena, peak = cpu_arena_peak(lowered.graph, live)
