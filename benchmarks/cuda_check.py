@@ -14,6 +14,12 @@ issue 11 are one script with phases, each writing its rows as soon as they exist
   the compute stream (``do_copy_in_default_stream=1``, the default) and on their own
   (``0``). ``overlap`` is the share of the shorter of the two that disappears when they
   run together: what the planner would model if it is large (today it assumes none).
+- ``arena_log``: where the device memory goes. Each step runs once more with ORT's verbose
+  log on, which names every region the arena adds; the regions of the last run are set
+  against the replay's (``memcc/passes/arena.py``), and their device pages against NVML.
+  This is how the tenth session found the page rule and the stream tags; what is left in
+  ``in_ort_not_replay`` is what the model still misses. (On CPU it reads the CPU arena's
+  log, the code path only.)
 - ``plans``: ``memcc compile --verify`` at fractions of the baseline peak, with and without
   swap. Each row has the measured peak and the step-time ratio against the step as built,
   timed interleaved (baseline, plan, baseline, ...).
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import tempfile
@@ -58,7 +65,7 @@ SMALL = {
     "gpt2": dict(batch=8, seq_len=128, width=64, depth=2, heads=2),
     "bert": dict(batch=8, seq_len=128, width=64, depth=2, heads=2),
 }
-PHASES = ("env", "truth", "link", "overlap", "plans")
+PHASES = ("env", "truth", "arena_log", "link", "overlap", "plans")
 
 
 class Summary:
@@ -153,6 +160,84 @@ def truth_phase(summary: Summary, provider: str, models: Sequence[str], sizes: d
             summary.add("truth", row)
         except Exception as exc:
             summary.add("truth", {"model": name, "error": _error(exc)})
+
+
+_EXTEND = re.compile(r"Extending BFCArena for \w+\. bin_num:\d+ \(requested\) "
+                     r"num_bytes: \d+ \(actual\) rounded_bytes:(\d+)")
+
+
+def ort_arena_runs(log_text: str) -> list[list[int]]:
+    """The regions ORT's arena added per run, read from its verbose log (a run's regions
+    end at the first shrink line after them)."""
+    runs: list[list[int]] = []
+    current: list[int] = []
+    for line in log_text.splitlines():
+        m = _EXTEND.search(line)
+        if m:
+            current.append(int(m.group(1)))
+        elif "shrunk by" in line and current:
+            runs.append(current)
+            current = []
+    if current:
+        runs.append(current)
+    return runs
+
+
+def _top(counter, k: int = 6) -> list[list[int]]:
+    return [[size, n] for size, n in sorted(counter.items(), key=lambda kv: -kv[0] * kv[1])[:k]]
+
+
+def arena_log_phase(summary: Summary, provider: str, models: Sequence[str], sizes: dict,
+                    tmp: Path, steps: int) -> None:
+    import collections
+    import os
+
+    import onnxruntime as ort
+
+    from memcc.backend.runner import execute, prepare_run, read_step_spec, synthetic_feeds
+    from memcc.passes.arena import cuda_pages_for, replay_steps
+    from memcc.passes.batchnorm_for_cuda import for_provider
+    from memcc.passes.liveness import analyze_liveness
+
+    cuda = provider == "cuda"
+    for name in models:
+        try:
+            graph, _ = for_provider(load_graph(build_step(name, sizes[name], tmp)), provider)
+            spec = read_step_spec(graph, source=name)
+            replay = replay_steps(graph, analyze_liveness(graph), steps=steps,
+                                  feeds_in_arena=cuda, cuda=cuda, addresses_grow=cuda)
+            payload = prepare_run(graph, spec, synthetic_feeds(graph, 0), tmp, steps=steps,
+                                  provider=provider)
+            payload.update(in_place={}, arena=not cuda, gpu_mem_limit=None)
+            log = tmp / f"{name}_arena.log"
+            fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            saved = os.dup(2)
+            ort.set_default_logger_severity(0)
+            os.dup2(fd, 2)
+            try:
+                out = execute(payload)
+            finally:
+                os.dup2(saved, 2)
+                os.close(fd)
+                os.close(saved)
+                ort.set_default_logger_severity(2)
+            runs = ort_arena_runs(log.read_text(errors="replace"))
+            ort_last = runs[-1] if runs else []
+            ours = collections.Counter(replay.last_run_extensions)
+            theirs = collections.Counter(ort_last)
+            measured = max((b for b in out["measured_per_step"] if b is not None), default=None)
+            summary.add("arena_log", {
+                "model": name, "dims": sizes[name],
+                "ort_regions_per_run": [len(r) for r in runs],
+                "replay_regions_last_run": len(replay.last_run_extensions),
+                "ort_last_run_bytes": sum(ort_last),
+                "replay_last_run_bytes": sum(replay.last_run_extensions),
+                "ort_last_run_pages": cuda_pages_for(ort_last),
+                "measured_bytes": measured, "predicted_bytes": replay.measured_bytes,
+                "in_ort_not_replay": _top(theirs - ours),
+                "in_replay_not_ort": _top(ours - theirs)})
+        except Exception as exc:
+            summary.add("arena_log", {"model": name, "error": _error(exc)})
 
 
 def link_phase(summary: Summary, provider: str) -> None:
@@ -323,6 +408,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             env_phase(summary, args.provider)
         if "truth" in args.phases:
             truth_phase(summary, args.provider, args.models, sizes, tmp, args.steps)
+        if "arena_log" in args.phases:
+            arena_log_phase(summary, args.provider, args.models, sizes, tmp, args.steps)
         if "link" in args.phases:
             link_phase(summary, args.provider)
         if "overlap" in args.phases:

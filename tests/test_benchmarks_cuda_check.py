@@ -68,3 +68,24 @@ def test_repredict_sets_recorded_nvml_figures_against_todays_model(tmp_path):
     assert row["model"] == "mlp" and row["then"] == (4 << 20) / 1_000_000
     assert row["predicted_now"] % (2 << 20) == 0  # whole device pages
     assert row["now"] == (4 << 20) / row["predicted_now"]
+
+
+def test_arena_log_reads_ort_s_regions_and_sets_them_against_the_replay(tmp_path):
+    """The ``arena_log`` phase (how the tenth session found the page rule and the stream
+    tags on an H100) runs here through ORT's CPU arena, the same class: on the small MLP the
+    regions ORT's log shows the last run adding are exactly the replay's."""
+    log = ("... Extending BFCArena for Cuda. bin_num:11 (requested) num_bytes: 786400 "
+           "(actual) rounded_bytes:786432\n"
+           "... Cuda BFC Arena shrunk by 786432 bytes.\n"
+           "... Extending BFCArena for Cuda. bin_num:0 (requested) num_bytes: 4 (actual) "
+           "rounded_bytes:256\n"
+           "... Extending BFCArena for Cuda. bin_num:0 (requested) num_bytes: 8 (actual) "
+           "rounded_bytes:256\n")
+    assert cuda_check.ort_arena_runs(log) == [[786432], [256, 256]]
+    cuda_check.main(["--provider", "cpu", "--small", "--out", str(tmp_path),
+                     "--phases", "arena_log", "--models", "mlp"])
+    (row,) = json.loads((tmp_path / "summary.json").read_text())["arena_log"]
+    assert "error" not in row, row
+    assert len(row["ort_regions_per_run"]) == 4  # the warm-up and three measured runs
+    assert row["ort_regions_per_run"][-1] == row["replay_regions_last_run"] > 0
+    assert row["in_ort_not_replay"] == [] and row["in_replay_not_ort"] == []

@@ -60,6 +60,16 @@ def _round_up(n: int, unit: int) -> int:
     return -(-int(n) // unit) * unit
 
 
+def cuda_pages_for(region_sizes: list[int] | tuple[int, ...]) -> int:
+    """The device pages behind regions of these sizes, all held at once (the rule of
+    ``BfcArena(cuda_pages=True)``, for sizes read from ORT's arena log)."""
+    large = sum(_round_up(s, CUDA_PAGE_BYTES) for s in region_sizes
+                if s > CUDA_LARGE_REGION_BYTES)
+    small = sum(_round_up(s, CUDA_SMALL_ALIGNMENT) for s in region_sizes
+                if s <= CUDA_LARGE_REGION_BYTES)
+    return large + _round_up(small, CUDA_PAGE_BYTES)
+
+
 def rounded_bytes(nbytes: int) -> int:
     """A request of ``nbytes`` as the arena serves it: whole 256-byte units (0 stays 0: the
     arena returns no memory for an empty tensor)."""
@@ -112,6 +122,7 @@ class BfcArena:
     reserved: int = 0
     in_use: int = 0
     extensions: int = 0
+    extension_sizes: list[int] = field(default_factory=list)  # every region added, in order
     _free: list[tuple[int, int]] = field(default_factory=list)
     _free_chunks: dict[tuple[int, int], _Chunk] = field(default_factory=dict)
     _regions: dict[int, _Chunk] = field(default_factory=dict)   # region -> first chunk
@@ -264,6 +275,7 @@ class BfcArena:
             self._region_bytes[region] = size
             self._count_region(size, +1)
         self.extensions += 1
+        self.extension_sizes.append(size)
         self._add_free(chunk)
 
     def _add_free(self, chunk: _Chunk) -> None:
@@ -357,6 +369,9 @@ class ArenaReport:
     # (``BfcArena.device_bytes``); None elsewhere.
     peak_device_bytes: int | None = None
     start_device_bytes: int | None = None
+    # The sizes of the regions the last measured run added, in order (set against ORT's
+    # arena log by ``benchmarks/cuda_check.py --phases arena_log``; not in ``to_json``).
+    last_run_extensions: tuple[int, ...] = ()
 
     @property
     def peak_bytes(self) -> int:
@@ -428,10 +443,13 @@ def replay_steps(graph: Graph, liveness, *, steps: int = 2, feeds_in_arena: bool
             peak_in_use_bytes=peak_in_use, extensions=arena.extensions - extensions,
             peak_node=kw.pop("peak_node", node), peaks_per_step=tuple(peaks),
             peak_device_bytes=device_peak if cuda_pages else None,
-            start_device_bytes=device_base if cuda_pages else None, **kw)
+            start_device_bytes=device_base if cuda_pages else None,
+            last_run_extensions=tuple(arena.extension_sizes[run_start:]), **kw)
 
+    run_start = 0
     for run in range(steps + 1):
         tag = f"#{run}"
+        run_start = len(arena.extension_sizes)
         if run == 1:
             baseline = peak = arena.reserved
             device_base = device_peak = arena.device_bytes
