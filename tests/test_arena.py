@@ -216,22 +216,16 @@ def test_cuda_stream_tags_keep_freed_chunks_from_the_outputs():
     a.alloc("o3", MB, stream=None)
     assert a.extensions == 3
     # Neighbours merge only with the same tag: a fresh region's rest keeps no tag, the
-    # part a node used gets the node's, and freed they stay two chunks.
-    b = BfcArena(streams=True)
-    b.alloc("big", 2 * MB, stream=None)
-    b.free("big")
-    b.alloc("x", MB)
-    b.free("x")
-    b.alloc("y", 2 * MB)
-    assert b.extensions == 2
-    # Without stream tags (the CPU arena) the same requests merge and reuse.
-    c = BfcArena()
-    c.alloc("big", 2 * MB, stream=None)
-    c.free("big")
-    c.alloc("x", MB)
-    c.free("x")
-    c.alloc("y", 2 * MB)
-    assert c.extensions == 1
+    # part a node used gets the node's, and freed they stay two chunks. Without stream
+    # tags (the CPU arena) the same requests merge and reuse.
+    for streams, regions in ((True, 2), (False, 1)):
+        b = BfcArena(streams=streams)
+        b.alloc("big", 2 * MB, stream=None)
+        b.free("big")
+        b.alloc("x", MB)
+        b.free("x")
+        b.alloc("y", 2 * MB)
+        assert b.extensions == regions, streams
 
 
 def test_replay_counts_pages_on_cuda_and_a_meter_sees_them():
