@@ -83,8 +83,10 @@ class Trainer:
                  arena: bool | None = None, resumed_at: int = 0) -> None:
         self.path = Path(step_path)
         self.provider = resolve_provider(provider)
-        self.graph, _ = for_provider(graph if graph is not None else load_graph(self.path),
-                                     self.provider)
+        # On CUDA, training-mode BatchNorm is written as standard ops (passes/
+        # batchnorm_for_cuda.py); ``export`` writes the step's own form back out.
+        self.graph, self._rewritten_for_provider = for_provider(
+            graph if graph is not None else load_graph(self.path), self.provider)
         self.spec = TrainingStep.of(self.graph).validate(str(self.path))
         if arena and self.provider != "cpu":
             raise InputError("--arena is for the CPU provider: CUDA always allocates through "
@@ -292,7 +294,11 @@ class Trainer:
     def export(self, path: str | os.PathLike, *, format: str | None = None) -> Path:
         """Write the trained forward model (``onnx``) or its weights (``safetensors``);
         the format defaults to the file suffix."""
-        return export_weights(self.graph, self.spec, self.state_dict(), path, format=format,
+        graph, spec = self.graph, self.spec
+        if self._rewritten_for_provider:
+            graph = load_graph(self.path)
+            spec = TrainingStep.of(graph)
+        return export_weights(graph, spec, self.state_dict(), path, format=format,
                               source=str(self.path))
 
 

@@ -336,3 +336,30 @@ def test_a_resumed_run_does_not_draw_the_first_steps_dropout_masks_again(tmp_pat
     assert opened == [2]                     # one session, seeded for the checkpoint's step
     again = [resumed.step(feeds) for _ in range(2)]
     assert not set(again) & set(losses[:2]), (again, losses)
+
+
+def test_a_step_rewritten_for_its_provider_exports_the_model_as_built(tmp_path, monkeypatch):
+    """On CUDA the trainer runs training-mode BatchNorm written as standard ops (the CUDA
+    provider refuses it); the exported model is still the step's own form. No GPU here:
+    the rewrite is forced on the CPU provider, which runs both forms."""
+    from exports import export
+
+    import memcc.trainer as trainer_module
+    from memcc.passes.batchnorm_for_cuda import expand_training_batchnorm
+
+    path, _, _, dims = export("conv_bn", "torchscript", tmp_path, training=True)
+    step_file = save_graph(build_training_step(load_graph(path, dims), BuildOptions()),
+                           tmp_path / "step.onnx")
+    monkeypatch.setattr(trainer_module, "for_provider", lambda graph, provider: (
+        expand_training_batchnorm(graph)[0], 1))
+    trainer = Trainer(step_file, threads=1)
+    assert not [n for n in trainer.graph.nodes if n.op_type == "BatchNormalization"
+                and any(a.name == "training_mode" and a.i for a in n.attribute)]
+    feeds = synthetic_feeds(trainer.graph, seed=0)
+    trainer.step(feeds)
+    exported = onnx.load(str(trainer.export(tmp_path / "trained.onnx")))
+    ops = [n.op_type for n in exported.graph.node]
+    assert "BatchNormalization" in ops and "ReduceSumSquare" not in ops
+    state = trainer.state_dict()
+    weights = {t.name: onnx.numpy_helper.to_array(t) for t in exported.graph.initializer}
+    assert all(np.array_equal(weights[k], state[k]) for k in weights if k in state)
