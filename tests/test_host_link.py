@@ -71,3 +71,24 @@ def test_a_link_faster_than_any_host_link_is_refused_and_compile_falls_back(tmp_
     monkeypatch.setattr(host_link, "measure_host_link", refuse)
     assert _measured_link("cuda", warnings.append) == PCIE_NOMINAL
     assert warnings and "nominal PCIe rate" in warnings[0]
+
+
+def test_on_cuda_the_link_is_timed_by_the_wall_clock(tmp_path, monkeypatch):
+    """ORT's profiler times the CUDA copies' launch (3 TB/s on an H100), so CUDA's default
+    is the wall clock: the probe with its copies against the probe without, half the
+    difference to each direction. The arithmetic, with clock readings made up (no GPU)."""
+    monkeypatch.setattr(host_link, "CACHE_DIR", tmp_path)
+
+    def clock(sess, feeds, runs):
+        nbytes = 4 * feeds["x"].size
+        copies = sess.get_modelmeta().graph_name == "host_link"
+        return [0.002 + (2 * (1e-5 + nbytes / 5e9) if copies else 0.0)] * runs
+
+    monkeypatch.setattr(host_link, "_wall_times", clock)
+    link = host_link.measure_host_link("cpu", method="wall", runs=2,
+                                       elements=(1 << 12, 1 << 14, 1 << 16))
+    assert link.bytes_per_s == pytest.approx(5e9) and link.latency_s == pytest.approx(1e-5)
+    assert link.from_host_bytes_per_s is None  # one figure for both directions
+    assert "wall-clock" in link.source
+    with pytest.raises(ValueError, match="profile or wall"):
+        host_link.measure_host_link("cpu", method="guess", use_cache=False)
