@@ -69,7 +69,7 @@ def test_rewritten_step_matches_the_step_as_built(source, tmp_path):
     if source == "zoo":
         step = _zoo_step()
     else:
-        path, _, _, dims = export("conv_bn", "torchscript", tmp_path, training=True)
+        path, _, _, dims = export("conv_bn", source, tmp_path, training=True)
         step = build_training_step(load_graph(path, dims), BuildOptions())
     before = sum(is_training_batchnorm(n, step.opset) for n in step.nodes)
     assert before > 0
@@ -87,6 +87,15 @@ def test_rewritten_step_matches_the_step_as_built(source, tmp_path):
             assert np.array_equal(first[name], again[name]), (threads, name)
             limit = STATS_RTOL if name in stats else STEP_RTOL
             assert _relative(value, first[name]) <= limit, (threads, name)
+
+
+def test_a_dynamo_export_needs_no_rewrite(tmp_path):
+    """The dynamo exporter writes no training-mode BatchNorm even in train mode (tests/
+    exports.py, DYNAMO_TRAIN_BN_DIVERGES): the CUDA provider runs its step as it is."""
+    path, _, _, dims = export("conv_bn", "dynamo", tmp_path, training=True)
+    step = build_training_step(load_graph(path, dims), BuildOptions())
+    assert not [n for n in step.nodes if is_training_batchnorm(n, step.opset)]
+    assert for_provider(step, "cuda") == (step, 0)
 
 
 def test_rewrite_keeps_names_roles_and_leaves_other_providers_alone():
