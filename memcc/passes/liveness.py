@@ -55,7 +55,7 @@ import numpy as np
 import onnx
 
 from memcc.graph import Graph, TensorInfo, attr
-from memcc.step import Role, TrainingStep
+from memcc.step import ROLE_PROP, Role, TrainingStep, node_props
 
 HOST_COPY_OP = "MemcpyToHost"  # its output lives in host memory on a device provider
 
@@ -523,6 +523,11 @@ def _broadcast_numel(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 # ---------------------------------------------------------------------------- categories
+def _updated_by_forward(node: onnx.NodeProto) -> bool:
+    return node.op_type == "BatchNormalization" or (
+        bool(node.metadata_props) and node_props(node).get(ROLE_PROP) == Role.FORWARD.value)
+
+
 def categorize(graph: Graph) -> dict[str, str]:
     """Category of every value, from the training-step metadata written by ``memcc build``.
 
@@ -541,10 +546,11 @@ def categorize(graph: Graph) -> dict[str, str]:
     # State the forward pass itself updates (BatchNorm running statistics: written by the
     # BatchNormalization node, or by the ops passes/batchnorm_for_cuda.py puts in its place)
     # is not optimizer state.
+    # Looked up per state output, not through ``TrainingStep.roles``, whose walk of the whole
+    # step would cost every simulation a quarter of its time.
     producer = graph.def_use().producer
-    roles = step.roles
     forward_updated = {out for out in state if out in producer
-                       and roles.get(producer[out].name) is Role.FORWARD}
+                       and _updated_by_forward(producer[out])}
     cat: dict[str, str] = {}
     for name in produced:
         cat[name] = "activations"
