@@ -44,15 +44,16 @@ LINK_VERSION = "v3"  # v1 could cache impossible CUDA figures; v3 times CUDA by 
 MAX_BYTES_PER_S = 5e11
 
 
-def _probe_model(elements: int) -> onnx.ModelProto:
+def _probe_model(elements: int, copies: bool = True) -> onnx.ModelProto:
     """x -> Neg (on the device) -> copy out -> copy in -> Neg -> y: the copies have device
-    tensors on both sides, as a planned swap does."""
+    tensors on both sides, as a planned swap does. ``copies=False``: the same without them,
+    what a wall-clock round trip is measured against."""
     h = helper.make_node
-    nodes = [h("Neg", ["x"], ["a"], name="on_device"),
-             h("MemcpyToHost", ["a"], ["a_host"], name="to_host"),
-             h("MemcpyFromHost", ["a_host"], ["a_back"], name="from_host"),
-             h("Neg", ["a_back"], ["y"], name="back_on_device")]
-    g = helper.make_graph(nodes, "host_link",
+    middle = [h("MemcpyToHost", ["a"], ["a_host"], name="to_host"),
+              h("MemcpyFromHost", ["a_host"], ["a_back"], name="from_host")] if copies else []
+    nodes = [h("Neg", ["x"], ["a"], name="on_device"), *middle,
+             h("Neg", ["a_back" if copies else "a"], ["y"], name="back_on_device")]
+    g = helper.make_graph(nodes, "host_link" if copies else "host_link_plain",
                           [helper.make_tensor_value_info("x", TensorProto.FLOAT, [elements])],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, [elements])])
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
@@ -71,28 +72,12 @@ def _fit(points: list[tuple[int, float]], source: str) -> tuple[float, float]:
     return max(float(intercept), 0.0), 1.0 / float(slope)
 
 
-def _plain_model(elements: int) -> onnx.ModelProto:
-    """The probe without its copies: what a wall-clock round trip is measured against."""
-    h = helper.make_node
-    nodes = [h("Neg", ["x"], ["a"], name="on_device"),
-             h("Neg", ["a"], ["y"], name="back_on_device")]
-    g = helper.make_graph(nodes, "host_link_plain",
-                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [elements])],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [elements])])
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
-    m.ir_version = 8
-    return m
-
-
-def _wall_times(sess, feeds: dict, runs: int) -> list[float]:
-    """Wall-clock seconds of ``runs`` runs (``session.run`` returns once the device is done:
-    its outputs are on the host)."""
-    out = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        sess.run(None, feeds)
-        out.append(time.perf_counter() - t0)
-    return out
+def _wall_time(sess, feeds: dict) -> float:
+    """Wall-clock seconds of one run (``session.run`` returns once the device is done: its
+    outputs are on the host)."""
+    t0 = time.perf_counter()
+    sess.run(None, feeds)
+    return time.perf_counter() - t0
 
 
 def _profiled_points(provider: str, elements: tuple[int, ...], runs: int, tmp: Path
@@ -134,14 +119,14 @@ def _wall_clock_points(provider: str, elements: tuple[int, ...], runs: int
     for n in elements:
         feeds = {"x": np.ones(n, dtype=np.float32)}
         with_copies = make_session(_probe_model(n), provider)
-        plain = make_session(_plain_model(n), provider)
+        plain = make_session(_probe_model(n, copies=False), provider)
         for sess in (with_copies, plain):  # the first run allocates
             sess.run(None, feeds)
         a: list[float] = []
         b: list[float] = []
         for _ in range(max(runs, 3)):
-            a += _wall_times(with_copies, feeds, 1)
-            b += _wall_times(plain, feeds, 1)
+            a.append(_wall_time(with_copies, feeds))
+            b.append(_wall_time(plain, feeds))
         points.append((4 * n, max(statistics.median(a) - statistics.median(b), 0.0) / 2))
     return points
 
