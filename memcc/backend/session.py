@@ -141,12 +141,11 @@ CUDNN_SEARCH_ENV = "MEMCC_CUDNN_CONV_ALGO_SEARCH"
 def cudnn_conv_algo_search() -> str:
     """How the CUDA provider picks each convolution's cuDNN algorithm: ``HEURISTIC``, one
     choice per shape from cuDNN's heuristics. Measured on an H100 (onnxruntime-gpu 1.31.1,
-    BENCHMARKS.md "CUDA"): ORT's default, ``EXHAUSTIVE``, times every algorithm per node;
-    its winners asked for workspaces of up to 6x an activation (614 MiB on VGG-16), which
-    no plan can know in advance, and a node and its recomputed clone can get different
-    algorithms, so recompute stopped being exact (ResNet-50's plans failed ``--verify``).
-    ``DEFAULT`` (implicit precomputed GEMM for every convolution) is exact with small
-    workspaces but ran MobileNetV2's step 19x slower (its depthwise convolutions).
+    BENCHMARKS.md "CUDA on an H100"): ORT's default, ``EXHAUSTIVE``, times every algorithm
+    per node, and its winners asked the arena for workspaces of up to 614 MiB on VGG-16,
+    which no plan can know in advance (the step measured 1.50x its prediction); ``DEFAULT``
+    (implicit precomputed GEMM everywhere) kept workspaces small but ran MobileNetV2's step
+    19x slower. None of the three made the step reproducible from run to run.
     ``MEMCC_CUDNN_CONV_ALGO_SEARCH`` (EXHAUSTIVE, HEURISTIC or DEFAULT) overrides it."""
     value = os.environ.get(CUDNN_SEARCH_ENV, "HEURISTIC").upper()
     if value not in ("EXHAUSTIVE", "HEURISTIC", "DEFAULT"):
