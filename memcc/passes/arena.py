@@ -121,7 +121,6 @@ class BfcArena:
     streams: bool = False
     reserved: int = 0
     in_use: int = 0
-    extensions: int = 0
     extension_sizes: list[int] = field(default_factory=list)  # every region added, in order
     _free: list[tuple[int, int]] = field(default_factory=list)
     _free_chunks: dict[tuple[int, int], _Chunk] = field(default_factory=dict)
@@ -133,6 +132,11 @@ class BfcArena:
     _region_bytes: dict[int, int] = field(default_factory=dict)
     _large_pages_bytes: int = 0
     _small_bytes: int = 0
+
+    @property
+    def extensions(self) -> int:
+        """Regions added so far."""
+        return len(self.extension_sizes)
 
     @property
     def device_bytes(self) -> int:
@@ -274,7 +278,6 @@ class BfcArena:
         if self.cuda_pages:
             self._region_bytes[region] = size
             self._count_region(size, +1)
-        self.extensions += 1
         self.extension_sizes.append(size)
         self._add_free(chunk)
 
@@ -428,7 +431,6 @@ def replay_steps(graph: Graph, liveness, *, steps: int = 2, feeds_in_arena: bool
     feeds = [e.key for e in events if e.node < 0]
     arena = BfcArena(limit=limit, addresses_grow=addresses_grow, cuda_pages=cuda,
                      streams=cuda)
-    cuda_pages = cuda
     outputs = set(graph.outputs)
     baseline = peak = peak_in_use = extensions = 0
     device_base = device_peak = 0
@@ -436,17 +438,16 @@ def replay_steps(graph: Graph, liveness, *, steps: int = 2, feeds_in_arena: bool
     peaks: list[int] = []
 
     def report(**kw) -> ArenaReport:
-        at = device_at if cuda_pages else peak_at
+        at = device_at if cuda else peak_at
         node = order[at] if 0 <= at < len(order) else None
         return ArenaReport(
             peak_reserved_bytes=peak, start_reserved_bytes=baseline,
             peak_in_use_bytes=peak_in_use, extensions=arena.extensions - extensions,
             peak_node=kw.pop("peak_node", node), peaks_per_step=tuple(peaks),
-            peak_device_bytes=device_peak if cuda_pages else None,
-            start_device_bytes=device_base if cuda_pages else None,
+            peak_device_bytes=device_peak if cuda else None,
+            start_device_bytes=device_base if cuda else None,
             last_run_extensions=tuple(arena.extension_sizes[run_start:]), **kw)
 
-    run_start = 0
     for run in range(steps + 1):
         tag = f"#{run}"
         run_start = len(arena.extension_sizes)
@@ -465,7 +466,7 @@ def replay_steps(graph: Graph, liveness, *, steps: int = 2, feeds_in_arena: bool
                 if run:
                     if arena.reserved > peak:
                         peak, peak_at = arena.reserved, e.node
-                    if cuda_pages and arena.device_bytes > device_peak:
+                    if cuda and arena.device_bytes > device_peak:
                         device_peak, device_at = arena.device_bytes, e.node
                     peak_in_use = max(peak_in_use, arena.in_use)
                     run_peak = max(run_peak, arena.reserved)
