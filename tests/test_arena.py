@@ -172,7 +172,8 @@ def test_arena_runs_are_refused_where_they_mean_nothing(tmp_path):
 def test_cuda_regions_hold_whole_pages_and_small_ones_share_them():
     """Measured on an H100 (ORT's verbose arena log, BENCHMARKS.md "CUDA on an H100"): a
     region over 1 MiB starts on a 2 MiB boundary and holds whole 2 MiB pages; regions of
-    1 MiB or less are packed, 512-byte aligned, into shared pages; NVML counts pages."""
+    1 MiB or less are packed into shared pages (modelled at 512-byte alignment); NVML
+    counts pages (``test_the_page_rule_holds_on_the_arena_log_kept_from_the_h100``)."""
     a = BfcArena(cuda_pages=True)
     a.alloc("big", 3 * MB)  # 3 MiB: two pages
     assert a.reserved == 3 * MB and a.device_bytes == 4 * MB

@@ -89,3 +89,20 @@ def test_arena_log_reads_ort_s_regions_and_sets_them_against_the_replay(tmp_path
     assert len(row["ort_regions_per_run"]) == 4  # the warm-up and three measured runs
     assert row["ort_regions_per_run"][-1] == row["replay_regions_last_run"] > 0
     assert row["in_ort_not_replay"] == [] and row["in_replay_not_ort"] == []
+
+
+def test_the_page_rule_holds_on_the_arena_log_kept_from_the_h100(tmp_path):
+    """The regions ORT's arena added in one MLP step on the H100 (kept, with NVML's reading
+    of that step, in benchmarks/cuda_h100/), counted by memcc's page rule, are what NVML
+    saw: within 0.6%, and every region over 1 MiB on a 2 MiB boundary."""
+    import shutil
+
+    from benchmarks.cuda_repredict import ROOT, from_logs
+
+    kept = ROOT / "benchmarks" / "cuda_h100" / "arena_log_exhaustive"
+    for name in ("mlp.log.gz", "summary.json"):
+        shutil.copy(kept / name, tmp_path / name)
+    (row,) = from_logs(tmp_path)
+    assert row["large_regions_on_2mib_boundary"] == "100/100"
+    assert 0.994 <= row["nvml_over_pages"] <= 1.006
+    assert row["ort_regions_per_run"] == [59] * 4

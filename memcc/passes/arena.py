@@ -27,11 +27,12 @@ order).
 
 On CUDA the arena's regions come from ``cudaMalloc``, and what NVML (and a user's budget)
 counts is the device pages behind them. Measured on an H100 (ORT's verbose arena log gives
-every region's address, BENCHMARKS.md "CUDA on an H100"): every region over 1 MiB started
-on a 2 MiB boundary, the next one on the next boundary, so it holds whole 2 MiB pages;
-regions of 1 MiB or less were packed, 512-byte aligned, into shared pages. Every NVML
-reading was a whole number of 2 MiB pages, and the regions ORT's log shows one step adding,
-counted this way, came within 0.5% of NVML on GPT-2, the MLP, VGG-16 and ResNet-50.
+every region's address, BENCHMARKS.md "CUDA on an H100"): 1,096 of 1,108 regions over 1 MiB
+started on a 2 MiB boundary, the next one on the next boundary, so each holds whole 2 MiB
+pages; smaller regions were packed side by side into shared pages. Every NVML reading was a
+whole number of 2 MiB pages, and the regions ORT's log shows one step adding, counted this
+way, came within 0.5% of NVML on all six steps logged (``benchmarks/cuda_repredict.py
+--logs``; the logs are kept in ``benchmarks/cuda_h100/``).
 ``BfcArena(cuda_pages=True)`` counts those pages (``device_bytes``).
 """
 
