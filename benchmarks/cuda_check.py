@@ -7,7 +7,8 @@ issue 11 are one script with phases, each writing its rows as soon as they exist
 - ``truth``: memory truth on the zoo. Each step is run with ``memcc run`` semantics, and
   the device peak predicted by the arena model (``memcc/passes/arena.py``) is set against
   the one NVML measured. The step is then run again with ``gpu_mem_limit`` at the
-  predicted reserved peak: if ORT completes it, the prediction was enough.
+  predicted reserved peak: if ORT completes it, the prediction was enough, and
+  ``same_losses_twice`` says whether the two runs gave the same losses.
 - ``link``: the host link, measured both ways (``memcc/backend/host_link.py``).
 - ``overlap``: whether a copy to the host and back overlaps compute. A chain of MatMuls
   and an independent copy round trip are timed alone and together, with ORT's copies on
@@ -153,8 +154,10 @@ def truth_phase(summary: Summary, provider: str, models: Sequence[str], sizes: d
             if provider == "cuda" and arena.get("peak_reserved_bytes"):
                 limit = int(arena["peak_reserved_bytes"])
                 try:
-                    run_steps(path, steps=2, provider=provider, gpu_mem_limit=limit)
+                    again = run_steps(path, steps=2, provider=provider, gpu_mem_limit=limit)
                     row["runs_under_predicted_limit"] = True
+                    # Same feeds, a fresh session: does the step give the same losses?
+                    row["same_losses_twice"] = list(again.losses) == list(run.losses[:2])
                 except Exception as exc:  # ORT refused: the prediction was too small
                     row["runs_under_predicted_limit"] = f"no: {exc}"[:300]
             summary.add("truth", row)
