@@ -186,7 +186,7 @@ def ort_arena_runs(log_text: str) -> list[list[int]]:
     return runs
 
 
-def _top(counter, k: int = 6) -> list[list[int]]:
+def top_sizes(counter, k: int = 6) -> list[list[int]]:
     return [[size, n] for size, n in sorted(counter.items(), key=lambda kv: -kv[0] * kv[1])[:k]]
 
 
@@ -237,8 +237,8 @@ def arena_log_phase(summary: Summary, provider: str, models: Sequence[str], size
                 "replay_last_run_bytes": sum(replay.last_run_extensions),
                 "ort_last_run_pages": cuda_pages_for(ort_last),
                 "measured_bytes": measured, "predicted_bytes": replay.measured_bytes,
-                "in_ort_not_replay": _top(theirs - ours),
-                "in_replay_not_ort": _top(ours - theirs)})
+                "in_ort_not_replay": top_sizes(theirs - ours),
+                "in_replay_not_ort": top_sizes(ours - theirs)})
         except Exception as exc:
             summary.add("arena_log", {"model": name, "error": _error(exc)})
 

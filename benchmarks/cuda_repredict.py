@@ -27,13 +27,14 @@ import json
 import re
 import sys
 import tempfile
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.cuda_check import build_step, ort_arena_runs  # noqa: E402
+from benchmarks.cuda_check import build_step, ort_arena_runs, top_sizes  # noqa: E402
 from benchmarks.memory_truth import SIZES  # noqa: E402
 from memcc.backend.runner import arena_prediction, read_step_spec  # noqa: E402
 from memcc.frontend.load import load_graph  # noqa: E402
@@ -96,11 +97,14 @@ def from_logs(folder: Path) -> list[dict]:
             live = analyze_liveness(graph)
             replay = replay_steps(graph, live, steps=3, cuda=True)
             untagged = replay_steps(graph, live, steps=3, cuda=False)  # no stream tags
+            ours, theirs = Counter(replay.last_run_extensions), Counter(runs[-1])
             nvml = max(measured[name]["measured_per_step"])
             rows.append({
                 "model": name, "ort_regions_per_run": [len(r) for r in runs],
                 "replay_regions_last_run": len(replay.last_run_extensions),
                 "without_stream_tags": len(untagged.last_run_extensions),
+                "in_ort_not_replay": top_sizes(theirs - ours),
+                "in_replay_not_ort": top_sizes(ours - theirs),
                 "large_regions_on_2mib_boundary": f"{aligned}/{len(large)}",
                 "ort_last_run_pages": cuda_pages_for(runs[-1]), "nvml_bytes": nvml,
                 "nvml_over_pages": nvml / cuda_pages_for(runs[-1])})
