@@ -131,3 +131,43 @@ def test_compile_for_cuda_plans_the_rewritten_step(tmp_path):
     assert load["summary"]["batchnorm_rewritten"] == 20
     written = load_graph(out)
     assert not [n for n in written.nodes if is_training_batchnorm(n, written.opset)]
+
+
+def _linear_bn1d(tmp_path):
+    """x [16, 6] -> MatMul -> BatchNormalization over [N, C] (BatchNorm1d) in training mode."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(3)
+    inits = [numpy_helper.from_array(a.astype(np.float32), n) for n, a in (
+        ("w", rng.standard_normal((6, 5))), ("scale", 1 + 0.1 * rng.standard_normal(5)),
+        ("bias", 0.1 * rng.standard_normal(5)), ("mean", 0.1 * rng.standard_normal(5)),
+        ("var", 1 + 0.1 * rng.random(5)))]
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"], name="fc"),
+             helper.make_node("BatchNormalization", ["h", "scale", "bias", "mean", "var"],
+                              ["logits", "mean_out", "var_out"], name="bn1d",
+                              training_mode=1, momentum=0.8, epsilon=1e-3)]
+    g = helper.make_graph(nodes, "bn1d",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [16, 6])],
+                          [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [16, 5])],
+                          inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 10
+    path = tmp_path / "bn1d.onnx"
+    path.write_bytes(m.SerializeToString())
+    return path
+
+
+def test_batchnorm_over_two_axes_with_its_own_momentum_and_epsilon(tmp_path):
+    """BatchNorm1d ([N, C], statistics over the batch axis alone), a momentum and an epsilon
+    other than the defaults: the rewrite keeps all three."""
+    step = build_training_step(load_graph(_linear_bn1d(tmp_path)), BuildOptions())
+    rewritten, report = expand_training_batchnorm(step)
+    assert report == {"batchnorm_rewritten": 1}
+    feeds = _data(step)
+    stats = {o for o in step.outputs if o in _running_stats(step)}
+    assert len(stats) == 2
+    for threads in (1, 2):
+        built, first = run_once(step, feeds, threads), run_once(rewritten, feeds, threads)
+        for name, value in built.items():
+            limit = STATS_RTOL if name in stats else STEP_RTOL
+            assert _relative(value, first[name]) <= limit, (threads, name)
