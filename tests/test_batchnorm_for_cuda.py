@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from exports import export
+from onnx_files import write_model
 from threads import run_once
 
 from memcc.backend.runner import synthetic_feeds
@@ -135,7 +136,7 @@ def test_compile_for_cuda_plans_the_rewritten_step(tmp_path):
 
 def _linear_bn1d(tmp_path):
     """x [16, 6] -> MatMul -> BatchNormalization over [N, C] (BatchNorm1d) in training mode."""
-    from onnx import TensorProto, helper, numpy_helper
+    from onnx import helper, numpy_helper
 
     rng = np.random.default_rng(3)
     inits = [numpy_helper.from_array(a.astype(np.float32), n) for n, a in (
@@ -146,15 +147,8 @@ def _linear_bn1d(tmp_path):
              helper.make_node("BatchNormalization", ["h", "scale", "bias", "mean", "var"],
                               ["logits", "mean_out", "var_out"], name="bn1d",
                               training_mode=1, momentum=0.8, epsilon=1e-3)]
-    g = helper.make_graph(nodes, "bn1d",
-                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [16, 6])],
-                          [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [16, 5])],
-                          inits)
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
-    m.ir_version = 10
-    path = tmp_path / "bn1d.onnx"
-    path.write_bytes(m.SerializeToString())
-    return path
+    return write_model(tmp_path / "bn1d.onnx", nodes, [("x", [16, 6])],
+                       [("logits", [16, 5])], inits)
 
 
 def test_batchnorm_over_two_axes_with_its_own_momentum_and_epsilon(tmp_path):

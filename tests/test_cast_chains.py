@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
+from onnx_files import write_model
 from threads import mismatches, run_once
 
 from memcc.compiler import CompileOptions, compile_model
@@ -26,15 +27,8 @@ def _probs_cast_twice(tmp_path):
              helper.make_node("Cast", ["p"], ["p32"], to=TensorProto.FLOAT, name="cast_a"),
              helper.make_node("Cast", ["p32"], ["p32b"], to=TensorProto.FLOAT, name="cast_b"),
              helper.make_node("MatMul", ["p32b", "w2"], ["logits"], name="out")]
-    g = helper.make_graph(nodes, "casts",
-                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [64, 16])],
-                          [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [64, 4])],
-                          [w1, w2])
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
-    m.ir_version = 10
-    path = tmp_path / "casts.onnx"
-    path.write_bytes(m.SerializeToString())
-    return path
+    return write_model(tmp_path / "casts.onnx", nodes, [("x", [64, 16])],
+                       [("logits", [64, 4])], [w1, w2])
 
 
 def test_load_drops_the_chain_and_compile_verifies_the_order(tmp_path):
