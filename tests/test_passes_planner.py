@@ -423,3 +423,43 @@ def test_only_rounds_stopped_at_a_limit_far_from_optimal_are_searched_again():
     assert not _weak_rounds(fits, 100, _Rounds(1.0, 90, (), "optimal", 0.02))
     assert not _weak_rounds(nothing, 100, _Rounds(None, None, (), "infeasible", None))
     assert not _weak_rounds(nothing, 100, _Rounds(None, None, (), "", None))
+
+
+def test_the_polish_trades_a_dear_recomputed_unit_for_cheaper_ones():
+    """``strategies._exchange``: after the polish has shed every dear unit that can go
+    alone, trading one for cheaper units live at the peak it makes still lowers the time
+    of sqrt(n) plans on the U-Net step, and every traded plan fits when simulated
+    again from scratch."""
+    from dataclasses import replace
+
+    from memcc.passes import strategies
+    from memcc.passes.planner import _prepare
+
+    _, g, costs, base = built("unet")
+    p = _prepare(g, StepStructure.of(g), base, costs, 300)
+    pp = p.model
+    index = {n: i for i, group in enumerate(pp.groups) for n in group}
+
+    def dear(plan: Plan) -> list[int]:
+        return sorted({index[n] for n in plan.recompute if n in index},
+                      key=lambda u: -pp.units.unit_cost[u])
+
+    gained = traded_units = 0
+    # Four segmentations, to keep CI short (every one gains today).
+    starts = [s for s in p.segmentations if s.plan.recompute][1:5]
+    for start in starts:
+        budget = start.peak_bytes
+        shed = strategies._shed(p, start, budget, float("inf"), lambda s: s.peak_bytes, [
+            lambda plan, grp=frozenset(pp.groups[u]): replace(
+                plan, recompute=plan.recompute - grp, recompute_again=plan.recompute_again - grp)
+            for u in dear(start.plan)[:strategies.POLISH_CANDIDATES]])
+        traded, trades = strategies._exchange(
+            p, shed, budget, float("inf"), lambda s: s.peak_bytes, index,
+            dear(shed.plan)[:strategies.EXCHANGE_UNITS])
+        assert traded.added_time_s <= shed.added_time_s
+        again = simulate(g, traded.plan, costs)
+        assert again.peak_bytes == traded.peak_bytes <= budget
+        gained += traded.added_time_s < shed.added_time_s - 1e-12
+        traded_units += trades
+    assert gained >= len(starts) // 2, (gained, len(starts))
+    assert traded_units >= gained

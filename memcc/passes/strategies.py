@@ -446,20 +446,21 @@ def best_of_all(p: Planning, budget: int | None) -> Found:
         out.add("auto", [], {"strategy": "polish", "detail": "the cheapest fitting plans",
                              "status": "no improvement"})
     else:
-        sim, start = polished
+        sim, start, trades = polished
         out.add("auto", [sim], {"strategy": "polish", "detail": f"from the {start} plan",
-                                "from": start, "status": "improved"})
+                                "from": start, "status": "improved", "trades": trades})
     return out
 
 
 def _polish(p: Planning, found: list[tuple[str, Simulation]], budget: float,
-            deadline: float, *, room: bool = False) -> tuple[Simulation, str] | None:
+            deadline: float, *, room: bool = False) -> tuple[Simulation, str, int] | None:
     """Start from the cheapest fitting plans and stop recomputing their most expensive nodes
     one by one, then drop their time-costing variants, while the simulator says the step
     still fits (exact, so it never breaks a plan). Several starts, because the cheapest
     plan is not always the one that polishes best (a sqrt(n) plan with more segments may
-    shed more). Returns the best polished plan and the strategy of the plan it started
-    from (the report names it: ``sqrtn+polish``). ``room``: judge fitting by
+    shed more). Returns the best polished plan, the strategy of the plan it started
+    from (the report names it: ``sqrtn+polish``) and how many trades (``_exchange``) it
+    kept. ``room``: judge fitting by
     ``Simulation.fit_bytes`` (a budget, not the smallest peak, holds the heap room of the
     small buffers a plan adds)."""
     pp = p.model
@@ -512,29 +513,34 @@ def _polish(p: Planning, found: list[tuple[str, Simulation]], budget: float,
     # Then trade, on the best plan only: a dear unit that does not fit when shed alone may
     # fit when cheaper units live at the new peak are recomputed instead. Its own share of
     # the limit, so that slow starts above do not leave it none.
-    if fitting:
-        current, start_name = best or (fitting[0][1], fitting[0][0])
-        traded = _exchange(p, current, budget,
-                           min(p.deadline, time.perf_counter() + EXCHANGE_SHARE * p.time_limit),
-                           size, index, by_cost(current.plan.recompute)[:EXCHANGE_UNITS])
-        if traded is not current:
-            best = (traded, start_name)
-    return best
+    if not fitting:
+        return None
+    current, start_name = best or (fitting[0][1], fitting[0][0])
+    traded, trades = _exchange(
+        p, current, budget,
+        min(p.deadline, time.perf_counter() + EXCHANGE_SHARE * p.time_limit),
+        size, index, by_cost(current.plan.recompute)[:EXCHANGE_UNITS])
+    if traded is not current:
+        return traded, start_name, trades
+    return None if best is None else (*best, 0)
 
 
 def _exchange(p: Planning, current: Simulation, budget: float, deadline: float,
               size: Callable[[Simulation], int], index: dict[str, int],
-              dear: list[int]) -> Simulation:
+              dear: list[int]) -> tuple[Simulation, int]:
     """For each of the ``dear`` units (dearest first): stop recomputing it, and where the
     step then no longer fits, recompute instead one of the cheaper units whose values are
     live at the new peak and not read there (cheapest per byte first, at most
     ``EXCHANGE_PARTNERS`` tries). Keeps a trade where the simulator says the step fits and
-    costs less. The shedding alone cannot make these moves, and the ILP, stopped at its
-    limit with a gap, often leaves them: on MONeT's ResNet-50 step at 4.99 GB its plan
-    recomputes convolutions where cheaper BatchNorm and Relu outputs would free as much."""
+    costs less. Returns the plan and the number of trades kept.
+
+    Shedding alone cannot make these moves, and the ILP, stopped at its limit with a gap,
+    leaves them: on MONeT's ResNet-50 step at 4.99 GB the trades took the polished plan
+    from +12.2% to +11.0% (BENCHMARKS.md, "Eleventh session")."""
     pp = p.model
     cost = pp.units.unit_cost
     producer = p.graph.producers()
+    trades = 0
     for a in dear:
         if time.perf_counter() > deadline:
             break
@@ -556,8 +562,9 @@ def _exchange(p: Planning, current: Simulation, budget: float, deadline: float,
                 shed, recompute=shed.recompute | frozenset(pp.groups[b]), strategy="auto"))
             if size(traded) <= budget and traded.added_time_s < current.added_time_s:
                 current = traded
+                trades += 1
                 break
-    return current
+    return current, trades
 
 
 def _partners(sim: Simulation, plan: Plan, producer: dict, index: dict[str, int],
