@@ -51,11 +51,20 @@ def _baseline_peak(gpt2_file, out, rep) -> int:
     return json.loads(rep.read_text())["baseline"]["peak_bytes"]
 
 
-def test_compile_verify_fits_and_matches(gpt2_file, tmp_path):
-    out, rep = tmp_path / "c.onnx", tmp_path / "c.json"
+@pytest.fixture(scope="module")
+def verified_80(gpt2_file, tmp_path_factory):
+    """One ``compile --verify`` at 80% of the baseline, shared by the tests that read its
+    output and report (a compile of this step takes about 30 s on CI's machine)."""
+    d = tmp_path_factory.mktemp("verified")
+    out, rep = d / "c.onnx", d / "c.json"
     budget = int(_baseline_peak(gpt2_file, out, rep) * 0.8)
     r = invoke("compile", gpt2_file, "--budget", budget, "-o", out, "--report", rep,
                "--cost", "analytic", "--verify")
+    return r, rep, budget
+
+
+def test_compile_verify_fits_and_matches(verified_80):
+    r, rep, budget = verified_80
     assert r.exit_code == 0, r.output
     # The summary shows each check, not only the report.
     verify_line = next(line for line in r.output.splitlines() if line.startswith("verify"))
@@ -147,14 +156,11 @@ def test_sizes(text, value):
 
 
 # ---------------------------------------------------------------------------- strategies
-def test_strategy_label_and_report_say_what_auto_picked(gpt2_file, tmp_path):
-    out, rep = tmp_path / "c.onnx", tmp_path / "c.json"
-    peak = _baseline_peak(gpt2_file, out, rep)
-    r = invoke("compile", gpt2_file, "--budget", int(peak * 0.7), "-o", out, "--report", rep,
-               "--cost", "analytic")
+def test_strategy_label_and_report_say_what_auto_picked(verified_80, gpt2_file, tmp_path):
+    r, rep, _ = verified_80
     assert r.exit_code == 0, r.output
-    plan = json.loads(rep.read_text())["plan"]
     report = json.loads(rep.read_text())
+    plan = report["plan"]
     picked = plan["picked_strategy"]
     assert plan["requested_strategy"] == "auto" and picked not in ("auto", "")
     assert plan["strategy_label"] == f"auto -> {picked}"
@@ -167,6 +173,7 @@ def test_strategy_label_and_report_say_what_auto_picked(gpt2_file, tmp_path):
     text = " ".join(shown.output.split())
     assert "<- picked" in text and f"picked: {picked}" in text
     assert "objective_s" not in text and "inf" not in text.replace("infeasible", "")
+    out, rep = tmp_path / "c.onnx", tmp_path / "c.json"
     # A fixed strategy is labelled the same way.
     r = invoke("compile", gpt2_file, "--budget", "1TB", "-o", out, "--report", rep,
                "--cost", "analytic", "--strategy", "sqrtn")
