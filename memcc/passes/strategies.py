@@ -37,9 +37,9 @@ POLISH_SHARE = 0.25
 # Exchanges the polish tries per start: stop recomputing a dear unit and recompute cheaper
 # ones live at the peak that shedding it makes (``_exchange``). A count, not the clock, so
 # that the same step and budget give the same plan on a loaded machine.
-EXCHANGE_UNITS = 24
+EXCHANGE_UNITS = 16
 EXCHANGE_SHARE = 0.15
-EXCHANGE_PARTNERS = 3
+EXCHANGE_PARTNERS = 2
 # How much more than the ILP's first answer (a share of the step's time) the rounds may cost
 # before recompute alone is tried too (``_worth_recompute_alone``).
 ROUNDS_SLACK = 0.02
@@ -441,7 +441,12 @@ def best_of_all(p: Planning, budget: int | None) -> Found:
         [s.peak_bytes for _, s in out.plans] + [p.baseline.peak_bytes])
     # The polish is a refinement: it gets at most a quarter of the time limit.
     deadline = min(p.deadline, time.perf_counter() + POLISH_SHARE * p.time_limit)
-    polished = _polish(p, out.plans, target, deadline, room=budget is not None)
+    # Plans the ILP proved optimal (within its gap) in its model: the trades look for what
+    # a solve stopped at a limit left, and on such a plan they cost time for nothing (the
+    # 5,097-node GPT-2 at 33%: 8 s, no trade).
+    proven = {id(s) for r in out.runs if r.get("status") == "optimal" for s in r["_sims"]}
+    polished = _polish(p, out.plans, target, deadline, room=budget is not None,
+                       proven=proven)
     if polished is None:
         out.add("auto", [], {"strategy": "polish", "detail": "the cheapest fitting plans",
                              "status": "no improvement"})
@@ -453,7 +458,9 @@ def best_of_all(p: Planning, budget: int | None) -> Found:
 
 
 def _polish(p: Planning, found: list[tuple[str, Simulation]], budget: float,
-            deadline: float, *, room: bool = False) -> tuple[Simulation, str, int] | None:
+            deadline: float, *, room: bool = False,
+            proven: set[int] | frozenset[int] = frozenset()
+            ) -> tuple[Simulation, str, int] | None:
     """Start from the cheapest fitting plans and stop recomputing their most expensive nodes
     one by one, then drop their time-costing variants, while the simulator says the step
     still fits (exact, so it never breaks a plan). Several starts, because the cheapest
@@ -462,7 +469,8 @@ def _polish(p: Planning, found: list[tuple[str, Simulation]], budget: float,
     from (the report names it: ``sqrtn+polish``) and how many trades (``_exchange``) it
     kept. ``room``: judge fitting by
     ``Simulation.fit_bytes`` (a budget, not the smallest peak, holds the heap room of the
-    small buffers a plan adds)."""
+    small buffers a plan adds). ``proven``: ids of plans an ILP solve proved optimal; the
+    trades are left out where the best plan is one of them."""
     pp = p.model
 
     def size(sim: Simulation) -> int:
@@ -516,6 +524,8 @@ def _polish(p: Planning, found: list[tuple[str, Simulation]], budget: float,
     if not fitting:
         return None
     current, start_name = best or (fitting[0][1], fitting[0][0])
+    if id(current) in proven:
+        return None if best is None else (*best, 0)
     traded, trades = _exchange(
         p, current, budget,
         min(p.deadline, time.perf_counter() + EXCHANGE_SHARE * p.time_limit),
@@ -554,8 +564,11 @@ def _exchange(p: Planning, current: Simulation, budget: float, deadline: float,
             if sim.added_time_s < current.added_time_s:
                 current = sim
             continue
-        for b in _partners(sim, shed, producer, index, cost, float(cost[a]))[
-                :EXCHANGE_PARTNERS]:
+        # A partner lowers the new peak by at most the bytes of its values live there.
+        freed = _partners(sim, shed, p.structure.forward, producer, index, cost,
+                          float(cost[a]))
+        excess = size(sim) - budget
+        for b in [u for u in freed if freed[u] >= excess][:EXCHANGE_PARTNERS]:
             if time.perf_counter() > deadline:
                 break
             traded = p.simulate(replace(
@@ -567,25 +580,35 @@ def _exchange(p: Planning, current: Simulation, budget: float, deadline: float,
     return current, trades
 
 
-def _partners(sim: Simulation, plan: Plan, producer: dict, index: dict[str, int],
-              cost: np.ndarray, below: float) -> list[int]:
+def _partners(sim: Simulation, plan: Plan, forward: frozenset[str] | set[str],
+              producer: dict, index: dict[str, int], cost: np.ndarray,
+              below: float) -> dict[int, int]:
     """Units not recomputed by ``plan``, cheaper than ``below``, that produce a value live
-    at ``sim``'s peak which the peak's own node does not read: recomputing one of them
-    moves that value past the peak. Cheapest per byte first."""
+    at ``sim``'s peak which recomputing would move out of it: every forward reader of the
+    value runs before the peak and every other reader (backward nodes, clones) after it.
+    Unit -> the bytes of its values live there, cheapest per byte first."""
     live = sim.liveness
-    at_peak = (set(sim.graph.nodes[live.peak_step].input)
-               if 0 <= live.peak_step < len(sim.graph.nodes) else set())
+    t = live.peak_step
+    if t < 0:
+        return {}
+    wanted = {v for v in live.live_at_peak if v in producer}
+    readers: dict[str, list[tuple[int, bool]]] = {v: [] for v in wanted}
+    for i, n in enumerate(sim.graph.nodes):
+        for v in n.input:
+            if v in readers:
+                readers[v].append((i, n.name in forward))
     freed: dict[int, int] = {}
-    for v in live.live_at_peak:
+    for v in wanted:
         life = live.values.get(v)
-        node = producer.get(v)
-        if life is None or node is None or not life.owns_buffer or v in at_peak:
+        if life is None or not life.owns_buffer or any(
+                (i >= t) if fwd else (i <= t) for i, fwd in readers[v]):
             continue
-        u = index.get(node.name)
-        if u is None or node.name in plan.recompute or cost[u] >= below:
+        name = producer[v].name
+        u = index.get(name)
+        if u is None or name in plan.recompute or cost[u] >= below:
             continue
         freed[u] = freed.get(u, 0) + life.nbytes
-    return sorted(freed, key=lambda u: (float(cost[u]) / freed[u], u))
+    return {u: freed[u] for u in sorted(freed, key=lambda u: (float(cost[u]) / freed[u], u))}
 
 
 def _shed(p: Planning, current: Simulation, budget: float, deadline: float,
