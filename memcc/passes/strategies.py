@@ -523,7 +523,10 @@ def _polish(p: Planning, found: list[tuple[str, Simulation]], budget: float,
     # the limit, so that slow starts above do not leave it none.
     if not fitting:
         return None
-    current, start_name = best or (fitting[0][1], fitting[0][0])
+    # The cheapest plan so far: a polished one, or the cheapest start where the polish
+    # left every start dearer than it.
+    current, start_name = min([(fitting[0][1], fitting[0][0])] + ([best] if best else []),
+                              key=lambda q: q[0].added_time_s)
     if id(current) in proven:
         return None if best is None else (*best, 0)
     traded, trades = _exchange(
