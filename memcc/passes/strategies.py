@@ -34,9 +34,10 @@ TIGHTEN_ROUNDS = 10
 POLISH_CANDIDATES = 64
 POLISH_STARTS = 4
 POLISH_SHARE = 0.25
-# Exchanges the polish tries per start: stop recomputing a dear unit and recompute cheaper
-# ones live at the peak that shedding it makes (``_exchange``). A count, not the clock, so
-# that the same step and budget give the same plan on a loaded machine.
+# The polish's trades, on its cheapest plan (``_exchange``): stop recomputing one of the
+# EXCHANGE_UNITS dearest units and recompute instead one of the EXCHANGE_PARTNERS cheapest
+# units live at the peak that makes. Bounded by that count, so that the same step and budget
+# give the same plan on a loaded machine, and by their own share of the time limit.
 EXCHANGE_UNITS = 16
 EXCHANGE_SHARE = 0.15
 EXCHANGE_PARTNERS = 2
@@ -542,8 +543,8 @@ def _exchange(p: Planning, current: Simulation, budget: float, deadline: float,
               size: Callable[[Simulation], int], index: dict[str, int],
               dear: list[int]) -> tuple[Simulation, int]:
     """For each of the ``dear`` units (dearest first): stop recomputing it, and where the
-    step then no longer fits, recompute instead one of the cheaper units whose values are
-    live at the new peak and not read there (cheapest per byte first, at most
+    step then no longer fits, recompute instead one of the cheaper units whose values
+    recomputing moves out of the new peak (``_partners``; cheapest per byte first, at most
     ``EXCHANGE_PARTNERS`` tries). Keeps a trade where the simulator says the step fits and
     costs less. Returns the plan and the number of trades kept.
 
