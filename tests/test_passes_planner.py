@@ -430,8 +430,6 @@ def test_the_polish_trades_a_dear_recomputed_unit_for_cheaper_ones():
     alone, trading one for cheaper units live at the peak it makes still lowers the time
     of sqrt(n) plans on the U-Net step, and every traded plan fits when simulated
     again from scratch."""
-    from dataclasses import replace
-
     from memcc.passes import strategies
     from memcc.passes.planner import _prepare
 
@@ -450,8 +448,7 @@ def test_the_polish_trades_a_dear_recomputed_unit_for_cheaper_ones():
     for start in starts:
         budget = start.peak_bytes
         shed = strategies._shed(p, start, budget, float("inf"), lambda s: s.peak_bytes, [
-            lambda plan, grp=frozenset(pp.groups[u]): replace(
-                plan, recompute=plan.recompute - grp, recompute_again=plan.recompute_again - grp)
+            lambda plan, grp=frozenset(pp.groups[u]): strategies.without(plan, grp)
             for u in dear(start.plan)[:strategies.POLISH_CANDIDATES]])
         traded, trades = strategies._exchange(
             p, shed, budget, float("inf"), lambda s: s.peak_bytes, index,

@@ -498,8 +498,7 @@ def _polish(p: Planning, found: list[tuple[str, Simulation]], budget: float,
         seen.add(key)
         # Stop recomputing the dearest units (their rebuilt-again marks go with them).
         current = _shed(p, start, budget, deadline, size, [
-            lambda plan, g=frozenset(pp.groups[i]): replace(
-                plan, recompute=plan.recompute - g, recompute_again=plan.recompute_again - g)
+            lambda plan, g=frozenset(pp.groups[i]): without(plan, g)
             for i in by_cost(start.plan.recompute)])
         # Then share the clones of rebuilt-again units, dearest first: each one shared is a
         # chain that no longer runs twice.
@@ -539,6 +538,13 @@ def _polish(p: Planning, found: list[tuple[str, Simulation]], budget: float,
     return None if best is None else (*best, 0)
 
 
+def without(plan: Plan, group: frozenset[str]) -> Plan:
+    """``plan`` no longer recomputing the nodes of ``group`` (their rebuilt-again marks go
+    with them): the move the polish and its trades are made of."""
+    return replace(plan, recompute=plan.recompute - group,
+                   recompute_again=plan.recompute_again - group)
+
+
 def _exchange(p: Planning, current: Simulation, budget: float, deadline: float,
               size: Callable[[Simulation], int], index: dict[str, int],
               dear: list[int]) -> tuple[Simulation, int]:
@@ -561,8 +567,7 @@ def _exchange(p: Planning, current: Simulation, budget: float, deadline: float,
         g_a = frozenset(pp.groups[a])
         if not g_a <= current.plan.recompute:
             continue
-        shed = replace(current.plan, recompute=current.plan.recompute - g_a,
-                       recompute_again=current.plan.recompute_again - g_a)
+        shed = without(current.plan, g_a)
         sim = p.simulate(replace(shed, strategy="auto"))
         if size(sim) <= budget:
             if sim.added_time_s < current.added_time_s:
