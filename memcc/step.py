@@ -85,6 +85,11 @@ def node_props(node: onnx.NodeProto) -> dict[str, str]:
     return {p.key: p.value for p in node.metadata_props}
 
 
+def is_forward_tagged(node: onnx.NodeProto) -> bool:
+    """A node a variant added to the forward pass (``memcc.role=forward``)."""
+    return bool(node.metadata_props) and node_props(node).get(ROLE_PROP) == Role.FORWARD.value
+
+
 def tag_node(node: onnx.NodeProto, **props: str) -> None:
     """Set ``memcc.*`` provenance on a node the frontend emitted (keys without prefix)."""
     have = {p.key: p for p in node.metadata_props}
@@ -244,9 +249,7 @@ class TrainingStep:
         """Forward node names: the ancestors of the loss (loss computation included), and
         nodes a variant added to the forward pass (tagged ``memcc.role=forward``: a mask
         taken while the activation is live) with their ancestors."""
-        extras = [o for n in self.graph.nodes if n.metadata_props
-                  and node_props(n).get(ROLE_PROP) == Role.FORWARD.value
-                  for o in n.output if o]
+        extras = [o for n in self.graph.nodes if is_forward_tagged(n) for o in n.output if o]
         nodes, _ = ancestors([self.loss, *extras], self.graph.def_use().producer)
         forward = {n.name for n in nodes}
         return frozenset(forward)

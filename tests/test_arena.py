@@ -259,7 +259,6 @@ def test_cuda_plans_are_judged_by_the_arena_replay(tmp_path):
     assert cuda.arena.peak_reserved_bytes >= cuda.arena.peak_in_use_bytes
     # The same buffers, rounded to 256 bytes instead of CPU pages, with the outputs in
     # regions of their own (stream tags), in whole device pages.
-    assert cuda.arena.peak_in_use_bytes <= cuda.arena.peak_reserved_bytes
     assert 0.9 <= cuda.arena.peak_in_use_bytes / cpu.peak_bytes <= 1.2
     assert cuda.peak_bytes % (2 * MB) == 0
 

@@ -433,6 +433,9 @@ def replay_steps(graph: Graph, liveness, *, steps: int = 2, feeds_in_arena: bool
     arena = BfcArena(limit=limit, addresses_grow=addresses_grow, cuda_pages=cuda,
                      streams=cuda)
     outputs = set(graph.outputs)
+    # The step's outputs are requested without a stream (they outlive it), the rest on the
+    # compute stream; the same for every run.
+    streams = [None if e.key in outputs else STREAM for e in events]
     baseline = peak = peak_in_use = extensions = 0
     device_base = device_peak = 0
     peak_at = device_at = -1
@@ -458,17 +461,16 @@ def replay_steps(graph: Graph, liveness, *, steps: int = 2, feeds_in_arena: bool
             peak_in_use, extensions = arena.in_use, arena.extensions
         run_peak = arena.reserved
         try:
-            for e in events:
+            for e, stream in zip(events, streams, strict=True):
                 if e.nbytes:
-                    arena.alloc(e.key + tag, e.nbytes,
-                                stream=None if e.key in outputs else STREAM)
+                    arena.alloc(e.key + tag, e.nbytes, stream=stream)
                 else:
                     arena.free(e.key + tag)
                 if run:
                     if arena.reserved > peak:
                         peak, peak_at = arena.reserved, e.node
-                    if cuda and arena.device_bytes > device_peak:
-                        device_peak, device_at = arena.device_bytes, e.node
+                    if cuda and (d := arena.device_bytes) > device_peak:
+                        device_peak, device_at = d, e.node
                     peak_in_use = max(peak_in_use, arena.in_use)
                     run_peak = max(run_peak, arena.reserved)
         except ArenaExhausted:

@@ -55,7 +55,7 @@ import numpy as np
 import onnx
 
 from memcc.graph import Graph, TensorInfo, attr
-from memcc.step import ROLE_PROP, Role, TrainingStep, node_props
+from memcc.step import TrainingStep, is_forward_tagged
 
 HOST_COPY_OP = "MemcpyToHost"  # its output lives in host memory on a device provider
 
@@ -524,8 +524,7 @@ def _broadcast_numel(a: Sequence[int], b: Sequence[int]) -> int:
 
 # ---------------------------------------------------------------------------- categories
 def _updated_by_forward(node: onnx.NodeProto) -> bool:
-    return node.op_type == "BatchNormalization" or (
-        bool(node.metadata_props) and node_props(node).get(ROLE_PROP) == Role.FORWARD.value)
+    return node.op_type == "BatchNormalization" or is_forward_tagged(node)
 
 
 def categorize(graph: Graph) -> dict[str, str]:
@@ -541,7 +540,6 @@ def categorize(graph: Graph) -> dict[str, str]:
     step = TrainingStep.of(graph)
     state = step.state
     data = step.data_inputs
-    produced = {o for n in graph.nodes for o in n.output if o}
     params = step.trainable()
     # State the forward pass itself updates (BatchNorm running statistics: written by the
     # BatchNormalization node, or by the ops passes/batchnorm_for_cuda.py puts in its place)
@@ -549,6 +547,7 @@ def categorize(graph: Graph) -> dict[str, str]:
     # Looked up per state output, not through ``TrainingStep.roles``, whose walk of the whole
     # step would cost every simulation a quarter of its time.
     producer = graph.def_use().producer
+    produced = producer.keys()
     forward_updated = {out for out in state if out in producer
                        and _updated_by_forward(producer[out])}
     cat: dict[str, str] = {}
