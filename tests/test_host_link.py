@@ -58,7 +58,8 @@ def test_a_link_faster_than_any_host_link_is_refused_and_compile_falls_back(tmp_
         host_link.measure_host_link("cpu", runs=1, elements=(1 << 10, 1 << 12))
     assert not list(tmp_path.glob("host_link-*.json"))
     # An impossible figure in the cache (an older memcc's) is measured again, not trusted.
-    cache = tmp_path / f"host_link-cpu-{onnxruntime.__version__}-{host_link.LINK_VERSION}.json"
+    cache = tmp_path / (f"host_link-cpu-profile-{onnxruntime.__version__}-"
+                        f"{host_link.LINK_VERSION}.json")
     cache.write_text(json.dumps(HostLink(3e12, 0.0, "old").to_json()))
     monkeypatch.setattr(host_link, "_fit", lambda points, source: (1e-5, 1e10))
     assert host_link.measure_host_link("cpu", runs=1, elements=(1 << 10, 1 << 12)

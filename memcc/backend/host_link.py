@@ -143,7 +143,9 @@ def measure_host_link(provider: str, *, runs: int = 5, use_cache: bool = True,
     method = method or ("wall" if provider == "cuda" else "profile")
     if method not in ("profile", "wall"):
         raise ValueError(f"host link method {method!r}: profile or wall")
-    cache = CACHE_DIR / f"host_link-{provider}-{ort.__version__}-{LINK_VERSION}.json"
+    # One file per method: a profiled figure must never answer for a wall-clock one.
+    cache = (CACHE_DIR
+             / f"host_link-{provider}-{method}-{ort.__version__}-{LINK_VERSION}.json")
     if use_cache and cache.exists():
         try:
             cached = HostLink.from_json(json.loads(cache.read_text()))
