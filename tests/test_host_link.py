@@ -78,6 +78,8 @@ def test_on_cuda_the_link_is_timed_by_the_wall_clock(tmp_path, monkeypatch):
     """ORT's profiler times the CUDA copies' launch (3 TB/s on an H100), so CUDA's default
     is the wall clock: the probe with its copies against the probe without, half the
     difference to each direction. The arithmetic, with clock readings made up (no GPU)."""
+    assert host_link.default_method("cuda") == "wall"
+    assert host_link.default_method("cpu") == "profile"
     monkeypatch.setattr(host_link, "CACHE_DIR", tmp_path)
 
     def clock(sess, feeds):

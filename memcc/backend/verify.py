@@ -48,6 +48,11 @@ NOISE_FLOOR = 0.1
 SPREAD_FACTOR = 4.0
 
 
+def _max_abs_diff(x: np.ndarray, y: np.ndarray) -> float:
+    return float(np.max(np.abs(np.asarray(x, dtype=np.float64)
+                               - np.asarray(y, dtype=np.float64)), initial=0.0))
+
+
 def run_to_run_spread(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray]
                       ) -> dict[str, float]:
     """Per floating-point output, the largest difference between two runs of one step."""
@@ -55,9 +60,7 @@ def run_to_run_spread(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray]
     for name, x in a.items():
         x = np.asarray(x)
         if x.dtype.kind == "f" and name in b and np.shape(b[name]) == x.shape:
-            out[name] = float(np.max(np.abs(x.astype(np.float64)
-                                            - np.asarray(b[name]).astype(np.float64)),
-                                     initial=0.0))
+            out[name] = _max_abs_diff(x, b[name])
     return out
 
 
@@ -101,20 +104,19 @@ def compare_outputs(a: dict[str, np.ndarray], b: dict[str, np.ndarray], *, exact
             problems.append(f"output '{name}': {x.dtype}{list(x.shape)} vs "
                             f"{y.dtype}{list(y.shape)}")
         elif tolerance is not None:
-            x64, y64 = x.astype(np.float64), y.astype(np.float64)
-            err = float(np.max(np.abs(x64 - y64), initial=0.0))
+            err = _max_abs_diff(x, y)
             floor = NOISE_FLOOR * largest.get((kinds or {}).get(name, ""), 0.0)
-            scale = max(float(np.max(np.abs(x64), initial=0.0)), floor)
+            scale = max(float(np.max(np.abs(x.astype(np.float64)), initial=0.0)), floor)
             if err > tolerance * scale and not np.array_equal(x, y, equal_nan=True) \
                     and not _within_spread(err, name, spread):
                 problems.append(f"output '{name}' differs by {err:.3g} (relative "
                                 f"{err / scale if scale else float('inf'):.3g}), beyond "
                                 f"the plan's stated tolerance {tolerance:g}")
         elif exact and not np.array_equal(x, y, equal_nan=True):
-            diff = float(np.max(np.abs(x.astype(np.float64) - y.astype(np.float64))))
-            problems.append(f"output '{name}' differs (max abs diff {diff:.3g})")
+            problems.append(f"output '{name}' differs (max abs diff "
+                            f"{_max_abs_diff(x, y):.3g})")
         elif not exact and not np.allclose(x, y, rtol=1e-5, atol=1e-6, equal_nan=True):
-            err = float(np.max(np.abs(x.astype(np.float64) - y.astype(np.float64))))
+            err = _max_abs_diff(x, y)
             if not _within_spread(err, name, spread):
                 own = (f" (the original's own runs differ by {spread[name]:.3g})"
                        if spread and name in spread else "")
