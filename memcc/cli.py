@@ -210,7 +210,7 @@ def train(
                        ] = False,
 ) -> None:
     """Train a step on real data, with checkpoints a crash cannot damage."""
-    from memcc.trainer import TrainOptions, plan_training
+    from memcc.trainer import TrainingInterrupted, TrainOptions, plan_training
     from memcc.trainer import train as run_training
 
     try:
@@ -225,7 +225,11 @@ def train(
     except MemccError as exc:
         _fail(exc)
         return
-    except KeyboardInterrupt:
+    except TrainingInterrupted as stop:
+        _report_interrupted(stop, model=model, data=data, seed=seed, steps=steps,
+                            epochs=epochs, as_json=as_json)
+        raise typer.Exit(code=128 + stop.signum) from None
+    except KeyboardInterrupt:  # a second Ctrl-C, or one before the first step
         from memcc.backend.checkpoint import latest
 
         last = latest(checkpoint) if checkpoint is not None else None
@@ -246,6 +250,28 @@ def train(
             highlight=False)
     if result.checkpoint:
         out.print(f"checkpoint: {result.checkpoint}", highlight=False)
+
+
+def _report_interrupted(stop, *, model: Path, data: Path, seed: int, steps: int | None,
+                        epochs: int | None, as_json: bool) -> None:
+    """What a run stopped by SIGINT/SIGTERM saved, and the command that continues it."""
+    import shlex
+
+    r = stop.result
+    if as_json:
+        sys.stdout.write(json.dumps(r.to_json()) + "\n")
+    if r.checkpoint is None:
+        err.print(f"{r.interrupted}: stopped after step {r.steps_done} of {r.total_steps}; "
+                  "nothing saved (no --checkpoint was given)", highlight=False)
+        return
+    directory = Path(r.checkpoint).parent
+    until = ["--steps", str(steps)] if steps is not None else \
+        ["--epochs", str(epochs)] if epochs is not None else []
+    again = ["memcc", "train", str(model), "--data", str(data), "--checkpoint",
+             str(directory), "--resume", "--seed", str(seed), *until]
+    err.print(f"{r.interrupted}: stopped after step {r.steps_done} of {r.total_steps}; "
+              f"checkpoint of step {r.steps_done}: {r.checkpoint}\ncontinue with: "
+              f"{shlex.join(again)}", highlight=False, soft_wrap=True)
 
 
 def _train_with_progress(opts, run_training, *, quiet: bool):

@@ -36,8 +36,11 @@ checkpoints every ``save_every`` steps.
 from __future__ import annotations
 
 import os
+import signal
+import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -480,6 +483,8 @@ class TrainResult:
     allocator: str = "malloc"    # CPU: "arena" or "malloc"; "cuda-arena" on CUDA
     # What a user should know before the first step (a plan made for another allocator).
     notes: list[str] = field(default_factory=list)
+    # The signal that stopped the run early (``SIGINT``, ``SIGTERM``), else None.
+    interrupted: str | None = None
 
     def to_json(self) -> dict:
         return {
@@ -489,7 +494,7 @@ class TrainResult:
             "checkpoint": self.checkpoint, "resumed_from": self.resumed_from,
             "samples_per_s": self.samples_per_s, "batch_size": self.batch_size,
             "batches_per_epoch": self.batches_per_epoch, "allocator": self.allocator,
-            "notes": self.notes,
+            "notes": self.notes, "interrupted": self.interrupted,
         }
 
 
@@ -554,32 +559,94 @@ def train(opts: TrainOptions, *, on_start: Callable[[TrainResult], None] | None 
     last_saved = trainer.steps_done if loaded is not None else None
     t0 = time.perf_counter()
     done_here = 0
-    while trainer.steps_done < plan.total_steps:
-        loss = trainer.step(dataset.batch(position, opts.seed))
-        position += 1
-        done_here += 1
-        result.losses.append(loss)
-        result.steps_done = trainer.steps_done
-        elapsed = time.perf_counter() - t0
-        rate = done_here * dataset.batch_size / elapsed if elapsed > 0 else 0.0
-        result.samples_per_s = rate
-        if opts.checkpoint is not None and opts.save_every and \
-                trainer.steps_done % opts.save_every == 0:
+    with _stop_requests() as stop:
+        while trainer.steps_done < plan.total_steps and not stop:
+            loss = trainer.step(dataset.batch(position, opts.seed))
+            position += 1
+            done_here += 1
+            result.losses.append(loss)
+            result.steps_done = trainer.steps_done
+            elapsed = time.perf_counter() - t0
+            rate = done_here * dataset.batch_size / elapsed if elapsed > 0 else 0.0
+            result.samples_per_s = rate
+            if opts.checkpoint is not None and opts.save_every and \
+                    trainer.steps_done % opts.save_every == 0:
+                result.checkpoint = str(trainer.save(
+                    opts.checkpoint,
+                    data_state=_data_state(opts.seed, position, dataset, data_fp),
+                    keep=opts.keep))
+                last_saved = trainer.steps_done
+            if on_step is not None:
+                on_step(TrainProgress(trainer.steps_done, plan.total_steps, loss, rate,
+                                      _memory_bytes(opts.provider)))
+        # The last completed step is saved here, at the end or when a signal stopped the
+        # loop early (still under ``_stop_requests``: a signal now does not cut the write).
+        if opts.checkpoint is not None and last_saved != trainer.steps_done:
             result.checkpoint = str(trainer.save(
                 opts.checkpoint, data_state=_data_state(opts.seed, position, dataset, data_fp),
                 keep=opts.keep))
-            last_saved = trainer.steps_done
-        if on_step is not None:
-            on_step(TrainProgress(trainer.steps_done, plan.total_steps, loss, rate,
-                                  _memory_bytes(opts.provider)))
-    if opts.checkpoint is not None and last_saved != trainer.steps_done:
-        result.checkpoint = str(trainer.save(
-            opts.checkpoint, data_state=_data_state(opts.seed, position, dataset, data_fp),
-            keep=opts.keep))
-    elif opts.checkpoint is not None and result.checkpoint is None:
-        latest = ckpt.latest(opts.checkpoint)
-        result.checkpoint = str(latest) if latest is not None else None
+        elif opts.checkpoint is not None and result.checkpoint is None:
+            latest = ckpt.latest(opts.checkpoint)
+            result.checkpoint = str(latest) if latest is not None else None
+    if stop and result.steps_done < result.total_steps:
+        result.interrupted = stop.name
+        raise TrainingInterrupted(result, stop.signum)
     return result
+
+
+class TrainingInterrupted(Exception):
+    """``memcc train`` stopped on SIGINT or SIGTERM after a completed step; ``result`` says
+    which step, and ``result.checkpoint`` is that step's checkpoint (None without
+    ``--checkpoint``). Not a ``MemccError``: nothing was wrong with the input."""
+
+    def __init__(self, result: TrainResult, signum: int) -> None:
+        super().__init__(f"interrupted by {signal.Signals(signum).name} after step "
+                         f"{result.steps_done}")
+        self.result = result
+        self.signum = signum
+
+
+class _StopRequest:
+    """Set by the first SIGINT or SIGTERM; true once a stop was asked for."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+
+    def __bool__(self) -> bool:
+        return self.signum is not None
+
+    @property
+    def name(self) -> str | None:
+        return None if self.signum is None else signal.Signals(self.signum).name
+
+
+@contextmanager
+def _stop_requests() -> Iterator[_StopRequest]:
+    """Turn SIGINT and SIGTERM into a request to stop after the running step.
+
+    A signal that raised ``KeyboardInterrupt`` inside ``Trainer.step`` could land between
+    ORT writing the new state in place and the step count moving on, and a checkpoint
+    saved then would pair the new parameters with the old step. So the first signal only
+    asks the loop to stop once the running step is complete (the loop then saves that
+    step); a second SIGINT gives up on the step at once (``KeyboardInterrupt``, nothing
+    saved: the last checkpoint stands). Python lets only the main thread set handlers;
+    elsewhere (a training thread of the user's) signals keep their own handlers."""
+    stop = _StopRequest()
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+
+    def on_signal(signum: int, frame) -> None:
+        if stop and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        stop.signum = stop.signum or signum
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield stop
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def _data_state(seed: int, position: int, dataset: Dataset, fingerprint: str) -> dict:
