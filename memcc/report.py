@@ -255,10 +255,12 @@ def timeline_figure(report: dict):
                label=f"budget {format_size(budget)}")
     target = report.get("planning_budget_bytes")
     if target is not None:
-        slack_mib = report.get("slack_bytes", 1 << 20) / (1 << 20)
+        # In the axis's unit (MB, 10^6 bytes) like every other figure here: the default
+        # slack is 1 MiB, which reads 1.05 MB.
+        slack = report.get("slack_bytes", 1 << 20)
         ax.axhline(target / mb, color="tab:red", ls=":", lw=1.2,
                    label=f"planning target {format_size(target)} = budget x "
-                         f"(1 - {report.get('margin', 0.02):g}) - {slack_mib:.3g} MiB")
+                         f"(1 - {report.get('margin', 0.02):g}) - {format_size(slack)}")
     ax.set_xlim(-0.5, len(base) - 0.5)
     ax.set_ylim(0, max(max(base), max(plan), budget / mb) * 1.12)
     ax.set_xlabel("node of the step as built (the plan's new nodes are drawn between the "

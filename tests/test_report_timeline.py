@@ -147,3 +147,24 @@ def test_plot_of_a_report_without_alignment_still_draws_and_says_so(compiled):
         assert "not aligned" in ax.get_xlabel() and not ax.texts
     finally:
         plt.close(fig)
+
+
+def test_plot_speaks_one_unit_in_axes_and_legends(compiled):
+    """The axes are in MB (10^6 bytes); a legend in MiB beside them (the planning target's
+    slack once read '1 MiB') made the two disagree (issue 35, item 11)."""
+    import matplotlib.pyplot as plt
+
+    from memcc.sizes import format_size
+
+    _, report = compiled
+    fig = timeline_figure(report)
+    try:
+        ax, bx = fig.axes[:2]
+        assert "MB" in ax.get_ylabel() and "MB" in bx.get_ylabel()
+        labels = [t.get_text() for a in (ax, bx) for t in a.get_legend().get_texts()]
+        labels += [a.get_ylabel() for a in (ax, bx)] + [a.get_title() for a in (ax, bx)]
+        assert not [s for s in labels if re.search(r"\b[KMGT]iB\b", s)], labels
+        target = _line(ax, "planning target").get_label()
+        assert target.endswith(f"- {format_size(report['slack_bytes'])}"), target
+    finally:
+        plt.close(fig)

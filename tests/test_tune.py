@@ -244,3 +244,69 @@ def test_on_cuda_tune_plans_batchnorm_as_compile_does(tmp_path):
     with pytest.raises(BudgetError):
         compile_model(path, CompileOptions(budget=budget, strategy="none",
                                            dims={"batch": edge + 1}, **opts))
+
+
+def _figure_result(candidates, *, largest: int, base_edge: int | None, budget: int,
+                   target: int):
+    from memcc.tune import SearchRange, TuneResult
+
+    return TuneResult(
+        model="m.onnx", range=SearchRange("batch", 1, 64), budget_bytes=budget,
+        planning_budget_bytes=target, candidates=tuple(candidates), largest_batch=largest,
+        largest_batch_without_rewrite=base_edge, fastest_batch=largest, picked_batch=largest,
+        pick="fastest", step=None, cost_source="analytic", strategy="auto", lr_rule=None,
+        lr=None, lr_applied=False, stats={}, time_s=0.0)
+
+
+def test_tune_figure_draws_what_each_row_knows_and_the_whole_search():
+    """issue 35, item 11: a size that misses the planning target but not the budget, the
+    planning target itself, sizes the search went to past 1.3x the edge, and rows where
+    only the step as built was looked at (no plan's peak drawn there)."""
+    import matplotlib.pyplot as plt
+
+    from memcc.tune import Candidate, tune_figure
+
+    mb = 1e6
+
+    def row(batch, fits, decided, peak, kind, base, step_s=None):
+        return Candidate(batch=batch, fits=fits, decided_by=decided, peak_bytes=peak,
+                         peak_kind=kind, baseline_peak_bytes=base, baseline_step_s=0.01,
+                         step_s=step_s)
+
+    rows = [row(4, True, "baseline", 40e6, "as built", 40e6, 0.01),
+            row(8, True, "baseline", 80e6, "as built", 80e6, 0.02),
+            row(12, True, "below-edge", None, None, 120e6),
+            row(16, True, "plan", 95e6, "plan", 160e6, 0.04),
+            row(18, True, "above-edge", 120e6, "sqrt(n)", 180e6),  # a bound, not a plan
+            row(20, False, "min-search", 99e6, "smallest", 200e6),
+            row(64, False, "floor", 150e6, "floor", 640e6)]
+    result = _figure_result(rows, largest=16, base_edge=8, budget=100_000_000,
+                            target=96_950_000)
+    fig = tune_figure(result)
+    try:
+        ax = fig.axes[0]
+        lines = {ln.get_label(): ln for ln in ax.get_lines()}
+        plan = next(ln for label, ln in lines.items() if label.startswith("peak of the plan"))
+        assert list(plan.get_xdata()) == [4, 8, 16]  # not 12 (below-edge), 18, 20, 64
+        target = next(ln for label, ln in lines.items() if label.startswith("planning target"))
+        assert target.get_ydata()[0] == pytest.approx(96.95)
+        budget = next(ln for label, ln in lines.items() if label.startswith("budget"))
+        assert budget.get_ydata()[0] == pytest.approx(100.0)
+        miss = lines["does not fit"]
+        assert list(miss.get_xdata()) == [20, 64]
+        # batch 20 is crossed under the budget but over the target it was judged by
+        assert target.get_ydata()[0] < miss.get_ydata()[0] < budget.get_ydata()[0]
+        smallest = next(ln for label, ln in lines.items() if label.startswith("smallest"))
+        assert list(smallest.get_xdata()) == [20]
+        bound = next(ln for label, ln in lines.items() if "upper bound" in label)
+        assert list(bound.get_xdata()) == [18]
+        left, right = ax.get_xlim()
+        assert left < 4 and right > 64  # the whole search, 64 included
+        assert ax.get_xscale() == "log"
+        built = next(ln for label, ln in lines.items() if label.startswith("peak as built"))
+        assert list(built.get_xdata()) == [4, 8, 12, 16, 18, 20, 64]
+        assert all("MB" in a.get_ylabel() or "samples" in a.get_ylabel() for a in fig.axes)
+        assert max(y for y in plan.get_ydata()) <= ax.get_ylim()[1]
+        assert 150e6 / mb <= ax.get_ylim()[1]  # the floor at 64 is on the chart
+    finally:
+        plt.close(fig)
