@@ -606,6 +606,81 @@ def _print_tune(result) -> None:
               f"{r.time_s:.1f} s", highlight=False)
 
 
+@app.command(name="analyze")
+def analyze_cmd(
+    model: Annotated[Path, typer.Argument(help="Training step, or forward model (built first).")],
+    provider: Annotated[str, typer.Option(help="cpu or cuda: whose allocation rules the peak "
+                                               "is predicted by.")] = "cpu",
+    arena: Annotated[bool, typer.Option(
+        "--arena", help="CPU: predict for ORT's CPU arena, as memcc compile --arena plans."
+    )] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    smallest: Annotated[bool, typer.Option(
+        "--smallest/--no-smallest",
+        help="Search the smallest peak memcc can reach (--budget min's answer) within "
+             "--time-limit.")] = True,
+    time_limit: Annotated[Optional[float], typer.Option(  # noqa: UP045
+        help="Seconds the smallest-peak search may spend (default 1; past it the answer is "
+             "an upper bound, and says so).")] = None,
+    strategy: Annotated[str, typer.Option(help="As in memcc compile.")] = "auto",
+    cost: Annotated[str, typer.Option(
+        help="Node times: analytic (default here, nothing runs), measured or auto.")
+    ] = "analytic",
+    margin: Annotated[float, typer.Option(
+        help="As in memcc compile: the smallest budget is the peak with this margin and the "
+             "slack.")] = 0.02,
+    variants: Annotated[bool, typer.Option(
+        "--variants/--no-variants", help="As in memcc compile.")] = True,
+    loss: Annotated[str, typer.Option(help="(forward models) as in memcc build.")
+                    ] = "cross-entropy",
+    optimizer: Annotated[str, typer.Option(help="(forward models) as in memcc build.")
+                         ] = "sgd",
+    lr: Annotated[Optional[float], typer.Option(  # noqa: UP045
+        help="(forward models) as in memcc build.")] = None,
+    momentum: Annotated[float, typer.Option(help="(forward models) as in memcc build.")
+                        ] = 0.9,
+    weight_decay: Annotated[Optional[float], typer.Option(  # noqa: UP045
+        help="(forward models) as in memcc build.")] = None,
+    freeze: Annotated[Optional[list[str]], typer.Option(  # noqa: UP045
+        "--freeze", metavar="PATTERN", help="(forward models) as in memcc build.")] = None,
+    loss_chunks: Annotated[int, typer.Option(
+        "--loss-chunks", min=1, help="(forward models) as in memcc build.")] = 1,
+    attention_chunks: Annotated[int, typer.Option(
+        "--attention-chunks", min=1, help="(forward models) as in memcc build.")] = 1,
+    mlp_chunks: Annotated[int, typer.Option(
+        "--mlp-chunks", min=1, help="(forward models) as in memcc build.")] = 1,
+    dim: DimOpt = None,
+) -> None:
+    """Show the step as built: predicted peak, what it is made of, the smallest budget."""
+    from memcc.analyze import DEFAULT_TIME_LIMIT, analyze, describe
+    from memcc.compiler import CompileOptions
+    from memcc.frontend.build import BuildOptions
+    from memcc.frontend.load import parse_dims
+
+    try:
+        opts = CompileOptions(
+            budget="min", strategy=strategy, provider=provider,
+            time_limit=DEFAULT_TIME_LIMIT if time_limit is None else time_limit, cost=cost,
+            margin=margin, variants=variants, arena=arena,
+            build=BuildOptions(loss=loss, optimizer=optimizer, lr=lr, momentum=momentum,
+                               weight_decay=weight_decay, freeze=tuple(freeze or ()),
+                               loss_chunks=loss_chunks, attention_chunks=attention_chunks,
+                               mlp_chunks=mlp_chunks),
+            dims=parse_dims(dim))
+        with err.status("analyze") as status:
+            result = analyze(model, opts, smallest=smallest,
+                             progress=lambda m: status.update(f"analyze: {escape(m)}"),
+                             warn=_warn)
+    except MemccError as exc:
+        _fail(exc)
+        return
+    if as_json:
+        sys.stdout.write(json.dumps(result.to_json()) + "\n")
+        return
+    for line in describe(result):
+        out.print(line, highlight=False)
+
+
 @app.command(name="report")
 def report_cmd(
     report: Annotated[Path, typer.Argument(help="Report JSON written by memcc compile.")],

@@ -1,0 +1,273 @@
+"""``memcc analyze``: the training step as built, before any plan: its predicted peak, what
+the peak is made of, and the smallest budget memcc can reach for it.
+
+Users wanted the step's own peak without compiling for a budget nobody means (``--budget
+1GB``), and the smallest budget without waiting for a full ``--budget min`` compile. Both
+come from the passes compile runs, with compile's code paths, so the numbers agree:
+
+- the peak is ``passes.simulate.simulate`` of the step with no plan, judged by the device
+  the step will run on (malloc on the CPU, the arena model with ``--arena`` or
+  ``--provider cuda``): ``baseline.peak_bytes`` of a compile report with the same options;
+- the breakdown is the liveness analysis at that peak (``passes.liveness.categorize``),
+  plus the totals over the whole step (parameters, optimizer state, the values saved for
+  the backward pass, gradients) that say what a plan can and cannot shrink;
+- the smallest peak is the ``--budget min`` search (``passes.planner.choose_plan`` with no
+  budget) under a short time limit, and the budget is the one ``--budget min`` reports
+  (the peak with compile's margin and slack). Where no search was cut short by the clock,
+  the answer is what ``memcc compile --budget min`` plans with the same options (its
+  solves are bounded by work, not time); otherwise it is an upper bound, stated as such,
+  next to a lower bound no plan can go under (the inputs, parameters and state with the
+  step's outputs, or with the largest forward node's outputs).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from memcc.compiler import (
+    CompileOptions,
+    _check_provider,
+    _costs,
+    _load,
+    user_budget,
+)
+from memcc.graph import Graph
+from memcc.passes.plan import Plan, StepStructure
+from memcc.passes.planner import choose_plan
+from memcc.passes.simulate import Simulation, simulate
+from memcc.sizes import format_size
+from memcc.step import TrainingStep
+
+# Seconds the smallest-peak search may take by default: short enough to answer at once
+# (the output says when the search was cut short and its answer is an upper bound). The
+# sqrt(n) segmentations run whatever the limit: a second or more on steps of thousands of
+# nodes.
+DEFAULT_TIME_LIMIT = 1.0
+CATEGORIES = ("parameters", "optimizer_state", "gradients", "activations", "other",
+              "scratch")
+
+
+@dataclass(frozen=True)
+class Smallest:
+    """The ``--budget min`` answer for the step."""
+
+    peak_bytes: int          # the smallest plan's simulated peak (compile's plan.peak_bytes)
+    budget_bytes: int        # the budget --budget min reports: the peak, margin and slack
+    # No solve was cut short by the clock: ``peak_bytes`` is the peak compile's --budget
+    # min plans with the same options (its budget can differ by the heap room of the small
+    # buffers of another plan of that peak, 1 KiB each, on the CPU with malloc).
+    exact: bool
+    lower_bound_bytes: int   # no plan can peak under this
+    strategy_label: str
+    time_s: float
+    time_limit: float
+
+    def to_json(self) -> dict:
+        return {"peak_bytes": self.peak_bytes, "budget_bytes": self.budget_bytes,
+                "exact": self.exact, "lower_bound_bytes": self.lower_bound_bytes,
+                "strategy": self.strategy_label, "time_s": round(self.time_s, 3),
+                "time_limit": self.time_limit}
+
+
+@dataclass(frozen=True)
+class Analysis:
+    model: str
+    built_training_step: bool
+    provider: str
+    arena: bool
+    nodes: int
+    peak_bytes: int
+    peak_node: str | None
+    live_peak_bytes: int                 # the live bytes' peak (equal to peak_bytes on malloc)
+    breakdown_at_peak: dict[str, int]
+    totals: dict[str, int]
+    counts: dict[str, int]
+    compute_cost_s: float
+    cost_source: str
+    smallest: Smallest | None
+    time_s: float
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def allocator(self) -> str:
+        """How the prediction allocates: malloc, the CPU arena, or the CUDA arena."""
+        if self.provider == "cuda":
+            return "cuda-arena"
+        return "arena" if self.arena else "malloc"
+
+    def to_json(self) -> dict:
+        return {
+            "model": self.model, "built_training_step": self.built_training_step,
+            "provider": self.provider, "arena": self.arena, "allocator": self.allocator,
+            "nodes": self.nodes, "peak_bytes": self.peak_bytes, "peak_node": self.peak_node,
+            "live_peak_bytes": self.live_peak_bytes,
+            "breakdown_at_peak": self.breakdown_at_peak, "totals": self.totals,
+            "counts": self.counts, "compute_cost_s": self.compute_cost_s,
+            "cost_model": self.cost_source,
+            "smallest": None if self.smallest is None else self.smallest.to_json(),
+            "time_s": round(self.time_s, 3), "warnings": self.warnings,
+        }
+
+
+def analyze(model: str | os.PathLike, options: CompileOptions, *, smallest: bool = True,
+            progress: Callable[[str], None] | None = None,
+            warn: Callable[[str], None] | None = None) -> Analysis:
+    """The step of ``model`` as built (a forward model is built with ``options.build``):
+    peak, breakdown, and with ``smallest`` the ``--budget min`` answer within
+    ``options.time_limit`` seconds. ``options.budget`` is ignored."""
+    say = progress or (lambda _m: None)
+    warnings: list[str] = []
+
+    def warning(msg: str) -> None:
+        warnings.append(msg)
+        if warn is not None:
+            warn(msg)
+
+    t0 = time.perf_counter()
+    label = str(model)
+    cuda_missing = _check_provider(options, warning)
+    say("loading")
+    graph, load = _load(model, label, options)
+    structure = StepStructure.of(graph)
+    say("node times")
+    costs, cost_summary = _costs(graph, options, warning, cuda_missing)
+    say("simulating the step as built")
+    base = simulate(graph, Plan(), costs, structure, device=options.device)
+    live = base.liveness
+    breakdown = {k: int(live.breakdown.get(k, 0)) for k in CATEGORIES}
+    breakdown |= {k: int(v) for k, v in live.breakdown.items() if k not in breakdown}
+    totals, counts = _totals(graph, structure)
+    found = None
+    if smallest:
+        say(f"smallest reachable peak (up to {options.time_limit:g} s)")
+        found = _smallest(graph, costs, options, structure, base)
+    return Analysis(
+        model=label, built_training_step=bool(load["built_training_step"]),
+        provider=options.provider, arena=options.arena, nodes=len(graph.nodes),
+        peak_bytes=int(base.peak_bytes), peak_node=live.peak_node,
+        live_peak_bytes=int(live.peak_bytes), breakdown_at_peak=breakdown, totals=totals,
+        counts=counts, compute_cost_s=float(base.compute_cost_s),
+        cost_source=str(cost_summary["source"]), smallest=found,
+        time_s=time.perf_counter() - t0, warnings=warnings)
+
+
+def _totals(graph: Graph, st: StepStructure) -> tuple[dict[str, int], dict[str, int]]:
+    """Bytes over the whole step: what the plan cannot touch (parameters, optimizer state,
+    data), what it decides over (values saved for the backward pass) and the gradients."""
+    step = TrainingStep.of(graph)
+    info = graph.info
+
+    def nbytes(names) -> int:
+        return int(sum(info[n].nbytes for n in names if n in info))
+
+    params = list(step.parameters)
+    carried = set(step.state.values())
+    optimizer = [v for v in carried if v not in set(params) and v in info
+                 and v not in _forward_updated(graph, step)]
+    gradients = list(step.gradients().values())
+    totals = {
+        "parameters": nbytes(params),
+        "optimizer_state": nbytes(optimizer),
+        "data": nbytes(step.data_inputs),
+        "saved_for_backward": nbytes(st.saved),
+        "gradients": nbytes(gradients),
+    }
+    counts = {"parameters": len(params), "parameter_values": int(sum(
+        info[p].numel for p in params if p in info)), "saved_for_backward": len(st.saved)}
+    return totals, counts
+
+
+def _forward_updated(graph: Graph, step: TrainingStep) -> set[str]:
+    """Carried values the forward pass updates (BatchNorm running statistics): not
+    optimizer state."""
+    forward_nodes = {n.name for n in graph.nodes if n.name in step.forward}
+    producer = graph.def_use().producer
+    return {inp for out, inp in step.state.items()
+            if out in producer and producer[out].name in forward_nodes}
+
+
+def _smallest(graph: Graph, costs, options: CompileOptions, st: StepStructure,
+              base: Simulation) -> Smallest:
+    """``--budget min`` as compile runs it (the same ``choose_plan`` arguments), within
+    ``options.time_limit``; the budget it reports with compile's margin and slack."""
+    t0 = time.perf_counter()
+    outcome = choose_plan(graph, None, costs, strategy=options.strategy,
+                          time_limit=options.time_limit, structure=st, baseline=base,
+                          offload=options.swaps, variants=options.variants,
+                          device=options.device, allow_lossy=options.allow_lossy,
+                          heap_room=options.heap_room)
+    spent = time.perf_counter() - t0
+    best = outcome.best
+    slack = max(options.slack_for(graph), options.slack_for(best.graph))
+    # Solves stopped by the clock say so (``limit_hit``), solves skipped for want of time
+    # in their status. The polish is cut silently, but it only sheds recompute at the same
+    # peak: it changes the plan's time and heap room, never the smallest peak.
+    cut = any(r.get("limit_hit") == "time" or "time limit" in str(r.get("status") or "")
+              for r in outcome.runs)
+    return Smallest(peak_bytes=int(best.peak_bytes),
+                    budget_bytes=user_budget(best.peak_bytes, options, slack),
+                    exact=not cut, lower_bound_bytes=min(lower_bound(graph, base, st),
+                                                         int(best.peak_bytes)),
+                    strategy_label=outcome.label, time_s=spent,
+                    time_limit=options.time_limit)
+
+
+def lower_bound(graph: Graph, base: Simulation, st: StepStructure) -> int:
+    """Bytes no plan can peak under: what is live after the step's last node (inputs,
+    parameters, state and every output: no plan changes them), or what is live from the
+    start with the outputs of the largest forward node (every plan runs it, or a clone)."""
+    live = base.liveness
+    start = int(live.start_bytes)
+    persistent = set(graph.inputs) | set(graph.initializers)
+    largest = 0
+    for n in graph.nodes:
+        if n.name in st.forward:
+            largest = max(largest, sum(graph.info[o].nbytes for o in n.output
+                                       if o and o in graph.info and o not in persistent))
+    end = int(live.live_after[-1]) if live.live_after else start
+    return max(end, start + int(largest))
+
+
+def describe(a: Analysis) -> list[str]:
+    """The lines ``memcc analyze`` prints."""
+    where = {"malloc": "CPU, malloc", "arena": "CPU, ORT's arena (--arena)",
+             "cuda-arena": "CUDA, ORT's device arena"}[a.allocator]
+    built = "forward model, built here" if a.built_training_step else "training step"
+    lines = [f"{a.model}: {built}; {a.nodes} nodes; predicted for {where}"]
+    peak = f"peak as built     {format_size(a.peak_bytes)} ({a.peak_bytes:,} bytes)"
+    peak += f" at node {a.peak_node}" if a.peak_node else ""
+    if a.live_peak_bytes != a.peak_bytes:
+        peak += f"; live bytes {format_size(a.live_peak_bytes)}"
+    lines.append(peak)
+    parts = [f"{k.replace('_', ' ')} {format_size(v)}" for k, v in a.breakdown_at_peak.items()
+             if v or k in CATEGORIES[:4]]
+    lines.append("  at the peak:    " + ", ".join(parts))
+    t = a.totals
+    lines.append(
+        f"  in the step:    parameters {format_size(t['parameters'])} "
+        f"({a.counts['parameter_values']:,} values in {a.counts['parameters']} tensors), "
+        f"optimizer state {format_size(t['optimizer_state'])}, data "
+        f"{format_size(t['data'])}, saved for backward {format_size(t['saved_for_backward'])}"
+        f" ({a.counts['saved_for_backward']} values), gradients {format_size(t['gradients'])}")
+    lines.append(f"  compute cost:   {a.compute_cost_s * 1000:,.2f} ms per step "
+                 f"({a.cost_source} node times)")
+    s = a.smallest
+    if s is None:
+        lines.append("smallest          not searched (--no-smallest)")
+    else:
+        how = ("exact: the peak memcc compile --budget min plans with these options"
+               if s.exact
+               else f"an estimate: the search stopped at --time-limit {s.time_limit:g} s, so "
+                    "this is an upper bound (a longer memcc compile --budget min may reach "
+                    f"less; no plan goes under {format_size(s.lower_bound_bytes)})")
+        lines.append(f"smallest peak     {format_size(s.peak_bytes)} "
+                     f"({s.peak_bytes / a.peak_bytes:.0%} of as built; strategy "
+                     f"{s.strategy_label}; {how})")
+        lines.append(f"smallest budget   {format_size(s.budget_bytes)} ({s.budget_bytes:,} "
+                     "bytes: the peak with compile's margin and slack; --budget "
+                     f"{s.budget_bytes} compiles)")
+    lines.append(f"analyzed in {a.time_s:.1f} s")
+    return lines
