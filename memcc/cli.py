@@ -248,6 +248,16 @@ def train(
             f"trained steps {result.start_step + 1}-{result.steps_done} of {result.total_steps}"
             f"; final loss {result.losses[-1]:.6f}; {result.samples_per_s or 0:,.1f} samples/s",
             highlight=False)
+    mem = result.memory or {}
+    if mem.get("measured_peak_bytes") is not None:
+        out.print(f"memory: step peak {_mb(mem['measured_peak_bytes'])} measured "
+                  f"({mem['allocator']}), plan {_mb(mem['predicted_peak_bytes'])}",
+                  highlight=False)
+    elif mem:
+        rss = f"; the process holds {_mb(mem['rss_bytes'])} resident" \
+            if mem.get("rss_bytes") else ""
+        out.print(f"memory: plan {_mb(mem.get('predicted_peak_bytes'))}; the step's own peak "
+                  f"is not measured with {mem.get('allocator')}{rss}", highlight=False)
     if result.checkpoint:
         out.print(f"checkpoint: {result.checkpoint}", highlight=False)
 
@@ -274,6 +284,19 @@ def _report_interrupted(stop, *, model: Path, data: Path, seed: int, steps: int 
               f"{shlex.join(again)}", highlight=False, soft_wrap=True)
 
 
+def _train_memory(memory: dict, step_peak: int | None, rss: int | None) -> str:
+    """The progress bar's memory: the step's peak as the plan counts it, measured the way
+    --verify measures it, next to the plan's prediction; with malloc (not measured that
+    way) the process's resident size, named so."""
+    plan = f"plan {_mb(memory.get('predicted_peak_bytes'))}"
+    allocator = memory.get("allocator")
+    if allocator == "arena":
+        return f"arena step {_mb(step_peak) if step_peak else '-'} ({plan})"
+    if allocator == "cuda-arena":
+        return f"device step {_mb(step_peak)} ({plan})"
+    return f"process rss {_mb(rss) if rss else '-'} ({plan}, malloc)"
+
+
 def _train_with_progress(opts, run_training, *, quiet: bool):
     """Run ``memcc.trainer.train`` under a progress bar on stderr (loss, samples/s, memory)."""
     from rich.progress import (
@@ -287,10 +310,11 @@ def _train_with_progress(opts, run_training, *, quiet: bool):
     progress = Progress(
         TextColumn("[bold]train[/]"), BarColumn(), MofNCompleteColumn(),
         TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[rate]} samples/s"),
-        TextColumn("mem {task.fields[mem]}"), TimeRemainingColumn(),
+        TextColumn("{task.fields[mem]}"), TimeRemainingColumn(),
         console=err, disable=quiet, transient=False,
     )
     task = None
+    memory: dict = {}
 
     def on_start(result) -> None:
         nonlocal task
@@ -302,12 +326,15 @@ def _train_with_progress(opts, run_training, *, quiet: bool):
                       highlight=False)
         for note in result.notes:
             err.print(f"note: {note}", highlight=False)
+        memory.update(result.memory)
         task = progress.add_task("train", total=result.total_steps,
-                                 completed=result.start_step, loss="-", rate="-", mem="-")
+                                 completed=result.start_step, loss="-", rate="-",
+                                 mem=_train_memory(memory, None, None))
 
     def on_step(p) -> None:
         progress.update(task, completed=p.step, loss=f"{p.loss:.4f}",
-                        rate=f"{p.samples_per_s:,.0f}", mem=_mb(p.memory_bytes))
+                        rate=f"{p.samples_per_s:,.0f}",
+                        mem=_train_memory(memory, p.step_peak_bytes, p.memory_bytes))
 
     with progress:
         return run_training(opts, on_start=on_start, on_step=on_step)

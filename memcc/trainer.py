@@ -466,7 +466,10 @@ class TrainProgress:
     total: int
     loss: float
     samples_per_s: float
-    memory_bytes: int | None
+    memory_bytes: int | None      # the process's resident memory (CPU), else None
+    # The memory the plan counts, measured around this step (``StepMemory``): CPU with the
+    # arena and CUDA with pynvml; None where it is not measured (malloc: see ``memory_bytes``).
+    step_peak_bytes: int | None = None
 
 
 @dataclass
@@ -485,6 +488,9 @@ class TrainResult:
     notes: list[str] = field(default_factory=list)
     # The signal that stopped the run early (``SIGINT``, ``SIGTERM``), else None.
     interrupted: str | None = None
+    # ``StepMemory.to_json``: what the plan predicts for the step as it trains, what was
+    # measured, and how.
+    memory: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return {
@@ -494,7 +500,7 @@ class TrainResult:
             "checkpoint": self.checkpoint, "resumed_from": self.resumed_from,
             "samples_per_s": self.samples_per_s, "batch_size": self.batch_size,
             "batches_per_epoch": self.batches_per_epoch, "allocator": self.allocator,
-            "notes": self.notes, "interrupted": self.interrupted,
+            "notes": self.notes, "interrupted": self.interrupted, "memory": self.memory,
         }
 
 
@@ -554,6 +560,8 @@ def train(opts: TrainOptions, *, on_start: Callable[[TrainResult], None] | None 
                          batch_size=dataset.batch_size,
                          batches_per_epoch=dataset.batches_per_epoch,
                          allocator=_allocator(trainer), notes=_allocator_notes(trainer))
+    meter = StepMemory(trainer)
+    result.memory = meter.to_json()
     if on_start is not None:
         on_start(result)
     last_saved = trainer.steps_done if loaded is not None else None
@@ -561,7 +569,11 @@ def train(opts: TrainOptions, *, on_start: Callable[[TrainResult], None] | None 
     done_here = 0
     with _stop_requests() as stop:
         while trainer.steps_done < plan.total_steps and not stop:
-            loss = trainer.step(dataset.batch(position, opts.seed))
+            batch = dataset.batch(position, opts.seed)
+            meter.start(batch)
+            loss = trainer.step(batch)
+            step_peak = meter.stop()
+            del batch
             position += 1
             done_here += 1
             result.losses.append(loss)
@@ -578,7 +590,7 @@ def train(opts: TrainOptions, *, on_start: Callable[[TrainResult], None] | None 
                 last_saved = trainer.steps_done
             if on_step is not None:
                 on_step(TrainProgress(trainer.steps_done, plan.total_steps, loss, rate,
-                                      _memory_bytes(opts.provider)))
+                                      _memory_bytes(opts.provider), step_peak))
         # The last completed step is saved here, at the end or when a signal stopped the
         # loop early (still under ``_stop_requests``: a signal now does not cut the write).
         if opts.checkpoint is not None and last_saved != trainer.steps_done:
@@ -588,6 +600,7 @@ def train(opts: TrainOptions, *, on_start: Callable[[TrainResult], None] | None 
         elif opts.checkpoint is not None and result.checkpoint is None:
             latest = ckpt.latest(opts.checkpoint)
             result.checkpoint = str(latest) if latest is not None else None
+    result.memory = meter.to_json()
     if stop and result.steps_done < result.total_steps:
         result.interrupted = stop.name
         raise TrainingInterrupted(result, stop.signum)
@@ -680,9 +693,126 @@ def _allocator_notes(trainer: Trainer) -> list[str]:
     if trainer.provider != "cpu" or trainer.arena or PLAN_KEY not in trainer.graph.metadata:
         return []
     return [f"{trainer.path}: this plan was compiled for malloc, and glibc's heap can hold "
-            "several times a plan's peak between steps (BENCHMARKS.md, \"Allocators\"); to "
-            "train within the budget, compile with --arena (or train with --arena, whose "
-            "peak the plan did not check)"]
+            "several times a plan's peak between steps (BENCHMARKS.md, \"Allocators\"), "
+            "so the memory shown is the process's resident size, not the step's; to "
+            "train within the budget, and see the step's own peak, compile with --arena (or "
+            "train with --arena, whose peak the plan did not check)"]
+
+
+class StepMemory:
+    """The memory a plan counts, measured around each training step the way ``--verify``
+    measures it (``backend.memory``), next to what the plan predicts for the step as the
+    trainer runs it (updates in place, ``backend.arrange``).
+
+    A process's resident size is not that figure: it holds the session, ORT's thread pools
+    and, with malloc, whatever glibc keeps of freed buffers. So:
+
+    - CPU with the arena (``compile --arena``): before the step the free heap is given back
+      (``trim_heap``; the arena returned its regions after the last step anyway) and the
+      high-water mark reset; after it, the growth of the high-water mark plus the arrays the
+      trainer holds and feeds (parameters, optimizer state, constants, the batch), as the
+      measuring child counts its feeds. Predicted by ``passes.arena.cpu_arena_peak`` (the
+      meter's view), which matched this within 2% on the quick start's GPT-2 plan.
+    - CUDA: the device memory used during the step over that before it (NVML, sampled;
+      needs ``pynvml``), plus the device values the trainer holds; predicted by the live
+      bytes (``predicted_peak_bytes``). Not yet run on a GPU.
+    - CPU with malloc: not measured (trimming the heap every step would change what it
+      measures); the progress shows the resident size, labelled so, and ``train`` notes
+      that glibc's heap can hold several times the plan.
+    """
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.allocator = _allocator(trainer)
+        self.held = int(sum(a.nbytes for a in trainer._host.values())
+                        + sum(a.nbytes for a in trainer._spare_host.values())
+                        + sum(_ortvalue_bytes(v) for v in trainer._fixed.values()))
+        if self.allocator == "cuda-arena":
+            self.held += int(sum(_ortvalue_bytes(v) for v in trainer._state.values())
+                             + sum(_ortvalue_bytes(v) for v in trainer._spare.values()))
+        self.predicted = trainer.predicted_peak_bytes
+        self.prediction = "live bytes (passes.liveness)"
+        if self.allocator == "arena":
+            from memcc.passes.arena import cpu_arena_peak
+
+            a = trainer.arrangement
+            self.predicted = cpu_arena_peak(a.graph, a.prediction, meter=True)[1]
+            self.prediction = "CPU arena model (passes.arena.cpu_arena_peak)"
+        self._nvml = None
+        if self.allocator == "cuda-arena":
+            from memcc.backend.memory import NvmlPeakMeter
+
+            try:
+                self._nvml = NvmlPeakMeter()
+            except Exception:  # NVML present but unusable: show the prediction only
+                self._nvml = None
+        self.peak: int | None = None
+        self._steps = 0
+        self._before = 0
+        self._batch = 0
+
+    @property
+    def method(self) -> str:
+        if self.allocator == "arena":
+            return ("cpu-vmhwm: growth of VmHWM over the step (heap trimmed before it) plus "
+                    "the arrays the trainer holds and feeds")
+        if self.allocator == "cuda-arena":
+            return self._nvml.method if self._nvml is not None else "none"
+        return "none: malloc (the resident size is shown instead)"
+
+    def start(self, batch: Mapping[str, np.ndarray]) -> None:
+        self._batch = int(sum(np.asarray(a).nbytes for a in batch.values()))
+        if self.allocator == "arena":
+            from memcc.backend.memory import reset_peak_rss, rss_bytes
+
+            try:
+                trim_heap()
+                reset_peak_rss()
+                self._before = rss_bytes()
+            except (OSError, RuntimeFailure):  # no /proc: nothing measured
+                self.allocator = "arena-unmeasured"
+        elif self._nvml is not None and self._nvml.available:
+            self._nvml.set_baseline()
+            self._nvml.start()
+
+    def stop(self) -> int | None:
+        """This step's measured peak (None where not measured); the run's largest is kept."""
+        grew = None
+        if self.allocator == "arena":
+            from memcc.backend.memory import peak_rss_bytes
+
+            grew = peak_rss_bytes() - self._before
+        elif self._nvml is not None and self._nvml.available:
+            grew = self._nvml.stop()
+        if grew is None:
+            return None
+        step = grew + self.held + self._batch
+        # The process's first step also creates thread pools, kernel caches and packing
+        # buffers, which the measuring child leaves out (its baseline follows a warm-up
+        # step): it is shown, but the run's peak comes from the steps after it.
+        self._steps += 1
+        self.peak = step if self._steps <= 2 else max(self.peak or 0, step)
+        return step
+
+    def to_json(self) -> dict:
+        return {"allocator": self.allocator, "predicted_peak_bytes": self.predicted,
+                "prediction": self.prediction, "measured_peak_bytes": self.peak,
+                "measured_steps": self._steps, "measurement_method": self.method,
+                "rss_bytes": _memory_bytes("cuda" if self.allocator == "cuda-arena"
+                                           else "cpu")}
+
+
+def _ortvalue_bytes(value) -> int:
+    """Bytes of an OrtValue's tensor (on whichever device it lives)."""
+    shape = value.shape()
+    n = int(np.prod(shape)) if shape else 1
+    return n * _ORT_ITEMSIZE.get(value.data_type(), 4)
+
+
+_ORT_ITEMSIZE = {"tensor(float)": 4, "tensor(double)": 8, "tensor(float16)": 2,
+                 "tensor(bfloat16)": 2, "tensor(int64)": 8, "tensor(int32)": 4,
+                 "tensor(int16)": 2, "tensor(int8)": 1, "tensor(uint8)": 1,
+                 "tensor(bool)": 1, "tensor(uint16)": 2, "tensor(uint32)": 4,
+                 "tensor(uint64)": 8}
 
 
 def _memory_bytes(provider: str) -> int | None:
