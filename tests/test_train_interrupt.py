@@ -54,29 +54,31 @@ def _assert_same(got: ckpt.Checkpoint, want: ckpt.Checkpoint) -> None:
 
 def test_sigint_saves_the_last_step_and_resume_matches_an_uninterrupted_run(tiny_run,
                                                                               tmp_path):
+    """Checkpoints every 1000 steps; Ctrl-C a few steps into a run (continued from step 5,
+    so that the moment the loop starts is known); the steps since step 5 are saved."""
     step, data = tiny_run
     ck = tmp_path / "ck"
+    train(TrainOptions(step=step, data=data, steps=5, seed=3, checkpoint=ck, threads=1))
     cmd = [sys.executable, "-m", "memcc.cli", "train", str(step), "--data", str(data),
            "--steps", str(TOTAL), "--checkpoint", str(ck), "--save-every", "1000",
-           "--seed", "3", "--threads", "1", "--json"]
+           "--seed", "3", "--threads", "1", "--resume", "--json"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
-    deadline = time.monotonic() + 120
-    while ckpt.latest(ck) is None and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.001)  # the loop is running once step 1000's checkpoint exists
+    first = proc.stderr.readline()  # said just before the first step
+    assert "resuming from" in first, first
+    time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
     out, errors = proc.communicate(timeout=120)
     assert proc.returncode == 130, errors
     done = json.loads(out)
     assert done["interrupted"] == "SIGINT"
-    assert 1000 <= done["steps"] < TOTAL, done["steps"]
+    assert 5 < done["steps"] < TOTAL, done["steps"]
     saved = ckpt.load(ck)
     assert saved.step == done["steps"] and Path(done["checkpoint"]) == saved.path
     assert f"checkpoint of step {saved.step}: {saved.path}" in errors
     assert "continue with: memcc train" in errors and "--resume" in errors
 
-    again = subprocess.run([*cmd, "--resume"], cwd=ROOT, capture_output=True, text=True,
-                           timeout=120)
+    again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert again.returncode == 0, again.stderr
     assert json.loads(again.stdout)["start_step"] == saved.step
     straight = tmp_path / "straight"
