@@ -65,14 +65,19 @@ class Checkpoint:
     fingerprint: str = ""
     signature: str = ""
 
-    def check_step(self, sig: Mapping) -> None:
-        """Refuse this checkpoint unless it was written for the step described by ``sig``."""
+    def check_step(self, sig: Mapping, *, purpose: str = "resume") -> None:
+        """Refuse this checkpoint unless it was written for the step described by ``sig``.
+        ``purpose`` (``resume`` or ``export``) picks the advice: what to do differs."""
         if self.fingerprint != fingerprint(sig):
+            advice = ("Export it with the step file that trained it (or a memcc compile of "
+                      "that step), or point --checkpoint at a checkpoint of this step."
+                      if purpose == "export" else
+                      "Use it with the step file that wrote it (or a memcc compile of that "
+                      "step); to train this step from the start, choose a new checkpoint "
+                      "directory.")
             raise InputError(
                 f"{self.path}: written for another training step: "
-                f"{_first_difference(self.signature, sig)}. Use it with the step file that "
-                "wrote it (or a memcc compile of that step); to train this step from the "
-                "start, choose a new checkpoint directory.")
+                f"{_first_difference(self.signature, sig)}. {advice}")
 
 
 def signature(types: Mapping[str, tuple[np.dtype, tuple[int, ...]]], extra: Mapping
@@ -229,18 +234,25 @@ def resolve(path: str | os.PathLike) -> Path:
     return found
 
 
-def load(path: str | os.PathLike, *, sig: Mapping | None = None) -> Checkpoint:
+def load(path: str | os.PathLike, *, sig: Mapping | None = None,
+         purpose: str = "resume") -> Checkpoint:
     """Read and check a checkpoint file (or the newest in a directory).
 
     With ``sig`` the checkpoint must belong to that step; a foreign, truncated or corrupted
-    file raises ``InputError`` naming the file and what is wrong with it.
+    file raises ``InputError`` naming the file and what is wrong with it. ``purpose``
+    (``resume`` or ``export``) picks the advice those errors give.
     """
     from safetensors import SafetensorError
     from safetensors.numpy import load_file
 
     p = resolve(path)
-    hint = (f" Delete {p} to resume from the checkpoint before it, or point --checkpoint at "
-            "another one.")
+    if purpose == "export":
+        older = [c for c in list_checkpoints(p.parent) if _step_of(c) < _step_of(p)]
+        hint = (f" Export an older checkpoint instead: --checkpoint {older[-1]}." if older
+                else " Point --checkpoint at another checkpoint of this run.")
+    else:
+        hint = (f" Delete {p} to resume from the checkpoint before it, or point --checkpoint "
+                "at another one.")
     try:
         tensors = load_file(str(p))
         metadata = _metadata(p)
@@ -251,7 +263,8 @@ def load(path: str | os.PathLike, *, sig: Mapping | None = None) -> Checkpoint:
         what = metadata.get(FORMAT_KEY)
         raise InputError(
             f"{p}: not a memcc checkpoint (format tag {what!r}, expected {FORMAT!r}). memcc "
-            "resumes only checkpoints written by memcc train or memcc.Trainer.save.")
+            f"{'exports' if purpose == 'export' else 'resumes'} only checkpoints written by "
+            "memcc train or memcc.Trainer.save.")
     if metadata.get(SHA_KEY) != tensors_digest(tensors):
         raise InputError(f"{p}: corrupt: its tensor data does not match the checksum "
                          f"written with it.{hint}")
@@ -263,7 +276,7 @@ def load(path: str | os.PathLike, *, sig: Mapping | None = None) -> Checkpoint:
     ckpt = Checkpoint(p, dict(tensors), step, data_state, metadata.get(SOURCE_KEY),
                       metadata.get(FINGERPRINT_KEY, ""), metadata.get(SIGNATURE_KEY, ""))
     if sig is not None:
-        ckpt.check_step(sig)
+        ckpt.check_step(sig, purpose=purpose)
     return ckpt
 
 
