@@ -14,6 +14,7 @@ from rich.markup import escape
 from memcc.errors import MemccError
 from memcc.step import TrainingStep
 
+
 class _FlagsWithoutPlaceholder:
     """typer's rich help gives every option a value placeholder, on/off flags too
     (``--verify <bool>``), although a flag takes no value: its row should read ``--verify``
@@ -358,9 +359,10 @@ def export_cmd(
         help="Checkpoint file, or a directory (its newest checkpoint).")],
     output: Annotated[Path, typer.Option("--output", "-o", help="Where to write.")],
     fmt: Annotated[Optional[Literal["onnx", "safetensors"]], typer.Option(  # noqa: UP045
-        "--format", case_sensitive=False, help="onnx (the forward model with the trained weights; default unless "
-                         "OUT ends in .safetensors) or safetensors (the weights under the "
-                         "exported model's initializer names).")] = None,
+        "--format", case_sensitive=False,
+        help="onnx (the forward model with the trained weights; default unless OUT ends in "
+             ".safetensors) or safetensors (the weights under the exported model's "
+             "initializer names).")] = None,
 ) -> None:
     """Write the trained weights out: the forward ONNX model, or a safetensors file."""
     from memcc.trainer import export_checkpoint

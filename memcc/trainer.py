@@ -544,6 +544,8 @@ def train(opts: TrainOptions, *, on_start: Callable[[TrainResult], None] | None 
             f"--checkpoint {opts.checkpoint}: already holds a run's checkpoints (newest: "
             f"{ckpt.latest(opts.checkpoint).name}). Pass --resume to continue it, or choose "
             "an empty directory for a new run.")
+    if opts.checkpoint is not None:
+        ckpt.check_directory(opts.checkpoint)  # now, not after the steps before the first save
     loaded = ckpt.load(start) if start is not None else None
     trainer = Trainer(opts.step, provider=opts.provider, threads=opts.threads, graph=graph,
                       arena=opts.arena, resumed_at=loaded.step if loaded is not None else 0)

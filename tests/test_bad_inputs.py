@@ -57,7 +57,7 @@ CASES = [
     case("build-truncated-onnx", "build {f}/truncated.onnx -o {o}/s.onnx", "truncated.onnx"),
     case("build-a-step", "build {f}/step.onnx -o {o}/s.onnx", "step.onnx"),
     case("build-out-missing-dir", "build {f}/fwd.onnx -o {o}/no/such/s.onnx", "no/such"),
-    case("build-out-is-dir", "build {f}/fwd.onnx -o {o}", str("{o}")),
+    case("build-out-is-dir", "build {f}/fwd.onnx -o {o}", "{o}"),
     case("build-out-unwritable", "build {f}/fwd.onnx -o /proc/s.onnx", "/proc"),
     case("build-out-equals-input", "build {f}/fwd.onnx -o {f}/fwd.onnx", "fwd.onnx"),
     case("build-bad-loss", "build {f}/fwd.onnx -o {o}/s.onnx --loss hinge", "hinge"),
@@ -76,8 +76,8 @@ CASES = [
          "build {f}/fwd.onnx -o {o}/s.onnx --attention-chunks 2", "attention"),
     case("build-model-with-loss-output", "build {f}/lossy.onnx -o {o}/s.onnx", "--loss none"),
     case("build-negative-lr", "build {f}/fwd.onnx -o {o}/s.onnx --lr -1", "--lr -1"),
-    case("build-momentum-one", "build {f}/fwd.onnx -o {o}/s.onnx --momentum 1",
-         "--momentum 1"),
+    case("build-negative-momentum", "build {f}/fwd.onnx -o {o}/s.onnx --momentum -0.9",
+         "--momentum -0.9"),
     case("build-negative-weight-decay", "build {f}/fwd.onnx -o {o}/s.onnx --weight-decay "
          "-0.1", "--weight-decay -0.1"),
     # --- compile
@@ -327,6 +327,10 @@ def test_bad_input_is_refused_cleanly(bad: Case, inputs: Path, tmp_path: Path) -
         f"{bad.id}: {type(result.exception).__name__}: {result.exception}\n{shown}")
     assert result.exit_code == 2, f"{bad.id}: exit {result.exit_code}\n{shown}"
     assert "Traceback" not in shown
+    # One message, and nothing before it (a report's tables, a summary, a progress line).
+    first = shown.strip().splitlines()[0]
+    assert first.startswith(("error:", "Usage:")), f"{bad.id}: printed before the error:\n{shown}"
+    assert shown.count("error:") <= 1, f"{bad.id}: more than one message:\n{shown}"
     flat = " ".join(shown.replace("│", " ").split())
     want = bad.names.format(f=own, o=out_dir)
     assert want in flat or want in shown, f"{bad.id}: {want!r} not named in:\n{shown}"
@@ -338,3 +342,136 @@ def test_the_list_covers_every_command() -> None:
     assert len(CASES) >= 59
     commands = {c.args[0] for c in CASES}
     assert commands >= {"build", "compile", "run", "train", "export", "tune", "report"}
+
+
+# ---------------------------------------------------------------------------- options
+def _command(name: str):
+    import typer
+
+    group = typer.main.get_command(app)
+    return group if name == "" else group.commands[name]
+
+
+BUILD_FLAGS = ("--loss", "--optimizer", "--lr", "--momentum", "--weight-decay", "--freeze",
+               "--loss-chunks", "--attention-chunks", "--mlp-chunks", "--dim")
+
+
+@pytest.mark.parametrize("command", ["compile", "tune"])
+def test_compile_and_tune_take_every_build_option_as_build_defines_it(command: str) -> None:
+    """README: compile and tune build forward models with memcc build's options. Each one
+    is there, with build's type, default and help (one definition, not copies)."""
+    def by_flag(cmd) -> dict:
+        return {o: p for p in cmd.params for o in p.opts}
+
+    build, other = by_flag(_command("build")), by_flag(_command(command))
+    for flag in BUILD_FLAGS:
+        if command == "tune" and flag == "--dim":
+            continue  # tune's --dim also takes the range it searches
+        assert flag in other, f"memcc {command} lacks {flag}"
+        b, o = build[flag], other[flag]
+        assert (o.help, o.default, o.multiple, o.metavar) == (b.help, b.default, b.multiple,
+                                                              b.metavar), flag
+        assert o.type_descriptor.choices == b.type_descriptor.choices, flag
+
+
+def test_the_choices_the_cli_offers_are_the_ones_memcc_takes() -> None:
+    """The CLI writes its choices out (importing their modules would slow every start);
+    they must be exactly the values the modules accept."""
+    from memcc.backend.session import PROVIDERS
+    from memcc.compiler import COST_SOURCES
+    from memcc.frontend.build import LOSSES, OPTIMIZERS
+    from memcc.passes.planner import STRATEGIES
+    from memcc.trainer import EXPORT_FORMATS
+    from memcc.tune import LR_RULES, PICKS
+
+    def choices(command: str, flag: str) -> set:
+        p = next(p for p in _command(command).params if flag in p.opts)
+        return set(p.type_descriptor.choices)
+
+    for command in ("build", "compile", "tune"):
+        assert choices(command, "--loss") == set(LOSSES)
+        assert choices(command, "--optimizer") == set(OPTIMIZERS)
+    for command in ("compile", "tune"):
+        assert choices(command, "--strategy") == set(STRATEGIES)
+        assert choices(command, "--cost") == set(COST_SOURCES)
+    for command in ("compile", "tune", "run", "train"):
+        assert choices(command, "--provider") == set(PROVIDERS)
+    assert choices("export", "--format") == set(EXPORT_FORMATS)
+    assert choices("tune", "--pick") == set(PICKS)
+    assert choices("tune", "--lr-rule") == set(LR_RULES)
+
+
+@pytest.mark.parametrize("command", ["", "build", "compile", "tune", "run", "train",
+                                     "export", "report"])
+def test_help_shows_no_placeholder_for_flags_and_lists_choices(command: str) -> None:
+    """An on/off flag takes no value: its row shows the flag (or --x / --no-x) alone, not
+    ``<bool>``; an option with choices lists them rather than ``<str>``."""
+    result = runner.invoke(app, [*([command] if command else []), "--help"],
+                           env={"COLUMNS": "240"}, terminal_width=240)
+    assert result.exit_code == 0, result.output
+    assert "<bool>" not in result.output
+    assert "<str>" not in result.output
+    listed = {"build": "<cross-entropy|mse|none>", "compile": "<cpu|cuda|auto>",
+              "tune": "<fastest|largest>", "run": "<cpu|cuda|auto>",
+              "train": "<cpu|cuda|auto>", "export": "<onnx|safetensors>"}
+    if command in listed:
+        assert listed[command] in result.output
+
+
+def test_compile_and_tune_build_a_forward_model_with_every_option_and_provider_auto(
+        inputs: Path, tmp_path: Path) -> None:
+    """--momentum, --weight-decay and --freeze reach the step compile and tune build, and
+    --provider auto plans for where the step would run here (as run and train resolve it)."""
+    from memcc.backend.session import cuda_available
+    from memcc.frontend.load import load_graph
+    from memcc.step import TrainingStep
+
+    here = "cuda" if cuda_available() else "cpu"
+    flags = ["--momentum", "0.5", "--weight-decay", "0.01", "--freeze", "head.*",
+             "--provider", "auto", "--cost", "analytic"]
+    out, rep = tmp_path / "c.onnx", tmp_path / "c.json"
+    r = runner.invoke(app, ["compile", str(inputs / "fwd.onnx"), "--budget", "1GB", "-o",
+                            str(out), "--report", str(rep), *flags])
+    assert r.exit_code == 0, r.output
+    assert json.loads(rep.read_text())["options"]["provider"] == here
+    tuned = tmp_path / "t.onnx"
+    r = runner.invoke(app, ["tune", str(inputs / "dyn.onnx"), "--budget", "1GB", "--dim",
+                            "batch=1..8", "-o", str(tuned), *flags])
+    assert r.exit_code == 0, r.output
+    for path in (out, tuned):
+        step = TrainingStep.of(load_graph(path))
+        assert step.optimizer["momentum"] == 0.5 and step.optimizer["weight_decay"] == 0.01
+        assert step.parameters and not any(p.startswith("head.") for p in step.parameters)
+
+
+def test_build_options_given_with_a_training_step_are_named_as_ignored(
+        inputs: Path, tmp_path: Path) -> None:
+    """A step keeps the options it was built with: compile says so instead of silently
+    dropping --freeze and the like."""
+    r = runner.invoke(app, ["compile", str(inputs / "step.onnx"), "--budget", "1GB", "-o",
+                            str(tmp_path / "c.onnx"), "--cost", "analytic", "--freeze",
+                            "head.*"])
+    assert r.exit_code == 0, r.output
+    assert "already a training step" in r.output and "ignored" in r.output
+
+
+# ---------------------------------------------------------------------------- budgets
+@pytest.mark.parametrize("extra", [{}, {"arena": True}, {"provider": "cuda", "offload": False}],
+                         ids=["cpu", "cpu-arena", "cuda"])
+def test_an_impossible_budget_is_refused_before_any_search_with_a_true_bound(
+        inputs: Path, extra: dict) -> None:
+    """A budget below what the inputs, parameters and state alone take (plus the margin)
+    is refused before the cost model or the planner runs, and the bound it names is never
+    above the smallest budget the search finds (so it refuses nothing that fits)."""
+    from memcc.compiler import CompileOptions, compile_model
+    from memcc.passes.planner import BudgetError
+
+    said: list[str] = []
+    options = CompileOptions(budget="1KB", cost="analytic", **extra)
+    with pytest.raises(BudgetError) as refused:
+        compile_model(inputs / "step.onnx", options, progress=said.append)
+    assert said == ["load ..."], said
+    assert "--budget 1KB" in str(refused.value) and "--budget min" in str(refused.value)
+    smallest = compile_model(inputs / "step.onnx",
+                             CompileOptions(budget="min", cost="analytic", **extra))
+    assert refused.value.smallest <= smallest.report["budget_bytes"]

@@ -105,6 +105,23 @@ def tensors_digest(tensors: Mapping[str, np.ndarray]) -> str:
 
 
 # ---------------------------------------------------------------------------- writing
+def check_directory(directory: str | os.PathLike) -> None:
+    """Fail before training, not at the first save after it, where ``directory`` cannot
+    hold checkpoints: a file there or above it, or a directory memcc cannot write in (it
+    need not exist yet: ``save`` creates it)."""
+    d = Path(directory)
+    if d.exists() and not d.is_dir():
+        raise InputError(f"--checkpoint {d}: is a file, not a directory. Give a directory "
+                         "for the checkpoints (memcc creates it if missing).")
+    existing = d if d.exists() else next((a for a in d.parents if a.exists()), Path("."))
+    if not existing.is_dir():
+        raise InputError(f"--checkpoint {d}: {existing} is a file, not a directory. Choose "
+                         "another directory for the checkpoints.")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise InputError(f"--checkpoint {d}: cannot write in {existing}. Make it writable or "
+                         "choose another directory for the checkpoints.")
+
+
 def save(directory: str | os.PathLike, tensors: Mapping[str, np.ndarray], *, step: int,
          sig: Mapping, data_state: Mapping | None = None, step_file: str | None = None,
          keep: int = 2) -> Path:
@@ -115,8 +132,7 @@ def save(directory: str | os.PathLike, tensors: Mapping[str, np.ndarray], *, ste
     if keep < 1:
         raise InputError("a checkpoint directory must keep at least 1 checkpoint")
     d = Path(directory)
-    if d.exists() and not d.is_dir():
-        raise InputError(f"--checkpoint {d}: is a file, not a directory")
+    check_directory(d)
     try:
         d.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

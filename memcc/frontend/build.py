@@ -101,9 +101,9 @@ class BuildOptions:
             )
         if self.lr is not None and self.lr < 0:
             raise InputError(f"--lr {self.lr:g}: the learning rate must not be negative")
-        if not 0.0 <= self.momentum < 1.0:
-            raise InputError(f"--momentum {self.momentum:g}: give a value in [0, 1) (0 "
-                             "disables momentum)")
+        if self.momentum < 0:
+            raise InputError(f"--momentum {self.momentum:g}: momentum must not be negative "
+                             "(0 disables it; torch.optim.SGD's rule)")
         if self.weight_decay is not None and self.weight_decay < 0:
             raise InputError(f"--weight-decay {self.weight_decay:g}: weight decay must not "
                              "be negative")
