@@ -37,15 +37,17 @@ runner = CliRunner()
 @dataclass(frozen=True)
 class Case:
     """``args`` with ``{f}`` (the shared inputs) and ``{o}`` (this case's empty output
-    directory) filled in; ``names``: text the message must contain (the file or value)."""
+    directory) filled in; ``names``: text the message must contain (the file or value);
+    ``avoid``: text it must not (advice meant for another command)."""
 
     id: str
     args: tuple[str, ...]
     names: str
+    avoid: str = ""
 
 
-def case(id: str, args: str, names: str) -> Case:
-    return Case(id, tuple(args.split()), names)
+def case(id: str, args: str, names: str, avoid: str = "") -> Case:
+    return Case(id, tuple(args.split()), names, avoid)
 
 
 CASES = [
@@ -168,11 +170,11 @@ CASES = [
     case("export-checkpoint-empty-dir", "export {f}/step.onnx --checkpoint {f}/adir -o "
          "{o}/w.onnx", "adir"),
     case("export-checkpoint-corrupt", "export {f}/step.onnx --checkpoint {f}/badck -o "
-         "{o}/w.onnx", "badck"),
+         "{o}/w.onnx", "badck", avoid="resum"),
     case("export-checkpoint-foreign", "export {f}/step.onnx --checkpoint "
-         "{f}/foreign.safetensors -o {o}/w.onnx", "foreign.safetensors"),
+         "{f}/foreign.safetensors -o {o}/w.onnx", "foreign.safetensors", avoid="resum"),
     case("export-checkpoint-other-step", "export {f}/step-adamw.onnx --checkpoint {f}/ck -o "
-         "{o}/w.onnx", "ck"),
+         "{o}/w.onnx", "ck", avoid="train this step from the start"),
     case("export-forward-model", "export {f}/fwd.onnx --checkpoint {f}/ck -o {o}/w.onnx",
          "fwd.onnx"),
     case("export-out-equals-step", "export {f}/step.onnx --checkpoint {f}/ck -o "
@@ -334,6 +336,7 @@ def test_bad_input_is_refused_cleanly(bad: Case, inputs: Path, tmp_path: Path) -
     flat = " ".join(shown.replace("│", " ").split())
     want = bad.names.format(f=own, o=out_dir)
     assert want in flat or want in shown, f"{bad.id}: {want!r} not named in:\n{shown}"
+    assert not bad.avoid or bad.avoid not in flat, f"{bad.id}: says {bad.avoid!r}:\n{shown}"
     assert _snapshot(own, out_dir) == before, f"{bad.id}: files changed\n{shown}"
 
 
