@@ -222,7 +222,7 @@ def compile_model(model: str | os.PathLike, options: CompileOptions, *,
                 "--optimizer, --lr, --freeze, ...) apply to forward models and are ignored; "
                 "rebuild the step with memcc build to change them")
     if budget is not None:
-        _check_floor(graph, budget, options, label, _chunks_hint(passes[-1].summary))
+        _check_floor(graph, budget, options, label)
     racing = [node_label(n) for n in racing_nodes(graph)]
     if racing:
         warning(f"{label}: {len(racing)} node(s) from the model run an ONNX Runtime CPU kernel "
@@ -289,15 +289,15 @@ def _check_targets(model, output, report_path) -> None:
                          "report another name.")
 
 
-def _check_floor(graph: Graph, budget: int, options: CompileOptions, label: str,
-                 hint: str = "") -> None:
+def _check_floor(graph: Graph, budget: int, options: CompileOptions, label: str) -> None:
     """Refuse, before any search, a budget that not even the values every plan holds fit:
     the step's inputs and stored values (parameters, optimizer state, data; all there when
     the step starts, and no plan recomputes them) plus the margin and slack the budget
     keeps free. The search would say the same after its smallest-peak solve (tens of
     seconds on a large step) with the exact smallest budget; this says what is at least
-    needed, at once (the error's ``smallest`` is that lower bound). ``hint``: the flags
-    that would shrink the step (``_chunks_hint``)."""
+    needed, at once (the error's ``smallest`` is that lower bound). Row chunks cannot help
+    here (they shrink activations, not these), so their hint is left to the search's
+    refusal."""
     persistent = set(graph.inputs) | set(graph.initializers)
     floor = sum(graph.info[v].nbytes for v in persistent if v in graph.info)
     slack = options.slack_for(graph)
@@ -309,7 +309,7 @@ def _check_floor(graph: Graph, budget: int, options: CompileOptions, label: str,
         f"inputs, parameters and optimizer state alone take {format_size(floor)}, which no "
         f"plan shrinks, and the budget keeps {options.margin:.0%} + {slack:,} bytes free "
         f"besides (--margin). No budget under {format_size(need)} ({need:,} bytes) can fit; "
-        "--budget min finds the smallest that does. Nothing was written." + hint,
+        "--budget min finds the smallest that does. Nothing was written.",
         budget=budget, smallest=need)
 
 
