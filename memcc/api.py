@@ -21,7 +21,8 @@ def build(model: str | os.PathLike, output: str | os.PathLike, *,
     ``output`` is checked before building, so a bad path fails at once and clearly."""
     if not Path(model).exists():
         raise InputError(f"{model}: no such file")
-    check_writable(output, "the training step", "--output/-o")
+    check_writable(output, "the training step", "--output/-o",
+                   inputs=[("the forward model", model)])
     graph = build_training_step(load_graph(model, dims), options, source=str(model))
     save_graph(graph, Path(output))
     return graph

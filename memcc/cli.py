@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Literal, Optional
 
 import typer
 from rich.console import Console
@@ -14,7 +14,39 @@ from rich.markup import escape
 from memcc.errors import MemccError
 from memcc.step import TrainingStep
 
-app = typer.Typer(
+
+class _FlagsWithoutPlaceholder:
+    """typer's rich help gives every option a value placeholder, on/off flags too
+    (``--verify <bool>``), although a flag takes no value: its row should read ``--verify``
+    or ``--arena / --no-arena`` alone. An empty metavar shows nothing there; it changes
+    nothing else (a flag's metavar is never used to parse or in messages)."""
+
+    def get_params(self, ctx):  # noqa: ANN001, ANN201 - click's signature
+        params = super().get_params(ctx)
+        for p in params:
+            if getattr(p, "is_flag", False) and p.metavar is None:
+                p.metavar = ""
+        return params
+
+
+class _Command(_FlagsWithoutPlaceholder, typer.core.TyperCommand):
+    pass
+
+
+class _Group(_FlagsWithoutPlaceholder, typer.core.TyperGroup):
+    pass
+
+
+class _App(typer.Typer):
+    """Every command gets ``_Command`` (its help without flag placeholders), including
+    commands added later with a plain ``@app.command()``."""
+
+    def command(self, *args, cls=None, **kwargs):  # noqa: ANN002, ANN003, ANN201
+        return super().command(*args, cls=cls or _Command, **kwargs)
+
+
+app = _App(
+    cls=_Group,
     help="memcc: fit neural-network training steps (ONNX) into a memory budget.",
     no_args_is_help=True,
     add_completion=False,
@@ -28,6 +60,68 @@ DimOpt = Annotated[
     typer.Option("--dim", "-d", metavar="NAME=INT",
                  help="Bind a symbolic input dimension, e.g. --dim batch=8 (repeatable)."),
 ]
+
+# memcc build's options, defined once: compile and tune take every one of them for forward
+# models (which they build first), with the same names, defaults, choices and help.
+# The choices are written out (importing the modules that own them would slow every
+# command's start); tests/test_bad_inputs.py checks them against LOSSES, OPTIMIZERS, ...
+LossOpt = Annotated[Literal["cross-entropy", "mse", "none"], typer.Option(
+    help="cross-entropy (adds int64 input 'labels'), mse (adds float input 'target'), "
+         "or none (the first output is already the scalar loss).")]
+OptimizerOpt = Annotated[Literal["none", "sgd", "adamw"], typer.Option(
+    help="none (outputs P.grad per parameter), sgd (momentum), or adamw.")]
+LrOpt = Annotated[Optional[float], typer.Option(  # noqa: UP045
+    help="Learning rate (default: sgd 0.01, adamw 0.001).")]
+MomentumOpt = Annotated[float, typer.Option(help="SGD momentum (0 disables).")]
+WeightDecayOpt = Annotated[Optional[float], typer.Option(  # noqa: UP045
+    help="Weight decay (default: sgd 0, adamw 0.01).")]
+FreezeOpt = Annotated[Optional[list[str]], typer.Option(  # noqa: UP045
+    "--freeze", metavar="PATTERN",
+    help="Keep parameters whose initializer names match this shell pattern fixed: "
+         "their gradients are never built (repeatable), e.g. --freeze 'embeddings.*'.")]
+LossChunksOpt = Annotated[int, typer.Option(
+    "--loss-chunks", min=1,
+    help="Cross-entropy and the vocabulary projection (a MatMul of the hidden states "
+         "by the output weight) over this many row chunks, each chunk's gradient taken "
+         "right away: the full logits are never held. For language models, whose "
+         "logits are often the largest tensor; gradients within 1e-5 of the plain "
+         "loss's.")]
+AttentionChunksOpt = Annotated[int, typer.Option(
+    "--attention-chunks", min=1,
+    help="Every attention (queries-by-keys MatMul, Softmax, MatMul by the values) "
+         "over this many query chunks: the backward, and a plan that recomputes the "
+         "probabilities, then hold one chunk's scores at a time. For long sequences, "
+         "whose batch x heads x tokens x tokens scores outgrow the rest of a layer; "
+         "gradients within 1e-5 of whole attentions.")]
+MlpChunksOpt = Annotated[int, typer.Option(
+    "--mlp-chunks", min=1,
+    help="Every MLP (MatMuls by 2-D weights around an activation or a gate) over this "
+         "many token chunks: the backward, and a plan that recomputes the hidden "
+         "activations, then hold one chunk's at a time. Gradients within 1e-5 of whole "
+         "MLPs.")]
+# compile and tune plan for a provider; run and train run on one.
+PlanProviderOpt = Annotated[Literal["cpu", "cuda", "auto"], typer.Option(
+    case_sensitive=False,
+    help="Provider to plan and measure for; auto: cuda where this onnxruntime runs CUDA, "
+         "else cpu (as run and train resolve it).")]
+RunProviderOpt = Annotated[Literal["cpu", "cuda", "auto"], typer.Option(
+    case_sensitive=False,
+    help="Where to run; auto: cuda where this onnxruntime runs CUDA, else cpu.")]
+StrategyOpt = Annotated[Literal["auto", "ilp", "sqrtn", "none"], typer.Option(
+    help="auto (ILP, heuristics, exact polish; best fitting plan), ilp, sqrtn or none.")]
+
+
+def _build_options(loss: str, optimizer: str, lr: float | None, momentum: float,
+                   weight_decay: float | None, freeze: list[str] | None, loss_chunks: int,
+                   attention_chunks: int, mlp_chunks: int):
+    """The BuildOptions of the shared build flags (build, and compile/tune for forward
+    models), so that the three commands cannot drift apart."""
+    from memcc.frontend.build import BuildOptions
+
+    return BuildOptions(loss=loss, optimizer=optimizer, lr=lr, momentum=momentum,
+                        weight_decay=weight_decay, freeze=tuple(freeze or ()),
+                        loss_chunks=loss_chunks, attention_chunks=attention_chunks,
+                        mlp_chunks=mlp_chunks)
 
 
 def _fail(exc: MemccError) -> None:
@@ -63,56 +157,27 @@ def _main(
 def build(
     model: Annotated[Path, typer.Argument(help="Forward ONNX model (e.g. from torch.onnx).")],
     output: Annotated[Path, typer.Option("--output", "-o", help="Where to write the step.")],
-    loss: Annotated[str, typer.Option(
-        help="cross-entropy (adds int64 input 'labels'), mse (adds float input 'target'), "
-             "or none (the first output is already the scalar loss).")] = "cross-entropy",
-    optimizer: Annotated[str, typer.Option(
-        help="none (outputs P.grad per parameter), sgd (momentum), or adamw.")] = "sgd",
-    lr: Annotated[Optional[float], typer.Option(  # noqa: UP045
-        help="Learning rate (default: sgd 0.01, adamw 0.001).")] = None,
-    momentum: Annotated[float, typer.Option(help="SGD momentum (0 disables).")] = 0.9,
-    weight_decay: Annotated[Optional[float], typer.Option(  # noqa: UP045
-        help="Weight decay (default: sgd 0, adamw 0.01).")] = None,
+    loss: LossOpt = "cross-entropy",
+    optimizer: OptimizerOpt = "sgd",
+    lr: LrOpt = None,
+    momentum: MomentumOpt = 0.9,
+    weight_decay: WeightDecayOpt = None,
     dim: DimOpt = None,
-    freeze: Annotated[Optional[list[str]], typer.Option(  # noqa: UP045
-        "--freeze", metavar="PATTERN",
-        help="Keep parameters whose initializer names match this shell pattern fixed: "
-             "their gradients are never built (repeatable), e.g. --freeze 'embeddings.*'.",
-    )] = None,
-    loss_chunks: Annotated[int, typer.Option(
-        "--loss-chunks", min=1,
-        help="Cross-entropy and the vocabulary projection (a MatMul of the hidden states "
-             "by the output weight) over this many row chunks, each chunk's gradient taken "
-             "right away: the full logits are never held. For language models, whose "
-             "logits are often the largest tensor; gradients within 1e-5 of the plain "
-             "loss's.")] = 1,
-    attention_chunks: Annotated[int, typer.Option(
-        "--attention-chunks", min=1,
-        help="Every attention (queries-by-keys MatMul, Softmax, MatMul by the values) "
-             "over this many query chunks: the backward, and a plan that recomputes the "
-             "probabilities, then hold one chunk's scores at a time. For long sequences, "
-             "whose batch x heads x tokens x tokens scores outgrow the rest of a layer; "
-             "gradients within 1e-5 of whole attentions.")] = 1,
-    mlp_chunks: Annotated[int, typer.Option(
-        "--mlp-chunks", min=1,
-        help="Every MLP (MatMuls by 2-D weights around an activation or a gate) over this "
-             "many token chunks: the backward, and a plan that recomputes the hidden "
-             "activations, then hold one chunk's at a time. Gradients within 1e-5 of whole "
-             "MLPs.")] = 1,
+    freeze: FreezeOpt = None,
+    loss_chunks: LossChunksOpt = 1,
+    attention_chunks: AttentionChunksOpt = 1,
+    mlp_chunks: MlpChunksOpt = 1,
 ) -> None:
     """Build a complete training step (loss, backward, optimizer) in standard ONNX ops."""
     import warnings
 
     from memcc import api
-    from memcc.frontend.build import BuildOptions
     from memcc.frontend.exported import ExportWarning
     from memcc.frontend.load import parse_dims
 
     try:
-        opts = BuildOptions(loss=loss, optimizer=optimizer, lr=lr, momentum=momentum,
-                            weight_decay=weight_decay, freeze=tuple(freeze or ()),
-                            loss_chunks=loss_chunks, attention_chunks=attention_chunks,
-                            mlp_chunks=mlp_chunks)
+        opts = _build_options(loss, optimizer, lr, momentum, weight_decay, freeze,
+                              loss_chunks, attention_chunks, mlp_chunks)
         with err.status(f"building the training step of {model}"), \
                 warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", ExportWarning)
@@ -138,7 +203,7 @@ def build(
 def run(
     model: Annotated[Path, typer.Argument(help="Training step written by memcc build/compile.")],
     steps: Annotated[int, typer.Option(min=1, help="Training steps to run.")] = 5,
-    provider: Annotated[str, typer.Option(help="cpu, cuda or auto.")] = "cpu",
+    provider: RunProviderOpt = "cpu",
     seed: Annotated[int, typer.Option(help="Seed of the fixed synthetic batch.")] = 0,
     data: Annotated[Optional[Path], typer.Option(  # noqa: UP045
         help=".npz file with one array per data input (named like the inputs).")] = None,
@@ -194,9 +259,9 @@ def train(
     resume: Annotated[bool, typer.Option(
         "--resume", help="Continue from the newest checkpoint in --checkpoint (a fresh start "
                          "if it holds none).")] = False,
-    provider: Annotated[str, typer.Option(help="cpu, cuda or auto.")] = "cpu",
+    provider: RunProviderOpt = "cpu",
     threads: Annotated[Optional[int], typer.Option(  # noqa: UP045
-        help="ONNX Runtime intra-op threads (default: ORT's choice).")] = None,
+        min=1, help="ONNX Runtime intra-op threads (default: ORT's choice).")] = None,
     arena: Annotated[Optional[bool], typer.Option(  # noqa: UP045
         "--arena/--no-arena",
         help="CPU: allocate through ORT's CPU arena. Default: as the step was compiled "
@@ -346,10 +411,11 @@ def export_cmd(
     checkpoint: Annotated[Path, typer.Option(
         help="Checkpoint file, or a directory (its newest checkpoint).")],
     output: Annotated[Path, typer.Option("--output", "-o", help="Where to write.")],
-    fmt: Annotated[Optional[str], typer.Option(  # noqa: UP045
-        "--format", help="onnx (the forward model with the trained weights; default unless "
-                         "OUT ends in .safetensors) or safetensors (the weights under the "
-                         "exported model's initializer names).")] = None,
+    fmt: Annotated[Optional[Literal["onnx", "safetensors"]], typer.Option(  # noqa: UP045
+        "--format", case_sensitive=False,
+        help="onnx (the forward model with the trained weights; default unless OUT ends in "
+             ".safetensors) or safetensors (the weights under the exported model's "
+             "initializer names).")] = None,
 ) -> None:
     """Write the trained weights out: the forward ONNX model, or a safetensors file."""
     from memcc.trainer import export_checkpoint
@@ -366,19 +432,17 @@ def export_cmd(
 def compile_cmd(
     model: Annotated[Path, typer.Argument(help="Training step, or forward model (built first).")],
     budget: Annotated[str, typer.Option(
+        metavar="SIZE|min",
         help="Memory budget for the whole step: 6GB (10^9), 6GiB (2^30), MB/MiB/KB/KiB/TB/"
              "TiB, plain bytes, or 'min' for the smallest memcc can reach.")],
     output: Annotated[Optional[Path], typer.Option(  # noqa: UP045
         "--output", "-o", help="Rewritten step (default: MODEL.memcc.onnx).")] = None,
     report: Annotated[Optional[Path], typer.Option(  # noqa: UP045
         help="Write the report JSON here (default: OUTPUT with .report.json).")] = None,
-    strategy: Annotated[str, typer.Option(
-        help="auto (ILP, heuristics, exact polish; best fitting plan), ilp, sqrtn or none."
-    )] = "auto",
-    provider: Annotated[str, typer.Option(help="Provider to plan and measure for: cpu, cuda.")
-                        ] = "cpu",
+    strategy: StrategyOpt = "auto",
+    provider: PlanProviderOpt = "cpu",
     time_limit: Annotated[float, typer.Option(help="Seconds the planner may spend.")] = 60.0,
-    cost: Annotated[str, typer.Option(
+    cost: Annotated[Literal["auto", "measured", "analytic"], typer.Option(
         help="Node times: auto (measure in ORT, estimate if that fails), measured, analytic."
     )] = "auto",
     verify: Annotated[bool, typer.Option(
@@ -409,23 +473,22 @@ def compile_cmd(
              "CUDA), verify through it, and mark the step so that memcc train and run "
              "allocate through it: no page faults each step, and the process holds the "
              "plan's peak, where glibc's heap can hold several times it.")] = False,
-    loss: Annotated[str, typer.Option(help="(forward models) as in memcc build.")
-                    ] = "cross-entropy",
-    optimizer: Annotated[str, typer.Option(help="(forward models) as in memcc build.")
-                         ] = "sgd",
-    lr: Annotated[Optional[float], typer.Option(  # noqa: UP045
-        help="(forward models) as in memcc build.")] = None,
-    loss_chunks: Annotated[int, typer.Option(
-        "--loss-chunks", min=1, help="(forward models) as in memcc build.")] = 1,
-    attention_chunks: Annotated[int, typer.Option(
-        "--attention-chunks", min=1, help="(forward models) as in memcc build.")] = 1,
-    mlp_chunks: Annotated[int, typer.Option(
-        "--mlp-chunks", min=1, help="(forward models) as in memcc build.")] = 1,
+    loss: LossOpt = "cross-entropy",
+    optimizer: OptimizerOpt = "sgd",
+    lr: LrOpt = None,
+    momentum: MomentumOpt = 0.9,
+    weight_decay: WeightDecayOpt = None,
+    freeze: FreezeOpt = None,
+    loss_chunks: LossChunksOpt = 1,
+    attention_chunks: AttentionChunksOpt = 1,
+    mlp_chunks: MlpChunksOpt = 1,
     dim: DimOpt = None,
 ) -> None:
-    """Rewrite a training step so that it fits a memory budget at the least added time."""
+    """Rewrite a training step so that it fits a memory budget at the least added time.
+
+    A forward model is built first, with memcc build's options (--loss ... --mlp-chunks);
+    a training step keeps the options it was built with."""
     from memcc.compiler import CompileOptions, VerificationError, compile_model, summary_lines
-    from memcc.frontend.build import BuildOptions
     from memcc.frontend.load import parse_dims
 
     out_path = output or model.with_name(model.stem + ".memcc.onnx")
@@ -435,9 +498,8 @@ def compile_cmd(
             budget=budget, strategy=strategy, provider=provider, time_limit=time_limit,
             cost=cost, verify=verify, margin=margin, variants=variants, offload=offload,
             allow_lossy=allow_lossy, arena=arena,
-            build=BuildOptions(loss=loss, optimizer=optimizer, lr=lr,
-                               loss_chunks=loss_chunks, attention_chunks=attention_chunks,
-                               mlp_chunks=mlp_chunks),
+            build=_build_options(loss, optimizer, lr, momentum, weight_decay, freeze,
+                                 loss_chunks, attention_chunks, mlp_chunks),
             dims=parse_dims(dim),
         )
         with err.status("compiling") as status:
@@ -463,6 +525,7 @@ def tune_cmd(
     model: Annotated[Path, typer.Argument(help="Forward ONNX model with a symbolic batch "
                                                "dimension.")],
     budget: Annotated[str, typer.Option(
+        metavar="SIZE",
         help="Memory budget for the whole step: 6GB (10^9), 6GiB (2^30), MB/MiB/KB/KiB/TB/"
              "TiB or plain bytes.")],
     dim: Annotated[list[str], typer.Option(
@@ -471,7 +534,7 @@ def tune_cmd(
              "other symbolic dimensions, e.g. --dim seq=128 (repeatable).")],
     output: Annotated[Optional[Path], typer.Option(  # noqa: UP045
         "--output", "-o", help="Write the compiled step of the picked size here.")] = None,
-    pick: Annotated[str, typer.Option(
+    pick: Annotated[Literal["fastest", "largest"], typer.Option(
         help="fastest (highest predicted samples/s) or largest: the size -o writes.")
     ] = "fastest",
     points: Annotated[int, typer.Option(
@@ -485,7 +548,7 @@ def tune_cmd(
     ref_lr: Annotated[Optional[float], typer.Option(  # noqa: UP045
         help="Learning rate known to work at --ref-batch; the suggestion for the picked "
              "size is built into the step.")] = None,
-    lr_rule: Annotated[str, typer.Option(
+    lr_rule: Annotated[Literal["linear", "sqrt"], typer.Option(
         help="linear (lr * B/B_ref) or sqrt (lr * sqrt(B/B_ref)) scaling.")] = "linear",
     measure: Annotated[bool, typer.Option(
         "--measure", help="Run the sizes with the highest predicted throughput in ONNX "
@@ -493,35 +556,35 @@ def tune_cmd(
                           "prediction.")] = False,
     measure_top: Annotated[int, typer.Option(
         min=1, help="How many sizes --measure runs.")] = 3,
-    strategy: Annotated[str, typer.Option(help="As in memcc compile.")] = "auto",
-    provider: Annotated[str, typer.Option(help="As in memcc compile: cpu, cuda.")] = "cpu",
+    strategy: StrategyOpt = "auto",
+    provider: PlanProviderOpt = "cpu",
     time_limit: Annotated[float, typer.Option(
         help="Seconds each planner call may spend (compile's default is 60; tune makes "
              "several calls; a larger limit can find larger batches).")] = 10.0,
-    cost: Annotated[str, typer.Option(
+    cost: Annotated[Literal["analytic", "measured", "auto"], typer.Option(
         help="Node times: analytic (default here: measuring would run every size), "
              "measured or auto.")] = "analytic",
     margin: Annotated[float, typer.Option(
         help="Safety margin: plan for budget*(1-margin) - slack; the slack is 1 MiB plus, "
              "on the CPU without --arena, 1 KiB of heap per buffer under 4 KiB.")] = 0.02,
-    loss: Annotated[str, typer.Option(help="As in memcc build.")] = "cross-entropy",
-    optimizer: Annotated[str, typer.Option(help="As in memcc build.")] = "sgd",
-    lr: Annotated[Optional[float], typer.Option(  # noqa: UP045
-        help="As in memcc build (or derive it: --ref-batch/--ref-lr).")] = None,
-    freeze: Annotated[Optional[list[str]], typer.Option(  # noqa: UP045
-        "--freeze", metavar="PATTERN", help="As in memcc build (repeatable).")] = None,
-    loss_chunks: Annotated[int, typer.Option(
-        "--loss-chunks", min=1, help="As in memcc build.")] = 1,
-    attention_chunks: Annotated[int, typer.Option(
-        "--attention-chunks", min=1, help="As in memcc build.")] = 1,
-    mlp_chunks: Annotated[int, typer.Option(
-        "--mlp-chunks", min=1, help="As in memcc build.")] = 1,
+    loss: LossOpt = "cross-entropy",
+    optimizer: OptimizerOpt = "sgd",
+    lr: LrOpt = None,
+    momentum: MomentumOpt = 0.9,
+    weight_decay: WeightDecayOpt = None,
+    freeze: FreezeOpt = None,
+    loss_chunks: LossChunksOpt = 1,
+    attention_chunks: AttentionChunksOpt = 1,
+    mlp_chunks: MlpChunksOpt = 1,
 ) -> None:
-    """Find the largest batch, and the fastest, whose training step fits a memory budget."""
+    """Find the largest batch, and the fastest, whose training step fits a memory budget.
+
+    Each size is built with memcc build's options (--loss ... --mlp-chunks); --lr may
+    instead be derived from --ref-batch/--ref-lr."""
     from memcc.backend.onnx_file import check_writable
     from memcc.errors import InputError
-    from memcc.frontend.build import BuildOptions
     from memcc.frontend.load import parse_dims
+    from memcc.report import check_plot_path
     from memcc.tune import TuneOptions, plot_tune, tune, write_step
     from memcc.tune import measure as measure_sizes
 
@@ -535,17 +598,16 @@ def tune_cmd(
             raise InputError("--lr and --ref-lr both set the learning rate: give one")
         opts = TuneOptions(
             strategy=strategy, cost=cost, provider=provider, time_limit=time_limit,
-            margin=margin, build=BuildOptions(loss=loss, optimizer=optimizer, lr=lr,
-                                              freeze=tuple(freeze or ()),
-                                              loss_chunks=loss_chunks,
-                                              attention_chunks=attention_chunks,
-                                              mlp_chunks=mlp_chunks),
+            margin=margin, build=_build_options(loss, optimizer, lr, momentum, weight_decay,
+                                                freeze, loss_chunks, attention_chunks,
+                                                mlp_chunks),
             dims=parse_dims([d for d in dim if ".." not in d]), pick=pick, points=points,
             ref_batch=ref_batch, ref_lr=ref_lr, lr_rule=lr_rule)
-        for path, what, flag in ((output, "the compiled step", "--output/-o"),
-                                 (plot, "the plot", "--plot")):
-            if path is not None:
-                check_writable(path, what, flag)
+        reads = [("the model", model)]
+        if output is not None:
+            check_writable(output, "the compiled step", "--output/-o", inputs=reads)
+        if plot is not None:
+            check_plot_path(plot, inputs=[*reads, ("the compiled step (-o)", output)])
         with err.status("tune") as status:
             result = tune(model, budget, ranges[0], opts,
                           progress=lambda m: status.update(f"tune: {escape(m)}"))
@@ -636,8 +698,7 @@ def _print_tune(result) -> None:
 @app.command(name="analyze")
 def analyze_cmd(
     model: Annotated[Path, typer.Argument(help="Training step, or forward model (built first).")],
-    provider: Annotated[str, typer.Option(help="cpu or cuda: whose allocation rules the peak "
-                                               "is predicted by.")] = "cpu",
+    provider: PlanProviderOpt = "cpu",
     arena: Annotated[bool, typer.Option(
         "--arena", help="CPU: predict for ORT's CPU arena, as memcc compile --arena plans."
     )] = False,
@@ -649,8 +710,8 @@ def analyze_cmd(
     time_limit: Annotated[Optional[float], typer.Option(  # noqa: UP045
         help="Seconds the smallest-peak search may spend (default 1; past it the answer is "
              "an upper bound, and says so).")] = None,
-    strategy: Annotated[str, typer.Option(help="As in memcc compile.")] = "auto",
-    cost: Annotated[str, typer.Option(
+    strategy: StrategyOpt = "auto",
+    cost: Annotated[Literal["analytic", "measured", "auto"], typer.Option(
         help="Node times: analytic (default here, nothing runs), measured or auto.")
     ] = "analytic",
     margin: Annotated[float, typer.Option(
@@ -658,30 +719,20 @@ def analyze_cmd(
              "slack.")] = 0.02,
     variants: Annotated[bool, typer.Option(
         "--variants/--no-variants", help="As in memcc compile.")] = True,
-    loss: Annotated[str, typer.Option(help="(forward models) as in memcc build.")
-                    ] = "cross-entropy",
-    optimizer: Annotated[str, typer.Option(help="(forward models) as in memcc build.")
-                         ] = "sgd",
-    lr: Annotated[Optional[float], typer.Option(  # noqa: UP045
-        help="(forward models) as in memcc build.")] = None,
-    momentum: Annotated[float, typer.Option(help="(forward models) as in memcc build.")
-                        ] = 0.9,
-    weight_decay: Annotated[Optional[float], typer.Option(  # noqa: UP045
-        help="(forward models) as in memcc build.")] = None,
-    freeze: Annotated[Optional[list[str]], typer.Option(  # noqa: UP045
-        "--freeze", metavar="PATTERN", help="(forward models) as in memcc build.")] = None,
-    loss_chunks: Annotated[int, typer.Option(
-        "--loss-chunks", min=1, help="(forward models) as in memcc build.")] = 1,
-    attention_chunks: Annotated[int, typer.Option(
-        "--attention-chunks", min=1, help="(forward models) as in memcc build.")] = 1,
-    mlp_chunks: Annotated[int, typer.Option(
-        "--mlp-chunks", min=1, help="(forward models) as in memcc build.")] = 1,
+    loss: LossOpt = "cross-entropy",
+    optimizer: OptimizerOpt = "sgd",
+    lr: LrOpt = None,
+    momentum: MomentumOpt = 0.9,
+    weight_decay: WeightDecayOpt = None,
+    freeze: FreezeOpt = None,
+    loss_chunks: LossChunksOpt = 1,
+    attention_chunks: AttentionChunksOpt = 1,
+    mlp_chunks: MlpChunksOpt = 1,
     dim: DimOpt = None,
 ) -> None:
     """Show the step as built: predicted peak, what it is made of, the smallest budget."""
     from memcc.analyze import DEFAULT_TIME_LIMIT, analyze, describe
     from memcc.compiler import CompileOptions
-    from memcc.frontend.build import BuildOptions
     from memcc.frontend.load import parse_dims
 
     try:
@@ -689,10 +740,8 @@ def analyze_cmd(
             budget="min", strategy=strategy, provider=provider,
             time_limit=DEFAULT_TIME_LIMIT if time_limit is None else time_limit, cost=cost,
             margin=margin, variants=variants, arena=arena,
-            build=BuildOptions(loss=loss, optimizer=optimizer, lr=lr, momentum=momentum,
-                               weight_decay=weight_decay, freeze=tuple(freeze or ()),
-                               loss_chunks=loss_chunks, attention_chunks=attention_chunks,
-                               mlp_chunks=mlp_chunks),
+            build=_build_options(loss, optimizer, lr, momentum, weight_decay, freeze,
+                                 loss_chunks, attention_chunks, mlp_chunks),
             dims=parse_dims(dim))
         with err.status("analyze") as status:
             result = analyze(model, opts, smallest=smallest,
@@ -716,10 +765,16 @@ def report_cmd(
     ] = None,
 ) -> None:
     """Print a compile report as tables; optionally plot the memory timeline."""
-    from memcc.report import load_report, plot_timeline, print_report
+    from memcc.errors import InputError
+    from memcc.report import check_plot_path, load_report, plot_timeline, print_report
 
     try:
         data = load_report(report)
+        if plot is not None:  # before the tables: an error must not follow them
+            check_plot_path(plot, inputs=[("the report", report)])
+            if not (data.get("timeline") or {}).get("baseline"):
+                raise InputError(f"{report}: the report has no timeline to plot (written by "
+                                 "an older memcc?); compile again for one, or drop --plot")
         print_report(data, out)
         if plot is not None:
             plot_timeline(data, plot)

@@ -29,11 +29,13 @@ from memcc.backend.onnx_file import (
     Staged,
     check_writable,
     discard,
+    same_file,
     stage_model,
     stage_text,
     write_together,
 )
 from memcc.backend.profiling import calibrate_cpu_rates, measured_costs
+from memcc.backend.session import planning_provider
 from memcc.errors import InputError, MemccError
 from memcc.frontend.build import BuildOptions, build_training_step, is_training_step
 from memcc.frontend.load import load_graph
@@ -95,19 +97,23 @@ class CompileOptions:
     dims: Mapping[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        # --provider auto plans for where the step would run here (as run and train do).
+        object.__setattr__(self, "provider", planning_provider(self.provider))
         if self.strategy not in STRATEGIES:
             raise InputError(f"--strategy '{self.strategy}': choose one of "
                              f"{', '.join(STRATEGIES)}")
         if self.cost not in COST_SOURCES:
             raise InputError(f"--cost '{self.cost}': choose one of {', '.join(COST_SOURCES)}")
         if self.time_limit <= 0:
-            raise InputError("--time-limit must be positive")
+            raise InputError(f"--time-limit {self.time_limit:g}: give a positive number of "
+                             "seconds")
         if not 0.0 <= self.margin < 0.5:
-            raise InputError("--margin must lie in [0, 0.5)")
+            raise InputError(f"--margin {self.margin:g}: give a fraction in [0, 0.5), e.g. "
+                             "0.02")
         if self.slack_bytes is not None and self.slack_bytes < 0:
             raise InputError("the slack must be zero or more bytes")
         if self.provider not in ("cpu", "cuda"):
-            raise InputError(f"--provider '{self.provider}': choose cpu or cuda")
+            raise InputError(f"--provider '{self.provider}': choose cpu, cuda or auto")
         if self.arena and self.provider != "cpu":
             raise InputError("--arena is for --provider cpu: the CUDA provider always "
                              "allocates through its arena, and its plans are judged by it")
@@ -211,6 +217,12 @@ def compile_model(model: str | os.PathLike, options: CompileOptions, *,
     label = str(model) if isinstance(model, (str, os.PathLike)) else "<model>"
     budget = options.budget_bytes
     graph = timed("load", lambda: _load(model, label, options))
+    if not passes[-1].summary["built_training_step"] and options.build != BuildOptions():
+        warning(f"{label} is already a training step: the build options given (--loss, "
+                "--optimizer, --lr, --freeze, ...) apply to forward models and are ignored; "
+                "rebuild the step with memcc build to change them")
+    if budget is not None:
+        _check_floor(graph, budget, options, label)
     racing = [node_label(n) for n in racing_nodes(graph)]
     if racing:
         warning(f"{label}: {len(racing)} node(s) from the model run an ONNX Runtime CPU kernel "
@@ -263,17 +275,42 @@ def compile_model(model: str | os.PathLike, options: CompileOptions, *,
 
 
 def _check_targets(model, output, report_path) -> None:
-    """Before any work: both files can be written, and are two different files."""
+    """Before any work: both files can be written, and are two different files, neither of
+    them the model (a rename over it would destroy the input before anything is checked)."""
     if isinstance(model, (str, os.PathLike)) and not Path(model).exists():
         raise InputError(f"{model}: no such file")
+    reads = [("the model", model)]
     if output is not None:
-        check_writable(output, "the rewritten step", "--output/-o")
+        check_writable(output, "the rewritten step", "--output/-o", inputs=reads)
     if report_path is not None:
-        check_writable(report_path, "the report", "--report")
-    if output is not None and report_path is not None and \
-            Path(output).resolve() == Path(report_path).resolve():
+        check_writable(report_path, "the report", "--report", inputs=reads)
+    if output is not None and report_path is not None and same_file(output, report_path):
         raise InputError(f"--output and --report are the same file ({output}); give the "
                          "report another name.")
+
+
+def _check_floor(graph: Graph, budget: int, options: CompileOptions, label: str) -> None:
+    """Refuse, before any search, a budget that not even the values every plan holds fit:
+    the step's inputs and stored values (parameters, optimizer state, data; all there when
+    the step starts, and no plan recomputes them) plus the margin and slack the budget
+    keeps free. The search would say the same after its smallest-peak solve (tens of
+    seconds on a large step) with the exact smallest budget; this says what is at least
+    needed, at once (the error's ``smallest`` is that lower bound). Row chunks cannot help
+    here (they shrink activations, not these), so their hint is left to the search's
+    refusal."""
+    persistent = set(graph.inputs) | set(graph.initializers)
+    floor = sum(graph.info[v].nbytes for v in persistent if v in graph.info)
+    slack = options.slack_for(graph)
+    if floor <= plan_budget_under(budget, options, slack):
+        return
+    need = user_budget(floor, options, slack)
+    raise BudgetError(
+        f"{label}: --budget {options.budget} ({budget:,} bytes) cannot hold this step: its "
+        f"inputs, parameters and optimizer state alone take {format_size(floor)}, which no "
+        f"plan shrinks, and the budget keeps {options.margin:.0%} + {slack:,} bytes free "
+        f"besides (--margin). No budget under {format_size(need)} ({need:,} bytes) can fit; "
+        "--budget min finds the smallest that does. Nothing was written.",
+        budget=budget, smallest=need)
 
 
 def _check_provider(options: CompileOptions, warning: Progress) -> str | None:

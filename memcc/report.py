@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Iterable
 from pathlib import Path
 
 from rich.console import Console
@@ -21,6 +23,11 @@ def load_report(path: str | Path) -> dict:
         data = json.loads(p.read_text())
     except FileNotFoundError:
         raise InputError(f"{p}: no such file") from None
+    except IsADirectoryError:
+        raise InputError(f"{p}: a directory; give the report JSON file memcc compile wrote "
+                         "(--report FILE.json)") from None
+    except OSError as exc:
+        raise InputError(f"{p}: cannot read it ({exc.strerror or exc})") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise InputError(f"{p}: not a JSON report ({exc})") from None
     missing = [k for k in REQUIRED if k not in data] if isinstance(data, dict) else REQUIRED
@@ -191,12 +198,41 @@ def plot_timeline(report: dict, path: str | Path) -> Path:
     fig = timeline_figure(report)
     import matplotlib.pyplot as plt
 
-    out = Path(path)
     try:
-        fig.savefig(out, dpi=110)
+        return save_figure(fig, path)
     finally:
         plt.close(fig)
-    return out
+
+
+def check_plot_path(path: str | os.PathLike, option: str = "--plot", *,
+                    inputs: Iterable[tuple[str, str | os.PathLike]] = ()) -> None:
+    """Before anything is computed or printed: the plot can be written there, in a format
+    matplotlib writes (named by the suffix; none means PNG), and is none of ``inputs``."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    from memcc.backend.onnx_file import check_writable
+
+    check_writable(path, "the plot", option, inputs=inputs)
+    fmt = Path(path).suffix[1:].lower()
+    known = FigureCanvasBase.get_supported_filetypes()
+    if fmt and fmt not in known:
+        raise InputError(f"cannot write the plot {path}: matplotlib writes no '.{fmt}' files. "
+                         f"Give {option} a name ending in .png (or .{', .'.join(sorted(known))}"
+                         ").")
+
+
+def save_figure(fig, path: str | os.PathLike) -> Path:
+    """Save a matplotlib figure atomically (a temporary file, then a rename), in the format
+    its suffix names (PNG without one): a failed save leaves no half-written file."""
+    from memcc.backend.onnx_file import write_atomically
+
+    out = Path(path)
+    fmt = out.suffix[1:].lower() or "png"
+    try:
+        return write_atomically(out, lambda tmp: fig.savefig(tmp, dpi=110, format=fmt))
+    except OSError as exc:
+        raise InputError(f"cannot write the plot {out}: {exc.strerror or exc}. Nothing was "
+                         "written.") from None
 
 
 def timeline_figure(report: dict):

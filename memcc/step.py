@@ -205,13 +205,17 @@ class TrainingStep:
         return {p: dict(recorded.get(p) or {"exported_name": p, "named": True})
                 for p in self.parameters}
 
-    def validate(self, source: str = "<model>") -> TrainingStep:
-        """Raise ``InputError`` unless the file keeps the contract the runner relies on."""
+    def validate(self, source: str = "<model>", *,
+                 then: str = "memcc run step.onnx") -> TrainingStep:
+        """Raise ``InputError`` unless the file keeps the contract the runner relies on.
+        ``then``: what the caller's user does with the step once built (the message says
+        how to build it, then that)."""
         g = self.graph
         if not self.is_training_step:
             raise InputError(
                 f"{source}: not a memcc training step (no memcc.kind=training_step metadata). "
-                f"Build one first: memcc build {source} -o step.onnx, then memcc run step.onnx"
+                f"Build one first: memcc build {source} -o step.onnx (or memcc compile "
+                f"{source} --budget SIZE -o step.onnx, to fit a memory budget), then {then}"
             )
         if self._errors:
             raise InputError(f"{source}: malformed memcc.* metadata: {self._errors[0]}")

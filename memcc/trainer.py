@@ -39,7 +39,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -90,7 +90,8 @@ class Trainer:
         # batchnorm_for_cuda.py); ``export`` writes the step's own form back out.
         self.graph, self._rewritten_for_provider = for_provider(
             graph if graph is not None else load_graph(self.path), self.provider)
-        self.spec = TrainingStep.of(self.graph).validate(str(self.path))
+        self.spec = TrainingStep.of(self.graph).validate(
+            str(self.path), then="memcc.Trainer('step.onnx')")
         if arena and self.provider != "cpu":
             raise InputError("--arena is for the CPU provider: CUDA always allocates through "
                              "its arena")
@@ -302,7 +303,8 @@ class Trainer:
             graph = load_graph(self.path)
             spec = TrainingStep.of(graph)
         return export_weights(graph, spec, self.state_dict(), path, format=format,
-                              source=str(self.path))
+                              source=str(self.path),
+                              inputs=[("the training step", self.path)])
 
 
 def step_signature(graph: Graph, spec: TrainingStep) -> dict:
@@ -324,9 +326,12 @@ def export_checkpoint(step_path: str | os.PathLike, checkpoint: str | os.PathLik
     ``warn`` hears about parameters a PyTorch ``load_state_dict`` will not find by name."""
     path = Path(step_path)
     graph = load_graph(path)
-    spec = TrainingStep.of(graph).validate(str(path))
-    c = ckpt.load(checkpoint, sig=step_signature(graph, spec))
-    out = export_weights(graph, spec, c.tensors, output, format=format, source=str(path))
+    spec = TrainingStep.of(graph).validate(
+        str(path), then="memcc train step.onnx --data DATA --checkpoint DIR; memcc export "
+                        "reads the step a checkpoint was trained with, not the forward model")
+    c = ckpt.load(checkpoint, sig=step_signature(graph, spec), purpose="export")
+    out = export_weights(graph, spec, c.tensors, output, format=format, source=str(path),
+                         inputs=[("the training step", path), ("the checkpoint", c.path)])
     weights_only = (format or "").lower() == "safetensors" or \
         (format is None and out.suffix == ".safetensors")
     unnamed = made_up_names(spec)
@@ -338,15 +343,18 @@ def export_checkpoint(step_path: str | os.PathLike, checkpoint: str | os.PathLik
 
 def export_weights(graph: Graph, spec: TrainingStep, state: Mapping[str, np.ndarray],
                    output: str | os.PathLike, *, format: str | None = None,
-                   source: str = "<step>") -> Path:
-    """Write the forward model with ``state`` as its weights, or those weights alone."""
+                   source: str = "<step>",
+                   inputs: Iterable[tuple[str, str | os.PathLike]] = ()) -> Path:
+    """Write the forward model with ``state`` as its weights, or those weights alone.
+    ``inputs``: the files the export reads (the step, the checkpoint), which ``output``
+    must not overwrite (``check_writable``)."""
     from memcc.backend.onnx_file import check_writable, save_graph
 
     out = Path(output)
     fmt = (format or ("safetensors" if out.suffix == ".safetensors" else "onnx")).lower()
     if fmt not in EXPORT_FORMATS:
         raise InputError(f"--format '{format}': choose one of {', '.join(EXPORT_FORMATS)}")
-    check_writable(out, "the exported model", "--output/-o")
+    check_writable(out, "the exported model", "--output/-o", inputs=inputs)
     fwd = forward_graph(graph, spec, state, source=source)
     if fmt == "onnx":
         return save_graph(fwd, out)
@@ -522,7 +530,8 @@ class TrainPlan:
 def plan_training(opts: TrainOptions, graph: Graph | None = None) -> TrainPlan:
     """Check the step and the data against each other; nothing runs."""
     graph = graph if graph is not None else load_graph(opts.step)
-    spec = TrainingStep.of(graph).validate(str(opts.step))
+    spec = TrainingStep.of(graph).validate(str(opts.step),
+                                           then=f"memcc train step.onnx --data {opts.data}")
     inputs = data_inputs(graph, spec)
     dataset = load_dataset(opts.data, inputs)
     total = opts.steps if opts.steps is not None else \
@@ -546,6 +555,8 @@ def train(opts: TrainOptions, *, on_start: Callable[[TrainResult], None] | None 
             f"--checkpoint {opts.checkpoint}: already holds a run's checkpoints (newest: "
             f"{ckpt.latest(opts.checkpoint).name}). Pass --resume to continue it, or choose "
             "an empty directory for a new run.")
+    if opts.checkpoint is not None:
+        ckpt.check_directory(opts.checkpoint)  # now, not after the steps before the first save
     loaded = ckpt.load(start) if start is not None else None
     trainer = Trainer(opts.step, provider=opts.provider, threads=opts.threads, graph=graph,
                       arena=opts.arena, resumed_at=loaded.step if loaded is not None else 0)

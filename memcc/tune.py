@@ -103,8 +103,9 @@ class TuneOptions:
                               dims=self.dims)
 
     def __post_init__(self) -> None:
-        # The options tune shares with compile are checked by compile's own rules.
-        self.compile_options()
+        # The options tune shares with compile are checked by compile's own rules, and
+        # --provider auto resolves as there.
+        object.__setattr__(self, "provider", self.compile_options().provider)
         if self.pick not in PICKS:
             raise InputError(f"--pick '{self.pick}': choose one of {', '.join(PICKS)}")
         if self.points < 0:
@@ -532,7 +533,7 @@ def _budget(budget: str | int) -> int:
                          "peak of one step)")
     n = parse_size(budget)
     if n <= 0:
-        raise InputError("--budget must be positive")
+        raise InputError(f"--budget {budget}: give a positive size, e.g. --budget 1GB")
     return n
 
 
@@ -739,16 +740,16 @@ def write_step(result: TuneResult, path: str | os.PathLike) -> Path:
 
 
 def plot_tune(result: TuneResult, path: str | os.PathLike) -> Path:
-    """Draw ``tune_figure(result)`` to a PNG at ``path``."""
+    """Draw ``tune_figure(result)`` at ``path`` (atomically, in the format its suffix names)."""
     import matplotlib.pyplot as plt
 
+    from memcc.report import save_figure
+
     fig = tune_figure(result)
-    out = Path(path)
     try:
-        fig.savefig(out, dpi=110)
+        return save_figure(fig, path)
     finally:
         plt.close(fig)
-    return out
 
 
 # How ``tune_figure`` draws a row's ``peak_bytes`` by what it is (``Candidate.peak_kind``):

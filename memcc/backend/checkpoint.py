@@ -65,14 +65,19 @@ class Checkpoint:
     fingerprint: str = ""
     signature: str = ""
 
-    def check_step(self, sig: Mapping) -> None:
-        """Refuse this checkpoint unless it was written for the step described by ``sig``."""
+    def check_step(self, sig: Mapping, *, purpose: str = "resume") -> None:
+        """Refuse this checkpoint unless it was written for the step described by ``sig``.
+        ``purpose`` (``resume`` or ``export``) picks the advice: what to do differs."""
         if self.fingerprint != fingerprint(sig):
+            advice = ("Export it with the step file that trained it (or a memcc compile of "
+                      "that step), or point --checkpoint at a checkpoint of this step."
+                      if purpose == "export" else
+                      "Use it with the step file that wrote it (or a memcc compile of that "
+                      "step); to train this step from the start, choose a new checkpoint "
+                      "directory.")
             raise InputError(
                 f"{self.path}: written for another training step: "
-                f"{_first_difference(self.signature, sig)}. Use it with the step file that "
-                "wrote it (or a memcc compile of that step); to train this step from the "
-                "start, choose a new checkpoint directory.")
+                f"{_first_difference(self.signature, sig)}. {advice}")
 
 
 def signature(types: Mapping[str, tuple[np.dtype, tuple[int, ...]]], extra: Mapping
@@ -100,6 +105,23 @@ def tensors_digest(tensors: Mapping[str, np.ndarray]) -> str:
 
 
 # ---------------------------------------------------------------------------- writing
+def check_directory(directory: str | os.PathLike) -> None:
+    """Fail before training, not at the first save after it, where ``directory`` cannot
+    hold checkpoints: a file there or above it, or a directory memcc cannot write in (it
+    need not exist yet: ``save`` creates it)."""
+    d = Path(directory)
+    if d.exists() and not d.is_dir():
+        raise InputError(f"--checkpoint {d}: is a file, not a directory. Give a directory "
+                         "for the checkpoints (memcc creates it if missing).")
+    existing = d if d.exists() else next((a for a in d.parents if a.exists()), Path("."))
+    if not existing.is_dir():
+        raise InputError(f"--checkpoint {d}: {existing} is a file, not a directory. Choose "
+                         "another directory for the checkpoints.")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise InputError(f"--checkpoint {d}: cannot write in {existing}. Make it writable or "
+                         "choose another directory for the checkpoints.")
+
+
 def save(directory: str | os.PathLike, tensors: Mapping[str, np.ndarray], *, step: int,
          sig: Mapping, data_state: Mapping | None = None, step_file: str | None = None,
          keep: int = 2) -> Path:
@@ -110,8 +132,7 @@ def save(directory: str | os.PathLike, tensors: Mapping[str, np.ndarray], *, ste
     if keep < 1:
         raise InputError("a checkpoint directory must keep at least 1 checkpoint")
     d = Path(directory)
-    if d.exists() and not d.is_dir():
-        raise InputError(f"--checkpoint {d}: is a file, not a directory")
+    check_directory(d)
     try:
         d.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -229,18 +250,25 @@ def resolve(path: str | os.PathLike) -> Path:
     return found
 
 
-def load(path: str | os.PathLike, *, sig: Mapping | None = None) -> Checkpoint:
+def load(path: str | os.PathLike, *, sig: Mapping | None = None,
+         purpose: str = "resume") -> Checkpoint:
     """Read and check a checkpoint file (or the newest in a directory).
 
     With ``sig`` the checkpoint must belong to that step; a foreign, truncated or corrupted
-    file raises ``InputError`` naming the file and what is wrong with it.
+    file raises ``InputError`` naming the file and what is wrong with it. ``purpose``
+    (``resume`` or ``export``) picks the advice those errors give.
     """
     from safetensors import SafetensorError
     from safetensors.numpy import load_file
 
     p = resolve(path)
-    hint = (f" Delete {p} to resume from the checkpoint before it, or point --checkpoint at "
-            "another one.")
+    if purpose == "export":
+        older = [c for c in list_checkpoints(p.parent) if _step_of(c) < _step_of(p)]
+        hint = (f" Export an older checkpoint instead: --checkpoint {older[-1]}." if older
+                else " Point --checkpoint at another checkpoint of this run.")
+    else:
+        hint = (f" Delete {p} to resume from the checkpoint before it, or point --checkpoint "
+                "at another one.")
     try:
         tensors = load_file(str(p))
         metadata = _metadata(p)
@@ -251,7 +279,8 @@ def load(path: str | os.PathLike, *, sig: Mapping | None = None) -> Checkpoint:
         what = metadata.get(FORMAT_KEY)
         raise InputError(
             f"{p}: not a memcc checkpoint (format tag {what!r}, expected {FORMAT!r}). memcc "
-            "resumes only checkpoints written by memcc train or memcc.Trainer.save.")
+            f"{'exports' if purpose == 'export' else 'resumes'} only checkpoints written by "
+            "memcc train or memcc.Trainer.save.")
     if metadata.get(SHA_KEY) != tensors_digest(tensors):
         raise InputError(f"{p}: corrupt: its tensor data does not match the checksum "
                          f"written with it.{hint}")
@@ -263,7 +292,7 @@ def load(path: str | os.PathLike, *, sig: Mapping | None = None) -> Checkpoint:
     ckpt = Checkpoint(p, dict(tensors), step, data_state, metadata.get(SOURCE_KEY),
                       metadata.get(FINGERPRINT_KEY, ""), metadata.get(SIGNATURE_KEY, ""))
     if sig is not None:
-        ckpt.check_step(sig)
+        ckpt.check_step(sig, purpose=purpose)
     return ckpt
 
 

@@ -20,6 +20,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+import struct
+import zipfile
+import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -134,12 +137,40 @@ def load_dataset(path: str | os.PathLike, inputs: list[DataInput]) -> Dataset:
     return Dataset(str(p), arrays, n, batch, tuple(str(f) for f in files))
 
 
-def _read_shard(f: Path, inputs: list[DataInput]) -> dict[str, np.ndarray]:
+def read_npz(f: str | os.PathLike) -> dict[str, np.ndarray]:
+    """Every array of an ``.npz`` file, or an ``InputError`` naming the file: a corrupt or
+    truncated archive (``zipfile``, ``zlib`` and numpy's header errors), a plain ``.npy``
+    array, a directory and pickled object arrays are all refused, with what to give."""
+    p = Path(f)
+    what = (f"--data {p}: cannot read it as an .npz file", "Write it with numpy.savez (one "
+            "array per data input, named like it).")
+    if p.is_dir():
+        raise InputError(f"{what[0]}: it is a directory. {what[1]}")
     try:
-        with np.load(f, allow_pickle=False) as npz:
-            arrays = {k: np.asarray(npz[k]) for k in npz.files}
-    except (OSError, ValueError, EOFError) as exc:
-        raise InputError(f"--data {f}: cannot read it as an .npz file ({exc})") from None
+        loaded = np.load(p, allow_pickle=False)
+        if not isinstance(loaded, np.lib.npyio.NpzFile):
+            raise InputError(f"{what[0]}: it holds one unnamed array (an .npy file), not "
+                             f"named arrays. {what[1]}")
+        with loaded as npz:
+            return {k: np.asarray(npz[k]) for k in npz.files}
+    except FileNotFoundError:
+        raise InputError(f"--data {p}: no such file") from None
+    except ValueError as exc:
+        if "pickle" not in str(exc):
+            raise InputError(f"{what[0]} ({exc}); it may be truncated or corrupt. {what[1]}"
+                             ) from None
+        raise InputError(f"{what[0]}: it holds object (pickled) arrays, which memcc does not "
+                         "load (loading runs code from the file). Save numeric arrays with "
+                         "numpy.savez.") from None
+    except (OSError, EOFError, KeyError, zipfile.BadZipFile, zlib.error,
+            struct.error) as exc:
+        detail = str(exc) or type(exc).__name__
+        raise InputError(f"{what[0]} ({detail}); it may be truncated or corrupt. {what[1]}"
+                         ) from None
+
+
+def _read_shard(f: Path, inputs: list[DataInput]) -> dict[str, np.ndarray]:
+    arrays = read_npz(f)
     missing = [d for d in inputs if d.name not in arrays]
     if missing:
         need = "; ".join(f"'{d.name}' ({d.describe()})" for d in missing)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,6 +92,23 @@ def stage_text(text: str, path: str | os.PathLike) -> list[Staged]:
     return staged
 
 
+def write_atomically(path: str | os.PathLike, write: Callable[[Path], None]) -> Path:
+    """``write(tmp)`` writes the whole file to a temporary name next to ``path``, which is
+    then renamed to ``path``: a failure leaves ``path`` as it was (for writers, such as
+    matplotlib's, that take a file name)."""
+    out = Path(path)
+    tmp = _mkstemp(out)
+    staged = [Staged(tmp, out)]
+    try:
+        write(tmp)
+        _default_permissions(tmp)
+    except BaseException:
+        discard(staged)
+        raise
+    write_together(staged)
+    return out
+
+
 def write_together(staged: list[Staged]) -> None:
     """Rename every staged file to its final name, or none of them.
 
@@ -134,7 +152,20 @@ def discard(staged: list[Staged]) -> None:
         item.tmp.unlink(missing_ok=True)
 
 
-def check_writable(path: str | os.PathLike, what: str, option: str) -> None:
+def same_file(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    """Whether paths ``a`` and ``b`` name one file: equal once resolved (``..``, symlinks),
+    or, where both exist, one inode (a hard link; ``os.path.samefile``)."""
+    pa, pb = Path(a), Path(b)
+    if pa.resolve() == pb.resolve():
+        return True
+    try:
+        return pa.exists() and pb.exists() and os.path.samefile(pa, pb)
+    except OSError:
+        return False
+
+
+def check_writable(path: str | os.PathLike, what: str, option: str, *,
+                   inputs: Iterable[tuple[str, str | os.PathLike]] = ()) -> None:
     """Fail now, with what to do, if ``path`` cannot be written later.
 
     ``what`` names the file for the message ("the rewritten step"), ``option`` the flag that
@@ -142,9 +173,18 @@ def check_writable(path: str | os.PathLike, what: str, option: str) -> None:
     removed in the directory (permission bits, read-only mounts and root all decide
     correctly). An existing read-only file is refused rather than replaced behind the
     user's back, although renaming over it would succeed.
+
+    ``inputs``: (description, path) of the files the command reads. Writing over one of
+    them would destroy it (the rename replaces it before anything could be checked), so an
+    output that is one of them, by name, symlink or hard link, is refused.
     """
     p = Path(path)
     where = f"cannot write {what} {p}"
+    for name, src in inputs:
+        if src is not None and isinstance(src, (str, os.PathLike)) and same_file(p, src):
+            raise InputError(f"{where}: it is {name} ({src}), which this command reads; "
+                             f"writing there would destroy it. Choose another path with "
+                             f"{option}.")
     if p.is_dir():
         raise InputError(f"{where}: it is a directory. Give a file name with {option}.")
     parent = p.parent

@@ -286,12 +286,10 @@ def _synthetic_array(name: str, ti: TensorInfo, rng_range, rng: np.random.Genera
 
 def load_data(path: str | os.PathLike, graph: Graph, spec: StepSpec) -> dict[str, np.ndarray]:
     """Read ``--data FILE.npz``: one array per data input, named like the input."""
+    from memcc.backend.data import read_npz
+
     p = Path(path)
-    try:
-        with np.load(p, allow_pickle=False) as npz:
-            arrays = {k: np.asarray(npz[k]) for k in npz.files}
-    except (OSError, ValueError, EOFError) as exc:
-        raise InputError(f"--data {p}: cannot read it as an .npz file ({exc})") from exc
+    arrays = read_npz(p)
     want = {n: graph.info[n] for n in spec.data_inputs}
     missing = [n for n in want if n not in arrays]
     if missing:

@@ -106,6 +106,18 @@ def resolve_provider(provider: str) -> str:
     return p
 
 
+def planning_provider(provider: str) -> str:
+    """The provider ``memcc compile`` and ``memcc tune`` plan for: ``auto`` resolves as in
+    ``resolve_provider`` (cuda where this onnxruntime runs CUDA, else cpu); ``cuda`` stays
+    ``cuda`` without CUDA, where a step may be planned for a GPU elsewhere (compile warns or
+    refuses per option, ``compiler._check_provider``). Anything else is returned as given,
+    for the caller's own message."""
+    p = (provider or "cpu").lower()
+    if p == "auto":
+        return "cuda" if cuda_available() else "cpu"
+    return p if p in PROVIDERS else provider
+
+
 def session_options(
     *,
     profile: bool = False,

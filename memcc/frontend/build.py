@@ -100,7 +100,13 @@ class BuildOptions:
                 f"--optimizer '{self.optimizer}': choose one of {', '.join(OPTIMIZERS)}"
             )
         if self.lr is not None and self.lr < 0:
-            raise InputError("--lr must not be negative")
+            raise InputError(f"--lr {self.lr:g}: the learning rate must not be negative")
+        if self.momentum < 0:
+            raise InputError(f"--momentum {self.momentum:g}: momentum must not be negative "
+                             "(0 disables it; torch.optim.SGD's rule)")
+        if self.weight_decay is not None and self.weight_decay < 0:
+            raise InputError(f"--weight-decay {self.weight_decay:g}: weight decay must not "
+                             "be negative")
 
     @property
     def learning_rate(self) -> float:
@@ -260,7 +266,10 @@ def _emit_loss(graph: Graph, emit: Emitter, logits: str, kind: str, source: str,
         ti = TensorInfo(TensorProto.FLOAT, ti.shape)
         logits = emit.cast(logits, TensorProto.FLOAT)
     if "loss" in taken and kind != "none":
-        raise InputError(f"{source}: the model already has a value named 'loss'")
+        raise InputError(
+            f"{source}: the model already has a value named 'loss', the name --loss {kind} "
+            "gives the loss it adds. If the model's first output already is the scalar loss, "
+            "build with --loss none; otherwise rename that value in the model")
     if kind == "none":
         if ti.numel != 1:
             raise InputError(
