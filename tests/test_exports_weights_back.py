@@ -28,7 +28,7 @@ from typer.testing import CliRunner
 from memcc import api
 from memcc.cli import app
 from memcc.frontend.build import BuildOptions
-from memcc.frontend.exported import ExportWarning
+from memcc.frontend.exported import ExportWarning, read_export_map
 from memcc.step import TrainingStep
 from memcc.trainer import Trainer
 
@@ -154,3 +154,23 @@ def test_noopt_export_loads_strictly_and_matches(tmp_path):
     assert _rel(_onnx_logits(onnx.load(str(fwd)), inputs), got) <= 1e-5
     before = _torch_logits(export("gpt2", DYNAMO_NOOPT, training=True)[1], inputs)
     assert _rel(got, before) > 1e-3  # the trained weights, not the exported ones
+
+
+def test_export_map_tells_merges_from_batchnorm_folds_and_copies():
+    """No false merges: a BatchNorm folded into its Conv leaves the Conv node carrying the
+    BatchNorm's FX node (its weights are folded, not merged); a pre-transposed Linear
+    weight is a copy trained under its made-up name; TorchScript files record nothing."""
+    path, *_ = export("conv_bn", "dynamo", training=True)
+    emap = read_export_map(onnx.load(str(path)))
+    assert emap is not None and not emap.merged
+    assert emap.folded == ("bn.bias", "bn.weight")
+    path, module, _, _ = export("gpt2", "dynamo", training=True)
+    emap = read_export_map(onnx.load(str(path)))
+    assert not emap.merged and not emap.folded and not emap.unused
+    assert list(emap.copies.values()) == [("model.lm_head.weight",)]
+    assert emap.stands_for["model.lm_head.weight"] == ("model.lm_head.weight",
+                                                       "model.transformer.wte.weight")
+    held = {n for names in emap.stands_for.values() for n in names}
+    assert held == set(module.state_dict())
+    path, *_ = export("gpt2", "torchscript", training=True)
+    assert read_export_map(onnx.load(str(path))) is None

@@ -132,8 +132,9 @@ class ExportMap:
     -> the parameters merged into it (torch trains them apart; memcc, as exported, as one).
     ``folded``: parameters the traced program reads but no initializer holds any more (the
     optimizer folded them into constants, such as zero biases it removed). ``unused``:
-    parameters the traced program never reads. ``copies``: initializer under a made-up
-    name -> the initializers it was folded from (a pre-transposed weight).
+    parameters the traced program never reads (or whose every reader was folded away).
+    ``copies``: initializer under a made-up name -> the PyTorch parameters it was folded
+    from (a pre-transposed weight, trained under the made-up name).
     """
 
     stands_for: dict[str, tuple[str, ...]] = field(default_factory=dict)
@@ -179,7 +180,12 @@ def read_export_map(model: onnx.ModelProto) -> ExportMap | None:
 
     Read from the raw file, before memcc rewrites a node. None for files without a graph
     signature (TorchScript) or without the per-node records (older exporters), where the
-    names alone are all there is.
+    names alone are all there is. A parameter without an initializer of its own is, in this
+    order: merged (its FX node's ONNX nodes read another parameter's initializer of the same
+    attribute, one that its own FX node reads too), copied (a made-up initializer was
+    folded from it: a pre-transposed weight, trained under the made-up name), folded (its
+    FX node survives but reads no initializer for it), tied (no FX node reads it, and its
+    module's nodes read another module's parameter of the same attribute) or unused.
     """
     props = {p.key: p.value for p in getattr(model.graph, "metadata_props", ())}
     props.update({p.key: p.value for p in model.metadata_props})
@@ -206,6 +212,18 @@ def read_export_map(model: onnx.ModelProto) -> ExportMap | None:
     for init, ph in origin.items():
         own.setdefault(ph, init)
 
+    # Made-up initializers folded from parameters (``val_14`` <- ``attn.qkv.weight``): the
+    # record names the parameter's initializer, which may be gone from the file.
+    copies: dict[str, tuple[str, ...]] = {}
+    for t in model.graph.initializer:
+        if t.name in origin:
+            continue
+        src = _literal_list(meta.get(t.name, {}).get(FOLDED_FROM_PROP))
+        phs = [origin.get(x) or by_target.get(x) for x in src]
+        if src and all(phs):
+            copies[t.name] = tuple(placeholders[ph] for ph in phs if ph)
+    copied = {by_target[n] for names in copies.values() for n in names}
+
     # One record per FX node: the placeholders it read (in argument order), the parameter
     # initializers its ONNX nodes read (in order) and the module it ran in.
     groups: dict[str, tuple[list[str], list[str], str]] = {}
@@ -225,11 +243,15 @@ def read_export_map(model: onnx.ModelProto) -> ExportMap | None:
                 reads.append(i)
 
     read_by_fx = {a for args, _, _ in groups.values() for a in args}
+    # Initializers their own FX node still reads: only these can have absorbed another
+    # parameter as they are (BatchNorm folded into a Conv leaves a Conv node carrying the
+    # BatchNorm's FX node, reading a conv weight whose values the fold changed).
+    own_read = {i for args, reads, _ in groups.values() for i in reads if origin[i] in args}
     merged_into: dict[str, str] = {}
     unresolved: set[str] = set()
     for args, reads, _ in groups.values():
-        missing = [a for a in args if a not in own]
-        foreign = [i for i in reads if origin[i] not in args]
+        missing = [a for a in args if a not in own and a not in copied]
+        foreign = [i for i in reads if origin[i] not in args and i in own_read]
         for ph in missing:
             pick = next((i for i in foreign if _attribute(placeholders[origin[i]])
                          == _attribute(placeholders[ph])), None)
@@ -247,7 +269,7 @@ def read_export_map(model: onnx.ModelProto) -> ExportMap | None:
     tied: dict[str, str] = {}
     unused: list[str] = []
     for ph, target in placeholders.items():
-        if ph in own or ph in read_by_fx:
+        if ph in own or ph in read_by_fx or ph in copied:
             continue
         module = target.rsplit(".", 1)[0] if "." in target else ""
         others = {a for args, _, mod in groups.values() if mod == module for a in args
@@ -258,7 +280,8 @@ def read_export_map(model: onnx.ModelProto) -> ExportMap | None:
         else:
             unused.append(target)
     folded = sorted(placeholders[ph] for ph in placeholders
-                    if ph not in own and ph not in merged_into and ph in read_by_fx)
+                    if ph not in own and ph not in merged_into and ph not in copied
+                    and ph in read_by_fx)
 
     stands_for: dict[str, tuple[str, ...]] = {}
     merged: dict[str, tuple[str, ...]] = {}
@@ -271,13 +294,6 @@ def read_export_map(model: onnx.ModelProto) -> ExportMap | None:
         stands_for[init] = tuple(names)
         if extra:
             merged[init] = tuple(extra)
-    copies: dict[str, tuple[str, ...]] = {}
-    for t in model.graph.initializer:
-        if t.name in origin:
-            continue
-        src = _literal_list(meta.get(t.name, {}).get(FOLDED_FROM_PROP))
-        if src and all(s in origin for s in src):
-            copies[t.name] = tuple(src)
     return ExportMap(stands_for, merged, tuple(folded), tuple(sorted(unused)), copies)
 
 
@@ -479,8 +495,9 @@ def _report_export_map(sources: dict[str, ParameterSource], source: str,
     if emap.folded:
         warnings.warn(
             f"{source}: {len(emap.folded)} PyTorch parameter(s) are no longer in the file: "
-            f"the exporter's optimizer folded them into constants (a zero bias it removed): "
-            f"{_some(emap.folded)}. They stay fixed at their values at export, and memcc "
+            "the exporter's optimizer folded them into constants (a zero bias it removed) "
+            f"or into other weights (a BatchNorm into its convolution): {_some(emap.folded)}. "
+            "They stay fixed at their values at export, and memcc "
             "export writes no value for them (load with load_state_dict(..., strict=False): "
             "the module keeps the values it was exported with, the ones the step used). To "
             f"train them, export with {KEEP_EVERY_PARAMETER}.", ExportWarning, stacklevel=3)
