@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnxruntime as ort
+import pytest
 import safetensors.torch
 import torch
 from exports import DYNAMO_NOOPT, export
@@ -140,10 +141,14 @@ def test_optimized_export_weights_go_back_to_every_name(tmp_path):
     assert _rel(_onnx_logits(model, inputs), theirs) <= 1e-5
 
 
-def test_noopt_export_loads_strictly_and_matches(tmp_path):
+@pytest.mark.parametrize("exporter", [DYNAMO_NOOPT, "torchscript"])
+def test_export_keeping_names_loads_strictly_and_matches(tmp_path, exporter):
     """Item 7: GPT-2's tied lm_head/wte: README's snippet loads strictly, and PyTorch with
-    the trained weights computes what memcc's exported ONNX model computes."""
-    path, module, inputs, dims = export("gpt2", DYNAMO_NOOPT, training=True)
+    the trained weights computes what memcc's exported ONNX model computes. Both forms that
+    keep PyTorch's names: dynamo without its optimizer (torch.export traces the tie through
+    lm_head.weight) and a TorchScript training export (it stores wte.weight, and lm_head's
+    Transpose reads it)."""
+    path, module, inputs, dims = export("gpt2", exporter, training=True)
     step, msgs = _build(path, tmp_path / "step.onnx", dims)
     assert not any("merged" in m or "folded them" in m for m in msgs), msgs
     weights, fwd, _ = _train_and_export(tmp_path / "step.onnx", inputs, tmp_path)
@@ -152,14 +157,14 @@ def test_noopt_export_loads_strictly_and_matches(tmp_path):
     exec(_readme_snippet(), {"module": module, "safetensors": safetensors, "OUT": str(weights)})
     got = _torch_logits(module, inputs)
     assert _rel(_onnx_logits(onnx.load(str(fwd)), inputs), got) <= 1e-5
-    before = _torch_logits(export("gpt2", DYNAMO_NOOPT, training=True)[1], inputs)
+    before = _torch_logits(export("gpt2", exporter, training=True)[1], inputs)
     assert _rel(got, before) > 1e-3  # the trained weights, not the exported ones
 
 
 def test_export_map_tells_merges_from_batchnorm_folds_and_copies():
     """No false merges: a BatchNorm folded into its Conv leaves the Conv node carrying the
     BatchNorm's FX node (its weights are folded, not merged); a pre-transposed Linear
-    weight is a copy trained under its made-up name; TorchScript files record nothing."""
+    weight is a copy trained under its made-up name."""
     path, *_ = export("conv_bn", "dynamo", training=True)
     emap = read_export_map(onnx.load(str(path)))
     assert emap is not None and not emap.merged
@@ -172,5 +177,10 @@ def test_export_map_tells_merges_from_batchnorm_folds_and_copies():
                                                        "model.transformer.wte.weight")
     held = {n for names in emap.stands_for.values() for n in names}
     assert held == set(module.state_dict())
+    # TorchScript records no signature: only the tie is read, from the node that reads
+    # wte.weight in module lm_head (/model/lm_head/Transpose).
     path, *_ = export("gpt2", "torchscript", training=True)
-    assert read_export_map(onnx.load(str(path))) is None
+    emap = read_export_map(onnx.load(str(path)))
+    assert emap is not None and not emap.merged and not emap.folded and not emap.copies
+    assert {k: v for k, v in emap.stands_for.items() if len(v) > 1} == {
+        "model.transformer.wte.weight": ("model.transformer.wte.weight", "model.lm_head.weight")}

@@ -61,6 +61,8 @@ FOLDED_FROM_PROP = "pkg.onnxscript.optimizer.folded_from"
 FX_NODE_PROP = "pkg.torch.onnx.fx_node"
 NAME_SCOPES_PROP = "pkg.torch.onnx.name_scopes"
 _FX_NAME = re.compile(r"^%(\S+) :")
+_FLOAT_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16,
+                          onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE})
 _FX_ARG = re.compile(r"%(\w+)")
 # How to export so that every PyTorch parameter keeps an initializer of its own.
 KEEP_EVERY_PARAMETER = "torch.onnx.export(..., dynamo=True, optimize=False)"
@@ -196,6 +198,8 @@ def read_export_map(model: onnx.ModelProto) -> ExportMap | None:
             placeholders[m.group(1)] = m.group(3)
     fx_nodes = [n for n in model.graph.node
                 if any(p.key == FX_NODE_PROP for p in n.metadata_props)]
+    if not placeholders and not props.get(SIGNATURE_PROP):
+        return _read_scope_ties(model)
     if not placeholders or not fx_nodes:
         return None
     by_target = {t: p for p, t in placeholders.items()}
@@ -295,6 +299,42 @@ def read_export_map(model: onnx.ModelProto) -> ExportMap | None:
         if extra:
             merged[init] = tuple(extra)
     return ExportMap(stands_for, merged, tuple(folded), tuple(sorted(unused)), copies)
+
+
+def _read_scope_ties(model: onnx.ModelProto) -> ExportMap | None:
+    """Weight tying in a TorchScript export, from its node names (``/model/lm_head/
+    Transpose``: the module a node ran in). TorchScript stores a tied weight once, under one
+    of its names, and the other module reads it: a node in module ``M`` that has no
+    initializer of its own reads ``X.weight``, so ``M.weight`` is ``X.weight``. Only named
+    float initializers are mapped; None when the file has no such node (no scope names, or
+    no tying), so that the names alone decide, as before."""
+    floats = {t.name for t in model.graph.initializer
+              if t.data_type in _FLOAT_TYPES and not is_made_up_name(t.name)}
+    tied: dict[str, set[str]] = {}
+    for node in model.graph.node:
+        if not node.name.startswith("/") or node.name.count("/") < 2:
+            continue
+        module = _scope_module(node.name)
+        if any(f.startswith(module + ".") for f in floats):
+            continue  # the module has parameters of its own: not a tied reader
+        for i in node.input:
+            if i in floats and "." in i and not i.startswith(module + "."):
+                tied.setdefault(i, set()).add(f"{module}.{_attribute(i)}")
+    if not tied:
+        return None
+    stands_for = {f: (f, *sorted(tied.get(f, ()))) for f in sorted(floats)}
+    return ExportMap(stands_for)
+
+
+def _scope_module(node_name: str) -> str:
+    """``/model/lm_head/Transpose`` -> ``model.lm_head``; TorchScript spells a Sequential's
+    child with its parent's name (``/stem/stem.0/Conv`` -> ``stem.0``)."""
+    parts: list[str] = []
+    for seg in node_name[1:].split("/")[:-1]:
+        if parts and seg.startswith(parts[-1] + "."):
+            seg = seg[len(parts[-1]) + 1:]
+        parts.append(seg)
+    return ".".join(parts)
 
 
 def export_map_of(graph: Graph) -> ExportMap | None:
