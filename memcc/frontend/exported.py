@@ -40,6 +40,7 @@ import numpy as np
 import onnx
 
 from memcc.graph import Graph, attr, node_label
+from memcc.step import KIND_KEY
 
 SIGNATURE_PROP = "pkg.torch.export.ExportedProgram.graph_signature"
 # Graph.metadata key under which load_graph keeps the parsed signature for the builder.
@@ -191,6 +192,8 @@ def read_export_map(model: onnx.ModelProto) -> ExportMap | None:
     """
     props = {p.key: p.value for p in getattr(model.graph, "metadata_props", ())}
     props.update({p.key: p.value for p in model.metadata_props})
+    if KIND_KEY in props:  # a step memcc built: it records its own sources
+        return None
     placeholders: dict[str, str] = {}  # FX placeholder -> PyTorch parameter name
     for line in (props.get(SIGNATURE_PROP) or "").splitlines():
         m = _SIGNATURE_LINE.match(line)
@@ -310,12 +313,13 @@ def _read_scope_ties(model: onnx.ModelProto) -> ExportMap | None:
     no tying), so that the names alone decide, as before."""
     floats = {t.name for t in model.graph.initializer
               if t.data_type in _FLOAT_TYPES and not is_made_up_name(t.name)}
+    owners = {f.rsplit(".", k)[0] for f in floats for k in range(1, f.count(".") + 1)}
     tied: dict[str, set[str]] = {}
     for node in model.graph.node:
         if not node.name.startswith("/") or node.name.count("/") < 2:
             continue
         module = _scope_module(node.name)
-        if any(f.startswith(module + ".") for f in floats):
+        if module in owners:
             continue  # the module has parameters of its own: not a tied reader
         for i in node.input:
             if i in floats and "." in i and not i.startswith(module + "."):
