@@ -112,6 +112,14 @@ def test_optimized_export_names_merged_and_folded_parameters(tmp_path):
     src = step.parameter_sources()[LN.format(0, 1, "weight")]
     assert src["merged"] == sorted(MERGED_WEIGHTS)
 
+    args = ["build", str(path), "-o", str(tmp_path / "cli.onnx")]
+    for k, v in dims.items():
+        args += ["--dim", f"{k}={v}"]
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0, r.output
+    assert "they hold 21 PyTorch parameters, 8 of them merged into others by the exporter, " \
+        "and 8 more have no trained value" in " ".join(r.output.split()), r.output
+
 
 def test_optimized_export_weights_go_back_to_every_name(tmp_path):
     path, module, inputs, dims = export("gpt2", "dynamo", training=True, fresh=True)
