@@ -472,7 +472,7 @@ def parameter_sources(graph: Graph, params: list[str]) -> dict[str, ParameterSou
     for p in params:
         ties = [q for q in groups.get(find(p), [p]) if q != p] if p in parent else []
         if emap is not None:
-            names = emap.stands_for.get(p, ())
+            names = emap.stands_for.get(p, (p,) if named(p) and p not in emap.copies else ())
             out[p] = ParameterSource(p, named(p), tuple(ties), names, emap.merged.get(p, ()),
                                      emap.copies.get(p, ()))
         else:
