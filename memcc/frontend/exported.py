@@ -18,7 +18,8 @@ From that this module tells the builder:
   ``pkg.torch.onnx.original_node_name``), and each node names the FX node it was written
   for (``pkg.torch.onnx.fx_node``, whose arguments name the placeholders it read): a
   placeholder whose FX node now reads another parameter's initializer was merged into it,
-  one whose FX node reads none was folded;
+  one whose FX node reads none was folded (``read_export_map`` has the whole order). In
+  TorchScript files only a tied weight is read, from node names (``_read_scope_ties``);
 - BatchNorm written in inference form for a model exported in train mode: dynamo's torch_lib
   drops the training flag, so a step built from it would silently train a different model.
   Where the signature proves the layer was in train mode (its running statistics are mutated
