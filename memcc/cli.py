@@ -191,11 +191,17 @@ def build(
     step = TrainingStep.of(graph)
     params = step.parameters
     n_params = sum(graph.info[p].numel for p in params)
-    unnamed = sum(not s.get("named", True) for s in step.parameter_sources().values())
+    sources = step.parameter_sources()
+    unnamed = sum(not s.get("named", True) for s in sources.values())
+    merged = sum(len(s.get("merged", ())) for s in sources.values())
+    folded = len(step.folded_parameters())
+    pytorch = (f"; they hold {len(step.state_dict_names())} PyTorch parameters, {merged} of "
+               f"them merged into others by the exporter, and {folded} more have no "
+               "trained value" if merged or folded else "")
     out.print(
         f"wrote {output}: {len(graph.nodes)} nodes, {len(params)} parameter tensors "
         f"({n_params:,} values; {len(params) - unnamed} under PyTorch names, {unnamed} "
-        f"under names the exporter made up), loss={loss}, optimizer={optimizer}"
+        f"under names the exporter made up{pytorch}), loss={loss}, optimizer={optimizer}"
     )
 
 

@@ -33,8 +33,13 @@ INT_RANGES_KEY = "memcc.int_ranges"
 PARAMS_KEY = "memcc.parameters"
 OPTIMIZER_KEY = "memcc.optimizer"
 # parameter -> {"exported_name": initializer name in the exported file, "named": it is the
-# PyTorch state_dict name, "tied_with": [parameters holding the same values]}
+# PyTorch state_dict name, "pytorch_names": [every state_dict name its value is], "merged":
+# [those the exporter's optimizer merged into it], "tied_with": [parameters holding the same
+# values], "copy_of": [initializers a made-up copy was folded from]}
 PARAM_SOURCES_KEY = "memcc.parameter_sources"
+# The other half of the same record: PyTorch parameters no step parameter holds, -> "folded"
+# (the exporter's optimizer made them constants) or "unused" (the model never reads them).
+FOLDED_PARAMS_KEY = "memcc.folded_parameters"
 # The forward model's own outputs (logits, ...): ``memcc export`` writes them back out.
 FORWARD_OUTPUTS_KEY = "memcc.forward_outputs"
 # With --loss-chunks the step never forms the logits: the projection that computed them
@@ -199,11 +204,34 @@ class TrainingStep:
         ``exported_name`` (the initializer name there; with dynamo ``optimize=False`` and
         TorchScript training exports, PyTorch's ``state_dict`` name), ``named`` (whether it
         is a PyTorch name rather than one the exporter made up) and ``tied_with`` (other
-        parameters holding the same values: one PyTorch parameter exported as copies).
-        Steps built before this was recorded map every parameter to its own name."""
+        parameters holding the same values: one PyTorch parameter exported as copies),
+        ``pytorch_names`` (every ``state_dict`` name whose value the parameter is: its own,
+        those the dynamo exporter's optimizer merged into it, those torch ties to them;
+        empty for a made-up copy), ``merged`` and ``copy_of``. With ``folded_parameters``
+        this is the one record of where the trained values belong. Steps built before this
+        was recorded map every parameter to its own name."""
         recorded = self._json(PARAM_SOURCES_KEY, {}, dict)
-        return {p: dict(recorded.get(p) or {"exported_name": p, "named": True})
-                for p in self.parameters}
+        out: dict[str, dict] = {}
+        for p in self.parameters:
+            src = dict(recorded.get(p) or {"exported_name": p, "named": True})
+            if "pytorch_names" not in src:  # recorded before the names were
+                src["pytorch_names"] = [p] if src.get("named", True) else []
+            out[p] = src
+        return out
+
+    def folded_parameters(self) -> dict[str, str]:
+        """PyTorch parameters that no step parameter holds: ``"folded"`` (the dynamo
+        exporter's optimizer turned them into constants: no trained value) or ``"unused"``
+        (the exported model never reads them). Empty when the file did not say."""
+        return {str(k): str(v) for k, v in self._json(FOLDED_PARAMS_KEY, {}, dict).items()}
+
+    def state_dict_names(self) -> dict[str, str]:
+        """PyTorch ``state_dict`` name -> the trained parameter holding its value."""
+        out: dict[str, str] = {}
+        for p, src in self.parameter_sources().items():
+            for name in src.get("pytorch_names", ()):
+                out.setdefault(str(name), p)
+        return out
 
     def validate(self, source: str = "<model>", *,
                  then: str = "memcc run step.onnx") -> TrainingStep:

@@ -334,11 +334,36 @@ def export_checkpoint(step_path: str | os.PathLike, checkpoint: str | os.PathLik
                          inputs=[("the training step", path), ("the checkpoint", c.path)])
     weights_only = (format or "").lower() == "safetensors" or \
         (format is None and out.suffix == ".safetensors")
-    unnamed = made_up_names(spec)
-    if warn is not None and weights_only and unnamed:
-        warn(f"{len(unnamed)} parameter(s) carry names the exporter made up (e.g. "
-             f"'{unnamed[0]}'); PyTorch's load_state_dict will not find them by these names")
+    if warn is not None and weights_only:
+        for message in weight_export_notes(spec):
+            warn(message)
     return out
+
+
+def weight_export_notes(spec: TrainingStep) -> list[str]:
+    """What a user loading the written safetensors into PyTorch must know: weights under
+    made-up names, PyTorch parameters merged into one trained value, ones without any."""
+    notes: list[str] = []
+    unnamed = made_up_names(spec)
+    if unnamed:
+        notes.append(f"{len(unnamed)} parameter(s) carry names the exporter made up (e.g. "
+                     f"'{unnamed[0]}'); PyTorch's load_state_dict will not find them by "
+                     "these names")
+    merged = {p: src["merged"] for p, src in spec.parameter_sources().items()
+              if src.get("merged")}
+    if merged:
+        p, names = next(iter(merged.items()))
+        notes.append(f"{sum(len(m) for m in merged.values())} PyTorch parameter(s) were merged "
+                     f"by the exporter's optimizer and trained as one tied parameter with "
+                     f"another (e.g. {', '.join(names[:2])} with {p}); each is written with "
+                     "its group's trained value")
+    folded = sorted(spec.folded_parameters())
+    if folded:
+        notes.append(f"{len(folded)} PyTorch parameter(s) have no trained value (folded into "
+                     f"constants by the exporter, or unused), e.g. '{folded[0]}'; they are not "
+                     "written: load with load_state_dict(..., strict=False), and the module "
+                     "keeps the values it was exported with")
+    return notes
 
 
 def export_weights(graph: Graph, spec: TrainingStep, state: Mapping[str, np.ndarray],
@@ -358,7 +383,13 @@ def export_weights(graph: Graph, spec: TrainingStep, state: Mapping[str, np.ndar
     fwd = forward_graph(graph, spec, state, source=source)
     if fmt == "onnx":
         return save_graph(fwd, out)
-    weights = {n: np.asarray(state[n]) for n in exported_weight_names(graph, spec, fwd)}
+    sources = spec.parameter_sources()
+    weights: dict[str, np.ndarray] = {}
+    for n in exported_weight_names(graph, spec, fwd):
+        # Under every PyTorch name the value stands for (merged and tied parameters too),
+        # so that a strict load_state_dict finds them all; else under its own name.
+        for name in sources.get(n, {}).get("pytorch_names") or [n]:
+            weights.setdefault(name, np.asarray(state[n]))
     return ckpt.write_safetensors(out, weights, {"format": "pt", "memcc.step_file": source})
 
 

@@ -425,12 +425,15 @@ def family(name: str) -> Family:
     return FAMILIES[name] if name in FAMILIES else EXTRA_FAMILIES[name]
 
 
-def build_module(name: str, dropout: float = 0.0) -> nn.Module:
-    """The family's module with seeded weights (same weights on every call)."""
+def build_module(name: str, dropout: float = 0.0, fresh: bool = False) -> nn.Module:
+    """The family's module with seeded weights (same weights on every call). ``fresh``
+    keeps the constant-filled parameters of a fresh model (LayerNorm ones, zero biases),
+    which the dynamo exporter's optimizer merges and folds away."""
     torch.manual_seed(0)
     module = family(name).build(dropout)
     _randomize_batchnorm(module, torch.Generator().manual_seed(1))
-    _jitter_constant_parameters(module, torch.Generator().manual_seed(2))
+    if not fresh:
+        _jitter_constant_parameters(module, torch.Generator().manual_seed(2))
     return module
 
 
@@ -528,16 +531,18 @@ def _export_dynamo(module: nn.Module, fam: Family, inputs: dict[str, torch.Tenso
 
 
 @functools.cache
-def _export_cached(name: str, exporter: str, training: bool, dropout: float
+def _export_cached(name: str, exporter: str, training: bool, dropout: float,
+                   fresh: bool = False
                    ) -> tuple[Path, nn.Module, dict[str, np.ndarray], dict[str, int], float]:
     if exporter not in (*EXPORTERS, DYNAMO_NOOPT):
         raise ValueError(f"exporter must be one of {EXPORTERS + (DYNAMO_NOOPT,)}, "
                          f"got {exporter!r}")
     fam = family(name)
-    module = build_module(name, dropout)
+    module = build_module(name, dropout, fresh)
     module.train(training)
     inputs = make_inputs(name)
-    path = _session_dir() / f"{name}-{exporter}-{'train' if training else 'eval'}-p{dropout}.onnx"
+    path = _session_dir() / (f"{name}-{exporter}-{'train' if training else 'eval'}-p{dropout}"
+                             f"{'-fresh' if fresh else ''}.onnx")
     fn = {"torchscript": _export_torchscript, "dynamo": _export_dynamo,
           DYNAMO_NOOPT: functools.partial(_export_dynamo, optimize=False)}[exporter]
     t0 = time.perf_counter()
@@ -563,16 +568,18 @@ def _read_dims(model: onnx.ModelProto, inputs: dict[str, torch.Tensor]) -> dict[
 
 
 def export(name: str, exporter: str, tmp_path: Path | None = None, training: bool = False,
-           dropout: float = 0.0
+           dropout: float = 0.0, fresh: bool = False
            ) -> tuple[Path, nn.Module, dict[str, np.ndarray], dict[str, int]]:
     """Export ``name`` with ``exporter`` ('torchscript' or 'dynamo'), once per process.
 
     Returns the .onnx path (a copy inside ``tmp_path`` when given, so the caller may write
     next to it), a fresh copy of the torch module in the exported mode, the example inputs
     (numpy, keyed by graph input name) and ``dims``: symbolic dim name -> example size, ready
-    for ``load_graph(path, dims)``.
+    for ``load_graph(path, dims)``. ``fresh``: weights as a fresh model has them (see
+    ``build_module``), not made unique.
     """
-    path, module, arrays, dims, _ = _export_cached(name, exporter, training, float(dropout))
+    path, module, arrays, dims, _ = _export_cached(name, exporter, training, float(dropout),
+                                                   fresh)
     if tmp_path is not None:
         dst = Path(tmp_path) / path.name
         shutil.copyfile(path, dst)

@@ -22,6 +22,8 @@ from memcc.frontend.autodiff import differentiable_values, differentiate
 from memcc.frontend.chunked_loss import ChunkedLoss, emit_chunked_loss
 from memcc.frontend.emit import Emitter
 from memcc.frontend.exported import (
+    EXPORT_MAP_KEY,
+    export_map_of,
     parameter_sources,
     report_parameters,
     restore_training_batchnorm,
@@ -31,6 +33,7 @@ from memcc.frontend.row_chunks import ATTENTION, MLP, chunk_regions
 from memcc.graph import Graph, TensorInfo, attr, node_label
 from memcc.step import (  # the contract's keys live with its one reader, memcc.step
     DATA_KEY,
+    FOLDED_PARAMS_KEY,
     FORWARD_OUTPUTS_KEY,
     GRADIENTS_KEY,
     INT_RANGES_KEY,
@@ -159,7 +162,8 @@ def build_training_step(forward: Graph, options: BuildOptions | None = None,
                                                 else "")
         )
     sources = parameter_sources(graph, params)
-    report_parameters(sources, source, signature_of(graph))
+    emap = export_map_of(graph)
+    report_parameters(sources, source, signature_of(graph), emap)
     grads = differentiate(graph, loss, params, source=source,
                           seeds=chunked.seeds if chunked else None,
                           skip=chunked.nodes if chunked else ())
@@ -186,6 +190,9 @@ def build_training_step(forward: Graph, options: BuildOptions | None = None,
         INT_RANGES_KEY: json.dumps(int_ranges),
         PARAMS_KEY: json.dumps(params),
         PARAM_SOURCES_KEY: json.dumps({p: s.to_json() for p, s in sources.items()}),
+        **({FOLDED_PARAMS_KEY: json.dumps({**{n: "folded" for n in emap.folded},
+                                           **{n: "unused" for n in emap.unused}})}
+           if emap is not None and (emap.folded or emap.unused) else {}),
         FORWARD_OUTPUTS_KEY: json.dumps(list(forward.outputs)),
         **({PROJECTION_KEY: json.dumps(chunked.projection)} if chunked else {}),
         **({ROW_CHUNKS_KEY: json.dumps(row_chunks)} if row_chunks else {}),
@@ -196,6 +203,7 @@ def build_training_step(forward: Graph, options: BuildOptions | None = None,
             "weight_decay": opts.decay,
         }),
     })
+    graph.metadata.pop(EXPORT_MAP_KEY, None)  # read into the two records above
     _drop_unused_initializers(graph)
     return graph
 

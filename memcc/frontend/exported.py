@@ -10,6 +10,16 @@ From that this module tells the builder:
 - where each trained parameter came from (its initializer name, whether that is a PyTorch
   name, and which other parameters hold the same values: weight tying that the exporter
   split into copies), for ``memcc build``'s report and for mapping trained weights back;
+- which PyTorch parameters each initializer stands for in a dynamo export (``ExportMap``):
+  the exporter's optimizer (``optimize=True``, its default) merges parameters with equal
+  values (every freshly initialised LayerNorm weight) into one initializer and folds others
+  into constants (zero biases it drops). The signature lists every PyTorch parameter, each
+  initializer names the placeholder it came from (value_info metadata
+  ``pkg.torch.onnx.original_node_name``), and each node names the FX node it was written
+  for (``pkg.torch.onnx.fx_node``, whose arguments name the placeholders it read): a
+  placeholder whose FX node now reads another parameter's initializer was merged into it,
+  one whose FX node reads none was folded (``read_export_map`` has the whole order). In
+  TorchScript files only a tied weight is read, from node names (``_read_scope_ties``);
 - BatchNorm written in inference form for a model exported in train mode: dynamo's torch_lib
   drops the training flag, so a step built from it would silently train a different model.
   Where the signature proves the layer was in train mode (its running statistics are mutated
@@ -20,6 +30,7 @@ From that this module tells the builder:
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import re
@@ -30,6 +41,7 @@ import numpy as np
 import onnx
 
 from memcc.graph import Graph, attr, node_label
+from memcc.step import KIND_KEY
 
 SIGNATURE_PROP = "pkg.torch.export.ExportedProgram.graph_signature"
 # Graph.metadata key under which load_graph keeps the parsed signature for the builder.
@@ -42,6 +54,20 @@ SIGNATURE_KEY = "memcc.export_signature"
 # a hand-named parameter (``fc_1``).
 _MADE_UP = re.compile(r"^(onnx::.*|val_\d+|.*\.weight_bias)$")
 _SIGNATURE_LINE = re.compile(r"^\s*(\S+): (\w+)(?: target='([^']*)')?")
+
+# Graph.metadata key under which load_graph keeps the ``ExportMap`` (JSON) for the builder.
+EXPORT_MAP_KEY = "memcc.export_map"
+# What the dynamo exporter records on initializers (value_info) and nodes.
+ORIGINAL_NAME_PROP = "pkg.torch.onnx.original_node_name"
+FOLDED_FROM_PROP = "pkg.onnxscript.optimizer.folded_from"
+FX_NODE_PROP = "pkg.torch.onnx.fx_node"
+NAME_SCOPES_PROP = "pkg.torch.onnx.name_scopes"
+_FX_NAME = re.compile(r"^%(\S+) :")
+_FLOAT_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16,
+                          onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE})
+_FX_ARG = re.compile(r"%(\w+)")
+# How to export so that every PyTorch parameter keeps an initializer of its own.
+KEEP_EVERY_PARAMETER = "torch.onnx.export(..., dynamo=True, optimize=False)"
 
 
 class ExportWarning(UserWarning):
@@ -96,6 +122,228 @@ def read_signature(model: onnx.ModelProto) -> Signature | None:
 
 def signature_of(graph: Graph) -> Signature | None:
     return Signature.from_json(graph.metadata.get(SIGNATURE_KEY))
+
+
+# ---------------------------------------------------------------------------- export map
+@dataclass(frozen=True)
+class ExportMap:
+    """Which PyTorch parameters (``state_dict`` names) each initializer of a dynamo export
+    stands for, read from what the exporter recorded (``read_export_map``).
+
+    ``stands_for``: initializer -> every PyTorch name its value is, its own first, then the
+    parameters the exporter's optimizer merged into it, then those torch ties to any of
+    them (GPT-2's ``transformer.wte.weight`` is ``lm_head.weight``). ``merged``: initializer
+    -> the parameters merged into it (torch trains them apart; memcc, as exported, as one).
+    ``folded``: parameters the traced program reads but no initializer holds any more (the
+    optimizer folded them into constants, such as zero biases it removed). ``unused``:
+    parameters the traced program never reads (or whose every reader was folded away).
+    ``copies``: initializer under a made-up name -> the PyTorch parameters it was folded
+    from (a pre-transposed weight, trained under the made-up name).
+    """
+
+    stands_for: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    merged: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    folded: tuple[str, ...] = ()
+    unused: tuple[str, ...] = ()
+    copies: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps({"stands_for": self.stands_for, "merged": self.merged,
+                           "folded": list(self.folded), "unused": list(self.unused),
+                           "copies": self.copies})
+
+    @classmethod
+    def from_json(cls, text: str | None) -> ExportMap | None:
+        if not text:
+            return None
+        d = json.loads(text)
+        return cls({k: tuple(v) for k, v in d.get("stands_for", {}).items()},
+                   {k: tuple(v) for k, v in d.get("merged", {}).items()},
+                   tuple(d.get("folded", ())), tuple(d.get("unused", ())),
+                   {k: tuple(v) for k, v in d.get("copies", {}).items()})
+
+
+def _literal_list(text: str | None) -> list[str]:
+    """The exporter writes lists as Python literals (``['a', 'b']``)."""
+    if not text:
+        return []
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return []
+    return [str(v) for v in value] if isinstance(value, (list, tuple)) else []
+
+
+def _attribute(target: str) -> str:
+    """``model.h.0.ln_1.weight`` -> ``weight``: a merge pairs a weight with a weight."""
+    return target.rsplit(".", 1)[-1]
+
+
+def read_export_map(model: onnx.ModelProto) -> ExportMap | None:
+    """Map the dynamo exporter's initializers back to PyTorch's parameters.
+
+    Read from the raw file, before memcc rewrites a node. None for files without a graph
+    signature (TorchScript) or without the per-node records (older exporters), where the
+    names alone are all there is. A parameter without an initializer of its own is, in this
+    order: merged (its FX node's ONNX nodes read another parameter's initializer of the same
+    attribute, one that its own FX node reads too), copied (a made-up initializer was
+    folded from it: a pre-transposed weight, trained under the made-up name), folded (its
+    FX node survives but reads no initializer for it), tied (no FX node reads it, and its
+    module's nodes read another module's parameter of the same attribute) or unused.
+    """
+    props = {p.key: p.value for p in getattr(model.graph, "metadata_props", ())}
+    props.update({p.key: p.value for p in model.metadata_props})
+    if KIND_KEY in props:  # a step memcc built: it records its own sources
+        return None
+    placeholders: dict[str, str] = {}  # FX placeholder -> PyTorch parameter name
+    for line in (props.get(SIGNATURE_PROP) or "").splitlines():
+        m = _SIGNATURE_LINE.match(line)
+        if m and m.group(2) == "PARAMETER" and m.group(3):
+            placeholders[m.group(1)] = m.group(3)
+    fx_nodes = [n for n in model.graph.node
+                if any(p.key == FX_NODE_PROP for p in n.metadata_props)]
+    if not placeholders and not props.get(SIGNATURE_PROP):
+        return _read_scope_ties(model)
+    if not placeholders or not fx_nodes:
+        return None
+    by_target = {t: p for p, t in placeholders.items()}
+    meta = {v.name: {p.key: p.value for p in v.metadata_props}
+            for v in (*model.graph.value_info, *model.graph.input) if v.metadata_props}
+    origin: dict[str, str] = {}  # initializer -> the placeholder it holds
+    for t in model.graph.initializer:
+        ph = meta.get(t.name, {}).get(ORIGINAL_NAME_PROP)
+        if ph in placeholders:
+            origin[t.name] = ph
+        elif t.name in by_target:
+            origin[t.name] = by_target[t.name]
+    own: dict[str, str] = {}
+    for init, ph in origin.items():
+        own.setdefault(ph, init)
+
+    # Made-up initializers folded from parameters (``val_14`` <- ``attn.qkv.weight``): the
+    # record names the parameter's initializer, which may be gone from the file.
+    copies: dict[str, tuple[str, ...]] = {}
+    for t in model.graph.initializer:
+        if t.name in origin:
+            continue
+        src = _literal_list(meta.get(t.name, {}).get(FOLDED_FROM_PROP))
+        phs = [origin.get(x) or by_target.get(x) for x in src]
+        if src and all(phs):
+            copies[t.name] = tuple(placeholders[ph] for ph in phs if ph)
+    copied = {by_target[n] for names in copies.values() for n in names}
+
+    # One record per FX node: the placeholders it read (in argument order), the parameter
+    # initializers its ONNX nodes read (in order) and the module it ran in.
+    groups: dict[str, tuple[list[str], list[str], str]] = {}
+    for node in fx_nodes:
+        nprops = {p.key: p.value for p in node.metadata_props}
+        fx = nprops[FX_NODE_PROP].splitlines()[0]
+        m = _FX_NAME.match(fx)
+        name = m.group(1) if m else fx
+        if name not in groups:
+            call = fx.split("=", 1)[1] if "=" in fx else fx
+            args = [a for a in dict.fromkeys(_FX_ARG.findall(call)) if a in placeholders]
+            scopes = _literal_list(nprops.get(NAME_SCOPES_PROP))
+            groups[name] = (args, [], scopes[-2] if len(scopes) >= 2 else "")
+        reads = groups[name][1]
+        for i in node.input:
+            if i in origin and i not in reads:
+                reads.append(i)
+
+    read_by_fx = {a for args, _, _ in groups.values() for a in args}
+    # Initializers their own FX node still reads: only these can have absorbed another
+    # parameter as they are (BatchNorm folded into a Conv leaves a Conv node carrying the
+    # BatchNorm's FX node, reading a conv weight whose values the fold changed).
+    own_read = {i for args, reads, _ in groups.values() for i in reads if origin[i] in args}
+    merged_into: dict[str, str] = {}
+    unresolved: set[str] = set()
+    for args, reads, _ in groups.values():
+        missing = [a for a in args if a not in own and a not in copied]
+        foreign = [i for i in reads if origin[i] not in args and i in own_read]
+        for ph in missing:
+            pick = next((i for i in foreign if _attribute(placeholders[origin[i]])
+                         == _attribute(placeholders[ph])), None)
+            if pick is None:
+                continue
+            foreign.remove(pick)
+            if merged_into.setdefault(ph, pick) != pick:
+                unresolved.add(ph)  # two FX nodes disagree: claim nothing
+    for ph in unresolved:
+        merged_into.pop(ph, None)
+
+    # A parameter the traced program never reads, in a module whose nodes read another
+    # module's parameter of the same attribute, is tied to it (torch.export traces a tied
+    # weight through one placeholder only).
+    tied: dict[str, str] = {}
+    unused: list[str] = []
+    for ph, target in placeholders.items():
+        if ph in own or ph in read_by_fx or ph in copied:
+            continue
+        module = target.rsplit(".", 1)[0] if "." in target else ""
+        others = {a for args, _, mod in groups.values() if mod == module for a in args
+                  if _attribute(placeholders[a]) == _attribute(target)
+                  and (a in own or a in merged_into)}
+        if len(others) == 1:
+            tied[target] = placeholders[others.pop()]
+        else:
+            unused.append(target)
+    folded = sorted(placeholders[ph] for ph in placeholders
+                    if ph not in own and ph not in merged_into and ph not in copied
+                    and ph in read_by_fx)
+
+    stands_for: dict[str, tuple[str, ...]] = {}
+    merged: dict[str, tuple[str, ...]] = {}
+    for init, ph in origin.items():
+        if own.get(ph) != init:
+            continue
+        extra = sorted(placeholders[p] for p, i in merged_into.items() if i == init)
+        names = [placeholders[ph], *extra]
+        names += sorted(t for t, to in tied.items() if to in names)
+        stands_for[init] = tuple(names)
+        if extra:
+            merged[init] = tuple(extra)
+    return ExportMap(stands_for, merged, tuple(folded), tuple(sorted(unused)), copies)
+
+
+def _read_scope_ties(model: onnx.ModelProto) -> ExportMap | None:
+    """Weight tying in a TorchScript export, from its node names (``/model/lm_head/
+    Transpose``: the module a node ran in). TorchScript stores a tied weight once, under one
+    of its names, and the other module reads it: a node in module ``M`` that has no
+    initializer of its own reads ``X.weight``, so ``M.weight`` is ``X.weight``. Only named
+    float initializers are mapped; None when the file has no such node (no scope names, or
+    no tying), so that the names alone decide, as before."""
+    floats = {t.name for t in model.graph.initializer
+              if t.data_type in _FLOAT_TYPES and not is_made_up_name(t.name)}
+    owners = {f.rsplit(".", k)[0] for f in floats for k in range(1, f.count(".") + 1)}
+    tied: dict[str, set[str]] = {}
+    for node in model.graph.node:
+        if not node.name.startswith("/") or node.name.count("/") < 2:
+            continue
+        module = _scope_module(node.name)
+        if module in owners:
+            continue  # the module has parameters of its own: not a tied reader
+        for i in node.input:
+            if i in floats and "." in i and not i.startswith(module + "."):
+                tied.setdefault(i, set()).add(f"{module}.{_attribute(i)}")
+    if not tied:
+        return None
+    stands_for = {f: (f, *sorted(tied.get(f, ()))) for f in sorted(floats)}
+    return ExportMap(stands_for)
+
+
+def _scope_module(node_name: str) -> str:
+    """``/model/lm_head/Transpose`` -> ``model.lm_head``; TorchScript spells a Sequential's
+    child with its parent's name (``/stem/stem.0/Conv`` -> ``stem.0``)."""
+    parts: list[str] = []
+    for seg in node_name[1:].split("/")[:-1]:
+        if parts and seg.startswith(parts[-1] + "."):
+            seg = seg[len(parts[-1]) + 1:]
+        parts.append(seg)
+    return ".".join(parts)
+
+
+def export_map_of(graph: Graph) -> ExportMap | None:
+    return ExportMap.from_json(graph.metadata.get(EXPORT_MAP_KEY))
 
 
 # ---------------------------------------------------------------------------- BatchNorm
@@ -155,11 +403,19 @@ class ParameterSource:
     exported_name: str
     named: bool  # the initializer name is the PyTorch state_dict name
     tied_with: tuple[str, ...] = field(default=())  # same values, as is or transposed
+    # Every PyTorch state_dict name whose value this parameter is (its own first; those the
+    # exporter merged into it; those torch ties to them): ``memcc export`` writes it under
+    # each. Empty for a made-up name that stands for no PyTorch parameter as it is.
+    pytorch_names: tuple[str, ...] = field(default=())
+    merged: tuple[str, ...] = field(default=())  # of pytorch_names, merged by the exporter
+    copy_of: tuple[str, ...] = field(default=())  # a made-up copy folded from these
 
     def to_json(self) -> dict:
-        d: dict = {"exported_name": self.exported_name, "named": self.named}
-        if self.tied_with:
-            d["tied_with"] = list(self.tied_with)
+        d: dict = {"exported_name": self.exported_name, "named": self.named,
+                   "pytorch_names": list(self.pytorch_names)}
+        for key in ("tied_with", "merged", "copy_of"):
+            if getattr(self, key):
+                d[key] = list(getattr(self, key))
         return d
 
 
@@ -171,6 +427,8 @@ def is_made_up_name(name: str) -> bool:
 def parameter_sources(graph: Graph, params: list[str]) -> dict[str, ParameterSource]:
     """Initializer name, PyTorch-name status and weight tying of each parameter.
 
+    With the dynamo exporter's records (``ExportMap``) every parameter also lists the
+    PyTorch names it stands for; without them, its own name if it is a PyTorch name.
     Tying is found by value: exporters that split one PyTorch parameter into copies (a tied
     embedding and its pre-transposed output projection) leave equal or transposed-equal
     tensors. Constant-filled tensors (fresh LayerNorm weights) are equal without being tied,
@@ -210,27 +468,40 @@ def parameter_sources(graph: Graph, params: list[str]) -> dict[str, ParameterSou
     groups: dict[str, list[str]] = {}
     for p in comparable:
         groups.setdefault(find(p), []).append(p)
+    emap = export_map_of(graph)
     out: dict[str, ParameterSource] = {}
     for p in params:
         ties = [q for q in groups.get(find(p), [p]) if q != p] if p in parent else []
-        out[p] = ParameterSource(p, named(p), tuple(ties))
+        if emap is not None:
+            names = emap.stands_for.get(p, (p,) if named(p) and p not in emap.copies else ())
+            out[p] = ParameterSource(p, named(p), tuple(ties), names, emap.merged.get(p, ()),
+                                     emap.copies.get(p, ()))
+        else:
+            out[p] = ParameterSource(p, named(p), tuple(ties), (p,) if named(p) else ())
     return out
 
 
+def _some(names: list[str] | tuple[str, ...], k: int = 6) -> str:
+    return ", ".join(names[:k]) + (f" (+{len(names) - k} more)" if len(names) > k else "")
+
+
 def report_parameters(sources: dict[str, ParameterSource], source: str,
-                      sig: Signature | None) -> None:
-    """Warn about parameters without a PyTorch name and about weight tying."""
+                      sig: Signature | None, emap: ExportMap | None = None) -> None:
+    """Warn about parameters without a PyTorch name, about weight tying, and (from the
+    dynamo exporter's records) about PyTorch parameters the exporter merged or folded."""
     unnamed = [p for p, s in sources.items() if not s.named]
     if unnamed:
-        shown = ", ".join(unnamed[:6]) + (f" (+{len(unnamed) - 6} more)" if len(unnamed) > 6
-                                          else "")
+        shown = _some([p + (f" (folded from {', '.join(sources[p].copy_of)})"
+                            if sources[p].copy_of else "") for p in unnamed])
         warnings.warn(
             f"{source}: {len(unnamed)} trained parameter(s) have names the exporter made up, "
             f"not PyTorch state_dict names: {shown}. They are folded copies (pre-transposed "
             "weights, constant-folded lookups). To map trained weights back by name, export "
-            "with torch.onnx.export(..., dynamo=True, optimize=False) or with dynamo=False "
+            f"with {KEEP_EVERY_PARAMETER} or with dynamo=False "
             "and training=torch.onnx.TrainingMode.TRAINING.", ExportWarning, stacklevel=2)
-    if sig is not None:
+    if emap is not None:
+        _report_export_map(sources, source, emap)
+    elif sig is not None:
         missing = sorted(sig.parameters - set(sources))
         if missing and unnamed:
             warnings.warn(
@@ -247,3 +518,36 @@ def report_parameters(sources: dict[str, ParameterSource], source: str,
             f"tying split into copies by the exporter, possibly transposed): {groups}. "
             "memcc trains each copy separately, so they drift apart; torch would train one "
             "tensor.", ExportWarning, stacklevel=2)
+
+
+def _report_export_map(sources: dict[str, ParameterSource], source: str,
+                       emap: ExportMap) -> None:
+    """Name every PyTorch parameter the exporter's optimizer merged into another or folded
+    into a constant: the step as exported trains a different model than torch would."""
+    merged = {p: s.merged for p, s in sources.items() if s.merged}
+    if merged:
+        n = sum(len(m) for m in merged.values())
+        groups = "; ".join(f"{', '.join(m)} -> {p}" for p, m in list(merged.items())[:4])
+        more = f" (+{len(merged) - 4} more groups)" if len(merged) > 4 else ""
+        warnings.warn(
+            f"{source}: the exporter's optimizer merged {n} PyTorch parameter(s) into "
+            f"{len(merged)} initializer(s) that held equal values at export (freshly "
+            f"initialised weights): {groups}{more}. memcc trains each group as one tied "
+            "parameter: a different model from PyTorch's, which trains them apart; memcc "
+            "export --format safetensors writes the group's trained value under every name. "
+            f"To train every parameter on its own, export with {KEEP_EVERY_PARAMETER}.",
+            ExportWarning, stacklevel=3)
+    if emap.folded:
+        warnings.warn(
+            f"{source}: {len(emap.folded)} PyTorch parameter(s) are no longer in the file: "
+            "the exporter's optimizer folded them into constants (a zero bias it removed) "
+            f"or into other weights (a BatchNorm into its convolution): {_some(emap.folded)}. "
+            "They stay fixed at their values at export, and memcc "
+            "export writes no value for them (load with load_state_dict(..., strict=False): "
+            "the module keeps the values it was exported with, the ones the step used). To "
+            f"train them, export with {KEEP_EVERY_PARAMETER}.", ExportWarning, stacklevel=3)
+    if emap.unused:
+        warnings.warn(
+            f"{source}: {len(emap.unused)} PyTorch parameter(s) are not read by the exported "
+            f"model and have no trained value: {_some(emap.unused)}.", ExportWarning,
+            stacklevel=3)

@@ -28,7 +28,12 @@ from memcc.frontend.canonicalize import (
     shapes_needed,
 )
 from memcc.frontend.cast_chains import drop_cast_chains
-from memcc.frontend.exported import SIGNATURE_KEY, read_signature
+from memcc.frontend.exported import (
+    EXPORT_MAP_KEY,
+    SIGNATURE_KEY,
+    read_export_map,
+    read_signature,
+)
 from memcc.frontend.fold import fold_shape_computations
 from memcc.graph import Graph, TensorInfo, node_label
 
@@ -89,6 +94,7 @@ def load_graph(
     else:
         model = read_model(path_or_model)
         where = source or str(path_or_model)
+    export_map = read_export_map(model)  # from the file as written, before any rewrite
     if model.functions:
         model = onnx.inliner.inline_local_functions(model)
     _bind_input_dims(model, dict(dims or {}), where)
@@ -110,6 +116,8 @@ def load_graph(
     signature = read_signature(model)
     if signature is not None:  # the builder reads which initializers are torch buffers
         graph.metadata[SIGNATURE_KEY] = signature.to_json()
+    if export_map is not None:  # ... and which PyTorch parameters each initializer holds
+        graph.metadata[EXPORT_MAP_KEY] = export_map.to_json()
     name_nodes(graph)
     seed_dropouts(graph.nodes)
     missing = _unknown_values(graph)
