@@ -17,9 +17,8 @@ import onnx
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
-from onnx_files import with_dropout
 
-import memcc.frontend.build as build_module
+from benchmarks.dropout_cuda_check import ort_dropout, with_dropout
 from memcc import Trainer
 from memcc.backend import checkpoint as ckpt
 from memcc.backend.onnx_file import save_graph
@@ -109,12 +108,8 @@ def old_step(tmp_path_factory):
     """A step as memcc built it before counter-based masks: seeded Dropouts, no counter."""
     d = tmp_path_factory.mktemp("old_step")
     forward = load_graph(with_dropout(mlp.build(batch=4, in_features=8, width=16, depth=2)))
-    real = build_module.counter_dropouts
-    build_module.counter_dropouts = lambda graph: []
-    try:
+    with ort_dropout():
         step = build_training_step(forward, BuildOptions(optimizer="adamw"))
-    finally:
-        build_module.counter_dropouts = real
     assert [n for n in step.nodes if n.op_type == "Dropout"]
     assert COUNTER not in step.inputs
     return save_graph(step, d / "old.onnx")

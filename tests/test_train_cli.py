@@ -89,7 +89,7 @@ def test_sigkill_then_resume_with_dropout_gives_the_uninterrupted_run(tmp_path):
     """A model with Dropout 0.1 (masks drawn from the step's carried counter): the CLI run
     killed at a random moment after its first checkpoint and resumed with --resume ends bit
     for bit where an uninterrupted run ends. Before the counter, every tensor differed."""
-    from onnx_files import with_dropout
+    from benchmarks.dropout_cuda_check import with_dropout
 
     forward = with_dropout(mlp.build(batch=8, in_features=64, width=128, depth=2), 0.1)
     step = save_graph(build_training_step(load_graph(forward), BuildOptions(optimizer="adamw")),

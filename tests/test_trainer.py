@@ -302,7 +302,7 @@ def test_a_resumed_run_draws_the_uninterrupted_runs_dropout_masks(tmp_path):
     resumed at step 3 drew other masks and ended with every tensor different. Masks now
     come from the step's carried counter: stopped at 3 and resumed (or re-created from a
     checkpoint) ends bit-identical to 6 uninterrupted steps, at 1 and at 2 threads."""
-    from onnx_files import with_dropout
+    from benchmarks.dropout_cuda_check import with_dropout
 
     forward = with_dropout(mlp.build(batch=8, in_features=16, width=32, depth=2), 0.1)
     path = save_graph(build_training_step(load_graph(forward), BuildOptions(optimizer="adamw")),
