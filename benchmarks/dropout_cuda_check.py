@@ -11,7 +11,8 @@ things that can only be seen there:
   provider draws the numpy reference's masks, and a session that forbids falling back to
   the CPU can be created (every op of the generator has a kernel for its dtype there).
 - ``ms_per_step`` against ``ms_per_step_ort_dropout``: the same step with ORT's own Dropout
-  kernel (the form before counters), timed interleaved, ``repeats`` rounds.
+  kernel (the form before counters), timed interleaved, ``repeats`` rounds; ``peak_bytes``
+  against ``peak_bytes_ort_dropout``: the liveness prediction of each as the trainer runs it.
 
     python benchmarks/dropout_cuda_check.py                       # CUDA (the GPU machine)
     python benchmarks/dropout_cuda_check.py --provider cpu --model gpt2:batch=4,seq_len=128
@@ -172,7 +173,9 @@ def _generator_check(provider: str) -> dict:
     return {"masks_match_reference": match, "generator_on_provider": on_provider}
 
 
-def _time(path: Path, provider: str, threads: int | None, steps: int, graph=None) -> float:
+def _time(path: Path, provider: str, threads: int | None, steps: int, graph=None
+          ) -> tuple[float, int]:
+    """(ms per step after a warm-up step, the step's predicted peak bytes)."""
     from memcc import Trainer
     from memcc.backend.runner import synthetic_feeds
 
@@ -182,7 +185,7 @@ def _time(path: Path, provider: str, threads: int | None, steps: int, graph=None
     start = time.perf_counter()
     for _ in range(steps):
         t.step(feeds)
-    return (time.perf_counter() - start) / steps * 1e3
+    return (time.perf_counter() - start) / steps * 1e3, t.predicted_peak_bytes
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -221,10 +224,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         result.update(_resume_check(new, args.provider, args.steps, args.threads, d))
         result.update(_generator_check(args.provider))
         rounds: dict[str, list[float]] = {"counter": [], "ort": []}
+        peaks: dict[str, int] = {}
         for _ in range(args.repeats):   # interleaved: drift hits both alike
-            rounds["ort"].append(_time(old, args.provider, args.threads, args.time_steps,
-                                       graph=old_graph))
-            rounds["counter"].append(_time(new, args.provider, args.threads, args.time_steps))
+            # (a Trainer takes the carried values out of the graph it is given: a copy)
+            for form, path, graph in (("ort", old, old_graph.copy()), ("counter", new, None)):
+                ms, peaks[form] = _time(path, args.provider, args.threads, args.time_steps,
+                                        graph=graph)
+                rounds[form].append(ms)
+        result["peak_bytes"] = peaks["counter"]
+        result["peak_bytes_ort_dropout"] = peaks["ort"]
         result["ms_per_step"] = statistics.median(rounds["counter"])
         result["ms_per_step_ort_dropout"] = statistics.median(rounds["ort"])
         result["ms_rounds"] = rounds
