@@ -11,7 +11,8 @@ things that can only be seen there:
   provider draws the numpy reference's masks, and a session that forbids falling back to
   the CPU can be created (every op of the generator has a kernel for its dtype there).
 - ``ms_per_step`` against ``ms_per_step_ort_dropout``: the same step with ORT's own Dropout
-  kernel (the form before counters), timed interleaved, ``repeats`` rounds; ``peak_bytes``
+  kernel (the form before counters), timed interleaved, ``repeats`` rounds (``cost``: the
+  median of the rounds' ratios, minus 1; ``cpu_*``: process CPU time); ``peak_bytes``
   against ``peak_bytes_ort_dropout``: the liveness prediction of each as the trainer runs it.
 
     python benchmarks/dropout_cuda_check.py                       # CUDA (the GPU machine)
@@ -174,18 +175,20 @@ def _generator_check(provider: str) -> dict:
 
 
 def _time(path: Path, provider: str, threads: int | None, steps: int, graph=None
-          ) -> tuple[float, int]:
-    """(ms per step after a warm-up step, the step's predicted peak bytes)."""
+          ) -> tuple[float, float, int]:
+    """(wall ms and process CPU ms per step after a warm-up step, the step's predicted
+    peak bytes). CPU time is what a loaded machine disturbs least."""
     from memcc import Trainer
     from memcc.backend.runner import synthetic_feeds
 
     t = Trainer(path, provider=provider, threads=threads, graph=graph)
     feeds = synthetic_feeds(t.graph, seed=0)
     t.step(feeds)   # warm-up (allocations, kernel choices)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for _ in range(steps):
         t.step(feeds)
-    return (time.perf_counter() - start) / steps * 1e3, t.predicted_peak_bytes
+    return ((time.perf_counter() - start) / steps * 1e3,
+            (time.process_time() - cpu) / steps * 1e3, t.predicted_peak_bytes)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -224,19 +227,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         result.update(_resume_check(new, args.provider, args.steps, args.threads, d))
         result.update(_generator_check(args.provider))
         rounds: dict[str, list[float]] = {"counter": [], "ort": []}
+        cpu: dict[str, list[float]] = {"counter": [], "ort": []}
         peaks: dict[str, int] = {}
         for _ in range(args.repeats):   # interleaved: drift hits both alike
             # (a Trainer takes the carried values out of the graph it is given: a copy)
             for form, path, graph in (("ort", old, old_graph.copy()), ("counter", new, None)):
-                ms, peaks[form] = _time(path, args.provider, args.threads, args.time_steps,
-                                        graph=graph)
+                ms, cpu_ms, peaks[form] = _time(path, args.provider, args.threads,
+                                                args.time_steps, graph=graph)
                 rounds[form].append(ms)
+                cpu[form].append(cpu_ms)
         result["peak_bytes"] = peaks["counter"]
         result["peak_bytes_ort_dropout"] = peaks["ort"]
         result["ms_per_step"] = statistics.median(rounds["counter"])
         result["ms_per_step_ort_dropout"] = statistics.median(rounds["ort"])
         result["ms_rounds"] = rounds
-        result["cost"] = result["ms_per_step"] / result["ms_per_step_ort_dropout"] - 1.0
+        result["cpu_ms_per_step"] = statistics.median(cpu["counter"])
+        result["cpu_ms_per_step_ort_dropout"] = statistics.median(cpu["ort"])
+        # Each round's pair was timed back to back: the median of their ratios.
+        result["cost"] = statistics.median(c / o for c, o in zip(
+            rounds["counter"], rounds["ort"], strict=True)) - 1.0
+        result["cpu_cost"] = statistics.median(c / o for c, o in zip(
+            cpu["counter"], cpu["ort"], strict=True)) - 1.0
     print(json.dumps(result))
     return 0 if result["identical"] and result["masks_match_reference"] else 1
 
