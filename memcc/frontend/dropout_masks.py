@@ -48,6 +48,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from memcc.errors import InputError
 from memcc.frontend.emit import Emitter
 from memcc.graph import Graph, TensorInfo, attr
 
@@ -142,17 +143,18 @@ def counter_dropouts(graph: Graph) -> list[str]:
     targets = [(n, r) for n in graph.nodes if (r := rewritable(graph, n)) is not None]
     if not targets:
         return []
-    if COUNTER not in graph.info:
-        graph.info[COUNTER] = TensorInfo(TensorProto.INT64, ())
+    if COUNTER in graph.info and COUNTER not in graph.inputs:
+        raise InputError(f"cannot add the Dropout step counter '{COUNTER}': the model has a "
+                         "value of that name; rename it")
+    graph.info[COUNTER] = TensorInfo(TensorProto.INT64, ())
     emit = Emitter(graph, detached=True)
-    step32 = None
+    gen = _Generator(graph, emit, [int(attr(n, "seed", 0) or 0) for n, _ in targets])
     instead: dict[int, list[onnx.NodeProto]] = {}
-    for node, ratio in targets:
+    for d, (node, ratio) in enumerate(targets):
         start = len(emit.nodes)
-        if step32 is None:   # one Cast of the counter, shared by every Dropout
-            step32 = emit.op("Cast", [COUNTER], to=TensorProto.UINT32, name="dropout.step32",
-                             info=TensorInfo(TensorProto.UINT32, ()))
-        _emit_generator(graph, emit, node, ratio, step32)
+        if d == 0:   # the keys of every Dropout, computed once (their inputs: the counter)
+            gen.keys()
+        gen.replace(node, ratio, d)
         instead[id(node)] = emit.nodes[start:]
     nodes: list[onnx.NodeProto] = []
     for n in graph.nodes:
@@ -161,65 +163,100 @@ def counter_dropouts(graph: Graph) -> list[str]:
     return [n.name for n, _ in targets]
 
 
-def _emit_generator(graph: Graph, emit: Emitter, node: onnx.NodeProto, ratio: float,
-                    step32: str) -> None:
-    seed = int(attr(node, "seed", 0) or 0)
-    x = node.input[0]
-    ti = graph.info[x]
-    shape = tuple(int(d) for d in ti.shape)
-    cols = shape[-1]
-    rows = int(np.prod(shape[:-1], dtype=np.int64))
-    u32 = TensorProto.UINT32
+class _Generator:
+    """Emits the generator's nodes. Shared by all Dropouts of a step: one computation of
+    every Dropout's keys (a vector over the Dropouts, then Split), and one pair of index
+    vectors per shape, so that a step with many Dropouts launches few extra kernels (on
+    CUDA each small op is a kernel launch)."""
 
-    def c(v: int) -> str:
-        return emit.const(np.asarray(v % (1 << 32), dtype=_U32), name="dropout.k")
+    def __init__(self, graph: Graph, emit: Emitter, seeds: list[int]) -> None:
+        self.graph, self.emit, self.seeds = graph, emit, seeds
+        self.k1m: list[str] = []    # per Dropout: k1 * M0, shape [1]
+        self.k2: list[str] = []     # per Dropout: k2, shape [1]
+        self._index: dict[tuple[int, int], tuple[str, str]] = {}
 
-    def op(kind: str, a: str, b: str, out_shape: tuple[int, ...] = ()) -> str:
-        return emit.op(kind, [a, b], info=TensorInfo(u32, out_shape))
+    def c(self, v: int) -> str:
+        return self.emit.const(np.asarray(v % (1 << 32), dtype=_U32), name="dropout.k")
 
-    def mix(h: str, add: str, out_shape: tuple[int, ...] = ()) -> str:
-        h = op("Add", op("Mul", h, h, out_shape), add, out_shape)
-        h = op("Add", h, op("Div", h, c(_SHIFT), out_shape), out_shape)
-        return op("Mul", h, c(_M1), out_shape)
+    def op(self, kind: str, a: str, b: str, shape: tuple[int, ...] = ()) -> str:
+        return self.emit.op(kind, [a, b], info=TensorInfo(TensorProto.UINT32, shape))
 
-    # Scalar keys (as step_keys).
-    s = op("Add", op("Mul", step32, c(_M2)), c(seed))
-    k1 = mix(op("Mul", s, c(_M0)), c(_K2_SALT))
-    k2 = mix(op("Mul", op("Add", k1, c(_K2_SALT)), c(_M0)), c(_M2))
+    def mix(self, h: str, add: str, shape: tuple[int, ...] = ()) -> str:
+        """As ``_mix``: ((h*h + a) + (h*h + a) // 2**16) * M1."""
+        h = self.op("Add", self.op("Mul", h, h, shape), add, shape)
+        h = self.op("Add", h, self.op("Div", h, self.c(_SHIFT), shape), shape)
+        return self.op("Mul", h, self.c(_M1), shape)
 
-    def arange(n: int) -> str:
-        r = emit.op("Range", [emit.const(np.asarray(0, np.int64), name="dropout.zero"),
-                              emit.const(np.asarray(n, np.int64), name="dropout.n"),
-                              emit.const(np.asarray(1, np.int64), name="dropout.one")],
-                    info=TensorInfo(TensorProto.INT64, (n,)))
-        return emit.op("Cast", [r], to=u32, info=TensorInfo(u32, (n,)))
+    def keys(self) -> None:
+        """As ``step_keys``, for every Dropout at once."""
+        e, c, n = self.emit, self.c, len(self.seeds)
+        vec = (n,)
+        step32 = e.op("Cast", [COUNTER], to=TensorProto.UINT32, name="dropout.step32",
+                      info=TensorInfo(TensorProto.UINT32, ()))
+        seeds = e.const(np.asarray([v % (1 << 32) for v in self.seeds], dtype=_U32),
+                        name="dropout.seeds")
+        s = self.op("Add", self.op("Mul", step32, c(_M2)), seeds, vec)
+        k1 = self.mix(self.op("Mul", s, c(_M0), vec), c(_K2_SALT), vec)
+        k2 = self.mix(self.op("Mul", self.op("Add", k1, c(_K2_SALT), vec), c(_M0), vec),
+                      c(_M2), vec)
+        k1m = self.op("Mul", k1, c(_M0), vec)
+        ones = e.ints([1] * n)
+        one = TensorInfo(TensorProto.UINT32, (1,))
+        for k, out in ((k1m, self.k1m), (k2, self.k2)):
+            names = e.op("Split", [k, ones], outputs=n, axis=0, info=[one] * n)
+            out.extend([names] if isinstance(names, str) else names)
 
-    # (i + k1) * M0 with i = row * cols + col: (row * cols + k1) * M0 + col * M0.
-    lead = (*shape[:-1], 1)
-    row = op("Mul", op("Add", op("Mul", arange(rows), c(cols), (rows,)), k1, (rows,)),
-             c(_M0), (rows,))
-    row = emit.op("Reshape", [row, emit.ints(lead)], info=TensorInfo(u32, lead))
-    col = op("Mul", arange(cols), c(_M0), (cols,))
-    h = mix(op("Add", row, col, shape), k2, shape)
-    mask_name = node.output[1] if len(node.output) > 1 and node.output[1] else \
-        emit.fresh(f"{node.output[0]}.keep")
-    keep = emit.op("GreaterOrEqual", [h, c(threshold(ratio))], outputs=[mask_name],
-                   info=TensorInfo(TensorProto.BOOL, shape))
-    scale = emit.const(np.asarray(1.0 / (1.0 - ratio), dtype=ti.np_dtype),
-                       name="dropout.scale")
-    zero = emit.const(np.asarray(0.0, dtype=ti.np_dtype), name="dropout.zero_value")
-    scaled = emit.op("Mul", [x, scale], info=ti)
-    last = emit.op("Where", [keep, scaled, zero], outputs=[node.output[0]], info=ti)
-    del last
-    final = emit.nodes[-1]
-    final.name = node.name   # provenance (memcc.grad_of) keeps pointing at a node
-    final.metadata_props.extend(node.metadata_props)
-    original = onnx.NodeProto()
-    original.CopyFrom(node)
-    del original.metadata_props[:]
-    if len(original.output) > 1:   # the mask is the generator's; an export needs only y
-        del original.output[1:]
-    final.metadata_props.add(key=ORIGINAL_PROP, value=original.SerializeToString().hex())
+    def _arange(self, n: int) -> str:
+        e = self.emit
+        r = e.op("Range", [e.const(np.asarray(0, np.int64), name="dropout.zero"),
+                           e.const(np.asarray(n, np.int64), name="dropout.n"),
+                           e.const(np.asarray(1, np.int64), name="dropout.one")],
+                 info=TensorInfo(TensorProto.INT64, (n,)))
+        return e.op("Cast", [r], to=TensorProto.UINT32,
+                    info=TensorInfo(TensorProto.UINT32, (n,)))
+
+    def index(self, rows: int, cols: int) -> tuple[str, str]:
+        """(row * cols * M0 over the rows, col * M0 over the columns), once per shape."""
+        if (rows, cols) not in self._index:
+            c = self.c
+            self._index[rows, cols] = (
+                self.op("Mul", self._arange(rows), c(cols * _M0), (rows,)),
+                self.op("Mul", self._arange(cols), c(_M0), (cols,)))
+        return self._index[rows, cols]
+
+    def replace(self, node: onnx.NodeProto, ratio: float, d: int) -> None:
+        graph, emit = self.graph, self.emit
+        x = node.input[0]
+        ti = graph.info[x]
+        shape = tuple(int(v) for v in ti.shape)
+        cols = shape[-1]
+        rows = int(np.prod(shape[:-1], dtype=np.int64))
+        # (i + k1) * M0 with i = row * cols + col: row * cols * M0 + k1 * M0 + col * M0.
+        row_base, col = self.index(rows, cols)
+        lead = (*shape[:-1], 1)
+        row = self.op("Add", row_base, self.k1m[d], (rows,))
+        row = emit.op("Reshape", [row, emit.ints(lead)],
+                      info=TensorInfo(TensorProto.UINT32, lead))
+        h = self.mix(self.op("Add", row, col, shape), self.k2[d], shape)
+        c = self.c
+        mask_name = node.output[1] if len(node.output) > 1 and node.output[1] else \
+            emit.fresh(f"{node.output[0]}.keep")
+        keep = emit.op("GreaterOrEqual", [h, c(threshold(ratio))], outputs=[mask_name],
+                       info=TensorInfo(TensorProto.BOOL, shape))
+        scale = emit.const(np.asarray(1.0 / (1.0 - ratio), dtype=ti.np_dtype),
+                           name="dropout.scale")
+        zero = emit.const(np.asarray(0.0, dtype=ti.np_dtype), name="dropout.zero_value")
+        scaled = emit.op("Mul", [x, scale], info=ti)
+        emit.op("Where", [keep, scaled, zero], outputs=[node.output[0]], info=ti)
+        final = emit.nodes[-1]
+        final.name = node.name   # provenance (memcc.grad_of) keeps pointing at a node
+        final.metadata_props.extend(node.metadata_props)
+        original = onnx.NodeProto()
+        original.CopyFrom(node)
+        del original.metadata_props[:]
+        if len(original.output) > 1:   # the mask is the generator's; an export needs only y
+            del original.output[1:]
+        final.metadata_props.add(key=ORIGINAL_PROP, value=original.SerializeToString().hex())
 
 
 def add_counter(graph: Graph, state: dict[str, str]) -> str:
