@@ -17,11 +17,13 @@ uninterrupted run, on any provider and at any thread count (``dropout_mask`` is 
 function in numpy; tests/test_dropout_masks.py holds the two together).
 
 The hash, all in uint32 arithmetic (which wraps by definition in C++ and CUDA alike), uses
-only Add, Mul, Div, GreaterOrEqual, Cast, Range and Reshape, which both ORT's CPU and CUDA
-providers run for uint32 (CUDA has no kernels for BitwiseXor or BitShift, so xor-shift
-mixing is written as an add-shift, and a squaring supplies the non-linearity)::
+only Add, Mul, Div, GreaterOrEqual, Cast, Range, Split and Reshape, which ORT's CPU
+provider runs for uint32 (its kernel registry) and its CUDA provider too (its sources; no
+GPU run yet: ``benchmarks/dropout_cuda_check.py``). CUDA's sources show no BitwiseXor or
+BitShift kernels, so xor-shift mixing is written as an add-shift, and a squaring supplies
+the non-linearity::
 
-    k1, k2 = keys(seed, step)                    # scalars: a few mixing rounds
+    k1, k2 = keys(seed, step)     # per Dropout; computed for all of them at once
     h = (i + k1) * M0                            # i: the element's flat index
     h = h * h + k2
     h = h + h // 2**16
@@ -29,8 +31,9 @@ mixing is written as an add-shift, and a squaring supplies the non-linearity)::
     keep = h >= round(ratio * 2**32)
     y = where(keep, x * 1/(1-ratio), 0)
 
-``(i + k1) * M0`` is formed from a row vector and a column vector (broadcast), so the
-full-size work is 6 integer ops, the comparison, and the scaling: measured costs are in
+``(i + k1) * M0`` is formed from a row vector and a column vector (broadcast, shared by the
+Dropouts of one shape), so the full-size work is 6 integer ops, the comparison, the scaling
+and the Where: measured costs are in
 docs/DETERMINISM.md. The mask keeps the Dropout's mask output name (its gradient rule reads
 it); the last node keeps the Dropout's name and records the original node, so ``memcc
 export`` writes a plain ``Dropout`` back into the forward model.
