@@ -41,7 +41,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -53,7 +53,7 @@ from memcc.backend.memory import trim_heap
 from memcc.backend.runner import run_options, session_graph
 from memcc.backend.session import make_session, resolve_provider
 from memcc.errors import InputError, RuntimeFailure
-from memcc.frontend.canonicalize import reseed_dropouts
+from memcc.frontend.dropout_masks import COUNTER, checkpoint_counter, restore_dropouts
 from memcc.frontend.load import load_graph
 from memcc.graph import Graph, ancestors
 from memcc.passes.batchnorm_for_cuda import for_provider
@@ -72,9 +72,9 @@ class Trainer:
     ``memcc run``), for comparisons; ``early_updates=False`` keeps the file's node order
     (``backend.arrange`` moves updates early only where that predicts a lower peak).
     ``predicted_peak_bytes`` is the liveness prediction of the arrangement that runs.
-    ``resumed_at``: the step of the checkpoint that ``restore`` will load (``resume`` and
-    ``memcc train --resume`` pass it), so the session is opened once, with that step's
-    Dropout seeds.
+    ``resumed_at``: accepted for compatibility and unused: Dropout masks depend on the
+    step's carried counter (``frontend.dropout_masks``), which a checkpoint restores, so
+    one session serves a fresh run and a resumed one alike.
     ``arena`` (CPU): allocate through ORT's CPU arena; by default wherever the plan was
     compiled for it (``memcc compile --arena``). Without it glibc's heap can hold several
     times the plan's peak between steps (BENCHMARKS.md, "Allocators").
@@ -107,10 +107,7 @@ class Trainer:
         self.in_place: InPlaceUpdates = self.arrangement.in_place
 
         sgraph, values = session_graph(self.arrangement.graph)
-        # ``resumed_at``: the step of the checkpoint ``restore`` will load, so that the
-        # session is opened once with the Dropout seeds of that step (see ``restore``).
-        self._seeded_at = resumed_at
-        self._session = self._open_session(sgraph, resumed_at)
+        self._session = self._open_session(sgraph)
         self._device = "cuda" if self.provider == "cuda" else "cpu"
         carried = list(dict.fromkeys(self.updates.values()))
         # The arrays the carried values live in on CPU (copied: ORT writes into them);
@@ -256,25 +253,29 @@ class Trainer:
     def restore(self, checkpoint: str | os.PathLike | ckpt.Checkpoint) -> ckpt.Checkpoint:
         """Load a checkpoint (file, directory = its newest, or a loaded one) into this run.
 
-        A step with Dropout gets a session whose Dropouts are seeded from the checkpoint's
-        step: ORT's Dropout keeps its generator in the session, which no checkpoint holds,
-        and the step's own seeds would draw the masks of the run's first steps again."""
-        c = checkpoint if isinstance(checkpoint, ckpt.Checkpoint) else ckpt.load(checkpoint)
-        c.check_step(self.signature())
+        Dropout masks need nothing else: they are drawn from the step's carried counter
+        (``dropout.step``, restored with the other carried values), so a resumed run
+        draws the uninterrupted run's masks in the same session."""
+        c = self.checked(checkpoint)
         self.load_state_dict(c.tensors, source=str(c.path))
         self.steps_done = c.step
         self.data_state = dict(c.data_state)
-        if c.step != self._seeded_at and any(n.op_type == "Dropout"
-                                             for n in self.arrangement.graph.nodes):
-            self._seeded_at = c.step
-            self._session = self._open_session(session_graph(self.arrangement.graph)[0],
-                                               resumed_at=c.step)
         return c
 
-    def _open_session(self, sgraph: Graph, resumed_at: int = 0):
+    def checked(self, checkpoint: str | os.PathLike | ckpt.Checkpoint) -> ckpt.Checkpoint:
+        """The checkpoint, refused unless it belongs to this step. One written for the same
+        step before Dropout masks had a counter holds no ``dropout.step``: it is accepted,
+        with the counter set to its step (``dropout_masks.checkpoint_counter``)."""
+        c = checkpoint if isinstance(checkpoint, ckpt.Checkpoint) else ckpt.load(checkpoint)
+        sig = self.signature()
+        if COUNTER in sig["state"] and c.fingerprint == ckpt.fingerprint(
+                {**sig, "state": {k: v for k, v in sig["state"].items() if k != COUNTER}}):
+            return replace(c, tensors=checkpoint_counter(c.tensors, c.step, set(self._state)))
+        c.check_step(sig)
+        return c
+
+    def _open_session(self, sgraph: Graph):
         model = sgraph.to_model()
-        if resumed_at:
-            reseed_dropouts(model.graph.node, f"@step{resumed_at}")
         return make_session(model, self.provider, intra_op_threads=self.threads,
                             cpu_arena=self.arena)
 
@@ -290,7 +291,7 @@ class Trainer:
         path = step_path if step_path is not None else c.step_file
         if path is None:
             raise InputError(f"{c.path}: does not record its step file; pass step_path")
-        trainer = cls(path, resumed_at=c.step, **options)
+        trainer = cls(path, **options)
         trainer.restore(c)
         return trainer
 
@@ -430,7 +431,8 @@ def forward_graph(graph: Graph, spec: TrainingStep, state: Mapping[str, np.ndarr
         raise InputError(f"{source}: the step does not record its forward model's outputs "
                          "(memcc.forward_outputs, written by memcc build since this version)"
                          "; rebuild the step with memcc build to export it")
-    graph = _with_projection(graph, spec)
+    # A rewritten Dropout goes back as the plain node (the counter is the step's alone).
+    graph = restore_dropouts(_with_projection(graph, spec))
     du = graph.def_use()
     stored = set(graph.initializers) | set(state)
     reached, values = ancestors(outputs, du.producer)
@@ -590,9 +592,9 @@ def train(opts: TrainOptions, *, on_start: Callable[[TrainResult], None] | None 
         ckpt.check_directory(opts.checkpoint)  # now, not after the steps before the first save
     loaded = ckpt.load(start) if start is not None else None
     trainer = Trainer(opts.step, provider=opts.provider, threads=opts.threads, graph=graph,
-                      arena=opts.arena, resumed_at=loaded.step if loaded is not None else 0)
+                      arena=opts.arena)
     if loaded is not None:
-        loaded.check_step(trainer.signature())
+        loaded = trainer.checked(loaded)
         _check_data_state(loaded, opts.seed, data_fp)
         trainer.restore(loaded)
     position = int(trainer.data_state.get("batches_consumed", trainer.steps_done))

@@ -18,3 +18,4 @@ def write_model(path: Path, nodes, inputs, outputs, inits=(), *, opset: int = 17
     m.ir_version = 10
     path.write_bytes(m.SerializeToString())
     return path
+

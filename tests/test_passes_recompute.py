@@ -93,8 +93,12 @@ def dropout_model():
                       {"w1": w1, "w2": w2})
 
 
-def test_dropout_is_never_recomputed_and_the_rest_stays_bit_identical():
-    step = build_training_step(load_graph(dropout_model()), BuildOptions())
+def test_ort_dropout_is_never_recomputed_and_the_rest_stays_bit_identical():
+    """ORT's Dropout (a step built before counter-based masks) draws a new mask per run."""
+    from benchmarks.dropout_cuda_check import ort_dropout
+
+    with ort_dropout():
+        step = build_training_step(load_graph(dropout_model()), BuildOptions())
     st = StepStructure.of(step)
     assert "drop" in st.forward and "drop" not in st.recomputable
     res = apply_recompute(step, Plan(frozenset(st.forward)), st)
@@ -102,6 +106,23 @@ def test_dropout_is_never_recomputed_and_the_rest_stays_bit_identical():
     # A recomputed Dropout would draw a second, different mask: there must be exactly one.
     assert sum(n.op_type == "Dropout" for n in res.graph.nodes) == 1
     assert all(n.op_type != "Constant" for n in step.nodes if n.name in st.recomputable)
+
+
+def test_a_counter_based_dropout_mask_is_recomputed_bit_for_bit():
+    """memcc's Dropout masks are a function of (seed, step counter, element): ordinary ops
+    the planner may recompute, and the recomputed mask is the forward's."""
+    from threads import mismatches, run_once
+
+    step = build_training_step(load_graph(dropout_model()), BuildOptions())
+    st = StepStructure.of(step)
+    assert "drop" in st.forward and "drop" in st.recomputable   # the generator's Where
+    res = apply_recompute(step, Plan(frozenset(st.recomputable)), st)
+    before = {n.name for n in step.nodes}
+    added = [n.op_type for n in res.graph.nodes if n.name not in before]
+    assert "GreaterOrEqual" in added and "Where" in added, added   # the mask, recomputed
+    values = synthetic_feeds(step, 0)
+    feeds = {i: values[i] for i in step.inputs if i not in step.initializers}
+    assert not mismatches(run_once(step, feeds, 1), run_once(res.graph, feeds, 1))
 
 
 # ---------------------------------------------------------------------------- rebuilt again

@@ -85,6 +85,45 @@ def test_three_sigkills_then_resume_give_the_uninterrupted_parameters(mlp_run, t
     print(f"kill outcomes (returncode, -9 = killed mid-run): {outcomes}")
 
 
+def test_sigkill_then_resume_with_dropout_gives_the_uninterrupted_run(tmp_path):
+    """A model with Dropout 0.1 (masks drawn from the step's carried counter): the CLI run
+    killed at a random moment after its first checkpoint and resumed with --resume ends bit
+    for bit where an uninterrupted run ends. Before the counter, every tensor differed."""
+    from benchmarks.dropout_cuda_check import with_dropout
+
+    forward = with_dropout(mlp.build(batch=8, in_features=64, width=128, depth=2), 0.1)
+    step = save_graph(build_training_step(load_graph(forward), BuildOptions(optimizer="adamw")),
+                      tmp_path / "step.onnx")
+    rng = np.random.default_rng(1)
+    data = tmp_path / "data.npz"
+    np.savez(data, input=rng.standard_normal((40, 64), dtype=np.float32),
+             labels=rng.integers(0, 10, 40))
+    reference = tmp_path / "straight"
+    train(TrainOptions(step=step, data=data, steps=30, seed=4, checkpoint=reference,
+                       save_every=5, threads=1))
+    ck = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "memcc.cli", *_train_args(step, data, ck)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    while proc.poll() is None and ckpt.latest(ck) is None:
+        time.sleep(0.002)
+    time.sleep(random.Random(7).uniform(0.0, 0.03))
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate()
+    killed_at = ckpt.load(ck).step
+    final = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert final.returncode == 0, final.stderr
+    out = json.loads(final.stdout)
+    assert out["steps"] == 30 and out["start_step"] == killed_at
+    got, want = ckpt.load(ck), ckpt.load(reference)
+    assert got.step == want.step == 30 and int(got.tensors["dropout.step"]) == 30
+    assert got.tensors.keys() == want.tensors.keys()
+    for name in want.tensors:
+        np.testing.assert_array_equal(got.tensors[name], want.tensors[name], err_msg=name,
+                                      strict=True)
+    print(f"killed with the newest checkpoint at step {killed_at} (returncode "
+          f"{proc.returncode})")
+
+
 def test_bad_data_stops_before_any_step_and_writes_nothing(mlp_run, tmp_path):
     step, _ = mlp_run
     bad = tmp_path / "bad.npz"

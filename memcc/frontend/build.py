@@ -20,6 +20,7 @@ from onnx import TensorProto
 from memcc.errors import InputError
 from memcc.frontend.autodiff import differentiable_values, differentiate
 from memcc.frontend.chunked_loss import ChunkedLoss, emit_chunked_loss
+from memcc.frontend.dropout_masks import add_counter, counter_dropouts
 from memcc.frontend.emit import Emitter
 from memcc.frontend.exported import (
     EXPORT_MAP_KEY,
@@ -177,6 +178,9 @@ def build_training_step(forward: Graph, options: BuildOptions | None = None,
     namer.apply()
     for node in graph.nodes[first_update:]:  # provenance: TrainingStep.roles reads it
         tag_node(node, role=Role.UPDATE.value)
+    # Dropout masks from (seed, step counter, element): a resumed run draws the same ones.
+    if counter_dropouts(graph):
+        outputs.append(add_counter(graph, state))
 
     graph.outputs = outputs
     graph.inputs = data_inputs + [p for p in params] + [

@@ -28,6 +28,7 @@ from memcc.frontend.canonicalize import (
     shapes_needed,
 )
 from memcc.frontend.cast_chains import drop_cast_chains
+from memcc.frontend.dropout_masks import upgrade_step
 from memcc.frontend.exported import (
     EXPORT_MAP_KEY,
     SIGNATURE_KEY,
@@ -36,6 +37,7 @@ from memcc.frontend.exported import (
 )
 from memcc.frontend.fold import fold_shape_computations
 from memcc.graph import Graph, TensorInfo, node_label
+from memcc.step import KIND_KEY, TRAINING_STEP
 
 _CANONICAL_ROUNDS = 4
 
@@ -120,6 +122,8 @@ def load_graph(
         graph.metadata[EXPORT_MAP_KEY] = export_map.to_json()
     name_nodes(graph)
     seed_dropouts(graph.nodes)
+    if graph.metadata.get(KIND_KEY) == TRAINING_STEP:   # built before counter-based masks
+        upgrade_step(graph)
     missing = _unknown_values(graph)
     if missing:
         _shapes_by_running(model, graph, missing, where)

@@ -1,0 +1,330 @@
+"""Dropout masks that depend only on (seed, step, node, element): exact resumption.
+
+ONNX Runtime's ``Dropout`` keeps its generator inside the session: a seeded Dropout draws
+the same *sequence* of masks in every session, one mask per run. A training run that
+stops at step k and resumes in a new session therefore starts that sequence again, and
+its masks (and every tensor after them) differ from the uninterrupted run's. Nothing a
+checkpoint can hold restores a session's generator.
+
+So a training step does not use ORT's Dropout. ``counter_dropouts`` replaces every
+training-mode ``Dropout`` (constant ratio > 0, constant ``training_mode`` true) by a
+counter-based generator written in standard ONNX ops, and gives the step a carried int64
+scalar, ``dropout.step``, which the step advances (``dropout.step.new = dropout.step + 1``)
+like optimizer state: it is stored in checkpoints and restored with them. Each element's
+keep/drop decision is a hash of (the node's seed attribute, the counter, the element's flat
+index), so a resumed, re-created or re-compiled step draws exactly the masks of the
+uninterrupted run, on any provider and at any thread count (``dropout_mask`` is the same
+function in numpy; tests/test_dropout_masks.py holds the two together).
+
+The hash, all in uint32 arithmetic (which wraps by definition in C++ and CUDA alike), uses
+only Add, Mul, Div, GreaterOrEqual, Cast, Range, Split and Reshape, which ORT's CPU
+provider runs for uint32 (its kernel registry) and its CUDA provider too (its sources; no
+GPU run yet: ``benchmarks/dropout_cuda_check.py``). CUDA's sources show no BitwiseXor or
+BitShift kernels, so xor-shift mixing is written as an add-shift, and a squaring supplies
+the non-linearity::
+
+    k1, k2 = keys(seed, step)     # per Dropout; computed for all of them at once
+    h = (i + k1) * M0                            # i: the element's flat index
+    h = h * h + k2
+    h = h + h // 2**16
+    h = h * M1
+    keep = h >= round(ratio * 2**32)
+    y = where(keep, x * 1/(1-ratio), 0)
+
+``(i + k1) * M0`` is formed from a row vector and a column vector (broadcast, shared by the
+Dropouts of one shape), so the full-size work is 6 integer ops, the comparison, the scaling
+and the Where: measured costs are in
+docs/DETERMINISM.md. The mask keeps the Dropout's mask output name (its gradient rule reads
+it); the last node keeps the Dropout's name and records the original node, so ``memcc
+export`` writes a plain ``Dropout`` back into the forward model.
+
+Steps built before this (Dropouts with a seed attribute, no counter) are rewritten when
+they are loaded (``upgrade_step``); their checkpoints hold no counter, and resuming one
+sets the counter to the checkpoint's step (``checkpoint_counter``).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from memcc.errors import InputError
+from memcc.frontend.emit import Emitter
+from memcc.graph import Graph, TensorInfo, attr
+
+COUNTER = "dropout.step"
+COUNTER_NEW = f"{COUNTER}.new"
+# On the node that computes a rewritten Dropout's output: the original node (hex of its
+# serialized NodeProto), so that an export can put the plain Dropout back.
+ORIGINAL_PROP = "memcc.dropout"
+
+# Odd multipliers (from the published 32-bit integer hash constants); M2 mixes the step.
+_M0, _M1, _M2 = 0x7FEB352D, 0x846CA68B, 0x9E3779B1
+_K2_SALT = 0x6A09E667
+_SHIFT = 1 << 16
+_U32 = np.uint32
+
+
+# ------------------------------------------------------------------------- reference
+def _mix(h: np.ndarray, add: np.ndarray | int) -> np.ndarray:
+    """The element hash after its first multiply (uint32, wrapping)."""
+    h = h * h + _U32(add)
+    h = h + h // _U32(_SHIFT)
+    return h * _U32(_M1)
+
+
+def step_keys(seed: int, step: int) -> tuple[int, int]:
+    """The two per-(node, step) keys of the element hash."""
+    with np.errstate(over="ignore"):
+        s = _U32(step % (1 << 32)) * _U32(_M2) + _U32(seed % (1 << 32))
+        k1 = _mix(s * _U32(_M0), _K2_SALT)
+        k2 = _mix((k1 + _U32(_K2_SALT)) * _U32(_M0), _M2)
+    return int(k1), int(k2)
+
+
+def dropout_hash(seed: int, step: int, shape: tuple[int, ...]) -> np.ndarray:
+    """The uint32 hash of every element of a tensor of ``shape`` (numpy reference)."""
+    k1, k2 = step_keys(seed, step)
+    with np.errstate(over="ignore"):
+        i = np.arange(int(np.prod(shape, dtype=np.int64)), dtype=np.int64)
+        h = ((i % (1 << 32)).astype(_U32) + _U32(k1)) * _U32(_M0)
+        return _mix(h, k2).reshape(shape)
+
+
+def threshold(ratio: float) -> int:
+    """Elements whose hash is at least this are kept: P(keep) = 1 - ratio (to 2**-32)."""
+    return min(int(round(float(ratio) * 2.0 ** 32)), (1 << 32) - 1)
+
+
+def dropout_mask(seed: int, step: int, shape: tuple[int, ...], ratio: float) -> np.ndarray:
+    """The keep mask (bool) the rewritten Dropout draws at ``step`` (numpy reference)."""
+    return dropout_hash(seed, step, shape) >= _U32(threshold(ratio))
+
+
+# ------------------------------------------------------------------------- the rewrite
+def _constant(graph: Graph, name: str) -> np.ndarray | None:
+    if not name:
+        return None
+    if name in graph.initializers and name not in graph.inputs:
+        return np.asarray(graph.initializers[name])
+    from memcc.frontend.constants import constant_node_value
+
+    producer = graph.producers().get(name)
+    if producer is not None and producer.op_type == "Constant":
+        return constant_node_value(producer)
+    return None
+
+
+def rewritable(graph: Graph, node: onnx.NodeProto) -> float | None:
+    """The ratio of a Dropout this module rewrites (training mode known true, constant
+    ratio > 0, a tensor of rank >= 1), else None: such a Dropout is an identity, or its
+    mode or ratio is only known at run time and ORT's Dropout stays."""
+    if node.op_type != "Dropout" or node.domain not in ("", "ai.onnx") or graph.opset < 12:
+        return None
+    tm = node.input[2] if len(node.input) > 2 else ""
+    mode = _constant(graph, tm)
+    if mode is None or not bool(np.asarray(mode).reshape(-1)[0]):
+        return None
+    r = node.input[1] if len(node.input) > 1 else ""
+    ratio = _constant(graph, r) if r else np.asarray(0.5)
+    if ratio is None:
+        return None
+    value = float(np.asarray(ratio).reshape(-1)[0])
+    ti = graph.info.get(node.input[0])
+    if not 0.0 < value < 1.0 or ti is None or len(ti.shape) == 0:
+        return None
+    return value
+
+
+def counter_dropouts(graph: Graph) -> list[str]:
+    """Replace every rewritable Dropout of ``graph`` (a step, in place) by the counter-based
+    generator reading ``COUNTER``; return the names of the Dropouts replaced. The caller
+    makes ``COUNTER`` carried state (``add_counter``)."""
+    targets = [(n, r) for n in graph.nodes if (r := rewritable(graph, n)) is not None]
+    if not targets:
+        return []
+    if COUNTER in graph.info and COUNTER not in graph.inputs:
+        raise InputError(f"cannot add the Dropout step counter '{COUNTER}': the model has a "
+                         "value of that name; rename it")
+    graph.info[COUNTER] = TensorInfo(TensorProto.INT64, ())
+    emit = Emitter(graph, detached=True)
+    gen = _Generator(graph, emit, [int(attr(n, "seed", 0) or 0) for n, _ in targets])
+    instead: dict[int, list[onnx.NodeProto]] = {}
+    for d, (node, ratio) in enumerate(targets):
+        start = len(emit.nodes)
+        if d == 0:   # the keys of every Dropout, computed once (their inputs: the counter)
+            gen.keys()
+        gen.replace(node, ratio, d)
+        instead[id(node)] = emit.nodes[start:]
+    nodes: list[onnx.NodeProto] = []
+    for n in graph.nodes:
+        nodes.extend(instead.get(id(n), [n]))
+    graph.set_nodes(nodes)
+    return [n.name for n, _ in targets]
+
+
+class _Generator:
+    """Emits the generator's nodes. Shared by all Dropouts of a step: one computation of
+    every Dropout's keys (a vector over the Dropouts, then Split), and one pair of index
+    vectors per shape, so that a step with many Dropouts launches few extra kernels (on
+    CUDA each small op is a kernel launch)."""
+
+    def __init__(self, graph: Graph, emit: Emitter, seeds: list[int]) -> None:
+        self.graph, self.emit, self.seeds = graph, emit, seeds
+        self.k1m: list[str] = []    # per Dropout: k1 * M0, shape [1]
+        self.k2: list[str] = []     # per Dropout: k2, shape [1]
+        self._index: dict[tuple[int, int], tuple[str, str]] = {}
+
+    def c(self, v: int) -> str:
+        return self.emit.const(np.asarray(v % (1 << 32), dtype=_U32), name="dropout.k")
+
+    def op(self, kind: str, a: str, b: str, shape: tuple[int, ...] = ()) -> str:
+        return self.emit.op(kind, [a, b], info=TensorInfo(TensorProto.UINT32, shape))
+
+    def mix(self, h: str, add: str, shape: tuple[int, ...] = ()) -> str:
+        """As ``_mix``: ((h*h + a) + (h*h + a) // 2**16) * M1."""
+        h = self.op("Add", self.op("Mul", h, h, shape), add, shape)
+        h = self.op("Add", h, self.op("Div", h, self.c(_SHIFT), shape), shape)
+        return self.op("Mul", h, self.c(_M1), shape)
+
+    def keys(self) -> None:
+        """As ``step_keys``, for every Dropout at once."""
+        e, c, n = self.emit, self.c, len(self.seeds)
+        vec = (n,)
+        step32 = e.op("Cast", [COUNTER], to=TensorProto.UINT32, name="dropout.step32",
+                      info=TensorInfo(TensorProto.UINT32, ()))
+        seeds = e.const(np.asarray([v % (1 << 32) for v in self.seeds], dtype=_U32),
+                        name="dropout.seeds")
+        s = self.op("Add", self.op("Mul", step32, c(_M2)), seeds, vec)
+        k1 = self.mix(self.op("Mul", s, c(_M0), vec), c(_K2_SALT), vec)
+        k2 = self.mix(self.op("Mul", self.op("Add", k1, c(_K2_SALT), vec), c(_M0), vec),
+                      c(_M2), vec)
+        k1m = self.op("Mul", k1, c(_M0), vec)
+        ones = e.ints([1] * n)
+        one = TensorInfo(TensorProto.UINT32, (1,))
+        for k, out in ((k1m, self.k1m), (k2, self.k2)):
+            names = e.op("Split", [k, ones], outputs=n, axis=0, info=[one] * n)
+            out.extend([names] if isinstance(names, str) else names)
+
+    def _arange(self, n: int) -> str:
+        e = self.emit
+        r = e.op("Range", [e.const(np.asarray(0, np.int64), name="dropout.zero"),
+                           e.const(np.asarray(n, np.int64), name="dropout.n"),
+                           e.const(np.asarray(1, np.int64), name="dropout.one")],
+                 info=TensorInfo(TensorProto.INT64, (n,)))
+        return e.op("Cast", [r], to=TensorProto.UINT32,
+                    info=TensorInfo(TensorProto.UINT32, (n,)))
+
+    def index(self, rows: int, cols: int) -> tuple[str, str]:
+        """(row * cols * M0 over the rows, col * M0 over the columns), once per shape."""
+        if (rows, cols) not in self._index:
+            c = self.c
+            self._index[rows, cols] = (
+                self.op("Mul", self._arange(rows), c(cols * _M0), (rows,)),
+                self.op("Mul", self._arange(cols), c(_M0), (cols,)))
+        return self._index[rows, cols]
+
+    def replace(self, node: onnx.NodeProto, ratio: float, d: int) -> None:
+        graph, emit = self.graph, self.emit
+        x = node.input[0]
+        ti = graph.info[x]
+        shape = tuple(int(v) for v in ti.shape)
+        cols = shape[-1]
+        rows = int(np.prod(shape[:-1], dtype=np.int64))
+        # (i + k1) * M0 with i = row * cols + col: row * cols * M0 + k1 * M0 + col * M0.
+        row_base, col = self.index(rows, cols)
+        lead = (*shape[:-1], 1)
+        row = self.op("Add", row_base, self.k1m[d], (rows,))
+        row = emit.op("Reshape", [row, emit.ints(lead)],
+                      info=TensorInfo(TensorProto.UINT32, lead))
+        h = self.mix(self.op("Add", row, col, shape), self.k2[d], shape)
+        c = self.c
+        mask_name = node.output[1] if len(node.output) > 1 and node.output[1] else \
+            emit.fresh(f"{node.output[0]}.keep")
+        keep = emit.op("GreaterOrEqual", [h, c(threshold(ratio))], outputs=[mask_name],
+                       info=TensorInfo(TensorProto.BOOL, shape))
+        scale = emit.const(np.asarray(1.0 / (1.0 - ratio), dtype=ti.np_dtype),
+                           name="dropout.scale")
+        zero = emit.const(np.asarray(0.0, dtype=ti.np_dtype), name="dropout.zero_value")
+        scaled = emit.op("Mul", [x, scale], info=ti)
+        emit.op("Where", [keep, scaled, zero], outputs=[node.output[0]], info=ti)
+        final = emit.nodes[-1]
+        final.name = node.name   # provenance (memcc.grad_of) keeps pointing at a node
+        final.metadata_props.extend(node.metadata_props)
+        original = onnx.NodeProto()
+        original.CopyFrom(node)
+        del original.metadata_props[:]
+        if len(original.output) > 1:   # the mask is the generator's; an export needs only y
+            del original.output[1:]
+        final.metadata_props.add(key=ORIGINAL_PROP, value=original.SerializeToString().hex())
+
+
+def add_counter(graph: Graph, state: dict[str, str]) -> str:
+    """Make ``COUNTER`` carried state of the step: initial value 0, the node that advances
+    it (tagged an update), its output. Return the output's name."""
+    from memcc.step import Role, tag_node
+
+    graph.initializers[COUNTER] = np.zeros((), np.int64)
+    graph.info[COUNTER] = TensorInfo(TensorProto.INT64, ())
+    one = helper.make_tensor(f"{COUNTER}.one", TensorProto.INT64, (), [1])
+    nodes = [helper.make_node("Constant", [], [f"{COUNTER}.one"], name=f"{COUNTER}.one",
+                              value=one),
+             helper.make_node("Add", [COUNTER, f"{COUNTER}.one"], [COUNTER_NEW],
+                              name=f"{COUNTER}.advance")]
+    for n in nodes:
+        tag_node(n, role=Role.UPDATE.value)
+    graph.info[f"{COUNTER}.one"] = TensorInfo(TensorProto.INT64, ())
+    graph.info[COUNTER_NEW] = TensorInfo(TensorProto.INT64, ())
+    graph.set_nodes([*graph.nodes, *nodes])
+    state[COUNTER_NEW] = COUNTER
+    return COUNTER_NEW
+
+
+def upgrade_step(graph: Graph) -> int:
+    """A training step built before counter-based masks (its Dropouts seeded, no counter):
+    rewrite its Dropouts and add the counter, in place; return how many were rewritten."""
+    from memcc.step import STATE_KEY
+
+    if COUNTER in graph.inputs:
+        return 0
+    replaced = counter_dropouts(graph)
+    if not replaced:
+        return 0
+    state = json.loads(graph.metadata.get(STATE_KEY) or "{}")
+    out = add_counter(graph, state)
+    graph.metadata[STATE_KEY] = json.dumps(state)
+    graph.inputs = [*graph.inputs, COUNTER]
+    graph.outputs = [*graph.outputs, out]
+    return len(replaced)
+
+
+def restore_dropouts(graph: Graph) -> Graph:
+    """``graph`` with every rewritten Dropout put back as the plain node it replaced (a
+    copy when there is one; for exporting the forward model)."""
+    if not any(p.key == ORIGINAL_PROP for n in graph.nodes for p in n.metadata_props):
+        return graph
+    out = graph.copy(with_index=False)
+    nodes = []
+    for n in out.nodes:
+        hexed = next((p.value for p in n.metadata_props if p.key == ORIGINAL_PROP), None)
+        if hexed is None:
+            nodes.append(n)
+            continue
+        original = onnx.NodeProto()
+        original.ParseFromString(bytes.fromhex(hexed))
+        nodes.append(original)
+    out.set_nodes(nodes)
+    return out
+
+
+def checkpoint_counter(tensors: dict[str, np.ndarray], step: int, carried: set[str]
+                       ) -> dict[str, np.ndarray]:
+    """A checkpoint of a step from before counter-based masks holds no counter: resume it
+    with the counter at the checkpoint's step (the masks then follow this version's
+    generator from there on)."""
+    if COUNTER in carried and COUNTER not in tensors:
+        return {**tensors, COUNTER: np.asarray(step, np.int64)}
+    return tensors

@@ -1,0 +1,153 @@
+"""Dropout masks from (seed, step counter, element) (``frontend/dropout_masks.py``).
+
+ORT's Dropout keeps its generator in the session, so a resumed run (a new session) drew other
+masks than the uninterrupted run and ended with every tensor different. The rewrite draws
+each mask from a hash of the node's seed, the step's carried counter and the element index;
+these tests hold the ONNX generator to its numpy reference, check the masks' statistics,
+the upgrade of steps built before it, and the export of the plain model. Exact resumption
+itself is tested in test_trainer.py and test_train_cli.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+from benchmarks.dropout_cuda_check import ort_dropout, with_dropout
+from memcc import Trainer
+from memcc.backend import checkpoint as ckpt
+from memcc.backend.onnx_file import save_graph
+from memcc.backend.runner import synthetic_feeds
+from memcc.frontend.build import BuildOptions, build_training_step
+from memcc.frontend.dropout_masks import (
+    COUNTER,
+    COUNTER_NEW,
+    ORIGINAL_PROP,
+    counter_dropouts,
+    dropout_mask,
+    threshold,
+)
+from memcc.frontend.load import load_graph
+from memcc.graph import attr
+from memcc.step import STATE_KEY, TrainingStep
+from models import mlp
+
+
+def _two_dropouts(ratio: float = 0.25, train: bool = True, shape=(6, 5, 7)):
+    nodes = [helper.make_node("Dropout", ["x", "r", "t"], ["a", "a.mask"], name="first"),
+             helper.make_node("Dropout", ["a", "r", "t"], ["y", "y.mask"], name="second")]
+    g = helper.make_graph(
+        nodes, "two", [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(shape))],
+        [helper.make_tensor_value_info(v, TensorProto.BOOL if v.endswith("mask")
+                                       else TensorProto.FLOAT, list(shape))
+         for v in ("a", "a.mask", "y", "y.mask")],
+        [helper.make_tensor("r", TensorProto.FLOAT, [], [ratio]),
+         helper.make_tensor("t", TensorProto.BOOL, [], [train])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])
+    m.ir_version = 10
+    return load_graph(m)
+
+
+def test_the_onnx_generator_draws_its_numpy_reference_masks():
+    graph = _two_dropouts()
+    seeds = {n.name: attr(n, "seed") for n in graph.nodes}
+    assert counter_dropouts(graph) == ["first", "second"]
+    assert not [n for n in graph.nodes if n.op_type == "Dropout"]
+    graph.inputs = [*graph.inputs, COUNTER]
+    sess = ort.InferenceSession(graph.to_model().SerializeToString(),
+                                providers=["CPUExecutionProvider"])
+    x = np.random.default_rng(0).uniform(0.5, 2.0, (6, 5, 7)).astype(np.float32)
+    drawn = {}
+    for step in (0, 1, 7, 2 ** 32 + 3):
+        a, a_mask, y, y_mask = sess.run(None, {"x": x, COUNTER: np.asarray(step, np.int64)})
+        want_a = dropout_mask(seeds["first"], step, x.shape, 0.25)
+        want_y = dropout_mask(seeds["second"], step, x.shape, 0.25)
+        np.testing.assert_array_equal(a_mask, want_a)
+        np.testing.assert_array_equal(y_mask, want_y)
+        scale = np.float32(1 / 0.75)
+        np.testing.assert_array_equal(a, np.where(want_a, x * scale, np.float32(0)))
+        np.testing.assert_array_equal(y, np.where(want_y, a * scale, np.float32(0)))
+        drawn[step] = a_mask
+    assert not np.array_equal(drawn[0], drawn[1])
+    assert not np.array_equal(drawn[1], drawn[7])
+
+
+def test_masks_keep_one_minus_ratio_and_differ_across_steps_and_nodes():
+    shape = (64, 128, 128)          # 1M elements: the mean is known to about 3e-4
+    for ratio in (0.1, 0.5):
+        p = 1 - ratio
+        m0 = dropout_mask(11, 0, shape, ratio)
+        m1 = dropout_mask(11, 1, shape, ratio)
+        other = dropout_mask(12, 0, shape, ratio)
+        for m in (m0, m1, other):
+            assert abs(m.mean() - p) < 2e-3, (ratio, m.mean())
+        # Independent draws agree on p^2 + (1-p)^2 of the elements; a shifted or repeated
+        # mask agrees on more, a complementary one on less.
+        expected = p * p + (1 - p) ** 2
+        for a, b in ((m0, m1), (m0, other), (m0[:, :, 1:], m0[:, :, :-1]),
+                     (m0[:, 1:], m0[:, :-1]), (m0[1:], m0[:-1])):
+            assert abs((a == b).mean() - expected) < 3e-3
+    assert threshold(0.1) == 429496730 and threshold(1 - 1e-12) == 2 ** 32 - 1
+
+
+def test_an_identity_dropout_is_left_alone():
+    """Inference mode or ratio 0: ORT's Dropout is an identity, nothing random to rewrite."""
+    for graph in (_two_dropouts(train=False), _two_dropouts(ratio=0.0)):
+        before = [n.op_type for n in graph.nodes]
+        assert counter_dropouts(graph) == []
+        assert [n.op_type for n in graph.nodes] == before and COUNTER not in graph.info
+
+
+@pytest.fixture(scope="module")
+def old_step(tmp_path_factory):
+    """A step as memcc built it before counter-based masks: seeded Dropouts, no counter."""
+    d = tmp_path_factory.mktemp("old_step")
+    forward = load_graph(with_dropout(mlp.build(batch=4, in_features=8, width=16, depth=2)))
+    with ort_dropout():
+        step = build_training_step(forward, BuildOptions(optimizer="adamw"))
+    assert [n for n in step.nodes if n.op_type == "Dropout"]
+    assert COUNTER not in step.inputs
+    return save_graph(step, d / "old.onnx")
+
+
+def test_an_old_step_is_rewritten_when_loaded(old_step):
+    graph = load_graph(old_step)
+    assert not [n for n in graph.nodes if n.op_type == "Dropout"]
+    assert COUNTER in graph.inputs and COUNTER_NEW in graph.outputs
+    assert json.loads(graph.metadata[STATE_KEY])[COUNTER_NEW] == COUNTER
+    TrainingStep.of(graph).validate(str(old_step))
+
+
+def test_an_old_checkpoint_resumes_with_the_counter_at_its_step(old_step, tmp_path):
+    """Its checkpoints hold no counter; the fingerprint without it matches, and the counter
+    starts at the checkpoint's step."""
+    trainer = Trainer(old_step, threads=1)
+    feeds = synthetic_feeds(trainer.graph, seed=0)
+    for _ in range(3):
+        trainer.step(feeds)
+    sig = trainer.signature()
+    legacy = {**sig, "state": {k: v for k, v in sig["state"].items() if k != COUNTER}}
+    tensors = {k: v for k, v in trainer.state_dict().items() if k != COUNTER}
+    ckpt.save(tmp_path, tensors, step=3, sig=legacy, data_state={},
+              step_file=str(old_step))
+    resumed = Trainer.resume(tmp_path, threads=1)
+    assert resumed.state_dict()[COUNTER] == 3
+    assert np.isfinite(resumed.step(feeds))
+
+
+def test_export_writes_the_plain_dropout_back(old_step, tmp_path):
+    trainer = Trainer(old_step, threads=1)
+    trainer.step(synthetic_feeds(trainer.graph, seed=0))
+    model = onnx.load(str(trainer.export(tmp_path / "trained.onnx")))
+    ops = [n.op_type for n in model.graph.node]
+    assert ops.count("Dropout") == 2 and "Range" not in ops and "GreaterOrEqual" not in ops
+    names = {i.name for i in model.graph.input} | {i.name for i in model.graph.initializer}
+    assert COUNTER not in names
+    assert not [p for n in model.graph.node for p in n.metadata_props
+                if p.key == ORIGINAL_PROP]
+    assert all(len(n.output) == 1 for n in model.graph.node if n.op_type == "Dropout")
