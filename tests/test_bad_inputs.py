@@ -215,6 +215,15 @@ CASES = [
     case("report-plot-is-dir", "report {f}/r.json --plot {o}", "{o}"),
     case("report-plot-bad-format", "report {f}/r.json --plot {o}/p.txt", ".txt"),
     case("report-plot-no-timeline", "report {f}/r-old.json --plot {o}/p.png", "r-old.json"),
+    # --- analyze
+    case("analyze-missing", "analyze {f}/nope.onnx", "nope.onnx"),
+    case("analyze-dir", "analyze {f}/adir", "adir"),
+    case("analyze-text-file", "analyze {f}/notes.txt", "notes.txt"),
+    case("analyze-truncated-onnx", "analyze {f}/truncated.onnx", "truncated.onnx"),
+    case("analyze-bad-provider", "analyze {f}/step.onnx --provider tpu", "tpu"),
+    case("analyze-arena-on-cuda", "analyze {f}/step.onnx --provider cuda --arena", "--arena"),
+    case("analyze-dim-unbound", "analyze {f}/dyn.onnx", "batch"),
+    case("analyze-bad-time-limit", "analyze {f}/step.onnx --time-limit -1", "-1"),
 ]
 
 
