@@ -23,7 +23,7 @@ import pytest
 import safetensors.torch
 import torch
 from exports import DYNAMO_NOOPT, export
-from gradcheck import FLOAT, INT64, check_against_torch, make_model
+from gradcheck import FLOAT, check_against_torch, make_model
 from onnx import helper
 from typer.testing import CliRunner
 
