@@ -172,7 +172,7 @@ def build(
     import warnings
 
     from memcc import api
-    from memcc.frontend.exported import ExportWarning
+    from memcc.frontend.exported import ExportNote, ExportWarning
     from memcc.frontend.load import parse_dims
 
     try:
@@ -186,7 +186,9 @@ def build(
         _fail(exc)
         return
     for w in caught:
-        if issubclass(w.category, ExportWarning):
+        if issubclass(w.category, ExportNote):
+            err.print(f"note: {escape(str(w.message))}", highlight=False, soft_wrap=True)
+        elif issubclass(w.category, ExportWarning):
             _warn(str(w.message))
     step = TrainingStep.of(graph)
     params = step.parameters

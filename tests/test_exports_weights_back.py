@@ -23,13 +23,20 @@ import pytest
 import safetensors.torch
 import torch
 from exports import DYNAMO_NOOPT, export
-from onnx import numpy_helper
+from gradcheck import FLOAT, check_against_torch, make_model
+from onnx import helper
 from typer.testing import CliRunner
 
 from memcc import api
 from memcc.cli import app
-from memcc.frontend.build import BuildOptions
-from memcc.frontend.exported import ExportWarning, read_export_map
+from memcc.frontend.build import BuildOptions, build_training_step
+from memcc.frontend.exported import (
+    ExportMap,
+    ExportWarning,
+    read_export_map,
+    recompute_folded_copies,
+)
+from memcc.frontend.load import load_graph
 from memcc.step import TrainingStep
 from memcc.trainer import Trainer
 
@@ -119,34 +126,124 @@ def test_optimized_export_names_merged_and_folded_parameters(tmp_path):
     assert r.exit_code == 0, r.output
     assert "they hold 21 PyTorch parameters, 8 of them merged into others by the exporter, " \
         "and 8 more have no trained value" in " ".join(r.output.split()), r.output
+    assert "note: " in r.output and "0 under names the exporter made up" in r.output
+    assert "val_303 was a transposed copy" in " ".join(r.output.split()), r.output
 
 
 def test_optimized_export_weights_go_back_to_every_name(tmp_path):
     path, module, inputs, dims = export("gpt2", "dynamo", training=True, fresh=True)
-    step, _ = _build(path, tmp_path / "step.onnx", dims)
+    assert read_export_map(onnx.load(str(path))).copies == {"val_303": ("model.lm_head.weight",)}
+    step, msgs = _build(path, tmp_path / "step.onnx", dims)
+    # The output layer's pre-transposed copy is computed from lm_head.weight again.
+    assert any("val_303 was a transposed copy of model.lm_head.weight: now computed from "
+               "it (Transpose(perm=[1, 0])), trained as one" in m for m in msgs), msgs
+    assert not any("made up" in m for m in msgs), msgs
+    sources = step.parameter_sources()
+    assert all(s["named"] for s in sources.values()) and "val_303" not in sources
+    assert sources["model.lm_head.weight"]["folded_copies"] == {
+        "val_303": "Transpose(perm=[1, 0])"}
     weights, fwd, output = _train_and_export(tmp_path / "step.onnx", inputs, tmp_path)
     assert "trained as one tied parameter" in output and "strict=False" in output
     saved = safetensors.torch.load_file(str(weights))
     state = set(module.state_dict())
-    copies = [p for p, s in step.parameter_sources().items() if not s["named"]]
-    assert copies and set(saved) == (state - set(FOLDED)) | set(copies)
+    assert set(saved) == state - set(FOLDED)
     shared = saved[LN.format(0, 1, "weight")]
     assert not torch.equal(shared, torch.ones_like(shared))  # trained
     assert all(torch.equal(saved[n], shared) for n in MERGED_WEIGHTS)
 
     # README: load with strict=False; the folded biases keep their values at export.
-    result = module.load_state_dict({k: v for k, v in saved.items() if k in state},
-                                    strict=False)
+    before = _torch_logits(module, inputs)
+    result = module.load_state_dict(saved, strict=False)
     assert sorted(result.missing_keys) == FOLDED and not result.unexpected_keys
-    # The made-up copy (lm_head transposed, trained apart) is the only difference left.
-    model = onnx.load(str(fwd))
-    ours, theirs = _onnx_logits(model, inputs), _torch_logits(module, inputs)
-    assert _rel(ours, theirs) > 1e-3
-    for t in model.graph.initializer:
-        if t.name in copies:
-            t.CopyFrom(numpy_helper.from_array(saved["model.lm_head.weight"].numpy().T,
-                                               t.name))
-    assert _rel(_onnx_logits(model, inputs), theirs) <= 1e-5
+    # PyTorch with the exported weights computes what memcc's exported ONNX computes.
+    theirs = _torch_logits(module, inputs)
+    assert _rel(theirs, before) > 1e-3  # the trained weights, not the exported ones
+    assert _rel(_onnx_logits(onnx.load(str(fwd)), inputs), theirs) <= 1e-5
+
+
+def test_optimized_export_step_gradients_match_torch():
+    """The recomputed copy's gradient flows into its parameter: lm_head.weight (which torch
+    ties to wte.weight) gets the gradient of both its uses, the embedding lookup and the
+    output layer, as torch autograd computes it."""
+    path, module, inputs, dims = export("gpt2", "dynamo", training=True)
+    assert read_export_map(onnx.load(str(path))).copies  # the file has the folded copy
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ExportWarning)
+        step = build_training_step(load_graph(path, dims), BuildOptions(optimizer="none"))
+    params = TrainingStep.of(step).parameters
+    assert "val_303" not in params and "model.lm_head.weight" in params
+    labels = np.random.default_rng(0).integers(0, 100, size=inputs["input_ids"].shape)
+    feeds = {**inputs, "labels": labels.astype(np.int64)}
+    sess = ort.InferenceSession(step.to_model().SerializeToString(),
+                                providers=["CPUExecutionProvider"])
+    names = [o.name for o in sess.get_outputs()]
+    out = dict(zip(names, sess.run(None, {i.name: feeds.get(i.name, step.initializers.get(
+        i.name)) for i in sess.get_inputs()}), strict=True))
+    logits = module(**{k: torch.from_numpy(v) for k, v in inputs.items()})
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 100),
+                                             torch.from_numpy(labels).reshape(-1))
+    loss.backward()
+    assert abs(float(out["loss"]) - loss.item()) <= 1e-4 * max(1.0, loss.item())
+    record = TrainingStep.of(step)
+    grads, holder = record.gradients(), record.state_dict_names()
+    for name, p in module.named_parameters():  # torch lists the tied weight once
+        ref = p.grad.numpy()
+        got = out[grads[holder[name]]]
+        err = float(np.abs(got - ref).max() / np.abs(ref).max())
+        assert err <= 1e-3, f"{name}: relative error {err:.2e}"
+
+
+def _copy_model(w: np.ndarray, copy: np.ndarray) -> onnx.ModelProto:
+    """y = (x @ C) @ W: C the exporter's folded copy of W, W read as itself too."""
+    return make_model(
+        [helper.make_node("MatMul", ["x", "C"], ["m"]),
+         helper.make_node("MatMul", ["m", "W"], ["y"])],
+        [("x", FLOAT, (2, copy.shape[0]))], [("y", FLOAT, (2, w.shape[1]))],
+        {"W": w, "C": copy})
+
+
+@pytest.mark.parametrize("op", ["Transpose", "Reshape", "Identity"])
+def test_folded_copy_becomes_its_op_on_the_parameter(op):
+    """Each value-preserving op the values prove is written back, and the gradient of W
+    sums both uses (torch autograd on the same function)."""
+    # Square for Identity: its transposition fits the shape too, and the values rule it out.
+    w = np.random.default_rng(1).standard_normal((4, 4) if op == "Identity" else
+                                                 (6, 4)).astype(np.float32)
+    copy = w.T if op == "Transpose" else w.reshape(4, 6) if op == "Reshape" else w
+    model = _copy_model(w, np.ascontiguousarray(copy))
+    emap = recompute_folded_copies(model, ExportMap({"W": ("p.w",)}, copies={"C": ("p.w",)}))
+    assert not emap.copies and emap.computed["C"][:2] == ("p.w", "W")
+    assert emap.computed["C"][2].startswith(op)
+    assert [t.name for t in model.graph.initializer if t.name != "C.shape"] == ["W"]
+    assert model.graph.node[0].op_type == op and list(model.graph.node[0].output) == ["C"]
+    # W as a graph input, so that the gradient check feeds it.
+    del model.graph.initializer[[t.name for t in model.graph.initializer].index("W")]
+    model.graph.input.append(helper.make_tensor_value_info("W", FLOAT, w.shape))
+    x = np.random.default_rng(2).standard_normal((2, copy.shape[0])).astype(np.float32)
+    view = {"Transpose": lambda t: t.T, "Reshape": lambda t: t.reshape(4, 6),
+            "Identity": lambda t: t}[op]
+    check_against_torch(model, {"x": x, "W": w}, lambda x, W: x @ view(W) @ W, ["W"])
+
+
+@pytest.mark.parametrize("case", ["differs", "ambiguous", "two sources"])
+def test_folded_copy_the_values_do_not_prove_stays_a_copy(case):
+    """The record alone is not trusted: a copy whose values are no op of its parameter, or
+    fit several ops that move elements differently (a constant-filled tensor), or that was
+    folded from two parameters, stays as it was (trained under its made-up name)."""
+    w = np.random.default_rng(1).standard_normal((6, 4)).astype(np.float32)
+    copy = np.ascontiguousarray(w.T)
+    sources = ("p.w",)
+    if case == "differs":
+        copy[0, 0] += 1e-6
+    elif case == "ambiguous":
+        w, copy = np.ones((6, 4), np.float32), np.ones((4, 6), np.float32)
+    else:
+        sources = ("p.w", "p.v")
+    model = _copy_model(w, copy)
+    before = model.SerializeToString()
+    emap = ExportMap({"W": ("p.w",)}, copies={"C": sources})
+    assert recompute_folded_copies(model, emap) == emap
+    assert model.SerializeToString() == before
 
 
 @pytest.mark.parametrize("exporter", [DYNAMO_NOOPT, "torchscript"])

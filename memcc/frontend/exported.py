@@ -32,13 +32,15 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import itertools
 import json
 import re
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import onnx
+import onnx.numpy_helper
 
 from memcc.graph import Graph, attr, node_label
 from memcc.step import KIND_KEY
@@ -72,6 +74,11 @@ KEEP_EVERY_PARAMETER = "torch.onnx.export(..., dynamo=True, optimize=False)"
 
 class ExportWarning(UserWarning):
     """The build goes on, but the step may not train what the user thinks it trains."""
+
+
+class ExportNote(ExportWarning):
+    """What memcc changed in an export so that the step trains what PyTorch trains: shown
+    as a note, not a warning (an ``ExportWarning`` so that callers catching those see it)."""
 
 
 @dataclass(frozen=True)
@@ -138,7 +145,9 @@ class ExportMap:
     optimizer folded them into constants, such as zero biases it removed). ``unused``:
     parameters the traced program never reads (or whose every reader was folded away).
     ``copies``: initializer under a made-up name -> the PyTorch parameters it was folded
-    from (a pre-transposed weight, trained under the made-up name).
+    from (a pre-transposed weight, trained under the made-up name). ``computed``: a copy
+    ``recompute_folded_copies`` replaced by a node reading its parameter -> (the PyTorch
+    parameter, the initializer holding it, the op written: ``Transpose(perm=[1, 0])``).
     """
 
     stands_for: dict[str, tuple[str, ...]] = field(default_factory=dict)
@@ -146,11 +155,12 @@ class ExportMap:
     folded: tuple[str, ...] = ()
     unused: tuple[str, ...] = ()
     copies: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    computed: dict[str, tuple[str, str, str]] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps({"stands_for": self.stands_for, "merged": self.merged,
                            "folded": list(self.folded), "unused": list(self.unused),
-                           "copies": self.copies})
+                           "copies": self.copies, "computed": self.computed})
 
     @classmethod
     def from_json(cls, text: str | None) -> ExportMap | None:
@@ -160,7 +170,9 @@ class ExportMap:
         return cls({k: tuple(v) for k, v in d.get("stands_for", {}).items()},
                    {k: tuple(v) for k, v in d.get("merged", {}).items()},
                    tuple(d.get("folded", ())), tuple(d.get("unused", ())),
-                   {k: tuple(v) for k, v in d.get("copies", {}).items()})
+                   {k: tuple(v) for k, v in d.get("copies", {}).items()},
+                   {k: (str(v[0]), str(v[1]), str(v[2]))
+                    for k, v in d.get("computed", {}).items()})
 
 
 def _literal_list(text: str | None) -> list[str]:
@@ -305,6 +317,125 @@ def read_export_map(model: onnx.ModelProto) -> ExportMap | None:
     return ExportMap(stands_for, merged, tuple(folded), tuple(sorted(unused)), copies)
 
 
+# ---------------------------------------------------------------------------- folded copies
+# Tensors of more dimensions than this are not searched for a transposition (6! orders).
+_MAX_PERMUTED_RANK = 6
+
+
+def _value_preserving_op(param: np.ndarray, copy: np.ndarray
+                         ) -> tuple[str, tuple[int, ...]] | None:
+    """The one op (``Identity``, ``Transpose`` with its perm, ``Reshape`` with its shape)
+    that turns ``param`` into ``copy`` bit for bit, or None. None as well where several ops
+    that move elements differently all fit (a constant-filled tensor equals its every
+    transposition): then the values cannot say which op the exporter folded, and guessing
+    would train the wrong function of the parameter."""
+    if param.dtype != copy.dtype or param.size != copy.size or param.size == 0:
+        return None
+    candidates: list[tuple[str, tuple[int, ...]]] = []
+    if param.shape == copy.shape:
+        candidates.append(("Identity", ()))
+    if param.ndim == copy.ndim and 1 < param.ndim <= _MAX_PERMUTED_RANK:
+        candidates += [("Transpose", perm)
+                       for perm in itertools.permutations(range(param.ndim))
+                       if perm != tuple(range(param.ndim))
+                       and tuple(param.shape[i] for i in perm) == copy.shape]
+    if param.shape != copy.shape:
+        candidates.append(("Reshape", tuple(int(d) for d in copy.shape)))
+    positions = np.arange(param.size).reshape(param.shape)
+    target = np.ascontiguousarray(copy).tobytes()
+    found: dict[bytes, tuple[str, tuple[int, ...]]] = {}
+    for op, arg in candidates:
+        if np.ascontiguousarray(_apply(op, arg, param)).tobytes() == target:
+            found.setdefault(np.ascontiguousarray(_apply(op, arg, positions)).tobytes(),
+                             (op, arg))
+    return next(iter(found.values())) if len(found) == 1 else None
+
+
+def _apply(op: str, arg: tuple[int, ...], a: np.ndarray) -> np.ndarray:
+    if op == "Transpose":
+        return np.transpose(a, arg)
+    if op == "Reshape":
+        return a.reshape(arg)
+    return a
+
+
+def _op_text(op: str, arg: tuple[int, ...]) -> str:
+    if op == "Transpose":
+        return f"Transpose(perm={list(arg)})"
+    if op == "Reshape":
+        return f"Reshape(shape={list(arg)})"
+    return "Identity"
+
+
+def recompute_folded_copies(model: onnx.ModelProto, emap: ExportMap) -> ExportMap:
+    """Compute each folded copy from its parameter again, in ``model`` (in place).
+
+    The dynamo exporter's optimizer constant-folds ops on parameters: GPT-2's output layer
+    reads ``val_303``, ``Transpose(lm_head.weight)`` folded, while the embedding reads
+    ``lm_head.weight`` itself. Trained as found, the copy and its parameter drift apart;
+    PyTorch trains one tensor. A copy folded from one parameter whose value is, bit for
+    bit, that parameter transposed, reshaped or as is (checked here on the arrays: the
+    record only names the source) is replaced by that op reading the parameter's
+    initializer, so the step trains the parameter and its gradient sums both uses. A copy
+    that fails the check stays a parameter under its made-up name (``report_parameters``
+    warns). Returns the map with the replaced copies moved from ``copies`` to ``computed``.
+    """
+    if not emap.copies:
+        return emap
+    inits = {t.name: t for t in model.graph.initializer}
+    taken = set(inits) | {o for n in model.graph.node for o in n.output}
+    copies = dict(emap.copies)
+    computed = dict(emap.computed)
+    front: list[onnx.NodeProto] = []
+    gone: set[str] = set()
+    for name, params in emap.copies.items():
+        if len(params) != 1 or name not in inits:
+            continue
+        holders = sorted(i for i, names in emap.stands_for.items()
+                         if params[0] in names and i in inits and i not in gone)
+        holders.sort(key=lambda i: emap.stands_for[i][0] != params[0])  # its own first
+        if not holders:
+            continue
+        holder = holders[0]
+        try:
+            found = _value_preserving_op(onnx.numpy_helper.to_array(inits[holder]),
+                                         onnx.numpy_helper.to_array(inits[name]))
+        except Exception:  # data the file does not hold (external data not loaded)
+            found = None
+        if found is None:
+            continue
+        op, arg = found
+        node_name = f"memcc.recompute/{name}"
+        if op == "Transpose":
+            node = onnx.helper.make_node(op, [holder], [name], name=node_name, perm=list(arg))
+        elif op == "Reshape":
+            shape = f"{name}.shape"
+            while shape in taken:
+                shape += "_"
+            taken.add(shape)
+            model.graph.initializer.append(
+                onnx.numpy_helper.from_array(np.asarray(arg, dtype=np.int64), shape))
+            node = onnx.helper.make_node(op, [holder, shape], [name], name=node_name)
+        else:
+            node = onnx.helper.make_node(op, [holder], [name], name=node_name)
+        front.append(node)
+        gone.add(name)
+        del copies[name]
+        computed[name] = (params[0], holder, _op_text(op, arg))
+    if not gone:
+        return emap
+    kept = [t for t in model.graph.initializer if t.name not in gone]
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(kept)
+    inputs = [i for i in model.graph.input if i.name not in gone]
+    del model.graph.input[:]
+    model.graph.input.extend(inputs)
+    nodes = [*front, *model.graph.node]
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    return replace(emap, copies=copies, computed=computed)
+
+
 def _read_scope_ties(model: onnx.ModelProto) -> ExportMap | None:
     """Weight tying in a TorchScript export, from its node names (``/model/lm_head/
     Transpose``: the module a node ran in). TorchScript stores a tied weight once, under one
@@ -409,6 +540,9 @@ class ParameterSource:
     pytorch_names: tuple[str, ...] = field(default=())
     merged: tuple[str, ...] = field(default=())  # of pytorch_names, merged by the exporter
     copy_of: tuple[str, ...] = field(default=())  # a made-up copy folded from these
+    # Copies the exporter folded from this parameter that the step computes from it again
+    # (``recompute_folded_copies``): (made-up name, op), e.g. ("val_303", "Transpose(...)").
+    folded_copies: tuple[tuple[str, str], ...] = field(default=())
 
     def to_json(self) -> dict:
         d: dict = {"exported_name": self.exported_name, "named": self.named,
@@ -416,6 +550,8 @@ class ParameterSource:
         for key in ("tied_with", "merged", "copy_of"):
             if getattr(self, key):
                 d[key] = list(getattr(self, key))
+        if self.folded_copies:
+            d["folded_copies"] = dict(self.folded_copies)
         return d
 
 
@@ -474,8 +610,10 @@ def parameter_sources(graph: Graph, params: list[str]) -> dict[str, ParameterSou
         ties = [q for q in groups.get(find(p), [p]) if q != p] if p in parent else []
         if emap is not None:
             names = emap.stands_for.get(p, (p,) if named(p) and p not in emap.copies else ())
+            computes = tuple((c, op) for c, (_, init, op) in sorted(emap.computed.items())
+                             if init == p)
             out[p] = ParameterSource(p, named(p), tuple(ties), names, emap.merged.get(p, ()),
-                                     emap.copies.get(p, ()))
+                                     emap.copies.get(p, ()), computes)
         else:
             out[p] = ParameterSource(p, named(p), tuple(ties), (p,) if named(p) else ())
     return out
@@ -524,6 +662,19 @@ def _report_export_map(sources: dict[str, ParameterSource], source: str,
                        emap: ExportMap) -> None:
     """Name every PyTorch parameter the exporter's optimizer merged into another or folded
     into a constant: the step as exported trains a different model than torch would."""
+    computed = [(c, torch_name, op) for c, (torch_name, init, op) in emap.computed.items()
+                if init in sources]
+    if computed:
+        what = {"Identity": "an exact", "Transpose": "a transposed", "Reshape": "a reshaped"}
+        told = "; ".join(f"{c} was {what[op.split('(')[0]]} copy of {n}: now computed from it "
+                         f"({op}), trained as one" for c, n, op in computed[:4])
+        more = f" (+{len(computed) - 4} more)" if len(computed) > 4 else ""
+        warnings.warn(
+            f"{source}: {told}{more}. The exporter's optimizer had folded "
+            f"{'this op' if len(computed) == 1 else 'these ops'} on the parameter into a "
+            "constant (checked: equal bit for bit); memcc computes the copy from the "
+            "parameter again, so the step trains one tensor, as PyTorch does.",
+            ExportNote, stacklevel=3)
     merged = {p: s.merged for p, s in sources.items() if s.merged}
     if merged:
         n = sum(len(m) for m in merged.values())

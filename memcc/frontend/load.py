@@ -34,6 +34,7 @@ from memcc.frontend.exported import (
     SIGNATURE_KEY,
     read_export_map,
     read_signature,
+    recompute_folded_copies,
 )
 from memcc.frontend.fold import fold_shape_computations
 from memcc.graph import Graph, TensorInfo, node_label
@@ -97,6 +98,8 @@ def load_graph(
         model = read_model(path_or_model)
         where = source or str(path_or_model)
     export_map = read_export_map(model)  # from the file as written, before any rewrite
+    if export_map is not None:  # folded copies of one parameter: computed from it again
+        export_map = recompute_folded_copies(model, export_map)
     if model.functions:
         model = onnx.inliner.inline_local_functions(model)
     _bind_input_dims(model, dict(dims or {}), where)
