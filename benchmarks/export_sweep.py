@@ -200,10 +200,15 @@ def one(name: str, exporter: str, out_dir: Path, batch: int, time_limit: int,
     if at is not None:
         budget, out = str(int(at * baseline)), Path(f"{base}.at.onnx")
     rc, seconds, text, rep = compile_step(path, out, budget, True, time_limit)
-    named = re.search(r"Use --budget (\d+)", text) if at is not None and rc != 0 else None
+    refused = at is not None and rc != 0
+    named = re.search(r"Use --budget (\d+)", text) if refused else None
     if named:
         note = f" (refused {int(budget):,} B; compiled at the {int(named.group(1)):,} B it named)"
         rc, seconds, text, rep = compile_step(path, out, named.group(1), True, time_limit)
+    elif refused and "--budget min finds" in text:  # below the floor: refused before search
+        rc, seconds, text, rep = compile_step(path, out, "min", True, time_limit)
+        note = f" (refused {int(budget):,} B below its floor; compiled at --budget min" + (
+            f", {rep['budget_bytes']:,} B)" if rep and rep.get("budget_bytes") else ")")
     if rep is None or "verification" not in rep or rep["verification"] is None:
         last = text.strip().splitlines()[-1][:120] if text.strip() else f"exit {rc}"
         return f"| {name} | {exporter} | {baseline / 1e6:.1f} | | | | | compile failed: {last} |"
