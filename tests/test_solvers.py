@@ -209,6 +209,45 @@ def test_a_solver_that_runs_past_its_deadline_is_left_behind(monkeypatch):
     assert sol.limit_hit == "time" and sol.status == "time limit"
 
 
+def test_a_solve_left_behind_returns_the_best_answer_it_reported(monkeypatch):
+    """A HiGHS that finds answers and then runs on past every limit (1.16.0's RENS did):
+    the answer its improving-solution callback last reported comes back."""
+    import highspy
+
+    release = threading.Event()
+    real_run = highspy.Highs.run
+
+    def finds_then_sticks(self):
+        status = real_run(self)
+        release.wait(60)
+        return status
+
+    monkeypatch.setattr(highspy.Highs, "run", finds_then_sticks)
+    p = random_problem(30, 120, 1)
+    budget = 0.8 * p.peak(np.zeros(p.n_vars))
+    try:
+        result = ilp._highs(p, list(range(p.horizon)), budget, "time", 1.0, None)
+    finally:
+        release.set()
+    assert result.limit == "time" and result.status == "feasible"
+    x = p.settle(result.values)
+    assert p.feasible(x) and p.peak(x) <= budget * (1 + 1e-6)
+
+
+def test_rens_is_off_from_highs_1_16_on(monkeypatch):
+    """HiGHS 1.16.0's RENS ran past the time limit and the interrupt callback; earlier
+    releases keep HiGHS's defaults. The option exists in the installed release."""
+    import highspy
+
+    monkeypatch.setattr(ilp, "_highs_version", lambda: (1, 16, 0))
+    assert ("mip_heuristic_run_rens", False) in ilp._release_options()
+    monkeypatch.setattr(ilp, "_highs_version", lambda: (1, 15, 1))
+    assert ilp._release_options() == ()
+    with quiet.stdout_kept_clean():
+        h = highspy.Highs()
+    assert h.setOptionValue("mip_heuristic_run_rens", False) == highspy.HighsStatus.kOk
+
+
 @pytest.mark.parametrize("text,limit", [("interrupted by user", "time"),
                                         ("time limit reached", "time"),
                                         ("iteration limit reached", "work"),
