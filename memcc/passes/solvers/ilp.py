@@ -17,9 +17,10 @@ depend on the machine's load.
 The time limit holds whatever the solver does. HiGHS gets it as its own ``time_limit``, an
 interrupt callback stops it at the deadline (it then returns its best incumbent), and the
 solve runs in a thread the caller stops waiting for shortly after the deadline: a solver
-that neither checks its clock nor calls back in time is left to finish on its own, and the
-round counts as one that found nothing (``limit_hit: "time"``). Nothing a solver prints
-reaches stdout (``quiet.stdout_kept_clean``).
+that neither checks its clock nor calls back in time (highspy 1.16.0's RENS heuristic) is
+left to finish on its own, and the round keeps the best answer the solver reported before
+(``limit_hit: "time"``). Nothing a solver prints reaches stdout
+(``quiet.stdout_kept_clean``). docs/PLANNING_CORE.md, "Each solve's deadline".
 """
 
 from __future__ import annotations
