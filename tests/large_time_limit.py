@@ -34,8 +34,9 @@ from models import build_model
 ROOT = Path(__file__).resolve().parents[1]
 # The work outside the planner's clock on this step, measured on the two-core machine
 # that wrote BENCHMARKS.md: loading 1-3 s, the model and the segmentations 2 s, simulating
-# the answers and writing the output under 2 s; about twice that here.
-SETUP_S = 12.0
+# the answers and writing the output under 2 s; 40 s of wall at --time-limit 30 under a
+# load average of 3 on two cores, which this allowance still admits.
+SETUP_S = 15.0
 
 
 @pytest.fixture(scope="module")
