@@ -1,14 +1,18 @@
 """The array solvers: the ILP is optimal for its model (checked by brute force), the
-memory model evaluates terms as documented, and sqrtn returns one candidate per k."""
+memory model evaluates terms as documented, and sqrtn returns one candidate per k. The
+ILP's time limit holds whatever HiGHS does, and nothing HiGHS prints reaches stdout."""
 
 from __future__ import annotations
 
 import itertools
+import os
+import threading
+import time
 
 import numpy as np
 import pytest
 
-from memcc.passes.solvers import ilp, sqrtn
+from memcc.passes.solvers import ilp, quiet, sqrtn
 from memcc.passes.solvers.problem import CONTINUOUS, Problem, ProblemBuilder
 
 
@@ -119,3 +123,134 @@ def test_sqrtn_keeps_the_producers_crossing_each_cut():
     assert cands[1].all()  # one segment: recompute everything
     x3 = cands[3]
     assert not x3[1] and not x3[4]  # the cheap cuts were chosen as checkpoints
+
+
+def test_nothing_the_solver_writes_to_fd_1_reaches_stdout(capfd, monkeypatch):
+    """HiGHS 1.16 prints its banner on fd 1 when the first Highs object is made, before
+    any option can be set; a C library's write to fd 1 must end up on stderr (less the
+    banner), never on stdout, where --json commands print their one object."""
+    import highspy
+
+    real_init, real_run = highspy.Highs.__init__, highspy.Highs.run
+
+    def init(self):
+        real_init(self)
+        os.write(1, b"Running HiGHS 9.9.9 (git hash: 0): Copyright (c) 2099\n")
+
+    def run(self):
+        os.write(1, b"solver chatter\n")
+        return real_run(self)
+
+    monkeypatch.setattr(highspy.Highs, "__init__", init)
+    monkeypatch.setattr(highspy.Highs, "run", run)
+    p = random_problem(9, 40, 2)
+    sol = ilp.solve(p, 0.7 * p.peak(np.zeros(p.n_vars)), time_limit=20)
+    assert sol.status in ("optimal", "feasible", "infeasible")
+    out, err = capfd.readouterr()
+    assert out == ""
+    assert "solver chatter" in err and "Running HiGHS" not in err
+
+
+def test_cbc_writes_nothing_to_stdout(capfd):
+    p = random_problem(6, 30, 1)
+    sol = ilp.solve(p, 0.8 * p.peak(np.zeros(p.n_vars)), time_limit=20, solver="cbc")
+    assert sol.solver == "CBC" and sol.status in ("optimal", "feasible", "infeasible")
+    assert capfd.readouterr().out == ""
+
+
+def test_the_guard_leaves_stdout_as_it_was_and_nests(capfd):
+    with quiet.stdout_kept_clean():
+        with quiet.stdout_kept_clean():
+            os.write(1, b"inner\n")
+        os.write(1, b"outer\n")
+    os.write(1, b"after\n")
+    out, err = capfd.readouterr()
+    assert out == "after\n" and err == "inner\nouter\n"
+
+
+def test_a_solve_interrupted_at_its_deadline_returns_its_incumbent(monkeypatch):
+    """The interrupt callback stops HiGHS at the deadline; the answer it had (here the
+    start it was given) comes back, marked as stopped by the time limit."""
+    # Large enough that HiGHS does not finish in presolve, before its first check.
+    p = random_problem(30, 120, 1)
+    budget = 0.8 * p.peak(np.zeros(p.n_vars))
+    start = p.settle(np.where(p.binary, 1.0, 0.0))   # recompute everything: fits
+    assert p.peak(start) <= budget
+    real = ilp._run_until
+    # A deadline already past: HiGHS is interrupted at its first check.
+    monkeypatch.setattr(ilp, "_run_until",
+                        lambda h, deadline, limit: real(h, time.perf_counter() - 1.0, limit))
+    result = ilp._highs(p, list(range(p.horizon)), budget, "time", 30.0, start)
+    assert result.limit == "time"
+    assert result.status == "feasible" and result.values is not None
+    assert p.peak(p.settle(result.values)) <= budget + 1e-6
+
+
+def test_a_solver_that_runs_past_its_deadline_is_left_behind(monkeypatch):
+    """A HiGHS that neither checks its clock nor calls back: the solve returns shortly
+    after its deadline with no answer and ``limit_hit: "time"``, while the solver is still
+    running (it is not waited for)."""
+    import highspy
+
+    release, finished = threading.Event(), threading.Event()
+
+    def stuck(self):
+        release.wait(60)
+        finished.set()
+        return highspy.HighsStatus.kOk
+
+    monkeypatch.setattr(highspy.Highs, "run", stuck)
+    p = random_problem(9, 40, 2)
+    try:
+        sol = ilp.solve(p, 0.7 * p.peak(np.zeros(p.n_vars)), time_limit=0.3)
+        assert not finished.is_set()
+    finally:
+        release.set()
+    assert sol.limit_hit == "time" and sol.status == "time limit"
+
+
+def test_a_solve_left_behind_returns_the_best_answer_it_reported(monkeypatch):
+    """A HiGHS that finds answers and then runs on past every limit (1.16.0's RENS did):
+    the answer its improving-solution callback last reported comes back."""
+    import highspy
+
+    release = threading.Event()
+    real_run = highspy.Highs.run
+
+    def finds_then_sticks(self):
+        status = real_run(self)
+        release.wait(60)
+        return status
+
+    monkeypatch.setattr(highspy.Highs, "run", finds_then_sticks)
+    p = random_problem(30, 120, 1)
+    budget = 0.8 * p.peak(np.zeros(p.n_vars))
+    try:
+        result = ilp._highs(p, list(range(p.horizon)), budget, "time", 1.0, None)
+    finally:
+        release.set()
+    assert result.limit == "time" and result.status == "feasible"
+    x = p.settle(result.values)
+    assert p.feasible(x) and p.peak(x) <= budget * (1 + 1e-6)
+
+
+def test_rens_is_off_from_highs_1_16_on(monkeypatch):
+    """HiGHS 1.16.0's RENS ran past the time limit and the interrupt callback; earlier
+    releases keep HiGHS's defaults. The option exists in the installed release."""
+    import highspy
+
+    monkeypatch.setattr(ilp, "_highs_version", lambda: (1, 16, 0))
+    assert ("mip_heuristic_run_rens", False) in ilp._release_options()
+    monkeypatch.setattr(ilp, "_highs_version", lambda: (1, 15, 1))
+    assert ilp._release_options() == ()
+    with quiet.stdout_kept_clean():
+        h = highspy.Highs()
+    assert h.setOptionValue("mip_heuristic_run_rens", False) == highspy.HighsStatus.kOk
+
+
+@pytest.mark.parametrize("text,limit", [("interrupted by user", "time"),
+                                        ("time limit reached", "time"),
+                                        ("iteration limit reached", "work"),
+                                        ("optimal", None)])
+def test_highs_statuses_name_the_limit_that_stopped_them(text, limit):
+    assert ilp._limit_of(text) == limit

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import onnx
@@ -101,6 +103,35 @@ def test_the_tuned_step_runs_like_the_step_it_came_from(model_file):
     # asserted: this step is ~1 MB of tiny buffers, where malloc's own overhead is a few
     # percent (README) and the margin is off on purpose.
     assert v["outputs_match"] and v["order_matches_plan"], v["problems"]
+
+
+# A tune in a fresh process whose HiGHS writes to fd 1 as 1.16's does (its banner, when the
+# first Highs object is made), whatever highspy is installed.
+_PRINTING_HIGHS = """
+import os, sys
+import highspy
+real = highspy.Highs.__init__
+def init(self):
+    real(self)
+    os.write(1, b"Running HiGHS 9.9.9 (git hash: 0): Copyright (c) 2099\\nsolver chatter\\n")
+highspy.Highs.__init__ = init
+from memcc.cli import app
+sys.argv[0] = "memcc"
+app()
+"""
+
+
+def test_json_stays_json_when_the_solver_prints_on_stdout(model_file):
+    proc = subprocess.run(
+        [sys.executable, "-c", _PRINTING_HIGHS, "tune", str(model_file), "--budget",
+         str(BUDGET + 1024 * 1024), "--dim", RANGE, "--margin", "0", "--points", "0",
+         "--json"],
+        cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["largest_batch"] > 0
+    # The solver ran (its chatter moved to stderr); its banner is dropped.
+    assert "solver chatter" in proc.stderr and "Running HiGHS" not in proc.stderr
 
 
 def test_cli_writes_json_the_step_and_the_plot_with_the_suggested_lr(model_file, tmp_path):

@@ -306,6 +306,10 @@ def _add_answer(p: Planning, prob: Problem, sol: Solution, out: Found, detail: s
     """Record one time-objective solve in ``out``: its plan, simulated, when the solver
     answered (None when it proved the budget infeasible or stopped without an answer)."""
     if sol.status in ("infeasible", "time limit") or sol.status.startswith("not"):
+        if sol.status == "time limit":
+            # It ran and was stopped with nothing: the report's ``solver`` says so
+            # (``limit_hit: "time"``), not "not run".
+            out.solver = solver_info(sol)
         out.add("ilp", [], _ilp_run(sol, detail, model_budget))
         return None
     out.solver = solver_info(sol)

@@ -13,16 +13,26 @@ per solve, one thread, a fixed seed. The time limit still binds where a caller p
 short one (``strategies._smallest_peak`` gets a share of what is left, and on large steps
 uses it up); hitting it is reported (``Solution.limit_hit``), and only then may the answer
 depend on the machine's load.
+
+The time limit holds whatever the solver does. HiGHS gets it as its own ``time_limit``, an
+interrupt callback stops it at the deadline (it then returns its best incumbent), and the
+solve runs in a thread the caller stops waiting for shortly after the deadline: a solver
+that neither checks its clock nor calls back in time (highspy 1.16.0's RENS heuristic) is
+left to finish on its own, and the round keeps the best answer the solver reported before
+(``limit_hit: "time"``). Nothing a solver prints reaches stdout
+(``quiet.stdout_kept_clean``). docs/PLANNING_CORE.md, "Each solve's deadline".
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 
 import numpy as np
 
 from memcc.passes.solvers.problem import Problem, Solution
+from memcc.passes.solvers.quiet import stdout_kept_clean
 
 INITIAL_ROWS = 48
 ROWS_PER_ROUND = 40
@@ -30,6 +40,15 @@ MAX_ROUNDS = 8
 LP_ROUNDS = 30
 MIP_MAX_NODES = 10
 MIP_REL_GAP = 0.025
+# How long past its deadline a solve is waited for before it is left behind: a share of
+# its time limit (so that --time-limit plus 10% holds), at least enough to collect an
+# answer the interrupt callback stopped, at most a second.
+LATE_SHARE = 0.05
+LATE_MIN_S = 0.1
+LATE_MAX_S = 1.0
+# Solves left behind at their deadline, kept referenced until they end (their interrupt
+# flag is set, so they stop at the solver's next check).
+_left_behind: list[tuple[object, threading.Thread]] = []
 
 
 def _initial_rows(problem: Problem, budget: float, objective: str, k: int) -> list[int]:
@@ -218,53 +237,159 @@ def _highs(problem: Problem, rows: list[int], budget: float, objective: str,
            time_limit: float, incumbent: np.ndarray | None, relax: bool = False) -> _Result:
     import highspy
 
+    deadline = time.perf_counter() + max(float(time_limit), 0.1)
     cost, lower, upper, integral, (ptr, idx, val), lo, hi = _matrix(problem, rows, budget,
                                                                    objective)
     inf = highspy.kHighsInf
-    h = highspy.Highs()
-    for key, value in (("output_flag", False), ("threads", 1), ("random_seed", 0),
-                       ("mip_rel_gap", MIP_REL_GAP), ("mip_max_nodes", MIP_MAX_NODES),
-                       ("mip_allow_restart", False),
-                       ("time_limit", max(float(time_limit), 0.1))):
-        h.setOptionValue(key, value)
-    lp = highspy.HighsLp()
-    lp.num_col_ = len(cost)
-    lp.num_row_ = len(lo)
-    lp.col_cost_ = cost
-    lp.col_lower_ = lower
-    lp.col_upper_ = np.where(np.isinf(upper), inf, upper)
-    lp.row_lower_ = np.where(np.isinf(lo), -inf, lo)
-    lp.row_upper_ = np.where(np.isinf(hi), inf, hi)
-    lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
-    lp.a_matrix_.start_ = np.asarray(ptr, dtype=np.int32)
-    lp.a_matrix_.index_ = np.asarray(idx, dtype=np.int32)
-    lp.a_matrix_.value_ = np.asarray(val, dtype=np.float64)
-    if not relax:
-        lp.integrality_ = [highspy.HighsVarType.kInteger if b else
-                           highspy.HighsVarType.kContinuous for b in integral]
-    h.passModel(lp)
-    if incumbent is not None:
-        start = highspy.HighsSolution()
-        col = list(map(float, incumbent))
-        if objective == "peak":
-            col.append(float(problem.memory(incumbent).max()) /
-                       max(float(problem.base.max(initial=1.0)), 1.0))
-        start.col_value = col
-        h.setSolution(start)
-    h.run()
-    status = h.getModelStatus()
-    text = h.modelStatusToString(status).lower()
-    has_solution = h.getInfo().primal_solution_status == 2
-    values = np.asarray(h.getSolution().col_value[: problem.n_vars], dtype=np.float64) \
-        if has_solution else None
-    gap = float(h.getInfo().mip_gap) if has_solution else None
+    # Everything that touches HiGHS runs under the guard: 1.16 prints its banner on stdout
+    # when the first Highs object is made, before output_flag can be set.
+    with stdout_kept_clean():
+        h = highspy.Highs()
+        # Output off before the model goes in (passModel and setSolution may log).
+        for key, value in (("output_flag", False), ("log_to_console", False),
+                           ("threads", 1), ("random_seed", 0),
+                           ("mip_rel_gap", MIP_REL_GAP), ("mip_max_nodes", MIP_MAX_NODES),
+                           ("mip_allow_restart", False),
+                           ("time_limit", max(float(time_limit), 0.1)),
+                           *_release_options()):
+            h.setOptionValue(key, value)
+        lp = highspy.HighsLp()
+        lp.num_col_ = len(cost)
+        lp.num_row_ = len(lo)
+        lp.col_cost_ = cost
+        lp.col_lower_ = lower
+        lp.col_upper_ = np.where(np.isinf(upper), inf, upper)
+        lp.row_lower_ = np.where(np.isinf(lo), -inf, lo)
+        lp.row_upper_ = np.where(np.isinf(hi), inf, hi)
+        lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
+        lp.a_matrix_.start_ = np.asarray(ptr, dtype=np.int32)
+        lp.a_matrix_.index_ = np.asarray(idx, dtype=np.int32)
+        lp.a_matrix_.value_ = np.asarray(val, dtype=np.float64)
+        if not relax:
+            lp.integrality_ = [highspy.HighsVarType.kInteger if b else
+                               highspy.HighsVarType.kContinuous for b in integral]
+        h.passModel(lp)
+        if incumbent is not None:
+            start = highspy.HighsSolution()
+            col = list(map(float, incumbent))
+            if objective == "peak":
+                col.append(float(problem.memory(incumbent).max()) /
+                           max(float(problem.base.max(initial=1.0)), 1.0))
+            start.col_value = col
+            h.setSolution(start)
+        returned, best = _run_until(h, deadline, float(time_limit))
+        if not returned:
+            # Left behind: its best answer so far, as the improving-solution callback saw it.
+            if best is None:
+                return _Result("none", None, None, "time")
+            return _Result("feasible", best[: problem.n_vars], None, "time")
+        status = h.getModelStatus()
+        text = h.modelStatusToString(status).lower()
+        has_solution = h.getInfo().primal_solution_status == 2
+        values = np.asarray(h.getSolution().col_value[: problem.n_vars], dtype=np.float64) \
+            if has_solution else None
+        gap = float(h.getInfo().mip_gap) if has_solution else None
     gap = gap if gap is not None and np.isfinite(gap) else None
     if "infeasible" in text and not has_solution:
         return _Result("infeasible", None, None, None)
-    limit = "time" if "time" in text else ("work" if "limit" in text else None)
+    limit = _limit_of(text)
     if status == highspy.HighsModelStatus.kOptimal:
         return _Result("optimal", values, gap, None)
     return _Result("feasible" if values is not None else "none", values, gap, limit)
+
+
+def _limit_of(status_text: str) -> str | None:
+    """Which limit a HiGHS model status names: our interrupt at the deadline ("Interrupted
+    by user") and HiGHS's own time limit are "time"; node and iteration limits "work"."""
+    if "time" in status_text or "interrupt" in status_text:
+        return "time"
+    return "work" if "limit" in status_text else None
+
+
+def _release_options() -> tuple[tuple[str, object], ...]:
+    """Options for the installed HiGHS release only.
+
+    HiGHS 1.16.0's RENS heuristic can run on past both the time limit and the interrupt
+    callback: the smallest-peak MIP of MONeT's ResNet-50 step at 4.99 GB (1,431 rows and
+    1,181 columns after presolve) stayed in it for minutes under an 11 s limit, where
+    1.15.1 stops at the limit. With RENS off, 1.16.0 ends that solve within its limit
+    (BENCHMARKS.md, "The time limit under the newest highspy"). Older releases keep
+    HiGHS's defaults, so that CI's pinned plans do not move."""
+    if _highs_version() >= (1, 16):
+        return (("mip_heuristic_run_rens", False),)
+    return ()
+
+
+def _highs_version() -> tuple[int, ...]:
+    import importlib.metadata
+
+    try:
+        text = importlib.metadata.version("highspy")
+    except importlib.metadata.PackageNotFoundError:
+        return (0,)
+    parts = []
+    for part in text.split(".")[:3]:
+        digits = "".join(ch for ch in part if ch.isdigit()) or "0"
+        parts.append(int(digits))
+    return tuple(parts)
+
+
+def _run_until(h, deadline: float, time_limit: float) -> tuple[bool, np.ndarray | None]:
+    """Run ``h`` in a thread. Returns (whether it returned by the deadline plus a grace of
+    ``LATE_SHARE`` of ``time_limit``, clamped to [``LATE_MIN_S``, ``LATE_MAX_S``]; the best
+    MIP solution its improving-solution callback reported, or None).
+
+    An interrupt callback stops the MIP, simplex and IPM at the deadline itself (HiGHS then
+    returns its best incumbent); the grace only covers collecting that answer. A solve still
+    running after it is left behind with its interrupt flag set (``_left_behind``), and
+    the caller must not touch ``h`` again: the best solution reported so far is all it
+    gets. HiGHS releases the GIL while it runs, so the wait here and the callbacks are not
+    held up by it."""
+    stop = threading.Event()
+    lock = threading.Lock()
+    best: list[tuple[float, np.ndarray]] = []
+
+    def interrupt(event) -> None:
+        if stop.is_set() or time.perf_counter() >= deadline:
+            event.interrupt()
+
+    def improved(event) -> None:
+        out = event.data_out
+        value = float(out.objective_function_value)
+        with lock:
+            if not best or value < best[0][0]:
+                best[:] = [(value, np.array(out.mip_solution, dtype=np.float64))]
+
+    hooks = (("cbMipInterrupt", interrupt), ("cbSimplexInterrupt", interrupt),
+             ("cbIpmInterrupt", interrupt), ("cbMipImprovingSolution", improved))
+    for name, fn in hooks:
+        hook = getattr(h, name, None)   # highspy releases before 1.8 have no callbacks
+        if hook is not None:
+            hook.subscribe(fn)
+    done = threading.Event()
+    failure: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            h.run()
+        except BaseException as exc:  # re-raised in the caller's thread
+            failure.append(exc)
+        finally:
+            done.set()
+
+    thread = threading.Thread(target=work, name="memcc-highs", daemon=True)
+    thread.start()
+    late = min(max(LATE_SHARE * time_limit, LATE_MIN_S), LATE_MAX_S)
+    returned = done.wait(max(deadline - time.perf_counter(), 0.0) + late)
+    if failure:
+        raise failure[0]
+    if returned:
+        return True, None
+    stop.set()
+    _left_behind[:] = [(s, t) for s, t in _left_behind if t.is_alive()]
+    _left_behind.append((h, thread))
+    with lock:
+        return False, (best[0][1].copy() if best else None)
 
 
 def _cbc(problem: Problem, rows: list[int], budget: float, objective: str,
@@ -285,8 +410,9 @@ def _cbc(problem: Problem, rows: list[int], budget: float, objective: str,
             prob += expr <= float(hi[k])
         if np.isfinite(lo[k]):
             prob += expr >= float(lo[k])
-    prob.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=max(int(time_limit), 1), threads=1,
-                                 gapRel=MIP_REL_GAP))
+    with stdout_kept_clean():   # CBC runs as a child process that inherits fd 1
+        prob.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=max(int(time_limit), 1), threads=1,
+                                     gapRel=MIP_REL_GAP))
     st = pulp.LpStatus[prob.status]
     if st == "Infeasible":
         return _Result("infeasible", None, None, None)
