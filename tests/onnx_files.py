@@ -19,3 +19,32 @@ def write_model(path: Path, nodes, inputs, outputs, inits=(), *, opset: int = 17
     path.write_bytes(m.SerializeToString())
     return path
 
+
+
+def mlp_step_and_data(d: Path, *, batch: int, in_features: int, width: int, depth: int,
+                      num_classes: int = 10, samples: int, seed: int = 0,
+                      optimizer: str = "sgd", dropout: float | None = None) -> tuple[Path, Path]:
+    """A zoo MLP's training step (``step.onnx``, with Dropout ``dropout`` after each hidden
+    layer where given) and ``data.npz`` of ``samples`` random samples, both in ``d``: the
+    train and resume tests' model, small enough that a step takes well under a
+    millisecond."""
+    import numpy as np
+
+    from memcc.backend.onnx_file import save_graph
+    from memcc.frontend.build import BuildOptions, build_training_step
+    from memcc.frontend.load import load_graph
+    from models import mlp
+
+    forward = mlp.build(batch=batch, in_features=in_features, width=width, depth=depth,
+                        num_classes=num_classes)
+    if dropout is not None:
+        from benchmarks.dropout_cuda_check import with_dropout
+
+        forward = with_dropout(forward, dropout)
+    step = save_graph(build_training_step(load_graph(forward), BuildOptions(optimizer=optimizer)),
+                      d / "step.onnx")
+    rng = np.random.default_rng(seed)
+    data = d / "data.npz"
+    np.savez(data, input=rng.standard_normal((samples, in_features), dtype=np.float32),
+             labels=rng.integers(0, num_classes, samples))
+    return step, data

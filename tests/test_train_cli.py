@@ -16,13 +16,11 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from onnx_files import mlp_step_and_data
 from typer.testing import CliRunner
 
 from memcc.backend import checkpoint as ckpt
-from memcc.backend.onnx_file import save_graph
 from memcc.cli import app
-from memcc.frontend.build import BuildOptions, build_training_step
-from memcc.frontend.load import load_graph
 from memcc.trainer import TrainOptions, train
 from models import mlp
 
@@ -38,15 +36,8 @@ def invoke(*args):
 def mlp_run(tmp_path_factory):
     """A small MLP step (about 0.2M parameters, so a checkpoint write takes a moment) and
     60 samples: 7 batches of 8 per epoch, so 30 steps cross four epoch boundaries."""
-    d = tmp_path_factory.mktemp("train_cli")
-    forward = mlp.build(batch=8, in_features=64, width=256, depth=2, num_classes=10)
-    step = save_graph(build_training_step(load_graph(forward), BuildOptions(optimizer="sgd")),
-                      d / "step.onnx")
-    rng = np.random.default_rng(0)
-    data = d / "data.npz"
-    np.savez(data, input=rng.standard_normal((60, 64), dtype=np.float32),
-             labels=rng.integers(0, 10, 60))
-    return step, data
+    return mlp_step_and_data(tmp_path_factory.mktemp("train_cli"), batch=8, in_features=64,
+                             width=256, depth=2, samples=60)
 
 
 def _train_args(step, data, ck):
@@ -89,15 +80,8 @@ def test_sigkill_then_resume_with_dropout_gives_the_uninterrupted_run(tmp_path):
     """A model with Dropout 0.1 (masks drawn from the step's carried counter): the CLI run
     killed at a random moment after its first checkpoint and resumed with --resume ends bit
     for bit where an uninterrupted run ends. Before the counter, every tensor differed."""
-    from benchmarks.dropout_cuda_check import with_dropout
-
-    forward = with_dropout(mlp.build(batch=8, in_features=64, width=128, depth=2), 0.1)
-    step = save_graph(build_training_step(load_graph(forward), BuildOptions(optimizer="adamw")),
-                      tmp_path / "step.onnx")
-    rng = np.random.default_rng(1)
-    data = tmp_path / "data.npz"
-    np.savez(data, input=rng.standard_normal((40, 64), dtype=np.float32),
-             labels=rng.integers(0, 10, 40))
+    step, data = mlp_step_and_data(tmp_path, batch=8, in_features=64, width=128, depth=2,
+                                   samples=40, seed=1, optimizer="adamw", dropout=0.1)
     reference = tmp_path / "straight"
     train(TrainOptions(step=step, data=data, steps=30, seed=4, checkpoint=reference,
                        save_every=5, threads=1))

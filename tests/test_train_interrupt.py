@@ -18,13 +18,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from onnx_files import mlp_step_and_data
 
 from memcc.backend import checkpoint as ckpt
-from memcc.backend.onnx_file import save_graph
-from memcc.frontend.build import BuildOptions, build_training_step
-from memcc.frontend.load import load_graph
 from memcc.trainer import TrainingInterrupted, TrainOptions, train
-from models import mlp
 
 ROOT = Path(__file__).resolve().parents[1]
 TOTAL = 3000
@@ -33,15 +30,8 @@ TOTAL = 3000
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     """A tiny MLP (no Dropout) whose steps take well under a millisecond, and its data."""
-    d = tmp_path_factory.mktemp("interrupt")
-    forward = mlp.build(batch=4, in_features=8, width=16, depth=1, num_classes=3)
-    step = save_graph(build_training_step(load_graph(forward), BuildOptions(optimizer="sgd")),
-                      d / "step.onnx")
-    rng = np.random.default_rng(0)
-    data = d / "data.npz"
-    np.savez(data, input=rng.standard_normal((40, 8), dtype=np.float32),
-             labels=rng.integers(0, 3, 40))
-    return step, data
+    return mlp_step_and_data(tmp_path_factory.mktemp("interrupt"), batch=4, in_features=8,
+                             width=16, depth=1, num_classes=3, samples=40)
 
 
 def _assert_same(got: ckpt.Checkpoint, want: ckpt.Checkpoint) -> None:
