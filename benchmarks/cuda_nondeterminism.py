@@ -45,7 +45,7 @@ def differing_outputs(provider: str, sessions: int = 2, runs: int = 2) -> dict:
         sess = make_session(sg.to_model(), provider)
         for _ in range(runs):
             t0 = time.perf_counter()
-            results.append(dict(zip(names, sess.run(names, feeds))))
+            results.append(dict(zip(names, sess.run(names, feeds), strict=True)))
             times.append(time.perf_counter() - t0)
     diff = {}
     for k in names:
