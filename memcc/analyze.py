@@ -35,6 +35,7 @@ from memcc.compiler import (
     user_budget,
 )
 from memcc.graph import Graph
+from memcc.passes.liveness import CATEGORIES, categorize
 from memcc.passes.plan import Plan, StepStructure
 from memcc.passes.planner import choose_plan
 from memcc.passes.simulate import Simulation, simulate
@@ -46,8 +47,6 @@ from memcc.step import TrainingStep
 # sqrt(n) segmentations run whatever the limit: a second or more on steps of thousands of
 # nodes.
 DEFAULT_TIME_LIMIT = 1.0
-CATEGORIES = ("parameters", "optimizer_state", "gradients", "activations", "other",
-              "scratch")
 
 
 @dataclass(frozen=True)
@@ -164,9 +163,10 @@ def _totals(graph: Graph, st: StepStructure) -> tuple[dict[str, int], dict[str, 
         return int(sum(info[n].nbytes for n in names if n in info))
 
     params = list(step.parameters)
-    carried = set(step.state.values())
-    optimizer = [v for v in carried if v not in set(params) and v in info
-                 and v not in _forward_updated(graph, step)]
+    # The liveness categories (BatchNorm running statistics are not optimizer state).
+    category = categorize(graph)
+    optimizer = [v for v in dict.fromkeys(step.state.values())
+                 if v in info and category.get(v) == "optimizer_state"]
     gradients = list(step.gradients().values())
     totals = {
         "parameters": nbytes(params),
@@ -178,15 +178,6 @@ def _totals(graph: Graph, st: StepStructure) -> tuple[dict[str, int], dict[str, 
     counts = {"parameters": len(params), "parameter_values": int(sum(
         info[p].numel for p in params if p in info)), "saved_for_backward": len(st.saved)}
     return totals, counts
-
-
-def _forward_updated(graph: Graph, step: TrainingStep) -> set[str]:
-    """Carried values the forward pass updates (BatchNorm running statistics): not
-    optimizer state."""
-    forward_nodes = {n.name for n in graph.nodes if n.name in step.forward}
-    producer = graph.def_use().producer
-    return {inp for out, inp in step.state.items()
-            if out in producer and producer[out].name in forward_nodes}
 
 
 def _smallest(graph: Graph, costs, options: CompileOptions, st: StepStructure,
