@@ -72,9 +72,8 @@ class Trainer:
     ``memcc run``), for comparisons; ``early_updates=False`` keeps the file's node order
     (``backend.arrange`` moves updates early only where that predicts a lower peak).
     ``predicted_peak_bytes`` is the liveness prediction of the arrangement that runs.
-    ``resumed_at``: accepted for compatibility and unused: Dropout masks depend on the
-    step's carried counter (``frontend.dropout_masks``), which a checkpoint restores, so
-    one session serves a fresh run and a resumed one alike.
+    A resumed run needs no session of its own: Dropout masks depend on the step's carried
+    counter (``frontend.dropout_masks``), which a checkpoint restores.
     ``arena`` (CPU): allocate through ORT's CPU arena; by default wherever the plan was
     compiled for it (``memcc compile --arena``). Without it glibc's heap can hold several
     times the plan's peak between steps (BENCHMARKS.md, "Allocators").
@@ -83,7 +82,7 @@ class Trainer:
     def __init__(self, step_path: str | os.PathLike, *, provider: str = "cpu",
                  threads: int | None = None, in_place: bool = True,
                  early_updates: bool = True, graph: Graph | None = None,
-                 arena: bool | None = None, resumed_at: int = 0) -> None:
+                 arena: bool | None = None) -> None:
         self.path = Path(step_path)
         self.provider = resolve_provider(provider)
         # On CUDA, training-mode BatchNorm is written as standard ops (passes/
