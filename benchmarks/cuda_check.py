@@ -138,7 +138,8 @@ def truth_phase(summary: Summary, provider: str, models: Sequence[str], sizes: d
         try:
             path = build_step(name, sizes[name], tmp)
             run = run_steps(path, steps=steps, provider=provider)
-            arena = run.prediction.get("arena") or {}
+            device = run.prediction.get("device") or {}
+            arena = device.get("arena") or run.prediction.get("arena") or {}
             row = {"model": name, "dims": sizes[name],
                    "predicted_bytes": run.predicted_peak_bytes,
                    "measured_bytes": run.measured_peak_bytes,
@@ -150,9 +151,15 @@ def truth_phase(summary: Summary, provider: str, models: Sequence[str], sizes: d
                    "reserved_bytes": arena.get("peak_reserved_bytes"),
                    "device_bytes": arena.get("peak_device_bytes"),
                    "order_matches_plan": run.order_matches_plan,
+                   "first_step_measured_bytes": run.first_step_measured_bytes,
+                   "first_step_predicted_bytes": run.first_step_predicted_bytes,
+                   "cuda_graph": run.cuda_graph,
                    "step_time_s": run.step_time_s, "method": run.measurement_method}
-            if provider == "cuda" and arena.get("peak_reserved_bytes"):
-                limit = int(arena["peak_reserved_bytes"])
+            if provider == "cuda" and run.predicted_peak_bytes:
+                # The whole step (bound buffers and arena) under its steady prediction;
+                # the first step may need more than that, so the limit is the larger.
+                limit = max(int(run.predicted_peak_bytes),
+                            int(run.first_step_predicted_bytes or 0))
                 try:
                     again = run_steps(path, steps=2, provider=provider, gpu_mem_limit=limit)
                     row["runs_under_predicted_limit"] = True

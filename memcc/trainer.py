@@ -49,9 +49,9 @@ import numpy as np
 from memcc.backend import checkpoint as ckpt
 from memcc.backend.arrange import Arrangement, arrange_step
 from memcc.backend.data import DataInput, Dataset, data_inputs, load_dataset
-from memcc.backend.memory import trim_heap
-from memcc.backend.runner import run_options, session_graph
-from memcc.backend.session import make_session, resolve_provider
+from memcc.backend.device_step import DevicePrediction, DeviceStep, predict_device
+from memcc.backend.memory import device_baseline, trim_heap
+from memcc.backend.session import resolve_provider
 from memcc.errors import InputError, RuntimeFailure
 from memcc.frontend.dropout_masks import COUNTER, checkpoint_counter, restore_dropouts
 from memcc.frontend.load import load_graph
@@ -82,7 +82,8 @@ class Trainer:
     def __init__(self, step_path: str | os.PathLike, *, provider: str = "cpu",
                  threads: int | None = None, in_place: bool = True,
                  early_updates: bool = True, graph: Graph | None = None,
-                 arena: bool | None = None) -> None:
+                 arena: bool | None = None, cuda_graph: bool | None = None,
+                 deterministic: bool = False) -> None:
         self.path = Path(step_path)
         self.provider = resolve_provider(provider)
         # On CUDA, training-mode BatchNorm is written as standard ops (passes/
@@ -101,46 +102,50 @@ class Trainer:
         self.steps_done = 0
         self.data_state: dict = {}
         self.updates: dict[str, str] = dict(self.spec.state)  # output -> input it replaces
+        self._device_prediction: DevicePrediction | None = None
+        # NVML's reading before this trainer's session exists (CUDA, with pynvml).
+        self.device_baseline = device_baseline() if self.provider == "cuda" else None
         self.arrangement: Arrangement = arrange_step(self.graph, self.spec, in_place=in_place,
                                                      early_updates=early_updates)
         self.in_place: InPlaceUpdates = self.arrangement.in_place
-
-        sgraph, values = session_graph(self.arrangement.graph)
-        self._session = self._open_session(sgraph)
-        self._device = "cuda" if self.provider == "cuda" else "cpu"
-        carried = list(dict.fromkeys(self.updates.values()))
-        # The arrays the carried values live in on CPU (copied: ORT writes into them);
-        # on CUDA a host copy only while creating the device values.
-        self._host: dict[str, np.ndarray] = {n: np.array(values.pop(n), order="C", copy=True)
-                                             for n in carried}
-        self._state = {n: self._ortvalue(a) for n, a in self._host.items()}
-        # Updates that cannot be written in place get a second buffer (see the docstring).
-        self._spare_host: dict[str, np.ndarray] = {
-            inp: np.empty_like(self._host[inp]) for out, inp in self.updates.items()
-            if out not in self.in_place.aliased}
-        self._spare = {n: self._ortvalue(a) for n, a in self._spare_host.items()}
-        if self._device != "cpu":  # the device holds the values now; drop the host copies
-            self._host, self._spare_host = {}, {}
-        self._fixed = {n: self._ortvalue(np.asarray(a, order="C")) for n, a in values.items()}
+        self._step = DeviceStep(
+            self.arrangement.graph, loss=self.spec.loss, updates=self.updates,
+            aliased=self.in_place.aliased, provider=self.provider, threads=threads,
+            cpu_arena=self.arena, cuda_graph=cuda_graph, deterministic=deterministic,
+            source=str(self.path))
+        self.deterministic = bool(deterministic)
         # The initial values stored in the file are not needed any more (state_dict and
         # export read the live ones): without this the process holds the state twice.
-        for n in carried:
+        for n in self._step.state:
             self.graph.initializers.pop(n, None)
         trim_heap()  # and give the freed loading buffers back (glibc keeps them otherwise)
-        self._outputs = list(self.graph.outputs)
-        self._run_options = run_options(self.provider, arena=self.arena)
 
     # ------------------------------------------------------------------ values
-    def _ortvalue(self, arr: np.ndarray):
-        import onnxruntime as ort
-
-        if self._device == "cpu":  # shares the array's memory: no copy
-            return ort.OrtValue.ortvalue_from_numpy(arr)
-        return ort.OrtValue.ortvalue_from_numpy(arr, "cuda", 0)
-
     @property
     def predicted_peak_bytes(self) -> int:
+        """The liveness prediction of the arrangement that runs (CUDA: the device model,
+        ``device_prediction``, steady state)."""
+        if self.provider == "cuda":
+            return self.device_prediction.steady_bytes
         return self.arrangement.prediction.peak_bytes
+
+    @property
+    def device_prediction(self) -> DevicePrediction:
+        """What the step holds on the device from its second step on, and in its first
+        (``backend.device_step.predict_device``); computed once, when first asked."""
+        if self._device_prediction is None:
+            a = self.arrangement
+            self._device_prediction = predict_device(a.graph, a.prediction,
+                                                     aliased=a.in_place.aliased,
+                                                     updates=self.updates)
+        return self._device_prediction
+
+    @property
+    def cuda_graph(self) -> str:
+        """Whether the step runs as a captured CUDA graph, or why not."""
+        if self.provider != "cuda":
+            return "not applicable (CPU)"
+        return "captured" if self._step.captured else (self._step.cuda_graph_note or "off")
 
     @property
     def batch_size(self) -> int:
@@ -148,9 +153,7 @@ class Trainer:
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """Copies of every carried value (parameters, optimizer state, BN statistics)."""
-        if self._device == "cpu":
-            return {n: a.copy() for n, a in self._host.items()}
-        return {n: v.numpy() for n, v in self._state.items()}  # device -> host copies
+        return self._step.state_dict()
 
     def parameters(self) -> dict[str, np.ndarray]:
         """Copies of the trainable parameters only."""
@@ -160,8 +163,8 @@ class Trainer:
     def load_state_dict(self, tensors: Mapping[str, np.ndarray], *, source: str = "state"
                         ) -> None:
         """Overwrite every carried value; names, dtypes and shapes must match exactly."""
-        missing = sorted(set(self._state) - set(tensors))
-        extra = sorted(set(tensors) - set(self._state))
+        missing = sorted(set(self._step.state) - set(tensors))
+        extra = sorted(set(tensors) - set(self._step.state))
         if missing or extra:
             raise InputError(f"{source}: carried values differ from the step's: missing "
                              f"{missing[:5]}, unexpected {extra[:5]}")
@@ -171,11 +174,7 @@ class Trainer:
             if (a.dtype, tuple(a.shape)) != want:
                 raise InputError(f"{source}: '{name}' is {a.dtype} {list(a.shape)}; the step "
                                  f"carries {want[0]} {list(want[1])}")
-        for name, arr in tensors.items():
-            if self._device == "cpu":  # into the arrays ORT reads: the bindings stay valid
-                np.copyto(self._host[name], arr)
-            else:
-                self._state[name].update_inplace(np.asarray(arr, order="C"))
+        self._step.load_state(tensors)  # into the buffers ORT reads: the bindings stay valid
 
     def _host_type(self, name: str) -> tuple[np.dtype, tuple[int, ...]]:
         ti = self.graph.info[name]
@@ -203,39 +202,9 @@ class Trainer:
 
     def step(self, batch: Mapping[str, np.ndarray]) -> float:
         """Run one training step on ``batch`` (name -> array); return the loss."""
-        feeds = self.check_batch(batch)
-        binding = self._session.io_binding()
-        for name, arr in feeds.items():
-            binding.bind_cpu_input(name, arr)
-        for name, value in self._state.items():
-            binding.bind_ortvalue_input(name, value)
-        for name, value in self._fixed.items():
-            binding.bind_ortvalue_input(name, value)
-        loss_index = None
-        for i, out in enumerate(self._outputs):
-            inp = self.updates.get(out)
-            if inp is not None:
-                target = self._state[inp] if out in self.in_place.aliased else self._spare[inp]
-                binding.bind_ortvalue_output(out, target)
-            else:
-                binding.bind_output(out, "cpu")
-            if out == self.spec.loss:
-                loss_index = i
-        try:
-            self._session.run_with_iobinding(binding, self._run_options)
-        except Exception as exc:  # pybind raises ORT's own exception types
-            raise RuntimeFailure(f"{self.path}: ONNX Runtime failed while running the step: "
-                                 f"{exc}") from exc
-        loss = binding.get_outputs()[loss_index].numpy() if loss_index is not None else None
-        for inp in self._spare:  # the new values are in the spare buffers: swap roles
-            self._state[inp], self._spare[inp] = self._spare[inp], self._state[inp]
-            if self._device == "cpu":
-                self._host[inp], self._spare_host[inp] = self._spare_host[inp], self._host[inp]
-        del binding
+        loss = self._step.run(self.check_batch(batch)).loss
         self.steps_done += 1
-        if loss is None:
-            return float("nan")
-        return float(np.asarray(loss).reshape(-1)[0])
+        return loss
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, directory: str | os.PathLike, *, data_state: Mapping | None = None,
@@ -244,7 +213,7 @@ class Trainer:
         if data_state is not None:
             self.data_state = dict(data_state)
         # On CPU the live arrays go straight to the writer (no copy: nothing runs meanwhile).
-        state = self._host if self._device == "cpu" else self.state_dict()
+        state = self._step.host_state()
         return ckpt.save(directory, state, step=self.steps_done,
                          sig=self.signature(), data_state=self.data_state,
                          step_file=str(self.path.resolve()), keep=keep)
@@ -269,14 +238,9 @@ class Trainer:
         sig = self.signature()
         if COUNTER in sig["state"] and c.fingerprint == ckpt.fingerprint(
                 {**sig, "state": {k: v for k, v in sig["state"].items() if k != COUNTER}}):
-            return replace(c, tensors=checkpoint_counter(c.tensors, c.step, set(self._state)))
+            return replace(c, tensors=checkpoint_counter(c.tensors, c.step, set(self._step.state)))
         c.check_step(sig)
         return c
-
-    def _open_session(self, sgraph: Graph):
-        model = sgraph.to_model()
-        return make_session(model, self.provider, intra_op_threads=self.threads,
-                            cpu_arena=self.arena)
 
     @classmethod
     def resume(cls, directory: str | os.PathLike, step_path: str | os.PathLike | None = None,
@@ -756,9 +720,11 @@ class StepMemory:
       trainer holds and feeds (parameters, optimizer state, constants, the batch), as the
       measuring child counts its feeds. Predicted by ``passes.arena.cpu_arena_peak`` (the
       meter's view), which matched this within 2% on the quick start's GPT-2 plan.
-    - CUDA: the device memory used during the step over that before it (NVML, sampled;
-      needs ``pynvml``), plus the device values the trainer holds; predicted by the live
-      bytes (``predicted_peak_bytes``). Not yet run on a GPU.
+    - CUDA: the device memory used at the step's worst moment (NVML, sampled; needs
+      ``pynvml``) over the reading before the trainer's session existed
+      (``memory.device_baseline``): state, batch, arena and ORT's own workspaces. Predicted
+      by ``backend.device_step.predict_device`` (the arena keeps its regions between
+      steps, so this is the steady state from the second step on).
     - CPU with malloc: not measured (trimming the heap every step would change what it
       measures); the progress shows the resident size, labelled so, and ``train`` notes
       that glibc's heap can hold several times the plan.
@@ -766,14 +732,10 @@ class StepMemory:
 
     def __init__(self, trainer: Trainer) -> None:
         self.allocator = _allocator(trainer)
-        self.held = int(sum(a.nbytes for a in trainer._host.values())
-                        + sum(a.nbytes for a in trainer._spare_host.values())
-                        + sum(_ortvalue_bytes(v) for v in trainer._fixed.values()))
-        if self.allocator == "cuda-arena":
-            self.held += int(sum(_ortvalue_bytes(v) for v in trainer._state.values())
-                             + sum(_ortvalue_bytes(v) for v in trainer._spare.values()))
+        self.held = trainer._step.held_bytes() if self.allocator != "cuda-arena" else 0
         self.predicted = trainer.predicted_peak_bytes
         self.prediction = "live bytes (passes.liveness)"
+        self.first_step_predicted: int | None = None
         if self.allocator == "arena":
             from memcc.passes.arena import cpu_arena_peak
 
@@ -782,13 +744,20 @@ class StepMemory:
             self.prediction = "CPU arena model (passes.arena.cpu_arena_peak)"
         self._nvml = None
         if self.allocator == "cuda-arena":
+            from memcc.backend.device_step import PREDICTION_METHOD
             from memcc.backend.memory import NvmlPeakMeter
 
+            self.prediction = PREDICTION_METHOD
+            self.first_step_predicted = trainer.device_prediction.first_step_bytes
             try:
                 self._nvml = NvmlPeakMeter()
+                self._nvml.baseline = trainer.device_baseline
             except Exception:  # NVML present but unusable: show the prediction only
                 self._nvml = None
+            if self._nvml is not None and trainer.device_baseline is None:
+                self._nvml = None
         self.peak: int | None = None
+        self.first_step: int | None = None
         self._steps = 0
         self._before = 0
         self._batch = 0
@@ -814,7 +783,6 @@ class StepMemory:
             except (OSError, RuntimeFailure):  # no /proc: nothing measured
                 self.allocator = "arena-unmeasured"
         elif self._nvml is not None and self._nvml.available:
-            self._nvml.set_baseline()
             self._nvml.start()
 
     def stop(self) -> int | None:
@@ -828,34 +796,26 @@ class StepMemory:
             grew = self._nvml.stop()
         if grew is None:
             return None
-        step = grew + self.held + self._batch
+        # CUDA: the reading already holds everything bound to the step; elsewhere the
+        # growth of the heap is added to what the trainer holds and feeds.
+        step = grew if self.allocator == "cuda-arena" else grew + self.held + self._batch
         # The process's first step also creates thread pools, kernel caches and packing
         # buffers, which the measuring child leaves out (its baseline follows a warm-up
         # step): it is shown, but the run's peak comes from the steps after it.
         self._steps += 1
+        if self._steps == 1:
+            self.first_step = step
         self.peak = step if self._steps <= 2 else max(self.peak or 0, step)
         return step
 
     def to_json(self) -> dict:
         return {"allocator": self.allocator, "predicted_peak_bytes": self.predicted,
                 "prediction": self.prediction, "measured_peak_bytes": self.peak,
+                "first_step_predicted_bytes": self.first_step_predicted,
+                "first_step_measured_bytes": self.first_step,
                 "measured_steps": self._steps, "measurement_method": self.method,
                 "rss_bytes": _memory_bytes("cuda" if self.allocator == "cuda-arena"
                                            else "cpu")}
-
-
-def _ortvalue_bytes(value) -> int:
-    """Bytes of an OrtValue's tensor (on whichever device it lives)."""
-    shape = value.shape()
-    n = int(np.prod(shape)) if shape else 1
-    return n * _ORT_ITEMSIZE.get(value.data_type(), 4)
-
-
-_ORT_ITEMSIZE = {"tensor(float)": 4, "tensor(double)": 8, "tensor(float16)": 2,
-                 "tensor(bfloat16)": 2, "tensor(int64)": 8, "tensor(int32)": 4,
-                 "tensor(int16)": 2, "tensor(int8)": 1, "tensor(uint8)": 1,
-                 "tensor(bool)": 1, "tensor(uint16)": 2, "tensor(uint32)": 4,
-                 "tensor(uint64)": 8}
 
 
 def _memory_bytes(provider: str) -> int | None:

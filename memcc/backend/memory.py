@@ -25,10 +25,13 @@ beyond the prediction is allocator overhead: page rounding of each large buffer 
 glibc heap holding the small ones (< 64 KiB); measured on the model zoo this was 1-2 MB on
 graphs with hundreds of small tensors, within 0.5 % on MLP and GPT-2 steps.
 
-CUDA: ``NvmlPeakMeter`` samples the device's used memory from a thread while a step runs
-(every run shrinks ORT's arena afterwards, so each step starts from the same baseline). It
-needs ``pynvml``; without it the measured peak is ``None`` and the method says why. This
-path follows documentation only and has not been run on a GPU.
+CUDA: ``NvmlPeakMeter`` samples the device's used memory from a thread while a step runs.
+The arena is not shrunk between steps (``backend.device_step``), so a step's figure is the
+device memory used at its worst moment over ``device_baseline``: the reading once this
+process has a CUDA context, before the step's session exists. It counts the step's state,
+batch and outputs, its arena, the stored values ORT placed on the device, and the CUDA
+provider's own handles and workspaces (not in any plan). It needs ``pynvml``; without it
+the measured peak is ``None`` and the method says why.
 """
 
 from __future__ import annotations
@@ -145,7 +148,7 @@ class NvmlPeakMeter:
         self._nvml = pynvml
         self._handle = pynvml.nvmlDeviceGetHandleByIndex(device_index)
         self.method = ("cuda-nvml: device memory used, sampled during the step, minus the "
-                       "used memory before it (unverified)")
+                       "used memory before the step's session existed")
 
     @property
     def available(self) -> bool:
@@ -180,6 +183,29 @@ class NvmlPeakMeter:
         self._thread.join()
         self._peak = max(self._peak, self._used())
         return self._peak - (self.baseline or 0)
+
+
+def device_baseline() -> int | None:
+    """NVML's used device memory once this process holds a CUDA context, before a step's
+    session is made (None without pynvml). The context is created by a throw-away one-node
+    CUDA session, which is gone again when the reading is taken."""
+    meter = NvmlPeakMeter()
+    if not meter.available:
+        return None
+    import onnx
+
+    from memcc.backend.session import make_session
+
+    g = onnx.helper.make_graph(
+        [onnx.helper.make_node("Add", ["x", "x"], ["y"])], "memcc_context",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])])
+    model = onnx.helper.make_model(g, opset_imports=[onnx.helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    session = make_session(model, "cuda")
+    session.run(None, {"x": np.ones(1, np.float32)})
+    del session
+    return meter.set_baseline()
 
 
 # ---------------------------------------------------------------------------- child process

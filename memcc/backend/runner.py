@@ -76,6 +76,12 @@ class RunResult:
     data: str | None
     prediction: Mapping[str, object] = field(default_factory=dict)
     timing_method: str = "same process as the measurement"
+    # CUDA (``backend.device_step``): the first step's peak, measured and predicted (the
+    # arena grows in it and keeps its regions after), and how the step was run.
+    first_step_measured_bytes: int | None = None
+    first_step_predicted_bytes: int | None = None
+    cuda_graph: str | None = None
+    deterministic: bool | None = None
 
     def to_json(self) -> dict:
         m, p = self.measured_peak_bytes, self.predicted_peak_bytes
@@ -97,6 +103,10 @@ class RunResult:
             "seed": self.seed,
             "data": self.data,
             "prediction": dict(self.prediction),
+            "first_step_measured_bytes": self.first_step_measured_bytes,
+            "first_step_predicted_bytes": self.first_step_predicted_bytes,
+            "cuda_graph": self.cuda_graph,
+            "deterministic": self.deterministic,
         }
 
 
@@ -123,6 +133,8 @@ def run_steps(
     in_place: bool = False,
     arena: bool | None = None,
     gpu_mem_limit: int | None = None,
+    cuda_graph: bool | None = None,
+    deterministic: bool = False,
 ) -> RunResult:
     """Run ``steps`` training steps of the file at ``model_path`` and measure them.
 
@@ -141,9 +153,14 @@ def run_steps(
     On CUDA the arena is always on and always predicted that way. ``None``: as the step was
     compiled (``memcc compile --arena`` marks it), unless ``in_place``.
 
-    ``gpu_mem_limit`` (CUDA): the arena may not hold more than this many bytes; a step that
-    needs more fails (``RuntimeFailure``) instead of growing, so a step that runs is proved
-    to fit.
+    ``gpu_mem_limit`` (CUDA): the step may not hold more than this many device bytes (its
+    arena is capped at what the bound buffers leave); a step that needs more fails
+    (``RuntimeFailure``) instead of growing, so a step that runs is proved to fit.
+
+    CUDA runs through ``backend.device_step`` (state on the device, bound once, no arena
+    shrink, a CUDA graph where possible unless ``cuda_graph=False``; ``deterministic``:
+    ORT's deterministic compute); the predicted peak is the steady state from the second
+    step on, and the first step's peak is reported beside it.
     """
     if steps < 1:
         raise InputError("--steps must be at least 1")
@@ -165,13 +182,22 @@ def run_steps(
             prediction = analyze_liveness(graph)
     except ValueError as exc:  # the node list is not a topological order
         raise InputError(f"{path}: {exc}; write nodes in a topological order") from exc
+    if prov == "cuda":
+        if arena:
+            raise InputError("--arena is for the CPU provider (CUDA always runs through its "
+                             "arena)")
+        return _run_on_device(path, graph, spec, feeds, prediction, aliased, steps=steps,
+                              seed=seed, data=data, gpu_mem_limit=gpu_mem_limit,
+                              cuda_graph=cuda_graph, deterministic=deterministic)
+    if cuda_graph:
+        raise InputError("--cuda-graph needs --provider cuda")
     if arena is None:
         arena = prov == "cpu" and not in_place and TrainingStep.of(graph).allocator == "arena"
     if arena and (in_place or prov != "cpu"):
         raise InputError("--arena is for the CPU provider without --in-place (CUDA always "
                          "runs through its arena)")
     arena_report = None
-    if arena or prov == "cuda":
+    if arena:
         arena_report, arena_peak = arena_prediction(graph, prediction, spec, steps=steps,
                                                     provider=prov)
     if isolate is None:
@@ -197,6 +223,54 @@ def run_steps(
                              "liveness_peak_bytes": prediction.peak_bytes,
                              "arena": arena_report.to_json()})
     return result
+
+
+def _run_on_device(path: Path, graph: Graph, spec: StepSpec, batch: Mapping[str, np.ndarray],
+                   liveness: LivenessReport, aliased: Mapping[str, str], *, steps: int,
+                   seed: int, data, gpu_mem_limit: int | None, cuda_graph: bool | None,
+                   deterministic: bool) -> RunResult:
+    """``run_steps`` on CUDA: one ``DeviceStep``, measured by NVML over the reading before
+    it existed. The first run (profiled: the order check) is the first step; the state is
+    then set back to its initial values and ``steps`` measured steps follow."""
+    from memcc.backend.device_step import DeviceStep, predict_device
+
+    device = predict_device(graph, liveness, aliased=aliased, updates=spec.state,
+                            steps=steps)
+    meter = memory.NvmlPeakMeter()
+    baseline = memory.device_baseline()
+    with tempfile.TemporaryDirectory(prefix="memcc-run-") as tmp:
+        step = DeviceStep(graph, loss=spec.loss, updates=spec.state, aliased=aliased,
+                          provider="cuda", gpu_mem_limit=gpu_mem_limit,
+                          cuda_graph=cuda_graph, deterministic=deterministic,
+                          profile_prefix=str(Path(tmp) / "memcc_order"), source=str(path))
+        initial = step.state_dict()
+        meter.baseline = baseline
+        meter.start()
+        step.run(batch)
+        first = meter.stop()
+        order = check_session_order(step.session, planned_order(graph.nodes))
+    step.load_state(initial)
+    del initial
+    losses, times, peaks = [], [], []
+    for _ in range(steps):
+        meter.start()
+        t0 = time.perf_counter()
+        out = step.run(batch)
+        times.append(time.perf_counter() - t0)
+        peaks.append(meter.stop())
+        losses.append(out.loss)
+    out = {"losses": losses, "step_times_s": times, "measured_per_step": peaks,
+           "method": meter.method, "order": order.to_json(),
+           "timing": "same process as the measurement, NVML sampled meanwhile"}
+    result = _result(path, "cuda", steps, seed, data, liveness, out)
+    return replace(result, predicted_peak_bytes=device.steady_bytes,
+                   first_step_measured_bytes=first,
+                   first_step_predicted_bytes=device.first_step_bytes,
+                   cuda_graph="captured" if step.captured else step.cuda_graph_note,
+                   deterministic=bool(deterministic),
+                   prediction=dict(result.prediction) | {
+                       "liveness_peak_bytes": liveness.peak_bytes,
+                       "device": device.to_json()})
 
 
 def arena_prediction(graph: Graph, liveness: LivenessReport, spec: StepSpec, *, steps: int,

@@ -211,6 +211,8 @@ def make_session(
     option_overrides: Mapping[str, object] | None = None,
     cpu_arena: bool = False,
     cuda_options: Mapping[str, str] | None = None,
+    deterministic: bool = False,
+    cuda_graph: bool = False,
 ) -> ort.InferenceSession:
     """An ``InferenceSession`` under the execution contract, with errors memcc can report.
 
@@ -218,14 +220,19 @@ def make_session(
     attributes on top of the contract (experiments only: the contract exists because the
     defaults break plans), enum values by member name, e.g. ``{"execution_order":
     "DEFAULT"}``.
+
+    ``deterministic`` (CUDA): ORT's ``use_deterministic_compute``, which keeps ReduceSum and
+    ReduceMean off their atomic-add fast path and asks cuDNN for deterministic algorithms
+    (measured on an H200: a third of a GPT-2 step's time; docs/DETERMINISM.md). Scatters
+    with a reduction stay atomic either way (``passes.deterministic_scatter``).
+    ``cuda_graph`` (CUDA): ORT's ``enable_cuda_graph``: the second run is captured and every
+    later run replays it; ORT refuses at load when a node is not on the CUDA provider
+    (``backend.device_step``).
     """
     p = resolve_provider(provider)
     so = session_options(profile=profile, profile_prefix=profile_prefix,
                          intra_op_threads=intra_op_threads)
-    if p == "cuda":
-        # ORT's CUDA ReduceSum/ReduceMean take an atomic-add fast path (every bias gradient
-        # is one) unless this is set; scatters stay atomic either way (docs/DETERMINISM.md).
-        # Not yet run on a GPU.
+    if p == "cuda" and deterministic:
         so.use_deterministic_compute = True
     if cpu_arena:
         register_cpu_arena()
@@ -244,8 +251,10 @@ def make_session(
         source = where = str(Path(model))
     try:
         sess = ort.InferenceSession(
-            source, so, providers=provider_options(p, gpu_mem_limit=gpu_mem_limit,
-                                                   cuda_options=cuda_options)
+            source, so, providers=provider_options(
+                p, gpu_mem_limit=gpu_mem_limit,
+                cuda_options={**({"enable_cuda_graph": "1"} if cuda_graph else {}),
+                              **(cuda_options or {})})
         )
     except Exception as exc:  # ORT raises its own exception types from pybind
         raise RuntimeFailure(

@@ -304,7 +304,7 @@ class Event:
 
 
 def step_events(graph: Graph, liveness, *, feeds_in_arena: bool,
-                cpu_threads: int | None = None) -> list[Event]:
+                cpu_threads: int | None = None, outputs_in_arena: bool = True) -> list[Event]:
     """The arena requests of one run of ``graph`` in the order of ``liveness``
     (a ``passes.liveness.LivenessReport`` of that graph).
 
@@ -314,7 +314,9 @@ def step_events(graph: Graph, liveness, *, feeds_in_arena: bool,
     (``MemcpyToHost``) live in another allocator and are left out. Step outputs are released
     by ``replay_steps`` after the run. ``cpu_threads``: the CPU provider's kernels with that
     many intra-op threads, whose convolution working buffers come from the arena too
-    (``liveness.scratch_buffers``).
+    (``liveness.scratch_buffers``). ``outputs_in_arena=False``: the step's outputs are
+    written into buffers the caller bound beforehand (``backend.device_step``), so they ask
+    the arena for nothing.
     """
     order = list(liveness.order)
     by_name = {n.name: n for n in graph.nodes}
@@ -325,6 +327,8 @@ def step_events(graph: Graph, liveness, *, feeds_in_arena: bool,
     born: dict[int, list[str]] = {}
     died: dict[int, list[str]] = {}
     host = {o for n in graph.nodes if n.op_type == "MemcpyToHost" for o in n.output}
+    if not outputs_in_arena:
+        host |= set(graph.outputs)
     events: list[Event] = []
     for name, life in values.items():
         if not life.owns_buffer or name in host:
@@ -376,6 +380,9 @@ class ArenaReport:
     # The sizes of the regions the last measured run added, in order (set against ORT's
     # arena log by ``benchmarks/cuda_check.py --phases arena_log``; not in ``to_json``).
     last_run_extensions: tuple[int, ...] = ()
+    # The warm-up run's own peak (device pages on CUDA, reserved bytes else), counted from
+    # an empty arena: a first training step's peak when nothing shrinks between steps.
+    first_run_peak_bytes: int = 0
 
     @property
     def peak_bytes(self) -> int:
@@ -405,12 +412,14 @@ class ArenaReport:
                 "fails_at": self.fails_at,
                 "peaks_per_step": list(self.peaks_per_step),
                 "peak_device_bytes": self.peak_device_bytes,
-                "start_device_bytes": self.start_device_bytes}
+                "start_device_bytes": self.start_device_bytes,
+                "first_run_peak_bytes": self.first_run_peak_bytes}
 
 
 def replay_steps(graph: Graph, liveness, *, steps: int = 2, feeds_in_arena: bool = True,
                  limit: int | None = None, addresses_grow: bool = True,
-                 cpu_threads: int | None = None, cuda: bool = False) -> ArenaReport:
+                 cpu_threads: int | None = None, cuda: bool = False, shrink: bool = True,
+                 outputs_in_arena: bool = True) -> ArenaReport:
     """Replay a warm-up run and then ``steps`` runs through a fresh arena, the way
     ``backend.runner`` runs a step, and report the measured runs against the reserved bytes
     after the warm-up (the meter's baseline).
@@ -428,8 +437,9 @@ def replay_steps(graph: Graph, liveness, *, steps: int = 2, feeds_in_arena: bool
         raise ValueError("replay_steps needs at least one step")
     order = list(liveness.order)
     events = step_events(graph, liveness, feeds_in_arena=feeds_in_arena,
-                         cpu_threads=cpu_threads)
+                         cpu_threads=cpu_threads, outputs_in_arena=outputs_in_arena)
     feeds = [e.key for e in events if e.node < 0]
+    held_outputs = list(graph.outputs) if outputs_in_arena else []
     arena = BfcArena(limit=limit, addresses_grow=addresses_grow, cuda_pages=cuda,
                      streams=cuda)
     outputs = set(graph.outputs)
@@ -439,6 +449,7 @@ def replay_steps(graph: Graph, liveness, *, steps: int = 2, feeds_in_arena: bool
     baseline = peak = peak_in_use = extensions = 0
     device_base = device_peak = 0
     peak_at = device_at = -1
+    first_peak = 0
     peaks: list[int] = []
 
     def report(**kw) -> ArenaReport:
@@ -450,7 +461,8 @@ def replay_steps(graph: Graph, liveness, *, steps: int = 2, feeds_in_arena: bool
             peak_node=kw.pop("peak_node", node), peaks_per_step=tuple(peaks),
             peak_device_bytes=device_peak if cuda else None,
             start_device_bytes=device_base if cuda else None,
-            last_run_extensions=tuple(arena.extension_sizes[run_start:]), **kw)
+            last_run_extensions=tuple(arena.extension_sizes[run_start:]),
+            first_run_peak_bytes=first_peak, **kw)
 
     for run in range(steps + 1):
         tag = f"#{run}"
@@ -466,7 +478,10 @@ def replay_steps(graph: Graph, liveness, *, steps: int = 2, feeds_in_arena: bool
                     arena.alloc(e.key + tag, e.nbytes, stream=stream)
                 else:
                     arena.free(e.key + tag)
-                if run:
+                if not run:
+                    first_peak = max(first_peak,
+                                     arena.device_bytes if cuda else arena.reserved)
+                else:
                     if arena.reserved > peak:
                         peak, peak_at = arena.reserved, e.node
                     if cuda and (d := arena.device_bytes) > device_peak:
@@ -483,8 +498,9 @@ def replay_steps(graph: Graph, liveness, *, steps: int = 2, feeds_in_arena: bool
         for name in feeds:
             arena.free(name + tag)
         arena.release_streams()
-        arena.shrink()
-        for o in graph.outputs:
+        if shrink:
+            arena.shrink()
+        for o in held_outputs:
             arena.free(o + tag)
     return report()
 

@@ -1,0 +1,481 @@
+"""One way to run a training step: its state where it trains, bound once, run many times.
+
+``memcc train`` (``memcc.Trainer``), ``memcc run``, ``--verify`` and ``memcc tune``'s
+measurements on CUDA all run a step through ``DeviceStep``, so that what is measured is
+what trains. Measured on an H200 (BENCHMARKS.md, issue 29), the step as ``memcc run`` used
+to run it spent most of its time outside the kernels: state copied in and out every step
+(189 ms of GPT-2's 465 were left once state stayed on the device), the arena shrunk after
+every step (103 ms without), and ORT's host-side work for every node. So:
+
+- The carried values (parameters, optimizer state, BatchNorm statistics, the Dropout
+  counter) are device buffers, uploaded once (``upload``) through a session of Identity
+  nodes whose arena grows by exactly each request (``kSameAsRequested``) and is shrunk
+  right after, so each value holds its own bytes and nothing more. Python's own
+  ``OrtValue.ortvalue_from_numpy(..., "cuda")`` would place them in a second arena that
+  grows by powers of two, which no plan counts and ``gpu_mem_limit`` does not cap.
+- The step's other stored values (constants, frozen weights) stay initializers of the step
+  session on CUDA: ORT puts each where its consumers read it (shape arguments on the host,
+  the rest on the device, one ``cudaMalloc`` each) once, at load. On the CPU every stored
+  value is a graph input fed from arrays the step holds (``runner.session_graph``), as the
+  CPU measurement model expects.
+- Every input and output is bound once (IOBinding) to a buffer with a fixed address: the
+  batch is copied into its device buffer (``update_inplace``), the loss and other outputs
+  are written into buffers allocated at the start, and each update that
+  ``passes.inplace`` proves safe is written over the value it replaces. An update that is
+  not (written by a kernel that still reads the old value) gets a second buffer, and the
+  two swap roles each step: two bindings, used in turn.
+- No arena shrink between steps (CUDA): the arena settles in the first step and holds the
+  same regions from the second on; ``prediction`` says what it holds then, and what the
+  first step peaks at (``passes.arena.replay_steps(shrink=False)``).
+- CUDA graphs: where every node runs on the CUDA provider with static shapes and no host
+  copies, ORT captures the second run and replays it from then on (``enable_cuda_graph``);
+  with two bindings, each gets its own graph (``gpu_graph_id``). ``capture_blockers`` says
+  beforehand what prevents it, and a session ORT refuses to capture is opened again
+  without it, the reason kept in ``cuda_graph_note``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+
+from memcc.backend.session import make_session
+from memcc.errors import InputError, RuntimeFailure
+from memcc.frontend.constants import constant_node_value
+from memcc.graph import Graph, TensorInfo, node_label
+from memcc.passes.arena import ArenaReport, cuda_pages_for, replay_steps, rounded_bytes
+from memcc.passes.liveness import LivenessReport
+
+# Ops whose CUDA kernels cannot be replayed from a captured graph: control flow (ORT
+# refuses capture with subgraphs) and ORT's random generators, which draw their seed on the
+# host at each run, so a replay would repeat the captured draw every step.
+_CONTROL_FLOW = {"If", "Loop", "Scan"}
+_RANDOM = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike",
+           "Multinomial", "Bernoulli"}
+
+
+def capture_blockers(graph: Graph) -> list[str]:
+    """What keeps ORT from capturing ``graph``'s step as one CUDA graph, read from the graph
+    alone (each entry names the node or value and why); empty when nothing visible does.
+    ORT checks the rest at load (nodes placed on the CPU provider, host copies) and
+    ``DeviceStep`` reports what it said."""
+    blockers = []
+    for node in graph.nodes:
+        if node.op_type in _CONTROL_FLOW:
+            blockers.append(f"{node_label(node)}: control flow ({node.op_type}) cannot be "
+                            "captured")
+        elif node.op_type in _RANDOM:
+            blockers.append(f"{node_label(node)}: {node.op_type} draws on the host at each "
+                            "run; a replayed graph would repeat one draw")
+        elif node.op_type == "Dropout" and _dropout_trains(node, graph):
+            blockers.append(f"{node_label(node)}: a training-mode Dropout draws its mask on "
+                            "the host at each run")
+    for name in [*graph.inputs, *graph.outputs]:
+        ti = graph.info.get(name)
+        if ti is None or any(not isinstance(d, int) or d < 0 for d in ti.shape):
+            blockers.append(f"'{name}': no static shape (a captured graph replays fixed "
+                            "shapes)")
+    return blockers
+
+
+def _dropout_trains(node: onnx.NodeProto, graph: Graph) -> bool:
+    if len(node.input) < 3 or not node.input[2]:
+        return False
+    value = graph.initializers.get(node.input[2])
+    if value is None:
+        producer = next((n for n in graph.nodes if node.input[2] in n.output), None)
+        value = constant_node_value(producer) if producer is not None \
+            and producer.op_type == "Constant" else None
+    return value is None or bool(np.asarray(value).reshape(-1)[0])
+
+
+# ---------------------------------------------------------------------------- placement
+HOST, DEVICE = "host", "device"
+
+
+def device_session_graph(graph: Graph, carried: Sequence[str], layout: str
+                         ) -> tuple[Graph, dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """The graph the session gets, the carried values' initial arrays, and (``HOST``
+    layout, the CPU's) the other stored values the step feeds. In the ``DEVICE`` layout
+    (CUDA's) the other stored values stay in the graph (the module docstring says why), so
+    the third dict is empty there."""
+    from memcc.backend.runner import session_graph
+
+    carried = list(dict.fromkeys(carried))
+    if layout == HOST:
+        g, values = session_graph(graph)
+        state = {n: np.array(values.pop(n), order="C", copy=True) for n in carried}
+        return g, state, values
+    g = graph.copy()
+    missing = [n for n in carried if n not in g.initializers]
+    if missing:
+        raise InputError(f"carried value '{missing[0]}' has no stored initial value in the "
+                         "step file")
+    state = {n: np.array(g.initializers.pop(n), order="C", copy=True) for n in carried}
+    g.inputs = list(graph.inputs) + [n for n in carried if n not in graph.inputs]
+    return g, state, {}
+
+
+def stored_bytes(graph: Graph) -> list[int]:
+    """Sizes of the values the graph keeps itself: initializers and Constant nodes (on CUDA
+    each becomes its own device allocation at load)."""
+    sizes = [int(np.asarray(a).nbytes) for a in graph.initializers.values()]
+    for node in graph.nodes:
+        if node.op_type == "Constant":
+            v = constant_node_value(node)
+            if v is not None:
+                sizes.append(int(np.asarray(v).nbytes))
+    return [s for s in sizes if s]
+
+
+# ---------------------------------------------------------------------------- prediction
+@dataclass(frozen=True)
+class DevicePrediction:
+    """What the step holds on the device, by the arena model plus the buffers bound to it.
+
+    ``steady_bytes``: from the second step on (the arena keeps what the first step grew
+    to); ``first_step_bytes``: the first step's peak. Both count the bound buffers (state,
+    spares, batch, outputs) and the stored values ORT places on the device, as device
+    pages (``passes.arena.cuda_pages_for``)."""
+
+    steady_bytes: int
+    first_step_bytes: int
+    bound_bytes: int
+    stored_bytes: int
+    arena: ArenaReport
+
+    def to_json(self) -> dict:
+        return {"steady_bytes": self.steady_bytes, "first_step_bytes": self.first_step_bytes,
+                "bound_bytes": self.bound_bytes, "stored_bytes": self.stored_bytes,
+                "arena": self.arena.to_json(), "method": PREDICTION_METHOD}
+
+
+PREDICTION_METHOD = ("arena replay without shrink (passes.arena, CUDA pages) + the buffers "
+                     "bound to the step + the stored values ORT places on the device")
+
+
+def predict_device(graph: Graph, liveness: LivenessReport, *, aliased: Mapping[str, str],
+                   updates: Mapping[str, str], steps: int = 2,
+                   limit: int | None = None) -> DevicePrediction:
+    """``DeviceStep``'s device bytes on CUDA for ``graph`` run in ``liveness``'s order."""
+    report = replay_steps(graph, liveness, steps=max(1, steps), feeds_in_arena=False,
+                          addresses_grow=True, cuda=True, shrink=False,
+                          outputs_in_arena=False, limit=limit)
+    bound = [int(ti.nbytes) for ti in _bound_infos(graph, aliased, updates)]
+    _, _, carried_inputs = _carried(updates)
+    stored = [s for n, s in _stored_sizes(graph).items() if n not in carried_inputs]
+    outside = cuda_pages_for([rounded_bytes(b) for b in bound if b]) + \
+        cuda_pages_for(stored)
+    first = report.first_run_peak_bytes + outside
+    steady = (report.peak_device_bytes or report.peak_reserved_bytes) + outside
+    return DevicePrediction(steady, first, sum(bound), sum(stored), report)
+
+
+def _carried(updates: Mapping[str, str]) -> tuple[list[str], list[str], set[str]]:
+    outs = list(updates)
+    ins = list(dict.fromkeys(updates.values()))
+    return outs, ins, set(ins)
+
+
+def _stored_sizes(graph: Graph) -> dict[str, int]:
+    sizes = {n: int(np.asarray(a).nbytes) for n, a in graph.initializers.items()}
+    for node in graph.nodes:
+        if node.op_type == "Constant" and node.output:
+            v = constant_node_value(node)
+            if v is not None:
+                sizes[node.output[0]] = int(np.asarray(v).nbytes)
+    return {n: s for n, s in sizes.items() if s}
+
+
+def _bound_infos(graph: Graph, aliased: Mapping[str, str], updates: Mapping[str, str]
+                 ) -> list[TensorInfo]:
+    """The buffers a ``DeviceStep`` allocates: each carried value, a spare for each update
+    not written in place, each data input, each output that is not an update."""
+    _, carried, carried_set = _carried(updates)
+    infos = [graph.info[n] for n in carried]
+    infos += [graph.info[updates[o]] for o in updates if o not in aliased]
+    stored = set(graph.initializers) | {o for n in graph.nodes if n.op_type == "Constant"
+                                        for o in n.output}
+    infos += [graph.info[n] for n in graph.inputs
+              if n not in carried_set and n not in stored and n in graph.info]
+    infos += [graph.info[o] for o in graph.outputs if o not in updates and o in graph.info]
+    return infos
+
+
+# ---------------------------------------------------------------------------- the runtime
+def upload(arrays: Mapping[str, np.ndarray], provider: str, layout: str = DEVICE):
+    """``OrtValue``s holding ``arrays``, and what keeps their memory alive. ``HOST``: the
+    OrtValues share the arrays' memory (no copy; keep the arrays). ``DEVICE``: one run of a
+    session of Identity nodes on ``provider`` writes a copy of each array into a buffer of
+    its own (module docstring); the session is returned so that its arena outlives them."""
+    import onnxruntime as ort
+
+    if layout == HOST:
+        return {n: ort.OrtValue.ortvalue_from_numpy(a) for n, a in arrays.items()}, None
+    if not arrays:
+        return {}, None
+    names = list(arrays)
+    nodes, ins, outs = [], [], []
+    for k, name in enumerate(names):
+        a = arrays[name]
+        dtype = onnx.helper.np_dtype_to_tensor_dtype(a.dtype)
+        ins.append(onnx.helper.make_tensor_value_info(f"in{k}", dtype, list(a.shape)))
+        outs.append(onnx.helper.make_tensor_value_info(f"out{k}", dtype, list(a.shape)))
+        nodes.append(onnx.helper.make_node("Identity", [f"in{k}"], [f"out{k}"],
+                                           name=f"upload{k}"))
+    model = onnx.helper.make_model(onnx.helper.make_graph(nodes, "memcc_upload", ins, outs),
+                                   opset_imports=[onnx.helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    session = make_session(model, provider)
+    binding = session.io_binding()
+    for k, name in enumerate(names):
+        binding.bind_cpu_input(f"in{k}", np.asarray(arrays[name], order="C"))
+        binding.bind_output(f"out{k}", "cuda" if provider == "cuda" else "cpu")
+    ro = ort.RunOptions()
+    if provider == "cuda":
+        ro.add_run_config_entry("memory.enable_memory_arena_shrinkage", "gpu:0")
+    try:
+        session.run_with_iobinding(binding, ro)
+    except Exception as exc:  # pybind raises ORT's own exception types
+        raise RuntimeFailure(f"could not copy the step's state to the GPU: {exc}") from exc
+    values = dict(zip(names, binding.get_outputs(), strict=True))
+    return values, session
+
+
+@dataclass
+class StepOutputs:
+    """What one ``DeviceStep.run`` returns to the host: the loss and any output asked for."""
+
+    loss: float
+    arrays: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+class DeviceStep:
+    """A training step's session with its state bound where it trains (module docstring).
+
+    ``graph``: the step as it will run (``backend.arrange``'s graph: in-place updates
+    decided, node order fixed). ``updates``: output -> the input it replaces next step;
+    ``aliased``: the updates written over their input. ``returned``: outputs copied back to
+    the host after each run besides the loss. ``cuda_graph``: None = capture where
+    possible, True = required (an error names what prevents it), False = never.
+    ``layout``: ``DEVICE`` (always on CUDA) or ``HOST`` (the CPU's default); the CPU runs
+    the ``DEVICE`` layout too, which is how its logic is tested without a GPU.
+    """
+
+    def __init__(self, graph: Graph, *, loss: str, updates: Mapping[str, str],
+                 aliased: Mapping[str, str], provider: str = "cpu",
+                 threads: int | None = None, cpu_arena: bool = False,
+                 gpu_mem_limit: int | None = None, cuda_graph: bool | None = None,
+                 deterministic: bool = False, returned: Sequence[str] = (),
+                 profile_prefix: str | None = None, source: str = "<step>",
+                 layout: str | None = None) -> None:
+        import onnxruntime as ort
+
+        self.provider = provider
+        self.loss_name = loss
+        self.updates = dict(updates)
+        self.aliased = dict(aliased)
+        self.source = source
+        self.returned = [o for o in returned if o != loss]
+        outputs = list(graph.outputs)
+        carried = list(dict.fromkeys(self.updates.values()))
+        self.layout = DEVICE if provider == "cuda" else (layout or HOST)
+        sgraph, state, fixed = device_session_graph(graph, carried, self.layout)
+        self.cuda_graph_note: str | None = None
+        capture = False
+        if provider == "cuda" and cuda_graph is not False:
+            blockers = capture_blockers(graph)
+            if blockers and cuda_graph:
+                raise InputError(f"{source}: --cuda-graph: the step cannot be captured: "
+                                 + "; ".join(blockers[:3]))
+            capture = not blockers
+            if blockers:
+                self.cuda_graph_note = "not captured: " + "; ".join(blockers[:3])
+        elif provider == "cuda":
+            self.cuda_graph_note = "off (--no-cuda-graph)"
+        elif cuda_graph:
+            raise InputError("--cuda-graph needs --provider cuda")
+        model = sgraph.to_model()
+        limit = gpu_mem_limit
+        if provider == "cuda" and gpu_mem_limit is not None:
+            # The bound buffers and stored values live outside the step's arena; the arena
+            # may have what the budget leaves.
+            bound = _bound_infos(graph, self.aliased, self.updates)
+            outside = cuda_pages_for([rounded_bytes(ti.nbytes) for ti in bound
+                                      if ti.nbytes]) + cuda_pages_for(stored_bytes(sgraph))
+            limit = int(gpu_mem_limit) - outside
+            if limit <= 0:
+                raise RuntimeFailure(
+                    f"{source}: the step's state and stored values alone take {outside:,} "
+                    f"device bytes, more than the limit {int(gpu_mem_limit):,}")
+
+        def open_session(with_graph: bool):
+            return make_session(
+                model, provider, intra_op_threads=threads, cpu_arena=cpu_arena,
+                gpu_mem_limit=limit if provider == "cuda" else None,
+                profile=profile_prefix is not None, profile_prefix=profile_prefix,
+                deterministic=deterministic, cuda_graph=with_graph,
+                extra_config={"session.use_device_allocator_for_initializers": "1"}
+                if provider == "cuda" else None)
+
+        if capture:
+            try:
+                self.session = open_session(True)
+            except RuntimeFailure as exc:
+                if cuda_graph:
+                    raise RuntimeFailure(f"{source}: --cuda-graph: ONNX Runtime refused to "
+                                         f"capture the step: {exc}") from exc
+                self.cuda_graph_note = f"not captured: ONNX Runtime refused: {exc}"
+                capture = False
+                self.session = open_session(False)
+        else:
+            self.session = open_session(False)
+        self.captured = capture
+
+        # The buffers, each at a fixed address for the whole run.
+        host = self.layout == HOST
+        self._host_state = state if host else {}
+        spares = {inp: np.zeros_like(state[inp]) for out, inp in self.updates.items()
+                  if out not in self.aliased}
+        self._host_spare = spares if host else {}
+        self.data_inputs = [n for n in sgraph.inputs if n not in state and n not in fixed
+                            and n not in sgraph.initializers]
+        batch0 = {n: np.zeros(graph.info[n].shape, graph.info[n].np_dtype)
+                  for n in self.data_inputs}
+        self._host_batch = batch0 if host else {}
+        out0 = {o: np.zeros(graph.info[o].shape, graph.info[o].np_dtype)
+                for o in outputs if o not in self.updates}
+        self._host_out = out0 if host else {}
+        values, self._keepalive = upload({**{f"s:{n}": a for n, a in state.items()},
+                                          **{f"p:{n}": a for n, a in spares.items()},
+                                          **{f"b:{n}": a for n, a in batch0.items()},
+                                          **{f"o:{n}": a for n, a in out0.items()}},
+                                         provider, self.layout)
+        self.state = {n: values[f"s:{n}"] for n in state}
+        self.spare = {n: values[f"p:{n}"] for n in spares}
+        self._batch = {n: values[f"b:{n}"] for n in batch0}
+        self._out = {o: values[f"o:{o}"] for o in out0}
+        self._fixed = {n: ort.OrtValue.ortvalue_from_numpy(np.asarray(a, order="C"))
+                       for n, a in fixed.items()}
+        self._fixed_arrays = fixed
+        if not host:
+            del state, spares, batch0, out0
+        self._outputs = outputs
+        self._bindings = [self._bind(swapped=False)]
+        if self.spare:
+            self._bindings.append(self._bind(swapped=True))
+        self._run_options = []
+        for k in range(len(self._bindings)):
+            ro = ort.RunOptions()
+            if capture and len(self._bindings) > 1:
+                ro.add_run_config_entry("gpu_graph_id", str(k + 1))
+            if provider == "cpu" and cpu_arena:  # the CPU arena model includes its shrink
+                ro.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
+            self._run_options.append(ro)
+        self.runs = 0
+
+    # ------------------------------------------------------------------ binding
+    def _bind(self, *, swapped: bool):
+        """An IOBinding of every input and output; ``swapped``: the spares hold the current
+        values and the updates go into the state buffers (the second binding)."""
+        binding = self.session.io_binding()
+        current = {n: (self.spare[n] if swapped and n in self.spare else v)
+                   for n, v in self.state.items()}
+        target = {n: (self.state[n] if swapped else v) for n, v in self.spare.items()}
+        for name, value in current.items():
+            binding.bind_ortvalue_input(name, value)
+        for name, value in self._fixed.items():
+            binding.bind_ortvalue_input(name, value)
+        for name, value in self._batch.items():
+            binding.bind_ortvalue_input(name, value)
+        for out in self._outputs:
+            inp = self.updates.get(out)
+            if inp is None:
+                binding.bind_ortvalue_output(out, self._out[out])
+            elif out in self.aliased:
+                binding.bind_ortvalue_output(out, current[inp])
+            else:
+                binding.bind_ortvalue_output(out, target[inp])
+        return binding
+
+    @property
+    def _parity(self) -> int:
+        return self.runs % len(self._bindings)
+
+    def current(self) -> dict[str, object]:
+        """The OrtValues that hold the carried values now (after ``runs`` steps)."""
+        if self._parity == 0:
+            return dict(self.state)
+        return {n: (self.spare[n] if n in self.spare else v) for n, v in self.state.items()}
+
+    # ------------------------------------------------------------------ running
+    def run(self, batch: Mapping[str, np.ndarray]) -> StepOutputs:
+        """One step on ``batch`` (already checked: names, shapes, dtypes as bound)."""
+        for name in self.data_inputs:
+            arr = np.asarray(batch[name], order="C")
+            if self.layout == HOST:
+                np.copyto(self._host_batch[name], arr)
+            else:
+                self._batch[name].update_inplace(arr)
+        k = self._parity
+        try:
+            self.session.run_with_iobinding(self._bindings[k], self._run_options[k])
+        except Exception as exc:  # pybind raises ORT's own exception types
+            raise RuntimeFailure(f"{self.source}: ONNX Runtime failed while running the "
+                                 f"step: {exc}") from exc
+        self.runs += 1
+        loss = self._read(self.loss_name) if self.loss_name in self._out else None
+        arrays = {o: self._read(o) for o in self.returned if o in self._out}
+        value = float(np.asarray(loss).reshape(-1)[0]) if loss is not None else math.nan
+        return StepOutputs(value, arrays)
+
+    def _read(self, name: str) -> np.ndarray:
+        if self.layout == HOST:
+            return self._host_out[name].copy()
+        return self._out[name].numpy()
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """Host copies of the carried values as they are now."""
+        return {n: np.array(v.numpy(), copy=True) for n, v in self.current().items()}
+
+    def host_state(self) -> dict[str, np.ndarray]:
+        """``HOST`` layout: the live arrays themselves (no copy); else host copies."""
+        if self.layout != HOST:
+            return self.state_dict()
+        return {n: (self._host_spare[n] if self._parity and n in self._host_spare else a)
+                for n, a in self._host_state.items()}
+
+    def load_state(self, arrays: Mapping[str, np.ndarray]) -> None:
+        """Overwrite the carried values in their buffers (the bindings stay valid)."""
+        current = self.current()
+        for name, arr in arrays.items():
+            a = np.asarray(arr, order="C")
+            if self.layout == HOST:
+                np.copyto(self.host_state()[name], a)
+            else:
+                current[name].update_inplace(a)
+
+    def held_bytes(self) -> int:
+        """Bytes of every buffer this step bound (state, spares, batch, outputs, and on the
+        CPU the stored values it feeds)."""
+        def nbytes(v) -> int:
+            shape = v.shape()
+            return int(np.prod(shape)) * _itemsize(v) if shape else _itemsize(v)
+
+        groups = (self.state, self.spare, self._batch, self._out, self._fixed)
+        return sum(nbytes(v) for g in groups for v in g.values())
+
+
+_ITEMSIZE = {"tensor(float)": 4, "tensor(double)": 8, "tensor(float16)": 2,
+             "tensor(bfloat16)": 2, "tensor(int64)": 8, "tensor(int32)": 4,
+             "tensor(int16)": 2, "tensor(int8)": 1, "tensor(uint8)": 1, "tensor(bool)": 1,
+             "tensor(uint16)": 2, "tensor(uint32)": 4, "tensor(uint64)": 8}
+
+
+def _itemsize(value) -> int:
+    return _ITEMSIZE.get(value.data_type(), 4)
