@@ -107,6 +107,16 @@ PlanProviderOpt = Annotated[Literal["cpu", "cuda", "auto"], typer.Option(
 RunProviderOpt = Annotated[Literal["cpu", "cuda", "auto"], typer.Option(
     case_sensitive=False,
     help="Where to run; auto: cuda where this onnxruntime runs CUDA, else cpu.")]
+CudaGraphOpt = Annotated[Optional[bool], typer.Option(  # noqa: UP045
+    "--cuda-graph/--no-cuda-graph",
+    help="CUDA: run the step as one captured CUDA graph (ORT's enable_cuda_graph). Default: "
+         "wherever every node runs on the CUDA provider with static shapes; --cuda-graph "
+         "fails, naming the node, where that is not so.")]
+DeterministicOpt = Annotated[bool, typer.Option(
+    "--deterministic",
+    help="CUDA: the same bits on every run (ORT's deterministic compute, scatter-adds "
+         "without atomics), at a cost in speed (README, Reproducible runs). Default: "
+         "PyTorch-like speed; runs may differ in the last bits.")]
 StrategyOpt = Annotated[Literal["auto", "ilp", "sqrtn", "none"], typer.Option(
     help="auto (ILP, heuristics, exact polish; best fitting plan), ilp, sqrtn or none.")]
 
@@ -226,13 +236,16 @@ def run(
              "predict with the arena model (CUDA's allocation rules, measured on a machine "
              "without a GPU). Default: as the step was compiled (memcc compile --arena).")
     ] = None,
+    cuda_graph: CudaGraphOpt = None,
+    deterministic: DeterministicOpt = False,
 ) -> None:
     """Run training steps in ONNX Runtime; print loss, time and memory per step."""
     from memcc.backend.runner import run_steps
 
     try:
         result = run_steps(model, steps=steps, provider=provider, seed=seed, data=data,
-                           in_place=in_place, arena=arena)
+                           in_place=in_place, arena=arena, cuda_graph=cuda_graph,
+                           deterministic=deterministic)
     except MemccError as exc:
         _fail(exc)
         return
@@ -246,6 +259,10 @@ def run(
         f"{_mb(result.measured_peak_bytes)}; predicted peak "
         f"{_mb(result.predicted_peak_bytes)}; order matches plan: {result.order_matches_plan}"
     )
+    if result.provider == "cuda":
+        out.print(f"first step: measured {_mb(result.first_step_measured_bytes)}, predicted "
+                  f"{_mb(result.first_step_predicted_bytes)}; CUDA graph: {result.cuda_graph}"
+                  f"; deterministic: {result.deterministic}", highlight=False)
 
 
 @app.command()
@@ -275,6 +292,8 @@ def train(
         help="CPU: allocate through ORT's CPU arena. Default: as the step was compiled "
              "(memcc compile --arena), else straight from malloc, where glibc's heap can hold "
              "several times the plan's peak.")] = None,
+    cuda_graph: CudaGraphOpt = None,
+    deterministic: DeterministicOpt = False,
     batch_size_check: Annotated[bool, typer.Option(
         "--batch-size-check", help="Check the data against the step, print the batch size, "
                                    "batches per epoch and steps, and stop before training.")
@@ -289,7 +308,8 @@ def train(
     try:
         opts = TrainOptions(step=model, data=data, steps=steps, epochs=epochs, seed=seed,
                             checkpoint=checkpoint, save_every=save_every, resume=resume,
-                            provider=provider, threads=threads, arena=arena)
+                            provider=provider, threads=threads, arena=arena,
+                            cuda_graph=cuda_graph, deterministic=deterministic)
         if batch_size_check:
             plan = plan_training(opts)
             out.print(f"{model}: data {data} fits: {plan.describe()}", highlight=False)

@@ -448,6 +448,8 @@ class TrainOptions:
     threads: int | None = None
     keep: int = 2
     arena: bool | None = None   # None: as the plan was compiled (``Trainer``)
+    cuda_graph: bool | None = None   # None: captured where possible (``DeviceStep``)
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         if self.steps is not None and self.epochs is not None:
@@ -495,6 +497,9 @@ class TrainResult:
     # ``StepMemory.to_json``: what the plan predicts for the step as it trains, what was
     # measured, and how.
     memory: dict = field(default_factory=dict)
+    # How the step runs: "captured" as a CUDA graph, or why not; and deterministic compute.
+    cuda_graph: str | None = None
+    deterministic: bool = False
 
     def to_json(self) -> dict:
         return {
@@ -505,6 +510,7 @@ class TrainResult:
             "samples_per_s": self.samples_per_s, "batch_size": self.batch_size,
             "batches_per_epoch": self.batches_per_epoch, "allocator": self.allocator,
             "notes": self.notes, "interrupted": self.interrupted, "memory": self.memory,
+            "cuda_graph": self.cuda_graph, "deterministic": self.deterministic,
         }
 
 
@@ -555,7 +561,8 @@ def train(opts: TrainOptions, *, on_start: Callable[[TrainResult], None] | None 
         ckpt.check_directory(opts.checkpoint)  # now, not after the steps before the first save
     loaded = ckpt.load(start) if start is not None else None
     trainer = Trainer(opts.step, provider=opts.provider, threads=opts.threads, graph=graph,
-                      arena=opts.arena)
+                      arena=opts.arena, cuda_graph=opts.cuda_graph,
+                      deterministic=opts.deterministic)
     if loaded is not None:
         loaded = trainer.checked(loaded)
         _check_data_state(loaded, opts.seed, data_fp)
@@ -566,7 +573,12 @@ def train(opts: TrainOptions, *, on_start: Callable[[TrainResult], None] | None 
                          resumed_from=str(loaded.path) if loaded is not None else None,
                          batch_size=dataset.batch_size,
                          batches_per_epoch=dataset.batches_per_epoch,
-                         allocator=_allocator(trainer), notes=_allocator_notes(trainer))
+                         allocator=_allocator(trainer), notes=_allocator_notes(trainer),
+                         cuda_graph=trainer.cuda_graph if trainer.provider == "cuda" else None,
+                         deterministic=trainer.deterministic)
+    if trainer.provider == "cuda":
+        result.notes.append(f"CUDA graph: {trainer.cuda_graph}; deterministic compute: "
+                            f"{'on' if trainer.deterministic else 'off (--deterministic)'}")
     meter = StepMemory(trainer)
     result.memory = meter.to_json()
     if on_start is not None:

@@ -32,7 +32,6 @@ from memcc.frontend.build import BuildOptions, build_training_step
 from memcc.frontend.load import load_graph
 from memcc.graph import Graph, TensorInfo
 from memcc.passes.arena import replay_steps
-from memcc.passes.liveness import analyze_liveness
 from memcc.step import TrainingStep
 from models import build_model
 
