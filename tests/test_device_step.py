@@ -184,3 +184,19 @@ def test_capture_blockers_name_the_node_and_the_reason():
     flow.nodes.append(helper.make_node("If", ["c"], ["w"], name="choose",
                                        then_branch=branch, else_branch=branch))
     assert any("'choose'" in b and "control flow" in b for b in capture_blockers(flow))
+
+
+def test_the_profile_names_nodes_that_ran_off_the_sessions_provider():
+    from memcc.backend.profile_order import off_provider_nodes
+
+    def ev(name, provider):
+        return {"cat": "Node", "name": f"{name}_kernel_time", "ts": 1,
+                "args": {"provider": provider}}
+
+    events = [ev("a", "CUDAExecutionProvider"), ev("shape", "CPUExecutionProvider"),
+              ev("copy", "CUDAExecutionProvider"), ev("shape", "CPUExecutionProvider"),
+              {"cat": "Session", "name": "model_run"}]
+    assert off_provider_nodes(events, "CUDAExecutionProvider") == [
+        "shape (CPUExecutionProvider)"]
+    assert off_provider_nodes(events, "CPUExecutionProvider") == [
+        "a (CUDAExecutionProvider)", "copy (CUDAExecutionProvider)"]

@@ -17,7 +17,7 @@ import heapq
 import json
 import os
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import onnx
@@ -38,6 +38,9 @@ class OrderCheck:
     planned_count: int
     executed_count: int
     first_mismatch: dict | None  # {"index", "planned", "executed"} or None
+    # Nodes whose kernel ran on another provider than the session's first (a CUDA session's
+    # CPU fallbacks and the copies ORT inserted for them), as "name (provider)".
+    off_provider: tuple[str, ...] = ()
 
     def to_json(self) -> dict:
         return {
@@ -45,6 +48,7 @@ class OrderCheck:
             "planned_nodes": self.planned_count,
             "executed_nodes": self.executed_count,
             "first_mismatch": self.first_mismatch,
+            "off_provider_nodes": list(self.off_provider),
         }
 
 
@@ -136,12 +140,30 @@ def check_session_order(session, planned: Sequence[str], *, runs_profiled: int =
             "(make_session(..., profile=True)); ORT wrote no profile"
         )
     try:
-        executed = executed_order(path)
+        events = _load_events(path)
     finally:
         Path(path).unlink(missing_ok=True)
+    executed = executed_order(events)
     if runs_profiled > 1 and len(executed) >= len(planned):
         executed = executed[: len(executed) // runs_profiled]
-    return compare_orders(planned, executed)
+    check = compare_orders(planned, executed)
+    main = session.get_providers()[0]
+    return replace(check, off_provider=tuple(off_provider_nodes(events, main)))
+
+
+def off_provider_nodes(events: Sequence[dict], provider: str) -> list[str]:
+    """``"name (provider)"`` for every node whose kernel ran on another provider than
+    ``provider``, once each, in the order they first ran."""
+    seen: dict[str, str] = {}
+    for ev in events:
+        if not (isinstance(ev, dict) and ev.get("cat") == "Node"
+                and str(ev.get("name", "")).endswith(KERNEL_SUFFIX)):
+            continue
+        where = str((ev.get("args") or {}).get("provider", provider))
+        name = ev["name"][: -len(KERNEL_SUFFIX)]
+        if where != provider and name not in seen:
+            seen[name] = where
+    return [f"{n} ({p})" for n, p in seen.items()]
 
 
 def _load_events(path: str | os.PathLike) -> list[dict]:

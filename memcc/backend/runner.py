@@ -82,6 +82,8 @@ class RunResult:
     first_step_predicted_bytes: int | None = None
     cuda_graph: str | None = None
     deterministic: bool | None = None
+    # Nodes whose kernel ran on another provider (CUDA: CPU fallbacks, inserted copies).
+    off_provider_nodes: tuple[str, ...] = ()
 
     def to_json(self) -> dict:
         m, p = self.measured_peak_bytes, self.predicted_peak_bytes
@@ -107,6 +109,7 @@ class RunResult:
             "first_step_predicted_bytes": self.first_step_predicted_bytes,
             "cuda_graph": self.cuda_graph,
             "deterministic": self.deterministic,
+            "off_provider_nodes": list(self.off_provider_nodes),
         }
 
 
@@ -263,10 +266,16 @@ def _run_on_device(path: Path, graph: Graph, spec: StepSpec, batch: Mapping[str,
            "method": meter.method, "order": order.to_json(),
            "timing": "same process as the measurement, NVML sampled meanwhile"}
     result = _result(path, "cuda", steps, seed, data, liveness, out)
+    graph_note = "captured" if step.captured else step.cuda_graph_note
+    if not step.captured and order.off_provider:
+        graph_note = (f"{graph_note}; nodes not on the CUDA provider: "
+                      f"{', '.join(order.off_provider[:5])}"
+                      + (f" and {len(order.off_provider) - 5} more"
+                         if len(order.off_provider) > 5 else ""))
     return replace(result, predicted_peak_bytes=device.steady_bytes,
                    first_step_measured_bytes=first,
                    first_step_predicted_bytes=device.first_step_bytes,
-                   cuda_graph="captured" if step.captured else step.cuda_graph_note,
+                   cuda_graph=graph_note, off_provider_nodes=order.off_provider,
                    deterministic=bool(deterministic),
                    prediction=dict(result.prediction) | {
                        "liveness_peak_bytes": liveness.peak_bytes,
