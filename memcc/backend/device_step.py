@@ -207,17 +207,20 @@ def _bound_infos(graph: Graph, aliased: Mapping[str, str], updates: Mapping[str,
 
 
 # ---------------------------------------------------------------------------- the runtime
-def upload(arrays: Mapping[str, np.ndarray], provider: str, layout: str = DEVICE):
-    """``OrtValue``s holding ``arrays``, and what keeps their memory alive. ``HOST``: the
-    OrtValues share the arrays' memory (no copy; keep the arrays). ``DEVICE``: one run of a
-    session of Identity nodes on ``provider`` writes a copy of each array into a buffer of
-    its own (module docstring); the session is returned so that its arena outlives them."""
+def upload(arrays: Mapping[str, np.ndarray], provider: str, layout: str = DEVICE
+           ) -> dict[str, object]:
+    """``OrtValue``s holding ``arrays``. ``HOST``: the OrtValues share the arrays' memory
+    (no copy; keep the arrays). ``DEVICE``: one run of a session of Identity nodes on
+    ``provider`` writes a copy of each array into a buffer of its own (module docstring).
+    The session is dropped at once: each buffer holds a reference to the arena it came
+    from, which lives as long as they do, while the session's CUDA handles and workspaces
+    (cuBLAS, cuDNN) are given back."""
     import onnxruntime as ort
 
     if layout == HOST:
-        return {n: ort.OrtValue.ortvalue_from_numpy(a) for n, a in arrays.items()}, None
+        return {n: ort.OrtValue.ortvalue_from_numpy(a) for n, a in arrays.items()}
     if not arrays:
-        return {}, None
+        return {}
     names = list(arrays)
     nodes, ins, outs = [], [], []
     for k, name in enumerate(names):
@@ -243,7 +246,8 @@ def upload(arrays: Mapping[str, np.ndarray], provider: str, layout: str = DEVICE
     except Exception as exc:  # pybind raises ORT's own exception types
         raise RuntimeFailure(f"could not copy the step's state to the GPU: {exc}") from exc
     values = dict(zip(names, binding.get_outputs(), strict=True))
-    return values, session
+    del binding, session
+    return values
 
 
 @dataclass
@@ -350,7 +354,7 @@ class DeviceStep:
         out0 = {o: np.zeros(graph.info[o].shape, graph.info[o].np_dtype)
                 for o in outputs if o not in self.updates}
         self._host_out = out0 if host else {}
-        values, self._keepalive = upload({**{f"s:{n}": a for n, a in state.items()},
+        values = upload({**{f"s:{n}": a for n, a in state.items()},
                                           **{f"p:{n}": a for n, a in spares.items()},
                                           **{f"b:{n}": a for n, a in batch0.items()},
                                           **{f"o:{n}": a for n, a in out0.items()}},

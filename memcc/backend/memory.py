@@ -154,26 +154,27 @@ class NvmlPeakMeter:
     def available(self) -> bool:
         return self._nvml is not None
 
-    def _used(self) -> int:
+    def used(self) -> int:
+        """The device memory in use now, as NVML reports it."""
         return int(self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used)
 
     def set_baseline(self) -> int | None:
         if not self.available:
             return None
-        self.baseline = self._used()
+        self.baseline = self.used()
         return self.baseline
 
     def start(self) -> None:
         if not self.available:
             return
-        self._peak = self._used()
+        self._peak = self.used()
         self._stop.clear()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
 
     def _sample(self) -> None:
         while not self._stop.is_set():
-            self._peak = max(self._peak, self._used())
+            self._peak = max(self._peak, self.used())
             time.sleep(self.interval_s)
 
     def stop(self) -> int | None:
@@ -181,7 +182,7 @@ class NvmlPeakMeter:
             return None
         self._stop.set()
         self._thread.join()
-        self._peak = max(self._peak, self._used())
+        self._peak = max(self._peak, self.used())
         return self._peak - (self.baseline or 0)
 
 

@@ -232,26 +232,45 @@ def _run_on_device(path: Path, graph: Graph, spec: StepSpec, batch: Mapping[str,
                    liveness: LivenessReport, aliased: Mapping[str, str], *, steps: int,
                    seed: int, data, gpu_mem_limit: int | None, cuda_graph: bool | None,
                    deterministic: bool) -> RunResult:
-    """``run_steps`` on CUDA: one ``DeviceStep``, measured by NVML over the reading before
-    it existed. The first run (profiled: the order check) is the first step; the state is
-    then set back to its initial values and ``steps`` measured steps follow."""
+    """``run_steps`` on CUDA, in two sessions of the same step (``DeviceStep``).
+
+    The first runs one profiled step, never captured (the order check reads ORT's profile
+    of it), and is closed: the CUDA libraries load the kernels a step uses on their first
+    launch and keep them for the process, which is no step's memory. NVML's reading after
+    it is the baseline. The second is measured: its first step, then the state set back to
+    its initial values, then ``steps`` steps (captured as a CUDA graph where possible).
+    ``device_readings`` keeps NVML's view of each moment over the baseline."""
+    import gc
+
     from memcc.backend.device_step import DeviceStep, predict_device
 
     device = predict_device(graph, liveness, aliased=aliased, updates=spec.state,
                             steps=steps)
-    meter = memory.NvmlPeakMeter()
-    baseline = memory.device_baseline()
-    with tempfile.TemporaryDirectory(prefix="memcc-run-") as tmp:
-        step = DeviceStep(graph, loss=spec.loss, updates=spec.state, aliased=aliased,
+
+    def open_step(**kw) -> DeviceStep:
+        return DeviceStep(graph, loss=spec.loss, updates=spec.state, aliased=aliased,
                           provider="cuda", gpu_mem_limit=gpu_mem_limit,
-                          cuda_graph=cuda_graph, deterministic=deterministic,
-                          profile_prefix=str(Path(tmp) / "memcc_order"), source=str(path))
-        initial = step.state_dict()
-        meter.baseline = baseline
-        meter.start()
-        step.run(batch)
-        first = meter.stop()
-        order = check_session_order(step.session, planned_order(graph.nodes))
+                          deterministic=deterministic, source=str(path), **kw)
+
+    memory.device_baseline()  # a CUDA context before anything is measured
+    with tempfile.TemporaryDirectory(prefix="memcc-run-") as tmp:
+        warm = open_step(cuda_graph=False, profile_prefix=str(Path(tmp) / "memcc_order"))
+        warm.run(batch)
+        order = check_session_order(warm.session, planned_order(graph.nodes))
+    del warm
+    gc.collect()
+    meter = memory.NvmlPeakMeter()
+    baseline = meter.set_baseline()
+    step = open_step(cuda_graph=cuda_graph)
+    readings: dict[str, object] = {"baseline_used_bytes": baseline}
+    if baseline is not None:
+        readings["bound_bytes"] = meter.used() - baseline
+    initial = step.state_dict()
+    meter.start()
+    step.run(batch)
+    first = meter.stop()
+    if baseline is not None:
+        readings["between_steps_bytes"] = meter.used() - baseline
     step.load_state(initial)
     del initial
     losses, times, peaks = [], [], []
@@ -263,7 +282,7 @@ def _run_on_device(path: Path, graph: Graph, spec: StepSpec, batch: Mapping[str,
         peaks.append(meter.stop())
         losses.append(out.loss)
     out = {"losses": losses, "step_times_s": times, "measured_per_step": peaks,
-           "method": meter.method, "order": order.to_json(),
+           "method": meter.method + " (after a warm-up session)", "order": order.to_json(),
            "timing": "same process as the measurement, NVML sampled meanwhile"}
     result = _result(path, "cuda", steps, seed, data, liveness, out)
     graph_note = "captured" if step.captured else step.cuda_graph_note
@@ -272,6 +291,7 @@ def _run_on_device(path: Path, graph: Graph, spec: StepSpec, batch: Mapping[str,
                       f"{', '.join(order.off_provider[:5])}"
                       + (f" and {len(order.off_provider) - 5} more"
                          if len(order.off_provider) > 5 else ""))
+    readings["first_step_bytes"] = first
     return replace(result, predicted_peak_bytes=device.steady_bytes,
                    first_step_measured_bytes=first,
                    first_step_predicted_bytes=device.first_step_bytes,
@@ -279,7 +299,7 @@ def _run_on_device(path: Path, graph: Graph, spec: StepSpec, batch: Mapping[str,
                    deterministic=bool(deterministic),
                    prediction=dict(result.prediction) | {
                        "liveness_peak_bytes": liveness.peak_bytes,
-                       "device": device.to_json()})
+                       "device": device.to_json(), "device_readings": readings})
 
 
 def arena_prediction(graph: Graph, liveness: LivenessReport, spec: StepSpec, *, steps: int,
