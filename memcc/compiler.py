@@ -710,6 +710,8 @@ def _report(options, budget, plan_budget, slack, was_min, base: Simulation, plan
                               and "variants" in p.summary), None),
             "host_peak_bytes": live.host_peak_bytes,
             "device_arena": plan.arena.to_json() if plan.arena is not None else None,
+            "device": ({k: v for k, v in plan.device.to_json().items() if k != "arena"}
+                       if plan.device is not None else None),
             "live_peak_bytes": live.peak_bytes,
         },
         "passes": [p.to_json() for p in passes],

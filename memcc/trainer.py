@@ -47,7 +47,6 @@ from pathlib import Path
 import numpy as np
 
 from memcc.backend import checkpoint as ckpt
-from memcc.backend.arrange import Arrangement, arrange_step
 from memcc.backend.data import DataInput, Dataset, data_inputs, load_dataset
 from memcc.backend.device_step import DevicePrediction, DeviceStep, predict_device
 from memcc.backend.memory import device_baseline, trim_heap
@@ -56,6 +55,7 @@ from memcc.errors import InputError, RuntimeFailure
 from memcc.frontend.dropout_masks import COUNTER, checkpoint_counter, restore_dropouts
 from memcc.frontend.load import load_graph
 from memcc.graph import Graph, ancestors
+from memcc.passes.arrange import Arrangement, arrange_step
 from memcc.passes.batchnorm_for_cuda import for_provider
 from memcc.passes.inplace import InPlaceUpdates
 from memcc.step import PLAN_KEY, TrainingStep
@@ -70,7 +70,7 @@ class Trainer:
     ORT's choice; results are bit-identical at any count, docs/DETERMINISM.md).
     ``in_place=False`` gives every update its own buffer (the copying behaviour of
     ``memcc run``), for comparisons; ``early_updates=False`` keeps the file's node order
-    (``backend.arrange`` moves updates early only where that predicts a lower peak).
+    (``passes.arrange`` moves updates early only where that predicts a lower peak).
     ``predicted_peak_bytes`` is the liveness prediction of the arrangement that runs.
     A resumed run needs no session of its own: Dropout masks depend on the step's carried
     counter (``frontend.dropout_masks``), which a checkpoint restores.
@@ -106,7 +106,8 @@ class Trainer:
         # NVML's reading before this trainer's session exists (CUDA, with pynvml).
         self.device_baseline = device_baseline() if self.provider == "cuda" else None
         self.arrangement: Arrangement = arrange_step(self.graph, self.spec, in_place=in_place,
-                                                     early_updates=early_updates)
+                                                     early_updates=early_updates,
+                                                     host_copies=self.provider == "cuda")
         self.in_place: InPlaceUpdates = self.arrangement.in_place
         self._step = DeviceStep(
             self.arrangement.graph, loss=self.spec.loss, updates=self.updates,
@@ -721,7 +722,7 @@ def _allocator_notes(trainer: Trainer) -> list[str]:
 class StepMemory:
     """The memory a plan counts, measured around each training step the way ``--verify``
     measures it (``backend.memory``), next to what the plan predicts for the step as the
-    trainer runs it (updates in place, ``backend.arrange``).
+    trainer runs it (updates in place, ``passes.arrange``).
 
     A process's resident size is not that figure: it holds the session, ORT's thread pools
     and, with malloc, whatever glibc keeps of freed buffers. So:

@@ -16,7 +16,6 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from memcc.backend.arrange import arrange_step
 from memcc.backend.device_step import (
     DEVICE,
     HOST,
@@ -32,6 +31,7 @@ from memcc.frontend.build import BuildOptions, build_training_step
 from memcc.frontend.load import load_graph
 from memcc.graph import Graph, TensorInfo
 from memcc.passes.arena import replay_steps
+from memcc.passes.arrange import arrange_step
 from memcc.step import TrainingStep
 from models import build_model
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from memcc.backend.arrange import UPDATES_EARLY, arrange_step
 from memcc.backend.runner import run_steps
 from memcc.frontend.build import BuildOptions, build_training_step
 from memcc.frontend.load import load_graph
+from memcc.passes.arrange import UPDATES_EARLY, arrange_step
 from memcc.passes.inplace import analyze_in_place
 from memcc.passes.liveness import allocation_bytes, analyze_liveness
 from memcc.passes.update_schedule import schedule_updates_early

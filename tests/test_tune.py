@@ -236,18 +236,19 @@ def test_measure_reports_measured_throughput_next_to_the_prediction(searched):
 def test_on_cuda_the_edge_follows_the_arena_as_compile_does(model_file):
     """With ``--provider cuda`` (no GPU here: node times estimated), tune judges sizes by the
     CUDA arena replay, as compile does: the largest size it reports compiles for CUDA, and
-    the next size up is refused. (A CUDA step takes whole 2 MiB device pages, so the
-    budget is above one page, and the range wider.)"""
+    the next size up is refused. (A CUDA step takes whole 2 MiB device pages, for its arena
+    and for the buffers the runtime binds beside it, so the budget is a few pages, and the
+    range wider.)"""
     opts = dict(EXACT, provider="cuda")
-    budget = 3_000_000
+    budget = 9_000_000
     r = tune(model_file, budget, "batch=1..8192", TuneOptions(points=0, strategy="none",
                                                                **opts))
     edge = r.largest_batch
     assert 1 <= edge < 8192  # inside the range, so the size above it is checked too
     res = compile_model(model_file, CompileOptions(budget=budget, strategy="none",
                                                    dims={"batch": edge}, **opts))
+    assert res.report["plan"]["peak_bytes"] <= budget
     assert res.report["plan"]["device_arena"]["peak_device_bytes"] <= budget
-    assert res.report["plan"]["device_arena"]["peak_reserved_bytes"] <= budget
     with pytest.raises(BudgetError):
         compile_model(model_file, CompileOptions(budget=budget, strategy="none",
                                                  dims={"batch": edge + 1}, **opts))
@@ -264,10 +265,10 @@ def test_on_cuda_tune_plans_batchnorm_as_compile_does(tmp_path):
 
     path, _, _, _ = export("conv_bn", "torchscript", tmp_path, training=True)
     opts = dict(EXACT, provider="cuda")
-    budget = 3_000_000
-    r = tune(path, budget, "batch=1..512", TuneOptions(points=0, strategy="none", **opts))
+    budget = 6_000_000
+    r = tune(path, budget, "batch=1..4096", TuneOptions(points=0, strategy="none", **opts))
     edge = r.largest_batch
-    assert 1 <= edge < 512
+    assert 1 <= edge < 4096
     res = compile_model(path, CompileOptions(budget=budget, strategy="none",
                                              dims={"batch": edge}, **opts))
     load = next(p for p in res.report["passes"] if p["name"] == "load")

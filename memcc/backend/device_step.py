@@ -46,9 +46,15 @@ import onnx
 from memcc.backend.session import make_session
 from memcc.errors import InputError, RuntimeFailure
 from memcc.frontend.constants import constant_node_value
-from memcc.graph import Graph, TensorInfo, node_label
-from memcc.passes.arena import ArenaReport, cuda_pages_for, replay_steps, rounded_bytes
-from memcc.passes.liveness import LivenessReport
+from memcc.graph import Graph, node_label
+from memcc.passes.arena import cuda_pages_for, rounded_bytes
+from memcc.passes.device_memory import (  # noqa: F401 (re-exported: the runtime's prediction)
+    PREDICTION_METHOD,
+    DevicePrediction,
+    bound_infos,
+    predict_device,
+    stored_sizes,
+)
 
 # Ops whose CUDA kernels cannot be replayed from a captured graph: control flow (ORT
 # refuses capture with subgraphs) and ORT's random generators, which draw their seed on the
@@ -120,92 +126,6 @@ def device_session_graph(graph: Graph, carried: Sequence[str], layout: str
     return g, state, {}
 
 
-def stored_bytes(graph: Graph) -> list[int]:
-    """Sizes of the values the graph keeps itself: initializers and Constant nodes (on CUDA
-    each becomes its own device allocation at load)."""
-    sizes = [int(np.asarray(a).nbytes) for a in graph.initializers.values()]
-    for node in graph.nodes:
-        if node.op_type == "Constant":
-            v = constant_node_value(node)
-            if v is not None:
-                sizes.append(int(np.asarray(v).nbytes))
-    return [s for s in sizes if s]
-
-
-# ---------------------------------------------------------------------------- prediction
-@dataclass(frozen=True)
-class DevicePrediction:
-    """What the step holds on the device, by the arena model plus the buffers bound to it.
-
-    ``steady_bytes``: from the second step on (the arena keeps what the first step grew
-    to); ``first_step_bytes``: the first step's peak. Both count the bound buffers (state,
-    spares, batch, outputs) and the stored values ORT places on the device, as device
-    pages (``passes.arena.cuda_pages_for``)."""
-
-    steady_bytes: int
-    first_step_bytes: int
-    bound_bytes: int
-    stored_bytes: int
-    arena: ArenaReport
-
-    def to_json(self) -> dict:
-        return {"steady_bytes": self.steady_bytes, "first_step_bytes": self.first_step_bytes,
-                "bound_bytes": self.bound_bytes, "stored_bytes": self.stored_bytes,
-                "arena": self.arena.to_json(), "method": PREDICTION_METHOD}
-
-
-PREDICTION_METHOD = ("arena replay without shrink (passes.arena, CUDA pages) + the buffers "
-                     "bound to the step + the stored values ORT places on the device")
-
-
-def predict_device(graph: Graph, liveness: LivenessReport, *, aliased: Mapping[str, str],
-                   updates: Mapping[str, str], steps: int = 2,
-                   limit: int | None = None) -> DevicePrediction:
-    """``DeviceStep``'s device bytes on CUDA for ``graph`` run in ``liveness``'s order."""
-    report = replay_steps(graph, liveness, steps=max(1, steps), feeds_in_arena=False,
-                          addresses_grow=True, cuda=True, shrink=False,
-                          outputs_in_arena=False, limit=limit)
-    bound = [int(ti.nbytes) for ti in _bound_infos(graph, aliased, updates)]
-    _, _, carried_inputs = _carried(updates)
-    stored = [s for n, s in _stored_sizes(graph).items() if n not in carried_inputs]
-    outside = cuda_pages_for([rounded_bytes(b) for b in bound if b]) + \
-        cuda_pages_for(stored)
-    first = report.first_run_peak_bytes + outside
-    steady = (report.peak_device_bytes or report.peak_reserved_bytes) + outside
-    return DevicePrediction(steady, first, sum(bound), sum(stored), report)
-
-
-def _carried(updates: Mapping[str, str]) -> tuple[list[str], list[str], set[str]]:
-    outs = list(updates)
-    ins = list(dict.fromkeys(updates.values()))
-    return outs, ins, set(ins)
-
-
-def _stored_sizes(graph: Graph) -> dict[str, int]:
-    sizes = {n: int(np.asarray(a).nbytes) for n, a in graph.initializers.items()}
-    for node in graph.nodes:
-        if node.op_type == "Constant" and node.output:
-            v = constant_node_value(node)
-            if v is not None:
-                sizes[node.output[0]] = int(np.asarray(v).nbytes)
-    return {n: s for n, s in sizes.items() if s}
-
-
-def _bound_infos(graph: Graph, aliased: Mapping[str, str], updates: Mapping[str, str]
-                 ) -> list[TensorInfo]:
-    """The buffers a ``DeviceStep`` allocates: each carried value, a spare for each update
-    not written in place, each data input, each output that is not an update."""
-    _, carried, carried_set = _carried(updates)
-    infos = [graph.info[n] for n in carried]
-    infos += [graph.info[updates[o]] for o in updates if o not in aliased]
-    stored = set(graph.initializers) | {o for n in graph.nodes if n.op_type == "Constant"
-                                        for o in n.output}
-    infos += [graph.info[n] for n in graph.inputs
-              if n not in carried_set and n not in stored and n in graph.info]
-    infos += [graph.info[o] for o in graph.outputs if o not in updates and o in graph.info]
-    return infos
-
-
 # ---------------------------------------------------------------------------- the runtime
 def upload(arrays: Mapping[str, np.ndarray], provider: str, layout: str = DEVICE
            ) -> dict[str, object]:
@@ -261,7 +181,7 @@ class StepOutputs:
 class DeviceStep:
     """A training step's session with its state bound where it trains (module docstring).
 
-    ``graph``: the step as it will run (``backend.arrange``'s graph: in-place updates
+    ``graph``: the step as it will run (``passes.arrange``'s graph: in-place updates
     decided, node order fixed). ``updates``: output -> the input it replaces next step;
     ``aliased``: the updates written over their input. ``returned``: outputs copied back to
     the host after each run besides the loss. ``cuda_graph``: None = capture where
@@ -308,9 +228,9 @@ class DeviceStep:
         if provider == "cuda" and gpu_mem_limit is not None:
             # The bound buffers and stored values live outside the step's arena; the arena
             # may have what the budget leaves.
-            bound = _bound_infos(graph, self.aliased, self.updates)
-            outside = cuda_pages_for([rounded_bytes(ti.nbytes) for ti in bound
-                                      if ti.nbytes]) + cuda_pages_for(stored_bytes(sgraph))
+            bound = bound_infos(graph, self.aliased, self.updates)
+            outside = cuda_pages_for([rounded_bytes(ti.nbytes) for ti in bound if ti.nbytes]
+                                     + list(stored_sizes(sgraph).values()))
             limit = int(gpu_mem_limit) - outside
             if limit <= 0:
                 raise RuntimeFailure(

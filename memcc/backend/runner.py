@@ -147,9 +147,10 @@ def run_steps(
     default allocator (``memory.timing_env``): the measuring process pays a page fault on
     every fresh buffer, which is not what a training run costs.
 
-    ``in_place`` runs the step as ``memcc.Trainer`` does (``backend.arrange``): updates
+    ``in_place`` runs the step as ``memcc.Trainer`` does (``passes.arrange``): updates
     written into the buffers of the values they replace (IOBinding), each update moved early
-    where that predicts a lower peak, and the prediction counts the aliasing.
+    where that predicts a lower peak, and the prediction counts the aliasing. CUDA always
+    runs so.
 
     ``arena`` (CPU): allocate through ORT's arena with CUDA's settings instead of straight
     from malloc, and predict with ``passes.arena`` (the CUDA allocation rules, measured).
@@ -173,10 +174,17 @@ def run_steps(
     prov = resolve_provider(provider)
     graph, _ = for_provider(graph, prov)
     feeds = load_data(data, graph, spec) if data is not None else synthetic_feeds(graph, seed)
+    if prov == "cuda":
+        if arena:
+            raise InputError("--arena is for the CPU provider (CUDA always runs through its "
+                             "arena)")
+        return _run_on_device(path, graph, spec, feeds, steps=steps, seed=seed, data=data,
+                              gpu_mem_limit=gpu_mem_limit, cuda_graph=cuda_graph,
+                              deterministic=deterministic)
     aliased: dict[str, str] = {}
     try:
         if in_place:
-            from memcc.backend.arrange import arrange_step
+            from memcc.passes.arrange import arrange_step
 
             arrangement = arrange_step(graph, TrainingStep.of(graph))
             graph, prediction = arrangement.graph, arrangement.prediction
@@ -185,13 +193,6 @@ def run_steps(
             prediction = analyze_liveness(graph)
     except ValueError as exc:  # the node list is not a topological order
         raise InputError(f"{path}: {exc}; write nodes in a topological order") from exc
-    if prov == "cuda":
-        if arena:
-            raise InputError("--arena is for the CPU provider (CUDA always runs through its "
-                             "arena)")
-        return _run_on_device(path, graph, spec, feeds, prediction, aliased, steps=steps,
-                              seed=seed, data=data, gpu_mem_limit=gpu_mem_limit,
-                              cuda_graph=cuda_graph, deterministic=deterministic)
     if cuda_graph:
         raise InputError("--cuda-graph needs --provider cuda")
     if arena is None:
@@ -229,10 +230,11 @@ def run_steps(
 
 
 def _run_on_device(path: Path, graph: Graph, spec: StepSpec, batch: Mapping[str, np.ndarray],
-                   liveness: LivenessReport, aliased: Mapping[str, str], *, steps: int,
-                   seed: int, data, gpu_mem_limit: int | None, cuda_graph: bool | None,
-                   deterministic: bool) -> RunResult:
-    """``run_steps`` on CUDA, in two sessions of the same step (``DeviceStep``).
+                   *, steps: int, seed: int, data, gpu_mem_limit: int | None,
+                   cuda_graph: bool | None, deterministic: bool) -> RunResult:
+    """``run_steps`` on CUDA, in two sessions of the same step (``DeviceStep``), arranged
+    as it trains: updates in place, early where that predicts a lower peak
+    (``passes.device_memory.predict_step``, also what plans for CUDA are judged by).
 
     The first runs one profiled step, never captured (the order check reads ORT's profile
     of it), and is closed: the CUDA libraries load the kernels a step uses on their first
@@ -242,10 +244,15 @@ def _run_on_device(path: Path, graph: Graph, spec: StepSpec, batch: Mapping[str,
     ``device_readings`` keeps NVML's view of each moment over the baseline."""
     import gc
 
-    from memcc.backend.device_step import DeviceStep, predict_device
+    from memcc.backend.device_step import DeviceStep
+    from memcc.passes.device_memory import predict_step
 
-    device = predict_device(graph, liveness, aliased=aliased, updates=spec.state,
-                            steps=steps)
+    try:
+        arrangement, device = predict_step(graph, steps=steps)
+    except ValueError as exc:  # the node list is not a topological order
+        raise InputError(f"{path}: {exc}; write nodes in a topological order") from exc
+    graph, liveness = arrangement.graph, arrangement.prediction
+    aliased = arrangement.in_place.aliased
 
     def open_step(**kw) -> DeviceStep:
         return DeviceStep(graph, loss=spec.loss, updates=spec.state, aliased=aliased,

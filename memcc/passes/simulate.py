@@ -11,8 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memcc.graph import Graph
-from memcc.passes.arena import ArenaReport, cpu_arena_peak, replay_steps
+from memcc.passes.arena import ArenaReport, cpu_arena_peak
 from memcc.passes.cost_model import CostModel
+from memcc.passes.device_memory import DevicePrediction, predict_step
 from memcc.passes.liveness import (
     HEAP_BYTES_PER_SMALL_BUFFER,
     LivenessReport,
@@ -40,6 +41,8 @@ class Simulation:
     rerun_before: dict[str, str]        # cloned forward node -> node it runs before
     passes: tuple[PassReport, ...] = ()  # what each lowering pass did
     arena: ArenaReport | None = None     # an arena device: the replay behind peak_bytes
+    # CUDA: the runtime's device bytes (arena + bound buffers + stored values)
+    device: DevicePrediction | None = None
     # Heap room for the small buffers the lowering added (``simulate(heap_base=...)``):
     # not part of the peak, but of what the plan needs to fit (``fit_bytes``).
     heap_room: int = 0
@@ -60,11 +63,13 @@ def simulate(graph: Graph, plan: Plan, costs: CostModel,
 
     ``device="cuda"``: the peak is the device pages behind what the CUDA arena reserves for
     the step (``passes.arena``: 256-byte rounding, regions that cannot merge, each large
-    region in whole 2 MiB pages), feeds copied in, in the steady state of repeated steps;
-    it is never below the live bytes, nor below the reserved bytes ``gpu_mem_limit``
-    caps. ``"cpu"``: the live bytes with the CPU allocator's page
-    rounding, as measured with the arena off (``backend/session.py``). ``"cpu-arena"``:
-    the CPU provider allocating through the same arena class (``arena.cpu_arena_peak``).
+    region in whole 2 MiB pages), without shrink between steps, plus the buffers the
+    runtime binds (state, updated in place; batch; loss) and the stored values, in the
+    steady state of repeated steps, for the step arranged as the CUDA runtime runs it
+    (``passes.device_memory.predict_step``). ``"cpu"``: the live bytes with the CPU
+    allocator's page rounding, as measured with the arena off (``backend/session.py``).
+    ``"cpu-arena"``: the CPU provider allocating through the same arena class
+    (``arena.cpu_arena_peak``).
     ``heap_base``: the small buffers of ``graph`` (``liveness.small_buffers``, counted once
     by the caller), to weigh the heap room of those the lowering adds (recompute clones,
     variants' values) into ``fit_bytes``; None weighs none. The room of the step's own is
@@ -74,10 +79,10 @@ def simulate(graph: Graph, plan: Plan, costs: CostModel,
         raise ValueError(f"device '{device}': one of {', '.join(DEVICES)}")
     lowered = lower(graph, plan, structure)
     live = analyze_liveness(lowered.graph, host_copies=host_copies or device == "cuda")
-    arena, peak = None, live.peak_bytes
+    arena, peak, prediction = None, live.peak_bytes, None
     if device == "cuda":
-        arena = replay_steps(lowered.graph, live, feeds_in_arena=True, cuda=True)
-        peak = arena.peak_bytes
+        _, prediction = predict_step(lowered.graph)
+        arena, peak = prediction.arena, prediction.steady_bytes
     elif device == "cpu-arena":
         arena, peak = cpu_arena_peak(lowered.graph, live)
     added = added_seconds(graph, lowered.graph, costs)
@@ -93,6 +98,7 @@ def simulate(graph: Graph, plan: Plan, costs: CostModel,
         rerun_before=dict(lowered.rerun_before),
         passes=lowered.reports,
         arena=arena,
+        device=prediction,
         heap_room=(HEAP_BYTES_PER_SMALL_BUFFER
                    * max(small_buffers(lowered.graph) - heap_base, 0)
                    if heap_base is not None else 0),

@@ -39,13 +39,16 @@ class Arrangement:
 
 
 def arrange_step(graph: Graph, step: TrainingStep, *, in_place: bool = True,
-                 early_updates: bool = True) -> Arrangement:
-    """Decide aliasing and order for ``graph`` (see the module docstring)."""
+                 early_updates: bool = True, host_copies: bool = False) -> Arrangement:
+    """Decide aliasing and order for ``graph`` (see the module docstring).
+    ``host_copies``: the step runs on a device, where swapped-out copies live in host
+    memory (``passes.liveness``)."""
     if not in_place:
         none = InPlaceUpdates({}, dict.fromkeys(step.state, "in-place updates are off"))
-        return Arrangement(graph, none, FILE_ORDER, "", analyze_liveness(graph))
+        return Arrangement(graph, none, FILE_ORDER, "",
+                           analyze_liveness(graph, host_copies=host_copies))
     ip = analyze_in_place(graph, step.state)
-    file_prediction = analyze_liveness(graph, in_place=ip.aliased)
+    file_prediction = analyze_liveness(graph, in_place=ip.aliased, host_copies=host_copies)
     note = ""
     if early_updates and ip.aliased:
         sched = schedule_updates_early(graph, step, ip.aliased)
@@ -53,7 +56,8 @@ def arrange_step(graph: Graph, step: TrainingStep, *, in_place: bool = True,
             moved = copy.copy(graph)
             moved.set_nodes(list(sched.nodes))
             ip_moved = analyze_in_place(moved, step.state)
-            prediction = analyze_liveness(moved, in_place=ip_moved.aliased)
+            prediction = analyze_liveness(moved, in_place=ip_moved.aliased,
+                                          host_copies=host_copies)
             if prediction.peak_bytes <= file_prediction.peak_bytes:
                 return Arrangement(moved, ip_moved, UPDATES_EARLY, "", prediction)
             note = (f"kept the file's order: updates moved early predict "
