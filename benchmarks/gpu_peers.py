@@ -94,6 +94,7 @@ if str(ROOT) not in sys.path:
 import numpy as np  # noqa: E402
 
 from memcc.backend import memory  # noqa: E402
+from memcc.errors import InputError  # noqa: E402
 
 MODELS = ("gpt2", "resnet50")
 LR = 0.01
@@ -277,6 +278,7 @@ def prepare(directory: Path, *, small: bool = False, models: Sequence[str] = MOD
                     optimizer="sgd", lr=lr, momentum=MOMENTUM), source=str(src))
             onnx.save(graph.to_model(), str(step))
             raw = step.stat().st_size
+            meta["carried"], meta["parameters"] = step_names(graph)
             meta["step_nodes"] = len(graph.nodes)
             meta["step_bytes"] = raw
             out = directory / f"{name}.step.onnx.xz"
@@ -379,8 +381,8 @@ def _memcc_child(p: dict) -> dict:
     meter.start()
     t0 = time.perf_counter()
     trainer = memcc.Trainer(p["step"], provider=p["provider"], **kwargs)
-    carried = {n: seeded_value(n, a.shape, a.dtype, int(p["seed"]))  # by name and shape
-               for n, a in trainer.state_dict().items()}
+    carried = {n: seeded_value(n, v["shape"], v["dtype"], int(p["seed"]))  # by name only
+               for n, v in p["meta"]["carried"].items()}
     trainer.load_state_dict(carried)
     del carried
     setup_s = time.perf_counter() - t0
@@ -421,17 +423,18 @@ def _torch_child(p: dict) -> dict:
     meta = p["meta"]
     meter.start()
     t0 = time.perf_counter()
-    module = make_module(meta)
+    with torch.device(device):  # built where it trains: transformers' init runs there
+        module = make_module(meta)
     blocks = enable_checkpointing(module, meta["kind"]) if p["checkpoint"] else 0
     state = module.state_dict(keep_vars=True)
-    step_names = set(p["carried"])
+    in_step = set(meta["carried"])
     by_tensor: dict[int, str] = {}
     for n, t in state.items():  # tied names share one tensor: find the step's name for it
-        if n in step_names:
+        if n in in_step:
             by_tensor[id(t)] = n
     values, filled = {}, {}
     for n, t in state.items():
-        source = n if n in step_names else by_tensor.get(id(t))
+        source = n if n in in_step else by_tensor.get(id(t))
         if source is None and not n.endswith("num_batches_tracked"):
             raise RuntimeError(f"torch parameter {n} is not in the step and tied to nothing "
                                "that is: the twin and the export differ")
@@ -439,7 +442,7 @@ def _torch_child(p: dict) -> dict:
                                                   _np_dtype(t.dtype), int(p["seed"])))
         if source != n:
             filled[n] = source or "zeros"
-    extra = sorted(step_names - set(state) - {n for n in step_names if n.endswith(".momentum")})
+    extra = sorted(in_step - set(state) - {n for n in in_step if n.endswith(".momentum")})
     if extra:
         raise RuntimeError(f"the step carries {extra[:5]}, which the torch twin has not")
     module.load_state_dict(values, strict=True)
@@ -454,7 +457,7 @@ def _torch_child(p: dict) -> dict:
         torch.cuda.synchronize()
     after_setup = meter.stop()
     held = module.state_dict()  # every name, tied ones included
-    weights = digest({n: held[n].detach().cpu().numpy() for n in p["parameters"]})
+    weights = digest({n: held[n].detach().cpu().numpy() for n in meta["parameters"]})
     del held
     batch = make_batch(meta, int(p["seed"]))
     x_host = torch.from_numpy(batch[DATA_INPUT[meta["kind"]]])
@@ -522,29 +525,35 @@ def trainer_arguments() -> set[str]:
 
 
 def systems_for(provider: str, families: Sequence[str]) -> list[dict]:
-    """The rows to measure per model (plans are added by the caller)."""
+    """The rows to measure per model, most wanted first (``--time-limit`` drops the tail):
+    memcc as built, PyTorch eager at its default (TF32 off) and with TF32 (ORT's setting),
+    checkpointing, then memcc with deterministic compute. Plans go in after eager."""
+    tf32s = (False, True) if provider == "cuda" else (False,)
     rows = []
     if "memcc" in families:
         rows.append({"system": "memcc-as-built", "kind": "memcc", "trainer": {}})
-        if "deterministic" in trainer_arguments():
-            rows.append({"system": "memcc-as-built", "kind": "memcc",
-                         "trainer": {"deterministic": True}})
     if "torch" in families:
-        for system, ckpt in (("torch-eager", False), ("torch-checkpoint", True)):
-            for tf32 in ((False, True) if provider == "cuda" else (False,)):
-                rows.append({"system": system, "kind": "torch", "checkpoint": ckpt,
-                             "tf32": tf32})
+        rows += [{"system": "torch-eager", "kind": "torch", "checkpoint": False, "tf32": t}
+                 for t in tf32s]
+        rows += [{"system": "torch-checkpoint", "kind": "torch", "checkpoint": True,
+                  "tf32": t} for t in reversed(tf32s)]
+    if "memcc" in families and "deterministic" in trainer_arguments():
+        rows.append({"system": "memcc-as-built", "kind": "memcc",
+                     "trainer": {"deterministic": True}})
     return rows
 
 
-def _step_names(step: Path) -> tuple[list[str], list[str]]:
-    """The step's carried values and its parameters (names only)."""
-    from memcc.frontend.load import load_graph
+def step_names(graph) -> tuple[dict[str, dict], list[str]]:
+    """The step's carried values (name -> shape, dtype) and its parameters, which
+    ``--prepare`` writes into the model's JSON so that the measuring run reads no graph."""
     from memcc.step import TrainingStep
 
-    graph = load_graph(step)
     spec = TrainingStep.of(graph)
-    return sorted(set(spec.state.values())), list(spec.parameters)
+    carried = {}
+    for name in sorted(set(spec.state.values())):
+        ti = graph.info[name]
+        carried[name] = {"shape": [int(d) for d in ti.shape], "dtype": str(ti.np_dtype)}
+    return carried, list(spec.parameters)
 
 
 def _decompress(src: Path, dst: Path) -> Path:
@@ -556,65 +565,95 @@ def _decompress(src: Path, dst: Path) -> Path:
 
 
 def _plan_label(path: Path, label: str | None) -> str:
-    if label:
-        return label
-    return path.name.split(".")[0]
+    return label or path.name.split(".")[0]
+
+
+def _describe(row: dict, provider: str) -> str:
+    what = row["system"] + "".join(f" {k}={v}" for k, v in (row.get("trainer") or {}).items())
+    if row["kind"] == "torch" and provider == "cuda":
+        what += f" tf32={'on' if row['tf32'] else 'off'}"
+    return what
+
+
+def load_meta(steps_from: Path, model: str) -> dict:
+    meta_file = steps_from / f"{model}.json"
+    step = steps_from / f"{model}.step.onnx.xz"
+    if not meta_file.is_file() or not step.is_file():
+        raise InputError(f"{steps_from}: no {meta_file.name} and {step.name}; run "
+                         f"python benchmarks/gpu_peers.py --prepare {steps_from} first")
+    meta = json.loads(meta_file.read_text())
+    if "carried" not in meta:
+        raise InputError(f"{meta_file}: written by an older --prepare (no 'carried'); run "
+                         f"--prepare {steps_from} again")
+    return meta
 
 
 def run(steps_from: Path, out: Path, *, provider: str = "cuda",
         models: Sequence[str] = MODELS, warmup: int = 2, steps: int = 5,
         plans: Mapping[str, list[tuple[Path, str | None]]] | None = None,
         families: Sequence[str] = ("memcc", "torch"), seed: int = SEED,
-        timeout_s: float = 600.0) -> dict:
-    """Measure every system on every model; write and return ``summary.json``."""
+        timeout_s: float = 600.0, time_limit_s: float | None = None) -> dict:
+    """Measure every system on every model; write and return ``summary.json``.
+
+    Rows run in order of ``systems_for`` across models (every model's first row, then every
+    model's second, ...), so that a ``time_limit_s`` that stops the run early skips the
+    least wanted rows of every model rather than a whole model. Skipped rows are listed."""
+    metas = {m: load_meta(steps_from, m) for m in models}
     out.mkdir(parents=True, exist_ok=True)
-    rows: list[dict] = []
     t_start = time.perf_counter()
+    rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="gpu-peers-") as tmp:
-        for model in models:
-            meta_file = steps_from / f"{model}.json"
-            if not meta_file.exists():
-                raise SystemExit(f"{meta_file}: not found; run --prepare {steps_from} first")
-            meta = json.loads(meta_file.read_text())
+        todo: list[tuple[int, int, str, dict]] = []
+        for mi, model in enumerate(models):
             step = _decompress(steps_from / f"{model}.step.onnx.xz",
                                Path(tmp) / f"{model}.step.onnx")
-            carried, parameters = _step_names(step)
-            todo = systems_for(provider, families)
+            mine = systems_for(provider, families)
             for i, (plan, label) in enumerate((plans or {}).get(model, [])):
-                plan_step = _decompress(plan, Path(tmp) / f"{model}.plan{i}.onnx")
-                todo[2:2] = [{"system": f"memcc-plan@{_plan_label(plan, label)}",
-                              "kind": "memcc", "trainer": {}, "step": str(plan_step)}]
-            for row in todo:
-                payload = {"system": row["kind"], "meta": meta, "provider": provider,
-                           "seed": seed, "warmup": warmup, "steps": steps,
-                           "step": row.get("step", str(step)), "trainer": row.get("trainer"),
-                           "checkpoint": row.get("checkpoint"), "tf32": row.get("tf32"),
-                           "carried": carried, "parameters": parameters}
-                what = row["system"] + "".join(f" {k}={v}" for k, v in
-                                               (row.get("trainer") or {}).items())
-                if row["kind"] == "torch" and provider == "cuda":
-                    what += f" tf32={'on' if row['tf32'] else 'off'}"
-                log(f"{model}: {what} ...")
-                t0 = time.perf_counter()
-                try:
-                    r = memory.run_child("benchmarks.gpu_peers", payload, timeout_s=timeout_s,
-                                         measuring=provider == "cpu")
-                except Exception as exc:  # one failing system must not hide the others
-                    r = {"error": f"{type(exc).__name__}: {str(exc)[-600:]}"}
-                r = {"system": row["system"], "model": model, **r,
-                     "child_wall_s": time.perf_counter() - t0}
-                rows.append(r)
-                log(f"{model}: {what}: " + (r["error"] if "error" in r else
-                    f"median {r['median_s'] * 1e3:.1f} ms, peak "
-                    f"{_mb(r['memory']['peak_bytes'])} MB, loss {r['losses'][0]:.6f}, "
-                    f"{r['child_wall_s']:.1f} s"))
-            step.unlink(missing_ok=True) if step.parent == Path(tmp) else None
-    summary = {"provider": provider, "models": {m: json.loads(
-        (steps_from / f"{m}.json").read_text()) for m in models},
-        "warmup": warmup, "steps": steps, "seed": seed, "rows": rows,
-        "checks": checks(rows), "wall_s": time.perf_counter() - t_start,
-        "method": __doc__.split("Measurement.")[1].split("TF32:")[0].strip()}
-    summary["ratios"] = ratios(rows)
+                mine.insert(3 + i, {"system": f"memcc-plan@{_plan_label(plan, label)}",
+                                    "kind": "memcc", "trainer": {},
+                                    "step": str(_decompress(
+                                        plan, Path(tmp) / f"{model}.plan{i}.onnx"))})
+            for rank, row in enumerate(mine):
+                todo.append((rank, mi, model, {"step": str(step), **row}))
+        log(f"{len(todo)} systems to measure, steps decompressed "
+            f"({time.perf_counter() - t_start:.1f} s)")
+        for rank, _, model, row in sorted(todo, key=lambda t: t[:2]):
+            meta = metas[model]
+            what = _describe(row, provider)
+            elapsed = time.perf_counter() - t_start
+            if time_limit_s is not None and elapsed > time_limit_s:
+                rows.append({"system": row["system"], "model": model, "rank": rank,
+                             "skipped": f"--time-limit {time_limit_s:.0f} s reached "
+                                        f"({elapsed:.0f} s)", "what": what})
+                log(f"{model}: {what}: skipped (time limit)")
+                continue
+            payload = {"system": row["kind"], "meta": meta, "provider": provider,
+                       "seed": seed, "warmup": warmup, "steps": steps, "step": row["step"],
+                       "trainer": row.get("trainer"), "checkpoint": row.get("checkpoint"),
+                       "tf32": row.get("tf32")}
+            log(f"{model}: {what} ...")
+            t0 = time.perf_counter()
+            try:
+                r = memory.run_child("benchmarks.gpu_peers", payload, timeout_s=timeout_s,
+                                     measuring=provider == "cpu")
+            except Exception as exc:  # one failing system must not hide the others
+                r = {"error": f"{type(exc).__name__}: {str(exc)[-800:]}"}
+            r = {"system": row["system"], "model": model, "rank": rank, **r,
+                 "child_wall_s": time.perf_counter() - t0}
+            rows.append(r)
+            log(f"{model}: {what}: " + (r["error"] if "error" in r else
+                f"median {r['median_s'] * 1e3:.1f} ms, peak {_mb(r['memory']['peak_bytes'])}"
+                f" MB, first loss {r['losses'][0]:.6f}, {r['child_wall_s']:.1f} s"))
+    rows.sort(key=lambda r: (models.index(r["model"]), r["rank"]))
+    measured = [r for r in rows if "error" not in r and "skipped" not in r]
+    summary = {"provider": provider,
+               "models": {m: {k: v for k, v in metas[m].items()
+                              if k not in ("carried", "parameters")} for m in models},
+               "warmup": warmup, "steps": steps, "seed": seed, "rows": rows,
+               "checks": checks(measured), "ratios": ratios(measured),
+               "wall_s": time.perf_counter() - t_start,
+               "method": __doc__.split("Measurement.")[1].split("TF32:")[0].strip(),
+               "tf32": __doc__.split("TF32:")[1].split("\n\n")[0].strip()}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
@@ -674,8 +713,10 @@ def table(summary: dict) -> str:
              "median ms (min..max, IQR) | first step s | losses |",
              "|---|---|---|---|---|---|---|---|"]
     for r in summary["rows"]:
-        if "error" in r:
-            lines.append(f"| {r['model']} | {r['system']} | {r['error'][:120]} |||||")
+        if "error" in r or "skipped" in r:
+            why = r.get("error") or "skipped: " + r["skipped"]
+            lines.append(f"| {r['model']} | {r.get('what', r['system'])} | {why[:160]} "
+                         "|||||")
             continue
         m = r["memory"]
         torch_mem = (f"{_mb(m['torch_max_memory_reserved_bytes'])} / "
@@ -706,11 +747,11 @@ def _plans(specs: Sequence[str]) -> dict[str, list[tuple[Path, str | None]]]:
     for spec in specs:
         model, eq, rest = spec.partition("=")
         if not eq or model not in MODELS:
-            raise SystemExit(f"--plan {spec}: write MODEL=FILE[@LABEL] with MODEL one of "
+            raise InputError(f"--plan {spec}: write MODEL=FILE[@LABEL] with MODEL one of "
                              f"{', '.join(MODELS)}")
         path, _, label = rest.partition("@")
         if not Path(path).is_file():
-            raise SystemExit(f"--plan {spec}: {path} is not a file")
+            raise InputError(f"--plan {spec}: {path} is not a file")
         plans.setdefault(model, []).append((Path(path), label or None))
     return plans
 
@@ -738,6 +779,9 @@ def main(argv: Sequence[str]) -> int:
     ap.add_argument("--systems", default="memcc,torch",
                     help="which families of rows: memcc, torch or both")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per child")
+    ap.add_argument("--time-limit", type=float, default=None, metavar="S",
+                    help="start no system after S seconds; the rows left are listed as "
+                         "skipped (least wanted rows of every model go first)")
     args = ap.parse_args(list(argv))
     models = [m for m in args.models.split(",") if m]
     bad = sorted(set(models) - set(MODELS))
@@ -752,10 +796,17 @@ def main(argv: Sequence[str]) -> int:
         ap.error("--steps-from needs --out DIR")
     if args.warmup < 1 or args.steps < 1:
         ap.error("--warmup and --steps must be at least 1")
-    summary = run(args.steps_from, args.out, provider=args.provider, models=models,
-                  warmup=args.warmup, steps=args.steps, plans=_plans(args.plan),
-                  families=[f for f in args.systems.split(",") if f], seed=args.seed,
-                  timeout_s=args.timeout)
+    families = [f for f in args.systems.split(",") if f]
+    if not families or set(families) - {"memcc", "torch"}:
+        ap.error(f"--systems {args.systems}: write memcc, torch or memcc,torch")
+    try:
+        summary = run(args.steps_from, args.out, provider=args.provider, models=models,
+                      warmup=args.warmup, steps=args.steps, plans=_plans(args.plan),
+                      families=families, seed=args.seed, timeout_s=args.timeout,
+                      time_limit_s=args.time_limit)
+    except InputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     print(table(summary))
     log(f"wrote {args.out / 'summary.json'} ({summary['wall_s']:.0f} s)")
     return 0
