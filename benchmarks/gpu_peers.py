@@ -294,7 +294,15 @@ def prepare(directory: Path, *, small: bool = False, models: Sequence[str] = MOD
 
 # ---------------------------------------------------------------------------- children
 def _settings_memcc(trainer_kwargs: dict, provider: str) -> dict:
-    return {"provider": provider,
+    cuda_options = None
+    if provider == "cuda":
+        try:  # what memcc asks of ORT's CUDA provider (cuDNN's algorithm search, ...)
+            from memcc.backend.session import provider_options
+
+            cuda_options = dict(provider_options("cuda")[0][1])
+        except Exception:  # the session module's API moved: the row just says less
+            cuda_options = None
+    return {"provider": provider, "cuda_provider_options": cuda_options,
             "tf32": MEMCC_TF32 if provider == "cuda" else "n/a (CPU)",
             "deterministic": trainer_kwargs.get("deterministic", "Trainer default"),
             "cuda_graph": trainer_kwargs.get("cuda_graph", "Trainer default")
@@ -432,7 +440,7 @@ def _torch_child(p: dict) -> dict:
     for n, t in state.items():  # tied names share one tensor: find the step's name for it
         if n in in_step:
             by_tensor[id(t)] = n
-    values, filled = {}, {}
+    values, filled, zeros = {}, {}, 0
     for n, t in state.items():
         source = n if n in in_step else by_tensor.get(id(t))
         if source is None and not n.endswith("num_batches_tracked"):
@@ -440,8 +448,10 @@ def _torch_child(p: dict) -> dict:
                                "that is: the twin and the export differ")
         values[n] = torch.from_numpy(seeded_value(source or n, t.shape,
                                                   _np_dtype(t.dtype), int(p["seed"])))
-        if source != n:
-            filled[n] = source or "zeros"
+        if source is None:
+            zeros += 1
+        elif source != n:
+            filled[n] = source
     extra = sorted(in_step - set(state) - {n for n in in_step if n.endswith(".momentum")})
     if extra:
         raise RuntimeError(f"the step carries {extra[:5]}, which the torch twin has not")
@@ -494,7 +504,8 @@ def _torch_child(p: dict) -> dict:
         "checkpoint": f"per block ({blocks} blocks), use_reentrant=False" if blocks else "none",
         "attention": "eager" if meta["kind"] == "gpt2" else "n/a",
         "batch": "host tensors copied to the device inside each timed step",
-        "filled_from": filled,
+        "filled_from": filled,  # torch names the step has not: tied to one it has
+        "num_batches_tracked_zeroed": zeros,
     }
     return {**result, "setup_s": setup_s, "weights_digest": weights, "settings": settings,
             "torch_version": torch.__version__,
