@@ -345,7 +345,8 @@ class _Meter:
 
 
 def _timing(first_s: float, times: list[float]) -> dict:
-    q1, _, q3 = statistics.quantiles(times, n=4) if len(times) > 1 else (times[0],) * 3
+    q1, _, q3 = (statistics.quantiles(times, n=4, method="inclusive") if len(times) > 1
+                 else (times[0],) * 3)
     return {"first_step_s": first_s, "median_s": statistics.median(times),
             "min_s": min(times), "max_s": max(times), "iqr_s": q3 - q1, "times_s": times}
 
@@ -408,8 +409,14 @@ def _memcc_child(p: dict) -> dict:
             settings[f"trainer.{attr}"] = value
     if ignored:
         settings["not_in_this_trainer"] = ignored
+    predicted = {}
+    for name in dir(trainer):  # predicted_peak_bytes, and any the Trainer adds
+        if name.startswith("predicted_"):
+            value = getattr(trainer, name, None)
+            if isinstance(value, int):
+                predicted[name] = value
     return {**result, "setup_s": setup_s, "weights_digest": weights, "settings": settings,
-            "predicted_peak_bytes": trainer.predicted_peak_bytes,
+            "predicted": predicted,
             "onnxruntime_version": __import__("onnxruntime").__version__}
 
 
@@ -500,6 +507,9 @@ def _torch_child(p: dict) -> dict:
         "tf32": ("on" if p["tf32"] else "off") + " (torch.backends.cuda.matmul.allow_tf32 "
                 "and torch.backends.cudnn.allow_tf32)" if provider == "cuda" else "n/a (CPU)",
         "deterministic": "off (PyTorch default)",
+        "read_back": {"matmul.allow_tf32": bool(torch.backends.cuda.matmul.allow_tf32),
+                      "cudnn.allow_tf32": bool(torch.backends.cudnn.allow_tf32),
+                      "float32_matmul_precision": torch.get_float32_matmul_precision()},
         "cudnn_benchmark": bool(torch.backends.cudnn.benchmark),
         "checkpoint": f"per block ({blocks} blocks), use_reentrant=False" if blocks else "none",
         "attention": "eager" if meta["kind"] == "gpt2" else "n/a",
@@ -540,15 +550,18 @@ def systems_for(provider: str, families: Sequence[str]) -> list[dict]:
     memcc as built, PyTorch eager at its default (TF32 off) and with TF32 (ORT's setting),
     checkpointing, then memcc with deterministic compute. Plans go in after eager."""
     tf32s = (False, True) if provider == "cuda" else (False,)
+    takes = trainer_arguments()
+    # deterministic compute off where the Trainer has the switch (whatever its default)
+    default = {"deterministic": False} if "deterministic" in takes else {}
     rows = []
     if "memcc" in families:
-        rows.append({"system": "memcc-as-built", "kind": "memcc", "trainer": {}})
+        rows.append({"system": "memcc-as-built", "kind": "memcc", "trainer": default})
     if "torch" in families:
         rows += [{"system": "torch-eager", "kind": "torch", "checkpoint": False, "tf32": t}
                  for t in tf32s]
         rows += [{"system": "torch-checkpoint", "kind": "torch", "checkpoint": True,
                   "tf32": t} for t in reversed(tf32s)]
-    if "memcc" in families and "deterministic" in trainer_arguments():
+    if "memcc" in families and "deterministic" in takes:
         rows.append({"system": "memcc-as-built", "kind": "memcc",
                      "trainer": {"deterministic": True}})
     return rows
@@ -621,7 +634,7 @@ def run(steps_from: Path, out: Path, *, provider: str = "cuda",
             mine = systems_for(provider, families)
             for i, (plan, label) in enumerate((plans or {}).get(model, [])):
                 mine.insert(3 + i, {"system": f"memcc-plan@{_plan_label(plan, label)}",
-                                    "kind": "memcc", "trainer": {},
+                                    "kind": "memcc", "trainer": mine[0].get("trainer", {}),
                                     "step": str(_decompress(
                                         plan, Path(tmp) / f"{model}.plan{i}.onnx"))})
             for rank, row in enumerate(mine):
@@ -655,17 +668,28 @@ def run(steps_from: Path, out: Path, *, provider: str = "cuda",
             log(f"{model}: {what}: " + (r["error"] if "error" in r else
                 f"median {r['median_s'] * 1e3:.1f} ms, peak {_mb(r['memory']['peak_bytes'])}"
                 f" MB, first loss {r['losses'][0]:.6f}, {r['child_wall_s']:.1f} s"))
-    rows.sort(key=lambda r: (models.index(r["model"]), r["rank"]))
+            write_summary(out, rows, metas, models, provider=provider, warmup=warmup,
+                          steps=steps, seed=seed, wall_s=time.perf_counter() - t_start,
+                          complete=False)  # so a run killed later leaves its rows
+    return write_summary(out, rows, metas, models, provider=provider, warmup=warmup,
+                         steps=steps, seed=seed, wall_s=time.perf_counter() - t_start,
+                         complete=True)
+
+
+def write_summary(out: Path, rows: list[dict], metas: Mapping[str, dict],
+                  models: Sequence[str], *, complete: bool, **run: object) -> dict:
+    """``summary.json`` from the rows so far (``complete`` false while the run goes on)."""
+    rows = sorted(rows, key=lambda r: (models.index(r["model"]), r["rank"]))
     measured = [r for r in rows if "error" not in r and "skipped" not in r]
-    summary = {"provider": provider,
+    summary = {**run, "complete": complete,
                "models": {m: {k: v for k, v in metas[m].items()
                               if k not in ("carried", "parameters")} for m in models},
-               "warmup": warmup, "steps": steps, "seed": seed, "rows": rows,
-               "checks": checks(measured), "ratios": ratios(measured),
-               "wall_s": time.perf_counter() - t_start,
+               "rows": rows, "checks": checks(measured), "ratios": ratios(measured),
                "method": __doc__.split("Measurement.")[1].split("TF32:")[0].strip(),
                "tf32": __doc__.split("TF32:")[1].split("\n\n")[0].strip()}
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    tmp = out / "summary.json.tmp"
+    tmp.write_text(json.dumps(summary, indent=2) + "\n")
+    tmp.replace(out / "summary.json")
     return summary
 
 
