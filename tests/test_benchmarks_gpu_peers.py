@@ -57,8 +57,9 @@ def test_cpu_run_measures_every_system_from_the_same_weights(prepared, tmp_path,
                                                               capsys) -> None:
     directory, _ = prepared
     out = tmp_path / "out"
+    plan = directory / "gpt2.step.onnx.xz"  # any compiled step of the model will do
     assert gp.main(["--steps-from", str(directory), "--out", str(out), "--provider", "cpu",
-                    "--warmup", "1", "--steps", "2"]) == 0
+                    "--warmup", "1", "--steps", "2", "--plan", f"gpt2={plan}@same"]) == 0
     summary = json.loads((out / "summary.json").read_text())
     rows = summary["rows"]
     assert [r for r in rows if "error" in r or "skipped" in r] == []
@@ -75,6 +76,8 @@ def test_cpu_run_measures_every_system_from_the_same_weights(prepared, tmp_path,
         if r["system"] == "torch-checkpoint":
             blocks = 2 if r["model"] == "gpt2" else 4
             assert r["settings"]["checkpoint"].startswith(f"per block ({blocks} blocks)")
+    assert "memcc-plan@same" in summary["checks"]["gpt2"]["first_losses"]
+    assert summary["complete"]
     torch_gpt2 = next(r for r in rows if r["model"] == "gpt2" and r["system"] == "torch-eager")
     assert torch_gpt2["settings"]["filled_from"]["m.transformer.wte.weight"] == \
         "m.lm_head.weight"
@@ -97,3 +100,23 @@ def test_missing_steps_exit_2_and_write_nothing(tmp_path, capsys) -> None:
                     "--provider", "cpu"]) == 2
     assert "--prepare" in capsys.readouterr().err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("model", gp.MODELS)
+def test_checkpointing_recomputes_every_block_in_the_backward(model: str) -> None:
+    import torch
+
+    meta = gp.SMALL[model]
+    module = gp.make_module(meta)
+    calls = []
+    for block in gp.blocks_of(module, meta["kind"]):  # count each block's forward runs
+        def counted(*args, _forward=block.forward, **kwargs):
+            calls.append(1)
+            return _forward(*args, **kwargs)
+
+        block.forward = counted
+    blocks = gp.enable_checkpointing(module, meta["kind"])
+    x = torch.from_numpy(gp.make_batch(meta)[gp.DATA_INPUT[meta["kind"]]])
+    module(x).float().square().mean().backward()
+    # once in the forward, once more when the backward recomputes it
+    assert blocks == len(gp.blocks_of(module, meta["kind"])) and len(calls) == 2 * blocks
