@@ -120,3 +120,36 @@ def test_checkpointing_recomputes_every_block_in_the_backward(model: str) -> Non
     module(x).float().square().mean().backward()
     # once in the forward, once more when the backward recomputes it
     assert blocks == len(gp.blocks_of(module, meta["kind"])) and len(calls) == 2 * blocks
+
+
+def _row(system: str, median: float, peak: int, loss: float, **settings) -> dict:
+    memory = {"peak_bytes": peak, "peak_steady_bytes": peak, "method": "cuda-nvml"}
+    if system.startswith("torch"):
+        memory |= {"torch_max_memory_reserved_bytes": peak // 2,
+                   "torch_max_memory_allocated_bytes": peak // 3}
+    return {"system": system, "model": "gpt2", "median_s": median, "min_s": median,
+            "max_s": median, "iqr_s": 0.0, "first_step_s": 1.0, "losses": [loss],
+            "memory": memory, "weights_digest": "d", "settings": settings}
+
+
+def test_cuda_rows_ratios_and_table() -> None:
+    """The parent's CUDA side without a GPU: rows, ratios, checks and the table."""
+    rows = gp.systems_for("cuda", ["memcc", "torch"])
+    torch_rows = [(r["system"], r["tf32"]) for r in rows if r["kind"] == "torch"]
+    assert torch_rows == [("torch-eager", False), ("torch-eager", True),
+                          ("torch-checkpoint", True), ("torch-checkpoint", False)]
+    measured = [_row("memcc-as-built", 0.07, 15_000_000_000, 10.8249),
+                _row("torch-eager", 0.107, 20_000_000_000, 10.8251, tf32="off (...)"),
+                _row("torch-eager", 0.08, 20_000_000_000, 10.8252, tf32="on (...)")]
+    ratios = gp.ratios(measured)["gpt2"]["memcc-as-built"]
+    assert ratios["torch-eager"]["time"] == pytest.approx(0.07 / 0.107)
+    assert ratios["torch-eager tf32"]["peak"] == pytest.approx(0.75)
+    check = gp.checks(measured)["gpt2"]
+    assert check["same_weights"] and check["first_loss_agrees_1e-3"]
+    summary = {"provider": "cuda", "warmup": 2, "steps": 5, "ratios": gp.ratios(measured),
+               "checks": {"gpt2": check},
+               "rows": [*measured, {"system": "torch-checkpoint", "model": "gpt2",
+                                    "skipped": "--time-limit 110 s reached (112 s)"}]}
+    text = gp.table(summary)
+    assert "| gpt2 | torch-eager tf32 | 20,000 | 20,000 | 10,000 / 6,667 |" in text
+    assert "skipped: --time-limit" in text and "0.65x time" in text
