@@ -64,7 +64,11 @@ off and both on (PyTorch's own default is matmul off, cuDNN on).
     python benchmarks/gpu_peers.py --prepare DIR [--small]          # CPU, makes the steps
     python benchmarks/gpu_peers.py --steps-from DIR --out OUT       # GPU, measures
         [--provider cuda|cpu] [--models gpt2,resnet50] [--warmup 2] [--steps 5]
-        [--plan gpt2=FILE[@LABEL]] [--systems memcc,torch]
+        [--plan gpt2=FILE[@LABEL]] [--systems memcc,torch] [--time-limit S] [--timeout S]
+
+Rows run most wanted first across the models (``systems_for``); ``--time-limit`` starts no
+system after S seconds (the rest are listed as skipped), and ``summary.json`` is rewritten
+after every row, so a run cut short keeps what it measured.
 """
 
 from __future__ import annotations
