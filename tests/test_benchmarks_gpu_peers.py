@@ -1,0 +1,155 @@
+"""benchmarks/gpu_peers.py in its CPU mode: the same code the GPU run takes, on tiny models.
+
+``--prepare --small`` exports both transformers models with zero weights and builds their
+steps; ``--steps-from ... --provider cpu`` runs every system in a child of its own. What
+must hold on any machine: every row of a model starts from the same weights (digests of
+what each system holds after loading), memcc's first loss equals PyTorch's, checkpointing
+really wraps the blocks, and each row has its memory and times.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("onnxscript")
+
+from benchmarks import gpu_peers as gp  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("prepared")
+    sizes = gp.prepare(directory, small=True)
+    return directory, sizes
+
+
+def test_seeded_values_depend_on_the_name_only() -> None:
+    a = gp.seeded_value("m.h.0.attn.c_attn.weight", (4, 12), np.float32)
+    np.testing.assert_array_equal(a, gp.seeded_value("m.h.0.attn.c_attn.weight", (4, 12),
+                                                     "float32"))
+    assert not np.array_equal(a, gp.seeded_value("m.h.1.attn.c_attn.weight", (4, 12),
+                                                 np.float32))
+    assert 0.005 < float(a.std()) < 0.05
+    assert np.all(gp.seeded_value("m.ln_f.weight", (8,), np.float32) == 1)
+    assert np.all(gp.seeded_value("m.bn.running_var", (8,), np.float32) == 1)
+    for zero in ("m.fc.bias", "m.bn.running_mean", "m.fc.weight.momentum"):
+        assert not np.any(gp.seeded_value(zero, (3, 2), np.float32))
+
+
+def test_prepare_writes_small_compressed_steps(prepared) -> None:
+    directory, sizes = prepared
+    for model in gp.MODELS:
+        meta = json.loads((directory / f"{model}.json").read_text())
+        assert meta["small"] and meta["carried"] and meta["parameters"]
+        # zero weights: the compressed step is a small fraction of the file
+        assert sizes[model]["compressed_bytes"] < sizes[model]["step_bytes"] / 10
+    gpt2 = json.loads((directory / "gpt2.json").read_text())
+    assert "m.lm_head.weight" in gpt2["parameters"]  # the exporter keeps the tied copy
+    assert "m.lm_head.weight.momentum" in gpt2["carried"]
+
+
+def test_cpu_run_measures_every_system_from_the_same_weights(prepared, tmp_path,
+                                                              capsys) -> None:
+    directory, _ = prepared
+    out = tmp_path / "out"
+    plan = directory / "gpt2.step.onnx.xz"  # any compiled step of the model will do
+    assert gp.main(["--steps-from", str(directory), "--out", str(out), "--provider", "cpu",
+                    "--warmup", "1", "--steps", "2", "--plan", f"gpt2={plan}@same"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    rows = summary["rows"]
+    assert [r for r in rows if "error" in r or "skipped" in r] == []
+    for model in gp.MODELS:
+        systems = [r["system"] for r in rows if r["model"] == model]
+        assert {"memcc-as-built", "torch-eager", "torch-checkpoint"} <= set(systems)
+        check = summary["checks"][model]
+        assert check["same_weights"], check
+        assert check["first_loss_agrees_1e-3"], check
+    for r in rows:
+        assert len(r["losses"]) == 3 and len(r["times_s"]) == 2
+        assert r["min_s"] <= r["median_s"] <= r["max_s"]
+        assert r["memory"]["peak_bytes"] > 0 and "cpu-vmhwm" in r["memory"]["method"]
+        if r["system"] == "torch-checkpoint":
+            blocks = 2 if r["model"] == "gpt2" else 4
+            assert r["settings"]["checkpoint"].startswith(f"per block ({blocks} blocks)")
+    assert "memcc-plan@same" in summary["checks"]["gpt2"]["first_losses"]
+    assert summary["complete"]
+    torch_gpt2 = next(r for r in rows if r["model"] == "gpt2" and r["system"] == "torch-eager")
+    assert torch_gpt2["settings"]["filled_from"]["m.transformer.wte.weight"] == \
+        "m.lm_head.weight"
+    ratio = summary["ratios"]["gpt2"]["memcc-as-built"]["torch-eager"]
+    assert ratio["time"] > 0 and ratio["peak"] > 0
+    table = capsys.readouterr().out
+    assert "| gpt2 | torch-checkpoint |" in table and "memcc / PyTorch" in table
+
+
+def test_time_limit_lists_the_rows_it_skipped(prepared, tmp_path) -> None:
+    directory, _ = prepared
+    summary = gp.run(directory, tmp_path, provider="cpu", models=["gpt2"], time_limit_s=0.0)
+    assert summary["rows"] and all("skipped" in r for r in summary["rows"])
+    assert json.loads((tmp_path / "summary.json").read_text())["rows"] == summary["rows"]
+
+
+def test_missing_steps_exit_2_and_write_nothing(tmp_path, capsys) -> None:
+    out = tmp_path / "out"
+    assert gp.main(["--steps-from", str(tmp_path / "none"), "--out", str(out),
+                    "--provider", "cpu"]) == 2
+    assert "--prepare" in capsys.readouterr().err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("model", gp.MODELS)
+def test_checkpointing_recomputes_every_block_in_the_backward(model: str) -> None:
+    import torch
+
+    meta = gp.SMALL[model]
+    module = gp.make_module(meta)
+    calls = []
+    for block in gp.blocks_of(module, meta["kind"]):  # count each block's forward runs
+        def counted(*args, _forward=block.forward, **kwargs):
+            calls.append(1)
+            return _forward(*args, **kwargs)
+
+        block.forward = counted
+    blocks = gp.enable_checkpointing(module, meta["kind"])
+    x = torch.from_numpy(gp.make_batch(meta)[gp.DATA_INPUT[meta["kind"]]])
+    module(x).float().square().mean().backward()
+    # once in the forward, once more when the backward recomputes it
+    assert blocks == len(gp.blocks_of(module, meta["kind"])) and len(calls) == 2 * blocks
+
+
+def _row(system: str, median: float, peak: int, loss: float, **settings) -> dict:
+    memory = {"peak_bytes": peak, "peak_steady_bytes": peak, "method": "cuda-nvml"}
+    if system.startswith("torch"):
+        memory |= {"torch_max_memory_reserved_bytes": peak // 2,
+                   "torch_max_memory_allocated_bytes": peak // 3}
+    return {"system": system, "model": "gpt2", "median_s": median, "min_s": median,
+            "max_s": median, "iqr_s": 0.0, "first_step_s": 1.0, "losses": [loss],
+            "memory": memory, "weights_digest": "d", "settings": settings}
+
+
+def test_cuda_rows_ratios_and_table() -> None:
+    """The parent's CUDA side without a GPU: rows, ratios, checks and the table."""
+    rows = gp.systems_for("cuda", ["memcc", "torch"])
+    torch_rows = [(r["system"], r["tf32"]) for r in rows if r["kind"] == "torch"]
+    assert torch_rows == [("torch-eager", False), ("torch-eager", True),
+                          ("torch-checkpoint", True), ("torch-checkpoint", False)]
+    measured = [_row("memcc-as-built", 0.07, 15_000_000_000, 10.8249),
+                _row("torch-eager", 0.107, 20_000_000_000, 10.8251, tf32="off (...)"),
+                _row("torch-eager", 0.08, 20_000_000_000, 10.8252, tf32="on (...)")]
+    ratios = gp.ratios(measured)["gpt2"]["memcc-as-built"]
+    assert ratios["torch-eager"]["time"] == pytest.approx(0.07 / 0.107)
+    assert ratios["torch-eager tf32"]["peak"] == pytest.approx(0.75)
+    check = gp.checks(measured)["gpt2"]
+    assert check["same_weights"] and check["first_loss_agrees_1e-3"]
+    summary = {"provider": "cuda", "warmup": 2, "steps": 5, "ratios": gp.ratios(measured),
+               "checks": {"gpt2": check},
+               "rows": [*measured, {"system": "torch-checkpoint", "model": "gpt2",
+                                    "skipped": "--time-limit 110 s reached (112 s)"}]}
+    text = gp.table(summary)
+    assert "| gpt2 | torch-eager tf32 | 20,000 | 20,000 | 10,000 / 6,667 |" in text
+    assert "skipped: --time-limit" in text and "0.65x time" in text
