@@ -417,7 +417,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--small", action="store_true",
                     help="tiny sizes (default with --provider cpu)")
     ap.add_argument("--runs", type=int, default=3, help="profiled runs after one warm-up")
-    ap.add_argument("--budget-s", type=float, default=90.0,
+    ap.add_argument("--budget-s", type=float, default=80.0,
                     help="--collect: stop starting new work after this many seconds")
     ap.add_argument("--fit", type=Path, metavar="RECORDS", help="fit records.json")
     ap.add_argument("--write", type=Path, help="--fit: write the calibration here")
