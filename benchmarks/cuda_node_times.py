@@ -37,6 +37,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -44,7 +45,9 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 
 from memcc.errors import InputError  # noqa: E402
-from memcc.passes import cuda_node_times as cnt  # noqa: E402
+
+if TYPE_CHECKING:  # --collect needs only what memcc had before this script: it can be
+    from memcc.passes import cuda_node_times as cnt  # copied alone to a GPU machine
 
 # Sizes where kernels are as large as in real training (label -> zoo model, options), in
 # the order they are measured (a run cut short by --budget-s keeps the first ones).
@@ -301,6 +304,9 @@ def collect(out: Path, labels: Sequence[str], provider: str, small: bool, runs: 
                 data["errors"].append({"label": label, "phase": "wall",
                                        "error": f"{type(exc).__name__}: {exc}"[:500]})
                 continue
+            names = {r["node"] for r in case["records"]}
+            # Nodes ORT added (copies to and from the CPU around nodes it placed there).
+            added = {k: v for k, v in prof["us"].items() if k not in names}
             recs = []
             for r in case["records"]:
                 us = prof["us"].get(r["node"])
@@ -310,7 +316,9 @@ def collect(out: Path, labels: Sequence[str], provider: str, small: bool, runs: 
                     "graph_nodes": case["graph_nodes"], "nodes": len(measured),
                     "kernel_s": sum(r["us"] for r in measured) * 1e-6,
                     "use_deterministic_compute": prof.get("use_deterministic_compute"),
-                    "profile_session_s": prof.get("session_s"), **wall, "records": recs}
+                    "profile_session_s": prof.get("session_s"),
+                    "ort_added_nodes": len(added), "ort_added_s": sum(added.values()) * 1e-6,
+                    **wall, "records": recs}
             data["steps"].append(step)
             log(f"{label}: wall {step['wall_s'] * 1e3:.2f} ms, profiled nodes "
                 f"{step['kernel_s'] * 1e3:.2f} ms over {step['nodes']} nodes")
@@ -345,6 +353,8 @@ def fit_records(data: dict, gpu: str) -> tuple[cnt.CudaNodeTimes, dict]:
     """The calibration fitted on every step, and its quality: per op type, per step, and
     per step with that model's steps left out of the fit (how it prices a model it never
     saw)."""
+    from memcc.passes import cuda_node_times as cnt
+
     steps = data["steps"]
     meta = dict(gpu=gpu, onnxruntime=str(data.get("onnxruntime", "?")),
                 date=str(data.get("date", "?")), provider=str(data.get("provider", "cuda")))
@@ -384,6 +394,8 @@ def print_quality(cal: cnt.CudaNodeTimes, quality: dict) -> None:
 
 
 def fit_command(records: Path, write: Path | None, gpu: str | None) -> cnt.CudaNodeTimes:
+    from memcc.passes import cuda_node_times as cnt
+
     data = read_records(records)
     gpu = gpu or str(data.get("gpu", "unknown GPU"))
     provider = str(data.get("provider", "cuda"))
