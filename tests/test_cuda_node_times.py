@@ -194,3 +194,14 @@ def test_a_broken_calibration_file_is_an_input_error(no_cuda, tiny_gpt2, tmp_pat
     text = " ".join(r.output.split())
     assert "bad.json" in text and "not a CUDA node-time calibration" in text
     assert report is None and not (tmp_path / "c.onnx").exists()
+
+
+def test_tune_for_cuda_prices_sizes_with_the_calibration(no_cuda, tmp_path, monkeypatch):
+    from memcc.tune import TuneOptions, tune
+
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps(synthetic_calibration().to_json()))
+    monkeypatch.setenv(cnt.ENV, str(path))
+    model = build_model("gpt2", batch=2, seq_len=16, dynamic_batch=True)
+    result = tune(model, "1GB", "batch=1..4", TuneOptions(provider="cuda"))
+    assert result.cost_source == "cuda-calibrated"
