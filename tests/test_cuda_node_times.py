@@ -96,6 +96,12 @@ def test_nnls_clips_what_least_squares_makes_negative():
     assert exact == pytest.approx([1.0, 2.0])
 
 
+def test_a_feature_no_node_has_gets_no_rate():
+    fit = cnt.fit_op([(b, 0.0, 5e-6 + 1e-12 * b) for b in (1e3, 1e5, 1e7, 1e9)])
+    assert fit.s_per_flop == 0.0 and fit.s_per_byte == pytest.approx(1e-12, rel=1e-6)
+    assert fit.seconds(1e9, 1e12) == pytest.approx(5e-6 + 1e-3, rel=1e-6)
+
+
 def test_calibration_round_trips_and_prices_every_node(tmp_path):
     cal = synthetic_calibration()
     path = tmp_path / "cuda_node_times_test.json"

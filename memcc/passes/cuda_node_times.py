@@ -242,8 +242,11 @@ def fit_op(samples: list[tuple[float, float, float]]) -> OpFit:
     t = np.array([s for *_, s in samples], dtype=np.float64)
     w = 1.0 / np.maximum(t, 1e-9)
     a = x * w[:, None]
-    scale = np.maximum(np.abs(a).max(axis=0), 1e-300)  # columns to ~1: conditioning
+    colmax = np.abs(a).max(axis=0)
+    unseen = colmax == 0.0  # e.g. no FLOPs in any node: that rate is not measured, so 0
+    scale = np.where(unseen, 1.0, colmax)  # columns to ~1: conditioning
     coef = nnls(a / scale, t * w) / scale
+    coef[unseen] = 0.0
     pred = x @ coef
     ok = (pred > 0) & (t > 0)
     mal = float(np.median(np.abs(np.log(pred[ok] / t[ok])))) if ok.any() else None
