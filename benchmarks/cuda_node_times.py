@@ -378,10 +378,14 @@ def fit_records(data: dict, gpu: str) -> tuple[cnt.CudaNodeTimes, dict]:
 def print_quality(cal: cnt.CudaNodeTimes, quality: dict) -> None:
     print(f"fitted on {cal.fitted_on}; host time per node {cal.host_s_per_node * 1e6:.2f} us")
     print("\nper op type: median |ln(predicted / measured)| of the node times")
-    print(f"{'op type':<28}{'nodes':>7}  {'fit':<20}{'med|ln|':>8}{'x':>7}")
-    for op, q in sorted(quality["op_types"].items(), key=lambda kv: -kv[1]["nodes"]):
+    print("(x: exp of it, the typical factor off; sum: predicted over measured, summed over "
+          "the type's nodes; ms: measured, summed over all steps)")
+    print(f"{'op type':<26}{'nodes':>7}  {'fit':<20}{'med|ln|':>8}{'x':>6}{'sum':>6}"
+          f"{'ms':>9}")
+    for op, q in sorted(quality["op_types"].items(), key=lambda kv: -kv[1]["measured_s"]):
         m = q["median_abs_log_ratio"]
-        print(f"{op:<28}{q['nodes']:>7}  {q['fit']:<20}{m:>8.3f}{np.exp(m):>7.2f}")
+        print(f"{op:<26}{q['nodes']:>7}  {q['fit']:<20}{m:>8.3f}{np.exp(m):>6.2f}"
+              f"{q['sum_ratio']:>6.2f}{q['measured_s'] * 1e3:>9.2f}")
     print("\nper step: predicted (kernels fitted + host per node) against the measured "
           "wall time; held out = fitted without that model's steps")
     print(f"{'step':<14}{'nodes':>7}{'measured ms':>13}{'predicted ms':>14}{'ratio':>7}"

@@ -305,9 +305,12 @@ def predict_step(cal: CudaNodeTimes, records: Iterable[Mapping]) -> tuple[float,
 
 
 def op_quality(cal: CudaNodeTimes, steps: Iterable[Mapping]) -> dict[str, dict]:
-    """Per op type: nodes, which fit priced them, and the median |ln(predicted /
-    measured)| over every collected node of the type."""
+    """Per op type: nodes, which fit priced them, the median |ln(predicted / measured)|
+    over every collected node of the type, and the type's predicted time summed over its
+    measured time summed (the per-node fit is relative; this says what it does to
+    totals)."""
     logs: dict[str, list[float]] = {}
+    sums: dict[str, list[float]] = {}
     for st in steps:
         for r in st["records"]:
             us = r.get("us")
@@ -319,12 +322,16 @@ def op_quality(cal: CudaNodeTimes, steps: Iterable[Mapping]) -> dict[str, dict]:
             if p > 0.0:
                 logs.setdefault(str(r["op_type"]), []).append(
                     abs(math.log(p / (float(us) * 1e-6))))
+                pm = sums.setdefault(str(r["op_type"]), [0.0, 0.0])
+                pm[0] += p
+                pm[1] += float(us) * 1e-6
     out = {}
     for op, ls in sorted(logs.items()):
         used = "op" if op in cal.by_op else ("family:" + family(op)
                                              if family(op) in cal.by_family else "overall")
         out[op] = {"nodes": len(ls), "fit": used,
-                   "median_abs_log_ratio": statistics.median(ls)}
+                   "median_abs_log_ratio": statistics.median(ls),
+                   "sum_ratio": sums[op][0] / sums[op][1], "measured_s": sums[op][1]}
     return out
 
 
