@@ -336,7 +336,7 @@ def _check_provider(options: CompileOptions, warning: Progress) -> str | None:
                          "run on the GPU machine. Nothing was compiled.")
     if options.cost == "auto":
         cal = default_calibration()
-        basis = (f"node times measured on an {cal.gpu} (onnxruntime {cal.onnxruntime}, "
+        basis = (f"node times measured on a GPU ({cal.gpu}, onnxruntime {cal.onnxruntime}, "
                  f"{cal.date}; {Path(cal.path or '').name})" if cal is not None else
                  "nominal GPU rates (no CUDA calibration ships with this memcc)")
         warning("--provider cuda: CUDA is not available, so node times are estimated from "

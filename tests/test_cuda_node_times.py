@@ -172,7 +172,8 @@ def test_cuda_auto_without_cuda_uses_the_calibration_and_says_so(
     assert report["cost_model"]["source"] == "cuda-calibrated"
     assert report["cost_model"]["calibration"]["gpu"] == "Test GPU"
     assert report["cost_model"]["calibration"]["file"] == str(path)
-    assert any("measured on an Test GPU" in w for w in report["warnings"])
+    assert any("node times measured on a GPU (Test GPU, onnxruntime 1.31.1, 2026-11-26; "
+               "cal.json)" in w for w in report["warnings"])
     cost = next(p for p in report["passes"] if p["name"] == "cost_model")["summary"]
     assert cost["source"] == "cuda-calibrated" and "rates" not in cost
     # The step's summed node times are the calibration's, host share included.
