@@ -212,3 +212,17 @@ def test_tune_for_cuda_prices_sizes_with_the_calibration(no_cuda, tmp_path, monk
     model = build_model("gpt2", batch=2, seq_len=16, dynamic_batch=True)
     result = tune(model, "1GB", "batch=1..4", TuneOptions(provider="cuda"))
     assert result.cost_source == "cuda-calibrated"
+
+
+def test_shipped_calibrations_are_gpu_measured_and_complete(monkeypatch):
+    """Whatever memcc/data ships is a CUDA fit that names its GPU, onnxruntime, date and
+    what it was fitted on; with none shipped, there is no estimate (nominal rates)."""
+    monkeypatch.delenv(cnt.ENV, raising=False)
+    shipped = sorted(cnt.DATA_DIR.glob("cuda_node_times_*.json"))
+    for path in shipped:
+        cal = cnt.read_calibration(path)
+        assert cal.provider == "cuda" and cal.gpu and cal.onnxruntime and cal.date
+        assert cal.fitted_on["nodes"] > 0 and cal.fitted_on["steps"] > 0
+        assert "quality" in cal.extra and "settings" in cal.extra
+    chosen = cnt.default_calibration()
+    assert (chosen is None) == (not shipped)
