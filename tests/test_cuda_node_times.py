@@ -86,6 +86,15 @@ def test_rare_and_unseen_op_types_fall_back_to_their_family_then_all():
     assert cal.fit_for("Softmax") is cal.overall  # no reduce was measured
 
 
+def test_a_node_profiled_at_0_us_took_under_one():
+    steps = synthetic_steps()
+    steps[0]["records"] += [{"node": f"r{i}", "op_type": "Reshape", "in_bytes": 4e6 * i,
+                             "out_bytes": 4e6 * i, "flops": 0.0, "us": 0} for i in range(1, 6)]
+    cal = cnt.fit(steps, gpu="g", onnxruntime="1", date="d")
+    assert cal.by_op["Reshape"].nodes == 5
+    assert cal.kernel_seconds("Reshape", 8e6, 0.0) == pytest.approx(0.5e-6, rel=1e-3)
+
+
 def test_nnls_clips_what_least_squares_makes_negative():
     x = np.linspace(0, 1, 20)
     a = np.stack([np.ones_like(x), x], axis=1)

@@ -253,6 +253,12 @@ def fit_op(samples: list[tuple[float, float, float]]) -> OpFit:
     return OpFit(float(coef[0]), float(coef[1]), float(coef[2]), len(samples), mal)
 
 
+def measured_s(us: object) -> float:
+    """A profiled time in seconds. ORT's profile counts whole microseconds, so a 0 is a node
+    that took under one: half a microsecond, not nothing (it is fitted like the others)."""
+    return max(float(us), 0.5) * 1e-6  # type: ignore[arg-type]
+
+
 def fit(steps: Iterable[Mapping], *, gpu: str, onnxruntime: str, date: str,
         provider: str = "cuda", min_op_nodes: int = MIN_OP_NODES) -> CudaNodeTimes:
     """Fit a calibration on collected steps (``benchmarks/cuda_node_times.py`` records).
@@ -273,11 +279,9 @@ def fit(steps: Iterable[Mapping], *, gpu: str, onnxruntime: str, date: str,
         nodes += len(recs)
         models.append(str(st.get("label", st.get("model", "?"))))
         for r in recs:
-            us = float(r["us"])
-            if us <= 0.0:
-                continue
             by_op.setdefault(str(r["op_type"]), []).append(
-                (float(r["in_bytes"]) + float(r["out_bytes"]), float(r["flops"]), us * 1e-6))
+                (float(r["in_bytes"]) + float(r["out_bytes"]), float(r["flops"]),
+                 measured_s(r["us"])))
     if not by_op:
         raise InputError("no measured node times in the records: nothing to fit. Collect "
                          "them with benchmarks/cuda_node_times.py --collect.")
@@ -313,18 +317,17 @@ def op_quality(cal: CudaNodeTimes, steps: Iterable[Mapping]) -> dict[str, dict]:
     sums: dict[str, list[float]] = {}
     for st in steps:
         for r in st["records"]:
-            us = r.get("us")
-            if us is None or float(us) <= 0.0:
+            if r.get("us") is None:
                 continue
+            t = measured_s(r["us"])
             p = cal.kernel_seconds(str(r["op_type"]),
                                    float(r["in_bytes"]) + float(r["out_bytes"]),
                                    float(r["flops"]))
             if p > 0.0:
-                logs.setdefault(str(r["op_type"]), []).append(
-                    abs(math.log(p / (float(us) * 1e-6))))
+                logs.setdefault(str(r["op_type"]), []).append(abs(math.log(p / t)))
                 pm = sums.setdefault(str(r["op_type"]), [0.0, 0.0])
                 pm[0] += p
-                pm[1] += float(us) * 1e-6
+                pm[1] += t
     out = {}
     for op, ls in sorted(logs.items()):
         used = "op" if op in cal.by_op else ("family:" + family(op)
