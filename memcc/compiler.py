@@ -49,6 +49,7 @@ from memcc.passes.cost_model import (
     analytic_costs,
     host_link_for,
 )
+from memcc.passes.cuda_node_times import default_calibration
 from memcc.passes.liveness import HEAP_BYTES_PER_SMALL_BUFFER, heap_allowance_bytes
 from memcc.passes.phases import plan_origin, step_phases
 from memcc.passes.plan import StepStructure
@@ -334,9 +335,13 @@ def _check_provider(options: CompileOptions, warning: Progress) -> str | None:
                          "Use --cost analytic to plan for CUDA with estimated node times, or "
                          "run on the GPU machine. Nothing was compiled.")
     if options.cost == "auto":
+        cal = default_calibration()
+        basis = (f"node times measured on a GPU ({cal.gpu}, onnxruntime {cal.onnxruntime}, "
+                 f"{cal.date}; {Path(cal.path or '').name})" if cal is not None else
+                 "nominal GPU rates (no CUDA calibration ships with this memcc)")
         warning("--provider cuda: CUDA is not available, so node times are estimated from "
-                "nominal GPU rates instead of measured: the predicted added time is an "
-                "estimate (--cost analytic says so and silences this warning). Why: "
+                f"{basis} instead of measured: the predicted added time is an estimate "
+                "(--cost analytic says so and silences this warning). Why: "
                 f"{reason}.")
     return reason
 
@@ -581,10 +586,17 @@ def _costs(graph: Graph, options: CompileOptions, warning: Progress,
             note = f"measuring failed, estimated instead: {exc}"
             warning(f"--cost auto: measuring node times failed ({exc}); they are estimated "
                     "instead, so the predicted added time is an estimate.")
-    rates = calibrate_cpu_rates() if options.provider == "cpu" else CUDA_NOMINAL
-    cm = replace(analytic_costs(graph, rates), link=host_link_for(options.provider))
-    summary = {"source": "analytic", "provider": options.provider, "rates": rates.to_json(),
-               "total_s": round(cm.total(graph), 6)}
+    cal = default_calibration() if options.provider == "cuda" else None
+    if cal is not None:
+        # Estimated from node times measured on a GPU (passes/cuda_node_times.py).
+        cm = replace(cal.costs(graph), link=host_link_for(options.provider))
+        summary = {"source": cm.source, "provider": options.provider,
+                   "calibration": cal.describe(), "total_s": round(cm.total(graph), 6)}
+    else:
+        rates = calibrate_cpu_rates() if options.provider == "cpu" else CUDA_NOMINAL
+        cm = replace(analytic_costs(graph, rates), link=host_link_for(options.provider))
+        summary = {"source": "analytic", "provider": options.provider,
+                   "rates": rates.to_json(), "total_s": round(cm.total(graph), 6)}
     if cm.link is not None:
         summary["host_link"] = cm.link.to_json()
     if note:
@@ -672,6 +684,14 @@ def _verify(original: Graph, rewritten: Graph, budget: int, options: CompileOpti
 
 
 # ---------------------------------------------------------------------------- report
+def _calibration_of(passes) -> dict:
+    """The CUDA calibration the node times were estimated from, as the cost pass said."""
+    for p in passes:
+        if p.name == "cost_model" and p.summary.get("calibration"):
+            return {"calibration": p.summary["calibration"]}
+    return {}
+
+
 def _report(options, budget, plan_budget, slack, was_min, base: Simulation, plan: Simulation,
             outcome: PlanOutcome, costs: CostModel, passes, compile_time, verification) -> dict:
     base_cost = base.compute_cost_s
@@ -722,7 +742,8 @@ def _report(options, budget, plan_budget, slack, was_min, base: Simulation, plan
         # only, which need not be where the plan came from.
         "strategies": outcome.runs,
         "cost_model": {"source": costs.source, "provider": options.provider}
-        | ({"host_link": costs.link.to_json()} if costs.link is not None else {}),
+        | ({"host_link": costs.link.to_json()} if costs.link is not None else {})
+        | _calibration_of(passes),
         "timeline": {
             "baseline": list(base.liveness.live_during),
             "plan": list(live.live_during),

@@ -287,6 +287,7 @@ class _Search:
         self.probes: dict[int, _Probe] = {}
         self.stats = {"builds": 0, "sqrtn_bounds": 0, "plans": 0, "min_searches": 0}
         self._rates: DeviceRates | None = None
+        self._cuda: dict = {}  # the CUDA calibration, once read
 
     # -- building and costs
     def probe(self, b: int) -> _Probe:
@@ -327,6 +328,14 @@ class _Search:
             except MemccError:
                 if self.opts.cost == "measured":
                     raise
+        if self.opts.provider == "cuda":
+            # Node times measured on a GPU, where memcc ships them (passes/cuda_node_times.py).
+            from memcc.passes.cuda_node_times import default_calibration
+
+            if "cal" not in self._cuda:
+                self._cuda["cal"] = default_calibration()  # read once per search
+            if self._cuda["cal"] is not None:
+                return self._cuda["cal"].costs(graph)
         if self._rates is None:
             if self.opts.provider == "cpu":
                 from memcc.backend.profiling import calibrate_cpu_rates

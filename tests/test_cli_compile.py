@@ -409,6 +409,12 @@ def test_cuda_verify_without_cuda_fails_before_compiling(gpt2_file, tmp_path, mo
 
 def test_cuda_planning_without_cuda_warns(gpt2_file, tmp_path, monkeypatch):
     _no_cuda(monkeypatch)
+    # No CUDA calibration (the nominal path, whatever memcc/data ships: that path is
+    # tests/test_cuda_node_times.py's).
+    import memcc.passes.cuda_node_times as cnt
+
+    monkeypatch.setattr(cnt, "DATA_DIR", tmp_path / "no-calibration")
+    monkeypatch.delenv(cnt.ENV, raising=False)
     rep = tmp_path / "c.json"
     r = invoke("compile", gpt2_file, "--budget", "1TB", "-o", tmp_path / "c.onnx",
                "--report", rep, "--provider", "cuda")

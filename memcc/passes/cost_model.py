@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 import statistics
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -188,6 +188,9 @@ class CostModel:
     rates: DeviceRates | None = None  # the roofline that prices unseen nodes
     calibration: Calibration | None = None  # fitted on first use when not given
     link: HostLink | None = None  # prices swap copies on a device provider
+    # Prices nodes it has no number for, when the model has its own estimate for them (the
+    # CUDA calibration, passes/cuda_node_times.py) instead of the roofline.
+    estimator: Callable[[Graph, onnx.NodeProto], float] | None = None
     # One lazily fitted calibration (a frozen dataclass cannot assign it later).
     _fitted: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -203,8 +206,9 @@ class CostModel:
         """Seconds for ``node`` of ``graph``, whether or not it was measured.
 
         Measured (or estimated) when the model has it; for a recompute clone the time of the
-        node it repeats (same kernel, same shapes); otherwise the analytic estimate times the
-        calibration factor of its op type. Only aliasing ops (Reshape, Squeeze, Identity...:
+        node it repeats (same kernel, same shapes); otherwise the model's own estimator where
+        it has one (the CUDA calibration), else the analytic estimate times the calibration
+        factor of its op type. Only aliasing ops (Reshape, Squeeze, Identity...:
         ORT runs no kernel for them) can come out at 0, and only when no node of their op
         type was measured; every other op gets at least the per-kernel overhead."""
         known = self.seconds.get(node.name)
@@ -223,6 +227,8 @@ class CostModel:
             return self.link.seconds(ti.nbytes if ti is not None else 0, node.op_type)
         if node.op_type in _NOT_RUN:
             return 0.0
+        if self.estimator is not None:
+            return float(self.estimator(graph, node))
         rates = self.rates or NOMINAL_CPU
         cal = self.calibration_for(graph)
         est = analytic_estimate(graph, node, rates)
@@ -247,7 +253,7 @@ class CostModel:
         """The same model with its calibration fitted on ``graph`` now, stated explicitly."""
         cal = self.calibration_for(graph)
         return CostModel(self.seconds, self.source, self.provider, self.kernel_s,
-                         self.rates, cal)
+                         self.rates, cal, self.link, self.estimator)
 
 
 def node_flops_bytes(graph: Graph, node: onnx.NodeProto) -> tuple[float, float]:
