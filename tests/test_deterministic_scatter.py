@@ -27,6 +27,7 @@ from memcc.frontend.build import BuildOptions, build_training_step
 from memcc.frontend.emit import Emitter
 from memcc.frontend.load import load_graph
 from memcc.graph import Graph, topological_problems
+from memcc.passes import deterministic_scatter
 from memcc.passes.deterministic_scatter import for_cuda_determinism, is_accumulating_scatter
 from memcc.passes.liveness import analyze_liveness
 from memcc.step import GRAD_OF_PROP, TrainingStep, node_props
@@ -82,11 +83,17 @@ def _check(graph: Graph, feeds: dict[str, np.ndarray], expect: np.ndarray | None
     return rewritten, report
 
 
-def test_gather_gradient_chunks_merge_into_one_sorted_scan(monkeypatch):
+@pytest.mark.parametrize("index_tables", ["constant", "computed", "per_step"])
+def test_gather_gradient_chunks_merge_into_one_sorted_scan(monkeypatch, index_tables):
     """The embedding gradient memcc emits (chunked ScatterElements, int32 rows expanded
     along the row), many repeats of one token and negative ids: one rewrite for all chunks,
-    equal to np.add.at."""
+    equal to np.add.at. The scan's index tables are constants for small steps, computed in
+    the graph for large ones, one step at a time for huge ones: all three forms here."""
     monkeypatch.setattr(shape_ops, "SCATTER_CHUNK_BYTES", 4096)
+    if index_tables != "constant":
+        monkeypatch.setattr(deterministic_scatter, "_CONST_INDEX_MAX", 8)
+    if index_tables == "per_step":
+        monkeypatch.setattr(deterministic_scatter, "_BATCHED_SCAN_BYTES", 8)
     vocab, width, batch, seq = 50, 16, 4, 64
     graph = _gradient_graph([helper.make_node("Gather", ["table", "ids"], ["y"], axis=0)],
                             [("table", F32, [vocab, width]), ("ids", I64, [batch, seq]),
@@ -106,6 +113,9 @@ def test_gather_gradient_chunks_merge_into_one_sorted_scan(monkeypatch):
     assert f"{chunks} chunks merged" in report.rewritten[0]
     assert "256 updates of width 16 into 50" in report.rewritten[0]
     assert not [n for n in rewritten.nodes if is_accumulating_scatter(n)]
+    ops = [n.op_type for n in rewritten.nodes]
+    assert ("Split" in ops) == (index_tables != "per_step")
+    assert ("Range" in ops) == (index_tables != "constant")
     # The chunks' slices and expanded indices are gone with them.
     assert not [n for n in rewritten.nodes if n.op_type == "Expand"
                 and rewritten.info[n.output[0]].dtype == TensorProto.INT32]

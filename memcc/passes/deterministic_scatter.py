@@ -56,7 +56,13 @@ from onnx import TensorProto
 
 from memcc.frontend.constants import constant_value
 from memcc.frontend.emit import Emitter
-from memcc.frontend.gradients.shape_ops import concat_values, pad_axis, slice_axis, slice_values
+from memcc.frontend.gradients.shape_ops import (
+    concat_values,
+    pad_axis,
+    slice_axis,
+    slice_values,
+    split_values,
+)
 from memcc.graph import Graph, TensorInfo, attr, node_label
 from memcc.step import GRAD_OF_PROP, ROLE_PROP, RULE_PROP
 
@@ -64,6 +70,8 @@ I32, I64, BOOL = TensorProto.INT32, TensorProto.INT64, TensorProto.BOOL
 # Index vectors up to this length are constants; longer ones are computed (Range/Sub/Max)
 # so the step file does not carry megabytes of integers.
 _CONST_INDEX_MAX = 1 << 16
+# The scan's index table for all steps at once is computed in one go up to this size.
+_BATCHED_SCAN_BYTES = 64 << 20
 # Ops that keep every value of their input (the MaxPool indices reach the scatter through
 # a Cast to int32 and a Reshape to flat).
 _VALUE_PRESERVING = ("Cast", "Identity", "Reshape", "Flatten", "Squeeze", "Unsqueeze")
@@ -549,20 +557,7 @@ def _segment_sum(emit: Emitter, keys: str | np.ndarray, values: str, depth: int,
     x = emit.op("Gather", [values, perm], axis=0, info=TensorInfo(dtype, (m, width)))
     x = pad_axis(emit, x, 0, 1, 0)                               # row 0: zeros
     rows_p = concat_values(emit, [emit.const(np.asarray([-1], np_kt), kt), rows], 0)
-    j = _arange(emit, m + 1, I64)
-    for s in range(steps):
-        d = 1 << s
-        if m + 1 <= _CONST_INDEX_MAX:
-            cand = emit.const(np.maximum(np.arange(m + 1, dtype=np.int64) - d, 0), I64,
-                              name="back")
-        else:
-            cand = emit.op("Max", [emit.sub(j, emit.const(np.asarray(d, np.int64), I64)),
-                                   emit.const(np.asarray(0, np.int64), I64)],
-                           info=TensorInfo(I64, (m + 1,)))
-        there = emit.op("Gather", [rows_p, cand], axis=0, info=TensorInfo(kt, (m + 1,)))
-        same = emit.op("Equal", [there, rows_p], info=TensorInfo(BOOL, (m + 1,)))
-        src = emit.op("Where", [same, cand, emit.const(np.asarray(0, np.int64), I64)],
-                      info=TensorInfo(I64, (m + 1,)))
+    for src in _scan_sources(emit, rows_p, m, steps, kt):
         back = emit.op("Gather", [x, src], axis=0, info=TensorInfo(dtype, (m + 1, width)))
         x = emit.add(x, back)
     # Each run's last row holds its sum: find it for every table row with a scatter of
@@ -579,6 +574,40 @@ def _segment_sum(emit: Emitter, keys: str | np.ndarray, values: str, depth: int,
     where = slice_axis(emit, where, 0, 0, depth)
     table = emit.op("Gather", [x, where], axis=0, info=TensorInfo(dtype, (depth, width)))
     return table, f"sort by TopK, {steps}-step segmented scan, Gather of each run's sum"
+
+
+def _scan_sources(emit: Emitter, rows_p: str, m: int, steps: int, kt: int) -> list[str]:
+    """Per scan step k, the row each of the m + 1 rows adds: 2^k rows back when that row is
+    in the same run, else row 0 (zeros). All steps at once where the [steps, m + 1] index
+    table is small (5 nodes instead of 3 per step: each node costs a launch on CUDA), one
+    step at a time where it would be large (flat scatters of millions of elements)."""
+    back = np.maximum(np.arange(m + 1, dtype=np.int64)[None, :]
+                      - (1 << np.arange(steps, dtype=np.int64))[:, None], 0) \
+        if steps * (m + 1) <= _CONST_INDEX_MAX * 4 else None
+    zero = emit.const(np.asarray(0, np.int64), I64)
+    if back is not None or steps * (m + 1) * 8 <= _BATCHED_SCAN_BYTES:
+        shape = (steps, m + 1)
+        if back is not None:
+            cand = emit.const(back, I64, name="back")
+        else:
+            j = emit.reshape(_arange(emit, m + 1, I64), [1, m + 1])
+            d = emit.const((1 << np.arange(steps, dtype=np.int64))[:, None], I64)
+            cand = emit.op("Max", [emit.sub(j, d), zero], info=TensorInfo(I64, shape))
+        there = emit.op("Gather", [rows_p, cand], axis=0, info=TensorInfo(kt, shape))
+        same = emit.op("Equal", [there, rows_p], info=TensorInfo(BOOL, shape))
+        src = emit.op("Where", [same, cand, zero], info=TensorInfo(I64, shape))
+        if steps == 1:
+            return [emit.reshape(src, [m + 1])]
+        return split_values(emit, emit.reshape(src, [steps * (m + 1)]), 0, [m + 1] * steps)
+    j = _arange(emit, m + 1, I64)
+    out = []
+    for k in range(steps):
+        cand = emit.op("Max", [emit.sub(j, emit.const(np.asarray(1 << k, np.int64), I64)),
+                               zero], info=TensorInfo(I64, (m + 1,)))
+        there = emit.op("Gather", [rows_p, cand], axis=0, info=TensorInfo(kt, (m + 1,)))
+        same = emit.op("Equal", [there, rows_p], info=TensorInfo(BOOL, (m + 1,)))
+        out.append(emit.op("Where", [same, cand, zero], info=TensorInfo(I64, (m + 1,))))
+    return out
 
 
 def _segment_sum_known(emit: Emitter, keys: np.ndarray, values: str, depth: int, width: int,
