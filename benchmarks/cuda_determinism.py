@@ -15,10 +15,14 @@ timed runs). It reports
 - how far the rewritten step's outputs are from the step as built (same setting): the
   rewrite changes the order of sums, so within a tolerance, not bit for bit;
 
-and, for ``--embedding`` (default on), the embedding gradient alone at GPT-2's full size
+and, unless ``--no-embedding``, the embedding gradient alone at GPT-2's full size
 (50257 x 768 table, 8 x 1024 tokens; ``--small``: 2000 x 64, 4 x 256), the scatter as memcc
-emits it against the rewrite. Everything goes to ``OUT/summary.json``; a short table to
-stdout. No network; a time budget (``--budget-s``) skips what does not fit, and says so.
+emits it against the rewrite; unless ``--no-reductions``, single reductions of the forms the
+steps hold (bias gradients, LayerNorm and BatchNorm statistics, at GPT-2 / ResNet sizes) with
+the setting on and off, and two alternative forms of the leading-axis sum, to see which
+reductions the setting makes slow and which are nondeterministic without it. Everything
+goes to ``OUT/summary.json``; a short table to stdout. No network; a time budget
+(``--budget-s``) skips what does not fit, and says so.
 
     python benchmarks/cuda_determinism.py --out /tmp/det                  # GPU machine
     python benchmarks/cuda_determinism.py --out /tmp/det --provider cpu --small
@@ -283,6 +287,83 @@ def embedding_gradient(args, deadline: float) -> dict:
     return out
 
 
+# Reductions as memcc's steps have them, GPT-2 / ResNet sizes (small: for the CPU test):
+# name -> (op, input shape, axes, keepdims). With deterministic compute off, ORT's CUDA
+# ReduceSum/ReduceMean take a fast path whose leading-axis form adds block partials with
+# atomics (docs/DETERMINISM.md); with it on, they go to cuDNN. The "_t" forms are the same
+# sums over the last axis after a Transpose (the fast path's column form has no atomics);
+# "_mm" is a MatMul with a ones vector (cuBLAS; TF32 where ORT allows it).
+REDUCTIONS = {
+    "bias_grad_sum01": ("ReduceSum", (8, 1024, 768), (0, 1), 0),
+    "bias_grad_sum01_t": ("ReduceSum", (768, 8192), (1,), 0),
+    "bias_grad_sum01_mm": ("MatMulOnes", (8192, 768), (0,), 0),
+    "mlp_bias_grad_sum0": ("ReduceSum", (8192, 3072), (0,), 0),
+    "layernorm_mean_last": ("ReduceMean", (8192, 768), (1,), 1),
+    "bn_mean_023": ("ReduceMean", (32, 64, 56, 56), (0, 2, 3), 1),
+    "bn_sumsq_023": ("ReduceSumSquare", (32, 64, 56, 56), (0, 2, 3), 0),
+}
+REDUCTIONS_SMALL = {k: (op, tuple(max(1, d // 16) for d in shape), axes, keep)
+                    for k, (op, shape, axes, keep) in REDUCTIONS.items()}
+
+
+def reduction_graph(op: str, shape: tuple[int, ...], axes: tuple[int, ...], keep: int):
+    """One reduction node (opset 18: axes as an input) as a model."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    inits = []
+    if op == "MatMulOnes":
+        rows = shape[0]
+        inits.append(numpy_helper.from_array(np.ones((1, rows), np.float32), "ones"))
+        nodes = [helper.make_node("MatMul", ["ones", "x"], ["y"])]
+    else:
+        inits.append(numpy_helper.from_array(np.asarray(axes, np.int64), "axes"))
+        nodes = [helper.make_node(op, ["x", "axes"], ["y"], keepdims=keep)]
+    g = helper.make_graph(nodes, "r", [helper.make_tensor_value_info("x", TensorProto.FLOAT,
+                                                                     list(shape))],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 9
+    return model
+
+
+def reductions(args, deadline: float) -> dict:
+    """Each reduction form with deterministic compute on and off: bits across 2 sessions x
+    ``runs``, and the median time of one run (input bound on the device once)."""
+    out: dict = {}
+    rng = np.random.default_rng(0)
+    for name, (op, shape, axes, keep) in (REDUCTIONS_SMALL if args.small
+                                          else REDUCTIONS).items():
+        model = reduction_graph(op, shape, axes, keep)
+        x = rng.standard_normal(shape, dtype=np.float32)
+        row: dict = {"op": op, "shape": list(shape), "axes": list(axes)}
+        for det in (True, False):
+            key = "deterministic=on" if det else "deterministic=off"
+            if time.monotonic() > deadline:
+                row[key] = "skipped (time budget)"
+                continue
+            results, times = [], []
+            try:
+                for _ in range(2):
+                    step = BoundStep(open_session(model, args.provider, det), {"x": x},
+                                     args.provider)
+                    for r in range(max(args.runs, 5)):
+                        dt = step.run()
+                        if r:
+                            times.append(dt)
+                        results.append(step.outputs())
+            except Exception as exc:
+                row[key] = f"error: {type(exc).__name__}: {str(exc)[:300]}"
+                continue
+            diff = differing(results)
+            row[key] = {"bit_identical": not diff, "max_abs_diff": diff.get("y", 0.0),
+                        "ms_median": 1000 * statistics.median(times)}
+        out[name] = row
+        print(f"reduction {name:22s} " + " ".join(
+            f"{k}: {v['bit_identical']!s:5s} {v['ms_median']:7.3f} ms" if isinstance(v, dict)
+            else f"{k}: {v}" for k, v in row.items() if k.startswith("det")), flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, type=Path)
@@ -295,6 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=75.0, help="start nothing new after "
                     "this many seconds")
     ap.add_argument("--no-embedding", dest="embedding", action="store_false")
+    ap.add_argument("--no-reductions", dest="reductions", action="store_false")
     args = ap.parse_args(argv)
     names = [m for m in args.models.split(",") if m]
     unknown = [m for m in names if m not in SIZES]
@@ -315,6 +397,8 @@ def main(argv: list[str] | None = None) -> int:
             summary["models"][name] = run_model(name, dims, args, deadline, tmp)
     if args.embedding:
         summary["embedding_gradient"] = embedding_gradient(args, deadline)
+    if args.reductions:
+        summary["reductions"] = reductions(args, deadline)
     summary["wall_s"] = round(time.monotonic() - start, 1)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1))

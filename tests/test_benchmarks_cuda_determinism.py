@@ -35,6 +35,10 @@ def test_cpu_mode_writes_every_configuration(tmp_path):
     emb = data["embedding_gradient"]
     assert emb["scatter"]["bit_identical"] and emb["rewritten"]["bit_identical"]
     assert "rows" in emb["rewrite"]["rewritten"][0]
+    assert set(data["reductions"]) == set(cuda_determinism.REDUCTIONS)
+    for name, row in data["reductions"].items():
+        for key in ("deterministic=on", "deterministic=off"):
+            assert row[key]["bit_identical"] and row[key]["ms_median"] > 0, (name, key)
 
 
 def test_unknown_model_is_refused(capsys, tmp_path):
