@@ -293,12 +293,14 @@ def embedding_gradient(args, deadline: float) -> dict:
 # Reductions as memcc's steps have them, GPT-2 / ResNet sizes (small: for the CPU test):
 # name -> (op, input shape, axes, keepdims). With deterministic compute off, ORT's CUDA
 # ReduceSum/ReduceMean take a fast path whose leading-axis form adds block partials with
-# atomics (docs/DETERMINISM.md); with it on, they go to cuDNN. The "_t" forms are the same
-# sums over the last axis after a Transpose (the fast path's column form has no atomics);
-# "_mm" is a MatMul with a ones vector (cuBLAS; TF32 where ORT allows it).
+# atomics (docs/DETERMINISM.md); with it on, they go to cuDNN. "_t" is the same sum over
+# the last axis of the transposed input (the fast path's column form has no atomics), "_tt"
+# the same with the Transpose in the graph; "_mm" is a MatMul with a ones vector (cuBLAS;
+# TF32 where ORT allows it).
 REDUCTIONS = {
     "bias_grad_sum01": ("ReduceSum", (8, 1024, 768), (0, 1), 0),
     "bias_grad_sum01_t": ("ReduceSum", (768, 8192), (1,), 0),
+    "bias_grad_sum01_tt": ("TransposeReduceSum", (8192, 768), (1,), 0),
     "bias_grad_sum01_mm": ("MatMulOnes", (8192, 768), (0,), 0),
     "mlp_bias_grad_sum0": ("ReduceSum", (8192, 3072), (0,), 0),
     "layernorm_mean_last": ("ReduceMean", (8192, 768), (1,), 1),
@@ -318,6 +320,10 @@ def reduction_graph(op: str, shape: tuple[int, ...], axes: tuple[int, ...], keep
         rows = shape[0]
         inits.append(numpy_helper.from_array(np.ones((1, rows), np.float32), "ones"))
         nodes = [helper.make_node("MatMul", ["ones", "x"], ["y"])]
+    elif op == "TransposeReduceSum":
+        inits.append(numpy_helper.from_array(np.asarray(axes, np.int64), "axes"))
+        nodes = [helper.make_node("Transpose", ["x"], ["xt"], perm=[1, 0]),
+                 helper.make_node("ReduceSum", ["xt", "axes"], ["y"], keepdims=keep)]
     else:
         inits.append(numpy_helper.from_array(np.asarray(axes, np.int64), "axes"))
         nodes = [helper.make_node(op, ["x", "axes"], ["y"], keepdims=keep)]
