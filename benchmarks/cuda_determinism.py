@@ -281,7 +281,7 @@ def embedding_gradient(args, deadline: float) -> dict:
             out[label] = "skipped (time budget)"
             continue
         f = {k: v for k, v in feeds.items() if k in g.inputs}
-        res = measure(g, f, args.provider, True, 1, max(args.runs, 5), "", profile=False)
+        res = measure(g, f, args.provider, True, 2, args.runs, "", profile=False)
         res.pop("_first")
         res.pop("profile")
         out[label] = res

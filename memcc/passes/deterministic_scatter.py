@@ -209,6 +209,11 @@ def for_cuda_determinism(graph: Graph) -> tuple[Graph, Report]:
     nodes = _drop_dead(nodes, dropped, producers, set(out.outputs),
                        lambda n: out.nodes[position[id(n)]])
     out.set_nodes(nodes)
+    produced = {o for n in nodes for o in n.output if o}
+    for n in graph.nodes:  # shapes of values that no longer exist (merged chunks' tables)
+        for o in n.output:
+            if o and o not in produced:
+                out.info.pop(o, None)
     return out, report
 
 
