@@ -2,7 +2,9 @@
 
 For each zoo step (built here at moderate sizes; ``--small`` for tiny ones) and each of
 ``use_deterministic_compute`` {on, off} x the scatter rewrite of
-``memcc/passes/deterministic_scatter.py`` {on, off}, this opens ``--sessions`` fresh sessions
+``memcc/passes/deterministic_scatter.py`` {on, off}, and with the setting off also the
+scatter rewrite plus ``memcc/passes/deterministic_reductions.py`` (leading-axis sums as
+trailing-axis ones), this opens ``--sessions`` fresh sessions
 (``memcc.backend.session.make_session``) and runs the same batch ``--runs`` times in each,
 with every input bound once as an OrtValue on the device (only outputs come back, after the
 timed runs). It reports
@@ -52,6 +54,7 @@ from memcc.frontend.build import BuildOptions, build_training_step  # noqa: E402
 from memcc.frontend.load import load_graph  # noqa: E402
 from memcc.graph import Graph  # noqa: E402
 from memcc.passes.batchnorm_for_cuda import for_provider  # noqa: E402
+from memcc.passes.deterministic_reductions import to_trailing_axes  # noqa: E402
 from memcc.passes.deterministic_scatter import for_cuda_determinism  # noqa: E402
 from models import build_model  # noqa: E402
 
@@ -67,12 +70,16 @@ SMALL = {
 }
 EMBEDDING = dict(vocab=50257, width=768, batch=8, seq=1024)
 EMBEDDING_SMALL = dict(vocab=2000, width=64, batch=4, seq=256)
-CONFIGS = [(det, rw) for det in (True, False) for rw in (False, True)]
+# (deterministic compute, rewrite): rewrite "off", "on" (the scatters), "on+reductions"
+# (also passes/deterministic_reductions.py: leading-axis sums as trailing-axis ones, which
+# matters only with the setting off, where the leading-axis fast path uses atomics).
+CONFIGS = [(True, "off"), (True, "on"), (False, "off"), (False, "on"),
+           (False, "on+reductions")]
 DEVICE = {"cuda": "cuda", "cpu": "cpu"}
 
 
-def config_name(det: bool, rewrite: bool) -> str:
-    return f"deterministic={'on' if det else 'off'},rewrite={'on' if rewrite else 'off'}"
+def config_name(det: bool, rewrite: str) -> str:
+    return f"deterministic={'on' if det else 'off'},rewrite={rewrite}"
 
 
 def open_session(model, provider: str, det: bool, *, profile: bool = False,
@@ -223,20 +230,21 @@ def step_for(name: str, dims: dict, provider: str) -> Graph:
 def run_model(name: str, dims: dict, args, deadline: float, tmp: str) -> dict:
     step = step_for(name, dims, args.provider)
     rewritten, report = for_cuda_determinism(step)
-    g0, values = session_graph(step)
-    feeds = {**values, **synthetic_feeds(step, seed=0)}
-    g1, values1 = session_graph(rewritten)
-    feeds1 = {**values1, **synthetic_feeds(step, seed=0)}
+    both, reductions_report = to_trailing_axes(rewritten)
+    graphs = {"off": step, "on": rewritten, "on+reductions": both}
+    feeds0 = synthetic_feeds(step, seed=0)
     row: dict = {"dims": dims, "nodes": len(step.nodes), "nodes_rewritten": len(rewritten.nodes),
-                 "rewrite": report.to_json(), "configs": {}, "skipped": []}
-    firsts: dict[tuple[bool, bool], dict] = {}
+                 "rewrite": report.to_json(),
+                 "reductions_rewritten": len(reductions_report.rewritten),
+                 "reductions_left": reductions_report.left, "configs": {}, "skipped": []}
+    firsts: dict[tuple[bool, str], dict] = {}
     for det, rw in CONFIGS:
         key = config_name(det, rw)
         if time.monotonic() > deadline:
             row["skipped"].append(key)
             continue
-        g, f = (g1, feeds1) if rw else (g0, feeds)
-        f = {k: v for k, v in f.items() if k in set(g.inputs)}
+        g, values = session_graph(graphs[rw])
+        f = {k: v for k, v in {**values, **feeds0}.items() if k in set(g.inputs)}
         try:
             res = measure(g, f, args.provider, det, args.sessions, args.runs, tmp)
         except Exception as exc:  # a kernel the provider lacks: say so, go on
@@ -244,16 +252,16 @@ def run_model(name: str, dims: dict, args, deadline: float, tmp: str) -> dict:
             continue
         firsts[(det, rw)] = res.pop("_first")
         row["configs"][key] = res
-        print(f"{name:9s} {key:34s} identical={res['bit_identical']!s:5s} "
+        print(f"{name:9s} {key:40s} identical={res['bit_identical']!s:5s} "
               f"loss_identical={res['loss_identical']!s:5s} "
               f"differing={len(res['differing_outputs']):3d} {res['ms_median']:8.2f} ms",
               flush=True)
-    for det in (True, False):
-        if (det, False) in firsts and (det, True) in firsts:
-            row["configs"][config_name(det, True)]["vs_rewrite_off"] = relative_gap(
-                firsts[(det, False)], firsts[(det, True)])
-    on, off = (row["configs"].get(config_name(True, False), {}),
-               row["configs"].get(config_name(False, False), {}))
+    for det, rw in CONFIGS:
+        if rw != "off" and (det, "off") in firsts and (det, rw) in firsts:
+            row["configs"][config_name(det, rw)]["vs_rewrite_off"] = relative_gap(
+                firsts[(det, "off")], firsts[(det, rw)])
+    on, off = (row["configs"].get(config_name(True, "off"), {}),
+               row["configs"].get(config_name(False, "off"), {}))
     if on.get("profile") and off.get("profile"):
         a, b = on["profile"]["by_op_type"], off["profile"]["by_op_type"]
         cost = {op: round(a.get(op, {}).get("ms", 0.0) - b.get(op, {}).get("ms", 0.0), 4)
