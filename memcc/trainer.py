@@ -48,7 +48,12 @@ import numpy as np
 
 from memcc.backend import checkpoint as ckpt
 from memcc.backend.data import DataInput, Dataset, data_inputs, load_dataset
-from memcc.backend.device_step import DevicePrediction, DeviceStep, predict_device
+from memcc.backend.device_step import (
+    DevicePrediction,
+    DeviceStep,
+    predict_device,
+    step_for_provider,
+)
 from memcc.backend.memory import device_baseline, trim_heap
 from memcc.backend.session import resolve_provider
 from memcc.errors import InputError, RuntimeFailure
@@ -56,7 +61,6 @@ from memcc.frontend.dropout_masks import COUNTER, checkpoint_counter, restore_dr
 from memcc.frontend.load import load_graph
 from memcc.graph import Graph, ancestors
 from memcc.passes.arrange import Arrangement, arrange_step
-from memcc.passes.batchnorm_for_cuda import for_provider
 from memcc.passes.inplace import InPlaceUpdates
 from memcc.step import PLAN_KEY, TrainingStep
 
@@ -88,8 +92,9 @@ class Trainer:
         self.provider = resolve_provider(provider)
         # On CUDA, training-mode BatchNorm is written as standard ops (passes/
         # batchnorm_for_cuda.py); ``export`` writes the step's own form back out.
-        self.graph, self._rewritten_for_provider = for_provider(
-            graph if graph is not None else load_graph(self.path), self.provider)
+        self.graph, self._rewritten_for_provider = step_for_provider(
+            graph if graph is not None else load_graph(self.path), self.provider,
+            deterministic=deterministic)
         self.spec = TrainingStep.of(self.graph).validate(
             str(self.path), then="memcc.Trainer('step.onnx')")
         if arena and self.provider != "cpu":

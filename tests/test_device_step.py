@@ -200,3 +200,21 @@ def test_the_profile_names_nodes_that_ran_off_the_sessions_provider():
         "shape (CPUExecutionProvider)"]
     assert off_provider_nodes(events, "CPUExecutionProvider") == [
         "a (CUDAExecutionProvider)", "copy (CUDAExecutionProvider)"]
+
+
+def test_a_deterministic_cuda_step_has_no_atomic_scatter_left():
+    """What ``--deterministic`` runs on CUDA, built here (the rewrite is graph to graph)."""
+    from memcc.backend.device_step import step_for_provider
+    from memcc.passes.deterministic_scatter import is_accumulating_scatter
+
+    graph = _step("gpt2")
+    plain, changed = step_for_provider(graph, "cpu", deterministic=True)
+    assert plain is graph and not changed
+    fast, _ = step_for_provider(graph, "cuda")
+    det, changed = step_for_provider(graph, "cuda", deterministic=True)
+    assert changed
+    assert any(is_accumulating_scatter(n) for n in fast.nodes)
+    feeds = synthetic_feeds(graph, seed=0)
+    a = _device_step(fast, DEVICE).run(feeds).loss
+    b = _device_step(det, DEVICE).run(feeds).loss
+    assert abs(a - b) <= 1e-5 * abs(a)

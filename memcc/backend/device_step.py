@@ -103,6 +103,24 @@ def _dropout_trains(node: onnx.NodeProto, graph: Graph) -> bool:
 HOST, DEVICE = "host", "device"
 
 
+def step_for_provider(graph: Graph, provider: str, *, deterministic: bool = False
+                      ) -> tuple[Graph, bool]:
+    """The step as ``provider`` runs it, and whether anything was rewritten: on CUDA,
+    training-mode BatchNorm as standard ops (``passes.batchnorm_for_cuda``) and, for
+    ``deterministic`` runs, every accumulating scatter in a form without atomics
+    (``passes.deterministic_scatter``; its sums change order, within 1e-5)."""
+    from memcc.passes.batchnorm_for_cuda import for_provider
+
+    graph, bn = for_provider(graph, provider)
+    changed = bool(bn)
+    if provider == "cuda" and deterministic:
+        from memcc.passes.deterministic_scatter import for_cuda_determinism
+
+        graph, report = for_cuda_determinism(graph)
+        changed = changed or bool(report.rewritten)
+    return graph, changed
+
+
 def device_session_graph(graph: Graph, carried: Sequence[str], layout: str
                          ) -> tuple[Graph, dict[str, np.ndarray], dict[str, np.ndarray]]:
     """The graph the session gets, the carried values' initial arrays, and (``HOST``

@@ -43,6 +43,7 @@ import onnx
 from onnx import TensorProto
 
 from memcc.backend import memory
+from memcc.backend.device_step import step_for_provider
 from memcc.backend.profile_order import check_session_order, planned_order
 from memcc.backend.session import make_session, resolve_provider
 from memcc.errors import InputError, RuntimeFailure
@@ -50,7 +51,6 @@ from memcc.frontend.constants import constant_node_value
 from memcc.frontend.load import load_graph
 from memcc.graph import Graph, TensorInfo
 from memcc.passes.arena import ArenaReport, cpu_arena_peak, replay_steps
-from memcc.passes.batchnorm_for_cuda import for_provider
 from memcc.passes.liveness import LivenessReport, analyze_liveness
 from memcc.step import TrainingStep
 from memcc.step import describe_type as _describe
@@ -172,7 +172,7 @@ def run_steps(
     graph = load_graph(path)
     spec = read_step_spec(graph, source=str(path))
     prov = resolve_provider(provider)
-    graph, _ = for_provider(graph, prov)
+    graph, _ = step_for_provider(graph, prov, deterministic=deterministic)
     feeds = load_data(data, graph, spec) if data is not None else synthetic_feeds(graph, seed)
     if prov == "cuda":
         if arena:
