@@ -344,7 +344,7 @@ class _Meter:
         if self.provider == "cuda":
             if not self.nvml.available:
                 return None
-            return self.nvml._used() - (self.nvml.baseline or 0)
+            return self.nvml.used() - (self.nvml.baseline or 0)
         return memory.rss_bytes() - (self.cpu.baseline or 0)
 
 

@@ -114,9 +114,9 @@ CudaGraphOpt = Annotated[Optional[bool], typer.Option(  # noqa: UP045
          "fails, naming the node, where that is not so.")]
 DeterministicOpt = Annotated[bool, typer.Option(
     "--deterministic",
-    help="CUDA: the same bits on every run (ORT's deterministic compute, scatter-adds "
-         "without atomics), at a cost in speed (README, Reproducible runs). Default: "
-         "PyTorch-like speed; runs may differ in the last bits.")]
+    help="CUDA: the same bits on every run: scatter-adds and leading-axis reductions "
+         "rewritten without atomics (README, Reproducible runs; GPT-2 +7% step time on an "
+         "H200). Default: PyTorch-like speed; runs may differ in the last bits.")]
 StrategyOpt = Annotated[Literal["auto", "ilp", "sqrtn", "none"], typer.Option(
     help="auto (ILP, heuristics, exact polish; best fitting plan), ilp, sqrtn or none.")]
 

@@ -117,7 +117,7 @@ class Trainer:
         self._step = DeviceStep(
             self.arrangement.graph, loss=self.spec.loss, updates=self.updates,
             aliased=self.in_place.aliased, provider=self.provider, threads=threads,
-            cpu_arena=self.arena, cuda_graph=cuda_graph, deterministic=deterministic,
+            cpu_arena=self.arena, cuda_graph=cuda_graph,
             source=str(self.path))
         self.deterministic = bool(deterministic)
         # The initial values stored in the file are not needed any more (state_dict and
@@ -583,8 +583,9 @@ def train(opts: TrainOptions, *, on_start: Callable[[TrainResult], None] | None 
                          cuda_graph=trainer.cuda_graph if trainer.provider == "cuda" else None,
                          deterministic=trainer.deterministic)
     if trainer.provider == "cuda":
-        result.notes.append(f"CUDA graph: {trainer.cuda_graph}; deterministic compute: "
-                            f"{'on' if trainer.deterministic else 'off (--deterministic)'}")
+        same = ("yes (--deterministic)" if trainer.deterministic else
+                "no: runs may differ in the last bits (--deterministic)")
+        result.notes.append(f"CUDA graph: {trainer.cuda_graph}; reproducible: {same}")
     meter = StepMemory(trainer)
     result.memory = meter.to_json()
     if on_start is not None:

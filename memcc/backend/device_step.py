@@ -8,9 +8,9 @@ to run it spent most of its time outside the kernels: state copied in and out ev
 every step (103 ms without), and ORT's host-side work for every node. So:
 
 - The carried values (parameters, optimizer state, BatchNorm statistics, the Dropout
-  counter) are device buffers, uploaded once (``upload``) through a session of Identity
-  nodes whose arena grows by exactly each request (``kSameAsRequested``) and is shrunk
-  right after, so each value holds its own bytes and nothing more. Python's own
+  counter) are device buffers, uploaded once (``upload``) through a session of
+  ``MemcpyFromHost`` nodes whose arena grows by exactly each request (``kSameAsRequested``),
+  so each value holds its own bytes and nothing more. Python's own
   ``OrtValue.ortvalue_from_numpy(..., "cuda")`` would place them in a second arena that
   grows by powers of two, which no plan counts and ``gpu_mem_limit`` does not cap.
 - The step's other stored values (constants, frozen weights) stay initializers of the step
@@ -108,16 +108,22 @@ def step_for_provider(graph: Graph, provider: str, *, deterministic: bool = Fals
     """The step as ``provider`` runs it, and whether anything was rewritten: on CUDA,
     training-mode BatchNorm as standard ops (``passes.batchnorm_for_cuda``) and, for
     ``deterministic`` runs, every accumulating scatter in a form without atomics
-    (``passes.deterministic_scatter``; its sums change order, within 1e-5)."""
+    (``passes.deterministic_scatter``) and every reduction over leading axes as one over
+    trailing axes (``passes.deterministic_reductions``), the two sources of run-to-run
+    differences measured on an H200; their sums change order (within 1e-5). ORT's own
+    ``use_deterministic_compute`` is not needed then, and cost GPT-2's step 47% there
+    against 7% for the rewrites (docs/DETERMINISM.md, "CUDA")."""
     from memcc.passes.batchnorm_for_cuda import for_provider
 
     graph, bn = for_provider(graph, provider)
     changed = bool(bn)
     if provider == "cuda" and deterministic:
+        from memcc.passes.deterministic_reductions import to_trailing_axes
         from memcc.passes.deterministic_scatter import for_cuda_determinism
 
-        graph, report = for_cuda_determinism(graph)
-        changed = changed or bool(report.rewritten)
+        graph, scatters = for_cuda_determinism(graph)
+        graph, reductions = to_trailing_axes(graph)
+        changed = changed or bool(scatters.rewritten) or bool(reductions.rewritten)
     return graph, changed
 
 
@@ -160,14 +166,18 @@ def upload(arrays: Mapping[str, np.ndarray], provider: str, layout: str = DEVICE
     if not arrays:
         return {}
     names = list(arrays)
+    # CUDA: MemcpyFromHost reads its input where the caller's array is, so only the copy
+    # is allocated on the device (an Identity would copy each array into the arena first,
+    # and those copies, freed after the run, would stay reserved in an arena the values
+    # keep alive). The CPU provider has no such kernel; Identity copies there.
+    op = "MemcpyFromHost" if provider == "cuda" else "Identity"
     nodes, ins, outs = [], [], []
     for k, name in enumerate(names):
         a = arrays[name]
         dtype = onnx.helper.np_dtype_to_tensor_dtype(a.dtype)
         ins.append(onnx.helper.make_tensor_value_info(f"in{k}", dtype, list(a.shape)))
         outs.append(onnx.helper.make_tensor_value_info(f"out{k}", dtype, list(a.shape)))
-        nodes.append(onnx.helper.make_node("Identity", [f"in{k}"], [f"out{k}"],
-                                           name=f"upload{k}"))
+        nodes.append(onnx.helper.make_node(op, [f"in{k}"], [f"out{k}"], name=f"upload{k}"))
     model = onnx.helper.make_model(onnx.helper.make_graph(nodes, "memcc_upload", ins, outs),
                                    opset_imports=[onnx.helper.make_opsetid("", 17)])
     model.ir_version = 8
@@ -212,7 +222,7 @@ class DeviceStep:
                  aliased: Mapping[str, str], provider: str = "cpu",
                  threads: int | None = None, cpu_arena: bool = False,
                  gpu_mem_limit: int | None = None, cuda_graph: bool | None = None,
-                 deterministic: bool = False, returned: Sequence[str] = (),
+                 returned: Sequence[str] = (),
                  profile_prefix: str | None = None, source: str = "<step>",
                  layout: str | None = None) -> None:
         import onnxruntime as ort
@@ -260,7 +270,7 @@ class DeviceStep:
                 model, provider, intra_op_threads=threads, cpu_arena=cpu_arena,
                 gpu_mem_limit=limit if provider == "cuda" else None,
                 profile=profile_prefix is not None, profile_prefix=profile_prefix,
-                deterministic=deterministic, cuda_graph=with_graph,
+                cuda_graph=with_graph,
                 extra_config={"session.use_device_allocator_for_initializers": "1"}
                 if provider == "cuda" else None)
 

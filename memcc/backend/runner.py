@@ -256,8 +256,8 @@ def _run_on_device(path: Path, graph: Graph, spec: StepSpec, batch: Mapping[str,
 
     def open_step(**kw) -> DeviceStep:
         return DeviceStep(graph, loss=spec.loss, updates=spec.state, aliased=aliased,
-                          provider="cuda", gpu_mem_limit=gpu_mem_limit,
-                          deterministic=deterministic, source=str(path), **kw)
+                          provider="cuda", gpu_mem_limit=gpu_mem_limit, source=str(path),
+                          **kw)
 
     memory.device_baseline()  # a CUDA context before anything is measured
     with tempfile.TemporaryDirectory(prefix="memcc-run-") as tmp:
