@@ -434,9 +434,9 @@ def _torch_child(p: dict) -> dict:
     device = torch.device("cuda" if provider == "cuda" else "cpu")
     meter = _Meter(provider)
     if provider == "cuda":
-        tf32 = bool(p["tf32"])
-        torch.backends.cuda.matmul.allow_tf32 = tf32
-        torch.backends.cudnn.allow_tf32 = tf32
+        # "default": PyTorch's own defaults, TF32 for cuDNN convolutions but not matmuls.
+        torch.backends.cuda.matmul.allow_tf32 = p["tf32"] is True
+        torch.backends.cudnn.allow_tf32 = bool(p["tf32"])
     else:
         torch.set_num_threads(len(os.sched_getaffinity(0)))
     meta = p["meta"]
@@ -508,8 +508,7 @@ def _torch_child(p: dict) -> dict:
             torch.cuda.max_memory_allocated()
     settings = {
         "provider": provider,
-        "tf32": ("on" if p["tf32"] else "off") + " (torch.backends.cuda.matmul.allow_tf32 "
-                "and torch.backends.cudnn.allow_tf32)" if provider == "cuda" else "n/a (CPU)",
+        "tf32": (_TF32_WORDS[p["tf32"]] if provider == "cuda" else "n/a (CPU)"),
         "deterministic": "off (PyTorch default)",
         "read_back": {"matmul.allow_tf32": bool(torch.backends.cuda.matmul.allow_tf32),
                       "cudnn.allow_tf32": bool(torch.backends.cudnn.allow_tf32),
@@ -549,10 +548,19 @@ def trainer_arguments() -> set[str]:
     return set(inspect.signature(memcc.Trainer).parameters)
 
 
+_TF32_WORDS = {
+    True: "on (torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32)",
+    False: "off (torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32)",
+    "default": "default: PyTorch's own (cudnn.allow_tf32 on for convolutions, "
+               "matmul.allow_tf32 off)",
+}
+
+
 def systems_for(provider: str, families: Sequence[str]) -> list[dict]:
     """The rows to measure per model, most wanted first (``--time-limit`` drops the tail):
-    memcc as built, PyTorch eager at its default (TF32 off) and with TF32 (ORT's setting),
-    checkpointing, then memcc with deterministic compute. Plans go in after eager."""
+    memcc as built, PyTorch eager with TF32 off, on (ORT's setting) and at PyTorch's own
+    defaults (TF32 for convolutions only), checkpointing, then memcc with --deterministic.
+    Plans go in after eager."""
     tf32s = (False, True) if provider == "cuda" else (False,)
     takes = trainer_arguments()
     # deterministic compute off where the Trainer has the switch (whatever its default)
@@ -563,6 +571,9 @@ def systems_for(provider: str, families: Sequence[str]) -> list[dict]:
     if "torch" in families:
         rows += [{"system": "torch-eager", "kind": "torch", "checkpoint": False, "tf32": t}
                  for t in tf32s]
+        if provider == "cuda":
+            rows.append({"system": "torch-eager", "kind": "torch", "checkpoint": False,
+                         "tf32": "default"})
         rows += [{"system": "torch-checkpoint", "kind": "torch", "checkpoint": True,
                   "tf32": t} for t in reversed(tf32s)]
     if "memcc" in families and "deterministic" in takes:
@@ -599,7 +610,7 @@ def _plan_label(path: Path, label: str | None) -> str:
 def _describe(row: dict, provider: str) -> str:
     what = row["system"] + "".join(f" {k}={v}" for k, v in (row.get("trainer") or {}).items())
     if row["kind"] == "torch" and provider == "cuda":
-        what += f" tf32={'on' if row['tf32'] else 'off'}"
+        what += f" tf32={ {True: 'on', False: 'off'}.get(row['tf32'], row['tf32']) }"
     return what
 
 
@@ -620,6 +631,7 @@ def run(steps_from: Path, out: Path, *, provider: str = "cuda",
         models: Sequence[str] = MODELS, warmup: int = 2, steps: int = 5,
         plans: Mapping[str, list[tuple[Path, str | None]]] | None = None,
         families: Sequence[str] = ("memcc", "torch"), seed: int = SEED,
+        only: Sequence[str] = (),
         timeout_s: float = 600.0, time_limit_s: float | None = None) -> dict:
     """Measure every system on every model; write and return ``summary.json``.
 
@@ -641,6 +653,8 @@ def run(steps_from: Path, out: Path, *, provider: str = "cuda",
                                     "kind": "memcc", "trainer": mine[0].get("trainer", {}),
                                     "step": str(_decompress(
                                         plan, Path(tmp) / f"{model}.plan{i}.onnx"))})
+            if only:  # --only: rows whose description holds one of the texts
+                mine = [r for r in mine if any(t in _describe(r, provider) for t in only)]
             for rank, row in enumerate(mine):
                 todo.append((rank, mi, model, {"step": str(step), **row}))
         log(f"{len(todo)} systems to measure, steps decompressed "
@@ -707,7 +721,8 @@ def _label(r: dict) -> str:
         extra = " det" if s.get("deterministic") is True else ""
         return r["system"] + extra
     tf = s.get("tf32", "")
-    return r["system"] + (" tf32" if tf.startswith("on") else "")
+    return r["system"] + (" tf32" if tf.startswith("on") else
+                          " torch-defaults" if tf.startswith("default") else "")
 
 
 def checks(rows: list[dict]) -> dict:
@@ -818,6 +833,9 @@ def main(argv: Sequence[str]) -> int:
     ap.add_argument("--systems", default="memcc,torch",
                     help="which families of rows: memcc, torch or both")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per child")
+    ap.add_argument("--only", action="append", default=[], metavar="TEXT",
+                    help="measure only the rows whose description holds TEXT (repeatable; "
+                         "e.g. 'tf32=default', 'memcc-as-built')")
     ap.add_argument("--time-limit", type=float, default=None, metavar="S",
                     help="start no system after S seconds; the rows left are listed as "
                          "skipped (least wanted rows of every model go first)")
@@ -842,6 +860,7 @@ def main(argv: Sequence[str]) -> int:
         summary = run(args.steps_from, args.out, provider=args.provider, models=models,
                       warmup=args.warmup, steps=args.steps, plans=_plans(args.plan),
                       families=families, seed=args.seed, timeout_s=args.timeout,
+                      only=args.only,
                       time_limit_s=args.time_limit)
     except InputError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -137,6 +137,7 @@ def test_cuda_rows_ratios_and_table() -> None:
     rows = gp.systems_for("cuda", ["memcc", "torch"])
     torch_rows = [(r["system"], r["tf32"]) for r in rows if r["kind"] == "torch"]
     assert torch_rows == [("torch-eager", False), ("torch-eager", True),
+                          ("torch-eager", "default"),
                           ("torch-checkpoint", True), ("torch-checkpoint", False)]
     measured = [_row("memcc-as-built", 0.07, 15_000_000_000, 10.8249),
                 _row("torch-eager", 0.107, 20_000_000_000, 10.8251, tf32="off (...)"),
