@@ -440,6 +440,7 @@ def replay_steps(graph: Graph, liveness, *, steps: int = 2, feeds_in_arena: bool
                          cpu_threads=cpu_threads, outputs_in_arena=outputs_in_arena)
     feeds = [e.key for e in events if e.node < 0]
     held_outputs = list(graph.outputs) if outputs_in_arena else []
+    outputs_held = set(held_outputs)
     arena = BfcArena(limit=limit, addresses_grow=addresses_grow, cuda_pages=cuda,
                      streams=cuda)
     outputs = set(graph.outputs)
@@ -497,6 +498,10 @@ def replay_steps(graph: Graph, liveness, *, steps: int = 2, feeds_in_arena: bool
             peaks.append(run_peak)
         for name in feeds:
             arena.free(name + tag)
+        # Values nothing reads (and so live to the end of the run) go when the run ends.
+        for e in events:
+            if e.nbytes and e.node >= 0 and e.key not in outputs_held:
+                arena.free(e.key + tag)
         arena.release_streams()
         if shrink:
             arena.shrink()
