@@ -13,9 +13,10 @@ and returns the loss; the carried values are updated where they live:
   the two buffers swap roles after each step: still no copy, and the same memory as
   ``memcc run``. The kernels are the same either way, so the numbers are bit-identical to
   ``memcc run``'s copying loop (tests/test_trainer.py checks it).
-- On CUDA the carried values and the step's constants are device ``OrtValue``s, created
-  once; only the batch goes to the device and only the loss comes back. This path is
-  written from ORT's IOBinding documentation and has not been run on a GPU.
+- Every run goes through ``backend.device_step.DeviceStep``, the one runtime path ``memcc
+  run`` uses too: on CUDA the carried values are device buffers, bound once; only the batch
+  goes to the device and only the loss comes back; no arena shrink; a CUDA graph where the
+  step can be captured (measured on an H200: BENCHMARKS.md, "Issue 29 on an H200").
 
 The session is made under memcc's execution contract (``backend.session``), from the same
 graph ``memcc run`` gives ORT: no tensor data in the graph, every stored value fed as an

@@ -49,6 +49,7 @@ from memcc.frontend.constants import constant_node_value
 from memcc.graph import Graph, node_label
 from memcc.passes.arena import cuda_pages_for, rounded_bytes
 from memcc.passes.device_memory import (  # noqa: F401 (re-exported: the runtime's prediction)
+    CUDA_SESSION_BYTES,
     PREDICTION_METHOD,
     DevicePrediction,
     bound_infos,
@@ -258,11 +259,13 @@ class DeviceStep:
             # may have what the budget leaves.
             bound = bound_infos(graph, self.aliased, self.updates)
             outside = cuda_pages_for([rounded_bytes(ti.nbytes) for ti in bound if ti.nbytes]
-                                     + list(stored_sizes(sgraph).values()))
+                                     + list(stored_sizes(sgraph).values())) \
+                + CUDA_SESSION_BYTES
             limit = int(gpu_mem_limit) - outside
             if limit <= 0:
                 raise RuntimeFailure(
-                    f"{source}: the step's state and stored values alone take {outside:,} "
+                    f"{source}: the step's state, stored values and the CUDA session's own "
+                    f"handles alone take {outside:,} "
                     f"device bytes, more than the limit {int(gpu_mem_limit):,}")
 
         def open_session(with_graph: bool):

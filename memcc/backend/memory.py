@@ -130,7 +130,7 @@ class CpuPeakMeter:
 
 # ---------------------------------------------------------------------------- CUDA
 class NvmlPeakMeter:
-    """Device memory in use, sampled from a thread while a step runs (unverified on GPUs)."""
+    """Device memory in use, sampled from a thread while a step runs (NVML)."""
 
     def __init__(self, device_index: int = 0, interval_s: float = 0.0005) -> None:
         self.interval_s = interval_s

@@ -25,6 +25,13 @@ from memcc.passes.arrange import Arrangement, arrange_step
 from memcc.passes.liveness import LivenessReport
 from memcc.step import TrainingStep
 
+# What a CUDA session of ORT holds for itself once it has run: cuBLAS and cuDNN handles and
+# their workspaces. Measured on an H200 (CUDA 13, cuDNN 9, onnxruntime-gpu 1.31.1;
+# benchmarks/cuda_h200_issue29/device_pieces.json): 66 MiB at creation and 64 MiB more at
+# the first run, 148 MiB for a second session in the same process. Not the CUDA context
+# nor the kernel code the libraries load for the process (a warm-up session's, kept).
+CUDA_SESSION_BYTES = 130 << 20
+
 
 @dataclass(frozen=True)
 class DevicePrediction:
@@ -40,15 +47,18 @@ class DevicePrediction:
     bound_bytes: int
     stored_bytes: int
     arena: ArenaReport
+    session_bytes: int = CUDA_SESSION_BYTES
 
     def to_json(self) -> dict:
         return {"steady_bytes": self.steady_bytes, "first_step_bytes": self.first_step_bytes,
                 "bound_bytes": self.bound_bytes, "stored_bytes": self.stored_bytes,
+                "session_bytes": self.session_bytes,
                 "arena": self.arena.to_json(), "method": PREDICTION_METHOD}
 
 
 PREDICTION_METHOD = ("arena replay without shrink (passes.arena, CUDA pages) + the buffers "
-                     "bound to the step + the stored values ORT places on the device")
+                     "bound to the step + the stored values ORT places on the device + the "
+                     "session's own handles and workspaces (measured constant)")
 
 
 def predict_device(graph: Graph, liveness: LivenessReport, *, aliased: Mapping[str, str],
@@ -62,7 +72,8 @@ def predict_device(graph: Graph, liveness: LivenessReport, *, aliased: Mapping[s
     _, _, carried_inputs = _carried(updates)
     stored = [s for n, s in stored_sizes(graph).items() if n not in carried_inputs]
     # Small buffers share device pages whoever asked for them (the driver packs them).
-    outside = cuda_pages_for([rounded_bytes(b) for b in bound if b] + stored)
+    outside = cuda_pages_for([rounded_bytes(b) for b in bound if b] + stored) \
+        + CUDA_SESSION_BYTES
     first = report.first_run_peak_bytes + outside
     steady = (report.peak_device_bytes or report.peak_reserved_bytes) + outside
     return DevicePrediction(steady, first, sum(bound), sum(stored), report)
