@@ -96,7 +96,26 @@ def test_a_dynamo_export_needs_no_rewrite(tmp_path):
     path, _, _, dims = export("conv_bn", "dynamo", tmp_path, training=True)
     step = build_training_step(load_graph(path, dims), BuildOptions())
     assert not [n for n in step.nodes if is_training_batchnorm(n, step.opset)]
-    assert for_provider(step, "cuda") == (step, 0)
+    rewritten, n = for_provider(step, "cuda")
+    assert n == 0
+    # Only the per-channel sums of its gradient change form (passes/deterministic_reductions):
+    # every BatchNormalization stays as it was.
+    bn = [x for x in step.nodes if x.op_type == "BatchNormalization"]
+    assert [x for x in rewritten.nodes if x.op_type == "BatchNormalization"] == bn
+
+
+def test_on_cuda_per_channel_sums_run_over_trailing_axes():
+    """ResNet-18's BatchNorm scale/bias gradients and statistics (sums over N, H, W) become
+    a transpose and a trailing-axis sum on CUDA (the numbers: the tests above compare the
+    rewritten step's outputs with the step as built)."""
+    from memcc.passes.deterministic_reductions import per_channel, to_trailing_axes
+
+    step = _zoo_step()
+    _, before = to_trailing_axes(step, only=per_channel)
+    rewritten, _ = for_provider(step, "cuda")
+    _, after = to_trailing_axes(rewritten, only=per_channel)
+    assert len(before.rewritten) >= 20 and not after.rewritten
+    assert for_provider(step, "cpu") == (step, 0)
 
 
 def test_rewrite_keeps_names_roles_and_leaves_other_providers_alone():

@@ -116,8 +116,9 @@ def step_for_provider(graph: Graph, provider: str, *, deterministic: bool = Fals
     against 7% for the rewrites (docs/DETERMINISM.md, "CUDA")."""
     from memcc.passes.batchnorm_for_cuda import for_provider
 
-    graph, bn = for_provider(graph, provider)
-    changed = bool(bn)
+    original = graph
+    graph, _ = for_provider(graph, provider)
+    changed = graph is not original
     if provider == "cuda" and deterministic:
         from memcc.passes.deterministic_reductions import to_trailing_axes
         from memcc.passes.deterministic_scatter import for_cuda_determinism

@@ -24,6 +24,8 @@ Sums change order, so results match the original within a tolerance
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import onnx
 
@@ -62,9 +64,19 @@ def _axes(graph: Graph, node: onnx.NodeProto, rank: int, producers) -> list[int]
     return sorted({a % rank for a in axes})
 
 
-def to_trailing_axes(graph: Graph) -> tuple[Graph, Report]:
+def per_channel(reduced: list[int], kept: list[int]) -> bool:
+    """A sum over every axis but the channels of an NCHW tensor (BatchNorm's statistics and
+    the gradients of its scale and bias): the form ``passes.batchnorm_for_cuda`` rewrites
+    on CUDA by default, because ORT's atomic path for it was slow (below)."""
+    return kept == [1] and 0 in reduced and all(a in (0, 2, 3) for a in reduced)
+
+
+def to_trailing_axes(graph: Graph, *, only: Callable[[list[int], list[int]], bool] | None
+                     = None) -> tuple[Graph, Report]:
     """A copy of ``graph`` with each leading-axis fast-path reduction rewritten as above
-    (``graph`` itself when there is none), and a report naming every node."""
+    (``graph`` itself when there is none), and a report naming every node. ``only``: rewrite
+    just the reductions for which ``only(reduced_axes, kept_axes)`` holds (axes of size 1
+    left out), e.g. ``per_channel``."""
     report = Report()
     producers = graph.producers()
     targets: dict[int, tuple[list[int], list[int]]] = {}
@@ -87,6 +99,8 @@ def to_trailing_axes(graph: Graph) -> tuple[Graph, Report]:
         if not reduced or not kept or max(kept) < min(reduced):
             report.already.append(f"{node_label(node)}: reduces trailing axes {axes} of "
                                   f"{list(x_info.shape)}")
+            continue
+        if only is not None and not only(reduced, kept):
             continue
         targets[i] = (kept, reduced)
     if not targets:
