@@ -63,7 +63,7 @@ from memcc.frontend.gradients.shape_ops import (
     slice_values,
     split_values,
 )
-from memcc.graph import Graph, TensorInfo, attr, node_label
+from memcc.graph import Graph, TensorInfo, ancestors, attr, node_label
 from memcc.step import GRAD_OF_PROP, ROLE_PROP, RULE_PROP
 
 I32, I64, BOOL = TensorProto.INT32, TensorProto.INT64, TensorProto.BOOL
@@ -674,18 +674,8 @@ def _drop_dead(nodes: list[onnx.NodeProto], dropped: list[onnx.NodeProto], produ
     """Remove the nodes that only fed the replaced scatters (the chunks' Slices and
     Expands), and nothing else. ``dropped`` and ``producers`` are the original graph's;
     ``copy_of`` maps its nodes to their copies in ``nodes``."""
-    candidates: set[int] = set()
-    stack = [i for n in dropped for i in n.input if i]
-    seen: set[str] = set()
-    while stack:
-        v = stack.pop()
-        if v in seen:
-            continue
-        seen.add(v)
-        p = producers.get(v)
-        if p is not None:
-            candidates.add(id(copy_of(p)))
-            stack.extend(i for i in p.input if i)
+    upstream, _ = ancestors([i for n in dropped for i in n.input], producers)
+    candidates = {id(copy_of(p)) for p in upstream}
     alive = list(nodes)
     while True:
         used = {i for n in alive for i in n.input if i} | keep
