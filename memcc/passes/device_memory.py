@@ -79,14 +79,17 @@ def predict_device(graph: Graph, liveness: LivenessReport, *, aliased: Mapping[s
     return DevicePrediction(steady, first, sum(bound), sum(stored), report)
 
 
-def predict_step(graph: Graph, *, steps: int = 2, limit: int | None = None
-                 ) -> tuple[Arrangement, DevicePrediction]:
+def predict_step(graph: Graph, *, steps: int = 2, limit: int | None = None,
+                 early_updates: bool = True) -> tuple[Arrangement, DevicePrediction]:
     """The step as the CUDA runtime runs it (updates in place, moved early where that
     predicts a lower peak: ``passes.arrange``) and what it holds on the device. ``memcc
     run``, ``--verify``, ``memcc train`` and the planner's ``simulate(device="cuda")`` all
-    take it from here, so a plan is judged the way it runs."""
+    take it from here, so a plan is judged the way it runs. ``early_updates=False``: the
+    file's order only, which the runtime keeps unless moving updates predicts fewer live
+    bytes, so a bound on what runs, at a third of the analysis (the planner's choice: it
+    judges many candidate plans)."""
     step = TrainingStep.of(graph)
-    a = arrange_step(graph, step, host_copies=True)
+    a = arrange_step(graph, step, host_copies=True, early_updates=early_updates)
     return a, predict_device(a.graph, a.prediction, aliased=a.in_place.aliased,
                              updates=step.state, steps=steps, limit=limit)
 

@@ -62,8 +62,10 @@ def analyze_in_place(graph: Graph, updates: Mapping[str, str],
     refused: dict[str, str] = {}
     taken: set[str] = set()
     outputs = set(graph.outputs)
+    views = alias_children(nodes)
     for out, inp in updates.items():
-        why = _refusal(graph, nodes, position, producer, readers, outputs, out, inp, taken)
+        why = _refusal(graph, nodes, position, producer, readers, outputs, out, inp, taken,
+                       views)
         if why is None:
             aliased[out] = inp
             taken.add(inp)
@@ -73,7 +75,7 @@ def analyze_in_place(graph: Graph, updates: Mapping[str, str],
 
 
 def _refusal(graph: Graph, nodes, position, producer, readers, outputs: set[str], out: str,
-             inp: str, taken: set[str]) -> str | None:
+             inp: str, taken: set[str], views: Mapping[str, list[str]]) -> str | None:
     node = producer.get(out)
     if node is None:
         return "no node produces it"
@@ -86,7 +88,7 @@ def _refusal(graph: Graph, nodes, position, producer, readers, outputs: set[str]
     ti_out, ti_in = graph.info.get(out), graph.info.get(inp)
     if ti_out is None or ti_out != ti_in:
         return f"its type differs from '{inp}'"
-    shared = sharing_buffer(nodes, inp)
+    shared = sharing_buffer(views, inp)
     for operand in node.input:
         if operand in shared and graph.info.get(operand) is not None and \
                 graph.info[operand].shape != ti_out.shape:
@@ -101,10 +103,26 @@ def _refusal(graph: Graph, nodes, position, producer, readers, outputs: set[str]
     return None
 
 
-def sharing_buffer(nodes: Sequence[onnx.NodeProto], inp: str) -> set[str]:
-    """``inp`` and every value ORT may hand out as a view of its buffer."""
+def alias_children(nodes: Sequence[onnx.NodeProto]) -> dict[str, list[str]]:
+    """Value -> the values ORT may hand out as views of its buffer, one step down (read
+    once per graph: ``sharing_buffer`` walks it for every update)."""
+    children: dict[str, list[str]] = {}
+    for n in nodes:
+        if n.op_type in ALIAS_OPS and n.input and n.input[0] and n.output:
+            children.setdefault(n.input[0], []).append(n.output[0])
+    return children
+
+
+def sharing_buffer(nodes: Sequence[onnx.NodeProto] | Mapping[str, list[str]], inp: str
+                   ) -> set[str]:
+    """``inp`` and every value ORT may hand out as a view of its buffer. ``nodes``: the
+    step's nodes, or their ``alias_children`` when asked for many values."""
+    children = nodes if isinstance(nodes, Mapping) else alias_children(nodes)
     shared = {inp}
-    for n in nodes:  # topological order: one pass reaches every alias chain
-        if n.op_type in ALIAS_OPS and n.input and n.input[0] in shared and n.output:
-            shared.add(n.output[0])
+    stack = [inp]
+    while stack:
+        for c in children.get(stack.pop(), ()):
+            if c not in shared:
+                shared.add(c)
+                stack.append(c)
     return shared

@@ -81,7 +81,7 @@ def simulate(graph: Graph, plan: Plan, costs: CostModel,
     live = analyze_liveness(lowered.graph, host_copies=host_copies or device == "cuda")
     arena, peak, prediction = None, live.peak_bytes, None
     if device == "cuda":
-        _, prediction = predict_step(lowered.graph)
+        _, prediction = predict_step(lowered.graph, early_updates=False)
         arena, peak = prediction.arena, prediction.steady_bytes
     elif device == "cpu-arena":
         arena, peak = cpu_arena_peak(lowered.graph, live)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import onnx
 
 from memcc.graph import Graph
-from memcc.passes.inplace import analyze_in_place, sharing_buffer
+from memcc.passes.inplace import alias_children, analyze_in_place, sharing_buffer
 from memcc.step import Role, TrainingStep
 
 
@@ -79,6 +79,8 @@ def schedule_updates_early(graph: Graph, step: TrainingStep | None = None,
                          if i in producer and id(producer[i]) in is_update)
         cones.append(_late_leaves([n for n in updates if id(n) in cone]))
 
+    views = alias_children(nodes)
+
     def waits_for(cone: list[onnx.NodeProto]) -> set[int]:
         """Nodes outside the cone that must run before it."""
         inside = {id(n) for n in cone}
@@ -90,7 +92,7 @@ def schedule_updates_early(graph: Graph, step: TrainingStep | None = None,
                     need.add(id(src))
             for o in n.output:
                 if o in aliased:
-                    for v in sharing_buffer(nodes, aliased[o]):
+                    for v in sharing_buffer(views, aliased[o]):
                         need.update(id(r) for r in readers.get(v, ()) if id(r) not in inside)
         return need
 
