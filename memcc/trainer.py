@@ -49,12 +49,7 @@ import numpy as np
 
 from memcc.backend import checkpoint as ckpt
 from memcc.backend.data import DataInput, Dataset, data_inputs, load_dataset
-from memcc.backend.device_step import (
-    DevicePrediction,
-    DeviceStep,
-    predict_device,
-    step_for_provider,
-)
+from memcc.backend.device_step import DeviceStep, step_for_provider
 from memcc.backend.memory import device_baseline, trim_heap
 from memcc.backend.session import resolve_provider
 from memcc.errors import InputError, RuntimeFailure
@@ -62,6 +57,7 @@ from memcc.frontend.dropout_masks import COUNTER, checkpoint_counter, restore_dr
 from memcc.frontend.load import load_graph
 from memcc.graph import Graph, ancestors
 from memcc.passes.arrange import Arrangement, arrange_step
+from memcc.passes.device_memory import DevicePrediction, predict_device
 from memcc.passes.inplace import InPlaceUpdates
 from memcc.step import PLAN_KEY, TrainingStep
 
@@ -139,7 +135,7 @@ class Trainer:
     @property
     def device_prediction(self) -> DevicePrediction:
         """What the step holds on the device from its second step on, and in its first
-        (``backend.device_step.predict_device``); computed once, when first asked."""
+        (``passes.device_memory.predict_device``); computed once, when first asked."""
         if self._device_prediction is None:
             a = self.arrangement
             self._device_prediction = predict_device(a.graph, a.prediction,
@@ -743,7 +739,7 @@ class StepMemory:
     - CUDA: the device memory used at the step's worst moment (NVML, sampled; needs
       ``pynvml``) over the reading before the trainer's session existed
       (``memory.device_baseline``): state, batch, arena and ORT's own workspaces. Predicted
-      by ``backend.device_step.predict_device`` (the arena keeps its regions between
+      by ``passes.device_memory.predict_device`` (the arena keeps its regions between
       steps, so this is the steady state from the second step on).
     - CPU with malloc: not measured (trimming the heap every step would change what it
       measures); the progress shows the resident size, labelled so, and ``train`` notes
@@ -764,8 +760,8 @@ class StepMemory:
             self.prediction = "CPU arena model (passes.arena.cpu_arena_peak)"
         self._nvml = None
         if self.allocator == "cuda-arena":
-            from memcc.backend.device_step import PREDICTION_METHOD
             from memcc.backend.memory import NvmlPeakMeter
+            from memcc.passes.device_memory import PREDICTION_METHOD
 
             self.prediction = PREDICTION_METHOD
             self.first_step_predicted = trainer.device_prediction.first_step_bytes

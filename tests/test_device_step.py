@@ -22,7 +22,6 @@ from memcc.backend.device_step import (
     DeviceStep,
     capture_blockers,
     device_session_graph,
-    predict_device,
 )
 from memcc.backend.onnx_file import save_graph
 from memcc.backend.runner import run_steps, synthetic_feeds
@@ -32,6 +31,7 @@ from memcc.frontend.load import load_graph
 from memcc.graph import Graph, TensorInfo
 from memcc.passes.arena import replay_steps
 from memcc.passes.arrange import arrange_step
+from memcc.passes.device_memory import arena_limit, outside_arena_bytes, predict_device
 from memcc.step import TrainingStep
 from models import build_model
 
@@ -137,6 +137,39 @@ def test_without_shrink_the_arena_settles_in_the_first_step():
     assert pred.bound_bytes >= state
     assert pred.steady_bytes >= pred.arena.peak_in_use_bytes + state
     assert pred.first_step_bytes >= pred.steady_bytes
+
+
+def test_a_budget_the_state_alone_does_not_fit_fails_before_the_step_runs():
+    """``gpu_mem_limit`` proves a budget on CUDA: the arena gets what the buffers bound
+    beside it leave, and a budget they alone exceed is refused, naming the step."""
+    from memcc.errors import RuntimeFailure
+
+    graph = _step("resnet18", batch=4)
+    spec = TrainingStep.of(graph)
+    a = arrange_step(graph, spec)
+    aliased = a.in_place.aliased
+    outside = outside_arena_bytes(a.graph, aliased, spec.state)
+    pred = predict_device(a.graph, a.prediction, aliased=aliased, updates=spec.state)
+    assert pred.steady_bytes == pred.arena.peak_device_bytes + outside
+    budget = pred.steady_bytes
+    assert arena_limit(a.graph, aliased, spec.state, budget) == pred.arena.peak_device_bytes
+    with pytest.raises(RuntimeFailure, match="step.onnx: .* more than the limit"):
+        arena_limit(a.graph, aliased, spec.state, outside, source="step.onnx")
+
+
+def test_a_real_export_runs_in_the_device_layout(tmp_path):
+    """A torch.onnx export (dynamo, train mode, BatchNorm) through the CUDA layout on the
+    CPU provider, at 2 threads, twice: the copying runner's numbers each time."""
+    from exports import export
+
+    path, _, _, dims = export("conv_bn", "dynamo", tmp_path, training=True)
+    graph = build_training_step(load_graph(path, dims), BuildOptions())
+    step_file = save_graph(graph, tmp_path / "step.onnx")
+    ref = run_steps(step_file, steps=3, isolate=False)
+    feeds = synthetic_feeds(graph, seed=0)
+    for _ in range(2):
+        step = _device_step(load_graph(step_file), DEVICE, threads=2)
+        assert [step.run(feeds).loss for _ in range(3)] == list(ref.losses)
 
 
 def test_the_copying_step_binds_a_second_buffer_for_every_update():

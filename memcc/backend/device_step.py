@@ -45,17 +45,9 @@ import onnx
 
 from memcc.backend.session import make_session
 from memcc.errors import InputError, RuntimeFailure
-from memcc.frontend.constants import constant_node_value
+from memcc.frontend.constants import constant_value
 from memcc.graph import Graph, node_label
-from memcc.passes.arena import cuda_pages_for, rounded_bytes
-from memcc.passes.device_memory import (  # noqa: F401 (re-exported: the runtime's prediction)
-    CUDA_SESSION_BYTES,
-    PREDICTION_METHOD,
-    DevicePrediction,
-    bound_infos,
-    predict_device,
-    stored_sizes,
-)
+from memcc.passes.device_memory import arena_limit
 
 # Ops whose CUDA kernels cannot be replayed from a captured graph: control flow (ORT
 # refuses capture with subgraphs) and ORT's random generators, which draw their seed on the
@@ -71,6 +63,7 @@ def capture_blockers(graph: Graph) -> list[str]:
     ORT checks the rest at load (nodes placed on the CPU provider, host copies) and
     ``DeviceStep`` reports what it said."""
     blockers = []
+    producers = graph.producers()
     for node in graph.nodes:
         if node.op_type in _CONTROL_FLOW:
             blockers.append(f"{node_label(node)}: control flow ({node.op_type}) cannot be "
@@ -78,7 +71,7 @@ def capture_blockers(graph: Graph) -> list[str]:
         elif node.op_type in _RANDOM:
             blockers.append(f"{node_label(node)}: {node.op_type} draws on the host at each "
                             "run; a replayed graph would repeat one draw")
-        elif node.op_type == "Dropout" and _dropout_trains(node, graph):
+        elif node.op_type == "Dropout" and _dropout_trains(node, graph, producers):
             blockers.append(f"{node_label(node)}: a training-mode Dropout draws its mask on "
                             "the host at each run")
     for name in [*graph.inputs, *graph.outputs]:
@@ -89,14 +82,12 @@ def capture_blockers(graph: Graph) -> list[str]:
     return blockers
 
 
-def _dropout_trains(node: onnx.NodeProto, graph: Graph) -> bool:
+def _dropout_trains(node: onnx.NodeProto, graph: Graph, producers) -> bool:
+    """Whether a Dropout may train: its ``training_mode`` input is given and not a constant
+    False (a value computed at run time may be True)."""
     if len(node.input) < 3 or not node.input[2]:
         return False
-    value = graph.initializers.get(node.input[2])
-    if value is None:
-        producer = next((n for n in graph.nodes if node.input[2] in n.output), None)
-        value = constant_node_value(producer) if producer is not None \
-            and producer.op_type == "Constant" else None
+    value = constant_value(graph, node.input[2], producers)
     return value is None or bool(np.asarray(value).reshape(-1)[0])
 
 
@@ -112,7 +103,7 @@ def step_for_provider(graph: Graph, provider: str, *, deterministic: bool = Fals
     (``passes.deterministic_scatter``) and every reduction over leading axes as one over
     trailing axes (``passes.deterministic_reductions``), the two sources of run-to-run
     differences measured on an H200; their sums change order (within 1e-5). ORT's own
-    ``use_deterministic_compute`` is not needed then, and cost GPT-2's step 47% there
+    ``use_deterministic_compute`` is not needed then, and cost GPT-2's step 44-49% there
     against 7% for the rewrites (docs/DETERMINISM.md, "CUDA")."""
     from memcc.passes.batchnorm_for_cuda import for_provider
 
@@ -254,25 +245,15 @@ class DeviceStep:
         elif cuda_graph:
             raise InputError("--cuda-graph needs --provider cuda")
         model = sgraph.to_model()
-        limit = gpu_mem_limit
-        if provider == "cuda" and gpu_mem_limit is not None:
-            # The bound buffers and stored values live outside the step's arena; the arena
-            # may have what the budget leaves.
-            bound = bound_infos(graph, self.aliased, self.updates)
-            outside = cuda_pages_for([rounded_bytes(ti.nbytes) for ti in bound if ti.nbytes]
-                                     + list(stored_sizes(sgraph).values())) \
-                + CUDA_SESSION_BYTES
-            limit = int(gpu_mem_limit) - outside
-            if limit <= 0:
-                raise RuntimeFailure(
-                    f"{source}: the step's state, stored values and the CUDA session's own "
-                    f"handles alone take {outside:,} "
-                    f"device bytes, more than the limit {int(gpu_mem_limit):,}")
+        # The bound buffers, stored values and the session's own live beside the step's
+        # arena; the arena may have what the budget leaves.
+        limit = (arena_limit(graph, self.aliased, self.updates, gpu_mem_limit, source=source)
+                 if provider == "cuda" and gpu_mem_limit is not None else None)
 
         def open_session(with_graph: bool):
             return make_session(
                 model, provider, intra_op_threads=threads, cpu_arena=cpu_arena,
-                gpu_mem_limit=limit if provider == "cuda" else None,
+                gpu_mem_limit=limit,
                 profile=profile_prefix is not None, profile_prefix=profile_prefix,
                 cuda_graph=with_graph,
                 extra_config={"session.use_device_allocator_for_initializers": "1"}

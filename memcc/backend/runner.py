@@ -210,7 +210,6 @@ def run_steps(
         payload = prepare_run(graph, spec, feeds, Path(tmp), steps=steps, provider=prov)
         payload["in_place"] = aliased
         payload["arena"] = bool(arena)
-        payload["gpu_mem_limit"] = int(gpu_mem_limit) if gpu_mem_limit is not None else None
         if isolate:
             out = memory.run_child("memcc.backend.runner", payload)
             if separate_timing:
@@ -487,9 +486,9 @@ def _load_feeds(path: str) -> dict[str, np.ndarray]:
 
 
 def execute(payload: Mapping) -> dict:
-    """Warm-up (profiled, order check), baseline, then the measured steps.
-
-    Runs in the measuring child on CPU; returns plain JSON-able data.
+    """Warm-up (profiled, order check), baseline, then the measured steps, on the CPU
+    (CUDA runs through ``_run_on_device``). Runs in the measuring child; returns plain
+    JSON-able data.
     """
     provider = payload["provider"]
     outputs = list(payload["outputs"])
@@ -498,11 +497,9 @@ def execute(payload: Mapping) -> dict:
     prefix = str(Path(payload["profile_dir"]) / "memcc_order")
     arena = bool(payload.get("arena"))
     session = make_session(payload["session_model"], provider, profile=True,
-                           profile_prefix=prefix, cpu_arena=arena,
-                           gpu_mem_limit=payload.get("gpu_mem_limit") if provider == "cuda"
-                           else None)
-    meter = memory.CpuPeakMeter() if provider == "cpu" else memory.NvmlPeakMeter()
-    options = run_options(provider, arena=arena)
+                           profile_prefix=prefix, cpu_arena=arena)
+    meter = memory.CpuPeakMeter()
+    options = run_options(arena=arena)
 
     aliased = dict(payload.get("in_place") or {})
 
@@ -577,14 +574,13 @@ def _run_in_place(session, outputs: list[str], feeds: dict[str, np.ndarray],
     return result
 
 
-def run_options(provider: str, *, arena: bool = False):
+def run_options(*, arena: bool = False):
+    """The CPU runner's options: with the arena, its unused regions are returned after
+    each step (every step starts level, as ``passes.arena.cpu_arena_peak`` models)."""
     import onnxruntime as ort
 
     ro = ort.RunOptions()
-    # Return the arena's unused regions after each step: every step starts level.
-    if provider == "cuda":
-        ro.add_run_config_entry("memory.enable_memory_arena_shrinkage", "gpu:0")
-    elif arena:
+    if arena:
         ro.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
     return ro
 

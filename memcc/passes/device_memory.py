@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from memcc.errors import RuntimeFailure
 from memcc.frontend.constants import constant_node_value
 from memcc.graph import Graph, TensorInfo
 from memcc.passes.arena import ArenaReport, cuda_pages_for, replay_steps, rounded_bytes
@@ -68,15 +69,43 @@ def predict_device(graph: Graph, liveness: LivenessReport, *, aliased: Mapping[s
     report = replay_steps(graph, liveness, steps=max(1, steps), feeds_in_arena=False,
                           addresses_grow=True, cuda=True, shrink=False,
                           outputs_in_arena=False, limit=limit)
-    bound = [int(ti.nbytes) for ti in bound_infos(graph, aliased, updates)]
-    _, _, carried_inputs = _carried(updates)
-    stored = [s for n, s in stored_sizes(graph).items() if n not in carried_inputs]
-    # Small buffers share device pages whoever asked for them (the driver packs them).
-    outside = cuda_pages_for([rounded_bytes(b) for b in bound if b] + stored) \
-        + CUDA_SESSION_BYTES
+    bound, stored = _outside_sizes(graph, aliased, updates)
+    outside = outside_arena_bytes(graph, aliased, updates)
     first = report.first_run_peak_bytes + outside
     steady = (report.peak_device_bytes or report.peak_reserved_bytes) + outside
     return DevicePrediction(steady, first, sum(bound), sum(stored), report)
+
+
+def _outside_sizes(graph: Graph, aliased: Mapping[str, str], updates: Mapping[str, str]
+                   ) -> tuple[list[int], list[int]]:
+    bound = [int(ti.nbytes) for ti in bound_infos(graph, aliased, updates)]
+    _, _, carried_inputs = _carried(updates)
+    stored = [s for n, s in stored_sizes(graph).items() if n not in carried_inputs]
+    return bound, stored
+
+
+def outside_arena_bytes(graph: Graph, aliased: Mapping[str, str],
+                        updates: Mapping[str, str]) -> int:
+    """Device bytes the CUDA runtime holds beside the step's arena: the bound buffers and
+    the stored values, in device pages (small buffers share pages whoever asked for them:
+    the driver packs them), and the session's own handles and workspaces."""
+    bound, stored = _outside_sizes(graph, aliased, updates)
+    return cuda_pages_for([rounded_bytes(b) for b in bound if b] + stored) \
+        + CUDA_SESSION_BYTES
+
+
+def arena_limit(graph: Graph, aliased: Mapping[str, str], updates: Mapping[str, str],
+                budget: int, *, source: str = "<step>") -> int:
+    """The ``gpu_mem_limit`` for the step's arena that keeps the whole step within
+    ``budget`` device bytes, or ``RuntimeFailure`` when what lives beside the arena alone
+    does not fit."""
+    outside = outside_arena_bytes(graph, aliased, updates)
+    limit = int(budget) - outside
+    if limit <= 0:
+        raise RuntimeFailure(
+            f"{source}: the step's state, stored values and the CUDA session's own handles "
+            f"alone take {outside:,} device bytes, more than the limit {int(budget):,}")
+    return limit
 
 
 def predict_step(graph: Graph, *, steps: int = 2, limit: int | None = None,
