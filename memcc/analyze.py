@@ -33,6 +33,7 @@ from memcc.compiler import (
     _costs,
     _load,
     user_budget,
+    warning_sink,
 )
 from memcc.graph import Graph
 from memcc.passes.liveness import CATEGORIES, categorize
@@ -118,12 +119,7 @@ def analyze(model: str | os.PathLike, options: CompileOptions, *, smallest: bool
     peak, breakdown, and with ``smallest`` the ``--budget min`` answer within
     ``options.time_limit`` seconds. ``options.budget`` is ignored."""
     say = progress or (lambda _m: None)
-    warnings: list[str] = []
-
-    def warning(msg: str) -> None:
-        warnings.append(msg)
-        if warn is not None:
-            warn(msg)
+    warnings, warning = warning_sink(warn)
 
     t0 = time.perf_counter()
     label = str(model)

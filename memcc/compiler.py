@@ -183,6 +183,20 @@ def unverified_path(output: str | os.PathLike) -> Path:
     return out.with_name(f"{out.stem}.unverified{out.suffix or '.onnx'}")
 
 
+def warning_sink(warn: Callable[[str], None] | None
+                 ) -> tuple[list[str], Callable[[str], None]]:
+    """A list the report keeps its warnings in, and the function that adds one to it and
+    passes it on to ``warn`` (the CLI prints it as it happens)."""
+    warnings: list[str] = []
+
+    def warning(msg: str) -> None:
+        warnings.append(msg)
+        if warn is not None:
+            warn(msg)
+
+    return warnings, warning
+
+
 def compile_model(model: str | os.PathLike, options: CompileOptions, *,
                   output: str | os.PathLike | None = None,
                   report_path: str | os.PathLike | None = None,
@@ -196,13 +210,7 @@ def compile_model(model: str | os.PathLike, options: CompileOptions, *,
     the report (and ``unverified_path(output)``).
     """
     say = progress or (lambda _msg: None)
-    warnings: list[str] = []
-
-    def warning(msg: str) -> None:
-        warnings.append(msg)
-        if warn is not None:
-            warn(msg)
-
+    warnings, warning = warning_sink(warn)
     _check_targets(model, output, report_path)
     cuda_missing = _check_provider(options, warning)
     t_start = time.perf_counter()

@@ -139,6 +139,8 @@ CASES = [
     case("train-forward-model", "train {f}/fwd.onnx --data {f}/data.npz",
          "then memcc train step.onnx"),
     case("train-missing-step", "train {f}/nope.onnx --data {f}/data.npz", "nope.onnx"),
+    case("train-cuda-graph-on-cpu", "train {f}/step.onnx --data {f}/data.npz --cuda-graph",
+         "--cuda-graph needs --provider cuda"),
     case("train-data-missing", "train {f}/step.onnx --data {f}/nope.npz", "nope.npz"),
     case("train-data-corrupt", "train {f}/step.onnx --data {f}/corrupt.npz", "corrupt.npz"),
     case("train-data-truncated", "train {f}/step.onnx --data {f}/truncated.npz",
@@ -215,6 +217,8 @@ CASES = [
     case("report-plot-is-dir", "report {f}/r.json --plot {o}", "{o}"),
     case("report-plot-bad-format", "report {f}/r.json --plot {o}/p.txt", ".txt"),
     case("report-plot-no-timeline", "report {f}/r-old.json --plot {o}/p.png", "r-old.json"),
+    case("run-cuda-graph-on-cpu", "run {f}/step.onnx --cuda-graph",
+         "--cuda-graph needs --provider cuda"),
     # --- analyze
     case("analyze-missing", "analyze {f}/nope.onnx", "nope.onnx"),
     case("analyze-dir", "analyze {f}/adir", "adir"),
