@@ -56,6 +56,8 @@ PLAN_KEY = "memcc.plan"
 ALLOCATOR_KEY = "memcc.allocator"
 # parameter -> the value holding its whole gradient (what the update reads).
 GRADIENTS_KEY = "memcc.gradients"
+# What memcc's fusions did to the step as built (passes/fuse.py, FusionReport.to_json()).
+FUSIONS_KEY = "memcc.fusions"
 TRAINING_STEP = "training_step"
 
 # Node-level provenance (``NodeProto.metadata_props``, IR version 10).

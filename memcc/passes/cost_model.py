@@ -271,6 +271,10 @@ def node_flops_bytes(graph: Graph, node: onnx.NodeProto) -> tuple[float, float]:
     if op == "MatMul" and len(ins) == 2:
         k = ins[0].shape[-1] if ins[0].shape else 1
         return 2.0 * out_numel * k, nbytes
+    if op == "FusedMatMul" and len(ins) == 2:  # com.microsoft: MatMul with transA/transB
+        a = ins[0].shape
+        k = (a[-2] if attr(node, "transA", 0) and len(a) >= 2 else a[-1]) if a else 1
+        return 2.0 * out_numel * k, nbytes
     if op == "Gemm" and len(ins) >= 2:
         a = ins[0].shape
         k = a[0] if attr(node, "transA", 0) else a[-1]
