@@ -95,3 +95,19 @@ def test_a_plan_that_recomputes_launches_more_kernels(tmp_path):
     assert base["kernels"] == sum(n.op_type != "Constant" for n in built.nodes)
     assert base["bytes_moved"] == step_traffic(built).bytes_moved
     assert plan["kernels"] == sum(n.op_type != "Constant" for n in result.graph.nodes)
+
+
+def test_swap_copies_are_kernels_that_move_their_value_twice():
+    """An offloaded value gets a copy out and a copy back: two more kernels, each reading
+    and writing the value (``passes/swap.py``)."""
+    from memcc.passes.lowering import lower
+    from memcc.passes.plan import Offload, Plan, StepStructure
+
+    g = build_training_step(load_graph(build_model("mlp", batch=4, depth=2)), BuildOptions())
+    st = StepStructure.of(g)
+    value = sorted(st.saved)[0]
+    swapped = lower(g, Plan(offload={value: Offload()}), st).graph
+    before, after = step_traffic(g), step_traffic(swapped)
+    assert after.kernels == before.kernels + 2
+    assert after.bytes_moved == before.bytes_moved + 4 * g.info[value].nbytes
+    assert after.by_op["MemcpyToHost"].kernels == after.by_op["MemcpyFromHost"].kernels == 1
