@@ -40,6 +40,7 @@ from memcc.passes.liveness import CATEGORIES, categorize
 from memcc.passes.plan import Plan, StepStructure
 from memcc.passes.planner import choose_plan
 from memcc.passes.simulate import Simulation, simulate
+from memcc.passes.step_traffic import StepTraffic, step_traffic
 from memcc.sizes import format_size
 from memcc.step import TrainingStep
 
@@ -90,6 +91,8 @@ class Analysis:
     smallest: Smallest | None
     time_s: float
     warnings: list[str] = field(default_factory=list)
+    # Kernels and bytes moved per step as built, by op type (passes/step_traffic.py).
+    traffic: StepTraffic | None = None
 
     @property
     def allocator(self) -> str:
@@ -109,6 +112,10 @@ class Analysis:
             "cost_model": self.cost_source,
             "smallest": None if self.smallest is None else self.smallest.to_json(),
             "time_s": round(self.time_s, 3), "warnings": self.warnings,
+            "kernels": None if self.traffic is None else self.traffic.kernels,
+            "bytes_moved": None if self.traffic is None else self.traffic.bytes_moved,
+            "traffic_by_op": None if self.traffic is None else {
+                op: t.to_json() for op, t in self.traffic.by_op.items()},
         }
 
 
@@ -146,7 +153,7 @@ def analyze(model: str | os.PathLike, options: CompileOptions, *, smallest: bool
         live_peak_bytes=int(live.peak_bytes), breakdown_at_peak=breakdown, totals=totals,
         counts=counts, compute_cost_s=float(base.compute_cost_s),
         cost_source=str(cost_summary["source"]), smallest=found,
-        time_s=time.perf_counter() - t0, warnings=warnings)
+        time_s=time.perf_counter() - t0, warnings=warnings, traffic=step_traffic(base.graph))
 
 
 def _totals(graph: Graph, st: StepStructure) -> tuple[dict[str, int], dict[str, int]]:
@@ -241,6 +248,12 @@ def describe(a: Analysis) -> list[str]:
         f" ({a.counts['saved_for_backward']} values), gradients {format_size(t['gradients'])}")
     lines.append(f"  compute cost:   {a.compute_cost_s * 1000:,.2f} ms per step "
                  f"({a.cost_source} node times)")
+    if a.traffic is not None:
+        top = ", ".join(f"{op} {t.kernels:,} ({format_size(t.bytes_moved)})"
+                        for op, t in list(a.traffic.by_op.items())[:3])
+        lines.append(f"  per step:       {a.traffic.kernels:,} kernels, "
+                     f"{format_size(a.traffic.bytes_moved)} read and written; most bytes: "
+                     f"{top}")
     s = a.smallest
     if s is None:
         lines.append("smallest          not searched (--no-smallest)")

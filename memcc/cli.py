@@ -259,6 +259,9 @@ def run(
         f"{_mb(result.measured_peak_bytes)}; predicted peak "
         f"{_mb(result.predicted_peak_bytes)}; order matches plan: {result.order_matches_plan}"
     )
+    if result.traffic is not None:
+        out.print(f"per step: {result.traffic.kernels:,} kernels, "
+                  f"{_mb(result.traffic.bytes_moved)} read and written", highlight=False)
     if result.provider == "cuda":
         out.print(f"first step: measured {_mb(result.first_step_measured_bytes)}, predicted "
                   f"{_mb(result.first_step_predicted_bytes)}; CUDA graph: {result.cuda_graph}"

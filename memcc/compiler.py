@@ -61,6 +61,7 @@ from memcc.passes.planner import (
     describe_variants,
 )
 from memcc.passes.simulate import Simulation
+from memcc.passes.step_traffic import step_traffic
 from memcc.sizes import format_size, parse_size
 from memcc.step import ALLOCATOR_KEY, PLAN_KEY, TrainingStep
 
@@ -705,6 +706,9 @@ def _report(options, budget, plan_budget, slack, was_min, base: Simulation, plan
     base_cost = base.compute_cost_s
     plan_cost = plan.compute_cost_s
     live = plan.liveness
+    # Kernels and bytes moved per step (passes/step_traffic.py): the plan's rewritten step
+    # counts its recompute clones and swap copies.
+    base_traffic, plan_traffic = step_traffic(base.graph), step_traffic(plan.graph)
     return {
         "budget_bytes": int(budget),
         "budget_was_min": was_min,
@@ -718,10 +722,14 @@ def _report(options, budget, plan_budget, slack, was_min, base: Simulation, plan
             "compute_cost_s": base_cost,
             "breakdown_at_peak": dict(base.liveness.breakdown),
             "peak_node": base.liveness.peak_node,
+            "kernels": base_traffic.kernels,
+            "bytes_moved": base_traffic.bytes_moved,
         },
         "plan": {
             "peak_bytes": plan.peak_bytes,
             "compute_cost_s": plan_cost,
+            "kernels": plan_traffic.kernels,
+            "bytes_moved": plan_traffic.bytes_moved,
             "overhead": (plan_cost / base_cost - 1.0) if base_cost > 0 else 0.0,
             "fits": plan.peak_bytes <= budget,
             "strategy": outcome.strategy,

@@ -47,6 +47,10 @@ def print_report(report: dict, console: Console) -> None:
     t.add_row("fits", "", "yes" if p["fits"] else "NO")
     t.add_row("compute cost", f"{b['compute_cost_s'] * 1e3:.2f} ms",
               f"{p['compute_cost_s'] * 1e3:.2f} ms (+{p['overhead'] * 100:.1f}%)")
+    if "kernels" in b and "kernels" in p:  # reports written before issue 30 lack them
+        t.add_row("kernels per step", f"{b['kernels']:,}", f"{p['kernels']:,}")
+        t.add_row("bytes moved per step", format_size(b["bytes_moved"]),
+                  format_size(p["bytes_moved"]))
     for cat in b.get("breakdown_at_peak", {}):
         t.add_row(f"  at peak: {cat}", format_size(b["breakdown_at_peak"][cat]),
                   format_size(p.get("breakdown_at_peak", {}).get(cat, 0)))

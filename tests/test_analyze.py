@@ -42,6 +42,10 @@ def test_peak_and_breakdown_are_compile_baselines(gpt2, provider, arena):
     assert got["allocator"] == ("cuda-arena" if provider == "cuda" else
                                 "arena" if arena else "malloc")
     assert got["smallest"] is None
+    # Kernels and bytes per step (issue 30): the compile report's, with their op types.
+    assert (got["kernels"], got["bytes_moved"]) == (report["baseline"]["kernels"],
+                                                    report["baseline"]["bytes_moved"])
+    assert sum(t["kernels"] for t in got["traffic_by_op"].values()) == got["kernels"] > 0
     totals = got["totals"]
     assert totals["parameters"] == report["passes"][0]["summary"]["parameter_bytes"]
     assert totals["optimizer_state"] == totals["parameters"]  # SGD momentum: one each
@@ -77,7 +81,8 @@ def test_text_output_names_every_part(gpt2):
     r = runner.invoke(app, ["analyze", str(gpt2), "--no-smallest", "--optimizer", "adamw"])
     assert r.exit_code == 0, r.output
     for part in ("peak as built", "parameters", "optimizer state", "activations",
-                 "gradients", "saved for backward", "not searched"):
+                 "gradients", "saved for backward", "not searched", "kernels",
+                 "read and written"):
         assert part in r.output, part
     adam = _analyze(gpt2, "--no-smallest", "--optimizer", "adamw")["totals"]
     assert adam["optimizer_state"] > 2 * adam["parameters"]  # two moments and a step count

@@ -41,6 +41,16 @@ def test_build_then_run_trains(gpt2_file, tmp_path):
     assert out["steps"] == 4 and out["losses"][-1] < out["losses"][0]
     assert out["order_matches_plan"] is True
     assert out["measured_peak_bytes"] > 0 and out["predicted_peak_bytes"] > 0
+    # Kernels and bytes per step (issue 30): the analysis of the step that ran.
+    from memcc.frontend.load import load_graph
+    from memcc.passes.step_traffic import step_traffic
+
+    traffic = step_traffic(load_graph(step))
+    assert out["kernels_per_step"] == traffic.kernels > 0
+    assert out["bytes_moved_per_step"] == traffic.bytes_moved > 0
+    r = invoke("run", step, "--steps", "1")
+    assert r.exit_code == 0, r.output
+    assert f"per step: {traffic.kernels:,} kernels" in r.output
 
 
 def _baseline_peak(gpt2_file, out, rep) -> int:
@@ -132,6 +142,7 @@ def test_report_prints_tables_and_plots(gpt2_file, tmp_path):
     r = invoke("report", tmp_path / "c.report.json", "--plot", png)
     assert r.exit_code == 0, r.output
     assert "baseline" in r.output and "passes" in r.output
+    assert "kernels per step" in r.output and "bytes moved per step" in r.output
     assert png.stat().st_size > 10_000
 
 

@@ -102,6 +102,10 @@ def test_runner_in_place_is_bit_identical_and_measured_like_the_prediction(tmp_p
     assert copying.losses == inplace.losses
     assert inplace.order_matches_plan
     assert inplace.predicted_peak_bytes < copying.predicted_peak_bytes
+    # The same kernels move the same bytes, in another order (issue 30's per-step counts).
+    assert inplace.to_json()["kernels_per_step"] == copying.to_json()["kernels_per_step"] > 0
+    assert (inplace.to_json()["bytes_moved_per_step"]
+            == copying.to_json()["bytes_moved_per_step"] > 0)
     if inplace.measured_peak_bytes is not None:  # measured on Linux
         ratio = inplace.measured_peak_bytes / inplace.predicted_peak_bytes
         assert 0.95 < ratio < 1.1, ratio

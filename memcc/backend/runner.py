@@ -52,6 +52,7 @@ from memcc.frontend.load import load_graph
 from memcc.graph import Graph, TensorInfo
 from memcc.passes.arena import ArenaReport, cpu_arena_peak, replay_steps
 from memcc.passes.liveness import LivenessReport, analyze_liveness
+from memcc.passes.step_traffic import StepTraffic, step_traffic
 from memcc.step import TrainingStep
 from memcc.step import describe_type as _describe
 
@@ -84,6 +85,8 @@ class RunResult:
     deterministic: bool | None = None
     # Nodes whose kernel ran on another provider (CUDA: CPU fallbacks, inserted copies).
     off_provider_nodes: tuple[str, ...] = ()
+    # Kernels and bytes moved by one step of the graph that ran (passes/step_traffic.py).
+    traffic: StepTraffic | None = None
 
     def to_json(self) -> dict:
         m, p = self.measured_peak_bytes, self.predicted_peak_bytes
@@ -110,6 +113,8 @@ class RunResult:
             "cuda_graph": self.cuda_graph,
             "deterministic": self.deterministic,
             "off_provider_nodes": list(self.off_provider_nodes),
+            "kernels_per_step": None if self.traffic is None else self.traffic.kernels,
+            "bytes_moved_per_step": None if self.traffic is None else self.traffic.bytes_moved,
         }
 
 
@@ -219,7 +224,8 @@ def run_steps(
                                  "separate process, default allocator")
         else:
             out = execute(payload)
-    result = _result(path, prov, steps, seed, data, prediction, out)
+    result = replace(_result(path, prov, steps, seed, data, prediction, out),
+                     traffic=step_traffic(graph))
     if arena_report is not None:
         result = replace(result, predicted_peak_bytes=arena_peak,
                          prediction=dict(result.prediction) | {
@@ -302,7 +308,7 @@ def _run_on_device(path: Path, graph: Graph, spec: StepSpec, batch: Mapping[str,
                    first_step_measured_bytes=first,
                    first_step_predicted_bytes=device.first_step_bytes,
                    cuda_graph=graph_note, off_provider_nodes=order.off_provider,
-                   deterministic=bool(deterministic),
+                   deterministic=bool(deterministic), traffic=step_traffic(graph),
                    prediction=dict(result.prediction) | {
                        "liveness_peak_bytes": liveness.peak_bytes,
                        "device": device.to_json(), "device_readings": readings})
