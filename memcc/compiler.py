@@ -38,6 +38,7 @@ from memcc.backend.profiling import calibrate_cpu_rates, measured_costs
 from memcc.backend.session import planning_provider
 from memcc.errors import InputError, MemccError
 from memcc.frontend.build import BuildOptions, build_training_step, is_training_step
+from memcc.frontend.fuse import fuse
 from memcc.frontend.load import load_graph
 from memcc.frontend.row_chunks import ATTENTION, FLAGS, MLP, find_regions
 from memcc.graph import Graph, node_label
@@ -63,7 +64,7 @@ from memcc.passes.planner import (
 from memcc.passes.simulate import Simulation
 from memcc.passes.step_traffic import step_traffic
 from memcc.sizes import format_size, parse_size
-from memcc.step import ALLOCATOR_KEY, PLAN_KEY, TrainingStep
+from memcc.step import ALLOCATOR_KEY, FUSIONS_KEY, PLAN_KEY, TrainingStep
 
 COST_SOURCES = ("auto", "measured", "analytic")
 BASE_SLACK_BYTES = 1024 * 1024
@@ -558,6 +559,10 @@ def _load(model, label: str, options: CompileOptions):
                 splittable[kind] = n
         graph = build_training_step(graph, options.build, source=label)
         built = True
+    elif FUSIONS_KEY not in graph.metadata:
+        # A step built before memcc fused its steps: fused here, as build would have.
+        graph, fusions = fuse(graph)
+        graph.metadata[FUSIONS_KEY] = json.dumps(fusions.to_json())
     graph, rewritten_for_cuda = for_provider(graph, options.provider)
     step = TrainingStep.of(graph)
     params = step.parameters
@@ -571,6 +576,9 @@ def _load(model, label: str, options: CompileOptions):
         # Training-mode BatchNorms written as the CUDA provider runs them
         # (passes/batchnorm_for_cuda.py).
         **({"batchnorm_rewritten": rewritten_for_cuda} if rewritten_for_cuda else {}),
+        # memcc's fusions (frontend/fuse.py), as build recorded them.
+        **({"fusions": json.loads(graph.metadata[FUSIONS_KEY])}
+           if FUSIONS_KEY in graph.metadata else {}),
     }
 
 

@@ -98,3 +98,17 @@ def _run(g: Graph, feeds, threads):
                                 session_options(intra_op_threads=threads),
                                 providers=["CPUExecutionProvider"])
     return dict(zip(g.outputs, sess.run(g.outputs, feeds), strict=True))
+
+
+def test_compile_fuses_a_step_built_without_the_fusions(tmp_path):
+    from memcc.backend.onnx_file import save_graph
+    from memcc.compiler import CompileOptions, compile_model
+
+    forward = load_graph(build_model("gpt2"))
+    old = build_training_step(forward, BuildOptions(fusions=()))
+    old.metadata.pop(FUSIONS_KEY)  # as a step built before the fusions existed
+    path = save_graph(old, tmp_path / "old.onnx")
+    result = compile_model(path, CompileOptions(budget="1TB", cost="analytic"))
+    fused = result.report["passes"][0]["summary"]["fusions"]
+    assert fused["fused"][TRANSPOSE_INTO_MATMUL] > 0
+    assert any(n.op_type == FUSED_MATMUL for n in result.graph.nodes)
