@@ -45,14 +45,17 @@ relative to the largest reference value) and timed under memcc's execution contr
 (``memcc.backend.session.make_session``: ORT_DISABLE_ALL, ``--threads`` intra-op threads)
 in interleaved rounds (``benchmarks/stats.interleaved_times``) together with PyTorch's own
 weight gradient for the same layer (``aten.convolution_backward`` with output_mask [False,
-True, False], ``torch.set_num_threads(--threads)``). Torch's OpenMP workers wait passively
-(``OMP_WAIT_POLICY=PASSIVE``, as ``benchmarks/torch_peer.py`` sets it, before torch loads):
-on the project's 2 shared cores a 2-thread torch call on a tiny layer took 25-40 ms with
-the default policy, 4-10 ms with PASSIVE and 0.1 ms on 1 thread, so torch's figures on a
-loaded machine include waits for a descheduled worker. The tables give each form's median
-ms, the fastest, torch's ms and fastest/torch; the summary says for how many shapes the
-fastest standard form is within 2x of torch, and the whole networks' sums (each shape
-weighted by the number of layers it stands for).
+True, False], ``torch.set_num_threads(--threads)``), twice: as torch dispatches it (oneDNN
+on this CPU) and with oneDNN off (``torch.backends.mkldnn.flags(enabled=False)``: ATen's own
+kernel); fastest/torch is against the faster of the two. Both matter on a loaded machine:
+on the project's 2 shared cores, a 1x1 64->64 layer at 16x16, batch 8, took torch 3-36 ms
+through oneDNN at 2 threads, 0.2 ms through ATen's kernel and 0.15 ms through oneDNN on 1
+thread (oneDNN's OpenMP regions wait for a descheduled worker). Torch's OpenMP workers wait
+passively (``OMP_WAIT_POLICY=PASSIVE``, set before torch loads, as
+``benchmarks/torch_peer.py`` does; ``--omp-wait-policy inherit`` keeps the environment's).
+The tables give each form's median ms, the fastest, torch's ms and fastest/torch; the
+summary says for how many shapes the fastest standard form is within 2x of torch, and the
+whole networks' sums (each shape weighted by the number of layers it stands for).
 """
 
 from __future__ import annotations
@@ -75,7 +78,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.stats import interleaved_times  # noqa: E402
+from benchmarks.stats import interleaved_times, ratio_interval  # noqa: E402
 
 OPSET = 17
 WITHIN = 2.0  # the issue's bar: fastest standard form within this factor of torch
@@ -530,7 +533,9 @@ def form_model(s: ConvShape, form: str) -> onnx.ModelProto:
 
 # ---------------------------------------------------------------------------- measuring
 def _torch_fns(s: ConvShape, x: np.ndarray, gy: np.ndarray):
-    """PyTorch's weight gradient for the layer (timed) and float64 reference dW."""
+    """PyTorch's weight gradient for the layer, as torch picks its kernel (oneDNN where
+    enabled) and with oneDNN off (ATen's own kernels), both timed; and float64 reference
+    dW."""
     import torch
 
     xt, gt = torch.from_numpy(x), torch.from_numpy(gy)
@@ -541,9 +546,13 @@ def _torch_fns(s: ConvShape, x: np.ndarray, gy: np.ndarray):
     def run() -> torch.Tensor:
         return torch.ops.aten.convolution_backward(gt, xt, wt, None, *args)[1]
 
+    def run_native() -> torch.Tensor:
+        with torch.backends.mkldnn.flags(enabled=False):
+            return run()
+
     ref = torch.nn.grad.conv2d_weight(xt.double(), list(s.w), gt.double(), list(s.stride),
                                       list(s.pads), list(s.dilation), s.group).numpy()
-    return run, ref
+    return {"torch": run, "torch-native": run_native}, ref
 
 
 def rel_err(got: np.ndarray, ref: np.ndarray) -> float:
@@ -564,7 +573,7 @@ def measure_shape(s: ConvShape, threads: int, rounds: int, seed: int = 0) -> dic
     gy = rng.standard_normal((s.x[0], s.w[0], *s.out)).astype(np.float32)
     feeds = {"x": x, "gy": gy}
     torch.set_num_threads(threads)
-    torch_run, ref = _torch_fns(s, x, gy)
+    torch_fns, ref = _torch_fns(s, x, gy)
     fns: dict[str, Callable[[], object]] = {}
     forms: dict[str, dict] = {}
     for form in FORMS[s.kind]:
@@ -581,19 +590,27 @@ def measure_shape(s: ConvShape, threads: int, rounds: int, seed: int = 0) -> dic
         forms[form] = {"nodes": sum(n.op_type != "Constant" for n in model.graph.node),
                        "ops": ops, "max_rel_err": rel_err(got, ref)}
         fns[form] = (lambda sess=sess: sess.run(None, feeds))
-    fns["torch"] = torch_run
-    torch_err = rel_err(torch_run().numpy(), ref)
+    fns.update(torch_fns)
+    torch_err = max(rel_err(fn().numpy(), ref) for fn in torch_fns.values())
     times = interleaved_times(fns, rounds=rounds, warmup=1)
     for form, ts in times.items():
-        if form != "torch":
+        if form not in torch_fns:
             forms[form]["median_ms"] = float(np.median(ts)) * 1e3
+            forms[form]["min_ms"] = float(np.min(ts)) * 1e3
+            if "memcc" in times and form != "memcc":
+                # Paired per round: form / memcc with its 95% bootstrap interval.
+                ri = ratio_interval(times["memcc"], ts, resamples=2000)
+                forms[form]["vs_memcc"] = {"ratio": ri.ratio, "low": ri.low, "high": ri.high}
     timed = {f: v["median_ms"] for f, v in forms.items() if "median_ms" in v}
     fastest = min(timed, key=timed.get)
-    torch_ms = float(np.median(times["torch"])) * 1e3
+    torch_ms = {k: float(np.median(times[k])) * 1e3 for k in torch_fns}
+    best = min(torch_ms, key=torch_ms.get)
     return {**s.to_json(), "forms": forms,
-            "torch": {"median_ms": torch_ms, "max_rel_err": torch_err},
+            "torch": {"median_ms": torch_ms[best], "kernel": best,
+                      "onednn_ms": torch_ms["torch"], "native_ms": torch_ms["torch-native"],
+                      "max_rel_err": torch_err},
             "fastest": fastest, "fastest_ms": timed[fastest],
-            "ratio_to_torch": timed[fastest] / torch_ms,
+            "ratio_to_torch": timed[fastest] / torch_ms[best],
             "memcc_over_fastest": timed["memcc"] / timed[fastest] if "memcc" in timed
             else None}
 
@@ -610,6 +627,12 @@ def summarize(rows: list[dict]) -> dict:
         fam["fastest_ms"] += r["count"] * r["fastest_ms"]
         fam["torch_ms"] += r["count"] * r["torch"]["median_ms"]
         fam["layers"] += r["count"]
+    # Shapes where a form beat memcc's in the paired rounds (interval wholly below 1).
+    beats: dict[str, dict[str, list[str]]] = {}
+    for r in rows:
+        for f, v in r["forms"].items():
+            if v.get("vs_memcc", {}).get("high", 1.0) < 1.0:
+                beats.setdefault(r["kind"], {}).setdefault(f, []).append(r["label"])
     wins: dict[str, dict[str, int]] = {}
     for r in rows:
         kind = wins.setdefault(r["kind"], {})
@@ -617,7 +640,7 @@ def summarize(rows: list[dict]) -> dict:
     return {"shapes": len(rows), "within_2x_of_torch": len(within),
             "within_2x_labels": within,
             "memcc_fastest": sum(r["fastest"] == "memcc" for r in rows),
-            "fastest_by_kind": wins, "networks": per_family,
+            "fastest_by_kind": wins, "faster_than_memcc": beats, "networks": per_family,
             "errors": {r["label"]: {f: v["error"] for f, v in r["forms"].items()
                                     if "error" in v}
                        for r in rows if any("error" in v for v in r["forms"].values())}}
@@ -631,10 +654,11 @@ def format_tables(rows: list[dict]) -> str:
         if not group:
             continue
         cols = [f for f in forms if any(f in r["forms"] for r in group)]
-        lines.append(f"\n{kind} layers (median ms per weight gradient):\n")
+        lines.append(f"\n{kind} layers (median ms per weight gradient; * faster than memcc's "
+                     "form, paired 95% interval):\n")
         lines.append("| shape | layers | " + " | ".join(cols)
-                     + " | fastest | torch | fastest/torch |")
-        lines.append("|---|---|" + "---|" * len(cols) + "---|---|---|")
+                     + " | fastest | torch (oneDNN) | torch (native) | fastest/torch |")
+        lines.append("|---|---|" + "---|" * len(cols) + "---|---|---|---|")
         for r in group:
             cells = []
             for f in cols:
@@ -645,10 +669,12 @@ def format_tables(rows: list[dict]) -> str:
                     cells.append("error")
                 else:
                     mark = "" if v["max_rel_err"] <= 1e-4 else " (!)"
+                    if v.get("vs_memcc", {}).get("high", 1.0) < 1.0:
+                        mark += "*"
                     cells.append(f"{v['median_ms']:.2f}{mark}")
             lines.append(f"| {r['label']} | {r['count']} | " + " | ".join(cells)
-                         + f" | {r['fastest']} | {r['torch']['median_ms']:.2f} | "
-                         f"{r['ratio_to_torch']:.2f} |")
+                         + f" | {r['fastest']} | {r['torch']['onednn_ms']:.2f} | "
+                         f"{r['torch']['native_ms']:.2f} | {r['ratio_to_torch']:.2f} |")
     return "\n".join(lines)
 
 
@@ -659,6 +685,10 @@ def format_summary(summary: dict) -> str:
     for kind, wins in summary["fastest_by_kind"].items():
         lines.append(f"  fastest on {kind} layers: " + ", ".join(
             f"{f} {k}" for f, k in sorted(wins.items(), key=lambda kv: -kv[1])))
+    for kind, forms in summary["faster_than_memcc"].items():
+        lines.append(f"  faster than memcc's form (paired 95% interval below 1) on {kind} "
+                     "layers: " + ", ".join(f"{f} on {len(labels)}" for f, labels in sorted(
+                         forms.items(), key=lambda kv: -len(kv[1]))))
     for fam, v in summary["networks"].items():
         lines.append(f"  {fam} ({v['layers']} layers): memcc's forms {v['memcc_ms']:.1f} ms, "
                      f"fastest per shape {v['fastest_ms']:.1f} ms, torch {v['torch_ms']:.1f} ms")
