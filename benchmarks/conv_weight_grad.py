@@ -46,7 +46,7 @@ relative to the largest reference value) and timed under memcc's execution contr
 in interleaved rounds (``benchmarks/stats.interleaved_times``) together with PyTorch's own
 weight gradient for the same layer (``aten.convolution_backward`` with output_mask [False,
 True, False], ``torch.set_num_threads(--threads)``), twice: as torch dispatches it (oneDNN
-on this CPU) and with oneDNN off (``torch.backends.mkldnn.flags(enabled=False)``: ATen's own
+on this CPU) and with oneDNN off (``torch.backends.mkldnn.enabled = False``: ATen's own
 kernel); fastest/torch is against the faster of the two. Both matter on a loaded machine:
 on the project's 2 shared cores, a 1x1 64->64 layer at 16x16, batch 8, took torch 3-36 ms
 through oneDNN at 2 threads, 0.2 ms through ATen's kernel and 0.15 ms through oneDNN on 1
@@ -547,8 +547,13 @@ def _torch_fns(s: ConvShape, x: np.ndarray, gy: np.ndarray):
         return torch.ops.aten.convolution_backward(gt, xt, wt, None, *args)[1]
 
     def run_native() -> torch.Tensor:
-        with torch.backends.mkldnn.flags(enabled=False):
+        # The attribute, not mkldnn.flags(): that also sets TF32 flags and warns each call.
+        was = torch.backends.mkldnn.enabled
+        torch.backends.mkldnn.enabled = False
+        try:
             return run()
+        finally:
+            torch.backends.mkldnn.enabled = was
 
     ref = torch.nn.grad.conv2d_weight(xt.double(), list(s.w), gt.double(), list(s.stride),
                                       list(s.pads), list(s.dilation), s.group).numpy()
