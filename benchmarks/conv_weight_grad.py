@@ -39,6 +39,9 @@ For each shape every formulation that applies is a small ONNX model from (x, gy)
                  [N*C, 1, oh, ow] (both plain reshapes), a ReduceSum over the batch.
 ``patches-mul``  depthwise: patches [N, C, k*k, P] times gy [N, C, 1, P], a ReduceSum.
 ``taps``         depthwise: per kernel tap a Slice, a Mul by gy and a ReduceSum, concatenated.
+``taps-t``       ``taps`` on batch-swapped x and gy ([C, N, ...]: each sum over trailing axes).
+``patches-bmv``  depthwise: patches of the batch-swapped x as [C, k*k, N*P] times gy as
+                 [C, N*P, 1]: one batched matrix-vector MatMul.
 
 Every form is checked against float64 ``torch.nn.grad.conv2d_weight`` (largest difference
 relative to the largest reference value) and timed under memcc's execution contract
@@ -85,7 +88,8 @@ WITHIN = 2.0  # the issue's bar: fastest standard form within this factor of tor
 FORMS = {
     "pointwise": ["memcc", "tconv", "chunks2", "per-sample", "mm-bmm", "mm-flat", "einsum"],
     "spatial": ["memcc", "chunks2", "per-sample", "patches-bmm", "patches-flat", "einsum"],
-    "depthwise": ["memcc", "chunks2", "per-sample", "grouped-nc", "patches-mul", "taps"],
+    "depthwise": ["memcc", "chunks2", "per-sample", "grouped-nc", "patches-mul", "taps",
+                  "taps-t", "patches-bmv"],
     "grouped": ["memcc", "chunks2"],
 }
 
@@ -478,6 +482,29 @@ def _form_taps(s: ConvShape) -> tuple[_Net, str]:
     return net, net.reshape(cat, list(s.w))
 
 
+def _form_patches_bmv(s: ConvShape) -> tuple[_Net, str]:
+    n, c = s.x[:2]
+    p = s.out[0] * s.out[1]
+    net = _Net()
+    xt = net.transpose("x", [1, 0, 2, 3])  # [C, N, H, W]
+    views = [net.reshape(v, [c, 1, n * p])
+             for v in _tap_views(net, s, _padded(net, s, xt, (2, 3), 4), (2, 3))]
+    cat = net.op("Concat", views, axis=1) if len(views) > 1 else views[0]  # [C, k*k, N*P]
+    gt = net.reshape(net.transpose("gy", [1, 0, 2, 3]), [c, n * p, 1])
+    return net, net.reshape(net.op("MatMul", [cat, gt]), list(s.w))  # [C, k*k, 1]
+
+
+def _form_taps_t(s: ConvShape) -> tuple[_Net, str]:
+    c = s.x[1]
+    net = _Net()
+    xt = net.transpose("x", [1, 0, 2, 3])  # [C, N, H, W]: each tap's sum over trailing axes
+    gt = net.transpose("gy", [1, 0, 2, 3])
+    sums = [net.reshape(net.reduce_sum(net.op("Mul", [v, gt]), [1, 2, 3]), [c, 1])
+            for v in _tap_views(net, s, _padded(net, s, xt, (2, 3), 4), (2, 3))]
+    cat = net.op("Concat", sums, axis=1) if len(sums) > 1 else sums[0]
+    return net, net.reshape(cat, list(s.w))
+
+
 def memcc_form(s: ConvShape) -> onnx.ModelProto:
     """What memcc's autodiff emits for this Conv's weight gradient, alone: a forward model
     y = Conv(x, w), loss = ReduceSum(y), differentiated for w with gy seeded as y's
@@ -520,6 +547,8 @@ BUILDERS: dict[str, Callable[[ConvShape], tuple[_Net, str]]] = {
     "grouped-nc": _form_grouped_nc,
     "patches-mul": _form_patches_mul,
     "taps": _form_taps,
+    "taps-t": _form_taps_t,
+    "patches-bmv": _form_patches_bmv,
 }
 
 
