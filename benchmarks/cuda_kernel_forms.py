@@ -73,13 +73,14 @@ F32 = TensorProto.FLOAT
 EPS = 1e-5
 MOMENTUM = 0.9
 GROUPS = ("sum", "bn_forward", "bn_backward", "matmul", "torch")
-# ResNet-50's BatchNorm inputs at 224 px, per sample (C, H, W): the stem, the widest
-# stage-1 tensor, stage 2 and the last stage. The batch is --batch.
+# ResNet-50's BatchNorm inputs at 224 px, per sample (C, H, W), most frequent kinds first
+# (each stage's block outputs, then its expansion at the stem's size): the batch is --batch.
+RESNET50_BN = [(256, 56, 56), (1024, 14, 14), (512, 28, 28), (2048, 7, 7), (64, 112, 112)]
 PRESETS = {
-    "full": {"batch": 184, "bn": [(64, 112, 112), (256, 56, 56), (512, 28, 28), (2048, 7, 7)],
-             "attention": (8, 12, 1024, 64), "linear": (8192, 768, 3072)},
-    "medium": {"batch": 16, "bn": [(64, 112, 112), (256, 56, 56), (512, 28, 28), (2048, 7, 7)],
-               "attention": (2, 12, 512, 64), "linear": (2048, 768, 3072)},
+    "full": {"batch": 184, "bn": RESNET50_BN, "attention": (8, 12, 1024, 64),
+             "linear": (8192, 768, 3072)},
+    "medium": {"batch": 16, "bn": RESNET50_BN, "attention": (2, 12, 512, 64),
+               "linear": (2048, 768, 3072)},
     "quick": {"batch": 4, "bn": [(8, 12, 12), (32, 5, 5)],
               "attention": (1, 2, 32, 16), "linear": (64, 24, 48)},
 }
@@ -386,44 +387,59 @@ def bn_data(shape: tuple[int, ...], seed: int) -> dict[str, np.ndarray]:
             "var_in": rng.uniform(0.9, 1.1, c).astype(np.float32)}
 
 
-def bn_reference(d: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def reference_backend(provider: str) -> tuple[Callable, Callable, str]:
+    """(to float64, back to numpy, name): torch float64 on the GPU where the provider is
+    CUDA and torch has it (the float64 reference of a [184, 256, 56, 56] step takes
+    seconds in numpy on one core), else numpy."""
+    if provider == "cuda" and torch_cuda_ready():
+        import torch
+
+        return (lambda a: torch.from_numpy(a).to("cuda", torch.float64),
+                lambda t: t.cpu().numpy(), "torch float64 on cuda")
+    return (lambda a: a.astype(np.float64)), (lambda a: a), "numpy float64"
+
+
+def bn_reference(d: dict[str, np.ndarray], to64: Callable = lambda a: a.astype(np.float64),
+                 back: Callable = lambda a: a) -> dict[str, np.ndarray]:
     """Forward and backward of training-mode BatchNorm in float64 (ONNX's definition: the
-    biased variance, also for the running statistic, as memcc and ORT's CPU kernel do)."""
-    x = d["x"].astype(np.float64)
-    gy = d["gy"].astype(np.float64)
+    biased variance, also for the running statistic, as memcc and ORT's CPU kernel do).
+    Written in the operations numpy arrays and torch tensors share (``reference_backend``).
+    """
+    x, gy = to64(d["x"]), to64(d["gy"])
     view = (1, -1, 1, 1)
-    gamma = d["scale"].astype(np.float64).reshape(view)
-    mean = x.mean(axis=(0, 2, 3))
+    axes = (0, 2, 3)
+    gamma = to64(d["scale"]).reshape(view)
+    mean = x.mean(axis=axes)
     centred = x - mean.reshape(view)
-    var = np.mean(centred * centred, axis=(0, 2, 3))
-    inv = 1.0 / np.sqrt(var + EPS)
+    var = (centred * centred).mean(axis=axes)
+    inv = 1.0 / (var + EPS) ** 0.5
     xhat = centred * inv.reshape(view)
     del centred
-    count = x.size / x.shape[1]
-    gb = gy.sum(axis=(0, 2, 3))
-    gs = (gy * xhat).sum(axis=(0, 2, 3))
+    count = float(d["x"].size // d["x"].shape[1])
+    gb = gy.sum(axis=axes)
+    gs = (gy * xhat).sum(axis=axes)
     gx = (gamma * inv.reshape(view) / count) * (
         count * gy - gb.reshape(view) - xhat * gs.reshape(view))
-    return {
-        "s": x.sum(axis=(0, 2, 3)),
-        "y": xhat * gamma + d["bias"].astype(np.float64).reshape(view),
-        "running_mean": d["mean_in"] * MOMENTUM + mean * (1 - MOMENTUM),
-        "running_var": d["var_in"] * MOMENTUM + var * (1 - MOMENTUM),
-        "gx": gx, "gscale": gs, "gbias": gb,
-        "batch_mean": mean.reshape(view), "batch_inv_std": inv.reshape(view),
-    }
+    y = xhat * gamma + to64(d["bias"]).reshape(view)
+    ref = {"s": x.sum(axis=axes), "y": y,
+           "running_mean": to64(d["mean_in"]) * MOMENTUM + mean * (1 - MOMENTUM),
+           "running_var": to64(d["var_in"]) * MOMENTUM + var * (1 - MOMENTUM),
+           "gx": gx, "gscale": gs, "gbias": gb,
+           "batch_mean": mean.reshape(view), "batch_inv_std": inv.reshape(view)}
+    return {k: back(v) for k, v in ref.items()}
 
 
-def cases(groups: list[str], preset: dict, seed: int):
+def cases(groups: list[str], preset: dict, seed: int, provider: str = "cpu"):
     """Yield each (group, shape) case lazily: only one shape's data lives at a time."""
     batch = preset["batch"]
+    to64, back, _ = reference_backend(provider)
     bn_groups = [g for g in ("sum", "bn_forward", "bn_backward") if g in groups]
     for k, (c, h, w) in enumerate(preset["bn"]):
         if not bn_groups and "torch" not in groups:
             break
         shape = (batch, c, h, w)
         data = bn_data(shape, seed + k)
-        ref = bn_reference(data)
+        ref = bn_reference(data, to64, back)
         saved = {"batch_mean": ref["batch_mean"].astype(np.float32),
                  "batch_inv_std": ref["batch_inv_std"].astype(np.float32)}
         builders: dict[str, Callable] = {"sum": sum_forms, "bn_forward": bn_forward_forms,
@@ -445,8 +461,8 @@ def cases(groups: list[str], preset: dict, seed: int):
             b_shape = dims if kind == "attention" else (dims[0], dims[2])
             a = rng.standard_normal(a_shape, dtype=np.float32)
             b = rng.standard_normal(b_shape, dtype=np.float32)
-            a64, b64 = a.astype(np.float64), b.astype(np.float64)
-            y = a64 @ np.swapaxes(b64, -1, -2) if kind == "attention" else a64.T @ b64
+            a64, b64 = to64(a), to64(b)
+            y = back(a64 @ b64.swapaxes(-1, -2) if kind == "attention" else a64.T @ b64)
             yield Case("matmul", [kind, list(a_shape), list(b_shape)], {"A": a, "B": b},
                        {"Y": y}, forms)
 
@@ -457,8 +473,9 @@ def relative_error(outputs: dict[str, np.ndarray], reference: dict[str, np.ndarr
     """The largest max |out - ref| / max |ref| over the outputs, and which output."""
     worst, name = 0.0, ""
     for k, ref in reference.items():
-        got = np.asarray(outputs[k], dtype=np.float64).reshape(ref.shape)
-        err = float(np.max(np.abs(got - ref))) / max(float(np.max(np.abs(ref))), 1e-30)
+        diff = np.subtract(ref, np.asarray(outputs[k]).reshape(ref.shape), dtype=np.float64)
+        np.abs(diff, out=diff)
+        err = float(diff.max()) / max(float(np.max(np.abs(ref))), 1e-30)
         if err > worst or not name:
             worst, name = err, k
     return worst, name
@@ -480,7 +497,7 @@ class BoundForm:
                 list(info.shape), info.np_dtype, DEVICE[provider], 0)
             self.binding.bind_ortvalue_output(o.name, value)
             self.outputs[o.name] = value
-        self.nodes = len(graph.nodes)
+        self.nodes = sum(n.op_type != "Constant" for n in graph.nodes)
 
     def __call__(self) -> None:
         self.session.run_with_iobinding(self.binding)
@@ -592,7 +609,8 @@ def torch_cuda_ready() -> bool:
 def markdown(entry: dict) -> str:
     """One table per group and shape, and the fastest form within the tolerance."""
     lines = [f"### {entry['group']} {entry['shape']}", "",
-             "| form | nodes | median ms | spread ms | net ms | rel. error | deterministic |",
+             "| form | nodes (no Constants) | median ms | spread ms | net ms | rel. error "
+             "| deterministic |",
              "|---|---:|---:|---:|---:|---:|---|"]
     for r in entry["forms"]:
         lines.append(f"| {r['form']} | {r['nodes'] if r['nodes'] is not None else '-'} | "
@@ -600,9 +618,10 @@ def markdown(entry: dict) -> str:
                      f"{r['rel_error']:.1e} ({r['worst_output']}) | "
                      f"{'yes' if r['deterministic'] else 'NO'} |")
     lines.append("")
-    lines.append(f"fastest within tolerance: **{entry['fastest']}**"
-                 + (f" (fastest of all: {entry['fastest_any']})"
-                    if entry["fastest_any"] != entry["fastest"] else ""))
+    if entry["fastest_any"] is not None:
+        lines.append(f"fastest within tolerance: **{entry['fastest']}**"
+                     + (f" (fastest of all: {entry['fastest_any']})"
+                        if entry["fastest_any"] != entry["fastest"] else ""))
     return "\n".join(lines) + "\n"
 
 
@@ -633,6 +652,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tol", type=float, default=1e-4,
                    help="relative error a form may have to be called fastest (default 1e-4)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--budget-s", type=float, default=100.0,
+                   help="start no new shape after this many seconds (default 100); the JSON "
+                        "names what was skipped")
     return p.parse_args(argv)
 
 
@@ -670,40 +692,59 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# Kernel forms on {provider} (onnxruntime {ort.__version__}, preset "
           f"{preset_name}, batch {preset['batch']}, {rounds} rounds; floor {floor_ms:.3f} ms "
           "per run)\n", flush=True)
-    entries = []
-    for case in cases(groups, preset, args.seed):
+    entries: list[dict] = []
+    skipped: list[str] = []
+    result = {
+        "provider": provider, "onnxruntime": ort.__version__,
+        "device": _device_name(provider), "preset": preset_name, "batch": preset["batch"],
+        "rounds": rounds, "det_runs": args.det_runs, "tolerance": args.tol,
+        "reference": reference_backend(provider)[2], "floor_ms": round(floor_ms, 4),
+        "groups": entries, "torch_targets": [], "skipped": skipped, "elapsed_s": None,
+    }
+    for case in cases(groups, preset, args.seed, provider):
+        if time.perf_counter() - started > args.budget_s:
+            skipped.append(f"{case.group} {case.shape}")
+            continue
         t0 = time.perf_counter()
         if case.group == "torch":
             rows = run_torch_case(case, provider, rounds, args.det_runs, floor_ms)
         else:
             rows = run_onnx_case(case, provider, rounds, args.det_runs, floor_ms)
-        best, best_any = fastest(rows, args.tol)
+        # torch's two rows are two different jobs (forward; forward + backward): no winner.
+        best, best_any = fastest(rows, args.tol) if case.group != "torch" else (None, None)
         entry = {"group": case.group, "shape": case.shape, "forms": rows, "fastest": best,
                  "fastest_any": best_any, "seconds": round(time.perf_counter() - t0, 2)}
         entries.append(entry)
         print(markdown(entry), flush=True)
-    targets = torch_targets(entries)
+        write(args.out, result, started)  # after every case: a run cut short keeps its rows
+    result["torch_targets"] = targets = torch_targets(entries)
     for t in targets:
         print(f"target {t['shape']}: torch forward+backward {t['torch_ms']:.3f} ms; ORT's "
               f"fastest forward + backward forms {t['ort_ms']:.3f} ms "
-              f"({t['ort_forward']} + {t['ort_backward']})")
-    result = {
-        "provider": provider, "onnxruntime": ort.__version__,
-        "device": _device_name(provider), "preset": preset_name, "batch": preset["batch"],
-        "rounds": rounds, "det_runs": args.det_runs, "tolerance": args.tol,
-        "floor_ms": round(floor_ms, 4), "groups": entries, "torch_targets": targets,
-        "elapsed_s": round(time.perf_counter() - started, 1),
-    }
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "kernel_forms.json").write_text(json.dumps(result, indent=1))
+              f"({t['ort_forward']} + {t['ort_backward']}); memcc's CUDA default "
+              f"(b_transpose twice) {t['ort_cuda_default_ms']:.3f} ms")
+    if skipped:
+        print(f"skipped (over --budget-s {args.budget_s:g}): {'; '.join(skipped)}")
+    write(args.out, result, started)
     print(f"\nelapsed {result['elapsed_s']} s")
     return 0
 
 
+def write(out: Path | None, result: dict, started: float) -> None:
+    """kernel_forms.json in ``out`` (nothing without --out), written whole each time."""
+    result["elapsed_s"] = round(time.perf_counter() - started, 1)
+    if out is None:
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / "kernel_forms.json.tmp"
+    tmp.write_text(json.dumps(result, indent=1))
+    tmp.replace(out / "kernel_forms.json")
+
+
 def torch_targets(entries: list[dict]) -> list[dict]:
     """Per BatchNorm shape with a torch row: torch's forward + backward against ORT's
-    fastest (within tolerance) forward form plus fastest backward form."""
+    fastest (within tolerance) forward form plus fastest backward form, and against
+    memcc's CUDA default (``b_transpose`` both ways)."""
     by = {(e["group"], str(e["shape"])): e for e in entries}
     out = []
     for e in entries:
@@ -718,7 +759,11 @@ def torch_targets(entries: list[dict]) -> list[dict]:
         b_ms = next(r["median_ms"] for r in bwd["forms"] if r["form"] == bwd["fastest"])
         out.append({"shape": e["shape"], "torch_ms": ms["torch_forward_backward"],
                     "ort_ms": round(f_ms + b_ms, 4), "ort_forward": fwd["fastest"],
-                    "ort_backward": bwd["fastest"]})
+                    "ort_backward": bwd["fastest"],
+                    "ort_cuda_default_ms": round(
+                        next(r["median_ms"] for r in fwd["forms"] if r["form"] == "b_transpose")
+                        + next(r["median_ms"] for r in bwd["forms"]
+                               if r["form"] == "b_transpose"), 4)})
     return out
 
 
