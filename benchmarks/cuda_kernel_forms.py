@@ -371,6 +371,20 @@ class Case:
     inputs: dict[str, np.ndarray]
     reference: dict[str, np.ndarray]
     forms: dict[str, tuple[str, Graph]] = field(default_factory=dict)
+    # CUDA provider options per form, on top of memcc's (``provider_options``)
+    options: dict[str, dict[str, str]] = field(default_factory=dict)
+
+    def with_tf32_twins(self, provider: str) -> Case:
+        """On CUDA, each form with a MatMul once more with ``use_tf32=0``: ORT's CUDA
+        provider lets cuBLAS round float32 MatMul inputs to TF32 unless told not to, and
+        memcc's provider options do not say; the twin shows what full float32 costs."""
+        if provider != "cuda":
+            return self
+        for name, (desc, graph) in list(self.forms.items()):
+            if any(n.op_type in ("MatMul", "FusedMatMul") for n in graph.nodes):
+                self.forms[f"{name}_tf32_off"] = (f"{desc}; CUDA option use_tf32=0", graph)
+                self.options[f"{name}_tf32_off"] = {"use_tf32": "0"}
+        return self
 
 
 def bn_data(shape: tuple[int, ...], seed: int) -> dict[str, np.ndarray]:
@@ -485,8 +499,9 @@ class BoundForm:
     """One form's session with its inputs bound once (device OrtValues shared with the
     other forms of the shape) and its outputs bound to preallocated buffers."""
 
-    def __init__(self, graph: Graph, values: dict[str, ort.OrtValue], provider: str) -> None:
-        self.session = make_session(graph.to_model(), provider)
+    def __init__(self, graph: Graph, values: dict[str, ort.OrtValue], provider: str,
+                 cuda_options: dict[str, str] | None = None) -> None:
+        self.session = make_session(graph.to_model(), provider, cuda_options=cuda_options)
         self.binding = self.session.io_binding()
         for i in self.session.get_inputs():
             self.binding.bind_ortvalue_input(i.name, values[i.name])
@@ -520,9 +535,19 @@ def run_onnx_case(case: Case, provider: str, rounds: int, det_runs: int, floor_m
     device = DEVICE[provider]
     values = {k: ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v), device, 0)
               for k, v in case.inputs.items()}
-    bound = {name: BoundForm(graph, values, provider) for name, (_, graph) in case.forms.items()}
-    times = interleaved_times(bound, rounds=rounds, warmup=2, order="random", seed=0)
+    # A form that cannot load or run is reported as such; the others are still timed (the
+    # GPU session has one try).
+    bound: dict[str, BoundForm] = {}
     rows = []
+    for name, (desc, graph) in case.forms.items():
+        try:
+            form = BoundForm(graph, values, provider, case.options.get(name))
+            form()
+            bound[name] = form
+        except Exception as exc:  # ORT raises its own pybind types
+            rows.append(failed_row(name, desc, exc))
+    times = interleaved_times(bound, rounds=rounds, warmup=2, order="random",
+                              seed=0) if bound else {}
     for name, form in bound.items():
         first = form.fetch()
         same = True
@@ -535,6 +560,14 @@ def run_onnx_case(case: Case, provider: str, rounds: int, det_runs: int, floor_m
                      **summarize(times[name], floor_ms), "rel_error": err,
                      "worst_output": worst, "deterministic": same})
     return rows
+
+
+def failed_row(form: str, description: str, exc: BaseException) -> dict:
+    text = str(exc).strip().splitlines()
+    return {"form": form, "description": description, "nodes": None, "median_ms": None,
+            "spread_ms": None, "net_ms": None, "rounds": 0, "rel_error": None,
+            "worst_output": None, "deterministic": None,
+            "error": f"{type(exc).__name__}: {text[0] if text else ''}"[:300]}
 
 
 def run_torch_case(case: Case, provider: str, rounds: int, det_runs: int, floor_ms: float
@@ -613,6 +646,9 @@ def markdown(entry: dict) -> str:
              "| deterministic |",
              "|---|---:|---:|---:|---:|---:|---|"]
     for r in entry["forms"]:
+        if r.get("error"):
+            lines.append(f"| {r['form']} | failed: {r['error']} | | | | | |")
+            continue
         lines.append(f"| {r['form']} | {r['nodes'] if r['nodes'] is not None else '-'} | "
                      f"{r['median_ms']:.3f} | {r['spread_ms']:.3f} | {r['net_ms']:.3f} | "
                      f"{r['rel_error']:.1e} ({r['worst_output']}) | "
@@ -626,9 +662,10 @@ def markdown(entry: dict) -> str:
 
 
 def fastest(rows: list[dict], tol: float) -> tuple[str | None, str | None]:
-    ok = [r for r in rows if r["rel_error"] <= tol]
+    ran = [r for r in rows if not r.get("error")]
+    ok = [r for r in ran if r["rel_error"] <= tol]
     best = min(ok, key=lambda r: r["median_ms"])["form"] if ok else None
-    return best, min(rows, key=lambda r: r["median_ms"])["form"]
+    return best, min(ran, key=lambda r: r["median_ms"])["form"] if ran else None
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -706,10 +743,14 @@ def main(argv: list[str] | None = None) -> int:
             skipped.append(f"{case.group} {case.shape}")
             continue
         t0 = time.perf_counter()
-        if case.group == "torch":
-            rows = run_torch_case(case, provider, rounds, args.det_runs, floor_ms)
-        else:
-            rows = run_onnx_case(case, provider, rounds, args.det_runs, floor_ms)
+        try:
+            if case.group == "torch":
+                rows = run_torch_case(case, provider, rounds, args.det_runs, floor_ms)
+            else:
+                rows = run_onnx_case(case.with_tf32_twins(provider), provider, rounds,
+                                     args.det_runs, floor_ms)
+        except Exception as exc:  # one try on the GPU: report it and go on
+            rows = [failed_row("(whole case)", case.group, exc)]
         # torch's two rows are two different jobs (forward; forward + backward): no winner.
         best, best_any = fastest(rows, args.tol) if case.group != "torch" else (None, None)
         entry = {"group": case.group, "shape": case.shape, "forms": rows, "fastest": best,
@@ -745,25 +786,26 @@ def torch_targets(entries: list[dict]) -> list[dict]:
     """Per BatchNorm shape with a torch row: torch's forward + backward against ORT's
     fastest (within tolerance) forward form plus fastest backward form, and against
     memcc's CUDA default (``b_transpose`` both ways)."""
+    def ms(entry: dict | None, form: str | None) -> float | None:
+        if entry is None or form is None:
+            return None
+        return next((r["median_ms"] for r in entry["forms"] if r["form"] == form), None)
+
     by = {(e["group"], str(e["shape"])): e for e in entries}
     out = []
     for e in entries:
-        if e["group"] != "torch":
+        if e["group"] != "torch" or ms(e, "torch_forward_backward") is None:
             continue
         fwd, bwd = by.get(("bn_forward", str(e["shape"]))), by.get(("bn_backward",
                                                                      str(e["shape"])))
-        if not fwd or not bwd or not fwd["fastest"] or not bwd["fastest"]:
+        parts = [ms(fwd, fwd and fwd["fastest"]), ms(bwd, bwd and bwd["fastest"])]
+        default = [ms(fwd, "b_transpose"), ms(bwd, "b_transpose")]
+        if None in parts or None in default:
             continue
-        ms = {r["form"]: r["median_ms"] for r in fwd["forms"] + bwd["forms"] + e["forms"]}
-        f_ms = next(r["median_ms"] for r in fwd["forms"] if r["form"] == fwd["fastest"])
-        b_ms = next(r["median_ms"] for r in bwd["forms"] if r["form"] == bwd["fastest"])
-        out.append({"shape": e["shape"], "torch_ms": ms["torch_forward_backward"],
-                    "ort_ms": round(f_ms + b_ms, 4), "ort_forward": fwd["fastest"],
+        out.append({"shape": e["shape"], "torch_ms": ms(e, "torch_forward_backward"),
+                    "ort_ms": round(sum(parts), 4), "ort_forward": fwd["fastest"],
                     "ort_backward": bwd["fastest"],
-                    "ort_cuda_default_ms": round(
-                        next(r["median_ms"] for r in fwd["forms"] if r["form"] == "b_transpose")
-                        + next(r["median_ms"] for r in bwd["forms"]
-                               if r["form"] == "b_transpose"), 4)})
+                    "ort_cuda_default_ms": round(sum(default), 4)})
     return out
 
 

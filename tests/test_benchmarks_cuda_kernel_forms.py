@@ -50,7 +50,7 @@ def test_quick_cpu_run_writes_every_form_within_tolerance(tmp_path):
             assert 0 <= r["rel_error"] <= TOL, (where, r["rel_error"], r["worst_output"])
             assert r["deterministic"] is True, where  # the CPU provider: same bits
             assert r["median_ms"] > 0 and r["spread_ms"] == 0.0 and r["rounds"] == 1, where
-            assert r["nodes"] >= 1 and r["description"], where
+            assert r["nodes"] >= 1 and r["description"] and "error" not in r, where
 
 
 def test_forms_are_built_as_described():
@@ -109,3 +109,42 @@ def test_bad_groups_exit_2_and_write_nothing(tmp_path, capsys):
                     "--out", str(tmp_path / "o")]) == 2
     assert "nope" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_a_form_that_fails_is_reported_and_the_others_still_run():
+    """The GPU session has one try: a form ORT cannot load becomes a row with its error."""
+    shape = (2, 3, 4, 5)
+    forms = kf.sum_forms(shape)
+    broken = forms["a_leading"][1].copy()
+    broken.nodes[-1].op_type = "NoSuchReduce"
+    case = kf.Case("sum", list(shape), {"x": np.ones(shape, np.float32)},
+                   {"s": np.full(3, 40.0)},
+                   {"a_leading": forms["a_leading"], "broken": ("bad op", broken)})
+    rows = {r["form"]: r for r in kf.run_onnx_case(case, "cpu", 1, 1, 0.0)}
+    assert rows["a_leading"]["rel_error"] == 0.0 and "error" not in rows["a_leading"]
+    assert "NoSuchReduce" in rows["broken"]["error"] and rows["broken"]["median_ms"] is None
+    assert kf.fastest(list(rows.values()), TOL) == ("a_leading", "a_leading")
+    assert "failed: " in kf.markdown({"group": "sum", "shape": list(shape),
+                                      "forms": list(rows.values()), "fastest": "a_leading",
+                                      "fastest_any": "a_leading"})
+
+
+def test_torch_target_on_the_cpu(tmp_path):
+    """Group 5 runs on the GPU by default; ``--torch on`` runs the same code on torch's CPU
+    so its rows and the target line are checked here."""
+    assert kf.main(["--provider", "cpu", "--quick", "--rounds", "1", "--torch", "on",
+                    "--groups", "bn_forward,bn_backward,torch", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "kernel_forms.json").read_text())
+    torch_entries = [e for e in result["groups"] if e["group"] == "torch"]
+    assert len(torch_entries) == len(kf.PRESETS["quick"]["bn"])
+    for e in torch_entries:
+        assert e["fastest"] is None  # forward and forward + backward are different jobs
+        forms = {r["form"]: r for r in e["forms"]}
+        assert set(forms) == {"torch_forward", "torch_forward_backward"}
+        assert all(0 <= r["rel_error"] <= TOL and "error" not in r for r in forms.values())
+        assert forms["torch_forward"]["worst_output"] == "y"
+    targets = result["torch_targets"]
+    assert [t["shape"] for t in targets] == [e["shape"] for e in torch_entries]
+    for t in targets:
+        assert t["torch_ms"] > 0 and t["ort_ms"] > 0 and t["ort_cuda_default_ms"] > 0
+        assert t["ort_forward"] in FORWARD_FORMS and t["ort_backward"] in BACKWARD_FORMS
