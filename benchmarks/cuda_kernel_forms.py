@@ -373,6 +373,7 @@ class Case:
     forms: dict[str, tuple[str, Graph]] = field(default_factory=dict)
     # CUDA provider options per form, on top of memcc's (``provider_options``)
     options: dict[str, dict[str, str]] = field(default_factory=dict)
+    skipped: bool = False  # over --budget-s: no data or reference computed
 
     def with_tf32_twins(self, provider: str) -> Case:
         """On CUDA, each form with a MatMul once more with ``use_tf32=0``: ORT's CUDA
@@ -443,8 +444,10 @@ def bn_reference(d: dict[str, np.ndarray], to64: Callable = lambda a: a.astype(n
     return {k: back(v) for k, v in ref.items()}
 
 
-def cases(groups: list[str], preset: dict, seed: int, provider: str = "cpu"):
-    """Yield each (group, shape) case lazily: only one shape's data lives at a time."""
+def cases(groups: list[str], preset: dict, seed: int, provider: str = "cpu",
+          over_budget: Callable[[], bool] = lambda: False):
+    """Yield each (group, shape) case lazily: only one shape's data lives at a time. Once
+    ``over_budget()``, the remaining cases come as ``skipped`` shells."""
     batch = preset["batch"]
     to64, back, _ = reference_backend(provider)
     bn_groups = [g for g in ("sum", "bn_forward", "bn_backward") if g in groups]
@@ -452,6 +455,10 @@ def cases(groups: list[str], preset: dict, seed: int, provider: str = "cpu"):
         if not bn_groups and "torch" not in groups:
             break
         shape = (batch, c, h, w)
+        if over_budget():
+            for group in bn_groups + (["torch"] if "torch" in groups else []):
+                yield Case(group, list(shape), {}, {}, skipped=True)
+            continue
         data = bn_data(shape, seed + k)
         ref = bn_reference(data, to64, back)
         saved = {"batch_mean": ref["batch_mean"].astype(np.float32),
@@ -470,6 +477,9 @@ def cases(groups: list[str], preset: dict, seed: int, provider: str = "cpu"):
         rng = np.random.default_rng(seed + 100)
         for kind in ("attention", "linear"):
             dims = preset[kind]
+            if over_budget():
+                yield Case("matmul", [kind, list(dims)], {}, {}, skipped=True)
+                continue
             forms = matmul_forms(kind, dims)
             a_shape = dims if kind == "attention" else dims[:2]
             b_shape = dims if kind == "attention" else (dims[0], dims[2])
@@ -657,7 +667,40 @@ def markdown(entry: dict) -> str:
     if entry["fastest_any"] is not None:
         lines.append(f"fastest within tolerance: **{entry['fastest']}**"
                      + (f" (fastest of all: {entry['fastest_any']})"
-                        if entry["fastest_any"] != entry["fastest"] else ""))
+                        if entry["fastest_any"] != entry["fastest"] else "")
+                     + (f"; fastest deterministic: **{entry.get('fastest_deterministic')}**"
+                        if entry.get("fastest_deterministic") != entry["fastest"] else ""))
+    return "\n".join(lines) + "\n"
+
+
+# The form memcc writes today, per group, on CUDA (the CPU keeps the leading-axis form).
+DEFAULT_FORM = {"sum": "b_transpose", "bn_forward": "b_transpose",
+                "bn_backward": "b_transpose", "matmul": "a_transpose_matmul"}
+
+
+def against_default(group: str, rows: list[dict], best: str | None) -> dict:
+    """memcc's CUDA form for the group and how many times faster ``best`` (the fastest
+    deterministic form within tolerance) is."""
+    default = DEFAULT_FORM.get(group)
+    ms = {r["form"]: r["median_ms"] for r in rows if not r.get("error")}
+    if default is None or best is None or default not in ms or not ms[best]:
+        return {"default_form": default, "speedup_vs_default": None}
+    return {"default_form": default,
+            "speedup_vs_default": round(ms[default] / ms[best], 3)}
+
+
+def summary(entries: list[dict], provider: str) -> str:
+    """One line per case: the fastest form and its speed-up over memcc's CUDA form."""
+    lines = [f"## Fastest forms on {provider} (within tolerance)", "",
+             "| group | shape | fastest | fastest deterministic | its speed-up over memcc's "
+             "CUDA form |", "|---|---|---|---|---:|"]
+    for e in entries:
+        if e["group"] == "torch" or e["fastest"] is None:
+            continue
+        x = e["speedup_vs_default"]
+        lines.append(f"| {e['group']} | {e['shape']} | {e['fastest']} | "
+                     f"{e['fastest_deterministic']} | "
+                     f"{'-' if x is None else f'{x:.2f}x'} ({e['default_form']}) |")
     return "\n".join(lines) + "\n"
 
 
@@ -738,8 +781,11 @@ def main(argv: list[str] | None = None) -> int:
         "reference": reference_backend(provider)[2], "floor_ms": round(floor_ms, 4),
         "groups": entries, "torch_targets": [], "skipped": skipped, "elapsed_s": None,
     }
-    for case in cases(groups, preset, args.seed, provider):
-        if time.perf_counter() - started > args.budget_s:
+    def over_budget() -> bool:
+        return time.perf_counter() - started > args.budget_s
+
+    for case in cases(groups, preset, args.seed, provider, over_budget):
+        if case.skipped:
             skipped.append(f"{case.group} {case.shape}")
             continue
         t0 = time.perf_counter()
@@ -753,11 +799,16 @@ def main(argv: list[str] | None = None) -> int:
             rows = [failed_row("(whole case)", case.group, exc)]
         # torch's two rows are two different jobs (forward; forward + backward): no winner.
         best, best_any = fastest(rows, args.tol) if case.group != "torch" else (None, None)
+        best_det = (fastest([r for r in rows if r.get("deterministic")], args.tol)[0]
+                    if case.group != "torch" else None)
         entry = {"group": case.group, "shape": case.shape, "forms": rows, "fastest": best,
-                 "fastest_any": best_any, "seconds": round(time.perf_counter() - t0, 2)}
+                 "fastest_any": best_any, "fastest_deterministic": best_det,
+                 **against_default(case.group, rows, best_det),
+                 "seconds": round(time.perf_counter() - t0, 2)}
         entries.append(entry)
         print(markdown(entry), flush=True)
         write(args.out, result, started)  # after every case: a run cut short keeps its rows
+    print(summary(entries, provider))
     result["torch_targets"] = targets = torch_targets(entries)
     for t in targets:
         print(f"target {t['shape']}: torch forward+backward {t['torch_ms']:.3f} ms; ORT's "

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 
 from benchmarks import cuda_kernel_forms as kf
 
@@ -45,6 +46,12 @@ def test_quick_cpu_run_writes_every_form_within_tolerance(tmp_path):
         forms = {r["form"]: r for r in entry["forms"]}
         assert set(forms) == expected[entry["group"]], entry["group"]
         assert entry["fastest"] in forms and entry["fastest_any"] in forms
+        # Every form is deterministic on the CPU: the deterministic winner is the winner.
+        assert entry["fastest_deterministic"] == entry["fastest"]
+        default = "a_transpose_matmul" if entry["group"] == "matmul" else "b_transpose"
+        assert entry["default_form"] == default
+        assert entry["speedup_vs_default"] == pytest.approx(
+            forms[default]["median_ms"] / forms[entry["fastest"]]["median_ms"], rel=0.05)
         for name, r in forms.items():
             where = f"{entry['group']} {entry['shape']} {name}"
             assert 0 <= r["rel_error"] <= TOL, (where, r["rel_error"], r["worst_output"])
@@ -148,3 +155,13 @@ def test_torch_target_on_the_cpu(tmp_path):
     for t in targets:
         assert t["torch_ms"] > 0 and t["ort_ms"] > 0 and t["ort_cuda_default_ms"] > 0
         assert t["ort_forward"] in FORWARD_FORMS and t["ort_backward"] in BACKWARD_FORMS
+
+
+def test_budget_spent_skips_every_case_and_says_so(tmp_path):
+    assert kf.main(["--provider", "cpu", "--quick", "--rounds", "1", "--budget-s", "0",
+                    "--groups", "sum,matmul", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "kernel_forms.json").read_text())
+    assert result["groups"] == []
+    assert result["skipped"] == [f"sum {[4, c, h, w]}" for c, h, w in kf.PRESETS["quick"]["bn"]
+                                 ] + ["matmul ['attention', [1, 2, 32, 16]]",
+                                      "matmul ['linear', [64, 24, 48]]"]
