@@ -165,3 +165,18 @@ def test_budget_spent_skips_every_case_and_says_so(tmp_path):
     assert result["skipped"] == [f"sum {[4, c, h, w]}" for c, h, w in kf.PRESETS["quick"]["bn"]
                                  ] + ["matmul ['attention', [1, 2, 32, 16]]",
                                       "matmul ['linear', [64, 24, 48]]"]
+
+
+def test_tf32_twins_on_cuda_only():
+    """On CUDA each form with a MatMul runs once more with ``use_tf32=0`` (session option
+    only; the graph is the same); the CPU run has no such rows."""
+    shape = (2, 3, 4, 5)
+    case = kf.Case("sum", list(shape), {}, {}, kf.sum_forms(shape))
+    assert set(case.with_tf32_twins("cpu").forms) == SUM_FORMS and not case.options
+    twins = kf.Case("matmul", [], {}, {}, kf.matmul_forms("linear", (8, 4, 6)))
+    twins.with_tf32_twins("cuda")
+    assert set(twins.forms) == MATMUL_FORMS | {f"{f}_tf32_off" for f in MATMUL_FORMS}
+    assert twins.options == {f"{f}_tf32_off": {"use_tf32": "0"} for f in MATMUL_FORMS}
+    case.with_tf32_twins("cuda")
+    assert set(case.forms) == SUM_FORMS | {"e_matmul_tf32_off"}
+    assert case.forms["e_matmul_tf32_off"][1] is case.forms["e_matmul"][1]
