@@ -287,6 +287,7 @@ def prepare(name: str, sizes: dict, tmp: Path) -> dict:
         "nodes": len(step.nodes),
         "memcc_kernels": sum(n.op_type != "Constant" for n in step.nodes),
         "export_s": export_s, "notes": notes,
+        "state_bytes": sum(a.nbytes for a in (*state.values(), *batch.values())),
     }
 
 
@@ -496,6 +497,7 @@ def measure(name: str, sizes: dict, *, rounds: int, warmup: int, threads: int,
                   f"{'train' if model.training else 'eval'} mode",
         "notes": prep["notes"], "nodes": prep["nodes"],
         "memcc_kernels": prep["memcc_kernels"], "ort_all_nodes": prep["ort_all_nodes"],
+        "state_bytes": prep["state_bytes"],
         "times": {s: _spread(times[s]) for s in SIDES}, "ratios": ratios,
         "first_loss": timed["first_loss"], "settings": timed["settings"],
         "versions": timed["versions"], "peaks": peaks,
