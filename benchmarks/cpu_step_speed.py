@@ -514,8 +514,14 @@ def _cell(r: dict) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    ms = lambda r, s: f"{1e3 * r['times'][s]['median_s']:.1f}"  # noqa: E731
-    lines = ["| model | memcc ms | memcc-arena ms | ORT-ALL ms | torch ms | memcc / ORT-ALL "
+    def ms(r: dict, side: str) -> str:
+        t = r["times"][side]
+        spread = (t["q75_s"] - t["q25_s"]) / 2 / t["median_s"]
+        return f"{1e3 * t['median_s']:.1f} ±{100 * spread:.0f}%"
+
+    lines = ["Step times: median ms ± half the interquartile range; ratios: median of the "
+             "per-round ratios (95% bootstrap interval; ~ where it spans 1).", "",
+             "| model | memcc ms | memcc-arena ms | ORT-ALL ms | torch ms | memcc / ORT-ALL "
              "| arena / ORT-ALL | memcc / torch |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         q = r["ratios"]
