@@ -32,11 +32,13 @@ Sides, all at ``--threads`` intra-op threads (default 2):
   ``OMP_WAIT_POLICY=PASSIVE`` (torch_peer's docstring says why).
 
 Timing: all four sides in one fresh process with glibc's default allocator
-(``memory.timing_env``), each side stepped ``--warmup`` times, then ``--rounds`` rounds in
-which every side runs one step, the order rotated per round (``benchmarks.stats``). Reported:
-each side's median step time with its quartiles, and per-round ratios memcc/ORT-ALL,
-memcc-arena/ORT-ALL and memcc/torch, their median and 95% bootstrap interval. The first loss
-of every side is kept: the sides run the same step on the same weights and batch.
+(``memory.timing_env``), the one that exported and built the step (so torch loads once;
+its garbage is collected before any side is made). Each side is stepped ``--warmup`` times,
+then ``--rounds`` rounds in which every side runs one step, the order rotated per round
+(``benchmarks.stats``). Reported: each side's median step time with its quartiles, and
+per-round ratios memcc/ORT-ALL, memcc-arena/ORT-ALL and memcc/torch, their median and 95%
+bootstrap interval. The first loss of every side is kept: the sides run the same step on
+the same weights and batch.
 
 Measured peaks, each side in a fresh process under ``memory.child_env`` (every buffer of 4
 KiB or more its own mmap, returned at free), with ``memory.CpuPeakMeter``: the baseline is
@@ -46,11 +48,11 @@ plus, for memcc, the arrays the trainer allocated before the baseline and binds 
 (state, its copy of the batch, outputs, constants: ``held_bytes``, as ``memcc train``
 counts them); ORT-ALL's state and batch are loaded after the baseline. The peak is the
 largest figure of the steps after the first. Measured from before the first step, because
-ORT's default session keeps what its arena grew to (and its memory pattern's block) between
-steps: a baseline after a warm-up step, as ``memcc run`` takes it, would hide that. Both
-figures so include the first step's one-time allocations (thread pools, kernel caches);
-constants stay inside ORT-ALL's session (in its baseline) while memcc's figure counts them.
-``held_between_steps_bytes`` is what each side still holds after its last step.
+ORT's default session keeps what its arena grew to between steps: a baseline after a
+warm-up step, as ``memcc run`` takes it, would hide that. Both figures so include the first
+step's one-time allocations (thread pools, kernel caches); constants stay inside ORT-ALL's
+session (in its baseline) while memcc's figure counts them. ``held_between_steps_bytes`` is
+what each side still holds after its last step.
 Node counts: the step as built, and the graph ORT-ALL runs after its optimizer
 (``optimized_model_filepath``).
 
