@@ -618,26 +618,35 @@ def main(argv: list[str]) -> int:
         print(msg, file=sys.stderr, flush=True)
 
     t0 = time.perf_counter()
-    rows = []
+    rows, failed = [], []
     with tempfile.TemporaryDirectory(prefix="memcc-cpu-speed-") as tmp:
         for name in args.models:
-            rows.append(measure(name, args.sizes[name], rounds=args.rounds,
-                                warmup=args.warmup, threads=args.threads,
-                                peak_steps=args.peak_steps, tmp=Path(tmp), log=log))
+            try:
+                rows.append(measure(name, args.sizes[name], rounds=args.rounds,
+                                    warmup=args.warmup, threads=args.threads,
+                                    peak_steps=args.peak_steps, tmp=Path(tmp), log=log))
+            except Exception as exc:  # one failing model must not hide the others
+                failed.append({"model": name, "sizes": args.sizes[name],
+                               "error": f"{type(exc).__name__}: {str(exc)[:400]}"})
+                log(f"{name}: FAILED: {failed[-1]['error']}")
     head = settings_lines(rows, args.threads)
     print("\n".join(head))
     print()
-    print(table(rows))
-    print()
-    print("\n".join(verdicts(rows)))
+    if rows:
+        print(table(rows))
+        print()
+        print("\n".join(verdicts(rows)))
     for r in rows:
         print(f"{r['model']}: {r['sizes']}; export {r['export']}; first loss "
               + ", ".join(f"{s} {v:.4f}" for s, v in r["first_loss"].items())
               + ("; " + "; ".join(r["notes"]) if r["notes"] else ""))
+    for f in failed:
+        print(f"{f['model']}: {f['sizes']}: failed: {f['error']}")
     print(f"({time.perf_counter() - t0:.0f} s)")
     if args.out:
-        args.out.write_text(json.dumps({"settings": head, "rows": rows}, indent=2))
-    return 0
+        args.out.write_text(json.dumps({"settings": head, "rows": rows, "failed": failed},
+                                       indent=2))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

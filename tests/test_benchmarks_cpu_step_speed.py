@@ -26,6 +26,7 @@ def test_every_side_is_timed_and_measured_on_the_same_step(tmp_path, capsys):
     assert rc == 0
     data = json.loads(out.read_text())
     (row,) = data["rows"]
+    assert data["failed"] == []
     assert set(row) == ROW_FIELDS
     assert row["model"] == "gpt2" and row["family"] == "transformer"
     assert row["sizes"] == bench.MODELS["gpt2"].tiny and row["threads"] == 1
@@ -67,6 +68,19 @@ def test_every_side_is_timed_and_measured_on_the_same_step(tmp_path, capsys):
     assert any("ORT_ENABLE_ALL" in line for line in data["settings"])
     printed = capsys.readouterr().out
     assert "| gpt2 |" in printed and "memcc / ORT-ALL" in printed and "ORT-ALL nodes" in printed
+
+
+def test_a_failing_model_is_reported_and_the_run_exits_1(tmp_path, monkeypatch, capsys):
+    def broken(name, sizes, **kw):
+        raise RuntimeError(f"{name} would not export")
+
+    monkeypatch.setattr(bench, "measure", broken)
+    out = tmp_path / "speed.json"
+    assert bench.main(["--tiny", "--models", "vit,resnet", "--out", str(out)]) == 1
+    data = json.loads(out.read_text())
+    assert data["rows"] == []
+    assert [f["model"] for f in data["failed"]] == ["vit", "resnet"]
+    assert "RuntimeError: resnet would not export" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("argv, message", [
