@@ -12,6 +12,14 @@ pieces cost on the device (an upload of 1 GiB, a session, its first run, a secon
     python benchmarks/cuda_runtime.py gpt2=STEP.onnx --variants default,det,det --steps 6
     python benchmarks/cuda_runtime.py --device-pieces
     python benchmarks/cuda_runtime.py --provider cpu --models mlp      # the code path, here
+    python benchmarks/cuda_runtime.py --models resnet50,gpt2 --forms current,unfused,no-bn-reuse
+
+``--forms`` (zoo steps only) builds each step in several forms, to time what issue 30 changed
+on the device: ``current`` (as memcc builds and rewrites it now), ``unfused`` (built without
+memcc's fusions, ``BuildOptions(fusions=())``), ``no-bn-reuse`` (training-mode BatchNorm
+written for CUDA with a backward that recomputes its statistics, as before issue 30: the
+step is saved already rewritten, so the runner's own rewrite finds nothing left to do).
+Each row carries its ``form``.
 
 The figures of BENCHMARKS.md, "Issue 29 on an H200", came from this script (then kept
 outside the repository as .gpu/smoke29.py and .gpu/diag29.py): raw lines in
@@ -42,8 +50,11 @@ from models import build_model  # noqa: E402
 
 ZOO = {"mlp": dict(batch=512, in_features=1024, width=1024, depth=4),
        "resnet18": dict(batch=32, resolution=128),
+       "resnet50": dict(batch=64, resolution=224),
        "gpt2": dict(batch=4, seq_len=256, vocab_size=8192, width=256, heads=4, depth=4)}
-SMALL = {"mlp": dict(batch=8), "resnet18": dict(batch=2), "gpt2": dict(batch=2)}
+SMALL = {"mlp": dict(batch=8), "resnet18": dict(batch=2), "resnet50": dict(batch=2),
+         "gpt2": dict(batch=2)}
+FORMS = ("current", "unfused", "no-bn-reuse")
 VARIANTS = {"default": {}, "nograph": {"cuda_graph": False}, "det": {"deterministic": True}}
 FIELDS = ("losses", "step_time_s", "measured_peak_bytes", "predicted_peak_bytes",
           "measured_over_predicted", "first_step_measured_bytes",
@@ -65,6 +76,18 @@ def run_row(path: Path, provider: str, variant: str, steps: int) -> dict:
         row = {"error": "".join(traceback.format_exception(exc))[-1500:]}
     row.update(variant=variant, wall_s=round(time.time() - t0, 1))
     return row
+
+
+def built_form(name: str, sizes: dict, form: str, tmp: Path) -> Path:
+    """The zoo step ``name`` in ``form`` (``--forms``), saved under ``tmp``."""
+    forward = load_graph(build_model(name, **sizes))
+    step = build_training_step(forward, BuildOptions(
+        optimizer="sgd", **({"fusions": ()} if form == "unfused" else {})))
+    if form == "no-bn-reuse":
+        from memcc.passes.batchnorm_for_cuda import expand_training_batchnorm
+
+        step, _ = expand_training_batchnorm(step, reuse_statistics=False)
+    return save_graph(step, tmp / f"{name}-{form}.onnx")
 
 
 def device_pieces() -> dict:
@@ -122,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", default=",".join(VARIANTS),
                     help="comma-separated, repeats allowed (default,nograph,det)")
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--forms", default="current",
+                    help=f"comma-separated forms of each zoo step ({', '.join(FORMS)})")
     ap.add_argument("--device-pieces", action="store_true",
                     help="print what the runtime's pieces cost on the device (CUDA) first")
     args = ap.parse_args(argv)
@@ -129,22 +154,23 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown:
         ap.error(f"--variants: unknown {unknown}; choose from {sorted(VARIANTS)}")
+    forms = [f for f in args.forms.split(",") if f]
+    if sorted(set(forms) - set(FORMS)):
+        ap.error(f"--forms: unknown {sorted(set(forms) - set(FORMS))}; choose from {FORMS}")
     if args.device_pieces:
         print(json.dumps({"device_pieces": device_pieces()}), flush=True)
     with tempfile.TemporaryDirectory(prefix="memcc-cuda-runtime-") as tmp:
         if args.steps_files:
-            cases = [(a.split("=", 1)[0], Path(a.split("=", 1)[1])) for a in args.steps_files]
+            cases = [(a.split("=", 1)[0], "file", Path(a.split("=", 1)[1]))
+                     for a in args.steps_files]
         else:
             sizes = ZOO if args.provider == "cuda" else SMALL
-            cases = []
-            for name in [m for m in args.models.split(",") if m]:
-                step = build_training_step(load_graph(build_model(name, **sizes[name])),
-                                           BuildOptions(optimizer="sgd"))
-                cases.append((name, save_graph(step, Path(tmp) / f"{name}.onnx")))
-        for name, path in cases:
+            cases = [(name, form, built_form(name, sizes[name], form, Path(tmp)))
+                     for name in [m for m in args.models.split(",") if m] for form in forms]
+        for name, form, path in cases:
             for variant in variants:
                 row = run_row(path, args.provider, variant, args.steps)
-                print(json.dumps({"model": name, **row}), flush=True)
+                print(json.dumps({"model": name, "form": form, **row}), flush=True)
     return 0
 
 
