@@ -429,7 +429,7 @@ def _peak_child(p: dict) -> dict:
     meter = memory.CpuPeakMeter()
     if side.startswith("memcc"):
         trainer = _trainer(prep, threads, True if side == "memcc-arena" else None)
-        held = trainer._step.held_bytes()  # state, batch and outputs it binds, constants
+        held = trainer.held_bytes()  # state, batch and outputs it binds, constants
         gc.collect()
         meter.set_baseline()
         batch = _load(prep["batch"])

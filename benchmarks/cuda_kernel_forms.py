@@ -74,7 +74,7 @@ from memcc.frontend.gradients.nn import batchnorm_train_backward  # noqa: E402
 from memcc.frontend.gradients.registry import RULES, GradContext  # noqa: E402
 from memcc.graph import Graph, TensorInfo  # noqa: E402
 from memcc.passes.batchnorm_for_cuda import expand_training_batchnorm, for_provider  # noqa: E402
-from memcc.passes.deterministic_reductions import _axes as reduced_axes  # noqa: E402
+from memcc.passes.deterministic_reductions import reduced_axes  # noqa: E402
 
 F32 = TensorProto.FLOAT
 EPS = 1e-5

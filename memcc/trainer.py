@@ -154,6 +154,11 @@ class Trainer:
     def batch_size(self) -> int:
         return self.inputs[0].batch_size if self.inputs else 1
 
+    def held_bytes(self) -> int:
+        """Bytes of the arrays the trainer holds for its session: state, bound batch and
+        outputs, constants (what a memory meter with a baseline after loading must add)."""
+        return self._step.held_bytes()
+
     def state_dict(self) -> dict[str, np.ndarray]:
         """Copies of every carried value (parameters, optimizer state, BN statistics)."""
         return self._step.state_dict()

@@ -41,7 +41,7 @@ _AXES_INPUT_SINCE = {"ReduceSum": 13, "ReduceMean": 18, "ReduceSumSquare": 18,
                      "ReduceLogSum": 18}
 
 
-def _axes(graph: Graph, node: onnx.NodeProto, rank: int, producers) -> list[int] | None:
+def reduced_axes(graph: Graph, node: onnx.NodeProto, rank: int, producers) -> list[int] | None:
     """The reduced axes, sorted and non-negative; None when not known at compile time."""
     if graph.opset >= _AXES_INPUT_SINCE[node.op_type]:
         if len(node.input) < 2 or not node.input[1]:
@@ -89,7 +89,7 @@ def to_trailing_axes(graph: Graph, *, only: Callable[[list[int], list[int]], boo
             report.left.append(f"{node_label(node)}: no static shape")
             continue
         rank = len(x_info.shape)
-        axes = _axes(graph, node, rank, producers)
+        axes = reduced_axes(graph, node, rank, producers)
         if axes is None:
             report.left.append(f"{node_label(node)}: axes computed at run time")
             continue
