@@ -38,7 +38,7 @@ from memcc.backend.profiling import calibrate_cpu_rates, measured_costs
 from memcc.backend.session import planning_provider
 from memcc.errors import InputError, MemccError
 from memcc.frontend.build import BuildOptions, build_training_step, is_training_step
-from memcc.frontend.fuse import fuse
+from memcc.frontend.fuse import fuse_step
 from memcc.frontend.load import load_graph
 from memcc.frontend.row_chunks import ATTENTION, FLAGS, MLP, find_regions
 from memcc.graph import Graph, node_label
@@ -561,8 +561,7 @@ def _load(model, label: str, options: CompileOptions):
         built = True
     elif FUSIONS_KEY not in graph.metadata:
         # A step built before memcc fused its steps: fused here, as build would have.
-        graph, fusions = fuse(graph)
-        graph.metadata[FUSIONS_KEY] = json.dumps(fusions.to_json())
+        graph = fuse_step(graph)
     graph, rewritten_for_cuda = for_provider(graph, options.provider)
     step = TrainingStep.of(graph)
     params = step.parameters

@@ -7,7 +7,7 @@ import json
 
 import pytest
 from onnx import TensorProto, helper
-from threads import mismatches, run_once
+from threads import mismatches, run_at_threads
 
 from memcc.backend.runner import synthetic_feeds
 from memcc.frontend.build import BuildOptions, build_training_step
@@ -25,11 +25,19 @@ from memcc.step import FUSIONS_KEY, TrainingStep
 from models import build_model
 
 ZOO = {"gpt2": {}, "resnet18": {}, "mobilenetv2": {}}
+# A real export too: transformers' GPT-2 through torch.onnx's dynamo exporter.
+EXPORTED = ("gpt2-dynamo",)
 
 
-@pytest.fixture(scope="module", params=sorted(ZOO))
+@pytest.fixture(scope="module", params=sorted(ZOO) + list(EXPORTED))
 def steps(request) -> tuple[str, Graph, Graph]:
-    forward = load_graph(build_model(request.param, **ZOO[request.param]))
+    if request.param in EXPORTED:
+        from exports import export
+
+        path, _, _, dims = export(*request.param.split("-"))
+        forward = load_graph(path, dims)
+    else:
+        forward = load_graph(build_model(request.param, **ZOO[request.param]))
     plain = build_training_step(forward, BuildOptions(fusions=()))
     fused = build_training_step(forward, BuildOptions())
     return request.param, plain, fused
@@ -42,10 +50,12 @@ def test_fused_steps_compute_the_same_bits_at_1_and_2_threads(steps):
     assert report["nodes_after"] == len(fused.nodes) < len(plain.nodes) == report["nodes_before"]
     assert report["bytes_saved"] > 0
     feeds = synthetic_feeds(plain, 0)
+    # Each thread count twice, the two runs the same bits (run_at_threads asserts it).
+    a = run_at_threads(plain, feeds, threads=(1, 2))
+    b = run_at_threads(fused, feeds, threads=(1, 2))
     for threads in (1, 2):
-        a, b = run_once(plain, feeds, threads), run_once(fused, feeds, threads)
-        assert list(a) == list(b)
-        assert not mismatches(a, b), (name, threads, mismatches(a, b))
+        assert list(a[threads]) == list(b[threads])
+        assert not mismatches(a[threads], b[threads]), (name, threads)
 
 
 def test_the_forward_pass_stays_standard_onnx(steps):

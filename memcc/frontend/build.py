@@ -31,14 +31,13 @@ from memcc.frontend.exported import (
     signature_of,
 )
 from memcc.frontend.fuse import RULES as FUSION_RULES
-from memcc.frontend.fuse import fuse
+from memcc.frontend.fuse import fuse_step
 from memcc.frontend.row_chunks import ATTENTION, MLP, chunk_regions
 from memcc.graph import Graph, TensorInfo, attr, node_label
 from memcc.step import (  # the contract's keys live with its one reader, memcc.step
     DATA_KEY,
     FOLDED_PARAMS_KEY,
     FORWARD_OUTPUTS_KEY,
-    FUSIONS_KEY,
     GRADIENTS_KEY,
     INT_RANGES_KEY,
     KIND_KEY,
@@ -214,8 +213,7 @@ def build_training_step(forward: Graph, options: BuildOptions | None = None,
     })
     graph.metadata.pop(EXPORT_MAP_KEY, None)  # read into the two records above
     # memcc's own fusions, so that planning sees the step as ORT runs it (frontend/fuse.py).
-    graph, fusions = fuse(graph, opts.fusions)
-    graph.metadata[FUSIONS_KEY] = json.dumps(fusions.to_json())
+    graph = fuse_step(graph, opts.fusions)
     _drop_unused_initializers(graph)
     return graph
 

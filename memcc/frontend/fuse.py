@@ -27,13 +27,14 @@ ORT's CPU FusedMatMul has no other type.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 import onnx
 from onnx import TensorProto, helper
 
 from memcc.graph import Graph, attr
-from memcc.step import KIND_KEY, TrainingStep, rule_io
+from memcc.step import FUSIONS_KEY, KIND_KEY, TrainingStep, rule_io
 
 MS_DOMAIN = "com.microsoft"
 FUSED_MATMUL = "FusedMatMul"
@@ -68,16 +69,24 @@ def fuse(graph: Graph, rules: tuple[str, ...] = RULES, *,
     out = graph.copy()
     if forward is None:
         forward = TrainingStep.of(out).forward if out.metadata.get(KIND_KEY) else frozenset()
-    fwd = forward
-    keep = _rule_boundaries(out)
     report = FusionReport(nodes_before=len(graph.nodes))
     if TRANSPOSE_INTO_MATMUL in rules:
-        report.fused[TRANSPOSE_INTO_MATMUL] = _transpose_into_matmul(out, fwd, keep, report)
+        report.fused[TRANSPOSE_INTO_MATMUL] = _transpose_into_matmul(
+            out, forward, _rule_boundaries(out), report)
     report.nodes_after = len(out.nodes)
     if not any(report.fused.values()):
         return graph, report
     out.opsets.setdefault(MS_DOMAIN, 1)
     return out, report
+
+
+def fuse_step(graph: Graph, rules: tuple[str, ...] = RULES) -> Graph:
+    """``fuse`` a training step and record what it did in the result's metadata
+    (``FUSIONS_KEY``: ``FusionReport.to_json()``; the result is ``graph`` itself when nothing
+    fuses), as ``memcc build`` and compile's loading of an older step do."""
+    out, report = fuse(graph, rules)
+    out.metadata[FUSIONS_KEY] = json.dumps(report.to_json())
+    return out
 
 
 def _rule_boundaries(graph: Graph) -> set[str]:
@@ -132,7 +141,6 @@ def _transpose_into_matmul(graph: Graph, forward: frozenset[str], keep: set[str]
     du = graph.def_use()
     flags = ("transA", "transB")
     gone: set[int] = set()
-    folded = 0
     for t in list(graph.nodes):
         if t.op_type != "Transpose" or t.name in forward or not t.output[0] \
                 or t.output[0] in keep:
@@ -158,13 +166,7 @@ def _transpose_into_matmul(graph: Graph, forward: frozenset[str], keep: set[str]
         report.bytes_saved += _saved(graph, tv, len(readers))
         du.remove(t)
         gone.add(id(t))
-        folded += 1
-    _drop(graph, gone, du)
-    return folded
-
-
-def _drop(graph: Graph, gone: set[int], du) -> None:
-    """Remove the nodes in ``gone`` (already forgotten by ``du``) and hand the index on."""
     if gone:
         kept = [n for n in graph.nodes if id(n) not in gone]
         graph.set_nodes(kept, du.attach(kept))
+    return len(gone)
