@@ -40,7 +40,7 @@ import numpy as np
 import onnx
 
 from memcc.frontend.emit import Emitter
-from memcc.graph import Graph, attr
+from memcc.graph import DefUse, Graph, attr
 from memcc.step import DEFAULT_RULE, GRAD_OF_PROP, RULE_PROP, Role, node_props, tag_node
 
 
@@ -94,11 +94,7 @@ def _reuse_statistics(nodes: list[onnx.NodeProto], emit: Emitter,
         if src in stats and props.get(RULE_PROP, DEFAULT_RULE) == DEFAULT_RULE \
                 and n.op_type != "Constant":  # the axes of an opset-18 reduction
             by_rule.setdefault(src, []).append(i)
-    readers: dict[str, list[onnx.NodeProto]] = {}
-    for n in nodes:
-        for v in n.input:
-            if v:
-                readers.setdefault(v, []).append(n)
+    du = DefUse.build(nodes)
     drop: set[int] = set()
     inserts: dict[int, list[onnx.NodeProto]] = {}
     changed = 0
@@ -111,17 +107,18 @@ def _reuse_statistics(nodes: list[onnx.NodeProto], emit: Emitter,
                 and c.op_type == "Sub" and list(c.input) == [x, m.output[0]]
                 and sq.op_type == "Mul" and list(sq.input) == [c.output[0]] * 2
                 and v.op_type == "ReduceMean" and v.input[0] == sq.output[0]
-                and len(readers.get(sq.output[0], ())) == 1
+                and du.reader_count(sq.output[0]) == 1
                 and emit.info(v.output[0]).dtype == emit.info(fwd_var).dtype
                 and emit.info(m.output[0]).shape == emit.info(fwd_mean).shape):
             continue
         start = len(emit.nodes)
         view = emit.reshape(fwd_var, list(emit.info(v.output[0]).shape))
         made = emit.nodes[start:]
-        for r in readers.get(m.output[0], ()):
-            _rewire(r, m.output[0], fwd_mean)
-        for r in readers.get(v.output[0], ()):
-            _rewire(r, v.output[0], view)
+        for old, new in ((m.output[0], fwd_mean), (v.output[0], view)):
+            for r in list(du.readers.get(old, ())):
+                for k, value in enumerate(r.input):
+                    if value == old:
+                        du.rewire(r, k, new)
         for n in made:
             n.metadata_props.extend(v.metadata_props)  # the backward's provenance
         if made:
@@ -135,12 +132,6 @@ def _reuse_statistics(nodes: list[onnx.NodeProto], emit: Emitter,
             kept.append(n)
     nodes[:] = kept
     return changed
-
-
-def _rewire(node: onnx.NodeProto, old: str, new: str) -> None:
-    for k, v in enumerate(node.input):
-        if v == old:
-            node.input[k] = new
 
 
 def for_provider(graph: Graph, provider: str) -> tuple[Graph, int]:
