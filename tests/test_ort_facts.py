@@ -343,3 +343,26 @@ def test_cast_chains_ort_removes_even_with_every_optimization_off(src, chain, ot
     # and what memcc keeps, ORT runs as it is
     again = profiled_order(load_graph(m).to_model(), feeds, tmp_path)
     assert [n for n in again if n.startswith("cast")] == kept
+
+
+def test_a_function_cannot_reach_older_opset_training_batchnorm():
+    """Issue 30: BatchNormalization at opset 9-13 with five outputs runs a training kernel
+    (cuDNN's on CUDA); at opset 14+ ORT's CUDA provider refuses training mode. A model-local
+    function importing opset 13 does not reach the old form: ORT inlines its body at the
+    model's opset when it resolves the graph (before any provider is chosen) and rejects the
+    five outputs. If a release accepts it, the CUDA BatchNorm rewrite could use that kernel."""
+    io = ["x", "s", "b", "m", "v"]
+    outs = ["y", "rm", "rv", "sm", "sv"]
+    fn = helper.make_function(
+        "memcc.test", "BNTrain", io, outs,
+        [helper.make_node("BatchNormalization", io, outs, epsilon=1e-5, momentum=0.9)],
+        [helper.make_opsetid("", 13)])
+    graph = helper.make_graph(
+        [helper.make_node("BNTrain", io, outs, domain="memcc.test")], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 4, 4])]
+        + [helper.make_tensor_value_info(n, TensorProto.FLOAT, [3]) for n in io[1:]],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in outs])
+    model = helper.make_model(graph, functions=[fn], ir_version=9, opset_imports=[
+        helper.make_opsetid("", 17), helper.make_opsetid("memcc.test", 1)])
+    with pytest.raises(Exception, match="output size 5"):
+        make_session(model, "cpu")
