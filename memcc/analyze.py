@@ -32,13 +32,14 @@ from memcc.compiler import (
     _check_provider,
     _costs,
     _load,
+    as_trained,
     user_budget,
     warning_sink,
 )
 from memcc.graph import Graph
 from memcc.passes.liveness import CATEGORIES, categorize
 from memcc.passes.plan import Plan, StepStructure
-from memcc.passes.planner import choose_plan
+from memcc.passes.planner import PlanOutcome, choose_plan
 from memcc.passes.simulate import Simulation, simulate
 from memcc.passes.step_traffic import StepTraffic, step_traffic
 from memcc.sizes import format_size
@@ -138,7 +139,11 @@ def analyze(model: str | os.PathLike, options: CompileOptions, *, smallest: bool
     costs, cost_summary = _costs(graph, options, warning, cuda_missing)
     say("simulating the step as built")
     base = simulate(graph, Plan(), costs, structure, device=options.device)
-    live = base.liveness
+    # The step as memcc train runs it (updates early where that lowers the peak), as
+    # compile reports it; the search below starts from the file's order, as compile's does.
+    trained = as_trained(graph, PlanOutcome(base, base, "none", {}), costs, options,
+                         structure).best
+    live = trained.liveness
     breakdown = {k: int(live.breakdown.get(k, 0)) for k in CATEGORIES}
     breakdown |= {k: int(v) for k, v in live.breakdown.items() if k not in breakdown}
     totals, counts = _totals(graph, structure)
@@ -149,7 +154,7 @@ def analyze(model: str | os.PathLike, options: CompileOptions, *, smallest: bool
     return Analysis(
         model=label, built_training_step=bool(load["built_training_step"]),
         provider=options.provider, arena=options.arena, nodes=len(graph.nodes),
-        peak_bytes=int(base.peak_bytes), peak_node=live.peak_node,
+        peak_bytes=int(trained.peak_bytes), peak_node=live.peak_node,
         live_peak_bytes=int(live.peak_bytes), breakdown_at_peak=breakdown, totals=totals,
         counts=counts, compute_cost_s=float(base.compute_cost_s),
         cost_source=str(cost_summary["source"]), smallest=found,
@@ -193,6 +198,7 @@ def _smallest(graph: Graph, costs, options: CompileOptions, st: StepStructure,
                           offload=options.swaps, variants=options.variants,
                           device=options.device, allow_lossy=options.allow_lossy,
                           heap_room=options.heap_room)
+    outcome = as_trained(graph, outcome, costs, options, st)
     spent = time.perf_counter() - t0
     best = outcome.best
     slack = max(options.slack_for(graph), options.slack_for(best.graph))

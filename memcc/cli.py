@@ -227,9 +227,12 @@ def run(
         help=".npz file with one array per data input (named like the inputs).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     in_place: Annotated[bool, typer.Option(
-        "--in-place", help="Run as memcc train does: updates written over the values they "
-                           "replace, each update as early as it may run (predicted and "
-                           "measured that way).")] = False,
+        "--in-place/--copying", help="--in-place (default): run as memcc train runs and memcc "
+                                     "compile plans the step: updates written over the "
+                                     "values they replace, each update as early as it may "
+                                     "run (predicted and measured that way). --copying: "
+                                     "every update in a buffer of its own (CPU; for "
+                                     "comparison).")] = True,
     arena: Annotated[Optional[bool], typer.Option(  # noqa: UP045
         "--arena/--no-arena",
         help="CPU: allocate through ORT's arena with the CUDA provider's settings and "

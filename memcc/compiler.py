@@ -61,7 +61,7 @@ from memcc.passes.planner import (
     choose_plan,
     describe_variants,
 )
-from memcc.passes.simulate import Simulation
+from memcc.passes.simulate import Simulation, simulate
 from memcc.passes.step_traffic import step_traffic
 from memcc.sizes import format_size, parse_size
 from memcc.step import ALLOCATOR_KEY, FUSIONS_KEY, PLAN_KEY, TrainingStep
@@ -450,10 +450,11 @@ def _plan_in_budget(graph: Graph, budget: int | None, costs: CostModel,
     def own_slack(outcome: PlanOutcome) -> int:
         return max(base_slack, options.slack_for(outcome.best.graph))
 
-    def no_fit(exc: BudgetError) -> BudgetError:
-        # what --budget min gives: the smallest plan with its own heap room
-        room = slack if exc.outcome is None else own_slack(exc.outcome)
-        need = user_budget(exc.smallest, options, room)
+    def no_fit(exc: BudgetError, trained: PlanOutcome | None) -> BudgetError:
+        # what --budget min gives: the smallest plan, as trained, with its own heap room
+        room = slack if trained is None else own_slack(trained)
+        need = user_budget(exc.smallest if trained is None else trained.best.peak_bytes,
+                           options, room)
         return BudgetError(
             f"{label}: the training step does not fit in {format_size(budget)} "
             f"({budget:,} bytes). The smallest budget memcc can reach for it is "
@@ -472,10 +473,11 @@ def _plan_in_budget(graph: Graph, budget: int | None, costs: CostModel,
         try:
             return timed("plan", lambda: _plan(graph, target, costs, options, structure))
         except BudgetError as exc:
-            smallest = exc.outcome
+            smallest = None if exc.outcome is None else as_trained(
+                graph, exc.outcome, costs, options, structure)
             if smallest is None or budget is None or smallest.best.peak_bytes > plan_budget_under(
                     budget, options, own_slack(smallest)):
-                raise no_fit(exc) from None
+                raise no_fit(exc, smallest) from None
             return timed("plan", lambda: (smallest, _plan_summary(graph, smallest, costs,
                                                                   options, structure)))
 
@@ -643,7 +645,25 @@ def _plan(graph, budget, costs, options, structure) -> tuple[PlanOutcome, dict]:
                           offload=options.swaps, variants=options.variants,
                           device=options.device, allow_lossy=options.allow_lossy,
                           heap_room=options.heap_room)
+    outcome = as_trained(graph, outcome, costs, options, structure)
     return outcome, _plan_summary(graph, outcome, costs, options, structure)
+
+
+def as_trained(graph: Graph, outcome: PlanOutcome, costs: CostModel, options: CompileOptions,
+               structure: StepStructure) -> PlanOutcome:
+    """The chosen plan and the step as built, judged in the order ``memcc train`` runs them:
+    updates in place and each moved to just after its gradient where that lowers the peak
+    (``simulate(early_updates=True)``). The search judges candidates in the file's order
+    (a bound on this one, at a third of the analysis); the step compile writes is this
+    order, so the peak it reports is the peak of the step as trained, never above the one
+    the search accepted."""
+    def trained(sim: Simulation) -> Simulation:
+        again = simulate(graph, sim.plan, costs, structure, host_copies=options.swaps,
+                         device=options.device, early_updates=True)
+        return replace(again, heap_room=sim.heap_room) \
+            if again.peak_bytes <= sim.peak_bytes else sim
+
+    return replace(outcome, best=trained(outcome.best), baseline=trained(outcome.baseline))
 
 
 def _plan_summary(graph, outcome: PlanOutcome, costs, options, structure) -> dict:

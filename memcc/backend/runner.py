@@ -138,7 +138,7 @@ def run_steps(
     data: str | os.PathLike | None = None,
     isolate: bool | None = None,
     separate_timing: bool = True,
-    in_place: bool = False,
+    in_place: bool = True,
     arena: bool | None = None,
     gpu_mem_limit: int | None = None,
     cuda_graph: bool | None = None,
@@ -152,15 +152,16 @@ def run_steps(
     default allocator (``memory.timing_env``): the measuring process pays a page fault on
     every fresh buffer, which is not what a training run costs.
 
-    ``in_place`` runs the step as ``memcc.Trainer`` does (``passes.arrange``): updates
-    written into the buffers of the values they replace (IOBinding), each update moved early
-    where that predicts a lower peak, and the prediction counts the aliasing. CUDA always
-    runs so.
+    ``in_place`` (default) runs the step as ``memcc.Trainer`` does and ``memcc compile``
+    plans it (``passes.arrange``): updates written into the buffers of the values they
+    replace (IOBinding), each update moved early where that predicts a lower peak, and the
+    prediction counts the aliasing. ``in_place=False`` gives every update a buffer of its
+    own (the copying runner, kept for comparisons). CUDA always runs in place.
 
     ``arena`` (CPU): allocate through ORT's arena with CUDA's settings instead of straight
     from malloc, and predict with ``passes.arena`` (the CUDA allocation rules, measured).
     On CUDA the arena is always on and always predicted that way. ``None``: as the step was
-    compiled (``memcc compile --arena`` marks it), unless ``in_place``.
+    compiled (``memcc compile --arena`` marks it).
 
     ``gpu_mem_limit`` (CUDA): the step may not hold more than this many device bytes (its
     arena is capped at what the bound buffers leave); a step that needs more fails
@@ -201,10 +202,10 @@ def run_steps(
     if cuda_graph:
         raise InputError("--cuda-graph needs --provider cuda")
     if arena is None:
-        arena = prov == "cpu" and not in_place and TrainingStep.of(graph).allocator == "arena"
-    if arena and (in_place or prov != "cpu"):
-        raise InputError("--arena is for the CPU provider without --in-place (CUDA always "
-                         "runs through its arena)")
+        arena = prov == "cpu" and TrainingStep.of(graph).allocator == "arena"
+    if arena and prov != "cpu":
+        raise InputError("--arena is for the CPU provider (CUDA always runs through its "
+                         "arena)")
     arena_report = None
     if arena:
         arena_report, arena_peak = arena_prediction(graph, prediction, spec, steps=steps,

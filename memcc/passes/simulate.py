@@ -12,16 +12,17 @@ from dataclasses import dataclass
 
 from memcc.graph import Graph
 from memcc.passes.arena import ArenaReport, cpu_arena_peak
+from memcc.passes.arrange import arrange_step
 from memcc.passes.cost_model import CostModel
-from memcc.passes.device_memory import DevicePrediction, predict_step
+from memcc.passes.device_memory import DevicePrediction, predict_device
 from memcc.passes.liveness import (
     HEAP_BYTES_PER_SMALL_BUFFER,
     LivenessReport,
-    analyze_liveness,
     small_buffers,
 )
 from memcc.passes.lowering import PassReport, lower
 from memcc.passes.plan import Plan, StepStructure
+from memcc.step import TrainingStep
 
 # Whose allocation rules a peak follows: the CPU provider straight from malloc, the CUDA
 # arena, or the CPU provider through the same arena class.
@@ -57,8 +58,15 @@ class Simulation:
 def simulate(graph: Graph, plan: Plan, costs: CostModel,
              structure: StepStructure | None = None, *,
              host_copies: bool = False, device: str = "cpu",
-             heap_base: int | None = None) -> Simulation:
-    """``host_copies``: the step runs on a device provider, where swapped-out copies live
+             heap_base: int | None = None, early_updates: bool = False) -> Simulation:
+    """The plan lowered, and judged as ``memcc train`` runs it (``passes.arrange``): each
+    update written over the value it replaces where that is safe, so one copy of the
+    state, not two, is counted at the end of the step. ``early_updates``: also move each
+    update to just after its gradient is complete where that lowers the peak (the order
+    ``memcc compile`` writes and ``memcc train`` runs); off, the file's order, a bound on
+    it at a third of the analysis (for the many candidate plans a search judges).
+
+    ``host_copies``: the step runs on a device provider, where swapped-out copies live
     in host memory (not in the peak; ``liveness.host_peak_bytes``).
 
     ``device="cuda"``: the peak is the device pages behind what the CUDA arena reserves for
@@ -78,17 +86,21 @@ def simulate(graph: Graph, plan: Plan, costs: CostModel,
     if device not in DEVICES:
         raise ValueError(f"device '{device}': one of {', '.join(DEVICES)}")
     lowered = lower(graph, plan, structure)
-    live = analyze_liveness(lowered.graph, host_copies=host_copies or device == "cuda")
+    step = TrainingStep.of(lowered.graph)
+    runs = arrange_step(lowered.graph, step, host_copies=host_copies or device == "cuda",
+                        early_updates=early_updates)
+    live = runs.prediction
     arena, peak, prediction = None, live.peak_bytes, None
     if device == "cuda":
-        _, prediction = predict_step(lowered.graph, early_updates=False)
+        prediction = predict_device(runs.graph, live, aliased=runs.in_place.aliased,
+                                    updates=step.state)
         arena, peak = prediction.arena, prediction.steady_bytes
     elif device == "cpu-arena":
-        arena, peak = cpu_arena_peak(lowered.graph, live)
+        arena, peak = cpu_arena_peak(runs.graph, live)
     added = added_seconds(graph, lowered.graph, costs)
     return Simulation(
         plan=plan,
-        graph=lowered.graph,
+        graph=runs.graph,
         liveness=live,
         peak_bytes=int(peak),
         compute_cost_s=costs.total(graph) + added,
