@@ -125,7 +125,10 @@ def test_plot_aligns_plan_with_baseline_and_draws_budget_and_target(compiled, tm
         assert report["planning_budget_bytes"] == pytest.approx(expected, abs=1)
         assert report["plan"]["peak_bytes"] <= report["planning_budget_bytes"]
 
-        assert [t.get_text() for t in ax.texts] == ["forward", "backward", "update"]
+        # The step runs as memcc train runs it: each update just after its gradient, so
+        # the updates interleave with the backward pass and a stretch after it may be empty.
+        assert [t.get_text() for t in ax.texts][:2] == ["forward", "backward"]
+        assert set(t.get_text() for t in ax.texts) <= {"forward", "backward", "update"}
         assert "as built" in ax.get_xlabel()
         assert ax.get_legend() is not None
     finally:
