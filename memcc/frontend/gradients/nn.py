@@ -149,9 +149,10 @@ def _pointwise_weight_grad(emit: Emitter, x: str, gy: str, win: Window,
                            info=TensorInfo(xi.dtype, (n, c, m)))
             dw = emit.transpose(emit.reduce_sum(prod, [0], keepdims=False), [1, 0])
     else:
-        # One copy of each operand: x as [N * pixels, C], gy as [M, N * pixels].
-        xf = emit.reshape(emit.transpose(xr, [0, 2, 1]), [n * pixels, c])
+        # One copy of each operand: x as [N * pixels, C], gy as [M, N * pixels]; gy's
+        # first, so that gy (usually read last here) is freed before x's copy is made.
         gf = emit.reshape(emit.transpose(gr, [1, 0, 2]), [m, n * pixels])
+        xf = emit.reshape(emit.transpose(xr, [0, 2, 1]), [n * pixels, c])
         dw = emit.op("MatMul", [gf, xf], info=TensorInfo(xi.dtype, (m, c)))
     return emit.reshape(dw, list(w_info.shape))
 
@@ -171,13 +172,16 @@ def _conv_weight_grad(emit: Emitter, x: str, gy: str, win: Window, group: int,
     in_sp, out_sp = xi.shape[2:], gi.shape[2:]
     cg = c // group
     nd = len(in_sp)
+    # gy's copy first: gy is usually read last here (the input gradient and the bias
+    # gradient come before), so it is freed before x's copy is made, and the two
+    # activation-sized originals and their two copies are never live together.
+    gt = emit.transpose(gy, [1, 0] + list(range(2, nd + 2)))
     if group == 1:
         xt = emit.transpose(x, [1, 0] + list(range(2, nd + 2)))
     else:
         xr = emit.reshape(x, [n, group, cg] + list(in_sp))
         xr = emit.transpose(xr, [2, 1, 0] + list(range(3, nd + 3)))
         xt = emit.reshape(xr, [cg, group * n] + list(in_sp))
-    gt = emit.transpose(gy, [1, 0] + list(range(2, nd + 2)))
     # End pads just large enough that the last kernel tap is computed; pad never negative.
     ends = [max(0, (k - 1) * d + (o - 1) * s + 1 - i - b)
             for k, d, o, s, i, b in zip(win.kernel, win.dilations, out_sp, win.strides, in_sp,
@@ -204,11 +208,16 @@ def _conv_grad(ctx: GradContext, node: onnx.NodeProto, gouts: Grads) -> Grads:
     gy = gouts[0]
     group = int(attr(node, "group", 1))
     win = _window(node, w_info.shape[2:], x_info.shape[2:], ctx.info(node.output[0]).shape[2:])
+    # The bias and input gradients before the weight gradient, so that the weight
+    # gradient's copy of gy is gy's last read (see _conv_weight_grad).
+    gb = None
+    if len(node.input) > 2 and node.input[2] and ctx.needs_grad(node.input[2]):
+        gb = _spatial_sum(emit, gy)
     gx = _conv_input_grad(emit, gy, w, win, group, x_info) if ctx.needs_grad(x) else None
     gw = _conv_weight_grad(emit, x, gy, win, group, w_info) if ctx.needs_grad(w) else None
     grads: Grads = [gx, gw]
     if len(node.input) > 2 and node.input[2]:
-        grads.append(_spatial_sum(emit, gy) if ctx.needs_grad(node.input[2]) else None)
+        grads.append(gb)
     return grads
 
 
