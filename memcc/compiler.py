@@ -52,6 +52,7 @@ from memcc.passes.cost_model import (
 )
 from memcc.passes.cuda_node_times import default_calibration
 from memcc.passes.liveness import HEAP_BYTES_PER_SMALL_BUFFER, heap_allowance_bytes
+from memcc.passes.offload_state import offload_state, optimizer_state
 from memcc.passes.phases import plan_origin, step_phases
 from memcc.passes.plan import StepStructure
 from memcc.passes.planner import (
@@ -245,7 +246,7 @@ def compile_model(model: str | os.PathLike, options: CompileOptions, *,
     structure = StepStructure.of(graph)
     costs = timed("cost_model", lambda: _costs(graph, options, warning, cuda_missing))
 
-    outcome, rewritten, slack, plan_budget = _plan_in_budget(
+    outcome, rewritten, slack, plan_budget, offloaded = _plan_offloading_state(
         graph, budget, costs, options, structure, timed, passes, say, label)
     plan_sim, base_sim = outcome.best, outcome.baseline
     final_budget = budget if budget is not None else user_budget(plan_sim.peak_bytes, options,
@@ -263,6 +264,7 @@ def compile_model(model: str | os.PathLike, options: CompileOptions, *,
     report = _report(options, final_budget, plan_budget, slack, budget is None, base_sim,
                      plan_sim, outcome, costs, passes, time.perf_counter() - t_start,
                      verification)
+    report["offloaded_state"] = offloaded
     report["warnings"] = warnings
     if verification is not None and not verification["ok"]:
         steps = next_steps(verification, options, plan_sim.peak_bytes, label, slack)
@@ -311,6 +313,8 @@ def _check_floor(graph: Graph, budget: int, options: CompileOptions, label: str)
     refusal."""
     persistent = set(graph.inputs) | set(graph.initializers)
     floor = sum(graph.info[v].nbytes for v in persistent if v in graph.info)
+    if options.provider == "cuda" and options.swaps:  # what may wait in host memory
+        floor -= sum(b for _, b in optimizer_state(graph))
     slack = options.slack_for(graph)
     if floor <= plan_budget_under(budget, options, slack):
         return
@@ -507,6 +511,60 @@ def _plan_in_budget(graph: Graph, budget: int | None, costs: CostModel,
     if budget is not None:
         plan_budget = plan_budget_under(budget, options, slack)
     return outcome, rewritten, slack, plan_budget
+
+
+def _plan_offloading_state(graph: Graph, budget: int | None, costs: CostModel,
+                           options: CompileOptions, structure: StepStructure,
+                           timed, passes: list[PassReport], say: Progress, label: str):
+    """``_plan_in_budget``, and on CUDA with offload on, the same with the optimizer state in
+    host memory (``passes.offload_state``) where that reaches further or costs less: tried
+    when the budget is not reached without it, for ``--budget min`` (the smaller peak wins),
+    and when the plan without it adds more time than the state's copies would. Returns
+    ``_plan_in_budget``'s tuple and the report's ``offloaded_state`` (None: not tried)."""
+    state = optimizer_state(graph) if options.provider == "cuda" and options.swaps else []
+    start = len(passes)
+    try:
+        plain = _plan_in_budget(graph, budget, costs, options, structure, timed, passes,
+                                say, label)
+        refusal = None
+    except BudgetError as exc:
+        if not state:
+            raise
+        plain, refusal = None, exc
+    if not state:
+        return (*plain, None)
+    moved = offload_state(graph, [n for n, _ in state])
+    copies_s = moved.added_seconds(costs.link)
+    if plain is not None and budget is not None and plain[0].best.added_time_s <= copies_s:
+        return (*plain, None)  # fits, and adds less time than the copies alone would
+    middle = len(passes)
+    say(f"planning with the optimizer state in host memory ({format_size(moved.bytes)})")
+    try:
+        off = _plan_in_budget(moved.graph, budget, costs, options,
+                              StepStructure.of(moved.graph), timed, passes, say, label)
+    except BudgetError as exc:
+        if plain is None:
+            raise exc from refusal
+        del passes[middle:]
+        return (*plain, None)
+
+    def reach(result) -> int:
+        return user_budget(result[0].best.peak_bytes, options, result[2])
+
+    without = refusal.smallest if plain is None else reach(plain)
+    off_time = off[0].best.added_time_s + copies_s
+    use = plain is None or (off[0].best.peak_bytes < plain[0].best.peak_bytes
+                            if budget is None else off_time < plain[0].best.added_time_s)
+    if use:
+        del passes[start:middle]
+    else:
+        del passes[middle:]
+    report = moved.to_json(costs.link) | {
+        "used": use, "smallest_budget_bytes": reach(off) if budget is None else None,
+        "smallest_budget_without_bytes": without if budget is None or plain is None else None,
+        "plan_added_time_s": round(off_time, 6),
+        "method": "predicted (passes.offload_state + passes.device_memory), not measured"}
+    return (*(off if use else plain), report)
 
 
 def user_budget(planned_peak: int, options: CompileOptions, slack: int) -> int:

@@ -77,7 +77,8 @@ def optimizer_state(graph: Graph, step: TrainingStep | None = None,
     """The carried inputs that are optimizer state and may live in host memory, largest
     first: not a parameter, every reader an update node (so idle through the forward and
     backward passes: BatchNorm statistics are read by the forward pass and stay), updated by
-    an update node, a stored initial value, and at least ``min_bytes``."""
+    an update node, a stored initial value, a tensor (AdamW's step counter, a scalar read by
+    every update, stays) and at least ``min_bytes``."""
     step = step or TrainingStep.of(graph)
     roles = step.roles
     du = graph.def_use()
@@ -94,7 +95,7 @@ def optimizer_state(graph: Graph, step: TrainingStep | None = None,
             continue
         if any(roles.get(r.name) is not Role.UPDATE for r in readers):
             continue
-        if ti.nbytes >= min_bytes:
+        if ti.shape and ti.nbytes >= min_bytes:  # not a counter (AdamW's step)
             found.append((inp, int(ti.nbytes)))
     return sorted(found, key=lambda t: (-t[1], t[0]))
 
