@@ -265,6 +265,12 @@ def compile_model(model: str | os.PathLike, options: CompileOptions, *,
                      plan_sim, outcome, costs, passes, time.perf_counter() - t_start,
                      verification)
     report["offloaded_state"] = offloaded
+    if offloaded is not None and offloaded["used"]:
+        # the copies are in no node's measured time: add them to the plan's (predicted)
+        plan = report["plan"]
+        plan["compute_cost_s"] += offloaded["added_time_s"]
+        base_cost = report["baseline"]["compute_cost_s"]
+        plan["overhead"] = plan["compute_cost_s"] / base_cost - 1.0 if base_cost > 0 else 0.0
     report["warnings"] = warnings
     if verification is not None and not verification["ok"]:
         steps = next_steps(verification, options, plan_sim.peak_bytes, label, slack)
@@ -874,6 +880,15 @@ def summary_lines(report: dict) -> list[str]:
            if p.get("recompute_again_nodes") else "")
         + f", predicted added time {p['overhead'] * 100:.1f}%",
     ]
+    o = report.get("offloaded_state")
+    if o and o["used"]:
+        reach = (f"; smallest budget {format_size(o['smallest_budget_bytes'])} with it, "
+                 if o.get("smallest_budget_bytes") else "; ")
+        without = o.get("smallest_budget_without_bytes")
+        lines.append(f"offload  optimizer state in host memory: {len(o['tensors'])} tensors, "
+                     f"{format_size(o['bytes'])}, copies add {o['added_time_s'] * 1e3:.1f} ms"
+                     + (f"{reach}{format_size(without)} without (predicted)" if without
+                        else ""))
     v = report.get("verification")
     if v:
         lines.append(f"verify   {'OK' if v['ok'] else 'FAILED'}: " + "; ".join(verify_checks(v)))
