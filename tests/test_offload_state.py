@@ -106,7 +106,7 @@ def test_compile_offloads_the_state_where_the_budget_is_out_of_reach(tmp_path):
 
     def options(budget, offload: bool) -> CompileOptions:
         return CompileOptions(budget=budget, provider="cuda", offload=offload,
-                              strategy="sqrtn", build=BuildOptions(optimizer="adamw"))
+                              strategy="none", build=BuildOptions(optimizer="adamw"))
 
     plain = compile_model(path, options("min", False))
     need = plain.report["budget_bytes"]
@@ -125,6 +125,6 @@ def test_compile_offloads_the_state_where_the_budget_is_out_of_reach(tmp_path):
 def test_the_cpu_provider_never_offloads_state(tmp_path):
     path = tmp_path / "gpt2.onnx"
     onnx.save(build_model("gpt2", **DIMS), path)
-    r = compile_model(path, CompileOptions(budget="min", provider="cpu", strategy="sqrtn",
+    r = compile_model(path, CompileOptions(budget="min", provider="cpu", strategy="none",
                                            build=BuildOptions(optimizer="sgd")))
     assert r.report["offloaded_state"] is None and not host_resident(r.graph)
