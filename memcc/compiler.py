@@ -539,20 +539,38 @@ def _plan_offloading_state(graph: Graph, budget: int | None, costs: CostModel,
         plain, refusal = None, exc
     if not state:
         return (*plain, None)
-    moved = offload_state(graph, [n for n, _ in state])
-    copies_s = moved.added_seconds(costs.link)
-    if plain is not None and budget is not None and plain[0].best.added_time_s <= copies_s:
-        return (*plain, None)  # fits, and adds less time than the copies alone would
+    everything = [n for n, _ in state]
+    tries = [everything]
+    if plain is None and budget is not None:
+        # out of reach by a known deficit: first the largest tensors that cover it, with
+        # room for the update that visits the device (the rest then costs no copies)
+        deficit, covered, prefix = refusal.smallest - budget, 0, []
+        for name, nbytes in state:
+            if covered >= 2 * deficit + state[0][1]:
+                break
+            prefix.append(name)
+            covered += nbytes
+        if len(prefix) < len(everything):
+            tries.insert(0, prefix)
     middle = len(passes)
-    say(f"planning with the optimizer state in host memory ({format_size(moved.bytes)})")
-    try:
-        off = _plan_in_budget(moved.graph, budget, costs, options,
-                              StepStructure.of(moved.graph), timed, passes, say, label)
-    except BudgetError as exc:
-        if plain is None:
-            raise exc from refusal
-        del passes[middle:]
-        return (*plain, None)
+    off = moved = None
+    for names in tries:
+        moved = offload_state(graph, names)
+        copies_s = moved.added_seconds(costs.link)
+        if plain is not None and budget is not None and plain[0].best.added_time_s <= copies_s:
+            return (*plain, None)  # fits, and adds less time than the copies alone would
+        say(f"planning with {len(names)} optimizer state tensors in host memory "
+            f"({format_size(moved.bytes)})")
+        try:
+            off = _plan_in_budget(moved.graph, budget, costs, options,
+                                  StepStructure.of(moved.graph), timed, passes, say, label)
+            break
+        except BudgetError as exc:
+            del passes[middle:]
+            if names is tries[-1]:
+                if plain is None:
+                    raise exc from refusal
+                return (*plain, None)
 
     def reach(result) -> int:
         return user_budget(result[0].best.peak_bytes, options, result[2])

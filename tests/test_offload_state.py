@@ -111,15 +111,23 @@ def test_compile_offloads_the_state_where_the_budget_is_out_of_reach(tmp_path):
     plain = compile_model(path, options("min", False))
     need = plain.report["budget_bytes"]
     assert plain.report["offloaded_state"] is None
-    below = need - (2 << 20)
+    below = need - (1 << 20)
     off = compile_model(path, options(below, True))
     rep = off.report["offloaded_state"]
     # the plan without offload was refused there, naming the smallest budget it reaches
     assert rep["used"] and rep["smallest_budget_without_bytes"] == need
-    assert rep["bytes"] == sum(t["bytes"] for t in rep["tensors"]) > 8 << 20
+    # the largest tensors that cover the deficit went, the rest stays on the device
+    assert [t["name"] for t in rep["tensors"]] == ["wte.weight.exp_avg", "wte.weight.exp_avg_sq"]
+    assert rep["bytes"] == sum(t["bytes"] for t in rep["tensors"]) == 8 << 20
     assert rep["added_time_s"] > 0 and rep["copies_per_step"] == 2 * len(rep["tensors"])
     assert off.report["plan"]["peak_bytes"] <= below
     assert host_resident(off.graph) == {t["name"] for t in rep["tensors"]}
+    # --budget min: all of it, and the report says how far that extends the reach
+    smallest = compile_model(path, options("min", True))
+    rep = smallest.report["offloaded_state"]
+    assert rep["used"] and len(rep["tensors"]) == len(optimizer_state(plain.graph))
+    assert rep["smallest_budget_without_bytes"] == need
+    assert rep["smallest_budget_bytes"] == smallest.report["budget_bytes"] < below
 
 
 def test_the_cpu_provider_never_offloads_state(tmp_path):
