@@ -52,6 +52,7 @@ from memcc.passes.cost_model import (
 )
 from memcc.passes.cuda_node_times import default_calibration
 from memcc.passes.liveness import HEAP_BYTES_PER_SMALL_BUFFER, heap_allowance_bytes
+from memcc.passes.offload_state import offload_state, optimizer_state
 from memcc.passes.phases import plan_origin, step_phases
 from memcc.passes.plan import StepStructure
 from memcc.passes.planner import (
@@ -245,7 +246,7 @@ def compile_model(model: str | os.PathLike, options: CompileOptions, *,
     structure = StepStructure.of(graph)
     costs = timed("cost_model", lambda: _costs(graph, options, warning, cuda_missing))
 
-    outcome, rewritten, slack, plan_budget = _plan_in_budget(
+    outcome, rewritten, slack, plan_budget, offloaded = _plan_offloading_state(
         graph, budget, costs, options, structure, timed, passes, say, label)
     plan_sim, base_sim = outcome.best, outcome.baseline
     final_budget = budget if budget is not None else user_budget(plan_sim.peak_bytes, options,
@@ -263,6 +264,13 @@ def compile_model(model: str | os.PathLike, options: CompileOptions, *,
     report = _report(options, final_budget, plan_budget, slack, budget is None, base_sim,
                      plan_sim, outcome, costs, passes, time.perf_counter() - t_start,
                      verification)
+    report["offloaded_state"] = offloaded
+    if offloaded is not None and offloaded["used"]:
+        # the copies are in no node's measured time: add them to the plan's (predicted)
+        plan = report["plan"]
+        plan["compute_cost_s"] += offloaded["added_time_s"]
+        base_cost = report["baseline"]["compute_cost_s"]
+        plan["overhead"] = plan["compute_cost_s"] / base_cost - 1.0 if base_cost > 0 else 0.0
     report["warnings"] = warnings
     if verification is not None and not verification["ok"]:
         steps = next_steps(verification, options, plan_sim.peak_bytes, label, slack)
@@ -311,6 +319,8 @@ def _check_floor(graph: Graph, budget: int, options: CompileOptions, label: str)
     refusal."""
     persistent = set(graph.inputs) | set(graph.initializers)
     floor = sum(graph.info[v].nbytes for v in persistent if v in graph.info)
+    if options.provider == "cuda" and options.swaps:  # what may wait in host memory
+        floor -= sum(b for _, b in optimizer_state(graph))
     slack = options.slack_for(graph)
     if floor <= plan_budget_under(budget, options, slack):
         return
@@ -507,6 +517,78 @@ def _plan_in_budget(graph: Graph, budget: int | None, costs: CostModel,
     if budget is not None:
         plan_budget = plan_budget_under(budget, options, slack)
     return outcome, rewritten, slack, plan_budget
+
+
+def _plan_offloading_state(graph: Graph, budget: int | None, costs: CostModel,
+                           options: CompileOptions, structure: StepStructure,
+                           timed, passes: list[PassReport], say: Progress, label: str):
+    """``_plan_in_budget``, and on CUDA with offload on, the same with the optimizer state in
+    host memory (``passes.offload_state``) where that reaches further or costs less: tried
+    when the budget is not reached without it, for ``--budget min`` (the smaller peak wins),
+    and when the plan without it adds more time than the state's copies would. Returns
+    ``_plan_in_budget``'s tuple and the report's ``offloaded_state`` (None: not tried)."""
+    state = optimizer_state(graph) if options.provider == "cuda" and options.swaps else []
+    start = len(passes)
+    try:
+        plain = _plan_in_budget(graph, budget, costs, options, structure, timed, passes,
+                                say, label)
+        refusal = None
+    except BudgetError as exc:
+        if not state:
+            raise
+        plain, refusal = None, exc
+    if not state:
+        return (*plain, None)
+    everything = [n for n, _ in state]
+    tries = [everything]
+    if plain is None and budget is not None:
+        # out of reach by a known deficit: first the largest tensors that cover it, with
+        # room for the update that visits the device (the rest then costs no copies)
+        deficit, covered, prefix = refusal.smallest - budget, 0, []
+        for name, nbytes in state:
+            if covered >= 2 * deficit + state[0][1]:
+                break
+            prefix.append(name)
+            covered += nbytes
+        if len(prefix) < len(everything):
+            tries.insert(0, prefix)
+    middle = len(passes)
+    off = moved = None
+    for names in tries:
+        moved = offload_state(graph, names)
+        copies_s = moved.added_seconds(costs.link)
+        if plain is not None and budget is not None and plain[0].best.added_time_s <= copies_s:
+            return (*plain, None)  # fits, and adds less time than the copies alone would
+        say(f"planning with {len(names)} optimizer state tensors in host memory "
+            f"({format_size(moved.bytes)})")
+        try:
+            off = _plan_in_budget(moved.graph, budget, costs, options,
+                                  StepStructure.of(moved.graph), timed, passes, say, label)
+            break
+        except BudgetError as exc:
+            del passes[middle:]
+            if names is tries[-1]:
+                if plain is None:
+                    raise exc from refusal
+                return (*plain, None)
+
+    def reach(result) -> int:
+        return user_budget(result[0].best.peak_bytes, options, result[2])
+
+    without = refusal.smallest if plain is None else reach(plain)
+    off_time = off[0].best.added_time_s + copies_s
+    use = plain is None or (off[0].best.peak_bytes < plain[0].best.peak_bytes
+                            if budget is None else off_time < plain[0].best.added_time_s)
+    if use:
+        del passes[start:middle]
+    else:
+        del passes[middle:]
+    report = moved.to_json(costs.link) | {
+        "used": use, "smallest_budget_bytes": reach(off) if budget is None else None,
+        "smallest_budget_without_bytes": without if budget is None or plain is None else None,
+        "plan_added_time_s": round(off_time, 6),
+        "method": "predicted (passes.offload_state + passes.device_memory), not measured"}
+    return (*(off if use else plain), report)
 
 
 def user_budget(planned_peak: int, options: CompileOptions, slack: int) -> int:
@@ -816,6 +898,15 @@ def summary_lines(report: dict) -> list[str]:
            if p.get("recompute_again_nodes") else "")
         + f", predicted added time {p['overhead'] * 100:.1f}%",
     ]
+    o = report.get("offloaded_state")
+    if o and o["used"]:
+        reach = (f"; smallest budget {format_size(o['smallest_budget_bytes'])} with it, "
+                 if o.get("smallest_budget_bytes") else "; ")
+        without = o.get("smallest_budget_without_bytes")
+        lines.append(f"offload  optimizer state in host memory: {len(o['tensors'])} tensors, "
+                     f"{format_size(o['bytes'])}, copies add {o['added_time_s'] * 1e3:.1f} ms"
+                     + (f"{reach}{format_size(without)} without (predicted)" if without
+                        else ""))
     v = report.get("verification")
     if v:
         lines.append(f"verify   {'OK' if v['ok'] else 'FAILED'}: " + "; ".join(verify_checks(v)))

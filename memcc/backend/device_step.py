@@ -48,6 +48,7 @@ from memcc.errors import InputError, RuntimeFailure
 from memcc.frontend.constants import constant_value
 from memcc.graph import Graph, node_label
 from memcc.passes.device_memory import arena_limit
+from memcc.passes.offload_state import host_resident
 
 # Ops whose CUDA kernels cannot be replayed from a captured graph: control flow (ORT
 # refuses capture with subgraphs) and ORT's random generators, which draw their seed on the
@@ -230,6 +231,10 @@ class DeviceStep:
         carried = list(dict.fromkeys(self.updates.values()))
         self.layout = DEVICE if provider == "cuda" else (layout or HOST)
         sgraph, state, fixed = device_session_graph(graph, carried, self.layout)
+        # Optimizer state the step keeps in host memory (passes.offload_state): bound to
+        # host buffers, which its MemcpyFromHost reads and its MemcpyToHost writes.
+        self.host_resident = (host_resident(graph, self.updates) & set(state)
+                              if self.layout == DEVICE else set())
         self.cuda_graph_note: str | None = None
         capture = False
         if provider == "cuda" and cuda_graph is not False:
@@ -237,6 +242,13 @@ class DeviceStep:
             if blockers and cuda_graph:
                 raise InputError(f"{source}: --cuda-graph: the step cannot be captured: "
                                  + "; ".join(blockers[:3]))
+            if self.host_resident:
+                blockers.append(f"'{sorted(self.host_resident)[0]}' and "
+                                f"{len(self.host_resident) - 1} other state value(s) are "
+                                "copied to and from host memory each step (not captured)")
+                if cuda_graph:
+                    raise InputError(f"{source}: --cuda-graph: the step cannot be captured: "
+                                     + blockers[-1])
             capture = not blockers
             if blockers:
                 self.cuda_graph_note = "not captured: " + "; ".join(blockers[:3])
@@ -287,11 +299,19 @@ class DeviceStep:
         out0 = {o: np.zeros(graph.info[o].shape, graph.info[o].np_dtype)
                 for o in outputs if o not in self.updates}
         self._host_out = out0 if host else {}
+        held = {n: state.pop(n) for n in self.host_resident}
+        held_spares = {n: spares.pop(n) for n in list(spares) if n in self.host_resident}
+        self._held_arrays = {**{f"s:{n}": a for n, a in held.items()},
+                             **{f"p:{n}": a for n, a in held_spares.items()}}
         values = upload({**{f"s:{n}": a for n, a in state.items()},
                                           **{f"p:{n}": a for n, a in spares.items()},
                                           **{f"b:{n}": a for n, a in batch0.items()},
                                           **{f"o:{n}": a for n, a in out0.items()}},
                                          provider, self.layout)
+        # Host buffers: the OrtValues share the arrays' memory (kept in _held_arrays).
+        values |= upload(self._held_arrays, provider, HOST)
+        state |= held
+        spares |= held_spares
         self.state = {n: values[f"s:{n}"] for n in state}
         self.spare = {n: values[f"p:{n}"] for n in spares}
         self._batch = {n: values[f"b:{n}"] for n in batch0}

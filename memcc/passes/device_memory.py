@@ -143,11 +143,15 @@ def stored_sizes(graph: Graph) -> dict[str, int]:
 
 def bound_infos(graph: Graph, aliased: Mapping[str, str], updates: Mapping[str, str]
                  ) -> list[TensorInfo]:
-    """The buffers a ``DeviceStep`` allocates: each carried value, a spare for each update
-    not written in place, each data input, each output that is not an update."""
+    """The device buffers a ``DeviceStep`` allocates: each carried value, a spare for each
+    update not written in place, each data input, each output that is not an update; not
+    the optimizer state it holds in host memory (``passes.offload_state.host_resident``)."""
     _, carried, carried_set = _carried(updates)
-    infos = [graph.info[n] for n in carried]
-    infos += [graph.info[updates[o]] for o in updates if o not in aliased]
+    # Optimizer state offloaded to host memory (passes.offload_state) is bound there.
+    host = _host_resident(graph, updates)
+    infos = [graph.info[n] for n in carried if n not in host]
+    infos += [graph.info[updates[o]] for o in updates
+              if o not in aliased and updates[o] not in host]
     stored = set(graph.initializers) | {o for n in graph.nodes if n.op_type == "Constant"
                                         for o in n.output}
     infos += [graph.info[n] for n in graph.inputs
@@ -156,3 +160,9 @@ def bound_infos(graph: Graph, aliased: Mapping[str, str], updates: Mapping[str, 
     return infos
 
 
+
+
+def _host_resident(graph: Graph, updates: Mapping[str, str]) -> set[str]:
+    from memcc.passes.offload_state import host_resident
+
+    return host_resident(graph, dict(updates))

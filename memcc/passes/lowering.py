@@ -193,8 +193,9 @@ class InsertCopies:
 
 
 def copy_order_problems(graph: Graph) -> list[str]:
-    """Every copy-in must read a value whose copy-out already ran (empty: it does)."""
-    copied_out: set[str] = set()
+    """Every copy-in must read a value whose copy-out already ran, or a step input held in
+    host memory (optimizer state, ``passes.offload_state``) (empty: it does)."""
+    copied_out: set[str] = set(getattr(graph, "inputs", ()))
     problems: list[str] = []
     for n in graph.nodes:
         if n.op_type in COPY_OUT_OPS:
