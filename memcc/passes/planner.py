@@ -38,11 +38,16 @@ class BudgetError(MemccError):
     room before refusing, so the budget a refusal names is one it accepts)."""
 
     def __init__(self, message: str, *, budget: int, smallest: int,
-                 outcome: PlanOutcome | None = None) -> None:
+                 outcome: PlanOutcome | None = None,
+                 runs: list[dict] | None = None) -> None:
         super().__init__(message)
         self.budget = budget
         self.smallest = smallest
         self.outcome = outcome
+        # The strategy runs that found nothing within the budget, as the report shows them
+        # (``_describe_runs``): a later search that does fit keeps them in its report, so
+        # that a run is never dropped from it for having failed.
+        self.runs = list(runs or [])
 
 
 @dataclass
@@ -119,47 +124,66 @@ def choose_plan(graph: Graph, budget: int | None, costs: CostModel, *,
         graph, st, base, costs, time_limit, offload, variants, device, allow_lossy, heap_room)
 
     region_step: list = []   # built once, on first use: (variants, step, structure, baseline)
+    region_min: list[PlanOutcome] = []   # its smallest plan, where a budget's search found it
+    tried: list[dict] = []   # runs that found nothing within the budget, kept for the report
 
-    def over_regions(target: int | None) -> PlanOutcome | None:
+    def over_regions(target: int | None, limit: float) -> PlanOutcome | None:
         if planning is None or not (variants and regions):
             return None
+        if target is None and region_min:
+            return region_min[0]
         if not region_step:
             region_step.append(_region_step(graph, st, base, costs, device, allow_lossy))
         if region_step[0] is None:
             return None
         return _over_region_variants(graph, target, costs, st, base, region_step[0],
-                                     strategy=strategy, time_limit=time_limit,
+                                     strategy=strategy, time_limit=limit,
                                      offload=planning.host_copies, device=device,
-                                     allow_lossy=allow_lossy, heap_room=heap_room)
+                                     allow_lossy=allow_lossy, heap_room=heap_room,
+                                     smallest=region_min, failed=tried)
+
+    def left() -> float:
+        """What is left of this call's time limit (``--budget min``'s region search gets
+        that; at least a second, so its sqrt(n) plans and the report's entries exist)."""
+        end = planning.deadline if planning is not None else time.perf_counter()
+        return max(end - time.perf_counter(), 1.0)
 
     try:
         found = _choose(planning, base, budget, strategy)
         if budget is not None:
             return found
-        alt = over_regions(None)
-        if alt is None or found.best.peak_bytes <= alt.best.peak_bytes:
+        alt = over_regions(None, left())
+        if alt is None:
             return found
+        if found.best.peak_bytes <= alt.best.peak_bytes:
+            return replace(found, candidates=found.candidates + alt.candidates,
+                           runs=found.runs + _not_picked(alt.runs))
         return replace(alt, candidates=found.candidates + alt.candidates,
                        runs=_not_picked(found.runs) + alt.runs)
-    except BudgetError:
+    except BudgetError as exc:
         if budget is None:
             raise
-        alt = over_regions(budget)
-        if alt is not None:
-            return alt
-        if planning is not None:
-            planning = replace(planning, deadline=time.perf_counter() + time_limit)
-        smallest = _choose(planning, base, None, strategy)
-        if smallest.best.fit_bytes <= budget:
-            return smallest
-        alt = over_regions(None)
-        if alt is not None and alt.best.peak_bytes < smallest.best.peak_bytes:
-            smallest = alt
-        raise BudgetError(
-            f"the step does not fit the budget of {_fmt(budget)}: the smallest peak memcc "
-            f"reached is {_fmt(smallest.best.peak_bytes)} (baseline {_fmt(base.peak_bytes)})."
-            f" Use --budget {smallest.best.peak_bytes} or more, or --budget min.",
-            budget=int(budget), smallest=smallest.best.peak_bytes, outcome=smallest) from None
+        tried.extend(_not_picked(exc.runs))
+    # Nothing found fits ``budget``. Over the step with its region variants in place, the
+    # same strategy with the whole time limit, as for the step as built (``auto`` there runs
+    # the ILP too: with sqrt(n) alone it returned plans dearer than ``--strategy ilp``'s).
+    alt = over_regions(budget, time_limit)
+    if alt is not None:
+        return replace(alt, runs=tried + alt.runs)
+    if planning is not None:
+        planning = replace(planning, deadline=time.perf_counter() + time_limit)
+    smallest = _choose(planning, base, None, strategy)
+    if smallest.best.fit_bytes <= budget:
+        return replace(smallest, runs=tried + smallest.runs)
+    alt = over_regions(None, left())
+    if alt is not None and alt.best.peak_bytes < smallest.best.peak_bytes:
+        smallest = alt
+    raise BudgetError(
+        f"the step does not fit the budget of {_fmt(budget)}: the smallest peak memcc "
+        f"reached is {_fmt(smallest.best.peak_bytes)} (baseline {_fmt(base.peak_bytes)})."
+        f" Use --budget {smallest.best.peak_bytes} or more, or --budget min.",
+        budget=int(budget), smallest=smallest.best.peak_bytes, outcome=smallest,
+        runs=tried + _not_picked(smallest.runs))
 
 
 def _not_picked(runs: list[dict]) -> list[dict]:
@@ -188,8 +212,12 @@ def _over_region_variants(graph: Graph, budget: int | None, costs: CostModel,
                           region_step: tuple[dict[str, str], Graph, StepStructure,
                                              Simulation], *,
                           strategy: str, time_limit: float, offload: bool, device: str,
-                          allow_lossy: bool, heap_room: bool = False) -> PlanOutcome | None:
-    """The plan found over ``region_step`` (``_region_step``), or None when none fits.
+                          allow_lossy: bool, heap_room: bool = False,
+                          smallest: list[PlanOutcome] | None = None,
+                          failed: list[dict] | None = None) -> PlanOutcome | None:
+    """The plan found over ``region_step`` (``_region_step``), or None when none fits; then
+    the smallest plan found over it goes into ``smallest`` and the runs that found nothing
+    into ``failed`` (each where given).
 
     The ILP offers these variants too, but excludes recomputing the nodes they cover: its
     recompute terms assume the default rules' readers. Near the floor the best plans do
@@ -198,24 +226,36 @@ def _over_region_variants(graph: Graph, budget: int | None, costs: CostModel,
     substituted, where the recompute terms are exact. The plan returned carries those
     variants too and is simulated again over ``graph``; the peaks agree."""
     pre, over, st1, base1 = region_step
-    # sqrt(n) plans only (segmentations, rebuilt-again chains, variant kinds) unless the ILP
-    # alone was asked for: a second ILP search would double the planner's time, and on the
-    # steps measured its time-limited floor search did not beat sqrt(n) here.
+    # The strategy asked for: ``auto`` runs sqrt(n), the ILP and the polish here too. With
+    # sqrt(n) alone, a budget only this search could meet got sqrt(n)'s plan where
+    # ``--strategy ilp`` found one a third cheaper (the zoo's GPT-2 at batch 8 x 64, width
+    # 32: +30.6% against +20.2%; tests/test_auto_strategy.py). ``time_limit``: a budget's
+    # search gets the whole limit, as the step as built did; ``--budget min``'s gets what
+    # that left (the ILP's runs then say "not run: time limit reached" where it is none).
+    def lifted(alt: PlanOutcome) -> PlanOutcome:
+        """``alt``'s plan with the region variants, simulated over ``graph``."""
+        plan = replace(alt.best.plan, variants={**pre, **alt.best.plan.variants})
+        best = simulate(graph, plan, costs, st, host_copies=offload, device=device,
+                        heap_base=small_buffers(graph) if heap_room else None)
+        runs = [{**r, "region_variants": len(pre)} for r in alt.runs]
+        cands = [{**c, "region_variants": True} for c in alt.candidates]
+        return replace(alt, best=best, baseline=base, runs=runs, candidates=cands,
+                       requested=strategy,
+                       picked=f"{alt.picked or alt.strategy} over region variants")
+
     try:
-        alt = choose_plan(over, budget, costs,
-                          strategy="ilp" if strategy == "ilp" else "sqrtn",
-                          time_limit=time_limit,
+        alt = choose_plan(over, budget, costs, strategy=strategy, time_limit=time_limit,
                           structure=st1, baseline=base1, offload=offload, device=device,
                           allow_lossy=allow_lossy, regions=False, heap_room=heap_room)
-    except BudgetError:
+    except BudgetError as exc:
+        # Nothing fits: its smallest plan (the search behind the refusal) is --budget min's
+        # answer over these variants, which the caller would otherwise search again.
+        if smallest is not None and exc.outcome is not None:
+            smallest.append(lifted(exc.outcome))
+        if failed is not None:
+            failed.extend({**r, "region_variants": len(pre)} for r in exc.runs)
         return None
-    plan = replace(alt.best.plan, variants={**pre, **alt.best.plan.variants})
-    best = simulate(graph, plan, costs, st, host_copies=offload, device=device,
-                    heap_base=small_buffers(graph) if heap_room else None)
-    runs = [{**r, "region_variants": len(pre)} for r in alt.runs]
-    cands = [{**c, "region_variants": True} for c in alt.candidates]
-    return replace(alt, best=best, baseline=base, runs=runs, candidates=cands,
-                   requested=strategy, picked=f"{alt.picked or alt.strategy} over region variants")
+    return lifted(alt)
 
 
 def _prepare(graph: Graph, st: StepStructure, base: Simulation, costs: CostModel,
@@ -259,7 +299,7 @@ def _choose(planning: Planning | None, base: Simulation, budget: int | None,
                    smallest_first=budget is None)
 
 
-def _describe_runs(runs: list[dict], best: Simulation, limit: float) -> list[dict]:
+def _describe_runs(runs: list[dict], best: Simulation | None, limit: float) -> list[dict]:
     """Replace each run's simulations by what the report needs: how many plans, whether
     any fits, the cheapest fitting one (or else the smallest peak), and whether the winner
     came from this run."""
@@ -301,6 +341,7 @@ def _finish(base: Simulation, found: list[tuple[str, Simulation]], budget: int |
             f"reached is {_fmt(smallest)} (baseline {_fmt(base.peak_bytes)}). Use "
             f"--budget {smallest} or more, or --budget min.",
             budget=int(budget or 0), smallest=smallest,
+            runs=_describe_runs(runs, None, limit),
         )
     if smallest_first:
         name, best = min(fitting, key=lambda p: (p[1].peak_bytes, p[1].added_time_s))
