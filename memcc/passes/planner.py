@@ -97,7 +97,7 @@ def choose_plan(graph: Graph, budget: int | None, costs: CostModel, *,
                 baseline: Simulation | None = None, offload: bool = False,
                 variants: bool = True, device: str = "cpu",
                 allow_lossy: bool = False, regions: bool = True,
-                heap_room: bool = False) -> PlanOutcome:
+                heap_room: bool = False, smallest_on_refusal: bool = True) -> PlanOutcome:
     """Pick the plan; ``budget=None`` means the smallest peak memcc can reach.
 
     ``heap_room``: a plan fits where its peak and the heap room of the small buffers it
@@ -113,7 +113,12 @@ def choose_plan(graph: Graph, budget: int | None, costs: CostModel, *,
     it is returned), so the two can never disagree.
 
     ``regions``: where that search runs (``--budget min``, or nothing fits), plan once more
-    over the step with its region variants in place (``_over_region_variants``)."""
+    over the step with its region variants in place (``_over_region_variants``).
+
+    ``smallest_on_refusal=False``: where nothing fits, refuse without that search (the
+    error's ``smallest`` is then only the smallest peak of the plans tried): for the search
+    over the region variants at a budget, whose caller searches the smallest peak itself,
+    as ``--budget min`` does."""
     if strategy not in REGISTRY:
         raise MemccError(f"--strategy '{strategy}': choose one of {', '.join(STRATEGIES)}")
     st = structure or StepStructure.of(graph)
@@ -124,14 +129,11 @@ def choose_plan(graph: Graph, budget: int | None, costs: CostModel, *,
         graph, st, base, costs, time_limit, offload, variants, device, allow_lossy, heap_room)
 
     region_step: list = []   # built once, on first use: (variants, step, structure, baseline)
-    region_min: list[PlanOutcome] = []   # its smallest plan, where a budget's search found it
     tried: list[dict] = []   # runs that found nothing within the budget, kept for the report
 
     def over_regions(target: int | None, limit: float) -> PlanOutcome | None:
         if planning is None or not (variants and regions):
             return None
-        if target is None and region_min:
-            return region_min[0]
         if not region_step:
             region_step.append(_region_step(graph, st, base, costs, device, allow_lossy))
         if region_step[0] is None:
@@ -140,7 +142,7 @@ def choose_plan(graph: Graph, budget: int | None, costs: CostModel, *,
                                      strategy=strategy, time_limit=limit,
                                      offload=planning.host_copies, device=device,
                                      allow_lossy=allow_lossy, heap_room=heap_room,
-                                     smallest=region_min, failed=tried)
+                                     failed=tried)
 
     def left() -> float:
         """What is left of this call's time limit (``--budget min``'s region search gets
@@ -161,7 +163,7 @@ def choose_plan(graph: Graph, budget: int | None, costs: CostModel, *,
         return replace(alt, candidates=found.candidates + alt.candidates,
                        runs=_not_picked(found.runs) + alt.runs)
     except BudgetError as exc:
-        if budget is None:
+        if budget is None or not smallest_on_refusal:
             raise
         tried.extend(_not_picked(exc.runs))
     # Nothing found fits ``budget``. Over the step with its region variants in place, the
@@ -170,20 +172,26 @@ def choose_plan(graph: Graph, budget: int | None, costs: CostModel, *,
     alt = over_regions(budget, time_limit)
     if alt is not None:
         return replace(alt, runs=tried + alt.runs)
+    # Then the smallest peak, searched as --budget min searches it (the same time limit,
+    # shared the same way), so that the budget a refusal names is --budget min's.
     if planning is not None:
         planning = replace(planning, deadline=time.perf_counter() + time_limit)
     smallest = _choose(planning, base, None, strategy)
     if smallest.best.fit_bytes <= budget:
         return replace(smallest, runs=tried + smallest.runs)
+    runs = tried + _not_picked(smallest.runs)
     alt = over_regions(None, left())
-    if alt is not None and alt.best.peak_bytes < smallest.best.peak_bytes:
-        smallest = alt
+    if alt is not None:
+        if alt.best.fit_bytes <= budget:
+            return replace(alt, runs=runs + alt.runs)
+        runs += _not_picked(alt.runs)
+        if alt.best.peak_bytes < smallest.best.peak_bytes:
+            smallest = alt
     raise BudgetError(
         f"the step does not fit the budget of {_fmt(budget)}: the smallest peak memcc "
         f"reached is {_fmt(smallest.best.peak_bytes)} (baseline {_fmt(base.peak_bytes)})."
         f" Use --budget {smallest.best.peak_bytes} or more, or --budget min.",
-        budget=int(budget), smallest=smallest.best.peak_bytes, outcome=smallest,
-        runs=tried + _not_picked(smallest.runs))
+        budget=int(budget), smallest=smallest.best.peak_bytes, outcome=smallest, runs=runs)
 
 
 def _not_picked(runs: list[dict]) -> list[dict]:
@@ -213,11 +221,9 @@ def _over_region_variants(graph: Graph, budget: int | None, costs: CostModel,
                                              Simulation], *,
                           strategy: str, time_limit: float, offload: bool, device: str,
                           allow_lossy: bool, heap_room: bool = False,
-                          smallest: list[PlanOutcome] | None = None,
                           failed: list[dict] | None = None) -> PlanOutcome | None:
-    """The plan found over ``region_step`` (``_region_step``), or None when none fits; then
-    the smallest plan found over it goes into ``smallest`` and the runs that found nothing
-    into ``failed`` (each where given).
+    """The plan found over ``region_step`` (``_region_step``), or None when none fits (then
+    the runs that found nothing go into ``failed``, where given).
 
     The ILP offers these variants too, but excludes recomputing the nodes they cover: its
     recompute terms assume the default rules' readers. Near the floor the best plans do
@@ -232,30 +238,25 @@ def _over_region_variants(graph: Graph, budget: int | None, costs: CostModel,
     # 32: +30.6% against +20.2%; tests/test_auto_strategy.py). ``time_limit``: a budget's
     # search gets the whole limit, as the step as built did; ``--budget min``'s gets what
     # that left (the ILP's runs then say "not run: time limit reached" where it is none).
-    def lifted(alt: PlanOutcome) -> PlanOutcome:
-        """``alt``'s plan with the region variants, simulated over ``graph``."""
-        plan = replace(alt.best.plan, variants={**pre, **alt.best.plan.variants})
-        best = simulate(graph, plan, costs, st, host_copies=offload, device=device,
-                        heap_base=small_buffers(graph) if heap_room else None)
-        runs = [{**r, "region_variants": len(pre)} for r in alt.runs]
-        cands = [{**c, "region_variants": True} for c in alt.candidates]
-        return replace(alt, best=best, baseline=base, runs=runs, candidates=cands,
-                       requested=strategy,
-                       picked=f"{alt.picked or alt.strategy} over region variants")
-
     try:
+        # At a budget, without the smallest-peak search where nothing fits: the caller
+        # runs that itself, as --budget min does.
         alt = choose_plan(over, budget, costs, strategy=strategy, time_limit=time_limit,
                           structure=st1, baseline=base1, offload=offload, device=device,
-                          allow_lossy=allow_lossy, regions=False, heap_room=heap_room)
+                          allow_lossy=allow_lossy, regions=False, heap_room=heap_room,
+                          smallest_on_refusal=False)
     except BudgetError as exc:
-        # Nothing fits: its smallest plan (the search behind the refusal) is --budget min's
-        # answer over these variants, which the caller would otherwise search again.
-        if smallest is not None and exc.outcome is not None:
-            smallest.append(lifted(exc.outcome))
         if failed is not None:
-            failed.extend({**r, "region_variants": len(pre)} for r in exc.runs)
+            failed.extend({**r, "region_variants": len(pre), "picked": False}
+                          for r in exc.runs)
         return None
-    return lifted(alt)
+    plan = replace(alt.best.plan, variants={**pre, **alt.best.plan.variants})
+    best = simulate(graph, plan, costs, st, host_copies=offload, device=device,
+                    heap_base=small_buffers(graph) if heap_room else None)
+    runs = [{**r, "region_variants": len(pre)} for r in alt.runs]
+    cands = [{**c, "region_variants": True} for c in alt.candidates]
+    return replace(alt, best=best, baseline=base, runs=runs, candidates=cands,
+                   requested=strategy, picked=f"{alt.picked or alt.strategy} over region variants")
 
 
 def _prepare(graph: Graph, st: StepStructure, base: Simulation, costs: CostModel,
