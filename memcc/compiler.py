@@ -51,6 +51,7 @@ from memcc.passes.cost_model import (
     host_link_for,
 )
 from memcc.passes.cuda_node_times import default_calibration
+from memcc.passes.floor import step_floor
 from memcc.passes.liveness import HEAP_BYTES_PER_SMALL_BUFFER, heap_allowance_bytes
 from memcc.passes.offload_state import offload_state, optimizer_state
 from memcc.passes.phases import plan_origin, step_phases
@@ -233,8 +234,9 @@ def compile_model(model: str | os.PathLike, options: CompileOptions, *,
         warning(f"{label} is already a training step: the build options given (--loss, "
                 "--optimizer, --lr, --freeze, ...) apply to forward models and are ignored; "
                 "rebuild the step with memcc build to change them")
+    structure = StepStructure.of(graph)
     if budget is not None:
-        _check_floor(graph, budget, options, label)
+        _check_floor(graph, budget, options, label, structure)
     racing = [node_label(n) for n in racing_nodes(graph)]
     if racing:
         warning(f"{label}: {len(racing)} node(s) from the model run an ONNX Runtime CPU kernel "
@@ -243,7 +245,6 @@ def compile_model(model: str | os.PathLike, options: CompileOptions, *,
                 "that depends on them, can change from run to run, and --verify's bit-for-bit "
                 "comparison can fail. Export ScatterND with a reduction as ScatterElements "
                 "(docs/DETERMINISM.md).")
-    structure = StepStructure.of(graph)
     costs = timed("cost_model", lambda: _costs(graph, options, warning, cuda_missing))
 
     outcome, rewritten, slack, plan_budget, offloaded = _plan_offloading_state(
@@ -308,29 +309,35 @@ def _check_targets(model, output, report_path) -> None:
                          "report another name.")
 
 
-def _check_floor(graph: Graph, budget: int, options: CompileOptions, label: str) -> None:
-    """Refuse, before any search, a budget that not even the values every plan holds fit:
-    the step's inputs and stored values (parameters, optimizer state, data; all there when
-    the step starts, and no plan recomputes them) plus the margin and slack the budget
-    keeps free. The search would say the same after its smallest-peak solve (tens of
-    seconds on a large step) with the exact smallest budget; this says what is at least
-    needed, at once (the error's ``smallest`` is that lower bound). Row chunks cannot help
-    here (they shrink activations, not these), so their hint is left to the search's
-    refusal."""
-    persistent = set(graph.inputs) | set(graph.initializers)
-    floor = sum(graph.info[v].nbytes for v in persistent if v in graph.info)
+def _check_floor(graph: Graph, budget: int, options: CompileOptions, label: str,
+                 structure: StepStructure) -> None:
+    """Refuse, before any search, a budget under the step's floor (``passes/floor.py``):
+    what lives across the whole step (inputs, parameters, optimizer state; no plan frees
+    them) plus the largest working set of one forward node (every plan runs it), with the
+    margin and slack the budget keeps free. The search would say the same after its
+    smallest-peak solve (tens of seconds on a large step) with the exact smallest budget;
+    this says what is at least needed, in milliseconds (the error's ``smallest`` is that
+    lower bound, never above what ``--budget min`` finds)."""
+    floor = step_floor(graph, structure)
     if options.provider == "cuda" and options.swaps:  # what may wait in host memory
-        floor -= sum(b for _, b in optimizer_state(graph))
+        moved = sum(b for _, b in optimizer_state(graph))
+        floor = replace(floor, persistent_bytes=floor.persistent_bytes - moved)
     slack = options.slack_for(graph)
-    if floor <= plan_budget_under(budget, options, slack):
+    if floor.total_bytes <= plan_budget_under(budget, options, slack):
         return
-    need = user_budget(floor, options, slack)
+    need = user_budget(floor.total_bytes, options, slack)
+    node = (f" + {format_size(floor.node_bytes)} that node {floor.node} ({floor.op_type}) "
+            "reads and writes at once, the largest working set of any forward node (every "
+            "plan runs it)" if floor.node is not None else "")
     raise BudgetError(
-        f"{label}: --budget {options.budget} ({budget:,} bytes) cannot hold this step: its "
-        f"inputs, parameters and optimizer state alone take {format_size(floor)}, which no "
-        f"plan shrinks, and the budget keeps {options.margin:.0%} + {slack:,} bytes free "
-        f"besides (--margin). No budget under {format_size(need)} ({need:,} bytes) can fit; "
-        "--budget min finds the smallest that does. Nothing was written.",
+        f"{label}: --budget {options.budget} ({budget:,} bytes) cannot hold this step: no "
+        f"plan peaks under {format_size(floor.total_bytes)} ({floor.total_bytes:,} bytes): "
+        f"{format_size(floor.persistent_bytes)} of inputs, parameters and optimizer state, "
+        f"live all step{node}; and the budget keeps {options.margin:.0%} + {slack:,} bytes "
+        f"free besides (--margin). No budget under {format_size(need)} ({need:,} bytes) can "
+        "fit: give at least that (--budget min finds the smallest that does), or shrink "
+        "the step (a smaller batch; --freeze PATTERN trains fewer parameters; sgd keeps one "
+        "state tensor per parameter, adamw two). Nothing was written.",
         budget=budget, smallest=need)
 
 
