@@ -18,7 +18,9 @@ pieces cost on the device (an upload of 1 GiB, a session, its first run, a secon
 on the device: ``current`` (as memcc builds and rewrites it now), ``unfused`` (built without
 memcc's fusions, ``BuildOptions(fusions=())``), ``no-bn-reuse`` (training-mode BatchNorm
 written for CUDA with a backward that recomputes its statistics, as before issue 30: the
-step is saved already rewritten, so the runner's own rewrite finds nothing left to do).
+step is saved already rewritten, so the runner's own rewrite finds nothing left to do),
+``transposed-sums`` (per-channel sums as a transpose and a trailing-axis sum, as before
+the MatMul-by-ones form; saved rewritten, likewise).
 Each row carries its ``form``.
 
 The figures of BENCHMARKS.md, "Issue 29 on an H200", came from this script (then kept
@@ -54,7 +56,7 @@ ZOO = {"mlp": dict(batch=512, in_features=1024, width=1024, depth=4),
        "gpt2": dict(batch=4, seq_len=256, vocab_size=8192, width=256, heads=4, depth=4)}
 SMALL = {"mlp": dict(batch=8), "resnet18": dict(batch=2), "resnet50": dict(batch=2),
          "gpt2": dict(batch=2)}
-FORMS = ("current", "unfused", "no-bn-reuse")
+FORMS = ("current", "unfused", "no-bn-reuse", "transposed-sums")
 VARIANTS = {"default": {}, "nograph": {"cuda_graph": False}, "det": {"deterministic": True}}
 FIELDS = ("losses", "step_time_s", "measured_peak_bytes", "predicted_peak_bytes",
           "measured_over_predicted", "first_step_measured_bytes",
@@ -87,6 +89,12 @@ def built_form(name: str, sizes: dict, form: str, tmp: Path) -> Path:
         from memcc.passes.batchnorm_for_cuda import expand_training_batchnorm
 
         step, _ = expand_training_batchnorm(step, reuse_statistics=False)
+    if form == "transposed-sums":
+        from memcc.passes.batchnorm_for_cuda import expand_training_batchnorm
+        from memcc.passes.deterministic_reductions import per_channel, to_trailing_axes
+
+        step, _ = expand_training_batchnorm(step)
+        step, _ = to_trailing_axes(step, only=per_channel)
     return save_graph(step, tmp / f"{name}-{form}.onnx")
 
 

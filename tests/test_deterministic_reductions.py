@@ -68,3 +68,40 @@ def test_gpt2_step():
     for k, v in ref.items():
         scale = max(float(np.abs(v).max()), 1e-3 * top)
         assert float(np.abs(got[k].astype(np.float64) - v).max()) <= RTOL * scale, k
+
+
+@pytest.mark.parametrize("op,shape,axes,keep,rewritten", [
+    ("ReduceSum", [4, 6, 5, 5], [0, 2, 3], 1, True),    # a BatchNorm bias gradient
+    ("ReduceMean", [4, 6, 5, 5], [0, 2, 3], 1, True),   # BatchNorm statistics
+    ("ReduceSum", [4, 6, 1, 1], [0, 2, 3], 0, True),    # H*W of 1: one MatMul
+    ("ReduceSumSquare", [4, 6, 5, 5], [0, 2, 3], 1, False),  # left to the transpose form
+    ("ReduceSum", [4, 6, 5, 5], [0, 2], 1, False),      # not every axis but the channels
+])
+def test_per_channel_sums_by_matmul_match(op, shape, axes, keep, rewritten):
+    """The per-channel sums CUDA runs as MatMuls by ones compute the same sums (in another
+    order: within RTOL), at one and two threads, and keep the node's name."""
+    from memcc.passes.deterministic_reductions import per_channel_by_matmul
+
+    nodes = [helper.make_node(op, ["x", "axes"], ["y"], keepdims=keep, name="r")]
+    out_shape = [1 if a in axes else d for a, d in enumerate(shape)] if keep else \
+        [d for a, d in enumerate(shape) if a not in axes]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F32, shape)],
+                          [helper.make_tensor_value_info("y", F32, out_shape)],
+                          [helper.make_tensor("axes", TensorProto.INT64, [len(axes)], axes)])
+    graph = load_graph(helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)]))
+    out, report = per_channel_by_matmul(graph)
+    assert bool(report.rewritten) == rewritten, report.to_json()
+    if not rewritten:
+        assert out is graph
+        return
+    assert "MatMul" in [n.op_type for n in out.nodes]
+    assert "Transpose" not in [n.op_type for n in out.nodes]
+    assert topological_problems(out) == []
+    x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    ref = run_once(graph, {"x": x}, 1)["y"]
+    for threads in (1, 2):
+        got = run_once(out, {"x": x}, threads)["y"]
+        assert got.shape == ref.shape
+        assert float(np.abs(got.astype(np.float64) - ref).max()) <= RTOL * float(
+            np.abs(ref).max())
+    assert [n.name for n in out.nodes if n.name == "r"] == ["r"]

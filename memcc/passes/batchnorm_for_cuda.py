@@ -147,8 +147,13 @@ def for_provider(graph: Graph, provider: str) -> tuple[Graph, int]:
     if provider != "cuda":
         return graph, 0
     rewritten, report = expand_training_batchnorm(graph)
-    from memcc.passes.deterministic_reductions import per_channel, to_trailing_axes
+    from memcc.passes.deterministic_reductions import (
+        per_channel,
+        per_channel_by_matmul,
+        to_trailing_axes,
+    )
 
+    rewritten, _ = per_channel_by_matmul(rewritten)
     rewritten, _ = to_trailing_axes(rewritten, only=per_channel)
     return rewritten, int(report["batchnorm_rewritten"])
 
