@@ -147,13 +147,12 @@ def for_provider(graph: Graph, provider: str) -> tuple[Graph, int]:
     if provider != "cuda":
         return graph, 0
     rewritten, report = expand_training_batchnorm(graph)
-    from memcc.passes.deterministic_reductions import (
-        per_channel,
-        per_channel_by_matmul,
-        to_trailing_axes,
-    )
+    from memcc.passes.deterministic_reductions import per_channel, to_trailing_axes
 
-    rewritten, _ = per_channel_by_matmul(rewritten)
+    # Not yet ``per_channel_by_matmul``: 2% faster on the H200's ResNet-50 step, but its
+    # first loss moved by 1.6e-4 relative where the transpose form's matched the original
+    # to the last printed digit (BENCHMARKS.md, "Issue 30 on an H200"): until a float64
+    # check of the whole step says why, the transpose form stays.
     rewritten, _ = to_trailing_axes(rewritten, only=per_channel)
     return rewritten, int(report["batchnorm_rewritten"])
 
