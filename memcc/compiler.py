@@ -43,6 +43,7 @@ from memcc.frontend.load import load_graph
 from memcc.frontend.row_chunks import ATTENTION, FLAGS, MLP, find_regions
 from memcc.graph import Graph, node_label
 from memcc.passes.batchnorm_for_cuda import for_provider
+from memcc.passes.chunk_choice import choose_row_chunks, summary_line
 from memcc.passes.cost_model import (
     CUDA_NOMINAL,
     CostModel,
@@ -242,11 +243,27 @@ def compile_model(model: str | os.PathLike, options: CompileOptions, *,
                 "that depends on them, can change from run to run, and --verify's bit-for-bit "
                 "comparison can fail. Export ScatterND with a reduction as ScatterElements "
                 "(docs/DETERMINISM.md).")
-    structure = StepStructure.of(graph)
     costs = timed("cost_model", lambda: _costs(graph, options, warning, cuda_missing))
 
-    outcome, rewritten, slack, plan_budget = _plan_in_budget(
-        graph, budget, costs, options, structure, timed, passes, say, label)
+    def plan_step(g: Graph, c: CostModel, opts: CompileOptions) -> tuple:
+        return _plan_in_budget(g, budget, c, opts, StepStructure.of(g), timed, passes, say,
+                               label)
+
+    def rebuild(opts: CompileOptions) -> tuple[Graph, CostModel]:
+        # Another build of the forward model (row chunks): its warnings were said once.
+        def quiet(msg: str) -> None:
+            if msg not in warnings:
+                warning(msg)
+
+        g = timed("load", lambda: _load(model, label, opts))
+        return g, timed("cost_model", lambda: _costs(g, opts, quiet, cuda_missing))
+
+    # Row chunks where they pay (passes/chunk_choice.py); the step as loaded is planned first.
+    chosen = choose_row_chunks(
+        model, label, graph, costs, options, budget, passes[0].summary["built_training_step"],
+        plan_step, rebuild, passes, say, lambda peak, s: user_budget(peak, options, s))
+    graph, costs, options = chosen.attempt.graph, chosen.attempt.costs, chosen.attempt.options
+    outcome, rewritten, slack, plan_budget = chosen.attempt.planned
     plan_sim, base_sim = outcome.best, outcome.baseline
     final_budget = budget if budget is not None else user_budget(plan_sim.peak_bytes, options,
                                                                   slack)
@@ -263,6 +280,7 @@ def compile_model(model: str | os.PathLike, options: CompileOptions, *,
     report = _report(options, final_budget, plan_budget, slack, budget is None, base_sim,
                      plan_sim, outcome, costs, passes, time.perf_counter() - t_start,
                      verification)
+    report["row_chunks"] = chosen.report
     report["warnings"] = warnings
     if verification is not None and not verification["ok"]:
         steps = next_steps(verification, options, plan_sim.peak_bytes, label, slack)
@@ -555,7 +573,7 @@ def _load(model, label: str, options: CompileOptions):
         # What row chunks could split that this build leaves whole (a hint if nothing fits).
         for kind, k in ((ATTENTION, options.build.attention_chunks),
                         (MLP, options.build.mlp_chunks)):
-            if k == 1 and (n := len(find_regions(graph, kind))):
+            if (k or 1) == 1 and (n := len(find_regions(graph, kind))):
                 splittable[kind] = n
         graph = build_training_step(graph, options.build, source=label)
         built = True
@@ -796,6 +814,8 @@ def summary_lines(report: dict) -> list[str]:
            if p.get("recompute_again_nodes") else "")
         + f", predicted added time {p['overhead'] * 100:.1f}%",
     ]
+    if (chunks := summary_line(report)) is not None:
+        lines.append(chunks)
     v = report.get("verification")
     if v:
         lines.append(f"verify   {'OK' if v['ok'] else 'FAILED'}: " + "; ".join(verify_checks(v)))
