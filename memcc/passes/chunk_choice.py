@@ -96,7 +96,7 @@ class Attempt:
         out: dict = {"chunks": dict(self.chunks), "fits": self.fits}
         if self.planned is not None:
             out["peak_bytes"] = int(self.planned[0].best.peak_bytes)
-            out["budget_bytes"] = self.budget_bytes(user_budget)
+            out["needs_budget_bytes"] = self.budget_bytes(user_budget)
             out["step_time_s"] = round(self.step_time_s, 6)
             if base_time:
                 out["added_time"] = round(self.step_time_s / base_time - 1.0, 4)
