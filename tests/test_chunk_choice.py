@@ -109,3 +109,88 @@ def test_the_command_line_flag_no_chunks_tries_none(gpt2, tmp_path):
                                  "--cost", "analytic", "--no-chunks"])
     assert r.exit_code == 0, r.output
     assert "every kind was set by a flag" in json.loads(rep.read_text())["row_chunks"]["why"]
+
+
+class _Sim:
+    def __init__(self, peak: int, time_s: float) -> None:
+        self.peak_bytes, self.compute_cost_s = peak, time_s
+
+
+class _Outcome:
+    def __init__(self, peak: int, time_s: float) -> None:
+        self.best, self.baseline = _Sim(peak, time_s), _Sim(10**9, 1.0)
+
+
+class _Costs:
+    def total(self, graph) -> float:
+        return 1.0
+
+
+def _choose(gpt2, budget, table: dict, build: BuildOptions | None = None):
+    """``choose_row_chunks`` over made-up plans: ``table`` maps (loss, attention, mlp)
+    chunks to (peak, step time), or to a smallest budget (an int) where it refuses."""
+    from memcc.passes.chunk_choice import choose_row_chunks, chunks_of
+    from memcc.passes.planner import BudgetError
+
+    planned: list[tuple] = []
+    options = CompileOptions(budget=budget if budget is not None else "min",
+                             build=build or BuildOptions())
+
+    def plan_step(graph, costs, opts):
+        key = tuple(chunks_of(opts.build).values())
+        planned.append(key)
+        got = table[key]
+        if isinstance(got, int):
+            raise BudgetError(f"refused {key}", budget=budget or 0, smallest=got)
+        return _Outcome(*got), None, 0, None
+
+    choice = choose_row_chunks(gpt2, "gpt2", load_graph(gpt2), _Costs(), options, budget,
+                               True, plan_step, lambda opts: (load_graph(gpt2), _Costs()),
+                               [], lambda _m: None, lambda peak, slack: peak)
+    return choice, planned
+
+
+def test_the_search_keeps_the_fastest_plan_that_fits(gpt2):
+    """The step as built refuses: the heaviest split first, then the lighter ones; the
+    fastest that fits wins (here the middle one)."""
+    table = {(1, 1, 1): 900, (8, 8, 8): (500, 1.3), (8, 1, 1): (590, 1.2),
+             (8, 4, 4): (550, 1.1)}
+    choice, planned = _choose(gpt2, 600, table)
+    assert planned == [(1, 1, 1), (8, 8, 8), (8, 1, 1), (8, 4, 4)]
+    assert choice.report["chosen"] == {"loss": 8, "attention": 4, "mlp": 4}
+    assert [c["chosen"] for c in choice.report["candidates"]] == [False, False, False, True]
+    assert choice.report["candidates"][3]["added_time"] == pytest.approx(0.1)
+
+
+def test_a_fitting_step_is_split_only_while_that_is_faster(gpt2):
+    """The step as built fits at +20% (over SEARCH_ABOVE): the loss alone is faster, the
+    next one is not, so the heaviest is never built."""
+    table = {(1, 1, 1): (590, 1.2), (8, 1, 1): (500, 1.05), (8, 4, 4): (450, 1.07)}
+    choice, planned = _choose(gpt2, 600, table)
+    assert planned == [(1, 1, 1), (8, 1, 1), (8, 4, 4)]
+    assert choice.report["chosen"] == {"loss": 8, "attention": 1, "mlp": 1}
+
+
+def test_budget_min_keeps_the_smallest_and_ties_go_to_the_faster(gpt2):
+    table = {(1, 1, 1): (900, 1.0), (8, 8, 8): (500, 1.3), (8, 1, 1): (503, 1.1),
+             (8, 4, 4): (400, 1.0)}
+    choice, planned = _choose(gpt2, None, table)
+    # The light split is within 1% of the heavy one: the middle is not tried.
+    assert planned == [(1, 1, 1), (8, 8, 8), (8, 1, 1)]
+    assert choice.report["chosen"] == {"loss": 8, "attention": 1, "mlp": 1}
+
+
+def test_when_no_setting_fits_the_refusal_names_what_was_tried(gpt2):
+    """The step as built and the heaviest split refuse: the lighter ones are not tried
+    (each refusal is a smallest-budget search), and the error is the nearest one's,
+    naming the other. A flag is kept: --loss-chunks 1 leaves the loss whole."""
+    from memcc.passes.planner import BudgetError
+
+    table = {(1, 1, 1): 900, (1, 8, 8): 700}
+    with pytest.raises(BudgetError) as refused:
+        _choose(gpt2, 600, table, BuildOptions(loss_chunks=1))
+    assert refused.value.smallest == 700
+    msg = str(refused.value)
+    assert msg.startswith("refused (1, 8, 8) Compile also built the step with other row "
+                          "chunks: the smallest budget above is with attention 8, mlp 8 "
+                          "(the others: none: 900 B)"), msg

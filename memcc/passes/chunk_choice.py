@@ -239,27 +239,31 @@ def choose_row_chunks(model, label: str, graph: Graph, costs: CostModel,
 
 def _search_budget(first: Attempt, ladder: list[dict[str, int]], attempt,
                    base_time: float) -> Attempt:
-    """Lightest split first; past the first that fits, heavier ones only while they are
-    faster (a heavier split that is slower has nothing left to spare)."""
-    best = first if first.fits else None
-    nearest = first
+    """Where the step as built does not fit: the heaviest split first (when that does not
+    fit either, no setting is likely to, and a refusal costs a smallest-budget search,
+    so the lighter ones are not tried), then the lighter ones, lightest first; the
+    fastest that fits wins. Where the step fits as built (at a cost): the lighter
+    splits first, heavier ones only while they are faster."""
+    if not first.fits:
+        heavy = attempt(ladder[-1])
+        if not heavy.fits:
+            return min((first, heavy), key=_smallest)
+        fitting = [heavy] + [a for a in map(attempt, ladder[:-1]) if a.fits]
+        return min(fitting, key=lambda a: a.step_time_s)
+    best = first
     for chunks in ladder:
-        if best is not None and base_time > 0 and best.step_time_s / base_time - 1.0 \
-                <= SEARCH_ABOVE / 3:
+        if base_time > 0 and best.step_time_s / base_time - 1.0 <= SEARCH_ABOVE / 3:
             break                      # already within 1% of the step as built
         a = attempt(chunks)
-        if not a.fits:
-            if best is not None:
-                break
-            if a.refusal is not None and (nearest.refusal is None
-                                          or a.refusal.smallest < nearest.refusal.smallest):
-                nearest = a
-            continue
-        if best is None or a.step_time_s < best.step_time_s:
-            best = a
-        else:
+        if not a.fits or a.step_time_s >= best.step_time_s:
             break
-    return best if best is not None else nearest
+        best = a
+    return best
+
+
+def _smallest(a: Attempt) -> float:
+    """The smallest budget a refused attempt names (a failed build: none)."""
+    return float(a.refusal.smallest) if a.refusal is not None else float("inf")
 
 
 def _search_min(first: Attempt, ladder: list[dict[str, int]], attempt,
