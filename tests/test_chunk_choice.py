@@ -151,15 +151,24 @@ def _choose(gpt2, budget, table: dict, build: BuildOptions | None = None):
 
 
 def test_the_search_keeps_the_fastest_plan_that_fits(gpt2):
-    """The step as built refuses: the heaviest split first, then the lighter ones; the
-    fastest that fits wins (here the middle one)."""
-    table = {(1, 1, 1): 900, (8, 8, 8): (500, 1.3), (8, 1, 1): (590, 1.2),
-             (8, 4, 4): (550, 1.1)}
+    """The step as built and the loss alone refuse: the heaviest split next, then the
+    middle one, which is faster and wins."""
+    table = {(1, 1, 1): 900, (8, 1, 1): 650, (8, 8, 8): (500, 1.3), (8, 4, 4): (550, 1.1)}
     choice, planned = _choose(gpt2, 600, table)
-    assert planned == [(1, 1, 1), (8, 8, 8), (8, 1, 1), (8, 4, 4)]
+    assert planned == [(1, 1, 1), (8, 1, 1), (8, 8, 8), (8, 4, 4)]
     assert choice.report["chosen"] == {"loss": 8, "attention": 4, "mlp": 4}
     assert [c["chosen"] for c in choice.report["candidates"]] == [False, False, False, True]
     assert choice.report["candidates"][3]["added_time"] == pytest.approx(0.1)
+    assert choice.report["candidates"][1] == {
+        "chunks": {"loss": 8, "attention": 1, "mlp": 1}, "fits": False,
+        "refused": "does not fit", "smallest_budget_bytes": 650, "chosen": False}
+
+
+def test_a_split_as_fast_as_the_step_as_built_ends_the_search(gpt2):
+    table = {(1, 1, 1): 900, (8, 1, 1): (590, 1.005)}
+    choice, planned = _choose(gpt2, 600, table)
+    assert planned == [(1, 1, 1), (8, 1, 1)]
+    assert choice.report["chosen"] == {"loss": 8, "attention": 1, "mlp": 1}
 
 
 def test_a_fitting_step_is_split_only_while_that_is_faster(gpt2):
@@ -181,16 +190,16 @@ def test_budget_min_keeps_the_smallest_and_ties_go_to_the_faster(gpt2):
 
 
 def test_when_no_setting_fits_the_refusal_names_what_was_tried(gpt2):
-    """The step as built and the heaviest split refuse: the lighter ones are not tried
-    (each refusal is a smallest-budget search), and the error is the nearest one's,
-    naming the other. A flag is kept: --loss-chunks 1 leaves the loss whole."""
+    """The step as built, the lightest split and the heaviest refuse: the middle one is
+    not tried (each refusal is a smallest-budget search), and the error is the nearest
+    one's, naming the others. A flag is kept: --loss-chunks 1 leaves the loss whole."""
     from memcc.passes.planner import BudgetError
 
-    table = {(1, 1, 1): 900, (1, 8, 8): 700}
+    table = {(1, 1, 1): 900, (1, 4, 4): 800, (1, 8, 8): 700}
     with pytest.raises(BudgetError) as refused:
         _choose(gpt2, 600, table, BuildOptions(loss_chunks=1))
     assert refused.value.smallest == 700
     msg = str(refused.value)
     assert msg.startswith("refused (1, 8, 8) Compile also built the step with other row "
                           "chunks: the smallest budget above is with attention 8, mlp 8 "
-                          "(the others: none: 900 B)"), msg
+                          "(the others: none: 900 B; attention 4, mlp 4: 800 B)"), msg

@@ -239,26 +239,33 @@ def choose_row_chunks(model, label: str, graph: Graph, costs: CostModel,
 
 def _search_budget(first: Attempt, ladder: list[dict[str, int]], attempt,
                    base_time: float) -> Attempt:
-    """Where the step as built does not fit: the heaviest split first (when that does not
-    fit either, no setting is likely to, and a refusal costs a smallest-budget search,
-    so the lighter ones are not tried), then the lighter ones, lightest first; the
-    fastest that fits wins. Where the step fits as built (at a cost): the lighter
-    splits first, heavier ones only while they are faster."""
-    if not first.fits:
-        heavy = attempt(ladder[-1])
-        if not heavy.fits:
-            return min((first, heavy), key=_smallest)
-        fitting = [heavy] + [a for a in map(attempt, ladder[:-1]) if a.fits]
-        return min(fitting, key=lambda a: a.step_time_s)
-    best = first
-    for chunks in ladder:
-        if base_time > 0 and best.step_time_s / base_time - 1.0 <= SEARCH_ABOVE / 3:
-            break                      # already within 1% of the step as built
-        a = attempt(chunks)
-        if not a.fits or a.step_time_s >= best.step_time_s:
+    """Lightest split first, then heavier ones while they are faster; the fastest that
+    fits wins, and a plan within 1% of the unchunked step's time ends the search (no split
+    can beat it by more). A refused split with nothing fitting yet jumps to the heaviest
+    (the middle ones follow only if that fits): a refusal costs a smallest-budget search,
+    and where the heaviest split does not fit, a lighter one is not expected to."""
+    best = first if first.fits else None
+    nearest = first
+    queue = list(ladder)
+    while queue:
+        if best is not None and base_time > 0 \
+                and best.step_time_s / base_time - 1.0 <= SEARCH_ABOVE / 3:
             break
-        best = a
-    return best
+        chunks = queue.pop(0)
+        a = attempt(chunks)
+        if a.fits:
+            if best is not None and a.step_time_s >= best.step_time_s:
+                break                  # heavier and no faster: nothing left to spare
+            best = a
+            continue
+        if best is not None or chunks == ladder[-1]:
+            if best is None and _smallest(a) < _smallest(nearest):
+                nearest = a
+            break
+        if _smallest(a) < _smallest(nearest):
+            nearest = a
+        queue = queue[-1:] + queue[:-1]
+    return best if best is not None else nearest
 
 
 def _smallest(a: Attempt) -> float:
