@@ -140,6 +140,10 @@ def _choose(gpt2, budget, table: dict, build: BuildOptions | None = None):
         key = tuple(chunks_of(opts.build).values())
         planned.append(key)
         got = table[key]
+        if got == "error":
+            from memcc.errors import InputError
+
+            raise InputError(f"cannot build {key}")
         if isinstance(got, int):
             raise BudgetError(f"refused {key}", budget=budget or 0, smallest=got)
         return _Outcome(*got), None, 0, None
@@ -203,3 +207,14 @@ def test_when_no_setting_fits_the_refusal_names_what_was_tried(gpt2):
     assert msg.startswith("refused (1, 8, 8) Compile also built the step with other row "
                           "chunks: the smallest budget above is with attention 8, mlp 8 "
                           "(the others: none: 900 B; attention 4, mlp 4: 800 B)"), msg
+
+
+def test_a_setting_that_cannot_be_built_is_set_aside(gpt2):
+    """A split whose build fails (a loss projection that is also an attention's last
+    product, split with it: tests/test_cast_chains.py) is reported with why, and the search
+    goes on to the next."""
+    table = {(1, 1, 1): 900, (8, 1, 1): "error", (8, 8, 8): (500, 1.3), (8, 4, 4): (550, 1.4)}
+    choice, planned = _choose(gpt2, 600, table)
+    assert planned == [(1, 1, 1), (8, 1, 1), (8, 8, 8), (8, 4, 4)]
+    assert choice.report["chosen"] == {"loss": 8, "attention": 8, "mlp": 8}
+    assert choice.report["candidates"][1]["refused"] == "cannot build (8, 1, 1)"

@@ -182,7 +182,7 @@ def choose_row_chunks(model, label: str, graph: Graph, costs: CostModel,
     the refusal of the attempt that came nearest when no setting fits ``budget``."""
     # The step as loaded: its load and cost passes are already in ``passes``.
     first = _attempt(chunks_of(options.build), options, passes,
-                     lambda: (graph, costs), plan_step, mark=0)
+                     lambda: (graph, costs), plan_step, mark=0, strict=True)
     base_time = costs.total(graph)
     report: dict = {"chosen": dict(first.chunks), "searched": False}
 
@@ -301,10 +301,11 @@ def _budget(a: Attempt, user_budget) -> float:
 
 def _attempt(chunks: dict[str, int], options: CompileOptions, passes: list,
              load: Callable[[], tuple[Graph, CostModel]], plan_step: PlanStep, *,
-             mark: int) -> Attempt:
+             mark: int, strict: bool = False) -> Attempt:
     """Build (``load``) and plan one setting; its passes (``passes[mark:]``) are moved
-    out of ``passes``. A setting compile chose whose build fails is set aside with why;
-    the step as loaded (``mark`` 0) raises as compile always did."""
+    out of ``passes``. A setting compile chose whose build fails is set aside with why
+    (e.g. a loss projection that is also an attention's last product, split with it);
+    the step as loaded (``strict``) raises as compile always did."""
     a = Attempt(dict(chunks), options)
     try:
         a.graph, a.costs = load()
@@ -312,7 +313,7 @@ def _attempt(chunks: dict[str, int], options: CompileOptions, passes: list,
     except BudgetError as exc:
         a.refusal = exc
     except InputError as exc:
-        if mark == 0:
+        if strict:
             raise
         a.error = str(exc)
     a.passes = passes[mark:]
