@@ -106,8 +106,10 @@ def test_too_small_budget_fails_before_writing(gpt2_file, tmp_path):
     # loaded machine does not cut the search and change the smallest budget it names.
     # 2MB: above what the inputs, parameters and state alone need (smaller budgets are
     # refused before any search: test_bad_inputs.py), below the smallest reachable.
+    # --no-chunks: each setting of row chunks compile would try costs a smallest-budget
+    # search of its own (minutes here); their refusal is tested in test_chunk_choice.py.
     r = invoke("compile", gpt2_file, "--budget", "2MB", "-o", out, "--report", rep,
-               "--cost", "analytic", "--time-limit", "300")
+               "--cost", "analytic", "--time-limit", "300", "--no-chunks")
     assert r.exit_code == 2
     assert "does not fit" in r.output
     assert not list(tmp_path.iterdir()), "nothing may be written when nothing fits"
@@ -115,7 +117,7 @@ def test_too_small_budget_fails_before_writing(gpt2_file, tmp_path):
     assert need, r.output
     # The budget it names is one that works.
     ok = invoke("compile", gpt2_file, "--budget", need.group(1), "-o", out, "--report", rep,
-                "--cost", "analytic", "--time-limit", "300")
+                "--cost", "analytic", "--time-limit", "300", "--no-chunks")
     assert ok.exit_code == 0, ok.output
     assert json.loads(rep.read_text())["plan"]["fits"]
 
