@@ -99,6 +99,20 @@ MlpChunksOpt = Annotated[int, typer.Option(
          "many token chunks: the backward, and a plan that recomputes the hidden "
          "activations, then hold one chunk's at a time. Gradients within 1e-5 of whole "
          "MLPs.")]
+# compile: not given (None) = compile chooses (passes/chunk_choice.py); a number overrides.
+_CHOSEN = (" Not given: compile builds the step with and without it and keeps the plan that "
+           "fits at the least added time (--budget min: the smallest); the report's "
+           "row_chunks says what was tried.")
+AutoLossChunksOpt = Annotated[Optional[int], typer.Option(  # noqa: UP045
+    "--loss-chunks", min=1, help=LossChunksOpt.__metadata__[0].help + _CHOSEN)]
+AutoAttentionChunksOpt = Annotated[Optional[int], typer.Option(  # noqa: UP045
+    "--attention-chunks", min=1, help=AttentionChunksOpt.__metadata__[0].help + _CHOSEN)]
+AutoMlpChunksOpt = Annotated[Optional[int], typer.Option(  # noqa: UP045
+    "--mlp-chunks", min=1, help=MlpChunksOpt.__metadata__[0].help + _CHOSEN)]
+NoChunksOpt = Annotated[bool, typer.Option(
+    "--no-chunks",
+    help="Keep the loss, every attention and every MLP whole (as --loss-chunks 1 "
+         "--attention-chunks 1 --mlp-chunks 1): compile tries no row chunks.")]
 # compile and tune plan for a provider; run and train run on one.
 PlanProviderOpt = Annotated[Literal["cpu", "cuda", "auto"], typer.Option(
     case_sensitive=False,
@@ -122,8 +136,9 @@ StrategyOpt = Annotated[Literal["auto", "ilp", "sqrtn", "none"], typer.Option(
 
 
 def _build_options(loss: str, optimizer: str, lr: float | None, momentum: float,
-                   weight_decay: float | None, freeze: list[str] | None, loss_chunks: int,
-                   attention_chunks: int, mlp_chunks: int):
+                   weight_decay: float | None, freeze: list[str] | None,
+                   loss_chunks: int | None, attention_chunks: int | None,
+                   mlp_chunks: int | None):
     """The BuildOptions of the shared build flags (build, and compile/tune for forward
     models), so that the three commands cannot drift apart."""
     from memcc.frontend.build import BuildOptions
@@ -513,15 +528,20 @@ def compile_cmd(
     momentum: MomentumOpt = 0.9,
     weight_decay: WeightDecayOpt = None,
     freeze: FreezeOpt = None,
-    loss_chunks: LossChunksOpt = 1,
-    attention_chunks: AttentionChunksOpt = 1,
-    mlp_chunks: MlpChunksOpt = 1,
+    loss_chunks: AutoLossChunksOpt = None,
+    attention_chunks: AutoAttentionChunksOpt = None,
+    mlp_chunks: AutoMlpChunksOpt = None,
+    no_chunks: NoChunksOpt = False,
     dim: DimOpt = None,
 ) -> None:
     """Rewrite a training step so that it fits a memory budget at the least added time.
 
     A forward model is built first, with memcc build's options (--loss ... --mlp-chunks);
-    a training step keeps the options it was built with."""
+    row chunks not given are chosen by compile where they lower the plan's cost. A
+    training step keeps the options it was built with."""
+    if no_chunks:
+        loss_chunks, attention_chunks, mlp_chunks = (
+            k or 1 for k in (loss_chunks, attention_chunks, mlp_chunks))
     from memcc.compiler import CompileOptions, VerificationError, compile_model, summary_lines
     from memcc.frontend.load import parse_dims
 

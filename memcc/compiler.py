@@ -43,6 +43,7 @@ from memcc.frontend.load import load_graph
 from memcc.frontend.row_chunks import ATTENTION, FLAGS, MLP, find_regions
 from memcc.graph import Graph, node_label
 from memcc.passes.batchnorm_for_cuda import for_provider
+from memcc.passes.chunk_choice import choose_row_chunks, summary_line
 from memcc.passes.cost_model import (
     CUDA_NOMINAL,
     CostModel,
@@ -247,8 +248,30 @@ def compile_model(model: str | os.PathLike, options: CompileOptions, *,
                 "(docs/DETERMINISM.md).")
     costs = timed("cost_model", lambda: _costs(graph, options, warning, cuda_missing))
 
-    outcome, rewritten, slack, plan_budget, offloaded = _plan_offloading_state(
-        graph, budget, costs, options, structure, timed, passes, say, label)
+    offloads: dict[int, dict | None] = {}   # the rewritten step's id -> offloaded_state
+
+    def plan_step(g: Graph, c: CostModel, opts: CompileOptions) -> tuple:
+        *planned, offloaded = _plan_offloading_state(g, budget, c, opts, StepStructure.of(g),
+                                                     timed, passes, say, label)
+        offloads[id(planned[1])] = offloaded
+        return tuple(planned)
+
+    def rebuild(opts: CompileOptions) -> tuple[Graph, CostModel]:
+        # Another build of the forward model (row chunks): its warnings were said once.
+        def quiet(msg: str) -> None:
+            if msg not in warnings:
+                warning(msg)
+
+        g = timed("load", lambda: _load(model, label, opts))
+        return g, timed("cost_model", lambda: _costs(g, opts, quiet, cuda_missing))
+
+    # Row chunks where they pay (passes/chunk_choice.py); the step as loaded is planned first.
+    chosen = choose_row_chunks(
+        model, label, graph, costs, options, budget, passes[0].summary["built_training_step"],
+        plan_step, rebuild, passes, say, lambda peak, s: user_budget(peak, options, s))
+    graph, costs, options = chosen.attempt.graph, chosen.attempt.costs, chosen.attempt.options
+    outcome, rewritten, slack, plan_budget = chosen.attempt.planned
+    offloaded = offloads.get(id(rewritten))
     plan_sim, base_sim = outcome.best, outcome.baseline
     final_budget = budget if budget is not None else user_budget(plan_sim.peak_bytes, options,
                                                                   slack)
@@ -265,6 +288,7 @@ def compile_model(model: str | os.PathLike, options: CompileOptions, *,
     report = _report(options, final_budget, plan_budget, slack, budget is None, base_sim,
                      plan_sim, outcome, costs, passes, time.perf_counter() - t_start,
                      verification)
+    report["row_chunks"] = chosen.report
     report["offloaded_state"] = offloaded
     if offloaded is not None and offloaded["used"]:
         # the copies are in no node's measured time: add them to the plan's (predicted)
@@ -646,7 +670,7 @@ def _load(model, label: str, options: CompileOptions):
         # What row chunks could split that this build leaves whole (a hint if nothing fits).
         for kind, k in ((ATTENTION, options.build.attention_chunks),
                         (MLP, options.build.mlp_chunks)):
-            if k == 1 and (n := len(find_regions(graph, kind))):
+            if (k or 1) == 1 and (n := len(find_regions(graph, kind))):
                 splittable[kind] = n
         graph = as_loaded(build_training_step(graph, options.build, source=label), label)
         built = True
@@ -922,6 +946,8 @@ def summary_lines(report: dict) -> list[str]:
                      f"{format_size(o['bytes'])}, copies add {o['added_time_s'] * 1e3:.1f} ms"
                      + (f"{reach}{format_size(without)} without (predicted)" if without
                         else ""))
+    if (chunks := summary_line(report)) is not None:
+        lines.append(chunks)
     v = report.get("verification")
     if v:
         lines.append(f"verify   {'OK' if v['ok'] else 'FAILED'}: " + "; ".join(verify_checks(v)))

@@ -79,6 +79,7 @@ def print_report(report: dict, console: Console) -> None:
         pt.add_row(ps["name"], f"{ps['time_s']:.2f} s", summary)
     console.print(pt)
     _print_strategies(report, console)
+    _print_row_chunks(report.get("row_chunks"), console)
     _print_variants(p.get("variants"), console)
     rec = p.get("recomputed_values", [])
     if rec:
@@ -99,6 +100,37 @@ def print_report(report: dict, console: Console) -> None:
                           highlight=False)
     for warning in report.get("warnings", []):
         console.print(f"warning: {warning}", highlight=False)
+
+
+def _print_row_chunks(rc: dict | None, console: Console) -> None:
+    """The row chunks the step was planned with, why, and each setting compile tried
+    (passes/chunk_choice.py); reports from before it have no such section."""
+    if not rc:
+        return
+    from memcc.passes.chunk_choice import describe
+
+    console.print(f"row chunks: {describe(rc.get('chosen') or {})}"
+                  + (f" ({rc['why']})" if rc.get("why") else ""), highlight=False)
+    tried = rc.get("candidates") or []
+    if not tried:
+        return
+    ct = Table(title="row chunks tried (added time against the step as built, unchunked)",
+               header_style="bold")
+    for col in ("chunks", "result", "peak", "needs budget", "added time", ""):
+        ct.add_column(col, justify="left" if col in ("chunks", "result", "") else "right")
+    for c in tried:
+        if c.get("fits"):
+            added = c.get("added_time")
+            ct.add_row(describe(c["chunks"]), "fits", format_size(c["peak_bytes"]),
+                       format_size(c["needs_budget_bytes"]),
+                       "" if added is None else f"{added * 100:+.1f}%",
+                       "<- chosen" if c.get("chosen") else "")
+        else:
+            smallest = c.get("smallest_budget_bytes")
+            ct.add_row(describe(c["chunks"]), str(c.get("refused", "refused")), "",
+                       "" if smallest is None else format_size(smallest), "",
+                       "<- chosen" if c.get("chosen") else "")
+    console.print(ct)
 
 
 def _print_variants(v: dict | None, console: Console) -> None:

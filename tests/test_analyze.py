@@ -55,10 +55,14 @@ def test_peak_and_breakdown_are_compile_baselines(gpt2, provider, arena):
 
 def test_smallest_is_what_budget_min_plans(gpt2):
     """The same search as compile's --budget min (sqrt(n) here: searches that never stop on
-    the clock, so the answers must be equal, not merely bounded)."""
+    the clock, so the answers must be equal, not merely bounded), over the step as built:
+    compile without row chunks (with them it may reach lower: test_chunk_choice.py)."""
+    from memcc.frontend.build import BuildOptions
+
     got = _analyze(gpt2, "--strategy", "sqrtn")
-    report = compile_model(gpt2, CompileOptions(budget="min", cost="analytic",
-                                                strategy="sqrtn")).report
+    report = compile_model(gpt2, CompileOptions(
+        budget="min", cost="analytic", strategy="sqrtn",
+        build=BuildOptions(loss_chunks=1, attention_chunks=1, mlp_chunks=1))).report
     smallest = got["smallest"]
     assert smallest["exact"] is True
     assert smallest["peak_bytes"] == report["plan"]["peak_bytes"]

@@ -107,8 +107,10 @@ def test_too_small_budget_fails_before_writing(gpt2_file, tmp_path):
     # 3MB: above the step's floor (2.34 MB: inputs, parameters and state with the largest
     # forward working set; smaller budgets are refused before any search:
     # test_planner_unseen.py), below the smallest reachable.
+    # --no-chunks: each setting of row chunks compile would try costs a smallest-budget
+    # search of its own (minutes here); their refusal is tested in test_chunk_choice.py.
     r = invoke("compile", gpt2_file, "--budget", "3MB", "-o", out, "--report", rep,
-               "--cost", "analytic", "--time-limit", "300")
+               "--cost", "analytic", "--time-limit", "300", "--no-chunks")
     assert r.exit_code == 2
     assert "does not fit" in r.output
     assert not list(tmp_path.iterdir()), "nothing may be written when nothing fits"
@@ -116,7 +118,7 @@ def test_too_small_budget_fails_before_writing(gpt2_file, tmp_path):
     assert need, r.output
     # The budget it names is one that works.
     ok = invoke("compile", gpt2_file, "--budget", need.group(1), "-o", out, "--report", rep,
-                "--cost", "analytic", "--time-limit", "300")
+                "--cost", "analytic", "--time-limit", "300", "--no-chunks")
     assert ok.exit_code == 0, ok.output
     assert json.loads(rep.read_text())["plan"]["fits"]
 
@@ -126,8 +128,10 @@ def test_budget_min_and_byte_identical_output(gpt2_file, tmp_path):
     for path in (a, b):
         # A generous limit: the search is cut by wall time only as a safety net, and an
         # identical output needs both runs to finish their search.
+        # --no-chunks: the step as built (the row-chunk search plans three steps, each a
+        # smallest-budget search; its own byte-identity is an open item, issue 31).
         r = invoke("compile", gpt2_file, "--budget", "min", "-o", path, "--cost", "analytic",
-                   "--time-limit", "300")
+                   "--time-limit", "300", "--no-chunks")
         assert r.exit_code == 0, r.output
     assert a.read_bytes() == b.read_bytes()
     report = json.loads((tmp_path / "a.report.json").read_text())

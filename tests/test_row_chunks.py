@@ -187,10 +187,11 @@ def test_the_trained_forward_model_is_exported_in_chunks(tmp_path):
 
 
 def test_a_budget_nothing_fits_names_the_flags_that_would_split(tmp_path):
-    """Compiling a forward model whose smallest budget is above the one asked: the error
-    names the attentions and MLPs left whole and the flags that split them, and only
-    those. (No slack: with the default 1 MiB, 400 KB is below what the inputs, parameters
-    and state alone need with it, which is refused before any search, without the hint.)"""
+    """Compiling a forward model whose smallest budget is above the one asked, with the
+    row chunks set by flags (compile does not choose them then): the error names the
+    attentions and MLPs left whole and the flags that split them, and only those. (No
+    slack: with the default 1 MiB, 400 KB is below what the inputs, parameters and state
+    alone need with it, which is refused before any search, without the hint.)"""
     from memcc.passes.planner import BudgetError
 
     model = tmp_path / "gpt2.onnx"
@@ -198,13 +199,16 @@ def test_a_budget_nothing_fits_names_the_flags_that_would_split(tmp_path):
                           vocab_size=64), str(model))
     with pytest.raises(BudgetError) as whole:
         compile_model(model, CompileOptions(budget=400_000, slack_bytes=0, cost="analytic",
-                                            time_limit=3),
+                                            time_limit=3, build=BuildOptions(
+                                                loss_chunks=1, attention_chunks=1,
+                                                mlp_chunks=1)),
                       output=tmp_path / "out.onnx")
     assert "2 attentions (--attention-chunks K) and 2 MLPs (--mlp-chunks K)" in str(whole.value)
     with pytest.raises(BudgetError) as half:
         compile_model(model, CompileOptions(budget=400_000, slack_bytes=0, cost="analytic",
                                             time_limit=3,
-                                            build=BuildOptions(attention_chunks=2)),
+                                            build=BuildOptions(loss_chunks=1, attention_chunks=2,
+                                                               mlp_chunks=1)),
                       output=tmp_path / "out.onnx")
     assert "2 MLPs (--mlp-chunks K)" in str(half.value)
     assert "attentions (" not in str(half.value)

@@ -82,25 +82,28 @@ class BuildOptions:
     freeze: tuple[str, ...] = ()
     # > 1: cross-entropy and the vocabulary projection over that many row chunks, each
     # chunk's gradient taken right away (frontend/chunked_loss.py)
-    loss_chunks: int = 1
+    loss_chunks: int | None = None
     # > 1: every attention's scores and probabilities, every MLP's hidden activations, over
     # that many row chunks (frontend/row_chunks.py)
-    attention_chunks: int = 1
-    mlp_chunks: int = 1
+    attention_chunks: int | None = None
+    mlp_chunks: int | None = None
+    # None (any of the three): not given. The step is built without those chunks (as 1);
+    # ``memcc compile`` chooses them itself where they lower the plan's cost at the budget
+    # (passes/chunk_choice.py). A number given is kept as it is (1: never split).
     # memcc's fusions applied to the built step (frontend/fuse.py); () builds it unfused
     fusions: tuple[str, ...] = FUSION_RULES
 
     def __post_init__(self) -> None:
         if self.loss not in LOSSES:
             raise InputError(f"--loss '{self.loss}': choose one of {', '.join(LOSSES)}")
-        if self.loss_chunks < 1:
+        if self.loss_chunks is not None and self.loss_chunks < 1:
             raise InputError(f"--loss-chunks {self.loss_chunks}: give 1 (the plain loss) or "
                              "more")
         for flag, k in (("--attention-chunks", self.attention_chunks),
                         ("--mlp-chunks", self.mlp_chunks)):
-            if k < 1:
+            if k is not None and k < 1:
                 raise InputError(f"{flag} {k}: give 1 (whole regions) or more")
-        if self.loss_chunks > 1 and self.loss != "cross-entropy":
+        if (self.loss_chunks or 1) > 1 and self.loss != "cross-entropy":
             raise InputError(f"--loss-chunks applies to --loss cross-entropy, not "
                              f"'{self.loss}'")
         if self.optimizer not in OPTIMIZERS:
@@ -144,7 +147,8 @@ def build_training_step(forward: Graph, options: BuildOptions | None = None,
         )
     graph = forward.copy()
     row_chunks = {kind: {"chunks": k, "regions": chunk_regions(graph, kind, k, source)}
-                  for kind, k in ((ATTENTION, opts.attention_chunks), (MLP, opts.mlp_chunks))
+                  for kind, k in ((ATTENTION, opts.attention_chunks or 1),
+                                  (MLP, opts.mlp_chunks or 1))
                   if k > 1}
     emit = Emitter(graph)
     logits = _first_float_output(graph, source)
@@ -152,7 +156,7 @@ def build_training_step(forward: Graph, options: BuildOptions | None = None,
     int_ranges = _index_ranges(graph, data_inputs)
 
     loss, extra_inputs, label_range, chunked = _emit_loss(graph, emit, logits, opts.loss,
-                                                          source, opts.loss_chunks)
+                                                          source, opts.loss_chunks or 1)
     data_inputs += extra_inputs
     int_ranges.update(label_range)
 

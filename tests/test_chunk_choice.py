@@ -1,0 +1,220 @@
+"""``memcc compile`` chooses row chunks itself (``passes/chunk_choice.py``).
+
+A GPT-2 whose logits dominate: a budget the step as built cannot reach compiles without
+any chunk flag, the report names the chunks chosen and what was tried, ``--verify`` holds,
+and the chosen step's loss and gradients match the unchunked step within the row-chunk
+tolerance. Flags are overrides, a step already built is planned as it is, and a budget the
+step fits as built at no cost builds nothing else.
+"""
+
+from __future__ import annotations
+
+import io
+
+import onnx
+import pytest
+from rich.console import Console
+from threads import assert_step_matches
+
+from memcc.backend.onnx_file import save_graph
+from memcc.compiler import CompileOptions, compile_model, summary_lines
+from memcc.frontend.build import BuildOptions, build_training_step
+from memcc.frontend.load import load_graph
+from memcc.frontend.row_chunks import ROW_CHUNKS_TOLERANCE
+from memcc.report import print_report
+from models import build_model
+
+WHOLE = BuildOptions(loss_chunks=1, attention_chunks=1, mlp_chunks=1)
+# Between the smallest budget of the step as built (about 3.6 MB: its logits, log-softmax
+# and their gradient, 2 x 32 x 2,048 floats each) and that of the step with its loss over
+# 8 chunks (about 3.2 MB); the test checks both sides of it from the report.
+BUDGET = 3_400_000
+
+
+@pytest.fixture(scope="module")
+def gpt2(tmp_path_factory):
+    path = tmp_path_factory.mktemp("chunks") / "gpt2.onnx"
+    onnx.save(build_model("gpt2", batch=2, seq_len=32, width=32, depth=1, heads=2,
+                          vocab_size=2048), str(path))
+    return path
+
+
+def test_a_budget_only_chunks_reach_compiles_without_flags(gpt2, tmp_path):
+    said: list[str] = []
+    result = compile_model(gpt2, CompileOptions(budget=BUDGET, cost="analytic", time_limit=5,
+                                                verify=True),
+                           output=tmp_path / "out.onnx", report_path=tmp_path / "r.json",
+                           progress=said.append)
+    rc = result.report["row_chunks"]
+    as_built, *others = rc["candidates"]
+    # The premise: the step as built cannot reach the budget.
+    assert as_built["chunks"] == {"loss": 1, "attention": 1, "mlp": 1}
+    assert not as_built["fits"] and as_built["smallest_budget_bytes"] > BUDGET
+    assert rc["searched"] and rc["why"] == "the step as built does not fit the budget"
+    assert rc["sites"] == {"loss": 1, "attention": 1, "mlp": 1}
+    chosen = [c for c in rc["candidates"] if c["chosen"]]
+    assert len(chosen) == 1 and chosen[0]["fits"] and chosen[0]["chunks"] == rc["chosen"]
+    assert rc["chosen"]["loss"] == 8
+    assert chosen[0]["needs_budget_bytes"] <= BUDGET
+    # The cheapest of those that fit.
+    assert chosen[0]["step_time_s"] == min(c["step_time_s"] for c in others if c["fits"])
+    assert any(m.startswith("row chunks: planning the step built with loss 8") for m in said)
+    assert result.report["plan"]["fits"] and result.report["verification"]["ok"]
+    assert result.report["verification"]["measured_peak_bytes"] <= BUDGET
+    # The report is that of the step chosen: one load, one plan.
+    names = [p["name"] for p in result.report["passes"]]
+    assert names.count("load") == 1 and names.count("plan") == 1
+    lines = summary_lines(result.report)
+    assert any(line.startswith("row chunks loss 8") and "chosen by compile" in line
+               for line in lines), lines
+    buf = io.StringIO()
+    print_report(result.report, Console(file=buf, width=200))
+    printed = buf.getvalue()
+    assert "row chunks tried" in printed and "<- chosen" in printed
+    # The chosen step computes the unchunked step's loss and gradients within tolerance.
+    chunked = BuildOptions(**{f"{k}_chunks": n for k, n in rc["chosen"].items()})
+    assert_step_matches(build_training_step(load_graph(gpt2), WHOLE),
+                        build_training_step(load_graph(gpt2), chunked), ROW_CHUNKS_TOLERANCE)
+
+
+def test_flags_override_and_a_fitting_step_is_planned_as_built(gpt2, tmp_path):
+    fits = compile_model(gpt2, CompileOptions(budget="1TB", cost="analytic"))
+    rc = fits.report["row_chunks"]
+    assert rc == {"chosen": {"loss": 1, "attention": 1, "mlp": 1}, "searched": False,
+                  "why": "the step as built fits the budget at little added time"}
+    given = compile_model(gpt2, CompileOptions(budget="1TB", cost="analytic", build=BuildOptions(
+        loss_chunks=4, attention_chunks=1, mlp_chunks=2)))
+    rc = given.report["row_chunks"]
+    assert rc["chosen"] == {"loss": 4, "attention": 1, "mlp": 2} and not rc["searched"]
+    assert "--loss-chunks 4" in rc["why"] and "--attention-chunks 1" in rc["why"]
+
+
+def test_a_training_step_keeps_its_chunks_and_says_so(gpt2, tmp_path):
+    step = tmp_path / "step.onnx"
+    save_graph(build_training_step(load_graph(gpt2), BuildOptions(mlp_chunks=2)), step)
+    rc = compile_model(step, CompileOptions(budget="1TB", cost="analytic")).report["row_chunks"]
+    assert not rc["searched"] and rc["why"].startswith("the input is a training step")
+
+
+def test_the_command_line_flag_no_chunks_tries_none(gpt2, tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from memcc.cli import app
+
+    rep = tmp_path / "r.json"
+    r = CliRunner().invoke(app, ["compile", str(gpt2), "--budget", "1TB", "-o",
+                                 str(tmp_path / "c.onnx"), "--report", str(rep),
+                                 "--cost", "analytic", "--no-chunks"])
+    assert r.exit_code == 0, r.output
+    assert "every kind was set by a flag" in json.loads(rep.read_text())["row_chunks"]["why"]
+
+
+class _Sim:
+    def __init__(self, peak: int, time_s: float) -> None:
+        self.peak_bytes, self.compute_cost_s = peak, time_s
+
+
+class _Outcome:
+    def __init__(self, peak: int, time_s: float) -> None:
+        self.best, self.baseline = _Sim(peak, time_s), _Sim(10**9, 1.0)
+
+
+class _Costs:
+    def total(self, graph) -> float:
+        return 1.0
+
+
+def _choose(gpt2, budget, table: dict, build: BuildOptions | None = None):
+    """``choose_row_chunks`` over made-up plans: ``table`` maps (loss, attention, mlp)
+    chunks to (peak, step time), or to a smallest budget (an int) where it refuses."""
+    from memcc.passes.chunk_choice import choose_row_chunks, chunks_of
+    from memcc.passes.planner import BudgetError
+
+    planned: list[tuple] = []
+    options = CompileOptions(budget=budget if budget is not None else "min",
+                             build=build or BuildOptions())
+
+    def plan_step(graph, costs, opts):
+        key = tuple(chunks_of(opts.build).values())
+        planned.append(key)
+        got = table[key]
+        if got == "error":
+            from memcc.errors import InputError
+
+            raise InputError(f"cannot build {key}")
+        if isinstance(got, int):
+            raise BudgetError(f"refused {key}", budget=budget or 0, smallest=got)
+        return _Outcome(*got), None, 0, None
+
+    choice = choose_row_chunks(gpt2, "gpt2", load_graph(gpt2), _Costs(), options, budget,
+                               True, plan_step, lambda opts: (load_graph(gpt2), _Costs()),
+                               [], lambda _m: None, lambda peak, slack: peak)
+    return choice, planned
+
+
+def test_the_search_keeps_the_fastest_plan_that_fits(gpt2):
+    """The step as built and the loss alone refuse: the heaviest split next, then the
+    middle one, which is faster and wins."""
+    table = {(1, 1, 1): 900, (8, 1, 1): 650, (8, 8, 8): (500, 1.3), (8, 4, 4): (550, 1.1)}
+    choice, planned = _choose(gpt2, 600, table)
+    assert planned == [(1, 1, 1), (8, 1, 1), (8, 8, 8), (8, 4, 4)]
+    assert choice.report["chosen"] == {"loss": 8, "attention": 4, "mlp": 4}
+    assert [c["chosen"] for c in choice.report["candidates"]] == [False, False, False, True]
+    assert choice.report["candidates"][3]["added_time"] == pytest.approx(0.1)
+    assert choice.report["candidates"][1] == {
+        "chunks": {"loss": 8, "attention": 1, "mlp": 1}, "fits": False,
+        "refused": "does not fit", "smallest_budget_bytes": 650, "chosen": False}
+
+
+def test_a_split_as_fast_as_the_step_as_built_ends_the_search(gpt2):
+    table = {(1, 1, 1): 900, (8, 1, 1): (590, 1.005)}
+    choice, planned = _choose(gpt2, 600, table)
+    assert planned == [(1, 1, 1), (8, 1, 1)]
+    assert choice.report["chosen"] == {"loss": 8, "attention": 1, "mlp": 1}
+
+
+def test_a_fitting_step_is_split_only_while_that_is_faster(gpt2):
+    """The step as built fits at +20% (over SEARCH_ABOVE): the loss alone is faster, the
+    next one is not, so the heaviest is never built."""
+    table = {(1, 1, 1): (590, 1.2), (8, 1, 1): (500, 1.05), (8, 4, 4): (450, 1.07)}
+    choice, planned = _choose(gpt2, 600, table)
+    assert planned == [(1, 1, 1), (8, 1, 1), (8, 4, 4)]
+    assert choice.report["chosen"] == {"loss": 8, "attention": 1, "mlp": 1}
+
+
+def test_budget_min_keeps_the_smallest_and_ties_go_to_the_faster(gpt2):
+    table = {(1, 1, 1): (900, 1.0), (8, 8, 8): (500, 1.3), (8, 1, 1): (503, 1.1),
+             (8, 4, 4): (400, 1.0)}
+    choice, planned = _choose(gpt2, None, table)
+    # The light split is within 1% of the heavy one: the middle is not tried.
+    assert planned == [(1, 1, 1), (8, 8, 8), (8, 1, 1)]
+    assert choice.report["chosen"] == {"loss": 8, "attention": 1, "mlp": 1}
+
+
+def test_when_no_setting_fits_the_refusal_names_what_was_tried(gpt2):
+    """The step as built, the lightest split and the heaviest refuse: the middle one is
+    not tried (each refusal is a smallest-budget search), and the error is the nearest
+    one's, naming the others. A flag is kept: --loss-chunks 1 leaves the loss whole."""
+    from memcc.passes.planner import BudgetError
+
+    table = {(1, 1, 1): 900, (1, 4, 4): 800, (1, 8, 8): 700}
+    with pytest.raises(BudgetError) as refused:
+        _choose(gpt2, 600, table, BuildOptions(loss_chunks=1))
+    assert refused.value.smallest == 700
+    msg = str(refused.value)
+    assert msg.startswith("refused (1, 8, 8) Compile also built the step with other row "
+                          "chunks: the smallest budget above is with attention 8, mlp 8 "
+                          "(the others: none: 900 B; attention 4, mlp 4: 800 B)"), msg
+
+
+def test_a_setting_that_cannot_be_built_is_set_aside(gpt2):
+    """A split whose build fails (a loss projection that is also an attention's last
+    product, split with it: tests/test_cast_chains.py) is reported with why, and the search
+    goes on to the next."""
+    table = {(1, 1, 1): 900, (8, 1, 1): "error", (8, 8, 8): (500, 1.3), (8, 4, 4): (550, 1.4)}
+    choice, planned = _choose(gpt2, 600, table)
+    assert planned == [(1, 1, 1), (8, 1, 1), (8, 8, 8), (8, 4, 4)]
+    assert choice.report["chosen"] == {"loss": 8, "attention": 8, "mlp": 8}
+    assert choice.report["candidates"][1]["refused"] == "cannot build (8, 1, 1)"
