@@ -184,13 +184,18 @@ def test_a_fitting_step_is_split_only_while_that_is_faster(gpt2):
     assert choice.report["chosen"] == {"loss": 8, "attention": 1, "mlp": 1}
 
 
-def test_budget_min_keeps_the_smallest_and_ties_go_to_the_faster(gpt2):
+def test_budget_min_tries_the_heaviest_split_only(gpt2):
+    """Each setting costs a smallest-peak search: --budget min plans the heaviest split
+    alone, and keeps it where its budget is more than 1% smaller than the step as built's."""
     table = {(1, 1, 1): (900, 1.0), (8, 8, 8): (500, 1.3), (8, 1, 1): (503, 1.1),
              (8, 4, 4): (400, 1.0)}
     choice, planned = _choose(gpt2, None, table)
-    # The light split is within 1% of the heavy one: the middle is not tried.
-    assert planned == [(1, 1, 1), (8, 8, 8), (8, 1, 1)]
-    assert choice.report["chosen"] == {"loss": 8, "attention": 1, "mlp": 1}
+    assert planned == [(1, 1, 1), (8, 8, 8)]
+    assert choice.report["chosen"] == {"loss": 8, "attention": 8, "mlp": 8}
+    close = {(1, 1, 1): (900, 1.0), (8, 8, 8): (895, 1.3)}
+    choice, planned = _choose(gpt2, None, close)
+    assert planned == [(1, 1, 1), (8, 8, 8)]
+    assert choice.report["chosen"] == {"loss": 1, "attention": 1, "mlp": 1}
 
 
 def test_when_no_setting_fits_the_refusal_names_what_was_tried(gpt2):

@@ -275,23 +275,17 @@ def _smallest(a: Attempt) -> float:
 
 def _search_min(first: Attempt, ladder: list[dict[str, int]], attempt,
                 user_budget) -> Attempt:
-    """The heaviest split (usually the smallest budget), then the lightest: where the light
-    one is as small, the middle is not tried; the smallest budget wins, ties to the
-    faster plan."""
+    """The heaviest split only (the smallest budget wherever a split lowers it; each
+    setting costs a smallest-peak search of its own, and trying the lighter ones too made
+    --budget min two to three times slower for a tie-break on time): it wins where its
+    budget is smaller than the step as built's by more than ``MIN_TIE``."""
     heavy = attempt(ladder[-1])
-    tried = [first, heavy]
-    if len(ladder) > 1:
-        light = attempt(ladder[0])
-        tried.append(light)
-        if len(ladder) > 2 and _budget(light, user_budget) > (1 + MIN_TIE) * _budget(
-                heavy, user_budget):
-            tried.append(attempt(ladder[1]))
-    fitting = [a for a in tried if a.fits]
-    if not fitting:
+    if not heavy.fits:
         return first
-    smallest = min(_budget(a, user_budget) for a in fitting)
-    ties = [a for a in fitting if _budget(a, user_budget) <= (1 + MIN_TIE) * smallest]
-    return min(ties, key=lambda a: a.step_time_s)
+    if not first.fits or _budget(heavy, user_budget) < _budget(first, user_budget) / (
+            1 + MIN_TIE):
+        return heavy
+    return first
 
 
 def _budget(a: Attempt, user_budget) -> float:
