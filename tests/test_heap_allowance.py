@@ -47,6 +47,11 @@ def test_small_buffers_counts_inputs_stored_values_and_node_outputs_under_the_th
     assert heap_allowance_bytes(graph) == 5 * HEAP_BYTES_PER_SMALL_BUFFER
 
 
+# Whole steps: these are about heap room, and compile's row-chunk search (a smallest-peak
+# search per setting; the MLP's layers are row-chunk sites) tripled them.
+WHOLE = BuildOptions(loss_chunks=1, attention_chunks=1, mlp_chunks=1)
+
+
 def _mlp(tmp_path, **dims):
     path = tmp_path / "mlp.onnx"
     onnx.save(build_model("mlp", in_features=16, **dims), str(path))
@@ -69,7 +74,7 @@ def test_slack_has_heap_room_only_where_the_step_allocates_from_malloc(tmp_path)
 
 def test_budget_min_keeps_room_for_the_plans_own_small_buffers(tmp_path):
     result = compile_model(_mlp(tmp_path, batch=60, width=15, depth=16),
-                           CompileOptions(budget="min", cost="analytic"))
+                           CompileOptions(budget="min", cost="analytic", build=WHOLE))
     report = result.report
     heap = HEAP_BYTES_PER_SMALL_BUFFER * small_buffers(result.graph)
     assert report["heap_allowance_bytes"] == heap
@@ -77,7 +82,8 @@ def test_budget_min_keeps_room_for_the_plans_own_small_buffers(tmp_path):
     assert report["budget_bytes"] == user_budget(report["plan"]["peak_bytes"],
                                                   CompileOptions(), BASE_SLACK_BYTES + heap)
     exact = compile_model(_mlp(tmp_path, batch=60, width=15, depth=16),
-                          CompileOptions(budget="min", cost="analytic", slack_bytes=0))
+                          CompileOptions(budget="min", cost="analytic", slack_bytes=0,
+                                                          build=WHOLE))
     assert exact.report["heap_allowance_bytes"] == 0 and exact.report["slack_bytes"] == 0
 
 
@@ -86,17 +92,17 @@ def test_a_budget_without_room_for_recomputed_small_buffers_is_refused_as_min_wo
     budget that leaves room only for the built step's small buffers does not fit, the
     refusal names the budget --budget min gives, and that budget fits."""
     path = _mlp(tmp_path, batch=60, width=15, depth=16)
-    smallest = compile_model(path, CompileOptions(budget="min", cost="analytic"))
+    smallest = compile_model(path, CompileOptions(budget="min", cost="analytic", build=WHOLE))
     built = build_training_step(load_graph(path), BuildOptions())
     assert small_buffers(smallest.graph) > small_buffers(built)
     options = CompileOptions(cost="analytic")
     tight = user_budget(smallest.report["plan"]["peak_bytes"], options,
                          options.slack_for(built))
     with pytest.raises(BudgetError) as refused:
-        compile_model(path, CompileOptions(budget=tight, cost="analytic"))
+        compile_model(path, CompileOptions(budget=tight, cost="analytic", build=WHOLE))
     named = refused.value.smallest
     assert named == smallest.report["budget_bytes"]
-    fits = compile_model(path, CompileOptions(budget=named, cost="analytic"))
+    fits = compile_model(path, CompileOptions(budget=named, cost="analytic", build=WHOLE))
     report = fits.report
     assert report["plan"]["peak_bytes"] <= report["planning_budget_bytes"]
     assert report["planning_budget_bytes"] == int(
