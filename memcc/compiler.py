@@ -672,7 +672,7 @@ def _load(model, label: str, options: CompileOptions):
                         (MLP, options.build.mlp_chunks)):
             if (k or 1) == 1 and (n := len(find_regions(graph, kind))):
                 splittable[kind] = n
-        graph = as_loaded(build_training_step(graph, options.build, source=label), label)
+        graph = build_training_step(graph, options.build, source=label)
         built = True
     elif FUSIONS_KEY not in graph.metadata:
         # A step built before memcc fused its steps: fused here, as build would have.
@@ -694,14 +694,6 @@ def _load(model, label: str, options: CompileOptions):
         **({"fusions": json.loads(graph.metadata[FUSIONS_KEY])}
            if FUSIONS_KEY in graph.metadata else {}),
     }
-
-
-def as_loaded(step: Graph, label: str) -> Graph:
-    """The built step as every reader of the file compile writes sees it (``load_graph``
-    folds what the builder left foldable, e.g. a gradient's Expand of constants, into
-    stored values that live for the whole step), so that what compile plans and predicts
-    is what ``memcc train`` and ``memcc run`` load."""
-    return load_graph(step.to_model(), source=label)
 
 
 def _costs(graph: Graph, options: CompileOptions, warning: Progress,

@@ -175,13 +175,13 @@ def test_a_split_as_fast_as_the_step_as_built_ends_the_search(gpt2):
     assert choice.report["chosen"] == {"loss": 8, "attention": 1, "mlp": 1}
 
 
-def test_a_fitting_step_is_split_only_while_that_is_faster(gpt2):
-    """The step as built fits at +20% (over SEARCH_ABOVE): the loss alone is faster, the
-    next one is not, so the heaviest is never built."""
+def test_a_fitting_step_is_not_split(gpt2):
+    """The step as built fits (at +20%): it is kept, no other setting is planned (each is
+    a whole plan; searching them broke --time-limit on large steps)."""
     table = {(1, 1, 1): (590, 1.2), (8, 1, 1): (500, 1.05), (8, 4, 4): (450, 1.07)}
     choice, planned = _choose(gpt2, 600, table)
-    assert planned == [(1, 1, 1), (8, 1, 1), (8, 4, 4)]
-    assert choice.report["chosen"] == {"loss": 8, "attention": 1, "mlp": 1}
+    assert planned == [(1, 1, 1)]
+    assert choice.report["chosen"] == {"loss": 1, "attention": 1, "mlp": 1}
 
 
 def test_budget_min_tries_the_heaviest_split_only(gpt2):
