@@ -22,7 +22,7 @@ from memcc.backend.profiling import calibrate_cpu_rates, measured_costs  # noqa:
 from memcc.backend.runner import run_steps  # noqa: E402
 from memcc.frontend.build import BuildOptions, build_training_step  # noqa: E402
 from memcc.frontend.load import load_graph  # noqa: E402
-from memcc.passes.cost_model import analytic_costs  # noqa: E402
+from memcc.passes.analysis.cost_model import analytic_costs  # noqa: E402
 from models import build_model  # noqa: E402
 
 CASES = {

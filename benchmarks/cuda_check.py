@@ -5,7 +5,7 @@ issue 11 are one script with phases, each writing its rows as soon as they exist
 
 - ``env``: the GPU (NVML), ONNX Runtime's version and providers.
 - ``truth``: memory truth on the zoo. Each step is run with ``memcc run`` semantics, and
-  the device peak predicted by the arena model (``memcc/passes/arena.py``) is set against
+  the device peak predicted by the arena model (``memcc/passes/analysis/arena.py``) is set against
   the one NVML measured. The step is then run again with ``gpu_mem_limit`` at the
   predicted reserved peak: if ORT completes it, the prediction was enough, and
   ``same_losses_twice`` says whether the two runs gave the same losses.
@@ -17,7 +17,7 @@ issue 11 are one script with phases, each writing its rows as soon as they exist
   run together: what the planner would model if it is large (today it assumes none).
 - ``arena_log``: where the device memory goes. Each step runs once more with ORT's verbose
   log on, which names every region the arena adds; the regions of the last run are set
-  against the replay's (``memcc/passes/arena.py``), and their device pages against NVML.
+  against the replay's (``memcc/passes/analysis/arena.py``), and their device pages against NVML.
   This is how the tenth session found the page rule and the stream tags; what is left in
   ``in_ort_not_replay`` is what the model still misses. (On CPU it reads the CPU arena's
   log, the code path only.)
@@ -205,9 +205,9 @@ def arena_log_phase(summary: Summary, provider: str, models: Sequence[str], size
     import onnxruntime as ort
 
     from memcc.backend.runner import execute, prepare_run, read_step_spec, synthetic_feeds
-    from memcc.passes.arena import cuda_pages_for, replay_steps
-    from memcc.passes.batchnorm_for_cuda import for_provider
-    from memcc.passes.liveness import analyze_liveness
+    from memcc.passes.analysis.arena import cuda_pages_for, replay_steps
+    from memcc.passes.analysis.liveness import analyze_liveness
+    from memcc.passes.providers.batchnorm_for_cuda import for_provider
 
     cuda = provider == "cuda"
     for name in models:
@@ -330,9 +330,9 @@ def plans_phase(summary: Summary, provider: str, models: Sequence[str], sizes: d
                 fractions: Sequence[float], tmp: Path, rounds: int, time_limit: float,
                 slack_bytes: int | None) -> None:
     from memcc.compiler import CompileOptions, compile_model
-    from memcc.passes.cost_model import NOMINAL_CPU, analytic_costs
+    from memcc.passes.analysis.cost_model import NOMINAL_CPU, analytic_costs
     from memcc.passes.plan import Plan
-    from memcc.passes.simulate import simulate
+    from memcc.passes.planning.simulate import simulate
 
     for name in models:
         try:

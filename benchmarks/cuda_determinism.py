@@ -2,8 +2,8 @@
 
 For each zoo step (built here at moderate sizes; ``--small`` for tiny ones) and each of
 ``use_deterministic_compute`` {on, off} x the scatter rewrite of
-``memcc/passes/deterministic_scatter.py`` {on, off}, and with the setting off also the
-scatter rewrite plus ``memcc/passes/deterministic_reductions.py`` (leading-axis sums as
+``memcc/passes/providers/deterministic_scatter.py`` {on, off}, and with the setting off also the
+scatter rewrite plus ``memcc/passes/providers/deterministic_reductions.py`` (leading-axis sums as
 trailing-axis ones), this opens ``--sessions`` fresh sessions
 (``memcc.backend.session.make_session``) and runs the same batch ``--runs`` times in each,
 with every input bound once as an OrtValue on the device (only outputs come back, after the
@@ -53,9 +53,9 @@ from memcc.backend.session import make_session  # noqa: E402
 from memcc.frontend.build import BuildOptions, build_training_step  # noqa: E402
 from memcc.frontend.load import load_graph  # noqa: E402
 from memcc.graph import Graph  # noqa: E402
-from memcc.passes.batchnorm_for_cuda import for_provider  # noqa: E402
-from memcc.passes.deterministic_reductions import to_trailing_axes  # noqa: E402
-from memcc.passes.deterministic_scatter import for_cuda_determinism  # noqa: E402
+from memcc.passes.providers.batchnorm_for_cuda import for_provider  # noqa: E402
+from memcc.passes.providers.deterministic_reductions import to_trailing_axes  # noqa: E402
+from memcc.passes.providers.deterministic_scatter import for_cuda_determinism  # noqa: E402
 from models import build_model  # noqa: E402
 
 SIZES = {
@@ -71,7 +71,7 @@ SMALL = {
 EMBEDDING = dict(vocab=50257, width=768, batch=8, seq=1024)
 EMBEDDING_SMALL = dict(vocab=2000, width=64, batch=4, seq=256)
 # (deterministic compute, rewrite): rewrite "off", "on" (the scatters), "on+reductions"
-# (also passes/deterministic_reductions.py: leading-axis sums as trailing-axis ones, which
+# (also passes/providers/deterministic_reductions.py: leading-axis sums as trailing-axis ones, which
 # matters only with the setting off, where the leading-axis fast path uses atomics).
 CONFIGS = [(True, "off"), (True, "on"), (False, "off"), (False, "on"),
            (False, "on+reductions")]

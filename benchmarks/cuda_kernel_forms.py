@@ -1,10 +1,11 @@
 """Which ONNX forms of BatchNorm's per-channel sums run fastest under ORT (issue 30)?
 
 memcc writes training-mode BatchNormalization and its backward in standard ops
-(``memcc/passes/batchnorm_for_cuda.py`` for the forward on CUDA, the gradient rule in
+(``memcc/passes/providers/batchnorm_for_cuda.py`` for the forward on CUDA, the gradient rule in
 ``memcc/frontend/gradients/nn.py`` for the backward), and on CUDA every per-channel sum
 (axes 0, 2, 3 of NCHW) becomes a Transpose to channels-first and a trailing-axis sum
-(``memcc/passes/deterministic_reductions.py``): ORT's CUDA reduction over leading axes adds
+(``memcc/passes/providers/deterministic_reductions.py``): ORT's CUDA reduction over leading axes
+adds
 with atomics. The Transpose copies a whole activation per sum. This script times the
 alternatives one against another, each as a small ONNX model (opset 17) run by ORT under
 memcc's execution contract (``memcc.backend.session.make_session``), so that memcc's
@@ -73,8 +74,8 @@ from memcc.frontend.gradients import load_rules  # noqa: E402
 from memcc.frontend.gradients.nn import batchnorm_train_backward  # noqa: E402
 from memcc.frontend.gradients.registry import RULES, GradContext  # noqa: E402
 from memcc.graph import Graph, TensorInfo  # noqa: E402
-from memcc.passes.batchnorm_for_cuda import expand_training_batchnorm, for_provider  # noqa: E402
-from memcc.passes.deterministic_reductions import reduced_axes  # noqa: E402
+from memcc.passes.providers.batchnorm_for_cuda import expand_training_batchnorm, for_provider  # noqa: E402
+from memcc.passes.providers.deterministic_reductions import reduced_axes  # noqa: E402
 
 F32 = TensorProto.FLOAT
 EPS = 1e-5

@@ -1,7 +1,7 @@
 """Collect per-node CUDA times on a GPU, and fit the estimate memcc uses without one.
 
 ``--provider cuda --cost auto`` on a machine without a GPU prices nodes with a calibration
-fitted on times measured on a GPU (``memcc/passes/cuda_node_times.py``). This script makes
+fitted on times measured on a GPU (``memcc/passes/analysis/cuda_node_times.py``). This script makes
 that calibration in two steps:
 
     # on the GPU machine: profile the zoo's training steps, write DIR/records.json
@@ -47,7 +47,7 @@ import numpy as np  # noqa: E402
 from memcc.errors import InputError  # noqa: E402
 
 if TYPE_CHECKING:  # --collect needs only what memcc had before this script: it can be
-    from memcc.passes import cuda_node_times as cnt  # copied alone to a GPU machine
+    from memcc.passes.analysis import cuda_node_times as cnt  # copied alone to a GPU machine
 
 # Sizes where kernels are as large as in real training (label -> zoo model, options), in
 # the order they are measured (a run cut short by --budget-s keeps the first ones).
@@ -108,8 +108,8 @@ def build_case(label: str, model: str, dims: dict, provider: str, tmp: Path) -> 
     from memcc.backend.runner import synthetic_feeds
     from memcc.frontend.build import BuildOptions, build_training_step
     from memcc.frontend.load import load_graph
-    from memcc.passes.batchnorm_for_cuda import for_provider
-    from memcc.passes.cost_model import node_flops_bytes
+    from memcc.passes.analysis.cost_model import node_flops_bytes
+    from memcc.passes.providers.batchnorm_for_cuda import for_provider
     from models import build_model
 
     graph = build_training_step(load_graph(build_model(model, **dims)), BuildOptions())
@@ -358,7 +358,7 @@ def fit_records(data: dict, gpu: str) -> tuple[cnt.CudaNodeTimes, dict]:
     """The calibration fitted on every step, and its quality: per op type, per step, and
     per step with that model's steps left out of the fit (how it prices a model it never
     saw)."""
-    from memcc.passes import cuda_node_times as cnt
+    from memcc.passes.analysis import cuda_node_times as cnt
 
     steps = data["steps"]
     meta = dict(gpu=gpu, onnxruntime=str(data.get("onnxruntime", "?")),
@@ -403,7 +403,7 @@ def print_quality(cal: cnt.CudaNodeTimes, quality: dict) -> None:
 
 
 def fit_command(records: Path, write: Path | None, gpu: str | None) -> cnt.CudaNodeTimes:
-    from memcc.passes import cuda_node_times as cnt
+    from memcc.passes.analysis import cuda_node_times as cnt
 
     data = read_records(records)
     gpu = gpu or str(data.get("gpu", "unknown GPU"))

@@ -2,7 +2,7 @@
 
 ``benchmarks/cuda_check.py --phases truth`` records, per zoo step, the device peak NVML
 measured. Device time is scarce (no session may have a GPU), but the model that predicts
-it (``memcc/passes/arena.py``'s replay) runs anywhere: this script rebuilds each recorded
+it (``memcc/passes/analysis/arena.py``'s replay) runs anywhere: this script rebuilds each recorded
 step at the recorded sizes, predicts its peak with today's model, exactly as
 ``memcc run --provider cuda`` does, and prints measured / predicted next to the ratio
 recorded when it ran.
@@ -38,14 +38,14 @@ from benchmarks.cuda_check import build_step, ort_arena_runs, top_sizes  # noqa:
 from benchmarks.memory_truth import SIZES  # noqa: E402
 from memcc.backend.runner import arena_prediction, read_step_spec  # noqa: E402
 from memcc.frontend.load import load_graph  # noqa: E402
-from memcc.passes.arena import (  # noqa: E402
+from memcc.passes.analysis.arena import (  # noqa: E402
     CUDA_LARGE_REGION_BYTES,
     CUDA_PAGE_BYTES,
     cuda_pages_for,
     replay_steps,
 )
-from memcc.passes.batchnorm_for_cuda import for_provider  # noqa: E402
-from memcc.passes.liveness import analyze_liveness  # noqa: E402
+from memcc.passes.analysis.liveness import analyze_liveness  # noqa: E402
+from memcc.passes.providers.batchnorm_for_cuda import for_provider  # noqa: E402
 
 
 def predicted_bytes(name: str, dims: dict, tmp: Path, steps: int = 3) -> int:

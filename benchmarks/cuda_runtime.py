@@ -86,12 +86,12 @@ def built_form(name: str, sizes: dict, form: str, tmp: Path) -> Path:
     step = build_training_step(forward, BuildOptions(
         optimizer="sgd", **({"fusions": ()} if form == "unfused" else {})))
     if form == "no-bn-reuse":
-        from memcc.passes.batchnorm_for_cuda import expand_training_batchnorm
+        from memcc.passes.providers.batchnorm_for_cuda import expand_training_batchnorm
 
         step, _ = expand_training_batchnorm(step, reuse_statistics=False)
     if form == "transposed-sums":
-        from memcc.passes.batchnorm_for_cuda import expand_training_batchnorm
-        from memcc.passes.deterministic_reductions import per_channel, to_trailing_axes
+        from memcc.passes.providers.batchnorm_for_cuda import expand_training_batchnorm
+        from memcc.passes.providers.deterministic_reductions import per_channel, to_trailing_axes
 
         step, _ = expand_training_batchnorm(step)
         step, _ = to_trailing_axes(step, only=per_channel)

@@ -43,7 +43,7 @@ from memcc.frontend.autodiff import differentiate  # noqa: E402
 from memcc.frontend.emit import Emitter  # noqa: E402
 from memcc.frontend.load import load_graph  # noqa: E402
 from memcc.graph import Graph  # noqa: E402
-from memcc.passes.liveness import analyze_liveness  # noqa: E402
+from memcc.passes.analysis.liveness import analyze_liveness  # noqa: E402
 
 F32, I64 = TensorProto.FLOAT, TensorProto.INT64
 

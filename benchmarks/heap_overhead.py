@@ -15,7 +15,7 @@ predicted and measured peaks and the extra bytes per node.
 
 ``steps``: whole compiled steps run as ``memcc run`` runs them (``--in-place``: as ``memcc
 train`` does), several steps in one process: the worst step's excess over the prediction per
-small buffer (``passes.liveness.small_buffers``), against the heap allowance that compile
+small buffer (``passes.analysis.liveness.small_buffers``), against the heap allowance that compile
 keeps free for them (``HEAP_BYTES_PER_SMALL_BUFFER``), and whether the worst step stays
 within the budget ``--budget min`` would have given the plan (margin and slack included).
 
@@ -39,7 +39,7 @@ from onnx import TensorProto, helper
 
 from memcc.backend.memory import measure_many_in_subprocess
 from memcc.graph import Graph
-from memcc.passes.liveness import analyze_liveness
+from memcc.passes.analysis.liveness import analyze_liveness
 
 
 def _add_model(nodes: list[onnx.NodeProto], k: int, output: str) -> onnx.ModelProto:
@@ -116,7 +116,7 @@ def steps(paths: list[str], steps: int, in_place: bool) -> list[dict]:
     from memcc.backend.runner import run_steps
     from memcc.compiler import CompileOptions, user_budget
     from memcc.frontend.load import load_graph
-    from memcc.passes.liveness import small_buffers
+    from memcc.passes.analysis.liveness import small_buffers
 
     options = CompileOptions()
     rows = []

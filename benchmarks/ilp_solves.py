@@ -14,7 +14,7 @@ import sys
 import time
 
 from memcc.cli import app
-from memcc.passes.solvers import ilp
+from memcc.passes.planning.solvers import ilp
 
 _solve = ilp._highs
 

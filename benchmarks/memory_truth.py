@@ -7,7 +7,7 @@ Builds each zoo model at a size where the step's activations pass 200 MB (and, w
     python benchmarks/memory_truth.py --out docs/MEMORY_TRUTH.md
 
 ``--arena`` runs the steps through ORT's arena with the CUDA provider's settings on the CPU
-(``memcc run --arena``) and compares with the arena model (``memcc/passes/arena.py``), next
+(``memcc run --arena``) and compares with the arena model (``memcc/passes/analysis/arena.py``), next
 to the live-bytes prediction the arena-off measurement is checked against.
 
     python benchmarks/memory_truth.py --arena --models mlp gpt2 bert resnet18
@@ -28,7 +28,7 @@ from memcc.backend.onnx_file import save_graph  # noqa: E402
 from memcc.backend.runner import run_steps  # noqa: E402
 from memcc.frontend.build import BuildOptions, build_training_step  # noqa: E402
 from memcc.frontend.load import load_graph  # noqa: E402
-from memcc.passes.liveness import analyze_liveness  # noqa: E402
+from memcc.passes.analysis.liveness import analyze_liveness  # noqa: E402
 from models import build_model  # noqa: E402
 
 SIZES = {

@@ -1,8 +1,9 @@
 """Optimizer state in host memory on a GPU (issue 31, deliverable 5): does it run, train the
-same numbers, and hold what ``passes.device_memory`` predicts?
+same numbers, and hold what ``passes.analysis.device_memory`` predicts?
 
 For SGD with momentum and AdamW on the zoo's GPT-2 (large vocabulary), the step as built and
-the step with all its optimizer state host-resident (``passes.offload_state``) each run in a
+the step with all its optimizer state host-resident (``passes.lowering.offload_state``) each run in
+a
 child process through ``DeviceStep`` on CUDA (state in host buffers bound to the copies);
 per variant: the losses of ``--steps`` steps, the device bytes NVML saw (less the process's
 CUDA context), the predicted steady bytes, the median step time, and what kept CUDA graph
@@ -30,8 +31,8 @@ def child(opt: str, offload: bool, steps: int) -> dict:
     from memcc.backend.runner import synthetic_feeds
     from memcc.frontend.build import BuildOptions, build_training_step
     from memcc.frontend.load import load_graph
-    from memcc.passes.device_memory import predict_step
-    from memcc.passes.offload_state import offload_state, optimizer_state
+    from memcc.passes.analysis.device_memory import predict_step
+    from memcc.passes.lowering.offload_state import offload_state, optimizer_state
     from memcc.step import TrainingStep
     from models import build_model
 

@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.steps import build_step, mb, parse_model  # noqa: E402
 from memcc.backend.runner import run_steps  # noqa: E402
 from memcc.compiler import CompileOptions, compile_model  # noqa: E402
-from memcc.passes.planner import BudgetError  # noqa: E402
+from memcc.passes.planning.planner import BudgetError  # noqa: E402
 
 DEFAULT_MODELS = [
     "resnet50:batch=8,resolution=128",

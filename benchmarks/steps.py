@@ -38,7 +38,7 @@ def build_step(name: str, opts: dict, path: Path, log: Callable[[str], None]):
     from memcc.backend.onnx_file import save_graph
     from memcc.frontend.build import BuildOptions, build_training_step
     from memcc.frontend.load import load_graph
-    from memcc.passes.liveness import analyze_liveness
+    from memcc.passes.analysis.liveness import analyze_liveness
     from models import build_model
 
     step = build_training_step(load_graph(build_model(name, **opts)), BuildOptions())

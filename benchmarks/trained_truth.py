@@ -1,7 +1,7 @@
 """Memory truth of the step as it trains: compile's predicted peak against ``memcc train``.
 
 ``memcc compile`` plans the step ``memcc train`` runs (updates written in place, each moved
-to just after its gradient where that lowers the peak: ``passes.arrange``), so the peak in
+to just after its gradient where that lowers the peak: ``passes.analysis.arrange``), so the peak in
 its report is a prediction of what training holds. This measures it, for each model (zoo
 models, and with ``--exports`` torch.onnx exports of a transformers GPT-2 and a train-mode
 convnet) and each budget (the step as built, and compiled at ``--fractions`` of it):
@@ -107,7 +107,7 @@ def rows_for(label: str, model: Path, fractions: list[float], steps: int, tmp: P
              log) -> list[dict]:
     from memcc.backend.runner import run_steps
     from memcc.compiler import CompileOptions, compile_model
-    from memcc.passes.planner import BudgetError
+    from memcc.passes.planning.planner import BudgetError
 
     rows = []
     for allocator in ("arena", "malloc"):

@@ -58,12 +58,12 @@ from memcc.backend.runner import synthetic_feeds  # noqa: E402
 from memcc.backend.verify import step_outputs  # noqa: E402
 from memcc.frontend.build import BuildOptions, build_training_step  # noqa: E402
 from memcc.frontend.load import load_graph  # noqa: E402
-from memcc.passes.cost_model import DeviceRates, analytic_costs  # noqa: E402
-from memcc.passes.lowering import lower  # noqa: E402
+from memcc.passes.analysis.cost_model import DeviceRates, analytic_costs  # noqa: E402
+from memcc.passes.lowering.lower import lower  # noqa: E402
+from memcc.passes.lowering.variant_substitution import applicable_variants, rule_nodes  # noqa: E402
 from memcc.passes.plan import Plan, StepStructure  # noqa: E402
-from memcc.passes.planner import choose_plan  # noqa: E402
-from memcc.passes.simulate import simulate  # noqa: E402
-from memcc.passes.variants import applicable_variants, rule_nodes  # noqa: E402
+from memcc.passes.planning.planner import choose_plan  # noqa: E402
+from memcc.passes.planning.simulate import simulate  # noqa: E402
 from memcc.step import TrainingStep  # noqa: E402
 from models import build_model  # noqa: E402
 
@@ -196,8 +196,8 @@ def bf16(args: argparse.Namespace) -> None:
 
 
 def activations(args: argparse.Namespace) -> None:
-    from memcc.passes.cost_model import NOMINAL_CPU
-    from memcc.passes.variants import region_variants
+    from memcc.passes.analysis.cost_model import NOMINAL_CPU
+    from memcc.passes.lowering.variant_substitution import region_variants
 
     g = _step(args.model)
     st = StepStructure.of(g)
@@ -264,7 +264,7 @@ def pointwise_conv(args: argparse.Namespace) -> None:
 
     from memcc.backend.runner import run_steps
     from memcc.frontend.gradients import nn
-    from memcc.passes.cost_model import NOMINAL_CPU
+    from memcc.passes.analysis.cost_model import NOMINAL_CPU
 
     with mock.patch.object(nn, "_is_pointwise", lambda *a: False):
         old = _step(args.model, args.optimizer)
@@ -356,8 +356,8 @@ def row_chunks(args: argparse.Namespace) -> None:
     )
     from benchmarks.stats import ratio_interval
     from memcc.backend.onnx_file import save_graph
-    from memcc.passes.cost_model import NOMINAL_CPU
-    from memcc.passes.liveness import analyze_liveness
+    from memcc.passes.analysis.cost_model import NOMINAL_CPU
+    from memcc.passes.analysis.liveness import analyze_liveness
 
     name, opts = parse_model(args.model)
     forward = build_model(name, **opts)

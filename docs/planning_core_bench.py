@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from memcc.frontend.build import BuildOptions, build_training_step  # noqa: E402
 from memcc.frontend.load import load_graph  # noqa: E402
 from memcc.graph import DefUse, Graph, topological_problems  # noqa: E402
-from memcc.passes.lowering import lower  # noqa: E402
+from memcc.passes.lowering.lower import lower  # noqa: E402
 from memcc.passes.plan import Plan, StepStructure  # noqa: E402
 from models import build_model  # noqa: E402
 

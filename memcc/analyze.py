@@ -5,13 +5,13 @@ Users wanted the step's own peak without compiling for a budget nobody means (``
 1GB``), and the smallest budget without waiting for a full ``--budget min`` compile. Both
 come from the passes compile runs, with compile's code paths, so the numbers agree:
 
-- the peak is ``passes.simulate.simulate`` of the step with no plan, judged by the device
+- the peak is ``passes.planning.simulate.simulate`` of the step with no plan, judged by the device
   the step will run on (malloc on the CPU, the arena model with ``--arena`` or
   ``--provider cuda``): ``baseline.peak_bytes`` of a compile report with the same options;
-- the breakdown is the liveness analysis at that peak (``passes.liveness.categorize``),
+- the breakdown is the liveness analysis at that peak (``passes.analysis.liveness.categorize``),
   plus the totals over the whole step (parameters, optimizer state, the values saved for
   the backward pass, gradients) that say what a plan can and cannot shrink;
-- the smallest peak is the ``--budget min`` search (``passes.planner.choose_plan`` with no
+- the smallest peak is the ``--budget min`` search (``passes.planning.planner.choose_plan`` with no
   budget) under a short time limit, and the budget is the one ``--budget min`` reports
   (the peak with compile's margin and slack). Where no search was cut short by the clock,
   the answer is what ``memcc compile --budget min`` plans with the same options (its
@@ -27,21 +27,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from memcc.compiler import (
-    CompileOptions,
-    _check_provider,
-    _costs,
-    _load,
-    as_trained,
-    user_budget,
-    warning_sink,
-)
+from memcc.compiler.options import CompileOptions, user_budget
+from memcc.compiler.pipeline import check_provider, load_step, node_costs
+from memcc.compiler.planning import as_trained
+from memcc.compiler.progress import warning_sink
 from memcc.graph import Graph
-from memcc.passes.liveness import CATEGORIES, categorize
+from memcc.passes.analysis.liveness import CATEGORIES, categorize
+from memcc.passes.analysis.step_traffic import StepTraffic, step_traffic
 from memcc.passes.plan import Plan, StepStructure
-from memcc.passes.planner import PlanOutcome, choose_plan
-from memcc.passes.simulate import Simulation, simulate
-from memcc.passes.step_traffic import StepTraffic, step_traffic
+from memcc.passes.planning.planner import PlanOutcome, choose_plan
+from memcc.passes.planning.simulate import Simulation, simulate
 from memcc.sizes import format_size
 from memcc.step import TrainingStep
 
@@ -92,7 +87,7 @@ class Analysis:
     smallest: Smallest | None
     time_s: float
     warnings: list[str] = field(default_factory=list)
-    # Kernels and bytes moved per step as built, by op type (passes/step_traffic.py).
+    # Kernels and bytes moved per step as built, by op type (passes/analysis/step_traffic.py).
     traffic: StepTraffic | None = None
 
     @property
@@ -131,12 +126,12 @@ def analyze(model: str | os.PathLike, options: CompileOptions, *, smallest: bool
 
     t0 = time.perf_counter()
     label = str(model)
-    cuda_missing = _check_provider(options, warning)
+    cuda_missing = check_provider(options, warning)
     say("loading")
-    graph, load = _load(model, label, options)
+    graph, load = load_step(model, label, options)
     structure = StepStructure.of(graph)
     say("node times")
-    costs, cost_summary = _costs(graph, options, warning, cuda_missing)
+    costs, cost_summary = node_costs(graph, options, warning, cuda_missing)
     say("simulating the step as built")
     base = simulate(graph, Plan(), costs, structure, device=options.device)
     # The step as memcc train runs it (updates early where that lowers the peak), as

@@ -99,7 +99,7 @@ MlpChunksOpt = Annotated[int, typer.Option(
          "many token chunks: the backward, and a plan that recomputes the hidden "
          "activations, then hold one chunk's at a time. Gradients within 1e-5 of whole "
          "MLPs.")]
-# compile: not given (None) = compile chooses (passes/chunk_choice.py); a number overrides.
+# compile: not given (None) = compile chooses (compiler/chunk_choice.py); a number overrides.
 _CHOSEN = (" Not given: compile builds the step with and without it and keeps the plan that "
            "fits at the least added time (--budget min: the smallest); the report's "
            "row_chunks says what was tried.")

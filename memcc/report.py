@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from memcc.errors import InputError
-from memcc.passes.phases import COPY, RECOMPUTED, VARIANT
+from memcc.passes.analysis.phases import COPY, RECOMPUTED, VARIANT
 from memcc.sizes import format_size
 
 REQUIRED = ("budget_bytes", "baseline", "plan", "passes", "compile_time_s", "solver")
@@ -104,10 +104,10 @@ def print_report(report: dict, console: Console) -> None:
 
 def _print_row_chunks(rc: dict | None, console: Console) -> None:
     """The row chunks the step was planned with, why, and each setting compile tried
-    (passes/chunk_choice.py); reports from before it have no such section."""
+    (compiler/chunk_choice.py); reports from before it have no such section."""
     if not rc:
         return
-    from memcc.passes.chunk_choice import describe
+    from memcc.compiler.chunk_choice import describe
 
     console.print(f"row chunks: {describe(rc.get('chosen') or {})}"
                   + (f" ({rc['why']})" if rc.get("why") else ""), highlight=False)

@@ -68,7 +68,8 @@ RULE_PROP = "memcc.rule"        # ... and the gradient rule (variant) that emitt
 DEFAULT_RULE = "default"
 # On a differentiated forward node: the gradients its rule read (one per output) and the
 # gradients it returned (one per input), as JSON lists ("" for none). A variant replaces
-# the rule's nodes by its own that read and return the same values (``passes/variants.py``).
+# the rule's nodes by its own that read and return the same values
+# (``passes/lowering/variant_substitution.py``).
 GRAD_IN_PROP = "memcc.grad_in"
 GRAD_OUT_PROP = "memcc.grad_out"
 

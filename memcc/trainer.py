@@ -5,7 +5,7 @@
 and returns the loss; the carried values are updated where they live:
 
 - Updates in place. Every input and output is bound with ORT's IOBinding. An update that
-  ``passes.inplace`` proves safe (an element-wise update that runs after the last reader of
+  ``passes.analysis.inplace`` proves safe (an element-wise update that runs after the last reader of
   the old value: every SGD, momentum and Adam update ``memcc build`` emits) is bound to the
   buffer of the input it replaces, so ORT writes the new value over the old one and the step
   holds one copy of that state instead of two. Any other update (BatchNorm running
@@ -56,9 +56,9 @@ from memcc.errors import InputError, RuntimeFailure
 from memcc.frontend.dropout_masks import COUNTER, checkpoint_counter, restore_dropouts
 from memcc.frontend.load import load_graph
 from memcc.graph import Graph, ancestors
-from memcc.passes.arrange import Arrangement, arrange_step
-from memcc.passes.device_memory import DevicePrediction, predict_device
-from memcc.passes.inplace import InPlaceUpdates
+from memcc.passes.analysis.arrange import Arrangement, arrange_step
+from memcc.passes.analysis.device_memory import DevicePrediction, predict_device
+from memcc.passes.analysis.inplace import InPlaceUpdates
 from memcc.step import PLAN_KEY, TrainingStep
 
 EXPORT_FORMATS = ("onnx", "safetensors")
@@ -71,7 +71,7 @@ class Trainer:
     ORT's choice; results are bit-identical at any count, docs/DETERMINISM.md).
     ``in_place=False`` gives every update its own buffer (the copying behaviour of
     ``memcc run``), for comparisons; ``early_updates=False`` keeps the file's node order
-    (``passes.arrange`` moves updates early only where that predicts a lower peak).
+    (``passes.analysis.arrange`` moves updates early only where that predicts a lower peak).
     ``predicted_peak_bytes`` is the liveness prediction of the arrangement that runs.
     A resumed run needs no session of its own: Dropout masks depend on the step's carried
     counter (``frontend.dropout_masks``), which a checkpoint restores.
@@ -135,7 +135,7 @@ class Trainer:
     @property
     def device_prediction(self) -> DevicePrediction:
         """What the step holds on the device from its second step on, and in its first
-        (``passes.device_memory.predict_device``); computed once, when first asked."""
+        (``passes.analysis.device_memory.predict_device``); computed once, when first asked."""
         if self._device_prediction is None:
             a = self.arrangement
             self._device_prediction = predict_device(a.graph, a.prediction,
@@ -730,7 +730,7 @@ def _allocator_notes(trainer: Trainer) -> list[str]:
 class StepMemory:
     """The memory a plan counts, measured around each training step the way ``--verify``
     measures it (``backend.memory``), next to what the plan predicts for the step as the
-    trainer runs it (updates in place, ``passes.arrange``).
+    trainer runs it (updates in place, ``passes.analysis.arrange``).
 
     A process's resident size is not that figure: it holds the session, ORT's thread pools
     and, with malloc, whatever glibc keeps of freed buffers. So:
@@ -739,12 +739,12 @@ class StepMemory:
       (``trim_heap``; the arena returned its regions after the last step anyway) and the
       high-water mark reset; after it, the growth of the high-water mark plus the arrays the
       trainer holds and feeds (parameters, optimizer state, constants, the batch), as the
-      measuring child counts its feeds. Predicted by ``passes.arena.cpu_arena_peak`` (the
+      measuring child counts its feeds. Predicted by ``passes.analysis.arena.cpu_arena_peak`` (the
       meter's view), which matched this within 2% on the quick start's GPT-2 plan.
     - CUDA: the device memory used at the step's worst moment (NVML, sampled; needs
       ``pynvml``) over the reading before the trainer's session existed
       (``memory.device_baseline``): state, batch, arena and ORT's own workspaces. Predicted
-      by ``passes.device_memory.predict_device`` (the arena keeps its regions between
+      by ``passes.analysis.device_memory.predict_device`` (the arena keeps its regions between
       steps, so this is the steady state from the second step on).
     - CPU with malloc: not measured (trimming the heap every step would change what it
       measures); the progress shows the resident size, labelled so, and ``train`` notes
@@ -755,18 +755,18 @@ class StepMemory:
         self.allocator = _allocator(trainer)
         self.held = trainer._step.held_bytes() if self.allocator != "cuda-arena" else 0
         self.predicted = trainer.predicted_peak_bytes
-        self.prediction = "live bytes (passes.liveness)"
+        self.prediction = "live bytes (passes.analysis.liveness)"
         self.first_step_predicted: int | None = None
         if self.allocator == "arena":
-            from memcc.passes.arena import cpu_arena_peak
+            from memcc.passes.analysis.arena import cpu_arena_peak
 
             a = trainer.arrangement
             self.predicted = cpu_arena_peak(a.graph, a.prediction, meter=True)[1]
-            self.prediction = "CPU arena model (passes.arena.cpu_arena_peak)"
+            self.prediction = "CPU arena model (passes.analysis.arena.cpu_arena_peak)"
         self._nvml = None
         if self.allocator == "cuda-arena":
             from memcc.backend.memory import NvmlPeakMeter
-            from memcc.passes.device_memory import PREDICTION_METHOD
+            from memcc.passes.analysis.device_memory import PREDICTION_METHOD
 
             self.prediction = PREDICTION_METHOD
             self.first_step_predicted = trainer.device_prediction.first_step_bytes

@@ -45,8 +45,7 @@ from memcc.errors import InputError, MemccError
 from memcc.frontend.build import BuildOptions, build_training_step
 from memcc.frontend.load import load_graph, read_model
 from memcc.graph import Graph
-from memcc.passes.batchnorm_for_cuda import for_provider
-from memcc.passes.cost_model import (
+from memcc.passes.analysis.cost_model import (
     CUDA_NOMINAL,
     CostModel,
     DeviceRates,
@@ -54,8 +53,9 @@ from memcc.passes.cost_model import (
     host_link_for,
 )
 from memcc.passes.plan import Plan, StepStructure
-from memcc.passes.planner import BudgetError, PlanOutcome, choose_plan
-from memcc.passes.simulate import Simulation, simulate
+from memcc.passes.planning.planner import BudgetError, PlanOutcome, choose_plan
+from memcc.passes.planning.simulate import Simulation, simulate
+from memcc.passes.providers.batchnorm_for_cuda import for_provider
 from memcc.sizes import format_size, parse_size
 from memcc.step import KIND_KEY
 
@@ -329,8 +329,9 @@ class _Search:
                 if self.opts.cost == "measured":
                     raise
         if self.opts.provider == "cuda":
-            # Node times measured on a GPU, where memcc ships them (passes/cuda_node_times.py).
-            from memcc.passes.cuda_node_times import default_calibration
+            # Node times measured on a GPU, where memcc ships them
+            # (passes/analysis/cuda_node_times.py).
+            from memcc.passes.analysis.cuda_node_times import default_calibration
 
             if "cal" not in self._cuda:
                 self._cuda["cal"] = default_calibration()  # read once per search

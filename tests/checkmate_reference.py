@@ -3,13 +3,14 @@
 Issue 9 asks that memcc's plan cost at most 2% more than the exact optimum at the same
 budget. "The same budget" only means something when both sides count memory the same way,
 and ORT's liveness (aliasing Reshapes, in-place activations, graph outputs never freed,
-kernel scratch: ``passes/liveness.py``) is not Checkmate's "a value is its output bytes from
+kernel scratch: ``passes/analysis/liveness.py``) is not Checkmate's "a value is its output bytes
+from
 its producer to its last reader". So the reference that the 2% is measured against is
 exact over memcc's own search space, judged by memcc's own simulator:
 
 - ``exact_frontier``: every distinct plan memcc can express is enumerated and simulated.
   A plan is a set of forward nodes to recompute, but only nodes the lowering actually
-  re-runs matter (``passes/recompute.py`` clones a node only when a backward node reads it,
+  re-runs matter (``passes/lowering/recompute.py`` clones a node only when a backward node reads it,
   directly or through other clones), so the distinct plans are the *closed* sets: each
   member is read by a non-forward node or by another member. Enumerating closed sets instead
   of all subsets removes the duplicates (a recompute of a node nobody re-reads changes
@@ -45,9 +46,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from memcc.graph import Graph
-from memcc.passes.cost_model import CostModel
+from memcc.passes.analysis.cost_model import CostModel
 from memcc.passes.plan import Plan, StepStructure
-from memcc.passes.simulate import simulate
+from memcc.passes.planning.simulate import simulate
 
 # Enumeration is exact but exponential; refuse rather than run for minutes.
 MAX_PLANS = 20_000

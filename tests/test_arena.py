@@ -1,4 +1,4 @@
-"""The arena model (``memcc/passes/arena.py``): BFCArena's rules on hand-made request
+"""The arena model (``memcc/passes/analysis/arena.py``): BFCArena's rules on hand-made request
 sequences, the replay of a step, the CUDA prediction in compile, and the model against ORT's
 own arena measured on CPU (``memcc run --arena``)."""
 
@@ -12,9 +12,9 @@ from memcc.backend.runner import run_steps
 from memcc.errors import InputError
 from memcc.frontend.build import BuildOptions, build_training_step
 from memcc.frontend.load import load_graph
-from memcc.passes.arena import ArenaExhausted, BfcArena, replay_steps, rounded_bytes
-from memcc.passes.arrange import arrange_step
-from memcc.passes.liveness import analyze_liveness
+from memcc.passes.analysis.arena import ArenaExhausted, BfcArena, replay_steps, rounded_bytes
+from memcc.passes.analysis.arrange import arrange_step
+from memcc.passes.analysis.liveness import analyze_liveness
 from memcc.step import TrainingStep
 
 MB = 1 << 20
@@ -137,7 +137,7 @@ def test_step_events_serve_each_scratch_buffer_separately():
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
     m.ir_version = 10
     graph = load_graph(m)
-    from memcc.passes.arena import step_events
+    from memcc.passes.analysis.arena import step_events
 
     events = step_events(graph, analyze_liveness(graph), feeds_in_arena=False)
     scratch = [e.nbytes for e in events if e.key.startswith("scratch") and e.nbytes]
@@ -246,9 +246,9 @@ def test_replay_counts_pages_on_cuda_and_a_meter_sees_them():
 
 
 def test_cuda_plans_are_judged_by_the_arena_replay(tmp_path):
-    from memcc.passes.cost_model import CUDA_NOMINAL, analytic_costs
+    from memcc.passes.analysis.cost_model import CUDA_NOMINAL, analytic_costs
     from memcc.passes.plan import Plan
-    from memcc.passes.simulate import simulate
+    from memcc.passes.planning.simulate import simulate
 
     step, _ = _step(tmp_path, "gpt2", batch=2, seq_len=64, width=64, depth=2, heads=2)
     costs = analytic_costs(step, CUDA_NOMINAL)
@@ -258,7 +258,7 @@ def test_cuda_plans_are_judged_by_the_arena_replay(tmp_path):
     # The runtime's device bytes (backend.device_step): the step arranged as it trains
     # (updates in place), its arena without shrink, plus the buffers bound outside it
     # (state, batch, loss).
-    from memcc.passes.device_memory import predict_step
+    from memcc.passes.analysis.device_memory import predict_step
 
     arranged, pred = predict_step(cuda.graph)
     assert arranged.in_place.aliased
@@ -310,10 +310,10 @@ def test_cpu_plans_made_for_the_cpu_arena_verify_through_it_and_train_through_it
     running through ORT's CPU arena, and the step is marked so that ``memcc run`` and the
     trainer allocate through it without being told."""
     from memcc.compiler import CompileOptions, compile_model
-    from memcc.passes.arena import cpu_arena_peak
-    from memcc.passes.cost_model import NOMINAL_CPU, analytic_costs
+    from memcc.passes.analysis.arena import cpu_arena_peak
+    from memcc.passes.analysis.cost_model import NOMINAL_CPU, analytic_costs
     from memcc.passes.plan import Plan
-    from memcc.passes.simulate import simulate
+    from memcc.passes.planning.simulate import simulate
     from memcc.step import ALLOCATOR_KEY
     from memcc.trainer import Trainer
 

@@ -387,7 +387,7 @@ def test_compile_and_tune_take_every_build_option_as_build_defines_it(command: s
         b, o = build[flag], other[flag]
         if command == "compile" and flag in ("--loss-chunks", "--attention-chunks",
                                              "--mlp-chunks"):
-            # compile chooses row chunks not given (passes/chunk_choice.py): its help says so
+            # compile chooses row chunks not given (compiler/chunk_choice.py): its help says so
             assert o.default is None and "row_chunks" in o.help, flag
             continue
         assert (o.help, o.default, o.multiple, o.metavar) == (b.help, b.default, b.multiple,
@@ -401,7 +401,7 @@ def test_the_choices_the_cli_offers_are_the_ones_memcc_takes() -> None:
     from memcc.backend.session import PROVIDERS
     from memcc.compiler import COST_SOURCES
     from memcc.frontend.build import LOSSES, OPTIMIZERS
-    from memcc.passes.planner import STRATEGIES
+    from memcc.passes.planning.planner import STRATEGIES
     from memcc.trainer import EXPORT_FORMATS
     from memcc.tune import LR_RULES, PICKS
 
@@ -485,7 +485,7 @@ def test_an_impossible_budget_is_refused_before_any_search_with_a_true_bound(
     is refused before the cost model or the planner runs, and the bound it names is never
     above the smallest budget the search finds (so it refuses nothing that fits)."""
     from memcc.compiler import CompileOptions, compile_model
-    from memcc.passes.planner import BudgetError
+    from memcc.passes.planning.planner import BudgetError
 
     said: list[str] = []
     options = CompileOptions(budget="1KB", cost="analytic", **extra)

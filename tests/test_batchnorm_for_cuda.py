@@ -1,4 +1,5 @@
-"""Training-mode BatchNorm written as the CUDA provider runs it (passes/batchnorm_for_cuda.py).
+"""Training-mode BatchNorm written as the CUDA provider runs it
+(passes/providers/batchnorm_for_cuda.py).
 
 ORT's CUDA provider refuses ``BatchNormalization(training_mode=1)`` at opset 14+ (measured on
 an H100, BENCHMARKS.md "CUDA"). The rewrite has to compute what ORT's CPU kernel computes:
@@ -25,12 +26,12 @@ from memcc.backend.runner import synthetic_feeds
 from memcc.compiler import CompileOptions, compile_model
 from memcc.frontend.build import BuildOptions, build_training_step
 from memcc.frontend.load import load_graph
-from memcc.passes.batchnorm_for_cuda import (
+from memcc.passes.analysis.liveness import categorize
+from memcc.passes.providers.batchnorm_for_cuda import (
     expand_training_batchnorm,
     for_provider,
     is_training_batchnorm,
 )
-from memcc.passes.liveness import categorize
 from memcc.step import Role, TrainingStep
 from models import build_model
 
@@ -95,7 +96,7 @@ def test_the_backward_reads_the_forwards_statistics_and_moves_less():
     the normalisation used) instead of recomputing them: two activation-sized reductions
     and a Mul fewer per BatchNorm, outputs within the stated tolerance of the backward that
     recomputes them, at 1 and 2 threads."""
-    from memcc.passes.step_traffic import step_traffic
+    from memcc.passes.analysis.step_traffic import step_traffic
 
     step = _zoo_step()
     n_bn = sum(is_training_batchnorm(n, step.opset) for n in step.nodes)
@@ -122,7 +123,8 @@ def test_a_dynamo_export_needs_no_rewrite(tmp_path):
     assert not [n for n in step.nodes if is_training_batchnorm(n, step.opset)]
     rewritten, n = for_provider(step, "cuda")
     assert n == 0
-    # Only the per-channel sums of its gradient change form (passes/deterministic_reductions):
+    # Only the per-channel sums of its gradient change form
+    # (passes/providers/deterministic_reductions):
     # every BatchNormalization stays as it was.
     bn = [x for x in step.nodes if x.op_type == "BatchNormalization"]
     assert [x for x in rewritten.nodes if x.op_type == "BatchNormalization"] == bn
@@ -132,7 +134,7 @@ def test_on_cuda_per_channel_sums_run_over_trailing_axes():
     """ResNet-18's BatchNorm scale/bias gradients and statistics (sums over N, H, W) become
     a transpose and a trailing-axis sum on CUDA (the numbers: the tests above compare the
     rewritten step's outputs with the step as built)."""
-    from memcc.passes.deterministic_reductions import per_channel, to_trailing_axes
+    from memcc.passes.providers.deterministic_reductions import per_channel, to_trailing_axes
 
     step = _zoo_step()
     _, before = to_trailing_axes(step, only=per_channel)

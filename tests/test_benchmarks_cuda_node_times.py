@@ -11,7 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import cuda_node_times as bench  # noqa: E402
-from memcc.passes import cuda_node_times as cnt  # noqa: E402
+from memcc.passes.analysis import cuda_node_times as cnt  # noqa: E402
 
 
 @pytest.fixture(scope="module")

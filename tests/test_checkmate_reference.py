@@ -32,10 +32,10 @@ from checkmate_reference import (
 from memcc.frontend.build import BuildOptions, build_training_step
 from memcc.frontend.load import load_graph
 from memcc.graph import Graph
-from memcc.passes.cost_model import DeviceRates, analytic_costs, unit_costs
+from memcc.passes.analysis.cost_model import DeviceRates, analytic_costs, unit_costs
 from memcc.passes.plan import Plan, StepStructure
-from memcc.passes.planner import BudgetError, choose_plan
-from memcc.passes.simulate import simulate
+from memcc.passes.planning.planner import BudgetError, choose_plan
+from memcc.passes.planning.simulate import simulate
 from models import build_model
 from models._builder import GraphBuilder, float_input, logits_output, metadata
 from models._layers import linear

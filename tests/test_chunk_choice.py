@@ -1,4 +1,4 @@
-"""``memcc compile`` chooses row chunks itself (``passes/chunk_choice.py``).
+"""``memcc compile`` chooses row chunks itself (``compiler/chunk_choice.py``).
 
 A GPT-2 whose logits dominate: a budget the step as built cannot reach compiles without
 any chunk flag, the report names the chunks chosen and what was tried, ``--verify`` holds,
@@ -129,8 +129,8 @@ class _Costs:
 def _choose(gpt2, budget, table: dict, build: BuildOptions | None = None):
     """``choose_row_chunks`` over made-up plans: ``table`` maps (loss, attention, mlp)
     chunks to (peak, step time), or to a smallest budget (an int) where it refuses."""
-    from memcc.passes.chunk_choice import choose_row_chunks, chunks_of
-    from memcc.passes.planner import BudgetError
+    from memcc.compiler.chunk_choice import choose_row_chunks, chunks_of
+    from memcc.passes.planning.planner import BudgetError
 
     planned: list[tuple] = []
     options = CompileOptions(budget=budget if budget is not None else "min",
@@ -202,7 +202,7 @@ def test_when_no_setting_fits_the_refusal_names_what_was_tried(gpt2):
     """The step as built, the lightest split and the heaviest refuse: the middle one is
     not tried (each refusal is a smallest-budget search), and the error is the nearest
     one's, naming the others. A flag is kept: --loss-chunks 1 leaves the loss whole."""
-    from memcc.passes.planner import BudgetError
+    from memcc.passes.planning.planner import BudgetError
 
     table = {(1, 1, 1): 900, (1, 4, 4): 800, (1, 8, 8): 700}
     with pytest.raises(BudgetError) as refused:

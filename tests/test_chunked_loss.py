@@ -25,10 +25,10 @@ from memcc.frontend.build import BuildOptions, build_training_step
 from memcc.frontend.chunked_loss import LOSS_CHUNKS_TOLERANCE
 from memcc.frontend.load import load_graph
 from memcc.graph import Graph
-from memcc.passes.cost_model import NOMINAL_CPU, analytic_costs
-from memcc.passes.liveness import heap_allowance_bytes
+from memcc.passes.analysis.cost_model import NOMINAL_CPU, analytic_costs
+from memcc.passes.analysis.liveness import heap_allowance_bytes
 from memcc.passes.plan import Plan
-from memcc.passes.simulate import simulate
+from memcc.passes.planning.simulate import simulate
 from memcc.step import TrainingStep
 from models import build_model
 

@@ -43,7 +43,7 @@ def test_build_then_run_trains(gpt2_file, tmp_path):
     assert out["measured_peak_bytes"] > 0 and out["predicted_peak_bytes"] > 0
     # Kernels and bytes per step (issue 30): the analysis of the step that ran.
     from memcc.frontend.load import load_graph
-    from memcc.passes.step_traffic import step_traffic
+    from memcc.passes.analysis.step_traffic import step_traffic
 
     traffic = step_traffic(load_graph(step))
     assert out["kernels_per_step"] == traffic.kernels > 0
@@ -292,12 +292,12 @@ def test_over_budget_advice_names_a_margin_that_would_hold(gpt2_file, tmp_path, 
 # ---------------------------------------------------------------------------- output paths
 def _no_compile(monkeypatch):
     """Fail the test if the compile gets past its checks (they must come first)."""
-    import memcc.compiler as compiler
+    import memcc.compiler.pipeline as pipeline
 
     def boom(*_a, **_k):
         raise AssertionError("the compile started before the paths were checked")
 
-    monkeypatch.setattr(compiler, "_load", boom)
+    monkeypatch.setattr(pipeline, "load_step", boom)
 
 
 def test_output_in_missing_directory_fails_before_compiling(gpt2_file, tmp_path, monkeypatch):
@@ -427,7 +427,7 @@ def test_cuda_planning_without_cuda_warns(gpt2_file, tmp_path, monkeypatch):
     _no_cuda(monkeypatch)
     # No CUDA calibration (the nominal path, whatever memcc/data ships: that path is
     # tests/test_cuda_node_times.py's).
-    import memcc.passes.cuda_node_times as cnt
+    import memcc.passes.analysis.cuda_node_times as cnt
 
     monkeypatch.setattr(cnt, "DATA_DIR", tmp_path / "no-calibration")
     monkeypatch.delenv(cnt.ENV, raising=False)

@@ -18,8 +18,8 @@ from typer.testing import CliRunner
 from memcc.cli import app
 from memcc.frontend.build import BuildOptions, build_training_step
 from memcc.frontend.load import load_graph
-from memcc.passes.liveness import analyze_liveness
-from memcc.passes.variants import rule_nodes
+from memcc.passes.analysis.liveness import analyze_liveness
+from memcc.passes.lowering.variant_substitution import rule_nodes
 from memcc.step import rule_io
 
 

@@ -1,4 +1,4 @@
-"""The CUDA node-time estimate (memcc/passes/cuda_node_times.py): its fit recovers known
+"""The CUDA node-time estimate (memcc/passes/analysis/cuda_node_times.py): its fit recovers known
 coefficients, and ``--provider cuda`` without CUDA prices nodes with it and says so."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from memcc.cli import app
 from memcc.errors import InputError
-from memcc.passes import cuda_node_times as cnt
+from memcc.passes.analysis import cuda_node_times as cnt
 from models import build_model
 
 runner = CliRunner()

@@ -1,4 +1,4 @@
-"""Leading-axis reductions as trailing-axis ones (passes/deterministic_reductions.py).
+"""Leading-axis reductions as trailing-axis ones (passes/providers/deterministic_reductions.py).
 
 Checked on ORT's CPU provider: the rewrite computes the same sums (in another order: held to
 RTOL = 1e-5 of the largest magnitude, as the scatter rewrite), keeps a valid step with
@@ -17,7 +17,7 @@ from threads import run_once
 from memcc.frontend.build import BuildOptions, build_training_step
 from memcc.frontend.load import load_graph
 from memcc.graph import topological_problems
-from memcc.passes.deterministic_reductions import to_trailing_axes
+from memcc.passes.providers.deterministic_reductions import to_trailing_axes
 from models import build_model
 
 F32 = TensorProto.FLOAT
@@ -80,7 +80,7 @@ def test_gpt2_step():
 def test_per_channel_sums_by_matmul_match(op, shape, axes, keep, rewritten):
     """The per-channel sums CUDA runs as MatMuls by ones compute the same sums (in another
     order: within RTOL), at one and two threads, and keep the node's name."""
-    from memcc.passes.deterministic_reductions import per_channel_by_matmul
+    from memcc.passes.providers.deterministic_reductions import per_channel_by_matmul
 
     nodes = [helper.make_node(op, ["x", "axes"], ["y"], keepdims=keep, name="r")]
     out_shape = [1 if a in axes else d for a, d in enumerate(shape)] if keep else \

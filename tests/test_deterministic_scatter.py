@@ -1,4 +1,4 @@
-"""Accumulating scatters rewritten for CUDA determinism (passes/deterministic_scatter.py).
+"""Accumulating scatters rewritten for CUDA determinism (passes/providers/deterministic_scatter.py).
 
 The rewrite cannot be run on CUDA here; what can be checked on ORT's CPU provider is that it
 computes the same thing, that it is a valid step (execution order, unique names, static
@@ -27,9 +27,12 @@ from memcc.frontend.build import BuildOptions, build_training_step
 from memcc.frontend.emit import Emitter
 from memcc.frontend.load import load_graph
 from memcc.graph import Graph, topological_problems
-from memcc.passes import deterministic_scatter
-from memcc.passes.deterministic_scatter import for_cuda_determinism, is_accumulating_scatter
-from memcc.passes.liveness import analyze_liveness
+from memcc.passes.analysis.liveness import analyze_liveness
+from memcc.passes.providers import deterministic_scatter
+from memcc.passes.providers.deterministic_scatter import (
+    for_cuda_determinism,
+    is_accumulating_scatter,
+)
 from memcc.step import GRAD_OF_PROP, TrainingStep, node_props
 from models import build_model
 

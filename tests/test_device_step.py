@@ -29,9 +29,9 @@ from memcc.errors import InputError
 from memcc.frontend.build import BuildOptions, build_training_step
 from memcc.frontend.load import load_graph
 from memcc.graph import Graph, TensorInfo
-from memcc.passes.arena import replay_steps
-from memcc.passes.arrange import arrange_step
-from memcc.passes.device_memory import arena_limit, outside_arena_bytes, predict_device
+from memcc.passes.analysis.arena import replay_steps
+from memcc.passes.analysis.arrange import arrange_step
+from memcc.passes.analysis.device_memory import arena_limit, outside_arena_bytes, predict_device
 from memcc.step import TrainingStep
 from models import build_model
 
@@ -238,7 +238,7 @@ def test_the_profile_names_nodes_that_ran_off_the_sessions_provider():
 def test_a_deterministic_cuda_step_has_no_atomic_scatter_left():
     """What ``--deterministic`` runs on CUDA, built here (the rewrite is graph to graph)."""
     from memcc.backend.device_step import step_for_provider
-    from memcc.passes.deterministic_scatter import is_accumulating_scatter
+    from memcc.passes.providers.deterministic_scatter import is_accumulating_scatter
 
     graph = _step("gpt2")
     plain, changed = step_for_provider(graph, "cpu", deterministic=True)

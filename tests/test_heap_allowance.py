@@ -1,7 +1,8 @@
 """Heap room for small buffers: what compile keeps free beyond the plan's predicted peak.
 
 On the CPU with malloc, glibc's heap costs a step more than the bytes of its buffers under
-the mmap threshold; ``passes.liveness.heap_allowance_bytes`` sizes that room and compile adds
+the mmap threshold; ``passes.analysis.liveness.heap_allowance_bytes`` sizes that room and compile
+adds
 it to the slack, counted on the plan it returns (BENCHMARKS.md, "Heap allowance for small
 buffers", measures it on torchvision and timm exports).
 """
@@ -16,13 +17,13 @@ from memcc.compiler import BASE_SLACK_BYTES, CompileOptions, compile_model, user
 from memcc.frontend.build import BuildOptions, build_training_step
 from memcc.frontend.load import load_graph
 from memcc.graph import Graph
-from memcc.passes.liveness import (
+from memcc.passes.analysis.liveness import (
     CPU_MMAP_THRESHOLD,
     HEAP_BYTES_PER_SMALL_BUFFER,
     heap_allowance_bytes,
     small_buffers,
 )
-from memcc.passes.planner import BudgetError
+from memcc.passes.planning.planner import BudgetError
 from models import build_model
 
 
@@ -112,8 +113,8 @@ def test_a_budget_without_room_for_recomputed_small_buffers_is_refused_as_min_wo
 
 
 def test_a_plan_fits_a_budget_with_the_heap_room_of_the_small_buffers_it_adds(tmp_path):
-    from memcc.passes.cost_model import NOMINAL_CPU, analytic_costs
-    from memcc.passes.planner import choose_plan
+    from memcc.passes.analysis.cost_model import NOMINAL_CPU, analytic_costs
+    from memcc.passes.planning.planner import choose_plan
 
     step = build_training_step(load_graph(_mlp(tmp_path, batch=60, width=15, depth=16)),
                                BuildOptions())

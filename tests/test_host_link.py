@@ -9,7 +9,7 @@ import pytest
 
 import memcc.backend.host_link as host_link
 from memcc.errors import RuntimeFailure
-from memcc.passes.cost_model import PCIE_NOMINAL, HostLink
+from memcc.passes.analysis.cost_model import PCIE_NOMINAL, HostLink
 
 
 def test_the_link_is_measured_per_direction_and_cached(tmp_path, monkeypatch):
@@ -50,7 +50,7 @@ def test_a_link_faster_than_any_host_link_is_refused_and_compile_falls_back(tmp_
     copies at the nominal rate with a warning."""
     import onnxruntime
 
-    from memcc.compiler import _measured_link
+    from memcc.compiler.pipeline import measured_link
 
     monkeypatch.setattr(host_link, "CACHE_DIR", tmp_path)
     monkeypatch.setattr(host_link, "_fit", lambda points, source: (2e-5, 3.1e12))
@@ -70,7 +70,7 @@ def test_a_link_faster_than_any_host_link_is_refused_and_compile_falls_back(tmp_
 
     warnings: list[str] = []
     monkeypatch.setattr(host_link, "measure_host_link", refuse)
-    assert _measured_link("cuda", warnings.append) == PCIE_NOMINAL
+    assert measured_link("cuda", warnings.append) == PCIE_NOMINAL
     assert warnings and "nominal PCIe rate" in warnings[0]
 
 

@@ -16,8 +16,8 @@ from memcc.backend.runner import synthetic_feeds
 from memcc.backend.verify import compare_outputs, step_outputs
 from memcc.frontend.build import BuildOptions, build_training_step
 from memcc.frontend.load import load_graph
-from memcc.passes.cost_model import unit_costs
-from memcc.passes.lowering import (
+from memcc.passes.analysis.cost_model import unit_costs
+from memcc.passes.lowering.lower import (
     PASSES,
     InsertRecompute,
     LoweringError,
@@ -25,6 +25,7 @@ from memcc.passes.lowering import (
     copy_order_problems,
     lower,
 )
+from memcc.passes.lowering.recompute import apply_recompute
 from memcc.passes.plan import (
     KEEP,
     RECOMPUTE,
@@ -40,8 +41,7 @@ from memcc.passes.plan import (
     nothing_saveable,
     save_only_these_values,
 )
-from memcc.passes.recompute import apply_recompute
-from memcc.passes.simulate import simulate
+from memcc.passes.planning.simulate import simulate
 from models import build_model
 
 
@@ -145,7 +145,7 @@ def test_variants_that_do_not_exist_are_refused_clearly(step):
 
 
 def _offloadable(g, st):
-    from memcc.passes.swap import offload_problems
+    from memcc.passes.lowering.swap import offload_problems
 
     return [v for v in sorted(st.saved)
             if not offload_problems(g, Plan(offload={v: Offload("host")}), st)]

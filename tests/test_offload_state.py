@@ -1,4 +1,4 @@
-"""passes.offload_state: optimizer state in host memory, checked on the CPU.
+"""passes.lowering.offload_state: optimizer state in host memory, checked on the CPU.
 
 The rewrite only adds ``MemcpyFromHost`` / ``MemcpyToHost`` around each state's update; the
 CPU provider runs both as plain copies, so the rewritten step must train bit for bit as the
@@ -21,9 +21,9 @@ from memcc.compiler import CompileOptions, compile_model
 from memcc.frontend.build import BuildOptions, build_training_step
 from memcc.frontend.load import load_graph
 from memcc.graph import Graph
-from memcc.passes.arrange import arrange_step
-from memcc.passes.device_memory import bound_infos, predict_step
-from memcc.passes.offload_state import (
+from memcc.passes.analysis.arrange import arrange_step
+from memcc.passes.analysis.device_memory import bound_infos, predict_step
+from memcc.passes.lowering.offload_state import (
     COPY_IN,
     COPY_OUT,
     HOST_STATE_KEY,

@@ -19,7 +19,7 @@ from memcc.backend.ort_kernels import INLINED_BY_ORT_1_31, has_kernel
 from memcc.backend.profile_order import executed_order, ort_priority_order, planned_order
 from memcc.backend.session import make_session
 from memcc.frontend.load import load_graph
-from memcc.passes.liveness import analyze_liveness
+from memcc.passes.analysis.liveness import analyze_liveness
 
 H = helper.make_node
 MiB = 1 << 20

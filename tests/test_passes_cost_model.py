@@ -12,8 +12,8 @@ from memcc.backend import profiling
 from memcc.backend.profiling import measured_costs
 from memcc.frontend.build import BuildOptions, build_training_step
 from memcc.frontend.load import load_graph
-from memcc.passes import cost_model as cost_model_module
-from memcc.passes.cost_model import (
+from memcc.passes.analysis import cost_model as cost_model_module
+from memcc.passes.analysis.cost_model import (
     NOMINAL_CPU,
     Calibration,
     CostModel,
@@ -23,8 +23,8 @@ from memcc.passes.cost_model import (
     node_flops_bytes,
     unit_costs,
 )
+from memcc.passes.lowering.recompute import apply_recompute
 from memcc.passes.plan import Plan, StepStructure
-from memcc.passes.recompute import apply_recompute
 from models import build_model
 
 RATES = DeviceRates(1e10, 1e10, 1e-6, "test")

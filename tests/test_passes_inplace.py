@@ -9,10 +9,10 @@ import pytest
 from memcc.backend.runner import run_steps
 from memcc.frontend.build import BuildOptions, build_training_step
 from memcc.frontend.load import load_graph
-from memcc.passes.arrange import UPDATES_EARLY, arrange_step
-from memcc.passes.inplace import analyze_in_place
-from memcc.passes.liveness import allocation_bytes, analyze_liveness
-from memcc.passes.update_schedule import schedule_updates_early
+from memcc.passes.analysis.arrange import UPDATES_EARLY, arrange_step
+from memcc.passes.analysis.inplace import analyze_in_place
+from memcc.passes.analysis.liveness import allocation_bytes, analyze_liveness
+from memcc.passes.analysis.update_schedule import schedule_updates_early
 from memcc.step import Role, TrainingStep
 from models import mlp
 

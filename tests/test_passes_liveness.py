@@ -13,7 +13,7 @@ from memcc.backend.onnx_file import save_graph
 from memcc.backend.runner import run_steps
 from memcc.frontend.build import BuildOptions, build_training_step
 from memcc.frontend.load import load_graph
-from memcc.passes.liveness import analyze_liveness, categorize, scratch_bytes
+from memcc.passes.analysis.liveness import analyze_liveness, categorize, scratch_bytes
 
 H = helper.make_node
 F = TensorProto.FLOAT

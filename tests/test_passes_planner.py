@@ -11,10 +11,10 @@ import pytest
 
 from memcc.frontend.build import BuildOptions, build_training_step
 from memcc.frontend.load import load_graph
-from memcc.passes.cost_model import DeviceRates, analytic_costs, unit_costs
+from memcc.passes.analysis.cost_model import DeviceRates, analytic_costs, unit_costs
 from memcc.passes.plan import Plan, StepStructure
-from memcc.passes.planner import BudgetError, choose_plan
-from memcc.passes.simulate import simulate
+from memcc.passes.planning.planner import BudgetError, choose_plan
+from memcc.passes.planning.simulate import simulate
 from models import build_model
 
 RATES = DeviceRates(5e10, 1e10, 5e-6, "fixed test rates")
@@ -189,7 +189,7 @@ def test_the_plan_does_not_depend_on_the_time_limit(step):
 def test_a_strategy_registered_by_name_is_judged_by_the_simulator(step):
     """Strategies are functions of (planning, budget) in a registry: a new one plugs in by
     name, and the pass reports what the simulator says of its plans, not what it claims."""
-    from memcc.passes import strategies
+    from memcc.passes.planning import strategies
 
     name, g, costs, base = step
 
@@ -229,7 +229,7 @@ def test_nodes_the_lowering_adds_are_priced_even_when_never_measured(step):
     estimate (calibrated), never 0."""
     from dataclasses import replace
 
-    from memcc.passes.simulate import added_seconds
+    from memcc.passes.planning.simulate import added_seconds
 
     name, g, costs, base = step
     plan = smallest(name, "sqrtn").best.plan
@@ -253,7 +253,7 @@ def test_on_a_device_provider_the_ilp_swaps_when_copies_are_cheaper_than_recompu
 
     from memcc.backend.runner import synthetic_feeds
     from memcc.backend.verify import compare_outputs, step_outputs
-    from memcc.passes.cost_model import CUDA_NOMINAL, HostLink
+    from memcc.passes.analysis.cost_model import CUDA_NOMINAL, HostLink
 
     g = build_training_step(load_graph(build_model("gpt2", batch=4, seq_len=64)),
                             BuildOptions())
@@ -293,8 +293,8 @@ def test_the_offload_model_is_exact_for_each_value_alone():
 
     import numpy as np
 
-    from memcc.passes.cost_model import CUDA_NOMINAL, HostLink
-    from memcc.passes.planner import build_problem
+    from memcc.passes.analysis.cost_model import CUDA_NOMINAL, HostLink
+    from memcc.passes.planning.planner import build_problem
 
     g = build_training_step(load_graph(build_model("gpt2", batch=2, seq_len=32)),
                             BuildOptions())
@@ -350,7 +350,7 @@ def test_recompute_alone_is_tried_only_where_the_rounds_may_have_missed_it():
     above what the first answer promised."""
     from types import SimpleNamespace
 
-    from memcc.passes.strategies import Found, _Rounds, _worth_recompute_alone
+    from memcc.passes.planning.strategies import Found, _Rounds, _worth_recompute_alone
 
     def sim(strategy: str, peak: int, added: float) -> SimpleNamespace:
         return SimpleNamespace(plan=SimpleNamespace(strategy=strategy), peak_bytes=peak,
@@ -382,8 +382,8 @@ def test_rounds_that_stop_with_nothing_start_again_from_the_smallest_peak(monkey
     seed above the budget), the smallest-peak solve gives it one, and the plan fits. The
     limit is imitated: the first time-objective solve answers as HiGHS does at its work
     limit without an incumbent."""
-    from memcc.passes import strategies
-    from memcc.passes.solvers.problem import Solution
+    from memcc.passes.planning import strategies
+    from memcc.passes.planning.model.problem import Solution
 
     _, g, costs, base = built("unet")
     budget = int(smallest("unet", "ilp").best.peak_bytes * 1.10)
@@ -411,7 +411,7 @@ def test_only_rounds_stopped_at_a_limit_far_from_optimal_are_searched_again():
     again from the smallest peak where nothing fits or its gap is above 10%."""
     from types import SimpleNamespace
 
-    from memcc.passes.strategies import Found, _Rounds, _weak_rounds
+    from memcc.passes.planning.strategies import Found, _Rounds, _weak_rounds
 
     fits = Found()
     fits.plans = [("ilp", SimpleNamespace(plan=SimpleNamespace(strategy="ilp"),
@@ -430,8 +430,8 @@ def test_the_polish_trades_a_dear_recomputed_unit_for_cheaper_ones():
     alone, trading one for cheaper units live at the peak it makes still lowers the time
     of sqrt(n) plans on the U-Net step, and every traded plan fits when simulated
     again from scratch."""
-    from memcc.passes import strategies
-    from memcc.passes.planner import _prepare
+    from memcc.passes.planning import strategies
+    from memcc.passes.planning.planner import _prepare
 
     _, g, costs, base = built("unet")
     p = _prepare(g, StepStructure.of(g), base, costs, 300)

@@ -11,8 +11,8 @@ from memcc.backend.runner import synthetic_feeds
 from memcc.backend.verify import compare_outputs, step_outputs
 from memcc.frontend.build import BuildOptions, build_training_step
 from memcc.frontend.load import load_graph
+from memcc.passes.lowering.recompute import apply_recompute
 from memcc.passes.plan import Plan, StepStructure
-from memcc.passes.recompute import apply_recompute
 from models import build_model
 
 
@@ -135,7 +135,7 @@ def test_recompute_again_rebuilds_chain_clones_for_each_later_reader():
     weights at this batch)."""
     from threads import run_at_threads, run_once
 
-    from memcc.passes.liveness import analyze_liveness
+    from memcc.passes.analysis.liveness import analyze_liveness
 
     mlp_step = build_training_step(
         load_graph(build_model("mlp", batch=1024, width=64, depth=6)),

@@ -17,11 +17,11 @@ from memcc.cli import app
 from memcc.compiler import CompileOptions, compile_model, user_budget
 from memcc.frontend.build import BuildOptions, build_training_step
 from memcc.frontend.load import load_graph
-from memcc.passes.cost_model import NOMINAL_CPU, analytic_costs
-from memcc.passes.floor import step_floor
+from memcc.passes.analysis.cost_model import NOMINAL_CPU, analytic_costs
 from memcc.passes.plan import Plan, StepStructure
-from memcc.passes.planner import BudgetError, choose_plan
-from memcc.passes.simulate import simulate
+from memcc.passes.planning.floor import step_floor
+from memcc.passes.planning.planner import BudgetError, choose_plan
+from memcc.passes.planning.simulate import simulate
 from models import build_model
 
 # The zoo's GPT-2 at a size where the GELU region variants lower the smallest peak (the ILP

@@ -192,7 +192,7 @@ def test_a_budget_nothing_fits_names_the_flags_that_would_split(tmp_path):
     attentions and MLPs left whole and the flags that split them, and only those. (No
     slack: with the default 1 MiB, 400 KB is below what the inputs, parameters and state
     alone need with it, which is refused before any search, without the hint.)"""
-    from memcc.passes.planner import BudgetError
+    from memcc.passes.planning.planner import BudgetError
 
     model = tmp_path / "gpt2.onnx"
     onnx.save(build_model("gpt2", batch=1, seq_len=64, width=32, depth=2, heads=2,

@@ -12,8 +12,8 @@ import time
 import numpy as np
 import pytest
 
-from memcc.passes.solvers import ilp, quiet, sqrtn
-from memcc.passes.solvers.problem import CONTINUOUS, Problem, ProblemBuilder
+from memcc.passes.planning.model.problem import CONTINUOUS, Problem, ProblemBuilder
+from memcc.passes.planning.solvers import ilp, quiet, sqrtn
 
 
 def random_problem(n: int, horizon: int, seed: int) -> Problem:

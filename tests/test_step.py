@@ -15,7 +15,7 @@ from memcc.errors import InputError
 from memcc.frontend.build import BuildOptions, build_training_step
 from memcc.frontend.load import load_graph
 from memcc.graph import DefUse, Graph, topological_problems
-from memcc.passes.liveness import categorize
+from memcc.passes.analysis.liveness import categorize
 from memcc.passes.plan import StepStructure
 from memcc.step import DEFAULT_RULE, Role, TrainingStep
 from models import build_model

@@ -1,4 +1,4 @@
-"""``passes.step_traffic``: kernels and bytes moved per step (issue 30, item 5), and the
+"""``passes.analysis.step_traffic``: kernels and bytes moved per step (issue 30, item 5), and the
 compile report's counts of them for the step as built and the plan's rewritten step."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from memcc.compiler import CompileOptions, compile_model
 from memcc.frontend.build import BuildOptions, build_training_step
 from memcc.frontend.load import load_graph
 from memcc.graph import Graph, TensorInfo
-from memcc.passes.step_traffic import step_traffic
+from memcc.passes.analysis.step_traffic import step_traffic
 from models import build_model
 
 F = TensorProto.FLOAT
@@ -99,8 +99,8 @@ def test_a_plan_that_recomputes_launches_more_kernels(tmp_path):
 
 def test_swap_copies_are_kernels_that_move_their_value_twice():
     """An offloaded value gets a copy out and a copy back: two more kernels, each reading
-    and writing the value (``passes/swap.py``)."""
-    from memcc.passes.lowering import lower
+    and writing the value (``passes/lowering/swap.py``)."""
+    from memcc.passes.lowering.lower import lower
     from memcc.passes.plan import Offload, Plan, StepStructure
 
     g = build_training_step(load_graph(build_model("mlp", batch=4, depth=2)), BuildOptions())

@@ -22,7 +22,7 @@ from memcc.backend.session import make_session
 from memcc.errors import InputError
 from memcc.frontend.build import BuildOptions, build_training_step
 from memcc.frontend.load import load_graph
-from memcc.passes.inplace import analyze_in_place
+from memcc.passes.analysis.inplace import analyze_in_place
 from memcc.step import TrainingStep
 from models import mlp
 
@@ -333,7 +333,7 @@ def test_a_step_rewritten_for_its_provider_exports_the_model_as_built(tmp_path, 
     from exports import export
 
     import memcc.trainer as trainer_module
-    from memcc.passes.batchnorm_for_cuda import expand_training_batchnorm
+    from memcc.passes.providers.batchnorm_for_cuda import expand_training_batchnorm
 
     path, _, _, dims = export("conv_bn", "torchscript", tmp_path, training=True)
     step_file = save_graph(build_training_step(load_graph(path, dims), BuildOptions()),

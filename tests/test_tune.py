@@ -23,7 +23,7 @@ from memcc.compiler import CompileOptions, compile_model
 from memcc.errors import InputError
 from memcc.frontend.build import BuildOptions, build_training_step
 from memcc.frontend.load import load_graph
-from memcc.passes.planner import BudgetError
+from memcc.passes.planning.planner import BudgetError
 from memcc.tune import TuneOptions, parse_range, tune
 from models import build_model
 
@@ -243,7 +243,7 @@ def test_on_cuda_the_edge_follows_the_arena_as_compile_does(model_file):
     the next size up is refused. (A CUDA step takes whole 2 MiB device pages, for its arena
     and for the buffers the runtime binds beside it, and its session holds handles of its
     own, so the budget is those and a few pages, and the range wider.)"""
-    from memcc.passes.device_memory import CUDA_SESSION_BYTES
+    from memcc.passes.analysis.device_memory import CUDA_SESSION_BYTES
 
     opts = dict(EXACT, provider="cuda")
     budget = CUDA_SESSION_BYTES + 9_000_000
@@ -270,7 +270,7 @@ def test_on_cuda_tune_plans_batchnorm_as_compile_does(tmp_path):
     from exports import export
 
     path, _, _, _ = export("conv_bn", "torchscript", tmp_path, training=True)
-    from memcc.passes.device_memory import CUDA_SESSION_BYTES
+    from memcc.passes.analysis.device_memory import CUDA_SESSION_BYTES
 
     opts = dict(EXACT, provider="cuda")
     budget = CUDA_SESSION_BYTES + 6_000_000

@@ -1,6 +1,7 @@
 """Operator variants against the default gradient rule and against torch autograd.
 
-Each variant replaces a forward node's default rule (``passes/variants.py``). Its loss and
+Each variant replaces a forward node's default rule (``passes/lowering/variant_substitution.py``).
+Its loss and
 gradients must equal the default rule's bit for bit when it is ``exact``, and lie within its
 stated relative ``tolerance`` when it is ``equivalent`` (error measured per tensor as
 max |variant - default| / max |default|). Every comparison runs in fresh CPU sessions at 1 and
@@ -47,12 +48,16 @@ from memcc.frontend.gradients.variants import (
 )
 from memcc.frontend.load import load_graph
 from memcc.graph import Graph
-from memcc.passes.cost_model import NOMINAL_CPU, analytic_costs
-from memcc.passes.lowering import lower
+from memcc.passes.analysis.cost_model import NOMINAL_CPU, analytic_costs
+from memcc.passes.lowering.lower import lower
+from memcc.passes.lowering.variant_substitution import (
+    applicable_variants,
+    apply_variants,
+    rule_nodes,
+)
 from memcc.passes.plan import Plan, StepStructure
-from memcc.passes.planner import build_problem
-from memcc.passes.simulate import simulate
-from memcc.passes.variants import applicable_variants, apply_variants, rule_nodes
+from memcc.passes.planning.planner import build_problem
+from memcc.passes.planning.simulate import simulate
 from memcc.step import TrainingStep
 from models import build_model, make_feeds, make_labels
 

@@ -22,13 +22,17 @@ from threads import run_at_threads, run_once
 from memcc.frontend.gradients.variant_activations import ACTIVATION_TOLERANCE, match_activation
 from memcc.frontend.gradients.variants import lookup
 from memcc.graph import Graph
-from memcc.passes.cost_model import NOMINAL_CPU, analytic_costs
-from memcc.passes.lowering import lower
+from memcc.passes.analysis.cost_model import NOMINAL_CPU, analytic_costs
+from memcc.passes.lowering.lower import lower
+from memcc.passes.lowering.variant_substitution import (
+    apply_variants,
+    region_variants,
+    variant_problems,
+)
 from memcc.passes.plan import Plan, StepStructure
-from memcc.passes.planner import BudgetError, choose_plan
-from memcc.passes.simulate import simulate
-from memcc.passes.solvers.variant_terms import _peak_working_set
-from memcc.passes.variants import apply_variants, region_variants, variant_problems
+from memcc.passes.planning.model.variant_terms import _peak_working_set
+from memcc.passes.planning.planner import BudgetError, choose_plan
+from memcc.passes.planning.simulate import simulate
 from memcc.step import GRAD_OF_PROP, node_props
 from models import build_model
 

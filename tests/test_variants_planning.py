@@ -18,12 +18,12 @@ from memcc.backend.verify import compare_outputs, step_outputs
 from memcc.compiler import CompileOptions, compile_model
 from memcc.frontend.build import BuildOptions, build_training_step
 from memcc.frontend.load import load_graph
-from memcc.passes.cost_model import NOMINAL_CPU, analytic_costs
-from memcc.passes.lowering import LoweringError, lower
+from memcc.passes.analysis.cost_model import NOMINAL_CPU, analytic_costs
+from memcc.passes.lowering.lower import LoweringError, lower
+from memcc.passes.lowering.variant_substitution import apply_variants
 from memcc.passes.plan import Plan, StepStructure
-from memcc.passes.planner import build_problem, choose_plan
-from memcc.passes.simulate import simulate
-from memcc.passes.variants import apply_variants
+from memcc.passes.planning.planner import build_problem, choose_plan
+from memcc.passes.planning.simulate import simulate
 from models import build_model
 
 
@@ -212,7 +212,11 @@ def test_variants_on_real_exports_match_the_default_rules(family, exporter):
     from threads import run_at_threads
 
     from memcc.frontend.gradients.variants import EXACT, LOSSY
-    from memcc.passes.variants import applicable_variants, overlapping, rule_nodes
+    from memcc.passes.lowering.variant_substitution import (
+        applicable_variants,
+        overlapping,
+        rule_nodes,
+    )
 
     path, _, _, dims = export(family, exporter, training=True)
     g = build_training_step(load_graph(path, dims), BuildOptions(optimizer="sgd"))

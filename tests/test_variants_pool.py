@@ -32,16 +32,16 @@ from memcc.frontend.build import BuildOptions, build_training_step
 from memcc.frontend.gradients.variants import EXACT, lookup
 from memcc.frontend.load import load_graph
 from memcc.graph import Graph
-from memcc.passes.cost_model import NOMINAL_CPU, analytic_costs
-from memcc.passes.plan import Plan, StepStructure
-from memcc.passes.planner import build_problem, choose_plan
-from memcc.passes.simulate import simulate
-from memcc.passes.variants import (
+from memcc.passes.analysis.cost_model import NOMINAL_CPU, analytic_costs
+from memcc.passes.lowering.variant_substitution import (
     applicable_variants,
     apply_variants,
     rule_nodes,
     variant_context,
 )
+from memcc.passes.plan import Plan, StepStructure
+from memcc.passes.planning.planner import build_problem, choose_plan
+from memcc.passes.planning.simulate import simulate
 from models import build_model
 
 RECOMPUTE = "recompute"

@@ -21,12 +21,12 @@ every step (103 ms without), and ORT's host-side work for every node. So:
 - Every input and output is bound once (IOBinding) to a buffer with a fixed address: the
   batch is copied into its device buffer (``update_inplace``), the loss and other outputs
   are written into buffers allocated at the start, and each update that
-  ``passes.inplace`` proves safe is written over the value it replaces. An update that is
+  ``passes.analysis.inplace`` proves safe is written over the value it replaces. An update that is
   not (written by a kernel that still reads the old value) gets a second buffer, and the
   two swap roles each step: two bindings, used in turn.
 - No arena shrink between steps (CUDA): the arena settles in the first step and holds the
   same regions from the second on; ``prediction`` says what it holds then, and what the
-  first step peaks at (``passes.arena.replay_steps(shrink=False)``).
+  first step peaks at (``passes.analysis.arena.replay_steps(shrink=False)``).
 - CUDA graphs: where every node runs on the CUDA provider with static shapes and no host
   copies, ORT captures the second run and replays it from then on (``enable_cuda_graph``);
   with two bindings, each gets its own graph (``gpu_graph_id``). ``capture_blockers`` says
@@ -47,8 +47,8 @@ from memcc.backend.session import make_session
 from memcc.errors import InputError, RuntimeFailure
 from memcc.frontend.constants import constant_value
 from memcc.graph import Graph, node_label
-from memcc.passes.device_memory import arena_limit
-from memcc.passes.offload_state import host_resident
+from memcc.passes.analysis.device_memory import arena_limit
+from memcc.passes.lowering.offload_state import host_resident
 
 # Ops whose CUDA kernels cannot be replayed from a captured graph: control flow (ORT
 # refuses capture with subgraphs) and ORT's random generators, which draw their seed on the
@@ -99,21 +99,21 @@ HOST, DEVICE = "host", "device"
 def step_for_provider(graph: Graph, provider: str, *, deterministic: bool = False
                       ) -> tuple[Graph, bool]:
     """The step as ``provider`` runs it, and whether anything was rewritten: on CUDA,
-    training-mode BatchNorm as standard ops (``passes.batchnorm_for_cuda``) and, for
+    training-mode BatchNorm as standard ops (``passes.providers.batchnorm_for_cuda``) and, for
     ``deterministic`` runs, every accumulating scatter in a form without atomics
-    (``passes.deterministic_scatter``) and every reduction over leading axes as one over
-    trailing axes (``passes.deterministic_reductions``), the two sources of run-to-run
+    (``passes.providers.deterministic_scatter``) and every reduction over leading axes as one over
+    trailing axes (``passes.providers.deterministic_reductions``), the two sources of run-to-run
     differences measured on an H200; their sums change order (within 1e-5). ORT's own
     ``use_deterministic_compute`` is not needed then, and cost GPT-2's step 44-49% there
     against 7% for the rewrites (docs/DETERMINISM.md, "CUDA")."""
-    from memcc.passes.batchnorm_for_cuda import for_provider
+    from memcc.passes.providers.batchnorm_for_cuda import for_provider
 
     original = graph
     graph, _ = for_provider(graph, provider)
     changed = graph is not original
     if provider == "cuda" and deterministic:
-        from memcc.passes.deterministic_reductions import to_trailing_axes
-        from memcc.passes.deterministic_scatter import for_cuda_determinism
+        from memcc.passes.providers.deterministic_reductions import to_trailing_axes
+        from memcc.passes.providers.deterministic_scatter import for_cuda_determinism
 
         graph, scatters = for_cuda_determinism(graph)
         graph, reductions = to_trailing_axes(graph)
@@ -203,7 +203,7 @@ class StepOutputs:
 class DeviceStep:
     """A training step's session with its state bound where it trains (module docstring).
 
-    ``graph``: the step as it will run (``passes.arrange``'s graph: in-place updates
+    ``graph``: the step as it will run (``passes.analysis.arrange``'s graph: in-place updates
     decided, node order fixed). ``updates``: output -> the input it replaces next step;
     ``aliased``: the updates written over their input. ``returned``: outputs copied back to
     the host after each run besides the loss. ``cuda_graph``: None = capture where
@@ -231,7 +231,7 @@ class DeviceStep:
         carried = list(dict.fromkeys(self.updates.values()))
         self.layout = DEVICE if provider == "cuda" else (layout or HOST)
         sgraph, state, fixed = device_session_graph(graph, carried, self.layout)
-        # Optimizer state the step keeps in host memory (passes.offload_state): bound to
+        # Optimizer state the step keeps in host memory (passes.lowering.offload_state): bound to
         # host buffers, which its MemcpyFromHost reads and its MemcpyToHost writes.
         self.host_resident = (host_resident(graph, self.updates) & set(state)
                               if self.layout == DEVICE else set())

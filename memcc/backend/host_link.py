@@ -1,7 +1,7 @@
 """Measure the link swap copies cross: ``MemcpyToHost`` and ``MemcpyFromHost`` timed by ORT's
 profiler at several sizes, and a latency + bytes / rate line fitted to each direction.
 
-The planner prices an offload as one copy out and one copy in (``passes/solvers/
+The planner prices an offload as one copy out and one copy in (``passes/planning/solvers/
 offload_terms.py``); a nominal PCIe figure can be off by a factor of two either way (pinned
 or pageable host memory, PCIe generation, a shared bus), which moves every swap decision. So
 the link is measured once per machine and provider and cached next to the CPU rates
@@ -31,7 +31,7 @@ from onnx import TensorProto, helper
 
 from memcc.backend.profiling import CACHE_DIR
 from memcc.errors import RuntimeFailure
-from memcc.passes.cost_model import HostLink
+from memcc.passes.analysis.cost_model import HostLink
 
 # Float32 elements per probe: 256 KiB to 64 MiB, where latency and bandwidth both show.
 PROBE_ELEMENTS = (1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24)

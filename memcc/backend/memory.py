@@ -3,7 +3,7 @@
 CPU (ORT_NOTES.md §3). glibc serves large requests from its heap and keeps freed heap
 memory resident, so the resident-set peak would count memory ORT already freed. With
 ``MALLOC_MMAP_THRESHOLD_=4096`` every allocation of 4 KiB or more is its own ``mmap`` (whole
-pages, which ``passes.liveness.allocation_bytes`` models) and goes back to the kernel at
+pages, which ``passes.analysis.liveness.allocation_bytes`` models) and goes back to the kernel at
 ``free``, and ``MALLOC_ARENA_MAX=1`` keeps ORT's threads on one heap; since glibc reads these
 variables once at start-up, the
 measured steps run in a fresh child process started with it (``python -m
@@ -17,7 +17,8 @@ memcc.backend.runner --child``, see ``run_child``). In that process:
 - before each step the high-water mark is reset (``5`` to ``/proc/self/clear_refs``) and
   after it ``VmHWM - baseline`` is that step's measured peak.
 
-So the measured figure counts what ``passes.liveness`` predicts: parameters, optimizer state
+So the measured figure counts what ``passes.analysis.liveness`` predicts: parameters, optimizer
+state
 and batch (held by the runner and fed as inputs), every activation and gradient ORT
 allocates, and the step's outputs, with kernel scratch on top. It does not count the
 session itself (graph, kernels, threads), which is not part of any plan. What it counts
@@ -50,7 +51,7 @@ from pathlib import Path
 import numpy as np
 
 from memcc import errors
-from memcc.passes.liveness import CPU_MMAP_THRESHOLD
+from memcc.passes.analysis.liveness import CPU_MMAP_THRESHOLD
 
 MMAP_THRESHOLD = CPU_MMAP_THRESHOLD
 # One malloc arena: ORT's worker threads would otherwise each grow a heap of their own,

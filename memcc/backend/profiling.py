@@ -1,7 +1,7 @@
 """Running ORT to time things: per-node times of a step, and this CPU's roofline rates.
 
 These are the only parts of the cost model that execute anything, so they live in
-``backend/`` (which may run ORT) and hand plain numbers to ``passes/cost_model.py`` (which
+``backend/`` (which may run ORT) and hand plain numbers to ``passes/analysis/cost_model.py`` (which
 may not). Both results are cached on disk: profiling a big step takes as long as a few
 training steps, and the rates are a property of the machine, not of the model.
 """
@@ -21,7 +21,7 @@ import numpy as np
 import onnx
 
 from memcc.graph import Graph
-from memcc.passes.cost_model import CostModel, DeviceRates
+from memcc.passes.analysis.cost_model import CostModel, DeviceRates
 
 CACHE_DIR = Path(os.environ.get("MEMCC_CACHE", Path.home() / ".cache" / "memcc"))
 # Bump when what ``measured_costs`` stores changes meaning.

@@ -22,7 +22,7 @@ How a run is arranged, and why:
   its loss is not reported. Then ``steps`` measured steps run from the initial state.
 - On CPU the warm-up and the steps run in a child process started with the allocator
   setting the measurement needs (``memory.run_child``). The parent only validates inputs,
-  predicts the peak (``passes.liveness``) and prepares two files in a temporary directory:
+  predicts the peak (``passes.analysis.liveness``) and prepares two files in a temporary directory:
   the session graph and an ``.npz`` of the initial state, constants and batch.
 - ``step_time_s`` is the median wall time of ``session.run`` over the measured steps.
 """
@@ -50,9 +50,9 @@ from memcc.errors import InputError, RuntimeFailure
 from memcc.frontend.constants import constant_node_value
 from memcc.frontend.load import load_graph
 from memcc.graph import Graph, TensorInfo
-from memcc.passes.arena import ArenaReport, cpu_arena_peak, replay_steps
-from memcc.passes.liveness import LivenessReport, analyze_liveness
-from memcc.passes.step_traffic import StepTraffic, step_traffic
+from memcc.passes.analysis.arena import ArenaReport, cpu_arena_peak, replay_steps
+from memcc.passes.analysis.liveness import LivenessReport, analyze_liveness
+from memcc.passes.analysis.step_traffic import StepTraffic, step_traffic
 from memcc.step import TrainingStep
 from memcc.step import describe_type as _describe
 
@@ -85,7 +85,7 @@ class RunResult:
     deterministic: bool | None = None
     # Nodes whose kernel ran on another provider (CUDA: CPU fallbacks, inserted copies).
     off_provider_nodes: tuple[str, ...] = ()
-    # Kernels and bytes moved by one step of the graph that ran (passes/step_traffic.py).
+    # Kernels and bytes moved by one step of the graph that ran (passes/analysis/step_traffic.py).
     traffic: StepTraffic | None = None
 
     def to_json(self) -> dict:
@@ -153,13 +153,13 @@ def run_steps(
     every fresh buffer, which is not what a training run costs.
 
     ``in_place`` (default) runs the step as ``memcc.Trainer`` does and ``memcc compile``
-    plans it (``passes.arrange``): updates written into the buffers of the values they
+    plans it (``passes.analysis.arrange``): updates written into the buffers of the values they
     replace (IOBinding), each update moved early where that predicts a lower peak, and the
     prediction counts the aliasing. ``in_place=False`` gives every update a buffer of its
     own (the copying runner, kept for comparisons). CUDA always runs in place.
 
     ``arena`` (CPU): allocate through ORT's arena with CUDA's settings instead of straight
-    from malloc, and predict with ``passes.arena`` (the CUDA allocation rules, measured).
+    from malloc, and predict with ``passes.analysis.arena`` (the CUDA allocation rules, measured).
     On CUDA the arena is always on and always predicted that way. ``None``: as the step was
     compiled (``memcc compile --arena`` marks it).
 
@@ -190,7 +190,7 @@ def run_steps(
     aliased: dict[str, str] = {}
     try:
         if in_place:
-            from memcc.passes.arrange import arrange_step
+            from memcc.passes.analysis.arrange import arrange_step
 
             arrangement = arrange_step(graph, TrainingStep.of(graph))
             graph, prediction = arrangement.graph, arrangement.prediction
@@ -240,7 +240,7 @@ def _run_on_device(path: Path, graph: Graph, spec: StepSpec, batch: Mapping[str,
                    cuda_graph: bool | None, deterministic: bool) -> RunResult:
     """``run_steps`` on CUDA, in two sessions of the same step (``DeviceStep``), arranged
     as it trains: updates in place, early where that predicts a lower peak
-    (``passes.device_memory.predict_step``, also what plans for CUDA are judged by).
+    (``passes.analysis.device_memory.predict_step``, also what plans for CUDA are judged by).
 
     The first runs one profiled step, never captured (the order check reads ORT's profile
     of it), and is closed: the CUDA libraries load the kernels a step uses on their first
@@ -251,7 +251,7 @@ def _run_on_device(path: Path, graph: Graph, spec: StepSpec, batch: Mapping[str,
     import gc
 
     from memcc.backend.device_step import DeviceStep
-    from memcc.passes.device_memory import predict_step
+    from memcc.passes.analysis.device_memory import predict_step
 
     try:
         arrangement, device = predict_step(graph, steps=steps)
@@ -321,7 +321,7 @@ def arena_prediction(graph: Graph, liveness: LivenessReport, spec: StepSpec, *, 
 
     CUDA: the feeds are copied into the device arena every run and the outputs copied out,
     so the device peak is the arena's reserved bytes over its baseline. CPU (``--arena``):
-    ``passes.arena.cpu_arena_peak``, the feeds where the runner keeps them plus the arena.
+    ``passes.analysis.arena.cpu_arena_peak``, the feeds where the runner keeps them plus the arena.
     """
     if provider != "cuda":
         return cpu_arena_peak(graph, liveness, steps=steps, meter=True)
@@ -583,7 +583,7 @@ def _run_in_place(session, outputs: list[str], feeds: dict[str, np.ndarray],
 
 def run_options(*, arena: bool = False):
     """The CPU runner's options: with the arena, its unused regions are returned after
-    each step (every step starts level, as ``passes.arena.cpu_arena_peak`` models)."""
+    each step (every step starts level, as ``passes.analysis.arena.cpu_arena_peak`` models)."""
     import onnxruntime as ort
 
     ro = ort.RunOptions()

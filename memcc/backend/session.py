@@ -20,7 +20,7 @@ check and for the measured steps, is made here with the settings that keep a pla
   value of the same shape and keeps it allocated in between (measured: 32 MB instead of
   16 MB on a three-node graph), so the peak depends on which shapes happen to match. With
   it off, a buffer is freed after its last consumer and nothing else, which is what
-  ``passes.liveness`` predicts. Kernel-level in-place updates and aliasing (Relu,
+  ``passes.analysis.liveness`` predicts. Kernel-level in-place updates and aliasing (Relu,
   Reshape, ...) do not depend on this flag and liveness models them.
 - CPU arena off (``enable_cpu_mem_arena = False``): allocations go straight to malloc and
   are returned at free, so the operating system sees the real peak. ``session.
@@ -33,7 +33,7 @@ check and for the measured steps, is made here with the settings that keep a pla
 - ``cpu_arena=True`` (``memcc run --arena``): the CPU provider allocates through the same
   arena class as CUDA (``BFCArena``, registered once per process with kSameAsRequested and
   shared through ``session.use_env_allocators``), so the CUDA allocation rules that
-  ``passes.arena`` models are measured on a machine without a GPU.
+  ``passes.analysis.arena`` models are measured on a machine without a GPU.
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def planning_provider(provider: str) -> str:
     """The provider ``memcc compile`` and ``memcc tune`` plan for: ``auto`` resolves as in
     ``resolve_provider`` (cuda where this onnxruntime runs CUDA, else cpu); ``cuda`` stays
     ``cuda`` without CUDA, where a step may be planned for a GPU elsewhere (compile warns or
-    refuses per option, ``compiler._check_provider``). Anything else is returned as given,
+    refuses per option, ``compiler.pipeline.check_provider``). Anything else is returned as given,
     for the caller's own message."""
     p = (provider or "cpu").lower()
     if p == "auto":
@@ -224,7 +224,7 @@ def make_session(
     ``deterministic`` (CUDA): ORT's ``use_deterministic_compute``, which keeps ReduceSum and
     ReduceMean off their atomic-add fast path and asks cuDNN for deterministic algorithms
     (measured on an H200: a third of a GPT-2 step's time; docs/DETERMINISM.md). Scatters
-    with a reduction stay atomic either way (``passes.deterministic_scatter``).
+    with a reduction stay atomic either way (``passes.providers.deterministic_scatter``).
     ``cuda_graph`` (CUDA): ORT's ``enable_cuda_graph``: the second run is captured and every
     later run replays it; ORT refuses at load when a node is not on the CUDA provider
     (``backend.device_step``).

@@ -27,7 +27,7 @@ from memcc.backend.runner import run_steps, session_graph, synthetic_feeds
 from memcc.backend.session import make_session
 from memcc.errors import RuntimeFailure
 from memcc.graph import Graph, node_label
-from memcc.passes.liveness import categorize
+from memcc.passes.analysis.liveness import categorize
 
 
 def step_outputs(graph: Graph, feeds: dict[str, np.ndarray], provider: str

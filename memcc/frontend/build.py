@@ -89,7 +89,7 @@ class BuildOptions:
     mlp_chunks: int | None = None
     # None (any of the three): not given. The step is built without those chunks (as 1);
     # ``memcc compile`` chooses them itself where they lower the plan's cost at the budget
-    # (passes/chunk_choice.py). A number given is kept as it is (1: never split).
+    # (compiler/chunk_choice.py). A number given is kept as it is (1: never split).
     # memcc's fusions applied to the built step (frontend/fuse.py); () builds it unfused
     fusions: tuple[str, ...] = FUSION_RULES
 

@@ -93,7 +93,7 @@ def _rule_boundaries(graph: Graph) -> set[str]:
     """Values no fusion may remove: the graph's outputs and every gradient a rule read or
     wrote (``memcc.grad_in`` / ``memcc.grad_out``). An operator variant replaces one rule's
     nodes by the variant's and wires them to those values by name
-    (``passes/variants.py``), so they must still exist after fusing."""
+    (``passes/lowering/variant_substitution.py``), so they must still exist after fusing."""
     keep = set(graph.outputs)
     for n in graph.nodes:
         io = rule_io(n)

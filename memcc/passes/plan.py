@@ -2,10 +2,11 @@
 
 A ``Plan`` says, for each value the forward pass hands to the backward pass, what happens to
 it: ``Keep`` it resident (the default), ``Recompute`` it there, or ``Offload`` it to host
-memory (``passes/swap.py``), and for each forward node which gradient-rule variant its
-backward uses (``passes/variants.py``; the default rule unless chosen otherwise).
+memory (``passes/lowering/swap.py``), and for each forward node which gradient-rule variant its
+backward uses (``passes/lowering/variant_substitution.py``; the default rule unless chosen
+otherwise).
 Everything a plan implies (the rewritten graph, its peak, its added time) comes from the
-shared lowering (``passes/lowering.py``) and simulator (``passes/simulate.py``), so
+shared lowering (``passes/lowering/lower.py``) and simulator (``passes/planning/simulate.py``), so
 strategies differ only in the plan they pick.
 """
 
@@ -58,7 +59,7 @@ class Recompute:
 @dataclass(frozen=True)
 class Offload:
     """Copy the value to another memory space after the forward pass and back before the
-    backward reads it (JAX: ``Offloadable(src, dst)``); ``passes/swap.py`` inserts the
+    backward reads it (JAX: ``Offloadable(src, dst)``); ``passes/lowering/swap.py`` inserts the
     copies."""
 
     dst: str = "host"
@@ -107,7 +108,7 @@ class Plan:
     offload: Mapping[str, Offload] = field(default_factory=dict)
     variants: Mapping[str, str] = field(default_factory=dict)
     # Recomputed forward nodes whose clones, made only to rebuild another value, are not
-    # kept for later readers: those rebuild them again (``passes/recompute.py``).
+    # kept for later readers: those rebuild them again (``passes/lowering/recompute.py``).
     recompute_again: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:

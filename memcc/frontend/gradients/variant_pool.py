@@ -31,7 +31,8 @@ Grads = list[str | None]
 
 def _indices_take_no_gradient(node: onnx.NodeProto) -> bool:
     """The step's record of the rule says no gradient was read for the Indices output (a
-    step without the record offers no variant at all: ``passes/variants.substitutable``)."""
+    step without the record offers no variant at all:
+    ``passes/lowering/variant_substitution.substitutable``)."""
     gouts, _ = rule_io(node) or ([], [])
     return not any(gouts[1:])
 

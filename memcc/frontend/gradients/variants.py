@@ -6,8 +6,9 @@ the same op that saves something else (a 1-byte mask instead of a float activati
 output instead of the input) or works in smaller pieces (a convolution's weight gradient
 over batch chunks), so that less memory is live at some point, usually at some cost in time.
 MONeT showed that choosing these together with recomputation is what breaks the floor that
-recomputation alone hits; the planner (``passes/solvers/variant_terms.py``) picks at most
-one variant per node in the same ILP, and the lowering (``passes/variants.py``) replaces
+recomputation alone hits; the planner (``passes/planning/model/variant_terms.py``) picks at most
+one variant per node in the same ILP, and the lowering
+(``passes/lowering/variant_substitution.py``) replaces
 the default rule's backward nodes by the variant's.
 
 A variant rule has the default rule's signature plus ``ctx.forward``: an emitter whose nodes

@@ -1,0 +1,343 @@
+"""Row chunks chosen by ``memcc compile``: the loss, attentions and MLPs split where it pays.
+
+Row chunks (``frontend/chunked_loss.py``, ``frontend/row_chunks.py``) shrink a language
+model's largest tensors (the logits, an attention's scores, an MLP's hidden activations)
+at the price of smaller matrix products and gradients summed over chunks (equivalent tier,
+within 1e-5). They are rewrites of the forward model, made before the autodiff, so the
+planner cannot toggle them node by node as it does recompute or a variant: each setting is
+another step. Compile weighs them the way it weighs strategies: it builds the step with a
+few settings, plans each for the budget, and keeps the plan that fits at the least
+predicted step time (``--budget min``: the smallest budget, ties to the least time).
+
+A setting is one chunk count per kind (the loss, every attention, every MLP), not per
+site: a transformer's layers are alike, and a count per site would multiply the plans
+(each takes seconds). The ladder is short and ordered from the lightest split to the
+heaviest (``LADDER``); where a kind has no site in the model, or its flag was given (an
+override: ``--mlp-chunks 1`` keeps MLPs whole), the ladder leaves it as it is.
+
+When compile searches (``needs_search``): the step as built does not fit the budget, or
+``--budget min``. A step that fits as built is kept without building others (searching
+where it fits at a high recompute cost doubled compile time and broke --time-limit).
+A step given already built keeps the chunks it was built with (they are part of its
+graph); the report says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+from memcc.errors import InputError
+from memcc.frontend.build import BuildOptions, _first_float_output
+from memcc.frontend.chunked_loss import projection_of
+from memcc.frontend.load import load_graph
+from memcc.frontend.row_chunks import ATTENTION, MLP, find_regions
+from memcc.graph import Graph
+from memcc.passes.planning.planner import BudgetError
+from memcc.sizes import format_size
+
+if TYPE_CHECKING:
+    from memcc.compiler.options import CompileOptions
+    from memcc.passes.analysis.cost_model import CostModel
+
+LOSS = "loss"
+KINDS = (LOSS, ATTENTION, MLP)
+FIELDS = {LOSS: "loss_chunks", ATTENTION: "attention_chunks", MLP: "mlp_chunks"}
+FLAGS = {LOSS: "--loss-chunks", ATTENTION: "--attention-chunks", MLP: "--mlp-chunks"}
+# The settings tried, lightest first: the loss alone (no recompute, the logits are often the
+# largest tensor), then attentions and MLPs too, in 4 and in 8 chunks.
+LADDER: tuple[dict[str, int], ...] = (
+    {LOSS: 8},
+    {LOSS: 8, ATTENTION: 4, MLP: 4},
+    {LOSS: 8, ATTENTION: 8, MLP: 8},
+)
+# A step that fits as built is searched further only where its plan adds more than this
+# share of the step's time (recompute that a split could spare).
+SEARCH_ABOVE = 0.03
+# --budget min: budgets within this share of each other tie (the faster plan wins).
+MIN_TIE = 0.01
+
+# (outcome, rewritten step, slack, planning budget): what compile's plan stage returns.
+Planned = tuple
+PlanStep = Callable[[Graph, "CostModel", "CompileOptions"], Planned]
+Rebuild = Callable[["CompileOptions"], tuple[Graph, "CostModel"]]
+
+
+@dataclass
+class Attempt:
+    """One setting planned: its step, costs, plan (or refusal) and the passes that made it."""
+
+    chunks: dict[str, int]
+    options: CompileOptions
+    graph: Graph | None = None
+    costs: CostModel | None = None
+    planned: Planned | None = None
+    refusal: BudgetError | None = None
+    error: str | None = None          # the build itself failed (InputError)
+    passes: list = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return self.planned is not None
+
+    @property
+    def step_time_s(self) -> float:
+        return float(self.planned[0].best.compute_cost_s)
+
+    def budget_bytes(self, user_budget: Callable[[int, int], int]) -> int | None:
+        """The budget a user must give for this plan (``--budget min``'s answer)."""
+        if self.planned is None:
+            return None
+        outcome, _, slack, _ = self.planned
+        return user_budget(outcome.best.peak_bytes, slack)
+
+    def to_json(self, base_time: float | None, user_budget) -> dict:
+        out: dict = {"chunks": dict(self.chunks), "fits": self.fits}
+        if self.planned is not None:
+            out["peak_bytes"] = int(self.planned[0].best.peak_bytes)
+            out["needs_budget_bytes"] = self.budget_bytes(user_budget)
+            out["step_time_s"] = round(self.step_time_s, 6)
+            if base_time:
+                out["added_time"] = round(self.step_time_s / base_time - 1.0, 4)
+        elif self.refusal is not None:
+            out["refused"] = "does not fit"
+            out["smallest_budget_bytes"] = int(self.refusal.smallest)
+        if self.error is not None:
+            out["refused"] = self.error
+        return out
+
+
+@dataclass
+class Choice:
+    """The attempt compile goes on with, and the report's ``row_chunks`` section."""
+
+    attempt: Attempt
+    report: dict
+
+
+def describe(chunks: dict[str, int]) -> str:
+    """``loss 8, attention 4, mlp 4``; ``none`` where nothing is split."""
+    parts = [f"{k} {n}" for k, n in chunks.items() if n > 1]
+    return ", ".join(parts) if parts else "none"
+
+
+def sites(forward: Graph, build: BuildOptions) -> dict[str, int]:
+    """How many places of each kind row chunks could split in ``forward``."""
+    found = {kind: len(find_regions(forward, kind)) for kind in (ATTENTION, MLP)}
+    loss = 0
+    if build.loss == "cross-entropy" and forward.opset >= 16:
+        try:
+            loss = int(projection_of(forward, _first_float_output(forward, "")) is not None)
+        except InputError:
+            loss = 0
+    return {LOSS: loss, **found}
+
+
+def chunks_of(build: BuildOptions) -> dict[str, int]:
+    """The counts a build uses (unset: 1)."""
+    return {k: int(getattr(build, FIELDS[k]) or 1) for k in KINDS}
+
+
+def candidates(build: BuildOptions, found: dict[str, int]) -> list[dict[str, int]]:
+    """The ladder's settings for this model: kinds given by flags kept, kinds without a
+    site left whole; duplicates and the setting as built dropped."""
+    fixed = chunks_of(build)
+    auto = {k for k in KINDS if getattr(build, FIELDS[k]) is None and found.get(k)}
+    seen = [fixed]
+    out = []
+    for rung in LADDER:
+        c = {k: (rung.get(k, 1) if k in auto else fixed[k]) for k in KINDS}
+        if c not in seen:
+            seen.append(c)
+            out.append(c)
+    return out
+
+
+def needs_search(first: Attempt, budget: int | None) -> str | None:
+    """Why compile should try row chunks after the step as built (None: it should not)."""
+    if budget is None:
+        return "--budget min: the smallest budget is sought over row chunks too"
+    if not first.fits:
+        return "the step as built does not fit the budget"
+    # Where the step as built fits, it is kept even when its plan recomputes a lot: each
+    # setting is a whole plan, and searching them there doubled compile time and broke
+    # --time-limit on MONeT's ResNet-50 (tests/large_time_limit.py).
+    return None
+
+
+def choose_row_chunks(model, label: str, graph: Graph, costs: CostModel,
+                      options: CompileOptions, budget: int | None, built: bool,
+                      plan_step: PlanStep, rebuild: Rebuild, passes: list,
+                      say: Callable[[str], None],
+                      user_budget: Callable[[int, int], int]) -> Choice:
+    """Plan ``graph`` (the step as loaded) and, where it pays, the step built with other row
+    chunks; return the chosen attempt (``passes`` then holds its passes only).
+
+    ``built``: compile built the step from a forward model (else it cannot be re-chunked).
+    ``user_budget(peak, slack)``: the budget a user gives for a plan of that peak. Raises
+    the refusal of the attempt that came nearest when no setting fits ``budget``."""
+    # The step as loaded: its load and cost passes are already in ``passes``.
+    first = _attempt(chunks_of(options.build), options, passes,
+                     lambda: (graph, costs), plan_step, mark=0, strict=True)
+    base_time = costs.total(graph)
+    report: dict = {"chosen": dict(first.chunks), "searched": False}
+
+    def done(chosen: Attempt, tried: list[Attempt]) -> Choice:
+        passes[:] = chosen.passes
+        report["chosen"] = dict(chosen.chunks)
+        if tried:
+            report["candidates"] = [
+                {**a.to_json(base_time, user_budget), "chosen": a is chosen} for a in tried]
+        if not chosen.fits:
+            raise _refusal(chosen, tried, label)
+        return Choice(chosen, report)
+
+    if not built:
+        report["why"] = ("the input is a training step: its row chunks were fixed when it "
+                         "was built (memcc build --loss-chunks/--attention-chunks/"
+                         "--mlp-chunks); compile the forward model to let compile choose "
+                         "them")
+        return done(first, [])
+    given = {k for k in KINDS if getattr(options.build, FIELDS[k]) is not None}
+    if given == set(KINDS):
+        report["why"] = "every kind was set by a flag (" + ", ".join(
+            f"{FLAGS[k]} {getattr(options.build, FIELDS[k])}" for k in KINDS) + ")"
+        return done(first, [])
+    why = needs_search(first, budget)
+    if why is None:
+        report["why"] = "the step as built fits the budget at little added time"
+        return done(first, [])
+    found = sites(load_graph(model, options.dims, source=label), options.build)
+    report["sites"] = found
+    ladder = candidates(options.build, found)
+    if not ladder:
+        report["why"] = (why + "; but the model has no loss projection, attention or MLP "
+                         "left for compile to split")
+        return done(first, [])
+    report["searched"] = True
+    report["why"] = why
+    tried = [first]
+
+    def attempt(chunks: dict[str, int]) -> Attempt:
+        say(f"row chunks: planning the step built with {describe(chunks)}")
+        build = replace(options.build, **{FIELDS[k]: n for k, n in chunks.items()})
+        opts = replace(options, build=build)
+        a = _attempt(chunks, opts, passes, lambda: rebuild(opts), plan_step, mark=len(passes))
+        tried.append(a)
+        return a
+
+    if budget is None:
+        chosen = _search_min(first, ladder, attempt, user_budget)
+    else:
+        chosen = _search_budget(first, ladder, attempt, base_time)
+    return done(chosen, tried)
+
+
+def _search_budget(first: Attempt, ladder: list[dict[str, int]], attempt,
+                   base_time: float) -> Attempt:
+    """Lightest split first, then heavier ones while they are faster; the fastest that
+    fits wins, and a plan within 1% of the unchunked step's time ends the search (no split
+    can beat it by more). A refused split with nothing fitting yet jumps to the heaviest
+    (the middle ones follow only if that fits): a refusal costs a smallest-budget search,
+    and where the heaviest split does not fit, a lighter one is not expected to."""
+    best = first if first.fits else None
+    nearest = first
+    queue = list(ladder)
+    while queue:
+        if best is not None and base_time > 0 \
+                and best.step_time_s / base_time - 1.0 <= SEARCH_ABOVE / 3:
+            break
+        chunks = queue.pop(0)
+        a = attempt(chunks)
+        if a.fits:
+            if best is not None and a.step_time_s >= best.step_time_s:
+                break                  # heavier and no faster: nothing left to spare
+            best = a
+            continue
+        if best is not None or chunks == ladder[-1]:
+            if best is None and _smallest(a) < _smallest(nearest):
+                nearest = a
+            break
+        if _smallest(a) < _smallest(nearest):
+            nearest = a
+        queue = queue[-1:] + queue[:-1]
+    return best if best is not None else nearest
+
+
+def _smallest(a: Attempt) -> float:
+    """The smallest budget a refused attempt names (a failed build: none)."""
+    return float(a.refusal.smallest) if a.refusal is not None else float("inf")
+
+
+def _search_min(first: Attempt, ladder: list[dict[str, int]], attempt,
+                user_budget) -> Attempt:
+    """The heaviest split only (the smallest budget wherever a split lowers it; each
+    setting costs a smallest-peak search of its own, and trying the lighter ones too made
+    --budget min two to three times slower for a tie-break on time): it wins where its
+    budget is smaller than the step as built's by more than ``MIN_TIE``."""
+    heavy = attempt(ladder[-1])
+    if not heavy.fits:
+        return first
+    if not first.fits or _budget(heavy, user_budget) < _budget(first, user_budget) / (
+            1 + MIN_TIE):
+        return heavy
+    return first
+
+
+def _budget(a: Attempt, user_budget) -> float:
+    b = a.budget_bytes(user_budget)
+    return float("inf") if b is None else float(b)
+
+
+def _attempt(chunks: dict[str, int], options: CompileOptions, passes: list,
+             load: Callable[[], tuple[Graph, CostModel]], plan_step: PlanStep, *,
+             mark: int, strict: bool = False) -> Attempt:
+    """Build (``load``) and plan one setting; its passes (``passes[mark:]``) are moved
+    out of ``passes``. A setting compile chose whose build fails is set aside with why
+    (e.g. a loss projection that is also an attention's last product, split with it);
+    the step as loaded (``strict``) raises as compile always did."""
+    a = Attempt(dict(chunks), options)
+    try:
+        a.graph, a.costs = load()
+        a.planned = plan_step(a.graph, a.costs, options)
+    except BudgetError as exc:
+        a.refusal = exc
+    except InputError as exc:
+        if strict:
+            raise
+        a.error = str(exc)
+    a.passes = passes[mark:]
+    del passes[mark:]
+    return a
+
+
+def _refusal(chosen: Attempt, tried: list[Attempt], label: str) -> BudgetError:
+    """The nearest attempt's refusal, saying which row chunks were tried."""
+    exc = chosen.refusal
+    if exc is None:
+        raise InputError(f"{label}: {chosen.error}")
+    if len(tried) <= 1:
+        return exc
+    others = "; ".join(
+        f"{describe(a.chunks)}: "
+        + (format_size(a.refusal.smallest) if a.refusal is not None else str(a.error))
+        for a in tried if a is not chosen)
+    return BudgetError(
+        f"{exc} Compile also built the step with other row chunks: the smallest budget "
+        f"above is with {describe(chosen.chunks)} (the others: {others}).",
+        budget=exc.budget, smallest=exc.smallest, outcome=exc.outcome)
+
+
+def summary_line(report: dict) -> str | None:
+    """The line ``memcc compile`` prints about row chunks (None: nothing to say, the step
+    was planned as loaded and nothing was searched)."""
+    rc = report.get("row_chunks") or {}
+    chosen = rc.get("chosen") or {}
+    if not rc.get("searched") and not any(n > 1 for n in chosen.values()):
+        return None
+    line = f"row chunks {describe(chosen)}"
+    tried = rc.get("candidates") or []
+    if rc.get("searched"):
+        line += f" (chosen by compile of {len(tried)} settings planned)"
+    return line

@@ -1,0 +1,116 @@
+"""What a compile is asked for (``CompileOptions``), checked once, and the budget arithmetic
+that turns a user's budget into what plans aim at and back."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from memcc.backend.session import planning_provider
+from memcc.errors import InputError
+from memcc.frontend.build import BuildOptions
+from memcc.graph import Graph
+from memcc.passes.analysis.liveness import heap_allowance_bytes
+from memcc.passes.planning.planner import STRATEGIES
+from memcc.sizes import parse_size
+
+COST_SOURCES = ("auto", "measured", "analytic")
+
+
+BASE_SLACK_BYTES = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    budget: str | int = "min"
+    strategy: str = "auto"
+    provider: str = "cpu"
+    time_limit: float = 60.0
+    cost: str = "auto"
+    verify: bool = False
+    # Plans target budget * (1 - margin) - slack: the liveness model ignores allocator
+    # rounding and per-buffer headers, which the measurement sees (under 1% on the zoo; see
+    # README). None: 1 MiB, plus the heap allowance of the step's small buffers where it
+    # allocates from malloc (``slack_for``); a number is the slack exactly.
+    margin: float = 0.02
+    slack_bytes: int | None = None
+    # The ILP may replace a node's default gradient rule by a variant
+    # (passes/lowering/variant_substitution.py).
+    variants: bool = True
+    # Lossy-tier variants (bfloat16 storage of saved activations) only when asked for.
+    allow_lossy: bool = False
+    # Swap saved values to host memory: None = wherever it can save memory (the CUDA
+    # provider); True asks for it (refused on the CPU provider, with why); False never.
+    offload: bool | None = None
+    # CPU: plan for ORT's CPU arena (the step then trains through it) instead of malloc.
+    arena: bool = False
+    build: BuildOptions = field(default_factory=BuildOptions)
+    dims: Mapping[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # --provider auto plans for where the step would run here (as run and train do).
+        object.__setattr__(self, "provider", planning_provider(self.provider))
+        if self.strategy not in STRATEGIES:
+            raise InputError(f"--strategy '{self.strategy}': choose one of "
+                             f"{', '.join(STRATEGIES)}")
+        if self.cost not in COST_SOURCES:
+            raise InputError(f"--cost '{self.cost}': choose one of {', '.join(COST_SOURCES)}")
+        if self.time_limit <= 0:
+            raise InputError(f"--time-limit {self.time_limit:g}: give a positive number of "
+                             "seconds")
+        if not 0.0 <= self.margin < 0.5:
+            raise InputError(f"--margin {self.margin:g}: give a fraction in [0, 0.5), e.g. "
+                             "0.02")
+        if self.slack_bytes is not None and self.slack_bytes < 0:
+            raise InputError("the slack must be zero or more bytes")
+        if self.provider not in ("cpu", "cuda"):
+            raise InputError(f"--provider '{self.provider}': choose cpu, cuda or auto")
+        if self.arena and self.provider != "cpu":
+            raise InputError("--arena is for --provider cpu: the CUDA provider always "
+                             "allocates through its arena, and its plans are judged by it")
+        if self.offload and self.provider == "cpu":
+            raise InputError(
+                "--offload with --provider cpu: on the CPU provider the host is the device "
+                "(one memory), so copying a saved value to host memory frees nothing and only "
+                "adds the copies' time. Plan for the GPU with --provider cuda --offload, or "
+                "drop --offload.")
+
+    @property
+    def device(self) -> str:
+        """Whose allocation rules plans are judged by (``passes.planning.simulate.DEVICES``)."""
+        return "cpu-arena" if self.arena else self.provider
+
+    @property
+    def heap_room(self) -> bool:
+        """Whether plans keep heap room for their small buffers: with the default slack,
+        on the CPU with malloc (``slack_for`` holds the step's own; the planner weighs
+        those a plan adds)."""
+        return self.slack_bytes is None and self.device == "cpu"
+
+    def slack_for(self, graph: Graph) -> int:
+        """Bytes of the budget that plans for ``graph`` leave free besides ``margin``."""
+        if self.slack_bytes is not None:
+            return self.slack_bytes
+        return BASE_SLACK_BYTES + (heap_allowance_bytes(graph) if self.heap_room else 0)
+
+    @property
+    def swaps(self) -> bool:
+        """Whether the planner may swap saved values to host memory."""
+        return self.provider == "cuda" if self.offload is None else self.offload
+
+    @property
+    def budget_bytes(self) -> int | None:
+        """None means: the smallest budget memcc can reach."""
+        if isinstance(self.budget, str) and self.budget.strip().lower() == "min":
+            return None
+        return parse_size(self.budget)
+
+
+def user_budget(planned_peak: int, options: CompileOptions, slack: int) -> int:
+    """The budget a user must give for a plan whose simulated peak is ``planned_peak``."""
+    return int((planned_peak + slack) / (1.0 - options.margin)) + 1
+
+
+def plan_budget_under(budget: int, options: CompileOptions, slack: int) -> int:
+    """What plans aim at under a user's ``budget``: less the margin and the slack."""
+    return max(int(budget * (1.0 - options.margin)) - slack, 0)

@@ -1,0 +1,274 @@
+"""Compile's planning stage: the plan pass under a user's budget, with the heap room of the
+plan's own small buffers, optimizer state in host memory where it pays, and the chosen plan
+judged again as ``memcc train`` runs it. The refusals name the budget that works."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+from memcc.compiler.advice import chunks_hint
+from memcc.compiler.options import CompileOptions, plan_budget_under, user_budget
+from memcc.compiler.progress import PassReport, Progress
+from memcc.graph import Graph
+from memcc.passes.analysis.cost_model import CostModel
+from memcc.passes.lowering.offload_state import offload_state, optimizer_state
+from memcc.passes.plan import StepStructure
+from memcc.passes.planning.floor import step_floor
+from memcc.passes.planning.planner import (
+    BudgetError,
+    PlanOutcome,
+    choose_plan,
+    describe_variants,
+)
+from memcc.passes.planning.simulate import Simulation, simulate
+from memcc.sizes import format_size
+
+# Each round plans for less room than the last; the plan's own small buffers settle within
+# one or two (a handful of recomputed values each time).
+REPLANS_FOR_HEAP_ROOM = 3
+
+
+def check_floor(graph: Graph, budget: int, options: CompileOptions, label: str,
+                 structure: StepStructure) -> None:
+    """Refuse, before any search, a budget under the step's floor (``passes/planning/floor.py``):
+    what lives across the whole step (inputs, parameters, optimizer state; no plan frees
+    them) plus the largest working set of one forward node (every plan runs it), with the
+    margin and slack the budget keeps free. The search would say the same after its
+    smallest-peak solve (tens of seconds on a large step) with the exact smallest budget;
+    this says what is at least needed, in milliseconds (the error's ``smallest`` is that
+    lower bound, never above what ``--budget min`` finds)."""
+    floor = step_floor(graph, structure)
+    if options.provider == "cuda" and options.swaps:  # what may wait in host memory
+        moved = sum(b for _, b in optimizer_state(graph))
+        floor = replace(floor, persistent_bytes=floor.persistent_bytes - moved)
+    slack = options.slack_for(graph)
+    if floor.total_bytes <= plan_budget_under(budget, options, slack):
+        return
+    need = user_budget(floor.total_bytes, options, slack)
+    node = (f" + {format_size(floor.node_bytes)} that node {floor.node} ({floor.op_type}) "
+            "reads and writes at once, the largest working set of any forward node (every "
+            "plan runs it)" if floor.node is not None else "")
+    raise BudgetError(
+        f"{label}: --budget {options.budget} ({budget:,} bytes) cannot hold this step: no "
+        f"plan peaks under {format_size(floor.total_bytes)} ({floor.total_bytes:,} bytes): "
+        f"{format_size(floor.persistent_bytes)} of inputs, parameters and optimizer state, "
+        f"live all step{node}; and the budget keeps {options.margin:.0%} + {slack:,} bytes "
+        f"free besides (--margin). No budget under {format_size(need)} ({need:,} bytes) can "
+        "fit: give at least that (--budget min finds the smallest that does), or shrink "
+        "the step (a smaller batch; --freeze PATTERN trains fewer parameters; sgd keeps one "
+        "state tensor per parameter, adamw two). Nothing was written.",
+        budget=budget, smallest=need)
+
+
+def plan_in_budget(graph: Graph, budget: int | None, costs: CostModel,
+                    options: CompileOptions, structure: StepStructure,
+                    timed: Callable[[str, Callable[[], tuple]], object],
+                    passes: list[PassReport], say: Progress, label: str
+                    ) -> tuple[PlanOutcome, Graph, int, int | None]:
+    """The plan pass and its rewrite, keeping heap room for the small buffers of the plan
+    it returns (``CompileOptions.slack_for``): (outcome, rewritten step, slack, planning
+    budget). The step as built has the fewest small buffers; recompute clones add some,
+    which the planner weighs when it picks a plan (``Simulation.fit_bytes``) and, where the
+    plan it returns still lacks room, compile plans again for less."""
+    slack = base_slack = options.slack_for(graph)
+    plan_budget = None if budget is None else plan_budget_under(budget, options, slack)
+
+    def own_slack(outcome: PlanOutcome) -> int:
+        return max(base_slack, options.slack_for(outcome.best.graph))
+
+    def no_fit(exc: BudgetError, trained: PlanOutcome | None) -> BudgetError:
+        # what --budget min gives: the smallest plan, as trained, with its own heap room
+        room = slack if trained is None else own_slack(trained)
+        need = user_budget(exc.smallest if trained is None else trained.best.peak_bytes,
+                           options, room)
+        return BudgetError(
+            f"{label}: the training step does not fit in {format_size(budget)} "
+            f"({budget:,} bytes). The smallest budget memcc can reach for it is "
+            f"{format_size(need)} ({need:,} bytes; strategy {options.strategy}, with "
+            f"{options.margin:.0%} + {room:,} bytes of safety margin). "
+            f"Nothing was written. Use --budget {need} "
+            "or more, --budget min, or a smaller batch."
+            + chunks_hint(next(p.summary for p in passes if p.name == "load")),
+            budget=budget or 0, smallest=need,
+        )
+
+    def plan_for(target: int | None) -> PlanOutcome:
+        """The plan for ``target``; where none fits it, the smallest plan if that fits the
+        budget with the heap room of its own small buffers (a previous plan's may have been
+        more), else the refusal, naming the budget that --budget min gives."""
+        try:
+            return timed("plan", lambda: plan_stage(graph, target, costs, options, structure))
+        except BudgetError as exc:
+            smallest = None if exc.outcome is None else as_trained(
+                graph, exc.outcome, costs, options, structure)
+            if smallest is None or budget is None or smallest.best.peak_bytes > plan_budget_under(
+                    budget, options, own_slack(smallest)):
+                raise no_fit(exc, smallest) from None
+            return timed("plan", lambda: (smallest, plan_summary(graph, smallest, costs,
+                                                                  options, structure)))
+
+    outcome = plan_for(plan_budget)
+    plan_sim = outcome.best
+    base_sim = outcome.baseline
+    rewritten = timed("rewrite", lambda: rewrite_stage(plan_sim, base_sim))
+    # Recomputed values are buffers too: keep heap room for the plan's own small buffers,
+    # planning again, for less, while they leave the plan over its budget.
+    for _ in range(REPLANS_FOR_HEAP_ROOM):
+        own = own_slack(outcome)
+        if plan_budget is None or plan_sim.peak_bytes <= plan_budget_under(budget, options, own):
+            break
+        first = {"peak_bytes": plan_sim.peak_bytes, "planning_budget_bytes": plan_budget,
+                 "small_buffers_heap_bytes": own - slack}
+        slack = own
+        plan_budget = plan_budget_under(budget, options, slack)
+        say(f"planning again, for {format_size(plan_budget)}: the plan's recomputed values "
+            "need heap room of their own")
+        del passes[-2:]  # that plan and its rewrite: the report keeps the one used
+        outcome = plan_for(plan_budget)
+        passes[-1].summary["planned_again"] = first
+        plan_sim, base_sim = outcome.best, outcome.baseline
+        rewritten = timed("rewrite", lambda p=plan_sim, b=base_sim: rewrite_stage(p, b))
+    # What the report states: the room the returned plan keeps for its own small buffers.
+    slack = own_slack(outcome)
+    if budget is not None:
+        plan_budget = plan_budget_under(budget, options, slack)
+    return outcome, rewritten, slack, plan_budget
+
+
+def plan_offloading_state(graph: Graph, budget: int | None, costs: CostModel,
+                           options: CompileOptions, structure: StepStructure,
+                           timed, passes: list[PassReport], say: Progress, label: str):
+    """``plan_in_budget``, and on CUDA with offload on, the same with the optimizer state in
+    host memory (``passes.lowering.offload_state``) where that reaches further or costs less: tried
+    when the budget is not reached without it, for ``--budget min`` (the smaller peak wins),
+    and when the plan without it adds more time than the state's copies would. Returns
+    ``plan_in_budget``'s tuple and the report's ``offloaded_state`` (None: not tried)."""
+    state = optimizer_state(graph) if options.provider == "cuda" and options.swaps else []
+    start = len(passes)
+    try:
+        plain = plan_in_budget(graph, budget, costs, options, structure, timed, passes,
+                                say, label)
+        refusal = None
+    except BudgetError as exc:
+        if not state:
+            raise
+        plain, refusal = None, exc
+    if not state:
+        return (*plain, None)
+    everything = [n for n, _ in state]
+    tries = [everything]
+    if plain is None and budget is not None:
+        # out of reach by a known deficit: first the largest tensors that cover it, with
+        # room for the update that visits the device (the rest then costs no copies)
+        deficit, covered, prefix = refusal.smallest - budget, 0, []
+        for name, nbytes in state:
+            if covered >= 2 * deficit + state[0][1]:
+                break
+            prefix.append(name)
+            covered += nbytes
+        if len(prefix) < len(everything):
+            tries.insert(0, prefix)
+    middle = len(passes)
+    off = moved = None
+    for names in tries:
+        moved = offload_state(graph, names)
+        copies_s = moved.added_seconds(costs.link)
+        if plain is not None and budget is not None and plain[0].best.added_time_s <= copies_s:
+            return (*plain, None)  # fits, and adds less time than the copies alone would
+        say(f"planning with {len(names)} optimizer state tensors in host memory "
+            f"({format_size(moved.bytes)})")
+        try:
+            off = plan_in_budget(moved.graph, budget, costs, options,
+                                  StepStructure.of(moved.graph), timed, passes, say, label)
+            break
+        except BudgetError as exc:
+            del passes[middle:]
+            if names is tries[-1]:
+                if plain is None:
+                    raise exc from refusal
+                return (*plain, None)
+
+    def reach(result) -> int:
+        return user_budget(result[0].best.peak_bytes, options, result[2])
+
+    without = refusal.smallest if plain is None else reach(plain)
+    off_time = off[0].best.added_time_s + copies_s
+    use = plain is None or (off[0].best.peak_bytes < plain[0].best.peak_bytes
+                            if budget is None else off_time < plain[0].best.added_time_s)
+    if use:
+        del passes[start:middle]
+    else:
+        del passes[middle:]
+    report = moved.to_json(costs.link) | {
+        "used": use, "smallest_budget_bytes": reach(off) if budget is None else None,
+        "smallest_budget_without_bytes": without if budget is None or plain is None else None,
+        "plan_added_time_s": round(off_time, 6),
+        "method": ("predicted (passes.lowering.offload_state + passes.analysis.device_memory), "
+                   "not measured")}
+    return (*(off if use else plain), report)
+
+
+def plan_stage(graph, budget, costs, options, structure) -> tuple[PlanOutcome, dict]:
+    # On CUDA, saved values may also be swapped to host memory (never on the CPU provider,
+    # where host and device are one memory).
+    outcome = choose_plan(graph, budget, costs, strategy=options.strategy,
+                          time_limit=options.time_limit, structure=structure,
+                          offload=options.swaps, variants=options.variants,
+                          device=options.device, allow_lossy=options.allow_lossy,
+                          heap_room=options.heap_room)
+    outcome = as_trained(graph, outcome, costs, options, structure)
+    return outcome, plan_summary(graph, outcome, costs, options, structure)
+
+
+def as_trained(graph: Graph, outcome: PlanOutcome, costs: CostModel, options: CompileOptions,
+               structure: StepStructure) -> PlanOutcome:
+    """The chosen plan and the step as built, judged in the order ``memcc train`` runs them:
+    updates in place and each moved to just after its gradient where that lowers the peak
+    (``simulate(early_updates=True)``). The search judges candidates in the file's order
+    (a bound on this one, at a third of the analysis); the step compile writes is this
+    order, so the peak it reports is the peak of the step as trained, never above the one
+    the search accepted."""
+    def trained(sim: Simulation) -> Simulation:
+        again = simulate(graph, sim.plan, costs, structure, host_copies=options.swaps,
+                         device=options.device, early_updates=True)
+        return replace(again, heap_room=sim.heap_room) \
+            if again.peak_bytes <= sim.peak_bytes else sim
+
+    return replace(outcome, best=trained(outcome.best), baseline=trained(outcome.baseline))
+
+
+def plan_summary(graph, outcome: PlanOutcome, costs, options, structure) -> dict:
+    best, base = outcome.best, outcome.baseline
+    variants = describe_variants(graph, best, costs, structure,
+                                 host_copies=options.provider == "cuda",
+                                 device=options.device)
+    saved = {v: graph.info[v].nbytes for v in best.recomputed_values}
+    summary = {
+        "strategy": outcome.strategy,
+        "strategy_label": outcome.label,
+        "recomputed_nodes": len(best.plan.recompute),
+        "recomputed_values": len(best.recomputed_values),
+        "recomputed_value_bytes": int(sum(saved.values())),
+        "peak_bytes": best.peak_bytes,
+        "baseline_peak_bytes": base.peak_bytes,
+        "bytes_saved": base.peak_bytes - best.peak_bytes,
+        "predicted_added_time_s": round(best.added_time_s, 6),
+        "variant_nodes": len(variants["chosen"]),
+        "exactness": variants["exactness"],
+        "variants": variants,
+        "smallest_peak_bytes": outcome.smallest_peak,
+        "solver": outcome.solver,
+        "candidates": outcome.candidates,
+        "runs": outcome.runs,
+    }
+    return summary
+
+
+def rewrite_stage(plan_sim: Simulation, base_sim: Simulation) -> tuple[Graph, dict]:
+    g = plan_sim.graph
+    return g, {
+        "nodes_before": len(base_sim.graph.nodes), "nodes_after": len(g.nodes),
+        "cloned_nodes": len(plan_sim.cloned_nodes),
+        "recomputed": list(plan_sim.recomputed_values),
+    }

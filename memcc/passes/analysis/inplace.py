@@ -1,0 +1,128 @@
+"""Which carried-state updates may be written into the buffer of the value they replace.
+
+An analysis (nothing is changed). A training step takes parameters and optimizer state as
+inputs and returns their new values as outputs; by default ORT gives every output a buffer of
+its own, so at the end of a step both the old and the new copy of all state are allocated.
+When the output ``P.new`` is bound to the buffer of the input ``P`` (ORT's IOBinding,
+``memcc.trainer``), one copy suffices. That is only correct when the old value is no longer
+needed at the moment the new one is written:
+
+- the producer of ``P.new`` is an element-wise kernel (``Add``, ``Sub``, ``Mul``, ``Div``)
+  whose output has ``P``'s exact type, so each element is read before it is overwritten,
+  and any operand that shares ``P``'s buffer has the output's shape (no broadcast reads);
+- no node after the producer (in execution order) reads ``P`` or a value that shares its
+  buffer (Reshape, Identity, ... ``liveness.ALIAS_OPS``): the producer is the last reader of
+  the old value, or comes after it;
+- ``P`` is not itself a graph output, and no other update is written over it.
+
+Steps built by ``memcc build`` emit every update after the whole backward pass, so each SGD,
+momentum and Adam moment update qualifies. Updates that do not (a BatchNormalization running
+statistic, written by the BatchNormalization kernel itself, whose reads and writes memcc has
+not checked for overlap; an ``Identity`` output) are reported with the reason and keep a
+buffer of their own, as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import onnx
+
+from memcc.graph import Graph
+from memcc.passes.analysis.liveness import ALIAS_OPS
+
+ELEMENTWISE_OPS = frozenset({"Add", "Sub", "Mul", "Div"})
+
+
+@dataclass(frozen=True)
+class InPlaceUpdates:
+    """``aliased``: output -> the input whose buffer it is written into; ``refused``:
+    output -> why it keeps a buffer of its own."""
+
+    aliased: Mapping[str, str]
+    refused: Mapping[str, str]
+
+
+def analyze_in_place(graph: Graph, updates: Mapping[str, str],
+                     order: Sequence[onnx.NodeProto] | None = None) -> InPlaceUpdates:
+    """Decide, for each ``output -> input`` update of the step, whether it can alias."""
+    nodes = list(order if order is not None else graph.nodes)
+    position = {id(n): j for j, n in enumerate(nodes)}
+    producer: dict[str, onnx.NodeProto] = {}
+    readers: dict[str, list[int]] = {}
+    for j, n in enumerate(nodes):
+        for o in n.output:
+            if o:
+                producer[o] = n
+        for i in n.input:
+            if i:
+                readers.setdefault(i, []).append(j)
+    aliased: dict[str, str] = {}
+    refused: dict[str, str] = {}
+    taken: set[str] = set()
+    outputs = set(graph.outputs)
+    views = alias_children(nodes)
+    for out, inp in updates.items():
+        why = _refusal(graph, nodes, position, producer, readers, outputs, out, inp, taken,
+                       views)
+        if why is None:
+            aliased[out] = inp
+            taken.add(inp)
+        else:
+            refused[out] = why
+    return InPlaceUpdates(aliased, refused)
+
+
+def _refusal(graph: Graph, nodes, position, producer, readers, outputs: set[str], out: str,
+             inp: str, taken: set[str], views: Mapping[str, list[str]]) -> str | None:
+    node = producer.get(out)
+    if node is None:
+        return "no node produces it"
+    if inp in outputs:
+        return f"'{inp}' is itself a graph output"
+    if inp in taken:
+        return f"another update is already written over '{inp}'"
+    if node.op_type not in ELEMENTWISE_OPS:
+        return f"its producer is {node.op_type}, not an element-wise Add/Sub/Mul/Div"
+    ti_out, ti_in = graph.info.get(out), graph.info.get(inp)
+    if ti_out is None or ti_out != ti_in:
+        return f"its type differs from '{inp}'"
+    shared = sharing_buffer(views, inp)
+    for operand in node.input:
+        if operand in shared and graph.info.get(operand) is not None and \
+                graph.info[operand].shape != ti_out.shape:
+            return f"its producer reads '{operand}' (the old value) with broadcasting"
+    at = position[id(node)]
+    for v in shared:
+        later = [j for j in readers.get(v, ()) if j > at]
+        if later:
+            reader = nodes[later[-1]]
+            return (f"'{reader.name or reader.op_type}' reads the old value ('{v}') after "
+                    f"'{node.name or node.op_type}' writes the new one")
+    return None
+
+
+def alias_children(nodes: Sequence[onnx.NodeProto]) -> dict[str, list[str]]:
+    """Value -> the values ORT may hand out as views of its buffer, one step down (read
+    once per graph: ``sharing_buffer`` walks it for every update)."""
+    children: dict[str, list[str]] = {}
+    for n in nodes:
+        if n.op_type in ALIAS_OPS and n.input and n.input[0] and n.output:
+            children.setdefault(n.input[0], []).append(n.output[0])
+    return children
+
+
+def sharing_buffer(nodes: Sequence[onnx.NodeProto] | Mapping[str, list[str]], inp: str
+                   ) -> set[str]:
+    """``inp`` and every value ORT may hand out as a view of its buffer. ``nodes``: the
+    step's nodes, or their ``alias_children`` when asked for many values."""
+    children = nodes if isinstance(nodes, Mapping) else alias_children(nodes)
+    shared = {inp}
+    stack = [inp]
+    while stack:
+        for c in children.get(stack.pop(), ()):
+            if c not in shared:
+                shared.add(c)
+                stack.append(c)
+    return shared

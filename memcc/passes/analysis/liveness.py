@@ -1,0 +1,580 @@
+"""Liveness analysis: which buffers ORT holds at every node of a step, and the peak.
+
+An analysis only (the graph is not changed). It predicts what the measured peak counts
+(``backend/memory.py``) under the execution contract (``backend/session.py``), following
+ORT's allocation planner (``core/framework/allocation_planner.cc``) and measurements on the
+CPU execution provider of onnxruntime 1.31.1 (``tests/test_ort_facts.py`` pins each rule):
+
+- Graph inputs, initializers and Constant-node outputs exist before the first node and for
+  the whole step. ORT turns Constant nodes into initializers when it loads a graph; they
+  never run. (The runner feeds initializers and constants as inputs, see
+  ``backend/runner.py``, which changes nothing here.)
+- A node's outputs are allocated while it runs; its inputs are freed after it, when it was
+  the last consumer (in execution order) of every value sharing their buffer. So while node
+  ``i`` runs, the live bytes are those live after node ``i-1``, plus its new outputs, plus
+  its scratch.
+- Graph outputs get their own buffer and are never freed during the step. A node output
+  that no node consumes and that is not a graph output is never freed either. An update
+  output bound to the buffer of the input it replaces (``in_place``) allocates nothing.
+- Aliasing: Reshape, Squeeze, Unsqueeze, Flatten and Identity return their input's buffer
+  (no allocation); the buffer lives until the last consumer of any alias. Not when the
+  output is a graph output: then it is a fresh buffer.
+- In place: Relu-like activations, Sigmoid, Tanh, Softmax, LogSoftmax, Clip, Cast and
+  ScatterElements write into input 0 when this node is the only remaining use of that
+  buffer, the buffer belongs to a node output (not an input, initializer or graph output),
+  shapes are equal and the element sizes are equal.
+- Planner buffer reuse between unrelated values is off (``enable_mem_reuse = False``), so
+  freed memory is simply returned.
+- Kernel scratch, allocated and freed inside one kernel, that measurably matters: Where
+  builds both broadcast selections before merging them; Sum/Max/Min/Mean over more than two
+  inputs keep one accumulator; Dropout makes its mask even when the mask is not an output;
+  Softmax/LogSoftmax (opset >= 13) on a non-last axis transpose in and out; ConvTranspose
+  expands one image into a column buffer; ScatterElements copies its indices into an int64
+  vector (8 bytes per index, whatever their type). Conv's MLAS working buffer is left out
+  here: a 64 KiB block per thread, or the whole im2col when a Conv has more filters than
+  output positions (every weight gradient memcc writes as a Conv), but freed at once and,
+  on the model zoo, never at the peak (measured/predicted 0.9997-1.0021,
+  docs/MEMORY_TRUTH.md). With an arena it matters, because the region it took stays
+  reserved: ``scratch_buffers`` adds it when given the CPU threads, which ``passes.analysis.arena``
+  does for ``memcc run --arena``.
+  Scratch of other kernels (Einsum's operand copies, pooling, thread-local MLAS buffers) is
+  not modeled.
+
+Bytes are ``TensorInfo.nbytes``; the allocator's page rounding (under 4 KiB per buffer) is
+ignored. The default order is the file's; ORT runs a file in that order except that it hoists
+ready Shape/Size nodes (``backend.profile_order.ort_priority_order`` gives the executed
+order, and ``memcc run`` reports any difference).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+
+from memcc.graph import Graph, TensorInfo, attr
+from memcc.step import TrainingStep, is_forward_tagged
+
+HOST_COPY_OP = "MemcpyToHost"  # its output lives in host memory on a device provider
+
+# How the CPU measurement allocates (backend/memory.py): every buffer of at least this many
+# bytes is its own mmap of size + 16 header bytes, rounded up to whole pages.
+CPU_MMAP_THRESHOLD = 4096
+PAGE_BYTES = 4096
+MMAP_HEADER_BYTES = 16
+
+
+def allocation_bytes(nbytes: int) -> int:
+    """Bytes a tensor of ``nbytes`` really occupies: small ones come from the heap as is,
+    large ones are whole pages (up to 4 KiB more each; hundreds of buffers make megabytes)."""
+    if nbytes < CPU_MMAP_THRESHOLD:
+        return nbytes
+    return -(-(nbytes + MMAP_HEADER_BYTES) // PAGE_BYTES) * PAGE_BYTES
+
+
+# What glibc's heap costs a step beyond the bytes of its small buffers, under the CPU
+# measurement: every buffer under CPU_MMAP_THRESHOLD, and the bookkeeping ORT allocates for
+# each value, share one heap that fragments within a step and from one step to the next.
+# It depends on the order in which ORT's threads allocate, not on which values are live, so
+# it is not part of the predicted peak; plans keep room for it in the safety margin
+# (``heap_allowance_bytes``). Measured on the min plans of 20 torchvision and timm models,
+# both exporters, the worst of four steps: 162-1,664 bytes per small buffer beyond the
+# prediction (26-940 run in place), above 1 KiB only where the base slack or the margin
+# covers it (BENCHMARKS.md, "Heap allowance for small buffers").
+HEAP_BYTES_PER_SMALL_BUFFER = 1024
+
+
+def small_buffers(graph: Graph) -> int:
+    """How many buffers of the step come from the heap: its inputs and stored values under
+    the mmap threshold, and every value under it that a node writes (an alias included: ORT
+    still allocates its tensor's bookkeeping there)."""
+    def small(name: str) -> bool:
+        ti = graph.info.get(name)
+        return ti is not None and ti.nbytes < CPU_MMAP_THRESHOLD
+
+    stored = set(graph.inputs) | set(graph.initializers)
+    written = {o for n in graph.nodes for o in n.output if o} - stored
+    return sum(1 for name in stored | written if small(name))
+
+
+def heap_allowance_bytes(graph: Graph) -> int:
+    """Room for glibc's heap (``HEAP_BYTES_PER_SMALL_BUFFER`` per small buffer). Only a
+    step that allocates straight from malloc on the CPU needs it; compile decides where
+    (``CompileOptions.slack_for``: not with an arena, which the arena model rounds)."""
+    return HEAP_BYTES_PER_SMALL_BUFFER * small_buffers(graph)
+
+
+ALIAS_OPS = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity"})
+INPLACE_OPS = frozenset({
+    "Relu", "LeakyRelu", "Elu", "Selu", "Celu", "HardSigmoid", "Softplus", "Softsign",
+    "ThresholdedRelu", "Sigmoid", "Tanh", "Softmax", "LogSoftmax", "Clip", "Cast",
+    # Scatters into its data input: chained accumulation (the Gather gradient) costs one table.
+    "ScatterElements",
+})
+VARIADIC_OPS = frozenset({"Sum", "Max", "Min", "Mean"})
+NOT_EXECUTED = frozenset({"Constant"})
+
+CATEGORIES = ("parameters", "optimizer_state", "gradients", "activations", "other", "scratch")
+BEFORE_FIRST_NODE = -1
+
+
+@dataclass(frozen=True)
+class ValueLife:
+    """One value: its size, when it appears and when its buffer goes away.
+
+    ``birth`` is the index (in the analysed order) of the node that produces it, or -1 for
+    values that exist before the first node. ``death`` is the index of the node after which
+    its buffer is freed, or None when it stays to the end of the step. ``buffer`` names the
+    value whose allocation holds it (itself unless aliased or updated in place); only a
+    value with ``buffer == name`` adds bytes.
+    """
+
+    name: str
+    nbytes: int
+    birth: int
+    death: int | None
+    buffer: str
+    category: str
+
+    @property
+    def owns_buffer(self) -> bool:
+        return self.buffer == self.name
+
+
+@dataclass(frozen=True)
+class LivenessReport:
+    """Bytes live at every node of one execution order, and what is live at the peak."""
+
+    order: tuple[str, ...]
+    values: Mapping[str, ValueLife]
+    start_bytes: int
+    live_during: tuple[int, ...]
+    live_after: tuple[int, ...]
+    scratch: tuple[int, ...]
+    peak_bytes: int
+    peak_step: int
+    live_at_peak: tuple[str, ...]
+    breakdown: Mapping[str, int]
+    category_bytes: Mapping[str, int]
+    # With ``host_copies``: the largest bytes held in host memory by swapped-out copies
+    # (they are not in ``peak_bytes``, which then counts device memory only).
+    host_peak_bytes: int = 0
+
+    @property
+    def peak_node(self) -> str | None:
+        return self.order[self.peak_step] if self.peak_step >= 0 else None
+
+    def to_json(self, *, per_node: bool = False) -> dict:
+        out = {
+            "peak_bytes": self.peak_bytes,
+            "peak_step": self.peak_step,
+            "peak_node": self.peak_node,
+            "start_bytes": self.start_bytes,
+            "breakdown_at_peak": dict(self.breakdown),
+            "category_bytes": dict(self.category_bytes),
+            "live_at_peak": list(self.live_at_peak),
+            "nodes": len(self.order),
+        }
+        if self.host_peak_bytes:
+            out["host_peak_bytes"] = self.host_peak_bytes
+        if per_node:
+            out["live_during"] = list(self.live_during)
+            out["live_after"] = list(self.live_after)
+        return out
+
+
+# ---------------------------------------------------------------------------- entry point
+def analyze_liveness(graph: Graph, order: Sequence[str | onnx.NodeProto] | None = None,
+                     *, in_place: Mapping[str, str] | None = None,
+                     host_copies: bool = False) -> LivenessReport:
+    """Simulate ORT's buffer lifetimes over ``order`` (default: the graph's node order).
+
+    ``in_place`` maps graph outputs to the graph inputs whose buffers they are written into
+    (IOBinding, ``memcc.trainer``; ``passes.analysis.inplace`` says which are safe): such an output
+    allocates nothing, it shares the input's buffer, which lives for the whole step anyway.
+    ``host_copies`` counts what ``MemcpyToHost`` writes as host memory, apart from the
+    peak (a device provider; on the CPU provider host and device are one memory, and the
+    copies count like any buffer).
+    """
+    nodes = _resolve_order(graph, order)
+    categories = categorize(graph)
+    sim = _Simulation(graph, nodes, categories, in_place, host_copies)
+    sim.run()
+    return sim.report()
+
+
+# ---------------------------------------------------------------------------- simulation
+class _Simulation:
+    """One pass over the nodes, tracking buffers the way ORT's planner assigns them."""
+
+    def __init__(self, graph: Graph, nodes: list[onnx.NodeProto],
+                 categories: Mapping[str, str],
+                 in_place: Mapping[str, str] | None = None,
+                 host_copies: bool = False) -> None:
+        self.graph = graph
+        self.in_place = dict(in_place or {})
+        self.host_copies = host_copies
+        self.host: set[str] = set()
+        self.host_live = 0
+        self.host_peak = 0
+        self.nodes = nodes
+        self.categories = categories
+        self.outputs = set(graph.outputs)
+        self.uses: dict[str, int] = {}
+        for n in nodes:
+            for i in n.input:
+                if i:
+                    self.uses[i] = self.uses.get(i, 0) + 1
+        self.buffer_of: dict[str, str] = {}
+        self.buffer_bytes: dict[str, int] = {}
+        self.remaining: dict[str, int] = {}
+        self.pinned: set[str] = set()
+        self.birth: dict[str, int] = {}
+        self.buffer_death: dict[str, int] = {}
+        self.live = 0
+        self.start_bytes = 0
+        self.live_during: list[int] = []
+        self.live_after: list[int] = []
+        self.scratch: list[int] = []
+
+    def nbytes(self, name: str) -> int:
+        ti = self.graph.info.get(name)
+        return allocation_bytes(ti.nbytes) if ti is not None else 0
+
+    def _new_buffer(self, name: str, birth: int, pinned: bool) -> int:
+        self.buffer_of[name] = name
+        self.buffer_bytes[name] = self.nbytes(name)
+        self.remaining[name] = self.uses.get(name, 0)
+        self.birth[name] = birth
+        if pinned:
+            self.pinned.add(name)
+        return self.buffer_bytes[name]
+
+    def run(self) -> None:
+        for name in _preexisting(self.graph, self.nodes):
+            self.live += self._new_buffer(name, BEFORE_FIRST_NODE, pinned=True)
+        self.start_bytes = self.live
+        for j, node in enumerate(self.nodes):
+            self._step(j, node)
+
+    def _step(self, j: int, node: onnx.NodeProto) -> None:
+        if node.op_type in NOT_EXECUTED:
+            self.live_during.append(self.live)
+            self.live_after.append(self.live)
+            self.scratch.append(0)
+            return
+        new = 0
+        for k, out in enumerate(node.output):
+            if not out:
+                continue
+            if out in self.in_place:  # written into the buffer of the input it replaces
+                target = self.buffer_of.get(self.in_place[out])
+            else:
+                target = None if out in self.outputs else self._shared_buffer(node, k, out)
+            if target is not None:
+                self.buffer_of[out] = target
+                self.birth[out] = j
+                self.remaining[target] += self.uses.get(out, 0)
+            elif self.host_copies and node.op_type == HOST_COPY_OP:
+                self.host.add(out)
+                self.host_live += self._new_buffer(out, j, pinned=out in self.outputs)
+                self.host_peak = max(self.host_peak, self.host_live)
+            else:
+                unused = self.uses.get(out, 0) == 0
+                new += self._new_buffer(out, j, pinned=out in self.outputs or unused)
+        extra = scratch_bytes(node, self.graph.info, self.graph.opset)
+        self.scratch.append(extra)
+        self.live_during.append(self.live + new + extra)
+        self.live += new
+        for inp in node.input:
+            if not inp:
+                continue
+            b = self.buffer_of.get(inp)
+            if b is None:  # consumed but never defined: an invalid graph; count nothing
+                continue
+            self.remaining[b] -= 1
+            if self.remaining[b] == 0 and b not in self.pinned and b not in self.buffer_death:
+                self.buffer_death[b] = j
+                if b in self.host:
+                    self.host_live -= self.buffer_bytes[b]
+                else:
+                    self.live -= self.buffer_bytes[b]
+        self.live_after.append(self.live)
+
+    def _shared_buffer(self, node: onnx.NodeProto, k: int, out: str) -> str | None:
+        """The buffer ``out`` is written into instead of a new one, if ORT shares one."""
+        if k != 0 or not node.input or not node.input[0]:
+            return None
+        src = node.input[0]
+        b = self.buffer_of.get(src)
+        if b is None:
+            return None
+        if node.op_type in ALIAS_OPS:
+            return b
+        if node.op_type in INPLACE_OPS and b not in self.pinned and self.remaining[b] == 1:
+            if _same_size(self.graph.info.get(src), self.graph.info.get(out)):
+                return b
+        return None
+
+    def report(self) -> LivenessReport:
+        values: dict[str, ValueLife] = {}
+        for name, b in self.buffer_of.items():
+            values[name] = ValueLife(
+                name=name,
+                nbytes=self.nbytes(name),
+                birth=self.birth[name],
+                death=self.buffer_death.get(b),
+                buffer=b,
+                category=self.categories.get(name, "activations"),
+            )
+        peak, step = self.start_bytes, BEFORE_FIRST_NODE
+        for j, v in enumerate(self.live_during):
+            if v > peak:
+                peak, step = v, j
+        live = [b for b in self._buffers_live_at(step) if b not in self.host]
+        breakdown = dict.fromkeys(CATEGORIES, 0)
+        for b in live:
+            breakdown[values[b].category] += self.buffer_bytes[b]
+        if step >= 0:
+            breakdown["scratch"] += self.scratch[step]
+        cat_bytes = dict.fromkeys(CATEGORIES, 0)
+        for b, nbytes in self.buffer_bytes.items():
+            if b not in self.host:
+                cat_bytes[values[b].category] += nbytes
+        return LivenessReport(
+            order=tuple(n.name for n in self.nodes),
+            values=values,
+            start_bytes=self.start_bytes,
+            live_during=tuple(self.live_during),
+            live_after=tuple(self.live_after),
+            scratch=tuple(self.scratch),
+            peak_bytes=peak,
+            peak_step=step,
+            live_at_peak=tuple(sorted(live, key=lambda b: -self.buffer_bytes[b])),
+            breakdown=breakdown,
+            category_bytes=cat_bytes,
+            host_peak_bytes=self.host_peak,
+        )
+
+    def _buffers_live_at(self, step: int) -> list[str]:
+        """Buffers allocated while node ``step`` runs (-1: before the first node)."""
+        live = []
+        for b in self.buffer_bytes:
+            born = self.birth[b]
+            died = self.buffer_death.get(b)
+            if born <= step and (died is None or died >= step):
+                live.append(b)
+        return live
+
+
+def _preexisting(graph: Graph, nodes: Sequence[onnx.NodeProto]) -> list[str]:
+    """Values that exist before the first node: inputs, initializers, Constant outputs."""
+    seen: dict[str, None] = {}
+    for name in graph.inputs:
+        seen.setdefault(name, None)
+    for name in graph.initializers:
+        seen.setdefault(name, None)
+    for n in nodes:
+        if n.op_type in NOT_EXECUTED:
+            for o in n.output:
+                if o:
+                    seen.setdefault(o, None)
+    return list(seen)
+
+
+def _same_size(a: TensorInfo | None, b: TensorInfo | None) -> bool:
+    """ORT's SameSize: equal shapes and equal element sizes (types may differ)."""
+    return a is not None and b is not None and a.shape == b.shape and a.itemsize == b.itemsize
+
+
+def _resolve_order(graph: Graph, order) -> list[onnx.NodeProto]:
+    """The nodes in ``order`` (default: graph order), checked to be a topological order."""
+    if order is None:
+        nodes = list(graph.nodes)
+    else:
+        by_name = {n.name: n for n in graph.nodes}
+        nodes = []
+        for item in order:
+            if isinstance(item, onnx.NodeProto):
+                nodes.append(item)
+            elif item in by_name:
+                nodes.append(by_name[item])
+            else:
+                raise ValueError(f"order names node '{item}', which the graph does not have")
+        if len(nodes) != len(graph.nodes):
+            raise ValueError(f"order has {len(nodes)} nodes, the graph {len(graph.nodes)}")
+    available = set(graph.inputs) | set(graph.initializers) | {""}
+    for n in nodes:
+        missing = [i for i in n.input if i not in available]
+        if missing:
+            raise ValueError(f"order runs node '{n.name}' before its input '{missing[0]}' exists")
+        available.update(n.output)
+    return nodes
+
+
+# ---------------------------------------------------------------------------- scratch
+def scratch_bytes(node: onnx.NodeProto, info: Mapping[str, TensorInfo], opset: int = 17) -> int:
+    """Bytes a kernel allocates and frees inside itself (see the module docstring)."""
+    return sum(scratch_buffers(node, info, opset))
+
+
+def scratch_buffers(node: onnx.NodeProto, info: Mapping[str, TensorInfo],
+                    opset: int = 17, *, cpu_threads: int | None = None) -> tuple[int, ...]:
+    """The buffers behind ``scratch_bytes``, one request each (the arena serves them
+    separately: ``passes.analysis.arena``); with ``cpu_threads``, also Conv's MLAS working buffer
+    (module docstring)."""
+    op = node.op_type
+    if op == "Conv" and cpu_threads is not None:
+        work = _mlas_conv_working_bytes(node, info, cpu_threads)
+        return (work,) if work else ()
+    if op == "Where" and len(node.input) == 3 and node.output[0] in info:
+        cond, x, y = (info.get(i) for i in node.input)
+        out = info[node.output[0]]
+        if cond is None or x is None or y is None:
+            return ()
+        sel_x = _broadcast_numel(cond.shape, x.shape)
+        sel_y = _broadcast_numel(cond.shape, y.shape)
+        return (sel_x * out.itemsize, sel_y * out.itemsize)
+    if op in VARIADIC_OPS and len([i for i in node.input if i]) > 2:
+        out = info.get(node.output[0])
+        return (out.nbytes,) if out is not None else ()
+    if op == "Dropout" and (len(node.output) < 2 or not node.output[1]):
+        out = info.get(node.output[0])
+        return (out.numel,) if out is not None else ()  # bool mask, one byte per element
+    if op == "ConvTranspose" and len(node.input) >= 2:
+        return (_conv_transpose_columns(node, info),)
+    if op == "ScatterElements" and len(node.input) >= 2:
+        idx = info.get(node.input[1])
+        return (idx.numel * 8,) if idx is not None else ()
+    if op in ("Softmax", "LogSoftmax") and opset >= 13:
+        x = info.get(node.input[0])
+        if x is None or len(x.shape) < 2:
+            return ()
+        axis = attr(node, "axis", -1)
+        axis = axis + len(x.shape) if axis < 0 else axis
+        return (x.nbytes, x.nbytes) if axis != len(x.shape) - 1 else ()
+    return ()
+
+
+# MLAS's convolution (onnxruntime/core/mlas/lib/convolve.cpp, MlasConvPrepare): per-thread
+# working buffers of STRIDEN x STRIDEK floats, threads by multiplies per thread.
+MLAS_CONV_BUFFER_PER_THREAD = 128 * 128
+MLAS_THREAD_COMPLEXITY = 64 * 1024
+MLAS_MAXIMUM_THREADS = 16
+MLAS_STRIDEN_ALIGN = 16
+
+
+def _mlas_conv_working_bytes(node: onnx.NodeProto, info: Mapping[str, TensorInfo],
+                             threads: int) -> int:
+    """The working buffer ORT's CPU Conv takes from its allocator (float Conv through MLAS):
+    none for a pointwise convolution; the whole im2col matrix when there are more filters
+    than output positions; else a 64 KiB block per thread it uses."""
+    if len(node.input) < 2:
+        return 0
+    x, w, y = (info.get(n) for n in (node.input[0], node.input[1], node.output[0]))
+    if x is None or w is None or y is None or not 3 <= len(w.shape) <= 5 or x.itemsize != 4:
+        return 0
+    dims = len(w.shape) - 2
+    filters = int(w.shape[0]) // max(int(attr(node, "group", 1)), 1)
+    k = int(np.prod(w.shape[1:]))           # input channels per group x kernel size
+    out_size = int(np.prod(y.shape[2:]))
+    strides = list(attr(node, "strides", [1] * dims))
+    pads = list(attr(node, "pads", [0] * 2 * dims))
+    auto_pad = attr(node, "auto_pad", b"NOTSET")
+    padded = any(pads) or auto_pad not in (b"NOTSET", "NOTSET", b"VALID", "VALID")
+    if all(s == 1 for s in strides) and not padded and k == int(w.shape[1]):
+        return 0  # pointwise: a GEMM straight on the input
+    if filters > out_size:
+        return out_size * k * 4
+    complexity = filters * out_size * k
+    target = (complexity // MLAS_THREAD_COMPLEXITY + 1
+              if complexity < MLAS_THREAD_COMPLEXITY * MLAS_MAXIMUM_THREADS
+              else MLAS_MAXIMUM_THREADS)
+    target = max(1, min(target, threads))
+    stride_n = -(-out_size // target)
+    if target > 1:
+        stride_n = -(-stride_n // MLAS_STRIDEN_ALIGN) * MLAS_STRIDEN_ALIGN
+        if stride_n >= out_size:
+            target = 1
+        elif stride_n * (target - 1) >= out_size:
+            target -= 1
+    return target * MLAS_CONV_BUFFER_PER_THREAD * 4
+
+
+def _conv_transpose_columns(node: onnx.NodeProto, info: Mapping[str, TensorInfo]) -> int:
+    """ORT's ConvTranspose expands one image into a column buffer before col2im:
+    (output channels per group x kernel size) x input image size elements."""
+    x, w = info.get(node.input[0]), info.get(node.input[1])
+    if x is None or w is None or len(w.shape) < 3:
+        return 0
+    kernel = int(np.prod(w.shape[2:]))
+    image = int(np.prod(x.shape[2:]))
+    return w.shape[1] * kernel * image * x.itemsize  # w: [C_in, C_out / group, *kernel]
+
+
+def _broadcast_numel(a: Sequence[int], b: Sequence[int]) -> int:
+    try:
+        shape = np.broadcast_shapes(tuple(a), tuple(b))
+    except ValueError:
+        return 0
+    return int(np.prod(shape, dtype=np.int64)) if shape else 1
+
+
+# ---------------------------------------------------------------------------- categories
+def _updated_by_forward(node: onnx.NodeProto) -> bool:
+    return node.op_type == "BatchNormalization" or is_forward_tagged(node)
+
+
+def categorize(graph: Graph) -> dict[str, str]:
+    """Category of every value, from the training-step metadata written by ``memcc build``.
+
+    parameters: trainable parameters (``memcc.parameters``) and their updated values;
+    optimizer_state: other carried state (momentum, Adam moments, step counter) and its
+    updates; gradients: each parameter's whole gradient (``TrainingStep.gradients``);
+    other: data inputs, BatchNorm running statistics, non-trainable initializers and
+    constants; activations: every other
+    value a node produces (forward activations and backward intermediates alike).
+    """
+    step = TrainingStep.of(graph)
+    state = step.state
+    data = step.data_inputs
+    params = step.trainable()
+    # State the forward pass itself updates (BatchNorm running statistics: written by the
+    # BatchNormalization node, or by the ops passes/providers/batchnorm_for_cuda.py puts in its
+    # place)
+    # is not optimizer state.
+    # Looked up per state output, not through ``TrainingStep.roles``, whose walk of the whole
+    # step would cost every simulation a quarter of its time.
+    producer = graph.def_use().producer
+    produced = producer.keys()
+    forward_updated = {out for out in state if out in producer
+                       and _updated_by_forward(producer[out])}
+    cat: dict[str, str] = {}
+    for name in produced:
+        cat[name] = "activations"
+    for name in list(graph.inputs) + list(graph.initializers):
+        cat[name] = "other"
+    for n in graph.nodes:
+        if n.op_type in NOT_EXECUTED:
+            for o in n.output:
+                cat[o] = "other"
+    for p in params:
+        cat[p] = "parameters"
+    for g in [*step.gradients().values(), *(f"{p}.grad" for p in params)]:
+        if g in produced:
+            cat[g] = "gradients"
+    for out, inp in state.items():
+        if inp in params:
+            kind = "parameters"
+        elif out in forward_updated:
+            kind = "other"
+        else:
+            kind = "optimizer_state"
+        cat[inp] = kind
+        cat[out] = kind
+    for d in data:
+        cat[d] = "other"
+    return cat
+

@@ -1,0 +1,260 @@
+"""Lower a ``Plan`` to ONNX as a fixed sequence of passes, each checked before and after.
+
+    substitute variants -> insert recompute -> insert copies
+
+Every pass states what it ``requires`` of its input (the plan fits the step, the graph is
+a valid order) and what it ``ensures`` of its output (every recomputed input is resident
+when its clone runs, no copy-in precedes its copy-out, the graph is a valid topological
+order with a correct def-use index), and returns the graph with a report. The simulator
+(``passes/planning/simulate.py``) is this lowering plus liveness, and the compiler writes what it
+returns, so every strategy is judged by, and gets, the same rewrite.
+
+Variants (``passes/lowering/variant_substitution.py``) run first: they change what the forward pass
+hands to the
+backward pass, so the passes after them decide over the step with the variants in place.
+Copies (``passes/lowering/swap.py``) are planned on device providers only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from memcc.errors import MemccError
+from memcc.graph import Graph, topological_problems
+from memcc.passes.lowering.recompute import apply_recompute
+from memcc.passes.lowering.swap import COPY_IN, COPY_OUT, apply_offload, offload_problems
+from memcc.passes.lowering.variant_substitution import apply_variants, variant_problems
+from memcc.passes.plan import Plan, StepStructure
+from memcc.step import TrainingStep
+
+# ORT's copy ops, inserted in pairs by the swap pass.
+COPY_OUT_OPS = frozenset({COPY_OUT})
+COPY_IN_OPS = frozenset({COPY_IN})
+
+
+class LoweringError(MemccError):
+    """A plan this lowering cannot realise, or a pass that broke its own guarantee."""
+
+
+@dataclass(frozen=True)
+class PassReport:
+    """What one pass did: its name, whether the graph changed, and pass-specific facts."""
+
+    name: str
+    changed: bool
+    details: Mapping[str, object] = field(default_factory=dict)
+
+
+class LoweringPass(Protocol):
+    """One step of the lowering. ``run`` must not modify its input graph."""
+
+    name: str
+
+    def requires(self, graph: Graph, plan: Plan, st: StepStructure) -> None: ...
+
+    def run(self, graph: Graph, plan: Plan, st: StepStructure) -> tuple[Graph, PassReport]: ...
+
+    def ensures(self, before: Graph, after: Graph, plan: Plan, st: StepStructure,
+                report: PassReport, full: bool = False) -> None: ...
+
+
+def _fail(pass_name: str, what: str, problems: list[str]) -> None:
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise LoweringError(f"{pass_name}: {what}: {'; '.join(problems[:3])}{more}")
+
+
+def _ensure_rewrite(pass_name: str, after: Graph, st: StepStructure, full: bool,
+                    replaced: tuple[str, ...], what: str, where: str) -> None:
+    """A rewrite that hands backward readers another copy of ``replaced`` values: the
+    result is a valid order, its index is right (full checks), and no backward node reads
+    an original any more (a copy-out reads it: that is how it leaves)."""
+    _fail(pass_name, "the lowered step is not a valid execution order",
+          topological_problems(after))
+    if full:
+        _ensure_index(pass_name, after)
+    du = after.def_use()
+    stale = [f"'{r.name}' reads '{v}'{where}" for v in replaced
+             for r in du.readers.get(v, ())
+             if r.name not in st.forward and r.op_type not in COPY_OUT_OPS]
+    _fail(pass_name, what, stale)
+
+
+def _ensure_index(pass_name: str, graph: Graph) -> None:
+    """The def-use index the pass handed on equals one rebuilt from scratch (full checks)."""
+    _fail(pass_name, "the def-use index is stale", graph.def_use().check(graph.nodes))
+
+
+# ---------------------------------------------------------------------------- passes
+class SubstituteVariants:
+    """Replace forward nodes' default gradient rules by the variants the plan chose
+    (``passes/lowering/variant_substitution.py``)."""
+
+    name = "substitute-variants"
+
+    def requires(self, graph: Graph, plan: Plan, st: StepStructure) -> None:
+        unknown = sorted(n for n in plan.variants if n not in st.forward)
+        _fail(self.name, "variants name nodes that are not forward nodes", unknown)
+        _fail(self.name, "the plan asks for variants it cannot have",
+              variant_problems(graph, plan))
+
+    def run(self, graph: Graph, plan: Plan, st: StepStructure) -> tuple[Graph, PassReport]:
+        res = apply_variants(graph, plan)
+        return res.graph, PassReport(self.name, bool(res.substituted), {
+            "substituted": res.substituted,
+            "forward_added": res.forward_added,
+            "backward_added": res.backward_added,
+            "removed": res.removed,
+        })
+
+    def ensures(self, before: Graph, after: Graph, plan: Plan, st: StepStructure,
+                report: PassReport, full: bool = False) -> None:
+        if not report.changed:
+            if after is not before:
+                raise LoweringError(f"{self.name}: nothing substituted, yet a new graph")
+            return
+        _fail(self.name, "the step with variants is not a valid execution order",
+              topological_problems(after))
+        if full:
+            _ensure_index(self.name, after)
+        # The forward pass computes what it did: every original forward node is still there
+        # and still forward, and the loss is unchanged.
+        names = {n.name for n in after.nodes}
+        lost = sorted(n for n in st.forward if n not in names)
+        _fail(self.name, "forward nodes disappeared", lost)
+        added = set(report.details["forward_added"])
+        fwd_after = TrainingStep.of(after).forward
+        _fail(self.name, "the variants' forward nodes are not forward",
+              sorted(added - fwd_after))
+
+
+class InsertRecompute:
+    """Clone recomputed forward nodes into the backward pass (``passes/lowering/recompute.py``)."""
+
+    name = "insert-recompute"
+
+    def requires(self, graph: Graph, plan: Plan, st: StepStructure) -> None:
+        # Recompute of a node that may not be recomputed (Dropout, Constant) is ignored, as
+        # it always was; a node that is not forward at all is a strategy bug.
+        stray = sorted(n for n in plan.recompute if n not in st.forward)
+        _fail(self.name, "the plan recomputes nodes that are not forward nodes", stray)
+
+    def run(self, graph: Graph, plan: Plan, st: StepStructure) -> tuple[Graph, PassReport]:
+        res = apply_recompute(graph, plan, st)
+        rewrote = bool(plan.recompute & st.recomputable)  # else a plain copy of the input
+        return res.graph, PassReport(self.name, rewrote and bool(res.cloned_nodes), {
+            "rewrote": rewrote,
+            "cloned_nodes": res.cloned_nodes,
+            "recomputed_values": res.recomputed_values,
+            "rerun_before": res.rerun_before,
+        })
+
+    def ensures(self, before: Graph, after: Graph, plan: Plan, st: StepStructure,
+                report: PassReport, full: bool = False) -> None:
+        if not report.details["rewrote"]:  # a copy of the input, node for node
+            return
+        # One walk: the graph is a valid order, so every recomputed input is resident when
+        # its clone runs (ONNX values live until their last reader: produced earlier is
+        # enough), and nothing is produced twice. The saving is real: no backward node still
+        # reads an original it was given a clone of.
+        _ensure_rewrite(self.name, after, st, full, report.details["recomputed_values"],
+                        "backward nodes still read recomputed originals", "")
+
+
+class InsertCopies:
+    """Copy offloaded values to host memory and back (``passes/lowering/swap.py``)."""
+
+    name = "insert-copies"
+
+    def requires(self, graph: Graph, plan: Plan, st: StepStructure) -> None:
+        not_saved = sorted(v for v in plan.offload if v not in st.saved)
+        _fail(self.name, "the plan offloads values that are not saved", not_saved)
+        _fail(self.name, "the plan offloads values it cannot", offload_problems(graph, plan, st))
+
+    def run(self, graph: Graph, plan: Plan, st: StepStructure) -> tuple[Graph, PassReport]:
+        res = apply_offload(graph, plan, st)
+        return res.graph, PassReport(self.name, bool(res.copies), {
+            "copies": 2 * len(res.copies),
+            "offloaded_values": res.offloaded,
+            "copied_back_before": {v: first for v, _, _, first in res.copies},
+        })
+
+    def ensures(self, before: Graph, after: Graph, plan: Plan, st: StepStructure,
+                report: PassReport, full: bool = False) -> None:
+        _fail(self.name, "copy-in before copy-out", copy_order_problems(after))
+        if not report.changed:
+            return
+        # Away means away: nothing but the forward pass and the copy-out reads the device
+        # original, so its buffer is free from the copy-out on.
+        _ensure_rewrite(self.name, after, st, full, report.details["offloaded_values"],
+                        "backward nodes still read offloaded originals",
+                        " while it is on the host")
+
+
+def copy_order_problems(graph: Graph) -> list[str]:
+    """Every copy-in must read a value whose copy-out already ran, or a step input held in
+    host memory (optimizer state, ``passes.lowering.offload_state``) (empty: it does)."""
+    copied_out: set[str] = set(getattr(graph, "inputs", ()))
+    problems: list[str] = []
+    for n in graph.nodes:
+        if n.op_type in COPY_OUT_OPS:
+            copied_out.update(o for o in n.output if o)
+        elif n.op_type in COPY_IN_OPS:
+            problems += [f"'{n.name}' copies '{i}' in before it was copied out"
+                         for i in n.input if i and i not in copied_out]
+    return problems
+
+
+PASSES: tuple[LoweringPass, ...] = (SubstituteVariants(), InsertRecompute(), InsertCopies())
+
+
+# ---------------------------------------------------------------------------- the lowering
+@dataclass(frozen=True)
+class Lowering:
+    """The lowered step, each pass's report, and the recompute facts the planner reads."""
+
+    graph: Graph
+    reports: tuple[PassReport, ...]
+    cloned_nodes: tuple[str, ...] = ()
+    recomputed_values: tuple[str, ...] = ()
+    rerun_before: Mapping[str, str] = field(default_factory=dict)
+
+    def to_json(self) -> list[dict]:
+        return [{"pass": r.name, "changed": r.changed} for r in self.reports]
+
+
+def lower(graph: Graph, plan: Plan, structure: StepStructure | None = None, *,
+          check: str = "fast", passes: tuple[LoweringPass, ...] = PASSES) -> Lowering:
+    """Run the passes in order.
+
+    ``requires`` (plans the passes cannot realise) always runs. ``check`` picks the
+    ``ensures``: "fast" (default: one O(nodes) walk per pass that changed the graph, about
+    a tenth of a simulation), "full" (also rebuilds each def-use index and compares: tests),
+    or "off".
+    """
+    if check not in ("off", "fast", "full"):
+        raise ValueError(f"check={check!r}: choose off, fast or full")
+    st = structure or StepStructure.of(graph)
+    reports: list[PassReport] = []
+    g = graph
+    for p in passes:
+        p.requires(g, plan, st)
+        out, report = p.run(g, plan, st)
+        if check != "off":
+            p.ensures(g, out, plan, st, report, full=check == "full")
+        reports.append(report)
+        if report.changed and isinstance(p, SubstituteVariants):
+            # The passes after this one decide over the step with the variants in place
+            # (what is saved changed: a mask instead of an activation).
+            st = StepStructure.of(out)
+        g = out
+    rc = next((r.details for r in reports if r.name == InsertRecompute.name), {})
+    return Lowering(
+        graph=g,
+        reports=tuple(reports),
+        cloned_nodes=tuple(rc.get("cloned_nodes", ())),
+        recomputed_values=tuple(rc.get("recomputed_values", ())),
+        rerun_before=dict(rc.get("rerun_before", {})),
+    )

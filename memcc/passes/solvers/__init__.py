@@ -1,1 +1,0 @@
-"""Solvers: pure functions over arrays that never see the graph (see ``problem.py``)."""
