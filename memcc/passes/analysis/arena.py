@@ -43,7 +43,7 @@ import os
 from dataclasses import dataclass, field
 
 from memcc.graph import Graph
-from memcc.passes.analysis.liveness import scratch_buffers
+from memcc.passes.analysis.kernel_scratch import scratch_buffers
 
 MIN_ALLOCATION = 256                       # BFCArena::kMinAllocationSize
 MAX_DEAD_BYTES_PER_CHUNK = 128 * 1024 * 1024  # BFCArena default
@@ -314,7 +314,7 @@ def step_events(graph: Graph, liveness, *, feeds_in_arena: bool,
     (``MemcpyToHost``) live in another allocator and are left out. Step outputs are released
     by ``replay_steps`` after the run. ``cpu_threads``: the CPU provider's kernels with that
     many intra-op threads, whose convolution working buffers come from the arena too
-    (``liveness.scratch_buffers``). ``outputs_in_arena=False``: the step's outputs are
+    (``kernel_scratch.scratch_buffers``). ``outputs_in_arena=False``: the step's outputs are
     written into buffers the caller bound beforehand (``backend.device_step``), so they ask
     the arena for nothing.
     """

@@ -44,6 +44,9 @@ Bytes are ``TensorInfo.nbytes``; the allocator's page rounding (under 4 KiB per 
 ignored. The default order is the file's; ORT runs a file in that order except that it hoists
 ready Shape/Size nodes (``backend.profile_order.ort_priority_order`` gives the executed
 order, and ``memcc run`` reports any difference).
+
+Enters: a graph (with its ``TensorInfo``), an order, the updates written in place. Leaves: a
+``LivenessReport``. Kernel scratch sizes come from ``kernel_scratch``.
 """
 
 from __future__ import annotations
@@ -51,10 +54,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import onnx
 
-from memcc.graph import Graph, TensorInfo, attr
+from memcc.graph import Graph, TensorInfo
+from memcc.passes.analysis.kernel_scratch import (  # noqa: F401 (re-exported)
+    VARIADIC_OPS,
+    scratch_buffers,
+    scratch_bytes,
+)
 from memcc.step import TrainingStep, is_forward_tagged
 
 HOST_COPY_OP = "MemcpyToHost"  # its output lives in host memory on a device provider
@@ -113,7 +120,6 @@ INPLACE_OPS = frozenset({
     # Scatters into its data input: chained accumulation (the Gather gradient) costs one table.
     "ScatterElements",
 })
-VARIADIC_OPS = frozenset({"Sum", "Max", "Min", "Mean"})
 NOT_EXECUTED = frozenset({"Constant"})
 
 CATEGORIES = ("parameters", "optimizer_state", "gradients", "activations", "other", "scratch")
@@ -200,14 +206,16 @@ def analyze_liveness(graph: Graph, order: Sequence[str | onnx.NodeProto] | None 
     """
     nodes = _resolve_order(graph, order)
     categories = categorize(graph)
-    sim = _Simulation(graph, nodes, categories, in_place, host_copies)
-    sim.run()
-    return sim.report()
+    ledger = _BufferLedger(graph, nodes, categories, in_place, host_copies)
+    ledger.run()
+    return ledger.report()
 
 
 # ---------------------------------------------------------------------------- simulation
-class _Simulation:
-    """One pass over the nodes, tracking buffers the way ORT's planner assigns them."""
+class _BufferLedger:
+    """The buffers of one step as ORT's planner assigns them, filled by one pass over the
+    nodes: which buffer each value lives in, each buffer's bytes, birth, death and remaining
+    readers, and the live bytes during and after every node (read back by ``report``)."""
 
     def __init__(self, graph: Graph, nodes: list[onnx.NodeProto],
                  categories: Mapping[str, str],
@@ -412,114 +420,6 @@ def _resolve_order(graph: Graph, order) -> list[onnx.NodeProto]:
             raise ValueError(f"order runs node '{n.name}' before its input '{missing[0]}' exists")
         available.update(n.output)
     return nodes
-
-
-# ---------------------------------------------------------------------------- scratch
-def scratch_bytes(node: onnx.NodeProto, info: Mapping[str, TensorInfo], opset: int = 17) -> int:
-    """Bytes a kernel allocates and frees inside itself (see the module docstring)."""
-    return sum(scratch_buffers(node, info, opset))
-
-
-def scratch_buffers(node: onnx.NodeProto, info: Mapping[str, TensorInfo],
-                    opset: int = 17, *, cpu_threads: int | None = None) -> tuple[int, ...]:
-    """The buffers behind ``scratch_bytes``, one request each (the arena serves them
-    separately: ``passes.analysis.arena``); with ``cpu_threads``, also Conv's MLAS working buffer
-    (module docstring)."""
-    op = node.op_type
-    if op == "Conv" and cpu_threads is not None:
-        work = _mlas_conv_working_bytes(node, info, cpu_threads)
-        return (work,) if work else ()
-    if op == "Where" and len(node.input) == 3 and node.output[0] in info:
-        cond, x, y = (info.get(i) for i in node.input)
-        out = info[node.output[0]]
-        if cond is None or x is None or y is None:
-            return ()
-        sel_x = _broadcast_numel(cond.shape, x.shape)
-        sel_y = _broadcast_numel(cond.shape, y.shape)
-        return (sel_x * out.itemsize, sel_y * out.itemsize)
-    if op in VARIADIC_OPS and len([i for i in node.input if i]) > 2:
-        out = info.get(node.output[0])
-        return (out.nbytes,) if out is not None else ()
-    if op == "Dropout" and (len(node.output) < 2 or not node.output[1]):
-        out = info.get(node.output[0])
-        return (out.numel,) if out is not None else ()  # bool mask, one byte per element
-    if op == "ConvTranspose" and len(node.input) >= 2:
-        return (_conv_transpose_columns(node, info),)
-    if op == "ScatterElements" and len(node.input) >= 2:
-        idx = info.get(node.input[1])
-        return (idx.numel * 8,) if idx is not None else ()
-    if op in ("Softmax", "LogSoftmax") and opset >= 13:
-        x = info.get(node.input[0])
-        if x is None or len(x.shape) < 2:
-            return ()
-        axis = attr(node, "axis", -1)
-        axis = axis + len(x.shape) if axis < 0 else axis
-        return (x.nbytes, x.nbytes) if axis != len(x.shape) - 1 else ()
-    return ()
-
-
-# MLAS's convolution (onnxruntime/core/mlas/lib/convolve.cpp, MlasConvPrepare): per-thread
-# working buffers of STRIDEN x STRIDEK floats, threads by multiplies per thread.
-MLAS_CONV_BUFFER_PER_THREAD = 128 * 128
-MLAS_THREAD_COMPLEXITY = 64 * 1024
-MLAS_MAXIMUM_THREADS = 16
-MLAS_STRIDEN_ALIGN = 16
-
-
-def _mlas_conv_working_bytes(node: onnx.NodeProto, info: Mapping[str, TensorInfo],
-                             threads: int) -> int:
-    """The working buffer ORT's CPU Conv takes from its allocator (float Conv through MLAS):
-    none for a pointwise convolution; the whole im2col matrix when there are more filters
-    than output positions; else a 64 KiB block per thread it uses."""
-    if len(node.input) < 2:
-        return 0
-    x, w, y = (info.get(n) for n in (node.input[0], node.input[1], node.output[0]))
-    if x is None or w is None or y is None or not 3 <= len(w.shape) <= 5 or x.itemsize != 4:
-        return 0
-    dims = len(w.shape) - 2
-    filters = int(w.shape[0]) // max(int(attr(node, "group", 1)), 1)
-    k = int(np.prod(w.shape[1:]))           # input channels per group x kernel size
-    out_size = int(np.prod(y.shape[2:]))
-    strides = list(attr(node, "strides", [1] * dims))
-    pads = list(attr(node, "pads", [0] * 2 * dims))
-    auto_pad = attr(node, "auto_pad", b"NOTSET")
-    padded = any(pads) or auto_pad not in (b"NOTSET", "NOTSET", b"VALID", "VALID")
-    if all(s == 1 for s in strides) and not padded and k == int(w.shape[1]):
-        return 0  # pointwise: a GEMM straight on the input
-    if filters > out_size:
-        return out_size * k * 4
-    complexity = filters * out_size * k
-    target = (complexity // MLAS_THREAD_COMPLEXITY + 1
-              if complexity < MLAS_THREAD_COMPLEXITY * MLAS_MAXIMUM_THREADS
-              else MLAS_MAXIMUM_THREADS)
-    target = max(1, min(target, threads))
-    stride_n = -(-out_size // target)
-    if target > 1:
-        stride_n = -(-stride_n // MLAS_STRIDEN_ALIGN) * MLAS_STRIDEN_ALIGN
-        if stride_n >= out_size:
-            target = 1
-        elif stride_n * (target - 1) >= out_size:
-            target -= 1
-    return target * MLAS_CONV_BUFFER_PER_THREAD * 4
-
-
-def _conv_transpose_columns(node: onnx.NodeProto, info: Mapping[str, TensorInfo]) -> int:
-    """ORT's ConvTranspose expands one image into a column buffer before col2im:
-    (output channels per group x kernel size) x input image size elements."""
-    x, w = info.get(node.input[0]), info.get(node.input[1])
-    if x is None or w is None or len(w.shape) < 3:
-        return 0
-    kernel = int(np.prod(w.shape[2:]))
-    image = int(np.prod(x.shape[2:]))
-    return w.shape[1] * kernel * image * x.itemsize  # w: [C_in, C_out / group, *kernel]
-
-
-def _broadcast_numel(a: Sequence[int], b: Sequence[int]) -> int:
-    try:
-        shape = np.broadcast_shapes(tuple(a), tuple(b))
-    except ValueError:
-        return 0
-    return int(np.prod(shape, dtype=np.int64)) if shape else 1
 
 
 # ---------------------------------------------------------------------------- categories
