@@ -205,7 +205,7 @@ def arena_log_phase(summary: Summary, provider: str, models: Sequence[str], size
     import onnxruntime as ort
 
     from memcc.backend.runner import execute, prepare_run, read_step_spec, synthetic_feeds
-    from memcc.passes.analysis.arena import cuda_pages_for, replay_steps
+    from memcc.passes.analysis.arena import ArenaSetup, cuda_pages_for, replay_steps
     from memcc.passes.analysis.liveness import analyze_liveness
     from memcc.passes.providers.batchnorm_for_cuda import for_provider
 
@@ -214,8 +214,9 @@ def arena_log_phase(summary: Summary, provider: str, models: Sequence[str], size
         try:
             graph, _ = for_provider(load_graph(build_step(name, sizes[name], tmp)), provider)
             spec = read_step_spec(graph, source=name)
-            replay = replay_steps(graph, analyze_liveness(graph), steps=steps,
-                                  feeds_in_arena=cuda, cuda=cuda, addresses_grow=cuda)
+            replay = replay_steps(graph, analyze_liveness(graph),
+                                  ArenaSetup(feeds_in_arena=cuda, cuda=cuda,
+                                             addresses_grow=cuda), steps=steps)
             payload = prepare_run(graph, spec, synthetic_feeds(graph, 0), tmp, steps=steps,
                                   provider=provider)
             payload.update(in_place={}, arena=not cuda, gpu_mem_limit=None)

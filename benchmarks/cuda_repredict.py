@@ -41,6 +41,7 @@ from memcc.frontend.load import load_graph  # noqa: E402
 from memcc.passes.analysis.arena import (  # noqa: E402
     CUDA_LARGE_REGION_BYTES,
     CUDA_PAGE_BYTES,
+    ArenaSetup,
     cuda_pages_for,
     replay_steps,
 )
@@ -95,8 +96,8 @@ def from_logs(folder: Path) -> list[dict]:
             aligned = sum(a % CUDA_PAGE_BYTES == 0 for a in large)
             graph, _ = for_provider(load_graph(build_step(name, SIZES[name], Path(d))), "cuda")
             live = analyze_liveness(graph)
-            replay = replay_steps(graph, live, steps=3, cuda=True)
-            untagged = replay_steps(graph, live, steps=3, cuda=False)  # no stream tags
+            replay = replay_steps(graph, live, ArenaSetup(cuda=True), steps=3)
+            untagged = replay_steps(graph, live, ArenaSetup(cuda=False), steps=3)  # no stream tags
             ours, theirs = Counter(replay.last_run_extensions), Counter(runs[-1])
             nvml = max(measured[name]["measured_per_step"])
             rows.append({

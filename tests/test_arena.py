@@ -12,7 +12,13 @@ from memcc.backend.runner import run_steps
 from memcc.errors import InputError
 from memcc.frontend.build import BuildOptions, build_training_step
 from memcc.frontend.load import load_graph
-from memcc.passes.analysis.arena import ArenaExhausted, BfcArena, replay_steps, rounded_bytes
+from memcc.passes.analysis.arena import (
+    ArenaExhausted,
+    ArenaSetup,
+    BfcArena,
+    replay_steps,
+    rounded_bytes,
+)
 from memcc.passes.analysis.arrange import arrange_step
 from memcc.passes.analysis.liveness import analyze_liveness
 from memcc.step import TrainingStep
@@ -106,7 +112,7 @@ def _chain(n_floats: int):
 def test_replay_reuses_freed_regions_and_keeps_the_output_region_between_steps():
     g = _chain(MB)  # 4 MiB per float tensor
     live = analyze_liveness(g)
-    r = replay_steps(g, live, steps=2, feeds_in_arena=False)
+    r = replay_steps(g, live, ArenaSetup(feeds_in_arena=False), steps=2)
     # a and b need two regions; c reuses a's, d (3 MiB) takes b's whole chunk (the 1 MiB
     # left is less than d: no split), f reuses a's region, and the scalar output splits b's
     # free region: that region holds the output when the run ends, so it survives the
@@ -119,9 +125,9 @@ def test_replay_reuses_freed_regions_and_keeps_the_output_region_between_steps()
     # With the feeds copied in (CUDA), x is one more region, and so are the slice bounds s
     # and e (the runner feeds initializers too: one 256-byte unit each); under a limit below
     # that the replay names where the run fails.
-    cuda = replay_steps(g, live, steps=1, feeds_in_arena=True)
+    cuda = replay_steps(g, live, ArenaSetup(feeds_in_arena=True), steps=1)
     assert cuda.peak_reserved_bytes == 12 * MB + 2 * 256
-    failed = replay_steps(g, live, steps=1, feeds_in_arena=True, limit=10 * MB)
+    failed = replay_steps(g, live, ArenaSetup(feeds_in_arena=True, limit=10 * MB), steps=1)
     assert failed.fails_at == "b"
 
 
@@ -232,8 +238,8 @@ def test_cuda_stream_tags_keep_freed_chunks_from_the_outputs():
 def test_replay_counts_pages_on_cuda_and_a_meter_sees_them():
     g = _chain(MB)
     live = analyze_liveness(g)
-    plain = replay_steps(g, live, steps=2, feeds_in_arena=True)
-    paged = replay_steps(g, live, steps=2, feeds_in_arena=True, cuda=True)
+    plain = replay_steps(g, live, ArenaSetup(feeds_in_arena=True), steps=2)
+    paged = replay_steps(g, live, ArenaSetup(feeds_in_arena=True, cuda=True), steps=2)
     assert plain.peak_device_bytes is None and plain.peak_bytes == plain.peak_reserved_bytes
     # The scalar output is requested without a stream, so it cannot take a chunk a node
     # freed: one more 256-byte region than without stream tags.

@@ -29,7 +29,7 @@ from memcc.errors import InputError
 from memcc.frontend.build import BuildOptions, build_training_step
 from memcc.frontend.load import load_graph
 from memcc.graph import Graph, TensorInfo
-from memcc.passes.analysis.arena import replay_steps
+from memcc.passes.analysis.arena import ArenaSetup, replay_steps
 from memcc.passes.analysis.arrange import arrange_step
 from memcc.passes.analysis.device_memory import arena_limit, outside_arena_bytes, predict_device
 from memcc.step import TrainingStep
@@ -124,8 +124,9 @@ def test_without_shrink_the_arena_settles_in_the_first_step():
     graph = _step("resnet18", batch=4)
     spec = TrainingStep.of(graph)
     a = arrange_step(graph, spec)
-    report = replay_steps(a.graph, a.prediction, steps=3, feeds_in_arena=False, cuda=True,
-                          shrink=False, outputs_in_arena=False)
+    report = replay_steps(a.graph, a.prediction, ArenaSetup(feeds_in_arena=False, cuda=True,
+                                                            shrink=False, outputs_in_arena=False),
+                          steps=3)
     assert report.extensions == 0, "a settled arena adds no region in later steps"
     assert len(set(report.peaks_per_step)) == 1
     assert report.first_run_peak_bytes == report.peak_device_bytes

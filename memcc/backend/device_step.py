@@ -26,7 +26,7 @@ every step (103 ms without), and ORT's host-side work for every node. So:
   two swap roles each step: two bindings, used in turn.
 - No arena shrink between steps (CUDA): the arena settles in the first step and holds the
   same regions from the second on; ``prediction`` says what it holds then, and what the
-  first step peaks at (``passes.analysis.arena.replay_steps(shrink=False)``).
+  first step peaks at (``passes.analysis.arena.replay_steps``, ``ArenaSetup(shrink=False)``).
 - CUDA graphs: where every node runs on the CUDA provider with static shapes and no host
   copies, ORT captures the second run and replays it from then on (``enable_cuda_graph``);
   with two bindings, each gets its own graph (``gpu_graph_id``). ``capture_blockers`` says

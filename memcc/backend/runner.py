@@ -50,7 +50,7 @@ from memcc.errors import InputError, RuntimeFailure
 from memcc.frontend.constants import constant_node_value
 from memcc.frontend.load import load_graph
 from memcc.graph import Graph, TensorInfo
-from memcc.passes.analysis.arena import ArenaReport, cpu_arena_peak, replay_steps
+from memcc.passes.analysis.arena import ArenaReport, ArenaSetup, cpu_arena_peak, replay_steps
 from memcc.passes.analysis.liveness import LivenessReport, analyze_liveness
 from memcc.passes.analysis.step_traffic import StepTraffic, step_traffic
 from memcc.step import TrainingStep
@@ -325,8 +325,8 @@ def arena_prediction(graph: Graph, liveness: LivenessReport, spec: StepSpec, *, 
     """
     if provider != "cuda":
         return cpu_arena_peak(graph, liveness, steps=steps, meter=True)
-    report = replay_steps(graph, liveness, steps=steps, feeds_in_arena=True,
-                          addresses_grow=True, cuda=True)
+    report = replay_steps(graph, liveness, ArenaSetup(feeds_in_arena=True, addresses_grow=True,
+                                                      cuda=True), steps=steps)
     return report, report.measured_bytes
 
 

@@ -5,10 +5,11 @@ place, the batch and the outputs to buffers of their own, outside the step's are
 places the stored values (constants, frozen weights) at load, one ``cudaMalloc`` each; and
 the arena is never shrunk between steps, so from the second step on it holds what the
 first grew to. ``predict_device`` adds the three: the arena replay without shrink
-(``passes.analysis.arena.replay_steps(shrink=False, outputs_in_arena=False)``), and the bound
-buffers and stored values as device pages. ``predict_step`` arranges the step first, as
-the runtime does (updates in place), and ``simulate(device="cuda")`` judges plans by it, so
-a plan is priced the way it runs.
+(``passes.analysis.arena.replay_steps`` with
+``ArenaSetup(shrink=False, outputs_in_arena=False)``), and the bound buffers and stored
+values as device pages. ``predict_step`` arranges the step first, as the runtime does
+(updates in place), and ``simulate(device="cuda")`` judges plans by it, so a plan is
+priced the way it runs.
 """
 
 from __future__ import annotations
@@ -21,7 +22,13 @@ import numpy as np
 from memcc.errors import RuntimeFailure
 from memcc.frontend.constants import constant_node_value
 from memcc.graph import Graph, TensorInfo
-from memcc.passes.analysis.arena import ArenaReport, cuda_pages_for, replay_steps, rounded_bytes
+from memcc.passes.analysis.arena import (
+    ArenaReport,
+    ArenaSetup,
+    cuda_pages_for,
+    replay_steps,
+    rounded_bytes,
+)
 from memcc.passes.analysis.arrange import Arrangement, arrange_step
 from memcc.passes.analysis.liveness import LivenessReport
 from memcc.step import TrainingStep
@@ -66,9 +73,10 @@ def predict_device(graph: Graph, liveness: LivenessReport, *, aliased: Mapping[s
                    updates: Mapping[str, str], steps: int = 2,
                    limit: int | None = None) -> DevicePrediction:
     """``DeviceStep``'s device bytes on CUDA for ``graph`` run in ``liveness``'s order."""
-    report = replay_steps(graph, liveness, steps=max(1, steps), feeds_in_arena=False,
-                          addresses_grow=True, cuda=True, shrink=False,
-                          outputs_in_arena=False, limit=limit)
+    report = replay_steps(graph, liveness,
+                          ArenaSetup(feeds_in_arena=False, addresses_grow=True, cuda=True,
+                                     shrink=False, outputs_in_arena=False, limit=limit),
+                          steps=max(1, steps))
     bound, stored = _outside_sizes(graph, aliased, updates)
     outside = outside_arena_bytes(graph, aliased, updates)
     first = report.first_run_peak_bytes + outside
