@@ -56,7 +56,7 @@ from memcc.errors import InputError, RuntimeFailure
 from memcc.frontend.dropout_masks import COUNTER, checkpoint_counter, restore_dropouts
 from memcc.frontend.load import load_graph
 from memcc.graph import Graph, ancestors
-from memcc.passes.analysis.arrange import Arrangement, arrange_step
+from memcc.passes.analysis.arrange import ArrangedStep, arrange_step
 from memcc.passes.analysis.device_memory import DevicePrediction, predict_device
 from memcc.passes.analysis.inplace import InPlaceUpdates
 from memcc.step import PLAN_KEY, TrainingStep
@@ -107,7 +107,7 @@ class Trainer:
         self._device_prediction: DevicePrediction | None = None
         # NVML's reading before this trainer's session exists (CUDA, with pynvml).
         self.device_baseline = device_baseline() if self.provider == "cuda" else None
-        self.arrangement: Arrangement = arrange_step(self.graph, self.spec, in_place=in_place,
+        self.arrangement: ArrangedStep = arrange_step(self.graph, self.spec, in_place=in_place,
                                                      early_updates=early_updates,
                                                      host_copies=self.provider == "cuda")
         self.in_place: InPlaceUpdates = self.arrangement.in_place

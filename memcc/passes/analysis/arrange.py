@@ -29,7 +29,7 @@ UPDATES_EARLY = "updates early"
 
 
 @dataclass(frozen=True)
-class Arrangement:
+class ArrangedStep:
     """The step as it will run: node order, in-place updates, and its predicted peak."""
 
     graph: Graph
@@ -39,14 +39,19 @@ class Arrangement:
     prediction: LivenessReport
 
 
+# The old name, kept only so that branches written before the rename still import; the
+# lead removes it once every branch is merged.
+Arrangement = ArrangedStep
+
+
 def arrange_step(graph: Graph, step: TrainingStep, *, in_place: bool = True,
-                 early_updates: bool = True, host_copies: bool = False) -> Arrangement:
+                 early_updates: bool = True, host_copies: bool = False) -> ArrangedStep:
     """Decide aliasing and order for ``graph`` (see the module docstring).
     ``host_copies``: the step runs on a device, where swapped-out copies live in host
     memory (``passes.analysis.liveness``)."""
     if not in_place:
         none = InPlaceUpdates({}, dict.fromkeys(step.state, "in-place updates are off"))
-        return Arrangement(graph, none, FILE_ORDER, "",
+        return ArrangedStep(graph, none, FILE_ORDER, "",
                            analyze_liveness(graph, host_copies=host_copies))
     ip = analyze_in_place(graph, step.state)
     file_prediction = analyze_liveness(graph, in_place=ip.aliased, host_copies=host_copies)
@@ -60,10 +65,10 @@ def arrange_step(graph: Graph, step: TrainingStep, *, in_place: bool = True,
             prediction = analyze_liveness(moved, in_place=ip_moved.aliased,
                                           host_copies=host_copies)
             if prediction.peak_bytes <= file_prediction.peak_bytes:
-                return Arrangement(moved, ip_moved, UPDATES_EARLY, "", prediction)
+                return ArrangedStep(moved, ip_moved, UPDATES_EARLY, "", prediction)
             note = (f"kept the file's order: updates moved early predict "
                     f"{prediction.peak_bytes:,} bytes, the file's order "
                     f"{file_prediction.peak_bytes:,}")
         else:
             note = sched.reason
-    return Arrangement(graph, ip, FILE_ORDER, note, file_prediction)
+    return ArrangedStep(graph, ip, FILE_ORDER, note, file_prediction)

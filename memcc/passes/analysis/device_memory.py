@@ -29,7 +29,7 @@ from memcc.passes.analysis.arena import (
     replay_steps,
     rounded_bytes,
 )
-from memcc.passes.analysis.arrange import Arrangement, arrange_step
+from memcc.passes.analysis.arrange import ArrangedStep, arrange_step
 from memcc.passes.analysis.liveness import LivenessReport
 from memcc.step import TrainingStep
 
@@ -117,7 +117,7 @@ def arena_limit(graph: Graph, aliased: Mapping[str, str], updates: Mapping[str, 
 
 
 def predict_step(graph: Graph, *, steps: int = 2, limit: int | None = None,
-                 early_updates: bool = True) -> tuple[Arrangement, DevicePrediction]:
+                 early_updates: bool = True) -> tuple[ArrangedStep, DevicePrediction]:
     """The step as the CUDA runtime runs it (updates in place, moved early where that
     predicts a lower peak: ``passes.analysis.arrange``) and what it holds on the device. ``memcc
     run``, ``--verify``, ``memcc train`` and the planner's ``simulate(device="cuda")`` all

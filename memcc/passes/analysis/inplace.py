@@ -44,28 +44,42 @@ class InPlaceUpdates:
     refused: Mapping[str, str]
 
 
+@dataclass(frozen=True)
+class _StepUses:
+    """Who writes and who reads each value in the order the step runs, read once per step
+    for every update ``_refusal`` judges."""
+
+    nodes: list[onnx.NodeProto]
+    position: dict[int, int]                 # id(node) -> its place in ``nodes``
+    producer: dict[str, onnx.NodeProto]
+    readers: dict[str, list[int]]            # value -> the places of the nodes that read it
+    outputs: set[str]                        # the graph's outputs
+    views: Mapping[str, list[str]]           # ``alias_children(nodes)``
+
+    @classmethod
+    def of(cls, graph: Graph, nodes: list[onnx.NodeProto]) -> _StepUses:
+        producer: dict[str, onnx.NodeProto] = {}
+        readers: dict[str, list[int]] = {}
+        for j, n in enumerate(nodes):
+            for o in n.output:
+                if o:
+                    producer[o] = n
+            for i in n.input:
+                if i:
+                    readers.setdefault(i, []).append(j)
+        return cls(nodes, {id(n): j for j, n in enumerate(nodes)}, producer, readers,
+                   set(graph.outputs), alias_children(nodes))
+
+
 def analyze_in_place(graph: Graph, updates: Mapping[str, str],
                      order: Sequence[onnx.NodeProto] | None = None) -> InPlaceUpdates:
     """Decide, for each ``output -> input`` update of the step, whether it can alias."""
-    nodes = list(order if order is not None else graph.nodes)
-    position = {id(n): j for j, n in enumerate(nodes)}
-    producer: dict[str, onnx.NodeProto] = {}
-    readers: dict[str, list[int]] = {}
-    for j, n in enumerate(nodes):
-        for o in n.output:
-            if o:
-                producer[o] = n
-        for i in n.input:
-            if i:
-                readers.setdefault(i, []).append(j)
+    uses = _StepUses.of(graph, list(order if order is not None else graph.nodes))
     aliased: dict[str, str] = {}
     refused: dict[str, str] = {}
     taken: set[str] = set()
-    outputs = set(graph.outputs)
-    views = alias_children(nodes)
     for out, inp in updates.items():
-        why = _refusal(graph, nodes, position, producer, readers, outputs, out, inp, taken,
-                       views)
+        why = _refusal(graph, uses, out, inp, taken)
         if why is None:
             aliased[out] = inp
             taken.add(inp)
@@ -74,12 +88,14 @@ def analyze_in_place(graph: Graph, updates: Mapping[str, str],
     return InPlaceUpdates(aliased, refused)
 
 
-def _refusal(graph: Graph, nodes, position, producer, readers, outputs: set[str], out: str,
-             inp: str, taken: set[str], views: Mapping[str, list[str]]) -> str | None:
-    node = producer.get(out)
+def _refusal(graph: Graph, uses: _StepUses, out: str, inp: str, taken: set[str]
+             ) -> str | None:
+    """Why ``out`` cannot be written over ``inp`` (None: it can); ``taken``: the inputs
+    other updates are already written over."""
+    node = uses.producer.get(out)
     if node is None:
         return "no node produces it"
-    if inp in outputs:
+    if inp in uses.outputs:
         return f"'{inp}' is itself a graph output"
     if inp in taken:
         return f"another update is already written over '{inp}'"
@@ -88,16 +104,16 @@ def _refusal(graph: Graph, nodes, position, producer, readers, outputs: set[str]
     ti_out, ti_in = graph.info.get(out), graph.info.get(inp)
     if ti_out is None or ti_out != ti_in:
         return f"its type differs from '{inp}'"
-    shared = sharing_buffer(views, inp)
+    shared = sharing_buffer(uses.views, inp)
     for operand in node.input:
         if operand in shared and graph.info.get(operand) is not None and \
                 graph.info[operand].shape != ti_out.shape:
             return f"its producer reads '{operand}' (the old value) with broadcasting"
-    at = position[id(node)]
+    at = uses.position[id(node)]
     for v in shared:
-        later = [j for j in readers.get(v, ()) if j > at]
+        later = [j for j in uses.readers.get(v, ()) if j > at]
         if later:
-            reader = nodes[later[-1]]
+            reader = uses.nodes[later[-1]]
             return (f"'{reader.name or reader.op_type}' reads the old value ('{v}') after "
                     f"'{node.name or node.op_type}' writes the new one")
     return None
