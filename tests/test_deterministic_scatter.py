@@ -28,7 +28,7 @@ from memcc.frontend.emit import Emitter
 from memcc.frontend.load import load_graph
 from memcc.graph import Graph, topological_problems
 from memcc.passes.analysis.liveness import analyze_liveness
-from memcc.passes.providers import deterministic_scatter
+from memcc.passes.providers import scatter_emission
 from memcc.passes.providers.deterministic_scatter import (
     for_cuda_determinism,
     is_accumulating_scatter,
@@ -94,9 +94,9 @@ def test_gather_gradient_chunks_merge_into_one_sorted_scan(monkeypatch, index_ta
     the graph for large ones, one step at a time for huge ones: all three forms here."""
     monkeypatch.setattr(shape_ops, "SCATTER_CHUNK_BYTES", 4096)
     if index_tables != "constant":
-        monkeypatch.setattr(deterministic_scatter, "_CONST_INDEX_MAX", 8)
+        monkeypatch.setattr(scatter_emission, "_CONST_INDEX_MAX", 8)
     if index_tables == "per_step":
-        monkeypatch.setattr(deterministic_scatter, "_BATCHED_SCAN_BYTES", 8)
+        monkeypatch.setattr(scatter_emission, "_BATCHED_SCAN_BYTES", 8)
     vocab, width, batch, seq = 50, 16, 4, 64
     graph = _gradient_graph([helper.make_node("Gather", ["table", "ids"], ["y"], axis=0)],
                             [("table", F32, [vocab, width]), ("ids", I64, [batch, seq]),
