@@ -49,37 +49,66 @@ def apply_recompute(graph: Graph, plan: Plan, structure: StepStructure | None = 
     """
     st = structure or StepStructure.of(graph)
     recompute = plan.recompute & st.recomputable
-    again = plan.recompute_again & recompute
     out = graph.copy(with_index=bool(recompute))
     if not recompute:
         return RecomputeResult(out, (), ())
-    du = out.def_use()
-    producers = du.producer
-    fresh = unique_namer(list(out.values()) + [n.name for n in out.nodes])
-    clone_of: dict[str, str] = {}   # forward value -> its recomputed name
-    cloned: list[str] = []
+    cloner = _Cloner(out, recompute, plan.recompute_again & recompute)
+    du = cloner.du
     new_nodes: list[onnx.NodeProto] = []
+    for node in out.nodes:
+        if node.name in st.forward:
+            new_nodes.append(node)
+            continue
+        emitted: list[onnx.NodeProto] = []
+        for k, i in enumerate(node.input):
+            if i:
+                r = cloner.resolve(i, emitted, node.name)
+                if r != i:
+                    du.rewire(node, k, r)
+        new_nodes.extend(emitted)
+        new_nodes.append(node)
+    new_nodes = _drop_dead_forward_outputs(new_nodes, st, set(out.outputs), du)
+    out.set_nodes(new_nodes, du.attach(new_nodes))
+    recomputed = tuple(sorted(v for v in cloner.ever_cloned if v in st.saved))
+    return RecomputeResult(out, tuple(dict.fromkeys(cloner.cloned)), recomputed,
+                           cloner.rerun_before)
 
-    # Outputs read by any node of the input step; unread optional outputs are dropped from
-    # clones. (Taken before any edit: the clones must not depend on the order of edits.)
-    read_before = {v for v, r in du.readers.items() if r}
 
-    rerun_before: dict[str, str] = {}
-    ever_cloned: set[str] = set()
+class _Cloner:
+    """The clones made so far while ``apply_recompute`` walks the copy ``out``: each
+    forward value's current clone (``clone_of``), every node cloned, which non-forward node
+    each clone runs before, and the def-use index kept up to date with every clone."""
 
-    def needs_clone(value: str) -> onnx.NodeProto | None:
-        if not value or value in clone_of:
+    def __init__(self, out: Graph, recompute: frozenset[str] | set[str],
+                 again: frozenset[str] | set[str]) -> None:
+        self.out = out
+        self.recompute = recompute
+        self.again = again
+        self.du: DefUse = out.def_use()
+        self.producers = self.du.producer
+        self.fresh = unique_namer(list(out.values()) + [n.name for n in out.nodes])
+        self.clone_of: dict[str, str] = {}   # forward value -> its recomputed name
+        self.cloned: list[str] = []
+        # Outputs read by any node of the input step; unread optional outputs are dropped
+        # from clones. (Taken before any edit: the clones must not depend on the order of
+        # edits.)
+        self.read_before = {v for v, r in self.du.readers.items() if r}
+        self.rerun_before: dict[str, str] = {}
+        self.ever_cloned: set[str] = set()
+
+    def needs_clone(self, value: str) -> onnx.NodeProto | None:
+        if not value or value in self.clone_of:
             return None
-        node = producers.get(value)
-        return node if node is not None and node.name in recompute else None
+        node = self.producers.get(value)
+        return node if node is not None and node.name in self.recompute else None
 
-    def resolve(value: str, emitted: list[onnx.NodeProto], reader: str) -> str:
+    def resolve(self, value: str, emitted: list[onnx.NodeProto], reader: str) -> str:
         """The name ``reader`` reads for ``value``: its clone, made now (inputs first, in
         input order) if it has none yet. Iterative, because a chain can run through a whole
         forward pass (ResNet-152's is deeper than Python's recursion limit)."""
-        if value in clone_of:
-            return clone_of[value]
-        first = needs_clone(value)
+        if value in self.clone_of:
+            return self.clone_of[value]
+        first = self.needs_clone(value)
         if first is None:
             return value
         stack: list[tuple[onnx.NodeProto, int]] = [(first, 0)]
@@ -88,37 +117,38 @@ def apply_recompute(graph: Graph, plan: Plan, structure: StepStructure | None = 
             node, k = stack[-1]
             child = None
             while k < len(node.input) and child is None:
-                child = needs_clone(node.input[k])
+                child = self.needs_clone(node.input[k])
                 k += 1
             if child is not None:
                 stack[-1] = (node, k)
                 stack.append((child, 0))
                 continue
             stack.pop()
-            emit(node, emitted, reader)
-            if stack and node.name in again:
-                private.extend(o for o in node.output if o in clone_of)
-        result = clone_of[value]
+            self.emit(node, emitted, reader)
+            if stack and node.name in self.again:
+                private.extend(o for o in node.output if o in self.clone_of)
+        result = self.clone_of[value]
         for o in private:
-            del clone_of[o]
+            del self.clone_of[o]
         return result
 
-    def emit(node: onnx.NodeProto, emitted: list[onnx.NodeProto], reader: str) -> None:
-        inputs = [clone_of.get(i, i) if i else "" for i in node.input]
-        rerun_before[node.name] = reader
+    def emit(self, node: onnx.NodeProto, emitted: list[onnx.NodeProto], reader: str) -> None:
+        """Clone ``node`` (reading the current clones of its inputs) into ``emitted``."""
+        inputs = [self.clone_of.get(i, i) if i else "" for i in node.input]
+        self.rerun_before[node.name] = reader
         clone = onnx.NodeProto()
         clone.CopyFrom(node)
-        clone.name = fresh(node.name + RECOMPUTE_SUFFIX)
+        clone.name = self.fresh(node.name + RECOMPUTE_SUFFIX)
         del clone.input[:]
         clone.input.extend(inputs)
         outs = []
         keep_all = _outputs_required(node)
         for o in node.output:
-            if o and (o in read_before or keep_all):
-                name = fresh(o + RECOMPUTE_SUFFIX)
-                clone_of[o] = name
-                ever_cloned.add(o)
-                out.info[name] = out.info[o]
+            if o and (o in self.read_before or keep_all):
+                name = self.fresh(o + RECOMPUTE_SUFFIX)
+                self.clone_of[o] = name
+                self.ever_cloned.add(o)
+                self.out.info[name] = self.out.info[o]
                 outs.append(name)
             else:
                 outs.append("")
@@ -126,26 +156,9 @@ def apply_recompute(graph: Graph, plan: Plan, structure: StepStructure | None = 
             outs.pop()
         del clone.output[:]
         clone.output.extend(outs)
-        du.add(clone)
+        self.du.add(clone)
         emitted.append(clone)
-        cloned.append(node.name)
-
-    for node in out.nodes:
-        if node.name in st.forward:
-            new_nodes.append(node)
-            continue
-        emitted: list[onnx.NodeProto] = []
-        for k, i in enumerate(node.input):
-            if i:
-                r = resolve(i, emitted, node.name)
-                if r != i:
-                    du.rewire(node, k, r)
-        new_nodes.extend(emitted)
-        new_nodes.append(node)
-    new_nodes = _drop_dead_forward_outputs(new_nodes, st, set(out.outputs), du)
-    out.set_nodes(new_nodes, du.attach(new_nodes))
-    recomputed = tuple(sorted(v for v in ever_cloned if v in st.saved))
-    return RecomputeResult(out, tuple(dict.fromkeys(cloned)), recomputed, rerun_before)
+        self.cloned.append(node.name)
 
 
 def _drop_dead_forward_outputs(nodes: list[onnx.NodeProto], st: StepStructure,
