@@ -26,7 +26,7 @@ DIMS = dict(batch=2, seq_len=128, vocab_size=50257, width=256, depth=2, heads=4)
 
 def child(opt: str, offload: bool, steps: int) -> dict:
     """One variant in this process (a fresh CUDA context: NVML's reading is its own)."""
-    from memcc.backend.device_step import DeviceStep
+    from memcc.backend.device_step import DeviceSettings, DeviceStep, StepRoles
     from memcc.backend.memory import NvmlPeakMeter, device_baseline
     from memcc.backend.runner import synthetic_feeds
     from memcc.frontend.build import BuildOptions, build_training_step
@@ -52,8 +52,8 @@ def child(opt: str, offload: bool, steps: int) -> dict:
                  "offloaded_bytes": moved.bytes if moved else 0,
                  "predicted_steady_bytes": predicted.steady_bytes}
     try:
-        step = DeviceStep(a.graph, loss=spec.loss, updates=spec.state,
-                          aliased=a.in_place.aliased, provider="cuda")
+        step = DeviceStep(a.graph, StepRoles(spec.loss, spec.state, a.in_place.aliased),
+                          DeviceSettings(provider="cuda"))
         feeds = synthetic_feeds(graph, seed=0)
         losses, times = [], []
         for _ in range(steps):

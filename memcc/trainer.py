@@ -49,7 +49,12 @@ import numpy as np
 
 from memcc.backend import checkpoint as ckpt
 from memcc.backend.data import DataInput, Dataset, data_inputs, load_dataset
-from memcc.backend.device_step import DeviceStep, step_for_provider
+from memcc.backend.device_step import (
+    DeviceSettings,
+    DeviceStep,
+    StepRoles,
+    step_for_provider,
+)
 from memcc.backend.memory import device_baseline, trim_heap
 from memcc.backend.session import resolve_provider
 from memcc.errors import InputError, RuntimeFailure
@@ -112,9 +117,11 @@ class Trainer:
                                                      host_copies=self.provider == "cuda")
         self.in_place: InPlaceUpdates = self.arrangement.in_place
         self._step = DeviceStep(
-            self.arrangement.graph, loss=self.spec.loss, updates=self.updates,
-            aliased=self.in_place.aliased, provider=self.provider, threads=threads,
-            cpu_arena=self.arena, cuda_graph=cuda_graph,
+            self.arrangement.graph,
+            StepRoles(loss=self.spec.loss, updates=self.updates,
+                      aliased=self.in_place.aliased),
+            DeviceSettings(provider=self.provider, threads=threads, cpu_arena=self.arena,
+                           cuda_graph=cuda_graph),
             source=str(self.path))
         self.deterministic = bool(deterministic)
         # The initial values stored in the file are not needed any more (state_dict and

@@ -19,7 +19,9 @@ from onnx import TensorProto, helper
 from memcc.backend.device_step import (
     DEVICE,
     HOST,
+    DeviceSettings,
     DeviceStep,
+    StepRoles,
     capture_blockers,
     device_session_graph,
 )
@@ -45,8 +47,8 @@ def _device_step(graph: Graph, layout: str, in_place: bool = True, threads: int 
                  ) -> DeviceStep:
     spec = TrainingStep.of(graph)
     a = arrange_step(graph, spec, in_place=in_place)
-    return DeviceStep(a.graph, loss=spec.loss, updates=spec.state, aliased=a.in_place.aliased,
-                      provider="cpu", threads=threads, layout=layout)
+    return DeviceStep(a.graph, StepRoles(spec.loss, spec.state, a.in_place.aliased),
+                      DeviceSettings(provider="cpu", threads=threads, layout=layout))
 
 
 @pytest.mark.parametrize("name, opt, in_place", [
@@ -106,8 +108,8 @@ def test_a_step_with_the_returned_outputs_copies_them_back():
     extra = spec.forward_outputs[0]   # the logits, made an output of the step here
     graph.outputs.append(extra)
     a = arrange_step(graph, spec)
-    step = DeviceStep(a.graph, loss=spec.loss, updates=spec.state,
-                      aliased=a.in_place.aliased, layout=DEVICE, returned=[extra])
+    step = DeviceStep(a.graph, StepRoles(spec.loss, spec.state, a.in_place.aliased,
+                                         returned=[extra]), DeviceSettings(layout=DEVICE))
     out = step.run(synthetic_feeds(graph, seed=0))
     assert out.arrays[extra].shape == graph.info[extra].shape and np.isfinite(out.loss)
 
@@ -116,7 +118,7 @@ def test_cuda_graph_needs_cuda():
     graph = _step("mlp")
     spec = TrainingStep.of(graph)
     with pytest.raises(InputError, match="--cuda-graph needs --provider cuda"):
-        DeviceStep(graph, loss=spec.loss, updates=spec.state, aliased={}, cuda_graph=True)
+        DeviceStep(graph, StepRoles(spec.loss, spec.state), DeviceSettings(cuda_graph=True))
 
 
 # ---------------------------------------------------------------------------- prediction

@@ -15,7 +15,7 @@ import numpy as np
 import onnx
 import pytest
 
-from memcc.backend.device_step import DEVICE, DeviceStep
+from memcc.backend.device_step import DEVICE, DeviceSettings, DeviceStep, StepRoles
 from memcc.backend.runner import synthetic_feeds
 from memcc.compiler import CompileOptions, compile_model
 from memcc.frontend.build import BuildOptions, build_training_step
@@ -45,8 +45,8 @@ def _step(opt: str, **dims) -> Graph:
 def _run(graph: Graph, steps: int = 3) -> tuple[list[float], dict[str, np.ndarray], DeviceStep]:
     spec = TrainingStep.of(graph)
     a = arrange_step(graph, spec)
-    step = DeviceStep(a.graph, loss=spec.loss, updates=spec.state, aliased=a.in_place.aliased,
-                      provider="cpu", threads=1, layout=DEVICE)
+    step = DeviceStep(a.graph, StepRoles(spec.loss, spec.state, a.in_place.aliased),
+                      DeviceSettings(provider="cpu", threads=1, layout=DEVICE))
     feeds = synthetic_feeds(graph, seed=0)
     losses = [step.run(feeds).loss for _ in range(steps)]
     return losses, step.state_dict(), step

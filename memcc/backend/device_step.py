@@ -43,54 +43,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 
+from memcc.backend.cuda_graph import capture_blockers
 from memcc.backend.session import make_session
 from memcc.errors import InputError, RuntimeFailure
-from memcc.frontend.constants import constant_value
-from memcc.graph import Graph, node_label
+from memcc.graph import Graph
 from memcc.passes.analysis.device_memory import arena_limit
 from memcc.passes.lowering.offload_state import host_resident
-
-# Ops whose CUDA kernels cannot be replayed from a captured graph: control flow (ORT
-# refuses capture with subgraphs) and ORT's random generators, which draw their seed on the
-# host at each run, so a replay would repeat the captured draw every step.
-_CONTROL_FLOW = {"If", "Loop", "Scan"}
-_RANDOM = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike",
-           "Multinomial", "Bernoulli"}
-
-
-def capture_blockers(graph: Graph) -> list[str]:
-    """What keeps ORT from capturing ``graph``'s step as one CUDA graph, read from the graph
-    alone (each entry names the node or value and why); empty when nothing visible does.
-    ORT checks the rest at load (nodes placed on the CPU provider, host copies) and
-    ``DeviceStep`` reports what it said."""
-    blockers = []
-    producers = graph.producers()
-    for node in graph.nodes:
-        if node.op_type in _CONTROL_FLOW:
-            blockers.append(f"{node_label(node)}: control flow ({node.op_type}) cannot be "
-                            "captured")
-        elif node.op_type in _RANDOM:
-            blockers.append(f"{node_label(node)}: {node.op_type} draws on the host at each "
-                            "run; a replayed graph would repeat one draw")
-        elif node.op_type == "Dropout" and _dropout_trains(node, graph, producers):
-            blockers.append(f"{node_label(node)}: a training-mode Dropout draws its mask on "
-                            "the host at each run")
-    for name in [*graph.inputs, *graph.outputs]:
-        ti = graph.info.get(name)
-        if ti is None or any(not isinstance(d, int) or d < 0 for d in ti.shape):
-            blockers.append(f"'{name}': no static shape (a captured graph replays fixed "
-                            "shapes)")
-    return blockers
-
-
-def _dropout_trains(node: onnx.NodeProto, graph: Graph, producers) -> bool:
-    """Whether a Dropout may train: its ``training_mode`` input is given and not a constant
-    False (a value computed at run time may be True)."""
-    if len(node.input) < 3 or not node.input[2]:
-        return False
-    value = constant_value(graph, node.input[2], producers)
-    return value is None or bool(np.asarray(value).reshape(-1)[0])
-
 
 # ---------------------------------------------------------------------------- placement
 HOST, DEVICE = "host", "device"
@@ -200,44 +158,84 @@ class StepOutputs:
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class StepRoles:
+    """What the step's outputs are for. ``loss``: the loss output; ``updates``: output ->
+    the input it replaces next step; ``aliased``: the updates written over their input;
+    ``returned``: outputs copied back to the host after each run besides the loss."""
+
+    loss: str
+    updates: Mapping[str, str]
+    aliased: Mapping[str, str] = field(default_factory=dict)
+    returned: Sequence[str] = ()
+
+
+@dataclass(frozen=True)
+class DeviceSettings:
+    """Where and how the step runs. ``cuda_graph``: None = capture where possible, True =
+    required (an error names what prevents it), False = never. ``layout``: ``DEVICE``
+    (always on CUDA) or ``HOST`` (the CPU's default); the CPU runs the ``DEVICE`` layout
+    too, which is how its logic is tested without a GPU. ``gpu_mem_limit``: the budget the
+    bound buffers and the arena share (CUDA). ``profile_prefix``: ORT's profile file."""
+
+    provider: str = "cpu"
+    threads: int | None = None
+    cpu_arena: bool = False
+    gpu_mem_limit: int | None = None
+    cuda_graph: bool | None = None
+    profile_prefix: str | None = None
+    layout: str | None = None
+
+
 class DeviceStep:
     """A training step's session with its state bound where it trains (module docstring).
 
     ``graph``: the step as it will run (``passes.analysis.arrange``'s graph: in-place updates
-    decided, node order fixed). ``updates``: output -> the input it replaces next step;
-    ``aliased``: the updates written over their input. ``returned``: outputs copied back to
-    the host after each run besides the loss. ``cuda_graph``: None = capture where
-    possible, True = required (an error names what prevents it), False = never.
-    ``layout``: ``DEVICE`` (always on CUDA) or ``HOST`` (the CPU's default); the CPU runs
-    the ``DEVICE`` layout too, which is how its logic is tested without a GPU.
+    decided, node order fixed); ``roles``: what its outputs are for; ``settings``: where and
+    how it runs; ``source``: the file named in messages.
     """
 
-    def __init__(self, graph: Graph, *, loss: str, updates: Mapping[str, str],
-                 aliased: Mapping[str, str], provider: str = "cpu",
-                 threads: int | None = None, cpu_arena: bool = False,
-                 gpu_mem_limit: int | None = None, cuda_graph: bool | None = None,
-                 returned: Sequence[str] = (),
-                 profile_prefix: str | None = None, source: str = "<step>",
-                 layout: str | None = None) -> None:
-        import onnxruntime as ort
-
+    def __init__(self, graph: Graph, roles: StepRoles,
+                 settings: DeviceSettings = DeviceSettings(), *,
+                 source: str = "<step>") -> None:
+        provider = settings.provider
         self.provider = provider
-        self.loss_name = loss
-        self.updates = dict(updates)
-        self.aliased = dict(aliased)
+        self.loss_name = roles.loss
+        self.updates = dict(roles.updates)
+        self.aliased = dict(roles.aliased)
         self.source = source
-        self.returned = [o for o in returned if o != loss]
-        outputs = list(graph.outputs)
+        self.returned = [o for o in roles.returned if o != roles.loss]
         carried = list(dict.fromkeys(self.updates.values()))
-        self.layout = DEVICE if provider == "cuda" else (layout or HOST)
+        self.layout = DEVICE if provider == "cuda" else (settings.layout or HOST)
         sgraph, state, fixed = device_session_graph(graph, carried, self.layout)
         # Optimizer state the step keeps in host memory (passes.lowering.offload_state): bound to
         # host buffers, which its MemcpyFromHost reads and its MemcpyToHost writes.
         self.host_resident = (host_resident(graph, self.updates) & set(state)
                               if self.layout == DEVICE else set())
+        capture = self._decide_capture(graph, settings.cuda_graph)
+        # The bound buffers, stored values and the session's own live beside the step's
+        # arena; the arena may have what the budget leaves.
+        limit = (arena_limit(graph, self.aliased, self.updates, settings.gpu_mem_limit,
+                             source=source)
+                 if provider == "cuda" and settings.gpu_mem_limit is not None else None)
+        self.captured = self._open_session(sgraph.to_model(), settings, limit, capture)
+        self._bind_buffers(graph, sgraph, state, fixed)
+        del state  # the host arrays go once uploaded (kept by the HOST layout)
+        self._bindings = [self._bind(swapped=False)]
+        if self.spare:
+            self._bindings.append(self._bind(swapped=True))
+        self._run_options = self._make_run_options(settings)
+        self.runs = 0
+        self._captured: set[int] = set()  # bindings whose graph ORT has captured
+
+    # ------------------------------------------------------------------ opening
+    def _decide_capture(self, graph: Graph, cuda_graph: bool | None) -> bool:
+        """Whether to ask ORT to capture the step as a CUDA graph (``cuda_graph_note`` says
+        why not); an ``InputError`` where capture is required and cannot be had."""
+        source = self.source
         self.cuda_graph_note: str | None = None
         capture = False
-        if provider == "cuda" and cuda_graph is not False:
+        if self.provider == "cuda" and cuda_graph is not False:
             blockers = capture_blockers(graph)
             if blockers and cuda_graph:
                 raise InputError(f"{source}: --cuda-graph: the step cannot be captured: "
@@ -252,22 +250,24 @@ class DeviceStep:
             capture = not blockers
             if blockers:
                 self.cuda_graph_note = "not captured: " + "; ".join(blockers[:3])
-        elif provider == "cuda":
+        elif self.provider == "cuda":
             self.cuda_graph_note = "off (--no-cuda-graph)"
         elif cuda_graph:
             raise InputError("--cuda-graph needs --provider cuda")
-        model = sgraph.to_model()
-        # The bound buffers, stored values and the session's own live beside the step's
-        # arena; the arena may have what the budget leaves.
-        limit = (arena_limit(graph, self.aliased, self.updates, gpu_mem_limit, source=source)
-                 if provider == "cuda" and gpu_mem_limit is not None else None)
+        return capture
+
+    def _open_session(self, model: onnx.ModelProto, settings: DeviceSettings,
+                      limit: int | None, capture: bool) -> bool:
+        """Open ``self.session``, with CUDA graph capture when ``capture`` (falling back
+        without it where ORT refuses and capture was not required); whether it captures."""
+        provider = self.provider
 
         def open_session(with_graph: bool):
             return make_session(
-                model, provider, intra_op_threads=threads, cpu_arena=cpu_arena,
-                gpu_mem_limit=limit,
-                profile=profile_prefix is not None, profile_prefix=profile_prefix,
-                cuda_graph=with_graph,
+                model, provider, intra_op_threads=settings.threads,
+                cpu_arena=settings.cpu_arena, gpu_mem_limit=limit,
+                profile=settings.profile_prefix is not None,
+                profile_prefix=settings.profile_prefix, cuda_graph=with_graph,
                 extra_config={"session.use_device_allocator_for_initializers": "1"}
                 if provider == "cuda" else None)
 
@@ -275,17 +275,23 @@ class DeviceStep:
             try:
                 self.session = open_session(True)
             except RuntimeFailure as exc:
-                if cuda_graph:
-                    raise RuntimeFailure(f"{source}: --cuda-graph: ONNX Runtime refused to "
-                                         f"capture the step: {exc}") from exc
+                if settings.cuda_graph:
+                    raise RuntimeFailure(f"{self.source}: --cuda-graph: ONNX Runtime refused "
+                                         f"to capture the step: {exc}") from exc
                 self.cuda_graph_note = f"not captured: ONNX Runtime refused: {exc}"
                 capture = False
                 self.session = open_session(False)
         else:
             self.session = open_session(False)
-        self.captured = capture
+        return capture
 
-        # The buffers, each at a fixed address for the whole run.
+    def _bind_buffers(self, graph: Graph, sgraph: Graph, state: dict[str, np.ndarray],
+                      fixed: dict[str, np.ndarray]) -> None:
+        """The buffers, each at a fixed address for the whole run: the carried state, a
+        spare for every update not written in place, the batch, the outputs and (``HOST``)
+        the stored values the step feeds."""
+        import onnxruntime as ort
+
         host = self.layout == HOST
         self._host_state = state if host else {}
         spares = {inp: np.zeros_like(state[inp]) for out, inp in self.updates.items()
@@ -296,6 +302,7 @@ class DeviceStep:
         batch0 = {n: np.zeros(graph.info[n].shape, graph.info[n].np_dtype)
                   for n in self.data_inputs}
         self._host_batch = batch0 if host else {}
+        outputs = list(graph.outputs)
         out0 = {o: np.zeros(graph.info[o].shape, graph.info[o].np_dtype)
                 for o in outputs if o not in self.updates}
         self._host_out = out0 if host else {}
@@ -304,12 +311,12 @@ class DeviceStep:
         self._held_arrays = {**{f"s:{n}": a for n, a in held.items()},
                              **{f"p:{n}": a for n, a in held_spares.items()}}
         values = upload({**{f"s:{n}": a for n, a in state.items()},
-                                          **{f"p:{n}": a for n, a in spares.items()},
-                                          **{f"b:{n}": a for n, a in batch0.items()},
-                                          **{f"o:{n}": a for n, a in out0.items()}},
-                                         provider, self.layout)
+                         **{f"p:{n}": a for n, a in spares.items()},
+                         **{f"b:{n}": a for n, a in batch0.items()},
+                         **{f"o:{n}": a for n, a in out0.items()}},
+                        self.provider, self.layout)
         # Host buffers: the OrtValues share the arrays' memory (kept in _held_arrays).
-        values |= upload(self._held_arrays, provider, HOST)
+        values |= upload(self._held_arrays, self.provider, HOST)
         state |= held
         spares |= held_spares
         self.state = {n: values[f"s:{n}"] for n in state}
@@ -319,22 +326,22 @@ class DeviceStep:
         self._fixed = {n: ort.OrtValue.ortvalue_from_numpy(np.asarray(a, order="C"))
                        for n, a in fixed.items()}
         self._fixed_arrays = fixed
-        if not host:
-            del state, spares, batch0, out0
         self._outputs = outputs
-        self._bindings = [self._bind(swapped=False)]
-        if self.spare:
-            self._bindings.append(self._bind(swapped=True))
-        self._run_options = []
+
+    def _make_run_options(self, settings: DeviceSettings) -> list:
+        """One ``RunOptions`` per binding: its CUDA graph id when two bindings are captured,
+        the CPU arena's shrink when the CPU arena is on (the arena model includes it)."""
+        import onnxruntime as ort
+
+        options = []
         for k in range(len(self._bindings)):
             ro = ort.RunOptions()
-            if capture and len(self._bindings) > 1:
+            if self.captured and len(self._bindings) > 1:
                 ro.add_run_config_entry("gpu_graph_id", str(k + 1))
-            if provider == "cpu" and cpu_arena:  # the CPU arena model includes its shrink
+            if self.provider == "cpu" and settings.cpu_arena:
                 ro.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
-            self._run_options.append(ro)
-        self.runs = 0
-        self._captured: set[int] = set()  # bindings whose graph ORT has captured
+            options.append(ro)
+        return options
 
     # ------------------------------------------------------------------ binding
     def _bind(self, *, swapped: bool):

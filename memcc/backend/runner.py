@@ -250,7 +250,7 @@ def _run_on_device(path: Path, graph: Graph, spec: StepSpec, batch: Mapping[str,
     ``device_readings`` keeps NVML's view of each moment over the baseline."""
     import gc
 
-    from memcc.backend.device_step import DeviceStep
+    from memcc.backend.device_step import DeviceSettings, DeviceStep, StepRoles
     from memcc.passes.analysis.device_memory import predict_step
 
     try:
@@ -261,9 +261,9 @@ def _run_on_device(path: Path, graph: Graph, spec: StepSpec, batch: Mapping[str,
     aliased = arrangement.in_place.aliased
 
     def open_step(**kw) -> DeviceStep:
-        return DeviceStep(graph, loss=spec.loss, updates=spec.state, aliased=aliased,
-                          provider="cuda", gpu_mem_limit=gpu_mem_limit, source=str(path),
-                          **kw)
+        return DeviceStep(graph, StepRoles(loss=spec.loss, updates=spec.state, aliased=aliased),
+                          DeviceSettings(provider="cuda", gpu_mem_limit=gpu_mem_limit, **kw),
+                          source=str(path))
 
     memory.device_baseline()  # a CUDA context before anything is measured
     with tempfile.TemporaryDirectory(prefix="memcc-run-") as tmp:
