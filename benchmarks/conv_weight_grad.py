@@ -600,7 +600,7 @@ def measure_shape(s: ConvShape, threads: int, rounds: int, seed: int = 0) -> dic
     torch's; one interleaved timing for all (the same machine conditions per round)."""
     import torch
 
-    from memcc.backend.session import make_session
+    from memcc.backend.session import SessionSettings, make_session
 
     rng = np.random.default_rng(seed)
     x = rng.standard_normal(s.x).astype(np.float32)
@@ -615,7 +615,7 @@ def measure_shape(s: ConvShape, threads: int, rounds: int, seed: int = 0) -> dic
             continue
         try:
             model = form_model(s, form)
-            sess = make_session(model, "cpu", intra_op_threads=threads)
+            sess = make_session(model, "cpu", SessionSettings(intra_op_threads=threads))
             got = sess.run(None, feeds)[0]
         except Exception as exc:  # one broken form must not hide the others' figures
             forms[form] = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0]}

@@ -293,7 +293,7 @@ def _overlap_model(n: int, chain: int, elements: int, parts: str):
 def overlap_phase(summary: Summary, provider: str, small: bool, rounds: int) -> None:
     import numpy as np
 
-    from memcc.backend.session import make_session
+    from memcc.backend.session import SessionSettings, make_session
 
     n, chain, elements = (64, 4, 1 << 12) if small else (4096, 16, 1 << 26)
     rng = np.random.default_rng(0)
@@ -307,7 +307,7 @@ def overlap_phase(summary: Summary, provider: str, small: bool, rounds: int) -> 
             for parts in ("compute", "copy", "both"):
                 model = _overlap_model(n, chain, elements, parts)
                 opts = {"do_copy_in_default_stream": setting} if provider == "cuda" else None
-                sess = make_session(model, provider, cuda_options=opts)
+                sess = make_session(model, provider, SessionSettings(cuda_options=opts))
                 names = {i.name for i in sess.get_inputs()}
                 mine = {k: v for k, v in feeds.items() if k in names}
                 sess.run(None, mine)

@@ -33,7 +33,6 @@ goes to ``OUT/summary.json``; a short table to stdout. No network; a time budget
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import statistics
 import sys
@@ -49,7 +48,7 @@ import numpy as np  # noqa: E402
 import onnxruntime as ort  # noqa: E402
 
 from memcc.backend.runner import session_graph, synthetic_feeds  # noqa: E402
-from memcc.backend.session import make_session  # noqa: E402
+from memcc.backend.session import SessionSettings, make_session  # noqa: E402
 from memcc.frontend.build import BuildOptions, build_training_step  # noqa: E402
 from memcc.frontend.load import load_graph  # noqa: E402
 from memcc.graph import Graph  # noqa: E402
@@ -86,12 +85,9 @@ def open_session(model, provider: str, det: bool, *, profile: bool = False,
                  prefix: str | None = None) -> ort.InferenceSession:
     """``make_session`` with the setting: its ``deterministic`` keyword where it has one,
     else the SessionOptions override (the CPU provider ignores the setting)."""
-    kwargs: dict = {"profile": profile, "profile_prefix": prefix}
-    if "deterministic" in inspect.signature(make_session).parameters:
-        kwargs["deterministic"] = det
-    else:
-        kwargs["option_overrides"] = {"use_deterministic_compute": det}
-    return make_session(model, provider, **kwargs)
+    return make_session(model, provider, SessionSettings(profile=profile,
+                                                         profile_prefix=prefix,
+                                                         deterministic=det))
 
 
 class BoundStep:

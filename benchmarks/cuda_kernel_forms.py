@@ -67,7 +67,7 @@ import onnxruntime as ort  # noqa: E402
 from onnx import TensorProto, helper  # noqa: E402
 
 from benchmarks.stats import interleaved_times  # noqa: E402
-from memcc.backend.session import cuda_available, make_session, resolve_provider  # noqa: E402
+from memcc.backend.session import SessionSettings, cuda_available, make_session, resolve_provider  # noqa: E402
 from memcc.errors import MemccError  # noqa: E402
 from memcc.frontend.emit import Emitter  # noqa: E402
 from memcc.frontend.gradients import load_rules  # noqa: E402
@@ -519,7 +519,8 @@ class BoundForm:
 
     def __init__(self, graph: Graph, values: dict[str, ort.OrtValue], provider: str,
                  cuda_options: dict[str, str] | None = None) -> None:
-        self.session = make_session(graph.to_model(), provider, cuda_options=cuda_options)
+        self.session = make_session(graph.to_model(), provider,
+                                    SessionSettings(cuda_options=cuda_options))
         self.binding = self.session.io_binding()
         for i in self.session.get_inputs():
             self.binding.bind_ortvalue_input(i.name, values[i.name])

@@ -159,7 +159,7 @@ def profile_cases(manifest: Path, result: Path, provider: str, runs: int) -> Non
     """Child process (``CUDA_LAUNCH_BLOCKING=1`` on CUDA): per node, the median of its
     profiled times over ``runs`` runs after one warm-up, for every step in the manifest;
     the result file is rewritten after each step, so a run cut short keeps what it has."""
-    from memcc.backend.session import make_session
+    from memcc.backend.session import SessionSettings, make_session
 
     out: dict[str, dict] = {}
     for case in json.loads(manifest.read_text()):
@@ -167,8 +167,8 @@ def profile_cases(manifest: Path, result: Path, provider: str, runs: int) -> Non
         t0 = time.perf_counter()
         try:
             with tempfile.TemporaryDirectory() as d:
-                sess = make_session(case["path"], provider, profile=True,
-                                    profile_prefix=str(Path(d) / "prof"))
+                sess = make_session(case["path"], provider, SessionSettings(
+                    profile=True, profile_prefix=str(Path(d) / "prof")))
                 made = time.perf_counter() - t0
                 with np.load(case["feeds"]) as z:
                     feeds = {k: z[k] for k in z.files}

@@ -38,7 +38,7 @@ from old_gather_rule import _scatternd_rows  # noqa: E402
 
 import memcc.frontend.gradients.shape_ops as shape_ops  # noqa: E402
 from memcc.backend.memory import measure_many_in_subprocess  # noqa: E402
-from memcc.backend.session import make_session  # noqa: E402
+from memcc.backend.session import SessionSettings, make_session  # noqa: E402
 from memcc.frontend.autodiff import differentiate  # noqa: E402
 from memcc.frontend.emit import Emitter  # noqa: E402
 from memcc.frontend.load import load_graph  # noqa: E402
@@ -105,7 +105,7 @@ def main() -> None:
     overrides = {"intra_op_num_threads": args.threads}
     measured = measure_many_in_subprocess({k: (m, feeds) for k, m in models.items()}, runs=2,
                                           overrides=overrides)
-    sessions = {k: make_session(m, "cpu", intra_op_threads=args.threads)
+    sessions = {k: make_session(m, "cpu", SessionSettings(intra_op_threads=args.threads))
                 for k, m in models.items()}
     times: dict[str, list[float]] = {k: [] for k in models}
     exact_runs = dict.fromkeys(models, 0)

@@ -243,7 +243,7 @@ def _time_child(payload: dict) -> dict:
     every variant) are shared, so twenty sessions fit where twenty copies of the state
     would not. Sessions come from ``make_session``: the execution contract memcc runs under.
     """
-    from memcc.backend.session import make_session
+    from memcc.backend.session import SessionSettings, make_session
 
     arena = payload.get("allocator", "glibc") == "arena"
     if payload.get("held"):
@@ -261,7 +261,7 @@ def _time_child(payload: dict) -> dict:
 
     fns = {}
     for job in payload["jobs"]:
-        session = make_session(job["session_model"], "cpu", cpu_arena=arena)
+        session = make_session(job["session_model"], "cpu", SessionSettings(cpu_arena=arena))
         feeds = load(job["feeds"])
         outputs = list(job["outputs"])
         fns[job["name"]] = (lambda s=session, f=feeds, o=outputs: s.run(o, f))
@@ -276,10 +276,10 @@ def _time_child(payload: dict) -> dict:
 
 def _held_child(payload: dict, arena: bool) -> dict:
     """Child side of ``held_bytes``: one step's session, run ``steps`` times."""
-    from memcc.backend.session import make_session
+    from memcc.backend.session import SessionSettings, make_session
 
     job = payload["jobs"][0]
-    session = make_session(job["session_model"], "cpu", cpu_arena=arena)
+    session = make_session(job["session_model"], "cpu", SessionSettings(cpu_arena=arena))
     with np.load(job["feeds"], allow_pickle=False) as npz:
         feeds = {k: npz[k] for k in npz.files}
     outputs = list(job["outputs"])

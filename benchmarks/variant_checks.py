@@ -220,7 +220,7 @@ def _compare_steps(ref_step, new_step, rounds: int, new_label: str, ref_label: s
     ``ref_step``'s at 1 and 2 threads (outputs not zero up to rounding), then both steps'
     times in interleaved rounds (median ratio, 95% bootstrap interval)."""
     from benchmarks.stats import interleaved_times, ratio_interval
-    from memcc.backend.session import make_session
+    from memcc.backend.session import SessionSettings, make_session
     from memcc.backend.verify import session_graph
 
     feeds = synthetic_feeds(ref_step, seed=0)
@@ -234,7 +234,7 @@ def _compare_steps(ref_step, new_step, rounds: int, new_label: str, ref_label: s
 
     def session(graph, threads: int | None = None):
         sg, values = session_graph(graph)
-        sess = make_session(sg.to_model(), "cpu", intra_op_threads=threads)
+        sess = make_session(sg.to_model(), "cpu", SessionSettings(intra_op_threads=threads))
         every = {**values, **feeds}
         return lambda: dict(zip(graph.outputs, sess.run(list(graph.outputs), every),
                                 strict=True))

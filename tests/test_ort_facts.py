@@ -17,7 +17,7 @@ from memcc.backend import ort_kernels
 from memcc.backend.memory import measure_many_in_subprocess
 from memcc.backend.ort_kernels import INLINED_BY_ORT_1_31, has_kernel
 from memcc.backend.profile_order import executed_order, ort_priority_order, planned_order
-from memcc.backend.session import make_session
+from memcc.backend.session import SessionSettings, make_session
 from memcc.frontend.load import load_graph
 from memcc.passes.analysis.liveness import analyze_liveness
 
@@ -40,8 +40,9 @@ def model(nodes, outputs, *, inputs=(("x", [N]),), inits=(), opset=17) -> onnx.M
 
 def profiled_order(m: onnx.ModelProto, feeds, tmp_path, extra_config=None,
                    **overrides) -> list[str]:
-    sess = make_session(m, "cpu", profile=True, profile_prefix=tmp_path / "p",
-                        option_overrides=overrides, extra_config=extra_config)
+    sess = make_session(m, "cpu", SessionSettings(
+        profile=True, profile_prefix=tmp_path / "p", option_overrides=overrides,
+        extra_config=extra_config))
     sess.run(None, feeds)
     return executed_order(sess.end_profiling())
 
@@ -113,8 +114,9 @@ def test_cse_merges_duplicated_nodes_when_enabled_and_not_under_the_contract(tmp
 
 def test_disabled_optimizers_entry_keeps_cse_off_at_a_raised_level(tmp_path):
     """Belt and braces: the contract's disable list holds even if the level is raised."""
-    sess = make_session(duplicated_node(), "cpu", profile=True, profile_prefix=tmp_path / "p",
-                        option_overrides={"graph_optimization_level": "ORT_ENABLE_BASIC"})
+    sess = make_session(duplicated_node(), "cpu", SessionSettings(
+        profile=True, profile_prefix=tmp_path / "p",
+        option_overrides={"graph_optimization_level": "ORT_ENABLE_BASIC"}))
     assert sess.get_session_options().get_session_config_entry(
         "optimization.disable_specified_optimizers"
     ) == "CommonSubexpressionElimination;ConstantFolding"

@@ -18,7 +18,7 @@ from memcc.backend import checkpoint as ckpt
 from memcc.backend.data import data_inputs, load_dataset
 from memcc.backend.onnx_file import save_graph
 from memcc.backend.runner import run_steps, session_graph, synthetic_feeds
-from memcc.backend.session import make_session
+from memcc.backend.session import SessionSettings, make_session
 from memcc.errors import InputError
 from memcc.frontend.build import BuildOptions, build_training_step
 from memcc.frontend.load import load_graph
@@ -49,7 +49,7 @@ def _copying_loop(path, feeds, steps):
     graph = load_graph(path)
     spec = TrainingStep.of(graph)
     sgraph, values = session_graph(graph)
-    session = make_session(sgraph.to_model(), "cpu", intra_op_threads=1)
+    session = make_session(sgraph.to_model(), "cpu", SessionSettings(intra_op_threads=1))
     values.update(feeds)
     losses = []
     for _ in range(steps):

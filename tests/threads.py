@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from memcc.backend.runner import session_graph
-from memcc.backend.session import make_session
+from memcc.backend.session import SessionSettings, make_session
 from memcc.graph import Graph
 
 THREADS = (2, 4)
@@ -25,7 +25,7 @@ def run_once(graph: Graph, feeds: Mapping[str, np.ndarray], threads: int
              ) -> dict[str, np.ndarray]:
     """One run of every output of ``graph`` in a fresh CPU session with ``threads`` threads."""
     g, values = session_graph(graph)
-    sess = make_session(g.to_model(), "cpu", intra_op_threads=threads)
+    sess = make_session(g.to_model(), "cpu", SessionSettings(intra_op_threads=threads))
     names = list(graph.outputs)
     return dict(zip(names, sess.run(names, {**values, **feeds}), strict=True))
 

@@ -44,7 +44,7 @@ import numpy as np
 import onnx
 
 from memcc.backend.cuda_graph import capture_blockers
-from memcc.backend.session import make_session
+from memcc.backend.session import SessionSettings, make_session
 from memcc.errors import InputError, RuntimeFailure
 from memcc.graph import Graph
 from memcc.passes.analysis.device_memory import arena_limit
@@ -263,13 +263,13 @@ class DeviceStep:
         provider = self.provider
 
         def open_session(with_graph: bool):
-            return make_session(
-                model, provider, intra_op_threads=settings.threads,
+            return make_session(model, provider, SessionSettings(
+                intra_op_threads=settings.threads,
                 cpu_arena=settings.cpu_arena, gpu_mem_limit=limit,
                 profile=settings.profile_prefix is not None,
                 profile_prefix=settings.profile_prefix, cuda_graph=with_graph,
                 extra_config={"session.use_device_allocator_for_initializers": "1"}
-                if provider == "cuda" else None)
+                if provider == "cuda" else None))
 
         if capture:
             try:

@@ -83,14 +83,14 @@ def _wall_time(sess, feeds: dict) -> float:
 def _profiled_points(provider: str, elements: tuple[int, ...], runs: int, tmp: Path
                      ) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
     """Each direction's copy time per size, from ORT's profiler (the copies' own events)."""
-    from memcc.backend.session import make_session
+    from memcc.backend.session import SessionSettings, make_session
 
     out: list[tuple[int, float]] = []
     back: list[tuple[int, float]] = []
     for n in elements:
         x = np.ones(n, dtype=np.float32)
-        sess = make_session(_probe_model(n), provider, profile=True,
-                            profile_prefix=tmp / f"link_{n}")
+        sess = make_session(_probe_model(n), provider,
+                            SessionSettings(profile=True, profile_prefix=tmp / f"link_{n}"))
         for _ in range(runs + 1):
             sess.run(None, {"x": x})
         events = json.loads(Path(sess.end_profiling()).read_text())

@@ -324,12 +324,12 @@ def measure_many_in_subprocess(
 
 def _measure_jobs(payload: Mapping) -> dict[str, list[int]]:
     """Child side of ``measure_many_in_subprocess``."""
-    from memcc.backend.session import make_session
+    from memcc.backend.session import SessionSettings, make_session
 
     out: dict[str, list[int]] = {}
     for job in payload["jobs"]:
         session = make_session(job["model"], payload["provider"],
-                               option_overrides=payload["overrides"])
+                               SessionSettings(option_overrides=payload["overrides"]))
         meter = CpuPeakMeter()
         if payload["warmup"]:
             feeds = _load_npz(job["feeds"])

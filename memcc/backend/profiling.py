@@ -124,7 +124,7 @@ def measured_costs(graph: Graph, provider: str = "cpu", *, runs: int = 3,
     variants, copies; ``CostModel.price``); its scale does not matter, the calibration
     against the measured nodes fixes it."""
     from memcc.backend.runner import synthetic_feeds
-    from memcc.backend.session import make_session
+    from memcc.backend.session import SessionSettings, make_session
 
     model = graph.to_model()
     key = f"{model_hash(model)}-{provider}-{MEASURED_VERSION}"
@@ -139,7 +139,8 @@ def measured_costs(graph: Graph, provider: str = "cpu", *, runs: int = 3,
         feeds = synthetic_feeds(graph, seed=0)
     with tempfile.TemporaryDirectory() as tmp:
         prefix = str(Path(tmp) / "memcc_cost")
-        sess = make_session(model, provider, profile=True, profile_prefix=prefix)
+        sess = make_session(model, provider,
+                            SessionSettings(profile=True, profile_prefix=prefix))
         sess.run(None, dict(feeds))  # warm-up: first-run allocations are not kernel time
         for _ in range(runs):
             sess.run(None, dict(feeds))

@@ -45,7 +45,7 @@ from onnx import TensorProto
 from memcc.backend import memory
 from memcc.backend.device_step import step_for_provider
 from memcc.backend.profile_order import check_session_order, planned_order
-from memcc.backend.session import make_session, resolve_provider
+from memcc.backend.session import SessionSettings, make_session, resolve_provider
 from memcc.errors import InputError, RuntimeFailure
 from memcc.frontend.constants import constant_node_value
 from memcc.frontend.load import load_graph
@@ -503,8 +503,9 @@ def execute(payload: Mapping) -> dict:
     loss_name = payload["loss"]
     prefix = str(Path(payload["profile_dir"]) / "memcc_order")
     arena = bool(payload.get("arena"))
-    session = make_session(payload["session_model"], provider, profile=True,
-                           profile_prefix=prefix, cpu_arena=arena)
+    session = make_session(payload["session_model"], provider,
+                           SessionSettings(profile=True, profile_prefix=prefix,
+                                           cpu_arena=arena))
     meter = memory.CpuPeakMeter()
     options = run_options(arena=arena)
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import onnx
@@ -199,27 +200,14 @@ def register_cpu_arena() -> None:
     _cpu_arena_registered = True
 
 
-def make_session(
-    model: onnx.ModelProto | bytes | str | os.PathLike,
-    provider: str = "cpu",
-    *,
-    profile: bool = False,
-    profile_prefix: str | os.PathLike | None = None,
-    gpu_mem_limit: int | None = None,
-    intra_op_threads: int | None = None,
-    extra_config: Mapping[str, str] | None = None,
-    option_overrides: Mapping[str, object] | None = None,
-    cpu_arena: bool = False,
-    cuda_options: Mapping[str, str] | None = None,
-    deterministic: bool = False,
-    cuda_graph: bool = False,
-) -> ort.InferenceSession:
-    """An ``InferenceSession`` under the execution contract, with errors memcc can report.
+@dataclass(frozen=True)
+class SessionSettings:
+    """How ``make_session`` sets up a session beyond the execution contract.
 
-    ``extra_config`` adds session config entries; ``option_overrides`` sets SessionOptions
-    attributes on top of the contract (experiments only: the contract exists because the
-    defaults break plans), enum values by member name, e.g. ``{"execution_order":
-    "DEFAULT"}``.
+    ``profile`` / ``profile_prefix``: ORT's profiler and where it writes. ``extra_config``
+    adds session config entries; ``option_overrides`` sets SessionOptions attributes on top
+    of the contract (experiments only: the contract exists because the defaults break
+    plans), enum values by member name, e.g. ``{"execution_order": "DEFAULT"}``.
 
     ``deterministic`` (CUDA): ORT's ``use_deterministic_compute``, which keeps ReduceSum and
     ReduceMean off their atomic-add fast path and asks cuDNN for deterministic algorithms
@@ -229,18 +217,35 @@ def make_session(
     later run replays it; ORT refuses at load when a node is not on the CUDA provider
     (``backend.device_step``).
     """
+
+    profile: bool = False
+    profile_prefix: str | os.PathLike | None = None
+    gpu_mem_limit: int | None = None
+    intra_op_threads: int | None = None
+    extra_config: Mapping[str, str] | None = None
+    option_overrides: Mapping[str, object] | None = None
+    cpu_arena: bool = False
+    cuda_options: Mapping[str, str] | None = None
+    deterministic: bool = False
+    cuda_graph: bool = False
+
+
+def make_session(model: onnx.ModelProto | bytes | str | os.PathLike, provider: str = "cpu",
+                 settings: SessionSettings = SessionSettings()) -> ort.InferenceSession:
+    """An ``InferenceSession`` under the execution contract, with errors memcc can report;
+    ``settings``: what is set beyond the contract (``SessionSettings``)."""
     p = resolve_provider(provider)
-    so = session_options(profile=profile, profile_prefix=profile_prefix,
-                         intra_op_threads=intra_op_threads)
-    if p == "cuda" and deterministic:
+    so = session_options(profile=settings.profile, profile_prefix=settings.profile_prefix,
+                         intra_op_threads=settings.intra_op_threads)
+    if p == "cuda" and settings.deterministic:
         so.use_deterministic_compute = True
-    if cpu_arena:
+    if settings.cpu_arena:
         register_cpu_arena()
         so.enable_cpu_mem_arena = True
         so.add_session_config_entry("session.use_env_allocators", "1")
-    for key, value in (extra_config or {}).items():
+    for key, value in (settings.extra_config or {}).items():
         so.add_session_config_entry(key, value)
-    for key, value in (option_overrides or {}).items():
+    for key, value in (settings.option_overrides or {}).items():
         _override(so, key, value)
     if isinstance(model, onnx.ModelProto):
         source: bytes | str = model.SerializeToString()
@@ -252,9 +257,9 @@ def make_session(
     try:
         sess = ort.InferenceSession(
             source, so, providers=provider_options(
-                p, gpu_mem_limit=gpu_mem_limit,
-                cuda_options={**({"enable_cuda_graph": "1"} if cuda_graph else {}),
-                              **(cuda_options or {})})
+                p, gpu_mem_limit=settings.gpu_mem_limit,
+                cuda_options={**({"enable_cuda_graph": "1"} if settings.cuda_graph else {}),
+                              **(settings.cuda_options or {})})
         )
     except Exception as exc:  # ORT raises its own exception types from pybind
         raise RuntimeFailure(
