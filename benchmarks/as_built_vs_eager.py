@@ -41,7 +41,7 @@ import numpy as np  # noqa: E402
 import onnx  # noqa: E402
 
 from memcc.backend import memory  # noqa: E402
-from memcc.backend.runner import run_steps  # noqa: E402
+from memcc.backend.runner import RunRequest, run_steps  # noqa: E402
 from memcc.frontend.build import BuildOptions, build_training_step  # noqa: E402
 from memcc.frontend.load import load_graph  # noqa: E402
 
@@ -102,7 +102,7 @@ def measure_memcc(cfg: dict, form: str, steps: int, tmp: Path, loss_chunks: int 
     onnx.save(graph.to_model(), str(step))
     out = {"nodes": len(graph.nodes)}
     for label, in_place in (("step", False), ("in_place", True)):
-        r = run_steps(step, steps=steps, in_place=in_place, separate_timing=False)
+        r = run_steps(step, RunRequest(steps=steps, in_place=in_place, separate_timing=False))
         out[label] = {"measured_peak_bytes": r.measured_peak_bytes,
                       "predicted_peak_bytes": r.predicted_peak_bytes}
     return out

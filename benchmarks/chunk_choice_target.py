@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from benchmarks.as_built_vs_eager import export, measure_torch  # noqa: E402
-from memcc.backend.runner import run_steps  # noqa: E402
+from memcc.backend.runner import RunRequest, run_steps  # noqa: E402
 
 MB = 1e6
 
@@ -61,7 +61,7 @@ def main(argv: list[str]) -> int:
         if r.returncode != 0:
             return 1
         rep = json.loads(out.with_name(out.stem + ".report.json").read_text())
-        run = run_steps(out, steps=args.steps, in_place=True, separate_timing=False)
+        run = run_steps(out, RunRequest(steps=args.steps, in_place=True, separate_timing=False))
         print(json.dumps({"config": cfg, "eager_peak_bytes": eager["peak_bytes"],
                           "budget_bytes": budget, "compile_s": round(took, 1),
                           "row_chunks": rep["row_chunks"],

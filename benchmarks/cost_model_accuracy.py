@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT))
 
 from memcc.backend.onnx_file import save_graph  # noqa: E402
 from memcc.backend.profiling import calibrate_cpu_rates, measured_costs  # noqa: E402
-from memcc.backend.runner import run_steps  # noqa: E402
+from memcc.backend.runner import RunRequest, run_steps  # noqa: E402
 from memcc.frontend.build import BuildOptions, build_training_step  # noqa: E402
 from memcc.frontend.load import load_graph  # noqa: E402
 from memcc.passes.analysis.cost_model import analytic_costs  # noqa: E402
@@ -48,7 +48,7 @@ def main(argv=None) -> int:
             step = build_training_step(load_graph(build_model(name, **opts)), BuildOptions())
             path = Path(d) / "step.onnx"
             save_graph(step, path)
-            run = run_steps(path, steps=5)
+            run = run_steps(path, RunRequest(steps=5))
             measured = measured_costs(step, "cpu", use_cache=False)
             meas = measured.total(step)
             kern = measured.kernel_s or 0.0

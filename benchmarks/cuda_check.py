@@ -50,7 +50,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.memory_truth import SIZES  # noqa: E402  (the CPU table's sizes)
 from memcc.backend.onnx_file import save_graph  # noqa: E402
-from memcc.backend.runner import run_steps  # noqa: E402
+from memcc.backend.runner import RunRequest, run_steps  # noqa: E402
 from memcc.frontend.build import BuildOptions, build_training_step  # noqa: E402
 from memcc.frontend.load import load_graph  # noqa: E402
 from models import build_model  # noqa: E402
@@ -137,7 +137,7 @@ def truth_phase(summary: Summary, provider: str, models: Sequence[str], sizes: d
     for name in models:
         try:
             path = build_step(name, sizes[name], tmp)
-            run = run_steps(path, steps=steps, provider=provider)
+            run = run_steps(path, RunRequest(steps=steps, provider=provider))
             device = run.prediction.get("device") or {}
             arena = device.get("arena") or run.prediction.get("arena") or {}
             row = {"model": name, "dims": sizes[name],
@@ -161,7 +161,8 @@ def truth_phase(summary: Summary, provider: str, models: Sequence[str], sizes: d
                 limit = max(int(run.predicted_peak_bytes),
                             int(run.first_step_predicted_bytes or 0))
                 try:
-                    again = run_steps(path, steps=2, provider=provider, gpu_mem_limit=limit)
+                    again = run_steps(path, RunRequest(steps=2, provider=provider,
+                                                       gpu_mem_limit=limit))
                     row["runs_under_predicted_limit"] = True
                     # Same feeds, a fresh session: does the step give the same losses?
                     row["same_losses_twice"] = list(again.losses) == list(run.losses[:2])
@@ -374,8 +375,9 @@ def _time_ratio(base: Path, plan: Path, provider: str, rounds: int
     smallest and largest round ratio."""
     ratios = []
     for _ in range(rounds):
-        b = run_steps(base, steps=3, provider=provider, separate_timing=False).step_time_s
-        p = run_steps(plan, steps=3, provider=provider, separate_timing=False).step_time_s
+        request = RunRequest(steps=3, provider=provider, separate_timing=False)
+        b = run_steps(base, request).step_time_s
+        p = run_steps(plan, request).step_time_s
         ratios.append(p / b)
     return statistics.median(ratios), [min(ratios), max(ratios)]
 

@@ -45,7 +45,7 @@ sys.path[:0] = [str(ROOT)]
 import numpy as np  # noqa: E402
 
 from memcc.backend.onnx_file import save_graph  # noqa: E402
-from memcc.backend.runner import run_steps  # noqa: E402
+from memcc.backend.runner import RunRequest, run_steps  # noqa: E402
 from memcc.frontend.build import BuildOptions, build_training_step  # noqa: E402
 from memcc.frontend.load import load_graph  # noqa: E402
 from models import build_model  # noqa: E402
@@ -68,7 +68,8 @@ MIB = 1 << 20
 def run_row(path: Path, provider: str, variant: str, steps: int) -> dict:
     t0 = time.time()
     try:
-        d = run_steps(path, steps=steps, provider=provider, **VARIANTS[variant]).to_json()
+        d = run_steps(path, RunRequest(steps=steps, provider=provider,
+                                       **VARIANTS[variant])).to_json()
         row = {k: d[k] for k in FIELDS}
         row["step_times_ms"] = [round(t * 1000, 2) for t in d["step_times_s"]]
         row["device"] = {k: v for k, v in d["prediction"].get("device", {}).items()

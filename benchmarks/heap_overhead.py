@@ -113,7 +113,7 @@ def prefix(path: str, points: list[int], runs: int) -> list[dict]:
 
 
 def steps(paths: list[str], steps: int, in_place: bool) -> list[dict]:
-    from memcc.backend.runner import run_steps
+    from memcc.backend.runner import RunRequest, run_steps
     from memcc.compiler import CompileOptions, user_budget
     from memcc.frontend.load import load_graph
     from memcc.passes.analysis.liveness import small_buffers
@@ -122,7 +122,7 @@ def steps(paths: list[str], steps: int, in_place: bool) -> list[dict]:
     rows = []
     for path in paths:
         graph = load_graph(path)
-        run = run_steps(path, steps=steps, in_place=in_place, separate_timing=False)
+        run = run_steps(path, RunRequest(steps=steps, in_place=in_place, separate_timing=False))
         predicted = run.predicted_peak_bytes
         worst = max(run.measured_peak_bytes_per_step)
         small = small_buffers(graph)

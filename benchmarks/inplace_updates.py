@@ -31,7 +31,7 @@ import numpy as np  # noqa: E402
 
 from benchmarks.stats import paired_times, ratio_interval  # noqa: E402
 from memcc.backend.onnx_file import save_graph  # noqa: E402
-from memcc.backend.runner import run_steps, session_graph, synthetic_feeds  # noqa: E402
+from memcc.backend.runner import RunRequest, run_steps, session_graph, synthetic_feeds  # noqa: E402
 from memcc.backend.session import make_session  # noqa: E402
 from memcc.frontend.build import BuildOptions, build_training_step  # noqa: E402
 from memcc.frontend.load import load_graph  # noqa: E402
@@ -78,8 +78,8 @@ def bench(optimizer: str, forward, tmp: Path, args) -> dict:
     runs = {}
     for label, in_place in (("copying", False), ("in place", True)):
         log(f"{optimizer}: measuring {label} ({args.steps} steps)")
-        runs[label] = run_steps(path, steps=args.steps, in_place=in_place,
-                                separate_timing=False)
+        runs[label] = run_steps(path, RunRequest(steps=args.steps, in_place=in_place,
+                                separate_timing=False))
     copying, inplace = runs["copying"], runs["in place"]
     same_losses = list(copying.losses) == list(inplace.losses)
 

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from memcc.backend.onnx_file import save_graph  # noqa: E402
-from memcc.backend.runner import run_steps  # noqa: E402
+from memcc.backend.runner import RunRequest, run_steps  # noqa: E402
 from memcc.frontend.build import BuildOptions, build_training_step  # noqa: E402
 from memcc.frontend.load import load_graph  # noqa: E402
 from memcc.passes.analysis.liveness import analyze_liveness  # noqa: E402
@@ -99,7 +99,7 @@ def measure(label: str, model, dims, tmp: Path, steps: int, log, arena: bool = F
     path = tmp / "step.onnx"
     save_graph(step, path)
     live = analyze_liveness(step)
-    run = run_steps(path, steps=steps, arena=arena)
+    run = run_steps(path, RunRequest(steps=steps, arena=arena))
     act = live.breakdown["activations"]
     row = {"model": label, "nodes": len(step.nodes), "activations_at_peak": act,
            "predicted": run.predicted_peak_bytes, "measured": run.measured_peak_bytes,

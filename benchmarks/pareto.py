@@ -292,9 +292,9 @@ def _held_child(payload: dict, arena: bool) -> dict:
 
 
 def measure_peak(path: Path, steps: int) -> dict:
-    from memcc.backend.runner import run_steps
+    from memcc.backend.runner import RunRequest, run_steps
 
-    r = run_steps(path, steps=steps, separate_timing=False)
+    r = run_steps(path, RunRequest(steps=steps, separate_timing=False))
     return {"measured_peak_bytes": r.measured_peak_bytes,
             "order_matches_plan": r.order_matches_plan}
 

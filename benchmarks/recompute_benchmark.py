@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.steps import build_step, mb, parse_model  # noqa: E402
-from memcc.backend.runner import run_steps  # noqa: E402
+from memcc.backend.runner import RunRequest, run_steps  # noqa: E402
 from memcc.compiler import CompileOptions, compile_model  # noqa: E402
 from memcc.passes.planning.planner import BudgetError  # noqa: E402
 
@@ -41,7 +41,7 @@ def bench_model(name: str, opts: dict, fractions, strategies, steps: int, time_l
                 torch_peer: bool, tmp: Path, log) -> list[dict]:
     step_path = tmp / f"{name}.step.onnx"
     step, live, act, fixed = build_step(name, opts, step_path, log)
-    base = run_steps(step_path, steps=steps)
+    base = run_steps(step_path, RunRequest(steps=steps))
     base_times = [base.step_time_s]
     rows = [{
         "model": name, "options": opts, "strategy": "original", "fraction": 1.0,
@@ -68,7 +68,7 @@ def bench_model(name: str, opts: dict, fractions, strategies, steps: int, time_l
                 log(f"  {strategy} @ {frac}: does not fit (smallest {mb(exc.smallest)} MB)")
                 continue
             compile_s = time.perf_counter() - t0
-            run = run_steps(out, steps=steps)
+            run = run_steps(out, RunRequest(steps=steps))
             rows.append({
                 "model": name, "options": opts, "strategy": strategy, "fraction": frac,
                 "budget_bytes": budget, "predicted_peak_bytes": res.report["plan"]["peak_bytes"],
@@ -81,7 +81,7 @@ def bench_model(name: str, opts: dict, fractions, strategies, steps: int, time_l
             log(f"  {strategy} @ {frac}: budget {mb(budget)} MB, measured "
                 f"{mb(run.measured_peak_bytes)} MB, {run.step_time_s:.3f} s, compile "
                 f"{compile_s:.1f} s")
-    again = run_steps(step_path, steps=steps)
+    again = run_steps(step_path, RunRequest(steps=steps))
     base_times.append(again.step_time_s)
     t_base = statistics.mean(base_times)
     for r in rows:

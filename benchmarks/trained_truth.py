@@ -105,7 +105,7 @@ def _train_in_child(path: Path, steps: int) -> dict:
 
 def rows_for(label: str, model: Path, fractions: list[float], steps: int, tmp: Path,
              log) -> list[dict]:
-    from memcc.backend.runner import run_steps
+    from memcc.backend.runner import RunRequest, run_steps
     from memcc.compiler import CompileOptions, compile_model
     from memcc.passes.planning.planner import BudgetError
 
@@ -134,7 +134,7 @@ def rows_for(label: str, model: Path, fractions: list[float], steps: int, tmp: P
                 measured, how = m["measured"], "memcc train (arena)"
                 log(f"trainer's own prediction {m['trainer_predicted']:,}")
             else:
-                run = run_steps(out, steps=steps, separate_timing=False)
+                run = run_steps(out, RunRequest(steps=steps, separate_timing=False))
                 measured, how = run.measured_peak_bytes, "memcc run (in place, malloc)"
             row = {"model": label, "allocator": allocator,
                    "budget": "as built" if fraction == 1.0 else

@@ -262,7 +262,7 @@ def pointwise_conv(args: argparse.Namespace) -> None:
     import tempfile
     from unittest import mock
 
-    from memcc.backend.runner import run_steps
+    from memcc.backend.runner import RunRequest, run_steps
     from memcc.frontend.gradients import nn
     from memcc.passes.analysis.cost_model import NOMINAL_CPU
 
@@ -281,7 +281,7 @@ def pointwise_conv(args: argparse.Namespace) -> None:
         for name, g in (("old", old), ("new", new)):
             path = Path(tmp) / f"{name}.onnx"
             onnx.save(g.to_model(), str(path))
-            measured.append(run_steps(path, steps=2, separate_timing=False)
+            measured.append(run_steps(path, RunRequest(steps=2, separate_timing=False))
                             .measured_peak_bytes)
     print(f"  peak: Conv rule {sims[0].peak_bytes / 1e6:.1f} MB simulated, "
           f"{measured[0] / 1e6:.1f} MB measured; MatMul rule {sims[1].peak_bytes / 1e6:.1f} MB "

@@ -258,12 +258,12 @@ def run(
     deterministic: DeterministicOpt = False,
 ) -> None:
     """Run training steps in ONNX Runtime; print loss, time and memory per step."""
-    from memcc.backend.runner import run_steps
+    from memcc.backend.runner import RunRequest, run_steps
 
     try:
-        result = run_steps(model, steps=steps, provider=provider, seed=seed, data=data,
+        result = run_steps(model, RunRequest(steps=steps, provider=provider, seed=seed, data=data,
                            in_place=in_place, arena=arena, cuda_graph=cuda_graph,
-                           deterministic=deterministic)
+                           deterministic=deterministic))
     except MemccError as exc:
         _fail(exc)
         return

@@ -714,7 +714,7 @@ def measure(result: TuneResult, *, top: int = 3, steps: int = 3, provider: str =
     holds on this machine. Each step is written to a temporary directory, then removed."""
     import tempfile
 
-    from memcc.backend.runner import run_steps
+    from memcc.backend.runner import RunRequest, run_steps
 
     say = progress or (lambda _m: None)
     timed = sorted((c for c in result.candidates if c.samples_per_s is not None
@@ -727,7 +727,7 @@ def measure(result: TuneResult, *, top: int = 3, steps: int = 3, provider: str =
             from memcc.backend.onnx_file import save_graph
 
             save_graph(result.steps[c.batch], path)
-            run = run_steps(path, steps=steps, provider=provider)
+            run = run_steps(path, RunRequest(steps=steps, provider=provider))
             measured[c.batch] = (run.step_time_s, run.measured_peak_bytes)
             path.unlink()
     cands = tuple(replace(c, measured_step_s=measured[c.batch][0],

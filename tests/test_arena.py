@@ -8,7 +8,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from memcc.backend.onnx_file import save_graph
-from memcc.backend.runner import run_steps
+from memcc.backend.runner import RunRequest, run_steps
 from memcc.errors import InputError
 from memcc.frontend.build import BuildOptions, build_training_step
 from memcc.frontend.load import load_graph
@@ -165,7 +165,7 @@ def test_the_arena_model_predicts_ort_s_own_arena_measured_on_cpu(tmp_path, in_p
     (MatMul, Softmax, LayerNorm, Where scratch): measured within 5% of the arena model, run
     as memcc train runs it (updates in place, early) and with the copying runner."""
     step, path = _step(tmp_path, "gpt2", batch=4, seq_len=128, width=128, depth=2, heads=4)
-    result = run_steps(path, steps=3, arena=True, in_place=in_place)
+    result = run_steps(path, RunRequest(steps=3, arena=True, in_place=in_place))
     arena = result.prediction["arena"]
     live = (arrange_step(step, TrainingStep.of(step)).prediction if in_place
             else analyze_liveness(step))
@@ -305,7 +305,7 @@ def test_cuda_verify_caps_the_arena_at_the_budget_and_a_refused_run_does_not_fit
     assert "gpu_mem_limit 123,456" in result["problems"][0]
     # On the CPU provider nothing is capped.
     monkeypatch.setattr(verify, "run_steps", lambda path, **kw: asked.update(cpu=kw) or
-                        run_steps(path, **kw))
+                        run_steps(path, RunRequest(**kw)))
     assert verify.verify_rewrite(step, step, budget=1 << 40)["ok"]
     assert asked["cpu"]["gpu_mem_limit"] is None
 
@@ -355,7 +355,7 @@ def test_cpu_plans_made_for_the_cpu_arena_verify_through_it_and_train_through_it
     from memcc.trainer import _allocator_notes
     assert "compile with --arena" in _allocator_notes(Trainer(out, arena=False))[0]
     assert _allocator_notes(Trainer(out)) == [] and _allocator_notes(Trainer(path)) == []
-    run = run_steps(out, steps=1)
+    run = run_steps(out, RunRequest(steps=1))
     assert "arena" in run.prediction and "arena" in run.timing_method
     with pytest.raises(InputError, match="--arena is for --provider cpu"):
         CompileOptions(budget="min", arena=True, provider="cuda")

@@ -11,7 +11,7 @@ from onnx import TensorProto, helper
 
 from memcc.backend.onnx_file import save_graph
 from memcc.backend.profile_order import compare_orders, executed_order
-from memcc.backend.runner import run_steps, session_graph, synthetic_feeds
+from memcc.backend.runner import RunRequest, run_steps, session_graph, synthetic_feeds
 from memcc.backend.session import cuda_available, resolve_provider
 from memcc.errors import InputError, RuntimeFailure
 from memcc.frontend.build import BuildOptions, build_training_step
@@ -97,7 +97,7 @@ def linreg(tmp_path):
 
 def test_state_is_carried_and_losses_follow_numpy_sgd(linreg):
     path, w0 = linreg
-    r = run_steps(path, steps=20, seed=3)
+    r = run_steps(path, RunRequest(steps=20, seed=3))
     feeds = synthetic_feeds(load_graph(path), seed=3)
     expected = numpy_sgd_losses(feeds["x"], feeds["y"], w0, 20)
     np.testing.assert_allclose(r.losses, expected, rtol=1e-4)
@@ -108,7 +108,7 @@ def test_state_is_carried_and_losses_follow_numpy_sgd(linreg):
 
 
 def test_json_has_the_contract_fields(linreg):
-    d = run_steps(linreg[0], steps=2).to_json()
+    d = run_steps(linreg[0], RunRequest(steps=2)).to_json()
     for key in ("steps", "losses", "step_time_s", "measured_peak_bytes",
                 "predicted_peak_bytes", "order_matches_plan", "provider"):
         assert key in d
@@ -123,7 +123,7 @@ def test_built_mlp_losses_fall_over_20_sgd_steps(tmp_path):
     forward = mlp.build(batch=16, in_features=12, width=32, depth=2, num_classes=4)
     step = build_training_step(load_graph(forward), BuildOptions(optimizer="sgd", lr=0.05))
     path = save_graph(step, tmp_path / "mlp_step.onnx")
-    r = run_steps(path, steps=20)
+    r = run_steps(path, RunRequest(steps=20))
     assert r.losses[-1] < 0.7 * r.losses[0]
     assert all(np.isfinite(r.losses))
     assert r.order_matches_plan
@@ -133,8 +133,8 @@ def test_given_data_equals_the_same_synthetic_batch(linreg, tmp_path):
     path, _ = linreg
     feeds = synthetic_feeds(load_graph(path), seed=7)
     np.savez(tmp_path / "batch.npz", **feeds)
-    from_file = run_steps(path, steps=3, data=tmp_path / "batch.npz")
-    synthetic = run_steps(path, steps=3, seed=7)
+    from_file = run_steps(path, RunRequest(steps=3, data=tmp_path / "batch.npz"))
+    synthetic = run_steps(path, RunRequest(steps=3, seed=7))
     assert from_file.losses == synthetic.losses
     assert from_file.to_json()["data"].endswith("batch.npz")
 
@@ -151,7 +151,7 @@ def test_session_graph_feeds_every_value_with_its_declared_shape(linreg):
 
 
 def test_in_process_run_says_its_measurement_is_approximate(linreg):
-    r = run_steps(linreg[0], steps=2, isolate=False)
+    r = run_steps(linreg[0], RunRequest(steps=2, isolate=False))
     assert r.measurement_method.startswith("cpu-vmhwm-approximate")
     assert len(r.losses) == 2
 
@@ -198,13 +198,13 @@ def test_not_an_onnx_file(tmp_path):
 def test_bad_data_names_the_array_and_what_was_expected(linreg, tmp_path, arrays, message):
     np.savez(tmp_path / "bad.npz", **arrays)
     with pytest.raises(InputError, match=message):
-        run_steps(linreg[0], data=tmp_path / "bad.npz")
+        run_steps(linreg[0], RunRequest(data=tmp_path / "bad.npz"))
 
 
 def test_data_that_is_not_npz(linreg, tmp_path):
     (tmp_path / "bad.npz").write_text("hello")
     with pytest.raises(InputError, match="cannot read it as an .npz"):
-        run_steps(linreg[0], data=tmp_path / "bad.npz")
+        run_steps(linreg[0], RunRequest(data=tmp_path / "bad.npz"))
 
 
 def test_out_of_range_labels_are_refused(tmp_path):
@@ -217,7 +217,7 @@ def test_out_of_range_labels_are_refused(tmp_path):
     feeds["labels"] = np.full_like(feeds["labels"], 3)
     np.savez(tmp_path / "d.npz", **feeds)
     with pytest.raises(InputError, match=r"'labels' holds values in \[3, 3\].*\[0, 3\)"):
-        run_steps(path, data=tmp_path / "d.npz")
+        run_steps(path, RunRequest(data=tmp_path / "d.npz"))
 
 
 def test_broken_state_metadata_is_reported(tmp_path):
@@ -257,7 +257,7 @@ def test_late_shape_node_is_folded_so_ort_keeps_the_planned_order(tmp_path):
     path = tmp_path / "late.onnx"
     linreg_step(path, late_shape=True)
     assert not [n for n in load_graph(path).nodes if n.op_type == "Shape"]
-    r = run_steps(path, steps=2)
+    r = run_steps(path, RunRequest(steps=2))
     assert r.order_matches_plan
     assert r.executed_order_mismatch is None
 
@@ -296,7 +296,7 @@ def test_labels_of_the_wrong_shape_are_refused_with_the_expected_shape(tmp_path)
     feeds["labels"] = np.zeros((5,), np.int64)  # the batch is 4
     np.savez(tmp_path / "bad.npz", **feeds)
     with pytest.raises(InputError, match=r"'labels' has shape \[5\].*expects \(shape \[4\]"):
-        run_steps(path, data=tmp_path / "bad.npz")
+        run_steps(path, RunRequest(data=tmp_path / "bad.npz"))
 
 
 def test_a_child_payload_larger_than_one_command_line_argument_reaches_it():

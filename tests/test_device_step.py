@@ -26,7 +26,7 @@ from memcc.backend.device_step import (
     device_session_graph,
 )
 from memcc.backend.onnx_file import save_graph
-from memcc.backend.runner import run_steps, synthetic_feeds
+from memcc.backend.runner import RunRequest, run_steps, synthetic_feeds
 from memcc.errors import InputError
 from memcc.frontend.build import BuildOptions, build_training_step
 from memcc.frontend.load import load_graph
@@ -62,7 +62,7 @@ def test_the_device_layout_gives_the_copying_runners_numbers(tmp_path, name, opt
     graph = _step(name, opt)
     path = save_graph(graph, tmp_path / "step.onnx")
     feeds = synthetic_feeds(graph, seed=0)
-    ref = run_steps(path, steps=3, isolate=False)
+    ref = run_steps(path, RunRequest(steps=3, isolate=False))
     step = _device_step(load_graph(path), DEVICE, in_place=in_place, threads=threads)
     losses = [step.run(feeds).loss for _ in range(3)]
     assert losses == list(ref.losses)
@@ -168,7 +168,7 @@ def test_a_real_export_runs_in_the_device_layout(tmp_path):
     path, _, _, dims = export("conv_bn", "dynamo", tmp_path, training=True)
     graph = build_training_step(load_graph(path, dims), BuildOptions())
     step_file = save_graph(graph, tmp_path / "step.onnx")
-    ref = run_steps(step_file, steps=3, isolate=False)
+    ref = run_steps(step_file, RunRequest(steps=3, isolate=False))
     feeds = synthetic_feeds(graph, seed=0)
     for _ in range(2):
         step = _device_step(load_graph(step_file), DEVICE, threads=2)

@@ -157,7 +157,7 @@ def test_offloaded_values_go_out_after_the_forward_and_back_before_the_backward(
     for bit the original's, ORT executes the planned order, and nothing but the copy-out
     reads the device original after the forward pass."""
     from memcc.backend.onnx_file import save_graph
-    from memcc.backend.runner import run_steps
+    from memcc.backend.runner import RunRequest, run_steps
 
     kw = {"mlp": dict(batch=16, width=64, depth=4), "gpt2": dict(batch=2, seq_len=32)}[name]
     g = build_training_step(load_graph(build_model(name, **kw)), BuildOptions(optimizer="sgd"))
@@ -187,7 +187,7 @@ def test_offloaded_values_go_out_after_the_forward_and_back_before_the_backward(
     assert compare_outputs(step_outputs(g, feeds, "cpu"),
                            step_outputs(low.graph, feeds, "cpu"), exact=True) == []
     path = save_graph(low.graph, tmp_path / "swapped.onnx")
-    run = run_steps(path, steps=2)
+    run = run_steps(path, RunRequest(steps=2))
     assert run.order_matches_plan, run.executed_order_mismatch
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from memcc.backend.runner import run_steps
+from memcc.backend.runner import RunRequest, run_steps
 from memcc.frontend.build import BuildOptions, build_training_step
 from memcc.frontend.load import load_graph
 from memcc.passes.analysis.arrange import UPDATES_EARLY, arrange_step
@@ -97,8 +97,8 @@ def test_runner_in_place_is_bit_identical_and_measured_like_the_prediction(tmp_p
 
     # 0.8M parameters: large buffers are whole mmaps, so the measurement is exact enough
     path = save_graph(_step("adamw", width=512, batch=1), tmp_path / "step.onnx")
-    copying = run_steps(path, steps=2, separate_timing=False, in_place=False)
-    inplace = run_steps(path, steps=2, separate_timing=False)  # in place: the default
+    copying = run_steps(path, RunRequest(steps=2, separate_timing=False, in_place=False))
+    inplace = run_steps(path, RunRequest(steps=2, separate_timing=False))  # in place: the default
     assert copying.losses == inplace.losses
     assert inplace.order_matches_plan
     assert inplace.predicted_peak_bytes < copying.predicted_peak_bytes

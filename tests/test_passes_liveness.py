@@ -10,7 +10,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from memcc.backend.onnx_file import save_graph
-from memcc.backend.runner import run_steps
+from memcc.backend.runner import RunRequest, run_steps
 from memcc.frontend.build import BuildOptions, build_training_step
 from memcc.frontend.load import load_graph
 from memcc.passes.analysis.liveness import analyze_liveness, categorize, scratch_bytes
@@ -197,7 +197,8 @@ def test_mlp_step_measured_within_5_percent_of_predicted(tmp_path):
     path = save_graph(step, tmp_path / "mlp_step.onnx")
     report = analyze_liveness(step)
     assert report.breakdown["activations"] > 20e6
-    result = run_steps(path, steps=2, in_place=False)  # the copying runner: this liveness
+    # the copying runner: this liveness
+    result = run_steps(path, RunRequest(steps=2, in_place=False))
     assert result.order_matches_plan
     assert result.predicted_peak_bytes == report.peak_bytes
     ratio = result.measured_peak_bytes / result.predicted_peak_bytes

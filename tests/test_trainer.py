@@ -17,7 +17,7 @@ from memcc import Trainer
 from memcc.backend import checkpoint as ckpt
 from memcc.backend.data import data_inputs, load_dataset
 from memcc.backend.onnx_file import save_graph
-from memcc.backend.runner import run_steps, session_graph, synthetic_feeds
+from memcc.backend.runner import RunRequest, run_steps, session_graph, synthetic_feeds
 from memcc.backend.session import SessionSettings, make_session
 from memcc.errors import InputError
 from memcc.frontend.build import BuildOptions, build_training_step
@@ -69,7 +69,7 @@ def test_in_place_steps_are_bit_identical_to_the_copying_runner(steps, opt):
     losses = [trainer.step(feeds) for _ in range(STEPS)]
     ref_losses, ref_state = _copying_loop(path, feeds, STEPS)
     assert losses == ref_losses
-    assert losses == list(run_steps(path, steps=STEPS, isolate=False).losses)
+    assert losses == list(run_steps(path, RunRequest(steps=STEPS, isolate=False)).losses)
     state = trainer.state_dict()
     assert state.keys() == ref_state.keys()
     for name, value in ref_state.items():

@@ -171,12 +171,7 @@ def read_npz(f: str | os.PathLike) -> dict[str, np.ndarray]:
 
 def _read_shard(f: Path, inputs: list[DataInput]) -> dict[str, np.ndarray]:
     arrays = read_npz(f)
-    missing = [d for d in inputs if d.name not in arrays]
-    if missing:
-        need = "; ".join(f"'{d.name}' ({d.describe()})" for d in missing)
-        raise InputError(
-            f"--data {f}: no array named {need}. The file has {sorted(arrays) or 'no arrays'}"
-            f"; the step's data inputs are {[d.name for d in inputs]}")
+    require_arrays(f, arrays, {d.name: f"({d.describe()})" for d in inputs})
     out: dict[str, np.ndarray] = {}
     counts: dict[str, int] = {}
     for d in inputs:
@@ -186,13 +181,7 @@ def _read_shard(f: Path, inputs: list[DataInput]) -> dict[str, np.ndarray]:
                 f"--data {f}: array '{d.name}' has shape {list(arr.shape)} dtype {arr.dtype}; "
                 f"the step expects {d.describe()}, so an array of shape "
                 f"[N{''.join(f', {x}' for x in d.sample_shape)}] dtype {d.dtype}")
-        if d.int_range is not None and arr.size:
-            lo, hi = int(arr.min()), int(arr.max())
-            if lo < d.int_range[0] or hi >= d.int_range[1]:
-                raise InputError(
-                    f"--data {f}: array '{d.name}' holds values in [{lo}, {hi}]; it indexes "
-                    f"something of size {d.int_range[1]}, so values must lie in "
-                    f"[{d.int_range[0]}, {d.int_range[1]})")
+        check_int_range(f, d.name, arr, d.int_range)
         counts[d.name] = int(arr.shape[0])
         out[d.name] = arr
     if len(set(counts.values())) > 1:
@@ -200,3 +189,29 @@ def _read_shard(f: Path, inputs: list[DataInput]) -> dict[str, np.ndarray]:
         raise InputError(f"--data {f}: its arrays hold different numbers of samples ({listed})"
                          "; the first axis of every array is the sample axis")
     return out
+
+
+def require_arrays(source: str | os.PathLike, arrays: Mapping[str, np.ndarray],
+                   wanted: Mapping[str, str]) -> None:
+    """An ``InputError`` unless ``arrays`` (read from ``--data source``) holds every data
+    input in ``wanted`` (name -> how the step describes it, in parentheses)."""
+    missing = [n for n in wanted if n not in arrays]
+    if missing:
+        need = "; ".join(f"'{n}' {wanted[n]}" for n in missing)
+        raise InputError(
+            f"--data {source}: no array named {need}. The file has "
+            f"{sorted(arrays) or 'no arrays'}; the step's data inputs are {list(wanted)}")
+
+
+def check_int_range(source: str | os.PathLike, name: str, arr: np.ndarray,
+                    int_range: tuple[int, int] | None) -> None:
+    """An ``InputError`` when ``arr`` (array ``name`` of ``--data source``) indexes
+    something of the step's (``int_range``: [low, high)) with a value outside it."""
+    if int_range is None or not arr.size:
+        return
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < int_range[0] or hi >= int_range[1]:
+        raise InputError(
+            f"--data {source}: array '{name}' holds values in [{lo}, {hi}]; it indexes "
+            f"something of size {int_range[1]}, so values must lie in "
+            f"[{int_range[0]}, {int_range[1]})")

@@ -332,11 +332,11 @@ def _measure_jobs(payload: Mapping) -> dict[str, list[int]]:
                                SessionSettings(option_overrides=payload["overrides"]))
         meter = CpuPeakMeter()
         if payload["warmup"]:
-            feeds = _load_npz(job["feeds"])
+            feeds = load_npz(job["feeds"])
             session.run(None, feeds)
             del feeds
         meter.set_baseline()
-        feeds = _load_npz(job["feeds"])
+        feeds = load_npz(job["feeds"])
         peaks = []
         for _ in range(int(payload["runs"])):
             meter.start()
@@ -348,7 +348,9 @@ def _measure_jobs(payload: Mapping) -> dict[str, list[int]]:
     return out
 
 
-def _load_npz(path: str) -> dict[str, np.ndarray]:
+def load_npz(path: str) -> dict[str, np.ndarray]:
+    """The arrays of an ``.npz`` file memcc wrote itself (a run's feeds): no checks, unlike
+    ``backend.data.read_npz``, which reads a user's ``--data``."""
     with np.load(path, allow_pickle=False) as npz:
         return {k: npz[k] for k in npz.files}
 

@@ -25,6 +25,10 @@ How a run is arranged, and why:
   predicts the peak (``passes.analysis.liveness``) and prepares two files in a temporary directory:
   the session graph and an ``.npz`` of the initial state, constants and batch.
 - ``step_time_s`` is the median wall time of ``session.run`` over the measured steps.
+
+Enters: a step file and a ``RunRequest``. Leaves: a ``RunResult``. The batch and the step
+contract it is checked against are ``step_feeds``; the CPU's measuring child is
+``cpu_child``; CUDA's session is ``device_step``.
 """
 
 from __future__ import annotations
@@ -40,13 +44,19 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import TensorProto
 
 from memcc.backend import memory
+from memcc.backend.cpu_child import execute, run_options  # noqa: F401 (re-exported)
 from memcc.backend.device_step import step_for_provider
 from memcc.backend.profile_order import check_session_order, planned_order
-from memcc.backend.session import SessionSettings, make_session, resolve_provider
-from memcc.errors import InputError, RuntimeFailure
+from memcc.backend.session import resolve_provider
+from memcc.backend.step_feeds import (  # noqa: F401 (re-exported)
+    StepSpec,
+    load_data,
+    read_step_spec,
+    synthetic_feeds,
+)
+from memcc.errors import InputError
 from memcc.frontend.constants import constant_node_value
 from memcc.frontend.load import load_graph
 from memcc.graph import Graph, TensorInfo
@@ -118,33 +128,26 @@ class RunResult:
         }
 
 
-@dataclass(frozen=True)
-class StepSpec:
-    """The training-step contract read from a file's ``memcc.*`` metadata."""
-
-    loss: str
-    data_inputs: tuple[str, ...]
-    state: Mapping[str, str]  # output name -> input name it replaces next step
-    int_ranges: Mapping[str, tuple[int, int]]
-
-
 # ---------------------------------------------------------------------------- entry point
-def run_steps(
-    model_path: str | os.PathLike,
-    *,
-    steps: int = 5,
-    provider: str = "cpu",
-    seed: int = 0,
-    data: str | os.PathLike | None = None,
-    isolate: bool | None = None,
-    separate_timing: bool = True,
-    in_place: bool = True,
-    arena: bool | None = None,
-    gpu_mem_limit: int | None = None,
-    cuda_graph: bool | None = None,
-    deterministic: bool = False,
-) -> RunResult:
-    """Run ``steps`` training steps of the file at ``model_path`` and measure them.
+@dataclass(frozen=True)
+class RunRequest:
+    """What ``memcc run`` asks of ``run_steps`` (``run_steps`` says what each field does)."""
+
+    steps: int = 5
+    provider: str = "cpu"
+    seed: int = 0
+    data: str | os.PathLike | None = None
+    isolate: bool | None = None
+    separate_timing: bool = True
+    in_place: bool = True
+    arena: bool | None = None
+    gpu_mem_limit: int | None = None
+    cuda_graph: bool | None = None
+    deterministic: bool = False
+
+
+def run_steps(model_path: str | os.PathLike, request: RunRequest = RunRequest()) -> RunResult:
+    """Run ``request.steps`` training steps of the file at ``model_path`` and measure them.
 
     ``isolate`` (default: on CPU, unless this already is the measuring process) runs the
     steps in a fresh child process so that the CPU measurement is exact. With
@@ -172,21 +175,66 @@ def run_steps(
     ORT's deterministic compute); the predicted peak is the steady state from the second
     step on, and the first step's peak is reported beside it.
     """
-    if steps < 1:
+    if request.steps < 1:
         raise InputError("--steps must be at least 1")
     path = Path(model_path)
     graph = load_graph(path)
     spec = read_step_spec(graph, source=str(path))
-    prov = resolve_provider(provider)
-    graph, _ = step_for_provider(graph, prov, deterministic=deterministic)
-    feeds = load_data(data, graph, spec) if data is not None else synthetic_feeds(graph, seed)
+    prov = resolve_provider(request.provider)
+    graph, _ = step_for_provider(graph, prov, deterministic=request.deterministic)
+    feeds = (load_data(request.data, graph, spec) if request.data is not None
+             else synthetic_feeds(graph, request.seed))
     if prov == "cuda":
-        if arena:
+        if request.arena:
             raise InputError("--arena is for the CPU provider (CUDA always runs through its "
                              "arena)")
-        return _run_on_device(path, graph, spec, feeds, steps=steps, seed=seed, data=data,
-                              gpu_mem_limit=gpu_mem_limit, cuda_graph=cuda_graph,
-                              deterministic=deterministic)
+        return _run_on_device(path, graph, spec, feeds, request)
+    return _run_on_host(path, graph, spec, feeds, request, prov)
+
+
+def _run_on_host(path: Path, graph: Graph, spec: StepSpec, feeds: Mapping[str, np.ndarray],
+                 request: RunRequest, prov: str) -> RunResult:
+    """``run_steps`` on the CPU provider: predicted (liveness, or the arena replay), then
+    run in the measuring child (``cpu_child``) and, for the times, a second one."""
+    graph, prediction, aliased = _arranged(path, graph, request.in_place)
+    if request.cuda_graph:
+        raise InputError("--cuda-graph needs --provider cuda")
+    arena = request.arena
+    if arena is None:
+        arena = prov == "cpu" and TrainingStep.of(graph).allocator == "arena"
+    if arena and prov != "cpu":
+        raise InputError("--arena is for the CPU provider (CUDA always runs through its "
+                         "arena)")
+    arena_report = None
+    if arena:
+        arena_report, arena_peak = arena_prediction(graph, prediction, spec,
+                                                    steps=request.steps, provider=prov)
+    isolate = request.isolate
+    if isolate is None:
+        isolate = prov == "cpu" and not memory.in_measuring_child()
+    with tempfile.TemporaryDirectory(prefix="memcc-run-") as tmp:
+        payload = prepare_run(graph, spec, feeds, Path(tmp), steps=request.steps,
+                              provider=prov)
+        payload["in_place"] = aliased
+        payload["arena"] = bool(arena)
+        if isolate:
+            out = _run_children(payload, request.separate_timing)
+        else:
+            out = execute(payload)
+    result = replace(_result(path, request, prov, prediction, out),
+                     traffic=step_traffic(graph))
+    if arena_report is not None:
+        result = replace(result, predicted_peak_bytes=arena_peak,
+                         prediction=dict(result.prediction) | {
+                             "liveness_peak_bytes": prediction.peak_bytes,
+                             "arena": arena_report.to_json()})
+    return result
+
+
+def _arranged(path: Path, graph: Graph, in_place: bool
+              ) -> tuple[Graph, LivenessReport, dict[str, str]]:
+    """The step as the CPU runs it, its predicted liveness and the updates written in
+    place (``in_place``: arranged as ``memcc.Trainer`` runs it; else the copying runner)."""
     aliased: dict[str, str] = {}
     try:
         if in_place:
@@ -199,45 +247,23 @@ def run_steps(
             prediction = analyze_liveness(graph)
     except ValueError as exc:  # the node list is not a topological order
         raise InputError(f"{path}: {exc}; write nodes in a topological order") from exc
-    if cuda_graph:
-        raise InputError("--cuda-graph needs --provider cuda")
-    if arena is None:
-        arena = prov == "cpu" and TrainingStep.of(graph).allocator == "arena"
-    if arena and prov != "cpu":
-        raise InputError("--arena is for the CPU provider (CUDA always runs through its "
-                         "arena)")
-    arena_report = None
-    if arena:
-        arena_report, arena_peak = arena_prediction(graph, prediction, spec, steps=steps,
-                                                    provider=prov)
-    if isolate is None:
-        isolate = prov == "cpu" and not memory.in_measuring_child()
-    with tempfile.TemporaryDirectory(prefix="memcc-run-") as tmp:
-        payload = prepare_run(graph, spec, feeds, Path(tmp), steps=steps, provider=prov)
-        payload["in_place"] = aliased
-        payload["arena"] = bool(arena)
-        if isolate:
-            out = memory.run_child("memcc.backend.runner", payload)
-            if separate_timing:
-                timed = memory.run_child("memcc.backend.runner", payload, measuring=False)
-                out["step_times_s"] = timed["step_times_s"]
-                out["timing"] = ("separate process, ORT's CPU arena" if arena else
-                                 "separate process, default allocator")
-        else:
-            out = execute(payload)
-    result = replace(_result(path, prov, steps, seed, data, prediction, out),
-                     traffic=step_traffic(graph))
-    if arena_report is not None:
-        result = replace(result, predicted_peak_bytes=arena_peak,
-                         prediction=dict(result.prediction) | {
-                             "liveness_peak_bytes": prediction.peak_bytes,
-                             "arena": arena_report.to_json()})
-    return result
+    return graph, prediction, aliased
+
+
+def _run_children(payload: dict, separate_timing: bool) -> dict:
+    """The run in the measuring child and, with ``separate_timing``, its step times from a
+    second child on glibc's default allocator (or ORT's CPU arena where the run uses it)."""
+    out = memory.run_child("memcc.backend.runner", payload)
+    if separate_timing:
+        timed = memory.run_child("memcc.backend.runner", payload, measuring=False)
+        out["step_times_s"] = timed["step_times_s"]
+        out["timing"] = ("separate process, ORT's CPU arena" if payload["arena"] else
+                         "separate process, default allocator")
+    return out
 
 
 def _run_on_device(path: Path, graph: Graph, spec: StepSpec, batch: Mapping[str, np.ndarray],
-                   *, steps: int, seed: int, data, gpu_mem_limit: int | None,
-                   cuda_graph: bool | None, deterministic: bool) -> RunResult:
+                   request: RunRequest) -> RunResult:
     """``run_steps`` on CUDA, in two sessions of the same step (``DeviceStep``), arranged
     as it trains: updates in place, early where that predicts a lower peak
     (``passes.analysis.device_memory.predict_step``, also what plans for CUDA are judged by).
@@ -253,17 +279,18 @@ def _run_on_device(path: Path, graph: Graph, spec: StepSpec, batch: Mapping[str,
     from memcc.backend.device_step import DeviceSettings, DeviceStep, StepRoles
     from memcc.passes.analysis.device_memory import predict_step
 
+    steps = request.steps
     try:
         arrangement, device = predict_step(graph, steps=steps)
     except ValueError as exc:  # the node list is not a topological order
         raise InputError(f"{path}: {exc}; write nodes in a topological order") from exc
     graph, liveness = arrangement.graph, arrangement.prediction
-    aliased = arrangement.in_place.aliased
+    roles = StepRoles(loss=spec.loss, updates=spec.state, aliased=arrangement.in_place.aliased)
 
     def open_step(**kw) -> DeviceStep:
-        return DeviceStep(graph, StepRoles(loss=spec.loss, updates=spec.state, aliased=aliased),
-                          DeviceSettings(provider="cuda", gpu_mem_limit=gpu_mem_limit, **kw),
-                          source=str(path))
+        return DeviceStep(graph, roles, DeviceSettings(provider="cuda",
+                                                       gpu_mem_limit=request.gpu_mem_limit,
+                                                       **kw), source=str(path))
 
     memory.device_baseline()  # a CUDA context before anything is measured
     with tempfile.TemporaryDirectory(prefix="memcc-run-") as tmp:
@@ -274,7 +301,32 @@ def _run_on_device(path: Path, graph: Graph, spec: StepSpec, batch: Mapping[str,
     gc.collect()
     meter = memory.NvmlPeakMeter()
     baseline = meter.set_baseline()
-    step = open_step(cuda_graph=cuda_graph)
+    step = open_step(cuda_graph=request.cuda_graph)
+    readings, out = _measure_on_device(step, batch, meter, baseline, steps)
+    out["order"] = order.to_json()
+    result = _result(path, request, "cuda", liveness, out)
+    graph_note = "captured" if step.captured else step.cuda_graph_note
+    if not step.captured and order.off_provider:
+        graph_note = (f"{graph_note}; nodes not on the CUDA provider: "
+                      f"{', '.join(order.off_provider[:5])}"
+                      + (f" and {len(order.off_provider) - 5} more"
+                         if len(order.off_provider) > 5 else ""))
+    first = readings["first_step_bytes"]
+    return replace(result, predicted_peak_bytes=device.steady_bytes,
+                   first_step_measured_bytes=first,
+                   first_step_predicted_bytes=device.first_step_bytes,
+                   cuda_graph=graph_note, off_provider_nodes=order.off_provider,
+                   deterministic=bool(request.deterministic), traffic=step_traffic(graph),
+                   prediction=dict(result.prediction) | {
+                       "liveness_peak_bytes": liveness.peak_bytes,
+                       "device": device.to_json(), "device_readings": readings})
+
+
+def _measure_on_device(step, batch: Mapping[str, np.ndarray], meter, baseline: int | None,
+                       steps: int) -> tuple[dict[str, object], dict]:
+    """The measured session's first step, the state set back, then ``steps`` steps under
+    NVML: NVML's readings over the baseline, and the losses, times and peaks of the steps
+    (the ``out`` ``_result`` reads, less the order)."""
     readings: dict[str, object] = {"baseline_used_bytes": baseline}
     if baseline is not None:
         readings["bound_bytes"] = meter.used() - baseline
@@ -294,25 +346,10 @@ def _run_on_device(path: Path, graph: Graph, spec: StepSpec, batch: Mapping[str,
         times.append(time.perf_counter() - t0)
         peaks.append(meter.stop())
         losses.append(out.loss)
-    out = {"losses": losses, "step_times_s": times, "measured_per_step": peaks,
-           "method": meter.method + " (after a warm-up session)", "order": order.to_json(),
-           "timing": "same process as the measurement, NVML sampled meanwhile"}
-    result = _result(path, "cuda", steps, seed, data, liveness, out)
-    graph_note = "captured" if step.captured else step.cuda_graph_note
-    if not step.captured and order.off_provider:
-        graph_note = (f"{graph_note}; nodes not on the CUDA provider: "
-                      f"{', '.join(order.off_provider[:5])}"
-                      + (f" and {len(order.off_provider) - 5} more"
-                         if len(order.off_provider) > 5 else ""))
     readings["first_step_bytes"] = first
-    return replace(result, predicted_peak_bytes=device.steady_bytes,
-                   first_step_measured_bytes=first,
-                   first_step_predicted_bytes=device.first_step_bytes,
-                   cuda_graph=graph_note, off_provider_nodes=order.off_provider,
-                   deterministic=bool(deterministic), traffic=step_traffic(graph),
-                   prediction=dict(result.prediction) | {
-                       "liveness_peak_bytes": liveness.peak_bytes,
-                       "device": device.to_json(), "device_readings": readings})
+    return readings, {"losses": losses, "step_times_s": times, "measured_per_step": peaks,
+                      "method": meter.method + " (after a warm-up session)",
+                      "timing": "same process as the measurement, NVML sampled meanwhile"}
 
 
 def arena_prediction(graph: Graph, liveness: LivenessReport, spec: StepSpec, *, steps: int,
@@ -330,8 +367,11 @@ def arena_prediction(graph: Graph, liveness: LivenessReport, spec: StepSpec, *, 
     return report, report.measured_bytes
 
 
-def _result(path: Path, provider: str, steps: int, seed: int, data, prediction: LivenessReport,
+def _result(path: Path, request: RunRequest, provider: str, prediction: LivenessReport,
             out: Mapping) -> RunResult:
+    """The ``RunResult`` of a run's ``out`` (what the child or the device measurement
+    returned), with liveness's prediction; the drivers add the rest with ``replace``."""
+    steps, seed, data = request.steps, request.seed, request.data
     per_step = tuple(out["measured_per_step"])
     known = [b for b in per_step if b is not None]
     times = tuple(out["step_times_s"])
@@ -355,84 +395,6 @@ def _result(path: Path, provider: str, steps: int, seed: int, data, prediction: 
         prediction={k: v for k, v in prediction.to_json().items() if k != "live_at_peak"}
         | {"live_at_peak": list(prediction.live_at_peak[:10])},
     )
-
-
-# ---------------------------------------------------------------------------- the contract
-def read_step_spec(graph: Graph, *, source: str = "<model>") -> StepSpec:
-    """Read the ``memcc.*`` metadata (through ``TrainingStep``), or say how to make a step."""
-    step = TrainingStep.of(graph).validate(source)
-    return StepSpec(step.loss, step.data_inputs, step.state, step.int_ranges)
-
-
-# ---------------------------------------------------------------------------- the batch
-def synthetic_feeds(graph: Graph, seed: int = 0) -> dict[str, np.ndarray]:
-    """One fixed batch for every input without a stored value, reproducible from ``seed``.
-
-    Float data ~ N(0, 1); integer inputs listed in ``memcc.int_ranges`` (token ids, labels)
-    uniform in ``[low, high)``; other integers (attention masks) ones; bools True.
-    """
-    step = TrainingStep.of(graph)
-    names = step.data_or_free_inputs()
-    ranges = step.int_ranges
-    rng = np.random.default_rng(seed)
-    feeds: dict[str, np.ndarray] = {}
-    for name in names:
-        ti = graph.info.get(name)
-        if ti is None:
-            raise InputError(f"data input '{name}' has no static shape; bind it with --dim")
-        feeds[name] = _synthetic_array(name, ti, ranges.get(name), rng)
-    return feeds
-
-
-def _synthetic_array(name: str, ti: TensorInfo, rng_range, rng: np.random.Generator
-                     ) -> np.ndarray:
-    dt = ti.np_dtype
-    if ti.is_float:
-        return rng.standard_normal(ti.shape, dtype=np.float32).astype(dt)
-    if ti.dtype == TensorProto.BOOL:
-        return np.ones(ti.shape, dtype=bool)
-    if np.issubdtype(dt, np.integer):
-        if rng_range is not None:
-            low, high = int(rng_range[0]), int(rng_range[1])
-            return rng.integers(low, high, size=ti.shape, dtype=np.int64).astype(dt)
-        return np.ones(ti.shape, dtype=dt)
-    raise InputError(f"data input '{name}' has dtype {dt}, which memcc cannot synthesise; "
-                     "pass --data FILE.npz")
-
-
-def load_data(path: str | os.PathLike, graph: Graph, spec: StepSpec) -> dict[str, np.ndarray]:
-    """Read ``--data FILE.npz``: one array per data input, named like the input."""
-    from memcc.backend.data import read_npz
-
-    p = Path(path)
-    arrays = read_npz(p)
-    want = {n: graph.info[n] for n in spec.data_inputs}
-    missing = [n for n in want if n not in arrays]
-    if missing:
-        need = "; ".join(f"'{n}' {_describe(want[n])}" for n in missing)
-        raise InputError(
-            f"--data {p}: no array named {need}. The file has {sorted(arrays) or 'no arrays'}; "
-            f"the step's data inputs are {list(want)}"
-        )
-    feeds = {}
-    for name, ti in want.items():
-        arr = arrays[name]
-        if tuple(arr.shape) != ti.shape or arr.dtype != ti.np_dtype:
-            raise InputError(
-                f"--data {p}: array '{name}' has shape {list(arr.shape)}, dtype {arr.dtype}; "
-                f"the step expects {_describe(ti)}"
-            )
-        rng_range = spec.int_ranges.get(name)
-        if rng_range is not None and arr.size:
-            lo, hi = int(arr.min()), int(arr.max())
-            if lo < rng_range[0] or hi >= rng_range[1]:
-                raise InputError(
-                    f"--data {p}: array '{name}' holds values in [{lo}, {hi}]; it indexes "
-                    f"something of size {rng_range[1]}, so values must lie in "
-                    f"[{rng_range[0]}, {rng_range[1]})"
-                )
-        feeds[name] = np.asarray(arr, order="C")
-    return feeds
 
 
 # ---------------------------------------------------------------------------- preparation
@@ -487,118 +449,5 @@ def prepare_run(graph: Graph, spec: StepSpec, batch: Mapping[str, np.ndarray], t
 
 
 # ---------------------------------------------------------------------------- execution
-def _load_feeds(path: str) -> dict[str, np.ndarray]:
-    with np.load(path, allow_pickle=False) as npz:
-        return {k: npz[k] for k in npz.files}
-
-
-def execute(payload: Mapping) -> dict:
-    """Warm-up (profiled, order check), baseline, then the measured steps, on the CPU
-    (CUDA runs through ``_run_on_device``). Runs in the measuring child; returns plain
-    JSON-able data.
-    """
-    provider = payload["provider"]
-    outputs = list(payload["outputs"])
-    state = dict(payload["state"])
-    loss_name = payload["loss"]
-    prefix = str(Path(payload["profile_dir"]) / "memcc_order")
-    arena = bool(payload.get("arena"))
-    session = make_session(payload["session_model"], provider,
-                           SessionSettings(profile=True, profile_prefix=prefix,
-                                           cpu_arena=arena))
-    meter = memory.CpuPeakMeter()
-    options = run_options(arena=arena)
-
-    aliased = dict(payload.get("in_place") or {})
-
-    def run(feeds):
-        if aliased:
-            return _run_in_place(session, outputs, feeds, aliased, options)
-        return _run(session, outputs, feeds, options)
-
-    feeds = _load_feeds(payload["feeds"])
-    run(feeds)
-    order = check_session_order(session, payload["planned"])
-    del feeds
-    meter.set_baseline()
-
-    feeds = _load_feeds(payload["feeds"])
-    losses, times, peaks = [], [], []
-    for _ in range(int(payload["steps"])):
-        meter.start()
-        t0 = time.perf_counter()
-        result = run(feeds)
-        times.append(time.perf_counter() - t0)
-        peaks.append(meter.stop())
-        losses.append(_scalar(result[loss_name], loss_name))
-        for out, inp in state.items():
-            if out not in aliased:  # an in-place update already is in feeds[inp]
-                # With the arena on, ORT's own buffer would pin an arena region into the
-                # next step; a copy keeps the arena as CUDA leaves it (outputs copied out).
-                feeds[inp] = np.array(result[out]) if arena else result[out]
-        del result
-    return {
-        "losses": losses,
-        "step_times_s": times,
-        "measured_per_step": peaks,
-        "method": meter.method,
-        "order": order.to_json(),
-    }
-
-
-def _run(session, outputs: list[str], feeds: Mapping[str, np.ndarray], run_options
-         ) -> dict[str, np.ndarray]:
-    try:
-        values = session.run(outputs, dict(feeds), run_options)
-    except Exception as exc:  # pybind raises ORT's own exception types
-        raise RuntimeFailure(f"ONNX Runtime failed while running the step: {exc}") from exc
-    return dict(zip(outputs, values, strict=True))
-
-
-def _run_in_place(session, outputs: list[str], feeds: dict[str, np.ndarray],
-                  aliased: Mapping[str, str], run_options) -> dict[str, np.ndarray]:
-    """One step with IOBinding: each aliased output is written into its input's array
-    (``feeds`` is updated in place); the other outputs come back as new arrays."""
-    import onnxruntime as ort
-
-    binding = session.io_binding()
-    values = {}
-    for name, arr in feeds.items():
-        values[name] = ort.OrtValue.ortvalue_from_numpy(arr)  # shares the array's memory
-        binding.bind_ortvalue_input(name, values[name])
-    for out in outputs:
-        if out in aliased:
-            binding.bind_ortvalue_output(out, values[aliased[out]])
-        else:
-            binding.bind_output(out, "cpu")
-    try:
-        session.run_with_iobinding(binding, run_options)
-    except Exception as exc:  # pybind raises ORT's own exception types
-        raise RuntimeFailure(f"ONNX Runtime failed while running the step: {exc}") from exc
-    result = {out: feeds[aliased[out]] for out in outputs if out in aliased}
-    for out, value in zip(outputs, binding.get_outputs(), strict=True):
-        if out not in aliased:
-            result[out] = value.numpy()
-    return result
-
-
-def run_options(*, arena: bool = False):
-    """The CPU runner's options: with the arena, its unused regions are returned after
-    each step (every step starts level, as ``passes.analysis.arena.cpu_arena_peak`` models)."""
-    import onnxruntime as ort
-
-    ro = ort.RunOptions()
-    if arena:
-        ro.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
-    return ro
-
-
-def _scalar(value: np.ndarray, name: str) -> float:
-    arr = np.asarray(value)
-    if arr.size != 1:
-        raise RuntimeFailure(f"the loss output '{name}' has shape {list(arr.shape)}, not a scalar")
-    return float(arr.reshape(-1)[0])
-
-
 if __name__ == "__main__":  # the measuring child: python -m memcc.backend.runner --child -
     sys.exit(memory.child_main(sys.argv, execute))

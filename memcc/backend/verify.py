@@ -23,7 +23,7 @@ import numpy as np
 
 from memcc.backend.determinism import racing_nodes
 from memcc.backend.onnx_file import save_graph
-from memcc.backend.runner import run_steps, session_graph, synthetic_feeds
+from memcc.backend.runner import RunRequest, run_steps, session_graph, synthetic_feeds
 from memcc.backend.session import make_session
 from memcc.errors import RuntimeFailure
 from memcc.graph import Graph, node_label
@@ -158,9 +158,9 @@ def verify_rewrite(original: Graph, rewritten: Graph, *, budget: int, provider: 
         # the sampled peak says, and one ORT refuses does not fit (nothing is measured).
         run = None
         try:
-            run = run_steps(path, steps=steps, provider=provider, seed=seed,
+            run = run_steps(path, RunRequest(steps=steps, provider=provider, seed=seed,
                             separate_timing=False, arena=arena,
-                            gpu_mem_limit=budget if provider == "cuda" else None)
+                            gpu_mem_limit=budget if provider == "cuda" else None))
         except RuntimeFailure as exc:
             if provider != "cuda":
                 raise

@@ -1,0 +1,94 @@
+"""The batch a run feeds, and the step contract it is checked against.
+
+Enters: a step's graph (its ``memcc.*`` metadata) and either a seed or ``--data FILE.npz``.
+Leaves: a ``StepSpec`` (loss, data inputs, carried state, integer ranges) and one batch,
+one array per data input: made up from the seed (``synthetic_feeds``), or read from the
+file and checked against the step before anything runs (``load_data``; the checks are
+``backend.data``'s, shared with ``memcc train``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from onnx import TensorProto
+
+from memcc.backend.data import check_int_range, read_npz, require_arrays
+from memcc.errors import InputError
+from memcc.graph import Graph, TensorInfo
+from memcc.step import TrainingStep
+from memcc.step import describe_type as _describe
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    """The training-step contract read from a file's ``memcc.*`` metadata."""
+
+    loss: str
+    data_inputs: tuple[str, ...]
+    state: Mapping[str, str]  # output name -> input name it replaces next step
+    int_ranges: Mapping[str, tuple[int, int]]
+
+
+def read_step_spec(graph: Graph, *, source: str = "<model>") -> StepSpec:
+    """Read the ``memcc.*`` metadata (through ``TrainingStep``), or say how to make a step."""
+    step = TrainingStep.of(graph).validate(source)
+    return StepSpec(step.loss, step.data_inputs, step.state, step.int_ranges)
+
+
+def synthetic_feeds(graph: Graph, seed: int = 0) -> dict[str, np.ndarray]:
+    """One fixed batch for every input without a stored value, reproducible from ``seed``.
+
+    Float data ~ N(0, 1); integer inputs listed in ``memcc.int_ranges`` (token ids, labels)
+    uniform in ``[low, high)``; other integers (attention masks) ones; bools True.
+    """
+    step = TrainingStep.of(graph)
+    names = step.data_or_free_inputs()
+    ranges = step.int_ranges
+    rng = np.random.default_rng(seed)
+    feeds: dict[str, np.ndarray] = {}
+    for name in names:
+        ti = graph.info.get(name)
+        if ti is None:
+            raise InputError(f"data input '{name}' has no static shape; bind it with --dim")
+        feeds[name] = _synthetic_array(name, ti, ranges.get(name), rng)
+    return feeds
+
+
+def _synthetic_array(name: str, ti: TensorInfo, rng_range, rng: np.random.Generator
+                     ) -> np.ndarray:
+    dt = ti.np_dtype
+    if ti.is_float:
+        return rng.standard_normal(ti.shape, dtype=np.float32).astype(dt)
+    if ti.dtype == TensorProto.BOOL:
+        return np.ones(ti.shape, dtype=bool)
+    if np.issubdtype(dt, np.integer):
+        if rng_range is not None:
+            low, high = int(rng_range[0]), int(rng_range[1])
+            return rng.integers(low, high, size=ti.shape, dtype=np.int64).astype(dt)
+        return np.ones(ti.shape, dtype=dt)
+    raise InputError(f"data input '{name}' has dtype {dt}, which memcc cannot synthesise; "
+                     "pass --data FILE.npz")
+
+
+def load_data(path: str | os.PathLike, graph: Graph, spec: StepSpec) -> dict[str, np.ndarray]:
+    """Read ``--data FILE.npz``: one array per data input, named like the input."""
+    p = Path(path)
+    arrays = read_npz(p)
+    want = {n: graph.info[n] for n in spec.data_inputs}
+    require_arrays(p, arrays, {n: _describe(ti) for n, ti in want.items()})
+    feeds = {}
+    for name, ti in want.items():
+        arr = arrays[name]
+        if tuple(arr.shape) != ti.shape or arr.dtype != ti.np_dtype:
+            raise InputError(
+                f"--data {p}: array '{name}' has shape {list(arr.shape)}, dtype {arr.dtype}; "
+                f"the step expects {_describe(ti)}"
+            )
+        check_int_range(p, name, arr, spec.int_ranges.get(name))
+        feeds[name] = np.asarray(arr, order="C")
+    return feeds
