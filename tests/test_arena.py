@@ -289,8 +289,8 @@ def test_cuda_verify_caps_the_arena_at_the_budget_and_a_refused_run_does_not_fit
     step, _ = _step(tmp_path, "mlp", batch=8, in_features=16, width=16, depth=1, num_classes=3)
     asked = {}
 
-    def refused(path, **kw):
-        asked.update(kw)
+    def refused(path, request):
+        asked.update(vars(request))
         raise RuntimeFailure("ONNX Runtime failed while running the step: Available memory "
                              "of 0 is smaller than requested bytes of 4096")
 
@@ -298,14 +298,15 @@ def test_cuda_verify_caps_the_arena_at_the_budget_and_a_refused_run_does_not_fit
     monkeypatch.setattr(verify, "run_steps", refused)
     monkeypatch.setattr(verify, "step_outputs",
                         lambda graph, feeds, provider: on_cpu(graph, feeds, "cpu"))
-    result = verify.verify_rewrite(step, step, budget=123_456, provider="cuda")
+    result = verify.verify_rewrite(step, step, budget=123_456,
+                                   how=verify.VerifyRun(provider="cuda"))
     assert asked["gpu_mem_limit"] == 123_456 and asked["provider"] == "cuda"
     assert not result["ok"] and result["peak_within_budget"] is False
     assert result["gpu_mem_limit_bytes"] == 123_456 and result["outputs_match"]
     assert "gpu_mem_limit 123,456" in result["problems"][0]
     # On the CPU provider nothing is capped.
-    monkeypatch.setattr(verify, "run_steps", lambda path, **kw: asked.update(cpu=kw) or
-                        run_steps(path, RunRequest(**kw)))
+    monkeypatch.setattr(verify, "run_steps", lambda path, request:
+                        asked.update(cpu=vars(request)) or run_steps(path, request))
     assert verify.verify_rewrite(step, step, budget=1 << 40)["ok"]
     assert asked["cpu"]["gpu_mem_limit"] is None
 

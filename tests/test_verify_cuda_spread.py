@@ -59,7 +59,7 @@ def _fake_cuda(monkeypatch, plan_error: float):
         return {k: (v + (rng.standard_normal(v.shape) * 1e-6 + extra).astype(v.dtype)
                     if v.dtype.kind == "f" else v) for k, v in out.items()}
 
-    def run_steps(path, **kwargs):
+    def run_steps(path, request):
         return SimpleNamespace(measured_peak_bytes=1, predicted_peak_bytes=1,
                                order_matches_plan=True, executed_order_mismatch=None,
                                measurement_method="fake", step_time_s=0.0)
@@ -74,7 +74,8 @@ def test_verify_on_cuda_runs_the_original_twice_and_says_so(monkeypatch):
     plan = step.copy()
     plan.metadata["test.plan"] = "1"
     calls = _fake_cuda(monkeypatch, plan_error=0.0)
-    report = verify.verify_rewrite(step, plan, budget=1 << 30, provider="cuda")
+    report = verify.verify_rewrite(step, plan, budget=1 << 30,
+                                   how=verify.VerifyRun(provider="cuda"))
     assert calls["n"] == 3  # the original twice, the plan once
     assert report["ok"], report["problems"]
     assert report["irreproducible_outputs"] > 0
@@ -86,13 +87,15 @@ def test_verify_on_cuda_still_fails_a_plan_off_by_more_than_the_spread(monkeypat
     plan = step.copy()
     plan.metadata["test.plan"] = "1"
     _fake_cuda(monkeypatch, plan_error=1e-2)
-    report = verify.verify_rewrite(step, plan, budget=1 << 30, provider="cuda")
+    report = verify.verify_rewrite(step, plan, budget=1 << 30,
+                                   how=verify.VerifyRun(provider="cuda"))
     assert not report["ok"] and report["outputs_differing"] > 0
     assert any("own runs differ by" in p for p in report["problems"])
 
 
 def test_verify_on_cpu_runs_the_original_once_and_demands_the_same_bits():
     step = _step()
-    report = verify.verify_rewrite(step, step.copy(), budget=1 << 40, provider="cpu")
+    report = verify.verify_rewrite(step, step.copy(), budget=1 << 40,
+                                   how=verify.VerifyRun(provider="cpu"))
     assert report["comparison"] == "bit-identical"
     assert report["irreproducible_outputs"] is None

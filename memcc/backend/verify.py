@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import tempfile
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -129,15 +130,29 @@ def _within_spread(err: float, name: str, spread: Mapping[str, float] | None) ->
     return bool(spread) and spread.get(name, 0.0) > 0.0 and err <= SPREAD_FACTOR * spread[name]
 
 
-def verify_rewrite(original: Graph, rewritten: Graph, *, budget: int, provider: str = "cpu",
-                   seed: int = 0, steps: int = 2, tolerance: float | None = None,
-                   arena: bool = False) -> dict:
+@dataclass(frozen=True)
+class VerifyRun:
+    """How ``verify_rewrite`` runs the two steps and compares them.
+
+    ``provider``, ``seed`` (of the synthetic batch) and ``steps`` (measured runs of the
+    rewritten step). ``tolerance``: the plan uses numerically equivalent variants (chunked
+    sums, inverted affine), so outputs are compared within that relative error instead of
+    bit for bit. ``arena`` (CPU): the plan was made for ORT's CPU arena, so the rewritten
+    step is measured allocating through it (``RunRequest(arena=True)``)."""
+
+    provider: str = "cpu"
+    seed: int = 0
+    steps: int = 2
+    tolerance: float | None = None
+    arena: bool = False
+
+
+def verify_rewrite(original: Graph, rewritten: Graph, *, budget: int,
+                   how: VerifyRun = VerifyRun()) -> dict:
     """Run both steps and check outputs, measured peak and executed order (module doc);
-    every check runs even when an earlier one failed, so the report has all three.
-    ``tolerance``: the plan uses numerically equivalent variants (chunked sums, inverted
-    affine), so outputs are compared within that relative error instead of bit for bit.
-    ``arena`` (CPU): the plan was made for ORT's CPU arena, so the rewritten step is
-    measured allocating through it (``run_steps(arena=True)``)."""
+    every check runs even when an earlier one failed, so the report has all three."""
+    provider, seed, steps = how.provider, how.seed, how.steps
+    tolerance, arena = how.tolerance, how.arena
     exact = provider == "cpu" and tolerance is None
     feeds = synthetic_feeds(original, seed)
     ref = step_outputs(original, feeds, provider)

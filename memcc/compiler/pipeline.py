@@ -363,8 +363,8 @@ def _plan_tolerance(passes: list[PassReport]) -> float | None:
 
 def _verify(original: Graph, rewritten: Graph, budget: int, options: CompileOptions,
             tolerance: float | None = None):
-    from memcc.backend.verify import verify_rewrite
+    from memcc.backend.verify import VerifyRun, verify_rewrite
 
-    result = verify_rewrite(original, rewritten, budget=budget, provider=options.provider,
-                            tolerance=tolerance, arena=options.arena)
+    result = verify_rewrite(original, rewritten, budget=budget, how=VerifyRun(
+        provider=options.provider, tolerance=tolerance, arena=options.arena))
     return result, result
