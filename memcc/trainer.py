@@ -229,9 +229,9 @@ class Trainer:
             self.data_state = dict(data_state)
         # On CPU the live arrays go straight to the writer (no copy: nothing runs meanwhile).
         state = self._step.host_state()
-        return ckpt.save(directory, state, step=self.steps_done,
-                         sig=self.signature(), data_state=self.data_state,
-                         step_file=str(self.path.resolve()), keep=keep)
+        return ckpt.save(directory, state, ckpt.CheckpointInfo(
+            step=self.steps_done, sig=self.signature(), data_state=self.data_state,
+            step_file=str(self.path.resolve())), keep=keep)
 
     def restore(self, checkpoint: str | os.PathLike | ckpt.Checkpoint) -> ckpt.Checkpoint:
         """Load a checkpoint (file, directory = its newest, or a loaded one) into this run.

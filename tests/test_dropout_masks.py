@@ -133,8 +133,8 @@ def test_an_old_checkpoint_resumes_with_the_counter_at_its_step(old_step, tmp_pa
     sig = trainer.signature()
     legacy = {**sig, "state": {k: v for k, v in sig["state"].items() if k != COUNTER}}
     tensors = {k: v for k, v in trainer.state_dict().items() if k != COUNTER}
-    ckpt.save(tmp_path, tensors, step=3, sig=legacy, data_state={},
-              step_file=str(old_step))
+    ckpt.save(tmp_path, tensors, ckpt.CheckpointInfo(step=3, sig=legacy, data_state={},
+                                                     step_file=str(old_step)))
     resumed = Trainer.resume(tmp_path, threads=1)
     assert resumed.state_dict()[COUNTER] == 3
     assert np.isfinite(resumed.step(feeds))

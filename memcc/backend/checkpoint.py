@@ -122,13 +122,24 @@ def check_directory(directory: str | os.PathLike) -> None:
                          "choose another directory for the checkpoints.")
 
 
-def save(directory: str | os.PathLike, tensors: Mapping[str, np.ndarray], *, step: int,
-         sig: Mapping, data_state: Mapping | None = None, step_file: str | None = None,
-         keep: int = 2) -> Path:
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """What a checkpoint records beside the tensors: the step count, the step's signature
+    (``sig``: what a resume must match), the data order's position, and the step file."""
+
+    step: int
+    sig: Mapping
+    data_state: Mapping | None = None
+    step_file: str | None = None
+
+
+def save(directory: str | os.PathLike, tensors: Mapping[str, np.ndarray],
+         info: CheckpointInfo, *, keep: int = 2) -> Path:
     """Write ``ckpt-<step>.safetensors`` in ``directory`` atomically; return its path.
 
     The directory is created if missing. ``keep`` (at least 1) newest checkpoints stay.
     """
+    step, sig, data_state, step_file = info.step, info.sig, info.data_state, info.step_file
     if keep < 1:
         raise InputError("a checkpoint directory must keep at least 1 checkpoint")
     d = Path(directory)
