@@ -48,7 +48,7 @@ from memcc.backend.session import SessionSettings, make_session
 from memcc.errors import InputError, RuntimeFailure
 from memcc.graph import Graph
 from memcc.passes.analysis.device_memory import arena_limit
-from memcc.passes.lowering.offload_state import host_resident
+from memcc.passes.analysis.host_state import host_resident
 
 # ---------------------------------------------------------------------------- placement
 HOST, DEVICE = "host", "device"

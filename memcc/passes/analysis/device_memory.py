@@ -30,6 +30,7 @@ from memcc.passes.analysis.arena import (
     rounded_bytes,
 )
 from memcc.passes.analysis.arrange import ArrangedStep, arrange_step
+from memcc.passes.analysis.host_state import host_resident
 from memcc.passes.analysis.liveness import LivenessReport
 from memcc.step import TrainingStep
 
@@ -154,7 +155,7 @@ def bound_infos(graph: Graph, aliased: Mapping[str, str], updates: Mapping[str, 
     """The device buffers a ``DeviceStep`` allocates: each carried value, a spare for each
     update not written in place, each data input, each output that is not an update; not
     the optimizer state it holds in host memory
-    (``passes.lowering.offload_state.host_resident``)."""
+    (``passes.analysis.host_state.host_resident``)."""
     _, carried, carried_set = _carried(updates)
     # Optimizer state offloaded to host memory (passes.lowering.offload_state) is bound there.
     host = _host_resident(graph, updates)
@@ -172,6 +173,4 @@ def bound_infos(graph: Graph, aliased: Mapping[str, str], updates: Mapping[str, 
 
 
 def _host_resident(graph: Graph, updates: Mapping[str, str]) -> set[str]:
-    from memcc.passes.lowering.offload_state import host_resident
-
     return host_resident(graph, dict(updates))

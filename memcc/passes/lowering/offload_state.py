@@ -38,10 +38,13 @@ import onnx
 
 from memcc.graph import Graph, unique_namer
 from memcc.passes.analysis.cost_model import HostLink
+from memcc.passes.analysis.host_state import (  # noqa: F401 (re-exported)
+    COPY_IN,
+    COPY_OUT,
+    host_resident,
+)
 from memcc.step import Role, TrainingStep, tag_node
 
-COPY_IN = "MemcpyFromHost"
-COPY_OUT = "MemcpyToHost"
 HOST_STATE_KEY = "memcc.host_state"
 DEVICE_SUFFIX = ".dev"
 # State tensors below this many bytes stay on the device: a copy's latency (6.8 us on an
@@ -152,19 +155,3 @@ def offload_state(graph: Graph, names: Iterable[str]) -> StateOffload:
     held = json.loads(out.metadata.get(HOST_STATE_KEY) or "[]")
     out.metadata[HOST_STATE_KEY] = json.dumps(sorted(set(held) | {s for s, _ in tensors}))
     return StateOffload(out, tuple(sorted(tensors, key=lambda t: (-t[1], t[0]))))
-
-
-def host_resident(graph: Graph, updates: dict[str, str] | None = None) -> set[str]:
-    """The carried inputs that live in host memory: every reader a ``MemcpyFromHost`` and
-    their update written by a ``MemcpyToHost`` (what ``offload_state`` makes). Read off the
-    structure, so the prediction and the runtime agree on any file of that shape."""
-    updates = TrainingStep.of(graph).state if updates is None else updates
-    du = graph.def_use()
-    held = set()
-    for out, inp in updates.items():
-        readers = du.readers.get(inp, ())
-        producer = du.producer.get(out)
-        if (readers and all(r.op_type == COPY_IN for r in readers)
-                and producer is not None and producer.op_type == COPY_OUT):
-            held.add(inp)
-    return held
