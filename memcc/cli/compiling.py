@@ -40,6 +40,7 @@ from memcc.cli.options import (
 if TYPE_CHECKING:
     from memcc.api import CompileOptions
 
+
 def compile_cmd(
     model: StepOrModelArg,
     budget: Annotated[str, typer.Option(
@@ -137,7 +138,6 @@ def _compile(model: Path, opts: CompileOptions, out_path: Path, report_path: Pat
     for line in summary_lines(result.report):
         out.print(line, highlight=False)
     out.print(f"wrote {out_path} and {report_path}", highlight=False)
-
 
 
 def analyze_cmd(

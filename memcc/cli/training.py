@@ -19,6 +19,7 @@ from memcc.cli.options import CudaGraphOpt, DeterministicOpt, JsonOpt, RunProvid
 if TYPE_CHECKING:
     from memcc.api import TrainingInterrupted, TrainOptions, TrainResult
 
+
 def run(
     model: StepArg,
     steps: Annotated[int, typer.Option(min=1, help="Training steps to run.")] = 5,
@@ -174,7 +175,6 @@ def _report_interrupted(stop: TrainingInterrupted, opts: TrainOptions, *, as_jso
     import shlex
 
     steps, epochs = opts.steps, opts.epochs
-
     r = stop.result
     if as_json:
         sys.stdout.write(json.dumps(r.to_json()) + "\n")

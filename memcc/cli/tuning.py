@@ -35,6 +35,7 @@ from memcc.cli.options import (
 if TYPE_CHECKING:
     from memcc.api import TuneOptions, TuneResult
 
+
 def tune_cmd(
     model: Annotated[Path, typer.Argument(help="Forward ONNX model with a symbolic batch "
                                                "dimension.")],

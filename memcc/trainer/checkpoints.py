@@ -25,8 +25,8 @@ def step_signature(graph: Graph, spec: TrainingStep) -> dict:
                                     "loss": spec.loss, "data_inputs": data})
 
 
-
 def run_data_state(seed: int, position: int, dataset: Dataset, fingerprint: str) -> dict:
+    """Where a run stands in its data (``position`` batches in), for its checkpoint."""
     epoch, batch = divmod(position, dataset.batches_per_epoch)
     return {"seed": seed, "batches_consumed": position, "epoch": epoch,
             "batch_in_epoch": batch, "batches_per_epoch": dataset.batches_per_epoch,
@@ -34,6 +34,7 @@ def run_data_state(seed: int, position: int, dataset: Dataset, fingerprint: str)
 
 
 def check_run_data_state(c: ckpt.Checkpoint, seed: int, fingerprint: str) -> None:
+    """A resumed run must continue the same data order: the same seed and data."""
     ds = c.data_state
     if not ds:
         return

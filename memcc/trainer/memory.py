@@ -19,7 +19,9 @@ from memcc.step import PLAN_KEY
 if TYPE_CHECKING:
     from memcc.trainer.trainer import Trainer
 
+
 def allocator_of(trainer: Trainer) -> str:
+    """Where the step's buffers come from, as ``TrainResult.allocator`` names it."""
     if trainer.provider != "cpu":
         return "cuda-arena"
     return "arena" if trainer.arena else "malloc"

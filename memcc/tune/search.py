@@ -289,8 +289,6 @@ def _candidate(search: SizeSearch, p: SizeProbe, largest: int) -> Candidate:
                      peak_kind=None if p.sqrtn_peak is None else "sqrt(n)", **row)
 
 
-
-
 # ---------------------------------------------------------------------------- outputs
 def write_step(result: TuneResult, path: str | os.PathLike) -> Path:
     """Write the chosen compiled step atomically (a temporary file, then a rename)."""
