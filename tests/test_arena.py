@@ -353,9 +353,9 @@ def test_cpu_plans_made_for_the_cpu_arena_verify_through_it_and_train_through_it
     assert losses[0] == losses[1], losses
     # A compiled plan trained from malloc is told what glibc's heap may hold; the step as
     # built (no plan) and the plan trained through the arena are not.
-    from memcc.trainer import _allocator_notes
-    assert "compile with --arena" in _allocator_notes(Trainer(out, arena=False))[0]
-    assert _allocator_notes(Trainer(out)) == [] and _allocator_notes(Trainer(path)) == []
+    from memcc.trainer.memory import allocator_notes
+    assert "compile with --arena" in allocator_notes(Trainer(out, arena=False))[0]
+    assert allocator_notes(Trainer(out)) == [] and allocator_notes(Trainer(path)) == []
     run = run_steps(out, RunRequest(steps=1))
     assert "arena" in run.prediction and "arena" in run.timing_method
     with pytest.raises(InputError, match="--arena is for --provider cpu"):

@@ -56,17 +56,11 @@ LONG_MODULES_BY_DESIGN = {f"memcc/frontend/gradients/{m}.py"
 # merged. Do not add to it: fix the new violation instead.
 ALLOWED = frozenset({
     'upward: memcc.frontend.load -> memcc.backend.ort_kernels',
-    'lines: memcc/cli.py',
     'lines: memcc/frontend/build.py',
     'lines: memcc/frontend/canonicalize.py',
     'lines: memcc/frontend/exported.py',
     'lines: memcc/passes/planning/model/variant_terms.py',
     'lines: memcc/passes/planning/strategies.py',
-    'lines: memcc/trainer.py',
-    'lines: memcc/tune.py',
-    'long: memcc/cli.py::compile_cmd',
-    'long: memcc/cli.py::train',
-    'long: memcc/cli.py::tune_cmd',
     'long: memcc/compiler/pipeline.py::compile_model',
     'long: memcc/frontend/build.py::build_training_step',
     'long: memcc/frontend/canonicalize.py::_sequence',
@@ -75,9 +69,6 @@ ALLOWED = frozenset({
     'long: memcc/passes/planning/model/variant_terms.py::add_variant_terms',
     'long: memcc/passes/planning/planner.py::choose_plan',
     'long: memcc/report.py::timeline_figure',
-    'long: memcc/trainer.py::train',
-    'wide: memcc/cli.py::_build_options',
-    'wide: memcc/cli.py::_report_interrupted',
     'wide: memcc/compiler/chunk_choice.py::_attempt',
     'wide: memcc/compiler/chunk_choice.py::choose_row_chunks',
     'wide: memcc/compiler/planning.py::plan_in_budget',
@@ -108,8 +99,6 @@ ALLOWED = frozenset({
     'wide: memcc/passes/planning/strategies.py::_exchange',
     'wide: memcc/passes/planning/strategies.py::_partners',
     'wide: memcc/passes/planning/strategies.py::_tighten',
-    'wide: memcc/trainer.py::Trainer.__init__',
-    'wide: memcc/trainer.py::export_weights',
 })
 
 
@@ -289,7 +278,17 @@ def _is_cli_command(fn: ast.FunctionDef | ast.AsyncFunctionDef, rel: str) -> boo
         call = d.func if isinstance(d, ast.Call) else d
         if isinstance(call, ast.Attribute) and call.attr in ("command", "callback"):
             return True
-    return False
+    # Registered elsewhere (``app.command()(fn)`` in ``memcc/cli/__init__.py``): every
+    # parameter is a typer option or argument (``Annotated[...]`` or an ``...Opt`` /
+    # ``...Arg`` alias of one).
+    params = fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs
+    return bool(params) and all(_is_typer_annotation(p.annotation) for p in params)
+
+
+def _is_typer_annotation(note: ast.expr | None) -> bool:
+    if isinstance(note, ast.Subscript):
+        return isinstance(note.value, ast.Name) and note.value.id == "Annotated"
+    return isinstance(note, ast.Name) and note.id.endswith(("Opt", "Arg"))
 
 
 def _statements_under(node: ast.AST) -> list[ast.AST]:

@@ -332,7 +332,7 @@ def test_a_step_rewritten_for_its_provider_exports_the_model_as_built(tmp_path, 
     the rewrite is forced on the CPU provider, which runs both forms."""
     from exports import export
 
-    import memcc.trainer as trainer_module
+    import memcc.trainer.trainer as trainer_module
     from memcc.passes.providers.batchnorm_for_cuda import expand_training_batchnorm
 
     path, _, _, dims = export("conv_bn", "torchscript", tmp_path, training=True)

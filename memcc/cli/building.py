@@ -1,0 +1,85 @@
+"""``memcc build``: a forward ONNX model in, a training step (loss, backward, optimizer in
+standard ONNX ops) written out, and one line saying what it holds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+from rich.markup import escape
+
+from memcc.api import MemccError
+from memcc.cli.app import err, fail, out, warn
+from memcc.cli.options import (
+    AttentionChunksOpt,
+    DimOpt,
+    FreezeOpt,
+    LossChunksOpt,
+    LossOpt,
+    LrOpt,
+    MlpChunksOpt,
+    MomentumOpt,
+    OptimizerOpt,
+    WeightDecayOpt,
+    build_options,
+)
+
+if TYPE_CHECKING:
+    from memcc.api import Graph
+
+
+def build(
+    model: Annotated[Path, typer.Argument(help="Forward ONNX model (e.g. from torch.onnx).")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Where to write the step.")],
+    loss: LossOpt = "cross-entropy",
+    optimizer: OptimizerOpt = "sgd",
+    lr: LrOpt = None,
+    momentum: MomentumOpt = 0.9,
+    weight_decay: WeightDecayOpt = None,
+    dim: DimOpt = None,
+    freeze: FreezeOpt = None,
+    loss_chunks: LossChunksOpt = 1,
+    attention_chunks: AttentionChunksOpt = 1,
+    mlp_chunks: MlpChunksOpt = 1,
+) -> None:
+    """Build a complete training step (loss, backward, optimizer) in standard ONNX ops."""
+    import warnings
+
+    from memcc import api
+
+    try:
+        opts = build_options(locals())
+        with err.status(f"building the training step of {model}"), \
+                warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", api.ExportWarning)
+            graph = api.build(model, output, dims=api.parse_dims(dim), options=opts)
+    except MemccError as exc:
+        fail(exc)
+    for w in caught:
+        if issubclass(w.category, api.ExportNote):
+            err.print(f"note: {escape(str(w.message))}", highlight=False, soft_wrap=True)
+        elif issubclass(w.category, api.ExportWarning):
+            warn(str(w.message))
+    out.print(_summary(graph, output, loss, optimizer))
+
+
+def _summary(graph: Graph, output: Path, loss: str, optimizer: str) -> str:
+    """What the written step holds: nodes, parameters and where their names came from."""
+    from memcc.api import TrainingStep
+
+    step = TrainingStep.of(graph)
+    params = step.parameters
+    n_params = sum(graph.info[p].numel for p in params)
+    sources = step.parameter_sources()
+    unnamed = sum(not s.get("named", True) for s in sources.values())
+    merged = sum(len(s.get("merged", ())) for s in sources.values())
+    folded = len(step.folded_parameters())
+    pytorch = (f"; they hold {len(step.state_dict_names())} PyTorch parameters, {merged} of "
+               f"them merged into others by the exporter, and {folded} more have no "
+               "trained value" if merged or folded else "")
+    return (
+        f"wrote {output}: {len(graph.nodes)} nodes, {len(params)} parameter tensors "
+        f"({n_params:,} values; {len(params) - unnamed} under PyTorch names, {unnamed} "
+        f"under names the exporter made up{pytorch}), loss={loss}, optimizer={optimizer}"
+    )

@@ -1,0 +1,123 @@
+"""Every ``memcc`` option that more than one command takes, declared once (typer
+``Annotated`` aliases): the same name, type, default, choices and help wherever it appears,
+so that the commands cannot drift apart (tests/test_bad_inputs.py compares them). An option
+only one command takes is declared with that command.
+
+``build_options`` turns memcc build's flags, wherever they are given (build, compile, tune,
+analyze), into the one ``BuildOptions``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Optional
+
+import typer
+
+if TYPE_CHECKING:
+    from memcc.api import BuildOptions
+
+
+DimOpt = Annotated[
+    Optional[list[str]],  # noqa: UP045 - typer needs Optional on py3.10
+    typer.Option("--dim", "-d", metavar="NAME=INT",
+                 help="Bind a symbolic input dimension, e.g. --dim batch=8 (repeatable)."),
+]
+
+# memcc build's options, defined once: compile and tune take every one of them for forward
+# models (which they build first), with the same names, defaults, choices and help.
+# The choices are written out (importing the modules that own them would slow every
+# command's start); tests/test_bad_inputs.py checks them against LOSSES, OPTIMIZERS, ...
+LossOpt = Annotated[Literal["cross-entropy", "mse", "none"], typer.Option(
+    help="cross-entropy (adds int64 input 'labels'), mse (adds float input 'target'), "
+         "or none (the first output is already the scalar loss).")]
+OptimizerOpt = Annotated[Literal["none", "sgd", "adamw"], typer.Option(
+    help="none (outputs P.grad per parameter), sgd (momentum), or adamw.")]
+LrOpt = Annotated[Optional[float], typer.Option(  # noqa: UP045
+    help="Learning rate (default: sgd 0.01, adamw 0.001).")]
+MomentumOpt = Annotated[float, typer.Option(help="SGD momentum (0 disables).")]
+WeightDecayOpt = Annotated[Optional[float], typer.Option(  # noqa: UP045
+    help="Weight decay (default: sgd 0, adamw 0.01).")]
+FreezeOpt = Annotated[Optional[list[str]], typer.Option(  # noqa: UP045
+    "--freeze", metavar="PATTERN",
+    help="Keep parameters whose initializer names match this shell pattern fixed: "
+         "their gradients are never built (repeatable), e.g. --freeze 'embeddings.*'.")]
+LossChunksOpt = Annotated[int, typer.Option(
+    "--loss-chunks", min=1,
+    help="Cross-entropy and the vocabulary projection (a MatMul of the hidden states "
+         "by the output weight) over this many row chunks, each chunk's gradient taken "
+         "right away: the full logits are never held. For language models, whose "
+         "logits are often the largest tensor; gradients within 1e-5 of the plain "
+         "loss's.")]
+AttentionChunksOpt = Annotated[int, typer.Option(
+    "--attention-chunks", min=1,
+    help="Every attention (queries-by-keys MatMul, Softmax, MatMul by the values) "
+         "over this many query chunks: the backward, and a plan that recomputes the "
+         "probabilities, then hold one chunk's scores at a time. For long sequences, "
+         "whose batch x heads x tokens x tokens scores outgrow the rest of a layer; "
+         "gradients within 1e-5 of whole attentions.")]
+MlpChunksOpt = Annotated[int, typer.Option(
+    "--mlp-chunks", min=1,
+    help="Every MLP (MatMuls by 2-D weights around an activation or a gate) over this "
+         "many token chunks: the backward, and a plan that recomputes the hidden "
+         "activations, then hold one chunk's at a time. Gradients within 1e-5 of whole "
+         "MLPs.")]
+# compile: not given (None) = compile chooses (compiler/chunk_choice.py); a number overrides.
+_CHOSEN = (" Not given: compile builds the step with and without it and keeps the plan that "
+           "fits at the least added time (--budget min: the smallest); the report's "
+           "row_chunks says what was tried.")
+AutoLossChunksOpt = Annotated[Optional[int], typer.Option(  # noqa: UP045
+    "--loss-chunks", min=1, help=LossChunksOpt.__metadata__[0].help + _CHOSEN)]
+AutoAttentionChunksOpt = Annotated[Optional[int], typer.Option(  # noqa: UP045
+    "--attention-chunks", min=1, help=AttentionChunksOpt.__metadata__[0].help + _CHOSEN)]
+AutoMlpChunksOpt = Annotated[Optional[int], typer.Option(  # noqa: UP045
+    "--mlp-chunks", min=1, help=MlpChunksOpt.__metadata__[0].help + _CHOSEN)]
+NoChunksOpt = Annotated[bool, typer.Option(
+    "--no-chunks",
+    help="Keep the loss, every attention and every MLP whole (as --loss-chunks 1 "
+         "--attention-chunks 1 --mlp-chunks 1): compile tries no row chunks.")]
+# compile and tune plan for a provider; run and train run on one.
+PlanProviderOpt = Annotated[Literal["cpu", "cuda", "auto"], typer.Option(
+    case_sensitive=False,
+    help="Provider to plan and measure for; auto: cuda where this onnxruntime runs CUDA, "
+         "else cpu (as run and train resolve it).")]
+RunProviderOpt = Annotated[Literal["cpu", "cuda", "auto"], typer.Option(
+    case_sensitive=False,
+    help="Where to run; auto: cuda where this onnxruntime runs CUDA, else cpu.")]
+CudaGraphOpt = Annotated[Optional[bool], typer.Option(  # noqa: UP045
+    "--cuda-graph/--no-cuda-graph",
+    help="CUDA: run the step as one captured CUDA graph (ORT's enable_cuda_graph). Default: "
+         "wherever every node runs on the CUDA provider with static shapes; --cuda-graph "
+         "fails, naming the node, where that is not so.")]
+DeterministicOpt = Annotated[bool, typer.Option(
+    "--deterministic",
+    help="CUDA: the same bits on every run: scatter-adds and leading-axis reductions "
+         "rewritten without atomics (README, Reproducible runs; GPT-2 +7% step time on an "
+         "H200). Default: PyTorch-like speed; runs may differ in the last bits.")]
+StrategyOpt = Annotated[Literal["auto", "ilp", "sqrtn", "none"], typer.Option(
+    help="auto (ILP, heuristics, exact polish; best fitting plan), ilp, sqrtn or none.")]
+
+# The file a command reads: a training step (run, train), or either (compile, analyze).
+StepArg = Annotated[Path, typer.Argument(help="Training step written by memcc build/compile.")]
+StepOrModelArg = Annotated[Path, typer.Argument(
+    help="Training step, or forward model (built first).")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
+MarginOpt = Annotated[float, typer.Option(
+    help="Safety margin: plan for budget*(1-margin) - slack; the slack is 1 MiB plus, "
+         "on the CPU without --arena, 1 KiB of heap per buffer under 4 KiB.")]
+
+# The parameters of a command that hold memcc build's flags (LossOpt ... MlpChunksOpt).
+BUILD_FLAGS = ("loss", "optimizer", "lr", "momentum", "weight_decay", "freeze",
+               "loss_chunks", "attention_chunks", "mlp_chunks")
+
+
+def build_options(given: Mapping[str, Any]) -> BuildOptions:
+    """The ``BuildOptions`` of memcc build's flags among a command's parameters (pass the
+    command's ``locals()``): one construction for build, compile, tune and analyze, so that
+    they cannot drift apart. A command without one of the flags fails here, at once."""
+    from memcc.api import BuildOptions
+
+    values = {name: given[name] for name in BUILD_FLAGS}
+    values["freeze"] = tuple(values["freeze"] or ())
+    return BuildOptions(**values)

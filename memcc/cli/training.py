@@ -1,0 +1,272 @@
+"""``memcc run``, ``memcc train`` and ``memcc export``: a training step in, run in ONNX
+Runtime (``run``: a fixed synthetic batch, loss, time and memory per step; ``train``: real
+data, a progress bar, checkpoints, SIGINT/SIGTERM after a complete step), and the trained
+weights out (``export``)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Literal, Optional
+
+import typer
+
+from memcc.api import MemccError
+from memcc.cli.app import err, fail, mb, out, warn
+from memcc.cli.options import CudaGraphOpt, DeterministicOpt, JsonOpt, RunProviderOpt, StepArg
+
+if TYPE_CHECKING:
+    from memcc.api import TrainingInterrupted, TrainOptions, TrainResult
+
+
+def run(
+    model: StepArg,
+    steps: Annotated[int, typer.Option(min=1, help="Training steps to run.")] = 5,
+    provider: RunProviderOpt = "cpu",
+    seed: Annotated[int, typer.Option(help="Seed of the fixed synthetic batch.")] = 0,
+    data: Annotated[Optional[Path], typer.Option(  # noqa: UP045
+        help=".npz file with one array per data input (named like the inputs).")] = None,
+    as_json: JsonOpt = False,
+    in_place: Annotated[bool, typer.Option(
+        "--in-place/--copying", help="--in-place (default): run as memcc train runs and memcc "
+                                     "compile plans the step: updates written over the "
+                                     "values they replace, each update as early as it may "
+                                     "run (predicted and measured that way). --copying: "
+                                     "every update in a buffer of its own (CPU; for "
+                                     "comparison).")] = True,
+    arena: Annotated[Optional[bool], typer.Option(  # noqa: UP045
+        "--arena/--no-arena",
+        help="CPU: allocate through ORT's arena with the CUDA provider's settings and "
+             "predict with the arena model (CUDA's allocation rules, measured on a machine "
+             "without a GPU). Default: as the step was compiled (memcc compile --arena).")
+    ] = None,
+    cuda_graph: CudaGraphOpt = None,
+    deterministic: DeterministicOpt = False,
+) -> None:
+    """Run training steps in ONNX Runtime; print loss, time and memory per step."""
+    from memcc.api import RunRequest, run_steps
+
+    try:
+        result = run_steps(model, RunRequest(steps=steps, provider=provider, seed=seed,
+                                             data=data, in_place=in_place, arena=arena,
+                                             cuda_graph=cuda_graph, deterministic=deterministic))
+    except MemccError as exc:
+        fail(exc)
+    if as_json:
+        sys.stdout.write(json.dumps(result.to_json()) + "\n")
+        return
+    for i, (loss_v, t) in enumerate(zip(result.losses, result.step_times_s, strict=False)):
+        out.print(f"step {i + 1:>4}  loss {loss_v:.6f}  time {t * 1000:.1f} ms")
+    out.print(
+        f"median step {result.step_time_s * 1000:.1f} ms; measured peak "
+        f"{mb(result.measured_peak_bytes)}; predicted peak "
+        f"{mb(result.predicted_peak_bytes)}; order matches plan: {result.order_matches_plan}"
+    )
+    if result.traffic is not None:
+        out.print(f"per step: {result.traffic.kernels:,} kernels, "
+                  f"{mb(result.traffic.bytes_moved)} read and written", highlight=False)
+    if result.provider == "cuda":
+        out.print(f"first step: measured {mb(result.first_step_measured_bytes)}, predicted "
+                  f"{mb(result.first_step_predicted_bytes)}; CUDA graph: {result.cuda_graph}"
+                  f"; deterministic: {result.deterministic}", highlight=False)
+
+
+def train(
+    model: StepArg,
+    data: Annotated[Path, typer.Option(
+        help=".npz file, or a directory of .npz shards: one array per data input, named like "
+             "it, first axis = samples.")],
+    steps: Annotated[Optional[int], typer.Option(  # noqa: UP045
+        help="Train until this many steps in all (a resumed run counts its earlier steps).")
+    ] = None,
+    epochs: Annotated[Optional[int], typer.Option(  # noqa: UP045
+        help="Train this many epochs in all (default 1 when --steps is not given).")] = None,
+    seed: Annotated[int, typer.Option(help="Seed of the shuffled data order.")] = 0,
+    checkpoint: Annotated[Optional[Path], typer.Option(  # noqa: UP045
+        help="Directory for checkpoints (the newest is kept with one older).")] = None,
+    save_every: Annotated[Optional[int], typer.Option(  # noqa: UP045
+        help="Write a checkpoint every K steps (and always at the end).")] = None,
+    resume: Annotated[bool, typer.Option(
+        "--resume", help="Continue from the newest checkpoint in --checkpoint (a fresh start "
+                         "if it holds none).")] = False,
+    provider: RunProviderOpt = "cpu",
+    threads: Annotated[Optional[int], typer.Option(  # noqa: UP045
+        min=1, help="ONNX Runtime intra-op threads (default: ORT's choice).")] = None,
+    arena: Annotated[Optional[bool], typer.Option(  # noqa: UP045
+        "--arena/--no-arena",
+        help="CPU: allocate through ORT's CPU arena. Default: as the step was compiled "
+             "(memcc compile --arena), else straight from malloc, where glibc's heap can hold "
+             "several times the plan's peak.")] = None,
+    cuda_graph: CudaGraphOpt = None,
+    deterministic: DeterministicOpt = False,
+    batch_size_check: Annotated[bool, typer.Option(
+        "--batch-size-check", help="Check the data against the step, print the batch size, "
+                                   "batches per epoch and steps, and stop before training.")
+    ] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object at the end.")
+                       ] = False,
+) -> None:
+    """Train a step on real data, with checkpoints a crash cannot damage."""
+    from memcc.api import TrainingInterrupted, TrainOptions, plan_training
+
+    try:
+        opts = TrainOptions(step=model, data=data, steps=steps, epochs=epochs, seed=seed,
+                            checkpoint=checkpoint, save_every=save_every, resume=resume,
+                            provider=provider, threads=threads, arena=arena,
+                            cuda_graph=cuda_graph, deterministic=deterministic)
+        if batch_size_check:
+            plan = plan_training(opts)
+            out.print(f"{model}: data {data} fits: {plan.describe()}", highlight=False)
+            return
+        result = _train_with_progress(opts, quiet=as_json)
+    except MemccError as exc:
+        fail(exc)
+    except TrainingInterrupted as stop:
+        _report_interrupted(stop, opts, as_json=as_json)
+        raise typer.Exit(code=128 + stop.signum) from None
+    except KeyboardInterrupt:  # a second Ctrl-C, or one before the first step
+        _report_given_up(checkpoint)
+        raise typer.Exit(code=130) from None
+    if as_json:
+        sys.stdout.write(json.dumps(result.to_json()) + "\n")
+        return
+    _print_trained(result)
+
+
+def _print_trained(result: TrainResult) -> None:
+    """What the run did: the steps, the final loss and speed, memory, the checkpoint."""
+    if result.steps_done == result.start_step:
+        out.print(f"nothing to do: already at step {result.steps_done} of "
+                  f"{result.total_steps}", highlight=False)
+    else:
+        out.print(
+            f"trained steps {result.start_step + 1}-{result.steps_done} of {result.total_steps}"
+            f"; final loss {result.losses[-1]:.6f}; {result.samples_per_s or 0:,.1f} samples/s",
+            highlight=False)
+    mem = result.memory or {}
+    if mem.get("measured_peak_bytes") is not None:
+        out.print(f"memory: step peak {mb(mem['measured_peak_bytes'])} measured "
+                  f"({mem['allocator']}), plan {mb(mem['predicted_peak_bytes'])}",
+                  highlight=False)
+    elif mem:
+        rss = f"; the process holds {mb(mem['rss_bytes'])} resident" \
+            if mem.get("rss_bytes") else ""
+        out.print(f"memory: plan {mb(mem.get('predicted_peak_bytes'))}; the step's own peak "
+                  f"is not measured with {mem.get('allocator')}{rss}", highlight=False)
+    if result.checkpoint:
+        out.print(f"checkpoint: {result.checkpoint}", highlight=False)
+
+
+def _report_given_up(checkpoint: Path | None) -> None:
+    """A second Ctrl-C gave up on the running step (or one came before the first): the
+    newest checkpoint stands."""
+    from memcc.api import latest_checkpoint
+
+    last = latest_checkpoint(checkpoint) if checkpoint is not None else None
+    where = (f"newest checkpoint: {last} (continue with --resume)" if last
+             else "no checkpoint was written")
+    err.print(f"interrupted; {where}", highlight=False)
+
+
+def _report_interrupted(stop: TrainingInterrupted, opts: TrainOptions, *, as_json: bool
+                        ) -> None:
+    """What a run stopped by SIGINT/SIGTERM saved, and the command that continues it."""
+    import shlex
+
+    steps, epochs = opts.steps, opts.epochs
+    r = stop.result
+    if as_json:
+        sys.stdout.write(json.dumps(r.to_json()) + "\n")
+    if r.checkpoint is None:
+        err.print(f"{r.interrupted}: stopped after step {r.steps_done} of {r.total_steps}; "
+                  "nothing saved (no --checkpoint was given)", highlight=False)
+        return
+    directory = Path(r.checkpoint).parent
+    until = ["--steps", str(steps)] if steps is not None else \
+        ["--epochs", str(epochs)] if epochs is not None else []
+    again = ["memcc", "train", str(opts.step), "--data", str(opts.data), "--checkpoint",
+             str(directory), "--resume", "--seed", str(opts.seed), *until]
+    err.print(f"{r.interrupted}: stopped after step {r.steps_done} of {r.total_steps}; "
+              f"checkpoint of step {r.steps_done}: {r.checkpoint}\ncontinue with: "
+              f"{shlex.join(again)}", highlight=False, soft_wrap=True)
+
+
+def _train_memory(memory: dict, step_peak: int | None, rss: int | None) -> str:
+    """The progress bar's memory: the step's peak as the plan counts it, measured the way
+    --verify measures it, next to the plan's prediction; with malloc (not measured that
+    way) the process's resident size, named so."""
+    plan = f"plan {mb(memory.get('predicted_peak_bytes'))}"
+    allocator = memory.get("allocator")
+    if allocator == "arena":
+        return f"arena step {mb(step_peak) if step_peak else '-'} ({plan})"
+    if allocator == "cuda-arena":
+        return f"device step {mb(step_peak)} ({plan})"
+    return f"process rss {mb(rss) if rss else '-'} ({plan}, malloc)"
+
+
+def _train_with_progress(opts: TrainOptions, *, quiet: bool) -> TrainResult:
+    """Run ``memcc.api.train`` under a progress bar on stderr (loss, samples/s, memory)."""
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+    )
+
+    from memcc import api
+
+    progress = Progress(
+        TextColumn("[bold]train[/]"), BarColumn(), MofNCompleteColumn(),
+        TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[rate]} samples/s"),
+        TextColumn("{task.fields[mem]}"), TimeRemainingColumn(),
+        console=err, disable=quiet, transient=False,
+    )
+    task = None
+    memory: dict = {}
+
+    def on_start(result) -> None:
+        nonlocal task
+        if result.resumed_from:
+            err.print(f"resuming from {result.resumed_from} (step {result.start_step})",
+                      highlight=False)
+        elif opts.resume:
+            err.print(f"no checkpoint in {opts.checkpoint}: starting at step 0",
+                      highlight=False)
+        for note in result.notes:
+            err.print(f"note: {note}", highlight=False)
+        memory.update(result.memory)
+        task = progress.add_task("train", total=result.total_steps,
+                                 completed=result.start_step, loss="-", rate="-",
+                                 mem=_train_memory(memory, None, None))
+
+    def on_step(p) -> None:
+        progress.update(task, completed=p.step, loss=f"{p.loss:.4f}",
+                        rate=f"{p.samples_per_s:,.0f}",
+                        mem=_train_memory(memory, p.step_peak_bytes, p.memory_bytes))
+
+    with progress:
+        return api.train(opts, on_start=on_start, on_step=on_step)
+
+
+def export_cmd(
+    model: Annotated[Path, typer.Argument(help="The training step the checkpoint belongs to.")],
+    checkpoint: Annotated[Path, typer.Option(
+        help="Checkpoint file, or a directory (its newest checkpoint).")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Where to write.")],
+    fmt: Annotated[Optional[Literal["onnx", "safetensors"]], typer.Option(  # noqa: UP045
+        "--format", case_sensitive=False,
+        help="onnx (the forward model with the trained weights; default unless OUT ends in "
+             ".safetensors) or safetensors (the weights under the exported model's "
+             "initializer names).")] = None,
+) -> None:
+    """Write the trained weights out: the forward ONNX model, or a safetensors file."""
+    from memcc.api import export_checkpoint
+
+    try:
+        path = export_checkpoint(model, checkpoint, output, format=fmt, warn=warn)
+    except MemccError as exc:
+        fail(exc)
+    out.print(f"wrote {path}", highlight=False)
+

@@ -1,0 +1,191 @@
+"""Getting trained weights out of a training step: the forward model inside the step with
+the trained values as its weights (``forward_graph``, ``memcc export --format onnx``), or
+those weights alone under the exported model's initializer (PyTorch) names
+(``export_weights``, ``--format safetensors``), and what a PyTorch user must know about
+the names (``weight_export_notes``).
+
+A step graph and its carried values (a ``Trainer``'s live ones, or a checkpoint's) enter;
+a written file leaves. Nothing here trains.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from memcc.backend import checkpoint as ckpt
+from memcc.errors import InputError
+from memcc.frontend.dropout_masks import restore_dropouts
+from memcc.frontend.load import load_graph
+from memcc.graph import Graph, ancestors
+from memcc.step import TrainingStep
+from memcc.trainer.checkpoints import step_signature
+
+EXPORT_FORMATS = ("onnx", "safetensors")
+
+
+@dataclass(frozen=True)
+class ExportRequest:
+    """Where an export goes and in what form: ``output``; ``format`` ``onnx`` or
+    ``safetensors`` (None: by ``output``'s suffix); ``inputs``, the files the export reads
+    (the step, the checkpoint) as (what, path), which ``output`` must not overwrite
+    (``check_writable``)."""
+
+    output: str | os.PathLike
+    format: str | None = None
+    inputs: Iterable[tuple[str, str | os.PathLike]] = ()
+
+
+def export_checkpoint(step_path: str | os.PathLike, checkpoint: str | os.PathLike,
+                      output: str | os.PathLike, *, format: str | None = None,
+                      warn: Callable[[str], None] | None = None) -> Path:
+    """``memcc export``: the trained weights of ``checkpoint`` out of ``step_path``'s model.
+
+    ``warn`` hears about parameters a PyTorch ``load_state_dict`` will not find by name."""
+    path = Path(step_path)
+    graph = load_graph(path)
+    spec = TrainingStep.of(graph).validate(
+        str(path), then="memcc train step.onnx --data DATA --checkpoint DIR; memcc export "
+                        "reads the step a checkpoint was trained with, not the forward model")
+    c = ckpt.load(checkpoint, sig=step_signature(graph, spec), purpose="export")
+    out = export_weights(graph, spec, c.tensors,
+                         ExportRequest(output, format, [("the training step", path),
+                                                        ("the checkpoint", c.path)]),
+                         source=str(path))
+    weights_only = (format or "").lower() == "safetensors" or \
+        (format is None and out.suffix == ".safetensors")
+    if warn is not None and weights_only:
+        for message in weight_export_notes(spec):
+            warn(message)
+    return out
+
+
+def weight_export_notes(spec: TrainingStep) -> list[str]:
+    """What a user loading the written safetensors into PyTorch must know: weights under
+    made-up names, PyTorch parameters merged into one trained value, ones without any."""
+    notes: list[str] = []
+    unnamed = made_up_names(spec)
+    if unnamed:
+        notes.append(f"{len(unnamed)} parameter(s) carry names the exporter made up (e.g. "
+                     f"'{unnamed[0]}'); PyTorch's load_state_dict will not find them by "
+                     "these names")
+    merged = {p: src["merged"] for p, src in spec.parameter_sources().items()
+              if src.get("merged")}
+    if merged:
+        p, names = next(iter(merged.items()))
+        notes.append(f"{sum(len(m) for m in merged.values())} PyTorch parameter(s) were merged "
+                     f"by the exporter's optimizer and trained as one tied parameter with "
+                     f"another (e.g. {', '.join(names[:2])} with {p}); each is written with "
+                     "its group's trained value")
+    folded = sorted(spec.folded_parameters())
+    if folded:
+        notes.append(f"{len(folded)} PyTorch parameter(s) have no trained value (folded into "
+                     f"constants by the exporter, or unused), e.g. '{folded[0]}'; they are not "
+                     "written: load with load_state_dict(..., strict=False), and the module "
+                     "keeps the values it was exported with")
+    return notes
+
+
+def export_weights(graph: Graph, spec: TrainingStep, state: Mapping[str, np.ndarray],
+                   request: ExportRequest, *, source: str = "<step>") -> Path:
+    """Write the forward model with ``state`` as its weights, or those weights alone, as
+    ``request`` says."""
+    from memcc.backend.onnx_file import check_writable, save_graph
+
+    out, format, inputs = Path(request.output), request.format, request.inputs
+    fmt = (format or ("safetensors" if out.suffix == ".safetensors" else "onnx")).lower()
+    if fmt not in EXPORT_FORMATS:
+        raise InputError(f"--format '{format}': choose one of {', '.join(EXPORT_FORMATS)}")
+    check_writable(out, "the exported model", "--output/-o", inputs=inputs)
+    fwd = forward_graph(graph, spec, state, source=source)
+    if fmt == "onnx":
+        return save_graph(fwd, out)
+    sources = spec.parameter_sources()
+    weights: dict[str, np.ndarray] = {}
+    for n in exported_weight_names(graph, spec, fwd):
+        # Under every PyTorch name the value stands for (merged and tied parameters too),
+        # so that a strict load_state_dict finds them all; else under its own name.
+        for name in sources.get(n, {}).get("pytorch_names") or [n]:
+            weights.setdefault(name, np.asarray(state[n]))
+    return ckpt.write_safetensors(out, weights, {"format": "pt", "memcc.step_file": source})
+
+
+def made_up_names(spec: TrainingStep) -> list[str]:
+    """Parameters whose names the exporter made up (``onnx::MatMul_12``, ``val_3``; recorded
+    by ``memcc build``): a PyTorch ``load_state_dict`` will not find them by these names."""
+    return [p for p, src in spec.parameter_sources().items() if not src.get("named", True)]
+
+
+def exported_weight_names(graph: Graph, spec: TrainingStep, fwd: Graph) -> list[str]:
+    """Parameters, other carried values the forward model reads, and BatchNorm statistics
+    (carried in training mode, frozen in eval-mode exports); never optimizer state, which
+    only update nodes read."""
+    keep = set(spec.state.values()) | set(spec.parameters)
+    keep |= {i for n in fwd.nodes if n.op_type == "BatchNormalization" for i in n.input[3:5]}
+    return [n for n in fwd.initializers if n in keep]
+
+
+def _with_projection(graph: Graph, spec: TrainingStep) -> Graph:
+    """A step built with ``--loss-chunks`` never forms the logits; the forward model needs
+    them, so the projection the chunks replaced is put back (a copy of the graph)."""
+    import onnx
+
+    proj = spec.loss_projection
+    if not proj or proj["output"] in graph.def_use().producer:
+        return graph
+    out = graph.copy(with_index=False)
+    out.set_nodes([*out.nodes, onnx.helper.make_node(
+        "MatMul", list(proj["inputs"]), [proj["output"]], name=f"{proj['output']}.projection")])
+    return out
+
+
+def forward_graph(graph: Graph, spec: TrainingStep, state: Mapping[str, np.ndarray], *,
+                  source: str = "<step>") -> Graph:
+    """The forward model inside a step: the nodes its outputs need, ``state`` as weights."""
+    outputs = list(spec.forward_outputs)
+    if not outputs:
+        raise InputError(f"{source}: the step does not record its forward model's outputs "
+                         "(memcc.forward_outputs, written by memcc build since this version)"
+                         "; rebuild the step with memcc build to export it")
+    # A rewritten Dropout goes back as the plain node (the counter is the step's alone).
+    graph = restore_dropouts(_with_projection(graph, spec))
+    du = graph.def_use()
+    stored = set(graph.initializers) | set(state)
+    reached, values = ancestors(outputs, du.producer)
+    for v in values:
+        if v not in du.producer and v not in stored and v not in graph.inputs:
+            raise InputError(f"{source}: forward output '{v}' is not computed in the step")
+    needed = {id(n) for n in reached}
+    import onnx
+
+    nodes = []
+    for n in graph.nodes:
+        if id(n) in needed:
+            c = onnx.NodeProto()
+            c.CopyFrom(n)
+            keep = [p for p in c.metadata_props if not p.key.startswith("memcc.")]
+            del c.metadata_props[:]
+            c.metadata_props.extend(keep)
+            nodes.append(c)
+    used = {i for n in nodes for i in n.input if i} | set(outputs)
+    produced = {o for n in nodes for o in n.output if o}
+    values = used | produced
+    # Carried values come from ``state`` (a Trainer drops their initial values).
+    names = dict.fromkeys([*graph.inputs, *graph.initializers])
+    inits = {n: np.asarray(state[n] if n in state else graph.initializers[n])
+             for n in names if n in used and (n in state or n in graph.initializers)}
+    inputs = [i for i in graph.inputs if i in used and i not in inits]
+    return Graph(
+        nodes=nodes, inputs=inputs, outputs=outputs, initializers=inits,
+        info={k: v for k, v in graph.info.items() if k in values},
+        opsets=dict(graph.opsets),
+        metadata={k: v for k, v in graph.metadata.items() if not k.startswith("memcc.")},
+        name=graph.name,
+    )
+
+
+# ---------------------------------------------------------------------------- memcc train
