@@ -51,7 +51,7 @@ def expand_function_ops(model: onnx.ModelProto, keep: frozenset[str] | set[str]
     """Expand ops whose ONNX schema defines them as a function of other ops and that either
     have no gradient rule (``GroupNormalization``-21, ``RMSNormalization``-23,
     ``RotaryEmbedding``-23...) or no ORT kernel (``HardSwish``, ``Mish``, ``Bernoulli``: ORT
-    would inline them itself, out of the planned order; ``backend.ort_kernels``): the
+    would inline them itself, out of the planned order; ``frontend.ort_kernels``): the
     schema's own body, made for this node's attributes and input types, becomes a
     model-local function that ``onnx.inliner`` inlines. Returns the new model, or None when
     nothing was expanded. ``keep``: op types memcc differentiates as they are and ORT runs

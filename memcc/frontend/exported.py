@@ -44,6 +44,7 @@ import onnx.numpy_helper
 
 from memcc.graph import Graph, attr, node_label
 from memcc.step import KIND_KEY
+from memcc.union_find import UnionFind
 
 SIGNATURE_PROP = "pkg.torch.export.ExportedProgram.graph_signature"
 # Graph.metadata key under which load_graph keeps the parsed signature for the builder.
@@ -587,27 +588,20 @@ def parameter_sources(graph: Graph, params: list[str]) -> dict[str, ParameterSou
     by_key: dict[str, list[str]] = {}
     for p in comparable:
         by_key.setdefault(key(arrays[p]), []).append(p)
-    parent = {p: p for p in comparable}
-
-    def find(p: str) -> str:
-        while parent[p] != p:
-            parent[p] = parent[parent[p]]
-            p = parent[p]
-        return p
-
+    tied = UnionFind(comparable)
     for p in comparable:
         a = arrays[p]
         keys = [key(a)] + ([key(a.T)] if a.ndim == 2 else [])
         for k in keys:
             for q in by_key.get(k, []):
-                parent[find(q)] = find(p)
+                tied.union(q, p)
     groups: dict[str, list[str]] = {}
     for p in comparable:
-        groups.setdefault(find(p), []).append(p)
+        groups.setdefault(tied.find(p), []).append(p)
     emap = export_map_of(graph)
     out: dict[str, ParameterSource] = {}
     for p in params:
-        ties = [q for q in groups.get(find(p), [p]) if q != p] if p in parent else []
+        ties = [q for q in groups.get(tied.find(p), [p]) if q != p] if p in tied else []
         if emap is not None:
             names = emap.stands_for.get(p, (p,) if named(p) and p not in emap.copies else ())
             computes = tuple((c, op) for c, (_, init, op) in sorted(emap.computed.items())

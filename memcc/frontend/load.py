@@ -18,7 +18,6 @@ import onnx
 import onnx.inliner
 from onnx import TensorProto, helper, shape_inference
 
-from memcc.backend.ort_kernels import inlined_by_ort
 from memcc.errors import InputError, ShapeError
 from memcc.frontend.canonicalize import (
     canonicalize,
@@ -37,6 +36,7 @@ from memcc.frontend.exported import (
     recompute_folded_copies,
 )
 from memcc.frontend.fold import fold_shape_computations
+from memcc.frontend.ort_kernels import inlined_by_ort
 from memcc.graph import Graph, TensorInfo, node_label
 from memcc.step import KIND_KEY, TRAINING_STEP
 
@@ -159,7 +159,7 @@ def _differentiable_as_is() -> frozenset[str]:
 def _inlined_by_ort(model: onnx.ModelProto) -> frozenset[str]:
     """The model's ops that ORT has no kernel for and runs as their ONNX function body:
     memcc expands them itself, even those it has a gradient rule for, so that it plans the
-    nodes ORT runs (``backend.ort_kernels``)."""
+    nodes ORT runs (``frontend.ort_kernels``)."""
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
     ops = {n.op_type for n in model.graph.node if n.domain in ("", "ai.onnx")}
     return inlined_by_ort(ops, opset)

@@ -34,7 +34,7 @@ from memcc.frontend.gradients.nn import (
 )
 from memcc.frontend.gradients.registry import RULES, GradContext
 from memcc.frontend.gradients.shape_ops import norm_axis, slice_axis, tail
-from memcc.frontend.gradients.variants import (
+from memcc.frontend.gradients.variant_registry import (
     EQUIVALENT,
     EXACT,
     LOSSY,
