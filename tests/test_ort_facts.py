@@ -13,12 +13,12 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from memcc.frontend import ort_kernels
 from memcc.backend.memory import measure_many_in_subprocess
-from memcc.frontend.ort_kernels import INLINED_BY_ORT_1_31, has_kernel
 from memcc.backend.profile_order import executed_order, ort_priority_order, planned_order
 from memcc.backend.session import make_session
+from memcc.frontend import ort_kernels
 from memcc.frontend.load import load_graph
+from memcc.frontend.ort_kernels import INLINED_BY_ORT_1_31, has_kernel
 from memcc.passes.analysis.liveness import analyze_liveness
 
 H = helper.make_node

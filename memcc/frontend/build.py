@@ -24,15 +24,13 @@ from memcc.frontend.autodiff import differentiate
 from memcc.frontend.build_options import LOSSES, OPTIMIZERS, BuildOptions
 from memcc.frontend.dropout_masks import add_counter, counter_dropouts
 from memcc.frontend.emit import Emitter
+from memcc.frontend.export_map import EXPORT_MAP_KEY, ExportMap, export_map_of
+from memcc.frontend.export_signature import signature_of
 from memcc.frontend.exported import (
-    EXPORT_MAP_KEY,
-    ExportMap,
     ParameterSource,
-    export_map_of,
     parameter_sources,
     report_parameters,
     restore_training_batchnorm,
-    signature_of,
 )
 from memcc.frontend.fuse import fuse_step
 from memcc.frontend.loss import StepLoss, add_loss

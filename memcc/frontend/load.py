@@ -28,14 +28,10 @@ from memcc.frontend.canonicalize import (
 )
 from memcc.frontend.cast_chains import drop_cast_chains
 from memcc.frontend.dropout_masks import upgrade_step
-from memcc.frontend.exported import (
-    EXPORT_MAP_KEY,
-    SIGNATURE_KEY,
-    read_export_map,
-    read_signature,
-    recompute_folded_copies,
-)
+from memcc.frontend.export_map import EXPORT_MAP_KEY, read_export_map
+from memcc.frontend.export_signature import SIGNATURE_KEY, read_signature
 from memcc.frontend.fold import fold_shape_computations
+from memcc.frontend.folded_copies import recompute_folded_copies
 from memcc.frontend.ort_kernels import inlined_by_ort
 from memcc.graph import Graph, TensorInfo, node_label
 from memcc.step import KIND_KEY, TRAINING_STEP

@@ -15,7 +15,7 @@ import numpy as np
 
 from memcc.errors import InputError
 from memcc.frontend.autodiff import differentiable_values
-from memcc.frontend.exported import signature_of
+from memcc.frontend.export_signature import signature_of
 from memcc.graph import Graph, attr
 
 # torch buffers that exporters store as float initializers (never parameters).
