@@ -21,7 +21,6 @@ from onnx import TensorProto, helper, shape_inference
 from memcc.errors import InputError, ShapeError
 from memcc.frontend.canonicalize import (
     canonicalize,
-    expand_function_ops,
     needs_canonicalizing,
     seed_dropouts,
     shapes_needed,
@@ -32,6 +31,7 @@ from memcc.frontend.export_map import EXPORT_MAP_KEY, read_export_map
 from memcc.frontend.export_signature import SIGNATURE_KEY, read_signature
 from memcc.frontend.fold import fold_shape_computations
 from memcc.frontend.folded_copies import recompute_folded_copies
+from memcc.frontend.function_ops import expand_function_ops
 from memcc.frontend.ort_kernels import inlined_by_ort
 from memcc.graph import Graph, TensorInfo, node_label
 from memcc.step import KIND_KEY, TRAINING_STEP
