@@ -152,7 +152,7 @@ class MobileNetBlock(nn.Module):
 class HardSwishSE(nn.Module):
     """MobileNetV3's pattern: Hardswish after a conv and a squeeze-excite gate with
     Hardsigmoid, Hardswish and Dropout in the head. ORT has no HardSwish kernel and inlines
-    its ONNX function, which memcc must do first (``backend.ort_kernels``)."""
+    its ONNX function, which memcc must do first (``frontend.ort_kernels``)."""
 
     def __init__(self, dropout: float = 0.0, classes: int = 10) -> None:
         super().__init__()

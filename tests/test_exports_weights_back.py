@@ -30,12 +30,9 @@ from typer.testing import CliRunner
 from memcc import api
 from memcc.cli import app
 from memcc.frontend.build import BuildOptions, build_training_step
-from memcc.frontend.exported import (
-    ExportMap,
-    ExportWarning,
-    read_export_map,
-    recompute_folded_copies,
-)
+from memcc.frontend.export_map import ExportMap, read_export_map
+from memcc.frontend.export_signature import ExportWarning
+from memcc.frontend.folded_copies import recompute_folded_copies
 from memcc.frontend.load import load_graph
 from memcc.step import TrainingStep
 from memcc.trainer import Trainer

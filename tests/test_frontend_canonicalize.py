@@ -210,7 +210,7 @@ def test_model_local_function_is_inlined_and_differentiated():
 ])
 def test_ops_without_an_ort_kernel_are_expanded_as_ort_would(op, opset, fn):
     # ORT runs these as their ONNX function body, inlined at session creation under new
-    # names after everything else (backend.ort_kernels): memcc expands them itself, so the
+    # names after everything else (frontend.ort_kernels): memcc expands them itself, so the
     # graph it plans is the one ORT runs, with the same arithmetic.
     model = make_model([helper.make_node(op, ["x"], ["y"])], [("x", FLOAT, [3, 4])],
                        [("y", FLOAT, [3, 4])], opset=opset)

@@ -385,7 +385,7 @@ def test_conv_transpose1d_asymmetric_pads():
 
 # ---------------------------------------------------------------------------- expanded ops
 # Opset-21..23 ops without their own rule are expanded at load time into the function body
-# their ONNX schema defines (memcc/frontend/canonicalize.expand_function_ops).
+# their ONNX schema defines (memcc/frontend/function_ops.expand_function_ops).
 def _opset_model(op: str, feeds: dict, out_shape, opset: int, **attrs):
     m = make_model([helper.make_node(op, list(feeds), ["y"], **attrs)],
                    [(k, FLOAT, list(v.shape)) for k, v in feeds.items()],

@@ -13,12 +13,12 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from memcc.backend import ort_kernels
 from memcc.backend.memory import measure_many_in_subprocess
-from memcc.backend.ort_kernels import INLINED_BY_ORT_1_31, has_kernel
 from memcc.backend.profile_order import executed_order, ort_priority_order, planned_order
 from memcc.backend.session import SessionSettings, make_session
+from memcc.frontend import ort_kernels
 from memcc.frontend.load import load_graph
+from memcc.frontend.ort_kernels import INLINED_BY_ORT_1_31, has_kernel
 from memcc.passes.analysis.liveness import analyze_liveness
 
 H = helper.make_node
@@ -251,7 +251,7 @@ def test_memory_pattern_off_gives_repeatable_peaks():
 def test_ops_without_a_kernel_run_as_their_inlined_function_body(op, opset, kernel, tmp_path):
     # No kernel for the model's opset: ORT inlines the op's ONNX function at session
     # creation, under new node names that run last among the ready nodes. The registry
-    # memcc asks (backend.ort_kernels) says which ops; memcc expands them at load.
+    # memcc asks (frontend.ort_kernels) says which ops; memcc expands them at load.
     m = model([H(op, ["x"], ["y"], name="the_op"), H("Relu", ["y"], ["z"], name="after")],
               ["z"], inputs=(("x", [8]),), opset=opset)
     executed = profiled_order(m, {"x": np.linspace(-4, 4, 8, dtype=np.float32)}, tmp_path)

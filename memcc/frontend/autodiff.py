@@ -73,8 +73,8 @@ def differentiate(graph: Graph, loss: str, wrt: Sequence[str], *,
             continue
         rule = RULES.get(node.op_type) if node.domain in ("", "ai.onnx") else None
         if rule is None:
-            raise UnsupportedOpError(_no_rule_message(graph, node, loss, wrt, requires,
-                                                      forward_nodes, source))
+            raise UnsupportedOpError(_no_rule_message(node, loss, wrt, requires, forward_nodes,
+                                                      source))
         emit.created = []
         try:
             gins = rule(ctx, node, gouts)
@@ -106,7 +106,7 @@ def differentiate(graph: Graph, loss: str, wrt: Sequence[str], *,
     return {w: grads[w] for w in wrt if w in grads}
 
 
-def _no_rule_message(graph: Graph, node, loss: str, wrt: Sequence[str], requires: set[str],
+def _no_rule_message(node, loss: str, wrt: Sequence[str], requires: set[str],
                      forward_nodes: list, source: str) -> str:
     """Say which op, where, how it reaches the loss, and whether freezing avoids it.
 

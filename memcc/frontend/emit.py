@@ -49,11 +49,11 @@ class Emitter:
         *,
         outputs: Sequence[str] | int = 1,
         name: str | None = None,
-        domain: str = "",
         info: TensorInfo | Sequence[TensorInfo | None] | None = None,
         **attrs,
     ) -> str | list[str]:
-        """Add one node; return its output name (or names when ``outputs`` is a list/int>1)."""
+        """Add one node; return its output name (or names when ``outputs`` is a list/int>1).
+        Nodes are in the standard ONNX domain: gradient rules and rewrites emit nothing else."""
         if isinstance(outputs, int):
             out_names = [self.fresh(op_type.lower()) for _ in range(outputs)]
             single = outputs == 1
@@ -62,7 +62,7 @@ class Emitter:
             single = len(out_names) == 1
         node_name = self.fresh(name or op_type)
         attrs = {k: v for k, v in attrs.items() if v is not None}
-        node = helper.make_node(op_type, list(inputs), out_names, name=node_name, domain=domain,
+        node = helper.make_node(op_type, list(inputs), out_names, name=node_name, domain="",
                                 **attrs)
         self.nodes.append(node)
         self.created.append(node)

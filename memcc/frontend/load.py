@@ -18,25 +18,21 @@ import onnx
 import onnx.inliner
 from onnx import TensorProto, helper, shape_inference
 
-from memcc.backend.ort_kernels import inlined_by_ort
 from memcc.errors import InputError, ShapeError
 from memcc.frontend.canonicalize import (
     canonicalize,
-    expand_function_ops,
     needs_canonicalizing,
     seed_dropouts,
     shapes_needed,
 )
 from memcc.frontend.cast_chains import drop_cast_chains
 from memcc.frontend.dropout_masks import upgrade_step
-from memcc.frontend.exported import (
-    EXPORT_MAP_KEY,
-    SIGNATURE_KEY,
-    read_export_map,
-    read_signature,
-    recompute_folded_copies,
-)
+from memcc.frontend.export_map import EXPORT_MAP_KEY, read_export_map
+from memcc.frontend.export_signature import SIGNATURE_KEY, read_signature
 from memcc.frontend.fold import fold_shape_computations
+from memcc.frontend.folded_copies import recompute_folded_copies
+from memcc.frontend.function_ops import expand_function_ops
+from memcc.frontend.ort_kernels import inlined_by_ort
 from memcc.graph import Graph, TensorInfo, node_label
 from memcc.step import KIND_KEY, TRAINING_STEP
 
@@ -159,7 +155,7 @@ def _differentiable_as_is() -> frozenset[str]:
 def _inlined_by_ort(model: onnx.ModelProto) -> frozenset[str]:
     """The model's ops that ORT has no kernel for and runs as their ONNX function body:
     memcc expands them itself, even those it has a gradient rule for, so that it plans the
-    nodes ORT runs (``backend.ort_kernels``)."""
+    nodes ORT runs (``frontend.ort_kernels``)."""
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
     ops = {n.op_type for n in model.graph.node if n.domain in ("", "ai.onnx")}
     return inlined_by_ort(ops, opset)

@@ -190,9 +190,8 @@ def _region_ending_at(graph: Graph, du, last: onnx.NodeProto, kind: str) -> RowR
     if not nodes or x is None or (flat and (len(x.shape) != 2 or len(ai.shape) != 2)):
         return None
     rows = x.shape[0] if flat else ai.shape[-2]
-    if not _is_closed(graph, du, nodes, firsts, last, rows, flat):
-        return None
-    return RowRegion(MLP, firsts, tuple(nodes.values()), last, rows, flat)
+    region = RowRegion(MLP, firsts, tuple(nodes.values()), last, rows, flat)
+    return region if _is_closed(graph, du, region) else None
 
 
 def _attention(graph: Graph, du, between: dict[str, onnx.NodeProto], products,
@@ -202,13 +201,16 @@ def _attention(graph: Graph, du, between: dict[str, onnx.NodeProto], products,
     best: RowRegion | None = None
     for first in products:
         nodes = _downstream(between, {first.output[0]})
-        if not nodes or not _is_closed(graph, du, nodes, (first,), last, rows):
+        if not nodes:
+            continue
+        candidate = RowRegion(ATTENTION, (first,), tuple(nodes.values()), last, rows)
+        if not _is_closed(graph, du, candidate):
             continue
         softmaxes = [n for n in nodes.values() if n.op_type == "Softmax"]
         if len(softmaxes) != 1 or not _softmax_over_last(graph, softmaxes[0]):
             continue
         if best is None or len(nodes) > len(best.nodes):
-            best = RowRegion(ATTENTION, (first,), tuple(nodes.values()), last, rows)
+            best = candidate
     return best
 
 
@@ -235,17 +237,18 @@ def _made(region_nodes, firsts) -> set[str]:
     return made
 
 
-def _is_closed(graph: Graph, du, nodes: dict[str, onnx.NodeProto], firsts,
-               last: onnx.NodeProto, rows: int, flat: bool = False) -> bool:
+def _is_closed(graph: Graph, du, region: RowRegion) -> bool:
     """Only the region reads its values, each spans the row axis (``flat``: its leading
     axes hold the rows), the last product's first input is one of them, and every outside
     input splits along the rows or broadcasts over them."""
-    names = set(nodes) | {last.name}
-    made = _made(nodes.values(), firsts)
+    nodes, firsts, last = region.nodes, region.firsts, region.last
+    rows, flat = region.rows, region.flat
+    names = {n.name for n in nodes} | {last.name}
+    made = _made(nodes, firsts)
     if last.input[0] not in made or any(i in made for i in last.input[1:]):
         return False
     outputs = set(graph.outputs)
-    masks = {n.output[1] for n in nodes.values() if n.op_type == "Dropout" and len(n.output) > 1}
+    masks = {n.output[1] for n in nodes if n.op_type == "Dropout" and len(n.output) > 1}
     for v in made - masks:
         ti = graph.info.get(v)
         if v in outputs or ti is None or len(ti.shape) < 2:
@@ -258,7 +261,7 @@ def _is_closed(graph: Graph, du, nodes: dict[str, onnx.NodeProto], firsts,
         q = graph.info.get(f.input[0])
         if q is None or len(q.shape) < 2 or q.shape[-2] != rows:
             return False
-    for n in nodes.values():
+    for n in nodes:
         if n.op_type == "Dropout" and len(n.output) > 1 and n.output[1] \
                 and du.readers.get(n.output[1]):
             return False          # its mask is read outside

@@ -11,6 +11,7 @@ the reduction rules and may be used by other rule modules.
 
 from __future__ import annotations
 
+import functools
 import math
 import string
 from collections.abc import Callable, Sequence
@@ -20,11 +21,13 @@ import onnx
 from onnx import TensorProto
 
 from memcc.errors import GradientError
-from memcc.frontend.gradients.registry import GradContext, register
+from memcc.frontend.gradients.registry import GradContext, GradRule, register
 from memcc.graph import TensorInfo, attr, node_label
 
 Grads = list[str | None]
 UnaryFn = Callable[[GradContext, onnx.NodeProto, str, str, str], str]
+# (ctx, node, gradient of the output, one None per input) -> the inputs' gradients
+OutputGradFn = Callable[[GradContext, onnx.NodeProto, str, Grads], Grads]
 
 # Types ORT's CPU Gemm kernel takes; other float types fall back to Transpose + MatMul.
 _GEMM_TYPES = frozenset({TensorProto.FLOAT, TensorProto.DOUBLE})
@@ -112,13 +115,25 @@ def _wants(ctx: GradContext, node: onnx.NodeProto, i: int) -> bool:
     return i < len(node.input) and ctx.needs_grad(node.input[i])
 
 
+def _on_output_grad(fn: OutputGradFn) -> GradRule:
+    """The opening every rule with several inputs shares: without a gradient into the first
+    output no input gets one; with it, ``fn(ctx, node, g, out)`` fills ``out``, which starts
+    as one ``None`` per input."""
+
+    @functools.wraps(fn)
+    def rule(ctx: GradContext, node: onnx.NodeProto, gouts: Grads) -> Grads:
+        out = _none(node)
+        if gouts[0] is None:
+            return out
+        return fn(ctx, node, gouts[0], out)
+
+    return rule
+
+
 # ---------------------------------------------------------------------- arithmetic
 @register("Add", "Sub")
-def _add_sub(ctx: GradContext, node: onnx.NodeProto, gouts: Grads) -> Grads:
-    g = gouts[0]
-    out = _none(node)
-    if g is None:
-        return out
+@_on_output_grad
+def _add_sub(ctx: GradContext, node: onnx.NodeProto, g: str, out: Grads) -> Grads:
     if _wants(ctx, node, 0):
         out[0] = unbroadcast(ctx, g, node.input[0])
     if _wants(ctx, node, 1):
@@ -128,12 +143,9 @@ def _add_sub(ctx: GradContext, node: onnx.NodeProto, gouts: Grads) -> Grads:
 
 
 @register("Mul")
-def _mul(ctx: GradContext, node: onnx.NodeProto, gouts: Grads) -> Grads:
-    g = gouts[0]
+@_on_output_grad
+def _mul(ctx: GradContext, node: onnx.NodeProto, g: str, out: Grads) -> Grads:
     a, b = node.input[0], node.input[1]
-    out = _none(node)
-    if g is None:
-        return out
     if _wants(ctx, node, 0):
         out[0] = unbroadcast(ctx, ctx.emit.mul(g, b), a)
     if _wants(ctx, node, 1):
@@ -142,15 +154,12 @@ def _mul(ctx: GradContext, node: onnx.NodeProto, gouts: Grads) -> Grads:
 
 
 @register("Mod")
-def _mod(ctx: GradContext, node: onnx.NodeProto, gouts: Grads) -> Grads:
+@_on_output_grad
+def _mod(ctx: GradContext, node: onnx.NodeProto, g: str, out: Grads) -> Grads:
     """Float Mod (ONNX requires ``fmod=1`` for floats: torch.fmod): ``y = a - b * q`` with
     ``q = trunc(a/b)``, piecewise constant, so ``da = g`` and ``db = -g * q``. (``fmod=0``
     would use floor; ORT refuses it on floats, the rule spells it anyway.)"""
-    g = gouts[0]
     a, b = node.input[0], node.input[1]
-    out = _none(node)
-    if g is None:
-        return out
     emit = ctx.emit
     if _wants(ctx, node, 0):
         out[0] = unbroadcast(ctx, g, a)
@@ -165,13 +174,10 @@ def _mod(ctx: GradContext, node: onnx.NodeProto, gouts: Grads) -> Grads:
 
 
 @register("Div")
-def _div(ctx: GradContext, node: onnx.NodeProto, gouts: Grads) -> Grads:
+@_on_output_grad
+def _div(ctx: GradContext, node: onnx.NodeProto, g: str, out: Grads) -> Grads:
     """d(a/b)/db = -y/b: uses the output, so ``a`` need not stay alive for this."""
-    g = gouts[0]
     a, b = node.input[0], node.input[1]
-    out = _none(node)
-    if g is None:
-        return out
     g_over_b = ctx.emit.div(g, b)
     if _wants(ctx, node, 0):
         out[0] = unbroadcast(ctx, g_over_b, a)
@@ -182,11 +188,8 @@ def _div(ctx: GradContext, node: onnx.NodeProto, gouts: Grads) -> Grads:
 
 
 @register("Pow")
-def _pow(ctx: GradContext, node: onnx.NodeProto, gouts: Grads) -> Grads:
-    g = gouts[0]
-    out = _none(node)
-    if g is None:
-        return out
+@_on_output_grad
+def _pow(ctx: GradContext, node: onnx.NodeProto, g: str, out: Grads) -> Grads:
     if _wants(ctx, node, 0):
         out[0] = _pow_grad_base(ctx, node, g)
     if _wants(ctx, node, 1):
@@ -231,11 +234,8 @@ def _pow_grad_exponent(ctx: GradContext, node: onnx.NodeProto, g: str) -> str:
 
 
 @register("Sum", "Mean")
-def _sum_mean(ctx: GradContext, node: onnx.NodeProto, gouts: Grads) -> Grads:
-    g = gouts[0]
-    out = _none(node)
-    if g is None:
-        return out
+@_on_output_grad
+def _sum_mean(ctx: GradContext, node: onnx.NodeProto, g: str, out: Grads) -> Grads:
     if node.op_type == "Mean":
         g = scale(ctx, g, 1.0 / len(node.input))
     for i, name in enumerate(node.input):
@@ -245,16 +245,13 @@ def _sum_mean(ctx: GradContext, node: onnx.NodeProto, gouts: Grads) -> Grads:
 
 
 @register("Max", "Min")
-def _max_min(ctx: GradContext, node: onnx.NodeProto, gouts: Grads) -> Grads:
+@_on_output_grad
+def _max_min(ctx: GradContext, node: onnx.NodeProto, g: str, out: Grads) -> Grads:
     """Gradient goes to the inputs equal to the result, split evenly among ties.
 
     For two inputs this is exactly torch.maximum/minimum (half to each on a tie); for more it
     is the same rule generalized (1/k to each of k tied inputs).
     """
-    g = gouts[0]
-    out = _none(node)
-    if g is None:
-        return out
     if len(node.input) == 1:
         out[0] = g if ctx.needs_grad(node.input[0]) else None
         return out
@@ -273,12 +270,9 @@ def _max_min(ctx: GradContext, node: onnx.NodeProto, gouts: Grads) -> Grads:
 
 
 @register("Where")
-def _where(ctx: GradContext, node: onnx.NodeProto, gouts: Grads) -> Grads:
-    g = gouts[0]
+@_on_output_grad
+def _where(ctx: GradContext, node: onnx.NodeProto, g: str, out: Grads) -> Grads:
     cond = node.input[0]
-    out = _none(node)
-    if g is None:
-        return out
     zero = scalar_like(ctx, 0.0, g)
     if _wants(ctx, node, 1):
         out[1] = unbroadcast(ctx, select(ctx, cond, g, zero), node.input[1])
@@ -473,13 +467,10 @@ def _gelu_tanh_slope(ctx: GradContext, x: str) -> str:
 
 # ---------------------------------------------------------------------- Clip
 @register("Clip")
-def _clip(ctx: GradContext, node: onnx.NodeProto, gouts: Grads) -> Grads:
+@_on_output_grad
+def _clip(ctx: GradContext, node: onnx.NodeProto, g: str, out: Grads) -> Grads:
     """Pass-through where min <= x <= max (torch.clamp); a tensor bound collects the
     gradient of the elements it clipped."""
-    g = gouts[0]
-    out = _none(node)
-    if g is None:
-        return out
     x = node.input[0]
     inside = clip_inside(ctx, node)
     if ctx.needs_grad(x):
@@ -522,14 +513,11 @@ def _clip_bounds(ctx: GradContext, node: onnx.NodeProto) -> tuple[str | None, st
 
 # ---------------------------------------------------------------------- MatMul / Gemm
 @register("MatMul")
-def _matmul(ctx: GradContext, node: onnx.NodeProto, gouts: Grads) -> Grads:
+@_on_output_grad
+def _matmul(ctx: GradContext, node: onnx.NodeProto, g: str, out: Grads) -> Grads:
     """numpy matmul semantics: 1-D operands are promoted to matrices and broadcast batch
     dimensions are summed away. When one side has no batch (a weight), its gradient is one
     2-D product over the flattened batch instead of a batched product then a sum."""
-    g = gouts[0]
-    out = _none(node)
-    if g is None:
-        return out
     a, b = node.input[0], node.input[1]
     sa, sb = ctx.info(a).shape, ctx.info(b).shape
     a2s = (1,) + sa if len(sa) == 1 else sa
@@ -579,12 +567,9 @@ def _matmul_grad_b(ctx: GradContext, a: str, b: str, g2: str, a2s: tuple[int, ..
 
 
 @register("Gemm")
-def _gemm(ctx: GradContext, node: onnx.NodeProto, gouts: Grads) -> Grads:
+@_on_output_grad
+def _gemm(ctx: GradContext, node: onnx.NodeProto, g: str, out: Grads) -> Grads:
     """Y = alpha op(A) op(B) + beta C; each case is one Gemm with the right trans flags."""
-    g = gouts[0]
-    out = _none(node)
-    if g is None:
-        return out
     a, b = node.input[0], node.input[1]
     ta, tb = bool(attr(node, "transA", 0)), bool(attr(node, "transB", 0))
     alpha, beta = float(attr(node, "alpha", 1.0)), float(attr(node, "beta", 1.0))
@@ -606,17 +591,14 @@ def _gemm(ctx: GradContext, node: onnx.NodeProto, gouts: Grads) -> Grads:
 
 # ---------------------------------------------------------------------- Einsum
 @register("Einsum")
-def _einsum(ctx: GradContext, node: onnx.NodeProto, gouts: Grads) -> Grads:
+@_on_output_grad
+def _einsum(ctx: GradContext, node: onnx.NodeProto, g: str, out: Grads) -> Grads:
     """d(operand i) = einsum(g, other operands -> term i).
 
     Valid when no term repeats a letter (no traces/diagonals), every letter of an operand
     also appears in another term (no letter summed inside one operand alone), and ellipsis
     dimensions are not broadcast; other equations raise GradientError.
     """
-    g = gouts[0]
-    out = _none(node)
-    if g is None:
-        return out
     terms, result = _parse_einsum(ctx, node)
     for i, name in enumerate(node.input):
         if not ctx.needs_grad(name):

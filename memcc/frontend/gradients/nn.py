@@ -496,15 +496,27 @@ def _batchnorm_train_grad(ctx: GradContext, node: onnx.NodeProto, gy: str, axes:
     var = emit.reduce_mean(emit.mul(centered, centered), axes, keepdims=True)
     inv = emit.unary("Reciprocal", emit.unary("Sqrt", emit.add(var, emit.scalar(eps, dtype))))
     xhat = emit.mul(centered, inv)
-    return batchnorm_train_backward(ctx, node, gy, xhat, inv, None, axes, n)
+    return batchnorm_train_backward(ctx, node, gy, Normalised(xhat, inv), axes, n)
 
 
-def batchnorm_train_backward(ctx: GradContext, node: onnx.NodeProto, gy: str, xhat: str,
-                             inv: str, gamma: str | None, axes: list[int], n: float) -> Grads:
+@dataclass(frozen=True)
+class Normalised:
+    """What the normalisation backward rules start from: the normalised input ``xhat``,
+    ``inv`` = 1/std, and ``gamma``, the scale already in the shape and dtype the rule wants
+    when the caller has it (None: the rule makes it)."""
+
+    xhat: str
+    inv: str
+    gamma: str | None = None
+
+
+def batchnorm_train_backward(ctx: GradContext, node: onnx.NodeProto, gy: str,
+                             norm: Normalised, axes: list[int], n: float) -> Grads:
     """The input, scale and bias gradients of training-mode BatchNormalization from the
-    normalised input ``xhat`` and ``inv`` = 1/std (shared by the default rule, which
-    recomputes both from x, and the ``inverted`` variant, which rebuilds them from y).
-    ``gamma``: the scale as [1, C, 1, ...] when the caller has it already."""
+    normalised input and 1/std (shared by the default rule, which recomputes both from x,
+    and the ``inverted`` variant, which rebuilds them from y). ``norm.gamma``: the scale as
+    [1, C, 1, ...] when the caller has it already."""
+    xhat, inv, gamma = norm.xhat, norm.inv, norm.gamma
     emit = ctx.emit
     x, scale, bias = node.input[:3]
     x_info = ctx.info(x)
@@ -561,15 +573,16 @@ def _layernorm_grad(ctx: GradContext, node: onnx.NodeProto, gouts: Grads) -> Gra
     mean = emit.cast(_ensure_output(ctx, node, 1, "mean", stat), dtype)
     inv = emit.cast(_ensure_output(ctx, node, 2, "inv_std", stat), dtype)
     xhat = emit.mul(emit.sub(x, mean), inv)
-    return layernorm_backward(ctx, node, gouts[0], xhat, inv, None, axis)
+    return layernorm_backward(ctx, node, gouts[0], Normalised(xhat, inv), axis)
 
 
-def layernorm_backward(ctx: GradContext, node: onnx.NodeProto, gy: str, xhat: str, inv: str,
-                       gamma: str | None, axis: int) -> Grads:
-    """LayerNormalization's input, scale and bias gradients from the normalised input
-    ``xhat`` and ``inv`` = 1/std (shared by the default rule, which rebuilds xhat from x,
-    and the ``inverted`` variant, which rebuilds it from y). ``gamma``: the scale in x's
-    dtype when the caller has it already."""
+def layernorm_backward(ctx: GradContext, node: onnx.NodeProto, gy: str, norm: Normalised,
+                       axis: int) -> Grads:
+    """LayerNormalization's input, scale and bias gradients from the normalised input and
+    1/std (shared by the default rule, which rebuilds xhat from x, and the ``inverted``
+    variant, which rebuilds it from y). ``norm.gamma``: the scale in x's dtype when the
+    caller has it already."""
+    xhat, inv, gamma = norm.xhat, norm.inv, norm.gamma
     emit = ctx.emit
     x, scale = node.input[0], node.input[1]
     bias = node.input[2] if len(node.input) > 2 else ""

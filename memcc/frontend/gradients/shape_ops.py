@@ -10,6 +10,7 @@ Concat/Reshape/Slice over constants) are folded here, see ``static_value``.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import onnx
@@ -437,7 +438,7 @@ def _pad_grad(ctx: GradContext, node: onnx.NodeProto, gouts: Grads) -> Grads:
         raise GradientError(f"{node_label(node)}: no gradient for Pad mode '{mode}'")
     for a in range(rank):
         if begins[a] or ends[a]:
-            g = _fold_axis(emit, g, a, begins[a], ends[a], x_info.shape[a], mode)
+            g = _fold_axis(emit, g, AxisPad(a, begins[a], ends[a], x_info.shape[a]), mode)
     return tail(node, [g])
 
 
@@ -461,9 +462,19 @@ def _pad_value_grad(ctx: GradContext, g: str, gx_inner: str, shape: Sequence[int
     return emit.reshape(emit.sub(total, inner), shape)
 
 
-def _fold_axis(emit: Emitter, g: str, axis: int, before: int, after: int, n: int,
-               mode: str) -> str:
+@dataclass(frozen=True)
+class AxisPad:
+    """The padding of one axis: ``before`` and ``after`` cells around the ``size`` it had."""
+
+    axis: int
+    before: int
+    after: int
+    size: int
+
+
+def _fold_axis(emit: Emitter, g: str, pad: AxisPad, mode: str) -> str:
     """Adjoint of edge/reflect/wrap padding along one axis: add border cells to their source."""
+    axis, before, after, n = pad.axis, pad.before, pad.after, pad.size
     out = slice_axis(emit, g, axis, before, before + n)
     if before:
         part = slice_axis(emit, g, axis, 0, before)

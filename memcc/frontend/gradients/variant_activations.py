@@ -28,7 +28,7 @@ import onnx
 from memcc.frontend.constants import constant_value
 from memcc.frontend.gradients.elementwise import scalar_like
 from memcc.frontend.gradients.registry import GradContext
-from memcc.frontend.gradients.variants import (
+from memcc.frontend.gradients.variant_registry import (
     EQUIVALENT,
     Region,
     VariantContext,

@@ -22,7 +22,7 @@ from memcc.errors import GradientError
 from memcc.frontend.gradients.nn import scatter_to_argmax
 from memcc.frontend.gradients.registry import GradContext
 from memcc.frontend.gradients.shape_ops import slice_values
-from memcc.frontend.gradients.variants import EXACT, VariantContext, register_variant
+from memcc.frontend.gradients.variant_registry import EXACT, VariantContext, register_variant
 from memcc.graph import TensorInfo, attr, node_label
 from memcc.step import rule_io
 

@@ -24,6 +24,7 @@ from memcc.frontend.gradients.elementwise import (
     select,
 )
 from memcc.frontend.gradients.nn import (
+    Normalised,
     _channel_view,
     _conv_input_grad,
     _conv_weight_grad,
@@ -34,7 +35,7 @@ from memcc.frontend.gradients.nn import (
 )
 from memcc.frontend.gradients.registry import RULES, GradContext
 from memcc.frontend.gradients.shape_ops import norm_axis, slice_axis, tail
-from memcc.frontend.gradients.variants import (
+from memcc.frontend.gradients.variant_registry import (
     EQUIVALENT,
     EXACT,
     LOSSY,
@@ -360,7 +361,7 @@ def _layernorm_inverted(ctx: VariantContext, node: onnx.NodeProto, gouts: Grads)
     y = node.output[0]
     shifted = emit.sub(y, emit.cast(bias, dtype)) if bias else y
     xhat = emit.div(shifted, _guarded(ctx, gamma))
-    return layernorm_backward(ctx, node, gy, xhat, inv, gamma, axis)
+    return layernorm_backward(ctx, node, gy, Normalised(xhat, inv, gamma), axis)
 
 
 def _batchnorm_inverted_applies(ctx: GradContext, node: onnx.NodeProto) -> bool:
@@ -412,7 +413,7 @@ def _batchnorm_inverted(ctx: VariantContext, node: onnx.NodeProto, gouts: Grads)
     gamma = _channel_view(emit, s, rank, dtype)
     beta = _channel_view(emit, b, rank, dtype)
     xhat = emit.div(emit.sub(node.output[0], beta), _guarded(ctx, gamma))
-    return batchnorm_train_backward(ctx, node, gy, xhat, inv, gamma, axes, n)
+    return batchnorm_train_backward(ctx, node, gy, Normalised(xhat, inv, gamma), axes, n)
 
 
 # ---------------------------------------------------------------------------- from input

@@ -43,6 +43,7 @@ from memcc.passes.analysis.cost_model import CostModel
 from memcc.passes.analysis.liveness import LivenessReport, scratch_bytes
 from memcc.passes.plan import StepStructure
 from memcc.passes.planning.model.problem import CONTINUOUS, ProblemBuilder
+from memcc.union_find import UnionFind
 
 KIND = "recompute"
 # Birth points per unit: more lets a chain's clones be born nearer to where the lowering
@@ -291,13 +292,8 @@ def _spread(points: list[int], k: int) -> list[int]:
 def _units(nodes, st: StepStructure, values, producer
            ) -> tuple[dict[str, int], list[tuple[str, ...]]]:
     """Union the recomputable forward nodes whose outputs share a buffer."""
-    parent = {n.name: n.name for n in nodes if n.name in st.recomputable}
-
-    def find(a: str) -> str:
-        while parent[a] != a:
-            parent[a] = parent[parent[a]]
-            a = parent[a]
-        return a
+    parent = UnionFind(n.name for n in nodes if n.name in st.recomputable)
+    find = parent.find
 
     for n in nodes:
         if n.name not in parent:
@@ -308,7 +304,7 @@ def _units(nodes, st: StepStructure, values, producer
                 continue
             owner = producer.get(vl.buffer)
             if owner is not None and owner.name in parent:
-                parent[find(n.name)] = find(owner.name)
+                parent.union(n.name, owner.name)
     pos = {n.name: i for i, n in enumerate(nodes)}
     roots = sorted({find(a) for a in parent}, key=lambda a: pos[a])
     index = {r: i for i, r in enumerate(roots)}

@@ -8,7 +8,7 @@ they run after everything that was ready before them, and their intermediate val
 buffers that no plan counted. Measured on torchvision's MobileNetV3 (a ``HardSwish`` after
 every block): the executed order left the plan at its first ``HardSwish`` and the step
 peaked 29% above the prediction. memcc therefore expands such ops itself when it loads a
-model (``frontend.canonicalize.expand_function_ops``), so that the graph it plans is the
+model (``frontend.function_ops.expand_function_ops``), so that the graph it plans is the
 graph ORT runs.
 
 The answer comes from ORT's own kernel registry (``get_all_opkernel_def``, in ORT's

@@ -1,0 +1,82 @@
+"""What kind of training step ``memcc build`` makes: loss, optimizer, chunking, fusions.
+
+In: the ``memcc build`` flags (the CLI, ``memcc compile`` and Python callers fill
+``BuildOptions``). Out: a checked, frozen ``BuildOptions``; a bad value is an
+``InputError`` naming the flag, raised before any graph is touched. Apart from the builder
+(``frontend.build``) so that the pieces it calls (``frontend.update``) can read the
+options without importing the builder back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memcc.errors import InputError
+from memcc.frontend.fuse import RULES as FUSION_RULES
+
+LOSSES = ("cross-entropy", "mse", "none")
+OPTIMIZERS = ("none", "sgd", "adamw")
+DEFAULT_LR = {"none": 0.0, "sgd": 0.01, "adamw": 1e-3}
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """What kind of step to build; the CLI fills this from ``memcc build`` flags."""
+
+    loss: str = "cross-entropy"
+    optimizer: str = "sgd"
+    lr: float | None = None
+    momentum: float = 0.9
+    weight_decay: float | None = None
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    # fnmatch patterns over initializer names: parameters kept fixed (no gradient built)
+    freeze: tuple[str, ...] = ()
+    # > 1: cross-entropy and the vocabulary projection over that many row chunks, each
+    # chunk's gradient taken right away (frontend/chunked_loss.py)
+    loss_chunks: int | None = None
+    # > 1: every attention's scores and probabilities, every MLP's hidden activations, over
+    # that many row chunks (frontend/row_chunks.py)
+    attention_chunks: int | None = None
+    mlp_chunks: int | None = None
+    # None (any of the three): not given. The step is built without those chunks (as 1);
+    # ``memcc compile`` chooses them itself where they lower the plan's cost at the budget
+    # (compiler/chunk_choice.py). A number given is kept as it is (1: never split).
+    # memcc's fusions applied to the built step (frontend/fuse.py); () builds it unfused
+    fusions: tuple[str, ...] = FUSION_RULES
+
+    def __post_init__(self) -> None:
+        if self.loss not in LOSSES:
+            raise InputError(f"--loss '{self.loss}': choose one of {', '.join(LOSSES)}")
+        if self.loss_chunks is not None and self.loss_chunks < 1:
+            raise InputError(f"--loss-chunks {self.loss_chunks}: give 1 (the plain loss) or "
+                             "more")
+        for flag, k in (("--attention-chunks", self.attention_chunks),
+                        ("--mlp-chunks", self.mlp_chunks)):
+            if k is not None and k < 1:
+                raise InputError(f"{flag} {k}: give 1 (whole regions) or more")
+        if (self.loss_chunks or 1) > 1 and self.loss != "cross-entropy":
+            raise InputError(f"--loss-chunks applies to --loss cross-entropy, not "
+                             f"'{self.loss}'")
+        if self.optimizer not in OPTIMIZERS:
+            raise InputError(
+                f"--optimizer '{self.optimizer}': choose one of {', '.join(OPTIMIZERS)}"
+            )
+        if self.lr is not None and self.lr < 0:
+            raise InputError(f"--lr {self.lr:g}: the learning rate must not be negative")
+        if self.momentum < 0:
+            raise InputError(f"--momentum {self.momentum:g}: momentum must not be negative "
+                             "(0 disables it; torch.optim.SGD's rule)")
+        if self.weight_decay is not None and self.weight_decay < 0:
+            raise InputError(f"--weight-decay {self.weight_decay:g}: weight decay must not "
+                             "be negative")
+
+    @property
+    def learning_rate(self) -> float:
+        return DEFAULT_LR[self.optimizer] if self.lr is None else self.lr
+
+    @property
+    def decay(self) -> float:
+        if self.weight_decay is not None:
+            return self.weight_decay
+        return 0.01 if self.optimizer == "adamw" else 0.0

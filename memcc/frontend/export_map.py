@@ -1,0 +1,316 @@
+"""Which PyTorch parameters each initializer of an exported model stands for (``ExportMap``).
+
+In: the raw ONNX file as exported, before memcc rewrites a node: the dynamo exporter's
+graph signature (every PyTorch parameter, by placeholder), the placeholder each
+initializer came from (value_info metadata ``pkg.torch.onnx.original_node_name``), the FX
+node each node was written for (``pkg.torch.onnx.fx_node``) and the copies its optimizer
+folded (``pkg.onnxscript.optimizer.folded_from``); for TorchScript files, node names only.
+Out: an ``ExportMap`` (``read_export_map``), kept as JSON on the ``Graph`` under
+``EXPORT_MAP_KEY`` for the builder (``export_map_of``): which parameters the exporter
+merged into one initializer, folded into constants, copied under made-up names, or that
+torch ties. ``memcc build`` reports them and ``memcc export`` writes trained weights back
+under every PyTorch name.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+from dataclasses import dataclass, field
+
+import onnx
+
+from memcc.frontend.export_signature import (
+    SIGNATURE_LINE,
+    SIGNATURE_PROP,
+    file_props,
+    is_made_up_name,
+)
+from memcc.graph import Graph
+from memcc.step import KIND_KEY
+
+# Graph.metadata key under which load_graph keeps the ``ExportMap`` (JSON) for the builder.
+EXPORT_MAP_KEY = "memcc.export_map"
+# What the dynamo exporter records on initializers (value_info) and nodes.
+ORIGINAL_NAME_PROP = "pkg.torch.onnx.original_node_name"
+FOLDED_FROM_PROP = "pkg.onnxscript.optimizer.folded_from"
+FX_NODE_PROP = "pkg.torch.onnx.fx_node"
+NAME_SCOPES_PROP = "pkg.torch.onnx.name_scopes"
+_FX_NAME = re.compile(r"^%(\S+) :")
+_FLOAT_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16,
+                          onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE})
+_FX_ARG = re.compile(r"%(\w+)")
+
+
+@dataclass(frozen=True)
+class ExportMap:
+    """Which PyTorch parameters (``state_dict`` names) each initializer of a dynamo export
+    stands for, read from what the exporter recorded (``read_export_map``).
+
+    ``stands_for``: initializer -> every PyTorch name its value is, its own first, then the
+    parameters the exporter's optimizer merged into it, then those torch ties to any of
+    them (GPT-2's ``transformer.wte.weight`` is ``lm_head.weight``). ``merged``: initializer
+    -> the parameters merged into it (torch trains them apart; memcc, as exported, as one).
+    ``folded``: parameters the traced program reads but no initializer holds any more (the
+    optimizer folded them into constants, such as zero biases it removed). ``unused``:
+    parameters the traced program never reads (or whose every reader was folded away).
+    ``copies``: initializer under a made-up name -> the PyTorch parameters it was folded
+    from (a pre-transposed weight, trained under the made-up name). ``computed``: a copy
+    ``recompute_folded_copies`` replaced by a node reading its parameter -> (the PyTorch
+    parameter, the initializer holding it, the op written: ``Transpose(perm=[1, 0])``).
+    """
+
+    stands_for: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    merged: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    folded: tuple[str, ...] = ()
+    unused: tuple[str, ...] = ()
+    copies: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    computed: dict[str, tuple[str, str, str]] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps({"stands_for": self.stands_for, "merged": self.merged,
+                           "folded": list(self.folded), "unused": list(self.unused),
+                           "copies": self.copies, "computed": self.computed})
+
+    @classmethod
+    def from_json(cls, text: str | None) -> ExportMap | None:
+        if not text:
+            return None
+        d = json.loads(text)
+        return cls({k: tuple(v) for k, v in d.get("stands_for", {}).items()},
+                   {k: tuple(v) for k, v in d.get("merged", {}).items()},
+                   tuple(d.get("folded", ())), tuple(d.get("unused", ())),
+                   {k: tuple(v) for k, v in d.get("copies", {}).items()},
+                   {k: (str(v[0]), str(v[1]), str(v[2]))
+                    for k, v in d.get("computed", {}).items()})
+
+
+def _literal_list(text: str | None) -> list[str]:
+    """The exporter writes lists as Python literals (``['a', 'b']``)."""
+    if not text:
+        return []
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return []
+    return [str(v) for v in value] if isinstance(value, (list, tuple)) else []
+
+
+def _attribute(target: str) -> str:
+    """``model.h.0.ln_1.weight`` -> ``weight``: a merge pairs a weight with a weight."""
+    return target.rsplit(".", 1)[-1]
+
+
+@dataclass(frozen=True)
+class _Records:
+    """What the dynamo exporter recorded about parameters, indexed for ``read_export_map``."""
+
+    placeholders: dict[str, str]  # FX placeholder -> PyTorch parameter name
+    by_target: dict[str, str]     # PyTorch parameter name -> its placeholder
+    origin: dict[str, str]        # initializer -> the placeholder it holds
+    own: dict[str, str]           # placeholder -> the first initializer holding it
+    # FX node -> (the placeholders it read, in argument order; the parameter initializers
+    # its ONNX nodes read, in order; the module it ran in)
+    groups: dict[str, tuple[list[str], list[str], str]]
+    meta: dict[str, dict[str, str]]  # value -> its value_info metadata
+
+
+def read_export_map(model: onnx.ModelProto) -> ExportMap | None:
+    """Map the dynamo exporter's initializers back to PyTorch's parameters.
+
+    Read from the raw file, before memcc rewrites a node. None for files without a graph
+    signature (TorchScript) or without the per-node records (older exporters), where the
+    names alone are all there is. A parameter without an initializer of its own is, in this
+    order: merged (its FX node's ONNX nodes read another parameter's initializer of the same
+    attribute, one that its own FX node reads too), copied (a made-up initializer was
+    folded from it: a pre-transposed weight, trained under the made-up name), folded (its
+    FX node survives but reads no initializer for it), tied (no FX node reads it, and its
+    module's nodes read another module's parameter of the same attribute) or unused.
+    """
+    props = file_props(model)
+    if KIND_KEY in props:  # a step memcc built: it records its own sources
+        return None
+    placeholders = _parameter_placeholders(props.get(SIGNATURE_PROP) or "")
+    fx_nodes = [n for n in model.graph.node
+                if any(p.key == FX_NODE_PROP for p in n.metadata_props)]
+    if not placeholders and not props.get(SIGNATURE_PROP):
+        return _read_scope_ties(model)
+    if not placeholders or not fx_nodes:
+        return None
+    rec = _index_records(model, placeholders, fx_nodes)
+    copies = _folded_copies(model, rec)
+    copied = {rec.by_target[n] for names in copies.values() for n in names}
+    merged_into = _merged_into(rec, copied)
+    read_by_fx = {a for args, _, _ in rec.groups.values() for a in args}
+    tied, unused = _tied_and_unused(rec, read_by_fx, copied, merged_into)
+    folded = sorted(placeholders[ph] for ph in placeholders
+                    if ph not in rec.own and ph not in merged_into and ph not in copied
+                    and ph in read_by_fx)
+    stands_for, merged = _names_per_initializer(rec, merged_into, tied)
+    return ExportMap(stands_for, merged, tuple(folded), tuple(sorted(unused)), copies)
+
+
+def _parameter_placeholders(signature: str) -> dict[str, str]:
+    """FX placeholder -> PyTorch parameter name, from the signature's PARAMETER lines."""
+    placeholders: dict[str, str] = {}
+    for line in signature.splitlines():
+        m = SIGNATURE_LINE.match(line)
+        if m and m.group(2) == "PARAMETER" and m.group(3):
+            placeholders[m.group(1)] = m.group(3)
+    return placeholders
+
+
+def _index_records(model: onnx.ModelProto, placeholders: dict[str, str],
+                   fx_nodes: list[onnx.NodeProto]) -> _Records:
+    """Which placeholder each initializer holds, and one record per FX node."""
+    by_target = {t: p for p, t in placeholders.items()}
+    meta = {v.name: {p.key: p.value for p in v.metadata_props}
+            for v in (*model.graph.value_info, *model.graph.input) if v.metadata_props}
+    origin: dict[str, str] = {}  # initializer -> the placeholder it holds
+    for t in model.graph.initializer:
+        ph = meta.get(t.name, {}).get(ORIGINAL_NAME_PROP)
+        if ph in placeholders:
+            origin[t.name] = ph
+        elif t.name in by_target:
+            origin[t.name] = by_target[t.name]
+    own: dict[str, str] = {}
+    for init, ph in origin.items():
+        own.setdefault(ph, init)
+    groups: dict[str, tuple[list[str], list[str], str]] = {}
+    for node in fx_nodes:
+        nprops = {p.key: p.value for p in node.metadata_props}
+        fx = nprops[FX_NODE_PROP].splitlines()[0]
+        m = _FX_NAME.match(fx)
+        name = m.group(1) if m else fx
+        if name not in groups:
+            call = fx.split("=", 1)[1] if "=" in fx else fx
+            args = [a for a in dict.fromkeys(_FX_ARG.findall(call)) if a in placeholders]
+            scopes = _literal_list(nprops.get(NAME_SCOPES_PROP))
+            groups[name] = (args, [], scopes[-2] if len(scopes) >= 2 else "")
+        reads = groups[name][1]
+        for i in node.input:
+            if i in origin and i not in reads:
+                reads.append(i)
+    return _Records(placeholders, by_target, origin, own, groups, meta)
+
+
+def _folded_copies(model: onnx.ModelProto, rec: _Records) -> dict[str, tuple[str, ...]]:
+    """Made-up initializers folded from parameters (``val_14`` <- ``attn.qkv.weight``): the
+    record names the parameter's initializer, which may be gone from the file."""
+    copies: dict[str, tuple[str, ...]] = {}
+    for t in model.graph.initializer:
+        if t.name in rec.origin:
+            continue
+        src = _literal_list(rec.meta.get(t.name, {}).get(FOLDED_FROM_PROP))
+        phs = [rec.origin.get(x) or rec.by_target.get(x) for x in src]
+        if src and all(phs):
+            copies[t.name] = tuple(rec.placeholders[ph] for ph in phs if ph)
+    return copies
+
+
+def _merged_into(rec: _Records, copied: set[str]) -> dict[str, str]:
+    """Placeholder -> the initializer of another parameter the exporter merged it into."""
+    placeholders, origin = rec.placeholders, rec.origin
+    # Initializers their own FX node still reads: only these can have absorbed another
+    # parameter as they are (BatchNorm folded into a Conv leaves a Conv node carrying the
+    # BatchNorm's FX node, reading a conv weight whose values the fold changed).
+    own_read = {i for args, reads, _ in rec.groups.values() for i in reads
+                if origin[i] in args}
+    merged_into: dict[str, str] = {}
+    unresolved: set[str] = set()
+    for args, reads, _ in rec.groups.values():
+        missing = [a for a in args if a not in rec.own and a not in copied]
+        foreign = [i for i in reads if origin[i] not in args and i in own_read]
+        for ph in missing:
+            pick = next((i for i in foreign if _attribute(placeholders[origin[i]])
+                         == _attribute(placeholders[ph])), None)
+            if pick is None:
+                continue
+            foreign.remove(pick)
+            if merged_into.setdefault(ph, pick) != pick:
+                unresolved.add(ph)  # two FX nodes disagree: claim nothing
+    for ph in unresolved:
+        merged_into.pop(ph, None)
+    return merged_into
+
+
+def _tied_and_unused(rec: _Records, read_by_fx: set[str], copied: set[str],
+                     merged_into: dict[str, str]) -> tuple[dict[str, str], list[str]]:
+    """A parameter the traced program never reads, in a module whose nodes read another
+    module's parameter of the same attribute, is tied to it (torch.export traces a tied
+    weight through one placeholder only); one that is not is unused."""
+    placeholders = rec.placeholders
+    tied: dict[str, str] = {}
+    unused: list[str] = []
+    for ph, target in placeholders.items():
+        if ph in rec.own or ph in read_by_fx or ph in copied:
+            continue
+        module = target.rsplit(".", 1)[0] if "." in target else ""
+        others = {a for args, _, mod in rec.groups.values() if mod == module for a in args
+                  if _attribute(placeholders[a]) == _attribute(target)
+                  and (a in rec.own or a in merged_into)}
+        if len(others) == 1:
+            tied[target] = placeholders[others.pop()]
+        else:
+            unused.append(target)
+    return tied, unused
+
+
+def _names_per_initializer(rec: _Records, merged_into: dict[str, str], tied: dict[str, str]
+                           ) -> tuple[dict[str, tuple[str, ...]], dict[str, tuple[str, ...]]]:
+    """``ExportMap.stands_for`` and ``ExportMap.merged``."""
+    placeholders = rec.placeholders
+    stands_for: dict[str, tuple[str, ...]] = {}
+    merged: dict[str, tuple[str, ...]] = {}
+    for init, ph in rec.origin.items():
+        if rec.own.get(ph) != init:
+            continue
+        extra = sorted(placeholders[p] for p, i in merged_into.items() if i == init)
+        names = [placeholders[ph], *extra]
+        names += sorted(t for t, to in tied.items() if to in names)
+        stands_for[init] = tuple(names)
+        if extra:
+            merged[init] = tuple(extra)
+    return stands_for, merged
+
+
+def _read_scope_ties(model: onnx.ModelProto) -> ExportMap | None:
+    """Weight tying in a TorchScript export, from its node names (``/model/lm_head/
+    Transpose``: the module a node ran in). TorchScript stores a tied weight once, under one
+    of its names, and the other module reads it: a node in module ``M`` that has no
+    initializer of its own reads ``X.weight``, so ``M.weight`` is ``X.weight``. Only named
+    float initializers are mapped; None when the file has no such node (no scope names, or
+    no tying), so that the names alone decide, as before."""
+    floats = {t.name for t in model.graph.initializer
+              if t.data_type in _FLOAT_TYPES and not is_made_up_name(t.name)}
+    owners = {f.rsplit(".", k)[0] for f in floats for k in range(1, f.count(".") + 1)}
+    tied: dict[str, set[str]] = {}
+    for node in model.graph.node:
+        if not node.name.startswith("/") or node.name.count("/") < 2:
+            continue
+        module = _scope_module(node.name)
+        if module in owners:
+            continue  # the module has parameters of its own: not a tied reader
+        for i in node.input:
+            if i in floats and "." in i and not i.startswith(module + "."):
+                tied.setdefault(i, set()).add(f"{module}.{_attribute(i)}")
+    if not tied:
+        return None
+    stands_for = {f: (f, *sorted(tied.get(f, ()))) for f in sorted(floats)}
+    return ExportMap(stands_for)
+
+
+def _scope_module(node_name: str) -> str:
+    """``/model/lm_head/Transpose`` -> ``model.lm_head``; TorchScript spells a Sequential's
+    child with its parent's name (``/stem/stem.0/Conv`` -> ``stem.0``)."""
+    parts: list[str] = []
+    for seg in node_name[1:].split("/")[:-1]:
+        if parts and seg.startswith(parts[-1] + "."):
+            seg = seg[len(parts[-1]) + 1:]
+        parts.append(seg)
+    return ".".join(parts)
+
+
+def export_map_of(graph: Graph) -> ExportMap | None:
+    return ExportMap.from_json(graph.metadata.get(EXPORT_MAP_KEY))

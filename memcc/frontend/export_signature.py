@@ -1,0 +1,101 @@
+"""torch.export's graph signature as the dynamo exporter records it, and names exporters make up.
+
+In: an ONNX file's metadata (``pkg.torch.export.ExportedProgram.graph_signature``), or the
+parsed copy ``load_graph`` keeps on the ``Graph`` (``SIGNATURE_KEY``). Out: a ``Signature``
+(which initializers are PyTorch parameters, buffers, mutated buffers, by ``state_dict``
+name), or None for files without one (TorchScript), where ``is_made_up_name`` judges names
+by their spelling. Also the warning classes the export checks raise (``ExportWarning``,
+``ExportNote``). The bottom of the export modules: ``export_map``, ``folded_copies`` and
+``exported`` build on it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+import onnx
+
+from memcc.graph import Graph
+
+SIGNATURE_PROP = "pkg.torch.export.ExportedProgram.graph_signature"
+# Graph.metadata key under which load_graph keeps the parsed signature for the builder.
+SIGNATURE_KEY = "memcc.export_signature"
+
+# Names exporters make up for values they create (folded copies, constants), for files
+# without a graph signature: TorchScript's ``onnx::MatMul_12``, onnxscript's ``val_3`` and
+# the bias it adds when it folds BatchNorm into a Conv (``stem.0.weight_bias``). Names such
+# as ``embedding_1`` are only judged against a signature: spelled like that, they could be
+# a hand-named parameter (``fc_1``).
+_MADE_UP = re.compile(r"^(onnx::.*|val_\d+|.*\.weight_bias)$")
+SIGNATURE_LINE = re.compile(r"^\s*(\S+): (\w+)(?: target='([^']*)')?")
+
+
+class ExportWarning(UserWarning):
+    """The build goes on, but the step may not train what the user thinks it trains."""
+
+
+class ExportNote(ExportWarning):
+    """What memcc changed in an export so that the step trains what PyTorch trains: shown
+    as a note, not a warning (an ``ExportWarning`` so that callers catching those see it)."""
+
+
+def file_props(model: onnx.ModelProto) -> dict[str, str]:
+    """The file's metadata, graph-level entries overridden by model-level ones."""
+    props = {p.key: p.value for p in getattr(model.graph, "metadata_props", ())}
+    props.update({p.key: p.value for p in model.metadata_props})
+    return props
+
+
+@dataclass(frozen=True)
+class Signature:
+    """torch.export's view of the model's state, by ``state_dict`` name."""
+
+    parameters: frozenset[str] = frozenset()
+    buffers: frozenset[str] = frozenset()
+    mutated_buffers: frozenset[str] = frozenset()
+
+    def to_json(self) -> str:
+        return json.dumps({"parameters": sorted(self.parameters),
+                           "buffers": sorted(self.buffers),
+                           "mutated_buffers": sorted(self.mutated_buffers)})
+
+    @classmethod
+    def from_json(cls, text: str | None) -> Signature | None:
+        if not text:
+            return None
+        d = json.loads(text)
+        return cls(frozenset(d.get("parameters", ())), frozenset(d.get("buffers", ())),
+                   frozenset(d.get("mutated_buffers", ())))
+
+
+def read_signature(model: onnx.ModelProto) -> Signature | None:
+    """Parse the dynamo exporter's graph signature, if the file has one."""
+    text = file_props(model).get(SIGNATURE_PROP)
+    if not text:
+        return None
+    params: set[str] = set()
+    buffers: set[str] = set()
+    mutated: set[str] = set()
+    for line in text.splitlines():
+        m = SIGNATURE_LINE.match(line)
+        if not m or not m.group(3):
+            continue
+        kind, target = m.group(2), m.group(3)
+        if kind == "PARAMETER":
+            params.add(target)
+        elif kind in ("BUFFER", "CONSTANT_TENSOR"):
+            buffers.add(target)
+        elif kind == "BUFFER_MUTATION":
+            mutated.add(target)
+    return Signature(frozenset(params), frozenset(buffers), frozenset(mutated))
+
+
+def signature_of(graph: Graph) -> Signature | None:
+    return Signature.from_json(graph.metadata.get(SIGNATURE_KEY))
+
+
+def is_made_up_name(name: str) -> bool:
+    """True for names exporters invent for folded copies and constants."""
+    return bool(_MADE_UP.match(name))

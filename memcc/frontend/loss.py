@@ -1,0 +1,151 @@
+"""The loss a training step minimises, and the data inputs it adds.
+
+In: the forward graph (its first floating-point output is the logits, or the loss itself
+with ``--loss none``), its emitter, the ``BuildOptions``. Out: the nodes that compute the
+scalar ``loss`` appended to the graph, and a ``StepLoss``: the loss value, the step's data
+inputs (the model's own plus ``labels`` or ``target``), the integer ranges of index inputs
+(token ids, labels) that the runner draws random batches from, and the chunked loss whose
+gradients seed the autodiff where ``--loss-chunks`` > 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from onnx import TensorProto
+
+from memcc.errors import InputError
+from memcc.frontend.build_options import BuildOptions
+from memcc.frontend.chunked_loss import ChunkedLoss, emit_chunked_loss
+from memcc.frontend.emit import Emitter
+from memcc.graph import Graph, TensorInfo, attr
+
+
+@dataclass(frozen=True)
+class StepLoss:
+    """The loss value and what the step's data inputs became with it."""
+
+    loss: str
+    data_inputs: list[str]
+    int_ranges: dict[str, list[int]]   # integer input -> [low, high) it ranges over
+    chunked: ChunkedLoss | None        # --loss-chunks > 1: seeds and nodes for the autodiff
+
+
+def add_loss(graph: Graph, emit: Emitter, opts: BuildOptions, source: str) -> StepLoss:
+    """Append the loss of ``opts.loss`` to ``graph`` and say what inputs the step takes."""
+    logits = first_float_output(graph, source)
+    data_inputs = [i for i in graph.inputs if i not in graph.initializers]
+    int_ranges = index_ranges(graph, data_inputs)
+    loss, extra_inputs, label_range, chunked = emit_loss(graph, emit, logits, opts.loss,
+                                                         source, opts.loss_chunks or 1)
+    int_ranges.update(label_range)
+    return StepLoss(loss, data_inputs + extra_inputs, int_ranges, chunked)
+
+
+def first_float_output(graph: Graph, source: str) -> str:
+    for o in graph.outputs:
+        ti = graph.info.get(o)
+        if ti is not None and ti.is_float:
+            return o
+    raise InputError(
+        f"{source}: the model has no floating-point output to train on (outputs: "
+        f"{', '.join(graph.outputs) or 'none'}). memcc builds the loss from the first "
+        "floating-point output (logits, or the scalar loss with --loss none)."
+    )
+
+
+def index_ranges(graph: Graph, data_inputs: list[str]) -> dict[str, list[int]]:
+    """Integer inputs used as Gather indices range over the gathered axis (token ids)."""
+    ranges: dict[str, list[int]] = {}
+    consumers = graph.consumers()
+    for name in data_inputs:
+        ti = graph.info[name]
+        if ti.is_float or ti.dtype == TensorProto.BOOL:
+            continue
+        for node in _through_casts(graph, name, consumers):
+            if node.op_type == "Gather" and len(node.input) > 1 and \
+                    node.input[1] in _cast_chain(graph, name, consumers):
+                table = graph.info[node.input[0]]
+                axis = attr(node, "axis", 0) % len(table.shape)
+                ranges[name] = [0, int(table.shape[axis])]
+    return ranges
+
+
+def _cast_chain(graph: Graph, name: str, consumers) -> set[str]:
+    chain = {name}
+    frontier = [name]
+    while frontier:
+        v = frontier.pop()
+        for n in consumers.get(v, []):
+            if n.op_type in ("Cast", "Identity", "Reshape", "Unsqueeze", "Squeeze", "Flatten"):
+                for o in n.output:
+                    if o not in chain:
+                        chain.add(o)
+                        frontier.append(o)
+    return chain
+
+
+def _through_casts(graph: Graph, name: str, consumers):
+    for v in _cast_chain(graph, name, consumers):
+        yield from consumers.get(v, [])
+
+
+_HALF = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
+
+
+def emit_loss(graph: Graph, emit: Emitter, logits: str, kind: str, source: str,
+               chunks: int = 1) -> tuple[str, list[str], dict, ChunkedLoss | None]:
+    """The loss value, the data inputs it adds, their integer ranges, and (``chunks`` > 1)
+    the chunked loss whose gradients the autodiff takes as seeds."""
+    ti = graph.info[logits]
+    taken = set(graph.values())
+    if ti.dtype in _HALF and kind != "none":
+        # The model computes in its exported 16-bit type; the loss is taken in float32, as
+        # torch's autocast does for cross-entropy and MSE (a 16-bit log-softmax over a large
+        # vocabulary loses the small probabilities, and ORT's CPU provider has no 16-bit
+        # ScatterElements-add for the loss gradient). The Cast's gradient brings it back.
+        ti = TensorInfo(TensorProto.FLOAT, ti.shape)
+        logits = emit.cast(logits, TensorProto.FLOAT)
+    if "loss" in taken and kind != "none":
+        raise InputError(
+            f"{source}: the model already has a value named 'loss', the name --loss {kind} "
+            "gives the loss it adds. If the model's first output already is the scalar loss, "
+            "build with --loss none; otherwise rename that value in the model")
+    if kind == "none":
+        if ti.numel != 1:
+            raise InputError(
+                f"{source}: --loss none needs the first floating-point output to be the "
+                f"scalar loss, but '{logits}' has shape {list(ti.shape)}"
+            )
+        loss = emit.op("Reshape", [logits, emit.ints([])], outputs=["loss"],
+                       info=TensorInfo(ti.dtype, ())) if logits != "loss" else logits
+        return loss, [], {}, None
+    if kind == "mse":
+        for name in ("target",):
+            if name in taken:
+                raise InputError(f"{source}: the model already has a value named '{name}'")
+        graph.info["target"] = ti
+        diff = emit.sub(logits, "target")
+        sq = emit.mul(diff, diff)
+        loss = emit.op("ReduceMean", [sq], outputs=["loss"], keepdims=0,
+                       info=TensorInfo(ti.dtype, ()))
+        return loss, ["target"], {}, None
+    # cross-entropy over the last axis, mean over all positions (torch's default)
+    if len(ti.shape) < 1 or ti.shape[-1] < 1:
+        raise InputError(f"{source}: cross-entropy needs logits with a class axis; "
+                         f"'{logits}' has shape {list(ti.shape)}")
+    if "labels" in taken:
+        raise InputError(f"{source}: the model already has a value named 'labels'")
+    label_shape = ti.shape[:-1]
+    graph.info["labels"] = TensorInfo(TensorProto.INT64, label_shape)
+    ranges = {"labels": [0, int(ti.shape[-1])]}
+    if chunks > 1:
+        chunked = emit_chunked_loss(graph, emit, logits, chunks, source)
+        return chunked.loss, ["labels"], ranges, chunked
+    logp = emit.op("LogSoftmax", [logits], axis=-1, info=ti)
+    idx = emit.unsqueeze("labels", [-1], info=TensorInfo(TensorProto.INT64, label_shape + (1,)))
+    picked = emit.op("GatherElements", [logp, idx], axis=-1,
+                     info=TensorInfo(ti.dtype, label_shape + (1,)))
+    mean = emit.reduce_mean(picked, None, keepdims=False, info=TensorInfo(ti.dtype, ()))
+    loss = emit.op("Neg", [mean], outputs=["loss"], info=TensorInfo(ti.dtype, ()))
+    return loss, ["labels"], ranges, None

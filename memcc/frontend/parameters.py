@@ -1,0 +1,89 @@
+"""Which initializers a training step trains.
+
+In: the forward graph with its loss appended, the BatchNormalization running statistics
+(``batchnorm_running_stats``), the ``--freeze`` patterns. Out: the trained parameters, in
+initializer order: float initializers on a differentiable path to the loss, less buffers
+(known by name or from the dynamo exporter's signature) and frozen ones. No parameter at
+all, or a pattern that matches none, is an ``InputError``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+
+import numpy as np
+
+from memcc.errors import InputError
+from memcc.frontend.autodiff import differentiable_values
+from memcc.frontend.export_signature import signature_of
+from memcc.graph import Graph, attr
+
+# torch buffers that exporters store as float initializers (never parameters).
+BUFFER_SUFFIXES = ("inv_freq", "running_mean", "running_var", "num_batches_tracked")
+
+
+def choose_parameters(graph: Graph, loss: str, bn_stats, freeze: tuple[str, ...],
+                      source: str) -> list[str]:
+    """The parameters the step trains; an error when there are none."""
+    params = _trainable_parameters(graph, loss, bn_stats)
+    params = _apply_freeze(params, freeze, source)
+    if not params:
+        raise InputError(
+            f"{source}: no trainable parameters: no floating-point initializer lies on a "
+            "differentiable path to the loss" + (" (or every one is frozen)" if freeze
+                                                else "")
+        )
+    return params
+
+
+def batchnorm_running_stats(graph: Graph) -> list[tuple[object, str, str]]:
+    """(node, running_mean, running_var) of BatchNormalization nodes in training mode."""
+    out = []
+    for node in graph.nodes:
+        if node.op_type != "BatchNormalization" or len(node.input) < 5:
+            continue
+        if attr(node, "training_mode", 0):
+            out.append((node, node.input[3], node.input[4]))
+    return out
+
+
+def _trainable_parameters(graph: Graph, loss: str, bn_stats) -> list[str]:
+    """Float initializers on a differentiable path to the loss, minus BN statistics.
+
+    Scalar constants that exporters store as initializers (0-d tensors, and one-element
+    tensors TorchScript names ``onnx::...``) are constants of the model, not parameters.
+    Exporters also store pre-transposed copies of weights under made-up names
+    (``onnx::MatMul_12``, ``val_3``): those are the parameters the graph uses, so they train.
+    ONNX cannot tell a torch buffer from a parameter; buffers known by name (rotary
+    ``inv_freq``, BatchNorm statistics) are not trained.
+    """
+    excluded = {s for _, m, v in bn_stats for s in (m, v)}
+    excluded.update(n for n in graph.initializers if n.endswith(BUFFER_SUFFIXES))
+    sig = signature_of(graph)
+    if sig is not None:  # the dynamo exporter says which initializers are torch buffers
+        excluded.update(sig.buffers)
+    for node in graph.nodes:
+        if node.op_type == "BatchNormalization" and len(node.input) >= 5:
+            excluded.update(node.input[3:5])
+    candidates = [
+        n for n, a in graph.initializers.items()
+        if n not in excluded and graph.info[n].is_float and np.ndim(a) > 0
+        and not (n.startswith("onnx::") and np.size(a) == 1)
+    ]
+    reachable = differentiable_values(graph, loss, candidates)
+    return [n for n in candidates if n in reachable]
+
+
+def _apply_freeze(params: list[str], patterns: tuple[str, ...], source: str) -> list[str]:
+    """Drop parameters matching any ``--freeze`` pattern; a pattern that matches nothing is
+    an error (a typo would otherwise silently train everything)."""
+    if not patterns:
+        return params
+    for pat in patterns:
+        if not any(fnmatch.fnmatchcase(p, pat) for p in params):
+            raise InputError(
+                f"{source}: --freeze '{pat}' matches no trainable parameter; parameters are "
+                f"named like {', '.join(params[:3])}. Patterns use shell wildcards, e.g. "
+                "--freeze 'embeddings.*'."
+            )
+    return [p for p in params if not any(fnmatch.fnmatchcase(p, pat) for pat in patterns)]

@@ -1,0 +1,196 @@
+"""The end of a training step: the optimizer update and the state carried to the next step.
+
+In: the graph with its loss and backward, the trained parameters and their gradients, the
+``BuildOptions`` (optimizer, learning rate, momentum, weight decay, betas). Out: the update
+nodes appended (SGD with momentum or AdamW as torch.optim computes them, or ``P.grad``
+outputs with ``--optimizer none``), optimizer state as initializer-backed inputs
+(``P.momentum``, ``P.exp_avg``...), BatchNorm running statistics made carried state, and the
+step outputs under the contract's names (``P.new``, ``stat.new``, ``P.grad``), given by
+``OutputNamer`` without copies where it can.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from onnx import TensorProto
+
+from memcc.errors import InputError
+from memcc.frontend.build_options import BuildOptions
+from memcc.frontend.emit import Emitter
+from memcc.graph import Graph, TensorInfo, node_label
+from memcc.step import record_rule_io, rule_io
+
+
+@dataclass(frozen=True)
+class StepWriter:
+    """Where the step's end is written: the graph, its emitter, ``state`` (each new value
+    -> the input it replaces at the next step) and the namer of contract outputs."""
+
+    graph: Graph
+    emit: Emitter
+    state: dict[str, str]
+    namer: OutputNamer
+
+
+def emit_update(out: StepWriter, params: list[str], grads: dict[str, str],
+                opts: BuildOptions) -> list[str]:
+    """The optimizer's update of every parameter (``opts.optimizer``: none writes the
+    gradients as ``P.grad``), as torch.optim computes it; returns the step outputs it adds."""
+    graph, emit, state, namer = out.graph, out.emit, out.state, out.namer
+    outputs: list[str] = []
+    lr = opts.learning_rate
+    wd = opts.decay
+    if opts.optimizer == "adamw":
+        step_in = "adamw.step"
+        graph.initializers[step_in] = np.zeros((), np.float32)
+        graph.info[step_in] = TensorInfo(TensorProto.FLOAT, ())
+        step_new = emit.op("Add", [step_in, emit.scalar(1.0, TensorProto.FLOAT)],
+                           outputs=[f"{step_in}.new"], info=graph.info[step_in])
+        state[step_new] = step_in
+        outputs.append(step_new)
+        b1, b2 = opts.betas
+        bc1 = emit.sub(emit.scalar(1.0, TensorProto.FLOAT),
+                       emit.binary("Pow", emit.scalar(b1, TensorProto.FLOAT), step_new))
+        bc2 = emit.sub(emit.scalar(1.0, TensorProto.FLOAT),
+                       emit.binary("Pow", emit.scalar(b2, TensorProto.FLOAT), step_new))
+    for p in params:
+        g = grads.get(p)
+        ti = graph.info[p]
+        if g is None:  # parameter on a path that carries no gradient (e.g. masked out)
+            g = emit.zeros_like(p)
+        if opts.optimizer == "none":
+            outputs.append(namer.name(g, f"{p}.grad"))
+            continue
+
+        def c(v: float, _dt: int = ti.dtype) -> str:
+            return emit.scalar(v, _dt)
+
+        if opts.optimizer == "sgd":
+            if wd:
+                g = emit.add(g, emit.mul(c(wd), p))
+            step = g
+            if opts.momentum:
+                buf = _state_input(graph, f"{p}.momentum", ti)
+                step = emit.op("Add", [emit.mul(c(opts.momentum), buf), g],
+                               outputs=[f"{buf}.new"], info=ti)
+                state[step] = buf
+                outputs.append(step)
+            new_p = emit.op("Sub", [p, emit.mul(c(lr), step)], outputs=[f"{p}.new"], info=ti)
+        else:  # adamw, as torch.optim.AdamW
+            m = _state_input(graph, f"{p}.exp_avg", ti)
+            v = _state_input(graph, f"{p}.exp_avg_sq", ti)
+            b1, b2 = opts.betas
+            m_new = emit.op("Add", [emit.mul(c(b1), m), emit.mul(c(1 - b1), g)],
+                            outputs=[f"{m}.new"], info=ti)
+            v_new = emit.op("Add", [emit.mul(c(b2), v), emit.mul(c(1 - b2), emit.mul(g, g))],
+                            outputs=[f"{v}.new"], info=ti)
+            state[m_new] = m
+            state[v_new] = v
+            outputs += [m_new, v_new]
+            m_hat = emit.div(m_new, emit.cast(bc1, ti.dtype))
+            v_hat = emit.div(v_new, emit.cast(bc2, ti.dtype))
+            denom = emit.add(emit.unary("Sqrt", v_hat), c(opts.eps))
+            decayed = emit.mul(c(1 - lr * wd), p) if wd else p
+            new_p = emit.op("Sub", [decayed, emit.mul(c(lr), emit.div(m_hat, denom))],
+                            outputs=[f"{p}.new"], info=ti)
+        state[new_p] = p
+        outputs.append(new_p)
+    return outputs
+
+
+def _state_input(graph: Graph, name: str, ti: TensorInfo) -> str:
+    if name in graph.info:
+        raise InputError(f"cannot add optimizer state '{name}': the name is taken")
+    graph.initializers[name] = np.zeros(ti.shape, ti.np_dtype)
+    graph.info[name] = ti
+    return name
+
+
+def carry_batchnorm_stats(out: StepWriter, bn_stats) -> list[str]:
+    """BatchNorm in training mode updates its running stats: make them carried state."""
+    graph, state, namer = out.graph, out.state, out.namer
+    outputs = []
+    for node, mean, var in bn_stats:
+        if mean not in graph.initializers or var not in graph.initializers:
+            raise InputError(
+                f"{node_label(node)}: running statistics must be initializers to be carried "
+                "between steps"
+            )
+        while len(node.output) < 3:
+            node.output.append("")
+        for k, stat in ((1, mean), (2, var)):
+            if stat in state.values():
+                raise InputError(f"{node_label(node)}: running statistic '{stat}' is shared "
+                                 "by several BatchNormalization nodes")
+            new_name = f"{stat}.new"
+            if node.output[k]:
+                new_name = namer.name(node.output[k], new_name)
+            else:
+                node.output[k] = new_name
+                graph.info[new_name] = graph.info[stat]
+            state[new_name] = stat
+            outputs.append(new_name)
+    return outputs
+
+
+class OutputNamer:
+    """Gives values the output names of the contract (``P.grad``, ``stat.new``).
+
+    A value produced by a node is renamed in place (no copy, no extra node); renames are
+    collected and applied in one pass over the graph at the end, because renaming one value
+    at a time costs a pass per parameter. Graph inputs, initializers and values that already
+    carry a contract name (one gradient shared by two parameters) get an Identity instead.
+    """
+
+    def __init__(self, graph: Graph, emit: Emitter) -> None:
+        self.graph = graph
+        self.emit = emit
+        self.producers = graph.producers()
+        self.renames: dict[str, str] = {}
+
+    def name(self, value: str, name: str) -> str:
+        graph = self.graph
+        if name in graph.info:
+            raise InputError(f"cannot name an output '{name}': the name is taken")
+        reserved = value in graph.inputs or value in graph.outputs or \
+            value in graph.initializers
+        if value not in self.producers or reserved or value in self.renames or \
+                value.endswith((".grad", ".new")):
+            return self.emit.op("Identity", [self.renames.get(value, value)], outputs=[name],
+                                info=graph.info[value])
+        self.renames[value] = name
+        graph.info[name] = graph.info[value]
+        return name
+
+    def renamed(self, value: str) -> str:
+        """The name ``value`` has once the renames are applied."""
+        return self.renames.get(value, value)
+
+    def apply(self) -> None:
+        if not self.renames:
+            return
+        for n in self.graph.nodes:
+            for i, inp in enumerate(n.input):
+                if inp in self.renames:
+                    n.input[i] = self.renames[inp]
+            for i, out in enumerate(n.output):
+                if out in self.renames:
+                    n.output[i] = self.renames[out]
+            if n.metadata_props:
+                _rename_rule_io(n, self.renames)
+        for old in self.renames:
+            self.graph.info.pop(old, None)
+
+
+def _rename_rule_io(node, renames: dict[str, str]) -> None:
+    """Keep a forward node's record of its rule's gradients (``step.rule_io``) in step with
+    the renames, or a variant could not find the values it replaces."""
+    io = rule_io(node)
+    if io is None:
+        return
+    gouts, gins = io
+    if any(g in renames for g in gouts + gins):
+        record_rule_io(node, [renames.get(g, g) for g in gouts],
+                       [renames.get(g, g) for g in gins])
