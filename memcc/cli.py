@@ -638,7 +638,7 @@ def tune_cmd(
     from memcc.backend.onnx_file import check_writable
     from memcc.errors import InputError
     from memcc.frontend.load import parse_dims
-    from memcc.report import check_plot_path
+    from memcc.report_view import check_plot_path
     from memcc.tune import TuneOptions, plot_tune, tune, write_step
     from memcc.tune import measure as measure_sizes
 
@@ -820,7 +820,7 @@ def report_cmd(
 ) -> None:
     """Print a compile report as tables; optionally plot the memory timeline."""
     from memcc.errors import InputError
-    from memcc.report import check_plot_path, load_report, plot_timeline, print_report
+    from memcc.report_view import check_plot_path, load_report, plot_timeline, print_report
 
     try:
         data = load_report(report)

@@ -146,7 +146,8 @@ def build_training_step(forward: Graph, options: BuildOptions | None = None,
             "backward ops; re-export with opset_version >= 13"
         )
     graph = forward.copy()
-    row_chunks = {kind: {"chunks": k, "regions": chunk_regions(graph, kind, k, source)}
+    row_chunks = {kind: {"chunks": k,
+                         "regions": chunk_regions(graph, kind, k, source)[1]["regions"]}
                   for kind, k in ((ATTENTION, opts.attention_chunks or 1),
                                   (MLP, opts.mlp_chunks or 1))
                   if k > 1}
@@ -217,7 +218,7 @@ def build_training_step(forward: Graph, options: BuildOptions | None = None,
     })
     graph.metadata.pop(EXPORT_MAP_KEY, None)  # read into the two records above
     # memcc's own fusions, so that planning sees the step as ORT runs it (frontend/fuse.py).
-    graph = fuse_step(graph, opts.fusions)
+    graph, _ = fuse_step(graph, opts.fusions)
     _drop_unused_initializers(graph)
     return graph
 

@@ -1,4 +1,12 @@
-"""Reading a compile report back: tables for people and the memory-over-time plot."""
+"""Reading a compile report back (``memcc report``): tables for people and the
+memory-over-time plot.
+
+In: a report JSON file as ``memcc compile --report`` wrote it (``load_report`` checks it is
+one). Out: tables printed to a rich ``Console`` and a figure saved to a file. It reads the
+report only and imports no compiler module (the report is a file's contract, not the
+compiler's internals); the phrases it shares with ``memcc compile``'s summary are
+``memcc/report_text.py``'s.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +20,7 @@ from rich.table import Table
 
 from memcc.errors import InputError
 from memcc.passes.analysis.phases import COPY, RECOMPUTED, VARIANT
+from memcc.report_text import describe_chunks, verify_checks
 from memcc.sizes import format_size
 
 REQUIRED = ("budget_bytes", "baseline", "plan", "passes", "compile_time_s", "solver")
@@ -87,8 +96,6 @@ def print_report(report: dict, console: Console) -> None:
                       + (" ..." if len(rec) > 20 else ""))
     v = report.get("verification")
     if v:
-        from memcc.compiler import verify_checks
-
         console.print(f"verified: {'OK' if v['ok'] else 'FAILED'}; "
                       + "; ".join(verify_checks(v)), highlight=False)
         for problem in v.get("problems", []):
@@ -107,9 +114,7 @@ def _print_row_chunks(rc: dict | None, console: Console) -> None:
     (compiler/chunk_choice.py); reports from before it have no such section."""
     if not rc:
         return
-    from memcc.compiler.chunk_choice import describe
-
-    console.print(f"row chunks: {describe(rc.get('chosen') or {})}"
+    console.print(f"row chunks: {describe_chunks(rc.get('chosen') or {})}"
                   + (f" ({rc['why']})" if rc.get("why") else ""), highlight=False)
     tried = rc.get("candidates") or []
     if not tried:
@@ -121,13 +126,13 @@ def _print_row_chunks(rc: dict | None, console: Console) -> None:
     for c in tried:
         if c.get("fits"):
             added = c.get("added_time")
-            ct.add_row(describe(c["chunks"]), "fits", format_size(c["peak_bytes"]),
+            ct.add_row(describe_chunks(c["chunks"]), "fits", format_size(c["peak_bytes"]),
                        format_size(c["needs_budget_bytes"]),
                        "" if added is None else f"{added * 100:+.1f}%",
                        "<- chosen" if c.get("chosen") else "")
         else:
             smallest = c.get("smallest_budget_bytes")
-            ct.add_row(describe(c["chunks"]), str(c.get("refused", "refused")), "",
+            ct.add_row(describe_chunks(c["chunks"]), str(c.get("refused", "refused")), "",
                        "" if smallest is None else format_size(smallest), "",
                        "<- chosen" if c.get("chosen") else "")
     console.print(ct)
