@@ -304,14 +304,7 @@ def timeline_figure(report: dict):
 
     phases = tl.get("phases") or ""
     if len(phases) == len(base):
-        for start, end, letter in _runs(phases):
-            name, colour = PHASE_STYLE.get(letter, (letter, "#f0f0f0"))
-            ax.axvspan(start - 0.5, end - 0.5, color=colour, lw=0, zorder=0)
-            if start:
-                ax.axvline(start - 0.5, color="0.6", lw=0.8, zorder=1)
-            if end - start >= 0.04 * len(phases):
-                ax.text((start + end - 1) / 2, 0.985, name, transform=ax.get_xaxis_transform(),
-                        ha="center", va="top", fontsize=9, color="0.35")
+        _shade_phases(ax, phases)
 
     ax.plot(range(len(base)), base, color="0.45", lw=1.1,
             label=f"baseline (peak {format_size(report['baseline']['peak_bytes'])})")
@@ -351,6 +344,28 @@ def timeline_figure(report: dict):
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=3, fontsize=8,
               frameon=False)
 
+    _peak_bars(bx, report, ax.get_ylim())
+    fig.tight_layout()
+    return fig
+
+
+def _shade_phases(ax, phases: str) -> None:
+    """The step's phases (forward, backward, update) as shaded spans, named where wide."""
+    for start, end, letter in _runs(phases):
+        name, colour = PHASE_STYLE.get(letter, (letter, "#f0f0f0"))
+        ax.axvspan(start - 0.5, end - 0.5, color=colour, lw=0, zorder=0)
+        if start:
+            ax.axvline(start - 0.5, color="0.6", lw=0.8, zorder=1)
+        if end - start >= 0.04 * len(phases):
+            ax.text((start + end - 1) / 2, 0.985, name, transform=ax.get_xaxis_transform(),
+                    ha="center", va="top", fontsize=9, color="0.35")
+
+
+def _peak_bars(bx, report: dict, ylim: tuple[float, float]) -> None:
+    """What each peak is made of, baseline and plan stacked by category, with the budget
+    and the planning target, on the timeline's scale (``ylim``)."""
+    mb = 1e6
+    budget, target = report["budget_bytes"], report.get("planning_budget_bytes")
     cats = list(report["baseline"].get("breakdown_at_peak", {}))
     bottoms = [0.0, 0.0]
     for cat in cats:
@@ -361,13 +376,11 @@ def timeline_figure(report: dict):
     bx.axhline(budget / mb, color="tab:red", ls="--", lw=1.2)
     if target is not None:
         bx.axhline(target / mb, color="tab:red", ls=":", lw=1.2)
-    bx.set_ylim(ax.get_ylim())
+    bx.set_ylim(ylim)
     bx.set_title("what each peak is made of")
     bx.set_ylabel("MB at the peak")
     bx.legend(loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=3, fontsize=8,
               frameon=False)
-    fig.tight_layout()
-    return fig
 
 
 def aligned_x(origin: list[int]) -> list[float]:

@@ -65,27 +65,26 @@ class LoweringPass:
                 full: bool = False) -> None:
         """Refuse an output that breaks the pass's guarantee (``full``: index checks too)."""
 
+    def ensure_rewrite(self, after: Graph, full: bool, replaced: tuple[str, ...], what: str,
+                       where: str) -> None:
+        """A rewrite that hands backward readers another copy of ``replaced`` values: the
+        result is a valid order, its index is right (full checks), and no backward node
+        reads an original any more (a copy-out reads it: that is how it leaves)."""
+        _fail(self.name, "the lowered step is not a valid execution order",
+              topological_problems(after))
+        if full:
+            _ensure_index(self.name, after)
+        du = after.def_use()
+        stale = [f"'{r.name}' reads '{v}'{where}" for v in replaced
+                 for r in du.readers.get(v, ())
+                 if r.name not in self.st.forward and r.op_type not in COPY_OUT_OPS]
+        _fail(self.name, what, stale)
+
 
 def _fail(pass_name: str, what: str, problems: list[str]) -> None:
     if problems:
         more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
         raise LoweringError(f"{pass_name}: {what}: {'; '.join(problems[:3])}{more}")
-
-
-def _ensure_rewrite(pass_name: str, after: Graph, st: StepStructure, full: bool,
-                    replaced: tuple[str, ...], what: str, where: str) -> None:
-    """A rewrite that hands backward readers another copy of ``replaced`` values: the
-    result is a valid order, its index is right (full checks), and no backward node reads
-    an original any more (a copy-out reads it: that is how it leaves)."""
-    _fail(pass_name, "the lowered step is not a valid execution order",
-          topological_problems(after))
-    if full:
-        _ensure_index(pass_name, after)
-    du = after.def_use()
-    stale = [f"'{r.name}' reads '{v}'{where}" for v in replaced
-             for r in du.readers.get(v, ())
-             if r.name not in st.forward and r.op_type not in COPY_OUT_OPS]
-    _fail(pass_name, what, stale)
 
 
 def _ensure_index(pass_name: str, graph: Graph) -> None:
@@ -172,8 +171,8 @@ class InsertRecompute(LoweringPass):
         # its clone runs (ONNX values live until their last reader: produced earlier is
         # enough), and nothing is produced twice. The saving is real: no backward node still
         # reads an original it was given a clone of.
-        _ensure_rewrite(self.name, after, self.st, full, report.summary["recomputed_values"],
-                        "backward nodes still read recomputed originals", "")
+        self.ensure_rewrite(after, full, report.summary["recomputed_values"],
+                            "backward nodes still read recomputed originals", "")
 
 
 @dataclass(frozen=True)
@@ -206,9 +205,9 @@ class InsertCopies(LoweringPass):
             return
         # Away means away: nothing but the forward pass and the copy-out reads the device
         # original, so its buffer is free from the copy-out on.
-        _ensure_rewrite(self.name, after, self.st, full, report.summary["offloaded_values"],
-                        "backward nodes still read offloaded originals",
-                        " while it is on the host")
+        self.ensure_rewrite(after, full, report.summary["offloaded_values"],
+                            "backward nodes still read offloaded originals",
+                            " while it is on the host")
 
 
 def copy_order_problems(graph: Graph) -> list[str]:
