@@ -27,8 +27,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from memcc.compiler.costing import node_costs
+from memcc.compiler.loading import check_provider, load_step
 from memcc.compiler.options import CompileOptions, user_budget
-from memcc.compiler.pipeline import check_provider, load_step, node_costs
 from memcc.compiler.planning import as_trained
 from memcc.compiler.progress import warning_sink
 from memcc.graph import Graph

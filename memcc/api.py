@@ -57,10 +57,10 @@ _OWNERS: dict[str, tuple[str, str]] = {
     "describe_analysis": ("memcc.analyze", "describe"),
     "ANALYZE_TIME_LIMIT": ("memcc.analyze", "DEFAULT_TIME_LIMIT"),
     # reports written by compile
-    "load_report": ("memcc.report", "load_report"),
-    "print_report": ("memcc.report", "print_report"),
-    "plot_timeline": ("memcc.report", "plot_timeline"),
-    "check_plot_path": ("memcc.report", "check_plot_path"),
+    "load_report": ("memcc.report_view", "load_report"),
+    "print_report": ("memcc.report_view", "print_report"),
+    "plot_timeline": ("memcc.report_view", "plot_timeline"),
+    "check_plot_path": ("memcc.report_view", "check_plot_path"),
     # tune: the largest and the fastest batch within a budget
     "TuneOptions": ("memcc.tune", "TuneOptions"),
     "TuneResult": ("memcc.tune", "TuneResult"),

@@ -121,8 +121,8 @@ def test_a_dynamo_export_needs_no_rewrite(tmp_path):
     path, _, _, dims = export("conv_bn", "dynamo", tmp_path, training=True)
     step = build_training_step(load_graph(path, dims), BuildOptions())
     assert not [n for n in step.nodes if is_training_batchnorm(n, step.opset)]
-    rewritten, n = for_provider(step, "cuda")
-    assert n == 0
+    rewritten, summary = for_provider(step, "cuda")
+    assert summary["batchnorm_rewritten"] == 0
     # Only the per-channel sums of its gradient change form
     # (passes/providers/deterministic_reductions):
     # every BatchNormalization stays as it was.
@@ -141,13 +141,14 @@ def test_on_cuda_per_channel_sums_run_over_trailing_axes():
     rewritten, _ = for_provider(step, "cuda")
     _, after = to_trailing_axes(rewritten, only=per_channel)
     assert len(before.rewritten) >= 20 and not after.rewritten
-    assert for_provider(step, "cpu") == (step, 0)
+    assert for_provider(step, "cpu") == (step, {"batchnorm_rewritten": 0})
 
 
 def test_rewrite_keeps_names_roles_and_leaves_other_providers_alone():
     step = _zoo_step()
-    assert for_provider(step, "cpu") == (step, 0)
-    rewritten, n = for_provider(step, "cuda")
+    assert for_provider(step, "cpu") == (step, {"batchnorm_rewritten": 0})
+    rewritten, summary = for_provider(step, "cuda")
+    n = summary["batchnorm_rewritten"]
     assert n == 20
     bn_names = {node.name for node in step.nodes if is_training_batchnorm(node, step.opset)}
     inference = {node.name for node in rewritten.nodes if node.op_type == "BatchNormalization"}
@@ -156,7 +157,8 @@ def test_rewrite_keeps_names_roles_and_leaves_other_providers_alone():
     producers = rewritten.def_use().producer
     for out in _running_stats(step) & set(rewritten.outputs):
         assert roles[producers[out].name] is Role.FORWARD, out
-    assert for_provider(rewritten, "cuda") == (rewritten, 0)  # nothing left to rewrite
+    # nothing left to rewrite
+    assert for_provider(rewritten, "cuda") == (rewritten, {"batchnorm_rewritten": 0})
     # The running statistics stay what the reports call them ("other", not optimizer state).
     kinds, kinds_after = categorize(step), categorize(rewritten)
     state = TrainingStep.of(step).state

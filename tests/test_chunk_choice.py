@@ -21,7 +21,7 @@ from memcc.compiler import CompileOptions, compile_model, summary_lines
 from memcc.frontend.build import BuildOptions, build_training_step
 from memcc.frontend.load import load_graph
 from memcc.frontend.row_chunks import ROW_CHUNKS_TOLERANCE
-from memcc.report import print_report
+from memcc.report_view import print_report
 from models import build_model
 
 WHOLE = BuildOptions(loss_chunks=1, attention_chunks=1, mlp_chunks=1)

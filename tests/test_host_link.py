@@ -50,7 +50,7 @@ def test_a_link_faster_than_any_host_link_is_refused_and_compile_falls_back(tmp_
     copies at the nominal rate with a warning."""
     import onnxruntime
 
-    from memcc.compiler.pipeline import measured_link
+    from memcc.compiler.costing import measured_link
 
     monkeypatch.setattr(host_link, "CACHE_DIR", tmp_path)
     monkeypatch.setattr(host_link, "_fit", lambda points, source: (2e-5, 3.1e12))

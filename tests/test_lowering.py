@@ -21,7 +21,6 @@ from memcc.passes.lowering.lower import (
     PASSES,
     InsertRecompute,
     LoweringError,
-    PassReport,
     copy_order_problems,
     lower,
 )
@@ -167,7 +166,7 @@ def test_offloaded_values_go_out_after_the_forward_and_back_before_the_backward(
     plan = Plan(frozenset(), "hand", {}, {v: Offload("host") for v in values})
     low = lower(g, plan, st, check="full")
     report = low.reports[-1]
-    assert report.changed and report.details["copies"] == 2 * len(values)
+    assert report.changed and report.summary["copies"] == 2 * len(values)
     nodes = low.graph.nodes
     where = {n.name: i for i, n in enumerate(nodes)}
     for v in values:
@@ -215,33 +214,33 @@ def test_ensures_catch_a_pass_that_breaks_the_order(step):
     g, st = step
 
     class Broken(InsertRecompute):
-        def run(self, graph, plan, st):
-            out, report = super().run(graph, plan, st)
+        def run(self, graph):
+            out, summary = super().run(graph)
             out.set_nodes(list(reversed(out.nodes)))
-            return out, report
+            return out, summary
 
     plan = Plan(frozenset(st.recomputable))
     with pytest.raises(LoweringError, match="not a valid execution order"):
-        lower(g, plan, st, passes=(Broken(),))
-    lower(g, plan, st, passes=(Broken(),), check="off")  # only ensures catch it
+        lower(g, plan, st, passes=(Broken,))
+    lower(g, plan, st, passes=(Broken,), check="off")  # only ensures catch it
 
 
 def test_ensures_catch_a_stale_index(step):
     g, st = step
 
     class Sloppy(InsertRecompute):
-        def run(self, graph, plan, st):
-            out, report = super().run(graph, plan, st)
+        def run(self, graph):
+            out, summary = super().run(graph)
             du = out.def_use()
             node = out.nodes[-1]
             node.input[0] = node.input[0]  # fine; now an edit behind the index's back:
             node.output[0], keep = node.output[0] + ".renamed", node.output[0]
             out.outputs = [o if o != keep else node.output[0] for o in out.outputs]
             assert du is out.def_use()
-            return out, PassReport(report.name, True, report.details)
+            return out, summary
 
     with pytest.raises(LoweringError, match="def-use index is stale"):
-        lower(g, Plan(frozenset(st.recomputable)), st, passes=(Sloppy(),), check="full")
+        lower(g, Plan(frozenset(st.recomputable)), st, passes=(Sloppy,), check="full")
 
 
 def test_copy_in_must_follow_its_copy_out():

@@ -17,7 +17,7 @@ from memcc.frontend.build import BuildOptions, build_training_step
 from memcc.frontend.load import load_graph
 from memcc.passes.analysis.phases import plan_origin, step_phases
 from memcc.passes.plan import StepStructure
-from memcc.report import aligned_x, plot_timeline, timeline_figure
+from memcc.report_view import aligned_x, plot_timeline, timeline_figure
 from models import build_model
 
 

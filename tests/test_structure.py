@@ -36,7 +36,8 @@ PACKAGE = "memcc"
 
 # Modules (and packages) directly under memcc/ that drive the rest: everything else
 # directly under memcc/ is the shared bottom. A new driver module goes here.
-DRIVERS = ("compiler", "analyze", "tune", "trainer", "report", "api", "cli")
+DRIVERS = ("compiler", "analyze", "tune", "trainer", "report", "report_view", "report_text",
+           "api", "cli")
 # Inside memcc.passes, bottom to top.
 PASS_ROOMS = ("plan", "analysis", "providers", "lowering", "planning")
 MAX_MODULE_LINES = 500
@@ -55,34 +56,15 @@ LONG_MODULES_BY_DESIGN = {f"memcc/frontend/gradients/{m}.py"
 # Other helpers are removing these now; the lead empties this list when their work is
 # merged. Do not add to it: fix the new violation instead.
 ALLOWED = frozenset({
-    'upward: memcc.frontend.load -> memcc.backend.ort_kernels',
-    'lines: memcc/frontend/build.py',
-    'lines: memcc/frontend/canonicalize.py',
-    'lines: memcc/frontend/exported.py',
     'lines: memcc/passes/planning/model/variant_terms.py',
     'lines: memcc/passes/planning/strategies.py',
-    'long: memcc/compiler/pipeline.py::compile_model',
-    'long: memcc/frontend/build.py::build_training_step',
-    'long: memcc/frontend/canonicalize.py::_sequence',
-    'long: memcc/frontend/exported.py::read_export_map',
     'long: memcc/passes/planning/model/recompute_terms.py::add_recompute_terms',
     'long: memcc/passes/planning/model/variant_terms.py::add_variant_terms',
     'long: memcc/passes/planning/planner.py::choose_plan',
-    'long: memcc/report.py::timeline_figure',
     'wide: memcc/compiler/chunk_choice.py::_attempt',
     'wide: memcc/compiler/chunk_choice.py::choose_row_chunks',
     'wide: memcc/compiler/planning.py::plan_in_budget',
     'wide: memcc/compiler/planning.py::plan_offloading_state',
-    'wide: memcc/compiler/report.py::build_report',
-    'wide: memcc/frontend/autodiff.py::_no_rule_message',
-    'wide: memcc/frontend/build.py::_emit_update',
-    'wide: memcc/frontend/emit.py::Emitter.op',
-    'wide: memcc/frontend/gradients/nn.py::batchnorm_train_backward',
-    'wide: memcc/frontend/gradients/nn.py::layernorm_backward',
-    'wide: memcc/frontend/gradients/shape_ops.py::_fold_axis',
-    'wide: memcc/frontend/gradients/variants.py::register_variant',
-    'wide: memcc/frontend/row_chunks.py::_is_closed',
-    'wide: memcc/passes/lowering/lower.py::_ensure_rewrite',
     'wide: memcc/passes/planning/model/recompute_terms.py::_forward_cuts',
     'wide: memcc/passes/planning/model/variant_terms.py::_add_joint_freeing',
     'wide: memcc/passes/planning/model/variant_terms.py::_writes_over',

@@ -1,5 +1,10 @@
 """What to try next, in words: after a failed ``--verify``, and where row chunks could lower
-the smallest budget."""
+the smallest budget.
+
+In: the verification result (``backend/verify.py``'s dict) with the options and the plan's
+peak, or the ``load`` pass's summary. Out: sentences, which the report keeps
+(``verification.next_steps``) and the refusals append; nothing here decides or plans.
+"""
 
 from __future__ import annotations
 

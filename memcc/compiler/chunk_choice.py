@@ -35,6 +35,7 @@ from memcc.frontend.load import load_graph
 from memcc.frontend.row_chunks import ATTENTION, MLP, find_regions
 from memcc.graph import Graph
 from memcc.passes.planning.planner import BudgetError
+from memcc.report_text import describe_chunks as describe
 from memcc.sizes import format_size
 
 if TYPE_CHECKING:
@@ -114,12 +115,6 @@ class Choice:
 
     attempt: Attempt
     report: dict
-
-
-def describe(chunks: dict[str, int]) -> str:
-    """``loss 8, attention 4, mlp 4``; ``none`` where nothing is split."""
-    parts = [f"{k} {n}" for k, n in chunks.items() if n > 1]
-    return ", ".join(parts) if parts else "none"
 
 
 def sites(forward: Graph, build: BuildOptions) -> dict[str, int]:
@@ -327,17 +322,3 @@ def _refusal(chosen: Attempt, tried: list[Attempt], label: str) -> BudgetError:
         f"{exc} Compile also built the step with other row chunks: the smallest budget "
         f"above is with {describe(chosen.chunks)} (the others: {others}).",
         budget=exc.budget, smallest=exc.smallest, outcome=exc.outcome)
-
-
-def summary_line(report: dict) -> str | None:
-    """The line ``memcc compile`` prints about row chunks (None: nothing to say, the step
-    was planned as loaded and nothing was searched)."""
-    rc = report.get("row_chunks") or {}
-    chosen = rc.get("chosen") or {}
-    if not rc.get("searched") and not any(n > 1 for n in chosen.values()):
-        return None
-    line = f"row chunks {describe(chosen)}"
-    tried = rc.get("candidates") or []
-    if rc.get("searched"):
-        line += f" (chosen by compile of {len(tried)} settings planned)"
-    return line

@@ -1,21 +1,20 @@
-"""What a compile says as it goes: one ``PassReport`` per stage, progress lines, warnings."""
+"""What a compile says as it goes: progress lines, warnings, and one ``PassReport`` per
+stage (the pass contract's, ``memcc/pass_contract.py``, which runs the stages).
+
+In: where the caller wants progress lines and warnings (the CLI prints them as they come).
+Out: the ``Progress`` callable type, and ``warning_sink``: the report's list of warnings
+with the function that adds to it.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+
+from memcc.pass_contract import PassReport
 
 Progress = Callable[[str], None]
 
-
-@dataclass(frozen=True)
-class PassReport:
-    name: str
-    time_s: float
-    summary: dict
-
-    def to_json(self) -> dict:
-        return {"name": self.name, "time_s": round(self.time_s, 4), "summary": self.summary}
+__all__ = ["PassReport", "Progress", "warning_sink"]
 
 
 def warning_sink(warn: Callable[[str], None] | None

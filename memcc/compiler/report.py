@@ -1,158 +1,144 @@
-"""The compile report: the JSON every ``memcc compile`` writes (README, "Report fields") and the
-few lines the CLI prints from it."""
+"""The compile report: the JSON every ``memcc compile`` writes (README, "Report fields").
+
+In: ``ReportInputs``, what one compile decided (budget, the plan outcome, costs, the
+passes' reports, verification, row chunks, offloaded state, warnings). Out: the report
+dict, keys in the order the file shows them. The words printed from a report live in
+``memcc/report_text.py``: a report read back needs them without the compiler.
+"""
 
 from __future__ import annotations
 
-from memcc.compiler.chunk_choice import summary_line
-from memcc.compiler.options import BASE_SLACK_BYTES
+from dataclasses import dataclass
+
+from memcc.compiler.options import BASE_SLACK_BYTES, CompileOptions
+from memcc.pass_contract import PassReport
 from memcc.passes.analysis.cost_model import CostModel
-from memcc.passes.analysis.liveness import HEAP_BYTES_PER_SMALL_BUFFER
 from memcc.passes.analysis.phases import plan_origin, step_phases
 from memcc.passes.analysis.step_traffic import step_traffic
 from memcc.passes.planning.planner import PlanOutcome
 from memcc.passes.planning.simulate import Simulation
-from memcc.sizes import format_size
 
 
-def _calibration_of(passes) -> dict:
+@dataclass(frozen=True)
+class ReportInputs:
+    """What the report is made of, as the pipeline's last stages hold it."""
+
+    options: CompileOptions
+    budget: int                   # the user's, or the one --budget min reached
+    plan_budget: int | None       # what the planner planned for (None: --budget min)
+    slack: int                    # bytes kept free besides the margin
+    was_min: bool                 # --budget min
+    outcome: PlanOutcome          # its ``best`` is the plan written, ``baseline`` the step
+    costs: CostModel
+    passes: list[PassReport]
+    compile_time_s: float
+    verification: dict | None
+    row_chunks: dict              # compiler/chunk_choice.py's section
+    offloaded_state: dict | None  # compiler/planning.py's section (None: not tried)
+    warnings: list[str]
+
+
+def build_report(r: ReportInputs) -> dict:
+    """The report dict for ``r``; its ``verification`` is ``r.verification`` itself (a
+    failed verification adds what to try next to it afterwards)."""
+    base, plan = r.outcome.baseline, r.outcome.best
+    report = {
+        "budget_bytes": int(r.budget),
+        "budget_was_min": r.was_min,
+        "margin": r.options.margin,
+        "slack_bytes": int(r.slack),
+        "heap_allowance_bytes": int(max(r.slack - BASE_SLACK_BYTES, 0)
+                                    if r.options.slack_bytes is None else 0),
+        "planning_budget_bytes": int(r.plan_budget if r.plan_budget is not None
+                                     else plan.peak_bytes),
+        "baseline": _baseline(base),
+        "plan": _plan(r, base, plan),
+        "passes": [p.to_json() for p in r.passes],
+        "compile_time_s": r.compile_time_s,
+        "solver": {k: r.outcome.solver.get(k) for k in ("name", "status", "gap")}
+        | {k: v for k, v in r.outcome.solver.items() if k not in ("name", "status", "gap")},
+        # Every strategy that ran and what it returned; ``solver`` is the last ILP solve
+        # only, which need not be where the plan came from.
+        "strategies": r.outcome.runs,
+        "cost_model": {"source": r.costs.source, "provider": r.options.provider}
+        | ({"host_link": r.costs.link.to_json()} if r.costs.link is not None else {})
+        | _calibration_of(r.passes),
+        "timeline": {
+            "baseline": list(base.liveness.live_during),
+            "plan": list(plan.liveness.live_during),
+            "phases": step_phases(base.graph),
+            "plan_origin": plan_origin(base.graph, plan.graph),
+        },
+        "verification": r.verification,
+        "options": {"strategy": r.options.strategy, "provider": r.options.provider,
+                    "arena": r.options.arena, "time_limit": r.options.time_limit,
+                    "cost": r.options.cost},
+        "row_chunks": r.row_chunks,
+        "offloaded_state": r.offloaded_state,
+    }
+    offloaded = r.offloaded_state
+    if offloaded is not None and offloaded["used"]:
+        # the copies are in no node's measured time: add them to the plan's (predicted)
+        planned = report["plan"]
+        planned["compute_cost_s"] += offloaded["added_time_s"]
+        base_cost = report["baseline"]["compute_cost_s"]
+        planned["overhead"] = (planned["compute_cost_s"] / base_cost - 1.0 if base_cost > 0
+                               else 0.0)
+    report["warnings"] = r.warnings
+    return report
+
+
+def _baseline(base: Simulation) -> dict:
+    """The step as built: its peak, time, what is live at the peak, kernels and bytes moved
+    per step (``passes/analysis/step_traffic.py``)."""
+    traffic = step_traffic(base.graph)
+    return {
+        "peak_bytes": base.peak_bytes,
+        "compute_cost_s": base.compute_cost_s,
+        "breakdown_at_peak": dict(base.liveness.breakdown),
+        "peak_node": base.liveness.peak_node,
+        "kernels": traffic.kernels,
+        "bytes_moved": traffic.bytes_moved,
+    }
+
+
+def _plan(r: ReportInputs, base: Simulation, plan: Simulation) -> dict:
+    """The plan written: as ``_baseline``, counting its recompute clones and swap copies,
+    with the strategy that chose it and what it recomputes, offloads and substitutes."""
+    base_cost, plan_cost = base.compute_cost_s, plan.compute_cost_s
+    live = plan.liveness
+    traffic = step_traffic(plan.graph)
+    outcome = r.outcome
+    return {
+        "peak_bytes": plan.peak_bytes,
+        "compute_cost_s": plan_cost,
+        "kernels": traffic.kernels,
+        "bytes_moved": traffic.bytes_moved,
+        "overhead": (plan_cost / base_cost - 1.0) if base_cost > 0 else 0.0,
+        "fits": plan.peak_bytes <= r.budget,
+        "strategy": outcome.strategy,
+        "requested_strategy": outcome.requested,
+        "picked_strategy": outcome.picked,
+        "strategy_label": outcome.label,
+        "breakdown_at_peak": dict(live.breakdown),
+        "peak_node": live.peak_node,
+        "recomputed_values": list(plan.recomputed_values),
+        "recomputed_nodes": sorted(plan.plan.recompute),
+        "recompute_again_nodes": sorted(plan.plan.recompute_again),
+        "offloaded_values": sorted(plan.plan.offload),
+        "variants": next((p.summary["variants"] for p in r.passes if p.name == "plan"
+                          and "variants" in p.summary), None),
+        "host_peak_bytes": live.host_peak_bytes,
+        "device_arena": plan.arena.to_json() if plan.arena is not None else None,
+        "device": ({k: v for k, v in plan.device.to_json().items() if k != "arena"}
+                   if plan.device is not None else None),
+        "live_peak_bytes": live.peak_bytes,
+    }
+
+
+def _calibration_of(passes: list[PassReport]) -> dict:
     """The CUDA calibration the node times were estimated from, as the cost pass said."""
     for p in passes:
         if p.name == "cost_model" and p.summary.get("calibration"):
             return {"calibration": p.summary["calibration"]}
     return {}
-
-
-def build_report(options, budget, plan_budget, slack, was_min, base: Simulation, plan: Simulation,
-            outcome: PlanOutcome, costs: CostModel, passes, compile_time, verification) -> dict:
-    base_cost = base.compute_cost_s
-    plan_cost = plan.compute_cost_s
-    live = plan.liveness
-    # Kernels and bytes moved per step (passes/analysis/step_traffic.py): the plan's rewritten step
-    # counts its recompute clones and swap copies.
-    base_traffic, plan_traffic = step_traffic(base.graph), step_traffic(plan.graph)
-    return {
-        "budget_bytes": int(budget),
-        "budget_was_min": was_min,
-        "margin": options.margin,
-        "slack_bytes": int(slack),
-        "heap_allowance_bytes": int(max(slack - BASE_SLACK_BYTES, 0)
-                                    if options.slack_bytes is None else 0),
-        "planning_budget_bytes": int(plan_budget if plan_budget is not None else plan.peak_bytes),
-        "baseline": {
-            "peak_bytes": base.peak_bytes,
-            "compute_cost_s": base_cost,
-            "breakdown_at_peak": dict(base.liveness.breakdown),
-            "peak_node": base.liveness.peak_node,
-            "kernels": base_traffic.kernels,
-            "bytes_moved": base_traffic.bytes_moved,
-        },
-        "plan": {
-            "peak_bytes": plan.peak_bytes,
-            "compute_cost_s": plan_cost,
-            "kernels": plan_traffic.kernels,
-            "bytes_moved": plan_traffic.bytes_moved,
-            "overhead": (plan_cost / base_cost - 1.0) if base_cost > 0 else 0.0,
-            "fits": plan.peak_bytes <= budget,
-            "strategy": outcome.strategy,
-            "requested_strategy": outcome.requested,
-            "picked_strategy": outcome.picked,
-            "strategy_label": outcome.label,
-            "breakdown_at_peak": dict(live.breakdown),
-            "peak_node": live.peak_node,
-            "recomputed_values": list(plan.recomputed_values),
-            "recomputed_nodes": sorted(plan.plan.recompute),
-            "recompute_again_nodes": sorted(plan.plan.recompute_again),
-            "offloaded_values": sorted(plan.plan.offload),
-            "variants": next((p.summary["variants"] for p in passes if p.name == "plan"
-                              and "variants" in p.summary), None),
-            "host_peak_bytes": live.host_peak_bytes,
-            "device_arena": plan.arena.to_json() if plan.arena is not None else None,
-            "device": ({k: v for k, v in plan.device.to_json().items() if k != "arena"}
-                       if plan.device is not None else None),
-            "live_peak_bytes": live.peak_bytes,
-        },
-        "passes": [p.to_json() for p in passes],
-        "compile_time_s": compile_time,
-        "solver": {k: outcome.solver.get(k) for k in ("name", "status", "gap")}
-        | {k: v for k, v in outcome.solver.items() if k not in ("name", "status", "gap")},
-        # Every strategy that ran and what it returned; ``solver`` is the last ILP solve
-        # only, which need not be where the plan came from.
-        "strategies": outcome.runs,
-        "cost_model": {"source": costs.source, "provider": options.provider}
-        | ({"host_link": costs.link.to_json()} if costs.link is not None else {})
-        | _calibration_of(passes),
-        "timeline": {
-            "baseline": list(base.liveness.live_during),
-            "plan": list(live.live_during),
-            "phases": step_phases(base.graph),
-            "plan_origin": plan_origin(base.graph, plan.graph),
-        },
-        "verification": verification,
-        "options": {"strategy": options.strategy, "provider": options.provider,
-                    "arena": options.arena, "time_limit": options.time_limit,
-                    "cost": options.cost},
-    }
-
-
-def summary_lines(report: dict) -> list[str]:
-    """The few lines ``memcc compile`` prints: budget, peaks, strategy, and with --verify
-    each of the three checks (a user should not need the JSON to see what was proven)."""
-    b, p = report["baseline"], report["plan"]
-    lines = [
-        f"budget   {format_size(report['budget_bytes'])}"
-        + (" (smallest reachable)" if report.get("budget_was_min") else "")
-        + _margin_note(report),
-        f"baseline peak {format_size(b['peak_bytes'])}  ->  plan peak "
-        f"{format_size(p['peak_bytes'])}  ({'fits' if p['fits'] else 'DOES NOT FIT'})",
-        f"strategy {p.get('strategy_label', p['strategy'])}: "
-        f"{len(p['recomputed_values'])} values recomputed"
-        + (f" ({len(p['recompute_again_nodes'])} nodes rebuilt again for later readers)"
-           if p.get("recompute_again_nodes") else "")
-        + f", predicted added time {p['overhead'] * 100:.1f}%",
-    ]
-    o = report.get("offloaded_state")
-    if o and o["used"]:
-        reach = (f"; smallest budget {format_size(o['smallest_budget_bytes'])} with it, "
-                 if o.get("smallest_budget_bytes") else "; ")
-        without = o.get("smallest_budget_without_bytes")
-        lines.append(f"offload  optimizer state in host memory: {len(o['tensors'])} tensors, "
-                     f"{format_size(o['bytes'])}, copies add {o['added_time_s'] * 1e3:.1f} ms"
-                     + (f"{reach}{format_size(without)} without (predicted)" if without
-                        else ""))
-    if (chunks := summary_line(report)) is not None:
-        lines.append(chunks)
-    v = report.get("verification")
-    if v:
-        lines.append(f"verify   {'OK' if v['ok'] else 'FAILED'}: " + "; ".join(verify_checks(v)))
-    return lines
-
-
-def verify_checks(v: dict) -> list[str]:
-    """The three verification checks in words, e.g. for ``summary_lines``."""
-    n = v.get("outputs_compared")
-    if v.get("outputs_match", not any("output" in p for p in v.get("problems", []))):
-        outputs = f"{n} outputs {v.get('comparison')}"
-    else:
-        outputs = (f"{v.get('outputs_differing', '?')} of {n} outputs differ "
-                   f"(expected {v.get('comparison')})")
-    measured, budget = v.get("measured_peak_bytes"), v.get("budget_bytes")
-    if measured is None:
-        peak = f"peak not measured ({v.get('measurement_method')})"
-    elif budget is None:
-        peak = f"measured peak {format_size(measured)}"
-    else:
-        sign = "<=" if measured <= budget else ">"
-        peak = f"measured peak {format_size(measured)} {sign} budget {format_size(budget)}"
-    order = ("executed order = planned order" if v.get("order_matches_plan")
-             else "executed order differs from the plan")
-    return [outputs, peak, order]
-
-
-def _margin_note(report: dict) -> str:
-    """What the budget keeps free besides the plan's peak, where the heap takes a share."""
-    heap = report.get("heap_allowance_bytes") or 0
-    if not heap:
-        return ""
-    return (f"; margin {report['margin']:.0%} + {format_size(report['slack_bytes'])}, "
-            f"{format_size(heap)} of it for the heap of "
-            f"{heap // HEAP_BYTES_PER_SMALL_BUFFER:,} small buffers")

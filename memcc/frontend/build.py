@@ -110,7 +110,7 @@ def build_training_step(forward: Graph, options: BuildOptions | None = None,
     graph.metadata.update(_contract(forward, built, out, opts))
     graph.metadata.pop(EXPORT_MAP_KEY, None)  # read into the two records above
     # memcc's own fusions, so that planning sees the step as ORT runs it (frontend/fuse.py).
-    graph = fuse_step(graph, opts.fusions)
+    graph, _ = fuse_step(graph, opts.fusions)
     _drop_unused_initializers(graph)
     return graph
 
@@ -128,7 +128,8 @@ def _check_forward(forward: Graph, source: str) -> None:
 
 def _chunk_rows(graph: Graph, opts: BuildOptions, source: str) -> dict[str, dict[str, int]]:
     """Rewrite attentions and MLPs over row chunks where asked; the record of what was."""
-    return {kind: {"chunks": k, "regions": chunk_regions(graph, kind, k, source)}
+    return {kind: {"chunks": k,
+                   "regions": chunk_regions(graph, kind, k, source)[1]["regions"]}
             for kind, k in ((ATTENTION, opts.attention_chunks or 1),
                             (MLP, opts.mlp_chunks or 1))
             if k > 1}

@@ -93,8 +93,10 @@ def shapes_needed(model: onnx.ModelProto) -> list[str]:
             if w and (w not in types or types[w][1] is None)]
 
 
-def canonicalize(model: onnx.ModelProto, where: str) -> bool:
-    """Rewrite ``model`` (shapes already inferred) in place; return whether it changed.
+def canonicalize(model: onnx.ModelProto, where: str) -> tuple[onnx.ModelProto, dict]:
+    """Rewrite ``model`` (shapes already inferred) in place; return it and whether it
+    changed (the pass contract's shape, ``memcc/pass_contract.py``, over the ONNX model:
+    it runs before there is a ``Graph``).
 
     The caller re-runs shape inference afterwards: new values carry no type yet.
     """
@@ -141,7 +143,7 @@ def canonicalize(model: onnx.ModelProto, where: str) -> bool:
     if changed:
         del model.graph.node[:]
         model.graph.node.extend(out)
-    return changed
+    return model, {"changed": changed}
 
 
 _FLOATS = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16,

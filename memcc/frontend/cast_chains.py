@@ -73,16 +73,17 @@ def _unsafe(src: int | None, dst: int | None) -> bool:
     return _bits(src) > _bits(dst)
 
 
-def drop_cast_chains(graph: Graph, *, max_sweeps: int = 8) -> int:
-    """Apply ORT's rule (module docstring) until it removes nothing; return how many Casts
-    went. The graph's nodes are replaced in place."""
+def drop_cast_chains(graph: Graph, *, max_sweeps: int = 8) -> tuple[Graph, dict]:
+    """Apply ORT's rule (module docstring) until it removes nothing; return the graph and
+    how many Casts went (the pass contract, ``memcc/pass_contract.py``). The graph's nodes
+    are replaced in place."""
     total = 0
     for _ in range(max_sweeps):
         removed = _sweep(graph)
         total += removed
         if not removed:
             break
-    return total
+    return graph, {"casts_dropped": total}
 
 
 def _sweep(graph: Graph) -> int:

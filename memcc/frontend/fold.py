@@ -26,8 +26,9 @@ _NEVER = frozenset({"RandomNormal", "RandomNormalLike", "RandomUniform", "Random
                     "Bernoulli", "Multinomial", "Dropout"})
 
 
-def fold_shape_computations(graph: Graph) -> int:
-    """Replace statically known small nodes by Constant nodes in place; return how many."""
+def fold_shape_computations(graph: Graph) -> tuple[Graph, dict]:
+    """Replace statically known small nodes by Constant nodes in place; return the graph
+    and how many (the pass contract, ``memcc/pass_contract.py``)."""
     known: dict[str, np.ndarray] = {}
     for name, arr in graph.initializers.items():
         if name not in graph.inputs and not np.issubdtype(np.asarray(arr).dtype, np.floating):
@@ -51,7 +52,7 @@ def fold_shape_computations(graph: Graph) -> int:
                                           value=numpy_helper.from_array(value, out)))
         folded += 1
     graph.nodes = new_nodes
-    return folded
+    return graph, {"folded": folded}
 
 
 def _fold(node: onnx.NodeProto, graph: Graph, known: dict[str, np.ndarray]

@@ -80,13 +80,15 @@ def fuse(graph: Graph, rules: tuple[str, ...] = RULES, *,
     return out, report
 
 
-def fuse_step(graph: Graph, rules: tuple[str, ...] = RULES) -> Graph:
+def fuse_step(graph: Graph, rules: tuple[str, ...] = RULES) -> tuple[Graph, dict]:
     """``fuse`` a training step and record what it did in the result's metadata
     (``FUSIONS_KEY``: ``FusionReport.to_json()``; the result is ``graph`` itself when nothing
-    fuses), as ``memcc build`` and compile's loading of an older step do."""
+    fuses), as ``memcc build`` and compile's loading of an older step do. Returns the step
+    and that record (the pass contract, ``memcc/pass_contract.py``)."""
     out, report = fuse(graph, rules)
-    out.metadata[FUSIONS_KEY] = json.dumps(report.to_json())
-    return out
+    summary = report.to_json()
+    out.metadata[FUSIONS_KEY] = json.dumps(summary)
+    return out, summary
 
 
 def _rule_boundaries(graph: Graph) -> set[str]:

@@ -34,6 +34,7 @@ from memcc.frontend.folded_copies import recompute_folded_copies
 from memcc.frontend.function_ops import expand_function_ops
 from memcc.frontend.ort_kernels import inlined_by_ort
 from memcc.graph import Graph, TensorInfo, node_label
+from memcc.pass_contract import Pass, PassRunner
 from memcc.step import KIND_KEY, TRAINING_STEP
 
 _CANONICAL_ROUNDS = 4
@@ -109,7 +110,8 @@ def load_graph(
         unknown = shapes_needed(model)
         if unknown:
             _add_types_by_running(model, unknown)
-        if not canonicalize(model, where):
+        model, canonical = canonicalize(model, where)
+        if not canonical["changed"]:
             break
         model = _infer(model, where)
     _check_supported_structure(model, where)
@@ -138,9 +140,8 @@ def load_graph(
             "data or is not a plain tensor. memcc plans static shapes: export the model so "
             "that this value's shape follows from the input shapes."
         )
-    fold_shape_computations(graph)
-    drop_cast_chains(graph)
-    return graph
+    return PassRunner().run((Pass("fold", fold_shape_computations),
+                             Pass("cast-chains", drop_cast_chains)), graph)
 
 
 def _differentiable_as_is() -> frozenset[str]:

@@ -299,11 +299,12 @@ _WHAT = {
 }
 
 
-def chunk_regions(graph: Graph, kind: str, chunks: int, source: str) -> int:
+def chunk_regions(graph: Graph, kind: str, chunks: int, source: str) -> tuple[Graph, dict]:
     """Rewrite every region of ``kind`` in ``graph`` (a forward model) over ``chunks`` row
-    chunks, in place; return how many there were."""
+    chunks, in place; return the graph and how many regions there were (the pass contract,
+    ``memcc/pass_contract.py``)."""
     if chunks <= 1:
-        return 0
+        return graph, {"regions": 0}
     regions = find_regions(graph, kind)
     if not regions:
         raise InputError(
@@ -324,7 +325,7 @@ def chunk_regions(graph: Graph, kind: str, chunks: int, source: str) -> int:
     for r in regions:
         for v in _made(r.nodes, r.firsts):
             graph.info.pop(v, None)
-    return len(regions)
+    return graph, {"regions": len(regions)}
 
 
 def _rewrite(graph: Graph, emit: Emitter, region: RowRegion,

@@ -18,7 +18,7 @@ def plot_tune(result: TuneResult, path: str | os.PathLike) -> Path:
     """Draw ``tune_figure(result)`` at ``path`` (atomically, in the format its suffix names)."""
     import matplotlib.pyplot as plt
 
-    from memcc.report import save_figure
+    from memcc.report_view import save_figure
 
     fig = tune_figure(result)
     try:

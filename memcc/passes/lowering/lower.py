@@ -5,9 +5,13 @@
 Every pass states what it ``requires`` of its input (the plan fits the step, the graph is
 a valid order) and what it ``ensures`` of its output (every recomputed input is resident
 when its clone runs, no copy-in precedes its copy-out, the graph is a valid topological
-order with a correct def-use index), and returns the graph with a report. The simulator
-(``passes/planning/simulate.py``) is this lowering plus liveness, and the compiler writes what it
-returns, so every strategy is judged by, and gets, the same rewrite.
+order with a correct def-use index), and returns the graph with its summary: the pass
+contract (``memcc/pass_contract.py``), whose runner checks, times and reports each pass.
+The simulator (``passes/planning/simulate.py``) is this lowering plus liveness, and the
+compiler writes what it returns, so every strategy is judged by, and gets, the same rewrite.
+
+In: a training step, a ``Plan`` and the step's ``StepStructure``. Out: a ``Lowering``, the
+rewritten step with one ``PassReport`` per pass.
 
 Variants (``passes/lowering/variant_substitution.py``) run first: they change what the forward pass
 hands to the
@@ -19,10 +23,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from memcc.errors import MemccError
 from memcc.graph import Graph, topological_problems
+from memcc.pass_contract import PassReport, PassRunner
 from memcc.passes.lowering.recompute import apply_recompute
 from memcc.passes.lowering.swap import COPY_IN, COPY_OUT, apply_offload, offload_problems
 from memcc.passes.lowering.variant_substitution import apply_variants, variant_problems
@@ -39,25 +43,42 @@ class LoweringError(MemccError):
 
 
 @dataclass(frozen=True)
-class PassReport:
-    """What one pass did: its name, whether the graph changed, and pass-specific facts."""
+class LoweringPass:
+    """One step of the lowering, bound to the plan it lowers and the step's structure (the
+    pass contract's ``GraphPass``, ``memcc/pass_contract.py``, with its checks). ``run``
+    must not modify its input graph."""
 
-    name: str
-    changed: bool
-    details: Mapping[str, object] = field(default_factory=dict)
+    plan: Plan
+    st: StepStructure
+    name = "lowering-pass"
 
+    def requires(self, graph: Graph) -> None:
+        """Refuse a plan this pass cannot realise on ``graph``."""
 
-class LoweringPass(Protocol):
-    """One step of the lowering. ``run`` must not modify its input graph."""
+    def run(self, graph: Graph) -> tuple[Graph, dict]:
+        raise NotImplementedError
 
-    name: str
+    def changed(self, before: Graph, after: Graph, summary: dict) -> bool:
+        return after is not before
 
-    def requires(self, graph: Graph, plan: Plan, st: StepStructure) -> None: ...
+    def ensures(self, before: Graph, after: Graph, report: PassReport,
+                full: bool = False) -> None:
+        """Refuse an output that breaks the pass's guarantee (``full``: index checks too)."""
 
-    def run(self, graph: Graph, plan: Plan, st: StepStructure) -> tuple[Graph, PassReport]: ...
-
-    def ensures(self, before: Graph, after: Graph, plan: Plan, st: StepStructure,
-                report: PassReport, full: bool = False) -> None: ...
+    def ensure_rewrite(self, after: Graph, full: bool, replaced: tuple[str, ...], what: str,
+                       where: str) -> None:
+        """A rewrite that hands backward readers another copy of ``replaced`` values: the
+        result is a valid order, its index is right (full checks), and no backward node
+        reads an original any more (a copy-out reads it: that is how it leaves)."""
+        _fail(self.name, "the lowered step is not a valid execution order",
+              topological_problems(after))
+        if full:
+            _ensure_index(self.name, after)
+        du = after.def_use()
+        stale = [f"'{r.name}' reads '{v}'{where}" for v in replaced
+                 for r in du.readers.get(v, ())
+                 if r.name not in self.st.forward and r.op_type not in COPY_OUT_OPS]
+        _fail(self.name, what, stale)
 
 
 def _fail(pass_name: str, what: str, problems: list[str]) -> None:
@@ -66,51 +87,39 @@ def _fail(pass_name: str, what: str, problems: list[str]) -> None:
         raise LoweringError(f"{pass_name}: {what}: {'; '.join(problems[:3])}{more}")
 
 
-def _ensure_rewrite(pass_name: str, after: Graph, st: StepStructure, full: bool,
-                    replaced: tuple[str, ...], what: str, where: str) -> None:
-    """A rewrite that hands backward readers another copy of ``replaced`` values: the
-    result is a valid order, its index is right (full checks), and no backward node reads
-    an original any more (a copy-out reads it: that is how it leaves)."""
-    _fail(pass_name, "the lowered step is not a valid execution order",
-          topological_problems(after))
-    if full:
-        _ensure_index(pass_name, after)
-    du = after.def_use()
-    stale = [f"'{r.name}' reads '{v}'{where}" for v in replaced
-             for r in du.readers.get(v, ())
-             if r.name not in st.forward and r.op_type not in COPY_OUT_OPS]
-    _fail(pass_name, what, stale)
-
-
 def _ensure_index(pass_name: str, graph: Graph) -> None:
     """The def-use index the pass handed on equals one rebuilt from scratch (full checks)."""
     _fail(pass_name, "the def-use index is stale", graph.def_use().check(graph.nodes))
 
 
 # ---------------------------------------------------------------------------- passes
-class SubstituteVariants:
+@dataclass(frozen=True)
+class SubstituteVariants(LoweringPass):
     """Replace forward nodes' default gradient rules by the variants the plan chose
     (``passes/lowering/variant_substitution.py``)."""
 
     name = "substitute-variants"
 
-    def requires(self, graph: Graph, plan: Plan, st: StepStructure) -> None:
-        unknown = sorted(n for n in plan.variants if n not in st.forward)
+    def requires(self, graph: Graph) -> None:
+        unknown = sorted(n for n in self.plan.variants if n not in self.st.forward)
         _fail(self.name, "variants name nodes that are not forward nodes", unknown)
         _fail(self.name, "the plan asks for variants it cannot have",
-              variant_problems(graph, plan))
+              variant_problems(graph, self.plan))
 
-    def run(self, graph: Graph, plan: Plan, st: StepStructure) -> tuple[Graph, PassReport]:
-        res = apply_variants(graph, plan)
-        return res.graph, PassReport(self.name, bool(res.substituted), {
+    def run(self, graph: Graph) -> tuple[Graph, dict]:
+        res = apply_variants(graph, self.plan)
+        return res.graph, {
             "substituted": res.substituted,
             "forward_added": res.forward_added,
             "backward_added": res.backward_added,
             "removed": res.removed,
-        })
+        }
 
-    def ensures(self, before: Graph, after: Graph, plan: Plan, st: StepStructure,
-                report: PassReport, full: bool = False) -> None:
+    def changed(self, before: Graph, after: Graph, summary: dict) -> bool:
+        return bool(summary["substituted"])
+
+    def ensures(self, before: Graph, after: Graph, report: PassReport,
+                full: bool = False) -> None:
         if not report.changed:
             if after is not before:
                 raise LoweringError(f"{self.name}: nothing substituted, yet a new graph")
@@ -122,75 +131,83 @@ class SubstituteVariants:
         # The forward pass computes what it did: every original forward node is still there
         # and still forward, and the loss is unchanged.
         names = {n.name for n in after.nodes}
-        lost = sorted(n for n in st.forward if n not in names)
+        lost = sorted(n for n in self.st.forward if n not in names)
         _fail(self.name, "forward nodes disappeared", lost)
-        added = set(report.details["forward_added"])
+        added = set(report.summary["forward_added"])
         fwd_after = TrainingStep.of(after).forward
         _fail(self.name, "the variants' forward nodes are not forward",
               sorted(added - fwd_after))
 
 
-class InsertRecompute:
+@dataclass(frozen=True)
+class InsertRecompute(LoweringPass):
     """Clone recomputed forward nodes into the backward pass (``passes/lowering/recompute.py``)."""
 
     name = "insert-recompute"
 
-    def requires(self, graph: Graph, plan: Plan, st: StepStructure) -> None:
+    def requires(self, graph: Graph) -> None:
         # Recompute of a node that may not be recomputed (Dropout, Constant) is ignored, as
         # it always was; a node that is not forward at all is a strategy bug.
-        stray = sorted(n for n in plan.recompute if n not in st.forward)
+        stray = sorted(n for n in self.plan.recompute if n not in self.st.forward)
         _fail(self.name, "the plan recomputes nodes that are not forward nodes", stray)
 
-    def run(self, graph: Graph, plan: Plan, st: StepStructure) -> tuple[Graph, PassReport]:
-        res = apply_recompute(graph, plan, st)
-        rewrote = bool(plan.recompute & st.recomputable)  # else a plain copy of the input
-        return res.graph, PassReport(self.name, rewrote and bool(res.cloned_nodes), {
-            "rewrote": rewrote,
+    def run(self, graph: Graph) -> tuple[Graph, dict]:
+        res = apply_recompute(graph, self.plan, self.st)
+        return res.graph, {
+            "rewrote": bool(self.plan.recompute & self.st.recomputable),  # else a plain copy
             "cloned_nodes": res.cloned_nodes,
             "recomputed_values": res.recomputed_values,
             "rerun_before": res.rerun_before,
-        })
+        }
 
-    def ensures(self, before: Graph, after: Graph, plan: Plan, st: StepStructure,
-                report: PassReport, full: bool = False) -> None:
-        if not report.details["rewrote"]:  # a copy of the input, node for node
+    def changed(self, before: Graph, after: Graph, summary: dict) -> bool:
+        return summary["rewrote"] and bool(summary["cloned_nodes"])
+
+    def ensures(self, before: Graph, after: Graph, report: PassReport,
+                full: bool = False) -> None:
+        if not report.summary["rewrote"]:  # a copy of the input, node for node
             return
         # One walk: the graph is a valid order, so every recomputed input is resident when
         # its clone runs (ONNX values live until their last reader: produced earlier is
         # enough), and nothing is produced twice. The saving is real: no backward node still
         # reads an original it was given a clone of.
-        _ensure_rewrite(self.name, after, st, full, report.details["recomputed_values"],
-                        "backward nodes still read recomputed originals", "")
+        self.ensure_rewrite(after, full, report.summary["recomputed_values"],
+                            "backward nodes still read recomputed originals", "")
 
 
-class InsertCopies:
+@dataclass(frozen=True)
+class InsertCopies(LoweringPass):
     """Copy offloaded values to host memory and back (``passes/lowering/swap.py``)."""
 
     name = "insert-copies"
 
-    def requires(self, graph: Graph, plan: Plan, st: StepStructure) -> None:
-        not_saved = sorted(v for v in plan.offload if v not in st.saved)
+    def requires(self, graph: Graph) -> None:
+        not_saved = sorted(v for v in self.plan.offload if v not in self.st.saved)
         _fail(self.name, "the plan offloads values that are not saved", not_saved)
-        _fail(self.name, "the plan offloads values it cannot", offload_problems(graph, plan, st))
+        _fail(self.name, "the plan offloads values it cannot",
+              offload_problems(graph, self.plan, self.st))
 
-    def run(self, graph: Graph, plan: Plan, st: StepStructure) -> tuple[Graph, PassReport]:
-        res = apply_offload(graph, plan, st)
-        return res.graph, PassReport(self.name, bool(res.copies), {
+    def run(self, graph: Graph) -> tuple[Graph, dict]:
+        res = apply_offload(graph, self.plan, self.st)
+        return res.graph, {
             "copies": 2 * len(res.copies),
             "offloaded_values": res.offloaded,
             "copied_back_before": {v: first for v, _, _, first in res.copies},
-        })
+        }
 
-    def ensures(self, before: Graph, after: Graph, plan: Plan, st: StepStructure,
-                report: PassReport, full: bool = False) -> None:
+    def changed(self, before: Graph, after: Graph, summary: dict) -> bool:
+        return bool(summary["copies"])
+
+    def ensures(self, before: Graph, after: Graph, report: PassReport,
+                full: bool = False) -> None:
         _fail(self.name, "copy-in before copy-out", copy_order_problems(after))
         if not report.changed:
             return
         # Away means away: nothing but the forward pass and the copy-out reads the device
         # original, so its buffer is free from the copy-out on.
-        _ensure_rewrite(self.name, after, st, full, report.details["offloaded_values"],
-                        "backward nodes still read offloaded originals",
-                        " while it is on the host")
+        self.ensure_rewrite(after, full, report.summary["offloaded_values"],
+                            "backward nodes still read offloaded originals",
+                            " while it is on the host")
 
 
 def copy_order_problems(graph: Graph) -> list[str]:
@@ -207,7 +224,9 @@ def copy_order_problems(graph: Graph) -> list[str]:
     return problems
 
 
-PASSES: tuple[LoweringPass, ...] = (SubstituteVariants(), InsertRecompute(), InsertCopies())
+# The lowering's passes in order, as kinds: ``lower`` binds each to the plan and the
+# step's structure as it stands when the pass runs.
+PASSES: tuple[type[LoweringPass], ...] = (SubstituteVariants, InsertRecompute, InsertCopies)
 
 
 # ---------------------------------------------------------------------------- the lowering
@@ -226,34 +245,27 @@ class Lowering:
 
 
 def lower(graph: Graph, plan: Plan, structure: StepStructure | None = None, *,
-          check: str = "fast", passes: tuple[LoweringPass, ...] = PASSES) -> Lowering:
-    """Run the passes in order.
+          check: str = "fast", passes: tuple[type[LoweringPass], ...] = PASSES) -> Lowering:
+    """Run the passes in order (``memcc.pass_contract.PassRunner``).
 
     ``requires`` (plans the passes cannot realise) always runs. ``check`` picks the
     ``ensures``: "fast" (default: one O(nodes) walk per pass that changed the graph, about
     a tenth of a simulation), "full" (also rebuilds each def-use index and compares: tests),
     or "off".
     """
-    if check not in ("off", "fast", "full"):
-        raise ValueError(f"check={check!r}: choose off, fast or full")
+    runner = PassRunner(check=check)
     st = structure or StepStructure.of(graph)
-    reports: list[PassReport] = []
     g = graph
-    for p in passes:
-        p.requires(g, plan, st)
-        out, report = p.run(g, plan, st)
-        if check != "off":
-            p.ensures(g, out, plan, st, report, full=check == "full")
-        reports.append(report)
-        if report.changed and isinstance(p, SubstituteVariants):
+    for kind in passes:
+        g = runner.apply(kind(plan, st), g)
+        if runner.reports[-1].changed and issubclass(kind, SubstituteVariants):
             # The passes after this one decide over the step with the variants in place
             # (what is saved changed: a mask instead of an activation).
-            st = StepStructure.of(out)
-        g = out
-    rc = next((r.details for r in reports if r.name == InsertRecompute.name), {})
+            st = StepStructure.of(g)
+    rc = next((r.summary for r in runner.reports if r.name == InsertRecompute.name), {})
     return Lowering(
         graph=g,
-        reports=tuple(reports),
+        reports=tuple(runner.reports),
         cloned_nodes=tuple(rc.get("cloned_nodes", ())),
         recomputed_values=tuple(rc.get("recomputed_values", ())),
         rerun_before=dict(rc.get("rerun_before", {})),

@@ -1,4 +1,12 @@
-"""Reading a compile report back: tables for people and the memory-over-time plot."""
+"""Reading a compile report back (``memcc report``): tables for people and the
+memory-over-time plot.
+
+In: a report JSON file as ``memcc compile --report`` wrote it (``load_report`` checks it is
+one). Out: tables printed to a rich ``Console`` and a figure saved to a file. It reads the
+report only and imports no compiler module (the report is a file's contract, not the
+compiler's internals); the phrases it shares with ``memcc compile``'s summary are
+``memcc/report_text.py``'s.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +20,7 @@ from rich.table import Table
 
 from memcc.errors import InputError
 from memcc.passes.analysis.phases import COPY, RECOMPUTED, VARIANT
+from memcc.report_text import describe_chunks, verify_checks
 from memcc.sizes import format_size
 
 REQUIRED = ("budget_bytes", "baseline", "plan", "passes", "compile_time_s", "solver")
@@ -87,8 +96,6 @@ def print_report(report: dict, console: Console) -> None:
                       + (" ..." if len(rec) > 20 else ""))
     v = report.get("verification")
     if v:
-        from memcc.compiler import verify_checks
-
         console.print(f"verified: {'OK' if v['ok'] else 'FAILED'}; "
                       + "; ".join(verify_checks(v)), highlight=False)
         for problem in v.get("problems", []):
@@ -107,9 +114,7 @@ def _print_row_chunks(rc: dict | None, console: Console) -> None:
     (compiler/chunk_choice.py); reports from before it have no such section."""
     if not rc:
         return
-    from memcc.compiler.chunk_choice import describe
-
-    console.print(f"row chunks: {describe(rc.get('chosen') or {})}"
+    console.print(f"row chunks: {describe_chunks(rc.get('chosen') or {})}"
                   + (f" ({rc['why']})" if rc.get("why") else ""), highlight=False)
     tried = rc.get("candidates") or []
     if not tried:
@@ -121,13 +126,13 @@ def _print_row_chunks(rc: dict | None, console: Console) -> None:
     for c in tried:
         if c.get("fits"):
             added = c.get("added_time")
-            ct.add_row(describe(c["chunks"]), "fits", format_size(c["peak_bytes"]),
+            ct.add_row(describe_chunks(c["chunks"]), "fits", format_size(c["peak_bytes"]),
                        format_size(c["needs_budget_bytes"]),
                        "" if added is None else f"{added * 100:+.1f}%",
                        "<- chosen" if c.get("chosen") else "")
         else:
             smallest = c.get("smallest_budget_bytes")
-            ct.add_row(describe(c["chunks"]), str(c.get("refused", "refused")), "",
+            ct.add_row(describe_chunks(c["chunks"]), str(c.get("refused", "refused")), "",
                        "" if smallest is None else format_size(smallest), "",
                        "<- chosen" if c.get("chosen") else "")
     console.print(ct)
@@ -299,14 +304,7 @@ def timeline_figure(report: dict):
 
     phases = tl.get("phases") or ""
     if len(phases) == len(base):
-        for start, end, letter in _runs(phases):
-            name, colour = PHASE_STYLE.get(letter, (letter, "#f0f0f0"))
-            ax.axvspan(start - 0.5, end - 0.5, color=colour, lw=0, zorder=0)
-            if start:
-                ax.axvline(start - 0.5, color="0.6", lw=0.8, zorder=1)
-            if end - start >= 0.04 * len(phases):
-                ax.text((start + end - 1) / 2, 0.985, name, transform=ax.get_xaxis_transform(),
-                        ha="center", va="top", fontsize=9, color="0.35")
+        _shade_phases(ax, phases)
 
     ax.plot(range(len(base)), base, color="0.45", lw=1.1,
             label=f"baseline (peak {format_size(report['baseline']['peak_bytes'])})")
@@ -346,6 +344,28 @@ def timeline_figure(report: dict):
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=3, fontsize=8,
               frameon=False)
 
+    _peak_bars(bx, report, ax.get_ylim())
+    fig.tight_layout()
+    return fig
+
+
+def _shade_phases(ax, phases: str) -> None:
+    """The step's phases (forward, backward, update) as shaded spans, named where wide."""
+    for start, end, letter in _runs(phases):
+        name, colour = PHASE_STYLE.get(letter, (letter, "#f0f0f0"))
+        ax.axvspan(start - 0.5, end - 0.5, color=colour, lw=0, zorder=0)
+        if start:
+            ax.axvline(start - 0.5, color="0.6", lw=0.8, zorder=1)
+        if end - start >= 0.04 * len(phases):
+            ax.text((start + end - 1) / 2, 0.985, name, transform=ax.get_xaxis_transform(),
+                    ha="center", va="top", fontsize=9, color="0.35")
+
+
+def _peak_bars(bx, report: dict, ylim: tuple[float, float]) -> None:
+    """What each peak is made of, baseline and plan stacked by category, with the budget
+    and the planning target, on the timeline's scale (``ylim``)."""
+    mb = 1e6
+    budget, target = report["budget_bytes"], report.get("planning_budget_bytes")
     cats = list(report["baseline"].get("breakdown_at_peak", {}))
     bottoms = [0.0, 0.0]
     for cat in cats:
@@ -356,13 +376,11 @@ def timeline_figure(report: dict):
     bx.axhline(budget / mb, color="tab:red", ls="--", lw=1.2)
     if target is not None:
         bx.axhline(target / mb, color="tab:red", ls=":", lw=1.2)
-    bx.set_ylim(ax.get_ylim())
+    bx.set_ylim(ylim)
     bx.set_title("what each peak is made of")
     bx.set_ylabel("MB at the peak")
     bx.legend(loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=3, fontsize=8,
               frameon=False)
-    fig.tight_layout()
-    return fig
 
 
 def aligned_x(origin: list[int]) -> list[float]:

@@ -1,0 +1,102 @@
+"""Compile's first stage, ``load``, and the provider check before it.
+
+In: the model (a path or an ``onnx.ModelProto``) and ``CompileOptions``. Out: the training
+step as the provider runs it (a ``Graph``) and the ``load`` pass's summary (model, whether
+the step was built here, nodes, parameters, row chunks, splittable sites, BatchNorms
+rewritten for CUDA, fusions). ``check_provider`` refuses, or warns about, ``--provider
+cuda`` where CUDA is missing, before any work.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import onnx
+
+from memcc.compiler.options import CompileOptions
+from memcc.compiler.progress import Progress
+from memcc.errors import InputError
+from memcc.frontend.build import build_training_step, is_training_step
+from memcc.frontend.fuse import fuse_step
+from memcc.frontend.load import load_graph
+from memcc.frontend.row_chunks import ATTENTION, MLP, find_regions
+from memcc.graph import Graph
+from memcc.pass_contract import Pass, PassRunner
+from memcc.passes.analysis.cuda_node_times import default_calibration
+from memcc.passes.providers.batchnorm_for_cuda import for_provider
+from memcc.step import FUSIONS_KEY, TrainingStep
+
+
+def check_provider(options: CompileOptions, warning: Progress) -> str | None:
+    """``--provider cuda`` without CUDA: an error where the user asked for something to run
+    on CUDA (``--verify``, ``--cost measured``), a visible warning where memcc would
+    otherwise quietly estimate instead of measuring (``--cost auto``). Returns why CUDA is
+    missing, or None."""
+    if options.provider != "cuda":
+        return None
+    from memcc.backend.session import cuda_unavailable_reason
+
+    reason = cuda_unavailable_reason()
+    if reason is None:
+        return None
+    if options.verify:
+        raise InputError(f"--verify --provider cuda: CUDA is not available: {reason}. "
+                         "--verify runs the step on CUDA: run this compile where CUDA works, "
+                         "or verify here with --provider cpu. Nothing was compiled.")
+    if options.cost == "measured":
+        raise InputError(f"--cost measured --provider cuda: CUDA is not available: {reason}. "
+                         "Use --cost analytic to plan for CUDA with estimated node times, or "
+                         "run on the GPU machine. Nothing was compiled.")
+    if options.cost == "auto":
+        cal = default_calibration()
+        basis = (f"node times measured on a GPU ({cal.gpu}, onnxruntime {cal.onnxruntime}, "
+                 f"{cal.date}; {Path(cal.path or '').name})" if cal is not None else
+                 "nominal GPU rates (no CUDA calibration ships with this memcc)")
+        warning("--provider cuda: CUDA is not available, so node times are estimated from "
+                f"{basis} instead of measured: the predicted added time is an estimate "
+                "(--cost analytic says so and silences this warning). Why: "
+                f"{reason}.")
+    return reason
+
+
+def load_step(model: str | os.PathLike | onnx.ModelProto, label: str,
+              options: CompileOptions) -> tuple[Graph, dict]:
+    """The ``load`` stage: the model read (``frontend.load``), built into a training step
+    when it is a forward model, fused when an older memcc built it, and rewritten for the
+    provider; with the ``load`` pass's summary."""
+    graph = load_graph(model, options.dims, source=label)
+    built = False
+    splittable: dict[str, int] = {}
+    rewrites = PassRunner()  # the step's graph-to-graph rewrites (their reports stay here)
+    if not is_training_step(graph):
+        # What row chunks could split that this build leaves whole (a hint if nothing fits).
+        for kind, k in ((ATTENTION, options.build.attention_chunks),
+                        (MLP, options.build.mlp_chunks)):
+            if (k or 1) == 1 and (n := len(find_regions(graph, kind))):
+                splittable[kind] = n
+        graph = build_training_step(graph, options.build, source=label)
+        built = True
+    elif FUSIONS_KEY not in graph.metadata:
+        # A step built before memcc fused its steps: fused here, as build would have.
+        graph = rewrites.apply(Pass("fuse", fuse_step), graph)
+    graph = rewrites.apply(Pass("for-provider", lambda g: for_provider(g, options.provider)),
+                           graph)
+    rewritten_for_cuda = rewrites.reports[-1].summary["batchnorm_rewritten"]
+    step = TrainingStep.of(graph)
+    params = step.parameters
+    return graph, {
+        "model": label, "built_training_step": built, "nodes": len(graph.nodes),
+        "parameters": len(params),
+        "parameter_bytes": int(sum(graph.info[p].nbytes for p in params)),
+        # Attentions / MLPs over row chunks (memcc build --attention-chunks/--mlp-chunks).
+        **({"row_chunks": step.row_chunks} if step.row_chunks else {}),
+        **({"splittable": splittable} if splittable else {}),
+        # Training-mode BatchNorms written as the CUDA provider runs them
+        # (passes/providers/batchnorm_for_cuda.py).
+        **({"batchnorm_rewritten": rewritten_for_cuda} if rewritten_for_cuda else {}),
+        # memcc's fusions (frontend/fuse.py), as build recorded them.
+        **({"fusions": json.loads(graph.metadata[FUSIONS_KEY])}
+           if FUSIONS_KEY in graph.metadata else {}),
+    }

@@ -1,0 +1,97 @@
+"""A compile report in words: the lines ``memcc compile`` prints and the phrases ``memcc
+report`` reuses.
+
+In: a report dict as ``memcc compile`` writes it (``compiler/report.py`` builds it;
+README, "Report fields"). Out: strings. Nothing here runs a compile or reads a file, so the
+compiler (its summary) and the report reader (``report_view.py``) both use it without
+either depending on the other.
+"""
+
+from __future__ import annotations
+
+from memcc.passes.analysis.liveness import HEAP_BYTES_PER_SMALL_BUFFER
+from memcc.sizes import format_size
+
+
+def summary_lines(report: dict) -> list[str]:
+    """The few lines ``memcc compile`` prints: budget, peaks, strategy, and with --verify
+    each of the three checks (a user should not need the JSON to see what was proven)."""
+    b, p = report["baseline"], report["plan"]
+    lines = [
+        f"budget   {format_size(report['budget_bytes'])}"
+        + (" (smallest reachable)" if report.get("budget_was_min") else "")
+        + _margin_note(report),
+        f"baseline peak {format_size(b['peak_bytes'])}  ->  plan peak "
+        f"{format_size(p['peak_bytes'])}  ({'fits' if p['fits'] else 'DOES NOT FIT'})",
+        f"strategy {p.get('strategy_label', p['strategy'])}: "
+        f"{len(p['recomputed_values'])} values recomputed"
+        + (f" ({len(p['recompute_again_nodes'])} nodes rebuilt again for later readers)"
+           if p.get("recompute_again_nodes") else "")
+        + f", predicted added time {p['overhead'] * 100:.1f}%",
+    ]
+    o = report.get("offloaded_state")
+    if o and o["used"]:
+        reach = (f"; smallest budget {format_size(o['smallest_budget_bytes'])} with it, "
+                 if o.get("smallest_budget_bytes") else "; ")
+        without = o.get("smallest_budget_without_bytes")
+        lines.append(f"offload  optimizer state in host memory: {len(o['tensors'])} tensors, "
+                     f"{format_size(o['bytes'])}, copies add {o['added_time_s'] * 1e3:.1f} ms"
+                     + (f"{reach}{format_size(without)} without (predicted)" if without
+                        else ""))
+    if (chunks := row_chunks_line(report)) is not None:
+        lines.append(chunks)
+    v = report.get("verification")
+    if v:
+        lines.append(f"verify   {'OK' if v['ok'] else 'FAILED'}: " + "; ".join(verify_checks(v)))
+    return lines
+
+
+def verify_checks(v: dict) -> list[str]:
+    """The three verification checks in words, e.g. for ``summary_lines``."""
+    n = v.get("outputs_compared")
+    if v.get("outputs_match", not any("output" in p for p in v.get("problems", []))):
+        outputs = f"{n} outputs {v.get('comparison')}"
+    else:
+        outputs = (f"{v.get('outputs_differing', '?')} of {n} outputs differ "
+                   f"(expected {v.get('comparison')})")
+    measured, budget = v.get("measured_peak_bytes"), v.get("budget_bytes")
+    if measured is None:
+        peak = f"peak not measured ({v.get('measurement_method')})"
+    elif budget is None:
+        peak = f"measured peak {format_size(measured)}"
+    else:
+        sign = "<=" if measured <= budget else ">"
+        peak = f"measured peak {format_size(measured)} {sign} budget {format_size(budget)}"
+    order = ("executed order = planned order" if v.get("order_matches_plan")
+             else "executed order differs from the plan")
+    return [outputs, peak, order]
+
+
+def _margin_note(report: dict) -> str:
+    """What the budget keeps free besides the plan's peak, where the heap takes a share."""
+    heap = report.get("heap_allowance_bytes") or 0
+    if not heap:
+        return ""
+    return (f"; margin {report['margin']:.0%} + {format_size(report['slack_bytes'])}, "
+            f"{format_size(heap)} of it for the heap of "
+            f"{heap // HEAP_BYTES_PER_SMALL_BUFFER:,} small buffers")
+
+
+def describe_chunks(chunks: dict[str, int]) -> str:
+    """``loss 8, attention 4, mlp 4``; ``none`` where nothing is split."""
+    parts = [f"{k} {n}" for k, n in chunks.items() if n > 1]
+    return ", ".join(parts) if parts else "none"
+
+
+def row_chunks_line(report: dict) -> str | None:
+    """The line ``memcc compile`` prints about row chunks (None: nothing to say, the step
+    was planned as loaded and nothing was searched)."""
+    rc = report.get("row_chunks") or {}
+    chosen = rc.get("chosen") or {}
+    if not rc.get("searched") and not any(n > 1 for n in chosen.values()):
+        return None
+    line = f"row chunks {describe_chunks(chosen)}"
+    tried = rc.get("candidates") or []
+    if rc.get("searched"):
+        line += f" (chosen by compile of {len(tried)} settings planned)"
+    return line
