@@ -30,7 +30,7 @@ from memcc.passes.lowering.variant_substitution import (
     variant_problems,
 )
 from memcc.passes.plan import Plan, StepStructure
-from memcc.passes.planning.model.variant_terms import _peak_working_set
+from memcc.passes.planning.model.variant_rule import peak_working_set
 from memcc.passes.planning.planner import BudgetError, choose_plan
 from memcc.passes.planning.simulate import simulate
 from memcc.step import GRAD_OF_PROP, node_props
@@ -108,7 +108,7 @@ def test_each_spelling_is_recognised_and_matches_default_and_torch(name):
     assert back and not intermediates & {i for n in back for i in n.input}
     # Its own buffers at once, as the planner walks them (ORT's in-place rules): at most
     # four activation-sized ones, its result included.
-    assert _peak_working_set(back, var.info, var.opset) <= 4 * var.info["xa"].nbytes
+    assert peak_working_set(back, var.info, var.opset) <= 4 * var.info["xa"].nbytes
     variant = lookup(anchor_of(g, chain).op_type, VARIANT)
     assert variant is not None
     feeds = {"x": np.random.default_rng(1).standard_normal(SHAPE).astype(np.float32) * 3}
