@@ -32,6 +32,7 @@ from memcc.passes.lowering.variant_substitution import (
 from memcc.passes.plan import Plan, StepStructure
 from memcc.passes.planning.model.variant_rule import peak_working_set
 from memcc.passes.planning.planner import BudgetError, choose_plan
+from memcc.passes.planning.request import Budget, PlanRequest
 from memcc.passes.planning.simulate import simulate
 from memcc.step import GRAD_OF_PROP, node_props
 from models import build_model
@@ -183,8 +184,9 @@ def test_budget_min_plans_over_the_gelus_in_place_where_that_is_lower():
                                    vocab_size=64))
     costs = analytic_costs(g, NOMINAL_CPU)
     st = StepStructure.of(g)
-    without = choose_plan(g, None, costs, strategy="sqrtn", structure=st, regions=False)
-    best = choose_plan(g, None, costs, strategy="sqrtn", structure=st)
+    without = choose_plan(g, costs, PlanRequest(Budget.MIN, strategy="sqrtn", regions=False),
+                          structure=st)
+    best = choose_plan(g, costs, PlanRequest(Budget.MIN, strategy="sqrtn"), structure=st)
     assert best.best.peak_bytes < without.best.peak_bytes
     assert best.picked.endswith("over region variants")
     assert best.baseline.peak_bytes == without.baseline.peak_bytes
@@ -199,8 +201,9 @@ def test_budget_min_plans_over_the_gelus_in_place_where_that_is_lower():
     lower(g, best.best.plan, st, check="full")
     # A budget between the two floors fits; one below both is refused naming this floor.
     between = (best.best.peak_bytes + without.best.peak_bytes) // 2
-    fit = choose_plan(g, between, costs, strategy="sqrtn", structure=st)
+    fit = choose_plan(g, costs, PlanRequest(Budget.of(between), strategy="sqrtn"), structure=st)
     assert fit.best.peak_bytes <= between
     with pytest.raises(BudgetError) as exc:
-        choose_plan(g, best.best.peak_bytes - 1, costs, strategy="sqrtn", structure=st)
+        choose_plan(g, costs, PlanRequest(Budget.of(best.best.peak_bytes - 1), strategy="sqrtn"),
+                    structure=st)
     assert exc.value.smallest == best.best.peak_bytes

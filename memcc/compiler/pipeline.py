@@ -34,9 +34,9 @@ from memcc.backend.onnx_file import (
 )
 from memcc.backend.profiling import calibrate_cpu_rates, measured_costs
 from memcc.compiler.advice import next_steps
-from memcc.compiler.chunk_choice import choose_row_chunks
+from memcc.compiler.chunk_choice import RowChunkSearch, choose_row_chunks
 from memcc.compiler.options import CompileOptions, user_budget
-from memcc.compiler.planning import check_floor, plan_offloading_state
+from memcc.compiler.planning import StageHooks, check_floor, plan_offloading_state
 from memcc.compiler.progress import PassReport, Progress, warning_sink
 from memcc.compiler.report import build_report
 from memcc.errors import InputError, MemccError
@@ -100,15 +100,15 @@ def compile_model(model: str | os.PathLike, options: CompileOptions, *,
         return value
 
     label = str(model) if isinstance(model, (str, os.PathLike)) else "<model>"
-    budget = options.budget_bytes
+    budget = options.requested_budget
     graph = timed("load", lambda: load_step(model, label, options))
     if not passes[-1].summary["built_training_step"] and options.build != BuildOptions():
         warning(f"{label} is already a training step: the build options given (--loss, "
                 "--optimizer, --lr, --freeze, ...) apply to forward models and are ignored; "
                 "rebuild the step with memcc build to change them")
     structure = StepStructure.of(graph)
-    if budget is not None:
-        check_floor(graph, budget, options, label, structure)
+    if not budget.is_min:
+        check_floor(graph, budget.bytes, options, label, structure)
     racing = [node_label(n) for n in racing_nodes(graph)]
     if racing:
         warning(f"{label}: {len(racing)} node(s) from the model run an ONNX Runtime CPU kernel "
@@ -121,11 +121,13 @@ def compile_model(model: str | os.PathLike, options: CompileOptions, *,
 
     offloads: dict[int, dict | None] = {}   # the rewritten step's id -> offloaded_state
 
+    hooks = StageHooks(timed, passes, say, label)
+
     def plan_step(g: Graph, c: CostModel, opts: CompileOptions) -> tuple:
-        *planned, offloaded = plan_offloading_state(g, budget, c, opts, StepStructure.of(g),
-                                                     timed, passes, say, label)
-        offloads[id(planned[1])] = offloaded
-        return tuple(planned)
+        planned, offloaded = plan_offloading_state(g, budget, c, opts, StepStructure.of(g),
+                                                   hooks)
+        offloads[id(planned.step)] = offloaded
+        return planned
 
     def rebuild(opts: CompileOptions) -> tuple[Graph, CostModel]:
         # Another build of the forward model (row chunks): its warnings were said once.
@@ -138,14 +140,15 @@ def compile_model(model: str | os.PathLike, options: CompileOptions, *,
 
     # Row chunks where they pay (passes/chunk_choice.py); the step as loaded is planned first.
     chosen = choose_row_chunks(
-        model, label, graph, costs, options, budget, passes[0].summary["built_training_step"],
-        plan_step, rebuild, passes, say, lambda peak, s: user_budget(peak, options, s))
+        RowChunkSearch(model, label, passes[0].summary["built_training_step"], plan_step,
+                       rebuild, passes, say, lambda peak, s: user_budget(peak, options, s)),
+        graph, costs, options, budget)
     graph, costs, options = chosen.attempt.graph, chosen.attempt.costs, chosen.attempt.options
     outcome, rewritten, slack, plan_budget = chosen.attempt.planned
     offloaded = offloads.get(id(rewritten))
     plan_sim, base_sim = outcome.best, outcome.baseline
-    final_budget = budget if budget is not None else user_budget(plan_sim.peak_bytes, options,
-                                                                  slack)
+    final_budget = budget.bytes if not budget.is_min else user_budget(plan_sim.peak_bytes,
+                                                                       options, slack)
     rewritten.metadata[PLAN_KEY] = json.dumps(plan_sim.plan.to_json(), sort_keys=True)
     if options.arena:
         rewritten.metadata[ALLOCATOR_KEY] = "arena"
@@ -156,7 +159,7 @@ def compile_model(model: str | os.PathLike, options: CompileOptions, *,
         verification = timed("verify", lambda: _verify(graph, rewritten, final_budget,
                                                        options, tolerance))
 
-    report = build_report(options, final_budget, plan_budget, slack, budget is None, base_sim,
+    report = build_report(options, final_budget, plan_budget, slack, budget.is_min, base_sim,
                      plan_sim, outcome, costs, passes, time.perf_counter() - t_start,
                      verification)
     report["row_chunks"] = chosen.report
