@@ -18,6 +18,7 @@ from memcc.passes.planning.model.variant_terms import KIND as VARIANT_KIND
 from memcc.passes.planning.request import Budget
 from memcc.passes.planning.simulate import Simulation
 from memcc.passes.planning.solvers import ilp
+from memcc.passes.planning.solvers.ilp import WarmStart
 
 TIGHTEN_ROUNDS = 10
 # How much more than the ILP's first answer (a share of the step's time) the rounds may cost
@@ -89,7 +90,7 @@ def exact_model(p: PlanningContext, budget: Budget) -> StrategyResult:
             # clock. Rounds here found nothing more on that step (a second round stopped
             # at its work limit without an answer) and took the compile to the time limit.
             sol = ilp.solve(prob, float(target), time_limit=p.remaining() / 2,
-                            starts=[low.x, *starts], rows=list(low.rows))
+                            warm=WarmStart([low.x, *starts], list(low.rows)))
             _add_answer(p, prob, sol, out, "exact recompute model, from the smallest peak",
                         float(target))
     return out
@@ -144,10 +145,10 @@ def _smallest_peak(p: PlanningContext, starts: list[np.ndarray], out: StrategyRe
     pp, prob = p.model, p.model.problem
     recompute_only = _fixed_to_zero(prob, VARIANT_KIND)
     sol = ilp.solve(recompute_only, 0.0, time_limit=max(p.remaining(), 1.0) / 4,
-                    objective="peak", starts=starts)
+                    objective="peak", warm=WarmStart(starts))
     if with_variants and recompute_only is not prob and sol.status != "infeasible":
         sol = ilp.solve(prob, 0.0, time_limit=max(p.remaining(), 1.0) / 3,
-                        objective="peak", starts=[sol.x, *starts], rows=list(sol.rows))
+                        objective="peak", warm=WarmStart([sol.x, *starts], list(sol.rows)))
     out.solver = solver_info(sol)
     sims = []
     if sol.status != "infeasible":
@@ -188,14 +189,6 @@ def _worth_recompute_alone(out: StrategyResult, target: float, first: _Rounds,
     return min(fitting) - first.first_cost > ROUNDS_SLACK * step_s
 
 
-class WarmStart(NamedTuple):
-    """Where an ILP solve starts: incumbents (one 0/1 vector each) and the time points
-    where memory binds, found by earlier solves."""
-
-    starts: list[np.ndarray]
-    rows: list[int]
-
-
 def _tighten(p: PlanningContext, prob: Problem, target: float, warm: WarmStart,
              out: StrategyResult, label: str) -> _Rounds:
     """Solve ``prob`` at ``target``; while the simulator finds the answer above it, lower
@@ -219,8 +212,8 @@ def _tighten(p: PlanningContext, prob: Problem, target: float, warm: WarmStart,
                                 "status": "not run: time limit reached"})
             break
         sol = ilp.solve(prob, eff, time_limit=p.remaining(),
-                        starts=starts + pp.starts([s for _, s in out.plans], graph),
-                        rows=known_rows)
+                        warm=WarmStart(starts + pp.starts([s for _, s in out.plans], graph),
+                                       known_rows))
         known_rows = list(sol.rows)
         status, gap = sol.status, sol.gap
         sim = _add_answer(p, prob, sol, out, detail, eff)
