@@ -1,6 +1,6 @@
 """What the plan pass is asked: one ``PlanRequest``, built once from the options and passed
-whole (``compiler.CompileOptions.plan_request``; ``tune`` and ``analyze`` build theirs the
-same way).
+whole (``compiler.CompileOptions.plan_request``, which ``analyze`` uses too; ``tune`` builds
+its own from its options).
 
 A request says how much memory the step may use (a ``Budget``: bytes, or ``Budget.MIN``,
 the smallest peak memcc can reach), which strategy searches, for how long, which decision
