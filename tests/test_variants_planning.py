@@ -298,7 +298,7 @@ def test_lossy_variants_only_with_allow_lossy_and_verified_within_their_toleranc
     live = simulate(g, Plan(), costs, st).liveness
 
     def offered(allow: bool) -> set[str]:
-        pp = build_problem(g, st, live, costs, allow_lossy=allow)
+        pp = build_problem(g, st, live, costs, DecisionKinds(lossy=allow))
         return {v.key for v in pp.variants.variant_of.values()}
 
     assert not any(k.endswith(":bf16_saved") for k in offered(False))
@@ -347,7 +347,7 @@ def test_a_buffer_two_rules_read_is_freed_only_by_both_variants_together():
     st = StepStructure.of(g)
     costs = analytic_costs(g, NOMINAL_CPU)
     base = simulate(g, Plan(), costs, st)
-    pp = build_problem(g, st, base.liveness, costs, allow_lossy=True)
+    pp = build_problem(g, st, base.liveness, costs, DecisionKinds(lossy=True))
     prob = pp.problem
     # The Relu writes r over h in place: the buffer is h's.
     joint = [i for i, n in enumerate(prob.names) if n == "joint free h"]
