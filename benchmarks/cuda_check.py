@@ -334,7 +334,7 @@ def plans_phase(summary: Summary, provider: str, models: Sequence[str], sizes: d
     from memcc.compiler import CompileOptions, compile_model
     from memcc.passes.analysis.cost_model import NOMINAL_CPU, analytic_costs
     from memcc.passes.plan import Plan
-    from memcc.passes.planning.simulate import simulate
+    from memcc.passes.planning.simulate import SimulationRules, simulate
 
     for name in models:
         try:
@@ -342,7 +342,7 @@ def plans_phase(summary: Summary, provider: str, models: Sequence[str], sizes: d
             step = load_graph(path)
             # The baseline peak by the provider's allocation rules (node times play no part).
             baseline = simulate(step, Plan(), analytic_costs(step, NOMINAL_CPU),
-                                device=provider).peak_bytes
+                                rules=SimulationRules(provider)).peak_bytes
         except Exception as exc:
             summary.add("plans", {"model": name, "error": _error(exc)})
             continue

@@ -19,9 +19,10 @@ from memcc.passes.planning.solvers import ilp
 _solve = ilp._highs
 
 
-def _timed(problem, rows, budget, objective, time_limit, incumbent, relax=False):
+def _timed(problem, ask, time_limit, incumbent, relax=False):
     start = time.perf_counter()
-    result = _solve(problem, rows, budget, objective, time_limit, incumbent, relax)
+    rows, objective = ask.rows, ask.objective
+    result = _solve(problem, ask, time_limit, incumbent, relax)
     kind = "LP " if relax else "0-1"
     gap = "-" if result.gap is None else f"{result.gap:.3%}"
     print(f"{kind} {objective:4s} vars={problem.n_vars} memory rows={len(rows):4d} "

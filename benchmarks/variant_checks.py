@@ -63,6 +63,7 @@ from memcc.passes.lowering.lower import lower  # noqa: E402
 from memcc.passes.lowering.variant_substitution import applicable_variants, rule_nodes  # noqa: E402
 from memcc.passes.plan import Plan, StepStructure  # noqa: E402
 from memcc.passes.planning.planner import choose_plan  # noqa: E402
+from memcc.passes.planning.request import Budget, DecisionKinds, PlanRequest  # noqa: E402
 from memcc.passes.planning.simulate import simulate  # noqa: E402
 from memcc.step import TrainingStep  # noqa: E402
 from models import build_model  # noqa: E402
@@ -84,8 +85,10 @@ def min_search(args: argparse.Namespace) -> None:
     print(f"{args.model}: {len(g.nodes)} nodes, baseline {base.peak_bytes:,} B")
     for variants in (True, False):
         t0 = time.perf_counter()
-        out = choose_plan(g, None, costs, strategy="ilp", time_limit=args.time_limit,
-                          baseline=base, variants=variants)
+        out = choose_plan(g, costs, PlanRequest(Budget.MIN, strategy="ilp",
+                                                time_limit=args.time_limit,
+                                                kinds=DecisionKinds(variants=variants)),
+                          baseline=base)
         print(f"  variants={variants}: smallest peak {out.best.peak_bytes:,} B in "
               f"{time.perf_counter() - t0:.1f} s (limit hit: {out.solver.get('limit_hit')})")
 

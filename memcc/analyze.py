@@ -11,8 +11,8 @@ come from the passes compile runs, with compile's code paths, so the numbers agr
 - the breakdown is the liveness analysis at that peak (``passes.analysis.liveness.categorize``),
   plus the totals over the whole step (parameters, optimizer state, the values saved for
   the backward pass, gradients) that say what a plan can and cannot shrink;
-- the smallest peak is the ``--budget min`` search (``passes.planning.planner.choose_plan`` with no
-  budget) under a short time limit, and the budget is the one ``--budget min`` reports
+- the smallest peak is the ``--budget min`` search (``passes.planning.planner.choose_plan`` at
+  ``Budget.MIN``) under a short time limit, and the budget is the one ``--budget min`` reports
   (the peak with compile's margin and slack). Where no search was cut short by the clock,
   the answer is what ``memcc compile --budget min`` plans with the same options (its
   solves are bounded by work, not time); otherwise it is an upper bound, stated as such,
@@ -37,7 +37,8 @@ from memcc.passes.analysis.liveness import CATEGORIES, categorize
 from memcc.passes.analysis.step_traffic import StepTraffic, step_traffic
 from memcc.passes.plan import Plan, StepStructure
 from memcc.passes.planning.planner import PlanOutcome, choose_plan
-from memcc.passes.planning.simulate import Simulation, simulate
+from memcc.passes.planning.request import Budget
+from memcc.passes.planning.simulate import Simulation, SimulationRules, simulate
 from memcc.sizes import format_size
 from memcc.step import TrainingStep
 
@@ -134,7 +135,7 @@ def analyze(model: str | os.PathLike, options: CompileOptions, *, smallest: bool
     say("node times")
     costs, cost_summary = node_costs(graph, options, warning, cuda_missing)
     say("simulating the step as built")
-    base = simulate(graph, Plan(), costs, structure, device=options.device)
+    base = simulate(graph, Plan(), costs, structure, SimulationRules(options.device))
     # The step as memcc train runs it (updates early where that lowers the peak), as
     # compile reports it; the search below starts from the file's order, as compile's does.
     trained = as_trained(graph, PlanOutcome(base, base, "none", {}), costs, options,
@@ -186,14 +187,11 @@ def _totals(graph: Graph, st: StepStructure) -> tuple[dict[str, int], dict[str, 
 
 def _smallest(graph: Graph, costs, options: CompileOptions, st: StepStructure,
               base: Simulation) -> Smallest:
-    """``--budget min`` as compile runs it (the same ``choose_plan`` arguments), within
+    """``--budget min`` as compile runs it (the same ``PlanRequest``), within
     ``options.time_limit``; the budget it reports with compile's margin and slack."""
     t0 = time.perf_counter()
-    outcome = choose_plan(graph, None, costs, strategy=options.strategy,
-                          time_limit=options.time_limit, structure=st, baseline=base,
-                          offload=options.swaps, variants=options.variants,
-                          device=options.device, allow_lossy=options.allow_lossy,
-                          heap_room=options.heap_room)
+    outcome = choose_plan(graph, costs, options.plan_request(Budget.MIN), structure=st,
+                          baseline=base)
     outcome = as_trained(graph, outcome, costs, options, st)
     spent = time.perf_counter() - t0
     best = outcome.best

@@ -254,12 +254,12 @@ def test_replay_counts_pages_on_cuda_and_a_meter_sees_them():
 def test_cuda_plans_are_judged_by_the_arena_replay(tmp_path):
     from memcc.passes.analysis.cost_model import CUDA_NOMINAL, analytic_costs
     from memcc.passes.plan import Plan
-    from memcc.passes.planning.simulate import simulate
+    from memcc.passes.planning.simulate import SimulationRules, simulate
 
     step, _ = _step(tmp_path, "gpt2", batch=2, seq_len=64, width=64, depth=2, heads=2)
     costs = analytic_costs(step, CUDA_NOMINAL)
     cpu = simulate(step, Plan(), costs)
-    cuda = simulate(step, Plan(), costs, device="cuda")
+    cuda = simulate(step, Plan(), costs, rules=SimulationRules("cuda"))
     assert cpu.arena is None and cuda.arena is not None
     # The runtime's device bytes (backend.device_step): the step arranged as it trains
     # (updates in place), its arena without shrink, plus the buffers bound outside it
@@ -320,12 +320,13 @@ def test_cpu_plans_made_for_the_cpu_arena_verify_through_it_and_train_through_it
     from memcc.passes.analysis.arena import cpu_arena_peak
     from memcc.passes.analysis.cost_model import NOMINAL_CPU, analytic_costs
     from memcc.passes.plan import Plan
-    from memcc.passes.planning.simulate import simulate
+    from memcc.passes.planning.simulate import SimulationRules, simulate
     from memcc.step import ALLOCATOR_KEY
     from memcc.trainer import Trainer
 
     step, path = _step(tmp_path, "gpt2", batch=4, seq_len=128, width=128, depth=2, heads=4)
-    base = simulate(step, Plan(), analytic_costs(step, NOMINAL_CPU), device="cpu-arena")
+    base = simulate(step, Plan(), analytic_costs(step, NOMINAL_CPU),
+                    rules=SimulationRules("cpu-arena"))
     assert base.arena is not None
     file_order = arrange_step(step, TrainingStep.of(step), early_updates=False)
     assert base.peak_bytes == cpu_arena_peak(step, file_order.prediction)[1]
@@ -336,8 +337,8 @@ def test_cpu_plans_made_for_the_cpu_arena_verify_through_it_and_train_through_it
     report = result.report
     assert report["verification"]["ok"], report["verification"]
     assert report["options"]["arena"] and report["plan"]["device_arena"] is not None
-    trained = simulate(step, Plan(), analytic_costs(step, NOMINAL_CPU), device="cpu-arena",
-                       early_updates=True)
+    trained = simulate(step, Plan(), analytic_costs(step, NOMINAL_CPU),
+                       rules=SimulationRules("cpu-arena", early_updates=True))
     assert report["baseline"]["peak_bytes"] == min(trained.peak_bytes, base.peak_bytes)
     assert result.graph.metadata[ALLOCATOR_KEY] == "arena"
     assert Trainer(out).arena and not Trainer(out, arena=False).arena

@@ -35,6 +35,7 @@ from memcc.graph import Graph
 from memcc.passes.analysis.cost_model import DeviceRates, analytic_costs, unit_costs
 from memcc.passes.plan import Plan, StepStructure
 from memcc.passes.planning.planner import BudgetError, choose_plan
+from memcc.passes.planning.request import Budget, DecisionKinds, PlanRequest
 from memcc.passes.planning.simulate import simulate
 from models import build_model
 from models._builder import GraphBuilder, float_input, logits_output, metadata
@@ -157,8 +158,8 @@ def test_ilp_is_within_two_percent_of_the_exact_optimum(name, cost, fraction):
     assert best is not None
     try:
         # The reference enumerates recompute sets only, so the ILP plans without variants.
-        out = choose_plan(g, budget, costs, strategy="ilp", time_limit=20, structure=st,
-                          variants=False)
+        out = choose_plan(g, costs, PlanRequest(Budget.of(budget), strategy="ilp", time_limit=20,
+                                                kinds=DecisionKinds(variants=False)), structure=st)
     except BudgetError as exc:
         pytest.fail(f"{name}/{cost}: ilp found no plan within {budget:,} B "
                     f"({budget / base:.3f} of the baseline); the optimum fits at "

@@ -129,8 +129,9 @@ class _Costs:
 def _choose(gpt2, budget, table: dict, build: BuildOptions | None = None):
     """``choose_row_chunks`` over made-up plans: ``table`` maps (loss, attention, mlp)
     chunks to (peak, step time), or to a smallest budget (an int) where it refuses."""
-    from memcc.compiler.chunk_choice import choose_row_chunks, chunks_of
+    from memcc.compiler.chunk_choice import RowChunkSearch, choose_row_chunks, chunks_of
     from memcc.passes.planning.planner import BudgetError
+    from memcc.passes.planning.request import Budget
 
     planned: list[tuple] = []
     options = CompileOptions(budget=budget if budget is not None else "min",
@@ -148,9 +149,11 @@ def _choose(gpt2, budget, table: dict, build: BuildOptions | None = None):
             raise BudgetError(f"refused {key}", budget=budget or 0, smallest=got)
         return _Outcome(*got), None, 0, None
 
-    choice = choose_row_chunks(gpt2, "gpt2", load_graph(gpt2), _Costs(), options, budget,
-                               True, plan_step, lambda opts: (load_graph(gpt2), _Costs()),
-                               [], lambda _m: None, lambda peak, slack: peak)
+    search = RowChunkSearch(gpt2, "gpt2", True, plan_step,
+                            lambda opts: (load_graph(gpt2), _Costs()), [], lambda _m: None,
+                            lambda peak, slack: peak)
+    choice = choose_row_chunks(search, load_graph(gpt2), _Costs(), options,
+                               Budget.MIN if budget is None else Budget.of(budget))
     return choice, planned
 
 

@@ -24,6 +24,7 @@ from memcc.passes.analysis.liveness import (
     small_buffers,
 )
 from memcc.passes.planning.planner import BudgetError
+from memcc.passes.planning.request import Budget, PlanRequest
 from models import build_model
 
 
@@ -119,17 +120,17 @@ def test_a_plan_fits_a_budget_with_the_heap_room_of_the_small_buffers_it_adds(tm
     step = build_training_step(load_graph(_mlp(tmp_path, batch=60, width=15, depth=16)),
                                BuildOptions())
     costs = analytic_costs(step, NOMINAL_CPU)
-    smallest = choose_plan(step, None, costs, heap_room=True).best
+    smallest = choose_plan(step, costs, PlanRequest(Budget.MIN, heap_room=True)).best
     added = small_buffers(smallest.graph) - small_buffers(step)
     assert added > 0 and smallest.heap_room == HEAP_BYTES_PER_SMALL_BUFFER * added
     assert smallest.fit_bytes == smallest.peak_bytes + smallest.heap_room
     # a budget that holds the smallest peak but not its added buffers' room: with the room
     # weighed, that plan does not fit it
     tight = smallest.peak_bytes + smallest.heap_room // 2
-    loose = choose_plan(step, tight, costs)
+    loose = choose_plan(step, costs, PlanRequest(Budget.of(tight)))
     assert loose.best.peak_bytes <= tight
     try:
-        weighed = choose_plan(step, tight, costs, heap_room=True).best
+        weighed = choose_plan(step, costs, PlanRequest(Budget.of(tight), heap_room=True)).best
     except BudgetError:
         return
     assert weighed.fit_bytes <= tight

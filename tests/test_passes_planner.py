@@ -14,7 +14,8 @@ from memcc.frontend.load import load_graph
 from memcc.passes.analysis.cost_model import DeviceRates, analytic_costs, unit_costs
 from memcc.passes.plan import Plan, StepStructure
 from memcc.passes.planning.planner import BudgetError, choose_plan
-from memcc.passes.planning.simulate import simulate
+from memcc.passes.planning.request import Budget, DecisionKinds, PlanRequest
+from memcc.passes.planning.simulate import SimulationRules, simulate
 from models import build_model
 
 RATES = DeviceRates(5e10, 1e10, 5e-6, "fixed test rates")
@@ -53,13 +54,14 @@ def smallest(name: str, strategy: str):
     second search over GELU region variants is left to tests/test_variants_activations.py
     (it would double this file's time)."""
     _, g, costs, base = built(name)
-    return choose_plan(g, None, costs, strategy=strategy, time_limit=300, baseline=base,
-                       regions=False)
+    return choose_plan(g, costs, PlanRequest(Budget.MIN, strategy=strategy, time_limit=300,
+                                             regions=False), baseline=base)
 
 
 def test_none_keeps_the_baseline(step):
     _, g, costs, base = step
-    out = choose_plan(g, base.peak_bytes, costs, strategy="none", baseline=base)
+    out = choose_plan(g, costs, PlanRequest(Budget.of(base.peak_bytes), strategy="none"),
+                      baseline=base)
     assert out.best.peak_bytes == base.peak_bytes and out.best.added_time_s == 0
 
 
@@ -69,7 +71,8 @@ def test_plans_fit_what_they_claim(step, strategy):
     least = smallest(name, "auto").smallest_peak
     budget = int(least + 0.5 * (base.peak_bytes - least))
     try:
-        out = choose_plan(g, budget, costs, strategy=strategy, time_limit=30, baseline=base)
+        out = choose_plan(g, costs, PlanRequest(Budget.of(budget), strategy=strategy,
+                                                time_limit=30), baseline=base)
     except BudgetError:
         assert strategy != "auto", f"{name}: auto found nothing within {budget}"
         return
@@ -83,12 +86,14 @@ def test_ilp_is_not_worse_than_sqrtn_at_equal_budget(step):
     """At the mildest budget a sqrt(n) plan reaches, the ILP alone (not auto, which would
     include the sqrt(n) plan itself) must fit at no more added time."""
     name, g, costs, base = step
-    sq = choose_plan(g, None, costs, strategy="sqrtn", baseline=base)
+    sq = choose_plan(g, costs, PlanRequest(Budget.MIN, strategy="sqrtn"), baseline=base)
     below = [c["peak_bytes"] for c in sq.candidates
              if c["strategy"] == "sqrtn" and c["peak_bytes"] < base.peak_bytes]
     budget = max(below)
-    sq_best = choose_plan(g, budget, costs, strategy="sqrtn", baseline=base).best
-    ilp_best = choose_plan(g, budget, costs, strategy="ilp", time_limit=30, baseline=base).best
+    sq_best = choose_plan(g, costs, PlanRequest(Budget.of(budget), strategy="sqrtn"),
+                          baseline=base).best
+    ilp_best = choose_plan(g, costs, PlanRequest(Budget.of(budget), strategy="ilp", time_limit=30),
+                           baseline=base).best
     assert ilp_best.peak_bytes <= budget
     assert ilp_best.added_time_s <= sq_best.added_time_s + 1e-12, name
 
@@ -96,18 +101,20 @@ def test_ilp_is_not_worse_than_sqrtn_at_equal_budget(step):
 def test_infeasible_budget_names_the_smallest_reachable(step):
     _, g, costs, base = step
     with pytest.raises(BudgetError) as e:
-        choose_plan(g, base.liveness.start_bytes, costs, time_limit=20, baseline=base,
-                    regions=False)
+        choose_plan(g, costs, PlanRequest(Budget.of(base.liveness.start_bytes), time_limit=20,
+                                          regions=False), baseline=base)
     assert base.liveness.start_bytes < e.value.smallest <= base.peak_bytes
-    assert f"--budget {e.value.smallest}" in str(e.value)
+    # The planner's words are neutral (the flags to give are compile's to name), with the
+    # numbers.
+    assert f"{e.value.smallest:,} bytes" in str(e.value) and "--budget" not in str(e.value)
 
 
 def test_zero_budget_and_unit_costs_are_handled(conv_step):
     _, g, _, base = conv_step
     costs = unit_costs(g)
     with pytest.raises(BudgetError):
-        choose_plan(g, 0, costs, time_limit=10, regions=False)
-    out = choose_plan(g, None, costs, time_limit=20, regions=False)
+        choose_plan(g, costs, PlanRequest(Budget.of(0), time_limit=10, regions=False))
+    out = choose_plan(g, costs, PlanRequest(Budget.MIN, time_limit=20, regions=False))
     assert out.best.peak_bytes == out.smallest_peak
 
 
@@ -126,10 +133,11 @@ def test_runs_say_what_each_strategy_returned(step, strategy):
     import json
 
     _, g, costs, base = step
-    sq = choose_plan(g, None, costs, strategy="sqrtn", baseline=base)
+    sq = choose_plan(g, costs, PlanRequest(Budget.MIN, strategy="sqrtn"), baseline=base)
     budget = max(c["peak_bytes"] for c in sq.candidates
                  if c["strategy"] == "sqrtn" and c["peak_bytes"] < base.peak_bytes)
-    out = choose_plan(g, budget, costs, strategy=strategy, time_limit=30, baseline=base)
+    out = choose_plan(g, costs, PlanRequest(Budget.of(budget), strategy=strategy, time_limit=30),
+                      baseline=base)
     assert out.requested == strategy
     assert out.label == f"{strategy} -> {out.picked}"
     assert out.picked != "auto" and out.picked
@@ -169,8 +177,8 @@ def test_the_smallest_budget_in_a_refusal_is_the_one_budget_min_reaches(conv_ste
     name, g, costs, base = conv_step
     least = smallest(name, "ilp").best.peak_bytes
     with pytest.raises(BudgetError) as exc:
-        choose_plan(g, int(least * 0.97), costs, strategy="ilp", time_limit=300,
-                    baseline=base, regions=False)
+        choose_plan(g, costs, PlanRequest(Budget.of(int(least * 0.97)), strategy="ilp",
+                                          time_limit=300, regions=False), baseline=base)
     assert exc.value.smallest == least, name
 
 
@@ -180,25 +188,26 @@ def test_the_plan_does_not_depend_on_the_time_limit(step):
     name, g, costs, base = step
     least = smallest(name, "auto").smallest_peak
     budget = int(least + 0.3 * (base.peak_bytes - least))
-    plans = [choose_plan(g, budget, costs, strategy="auto", time_limit=t, baseline=base)
+    plans = [choose_plan(g, costs, PlanRequest(Budget.of(budget), strategy="auto", time_limit=t),
+                         baseline=base)
              for t in (300, 3000)]
     assert plans[0].best.plan.recompute == plans[1].best.plan.recompute, name
     assert plans[0].solver.get("limit_hit") != "time"
 
 
 def test_a_strategy_registered_by_name_is_judged_by_the_simulator(step):
-    """Strategies are functions of (planning, budget) in a registry: a new one plugs in by
+    """Strategies are functions of (context, budget) in a registry: a new one plugs in by
     name, and the pass reports what the simulator says of its plans, not what it claims."""
     from memcc.passes.planning import strategies
 
     name, g, costs, base = step
 
     @strategies.strategy("fewest-bytes")
-    def fewest(p: strategies.Planning, budget):
+    def fewest(p: strategies.PlanningContext, budget):
         """The sqrt(n) segmentation with the smallest peak, under its own name."""
         least = min(p.segmentations, key=lambda s: s.peak_bytes)
         plan = Plan(least.plan.recompute, "fewest-bytes", {"claim": "fits anything"})
-        out = strategies.Found()
+        out = strategies.StrategyResult()
         out.add("fewest-bytes", [p.simulate(plan)],
                 {"strategy": "fewest-bytes", "detail": "test"})
         return out
@@ -211,15 +220,15 @@ def test_a_strategy_registered_by_name_is_judged_by_the_simulator(step):
                     and not c.get("region_variants"))
         # Without the second search over GELU region variants (tested on its own in
         # tests/test_variants_activations.py), which may fit below the strategy's plan.
-        out = choose_plan(g, least, costs, strategy="fewest-bytes", baseline=base,
-                          regions=False)
+        out = choose_plan(g, costs, PlanRequest(Budget.of(least), strategy="fewest-bytes",
+                                                regions=False), baseline=base)
         again = simulate(g, out.best.plan, costs)
         assert out.best.plan.strategy == "fewest-bytes" and out.picked == "fewest-bytes"
         assert (out.best.peak_bytes, out.best.added_time_s) == (again.peak_bytes,
                                                                 again.added_time_s)
         with pytest.raises(BudgetError):
-            choose_plan(g, least - 1, costs, strategy="fewest-bytes", baseline=base,
-                        regions=False)
+            choose_plan(g, costs, PlanRequest(Budget.of(least - 1), strategy="fewest-bytes",
+                                              regions=False), baseline=base)
     finally:
         strategies.REGISTRY.pop("fewest-bytes")
 
@@ -260,18 +269,19 @@ def test_on_a_device_provider_the_ilp_swaps_when_copies_are_cheaper_than_recompu
     fast = replace(analytic_costs(g, CUDA_NOMINAL), link=HostLink(1e13, 1e-7, "test link"))
     base = simulate(g, Plan(), fast)
     budget = int(0.7 * base.peak_bytes)
-    out = choose_plan(g, budget, fast, strategy="ilp", offload=True, time_limit=120,
-                      baseline=base)
+    out = choose_plan(g, fast, PlanRequest(Budget.of(budget), strategy="ilp", time_limit=120,
+                                           kinds=DecisionKinds(offload=True)), baseline=base)
     best = out.best
     assert best.plan.offload, "a link this fast makes swapping cheaper than any recompute"
-    again = simulate(g, best.plan, fast, host_copies=True)
+    again = simulate(g, best.plan, fast, rules=SimulationRules(host_copies=True))
     assert again.peak_bytes == best.peak_bytes <= budget
     assert again.liveness.host_peak_bytes > 0
     assert best.added_time_s < 1e-4  # copies at 10 TB/s, not recompute
     feeds = synthetic_feeds(g, seed=2)
     assert compare_outputs(step_outputs(g, feeds, "cpu"),
                            step_outputs(best.graph, feeds, "cpu"), exact=True) == []
-    cpu = choose_plan(g, budget, fast, strategy="ilp", time_limit=120, baseline=base)
+    cpu = choose_plan(g, fast, PlanRequest(Budget.of(budget), strategy="ilp", time_limit=120),
+                      baseline=base)
     assert not cpu.best.plan.offload
 
 
@@ -280,7 +290,8 @@ def test_a_step_that_fits_as_built_is_not_planned(step, strategy):
     """No plan adds less than nothing: at or above the baseline peak no strategy runs (the
     search would only spend time; `memcc tune` asks this at every size below its edge)."""
     _, g, costs, base = step
-    out = choose_plan(g, base.peak_bytes, costs, strategy=strategy, baseline=base)
+    out = choose_plan(g, costs, PlanRequest(Budget.of(base.peak_bytes), strategy=strategy),
+                      baseline=base)
     assert out.best is base and out.picked == "none"
     assert [r["status"] for r in out.runs if r["strategy"] == strategy] == ["not run"]
 
@@ -300,15 +311,15 @@ def test_the_offload_model_is_exact_for_each_value_alone():
                             BuildOptions())
     costs = replace(analytic_costs(g, CUDA_NOMINAL), link=HostLink(2e10, 1e-5, "test"))
     st = StepStructure.of(g)
-    base = simulate(g, Plan(), costs, st, host_copies=True)
-    pp = build_problem(g, st, base.liveness, costs, offload=True)
+    base = simulate(g, Plan(), costs, st, SimulationRules(host_copies=True))
+    pp = build_problem(g, st, base.liveness, costs, DecisionKinds(offload=True))
     assert len(pp.offload.value_of) >= 10
     names = [n.name for n in g.nodes]
     for var, value in pp.offload.value_of.items():
         x = np.zeros(pp.problem.n_vars)
         x[var] = 1.0
         x = pp.problem.settle(x)
-        sim = simulate(g, pp.plan(x, "test"), costs, st, host_copies=True)
+        sim = simulate(g, pp.plan(x, "test"), costs, st, SimulationRules(host_copies=True))
         assert sim.plan.offload.keys() == {value}
         at = {n: i for i, n in enumerate(sim.liveness.order)}
         real = np.array([sim.liveness.live_during[at[n]] for n in names])
@@ -329,15 +340,16 @@ def test_budget_min_rebuilds_clones_again_where_that_holds_less():
                             BuildOptions())
     costs = analytic_costs(g, RATES)
     base = simulate(g, Plan(), costs)
-    least = choose_plan(g, None, costs, time_limit=60, baseline=base)
+    least = choose_plan(g, costs, PlanRequest(Budget.MIN, time_limit=60), baseline=base)
     kept = min(c["peak_bytes"] for c in least.candidates if not c.get("rebuilt_again"))
     assert least.best.plan.recompute_again, "the smallest plan should rebuild clones again"
     assert least.best.peak_bytes < kept
     between = (least.best.peak_bytes + kept) // 2
-    fit = choose_plan(g, between, costs, time_limit=60, baseline=base)
+    fit = choose_plan(g, costs, PlanRequest(Budget.of(between), time_limit=60), baseline=base)
     assert fit.best.peak_bytes <= between and fit.best.plan.recompute_again
     with pytest.raises(BudgetError):
-        choose_plan(g, between, costs, strategy="ilp", time_limit=60, baseline=base)
+        choose_plan(g, costs, PlanRequest(Budget.of(between), strategy="ilp", time_limit=60),
+                    baseline=base)
     feeds = synthetic_feeds(g, seed=0)
     assert compare_outputs(step_outputs(g, feeds, "cpu"),
                            step_outputs(fit.best.graph, feeds, "cpu"), exact=True) == []
@@ -350,14 +362,15 @@ def test_recompute_alone_is_tried_only_where_the_rounds_may_have_missed_it():
     above what the first answer promised."""
     from types import SimpleNamespace
 
-    from memcc.passes.planning.strategies import Found, _Rounds, _worth_recompute_alone
+    from memcc.passes.planning.context import StrategyResult
+    from memcc.passes.planning.exact import _Rounds, _worth_recompute_alone
 
     def sim(strategy: str, peak: int, added: float) -> SimpleNamespace:
         return SimpleNamespace(plan=SimpleNamespace(strategy=strategy), peak_bytes=peak,
                                added_time_s=added)
 
-    def found(*sims: SimpleNamespace) -> Found:
-        out = Found()
+    def found(*sims: SimpleNamespace) -> StrategyResult:
+        out = StrategyResult()
         out.plans = [("ilp", s) for s in sims]
         return out
 
@@ -382,12 +395,12 @@ def test_rounds_that_stop_with_nothing_start_again_from_the_smallest_peak(monkey
     seed above the budget), the smallest-peak solve gives it one, and the plan fits. The
     limit is imitated: the first time-objective solve answers as HiGHS does at its work
     limit without an incumbent."""
-    from memcc.passes.planning import strategies
+    from memcc.passes.planning import exact
     from memcc.passes.planning.model.problem import Solution
 
     _, g, costs, base = built("unet")
     budget = int(smallest("unet", "ilp").best.peak_bytes * 1.10)
-    real = strategies.ilp.solve
+    real = exact.ilp.solve
     calls: list[str] = []
 
     def solve(problem, target, **kw):
@@ -397,8 +410,9 @@ def test_rounds_that_stop_with_nothing_start_again_from_the_smallest_peak(monkey
                             limit_hit="work")
         return real(problem, target, **kw)
 
-    monkeypatch.setattr(strategies.ilp, "solve", solve)
-    res = choose_plan(g, budget, costs, strategy="ilp", time_limit=300, baseline=base)
+    monkeypatch.setattr(exact.ilp, "solve", solve)
+    res = choose_plan(g, costs, PlanRequest(Budget.of(budget), strategy="ilp", time_limit=300),
+                      baseline=base)
     details = [r.get("detail", "") for r in res.runs]
     assert "smallest modelled peak, as another start" in details, details
     assert "exact recompute model, from the smallest peak" in details
@@ -411,12 +425,13 @@ def test_only_rounds_stopped_at_a_limit_far_from_optimal_are_searched_again():
     again from the smallest peak where nothing fits or its gap is above 10%."""
     from types import SimpleNamespace
 
-    from memcc.passes.planning.strategies import Found, _Rounds, _weak_rounds
+    from memcc.passes.planning.context import StrategyResult
+    from memcc.passes.planning.exact import _Rounds, _weak_rounds
 
-    fits = Found()
+    fits = StrategyResult()
     fits.plans = [("ilp", SimpleNamespace(plan=SimpleNamespace(strategy="ilp"),
                                           peak_bytes=90, added_time_s=1.0))]
-    nothing = Found()
+    nothing = StrategyResult()
     assert _weak_rounds(nothing, 100, _Rounds(None, None, (), "time limit", None))
     assert _weak_rounds(fits, 100, _Rounds(1.0, 90, (), "feasible", 0.5))
     assert not _weak_rounds(fits, 100, _Rounds(1.0, 90, (), "feasible", 0.05))
@@ -426,15 +441,15 @@ def test_only_rounds_stopped_at_a_limit_far_from_optimal_are_searched_again():
 
 
 def test_the_polish_trades_a_dear_recomputed_unit_for_cheaper_ones():
-    """``strategies._exchange``: after the polish has shed every dear unit that can go
+    """``polish._exchange``: after the polish has shed every dear unit that can go
     alone, trading one for cheaper units live at the peak it makes still lowers the time
     of sqrt(n) plans on the U-Net step, and every traded plan fits when simulated
     again from scratch."""
-    from memcc.passes.planning import strategies
+    from memcc.passes.planning import polish
     from memcc.passes.planning.planner import _prepare
 
     _, g, costs, base = built("unet")
-    p = _prepare(g, StepStructure.of(g), base, costs, 300)
+    p = _prepare(g, costs, PlanRequest(time_limit=300), StepStructure.of(g), base)
     pp = p.model
     index = {n: i for i, group in enumerate(pp.groups) for n in group}
 
@@ -447,12 +462,12 @@ def test_the_polish_trades_a_dear_recomputed_unit_for_cheaper_ones():
     starts = [s for s in p.segmentations if s.plan.recompute][1:5]
     for start in starts:
         budget = start.peak_bytes
-        shed = strategies._shed(p, start, budget, float("inf"), lambda s: s.peak_bytes, [
-            lambda plan, grp=frozenset(pp.groups[u]): strategies.without(plan, grp)
-            for u in dear(start.plan)[:strategies.POLISH_CANDIDATES]])
-        traded, trades = strategies._exchange(
-            p, shed, budget, float("inf"), lambda s: s.peak_bytes, index,
-            dear(shed.plan)[:strategies.EXCHANGE_UNITS])
+        fit = polish.FitTest(budget, float("inf"))   # by the peak, without a deadline
+        shed = polish._shed(p, start, fit, [
+            lambda plan, grp=frozenset(pp.groups[u]): polish.without(plan, grp)
+            for u in dear(start.plan)[:polish.POLISH_CANDIDATES]])
+        traded, trades = polish._exchange(p, shed, fit, index,
+                                          dear(shed.plan)[:polish.EXCHANGE_UNITS])
         assert traded.added_time_s <= shed.added_time_s
         again = simulate(g, traded.plan, costs)
         assert again.peak_bytes == traded.peak_bytes <= budget

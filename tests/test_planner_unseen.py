@@ -21,6 +21,7 @@ from memcc.passes.analysis.cost_model import NOMINAL_CPU, analytic_costs
 from memcc.passes.plan import Plan, StepStructure
 from memcc.passes.planning.floor import step_floor
 from memcc.passes.planning.planner import BudgetError, choose_plan
+from memcc.passes.planning.request import Budget, PlanRequest
 from memcc.passes.planning.simulate import simulate
 from models import build_model
 
@@ -50,13 +51,16 @@ def test_auto_runs_the_ilp_where_only_the_region_variants_fit():
     +20.2%), with a report that listed no ILP run. The report keeps the runs that found
     nothing too, and the plan is the cheapest fitting one of all it ran."""
     g, costs, st = gpt2_step()
-    plain = choose_plan(g, None, costs, strategy="sqrtn", structure=st, regions=False)
-    over = choose_plan(g, None, costs, strategy="sqrtn", structure=st)
+    plain = choose_plan(g, costs, PlanRequest(Budget.MIN, strategy="sqrtn", regions=False),
+                        structure=st)
+    over = choose_plan(g, costs, PlanRequest(Budget.MIN, strategy="sqrtn"), structure=st)
     assert over.best.peak_bytes < plain.best.peak_bytes
     assert over.picked.endswith("over region variants")
     budget = over.best.peak_bytes + (plain.best.peak_bytes - over.best.peak_bytes) // 4
-    sqrtn = choose_plan(g, budget, costs, strategy="sqrtn", structure=st, time_limit=2)
-    out = choose_plan(g, budget, costs, strategy="auto", structure=st, time_limit=2)
+    sqrtn = choose_plan(g, costs, PlanRequest(Budget.of(budget), strategy="sqrtn", time_limit=2),
+                        structure=st)
+    out = choose_plan(g, costs, PlanRequest(Budget.of(budget), strategy="auto", time_limit=2),
+                      structure=st)
     assert out.best.fit_bytes <= budget
     region_runs = [r for r in out.runs if r.get("region_variants")]
     ilp_there = [r for r in region_runs if r["strategy"] == "ilp"]
@@ -110,7 +114,7 @@ def test_the_floor_is_a_lower_bound_of_every_plan():
         base = simulate(g, Plan(), costs, st)
         at = [n.name for n in g.nodes].index(floor.node)
         assert base.liveness.live_during[at] >= floor.total_bytes
-        least = choose_plan(g, None, costs, strategy="sqrtn", structure=st)
+        least = choose_plan(g, costs, PlanRequest(Budget.MIN, strategy="sqrtn"), structure=st)
         assert floor.total_bytes <= least.best.peak_bytes
         every = Plan(frozenset(st.recomputable))
         assert floor.total_bytes <= simulate(g, every, costs, st).peak_bytes

@@ -112,7 +112,7 @@ def test_a_warm_start_that_fits_is_never_beaten_by_a_worse_answer():
     lowest = min(p.peak(x) for x in choices(p))
     budget = lowest + 0.4 * (peak0 - lowest)
     best = min((x for x in choices(p) if p.peak(x) <= budget), key=p.added_time)
-    sol = ilp.solve(p, budget, time_limit=20, starts=[best])
+    sol = ilp.solve(p, budget, time_limit=20, warm=ilp.WarmStart([best]))
     assert sol.objective <= p.added_time(best) * (1 + 1e-9)
 
 
@@ -180,7 +180,7 @@ def test_a_solve_interrupted_at_its_deadline_returns_its_incumbent(monkeypatch):
     # A deadline already past: HiGHS is interrupted at its first check.
     monkeypatch.setattr(ilp, "_run_until",
                         lambda h, deadline, limit: real(h, time.perf_counter() - 1.0, limit))
-    result = ilp._highs(p, list(range(p.horizon)), budget, "time", 30.0, start)
+    result = ilp._highs(p, ilp._Ask(list(range(p.horizon)), budget, "time"), 30.0, start)
     assert result.limit == "time"
     assert result.status == "feasible" and result.values is not None
     assert p.peak(p.settle(result.values)) <= budget + 1e-6
@@ -226,7 +226,7 @@ def test_a_solve_left_behind_returns_the_best_answer_it_reported(monkeypatch):
     p = random_problem(30, 120, 1)
     budget = 0.8 * p.peak(np.zeros(p.n_vars))
     try:
-        result = ilp._highs(p, list(range(p.horizon)), budget, "time", 1.0, None)
+        result = ilp._highs(p, ilp._Ask(list(range(p.horizon)), budget, "time"), 1.0, None)
     finally:
         release.set()
     assert result.limit == "time" and result.status == "feasible"

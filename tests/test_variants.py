@@ -57,6 +57,7 @@ from memcc.passes.lowering.variant_substitution import (
 )
 from memcc.passes.plan import Plan, StepStructure
 from memcc.passes.planning.planner import build_problem
+from memcc.passes.planning.request import DecisionKinds
 from memcc.passes.planning.simulate import simulate
 from memcc.step import TrainingStep
 from models import build_model, make_feeds, make_labels
@@ -550,7 +551,7 @@ def test_bf16_saved_lowers_the_simulated_peak_and_the_ilp_sees_it():
     bns = forward_nodes(g, "BatchNormalization")
     every = simulate(g, Plan(variants=dict.fromkeys(bns, "bf16_saved")), costs, st)
     assert every.peak_bytes < base.peak_bytes
-    pp = build_problem(g, st, base.liveness, costs, allow_lossy=True)
+    pp = build_problem(g, st, base.liveness, costs, DecisionKinds(lossy=True))
     choice = {v: k for k, v in pp.variants.choice_of.items()}
     modelled = [(n, choice[(n, "bf16_saved")]) for n in bns if (n, "bf16_saved") in choice]
     assert modelled

@@ -30,8 +30,9 @@ from memcc.passes.lowering.variant_substitution import (
     variant_problems,
 )
 from memcc.passes.plan import Plan, StepStructure
-from memcc.passes.planning.model.variant_terms import _peak_working_set
+from memcc.passes.planning.model.variant_rule import peak_working_set
 from memcc.passes.planning.planner import BudgetError, choose_plan
+from memcc.passes.planning.request import Budget, PlanRequest
 from memcc.passes.planning.simulate import simulate
 from memcc.step import GRAD_OF_PROP, node_props
 from models import build_model
@@ -108,7 +109,7 @@ def test_each_spelling_is_recognised_and_matches_default_and_torch(name):
     assert back and not intermediates & {i for n in back for i in n.input}
     # Its own buffers at once, as the planner walks them (ORT's in-place rules): at most
     # four activation-sized ones, its result included.
-    assert _peak_working_set(back, var.info, var.opset) <= 4 * var.info["xa"].nbytes
+    assert peak_working_set(back, var.info, var.opset) <= 4 * var.info["xa"].nbytes
     variant = lookup(anchor_of(g, chain).op_type, VARIANT)
     assert variant is not None
     feeds = {"x": np.random.default_rng(1).standard_normal(SHAPE).astype(np.float32) * 3}
@@ -183,8 +184,9 @@ def test_budget_min_plans_over_the_gelus_in_place_where_that_is_lower():
                                    vocab_size=64))
     costs = analytic_costs(g, NOMINAL_CPU)
     st = StepStructure.of(g)
-    without = choose_plan(g, None, costs, strategy="sqrtn", structure=st, regions=False)
-    best = choose_plan(g, None, costs, strategy="sqrtn", structure=st)
+    without = choose_plan(g, costs, PlanRequest(Budget.MIN, strategy="sqrtn", regions=False),
+                          structure=st)
+    best = choose_plan(g, costs, PlanRequest(Budget.MIN, strategy="sqrtn"), structure=st)
     assert best.best.peak_bytes < without.best.peak_bytes
     assert best.picked.endswith("over region variants")
     assert best.baseline.peak_bytes == without.baseline.peak_bytes
@@ -199,8 +201,9 @@ def test_budget_min_plans_over_the_gelus_in_place_where_that_is_lower():
     lower(g, best.best.plan, st, check="full")
     # A budget between the two floors fits; one below both is refused naming this floor.
     between = (best.best.peak_bytes + without.best.peak_bytes) // 2
-    fit = choose_plan(g, between, costs, strategy="sqrtn", structure=st)
+    fit = choose_plan(g, costs, PlanRequest(Budget.of(between), strategy="sqrtn"), structure=st)
     assert fit.best.peak_bytes <= between
     with pytest.raises(BudgetError) as exc:
-        choose_plan(g, best.best.peak_bytes - 1, costs, strategy="sqrtn", structure=st)
+        choose_plan(g, costs, PlanRequest(Budget.of(best.best.peak_bytes - 1), strategy="sqrtn"),
+                    structure=st)
     assert exc.value.smallest == best.best.peak_bytes

@@ -23,6 +23,7 @@ from memcc.passes.lowering.lower import LoweringError, lower
 from memcc.passes.lowering.variant_substitution import apply_variants
 from memcc.passes.plan import Plan, StepStructure
 from memcc.passes.planning.planner import build_problem, choose_plan
+from memcc.passes.planning.request import Budget, DecisionKinds, PlanRequest
 from memcc.passes.planning.simulate import simulate
 from models import build_model
 
@@ -67,14 +68,15 @@ def test_the_ilp_prefers_a_mask_to_recomputing_a_matmul(relu_step):
     base = simulate(g, Plan(), costs, st)
     r_bytes = g.info["r"].nbytes
     budget = base.peak_bytes - r_bytes // 2
-    with_variants = choose_plan(g, budget, costs, strategy="ilp", structure=st,
-                                baseline=base)
+    with_variants = choose_plan(g, costs, PlanRequest(Budget.of(budget), strategy="ilp"),
+                                structure=st, baseline=base)
     assert with_variants.best.peak_bytes <= budget
     assert with_variants.best.plan.variants == {"relu": "mask"}
     assert "mm1" not in with_variants.best.plan.recompute
     # Without variants the same budget needs the MatMul re-run: dearer.
-    without = choose_plan(g, budget, costs, strategy="ilp", structure=st, baseline=base,
-                          variants=False)
+    without = choose_plan(g, costs, PlanRequest(Budget.of(budget), strategy="ilp",
+                                                kinds=DecisionKinds(variants=False)),
+                          structure=st, baseline=base)
     assert without.best.peak_bytes <= budget and not without.best.plan.variants
     assert without.best.added_time_s > with_variants.best.added_time_s
 
@@ -296,7 +298,7 @@ def test_lossy_variants_only_with_allow_lossy_and_verified_within_their_toleranc
     live = simulate(g, Plan(), costs, st).liveness
 
     def offered(allow: bool) -> set[str]:
-        pp = build_problem(g, st, live, costs, allow_lossy=allow)
+        pp = build_problem(g, st, live, costs, DecisionKinds(lossy=allow))
         return {v.key for v in pp.variants.variant_of.values()}
 
     assert not any(k.endswith(":bf16_saved") for k in offered(False))
@@ -345,7 +347,7 @@ def test_a_buffer_two_rules_read_is_freed_only_by_both_variants_together():
     st = StepStructure.of(g)
     costs = analytic_costs(g, NOMINAL_CPU)
     base = simulate(g, Plan(), costs, st)
-    pp = build_problem(g, st, base.liveness, costs, allow_lossy=True)
+    pp = build_problem(g, st, base.liveness, costs, DecisionKinds(lossy=True))
     prob = pp.problem
     # The Relu writes r over h in place: the buffer is h's.
     joint = [i for i, n in enumerate(prob.names) if n == "joint free h"]
@@ -365,7 +367,8 @@ def test_a_buffer_two_rules_read_is_freed_only_by_both_variants_together():
     x[var[("mm2", "bf16_saved")]] = 0.0
     assert not prob.feasible(x)
     # At a budget only the pair reaches, the ILP picks it.
-    plan = choose_plan(g, both.peak_bytes, costs, strategy="ilp", structure=st,
-                       baseline=base, allow_lossy=True)
+    plan = choose_plan(g, costs, PlanRequest(Budget.of(both.peak_bytes), strategy="ilp",
+                                             kinds=DecisionKinds(lossy=True)),
+                       structure=st, baseline=base)
     assert plan.best.peak_bytes <= both.peak_bytes
     assert plan.best.plan.variants.get("mm2") == "bf16_saved"

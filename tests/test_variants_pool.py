@@ -41,6 +41,7 @@ from memcc.passes.lowering.variant_substitution import (
 )
 from memcc.passes.plan import Plan, StepStructure
 from memcc.passes.planning.planner import build_problem, choose_plan
+from memcc.passes.planning.request import Budget, DecisionKinds, PlanRequest
 from memcc.passes.planning.simulate import simulate
 from models import build_model
 
@@ -236,10 +237,12 @@ def test_the_planner_takes_recompute_where_it_is_the_cheapest_way_to_the_budget(
     g, st, costs, base = _step(shortcut=True)
     var = simulate(g, Plan(variants={"pool": RECOMPUTE}), costs, st)
     budget = (base.peak_bytes + var.peak_bytes) // 2
-    res = choose_plan(g, budget, costs, strategy="ilp", structure=st, baseline=base)
+    res = choose_plan(g, costs, PlanRequest(Budget.of(budget), strategy="ilp"), structure=st,
+                      baseline=base)
     assert res.best.plan.variants == {"pool": RECOMPUTE}
     assert not res.best.plan.recompute and res.best.peak_bytes <= budget
-    alone = choose_plan(g, budget, costs, strategy="ilp", structure=st, baseline=base,
-                        variants=False)
+    alone = choose_plan(g, costs, PlanRequest(Budget.of(budget), strategy="ilp",
+                                              kinds=DecisionKinds(variants=False)),
+                        structure=st, baseline=base)
     assert alone.best.plan.recompute and alone.best.peak_bytes <= budget
     assert alone.best.added_time_s > res.best.added_time_s

@@ -35,11 +35,13 @@ from memcc.frontend.load import load_graph
 from memcc.frontend.row_chunks import ATTENTION, MLP, find_regions
 from memcc.graph import Graph
 from memcc.passes.planning.planner import BudgetError
+from memcc.passes.planning.request import Budget
 from memcc.report_text import describe_chunks as describe
 from memcc.sizes import format_size
 
 if TYPE_CHECKING:
     from memcc.compiler.options import CompileOptions
+    from memcc.compiler.planning import Planned
     from memcc.passes.analysis.cost_model import CostModel
 
 LOSS = "loss"
@@ -59,10 +61,29 @@ SEARCH_ABOVE = 0.03
 # --budget min: budgets within this share of each other tie (the faster plan wins).
 MIN_TIE = 0.01
 
-# (outcome, rewritten step, slack, planning budget): what compile's plan stage returns.
-Planned = tuple
-PlanStep = Callable[[Graph, "CostModel", "CompileOptions"], Planned]
+# Compile's plan stage for one step (``compiler.planning.Planned``: outcome, rewritten step,
+# slack, planning budget; raises ``BudgetError`` where nothing fits).
+PlanStep = Callable[[Graph, "CostModel", "CompileOptions"], "Planned"]
 Rebuild = Callable[["CompileOptions"], tuple[Graph, "CostModel"]]
+
+
+@dataclass(frozen=True)
+class RowChunkSearch:
+    """What compile lends the row-chunk search: the model as given (``model``, named
+    ``label``; ``built``: compile built the step from a forward model, else it cannot be
+    re-chunked), how to plan a step (``plan_step``) and to build the model with other
+    chunks (``rebuild``), the pass list compile reports (left holding the chosen
+    attempt's passes), progress, and ``user_budget(peak, slack)``: the budget a user
+    gives for a plan of that peak."""
+
+    model: object
+    label: str
+    built: bool
+    plan_step: PlanStep
+    rebuild: Rebuild
+    passes: list
+    say: Callable[[str], None]
+    user_budget: Callable[[int, int], int]
 
 
 @dataclass
@@ -149,9 +170,9 @@ def candidates(build: BuildOptions, found: dict[str, int]) -> list[dict[str, int
     return out
 
 
-def needs_search(first: Attempt, budget: int | None) -> str | None:
+def needs_search(first: Attempt, budget: Budget) -> str | None:
     """Why compile should try row chunks after the step as built (None: it should not)."""
-    if budget is None:
+    if budget.is_min:
         return "--budget min: the smallest budget is sought over row chunks too"
     if not first.fits:
         return "the step as built does not fit the budget"
@@ -161,20 +182,17 @@ def needs_search(first: Attempt, budget: int | None) -> str | None:
     return None
 
 
-def choose_row_chunks(model, label: str, graph: Graph, costs: CostModel,
-                      options: CompileOptions, budget: int | None, built: bool,
-                      plan_step: PlanStep, rebuild: Rebuild, passes: list,
-                      say: Callable[[str], None],
-                      user_budget: Callable[[int, int], int]) -> Choice:
+def choose_row_chunks(search: RowChunkSearch, graph: Graph, costs: CostModel,
+                      options: CompileOptions, budget: Budget) -> Choice:
     """Plan ``graph`` (the step as loaded) and, where it pays, the step built with other row
-    chunks; return the chosen attempt (``passes`` then holds its passes only).
-
-    ``built``: compile built the step from a forward model (else it cannot be re-chunked).
-    ``user_budget(peak, slack)``: the budget a user gives for a plan of that peak. Raises
-    the refusal of the attempt that came nearest when no setting fits ``budget``."""
+    chunks; return the chosen attempt (``search.passes`` then holds its passes only).
+    Raises the refusal of the attempt that came nearest when no setting fits ``budget``."""
+    model, label, built = search.model, search.label, search.built
+    rebuild, passes = search.rebuild, search.passes
+    say, user_budget = search.say, search.user_budget
     # The step as loaded: its load and cost passes are already in ``passes``.
-    first = _attempt(chunks_of(options.build), options, passes,
-                     lambda: (graph, costs), plan_step, mark=0, strict=True)
+    first = _attempt(search, chunks_of(options.build), options, lambda: (graph, costs),
+                     mark=0, strict=True)
     base_time = costs.total(graph)
     report: dict = {"chosen": dict(first.chunks), "searched": False}
 
@@ -218,11 +236,11 @@ def choose_row_chunks(model, label: str, graph: Graph, costs: CostModel,
         say(f"row chunks: planning the step built with {describe(chunks)}")
         build = replace(options.build, **{FIELDS[k]: n for k, n in chunks.items()})
         opts = replace(options, build=build)
-        a = _attempt(chunks, opts, passes, lambda: rebuild(opts), plan_step, mark=len(passes))
+        a = _attempt(search, chunks, opts, lambda: rebuild(opts), mark=len(passes))
         tried.append(a)
         return a
 
-    if budget is None:
+    if budget.is_min:
         chosen = _search_min(first, ladder, attempt, user_budget)
     else:
         chosen = _search_budget(first, ladder, attempt, base_time)
@@ -285,13 +303,15 @@ def _budget(a: Attempt, user_budget) -> float:
     return float("inf") if b is None else float(b)
 
 
-def _attempt(chunks: dict[str, int], options: CompileOptions, passes: list,
-             load: Callable[[], tuple[Graph, CostModel]], plan_step: PlanStep, *,
-             mark: int, strict: bool = False) -> Attempt:
-    """Build (``load``) and plan one setting; its passes (``passes[mark:]``) are moved
-    out of ``passes``. A setting compile chose whose build fails is set aside with why
-    (e.g. a loss projection that is also an attention's last product, split with it);
-    the step as loaded (``strict``) raises as compile always did."""
+def _attempt(search: RowChunkSearch, chunks: dict[str, int], options: CompileOptions,
+             load: Callable[[], tuple[Graph, CostModel]], *, mark: int,
+             strict: bool = False) -> Attempt:
+    """Build (``load``) and plan one setting (``search.plan_step``); its passes
+    (``search.passes[mark:]``) are moved out of that list. A setting compile chose whose
+    build fails is set aside with why (e.g. a loss projection that is also an attention's
+    last product, split with it); the step as loaded (``strict``) raises as compile always
+    did."""
+    passes, plan_step = search.passes, search.plan_step
     a = Attempt(dict(chunks), options)
     try:
         a.graph, a.costs = load()

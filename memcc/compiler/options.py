@@ -1,5 +1,6 @@
-"""What a compile is asked for (``CompileOptions``), checked once, and the budget arithmetic
-that turns a user's budget into what plans aim at and back."""
+"""What a compile is asked for (``CompileOptions``), checked once; the planner's request
+built from it (``CompileOptions.plan_request``); and the budget arithmetic that turns a
+user's budget into what plans aim at and back."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from memcc.frontend.build import BuildOptions
 from memcc.graph import Graph
 from memcc.passes.analysis.liveness import heap_allowance_bytes
 from memcc.passes.planning.planner import STRATEGIES
+from memcc.passes.planning.request import Budget, DecisionKinds, PlanRequest
 from memcc.sizes import parse_size
 
 COST_SOURCES = ("auto", "measured", "analytic")
@@ -99,11 +101,22 @@ class CompileOptions:
         return self.provider == "cuda" if self.offload is None else self.offload
 
     @property
-    def budget_bytes(self) -> int | None:
-        """None means: the smallest budget memcc can reach."""
+    def requested_budget(self) -> Budget:
+        """The user's budget: ``Budget.MIN`` for ``min`` (the smallest budget memcc can
+        reach), else its bytes."""
         if isinstance(self.budget, str) and self.budget.strip().lower() == "min":
-            return None
-        return parse_size(self.budget)
+            return Budget.MIN
+        return Budget.of(parse_size(self.budget))
+
+    def plan_request(self, budget: Budget) -> PlanRequest:
+        """What the planner is asked under these options, at ``budget`` (what plans aim at:
+        the user's budget less margin and slack, ``plan_budget_under``; or
+        ``Budget.MIN``)."""
+        return PlanRequest(
+            budget=budget, strategy=self.strategy, time_limit=self.time_limit,
+            kinds=DecisionKinds(variants=self.variants, lossy=self.allow_lossy,
+                                offload=self.swaps),
+            device=self.device, heap_room=self.heap_room)
 
 
 def user_budget(planned_peak: int, options: CompileOptions, slack: int) -> int:

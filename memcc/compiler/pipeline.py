@@ -33,11 +33,11 @@ from dataclasses import dataclass
 
 from memcc.backend.determinism import racing_nodes
 from memcc.compiler.advice import next_steps
-from memcc.compiler.chunk_choice import choose_row_chunks
+from memcc.compiler.chunk_choice import RowChunkSearch, choose_row_chunks
 from memcc.compiler.costing import node_costs
 from memcc.compiler.loading import check_provider, load_step
 from memcc.compiler.options import CompileOptions, user_budget
-from memcc.compiler.planning import check_floor, plan_offloading_state
+from memcc.compiler.planning import StageHooks, check_floor, plan_offloading_state
 from memcc.compiler.progress import Progress, warning_sink
 from memcc.compiler.report import ReportInputs, build_report
 from memcc.compiler.writing import Model, Target, check_targets, unverified_path, write_outputs
@@ -116,7 +116,7 @@ def compile_model(model: Model, options: CompileOptions, *,
     verification = _verify_stage(run, planned)
     report = build_report(ReportInputs(
         options=planned.options, budget=planned.budget, plan_budget=planned.plan_budget,
-        slack=planned.slack, was_min=options.budget_bytes is None, outcome=planned.outcome,
+        slack=planned.slack, was_min=options.requested_budget.is_min, outcome=planned.outcome,
         costs=planned.costs, passes=run.runner.reports,
         compile_time_s=time.perf_counter() - run.started, verification=verification,
         row_chunks=planned.row_chunks, offloaded_state=planned.offloaded,
@@ -148,9 +148,9 @@ def _load(run: CompileRun) -> Graph:
                     "--optimizer, --lr, --freeze, ...) apply to forward models and are "
                     "ignored; rebuild the step with memcc build to change them")
     structure = StepStructure.of(graph)
-    budget = options.budget_bytes
-    if budget is not None:
-        check_floor(graph, budget, options, label, structure)
+    budget = options.requested_budget
+    if not budget.is_min:
+        check_floor(graph, budget.bytes, options, label, structure)
     racing = [node_label(n) for n in racing_nodes(graph)]
     if racing:
         run.warning(
@@ -169,15 +169,15 @@ def _plan(run: CompileRun, graph: Graph, costs: CostModel) -> Planned:
     planned under the budget (``compiler/planning.py``); the plan chosen recorded in the
     rewritten step's metadata."""
     options, label, runner = run.options, run.label, run.runner
-    budget = options.budget_bytes
+    budget = options.requested_budget
+    hooks = StageHooks(runner.stage, runner.reports, run.say, label)
     offloads: dict[int, dict | None] = {}   # the rewritten step's id -> offloaded_state
 
     def plan_step(g: Graph, c: CostModel, opts: CompileOptions) -> tuple:
-        *planned, offloaded = plan_offloading_state(g, budget, c, opts, StepStructure.of(g),
-                                                     runner.stage, runner.reports,
-                                                     run.say, label)
-        offloads[id(planned[1])] = offloaded
-        return tuple(planned)
+        planned, offloaded = plan_offloading_state(g, budget, c, opts, StepStructure.of(g),
+                                                   hooks)
+        offloads[id(planned.step)] = offloaded
+        return planned
 
     def rebuild(opts: CompileOptions) -> tuple[Graph, CostModel]:
         # Another build of the forward model (row chunks): its warnings were said once.
@@ -190,12 +190,13 @@ def _plan(run: CompileRun, graph: Graph, costs: CostModel) -> Planned:
                                lambda: node_costs(g, opts, quiet, run.cuda_missing))
 
     chosen = choose_row_chunks(
-        run.model, label, graph, costs, options, budget,
-        runner.reports[0].summary["built_training_step"], plan_step, rebuild,
-        runner.reports, run.say, lambda peak, s: user_budget(peak, options, s))
+        RowChunkSearch(run.model, label, runner.reports[0].summary["built_training_step"],
+                       plan_step, rebuild, runner.reports, run.say,
+                       lambda peak, s: user_budget(peak, options, s)),
+        graph, costs, options, budget)
     attempt = chosen.attempt
     outcome, rewritten, slack, plan_budget = attempt.planned
-    final_budget = budget if budget is not None else user_budget(
+    final_budget = budget.bytes if not budget.is_min else user_budget(
         outcome.best.peak_bytes, attempt.options, slack)
     rewritten.metadata[PLAN_KEY] = json.dumps(outcome.best.plan.to_json(), sort_keys=True)
     if attempt.options.arena:

@@ -1,11 +1,18 @@
 """Compile's planning stage: the plan pass under a user's budget, with the heap room of the
 plan's own small buffers, optimizer state in host memory where it pays, and the chosen plan
-judged again as ``memcc train`` runs it. The refusals name the budget that works."""
+judged again as ``memcc train`` runs it.
+
+In: the step, its costs, the options and the user's ``Budget`` (``Budget.MIN``: the
+smallest). Out: ``Planned`` (the outcome, the rewritten step, the slack kept, the budget
+plans aimed at), or compile's refusal: the planner refuses with numbers in neutral words,
+and the sentences a user reads (which ``--budget`` to give, what else to try) are composed
+here, once (``check_floor``, ``_no_fit``)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 from memcc.compiler.advice import chunks_hint
 from memcc.compiler.options import CompileOptions, plan_budget_under, user_budget
@@ -21,12 +28,37 @@ from memcc.passes.planning.planner import (
     choose_plan,
     describe_variants,
 )
-from memcc.passes.planning.simulate import Simulation, simulate
+from memcc.passes.planning.request import Budget, PlanRequest
+from memcc.passes.planning.simulate import Simulation, SimulationRules, simulate
 from memcc.sizes import format_size
 
 # Each round plans for less room than the last; the plan's own small buffers settle within
 # one or two (a handful of recomputed values each time).
 REPLANS_FOR_HEAP_ROOM = 3
+
+
+class Planned(NamedTuple):
+    """What compile's plan stage returns for one step: the plan pass's outcome (as
+    trained), the rewritten step, the slack the budget keeps for the plan's small buffers,
+    and the budget plans aimed at (None for ``Budget.MIN``: there the report states the
+    plan's own peak)."""
+
+    outcome: PlanOutcome
+    step: Graph
+    slack: int
+    planning_budget: int | None
+
+
+@dataclass(frozen=True)
+class StageHooks:
+    """How the planning stage reports to compile: ``timed`` runs a named stage and appends
+    its ``PassReport`` to ``passes`` (the same list compile's report is built from),
+    ``say`` prints progress, ``label`` names the model in messages."""
+
+    timed: Callable[[str, Callable[[], tuple]], object]
+    passes: list[PassReport]
+    say: Progress
+    label: str
 
 
 def check_floor(graph: Graph, budget: int, options: CompileOptions, label: str,
@@ -61,18 +93,35 @@ def check_floor(graph: Graph, budget: int, options: CompileOptions, label: str,
         budget=budget, smallest=need)
 
 
-def plan_in_budget(graph: Graph, budget: int | None, costs: CostModel,
-                    options: CompileOptions, structure: StepStructure,
-                    timed: Callable[[str, Callable[[], tuple]], object],
-                    passes: list[PassReport], say: Progress, label: str
-                    ) -> tuple[PlanOutcome, Graph, int, int | None]:
+def _no_fit(budget: int, smallest: int, slack: int, options: CompileOptions,
+            hooks: StageHooks) -> BudgetError:
+    """Compile's refusal of ``budget``: ``smallest`` is the budget --budget min gives (the
+    smallest plan, as trained, with ``slack`` for its heap room), and the message says
+    what to give."""
+    passes = hooks.passes
+    return BudgetError(
+        f"{hooks.label}: the training step does not fit in {format_size(budget)} "
+        f"({budget:,} bytes). The smallest budget memcc can reach for it is "
+        f"{format_size(smallest)} ({smallest:,} bytes; strategy {options.strategy}, with "
+        f"{options.margin:.0%} + {slack:,} bytes of safety margin). "
+        f"Nothing was written. Use --budget {smallest} "
+        "or more, --budget min, or a smaller batch."
+        + chunks_hint(next(p.summary for p in passes if p.name == "load")),
+        budget=budget or 0, smallest=smallest,
+    )
+
+
+def plan_in_budget(graph: Graph, budget: Budget, costs: CostModel, options: CompileOptions,
+                   structure: StepStructure, hooks: StageHooks) -> Planned:
     """The plan pass and its rewrite, keeping heap room for the small buffers of the plan
-    it returns (``CompileOptions.slack_for``): (outcome, rewritten step, slack, planning
-    budget). The step as built has the fewest small buffers; recompute clones add some,
-    which the planner weighs when it picks a plan (``Simulation.fit_bytes``) and, where the
-    plan it returns still lacks room, compile plans again for less."""
+    it returns (``CompileOptions.slack_for``). The step as built has the fewest small
+    buffers; recompute clones add some, which the planner weighs when it picks a plan
+    (``Simulation.fit_bytes``) and, where the plan it returns still lacks room, compile
+    plans again for less."""
+    timed, passes, say = hooks.timed, hooks.passes, hooks.say
+    request = options.plan_request(Budget.MIN)
     slack = base_slack = options.slack_for(graph)
-    plan_budget = None if budget is None else plan_budget_under(budget, options, slack)
+    plan_budget = None if budget.is_min else plan_budget_under(budget.bytes, options, slack)
 
     def own_slack(outcome: PlanOutcome) -> int:
         return max(base_slack, options.slack_for(outcome.best.graph))
@@ -82,28 +131,21 @@ def plan_in_budget(graph: Graph, budget: int | None, costs: CostModel,
         room = slack if trained is None else own_slack(trained)
         need = user_budget(exc.smallest if trained is None else trained.best.peak_bytes,
                            options, room)
-        return BudgetError(
-            f"{label}: the training step does not fit in {format_size(budget)} "
-            f"({budget:,} bytes). The smallest budget memcc can reach for it is "
-            f"{format_size(need)} ({need:,} bytes; strategy {options.strategy}, with "
-            f"{options.margin:.0%} + {room:,} bytes of safety margin). "
-            f"Nothing was written. Use --budget {need} "
-            "or more, --budget min, or a smaller batch."
-            + chunks_hint(next(p.summary for p in passes if p.name == "load")),
-            budget=budget or 0, smallest=need,
-        )
+        return _no_fit(budget.bytes, need, room, options, hooks)
 
     def plan_for(target: int | None) -> PlanOutcome:
-        """The plan for ``target``; where none fits it, the smallest plan if that fits the
-        budget with the heap room of its own small buffers (a previous plan's may have been
-        more), else the refusal, naming the budget that --budget min gives."""
+        """The plan for ``target`` (None: the smallest); where none fits it, the smallest
+        plan if that fits the budget with the heap room of its own small buffers (a
+        previous plan's may have been more), else the refusal, naming the budget that
+        --budget min gives."""
+        asked = request.at(Budget.MIN if target is None else Budget.of(target))
         try:
-            return timed("plan", lambda: plan_stage(graph, target, costs, options, structure))
+            return timed("plan", lambda: plan_stage(graph, costs, asked, options, structure))
         except BudgetError as exc:
             smallest = None if exc.outcome is None else as_trained(
                 graph, exc.outcome, costs, options, structure)
-            if smallest is None or budget is None or smallest.best.peak_bytes > plan_budget_under(
-                    budget, options, own_slack(smallest)):
+            if smallest is None or budget.is_min or smallest.best.peak_bytes > \
+                    plan_budget_under(budget.bytes, options, own_slack(smallest)):
                 raise no_fit(exc, smallest) from None
             return timed("plan", lambda: (smallest, plan_summary(graph, smallest, costs,
                                                                   options, structure)))
@@ -116,12 +158,13 @@ def plan_in_budget(graph: Graph, budget: int | None, costs: CostModel,
     # planning again, for less, while they leave the plan over its budget.
     for _ in range(REPLANS_FOR_HEAP_ROOM):
         own = own_slack(outcome)
-        if plan_budget is None or plan_sim.peak_bytes <= plan_budget_under(budget, options, own):
+        if plan_budget is None or plan_sim.peak_bytes <= plan_budget_under(budget.bytes,
+                                                                           options, own):
             break
         first = {"peak_bytes": plan_sim.peak_bytes, "planning_budget_bytes": plan_budget,
                  "small_buffers_heap_bytes": own - slack}
         slack = own
-        plan_budget = plan_budget_under(budget, options, slack)
+        plan_budget = plan_budget_under(budget.bytes, options, slack)
         say(f"planning again, for {format_size(plan_budget)}: the plan's recomputed values "
             "need heap room of their own")
         del passes[-2:]  # that plan and its rewrite: the report keeps the one used
@@ -131,37 +174,38 @@ def plan_in_budget(graph: Graph, budget: int | None, costs: CostModel,
         rewritten = timed("rewrite", lambda p=plan_sim, b=base_sim: rewrite_stage(p, b))
     # What the report states: the room the returned plan keeps for its own small buffers.
     slack = own_slack(outcome)
-    if budget is not None:
-        plan_budget = plan_budget_under(budget, options, slack)
-    return outcome, rewritten, slack, plan_budget
+    if not budget.is_min:
+        plan_budget = plan_budget_under(budget.bytes, options, slack)
+    return Planned(outcome, rewritten, slack, plan_budget)
 
 
-def plan_offloading_state(graph: Graph, budget: int | None, costs: CostModel,
-                           options: CompileOptions, structure: StepStructure,
-                           timed, passes: list[PassReport], say: Progress, label: str):
+def plan_offloading_state(graph: Graph, budget: Budget, costs: CostModel,
+                          options: CompileOptions, structure: StepStructure,
+                          hooks: StageHooks) -> tuple[Planned, dict | None]:
     """``plan_in_budget``, and on CUDA with offload on, the same with the optimizer state in
     host memory (``passes.lowering.offload_state``) where that reaches further or costs less: tried
     when the budget is not reached without it, for ``--budget min`` (the smaller peak wins),
     and when the plan without it adds more time than the state's copies would. Returns
-    ``plan_in_budget``'s tuple and the report's ``offloaded_state`` (None: not tried)."""
+    ``plan_in_budget``'s ``Planned`` and the report's ``offloaded_state`` (None: not
+    tried)."""
+    passes, say = hooks.passes, hooks.say
     state = optimizer_state(graph) if options.provider == "cuda" and options.swaps else []
     start = len(passes)
     try:
-        plain = plan_in_budget(graph, budget, costs, options, structure, timed, passes,
-                                say, label)
+        plain = plan_in_budget(graph, budget, costs, options, structure, hooks)
         refusal = None
     except BudgetError as exc:
         if not state:
             raise
         plain, refusal = None, exc
     if not state:
-        return (*plain, None)
+        return plain, None
     everything = [n for n, _ in state]
     tries = [everything]
-    if plain is None and budget is not None:
+    if plain is None and not budget.is_min:
         # out of reach by a known deficit: first the largest tensors that cover it, with
         # room for the update that visits the device (the rest then costs no copies)
-        deficit, covered, prefix = refusal.smallest - budget, 0, []
+        deficit, covered, prefix = refusal.smallest - budget.bytes, 0, []
         for name, nbytes in state:
             if covered >= 2 * deficit + state[0][1]:
                 break
@@ -174,49 +218,48 @@ def plan_offloading_state(graph: Graph, budget: int | None, costs: CostModel,
     for names in tries:
         moved = offload_state(graph, names)
         copies_s = moved.added_seconds(costs.link)
-        if plain is not None and budget is not None and plain[0].best.added_time_s <= copies_s:
-            return (*plain, None)  # fits, and adds less time than the copies alone would
+        if plain is not None and not budget.is_min \
+                and plain.outcome.best.added_time_s <= copies_s:
+            return plain, None  # fits, and adds less time than the copies alone would
         say(f"planning with {len(names)} optimizer state tensors in host memory "
             f"({format_size(moved.bytes)})")
         try:
             off = plan_in_budget(moved.graph, budget, costs, options,
-                                  StepStructure.of(moved.graph), timed, passes, say, label)
+                                 StepStructure.of(moved.graph), hooks)
             break
         except BudgetError as exc:
             del passes[middle:]
             if names is tries[-1]:
                 if plain is None:
                     raise exc from refusal
-                return (*plain, None)
+                return plain, None
 
-    def reach(result) -> int:
-        return user_budget(result[0].best.peak_bytes, options, result[2])
+    def reach(result: Planned) -> int:
+        return user_budget(result.outcome.best.peak_bytes, options, result.slack)
 
     without = refusal.smallest if plain is None else reach(plain)
-    off_time = off[0].best.added_time_s + copies_s
-    use = plain is None or (off[0].best.peak_bytes < plain[0].best.peak_bytes
-                            if budget is None else off_time < plain[0].best.added_time_s)
+    off_time = off.outcome.best.added_time_s + copies_s
+    use = plain is None or (off.outcome.best.peak_bytes < plain.outcome.best.peak_bytes
+                            if budget.is_min else off_time < plain.outcome.best.added_time_s)
     if use:
         del passes[start:middle]
     else:
         del passes[middle:]
     report = moved.to_json(costs.link) | {
-        "used": use, "smallest_budget_bytes": reach(off) if budget is None else None,
-        "smallest_budget_without_bytes": without if budget is None or plain is None else None,
+        "used": use, "smallest_budget_bytes": reach(off) if budget.is_min else None,
+        "smallest_budget_without_bytes": without if budget.is_min or plain is None else None,
         "plan_added_time_s": round(off_time, 6),
         "method": ("predicted (passes.lowering.offload_state + passes.analysis.device_memory), "
                    "not measured")}
-    return (*(off if use else plain), report)
+    return (off if use else plain), report
 
 
-def plan_stage(graph, budget, costs, options, structure) -> tuple[PlanOutcome, dict]:
-    # On CUDA, saved values may also be swapped to host memory (never on the CPU provider,
-    # where host and device are one memory).
-    outcome = choose_plan(graph, budget, costs, strategy=options.strategy,
-                          time_limit=options.time_limit, structure=structure,
-                          offload=options.swaps, variants=options.variants,
-                          device=options.device, allow_lossy=options.allow_lossy,
-                          heap_room=options.heap_room)
+def plan_stage(graph: Graph, costs: CostModel, request: PlanRequest, options: CompileOptions,
+               structure: StepStructure) -> tuple[PlanOutcome, dict]:
+    """The plan pass for ``request`` (built from ``options``: on CUDA, saved values may also
+    be swapped to host memory, never on the CPU provider, where host and device are one
+    memory), the plan judged as trained, and its report summary."""
+    outcome = choose_plan(graph, costs, request, structure=structure)
     outcome = as_trained(graph, outcome, costs, options, structure)
     return outcome, plan_summary(graph, outcome, costs, options, structure)
 
@@ -230,8 +273,9 @@ def as_trained(graph: Graph, outcome: PlanOutcome, costs: CostModel, options: Co
     order, so the peak it reports is the peak of the step as trained, never above the one
     the search accepted."""
     def trained(sim: Simulation) -> Simulation:
-        again = simulate(graph, sim.plan, costs, structure, host_copies=options.swaps,
-                         device=options.device, early_updates=True)
+        again = simulate(graph, sim.plan, costs, structure,
+                         SimulationRules(options.device, host_copies=options.swaps,
+                                         early_updates=True))
         return replace(again, heap_room=sim.heap_room) \
             if again.peak_bytes <= sim.peak_bytes else sim
 

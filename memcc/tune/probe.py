@@ -26,7 +26,8 @@ from memcc.passes.analysis.cost_model import (
 )
 from memcc.passes.plan import Plan, StepStructure
 from memcc.passes.planning.planner import BudgetError, PlanOutcome, choose_plan
-from memcc.passes.planning.simulate import Simulation, simulate
+from memcc.passes.planning.request import Budget, DecisionKinds, PlanRequest
+from memcc.passes.planning.simulate import Simulation, SimulationRules, simulate
 from memcc.passes.providers.batchnorm_for_cuda import for_provider
 from memcc.tune.options import Say, SearchRange, TuneOptions
 
@@ -79,7 +80,7 @@ class SizeSearch:
         costs = self._costs(graph)
         st = StepStructure.of(graph)
         # On CUDA, judged by the arena replay, as compile judges it.
-        base = simulate(graph, Plan(), costs, st, device=self.opts.provider)
+        base = simulate(graph, Plan(), costs, st, SimulationRules(self.opts.provider))
         persistent = set(graph.inputs) | set(graph.initializers)
         floor = sum(graph.info[v].nbytes for v in persistent if v in graph.info)
         p = SizeProbe(b, graph, costs, st, base, int(floor), lr)
@@ -160,10 +161,10 @@ class SizeSearch:
         if expect:
             return self.plan(b) is not None, "plan"
         self.say(f"{self.rng.dim}={b}: smallest reachable peak ({self.opts.strategy})")
-        out = choose_plan(p.graph, None, p.costs, strategy=self.opts.strategy,
-                          time_limit=self.opts.time_limit, structure=p.structure,
-                          baseline=p.baseline, offload=self.opts.provider == "cuda",
-                          device=self.opts.provider)
+        out = choose_plan(p.graph, p.costs, PlanRequest(
+            Budget.MIN, self.opts.strategy, self.opts.time_limit,
+            DecisionKinds(offload=self.opts.provider == "cuda"), self.opts.provider),
+            structure=p.structure, baseline=p.baseline)
         self.stats["min_searches"] += 1
         p.smallest = out.best.peak_bytes
         return p.smallest <= self.budget, "min-search"
@@ -181,11 +182,10 @@ class SizeSearch:
             self.say(f"{self.rng.dim}={b}: planning ({strategy})")
             self.stats["plans"] += 1
         try:
-            p.outcome = choose_plan(p.graph, self.budget, p.costs, strategy=strategy,
-                                    time_limit=self.opts.time_limit, structure=p.structure,
-                                    baseline=p.baseline, offload=self.opts.provider == "cuda",
-                                    device=self.opts.provider,
-                                    heap_room=self.compile.heap_room)
+            p.outcome = choose_plan(p.graph, p.costs, PlanRequest(
+                Budget.of(self.budget), strategy, self.opts.time_limit,
+                DecisionKinds(offload=self.opts.provider == "cuda"), self.opts.provider,
+                heap_room=self.compile.heap_room), structure=p.structure, baseline=p.baseline)
         except BudgetError as exc:
             p.smallest = exc.smallest
             return None
@@ -196,10 +196,10 @@ class SizeSearch:
         p = self.probe(b)
         if p.sqrtn_peak is None:
             self.say(f"{self.rng.dim}={b}: sqrt(n) segmentations")
-            out = choose_plan(p.graph, None, p.costs, strategy="sqrtn",
-                              time_limit=self.opts.time_limit, structure=p.structure,
-                              baseline=p.baseline, offload=self.opts.provider == "cuda",
-                              device=self.opts.provider)
+            out = choose_plan(p.graph, p.costs, PlanRequest(
+                Budget.MIN, "sqrtn", self.opts.time_limit,
+                DecisionKinds(offload=self.opts.provider == "cuda"), self.opts.provider),
+                structure=p.structure, baseline=p.baseline)
             p.sqrtn_peak = out.best.peak_bytes
             self.stats["sqrtn_bounds"] += 1
         return p.sqrtn_peak

@@ -55,36 +55,54 @@ class Simulation:
         return self.peak_bytes + self.heap_room
 
 
-def simulate(graph: Graph, plan: Plan, costs: CostModel,
-             structure: StepStructure | None = None, *,
-             host_copies: bool = False, device: str = "cpu",
-             heap_base: int | None = None, early_updates: bool = False) -> Simulation:
-    """The plan lowered, and judged as ``memcc train`` runs it (``passes.analysis.arrange``): each
-    update written over the value it replaces where that is safe, so one copy of the
-    state, not two, is counted at the end of the step. ``early_updates``: also move each
-    update to just after its gradient is complete where that lowers the peak (the order
-    ``memcc compile`` writes and ``memcc train`` runs); off, the file's order, a bound on
-    it at a third of the analysis (for the many candidate plans a search judges).
+@dataclass(frozen=True)
+class SimulationRules:
+    """How a plan is judged (``simulate``), the same for every plan of one search.
+
+    ``device``: whose allocation rules the peak follows. ``"cuda"``: the device pages
+    behind what the CUDA arena reserves for the step (``passes.analysis.arena``: 256-byte
+    rounding, regions that cannot merge, each large region in whole 2 MiB pages), without
+    shrink between steps, plus the buffers the runtime binds (state, updated in place;
+    batch; loss) and the stored values, in the steady state of repeated steps, for the step
+    arranged as the CUDA runtime runs it (``passes.analysis.device_memory.predict_step``).
+    ``"cpu"``: the live bytes with the CPU allocator's page rounding, as measured with the
+    arena off (``backend/session.py``). ``"cpu-arena"``: the CPU provider allocating
+    through the same arena class (``arena.cpu_arena_peak``).
 
     ``host_copies``: the step runs on a device provider, where swapped-out copies live
     in host memory (not in the peak; ``liveness.host_peak_bytes``).
 
-    ``device="cuda"``: the peak is the device pages behind what the CUDA arena reserves for
-    the step (``passes.analysis.arena``: 256-byte rounding, regions that cannot merge, each large
-    region in whole 2 MiB pages), without shrink between steps, plus the buffers the
-    runtime binds (state, updated in place; batch; loss) and the stored values, in the
-    steady state of repeated steps, for the step arranged as the CUDA runtime runs it
-    (``passes.analysis.device_memory.predict_step``). ``"cpu"``: the live bytes with the CPU
-    allocator's page rounding, as measured with the arena off (``backend/session.py``).
-    ``"cpu-arena"``: the CPU provider allocating through the same arena class
-    (``arena.cpu_arena_peak``).
-    ``heap_base``: the small buffers of ``graph`` (``liveness.small_buffers``, counted once
-    by the caller), to weigh the heap room of those the lowering adds (recompute clones,
-    variants' values) into ``fit_bytes``; None weighs none. The room of the step's own is
-    the budget's slack (``compiler.CompileOptions.slack_for``).
+    ``heap_base``: the small buffers of the step planned (``liveness.small_buffers``,
+    counted once by the caller), to weigh the heap room of those the lowering adds
+    (recompute clones, variants' values) into ``fit_bytes``; None weighs none. The room of
+    the step's own is the budget's slack (``compiler.CompileOptions.slack_for``).
+
+    ``early_updates``: also move each update to just after its gradient is complete where
+    that lowers the peak (the order ``memcc compile`` writes and ``memcc train`` runs);
+    off, the file's order, a bound on it at a third of the analysis (for the many candidate
+    plans a search judges)."""
+
+    device: str = "cpu"
+    host_copies: bool = False
+    heap_base: int | None = None
+    early_updates: bool = False
+
+    def __post_init__(self) -> None:
+        if self.device not in DEVICES:
+            raise ValueError(f"device '{self.device}': one of {', '.join(DEVICES)}")
+
+
+def simulate(graph: Graph, plan: Plan, costs: CostModel,
+             structure: StepStructure | None = None,
+             rules: SimulationRules | None = None) -> Simulation:
+    """The plan lowered, and judged as ``memcc train`` runs it (``passes.analysis.arrange``): each
+    update written over the value it replaces where that is safe, so one copy of the
+    state, not two, is counted at the end of the step; ``rules`` say by whose allocation
+    rules and in which order (``SimulationRules``).
     """
-    if device not in DEVICES:
-        raise ValueError(f"device '{device}': one of {', '.join(DEVICES)}")
+    rules = rules or SimulationRules()
+    device, host_copies = rules.device, rules.host_copies
+    heap_base, early_updates = rules.heap_base, rules.early_updates
     lowered = lower(graph, plan, structure)
     step = TrainingStep.of(lowered.graph)
     runs = arrange_step(lowered.graph, step, host_copies=host_copies or device == "cuda",

@@ -99,40 +99,86 @@ class RecomputeUnits:
         return chosen
 
 
+@dataclass(frozen=True)
+class _StepIndex:
+    """The step's schedule as the recompute terms read it, indexed once: node positions,
+    which run forward, each value's lifetime, readers (positions), the values sharing each
+    buffer and each value's producer."""
+
+    nodes: list
+    pos: dict[str, int]
+    fwd_pos: np.ndarray
+    values: dict
+    readers: dict[str, list[int]]
+    members: dict[str, list[str]]
+    producer: dict
+
+    @classmethod
+    def of(cls, graph: Graph, st: StepStructure, live: LivenessReport) -> _StepIndex:
+        nodes = graph.nodes
+        readers: dict[str, list[int]] = defaultdict(list)
+        for i, n in enumerate(nodes):
+            for inp in n.input:
+                if inp:
+                    readers[inp].append(i)
+        members: dict[str, list[str]] = defaultdict(list)
+        for v, vl in live.values.items():
+            members[vl.buffer].append(v)
+        return cls(nodes, {n.name: i for i, n in enumerate(nodes)},
+                   np.array([n.name in st.forward for n in nodes], dtype=bool),
+                   live.values, readers, members,
+                   {o: n for n in nodes for o in n.output if o})
+
+
+@dataclass(frozen=True)
+class _Units:
+    """The recompute units and how they link: the nodes of each, each node's unit, each
+    unit's outputs, the first backward reader of any of them (``direct``; T + 1: none) and
+    the units that read them (``consumers``: their clones need this unit's values)."""
+
+    groups: list[tuple[str, ...]]
+    unit_of_node: dict[str, int]
+    outputs_of: list[list[str]]
+    direct: np.ndarray
+    consumers: list[set[int]]
+
+
 def add_recompute_terms(builder: ProblemBuilder, graph: Graph, st: StepStructure,
                         live: LivenessReport, costs: CostModel) -> RecomputeUnits:
-    nodes = graph.nodes
-    T = len(nodes)
-    inf = T + 1
-    pos = {n.name: i for i, n in enumerate(nodes)}
-    fwd_pos = np.array([n.name in st.forward for n in nodes], dtype=bool)
-    values = live.values
-    readers: dict[str, list[int]] = defaultdict(list)
-    for i, n in enumerate(nodes):
-        for inp in n.input:
-            if inp:
-                readers[inp].append(i)
-    members: dict[str, list[str]] = defaultdict(list)
-    for v, vl in values.items():
-        members[vl.buffer].append(v)
-    producer = {o: n for n in nodes for o in n.output if o}
+    """The recompute decision's variables (one per unit and birth point), its rows (one
+    birth at most per unit; a consumer's clone after its producer's) and its memory terms
+    (kernel scratch, saved buffers freed and rebuilt, values held for recomputed readers)."""
+    ix = _StepIndex.of(graph, st, live)
+    T = len(ix.nodes)
+    units = _link_units(ix, st)
+    unit_cost = np.array([sum(costs.seconds.get(a, 0.0) for a in g) for g in units.groups])
+    cands = _birth_points(ix, units)
+    y, var_unit, var_birth = _add_births(builder, units.groups, unit_cost, cands, T)
+    _add_scratch_and_chains(builder, graph, ix, units, y)
+    _add_saving_terms(builder, ix, units, y)
+    _add_held_terms(builder, ix, units, y)
+    crossing_bytes, crossing_units = _forward_cuts(ix, st, units.unit_of_node)
+    return RecomputeUnits(tuple(units.groups), unit_cost, var_unit, var_birth, crossing_bytes,
+                          crossing_units)
 
-    unit_of_node, groups = _units(nodes, st, values, producer)
+
+def _link_units(ix: _StepIndex, st: StepStructure) -> _Units:
+    nodes, readers = ix.nodes, ix.readers
+    unit_of_node, groups = _units(nodes, st, ix.values, ix.producer)
     n_units = len(groups)
-    unit_cost = np.array([sum(costs.seconds.get(a, 0.0) for a in g) for g in groups])
-
+    inf = len(nodes) + 1
     # Direct need: the first backward reader of anything the unit produces.
     direct = np.full(n_units, inf)
     outputs_of: list[list[str]] = [[] for _ in range(n_units)]
     for u, g in enumerate(groups):
         for name in g:
-            node = nodes[pos[name]]
+            node = nodes[ix.pos[name]]
             for o in node.output:
                 if not o:
                     continue
                 outputs_of[u].append(o)
                 for r in readers.get(o, ()):
-                    if not fwd_pos[r]:
+                    if not ix.fwd_pos[r]:
                         direct[u] = min(direct[u], r)
     # Consumers: units that read an output of u (their clone needs u's value).
     consumers: list[set[int]] = [set() for _ in range(n_units)]
@@ -142,25 +188,39 @@ def add_recompute_terms(builder: ProblemBuilder, graph: Graph, st: StepStructure
                 c = unit_of_node.get(nodes[r].name)
                 if c is not None and c != u:
                     consumers[u].add(c)
+    return _Units(groups, unit_of_node, outputs_of, direct, consumers)
 
-    # Candidates, consumers first (reverse schedule order of the units' first node).
+
+def _birth_points(ix: _StepIndex, units: _Units) -> list[list[int]]:
+    """Each unit's candidate birth points, consumers first (reverse schedule order of the
+    units' first node): its first backward reader and its consumers' points before it."""
+    groups, direct = units.groups, units.direct
+    n_units = len(groups)
+    inf = len(ix.nodes) + 1
     per_unit = int(np.clip(CANDIDATE_BUDGET // max(n_units, 1), MIN_CANDIDATES, MAX_CANDIDATES))
-    order = sorted(range(n_units), key=lambda u: -pos[groups[u][0]])
+    order = sorted(range(n_units), key=lambda u: -ix.pos[groups[u][0]])
     cands: list[list[int]] = [[] for _ in range(n_units)]
     for u in order:
         pts = set()
         if direct[u] < inf:
             pts.add(int(direct[u]))
-        for c in consumers[u]:
+        for c in units.consumers[u]:
             pts.update(cands[c])
         if direct[u] < inf:
             pts = {p for p in pts if p <= direct[u]}
         cands[u] = _spread(sorted(pts, reverse=True), per_unit)
+    return cands
 
+
+def _add_births(builder: ProblemBuilder, groups: list[tuple[str, ...]], unit_cost: np.ndarray,
+                cands: list[list[int]], T: int
+                ) -> tuple[list[dict[int, int]], dict[int, int], dict[int, int]]:
+    """One binary per unit and birth point (``y[u][s]``), one choice row per unit; with the
+    maps from each variable to its unit and its birth point."""
     var_unit: dict[int, int] = {}
     var_birth: dict[int, int] = {}
-    y: list[dict[int, int]] = [{} for _ in range(n_units)]
-    for u in range(n_units):
+    y: list[dict[int, int]] = [{} for _ in groups]
+    for u in range(len(groups)):
         for s in sorted(cands[u]):
             v = builder.variable(KIND, f"recompute {groups[u][0]} before #{s}",
                                  float(unit_cost[u]), preference=(T - s) / T)
@@ -168,36 +228,42 @@ def add_recompute_terms(builder: ProblemBuilder, graph: Graph, st: StepStructure
             var_unit[v] = u
             var_birth[v] = s
         builder.choice(list(y[u].values()))
+    return y, var_unit, var_birth
 
-    def later(u: int, p: int) -> dict[int, float]:
-        """sum(y[u, s] for s > p)."""
-        return {v: 1.0 for s, v in y[u].items() if s > p}
 
+def _add_scratch_and_chains(builder: ProblemBuilder, graph: Graph, ix: _StepIndex,
+                            units: _Units, y: list[dict[int, int]]) -> None:
+    groups = units.groups
     # Scratch: a clone's kernel scratch (Where's two selections, ...) exists while it runs,
     # just before its birth point, on top of everything live there.
-    for u in range(n_units):
-        scratch = max((scratch_bytes(nodes[pos[name]], graph.info, graph.opset)
+    for u in range(len(groups)):
+        scratch = max((scratch_bytes(ix.nodes[ix.pos[name]], graph.info, graph.opset)
                        for name in groups[u]), default=0)
         for s, v in y[u].items():
             builder.term(v, float(scratch), s, s)
 
-    # Chains: a consumer born at s_c needs u born at or before s_c.
-    for u in range(n_units):
-        for c in consumers[u]:
+    # Chains: a consumer born at s_c needs u born at or before s_c (sum(y[u, s] for s >
+    # s_c) + y[c, s_c] <= 1).
+    for u in range(len(groups)):
+        for c in units.consumers[u]:
             for s_c, v_c in y[c].items():
-                tail = later(u, s_c)
+                tail = {v: 1.0 for s, v in y[u].items() if s > s_c}
                 if tail:
                     builder.row({v_c: 1.0, **tail}, 1.0)
 
-    # Saving and clone terms of the buffers each unit owns.
-    for u in range(n_units):
+
+def _add_saving_terms(builder: ProblemBuilder, ix: _StepIndex, units: _Units,
+                      y: list[dict[int, int]]) -> None:
+    """Saving and clone terms of the buffers each unit owns."""
+    values, fwd_pos = ix.values, ix.fwd_pos
+    for u in range(len(units.groups)):
         if not y[u]:
             continue
-        for o in outputs_of[u]:
+        for o in units.outputs_of[u]:
             vl = values.get(o)
             if vl is None or vl.buffer != o or vl.death is None:
                 continue
-            all_r = [r for m in members[o] for r in readers.get(m, ())]
+            all_r = [r for m in ix.members[o] for r in ix.readers.get(m, ())]
             if not any(not fwd_pos[r] for r in all_r):
                 continue  # a transient: only the held-past-death terms below apply
             fwd = [r for r in all_r if fwd_pos[r]]
@@ -206,31 +272,30 @@ def add_recompute_terms(builder: ProblemBuilder, graph: Graph, st: StepStructure
                 builder.term(v, -float(vl.nbytes), lf + 1, vl.death)
                 builder.term(v, float(vl.nbytes), s, vl.death)
 
-    # Held past death: every value a recomputed consumer reads.
+
+def _add_held_terms(builder: ProblemBuilder, ix: _StepIndex, units: _Units,
+                    y: list[dict[int, int]]) -> None:
+    """Held past death: every value a recomputed consumer reads."""
+    values = ix.values
     readers_of: dict[str, set[tuple[int, int | None]]] = defaultdict(set)
-    for c in range(n_units):
+    for c in range(len(units.groups)):
         if not y[c]:
             continue
-        for name in groups[c]:
-            for inp in nodes[pos[name]].input:
+        for name in units.groups[c]:
+            for inp in ix.nodes[ix.pos[name]].input:
                 vl = values.get(inp)
                 if vl is None:
                     continue
                 bl = values.get(vl.buffer)
                 if bl is None or bl.death is None:
                     continue  # pinned for the whole step: nothing to extend
-                src = producer.get(inp)
-                u = unit_of_node.get(src.name) if src is not None else None
+                src = ix.producer.get(inp)
+                u = units.unit_of_node.get(src.name) if src is not None else None
                 if u != c:
                     readers_of[vl.buffer].add((c, u))
     for b, pairs in readers_of.items():
         _hold(builder, b, values[b], sorted(pairs, key=lambda p: (p[0], -1 if p[1] is None
                                                                    else p[1])), y)
-
-    crossing_bytes, crossing_units = _forward_cuts(nodes, st, values, readers, members,
-                                                   producer, unit_of_node)
-    return RecomputeUnits(tuple(groups), unit_cost, var_unit, var_birth, crossing_bytes,
-                          crossing_units)
 
 
 def _hold(builder: ProblemBuilder, b: str, bl, pairs: list[tuple[int, int | None]],
@@ -317,8 +382,10 @@ def _units(nodes, st: StepStructure, values, producer
     return unit_of_node, [tuple(g) for g in groups]
 
 
-def _forward_cuts(nodes, st, values, readers, members, producer, unit_of_node):
+def _forward_cuts(ix: _StepIndex, st: StepStructure, unit_of_node: dict[str, int]):
     """Bytes crossing each position of the forward order, and which units produce them."""
+    nodes, values, readers, members, producer = \
+        ix.nodes, ix.values, ix.readers, ix.members, ix.producer
     fwd = [i for i, n in enumerate(nodes) if n.name in st.forward]
     index = {p: k for k, p in enumerate(fwd)}
     F = len(fwd)

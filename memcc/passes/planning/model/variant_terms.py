@@ -40,7 +40,7 @@ part is the single variant's own term). Buffers read by three or more rules are 
 
 from __future__ import annotations
 
-from collections import ChainMap, defaultdict
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -49,26 +49,26 @@ import onnx
 from memcc.frontend.gradients.variants import LOSSY, Variant
 from memcc.graph import Graph
 from memcc.passes.analysis.cost_model import CostModel
-from memcc.passes.analysis.liveness import (
-    ALIAS_OPS,
-    INPLACE_OPS,
-    LivenessReport,
-    allocation_bytes,
-    scratch_bytes,
-)
+from memcc.passes.analysis.liveness import LivenessReport
 from memcc.passes.lowering.variant_substitution import (
     Replaced,
     applicable_variants,
-    dead_after_replacing,
     replaced_rule,
-    rule_body,
     rule_nodes,
-    variant_context,
 )
 from memcc.passes.plan import StepStructure
 from memcc.passes.planning.model.offload_terms import OffloadVars
 from memcc.passes.planning.model.problem import ProblemBuilder
 from memcc.passes.planning.model.recompute_terms import RecomputeUnits
+from memcc.passes.planning.model.variant_rule import (
+    Emitted,
+    Span,
+    default_span,
+    emit,
+    external_reads,
+    forward_reads,
+    peak_working_set,
+)
 from memcc.step import rule_io
 
 KIND = "variant"
@@ -83,101 +83,15 @@ class VariantVars:
 
 
 @dataclass(frozen=True)
-class _Emitted:
-    back: list[onnx.NodeProto]
-    fwd: list[onnx.NodeProto]
-    info: dict
+class VariantScope:
+    """What the variant terms are built against: the recompute units (a variant excludes
+    recomputing what it changes), the offload variables (None: no swaps; a variant excludes
+    offloading what either rule reads), and whether lossy-tier variants are offered."""
 
+    units: RecomputeUnits
+    swaps: OffloadVars | None = None
+    allow_lossy: bool = False
 
-def _emit(graph: Graph, node: onnx.NodeProto, variant: Variant,
-          replaced: Replaced) -> _Emitted | None:
-    """The variant's nodes for ``node``, emitted on a view of ``graph`` whose type table is
-    a copy (the step is not touched)."""
-    info = ChainMap({}, graph.info)  # the variant's new types land in the first map
-    view = Graph(nodes=graph.nodes, inputs=graph.inputs, outputs=graph.outputs,
-                 initializers=graph.initializers, info=info,  # type: ignore[arg-type]
-                 opsets=graph.opsets, metadata=graph.metadata, name=graph.name)
-    view.set_nodes(graph.nodes, graph.def_use())
-    ctx = variant_context(view, node, f"{node.name}/{variant.name}/", taken=(),
-                          wants=replaced.wants)
-    try:
-        variant.rule(ctx, node, [g or None for g in replaced.gouts])
-    except Exception:  # a variant that cannot be emitted here is not offered
-        return None
-    fwd = list(ctx.forward.nodes) if ctx.forward is not None else []
-    return _Emitted(list(ctx.emit.nodes), fwd, view.info)
-
-
-def _external_reads(nodes: list[onnx.NodeProto]) -> set[str]:
-    made = {o for n in nodes for o in n.output if o}
-    return {i for n in nodes for i in n.input if i and i not in made}
-
-
-def _forward_reads(rule: list[onnx.NodeProto], gouts: list[str], forward_value) -> set[str]:
-    """The forward-pass values a rule's nodes read, its incoming gradients left out."""
-    return {v for v in _external_reads(rule) if forward_value(v)} - {g for g in gouts if g}
-
-
-def _peak_working_set(nodes: list[onnx.NodeProto], info, opset: int) -> int:
-    """Largest bytes held by values ``nodes`` produce, walked in order, plus each kernel's
-    own scratch while it runs (Where's selections); a buffer lives until the last reader
-    among them of any value it holds (results, read by nobody here, to the end). Buffers
-    are shared as the liveness analysis shares them: a Reshape returns its input's buffer
-    and an in-place op (ScatterElements into its zeros) writes into it, so a rule that
-    reshapes and scatters is not counted three times over."""
-    last: dict[str, int] = {}
-    for k, n in enumerate(nodes):
-        for i in n.input:
-            last[i] = k
-    size, birth, end = _buffers(nodes, info, last)
-    live, peak = 0, 0
-    ends: dict[int, int] = defaultdict(int)
-    for b, k in end.items():
-        ends[k] += size[b]
-    for k, n in enumerate(nodes):
-        if n.op_type == "Constant":
-            continue
-        live += sum(size[o] for o in n.output if o and birth.get(o) == k)
-        peak = max(peak, live + scratch_bytes(n, info, opset))
-        live -= ends.pop(k, 0)
-    return peak
-
-
-def _buffers(nodes: list[onnx.NodeProto], info, last: dict[str, int]
-             ) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
-    """The buffers ``nodes`` allocate, by ``liveness``'s alias and in-place rules (a view
-    of a value from outside holds no bytes here; an outside value is never written over):
-    each buffer's bytes, birth and the index of its last reader among ``nodes``."""
-    buffer_of: dict[str, str] = {}
-    size: dict[str, int] = {}
-    birth: dict[str, int] = {}
-    end: dict[str, int] = {}
-    for k, n in enumerate(nodes):
-        if n.op_type == "Constant":
-            continue
-        for j, o in enumerate(n.output):
-            if not o or o not in info:
-                continue
-            src = n.input[0] if j == 0 and n.input else ""
-            b = buffer_of.get(src) if src else None
-            if src and n.op_type in ALIAS_OPS:
-                if b is None:
-                    continue
-            elif b is None or not _writes_over(n, b, src, o, k, end, info):
-                b = o
-                size[o], birth[o], end[o] = allocation_bytes(int(info[o].nbytes)), k, k
-            buffer_of[o] = b
-            end[b] = max(end[b], last.get(o, len(nodes)))
-    return size, birth, end
-
-
-def _writes_over(n: onnx.NodeProto, b: str, src: str, out: str, k: int,
-                 end: dict[str, int], info) -> bool:
-    """``n`` (at ``k``) writes ``out`` into the buffer ``b`` of its input ``src``: an
-    in-place op, the buffer's last read, the same shape and element size."""
-    return (n.op_type in INPLACE_OPS and end[b] == k
-            and info[src].shape == info[out].shape
-            and info[src].itemsize == info[out].itemsize)
 
 
 @dataclass
@@ -251,241 +165,252 @@ def _useful(found: list[_Candidate]) -> list[_Candidate]:
     return keep
 
 
-def add_variant_terms(builder: ProblemBuilder, graph: Graph, st: StepStructure,
-                      live: LivenessReport, costs: CostModel, units: RecomputeUnits,
-                      swaps: OffloadVars | None = None, *,
-                      allow_lossy: bool = False) -> VariantVars:
-    nodes = graph.nodes
-    du = graph.def_use()
-    pos = {id(n): i for i, n in enumerate(nodes)}
-    values = live.values
-    outputs = set(graph.outputs)
-    rules = rule_nodes(graph)
-    unit_vars: dict[int, list[int]] = defaultdict(list)
-    for var, u in units.var_unit.items():
-        unit_vars[u].append(var)
-    unit_of_node = {name: u for u, g in enumerate(units.groups) for name in g}
-    offload_var = {v: var for var, v in (swaps.value_of.items() if swaps else ())}
 
-    def forward_value(v: str) -> bool:
-        p = du.producer.get(v)
-        return p is not None and p.name in st.forward and p.op_type != "Constant"
 
-    members: dict[str, list[str]] = defaultdict(list)
-    for name, vl in values.items():
-        members[vl.buffer].append(name)
+class _StepView:
+    """The step as the variant terms read it, indexed once per model: positions (by node
+    identity), def-use, lifetimes, the default rules, the other kinds' variables (recompute
+    units, offloads) and the values sharing each buffer."""
 
-    def buffer_of(v: str):
+    def __init__(self, graph: Graph, st: StepStructure, live: LivenessReport,
+                 costs: CostModel, scope: VariantScope) -> None:
+        self.graph, self.st, self.live, self.costs = graph, st, live, costs
+        self.nodes = graph.nodes
+        self.du = graph.def_use()
+        self.pos = {id(n): i for i, n in enumerate(self.nodes)}
+        self.values = live.values
+        self.outputs = set(graph.outputs)
+        self.rules = rule_nodes(graph)
+        self.unit_vars: dict[int, list[int]] = defaultdict(list)
+        for var, u in scope.units.var_unit.items():
+            self.unit_vars[u].append(var)
+        self.unit_of_node = {name: u for u, g in enumerate(scope.units.groups) for name in g}
+        swaps = scope.swaps
+        self.offload_var = {v: var for var, v in (swaps.value_of.items() if swaps else ())}
+        self.members: dict[str, list[str]] = defaultdict(list)
+        for name, vl in self.values.items():
+            self.members[vl.buffer].append(name)
+
+    def forward_value(self, v: str) -> bool:
+        """Whether ``v`` is made by the forward pass (not a Constant)."""
+        p = self.du.producer.get(v)
+        return p is not None and p.name in self.st.forward and p.op_type != "Constant"
+
+    def buffer_of(self, v: str):
         """The buffer holding ``v`` (itself, or the one it aliases / was written into)
         when that buffer is freed during the step."""
-        vl = values.get(v)
+        vl = self.values.get(v)
         if vl is None:
             return None
-        bl = values.get(vl.buffer)
-        if bl is None or bl.death is None or any(m in outputs for m in members[vl.buffer]):
+        bl = self.values.get(vl.buffer)
+        if bl is None or bl.death is None or any(m in self.outputs
+                                                 for m in self.members[vl.buffer]):
             return None
         return bl
 
+    def later_readers(self, names, skip: set[int]) -> list[int]:
+        """Positions of the readers of ``names`` that are not among the nodes ``skip``
+        (identities)."""
+        return [self.pos[id(r)] for m in names for r in self.du.readers.get(m, ())
+                if id(r) not in skip]
+
+
+def add_variant_terms(builder: ProblemBuilder, graph: Graph, st: StepStructure,
+                      live: LivenessReport, costs: CostModel,
+                      scope: VariantScope) -> VariantVars:
+    """The variant decision's variables, rows and terms (module docstring): per forward
+    node, its useful variants as one choice group; then the rows that keep a variant
+    covering several nodes' rules apart from their own variants, and the joint freeing."""
+    view = _StepView(graph, st, live, costs, scope)
     out = VariantVars()
     # buffer -> [(rule node, last read of the buffer inside the rule, variables dropping it)]
     rule_reads: dict[str, list[tuple[str, int, list[int]]]] = defaultdict(list)
     groups: dict[str, list[int]] = {}
     covering: list[tuple[int, tuple[str, ...]]] = []
-    for node in nodes:
-        if node.name not in st.forward or node.name not in rules:
+    for node in view.nodes:
+        if node.name not in st.forward or node.name not in view.rules:
             continue
-        candidates = [v for v in applicable_variants(graph, node, rules)
-                      if allow_lossy or v.tier != LOSSY]
+        candidates = [v for v in applicable_variants(graph, node, view.rules)
+                      if scope.allow_lossy or v.tier != LOSSY]
         if not candidates:
             continue
-        optional_outs = {o for o in node.output[1:] if o}
-        spans: dict[tuple[str, ...], _Span | None] = {}
-        found: list[_Candidate] = []
-        for variant in candidates:
-            got = replaced_rule(graph, node, variant, rules)
-            if isinstance(got, str):
-                continue
-            if got.members not in spans:
-                spans[got.members] = _default_span(graph, got, pos, live, costs,
-                                                   forward_value)
-            span = spans[got.members]
-            em = _emit(graph, node, variant, got) if span is not None else None
-            if span is None or em is None:
-                continue
-            a, b, old_ids, grads = span.a, span.b, span.old_ids, span.grads
-            reads_default, own = span.reads_default, span.own
-            made_fwd = {o for n in em.fwd for o in n.output if o}
-            # What its backward reads (its forward nodes read right after the node, where
-            # the values they read are live anyway).
-            reads_variant = {v for v in _external_reads(em.back)
-                             if forward_value(v)} - grads - made_fwd
-            view_graph = Graph(nodes=nodes, inputs=graph.inputs, outputs=graph.outputs,
-                               initializers=graph.initializers, info=em.info,
-                               opsets=graph.opsets, metadata=graph.metadata)
-            added_s = sum(costs.price(n, view_graph) for n in em.back + em.fwd)
-            c = _Candidate(variant, float(added_s - span.removed_s), members=got.members)
-            # Working set over the span.
-            peak = _peak_working_set(em.back, em.info, graph.opset)
-            for t in range(a, b + 1):
-                c.term(float(peak - own[t - a]), t, t)
-            for nbytes, t0, t1 in span.early:
-                c.term(nbytes, t0, t1)
-            for _, vl in span.inputs_dying:
-                c.term(float(vl.nbytes), vl.death + 1, b)
-            # Saved buffers: each buffer either rule reads now dies at its last reader
-            # outside the default rule, or at the rule's end if the variant reads it.
-            changed: set[str] = set()
-            buffers = {bl.name: bl for v in reads_default | reads_variant
-                       if (bl := buffer_of(v)) is not None}
-            c.drops = {bl.name for v in reads_default if (bl := buffer_of(v)) is not None
-                       and not any(m in reads_variant for m in members[bl.name])}
-            for name, bl in sorted(buffers.items()):
-                mem = members[name]
-                others = [pos[id(r)] for m in mem for r in du.readers.get(m, ())
-                          if id(r) not in old_ids]
-                mine = [v for v in mem if v in reads_variant]
-                end = max(others + [bl.birth] + ([b] if mine else []))
-                if not others and not mine and set(mem) <= optional_outs:
-                    # the node no longer produces it (passes/lowering/variant_substitution.py)
-                    end = bl.birth - 1
-                if end < bl.death:
-                    c.term(-float(bl.nbytes), end + 1, bl.death)
-                elif end > bl.death:
-                    c.term(float(bl.nbytes), bl.death + 1, end)
-                # A value the variant reads late can no longer be overwritten in place by a
-                # later member of its buffer (Tanh over its input): that member gets its own.
-                for v in mine:
-                    later = [m for m in mem if values[m].birth > values[v].birth]
-                    if later:
-                        first = min(values[m].birth for m in later)
-                        stop = max([pos[id(r)] for m in later for r in du.readers.get(m, ())
-                                    if id(r) not in old_ids] + [first])
-                        c.term(float(bl.nbytes), first, stop)
-                if end != bl.death or mine:
-                    changed.update(mem)
-            # Its constants are initializers to ORT: resident for the whole step.
-            consts = sum(em.info[o].nbytes for n in em.back + em.fwd
-                         if n.op_type == "Constant" for o in n.output if o in em.info)
-            c.term(float(consts), 0, len(nodes) - 1)
-            # Values it adds to the forward pass that its backward reads.
-            back_reads = _external_reads(em.back)
-            for n in em.fwd:
-                for o in n.output:
-                    if o in back_reads and o in em.info:
-                        c.term(float(em.info[o].nbytes), pos[id(node)] + 1, b)
-            # Not with recompute of the node or of producers and readers of values whose
-            # lifetime it changes, nor with offloading what either rule reads.
-            excluded = {unit_of_node.get(m) for m in got.members}
-            excluded |= {unit_of_node.get(du.producer[v].name) for v in changed
-                         if v in du.producer}
-            excluded |= {unit_of_node.get(r.name) for v in changed
-                         for r in du.readers.get(v, ())}
-            c.units = sorted(x for x in excluded if x is not None and unit_vars[x])
-            c.offloads = sorted((reads_default | reads_variant | set(node.output))
-                                & set(offload_var))
-            found.append(c)
-        group: list[int] = []
-        dropping: dict[str, list[int]] = defaultdict(list)
-        for c in _useful(found):
-            var = builder.variable(KIND, f"{c.variant.key} for {node.name}", c.cost)
-            group.append(var)
-            if len(c.members) > 1:
-                covering.append((var, c.members))
-            for name in c.drops:
-                dropping[name].append(var)
-            out.choice_of[var] = (node.name, c.variant.name)
-            out.variant_of[var] = c.variant
-            for nbytes, t0, t1 in c.terms:
-                builder.term(var, nbytes, t0, t1)
-            for u in c.units:
-                builder.row({var: 1.0, **dict.fromkeys(unit_vars[u], 1.0)}, 1.0)
-            for v in c.offloads:
-                builder.row({var: 1.0, offload_var[v]: 1.0}, 1.0)
+        found = _node_candidates(view, node, candidates)
+        group, dropping = _add_choices(builder, view, node, _useful(found), out, covering)
         builder.choice(group)
         groups[node.name] = group
-        old = rules[node.name]
-        old_ids = {id(n) for n in old}
-        gouts, _ = rule_io(node)  # type: ignore[misc]
-        reads_own = _forward_reads(old, gouts, forward_value)
-        for name in {bl.name for v in reads_own if (bl := buffer_of(v)) is not None}:
-            last = max(pos[id(r)] for m in members[name] for r in du.readers.get(m, ())
-                       if id(r) in old_ids)
-            rule_reads[name].append((node.name, last, dropping.get(name, [])))
+        _note_rule_reads(view, node, dropping, rule_reads)
     # A variant that replaces several nodes' rules excludes those nodes' own variants.
     for var, names in covering:
         for m in names:
             for other in groups.get(m, ()):
                 if other != var:
                     builder.row({var: 1.0, other: 1.0}, 1.0)
-    _add_joint_freeing(builder, rule_reads, members, du, pos, rules, unit_of_node,
-                       unit_vars, offload_var, buffer_of)
+    _add_joint_freeing(builder, view, rule_reads)
     return out
 
 
-@dataclass
-class _Span:
-    """The default rules a variant replaces, as the baseline schedule runs them: their
-    backward span ``[a, b]``, what they read and hold there, and what removing them saves."""
+def _node_candidates(view: _StepView, node: onnx.NodeProto,
+                     variants: list[Variant]) -> list[_Candidate]:
+    """Each of ``variants`` that can be emitted for ``node``, with its terms."""
+    spans: dict[tuple[str, ...], Span | None] = {}
+    found: list[_Candidate] = []
+    for variant in variants:
+        got = replaced_rule(view.graph, node, variant, view.rules)
+        if isinstance(got, str):
+            continue
+        if got.members not in spans:
+            spans[got.members] = default_span(view.graph, got, view.pos, view.live,
+                                              view.costs, view.forward_value)
+        span = spans[got.members]
+        em = emit(view.graph, node, variant, got) if span is not None else None
+        if span is None or em is None:
+            continue
+        found.append(_candidate(view, node, variant, got, span, em))
+    return found
 
-    a: int
-    b: int
-    old_ids: set[int]
-    grads: set[str]
-    reads_default: set[str]
-    own: np.ndarray
-    removed_s: float
-    early: list[tuple[float, int, int]]
-    inputs_dying: list
 
-
-def _default_span(graph: Graph, got: Replaced, pos: dict[int, int], live: LivenessReport,
-                  costs: CostModel, forward_value) -> _Span | None:
-    values = live.values
-    old = got.old
-    body = rule_body(old, got.gouts)
-    if not body:
-        return None
-    a, b = pos[id(body[0])], max(pos[id(n)] for n in body)
-    grads = {g for g in got.gouts if g}
-    # The default's own values live at each point of its span.
-    own = np.zeros(b - a + 1)
-    for n in old:
+def _candidate(view: _StepView, node: onnx.NodeProto, variant: Variant, got: Replaced,
+               span: Span, em: Emitted) -> _Candidate:
+    """One variant of ``node``: its added time, its memory terms against the default
+    rules' ``span``, and what it excludes."""
+    graph, nodes = view.graph, view.nodes
+    b, grads = span.b, span.grads
+    reads_default = span.reads_default
+    made_fwd = {o for n in em.fwd for o in n.output if o}
+    # What its backward reads (its forward nodes read right after the node, where
+    # the values they read are live anyway).
+    reads_variant = {v for v in external_reads(em.back)
+                     if view.forward_value(v)} - grads - made_fwd
+    view_graph = Graph(nodes=nodes, inputs=graph.inputs, outputs=graph.outputs,
+                       initializers=graph.initializers, info=em.info,
+                       opsets=graph.opsets, metadata=graph.metadata)
+    added_s = sum(view.costs.price(n, view_graph) for n in em.back + em.fwd)
+    c = _Candidate(variant, float(added_s - span.removed_s), members=got.members)
+    # Working set over the span.
+    peak = peak_working_set(em.back, em.info, graph.opset)
+    for t in range(span.a, b + 1):
+        c.term(float(peak - span.own[t - span.a]), t, t)
+    for nbytes, t0, t1 in span.early:
+        c.term(nbytes, t0, t1)
+    for _, vl in span.inputs_dying:
+        c.term(float(vl.nbytes), vl.death + 1, b)
+    changed = _add_saved_buffer_terms(view, c, node, span, reads_variant)
+    # Its constants are initializers to ORT: resident for the whole step.
+    consts = sum(em.info[o].nbytes for n in em.back + em.fwd
+                 if n.op_type == "Constant" for o in n.output if o in em.info)
+    c.term(float(consts), 0, len(nodes) - 1)
+    # Values it adds to the forward pass that its backward reads.
+    back_reads = external_reads(em.back)
+    for n in em.fwd:
         for o in n.output:
-            vl = values.get(o)
-            if vl is None or not vl.owns_buffer or n.op_type == "Constant":
-                continue
-            lo, hi = max(vl.birth, a), min(b if vl.death is None else vl.death, b)
-            if lo <= hi:
-                own[lo - a:hi - a + 1] += vl.nbytes
-        if a <= pos[id(n)] <= b:
-            own[pos[id(n)] - a] += live.scratch[pos[id(n)]]
-    # Only what the substitution removes: a gradient sum the rule emitted stays.
-    removed = dead_after_replacing(graph, old, {g for g in got.results if g})
-    return _Span(
-        a, b, {id(n) for n in old}, grads,
-        _forward_reads(old, got.gouts, forward_value), own,
-        float(sum(costs.of(n) for n in removed)),
-        _before_span(old, a, pos, values, live),
-        # Rule inputs the default frees inside its span: the variant may read them later.
-        [(v, vl) for v in _external_reads(old)
-         if (vl := values.get(v)) is not None and vl.owns_buffer
-         and vl.death is not None and a <= vl.death < b])
+            if o in back_reads and o in em.info:
+                c.term(float(em.info[o].nbytes), view.pos[id(node)] + 1, b)
+    # Not with recompute of the node or of producers and readers of values whose
+    # lifetime it changes, nor with offloading what either rule reads.
+    du, unit_of_node = view.du, view.unit_of_node
+    excluded = {unit_of_node.get(m) for m in got.members}
+    excluded |= {unit_of_node.get(du.producer[v].name) for v in changed
+                 if v in du.producer}
+    excluded |= {unit_of_node.get(r.name) for v in changed
+                 for r in du.readers.get(v, ())}
+    c.units = sorted(x for x in excluded if x is not None and view.unit_vars[x])
+    c.offloads = sorted((reads_default | reads_variant | set(node.output))
+                        & set(view.offload_var))
+    return c
 
 
-def _add_joint_freeing(builder: ProblemBuilder, rule_reads, members, du, pos, rules,
-                       unit_of_node, unit_vars, offload_var, buffer_of) -> None:
+def _add_saved_buffer_terms(view: _StepView, c: _Candidate, node: onnx.NodeProto,
+                            span: Span, reads_variant: set[str]) -> set[str]:
+    """Saved buffers: each buffer either rule reads now dies at its last reader outside the
+    default rule, or at the rule's end if the variant reads it. Returns the values whose
+    lifetime the variant changes (``c.drops``: the buffers it stops reading)."""
+    values, members, buffer_of = view.values, view.members, view.buffer_of
+    reads_default, old_ids, b = span.reads_default, span.old_ids, span.b
+    optional_outs = {o for o in node.output[1:] if o}
+    changed: set[str] = set()
+    buffers = {bl.name: bl for v in reads_default | reads_variant
+               if (bl := buffer_of(v)) is not None}
+    c.drops = {bl.name for v in reads_default if (bl := buffer_of(v)) is not None
+               and not any(m in reads_variant for m in members[bl.name])}
+    for name, bl in sorted(buffers.items()):
+        mem = members[name]
+        others = view.later_readers(mem, old_ids)
+        mine = [v for v in mem if v in reads_variant]
+        end = max(others + [bl.birth] + ([b] if mine else []))
+        if not others and not mine and set(mem) <= optional_outs:
+            # the node no longer produces it (passes/lowering/variant_substitution.py)
+            end = bl.birth - 1
+        if end < bl.death:
+            c.term(-float(bl.nbytes), end + 1, bl.death)
+        elif end > bl.death:
+            c.term(float(bl.nbytes), bl.death + 1, end)
+        # A value the variant reads late can no longer be overwritten in place by a
+        # later member of its buffer (Tanh over its input): that member gets its own.
+        for v in mine:
+            later = [m for m in mem if values[m].birth > values[v].birth]
+            if later:
+                first = min(values[m].birth for m in later)
+                stop = max(view.later_readers(later, old_ids) + [first])
+                c.term(float(bl.nbytes), first, stop)
+        if end != bl.death or mine:
+            changed.update(mem)
+    return changed
+
+
+def _add_choices(builder: ProblemBuilder, view: _StepView, node: onnx.NodeProto,
+                 useful: list[_Candidate], out: VariantVars,
+                 covering: list[tuple[int, tuple[str, ...]]]
+                 ) -> tuple[list[int], dict[str, list[int]]]:
+    """One variable per useful candidate of ``node``, with its terms and exclusion rows;
+    returns the node's group and, per saved buffer, the variables that stop reading it."""
+    group: list[int] = []
+    dropping: dict[str, list[int]] = defaultdict(list)
+    for c in useful:
+        var = builder.variable(KIND, f"{c.variant.key} for {node.name}", c.cost)
+        group.append(var)
+        if len(c.members) > 1:
+            covering.append((var, c.members))
+        for name in c.drops:
+            dropping[name].append(var)
+        out.choice_of[var] = (node.name, c.variant.name)
+        out.variant_of[var] = c.variant
+        for nbytes, t0, t1 in c.terms:
+            builder.term(var, nbytes, t0, t1)
+        for u in c.units:
+            builder.row({var: 1.0, **dict.fromkeys(view.unit_vars[u], 1.0)}, 1.0)
+        for v in c.offloads:
+            builder.row({var: 1.0, view.offload_var[v]: 1.0}, 1.0)
+    return group, dropping
+
+
+def _note_rule_reads(view: _StepView, node: onnx.NodeProto, dropping: dict[str, list[int]],
+                     rule_reads: dict[str, list[tuple[str, int, list[int]]]]) -> None:
+    """Record, per saved buffer the default rule of ``node`` reads, its last read inside
+    the rule and the variables that stop reading it (for the joint freeing)."""
+    old = view.rules[node.name]
+    old_ids = {id(n) for n in old}
+    gouts, _ = rule_io(node)  # type: ignore[misc]
+    reads_own = forward_reads(old, gouts, view.forward_value)
+    for name in {bl.name for v in reads_own if (bl := view.buffer_of(v)) is not None}:
+        last = max(view.pos[id(r)] for m in view.members[name]
+                   for r in view.du.readers.get(m, ()) if id(r) in old_ids)
+        rule_reads[name].append((node.name, last, dropping.get(name, [])))
+
+
+def _add_joint_freeing(builder: ProblemBuilder, view: _StepView,
+                       rule_reads: dict[str, list[tuple[str, int, list[int]]]]) -> None:
     """One binary per saved buffer that exactly two nodes' default rules read, set only
     when both use a variant that stops reading it (module docstring)."""
+    du, rules, unit_vars = view.du, view.rules, view.unit_vars
     for name, readers in sorted(rule_reads.items()):
         if len(readers) != 2 or not all(vars_ for _, _, vars_ in readers):
             continue
-        bl = buffer_of(name)
+        bl = view.buffer_of(name)
         if bl is None:
             continue
-        mem = members[name]
+        mem = view.members[name]
         both = {id(n) for r, _, _ in readers for n in rules[r]}
-        outside = [pos[id(r)] for m in mem for r in du.readers.get(m, ())
-                   if id(r) not in both]
+        outside = view.later_readers(mem, both)
         start = max(outside + [bl.birth]) + 1
         end = min(last for _, last, _ in readers)
         if start > end:
@@ -498,9 +423,9 @@ def _add_joint_freeing(builder: ProblemBuilder, rule_reads, members, du, pos, ru
         # the backward pass), nor with offloading it.
         touching = {du.producer[m].name for m in mem if m in du.producer}
         touching |= {r.name for m in mem for r in du.readers.get(m, ())}
-        for u in {unit_of_node.get(p) for p in touching} - {None}:
+        for u in {view.unit_of_node.get(p) for p in touching} - {None}:
             if unit_vars[u]:
                 builder.row({y: 1.0, **dict.fromkeys(unit_vars[u], 1.0)}, 1.0)
         for m in mem:
-            if m in offload_var:
-                builder.row({y: 1.0, offload_var[m]: 1.0}, 1.0)
+            if m in view.offload_var:
+                builder.row({y: 1.0, view.offload_var[m]: 1.0}, 1.0)

@@ -10,7 +10,7 @@ are the handful of places where memory actually binds.
 The search is bounded by work, so that the same input gives the same plan on an idle or a
 busy machine: at most ``MAX_ROUNDS`` row rounds and ``MIP_MAX_NODES`` branch-and-bound nodes
 per solve, one thread, a fixed seed. The time limit still binds where a caller passes a
-short one (``strategies._smallest_peak`` gets a share of what is left, and on large steps
+short one (``exact._smallest_peak`` gets a share of what is left, and on large steps
 uses it up); hitting it is reported (``Solution.limit_hit``), and only then may the answer
 depend on the machine's load.
 
@@ -28,6 +28,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -63,17 +64,33 @@ def _initial_rows(problem: Problem, budget: float, objective: str, k: int) -> li
     return _spread_rows(over, problem.base, set(), k)
 
 
+class WarmStart(NamedTuple):
+    """Where a solve starts. ``starts`` are candidate solutions (e.g. heuristic plans
+    written as variables); the cheapest one that satisfies the model is handed to the
+    solver as its first incumbent, and each round starts from the previous round's answer
+    when it still fits. ``rows`` are time points known to bind (a previous solve's
+    ``Solution.rows``), added from the start."""
+
+    starts: list[np.ndarray]
+    rows: list[int] | tuple[int, ...] = ()
+
+
+class _Ask(NamedTuple):
+    """What one solver call is asked: the memory rows (time points) it holds to
+    ``budget``, and the objective ("time" or "peak")."""
+
+    rows: list[int]
+    budget: float
+    objective: str
+
+
 def solve(problem: Problem, budget: float, *, time_limit: float = 60.0,
           solver: str = "highs", objective: str = "time",
-          starts: list[np.ndarray] | None = None,
-          rows: list[int] | None = None) -> Solution:
+          warm: WarmStart | None = None) -> Solution:
     """Minimise added time s.t. modelled memory <= budget (objective="time"), or minimise the
-    modelled peak with the added time as a tie-breaker (objective="peak").
-
-    ``starts`` are candidate solutions (e.g. heuristic plans written as variables); the
-    cheapest one that satisfies the model is handed to the solver as its first incumbent,
-    and each round starts from the previous round's answer when it still fits. ``rows`` are
-    time points known to bind (a previous solve's ``Solution.rows``), added from the start."""
+    modelled peak with the added time as a tie-breaker (objective="peak"), from ``warm``
+    (``WarmStart``: incumbents and rows known to bind)."""
+    starts, rows = warm if warm is not None else (None, None)
     start = time.perf_counter()
     n = problem.n_vars
     zero = problem.settle(np.zeros(n))
@@ -96,7 +113,7 @@ def solve(problem: Problem, budget: float, *, time_limit: float = 60.0,
         remaining = time_limit - (time.perf_counter() - start)
         if remaining <= 0:
             break
-        result = run(problem, rows, budget, objective, remaining, None, relax=True)
+        result = run(problem, _Ask(rows, budget, objective), remaining, None, relax=True)
         if result.status == "infeasible":
             # No fractional answer fits, so no 0-1 answer does either.
             return Solution(x, "infeasible", None, float("inf"),
@@ -115,7 +132,7 @@ def solve(problem: Problem, budget: float, *, time_limit: float = 60.0,
             limit_hit = "time"
             status = "time limit" if status == "not solved" else status
             break
-        result = run(problem, rows, budget, objective, remaining, incumbent)
+        result = run(problem, _Ask(rows, budget, objective), remaining, incumbent)
         if result.status == "infeasible":
             return Solution(x, "infeasible", None, float("inf"),
                             time.perf_counter() - start, name, rounds)
@@ -233,13 +250,13 @@ def _has_highs() -> bool:
     return True
 
 
-def _highs(problem: Problem, rows: list[int], budget: float, objective: str,
-           time_limit: float, incumbent: np.ndarray | None, relax: bool = False) -> _Result:
+def _highs(problem: Problem, ask: _Ask, time_limit: float, incumbent: np.ndarray | None,
+           relax: bool = False) -> _Result:
     import highspy
 
+    objective = ask.objective
     deadline = time.perf_counter() + max(float(time_limit), 0.1)
-    cost, lower, upper, integral, (ptr, idx, val), lo, hi = _matrix(problem, rows, budget,
-                                                                   objective)
+    cost, lower, upper, integral, (ptr, idx, val), lo, hi = _matrix(problem, *ask)
     inf = highspy.kHighsInf
     # Everything that touches HiGHS runs under the guard: 1.16 prints its banner on stdout
     # when the first Highs object is made, before output_flag can be set.
@@ -392,13 +409,12 @@ def _run_until(h, deadline: float, time_limit: float) -> tuple[bool, np.ndarray 
         return False, (best[0][1].copy() if best else None)
 
 
-def _cbc(problem: Problem, rows: list[int], budget: float, objective: str,
-         time_limit: float, incumbent: np.ndarray | None, relax: bool = False) -> _Result:
+def _cbc(problem: Problem, ask: _Ask, time_limit: float, incumbent: np.ndarray | None,
+         relax: bool = False) -> _Result:
     """pulp's bundled CBC, for installs without highspy (no warm start)."""
     import pulp
 
-    cost, lower, upper, integral, (ptr, idx, val), lo, hi = _matrix(problem, rows, budget,
-                                                                   objective)
+    cost, lower, upper, integral, (ptr, idx, val), lo, hi = _matrix(problem, *ask)
     prob = pulp.LpProblem("memcc_plan", pulp.LpMinimize)
     xs = [pulp.LpVariable(f"v{i}", lower[i], None if np.isinf(upper[i]) else upper[i],
                           cat="Integer" if integral[i] and not relax else "Continuous")

@@ -1,0 +1,89 @@
+"""What the plan pass is asked: one ``PlanRequest``, built once from the options and passed
+whole (``compiler.CompileOptions.plan_request``, which ``analyze`` uses too; ``tune`` builds
+its own from its options).
+
+A request says how much memory the step may use (a ``Budget``: bytes, or ``Budget.MIN``,
+the smallest peak memcc can reach), which strategy searches, for how long, which decision
+kinds a plan may use besides recompute, and whose allocation rules its peak follows. It
+holds no graph: the same request plans every step a compile builds (row chunks), and a
+refusal's smallest-budget search is the same request at ``Budget.MIN``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import ClassVar
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A planning budget: a number of bytes, or ``Budget.MIN`` (the smallest peak memcc can
+    reach). Build one with ``Budget.of(n)``; read the bytes with ``bytes`` (never on MIN)."""
+
+    limit: int | None = None   # None only in MIN; use ``bytes`` / ``is_min`` to read it
+    MIN: ClassVar[Budget]
+
+    @classmethod
+    def of(cls, nbytes: int) -> Budget:
+        """A budget of ``nbytes`` bytes."""
+        return cls(int(nbytes))
+
+    @property
+    def is_min(self) -> bool:
+        """Whether this asks for the smallest peak rather than a number of bytes."""
+        return self.limit is None
+
+    @property
+    def bytes(self) -> int:
+        """The budget in bytes; a ``ValueError`` for ``MIN``, which has none."""
+        if self.limit is None:
+            raise ValueError("Budget.MIN has no number of bytes")
+        return self.limit
+
+    def holds(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` fit a budget of bytes (``MIN`` holds nothing in advance: only
+        a search says what the smallest peak is)."""
+        return self.limit is not None and nbytes <= self.limit
+
+    def __str__(self) -> str:
+        return "min" if self.limit is None else f"{self.limit:,} bytes"
+
+
+Budget.MIN = Budget(None)
+
+
+@dataclass(frozen=True)
+class DecisionKinds:
+    """The decision kinds a plan may use besides recompute (always allowed)."""
+
+    # A gradient-rule variant per node (passes/lowering/variant_substitution.py).
+    variants: bool = True
+    lossy: bool = False        # the lossy-tier variants too (16-bit storage), only when asked
+    # Swap saved values to host memory: a device provider only (``costs.link`` prices the
+    # copies); never on the CPU provider, where host and device are one memory.
+    offload: bool = False
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """Everything ``planner.choose_plan`` is asked, in one frozen value.
+
+    ``heap_room``: a plan fits where its peak and the heap room of the small buffers it
+    adds do (``Simulation.fit_bytes``; CPU with malloc). ``regions``: where the smallest
+    peak is searched (``Budget.MIN``, or nothing fits), plan once more over the step with
+    its region variants in place. ``smallest_on_refusal=False``: where nothing fits, refuse
+    without searching the smallest peak (the error's ``smallest`` is then only the smallest
+    peak of the plans tried)."""
+
+    budget: Budget = Budget.MIN
+    strategy: str = "auto"
+    time_limit: float = 60.0
+    kinds: DecisionKinds = field(default_factory=DecisionKinds)
+    device: str = "cpu"        # whose allocation rules a peak follows (simulate.DEVICES)
+    heap_room: bool = False
+    regions: bool = True
+    smallest_on_refusal: bool = True
+
+    def at(self, budget: Budget) -> PlanRequest:
+        """The same request at another budget."""
+        return replace(self, budget=budget)
