@@ -235,3 +235,12 @@ def test_shipped_calibrations_are_gpu_measured_and_complete(monkeypatch):
         assert "quality" in cal.extra and "settings" in cal.extra
     chosen = cnt.default_calibration()
     assert (chosen is None) == (not shipped)
+
+
+def test_the_shipped_calibration_is_found(monkeypatch):
+    """``memcc/data`` ships one: compile for CUDA without a GPU estimates from it (a move of
+    this module once pointed it at a folder that does not exist, and compile fell back to
+    nominal rates without a word)."""
+    monkeypatch.delenv(cnt.ENV, raising=False)
+    cal = cnt.default_calibration()
+    assert cal is not None and cal.gpu

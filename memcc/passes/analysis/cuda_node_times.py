@@ -42,7 +42,7 @@ from memcc.graph import Graph
 from memcc.passes.analysis.cost_model import _FREE, _NOT_RUN, CostModel, node_flops_bytes
 
 SOURCE = "cuda-calibrated"  # CostModel.source and the report's cost source
-DATA_DIR = Path(__file__).resolve().parents[1] / "data"
+DATA_DIR = Path(__file__).resolve().parents[2] / "data"
 ENV = "MEMCC_CUDA_NODE_TIMES"
 FORMAT = 1
 # An op type gets coefficients of its own from this many measured nodes on; fewer use its
