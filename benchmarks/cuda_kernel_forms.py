@@ -71,7 +71,7 @@ from memcc.backend.session import SessionSettings, cuda_available, make_session,
 from memcc.errors import MemccError  # noqa: E402
 from memcc.frontend.emit import Emitter  # noqa: E402
 from memcc.frontend.gradients import load_rules  # noqa: E402
-from memcc.frontend.gradients.nn import batchnorm_train_backward  # noqa: E402
+from memcc.frontend.gradients.nn import Normalised, batchnorm_train_backward  # noqa: E402
 from memcc.frontend.gradients.registry import RULES, GradContext  # noqa: E402
 from memcc.graph import Graph, TensorInfo  # noqa: E402
 from memcc.passes.providers.batchnorm_for_cuda import expand_training_batchnorm, for_provider  # noqa: E402
@@ -303,7 +303,7 @@ def _backward_graph(shape: tuple[int, ...], *, saved_stats: bool) -> Graph:
     ctx = GradContext(graph=g, emit=emit, requires_grad={"x", "scale", "bias", "y"})
     if saved_stats:
         xhat = emit.mul(emit.sub("x", "batch_mean"), "batch_inv_std")
-        grads = batchnorm_train_backward(ctx, node, "gy", xhat, "batch_inv_std", None,
+        grads = batchnorm_train_backward(ctx, node, "gy", Normalised(xhat, "batch_inv_std"),
                                          [0, 2, 3], float(n * h * w))
     else:
         grads = RULES["BatchNormalization"](ctx, node, ["gy", None, None])
@@ -362,8 +362,9 @@ def matmul_forms(kind: str, dims: tuple[int, ...]) -> dict[str, tuple[str, Graph
                                    finish(g, ["Y"]))
     g = new_graph({"A": a_shape, "B": b_shape}, ms_domain=True)
     e = Emitter(g)
-    e.op("FusedMatMul", ["A", "B"], outputs=["Y"], domain="com.microsoft", alpha=1.0,
+    e.op("FusedMatMul", ["A", "B"], outputs=["Y"], alpha=1.0,
          info=TensorInfo(F32, out_shape), **trans)
+    e.nodes[-1].domain = "com.microsoft"  # the Emitter writes the standard domain only
     forms["b_fused_matmul"] = (f"com.microsoft FusedMatMul({', '.join(f'{k}=1' for k in trans)})",
                                finish(g, ["Y"]))
     return forms

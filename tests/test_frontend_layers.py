@@ -11,7 +11,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 FRONTEND = ROOT / "memcc" / "frontend"
 # What the frontend may import from memcc, apart from its own modules.
-BELOW = ("memcc.errors", "memcc.graph", "memcc.step", "memcc.union_find", "memcc.sizes")
+BELOW = ("memcc.errors", "memcc.graph", "memcc.step", "memcc.union_find", "memcc.sizes",
+         "memcc.pass_contract")
 
 
 def _module(path: Path) -> str:
