@@ -29,9 +29,10 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from memcc.errors import InputError
-from memcc.frontend.build import BuildOptions, _first_float_output
+from memcc.frontend.build import BuildOptions
 from memcc.frontend.chunked_loss import projection_of
 from memcc.frontend.load import load_graph
+from memcc.frontend.loss import first_float_output
 from memcc.frontend.row_chunks import ATTENTION, MLP, find_regions
 from memcc.graph import Graph
 from memcc.passes.planning.planner import BudgetError
@@ -144,7 +145,7 @@ def sites(forward: Graph, build: BuildOptions) -> dict[str, int]:
     loss = 0
     if build.loss == "cross-entropy" and forward.opset >= 16:
         try:
-            loss = int(projection_of(forward, _first_float_output(forward, "")) is not None)
+            loss = int(projection_of(forward, first_float_output(forward, "")) is not None)
         except InputError:
             loss = 0
     return {LOSS: loss, **found}

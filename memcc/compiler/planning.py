@@ -16,8 +16,9 @@ from typing import NamedTuple
 
 from memcc.compiler.advice import chunks_hint
 from memcc.compiler.options import CompileOptions, plan_budget_under, user_budget
-from memcc.compiler.progress import PassReport, Progress
+from memcc.compiler.progress import Progress
 from memcc.graph import Graph
+from memcc.pass_contract import PassReport
 from memcc.passes.analysis.cost_model import CostModel
 from memcc.passes.lowering.offload_state import offload_state, optimizer_state
 from memcc.passes.plan import StepStructure

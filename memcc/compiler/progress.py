@@ -10,11 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from memcc.pass_contract import PassReport
-
 Progress = Callable[[str], None]
 
-__all__ = ["PassReport", "Progress", "warning_sink"]
+__all__ = ["Progress", "warning_sink"]
 
 
 def warning_sink(warn: Callable[[str], None] | None

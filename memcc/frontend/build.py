@@ -34,7 +34,6 @@ from memcc.frontend.exported import (
 )
 from memcc.frontend.fuse import fuse_step
 from memcc.frontend.loss import StepLoss, add_loss
-from memcc.frontend.loss import first_float_output as _first_float_output  # noqa: F401 - compiler.chunk_choice reads it here
 from memcc.frontend.parameters import batchnorm_running_stats, choose_parameters
 from memcc.frontend.row_chunks import ATTENTION, MLP, chunk_regions
 from memcc.frontend.update import OutputNamer, StepWriter, carry_batchnorm_stats, emit_update

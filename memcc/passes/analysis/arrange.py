@@ -39,11 +39,6 @@ class ArrangedStep:
     prediction: LivenessReport
 
 
-# The old name, kept only so that branches written before the rename still import; the
-# lead removes it once every branch is merged.
-Arrangement = ArrangedStep
-
-
 def arrange_step(graph: Graph, step: TrainingStep, *, in_place: bool = True,
                  early_updates: bool = True, host_copies: bool = False) -> ArrangedStep:
     """Decide aliasing and order for ``graph`` (see the module docstring).

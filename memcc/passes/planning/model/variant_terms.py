@@ -120,25 +120,6 @@ class _Candidate:
         return np.cumsum(diff[:-1])
 
 
-def _before_span(old: list[onnx.NodeProto], a: int, pos: dict[int, int], values,
-                 live: LivenessReport) -> list[tuple[float, int, int]]:
-    """Terms freeing what the default rule's nodes placed before its backward span hold
-    there (MaxPool's index Cast, right after the forward node): every variant removes them,
-    and the span's own part is already in the working-set terms."""
-    terms = []
-    for n in old:
-        k = pos[id(n)]
-        if k >= a or n.op_type == "Constant":
-            continue
-        terms.append((-float(live.scratch[k]), k, k))
-        for o in n.output:
-            vl = values.get(o)
-            if vl is not None and vl.owns_buffer:
-                end = a - 1 if vl.death is None else min(vl.death, a - 1)
-                terms.append((-float(vl.nbytes), vl.birth, end))
-    return terms
-
-
 def _useful(found: list[_Candidate]) -> list[_Candidate]:
     """The candidates worth a variable: each frees memory somewhere, and none is dominated
     (another frees at least as much at every point for no more time). Fewer binaries keep
