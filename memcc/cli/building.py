@@ -21,6 +21,7 @@ from memcc.cli.options import (
     MlpChunksOpt,
     MomentumOpt,
     OptimizerOpt,
+    PrecisionOpt,
     WeightDecayOpt,
     build_options,
 )
@@ -42,6 +43,7 @@ def build(
     loss_chunks: LossChunksOpt = 1,
     attention_chunks: AttentionChunksOpt = 1,
     mlp_chunks: MlpChunksOpt = 1,
+    precision: PrecisionOpt = "fp32",
 ) -> None:
     """Build a complete training step (loss, backward, optimizer) in standard ONNX ops."""
     import warnings

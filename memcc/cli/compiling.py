@@ -31,6 +31,7 @@ from memcc.cli.options import (
     NoChunksOpt,
     OptimizerOpt,
     PlanProviderOpt,
+    PrecisionOpt,
     StepOrModelArg,
     StrategyOpt,
     WeightDecayOpt,
@@ -92,6 +93,7 @@ def compile_cmd(
     loss_chunks: AutoLossChunksOpt = None,
     attention_chunks: AutoAttentionChunksOpt = None,
     mlp_chunks: AutoMlpChunksOpt = None,
+    precision: PrecisionOpt = "fp32",
     no_chunks: NoChunksOpt = False,
     dim: DimOpt = None,
 ) -> None:
@@ -172,6 +174,7 @@ def analyze_cmd(
     loss_chunks: LossChunksOpt = 1,
     attention_chunks: AttentionChunksOpt = 1,
     mlp_chunks: MlpChunksOpt = 1,
+    precision: PrecisionOpt = "fp32",
     dim: DimOpt = None,
 ) -> None:
     """Show the step as built: predicted peak, what it is made of, the smallest budget."""

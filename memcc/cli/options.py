@@ -63,6 +63,12 @@ MlpChunksOpt = Annotated[int, typer.Option(
          "many token chunks: the backward, and a plan that recomputes the hidden "
          "activations, then hold one chunk's at a time. Gradients within 1e-5 of whole "
          "MLPs.")]
+PrecisionOpt = Annotated[Literal["fp32", "bf16", "fp16"], typer.Option(
+    help="fp32 (as exported), or bf16 / fp16 autocast as torch.autocast does it: matrix "
+         "products and convolutions in 16-bit, softmax, norms, reductions and the loss in "
+         "fp32, parameters and optimizer state kept in fp32 (master weights). A provider "
+         "without a 16-bit kernel for an op computes it in fp32 between 16-bit casts "
+         "(README, Mixed precision).")]
 # compile: not given (None) = compile chooses (compiler/chunk_choice.py); a number overrides.
 _CHOSEN = (" Not given: compile builds the step with and without it and keeps the plan that "
            "fits at the least added time (--budget min: the smallest); the report's "
@@ -109,7 +115,7 @@ MarginOpt = Annotated[float, typer.Option(
 
 # The parameters of a command that hold memcc build's flags (LossOpt ... MlpChunksOpt).
 BUILD_FLAGS = ("loss", "optimizer", "lr", "momentum", "weight_decay", "freeze",
-               "loss_chunks", "attention_chunks", "mlp_chunks")
+               "loss_chunks", "attention_chunks", "mlp_chunks", "precision")
 
 
 def build_options(given: Mapping[str, Any]) -> BuildOptions:

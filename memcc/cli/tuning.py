@@ -27,6 +27,7 @@ from memcc.cli.options import (
     MomentumOpt,
     OptimizerOpt,
     PlanProviderOpt,
+    PrecisionOpt,
     StrategyOpt,
     WeightDecayOpt,
     build_options,
@@ -89,6 +90,7 @@ def tune_cmd(
     loss_chunks: LossChunksOpt = 1,
     attention_chunks: AttentionChunksOpt = 1,
     mlp_chunks: MlpChunksOpt = 1,
+    precision: PrecisionOpt = "fp32",
 ) -> None:
     """Find the largest batch, and the fastest, whose training step fits a memory budget.
 

@@ -16,6 +16,9 @@ from memcc.frontend.fuse import RULES as FUSION_RULES
 
 LOSSES = ("cross-entropy", "mse", "none")
 OPTIMIZERS = ("none", "sgd", "adamw")
+# fp32: the step computes as exported. bf16 / fp16: autocast (frontend/autocast.py), with
+# fp32 parameters and optimizer state.
+PRECISIONS = ("fp32", "bf16", "fp16")
 DEFAULT_LR = {"none": 0.0, "sgd": 0.01, "adamw": 1e-3}
 
 
@@ -44,6 +47,10 @@ class BuildOptions:
     # (compiler/chunk_choice.py). A number given is kept as it is (1: never split).
     # memcc's fusions applied to the built step (frontend/fuse.py); () builds it unfused
     fusions: tuple[str, ...] = FUSION_RULES
+    # fp32, or bf16 / fp16 autocast: matrix products and convolutions in 16-bit, the
+    # numerically delicate ops in fp32, parameters and optimizer state fp32
+    # (frontend/autocast.py)
+    precision: str = "fp32"
 
     def __post_init__(self) -> None:
         if self.loss not in LOSSES:
@@ -58,6 +65,9 @@ class BuildOptions:
         if (self.loss_chunks or 1) > 1 and self.loss != "cross-entropy":
             raise InputError(f"--loss-chunks applies to --loss cross-entropy, not "
                              f"'{self.loss}'")
+        if self.precision not in PRECISIONS:
+            raise InputError(f"--precision '{self.precision}': choose one of "
+                             f"{', '.join(PRECISIONS)}")
         if self.optimizer not in OPTIMIZERS:
             raise InputError(
                 f"--optimizer '{self.optimizer}': choose one of {', '.join(OPTIMIZERS)}"
