@@ -32,7 +32,14 @@ import argparse
 import json
 import re
 import sys
+import tempfile
 from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from memcc.frontend.kernel_coverage import coverage_table, has_kernel_for
 
 
 BOTH = ("bfloat16", "float16")
@@ -142,3 +149,206 @@ def write_cuda_table(source: Path, commit: str, version: str, out: Path) -> None
     out.write_text(json.dumps(table, indent=1, sort_keys=False) + "\n")
     n16 = sum(1 for r in ops.values() if any(t for *_, t in r))
     print(f"{len(ops)} ONNX-domain ops, {n16} with a 16-bit kernel at some opset -> {out}")
+
+
+# One-node cases: op -> (inputs, attributes). An input is a shape (a float tensor of the type
+# under test, positive values so that Log and Sqrt stay finite), an int64/bool array (a
+# constant), or None (an omitted optional input). ``_at_opset`` adjusts the ops whose form
+# changed at 18 (ReduceMean/ReduceMax: axes became an input).
+X = (1, 2, 5, 5)
+M = (2, 3)
+CASES: dict[str, tuple[list, dict]] = {
+    "MatMul": ([M, (3, 4)], {}),
+    "Gemm": ([M, (3, 4), (4,)], {}),
+    "Conv": ([X, (3, 2, 3, 3)], {}),
+    "ConvTranspose": ([X, (2, 3, 3, 3)], {}),
+    **{op: ([M, M], {}) for op in ("Add", "Sub", "Mul", "Div", "Pow", "Equal", "Sum", "Max",
+                                   "Min")},
+    **{op: ([M], {}) for op in ("Relu", "Sigmoid", "Tanh", "Erf", "Sqrt", "Reciprocal", "Exp",
+                                "Log", "Neg", "Abs", "Identity", "Dropout", "Shape", "Softmax",
+                                "LogSoftmax", "Flatten")},
+    "Clip": ([M, (), ()], {}),
+    "ReduceSum": ([M, np.array([1])], {}),
+    "ReduceMean": ([M], {"axes": [1]}),
+    "ReduceMax": ([M], {"axes": [1]}),
+    "LayerNormalization": ([M, (3,), (3,)], {}),
+    "BatchNormalization": ([X, (2,), (2,), (2,), (2,)], {}),
+    "Where": ([np.array([[True, False, True], [False, True, False]]), M, M], {}),
+    "Cast": ([M], {}),  # float32 in, the 16-bit type out (``to``)
+    "Transpose": ([M], {"perm": [1, 0]}),
+    "Reshape": ([M, np.array([3, 2])], {}),
+    "Concat": ([M, M], {"axis": 0}),
+    "Slice": ([M, np.array([0]), np.array([1]), np.array([0])], {}),
+    "Gather": ([M, np.array([1, 0])], {"axis": 0}),
+    "GatherElements": ([M, np.zeros(M, dtype=np.int64)], {"axis": 1}),
+    "ScatterElements": ([M, np.array([[0], [2]]), (2, 1)], {"axis": 1}),
+    "ScatterND": ([M, np.array([[1]]), (1, 3)], {}),
+    "Expand": ([(2, 1), np.array([2, 3])], {}),
+    "Unsqueeze": ([M, np.array([0])], {}),
+    "Squeeze": ([(1, 3), np.array([0])], {}),
+    "Split": ([M, np.array([1, 1])], {"axis": 0}),
+    "Tile": ([M, np.array([2, 1])], {}),
+    "CumSum": ([M, np.array(1)], {}),
+    "Einsum": ([M, (3, 4)], {"equation": "ij,jk->ik"}),
+    "MaxPool": ([X], {"kernel_shape": [2, 2]}),
+    "AveragePool": ([X], {"kernel_shape": [2, 2]}),
+    "GlobalAveragePool": ([X], {}),
+}
+
+
+def _at_opset(op: str, opset: int) -> tuple[list, dict]:
+    inputs, attrs = CASES[op]
+    if op in ("ReduceMean", "ReduceMax") and opset >= 18:
+        return [*inputs, np.array(attrs["axes"])], {}
+    return inputs, attrs
+
+
+def one_node_model(op: str, dtype: int, opset: int) -> onnx.ModelProto:
+    """``op`` at ``opset`` on constant inputs of ``dtype`` (its float ones), outputs untyped
+    (ORT infers them); no graph inputs, so a run needs no feeds (numpy has no bfloat16)."""
+    inputs, attrs = _at_opset(op, opset)
+    names, inits = [], []
+    for i, spec in enumerate(inputs):
+        name = f"in{i}"
+        if spec is None:
+            name = ""
+        elif isinstance(spec, np.ndarray):
+            inits.append(numpy_helper.from_array(spec.astype(np.bool_ if spec.dtype == bool
+                                                             else np.int64), name))
+        else:
+            values = np.linspace(0.1, 0.9, int(np.prod(spec))).tolist()
+            elem = TensorProto.FLOAT if op == "Cast" else dtype
+            inits.append(helper.make_tensor(name, elem, list(spec), values))
+        names.append(name)
+    if op == "Cast":
+        attrs = {"to": dtype}
+    n_out = 2 if op == "Split" else 1
+    outs = [f"out{i}" for i in range(n_out)]
+    node = helper.make_node(op, names, outs, name=f"{op}_node", **attrs)
+    graph = helper.make_graph([node], op, [], [helper.make_empty_tensor_value_info(o)
+                                               for o in outs], initializer=inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = 9  # what onnxruntime 1.31 reads; onnx 1.23 writes a newer one
+    return model
+
+
+def session_says(model: onnx.ModelProto) -> str:
+    """``kernel`` (loads and runs as written), ``casts`` (runs, but ORT inserted Casts
+    around the node: ``InsertedPrecisionFreeCast_*`` in the model it saves), ``inlined``
+    (runs, but ORT replaced the node by its ONNX function body: Relu at opset 18 in float16
+    becomes Cast + Max, Clip becomes Identity) or ``fails`` (no session, or no run), on
+    CPUExecutionProvider with optimizations off."""
+    import onnxruntime as ort
+    with tempfile.TemporaryDirectory() as tmp:
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        options.optimized_model_filepath = str(Path(tmp) / "as_run.onnx")
+        options.log_severity_level = 4
+        try:
+            sess = ort.InferenceSession(model.SerializeToString(), options,
+                                        providers=["CPUExecutionProvider"])
+            binding = sess.io_binding()
+            for out in sess.get_outputs():
+                binding.bind_output(out.name)
+            sess.run_with_iobinding(binding)
+        except Exception:  # noqa: BLE001 - any failure is the answer
+            return "fails"
+        as_run = onnx.load(options.optimized_model_filepath)
+    if not any(n.name == model.graph.node[0].name for n in as_run.graph.node):
+        return "inlined"
+    inserted = [n for n in as_run.graph.node if n.name.startswith("InsertedPrecisionFreeCast")]
+    return "casts" if inserted else "kernel"
+
+
+TYPES = {"bf16": TensorProto.BFLOAT16, "fp16": TensorProto.FLOAT16}
+
+
+def measure(ops: list[str], opsets: list[int]) -> list[dict]:
+    """Per (op, opset, type): what the registry says and what a CPU session does."""
+    rows = []
+    for op in ops:
+        for opset in opsets:
+            for short, dtype in TYPES.items():
+                rows.append({"op": op, "opset": opset, "type": short,
+                             "registry": has_kernel_for(op, opset, dtype, "cpu"),
+                             "session": session_says(one_node_model(op, dtype, opset))})
+    return rows
+
+
+def _cell(values: dict[int, object]) -> str:
+    shown = {k: ("yes" if v is True else "no" if v is False else v) for k, v in values.items()}
+    if len(set(shown.values())) == 1:
+        return next(iter(shown.values()))
+    return "; ".join(f"{k}: {v}" for k, v in shown.items())
+
+
+def markdown_cpu(rows: list[dict], opsets: list[int]) -> str:
+    """op x {bf16, fp16} x {registry says, session says}; a cell that differs between the
+    opsets names each; ``agree``: registry yes exactly where the session ran the node as
+    written (``casts``, ``inlined`` and ``fails`` all mean ORT has no kernel of its own)."""
+    head = ("| op | bf16 registry | bf16 session | fp16 registry | fp16 session | agree |\n"
+            "|---|---|---|---|---|---|")
+    lines = [head]
+    for op in dict.fromkeys(r["op"] for r in rows):
+        cells, agree = [], True
+        for short in TYPES:
+            mine = [r for r in rows if r["op"] == op and r["type"] == short]
+            cells.append(_cell({r["opset"]: r["registry"] for r in mine}))
+            cells.append(_cell({r["opset"]: r["session"] for r in mine}))
+            agree &= all(r["registry"] == (r["session"] == "kernel") for r in mine)  # inlined: no kernel
+        lines.append(f"| {op} | {' | '.join(cells)} | {'yes' if agree else '**no**'} |")
+    return "\n".join(lines)
+
+
+def markdown_cuda(ops: list[str], opsets: list[int]) -> str:
+    """The shipped CUDA table (read from source, not measured) for ``ops``."""
+    by = {o: {r["op"]: r for r in coverage_table("cuda", ops, o)} for o in opsets}
+    lines = ["| op | bf16 | fp16 |", "|---|---|---|"]
+    for op in ops:
+        lines.append(f"| {op} | {_cell({o: by[o][op]['bfloat16'] for o in opsets})} | "
+                     f"{_cell({o: by[o][op]['float16'] for o in opsets})} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--opsets", type=int, nargs="+", default=[17, 18])
+    parser.add_argument("--ops", nargs="+", default=list(CASES))
+    parser.add_argument("--out", type=Path, help="also write the Markdown here")
+    parser.add_argument("--cuda-from-source", type=Path, metavar="CC",
+                        help="regenerate the CUDA table from cuda_execution_provider.cc")
+    parser.add_argument("--commit", default="")
+    parser.add_argument("--version", default="")
+    parser.add_argument("--json", type=Path,
+                        default=Path("memcc/data/ort_cuda_16bit_kernels.json"))
+    args = parser.parse_args(argv)
+    if args.cuda_from_source:
+        write_cuda_table(args.cuda_from_source, args.commit, args.version, args.json)
+        return 0
+    unknown = sorted(set(args.ops) - set(CASES))
+    if unknown:
+        print(f"kernel_coverage: no one-node case for {', '.join(unknown)}; known: "
+              f"{', '.join(CASES)}", file=sys.stderr)
+        return 2
+    import onnxruntime
+    rows = measure(args.ops, args.opsets)
+    table = cuda_table_header()
+    text = (f"CPUExecutionProvider, onnxruntime {onnxruntime.__version__}, onnx "
+            f"{onnx.__version__}, opsets {', '.join(map(str, args.opsets))}, "
+            "graph optimizations off:\n\n" + markdown_cpu(rows, args.opsets) +
+            f"\n\nCUDAExecutionProvider, {table} (read from ORT's source registrations, "
+            "not measured: no GPU):\n\n" + markdown_cuda(args.ops, args.opsets) + "\n")
+    print(text)
+    if args.out:
+        args.out.write_text(text)
+    return 0
+
+
+def cuda_table_header() -> str:
+    from memcc.frontend.kernel_coverage import cuda_table
+    t = cuda_table()
+    return f"onnxruntime {t['onnxruntime_version']} at commit {t['commit'][:12]}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
