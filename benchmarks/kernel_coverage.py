@@ -39,8 +39,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from memcc.frontend.kernel_coverage import coverage_table, has_kernel_for
-
+from memcc.frontend.kernel_coverage import coverage_table, cuda_table, has_kernel_for
 
 BOTH = ("bfloat16", "float16")
 HALF = ("float16",)
@@ -59,7 +58,8 @@ UNTYPED_16BIT: dict[str, dict[int, tuple[str, ...]]] = {
         "ReverseSequence", "If", "Loop", "Scan", "MemcpyFromHost", "MemcpyToHost",
         "SequenceAt", "SequenceConstruct", "SequenceEmpty", "SequenceLength",
         "ConcatFromSequence", "SequenceErase", "SequenceInsert")},
-    "Dropout": {7: HALF, 10: HALF, 12: HALF, 13: BOTH},         # tensor/identity_op.cc, nn/dropout.cc
+    # tensor/identity_op.cc (7-11), nn/dropout.cc (12-)
+    "Dropout": {7: HALF, 10: HALF, 12: HALF, 13: BOTH},
     "Sum": {6: BOTH, 8: BOTH, 13: BOTH},                         # math/variadic_elementwise_ops.cc
     "Max": {6: BOTH, 12: BOTH, 13: BOTH},
     "Min": {6: BOTH, 12: BOTH, 13: BOTH},
@@ -295,7 +295,7 @@ def markdown_cpu(rows: list[dict], opsets: list[int]) -> str:
             mine = [r for r in rows if r["op"] == op and r["type"] == short]
             cells.append(_cell({r["opset"]: r["registry"] for r in mine}))
             cells.append(_cell({r["opset"]: r["session"] for r in mine}))
-            agree &= all(r["registry"] == (r["session"] == "kernel") for r in mine)  # inlined: no kernel
+            agree &= all(r["registry"] == (r["session"] == "kernel") for r in mine)
         lines.append(f"| {op} | {' | '.join(cells)} | {'yes' if agree else '**no**'} |")
     return "\n".join(lines)
 
@@ -345,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cuda_table_header() -> str:
-    from memcc.frontend.kernel_coverage import cuda_table
+    """Which onnxruntime source the shipped CUDA table was read from."""
     t = cuda_table()
     return f"onnxruntime {t['onnxruntime_version']} at commit {t['commit'][:12]}"
 
