@@ -232,21 +232,29 @@ def one_node_model(op: str, dtype: int, opset: int) -> onnx.ModelProto:
     return model
 
 
-def session_says(model: onnx.ModelProto) -> str:
-    """``kernel`` (loads and runs as written), ``casts`` (runs, but ORT inserted Casts
-    around the node: ``InsertedPrecisionFreeCast_*`` in the model it saves), ``inlined``
-    (runs, but ORT replaced the node by its ONNX function body: Relu at opset 18 in float16
-    becomes Cast + Max, Clip becomes Identity) or ``fails`` (no session, or no run), on
-    CPUExecutionProvider with optimizations off."""
+SESSION_PROVIDERS = {"cpu": ["CPUExecutionProvider"],
+                     "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
+
+
+def session_says(model: onnx.ModelProto, provider: str = "cpu") -> str:
+    """What a session with graph optimizations off does with ``model``'s one node:
+    ``kernel`` (ran as written on ``provider``), ``casts`` (ran, but ORT inserted Casts
+    around it: ``InsertedPrecisionFreeCast_*`` in the model it saves), ``inlined`` (ORT
+    replaced it by its ONNX function body: Relu at opset 18 in float16 becomes Cast + Max),
+    ``fallback`` (CUDA only: the profile shows it ran on the CPU provider) or ``fails`` (no
+    session, or no run). The CUDA path needs a GPU and has not been run (no GPU when it was
+    written)."""
     import onnxruntime as ort
     with tempfile.TemporaryDirectory() as tmp:
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         options.optimized_model_filepath = str(Path(tmp) / "as_run.onnx")
         options.log_severity_level = 4
+        options.enable_profiling = provider != "cpu"
+        options.profile_file_prefix = str(Path(tmp) / "profile")
         try:
             sess = ort.InferenceSession(model.SerializeToString(), options,
-                                        providers=["CPUExecutionProvider"])
+                                        providers=SESSION_PROVIDERS[provider])
             binding = sess.io_binding()
             for out in sess.get_outputs():
                 binding.bind_output(out.name)
@@ -254,24 +262,37 @@ def session_says(model: onnx.ModelProto) -> str:
         except Exception:  # noqa: BLE001 - any failure is the answer
             return "fails"
         as_run = onnx.load(options.optimized_model_filepath)
-    if not any(n.name == model.graph.node[0].name for n in as_run.graph.node):
+        ran_on = providers_in_profile(sess.end_profiling()) if provider != "cpu" else {}
+    name = model.graph.node[0].name
+    if not any(n.name == name for n in as_run.graph.node):
         return "inlined"
+    if ran_on.get(name, SESSION_PROVIDERS[provider][0]) != SESSION_PROVIDERS[provider][0]:
+        return "fallback"
     inserted = [n for n in as_run.graph.node if n.name.startswith("InsertedPrecisionFreeCast")]
     return "casts" if inserted else "kernel"
+
+
+def providers_in_profile(path: str) -> dict[str, str]:
+    """Node name -> the provider ORT's profile (``enable_profiling``; its node events are
+    named ``<node>_kernel_time``) says ran it."""
+    events = json.loads(Path(path).read_text())
+    return {e["name"].removesuffix("_kernel_time"): e["args"]["provider"] for e in events
+            if e.get("cat") == "Node" and "provider" in e.get("args", {})}
 
 
 TYPES = {"bf16": TensorProto.BFLOAT16, "fp16": TensorProto.FLOAT16}
 
 
-def measure(ops: list[str], opsets: list[int]) -> list[dict]:
-    """Per (op, opset, type): what the registry says and what a CPU session does."""
+def measure(ops: list[str], opsets: list[int], provider: str = "cpu") -> list[dict]:
+    """Per (op, opset, type): what ``has_kernel_for`` says and what a session does."""
     rows = []
     for op in ops:
         for opset in opsets:
             for short, dtype in TYPES.items():
                 rows.append({"op": op, "opset": opset, "type": short,
-                             "registry": has_kernel_for(op, opset, dtype, "cpu"),
-                             "session": session_says(one_node_model(op, dtype, opset))})
+                             "registry": has_kernel_for(op, opset, dtype, provider),
+                             "session": session_says(one_node_model(op, dtype, opset),
+                                                     provider)})
     return rows
 
 
@@ -282,7 +303,7 @@ def _cell(values: dict[int, object]) -> str:
     return "; ".join(f"{k}: {v}" for k, v in shown.items())
 
 
-def markdown_cpu(rows: list[dict], opsets: list[int]) -> str:
+def markdown_measured(rows: list[dict], opsets: list[int]) -> str:
     """op x {bf16, fp16} x {registry says, session says}; a cell that differs between the
     opsets names each; ``agree``: registry yes exactly where the session ran the node as
     written (``casts``, ``inlined`` and ``fails`` all mean ORT has no kernel of its own)."""
@@ -314,6 +335,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--opsets", type=int, nargs="+", default=[17, 18])
     parser.add_argument("--ops", nargs="+", default=list(CASES))
+    parser.add_argument("--provider", choices=sorted(SESSION_PROVIDERS), default="cpu",
+                        help="the provider the sessions run on (cuda: needs a GPU)")
     parser.add_argument("--out", type=Path, help="also write the Markdown here")
     parser.add_argument("--cuda-from-source", type=Path, metavar="CC",
                         help="regenerate the CUDA table from cuda_execution_provider.cc")
@@ -331,11 +354,11 @@ def main(argv: list[str] | None = None) -> int:
               f"{', '.join(CASES)}", file=sys.stderr)
         return 2
     import onnxruntime
-    rows = measure(args.ops, args.opsets)
+    rows = measure(args.ops, args.opsets, args.provider)
     table = cuda_table_header()
-    text = (f"CPUExecutionProvider, onnxruntime {onnxruntime.__version__}, onnx "
+    text = (f"{SESSION_PROVIDERS[args.provider][0]}, onnxruntime {onnxruntime.__version__}, onnx "
             f"{onnx.__version__}, opsets {', '.join(map(str, args.opsets))}, "
-            "graph optimizations off:\n\n" + markdown_cpu(rows, args.opsets) +
+            "graph optimizations off:\n\n" + markdown_measured(rows, args.opsets) +
             f"\n\nCUDAExecutionProvider, {table} (read from ORT's source registrations, "
             "not measured: no GPU):\n\n" + markdown_cuda(args.ops, args.opsets) + "\n")
     print(text)

@@ -16,6 +16,7 @@ from benchmarks.kernel_coverage import (
     UNTYPED_16BIT,
     one_node_model,
     parse_registrations,
+    providers_in_profile,
     session_says,
 )
 from memcc.frontend.kernel_coverage import (
@@ -61,6 +62,24 @@ def test_a_float16_op_without_kernel_gets_ort_casts_and_a_bfloat16_one_fails() -
     assert session_says(one_node_model("MatMul", BF16, 17)) == "fails"
     # At opset 18 Relu is also an ONNX function: ORT inlines it instead (Cast + Max).
     assert session_says(one_node_model("Relu", FP16, 18)) == "inlined"
+
+
+def test_the_profile_names_the_provider_of_each_node(tmp_path) -> None:
+    """The CUDA check (``--provider cuda``, needs a GPU) reads the provider that ran the node
+    from ORT's profile; the parsing is checked here on a CPU session."""
+    import onnxruntime as ort
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.enable_profiling = True
+    options.profile_file_prefix = str(tmp_path / "profile")
+    sess = ort.InferenceSession(one_node_model("MatMul", FP16, 17).SerializeToString(),
+                                options, providers=["CPUExecutionProvider"])
+    binding = sess.io_binding()
+    binding.bind_output("out0")
+    sess.run_with_iobinding(binding)
+    ran_on = providers_in_profile(sess.end_profiling())
+    assert ran_on["MatMul_node"] == "CPUExecutionProvider"
+    assert {"InsertedPrecisionFreeCast_in0", "InsertedPrecisionFreeCast_out0"} <= set(ran_on)
 
 
 def test_float_constraint_follows_the_float_data() -> None:
