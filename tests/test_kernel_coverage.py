@@ -24,6 +24,7 @@ from memcc.frontend.kernel_coverage import (
     coverage_table,
     cuda_table,
     float_constraint,
+    has_kernel_bound,
     has_kernel_for,
 )
 
@@ -110,6 +111,16 @@ def test_cuda_table_is_read_from_source_and_answers() -> None:
     # Ranges: MatMul-9..12 has float16 only; bfloat16 from 13.
     assert has_kernel_for("MatMul", 12, FP16, "cuda")
     assert not has_kernel_for("MatMul", 12, BF16, "cuda")
+
+
+def test_has_kernel_bound_asks_every_constraint_on_cpu_and_the_table_on_cuda() -> None:
+    """``passes.providers.sixteen_bit`` asks with the node's bound types."""
+    assert has_kernel_bound("Max", 17, {"T": FP16}, "cpu")
+    assert not has_kernel_bound("Max", 17, {"T": BF16}, "cpu")
+    assert has_kernel_bound("Shape", 17, {"T": BF16, "T1": TensorProto.INT64}, "cpu")
+    assert has_kernel_bound("MatMul", 17, {"T": BF16}, "cuda")
+    assert not has_kernel_bound("Greater", 17, {"T": BF16, "T1": TensorProto.BOOL}, "cuda")
+    assert has_kernel_bound("Greater", 17, {"T": FP16, "T1": TensorProto.BOOL}, "cuda")
 
 
 def test_coverage_table_rows() -> None:

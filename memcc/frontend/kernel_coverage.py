@@ -130,6 +130,27 @@ def has_kernel_for(op_type: str, opset: int, dtype: int, provider: str = "cpu",
     return False
 
 
+def has_kernel_bound(op_type: str, opset: int, bound: dict[str, int], provider: str = "cpu",
+                     domain: str = "") -> bool:
+    """Whether ``provider`` has a kernel for ``op_type`` at ``opset`` whose type
+    constraints admit ``bound`` (constraint name -> element type, as the node's values
+    bind them: a ``Greater`` of bfloat16 operands binds T to bfloat16, T1 to bool). Where
+    the registry cannot be listed (CUDA), only the float constraint is asked
+    (``has_kernel_for``, from the shipped table)."""
+    registry = _registry(PROVIDER_NAMES.get(provider, provider))
+    if registry is None:
+        constraint = float_constraint(op_type, opset, domain)
+        dtype = bound.get(constraint or "", TensorProto.FLOAT)
+        return has_kernel_for(op_type, opset, dtype, provider, domain)
+    schema = _schema(op_type, opset, domain)
+    since = schema.since_version if schema is not None else opset
+    for lo, hi, types in registry.get((domain, op_type), ()):
+        if lo <= since <= hi and all(_type_name(t) in types.get(c, (_type_name(t),))
+                                     for c, t in bound.items()):
+            return True
+    return False
+
+
 def coverage_table(provider: str, ops: list[str] | tuple[str, ...], opset: int,
                    domain: str = "") -> list[dict]:
     """One row per op: ``{"op", "opset", "provider", "bfloat16", "float16", "source"}``,
