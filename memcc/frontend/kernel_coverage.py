@@ -88,3 +88,27 @@ def has_kernel_for(op_type: str, opset: int, dtype: int, provider: str = "cpu",
 
 
 SIXTEEN_BIT = (TensorProto.BFLOAT16, TensorProto.FLOAT16)
+
+
+def has_kernel_bound(op_type: str, opset: int, bound: dict[str, int], provider: str = "cpu",
+                     domain: str = "") -> bool:
+    """Whether ``provider`` has a kernel for ``op_type`` at ``opset`` whose type
+    constraints admit ``bound`` (constraint name -> element type, as the node's values
+    bind them: a ``Greater`` of bfloat16 operands binds T to bfloat16, T1 to bool). Where
+    the registry cannot be listed, only the constraint of the first output is asked
+    (``has_kernel_for``)."""
+    name = PROVIDER_NAMES.get(provider, provider)
+    registry = _registry(name)
+    if registry is None:
+        constraint = float_constraint(op_type, opset, domain)
+        dtype = bound.get(constraint or "", TensorProto.FLOAT)
+        return has_kernel_for(op_type, opset, dtype, provider, domain)
+    try:
+        since = onnx.defs.get_schema(op_type, opset, domain).since_version
+    except Exception:  # noqa: BLE001 - unknown op: only the registry can say
+        since = opset
+    for lo, hi, types in registry.get((domain, op_type), ()):
+        if lo <= since <= hi and all(_type_name(t) in types.get(c, (_type_name(t),))
+                                     for c, t in bound.items()):
+            return True
+    return False
