@@ -159,3 +159,32 @@ def test_an_fp32_step_is_left_alone_by_the_provider_pass():
     step = build_training_step(load_graph(build_model("mlp")), BuildOptions())
     ran, report = sixteen_bit(step, "cpu")
     assert ran is step and report == {"sixteen_bit_emulated": {}}
+
+
+def test_trained_weights_export_as_the_float32_forward_model(tmp_path):
+    """memcc.Trainer trains a bfloat16 step on the CPU; the forward model it exports is the
+    model as it came (no autocast Casts, float32 values) with the trained master weights,
+    and plain ONNX Runtime runs it."""
+    import onnx
+    import onnxruntime as ort
+
+    from memcc import Trainer
+
+    model = build_model("gpt2")
+    path = tmp_path / "step.onnx"
+    onnx.save(build_training_step(load_graph(model), BuildOptions(precision="bf16"))
+              .to_model(), str(path))
+    feeds = make_feeds(model, seed=0)
+    batch = {**feeds, "labels": make_labels(model, seed=0)}
+    trainer = Trainer(path)
+    losses = [trainer.step(batch) for _ in range(3)]
+    assert losses[-1] < losses[0]
+    out = trainer.export(tmp_path / "trained.onnx")
+    exported = onnx.load(str(out))
+    types = {i.data_type for i in exported.graph.initializer}
+    assert types == {TensorProto.FLOAT} or types <= {TensorProto.FLOAT, TensorProto.INT64}
+    assert not [n for n in exported.graph.node if n.op_type == "Cast"
+                and any(a.name == "to" and a.i in (BF, H) for a in n.attribute)]
+    sess = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    logits = sess.run(None, feeds)[0]
+    assert logits.dtype == np.float32 and np.isfinite(logits).all()

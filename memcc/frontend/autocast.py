@@ -261,3 +261,36 @@ def _widens(graph: Graph, node: onnx.NodeProto) -> bool:
     src, dst = graph.info.get(node.input[0]), graph.info.get(node.output[0])
     return src is not None and dst is not None and dst.dtype == F32 \
         and src.dtype in SIXTEEN.values()
+
+
+def without_autocast(graph: Graph) -> Graph:
+    """``graph`` with autocast's Casts taken out and its 16-bit values float32 again: the
+    forward model as exported, for ``memcc train``'s export of trained weights (master
+    weights are float32; a user runs the model as it came, or autocasts it again). A graph
+    without autocast's Casts comes back as it is."""
+    if not any(n.op_type == "Cast" and _is_autocast(n) for n in graph.nodes):
+        return graph
+    g = graph.copy()
+    outputs = set(g.outputs)
+    source: dict[str, str] = {}
+    nodes = []
+    for n in g.nodes:
+        if n.op_type == "Cast" and _is_autocast(n):
+            if n.output[0] in outputs:  # keep the name the model's users read
+                n.op_type = "Identity"
+                del n.attribute[:]
+                nodes.append(n)
+            else:
+                source[n.output[0]] = n.input[0]
+            continue
+        nodes.append(n)
+    for n in nodes:
+        for k, name in enumerate(n.input):
+            while name in source:
+                name = source[name]
+            n.input[k] = name
+    g.set_nodes(nodes)
+    for name, info in list(g.info.items()):
+        if info.dtype in SIXTEEN.values():
+            g.info[name] = TensorInfo(F32, info.shape)
+    return g
