@@ -188,3 +188,22 @@ def test_trained_weights_export_as_the_float32_forward_model(tmp_path):
     sess = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
     logits = sess.run(None, feeds)[0]
     assert logits.dtype == np.float32 and np.isfinite(logits).all()
+
+
+def test_16_bit_products_are_priced_at_the_tensor_core_rate_on_cuda_only():
+    """The CUDA rates price a 16-bit MatMul at twice the float32 rate (the datasheets'
+    ratio, not measured); on the CPU the provider pass has made it a float32 MatMul."""
+    from memcc.passes.analysis.cost_model import CUDA_NOMINAL, NOMINAL_CPU, analytic_estimate
+    from memcc.passes.analysis.cuda_node_times import node_features
+
+    model = build_model("gpt2", batch=8, seq_len=128)
+    a = build_training_step(load_graph(model), BuildOptions())
+    b = build_training_step(load_graph(model), BuildOptions(precision="bf16"))
+    big = max((n for n in a.nodes if n.op_type == "MatMul"),
+              key=lambda n: a.info[n.output[0]].numel)
+    twin = next(n for n in b.nodes if n.name == big.name)
+    assert b.info[twin.output[0]].dtype == BF
+    flops32, flops16 = node_features(a, big)[1], node_features(b, twin)[1]
+    assert flops16 == flops32 / CUDA_NOMINAL.sixteen_bit_flops
+    assert analytic_estimate(b, twin, CUDA_NOMINAL) < analytic_estimate(a, big, CUDA_NOMINAL)
+    assert NOMINAL_CPU.sixteen_bit_flops == 1.0
