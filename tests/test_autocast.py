@@ -207,3 +207,25 @@ def test_16_bit_products_are_priced_at_the_tensor_core_rate_on_cuda_only():
     assert flops16 == flops32 / CUDA_NOMINAL.sixteen_bit_flops
     assert analytic_estimate(b, twin, CUDA_NOMINAL) < analytic_estimate(a, big, CUDA_NOMINAL)
     assert NOMINAL_CPU.sixteen_bit_flops == 1.0
+
+
+def test_compile_plans_a_16_bit_step_and_says_what_the_cpu_computes_in_float32(tmp_path):
+    """compile plans a bfloat16 step (built from the forward model with --precision),
+    verifies it bit for bit against the step as built, reports what autocast did and which
+    ops the CPU provider computes in float32 between casts, and warns about the speed."""
+    from memcc.compiler import CompileOptions, compile_model
+
+    path = tmp_path / "gpt2.onnx"
+    import onnx
+
+    onnx.save(build_model("gpt2", batch=4, seq_len=64), str(path))
+    result = compile_model(path, CompileOptions(
+        budget="min", strategy="sqrtn", cost="analytic", time_limit=20, verify=True,
+        build=BuildOptions(precision="bf16", loss_chunks=1, attention_chunks=1,
+                           mlp_chunks=1)), output=tmp_path / "out.onnx")
+    report = result.report
+    load = report["passes"][0]["summary"]
+    assert load["precision"]["precision"] == "bf16"
+    assert load["sixteen_bit_emulated"].get("MatMul", 0) > 0
+    assert report["verification"]["ok"] and report["plan"]["fits"]
+    assert any("float32 between 16-bit casts" in w for w in report["warnings"])
