@@ -58,6 +58,8 @@ ALLOCATOR_KEY = "memcc.allocator"
 GRADIENTS_KEY = "memcc.gradients"
 # What memcc's fusions did to the step as built (passes/fuse.py, FusionReport.to_json()).
 FUSIONS_KEY = "memcc.fusions"
+# --precision bf16 / fp16: what autocast did (frontend/autocast.py); absent for fp32 steps.
+PRECISION_KEY = "memcc.precision"
 TRAINING_STEP = "training_step"
 
 # Node-level provenance (``NodeProto.metadata_props``, IR version 10).

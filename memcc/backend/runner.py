@@ -405,17 +405,18 @@ def session_graph(graph: Graph) -> tuple[Graph, dict[str, np.ndarray]]:
     into shape (1,), which ORT accepts for a scalar input and then broadcasts to other ranks.
     """
     g = graph.copy()
-    values = {n: np.asarray(a, order="C") for n, a in graph.initializers.items()}
+    values = {n: np.asarray(a, order="C") for n, a in graph.initializers.items()
+              if not _stays_in_graph(a)}
     kept = []
     for node in g.nodes:
         if node.op_type == "Constant" and len(node.output) == 1:
             v = constant_node_value(node)
-            if v is not None:
+            if v is not None and not _stays_in_graph(v):
                 values[node.output[0]] = np.asarray(v, order="C")
                 continue
         kept.append(node)
     g.nodes = kept
-    g.initializers = {}
+    g.initializers = {n: a for n, a in graph.initializers.items() if n not in values}
     g.inputs = list(graph.inputs) + [n for n in values if n not in graph.inputs]
     for name, arr in values.items():
         ti = TensorInfo(onnx.helper.np_dtype_to_tensor_dtype(arr.dtype), tuple(arr.shape))
@@ -424,6 +425,13 @@ def session_graph(graph: Graph) -> tuple[Graph, dict[str, np.ndarray]]:
             raise InputError(f"stored value '{name}' {_describe(ti)} does not match its "
                              f"declared type {_describe(known)}")
     return g, values
+
+
+def _stays_in_graph(value: np.ndarray) -> bool:
+    """bfloat16 constants (a 16-bit step's scalars) stay in the session graph: numpy has
+    no bfloat16 of its own and ORT's Python API cannot feed one (``ml_dtypes``' arrays
+    are refused)."""
+    return np.asarray(value).dtype.name == "bfloat16"
 
 
 def prepare_run(graph: Graph, spec: StepSpec, batch: Mapping[str, np.ndarray], tmp: Path, *,

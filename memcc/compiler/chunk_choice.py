@@ -161,6 +161,8 @@ def candidates(build: BuildOptions, found: dict[str, int]) -> list[dict[str, int
     site left whole; duplicates and the setting as built dropped."""
     fixed = chunks_of(build)
     auto = {k for k in KINDS if getattr(build, FIELDS[k]) is None and found.get(k)}
+    if build.precision != "fp32":  # the chunked loss is float32-only (BuildOptions says)
+        auto.discard(LOSS)
     seen = [fixed]
     out = []
     for rung in LADDER:

@@ -26,7 +26,7 @@ from memcc.graph import Graph
 from memcc.pass_contract import Pass, PassRunner
 from memcc.passes.analysis.cuda_node_times import default_calibration
 from memcc.passes.providers.batchnorm_for_cuda import for_provider
-from memcc.step import FUSIONS_KEY, TrainingStep
+from memcc.step import FUSIONS_KEY, PRECISION_KEY, TrainingStep
 
 
 def check_provider(options: CompileOptions, warning: Progress) -> str | None:
@@ -84,6 +84,7 @@ def load_step(model: str | os.PathLike | onnx.ModelProto, label: str,
     graph = rewrites.apply(Pass("for-provider", lambda g: for_provider(g, options.provider)),
                            graph)
     rewritten_for_cuda = rewrites.reports[-1].summary["batchnorm_rewritten"]
+    emulated = rewrites.reports[-1].summary.get("sixteen_bit_emulated")
     step = TrainingStep.of(graph)
     params = step.parameters
     return graph, {
@@ -96,6 +97,12 @@ def load_step(model: str | os.PathLike | onnx.ModelProto, label: str,
         # Training-mode BatchNorms written as the CUDA provider runs them
         # (passes/providers/batchnorm_for_cuda.py).
         **({"batchnorm_rewritten": rewritten_for_cuda} if rewritten_for_cuda else {}),
+        # --precision bf16/fp16: what autocast did (memcc.precision), and the ops this
+        # provider has no 16-bit kernel for, computed in float32 between casts
+        # (passes/providers/sixteen_bit.py).
+        **({"precision": json.loads(graph.metadata[PRECISION_KEY])}
+           if PRECISION_KEY in graph.metadata else {}),
+        **({"sixteen_bit_emulated": emulated} if emulated else {}),
         # memcc's fusions (frontend/fuse.py), as build recorded them.
         **({"fusions": json.loads(graph.metadata[FUSIONS_KEY])}
            if FUSIONS_KEY in graph.metadata else {}),

@@ -147,6 +147,7 @@ def _load(run: CompileRun) -> Graph:
         run.warning(f"{label} is already a training step: the build options given (--loss, "
                     "--optimizer, --lr, --freeze, ...) apply to forward models and are "
                     "ignored; rebuild the step with memcc build to change them")
+    _say_sixteen_bit_emulated(run, run.runner.reports[-1].summary)
     structure = StepStructure.of(graph)
     budget = options.requested_budget
     if not budget.is_min:
@@ -161,6 +162,23 @@ def _load(run: CompileRun) -> Graph:
             "comparison can fail. Export ScatterND with a reduction as ScatterElements "
             "(docs/DETERMINISM.md).")
     return graph
+
+
+def _say_sixteen_bit_emulated(run: CompileRun, summary: dict) -> None:
+    """A 16-bit step whose provider lacks 16-bit kernels for some of its nodes: they
+    compute in float32 between casts (passes/providers/sixteen_bit.py), which keeps the
+    memory of a 16-bit step but not its speed: said, not hidden."""
+    emulated = summary.get("sixteen_bit_emulated") or {}
+    if not emulated:
+        return
+    precision = summary.get("precision", {}).get("precision", "16-bit")
+    total = sum(emulated.values())
+    ops = ", ".join(f"{op} {n}" for op, n in sorted(emulated.items(), key=lambda kv: -kv[1]))
+    run.warning(f"{run.label}: the {run.options.provider} provider of this onnxruntime has "
+                f"no {precision} kernel for {total} node(s) of the step ({ops}): memcc "
+                "computes them in float32 between 16-bit casts, so the step holds 16-bit "
+                "values (the memory of a 16-bit step) but runs slower than its float32 build "
+                "(README, \"Mixed precision\"; docs/PRECISION.md lists the kernels).")
 
 
 def _plan(run: CompileRun, graph: Graph, costs: CostModel) -> Planned:

@@ -20,6 +20,7 @@ import json
 from dataclasses import dataclass
 
 from memcc.errors import InputError
+from memcc.frontend.autocast import AutocastSummary, autocast, recast_in_backward
 from memcc.frontend.autodiff import differentiate
 from memcc.frontend.build_options import LOSSES, OPTIMIZERS, BuildOptions
 from memcc.frontend.dropout_masks import add_counter, counter_dropouts
@@ -49,6 +50,7 @@ from memcc.step import (  # the contract's keys live with its one reader, memcc.
     OPTIMIZER_KEY,
     PARAM_SOURCES_KEY,
     PARAMS_KEY,
+    PRECISION_KEY,
     PROJECTION_KEY,
     ROW_CHUNKS_KEY,
     STATE_KEY,
@@ -77,6 +79,7 @@ class _Built:
     emap: ExportMap | None
     grads: dict[str, str]
     row_chunks: dict[str, dict[str, int]]
+    precision: AutocastSummary
 
 
 def build_training_step(forward: Graph, options: BuildOptions | None = None,
@@ -86,6 +89,8 @@ def build_training_step(forward: Graph, options: BuildOptions | None = None,
     _check_forward(forward, source)
     graph = forward.copy()
     row_chunks = _chunk_rows(graph, opts, source)
+    # Before the loss: the loss is taken in float32 whatever the forward computes in.
+    graph, casts = autocast(graph, opts.precision)
     emit = Emitter(graph)
     step_loss = add_loss(graph, emit, opts, source)
     loss, chunked = step_loss.loss, step_loss.chunked
@@ -96,16 +101,19 @@ def build_training_step(forward: Graph, options: BuildOptions | None = None,
     sources = parameter_sources(graph, params)
     emap = export_map_of(graph)
     report_parameters(sources, source, signature_of(graph), emap)
+    first_backward = len(graph.nodes)
     grads = differentiate(graph, loss, params, source=source,
                           seeds=chunked.seeds if chunked else None,
                           skip=chunked.nodes if chunked else ())
+    if opts.precision != "fp32":
+        casts.recast_in_backward = recast_in_backward(graph, first_backward, [loss])
 
     out = StepWriter(graph, emit, {}, OutputNamer(graph, emit))
     graph.outputs = _emit_step_end(out, step_loss.loss, params, grads, opts, bn_stats)
     graph.inputs = step_loss.data_inputs + [p for p in params] + [
         s for s in out.state.values() if s not in params
     ]
-    built = _Built(step_loss, params, sources, emap, grads, row_chunks)
+    built = _Built(step_loss, params, sources, emap, grads, row_chunks, casts)
     graph.metadata.update(_contract(forward, built, out, opts))
     graph.metadata.pop(EXPORT_MAP_KEY, None)  # read into the two records above
     # memcc's own fusions, so that planning sees the step as ORT runs it (frontend/fuse.py).
@@ -168,6 +176,8 @@ def _contract(forward: Graph, built: _Built, out: StepWriter, opts: BuildOptions
         FORWARD_OUTPUTS_KEY: json.dumps(list(forward.outputs)),
         **({PROJECTION_KEY: json.dumps(chunked.projection)} if chunked else {}),
         **({ROW_CHUNKS_KEY: json.dumps(built.row_chunks)} if built.row_chunks else {}),
+        **({PRECISION_KEY: json.dumps(built.precision.as_dict())}
+           if built.precision.precision != "fp32" else {}),
         GRADIENTS_KEY: json.dumps({p: out.namer.renamed(g) for p, g in built.grads.items()}),
         OPTIMIZER_KEY: json.dumps({
             "name": opts.optimizer, "lr": opts.learning_rate, "loss": opts.loss,

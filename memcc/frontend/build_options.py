@@ -68,6 +68,11 @@ class BuildOptions:
         if self.precision not in PRECISIONS:
             raise InputError(f"--precision '{self.precision}': choose one of "
                              f"{', '.join(PRECISIONS)}")
+        if (self.loss_chunks or 1) > 1 and self.precision != "fp32":
+            raise InputError(f"--loss-chunks {self.loss_chunks} with --precision "
+                             f"{self.precision}: the chunked loss is built for float32 steps "
+                             "only; give --loss-chunks 1 (attention and MLP chunks work in "
+                             "16-bit)")
         if self.optimizer not in OPTIMIZERS:
             raise InputError(
                 f"--optimizer '{self.optimizer}': choose one of {', '.join(OPTIMIZERS)}"

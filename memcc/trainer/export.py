@@ -19,6 +19,7 @@ import numpy as np
 
 from memcc.backend import checkpoint as ckpt
 from memcc.errors import InputError
+from memcc.frontend.autocast import without_autocast
 from memcc.frontend.dropout_masks import restore_dropouts
 from memcc.frontend.load import load_graph
 from memcc.graph import Graph, ancestors
@@ -152,7 +153,8 @@ def forward_graph(graph: Graph, spec: TrainingStep, state: Mapping[str, np.ndarr
                          "(memcc.forward_outputs, written by memcc build since this version)"
                          "; rebuild the step with memcc build to export it")
     # A rewritten Dropout goes back as the plain node (the counter is the step's alone).
-    graph = restore_dropouts(_with_projection(graph, spec))
+    # A --precision bf16/fp16 step: the forward as exported, float32 (master weights).
+    graph = without_autocast(restore_dropouts(_with_projection(graph, spec)))
     du = graph.def_use()
     stored = set(graph.initializers) | set(state)
     reached, values = ancestors(outputs, du.producer)

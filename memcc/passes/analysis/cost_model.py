@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
+from onnx import TensorProto
 
 from memcc.graph import Graph, attr
 
@@ -51,10 +52,17 @@ class DeviceRates:
     bytes_per_s: float
     overhead_s: float
     source: str
+    # Matrix products and convolutions computing in bfloat16 / float16 (``--precision``)
+    # run at this multiple of ``flops_per_s``: tensor cores' 16-bit rate over the rate the
+    # float32 nodes were priced at (TF32 on CUDA, ORT's default: about 2x on an H100/H200
+    # by the datasheets). 1 where 16-bit nodes compute in float32 (the CPU provider: the
+    # step it runs has them between casts, passes/providers/sixteen_bit.py).
+    sixteen_bit_flops: float = 1.0
 
     def to_json(self) -> dict:
         return {"flops_per_s": self.flops_per_s, "bytes_per_s": self.bytes_per_s,
-                "overhead_s": self.overhead_s, "source": self.source}
+                "overhead_s": self.overhead_s, "source": self.source,
+                "sixteen_bit_flops": self.sixteen_bit_flops}
 
 
 @dataclass(frozen=True)
@@ -108,7 +116,8 @@ def host_link_for(provider: str) -> HostLink | None:
     return PCIE_NOMINAL if provider == "cuda" else None
 
 # Nominal FP32 rates for the CUDA provider (H100-class, non tensor-core); not measured here.
-CUDA_NOMINAL = DeviceRates(4.0e13, 2.5e12, 8e-6, "nominal H100 fp32 rates (unverified)")
+CUDA_NOMINAL = DeviceRates(4.0e13, 2.5e12, 8e-6, "nominal H100 fp32 rates (unverified)",
+                           sixteen_bit_flops=2.0)
 
 
 # Shapes the estimate for unseen nodes when a measured model has no rates of its own; only
@@ -297,6 +306,17 @@ def node_flops_bytes(graph: Graph, node: onnx.NodeProto) -> tuple[float, float]:
     return factor * max(out_numel, in_numel), nbytes
 
 
+SIXTEEN_BIT_PRODUCTS = frozenset({"MatMul", "Gemm", "Conv", "ConvTranspose", "Einsum"})
+SIXTEEN_BIT_TYPES = frozenset({TensorProto.BFLOAT16, TensorProto.FLOAT16})
+
+
+def is_sixteen_bit_product(graph: Graph, node: onnx.NodeProto) -> bool:
+    """A matrix product or convolution computing in bfloat16 or float16."""
+    info = graph.info.get(node.output[0]) if node.output else None
+    return node.op_type in SIXTEEN_BIT_PRODUCTS and info is not None \
+        and info.dtype in SIXTEEN_BIT_TYPES
+
+
 def unit_costs(graph: Graph) -> CostModel:
     return CostModel({n.name: 1.0 for n in graph.nodes}, "unit", "none")
 
@@ -306,7 +326,10 @@ def analytic_estimate(graph: Graph, node: onnx.NodeProto, rates: DeviceRates) ->
     flops, nbytes = node_flops_bytes(graph, node)
     if flops == 0.0 and nbytes == 0.0:
         return 0.0
-    return max(flops / rates.flops_per_s, nbytes / rates.bytes_per_s) + rates.overhead_s
+    rate = rates.flops_per_s
+    if rates.sixteen_bit_flops != 1.0 and is_sixteen_bit_product(graph, node):
+        rate *= rates.sixteen_bit_flops
+    return max(flops / rate, nbytes / rates.bytes_per_s) + rates.overhead_s
 
 
 def analytic_costs(graph: Graph, rates: DeviceRates) -> CostModel:

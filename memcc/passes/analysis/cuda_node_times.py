@@ -39,7 +39,14 @@ import onnx
 
 from memcc.errors import InputError
 from memcc.graph import Graph
-from memcc.passes.analysis.cost_model import _FREE, _NOT_RUN, CostModel, node_flops_bytes
+from memcc.passes.analysis.cost_model import (
+    _FREE,
+    _NOT_RUN,
+    CUDA_NOMINAL,
+    CostModel,
+    is_sixteen_bit_product,
+    node_flops_bytes,
+)
 
 SOURCE = "cuda-calibrated"  # CostModel.source and the report's cost source
 DATA_DIR = Path(__file__).resolve().parents[2] / "data"
@@ -80,6 +87,8 @@ def node_features(graph: Graph, node: onnx.NodeProto) -> tuple[float, float]:
     nbytes = float(sum(info[v].nbytes for v in (*node.input, *node.output)
                        if v and v in info))
     flops, _ = node_flops_bytes(graph, node)
+    if is_sixteen_bit_product(graph, node):  # fitted on TF32 products: tensor cores' 16-bit
+        flops /= CUDA_NOMINAL.sixteen_bit_flops  # rate, by the datasheets (not measured)
     return nbytes, float(flops)
 
 

@@ -145,8 +145,11 @@ def for_provider(graph: Graph, provider: str) -> tuple[Graph, dict]:
     leading-axis sums with atomics, and on an H200 the trailing form ran issue 29's
     ResNet-50 step in 321 ms instead of 479 (ResNet-18: 15.1 against 18.4 ms), and gives
     the same bits every run."""
+    from memcc.passes.providers.sixteen_bit import for_provider as sixteen_bit
+
     if provider != "cuda":
-        return graph, {"batchnorm_rewritten": 0}
+        graph, emulated = sixteen_bit(graph, provider)
+        return graph, {"batchnorm_rewritten": 0, **emulated}
     rewritten, report = expand_training_batchnorm(graph)
     from memcc.passes.providers.deterministic_reductions import per_channel, to_trailing_axes
 
@@ -155,7 +158,8 @@ def for_provider(graph: Graph, provider: str) -> tuple[Graph, dict]:
     # to the last printed digit (BENCHMARKS.md, "Issue 30 on an H200"): until a float64
     # check of the whole step says why, the transpose form stays.
     rewritten, _ = to_trailing_axes(rewritten, only=per_channel)
-    return rewritten, {"batchnorm_rewritten": int(report["batchnorm_rewritten"])}
+    rewritten, emulated = sixteen_bit(rewritten, provider)
+    return rewritten, {"batchnorm_rewritten": int(report["batchnorm_rewritten"]), **emulated}
 
 
 def _emit_batchnorm(emit: Emitter, node: onnx.NodeProto) -> tuple[str, str, str]:
