@@ -14,7 +14,10 @@ prints a Markdown table: per op and type, what the registry says (``has_kernel_f
 what the session says: ``kernel`` (ran as written), ``casts`` (ORT wrapped the node in Casts
 to float itself: ``InsertCastTransformer`` still runs with optimizations off; seen in the
 model ORT saves through ``SessionOptions.optimized_model_filepath``, whose inserted nodes are
-named ``InsertedPrecisionFreeCast_*``), or ``fails`` (no kernel: session creation fails).
+named ``InsertedPrecisionFreeCast_*``), ``inlined`` (ORT replaced the node by its ONNX
+function body) or ``fails`` (no kernel: session creation fails). ``--provider cuda`` runs
+the same sessions on ``CUDAExecutionProvider`` (needs onnxruntime-gpu and a GPU; not run
+yet) and reads from ORT's profile which provider ran the node (``fallback``: the CPU).
 
     python -m benchmarks.kernel_coverage --cuda-from-source cuda_execution_provider.cc \
         --commit SHA --version 1.23.0 --json memcc/data/ort_cuda_16bit_kernels.json
@@ -354,6 +357,12 @@ def main(argv: list[str] | None = None) -> int:
               f"{', '.join(CASES)}", file=sys.stderr)
         return 2
     import onnxruntime
+    wanted = SESSION_PROVIDERS[args.provider][0]
+    if wanted not in onnxruntime.get_available_providers():
+        print(f"kernel_coverage: this onnxruntime has no {wanted} (it has "
+              f"{', '.join(onnxruntime.get_available_providers())}); install onnxruntime-gpu "
+              "on a machine with a GPU for --provider cuda", file=sys.stderr)
+        return 2
     rows = measure(args.ops, args.opsets, args.provider)
     table = cuda_table_header()
     text = (f"{SESSION_PROVIDERS[args.provider][0]}, onnxruntime {onnxruntime.__version__}, onnx "
