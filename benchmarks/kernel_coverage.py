@@ -19,14 +19,20 @@ function body) or ``fails`` (no kernel: session creation fails). ``--provider cu
 the same sessions on ``CUDAExecutionProvider`` (needs onnxruntime-gpu and a GPU; not run
 yet) and reads from ORT's profile which provider ran the node (``fallback``: the CPU).
 
-    python -m benchmarks.kernel_coverage --cuda-from-source cuda_execution_provider.cc \
+    python -m benchmarks.kernel_coverage --cuda-from-source \
+        onnxruntime/core/providers/cuda/cuda_execution_provider.cc \
+        onnxruntime/contrib_ops/cuda/cuda_contrib_kernels.cc \
+        --check-against docs/OperatorKernels.md \
         --commit SHA --version 1.23.0 --json memcc/data/ort_cuda_16bit_kernels.json
 
 regenerates the CUDA table that memcc ships, from the kernel registrations
-(``RegisterCudaKernels``) of an onnxruntime checkout: typed registrations name their type;
+(``RegisterCudaKernels``, and the ONNX-domain ones of ``RegisterCudaContribKernels``) of an
+onnxruntime checkout: typed registrations name their type;
 the 16-bit types of the untyped ones (``UNTYPED_16BIT``) were read from each kernel's
 ``KernelDefBuilder`` in ``onnxruntime/core/providers/cuda/**`` by hand, and the script refuses
-a source whose untyped registrations that table does not cover.
+a source whose untyped registrations that table does not cover. ``--check-against``
+compares the result with the checkout's ``docs/OperatorKernels.md``, which ORT generates
+from a CUDA build's kernel registry, and records the agreement in the JSON.
 """
 
 from __future__ import annotations
@@ -90,24 +96,34 @@ OUTPUT_TAKES_BOTH = frozenset({"Cast"})
 # constraint's 16-bit types by first opset (tensor/slice.cc: AllFixedSizeTensorTypes;
 # tensor/gather_nd.cc: float, double, MLFloat16, int64, bool before 13, BFloat16 from 13).
 INDEX_TYPED: dict[str, dict[int, tuple[str, ...]]] = {
-    "Slice": _ALL, "GatherND": {11: HALF, 12: HALF, 13: BOTH}}
+    "Slice": _ALL, "DynamicSlice": _ALL, "GatherND": {11: HALF, 12: HALF, 13: BOTH}}
 _SIXTEEN = {"MLFloat16": "float16", "BFloat16": "bfloat16"}
-_ENTRY = re.compile(r"BuildKernelCreateInfo<\s*ONNX_OPERATOR_(VERSIONED_)?(TWO_TYPED_|TYPED_)?"
-                    r"KERNEL_CLASS_NAME\(([^)]*)\)\s*>")
+# Registrations in ORT's words, and the contrib table's shorthand for its ONNX-domain ones
+# (CUDA_ONNX_OP_TYPED_CLASS_NAME(ver, type, name): LayerNormalization-1..16, ThresholdedRelu).
+_ENTRY = re.compile(r"BuildKernelCreateInfo<\s*(?:ONNX_OPERATOR|(CUDA_ONNX_OP))_(VERSIONED_)?"
+                    r"(TWO_TYPED_|TYPED_)?(?:KERNEL_)?CLASS_NAME\(([^)]*)\)\s*>")
 
 
-def parse_registrations(source: str) -> dict[str, list[list]]:
+def _function_table(source: str) -> str:
+    """The ``function_table[]`` of ``RegisterCudaKernels`` / ``RegisterCudaContribKernels``,
+    comments removed (a commented-out registration registers nothing)."""
+    start = source.index("function_table[]")
+    return re.sub(r"//[^\n]*", "", source[start:source.index("};", start)])
+
+
+def parse_registrations(*sources: str) -> dict[str, list[list]]:
     """ONNX-domain op -> [[first opset, last opset or None, [16-bit types]]] registered by
-    ``RegisterCudaKernels`` in the text of ``cuda_execution_provider.cc``."""
-    start = source.index("static Status RegisterCudaKernels")
-    body = re.sub(r"//[^\n]*", "", source[start:source.index("};", start)])
+    the function tables in the texts of ``cuda_execution_provider.cc`` and
+    ``cuda_contrib_kernels.cc``."""
     ranges: dict[tuple[str, int, int | None], set[str]] = {}
     missing = []
-    for m in _ENTRY.finditer(body):
-        args = [a.strip() for a in m.group(3).split(",")]
+    for m in (m for text in sources for m in _ENTRY.finditer(_function_table(text))):
+        args = [a.strip() for a in m.group(4).split(",")]
+        if m.group(1):
+            args = ["kCudaExecutionProvider", "kOnnxDomain", *args]
         if args[1] != "kOnnxDomain":
             continue
-        op, versioned, typed = args[-1], bool(m.group(1)), m.group(2) or ""
+        op, versioned, typed = args[-1], bool(m.group(2)), m.group(3) or ""
         lo = int(args[2])
         hi = int(args[3]) if versioned else None
         types = args[(4 if versioned else 3):-1]
@@ -133,20 +149,75 @@ def parse_registrations(source: str) -> dict[str, list[list]]:
     return out
 
 
-def write_cuda_table(source: Path, commit: str, version: str, out: Path) -> None:
-    """Write the shipped CUDA table (``memcc/data/ort_cuda_16bit_kernels.json``)."""
-    ops = parse_registrations(source.read_text())
+def _doc_rows(markdown: str) -> dict[tuple[str, int], dict[str, str]]:
+    """(op, first opset) -> {constraint: its types as written} of the CUDA provider's
+    ONNX-domain rows in ORT's ``docs/OperatorKernels.md``."""
+    text = markdown[markdown.index("## Operators implemented by CUDAExecutionProvider"):]
+    rows: dict[tuple[str, int], dict[str, str]] = {}
+    op, domain = "", ""
+    for line in text.splitlines()[1:]:
+        if line.startswith("## "):
+            break
+        found = re.match(r"\|\*\*Operator Domain:\*\* \*(.*)\*", line)
+        if found:
+            domain = found.group(1)
+            continue
+        cells = line.split("|")
+        if domain != "ai.onnx" or len(cells) < 5 or not re.match(r"\[?\d", cells[3]):
+            continue
+        op = cells[1] or op
+        rows[op, int(re.match(r"\[?(\d+)", cells[3]).group(1))] = dict(
+            re.findall(r"\*\*(\w+)\*\* = ([^<]*)", cells[4]))
+    return rows
+
+
+def check_against_doc(ops: dict[str, list[list]], markdown: str) -> tuple[int, list[str]]:
+    """How many (op, opset range) entries of the parsed table agree with ORT's
+    ``docs/OperatorKernels.md`` (which ORT generates from a CUDA build's kernel registry),
+    and a line per entry that does not."""
+    from memcc.frontend.kernel_coverage import float_constraint
+    rows, agree, differ = _doc_rows(markdown), 0, []
+    for op, ranges in ops.items():
+        for lo, _, types in ranges:
+            if (op, lo) not in rows:
+                differ.append(f"{op}-{lo}: not in the doc")
+                continue
+            constraints = rows[op, lo]
+            written = constraints.get(float_constraint(op, lo) or "", " ".join(
+                constraints.values()))
+            doc = sorted(t for t in BOTH if f"tensor({t})" in written)
+            if doc == types:
+                agree += 1
+            else:
+                differ.append(f"{op}-{lo}: source {types}, doc {doc}")
+    return agree, differ
+
+
+def write_cuda_table(sources: list[Path], commit: str, version: str, out: Path,
+                     doc: Path | None = None) -> None:
+    """Write the shipped CUDA table (``memcc/data/ort_cuda_16bit_kernels.json``), checked
+    against ``doc`` (``docs/OperatorKernels.md`` of the same checkout) where given."""
+    ops = parse_registrations(*(source.read_text() for source in sources))
+    checked = ""
+    if doc is not None:
+        agree, differ = check_against_doc(ops, doc.read_text())
+        checked = (f"docs/OperatorKernels.md of the same commit (generated by ORT from a CUDA "
+                   f"build's kernel registry): {agree} (op, opset range) entries agree"
+                   + (f"; differ: {'; '.join(differ)}" if differ else ""))
+        print(checked)
     table = {
         "provider": "CUDAExecutionProvider",
         "read_from": "microsoft/onnxruntime onnxruntime/core/providers/cuda/"
-                     "cuda_execution_provider.cc (RegisterCudaKernels) and the "
-                     "KernelDefBuilder of each untyped kernel",
+                     "cuda_execution_provider.cc (RegisterCudaKernels), "
+                     "onnxruntime/contrib_ops/cuda/cuda_contrib_kernels.cc (its ONNX-domain "
+                     "registrations) and the KernelDefBuilder of each untyped kernel",
         "commit": commit,
         "onnxruntime_version": version,
         "measured": False,
         "note": "Read from source, not measured on a GPU. Per ONNX-domain op: [first opset, "
                 "last opset (null: open), the 16-bit types of its float constraint (an "
                 "input's where the output is not float: Equal, ArgMax, IsNaN)].",
+        "checked_against": checked,
         "ops": ops,
     }
     out.write_text(json.dumps(table, indent=1, sort_keys=False) + "\n")
@@ -341,15 +412,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--provider", choices=sorted(SESSION_PROVIDERS), default="cpu",
                         help="the provider the sessions run on (cuda: needs a GPU)")
     parser.add_argument("--out", type=Path, help="also write the Markdown here")
-    parser.add_argument("--cuda-from-source", type=Path, metavar="CC",
-                        help="regenerate the CUDA table from cuda_execution_provider.cc")
+    parser.add_argument("--cuda-from-source", type=Path, nargs="+", metavar="CC",
+                        help="regenerate the CUDA table from cuda_execution_provider.cc "
+                             "and cuda_contrib_kernels.cc")
+    parser.add_argument("--check-against", type=Path, metavar="MD",
+                        help="with --cuda-from-source: ORT's docs/OperatorKernels.md to check")
     parser.add_argument("--commit", default="")
     parser.add_argument("--version", default="")
     parser.add_argument("--json", type=Path,
                         default=Path("memcc/data/ort_cuda_16bit_kernels.json"))
     args = parser.parse_args(argv)
     if args.cuda_from_source:
-        write_cuda_table(args.cuda_from_source, args.commit, args.version, args.json)
+        write_cuda_table(args.cuda_from_source, args.commit, args.version, args.json,
+                         args.check_against)
         return 0
     unknown = sorted(set(args.ops) - set(CASES))
     if unknown:

@@ -14,6 +14,7 @@ from onnx import TensorProto
 
 from benchmarks.kernel_coverage import (
     UNTYPED_16BIT,
+    check_against_doc,
     one_node_model,
     parse_registrations,
     providers_in_profile,
@@ -98,6 +99,7 @@ def test_float_constraint_follows_the_float_data() -> None:
 def test_cuda_table_is_read_from_source_and_answers() -> None:
     table = cuda_table()
     assert table["measured"] is False and len(table["commit"]) == 40
+    assert table["checked_against"].startswith("docs/OperatorKernels.md")
     assert json.loads(CUDA_TABLE.read_text())["ops"] == table["ops"]
     for dtype in (BF16, FP16):
         assert has_kernel_for("MatMul", 17, dtype, "cuda")
@@ -152,15 +154,42 @@ SOURCE = "\n".join([
     _entry("", "kMSDomain, 1, FusedThing"),
     "  };",
 ])
+CONTRIB = "\n".join([
+    "Status RegisterCudaContribKernels(KernelRegistry& kernel_registry) {",
+    "  static const BuildKernelCreateInfoFn function_table[] = {",
+    "      BuildKernelCreateInfo<CUDA_ONNX_OP_VERSIONED_TYPED_CLASS_NAME("
+    "1, 16, BFloat16_float_BFloat16, LayerNormalization)>,",
+    "  };",
+])
+DOC = "\n".join([
+    "## Operators implemented by CUDAExecutionProvider",
+    "|**Operator Domain:** *ai.onnx*||||",
+    "|MatMul|*in* A:**T**<br> *out* Y:**T**|13+|**T** = tensor(bfloat16), tensor(float16)|",
+    "|||[9, 12]|**T** = tensor(double), tensor(float)|",
+    "|Transpose|*in* data:**T**|13+|**T** = tensor(bfloat16), tensor(float16)|",
+    "|**Operator Domain:** *com.microsoft*||||",
+    "|OneHot|*in* x:**T**|11+|**T** = tensor(float16)|",
+    "## Operators implemented by DmlExecutionProvider",
+])
 
 
 def test_parse_registrations_reads_typed_untyped_and_named_types() -> None:
-    ops = parse_registrations(SOURCE)
+    ops = parse_registrations(SOURCE, CONTRIB)
+    assert ops["LayerNormalization"] == [[1, 16, ["bfloat16"]]]   # the contrib shorthand
     assert ops["MatMul"] == [[9, 12, ["float16"]], [13, None, ["bfloat16", "float16"]]]
     assert ops["Cast"] == [[13, None, ["bfloat16", "float16"]]]   # output T2: every type
     assert ops["OneHot"] == [[11, None, ["float16"]]]
     assert ops["Transpose"] == [[13, None, ["bfloat16", "float16"]]]
     assert "Gone" not in ops and "FusedThing" not in ops
+
+
+def test_check_against_doc_names_each_difference() -> None:
+    """ORT's generated OperatorKernels.md is the second reading of the same registry."""
+    agree, differ = check_against_doc(parse_registrations(SOURCE), DOC)
+    assert agree == 2                                   # MatMul-13, Transpose-13
+    assert "MatMul-9: source ['float16'], doc []" in differ
+    assert "OneHot-11: not in the doc" in differ        # its row is another domain's
+    assert "Cast-13: not in the doc" in differ
 
 
 def test_parse_registrations_refuses_an_untyped_kernel_it_was_not_told_about() -> None:
