@@ -220,7 +220,9 @@ def write_cuda_table(sources: list[Path], commit: str, version: str, out: Path,
         "checked_against": checked,
         "ops": ops,
     }
-    out.write_text(json.dumps(table, indent=1, sort_keys=False) + "\n")
+    head = json.dumps({k: v for k, v in table.items() if k != "ops"}, indent=1)[:-2]
+    body = ",\n".join(f"  {json.dumps(op)}: {json.dumps(r)}" for op, r in ops.items())
+    out.write_text(f'{head},\n "ops": {{\n{body}\n }}\n}}\n')  # one line per op
     n16 = sum(1 for r in ops.values() if any(t for *_, t in r))
     print(f"{len(ops)} ONNX-domain ops, {n16} with a 16-bit kernel at some opset -> {out}")
 
