@@ -39,6 +39,7 @@ CUDA_TABLE = Path(__file__).resolve().parent.parent / "data" / "ort_cuda_16bit_k
 SIXTEEN_BIT = (TensorProto.BFLOAT16, TensorProto.FLOAT16)
 _FLOAT_TYPES = frozenset({"tensor(float)", "tensor(float16)", "tensor(bfloat16)",
                           "tensor(double)"})
+_TABLE_NAMES = {TensorProto.BFLOAT16: "bfloat16", TensorProto.FLOAT16: "float16"}
 Ranges = list[tuple[int, int, dict]]
 
 
@@ -101,10 +102,11 @@ def float_constraint(op_type: str, opset: int, domain: str = "") -> str | None:
 
 
 def _cuda_has(op_type: str, since: int, dtype: int, domain: str) -> bool:
-    if domain:
+    """The shipped table's answer. It lists the 16-bit types only: any other type answers
+    False, as an op outside the ONNX domain does."""
+    wanted = _TABLE_NAMES.get(dtype)
+    if domain or wanted is None:
         return False
-    wanted = helper.tensor_dtype_to_np_dtype(dtype).name if dtype != TensorProto.BFLOAT16 \
-        else "bfloat16"
     for lo, hi, types in cuda_table()["ops"].get(op_type, ()):
         if lo <= since <= (hi if hi is not None else since) and wanted in types:
             return True
