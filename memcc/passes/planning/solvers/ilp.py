@@ -330,11 +330,19 @@ def _release_options() -> tuple[tuple[str, object], ...]:
     callback: the smallest-peak MIP of MONeT's ResNet-50 step at 4.99 GB (1,431 rows and
     1,181 columns after presolve) stayed in it for minutes under an 11 s limit, where
     1.15.1 stops at the limit. With RENS off, 1.16.0 ends that solve within its limit
-    (BENCHMARKS.md, "The time limit under the newest highspy"). Older releases keep
-    HiGHS's defaults, so that CI's pinned plans do not move."""
+    (BENCHMARKS.md, "The time limit under the newest highspy").
+
+    Every release: no strong branching to make pseudo-costs reliable before they are used
+    (``mip_pscost_minreliable`` 0, HiGHS's default 8). With at most ``MIP_MAX_NODES``
+    nodes per solve, strong branching was two thirds of the LP iterations of the
+    smallest-peak MILPs that dominate ``--budget min``; without it the zoo's GPT-2, BERT
+    and ResNet-18 steps planned the same peaks 25-35% sooner (GPT-2 31.8 -> 21.6 s CPU,
+    BERT 23.3 -> 18.2 s), and the planner's and heap-room tests ran 9% sooner, all
+    passing (BENCHMARKS.md, "Branching in the smallest-peak search")."""
+    common = (("mip_pscost_minreliable", 0),)
     if _highs_version() >= (1, 16):
-        return (("mip_heuristic_run_rens", False),)
-    return ()
+        return (("mip_heuristic_run_rens", False), *common)
+    return common
 
 
 def _highs_version() -> tuple[int, ...]:
