@@ -229,3 +229,16 @@ def test_compile_plans_a_16_bit_step_and_says_what_the_cpu_computes_in_float32(t
     assert load["sixteen_bit_emulated"].get("MatMul", 0) > 0
     assert report["verification"]["ok"] and report["plan"]["fits"]
     assert any("float32 between 16-bit casts" in w for w in report["warnings"])
+
+
+def test_a_model_with_nothing_to_compute_in_16_bit_is_refused_with_a_message():
+    """--precision on a model without matrix products or convolutions would build the float32
+    step under another name: refused, saying why and what to do."""
+    from memcc.errors import InputError
+
+    rng = np.random.default_rng(0)
+    model = make_model([helper.make_node("Mul", ["x", "w"], ["y"])],
+                       [("x", F, [4, 8])], [("y", F, [4, 8])],
+                       {"w": rng.standard_normal([8]).astype(np.float32)})
+    with pytest.raises(InputError, match="no float32 matrix product or convolution"):
+        build_training_step(load_graph(model), BuildOptions(precision="bf16", loss="mse"))

@@ -91,6 +91,11 @@ def build_training_step(forward: Graph, options: BuildOptions | None = None,
     row_chunks = _chunk_rows(graph, opts, source)
     # Before the loss: the loss is taken in float32 whatever the forward computes in.
     graph, casts = autocast(graph, opts.precision)
+    if opts.precision != "fp32" and not casts.by_type:
+        raise InputError(f"{source}: --precision {opts.precision}: the model has no float32 "
+                         "matrix product or convolution (MatMul, Gemm, Conv, ConvTranspose, "
+                         "Einsum) to compute in 16-bit, so the step would be the float32 one; "
+                         "build it without --precision")
     emit = Emitter(graph)
     step_loss = add_loss(graph, emit, opts, source)
     loss, chunked = step_loss.loss, step_loss.chunked
