@@ -236,16 +236,20 @@ def test_a_solve_left_behind_returns_the_best_answer_it_reported(monkeypatch):
 
 def test_rens_is_off_from_highs_1_16_on(monkeypatch):
     """HiGHS 1.16.0's RENS ran past the time limit and the interrupt callback; earlier
-    releases keep HiGHS's defaults. The option exists in the installed release."""
+    releases keep it on. Every release branches without strong branching first
+    (``mip_pscost_minreliable`` 0: BENCHMARKS.md, "Branching in the smallest-peak search").
+    Both options exist in the installed release."""
     import highspy
 
     monkeypatch.setattr(ilp, "_highs_version", lambda: (1, 16, 0))
     assert ("mip_heuristic_run_rens", False) in ilp._release_options()
+    assert ("mip_pscost_minreliable", 0) in ilp._release_options()
     monkeypatch.setattr(ilp, "_highs_version", lambda: (1, 15, 1))
-    assert ilp._release_options() == ()
+    assert ilp._release_options() == (("mip_pscost_minreliable", 0),)
     with quiet.stdout_kept_clean():
         h = highspy.Highs()
     assert h.setOptionValue("mip_heuristic_run_rens", False) == highspy.HighsStatus.kOk
+    assert h.setOptionValue("mip_pscost_minreliable", 0) == highspy.HighsStatus.kOk
 
 
 @pytest.mark.parametrize("text,limit", [("interrupted by user", "time"),

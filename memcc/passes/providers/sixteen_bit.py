@@ -41,9 +41,10 @@ _REDUCING_SCATTERS = frozenset({"ScatterElements", "ScatterND"})
 def for_provider(graph: Graph, provider: str) -> tuple[Graph, dict]:
     """The step with every 16-bit node ``provider`` has no kernel for computed in float32
     between casts; ``{"sixteen_bit_emulated": {op: count}}`` (the pass contract,
-    ``memcc/pass_contract.py``). A step without 16-bit values comes back as it was."""
+    ``memcc/pass_contract.py``), ``{}`` where nothing was. A step without 16-bit values
+    comes back as it was."""
     if not any(ti.dtype in SIXTEEN for ti in graph.info.values()):
-        return graph, {"sixteen_bit_emulated": {}}
+        return graph, {}
     out = graph.copy()
     emit = Emitter(out, prefix="f32/", detached=True)
     nodes: list[onnx.NodeProto] = []
@@ -57,7 +58,7 @@ def for_provider(graph: Graph, provider: str) -> tuple[Graph, dict]:
         nodes.extend(_in_float32(out, emit, node))
         done[node.op_type] += 1
     if not done:
-        return graph, {"sixteen_bit_emulated": {}}
+        return graph, {}
     out.set_nodes(nodes)
     return out, {"sixteen_bit_emulated": dict(sorted(done.items()))}
 
