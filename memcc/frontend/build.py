@@ -9,8 +9,9 @@ here (``memcc.*`` keys) is the contract the runner and the planner read.
 
 In: a forward ``Graph`` and ``BuildOptions``. Out: a new ``Graph``, the training step,
 built in this order: row chunks (``frontend.row_chunks``), the loss (``frontend.loss``),
-the parameters (``frontend.parameters``), the backward (``frontend.autodiff``), the
-update and carried state (``frontend.update``), the contract's metadata, memcc's fusions
+the parameters (``frontend.parameters``), the backward (``frontend.autodiff``; of the
+scaled loss with ``--loss-scale dynamic``, ``frontend.loss_scaling``), the update and carried
+state (``frontend.update``), the contract's metadata, memcc's fusions
 (``frontend.fuse``).
 """
 

@@ -6,7 +6,9 @@ nodes appended (SGD with momentum or AdamW as torch.optim computes them, or ``P.
 outputs with ``--optimizer none``), optimizer state as initializer-backed inputs
 (``P.momentum``, ``P.exp_avg``...), BatchNorm running statistics made carried state, and the
 step outputs under the contract's names (``P.new``, ``stat.new``, ``P.grad``), given by
-``OutputNamer`` without copies where it can.
+``OutputNamer`` without copies where it can. With dynamic loss scaling the gradients are
+unscaled and checked first and the coefficients masked on overflow (``frontend.loss_scaling``
+holds that rule; here only where each coefficient goes).
 """
 
 from __future__ import annotations
@@ -48,8 +50,8 @@ def emit_update(out: StepWriter, params: list[str], grads: dict[str, str],
         unscaled = loss_scaling.unscale(emit, grads, loss_scaling.SCALE,
                                         zero_on_inf=opts.optimizer != "none")
         grads, found_inf = unscaled.grads, unscaled.found_inf
-    coef = loss_scaling.Coefficients(emit, found_inf)
-    adam = _adamw_step(out, opts, coef, outputs) if opts.optimizer == "adamw" else None
+    u = _Update(out, opts, loss_scaling.Coefficients(emit, found_inf), outputs)
+    adam = _adamw_step(u) if opts.optimizer == "adamw" else None
     for p in params:
         g = grads.get(p)
         if g is None:  # parameter on a path that carries no gradient (e.g. masked out)
@@ -57,10 +59,10 @@ def emit_update(out: StepWriter, params: list[str], grads: dict[str, str],
         if opts.optimizer == "none":
             outputs.append(namer.name(g, f"{p}.grad"))
         elif opts.optimizer == "sgd":
-            _sgd(out, p, g, opts, coef, outputs)
+            _sgd(u, p, g)
         else:
             assert adam is not None
-            _adamw(out, p, g, opts, coef, adam, outputs)
+            _adamw(u, p, g, adam)
     if found_inf is not None:
         outputs += loss_scaling.update_scale(emit, out.state, found_inf, opts)
         if opts.optimizer == "none":  # the gradients are as they came: say whether finite
@@ -69,10 +71,21 @@ def emit_update(out: StepWriter, params: list[str], grads: dict[str, str],
     return outputs
 
 
-def _sgd(out: StepWriter, p: str, g: str, opts: BuildOptions,
-         coef: loss_scaling.Coefficients, outputs: list[str]) -> None:
+@dataclass(frozen=True)
+class _Update:
+    """What every parameter's update reads: where it is written, the options, the
+    coefficients (masked on overflow with loss scaling), the step outputs it adds to."""
+
+    out: StepWriter
+    opts: BuildOptions
+    coef: loss_scaling.Coefficients
+    outputs: list[str]
+
+
+def _sgd(u: _Update, p: str, g: str) -> None:
     """torch.optim.SGD: weight decay, momentum buffer, step (a skipped step keeps all)."""
-    graph, emit, state = out.graph, out.emit, out.state
+    graph, emit, state = u.out.graph, u.out.emit, u.out.state
+    opts, coef, outputs = u.opts, u.coef, u.outputs
     ti = graph.info[p]
     if opts.decay:
         g = emit.add(g, emit.mul(coef(opts.decay, ti.dtype, skipped=0.0), p))
@@ -98,13 +111,13 @@ class _AdamStep:
     bc2: str
 
 
-def _adamw_step(out: StepWriter, opts: BuildOptions, coef: loss_scaling.Coefficients,
-                outputs: list[str]) -> _AdamStep:
+def _adamw_step(u: _Update) -> _AdamStep:
     """The carried step count (``adamw.step``) and the bias corrections at the new count.
     A skipped step leaves the count, but the corrections are taken at count + 1 all the
     same: at count 0 they would be 0, and their quotient, multiplied by a zero learning
     rate, NaN."""
-    graph, emit, state = out.graph, out.emit, out.state
+    graph, emit, state = u.out.graph, u.out.emit, u.out.state
+    opts, coef, outputs = u.opts, u.coef, u.outputs
     f32 = TensorProto.FLOAT
     step_in = "adamw.step"
     graph.initializers[step_in] = np.zeros((), np.float32)
@@ -125,10 +138,10 @@ def _adamw_step(out: StepWriter, opts: BuildOptions, coef: loss_scaling.Coeffici
                      emit.sub(one, emit.binary("Pow", emit.scalar(b2, f32), count)))
 
 
-def _adamw(out: StepWriter, p: str, g: str, opts: BuildOptions,
-           coef: loss_scaling.Coefficients, adam: _AdamStep, outputs: list[str]) -> None:
+def _adamw(u: _Update, p: str, g: str, adam: _AdamStep) -> None:
     """torch.optim.AdamW: the two moments, decoupled weight decay, the step."""
-    graph, emit, state = out.graph, out.emit, out.state
+    graph, emit, state = u.out.graph, u.out.emit, u.out.state
+    opts, coef, outputs = u.opts, u.coef, u.outputs
     ti = graph.info[p]
     dt = ti.dtype
     lr, wd = opts.learning_rate, opts.decay
