@@ -97,7 +97,8 @@ def test_dynamic_is_the_default_with_fp16_only():
     ("growth_factor", 1.0, "growth_factor 1: give a finite number above 1"),
     ("backoff_factor", 1.0, "backoff_factor 1: give a number between 0 and 1"),
     ("backoff_factor", 0.0, "backoff_factor 0"),
-    ("growth_interval", 0, "growth_interval 0: give a whole number of steps, 1 or more"),
+    ("growth_interval", 0, "growth_interval 0: give a whole number of steps from 1 to 2^24"),
+    ("growth_interval", 2 ** 24 + 1, "growth_interval 16777217"),
     ("growth_interval", 2.5, "growth_interval 2.5"),
 ])
 def test_bad_scaler_settings_are_refused_naming_the_setting(field, value, message):
@@ -329,13 +330,13 @@ def test_the_scale_update_matches_torchs_kernel_with_any_factors():
     powers of two (torch multiplies in float64) and a growth that would reach infinity."""
     torch = pytest.importorskip("torch")
     cases = [(65536.0, 3, 1.3, 0.7, 5), (3.0e38, 0, 2.0, 0.5, 1), (1.0, 1, 1.5, 0.3, 2),
-             (1e-30, 4, 2.0, 0.25, 5)]
+             (1e-30, 4, 2.0, 0.25, 5), (1.0, 2 ** 24 - 3, 2.0, 0.5, 2 ** 24)]
     rng = np.random.default_rng(0)
     for scale0, tracker0, growth, backoff, interval in cases:
         opts = BuildOptions(loss_scale="dynamic", growth_factor=growth, backoff_factor=backoff,
                             growth_interval=interval)
         session = _update_session(opts)
-        s, k = np.float32(scale0), np.int32(tracker0)
+        s, k = np.float32(scale0), np.float32(tracker0)
         ts, tk = torch.tensor([scale0], dtype=torch.float32), torch.tensor([tracker0],
                                                                          dtype=torch.int32)
         for found in rng.random(12) < 0.3:
@@ -351,13 +352,40 @@ def _update_session(opts: BuildOptions) -> ort.InferenceSession:
     model = onnx.helper.make_model(onnx.helper.make_graph(
         [], "update", [
             onnx.helper.make_tensor_value_info(SCALE, onnx.TensorProto.FLOAT, []),
-            onnx.helper.make_tensor_value_info(GROWTH_TRACKER, onnx.TensorProto.INT32, []),
+            onnx.helper.make_tensor_value_info(GROWTH_TRACKER, onnx.TensorProto.FLOAT, []),
             onnx.helper.make_tensor_value_info("found", onnx.TensorProto.BOOL, [])], []),
         opset_imports=[onnx.helper.make_opsetid("", 17)])
     graph = Graph.from_model(model)
     graph.info.update({SCALE: TensorInfo(onnx.TensorProto.FLOAT, ()),
-                       GROWTH_TRACKER: TensorInfo(onnx.TensorProto.INT32, ()),
+                       GROWTH_TRACKER: TensorInfo(onnx.TensorProto.FLOAT, ()),
                        "found": TensorInfo(onnx.TensorProto.BOOL, ())})
     graph.outputs = update_scale(Emitter(graph), {}, "found", opts)
     return ort.InferenceSession(graph.to_model().SerializeToString(),
                                 providers=["CPUExecutionProvider"])
+
+
+# --------------------------------------------------------------------- an fp16 step
+def test_an_fp16_step_backs_off_until_its_gradients_fit_then_trains(tmp_path):
+    """--precision fp16 scales by default. From a scale of 2^24 the 16-bit backward
+    overflows: those steps change nothing (same loss, AdamW's count stays 0) and halve the
+    scale, until the gradients fit; from there the step trains as the float32 step does."""
+    model = build_model("gpt2", batch=2, seq_len=16)
+    runs = {}
+    for precision in ("fp32", "fp16"):
+        step = build_training_step(load_graph(model), BuildOptions(
+            optimizer="adamw", precision=precision, init_scale=2.0 ** 24))
+        assert (SCALE in step.inputs) == (precision == "fp16")
+        runs[precision] = Trainer(save_graph(step, tmp_path / f"{precision}.onnx"), threads=1)
+    feeds = synthetic_feeds(load_graph(tmp_path / "fp32.onnx"), seed=0)
+    fp32 = [runs["fp32"].step(feeds) for _ in range(3)]
+    t = runs["fp16"]
+    scales, losses = [], []
+    while len(scales) < 24 and float(t.state_dict()["adamw.step"]) < 2:
+        losses.append(t.step(feeds))
+        scales.append(scaler_state(t)[0])
+    skipped = scales.index(scales[-1]) + 1  # the steps that halved the scale
+    assert skipped >= 2 and scales[:skipped] == [2.0 ** (23 - k) for k in range(skipped)]
+    assert len(scales) == skipped + 2 and scaler_state(t) == (scales[-1], 2)
+    assert len(set(losses[:skipped + 1])) == 1  # nothing changed while skipping
+    assert losses[0] == pytest.approx(fp32[0], rel=1e-2)
+    np.testing.assert_allclose(losses[-1], fp32[1], rtol=1e-2)

@@ -113,9 +113,10 @@ class BuildOptions:
             raise InputError(f"loss scaling's backoff_factor {self.backoff_factor:g}: give a "
                              "number between 0 and 1 (GradScaler's default is 0.5)")
         if isinstance(self.growth_interval, bool) or not isinstance(self.growth_interval, int) \
-                or not 0 < self.growth_interval < 2**31:
+                or not 0 < self.growth_interval <= 2**24:
             raise InputError(f"loss scaling's growth_interval {self.growth_interval!r}: give a "
-                             "whole number of steps, 1 or more (GradScaler's default is 2000)")
+                             "whole number of steps from 1 to 2^24 (GradScaler's default is "
+                             "2000)")
 
     @property
     def dynamic_loss_scale(self) -> bool:

@@ -8,9 +8,11 @@ the same rule is written into the step itself, so that it runs wherever the step
 a captured CUDA graph) with no host round trip:
 
 - the scale is carried state, ``loss_scale.scale`` (float32 scalar, initially
-  ``init_scale``), with ``loss_scale.growth_tracker`` (int32 scalar, as torch's
-  ``_growth_tracker``): graph inputs whose new values are step outputs (``memcc.state``),
-  so they are checkpointed, restored and resumed like momentum or ``adamw.step``;
+  ``init_scale``), with ``loss_scale.growth_tracker`` (torch's ``_growth_tracker``, the
+  clean steps since the last change; a float32 scalar, exact up to the 2^24 that
+  ``growth_interval`` may reach, so that all carried state is float32): graph inputs
+  whose new values are step outputs (``memcc.state``), so they are checkpointed,
+  restored and resumed like momentum or ``adamw.step``;
 - the backward is seeded with the scale instead of 1 (``scaled_seeds``); the loss output is
   the unscaled loss;
 - ``found_inf``: some element of some gradient is not finite, read from the scaled
@@ -61,14 +63,13 @@ FOUND_INF = "loss_scale.found_inf"  # an output with --optimizer none
 
 _F32 = TensorProto.FLOAT
 _SCALAR_F32 = TensorInfo(_F32, ())
-_SCALAR_I32 = TensorInfo(TensorProto.INT32, ())
 _SCALAR_BOOL = TensorInfo(TensorProto.BOOL, ())
 
 
 def add_scale_state(graph: Graph, opts: BuildOptions) -> str:
     """The scale and growth tracker as initializer-backed inputs; return the scale's name."""
     for name, value, ti in ((SCALE, np.asarray(opts.init_scale, np.float32), _SCALAR_F32),
-                            (GROWTH_TRACKER, np.zeros((), np.int32), _SCALAR_I32)):
+                            (GROWTH_TRACKER, np.zeros((), np.float32), _SCALAR_F32)):
         if name in graph.info:
             raise InputError(f"cannot add the loss scaler's state '{name}': the name is taken")
         graph.initializers[name] = value
@@ -163,20 +164,19 @@ def update_scale(emit: Emitter, state: dict[str, str], found_inf: str,
     def times(factor: float) -> str:  # float32 scale * float64 factor, rounded to float32
         return emit.cast(emit.mul(s64, emit.scalar(factor, f64)), _F32)
 
-    i32 = TensorProto.INT32
-    izero = emit.scalar(0, i32)
-    plus = emit.add(GROWTH_TRACKER, emit.scalar(1, i32))
-    at_interval = emit.op("Equal", [plus, emit.scalar(opts.growth_interval, i32)],
+    zero = emit.scalar(0.0, _F32)
+    plus = emit.add(GROWTH_TRACKER, emit.scalar(1.0, _F32))
+    at_interval = emit.op("Equal", [plus, emit.scalar(float(opts.growth_interval), _F32)],
                           info=_SCALAR_BOOL)
     grown = times(opts.growth_factor)
     finite = emit.op("Not", [emit.op("IsInf", [grown], info=_SCALAR_BOOL)], info=_SCALAR_BOOL)
     grow = emit.op("And", [at_interval, finite], info=_SCALAR_BOOL)
     kept_scale = emit.op("Where", [grow, grown, SCALE], info=_SCALAR_F32)
-    kept_tracker = emit.op("Where", [at_interval, izero, plus], info=_SCALAR_I32)
+    kept_tracker = emit.op("Where", [at_interval, zero, plus], info=_SCALAR_F32)
     scale_new = emit.op("Where", [found_inf, times(opts.backoff_factor), kept_scale],
                         outputs=[f"{SCALE}.new"], info=_SCALAR_F32)
-    tracker_new = emit.op("Where", [found_inf, izero, kept_tracker],
-                          outputs=[f"{GROWTH_TRACKER}.new"], info=_SCALAR_I32)
+    tracker_new = emit.op("Where", [found_inf, zero, kept_tracker],
+                          outputs=[f"{GROWTH_TRACKER}.new"], info=_SCALAR_F32)
     state[scale_new] = SCALE
     state[tracker_new] = GROWTH_TRACKER
     return [scale_new, tracker_new]
