@@ -262,7 +262,7 @@ def test_every_update_waits_for_the_whole_backward(forward):
         return sched.moved, first_update > last_backward
 
     assert first_update_after_last_backward(BuildOptions()) == (True, False)
-    moved, waits = first_update_after_last_backward(BuildOptions(loss_scale="dynamic"))
+    _, waits = first_update_after_last_backward(BuildOptions(loss_scale="dynamic"))
     assert waits
 
 
