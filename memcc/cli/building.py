@@ -17,6 +17,7 @@ from memcc.cli.options import (
     FreezeOpt,
     LossChunksOpt,
     LossOpt,
+    LossScaleOpt,
     LrOpt,
     MlpChunksOpt,
     MomentumOpt,
@@ -44,6 +45,7 @@ def build(
     attention_chunks: AttentionChunksOpt = 1,
     mlp_chunks: MlpChunksOpt = 1,
     precision: PrecisionOpt = "fp32",
+    loss_scale: LossScaleOpt = None,
 ) -> None:
     """Build a complete training step (loss, backward, optimizer) in standard ONNX ops."""
     import warnings

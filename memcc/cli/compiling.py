@@ -24,6 +24,7 @@ from memcc.cli.options import (
     JsonOpt,
     LossChunksOpt,
     LossOpt,
+    LossScaleOpt,
     LrOpt,
     MarginOpt,
     MlpChunksOpt,
@@ -94,6 +95,7 @@ def compile_cmd(
     attention_chunks: AutoAttentionChunksOpt = None,
     mlp_chunks: AutoMlpChunksOpt = None,
     precision: PrecisionOpt = "fp32",
+    loss_scale: LossScaleOpt = None,
     no_chunks: NoChunksOpt = False,
     dim: DimOpt = None,
 ) -> None:
@@ -175,6 +177,7 @@ def analyze_cmd(
     attention_chunks: AttentionChunksOpt = 1,
     mlp_chunks: MlpChunksOpt = 1,
     precision: PrecisionOpt = "fp32",
+    loss_scale: LossScaleOpt = None,
     dim: DimOpt = None,
 ) -> None:
     """Show the step as built: predicted peak, what it is made of, the smallest budget."""

@@ -69,6 +69,12 @@ PrecisionOpt = Annotated[Literal["fp32", "bf16", "fp16"], typer.Option(
          "fp32, parameters and optimizer state kept in fp32 (master weights). A provider "
          "without a 16-bit kernel for an op computes it in fp32 between 16-bit casts "
          "(README, Mixed precision).")]
+LossScaleOpt = Annotated[Optional[Literal["dynamic", "none"]], typer.Option(  # noqa: UP045
+    "--loss-scale",
+    help="dynamic: scale the loss, unscale the gradients, skip a step whose gradients "
+         "overflow and adapt the scale, as torch.amp.GradScaler does, inside the step "
+         "(the scale is carried state, checkpointed). none: no scaling. Default: dynamic "
+         "with --precision fp16, else none.")]
 # compile: not given (None) = compile chooses (compiler/chunk_choice.py); a number overrides.
 _CHOSEN = (" Not given: compile builds the step with and without it and keeps the plan that "
            "fits at the least added time (--budget min: the smallest); the report's "
@@ -115,7 +121,7 @@ MarginOpt = Annotated[float, typer.Option(
 
 # The parameters of a command that hold memcc build's flags (LossOpt ... MlpChunksOpt).
 BUILD_FLAGS = ("loss", "optimizer", "lr", "momentum", "weight_decay", "freeze",
-               "loss_chunks", "attention_chunks", "mlp_chunks", "precision")
+               "loss_chunks", "attention_chunks", "mlp_chunks", "precision", "loss_scale")
 
 
 def build_options(given: Mapping[str, Any]) -> BuildOptions:

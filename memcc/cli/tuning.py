@@ -21,6 +21,7 @@ from memcc.cli.options import (
     JsonOpt,
     LossChunksOpt,
     LossOpt,
+    LossScaleOpt,
     LrOpt,
     MarginOpt,
     MlpChunksOpt,
@@ -91,6 +92,7 @@ def tune_cmd(
     attention_chunks: AttentionChunksOpt = 1,
     mlp_chunks: MlpChunksOpt = 1,
     precision: PrecisionOpt = "fp32",
+    loss_scale: LossScaleOpt = None,
 ) -> None:
     """Find the largest batch, and the fastest, whose training step fits a memory budget.
 

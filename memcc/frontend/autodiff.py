@@ -48,7 +48,8 @@ def differentiate(graph: Graph, loss: str, wrt: Sequence[str], *,
     Gradient contributions are summed as soon as a second one arrives, so at most one
     partial sum per value is live at a time. ``seeds``: gradients the forward pass already
     computed (value -> gradient), for nodes named in ``skip``, whose rules are not run (the
-    chunked loss takes its own gradient on the way, ``frontend/chunked_loss.py``).
+    chunked loss takes its own gradient on the way, ``frontend/chunked_loss.py``), or the
+    loss's own gradient when it is not 1 (``frontend/loss_scaling.py``).
     """
     load_rules()
     requires = differentiable_values(graph, loss, wrt)
@@ -60,7 +61,9 @@ def differentiate(graph: Graph, loss: str, wrt: Sequence[str], *,
     loss_info = graph.info[loss]
     grads: dict[str, str] = dict(seeds or {})
     producer = next((n for n in forward_nodes if loss in n.output), None)
-    if producer is None or producer.name not in skip:  # else its rule would read the seed
+    # The loss's own seed is 1 unless given (loss scaling seeds it with the scale); with a
+    # skipped producer there is none: its rule would read it.
+    if loss not in grads and (producer is None or producer.name not in skip):
         grads[loss] = emit.const(np.ones(loss_info.shape), loss_info.dtype,
                                  name=f"{loss}.seed")
     for node in reversed(forward_nodes):

@@ -9,8 +9,9 @@ here (``memcc.*`` keys) is the contract the runner and the planner read.
 
 In: a forward ``Graph`` and ``BuildOptions``. Out: a new ``Graph``, the training step,
 built in this order: row chunks (``frontend.row_chunks``), the loss (``frontend.loss``),
-the parameters (``frontend.parameters``), the backward (``frontend.autodiff``), the
-update and carried state (``frontend.update``), the contract's metadata, memcc's fusions
+the parameters (``frontend.parameters``), the backward (``frontend.autodiff``; of the
+scaled loss with ``--loss-scale dynamic``, ``frontend.loss_scaling``), the update and carried
+state (``frontend.update``), the contract's metadata, memcc's fusions
 (``frontend.fuse``).
 """
 
@@ -35,6 +36,8 @@ from memcc.frontend.exported import (
 )
 from memcc.frontend.fuse import fuse_step
 from memcc.frontend.loss import StepLoss, add_loss
+from memcc.frontend.loss_scaling import add_scale_state, scaled_seeds
+from memcc.frontend.loss_scaling import metadata as loss_scale_record
 from memcc.frontend.parameters import batchnorm_running_stats, choose_parameters
 from memcc.frontend.row_chunks import ATTENTION, MLP, chunk_regions
 from memcc.frontend.update import OutputNamer, StepWriter, carry_batchnorm_stats, emit_update
@@ -106,9 +109,11 @@ def build_training_step(forward: Graph, options: BuildOptions | None = None,
     sources = parameter_sources(graph, params)
     emap = export_map_of(graph)
     report_parameters(sources, source, signature_of(graph), emap)
+    seeds = chunked.seeds if chunked else None
+    if opts.dynamic_loss_scale:  # the backward of scale * loss (frontend/loss_scaling.py)
+        seeds = scaled_seeds(graph, emit, loss, add_scale_state(graph, opts), seeds)
     first_backward = len(graph.nodes)
-    grads = differentiate(graph, loss, params, source=source,
-                          seeds=chunked.seeds if chunked else None,
+    grads = differentiate(graph, loss, params, source=source, seeds=seeds,
                           skip=chunked.nodes if chunked else ())
     if opts.precision != "fp32":
         casts.recast_in_backward = recast_in_backward(graph, first_backward, [loss])
@@ -188,6 +193,7 @@ def _contract(forward: Graph, built: _Built, out: StepWriter, opts: BuildOptions
             "name": opts.optimizer, "lr": opts.learning_rate, "loss": opts.loss,
             "momentum": opts.momentum if opts.optimizer == "sgd" else None,
             "weight_decay": opts.decay,
+            **({"loss_scale": loss_scale_record(opts)} if opts.dynamic_loss_scale else {}),
         }),
     }
 

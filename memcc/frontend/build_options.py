@@ -9,6 +9,7 @@ options without importing the builder back.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from memcc.errors import InputError
@@ -19,6 +20,8 @@ OPTIMIZERS = ("none", "sgd", "adamw")
 # fp32: the step computes as exported. bf16 / fp16: autocast (frontend/autocast.py), with
 # fp32 parameters and optimizer state.
 PRECISIONS = ("fp32", "bf16", "fp16")
+# dynamic: the step scales its loss and skips overflowing updates (frontend/loss_scaling.py)
+LOSS_SCALES = ("dynamic", "none")
 DEFAULT_LR = {"none": 0.0, "sgd": 0.01, "adamw": 1e-3}
 
 
@@ -51,6 +54,14 @@ class BuildOptions:
     # numerically delicate ops in fp32, parameters and optimizer state fp32
     # (frontend/autocast.py)
     precision: str = "fp32"
+    # dynamic loss scaling as torch.amp.GradScaler (frontend/loss_scaling.py): "dynamic",
+    # "none", or None = dynamic with fp16, none otherwise; the rest are GradScaler's
+    # arguments, with its defaults
+    loss_scale: str | None = None
+    init_scale: float = 65536.0
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
 
     def __post_init__(self) -> None:
         if self.loss not in LOSSES:
@@ -73,6 +84,7 @@ class BuildOptions:
                              f"{self.precision}: the chunked loss is built for float32 steps "
                              "only; give --loss-chunks 1 (attention and MLP chunks work in "
                              "16-bit)")
+        self._check_loss_scale()
         if self.optimizer not in OPTIMIZERS:
             raise InputError(
                 f"--optimizer '{self.optimizer}': choose one of {', '.join(OPTIMIZERS)}"
@@ -85,6 +97,33 @@ class BuildOptions:
         if self.weight_decay is not None and self.weight_decay < 0:
             raise InputError(f"--weight-decay {self.weight_decay:g}: weight decay must not "
                              "be negative")
+
+    def _check_loss_scale(self) -> None:
+        """GradScaler's own conditions on its arguments, named as BuildOptions fields."""
+        if self.loss_scale is not None and self.loss_scale not in LOSS_SCALES:
+            raise InputError(f"--loss-scale '{self.loss_scale}': choose one of "
+                             f"{', '.join(LOSS_SCALES)}")
+        if not (math.isfinite(self.init_scale) and self.init_scale > 0):
+            raise InputError(f"loss scaling's init_scale {self.init_scale:g}: give a finite "
+                             "number above 0 (GradScaler's default is 65536)")
+        if not (math.isfinite(self.growth_factor) and self.growth_factor > 1):
+            raise InputError(f"loss scaling's growth_factor {self.growth_factor:g}: give a "
+                             "finite number above 1 (GradScaler's default is 2)")
+        if not 0 < self.backoff_factor < 1:
+            raise InputError(f"loss scaling's backoff_factor {self.backoff_factor:g}: give a "
+                             "number between 0 and 1 (GradScaler's default is 0.5)")
+        if isinstance(self.growth_interval, bool) or not isinstance(self.growth_interval, int) \
+                or not 0 < self.growth_interval <= 2**24:
+            raise InputError(f"loss scaling's growth_interval {self.growth_interval!r}: give a "
+                             "whole number of steps from 1 to 2^24 (GradScaler's default is "
+                             "2000)")
+
+    @property
+    def dynamic_loss_scale(self) -> bool:
+        """Whether the step scales its loss: --loss-scale dynamic, or not given with fp16."""
+        if self.loss_scale is None:
+            return self.precision == "fp16"
+        return self.loss_scale == "dynamic"
 
     @property
     def learning_rate(self) -> float:

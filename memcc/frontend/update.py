@@ -6,7 +6,9 @@ nodes appended (SGD with momentum or AdamW as torch.optim computes them, or ``P.
 outputs with ``--optimizer none``), optimizer state as initializer-backed inputs
 (``P.momentum``, ``P.exp_avg``...), BatchNorm running statistics made carried state, and the
 step outputs under the contract's names (``P.new``, ``stat.new``, ``P.grad``), given by
-``OutputNamer`` without copies where it can.
+``OutputNamer`` without copies where it can. With dynamic loss scaling the gradients are
+unscaled and checked first and the coefficients masked on overflow (``frontend.loss_scaling``
+holds that rule; here only where each coefficient goes).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import numpy as np
 from onnx import TensorProto
 
 from memcc.errors import InputError
+from memcc.frontend import loss_scaling
 from memcc.frontend.build_options import BuildOptions
 from memcc.frontend.emit import Emitter
 from memcc.graph import Graph, TensorInfo, node_label
@@ -37,67 +40,132 @@ class StepWriter:
 def emit_update(out: StepWriter, params: list[str], grads: dict[str, str],
                 opts: BuildOptions) -> list[str]:
     """The optimizer's update of every parameter (``opts.optimizer``: none writes the
-    gradients as ``P.grad``), as torch.optim computes it; returns the step outputs it adds."""
-    graph, emit, state, namer = out.graph, out.emit, out.state, out.namer
+    gradients as ``P.grad``), as torch.optim computes it; returns the step outputs it adds.
+    With dynamic loss scaling the gradients are unscaled first, and an overflowing step
+    skips the update and only adapts the scale (``frontend.loss_scaling``)."""
+    graph, emit, namer = out.graph, out.emit, out.namer
     outputs: list[str] = []
-    lr = opts.learning_rate
-    wd = opts.decay
-    if opts.optimizer == "adamw":
-        step_in = "adamw.step"
-        graph.initializers[step_in] = np.zeros((), np.float32)
-        graph.info[step_in] = TensorInfo(TensorProto.FLOAT, ())
-        step_new = emit.op("Add", [step_in, emit.scalar(1.0, TensorProto.FLOAT)],
-                           outputs=[f"{step_in}.new"], info=graph.info[step_in])
-        state[step_new] = step_in
-        outputs.append(step_new)
-        b1, b2 = opts.betas
-        bc1 = emit.sub(emit.scalar(1.0, TensorProto.FLOAT),
-                       emit.binary("Pow", emit.scalar(b1, TensorProto.FLOAT), step_new))
-        bc2 = emit.sub(emit.scalar(1.0, TensorProto.FLOAT),
-                       emit.binary("Pow", emit.scalar(b2, TensorProto.FLOAT), step_new))
+    found_inf = None
+    if opts.dynamic_loss_scale:
+        unscaled = loss_scaling.unscale(emit, grads, loss_scaling.SCALE,
+                                        zero_on_inf=opts.optimizer != "none")
+        grads, found_inf = unscaled.grads, unscaled.found_inf
+    u = _Update(out, opts, loss_scaling.Coefficients(emit, found_inf), outputs)
+    adam = _adamw_step(u) if opts.optimizer == "adamw" else None
     for p in params:
         g = grads.get(p)
-        ti = graph.info[p]
         if g is None:  # parameter on a path that carries no gradient (e.g. masked out)
             g = emit.zeros_like(p)
         if opts.optimizer == "none":
             outputs.append(namer.name(g, f"{p}.grad"))
-            continue
-
-        def c(v: float, _dt: int = ti.dtype) -> str:
-            return emit.scalar(v, _dt)
-
-        if opts.optimizer == "sgd":
-            if wd:
-                g = emit.add(g, emit.mul(c(wd), p))
-            step = g
-            if opts.momentum:
-                buf = _state_input(graph, f"{p}.momentum", ti)
-                step = emit.op("Add", [emit.mul(c(opts.momentum), buf), g],
-                               outputs=[f"{buf}.new"], info=ti)
-                state[step] = buf
-                outputs.append(step)
-            new_p = emit.op("Sub", [p, emit.mul(c(lr), step)], outputs=[f"{p}.new"], info=ti)
-        else:  # adamw, as torch.optim.AdamW
-            m = _state_input(graph, f"{p}.exp_avg", ti)
-            v = _state_input(graph, f"{p}.exp_avg_sq", ti)
-            b1, b2 = opts.betas
-            m_new = emit.op("Add", [emit.mul(c(b1), m), emit.mul(c(1 - b1), g)],
-                            outputs=[f"{m}.new"], info=ti)
-            v_new = emit.op("Add", [emit.mul(c(b2), v), emit.mul(c(1 - b2), emit.mul(g, g))],
-                            outputs=[f"{v}.new"], info=ti)
-            state[m_new] = m
-            state[v_new] = v
-            outputs += [m_new, v_new]
-            m_hat = emit.div(m_new, emit.cast(bc1, ti.dtype))
-            v_hat = emit.div(v_new, emit.cast(bc2, ti.dtype))
-            denom = emit.add(emit.unary("Sqrt", v_hat), c(opts.eps))
-            decayed = emit.mul(c(1 - lr * wd), p) if wd else p
-            new_p = emit.op("Sub", [decayed, emit.mul(c(lr), emit.div(m_hat, denom))],
-                            outputs=[f"{p}.new"], info=ti)
-        state[new_p] = p
-        outputs.append(new_p)
+        elif opts.optimizer == "sgd":
+            _sgd(u, p, g)
+        else:
+            assert adam is not None
+            _adamw(u, p, g, adam)
+    if found_inf is not None:
+        outputs += loss_scaling.update_scale(emit, out.state, found_inf, opts)
+        if opts.optimizer == "none":  # the gradients are as they came: say whether finite
+            outputs.append(emit.op("Identity", [found_inf], outputs=[loss_scaling.FOUND_INF],
+                                   info=graph.info[found_inf]))
     return outputs
+
+
+@dataclass(frozen=True)
+class _Update:
+    """What every parameter's update reads: where it is written, the options, the
+    coefficients (masked on overflow with loss scaling), the step outputs it adds to."""
+
+    out: StepWriter
+    opts: BuildOptions
+    coef: loss_scaling.Coefficients
+    outputs: list[str]
+
+
+def _sgd(u: _Update, p: str, g: str) -> None:
+    """torch.optim.SGD: weight decay, momentum buffer, step (a skipped step keeps all)."""
+    graph, emit, state = u.out.graph, u.out.emit, u.out.state
+    opts, coef, outputs = u.opts, u.coef, u.outputs
+    ti = graph.info[p]
+    if opts.decay:
+        g = emit.add(g, emit.mul(coef(opts.decay, ti.dtype, skipped=0.0), p))
+    step = g
+    if opts.momentum:
+        buf = _state_input(graph, f"{p}.momentum", ti)
+        step = emit.op("Add", [emit.mul(coef(opts.momentum, ti.dtype, skipped=1.0), buf), g],
+                       outputs=[f"{buf}.new"], info=ti)
+        state[step] = buf
+        outputs.append(step)
+    new_p = emit.op("Sub", [p, emit.mul(coef(opts.learning_rate, ti.dtype, skipped=0.0),
+                                        step)],
+                    outputs=[f"{p}.new"], info=ti)
+    state[new_p] = p
+    outputs.append(new_p)
+
+
+@dataclass(frozen=True)
+class _AdamStep:
+    """AdamW's step count's bias corrections, shared by every parameter."""
+
+    bc1: str
+    bc2: str
+
+
+def _adamw_step(u: _Update) -> _AdamStep:
+    """The carried step count (``adamw.step``) and the bias corrections at the new count.
+    A skipped step leaves the count, but the corrections are taken at count + 1 all the
+    same: at count 0 they would be 0, and their quotient, multiplied by a zero learning
+    rate, NaN."""
+    graph, emit, state = u.out.graph, u.out.emit, u.out.state
+    opts, coef, outputs = u.opts, u.coef, u.outputs
+    f32 = TensorProto.FLOAT
+    step_in = "adamw.step"
+    graph.initializers[step_in] = np.zeros((), np.float32)
+    graph.info[step_in] = TensorInfo(f32, ())
+    one = emit.scalar(1.0, f32)
+    if coef.found_inf is None:
+        step_new = emit.op("Add", [step_in, one], outputs=[f"{step_in}.new"],
+                           info=graph.info[step_in])
+        count = step_new
+    else:
+        count = emit.add(step_in, one)
+        step_new = emit.op("Add", [step_in, coef(1.0, f32, skipped=0.0)],
+                           outputs=[f"{step_in}.new"], info=graph.info[step_in])
+    state[step_new] = step_in
+    outputs.append(step_new)
+    b1, b2 = opts.betas
+    return _AdamStep(emit.sub(one, emit.binary("Pow", emit.scalar(b1, f32), count)),
+                     emit.sub(one, emit.binary("Pow", emit.scalar(b2, f32), count)))
+
+
+def _adamw(u: _Update, p: str, g: str, adam: _AdamStep) -> None:
+    """torch.optim.AdamW: the two moments, decoupled weight decay, the step."""
+    graph, emit, state = u.out.graph, u.out.emit, u.out.state
+    opts, coef, outputs = u.opts, u.coef, u.outputs
+    ti = graph.info[p]
+    dt = ti.dtype
+    lr, wd = opts.learning_rate, opts.decay
+    m = _state_input(graph, f"{p}.exp_avg", ti)
+    v = _state_input(graph, f"{p}.exp_avg_sq", ti)
+    b1, b2 = opts.betas
+    m_new = emit.op("Add", [emit.mul(coef(b1, dt, skipped=1.0), m),
+                            emit.mul(coef(1 - b1, dt), g)],
+                    outputs=[f"{m}.new"], info=ti)
+    v_new = emit.op("Add", [emit.mul(coef(b2, dt, skipped=1.0), v),
+                            emit.mul(coef(1 - b2, dt), emit.mul(g, g))],
+                    outputs=[f"{v}.new"], info=ti)
+    state[m_new] = m
+    state[v_new] = v
+    outputs += [m_new, v_new]
+    m_hat = emit.div(m_new, emit.cast(adam.bc1, dt))
+    v_hat = emit.div(v_new, emit.cast(adam.bc2, dt))
+    denom = emit.add(emit.unary("Sqrt", v_hat), coef(opts.eps, dt))
+    decayed = emit.mul(coef(1 - lr * wd, dt, skipped=1.0), p) if wd else p
+    new_p = emit.op("Sub", [decayed, emit.mul(coef(lr, dt, skipped=0.0),
+                                              emit.div(m_hat, denom))],
+                    outputs=[f"{p}.new"], info=ti)
+    state[new_p] = p
+    outputs.append(new_p)
 
 
 def _state_input(graph: Graph, name: str, ti: TensorInfo) -> str:
