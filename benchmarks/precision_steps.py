@@ -28,8 +28,14 @@ precision:
   per-round ratio to fp32 with its 95% bootstrap interval;
 - node counts: as built, and as the CPU provider runs it.
 
+And a training curve (``--curve-steps``, default 200): the BERT export of tests/exports.py
+trained by memcc's bf16 and fp32 steps and by the torch module in fp32 and under autocast,
+SGD lr 0.01 over 8 fixed batches; the largest relative difference of the loss curves
+(test_autocast_numerics runs 20 steps of it).
+
     python benchmarks/precision_steps.py [--models gpt2,resnet18] [--rounds 5]
-        [--peak-runs 2] [--steps 3] [--threads 2] [--tiny] [--out FILE.json]
+        [--peak-runs 2] [--steps 3] [--threads 2] [--tiny] [--curve-steps 200]
+        [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -187,6 +193,34 @@ def bench_model(name: str, sizes: dict, args: argparse.Namespace, tmp: Path) -> 
     return row
 
 
+def training_curves(steps: int, batches: int, lr: float) -> dict:
+    """``steps`` SGD steps (momentum 0.9) of the BERT export (tests/exports.py, torchscript)
+    cycling over ``batches`` fixed batches with fixed random labels: memcc's step through
+    ``memcc.Trainer`` and the torch module with ``torch.optim.SGD``, each in fp32 and in
+    bf16 (torch under ``torch.autocast("cpu", torch.bfloat16)``); the curves' largest
+    relative difference step by step (``test_autocast_numerics.curve_gap``)."""
+    import torch
+    from exports import export, make_inputs
+    from test_autocast_numerics import curve_gap, memcc_sgd_curve, torch_sgd_curve
+
+    torch.set_num_threads(1)  # test_autocast_numerics._one_torch_thread says why
+    path, module, _, dims = export("bert", "torchscript")
+    rng = np.random.default_rng(0)
+    data = [{**{k: v.numpy() for k, v in make_inputs("bert", seed=k).items()},
+             "labels": rng.integers(0, 3, size=(2,)).astype(np.int64)} for k in range(batches)]
+    order = [data[k % batches] for k in range(steps)]
+    with tempfile.TemporaryDirectory() as tmp:
+        curves = {"torch fp32": torch_sgd_curve(module, order, 3, lr, None),
+                  "torch bf16": torch_sgd_curve(module, order, 3, lr, "bf16"),
+                  "memcc fp32": memcc_sgd_curve(str(path), dims, order, lr, "fp32", Path(tmp)),
+                  "memcc bf16": memcc_sgd_curve(str(path), dims, order, lr, "bf16", Path(tmp))}
+    return {"steps": steps, "batches": batches, "lr": lr, "curves": curves, "gaps": {
+        "memcc bf16 vs torch bf16": curve_gap(curves["memcc bf16"], curves["torch bf16"]),
+        "torch bf16 vs torch fp32": curve_gap(curves["torch bf16"], curves["torch fp32"]),
+        "memcc bf16 vs torch fp32": curve_gap(curves["memcc bf16"], curves["torch fp32"]),
+        "memcc fp32 vs torch fp32": curve_gap(curves["memcc fp32"], curves["torch fp32"])}}
+
+
 def _mb(n: float | None) -> str:
     return "-" if n is None else f"{n / 1e6:,.1f}"
 
@@ -224,11 +258,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tiny", action="store_true", help="tiny sizes (a smoke run)")
+    ap.add_argument("--curve-steps", type=int, default=200,
+                    help="SGD steps of the training-curve comparison (0: none)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
-    rows = []
+    rows: list[dict] = []
+    if args.curve_steps:
+        c = training_curves(args.curve_steps, batches=8, lr=0.01)
+        rows.append({"training_curves": c})
+        every = max(1, args.curve_steps // 10)
+        print(f"training curves, BERT export, {c['steps']} SGD steps over {c['batches']} "
+              f"batches, lr {c['lr']}:")
+        for side, losses in c["curves"].items():
+            print(f"  {side}: " + " ".join(f"{x:.4f}" for x in losses[::every]))
+        print("  largest relative difference: " + "; ".join(
+            f"{k} {v:.2e}" for k, v in c["gaps"].items()), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        for name in args.models.split(","):
+        for name in filter(None, args.models.split(",")):
             sizes = (TINY if args.tiny else SIZES)[name]
             row = bench_model(name, sizes, args, Path(tmp))
             rows.append(row)

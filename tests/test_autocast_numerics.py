@@ -11,8 +11,12 @@ casts what ORT has no 16-bit kernel for). Per gradient, the error of each 16-bit
     err_memcc <= FACTOR * err_torch + median over the model's tensors of err_torch
 
 and the loss within ``FACTOR`` of torch's loss error plus one unit roundoff of the 16-bit
-type. The median floor is at least one unit roundoff (a gradient rounded once to the 16-bit
-type). Why this form, from the measurements (the sizes below, at 2 threads): the median
+type. The median floor is at least two unit roundoffs of the 16-bit type: memcc rounds
+every op of a decomposed elementwise chain (BERT's erf GELU: Div, Erf, Add, Mul, Mul) to
+16-bit, where torch_reference, adding each bias in float32, carries that chain in float32
+and torch itself runs GELU as one op that rounds once (zoo bert fp16: the first
+intermediate bias 9.8e-4 in memcc, 2.2e-4 in torch_reference, with the fp16 roundoff
+4.9e-4). Why this form, from the measurements (the sizes below, at 2 threads): the median
 errors of memcc and torch agree within 1.6x on every family (gpt2 bf16 4.6e-3 vs 4.1e-3,
 resnet18 bf16 0.47 vs 0.47: BatchNorm nets at init are ill-conditioned in 16-bit), and the
 per-tensor ratio is at most 2.0 (mlp bf16 head.bias), but for two effects of rounding, not
@@ -41,8 +45,8 @@ decides whether the output is rounded once more, within torch's noise (removing 
 LayerNormalization, ReduceMean and Pow from ``autocast.FLOAT32`` passes here). The CUDA
 provider, with 16-bit kernels, is where that shows.
 
-The loss uses at most 0.5 of its allowance (mobilenetv2, resnet50), a tensor at most 0.78
-(bert fp16 classifier.bias, the float32 bias add above), with ``FACTOR`` 2.
+The loss uses at most 0.5 of its allowance (mobilenetv2, resnet50), a tensor at most 0.69
+(bert fp16, the GELU chain above), with ``FACTOR`` 2.
 
 Torch's CPU autocast lists differ from CUDA's, which memcc follows: on CPU, softmax,
 log_softmax, layer_norm, exp, sum, mean and pow run in the input's 16-bit type (torch 2.13,
@@ -111,7 +115,7 @@ def assert_as_accurate(where: str, precision: str, memcc_side: tuple[float, dict
     assert abs(lm - lx) <= FACTOR * abs(lt - lx) + loss_floor, (
         f"{where}: loss {lm:.6g}, torch autocast {lt:.6g}, exact {lx:.6g}")
     em, et = errors(gm, gx), errors(gt, gx)
-    typical = max(float(np.median(list(et.values()))), ROUNDOFF[precision])
+    typical = max(float(np.median(list(et.values()))), 2 * ROUNDOFF[precision])
     bad = {k: f"{em[k]:.2e} vs torch {et[k]:.2e}" for k in gx
            if not em[k] <= FACTOR * et[k] + typical}
     assert not bad, f"{where}: gradients less accurate than torch autocast " \
@@ -236,19 +240,19 @@ def _logits_name(step: Graph) -> str:
 
 
 # --------------------------------------------------------------------------- (c) training
-def torch_sgd_curve(module: torch.nn.Module, batch: dict[str, np.ndarray], n_classes: int,
-                    lr: float, steps: int, precision: str | None) -> list[float]:
-    """Losses of ``steps`` SGD steps (momentum 0.9, as memcc's ``sgd``) of the torch
-    module on ``batch``, under ``torch.autocast("cpu", precision)`` when given."""
+def torch_sgd_curve(module: torch.nn.Module, batches: list[dict[str, np.ndarray]],
+                    n_classes: int, lr: float, precision: str | None) -> list[float]:
+    """Losses of one SGD step (momentum 0.9, as memcc's ``sgd``) per batch of the torch
+    module, under ``torch.autocast("cpu", precision)`` when given."""
     m = copy.deepcopy(module)
     opt = torch.optim.SGD(m.parameters(), lr=lr, momentum=0.9)
-    feeds = {k: torch.from_numpy(v) for k, v in batch.items() if k != "labels"}
-    labels = torch.from_numpy(batch["labels"]).reshape(-1)
     losses = []
-    for _ in range(steps):
+    for batch in batches:
+        feeds = {k: torch.from_numpy(v) for k, v in batch.items() if k != "labels"}
         with _autocast(precision):
             loss = torch.nn.functional.cross_entropy(
-                m(**feeds).reshape(-1, n_classes).float(), labels)
+                m(**feeds).reshape(-1, n_classes).float(),
+                torch.from_numpy(batch["labels"]).reshape(-1))
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -256,15 +260,15 @@ def torch_sgd_curve(module: torch.nn.Module, batch: dict[str, np.ndarray], n_cla
     return losses
 
 
-def memcc_sgd_curve(path: str, dims: dict[str, int], batch: dict[str, np.ndarray], lr: float,
-                    steps: int, precision: str, tmp_path) -> list[float]:
+def memcc_sgd_curve(path: str, dims: dict[str, int], batches: list[dict[str, np.ndarray]],
+                    lr: float, precision: str, tmp_path) -> list[float]:
     """Losses of the same steps through ``memcc.Trainer`` on the step built from ``path``."""
     step = build_training_step(load_graph(path, dims), BuildOptions(
         precision=precision, optimizer="sgd", lr=lr, momentum=0.9, weight_decay=0.0))
     out = tmp_path / f"step-{precision}.onnx"
     onnx.save(step.to_model(), str(out))
     trainer = memcc.Trainer(out, threads=2)
-    return [trainer.step(batch) for _ in range(steps)]
+    return [trainer.step(batch) for batch in batches]
 
 
 def curve_gap(a: list[float], b: list[float]) -> float:
@@ -282,14 +286,27 @@ def test_bf16_training_curve_tracks_torch_autocast(tmp_path):
     path, module, inputs, dims = export("bert", "torchscript")
     n_classes = 3
     labels = np.random.default_rng(0).integers(0, n_classes, size=(2,))
-    batch = {**inputs, "labels": labels.astype(np.int64)}
+    batches = [{**inputs, "labels": labels.astype(np.int64)}] * TRAIN_STEPS
     lr = 0.03
-    torch32 = torch_sgd_curve(module, batch, n_classes, lr, TRAIN_STEPS, None)
-    torch16 = torch_sgd_curve(module, batch, n_classes, lr, TRAIN_STEPS, "bf16")
-    memcc32 = memcc_sgd_curve(str(path), dims, batch, lr, TRAIN_STEPS, "fp32", tmp_path)
-    memcc16 = memcc_sgd_curve(str(path), dims, batch, lr, TRAIN_STEPS, "bf16", tmp_path)
+    torch32 = torch_sgd_curve(module, batches, n_classes, lr, None)
+    torch16 = torch_sgd_curve(module, batches, n_classes, lr, "bf16")
+    memcc32 = memcc_sgd_curve(str(path), dims, batches, lr, "fp32", tmp_path)
+    memcc16 = memcc_sgd_curve(str(path), dims, batches, lr, "bf16", tmp_path)
     assert curve_gap(memcc32, torch32) <= 1e-4, (memcc32, torch32)
     assert torch16[-1] < 0.1 * torch16[0], torch16  # the curve moves
     context = curve_gap(torch16, torch32)
     assert curve_gap(memcc16, torch16) <= FACTOR * context + ROUNDOFF["bf16"], (
         memcc16, torch16, torch32)
+
+
+def test_constant_node_scalars_do_not_vote():
+    """A Div by a scalar from a ``Constant`` node (the zoo GPT-2's attention scale) and a
+    Where with a constant fill stay 16-bit, as a Div by an initializer does (autocast's
+    policy: constants follow the activations). They were float32, which held GPT-2's
+    attention scores in float32 at the bf16 step's peak."""
+    step = build_training_step(load_graph(build_model("gpt2")),
+                               BuildOptions(precision="bf16", optimizer="none"))
+    produced = {o: n for n in step.nodes for o in n.output}
+    for name, op in (("h.0.attn.scaled", "Div"), ("h.0.attn.masked", "Where")):
+        assert produced[name].op_type == op
+        assert step.info[name].dtype == onnx.TensorProto.BFLOAT16, name
