@@ -8,8 +8,10 @@ kernels, so that ``passes.providers.sixteen_bit`` computes most ops in float32 b
 16-bit casts?
 
 Models (zoo, ``models/``): GPT-2 4 layers, width 256, 4 heads, vocabulary 2000, batch
-8 x 256 tokens; resnet18 width 64 at 64 px, batch 32. Both are sizes where activations are
-most of the fp32 peak. Each is built three times with ``build_training_step(load_graph(m),
+8 x 256 tokens (activations 91% of the fp32 peak); resnet18 width 64 at 64 px, batch 32
+(activations only 37%: its 11.7M parameters, their momentum and gradients are the rest, so
+no precision can take it near 60%); ``--models resnet18:width=32,resolution=128,batch=16``
+is a ResNet whose activations dominate. Each is built three times with ``build_training_step(load_graph(m),
 BuildOptions(precision=p))`` (cross-entropy, SGD with momentum), saved, and then, per
 precision:
 
@@ -33,7 +35,8 @@ trained by memcc's bf16 and fp32 steps and by the torch module in fp32 and under
 SGD lr 0.01 over 8 fixed batches; the largest relative difference of the loss curves
 (test_autocast_numerics runs 20 steps of it).
 
-    python benchmarks/precision_steps.py [--models gpt2,resnet18] [--rounds 5]
+    python benchmarks/precision_steps.py [--models gpt2+resnet18:width=32,resolution=128]
+        [--rounds 5]
         [--peak-runs 2] [--steps 3] [--threads 2] [--tiny] [--curve-steps 200]
         [--out FILE.json]
 """
@@ -56,6 +59,7 @@ for _p in (ROOT, ROOT / "tests"):
         sys.path.insert(0, str(_p))
 
 from benchmarks.stats import interleaved_times, ratio_interval  # noqa: E402
+from benchmarks.steps import parse_model  # noqa: E402
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 SIZES = {
@@ -167,6 +171,7 @@ def _ratios(values: dict[str, list[float]], key: str) -> dict[str, dict]:
 
 
 def bench_model(name: str, sizes: dict, args: argparse.Namespace, tmp: Path) -> dict:
+    """Every figure of the module docstring for zoo ``name`` at ``sizes``."""
     paths = build_steps(name, sizes, tmp)
     row: dict = {"model": name, "sizes": sizes, "precisions": {}}
     peaks = measured_peaks(paths, args.peak_runs, args.steps)
@@ -252,7 +257,9 @@ def report(row: dict) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--models", default="gpt2,resnet18")
+    ap.add_argument("--models", default="gpt2+resnet18",
+                    help="'+'-separated zoo models, each NAME or NAME:key=value,... "
+                         "(default sizes: SIZES)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--peak-runs", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3)
@@ -274,8 +281,9 @@ def main(argv: list[str] | None = None) -> int:
         print("  largest relative difference: " + "; ".join(
             f"{k} {v:.2e}" for k, v in c["gaps"].items()), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        for name in filter(None, args.models.split(",")):
-            sizes = (TINY if args.tiny else SIZES)[name]
+        for spec in filter(None, args.models.split("+")):
+            name, given = parse_model(spec)
+            sizes = given or (TINY if args.tiny else SIZES)[name]
             row = bench_model(name, sizes, args, Path(tmp))
             rows.append(row)
             print("\n".join(report(row)), flush=True)
