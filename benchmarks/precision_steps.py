@@ -11,9 +11,9 @@ Models (zoo, ``models/``): GPT-2 4 layers, width 256, 4 heads, vocabulary 2000, 
 8 x 256 tokens (activations 91% of the fp32 peak); resnet18 width 64 at 64 px, batch 32
 (activations only 37%: its 11.7M parameters, their momentum and gradients are the rest, so
 no precision can take it near 60%); ``--models resnet18:width=32,resolution=128,batch=16``
-is a ResNet whose activations dominate. Each is built three times with ``build_training_step(load_graph(m),
-BuildOptions(precision=p))`` (cross-entropy, SGD with momentum), saved, and then, per
-precision:
+is a ResNet whose activations dominate. Each is built three times with
+``build_training_step(load_graph(m), BuildOptions(precision=p))`` (cross-entropy, SGD with
+momentum), saved, and then, per precision:
 
 - measured peak: ``memcc.api.run_steps(path, RunRequest(steps=...))``, what ``memcc run
   --json`` runs (a fresh measuring child, every buffer its own mmap, updates in place as
@@ -198,7 +198,7 @@ def bench_model(name: str, sizes: dict, args: argparse.Namespace, tmp: Path) -> 
     return row
 
 
-def training_curves(steps: int, batches: int, lr: float) -> dict:
+def training_curves(steps: int, batches: int, lr: float, seed: int = 0) -> dict:
     """``steps`` SGD steps (momentum 0.9) of the BERT export (tests/exports.py, torchscript)
     cycling over ``batches`` fixed batches with fixed random labels: memcc's step through
     ``memcc.Trainer`` and the torch module with ``torch.optim.SGD``, each in fp32 and in
@@ -210,8 +210,8 @@ def training_curves(steps: int, batches: int, lr: float) -> dict:
 
     torch.set_num_threads(1)  # test_autocast_numerics._one_torch_thread says why
     path, module, _, dims = export("bert", "torchscript")
-    rng = np.random.default_rng(0)
-    data = [{**{k: v.numpy() for k, v in make_inputs("bert", seed=k).items()},
+    rng = np.random.default_rng(seed)
+    data = [{**{k: v.numpy() for k, v in make_inputs("bert", seed=seed * batches + k).items()},
              "labels": rng.integers(0, 3, size=(2,)).astype(np.int64)} for k in range(batches)]
     order = [data[k % batches] for k in range(steps)]
     with tempfile.TemporaryDirectory() as tmp:
@@ -219,7 +219,8 @@ def training_curves(steps: int, batches: int, lr: float) -> dict:
                   "torch bf16": torch_sgd_curve(module, order, 3, lr, "bf16"),
                   "memcc fp32": memcc_sgd_curve(str(path), dims, order, lr, "fp32", Path(tmp)),
                   "memcc bf16": memcc_sgd_curve(str(path), dims, order, lr, "bf16", Path(tmp))}
-    return {"steps": steps, "batches": batches, "lr": lr, "curves": curves, "gaps": {
+    return {"steps": steps, "batches": batches, "lr": lr, "seed": seed, "curves": curves,
+            "gaps": {
         "memcc bf16 vs torch bf16": curve_gap(curves["memcc bf16"], curves["torch bf16"]),
         "torch bf16 vs torch fp32": curve_gap(curves["torch bf16"], curves["torch fp32"]),
         "memcc bf16 vs torch fp32": curve_gap(curves["memcc bf16"], curves["torch fp32"]),
