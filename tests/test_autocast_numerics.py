@@ -281,8 +281,13 @@ TRAIN_STEPS = 20
 
 def test_bf16_training_curve_tracks_torch_autocast(tmp_path):
     """20 SGD steps of the BERT export on one batch (the loss falls from 1.09 to 0.006):
-    memcc's bf16 curve stays as close to torch autocast's as torch autocast's is to its
-    own float32 curve, and memcc's float32 curve matches torch's float32 curve."""
+    memcc's bf16 curve stays within ``FACTOR`` of torch autocast's distance from its own
+    float32 curve (largest relative difference per step, measured: memcc bf16 vs torch
+    bf16 7.2e-3, torch bf16 vs torch fp32 1.5e-2), and memcc's float32 curve matches
+    torch's (1.4e-5). Longer runs (benchmarks/precision_steps.py, 200 steps over 8
+    batches) are chaotic once batches are memorised: which 16-bit curve stays nearer
+    float32 changes with the seed (seed 0: torch; 1 and 2: memcc), so this test stays
+    short."""
     path, module, inputs, dims = export("bert", "torchscript")
     n_classes = 3
     labels = np.random.default_rng(0).integers(0, n_classes, size=(2,))
