@@ -18,8 +18,9 @@ The policy, op by op in node order, modelled on PyTorch's CUDA autocast lists:
   the input's type, as cuDNN's batch norm takes and returns 16-bit activations;
 - every other op runs in the widest type among its activation operands (float32 when one
   is float32, as torch's type promotion makes ``fp32 + bf16`` float32). Initializers and
-  constants do not vote: they follow the activations (a bias added to a 16-bit product is
-  cast, as ``torch.addmm``'s is), so a ``Div`` by a scalar stays 16-bit. A ``Div`` of a
+  constants (``Constant`` nodes too) do not vote: they follow the activations (a bias added
+  to a 16-bit product is cast, as ``torch.addmm``'s is), so a ``Div`` by a scalar stays
+  16-bit. A ``Div`` of a
   constant by an activation (torch's ``__rdiv__``) is float32.
 
 Operands are cast once per value and type (one Cast however many readers). Which operands
@@ -92,8 +93,10 @@ def autocast(graph: Graph, precision: str, *, stop_at: int | None = None
     forward, rest = graph.nodes[:end], graph.nodes[end:]
     graph.nodes = []
     caster = _Caster(graph, Emitter(graph, prefix="autocast/"))
+    fixed = set(graph.initializers) | {o for n in forward if n.op_type == "Constant"
+                                       for o in n.output}
     for node in forward:
-        target = _computing_type(graph, node, low)
+        target = _computing_type(graph, node, low, fixed)
         after: list[onnx.NodeProto] = []
         if target is not None:
             after = _retype(graph, caster, node, target)
@@ -151,9 +154,11 @@ def _float_slots(graph: Graph, node: onnx.NodeProto) -> tuple[list[int], list[in
     return (ins, outs) if ins else None
 
 
-def _computing_type(graph: Graph, node: onnx.NodeProto, low: int) -> int | None:
+def _computing_type(graph: Graph, node: onnx.NodeProto, low: int, fixed: Collection[str]
+                    ) -> int | None:
     """The type ``node`` computes in under the policy (its output type: FLOAT32_INSIDE
-    returns the type its output keeps), or None where autocast leaves it alone."""
+    returns the type its output keeps), or None where autocast leaves it alone.
+    ``fixed``: initializers and ``Constant`` outputs, which do not vote."""
     slots = _float_slots(graph, node)
     if slots is None:
         return None
@@ -163,7 +168,6 @@ def _computing_type(graph: Graph, node: onnx.NodeProto, low: int) -> int | None:
     types = [graph.info[node.input[k]].dtype for k in ins]
     if node.op_type in FLOAT32:
         return F32 if any(t != F32 for t in types) else None
-    fixed = graph.initializers.keys()
     activations = [graph.info[node.input[k]].dtype for k in ins
                    if node.input[k] not in fixed]
     if node.op_type in FLOAT32_INSIDE:
