@@ -1,0 +1,188 @@
+"""``memcc train --nproc N``: one rank's training loop, and the checkpoints it shares.
+
+Batches: the step's batch size ``B`` is each rank's; the run's global batch is ``N x B``.
+Global step ``k`` takes batch ``k`` of the data's seeded order at batch size ``N x B``
+(``backend.data.Dataset``), and rank ``r`` its ``r``-th slice of ``B`` samples, so N ranks
+at batch B see what one process sees at batch N x B, and the data position of a run is
+counted in global batches.
+
+Checkpoints: consolidated on rank 0 (with ZeRO-1 the optimizer state is gathered there
+first) and written by ``backend.checkpoint`` as ``memcc train`` writes them (atomic, the
+newest ``keep`` kept). The signature they carry is the step's with the data inputs at the
+global batch: a checkpoint belongs to a run at a global batch size, so it resumes on any
+number of ranks whose ranks' batches add up to it, including one process running the
+same step built at batch N x B (plain ``memcc train --resume``), and back. Each rank reads
+the consolidated file and takes its own shard (``Replica.load``): re-sharding is free.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from memcc.backend import checkpoint as ckpt
+from memcc.backend.data import Dataset, data_inputs, load_dataset
+from memcc.dist.replica import Replica, ReplicaSettings
+from memcc.dist.split import split_step
+from memcc.errors import InputError
+from memcc.frontend.load import load_graph
+from memcc.graph import Graph
+from memcc.step import TrainingStep
+from memcc.trainer.checkpoints import check_run_data_state, run_data_state
+from memcc.trainer.loop import TrainOptions, TrainResult
+
+
+@dataclass(frozen=True)
+class DistOptions:
+    """``memcc train``'s options plus the group: ``world`` ranks, ZeRO stage ``zero``."""
+
+    train: TrainOptions
+    world: int
+    zero: int = 0
+    quiet: bool = False
+
+
+def global_signature(graph: Graph, spec: TrainingStep, global_batch: int) -> dict:
+    """``trainer.checkpoints.step_signature`` with the data inputs at the global batch."""
+    carried = {inp: (graph.info[inp].np_dtype, tuple(graph.info[inp].shape))
+               for inp in spec.state.values()}
+    data = {n: [str(graph.info[n].np_dtype), [global_batch, *graph.info[n].shape[1:]]]
+            for n in spec.data_or_free_inputs() if n in graph.info}
+    return ckpt.signature(carried, {"optimizer": spec.optimizer.get("name"),
+                                    "loss": spec.loss, "data_inputs": data})
+
+
+@dataclass
+class RankRun:
+    """What one rank trains with: the step cut in two, the data at the global batch."""
+
+    graph: Graph
+    spec: TrainingStep
+    dataset: Dataset       # at the global batch size
+    rank_batch: int
+    total_steps: int
+    sig: dict
+    data_fp: str
+
+
+def prepare(opts: DistOptions) -> RankRun:
+    """Everything checked before a rank trains (also run once before ranks are started)."""
+    t = opts.train
+    if t.provider != "cpu":
+        raise InputError(f"--nproc with --provider {t.provider}: data-parallel training runs "
+                         "on the CPU (gloo) for now; NCCL on GPUs is not built yet")
+    graph = load_graph(t.step)
+    spec = TrainingStep.of(graph).validate(str(t.step), then=f"memcc train step.onnx --data "
+                                                            f"{t.data} --nproc {opts.world}")
+    split_step(graph, spec, str(t.step))  # refused now rather than in every rank
+    data = load_dataset(t.data, data_inputs(graph, spec))
+    b = data.batch_size
+    glob = replace(data, batch_size=b * opts.world, _orders={})
+    if glob.batches_per_epoch < 1:
+        raise InputError(f"--data {t.data}: {data.num_samples} samples, fewer than one global "
+                         f"batch ({opts.world} ranks x {b})")
+    total = t.steps if t.steps is not None else (t.epochs or 1) * glob.batches_per_epoch
+    return RankRun(graph, spec, glob, b, total, global_signature(graph, spec, b * opts.world),
+                   glob.fingerprint())
+
+
+def checkpoint_to_resume(opts: DistOptions, run: RankRun) -> ckpt.Checkpoint | None:
+    """The checkpoint a ``--resume`` run starts from, checked against this run (global
+    batch, seed, data); refuses a directory holding another run without ``--resume``."""
+    t = opts.train
+    if t.checkpoint is None:
+        return None
+    newest = ckpt.latest(t.checkpoint)
+    if not t.resume and newest is not None:
+        raise InputError(f"--checkpoint {t.checkpoint}: already holds a run's checkpoints "
+                         f"(newest: {newest.name}). Pass --resume to continue it, or choose "
+                         "an empty directory for a new run.")
+    ckpt.check_directory(t.checkpoint)
+    if newest is None:
+        return None
+    c = ckpt.load(newest)
+    if c.fingerprint != ckpt.fingerprint(run.sig):
+        raise InputError(f"{c.path}: written for another training step or global batch "
+                         f"size (this run: {opts.world} ranks x {run.rank_batch} = "
+                         f"{opts.world * run.rank_batch} samples a step; resume with ranks "
+                         "and a step whose batches add up to the checkpoint's)")
+    check_run_data_state(c, t.seed, run.data_fp)
+    return c
+
+
+def run_rank(opts: DistOptions, rank: int, comm, threads: int | None
+             ) -> tuple[TrainResult, dict] | None:
+    """Train on this rank; rank 0 returns the result and the group's figures."""
+    t = opts.train
+    run = prepare(opts)
+    loaded = checkpoint_to_resume(opts, run)
+    replica = Replica(_split(run, t), comm, ReplicaSettings(rank, opts.world, opts.zero,
+                                                            threads, str(t.step)))
+    steps_done = 0
+    if loaded is not None:
+        replica.load(loaded.tensors, str(loaded.path))
+        steps_done = loaded.step
+    position = int(loaded.data_state.get("batches_consumed", steps_done)) if loaded else 0
+    result = TrainResult(start_step=steps_done, steps_done=steps_done,
+                         total_steps=run.total_steps,
+                         resumed_from=str(loaded.path) if loaded else None,
+                         batch_size=run.dataset.batch_size,
+                         batches_per_epoch=run.dataset.batches_per_epoch)
+    state_bytes = comm.gather_object(replica.optimizer_state_bytes())
+    last_saved = steps_done if loaded else None
+    t0, done_here = time.perf_counter(), 0
+    while steps_done < run.total_steps:
+        idx = run.dataset.indices(position, t.seed)[rank * run.rank_batch:
+                                                    (rank + 1) * run.rank_batch]
+        loss = replica.step({n: np.asarray(a[idx], order="C")
+                             for n, a in run.dataset.arrays.items()})
+        position, steps_done, done_here = position + 1, steps_done + 1, done_here + 1
+        result.losses.append(loss)
+        result.steps_done = steps_done
+        result.samples_per_s = done_here * run.dataset.batch_size / (time.perf_counter() - t0)
+        if rank == 0 and not opts.quiet:
+            print(f"step {steps_done}/{run.total_steps}  loss {loss:.6f}  "
+                  f"{result.samples_per_s:,.1f} samples/s", file=sys.stderr, flush=True)
+        if t.save_every and t.checkpoint is not None and steps_done % t.save_every == 0:
+            result.checkpoint = _save(opts, run, replica, comm, steps_done, position)
+            last_saved = steps_done
+    if t.checkpoint is not None and last_saved != steps_done:
+        result.checkpoint = _save(opts, run, replica, comm, steps_done, position)
+    elif t.checkpoint is not None and result.checkpoint is None:
+        latest = ckpt.latest(t.checkpoint)
+        result.checkpoint = str(latest) if latest is not None else None
+    if rank != 0:
+        return None
+    info = {"world_size": opts.world, "zero": opts.zero, "global_batch": run.dataset.batch_size,
+            "rank_batch": run.rank_batch, "optimizer_state_bytes_per_rank": state_bytes}
+    return result, info
+
+
+def _split(run: RankRun, t: TrainOptions):
+    return split_step(run.graph, run.spec, str(t.step))
+
+
+def _save(opts: DistOptions, run: RankRun, replica: Replica, comm, step: int,
+          position: int) -> str | None:
+    """A consolidated checkpoint, written by rank 0; every rank waits until it is."""
+    t = opts.train
+    state = replica.full_state()
+    path = None
+    if state is not None:
+        assert t.checkpoint is not None
+        path = str(ckpt.save(t.checkpoint, state, ckpt.CheckpointInfo(
+            step=step, sig=run.sig,
+            data_state=run_data_state(t.seed, position, run.dataset, run.data_fp),
+            step_file=str(Path(t.step).resolve())), keep=t.keep))
+    comm.barrier()
+    return path
+
+
+def default_threads(local_world: int) -> int:
+    """ORT threads per rank: the host's cores shared by the ranks on it."""
+    return max(1, (os.cpu_count() or 1) // max(1, local_world))
