@@ -129,14 +129,15 @@ def _reads(value: str, producer) -> tuple[list, set[str]]:
 
 
 def peaks(split: SplitStep) -> dict[str, int]:
-    """Predicted peak bytes (``passes.analysis``' liveness, updates in place where proven)
-    of the fused step as ``memcc train`` runs it and of the gradient step alone: what
-    holding every gradient until the all-reduce costs."""
+    """Predicted peak bytes (``passes.analysis.arrange``: liveness, updates in place where
+    proven) of the fused step as ``memcc train`` runs it (each update moved right after its
+    gradient where that lowers the peak) and of the step in the split's order (every
+    update after the last gradient, as the data-parallel step runs: the gradients are all
+    held until the all-reduce), and the gradients' bytes: what the split costs."""
     from memcc.passes.analysis.arrange import arrange_step
-    from memcc.passes.analysis.liveness import analyze_liveness
 
     fused = arrange_step(split.full, split.spec).prediction.peak_bytes
-    grad = analyze_liveness(split.gradient).peak_bytes
-    return {"fused_step": fused, "gradient_step": grad,
+    held = arrange_step(split.full, split.spec, early_updates=False).prediction.peak_bytes
+    return {"fused_step": fused, "split_step": held,
             "gradients": sum(split.full.info[g].nbytes
                              for g in dict.fromkeys(split.gradients.values()))}
