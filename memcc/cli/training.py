@@ -151,9 +151,21 @@ def train(
 def _train_data_parallel(opts: TrainOptions, nproc: int | None, zero: int, *,
                          as_json: bool) -> None:
     """``--nproc N`` / torchrun: train on N ranks (``memcc.dist``); rank 0 reports."""
+    from memcc.api import TrainingInterrupted
     from memcc.dist import train_distributed
 
-    out_ = train_distributed(opts, nproc, zero=zero, quiet=as_json)
+    try:
+        out_ = train_distributed(opts, nproc, zero=zero, quiet=as_json)
+    except TrainingInterrupted as stop:
+        r = stop.result
+        if as_json:
+            sys.stdout.write(json.dumps(r.to_json()) + "\n")
+        again = ["--resume", "--nproc", str(nproc or "N"), "--zero", str(zero)]
+        err.print(f"{r.interrupted}: all ranks stopped after step {r.steps_done} of "
+                  f"{r.total_steps}; checkpoint: {r.checkpoint or 'none (no --checkpoint)'}"
+                  + (f"\ncontinue with the same command and {' '.join(again)}"
+                     if r.checkpoint else ""), highlight=False, soft_wrap=True)
+        raise typer.Exit(code=128 + stop.signum) from None
     if out_ is None:  # a rank other than 0 under torchrun
         return
     result, info = out_

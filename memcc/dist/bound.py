@@ -34,7 +34,6 @@ class BoundGraph:
     def __init__(self, graph: Graph, buffers: Mapping[str, np.ndarray], *,
                  updates: Mapping[str, str] | None = None, threads: int | None = None,
                  source: str = "<step>") -> None:
-        import onnxruntime as ort
 
         self.source = source
         updates = dict(updates or {})

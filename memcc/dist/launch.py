@@ -12,7 +12,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import tempfile
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from memcc.dist.comm import Comm, free_port, launched_by_torchrun, torch_distributed
@@ -49,13 +53,25 @@ def train_distributed(opts: TrainOptions, nproc: int | None, *, zero: int = 0,
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         comm = Comm(rank, world)
         try:
-            return run_rank(dopts, rank, comm, opts.threads or default_threads(local))
+            out = run_rank(dopts, rank, comm, opts.threads or default_threads(local))
         finally:
             comm.close()
+        return _raise_if_interrupted(out)
     assert nproc is not None
     dopts = DistOptions(opts, nproc, zero, quiet)
     checkpoint_to_resume(dopts, prepare(dopts))  # refuse bad input before any rank starts
-    return _spawn(dopts)
+    return _raise_if_interrupted(_spawn(dopts))
+
+
+def _raise_if_interrupted(out: tuple[TrainResult, dict] | None
+                          ) -> tuple[TrainResult, dict] | None:
+    """``TrainingInterrupted`` (as ``memcc train`` raises it) where a signal stopped the run."""
+    if out is not None and out[0].interrupted:
+        from memcc.trainer.loop import TrainingInterrupted
+
+        signum = getattr(signal, str(out[0].interrupted), signal.SIGTERM)
+        raise TrainingInterrupted(out[0], signum)
+    return out
 
 
 def _spawn(opts: DistOptions) -> tuple[TrainResult, dict]:
@@ -64,8 +80,11 @@ def _spawn(opts: DistOptions) -> tuple[TrainResult, dict]:
     with tempfile.TemporaryDirectory(prefix="memcc-dist-") as tmp:
         port = free_port()
         try:
-            mp.start_processes(_rank_main, args=(opts, port, tmp), nprocs=opts.world,
-                               join=True, start_method="spawn")
+            context = mp.start_processes(_rank_main, args=(opts, port, tmp),
+                                         nprocs=opts.world, join=False, start_method="spawn")
+            with _passing_signals_on([p.pid for p in context.processes]):
+                while not context.join():
+                    pass
         except (mp.ProcessExitedException, mp.ProcessRaisedException) as exc:
             for r in range(opts.world):
                 err = Path(tmp) / f"error-{r}.json"
@@ -78,8 +97,33 @@ def _spawn(opts: DistOptions) -> tuple[TrainResult, dict]:
     info = data.pop("distributed")
     fields = {k: data[k] for k in ("start_step", "total_steps", "losses", "checkpoint",
                                    "resumed_from", "samples_per_s", "batch_size",
-                                   "batches_per_epoch")}
+                                   "batches_per_epoch", "interrupted")}
     return TrainResult(steps_done=data["steps"], **fields), info
+
+
+@contextmanager
+def _passing_signals_on(pids: list[int]) -> Iterator[None]:
+    """While the ranks run: a SIGTERM sent to this process is passed on to every rank (each
+    stops after the running step, saved); SIGINT from a terminal reaches the ranks
+    themselves (same process group), so here it is only kept from stopping the wait."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_signal(signum: int, frame) -> None:
+        if signum == signal.SIGTERM:
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def _rank_main(rank: int, opts: DistOptions, port: int, tmp: str) -> None:

@@ -6,8 +6,10 @@ The buffers (all numpy arrays, bound to both halves of the split step, ``dist.bo
   parameters first), each parameter a view into it, so the parameters a rank updated are
   handed to the others with one broadcast per owner;
 - gradients: one flat bucket per dtype, each gradient a view into it that the gradient
-  step writes, and the loss at the end of the float32 bucket: one ``all_reduce`` per dtype
-  averages the gradients and the loss together (SUM, then divided by the world size);
+  step writes, and at the end of the float32 bucket the loss and a stop flag: one
+  ``all_reduce`` per dtype averages the gradients and the loss together (SUM, then divided
+  by the world size), and tells every rank whether any was asked to stop (a signal), so
+  that all stop after the same step;
 - optimizer state: the rank's own (ZeRO-1: only for the parameters it owns; the AdamW and
   Dropout step counters on every rank).
 
@@ -84,9 +86,10 @@ class Replica:
         self.param_views, self.param_flats = _flat(order, info)
         self._owned_ranges = self._ranges(order)
         grads = list(dict.fromkeys(split.gradients.values()))
-        self.grad_views, self.grad_flats = _flat(grads, info, extra=1)
+        self.grad_views, self.grad_flats = _flat(grads, info, extra=2)
         f32 = self.grad_flats[np.dtype(np.float32)]
-        self.loss_view = f32[-1:].reshape(())
+        self.loss_view = f32[-2:-1].reshape(())
+        self.stop_view = f32[-1:].reshape(())
         owners = owners_of_state(split)
         mine = [o for o, ps in owners.items()
                 if not ps or any(self.owner[p] == s.rank for p in ps)]
@@ -129,11 +132,14 @@ class Replica:
                                       threads=s.threads, source=f"{s.source} (update step)")
 
     # ------------------------------------------------------------------ running
-    def step(self, batch: Mapping[str, np.ndarray]) -> float:
-        """One data-parallel step on this rank's ``batch``; returns the averaged loss."""
+    def step(self, batch: Mapping[str, np.ndarray], *, stop: bool = False
+             ) -> tuple[float, bool]:
+        """One data-parallel step on this rank's ``batch``; returns the loss averaged over
+        the ranks and whether any rank asked to stop after this step (``stop``)."""
         for name, buf in self.batch.items():
             np.copyto(buf, batch[name])
         self.grad_step.run()
+        self.stop_view[...] = 1.0 if stop else 0.0
         for flat in self.grad_flats.values():
             self.comm.all_reduce_mean(flat)
         for out, inp in self.split.grad_carried.items():
@@ -147,7 +153,7 @@ class Replica:
                 for r, (a, b) in enumerate(self._owned_ranges[dt]):
                     if b > a:
                         self.comm.broadcast(flat[a:b], src=r)
-        return float(self.loss_view)
+        return float(self.loss_view), bool(self.stop_view > 0)
 
     # ------------------------------------------------------------------ state
     def local_state(self) -> dict[str, np.ndarray]:

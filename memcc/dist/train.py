@@ -18,8 +18,12 @@ the consolidated file and takes its own shard (``Replica.load``): re-sharding is
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -117,7 +121,9 @@ def checkpoint_to_resume(opts: DistOptions, run: RankRun) -> ckpt.Checkpoint | N
 
 def run_rank(opts: DistOptions, rank: int, comm, threads: int | None
              ) -> tuple[TrainResult, dict] | None:
-    """Train on this rank; rank 0 returns the result and the group's figures."""
+    """Train on this rank; rank 0 returns the result and the group's figures. SIGINT or
+    SIGTERM on any rank stops every rank after the same step, saved (``TrainResult.
+    interrupted`` names the signal); a second SIGINT gives up on the running step."""
     t = opts.train
     run = prepare(opts)
     loaded = checkpoint_to_resume(opts, run)
@@ -134,28 +140,10 @@ def run_rank(opts: DistOptions, rank: int, comm, threads: int | None
                          batch_size=run.dataset.batch_size,
                          batches_per_epoch=run.dataset.batches_per_epoch)
     state_bytes = comm.gather_object(replica.optimizer_state_bytes())
-    last_saved = steps_done if loaded else None
-    t0, done_here = time.perf_counter(), 0
-    while steps_done < run.total_steps:
-        idx = run.dataset.indices(position, t.seed)[rank * run.rank_batch:
-                                                    (rank + 1) * run.rank_batch]
-        loss = replica.step({n: np.asarray(a[idx], order="C")
-                             for n, a in run.dataset.arrays.items()})
-        position, steps_done, done_here = position + 1, steps_done + 1, done_here + 1
-        result.losses.append(loss)
-        result.steps_done = steps_done
-        result.samples_per_s = done_here * run.dataset.batch_size / (time.perf_counter() - t0)
-        if rank == 0 and not opts.quiet:
-            print(f"step {steps_done}/{run.total_steps}  loss {loss:.6f}  "
-                  f"{result.samples_per_s:,.1f} samples/s", file=sys.stderr, flush=True)
-        if t.save_every and t.checkpoint is not None and steps_done % t.save_every == 0:
-            result.checkpoint = _save(opts, run, replica, comm, steps_done, position)
-            last_saved = steps_done
-    if t.checkpoint is not None and last_saved != steps_done:
-        result.checkpoint = _save(opts, run, replica, comm, steps_done, position)
-    elif t.checkpoint is not None and result.checkpoint is None:
-        latest = ckpt.latest(t.checkpoint)
-        result.checkpoint = str(latest) if latest is not None else None
+    loop = _Loop(opts, run, replica, comm, rank, result, position,
+                 steps_done if loaded else None)
+    with stop_requests() as stop:
+        loop.train(stop)
     if rank != 0:
         return None
     info = {"world_size": opts.world, "zero": opts.zero, "global_batch": run.dataset.batch_size,
@@ -163,24 +151,100 @@ def run_rank(opts: DistOptions, rank: int, comm, threads: int | None
     return result, info
 
 
+@dataclass
+class _Loop:
+    """One rank's loop: where in the data it stands (``position``, global batches)."""
+
+    opts: DistOptions
+    run: RankRun
+    replica: Replica
+    comm: object
+    rank: int
+    result: TrainResult
+    position: int
+    last_saved: int | None
+
+    def train(self, stop: StopRequest) -> None:
+        t, run, result = self.opts.train, self.run, self.result
+        b = run.rank_batch
+        t0, done_here, stopped = time.perf_counter(), 0, False
+        while result.steps_done < run.total_steps and not stopped:
+            idx = run.dataset.indices(self.position, t.seed)[self.rank * b:(self.rank + 1) * b]
+            loss, stopped = self.replica.step({n: np.asarray(a[idx], order="C")
+                                               for n, a in run.dataset.arrays.items()},
+                                              stop=bool(stop))
+            self.position, done_here = self.position + 1, done_here + 1
+            result.steps_done += 1
+            result.losses.append(loss)
+            result.samples_per_s = (done_here * run.dataset.batch_size
+                                    / (time.perf_counter() - t0))
+            if self.rank == 0 and not self.opts.quiet:
+                print(f"step {result.steps_done}/{run.total_steps}  loss {loss:.6f}  "
+                      f"{result.samples_per_s:,.1f} samples/s", file=sys.stderr, flush=True)
+            if t.save_every and t.checkpoint is not None and \
+                    result.steps_done % t.save_every == 0:
+                self.save()
+        if t.checkpoint is not None and self.last_saved != result.steps_done:
+            self.save()
+        elif t.checkpoint is not None and result.checkpoint is None:
+            latest = ckpt.latest(t.checkpoint)
+            result.checkpoint = str(latest) if latest is not None else None
+        if stopped and result.steps_done < run.total_steps:
+            result.interrupted = stop.name or "a signal on another rank"
+
+    def save(self) -> None:
+        """A consolidated checkpoint, written by rank 0; every rank waits until it is."""
+        t, run = self.opts.train, self.run
+        state = self.replica.full_state()
+        if state is not None:
+            assert t.checkpoint is not None
+            self.result.checkpoint = str(ckpt.save(t.checkpoint, state, ckpt.CheckpointInfo(
+                step=self.result.steps_done, sig=run.sig,
+                data_state=run_data_state(t.seed, self.position, run.dataset, run.data_fp),
+                step_file=str(Path(t.step).resolve())), keep=t.keep))
+        self.comm.barrier()
+        self.last_saved = self.result.steps_done
+
+
+class StopRequest:
+    """Set by the first SIGINT or SIGTERM; true once a stop was asked for."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+
+    def __bool__(self) -> bool:
+        return self.signum is not None
+
+    @property
+    def name(self) -> str | None:
+        return None if self.signum is None else signal.Signals(self.signum).name
+
+
+@contextmanager
+def stop_requests() -> Iterator[StopRequest]:
+    """SIGINT and SIGTERM become a request to stop after the running step (the ranks agree
+    on it through the gradient all-reduce, ``Replica.step``); a second SIGINT raises
+    ``KeyboardInterrupt`` at once. Only the main thread can set handlers."""
+    stop = StopRequest()
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+
+    def on_signal(signum: int, frame) -> None:
+        if stop and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        stop.signum = stop.signum or signum
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield stop
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
 def _split(run: RankRun, t: TrainOptions):
     return split_step(run.graph, run.spec, str(t.step))
-
-
-def _save(opts: DistOptions, run: RankRun, replica: Replica, comm, step: int,
-          position: int) -> str | None:
-    """A consolidated checkpoint, written by rank 0; every rank waits until it is."""
-    t = opts.train
-    state = replica.full_state()
-    path = None
-    if state is not None:
-        assert t.checkpoint is not None
-        path = str(ckpt.save(t.checkpoint, state, ckpt.CheckpointInfo(
-            step=step, sig=run.sig,
-            data_state=run_data_state(t.seed, position, run.dataset, run.data_fp),
-            step_file=str(Path(t.step).resolve())), keep=t.keep))
-    comm.barrier()
-    return path
 
 
 def default_threads(local_world: int) -> int:
