@@ -14,7 +14,15 @@ the global batch: the sums run in another order, so parameters agree to float32 
 from __future__ import annotations
 
 import builtins
+import contextlib
 import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -223,3 +231,75 @@ def test_bad_data_parallel_options_exit_2_before_any_rank_starts(files, args, me
                               *args])
     assert res.exit_code == 2, res.output
     assert message in res.output
+
+
+def _ranks_of(parent: int) -> list[int]:
+    """The spawned rank processes of ``parent`` (Linux /proc)."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+            cmd = (d / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == parent and b"spawn_main" in cmd:
+            pids.append(int(d.name))
+    return sorted(pids)
+
+
+def test_a_killed_rank_stops_the_run_and_it_resumes_from_the_last_checkpoint(files):
+    """SIGKILL one rank mid-run: the run fails naming its newest checkpoint, which is whole,
+    and a resumed 2-rank run continues it as one process would."""
+    d = files["dir"]
+    cmd = [sys.executable, "-m", "memcc.cli", "train", str(files["adamw4"]), "--data",
+           str(files["data"]), "--nproc", "2", "--steps", "1000000", "--save-every", "20",
+           "--checkpoint", str(d / "killed"), "--threads", "1", "--json"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    ranks: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while ckpt.latest(d / "killed") is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        ranks = _ranks_of(proc.pid)
+        assert len(ranks) == 2, ranks
+        os.kill(ranks[-1], signal.SIGKILL)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        for pid in ranks:  # torch stops the others; nothing of this test may outlive it
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert proc.returncode == 2, stderr
+    assert "a rank of the data-parallel run failed" in stderr and "--resume" in stderr
+    c = ckpt.load(ckpt.latest(d / "killed"))  # whole: its digest is checked on load
+    assert c.step % 20 == 0 and c.step >= 20
+    shutil.copytree(d / "killed", d / "killed1")
+    result, _ = train_distributed(
+        TrainOptions(step=files["adamw4"], data=files["data"], steps=c.step + K,
+                     checkpoint=d / "killed", resume=True, threads=1), 2, quiet=True)
+    assert result.start_step == c.step and result.steps_done == c.step + K
+    _single(files, "adamw", c.step + K, d / "killed1", resume=True)
+    _assert_close(_params(d / "killed"), _params(d / "killed1"))
+
+
+def test_under_torchrun_the_ranks_come_from_the_environment(files, monkeypatch):
+    from memcc.dist.comm import launched_by_torchrun
+
+    assert launched_by_torchrun() is None
+    for k, v in {"TORCHELASTIC_RUN_ID": "x", "RANK": "1", "WORLD_SIZE": "3",
+                 "LOCAL_RANK": "1"}.items():
+        monkeypatch.setenv(k, v)
+    assert launched_by_torchrun() == (1, 3, 1)
+    res = runner.invoke(app, ["train", str(files["sgd4"]), "--data", str(files["data"]),
+                              "--nproc", "2"])
+    assert res.exit_code == 2 and "torchrun started 3 ranks" in res.output
+
+
+def test_the_single_device_tool_does_not_import_torch():
+    code = ("import sys, memcc.api, memcc.cli, memcc.cli.training, memcc.dist.launch; "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "False"

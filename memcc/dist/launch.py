@@ -92,7 +92,8 @@ def _spawn(opts: DistOptions) -> tuple[TrainResult, dict]:
                     e = json.loads(err.read_text())
                     kind = InputError if e["kind"] == "input" else RuntimeFailure
                     raise kind(f"rank {r}: {e['message']}") from None
-            raise RuntimeFailure(f"a rank of the data-parallel run failed: {exc}") from None
+            raise RuntimeFailure(f"a rank of the data-parallel run failed ({exc}); the other "
+                                 f"ranks were stopped. {_what_stands(opts)}") from None
         data = json.loads((Path(tmp) / "result.json").read_text())
     info = data.pop("distributed")
     fields = {k: data[k] for k in ("start_step", "total_steps", "losses", "checkpoint",
@@ -124,6 +125,17 @@ def _passing_signals_on(pids: list[int]) -> Iterator[None]:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+def _what_stands(opts: DistOptions) -> str:
+    """Where a failed run can continue from: its newest checkpoint, if any."""
+    from memcc.backend import checkpoint as ckpt
+
+    d = opts.train.checkpoint
+    newest = ckpt.latest(d) if d is not None and Path(d).is_dir() else None
+    if newest is None:
+        return "No checkpoint was written."
+    return f"Newest checkpoint: {newest} (continue with --resume)."
 
 
 def _rank_main(rank: int, opts: DistOptions, port: int, tmp: str) -> None:
