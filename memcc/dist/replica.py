@@ -103,6 +103,19 @@ class Replica:
         for p, v in self.param_views.items():
             np.copyto(v, split.full.initializers[p])
         self._open_sessions()
+        self._drop_initial_values()
+
+    def _drop_initial_values(self) -> None:
+        """The step file's initial values of the carried state are not needed once copied
+        into this rank's buffers: kept, they would hold every rank's optimizer state on
+        every rank (ZeRO-1's saving gone)."""
+        from memcc.backend.memory import trim_heap
+
+        carried = set(self.split.spec.state.values())
+        for g in (self.split.full, self.split.gradient, self.split.update):
+            for name in carried:
+                g.initializers.pop(name, None)
+        trim_heap()
 
     def _ranges(self, order: list[str]) -> dict[np.dtype, list[tuple[int, int]]]:
         """dtype -> [start, end) in its flat parameter array of each rank's parameters."""

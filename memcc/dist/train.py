@@ -18,6 +18,7 @@ the consolidated file and takes its own shard (``Replica.load``): re-sharding is
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import sys
 import threading
@@ -31,6 +32,7 @@ import numpy as np
 
 from memcc.backend import checkpoint as ckpt
 from memcc.backend.data import Dataset, data_inputs, load_dataset
+from memcc.backend.memory import rss_bytes
 from memcc.dist.replica import Replica, ReplicaSettings
 from memcc.dist.split import split_step
 from memcc.errors import InputError
@@ -144,10 +146,16 @@ def run_rank(opts: DistOptions, rank: int, comm, threads: int | None
                  steps_done if loaded else None)
     with stop_requests() as stop:
         loop.train(stop)
+    # Each process's resident size after training (libraries and all) and its peak
+    # (Linux: ru_maxrss in KiB; loading the step file holds all of its state for a while).
+    rss = comm.gather_object((rss_bytes(),
+                              resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024))
     if rank != 0:
         return None
     info = {"world_size": opts.world, "zero": opts.zero, "global_batch": run.dataset.batch_size,
-            "rank_batch": run.rank_batch, "optimizer_state_bytes_per_rank": state_bytes}
+            "rank_batch": run.rank_batch, "optimizer_state_bytes_per_rank": state_bytes,
+            "rss_bytes_per_rank": [r[0] for r in rss],
+            "peak_rss_bytes_per_rank": [r[1] for r in rss]}
     return result, info
 
 
