@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from onnx_files import mlp_step_and_data
 from typer.testing import CliRunner
 
 from memcc import Trainer
@@ -130,15 +131,28 @@ def test_a_step_without_optimizer_cannot_be_split():
         split_step(graph, TrainingStep.of(graph), "s.onnx")
 
 
-@pytest.mark.parametrize("model,opt", [("mlp", "sgd"), ("gpt2", "adamw")])
+@pytest.mark.parametrize("model,opt", [("mlp", "sgd"), ("gpt2", "adamw"),
+                                       ("resnet18", "adamw"), ("mlp-dropout", "adamw")])
 def test_one_rank_of_the_split_step_is_bit_identical_to_the_trainer(tmp_path, model, opt):
-    """Gradient step, (no) all-reduce, update step: the fused step's numbers exactly."""
-    forward = _mlp(4) if model == "mlp" else _gpt2()
-    graph = build_training_step(load_graph(forward), BuildOptions(optimizer=opt))
-    path = save_graph(graph, tmp_path / "s.onnx")
+    """Gradient step, (no) all-reduce, update step: the fused step's numbers exactly, with
+    BatchNorm statistics (carried by the gradient step) and the Dropout counter (read by
+    the gradient step, advanced by the update step)."""
+    if model == "mlp-dropout":
+        path, _ = mlp_step_and_data(tmp_path, batch=4, in_features=12, width=16, depth=2,
+                                    samples=8, optimizer=opt, dropout=0.25)
+    else:
+        forward = {"mlp": lambda: _mlp(4), "gpt2": _gpt2,
+                   "resnet18": lambda: build_model("resnet18", batch=2, resolution=16, width=4,
+                                                   num_classes=4)}[model]()
+        graph = build_training_step(load_graph(forward), BuildOptions(optimizer=opt))
+        path = save_graph(graph, tmp_path / "s.onnx")
     trainer = Trainer(path, threads=1)
     split = split_step(load_graph(path), TrainingStep.of(load_graph(path)))
     replica = Replica(split, _OneRank(), ReplicaSettings(0, 1, threads=1))
+    if model == "mlp-dropout":
+        assert "dropout.step" in replica.opt_state
+    if model == "resnet18":
+        assert split.grad_carried and set(split.grad_carried.values()) <= set(replica.carried)
     rng = np.random.default_rng(1)
     for _ in range(K):
         batch = {d.name: (rng.integers(0, 4, (d.batch_size, *d.sample_shape))

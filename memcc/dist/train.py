@@ -131,19 +131,19 @@ def run_rank(opts: DistOptions, rank: int, comm, threads: int | None
     loaded = checkpoint_to_resume(opts, run)
     replica = Replica(_split(run, t), comm, ReplicaSettings(rank, opts.world, opts.zero,
                                                             threads, str(t.step)))
-    steps_done = 0
+    steps_done, position, resumed_from = 0, 0, None
     if loaded is not None:
         replica.load(loaded.tensors, str(loaded.path))
-        steps_done = loaded.step
-    position = int(loaded.data_state.get("batches_consumed", steps_done)) if loaded else 0
+        steps_done, resumed_from = loaded.step, str(loaded.path)
+        position = int(loaded.data_state.get("batches_consumed", steps_done))
+    del loaded  # every rank's optimizer state: not to be held while this rank trains
     result = TrainResult(start_step=steps_done, steps_done=steps_done,
-                         total_steps=run.total_steps,
-                         resumed_from=str(loaded.path) if loaded else None,
+                         total_steps=run.total_steps, resumed_from=resumed_from,
                          batch_size=run.dataset.batch_size,
                          batches_per_epoch=run.dataset.batches_per_epoch)
     state_bytes = comm.gather_object(replica.optimizer_state_bytes())
     loop = _Loop(opts, run, replica, comm, rank, result, position,
-                 steps_done if loaded else None)
+                 steps_done if resumed_from else None)
     with stop_requests() as stop:
         loop.train(stop)
     # Each process's resident size after training (libraries and all) and its peak
@@ -176,6 +176,7 @@ class _Loop:
         t, run, result = self.opts.train, self.run, self.result
         b = run.rank_batch
         t0, done_here, stopped = time.perf_counter(), 0, False
+        shown = t0 - 1.0  # progress on stderr: at most once a second, and the last step
         while result.steps_done < run.total_steps and not stopped:
             idx = run.dataset.indices(self.position, t.seed)[self.rank * b:(self.rank + 1) * b]
             loss, stopped = self.replica.step({n: np.asarray(a[idx], order="C")
@@ -186,7 +187,9 @@ class _Loop:
             result.losses.append(loss)
             result.samples_per_s = (done_here * run.dataset.batch_size
                                     / (time.perf_counter() - t0))
-            if self.rank == 0 and not self.opts.quiet:
+            if self.rank == 0 and not self.opts.quiet and (
+                    time.perf_counter() - shown >= 1.0 or result.steps_done == run.total_steps):
+                shown = time.perf_counter()
                 print(f"step {result.steps_done}/{run.total_steps}  loss {loss:.6f}  "
                       f"{result.samples_per_s:,.1f} samples/s", file=sys.stderr, flush=True)
             if t.save_every and t.checkpoint is not None and \
