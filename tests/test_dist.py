@@ -183,7 +183,9 @@ def test_two_ranks_train_as_one_process_on_the_global_batch_and_resume_on_one(fi
                               str(d / "two"), "--threads", "1", "--json"])
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout.strip().splitlines()[-1])
-    assert out["distributed"]["global_batch"] == 8 and out["distributed"]["world_size"] == 2
+    info = out["distributed"]
+    assert info["global_batch"] == 8 and info["world_size"] == 2
+    assert len(set(info["parameter_digest_per_rank"])) == 1  # the ranks' parameters agree
     single = _single(files, "sgd", K, d / "one")
     np.testing.assert_allclose(out["losses"], single.losses, rtol=1e-6)
     _assert_close(_params(d / "two"), _params(d / "one"))
@@ -213,6 +215,7 @@ def test_zero1_shards_adamw_state_and_resumes_a_one_process_checkpoint(files):
                if i not in spec.parameters)
     per_rank = info["optimizer_state_bytes_per_rank"]
     assert info["zero"] == 1 and len(per_rank) == 2
+    assert len(set(info["parameter_digest_per_rank"])) == 1  # all gathered after the update
     assert sum(per_rank) == full + 4  # the AdamW step counter (4 bytes) is on both ranks
     assert max(per_rank) <= 0.55 * full
 
@@ -296,6 +299,13 @@ def test_a_killed_rank_stops_the_run_and_it_resumes_from_the_last_checkpoint(fil
     assert result.start_step == c.step and result.steps_done == c.step + K
     _single(files, "adamw", c.step + K, d / "killed1", resume=True)
     _assert_close(_params(d / "killed"), _params(d / "killed1"))
+
+
+def test_batch_size_check_counts_global_batches(files):
+    res = runner.invoke(app, ["train", str(files["sgd4"]), "--data", str(files["data"]),
+                              "--nproc", "2", "--batch-size-check"])
+    assert res.exit_code == 0, res.output
+    assert "2 ranks x batch 4 = 8 samples a step: 8 steps per epoch" in res.output
 
 
 def test_under_torchrun_the_ranks_come_from_the_environment(files, monkeypatch):

@@ -124,6 +124,12 @@ def train(
                             checkpoint=checkpoint, save_every=save_every, resume=resume,
                             provider=provider, threads=threads, arena=arena,
                             cuda_graph=cuda_graph, deterministic=deterministic)
+        if batch_size_check and nproc is not None:
+            from memcc.dist.train import describe_plan
+
+            out.print(f"{model}: data {data} fits: {describe_plan(opts, nproc)}",
+                      highlight=False)
+            return
         if batch_size_check:
             plan = plan_training(opts)
             out.print(f"{model}: data {data} fits: {plan.describe()}", highlight=False)

@@ -97,6 +97,19 @@ def prepare(opts: DistOptions) -> RankRun:
                    glob.fingerprint())
 
 
+def describe_plan(t: TrainOptions, world: int) -> str:
+    """``memcc train --nproc N --batch-size-check``: the run's batches, nothing started."""
+    from memcc.dist.launch import check_nproc
+
+    check_nproc(world)
+    run = prepare(DistOptions(t, world))
+    d = run.dataset
+    return (f"{d.num_samples} samples in {len(d.files)} file(s), {world} ranks x batch "
+            f"{run.rank_batch} = {d.batch_size} samples a step: {d.batches_per_epoch} steps "
+            f"per epoch ({d.dropped_per_epoch} samples dropped per epoch), "
+            f"{run.total_steps} steps")
+
+
 def checkpoint_to_resume(opts: DistOptions, run: RankRun) -> ckpt.Checkpoint | None:
     """The checkpoint a ``--resume`` run starts from, checked against this run (global
     batch, seed, data); refuses a directory holding another run without ``--resume``."""
@@ -150,12 +163,15 @@ def run_rank(opts: DistOptions, rank: int, comm, threads: int | None
     # (Linux: ru_maxrss in KiB; loading the step file holds all of its state for a while).
     rss = comm.gather_object((rss_bytes(),
                               resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024))
+    # Every rank must end with the same parameters: their digests say whether they do.
+    digests = comm.gather_object(ckpt.tensors_digest(replica.param_views)[:16])
     if rank != 0:
         return None
     info = {"world_size": opts.world, "zero": opts.zero, "global_batch": run.dataset.batch_size,
             "rank_batch": run.rank_batch, "optimizer_state_bytes_per_rank": state_bytes,
             "rss_bytes_per_rank": [r[0] for r in rss],
-            "peak_rss_bytes_per_rank": [r[1] for r in rss]}
+            "peak_rss_bytes_per_rank": [r[1] for r in rss],
+            "parameter_digest_per_rank": digests}
     return result, info
 
 
