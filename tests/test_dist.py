@@ -242,6 +242,7 @@ def test_missing_torch_names_the_extra(files, monkeypatch):
     (["--zero", "1"], "give --nproc N"),
     (["--nproc", "2", "--zero", "2"], "--zero 2"),
     (["--nproc", "2", "--provider", "cuda"], "CPU (gloo)"),
+    (["--nproc", "2", "--arena"], "--arena is not supported with --nproc"),
 ])
 def test_bad_data_parallel_options_exit_2_before_any_rank_starts(files, args, message):
     res = runner.invoke(app, ["train", str(files["sgd4"]), "--data", str(files["data"]),

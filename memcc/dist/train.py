@@ -82,6 +82,11 @@ def prepare(opts: DistOptions) -> RankRun:
     if t.provider != "cpu":
         raise InputError(f"--nproc with --provider {t.provider}: data-parallel training runs "
                          "on the CPU (gloo) for now; NCCL on GPUs is not built yet")
+    unsupported = [flag for flag, on in (("--arena", t.arena), ("--cuda-graph", t.cuda_graph))
+                   if on]
+    if unsupported:
+        raise InputError(f"{unsupported[0]} is not supported with --nproc yet: the ranks run "
+                         "their steps from malloc, on the CPU; leave it out")
     graph = load_graph(t.step)
     spec = TrainingStep.of(graph).validate(str(t.step), then=f"memcc train step.onnx --data "
                                                             f"{t.data} --nproc {opts.world}")
