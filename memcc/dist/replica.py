@@ -176,6 +176,14 @@ class Replica:
     def optimizer_state_bytes(self) -> int:
         return sum(a.nbytes for a in self.opt_state.values())
 
+    def held_bytes(self) -> int:
+        """Bytes of the arrays this rank holds between steps: parameters, its optimizer
+        state, the gradient buckets, carried statistics, the batch and the outputs the
+        sessions write to arrays of their own (ORT's transient memory not included)."""
+        groups = (self.param_flats, self.grad_flats, self.opt_state, self.carried, self.batch,
+                  self.grad_step.outputs, self.update_step.outputs)
+        return sum(a.nbytes for g in groups for a in g.values())
+
     def load(self, tensors: Mapping[str, np.ndarray], source: str) -> None:
         """Take this rank's values from a consolidated state (a checkpoint): re-sharding is
         just taking the optimizer state of the parameters this rank owns now."""

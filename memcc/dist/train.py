@@ -32,7 +32,7 @@ import numpy as np
 
 from memcc.backend import checkpoint as ckpt
 from memcc.backend.data import Dataset, data_inputs, load_dataset
-from memcc.backend.memory import rss_bytes
+from memcc.backend.memory import rss_bytes, trim_heap
 from memcc.dist.replica import Replica, ReplicaSettings
 from memcc.dist.split import split_step
 from memcc.errors import InputError
@@ -166,7 +166,8 @@ def run_rank(opts: DistOptions, rank: int, comm, threads: int | None
         loop.train(stop)
     # Each process's resident size after training (libraries and all) and its peak
     # (Linux: ru_maxrss in KiB; loading the step file holds all of its state for a while).
-    rss = comm.gather_object((rss_bytes(),
+    trim_heap()
+    rss = comm.gather_object((replica.held_bytes(), rss_bytes(),
                               resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024))
     # Every rank must end with the same parameters: their digests say whether they do.
     digests = comm.gather_object(ckpt.tensors_digest(replica.param_views)[:16])
@@ -174,8 +175,9 @@ def run_rank(opts: DistOptions, rank: int, comm, threads: int | None
         return None
     info = {"world_size": opts.world, "zero": opts.zero, "global_batch": run.dataset.batch_size,
             "rank_batch": run.rank_batch, "optimizer_state_bytes_per_rank": state_bytes,
-            "rss_bytes_per_rank": [r[0] for r in rss],
-            "peak_rss_bytes_per_rank": [r[1] for r in rss],
+            "held_bytes_per_rank": [r[0] for r in rss],
+            "rss_bytes_per_rank": [r[1] for r in rss],
+            "peak_rss_bytes_per_rank": [r[2] for r in rss],
             "parameter_digest_per_rank": digests}
     return result, info
 
