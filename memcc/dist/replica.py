@@ -18,6 +18,7 @@ The buffers (all numpy arrays, bound to both halves of the split step, ``dist.bo
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -104,6 +105,8 @@ class Replica:
             np.copyto(v, split.full.initializers[p])
         self._open_sessions()
         self._drop_initial_values()
+        # Where this rank's steps spent their time (seconds, summed over steps).
+        self.seconds = dict.fromkeys(("gradient_step", "communication", "update_step"), 0.0)
 
     def _drop_initial_values(self) -> None:
         """The step file's initial values of the carried state are not needed once copied
@@ -149,9 +152,11 @@ class Replica:
              ) -> tuple[float, bool]:
         """One data-parallel step on this rank's ``batch``; returns the loss averaged over
         the ranks and whether any rank asked to stop after this step (``stop``)."""
+        t0 = time.perf_counter()
         for name, buf in self.batch.items():
             np.copyto(buf, batch[name])
         self.grad_step.run()
+        t1 = time.perf_counter()
         self.stop_view[...] = 1.0 if stop else 0.0
         for flat in self.grad_flats.values():
             self.comm.all_reduce_mean(flat)
@@ -160,12 +165,18 @@ class Replica:
             if np.issubdtype(new.dtype, np.floating):
                 self.comm.all_reduce_mean(new)
             np.copyto(self.carried[inp], new)
+        t2 = time.perf_counter()
         self.update_step.run()
+        t3 = time.perf_counter()
         if self.settings.zero:
             for dt, flat in self.param_flats.items():
                 for r, (a, b) in enumerate(self._owned_ranges[dt]):
                     if b > a:
                         self.comm.broadcast(flat[a:b], src=r)
+        t4 = time.perf_counter()
+        for key, dt in (("gradient_step", t1 - t0), ("communication", t2 - t1 + t4 - t3),
+                        ("update_step", t3 - t2)):
+            self.seconds[key] += dt
         return float(self.loss_view), bool(self.stop_view > 0)
 
     # ------------------------------------------------------------------ state

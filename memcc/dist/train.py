@@ -178,7 +178,8 @@ def run_rank(opts: DistOptions, rank: int, comm, threads: int | None
             "held_bytes_per_rank": [r[0] for r in rss],
             "rss_bytes_per_rank": [r[1] for r in rss],
             "peak_rss_bytes_per_rank": [r[2] for r in rss],
-            "parameter_digest_per_rank": digests}
+            "parameter_digest_per_rank": digests,
+            "rank0_seconds": {k: round(v, 4) for k, v in replica.seconds.items()}}
     return result, info
 
 
