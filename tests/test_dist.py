@@ -267,39 +267,62 @@ def _ranks_of(parent: int) -> list[int]:
     return sorted(pids)
 
 
-def test_a_killed_rank_stops_the_run_and_it_resumes_from_the_last_checkpoint(files):
-    """SIGKILL one rank mid-run: the run fails naming its newest checkpoint, which is whole,
-    and a resumed 2-rank run continues it as one process would."""
-    d = files["dir"]
+def _run_until_checkpoint_then(files, directory, signal_ranks: bool, *, resume: bool,
+                               after: int = 0) -> tuple[int, str, str]:
+    """Start ``memcc train --nproc 2`` (endless); once ``directory`` holds a checkpoint
+    newer than step ``after``, SIGKILL one rank (``signal_ranks``) or SIGTERM memcc;
+    (exit status, stdout, stderr)."""
     cmd = [sys.executable, "-m", "memcc.cli", "train", str(files["adamw4"]), "--data",
            str(files["data"]), "--nproc", "2", "--steps", "1000000", "--save-every", "20",
-           "--checkpoint", str(d / "killed"), "--threads", "1", "--json"]
+           "--checkpoint", str(directory), "--threads", "1", "--json",
+           *(["--resume"] if resume else [])]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     ranks: list[int] = []
     try:
         deadline = time.monotonic() + 120
-        while ckpt.latest(d / "killed") is None and time.monotonic() < deadline:
+
+        def newest() -> int:
+            last = ckpt.latest(directory)
+            return ckpt.load(last).step if last is not None else -1
+
+        while newest() <= after and time.monotonic() < deadline:
             time.sleep(0.2)
         ranks = _ranks_of(proc.pid)
         assert len(ranks) == 2, ranks
-        os.kill(ranks[-1], signal.SIGKILL)
-        _, stderr = proc.communicate(timeout=60)
+        os.kill(ranks[-1] if signal_ranks else proc.pid,
+                signal.SIGKILL if signal_ranks else signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=60)
     finally:
         proc.kill()
         for pid in ranks:  # torch stops the others; nothing of this test may outlive it
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-    assert proc.returncode == 2, stderr
+    return proc.returncode, stdout, stderr
+
+
+def test_sigterm_stops_every_rank_saved_and_a_killed_rank_leaves_the_last_checkpoint(files):
+    """SIGTERM to memcc: every rank stops after the same step, which is saved (exit 143).
+    Resumed, then SIGKILL to one rank: the run fails naming its newest checkpoint, which
+    is whole, and a resumed 2-rank run continues it as one process would."""
+    d = files["dir"] / "killed"
+    code, stdout, stderr = _run_until_checkpoint_then(files, d, False, resume=False)
+    assert code == 128 + signal.SIGTERM, stderr
+    stopped = json.loads(stdout.strip().splitlines()[-1])
+    assert stopped["interrupted"] == "SIGTERM" and "--resume --nproc 2" in stderr
+    assert ckpt.load(ckpt.latest(d)).step == stopped["steps"]  # the stop step, saved
+    code, _, stderr = _run_until_checkpoint_then(files, d, True, resume=True,
+                                                 after=stopped["steps"])
+    assert code == 2, stderr
     assert "a rank of the data-parallel run failed" in stderr and "--resume" in stderr
-    c = ckpt.load(ckpt.latest(d / "killed"))  # whole: its digest is checked on load
-    assert c.step % 20 == 0 and c.step >= 20
-    shutil.copytree(d / "killed", d / "killed1")
+    c = ckpt.load(ckpt.latest(d))  # whole: its digest is checked on load
+    assert c.step % 20 == 0 and c.step > stopped["steps"]
+    shutil.copytree(d, files["dir"] / "killed1")
     result, _ = train_distributed(
         TrainOptions(step=files["adamw4"], data=files["data"], steps=c.step + K,
-                     checkpoint=d / "killed", resume=True, threads=1), 2, quiet=True)
+                     checkpoint=d, resume=True, threads=1), 2, quiet=True)
     assert result.start_step == c.step and result.steps_done == c.step + K
-    _single(files, "adamw", c.step + K, d / "killed1", resume=True)
-    _assert_close(_params(d / "killed"), _params(d / "killed1"))
+    _single(files, "adamw", c.step + K, files["dir"] / "killed1", resume=True)
+    _assert_close(_params(d), _params(files["dir"] / "killed1"))
 
 
 def test_batch_size_check_counts_global_batches(files):
