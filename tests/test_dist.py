@@ -132,7 +132,8 @@ def test_a_step_without_optimizer_cannot_be_split():
 
 
 @pytest.mark.parametrize("model,opt", [("mlp", "sgd"), ("gpt2", "adamw"),
-                                       ("resnet18", "adamw"), ("mlp-dropout", "adamw")])
+                                       ("resnet18", "adamw"), ("mlp-dropout", "adamw"),
+                                       ("gpt2-compiled", "adamw")])
 def test_one_rank_of_the_split_step_is_bit_identical_to_the_trainer(tmp_path, model, opt):
     """Gradient step, (no) all-reduce, update step: the fused step's numbers exactly, with
     BatchNorm statistics (carried by the gradient step) and the Dropout counter (read by
@@ -140,6 +141,14 @@ def test_one_rank_of_the_split_step_is_bit_identical_to_the_trainer(tmp_path, mo
     if model == "mlp-dropout":
         path, _ = mlp_step_and_data(tmp_path, batch=4, in_features=12, width=16, depth=2,
                                     samples=8, optimizer=opt, dropout=0.25)
+    elif model == "gpt2-compiled":  # memcc compile --budget min: recomputation rewrites
+        built = build_training_step(load_graph(_gpt2()), BuildOptions(optimizer=opt))
+        path = tmp_path / "min.onnx"
+        res = runner.invoke(app, ["compile", str(save_graph(built, tmp_path / "s.onnx")),
+                                  "--budget", "min", "--strategy", "sqrtn", "--cost",
+                                  "analytic", "-o", str(path)])
+        assert res.exit_code == 0, res.output
+        assert len(load_graph(path).nodes) > len(built.nodes)  # recomputation was added
     else:
         forward = {"mlp": lambda: _mlp(4), "gpt2": _gpt2,
                    "resnet18": lambda: build_model("resnet18", batch=2, resolution=16, width=4,
