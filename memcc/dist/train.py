@@ -90,7 +90,12 @@ def prepare(opts: DistOptions) -> RankRun:
     graph = load_graph(t.step)
     spec = TrainingStep.of(graph).validate(str(t.step), then=f"memcc train step.onnx --data "
                                                             f"{t.data} --nproc {opts.world}")
-    split_step(graph, spec, str(t.step))  # refused now rather than in every rank
+    split = split_step(graph, spec, str(t.step))  # refused now rather than in every rank
+    odd = [g for g in split.gradients.values()
+           if graph.info[g].np_dtype not in (np.float16, np.float32, np.float64)]
+    if odd:
+        raise InputError(f"{t.step}: gradient '{odd[0]}' is {graph.info[odd[0]].np_dtype}; "
+                         "--nproc all-reduces float16, float32 and float64 gradients only")
     data = load_dataset(t.data, data_inputs(graph, spec))
     b = data.batch_size
     glob = replace(data, batch_size=b * opts.world, _orders={})
