@@ -25,12 +25,14 @@ import time
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 from onnx_files import mlp_step_and_data
 from typer.testing import CliRunner
 
 from memcc import Trainer
 from memcc.backend import checkpoint as ckpt
+from memcc.backend.device_step import step_for_provider
 from memcc.backend.onnx_file import save_graph
 from memcc.cli import app
 from memcc.dist import owners_of_state, peaks, split_step
@@ -133,7 +135,7 @@ def test_a_step_without_optimizer_cannot_be_split():
 
 @pytest.mark.parametrize("model,opt", [("mlp", "sgd"), ("gpt2", "adamw"),
                                        ("resnet18", "adamw"), ("mlp-dropout", "adamw"),
-                                       ("gpt2-compiled", "adamw")])
+                                       ("gpt2-compiled", "adamw"), ("mlp-bf16", "sgd")])
 def test_one_rank_of_the_split_step_is_bit_identical_to_the_trainer(tmp_path, model, opt):
     """Gradient step, (no) all-reduce, update step: the fused step's numbers exactly, with
     BatchNorm statistics (carried by the gradient step) and the Dropout counter (read by
@@ -149,6 +151,11 @@ def test_one_rank_of_the_split_step_is_bit_identical_to_the_trainer(tmp_path, mo
                                   "analytic", "-o", str(path)])
         assert res.exit_code == 0, res.output
         assert len(load_graph(path).nodes) > len(built.nodes)  # recomputation was added
+    elif model == "mlp-bf16":  # 16-bit nodes without CPU kernels: float32 between casts
+        graph = build_training_step(load_graph(_mlp(4)),
+                                    BuildOptions(optimizer=opt, precision="bf16"))
+        assert any(ti.dtype == onnx.TensorProto.BFLOAT16 for ti in graph.info.values())
+        path = save_graph(graph, tmp_path / "s.onnx")
     else:
         forward = {"mlp": lambda: _mlp(4), "gpt2": _gpt2,
                    "resnet18": lambda: build_model("resnet18", batch=2, resolution=16, width=4,
@@ -156,7 +163,8 @@ def test_one_rank_of_the_split_step_is_bit_identical_to_the_trainer(tmp_path, mo
         graph = build_training_step(load_graph(forward), BuildOptions(optimizer=opt))
         path = save_graph(graph, tmp_path / "s.onnx")
     trainer = Trainer(path, threads=1)
-    split = split_step(load_graph(path), TrainingStep.of(load_graph(path)))
+    graph, _ = step_for_provider(load_graph(path), "cpu")  # as memcc.dist.train prepares it
+    split = split_step(graph, TrainingStep.of(graph))
     replica = Replica(split, _OneRank(), ReplicaSettings(0, 1, threads=1))
     if model == "mlp-dropout":
         assert "dropout.step" in replica.opt_state

@@ -32,6 +32,7 @@ import numpy as np
 
 from memcc.backend import checkpoint as ckpt
 from memcc.backend.data import Dataset, data_inputs, load_dataset
+from memcc.backend.device_step import step_for_provider
 from memcc.backend.memory import rss_bytes, trim_heap
 from memcc.dist.replica import Replica, ReplicaSettings
 from memcc.dist.split import split_step
@@ -87,7 +88,8 @@ def prepare(opts: DistOptions) -> RankRun:
     if unsupported:
         raise InputError(f"{unsupported[0]} is not supported with --nproc yet: the ranks run "
                          "their steps from malloc, on the CPU; leave it out")
-    graph = load_graph(t.step)
+    # As the Trainer runs it: a 16-bit step's nodes without CPU kernels in float32 between casts.
+    graph, _ = step_for_provider(load_graph(t.step), "cpu")
     spec = TrainingStep.of(graph).validate(str(t.step), then=f"memcc train step.onnx --data "
                                                             f"{t.data} --nproc {opts.world}")
     split = split_step(graph, spec, str(t.step))  # refused now rather than in every rank
