@@ -106,19 +106,39 @@ def train(
     ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object at the end.")
                        ] = False,
+    nproc: Annotated[Optional[int], typer.Option(  # noqa: UP045
+        help="Data-parallel: start N local ranks (torch.distributed, gloo; needs memcc[dist]). "
+             "Each rank trains on the step's batch, so a step takes N x batch samples; "
+             "under torchrun the ranks are torchrun's.")] = None,
+    zero: Annotated[int, typer.Option(
+        help="With --nproc: 0 = every rank keeps all optimizer state; 1 = each keeps its "
+             "parameters' (ZeRO-1).")] = 0,
 ) -> None:
     """Train a step on real data, with checkpoints a crash cannot damage."""
     from memcc.api import TrainingInterrupted, TrainOptions, plan_training
+    from memcc.dist.comm import launched_by_torchrun
+    from memcc.errors import InputError
 
     try:
         opts = TrainOptions(step=model, data=data, steps=steps, epochs=epochs, seed=seed,
                             checkpoint=checkpoint, save_every=save_every, resume=resume,
                             provider=provider, threads=threads, arena=arena,
                             cuda_graph=cuda_graph, deterministic=deterministic)
+        if batch_size_check and nproc is not None:
+            from memcc.dist.train import describe_plan
+
+            out.print(f"{model}: data {data} fits: {describe_plan(opts, nproc)}",
+                      highlight=False)
+            return
         if batch_size_check:
             plan = plan_training(opts)
             out.print(f"{model}: data {data} fits: {plan.describe()}", highlight=False)
             return
+        if nproc is not None or launched_by_torchrun() is not None:
+            _train_data_parallel(opts, nproc, zero, as_json=as_json)
+            return
+        if zero:
+            raise InputError("--zero shards optimizer state across ranks: give --nproc N")
         result = _train_with_progress(opts, quiet=as_json)
     except MemccError as exc:
         fail(exc)
@@ -132,6 +152,37 @@ def train(
         sys.stdout.write(json.dumps(result.to_json()) + "\n")
         return
     _print_trained(result)
+
+
+def _train_data_parallel(opts: TrainOptions, nproc: int | None, zero: int, *,
+                         as_json: bool) -> None:
+    """``--nproc N`` / torchrun: train on N ranks (``memcc.dist``); rank 0 reports."""
+    from memcc.api import TrainingInterrupted
+    from memcc.dist import train_distributed
+
+    try:
+        out_ = train_distributed(opts, nproc, zero=zero, quiet=as_json)
+    except TrainingInterrupted as stop:
+        r = stop.result
+        if as_json:
+            sys.stdout.write(json.dumps(r.to_json()) + "\n")
+        again = ["--resume", "--nproc", str(nproc or "N"), "--zero", str(zero)]
+        err.print(f"{r.interrupted}: all ranks stopped after step {r.steps_done} of "
+                  f"{r.total_steps}; checkpoint: {r.checkpoint or 'none (no --checkpoint)'}"
+                  + (f"\ncontinue with the same command and {' '.join(again)}"
+                     if r.checkpoint else ""), highlight=False, soft_wrap=True)
+        raise typer.Exit(code=128 + stop.signum) from None
+    if out_ is None:  # a rank other than 0 under torchrun
+        return
+    result, info = out_
+    if as_json:
+        sys.stdout.write(json.dumps({**result.to_json(), "distributed": info}) + "\n")
+        return
+    _print_trained(result)
+    state = ", ".join(mb(b) for b in info["optimizer_state_bytes_per_rank"])
+    out.print(f"data-parallel: {info['world_size']} ranks x {info['rank_batch']} = "
+              f"{info['global_batch']} samples a step; ZeRO-{info['zero']}; optimizer state "
+              f"per rank: {state}", highlight=False)
 
 
 def _print_trained(result: TrainResult) -> None:

@@ -1,0 +1,82 @@
+"""One half of a split step as an ORT session whose inputs and outputs are arrays we own.
+
+The same session machinery as ``memcc.Trainer`` (``runner.session_graph``: every stored
+value fed as an input; ``backend.session.make_session``: memcc's execution contract), but
+every input and output is bound (IOBinding) to a numpy array the caller gives: the halves
+of a data-parallel step share their buffers that way. The gradient step writes each
+gradient straight into its slice of the flat all-reduce bucket, torch reduces the bucket
+where it lies (``torch.from_numpy``: no copy), and the update step reads the slices. An
+update that ``passes.analysis.inplace`` proves safe is written over the value it
+replaces; any other is written to a buffer of its own and copied back after the run.
+
+CPU only: on CUDA the arrays would be device buffers crossing through DLPack (not built).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from memcc.backend.runner import session_graph
+from memcc.backend.session import SessionSettings, make_session
+from memcc.errors import RuntimeFailure
+from memcc.graph import Graph
+from memcc.passes.analysis.inplace import analyze_in_place
+
+
+class BoundGraph:
+    """``graph`` bound to ``buffers`` (value name -> C-contiguous array, inputs and outputs
+    alike); ``updates``: output -> the input it replaces (written in place where proven,
+    else copied back after each run). Stored values not in ``buffers`` are fed from the
+    graph's initializers. Outputs not in ``buffers`` get arrays of their own (``outputs``)."""
+
+    def __init__(self, graph: Graph, buffers: Mapping[str, np.ndarray], *,
+                 updates: Mapping[str, str] | None = None, threads: int | None = None,
+                 source: str = "<step>") -> None:
+
+        self.source = source
+        updates = dict(updates or {})
+        sgraph, stored = session_graph(graph)
+        self.aliased = dict(analyze_in_place(graph, updates).aliased) if updates else {}
+        self.copied = {o: i for o, i in updates.items() if o not in self.aliased}
+        self.outputs: dict[str, np.ndarray] = {}
+        self.session = make_session(sgraph.to_model(), "cpu",
+                                    SessionSettings(intra_op_threads=threads))
+        self._keep = []  # arrays the bound OrtValues point into
+        binding = self.session.io_binding()
+        for name in sgraph.inputs:
+            arr = buffers[name] if name in buffers else stored.get(name)
+            if arr is None:
+                raise RuntimeFailure(f"{source}: nothing bound to the input '{name}'")
+            binding.bind_ortvalue_input(name, self._value(arr))
+        for out in sgraph.outputs:
+            if out in self.aliased:
+                arr = buffers[self.aliased[out]]
+            elif out in buffers and out not in self.copied:
+                arr = buffers[out]
+            else:
+                ti = graph.info[out]
+                arr = np.zeros(ti.shape, ti.np_dtype)
+                self.outputs[out] = arr
+            binding.bind_ortvalue_output(out, self._value(arr))
+        self._buffers = buffers
+        self._binding = binding
+
+    def _value(self, arr: np.ndarray):
+        import onnxruntime as ort
+
+        if not arr.flags.c_contiguous:
+            raise RuntimeFailure(f"{self.source}: a bound buffer is not C-contiguous")
+        self._keep.append(arr)
+        return ort.OrtValue.ortvalue_from_numpy(arr)
+
+    def run(self) -> None:
+        """One run; updates not written in place are copied over their inputs after it."""
+        try:
+            self.session.run_with_iobinding(self._binding)
+        except Exception as exc:  # pybind raises ORT's own exception types
+            raise RuntimeFailure(f"{self.source}: ONNX Runtime failed while running the "
+                                 f"step: {exc}") from exc
+        for out, inp in self.copied.items():
+            np.copyto(self._buffers[inp], self.outputs[out])

@@ -1,0 +1,163 @@
+"""Starting the ranks: ``memcc train --nproc N`` spawns N local processes; under
+``torchrun`` this process is one rank of the launcher's group.
+
+Local launch: ``torch.multiprocessing`` (spawn start method), gloo, ``MASTER_ADDR``
+127.0.0.1 and a free ``MASTER_PORT``. Everything a rank would refuse (the step, the data,
+the checkpoint directory) is checked here first, so bad input fails once, with exit status
+2, before a process is started. A rank that fails later writes its error where the parent
+reads it; torch stops the other ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import tempfile
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from memcc.dist.comm import Comm, free_port, launched_by_torchrun, torch_distributed
+from memcc.dist.train import DistOptions, checkpoint_to_resume, default_threads, prepare, run_rank
+from memcc.errors import InputError, MemccError, RuntimeFailure
+from memcc.trainer.loop import TrainOptions, TrainResult
+
+MAX_LOCAL_RANKS = 64
+
+
+def check_nproc(nproc: int | None) -> None:
+    if nproc is not None and not 1 <= nproc <= MAX_LOCAL_RANKS:
+        raise InputError(f"--nproc {nproc}: give a number of ranks from 1 to "
+                         f"{MAX_LOCAL_RANKS}")
+
+
+def train_distributed(opts: TrainOptions, nproc: int | None, *, zero: int = 0,
+                      quiet: bool = False) -> tuple[TrainResult, dict] | None:
+    """Train data-parallel; the result and the group's figures (None on ranks but 0 under
+    torchrun, which print nothing)."""
+    check_nproc(nproc)
+    if zero not in (0, 1):
+        raise InputError(f"--zero {zero}: give 0 (every rank keeps all optimizer state) or 1 "
+                         "(each rank keeps its parameters' optimizer state); ZeRO stage 2 is "
+                         "not built yet")
+    torch_distributed()
+    env = launched_by_torchrun()
+    if env is not None:
+        rank, world, _ = env
+        if nproc is not None and nproc != world:
+            raise InputError(f"--nproc {nproc}: torchrun started {world} ranks (WORLD_SIZE); "
+                             "give the same number or leave --nproc out")
+        dopts = DistOptions(opts, world, zero, quiet or rank != 0)
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        comm = Comm(rank, world)
+        try:
+            out = run_rank(dopts, rank, comm, opts.threads or default_threads(local))
+        finally:
+            comm.close()
+        return _raise_if_interrupted(out)
+    assert nproc is not None
+    dopts = DistOptions(opts, nproc, zero, quiet)
+    checkpoint_to_resume(dopts, prepare(dopts))  # refuse bad input before any rank starts
+    return _raise_if_interrupted(_spawn(dopts))
+
+
+def _raise_if_interrupted(out: tuple[TrainResult, dict] | None
+                          ) -> tuple[TrainResult, dict] | None:
+    """``TrainingInterrupted`` (as ``memcc train`` raises it) where a signal stopped the run."""
+    if out is not None and out[0].interrupted:
+        from memcc.trainer.loop import TrainingInterrupted
+
+        signum = getattr(signal, str(out[0].interrupted), signal.SIGTERM)
+        raise TrainingInterrupted(out[0], signum)
+    return out
+
+
+def _spawn(opts: DistOptions) -> tuple[TrainResult, dict]:
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(prefix="memcc-dist-") as tmp:
+        port = free_port()
+        try:
+            context = mp.start_processes(_rank_main, args=(opts, port, tmp),
+                                         nprocs=opts.world, join=False, start_method="spawn")
+            with _passing_signals_on([p.pid for p in context.processes]):
+                while not context.join():
+                    pass
+        except (mp.ProcessExitedException, mp.ProcessRaisedException) as exc:
+            for r in range(opts.world):
+                err = Path(tmp) / f"error-{r}.json"
+                if err.exists():
+                    e = json.loads(err.read_text())
+                    kind = InputError if e["kind"] == "input" else RuntimeFailure
+                    raise kind(f"rank {r}: {e['message']}") from None
+            raise RuntimeFailure(f"a rank of the data-parallel run failed ({exc}); the other "
+                                 f"ranks were stopped. {_what_stands(opts)}") from None
+        data = json.loads((Path(tmp) / "result.json").read_text())
+    info = data.pop("distributed")
+    fields = {k: data[k] for k in ("start_step", "total_steps", "losses", "checkpoint",
+                                   "resumed_from", "samples_per_s", "batch_size",
+                                   "batches_per_epoch", "interrupted")}
+    return TrainResult(steps_done=data["steps"], **fields), info
+
+
+@contextmanager
+def _passing_signals_on(pids: list[int]) -> Iterator[None]:
+    """While the ranks run: a SIGTERM sent to this process is passed on to every rank (each
+    stops after the running step, saved); SIGINT from a terminal reaches the ranks
+    themselves (same process group), so here it is only kept from stopping the wait."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_signal(signum: int, frame) -> None:
+        if signum == signal.SIGTERM:
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _what_stands(opts: DistOptions) -> str:
+    """Where a failed run can continue from: its newest checkpoint, if any."""
+    from memcc.backend import checkpoint as ckpt
+
+    d = opts.train.checkpoint
+    newest = ckpt.latest(d) if d is not None and Path(d).is_dir() else None
+    if newest is None:
+        return "No checkpoint was written."
+    return f"Newest checkpoint: {newest} (continue with --resume)."
+
+
+def _rank_main(rank: int, opts: DistOptions, port: int, tmp: str) -> None:
+    """One spawned rank: join the group, train, rank 0 writes the result for the parent."""
+    import sys
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    comm = None
+    try:
+        comm = Comm(rank, opts.world)
+        threads = opts.train.threads or default_threads(opts.world)
+        out = run_rank(opts, rank, comm, threads)
+        if out is not None:
+            result, info = out
+            Path(tmp, "result.json").write_text(json.dumps({**result.to_json(),
+                                                            "distributed": info}))
+    except MemccError as exc:
+        kind = "input" if isinstance(exc, InputError) else "runtime"
+        Path(tmp, f"error-{rank}.json").write_text(json.dumps({"kind": kind,
+                                                               "message": str(exc)}))
+        sys.exit(2)
+    finally:
+        if comm is not None:
+            comm.close()

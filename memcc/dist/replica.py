@@ -1,0 +1,221 @@
+"""One rank's data-parallel step: gradient step, averaged gradients, update step.
+
+The buffers (all numpy arrays, bound to both halves of the split step, ``dist.bound``):
+
+- parameters: one flat array per dtype, laid out owner by owner (ZeRO-1: rank 0's
+  parameters first), each parameter a view into it, so the parameters a rank updated are
+  handed to the others with one broadcast per owner;
+- gradients: one flat bucket per dtype, each gradient a view into it that the gradient
+  step writes, and at the end of the float32 bucket the loss and a stop flag: one
+  ``all_reduce`` per dtype averages the gradients and the loss together (SUM, then divided
+  by the world size), and tells every rank whether any was asked to stop (a signal), so
+  that all stop after the same step;
+- optimizer state: the rank's own (ZeRO-1: only for the parameters it owns; the AdamW and
+  Dropout step counters on every rank).
+
+``comm`` is ``dist.comm.Comm`` (torch.distributed); nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from memcc.dist.bound import BoundGraph
+from memcc.dist.split import SplitStep, owners_of_state, update_part
+from memcc.errors import InputError
+
+
+def assign_owners(split: SplitStep, world: int) -> dict[str, int]:
+    """Parameter -> the rank that updates it (ZeRO-1): largest first, each to the rank
+    holding the fewest bytes so far, so the ranks' optimizer state is balanced by bytes."""
+    info = split.full.info
+    load = [0] * world
+    owner: dict[str, int] = {}
+    for p in sorted(split.parameters, key=lambda p: (-info[p].nbytes, p)):
+        r = min(range(world), key=lambda k: (load[k], k))
+        owner[p] = r
+        load[r] += info[p].nbytes
+    return owner
+
+
+def _flat(names: list[str], info, extra: int = 0) -> tuple[dict[str, np.ndarray], dict]:
+    """One flat array per dtype holding ``names`` in order (plus ``extra`` float32 slots):
+    name -> its view, and dtype -> the flat array."""
+    sizes: dict[np.dtype, int] = {}
+    for n in names:
+        sizes[info[n].np_dtype] = sizes.get(info[n].np_dtype, 0) + info[n].numel
+    if extra:
+        sizes[np.dtype(np.float32)] = sizes.get(np.dtype(np.float32), 0) + extra
+    flats = {dt: np.zeros(k, dt) for dt, k in sizes.items()}
+    at = dict.fromkeys(flats, 0)
+    views = {}
+    for n in names:
+        ti = info[n]
+        dt = ti.np_dtype
+        views[n] = flats[dt][at[dt]:at[dt] + ti.numel].reshape(ti.shape)
+        at[dt] += ti.numel
+    return views, flats
+
+
+@dataclass(frozen=True)
+class ReplicaSettings:
+    rank: int
+    world: int
+    zero: int = 0
+    threads: int | None = None
+    source: str = "<step>"
+
+
+class Replica:
+    """The step on one rank (module docstring). ``step(batch) -> loss`` averaged over the
+    ranks; every rank ends the step with the same parameters."""
+
+    def __init__(self, split: SplitStep, comm, settings: ReplicaSettings) -> None:
+        s = settings
+        if s.zero not in (0, 1):
+            raise InputError(f"--zero {s.zero}: memcc shards optimizer state at stage 0 "
+                             "(none) or 1 (optimizer state); stage 2 is not built yet")
+        self.split, self.comm, self.settings = split, comm, s
+        info = split.full.info
+        params = split.parameters
+        self.owner = assign_owners(split, s.world) if s.zero else dict.fromkeys(params, s.rank)
+        order = sorted(params, key=lambda p: (self.owner[p], params.index(p)))
+        self.param_views, self.param_flats = _flat(order, info)
+        self._owned_ranges = self._ranges(order)
+        grads = list(dict.fromkeys(split.gradients.values()))
+        self.grad_views, self.grad_flats = _flat(grads, info, extra=2)
+        f32 = self.grad_flats[np.dtype(np.float32)]
+        self.loss_view = f32[-2:-1].reshape(())
+        self.stop_view = f32[-1:].reshape(())
+        owners = owners_of_state(split)
+        mine = [o for o, ps in owners.items()
+                if not ps or any(self.owner[p] == s.rank for p in ps)]
+        self.update_state = {o: split.update_state[o] for o in mine}
+        self.opt_state = {i: np.array(split.full.initializers[i], order="C", copy=True)
+                          for i in self.update_state.values() if i not in self.param_views}
+        self.carried = {i: np.array(split.full.initializers[i], order="C", copy=True)
+                        for i in split.grad_carried.values()}
+        self.batch = {d: np.zeros(info[d].shape, info[d].np_dtype)
+                      for d in split.spec.data_inputs}
+        for p, v in self.param_views.items():
+            np.copyto(v, split.full.initializers[p])
+        self._open_sessions()
+        self._drop_initial_values()
+        # Where this rank's steps spent their time (seconds, summed over steps).
+        self.seconds = dict.fromkeys(("gradient_step", "communication", "update_step"), 0.0)
+
+    def _drop_initial_values(self) -> None:
+        """The step file's initial values of the carried state are not needed once copied
+        into this rank's buffers: kept, they would hold every rank's optimizer state on
+        every rank (ZeRO-1's saving gone)."""
+        from memcc.backend.memory import trim_heap
+
+        carried = set(self.split.spec.state.values())
+        for g in (self.split.full, self.split.gradient, self.split.update):
+            for name in carried:
+                g.initializers.pop(name, None)
+        trim_heap()
+
+    def _ranges(self, order: list[str]) -> dict[np.dtype, list[tuple[int, int]]]:
+        """dtype -> [start, end) in its flat parameter array of each rank's parameters."""
+        info = self.split.full.info
+        out: dict[np.dtype, list[tuple[int, int]]] = {}
+        at: dict[np.dtype, int] = {}
+        for r in range(self.settings.world):
+            for dt in self.param_flats:
+                start = at.get(dt, 0)
+                n = sum(info[p].numel for p in order
+                        if self.owner[p] == r and info[p].np_dtype == dt)
+                out.setdefault(dt, []).append((start, start + n))
+                at[dt] = start + n
+        return out
+
+    def _open_sessions(self) -> None:
+        split, s = self.split, self.settings
+        loss = split.spec.loss
+        # The gradient step reads the Dropout counter, which the update step advances.
+        grad_bufs = {**self.param_views, **self.opt_state, **self.carried, **self.batch,
+                     **self.grad_views, loss: self.loss_view}
+        self.grad_step = BoundGraph(split.gradient, grad_bufs, threads=s.threads,
+                                    source=f"{s.source} (gradient step)")
+        part = update_part(split, self.update_state)
+        upd_bufs = {**self.param_views, **self.opt_state, **self.grad_views}
+        self.update_step = BoundGraph(part, upd_bufs, updates=self.update_state,
+                                      threads=s.threads, source=f"{s.source} (update step)")
+
+    # ------------------------------------------------------------------ running
+    def step(self, batch: Mapping[str, np.ndarray], *, stop: bool = False
+             ) -> tuple[float, bool]:
+        """One data-parallel step on this rank's ``batch``; returns the loss averaged over
+        the ranks and whether any rank asked to stop after this step (``stop``)."""
+        t0 = time.perf_counter()
+        for name, buf in self.batch.items():
+            np.copyto(buf, batch[name])
+        self.grad_step.run()
+        t1 = time.perf_counter()
+        self.stop_view[...] = 1.0 if stop else 0.0
+        for flat in self.grad_flats.values():
+            self.comm.all_reduce_mean(flat)
+        for out, inp in self.split.grad_carried.items():
+            new = self.grad_step.outputs[out]
+            if np.issubdtype(new.dtype, np.floating):
+                self.comm.all_reduce_mean(new)
+            np.copyto(self.carried[inp], new)
+        t2 = time.perf_counter()
+        self.update_step.run()
+        t3 = time.perf_counter()
+        if self.settings.zero:
+            for dt, flat in self.param_flats.items():
+                for r, (a, b) in enumerate(self._owned_ranges[dt]):
+                    if b > a:
+                        self.comm.broadcast(flat[a:b], src=r)
+        t4 = time.perf_counter()
+        for key, dt in (("gradient_step", t1 - t0), ("communication", t2 - t1 + t4 - t3),
+                        ("update_step", t3 - t2)):
+            self.seconds[key] += dt
+        return float(self.loss_view), bool(self.stop_view > 0)
+
+    # ------------------------------------------------------------------ state
+    def local_state(self) -> dict[str, np.ndarray]:
+        """The carried values this rank holds (live arrays, not copies)."""
+        return {**self.param_views, **self.opt_state, **self.carried}
+
+    def optimizer_state_bytes(self) -> int:
+        return sum(a.nbytes for a in self.opt_state.values())
+
+    def held_bytes(self) -> int:
+        """Bytes of the arrays this rank holds between steps: parameters, its optimizer
+        state, the gradient buckets, carried statistics, the batch and the outputs the
+        sessions write to arrays of their own (ORT's transient memory not included)."""
+        groups = (self.param_flats, self.grad_flats, self.opt_state, self.carried, self.batch,
+                  self.grad_step.outputs, self.update_step.outputs)
+        return sum(a.nbytes for g in groups for a in g.values())
+
+    def load(self, tensors: Mapping[str, np.ndarray], source: str) -> None:
+        """Take this rank's values from a consolidated state (a checkpoint): re-sharding is
+        just taking the optimizer state of the parameters this rank owns now."""
+        for name, buf in self.local_state().items():
+            if name not in tensors:
+                raise InputError(f"{source}: holds no '{name}'")
+            a = np.asarray(tensors[name])
+            if a.shape != buf.shape or a.dtype != buf.dtype:
+                raise InputError(f"{source}: '{name}' is {a.dtype} {list(a.shape)}; the step "
+                                 f"carries {buf.dtype} {list(buf.shape)}")
+            np.copyto(buf, a)
+
+    def full_state(self) -> dict[str, np.ndarray] | None:
+        """Every carried value, consolidated on rank 0 (None elsewhere): with ZeRO-1 each
+        rank's optimizer state is gathered there."""
+        if not self.settings.zero:
+            return self.local_state() if self.settings.rank == 0 else None
+        parts = self.comm.gather_object(self.opt_state)
+        if parts is None:
+            return None
+        merged: dict[str, np.ndarray] = {}
+        for part in parts:
+            merged.update(part)
+        return {**self.param_views, **merged, **self.carried}
