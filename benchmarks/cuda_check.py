@@ -208,7 +208,7 @@ def arena_log_phase(summary: Summary, provider: str, models: Sequence[str], size
     from memcc.backend.runner import execute, prepare_run, read_step_spec, synthetic_feeds
     from memcc.passes.analysis.arena import ArenaSetup, cuda_pages_for, replay_steps
     from memcc.passes.analysis.liveness import analyze_liveness
-    from memcc.passes.providers.batchnorm_for_cuda import for_provider
+    from memcc.passes.providers.provider_step import for_provider
 
     cuda = provider == "cuda"
     for name in models:

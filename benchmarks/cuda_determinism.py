@@ -52,9 +52,9 @@ from memcc.backend.session import SessionSettings, make_session  # noqa: E402
 from memcc.frontend.build import BuildOptions, build_training_step  # noqa: E402
 from memcc.frontend.load import load_graph  # noqa: E402
 from memcc.graph import Graph  # noqa: E402
-from memcc.passes.providers.batchnorm_for_cuda import for_provider  # noqa: E402
 from memcc.passes.providers.deterministic_reductions import to_trailing_axes  # noqa: E402
 from memcc.passes.providers.deterministic_scatter import for_cuda_determinism  # noqa: E402
+from memcc.passes.providers.provider_step import for_provider  # noqa: E402
 from models import build_model  # noqa: E402
 
 SIZES = {

@@ -74,8 +74,9 @@ from memcc.frontend.gradients import load_rules  # noqa: E402
 from memcc.frontend.gradients.nn import Normalised, batchnorm_train_backward  # noqa: E402
 from memcc.frontend.gradients.registry import RULES, GradContext  # noqa: E402
 from memcc.graph import Graph, TensorInfo  # noqa: E402
-from memcc.passes.providers.batchnorm_for_cuda import expand_training_batchnorm, for_provider  # noqa: E402
+from memcc.passes.providers.batchnorm_for_cuda import expand_training_batchnorm  # noqa: E402
 from memcc.passes.providers.deterministic_reductions import reduced_axes  # noqa: E402
+from memcc.passes.providers.provider_step import for_provider  # noqa: E402
 
 F32 = TensorProto.FLOAT
 EPS = 1e-5

@@ -109,7 +109,7 @@ def build_case(label: str, model: str, dims: dict, provider: str, tmp: Path) -> 
     from memcc.frontend.build import BuildOptions, build_training_step
     from memcc.frontend.load import load_graph
     from memcc.passes.analysis.cost_model import node_flops_bytes
-    from memcc.passes.providers.batchnorm_for_cuda import for_provider
+    from memcc.passes.providers.provider_step import for_provider
     from models import build_model
 
     graph = build_training_step(load_graph(build_model(model, **dims)), BuildOptions())

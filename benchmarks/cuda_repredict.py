@@ -46,7 +46,7 @@ from memcc.passes.analysis.arena import (  # noqa: E402
     replay_steps,
 )
 from memcc.passes.analysis.liveness import analyze_liveness  # noqa: E402
-from memcc.passes.providers.batchnorm_for_cuda import for_provider  # noqa: E402
+from memcc.passes.providers.provider_step import for_provider  # noqa: E402
 
 
 def predicted_bytes(name: str, dims: dict, tmp: Path, steps: int = 3) -> int:

@@ -16,7 +16,7 @@ from threads import run_once
 from memcc.frontend.autocast import autocast
 from memcc.frontend.build import BuildOptions, build_training_step
 from memcc.frontend.load import load_graph
-from memcc.passes.providers.batchnorm_for_cuda import for_provider
+from memcc.passes.providers.provider_step import for_provider
 from memcc.passes.providers.sixteen_bit import for_provider as sixteen_bit
 from memcc.step import PRECISION_KEY
 from models import build_model, make_feeds, make_labels

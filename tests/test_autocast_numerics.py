@@ -76,7 +76,7 @@ import memcc
 from memcc.frontend.build import BuildOptions, build_training_step
 from memcc.frontend.load import load_graph
 from memcc.graph import Graph
-from memcc.passes.providers.batchnorm_for_cuda import for_provider
+from memcc.passes.providers.provider_step import for_provider
 from models import MODELS, build_model, make_feeds, make_labels
 
 TORCH_TYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}

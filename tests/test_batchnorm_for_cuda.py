@@ -29,9 +29,9 @@ from memcc.frontend.load import load_graph
 from memcc.passes.analysis.liveness import categorize
 from memcc.passes.providers.batchnorm_for_cuda import (
     expand_training_batchnorm,
-    for_provider,
     is_training_batchnorm,
 )
+from memcc.passes.providers.provider_step import for_provider
 from memcc.step import Role, TrainingStep
 from models import build_model
 

@@ -64,7 +64,7 @@ def step_for_provider(graph: Graph, provider: str, *, deterministic: bool = Fals
     differences measured on an H200; their sums change order (within 1e-5). ORT's own
     ``use_deterministic_compute`` is not needed then, and cost GPT-2's step 44-49% there
     against 7% for the rewrites (docs/DETERMINISM.md, "CUDA")."""
-    from memcc.passes.providers.batchnorm_for_cuda import for_provider
+    from memcc.passes.providers.provider_step import for_provider
 
     original = graph
     graph, _ = for_provider(graph, provider)

@@ -25,7 +25,7 @@ from memcc.frontend.row_chunks import ATTENTION, MLP, find_regions
 from memcc.graph import Graph
 from memcc.pass_contract import Pass, PassRunner
 from memcc.passes.analysis.cuda_node_times import default_calibration
-from memcc.passes.providers.batchnorm_for_cuda import for_provider
+from memcc.passes.providers.provider_step import for_provider
 from memcc.step import FUSIONS_KEY, PRECISION_KEY, TrainingStep
 
 

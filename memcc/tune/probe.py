@@ -28,7 +28,7 @@ from memcc.passes.plan import Plan, StepStructure
 from memcc.passes.planning.planner import BudgetError, PlanOutcome, choose_plan
 from memcc.passes.planning.request import Budget, DecisionKinds, PlanRequest
 from memcc.passes.planning.simulate import Simulation, SimulationRules, simulate
-from memcc.passes.providers.batchnorm_for_cuda import for_provider
+from memcc.passes.providers.provider_step import for_provider
 from memcc.tune.options import Say, SearchRange, TuneOptions
 
 

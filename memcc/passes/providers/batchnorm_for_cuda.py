@@ -134,34 +134,6 @@ def _reuse_statistics(nodes: list[onnx.NodeProto], emit: Emitter,
     return changed
 
 
-def for_provider(graph: Graph, provider: str) -> tuple[Graph, dict]:
-    """The step as ``provider`` can run it, and how many BatchNormalization nodes were
-    rewritten for it (``{"batchnorm_rewritten": n}``: the pass contract,
-    ``memcc/pass_contract.py``).
-
-    On CUDA also every per-channel sum (BatchNorm's statistics, the gradients of its scale
-    and bias: reductions over axes 0, 2, 3 of an NCHW tensor) is written as a transpose and
-    a sum over trailing axes (``passes.providers.deterministic_reductions``): ORT's CUDA kernel adds
-    leading-axis sums with atomics, and on an H200 the trailing form ran issue 29's
-    ResNet-50 step in 321 ms instead of 479 (ResNet-18: 15.1 against 18.4 ms), and gives
-    the same bits every run."""
-    from memcc.passes.providers.sixteen_bit import for_provider as sixteen_bit
-
-    if provider != "cuda":
-        graph, emulated = sixteen_bit(graph, provider)
-        return graph, {"batchnorm_rewritten": 0, **emulated}
-    rewritten, report = expand_training_batchnorm(graph)
-    from memcc.passes.providers.deterministic_reductions import per_channel, to_trailing_axes
-
-    # Not yet ``per_channel_by_matmul``: 2% faster on the H200's ResNet-50 step, but its
-    # first loss moved by 1.6e-4 relative where the transpose form's matched the original
-    # to the last printed digit (BENCHMARKS.md, "Issue 30 on an H200"): until a float64
-    # check of the whole step says why, the transpose form stays.
-    rewritten, _ = to_trailing_axes(rewritten, only=per_channel)
-    rewritten, emulated = sixteen_bit(rewritten, provider)
-    return rewritten, {"batchnorm_rewritten": int(report["batchnorm_rewritten"]), **emulated}
-
-
 def _emit_batchnorm(emit: Emitter, node: onnx.NodeProto) -> tuple[str, str, str]:
     """Emit the node as the module docstring says; return (input, batch mean as
     [1, C, 1, ...], batch variance as [C])."""
