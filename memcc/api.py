@@ -81,6 +81,10 @@ _OWNERS: dict[str, tuple[str, str]] = {
     "plan_training": ("memcc.trainer", "plan_training"),
     "latest_checkpoint": ("memcc.backend.checkpoint", "latest"),
     "export_checkpoint": ("memcc.trainer", "export_checkpoint"),
+    # memcc train --nproc N (data-parallel; torch only when one of these runs)
+    "train_distributed": ("memcc.dist", "train_distributed"),
+    "launched_by_torchrun": ("memcc.dist.comm", "launched_by_torchrun"),
+    "describe_distributed_plan": ("memcc.dist.train", "describe_plan"),
 }
 
 

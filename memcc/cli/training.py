@@ -115,24 +115,20 @@ def train(
              "parameters' (ZeRO-1).")] = 0,
 ) -> None:
     """Train a step on real data, with checkpoints a crash cannot damage."""
-    from memcc.api import TrainingInterrupted, TrainOptions, plan_training
-    from memcc.dist.comm import launched_by_torchrun
-    from memcc.errors import InputError
+    from memcc.api import (
+        InputError,
+        TrainingInterrupted,
+        TrainOptions,
+        launched_by_torchrun,
+    )
 
     try:
         opts = TrainOptions(step=model, data=data, steps=steps, epochs=epochs, seed=seed,
                             checkpoint=checkpoint, save_every=save_every, resume=resume,
                             provider=provider, threads=threads, arena=arena,
                             cuda_graph=cuda_graph, deterministic=deterministic)
-        if batch_size_check and nproc is not None:
-            from memcc.dist.train import describe_plan
-
-            out.print(f"{model}: data {data} fits: {describe_plan(opts, nproc)}",
-                      highlight=False)
-            return
         if batch_size_check:
-            plan = plan_training(opts)
-            out.print(f"{model}: data {data} fits: {plan.describe()}", highlight=False)
+            _say_batch_size(opts, nproc)
             return
         if nproc is not None or launched_by_torchrun() is not None:
             _train_data_parallel(opts, nproc, zero, as_json=as_json)
@@ -154,11 +150,19 @@ def train(
     _print_trained(result)
 
 
+def _say_batch_size(opts: TrainOptions, nproc: int | None) -> None:
+    """``--batch-size-check``: what the data gives (per rank with ``--nproc``), no step."""
+    from memcc.api import describe_distributed_plan, plan_training
+
+    said = describe_distributed_plan(opts, nproc) if nproc is not None \
+        else plan_training(opts).describe()
+    out.print(f"{opts.step}: data {opts.data} fits: {said}", highlight=False)
+
+
 def _train_data_parallel(opts: TrainOptions, nproc: int | None, zero: int, *,
                          as_json: bool) -> None:
     """``--nproc N`` / torchrun: train on N ranks (``memcc.dist``); rank 0 reports."""
-    from memcc.api import TrainingInterrupted
-    from memcc.dist import train_distributed
+    from memcc.api import TrainingInterrupted, train_distributed
 
     try:
         out_ = train_distributed(opts, nproc, zero=zero, quiet=as_json)
