@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from memcc.trainer.loop import StopRequest, stop_requests
 from memcc.backend import checkpoint as ckpt
 from memcc.backend.data import Dataset, data_inputs, load_dataset
 from memcc.backend.device_step import step_for_provider
@@ -246,43 +247,6 @@ class _Loop:
                 step_file=str(Path(t.step).resolve())), keep=t.keep))
         self.comm.barrier()
         self.last_saved = self.result.steps_done
-
-
-class StopRequest:
-    """Set by the first SIGINT or SIGTERM; true once a stop was asked for."""
-
-    def __init__(self) -> None:
-        self.signum: int | None = None
-
-    def __bool__(self) -> bool:
-        return self.signum is not None
-
-    @property
-    def name(self) -> str | None:
-        return None if self.signum is None else signal.Signals(self.signum).name
-
-
-@contextmanager
-def stop_requests() -> Iterator[StopRequest]:
-    """SIGINT and SIGTERM become a request to stop after the running step (the ranks agree
-    on it through the gradient all-reduce, ``Replica.step``); a second SIGINT raises
-    ``KeyboardInterrupt`` at once. Only the main thread can set handlers."""
-    stop = StopRequest()
-    if threading.current_thread() is not threading.main_thread():
-        yield stop
-        return
-
-    def on_signal(signum: int, frame) -> None:
-        if stop and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        stop.signum = stop.signum or signum
-
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield stop
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
 
 
 def _split(run: RankRun, t: TrainOptions):

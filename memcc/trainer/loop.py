@@ -154,12 +154,12 @@ def train(opts: TrainOptions, *, on_start: Callable[[TrainResult], None] | None 
                position=int(trainer.data_state.get("batches_consumed", trainer.steps_done)),
                last_saved=trainer.steps_done if loaded is not None else None)
     t0 = time.perf_counter()
-    with _stop_requests() as stop:
+    with stop_requests() as stop:
         while trainer.steps_done < plan.total_steps and not stop:
             progress = run.step(t0)
             if on_step is not None:
                 on_step(progress)
-        run.finish()  # still under ``_stop_requests``: a signal now does not cut the write
+        run.finish()  # still under ``stop_requests``: a signal now does not cut the write
     result.memory = meter.to_json()
     if stop and result.steps_done < result.total_steps:
         result.interrupted = stop.name
@@ -280,7 +280,7 @@ class TrainingInterrupted(Exception):
         self.signum = signum
 
 
-class _StopRequest:
+class StopRequest:
     """Set by the first SIGINT or SIGTERM; true once a stop was asked for."""
 
     def __init__(self) -> None:
@@ -295,7 +295,7 @@ class _StopRequest:
 
 
 @contextmanager
-def _stop_requests() -> Iterator[_StopRequest]:
+def stop_requests() -> Iterator[StopRequest]:
     """Turn SIGINT and SIGTERM into a request to stop after the running step.
 
     A signal that raised ``KeyboardInterrupt`` inside ``Trainer.step`` could land between
@@ -305,7 +305,7 @@ def _stop_requests() -> Iterator[_StopRequest]:
     step); a second SIGINT gives up on the step at once (``KeyboardInterrupt``, nothing
     saved: the last checkpoint stands). Python lets only the main thread set handlers;
     elsewhere (a training thread of the user's) signals keep their own handlers."""
-    stop = _StopRequest()
+    stop = StopRequest()
     if threading.current_thread() is not threading.main_thread():
         yield stop
         return
