@@ -22,6 +22,8 @@ from onnx import TensorProto, helper, numpy_helper
 FLOAT_TYPES = frozenset(
     {TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16}
 )
+# The 16-bit float types a ``--precision bf16|fp16`` step computes in (frontend/autocast.py).
+SIXTEEN_BIT_TYPES = frozenset({TensorProto.BFLOAT16, TensorProto.FLOAT16})
 
 # Highest IR version the ORT packages memcc targets accept; newer onnx writes newer ones.
 MAX_IR_VERSION = 10

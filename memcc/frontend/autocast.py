@@ -47,10 +47,10 @@ from onnx import TensorProto
 
 from memcc.frontend.emit import Emitter
 from memcc.frontend.kernel_coverage import float_constraint
-from memcc.graph import Graph, TensorInfo
+from memcc.graph import SIXTEEN_BIT_TYPES, Graph, TensorInfo
 from memcc.step import tag_node
 
-SIXTEEN = {"bf16": TensorProto.BFLOAT16, "fp16": TensorProto.FLOAT16}
+SIXTEEN = {"bf16": TensorProto.BFLOAT16, "fp16": TensorProto.FLOAT16}  # --precision
 F32 = TensorProto.FLOAT
 LOWER = frozenset({"MatMul", "Gemm", "Conv", "ConvTranspose", "Einsum"})
 FLOAT32 = frozenset({
@@ -264,7 +264,7 @@ def _is_autocast(node: onnx.NodeProto) -> bool:
 def _widens(graph: Graph, node: onnx.NodeProto) -> bool:
     src, dst = graph.info.get(node.input[0]), graph.info.get(node.output[0])
     return src is not None and dst is not None and dst.dtype == F32 \
-        and src.dtype in SIXTEEN.values()
+        and src.dtype in SIXTEEN_BIT_TYPES
 
 
 def without_autocast(graph: Graph) -> Graph:
@@ -295,6 +295,6 @@ def without_autocast(graph: Graph) -> Graph:
             n.input[k] = name
     g.set_nodes(nodes)
     for name, info in list(g.info.items()):
-        if info.dtype in SIXTEEN.values():
+        if info.dtype in SIXTEEN_BIT_TYPES:
             g.info[name] = TensorInfo(F32, info.shape)
     return g

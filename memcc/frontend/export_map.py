@@ -27,7 +27,7 @@ from memcc.frontend.export_signature import (
     file_props,
     is_made_up_name,
 )
-from memcc.graph import Graph
+from memcc.graph import FLOAT_TYPES, Graph
 from memcc.step import KIND_KEY
 
 # Graph.metadata key under which load_graph keeps the ``ExportMap`` (JSON) for the builder.
@@ -38,8 +38,6 @@ FOLDED_FROM_PROP = "pkg.onnxscript.optimizer.folded_from"
 FX_NODE_PROP = "pkg.torch.onnx.fx_node"
 NAME_SCOPES_PROP = "pkg.torch.onnx.name_scopes"
 _FX_NAME = re.compile(r"^%(\S+) :")
-_FLOAT_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16,
-                          onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE})
 _FX_ARG = re.compile(r"%(\w+)")
 
 
@@ -283,7 +281,7 @@ def _read_scope_ties(model: onnx.ModelProto) -> ExportMap | None:
     float initializers are mapped; None when the file has no such node (no scope names, or
     no tying), so that the names alone decide, as before."""
     floats = {t.name for t in model.graph.initializer
-              if t.data_type in _FLOAT_TYPES and not is_made_up_name(t.name)}
+              if t.data_type in FLOAT_TYPES and not is_made_up_name(t.name)}
     owners = {f.rsplit(".", k)[0] for f in floats for k in range(1, f.count(".") + 1)}
     tied: dict[str, set[str]] = {}
     for node in model.graph.node:

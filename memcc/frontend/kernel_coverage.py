@@ -36,7 +36,6 @@ from memcc.frontend.ort_kernels import CPU, SAFE_TO_LIST
 
 PROVIDER_NAMES = {"cpu": CPU, "cuda": "CUDAExecutionProvider"}
 CUDA_TABLE = Path(__file__).resolve().parent.parent / "data" / "ort_cuda_16bit_kernels.json"
-SIXTEEN_BIT = (TensorProto.BFLOAT16, TensorProto.FLOAT16)
 _FLOAT_TYPES = frozenset({"tensor(float)", "tensor(float16)", "tensor(bfloat16)",
                           "tensor(double)"})
 _TABLE_NAMES = {TensorProto.BFLOAT16: "bfloat16", TensorProto.FLOAT16: "float16"}
@@ -85,6 +84,7 @@ def _schema(op_type: str, opset: int, domain: str):
         return None
 
 
+@lru_cache(maxsize=1024)  # asked once per node by autocast and the 16-bit pass
 def float_constraint(op_type: str, opset: int, domain: str = "") -> str | None:
     """The name of the type constraint that carries ``op_type``'s floating-point data: its
     first output's when that admits float (Add: T, Cast: T2), else the first input's that

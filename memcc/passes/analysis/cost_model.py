@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
-from onnx import TensorProto
 
-from memcc.graph import Graph, attr
+from memcc.frontend.autocast import LOWER  # the ops autocast computes in 16-bit
+from memcc.graph import SIXTEEN_BIT_TYPES, Graph, attr
 
 # Ops that only move or reinterpret data: no arithmetic, cost is bytes.
 _MOVEMENT = {
@@ -306,14 +306,12 @@ def node_flops_bytes(graph: Graph, node: onnx.NodeProto) -> tuple[float, float]:
     return factor * max(out_numel, in_numel), nbytes
 
 
-SIXTEEN_BIT_PRODUCTS = frozenset({"MatMul", "Gemm", "Conv", "ConvTranspose", "Einsum"})
-SIXTEEN_BIT_TYPES = frozenset({TensorProto.BFLOAT16, TensorProto.FLOAT16})
 
 
 def is_sixteen_bit_product(graph: Graph, node: onnx.NodeProto) -> bool:
     """A matrix product or convolution computing in bfloat16 or float16."""
     info = graph.info.get(node.output[0]) if node.output else None
-    return node.op_type in SIXTEEN_BIT_PRODUCTS and info is not None \
+    return node.op_type in LOWER and info is not None \
         and info.dtype in SIXTEEN_BIT_TYPES
 
 

@@ -27,9 +27,8 @@ from onnx import TensorProto
 
 from memcc.frontend.emit import Emitter
 from memcc.frontend.kernel_coverage import has_kernel_bound
-from memcc.graph import Graph, TensorInfo
+from memcc.graph import SIXTEEN_BIT_TYPES, Graph, TensorInfo
 
-SIXTEEN = frozenset({TensorProto.BFLOAT16, TensorProto.FLOAT16})
 F32 = TensorProto.FLOAT
 # Kernels the registry lists for 16-bit types that refuse them at run time: onnxruntime
 # 1.31's CPU ScatterElements / ScatterND add float16 only without a reduction
@@ -43,7 +42,7 @@ def for_provider(graph: Graph, provider: str) -> tuple[Graph, dict]:
     between casts; ``{"sixteen_bit_emulated": {op: count}}`` (the pass contract,
     ``memcc/pass_contract.py``), ``{}`` where nothing was. A step without 16-bit values
     comes back as it was."""
-    if not any(ti.dtype in SIXTEEN for ti in graph.info.values()):
+    if not any(ti.dtype in SIXTEEN_BIT_TYPES for ti in graph.info.values()):
         return graph, {}
     out = graph.copy()
     emit = Emitter(out, prefix="f32/", detached=True)
@@ -75,7 +74,7 @@ def _bound_types(graph: Graph, node: onnx.NodeProto) -> dict[str, int] | None:
         return None
     values = [(v, k, False) for k, v in enumerate(node.input) if v] + \
         [(v, k, True) for k, v in enumerate(node.output) if v]
-    if not any(v in graph.info and graph.info[v].dtype in SIXTEEN for v, _, _ in values):
+    if not any(v in graph.info and graph.info[v].dtype in SIXTEEN_BIT_TYPES for v, _, _ in values):
         return None
     try:
         schema = onnx.defs.get_schema(node.op_type, graph.opset, node.domain or "")
@@ -96,7 +95,7 @@ def _in_float32(graph: Graph, emit: Emitter, node: onnx.NodeProto) -> list[onnx.
     before = len(emit.nodes)
     widened: dict[str, str] = {}
     for k, v in enumerate(node.input):
-        if v and v in graph.info and graph.info[v].dtype in SIXTEEN:
+        if v and v in graph.info and graph.info[v].dtype in SIXTEEN_BIT_TYPES:
             if v not in widened:
                 widened[v] = emit.op("Cast", [v], to=F32,
                                      info=TensorInfo(F32, graph.info[v].shape))
@@ -104,7 +103,7 @@ def _in_float32(graph: Graph, emit: Emitter, node: onnx.NodeProto) -> list[onnx.
     pre = emit.nodes[before:]
     post: list[onnx.NodeProto] = []
     for k, y in enumerate(node.output):
-        if not y or y not in graph.info or graph.info[y].dtype not in SIXTEEN:
+        if not y or y not in graph.info or graph.info[y].dtype not in SIXTEEN_BIT_TYPES:
             continue
         info = graph.info[y]
         wide = emit.fresh(f"{y}.f32")
@@ -120,5 +119,5 @@ def _retype_float_attributes(node: onnx.NodeProto) -> None:
     """Attributes that name the computing type (a ``Cast``'s ``to`` is the node's own
     business; ``EyeLike`` / ``RandomNormalLike``'s ``dtype``) follow it to float32."""
     for a in node.attribute:
-        if a.name == "dtype" and a.i in SIXTEEN:
+        if a.name == "dtype" and a.i in SIXTEEN_BIT_TYPES:
             a.i = F32
