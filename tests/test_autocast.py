@@ -107,7 +107,6 @@ def test_the_backward_reads_16_bit_values_not_their_float32_copies():
     from memcc.step import Role, TrainingStep
 
     roles = TrainingStep(step).roles
-    producer = {o: n for n in step.nodes for o in n.output}
     forward_casts = {n.output[0] for n in step.nodes
                      if n.op_type == "Cast" and roles[n.name] is Role.FORWARD
                      and (step.info[n.output[0]].dtype == F
@@ -117,7 +116,6 @@ def test_the_backward_reads_16_bit_values_not_their_float32_copies():
                   for i in n.input}
     assert not (forward_casts & read_later), sorted(forward_casts & read_later)[:5]
     assert json.loads(step.metadata[PRECISION_KEY])["recast_in_backward"] > 0
-    assert producer  # the step has nodes
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
@@ -129,8 +127,7 @@ def test_the_cpu_provider_runs_a_16_bit_step_it_has_no_kernels_for(precision):
     step = build_training_step(load_graph(model), BuildOptions(precision=precision))
     ran, report = for_provider(step, "cpu")
     emulated = report["sixteen_bit_emulated"]
-    assert emulated.get("Conv", 0) > 0 and emulated.get("ConvTranspose", 0) + \
-        emulated.get("Conv", 0) > 0
+    assert emulated.get("Conv", 0) > 0
     low = BF if precision == "bf16" else H
     # Values between ops stay 16-bit: every emulated node's results are cast back down.
     for n in ran.nodes:
@@ -182,7 +179,7 @@ def test_trained_weights_export_as_the_float32_forward_model(tmp_path):
     out = trainer.export(tmp_path / "trained.onnx")
     exported = onnx.load(str(out))
     types = {i.data_type for i in exported.graph.initializer}
-    assert types == {TensorProto.FLOAT} or types <= {TensorProto.FLOAT, TensorProto.INT64}
+    assert TensorProto.FLOAT in types and types <= {TensorProto.FLOAT, TensorProto.INT64}
     assert not [n for n in exported.graph.node if n.op_type == "Cast"
                 and any(a.name == "to" and a.i in (BF, H) for a in n.attribute)]
     sess = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
@@ -242,3 +239,30 @@ def test_a_model_with_nothing_to_compute_in_16_bit_is_refused_with_a_message():
                        {"w": rng.standard_normal([8]).astype(np.float32)})
     with pytest.raises(InputError, match="no float32 matrix product or convolution"):
         build_training_step(load_graph(model), BuildOptions(precision="bf16", loss="mse"))
+
+
+def test_a_budget_a_16_bit_step_cannot_reach_is_refused_naming_one_it_can(tmp_path):
+    """Below what the bfloat16 step can reach, compile refuses, writes nothing and names a
+    budget; that budget compiles and fits."""
+    import onnx
+
+    from memcc.compiler import CompileOptions, compile_model
+    from memcc.passes.planning.planner import BudgetError
+
+    path = tmp_path / "gpt2.onnx"
+    onnx.save(build_model("gpt2", batch=4, seq_len=64), str(path))
+    whole = {"loss_chunks": 1, "attention_chunks": 1, "mlp_chunks": 1}
+    opts = {"strategy": "sqrtn", "cost": "analytic", "time_limit": 20}
+    least = compile_model(path, CompileOptions(
+        budget="min", build=BuildOptions(precision="bf16", **whole), **opts)
+        ).report["budget_bytes"]
+    out = tmp_path / "out.onnx"
+    with pytest.raises(BudgetError) as refused:
+        compile_model(path, CompileOptions(budget=int(least * 0.9),
+                                           build=BuildOptions(precision="bf16", **whole),
+                                           **opts), output=out)
+    assert not out.exists()
+    named = int(__import__("re").search(r"--budget (\d+)", str(refused.value)).group(1))
+    fits = compile_model(path, CompileOptions(budget=named, build=BuildOptions(
+        precision="bf16", **whole), **opts), output=out).report
+    assert fits["plan"]["fits"] and out.exists()
