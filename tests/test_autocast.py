@@ -266,3 +266,13 @@ def test_a_budget_a_16_bit_step_cannot_reach_is_refused_naming_one_it_can(tmp_pa
     fits = compile_model(path, CompileOptions(budget=named, build=BuildOptions(
         precision="bf16", **whole), **opts), output=out).report
     assert fits["plan"]["fits"] and out.exists()
+
+
+def test_the_autocast_comparison_benchmark_prints_both_sides():
+    """benchmarks/autocast_vs_torch.py, whose figures README and BENCHMARKS.md quote."""
+    from benchmarks.autocast_vs_torch import compare
+
+    row = compare("mlp", "bf16", {})
+    assert row["median_error_torch"] > 0 and row["median_error_memcc"] > 0
+    assert np.isfinite([row["loss_torch"], row["loss_memcc"], row["loss_float64"]]).all()
+    assert row["max_error_memcc"] >= row["median_error_memcc"]
