@@ -15,7 +15,7 @@ def test_the_gpu_script_runs_every_phase_and_writes_its_summary(tmp_path):
     rc = cuda_check.main(["--provider", "cpu", "--small", "--out", str(out),
                           "--phases", "env", "truth", "overlap", "plans", "--models", "mlp",
                           "--plan-models", "gpt2", "--fractions", "0.6", "--rounds", "1",
-                          "--steps", "2"])
+                          "--steps", "2", "--time-limit", "5"])  # the code path, not the plan
     assert rc == 0
     data = json.loads((out / "summary.json").read_text())
     assert data["env"][0]["provider"] == "cpu" and data["env"][0]["onnxruntime"]
