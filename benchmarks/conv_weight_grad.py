@@ -1,4 +1,5 @@
-"""Convolution weight gradients on the CPU: each standard-ONNX formulation against PyTorch.
+"""Convolution weight gradients on ORT's CPU or CUDA provider: each standard-ONNX formulation
+against PyTorch's own weight gradient on the same device.
 
 Issue 30 asks for the fastest standard-ONNX spelling of a convolution's weight gradient on
 each provider, and whether any comes within 2x of the framework's own backward-filter
@@ -7,8 +8,10 @@ ops (``memcc/frontend/gradients/nn.py``): a Conv over batch-swapped activations,
 over pixels for 1x1 convolutions. Many other spellings compute the same numbers; which is
 fastest depends on the shape. This script measures them one layer at a time:
 
-    python benchmarks/conv_weight_grad.py [--batch 8] [--resolution 64] [--threads 2]
-        [--rounds 10] [--models resnet50 mobilenetv2] [--shape SPEC ...] [--out FILE.json]
+    python benchmarks/conv_weight_grad.py [--provider cpu|cuda] [--tf32 on|off]
+        [--batch 8] [--resolution 64] [--threads 2] [--rounds 10]
+        [--models resnet50 mobilenetv2] [--shape SPEC ...] [--budget-s S] [--slow-ms MS]
+        [--out FILE.json]
 
 Shapes: every distinct Conv of the zoo's ResNet-50 (torchvision's layers, ``models/resnet``)
 and every depthwise Conv (group = channels) of its MobileNetV2, at ``--batch`` and
@@ -59,6 +62,24 @@ passively (``OMP_WAIT_POLICY=PASSIVE``, set before torch loads, as
 The tables give each form's median ms, the fastest, torch's ms and fastest/torch; the
 summary says for how many shapes the fastest standard form is within 2x of torch, and the
 whole networks' sums (each shape weighted by the number of layers it stands for).
+
+Every form runs through IOBinding (``BoundForm``) on both providers: x and gy bound once
+as OrtValues on the provider's device, dW bound to a preallocated buffer there, and every
+timed call synchronised, so no host copy is timed (as ``benchmarks/cuda_kernel_forms.py``).
+``--provider cuda`` times the same forms on ORT's CUDA provider (memcc's contract: cuDNN's
+HEURISTIC algorithm choice, ``memcc.backend.session.cudnn_conv_algo_search``) against
+torch on the GPU through cuDNN twice, with its heuristic choice (torch's default) and with
+``cudnn.benchmark``; the float64 reference is computed on the GPU. ``--tf32 on`` (the
+default) allows TF32 on both sides (ORT's ``use_tf32=1``, its default, said explicitly;
+torch's ``cudnn.allow_tf32`` and ``cuda.matmul.allow_tf32``), and the error tolerance is
+then 1e-2 instead of 1e-4; ``--tf32 off`` forbids it on both. The fastest form is the
+fastest within the tolerance. A form whose session cannot load or run (out of memory
+included) is an error row, a shape that fails as a whole (torch's tensors) an error row
+of the run; ``--slow-ms`` (default 250 on CUDA) times a form slower than that on one call,
+outside the rounds. Network shapes run most network time (FLOPs x layers) first;
+``--budget-s`` starts no new shape after that many seconds and lists the rest as skipped;
+``--out`` is rewritten after every shape (``complete`` false and ``pending`` until the
+end), so a run killed by a time limit keeps its rows.
 """
 
 from __future__ import annotations
@@ -972,6 +993,19 @@ def cuda_problem() -> str | None:
     return reason
 
 
+def set_torch_tf32(on: bool) -> dict[str, bool]:
+    """TF32 for torch's cuDNN convolutions and CUDA matmuls, through the flags every torch
+    2.x reads (newer torch also has ``fp32_precision``, and refuses a mix of the two APIs);
+    returns the flags as read back, for the JSON."""
+    import torch
+
+    torch.backends.cudnn.enabled = True
+    torch.backends.cudnn.allow_tf32 = on
+    torch.backends.cuda.matmul.allow_tf32 = on
+    return {"cudnn.allow_tf32": bool(torch.backends.cudnn.allow_tf32),
+            "cuda.matmul.allow_tf32": bool(torch.backends.cuda.matmul.allow_tf32)}
+
+
 def order_by_cost(shapes: Sequence[ConvShape]) -> list[ConvShape]:
     """Most network time first (FLOPs of the layer times the layers it stands for), so a
     run cut short by ``--budget-s`` has measured the layers that matter."""
@@ -999,8 +1033,8 @@ def run_meta(args: argparse.Namespace, cfg: RunConfig) -> dict:
         meta.update(device=torch.cuda.get_device_name(0), cuda=torch.version.cuda,
                     cudnn=torch.backends.cudnn.version(),
                     tf32=(f"{'on' if cfg.tf32 else 'off'} on both sides: ORT use_tf32={on}; "
-                          f"torch cudnn.allow_tf32={cfg.tf32}, "
-                          f"cuda.matmul.allow_tf32={cfg.tf32}"),
+                          "torch " + ", ".join(f"{k}={v}" for k, v in
+                                               set_torch_tf32(cfg.tf32).items())),
                     ort_cudnn_conv_algo_search=cudnn_conv_algo_search(),
                     torch_cudnn="heuristic (benchmark=False, torch's default) and "
                                 "benchmark=True; the faster counts")
@@ -1059,7 +1093,9 @@ def main(argv: Sequence[str]) -> int:
     args = parse_args(argv)
     if args.omp_wait_policy != "inherit" and "torch" not in sys.modules:
         os.environ["OMP_WAIT_POLICY"] = args.omp_wait_policy  # libgomp reads it at load
-    import torch
+    # torch before onnxruntime: ORT's CUDA provider then finds the CUDA and cuDNN libraries
+    # torch loaded (ORT's documented order when both share a process).
+    import torch  # noqa: F401
 
     slow_ms = args.slow_ms if args.slow_ms is not None else DEFAULT_SLOW_MS[args.provider]
     cfg = RunConfig(args.provider, args.threads, args.rounds, args.tf32 == "on", slow_ms)
@@ -1069,9 +1105,7 @@ def main(argv: Sequence[str]) -> int:
             print(f"conv_weight_grad: --provider cuda: {problem}; or run with --provider cpu",
                   file=sys.stderr)
             return 2
-        torch.backends.cudnn.enabled = True
-        torch.backends.cudnn.allow_tf32 = cfg.tf32
-        torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
+        set_torch_tf32(cfg.tf32)
     started = time.perf_counter()
     shapes = args.shape or order_by_cost(network_shapes(args.models, args.batch,
                                                         args.resolution))
