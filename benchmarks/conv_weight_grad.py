@@ -1,4 +1,5 @@
-"""Convolution weight gradients on the CPU: each standard-ONNX formulation against PyTorch.
+"""Convolution weight gradients on ORT's CPU or CUDA provider: each standard-ONNX formulation
+against PyTorch's own weight gradient on the same device.
 
 Issue 30 asks for the fastest standard-ONNX spelling of a convolution's weight gradient on
 each provider, and whether any comes within 2x of the framework's own backward-filter
@@ -7,8 +8,10 @@ ops (``memcc/frontend/gradients/nn.py``): a Conv over batch-swapped activations,
 over pixels for 1x1 convolutions. Many other spellings compute the same numbers; which is
 fastest depends on the shape. This script measures them one layer at a time:
 
-    python benchmarks/conv_weight_grad.py [--batch 8] [--resolution 64] [--threads 2]
-        [--rounds 10] [--models resnet50 mobilenetv2] [--shape SPEC ...] [--out FILE.json]
+    python benchmarks/conv_weight_grad.py [--provider cpu|cuda] [--tf32 on|off]
+        [--batch 8] [--resolution 64] [--threads 2] [--rounds 10]
+        [--models resnet50 mobilenetv2] [--shape SPEC ...] [--budget-s S] [--slow-ms MS]
+        [--out FILE.json]
 
 Shapes: every distinct Conv of the zoo's ResNet-50 (torchvision's layers, ``models/resnet``)
 and every depthwise Conv (group = channels) of its MobileNetV2, at ``--batch`` and
@@ -59,6 +62,24 @@ passively (``OMP_WAIT_POLICY=PASSIVE``, set before torch loads, as
 The tables give each form's median ms, the fastest, torch's ms and fastest/torch; the
 summary says for how many shapes the fastest standard form is within 2x of torch, and the
 whole networks' sums (each shape weighted by the number of layers it stands for).
+
+Every form runs through IOBinding (``BoundForm``) on both providers: x and gy bound once
+as OrtValues on the provider's device, dW bound to a preallocated buffer there, and every
+timed call synchronised, so no host copy is timed (as ``benchmarks/cuda_kernel_forms.py``).
+``--provider cuda`` times the same forms on ORT's CUDA provider (memcc's contract: cuDNN's
+HEURISTIC algorithm choice, ``memcc.backend.session.cudnn_conv_algo_search``) against
+torch on the GPU through cuDNN twice, with its heuristic choice (torch's default) and with
+``cudnn.benchmark``; the float64 reference is computed on the GPU. ``--tf32 on`` (the
+default) allows TF32 on both sides (ORT's ``use_tf32=1``, its default, said explicitly;
+torch's ``cudnn.allow_tf32`` and ``cuda.matmul.allow_tf32``), and the error tolerance is
+then 1e-2 instead of 1e-4; ``--tf32 off`` forbids it on both. The fastest form is the
+fastest within the tolerance. A form whose session cannot load or run (out of memory
+included) is an error row, a shape that fails as a whole (torch's tensors) an error row
+of the run; ``--slow-ms`` (default 250 on CUDA) times a form slower than that on one call,
+outside the rounds. Network shapes run most network time (FLOPs x layers) first;
+``--budget-s`` starts no new shape after that many seconds and lists the rest as skipped;
+``--out`` is rewritten after every shape (``complete`` false and ``pending`` until the
+end), so a run killed by a time limit keeps its rows.
 """
 
 from __future__ import annotations
@@ -69,6 +90,7 @@ import os
 import platform
 import re
 import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -127,6 +149,13 @@ class ConvShape:
         return "grouped"
 
     @property
+    def flops(self) -> int:
+        """Multiply-adds of the weight gradient, times two (as of the forward Conv)."""
+        n, c = self.x[:2]
+        return 2 * n * self.w[0] * (c // self.group) * self.w[2] * self.w[3] * int(
+            np.prod(self.out))
+
+    @property
     def label(self) -> str:
         text = ("x" + "x".join(map(str, self.x)) + " w" + "x".join(map(str, self.w))
                 + f" s{self.stride[0]}")
@@ -140,7 +169,8 @@ class ConvShape:
 
     def to_json(self) -> dict:
         return {"label": self.label, "family": self.family, "name": self.name,
-                "count": self.count, "kind": self.kind, "x": list(self.x), "w": list(self.w),
+                "count": self.count, "kind": self.kind, "gflops": self.flops / 1e9,
+                "x": list(self.x), "w": list(self.w),
                 "stride": list(self.stride), "pads": list(self.pads),
                 "dilation": list(self.dilation), "group": self.group, "out": list(self.out)}
 
@@ -561,32 +591,101 @@ def form_model(s: ConvShape, form: str) -> onnx.ModelProto:
 
 
 # ---------------------------------------------------------------------------- measuring
-def _torch_fns(s: ConvShape, x: np.ndarray, gy: np.ndarray):
-    """PyTorch's weight gradient for the layer, as torch picks its kernel (oneDNN where
-    enabled) and with oneDNN off (ATen's own kernels), both timed; and float64 reference
-    dW."""
+FP32_TOL = 1e-4  # float32 accumulation against the float64 reference
+TF32_TOL = 1e-2  # TF32 rounds every product's inputs to 10 mantissa bits (about 1e-3 seen)
+DEFAULT_SLOW_MS = {"cuda": 250.0, "cpu": None}
+# PyTorch's two kernels per provider: the name the timing uses -> the JSON key and column.
+TORCH_KERNELS = {
+    "cpu": {"torch": ("onednn", "torch (oneDNN)"), "torch-native": ("native", "torch (native)")},
+    "cuda": {"torch": ("cudnn", "torch (cuDNN)"),
+             "torch-benchmark": ("cudnn_benchmark", "torch (cuDNN benchmark)")},
+}
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """How a run measures. ``provider``: ORT's provider and torch's device. ``tf32`` (CUDA
+    only): TF32 allowed on both sides or on neither (ORT's ``use_tf32`` provider option;
+    torch's cuDNN and matmul flags). ``slow_ms``: a form whose warm call takes longer is
+    timed on that call alone, not in the rounds, so one pathological form cannot spend a
+    GPU call's time (None: every form goes into the rounds, the CPU default)."""
+
+    provider: str = "cpu"
+    threads: int = 2
+    rounds: int = 10
+    tf32: bool = True
+    slow_ms: float | None = None
+    seed: int = 0
+
+    @property
+    def tolerance(self) -> float:
+        """The largest error relative to the float64 reference that is still dW."""
+        return TF32_TOL if self.provider == "cuda" and self.tf32 else FP32_TOL
+
+    def session_settings(self):
+        """memcc's execution contract (``make_session``) with the threads and, on CUDA, the
+        TF32 choice said explicitly (ORT's default is use_tf32=1)."""
+        from memcc.backend.session import SessionSettings
+
+        cuda = {"use_tf32": "1" if self.tf32 else "0"} if self.provider == "cuda" else None
+        return SessionSettings(intra_op_threads=self.threads, cuda_options=cuda)
+
+
+def _data(s: ConvShape, cfg: RunConfig) -> tuple[np.ndarray, np.ndarray]:
+    """Random float32 x and gy. On CUDA drawn by torch on the GPU and copied to the host
+    once (numpy takes seconds per batch-184 activation on one core)."""
+    gy_shape = (s.x[0], s.w[0], *s.out)
+    if cfg.provider == "cuda":
+        import torch
+
+        gen = torch.Generator(device="cuda").manual_seed(cfg.seed)
+        x, gy = (torch.randn(shape, generator=gen, device="cuda").cpu().numpy()
+                 for shape in (s.x, gy_shape))
+        return x, gy
+    rng = np.random.default_rng(cfg.seed)
+    return (rng.standard_normal(s.x).astype(np.float32),
+            rng.standard_normal(gy_shape).astype(np.float32))
+
+
+def _torch_fns(s: ConvShape, x: np.ndarray, gy: np.ndarray, provider: str = "cpu"):
+    """PyTorch's weight gradient for the layer on ``provider``'s device, two ways, both
+    timed: on the CPU as torch picks its kernel (oneDNN where enabled) and with oneDNN off
+    (ATen's own kernels); on CUDA through cuDNN with its heuristic choice (torch's default)
+    and with ``cudnn.benchmark`` (cuDNN times its algorithms). Each call synchronises the
+    device. Also the float64 reference dW, computed on the same device (a batch-184 layer
+    in double takes minutes on the CPU), returned on the host."""
     import torch
 
-    xt, gt = torch.from_numpy(x), torch.from_numpy(gy)
-    wt = torch.empty(s.w, dtype=torch.float32)
+    dev = torch.device(provider)
+    xt, gt = torch.from_numpy(x).to(dev), torch.from_numpy(gy).to(dev)
+    wt = torch.empty(s.w, dtype=torch.float32, device=dev)
     args = (list(s.stride), list(s.pads), list(s.dilation), False, [0, 0], s.group,
             [False, True, False])
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
     def run() -> torch.Tensor:
-        return torch.ops.aten.convolution_backward(gt, xt, wt, None, *args)[1]
+        dw = torch.ops.aten.convolution_backward(gt, xt, wt, None, *args)[1]
+        sync()
+        return dw
 
-    def run_native() -> torch.Tensor:
+    def flagged(module, name: str, value: bool) -> Callable[[], torch.Tensor]:
         # The attribute, not mkldnn.flags(): that also sets TF32 flags and warns each call.
-        was = torch.backends.mkldnn.enabled
-        torch.backends.mkldnn.enabled = False
-        try:
-            return run()
-        finally:
-            torch.backends.mkldnn.enabled = was
+        def fn() -> torch.Tensor:
+            was = getattr(module, name)
+            setattr(module, name, value)
+            try:
+                return run()
+            finally:
+                setattr(module, name, was)
+        return fn
 
+    if dev.type == "cuda":
+        fns = {"torch": run, "torch-benchmark": flagged(torch.backends.cudnn, "benchmark", True)}
+    else:
+        fns = {"torch": run, "torch-native": flagged(torch.backends.mkldnn, "enabled", False)}
     ref = torch.nn.grad.conv2d_weight(xt.double(), list(s.w), gt.double(), list(s.stride),
-                                      list(s.pads), list(s.dilation), s.group).numpy()
-    return {"torch": run, "torch-native": run_native}, ref
+                                      list(s.pads), list(s.dilation), s.group).cpu().numpy()
+    return fns, ref
 
 
 def rel_err(got: np.ndarray, ref: np.ndarray) -> float:
@@ -595,53 +694,131 @@ def rel_err(got: np.ndarray, ref: np.ndarray) -> float:
     return float(np.max(np.abs(np.asarray(got, np.float64) - ref))) / scale
 
 
-def measure_shape(s: ConvShape, threads: int, rounds: int, seed: int = 0) -> dict:
-    """Every applicable form of ``s``: its dW against torch's, its median time, and
-    torch's; one interleaved timing for all (the same machine conditions per round)."""
-    import torch
+class BoundForm:
+    """One form's session with x and gy bound once (OrtValues on the provider's device,
+    shared by every form of the shape) and dW bound to a preallocated buffer there, as
+    ``benchmarks/cuda_kernel_forms.BoundForm`` does for memcc Graphs: a call runs the
+    kernels and waits for them, and no host copy is timed. The same path on both providers,
+    so the CPU tests run the code a GPU run uses."""
 
-    from memcc.backend.session import SessionSettings, make_session
+    def __init__(self, sess, values: dict, w_shape: Sequence[int], provider: str) -> None:
+        import onnxruntime as ort
 
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal(s.x).astype(np.float32)
-    gy = rng.standard_normal((s.x[0], s.w[0], *s.out)).astype(np.float32)
-    feeds = {"x": x, "gy": gy}
-    torch.set_num_threads(threads)
-    torch_fns, ref = _torch_fns(s, x, gy)
-    fns: dict[str, Callable[[], object]] = {}
+        self.session = sess
+        self.binding = sess.io_binding()
+        for i in sess.get_inputs():
+            self.binding.bind_ortvalue_input(i.name, values[i.name])
+        self.out = ort.OrtValue.ortvalue_from_shape_and_type(list(w_shape), np.float32,
+                                                             provider, 0)
+        self.binding.bind_ortvalue_output(sess.get_outputs()[0].name, self.out)
+
+    def __call__(self) -> None:
+        self.session.run_with_iobinding(self.binding)
+        self.binding.synchronize_outputs()
+
+    def fetch(self) -> np.ndarray:
+        return np.array(self.out.numpy(), copy=True)
+
+
+def _error_text(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:300]
+
+
+def _timed_ms(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def open_form(s: ConvShape, form: str, cfg: RunConfig, values: dict
+              ) -> tuple[onnx.ModelProto, BoundForm, float]:
+    """The form's model, its bound session, and the time of its first run (cuDNN's
+    algorithm choice and the arena's first allocations included)."""
+    from memcc.backend.session import make_session
+
+    model = form_model(s, form)
+    sess = make_session(model, cfg.provider, cfg.session_settings())
+    if cfg.provider == "cuda" and sess.get_providers()[0] != "CUDAExecutionProvider":
+        # ORT falls back to the CPU, with only a warning, when the CUDA provider fails to load.
+        raise RuntimeError(f"the session runs on {sess.get_providers()}, not CUDA: "
+                           "check onnxruntime-gpu's CUDA and cuDNN libraries")
+    bound = BoundForm(sess, values, s.w, cfg.provider)
+    return model, bound, _timed_ms(bound)
+
+
+def prepare_forms(s: ConvShape, cfg: RunConfig, values: dict, ref: np.ndarray
+                  ) -> tuple[dict[str, dict], dict[str, BoundForm]]:
+    """Every applicable form run once and checked: its row (or an ``error`` row when it
+    cannot load or run, out of memory included), and the bound forms to time in rounds.
+    A form slower than ``cfg.slow_ms`` keeps the time of one warm call (of its first call
+    when that alone took ten times as long) and leaves the rounds."""
     forms: dict[str, dict] = {}
+    bound: dict[str, BoundForm] = {}
     for form in FORMS[s.kind]:
         if form == "chunks2" and s.x[0] < 2:
             continue
         try:
-            model = form_model(s, form)
-            sess = make_session(model, "cpu", SessionSettings(intra_op_threads=threads))
-            got = sess.run(None, feeds)[0]
+            model, fn, first_ms = open_form(s, form, cfg, values)
+            err = rel_err(fn.fetch(), ref)
+            slow_ms = None
+            if cfg.slow_ms is not None:
+                slow_ms = first_ms if first_ms > 10 * cfg.slow_ms else _timed_ms(fn)
         except Exception as exc:  # one broken form must not hide the others' figures
-            forms[form] = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
+            forms[form] = {"error": _error_text(exc)}
             continue
-        ops = sorted({n.op_type for n in model.graph.node if n.op_type != "Constant"})
         forms[form] = {"nodes": sum(n.op_type != "Constant" for n in model.graph.node),
-                       "ops": ops, "max_rel_err": rel_err(got, ref)}
-        fns[form] = (lambda sess=sess: sess.run(None, feeds))
-    fns.update(torch_fns)
-    torch_err = max(rel_err(fn().numpy(), ref) for fn in torch_fns.values())
-    times = interleaved_times(fns, rounds=rounds, warmup=1)
+                       "ops": sorted({n.op_type for n in model.graph.node
+                                      if n.op_type != "Constant"}),
+                       "max_rel_err": err, "within_tolerance": err <= cfg.tolerance}
+        if slow_ms is not None and slow_ms > cfg.slow_ms:
+            forms[form].update(median_ms=slow_ms, min_ms=slow_ms, rounds=1, slow=True)
+        else:
+            bound[form] = fn
+    return forms, bound
+
+
+def _record_times(forms: dict[str, dict], times: dict[str, list[float]]) -> None:
     for form, ts in times.items():
-        if form not in torch_fns:
-            forms[form]["median_ms"] = float(np.median(ts)) * 1e3
-            forms[form]["min_ms"] = float(np.min(ts)) * 1e3
-            if "memcc" in times and form != "memcc":
-                # Paired per round: form / memcc with its 95% bootstrap interval.
-                ri = ratio_interval(times["memcc"], ts, resamples=2000)
-                forms[form]["vs_memcc"] = {"ratio": ri.ratio, "low": ri.low, "high": ri.high}
+        if form not in forms:
+            continue
+        forms[form].update(median_ms=float(np.median(ts)) * 1e3,
+                           min_ms=float(np.min(ts)) * 1e3, rounds=len(ts))
+        if "memcc" in times and form != "memcc":
+            # Paired per round: form / memcc with its 95% bootstrap interval.
+            ri = ratio_interval(times["memcc"], ts, resamples=2000)
+            forms[form]["vs_memcc"] = {"ratio": ri.ratio, "low": ri.low, "high": ri.high}
+
+
+def measure_shape(s: ConvShape, cfg: RunConfig) -> dict:
+    """Every applicable form of ``s``: its dW against the float64 reference, its median
+    time, and torch's; one interleaved timing for all (the same machine conditions per
+    round). The fastest is the fastest form within ``cfg.tolerance`` (of all forms when
+    none is)."""
+    import onnxruntime as ort
+    import torch
+
+    x, gy = _data(s, cfg)
+    torch.set_num_threads(cfg.threads)
+    torch_fns, ref = _torch_fns(s, x, gy, cfg.provider)
+    values = {k: ort.OrtValue.ortvalue_from_numpy(v, cfg.provider, 0)
+              for k, v in (("x", x), ("gy", gy))}
+    forms, bound = prepare_forms(s, cfg, values, ref)
+    torch_err = max(rel_err(fn().cpu().numpy(), ref) for fn in torch_fns.values())
+    times = interleaved_times({**bound, **torch_fns}, rounds=cfg.rounds, warmup=1)
+    _record_times(forms, times)
     timed = {f: v["median_ms"] for f, v in forms.items() if "median_ms" in v}
-    fastest = min(timed, key=timed.get)
+    if not timed:
+        raise RuntimeError("no form ran: " + "; ".join(f"{f}: {v['error']}"
+                                                       for f, v in forms.items()))
+    good = {f: ms for f, ms in timed.items() if forms[f]["within_tolerance"]} or timed
+    fastest = min(good, key=good.get)
     torch_ms = {k: float(np.median(times[k])) * 1e3 for k in torch_fns}
     best = min(torch_ms, key=torch_ms.get)
+    keys = TORCH_KERNELS[cfg.provider]
     return {**s.to_json(), "forms": forms,
             "torch": {"median_ms": torch_ms[best], "kernel": best,
-                      "onednn_ms": torch_ms["torch"], "native_ms": torch_ms["torch-native"],
+                      **{f"{keys[k][0]}_ms": v for k, v in torch_ms.items()},
                       "max_rel_err": torch_err},
             "fastest": fastest, "fastest_ms": timed[fastest],
             "ratio_to_torch": timed[fastest] / torch_ms[best],
@@ -649,9 +826,28 @@ def measure_shape(s: ConvShape, threads: int, rounds: int, seed: int = 0) -> dic
             else None}
 
 
+def measure_safe(s: ConvShape, cfg: RunConfig) -> dict:
+    """``measure_shape``, or the shape's row with an ``error`` (out of memory, a CUDA
+    error) so that the run goes on; device memory handed back after every shape."""
+    import gc
+
+    try:
+        return measure_shape(s, cfg)
+    except Exception as exc:
+        return {**s.to_json(), "error": _error_text(exc)}
+    finally:
+        gc.collect()
+        if cfg.provider == "cuda":
+            import torch
+
+            torch.cuda.empty_cache()
+
+
 def summarize(rows: list[dict]) -> dict:
     """How many shapes come within 2x of torch, where memcc's form is not the fastest, and
     the whole networks' sums (each shape counted once per layer it stands for)."""
+    failed = {r["label"]: r["error"] for r in rows if "error" in r}
+    rows = [r for r in rows if "error" not in r]
     within = [r["label"] for r in rows if r["ratio_to_torch"] <= WITHIN]
     per_family: dict[str, dict[str, float]] = {}
     for r in rows:
@@ -677,38 +873,43 @@ def summarize(rows: list[dict]) -> dict:
             "fastest_by_kind": wins, "faster_than_memcc": beats, "networks": per_family,
             "errors": {r["label"]: {f: v["error"] for f, v in r["forms"].items()
                                     if "error" in v}
-                       for r in rows if any("error" in v for v in r["forms"].values())}}
+                       for r in rows if any("error" in v for v in r["forms"].values())},
+            "failed_shapes": failed}
 
 
-def format_tables(rows: list[dict]) -> str:
+def _cell(v: dict | None) -> str:
+    if v is None:
+        return "-"
+    if "error" in v:
+        return "error"
+    mark = "" if v["within_tolerance"] else " (!)"
+    if v.get("slow"):
+        mark += " (1 run)"
+    if v.get("vs_memcc", {}).get("high", 1.0) < 1.0:
+        mark += "*"
+    return f"{v['median_ms']:.2f}{mark}"
+
+
+def format_tables(rows: list[dict], provider: str = "cpu") -> str:
     """One markdown table per kind of layer (the forms that apply differ)."""
     lines = []
+    kernels = list(TORCH_KERNELS[provider].values())
     for kind, forms in FORMS.items():
-        group = [r for r in rows if r["kind"] == kind]
+        group = [r for r in rows if r["kind"] == kind and "error" not in r]
         if not group:
             continue
         cols = [f for f in forms if any(f in r["forms"] for r in group)]
         lines.append(f"\n{kind} layers (median ms per weight gradient; * faster than memcc's "
-                     "form, paired 95% interval):\n")
-        lines.append("| shape | layers | " + " | ".join(cols)
-                     + " | fastest | torch (oneDNN) | torch (native) | fastest/torch |")
+                     "form, paired 95% interval; (!) outside the error tolerance):\n")
+        lines.append("| shape | layers | " + " | ".join(cols) + " | fastest | "
+                     + " | ".join(col for _, col in kernels) + " | fastest/torch |")
         lines.append("|---|---|" + "---|" * len(cols) + "---|---|---|---|")
         for r in group:
-            cells = []
-            for f in cols:
-                v = r["forms"].get(f)
-                if v is None:
-                    cells.append("-")
-                elif "error" in v:
-                    cells.append("error")
-                else:
-                    mark = "" if v["max_rel_err"] <= 1e-4 else " (!)"
-                    if v.get("vs_memcc", {}).get("high", 1.0) < 1.0:
-                        mark += "*"
-                    cells.append(f"{v['median_ms']:.2f}{mark}")
+            cells = [_cell(r["forms"].get(f)) for f in cols]
+            torch_cells = [f"{r['torch'][key + '_ms']:.2f}" for key, _ in kernels]
             lines.append(f"| {r['label']} | {r['count']} | " + " | ".join(cells)
-                         + f" | {r['fastest']} | {r['torch']['onednn_ms']:.2f} | "
-                         f"{r['torch']['native_ms']:.2f} | {r['ratio_to_torch']:.2f} |")
+                         + f" | {r['fastest']} | " + " | ".join(torch_cells)
+                         + f" | {r['ratio_to_torch']:.2f} |")
     return "\n".join(lines)
 
 
@@ -728,12 +929,20 @@ def format_summary(summary: dict) -> str:
                      f"fastest per shape {v['fastest_ms']:.1f} ms, torch {v['torch_ms']:.1f} ms")
     for label, errs in summary["errors"].items():
         lines.append(f"  errors on {label}: {errs}")
+    for label, err in summary["failed_shapes"].items():
+        lines.append(f"  shape failed: {label}: {err}")
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------------------- the run
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--provider", choices=["cpu", "cuda"], default="cpu",
+                    help="ORT's provider and torch's device (default cpu)")
+    ap.add_argument("--tf32", choices=["on", "off"], default="on",
+                    help="CUDA only: TF32 on both sides (ORT use_tf32=1, torch's cuDNN and "
+                         "matmul TF32 flags; default) or on neither")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--resolution", type=int, default=64,
                     help="input pixels per side (224 for ImageNet; default 64)")
@@ -744,49 +953,182 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     ap.add_argument("--shape", type=parse_shape, action="append", default=None,
                     help="measure this layer instead of the networks' (repeatable): "
                          "NxCxHxW:MxCgxKHxKW[:sS][:pP][:dD][:gG]")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="start no new shape after this many seconds (the first always "
+                         "runs); the rest are listed as skipped")
+    ap.add_argument("--slow-ms", type=float, default=None,
+                    help="a form whose warm call takes longer is timed on that call alone "
+                         "(default 250 on cuda, never on cpu)")
     ap.add_argument("--omp-wait-policy", default="PASSIVE",
                     help="OMP_WAIT_POLICY for torch's OpenMP workers, set before torch loads "
                          "(default PASSIVE, as benchmarks/torch_peer.py; 'inherit' keeps the "
                          "environment's)")
-    ap.add_argument("--out", type=Path, help="write every figure as JSON here")
+    ap.add_argument("--out", type=Path,
+                    help="write every figure as JSON here (rewritten after every shape)")
     args = ap.parse_args(list(argv))
     for flag in ("batch", "resolution", "threads", "rounds"):
         if getattr(args, flag) < 1:
             ap.error(f"--{flag} must be at least 1, not {getattr(args, flag)}")
     if args.resolution < 32 and args.shape is None:
         ap.error(f"--resolution {args.resolution}: the networks downsample 32x; use 32 or more")
+    if args.budget_s is not None and args.budget_s < 0:
+        ap.error(f"--budget-s {args.budget_s:g}: give 0 or more seconds")
+    if args.slow_ms is not None and args.slow_ms <= 0:
+        ap.error(f"--slow-ms {args.slow_ms:g}: give a positive number of milliseconds")
+    if args.out is not None and (args.out.is_dir() or not args.out.parent.is_dir()):
+        ap.error(f"--out {args.out}: give a file path in an existing folder")
     return args
+
+
+def cuda_problem() -> str | None:
+    """Why ``--provider cuda`` cannot run here (ORT's or torch's side), or None."""
+    import torch
+
+    from memcc.backend.session import cuda_unavailable_reason
+
+    reason = cuda_unavailable_reason()
+    if reason is None and not torch.cuda.is_available():
+        reason = (f"torch {torch.__version__} sees no CUDA device (built for CUDA "
+                  f"{torch.version.cuda}); install a CUDA build of torch")
+    return reason
+
+
+def set_torch_tf32(on: bool) -> dict[str, bool]:
+    """TF32 for torch's cuDNN convolutions and CUDA matmuls, through the flags every torch
+    2.x reads (newer torch also has ``fp32_precision``, and refuses a mix of the two APIs);
+    returns the flags as read back, for the JSON."""
+    import torch
+
+    torch.backends.cudnn.enabled = True
+    torch.backends.cudnn.allow_tf32 = on
+    torch.backends.cuda.matmul.allow_tf32 = on
+    return {"cudnn.allow_tf32": bool(torch.backends.cudnn.allow_tf32),
+            "cuda.matmul.allow_tf32": bool(torch.backends.cuda.matmul.allow_tf32)}
+
+
+def order_by_cost(shapes: Sequence[ConvShape]) -> list[ConvShape]:
+    """Most network time first (FLOPs of the layer times the layers it stands for), so a
+    run cut short by ``--budget-s`` has measured the layers that matter."""
+    return sorted(shapes, key=lambda s: -s.flops * s.count)
+
+
+def run_meta(args: argparse.Namespace, cfg: RunConfig) -> dict:
+    import onnxruntime as ort
+    import torch
+
+    meta = {"batch": args.batch, "resolution": args.resolution, "threads": args.threads,
+            "rounds": args.rounds, "onnxruntime": ort.__version__, "torch": torch.__version__,
+            "machine": platform.machine(), "processor": platform.processor(),
+            "custom_shapes": args.shape is not None, "models": args.models,
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "provider": cfg.provider,
+            "device": platform.processor() or platform.machine(), "tf32": None,
+            "tolerance": cfg.tolerance, "reference": f"torch float64 on {cfg.provider}",
+            "budget_s": args.budget_s, "slow_ms": cfg.slow_ms,
+            "io": "IOBinding: x and gy bound once on the device, dW to a preallocated "
+                  "device buffer, every timed call synchronised"}
+    if cfg.provider == "cuda":
+        from memcc.backend.session import cudnn_conv_algo_search
+
+        on = "1" if cfg.tf32 else "0"
+        meta.update(device=torch.cuda.get_device_name(0), cuda=torch.version.cuda,
+                    cudnn=torch.backends.cudnn.version(),
+                    tf32=(f"{'on' if cfg.tf32 else 'off'} on both sides: ORT use_tf32={on}; "
+                          "torch " + ", ".join(f"{k}={v}" for k, v in
+                                               set_torch_tf32(cfg.tf32).items())),
+                    ort_cudnn_conv_algo_search=cudnn_conv_algo_search(),
+                    torch_cudnn="heuristic (benchmark=False, torch's default) and "
+                                "benchmark=True; the faster counts")
+    return meta
+
+
+def header(meta: dict) -> str:
+    text = (f"# conv weight gradients on {meta['provider']} ({meta['device']}): onnxruntime "
+            f"{meta['onnxruntime']}, torch {meta['torch']}, {meta['rounds']} rounds, "
+            f"error tolerance {meta['tolerance']:g} against {meta['reference']}")
+    if meta["tf32"]:
+        text += (f"\n# TF32 {meta['tf32']}; ORT cuDNN algorithm search "
+                 f"{meta['ort_cudnn_conv_algo_search']}; torch cuDNN {meta['torch_cudnn']}")
+    else:
+        text += f", {meta['threads']} threads"
+    return text
+
+
+def write_json(path: Path, meta: dict, rows: list[dict], skipped: list[str],
+               pending: list[str]) -> None:
+    """The whole result so far, replaced atomically: a run killed between shapes leaves
+    every finished row (``complete`` false, the unmeasured shapes under ``pending``)."""
+    payload = {"meta": meta, "complete": not pending, "shapes": rows,
+               "summary": summarize(rows), "skipped": skipped, "pending": pending}
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=1))
+    tmp.replace(path)
+
+
+def run_shapes(shapes: Sequence[ConvShape], cfg: RunConfig, budget_s: float | None,
+               on_row: Callable[[list[dict], list[ConvShape]], None]
+               ) -> tuple[list[dict], list[ConvShape]]:
+    """Measure the shapes in order until ``budget_s`` seconds have passed (the first
+    always runs); ``on_row(rows, still to do)`` after each. Returns rows and the skipped."""
+    started = time.perf_counter()
+    rows: list[dict] = []
+    for i, s in enumerate(shapes):
+        if rows and budget_s is not None and time.perf_counter() - started > budget_s:
+            return rows, list(shapes[i:])
+        row = measure_safe(s, cfg)
+        rows.append(row)
+        if "error" in row:
+            print(f"[{i + 1}/{len(shapes)}] {s.family} {s.label}: FAILED {row['error']}",
+                  flush=True)
+        else:
+            errs = ", ".join(f"{f} {v['max_rel_err']:.1e}" for f, v in row["forms"].items()
+                             if "max_rel_err" in v)
+            print(f"[{i + 1}/{len(shapes)}] {s.family} {s.label}: fastest {row['fastest']} "
+                  f"{row['fastest_ms']:.2f} ms, torch {row['torch']['median_ms']:.2f} ms; "
+                  f"max rel err {errs}", flush=True)
+        on_row(rows, list(shapes[i + 1:]))
+    return rows, []
 
 
 def main(argv: Sequence[str]) -> int:
     args = parse_args(argv)
     if args.omp_wait_policy != "inherit" and "torch" not in sys.modules:
         os.environ["OMP_WAIT_POLICY"] = args.omp_wait_policy  # libgomp reads it at load
-    import onnxruntime as ort
-    import torch
+    # torch before onnxruntime: ORT's CUDA provider then finds the CUDA and cuDNN libraries
+    # torch loaded (ORT's documented order when both share a process).
+    import torch  # noqa: F401
 
-    shapes = args.shape or network_shapes(args.models, args.batch, args.resolution)
-    rows = []
-    for i, s in enumerate(shapes):
-        row = measure_shape(s, args.threads, args.rounds)
-        rows.append(row)
-        errs = ", ".join(f"{f} {v['max_rel_err']:.1e}" for f, v in row["forms"].items()
-                         if "max_rel_err" in v)
-        print(f"[{i + 1}/{len(shapes)}] {s.family} {s.label}: fastest {row['fastest']} "
-              f"{row['fastest_ms']:.2f} ms, torch {row['torch']['median_ms']:.2f} ms; "
-              f"max rel err {errs}", flush=True)
+    slow_ms = args.slow_ms if args.slow_ms is not None else DEFAULT_SLOW_MS[args.provider]
+    cfg = RunConfig(args.provider, args.threads, args.rounds, args.tf32 == "on", slow_ms)
+    if cfg.provider == "cuda":
+        problem = cuda_problem()
+        if problem is not None:
+            print(f"conv_weight_grad: --provider cuda: {problem}; or run with --provider cpu",
+                  file=sys.stderr)
+            return 2
+        set_torch_tf32(cfg.tf32)
+    started = time.perf_counter()
+    shapes = args.shape or order_by_cost(network_shapes(args.models, args.batch,
+                                                        args.resolution))
+    meta = run_meta(args, cfg)
+    print(header(meta), flush=True)
+
+    def names(todo: Sequence[ConvShape]) -> list[str]:
+        return [f"{t.family} {t.label}" for t in todo]
+
+    def save(rows: list[dict], pending: list[ConvShape], skipped=()) -> None:
+        if args.out is not None:
+            meta["elapsed_s"] = round(time.perf_counter() - started, 1)
+            write_json(args.out, meta, rows, names(skipped), names(pending))
+
+    budget = None if args.budget_s is None else args.budget_s - (time.perf_counter() - started)
+    rows, skipped = run_shapes(shapes, cfg, budget, save)
     summary = summarize(rows)
-    print(format_tables(rows))
+    print(format_tables(rows, cfg.provider))
     print()
     print(format_summary(summary))
-    if args.out is not None:
-        meta = {"batch": args.batch, "resolution": args.resolution, "threads": args.threads,
-                "rounds": args.rounds, "onnxruntime": ort.__version__,
-                "torch": torch.__version__, "machine": platform.machine(),
-                "processor": platform.processor(), "custom_shapes": args.shape is not None,
-                "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
-        args.out.write_text(json.dumps({"meta": meta, "shapes": rows, "summary": summary},
-                                       indent=1))
+    if skipped:
+        print(f"skipped (over --budget-s {args.budget_s:g}): {'; '.join(names(skipped))}")
+    save(rows, [], skipped)
     return 0
 
 
