@@ -17,12 +17,23 @@ trained with cross-entropy (mean over every position / image), SGD lr 0.01 momen
   way;
 - ``torch-eager`` and ``torch-checkpoint`` (every transformer block / ResNet bottleneck
   wrapped in ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``, what
-  ``gradient_checkpointing_enable`` does), each with TF32 off and on (on CUDA).
+  ``gradient_checkpointing_enable`` does), each with TF32 off and on (on CUDA);
+- with ``--prepare --precision bf16`` (issue 34): ``memcc-bf16``, the step ``memcc build
+  --precision bf16`` writes from the same export (parameters and momentum stay float32
+  under the fp32 step's names, so both start from the same weights), run as memcc as
+  built is (``memcc.Trainer`` rewrites the ops the provider has no bf16 kernel for into
+  float32 between casts: on CPU most of them); and ``torch-autocast-bf16``, PyTorch eager
+  with forward and loss under ``torch.autocast(device_type, dtype=torch.bfloat16)`` and
+  backward and step outside, as PyTorch's recipe has it, TF32 on. Their first losses are
+  checked against each other within ``BF16_TOLERANCE`` (2e-2 relative), apart from the
+  fp32 rows' 1e-3; ``bf16_ratios`` gives memcc-bf16 / torch-autocast-bf16 and bf16 / fp32
+  for each side.
 
 The same weights on every side. ``--prepare DIR`` (CPU, here) exports each model with
 ``torch.onnx.export(..., dynamo=True, optimize=False)`` with every weight zero, so that the
 step file xz-compresses to almost nothing, builds the step and writes
-``DIR/<model>.step.onnx.xz`` and ``DIR/<model>.json`` (the config). The measuring run
+``DIR/<model>.step.onnx.xz`` (and ``DIR/<model>.bf16.step.onnx.xz``) and
+``DIR/<model>.json`` (the config, and what each step is). The measuring run
 decompresses the step and fills every carried value by name from a seeded generator
 (``seeded_value``: one ``numpy.random.default_rng((seed, crc32(name)))`` per tensor, so the
 value depends on the name only): N(0, 0.02) for weights, ones for norm weights (1-D
@@ -61,7 +72,7 @@ unless told otherwise (``use_tf32``, default 1), which memcc does not change; ro
 PyTorch runs with ``torch.backends.cuda.matmul.allow_tf32`` and ``cudnn.allow_tf32`` both
 off and both on (PyTorch's own default is matmul off, cuDNN on).
 
-    python benchmarks/gpu_peers.py --prepare DIR [--small]          # CPU, makes the steps
+    python benchmarks/gpu_peers.py --prepare DIR [--small] [--precision bf16]  # CPU
     python benchmarks/gpu_peers.py --steps-from DIR --out OUT       # GPU, measures
         [--provider cuda|cpu] [--models gpt2,resnet50] [--warmup 2] [--steps 5]
         [--plan gpt2=FILE[@LABEL]] [--systems memcc,torch] [--time-limit S] [--timeout S]
