@@ -349,8 +349,23 @@ def _build_step(src: Path, lr: float, precision: str, tmp: Path) -> dict:
             source=str(src))
     path = tmp / f"step.{precision}.onnx"
     onnx.save(graph.to_model(), str(path))
-    return {"path": str(path), "nodes": len(graph.nodes), "bytes": path.stat().st_size,
-            "names": step_names(graph)}
+    built = {"path": str(path), "nodes": len(graph.nodes), "bytes": path.stat().st_size,
+             "names": step_names(graph)}
+    if precision != "fp32":
+        built["sixteen_bit_emulated"] = emulated_ops(graph)
+    return built
+
+
+def emulated_ops(graph) -> dict[str, dict[str, int]]:
+    """Per provider, the 16-bit ops ``memcc.Trainer`` computes in float32 between casts
+    there (no kernel: ``memcc.passes.providers.sixteen_bit``), op -> count. Asked here,
+    at --prepare, so that no measuring child loads the graph again: the CPU answer is the
+    installed onnxruntime's kernel registry, the CUDA one memcc's shipped table
+    (``memcc/data/ort_cuda_16bit_kernels.json``, read from ORT's source)."""
+    from memcc.passes.providers.sixteen_bit import for_provider
+
+    return {p: for_provider(graph, p)[1].get("sixteen_bit_emulated", {})
+            for p in ("cpu", "cuda")}
 
 
 def _same_carried(model: str, fp32: dict, other: dict, precision: str) -> None:
@@ -484,9 +499,12 @@ def _memcc_child(p: dict) -> dict:
     precision = autocast.get("precision", "fp32")
     settings["precision"] = BF16_MEMCC if precision == "bf16" else \
         precision if precision == "fp32" else f"{precision} (memcc build --precision)"
-    if precision != "fp32":  # after the measurement: not the system's
+    if precision != "fp32":
         settings["autocast"] = autocast
-        settings["sixteen_bit_emulated"] = _emulated(p["step"], p["provider"])
+        known = p["meta"].get("precisions", {}).get(precision, {})  # --prepare's answer
+        settings["sixteen_bit_emulated"] = known.get("sixteen_bit_emulated", {}).get(
+            p["provider"], "not recorded (a --plan step, or an older --prepare)") \
+            if p.get("precision") == precision else "not recorded (a --plan step)"
     for attr in ("cuda_graph", "deterministic", "cuda_graph_reason", "captured"):
         value = getattr(trainer, attr, None)  # what the Trainer says it did, where it says
         if isinstance(value, (bool, int, float, str)):
@@ -502,18 +520,6 @@ def _memcc_child(p: dict) -> dict:
     return {**result, "setup_s": setup_s, "weights_digest": weights, "settings": settings,
             "predicted": predicted,
             "onnxruntime_version": __import__("onnxruntime").__version__}
-
-
-def _emulated(step: str, provider: str) -> dict | str:
-    """The 16-bit ops the Trainer computes in float32 between casts on ``provider`` (no
-    kernel there: ``memcc.passes.providers.sixteen_bit``), op -> count."""
-    try:
-        from memcc.frontend.load import load_graph
-        from memcc.passes.providers.sixteen_bit import for_provider
-
-        return for_provider(load_graph(step), provider)[1].get("sixteen_bit_emulated", {})
-    except Exception as exc:  # the pass moved: the row just says less
-        return f"unknown ({type(exc).__name__}: {exc})"[:300]
 
 
 def _torch_child(p: dict) -> dict:

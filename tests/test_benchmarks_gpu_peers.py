@@ -57,6 +57,9 @@ def test_prepare_writes_small_compressed_steps(prepared) -> None:
             assert built["file"] == gp.step_file(model, precision)
         # the bf16 step is the fp32 one with casts added
         assert meta["precisions"]["bf16"]["nodes"] > meta["precisions"]["fp32"]["nodes"]
+        # what each provider computes in float32 between casts, asked once, here
+        assert set(meta["precisions"]["bf16"]["sixteen_bit_emulated"]) == {"cpu", "cuda"}
+        assert meta["precisions"]["bf16"]["sixteen_bit_emulated"]["cpu"]
     gpt2 = json.loads((directory / "gpt2.json").read_text())
     assert "m.lm_head.weight" in gpt2["parameters"]  # the exporter keeps the tied copy
     assert "m.lm_head.weight.momentum" in gpt2["carried"]
