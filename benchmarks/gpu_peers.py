@@ -501,10 +501,12 @@ def _memcc_child(p: dict) -> dict:
         precision if precision == "fp32" else f"{precision} (memcc build --precision)"
     if precision != "fp32":
         settings["autocast"] = autocast
-        known = p["meta"].get("precisions", {}).get(precision, {})  # --prepare's answer
-        settings["sixteen_bit_emulated"] = known.get("sixteen_bit_emulated", {}).get(
-            p["provider"], "not recorded (a --plan step, or an older --prepare)") \
-            if p.get("precision") == precision else "not recorded (a --plan step)"
+        # --prepare's answer (memcc's tables there; a GPU machine's ORT may list its own)
+        known = p["meta"].get("precisions", {}).get(precision, {})
+        emulated = known.get("sixteen_bit_emulated", {}).get(p["provider"])
+        settings["sixteen_bit_emulated_at_prepare"] = emulated \
+            if p.get("precision") == precision and emulated is not None else \
+            "not recorded (a --plan step, or an older --prepare)"
     for attr in ("cuda_graph", "deterministic", "cuda_graph_reason", "captured"):
         value = getattr(trainer, attr, None)  # what the Trainer says it did, where it says
         if isinstance(value, (bool, int, float, str)):

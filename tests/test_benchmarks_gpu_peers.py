@@ -118,7 +118,7 @@ def test_cpu_run_measures_every_system_from_the_same_weights(prepared, tmp_path,
             assert np.all(np.isfinite(r["losses"])) and r["losses"][-1] < r["losses"][0]
         bf16 = mine[2]["settings"]
         assert bf16["precision"] == gp.BF16_MEMCC and bf16["autocast"]["precision"] == "bf16"
-        assert bf16["sixteen_bit_emulated"]  # CPU: some ops in float32 between casts
+        assert bf16["sixteen_bit_emulated_at_prepare"]  # CPU: some ops in float32 between casts
         assert mine[3]["settings"]["precision"].startswith("torch.autocast bfloat16")
         assert mine[0]["settings"]["precision"] == mine[1]["settings"]["precision"] == "fp32"
         assert set(summary["bf16_ratios"][model]) == {
