@@ -17,12 +17,23 @@ trained with cross-entropy (mean over every position / image), SGD lr 0.01 momen
   way;
 - ``torch-eager`` and ``torch-checkpoint`` (every transformer block / ResNet bottleneck
   wrapped in ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``, what
-  ``gradient_checkpointing_enable`` does), each with TF32 off and on (on CUDA).
+  ``gradient_checkpointing_enable`` does), each with TF32 off and on (on CUDA);
+- with ``--prepare --precision bf16`` (issue 34): ``memcc-bf16``, the step ``memcc build
+  --precision bf16`` writes from the same export (parameters and momentum stay float32
+  under the fp32 step's names, so both start from the same weights), run as memcc as
+  built is (``memcc.Trainer`` rewrites the ops the provider has no bf16 kernel for into
+  float32 between casts: on CPU most of them); and ``torch-autocast-bf16``, PyTorch eager
+  with forward and loss under ``torch.autocast(device_type, dtype=torch.bfloat16)`` and
+  backward and step outside, as PyTorch's recipe has it, TF32 on. Their first losses are
+  checked against each other within ``BF16_TOLERANCE`` (2e-2 relative), apart from the
+  fp32 rows' 1e-3; ``bf16_ratios`` gives memcc-bf16 / torch-autocast-bf16 and bf16 / fp32
+  for each side.
 
 The same weights on every side. ``--prepare DIR`` (CPU, here) exports each model with
 ``torch.onnx.export(..., dynamo=True, optimize=False)`` with every weight zero, so that the
 step file xz-compresses to almost nothing, builds the step and writes
-``DIR/<model>.step.onnx.xz`` and ``DIR/<model>.json`` (the config). The measuring run
+``DIR/<model>.step.onnx.xz`` (and ``DIR/<model>.bf16.step.onnx.xz``) and
+``DIR/<model>.json`` (the config, and what each step is). The measuring run
 decompresses the step and fills every carried value by name from a seeded generator
 (``seeded_value``: one ``numpy.random.default_rng((seed, crc32(name)))`` per tensor, so the
 value depends on the name only): N(0, 0.02) for weights, ones for norm weights (1-D
@@ -61,7 +72,7 @@ unless told otherwise (``use_tf32``, default 1), which memcc does not change; ro
 PyTorch runs with ``torch.backends.cuda.matmul.allow_tf32`` and ``cudnn.allow_tf32`` both
 off and both on (PyTorch's own default is matmul off, cuDNN on).
 
-    python benchmarks/gpu_peers.py --prepare DIR [--small]          # CPU, makes the steps
+    python benchmarks/gpu_peers.py --prepare DIR [--small] [--precision bf16]  # CPU
     python benchmarks/gpu_peers.py --steps-from DIR --out OUT       # GPU, measures
         [--provider cuda|cpu] [--models gpt2,resnet50] [--warmup 2] [--steps 5]
         [--plan gpt2=FILE[@LABEL]] [--systems memcc,torch] [--time-limit S] [--timeout S]
@@ -244,15 +255,21 @@ def digest(values: Mapping[str, np.ndarray]) -> str:
 
 
 # ---------------------------------------------------------------------------- --prepare
+PRECISIONS = ("bf16",)  # what --precision may add to the fp32 step (fp16 would need a
+# GradScaler on the PyTorch side, which no row has)
+
+
 def prepare(directory: Path, *, small: bool = False, models: Sequence[str] = MODELS,
-            lr: float = LR) -> dict:
-    """Export, build and compress every model's step into ``directory``; return the sizes."""
-    import onnx
+            lr: float = LR, precisions: Sequence[str] = ()) -> dict:
+    """Export every model once, build its fp32 step and one step per ``precisions`` from
+    that same export, compress them into ``directory``; return the sizes. The 16-bit
+    steps must carry exactly what the fp32 one does (master weights and momentum stay
+    float32), or nothing of that model is written."""
     import torch
 
-    from memcc.frontend.build import BuildOptions, build_training_step
-    from memcc.frontend.load import load_graph
-
+    bad = sorted(set(precisions) - set(PRECISIONS))
+    if bad:
+        raise InputError(f"--precision {bad[0]}: choose from {', '.join(PRECISIONS)}")
     directory.mkdir(parents=True, exist_ok=True)
     sizes: dict[str, dict] = {}
     for name in models:
@@ -261,39 +278,109 @@ def prepare(directory: Path, *, small: bool = False, models: Sequence[str] = MOD
                 "export": "torch.onnx.export(dynamo=True, optimize=False), weights zero",
                 "torch_version": torch.__version__}
         t0 = time.perf_counter()
-        module = make_module(meta)
-        if meta["kind"] == "gpt2":
-            module.eval()  # no Dropout nodes in the file (every p is 0 anyway)
-        with torch.no_grad():
-            for t in module.state_dict().values():
-                t.zero_()
-        data = make_batch(meta)[DATA_INPUT[meta["kind"]]]
         with tempfile.TemporaryDirectory(prefix="gpu-peers-") as tmp:
-            src, step = Path(tmp) / "forward.onnx", Path(tmp) / "step.onnx"
-            with torch.no_grad(), _quiet():
-                torch.onnx.export(module, (torch.from_numpy(data),), dynamo=True,
-                                  optimize=False, input_names=[DATA_INPUT[meta["kind"]]],
-                                  output_names=["logits"], verbose=False
-                                  ).save(str(src), external_data=False)
+            src = _export_zero_weights(meta, Path(tmp) / "forward.onnx")
             log(f"{name}: exported in {time.perf_counter() - t0:.1f} s")
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                graph = build_training_step(load_graph(src), BuildOptions(
-                    optimizer="sgd", lr=lr, momentum=MOMENTUM), source=str(src))
-            onnx.save(graph.to_model(), str(step))
-            raw = step.stat().st_size
-            meta["carried"], meta["parameters"] = step_names(graph)
-            meta["step_nodes"] = len(graph.nodes)
-            meta["step_bytes"] = raw
-            out = directory / f"{name}.step.onnx.xz"
-            with open(step, "rb") as f, lzma.open(out, "wb", preset=6) as z:
-                shutil.copyfileobj(f, z, 1 << 24)
+            built = {}
+            for precision in ("fp32", *dict.fromkeys(precisions)):
+                built[precision] = _build_step(src, lr, precision, Path(tmp))
+                _same_carried(name, built["fp32"], built[precision], precision)
+                log(f"{name}: {precision} step of {built[precision]['nodes']} nodes, "
+                    f"{built[precision]['bytes'] / MB:.1f} MB "
+                    f"({time.perf_counter() - t0:.1f} s)")
+            meta["carried"], meta["parameters"] = built["fp32"].pop("names")
+            meta["step_nodes"] = built["fp32"]["nodes"]
+            meta["step_bytes"] = built["fp32"]["bytes"]
+            for precision, b in built.items():  # only now: all built and checked
+                b.pop("names", None)
+                b["file"] = step_file(name, precision)
+                out = directory / b["file"]
+                with open(b.pop("path"), "rb") as f, lzma.open(out, "wb", preset=6) as z:
+                    shutil.copyfileobj(f, z, 1 << 24)
+                b["compressed_bytes"] = out.stat().st_size
+            meta["precisions"] = built
         (directory / f"{name}.json").write_text(json.dumps(meta, indent=2) + "\n")
-        sizes[name] = {"step_bytes": raw, "compressed_bytes": out.stat().st_size,
-                       "nodes": meta["step_nodes"]}
-        log(f"{name}: step of {meta['step_nodes']} nodes, {raw / MB:.1f} MB -> "
-            f"{out.stat().st_size / MB:.2f} MB xz ({time.perf_counter() - t0:.1f} s)")
+        sizes[name] = {"step_bytes": meta["step_bytes"],
+                       "compressed_bytes": sum(b["compressed_bytes"] for b in built.values()),
+                       "nodes": meta["step_nodes"], "precisions": built}
+        xz = ", ".join(f"{k} {v['compressed_bytes'] / MB:.2f} MB" for k, v in built.items())
+        log(f"{name}: {xz} xz ({time.perf_counter() - t0:.1f} s)")
     return sizes
+
+
+def step_file(model: str, precision: str) -> str:
+    """The compressed step's file name: ``gpt2.step.onnx.xz``, ``gpt2.bf16.step.onnx.xz``."""
+    return f"{model}.step.onnx.xz" if precision == "fp32" else \
+        f"{model}.{precision}.step.onnx.xz"
+
+
+def _export_zero_weights(meta: Mapping, src: Path) -> Path:
+    """``torch.onnx.export`` of the model of ``meta`` with every weight zero (the step
+    compresses to almost nothing; the run fills the weights by name)."""
+    import torch
+
+    module = make_module(meta)
+    if meta["kind"] == "gpt2":
+        module.eval()  # no Dropout nodes in the file (every p is 0 anyway)
+    with torch.no_grad():
+        for t in module.state_dict().values():
+            t.zero_()
+    data = make_batch(meta)[DATA_INPUT[meta["kind"]]]
+    with torch.no_grad(), _quiet():
+        torch.onnx.export(module, (torch.from_numpy(data),), dynamo=True,
+                          optimize=False, input_names=[DATA_INPUT[meta["kind"]]],
+                          output_names=["logits"], verbose=False
+                          ).save(str(src), external_data=False)
+    return src
+
+
+def _build_step(src: Path, lr: float, precision: str, tmp: Path) -> dict:
+    """``memcc build`` of the exported forward at ``precision``, saved uncompressed in
+    ``tmp``: its path, node count, bytes, and carried values and parameters."""
+    import onnx
+
+    from memcc.frontend.build import BuildOptions, build_training_step
+    from memcc.frontend.load import load_graph
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = build_training_step(load_graph(src), BuildOptions(
+            optimizer="sgd", lr=lr, momentum=MOMENTUM, precision=precision),
+            source=str(src))
+    path = tmp / f"step.{precision}.onnx"
+    onnx.save(graph.to_model(), str(path))
+    built = {"path": str(path), "nodes": len(graph.nodes), "bytes": path.stat().st_size,
+             "names": step_names(graph)}
+    if precision != "fp32":
+        built["sixteen_bit_emulated"] = emulated_ops(graph)
+    return built
+
+
+def emulated_ops(graph) -> dict[str, dict[str, int]]:
+    """Per provider, the 16-bit ops ``memcc.Trainer`` computes in float32 between casts
+    there (no kernel: ``memcc.passes.providers.sixteen_bit``), op -> count. Asked here,
+    at --prepare, so that no measuring child loads the graph again: the CPU answer is the
+    installed onnxruntime's kernel registry, the CUDA one memcc's shipped table
+    (``memcc/data/ort_cuda_16bit_kernels.json``, read from ORT's source)."""
+    from memcc.passes.providers.sixteen_bit import for_provider
+
+    return {p: for_provider(graph, p)[1].get("sixteen_bit_emulated", {})
+            for p in ("cpu", "cuda")}
+
+
+def _same_carried(model: str, fp32: dict, other: dict, precision: str) -> None:
+    """A 16-bit step that carries other names, shapes or dtypes than the fp32 one could not
+    start from the same weights: stop with what differs."""
+    if other["names"] == fp32["names"]:
+        return
+    (c32, p32), (c16, p16) = fp32["names"], other["names"]
+    diff = sorted(n for n in set(c32) | set(c16) if c32.get(n) != c16.get(n))
+    raise RuntimeError(
+        f"{model}: the {precision} step carries other values than the fp32 step "
+        f"(master weights and optimizer state should stay float32 under the same names): "
+        + "; ".join(f"{n}: fp32 {c32.get(n)}, {precision} {c16.get(n)}" for n in diff[:5])
+        + (f"; parameters differ: {sorted(set(p32) ^ set(p16))[:5]}"
+           if p32 != p16 else ""))
 
 
 # ---------------------------------------------------------------------------- children
@@ -388,7 +475,7 @@ def _memcc_child(p: dict) -> dict:
     import memcc
 
     meter = _Meter(p["provider"])  # first: the reading before the system exists
-    params = inspect.signature(memcc.Trainer).parameters
+    params = trainer_arguments()
     kwargs = {k: v for k, v in p["trainer"].items() if k in params}
     ignored = sorted(set(p["trainer"]) - set(kwargs))
     meter.start()
@@ -407,6 +494,19 @@ def _memcc_child(p: dict) -> dict:
     result = _run_steps(lambda: trainer.step(batch), meter, int(p["warmup"]),
                         int(p["steps"]), after_setup)
     settings = _settings_memcc(kwargs, p["provider"])
+    # the step's own word (a --plan file may be 16-bit too), not the row's
+    autocast = json.loads(trainer.graph.metadata.get("memcc.precision", "{}"))
+    precision = autocast.get("precision", "fp32")
+    settings["precision"] = BF16_MEMCC if precision == "bf16" else \
+        precision if precision == "fp32" else f"{precision} (memcc build --precision)"
+    if precision != "fp32":
+        settings["autocast"] = autocast
+        # --prepare's answer (memcc's tables there; a GPU machine's ORT may list its own)
+        known = p["meta"].get("precisions", {}).get(precision, {})
+        emulated = known.get("sixteen_bit_emulated", {}).get(p["provider"])
+        settings["sixteen_bit_emulated_at_prepare"] = emulated \
+            if p.get("precision") == precision and emulated is not None else \
+            "not recorded (a --plan step, or an older --prepare)"
     for attr in ("cuda_graph", "deterministic", "cuda_graph_reason", "captured"):
         value = getattr(trainer, attr, None)  # what the Trainer says it did, where it says
         if isinstance(value, (bool, int, float, str)):
@@ -485,14 +585,17 @@ def _torch_child(p: dict) -> dict:
     y_host = torch.from_numpy(batch["labels"])
     if provider == "cuda":
         torch.cuda.reset_peak_memory_stats()
+    bf16 = p.get("precision") == "bf16"
 
     def step() -> float:
         if provider == "cuda":
             torch.cuda.synchronize()
         x, y = x_host.to(device), y_host.to(device)
-        logits = module(x)
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                                 y.reshape(-1))
+        # PyTorch's recipe: forward and loss under autocast, backward and step outside
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            logits = module(x)
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                     y.reshape(-1))
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -509,6 +612,7 @@ def _torch_child(p: dict) -> dict:
     settings = {
         "provider": provider,
         "tf32": (_TF32_WORDS[p["tf32"]] if provider == "cuda" else "n/a (CPU)"),
+        "precision": f"{BF16_TORCH} (device_type {device.type!r})" if bf16 else "fp32",
         "deterministic": "off (PyTorch default)",
         "read_back": {"matmul.allow_tf32": bool(torch.backends.cuda.matmul.allow_tf32),
                       "cudnn.allow_tf32": bool(torch.backends.cudnn.allow_tf32),
@@ -542,10 +646,21 @@ def _child(payload: dict) -> dict:
 # ---------------------------------------------------------------------------- the parent
 def trainer_arguments() -> set[str]:
     """The keyword arguments this memcc's ``Trainer`` takes (``cuda_graph`` and
-    ``deterministic`` arrived with issue 29; rows use them only where they exist)."""
+    ``deterministic`` arrived with issue 29; rows use them only where they exist): its
+    named parameters, and the ``TrainerOptions`` fields its ``**settings`` take."""
+    import dataclasses
+
     import memcc
 
-    return set(inspect.signature(memcc.Trainer).parameters)
+    params = inspect.signature(memcc.Trainer).parameters
+    takes = {n for n, q in params.items() if q.kind is not inspect.Parameter.VAR_KEYWORD}
+    try:
+        from memcc.trainer.trainer import TrainerOptions
+
+        takes |= {f.name for f in dataclasses.fields(TrainerOptions)}
+    except ImportError:  # a memcc from before TrainerOptions: named parameters only
+        pass
+    return takes
 
 
 _TF32_WORDS = {
@@ -556,30 +671,48 @@ _TF32_WORDS = {
 }
 
 
-def systems_for(provider: str, families: Sequence[str]) -> list[dict]:
+BF16_MEMCC = "bf16 (memcc build --precision bf16: autocast policy of memcc/frontend/autocast.py)"
+BF16_TORCH = "torch.autocast bfloat16"
+
+
+def systems_for(provider: str, families: Sequence[str],
+                precisions: Sequence[str] = ()) -> list[dict]:
     """The rows to measure per model, most wanted first (``--time-limit`` drops the tail):
-    memcc as built, PyTorch eager with TF32 off, on (ORT's setting) and at PyTorch's own
-    defaults (TF32 for convolutions only), checkpointing, then memcc with --deterministic.
-    Plans go in after eager."""
+    memcc as built and PyTorch eager with TF32 on (ORT's setting; on CPU: no TF32), then,
+    where a bf16 step was prepared (``precisions``), memcc's bf16 step and PyTorch eager
+    under ``torch.autocast(bfloat16)`` (TF32 on); then eager with TF32 off and at PyTorch's
+    own defaults (TF32 for convolutions only), checkpointing, memcc with --deterministic.
+    Plans go in after the rows marked ``head``."""
     tf32s = (False, True) if provider == "cuda" else (False,)
     takes = trainer_arguments()
     # deterministic compute off where the Trainer has the switch (whatever its default)
     default = {"deterministic": False} if "deterministic" in takes else {}
-    rows = []
-    if "memcc" in families:
-        rows.append({"system": "memcc-as-built", "kind": "memcc", "trainer": default})
-    if "torch" in families:
-        rows += [{"system": "torch-eager", "kind": "torch", "checkpoint": False, "tf32": t}
-                 for t in tf32s]
+    memcc, torch = "memcc" in families, "torch" in families
+    eager = [{"system": "torch-eager", "kind": "torch", "checkpoint": False, "tf32": t}
+             for t in tf32s]
+    head, rest = [], []
+    if memcc:
+        head.append({"system": "memcc-as-built", "kind": "memcc", "trainer": default})
+    if torch:
+        head.append(eager[-1])  # TF32 on where there is TF32
+    if "bf16" in precisions:
+        if memcc:
+            head.append({"system": "memcc-bf16", "kind": "memcc", "trainer": default,
+                         "precision": "bf16"})
+        if torch:
+            head.append({"system": "torch-autocast-bf16", "kind": "torch",
+                         "checkpoint": False, "tf32": tf32s[-1], "precision": "bf16"})
+    if torch:
+        rest += eager[:-1]
         if provider == "cuda":
-            rows.append({"system": "torch-eager", "kind": "torch", "checkpoint": False,
+            rest.append({"system": "torch-eager", "kind": "torch", "checkpoint": False,
                          "tf32": "default"})
-        rows += [{"system": "torch-checkpoint", "kind": "torch", "checkpoint": True,
+        rest += [{"system": "torch-checkpoint", "kind": "torch", "checkpoint": True,
                   "tf32": t} for t in reversed(tf32s)]
-    if "memcc" in families and "deterministic" in takes:
-        rows.append({"system": "memcc-as-built", "kind": "memcc",
+    if memcc and "deterministic" in takes:
+        rest.append({"system": "memcc-as-built", "kind": "memcc",
                      "trainer": {"deterministic": True}})
-    return rows
+    return [{**r, "head": True} for r in head] + rest
 
 
 def step_names(graph) -> tuple[dict[str, dict], list[str]]:
@@ -624,6 +757,11 @@ def load_meta(steps_from: Path, model: str) -> dict:
     if "carried" not in meta:
         raise InputError(f"{meta_file}: written by an older --prepare (no 'carried'); run "
                          f"--prepare {steps_from} again")
+    for precision in meta.get("precisions", {}):
+        if not (steps_from / step_file(model, precision)).is_file():
+            raise InputError(f"{meta_file}: lists a {precision} step but "
+                             f"{step_file(model, precision)} is not in {steps_from}; copy "
+                             f"it with the rest, or run --prepare {steps_from} again")
     return meta
 
 
@@ -645,18 +783,22 @@ def run(steps_from: Path, out: Path, *, provider: str = "cuda",
     with tempfile.TemporaryDirectory(prefix="gpu-peers-") as tmp:
         todo: list[tuple[int, int, str, dict]] = []
         for mi, model in enumerate(models):
-            step = _decompress(steps_from / f"{model}.step.onnx.xz",
-                               Path(tmp) / f"{model}.step.onnx")
-            mine = systems_for(provider, families)
+            built = metas[model].get("precisions") or {"fp32": {}}
+            step = {p: str(_decompress(steps_from / step_file(model, p),
+                                       Path(tmp) / f"{model}.{p}.step.onnx"))
+                    for p in built}
+            mine = systems_for(provider, families, list(built))
+            at = sum(1 for r in mine if r.get("head"))
             for i, (plan, label) in enumerate((plans or {}).get(model, [])):
-                mine.insert(3 + i, {"system": f"memcc-plan@{_plan_label(plan, label)}",
+                mine.insert(at + i, {"system": f"memcc-plan@{_plan_label(plan, label)}",
                                     "kind": "memcc", "trainer": mine[0].get("trainer", {}),
                                     "step": str(_decompress(
                                         plan, Path(tmp) / f"{model}.plan{i}.onnx"))})
             if only:  # --only: rows whose description holds one of the texts
                 mine = [r for r in mine if any(t in _describe(r, provider) for t in only)]
             for rank, row in enumerate(mine):
-                todo.append((rank, mi, model, {"step": str(step), **row}))
+                todo.append((rank, mi, model,
+                             {"step": step[row.get("precision", "fp32")], **row}))
         log(f"{len(todo)} systems to measure, steps decompressed "
             f"({time.perf_counter() - t_start:.1f} s)")
         for rank, _, model, row in sorted(todo, key=lambda t: t[:2]):
@@ -672,7 +814,7 @@ def run(steps_from: Path, out: Path, *, provider: str = "cuda",
             payload = {"system": row["kind"], "meta": meta, "provider": provider,
                        "seed": seed, "warmup": warmup, "steps": steps, "step": row["step"],
                        "trainer": row.get("trainer"), "checkpoint": row.get("checkpoint"),
-                       "tf32": row.get("tf32")}
+                       "tf32": row.get("tf32"), "precision": row.get("precision", "fp32")}
             log(f"{model}: {what} ...")
             t0 = time.perf_counter()
             try:
@@ -703,6 +845,7 @@ def write_summary(out: Path, rows: list[dict], metas: Mapping[str, dict],
                "models": {m: {k: v for k, v in metas[m].items()
                               if k not in ("carried", "parameters")} for m in models},
                "rows": rows, "checks": checks(measured), "ratios": ratios(measured),
+               "bf16_ratios": bf16_ratios(measured),
                "method": __doc__.split("Measurement.")[1].split("TF32:")[0].strip(),
                "tf32": __doc__.split("TF32:")[1].split("\n\n")[0].strip()}
     tmp = out / "summary.json.tmp"
@@ -725,21 +868,61 @@ def _label(r: dict) -> str:
                           " torch-defaults" if tf.startswith("default") else "")
 
 
+BF16_TOLERANCE = 2e-2  # first loss, memcc bf16 against torch.autocast bf16, relative
+
+
+def is_bf16(r: dict) -> bool:
+    """A bf16 row: memcc's bf16 step (the step's own metadata says so, ``--plan`` files
+    included) or PyTorch under autocast."""
+    precision = str((r.get("settings") or {}).get("precision", ""))
+    return precision.startswith(("bf16", "torch.autocast")) or \
+        r["system"] in ("memcc-bf16", "torch-autocast-bf16")
+
+
+def _rel(a: dict, ref: dict) -> float:
+    return abs(a["losses"][0] - ref["losses"][0]) / abs(ref["losses"][0])
+
+
 def checks(rows: list[dict]) -> dict:
-    """Same weights in every row of a model; the first loss of every row against
-    memcc's as built (relative difference)."""
+    """Same weights in every row of a model (bf16 rows too: master weights are float32);
+    the first loss of every fp32 row against memcc's as built (relative difference, within
+    1e-3); of every memcc bf16 row against PyTorch's autocast row (within
+    ``BF16_TOLERANCE``: bf16 keeps 8 bits of mantissa, a relative rounding of 2**-9 per
+    value, and the two sides round different values)."""
     out: dict = {}
     for model in dict.fromkeys(r["model"] for r in rows):
         ok = [r for r in rows if r["model"] == model and "error" not in r]
+        fp32 = [r for r in ok if not is_bf16(r)]
         digests = {r["weights_digest"] for r in ok}
-        ref = next((r for r in ok if r["system"] == "memcc-as-built"), ok[0] if ok else None)
-        first = {_label(r): r["losses"][0] for r in ok}
-        rel = {_label(r): abs(r["losses"][0] - ref["losses"][0]) / abs(ref["losses"][0])
-               for r in ok} if ref else {}
-        out[model] = {"same_weights": len(digests) == 1, "first_losses": first,
+        ref = next((r for r in fp32 if r["system"] == "memcc-as-built"),
+                   fp32[0] if fp32 else None)
+        rel = {_label(r): _rel(r, ref) for r in fp32} if ref else {}
+        out[model] = {"same_weights": len(digests) == 1,
+                      "first_losses": {_label(r): r["losses"][0] for r in ok},
                       "first_loss_rel_diff_vs_memcc": rel,
                       "first_loss_agrees_1e-3": all(v <= 1e-3 for v in rel.values())}
+        bf16 = [r for r in ok if is_bf16(r)]
+        if bf16:
+            out[model]["bf16"] = _bf16_check(bf16, ref)
     return out
+
+
+def _bf16_check(bf16: list[dict], fp32_ref: dict | None) -> dict:
+    peer = next((r for r in bf16 if r["system"].startswith("torch")), None)
+    mine = [r for r in bf16 if r["system"].startswith("memcc")]
+    rel = {_label(r): _rel(r, peer) for r in mine} if peer else {}
+    return {"tolerance": BF16_TOLERANCE, "reference": _label(peer) if peer else None,
+            "first_loss_rel_diff_vs_torch_autocast": rel,
+            # None: one side missing (failed or skipped), nothing to compare
+            "first_loss_agrees": all(v <= BF16_TOLERANCE for v in rel.values())
+            if rel else None,
+            "first_loss_rel_diff_vs_fp32_memcc": {_label(r): _rel(r, fp32_ref) for r in bf16}
+            if fp32_ref else {}}
+
+
+def _ratio(a: dict, b: dict) -> dict:
+    pa, pb = a["memory"]["peak_bytes"], b["memory"]["peak_bytes"]
+    return {"time": a["median_s"] / b["median_s"], "peak": pa / pb if pa and pb else None}
 
 
 def ratios(rows: list[dict]) -> dict:
@@ -750,12 +933,32 @@ def ratios(rows: list[dict]) -> dict:
         ok = [r for r in rows if r["model"] == model and "error" not in r]
         mine = [r for r in ok if r["system"].startswith("memcc")]
         peers = [r for r in ok if r["system"].startswith("torch")]
-        out[model] = {
-            _label(a): {_label(b): {
-                "time": a["median_s"] / b["median_s"],
-                "peak": (a["memory"]["peak_bytes"] / b["memory"]["peak_bytes"]
-                         if a["memory"]["peak_bytes"] and b["memory"]["peak_bytes"]
-                         else None)} for b in peers} for a in mine}
+        out[model] = {_label(a): {_label(b): _ratio(a, b) for b in peers} for a in mine}
+    return out
+
+
+def bf16_ratios(rows: list[dict]) -> dict:
+    """Per model, where both rows were measured: memcc-bf16 / torch-autocast-bf16, and
+    bf16 / fp32 for memcc (against memcc-as-built without --deterministic) and for PyTorch
+    (against eager at the autocast row's TF32 setting)."""
+    out: dict = {}
+    for model in dict.fromkeys(r["model"] for r in rows):
+        ok = [r for r in rows if r["model"] == model and "error" not in r
+              and (r.get("settings") or {}).get("deterministic") is not True]
+        by = {r["system"]: r for r in reversed(ok)}  # the first row of each system
+        pairs = {"memcc-bf16 / torch-autocast-bf16": ("memcc-bf16", "torch-autocast-bf16"),
+                 "memcc bf16 / fp32": ("memcc-bf16", "memcc-as-built")}
+        got = {k: (by.get(a), by.get(b)) for k, (a, b) in pairs.items()}
+        peer = by.get("torch-autocast-bf16")
+        if peer is not None:  # eager at the same TF32 as autocast ran
+            tf32 = peer.get("settings", {}).get("tf32")
+            got["torch bf16 / fp32"] = (peer, next(
+                (r for r in ok if r["system"] == "torch-eager"
+                 and r.get("settings", {}).get("tf32") == tf32), None))
+        mine = {k: {"rows": [_label(a), _label(b)], **_ratio(a, b)}
+                for k, (a, b) in got.items() if a is not None and b is not None}
+        if mine:
+            out[model] = mine
     return out
 
 
@@ -788,11 +991,23 @@ def table(summary: dict) -> str:
                               + (f"{v['peak']:.2f}x peak" if v["peak"] else "peak -")
                               for b, v in peers.items())
             lines.append(f"- {model} {a}: {cells}")
+    for model, mine in summary.get("bf16_ratios", {}).items():
+        cells = "; ".join(f"{k} ({' / '.join(v['rows'])}): {v['time']:.2f}x time, "
+                          + (f"{v['peak']:.2f}x peak" if v["peak"] else "peak -")
+                          for k, v in mine.items())
+        lines.append(f"- {model} bf16: {cells}")
     for model, c in summary["checks"].items():
         worst = max(c["first_loss_rel_diff_vs_memcc"].values(), default=0.0)
-        lines.append(f"- {model}: same weights in every row: {c['same_weights']}; first loss "
-                     f"agrees within 1e-3: {c['first_loss_agrees_1e-3']} "
+        line = (f"- {model}: same weights in every row: {c['same_weights']}; fp32 first loss "
+                f"agrees within 1e-3: {c['first_loss_agrees_1e-3']} "
+                f"(max rel. diff {worst:.2e})")
+        if "bf16" in c:
+            b = c["bf16"]
+            worst = max(b["first_loss_rel_diff_vs_torch_autocast"].values(), default=0.0)
+            line += (f"; bf16 first loss agrees with {b['reference']} within "
+                     f"{b['tolerance']:.0e}: {b['first_loss_agrees']} "
                      f"(max rel. diff {worst:.2e})")
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -822,6 +1037,9 @@ def main(argv: Sequence[str]) -> int:
                       help="measure the steps --prepare wrote into DIR")
     ap.add_argument("--out", type=Path, help="where summary.json goes (with --steps-from)")
     ap.add_argument("--small", action="store_true", help="tiny configs (with --prepare)")
+    ap.add_argument("--precision", action="append", default=[], choices=PRECISIONS,
+                    help="with --prepare: also build each model's step at this precision "
+                         "from the same export (repeatable); --steps-from then adds its rows")
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--lr", type=float, default=LR)
     ap.add_argument("--provider", choices=("cuda", "cpu"), default="cuda")
@@ -845,7 +1063,8 @@ def main(argv: Sequence[str]) -> int:
     if bad:
         ap.error(f"--models: unknown {bad}; choose from {', '.join(MODELS)}")
     if args.prepare:
-        sizes = prepare(args.prepare, small=args.small, models=models, lr=args.lr)
+        sizes = prepare(args.prepare, small=args.small, models=models, lr=args.lr,
+                        precisions=args.precision)
         total = sum(s["compressed_bytes"] for s in sizes.values())
         print(json.dumps({"sizes": sizes, "compressed_total_bytes": total}, indent=2))
         return 0
