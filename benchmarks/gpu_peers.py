@@ -255,8 +255,9 @@ def digest(values: Mapping[str, np.ndarray]) -> str:
 
 
 # ---------------------------------------------------------------------------- --prepare
-PRECISIONS = ("bf16",)  # what --precision may add to the fp32 step (fp16 would need a
-# GradScaler on the PyTorch side, which no row has)
+PRECISIONS = ("bf16", "fp16")  # what --precision may add to the fp32 step; fp16 is a memcc
+# row only (PyTorch's would need a GradScaler): ORT's CUDA provider has no bfloat16 Conv, so
+# fp16 is the 16-bit type a convnet's convolutions run in there
 
 
 def prepare(directory: Path, *, small: bool = False, models: Sequence[str] = MODELS,
@@ -374,6 +375,10 @@ def _same_carried(model: str, fp32: dict, other: dict, precision: str) -> None:
     if other["names"] == fp32["names"]:
         return
     (c32, p32), (c16, p16) = fp32["names"], other["names"]
+    if precision == "fp16":  # its loss scale is state of its own, filled by the step
+        c16 = {n: v for n, v in c16.items() if not n.startswith("loss_scale.")}
+        if c16 == c32 and p16 == p32:
+            return
     diff = sorted(n for n in set(c32) | set(c16) if c32.get(n) != c16.get(n))
     raise RuntimeError(
         f"{model}: the {precision} step carries other values than the fp32 step "
@@ -483,7 +488,8 @@ def _memcc_child(p: dict) -> dict:
     trainer = memcc.Trainer(p["step"], provider=p["provider"], **kwargs)
     carried = {n: seeded_value(n, v["shape"], v["dtype"], int(p["seed"]))  # by name only
                for n, v in p["meta"]["carried"].items()}
-    trainer.load_state_dict(carried)
+    # What the fp32 step has not (an fp16 step's loss scale) keeps the step's own value.
+    trainer.load_state_dict({**trainer.state_dict(), **carried})
     del carried
     setup_s = time.perf_counter() - t0
     after_setup = meter.stop()
@@ -702,6 +708,9 @@ def systems_for(provider: str, families: Sequence[str],
         if torch:
             head.append({"system": "torch-autocast-bf16", "kind": "torch",
                          "checkpoint": False, "tf32": tf32s[-1], "precision": "bf16"})
+    if "fp16" in precisions and memcc:
+        head.append({"system": "memcc-fp16", "kind": "memcc", "trainer": default,
+                     "precision": "fp16"})
     if torch:
         rest += eager[:-1]
         if provider == "cuda":
@@ -879,6 +888,13 @@ def is_bf16(r: dict) -> bool:
         r["system"] in ("memcc-bf16", "torch-autocast-bf16")
 
 
+def is_sixteen_bit(r: dict) -> bool:
+    """A bf16 row, or memcc's fp16 step (dynamic loss scaling: its first loss is not an
+    fp32 row's)."""
+    precision = str((r.get("settings") or {}).get("precision", ""))
+    return is_bf16(r) or precision.startswith("fp16") or r["system"] == "memcc-fp16"
+
+
 def _rel(a: dict, ref: dict) -> float:
     return abs(a["losses"][0] - ref["losses"][0]) / abs(ref["losses"][0])
 
@@ -892,7 +908,7 @@ def checks(rows: list[dict]) -> dict:
     out: dict = {}
     for model in dict.fromkeys(r["model"] for r in rows):
         ok = [r for r in rows if r["model"] == model and "error" not in r]
-        fp32 = [r for r in ok if not is_bf16(r)]
+        fp32 = [r for r in ok if not is_sixteen_bit(r)]
         digests = {r["weights_digest"] for r in ok}
         ref = next((r for r in fp32 if r["system"] == "memcc-as-built"),
                    fp32[0] if fp32 else None)
@@ -904,6 +920,10 @@ def checks(rows: list[dict]) -> dict:
         bf16 = [r for r in ok if is_bf16(r)]
         if bf16:
             out[model]["bf16"] = _bf16_check(bf16, ref)
+        fp16 = [r for r in ok if is_sixteen_bit(r) and not is_bf16(r)]
+        if fp16 and ref:
+            out[model]["fp16_first_loss_rel_diff_vs_fp32_memcc"] = {
+                _label(r): _rel(r, ref) for r in fp16}
     return out
 
 

@@ -228,6 +228,15 @@ def test_cuda_rows_ratios_and_table() -> None:
                                precision="torch.autocast bfloat16")]
     assert gp.checks(off)["gpt2"]["bf16"]["first_loss_agrees"] is False  # 3% apart
     assert gp.checks(measured[:4])["gpt2"]["bf16"]["first_loss_agrees"] is None  # no peer
+    # An fp16 step (memcc only: ORT's CUDA provider has fp16 convolutions, no bf16 ones) is
+    # a head row, and its loss-scaled first loss is kept out of the fp32 rows' 1e-3 check.
+    rows = gp.systems_for("cuda", ["memcc", "torch"], ["fp32", "bf16", "fp16"])
+    assert [gp._describe(r, "cuda") for r in rows][4] == "memcc-fp16 deterministic=False"
+    fp16 = [*measured, _row("memcc-fp16", 0.03, 8_000_000_000, 10.9, precision="fp16 (...)")]
+    check16 = gp.checks(fp16)["gpt2"]
+    assert check16["first_loss_agrees_1e-3"]
+    assert check16["fp16_first_loss_rel_diff_vs_fp32_memcc"]["memcc-fp16"] == \
+        pytest.approx(abs(10.9 - 10.8249) / 10.8249)
     summary = {"provider": "cuda", "warmup": 2, "steps": 5, "ratios": gp.ratios(measured),
                "bf16_ratios": gp.bf16_ratios(measured), "checks": {"gpt2": check},
                "rows": [*measured, {"system": "torch-checkpoint", "model": "gpt2",

@@ -123,6 +123,28 @@ def test_has_kernel_bound_asks_every_constraint_on_cpu_and_the_table_on_cuda() -
     assert has_kernel_bound("MatMul", 17, {"T": BF16}, "cuda")
     assert not has_kernel_bound("Greater", 17, {"T": BF16, "T1": TensorProto.BOOL}, "cuda")
     assert has_kernel_bound("Greater", 17, {"T": FP16, "T1": TensorProto.BOOL}, "cuda")
+    # Casts both ways: the table lists 16-bit types only, and a widening Cast binds its
+    # float constraint (T2) to float32; the question is its bfloat16 input's.
+    assert has_kernel_bound("Cast", 17, {"T1": BF16, "T2": TensorProto.FLOAT}, "cuda")
+    assert has_kernel_bound("Cast", 17, {"T1": TensorProto.FLOAT, "T2": BF16}, "cuda")
+    assert not has_kernel_bound("Conv", 17, {"T": BF16}, "cuda")
+    assert has_kernel_bound("Conv", 17, {"T": FP16}, "cuda")
+
+
+def test_a_bf16_step_for_cuda_emulates_no_cast() -> None:
+    """Every Cast autocast writes has a CUDA kernel (ORT's source registers Cast for
+    bfloat16 and float16 both ways): none may be computed in float32 between casts."""
+    from memcc.frontend.build import BuildOptions, build_training_step
+    from memcc.frontend.load import load_graph
+    from memcc.passes.providers.sixteen_bit import for_provider
+    from models import build_model
+
+    step = build_training_step(load_graph(build_model("gpt2", batch=2, seq_len=16, width=32,
+                                                      depth=1, heads=2)),
+                               BuildOptions(precision="bf16"))
+    _, report = for_provider(step, "cuda")
+    emulated = report.get("sixteen_bit_emulated", {})
+    assert "Cast" not in emulated and "MatMul" not in emulated
 
 
 def test_coverage_table_rows() -> None:

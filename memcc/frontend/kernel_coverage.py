@@ -137,10 +137,16 @@ def has_kernel_bound(op_type: str, opset: int, bound: dict[str, int], provider: 
     """Whether ``provider`` has a kernel for ``op_type`` at ``opset`` whose type
     constraints admit ``bound`` (constraint name -> element type, as the node's values
     bind them: a ``Greater`` of bfloat16 operands binds T to bfloat16, T1 to bool). Where
-    the registry cannot be listed (CUDA), only the float constraint is asked
-    (``has_kernel_for``, from the shipped table)."""
+    the registry cannot be listed (CUDA), the shipped table is asked about each 16-bit type
+    the node binds, whichever constraint binds it: it lists an op's 16-bit types only, so a
+    ``Cast`` from bfloat16 to float32 is asked about bfloat16 (its float constraint, T2, is
+    float32, which the table does not list: asking that marked every such Cast as having no
+    kernel). A node binding no 16-bit type is asked about its float constraint's type."""
     registry = _registry(PROVIDER_NAMES.get(provider, provider))
     if registry is None:
+        sixteen = {t for t in bound.values() if t in _TABLE_NAMES}
+        if sixteen:
+            return all(has_kernel_for(op_type, opset, t, provider, domain) for t in sixteen)
         constraint = float_constraint(op_type, opset, domain)
         dtype = bound.get(constraint or "", TensorProto.FLOAT)
         return has_kernel_for(op_type, opset, dtype, provider, domain)

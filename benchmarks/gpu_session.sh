@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# What one GPU call of a session runs (eighteenth session, issues 30, 31, 34): every check
+# as a phase with its own time limit, most wanted first, each writing into $OUT as it goes,
+# so a call cut short still returns what it measured. Run from the repository root on the
+# GPU machine after .gpu/ was carried there (docs/CUDA.md, "Setting up onnxruntime-gpu on
+# the GPU machine"):
+#   .gpu/parts/p*  onnxruntime-gpu in parts (../shared/gpu/pack_ort_gpu.sh); p00 may already
+#                  be in /tmp/parts from an earlier call
+#   .gpu/whl/      the small wheels
+#   .gpu/peers/    python benchmarks/gpu_peers.py --prepare .gpu/peers --precision bf16
+#
+#   OUT=/some/dir bash benchmarks/gpu_session.sh
+#
+# PROVIDER=cpu SMALL=1 runs the same phases here at tiny sizes (the code path; no setup).
+set -uo pipefail
+: "${OUT:?set OUT to the folder for results}"
+PROVIDER=${PROVIDER:-cuda}
+SMALL=${SMALL:-}
+LOGS=${LOGS:-/tmp/gpu_logs}
+mkdir -p "$OUT" "$LOGS"
+T0=$(date +%s)
+
+if [ "$PROVIDER" = cuda ]; then
+  mkdir -p /tmp/parts /tmp/whl
+  cp -n .gpu/parts/p* /tmp/parts/ 2>/dev/null || true
+  cp .gpu/whl/*.whl /tmp/whl/
+  if ! bash benchmarks/gpu_setup.sh > "$LOGS/setup.log" 2>&1; then
+    tail -40 "$LOGS/setup.log"; exit 1
+  fi
+  . /tmp/env.sh
+  PY=python3
+else
+  PY=${PY:-python}
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$LOGS/gpu.txt" 2>&1
+
+phase() {  # phase NAME SECONDS COMMAND...: one check, cut at SECONDS, its log kept
+  local name=$1 limit=$2; shift 2
+  local t=$(date +%s)
+  echo "== $name (limit ${limit} s, at $((t - T0)) s)"
+  timeout -k 10 "$limit" "$@" > "$LOGS/$name.log" 2>&1
+  local rc=$?
+  echo "   $name: rc=$rc in $(( $(date +%s) - t )) s"
+  tail -n 6 "$LOGS/$name.log" | cut -c1-300
+  tar -C "$LOGS" -czf "$OUT/logs.tgz" .  # after every phase: a cut call keeps the logs
+}
+
+if [ -n "$SMALL" ]; then
+  PEERS=${PEERS:-.gpu/peers-small}; SIZE=(--small); CONV=(--batch 2 --resolution 32 --rounds 2)
+else
+  PEERS=${PEERS:-.gpu/peers}; SIZE=(); CONV=(--batch 64 --resolution 224 --rounds 10)
+fi
+STEPS=()
+for m in gpt2 resnet50; do
+  for p in "" ".bf16"; do
+    f="$PEERS/$m$p.step.onnx.xz"
+    [ -f "$f" ] && STEPS+=("$m${p/./-}=$f")
+  done
+done
+
+# 1. Issue 30's and 34's targets: memcc's step against PyTorch eager (TF32 on both sides),
+#    fp32 and bf16 (torch.autocast), issue 29's GPT-2 and ResNet-50.
+phase peers 230 $PY benchmarks/gpu_peers.py --steps-from "$PEERS" --out "$OUT/peers" \
+  --provider "$PROVIDER" --only memcc-as-built --only "tf32=on" --only memcc-bf16 \
+  --only torch-autocast-bf16 --time-limit 190 --timeout 100
+# 2. Every session with a GPU: the zoo's memory truth.
+phase truth 150 $PY benchmarks/cuda_check.py --out "$OUT/truth" --provider "$PROVIDER" \
+  --phases env truth "${SIZE[@]}"
+# 3. Where the kernel time goes now (issue 30's table, after its changes).
+phase profile 90 $PY benchmarks/cuda_profile.py "${STEPS[@]}" --provider "$PROVIDER" \
+  --runs 2 --out "$OUT/profile.json"
+# 4. Convolution weight gradients: standard-ONNX forms against cuDNN's backward-filter.
+phase convgrad 100 $PY benchmarks/conv_weight_grad.py --provider "$PROVIDER" \
+  --models resnet50 "${CONV[@]}" --budget-s 80 --out "$OUT/convgrad.json"
+# 5. The 16-bit kernel table memcc ships for CUDA, against one-node sessions.
+phase coverage 60 $PY benchmarks/kernel_coverage.py --provider "$PROVIDER" \
+  --out "$OUT/coverage.md"
+
+echo "== done in $(( $(date +%s) - T0 )) s"
+ls -la "$OUT"
