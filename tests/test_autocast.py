@@ -228,6 +228,25 @@ def test_compile_plans_a_16_bit_step_and_says_what_the_cpu_computes_in_float32(t
     assert any("float32 between 16-bit casts" in w for w in report["warnings"])
 
 
+def test_bf16_on_cuda_points_at_fp16_where_only_fp16_has_convolution_kernels(tmp_path):
+    """ORT's CUDA provider registers no bfloat16 Conv (memcc's table, read from its source):
+    a bf16 convnet planned for CUDA computes its convolutions in float32, and compile's
+    warning says that --precision fp16 has kernels for them."""
+    import onnx
+
+    from memcc.compiler import CompileOptions, compile_model
+
+    path = tmp_path / "r.onnx"
+    onnx.save(build_model("resnet18", batch=2, resolution=32, width=8), str(path))
+    report = compile_model(path, CompileOptions(
+        budget="1TB", provider="cuda", cost="analytic",
+        build=BuildOptions(precision="bf16"))).report
+    warning = next(w for w in report["warnings"] if "float32 between 16-bit casts" in w)
+    assert "the cuda provider" in warning and "Conv " in warning
+    assert "With --precision fp16 the provider has kernels for" in warning
+    assert "Conv, ConvTranspose" in warning
+
+
 def test_a_model_with_nothing_to_compute_in_16_bit_is_refused_with_a_message():
     """--precision on a model without matrix products or convolutions would build the float32
     step under another name: refused, saying why and what to do."""

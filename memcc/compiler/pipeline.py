@@ -31,6 +31,8 @@ import os
 import time
 from dataclasses import dataclass
 
+from onnx import TensorProto
+
 from memcc.backend.determinism import racing_nodes
 from memcc.compiler.advice import next_steps
 from memcc.compiler.chunk_choice import RowChunkSearch, choose_row_chunks
@@ -43,6 +45,7 @@ from memcc.compiler.report import ReportInputs, build_report
 from memcc.compiler.writing import Model, Target, check_targets, unverified_path, write_outputs
 from memcc.errors import MemccError
 from memcc.frontend.build import BuildOptions
+from memcc.frontend.kernel_coverage import has_kernel_for
 from memcc.graph import Graph, node_label
 from memcc.pass_contract import PassReport, PassRunner
 from memcc.passes.analysis.cost_model import CostModel
@@ -147,7 +150,7 @@ def _load(run: CompileRun) -> Graph:
         run.warning(f"{label} is already a training step: the build options given (--loss, "
                     "--optimizer, --lr, --freeze, ...) apply to forward models and are "
                     "ignored; rebuild the step with memcc build to change them")
-    _say_sixteen_bit_emulated(run, run.runner.reports[-1].summary)
+    _say_sixteen_bit_emulated(run, run.runner.reports[-1].summary, graph.opset)
     structure = StepStructure.of(graph)
     budget = options.requested_budget
     if not budget.is_min:
@@ -164,21 +167,32 @@ def _load(run: CompileRun) -> Graph:
     return graph
 
 
-def _say_sixteen_bit_emulated(run: CompileRun, summary: dict) -> None:
+def _say_sixteen_bit_emulated(run: CompileRun, summary: dict, opset: int) -> None:
     """A 16-bit step whose provider lacks 16-bit kernels for some of its nodes: they
     compute in float32 between casts (passes/providers/sixteen_bit.py), which keeps the
-    memory of a 16-bit step but not its speed: said, not hidden."""
+    memory of a 16-bit step but not its speed: said, not hidden. Where the other 16-bit
+    type has kernels for them (ORT's CUDA provider: float16 convolutions, no bfloat16
+    ones), the warning says so."""
     emulated = summary.get("sixteen_bit_emulated") or {}
     if not emulated:
         return
     precision = summary.get("precision", {}).get("precision", "16-bit")
+    provider = run.options.provider
     total = sum(emulated.values())
     ops = ", ".join(f"{op} {n}" for op, n in sorted(emulated.items(), key=lambda kv: -kv[1]))
-    run.warning(f"{run.label}: the {run.options.provider} provider of this onnxruntime has "
+    other = {"bf16": ("fp16", TensorProto.FLOAT16), "fp16": ("bf16", TensorProto.BFLOAT16)}
+    hint = ""
+    if precision in other:
+        name, dtype = other[precision]
+        there = [op for op in emulated if has_kernel_for(op, opset, dtype, provider)]
+        if there:
+            hint = (f" With --precision {name} the provider has kernels for "
+                    f"{', '.join(sorted(there))}.")
+    run.warning(f"{run.label}: the {provider} provider of this onnxruntime has "
                 f"no {precision} kernel for {total} node(s) of the step ({ops}): memcc "
                 "computes them in float32 between 16-bit casts, so the step holds 16-bit "
                 "values (the memory of a 16-bit step) but runs slower than its float32 build "
-                "(README, \"Mixed precision\"; docs/PRECISION.md lists the kernels).")
+                f"(README, \"Mixed precision\"; docs/PRECISION.md lists the kernels).{hint}")
 
 
 def _plan(run: CompileRun, graph: Graph, costs: CostModel) -> Planned:
