@@ -38,15 +38,17 @@ check and for the measured steps, is made here with the settings that keep a pla
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import onnx
 import onnxruntime as ort
 
 from memcc.errors import InputError, RuntimeFailure
+from memcc.step import PRECISION_KEY
 
 # ORT's default logger prints graph-load warnings (initializers that are also inputs, unused
 # initializers) that are expected for memcc's files; errors still show.
@@ -277,7 +279,32 @@ def make_session(model: onnx.ModelProto | bytes | str | os.PathLike, provider: s
             "cuDNN libraries onnxruntime-gpu needs (nvidia-smi; ORT's CUDA requirements "
             "page), or run with --provider cpu."
         )
+    # ORT's Python ``run`` also retries on the CPU provider, printing only, when a CUDA
+    # kernel fails at run time (EPFail): measured on an H200, a float16 Conv that cuDNN's
+    # heuristics could not serve sent a whole ResNet-50 step to the CPU. memcc reports the
+    # failure instead of measuring another provider's step.
+    sess.disable_fallback()
+    if p == "cuda" and _needs_default_search(sess, settings):
+        cuda = {**(settings.cuda_options or {}), "cudnn_conv_algo_search": "DEFAULT"}
+        return make_session(model, provider, replace(settings, cuda_options=cuda))
     return sess
+
+
+def _needs_default_search(sess: ort.InferenceSession, settings: SessionSettings) -> bool:
+    """Whether a float16 step must leave cuDNN's heuristics: with HEURISTIC (memcc's
+    default, ``cudnn_conv_algo_search``) ORT's cuDNN frontend found no engine for the
+    float16 weight-gradient convolutions of a ResNet-50 step (``HEURISTIC_QUERY_FAILED``, an
+    H200, onnxruntime-gpu 1.31.1, cuDNN 9.19), where DEFAULT and EXHAUSTIVE both ran it;
+    DEFAULT keeps the small workspaces the plan assumes. Not when the search was chosen
+    (``MEMCC_CUDNN_CONV_ALGO_SEARCH`` or the session's own CUDA options)."""
+    if CUDNN_SEARCH_ENV in os.environ or "cudnn_conv_algo_search" in (settings.cuda_options
+                                                                      or {}):
+        return False
+    meta = sess.get_modelmeta().custom_metadata_map.get(PRECISION_KEY)
+    try:
+        return meta is not None and json.loads(meta).get("precision") == "fp16"
+    except (ValueError, AttributeError):
+        return False
 
 
 _ENUMS = {
