@@ -52,6 +52,13 @@ class GradContext:
         self._indexed = len(nodes)
         return self._producers
 
+    def share_producers(self, producers: dict[str, onnx.NodeProto]) -> None:
+        """Use ``producers`` (value -> producing node, current for every node of the graph)
+        as the index, when the caller keeps one for many contexts on one graph
+        (``passes.lowering.variant_substitution.apply_variants``)."""
+        self._producers = producers
+        self._indexed = len(self.graph.nodes)
+
     def constant_value(self, name: str):
         """The numpy value of ``name`` when it is an initializer or a Constant node output."""
         from memcc.frontend.constants import constant_value

@@ -21,7 +21,7 @@ decisions (which name forward nodes and values) still apply after this pass.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import onnx
@@ -251,6 +251,7 @@ def apply_variants(graph: Graph, plan: Plan) -> VariantResult:
     # was most of a smallest-peak search's lowering time (ResNet-50: 52 plans).
     taken = set(out.values()) | {n.name for n in out.nodes if n.name}
     readers = reader_counts(out)
+    producers = out.producers()
     substituted, fwd_added, back_added, removed = [], [], [], []
     for name, vname in asked:
         node = by_name[name]
@@ -259,6 +260,7 @@ def apply_variants(graph: Graph, plan: Plan) -> VariantResult:
         got = replaced_rule(out, node, variant, rules)
         assert not isinstance(got, str), got
         ctx = variant_context(out, node, f"{name}/{vname}/", wants=got.wants, taken=taken)
+        ctx.share_producers(producers)
         new = variant.rule(ctx, node, [g or None for g in got.gouts])
         back_nodes = list(ctx.emit.nodes)
         fwd_nodes = list(ctx.forward.nodes) if ctx.forward is not None else []
@@ -266,7 +268,12 @@ def apply_variants(graph: Graph, plan: Plan) -> VariantResult:
         old = got.old
         dead = dead_after_replacing(out, old, {g for g in got.results if g},
                                     readers=readers)
+        for n in dead:
+            for o in n.output:
+                if o and producers.get(o) is n:
+                    del producers[o]
         for n in (*back_nodes, *fwd_nodes):
+            producers.update((o, n) for o in n.output if o)
             taken.update(o for o in n.output if o)
             taken.add(n.name)
             for i in n.input:
@@ -288,7 +295,7 @@ def apply_variants(graph: Graph, plan: Plan) -> VariantResult:
             if n is node:
                 nodes.extend(fwd_nodes)
         out.set_nodes(nodes)
-        _drop_outputs_only_dead_read(node, dead, nodes, out.outputs)
+        _drop_outputs_only_dead_read(node, dead, readers, out.outputs)
         for m in got.members:
             rules[m] = []
         substituted.append((name, variant.key))
@@ -326,16 +333,17 @@ def _rename_results(graph: Graph, back_nodes: list[onnx.NodeProto], gins: list[s
 
 
 def _drop_outputs_only_dead_read(node: onnx.NodeProto, dead: list[onnx.NodeProto],
-                                 nodes: list[onnx.NodeProto], keep: Iterable[str]) -> None:
+                                 readers: Mapping[str, int], keep: Iterable[str]) -> None:
     """Optional outputs of the forward node that only the removed rule nodes read (MaxPool's
     Indices, LayerNorm's Mean, added at build for the default rule) become unnamed, so ORT
     no longer computes or allocates them; by the schema's rule the recompute lowering also
-    drops unread outputs with (``recompute.optional_output``)."""
+    drops unread outputs with (``recompute.optional_output``). ``readers``: the reader
+    counts of the graph as it now stands (``reader_counts``, kept by ``apply_variants``)."""
     read_by_dead = {i for n in dead for i in n.input}
-    still_read = {i for n in nodes for i in n.input} | set(keep)
+    keep = set(keep)
     unread = [k for k, o in enumerate(node.output)
-              if k > 0 and o and o in read_by_dead and o not in still_read
-              and optional_output(node, k)]
+              if k > 0 and o and o in read_by_dead and not readers.get(o, 0)
+              and o not in keep and optional_output(node, k)]
     for k in unread:
         node.output[k] = ""
     while unread and len(node.output) > 1 and not node.output[-1]:
