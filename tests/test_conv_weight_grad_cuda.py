@@ -15,6 +15,8 @@ the last bits: every weight gradient stays within 1e-5 of its largest magnitude 
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
@@ -59,8 +61,6 @@ def _weight_grads(step: Graph) -> list[str]:
     for n in step.nodes:
         props = {p.key: p.value for p in n.metadata_props}
         if WEIGHT_GRAD_PROP in props:
-            import json
-
             dw = json.loads(props[WEIGHT_GRAD_PROP])["dw"]
             names.append(readers[dw][0].output[0])
     return names
@@ -245,3 +245,19 @@ def test_sixteen_bit_weight_gradients_in_their_own_dtype():
         ref = ra[name].astype(np.float64)
         assert np.all(np.isfinite(ref)) and np.max(np.abs(ref)) > 0, name
         assert np.max(np.abs(ref - rb[name])) <= 1e-2 * np.max(np.abs(ref)), name
+
+
+def test_swapped_gradient_read_elsewhere_is_written_as_it_was(tmp_path):
+    """When the swapped gradient [C, M, kh, kw] has readers other than the rule's final
+    swap (here: it is a step output), the rewrite writes that value itself, not the swap's."""
+    step = _conv_step(tmp_path, 6, (10, 12), 5, 3, 1, 1)
+    conv = next(n for n in step.nodes if n.op_type == "Conv"
+                and any(p.key == WEIGHT_GRAD_PROP for p in n.metadata_props))
+    dw = json.loads(next(p.value for p in conv.metadata_props
+                         if p.key == WEIGHT_GRAD_PROP))["dw"]
+    step.outputs.append(dw)
+    rewritten, summary = conv_weight_grads_as_patches(step, min_pixels=1)
+    assert summary["conv_weight_grads_as_patches"] == 1
+    producer = rewritten.producers()[dw]
+    assert producer.op_type == "Transpose" and list(producer.attribute[0].ints) == [2, 3, 0, 1]
+    _check_matches(step, rewritten)
