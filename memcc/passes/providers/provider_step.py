@@ -35,6 +35,8 @@ def for_provider(graph: Graph, provider: str) -> tuple[Graph, dict]:
         graph, report = expand_training_batchnorm(graph)
         rewritten_bn = int(report["batchnorm_rewritten"])
         graph, conv = conv_weight_grads_as_patches(graph)
+        if not conv["conv_weight_grads_as_patches"]:
+            conv = {}  # the summary names only what was rewritten
         # Not yet ``per_channel_by_matmul``: 2% faster on the H200's ResNet-50 step, but
         # its first loss moved by 1.6e-4 relative where the transpose form's matched the
         # original to the last printed digit (BENCHMARKS.md, "Issue 30 on an H200"):
