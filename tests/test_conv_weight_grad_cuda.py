@@ -35,6 +35,7 @@ from memcc.passes.providers.conv_weight_grad_cuda import (
     use_patches,
 )
 from memcc.passes.providers.provider_step import for_provider
+from memcc.step import PLAN_KEY
 from models import build_model
 
 RTOL = 1e-5
@@ -261,3 +262,13 @@ def test_swapped_gradient_read_elsewhere_is_written_as_it_was(tmp_path):
     producer = rewritten.producers()[dw]
     assert producer.op_type == "Transpose" and list(producer.attribute[0].ints) == [2, 3, 0, 1]
     _check_matches(step, rewritten)
+
+
+def test_a_planned_step_is_left_as_planned(tmp_path):
+    """``memcc run``/``train`` on CUDA apply the provider's rewrites to a compiled step too:
+    its plan covers the forms it was planned with, so its weight gradients stay."""
+    step = _conv_step(tmp_path, 8, (28, 28), 4, 3, 1, 1, batch=1)
+    step.metadata[PLAN_KEY] = "{}"
+    same, summary = conv_weight_grads_as_patches(step)
+    assert same is step
+    assert summary["conv_weight_grads_kept"] == {"planned step": 1}

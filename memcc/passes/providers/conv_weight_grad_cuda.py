@@ -52,6 +52,7 @@ from onnx import TensorProto
 from memcc.frontend.emit import Emitter
 from memcc.frontend.gradients.shape_ops import slice_axis, slice_values
 from memcc.graph import DefUse, Graph, TensorInfo, attr
+from memcc.step import PLAN_KEY
 
 WEIGHT_GRAD_PROP = "memcc.conv_weight_grad"  # written by _conv_weight_grad on its Conv
 MAX_CHANNELS = 128
@@ -128,8 +129,13 @@ def conv_weight_grads_as_patches(graph: Graph, *, max_channels: int = MAX_CHANNE
                                  chunk_floor: int = CHUNK_FLOOR_BYTES) -> tuple[Graph, dict]:
     """A copy of ``graph`` with every weight gradient the rule picks in the patches form
     (``graph`` itself when none is), and the summary: how many were rewritten, how many
-    kept their Conv (by reason), and the largest chunk's patches in bytes."""
-    found = [(wg, _why_not(graph, wg, max_channels, min_pixels))
+    kept their Conv (by reason), and the largest chunk's patches in bytes.
+
+    A step ``memcc compile`` planned (``memcc.plan``) is left as it is: its plan holds for
+    the forms it was planned with (compile for CUDA rewrites before planning; a plan's
+    variants may re-emit the Conv form, and the patches are larger than that)."""
+    planned = PLAN_KEY in graph.metadata
+    found = [(wg, "planned step" if planned else _why_not(graph, wg, max_channels, min_pixels))
              for wg in map(_tagged, graph.nodes) if wg is not None]
     kept: dict[str, int] = {}
     for _, why in found:
