@@ -272,3 +272,19 @@ def test_a_planned_step_is_left_as_planned(tmp_path):
     same, summary = conv_weight_grads_as_patches(step)
     assert same is step
     assert summary["conv_weight_grads_kept"] == {"planned step": 1}
+
+
+def test_conv_transpose_weight_gradient(tmp_path):
+    """ConvTranspose's weight gradient is the same rule with x and gy in each other's
+    places (``_conv_transpose_grad``): the tag records the operands the rule used."""
+    rng = np.random.default_rng(5)
+    w = numpy_helper.from_array(rng.standard_normal((4, 3, 3, 3)).astype(np.float32), "w")
+    node = helper.make_node("ConvTranspose", ["x", "w"], ["y"], kernel_shape=[3, 3],
+                            strides=[2, 2], pads=[1, 1, 1, 1], output_padding=[1, 1])
+    path = write_model(tmp_path / "ct.onnx", [node], [("x", [2, 4, 7, 9])],
+                       [("y", [2, 3, 14, 18])], [w])
+    step = build_training_step(load_graph(path), BuildOptions())
+    rewritten, summary = conv_weight_grads_as_patches(step, min_pixels=1)
+    assert summary["conv_weight_grads_as_patches"] == 1
+    assert not topological_problems(rewritten)
+    _check_matches(step, rewritten)
