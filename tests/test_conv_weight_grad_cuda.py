@@ -288,3 +288,17 @@ def test_conv_transpose_weight_gradient(tmp_path):
     assert summary["conv_weight_grads_as_patches"] == 1
     assert not topological_problems(rewritten)
     _check_matches(step, rewritten)
+
+
+def test_a_stale_tag_keeps_the_conv(tmp_path):
+    """A tag naming a value no node makes any more (a later pass renamed it) is reported,
+    not followed."""
+    step = _conv_step(tmp_path, 8, (28, 28), 4, 3, 1, 1, batch=1)
+    conv = next(n for n in step.nodes if any(p.key == WEIGHT_GRAD_PROP
+                                             for p in n.metadata_props))
+    prop = next(p for p in conv.metadata_props if p.key == WEIGHT_GRAD_PROP)
+    tag = json.loads(prop.value)
+    step.info["gone"] = step.info[tag["gy"]]
+    prop.value = json.dumps({**tag, "gy": "gone"})
+    same, summary = conv_weight_grads_as_patches(step)
+    assert same is step and summary["conv_weight_grads_kept"] == {"stale tag": 1}

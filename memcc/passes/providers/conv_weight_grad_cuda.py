@@ -97,10 +97,22 @@ def _tagged(node: onnx.NodeProto) -> WeightGrad | None:
         return None
 
 
-def _why_not(graph: Graph, wg: WeightGrad, max_channels: int, min_pixels: int) -> str | None:
+def _defined_in_order(graph: Graph, wg: WeightGrad, position: dict[int, int]) -> bool:
+    """x and gy exist before the tagged Conv, and dw is made after it: the tag still
+    describes the graph (a pass that renamed or removed its values makes it stale)."""
+    producer = graph.def_use().producer
+    at = position[id(wg.conv)]
+    given = set(graph.inputs) | set(graph.initializers)
+    before = all(v in given or (v in producer and position[id(producer[v])] < at)
+                 for v in (wg.x, wg.gy))
+    return before and wg.dw in producer and position[id(producer[wg.dw])] >= at
+
+
+def _why_not(graph: Graph, wg: WeightGrad, max_channels: int, min_pixels: int,
+             position: dict[int, int]) -> str | None:
     """None when ``wg`` is rewritten; otherwise why it keeps the Conv form."""
     xi, gi, di = (graph.info.get(v) for v in (wg.x, wg.gy, wg.dw))
-    if xi is None or gi is None or di is None:
+    if xi is None or gi is None or di is None or not _defined_in_order(graph, wg, position):
         return "stale tag"
     if wg.group != 1 or len(xi.shape) != 4 or len(wg.kernel) != 2:
         return "grouped or not 2-D"
@@ -135,7 +147,9 @@ def conv_weight_grads_as_patches(graph: Graph, *, max_channels: int = MAX_CHANNE
     the forms it was planned with (compile for CUDA rewrites before planning; a plan's
     variants may re-emit the Conv form, and the patches are larger than that)."""
     planned = PLAN_KEY in graph.metadata
-    found = [(wg, "planned step" if planned else _why_not(graph, wg, max_channels, min_pixels))
+    position = {id(n): i for i, n in enumerate(graph.nodes)}
+    found = [(wg, "planned step" if planned
+              else _why_not(graph, wg, max_channels, min_pixels, position))
              for wg in map(_tagged, graph.nodes) if wg is not None]
     kept: dict[str, int] = {}
     for _, why in found:
