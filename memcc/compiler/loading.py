@@ -85,6 +85,8 @@ def load_step(model: str | os.PathLike | onnx.ModelProto, label: str,
                            graph)
     rewritten_for_cuda = rewrites.reports[-1].summary["batchnorm_rewritten"]
     emulated = rewrites.reports[-1].summary.get("sixteen_bit_emulated")
+    as_patches = rewrites.reports[-1].summary.get("conv_weight_grads_as_patches")
+    patch_bytes = rewrites.reports[-1].summary.get("patch_bytes_max")
     step = TrainingStep.of(graph)
     params = step.parameters
     return graph, {
@@ -97,6 +99,10 @@ def load_step(model: str | os.PathLike | onnx.ModelProto, label: str,
         # Training-mode BatchNorms written as the CUDA provider runs them
         # (passes/providers/batchnorm_for_cuda.py).
         **({"batchnorm_rewritten": rewritten_for_cuda} if rewritten_for_cuda else {}),
+        # Convolution weight gradients as a MatMul over patches on CUDA, and the largest
+        # chunk's patches (passes/providers/conv_weight_grad_cuda.py).
+        **({"conv_weight_grads_as_patches": as_patches, "patch_bytes_max": patch_bytes}
+           if as_patches else {}),
         # --precision bf16/fp16: what autocast did (memcc.precision), and the ops this
         # provider has no 16-bit kernel for, computed in float32 between casts
         # (passes/providers/sixteen_bit.py).

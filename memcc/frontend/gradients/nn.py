@@ -10,6 +10,7 @@ at compile time so the backward graph carries no shape arithmetic.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -29,6 +30,7 @@ from memcc.frontend.gradients.shape_ops import (
     tail,
 )
 from memcc.graph import TensorInfo, attr, node_label
+from memcc.step import tag_node
 
 
 def _text(value, default: str) -> str:
@@ -195,8 +197,14 @@ def _conv_weight_grad(emit: Emitter, x: str, gy: str, win: Window, group: int,
         dilations=win.strides, pads=list(win.begins) + ends, group=group,
         info=TensorInfo(xi.dtype, (cg, m, *got)),
     )
+    conv = emit.nodes[-1]
     if got != list(win.kernel):
         dw = slice_values(emit, dw, [0] * nd, win.kernel, list(range(2, nd + 2)))
+    # What a provider rewrite needs to compute the same dW (swapped, [Cg, M, *kernel]) in
+    # another form from the original x and gy (passes/providers/conv_weight_grad_cuda.py).
+    tag_node(conv, conv_weight_grad=json.dumps({
+        "x": x, "gy": gy, "dw": dw, "group": group, "kernel": win.kernel,
+        "strides": win.strides, "dilations": win.dilations, "begins": win.begins}))
     return emit.transpose(dw, [1, 0] + list(range(2, nd + 2)))
 
 

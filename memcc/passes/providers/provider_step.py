@@ -11,7 +11,10 @@ per-channel sum (BatchNorm's statistics, the gradients of its scale and bias: re
 axes 0, 2, 3 of an NCHW tensor) as a transpose and a sum over trailing axes
 (``deterministic_reductions``): ORT's CUDA kernel adds leading-axis sums with atomics, and on
 an H200 the trailing form ran issue 29's ResNet-50 step in 321 ms instead of 479 (ResNet-18:
-15.1 against 18.4 ms), and gives the same bits every run. On every provider, last: a 16-bit
+15.1 against 18.4 ms), and gives the same bits every run. Also on CUDA: the weight gradients
+of k x k convolutions with few channels and many pixels as a MatMul over patches
+(``conv_weight_grad_cuda``: ``conv_weight_grads_as_patches`` and ``patch_bytes_max`` in the
+summary). On every provider, last: a 16-bit
 node the provider has no kernel for computes in float32 between casts (``sixteen_bit``).
 """
 
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 from memcc.graph import Graph
 from memcc.passes.providers.batchnorm_for_cuda import expand_training_batchnorm
+from memcc.passes.providers.conv_weight_grad_cuda import conv_weight_grads_as_patches
 from memcc.passes.providers.deterministic_reductions import per_channel, to_trailing_axes
 from memcc.passes.providers.sixteen_bit import for_provider as sixteen_bit
 
@@ -26,13 +30,17 @@ from memcc.passes.providers.sixteen_bit import for_provider as sixteen_bit
 def for_provider(graph: Graph, provider: str) -> tuple[Graph, dict]:
     """The step as ``provider`` runs it, and what was rewritten (module docstring)."""
     rewritten_bn = 0
+    conv: dict = {}
     if provider == "cuda":
         graph, report = expand_training_batchnorm(graph)
         rewritten_bn = int(report["batchnorm_rewritten"])
+        graph, conv = conv_weight_grads_as_patches(graph)
+        if not conv["conv_weight_grads_as_patches"]:
+            conv = {}  # the summary names only what was rewritten
         # Not yet ``per_channel_by_matmul``: 2% faster on the H200's ResNet-50 step, but
         # its first loss moved by 1.6e-4 relative where the transpose form's matched the
         # original to the last printed digit (BENCHMARKS.md, "Issue 30 on an H200"):
         # until a float64 check of the whole step says why, the transpose form stays.
         graph, _ = to_trailing_axes(graph, only=per_channel)
     graph, emulated = sixteen_bit(graph, provider)
-    return graph, {"batchnorm_rewritten": rewritten_bn, **emulated}
+    return graph, {"batchnorm_rewritten": rewritten_bn, **conv, **emulated}
