@@ -34,7 +34,12 @@ def test_zoo_compile_verifies(family, tmp_path):
     opts = dict(cost="analytic", time_limit=20,
                 build=BuildOptions(loss_chunks=1, attention_chunks=1, mlp_chunks=1))
     smallest = compile_model(model, CompileOptions(budget="min", **opts)).report
-    base = smallest["baseline"]["peak_bytes"]
+    # The budget the step as built needs, with the same safety margin and heap allowance
+    # as the smallest budget (its bare peak is below that budget on the convnets: a
+    # midpoint with it fell on the smallest budget itself, which a second search, its
+    # polish cut by wall time on a loaded machine, did not always reach again).
+    base = int((smallest["baseline"]["peak_bytes"] + smallest["slack_bytes"])
+               * (1 + smallest["margin"]))
     budget = (smallest["budget_bytes"] + max(base, smallest["budget_bytes"])) // 2
     result = compile_model(model, CompileOptions(budget=budget, verify=True, **opts),
                            output=tmp_path / "out.onnx")
