@@ -478,3 +478,24 @@ def test_the_polish_trades_a_dear_recomputed_unit_for_cheaper_ones():
         traded_units += trades
     assert gained >= len(starts) // 2, (gained, len(starts))
     assert traded_units >= gained
+
+
+def test_a_polish_cut_by_the_time_limit_says_so():
+    """The polish runs until a share of ``--time-limit`` (then it keeps what it has): the
+    same step and budget can get another plan on a busier machine, so the run that was cut
+    says so in the report (``cut_by_time_limit``), and one that was not says nothing."""
+    from memcc.passes.planning import polish
+    from memcc.passes.planning.planner import _prepare
+
+    _, g, costs, base = built("unet")
+    p = _prepare(g, costs, PlanRequest(time_limit=300), StepStructure.of(g), base)
+    start = next(s for s in p.segmentations if s.plan.recompute)
+    found = [("sqrtn", start)]
+    cut: list[str] = []
+    polish._polish(p, found, start.peak_bytes, float("-inf"), cut=cut)  # already past
+    assert cut == ["polish"]
+    cut = []
+    polish._polish(p, found, start.peak_bytes, float("inf"), cut=cut)
+    assert "polish" not in cut
+    fit = polish.FitTest(1.0, float("-inf"), cut=(seen := []), stage="trades")
+    assert fit.expired() and fit.expired() and seen == ["trades"]  # once per stage

@@ -33,11 +33,16 @@ EXCHANGE_PARTNERS = 2
 class FitTest:
     """What the polish keeps a plan to: fit ``budget`` (by ``Simulation.fit_bytes`` where
     ``room``: a budget, not the smallest peak, holds the heap room of the small buffers a
-    plan adds; else by the peak), trying moves until ``deadline`` (a perf_counter value)."""
+    plan adds; else by the peak), trying moves until ``deadline`` (a perf_counter value).
+    ``cut``: where the deadline stopped moves, ``stage`` is recorded (the report says the
+    search was cut by the time limit: a later run, on a less busy machine or with a longer
+    ``--time-limit``, may find another plan)."""
 
     budget: float
     deadline: float
     room: bool = False
+    cut: list[str] | None = None
+    stage: str = "polish"
 
     def size(self, sim: Simulation) -> int:
         return sim.fit_bytes if self.room else sim.peak_bytes
@@ -46,7 +51,11 @@ class FitTest:
         return self.size(sim) <= self.budget
 
     def expired(self) -> bool:
-        return time.perf_counter() > self.deadline
+        if time.perf_counter() <= self.deadline:
+            return False
+        if self.cut is not None and self.stage not in self.cut:
+            self.cut.append(self.stage)
+        return True
 
 
 @strategy("auto")
@@ -69,21 +78,24 @@ def best_of_all(p: PlanningContext, budget: Budget) -> StrategyResult:
     # a solve stopped at a limit left, and on such a plan they cost time for nothing (the
     # 5,097-node GPT-2 at 33%: 8 s, no trade).
     proven = {id(s) for r in out.runs if r.fields.get("status") == "optimal" for s in r.sims}
+    cut: list[str] = []
     polished = _polish(p, out.plans, target, deadline, room=not budget.is_min,
-                       proven=proven)
+                       proven=proven, cut=cut)
+    said = {"cut_by_time_limit": cut} if cut else {}
     if polished is None:
         out.add("auto", [], {"strategy": "polish", "detail": "the cheapest fitting plans",
-                             "status": "no improvement"})
+                             "status": "no improvement", **said})
     else:
         sim, start, trades = polished
         out.add("auto", [sim], {"strategy": "polish", "detail": f"from the {start} plan",
-                                "from": start, "status": "improved", "trades": trades})
+                                "from": start, "status": "improved", "trades": trades,
+                                **said})
     return out
 
 
 def _polish(p: PlanningContext, found: list[tuple[str, Simulation]], budget: float,
             deadline: float, *, room: bool = False,
-            proven: set[int] | frozenset[int] = frozenset()
+            proven: set[int] | frozenset[int] = frozenset(), cut: list[str] | None = None
             ) -> tuple[Simulation, str, int] | None:
     """Start from the cheapest fitting plans and stop recomputing their most expensive nodes
     one by one, then drop their time-costing variants, while the simulator says the step
@@ -96,7 +108,7 @@ def _polish(p: PlanningContext, found: list[tuple[str, Simulation]], budget: flo
     small buffers a plan adds). ``proven``: ids of plans an ILP solve proved optimal; the
     trades are left out where the best plan is one of them."""
     pp = p.model
-    fit = FitTest(budget, deadline, room)
+    fit = FitTest(budget, deadline, room, cut)
     size = fit.size
 
     fitting = sorted(((name, sim) for name, sim in found
@@ -152,7 +164,8 @@ def _polish(p: PlanningContext, found: list[tuple[str, Simulation]], budget: flo
     if id(current) in proven:
         return None if best is None else (*best, 0)
     trading = FitTest(budget, min(p.deadline,
-                                  time.perf_counter() + EXCHANGE_SHARE * p.time_limit), room)
+                                  time.perf_counter() + EXCHANGE_SHARE * p.time_limit), room,
+                      cut, "trades")
     traded, trades = _exchange(p, current, trading, index,
                                by_cost(current.plan.recompute)[:EXCHANGE_UNITS])
     if traded is not current:
