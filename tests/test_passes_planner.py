@@ -492,10 +492,10 @@ def test_a_polish_cut_by_the_time_limit_says_so():
     start = next(s for s in p.segmentations if s.plan.recompute)
     found = [("sqrtn", start)]
     cut: list[str] = []
-    polish._polish(p, found, start.peak_bytes, float("-inf"), cut=cut)  # already past
-    assert cut == ["polish"]
+    polish._polish(p, found, polish.FitTest(start.peak_bytes, float("-inf"), cut=cut))
+    assert cut == ["polish"]  # the deadline had passed
     cut = []
-    polish._polish(p, found, start.peak_bytes, float("inf"), cut=cut)
+    polish._polish(p, found, polish.FitTest(start.peak_bytes, float("inf"), cut=cut))
     assert "polish" not in cut
     fit = polish.FitTest(1.0, float("-inf"), cut=(seen := []), stage="trades")
     assert fit.expired() and fit.expired() and seen == ["trades"]  # once per stage

@@ -79,8 +79,8 @@ def best_of_all(p: PlanningContext, budget: Budget) -> StrategyResult:
     # 5,097-node GPT-2 at 33%: 8 s, no trade).
     proven = {id(s) for r in out.runs if r.fields.get("status") == "optimal" for s in r.sims}
     cut: list[str] = []
-    polished = _polish(p, out.plans, target, deadline, room=not budget.is_min,
-                       proven=proven, cut=cut)
+    polished = _polish(p, out.plans, FitTest(target, deadline, not budget.is_min, cut),
+                       proven=proven)
     said = {"cut_by_time_limit": cut} if cut else {}
     if polished is None:
         out.add("auto", [], {"strategy": "polish", "detail": "the cheapest fitting plans",
@@ -93,9 +93,8 @@ def best_of_all(p: PlanningContext, budget: Budget) -> StrategyResult:
     return out
 
 
-def _polish(p: PlanningContext, found: list[tuple[str, Simulation]], budget: float,
-            deadline: float, *, room: bool = False,
-            proven: set[int] | frozenset[int] = frozenset(), cut: list[str] | None = None
+def _polish(p: PlanningContext, found: list[tuple[str, Simulation]], fit: FitTest, *,
+            proven: set[int] | frozenset[int] = frozenset()
             ) -> tuple[Simulation, str, int] | None:
     """Start from the cheapest fitting plans and stop recomputing their most expensive nodes
     one by one, then drop their time-costing variants, while the simulator says the step
@@ -103,13 +102,12 @@ def _polish(p: PlanningContext, found: list[tuple[str, Simulation]], budget: flo
     plan is not always the one that polishes best (a sqrt(n) plan with more segments may
     shed more). Returns the best polished plan, the strategy of the plan it started
     from (the report names it: ``sqrtn+polish``) and how many trades (``_exchange``) it
-    kept. ``room``: judge fitting by
-    ``Simulation.fit_bytes`` (a budget, not the smallest peak, holds the heap room of the
-    small buffers a plan adds). ``proven``: ids of plans an ILP solve proved optimal; the
-    trades are left out where the best plan is one of them."""
+    kept. ``fit``: the budget, the deadline, how fitting is judged (``FitTest.room``) and
+    where a cut by the deadline is recorded; the trades get their own deadline. ``proven``:
+    ids of plans an ILP solve proved optimal; the trades are left out where the best plan is
+    one of them."""
     pp = p.model
-    fit = FitTest(budget, deadline, room, cut)
-    size = fit.size
+    budget, size = fit.budget, fit.size
 
     fitting = sorted(((name, sim) for name, sim in found
                       if size(sim) <= budget and (sim.plan.recompute
@@ -164,8 +162,8 @@ def _polish(p: PlanningContext, found: list[tuple[str, Simulation]], budget: flo
     if id(current) in proven:
         return None if best is None else (*best, 0)
     trading = FitTest(budget, min(p.deadline,
-                                  time.perf_counter() + EXCHANGE_SHARE * p.time_limit), room,
-                      cut, "trades")
+                                  time.perf_counter() + EXCHANGE_SHARE * p.time_limit),
+                      fit.room, fit.cut, "trades")
     traded, trades = _exchange(p, current, trading, index,
                                by_cost(current.plan.recompute)[:EXCHANGE_UNITS])
     if traded is not current:
