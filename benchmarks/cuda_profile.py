@@ -34,9 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import lzma
 import os
-import shutil
 import sys
 import tempfile
 import time
@@ -47,6 +45,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.gpu_peers import _decompress  # noqa: E402  (the steps it prepares)
 from memcc.backend.device_step import step_for_provider  # noqa: E402
 from memcc.backend.onnx_file import save_graph  # noqa: E402
 from memcc.backend.session import SessionSettings, make_session  # noqa: E402
@@ -54,15 +53,6 @@ from memcc.backend.step_feeds import synthetic_feeds  # noqa: E402
 from memcc.frontend.load import load_graph  # noqa: E402
 
 PROVIDER_NAMES = {"cuda": "CUDAExecutionProvider", "cpu": "CPUExecutionProvider"}
-
-
-def _decompressed(path: Path, tmp: Path) -> Path:
-    if path.suffix != ".xz":
-        return path
-    out = tmp / path.name.removesuffix(".xz")
-    with lzma.open(path, "rb") as z, open(out, "wb") as f:
-        shutil.copyfileobj(z, f, 1 << 24)
-    return out
 
 
 def kernel_events(profile: Path) -> tuple[list[dict], list[dict]]:
@@ -104,7 +94,7 @@ def by_op_type(nodes: list[dict], runs: list[dict], skip_runs: int = 1) -> dict:
 def profile_step(name: str, path: Path, provider: str, runs: int, deterministic: bool,
                  tmp: Path) -> dict:
     """One step's profile (see the module docstring)."""
-    graph = load_graph(_decompressed(path, tmp))
+    graph = load_graph(_decompress(path, tmp / path.name.removesuffix(".xz")))
     graph, _ = step_for_provider(graph, provider, deterministic=deterministic)
     step_file = save_graph(graph, tmp / f"{name}.run.onnx")
     feeds = synthetic_feeds(graph)

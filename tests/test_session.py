@@ -44,3 +44,5 @@ def test_float16_steps_leave_cudnn_heuristics_unless_a_search_was_chosen(
     sess = session.make_session(_relu(precision), "cpu")
     settings = session.SessionSettings(cuda_options=options)
     assert session._needs_default_search(sess, settings) is expected
+    # A ModelProto is asked before its session exists (no second session for it).
+    assert session._needs_default_search(_relu(precision), settings) is expected

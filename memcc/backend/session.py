@@ -252,6 +252,8 @@ def make_session(model: onnx.ModelProto | bytes | str | os.PathLike, provider: s
     if isinstance(model, onnx.ModelProto):
         source: bytes | str = model.SerializeToString()
         where = "<model>"
+        if p == "cuda" and _needs_default_search(model, settings):
+            settings = _default_search(settings)
     elif isinstance(model, bytes):
         source, where = model, "<model>"
     else:
@@ -285,12 +287,27 @@ def make_session(model: onnx.ModelProto | bytes | str | os.PathLike, provider: s
     # failure instead of measuring another provider's step.
     sess.disable_fallback()
     if p == "cuda" and _needs_default_search(sess, settings):
-        cuda = {**(settings.cuda_options or {}), "cudnn_conv_algo_search": "DEFAULT"}
-        return make_session(model, provider, replace(settings, cuda_options=cuda))
+        # A file or bytes: its metadata is known only once ORT has read it, so the session
+        # is made again (float16 steps only). A ModelProto was asked before (below).
+        return make_session(model, provider, _default_search(settings))
     return sess
 
 
-def _needs_default_search(sess: ort.InferenceSession, settings: SessionSettings) -> bool:
+def _default_search(settings: SessionSettings) -> SessionSettings:
+    return replace(settings, cuda_options={**(settings.cuda_options or {}),
+                                           "cudnn_conv_algo_search": "DEFAULT"})
+
+
+def _precision(meta: Mapping[str, str]) -> str | None:
+    """The step's ``memcc.precision`` (``fp16``, ``bf16``), None where it has none."""
+    try:
+        return json.loads(meta[PRECISION_KEY]).get("precision")
+    except (KeyError, ValueError, AttributeError):
+        return None
+
+
+def _needs_default_search(sess: ort.InferenceSession | onnx.ModelProto,
+                          settings: SessionSettings) -> bool:
     """Whether a float16 step must leave cuDNN's heuristics: with HEURISTIC (memcc's
     default, ``cudnn_conv_algo_search``) ORT's cuDNN frontend found no engine for the
     float16 weight-gradient convolutions of a ResNet-50 step (``HEURISTIC_QUERY_FAILED``, an
@@ -300,11 +317,9 @@ def _needs_default_search(sess: ort.InferenceSession, settings: SessionSettings)
     if CUDNN_SEARCH_ENV in os.environ or "cudnn_conv_algo_search" in (settings.cuda_options
                                                                       or {}):
         return False
-    meta = sess.get_modelmeta().custom_metadata_map.get(PRECISION_KEY)
-    try:
-        return meta is not None and json.loads(meta).get("precision") == "fp16"
-    except (ValueError, AttributeError):
-        return False
+    meta = ({p.key: p.value for p in sess.metadata_props}
+            if isinstance(sess, onnx.ModelProto) else sess.get_modelmeta().custom_metadata_map)
+    return _precision(meta) == "fp16"
 
 
 _ENUMS = {
