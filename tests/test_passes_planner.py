@@ -5,6 +5,7 @@ the sqrt(n) heuristic at the same budget."""
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -465,7 +466,7 @@ def test_the_polish_trades_a_dear_recomputed_unit_for_cheaper_ones():
     starts = [s for s in p.segmentations if s.plan.recompute][1:5]
     for start in starts:
         budget = start.peak_bytes
-        fit = polish.FitTest(budget, float("inf"))   # by the peak, without a deadline
+        fit = polish.FitTest(budget, polish.Allowance(10**6))   # by the peak, no limit
         shed = polish._shed(p, start, fit, [
             lambda plan, grp=frozenset(pp.groups[u]): polish.without(plan, grp)
             for u in dear(start.plan)[:polish.POLISH_CANDIDATES]])
@@ -480,10 +481,11 @@ def test_the_polish_trades_a_dear_recomputed_unit_for_cheaper_ones():
     assert traded_units >= gained
 
 
-def test_a_polish_cut_by_the_time_limit_says_so():
-    """The polish runs until a share of ``--time-limit`` (then it keeps what it has): the
-    same step and budget can get another plan on a busier machine, so the run that was cut
-    says so in the report (``cut_by_time_limit``), and one that was not says nothing."""
+def test_the_polish_is_bounded_by_a_count_of_simulations_not_by_the_clock():
+    """The polish's work is a count of simulations fixed by the step's size and
+    ``--time-limit``, so the same step and budget get the same plan on a quiet and on a
+    loaded machine; the clock is a safety net only, and where it, not the count, stopped a
+    stage the report says so (``cut_by_time_limit``)."""
     from memcc.passes.planning import polish
     from memcc.passes.planning.planner import _prepare
 
@@ -491,11 +493,30 @@ def test_a_polish_cut_by_the_time_limit_says_so():
     p = _prepare(g, costs, PlanRequest(time_limit=300), StepStructure.of(g), base)
     start = next(s for s in p.segmentations if s.plan.recompute)
     found = [("sqrtn", start)]
-    cut: list[str] = []
-    polish._polish(p, found, polish.FitTest(start.peak_bytes, float("-inf"), cut=cut))
-    assert cut == ["polish"]  # the deadline had passed
-    cut = []
-    polish._polish(p, found, polish.FitTest(start.peak_bytes, float("inf"), cut=cut))
-    assert "polish" not in cut
-    fit = polish.FitTest(1.0, float("-inf"), cut=(seen := []), stage="trades")
-    assert fit.expired() and fit.expired() and seen == ["trades"]  # once per stage
+    allowed = polish.Allowance.of(p, polish.POLISH_SHARE)
+    assert allowed.moves == int(polish.POLISH_SHARE * 300 * polish.SIMULATED_NODES_PER_S
+                                / len(g.nodes))
+    assert polish.Allowance.of(replace(p, time_limit=1e-3), 0.25).moves == polish.MIN_MOVES
+
+    def run(allowance):
+        trades = polish.Allowance(allowance.moves, allowance.deadline)
+        got = polish._polish(p, found, polish.FitTest(start.peak_bytes, allowance),
+                             trades=trades)
+        return got, allowance, trades
+
+    # A few moves: stopped by the count, the same plan twice (however long each took).
+    (a, first, _), (b, second, _) = run(polish.Allowance(6)), run(polish.Allowance(6))
+    assert first.spent == second.spent == 6 and first.stopped == {"polish": "moves"}
+    assert a is not None and b is not None
+    assert a[0].plan == b[0].plan and a[0].added_time_s == b[0].added_time_s
+    assert not polish._work_said(first).get("cut_by_time_limit")
+    # The deadline passed: nothing simulated, and the report names the cut.
+    late = polish.Allowance(10**6, deadline=float("-inf"))
+    assert run(late)[0] is None and late.spent == 0
+    said = polish._work_said(late)
+    assert said["cut_by_time_limit"] == ["polish"] and said["simulations"] == 0
+    # Once per stage.
+    fit = polish.FitTest(1.0, polish.Allowance(0), stage="trades")
+    assert fit.expired() and fit.expired() and fit.allowance.stopped == {"trades": "moves"}
+
+

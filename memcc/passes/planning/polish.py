@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from memcc.passes.plan import Plan
 from memcc.passes.planning.context import PlanningContext, StrategyResult, strategy
@@ -22,26 +22,61 @@ POLISH_STARTS = 4
 POLISH_SHARE = 0.25
 # The polish's trades, on its cheapest plan (``_exchange``): stop recomputing one of the
 # EXCHANGE_UNITS dearest units and recompute instead one of the EXCHANGE_PARTNERS cheapest
-# units live at the peak that makes. Bounded by that count, so that the same step and budget
-# give the same plan on a loaded machine, and by their own share of the time limit.
+# units live at the peak that makes. Bounded by that count and by their own share of the
+# work (``Allowance``).
 EXCHANGE_UNITS = 16
 EXCHANGE_SHARE = 0.15
 EXCHANGE_PARTNERS = 2
+# The work a share of ``--time-limit`` buys, in simulated nodes: one simulation costs about
+# the step's node count, at 11,000-16,000 nodes a second on CI's 2-core machine with other
+# jobs running (zoo steps of 460-2,555 nodes, 2026-11-27). A count, not a clock, so that the
+# plan does not depend on how busy the machine is.
+SIMULATED_NODES_PER_S = 12_000
+MIN_MOVES = 4
+
+
+@dataclass
+class Allowance:
+    """How much one stage of the polish may search: ``moves`` simulations, a count fixed by
+    the step's size and ``--time-limit`` (``Allowance.of``), so that the same step, budget
+    and limit give the same plan on a quiet and on a loaded machine. ``deadline`` (a
+    perf_counter value: the planner's own) is only a safety net, so that the limit holds on
+    a machine much slower than ``SIMULATED_NODES_PER_S``. ``stopped``: per stage, what
+    stopped it ("moves", the same on every run; "time limit", where the plan may then depend
+    on the machine, and the report says so)."""
+
+    moves: int
+    deadline: float = float("inf")
+    spent: int = 0
+    stopped: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, p: PlanningContext, share: float) -> Allowance:
+        nodes = max(len(p.graph.nodes), 1)
+        moves = int(share * p.time_limit * SIMULATED_NODES_PER_S / nodes)
+        return cls(max(moves, MIN_MOVES), p.deadline)
+
+    def take(self, stage: str) -> bool:
+        """Whether one more simulation may run (it is counted)."""
+        why = ("moves" if self.spent >= self.moves
+               else "time limit" if time.perf_counter() > self.deadline else None)
+        if why is not None:
+            self.stopped.setdefault(stage, why)
+            return False
+        self.spent += 1
+        return True
 
 
 @dataclass(frozen=True)
 class FitTest:
     """What the polish keeps a plan to: fit ``budget`` (by ``Simulation.fit_bytes`` where
     ``room``: a budget, not the smallest peak, holds the heap room of the small buffers a
-    plan adds; else by the peak), trying moves until ``deadline`` (a perf_counter value).
-    ``cut``: where the deadline stopped moves, ``stage`` is recorded (the report says the
-    search was cut by the time limit: a later run, on a less busy machine or with a longer
-    ``--time-limit``, may find another plan)."""
+    plan adds; else by the peak), trying moves while ``allowance`` lasts (what stopped the
+    search is recorded under ``stage``)."""
 
     budget: float
-    deadline: float
+    allowance: Allowance
     room: bool = False
-    cut: list[str] | None = None
     stage: str = "polish"
 
     def size(self, sim: Simulation) -> int:
@@ -51,11 +86,8 @@ class FitTest:
         return self.size(sim) <= self.budget
 
     def expired(self) -> bool:
-        if time.perf_counter() <= self.deadline:
-            return False
-        if self.cut is not None and self.stage not in self.cut:
-            self.cut.append(self.stage)
-        return True
+        """Called before each simulation: True where the allowance is spent."""
+        return not self.allowance.take(self.stage)
 
 
 @strategy("auto")
@@ -72,16 +104,15 @@ def best_of_all(p: PlanningContext, budget: Budget) -> StrategyResult:
     add_rebuilt_again(p, budget, out)
     target = budget.bytes if not budget.is_min else min(
         [s.peak_bytes for _, s in out.plans] + [p.baseline.peak_bytes])
-    # The polish is a refinement: it gets at most a quarter of the time limit.
-    deadline = min(p.deadline, time.perf_counter() + POLISH_SHARE * p.time_limit)
+    # The polish is a refinement: a quarter of the time limit's work, its trades 15% more.
     # Plans the ILP proved optimal (within its gap) in its model: the trades look for what
     # a solve stopped at a limit left, and on such a plan they cost time for nothing (the
     # 5,097-node GPT-2 at 33%: 8 s, no trade).
     proven = {id(s) for r in out.runs if r.fields.get("status") == "optimal" for s in r.sims}
-    cut: list[str] = []
-    polished = _polish(p, out.plans, FitTest(target, deadline, not budget.is_min, cut),
-                       proven=proven)
-    said = {"cut_by_time_limit": cut} if cut else {}
+    shedding, trading = Allowance.of(p, POLISH_SHARE), Allowance.of(p, EXCHANGE_SHARE)
+    polished = _polish(p, out.plans, FitTest(target, shedding, not budget.is_min),
+                       proven=proven, trades=trading)
+    said = _work_said(shedding, trading)
     if polished is None:
         out.add("auto", [], {"strategy": "polish", "detail": "the cheapest fitting plans",
                              "status": "no improvement", **said})
@@ -93,8 +124,19 @@ def best_of_all(p: PlanningContext, budget: Budget) -> StrategyResult:
     return out
 
 
+def _work_said(*allowances: Allowance) -> dict:
+    """The report's account of the polish's work: the simulations it ran, the most it was
+    allowed, and where the time limit, not the count, stopped a stage
+    (``cut_by_time_limit``: only then may another run find another plan)."""
+    stopped = {k: v for a in allowances for k, v in a.stopped.items()}
+    said = {"simulations": sum(a.spent for a in allowances),
+            "simulations_allowed": sum(a.moves for a in allowances)}
+    cut = [stage for stage, why in stopped.items() if why == "time limit"]
+    return {**said, "cut_by_time_limit": cut} if cut else said
+
+
 def _polish(p: PlanningContext, found: list[tuple[str, Simulation]], fit: FitTest, *,
-            proven: set[int] | frozenset[int] = frozenset()
+            proven: set[int] | frozenset[int] = frozenset(), trades: Allowance | None = None
             ) -> tuple[Simulation, str, int] | None:
     """Start from the cheapest fitting plans and stop recomputing their most expensive nodes
     one by one, then drop their time-costing variants, while the simulator says the step
@@ -102,8 +144,9 @@ def _polish(p: PlanningContext, found: list[tuple[str, Simulation]], fit: FitTes
     plan is not always the one that polishes best (a sqrt(n) plan with more segments may
     shed more). Returns the best polished plan, the strategy of the plan it started
     from (the report names it: ``sqrtn+polish``) and how many trades (``_exchange``) it
-    kept. ``fit``: the budget, the deadline, how fitting is judged (``FitTest.room``) and
-    where a cut by the deadline is recorded; the trades get their own deadline. ``proven``:
+    kept. ``fit``: the budget, the work allowed, how fitting is judged (``FitTest.room``);
+    the trades get an allowance of their own (``trades``; by default as many moves as
+    ``fit``'s and the same deadline). ``proven``:
     ids of plans an ILP solve proved optimal; the trades are left out where the best plan is
     one of them."""
     pp = p.model
@@ -151,8 +194,8 @@ def _polish(p: PlanningContext, found: list[tuple[str, Simulation]], fit: FitTes
                                      or current.added_time_s < best[0].added_time_s):
             best = (current, start_name)
     # Then trade, on the best plan only: a dear unit that does not fit when shed alone may
-    # fit when cheaper units live at the new peak are recomputed instead. Its own share of
-    # the limit, so that slow starts above do not leave it none.
+    # fit when cheaper units live at the new peak are recomputed instead. Its own
+    # allowance, so that starts above that use theirs up do not leave it none.
     if not fitting:
         return None
     # The cheapest plan so far: a polished one, or the cheapest start where the polish
@@ -161,13 +204,13 @@ def _polish(p: PlanningContext, found: list[tuple[str, Simulation]], fit: FitTes
                               key=lambda q: q[0].added_time_s)
     if id(current) in proven:
         return None if best is None else (*best, 0)
-    trading = FitTest(budget, min(p.deadline,
-                                  time.perf_counter() + EXCHANGE_SHARE * p.time_limit),
-                      fit.room, fit.cut, "trades")
-    traded, trades = _exchange(p, current, trading, index,
-                               by_cost(current.plan.recompute)[:EXCHANGE_UNITS])
+    own = trades or Allowance(fit.allowance.moves, fit.allowance.deadline,
+                              stopped=fit.allowance.stopped)
+    trading = FitTest(budget, own, fit.room, "trades")
+    traded, kept = _exchange(p, current, trading, index,
+                             by_cost(current.plan.recompute)[:EXCHANGE_UNITS])
     if traded is not current:
-        return traded, start_name, trades
+        return traded, start_name, kept
     return None if best is None else (*best, 0)
 
 
