@@ -20,7 +20,9 @@ memcc's fusions, ``BuildOptions(fusions=())``), ``no-bn-reuse`` (training-mode B
 written for CUDA with a backward that recomputes its statistics, as before issue 30: the
 step is saved already rewritten, so the runner's own rewrite finds nothing left to do),
 ``transposed-sums`` (per-channel sums as a transpose and a trailing-axis sum, as before
-the MatMul-by-ones form; saved rewritten, likewise).
+the MatMul-by-ones form; saved rewritten, likewise), ``conv-grad-as-conv`` (the current
+step run with ``MEMCC_CONV_WEIGHT_GRAD=conv``: weight gradients in memcc's Conv form, not
+as MatMuls over patches, to time that pass as a whole step).
 Each row carries its ``form``.
 
 The figures of BENCHMARKS.md, "Issue 29 on an H200", came from this script (then kept
@@ -31,8 +33,10 @@ benchmarks/cuda_h200_issue29/.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
+import os
 import sys
 import tempfile
 import time
@@ -48,6 +52,7 @@ from memcc.backend.onnx_file import save_graph  # noqa: E402
 from memcc.backend.runner import RunRequest, run_steps  # noqa: E402
 from memcc.frontend.build import BuildOptions, build_training_step  # noqa: E402
 from memcc.frontend.load import load_graph  # noqa: E402
+from memcc.passes.providers.conv_weight_grad_cuda import FORM_ENV  # noqa: E402
 from models import build_model  # noqa: E402
 
 ZOO = {"mlp": dict(batch=512, in_features=1024, width=1024, depth=4),
@@ -56,7 +61,7 @@ ZOO = {"mlp": dict(batch=512, in_features=1024, width=1024, depth=4),
        "gpt2": dict(batch=4, seq_len=256, vocab_size=8192, width=256, heads=4, depth=4)}
 SMALL = {"mlp": dict(batch=8), "resnet18": dict(batch=2), "resnet50": dict(batch=2),
          "gpt2": dict(batch=2)}
-FORMS = ("current", "unfused", "no-bn-reuse", "transposed-sums")
+FORMS = ("current", "unfused", "no-bn-reuse", "transposed-sums", "conv-grad-as-conv")
 VARIANTS = {"default": {}, "nograph": {"cuda_graph": False}, "det": {"deterministic": True}}
 FIELDS = ("losses", "step_time_s", "measured_peak_bytes", "predicted_peak_bytes",
           "measured_over_predicted", "first_step_measured_bytes",
@@ -97,6 +102,25 @@ def built_form(name: str, sizes: dict, form: str, tmp: Path) -> Path:
         step, _ = expand_training_batchnorm(step)
         step, _ = to_trailing_axes(step, only=per_channel)
     return save_graph(step, tmp / f"{name}-{form}.onnx")
+
+
+@contextlib.contextmanager
+def _conv_grad_form(form: str):
+    """``conv-grad-as-conv``: the current step, run with ``MEMCC_CONV_WEIGHT_GRAD=conv``
+    (its weight gradients in memcc's Conv form instead of patches), to time the patches
+    pass as a whole step against the step without it."""
+    if form != "conv-grad-as-conv":
+        yield
+        return
+    old = os.environ.get(FORM_ENV)
+    os.environ[FORM_ENV] = "conv"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(FORM_ENV, None)
+        else:
+            os.environ[FORM_ENV] = old
 
 
 def device_pieces() -> dict:
@@ -174,11 +198,20 @@ def main(argv: list[str] | None = None) -> int:
                      for a in args.steps_files]
         else:
             sizes = ZOO if args.provider == "cuda" else SMALL
-            cases = [(name, form, built_form(name, sizes[name], form, Path(tmp)))
-                     for name in [m for m in args.models.split(",") if m] for form in forms]
+            # A form named twice (rows interleaved by form) is built once; the
+            # conv-grad-as-conv rows run the current step's file.
+            built: dict[tuple[str, str], Path] = {}
+            cases = []
+            for name in [m for m in args.models.split(",") if m]:
+                for form in forms:
+                    key = (name, "current" if form == "conv-grad-as-conv" else form)
+                    if key not in built:
+                        built[key] = built_form(name, sizes[name], key[1], Path(tmp))
+                    cases.append((name, form, built[key]))
         for name, form, path in cases:
             for variant in variants:
-                row = run_row(path, args.provider, variant, args.steps)
+                with _conv_grad_form(form):
+                    row = run_row(path, args.provider, variant, args.steps)
                 print(json.dumps({"model": name, "form": form, **row}), flush=True)
     return 0
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# What one GPU call of a session runs (eighteenth session, issues 30, 31, 34): every check
+# What one GPU call of a session runs (eighteenth and nineteenth sessions, issues 30, 31, 34): every check
 # as a phase with its own time limit, most wanted first, each writing into $OUT as it goes,
 # so a call cut short still returns what it measured. Run from the repository root on the
 # GPU machine after .gpu/ was carried there (docs/CUDA.md, "Setting up onnxruntime-gpu on
@@ -18,7 +18,7 @@ set -uo pipefail
 : "${OUT:?set OUT to the folder for results}"
 PROVIDER=${PROVIDER:-cuda}
 SMALL=${SMALL:-}
-PHASES=${PHASES:-peers truth profile convgrad coverage}
+PHASES=${PHASES:-peers patches truth profile convgrad coverage}
 LOGS=${LOGS:-/tmp/gpu_logs}
 mkdir -p "$OUT" "$LOGS"
 T0=$(date +%s)
@@ -70,6 +70,11 @@ done
 phase peers 230 $PY benchmarks/gpu_peers.py --steps-from "$PEERS" --out "$OUT/peers" \
   --provider "$PROVIDER" --only "memcc-as-built deterministic=False" --only "torch-eager tf32=on" \
   --only bf16 --only fp16 --time-limit 190 --timeout 100
+# 1b. Issue 30: the weight gradients as MatMuls over patches (nineteenth session's pass, timed
+#     per layer only) against memcc's Conv form, as whole ResNet-50 steps (batch 64, 224 px),
+#     each twice, interleaved by form.
+phase patches 150 $PY benchmarks/cuda_runtime.py --provider "$PROVIDER" --models resnet50 \
+  --forms current,conv-grad-as-conv,current,conv-grad-as-conv --variants default --steps 6
 # 2. Every session with a GPU: the zoo's memory truth.
 phase truth 140 $PY benchmarks/cuda_check.py --out "$OUT/truth" --provider "$PROVIDER" \
   --phases env truth "${SIZE[@]}"

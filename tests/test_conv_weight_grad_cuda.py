@@ -200,6 +200,26 @@ def test_cuda_provider_rewrites_and_the_cpu_does_not():
         n.op_type == "Conv" for n in step.nodes)
 
 
+
+def test_the_conv_form_can_be_kept_by_environment(monkeypatch):
+    """``MEMCC_CONV_WEIGHT_GRAD=conv``: the CUDA step keeps memcc's Conv form (the whole-step
+    comparison the pass has not had on a GPU yet); another value is refused by name."""
+    from memcc.errors import InputError
+    from memcc.passes.providers.conv_weight_grad_cuda import FORM_ENV
+
+    step = _resnet18()
+    monkeypatch.setenv(FORM_ENV, "conv")
+    kept, summary = for_provider(step, "cuda")
+    assert "conv_weight_grads_as_patches" not in summary
+    assert not any(n.op_type == "MatMul" and "patch" in n.name for n in kept.nodes)
+    assert sum(n.op_type == "Conv" for n in kept.nodes) == sum(
+        n.op_type == "Conv" for n in step.nodes)
+    monkeypatch.setenv(FORM_ENV, "Patches")
+    assert for_provider(step, "cuda")[1]["conv_weight_grads_as_patches"] == 6
+    monkeypatch.setenv(FORM_ENV, "im2col")
+    with pytest.raises(InputError, match="MEMCC_CONV_WEIGHT_GRAD=im2col"):
+        for_provider(step, "cuda")
+
 def test_compile_for_cuda_plans_the_rewritten_step(tmp_path):
     """Planned, lowered and written for CUDA on a machine without one (costs estimated):
     the file computes the stem's weight gradient (3@32x32, 7x7) from patches, and the load

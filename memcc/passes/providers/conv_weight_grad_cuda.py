@@ -44,11 +44,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass
 
 import onnx
 from onnx import TensorProto
 
+from memcc.errors import InputError
 from memcc.frontend.emit import Emitter
 from memcc.frontend.gradients.shape_ops import slice_axis, slice_values
 from memcc.graph import DefUse, Graph, TensorInfo, attr
@@ -58,6 +60,20 @@ WEIGHT_GRAD_PROP = "memcc.conv_weight_grad"  # written by _conv_weight_grad on i
 MAX_CHANNELS = 128
 MIN_PIXELS = 784
 CHUNK_FLOOR_BYTES = 64 << 20
+FORM_ENV = "MEMCC_CONV_WEIGHT_GRAD"
+
+
+def patches_wanted() -> bool:
+    """Whether CUDA steps take the patches form (``MEMCC_CONV_WEIGHT_GRAD``: ``patches``, the
+    default, or ``conv``, memcc's Conv form everywhere). The rule was measured per layer on
+    one GPU (an H200) and not yet as a whole step: the switch lets a user (and
+    ``benchmarks/cuda_runtime.py --forms conv-grad-as-conv``) run the step without it.
+    compile, run and train must see the same setting, or a compiled plan meets another
+    step (a planned step is left alone, so only an unplanned one differs)."""
+    value = os.environ.get(FORM_ENV, "patches").strip().lower()
+    if value not in ("patches", "conv"):
+        raise InputError(f"{FORM_ENV}={value}: choose patches (the default) or conv")
+    return value == "patches"
 _FLOATS = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.DOUBLE)
 
 

@@ -14,7 +14,7 @@ an H200 the trailing form ran issue 29's ResNet-50 step in 321 ms instead of 479
 15.1 against 18.4 ms), and gives the same bits every run. Also on CUDA: the weight gradients
 of k x k convolutions with few channels and many pixels as a MatMul over patches
 (``conv_weight_grad_cuda``: ``conv_weight_grads_as_patches`` and ``patch_bytes_max`` in the
-summary). On every provider, last: a 16-bit
+summary; ``MEMCC_CONV_WEIGHT_GRAD=conv`` keeps the Conv form). On every provider, last: a 16-bit
 node the provider has no kernel for computes in float32 between casts (``sixteen_bit``).
 """
 
@@ -22,7 +22,10 @@ from __future__ import annotations
 
 from memcc.graph import Graph
 from memcc.passes.providers.batchnorm_for_cuda import expand_training_batchnorm
-from memcc.passes.providers.conv_weight_grad_cuda import conv_weight_grads_as_patches
+from memcc.passes.providers.conv_weight_grad_cuda import (
+    conv_weight_grads_as_patches,
+    patches_wanted,
+)
 from memcc.passes.providers.deterministic_reductions import per_channel, to_trailing_axes
 from memcc.passes.providers.sixteen_bit import for_provider as sixteen_bit
 
@@ -34,8 +37,9 @@ def for_provider(graph: Graph, provider: str) -> tuple[Graph, dict]:
     if provider == "cuda":
         graph, report = expand_training_batchnorm(graph)
         rewritten_bn = int(report["batchnorm_rewritten"])
-        graph, conv = conv_weight_grads_as_patches(graph)
-        if not conv["conv_weight_grads_as_patches"]:
+        if patches_wanted():
+            graph, conv = conv_weight_grads_as_patches(graph)
+        if not conv.get("conv_weight_grads_as_patches"):
             conv = {}  # the summary names only what was rewritten
         # Not yet ``per_channel_by_matmul``: 2% faster on the H200's ResNet-50 step, but
         # its first loss moved by 1.6e-4 relative where the transpose form's matched the
