@@ -33,6 +33,13 @@ def test_profile_sums_kernel_time_per_op_type_after_the_warm_up(tmp_path):
     # Kernel time of a step is part of its wall time.
     assert row["kernel_ms_per_step"] <= max(row["run_wall_ms"])
     assert row["not_on_provider"] == []
+    slow = row["slowest_nodes"]
+    assert 0 < len(slow) <= cuda_profile.SLOWEST_NODES
+    assert [r["ms_per_step"] for r in slow] == sorted((r["ms_per_step"] for r in slow),
+                                                      reverse=True)
+    assert slow[0]["ms_per_step"] <= row["kernel_ms_per_step"] and slow[0]["outputs"]
+    conv = next(r for r in slow if r["op_type"] == "Conv")
+    assert conv["node"] in {n.name for n in step.nodes}
 
 
 def test_a_missing_step_is_a_usage_error(tmp_path, capsys):
