@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from memcc.dist.comm import Comm, free_port, launched_by_torchrun, torch_distributed
+from memcc.dist.memory import MEMORY_ENV
 from memcc.dist.train import DistOptions, checkpoint_to_resume, default_threads, prepare, run_rank
 from memcc.errors import InputError, MemccError, RuntimeFailure
 from memcc.trainer.loop import TrainOptions, TrainResult
@@ -80,8 +81,10 @@ def _spawn(opts: DistOptions) -> tuple[TrainResult, dict]:
     with tempfile.TemporaryDirectory(prefix="memcc-dist-") as tmp:
         port = free_port()
         try:
-            context = mp.start_processes(_rank_main, args=(opts, port, tmp),
-                                         nprocs=opts.world, join=False, start_method="spawn")
+            with _environment(MEMORY_ENV):  # the ranks' allocation rules (dist/memory.py)
+                context = mp.start_processes(_rank_main, args=(opts, port, tmp),
+                                             nprocs=opts.world, join=False,
+                                             start_method="spawn")
             with _passing_signals_on([p.pid for p in context.processes]):
                 while not context.join():
                     pass
@@ -100,6 +103,22 @@ def _spawn(opts: DistOptions) -> tuple[TrainResult, dict]:
                                    "resumed_from", "samples_per_s", "batch_size",
                                    "batches_per_epoch", "interrupted")}
     return TrainResult(steps_done=data["steps"], **fields), info
+
+
+@contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    """``values`` in ``os.environ`` while the ranks are spawned (glibc reads them at a
+    process's start: they reach the ranks, not this process)."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 @contextmanager

@@ -130,7 +130,9 @@ def rank_step(graph: Graph, ranks: Ranks, rank: int = 0) -> RankStep:
     producer = {o: n for n in updates for o in n.output if o}
     keep_nodes, _ = ancestors(mine, producer)
     keep = {id(n) for n in keep_nodes}
-    nodes = [n for n in graph.nodes if roles.get(n.name) is not Role.UPDATE or id(n) in keep]
+    # As the split runs them: every update after the all-reduce, after every other node.
+    nodes = [n for n in graph.nodes if roles.get(n.name) is not Role.UPDATE] + \
+        [n for n in graph.nodes if id(n) in keep]
     read = {i for n in nodes for i in n.input if i}
     dropped_state = {i for o, i in spec.state.items() if o in made_by_update and o not in mine}
     gone = {i for i in dropped_state if i not in read}
