@@ -31,7 +31,9 @@ from memcc.cli.options import (
     MomentumOpt,
     NoChunksOpt,
     OptimizerOpt,
+    PlanNprocOpt,
     PlanProviderOpt,
+    PlanZeroOpt,
     PrecisionOpt,
     StepOrModelArg,
     StrategyOpt,
@@ -98,13 +100,8 @@ def compile_cmd(
     loss_scale: LossScaleOpt = None,
     no_chunks: NoChunksOpt = False,
     dim: DimOpt = None,
-    nproc: Annotated[Optional[int], typer.Option(  # noqa: UP045
-        help="Plan the step one of N data-parallel ranks runs (memcc train --nproc N): "
-             "gradients held in the all-reduce bucket, each rank's own optimizer state "
-             "with --zero 1. --budget is then per rank.")] = None,
-    zero: Annotated[int, typer.Option(
-        help="With --nproc: 0 = every rank keeps all optimizer state; 1 = each keeps its "
-             "parameters' (ZeRO-1), as memcc train --nproc N --zero 1 runs it.")] = 0,
+    nproc: PlanNprocOpt = None,
+    zero: PlanZeroOpt = 0,
 ) -> None:
     """Rewrite a training step so that it fits a memory budget at the least added time.
 
