@@ -10,6 +10,7 @@ reads it; torch stops the other ranks.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -19,6 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from memcc.backend.memory import trim_heap
 from memcc.dist.comm import Comm, free_port, launched_by_torchrun, torch_distributed
 from memcc.dist.memory import MEMORY_ENV
 from memcc.dist.train import DistOptions, checkpoint_to_resume, default_threads, prepare, run_rank
@@ -61,6 +63,8 @@ def train_distributed(opts: TrainOptions, nproc: int | None, *, zero: int = 0,
     assert nproc is not None
     dopts = DistOptions(opts, nproc, zero, quiet)
     checkpoint_to_resume(dopts, prepare(dopts))  # refuse bad input before any rank starts
+    gc.collect()
+    trim_heap()  # what checking the step file took is not held while the ranks load it
     return _raise_if_interrupted(_spawn(dopts))
 
 
@@ -108,7 +112,9 @@ def _spawn(opts: DistOptions) -> tuple[TrainResult, dict]:
 @contextmanager
 def _environment(values: dict[str, str]) -> Iterator[None]:
     """``values`` in ``os.environ`` while the ranks are spawned (glibc reads them at a
-    process's start: they reach the ranks, not this process)."""
+    process's start: they reach the ranks, not this process); a variable the user set
+    is left as it is."""
+    values = {k: v for k, v in values.items() if k not in os.environ}
     before = {k: os.environ.get(k) for k in values}
     os.environ.update(values)
     try:
