@@ -124,6 +124,16 @@ def test_the_per_rank_budget_is_planned_refused_and_kept_on_two_ranks(files):
         assert planned[r] <= int(middle)
 
 
+def test_a_plan_for_other_ranks_is_named():
+    from memcc.dist.launch import planned_for_other_ranks
+
+    md = {RANKS_KEY: json.dumps({"world_size": 2, "zero": 1, "budget_bytes": 6_000_000})}
+    assert planned_for_other_ranks(md, 2, 1) is None
+    assert planned_for_other_ranks({}, 4, 0) is None
+    said = planned_for_other_ranks(md, 4, 0)
+    assert "--nproc 2 --zero 1" in said and "6,000,000" in said and "--nproc 4 --zero 0" in said
+
+
 @pytest.mark.parametrize("args,message", [
     (["--zero", "1"], "give --nproc N"),
     (["--nproc", "2", "--zero", "2"], "--zero 2"),

@@ -14,6 +14,7 @@ import gc
 import json
 import os
 import signal
+import sys
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -25,6 +26,7 @@ from memcc.dist.comm import Comm, free_port, launched_by_torchrun, torch_distrib
 from memcc.dist.memory import MEMORY_ENV
 from memcc.dist.train import DistOptions, checkpoint_to_resume, default_threads, prepare, run_rank
 from memcc.errors import InputError, MemccError, RuntimeFailure
+from memcc.step import RANKS_KEY
 from memcc.trainer.loop import TrainOptions, TrainResult
 
 MAX_LOCAL_RANKS = 64
@@ -62,10 +64,30 @@ def train_distributed(opts: TrainOptions, nproc: int | None, *, zero: int = 0,
         return _raise_if_interrupted(out)
     assert nproc is not None
     dopts = DistOptions(opts, nproc, zero, quiet)
-    checkpoint_to_resume(dopts, prepare(dopts))  # refuse bad input before any rank starts
+    run = prepare(dopts)
+    checkpoint_to_resume(dopts, run)  # refuse bad input before any rank starts
+    mismatch = planned_for_other_ranks(run.graph.metadata, nproc, zero)
+    del run
+    if mismatch and not quiet:
+        print(f"warning: {opts.step}: {mismatch}", file=sys.stderr, flush=True)
     gc.collect()
     trim_heap()  # what checking the step file took is not held while the ranks load it
     return _raise_if_interrupted(_spawn(dopts))
+
+
+def planned_for_other_ranks(metadata: dict, world: int, zero: int) -> str | None:
+    """Why a step compiled with ``--nproc`` was planned for other ranks than this run's
+    (its per-rank budget then does not hold), or None."""
+    text = metadata.get(RANKS_KEY)
+    if not text:
+        return None
+    p = json.loads(text)
+    if (p.get("world_size"), p.get("zero")) == (world, zero):
+        return None
+    return (f"planned by memcc compile --nproc {p.get('world_size')} --zero {p.get('zero')} "
+            f"for a per-rank budget of {p.get('budget_bytes'):,} bytes; this run has "
+            f"{world} ranks, ZeRO-{zero}, whose peaks that plan did not check (compile "
+            f"again with --nproc {world} --zero {zero})")
 
 
 def _raise_if_interrupted(out: tuple[TrainResult, dict] | None
