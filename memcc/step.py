@@ -63,7 +63,8 @@ FUSIONS_KEY = "memcc.fusions"
 # (``passes.analysis.rank_step``: gradients written into the all-reduce bucket). Only in the
 # graphs the planner judges for a rank, never in a file memcc writes.
 BOUND_KEY = "memcc.bound"
-# Set by ``memcc compile --nproc N``: {"world": N, "zero": Z, ...} the ranks it was planned for.
+# Set by ``memcc compile --nproc N``: {"world_size", "zero", "peak_bytes_per_rank",
+# "budget_bytes"}: the ranks the plan was made for (``memcc train --nproc`` checks them).
 RANKS_KEY = "memcc.ranks"
 # --precision bf16 / fp16: what autocast did (frontend/autocast.py); absent for fp32 steps.
 PRECISION_KEY = "memcc.precision"
