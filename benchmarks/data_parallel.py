@@ -4,10 +4,15 @@
     PYTHONPATH=.:tests python -m benchmarks.data_parallel --mode single --steps 12
     PYTHONPATH=.:tests python -m benchmarks.data_parallel --mode zero0 --steps 12
     PYTHONPATH=.:tests python -m benchmarks.data_parallel --mode zero1 --steps 12
+    # GPT-2 124M (real size: width 768, depth 12, vocab 50257, 1024 positions), 128 tokens,
+    # batch 1 per rank: the per-rank memory target of issue 33
+    PYTHONPATH=.:tests python -m benchmarks.data_parallel --size 124m --mode zero1 --steps 4
 
 Prints one JSON line: samples/s over the run (first step included), and for the ranks the
 figures ``memcc train --nproc 2 --json`` reports (optimizer state and held bytes per rank,
-resident size, where rank 0's time went). Steps and data are written to ``--dir``.
+each rank's measured step peak and its prediction, resident size, where rank 0's time
+went), plus the predicted peak of the fused step one process would run at the rank's batch
+(``passes.analysis.arrange``). Steps and data are written to ``--dir``.
 """
 
 from __future__ import annotations
@@ -19,24 +24,40 @@ from pathlib import Path
 
 import numpy as np
 
-GPT2 = dict(width=256, depth=4, heads=4, vocab_size=8192, seq_len=128)
-RANK_BATCH = 4
+SIZES = {"small": (dict(width=256, depth=4, heads=4, vocab_size=8192, seq_len=128), 4),
+         "124m": (dict(width=768, depth=12, heads=12, vocab_size=50257, n_positions=1024,
+                       seq_len=128), 1)}
 
 
-def _files(d: Path) -> None:
+def _files(d: Path, size: str) -> int:
+    """Write the steps (batch B and 2B) and the data; B, the rank's batch."""
     from memcc.backend.onnx_file import save_graph
     from memcc.frontend.build import BuildOptions, build_training_step
     from memcc.frontend.load import load_graph
     from models import build_model
 
+    shape, rank_batch = SIZES[size]
     d.mkdir(parents=True, exist_ok=True)
-    for b in (RANK_BATCH, 2 * RANK_BATCH):
+    for b in (rank_batch, 2 * rank_batch):
         if not (d / f"gpt2_b{b}.onnx").exists():
-            step = build_training_step(load_graph(build_model("gpt2", batch=b, **GPT2)),
+            step = build_training_step(load_graph(build_model("gpt2", batch=b, **shape)),
                                        BuildOptions(optimizer="adamw"))
             save_graph(step, d / f"gpt2_b{b}.onnx")
-    ids = np.random.default_rng(0).integers(0, GPT2["vocab_size"], (256, GPT2["seq_len"]))
-    np.savez(d / "data.npz", input_ids=ids, labels=ids)
+    if not (d / "data.npz").exists():
+        ids = np.random.default_rng(0).integers(0, shape["vocab_size"],
+                                                (64 * rank_batch, shape["seq_len"]))
+        np.savez(d / "data.npz", input_ids=ids, labels=ids)
+    return rank_batch
+
+
+def _fused_peak(path: Path) -> int:
+    """The predicted peak of the fused step as one process trains it (updates early)."""
+    from memcc.frontend.load import load_graph
+    from memcc.passes.analysis.arrange import arrange_step
+    from memcc.step import TrainingStep
+
+    g = load_graph(path)
+    return int(arrange_step(g, TrainingStep.of(g)).prediction.peak_bytes)
 
 
 def main() -> None:
@@ -45,22 +66,25 @@ def main() -> None:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--mode", choices=["single", "zero0", "zero1"], required=True)
+    ap.add_argument("--size", choices=sorted(SIZES), default="small")
     ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--dir", type=Path, default=Path("/tmp/memcc_data_parallel"))
+    ap.add_argument("--dir", type=Path, default=None)
     a = ap.parse_args()
-    _files(a.dir)
+    d = a.dir or Path(f"/tmp/memcc_data_parallel_{a.size}")
+    b = _files(d, a.size)
     if a.mode == "single":
-        r = train(TrainOptions(step=a.dir / f"gpt2_b{2 * RANK_BATCH}.onnx",
-                               data=a.dir / "data.npz", steps=a.steps))
-        out = {"mode": f"1 process, batch {2 * RANK_BATCH}", "samples_per_s": r.samples_per_s,
+        r = train(TrainOptions(step=d / f"gpt2_b{2 * b}.onnx", data=d / "data.npz",
+                               steps=a.steps))
+        out = {"mode": f"1 process, batch {2 * b}", "samples_per_s": r.samples_per_s,
                "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     else:
         zero = int(a.mode[-1])
-        r, info = train_distributed(TrainOptions(step=a.dir / f"gpt2_b{RANK_BATCH}.onnx",
-                                                 data=a.dir / "data.npz", steps=a.steps),
+        r, info = train_distributed(TrainOptions(step=d / f"gpt2_b{b}.onnx",
+                                                 data=d / "data.npz", steps=a.steps),
                                     2, zero=zero, quiet=True)
-        out = {"mode": f"2 ranks x batch {RANK_BATCH}, ZeRO-{zero}",
-               "samples_per_s": r.samples_per_s, **info}
+        out = {"mode": f"2 ranks x batch {b}, ZeRO-{zero}", "samples_per_s": r.samples_per_s,
+               "fused_step_predicted_peak_bytes_batch_b": _fused_peak(d / f"gpt2_b{b}.onnx"),
+               **info}
     print(json.dumps(out))
 
 

@@ -40,10 +40,27 @@ def summary_lines(report: dict) -> list[str]:
                         else ""))
     if (chunks := row_chunks_line(report)) is not None:
         lines.append(chunks)
+    if (ranks := data_parallel_line(report)) is not None:
+        lines.append(ranks)
     v = report.get("verification")
     if v:
         lines.append(f"verify   {'OK' if v['ok'] else 'FAILED'}: " + "; ".join(verify_checks(v)))
     return lines
+
+
+def data_parallel_line(report: dict) -> str | None:
+    """``--nproc N``: the budget and peaks above are per rank; each rank's predicted peak,
+    the gradient bucket and each rank's optimizer state."""
+    d = report.get("data_parallel")
+    if not d:
+        return None
+    each = ", ".join(format_size(b) for b in d["peak_bytes_per_rank"])
+    state = ", ".join(format_size(b) for b in d["optimizer_state_bytes_per_rank"])
+    return (f"ranks    {d['world_size']} (ZeRO-{d['zero']}): budget and peaks are per rank; "
+            f"predicted peak per rank {each} (heaviest: rank {d['heaviest_rank']}, planned "
+            f"for rank {d['planned_rank']}); gradient bucket "
+            f"{format_size(d['gradient_bucket_bytes'])} on every rank; optimizer state "
+            f"per rank {state}")
 
 
 def verify_checks(v: dict) -> list[str]:

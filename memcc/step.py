@@ -58,6 +58,14 @@ ALLOCATOR_KEY = "memcc.allocator"
 GRADIENTS_KEY = "memcc.gradients"
 # What memcc's fusions did to the step as built (passes/fuse.py, FusionReport.to_json()).
 FUSIONS_KEY = "memcc.fusions"
+# output -> a graph input whose buffer the runtime binds it to, held for the whole step:
+# not carried state, but memory planned as a data-parallel rank holds it
+# (``passes.analysis.rank_step``: gradients written into the all-reduce bucket). Only in the
+# graphs the planner judges for a rank, never in a file memcc writes.
+BOUND_KEY = "memcc.bound"
+# Set by ``memcc compile --nproc N``: {"world_size", "zero", "peak_bytes_per_rank",
+# "budget_bytes"}: the ranks the plan was made for (``memcc train --nproc`` checks them).
+RANKS_KEY = "memcc.ranks"
 # --precision bf16 / fp16: what autocast did (frontend/autocast.py); absent for fp32 steps.
 PRECISION_KEY = "memcc.precision"
 TRAINING_STEP = "training_step"
@@ -141,6 +149,7 @@ class TrainingStep:
         self._errors: list[str] = []
         self.data_inputs: tuple[str, ...] = tuple(self._json(DATA_KEY, [], list))
         self.state: dict[str, str] = dict(self._json(STATE_KEY, {}, dict))
+        self.bound: dict[str, str] = dict(self._json(BOUND_KEY, {}, dict))
         self.parameters: tuple[str, ...] = tuple(self._json(PARAMS_KEY, [], list))
         self.optimizer: dict = dict(self._json(OPTIMIZER_KEY, {}, dict))
         self.forward_outputs: tuple[str, ...] = tuple(

@@ -31,7 +31,9 @@ from memcc.cli.options import (
     MomentumOpt,
     NoChunksOpt,
     OptimizerOpt,
+    PlanNprocOpt,
     PlanProviderOpt,
+    PlanZeroOpt,
     PrecisionOpt,
     StepOrModelArg,
     StrategyOpt,
@@ -98,6 +100,8 @@ def compile_cmd(
     loss_scale: LossScaleOpt = None,
     no_chunks: NoChunksOpt = False,
     dim: DimOpt = None,
+    nproc: PlanNprocOpt = None,
+    zero: PlanZeroOpt = 0,
 ) -> None:
     """Rewrite a training step so that it fits a memory budget at the least added time.
 
@@ -116,7 +120,7 @@ def compile_cmd(
             budget=budget, strategy=strategy, provider=provider, time_limit=time_limit,
             cost=cost, verify=verify, margin=margin, variants=variants, offload=offload,
             allow_lossy=allow_lossy, arena=arena, build=build_options(locals()),
-            dims=parse_dims(dim),
+            dims=parse_dims(dim), nproc=nproc, zero=zero,
         )
     except MemccError as exc:
         fail(exc)

@@ -107,6 +107,14 @@ DeterministicOpt = Annotated[bool, typer.Option(
     help="CUDA: the same bits on every run: scatter-adds and leading-axis reductions "
          "rewritten without atomics (README, Reproducible runs; GPT-2 +7% step time on an "
          "H200). Default: PyTorch-like speed; runs may differ in the last bits.")]
+# memcc compile --nproc N [--zero Z]: the step planned as a data-parallel rank runs it.
+PlanNprocOpt = Annotated[Optional[int], typer.Option(  # noqa: UP045
+    help="Plan the step one of N data-parallel ranks runs (memcc train --nproc N): "
+         "gradients held in the all-reduce bucket, each rank's own optimizer state with "
+         "--zero 1. --budget is then per rank.")]
+PlanZeroOpt = Annotated[int, typer.Option(
+    help="With --nproc: 0 = every rank keeps all optimizer state; 1 = each keeps its "
+         "parameters' (ZeRO-1), as memcc train --nproc N --zero 1 runs it.")]
 StrategyOpt = Annotated[Literal["auto", "ilp", "sqrtn", "none"], typer.Option(
     help="auto (ILP, heuristics, exact polish; best fitting plan), ilp, sqrtn or none.")]
 

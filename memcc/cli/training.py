@@ -187,6 +187,16 @@ def _train_data_parallel(opts: TrainOptions, nproc: int | None, zero: int, *,
     out.print(f"data-parallel: {info['world_size']} ranks x {info['rank_batch']} = "
               f"{info['global_batch']} samples a step; ZeRO-{info['zero']}; optimizer state "
               f"per rank: {state}", highlight=False)
+    measured = info.get("step_peak_bytes_per_rank") or []
+    if any(m is not None for m in measured):
+        planned = info.get("planned") or {}
+        out.print("memory per rank: step peak "
+                  + ", ".join(mb(m) for m in measured) + " measured, "
+                  + ", ".join(mb(p) for p in info["predicted_peak_bytes_per_rank"])
+                  + " predicted"
+                  + (f"; budget {mb(planned['budget_bytes'])} per rank (memcc compile "
+                     f"--nproc {planned['world_size']})" if planned else ""),
+                  highlight=False)
 
 
 def _print_trained(result: TrainResult) -> None:

@@ -48,6 +48,10 @@ class CompileOptions:
     arena: bool = False
     build: BuildOptions = field(default_factory=BuildOptions)
     dims: Mapping[str, int] = field(default_factory=dict)
+    # Data-parallel (``memcc train --nproc N``): plan the step one of ``nproc`` ranks runs,
+    # with ZeRO stage ``zero`` (``compiler.ranks``); the budget is then per rank.
+    nproc: int | None = None
+    zero: int = 0
 
     def __post_init__(self) -> None:
         # --provider auto plans for where the step would run here (as run and train do).
@@ -70,12 +74,42 @@ class CompileOptions:
         if self.arena and self.provider != "cpu":
             raise InputError("--arena is for --provider cpu: the CUDA provider always "
                              "allocates through its arena, and its plans are judged by it")
+        self._check_ranks()
         if self.offload and self.provider == "cpu":
             raise InputError(
                 "--offload with --provider cpu: on the CPU provider the host is the device "
                 "(one memory), so copying a saved value to host memory frees nothing and only "
                 "adds the copies' time. Plan for the GPU with --provider cuda --offload, or "
                 "drop --offload.")
+
+    def _check_ranks(self) -> None:
+        """--nproc/--zero: what ``memcc train --nproc`` runs (gloo, CPU, malloc)."""
+        if self.nproc is None:
+            if self.zero:
+                raise InputError(f"--zero {self.zero} plans sharded optimizer state across "
+                                 "ranks: give --nproc N too")
+            return
+        if not 1 <= self.nproc <= 64:
+            raise InputError(f"--nproc {self.nproc}: give a number of ranks from 1 to 64")
+        if self.zero not in (0, 1):
+            raise InputError(f"--zero {self.zero}: give 0 (every rank keeps all optimizer "
+                             "state) or 1 (each rank keeps its parameters' state); ZeRO "
+                             "stage 2 is not built yet")
+        for on, what in ((self.provider != "cpu", f"--provider {self.provider}"),
+                         (self.arena, "--arena"), (self.verify, "--verify")):
+            if on:
+                raise InputError(
+                    f"{what} with --nproc: data-parallel ranks run on the CPU from malloc "
+                    "(memcc train --nproc), and --verify runs one process; plan with "
+                    "--provider cpu, no --arena, and check each rank's measured peak with "
+                    "memcc train --nproc N --json (distributed.step_peak_bytes_per_rank)")
+
+    @property
+    def ranks(self):
+        """The ranks planned for (``passes.analysis.rank_step.Ranks``), or None."""
+        from memcc.passes.analysis.rank_step import Ranks
+
+        return None if self.nproc is None else Ranks(self.nproc, self.zero)
 
     @property
     def device(self) -> str:

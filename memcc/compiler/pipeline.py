@@ -41,6 +41,7 @@ from memcc.compiler.loading import check_provider, load_step
 from memcc.compiler.options import CompileOptions, user_budget
 from memcc.compiler.planning import StageHooks, check_floor, plan_offloading_state
 from memcc.compiler.progress import Progress, warning_sink
+from memcc.compiler.ranks import floor_view, plan_for_ranks
 from memcc.compiler.report import ReportInputs, build_report
 from memcc.compiler.writing import Model, Target, check_targets, unverified_path, write_outputs
 from memcc.errors import MemccError
@@ -51,7 +52,7 @@ from memcc.pass_contract import PassReport, PassRunner
 from memcc.passes.analysis.cost_model import CostModel
 from memcc.passes.plan import StepStructure
 from memcc.passes.planning.planner import PlanOutcome
-from memcc.step import ALLOCATOR_KEY, PLAN_KEY
+from memcc.step import ALLOCATOR_KEY, PLAN_KEY, RANKS_KEY
 
 
 @dataclass
@@ -97,6 +98,7 @@ class Planned:
     budget: int                  # the user's, or the one --budget min reached
     row_chunks: dict
     offloaded: dict | None
+    data_parallel: dict | None = None   # compiler/ranks.py's section (None: no --nproc)
 
 
 def compile_model(model: Model, options: CompileOptions, *,
@@ -123,7 +125,7 @@ def compile_model(model: Model, options: CompileOptions, *,
         costs=planned.costs, passes=run.runner.reports,
         compile_time_s=time.perf_counter() - run.started, verification=verification,
         row_chunks=planned.row_chunks, offloaded_state=planned.offloaded,
-        warnings=run.warnings))
+        warnings=run.warnings, data_parallel=planned.data_parallel))
     _write(run, planned, report, verification)
     return CompileResult(planned.rewritten, report, planned.outcome, run.runner.reports)
 
@@ -151,10 +153,11 @@ def _load(run: CompileRun) -> Graph:
                     "--optimizer, --lr, --freeze, ...) apply to forward models and are "
                     "ignored; rebuild the step with memcc build to change them")
     _say_sixteen_bit_emulated(run, run.runner.reports[-1].summary, graph.opset)
-    structure = StepStructure.of(graph)
     budget = options.requested_budget
     if not budget.is_min:
-        check_floor(graph, budget.bytes, options, label, structure)
+        # With --nproc, the floor of the rank keeping the most state (compiler/ranks.py).
+        planned = graph if options.ranks is None else floor_view(graph, options)
+        check_floor(planned, budget.bytes, options, label, StepStructure.of(planned))
     racing = [node_label(n) for n in racing_nodes(graph)]
     if racing:
         run.warning(
@@ -204,10 +207,17 @@ def _plan(run: CompileRun, graph: Graph, costs: CostModel) -> Planned:
     budget = options.requested_budget
     hooks = StageHooks(runner.stage, runner.reports, run.say, label)
     offloads: dict[int, dict | None] = {}   # the rewritten step's id -> offloaded_state
+    ranks: dict[int, dict] = {}             # the same -> its data_parallel section
 
     def plan_step(g: Graph, c: CostModel, opts: CompileOptions) -> tuple:
-        planned, offloaded = plan_offloading_state(g, budget, c, opts, StepStructure.of(g),
-                                                   hooks)
+        def plan_one(view: Graph) -> tuple:
+            return plan_offloading_state(view, budget, c, opts, StepStructure.of(view), hooks)
+
+        if opts.ranks is None:
+            planned, offloaded = plan_one(g)
+        else:  # the step as a rank runs it, per-rank budget (compiler/ranks.py)
+            planned, offloaded, ranks_section = plan_for_ranks(g, c, opts, plan_one)
+            ranks[id(planned.step)] = ranks_section
         offloads[id(planned.step)] = offloaded
         return planned
 
@@ -233,8 +243,14 @@ def _plan(run: CompileRun, graph: Graph, costs: CostModel) -> Planned:
     rewritten.metadata[PLAN_KEY] = json.dumps(outcome.best.plan.to_json(), sort_keys=True)
     if attempt.options.arena:
         rewritten.metadata[ALLOCATOR_KEY] = "arena"
+    section = ranks.get(id(rewritten))
+    if section is not None:
+        rewritten.metadata[RANKS_KEY] = json.dumps(
+            {k: section[k] for k in ("world_size", "zero", "peak_bytes_per_rank")}
+            | {"budget_bytes": final_budget})
     return Planned(attempt.graph, attempt.costs, attempt.options, outcome, rewritten, slack,
-                   plan_budget, final_budget, chosen.report, offloads.get(id(rewritten)))
+                   plan_budget, final_budget, chosen.report, offloads.get(id(rewritten)),
+                   section)
 
 
 def _verify_stage(run: CompileRun, planned: Planned) -> dict | None:

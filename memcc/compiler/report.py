@@ -36,6 +36,7 @@ class ReportInputs:
     row_chunks: dict              # compiler/chunk_choice.py's section
     offloaded_state: dict | None  # compiler/planning.py's section (None: not tried)
     warnings: list[str]
+    data_parallel: dict | None = None   # compiler/ranks.py's section (None: no --nproc)
 
 
 def build_report(r: ReportInputs) -> dict:
@@ -75,6 +76,8 @@ def build_report(r: ReportInputs) -> dict:
                     "cost": r.options.cost},
         "row_chunks": r.row_chunks,
         "offloaded_state": r.offloaded_state,
+        # --nproc N: the budget and the plan's peaks are per rank (compiler/ranks.py)
+        "data_parallel": r.data_parallel,
     }
     offloaded = r.offloaded_state
     if offloaded is not None and offloaded["used"]:

@@ -10,18 +10,23 @@ reads it; torch stops the other ranks.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
+import sys
 import tempfile
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from memcc.backend.memory import trim_heap
 from memcc.dist.comm import Comm, free_port, launched_by_torchrun, torch_distributed
+from memcc.dist.memory import MEMORY_ENV
 from memcc.dist.train import DistOptions, checkpoint_to_resume, default_threads, prepare, run_rank
 from memcc.errors import InputError, MemccError, RuntimeFailure
+from memcc.step import RANKS_KEY
 from memcc.trainer.loop import TrainOptions, TrainResult
 
 MAX_LOCAL_RANKS = 64
@@ -59,8 +64,30 @@ def train_distributed(opts: TrainOptions, nproc: int | None, *, zero: int = 0,
         return _raise_if_interrupted(out)
     assert nproc is not None
     dopts = DistOptions(opts, nproc, zero, quiet)
-    checkpoint_to_resume(dopts, prepare(dopts))  # refuse bad input before any rank starts
+    run = prepare(dopts)
+    checkpoint_to_resume(dopts, run)  # refuse bad input before any rank starts
+    mismatch = planned_for_other_ranks(run.graph.metadata, nproc, zero)
+    del run
+    if mismatch and not quiet:
+        print(f"warning: {opts.step}: {mismatch}", file=sys.stderr, flush=True)
+    gc.collect()
+    trim_heap()  # what checking the step file took is not held while the ranks load it
     return _raise_if_interrupted(_spawn(dopts))
+
+
+def planned_for_other_ranks(metadata: dict, world: int, zero: int) -> str | None:
+    """Why a step compiled with ``--nproc`` was planned for other ranks than this run's
+    (its per-rank budget then does not hold), or None."""
+    text = metadata.get(RANKS_KEY)
+    if not text:
+        return None
+    p = json.loads(text)
+    if (p.get("world_size"), p.get("zero")) == (world, zero):
+        return None
+    return (f"planned by memcc compile --nproc {p.get('world_size')} --zero {p.get('zero')} "
+            f"for a per-rank budget of {p.get('budget_bytes'):,} bytes; this run has "
+            f"{world} ranks, ZeRO-{zero}, whose peaks that plan did not check (compile "
+            f"again with --nproc {world} --zero {zero})")
 
 
 def _raise_if_interrupted(out: tuple[TrainResult, dict] | None
@@ -80,8 +107,10 @@ def _spawn(opts: DistOptions) -> tuple[TrainResult, dict]:
     with tempfile.TemporaryDirectory(prefix="memcc-dist-") as tmp:
         port = free_port()
         try:
-            context = mp.start_processes(_rank_main, args=(opts, port, tmp),
-                                         nprocs=opts.world, join=False, start_method="spawn")
+            with _environment(MEMORY_ENV):  # the ranks' allocation rules (dist/memory.py)
+                context = mp.start_processes(_rank_main, args=(opts, port, tmp),
+                                             nprocs=opts.world, join=False,
+                                             start_method="spawn")
             with _passing_signals_on([p.pid for p in context.processes]):
                 while not context.join():
                     pass
@@ -100,6 +129,24 @@ def _spawn(opts: DistOptions) -> tuple[TrainResult, dict]:
                                    "resumed_from", "samples_per_s", "batch_size",
                                    "batches_per_epoch", "interrupted")}
     return TrainResult(steps_done=data["steps"], **fields), info
+
+
+@contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    """``values`` in ``os.environ`` while the ranks are spawned (glibc reads them at a
+    process's start: they reach the ranks, not this process); a variable the user set
+    is left as it is."""
+    values = {k: v for k, v in values.items() if k not in os.environ}
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 @contextmanager

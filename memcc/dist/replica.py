@@ -27,19 +27,13 @@ import numpy as np
 from memcc.dist.bound import BoundGraph
 from memcc.dist.split import SplitStep, owners_of_state, update_part
 from memcc.errors import InputError
+from memcc.passes.analysis.rank_step import assign_owners as deal
 
 
 def assign_owners(split: SplitStep, world: int) -> dict[str, int]:
-    """Parameter -> the rank that updates it (ZeRO-1): largest first, each to the rank
-    holding the fewest bytes so far, so the ranks' optimizer state is balanced by bytes."""
-    info = split.full.info
-    load = [0] * world
-    owner: dict[str, int] = {}
-    for p in sorted(split.parameters, key=lambda p: (-info[p].nbytes, p)):
-        r = min(range(world), key=lambda k: (load[k], k))
-        owner[p] = r
-        load[r] += info[p].nbytes
-    return owner
+    """Parameter -> the rank that updates it (ZeRO-1): ``passes.analysis.rank_step``'s
+    deal (by bytes, largest first), the one ``memcc compile --nproc`` planned."""
+    return deal(split.parameters, split.full, world)
 
 
 def _flat(names: list[str], info, extra: int = 0) -> tuple[dict[str, np.ndarray], dict]:
@@ -148,12 +142,14 @@ class Replica:
                                       threads=s.threads, source=f"{s.source} (update step)")
 
     # ------------------------------------------------------------------ running
-    def step(self, batch: Mapping[str, np.ndarray], *, stop: bool = False
+    def step(self, batch: Mapping[str, np.ndarray] | None, *, stop: bool = False
              ) -> tuple[float, bool]:
-        """One data-parallel step on this rank's ``batch``; returns the loss averaged over
-        the ranks and whether any rank asked to stop after this step (``stop``)."""
+        """One data-parallel step on this rank's ``batch`` (None: already written into
+        ``self.batch``, as the training loop does, holding no second copy); returns the
+        loss averaged over the ranks and whether any rank asked to stop after this step
+        (``stop``)."""
         t0 = time.perf_counter()
-        for name, buf in self.batch.items():
+        for name, buf in self.batch.items() if batch is not None else ():
             np.copyto(buf, batch[name])
         self.grad_step.run()
         t1 = time.perf_counter()

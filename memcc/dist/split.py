@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from memcc.errors import InputError
 from memcc.graph import Graph, ancestors
+from memcc.passes.analysis.rank_step import state_owners
 from memcc.step import Role, TrainingStep
 
 
@@ -110,22 +111,10 @@ def update_part(split: SplitStep, outputs: Iterable[str]) -> Graph:
 
 def owners_of_state(split: SplitStep) -> dict[str, list[str]]:
     """Update output -> the parameters whose gradients it reads (``P.new``, ``P.exp_avg.new``:
-    one; the AdamW and Dropout step counters: none, every rank keeps them)."""
-    producer = split.update.def_use().producer
-    by_grad: dict[str, list[str]] = {}
-    for p, g in split.gradients.items():
-        by_grad.setdefault(g, []).append(p)
-    out: dict[str, list[str]] = {}
-    for o in split.update_state:
-        _, read = _reads(o, producer)
-        out[o] = sorted({p for g in read if g in by_grad for p in by_grad[g]})
-    return out
-
-
-def _reads(value: str, producer) -> tuple[list, set[str]]:
-    nodes, _ = ancestors([value], producer)
-    made = {o for n in nodes for o in n.output}
-    return nodes, {i for n in nodes for i in n.input if i and i not in made}
+    one; the AdamW and Dropout step counters: none, every rank keeps them); the same
+    reading ``memcc compile --nproc`` plans with (``passes.analysis.rank_step``)."""
+    owners = state_owners(split.full, split.spec)
+    return {o: owners[o] for o in split.update_state}
 
 
 def peaks(split: SplitStep) -> dict[str, int]:

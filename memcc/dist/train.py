@@ -17,6 +17,8 @@ the consolidated file and takes its own shard (``Replica.load``): re-sharding is
 
 from __future__ import annotations
 
+import gc
+import json
 import os
 import resource
 import signal
@@ -35,12 +37,13 @@ from memcc.backend import checkpoint as ckpt
 from memcc.backend.data import Dataset, data_inputs, load_dataset
 from memcc.backend.device_step import step_for_provider
 from memcc.backend.memory import rss_bytes, trim_heap
+from memcc.dist.memory import RankMemory, predicted_rank_peak
 from memcc.dist.replica import Replica, ReplicaSettings
 from memcc.dist.split import split_step
 from memcc.errors import InputError
 from memcc.frontend.load import load_graph
 from memcc.graph import Graph
-from memcc.step import TrainingStep
+from memcc.step import RANKS_KEY, TrainingStep
 from memcc.trainer.checkpoints import check_run_data_state, run_data_state
 from memcc.trainer.loop import TrainOptions, TrainResult
 
@@ -152,24 +155,25 @@ def run_rank(opts: DistOptions, rank: int, comm, threads: int | None
     """Train on this rank; rank 0 returns the result and the group's figures. SIGINT or
     SIGTERM on any rank stops every rank after the same step, saved (``TrainResult.
     interrupted`` names the signal); a second SIGINT gives up on the running step."""
-    t = opts.train
-    run = prepare(opts)
-    loaded = checkpoint_to_resume(opts, run)
-    replica = Replica(_split(run, t), comm, ReplicaSettings(rank, opts.world, opts.zero,
-                                                            threads, str(t.step)))
-    steps_done, position, resumed_from = 0, 0, None
-    if loaded is not None:
-        replica.load(loaded.tensors, str(loaded.path))
-        steps_done, resumed_from = loaded.step, str(loaded.path)
-        position = int(loaded.data_state.get("batches_consumed", steps_done))
-    del loaded  # every rank's optimizer state: not to be held while this rank trains
+    # The ranks on a host load the step one after another: the loader peaks at several
+    # times the file's size (GPT-2 124M: 10.8 GB for its 1.5 GB), a rank once set up holds
+    # its own arrays only.
+    for turn in range(opts.world):
+        if turn == rank:
+            s = _set_up(opts, rank, comm, threads)
+            gc.collect()
+            trim_heap()
+        comm.barrier()
+    run, replica, predicted = s.run, s.replica, s.predicted
+    steps_done, position, resumed_from = s.steps_done, s.position, s.resumed_from
+    del s
     result = TrainResult(start_step=steps_done, steps_done=steps_done,
                          total_steps=run.total_steps, resumed_from=resumed_from,
                          batch_size=run.dataset.batch_size,
                          batches_per_epoch=run.dataset.batches_per_epoch)
     state_bytes = comm.gather_object(replica.optimizer_state_bytes())
     loop = _Loop(opts, run, replica, comm, rank, result, position,
-                 steps_done if resumed_from else None)
+                 steps_done if resumed_from else None, RankMemory(replica.held_bytes()))
     with stop_requests() as stop:
         loop.train(stop)
     # Each process's resident size after training (libraries and all) and its peak
@@ -179,6 +183,7 @@ def run_rank(opts: DistOptions, rank: int, comm, threads: int | None
                               resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024))
     # Every rank must end with the same parameters: their digests say whether they do.
     digests = comm.gather_object(ckpt.tensors_digest(replica.param_views)[:16])
+    mem = comm.gather_object((predicted, loop.memory.peak, loop.memory.first_step))
     if rank != 0:
         return None
     info = {"world_size": opts.world, "zero": opts.zero, "global_batch": run.dataset.batch_size,
@@ -187,8 +192,42 @@ def run_rank(opts: DistOptions, rank: int, comm, threads: int | None
             "rss_bytes_per_rank": [r[1] for r in rss],
             "peak_rss_bytes_per_rank": [r[2] for r in rss],
             "parameter_digest_per_rank": digests,
+            "predicted_peak_bytes_per_rank": [m[0] for m in mem],
+            "step_peak_bytes_per_rank": [m[1] for m in mem],
+            "first_step_peak_bytes_per_rank": [m[2] for m in mem],
+            "memory_method": loop.memory.method,
+            "planned": json.loads(run.graph.metadata.get(RANKS_KEY) or "null"),
             "rank0_seconds": {k: round(v, 4) for k, v in replica.seconds.items()}}
     return result, info
+
+
+@dataclass
+class _SetUp:
+    """A rank ready to train: its run, replica, predicted peak and where it resumes."""
+
+    run: RankRun
+    replica: Replica
+    predicted: int
+    steps_done: int = 0
+    position: int = 0
+    resumed_from: str | None = None
+
+
+def _set_up(opts: DistOptions, rank: int, comm, threads: int | None) -> _SetUp:
+    """Load the step and data, make the replica, take this rank's shard of the checkpoint
+    ``--resume`` continues (the consolidated file is dropped before training)."""
+    t = opts.train
+    run = prepare(opts)
+    loaded = checkpoint_to_resume(opts, run)
+    predicted = predicted_rank_peak(run.graph, opts.world, opts.zero, rank)
+    replica = Replica(_split(run, t), comm, ReplicaSettings(rank, opts.world, opts.zero,
+                                                            threads, str(t.step)))
+    out = _SetUp(run, replica, predicted)
+    if loaded is not None:
+        replica.load(loaded.tensors, str(loaded.path))
+        out.steps_done, out.resumed_from = loaded.step, str(loaded.path)
+        out.position = int(loaded.data_state.get("batches_consumed", loaded.step))
+    return out
 
 
 @dataclass
@@ -203,6 +242,7 @@ class _Loop:
     result: TrainResult
     position: int
     last_saved: int | None
+    memory: RankMemory
 
     def train(self, stop: StopRequest) -> None:
         t, run, result = self.opts.train, self.run, self.result
@@ -211,9 +251,11 @@ class _Loop:
         shown = t0 - 1.0  # progress on stderr: at most once a second, and the last step
         while result.steps_done < run.total_steps and not stopped:
             idx = run.dataset.indices(self.position, t.seed)[self.rank * b:(self.rank + 1) * b]
-            loss, stopped = self.replica.step({n: np.asarray(a[idx], order="C")
-                                               for n, a in run.dataset.arrays.items()},
-                                              stop=bool(stop))
+            for n, a in run.dataset.arrays.items():  # into the rank's batch buffers
+                np.copyto(self.replica.batch[n], a[idx])  # (the slice is gone before the step)
+            self.memory.start()
+            loss, stopped = self.replica.step(None, stop=bool(stop))
+            self.memory.stop()
             self.position, done_here = self.position + 1, done_here + 1
             result.steps_done += 1
             result.losses.append(loss)

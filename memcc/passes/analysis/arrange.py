@@ -49,15 +49,20 @@ def arrange_step(graph: Graph, step: TrainingStep, *, in_place: bool = True,
         return ArrangedStep(graph, none, FILE_ORDER, "",
                            analyze_liveness(graph, host_copies=host_copies))
     ip = analyze_in_place(graph, step.state)
-    file_prediction = analyze_liveness(graph, in_place=ip.aliased, host_copies=host_copies)
+    # Outputs the runtime binds to buffers held all step (``TrainingStep.bound``: a
+    # data-parallel rank's gradient bucket) are written there, whatever their producer.
+    bound = step.bound
+    file_prediction = analyze_liveness(graph, in_place={**ip.aliased, **bound},
+                                       host_copies=host_copies)
     note = ""
-    if early_updates and ip.aliased:
+    # A rank's updates run after its all-reduce, after every gradient: never moved.
+    if early_updates and ip.aliased and not bound:
         sched = schedule_updates_early(graph, step, ip.aliased)
         if sched.moved:
             moved = copy.copy(graph)
             moved.set_nodes(list(sched.nodes))
             ip_moved = analyze_in_place(moved, step.state)
-            prediction = analyze_liveness(moved, in_place=ip_moved.aliased,
+            prediction = analyze_liveness(moved, in_place={**ip_moved.aliased, **bound},
                                           host_copies=host_copies)
             if prediction.peak_bytes <= file_prediction.peak_bytes:
                 return ArrangedStep(moved, ip_moved, UPDATES_EARLY, "", prediction)

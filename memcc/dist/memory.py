@@ -1,0 +1,83 @@
+"""A data-parallel rank's step memory: measured around each step, next to the prediction
+``memcc compile --nproc`` plans with.
+
+Measured the way ``memcc train --arena`` measures a step (``trainer.memory.StepMemory``):
+before the step the free heap is given back (``malloc_trim``) and the high-water mark is
+reset; after it, the growth of the high-water mark (ORT's buffers of both halves, gloo's
+scratch) plus the arrays the rank holds (``Replica.held_bytes``: parameters, the gradient
+bucket, its optimizer state, carried statistics, the batch, update outputs not written in
+place). Ranks that ``memcc train --nproc`` starts run with ``MEMORY_ENV`` (every
+allocation of 4 KiB or more its own ``mmap``, one malloc arena: ``backend.memory``), the
+allocation rules the plan's peak follows (``passes.analysis.liveness``), so freed buffers
+leave the resident size at once. Under ``torchrun`` the launcher's environment decides;
+the method then says the figure is approximate. The first step (thread pools, kernel
+caches) is shown apart; the run's peak is that of the later steps.
+
+Predicted: the rank's step as ``passes.analysis.rank_step`` writes it, judged by
+``passes.analysis.arrange`` (the compile's simulator, without a plan: the step file
+carries its plan's rewrites).
+"""
+
+from __future__ import annotations
+
+from memcc.backend.memory import (
+    CPU_METHOD,
+    MMAP_ENV,
+    exact_cpu_measurement,
+    peak_rss_bytes,
+    reset_peak_rss,
+    rss_bytes,
+    trim_heap,
+)
+from memcc.errors import RuntimeFailure
+from memcc.graph import Graph
+from memcc.passes.analysis.arrange import arrange_step
+from memcc.passes.analysis.rank_step import Ranks, rank_step
+from memcc.step import TrainingStep
+
+MEMORY_ENV = dict(MMAP_ENV)
+
+
+def predicted_rank_peak(graph: Graph, world: int, zero: int, rank: int) -> int:
+    """The predicted peak of ``rank``'s step (before its replica drops the initial values:
+    the rank's graph counts the stored state)."""
+    view = rank_step(graph, Ranks(world, zero), rank).graph
+    return int(arrange_step(view, TrainingStep.of(view)).prediction.peak_bytes)
+
+
+class RankMemory:
+    """The step peak of one rank, measured around each step (module docstring)."""
+
+    def __init__(self, held_bytes: int) -> None:
+        self.held = held_bytes
+        self.peak: int | None = None
+        self.first_step: int | None = None
+        self.steps = 0
+        self._before = 0
+        self.ok = True
+
+    @property
+    def method(self) -> str:
+        how = CPU_METHOD if exact_cpu_measurement() else \
+            "cpu-vmhwm-approximate: glibc's default thresholds (not started by memcc)"
+        return (f"growth of VmHWM over the step (heap trimmed before it) plus the arrays the "
+                f"rank holds; {how}")
+
+    def start(self) -> None:
+        if not self.ok:
+            return
+        try:
+            trim_heap()
+            reset_peak_rss()
+            self._before = rss_bytes()
+        except (OSError, RuntimeFailure):  # no /proc (not Linux): nothing measured
+            self.ok = False
+
+    def stop(self) -> None:
+        if not self.ok:
+            return
+        step = peak_rss_bytes() - self._before + self.held
+        self.steps += 1
+        if self.steps == 1:
+            self.first_step = step
+        self.peak = step if self.steps <= 2 else max(self.peak or 0, step)

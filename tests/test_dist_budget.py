@@ -1,0 +1,147 @@
+"""``memcc compile --nproc N [--zero Z]``: the step planned as each data-parallel rank runs it
+(``passes.analysis.rank_step``, ``compiler.ranks``), checked by running it on 2 gloo ranks.
+
+A wide MLP at batch 2 with AdamW (weights and optimizer state outweigh activations): a
+rank's step holds the gradient bucket all step and, with ZeRO-1, only its own parameters'
+state, so the smallest per-rank budgets of ZeRO-0 and ZeRO-1 differ by about half the
+state. One real 2-rank run (a spawn of two processes) trains the ZeRO-1 plan and measures
+each rank's step peak (``dist.memory``: VmHWM growth plus the arrays the rank holds).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from memcc.backend.onnx_file import save_graph
+from memcc.cli import app
+from memcc.dist.launch import train_distributed
+from memcc.frontend.build import BuildOptions, build_training_step
+from memcc.frontend.load import load_graph
+from memcc.passes.analysis.arrange import arrange_step
+from memcc.passes.analysis.rank_step import (
+    BUFFER_SUFFIX,
+    COMM_SCRATCH_INPUT,
+    Ranks,
+    rank_step,
+    rank_steps,
+)
+from memcc.step import RANKS_KEY, TrainingStep
+from memcc.trainer import TrainOptions
+from models import mlp
+
+runner = CliRunner()
+FAST = ["--strategy", "none", "--cost", "analytic"]
+
+
+def _graph():
+    forward = mlp.build(batch=2, in_features=64, width=256, depth=4, num_classes=8)
+    return build_training_step(load_graph(forward), BuildOptions(optimizer="adamw"))
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("dist_budget")
+    rng = np.random.default_rng(0)
+    np.savez(d / "data.npz", input=rng.standard_normal((16, 64)).astype(np.float32),
+             labels=rng.integers(0, 8, 16).astype(np.int64))
+    return {"dir": d, "step": save_graph(_graph(), d / "step.onnx"), "data": d / "data.npz"}
+
+
+def _compile(files, name: str, budget: str, *args: str):
+    d = files["dir"]
+    res = runner.invoke(app, ["compile", str(files["step"]), "--budget", budget, *FAST,
+                              "-o", str(d / f"{name}.onnx"), "--report",
+                              str(d / f"{name}.json"), *args])
+    report = json.loads((d / f"{name}.json").read_text()) if res.exit_code == 0 else None
+    return res, report
+
+
+# ---------------------------------------------------------------------------- the graph
+def test_a_rank_holds_the_bucket_all_step_and_only_its_own_state():
+    graph = _graph()
+    spec = TrainingStep.of(graph)
+    grads = set(spec.gradients().values())
+    state = {i for o, i in spec.state.items() if i not in spec.parameters}
+    zero0 = rank_step(graph, Ranks(2, 0), 0)
+    bound = TrainingStep.of(zero0.graph).bound
+    assert grads | {spec.loss} <= set(bound)
+    assert all(bound[g] == g + BUFFER_SUFFIX and bound[g] in zero0.graph.inputs for g in grads)
+    assert COMM_SCRATCH_INPUT in zero0.graph.inputs
+    assert zero0.bucket_bytes == sum(graph.info[g].nbytes for g in grads) + 4  # + the loss
+    assert zero0.state_bytes == sum(graph.info[i].nbytes for i in state)
+    # held all step: no plan lowers the peak under the step's persistent bytes + the bucket
+    fused = arrange_step(graph, spec).prediction.peak_bytes
+    view = arrange_step(zero0.graph, TrainingStep.of(zero0.graph))
+    assert view.schedule == "file order"  # a rank updates after its all-reduce
+    assert view.prediction.peak_bytes > fused
+    shards = rank_steps(graph, Ranks(2, 1))
+    assert [s.state_bytes for s in shards] == sorted((s.state_bytes for s in shards),
+                                                     reverse=True)
+    kept = [{i for i in s.graph.initializers if i in state} for s in shards]
+    assert kept[0] & kept[1] == {"adamw.step"} and kept[0] | kept[1] == state
+    assert sum(s.state_bytes for s in shards) == zero0.state_bytes + 4  # the step counter
+    for s in shards:
+        p = arrange_step(s.graph, TrainingStep.of(s.graph)).prediction.peak_bytes
+        assert p < view.prediction.peak_bytes
+
+
+# ---------------------------------------------------------------------------- compile + run
+def test_the_per_rank_budget_is_planned_refused_and_kept_on_two_ranks(files):
+    """ZeRO-0 and ZeRO-1 smallest per-rank budgets; one between them is refused for ZeRO-0
+    and fits ZeRO-1, whose plan, trained on 2 gloo ranks, stays within it on each rank."""
+    floors = {}
+    for z in (0, 1):
+        res, report = _compile(files, f"min{z}", "min", "--nproc", "2", "--zero", str(z))
+        assert res.exit_code == 0, res.output
+        d = report["data_parallel"]
+        assert d["world_size"] == 2 and d["zero"] == z and d["budget_is_per_rank"]
+        assert "per rank" in res.output
+        assert max(d["peak_bytes_per_rank"]) == report["plan"]["peak_bytes"]
+        floors[z] = report["budget_bytes"]
+    state = report["data_parallel"]["optimizer_state_bytes_per_rank"]
+    assert floors[0] - floors[1] > 0.3 * sum(state)
+    middle = str((floors[0] + floors[1]) // 2)
+    res, _ = _compile(files, "mid0", middle, "--nproc", "2", "--zero", "0")
+    assert res.exit_code == 2 and "Nothing was written" in res.output
+    assert not (files["dir"] / "mid0.onnx").exists()
+    res, report = _compile(files, "mid1", middle, "--nproc", "2", "--zero", "1")
+    assert res.exit_code == 0, res.output
+    planned = report["data_parallel"]["peak_bytes_per_rank"]
+    assert json.loads(load_graph(files["dir"] / "mid1.onnx").metadata[RANKS_KEY])[
+        "peak_bytes_per_rank"] == planned
+    _, info = train_distributed(TrainOptions(step=files["dir"] / "mid1.onnx",
+                                             data=files["data"], steps=2, threads=1),
+                                2, zero=1, quiet=True)
+    measured = info["step_peak_bytes_per_rank"]
+    assert info["planned"]["budget_bytes"] == int(middle)
+    assert "MALLOC_MMAP_THRESHOLD_=4096" in info["memory_method"]
+    for r in (0, 1):
+        assert 0 < measured[r] <= info["predicted_peak_bytes_per_rank"][r] <= planned[r]
+        assert planned[r] <= int(middle)
+
+
+def test_a_plan_for_other_ranks_is_named():
+    from memcc.dist.launch import planned_for_other_ranks
+
+    md = {RANKS_KEY: json.dumps({"world_size": 2, "zero": 1, "budget_bytes": 6_000_000})}
+    assert planned_for_other_ranks(md, 2, 1) is None
+    assert planned_for_other_ranks({}, 4, 0) is None
+    said = planned_for_other_ranks(md, 4, 0)
+    assert "--nproc 2 --zero 1" in said and "6,000,000" in said and "--nproc 4 --zero 0" in said
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--zero", "1"], "give --nproc N"),
+    (["--nproc", "2", "--zero", "2"], "--zero 2"),
+    (["--nproc", "0"], "--nproc 0"),
+    (["--nproc", "2", "--verify"], "--verify with --nproc"),
+    (["--nproc", "2", "--provider", "cuda"], "--provider cuda with --nproc"),
+])
+def test_bad_rank_options_exit_2(files, args, message):
+    res, _ = _compile(files, "bad", "min", *args)
+    assert res.exit_code == 2, res.output
+    assert message in res.output
