@@ -165,16 +165,24 @@ def parameter_sources(graph: Graph, params: list[str]) -> dict[str, ParameterSou
     arrays = {p: np.asarray(graph.initializers[p]) for p in params}
     comparable = [p for p, a in arrays.items()
                   if a.size > 1 and not np.all(a.reshape(-1) == a.reshape(-1)[0])]
-    by_key: dict[str, list[str]] = {}
-    for p in comparable:
-        by_key.setdefault(key(arrays[p]), []).append(p)
     tied = UnionFind(comparable)
+    # Hashing every weight (and every matrix's transpose) took seconds on a GPT-2-size
+    # model: only parameters whose cheap fingerprint matches another's can be equal.
+    candidates: dict[tuple, list[str]] = {}
     for p in comparable:
-        a = arrays[p]
-        keys = [key(a)] + ([key(a.T)] if a.ndim == 2 else [])
-        for k in keys:
-            for q in by_key.get(k, []):
-                tied.union(q, p)
+        candidates.setdefault(_fingerprint(arrays[p]), []).append(p)
+    for group in candidates.values():
+        if len(group) < 2:
+            continue
+        by_key: dict[str, list[str]] = {}
+        for p in group:
+            by_key.setdefault(key(arrays[p]), []).append(p)
+        for p in group:
+            a = arrays[p]
+            keys = [key(a)] + ([key(a.T)] if a.ndim == 2 else [])
+            for k in keys:
+                for q in by_key.get(k, []):
+                    tied.union(q, p)
     groups: dict[str, list[str]] = {}
     for p in comparable:
         groups.setdefault(tied.find(p), []).append(p)
@@ -191,6 +199,19 @@ def parameter_sources(graph: Graph, params: list[str]) -> dict[str, ParameterSou
         else:
             out[p] = ParameterSource(p, named(p), tuple(ties), (p,) if named(p) else ())
     return out
+
+
+def _fingerprint(a: np.ndarray) -> tuple:
+    """Equal for two arrays that hold the same values, and for a matrix and its transpose
+    (tied weights exported as copies): the dtype, the shape (a matrix's in either order)
+    and the wrapping sum of the elements' bit patterns, which no reordering changes. Cheap
+    (one pass, no copy): the exact comparison by hash runs only where fingerprints match."""
+    shape = tuple(sorted(a.shape)) if a.ndim == 2 else a.shape
+    flat = np.ascontiguousarray(a).reshape(-1)
+    if flat.dtype.itemsize not in (1, 2, 4, 8):
+        return (a.dtype.str, shape, a.ndim)
+    bits = flat.view(f"u{flat.dtype.itemsize}")
+    return (a.dtype.str, shape, a.ndim, int(bits.sum(dtype=np.uint64)))
 
 
 def _some(names: list[str] | tuple[str, ...], k: int = 6) -> str:
