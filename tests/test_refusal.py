@@ -17,8 +17,9 @@ from exports import export
 from onnx import shape_inference
 
 from memcc.compiler import CompileOptions, user_budget
+from memcc.compiler.floor_check import check_floor
 from memcc.compiler.loading import load_step
-from memcc.compiler.planning import check_floor
+from memcc.errors import InputError
 from memcc.frontend.exported import _fingerprint, parameter_sources
 from memcc.frontend.load import _STUB_BYTES, _infer, _without_weights
 from memcc.graph import Graph, TensorInfo
@@ -125,3 +126,68 @@ def _state(graph: Graph) -> list[str]:
     from memcc.passes.lowering.offload_state import optimizer_state
 
     return [n for n, _ in optimizer_state(graph)]
+
+
+def test_options_know_the_planner_strategies() -> None:
+    """The options check a strategy name against ``STRATEGY_NAMES`` (so that the refusal
+    path does not import every strategy): the names the planner registers."""
+    from memcc.passes.planning.planner import STRATEGIES
+    from memcc.passes.planning.request import STRATEGY_NAMES
+
+    assert STRATEGY_NAMES == STRATEGIES
+
+
+def test_the_floor_refusal_imports_no_planner_and_no_cost_model(tmp_path) -> None:
+    """In a fresh interpreter, a budget under the floor is refused (the bound named) with
+    the planner, the cost model and the row-chunk search never imported: the refusal costs
+    the load of the step and no more."""
+    import subprocess
+    import sys
+
+    model = tmp_path / "mlp.onnx"
+    onnx.save(build_model("mlp", batch=64), model)
+    code = (
+        "import sys\n"
+        "from memcc.compiler import CompileOptions, compile_model\n"
+        "from memcc.passes.planning.refusal import BudgetError\n"
+        f"try:\n    compile_model({str(model)!r}, CompileOptions(budget='1KB'))\n"
+        "except BudgetError as e:\n    print('refused', e.smallest)\n"
+        "heavy = ['memcc.passes.planning.planner', 'memcc.passes.analysis.cost_model',\n"
+        "         'memcc.compiler.chunk_choice', 'memcc.compiler.planning']\n"
+        "print('imported', [m for m in heavy if m in sys.modules])\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.split("\n")
+    assert out[0].startswith("refused ") and int(out[0].split()[1]) > 1000, out
+    assert out[1] == "imported []", out
+
+
+@pytest.mark.parametrize("budget", ["0", "1KB"])
+def test_tune_under_the_floor_names_the_budget_in_bytes(tmp_path, budget: str) -> None:
+    """``memcc tune --budget 0`` (refused before as "give a positive size", naming no
+    bound) and ``--budget 1KB``: exit status 2, the bytes the smallest size needs at least
+    and the ``--budget`` to give (a lower bound: at it, the search refuses instead, with
+    the larger budget it found)."""
+    from typer.testing import CliRunner
+
+    from memcc.cli import app
+    from memcc.tune import TuneOptions, tune
+
+    model = tmp_path / "dyn.onnx"
+    onnx.save(build_model("mlp", dynamic_batch=True, width=128, depth=4, in_features=64),
+              model)
+    r = CliRunner().invoke(app, ["tune", str(model), "--budget", budget, "--dim",
+                                 "batch=1..64", "--cost", "analytic", "-o",
+                                 str(tmp_path / "t.onnx")])
+    assert r.exit_code == 2, r.output
+    text = " ".join(r.output.split())
+    assert "None" not in text and "batch=1" in text
+    need = int(text.split("give --budget ")[1].split()[0])
+    assert f"({need:,} bytes) can fit" in text
+    # At that budget the floor no longer refuses: what does is the search, naming a budget
+    # at least as large (the floor is a lower bound).
+    with pytest.raises(InputError) as again:
+        tune(model, need, "batch=1..1", TuneOptions(points=0, strategy="none",
+                                                    cost="analytic"))
+    msg = str(again.value)
+    assert "needs a peak of" in msg and "alone take" not in msg
+    assert int(msg.split("--budget ")[1].split()[0]) >= need
