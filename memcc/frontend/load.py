@@ -283,6 +283,7 @@ def _without_weights(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def _copy_field(dest: Message, fd: FieldDescriptor, value: object) -> None:
+    """Copy one set field into ``dest`` (protobuf has no copy of all fields but one)."""
     if isinstance(value, Message):
         getattr(dest, fd.name).CopyFrom(value)
     elif isinstance(value, (str, bytes, int, float)):
