@@ -10,20 +10,34 @@ at all), ``report`` (the report JSON), ``advice`` (what to try next), ``progress
 ``memcc.report_text``'s. docs/ARCHITECTURE.md walks one compile.
 """
 
-from memcc.compiler.advice import next_steps
-from memcc.compiler.options import (
-    BASE_SLACK_BYTES,
-    COST_SOURCES,
-    CompileOptions,
-    plan_budget_under,
-    user_budget,
-)
-from memcc.compiler.pipeline import CompileResult, VerificationError, compile_model
-from memcc.compiler.planning import as_trained
-from memcc.compiler.progress import warning_sink
-from memcc.compiler.writing import unverified_path
-from memcc.pass_contract import PassReport
-from memcc.report_text import summary_lines, verify_checks
+import importlib
+from typing import Any
+
+# Each name from its module on first use (PEP 562): ``memcc compile --budget 1KB`` refuses
+# after loading the step, and importing the planner, the cost model and onnxruntime with
+# this package took a third of a second of that refusal.
+_OWNERS = {
+    "next_steps": "advice", "BASE_SLACK_BYTES": "options", "COST_SOURCES": "options",
+    "CompileOptions": "options", "plan_budget_under": "options", "user_budget": "options",
+    "CompileResult": "pipeline", "VerificationError": "pipeline",
+    "compile_model": "pipeline", "as_trained": "planning", "warning_sink": "progress",
+    "unverified_path": "writing",
+}
+_ELSEWHERE = {"PassReport": "memcc.pass_contract", "summary_lines": "memcc.report_text",
+              "verify_checks": "memcc.report_text"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _OWNERS:
+        module = f"memcc.compiler.{_OWNERS[name]}"
+    elif name in _ELSEWHERE:
+        module = _ELSEWHERE[name]
+    else:
+        raise AttributeError(f"module 'memcc.compiler' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "BASE_SLACK_BYTES", "COST_SOURCES", "CompileOptions", "CompileResult", "PassReport",

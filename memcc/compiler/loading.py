@@ -24,7 +24,6 @@ from memcc.frontend.load import load_graph
 from memcc.frontend.row_chunks import ATTENTION, MLP, find_regions
 from memcc.graph import Graph
 from memcc.pass_contract import Pass, PassRunner
-from memcc.passes.analysis.cuda_node_times import default_calibration
 from memcc.passes.providers.provider_step import for_provider
 from memcc.step import FUSIONS_KEY, PRECISION_KEY, TrainingStep
 
@@ -50,6 +49,8 @@ def check_provider(options: CompileOptions, warning: Progress) -> str | None:
                          "Use --cost analytic to plan for CUDA with estimated node times, or "
                          "run on the GPU machine. Nothing was compiled.")
     if options.cost == "auto":
+        from memcc.passes.analysis.cuda_node_times import default_calibration
+
         cal = default_calibration()
         basis = (f"node times measured on a GPU ({cal.gpu}, onnxruntime {cal.onnxruntime}, "
                  f"{cal.date}; {Path(cal.path or '').name})" if cal is not None else

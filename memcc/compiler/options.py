@@ -7,12 +7,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from memcc.backend.session import planning_provider
 from memcc.errors import InputError
 from memcc.frontend.build import BuildOptions
 from memcc.graph import Graph
 from memcc.passes.analysis.liveness import heap_allowance_bytes
-from memcc.passes.planning.planner import STRATEGIES
+from memcc.passes.planning.request import STRATEGY_NAMES as STRATEGIES
 from memcc.passes.planning.request import Budget, DecisionKinds, PlanRequest
 from memcc.sizes import parse_size
 
@@ -54,8 +53,15 @@ class CompileOptions:
     zero: int = 0
 
     def __post_init__(self) -> None:
-        # --provider auto plans for where the step would run here (as run and train do).
-        object.__setattr__(self, "provider", planning_provider(self.provider))
+        # --provider auto plans for where the step would run here (as run and train do);
+        # onnxruntime is asked only then (importing it is a tenth of a second of a refusal).
+        provider = str(self.provider or "cpu").lower()
+        if provider == "auto":
+            from memcc.backend.session import planning_provider
+
+            provider = planning_provider(provider)
+        if provider in ("cpu", "cuda"):
+            object.__setattr__(self, "provider", provider)
         if self.strategy not in STRATEGIES:
             raise InputError(f"--strategy '{self.strategy}': choose one of "
                              f"{', '.join(STRATEGIES)}")

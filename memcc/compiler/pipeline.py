@@ -30,29 +30,29 @@ import json
 import os
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from onnx import TensorProto
 
-from memcc.backend.determinism import racing_nodes
-from memcc.compiler.advice import next_steps
-from memcc.compiler.chunk_choice import RowChunkSearch, choose_row_chunks
-from memcc.compiler.costing import node_costs
+from memcc.compiler.floor_check import check_floor
 from memcc.compiler.loading import check_provider, load_step
 from memcc.compiler.options import CompileOptions, user_budget
-from memcc.compiler.planning import StageHooks, check_floor, plan_offloading_state
 from memcc.compiler.progress import Progress, warning_sink
-from memcc.compiler.ranks import floor_view, plan_for_ranks
-from memcc.compiler.report import ReportInputs, build_report
 from memcc.compiler.writing import Model, Target, check_targets, unverified_path, write_outputs
 from memcc.errors import MemccError
 from memcc.frontend.build import BuildOptions
-from memcc.frontend.kernel_coverage import has_kernel_for
 from memcc.graph import Graph, node_label
 from memcc.pass_contract import PassReport, PassRunner
-from memcc.passes.analysis.cost_model import CostModel
 from memcc.passes.plan import StepStructure
-from memcc.passes.planning.planner import PlanOutcome
 from memcc.step import ALLOCATOR_KEY, PLAN_KEY, RANKS_KEY
+
+if TYPE_CHECKING:
+    from memcc.passes.analysis.cost_model import CostModel
+    from memcc.passes.planning.planner import PlanOutcome
+
+# The stages after ``load`` (costs, planning, report) are imported where they run: a budget
+# under the step's floor is refused after ``load``, and importing the planner, the cost
+# model and onnxruntime took a third of a second of that refusal.
 
 
 @dataclass
@@ -115,6 +115,9 @@ def compile_model(model: Model, options: CompileOptions, *,
     """
     run = _start(model, options, output, report_path, progress, warn)
     graph = _load(run)
+    from memcc.compiler.costing import node_costs
+    from memcc.compiler.report import ReportInputs, build_report
+
     costs = run.runner.stage("cost_model", lambda: node_costs(graph, options, run.warning,
                                                               run.cuda_missing))
     planned = _plan(run, graph, costs)
@@ -156,8 +159,15 @@ def _load(run: CompileRun) -> Graph:
     budget = options.requested_budget
     if not budget.is_min:
         # With --nproc, the floor of the rank keeping the most state (compiler/ranks.py).
-        planned = graph if options.ranks is None else floor_view(graph, options)
+        if options.ranks is None:
+            planned = graph
+        else:
+            from memcc.compiler.ranks import floor_view
+
+            planned = floor_view(graph, options)
         check_floor(planned, budget.bytes, options, label, StepStructure.of(planned))
+    from memcc.backend.determinism import racing_nodes
+
     racing = [node_label(n) for n in racing_nodes(graph)]
     if racing:
         run.warning(
@@ -179,6 +189,8 @@ def _say_sixteen_bit_emulated(run: CompileRun, summary: dict, opset: int) -> Non
     emulated = summary.get("sixteen_bit_emulated") or {}
     if not emulated:
         return
+    from memcc.frontend.kernel_coverage import has_kernel_for
+
     precision = summary.get("precision", {}).get("precision", "16-bit")
     provider = run.options.provider
     total = sum(emulated.values())
@@ -203,6 +215,11 @@ def _plan(run: CompileRun, graph: Graph, costs: CostModel) -> Planned:
     (``compiler/chunk_choice.py``; the step as loaded is planned first), each setting
     planned under the budget (``compiler/planning.py``); the plan chosen recorded in the
     rewritten step's metadata."""
+    from memcc.compiler.chunk_choice import RowChunkSearch, choose_row_chunks
+    from memcc.compiler.costing import node_costs
+    from memcc.compiler.planning import StageHooks, plan_offloading_state
+    from memcc.compiler.ranks import plan_for_ranks
+
     options, label, runner = run.options, run.label, run.runner
     budget = options.requested_budget
     hooks = StageHooks(runner.stage, runner.reports, run.say, label)
@@ -270,6 +287,8 @@ def _write(run: CompileRun, planned: Planned, report: dict, verification: dict |
     to try next) and the step as ``OUT.unverified.onnx``, then raise."""
     output, report_path = run.output, run.report_path
     if verification is not None and not verification["ok"]:
+        from memcc.compiler.advice import next_steps
+
         steps = next_steps(verification, planned.options, planned.outcome.best.peak_bytes,
                            run.label, planned.slack)
         kept = unverified_path(output) if output is not None else None

@@ -163,18 +163,25 @@ def parameter_sources(graph: Graph, params: list[str]) -> dict[str, ParameterSou
                             + a.dtype.str.encode()).hexdigest()
 
     arrays = {p: np.asarray(graph.initializers[p]) for p in params}
-    comparable = [p for p, a in arrays.items()
-                  if a.size > 1 and not np.all(a.reshape(-1) == a.reshape(-1)[0])]
-    by_key: dict[str, list[str]] = {}
-    for p in comparable:
-        by_key.setdefault(key(arrays[p]), []).append(p)
+    comparable = [p for p, a in arrays.items() if a.size > 1 and not _constant(a)]
     tied = UnionFind(comparable)
+    # Hashing every weight (and every matrix's transpose) took seconds on a GPT-2-size
+    # model: only parameters whose cheap fingerprint matches another's can be equal.
+    candidates: dict[tuple, list[str]] = {}
     for p in comparable:
-        a = arrays[p]
-        keys = [key(a)] + ([key(a.T)] if a.ndim == 2 else [])
-        for k in keys:
-            for q in by_key.get(k, []):
-                tied.union(q, p)
+        candidates.setdefault(_fingerprint(arrays[p]), []).append(p)
+    for group in candidates.values():
+        if len(group) < 2:
+            continue
+        by_key: dict[str, list[str]] = {}
+        for p in group:
+            by_key.setdefault(key(arrays[p]), []).append(p)
+        for p in group:
+            a = arrays[p]
+            keys = [key(a)] + ([key(a.T)] if a.ndim == 2 else [])
+            for k in keys:
+                for q in by_key.get(k, []):
+                    tied.union(q, p)
     groups: dict[str, list[str]] = {}
     for p in comparable:
         groups.setdefault(tied.find(p), []).append(p)
@@ -191,6 +198,28 @@ def parameter_sources(graph: Graph, params: list[str]) -> dict[str, ParameterSou
         else:
             out[p] = ParameterSource(p, named(p), tuple(ties), (p,) if named(p) else ())
     return out
+
+
+def _constant(a: np.ndarray) -> bool:
+    """Whether every element equals the first; a sample decides most arrays (trained or
+    random weights) without a pass over all of them."""
+    flat = a.reshape(-1)
+    if np.any(flat[:64] != flat[0]):
+        return False
+    return bool(np.all(flat == flat[0]))
+
+
+def _fingerprint(a: np.ndarray) -> tuple:
+    """Equal for two arrays that hold the same values, and for a matrix and its transpose
+    (tied weights exported as copies): the dtype, the shape (a matrix's in either order)
+    and a few values' bytes (a matrix's first row and first column, in either order; else
+    the first and last elements), read without a pass over the array. Arrays whose
+    fingerprints match are compared exactly (by hash)."""
+    if a.ndim == 2:
+        edges = sorted((a[0].tobytes(), a[:, 0].tobytes()))
+        return (a.dtype.str, tuple(sorted(a.shape)), *edges)
+    flat = a.reshape(-1)
+    return (a.dtype.str, a.shape, flat[:64].tobytes(), flat[-64:].tobytes())
 
 
 def _some(names: list[str] | tuple[str, ...], k: int = 6) -> str:

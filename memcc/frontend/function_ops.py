@@ -32,19 +32,20 @@ def expand_function_ops(model: onnx.ModelProto, keep: frozenset[str] | set[str]
     as they are."""
     types = value_types(model)
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+    rewritten_here = SEQUENCE_OPS | {"CastLike", "If", "GatherND"}
+    bodies = {i: body for i, node in enumerate(model.graph.node)
+              if node.domain in ("", "ai.onnx") and node.op_type not in keep
+              and node.op_type not in rewritten_here
+              and (body := _schema_function(node, opset, types)) is not None}
+    if not bodies:  # the usual case: no copy of the model (its weights took seconds)
+        return None
     functions: dict[str, onnx.FunctionProto] = {}
     original = model
     model = onnx.ModelProto()
     model.CopyFrom(original)
     fresh = Namer(model)
-    rewritten_here = SEQUENCE_OPS | {"CastLike", "If", "GatherND"}
-    for node in model.graph.node:
-        if node.domain not in ("", "ai.onnx") or node.op_type in keep or \
-                node.op_type in rewritten_here:
-            continue
-        body = _schema_function(node, opset, types)
-        if body is None:
-            continue
+    for i, body in bodies.items():
+        node = model.graph.node[i]
         name = fresh(f"{node.op_type}_expanded")
         body.name, body.domain = name, _EXPAND_DOMAIN
         del body.attribute[:]

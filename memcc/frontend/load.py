@@ -16,6 +16,8 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnx.inliner
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
 from onnx import TensorProto, helper, shape_inference
 
 from memcc.errors import InputError, ShapeError
@@ -235,10 +237,59 @@ def _infer(model: onnx.ModelProto, where: str) -> onnx.ModelProto:
         tt = vi.type.tensor_type
         if tt.HasField("shape"):
             tt.ClearField("shape")
+    light = _without_weights(model)
     try:
-        return shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
+        inferred = shape_inference.infer_shapes(light, strict_mode=False, data_prop=True)
     except Exception as exc:
         raise ShapeError(f"{where}: ONNX shape inference failed: {exc}") from exc
+    # What inference adds: value types, the outputs' types (and those inside functions).
+    for name in ("value_info", "output"):
+        field_ = getattr(model.graph, name)
+        del field_[:]
+        field_.extend(getattr(inferred.graph, name))
+    del model.functions[:]
+    model.functions.extend(inferred.functions)
+    return model
+
+
+# Float initializers at least this large go to shape inference as stubs (name, type, dims,
+# no data): inference reads a tensor's values only to compute shapes (Reshape targets,
+# Resize scales: small tensors), and serializing the weights for it took seconds on a
+# GPT-2-size model, every time the loader inferred shapes.
+_STUB_BYTES = 1 << 16
+_FLOAT_BYTES = {TensorProto.FLOAT: 4, TensorProto.DOUBLE: 8, TensorProto.FLOAT16: 2,
+                TensorProto.BFLOAT16: 2}
+
+
+def _without_weights(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` with its large float initializers as stubs marked external (inference
+    neither reads nor needs their data), everything else copied."""
+    light = onnx.ModelProto()
+    for fd, value in model.ListFields():
+        if fd.name != "graph":
+            _copy_field(light, fd, value)
+    for fd, value in model.graph.ListFields():
+        if fd.name != "initializer":
+            _copy_field(light.graph, fd, value)
+    for t in model.graph.initializer:
+        size = _FLOAT_BYTES.get(t.data_type, 0) * int(np.prod(t.dims, dtype=np.int64))
+        if size < _STUB_BYTES or t.data_location == TensorProto.EXTERNAL:
+            light.graph.initializer.add().CopyFrom(t)
+            continue
+        stub = light.graph.initializer.add(name=t.name, data_type=t.data_type, dims=t.dims,
+                                           data_location=TensorProto.EXTERNAL)
+        stub.external_data.add(key="location", value="memcc-shape-inference-stub")
+    return light
+
+
+def _copy_field(dest: Message, fd: FieldDescriptor, value: object) -> None:
+    """Copy one set field into ``dest`` (protobuf has no copy of all fields but one)."""
+    if isinstance(value, Message):
+        getattr(dest, fd.name).CopyFrom(value)
+    elif isinstance(value, (str, bytes, int, float)):
+        setattr(dest, fd.name, value)
+    else:  # a repeated field
+        getattr(dest, fd.name).extend(value)
 
 
 def _unknown_values(graph: Graph) -> list[str]:

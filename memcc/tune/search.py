@@ -125,10 +125,9 @@ def _budget(budget: str | int) -> int:
         raise InputError("--budget min: tune searches for what fits a given budget; give a "
                          "size, e.g. --budget 1GB (compile --budget min gives the smallest "
                          "peak of one step)")
-    n = parse_size(budget)
-    if n <= 0:
-        raise InputError(f"--budget {budget}: give a positive size, e.g. --budget 1GB")
-    return n
+    # --budget 0 is searched like any budget too small: the refusal then names the bound
+    # (the bytes the first size needs at least), as compile's does.
+    return parse_size(budget)
 
 
 def _check_searchable(model: onnx.ModelProto, label: str, rng: SearchRange,
@@ -170,14 +169,18 @@ def _nothing_fits(search: SizeSearch, b: int, budget: int) -> MemccError:
     p = search.probes[b]
     label, dim = search.label, search.rng.dim
     if p.floor_bytes > search.budget:
+        need = user_budget(p.floor_bytes, search.compile, search.slack)
         return InputError(
-            f"{label}: nothing fits {format_size(budget)}: at {dim}={b} the inputs, "
-            f"parameters and optimizer state alone take {format_size(p.floor_bytes)} "
-            f"(planning budget {format_size(search.budget)} after the "
-            f"{search.opts.margin:.0%} + {search.slack:,} bytes margin), and "
-            "recomputation cannot shrink them (nor the updated copies the step outputs). Give "
-            "a larger --budget, or train fewer parameters (--freeze PATTERN keeps them fixed, "
-            "without gradients or state); adamw keeps two state tensors per parameter, sgd one")
+            f"{label}: nothing fits {format_size(budget)} ({budget:,} bytes): at {dim}={b} "
+            f"the inputs, parameters and optimizer state alone take "
+            f"{format_size(p.floor_bytes)} ({p.floor_bytes:,} bytes; planning budget "
+            f"{format_size(search.budget)} after the {search.opts.margin:.0%} + "
+            f"{search.slack:,} bytes margin), and recomputation cannot shrink them (nor the "
+            f"updated copies the step outputs). No budget under {format_size(need)} "
+            f"({need:,} bytes) can fit: give --budget {need} or more (memcc compile "
+            f"--budget min on the step at {dim}={b} finds what it needs), or train fewer "
+            "parameters (--freeze PATTERN keeps them fixed, without gradients or state); "
+            "adamw keeps two state tensors per parameter, sgd one")
     # The smallest peak found; with --strategy none, the step as built.
     smallest = next(v for v in (p.smallest, p.sqrtn_peak, p.baseline.peak_bytes)
                     if v is not None)

@@ -35,6 +35,7 @@ from memcc.passes.planning.model.variant_terms import (
     VariantVars,
     add_variant_terms,
 )
+from memcc.passes.planning.refusal import BudgetError
 from memcc.passes.planning.request import Budget, DecisionKinds, PlanRequest
 from memcc.passes.planning.simulate import Simulation, SimulationRules, simulate
 from memcc.passes.planning.solvers import sqrtn
@@ -47,26 +48,6 @@ from memcc.passes.planning.strategies import (
 )
 
 STRATEGIES = ("auto", *sorted(n for n in REGISTRY if n != "auto"))
-
-
-class BudgetError(MemccError):
-    """No plan fits the budget: carries the numbers (``budget``, and ``smallest``, the
-    smallest reachable peak or budget) and, where the search for it ran, its plan
-    (``outcome``: compile weighs that plan's own heap room before refusing, so the budget a
-    refusal names is one it accepts). The planner's message is neutral; what a user should
-    give is composed by the caller that knows the user's flags (``compiler.planning``)."""
-
-    def __init__(self, message: str, *, budget: int, smallest: int,
-                 outcome: PlanOutcome | None = None,
-                 runs: list[dict] | None = None) -> None:
-        super().__init__(message)
-        self.budget = budget
-        self.smallest = smallest
-        self.outcome = outcome
-        # The strategy runs that found nothing within the budget, as the report shows them
-        # (``_describe_runs``): a later search that does fit keeps them in its report, so
-        # that a run is never dropped from it for having failed.
-        self.runs = list(runs or [])
 
 
 @dataclass

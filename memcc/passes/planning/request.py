@@ -14,6 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
+# The strategies the planner registers (``planner.STRATEGIES``, which checks it equals this):
+# named here for the options to check without importing every strategy.
+STRATEGY_NAMES = ("auto", "ilp", "none", "sqrtn")
+
 
 @dataclass(frozen=True)
 class Budget:
