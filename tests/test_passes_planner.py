@@ -520,3 +520,27 @@ def test_the_polish_is_bounded_by_a_count_of_simulations_not_by_the_clock():
     assert fit.expired() and fit.expired() and fit.allowance.stopped == {"trades": "moves"}
 
 
+
+
+def test_auto_solves_leave_the_polish_its_share_of_the_clock(monkeypatch):
+    """Under ``auto`` the ILP's solves see the deadline less the polish's shares
+    (``reserved_s``): a time-objective solve stopped at its limit used to take everything,
+    and the polish then ran none of its moves."""
+    from memcc.passes.planning import polish
+    from memcc.passes.planning.planner import _prepare
+
+    _, g, costs, base = built("resnet18")
+    p = _prepare(g, costs, PlanRequest(time_limit=100), StepStructure.of(g), base)
+    assert p.reserved_s == 0.0 and 99 < p.remaining() <= 100
+    seen = []
+
+    def exact(q, budget):
+        seen.append((q.reserved_s, q.remaining()))
+        from memcc.passes.planning.context import StrategyResult
+        return StrategyResult()
+
+    monkeypatch.setattr(polish, "exact_model", exact)
+    polish.best_of_all(p, Budget.of(base.peak_bytes))
+    ((reserved, left),) = seen
+    assert reserved == pytest.approx((polish.POLISH_SHARE + polish.EXCHANGE_SHARE) * 100)
+    assert left < 100 - reserved + 1e-6

@@ -88,6 +88,10 @@ class PlanningContext:
     # host memory (a device provider), and the step's small buffers where plans must fit
     # with the heap room of those they add (heap_base; None where they need not).
     rules: SimulationRules = field(default_factory=SimulationRules)
+    # Seconds of the deadline kept for what runs after the solves (``auto``'s polish): a
+    # time-objective solve stopped at its limit took everything left, and the polish, with
+    # no time, ran none of its moves (the zoo's GPT-2 with row chunks at --budget min).
+    reserved_s: float = 0.0
 
     @property
     def host_copies(self) -> bool:
@@ -98,7 +102,8 @@ class PlanningContext:
         return simulate(self.graph, plan, self.costs, self.structure, self.rules)
 
     def remaining(self) -> float:
-        return self.deadline - time.perf_counter()
+        """Seconds the solves may still take (the deadline less ``reserved_s``)."""
+        return self.deadline - self.reserved_s - time.perf_counter()
 
 
 @dataclass(frozen=True)

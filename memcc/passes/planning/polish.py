@@ -95,7 +95,10 @@ def best_of_all(p: PlanningContext, budget: Budget) -> StrategyResult:
     """sqrt(n) and the ILP, then the polish (stop recomputing the most expensive nodes of
     the cheapest fitting plans while the simulator says the step still fits)."""
     out = segmented(p)
-    solved = exact_model(p, budget)
+    # The solves leave the polish its shares of the clock (its count of moves is what
+    # bounds it; this is so that a solve stopped at the time limit does not leave it none).
+    solved = exact_model(replace(p, reserved_s=(POLISH_SHARE + EXCHANGE_SHARE)
+                                 * p.time_limit), budget)
     # The ILP's seeds are the segmentations sqrt(n) already returned.
     seeds = {id(s) for s in p.segmentations}
     solved.plans = [(n, s) for n, s in solved.plans if id(s) not in seeds]
