@@ -29,13 +29,19 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from onnx import TensorProto
 
 from memcc.backend.determinism import racing_nodes
 from memcc.compiler.advice import next_steps
-from memcc.compiler.chunk_choice import RowChunkSearch, choose_row_chunks
+from memcc.compiler.chunk_choice import (
+    KINDS,
+    Estimate,
+    RowChunkSearch,
+    choose_row_chunks,
+    chunks_of,
+)
 from memcc.compiler.costing import node_costs
 from memcc.compiler.loading import check_provider, load_step
 from memcc.compiler.options import CompileOptions, user_budget
@@ -211,20 +217,27 @@ def _plan(run: CompileRun, graph: Graph, costs: CostModel) -> Planned:
         offloads[id(planned.step)] = offloaded
         return planned
 
+    built: dict[tuple, tuple[Graph, dict]] = {}  # steps the row-chunk screen built
+
     def rebuild(opts: CompileOptions) -> tuple[Graph, CostModel]:
         # Another build of the forward model (row chunks): its warnings were said once.
         def quiet(msg: str) -> None:
             if msg not in run.warnings:
                 run.warning(msg)
 
-        g = runner.stage("load", lambda: load_step(run.model, label, opts))
+        key = _chunk_key(opts)
+        g = runner.stage("load", lambda: built.pop(key, None)
+                         or load_step(run.model, label, opts))
         return g, runner.stage("cost_model",
                                lambda: node_costs(g, opts, quiet, run.cuda_missing))
 
+    load_summary = runner.reports[0].summary
     chosen = choose_row_chunks(
-        RowChunkSearch(run.model, label, runner.reports[0].summary["built_training_step"],
+        RowChunkSearch(run.model, label, load_summary["built_training_step"],
                        plan_step, rebuild, runner.reports, run.say,
-                       lambda peak, s: user_budget(peak, options, s)),
+                       lambda peak, s: user_budget(peak, options, s),
+                       _estimator(run, graph, costs, built),
+                       {k: (load_summary.get("splittable") or {}).get(k, 0) for k in KINDS}),
         graph, costs, options, budget)
     attempt = chosen.attempt
     outcome, rewritten, slack, plan_budget = attempt.planned
@@ -235,6 +248,32 @@ def _plan(run: CompileRun, graph: Graph, costs: CostModel) -> Planned:
         rewritten.metadata[ALLOCATOR_KEY] = "arena"
     return Planned(attempt.graph, attempt.costs, attempt.options, outcome, rewritten, slack,
                    plan_budget, final_budget, chosen.report, offloads.get(id(rewritten)))
+
+
+def _chunk_key(opts: CompileOptions) -> tuple:
+    return tuple(chunks_of(opts.build).values())
+
+
+def _estimator(run: CompileRun, graph: Graph, costs: CostModel,
+               built: dict[tuple, tuple[Graph, dict]]) -> Estimate:
+    """A row-chunk setting's added time as built, before any plan: the step built with it
+    (kept in ``built`` for its plan, if it gets one), less the step as loaded, both priced
+    by the step as loaded's cost model without its measured times (the analytic estimate
+    times the calibration fitted on the measured nodes), so that the two are priced
+    alike and the chunk products' own cost (smaller products, summed gradients) shows."""
+    base: list = []   # (the pricing model, the step as loaded's time): on first use only
+
+    def estimate(opts: CompileOptions) -> tuple[float, int]:
+        if not base:
+            priced = replace(costs.calibrated(graph), seconds={})
+            base.extend((priced, sum(priced.price(n, graph) for n in graph.nodes)))
+        priced, as_loaded = base
+        g, summary = load_step(run.model, run.label, opts)
+        built.clear()   # one kept at a time: the search plans the last one built, if any
+        built[_chunk_key(opts)] = (g, summary)
+        return sum(priced.price(n, g) for n in g.nodes) - as_loaded, len(g.nodes)
+
+    return estimate
 
 
 def _verify_stage(run: CompileRun, planned: Planned) -> dict | None:
