@@ -213,8 +213,7 @@ def choose_row_chunks(search: RowChunkSearch, graph: Graph, costs: CostModel,
     passes, user_budget = search.passes, search.user_budget
     started = time.perf_counter()
     # The step as loaded: its load and cost passes are already in ``passes``.
-    first = _attempt(search, chunks_of(options.build), options, lambda: (graph, costs),
-                     mark=0, strict=True)
+    first = _attempt(search, options, lambda: (graph, costs), mark=0, strict=True)
     base_time = costs.total(graph)
     report: dict = {"chosen": dict(first.chunks), "searched": False}
     tried = [first]
@@ -245,7 +244,7 @@ def choose_row_chunks(search: RowChunkSearch, graph: Graph, costs: CostModel,
         search.say(f"row chunks: planning the step built with {describe(chunks)}")
         build = replace(options.build, **{FIELDS[k]: n for k, n in chunks.items()})
         opts = replace(options, build=build)
-        a = _attempt(search, chunks, opts, lambda: search.rebuild(opts), mark=len(passes),
+        a = _attempt(search, opts, lambda: search.rebuild(opts), mark=len(passes),
                      deadline=deadline)
         tried.append(a)
         return a
@@ -378,7 +377,7 @@ def _budget(a: Attempt, user_budget) -> float:
     return float("inf") if b is None else float(b)
 
 
-def _attempt(search: RowChunkSearch, chunks: dict[str, int], options: CompileOptions,
+def _attempt(search: RowChunkSearch, options: CompileOptions,
              load: Callable[[], tuple[Graph, CostModel]], *, mark: int,
              strict: bool = False, deadline: float | None = None) -> Attempt:
     """Build (``load``) and plan one setting (``search.plan_step``); its passes
@@ -388,7 +387,7 @@ def _attempt(search: RowChunkSearch, chunks: dict[str, int], options: CompileOpt
     did. With a ``deadline`` (``time.perf_counter()`` seconds) the plan gets what is left
     of it as its time limit (the report keeps the options as given)."""
     passes, plan_step = search.passes, search.plan_step
-    a = Attempt(dict(chunks), options)
+    a = Attempt(chunks_of(options.build), options)
     try:
         a.graph, a.costs = load()
         planning = options if deadline is None else replace(
