@@ -2,7 +2,7 @@
 (issue 31 item 2): ``memcc compile --budget X`` by the CLI, X a share of the step as
 built's peak (where the plan as built recomputes), each model compiled by two memcc
 trees in turn (``--before``: a checkout of the older memcc; this tree after), ``--rounds``
-times, one JSON line per compile with its wall time, predicted added time and the
+times, one JSON line per compile with its wall and CPU time, predicted added time and the
 report's ``row_chunks``.
 
     python benchmarks/chunk_fit_times.py --before /tmp/before [--fraction 0.65]
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import subprocess
 import sys
 import tempfile
@@ -41,7 +42,10 @@ def _write_model(name: str, d: Path, hf: dict) -> Path:
 
 
 def _compile(tree: Path, model: Path, budget: str, cost: str, out: Path,
-             extra: list[str]) -> tuple[float, dict, str]:
+             extra: list[str]) -> tuple[float, float, dict, str]:
+    """Wall and CPU seconds (the child's user + system: less sensitive to other jobs on a
+    shared machine), the report, and the error's tail where it failed."""
+    c0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     r = subprocess.run([sys.executable, "-m", "memcc.cli", "compile", str(model), "--budget",
                         budget, "-o", str(out), "--cost", cost, *extra],
@@ -49,9 +53,11 @@ def _compile(tree: Path, model: Path, budget: str, cost: str, out: Path,
                        env={"PYTHONPATH": str(tree), "PATH": "/usr/bin:/bin",
                             "OMP_NUM_THREADS": "1"})
     took = time.perf_counter() - t0
+    c1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = c1.ru_utime - c0.ru_utime + c1.ru_stime - c0.ru_stime
     if r.returncode != 0:
-        return took, {}, (r.stdout + r.stderr)[-600:]
-    return took, json.loads(out.with_name(out.stem + ".report.json").read_text()), ""
+        return took, cpu, {}, (r.stdout + r.stderr)[-600:]
+    return took, cpu, json.loads(out.with_name(out.stem + ".report.json").read_text()), ""
 
 
 def main(argv: list[str]) -> int:
@@ -71,7 +77,7 @@ def main(argv: list[str]) -> int:
         d = Path(tmp)
         for name in args.models.split(","):
             model = _write_model(name, d, hf)
-            _, full, err = _compile(ROOT, model, "1TB", args.cost, d / "full.onnx", extra)
+            _, _, full, err = _compile(ROOT, model, "1TB", args.cost, d / "full.onnx", extra)
             if err:
                 print(err)
                 return 1
@@ -81,11 +87,12 @@ def main(argv: list[str]) -> int:
                               "budget_bytes": int(budget)}), flush=True)
             for r in range(args.rounds):
                 for label, tree in (("before", args.before), ("after", ROOT)):
-                    took, rep, err = _compile(tree, model, budget, args.cost,
+                    took, cpu, rep, err = _compile(tree, model, budget, args.cost,
                                               d / f"{label}.onnx", extra)
                     rc = rep.get("row_chunks") or {}
                     print(json.dumps({"model": name, "tree": label, "round": r,
                                       "compile_s": round(took, 2),
+                                      "cpu_s": round(cpu, 2),
                                       "overhead": (rep.get("plan") or {}).get("overhead"),
                                       "chosen": rc.get("chosen"), "why": rc.get("why"),
                                       "screened": rc.get("screened"), "error": err or None}),

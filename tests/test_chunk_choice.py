@@ -130,7 +130,7 @@ class _Costs:
 
 
 def _choose(gpt2, budget, table: dict, build: BuildOptions | None = None,
-            estimates: dict | None = None):
+            estimates: dict | None = None, passes: list | None = None):
     """``choose_row_chunks`` over made-up plans: ``table`` maps (loss, attention, mlp)
     chunks to (peak, step time), or to a smallest budget (an int) where it refuses;
     ``estimates`` maps them to a setting's added seconds as built (the step takes 1 s)."""
@@ -158,8 +158,8 @@ def _choose(gpt2, budget, table: dict, build: BuildOptions | None = None,
         return (estimates or {})[tuple(chunks_of(opts.build).values())], 100
 
     search = RowChunkSearch(gpt2, "gpt2", True, plan_step,
-                            lambda opts: (load_graph(gpt2), _Costs()), [], lambda _m: None,
-                            lambda peak, slack: peak, estimate)
+                            lambda opts: (load_graph(gpt2), _Costs()), passes or [],
+                            lambda _m: None, lambda peak, slack: peak, estimate)
     choice = choose_row_chunks(search, load_graph(gpt2), _Costs(), options,
                                Budget.MIN if budget is None else Budget.of(budget))
     return choice, planned
@@ -223,6 +223,20 @@ def test_a_fitting_step_is_kept_where_no_setting_can_beat_it(gpt2):
     assert planned == [(1, 1, 1)] and "screened" not in choice.report
     assert choice.report["why"].startswith("the step as built fits the budget with no "
                                            "added time")
+
+
+def test_the_step_as_built_s_cost_model_counts_against_the_time_limit(gpt2):
+    """Its node times took 100 s to measure, over the 60 s limit: a setting screened in by
+    its estimate is not planned, and the report says so."""
+    from memcc.pass_contract import PassReport
+
+    table = {(1, 1, 1): (590, 1.2), (8, 1, 1): (500, 1.05)}
+    choice, planned = _choose(gpt2, 600, table, estimates={(8, 1, 1): 0.03},
+                              passes=[PassReport("cost_model", {}, time_s=100.0)])
+    assert planned == [(1, 1, 1)] and not choice.report["searched"]
+    (screened,) = choice.report["screened"]
+    assert screened["estimated_added_time"] == 0.03
+    assert screened["skipped"].startswith("--time-limit: 0.0 s left")
 
 
 def test_budget_min_tries_the_heaviest_split_only(gpt2):

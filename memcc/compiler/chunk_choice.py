@@ -251,8 +251,7 @@ def choose_row_chunks(search: RowChunkSearch, graph: Graph, costs: CostModel,
 
     why = needs_search(first, budget)
     if why is None:
-        cost_s = sum(p.time_s for p in passes[:len(passes) - len(first.passes)]
-                     if p.name == "cost_model")
+        cost_s = sum(p.time_s for p in first.passes if p.name == "cost_model")
         _search_fitting(search, first, options, (base_time, len(graph.nodes)),
                         (started - cost_s, report), attempt)
         return done(next((a for a in tried if a.chunks == report["chosen"]), first))
