@@ -9,8 +9,8 @@ report's ``row_chunks``.
         [--rounds 3] [--cost analytic] [--models resnet50,gpt2,hf-gpt2]
 
 Models: ``resnet50`` (``python -m models resnet50 --batch 32 --resolution 128``), ``gpt2``
-(``python -m models gpt2``), ``hf-gpt2`` (transformers GPT-2 exported with dynamo as
-``chunk_choice_target.py`` does; ``--hf`` sets its size).
+(``python -m models gpt2`` with ``--zoo-gpt2``'s flags), ``hf-gpt2`` (transformers GPT-2
+exported with dynamo as ``chunk_choice_target.py`` does; ``--hf`` sets its size).
 """
 
 from __future__ import annotations
@@ -28,14 +28,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 
-def _write_model(name: str, d: Path, hf: dict) -> Path:
+def _write_model(name: str, d: Path, hf: dict, zoo_gpt2: list[str]) -> Path:
     path = d / f"{name}.onnx"
     if name == "hf-gpt2":
         from benchmarks.as_built_vs_eager import export
 
         export(hf, "dynamo", path)
         return path
-    args = {"resnet50": ["--batch", "32", "--resolution", "128"], "gpt2": []}[name]
+    args = {"resnet50": ["--batch", "32", "--resolution", "128"], "gpt2": zoo_gpt2}[name]
     subprocess.run([sys.executable, "-m", "models", name, "-o", str(path), *args],
                    check=True, cwd=ROOT, capture_output=True)
     return path
@@ -69,6 +69,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--models", default="resnet50,gpt2,hf-gpt2")
     ap.add_argument("--hf", default="batch=8,seq_len=256,vocab=50257,width=256,depth=4,"
                     "heads=4")
+    ap.add_argument("--zoo-gpt2", default="--batch 8 --seq-len 128 --width 128 --depth 2 "
+                    "--heads 4 --vocab-size 8192", help="python -m models gpt2's flags")
     ap.add_argument("--extra", default="", help="more compile flags, space-separated")
     args = ap.parse_args(argv)
     hf = {k: int(v) for k, v in (x.split("=") for x in args.hf.split(","))}
@@ -76,7 +78,7 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="memcc-chunkfit-") as tmp:
         d = Path(tmp)
         for name in args.models.split(","):
-            model = _write_model(name, d, hf)
+            model = _write_model(name, d, hf, args.zoo_gpt2.split())
             _, _, full, err = _compile(ROOT, model, "1TB", args.cost, d / "full.onnx", extra)
             if err:
                 print(err)

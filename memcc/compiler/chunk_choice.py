@@ -292,9 +292,12 @@ def _search_fitting(search: RowChunkSearch, first: Attempt, options: CompileOpti
         load_graph(search.model, options.dims, source=search.label), options.build)
     report["sites"] = found
     ladder = candidates(options.build, found)
-    if not ladder or search.estimate is None:
+    if not ladder:
         report["why"] = (f"the step as built fits the budget at {first_added:+.1%}, and the "
                          "model has no loss projection, attention or MLP left to split")
+        return
+    if search.estimate is None:   # a caller that cannot build settings without planning
+        report["why"] = f"the step as built fits the budget at {first_added:+.1%}"
         return
     estimates: dict[tuple, float] = {}
 
