@@ -203,8 +203,8 @@ def test_a_fitting_step_plans_only_the_settings_its_added_time_screens_in(gpt2):
         {"chunks": {"loss": 8, "attention": 4, "mlp": 4}, "estimated_added_time": 0.06,
          "skipped": "its chunks alone add +6.0%, not less than the +5.0% of the best plan "
                     "so far"}]
-    assert rc["why"].startswith("the step as built fits at +20.0% (recompute or offload); "
-                                "loss 8 fits at less added time and was chosen")
+    assert rc["why"].startswith("the step as built fits at +20.0% (recompute, variants or "
+                                "offload); loss 8 fits at less added time and was chosen")
     assert [c["chosen"] for c in rc["candidates"]] == [False, True]
     assert rc["candidates"][1]["estimated_added_time"] == 0.03
 
@@ -212,12 +212,17 @@ def test_a_fitting_step_plans_only_the_settings_its_added_time_screens_in(gpt2):
 def test_a_fitting_step_is_kept_where_no_setting_can_beat_it(gpt2):
     """At +2%, a split estimated at +3% as built cannot win: built, not planned. At no added
     time, nothing is even built."""
+    from memcc.report_text import row_chunks_line
+
     table = {(1, 1, 1): (590, 1.02), (8, 1, 1): (500, 1.01)}
     choice, planned = _choose(gpt2, 600, table, estimates={(8, 1, 1): 0.03})
     assert planned == [(1, 1, 1)] and not choice.report["searched"]
     assert choice.report["chosen"] == {"loss": 1, "attention": 1, "mlp": 1}
     assert "not planned (its chunks alone add +3.0%" in choice.report["why"]
     assert "candidates" not in choice.report
+    assert row_chunks_line({"row_chunks": choice.report}) == (
+        "row chunks none (1 setting screened by estimated added time, none planned: memcc "
+        "report says why)")
     free = {(1, 1, 1): (590, 1.0)}
     choice, planned = _choose(gpt2, 600, free, estimates={})   # any estimate would raise
     assert planned == [(1, 1, 1)] and "screened" not in choice.report

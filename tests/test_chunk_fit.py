@@ -53,8 +53,8 @@ def test_a_fitting_step_that_recomputes_is_split_where_that_adds_less(gpt2, tmp_
     assert chosen["added_time"] < as_built["added_time"]
     assert rc["screened"][0]["planned"] and rc["screened"][0]["chunks"] == rc["chosen"]
     assert rc["why"].startswith(f"the step as built fits at "
-                                f"{as_built['added_time']:+.1%} (recompute or offload); "
-                                "loss 8 fits at less added time and was chosen")
+                                f"{as_built['added_time']:+.1%} (recompute, variants or "
+                                "offload); loss 8 fits at less added time and was chosen")
     assert any(m.startswith("row chunks: planning the step built with loss 8") for m in said)
     # The chosen plan runs and fits.
     v = result.report["verification"]

@@ -113,7 +113,7 @@ def decision(first_added: float, chosen: dict[str, int], screen: list[dict]) -> 
         + (e.get("result", "planned") if e.get("planned") else "not planned ("
            + e.get("skipped", "") + ")")
         for e in screen)
-    head = (f"the step as built fits at {first_added:+.1%} (recompute or offload); ")
+    head = f"the step as built fits at {first_added:+.1%} (recompute, variants or offload); "
     if any(n > 1 for n in chosen.values()):
         head += f"{describe(chosen)} fits at less added time and was chosen"
     else:
