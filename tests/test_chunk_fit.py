@@ -61,6 +61,9 @@ def test_a_fitting_step_that_recomputes_is_split_where_that_adds_less(gpt2, tmp_
     assert v["ok"] and v["measured_peak_bytes"] <= RECOMPUTES
     names = [p["name"] for p in result.report["passes"]]
     assert names.count("load") == 1 and names.count("plan") == 1
+    # Priced by the screen, not measured again.
+    cost = next(p["summary"] for p in result.report["passes"] if p["name"] == "cost_model")
+    assert cost["priced_from_step_as_loaded"]
     buf = io.StringIO()
     print_report(result.report, Console(file=buf, width=220))
     printed = buf.getvalue()

@@ -217,7 +217,9 @@ def _plan(run: CompileRun, graph: Graph, costs: CostModel) -> Planned:
         offloads[id(planned.step)] = offloaded
         return planned
 
-    built: dict[tuple, tuple[Graph, dict]] = {}  # steps the row-chunk screen built
+    # Steps the row-chunk screen built: (step, load summary, its priced cost model and
+    # that stage's summary), by chunk counts (``_estimator``).
+    built: dict[tuple, tuple[Graph, dict, CostModel, dict]] = {}
 
     def rebuild(opts: CompileOptions) -> tuple[Graph, CostModel]:
         # Another build of the forward model (row chunks): its warnings were said once.
@@ -225,9 +227,11 @@ def _plan(run: CompileRun, graph: Graph, costs: CostModel) -> Planned:
             if msg not in run.warnings:
                 run.warning(msg)
 
-        key = _chunk_key(opts)
-        g = runner.stage("load", lambda: built.pop(key, None)
-                         or load_step(run.model, label, opts))
+        screened = built.pop(_chunk_key(opts), None)
+        if screened is not None:
+            g = runner.stage("load", lambda: screened[:2])
+            return g, runner.stage("cost_model", lambda: screened[2:])
+        g = runner.stage("load", lambda: load_step(run.model, label, opts))
         return g, runner.stage("cost_model",
                                lambda: node_costs(g, opts, quiet, run.cuda_missing))
 
@@ -254,24 +258,31 @@ def _chunk_key(opts: CompileOptions) -> tuple:
     return tuple(chunks_of(opts.build).values())
 
 
-def _estimator(run: CompileRun, graph: Graph, costs: CostModel,
-               built: dict[tuple, tuple[Graph, dict]]) -> Estimate:
-    """A row-chunk setting's added time as built, before any plan: the step built with it
-    (kept in ``built`` for its plan, if it gets one), less the step as loaded, both priced
-    by the step as loaded's cost model without its measured times (the analytic estimate
-    times the calibration fitted on the measured nodes), so that the two are priced
-    alike and the chunk products' own cost (smaller products, summed gradients) shows."""
-    base: list = []   # (the pricing model, the step as loaded's time): on first use only
+def _estimator(run: CompileRun, graph: Graph, costs: CostModel, built: dict) -> Estimate:
+    """A row-chunk setting's added time as built, before any plan: the step built with it,
+    less the step as loaded, both priced by the step as loaded's cost model without its
+    measured times (the analytic estimate times the calibration fitted on the measured
+    nodes; node names are not stable across builds, so a measured time cannot be reused by
+    name), scaled so that the step as loaded's priced total is its cost model's total. The
+    step is kept in ``built`` with that pricing as its cost model, for its plan if it gets
+    one: a step that fits as built is not measured again for a setting (a profile of the
+    whole step, a minute on a transformers GPT-2, which --time-limit could not bound)."""
+    base: list = []   # (the pricing model, the scale): on first use only
 
     def estimate(opts: CompileOptions) -> tuple[float, int]:
         if not base:
             priced = replace(costs.calibrated(graph), seconds={})
-            base.extend((priced, sum(priced.price(n, graph) for n in graph.nodes)))
-        priced, as_loaded = base
+            as_loaded = sum(priced.price(n, graph) for n in graph.nodes)
+            base.extend((priced, costs.total(graph) / as_loaded if as_loaded > 0 else 1.0))
+        priced, scale = base
         g, summary = load_step(run.model, run.label, opts)
+        seconds = {n.name: priced.price(n, g) * scale for n in g.nodes}
+        cost_summary = {"source": costs.source, "provider": costs.provider,
+                        "total_s": round(sum(seconds.values()), 6),
+                        "priced_from_step_as_loaded": True}
         built.clear()   # one kept at a time: the search plans the last one built, if any
-        built[_chunk_key(opts)] = (g, summary)
-        return sum(priced.price(n, g) for n in g.nodes) - as_loaded, len(g.nodes)
+        built[_chunk_key(opts)] = (g, summary, replace(priced, seconds=seconds), cost_summary)
+        return sum(seconds.values()) - costs.total(graph), len(g.nodes)
 
     return estimate
 
