@@ -251,9 +251,8 @@ def choose_row_chunks(search: RowChunkSearch, graph: Graph, costs: CostModel,
 
     why = needs_search(first, budget)
     if why is None:
-        cost_s = sum(p.time_s for p in first.passes if p.name == "cost_model")
         _search_fitting(search, first, options, (base_time, len(graph.nodes)),
-                        (started - cost_s, report), attempt)
+                        (started, report), attempt)
         return done(next((a for a in tried if a.chunks == report["chosen"]), first))
     found = search.found if search.found is not None else sites(
         load_graph(model, options.dims, source=label), options.build)
@@ -276,9 +275,9 @@ def _search_fitting(search: RowChunkSearch, first: Attempt, options: CompileOpti
                     step: tuple[float, int], clock: tuple[float, dict], attempt) -> None:
     """A step that fits as built (``compiler/chunk_fit.py``): where its plan adds time,
     the settings whose own added time, estimated from their build, is below it are planned
-    within what is left of ``--time-limit`` (counted from ``clock[0]``, when the step as
-    built began to be costed); ``report`` (``clock[1]``) gets ``chosen``, ``screened``
-    and why. ``step``: the unchunked step's time and nodes."""
+    within what is left of ``--time-limit`` (the planner's: counted from ``clock[0]``, when
+    the step as built began to be planned); ``report`` (``clock[1]``) gets ``chosen``,
+    ``screened`` and why. ``step``: the unchunked step's time and nodes."""
     base_time, nodes = step
     began, report = clock
     first_added = first.step_time_s / base_time - 1.0 if base_time > 0 else 0.0
@@ -314,8 +313,8 @@ def _search_fitting(search: RowChunkSearch, first: Attempt, options: CompileOpti
         a.estimated_added_time = estimates.get(tuple(chunks.values()))
         return a.fits, a.step_time_s if a.fits else 0.0
 
-    fs = FitSearch(first_added, base_time, ladder, estimate, plan,
-                   time.perf_counter() - began, nodes, deadline)
+    plan_s = sum(p.time_s for p in first.passes if p.name in ("plan", "rewrite"))
+    fs = FitSearch(first_added, base_time, ladder, estimate, plan, plan_s, nodes, deadline)
     chosen = search_fitting(fs)
     report["screened"] = fs.screen
     report["searched"] = any(e.get("planned") for e in fs.screen)

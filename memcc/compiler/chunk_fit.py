@@ -15,10 +15,11 @@ win (``search_fitting``):
    (``estimate``: the build alone, no plan; the chunk products priced like any node the
    cost model did not measure), is below the added time of the best plan so far: that is
    a lower bound of what its plan adds, so a setting above it cannot win;
-4. the time limit has room for it: the plans so far, and the step's cost model, took
-   their time, and a setting's plan is expected to take as long scaled by its nodes; it is
-   planned with what is left of ``--time-limit`` as its own limit, so the compile never
-   runs past the limit because of it.
+4. the time limit has room for it: ``--time-limit`` is the planner's, shared by the plan
+   of the step as built and the settings planned after it; a setting's plan is expected to
+   take as long as the first plan, scaled by its nodes, and is planned with what is left
+   of the limit as its own (its step is priced by the screen, not measured again), so the
+   compile does not run past the limit because of it.
 
 Settings are taken lightest first; the plan that fits at the least predicted time wins,
 and a heavier setting is tried only while the last one planned was faster (a heavier split
@@ -35,8 +36,8 @@ from memcc.report_text import describe_chunks as describe
 
 # A plan adding at most this share of the step's time adds nothing a split could spare.
 FREE = 0.001
-# A setting's plan is expected to take the as-built step's cost model and plan time, times
-# its nodes over the step's, times this; its plan gets what is left of the limit as its own.
+# A setting's plan is expected to take the as-built step's plan time, times its nodes over
+# the step's, times this; its plan gets what is left of the limit as its own.
 PLAN_TIME_FACTOR = 1.0
 
 
@@ -47,7 +48,7 @@ class FitSearch:
     settings in ladder order, ``estimate(chunks) -> (added time, nodes)`` of a setting
     built but not planned (raises ``InputError`` where it cannot be built),
     ``plan(chunks) -> (fits, step time)`` planning it by the deadline, the seconds the
-    step as built took to cost and plan (``spent_s``), its nodes, and the deadline
+    step as built took to plan (``spent_s``), its nodes, and the deadline
     (``time.perf_counter()`` seconds)."""
 
     first_added: float
