@@ -105,8 +105,13 @@ def row_chunks_line(report: dict) -> str | None:
     was planned as loaded and nothing was searched)."""
     rc = report.get("row_chunks") or {}
     chosen = rc.get("chosen") or {}
+    screened = rc.get("screened") or []
     if not rc.get("searched") and not any(n > 1 for n in chosen.values()):
-        return None
+        if not screened:
+            return None
+        n = len(screened)
+        return (f"row chunks none ({n} setting{'s' if n > 1 else ''} screened by estimated "
+                "added time, none planned: memcc report says why)")
     line = f"row chunks {describe_chunks(chosen)}"
     tried = rc.get("candidates") or []
     if rc.get("searched"):

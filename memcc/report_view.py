@@ -110,30 +110,49 @@ def print_report(report: dict, console: Console) -> None:
 
 
 def _print_row_chunks(rc: dict | None, console: Console) -> None:
-    """The row chunks the step was planned with, why, and each setting compile tried
-    (compiler/chunk_choice.py); reports from before it have no such section."""
+    """The row chunks the step was planned with, why, each setting compile planned, and,
+    for a step that fits as built, each setting it screened without planning
+    (compiler/chunk_choice.py, compiler/chunk_fit.py); reports from before them have no
+    such sections."""
     if not rc:
         return
     console.print(f"row chunks: {describe_chunks(rc.get('chosen') or {})}"
                   + (f" ({rc['why']})" if rc.get("why") else ""), highlight=False)
     tried = rc.get("candidates") or []
-    if not tried:
-        return
+    if tried:
+        _print_chunk_candidates(tried, console)
+    unplanned = [e for e in rc.get("screened") or [] if not e.get("planned")]
+    if unplanned:
+        st = Table(title="row chunks screened, not planned (estimated added time of the "
+                   "split as built, against the plan as built's "
+                   f"{rc.get('as_built_added_time', 0) * 100:+.1f}%)", header_style="bold")
+        for col in ("chunks", "estimated added time", "why not planned"):
+            st.add_column(col, justify="right" if col.startswith("estimated") else "left")
+        for e in unplanned:
+            est = e.get("estimated_added_time")
+            st.add_row(describe_chunks(e["chunks"]),
+                       "" if est is None else f"{est * 100:+.1f}%", e.get("skipped", ""))
+        console.print(st)
+
+
+def _print_chunk_candidates(tried: list[dict], console: Console) -> None:
     ct = Table(title="row chunks tried (added time against the step as built, unchunked)",
                header_style="bold")
-    for col in ("chunks", "result", "peak", "needs budget", "added time", ""):
+    for col in ("chunks", "result", "peak", "needs budget", "estimated", "added time", ""):
         ct.add_column(col, justify="left" if col in ("chunks", "result", "") else "right")
     for c in tried:
+        est = c.get("estimated_added_time")
+        est_s = "" if est is None else f"{est * 100:+.1f}%"
         if c.get("fits"):
             added = c.get("added_time")
             ct.add_row(describe_chunks(c["chunks"]), "fits", format_size(c["peak_bytes"]),
-                       format_size(c["needs_budget_bytes"]),
+                       format_size(c["needs_budget_bytes"]), est_s,
                        "" if added is None else f"{added * 100:+.1f}%",
                        "<- chosen" if c.get("chosen") else "")
         else:
             smallest = c.get("smallest_budget_bytes")
             ct.add_row(describe_chunks(c["chunks"]), str(c.get("refused", "refused")), "",
-                       "" if smallest is None else format_size(smallest), "",
+                       "" if smallest is None else format_size(smallest), est_s, "",
                        "<- chosen" if c.get("chosen") else "")
     console.print(ct)
 

@@ -80,8 +80,11 @@ def test_a_budget_only_chunks_reach_compiles_without_flags(gpt2, tmp_path):
 def test_flags_override_and_a_fitting_step_is_planned_as_built(gpt2, tmp_path):
     fits = compile_model(gpt2, CompileOptions(budget="1TB", cost="analytic"))
     rc = fits.report["row_chunks"]
+    # No recompute: nothing built, nothing planned (tests/test_chunk_fit.py has the rest).
     assert rc == {"chosen": {"loss": 1, "attention": 1, "mlp": 1}, "searched": False,
-                  "why": "the step as built fits the budget at little added time"}
+                  "as_built_added_time": 0.0,
+                  "why": "the step as built fits the budget with no added time (+0.0%): row "
+                         "chunks could only add time, so none was built or planned"}
     given = compile_model(gpt2, CompileOptions(budget="1TB", cost="analytic", build=BuildOptions(
         loss_chunks=4, attention_chunks=1, mlp_chunks=2)))
     rc = given.report["row_chunks"]
@@ -126,20 +129,27 @@ class _Costs:
         return 1.0
 
 
-def _choose(gpt2, budget, table: dict, build: BuildOptions | None = None):
+def _choose(gpt2, budget, table: dict, build: BuildOptions | None = None,
+            estimates: dict | None = None, first_passes: list | None = None,
+            time_limit: float = 60.0):
     """``choose_row_chunks`` over made-up plans: ``table`` maps (loss, attention, mlp)
-    chunks to (peak, step time), or to a smallest budget (an int) where it refuses."""
+    chunks to (peak, step time), or to a smallest budget (an int) where it refuses;
+    ``estimates`` maps them to a setting's added seconds as built (the step takes 1 s);
+    ``first_passes``: the passes the plan of the step as built reports (instantly)."""
     from memcc.compiler.chunk_choice import RowChunkSearch, choose_row_chunks, chunks_of
     from memcc.passes.planning.planner import BudgetError
     from memcc.passes.planning.request import Budget
 
     planned: list[tuple] = []
     options = CompileOptions(budget=budget if budget is not None else "min",
-                             build=build or BuildOptions())
+                             build=build or BuildOptions(), time_limit=time_limit)
+    passes: list = []
 
     def plan_step(graph, costs, opts):
         key = tuple(chunks_of(opts.build).values())
         planned.append(key)
+        if len(planned) == 1:
+            passes.extend(first_passes or [])
         got = table[key]
         if got == "error":
             from memcc.errors import InputError
@@ -149,9 +159,12 @@ def _choose(gpt2, budget, table: dict, build: BuildOptions | None = None):
             raise BudgetError(f"refused {key}", budget=budget or 0, smallest=got)
         return _Outcome(*got), None, 0, None
 
+    def estimate(opts):
+        return (estimates or {})[tuple(chunks_of(opts.build).values())], 100
+
     search = RowChunkSearch(gpt2, "gpt2", True, plan_step,
-                            lambda opts: (load_graph(gpt2), _Costs()), [], lambda _m: None,
-                            lambda peak, slack: peak)
+                            lambda opts: (load_graph(gpt2), _Costs()), passes,
+                            lambda _m: None, lambda peak, slack: peak, estimate)
     choice = choose_row_chunks(search, load_graph(gpt2), _Costs(), options,
                                Budget.MIN if budget is None else Budget.of(budget))
     return choice, planned
@@ -178,13 +191,69 @@ def test_a_split_as_fast_as_the_step_as_built_ends_the_search(gpt2):
     assert choice.report["chosen"] == {"loss": 8, "attention": 1, "mlp": 1}
 
 
-def test_a_fitting_step_is_not_split(gpt2):
-    """The step as built fits (at +20%): it is kept, no other setting is planned (each is
-    a whole plan; searching them broke --time-limit on large steps)."""
+def test_a_fitting_step_plans_only_the_settings_its_added_time_screens_in(gpt2):
+    """The step as built fits at +20%: the loss in 8 chunks, estimated at +3% as built,
+    is planned and wins at +5%; the next setting, estimated at +6% (above +5%), is built
+    but not planned, and the search ends there."""
     table = {(1, 1, 1): (590, 1.2), (8, 1, 1): (500, 1.05), (8, 4, 4): (450, 1.07)}
-    choice, planned = _choose(gpt2, 600, table)
-    assert planned == [(1, 1, 1)]
+    choice, planned = _choose(gpt2, 600, table,
+                              estimates={(8, 1, 1): 0.03, (8, 4, 4): 0.06, (8, 8, 8): 0.01})
+    assert planned == [(1, 1, 1), (8, 1, 1)]
+    rc = choice.report
+    assert rc["chosen"] == {"loss": 8, "attention": 1, "mlp": 1} and rc["searched"]
+    assert rc["as_built_added_time"] == pytest.approx(0.2)
+    assert rc["screened"] == [
+        {"chunks": {"loss": 8, "attention": 1, "mlp": 1}, "estimated_added_time": 0.03,
+         "planned": True, "added_time": 0.05, "result": "fits at +5.0%"},
+        {"chunks": {"loss": 8, "attention": 4, "mlp": 4}, "estimated_added_time": 0.06,
+         "skipped": "its chunks alone add +6.0%, not less than the +5.0% of the best plan "
+                    "so far"}]
+    assert rc["why"].startswith("the step as built fits at +20.0% (recompute, variants or "
+                                "offload); loss 8 fits at less added time and was chosen")
+    assert [c["chosen"] for c in rc["candidates"]] == [False, True]
+    assert rc["candidates"][1]["estimated_added_time"] == 0.03
+
+
+def test_a_fitting_step_is_kept_where_no_setting_can_beat_it(gpt2):
+    """At +2%, a split estimated at +3% as built cannot win: built, not planned. At no added
+    time, nothing is even built."""
+    from memcc.report_text import row_chunks_line
+
+    table = {(1, 1, 1): (590, 1.02), (8, 1, 1): (500, 1.01)}
+    choice, planned = _choose(gpt2, 600, table, estimates={(8, 1, 1): 0.03})
+    assert planned == [(1, 1, 1)] and not choice.report["searched"]
     assert choice.report["chosen"] == {"loss": 1, "attention": 1, "mlp": 1}
+    assert "not planned (its chunks alone add +3.0%" in choice.report["why"]
+    assert "candidates" not in choice.report
+    assert row_chunks_line({"row_chunks": choice.report}) == (
+        "row chunks none (1 setting screened by estimated added time, none planned: memcc "
+        "report says why)")
+    free = {(1, 1, 1): (590, 1.0)}
+    choice, planned = _choose(gpt2, 600, free, estimates={})   # any estimate would raise
+    assert planned == [(1, 1, 1)] and "screened" not in choice.report
+    assert choice.report["why"].startswith("the step as built fits the budget with no "
+                                           "added time")
+
+
+def test_a_setting_is_not_planned_past_the_time_limit(gpt2):
+    """The plan of the step as built took 0.05 s (its ``plan`` pass) of a 0.01 s limit: a
+    setting screened in by its estimate is not planned, and the report says so; the step's
+    cost model (measured node times: not the planner's) does not count."""
+    from memcc.pass_contract import PassReport
+
+    table = {(1, 1, 1): (590, 1.2), (8, 1, 1): (500, 1.05)}
+    slow = [PassReport("plan", {}, time_s=0.05)]
+    choice, planned = _choose(gpt2, 600, table, estimates={(8, 1, 1): 0.03},
+                              first_passes=slow, time_limit=0.01)
+    assert planned == [(1, 1, 1)] and not choice.report["searched"]
+    (screened,) = choice.report["screened"]
+    assert screened["estimated_added_time"] == 0.03
+    assert screened["skipped"].startswith("--time-limit: 0.0 s left, its plan is expected "
+                                          "to take 0.1 s")
+    measured = [PassReport("cost_model", {}, time_s=100.0)]
+    choice, planned = _choose(gpt2, 600, table, estimates={(8, 1, 1): 0.03, (8, 4, 4): 0.1},
+                              first_passes=measured, time_limit=60)
+    assert planned == [(1, 1, 1), (8, 1, 1)] and choice.report["searched"]
 
 
 def test_budget_min_tries_the_heaviest_split_only(gpt2):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 from memcc.compiler.options import CompileOptions
-from memcc.frontend.row_chunks import ATTENTION, FLAGS
+from memcc.frontend.row_chunks import ATTENTION, FLAGS, MLP
 from memcc.sizes import format_size
 
 
@@ -72,7 +72,8 @@ def next_steps(v: dict, options: CompileOptions, planned_peak: int, label: str,
 
 def chunks_hint(load_summary: dict) -> str:
     """Where the model has attentions or MLPs left whole, the flags that split them."""
-    found = load_summary.get("splittable") or {}
+    found = {k: n for k, n in (load_summary.get("splittable") or {}).items()
+             if k in (ATTENTION, MLP)}   # what the flags below split (not the loss)
     if not found:
         return ""
     what = " and ".join(f"{n} {'attention' if kind == ATTENTION else 'MLP'}"

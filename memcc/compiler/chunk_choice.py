@@ -16,18 +16,22 @@ heaviest (``LADDER``); where a kind has no site in the model, or its flag was gi
 override: ``--mlp-chunks 1`` keeps MLPs whole), the ladder leaves it as it is.
 
 When compile searches (``needs_search``): the step as built does not fit the budget, or
-``--budget min``. A step that fits as built is kept without building others (searching
-where it fits at a high recompute cost doubled compile time and broke --time-limit).
-A step given already built keeps the chunks it was built with (they are part of its
-graph); the report says so.
+``--budget min``. A step that fits as built is searched only where its plan adds time and
+a setting's own added time, estimated from its build without planning it, is below that
+(``compiler/chunk_fit.py``: planning every setting there doubled compile time and broke
+--time-limit, so the screen comes first and the plans share the time limit). A step given
+already built keeps the chunks it was built with (they are part of its graph); the report
+says so.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
+from memcc.compiler.chunk_fit import FREE, FitSearch, decision, search_fitting
 from memcc.errors import InputError
 from memcc.frontend.build import BuildOptions
 from memcc.frontend.chunked_loss import projection_of
@@ -56,9 +60,11 @@ LADDER: tuple[dict[str, int], ...] = (
     {LOSS: 8, ATTENTION: 4, MLP: 4},
     {LOSS: 8, ATTENTION: 8, MLP: 8},
 )
-# A step that fits as built is searched further only where its plan adds more than this
-# share of the step's time (recompute that a split could spare).
+# A plan within this share of the unchunked step's time ends the search of a budget the
+# step as built does not reach (no split can beat it by more).
 SEARCH_ABOVE = 0.03
+# The least time limit a setting's plan is given (its deadline was checked before).
+MIN_PLAN_S = 0.5
 # --budget min: budgets within this share of each other tie (the faster plan wins).
 MIN_TIE = 0.01
 
@@ -66,6 +72,9 @@ MIN_TIE = 0.01
 # slack, planning budget; raises ``BudgetError`` where nothing fits).
 PlanStep = Callable[[Graph, "CostModel", "CompileOptions"], "Planned"]
 Rebuild = Callable[["CompileOptions"], tuple[Graph, "CostModel"]]
+# A setting's step built but not planned: (its time as built less the step as loaded's,
+# both priced by the step as loaded's cost model, in seconds; its nodes).
+Estimate = Callable[["CompileOptions"], tuple[float, int]]
 
 
 @dataclass(frozen=True)
@@ -85,6 +94,8 @@ class RowChunkSearch:
     passes: list
     say: Callable[[str], None]
     user_budget: Callable[[int, int], int]
+    estimate: Estimate | None = None
+    found: dict[str, int] | None = None
 
 
 @dataclass
@@ -93,6 +104,7 @@ class Attempt:
 
     chunks: dict[str, int]
     options: CompileOptions
+    estimated_added_time: float | None = None
     graph: Graph | None = None
     costs: CostModel | None = None
     planned: Planned | None = None
@@ -117,6 +129,8 @@ class Attempt:
 
     def to_json(self, base_time: float | None, user_budget) -> dict:
         out: dict = {"chunks": dict(self.chunks), "fits": self.fits}
+        if self.estimated_added_time is not None:
+            out["estimated_added_time"] = round(self.estimated_added_time, 4)
         if self.planned is not None:
             out["peak_bytes"] = int(self.planned[0].best.peak_bytes)
             out["needs_budget_bytes"] = self.budget_bytes(user_budget)
@@ -142,13 +156,18 @@ class Choice:
 def sites(forward: Graph, build: BuildOptions) -> dict[str, int]:
     """How many places of each kind row chunks could split in ``forward``."""
     found = {kind: len(find_regions(forward, kind)) for kind in (ATTENTION, MLP)}
-    loss = 0
-    if build.loss == "cross-entropy" and forward.opset >= 16:
-        try:
-            loss = int(projection_of(forward, first_float_output(forward, "")) is not None)
-        except InputError:
-            loss = 0
-    return {LOSS: loss, **found}
+    return {LOSS: loss_sites(forward, build), **found}
+
+
+def loss_sites(forward: Graph, build: BuildOptions) -> int:
+    """1 where ``--loss-chunks`` could split ``forward``'s loss (a cross-entropy over the
+    logits of a vocabulary projection), else 0."""
+    if build.loss != "cross-entropy" or forward.opset < 16:
+        return 0
+    try:
+        return int(projection_of(forward, first_float_output(forward, "")) is not None)
+    except InputError:
+        return 0
 
 
 def chunks_of(build: BuildOptions) -> dict[str, int]:
@@ -191,18 +210,18 @@ def choose_row_chunks(search: RowChunkSearch, graph: Graph, costs: CostModel,
     chunks; return the chosen attempt (``search.passes`` then holds its passes only).
     Raises the refusal of the attempt that came nearest when no setting fits ``budget``."""
     model, label, built = search.model, search.label, search.built
-    rebuild, passes = search.rebuild, search.passes
-    say, user_budget = search.say, search.user_budget
+    passes, user_budget = search.passes, search.user_budget
+    started = time.perf_counter()
     # The step as loaded: its load and cost passes are already in ``passes``.
-    first = _attempt(search, chunks_of(options.build), options, lambda: (graph, costs),
-                     mark=0, strict=True)
+    first = _attempt(search, options, lambda: (graph, costs), mark=0, strict=True)
     base_time = costs.total(graph)
     report: dict = {"chosen": dict(first.chunks), "searched": False}
+    tried = [first]
 
-    def done(chosen: Attempt, tried: list[Attempt]) -> Choice:
+    def done(chosen: Attempt) -> Choice:
         passes[:] = chosen.passes
         report["chosen"] = dict(chosen.chunks)
-        if tried:
+        if len(tried) > 1:
             report["candidates"] = [
                 {**a.to_json(base_time, user_budget), "chosen": a is chosen} for a in tried]
         if not chosen.fits:
@@ -214,40 +233,93 @@ def choose_row_chunks(search: RowChunkSearch, graph: Graph, costs: CostModel,
                          "was built (memcc build --loss-chunks/--attention-chunks/"
                          "--mlp-chunks); compile the forward model to let compile choose "
                          "them")
-        return done(first, [])
+        return done(first)
     given = {k for k in KINDS if getattr(options.build, FIELDS[k]) is not None}
     if given == set(KINDS):
         report["why"] = "every kind was set by a flag (" + ", ".join(
             f"{FLAGS[k]} {getattr(options.build, FIELDS[k])}" for k in KINDS) + ")"
-        return done(first, [])
+        return done(first)
+
+    def attempt(chunks: dict[str, int], deadline: float | None = None) -> Attempt:
+        search.say(f"row chunks: planning the step built with {describe(chunks)}")
+        build = replace(options.build, **{FIELDS[k]: n for k, n in chunks.items()})
+        opts = replace(options, build=build)
+        a = _attempt(search, opts, lambda: search.rebuild(opts), mark=len(passes),
+                     deadline=deadline)
+        tried.append(a)
+        return a
+
     why = needs_search(first, budget)
     if why is None:
-        report["why"] = "the step as built fits the budget at little added time"
-        return done(first, [])
-    found = sites(load_graph(model, options.dims, source=label), options.build)
+        _search_fitting(search, first, options, (base_time, len(graph.nodes)),
+                        (started, report), attempt)
+        return done(next((a for a in tried if a.chunks == report["chosen"]), first))
+    found = search.found if search.found is not None else sites(
+        load_graph(model, options.dims, source=label), options.build)
     report["sites"] = found
     ladder = candidates(options.build, found)
     if not ladder:
         report["why"] = (why + "; but the model has no loss projection, attention or MLP "
                          "left for compile to split")
-        return done(first, [])
+        return done(first)
     report["searched"] = True
     report["why"] = why
-    tried = [first]
-
-    def attempt(chunks: dict[str, int]) -> Attempt:
-        say(f"row chunks: planning the step built with {describe(chunks)}")
-        build = replace(options.build, **{FIELDS[k]: n for k, n in chunks.items()})
-        opts = replace(options, build=build)
-        a = _attempt(search, chunks, opts, lambda: rebuild(opts), mark=len(passes))
-        tried.append(a)
-        return a
-
     if budget.is_min:
         chosen = _search_min(first, ladder, attempt, user_budget)
     else:
         chosen = _search_budget(first, ladder, attempt, base_time)
-    return done(chosen, tried)
+    return done(chosen)
+
+
+def _search_fitting(search: RowChunkSearch, first: Attempt, options: CompileOptions,
+                    step: tuple[float, int], clock: tuple[float, dict], attempt) -> None:
+    """A step that fits as built (``compiler/chunk_fit.py``): where its plan adds time,
+    the settings whose own added time, estimated from their build, is below it are planned
+    within what is left of ``--time-limit`` (the planner's: counted from ``clock[0]``, when
+    the step as built began to be planned); ``report`` (``clock[1]``) gets ``chosen``,
+    ``screened`` and why. ``step``: the unchunked step's time and nodes."""
+    base_time, nodes = step
+    began, report = clock
+    first_added = first.step_time_s / base_time - 1.0 if base_time > 0 else 0.0
+    report["as_built_added_time"] = round(first_added, 4)
+    if first_added <= FREE:
+        report["why"] = (f"the step as built fits the budget with no added time "
+                         f"({first_added:+.1%}): row chunks could only add time, so none "
+                         "was built or planned")
+        return
+    found = search.found if search.found is not None else sites(
+        load_graph(search.model, options.dims, source=search.label), options.build)
+    report["sites"] = found
+    ladder = candidates(options.build, found)
+    if not ladder:
+        report["why"] = (f"the step as built fits the budget at {first_added:+.1%}, and the "
+                         "model has no loss projection, attention or MLP left to split")
+        return
+    if search.estimate is None:   # a caller that cannot build settings without planning
+        report["why"] = f"the step as built fits the budget at {first_added:+.1%}"
+        return
+    estimates: dict[tuple, float] = {}
+
+    def estimate(chunks: dict[str, int]) -> tuple[float, int]:
+        build = replace(options.build, **{FIELDS[k]: n for k, n in chunks.items()})
+        added_s, n = search.estimate(replace(options, build=build))
+        estimates[tuple(chunks.values())] = added_s / base_time
+        return added_s / base_time, n
+
+    deadline = began + options.time_limit
+
+    def plan(chunks: dict[str, int]) -> tuple[bool, float]:
+        a = attempt(chunks, deadline)
+        a.estimated_added_time = estimates.get(tuple(chunks.values()))
+        return a.fits, a.step_time_s if a.fits else 0.0
+
+    plan_s = sum(p.time_s for p in first.passes if p.name in ("plan", "rewrite"))
+    fs = FitSearch(first_added, base_time, ladder, estimate, plan, plan_s, nodes, deadline)
+    chosen = search_fitting(fs)
+    report["screened"] = fs.screen
+    report["searched"] = any(e.get("planned") for e in fs.screen)
+    report["chosen"] = dict(chosen) if chosen is not None else dict(first.chunks)
+    report["why"] = decision(first_added, report["chosen"], fs.screen)
 
 
 def _search_budget(first: Attempt, ladder: list[dict[str, int]], attempt,
@@ -306,19 +378,22 @@ def _budget(a: Attempt, user_budget) -> float:
     return float("inf") if b is None else float(b)
 
 
-def _attempt(search: RowChunkSearch, chunks: dict[str, int], options: CompileOptions,
+def _attempt(search: RowChunkSearch, options: CompileOptions,
              load: Callable[[], tuple[Graph, CostModel]], *, mark: int,
-             strict: bool = False) -> Attempt:
+             strict: bool = False, deadline: float | None = None) -> Attempt:
     """Build (``load``) and plan one setting (``search.plan_step``); its passes
     (``search.passes[mark:]``) are moved out of that list. A setting compile chose whose
     build fails is set aside with why (e.g. a loss projection that is also an attention's
     last product, split with it); the step as loaded (``strict``) raises as compile always
-    did."""
+    did. With a ``deadline`` (``time.perf_counter()`` seconds) the plan gets what is left
+    of it as its time limit (the report keeps the options as given)."""
     passes, plan_step = search.passes, search.plan_step
-    a = Attempt(dict(chunks), options)
+    a = Attempt(chunks_of(options.build), options)
     try:
         a.graph, a.costs = load()
-        a.planned = plan_step(a.graph, a.costs, options)
+        planning = options if deadline is None else replace(
+            options, time_limit=max(deadline - time.perf_counter(), MIN_PLAN_S))
+        a.planned = plan_step(a.graph, a.costs, planning)
     except BudgetError as exc:
         a.refusal = exc
     except InputError as exc:

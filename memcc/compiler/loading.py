@@ -15,6 +15,7 @@ from pathlib import Path
 
 import onnx
 
+from memcc.compiler.chunk_choice import LOSS, loss_sites
 from memcc.compiler.options import CompileOptions
 from memcc.compiler.progress import Progress
 from memcc.errors import InputError
@@ -77,6 +78,8 @@ def load_step(model: str | os.PathLike | onnx.ModelProto, label: str,
                         (MLP, options.build.mlp_chunks)):
             if (k or 1) == 1 and (n := len(find_regions(graph, kind))):
                 splittable[kind] = n
+        if (options.build.loss_chunks or 1) == 1 and loss_sites(graph, options.build):
+            splittable[LOSS] = 1
         graph = build_training_step(graph, options.build, source=label)
         built = True
     elif FUSIONS_KEY not in graph.metadata:

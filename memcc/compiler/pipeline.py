@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from onnx import TensorProto
@@ -47,6 +47,7 @@ from memcc.passes.plan import StepStructure
 from memcc.step import ALLOCATOR_KEY, PLAN_KEY, RANKS_KEY
 
 if TYPE_CHECKING:
+    from memcc.compiler.chunk_choice import Estimate
     from memcc.passes.analysis.cost_model import CostModel
     from memcc.passes.planning.planner import PlanOutcome
 
@@ -215,7 +216,7 @@ def _plan(run: CompileRun, graph: Graph, costs: CostModel) -> Planned:
     (``compiler/chunk_choice.py``; the step as loaded is planned first), each setting
     planned under the budget (``compiler/planning.py``); the plan chosen recorded in the
     rewritten step's metadata."""
-    from memcc.compiler.chunk_choice import RowChunkSearch, choose_row_chunks
+    from memcc.compiler.chunk_choice import KINDS, RowChunkSearch, choose_row_chunks
     from memcc.compiler.costing import node_costs
     from memcc.compiler.planning import StageHooks, plan_offloading_state
     from memcc.compiler.ranks import plan_for_ranks
@@ -238,20 +239,31 @@ def _plan(run: CompileRun, graph: Graph, costs: CostModel) -> Planned:
         offloads[id(planned.step)] = offloaded
         return planned
 
+    # Steps the row-chunk screen built: (step, load summary, its priced cost model and
+    # that stage's summary), by chunk counts (``_estimator``).
+    built: dict[tuple, tuple[Graph, dict, CostModel, dict]] = {}
+
     def rebuild(opts: CompileOptions) -> tuple[Graph, CostModel]:
         # Another build of the forward model (row chunks): its warnings were said once.
         def quiet(msg: str) -> None:
             if msg not in run.warnings:
                 run.warning(msg)
 
+        screened = built.pop(_chunk_key(opts), None)
+        if screened is not None:
+            g = runner.stage("load", lambda: screened[:2])
+            return g, runner.stage("cost_model", lambda: screened[2:])
         g = runner.stage("load", lambda: load_step(run.model, label, opts))
         return g, runner.stage("cost_model",
                                lambda: node_costs(g, opts, quiet, run.cuda_missing))
 
+    load_summary = runner.reports[0].summary
     chosen = choose_row_chunks(
-        RowChunkSearch(run.model, label, runner.reports[0].summary["built_training_step"],
+        RowChunkSearch(run.model, label, load_summary["built_training_step"],
                        plan_step, rebuild, runner.reports, run.say,
-                       lambda peak, s: user_budget(peak, options, s)),
+                       lambda peak, s: user_budget(peak, options, s),
+                       _estimator(run, graph, costs, built),
+                       {k: (load_summary.get("splittable") or {}).get(k, 0) for k in KINDS}),
         graph, costs, options, budget)
     attempt = chosen.attempt
     outcome, rewritten, slack, plan_budget = attempt.planned
@@ -268,6 +280,41 @@ def _plan(run: CompileRun, graph: Graph, costs: CostModel) -> Planned:
     return Planned(attempt.graph, attempt.costs, attempt.options, outcome, rewritten, slack,
                    plan_budget, final_budget, chosen.report, offloads.get(id(rewritten)),
                    section)
+
+
+def _chunk_key(opts: CompileOptions) -> tuple:
+    from memcc.compiler.chunk_choice import chunks_of
+
+    return tuple(chunks_of(opts.build).values())
+
+
+def _estimator(run: CompileRun, graph: Graph, costs: CostModel, built: dict) -> Estimate:
+    """A row-chunk setting's added time as built, before any plan: the step built with it,
+    less the step as loaded, both priced by the step as loaded's cost model without its
+    measured times (the analytic estimate times the calibration fitted on the measured
+    nodes; node names are not stable across builds, so a measured time cannot be reused by
+    name), scaled so that the step as loaded's priced total is its cost model's total. The
+    step is kept in ``built`` with that pricing as its cost model, for its plan if it gets
+    one: a step that fits as built is not measured again for a setting (a profile of the
+    whole step, a minute on a transformers GPT-2, which --time-limit could not bound)."""
+    base: list = []   # (the pricing model, the scale): on first use only
+
+    def estimate(opts: CompileOptions) -> tuple[float, int]:
+        if not base:
+            priced = replace(costs.calibrated(graph), seconds={})
+            as_loaded = sum(priced.price(n, graph) for n in graph.nodes)
+            base.extend((priced, costs.total(graph) / as_loaded if as_loaded > 0 else 1.0))
+        priced, scale = base
+        g, summary = load_step(run.model, run.label, opts)
+        seconds = {n.name: priced.price(n, g) * scale for n in g.nodes}
+        cost_summary = {"source": costs.source, "provider": costs.provider,
+                        "total_s": round(sum(seconds.values()), 6),
+                        "priced_from_step_as_loaded": True}
+        built.clear()   # one kept at a time: the search plans the last one built, if any
+        built[_chunk_key(opts)] = (g, summary, replace(priced, seconds=seconds), cost_summary)
+        return sum(seconds.values()) - costs.total(graph), len(g.nodes)
+
+    return estimate
 
 
 def _verify_stage(run: CompileRun, planned: Planned) -> dict | None:
