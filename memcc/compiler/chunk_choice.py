@@ -32,11 +32,10 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from memcc.compiler.chunk_fit import FREE, FitSearch, decision, search_fitting
+from memcc.compiler.loading import LOSS, loss_sites
 from memcc.errors import InputError
 from memcc.frontend.build import BuildOptions
-from memcc.frontend.chunked_loss import projection_of
 from memcc.frontend.load import load_graph
-from memcc.frontend.loss import first_float_output
 from memcc.frontend.row_chunks import ATTENTION, MLP, find_regions
 from memcc.graph import Graph
 from memcc.passes.planning.planner import BudgetError
@@ -49,7 +48,6 @@ if TYPE_CHECKING:
     from memcc.compiler.planning import Planned
     from memcc.passes.analysis.cost_model import CostModel
 
-LOSS = "loss"
 KINDS = (LOSS, ATTENTION, MLP)
 FIELDS = {LOSS: "loss_chunks", ATTENTION: "attention_chunks", MLP: "mlp_chunks"}
 FLAGS = {LOSS: "--loss-chunks", ATTENTION: "--attention-chunks", MLP: "--mlp-chunks"}
@@ -157,17 +155,6 @@ def sites(forward: Graph, build: BuildOptions) -> dict[str, int]:
     """How many places of each kind row chunks could split in ``forward``."""
     found = {kind: len(find_regions(forward, kind)) for kind in (ATTENTION, MLP)}
     return {LOSS: loss_sites(forward, build), **found}
-
-
-def loss_sites(forward: Graph, build: BuildOptions) -> int:
-    """1 where ``--loss-chunks`` could split ``forward``'s loss (a cross-entropy over the
-    logits of a vocabulary projection), else 0."""
-    if build.loss != "cross-entropy" or forward.opset < 16:
-        return 0
-    try:
-        return int(projection_of(forward, first_float_output(forward, "")) is not None)
-    except InputError:
-        return 0
 
 
 def chunks_of(build: BuildOptions) -> dict[str, int]:

@@ -15,18 +15,33 @@ from pathlib import Path
 
 import onnx
 
-from memcc.compiler.chunk_choice import LOSS, loss_sites
 from memcc.compiler.options import CompileOptions
 from memcc.compiler.progress import Progress
 from memcc.errors import InputError
-from memcc.frontend.build import build_training_step, is_training_step
+from memcc.frontend.build import BuildOptions, build_training_step, is_training_step
+from memcc.frontend.chunked_loss import projection_of
 from memcc.frontend.fuse import fuse_step
 from memcc.frontend.load import load_graph
+from memcc.frontend.loss import first_float_output
 from memcc.frontend.row_chunks import ATTENTION, MLP, find_regions
 from memcc.graph import Graph
 from memcc.pass_contract import Pass, PassRunner
 from memcc.passes.providers.provider_step import for_provider
 from memcc.step import FUSIONS_KEY, PRECISION_KEY, TrainingStep
+
+# The loss as a row-chunk site (compiler/chunk_choice.py counts it with the others).
+LOSS = "loss"
+
+
+def loss_sites(forward: Graph, build: BuildOptions) -> int:
+    """1 where ``--loss-chunks`` could split ``forward``'s loss (a cross-entropy over the
+    logits of a vocabulary projection), else 0."""
+    if build.loss != "cross-entropy" or forward.opset < 16:
+        return 0
+    try:
+        return int(projection_of(forward, first_float_output(forward, "")) is not None)
+    except InputError:
+        return 0
 
 
 def check_provider(options: CompileOptions, warning: Progress) -> str | None:
