@@ -1,0 +1,40 @@
+"""How the CLI shows memcc's warnings about an input: as ``warning:`` lines naming the user's
+file, never as Python's ``memcc/frontend/build.py:111: ExportWarning:`` with memcc's source
+line under it (what ``compile`` and ``analyze`` printed for an export with made-up parameter
+names until the first-use audit of session 36; only ``build`` formatted them)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _made_up_names_model(path: Path) -> None:
+    """One MatMul whose weight has a TorchScript exporter's made-up name."""
+    w = numpy_helper.from_array(np.ones((4, 3), np.float32), "onnx::MatMul_3")
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "onnx::MatMul_3"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])], [w])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+
+
+def test_analyze_prints_an_export_warning_as_a_warning_line(tmp_path):
+    model = tmp_path / "m.onnx"
+    _made_up_names_model(model)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run(
+        [sys.executable, "-m", "memcc.cli", "analyze", str(model), "--loss", "mse",
+         "--no-smallest"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "warning:" in r.stderr and "onnx::MatMul_3" in r.stderr and str(model) in r.stderr
+    assert "ExportWarning" not in r.stderr and "build.py" not in r.stderr, r.stderr
+    assert "report_parameters(" not in r.stderr, r.stderr
