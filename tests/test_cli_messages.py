@@ -1,7 +1,8 @@
-"""How the CLI shows memcc's warnings about an input: as ``warning:`` lines naming the user's
-file, never as Python's ``memcc/frontend/build.py:111: ExportWarning:`` with memcc's source
-line under it (what ``compile`` and ``analyze`` printed for an export with made-up parameter
-names until the first-use audit of session 36; only ``build`` formatted them)."""
+"""What the CLI says on stderr while it works, found wanting by the first-use audit of
+session 36: memcc's warnings about an input as ``warning:`` lines naming the user's file,
+never as Python's ``memcc/frontend/build.py:111: ExportWarning:`` with memcc's source line
+under it (what ``compile`` and ``analyze`` printed; only ``build`` formatted them), and a
+line for each row-chunk setting compile plans (the status line dropped them at once)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,21 @@ def _made_up_names_model(path: Path) -> None:
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])], [w])
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+
+
+def test_compile_prints_a_line_for_each_row_chunk_setting_it_plans(tmp_path):
+    from typer.testing import CliRunner
+
+    from memcc.cli import app
+    from models import build_model
+
+    model = tmp_path / "gpt2.onnx"
+    onnx.save(build_model("gpt2", batch=1, seq_len=16, width=16, depth=1, heads=2,
+                          vocab_size=256), str(model))
+    r = CliRunner().invoke(app, ["compile", str(model), "--budget", "min", "--cost",
+                                 "analytic", "--time-limit", "1", "-o", str(tmp_path / "c.onnx")])
+    assert r.exit_code == 0, r.output
+    assert "row chunks: planning the step built with loss 8" in r.output, r.output
 
 
 def test_analyze_prints_an_export_warning_as_a_warning_line(tmp_path):
