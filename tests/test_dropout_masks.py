@@ -27,6 +27,7 @@ from memcc.frontend.build import BuildOptions, build_training_step
 from memcc.frontend.dropout_masks import (
     COUNTER,
     COUNTER_NEW,
+    OPERANDS_PROP,
     ORIGINAL_PROP,
     counter_dropouts,
     dropout_mask,
@@ -153,7 +154,8 @@ def test_export_writes_the_plain_dropout_back(old_step, tmp_path):
     assert all(len(n.output) == 1 for n in model.graph.node if n.op_type == "Dropout")
 
 
-def test_export_restores_the_ratio_and_mode_the_step_no_longer_holds(tmp_path):
+@pytest.mark.parametrize("recorded", [True, False], ids=["recorded", "older-step"])
+def test_export_restores_the_ratio_and_mode_the_step_no_longer_holds(tmp_path, recorded):
     """A dynamo export's Dropouts read their ratio and training_mode from initializers
     (``val_24``, ``val_25``); the step drops them once the generator replaces the Dropouts,
     and ``memcc export`` of a transformers BERT failed with "forward output 'val_25' is not
@@ -171,6 +173,11 @@ def test_export_restores_the_ratio_and_mode_the_step_no_longer_holds(tmp_path):
         load_graph(helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])),
         BuildOptions(loss="mse"))
     assert "val_24" not in step.initializers and "val_25" not in step.initializers
+    if not recorded:   # a step built before the operands were recorded: from the threshold
+        for n in step.nodes:
+            keep = [p for p in n.metadata_props if p.key != OPERANDS_PROP]
+            del n.metadata_props[:]
+            n.metadata_props.extend(keep)
     trainer = Trainer(save_graph(step, tmp_path / "step.onnx"), threads=1)
     trainer.step(synthetic_feeds(trainer.graph, seed=0))
     model = onnx.load(str(trainer.export(tmp_path / "trained.onnx")))

@@ -332,7 +332,7 @@ def restore_dropouts(graph: Graph) -> Graph:
             continue
         original = onnx.NodeProto()
         original.ParseFromString(bytes.fromhex(hexed))
-        for name, (value, elem) in json.loads(props.get(OPERANDS_PROP, "{}")).items():
+        for name, (value, elem) in _operands(graph, n, original, props).items():
             if name in original.input and name not in defined:
                 defined.add(name)
                 dtype = helper.tensor_dtype_to_np_dtype(elem)
@@ -342,6 +342,25 @@ def restore_dropouts(graph: Graph) -> Graph:
                 out.info[name] = TensorInfo(elem, ())
         nodes.append(original)
     out.set_nodes([*constants, *nodes])
+    return out
+
+
+def _operands(graph: Graph, node: onnx.NodeProto, original: onnx.NodeProto,
+              props: dict[str, str]) -> dict[str, list]:
+    """The original's constant ratio and training_mode (name -> [value, element type]):
+    as recorded (``OPERANDS_PROP``), or, for a step built before they were, training_mode
+    true (only training-mode Dropouts are rewritten) and the ratio from the generator's
+    threshold, ``round(ratio * 2**32)``, which gives a float32 ratio back exactly."""
+    if OPERANDS_PROP in props:
+        return json.loads(props[OPERANDS_PROP])
+    out: dict[str, list] = {}
+    if len(original.input) > 2 and original.input[2]:
+        out[original.input[2]] = [True, TensorProto.BOOL]
+    keep = graph.producers().get(node.input[0]) if node.op_type == "Where" else None
+    thr = _constant(graph, keep.input[1]) if keep is not None and \
+        keep.op_type == "GreaterOrEqual" else None
+    if len(original.input) > 1 and original.input[1] and thr is not None:
+        out[original.input[1]] = [float(np.float32(int(thr) / 2.0 ** 32)), TensorProto.FLOAT]
     return out
 
 
