@@ -6,6 +6,7 @@ line for each row-chunk setting compile plans (the status line dropped them at o
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -49,8 +50,12 @@ def test_analyze_prints_an_export_warning_as_a_warning_line(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     r = subprocess.run(
         [sys.executable, "-m", "memcc.cli", "analyze", str(model), "--loss", "mse",
-         "--no-smallest"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+         "--no-smallest", "--json"], capture_output=True, text=True, env=env, cwd=tmp_path,
+        timeout=120)
     assert r.returncode == 0, r.stderr
     assert "warning:" in r.stderr and "onnx::MatMul_3" in r.stderr and str(model) in r.stderr
     assert "ExportWarning" not in r.stderr and "build.py" not in r.stderr, r.stderr
     assert "report_parameters(" not in r.stderr, r.stderr
+    # ... and in the JSON's "warnings", which README says holds what went to stderr (the
+    # export's warnings were missing there and from compile reports).
+    assert any("onnx::MatMul_3" in w for w in json.loads(r.stdout)["warnings"]), r.stdout
