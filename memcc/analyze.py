@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from memcc.compiler.costing import node_costs
-from memcc.compiler.loading import check_provider, load_step
+from memcc.compiler.loading import check_provider, load_step_warned
 from memcc.compiler.options import CompileOptions, user_budget
 from memcc.compiler.planning import as_trained
 from memcc.compiler.progress import warning_sink
@@ -130,7 +130,7 @@ def analyze(model: str | os.PathLike, options: CompileOptions, *, smallest: bool
     label = str(model)
     cuda_missing = check_provider(options, warning)
     say("loading")
-    graph, load = load_step(model, label, options)
+    graph, load = load_step_warned(model, label, options, warning)
     structure = StepStructure.of(graph)
     say("node times")
     costs, cost_summary = node_costs(graph, options, warning, cuda_missing)

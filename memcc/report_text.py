@@ -13,6 +13,11 @@ from memcc.passes.analysis.liveness import HEAP_BYTES_PER_SMALL_BUFFER
 from memcc.sizes import format_size
 
 
+def _count(n: int, noun: str) -> str:
+    """``1 value``, ``2 values``: the summary is read by people (it printed "1 values")."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def summary_lines(report: dict) -> list[str]:
     """The few lines ``memcc compile`` prints: budget, peaks, strategy, and with --verify
     each of the three checks (a user should not need the JSON to see what was proven)."""
@@ -24,7 +29,7 @@ def summary_lines(report: dict) -> list[str]:
         f"baseline peak {format_size(b['peak_bytes'])}  ->  plan peak "
         f"{format_size(p['peak_bytes'])}  ({'fits' if p['fits'] else 'DOES NOT FIT'})",
         f"strategy {p.get('strategy_label', p['strategy'])}: "
-        f"{len(p['recomputed_values'])} values recomputed"
+        f"{_count(len(p['recomputed_values']), 'value')} recomputed"
         + (f" ({len(p['recompute_again_nodes'])} nodes rebuilt again for later readers)"
            if p.get("recompute_again_nodes") else "")
         + f", predicted added time {p['overhead'] * 100:.1f}%",

@@ -27,6 +27,7 @@ from memcc.frontend.build import BuildOptions, build_training_step
 from memcc.frontend.dropout_masks import (
     COUNTER,
     COUNTER_NEW,
+    OPERANDS_PROP,
     ORIGINAL_PROP,
     counter_dropouts,
     dropout_mask,
@@ -151,3 +152,41 @@ def test_export_writes_the_plain_dropout_back(old_step, tmp_path):
     assert not [p for n in model.graph.node for p in n.metadata_props
                 if p.key == ORIGINAL_PROP]
     assert all(len(n.output) == 1 for n in model.graph.node if n.op_type == "Dropout")
+
+
+@pytest.mark.parametrize("recorded", [True, False], ids=["recorded", "older-step"])
+def test_export_restores_the_ratio_and_mode_the_step_no_longer_holds(tmp_path, recorded):
+    """A dynamo export's Dropouts read their ratio and training_mode from initializers
+    (``val_24``, ``val_25``); the step drops them once the generator replaces the Dropouts,
+    and ``memcc export`` of a transformers BERT failed with "forward output 'val_25' is not
+    computed in the step" (first-use audit, session 36). The export writes them back."""
+    w = np.linspace(-1, 1, 20, dtype=np.float32).reshape(4, 5)
+    g = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["h"]),
+         helper.make_node("Dropout", ["h", "val_24", "val_25"], ["y"], name="drop")],
+        "d", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 5])],
+        [onnx.numpy_helper.from_array(w, "w"),
+         helper.make_tensor("val_24", TensorProto.FLOAT, [], [0.25]),
+         helper.make_tensor("val_25", TensorProto.BOOL, [], [True])])
+    step = build_training_step(
+        load_graph(helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])),
+        BuildOptions(loss="mse"))
+    assert "val_24" not in step.initializers and "val_25" not in step.initializers
+    if not recorded:   # a step built before the operands were recorded: from the threshold
+        for n in step.nodes:
+            keep = [p for p in n.metadata_props if p.key != OPERANDS_PROP]
+            del n.metadata_props[:]
+            n.metadata_props.extend(keep)
+    trainer = Trainer(save_graph(step, tmp_path / "step.onnx"), threads=1)
+    trainer.step(synthetic_feeds(trainer.graph, seed=0))
+    model = onnx.load(str(trainer.export(tmp_path / "trained.onnx")))
+    drop = next(n for n in model.graph.node if n.op_type == "Dropout")
+    assert list(drop.input) == ["h", "val_24", "val_25"]
+    consts = {n.output[0]: onnx.numpy_helper.to_array(n.attribute[0].t)
+              for n in model.graph.node if n.op_type == "Constant"}
+    assert consts["val_24"].dtype == np.float32 and float(consts["val_24"]) == 0.25
+    assert consts["val_25"].dtype == np.bool_ and bool(consts["val_25"])
+    x = np.ones((3, 4), np.float32)
+    (y,) = ort.InferenceSession(model.SerializeToString()).run(None, {"x": x})
+    assert y.shape == (3, 5)

@@ -7,6 +7,7 @@ Commands are added in ``memcc/cli/__init__.py``, in the order ``memcc --help`` l
 
 from __future__ import annotations
 
+import warnings
 from typing import Annotated, NoReturn
 
 import typer
@@ -82,6 +83,25 @@ def _print_version(value: bool) -> None:
         raise typer.Exit()
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None):  # noqa: ANN001, ANN202 - warnings.showwarning's signature
+    """memcc's own warnings about an input (``ExportWarning``, ``ExportNote``) are messages to
+    the user, printed like every other ``warning:``/``note:`` line. Python's default shows
+    them as ``memcc/frontend/build.py:111: ExportWarning: ...`` followed by the source line
+    that raised them, which names memcc's code instead of the user's file. Every other
+    warning keeps Python's format."""
+    from memcc.api import ExportNote, ExportWarning
+
+    if issubclass(category, ExportNote):
+        err.print(f"note: {escape(str(message))}", highlight=False, soft_wrap=True)
+    elif issubclass(category, ExportWarning):
+        warn(str(message))
+    else:
+        _python_showwarning(message, category, filename, lineno, file, line)
+
+
+_python_showwarning = warnings.showwarning
+
+
 @app.callback()
 def _main(
     version: Annotated[bool, typer.Option(
@@ -89,3 +109,4 @@ def _main(
         help="Print memcc's version and exit.")] = False,
 ) -> None:
     """memcc: fit neural-network training steps (ONNX) into a memory budget."""
+    warnings.showwarning = _show_warning

@@ -42,6 +42,10 @@ from memcc.cli.options import (
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from rich.status import Status
+
     from memcc.api import CompileOptions
 
 
@@ -127,6 +131,18 @@ def compile_cmd(
     _compile(model, opts, out_path, report_path)
 
 
+def _progress(status: Status) -> Callable[[str], None]:
+    """Compile's progress: each stage on the status line, and each row-chunk setting compile
+    builds and plans as a line of its own (each is a whole plan: minutes on large models).
+    The status line shows only the newest message, and only on a terminal: the setting's
+    line was replaced at once by the stages of its plan, and a log showed nothing."""
+    def say(message: str) -> None:
+        if message.startswith("row chunks:"):
+            err.print(escape(message), highlight=False, soft_wrap=True)
+        status.update(f"compiling: {escape(message)}")
+    return say
+
+
 def _compile(model: Path, opts: CompileOptions, out_path: Path, report_path: Path) -> None:
     """Compile under a status line; the summary, then what was written (or the error)."""
     from memcc.api import VerificationError, compile_model, summary_lines
@@ -134,8 +150,7 @@ def _compile(model: Path, opts: CompileOptions, out_path: Path, report_path: Pat
     try:
         with err.status("compiling") as status:
             result = compile_model(model, opts, output=out_path, report_path=report_path,
-                                   progress=lambda m: status.update(f"compiling: {m}"),
-                                   warn=warn)
+                                   progress=_progress(status), warn=warn)
     except VerificationError as exc:
         # The summary says which checks failed; the error, what to try and what was written.
         for line in summary_lines(exc.report):

@@ -76,9 +76,10 @@ LossScaleOpt = Annotated[Optional[Literal["dynamic", "none"]], typer.Option(  # 
          "(the scale is carried state, checkpointed). none: no scaling. Default: dynamic "
          "with --precision fp16, else none.")]
 # compile: not given (None) = compile chooses (compiler/chunk_choice.py); a number overrides.
-_CHOSEN = (" Not given: compile builds the step with and without it and keeps the plan that "
-           "fits at the least added time (--budget min: the smallest); the report's "
-           "row_chunks says what was tried.")
+_CHOSEN = (" Not given: compile plans the step without it first; only where that does not "
+           "fit the budget (or with --budget min) does it also build and plan the step with "
+           "it, keeping the plan that fits at the least added time (--budget min: the "
+           "smallest); the report's row_chunks says what was tried.")
 AutoLossChunksOpt = Annotated[Optional[int], typer.Option(  # noqa: UP045
     "--loss-chunks", min=1, help=LossChunksOpt.__metadata__[0].help + _CHOSEN)]
 AutoAttentionChunksOpt = Annotated[Optional[int], typer.Option(  # noqa: UP045

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import onnx
@@ -20,6 +22,7 @@ from memcc.compiler.progress import Progress
 from memcc.errors import InputError
 from memcc.frontend.build import BuildOptions, build_training_step, is_training_step
 from memcc.frontend.chunked_loss import projection_of
+from memcc.frontend.export_signature import ExportNote, ExportWarning
 from memcc.frontend.fuse import fuse_step
 from memcc.frontend.load import load_graph
 from memcc.frontend.loss import first_float_output
@@ -132,3 +135,21 @@ def load_step(model: str | os.PathLike | onnx.ModelProto, label: str,
         **({"fusions": json.loads(graph.metadata[FUSIONS_KEY])}
            if FUSIONS_KEY in graph.metadata else {}),
     }
+
+
+def load_step_warned(model: str | os.PathLike | onnx.ModelProto, label: str,
+                     options: CompileOptions, warning: Callable[[str], None]
+                     ) -> tuple[Graph, dict]:
+    """``load_step``, its build's warnings about the export (``ExportWarning``: made-up
+    names, merged or folded parameters) said through ``warning``, so that they are in the
+    report's and analyze's ``warnings`` like every other thing said on stderr (they went to
+    stderr only, as Python warnings). Notes and other warnings go on as they came."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ExportWarning)
+        out = load_step(model, label, options)
+    for w in caught:
+        if issubclass(w.category, ExportWarning) and not issubclass(w.category, ExportNote):
+            warning(str(w.message))
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return out

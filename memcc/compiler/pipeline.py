@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 from onnx import TensorProto
 
 from memcc.compiler.floor_check import check_floor
-from memcc.compiler.loading import check_provider, load_step
+from memcc.compiler.loading import check_provider, load_step, load_step_warned
 from memcc.compiler.options import CompileOptions, user_budget
 from memcc.compiler.progress import Progress, warning_sink
 from memcc.compiler.writing import Model, Target, check_targets, unverified_path, write_outputs
@@ -150,7 +150,8 @@ def _load(run: CompileRun) -> Graph:
     """The ``load`` stage, then what can be said of the step before planning: build
     options that a training step ignores, a budget under its floor, racing kernels."""
     options, label = run.options, run.label
-    graph = run.runner.stage("load", lambda: load_step(run.model, label, options))
+    graph = run.runner.stage(
+        "load", lambda: load_step_warned(run.model, label, options, run.warning))
     if not run.runner.reports[-1].summary["built_training_step"] \
             and options.build != BuildOptions():
         run.warning(f"{label} is already a training step: the build options given (--loss, "

@@ -49,7 +49,7 @@ import json
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 from memcc.errors import InputError
 from memcc.frontend.emit import Emitter
@@ -60,6 +60,11 @@ COUNTER_NEW = f"{COUNTER}.new"
 # On the node that computes a rewritten Dropout's output: the original node (hex of its
 # serialized NodeProto), so that an export can put the plain Dropout back.
 ORIGINAL_PROP = "memcc.dropout"
+# Beside it: the values of the original's constant ratio and training_mode inputs (JSON:
+# name -> [value, ONNX element type]). The rewrite leaves them unread, so a step drops the
+# initializers or Constants that held them (a dynamo export's ``val_24``, ``val_25``);
+# ``restore_dropouts`` writes them back as Constants where the graph no longer has them.
+OPERANDS_PROP = "memcc.dropout.operands"
 
 # Odd multipliers (from the published 32-bit integer hash constants); M2 mixes the step.
 _M0, _M1, _M2 = 0x7FEB352D, 0x846CA68B, 0x9E3779B1
@@ -260,6 +265,14 @@ class _Generator:
         if len(original.output) > 1:   # the mask is the generator's; an export needs only y
             del original.output[1:]
         final.metadata_props.add(key=ORIGINAL_PROP, value=original.SerializeToString().hex())
+        operands = {}
+        for name in original.input[1:3]:
+            value = _constant(graph, name)
+            if value is not None:
+                operands[name] = [np.asarray(value).reshape(-1)[0].item(),
+                                  helper.np_dtype_to_tensor_dtype(np.asarray(value).dtype)]
+        if operands:
+            final.metadata_props.add(key=OPERANDS_PROP, value=json.dumps(operands))
 
 
 def add_counter(graph: Graph, state: dict[str, str]) -> str:
@@ -303,20 +316,51 @@ def upgrade_step(graph: Graph) -> int:
 
 def restore_dropouts(graph: Graph) -> Graph:
     """``graph`` with every rewritten Dropout put back as the plain node it replaced (a
-    copy when there is one; for exporting the forward model)."""
+    copy when there is one; for exporting the forward model), with Constants for the
+    ratio and training_mode values the step no longer holds (``OPERANDS_PROP``)."""
     if not any(p.key == ORIGINAL_PROP for n in graph.nodes for p in n.metadata_props):
         return graph
     out = graph.copy(with_index=False)
+    defined = {*out.initializers, *out.inputs, *(o for n in out.nodes for o in n.output)}
+    constants: list[onnx.NodeProto] = []
     nodes = []
     for n in out.nodes:
-        hexed = next((p.value for p in n.metadata_props if p.key == ORIGINAL_PROP), None)
+        props = {p.key: p.value for p in n.metadata_props}
+        hexed = props.get(ORIGINAL_PROP)
         if hexed is None:
             nodes.append(n)
             continue
         original = onnx.NodeProto()
         original.ParseFromString(bytes.fromhex(hexed))
+        for name, (value, elem) in _operands(graph, n, original, props).items():
+            if name in original.input and name not in defined:
+                defined.add(name)
+                dtype = helper.tensor_dtype_to_np_dtype(elem)
+                constants.append(helper.make_node(
+                    "Constant", [], [name], name=f"{name}.restored",
+                    value=numpy_helper.from_array(np.asarray(value, dtype=dtype))))
+                out.info[name] = TensorInfo(elem, ())
         nodes.append(original)
-    out.set_nodes(nodes)
+    out.set_nodes([*constants, *nodes])
+    return out
+
+
+def _operands(graph: Graph, node: onnx.NodeProto, original: onnx.NodeProto,
+              props: dict[str, str]) -> dict[str, list]:
+    """The original's constant ratio and training_mode (name -> [value, element type]):
+    as recorded (``OPERANDS_PROP``), or, for a step built before they were, training_mode
+    true (only training-mode Dropouts are rewritten) and the ratio from the generator's
+    threshold, ``round(ratio * 2**32)``, which gives a float32 ratio back exactly."""
+    if OPERANDS_PROP in props:
+        return json.loads(props[OPERANDS_PROP])
+    out: dict[str, list] = {}
+    if len(original.input) > 2 and original.input[2]:
+        out[original.input[2]] = [True, TensorProto.BOOL]
+    keep = graph.producers().get(node.input[0]) if node.op_type == "Where" else None
+    thr = _constant(graph, keep.input[1]) if keep is not None and \
+        keep.op_type == "GreaterOrEqual" else None
+    if len(original.input) > 1 and original.input[1] and thr is not None:
+        out[original.input[1]] = [float(np.float32(int(thr) / 2.0 ** 32)), TensorProto.FLOAT]
     return out
 
 

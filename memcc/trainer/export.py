@@ -160,7 +160,12 @@ def forward_graph(graph: Graph, spec: TrainingStep, state: Mapping[str, np.ndarr
     reached, values = ancestors(outputs, du.producer)
     for v in values:
         if v not in du.producer and v not in stored and v not in graph.inputs:
-            raise InputError(f"{source}: forward output '{v}' is not computed in the step")
+            raise InputError(
+                f"{source}: '{v}', which the forward model's outputs "
+                f"({', '.join(outputs)}) read, is neither computed nor stored in the step, so "
+                "the forward model cannot be written; rebuild the step with this memcc "
+                "(memcc build or compile of the forward model), and if that fails too, "
+                "report it with the model")
     needed = {id(n) for n in reached}
     import onnx
 

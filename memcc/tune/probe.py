@@ -47,6 +47,18 @@ class SizeProbe:
     sqrtn_peak: int | None = None
     smallest: int | None = None
     outcome: PlanOutcome | None = None
+    # What a budget must hold for those plans: the peak and the heap room of the small
+    # buffers they add (``Simulation.fit_bytes``), as compile judges a fit. Judged by the
+    # peak alone, a sqrt(n) plan "fitted" at a size where compile refused every plan
+    # (``tune`` of a transformers ViT then stopped with "fitted but the plan at the budget
+    # was refused"; first-use audit, session 36).
+    sqrtn_fit: int | None = None
+    smallest_fit: int | None = None
+
+    def smallest_fits(self, budget: int) -> bool:
+        """Whether the smallest plan found fits ``budget`` as compile judges it."""
+        assert self.smallest is not None
+        return (self.smallest if self.smallest_fit is None else self.smallest_fit) <= budget
 
 
 class SizeSearch:
@@ -134,11 +146,12 @@ class SizeSearch:
         if p.outcome is not None:
             return True, "plan"
         if p.smallest is not None:
-            return p.smallest <= self.budget, "min-search"
-        if self.sqrtn_peak(b) <= self.budget:
+            return p.smallest_fits(self.budget), "min-search"
+        self.sqrtn_peak(b)
+        if p.sqrtn_fit is not None and p.sqrtn_fit <= self.budget:
             return True, "sqrtn"
         if self.opts.strategy == "sqrtn":  # its smallest peak is exactly that
-            p.smallest = p.sqrtn_peak
+            p.smallest, p.smallest_fit = p.sqrtn_peak, p.sqrtn_fit
             return False, "min-search"
         return None, ""
 
@@ -163,11 +176,11 @@ class SizeSearch:
         self.say(f"{self.rng.dim}={b}: smallest reachable peak ({self.opts.strategy})")
         out = choose_plan(p.graph, p.costs, PlanRequest(
             Budget.MIN, self.opts.strategy, self.opts.time_limit,
-            DecisionKinds(offload=self.opts.provider == "cuda"), self.opts.provider),
-            structure=p.structure, baseline=p.baseline)
+            DecisionKinds(offload=self.opts.provider == "cuda"), self.opts.provider,
+            heap_room=self.compile.heap_room), structure=p.structure, baseline=p.baseline)
         self.stats["min_searches"] += 1
-        p.smallest = out.best.peak_bytes
-        return p.smallest <= self.budget, "min-search"
+        p.smallest, p.smallest_fit = out.best.peak_bytes, out.best.fit_bytes
+        return p.smallest_fits(self.budget), "min-search"
 
     def plan(self, b: int) -> PlanOutcome | None:
         """The plan ``memcc compile`` would make at the budget (None: it refuses)."""
@@ -188,6 +201,8 @@ class SizeSearch:
                 heap_room=self.compile.heap_room), structure=p.structure, baseline=p.baseline)
         except BudgetError as exc:
             p.smallest = exc.smallest
+            # Refused at this budget: no plan fits it with its heap room, whatever its peak.
+            p.smallest_fit = max(exc.smallest, self.budget + 1)
             return None
         return p.outcome
 
@@ -198,9 +213,9 @@ class SizeSearch:
             self.say(f"{self.rng.dim}={b}: sqrt(n) segmentations")
             out = choose_plan(p.graph, p.costs, PlanRequest(
                 Budget.MIN, "sqrtn", self.opts.time_limit,
-                DecisionKinds(offload=self.opts.provider == "cuda"), self.opts.provider),
-                structure=p.structure, baseline=p.baseline)
-            p.sqrtn_peak = out.best.peak_bytes
+                DecisionKinds(offload=self.opts.provider == "cuda"), self.opts.provider,
+                heap_room=self.compile.heap_room), structure=p.structure, baseline=p.baseline)
+            p.sqrtn_peak, p.sqrtn_fit = out.best.peak_bytes, out.best.fit_bytes
             self.stats["sqrtn_bounds"] += 1
         return p.sqrtn_peak
 

@@ -276,12 +276,12 @@ def _candidate(search: SizeSearch, p: SizeProbe, largest: int) -> Candidate:
         return Candidate(fits=False, decided_by="baseline", peak_bytes=p.baseline.peak_bytes,
                          peak_kind="as built", **row)
     if p.smallest is not None:
-        return Candidate(fits=p.smallest <= budget, decided_by="min-search",
+        return Candidate(fits=p.smallest_fits(budget), decided_by="min-search",
                          peak_bytes=p.smallest, peak_kind="smallest", **row)
     if p.floor_bytes > budget:
         return Candidate(fits=False, decided_by="floor", peak_bytes=p.floor_bytes,
                          peak_kind="floor", **row)
-    if p.sqrtn_peak is not None and p.sqrtn_peak <= budget:
+    if p.sqrtn_fit is not None and p.sqrtn_fit <= budget:
         return Candidate(fits=True, decided_by="sqrtn", peak_bytes=p.sqrtn_peak,
                          peak_kind="sqrt(n)", **row)
     # Only its baseline was needed: it lies below the largest size (and fits, as the

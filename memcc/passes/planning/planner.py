@@ -323,15 +323,19 @@ def _choose(context: PlanningContext | None, base: Simulation, budget: Budget,
 
 
 def _describe_runs(runs: list[StrategyRun], best: Simulation | None,
-                   limit: float) -> list[dict]:
+                   limit: float, *, by_peak: bool = False) -> list[dict]:
     """Each run's report row: its fields and what the report needs of its simulations:
     how many plans, whether any fits, the cheapest fitting one (or else the smallest
-    peak), and whether the winner came from this run."""
+    peak), and whether the winner came from this run. A plan fits as ``_finish`` judges
+    it: its peak and its added small buffers' heap room (``fit_bytes``) within ``limit``,
+    or its peak alone (``by_peak``, the smallest-peak search); judged by the peak alone,
+    a cheaper plan that the heap room put over the budget read "fits" next to a dearer
+    one picked as "the cheapest plan that fits"."""
     out = []
     for run in runs:
         sims = run.sims
         entry = dict(run.fields)
-        fitting = [s for s in sims if s.peak_bytes <= limit]
+        fitting = [s for s in sims if (s.peak_bytes if by_peak else s.fit_bytes) <= limit]
         if sims:
             shown = min(fitting, key=lambda s: (s.added_time_s, s.peak_bytes)) if fitting \
                 else min(sims, key=lambda s: s.peak_bytes)
@@ -361,12 +365,12 @@ def _finish(base: Simulation, found: StrategyResult, target: Budget, strategy: s
              for s, sim in found.plans]
     if not fitting:
         raise _refusal(0 if target.is_min else target.bytes, smallest, base.peak_bytes,
-                       runs=_describe_runs(found.runs, None, limit))
+                       runs=_describe_runs(found.runs, None, limit, by_peak=smallest_first))
     if smallest_first:
         name, best = min(fitting, key=lambda p: (p[1].peak_bytes, p[1].added_time_s))
     else:
         name, best = min(fitting, key=lambda p: (p[1].added_time_s, p[1].peak_bytes))
-    described = _describe_runs(found.runs, best, limit)
+    described = _describe_runs(found.runs, best, limit, by_peak=smallest_first)
     picked = name
     if name == "auto":
         start = next((r.get("from") for r in described if r["picked"] and r.get("from")), None)
