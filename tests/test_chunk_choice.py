@@ -286,6 +286,18 @@ def test_when_no_setting_fits_the_refusal_names_what_was_tried(gpt2):
                           "(the others: none: 900 B; attention 4, mlp 4: 800 B)"), msg
 
 
+def test_a_refusal_after_settings_were_tried_does_not_name_the_flags():
+    """Compile built the step with row chunks itself and still refused: the nearest
+    attempt's hint to split attentions and MLPs by flag is dropped (the settings tried are
+    named instead); a message without the hint is left as it is."""
+    from memcc.compiler.advice import chunks_hint, without_chunks_hint
+
+    hint = chunks_hint({"splittable": {"attention": 2, "mlp": 2}})
+    assert hint.startswith(" The model also has 2 attentions (--attention-chunks K)")
+    assert without_chunks_hint("refused: give 3 MB." + hint) == "refused: give 3 MB."
+    assert without_chunks_hint("refused: give 3 MB.") == "refused: give 3 MB."
+
+
 def test_a_setting_that_cannot_be_built_is_set_aside(gpt2):
     """A split whose build fails (a loss projection that is also an attention's last
     product, split with it: tests/test_cast_chains.py) is reported with why, and the search

@@ -70,6 +70,17 @@ def next_steps(v: dict, options: CompileOptions, planned_peak: int, label: str,
     return steps
 
 
+CHUNKS_HINT_LEAD = " The model also has "
+
+
+def without_chunks_hint(message: str) -> str:
+    """``message`` without ``chunks_hint``'s sentence: where compile built the step with row
+    chunks itself and still refused, naming the flags that split them misleads (the
+    settings it tried are named instead: ``chunk_choice._refusal``)."""
+    head, found, _ = message.partition(CHUNKS_HINT_LEAD)
+    return head if found else message
+
+
 def chunks_hint(load_summary: dict) -> str:
     """Where the model has attentions or MLPs left whole, the flags that split them."""
     found = {k: n for k, n in (load_summary.get("splittable") or {}).items()
@@ -79,6 +90,6 @@ def chunks_hint(load_summary: dict) -> str:
     what = " and ".join(f"{n} {'attention' if kind == ATTENTION else 'MLP'}"
                         f"{'s' if n > 1 else ''} ({FLAGS[kind]} K)"
                         for kind, n in found.items())
-    return (f" The model also has {what} that row chunks can split, which lowers the "
+    return (f"{CHUNKS_HINT_LEAD}{what} that row chunks can split, which lowers the "
             "smallest budget where their tensors are the largest (docs/VARIANTS.md, "
             "\"Attentions and MLPs over row chunks\").")

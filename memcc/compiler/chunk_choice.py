@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
+from memcc.compiler.advice import without_chunks_hint
 from memcc.compiler.chunk_fit import FREE, FitSearch, decision, search_fitting
 from memcc.compiler.loading import LOSS, loss_sites
 from memcc.errors import InputError
@@ -404,6 +405,7 @@ def _refusal(chosen: Attempt, tried: list[Attempt], label: str) -> BudgetError:
         + (format_size(a.refusal.smallest) if a.refusal is not None else str(a.error))
         for a in tried if a is not chosen)
     return BudgetError(
-        f"{exc} Compile also built the step with other row chunks: the smallest budget "
+        f"{without_chunks_hint(str(exc))} Compile also built the step with other row "
+        "chunks: the smallest budget "
         f"above is with {describe(chosen.chunks)} (the others: {others}).",
         budget=exc.budget, smallest=exc.smallest, outcome=exc.outcome)
