@@ -72,8 +72,9 @@ MIN_TIE = 0.01
 PlanStep = Callable[[Graph, "CostModel", "CompileOptions"], "Planned"]
 Rebuild = Callable[["CompileOptions"], tuple[Graph, "CostModel"]]
 # A setting's step built but not planned: (its time as built less the step as loaded's,
-# both priced by the step as loaded's cost model, in seconds; its nodes).
-Estimate = Callable[["CompileOptions"], tuple[float, int]]
+# both priced by the step as loaded's cost model, in seconds; its nodes; how many bytes
+# lower its peak as built is than the step as loaded's, both by the same liveness).
+Estimate = Callable[["CompileOptions"], tuple[float, int, int]]
 
 
 @dataclass(frozen=True)
@@ -287,12 +288,17 @@ def _search_fitting(search: RowChunkSearch, first: Attempt, options: CompileOpti
         report["why"] = f"the step as built fits the budget at {first_added:+.1%}"
         return
     estimates: dict[tuple, float] = {}
+    outcome = first.planned[0]
+    shed = max(outcome.baseline.peak_bytes - outcome.best.peak_bytes, 1)
 
     def estimate(chunks: dict[str, int]) -> tuple[float, int]:
         build = replace(options.build, **{FIELDS[k]: n for k, n in chunks.items()})
-        added_s, n = search.estimate(replace(options, build=build))
-        estimates[tuple(chunks.values())] = added_s / base_time
-        return added_s / base_time, n
+        added_s, n, lowered = search.estimate(replace(options, build=build))
+        # What the split leaves to shed is shed as the step as built's plan shed it: its
+        # added time in proportion (a split that lowers the peak little saves little).
+        left = max(shed - lowered, 0) / shed
+        estimates[tuple(chunks.values())] = added_s / base_time + first_added * left
+        return estimates[tuple(chunks.values())], n
 
     deadline = began + options.time_limit
 

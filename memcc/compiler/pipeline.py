@@ -298,14 +298,17 @@ def _estimator(run: CompileRun, graph: Graph, costs: CostModel, built: dict) -> 
     step is kept in ``built`` with that pricing as its cost model, for its plan if it gets
     one: a step that fits as built is not measured again for a setting (a profile of the
     whole step, a minute on a transformers GPT-2, which --time-limit could not bound)."""
-    base: list = []   # (the pricing model, the scale): on first use only
+    from memcc.passes.analysis.liveness import analyze_liveness
 
-    def estimate(opts: CompileOptions) -> tuple[float, int]:
+    base: list = []   # (the pricing model, the scale, the peak as loaded): on first use
+
+    def estimate(opts: CompileOptions) -> tuple[float, int, int]:
         if not base:
             priced = replace(costs.calibrated(graph), seconds={})
             as_loaded = sum(priced.price(n, graph) for n in graph.nodes)
-            base.extend((priced, costs.total(graph) / as_loaded if as_loaded > 0 else 1.0))
-        priced, scale = base
+            base.extend((priced, costs.total(graph) / as_loaded if as_loaded > 0 else 1.0,
+                         analyze_liveness(graph).peak_bytes))
+        priced, scale, peak = base
         g, summary = load_step(run.model, run.label, opts)
         seconds = {n.name: priced.price(n, g) * scale for n in g.nodes}
         cost_summary = {"source": costs.source, "provider": costs.provider,
@@ -313,7 +316,8 @@ def _estimator(run: CompileRun, graph: Graph, costs: CostModel, built: dict) -> 
                         "priced_from_step_as_loaded": True}
         built.clear()   # one kept at a time: the search plans the last one built, if any
         built[_chunk_key(opts)] = (g, summary, replace(priced, seconds=seconds), cost_summary)
-        return sum(seconds.values()) - costs.total(graph), len(g.nodes)
+        return (sum(seconds.values()) - costs.total(graph), len(g.nodes),
+                peak - analyze_liveness(g).peak_bytes)
 
     return estimate
 
