@@ -192,7 +192,7 @@ def _smallest(graph: Graph, costs, options: CompileOptions, st: StepStructure,
     t0 = time.perf_counter()
     outcome = choose_plan(graph, costs, options.plan_request(Budget.MIN), structure=st,
                           baseline=base)
-    outcome = as_trained(graph, outcome, costs, options, st)
+    outcome = as_trained(graph, outcome, costs, options, st, smallest=True)
     spent = time.perf_counter() - t0
     best = outcome.best
     slack = max(options.slack_for(graph), options.slack_for(best.graph))

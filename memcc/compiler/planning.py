@@ -21,7 +21,7 @@ from memcc.graph import Graph
 from memcc.pass_contract import PassReport
 from memcc.passes.analysis.cost_model import CostModel
 from memcc.passes.lowering.offload_state import offload_state, optimizer_state
-from memcc.passes.plan import StepStructure
+from memcc.passes.plan import Plan, PlanError, StepStructure, nothing_saveable
 from memcc.passes.planning.planner import (
     BudgetError,
     PlanOutcome,
@@ -111,7 +111,7 @@ def plan_in_budget(graph: Graph, budget: Budget, costs: CostModel, options: Comp
             return timed("plan", lambda: plan_stage(graph, costs, asked, options, structure))
         except BudgetError as exc:
             smallest = None if exc.outcome is None else as_trained(
-                graph, exc.outcome, costs, options, structure)
+                graph, exc.outcome, costs, options, structure, smallest=True)
             if smallest is None or budget.is_min or smallest.best.peak_bytes > \
                     plan_budget_under(budget.bytes, options, own_slack(smallest)):
                 raise no_fit(exc, smallest) from None
@@ -228,26 +228,65 @@ def plan_stage(graph: Graph, costs: CostModel, request: PlanRequest, options: Co
     be swapped to host memory, never on the CPU provider, where host and device are one
     memory), the plan judged as trained, and its report summary."""
     outcome = choose_plan(graph, costs, request, structure=structure)
-    outcome = as_trained(graph, outcome, costs, options, structure)
+    outcome = as_trained(graph, outcome, costs, options, structure,
+                         smallest=request.budget.is_min)
     return outcome, plan_summary(graph, outcome, costs, options, structure)
 
 
 def as_trained(graph: Graph, outcome: PlanOutcome, costs: CostModel, options: CompileOptions,
-               structure: StepStructure) -> PlanOutcome:
+               structure: StepStructure, *, smallest: bool = False) -> PlanOutcome:
     """The chosen plan and the step as built, judged in the order ``memcc train`` runs them:
     updates in place and each moved to just after its gradient where that lowers the peak
     (``simulate(early_updates=True)``). The search judges candidates in the file's order
     (a bound on this one, at a third of the analysis); the step compile writes is this
     order, so the peak it reports is the peak of the step as trained, never above the one
-    the search accepted."""
+    the search accepted.
+
+    ``smallest`` (the outcome of a search for the smallest peak: ``--budget min``, or a
+    refusal's): the file's order holds every gradient to the end of the step, so the plan
+    smallest there keeps saved values an order with early updates could drop; the plan
+    that recomputes every saved value it may (with the chosen plan's variants) is judged
+    as trained too, and returned where it needs a smaller budget (``_recompute_all``)."""
+    rules = SimulationRules(options.device, host_copies=options.swaps, early_updates=True)
+
     def trained(sim: Simulation) -> Simulation:
-        again = simulate(graph, sim.plan, costs, structure,
-                         SimulationRules(options.device, host_copies=options.swaps,
-                                         early_updates=True))
+        again = simulate(graph, sim.plan, costs, structure, rules)
         return replace(again, heap_room=sim.heap_room) \
             if again.peak_bytes <= sim.peak_bytes else sim
 
-    return replace(outcome, best=trained(outcome.best), baseline=trained(outcome.baseline))
+    best, picked = trained(outcome.best), outcome.picked
+    candidates = list(outcome.candidates)
+    if smallest and (everything := _recompute_all(graph, best, costs, options, structure)):
+        best, picked = everything, f"{outcome.picked or outcome.strategy}, then recompute all"
+        candidates.append({"strategy": "recompute all (as trained)",
+                           "peak_bytes": best.peak_bytes, "added_time_s": best.added_time_s})
+    return replace(outcome, best=best, baseline=trained(outcome.baseline), picked=picked,
+                   candidates=candidates)
+
+
+def _recompute_all(graph: Graph, best: Simulation, costs: CostModel, options: CompileOptions,
+                   structure: StepStructure) -> Simulation | None:
+    """``best``'s variants with every saved value recomputed that may be, judged as
+    trained; None unless its budget (peak and the heap room of its own small buffers) is
+    below ``best``'s. Measured on transformers ResNets exported in train mode
+    (BENCHMARKS.md, issue 31's convolution floors): 89.9 -> 79.3 MB where the file's
+    order held 11 MB of gradients at the stem's BatchNorm backward."""
+    everything = nothing_saveable(structure).recompute
+    if everything <= best.plan.recompute:
+        return None
+    plan = Plan(everything, "recompute all", dict(best.plan.notes),
+                variants=dict(best.plan.variants))
+    try:
+        sim = simulate(graph, plan, costs, structure,
+                       SimulationRules(options.device, host_copies=options.swaps,
+                                       early_updates=True))
+    except PlanError:
+        return None
+
+    def need(s: Simulation) -> int:
+        return s.peak_bytes + options.slack_for(s.graph)
+
+    return sim if need(sim) < need(best) else None
 
 
 def plan_summary(graph, outcome: PlanOutcome, costs, options, structure) -> dict:
