@@ -273,6 +273,31 @@ def test_relu_variants_give_the_default_values(variant):
                     and n.name.startswith(tuple(relus))]
 
 
+def test_clip_product_variants_give_the_default_values():
+    """Every ReLU6 (Clip 0..6) of the zoo's MobileNetV2 step on a product variant (in turn
+    ``product`` and ``mask_product``), at 1 and 2 threads: the loss, gradients and
+    updated weights equal the default's (``np.array_equal``, as for Relu above), and no
+    Where is left in their backward (its two activation-sized selections set the smallest
+    plan of a train-mode MobileNetV2)."""
+    g = build_training_step(load_graph(build_model("mobilenetv2", batch=2, resolution=32)),
+                            BuildOptions(optimizer="sgd"))
+    clips = [n.name for n in g.nodes if n.op_type == "Clip"]
+    assert clips
+    variants = {c: ("product", "mask_product")[k % 2] for k, c in enumerate(clips)}
+    low = lower(g, Plan(variants=variants), StepStructure.of(g), check="full")
+    from threads import run_at_threads
+
+    feeds = synthetic_feeds(g, seed=0)
+    ref = run_at_threads(g, feeds, threads=(1, 2), repeats=1)
+    new = run_at_threads(low.graph, feeds, threads=(1, 2), repeats=1)
+    for threads in ref:
+        assert ref[threads].keys() == new[threads].keys()
+        for k in ref[threads]:
+            assert np.array_equal(ref[threads][k], new[threads][k]), (threads, k)
+    assert not [n for n in low.graph.nodes if n.op_type == "Where"
+                and n.name.startswith(tuple(clips))]
+
+
 def test_variant_model_matches_the_simulator_one_variant_at_a_time():
     """The ILP's terms for a variant, alone, give the peak the simulator finds (within 1%:
     the model ignores allocator-level effects the simulator also ignores, so the two agree

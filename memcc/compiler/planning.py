@@ -17,11 +17,12 @@ from typing import NamedTuple
 from memcc.compiler.advice import chunks_hint
 from memcc.compiler.options import CompileOptions, plan_budget_under, user_budget
 from memcc.compiler.progress import Progress
+from memcc.compiler.trained_smallest import recompute_all_as_trained
 from memcc.graph import Graph
 from memcc.pass_contract import PassReport
 from memcc.passes.analysis.cost_model import CostModel
 from memcc.passes.lowering.offload_state import offload_state, optimizer_state
-from memcc.passes.plan import Plan, PlanError, StepStructure, nothing_saveable
+from memcc.passes.plan import StepStructure
 from memcc.passes.planning.planner import (
     BudgetError,
     PlanOutcome,
@@ -246,7 +247,8 @@ def as_trained(graph: Graph, outcome: PlanOutcome, costs: CostModel, options: Co
     refusal's): the file's order holds every gradient to the end of the step, so the plan
     smallest there keeps saved values an order with early updates could drop; the plan
     that recomputes every saved value it may (with the chosen plan's variants) is judged
-    as trained too, and returned where it needs a smaller budget (``_recompute_all``)."""
+    as trained too, and returned where it needs a smaller budget
+    (``compiler/trained_smallest.py``)."""
     rules = SimulationRules(options.device, host_copies=options.swaps, early_updates=True)
 
     def trained(sim: Simulation) -> Simulation:
@@ -256,37 +258,13 @@ def as_trained(graph: Graph, outcome: PlanOutcome, costs: CostModel, options: Co
 
     best, picked = trained(outcome.best), outcome.picked
     candidates = list(outcome.candidates)
-    if smallest and (everything := _recompute_all(graph, best, costs, options, structure)):
+    if smallest and (everything := recompute_all_as_trained(graph, best, costs, options,
+                                                                   structure)):
         best, picked = everything, f"{outcome.picked or outcome.strategy}, then recompute all"
         candidates.append({"strategy": "recompute all (as trained)",
                            "peak_bytes": best.peak_bytes, "added_time_s": best.added_time_s})
     return replace(outcome, best=best, baseline=trained(outcome.baseline), picked=picked,
                    candidates=candidates)
-
-
-def _recompute_all(graph: Graph, best: Simulation, costs: CostModel, options: CompileOptions,
-                   structure: StepStructure) -> Simulation | None:
-    """``best``'s variants with every saved value recomputed that may be, judged as
-    trained; None unless its budget (peak and the heap room of its own small buffers) is
-    below ``best``'s. Measured on transformers ResNets exported in train mode
-    (BENCHMARKS.md, issue 31's convolution floors): 89.9 -> 79.3 MB where the file's
-    order held 11 MB of gradients at the stem's BatchNorm backward."""
-    everything = nothing_saveable(structure).recompute
-    if everything <= best.plan.recompute:
-        return None
-    plan = Plan(everything, "recompute all", dict(best.plan.notes),
-                variants=dict(best.plan.variants))
-    try:
-        sim = simulate(graph, plan, costs, structure,
-                       SimulationRules(options.device, host_copies=options.swaps,
-                                       early_updates=True))
-    except PlanError:
-        return None
-
-    def need(s: Simulation) -> int:
-        return s.peak_bytes + options.slack_for(s.graph)
-
-    return sim if need(sim) < need(best) else None
 
 
 def plan_summary(graph, outcome: PlanOutcome, costs, options, structure) -> dict:

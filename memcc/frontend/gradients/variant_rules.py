@@ -110,12 +110,13 @@ def _clip_mask(ctx: VariantContext, node: onnx.NodeProto, gouts: Grads) -> Grads
     return _first_only(node, g if inside is None else keep_where(ctx, inside, g))
 
 
-# ---------------------------------------------------------------------------- Relu as a product
+# ---------------------------------------------------------------------------- as products
 # Where(cond, g, 0) builds both broadcast selections before merging them (ORT's kernel:
-# liveness.scratch_bytes), so the default Relu backward holds the gradient, its result and
-# two activation-sized selections at once. g * float(cond) holds one float factor instead.
-# Values are equal; where g < 0 and the unit is off the product is -0.0 where Where gives
-# +0.0, and an infinite g gives NaN there instead of 0: hence "equivalent", not "exact".
+# liveness.scratch_bytes), so the default Relu (and Clip) backward holds the gradient, its
+# result and two activation-sized selections at once. g * float(cond) holds one float
+# factor instead. Values are equal; where g < 0 and the unit is off the product is -0.0
+# where Where gives +0.0, and an infinite g gives NaN there instead of 0: hence
+# "equivalent", not "exact".
 RELU_PRODUCT_TOLERANCE = 1e-6
 
 
@@ -146,6 +147,33 @@ def _relu_mask_product(ctx: VariantContext, node: onnx.NodeProto, gouts: Grads) 
     if g is None or not ctx.needs_grad(node.input[0]):
         return _first_only(node, None)
     return _first_only(node, _times_condition(ctx, _relu_forward_mask(ctx, node), g))
+
+
+@register_variant("Clip", name="product", tier=EQUIVALENT, tolerance=RELU_PRODUCT_TOLERANCE,
+                  applies=_clip_bounds_constant)
+def _clip_product(ctx: VariantContext, node: onnx.NodeProto, gouts: Grads) -> Grads:
+    """Backward as g * float(min <= x <= max) from the input, as the default reads it,
+    without Where's two activation-sized selections (ReLU6 at MobileNetV2's stem: the
+    smallest plan of a train-mode transformers export, batch 16 at 128 px, peaked there)."""
+    g = gouts[0]
+    x = node.input[0]
+    if g is None or not ctx.needs_grad(x):
+        return _first_only(node, None)
+    inside = clip_inside(ctx, node)
+    return _first_only(node, g if inside is None else _times_condition(ctx, inside, g))
+
+
+@register_variant("Clip", name="mask_product", tier=EQUIVALENT,
+                  tolerance=RELU_PRODUCT_TOLERANCE, applies=_clip_bounds_constant)
+def _clip_mask_product(ctx: VariantContext, node: onnx.NodeProto, gouts: Grads) -> Grads:
+    """Backward as g * float(mask) from the 1-byte mask the ``mask`` variant takes in the
+    forward pass: frees the input early and avoids Where's selections."""
+    g = gouts[0]
+    x = node.input[0]
+    if g is None or not ctx.needs_grad(x):
+        return _first_only(node, None)
+    inside = clip_inside(_forward_ctx(ctx), node)
+    return _first_only(node, g if inside is None else _times_condition(ctx, inside, g))
 
 
 # ---------------------------------------------------------------------------- shared

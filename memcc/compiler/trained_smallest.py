@@ -1,0 +1,123 @@
+"""The smallest plan judged as ``memcc train`` runs the step: every saved value recomputed.
+
+The planner's search judges its candidates in the file's order, a bound on the order the
+step trains in at a third of the analysis (``passes/planning/simulate.py``). In the file's
+order every parameter's gradient is held until the updates at the end of the step; in the
+order ``memcc train`` runs, each update follows its gradient, so the gradients die early.
+The plan smallest in the file's order therefore keeps saved values that the step as
+trained could drop: on transformers ResNets exported in train mode (BENCHMARKS.md, issue
+31's convolution floors) the search's smallest plan, as trained, peaked at 89.9 MB where
+recomputing every saved value peaks at 79.3 MB, the stem BatchNorm backward's own floor.
+
+So for ``--budget min`` (and a refusal's smallest budget, so that the budget it names is
+one compile accepts) the plan recomputing every saved value that may be recomputed, with
+the chosen plan's gradient-rule variants, is judged as trained too, and then the recompute
+dearest per byte is shed where the headroom of that simulation says keeping the value
+costs no peak (one simulation checks it; a bisection over the same list where it does not
+hold). In: the step, the search's best plan as trained. Out: a better one, or None.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from memcc.compiler.options import CompileOptions
+from memcc.graph import Graph
+from memcc.passes.analysis.cost_model import CostModel
+from memcc.passes.lowering.recompute import RECOMPUTE_SUFFIX
+from memcc.passes.plan import Plan, PlanError, StepStructure, nothing_saveable
+from memcc.passes.planning.simulate import Simulation, SimulationRules, simulate
+
+# Simulations the shedding's fallback bisection may spend.
+SHED_ROUNDS = 6
+
+Judge = Callable[[frozenset[str]], "Simulation | None"]
+
+
+def recompute_all_as_trained(graph: Graph, best: Simulation, costs: CostModel,
+                             options: CompileOptions, structure: StepStructure
+                             ) -> Simulation | None:
+    """``best``'s variants with every saved value recomputed that may be, judged as
+    trained, less the recompute ``_shed`` keeps; None unless its budget (peak and the heap
+    room of its own small buffers, ``CompileOptions.slack_for``) is below ``best``'s."""
+    everything = nothing_saveable(structure).recompute
+    if everything <= best.plan.recompute:
+        return None
+    rules = SimulationRules(options.device, host_copies=options.swaps, early_updates=True)
+
+    def judged(recompute: frozenset[str]) -> Simulation | None:
+        plan = Plan(recompute, "recompute all", dict(best.plan.notes),
+                    variants=dict(best.plan.variants))
+        try:
+            return simulate(graph, plan, costs, structure, rules)
+        except PlanError:
+            return None
+
+    def need(s: Simulation) -> int:
+        return s.peak_bytes + options.slack_for(s.graph)
+
+    sim = judged(everything)
+    if sim is None or need(sim) >= need(best):
+        return None
+    return _shed(graph, sim, costs, lambda kept: judged(everything - kept), need)
+
+
+def _shed(graph: Graph, sim: Simulation, costs: CostModel, judged: Judge,
+          need: Callable[[Simulation], int]) -> Simulation:
+    """Stop recomputing the nodes dearest per byte whose values, kept, fit the headroom
+    under ``sim``'s peak between their last forward reader and their clone; checked by one
+    simulation, else the longest prefix of that list that holds (bisection)."""
+    nodes = {n.name: n for n in graph.nodes}
+    gaps = _gaps(sim)
+
+    def per_byte(name: str) -> float:
+        nbytes = sum(graph.info[o].nbytes for o in nodes[name].output if o in graph.info)
+        return costs.of(nodes[name], graph) / max(nbytes, 1)
+
+    room = [sim.liveness.peak_bytes - v for v in sim.liveness.live_during]
+    chosen: list[str] = []
+    for name in sorted(sim.plan.recompute, key=per_byte, reverse=True):
+        spans = [gaps.get(o) for o in nodes[name].output if o]
+        if not spans or any(s is None for s in spans):
+            continue
+        steps = [(j, nbytes) for (lo, hi, nbytes) in spans for j in range(lo, hi)]
+        if all(room[j] >= b for j, b in steps):
+            for j, b in steps:
+                room[j] -= b
+            chosen.append(name)
+    target, kept = need(sim), sim
+    trial = judged(frozenset(chosen)) if chosen else None
+    if trial is not None and need(trial) <= target:
+        return trial
+    lo, hi = 0, len(chosen) - 1
+    for _ in range(SHED_ROUNDS):
+        if lo >= hi:
+            break
+        mid = (lo + hi + 1) // 2
+        trial = judged(frozenset(chosen[:mid]))
+        if trial is not None and need(trial) <= target:
+            lo, kept = mid, trial
+        else:
+            hi = mid - 1
+    return kept
+
+
+def _gaps(sim: Simulation) -> dict[str, tuple[int, int, int] | None]:
+    """Per recomputed forward value: the steps (from, to, exclusive) of ``sim``'s order in
+    which it would be live if kept and is not now (after its forward buffer is freed,
+    before its clone is made), and its bytes; None where that cannot be read off (a value
+    that is not freed, or one with several clones)."""
+    values = sim.liveness.values
+    clones: dict[str, list[str]] = {}
+    for name in values:
+        base, sep, _ = name.rpartition(RECOMPUTE_SUFFIX)
+        if sep and (base in values) and (name == base + sep or name[len(base + sep)] == "_"):
+            clones.setdefault(base, []).append(name)
+    out: dict[str, tuple[int, int, int] | None] = {}
+    for base, names in clones.items():
+        v = values[base]
+        if len(names) != 1 or v.death is None or not v.owns_buffer:
+            out[base] = None
+            continue
+        out[base] = (v.death + 1, values[names[0]].birth, v.nbytes)
+    return out
