@@ -1,0 +1,136 @@
+"""``memcc compile --budget min`` on convnets exported from transformers in train mode, with
+the floor each plan stops at and the bound under it (issue 31).
+
+    python benchmarks/conv_floors.py [--models rn_8_96,mnv2_b16_128,...] [--out rows.jsonl]
+
+Each model is built from a transformers config (ResNet, MobileNetV2, ConvNeXt; random
+weights, nothing downloaded) in ``train()`` mode, exported with ``torch.onnx.export(...,
+dynamo=False, training=TrainingMode.TRAINING, do_constant_folding=False,
+opset_version=18)`` on a random batch, then compiled by this tree's ``memcc compile
+--budget min --cost analytic`` in a child process. One JSON line per model: the step as
+built's and the plan's predicted peak, their ratio, the node at the plan's peak, its
+breakdown, the picked strategy, compile seconds, and the bound: the bytes every plan holds
+all step (inputs, parameters, optimizer state) plus three tensors the size of the largest
+training-mode BatchNorm input (the BatchNorm backward's last elementwise node reads gy and
+x, or y, and writes dx; ORT's CPU Mul/Sub/Add write a new buffer), the smallest any plan of
+memcc's decisions (recompute, gradient-rule variants) can reach at that node.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+# name: (family, config, batch, resolution)
+RESNET = "resnet"
+MODELS: dict[str, tuple[str, dict, int, int]] = {
+    "rn_8_96": (RESNET, dict(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1]), 8, 96),
+    "rn_32_b4_64": (RESNET, dict(embedding_size=32, hidden_sizes=[32, 64, 128, 256],
+                                 depths=[1, 1, 2, 1]), 4, 64),
+    "rn_32_b16_128": (RESNET, dict(embedding_size=32, hidden_sizes=[32, 64, 128, 256],
+                                   depths=[1, 1, 2, 1]), 16, 128),
+    "rn_32_2222_96": (RESNET, dict(embedding_size=32, hidden_sizes=[32, 64, 128, 256],
+                                   depths=[2, 2, 2, 2]), 8, 96),
+    "rn_16_basic_96": (RESNET, dict(embedding_size=16, hidden_sizes=[16, 32, 64, 128],
+                                    depths=[2, 2, 2, 2], layer_type="basic"), 8, 96),
+    "rn_32_basic_b32_128": (RESNET, dict(embedding_size=32, hidden_sizes=[32, 64, 128, 256],
+                                         depths=[2, 2, 2, 2], layer_type="basic"), 32, 128),
+    "rn_32_3463_64": (RESNET, dict(embedding_size=32, hidden_sizes=[64, 128, 256, 512],
+                                   depths=[3, 4, 6, 3]), 8, 64),
+    "rn50_b32_128": (RESNET, dict(embedding_size=16, hidden_sizes=[64, 128, 256, 512],
+                                  depths=[3, 4, 6, 3]), 32, 128),
+    "mnv2_b16_128": ("mobilenet_v2", dict(image_size=128, depth_multiplier=0.35), 16, 128),
+    "convnext_b16_64": ("convnext", dict(hidden_sizes=[32, 64, 128, 256],
+                                         depths=[1, 1, 2, 1], image_size=64), 16, 64),
+}
+
+
+def export(name: str, path: Path) -> None:
+    """The transformers model ``name`` in train mode, exported as the module doc says."""
+    import torch
+    import transformers as T
+
+    family, cfg, batch, res = MODELS[name]
+    config, model = {
+        RESNET: (T.ResNetConfig, T.ResNetForImageClassification),
+        "mobilenet_v2": (T.MobileNetV2Config, T.MobileNetV2ForImageClassification),
+        "convnext": (T.ConvNextConfig, T.ConvNextForImageClassification),
+    }[family]
+
+    class Logits(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model(config(num_channels=3, num_labels=10, **cfg))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.model(pixel_values=x).logits
+
+    torch.manual_seed(0)
+    module = Logits().train()
+    torch.onnx.export(module, (torch.randn(batch, 3, res, res),), str(path), dynamo=False,
+                      input_names=["x"], output_names=["logits"],
+                      training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False,
+                      opset_version=18)
+
+
+def bound(path: Path) -> dict:
+    """The bytes held all step and the largest training-mode BatchNorm input."""
+    from memcc.compiler.loading import load_step
+    from memcc.compiler.options import CompileOptions
+
+    g, _ = load_step(path, str(path), CompileOptions())
+    persistent = sum(g.info[v].nbytes for v in set(g.inputs) | set(g.initializers)
+                     if v in g.info)
+    bn = max((g.info[n.input[0]].nbytes for n in g.nodes
+              if n.op_type == "BatchNormalization"), default=0)
+    return {"persistent_bytes": persistent, "largest_batchnorm_input_bytes": bn,
+            "bound_bytes": persistent + 3 * bn}
+
+
+def compile_min(path: Path, out: Path) -> dict:
+    """``memcc compile --budget min --cost analytic`` by this tree, and its report."""
+    cmd = [sys.executable, "-c", "import sys; from memcc.cli import app; sys.argv[0] = "
+           "'memcc'; app()", "compile", str(path), "--budget", "min", "--cost", "analytic",
+           "-o", str(out)]
+    subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True)
+    return json.loads(out.with_suffix(".report.json").read_text())
+
+
+def row(name: str, tmp: Path) -> dict:
+    path = tmp / f"{name}.onnx"
+    export(name, path)
+    report = compile_min(path, tmp / f"{name}.min.onnx")
+    built, plan = report["baseline"]["peak_bytes"], report["plan"]["peak_bytes"]
+    b = bound(path)
+    return {"model": name, "as_built_bytes": built, "min_bytes": plan,
+            "min_share": round(plan / built, 4), "peak_node": report["plan"]["peak_node"],
+            "breakdown_at_peak": report["plan"]["breakdown_at_peak"],
+            "picked": report["plan"]["picked_strategy"],
+            "compile_s": round(report["compile_time_s"], 1),
+            **b, "bound_share": round(b["bound_bytes"] / built, 4)}
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="memcc-conv-floors-") as tmp:
+        for name in args.models.split(","):
+            line = json.dumps(row(name, Path(tmp)))
+            print(line, flush=True)
+            if args.out:
+                with args.out.open("a") as f:
+                    f.write(line + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
