@@ -13,7 +13,8 @@ breakdown, the picked strategy, compile seconds, and the bound: the bytes every 
 all step (inputs, parameters, optimizer state) plus three tensors the size of the largest
 training-mode BatchNorm input (the BatchNorm backward's last elementwise node reads gy and
 x, or y, and writes dx; ORT's CPU Mul/Sub/Add write a new buffer), the smallest any plan of
-memcc's decisions (recompute, gradient-rule variants) can reach at that node.
+memcc's decisions (recompute, gradient-rule variants) can reach at that node. Bytes as the
+liveness model counts them (``liveness.allocation_bytes``: large buffers in whole pages).
 """
 
 from __future__ import annotations
@@ -84,11 +85,12 @@ def bound(path: Path) -> dict:
     """The bytes held all step and the largest training-mode BatchNorm input."""
     from memcc.compiler.loading import load_step
     from memcc.compiler.options import CompileOptions
+    from memcc.passes.analysis.liveness import allocation_bytes
 
     g, _ = load_step(path, str(path), CompileOptions())
-    persistent = sum(g.info[v].nbytes for v in set(g.inputs) | set(g.initializers)
-                     if v in g.info)
-    bn = max((g.info[n.input[0]].nbytes for n in g.nodes
+    persistent = sum(allocation_bytes(g.info[v].nbytes)
+                     for v in set(g.inputs) | set(g.initializers) if v in g.info)
+    bn = max((allocation_bytes(g.info[n.input[0]].nbytes) for n in g.nodes
               if n.op_type == "BatchNormalization"), default=0)
     return {"persistent_bytes": persistent, "largest_batchnorm_input_bytes": bn,
             "bound_bytes": persistent + 3 * bn}
