@@ -102,12 +102,21 @@ def _clip_bounds_constant(ctx: GradContext, node: onnx.NodeProto) -> bool:
 @register_variant("Clip", name="mask", tier=EXACT, applies=_clip_bounds_constant)
 def _clip_mask(ctx: VariantContext, node: onnx.NodeProto, gouts: Grads) -> Grads:
     """Backward from a 1-byte mask (min <= x <= max) instead of the float input."""
-    g = gouts[0]
-    x = node.input[0]
-    if g is None or not ctx.needs_grad(x):
+    return _clip_backward(ctx, node, gouts[0], from_mask=True, product=False)
+
+
+def _clip_backward(ctx: VariantContext, node: onnx.NodeProto, g: str | None, *,
+                   from_mask: bool, product: bool) -> Grads:
+    """The Clip variants' input gradient: g where min <= x <= max (taken in the forward
+    pass as a 1-byte mask where ``from_mask``), by Where or, where ``product``, as
+    g * float(inside)."""
+    if g is None or not ctx.needs_grad(node.input[0]):
         return _first_only(node, None)
-    inside = clip_inside(_forward_ctx(ctx), node)
-    return _first_only(node, g if inside is None else keep_where(ctx, inside, g))
+    inside = clip_inside(_forward_ctx(ctx) if from_mask else ctx, node)
+    if inside is None:
+        return _first_only(node, g)
+    return _first_only(node, _times_condition(ctx, inside, g) if product
+                       else keep_where(ctx, inside, g))
 
 
 # ---------------------------------------------------------------------------- as products
@@ -155,12 +164,7 @@ def _clip_product(ctx: VariantContext, node: onnx.NodeProto, gouts: Grads) -> Gr
     """Backward as g * float(min <= x <= max) from the input, as the default reads it,
     without Where's two activation-sized selections (ReLU6 at MobileNetV2's stem: the
     smallest plan of a train-mode transformers export, batch 16 at 128 px, peaked there)."""
-    g = gouts[0]
-    x = node.input[0]
-    if g is None or not ctx.needs_grad(x):
-        return _first_only(node, None)
-    inside = clip_inside(ctx, node)
-    return _first_only(node, g if inside is None else _times_condition(ctx, inside, g))
+    return _clip_backward(ctx, node, gouts[0], from_mask=False, product=True)
 
 
 @register_variant("Clip", name="mask_product", tier=EQUIVALENT,
@@ -168,12 +172,7 @@ def _clip_product(ctx: VariantContext, node: onnx.NodeProto, gouts: Grads) -> Gr
 def _clip_mask_product(ctx: VariantContext, node: onnx.NodeProto, gouts: Grads) -> Grads:
     """Backward as g * float(mask) from the 1-byte mask the ``mask`` variant takes in the
     forward pass: frees the input early and avoids Where's selections."""
-    g = gouts[0]
-    x = node.input[0]
-    if g is None or not ctx.needs_grad(x):
-        return _first_only(node, None)
-    inside = clip_inside(_forward_ctx(ctx), node)
-    return _first_only(node, g if inside is None else _times_condition(ctx, inside, g))
+    return _clip_backward(ctx, node, gouts[0], from_mask=True, product=True)
 
 
 # ---------------------------------------------------------------------------- shared
