@@ -31,6 +31,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 # name: (family, config, batch, resolution)
 RESNET = "resnet"
+TV_RESNET = "tv_resnet"
 MODELS: dict[str, tuple[str, dict, int, int]] = {
     "rn_8_96": (RESNET, dict(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1]), 8, 96),
     "rn_32_b4_64": (RESNET, dict(embedding_size=32, hidden_sizes=[32, 64, 128, 256],
@@ -50,15 +51,58 @@ MODELS: dict[str, tuple[str, dict, int, int]] = {
     "mnv2_b16_128": ("mobilenet_v2", dict(image_size=128, depth_multiplier=0.35), 16, 128),
     "convnext_b16_64": ("convnext", dict(hidden_sizes=[32, 64, 128, 256],
                                          depths=[1, 1, 2, 1], image_size=64), 16, 64),
+    # torchvision's resnet18 layout, written out here (torchvision is not installed)
+    "tv_resnet18_b32_224": (TV_RESNET, dict(blocks=[2, 2, 2, 2]), 32, 224),
 }
 
 
+def tv_resnet(blocks: list[int], classes: int = 10):
+    """torchvision's ResNet with BasicBlocks (``resnet18`` for [2, 2, 2, 2]): 7x7 stem with
+    BatchNorm, ReLU and 3x3 max pooling, four stages of 64-512 channels, a 1x1 projection
+    with BatchNorm where the shape changes, global average pooling, one Linear."""
+    from torch import nn
+
+    def conv_bn(cin: int, cout: int, k: int, stride: int) -> list:
+        return [nn.Conv2d(cin, cout, k, stride, k // 2, bias=False), nn.BatchNorm2d(cout)]
+
+    class Block(nn.Module):
+        def __init__(self, cin: int, cout: int, stride: int) -> None:
+            super().__init__()
+            self.body = nn.Sequential(*conv_bn(cin, cout, 3, stride), nn.ReLU(),
+                                      *conv_bn(cout, cout, 3, 1))
+            self.skip = (nn.Sequential(*conv_bn(cin, cout, 1, stride))
+                         if stride != 1 or cin != cout else nn.Identity())
+
+        def forward(self, x):
+            return (self.body(x) + self.skip(x)).relu()
+
+    layers, cin = [*conv_bn(3, 64, 7, 2), nn.ReLU(), nn.MaxPool2d(3, 2, 1)], 64
+    for i, n in enumerate(blocks):
+        cout = 64 << i
+        for j in range(n):
+            layers.append(Block(cin, cout, 2 if j == 0 and i > 0 else 1))
+            cin = cout
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, classes))
+
+
 def export(name: str, path: Path) -> None:
-    """The transformers model ``name`` in train mode, exported as the module doc says."""
+    """The model ``name`` in train mode, exported as the module doc says."""
+    import torch
+
+    family, cfg, batch, res = MODELS[name]
+    torch.manual_seed(0)
+    module = (tv_resnet(**cfg) if family == TV_RESNET else hf_model(family, cfg)).train()
+    torch.onnx.export(module, (torch.randn(batch, 3, res, res),), str(path), dynamo=False,
+                      input_names=["x"], output_names=["logits"],
+                      training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False,
+                      opset_version=18)
+
+
+def hf_model(family: str, cfg: dict):
+    """The transformers image classifier of ``family`` from ``cfg``, giving logits."""
     import torch
     import transformers as T
 
-    family, cfg, batch, res = MODELS[name]
     config, model = {
         RESNET: (T.ResNetConfig, T.ResNetForImageClassification),
         "mobilenet_v2": (T.MobileNetV2Config, T.MobileNetV2ForImageClassification),
@@ -73,12 +117,7 @@ def export(name: str, path: Path) -> None:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.model(pixel_values=x).logits
 
-    torch.manual_seed(0)
-    module = Logits().train()
-    torch.onnx.export(module, (torch.randn(batch, 3, res, res),), str(path), dynamo=False,
-                      input_names=["x"], output_names=["logits"],
-                      training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False,
-                      opset_version=18)
+    return Logits()
 
 
 def bound(path: Path) -> dict:
