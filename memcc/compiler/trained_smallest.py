@@ -10,7 +10,9 @@ trained could drop: on transformers ResNets exported in train mode (BENCHMARKS.m
 recomputing every saved value peaks at 79.3 MB, the stem BatchNorm backward's own floor.
 
 So for ``--budget min`` (and a refusal's smallest budget, so that the budget it names is
-one compile accepts) the plan recomputing every saved value that may be recomputed, with
+one compile accepts), where a saved value the chosen plan keeps is live at its peak (else
+recomputing more cannot lower it, and nothing is simulated), the plan recomputing every
+saved value that may be recomputed, with
 the chosen plan's gradient-rule variants, is judged as trained too, and then the recompute
 dearest per byte is shed where the headroom of that simulation says keeping the value
 costs no peak (one simulation checks it; a bisection over the same list where it does not
@@ -41,7 +43,7 @@ def recompute_all_as_trained(graph: Graph, best: Simulation, costs: CostModel,
     trained, less the recompute ``_shed`` keeps; None unless its budget (peak and the heap
     room of its own small buffers, ``CompileOptions.slack_for``) is below ``best``'s."""
     everything = nothing_saveable(structure).recompute
-    if everything <= best.plan.recompute:
+    if everything <= best.plan.recompute or not _keeps_at_peak(best, structure):
         return None
     rules = SimulationRules(options.device, host_copies=options.swaps, early_updates=True)
 
@@ -60,6 +62,21 @@ def recompute_all_as_trained(graph: Graph, best: Simulation, costs: CostModel,
     if sim is None or need(sim) >= need(best):
         return None
     return _shed(graph, sim, costs, lambda kept: judged(everything - kept), need)
+
+
+def _keeps_at_peak(best: Simulation, structure: StepStructure) -> bool:
+    """Whether a saved value ``best`` keeps (one that could be recomputed) is live at its
+    peak without being read or written there: else recomputing more cannot lower that
+    point, and the candidate is not simulated (most steps: the peak is an op's own
+    working set, or what the search already recomputes)."""
+    live = best.liveness
+    if live.peak_step < 0:
+        return False
+    node = best.graph.nodes[live.peak_step]
+    touched = set(node.input) | set(node.output)
+    return any(b in structure.saved and b not in touched
+               and structure.producer_of.get(b) in structure.recomputable
+               for b in live.live_at_peak)
 
 
 def _shed(graph: Graph, sim: Simulation, costs: CostModel, judged: Judge,
