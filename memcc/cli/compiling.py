@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import sys
-from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Literal, Optional
 
@@ -133,18 +132,20 @@ def compile_cmd(
     _compile(model, opts, out_path, report_path)
 
 
-def _progress(status: Status, log: LogProgress | None) -> Callable[[str], None]:
+def _progress(status: Status | None, log: LogProgress | None) -> Callable[[str], None]:
     """Compile's progress: each stage on the status line, and each row-chunk setting compile
     builds and plans as a line of its own (each is a whole plan: minutes on large models).
     The status line shows only the newest message, and only on a terminal: the setting's
     line was replaced at once by the stages of its plan. Off a terminal, the stages are
-    lines too, with the seconds since the compile began (``log``: ``cli/log_progress.py``)."""
+    lines too, with the seconds since the compile began (``log``: ``cli/log_progress.py``),
+    and there is no status line (None: it would show nothing)."""
     def say(message: str) -> None:
         if message.startswith("row chunks:"):
             err.print(escape(message), highlight=False, soft_wrap=True)
         elif log is not None:
             log(message)
-        status.update(f"compiling: {escape(message)}")
+        if status is not None:
+            status.update(f"compiling: {escape(message)}")
     return say
 
 
@@ -155,7 +156,8 @@ def _compile(model: Path, opts: CompileOptions, out_path: Path, report_path: Pat
     log = None if err.is_terminal else LogProgress(
         "compiling", lambda line: err.print(escape(line), highlight=False, soft_wrap=True))
     try:
-        with err.status("compiling") as status, log or nullcontext():
+        with log or err.status("compiling") as shown:  # off a terminal, no status line
+            status = None if log else shown
             result = compile_model(model, opts, output=out_path, report_path=report_path,
                                    progress=_progress(status, log), warn=warn)
     except VerificationError as exc:
