@@ -82,10 +82,15 @@ class Graph:
 
     # ------------------------------------------------------------------ conversion
     @classmethod
-    def from_model(cls, model: onnx.ModelProto) -> Graph:
-        """Read a model whose value shapes are already inferred (see frontend.load)."""
+    def from_model(cls, model: onnx.ModelProto,
+                   weights: Mapping[str, np.ndarray] | None = None) -> Graph:
+        """Read a model whose value shapes are already inferred (see frontend.load).
+        ``weights``: the values of initializers the model holds as stubs, by name
+        (``frontend/weights_apart.py``)."""
         g = model.graph
-        inits = {t.name: numpy_helper.to_array(t) for t in g.initializer}
+        weights = weights or {}
+        inits = {t.name: weights[t.name] if t.name in weights and not t.HasField("raw_data")
+                 else numpy_helper.to_array(t) for t in g.initializer}
         info: dict[str, TensorInfo] = {}
         for vi in itertools.chain(g.input, g.value_info, g.output):
             ti = _tensor_info(vi)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -29,12 +30,15 @@ def _made_up_names_model(path: Path) -> None:
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
 
 
-def test_compile_prints_a_line_for_each_row_chunk_setting_it_plans(tmp_path):
+def test_compile_prints_a_line_for_each_row_chunk_setting_it_plans(tmp_path, monkeypatch):
+    """... and, off a terminal (a log), a line for each stage with the seconds since the
+    compile began, once it has run ``QUIET_S`` seconds (0 here), on stderr only."""
     from typer.testing import CliRunner
 
     from memcc.cli import app
     from models import build_model
 
+    monkeypatch.setattr("memcc.cli.log_progress.QUIET_S", 0.0)
     model = tmp_path / "gpt2.onnx"
     onnx.save(build_model("gpt2", batch=1, seq_len=16, width=16, depth=1, heads=2,
                           vocab_size=256), str(model))
@@ -42,6 +46,10 @@ def test_compile_prints_a_line_for_each_row_chunk_setting_it_plans(tmp_path):
                                  "analytic", "--time-limit", "1", "-o", str(tmp_path / "c.onnx")])
     assert r.exit_code == 0, r.output
     assert "row chunks: planning the step built with loss 8" in r.output, r.output
+    for stage in ("load", "cost_model", "plan", "rewrite"):
+        assert re.search(rf"^compiling: {stage} \.\.\. \(at \d+\.\d s\)$", r.stderr,
+                         re.MULTILINE), r.stderr
+    assert "compiling:" not in r.stdout and "wrote " in r.stdout, r.stdout
 
 
 def test_analyze_prints_an_export_warning_as_a_warning_line(tmp_path):

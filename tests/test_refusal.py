@@ -190,3 +190,31 @@ def test_tune_under_the_floor_names_the_budget_in_bytes(tmp_path) -> None:
     msg = str(again.value)
     assert "needs a peak of" in msg and "alone take" not in msg
     assert int(msg.split("--budget ")[1].split()[0]) >= need
+
+
+def test_weights_left_in_the_file_give_the_graph_a_whole_read_gives(tmp_path) -> None:
+    """A file's large float weights are stubs while the model is read
+    (``frontend/weights_apart.py``): the graph equals the one the whole model read gives
+    (nodes, shapes, every initializer bit for bit), and filled again they are the model
+    as written. With ``mapped`` they stay views into the file until ``own_weights``;
+    without it, the graph owns them already."""
+    from memcc.frontend.load import load_graph
+    from memcc.frontend.weights_apart import _mapped, own_weights, read_apart, with_weights
+
+    model = build_model("gpt2", batch=2, seq_len=16, width=128, vocab_size=500)
+    path = tmp_path / "gpt2.onnx"
+    onnx.save(model, path)
+    light, arrays = read_apart(path)
+    assert len(arrays) >= 5 and light.ByteSize() < model.ByteSize() / 4
+    assert with_weights(light, arrays) == model  # what ORT runs where shapes need a run
+    whole, owned, mapped = load_graph(model), load_graph(path), load_graph(path, mapped=True)
+    assert not any(map(_mapped, owned.initializers.values()))
+    assert sum(map(_mapped, mapped.initializers.values())) == len(arrays)
+    own_weights(mapped)
+    for g in (owned, mapped):
+        assert g.nodes == whole.nodes and g.info == whole.info
+        assert g.initializers.keys() == whole.initializers.keys()
+        for name, a in g.initializers.items():
+            b = whole.initializers[name]
+            assert not _mapped(a) and not a.flags.writeable
+            assert (a.dtype, a.shape, a.tobytes()) == (b.dtype, b.shape, b.tobytes()), name

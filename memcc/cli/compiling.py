@@ -14,6 +14,7 @@ from rich.markup import escape
 
 from memcc.api import MemccError
 from memcc.cli.app import err, fail, out, warn
+from memcc.cli.log_progress import LogProgress
 from memcc.cli.options import (
     AttentionChunksOpt,
     AutoAttentionChunksOpt,
@@ -131,15 +132,20 @@ def compile_cmd(
     _compile(model, opts, out_path, report_path)
 
 
-def _progress(status: Status) -> Callable[[str], None]:
+def _progress(status: Status | None, log: LogProgress | None) -> Callable[[str], None]:
     """Compile's progress: each stage on the status line, and each row-chunk setting compile
     builds and plans as a line of its own (each is a whole plan: minutes on large models).
     The status line shows only the newest message, and only on a terminal: the setting's
-    line was replaced at once by the stages of its plan, and a log showed nothing."""
+    line was replaced at once by the stages of its plan. Off a terminal, the stages are
+    lines too, with the seconds since the compile began (``log``: ``cli/log_progress.py``),
+    and there is no status line (None: it would show nothing)."""
     def say(message: str) -> None:
         if message.startswith("row chunks:"):
             err.print(escape(message), highlight=False, soft_wrap=True)
-        status.update(f"compiling: {escape(message)}")
+        elif log is not None:
+            log(message)
+        if status is not None:
+            status.update(f"compiling: {escape(message)}")
     return say
 
 
@@ -147,10 +153,13 @@ def _compile(model: Path, opts: CompileOptions, out_path: Path, report_path: Pat
     """Compile under a status line; the summary, then what was written (or the error)."""
     from memcc.api import VerificationError, compile_model, summary_lines
 
+    log = None if err.is_terminal else LogProgress(
+        "compiling", lambda line: err.print(escape(line), highlight=False, soft_wrap=True))
     try:
-        with err.status("compiling") as status:
+        with log or err.status("compiling") as shown:  # off a terminal, no status line
+            status = None if log else shown
             result = compile_model(model, opts, output=out_path, report_path=report_path,
-                                   progress=_progress(status), warn=warn)
+                                   progress=_progress(status, log), warn=warn)
     except VerificationError as exc:
         # The summary says which checks failed; the error, what to try and what was written.
         for line in summary_lines(exc.report):

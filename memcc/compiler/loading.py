@@ -82,11 +82,12 @@ def check_provider(options: CompileOptions, warning: Progress) -> str | None:
 
 
 def load_step(model: str | os.PathLike | onnx.ModelProto, label: str,
-              options: CompileOptions) -> tuple[Graph, dict]:
+              options: CompileOptions, *, mapped: bool = False) -> tuple[Graph, dict]:
     """The ``load`` stage: the model read (``frontend.load``), built into a training step
     when it is a forward model, fused when an older memcc built it, and rewritten for the
-    provider; with the ``load`` pass's summary."""
-    graph = load_graph(model, options.dims, source=label)
+    provider; with the ``load`` pass's summary. ``mapped``: the file's weights stay views
+    into it (``load_graph``; the caller owns them before the file could change)."""
+    graph = load_graph(model, options.dims, source=label, mapped=mapped)
     built = False
     splittable: dict[str, int] = {}
     rewrites = PassRunner()  # the step's graph-to-graph rewrites (their reports stay here)
@@ -138,15 +139,15 @@ def load_step(model: str | os.PathLike | onnx.ModelProto, label: str,
 
 
 def load_step_warned(model: str | os.PathLike | onnx.ModelProto, label: str,
-                     options: CompileOptions, warning: Callable[[str], None]
-                     ) -> tuple[Graph, dict]:
+                     options: CompileOptions, warning: Callable[[str], None], *,
+                     mapped: bool = False) -> tuple[Graph, dict]:
     """``load_step``, its build's warnings about the export (``ExportWarning``: made-up
     names, merged or folded parameters) said through ``warning``, so that they are in the
     report's and analyze's ``warnings`` like every other thing said on stderr (they went to
     stderr only, as Python warnings). Notes and other warnings go on as they came."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ExportWarning)
-        out = load_step(model, label, options)
+        out = load_step(model, label, options, mapped=mapped)
     for w in caught:
         if issubclass(w.category, ExportWarning) and not issubclass(w.category, ExportNote):
             warning(str(w.message))

@@ -41,6 +41,7 @@ from memcc.compiler.progress import Progress, warning_sink
 from memcc.compiler.writing import Model, Target, check_targets, unverified_path, write_outputs
 from memcc.errors import MemccError
 from memcc.frontend.build import BuildOptions
+from memcc.frontend.weights_apart import own_weights
 from memcc.graph import Graph, node_label
 from memcc.pass_contract import PassReport, PassRunner
 from memcc.passes.plan import StepStructure
@@ -148,10 +149,13 @@ def _start(model: Model, options: CompileOptions, output: Target, report_path: T
 
 def _load(run: CompileRun) -> Graph:
     """The ``load`` stage, then what can be said of the step before planning: build
-    options that a training step ignores, a budget under its floor, racing kernels."""
+    options that a training step ignores, a budget under its floor, racing kernels. The
+    file's weights are read only once the budget is not refused (``load_graph``'s
+    ``mapped``: the refusal needs their shapes alone)."""
     options, label = run.options, run.label
     graph = run.runner.stage(
-        "load", lambda: load_step_warned(run.model, label, options, run.warning))
+        "load", lambda: load_step_warned(run.model, label, options, run.warning,
+                                         mapped=True))
     if not run.runner.reports[-1].summary["built_training_step"] \
             and options.build != BuildOptions():
         run.warning(f"{label} is already a training step: the build options given (--loss, "
@@ -168,6 +172,7 @@ def _load(run: CompileRun) -> Graph:
 
             planned = floor_view(graph, options)
         check_floor(planned, budget.bytes, options, label, StepStructure.of(planned))
+    own_weights(graph)
     from memcc.backend.determinism import racing_nodes
 
     racing = [node_label(n) for n in racing_nodes(graph)]

@@ -11,6 +11,7 @@ reading the parameter's initializer, and the map with those copies moved from ``
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping
 from dataclasses import replace
 
 import numpy as np
@@ -68,7 +69,8 @@ def _op_text(op: str, arg: tuple[int, ...]) -> str:
     return "Identity"
 
 
-def recompute_folded_copies(model: onnx.ModelProto, emap: ExportMap) -> ExportMap:
+def recompute_folded_copies(model: onnx.ModelProto, emap: ExportMap,
+                            weights: Mapping[str, np.ndarray] | None = None) -> ExportMap:
     """Compute each folded copy from its parameter again, in ``model`` (in place).
 
     The dynamo exporter's optimizer constant-folds ops on parameters: GPT-2's output layer
@@ -80,9 +82,16 @@ def recompute_folded_copies(model: onnx.ModelProto, emap: ExportMap) -> ExportMa
     initializer, so the step trains the parameter and its gradient sums both uses. A copy
     that fails the check stays a parameter under its made-up name (``report_parameters``
     warns). Returns the map with the replaced copies moved from ``copies`` to ``computed``.
+    ``weights``: the values of the initializers ``model`` holds as stubs, by name
+    (``frontend/weights_apart.py``).
     """
     if not emap.copies:
         return emap
+    weights = weights or {}
+
+    def value(t: onnx.TensorProto) -> np.ndarray:
+        return weights[t.name] if t.name in weights else onnx.numpy_helper.to_array(t)
+
     inits = {t.name: t for t in model.graph.initializer}
     taken = set(inits) | {o for n in model.graph.node for o in n.output}
     copies = dict(emap.copies)
@@ -99,8 +108,7 @@ def recompute_folded_copies(model: onnx.ModelProto, emap: ExportMap) -> ExportMa
             continue
         holder = holders[0]
         try:
-            found = _value_preserving_op(onnx.numpy_helper.to_array(inits[holder]),
-                                         onnx.numpy_helper.to_array(inits[name]))
+            found = _value_preserving_op(value(inits[holder]), value(inits[name]))
         except Exception:  # data the file does not hold (external data not loaded)
             found = None
         if found is None:

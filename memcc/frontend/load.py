@@ -35,6 +35,7 @@ from memcc.frontend.fold import fold_shape_computations
 from memcc.frontend.folded_copies import recompute_folded_copies
 from memcc.frontend.function_ops import expand_function_ops
 from memcc.frontend.ort_kernels import inlined_by_ort
+from memcc.frontend.weights_apart import STUB_BYTES, Arrays, own_weights, read_apart, with_weights
 from memcc.graph import Graph, TensorInfo, node_label
 from memcc.pass_contract import Pass, PassRunner
 from memcc.step import KIND_KEY, TRAINING_STEP
@@ -44,11 +45,7 @@ _CANONICAL_ROUNDS = 4
 
 def read_model(path: str | os.PathLike) -> onnx.ModelProto:
     """Parse an ONNX file (with its external data), with errors that say what to do."""
-    p = Path(path)
-    if not p.exists():
-        raise InputError(f"{p}: no such file")
-    if p.is_dir():
-        raise InputError(f"{p}: is a directory, expected an .onnx file")
+    p = _existing(path)
     try:
         model = onnx.load(str(p), load_external_data=False)
     except Exception as exc:
@@ -56,13 +53,39 @@ def read_model(path: str | os.PathLike) -> onnx.ModelProto:
             f"{p}: not an ONNX model ({type(exc).__name__}). Pass a file written by "
             "onnx.save or torch.onnx.export."
         ) from exc
+    _check_read(model, p)
+    return model
+
+
+def _read_apart(path: str | os.PathLike) -> tuple[onnx.ModelProto, Arrays]:
+    """``read_model``, with the large float weights left in the file: stubs in the model,
+    their values views into the mapped file (``frontend/weights_apart.py``); the whole
+    file parsed where that reader cannot read it."""
+    p = _existing(path)
+    apart = read_apart(p)
+    if apart is None:
+        return read_model(p), {}
+    _check_read(apart[0], p)
+    return apart
+
+
+def _existing(path: str | os.PathLike) -> Path:
+    p = Path(path)
+    if not p.exists():
+        raise InputError(f"{p}: no such file")
+    if p.is_dir():
+        raise InputError(f"{p}: is a directory, expected an .onnx file")
+    return p
+
+
+def _check_read(model: onnx.ModelProto, p: Path) -> None:
+    """A parsed file holds a graph; its external data is read (in place)."""
     if not model.graph.node and not model.graph.output:
         raise InputError(f"{p}: not an ONNX model (the file parsed but holds no graph)")
     try:
         onnx.load_external_data_for_model(model, str(p.parent))
     except Exception as exc:
         raise InputError(f"{p}: cannot read its external data next to the file: {exc}") from exc
-    return model
 
 
 def parse_dims(items: list[str] | None) -> dict[str, int]:
@@ -87,18 +110,25 @@ def load_graph(
     dims: Mapping[str, int] | None = None,
     *,
     source: str | None = None,
+    mapped: bool = False,
 ) -> Graph:
-    """Read, bind symbolic dimensions, infer every shape; return a static ``Graph``."""
+    """Read, bind symbolic dimensions, infer every shape; return a static ``Graph``.
+
+    A file's large float weights are read once, as the graph takes them; with ``mapped``,
+    not even that: they stay views into the mapped file, read when something reads them
+    (compile's refusal of a budget under the step's floor reads none). The caller then
+    calls ``weights_apart.own_weights`` before the file could change."""
+    arrays: Arrays = {}
     if isinstance(path_or_model, onnx.ModelProto):
         model = onnx.ModelProto()
         model.CopyFrom(path_or_model)
         where = source or "<model>"
     else:
-        model = read_model(path_or_model)
+        model, arrays = _read_apart(path_or_model)
         where = source or str(path_or_model)
     export_map = read_export_map(model)  # from the file as written, before any rewrite
     if export_map is not None:  # folded copies of one parameter: computed from it again
-        export_map = recompute_folded_copies(model, export_map)
+        export_map = recompute_folded_copies(model, export_map, arrays)
     if model.functions:
         model = onnx.inliner.inline_local_functions(model)
     _bind_input_dims(model, dict(dims or {}), where)
@@ -111,13 +141,13 @@ def load_graph(
             break
         unknown = shapes_needed(model)
         if unknown:
-            _add_types_by_running(model, unknown)
+            _add_types_by_running(model, unknown, arrays)
         model, canonical = canonicalize(model, where)
         if not canonical["changed"]:
             break
         model = _infer(model, where)
     _check_supported_structure(model, where)
-    graph = Graph.from_model(model)
+    graph = Graph.from_model(model, weights=arrays)
     signature = read_signature(model)
     if signature is not None:  # the builder reads which initializers are torch buffers
         graph.metadata[SIGNATURE_KEY] = signature.to_json()
@@ -129,7 +159,7 @@ def load_graph(
         upgrade_step(graph)
     missing = _unknown_values(graph)
     if missing:
-        _shapes_by_running(model, graph, missing, where)
+        _shapes_by_running(model, graph, missing, arrays)
         missing = _unknown_values(graph)
     if missing:
         name = missing[0]
@@ -142,8 +172,11 @@ def load_graph(
             "data or is not a plain tensor. memcc plans static shapes: export the model so "
             "that this value's shape follows from the input shapes."
         )
-    return PassRunner().run((Pass("fold", fold_shape_computations),
-                             Pass("cast-chains", drop_cast_chains)), graph)
+    graph = PassRunner().run((Pass("fold", fold_shape_computations),
+                              Pass("cast-chains", drop_cast_chains)), graph)
+    if not mapped:
+        own_weights(graph)
+    return graph
 
 
 def _differentiable_as_is() -> frozenset[str]:
@@ -255,8 +288,9 @@ def _infer(model: onnx.ModelProto, where: str) -> onnx.ModelProto:
 # Float initializers at least this large go to shape inference as stubs (name, type, dims,
 # no data): inference reads a tensor's values only to compute shapes (Reshape targets,
 # Resize scales: small tensors), and serializing the weights for it took seconds on a
-# GPT-2-size model, every time the loader inferred shapes.
-_STUB_BYTES = 1 << 16
+# GPT-2-size model, every time the loader inferred shapes. A file's are stubs already
+# (``frontend/weights_apart.py``, the same size): they stay stubs, marked external.
+_STUB_BYTES = STUB_BYTES
 _FLOAT_BYTES = {TensorProto.FLOAT: 4, TensorProto.DOUBLE: 8, TensorProto.FLOAT16: 2,
                 TensorProto.BFLOAT16: 2}
 
@@ -297,28 +331,27 @@ def _unknown_values(graph: Graph) -> list[str]:
 
 
 def _shapes_by_running(model: onnx.ModelProto, graph: Graph, missing: list[str],
-                       where: str) -> None:
+                       arrays: Arrays) -> None:
     """Run the forward graph once on dummy inputs and read the shapes inference missed."""
-    for name, (dtype, shape) in _run_for_types(model, missing).items():
+    for name, (dtype, shape) in _run_for_types(model, missing, arrays).items():
         graph.info[name] = TensorInfo(dtype, shape)
 
 
-def _add_types_by_running(model: onnx.ModelProto, names: list[str]) -> None:
+def _add_types_by_running(model: onnx.ModelProto, names: list[str], arrays: Arrays) -> None:
     """Record in ``model.graph.value_info`` the types ORT computes for ``names``: the
     load-time rewrites need shapes that inference leaves unknown (data-dependent Reshape
     targets in front of a SplitToSequence)."""
-    for name, (dtype, shape) in _run_for_types(model, names).items():
+    for name, (dtype, shape) in _run_for_types(model, names, arrays).items():
         model.graph.value_info.append(helper.make_tensor_value_info(name, dtype, shape))
 
 
-def _run_for_types(model: onnx.ModelProto, names: list[str]
+def _run_for_types(model: onnx.ModelProto, names: list[str], arrays: Arrays
                    ) -> dict[str, tuple[int, tuple[int, ...]]]:
     """Run the model once in ORT on zero inputs; return (dtype, shape) of the tensors
     ``names`` that it produced. Empty when the model cannot run (the caller reports)."""
     import onnxruntime as ort
 
-    m = onnx.ModelProto()
-    m.CopyFrom(model)
+    m = with_weights(model, arrays)  # a copy, its stubs filled
     existing = {o.name for o in m.graph.output}
     for name in names:
         if name not in existing:

@@ -1,0 +1,64 @@
+"""A command's progress where stderr is not a terminal (a file, a pipe, a CI log).
+
+The status line on stderr (rich's) shows only on a terminal: piped to a file, a
+``--budget min`` compile of a transformers model said nothing for minutes. Off a terminal,
+``LogProgress`` prints each stage as a plain line with the seconds since the command began
+(``compiling: plan ... (at 41.3 s)``), from ``QUIET_S`` seconds on: a command that ends
+sooner (a small model, a refused budget, a bad input) prints no progress, so that an error
+stays the one thing a failed command prints (``tests/test_bad_inputs.py``), and a long
+one prints a line per stage, the one running at ``QUIET_S`` included.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+QUIET_S = 3.0
+
+
+class LogProgress:
+    """``say(message)`` for a run of stages; a context manager: lines are printed only
+    inside it (a timer prints the stage running at ``quiet_s``, and none after exit)."""
+
+    def __init__(self, what: str, print_line: Callable[[str], None],
+                 quiet_s: float | None = None) -> None:
+        self._what = what
+        self._print = print_line
+        self._started = time.perf_counter()
+        self._pending: tuple[str, float] | None = None  # said before quiet_s, not printed
+        self._loud = False                              # past quiet_s: print as said
+        self._closed = False
+        self._lock = threading.Lock()
+        self._timer = threading.Timer(QUIET_S if quiet_s is None else quiet_s, self._wake)
+        self._timer.daemon = True
+
+    def __enter__(self) -> LogProgress:
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._timer.cancel()
+        with self._lock:  # a line being printed by the timer is finished before this
+            self._closed = True
+
+    def __call__(self, message: str) -> None:
+        with self._lock:
+            at = time.perf_counter() - self._started
+            if self._loud and not self._closed:
+                self._line(message, at)
+            else:
+                self._pending = (message, at)
+
+    def _wake(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._loud = True
+            if self._pending is not None:
+                self._line(*self._pending)
+                self._pending = None
+
+    def _line(self, message: str, at: float) -> None:
+        self._print(f"{self._what}: {message} (at {at:.1f} s)")
