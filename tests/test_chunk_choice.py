@@ -185,7 +185,11 @@ def test_the_search_keeps_the_fastest_plan_that_fits(gpt2):
     assert choice.report["candidates"][3]["added_time"] == pytest.approx(0.1)
     assert choice.report["candidates"][1] == {
         "chunks": {"loss": 8, "attention": 1, "mlp": 1}, "fits": False,
-        "refused": "does not fit", "smallest_budget_bytes": 650, "chosen": False}
+        "refused": "does not fit", "smallest_budget_bytes": 650, "chosen": False,
+        "time_limit_s": 10.0}
+    # One --time-limit (60 s) for all: the step as built half, each of the three settings
+    # that may follow a third of the rest.
+    assert [c["time_limit_s"] for c in choice.report["candidates"]] == [30.0, 10.0, 10.0, 10.0]
 
 
 def test_a_split_as_fast_as_the_step_as_built_ends_the_search(gpt2):

@@ -54,7 +54,8 @@ class Allowance:
     def of(cls, p: PlanningContext, share: float) -> Allowance:
         nodes = max(len(p.graph.nodes), 1)
         moves = int(share * p.time_limit * SIMULATED_NODES_PER_S / nodes)
-        return cls(max(moves, MIN_MOVES), p.deadline)
+        # The safety net leaves the caller the room it asked for (``after_s``).
+        return cls(max(moves, MIN_MOVES), p.deadline - p.after_s)
 
     def take(self, stage: str) -> bool:
         """Whether one more simulation may run (it is counted)."""
@@ -98,7 +99,7 @@ def best_of_all(p: PlanningContext, budget: Budget) -> StrategyResult:
     # The solves leave the polish its shares of the clock (its count of moves is what
     # bounds it; this is so that a solve stopped at the time limit does not leave it none).
     solved = exact_model(replace(p, reserved_s=(POLISH_SHARE + EXCHANGE_SHARE)
-                                 * p.time_limit), budget)
+                                 * p.time_limit + p.after_s), budget)
     # The ILP's seeds are the segmentations sqrt(n) already returned.
     seeds = {id(s) for s in p.segmentations}
     solved.plans = [(n, s) for n, s in solved.plans if id(s) not in seeds]
