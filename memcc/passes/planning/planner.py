@@ -53,9 +53,12 @@ STRATEGIES = ("auto", *sorted(n for n in REGISTRY if n != "auto"))
 # it, the rebuilt-again segmentations and compile's judging of the plan as trained, in
 # units of this call's preparation (the model and the sqrt(n) segmentations simulated):
 # that work took 2.7-4.75 of them on the zoo's GPT-2 with row chunks (loaded 2-core
-# machine). The estimate only moves the solves' deadline: their work limits stay.
+# machine; the step with its region variants, now built before the solves, included),
+# the rebuilt-again plans and the plan as trained alone about 1.5. The estimate only moves
+# the solves' deadline: their work limits stay.
 REGION_SHARE = 0.05
-AFTER_MIN_PREPARES = 3.5
+AFTER_MIN_PREPARES = 3.0
+AFTER_MIN_PREPARES_NO_REGION = 1.5
 
 
 @dataclass
@@ -207,14 +210,26 @@ class _Search:
                 max(end, time.perf_counter() + 1.0))
 
     def _keep_room_for_the_region_search(self) -> None:
-        """``Budget.MIN`` plans over the region variants after the strategy (and compile
-        judges the plan as trained): the solves leave that work room before the deadline
-        (``PlanningContext.after_s``), measured in this call's own preparation, so that
-        the region search is not what overruns the limit (the zoo's GPT-2 with row chunks
-        at --budget min: it took 10 s past a 30 s limit on a loaded machine)."""
-        if self.context is not None and self.request.regions:
-            self.context = replace(self.context,
-                                   after_s=AFTER_MIN_PREPARES * self.context.prepare_s)
+        """``Budget.MIN`` simulates the segmentations rebuilt again after the solves, then
+        plans over the region variants (and compile judges the plan as trained): the
+        solves leave that work room before the deadline (``PlanningContext.after_s``),
+        measured in this call's own preparation, so that it is not what overruns the limit
+        (the zoo's GPT-2 with row chunks at --budget min: 10 s past a 30 s limit on a
+        loaded machine). The step with its region variants is built here, before the
+        solves, to know whether there is one to plan over."""
+        if self.context is None:
+            return
+        region = self.request.regions and self.request.kinds.variants \
+            and self._region() is not None
+        prepares = AFTER_MIN_PREPARES if region else AFTER_MIN_PREPARES_NO_REGION
+        self.context = replace(self.context, after_s=prepares * self.context.prepare_s)
+
+    def _region(self) -> RegionStep | None:
+        """The step with its region variants in place, built once (None: there is none)."""
+        if not self.region_step:
+            self.region_step.append(_region_step(self.graph, self.st, self.base, self.costs,
+                                                 self.request))
+        return self.region_step[0]
 
     def over_regions(self, budget: Budget, time_limit: float,
                      deadline: float | None) -> PlanOutcome | None:
@@ -232,10 +247,7 @@ class _Search:
         request = self.request
         if self.context is None or not (request.kinds.variants and request.regions):
             return None
-        if not self.region_step:
-            self.region_step.append(_region_step(self.graph, self.st, self.base, self.costs,
-                                                 request))
-        region = self.region_step[0]
+        region = self._region()
         if region is None:
             return None
         # The strategy asked for: ``auto`` runs sqrt(n), the ILP and the polish here too.
