@@ -108,8 +108,9 @@ class PlanningContext:
         return simulate(self.graph, plan, self.costs, self.structure, self.rules)
 
     def remaining(self) -> float:
-        """Seconds the solves may still take (the deadline less ``reserved_s``)."""
-        return self.deadline - self.reserved_s - time.perf_counter()
+        """Seconds the solves may still take (the deadline less ``reserved_s`` and
+        ``after_s``)."""
+        return self.deadline - self.reserved_s - self.after_s - time.perf_counter()
 
 
 @dataclass(frozen=True)

@@ -99,7 +99,7 @@ def best_of_all(p: PlanningContext, budget: Budget) -> StrategyResult:
     # The solves leave the polish its shares of the clock (its count of moves is what
     # bounds it; this is so that a solve stopped at the time limit does not leave it none).
     solved = exact_model(replace(p, reserved_s=(POLISH_SHARE + EXCHANGE_SHARE)
-                                 * p.time_limit + p.after_s), budget)
+                                 * p.time_limit), budget)
     # The ILP's seeds are the segmentations sqrt(n) already returned.
     seeds = {id(s) for s in p.segmentations}
     solved.plans = [(n, s) for n, s in solved.plans if id(s) not in seeds]
