@@ -544,3 +544,30 @@ def test_auto_solves_leave_the_polish_its_share_of_the_clock(monkeypatch):
     ((reserved, left),) = seen
     assert reserved == pytest.approx((polish.POLISH_SHARE + polish.EXCHANGE_SHARE) * 100)
     assert left < 100 - reserved + 1e-6
+
+
+def test_a_caller_s_deadline_binds_and_budget_min_keeps_room_for_the_region_search():
+    """``PlanRequest.deadline`` (compile's one --time-limit over its row-chunk settings) is
+    the planner's deadline, whatever ``time_limit`` (the work) says. ``Budget.MIN``'s
+    solves leave room for the region search after them, measured in the call's own
+    preparation, and that search's work is a fixed share of the limit, not what the clock
+    left."""
+    import time
+
+    from memcc.passes.planning import planner, polish
+
+    _, g, costs, base = built("resnet18")
+    st = StepStructure.of(g)
+    end = time.perf_counter() + 30.0
+    search = planner._Search(g, costs, PlanRequest(time_limit=100, deadline=end), st, base)
+    p = search.context
+    assert p.deadline == end and p.time_limit == 100 and p.prepare_s > 0 and p.after_s == 0
+    search._keep_room_for_the_region_search()
+    assert search._region() is None   # a ResNet has no region variant: less room
+    room = planner.AFTER_MIN_PREPARES_NO_REGION * p.prepare_s
+    assert search.context.after_s == pytest.approx(room)
+    assert search.region_share() == (pytest.approx(planner.REGION_SHARE * 100), end)
+    # The polish's safety net leaves that room too; its count is the work's.
+    allowance = polish.Allowance.of(search.context, polish.POLISH_SHARE)
+    assert allowance.deadline == pytest.approx(end - room)
+    assert allowance.moves == polish.Allowance.of(p, polish.POLISH_SHARE).moves

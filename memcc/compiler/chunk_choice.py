@@ -19,19 +19,20 @@ When compile searches (``needs_search``): the step as built does not fit the bud
 ``--budget min``. A step that fits as built is searched only where its plan adds time and
 a setting's own added time, estimated from its build without planning it, is below that
 (``compiler/chunk_fit.py``: planning every setting there doubled compile time and broke
---time-limit, so the screen comes first and the plans share the time limit). A step given
-already built keeps the chunks it was built with (they are part of its graph); the report
-says so.
+--time-limit, so the screen comes first). Every setting of one compile, the step as loaded
+included, shares one ``--time-limit`` (``compiler/chunk_clock.py``: each is given a fixed
+share of the work and the deadline what is left of it). A step given already built keeps
+the chunks it was built with (they are part of its graph); the report says so.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from memcc.compiler.advice import without_chunks_hint
+from memcc.compiler.chunk_clock import SharedLimit
 from memcc.compiler.chunk_fit import FREE, FitSearch, decision, search_fitting
 from memcc.compiler.loading import LOSS, loss_sites
 from memcc.errors import InputError
@@ -62,8 +63,6 @@ LADDER: tuple[dict[str, int], ...] = (
 # A plan within this share of the unchunked step's time ends the search of a budget the
 # step as built does not reach (no split can beat it by more).
 SEARCH_ABOVE = 0.03
-# The least time limit a setting's plan is given (its deadline was checked before).
-MIN_PLAN_S = 0.5
 # --budget min: budgets within this share of each other tie (the faster plan wins).
 MIN_TIE = 0.01
 
@@ -105,6 +104,7 @@ class Attempt:
     chunks: dict[str, int]
     options: CompileOptions
     estimated_added_time: float | None = None
+    time_limit_s: float | None = None  # its share of --time-limit (``SharedLimit``)
     graph: Graph | None = None
     costs: CostModel | None = None
     planned: Planned | None = None
@@ -129,6 +129,8 @@ class Attempt:
 
     def to_json(self, base_time: float | None, user_budget) -> dict:
         out: dict = {"chunks": dict(self.chunks), "fits": self.fits}
+        if self.time_limit_s is not None:
+            out["time_limit_s"] = round(self.time_limit_s, 3)
         if self.estimated_added_time is not None:
             out["estimated_added_time"] = round(self.estimated_added_time, 4)
         if self.planned is not None:
@@ -200,9 +202,17 @@ def choose_row_chunks(search: RowChunkSearch, graph: Graph, costs: CostModel,
     Raises the refusal of the attempt that came nearest when no setting fits ``budget``."""
     model, label, built = search.model, search.label, search.built
     passes, user_budget = search.passes, search.user_budget
-    started = time.perf_counter()
+    given = {k for k in KINDS if getattr(options.build, FIELDS[k]) is not None}
+    searchable = built and given != set(KINDS)
+    found = search.found if search.found is not None or not searchable else sites(
+        load_graph(model, options.dims, source=label), options.build)
+    # The settings that may be planned after the step as loaded share its --time-limit.
+    later = len(candidates(options.build, found)) if searchable else 0
+    clock = SharedLimit.of(options.time_limit, budget.is_min,
+                           min(later, 1) if budget.is_min else later)
     # The step as loaded: its load and cost passes are already in ``passes``.
-    first = _attempt(search, options, lambda: (graph, costs), mark=0, strict=True)
+    first = _attempt(search, options, lambda: (graph, costs), mark=0, strict=True,
+                     limit=clock.first())
     base_time = costs.total(graph)
     report: dict = {"chosen": dict(first.chunks), "searched": False}
     tried = [first]
@@ -223,28 +233,27 @@ def choose_row_chunks(search: RowChunkSearch, graph: Graph, costs: CostModel,
                          "--mlp-chunks); compile the forward model to let compile choose "
                          "them")
         return done(first)
-    given = {k for k in KINDS if getattr(options.build, FIELDS[k]) is not None}
     if given == set(KINDS):
         report["why"] = "every kind was set by a flag (" + ", ".join(
             f"{FLAGS[k]} {getattr(options.build, FIELDS[k])}" for k in KINDS) + ")"
         return done(first)
 
-    def attempt(chunks: dict[str, int], deadline: float | None = None) -> Attempt:
+    def attempt(chunks: dict[str, int], left_to_plan: int) -> Attempt:
+        """Plan ``chunks``, with ``left_to_plan`` settings (it included) that may still be
+        planned sharing what is left of the limit."""
         search.say(f"row chunks: planning the step built with {describe(chunks)}")
         build = replace(options.build, **{FIELDS[k]: n for k, n in chunks.items()})
         opts = replace(options, build=build)
         a = _attempt(search, opts, lambda: search.rebuild(opts), mark=len(passes),
-                     deadline=deadline)
+                     limit=clock.next(left_to_plan))
         tried.append(a)
         return a
 
     why = needs_search(first, budget)
     if why is None:
-        _search_fitting(search, first, options, (base_time, len(graph.nodes)),
-                        (started, report), attempt)
+        _search_fitting(found, first, options, (base_time, len(graph.nodes), search.estimate),
+                        (clock, report), attempt)
         return done(next((a for a in tried if a.chunks == report["chosen"]), first))
-    found = search.found if search.found is not None else sites(
-        load_graph(model, options.dims, source=label), options.build)
     report["sites"] = found
     ladder = candidates(options.build, found)
     if not ladder:
@@ -260,15 +269,17 @@ def choose_row_chunks(search: RowChunkSearch, graph: Graph, costs: CostModel,
     return done(chosen)
 
 
-def _search_fitting(search: RowChunkSearch, first: Attempt, options: CompileOptions,
-                    step: tuple[float, int], clock: tuple[float, dict], attempt) -> None:
+def _search_fitting(found: dict[str, int], first: Attempt, options: CompileOptions,
+                    step: tuple[float, int, Estimate | None],
+                    clock: tuple[SharedLimit, dict], attempt) -> None:
     """A step that fits as built (``compiler/chunk_fit.py``): where its plan adds time,
     the settings whose own added time, estimated from their build, is below it are planned
-    within what is left of ``--time-limit`` (the planner's: counted from ``clock[0]``, when
-    the step as built began to be planned); ``report`` (``clock[1]``) gets ``chosen``,
-    ``screened`` and why. ``step``: the unchunked step's time and nodes."""
-    base_time, nodes = step
-    began, report = clock
+    within what is left of ``--time-limit`` (``clock[0]``, shared with the step as built's
+    plan); ``report`` (``clock[1]``) gets ``chosen``, ``screened`` and why. ``step``: the
+    unchunked step's time and nodes, and how to estimate a setting (``found``: the
+    model's sites)."""
+    base_time, nodes, estimator = step
+    shared, report = clock
     first_added = first.step_time_s / base_time - 1.0 if base_time > 0 else 0.0
     report["as_built_added_time"] = round(first_added, 4)
     if first_added <= FREE:
@@ -276,15 +287,13 @@ def _search_fitting(search: RowChunkSearch, first: Attempt, options: CompileOpti
                          f"({first_added:+.1%}): row chunks could only add time, so none "
                          "was built or planned")
         return
-    found = search.found if search.found is not None else sites(
-        load_graph(search.model, options.dims, source=search.label), options.build)
     report["sites"] = found
     ladder = candidates(options.build, found)
     if not ladder:
         report["why"] = (f"the step as built fits the budget at {first_added:+.1%}, and the "
                          "model has no loss projection, attention or MLP left to split")
         return
-    if search.estimate is None:   # a caller that cannot build settings without planning
+    if estimator is None:   # a caller that cannot build settings without planning
         report["why"] = f"the step as built fits the budget at {first_added:+.1%}"
         return
     estimates: dict[tuple, float] = {}
@@ -293,22 +302,20 @@ def _search_fitting(search: RowChunkSearch, first: Attempt, options: CompileOpti
 
     def estimate(chunks: dict[str, int]) -> tuple[float, int]:
         build = replace(options.build, **{FIELDS[k]: n for k, n in chunks.items()})
-        added_s, n, lowered = search.estimate(replace(options, build=build))
+        added_s, n, lowered = estimator(replace(options, build=build))
         # What the split leaves to shed is shed as the step as built's plan shed it: its
         # added time in proportion (a split that lowers the peak little saves little).
         left = max(shed - lowered, 0) / shed
         estimates[tuple(chunks.values())] = added_s / base_time + first_added * left
         return estimates[tuple(chunks.values())], n
 
-    deadline = began + options.time_limit
-
     def plan(chunks: dict[str, int]) -> tuple[bool, float]:
-        a = attempt(chunks, deadline)
+        a = attempt(chunks, len(ladder) - ladder.index(chunks))
         a.estimated_added_time = estimates.get(tuple(chunks.values()))
         return a.fits, a.step_time_s if a.fits else 0.0
 
     plan_s = sum(p.time_s for p in first.passes if p.name in ("plan", "rewrite"))
-    fs = FitSearch(first_added, base_time, ladder, estimate, plan, plan_s, nodes, deadline)
+    fs = FitSearch(first_added, base_time, ladder, estimate, plan, plan_s, nodes, shared.end)
     chosen = search_fitting(fs)
     report["screened"] = fs.screen
     report["searched"] = any(e.get("planned") for e in fs.screen)
@@ -331,7 +338,7 @@ def _search_budget(first: Attempt, ladder: list[dict[str, int]], attempt,
                 and best.step_time_s / base_time - 1.0 <= SEARCH_ABOVE / 3:
             break
         chunks = queue.pop(0)
-        a = attempt(chunks)
+        a = attempt(chunks, len(queue) + 1)
         if a.fits:
             if best is not None and a.step_time_s >= best.step_time_s:
                 break                  # heavier and no faster: nothing left to spare
@@ -358,7 +365,7 @@ def _search_min(first: Attempt, ladder: list[dict[str, int]], attempt,
     setting costs a smallest-peak search of its own, and trying the lighter ones too made
     --budget min two to three times slower for a tie-break on time): it wins where its
     budget is smaller than the step as built's by more than ``MIN_TIE``."""
-    heavy = attempt(ladder[-1])
+    heavy = attempt(ladder[-1], 1)
     if not heavy.fits:
         return first
     if not first.fits or _budget(heavy, user_budget) < _budget(first, user_budget) / (
@@ -374,19 +381,19 @@ def _budget(a: Attempt, user_budget) -> float:
 
 def _attempt(search: RowChunkSearch, options: CompileOptions,
              load: Callable[[], tuple[Graph, CostModel]], *, mark: int,
-             strict: bool = False, deadline: float | None = None) -> Attempt:
+             limit: tuple[float, float | None], strict: bool = False) -> Attempt:
     """Build (``load``) and plan one setting (``search.plan_step``); its passes
     (``search.passes[mark:]``) are moved out of that list. A setting compile chose whose
     build fails is set aside with why (e.g. a loss projection that is also an attention's
     last product, split with it); the step as loaded (``strict``) raises as compile always
-    did. With a ``deadline`` (``time.perf_counter()`` seconds) the plan gets what is left
-    of it as its time limit (the report keeps the options as given)."""
+    did. ``limit``: the plan's share of --time-limit and its deadline (``SharedLimit``;
+    the report keeps the options as given)."""
     passes, plan_step = search.passes, search.plan_step
-    a = Attempt(chunks_of(options.build), options)
+    work, deadline = limit
+    a = Attempt(chunks_of(options.build), options, time_limit_s=work)
     try:
         a.graph, a.costs = load()
-        planning = options if deadline is None else replace(
-            options, time_limit=max(deadline - time.perf_counter(), MIN_PLAN_S))
+        planning = replace(options, time_limit=work, deadline=deadline)
         a.planned = plan_step(a.graph, a.costs, planning)
     except BudgetError as exc:
         a.refusal = exc

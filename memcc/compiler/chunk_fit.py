@@ -40,7 +40,7 @@ from memcc.report_text import describe_chunks as describe
 # A plan adding at most this share of the step's time adds nothing a split could spare.
 FREE = 0.001
 # A setting's plan is expected to take the as-built step's plan time, times its nodes over
-# the step's, times this; its plan gets what is left of the limit as its own.
+# the step's, times this; its plan gets its share of the limit (``chunk_clock.SharedLimit``).
 PLAN_TIME_FACTOR = 1.0
 
 

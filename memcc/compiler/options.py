@@ -51,6 +51,11 @@ class CompileOptions:
     # with ZeRO stage ``zero`` (``compiler.ranks``); the budget is then per rank.
     nproc: int | None = None
     zero: int = 0
+    # When the planning must end (a ``time.perf_counter()`` value; ``PlanRequest.deadline``):
+    # set by compile for each row-chunk setting it plans, so that they share one
+    # --time-limit (``compiler/chunk_clock.py``); None: ``time_limit`` from when planning
+    # starts.
+    deadline: float | None = None
 
     def __post_init__(self) -> None:
         # --provider auto plans for where the step would run here (as run and train do);
@@ -154,6 +159,7 @@ class CompileOptions:
         ``Budget.MIN``)."""
         return PlanRequest(
             budget=budget, strategy=self.strategy, time_limit=self.time_limit,
+            deadline=self.deadline,
             kinds=DecisionKinds(variants=self.variants, lossy=self.allow_lossy,
                                 offload=self.swaps),
             device=self.device, heap_room=self.heap_room)

@@ -92,6 +92,12 @@ class PlanningContext:
     # time-objective solve stopped at its limit took everything left, and the polish, with
     # no time, ran none of its moves (the zoo's GPT-2 with row chunks at --budget min).
     reserved_s: float = 0.0
+    # Seconds this context took to build (the model and the segmentations simulated): how
+    # fast this machine works through this step now. ``after_s``: seconds of the deadline
+    # kept for the work the caller does after the strategy returns (``Budget.MIN``'s
+    # search over the region variants; ``planner._Search``).
+    prepare_s: float = 0.0
+    after_s: float = 0.0
 
     @property
     def host_copies(self) -> bool:
@@ -102,8 +108,9 @@ class PlanningContext:
         return simulate(self.graph, plan, self.costs, self.structure, self.rules)
 
     def remaining(self) -> float:
-        """Seconds the solves may still take (the deadline less ``reserved_s``)."""
-        return self.deadline - self.reserved_s - time.perf_counter()
+        """Seconds the solves may still take (the deadline less ``reserved_s`` and
+        ``after_s``)."""
+        return self.deadline - self.reserved_s - self.after_s - time.perf_counter()
 
 
 @dataclass(frozen=True)

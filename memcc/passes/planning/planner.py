@@ -48,6 +48,17 @@ from memcc.passes.planning.strategies import (
 )
 
 STRATEGIES = ("auto", *sorted(n for n in REGISTRY if n != "auto"))
+# ``Budget.MIN``'s search over the region variants: the share of the time limit its work
+# is counted from (``_Search.region_share``), and the room the solves before it leave for
+# it, the rebuilt-again segmentations and compile's judging of the plan as trained, in
+# units of this call's preparation (the model and the sqrt(n) segmentations simulated):
+# that work took 2.7-4.75 of them on the zoo's GPT-2 with row chunks (loaded 2-core
+# machine; the step with its region variants, now built before the solves, included),
+# the rebuilt-again plans and the plan as trained alone about 1.5. The estimate only moves
+# the solves' deadline: their work limits stay.
+REGION_SHARE = 0.05
+AFTER_MIN_PREPARES = 3.0
+AFTER_MIN_PREPARES_NO_REGION = 1.5
 
 
 @dataclass
@@ -134,6 +145,8 @@ class _Search:
 
     def run(self) -> PlanOutcome:
         budget = self.request.budget
+        if budget.is_min:
+            self._keep_room_for_the_region_search()
         try:
             found = _choose(self.context, self.base, budget, self.request.strategy)
             return self._smallest_of(found) if budget.is_min else found
@@ -146,7 +159,7 @@ class _Search:
     def _smallest_of(self, found: PlanOutcome) -> PlanOutcome:
         """``Budget.MIN``: the smaller peak of ``found`` and the plan over the region
         variants, with both searches' candidates and runs."""
-        alt = self.over_regions(Budget.MIN, self.left())
+        alt = self.over_regions(Budget.MIN, *self.region_share())
         if alt is None:
             return found
         if found.best.peak_bytes <= alt.best.peak_bytes:
@@ -163,16 +176,21 @@ class _Search:
         it (the same time limit, shared the same way), so that the budget a refusal names
         is ``--budget min``'s; a plan it finds within the budget after all is returned."""
         budget, time_limit = self.request.budget, self.request.time_limit
-        alt = self.over_regions(budget, time_limit)
+        alt = self.over_regions(budget, time_limit, self.request.deadline)
         if alt is not None:
             return replace(alt, runs=self.tried + alt.runs)
         if self.context is not None:
-            self.context = replace(self.context, deadline=time.perf_counter() + time_limit)
+            # A fresh limit for the smallest peak, within the caller's deadline if it set one.
+            end = time.perf_counter() + time_limit
+            if self.request.deadline is not None:
+                end = min(end, self.request.deadline)
+            self.context = replace(self.context, deadline=end)
+            self._keep_room_for_the_region_search()
         smallest = _choose(self.context, self.base, Budget.MIN, self.request.strategy)
         if smallest.best.fit_bytes <= budget.bytes:
             return replace(smallest, runs=self.tried + smallest.runs)
         runs = self.tried + _not_picked(smallest.runs)
-        alt = self.over_regions(Budget.MIN, self.left())
+        alt = self.over_regions(Budget.MIN, *self.region_share())
         if alt is not None:
             if alt.best.fit_bytes <= budget.bytes:
                 return replace(alt, runs=runs + alt.runs)
@@ -182,13 +200,39 @@ class _Search:
         raise _refusal(budget.bytes, smallest.best.peak_bytes, self.base.peak_bytes,
                        outcome=smallest, runs=runs)
 
-    def left(self) -> float:
-        """What is left of this call's time limit (``Budget.MIN``'s region search gets
-        that; at least a second, so its sqrt(n) plans and the report's entries exist)."""
+    def region_share(self) -> tuple[float, float]:
+        """``Budget.MIN``'s region search: its work (``REGION_SHARE`` of the time limit, a
+        count that does not depend on the clock: it was what the first search left, so its
+        polish ran more moves on a quiet machine) and its deadline (this call's, at least a
+        second from now, so that its sqrt(n) plans and the report's entries exist)."""
         end = self.context.deadline if self.context is not None else time.perf_counter()
-        return max(end - time.perf_counter(), 1.0)
+        return (REGION_SHARE * self.request.time_limit,
+                max(end, time.perf_counter() + 1.0))
 
-    def over_regions(self, budget: Budget, time_limit: float) -> PlanOutcome | None:
+    def _keep_room_for_the_region_search(self) -> None:
+        """``Budget.MIN`` simulates the segmentations rebuilt again after the solves, then
+        plans over the region variants (and compile judges the plan as trained): the
+        solves leave that work room before the deadline (``PlanningContext.after_s``),
+        measured in this call's own preparation, so that it is not what overruns the limit
+        (the zoo's GPT-2 with row chunks at --budget min: 10 s past a 30 s limit on a
+        loaded machine). The step with its region variants is built here, before the
+        solves, to know whether there is one to plan over."""
+        if self.context is None:
+            return
+        region = self.request.regions and self.request.kinds.variants \
+            and self._region() is not None
+        prepares = AFTER_MIN_PREPARES if region else AFTER_MIN_PREPARES_NO_REGION
+        self.context = replace(self.context, after_s=prepares * self.context.prepare_s)
+
+    def _region(self) -> RegionStep | None:
+        """The step with its region variants in place, built once (None: there is none)."""
+        if not self.region_step:
+            self.region_step.append(_region_step(self.graph, self.st, self.base, self.costs,
+                                                 self.request))
+        return self.region_step[0]
+
+    def over_regions(self, budget: Budget, time_limit: float,
+                     deadline: float | None) -> PlanOutcome | None:
         """The plan found over the step with its region variants in place
         (``_region_step``), or None where there is none or none fits (then the runs that
         found nothing go into ``tried``).
@@ -203,10 +247,7 @@ class _Search:
         request = self.request
         if self.context is None or not (request.kinds.variants and request.regions):
             return None
-        if not self.region_step:
-            self.region_step.append(_region_step(self.graph, self.st, self.base, self.costs,
-                                                 request))
-        region = self.region_step[0]
+        region = self._region()
         if region is None:
             return None
         # The strategy asked for: ``auto`` runs sqrt(n), the ILP and the polish here too.
@@ -222,6 +263,7 @@ class _Search:
         # lower (and CI's compile tests with it).
         sought = "sqrtn" if budget.is_min and request.strategy == "auto" else request.strategy
         asked = replace(request, budget=budget, strategy=sought, time_limit=time_limit,
+                        deadline=deadline,
                         kinds=replace(request.kinds, offload=self.context.host_copies),
                         regions=False, smallest_on_refusal=False)
         try:
@@ -286,6 +328,7 @@ def _prepare(graph: Graph, costs: CostModel, request: PlanRequest, st: StepStruc
              base: Simulation) -> PlanningContext:
     """The model and the sqrt(n) segmentations (a strategy of their own, and the ILP's
     warm starts): the same for every budget."""
+    began = time.perf_counter()
     offload = request.kinds.offload and costs.link is not None
     rules = SimulationRules(request.device, host_copies=offload,
                             heap_base=small_buffers(graph) if request.heap_room else None)
@@ -301,9 +344,10 @@ def _prepare(graph: Graph, costs: CostModel, request: PlanRequest, st: StepStruc
                                           n_units, every)]
     segmentations.append(simulate(graph, pp.plan_units(every, "sqrtn", segments=0), costs, st,
                                   seg_rules))
-    return PlanningContext(graph, costs, st, base, pp, tuple(segmentations),
-                           time.perf_counter() + request.time_limit, request.time_limit,
-                           rules)
+    now = time.perf_counter()
+    deadline = now + request.time_limit if request.deadline is None else request.deadline
+    return PlanningContext(graph, costs, st, base, pp, tuple(segmentations), deadline,
+                           request.time_limit, rules, prepare_s=now - began)
 
 
 def _choose(context: PlanningContext | None, base: Simulation, budget: Budget,

@@ -54,7 +54,8 @@ class Allowance:
     def of(cls, p: PlanningContext, share: float) -> Allowance:
         nodes = max(len(p.graph.nodes), 1)
         moves = int(share * p.time_limit * SIMULATED_NODES_PER_S / nodes)
-        return cls(max(moves, MIN_MOVES), p.deadline)
+        # The safety net leaves the caller the room it asked for (``after_s``).
+        return cls(max(moves, MIN_MOVES), p.deadline - p.after_s)
 
     def take(self, stage: str) -> bool:
         """Whether one more simulation may run (it is counted)."""

@@ -77,11 +77,19 @@ class PlanRequest:
     peak is searched (``Budget.MIN``, or nothing fits), plan once more over the step with
     its region variants in place. ``smallest_on_refusal=False``: where nothing fits, refuse
     without searching the smallest peak (the error's ``smallest`` is then only the smallest
-    peak of the plans tried)."""
+    peak of the plans tried).
+
+    ``time_limit`` is the work the call is given (the polish's count of simulations is
+    derived from it, so it must not come from the clock); ``deadline`` (a
+    ``time.perf_counter()`` value) is when the call must end, the safety net every stage
+    stops at: None means ``time_limit`` from when the planning starts. Compile gives each
+    row-chunk setting a share of ``--time-limit`` as its ``time_limit`` and the one
+    deadline of the compile (``compiler/chunk_clock.py``)."""
 
     budget: Budget = Budget.MIN
     strategy: str = "auto"
     time_limit: float = 60.0
+    deadline: float | None = None
     kinds: DecisionKinds = field(default_factory=DecisionKinds)
     device: str = "cpu"        # whose allocation rules a peak follows (simulate.DEVICES)
     heap_room: bool = False
