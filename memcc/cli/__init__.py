@@ -7,8 +7,11 @@
   ``training`` (run, train, export): the commands, one module per family.
 
 The commands are added here, in the order ``memcc --help`` lists them. The console entry
-``memcc = "memcc.cli:app"`` (pyproject.toml) and ``python -m memcc.cli`` both run ``app``.
+``memcc = "memcc.cli:main"`` (pyproject.toml) and ``python -m memcc.cli`` both run ``main``.
 """
+
+import os
+import sys
 
 from memcc.cli.app import app
 from memcc.cli.building import build
@@ -26,8 +29,25 @@ app.command(name="analyze")(analyze_cmd)
 app.command(name="report")(report_cmd)
 
 
-def main() -> None:  # pragma: no cover - console entry
-    app()
+def main() -> None:
+    """The ``memcc`` command: ``app``, then an exit that a solve left running past its
+    deadline cannot turn into an abort (``solvers.ilp.wait_for_left_behind``): where one
+    still runs, the output is flushed and the process ends with the command's status
+    without finalizing the interpreter."""
+    try:
+        app()
+        code: object = 0
+    except SystemExit as exc:
+        code = exc.code
+    solvers = sys.modules.get("memcc.passes.planning.solvers.ilp")
+    if solvers is not None and not solvers.wait_for_left_behind(solvers.EXIT_WAIT_S):
+        status = code if isinstance(code, int) else 0 if code is None else 1
+        if not isinstance(code, (int, type(None))):
+            print(code, file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    sys.exit(code)
 
 
 __all__ = ["app", "main"]

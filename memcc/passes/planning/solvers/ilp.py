@@ -25,6 +25,7 @@ left to finish on its own, and the round keeps the best answer the solver report
 
 from __future__ import annotations
 
+import atexit
 import threading
 import time
 from dataclasses import dataclass
@@ -50,6 +51,26 @@ LATE_MAX_S = 1.0
 # Solves left behind at their deadline, kept referenced until they end (their interrupt
 # flag is set, so they stop at the solver's next check).
 _left_behind: list[tuple[object, threading.Thread]] = []
+# How long the process waits at its exit for solves left behind to end (``wait_for_left_behind``).
+EXIT_WAIT_S = 2.0
+
+
+def wait_for_left_behind(timeout: float) -> bool:
+    """Wait up to ``timeout`` seconds for the solves left behind to end; True when none is
+    still running. Why: a HiGHS solve still running when the interpreter shuts down calls
+    its Python callbacks into a finalizing interpreter, and the process aborts
+    ("terminate called without an active exception", exit status 134) after its work was
+    done and its files written. Interrupted, most end at their next callback, in
+    milliseconds; one inside a heuristic that never calls back may run for minutes, and
+    the command line (``memcc.cli.main``) then ends the process without finalizing it."""
+    end = time.perf_counter() + timeout
+    for _, thread in list(_left_behind):
+        thread.join(max(end - time.perf_counter(), 0.0))
+    return not any(thread.is_alive() for _, thread in _left_behind)
+
+
+def _wait_at_exit() -> None:
+    wait_for_left_behind(EXIT_WAIT_S)
 
 
 def _initial_rows(problem: Problem, budget: float, objective: str, k: int) -> list[int]:
@@ -412,6 +433,9 @@ def _run_until(h, deadline: float, time_limit: float) -> tuple[bool, np.ndarray 
         return True, None
     stop.set()
     _left_behind[:] = [(s, t) for s, t in _left_behind if t.is_alive()]
+    if not _left_behind:
+        atexit.unregister(_wait_at_exit)
+        atexit.register(_wait_at_exit)
     _left_behind.append((h, thread))
     with lock:
         return False, (best[0][1].copy() if best else None)
