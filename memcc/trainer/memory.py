@@ -98,7 +98,7 @@ class StepMemory:
     def method(self) -> str:
         if self.allocator == "arena":
             return ("cpu-vmhwm: growth of VmHWM over the step (heap trimmed before it) plus "
-                    "the arrays the trainer holds and feeds")
+                    "the arrays the trainer holds")
         if self.allocator == "cuda-arena":
             return self._nvml.method if self._nvml is not None else "none"
         return "none: malloc (the resident size is shown instead)"
