@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -103,14 +104,24 @@ def _train_in_child(path: Path, steps: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def rows_for(label: str, model: Path, fractions: list[float], steps: int, tmp: Path,
-             log) -> list[dict]:
+@dataclass(frozen=True)
+class Rows:
+    """Which rows each model gets: budgets (fractions of the step as built), measured steps,
+    allocators."""
+
+    fractions: tuple[float, ...] = (0.5,)
+    steps: int = 4
+    allocators: tuple[str, ...] = ("arena", "malloc")
+
+
+def rows_for(label: str, model: Path, want: Rows, tmp: Path, log) -> list[dict]:
     from memcc.backend.runner import RunRequest, run_steps
     from memcc.compiler import CompileOptions, compile_model
     from memcc.passes.planning.planner import BudgetError
 
     rows = []
-    for allocator in ("arena", "malloc"):
+    fractions, steps = list(want.fractions), want.steps
+    for allocator in want.allocators:
         arena = allocator == "arena"
         base = None
         for fraction in [1.0, *fractions]:
@@ -170,6 +181,8 @@ def main(argv=None) -> int:
                     help="budgets as fractions of the step as built (0: --budget min)")
     ap.add_argument("--exports", action="store_true", help="also the torch.onnx exports")
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--allocators", nargs="*", default=["arena", "malloc"],
+                    choices=["arena", "malloc"], help="which rows (default: both)")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--measure-training", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -182,6 +195,7 @@ def main(argv=None) -> int:
         print(m, file=sys.stderr, flush=True)
 
     rows: list[dict] = []
+    want = Rows(tuple(args.fractions), args.steps, tuple(args.allocators))
     with tempfile.TemporaryDirectory(prefix="memcc-trained-") as d:
         tmp = Path(d)
         cases = [(f"{m} {SIZES[m]}", _saved(build_model(m, **SIZES[m]), tmp / f"{m}.onnx"))
@@ -189,7 +203,7 @@ def main(argv=None) -> int:
         if args.exports:
             cases += export_cases(tmp)
         for label, path in cases:
-            rows += rows_for(label, path, args.fractions, args.steps, tmp, log)
+            rows += rows_for(label, path, want, tmp, log)
     text = table(rows)
     print(text)
     if args.out:

@@ -150,6 +150,30 @@ def test_step_events_serve_each_scratch_buffer_separately():
     assert scratch == [8 * 256 * 256 * 4, 256 * 256 * 4]  # x selected, the scalar selected
 
 
+def test_scatter_elements_copies_its_indices_beside_the_cpu_arena():
+    """ORT's CPU ScatterElements copies its indices into a std::vector (glibc's heap): a CPU
+    replay counts that copy beside the arena's regions; a CUDA replay keeps it a request."""
+    h, n = helper.make_node, 1 << 19
+    g = helper.make_graph(
+        [h("ScatterElements", ["data", "idx", "upd"], ["s"], name="s"),
+         h("ReduceSum", ["s"], ["y"], keepdims=0, name="y")], "scatter",
+        [helper.make_tensor_value_info("data", TensorProto.FLOAT, [2 * n]),
+         helper.make_tensor_value_info("idx", TensorProto.INT64, [n]),
+         helper.make_tensor_value_info("upd", TensorProto.FLOAT, [n])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 10
+    graph = load_graph(m)
+    live = analyze_liveness(graph)
+    cpu = replay_steps(graph, live, ArenaSetup(feeds_in_arena=False, cpu_threads=1))
+    assert cpu.peak_heap_bytes == 8 * n == 4 * MB      # the int64 copy, off the arena
+    assert cpu.peak_reserved_bytes == 4 * MB + 256  # s, and y's region from the step before
+    assert cpu.peak_bytes == cpu.peak_reserved_bytes + 4 * MB
+    cuda = replay_steps(graph, live, ArenaSetup(feeds_in_arena=False))
+    assert cuda.peak_heap_bytes == 0
+    assert cuda.peak_reserved_bytes == 8 * MB               # s and the copy
+
+
 def _step(tmp_path, name: str, **dims):
     from models import build_model
 

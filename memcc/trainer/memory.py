@@ -49,8 +49,9 @@ class StepMemory:
     - CPU with the arena (``compile --arena``): before the step the free heap is given back
       (``trim_heap``; the arena returned its regions after the last step anyway) and the
       high-water mark reset; after it, the growth of the high-water mark plus the arrays the
-      trainer holds and feeds (parameters, optimizer state, constants, the batch), as the
-      measuring child counts its feeds. Predicted by ``passes.analysis.arena.cpu_arena_peak`` (the
+      trainer holds (parameters, optimizer state, constants, its bound copy of the batch),
+      as the measuring child counts its feeds (the caller's batch arrays are not added:
+      the plan counts the batch once). Predicted by ``passes.analysis.arena.cpu_arena_peak`` (the
       meter's view), which matched this within 2% on the quick start's GPT-2 plan.
     - CUDA: the device memory used at the step's worst moment (NVML, sampled; needs
       ``pynvml``) over the reading before the trainer's session existed
@@ -92,19 +93,18 @@ class StepMemory:
         self.first_step: int | None = None
         self._steps = 0
         self._before = 0
-        self._batch = 0
 
     @property
     def method(self) -> str:
         if self.allocator == "arena":
             return ("cpu-vmhwm: growth of VmHWM over the step (heap trimmed before it) plus "
-                    "the arrays the trainer holds and feeds")
+                    "the arrays the trainer holds")
         if self.allocator == "cuda-arena":
             return self._nvml.method if self._nvml is not None else "none"
         return "none: malloc (the resident size is shown instead)"
 
     def start(self, batch: Mapping[str, np.ndarray]) -> None:
-        self._batch = int(sum(np.asarray(a).nbytes for a in batch.values()))
+        """Before a step on ``batch``, whose bound copy ``held`` already counts."""
         if self.allocator == "arena":
             from memcc.backend.memory import reset_peak_rss, rss_bytes
 
@@ -129,8 +129,11 @@ class StepMemory:
         if grew is None:
             return None
         # CUDA: the reading already holds everything bound to the step; elsewhere the
-        # growth of the heap is added to what the trainer holds and feeds.
-        step = grew if self.allocator == "cuda-arena" else grew + self.held + self._batch
+        # growth of the heap is added to what the trainer holds, the bound batch included.
+        # The caller's own batch arrays are not added: the trainer copies them into its
+        # bound buffers, which the plan counts once as the step's inputs (adding them too
+        # counted the batch twice: 3.1 MB on the zoo's ResNet-18 at 16 x 128 px).
+        step = grew if self.allocator == "cuda-arena" else grew + self.held
         # The process's first step also creates thread pools, kernel caches and packing
         # buffers, which the measuring child leaves out (its baseline follows a warm-up
         # step): it is shown, but the run's peak comes from the steps after it.

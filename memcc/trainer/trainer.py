@@ -47,7 +47,7 @@ import numpy as np
 from memcc.backend import checkpoint as ckpt
 from memcc.backend.data import DataInput, data_inputs
 from memcc.backend.device_step import DeviceSettings, DeviceStep, StepRoles, step_for_provider
-from memcc.backend.memory import device_baseline, trim_heap
+from memcc.backend.memory import device_baseline, fix_mmap_threshold, trim_heap
 from memcc.backend.session import resolve_provider
 from memcc.errors import InputError
 from memcc.frontend.dropout_masks import COUNTER, checkpoint_counter
@@ -140,6 +140,10 @@ class Trainer:
         for n in self._step.state:
             self.graph.initializers.pop(n, None)
         trim_heap()  # and give the freed loading buffers back (glibc keeps them otherwise)
+        if self.provider == "cpu" and self.arena:
+            # Kernel heap buffers freed in a step go back at once, as the arena model counts
+            # them (``backend.memory.fix_mmap_threshold``).
+            fix_mmap_threshold()
 
     # ------------------------------------------------------------------ values
     @property

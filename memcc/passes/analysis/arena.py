@@ -44,18 +44,21 @@ from memcc.passes.analysis.bfc_arena import (  # noqa: F401 (the allocator's nam
     cuda_pages_for,
     rounded_bytes,
 )
-from memcc.passes.analysis.kernel_scratch import scratch_buffers
+from memcc.passes.analysis.kernel_scratch import scratch_buffers, scratch_on_heap
 
 
 # ---------------------------------------------------------------------------- a step's events
 @dataclass(frozen=True)
 class Event:
     """One arena request or release; ``node`` is the index of the node it belongs to (-1:
-    the values that exist before the first node)."""
+    the values that exist before the first node). ``heap``: kernel scratch that the CPU
+    kernel takes from glibc's heap, not from the arena (``kernel_scratch.scratch_on_heap``);
+    CPU replays (``ArenaSetup.cpu_threads`` set) count it beside the arena."""
 
     node: int
     key: str
     nbytes: int        # > 0: allocate; 0: free
+    heap: bool = False
 
 
 def step_events(graph: Graph, liveness, *, feeds_in_arena: bool,
@@ -101,10 +104,11 @@ def step_events(graph: Graph, liveness, *, feeds_in_arena: bool,
             events.append(Event(j, name, _raw(graph, name)))
         scratch = [b for b in scratch_buffers(node, graph.info, graph.opset,
                                               cpu_threads=cpu_threads) if b]
+        heap = scratch_on_heap(node)
         for k, nbytes in enumerate(scratch):
-            events.append(Event(j, f"scratch:{j}:{k}", int(nbytes)))
+            events.append(Event(j, f"scratch:{j}:{k}", int(nbytes), heap))
         for k in range(len(scratch)):
-            events.append(Event(j, f"scratch:{j}:{k}", 0))
+            events.append(Event(j, f"scratch:{j}:{k}", 0, heap))
         ins = {i: k for k, i in reversed(list(enumerate(node.input)))}
         for name in sorted(died.get(j, ()), key=lambda v: ins.get(v, len(ins))):
             events.append(Event(j, name, 0))
@@ -138,19 +142,22 @@ class ArenaReport:
     # The warm-up run's own peak (device pages on CUDA, reserved bytes else), counted from
     # an empty arena: a first training step's peak when nothing shrinks between steps.
     first_run_peak_bytes: int = 0
+    # CPU: the kernel scratch on glibc's heap (``Event.heap``) live at the worst moment,
+    # beside ``peak_reserved_bytes`` (the regions at that moment); 0 elsewhere.
+    peak_heap_bytes: int = 0
 
     @property
     def peak_bytes(self) -> int:
         """The step's peak as the device counts it: pages on CUDA, reserved bytes else."""
         return (self.peak_device_bytes if self.peak_device_bytes is not None
-                else self.peak_reserved_bytes)
+                else self.peak_reserved_bytes + self.peak_heap_bytes)
 
     @property
     def measured_bytes(self) -> int:
         """What a meter that subtracts the memory held between steps sees."""
         if self.peak_device_bytes is not None and self.start_device_bytes is not None:
             return self.peak_device_bytes - self.start_device_bytes
-        return self.peak_reserved_bytes - self.start_reserved_bytes
+        return self.peak_reserved_bytes + self.peak_heap_bytes - self.start_reserved_bytes
 
     @property
     def fragmentation_bytes(self) -> int:
@@ -168,7 +175,8 @@ class ArenaReport:
                 "peaks_per_step": list(self.peaks_per_step),
                 "peak_device_bytes": self.peak_device_bytes,
                 "start_device_bytes": self.start_device_bytes,
-                "first_run_peak_bytes": self.first_run_peak_bytes}
+                "first_run_peak_bytes": self.first_run_peak_bytes,
+                "peak_heap_bytes": self.peak_heap_bytes}
 
 
 @dataclass(frozen=True)
@@ -221,6 +229,7 @@ class _ReplayMeter:
     device_at: int = -1
     first_peak: int = 0
     run_start: int = 0
+    peak_heap: int = 0
     peaks: list[int] = field(default_factory=list)
 
     def settle(self, arena: BfcArena) -> None:
@@ -229,14 +238,16 @@ class _ReplayMeter:
         self.device_base = self.device_peak = arena.device_bytes
         self.peak_in_use, self.extensions = arena.in_use, arena.extensions
 
-    def observe(self, arena: BfcArena, node: int, run: int, cuda: bool) -> None:
-        """The arena after one request of ``node`` in run ``run`` (0: the warm-up)."""
+    def observe(self, arena: BfcArena, node: int, run: int, cuda: bool,
+                heap: int = 0) -> None:
+        """The arena after one request of ``node`` in run ``run`` (0: the warm-up), with
+        ``heap`` bytes of kernel scratch live beside it (CPU)."""
         if not run:
             self.first_peak = max(self.first_peak,
-                                  arena.device_bytes if cuda else arena.reserved)
+                                  arena.device_bytes if cuda else arena.reserved + heap)
             return
-        if arena.reserved > self.peak:
-            self.peak, self.peak_at = arena.reserved, node
+        if arena.reserved + heap > self.peak:
+            self.peak, self.peak_at, self.peak_heap = arena.reserved + heap, node, heap
         if cuda and (d := arena.device_bytes) > self.device_peak:
             self.device_peak, self.device_at = d, node
         self.peak_in_use = max(self.peak_in_use, arena.in_use)
@@ -246,7 +257,8 @@ class _ReplayMeter:
         at = self.device_at if cuda else self.peak_at
         node = order[at] if 0 <= at < len(order) else None
         return ArenaReport(
-            peak_reserved_bytes=self.peak, start_reserved_bytes=self.baseline,
+            peak_reserved_bytes=self.peak - self.peak_heap, peak_heap_bytes=self.peak_heap,
+            start_reserved_bytes=self.baseline,
             peak_in_use_bytes=self.peak_in_use,
             extensions=arena.extensions - self.extensions,
             peak_node=kw.pop("peak_node", node), peaks_per_step=tuple(self.peaks),
@@ -286,7 +298,8 @@ def replay_steps(graph: Graph, liveness, setup: ArenaSetup = ArenaSetup(), *,
         failed = _replay_run(requests, arena, meter, run, setup)
         if failed is not None:
             where = order[failed] if 0 <= failed < len(order) else "(the feeds)"
-            meter.peak = max(meter.peak, arena.reserved)
+            if arena.reserved > meter.peak:
+                meter.peak, meter.peak_heap = arena.reserved, 0
             meter.device_peak = max(meter.device_peak, arena.device_bytes)
             return meter.report(arena, order, setup.cuda, peak_node=where, fails_at=where)
     return meter.report(arena, order, setup.cuda)
@@ -313,16 +326,20 @@ def _replay_run(requests: _RunRequests, arena: BfcArena, meter: _ReplayMeter, ru
     request found no room (None: the run fitted)."""
     tag = f"#{run}"
     run_peak = arena.reserved
+    heap: dict[str, int] = {}  # CPU: kernel scratch live on glibc's heap, not in the arena
     for e, stream in zip(requests.events, requests.streams, strict=True):
         try:
-            if e.nbytes:
+            if e.heap and setup.cpu_threads is not None:
+                heap[e.key] = e.nbytes
+            elif e.nbytes:
                 arena.alloc(e.key + tag, e.nbytes, stream=stream)
             else:
                 arena.free(e.key + tag)
         except ArenaExhausted:
             return e.node
-        meter.observe(arena, e.node, run, setup.cuda)
-        run_peak = max(run_peak, arena.reserved)
+        beside = sum(heap.values())  # a freed scratch buffer's entry is 0
+        meter.observe(arena, e.node, run, setup.cuda, beside)
+        run_peak = max(run_peak, arena.reserved + beside)
     if run:
         meter.peaks.append(run_peak)
     for name in requests.feeds:
@@ -357,13 +374,15 @@ def cpu_arena_peak(graph: Graph, liveness, *, steps: int = 2,
     a host-side index of one chunk handle per 256 bytes.
 
     Returns the bytes the process holds at the step's worst moment: the feeds, every region
-    the arena has reserved then, and their index. That includes the regions that held the
-    last step's outputs when ORT shrank the arena and so survive into this step, empty, as
-    the CUDA peak does (``simulate``). ``meter=True``: what a meter that takes its baseline
-    between steps sees instead (``backend.runner``'s measurement), those regions left out.
+    the arena has reserved then, their index, and the kernel scratch on glibc's heap then
+    (ScatterElements' copy of its indices: ``kernel_scratch.scratch_on_heap``). That
+    includes the regions that held the last step's outputs when ORT shrank the arena and so
+    survive into this step, empty, as the CUDA peak does (``simulate``). ``meter=True``: what
+    a meter that takes its baseline between steps sees instead (``backend.runner``'s
+    measurement), those regions left out.
     Measured against the meter on the zoo: docs/MEMORY_TRUTH.md."""
     report = replay_steps(graph, liveness, ArenaSetup(feeds_in_arena=False, addresses_grow=False,
                                                       cpu_threads=cpu_threads()), steps=steps)
-    held = report.measured_bytes if meter else report.peak_reserved_bytes
+    held = report.peak_reserved_bytes - (report.start_reserved_bytes if meter else 0)
     index = held * REGION_INDEX_BYTES // MIN_ALLOCATION
-    return report, liveness.start_bytes + held + index
+    return report, liveness.start_bytes + held + index + report.peak_heap_bytes
