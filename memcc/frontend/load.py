@@ -57,7 +57,7 @@ def read_model(path: str | os.PathLike) -> onnx.ModelProto:
     return model
 
 
-def _read_apart(path: str | os.PathLike) -> tuple[onnx.ModelProto, Arrays]:
+def read_model_apart(path: str | os.PathLike) -> tuple[onnx.ModelProto, Arrays]:
     """``read_model``, with the large float weights left in the file: stubs in the model,
     their values views into the mapped file (``frontend/weights_apart.py``); the whole
     file parsed where that reader cannot read it."""
@@ -111,20 +111,23 @@ def load_graph(
     *,
     source: str | None = None,
     mapped: bool = False,
+    weights: Arrays | None = None,
 ) -> Graph:
     """Read, bind symbolic dimensions, infer every shape; return a static ``Graph``.
 
     A file's large float weights are read once, as the graph takes them; with ``mapped``,
     not even that: they stay views into the mapped file, read when something reads them
     (compile's refusal of a budget under the step's floor reads none). The caller then
-    calls ``weights_apart.own_weights`` before the file could change."""
-    arrays: Arrays = {}
+    calls ``weights_apart.own_weights`` before the file could change. ``weights``: the
+    values of the stubs of a model given as a ``ModelProto`` (``read_model_apart``'s; the
+    graph holds these very arrays, mapped or not, and owns mapped ones unless ``mapped``)."""
+    arrays: Arrays = dict(weights or {})  # a copy: the folded copies' check adds to it
     if isinstance(path_or_model, onnx.ModelProto):
         model = onnx.ModelProto()
         model.CopyFrom(path_or_model)
         where = source or "<model>"
     else:
-        model, arrays = _read_apart(path_or_model)
+        model, arrays = read_model_apart(path_or_model)
         where = source or str(path_or_model)
     export_map = read_export_map(model)  # from the file as written, before any rewrite
     if export_map is not None:  # folded copies of one parameter: computed from it again

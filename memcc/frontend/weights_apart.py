@@ -78,9 +78,16 @@ def own_weights(graph: Graph) -> None:
     read-only copy of its own (as ``numpy_helper.to_array`` gives)."""
     for name, a in graph.initializers.items():
         if _mapped(a):
-            copy = np.array(a)
-            copy.flags.writeable = False
-            graph.initializers[name] = copy
+            graph.initializers[name] = owned(a)
+
+
+def owned(a: np.ndarray) -> np.ndarray:
+    """A read-only copy of ``a`` where it is a view into a mapped file; ``a`` otherwise."""
+    if not _mapped(a):
+        return a
+    copy = np.array(a)
+    copy.flags.writeable = False
+    return copy
 
 
 def with_weights(model: onnx.ModelProto, arrays: Arrays) -> onnx.ModelProto:

@@ -16,6 +16,7 @@ import onnx
 from memcc.errors import MemccError
 from memcc.frontend.build import build_training_step
 from memcc.frontend.load import load_graph
+from memcc.frontend.weights_apart import Arrays, own_weights, owned
 from memcc.graph import Graph
 from memcc.passes.analysis.cost_model import (
     CUDA_NOMINAL,
@@ -30,6 +31,12 @@ from memcc.passes.planning.request import Budget, DecisionKinds, PlanRequest
 from memcc.passes.planning.simulate import Simulation, SimulationRules, simulate
 from memcc.passes.providers.provider_step import for_provider
 from memcc.tune.options import Say, SearchRange, TuneOptions
+
+
+def floor_bytes(step: Graph) -> int:
+    """The bytes no plan can remove: the step's inputs, parameters and optimizer state."""
+    persistent = set(step.inputs) | set(step.initializers)
+    return int(sum(step.info[v].nbytes for v in persistent if v in step.info))
 
 
 # ---------------------------------------------------------------------------- one size
@@ -65,8 +72,14 @@ class SizeSearch:
     """The cached, tiered "does this size fit?" and the plans the table needs."""
 
     def __init__(self, model: onnx.ModelProto, label: str, rng: SearchRange,
-                 options: TuneOptions, plan_budget: int, say: Say) -> None:
+                 options: TuneOptions, plan_budget: int, say: Say,
+                 weights: Arrays | None = None) -> None:
         self.model, self.label, self.rng, self.opts = model, label, rng, options
+        # The values of ``model``'s stubs (``load.read_model_apart``): views into the
+        # mapped file until ``own_weights``, then arrays every size's step shares.
+        self.weights: Arrays = dict(weights or {})
+        self._built: dict[int, Graph] = {}  # steps built, not yet probed (``step``)
+        self._owned = False
         self.budget = plan_budget
         self.compile = options.compile_options()
         self.slack = options.slack_bytes or 0  # tune() counts it on the smallest size
@@ -77,25 +90,52 @@ class SizeSearch:
         self._cuda: dict = {}  # the CUDA calibration, once read
 
     # -- building and costs
+    def step(self, b: int) -> Graph:
+        """The training step at size ``b`` as compile plans it, nothing priced yet (the
+        floor check of ``tune`` needs no more); its weights are ``self.weights``'s."""
+        if b in self.probes:
+            return self.probes[b].graph
+        graph = self._built.get(b)
+        if graph is None:
+            self.say(f"{self.rng.dim}={b}: building the step")
+            lr = self.opts.lr_for(b)
+            build = self.opts.build if lr is None or self.opts.build.optimizer == "none" \
+                else replace(self.opts.build, lr=lr)
+            dims = {**self.opts.dims, self.rng.dim: b}
+            forward = load_graph(self.model, dims, source=self.label, mapped=True,
+                                 weights=self.weights)
+            graph = build_training_step(forward, build, source=self.label)
+            graph, _ = for_provider(graph, self.opts.provider)  # as compile plans it
+            self._built[b] = graph
+        return graph
+
+    def own_weights(self) -> None:
+        """Copy the weights out of the mapped file, once, before anything runs or keeps a
+        step: the steps built so far and those built later share the copies."""
+        if self._owned:
+            return
+        self._owned = True
+        copies = {name: owned(a) for name, a in self.weights.items()}
+        by_id = {id(a): copies[name] for name, a in self.weights.items()}
+        self.weights = copies
+        for graph in [*self._built.values(), *(p.graph for p in self.probes.values())]:
+            for name, a in graph.initializers.items():
+                graph.initializers[name] = by_id.get(id(a), a)
+            own_weights(graph)  # anything else still a view into the file
+
     def probe(self, b: int) -> SizeProbe:
         p = self.probes.get(b)
         if p is not None:
             return p
-        self.say(f"{self.rng.dim}={b}: building the step")
+        graph = self.step(b)
+        self.own_weights()  # pricing may run the step (measured node times)
+        del self._built[b]
         lr = self.opts.lr_for(b)
-        build = self.opts.build if lr is None or self.opts.build.optimizer == "none" \
-            else replace(self.opts.build, lr=lr)
-        dims = {**self.opts.dims, self.rng.dim: b}
-        graph = build_training_step(load_graph(self.model, dims, source=self.label), build,
-                                    source=self.label)
-        graph, _ = for_provider(graph, self.opts.provider)  # as compile plans it
         costs = self._costs(graph)
         st = StepStructure.of(graph)
         # On CUDA, judged by the arena replay, as compile judges it.
         base = simulate(graph, Plan(), costs, st, SimulationRules(self.opts.provider))
-        persistent = set(graph.inputs) | set(graph.initializers)
-        floor = sum(graph.info[v].nbytes for v in persistent if v in graph.info)
-        p = SizeProbe(b, graph, costs, st, base, int(floor), lr)
+        p = SizeProbe(b, graph, costs, st, base, floor_bytes(graph), lr)
         self.probes[b] = p
         self.stats["builds"] += 1
         return p

@@ -38,13 +38,13 @@ import onnx
 
 from memcc.compiler import plan_budget_under, user_budget
 from memcc.errors import InputError, MemccError
-from memcc.frontend.load import read_model
+from memcc.frontend.load import read_model_apart
 from memcc.graph import Graph
 from memcc.passes.planning.planner import PlanOutcome
 from memcc.sizes import format_size, parse_size
 from memcc.step import KIND_KEY
 from memcc.tune.options import Say, SearchRange, TuneOptions, parse_range
-from memcc.tune.probe import SizeProbe, SizeSearch
+from memcc.tune.probe import SizeProbe, SizeSearch, floor_bytes
 from memcc.tune.results import Candidate, TuneResult
 
 
@@ -60,16 +60,19 @@ def tune(model: str | os.PathLike | onnx.ModelProto, budget: str | int, dim: str
     t0 = time.perf_counter()
     rng = dim if isinstance(dim, SearchRange) else parse_range(dim)
     budget_bytes = _budget(budget)
-    if isinstance(model, onnx.ModelProto):
-        proto, label = model, "<model>"
-    else:
-        proto, label = read_model(model), str(model)
+    # A file's large weights stay in it (mapped) until the smallest size passes the floor:
+    # a refusal there needs their shapes alone (``frontend/weights_apart.py``).
+    proto, weights, label = (model, {}, "<model>") if isinstance(model, onnx.ModelProto) \
+        else (*read_model_apart(model), str(model))
     _check_searchable(proto, label, rng, opts)
-    search = SizeSearch(proto, label, rng, opts, 0, say)
+    search = SizeSearch(proto, label, rng, opts, 0, say, weights)
     first = rng.low
-    search.slack = search.compile.slack_for(search.probe(first).graph)
+    search.slack = search.compile.slack_for(search.step(first))
     plan_budget = plan_budget_under(budget_bytes, search.compile, search.slack)
     search.budget = plan_budget
+    floor = floor_bytes(search.step(first))
+    if floor > plan_budget:  # the step as built peaks at least there: nothing fits
+        raise _under_the_floor(search, first, budget_bytes, floor)
     if not search.fits(first, expect=True)[0]:
         raise _nothing_fits(search, first, budget_bytes)
     # The largest size without a rewrite: liveness of the built step only.
@@ -165,22 +168,28 @@ def _check_searchable(model: onnx.ModelProto, label: str, rng: SearchRange,
         "builders take -O dynamic_batch=true")
 
 
+def _under_the_floor(search: SizeSearch, b: int, budget: int, floor: int) -> InputError:
+    """The refusal of a budget under the bytes no plan can remove at size ``b``."""
+    label, dim = search.label, search.rng.dim
+    need = user_budget(floor, search.compile, search.slack)
+    return InputError(
+        f"{label}: nothing fits {format_size(budget)} ({budget:,} bytes): at {dim}={b} "
+        f"the inputs, parameters and optimizer state alone take "
+        f"{format_size(floor)} ({floor:,} bytes; planning budget "
+        f"{format_size(search.budget)} after the {search.opts.margin:.0%} + "
+        f"{search.slack:,} bytes margin), and recomputation cannot shrink them (nor the "
+        f"updated copies the step outputs). No budget under {format_size(need)} "
+        f"({need:,} bytes) can fit: give --budget {need} or more (memcc compile "
+        f"--budget min on the step at {dim}={b} finds what it needs), or train fewer "
+        "parameters (--freeze PATTERN keeps them fixed, without gradients or state); "
+        "adamw keeps two state tensors per parameter, sgd one")
+
+
 def _nothing_fits(search: SizeSearch, b: int, budget: int) -> MemccError:
+    """The refusal of a budget that the smallest size fits under no plan (its floor
+    fits: ``_under_the_floor`` refused the rest before anything was priced)."""
     p = search.probes[b]
     label, dim = search.label, search.rng.dim
-    if p.floor_bytes > search.budget:
-        need = user_budget(p.floor_bytes, search.compile, search.slack)
-        return InputError(
-            f"{label}: nothing fits {format_size(budget)} ({budget:,} bytes): at {dim}={b} "
-            f"the inputs, parameters and optimizer state alone take "
-            f"{format_size(p.floor_bytes)} ({p.floor_bytes:,} bytes; planning budget "
-            f"{format_size(search.budget)} after the {search.opts.margin:.0%} + "
-            f"{search.slack:,} bytes margin), and recomputation cannot shrink them (nor the "
-            f"updated copies the step outputs). No budget under {format_size(need)} "
-            f"({need:,} bytes) can fit: give --budget {need} or more (memcc compile "
-            f"--budget min on the step at {dim}={b} finds what it needs), or train fewer "
-            "parameters (--freeze PATTERN keeps them fixed, without gradients or state); "
-            "adamw keeps two state tensors per parameter, sgd one")
     # The smallest peak found; with --strategy none, the step as built.
     smallest = next(v for v in (p.smallest, p.sqrtn_peak, p.baseline.peak_bytes)
                     if v is not None)
