@@ -173,6 +173,15 @@ class SizeSearch:
                 self._rates = CUDA_NOMINAL
         return analytic_costs(graph, self._rates)
 
+    def _choose(self, p: SizeProbe, budget: Budget, strategy: str) -> PlanOutcome:
+        """The planner's plan of size ``p`` at ``budget``, asked as compile asks it (by
+        keyword: ``PlanRequest``'s ``deadline``, added, shifted positional arguments)."""
+        return choose_plan(p.graph, p.costs, PlanRequest(
+            budget=budget, strategy=strategy, time_limit=self.opts.time_limit,
+            kinds=DecisionKinds(offload=self.opts.provider == "cuda"),
+            device=self.opts.provider, heap_room=self.compile.heap_room),
+            structure=p.structure, baseline=p.baseline)
+
     # -- the tiers
     def cheap_fits(self, b: int) -> tuple[bool | None, str]:
         """Settled without the planner's search: (fits, evidence), or (None, '')."""
@@ -214,10 +223,7 @@ class SizeSearch:
         if expect:
             return self.plan(b) is not None, "plan"
         self.say(f"{self.rng.dim}={b}: smallest reachable peak ({self.opts.strategy})")
-        out = choose_plan(p.graph, p.costs, PlanRequest(
-            Budget.MIN, self.opts.strategy, self.opts.time_limit,
-            DecisionKinds(offload=self.opts.provider == "cuda"), self.opts.provider,
-            heap_room=self.compile.heap_room), structure=p.structure, baseline=p.baseline)
+        out = self._choose(p, Budget.MIN, self.opts.strategy)
         self.stats["min_searches"] += 1
         p.smallest, p.smallest_fit = out.best.peak_bytes, out.best.fit_bytes
         return p.smallest_fits(self.budget), "min-search"
@@ -235,10 +241,7 @@ class SizeSearch:
             self.say(f"{self.rng.dim}={b}: planning ({strategy})")
             self.stats["plans"] += 1
         try:
-            p.outcome = choose_plan(p.graph, p.costs, PlanRequest(
-                Budget.of(self.budget), strategy, self.opts.time_limit,
-                DecisionKinds(offload=self.opts.provider == "cuda"), self.opts.provider,
-                heap_room=self.compile.heap_room), structure=p.structure, baseline=p.baseline)
+            p.outcome = self._choose(p, Budget.of(self.budget), strategy)
         except BudgetError as exc:
             p.smallest = exc.smallest
             # Refused at this budget: no plan fits it with its heap room, whatever its peak.
@@ -251,10 +254,7 @@ class SizeSearch:
         p = self.probe(b)
         if p.sqrtn_peak is None:
             self.say(f"{self.rng.dim}={b}: sqrt(n) segmentations")
-            out = choose_plan(p.graph, p.costs, PlanRequest(
-                Budget.MIN, "sqrtn", self.opts.time_limit,
-                DecisionKinds(offload=self.opts.provider == "cuda"), self.opts.provider,
-                heap_room=self.compile.heap_room), structure=p.structure, baseline=p.baseline)
+            out = self._choose(p, Budget.MIN, "sqrtn")
             p.sqrtn_peak, p.sqrtn_fit = out.best.peak_bytes, out.best.fit_bytes
             self.stats["sqrtn_bounds"] += 1
         return p.sqrtn_peak
