@@ -32,6 +32,7 @@ from memcc.compiler.loading import check_provider, load_step_warned
 from memcc.compiler.options import CompileOptions, user_budget
 from memcc.compiler.planning import as_trained
 from memcc.compiler.progress import warning_sink
+from memcc.frontend.weights_apart import own_weights
 from memcc.graph import Graph
 from memcc.passes.analysis.liveness import CATEGORIES, categorize
 from memcc.passes.analysis.step_traffic import StepTraffic, step_traffic
@@ -130,7 +131,11 @@ def analyze(model: str | os.PathLike, options: CompileOptions, *, smallest: bool
     label = str(model)
     cuda_missing = check_provider(options, warning)
     say("loading")
-    graph, load = load_step_warned(model, label, options, warning)
+    # The file's large weights stay in it (mapped): nothing here reads them but measured
+    # node times, which run the step (``frontend/weights_apart.py``).
+    graph, load = load_step_warned(model, label, options, warning, mapped=True)
+    if options.cost != "analytic":
+        own_weights(graph)
     structure = StepStructure.of(graph)
     say("node times")
     costs, cost_summary = node_costs(graph, options, warning, cuda_missing)

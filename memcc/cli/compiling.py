@@ -14,7 +14,7 @@ from rich.markup import escape
 
 from memcc.api import MemccError
 from memcc.cli.app import err, fail, out, warn
-from memcc.cli.log_progress import LogProgress
+from memcc.cli.log_progress import LogProgress, progress_lines
 from memcc.cli.options import (
     AttentionChunksOpt,
     AutoAttentionChunksOpt,
@@ -217,10 +217,8 @@ def analyze_cmd(
             time_limit=ANALYZE_TIME_LIMIT if time_limit is None else time_limit, cost=cost,
             margin=margin, variants=variants, arena=arena, build=build_options(locals()),
             dims=parse_dims(dim))
-        with err.status("analyze") as status:
-            result = analyze(model, opts, smallest=smallest,
-                             progress=lambda m: status.update(f"analyze: {escape(m)}"),
-                             warn=warn)
+        with progress_lines(err, "analyze") as say:
+            result = analyze(model, opts, smallest=smallest, progress=say, warn=warn)
     except MemccError as exc:
         fail(exc)
     if as_json:

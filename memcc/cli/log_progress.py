@@ -6,14 +6,19 @@ The status line on stderr (rich's) shows only on a terminal: piped to a file, a
 (``compiling: plan ... (at 41.3 s)``), from ``QUIET_S`` seconds on: a command that ends
 sooner (a small model, a refused budget, a bad input) prints no progress, so that an error
 stays the one thing a failed command prints (``tests/test_bad_inputs.py``), and a long
-one prints a line per stage, the one running at ``QUIET_S`` included.
+one prints a line per stage, the one running at ``QUIET_S`` included. ``progress_lines``
+is the status line or these lines, whichever stderr takes (``tune``, ``analyze``).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+from rich.console import Console
+from rich.markup import escape
 
 QUIET_S = 3.0
 
@@ -62,3 +67,17 @@ class LogProgress:
 
     def _line(self, message: str, at: float) -> None:
         self._print(f"{self._what}: {message} (at {at:.1f} s)")
+
+
+@contextmanager
+def progress_lines(console: Console, what: str) -> Iterator[Callable[[str], None]]:
+    """``say(message)`` for a command's stages on ``console`` (stderr): the status line on
+    a terminal (``what: message``), plain lines with the time off one (``LogProgress``):
+    ``tune`` and ``analyze`` said nothing to a file or a CI log for minutes."""
+    if console.is_terminal:
+        with console.status(what) as status:
+            yield lambda message: status.update(f"{what}: {escape(message)}")
+        return
+    with LogProgress(what, lambda line: console.print(escape(line), highlight=False,
+                                                      soft_wrap=True)) as log:
+        yield log

@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING, Annotated, Literal, Optional
 
 import typer
 from rich.console import Console
-from rich.markup import escape
 
 from memcc.api import MemccError
 from memcc.cli.app import err, fail, out
+from memcc.cli.log_progress import progress_lines
 from memcc.cli.options import (
     AttentionChunksOpt,
     FreezeOpt,
@@ -152,14 +152,13 @@ def _tune(model: Path, budget: str, searched: str, opts: TuneOptions,
         check_writable(output, "the compiled step", "--output/-o", inputs=reads)
     if plot is not None:
         check_plot_path(plot, inputs=[*reads, ("the compiled step (-o)", output)])
-    with err.status("tune") as status:
-        result = tune(model, budget, searched, opts,
-                      progress=lambda m: status.update(f"tune: {escape(m)}"))
+    with progress_lines(err, "tune") as say:
+        result = tune(model, budget, searched, opts, progress=say)
         if writes.measure:
             result = measure_tune(result, top=writes.measure_top, provider=writes.provider,
-                                  progress=lambda m: status.update(f"tune: {escape(m)}"))
+                                  progress=say)
         if output is not None:
-            status.update(f"tune: writing {output}")
+            say(f"writing {output}")
             write_step(result, output)
         if plot is not None:
             plot_tune(result, plot)
