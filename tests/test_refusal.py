@@ -218,3 +218,38 @@ def test_weights_left_in_the_file_give_the_graph_a_whole_read_gives(tmp_path) ->
             b = whole.initializers[name]
             assert not _mapped(a) and not a.flags.writeable
             assert (a.dtype, a.shape, a.tobytes()) == (b.dtype, b.shape, b.tobytes()), name
+
+
+def test_tune_refuses_and_analyze_answers_with_the_weights_left_in_the_file(
+        tmp_path, monkeypatch) -> None:
+    """``memcc tune`` under the smallest size's floor and ``memcc analyze`` (analytic node
+    times) copy no weight out of the mapped file (``frontend/weights_apart.py``): the copy
+    is made to fail here, and both still answer, tune's refusal naming the floor. Off a
+    terminal (``QUIET_S`` 0 here) both say their stages as lines on stderr; ``--json``
+    keeps stdout one JSON object."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from memcc.cli import app
+
+    def copied(_a):
+        raise AssertionError("a weight was copied out of the mapped file")
+
+    monkeypatch.setattr("memcc.cli.log_progress.QUIET_S", 0.0)
+    monkeypatch.setattr("memcc.tune.probe.owned", copied)
+    monkeypatch.setattr("memcc.analyze.own_weights", copied)
+    model = tmp_path / "gpt2.onnx"
+    onnx.save(build_model("gpt2", batch=2, seq_len=16, width=128, vocab_size=500,
+                          dynamic_batch=True), model)
+    runner = CliRunner()
+    r = runner.invoke(app, ["tune", str(model), "--budget", "1KB", "--dim", "batch=1..8"])
+    assert r.exit_code == 2, r.output
+    assert "the inputs, parameters and optimizer state alone take" in " ".join(
+        r.stderr.split()), r.stderr
+    assert "tune: batch=1: building the step (at " in r.stderr, r.stderr
+    r = runner.invoke(app, ["analyze", str(model), "--dim", "batch=2", "--no-smallest",
+                            "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["peak_bytes"] > 0
+    assert "analyze: loading (at " in r.stderr, r.stderr

@@ -72,12 +72,12 @@ class SizeSearch:
     """The cached, tiered "does this size fit?" and the plans the table needs."""
 
     def __init__(self, model: onnx.ModelProto, label: str, rng: SearchRange,
-                 options: TuneOptions, plan_budget: int, say: Say,
-                 weights: Arrays | None = None) -> None:
+                 options: TuneOptions, plan_budget: int, say: Say) -> None:
         self.model, self.label, self.rng, self.opts = model, label, rng, options
-        # The values of ``model``'s stubs (``load.read_model_apart``): views into the
-        # mapped file until ``own_weights``, then arrays every size's step shares.
-        self.weights: Arrays = dict(weights or {})
+        # The values of ``model``'s stubs (``load.read_model_apart``; the caller sets
+        # them): views into the mapped file until ``own_weights``, then arrays every
+        # size's step shares.
+        self.weights: Arrays = {}
         self._built: dict[int, Graph] = {}  # steps built, not yet probed (``step``)
         self._owned = False
         self.budget = plan_budget

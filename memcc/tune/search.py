@@ -65,7 +65,8 @@ def tune(model: str | os.PathLike | onnx.ModelProto, budget: str | int, dim: str
     proto, weights, label = (model, {}, "<model>") if isinstance(model, onnx.ModelProto) \
         else (*read_model_apart(model), str(model))
     _check_searchable(proto, label, rng, opts)
-    search = SizeSearch(proto, label, rng, opts, 0, say, weights)
+    search = SizeSearch(proto, label, rng, opts, 0, say)
+    search.weights = weights
     first = rng.low
     search.slack = search.compile.slack_for(search.step(first))
     plan_budget = plan_budget_under(budget_bytes, search.compile, search.slack)
