@@ -258,8 +258,9 @@ def as_trained(graph: Graph, outcome: PlanOutcome, costs: CostModel, options: Co
 
     best, picked = trained(outcome.best), outcome.picked
     candidates = list(outcome.candidates)
-    if smallest and (everything := recompute_all_as_trained(graph, best, costs, options,
-                                                                   structure)):
+    # --strategy none recomputes nothing: its smallest plan is the step as built.
+    if smallest and options.strategy != "none" and (
+            everything := recompute_all_as_trained(graph, best, costs, options, structure)):
         best, picked = everything, f"{outcome.picked or outcome.strategy}, then recompute all"
         candidates.append({"strategy": "recompute all (as trained)",
                            "peak_bytes": best.peak_bytes, "added_time_s": best.added_time_s})
