@@ -11,7 +11,7 @@ refusal's smallest-budget search is the same request at ``Budget.MIN``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import KW_ONLY, dataclass, field, replace
 from typing import ClassVar
 
 # The strategies the planner registers (``planner.STRATEGIES``, which checks it equals this):
@@ -87,6 +87,9 @@ class PlanRequest:
     deadline of the compile (``compiler/chunk_clock.py``)."""
 
     budget: Budget = Budget.MIN
+    # The rest by keyword only: a field added among them (``deadline``) shifted positional
+    # callers silently (tune passed its kinds as the deadline and crashed).
+    _: KW_ONLY
     strategy: str = "auto"
     time_limit: float = 60.0
     deadline: float | None = None
