@@ -105,6 +105,7 @@ class Attempt:
     options: CompileOptions
     estimated_added_time: float | None = None
     time_limit_s: float | None = None  # its share of --time-limit (``SharedLimit``)
+    phase: str | None = None  # "screen" or "final" (``_search_budget``'s two phases)
     graph: Graph | None = None
     costs: CostModel | None = None
     planned: Planned | None = None
@@ -131,6 +132,8 @@ class Attempt:
         out: dict = {"chunks": dict(self.chunks), "fits": self.fits}
         if self.time_limit_s is not None:
             out["time_limit_s"] = round(self.time_limit_s, 3)
+        if self.phase is not None:
+            out["phase"] = self.phase
         if self.estimated_added_time is not None:
             out["estimated_added_time"] = round(self.estimated_added_time, 4)
         if self.planned is not None:
@@ -238,14 +241,20 @@ def choose_row_chunks(search: RowChunkSearch, graph: Graph, costs: CostModel,
             f"{FLAGS[k]} {getattr(options.build, FIELDS[k])}" for k in KINDS) + ")"
         return done(first)
 
-    def attempt(chunks: dict[str, int], left_to_plan: int) -> Attempt:
-        """Plan ``chunks``, with ``left_to_plan`` settings (it included) that may still be
-        planned sharing what is left of the limit."""
-        search.say(f"row chunks: planning the step built with {describe(chunks)}")
+    def attempt(chunks: dict[str, int], limit: tuple[float, float],
+                phase: str | None = None, built: Attempt | None = None) -> Attempt:
+        """Plan ``chunks`` within ``limit`` (``SharedLimit``: work, deadline); ``built``:
+        an attempt of the same setting whose step is planned again (not built again)."""
+        search.say(f"row chunks: planning the step built with {describe(chunks)}"
+                   + (f" ({phase})" if phase else ""))
         build = replace(options.build, **{FIELDS[k]: n for k, n in chunks.items()})
-        opts = replace(options, build=build)
-        a = _attempt(search, opts, lambda: search.rebuild(opts), mark=len(passes),
-                     limit=clock.next(left_to_plan))
+        # A screen that refuses says so without the smallest-peak search (its smallest
+        # budget is then the smallest peak of the plans it tried).
+        opts = replace(options, build=build, smallest_on_refusal=phase != "screen")
+        load = (lambda: (built.graph, built.costs)) if built is not None \
+            else (lambda: search.rebuild(opts))
+        a = _attempt(search, opts, load, mark=len(passes), limit=limit)
+        a.phase = phase
         tried.append(a)
         return a
 
@@ -263,9 +272,9 @@ def choose_row_chunks(search: RowChunkSearch, graph: Graph, costs: CostModel,
     report["searched"] = True
     report["why"] = why
     if budget.is_min:
-        chosen = _search_min(first, ladder, attempt, user_budget)
+        chosen = _search_min(first, ladder, lambda c: attempt(c, clock.next(1)), user_budget)
     else:
-        chosen = _search_budget(first, ladder, attempt, base_time)
+        chosen = _search_budget(first, ladder, attempt, base_time, clock)
     return done(chosen)
 
 
@@ -310,7 +319,7 @@ def _search_fitting(found: dict[str, int], first: Attempt, options: CompileOptio
         return estimates[tuple(chunks.values())], n
 
     def plan(chunks: dict[str, int]) -> tuple[bool, float]:
-        a = attempt(chunks, len(ladder) - ladder.index(chunks))
+        a = attempt(chunks, shared.next(len(ladder) - ladder.index(chunks)))
         a.estimated_added_time = estimates.get(tuple(chunks.values()))
         return a.fits, a.step_time_s if a.fits else 0.0
 
@@ -324,21 +333,26 @@ def _search_fitting(found: dict[str, int], first: Attempt, options: CompileOptio
 
 
 def _search_budget(first: Attempt, ladder: list[dict[str, int]], attempt,
-                   base_time: float) -> Attempt:
-    """Lightest split first, then heavier ones while they are faster; the fastest that
-    fits wins, and a plan within 1% of the unchunked step's time ends the search (no split
-    can beat it by more). A refused split with nothing fitting yet jumps to the heaviest
-    (the middle ones follow only if that fits): a refusal costs a smallest-budget search,
-    and where the heaviest split does not fit, a lighter one is not expected to."""
+                   base_time: float, clock: SharedLimit) -> Attempt:
+    """Two phases within what the step as built left of the limit: each setting screened
+    (planned with ``SCREEN_SHARE`` of it as its work), then the winner planned again with
+    the rest (``_final``). The screens: lightest split first, then heavier ones while they
+    are faster; the fastest that fits wins, and a plan within 1% of the unchunked step's
+    time ends the search (no split can beat it by more). A refused split with nothing
+    fitting yet jumps to the heaviest (the middle ones follow only if that fits): a refusal
+    costs a smallest-budget search, and where the heaviest split does not fit, a lighter
+    one is not expected to."""
     best = first if first.fits else None
     nearest = first
     queue = list(ladder)
+    screened = 0
     while queue:
         if best is not None and base_time > 0 \
                 and best.step_time_s / base_time - 1.0 <= SEARCH_ABOVE / 3:
             break
         chunks = queue.pop(0)
-        a = attempt(chunks, len(queue) + 1)
+        a = attempt(chunks, clock.screen(screened), "screen")
+        screened += 1
         if a.fits:
             if best is not None and a.step_time_s >= best.step_time_s:
                 break                  # heavier and no faster: nothing left to spare
@@ -351,7 +365,22 @@ def _search_budget(first: Attempt, ladder: list[dict[str, int]], attempt,
         if _smallest(a) < _smallest(nearest):
             nearest = a
         queue = queue[-1:] + queue[:-1]
-    return best if best is not None else nearest
+    return _final(best if best is not None else nearest, attempt, clock.final(screened))
+
+
+def _final(pick: Attempt, attempt, limit: tuple[float, float]) -> Attempt:
+    """The screens' winner (or, none fitting, the nearest) planned again on its step as
+    built with ``limit``; the better of the two plans is kept (the final one unless it is
+    slower, or refused where the screen fit)."""
+    if pick.phase != "screen" or pick.graph is None:
+        return pick        # the step as built (it had its own share) or a failed build
+    final = attempt(pick.chunks, limit, "final", built=pick)
+    # Its step's build passes are the screen's (it was not built again).
+    final.passes = [p for p in pick.passes if p.name not in ("plan", "rewrite")] \
+        + final.passes
+    if not final.fits:
+        return pick if pick.fits or _smallest(pick) <= _smallest(final) else final
+    return final if not pick.fits or final.step_time_s <= pick.step_time_s else pick
 
 
 def _smallest(a: Attempt) -> float:
