@@ -21,7 +21,9 @@ a setting's own added time, estimated from its build without planning it, is bel
 (``compiler/chunk_fit.py``: planning every setting there doubled compile time and broke
 --time-limit, so the screen comes first). Every setting of one compile, the step as loaded
 included, shares one ``--time-limit`` (``compiler/chunk_clock.py``: each is given a fixed
-share of the work and the deadline what is left of it). A step given already built keeps
+share of the work and the deadline what is left of it; at a budget the step as built
+misses, each setting is screened with a small share and the winner planned again with the
+rest). A step given already built keeps
 the chunks it was built with (they are part of its graph); the report says so.
 """
 
@@ -371,15 +373,16 @@ def _search_budget(first: Attempt, ladder: list[dict[str, int]], attempt,
 def _final(pick: Attempt, attempt, limit: tuple[float, float]) -> Attempt:
     """The screens' winner (or, none fitting, the nearest) planned again on its step as
     built with ``limit``; the better of the two plans is kept (the final one unless it is
-    slower, or refused where the screen fit)."""
+    slower, or refused where the screen fit; where both refuse, the final one, whose
+    smallest budget was searched)."""
     if pick.phase != "screen" or pick.graph is None:
         return pick        # the step as built (it had its own share) or a failed build
     final = attempt(pick.chunks, limit, "final", built=pick)
     # Its step's build passes are the screen's (it was not built again).
     final.passes = [p for p in pick.passes if p.name not in ("plan", "rewrite")] \
         + final.passes
-    if not final.fits:
-        return pick if pick.fits or _smallest(pick) <= _smallest(final) else final
+    if not final.fits:     # its smallest budget is searched, the screen's is not
+        return pick if pick.fits else final
     return final if not pick.fits or final.step_time_s <= pick.step_time_s else pick
 
 
@@ -445,7 +448,7 @@ def _refusal(chosen: Attempt, tried: list[Attempt], label: str) -> BudgetError:
     others = "; ".join(
         f"{describe(a.chunks)}: "
         + (format_size(a.refusal.smallest) if a.refusal is not None else str(a.error))
-        for a in tried if a is not chosen)
+        for a in tried if a.chunks != chosen.chunks)
     return BudgetError(
         f"{without_chunks_hint(str(exc))} Compile also built the step with other row "
         "chunks: the smallest budget "
