@@ -195,9 +195,9 @@ def test_the_search_keeps_the_fastest_plan_that_fits(gpt2):
         "chunks": {"loss": 8, "attention": 1, "mlp": 1}, "fits": False, "phase": "screen",
         "refused": "does not fit", "smallest_budget_bytes": 650, "chosen": False,
         "time_limit_s": 3.0}
-    # One --time-limit (60 s) for all: the step as built half; each screen 5% of the limit
-    # (refusing without the smallest-peak search), the winner's final plan what is left.
-    assert asked == [(30.0, True), (3.0, False), (3.0, False), (3.0, False), (21.0, True)]
+    # One --time-limit (60 s) for all: the step as built half; each screen 5% of the limit;
+    # both refusing without the smallest-peak search; the winner's final plan what is left.
+    assert asked == [(30.0, False), (3.0, False), (3.0, False), (3.0, False), (21.0, True)]
     assert sum(t for t, _ in asked) == pytest.approx(60.0)
 
 

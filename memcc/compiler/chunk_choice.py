@@ -215,9 +215,12 @@ def choose_row_chunks(search: RowChunkSearch, graph: Graph, costs: CostModel,
     later = len(candidates(options.build, found)) if searchable else 0
     clock = SharedLimit.of(options.time_limit, budget.is_min,
                            min(later, 1) if budget.is_min else later)
-    # The step as loaded: its load and cost passes are already in ``passes``.
-    first = _attempt(search, options, lambda: (graph, costs), mark=0, strict=True,
-                     limit=clock.first())
+    # The step as loaded: its load and cost passes are already in ``passes``. Where settings
+    # may follow at a budget, a refusal is screened (no smallest-peak search: ``_final``
+    # searches it where nothing fits).
+    screens = bool(later) and not budget.is_min
+    first = _attempt(search, replace(options, smallest_on_refusal=not screens),
+                     lambda: (graph, costs), mark=0, strict=True, limit=clock.first())
     base_time = costs.total(graph)
     report: dict = {"chosen": dict(first.chunks), "searched": False}
     tried = [first]
@@ -371,12 +374,13 @@ def _search_budget(first: Attempt, ladder: list[dict[str, int]], attempt,
 
 
 def _final(pick: Attempt, attempt, limit: tuple[float, float]) -> Attempt:
-    """The screens' winner (or, none fitting, the nearest) planned again on its step as
-    built with ``limit``; the better of the two plans is kept (the final one unless it is
+    """The screens' winner (or, none fitting, the nearest: maybe the step as built, whose
+    refusal did not search the smallest peak either) planned again on its step with
+    ``limit``; the better of the two plans is kept (the final one unless it is
     slower, or refused where the screen fit; where both refuse, the final one, whose
     smallest budget was searched)."""
-    if pick.phase != "screen" or pick.graph is None:
-        return pick        # the step as built (it had its own share) or a failed build
+    if pick.graph is None:
+        return pick        # a failed build
     final = attempt(pick.chunks, limit, "final", built=pick)
     # Its step's build passes are the screen's (it was not built again).
     final.passes = [p for p in pick.passes if p.name not in ("plan", "rewrite")] \
@@ -397,7 +401,7 @@ def _search_min(first: Attempt, ladder: list[dict[str, int]], attempt,
     setting costs a smallest-peak search of its own, and trying the lighter ones too made
     --budget min two to three times slower for a tie-break on time): it wins where its
     budget is smaller than the step as built's by more than ``MIN_TIE``."""
-    heavy = attempt(ladder[-1], 1)
+    heavy = attempt(ladder[-1])
     if not heavy.fits:
         return first
     if not first.fits or _budget(heavy, user_budget) < _budget(first, user_budget) / (
@@ -422,7 +426,10 @@ def _attempt(search: RowChunkSearch, options: CompileOptions,
     the report keeps the options as given)."""
     passes, plan_step = search.passes, search.plan_step
     work, deadline = limit
-    a = Attempt(chunks_of(options.build), options, time_limit_s=work)
+    # The options kept are compile's (a screen's refusal without the smallest-peak search
+    # is this plan's only).
+    a = Attempt(chunks_of(options.build), replace(options, smallest_on_refusal=True),
+                time_limit_s=work)
     try:
         a.graph, a.costs = load()
         planning = replace(options, time_limit=work, deadline=deadline)
