@@ -253,8 +253,7 @@ def choose_row_chunks(search: RowChunkSearch, graph: Graph, costs: CostModel,
         search.say(f"row chunks: planning the step built with {describe(chunks)}"
                    + (f" ({phase})" if phase else ""))
         build = replace(options.build, **{FIELDS[k]: n for k, n in chunks.items()})
-        # A screen that refuses says so without the smallest-peak search (its smallest
-        # budget is then the smallest peak of the plans it tried).
+        # A screen refuses without the smallest-peak search (``_final`` does it).
         opts = replace(options, build=build, smallest_on_refusal=phase != "screen")
         load = (lambda: (built.graph, built.costs)) if built is not None \
             else (lambda: search.rebuild(opts))
