@@ -255,9 +255,9 @@ def choose_row_chunks(search: RowChunkSearch, graph: Graph, costs: CostModel,
         build = replace(options.build, **{FIELDS[k]: n for k, n in chunks.items()})
         # A screen refuses without the smallest-peak search (``_final`` does it).
         opts = replace(options, build=build, smallest_on_refusal=phase != "screen")
-        load = (lambda: (built.graph, built.costs)) if built is not None \
-            else (lambda: search.rebuild(opts))
-        a = _attempt(search, opts, load, mark=len(passes), limit=limit)
+        mark = len(passes)
+        load = (lambda: search.rebuild(opts)) if built is None else _reuse(built, passes)
+        a = _attempt(search, opts, load, mark=mark, limit=limit)
         a.phase = phase
         tried.append(a)
         return a
@@ -381,12 +381,18 @@ def _final(pick: Attempt, attempt, limit: tuple[float, float]) -> Attempt:
     if pick.graph is None:
         return pick        # a failed build
     final = attempt(pick.chunks, limit, "final", built=pick)
-    # Its step's build passes are the screen's (it was not built again).
-    final.passes = [p for p in pick.passes if p.name not in ("plan", "rewrite")] \
-        + final.passes
     if not final.fits:     # its smallest budget is searched, the screen's is not
         return pick if pick.fits else final
     return final if not pick.fits or final.step_time_s <= pick.step_time_s else pick
+
+
+def _reuse(built: Attempt, passes: list) -> Callable[[], tuple[Graph, CostModel]]:
+    """Load ``built``'s step again: its build passes (not its plan's) go back into
+    ``passes``, where the plan's refusal looks for the load's summary."""
+    def load() -> tuple[Graph, CostModel]:
+        passes.extend(p for p in built.passes if p.name not in ("plan", "rewrite"))
+        return built.graph, built.costs
+    return load
 
 
 def _smallest(a: Attempt) -> float:
