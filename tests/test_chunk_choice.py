@@ -199,6 +199,10 @@ def test_the_search_keeps_the_fastest_plan_that_fits(gpt2):
     # both refusing without the smallest-peak search; the winner's final plan what is left.
     assert asked == [(30.0, False), (3.0, False), (3.0, False), (3.0, False), (21.0, True)]
     assert sum(t for t, _ in asked) == pytest.approx(60.0)
+    from memcc.report_text import row_chunks_line  # the final plan counts once
+
+    assert row_chunks_line({"row_chunks": choice.report}).endswith(
+        "(chosen by compile of 4 settings planned)")
 
 
 def test_a_split_as_fast_as_the_step_as_built_ends_the_search(gpt2):

@@ -26,7 +26,8 @@ answer (it fits) and up to ``len(ladder)`` settings may follow, so it gets half
 Where the step as built does not fit a budget, compile searches in two phases
 (``chunk_choice._search_budget``): each setting is first planned cheaply (``screen``:
 ``SCREEN_SHARE`` of the limit as its work, enough to know whether it fits and roughly at
-what added time), then the winner is planned again with the rest of the half (``final``).
+what added time; the step as built's refusal there is a screen too: no smallest-peak
+search), then the winner is planned again with the rest of the half (``final``).
 An equal part each left the winner of four settings a sixth of the limit, and its plan
 added 4-6 points more time than when each setting had the whole limit.
 """
