@@ -118,7 +118,8 @@ def row_chunks_line(report: dict) -> str | None:
         return (f"row chunks none ({n} setting{'s' if n > 1 else ''} screened by estimated "
                 "added time, none planned: memcc report says why)")
     line = f"row chunks {describe_chunks(chosen)}"
-    tried = rc.get("candidates") or []
+    # A setting screened and then planned again (its "final" entry) counts once.
+    tried = [c for c in rc.get("candidates") or [] if c.get("phase") != "final"]
     if rc.get("searched"):
         line += f" (chosen by compile of {len(tried)} settings planned)"
     return line

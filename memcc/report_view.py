@@ -141,17 +141,19 @@ def _print_chunk_candidates(tried: list[dict], console: Console) -> None:
     for col in ("chunks", "result", "peak", "needs budget", "estimated", "added time", ""):
         ct.add_column(col, justify="left" if col in ("chunks", "result", "") else "right")
     for c in tried:
+        # A setting screened, then planned again (``compiler/chunk_clock.py``): say which.
+        name = describe_chunks(c["chunks"]) + (f" ({c['phase']})" if c.get("phase") else "")
         est = c.get("estimated_added_time")
         est_s = "" if est is None else f"{est * 100:+.1f}%"
         if c.get("fits"):
             added = c.get("added_time")
-            ct.add_row(describe_chunks(c["chunks"]), "fits", format_size(c["peak_bytes"]),
+            ct.add_row(name, "fits", format_size(c["peak_bytes"]),
                        format_size(c["needs_budget_bytes"]), est_s,
                        "" if added is None else f"{added * 100:+.1f}%",
                        "<- chosen" if c.get("chosen") else "")
         else:
             smallest = c.get("smallest_budget_bytes")
-            ct.add_row(describe_chunks(c["chunks"]), str(c.get("refused", "refused")), "",
+            ct.add_row(name, str(c.get("refused", "refused")), "",
                        "" if smallest is None else format_size(smallest), est_s, "",
                        "<- chosen" if c.get("chosen") else "")
     console.print(ct)

@@ -181,24 +181,34 @@ def test_the_search_keeps_the_fastest_plan_that_fits(gpt2):
     """The step as built and the loss alone refuse: the heaviest split next, then the
     middle one, which is faster and wins."""
     table = {(1, 1, 1): 900, (8, 1, 1): 650, (8, 8, 8): (500, 1.3), (8, 4, 4): (550, 1.1)}
-    choice, planned = _choose(gpt2, 600, table)
-    assert planned == [(1, 1, 1), (8, 1, 1), (8, 8, 8), (8, 4, 4)]
+    asked = []
+    choice, planned = _choose(gpt2, 600, table, on_plan=lambda o: asked.append(
+        (o.time_limit, o.smallest_on_refusal)))
+    # Two phases: each setting screened, then the winner planned again.
+    assert planned == [(1, 1, 1), (8, 1, 1), (8, 8, 8), (8, 4, 4), (8, 4, 4)]
     assert choice.report["chosen"] == {"loss": 8, "attention": 4, "mlp": 4}
-    assert [c["chosen"] for c in choice.report["candidates"]] == [False, False, False, True]
+    assert [c["chosen"] for c in choice.report["candidates"]] == [False] * 4 + [True]
+    assert [c.get("phase") for c in choice.report["candidates"]] == [
+        None, "screen", "screen", "screen", "final"]
     assert choice.report["candidates"][3]["added_time"] == pytest.approx(0.1)
     assert choice.report["candidates"][1] == {
-        "chunks": {"loss": 8, "attention": 1, "mlp": 1}, "fits": False,
+        "chunks": {"loss": 8, "attention": 1, "mlp": 1}, "fits": False, "phase": "screen",
         "refused": "does not fit", "smallest_budget_bytes": 650, "chosen": False,
-        "time_limit_s": 10.0}
-    # One --time-limit (60 s) for all: the step as built half, each of the three settings
-    # that may follow a third of the rest.
-    assert [c["time_limit_s"] for c in choice.report["candidates"]] == [30.0, 10.0, 10.0, 10.0]
+        "time_limit_s": 3.0}
+    # One --time-limit (60 s) for all: the step as built half; each screen 5% of the limit;
+    # both refusing without the smallest-peak search; the winner's final plan what is left.
+    assert asked == [(30.0, False), (3.0, False), (3.0, False), (3.0, False), (21.0, True)]
+    assert sum(t for t, _ in asked) == pytest.approx(60.0)
+    from memcc.report_text import row_chunks_line  # the final plan counts once
+
+    assert row_chunks_line({"row_chunks": choice.report}).endswith(
+        "(chosen by compile of 4 settings planned)")
 
 
 def test_a_split_as_fast_as_the_step_as_built_ends_the_search(gpt2):
     table = {(1, 1, 1): 900, (8, 1, 1): (590, 1.005)}
     choice, planned = _choose(gpt2, 600, table)
-    assert planned == [(1, 1, 1), (8, 1, 1)]
+    assert planned == [(1, 1, 1), (8, 1, 1), (8, 1, 1)]    # screened, then its final plan
     assert choice.report["chosen"] == {"loss": 8, "attention": 1, "mlp": 1}
 
 
@@ -380,6 +390,6 @@ def test_a_setting_that_cannot_be_built_is_set_aside(gpt2):
     goes on to the next."""
     table = {(1, 1, 1): 900, (8, 1, 1): "error", (8, 8, 8): (500, 1.3), (8, 4, 4): (550, 1.4)}
     choice, planned = _choose(gpt2, 600, table)
-    assert planned == [(1, 1, 1), (8, 1, 1), (8, 8, 8), (8, 4, 4)]
+    assert planned == [(1, 1, 1), (8, 1, 1), (8, 8, 8), (8, 4, 4), (8, 8, 8)]
     assert choice.report["chosen"] == {"loss": 8, "attention": 8, "mlp": 8}
     assert choice.report["candidates"][1]["refused"] == "cannot build (8, 1, 1)"

@@ -21,7 +21,9 @@ a setting's own added time, estimated from its build without planning it, is bel
 (``compiler/chunk_fit.py``: planning every setting there doubled compile time and broke
 --time-limit, so the screen comes first). Every setting of one compile, the step as loaded
 included, shares one ``--time-limit`` (``compiler/chunk_clock.py``: each is given a fixed
-share of the work and the deadline what is left of it). A step given already built keeps
+share of the work and the deadline what is left of it; at a budget the step as built
+misses, each setting is screened with a small share and the winner planned again with the
+rest). A step given already built keeps
 the chunks it was built with (they are part of its graph); the report says so.
 """
 
@@ -105,6 +107,7 @@ class Attempt:
     options: CompileOptions
     estimated_added_time: float | None = None
     time_limit_s: float | None = None  # its share of --time-limit (``SharedLimit``)
+    phase: str | None = None  # "screen" or "final" (``_search_budget``'s two phases)
     graph: Graph | None = None
     costs: CostModel | None = None
     planned: Planned | None = None
@@ -131,6 +134,8 @@ class Attempt:
         out: dict = {"chunks": dict(self.chunks), "fits": self.fits}
         if self.time_limit_s is not None:
             out["time_limit_s"] = round(self.time_limit_s, 3)
+        if self.phase is not None:
+            out["phase"] = self.phase
         if self.estimated_added_time is not None:
             out["estimated_added_time"] = round(self.estimated_added_time, 4)
         if self.planned is not None:
@@ -210,9 +215,12 @@ def choose_row_chunks(search: RowChunkSearch, graph: Graph, costs: CostModel,
     later = len(candidates(options.build, found)) if searchable else 0
     clock = SharedLimit.of(options.time_limit, budget.is_min,
                            min(later, 1) if budget.is_min else later)
-    # The step as loaded: its load and cost passes are already in ``passes``.
-    first = _attempt(search, options, lambda: (graph, costs), mark=0, strict=True,
-                     limit=clock.first())
+    # The step as loaded: its load and cost passes are already in ``passes``. Where settings
+    # may follow at a budget, a refusal is screened (no smallest-peak search: ``_final``
+    # searches it where nothing fits).
+    screens = bool(later) and not budget.is_min
+    first = _attempt(search, replace(options, smallest_on_refusal=not screens),
+                     lambda: (graph, costs), mark=0, strict=True, limit=clock.first())
     base_time = costs.total(graph)
     report: dict = {"chosen": dict(first.chunks), "searched": False}
     tried = [first]
@@ -238,14 +246,19 @@ def choose_row_chunks(search: RowChunkSearch, graph: Graph, costs: CostModel,
             f"{FLAGS[k]} {getattr(options.build, FIELDS[k])}" for k in KINDS) + ")"
         return done(first)
 
-    def attempt(chunks: dict[str, int], left_to_plan: int) -> Attempt:
-        """Plan ``chunks``, with ``left_to_plan`` settings (it included) that may still be
-        planned sharing what is left of the limit."""
-        search.say(f"row chunks: planning the step built with {describe(chunks)}")
+    def attempt(chunks: dict[str, int], limit: tuple[float, float],
+                phase: str | None = None, built: Attempt | None = None) -> Attempt:
+        """Plan ``chunks`` within ``limit`` (``SharedLimit``: work, deadline); ``built``:
+        an attempt of the same setting whose step is planned again (not built again)."""
+        search.say(f"row chunks: planning the step built with {describe(chunks)}"
+                   + (f" ({phase})" if phase else ""))
         build = replace(options.build, **{FIELDS[k]: n for k, n in chunks.items()})
-        opts = replace(options, build=build)
-        a = _attempt(search, opts, lambda: search.rebuild(opts), mark=len(passes),
-                     limit=clock.next(left_to_plan))
+        # A screen refuses without the smallest-peak search (``_final`` does it).
+        opts = replace(options, build=build, smallest_on_refusal=phase != "screen")
+        mark = len(passes)
+        load = (lambda: search.rebuild(opts)) if built is None else _reuse(built, passes)
+        a = _attempt(search, opts, load, mark=mark, limit=limit)
+        a.phase = phase
         tried.append(a)
         return a
 
@@ -263,9 +276,9 @@ def choose_row_chunks(search: RowChunkSearch, graph: Graph, costs: CostModel,
     report["searched"] = True
     report["why"] = why
     if budget.is_min:
-        chosen = _search_min(first, ladder, attempt, user_budget)
+        chosen = _search_min(first, ladder, lambda c: attempt(c, clock.next(1)), user_budget)
     else:
-        chosen = _search_budget(first, ladder, attempt, base_time)
+        chosen = _search_budget(first, ladder, attempt, base_time, clock)
     return done(chosen)
 
 
@@ -310,7 +323,7 @@ def _search_fitting(found: dict[str, int], first: Attempt, options: CompileOptio
         return estimates[tuple(chunks.values())], n
 
     def plan(chunks: dict[str, int]) -> tuple[bool, float]:
-        a = attempt(chunks, len(ladder) - ladder.index(chunks))
+        a = attempt(chunks, shared.next(len(ladder) - ladder.index(chunks)))
         a.estimated_added_time = estimates.get(tuple(chunks.values()))
         return a.fits, a.step_time_s if a.fits else 0.0
 
@@ -324,21 +337,26 @@ def _search_fitting(found: dict[str, int], first: Attempt, options: CompileOptio
 
 
 def _search_budget(first: Attempt, ladder: list[dict[str, int]], attempt,
-                   base_time: float) -> Attempt:
-    """Lightest split first, then heavier ones while they are faster; the fastest that
-    fits wins, and a plan within 1% of the unchunked step's time ends the search (no split
-    can beat it by more). A refused split with nothing fitting yet jumps to the heaviest
-    (the middle ones follow only if that fits): a refusal costs a smallest-budget search,
-    and where the heaviest split does not fit, a lighter one is not expected to."""
+                   base_time: float, clock: SharedLimit) -> Attempt:
+    """Two phases within what the step as built left of the limit: each setting screened
+    (planned with ``SCREEN_SHARE`` of it as its work), then the winner planned again with
+    the rest (``_final``). The screens: lightest split first, then heavier ones while they
+    are faster; the fastest that fits wins, and a plan within 1% of the unchunked step's
+    time ends the search (no split can beat it by more). A refused split with nothing
+    fitting yet jumps to the heaviest (the middle ones follow only if that fits): a refusal
+    costs a smallest-budget search, and where the heaviest split does not fit, a lighter
+    one is not expected to."""
     best = first if first.fits else None
     nearest = first
     queue = list(ladder)
+    screened = 0
     while queue:
         if best is not None and base_time > 0 \
                 and best.step_time_s / base_time - 1.0 <= SEARCH_ABOVE / 3:
             break
         chunks = queue.pop(0)
-        a = attempt(chunks, len(queue) + 1)
+        a = attempt(chunks, clock.screen(screened), "screen")
+        screened += 1
         if a.fits:
             if best is not None and a.step_time_s >= best.step_time_s:
                 break                  # heavier and no faster: nothing left to spare
@@ -351,7 +369,30 @@ def _search_budget(first: Attempt, ladder: list[dict[str, int]], attempt,
         if _smallest(a) < _smallest(nearest):
             nearest = a
         queue = queue[-1:] + queue[:-1]
-    return best if best is not None else nearest
+    return _final(best if best is not None else nearest, attempt, clock.final(screened))
+
+
+def _final(pick: Attempt, attempt, limit: tuple[float, float]) -> Attempt:
+    """The screens' winner (or, none fitting, the nearest: maybe the step as built, whose
+    refusal did not search the smallest peak either) planned again on its step with
+    ``limit``; the better of the two plans is kept (the final one unless it is
+    slower, or refused where the screen fit; where both refuse, the final one, whose
+    smallest budget was searched)."""
+    if pick.graph is None:
+        return pick        # a failed build
+    final = attempt(pick.chunks, limit, "final", built=pick)
+    if not final.fits:     # its smallest budget is searched, the screen's is not
+        return pick if pick.fits else final
+    return final if not pick.fits or final.step_time_s <= pick.step_time_s else pick
+
+
+def _reuse(built: Attempt, passes: list) -> Callable[[], tuple[Graph, CostModel]]:
+    """Load ``built``'s step again: its build passes (not its plan's) go back into
+    ``passes``, where the plan's refusal looks for the load's summary."""
+    def load() -> tuple[Graph, CostModel]:
+        passes.extend(p for p in built.passes if p.name not in ("plan", "rewrite"))
+        return built.graph, built.costs
+    return load
 
 
 def _smallest(a: Attempt) -> float:
@@ -365,7 +406,7 @@ def _search_min(first: Attempt, ladder: list[dict[str, int]], attempt,
     setting costs a smallest-peak search of its own, and trying the lighter ones too made
     --budget min two to three times slower for a tie-break on time): it wins where its
     budget is smaller than the step as built's by more than ``MIN_TIE``."""
-    heavy = attempt(ladder[-1], 1)
+    heavy = attempt(ladder[-1])
     if not heavy.fits:
         return first
     if not first.fits or _budget(heavy, user_budget) < _budget(first, user_budget) / (
@@ -390,7 +431,10 @@ def _attempt(search: RowChunkSearch, options: CompileOptions,
     the report keeps the options as given)."""
     passes, plan_step = search.passes, search.plan_step
     work, deadline = limit
-    a = Attempt(chunks_of(options.build), options, time_limit_s=work)
+    # The options kept are compile's (a screen's refusal without the smallest-peak search
+    # is this plan's only).
+    a = Attempt(chunks_of(options.build), replace(options, smallest_on_refusal=True),
+                time_limit_s=work)
     try:
         a.graph, a.costs = load()
         planning = replace(options, time_limit=work, deadline=deadline)
@@ -416,7 +460,7 @@ def _refusal(chosen: Attempt, tried: list[Attempt], label: str) -> BudgetError:
     others = "; ".join(
         f"{describe(a.chunks)}: "
         + (format_size(a.refusal.smallest) if a.refusal is not None else str(a.error))
-        for a in tried if a is not chosen)
+        for a in tried if a.chunks != chosen.chunks)
     return BudgetError(
         f"{without_chunks_hint(str(exc))} Compile also built the step with other row "
         "chunks: the smallest budget "

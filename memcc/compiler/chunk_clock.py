@@ -21,7 +21,15 @@ setting after it (the heaviest split, ``chunk_choice._search_min``), and that se
 bigger (more nodes: every simulation costs more) and usually wins, so the step as loaded
 gets a third (``FIRST_SHARE_MIN``). At a budget the step as loaded's plan is usually the
 answer (it fits) and up to ``len(ladder)`` settings may follow, so it gets half
-(``FIRST_SHARE_BUDGET``) and each setting after it an equal part of the rest.
+(``FIRST_SHARE_BUDGET``) and each setting after it an equal part of the rest (``next``).
+
+Where the step as built does not fit a budget, compile searches in two phases
+(``chunk_choice._search_budget``): each setting is first planned cheaply (``screen``:
+``SCREEN_SHARE`` of the limit as its work, enough to know whether it fits and roughly at
+what added time; the step as built's refusal there is a screen too: no smallest-peak
+search), then the winner is planned again with the rest of the half (``final``).
+An equal part each left the winner of four settings a sixth of the limit, and its plan
+added 4-6 points more time than when each setting had the whole limit.
 """
 
 from __future__ import annotations
@@ -31,6 +39,9 @@ from dataclasses import dataclass
 
 FIRST_SHARE_MIN = 1 / 3
 FIRST_SHARE_BUDGET = 0.5
+# A setting screened at a budget the step as built does not reach: its work, as a share of
+# the limit (3 s of the default 60; the final plan of the winner gets what is left).
+SCREEN_SHARE = 0.05
 # The least wall time a setting is given (its sqrt(n) plans and the report's entries need
 # some): the one limit can be overrun by this much per setting planned after it.
 MIN_PLAN_S = 0.5
@@ -76,3 +87,25 @@ class SharedLimit:
         now = time.perf_counter()
         window = max(self.end - now, 0.0) / max(left_to_plan, 1)
         return work, now + max(window, MIN_PLAN_S)
+
+    def _rest(self) -> float:
+        """The work left after the step as loaded's share (a count, not the clock)."""
+        return (1.0 - self.first_share) * self.limit
+
+    def screen(self, screened: int) -> tuple[float, float]:
+        """A setting screened after ``screened`` others: ``SCREEN_SHARE`` of the limit as
+        its work, and as its deadline its part of the time left in proportion to the work
+        left (the final plan's included)."""
+        work = SCREEN_SHARE * self.limit
+        pool = max(self._rest() - screened * work, work)
+        now = time.perf_counter()
+        window = max(self.end - now, 0.0) * work / pool
+        return work, now + max(window, MIN_PLAN_S)
+
+    def final(self, screened: int) -> tuple[float, float]:
+        """The winner's plan after ``screened`` settings were screened: the work the
+        screens left of the rest of the limit (at least a screen's), the deadline the end
+        of the limit (at least ``MIN_PLAN_S`` from now)."""
+        work = max(self._rest() - screened * SCREEN_SHARE * self.limit,
+                   SCREEN_SHARE * self.limit)
+        return work, max(self.end, time.perf_counter() + MIN_PLAN_S)

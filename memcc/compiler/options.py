@@ -56,6 +56,9 @@ class CompileOptions:
     # --time-limit (``compiler/chunk_clock.py``); None: ``time_limit`` from when planning
     # starts.
     deadline: float | None = None
+    # False: where nothing fits, refuse without the smallest-peak search (compile's row-chunk
+    # screens, ``compiler/chunk_choice.py``: a refusal there costs that search each).
+    smallest_on_refusal: bool = True
 
     def __post_init__(self) -> None:
         # --provider auto plans for where the step would run here (as run and train do);
@@ -162,7 +165,8 @@ class CompileOptions:
             deadline=self.deadline,
             kinds=DecisionKinds(variants=self.variants, lossy=self.allow_lossy,
                                 offload=self.swaps),
-            device=self.device, heap_room=self.heap_room)
+            device=self.device, heap_room=self.heap_room,
+            smallest_on_refusal=self.smallest_on_refusal)
 
 
 def user_budget(planned_peak: int, options: CompileOptions, slack: int) -> int:

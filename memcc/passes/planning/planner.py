@@ -151,9 +151,16 @@ class _Search:
             found = _choose(self.context, self.base, budget, self.request.strategy)
             return self._smallest_of(found) if budget.is_min else found
         except BudgetError as exc:
-            if budget.is_min or not self.request.smallest_on_refusal:
+            if budget.is_min:
                 raise
             self.tried.extend(_not_picked(exc.runs))
+            if not self.request.smallest_on_refusal:
+                # The plan over the region variants at the budget still (a step that fits
+                # only so fits), not the smallest-peak search.
+                alt = self.over_regions(budget, self.request.time_limit, self.request.deadline)
+                if alt is None:
+                    raise
+                return replace(alt, runs=self.tried + alt.runs)
         return self._after_refusal()
 
     def _smallest_of(self, found: PlanOutcome) -> PlanOutcome:

@@ -75,9 +75,9 @@ class PlanRequest:
     ``heap_room``: a plan fits where its peak and the heap room of the small buffers it
     adds do (``Simulation.fit_bytes``; CPU with malloc). ``regions``: where the smallest
     peak is searched (``Budget.MIN``, or nothing fits), plan once more over the step with
-    its region variants in place. ``smallest_on_refusal=False``: where nothing fits, refuse
-    without searching the smallest peak (the error's ``smallest`` is then only the smallest
-    peak of the plans tried).
+    its region variants in place. ``smallest_on_refusal=False``: where nothing fits (over
+    the region variants too), refuse without searching the smallest peak (the error's
+    ``smallest`` is then only the smallest peak of the plans tried).
 
     ``time_limit`` is the work the call is given (the polish's count of simulations is
     derived from it, so it must not come from the clock); ``deadline`` (a
