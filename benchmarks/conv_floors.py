@@ -160,11 +160,16 @@ def row(name: str, tmp: Path) -> dict:
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--models", default=",".join(MODELS),
+                    help="comma-separated, from: " + ", ".join(MODELS))
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
+    names = args.models.split(",")
+    unknown = [n for n in names if n not in MODELS]
+    if unknown:
+        ap.error(f"--models: unknown {', '.join(unknown)}; choose from {', '.join(MODELS)}")
     with tempfile.TemporaryDirectory(prefix="memcc-conv-floors-") as tmp:
-        for name in args.models.split(","):
+        for name in names:
             line = json.dumps(row(name, Path(tmp)))
             print(line, flush=True)
             if args.out:
