@@ -13,3 +13,26 @@ _TESTS = Path(__file__).resolve().parent
 for _p in (_TESTS.parent, _TESTS):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
+
+
+# The test files that take longest (CI's pass 1 on two cores, 2026-11-27), longest first.
+# pytest-xdist's --dist loadfile hands out whole files in collection order; by default it
+# reorders them by their number of tests, which sent few-but-long files (the compile tests)
+# to the end of the run, where one worker ran them while the other sat idle. Longest first,
+# the short files fill in at the end.
+_LONGEST_FIRST = (
+    "test_passes_planner.py", "test_exports_load.py", "test_exports_compile.py",
+    "test_compile_zoo.py", "test_row_chunks.py", "test_cli_compile.py", "test_models_zoo.py",
+    "test_dist.py", "test_benchmarks_export_sweep.py", "test_exports_grad.py", "test_tune.py",
+    "test_benchmarks_gpu_peers.py", "test_autocast_numerics.py", "test_batchnorm_for_cuda.py",
+)
+
+
+def pytest_configure(config) -> None:  # noqa: ANN001 - pytest's hook
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:  # noqa: ANN001
+    rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
