@@ -61,10 +61,12 @@ def data_parallel_line(report: dict) -> str | None:
         return None
     each = ", ".join(format_size(b) for b in d["peak_bytes_per_rank"])
     state = ", ".join(format_size(b) for b in d["optimizer_state_bytes_per_rank"])
+    buckets = d.get("gradient_bucket_bytes_per_rank") or [d["gradient_bucket_bytes"]]
+    bucket = (f"{format_size(buckets[0])} on every rank" if len(set(buckets)) == 1 else
+              "per rank " + ", ".join(format_size(b) for b in buckets))
     return (f"ranks    {d['world_size']} (ZeRO-{d['zero']}): budget and peaks are per rank; "
             f"predicted peak per rank {each} (heaviest: rank {d['heaviest_rank']}, planned "
-            f"for rank {d['planned_rank']}); gradient bucket "
-            f"{format_size(d['gradient_bucket_bytes'])} on every rank; optimizer state "
+            f"for rank {d['planned_rank']}); gradient bucket {bucket}; optimizer state "
             f"per rank {state}")
 
 

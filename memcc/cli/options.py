@@ -112,10 +112,11 @@ DeterministicOpt = Annotated[bool, typer.Option(
 PlanNprocOpt = Annotated[Optional[int], typer.Option(  # noqa: UP045
     help="Plan the step one of N data-parallel ranks runs (memcc train --nproc N): "
          "gradients held in the all-reduce bucket, each rank's own optimizer state with "
-         "--zero 1. --budget is then per rank.")]
+         "--zero 1 (and its own gradients only with --zero 2). --budget is then per rank.")]
 PlanZeroOpt = Annotated[int, typer.Option(
     help="With --nproc: 0 = every rank keeps all optimizer state; 1 = each keeps its "
-         "parameters' (ZeRO-1), as memcc train --nproc N --zero 1 runs it.")]
+         "parameters' (ZeRO-1); 2 = and only its parameters' averaged gradients (ZeRO-2), "
+         "as memcc train --nproc N --zero Z runs it.")]
 StrategyOpt = Annotated[Literal["auto", "ilp", "sqrtn", "none"], typer.Option(
     help="auto (ILP, heuristics, exact polish; best fitting plan), ilp, sqrtn or none.")]
 

@@ -112,7 +112,8 @@ def train(
              "under torchrun the ranks are torchrun's.")] = None,
     zero: Annotated[int, typer.Option(
         help="With --nproc: 0 = every rank keeps all optimizer state; 1 = each keeps its "
-             "parameters' (ZeRO-1).")] = 0,
+             "parameters' (ZeRO-1); 2 = and gradients are reduced to the rank that owns "
+             "them, which alone keeps them (ZeRO-2).")] = 0,
 ) -> None:
     """Train a step on real data, with checkpoints a crash cannot damage."""
     from memcc.api import (

@@ -105,10 +105,10 @@ class CompileOptions:
             return
         if not 1 <= self.nproc <= 64:
             raise InputError(f"--nproc {self.nproc}: give a number of ranks from 1 to 64")
-        if self.zero not in (0, 1):
+        if self.zero not in (0, 1, 2):
             raise InputError(f"--zero {self.zero}: give 0 (every rank keeps all optimizer "
-                             "state) or 1 (each rank keeps its parameters' state); ZeRO "
-                             "stage 2 is not built yet")
+                             "state), 1 (each rank keeps its parameters' state) or 2 (and "
+                             "only its parameters' averaged gradients)")
         for on, what in ((self.provider != "cpu", f"--provider {self.provider}"),
                          (self.arena, "--arena"), (self.verify, "--verify")):
             if on:

@@ -2,12 +2,13 @@
 
 ``memcc train --nproc N`` (``memcc.dist``) splits the step at its updates: every rank holds
 the gradient bucket all step (no gradient freed by its update), with ZeRO-1 only its own
-parameters' optimizer state, and runs only their updates. ``passes.analysis.rank_step``
-writes each rank's step down as a graph; here the planner plans that graph, under the
-user's budget, which thereby means a per-rank peak:
+parameters' optimizer state, and runs only their updates; with ZeRO-2 its bucket holds only
+its own parameters' gradients (the others' are reduced to their owners and freed).
+``passes.analysis.rank_step`` writes each rank's step down as a graph; here the planner
+plans that graph, under the user's budget, which thereby means a per-rank peak:
 
 1. every rank's graph is judged without a plan, and the heaviest is planned (ZeRO-0: the
-   ranks are alike; ZeRO-1: the shards differ by whole parameters);
+   ranks are alike; ZeRO-1 and 2: the shards differ by whole parameters);
 2. the plan is judged on every other rank's graph; where one peaks above the planned
    rank, it is planned instead (once more: the plan that fits the heaviest fits all);
 3. the plan is lowered onto the step itself (plans name the same nodes and values), which
@@ -92,10 +93,12 @@ def _section(options: CompileOptions, views: list[RankStep], planned: RankStep,
         "heaviest_rank": max(range(ranks.world), key=lambda r: (peak[r], -r)),
         "peak_bytes_per_rank": peak,
         "baseline_peak_bytes_per_rank": each(lambda v, r: base[r]),
-        "gradient_bucket_bytes": views[0].bucket_bytes,
+        "gradient_bucket_bytes": max(each(lambda v, r: v.bucket_bytes)),
+        "gradient_bucket_bytes_per_rank": each(lambda v, r: v.bucket_bytes),
         "optimizer_state_bytes_per_rank": each(lambda v, r: v.state_bytes),
         "comm_scratch_bytes": views[0].comm_bytes,
         "method": ("passes.analysis.rank_step: the step split at its updates, the gradient "
-                   "bucket and gloo's scratch held all step, the rank's own updates and "
-                   "optimizer state"),
+                   "bucket (ZeRO-2: the rank's own gradients; the others' from the backward "
+                   "to the step's end) and gloo's scratch held all step, the rank's own "
+                   "updates and optimizer state"),
     }

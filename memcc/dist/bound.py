@@ -14,7 +14,7 @@ CPU only: on CUDA the arrays would be device buffers crossing through DLPack (no
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 import numpy as np
 
@@ -29,11 +29,15 @@ class BoundGraph:
     """``graph`` bound to ``buffers`` (value name -> C-contiguous array, inputs and outputs
     alike); ``updates``: output -> the input it replaces (written in place where proven,
     else copied back after each run). Stored values not in ``buffers`` are fed from the
-    graph's initializers. Outputs not in ``buffers`` get arrays of their own (``outputs``)."""
+    graph's initializers. Outputs not in ``buffers`` get arrays of their own (``outputs``),
+    but for ``transient`` ones: ORT allocates those while it runs (when their producer
+    runs, not before the step), ``run`` hands them over as arrays (``transient_outputs``:
+    views of ORT's buffers, no copy) and ``release`` frees them (ZeRO-2: the gradients a
+    rank sends to their owners, held only from the backward to their reduction)."""
 
     def __init__(self, graph: Graph, buffers: Mapping[str, np.ndarray], *,
                  updates: Mapping[str, str] | None = None, threads: int | None = None,
-                 source: str = "<step>") -> None:
+                 source: str = "<step>", transient: Collection[str] = ()) -> None:
 
         self.source = source
         updates = dict(updates or {})
@@ -50,7 +54,12 @@ class BoundGraph:
             if arr is None:
                 raise RuntimeFailure(f"{source}: nothing bound to the input '{name}'")
             binding.bind_ortvalue_input(name, self._value(arr))
+        self._transient = {o: k for k, o in enumerate(sgraph.outputs) if o in set(transient)}
+        self.transient_outputs: dict[str, np.ndarray] = {}
         for out in sgraph.outputs:
+            if out in self._transient:
+                binding.bind_output(out, "cpu")
+                continue
             if out in self.aliased:
                 arr = buffers[self.aliased[out]]
             elif out in buffers and out not in self.copied:
@@ -80,3 +89,14 @@ class BoundGraph:
                                  f"step: {exc}") from exc
         for out, inp in self.copied.items():
             np.copyto(self._buffers[inp], self.outputs[out])
+        if self._transient:
+            values = self._binding.get_outputs()  # the binding's order: sgraph.outputs'
+            self.transient_outputs = {o: values[k].numpy() for o, k in self._transient.items()}
+
+    def release(self) -> None:
+        """Free the transient outputs of the last run: the arrays handed over are dropped
+        (the caller keeps none) and each output bound again without a buffer, which drops
+        the binding's reference to ORT's."""
+        self.transient_outputs = {}
+        for out in self._transient:
+            self._binding.bind_output(out, "cpu")

@@ -43,10 +43,10 @@ def train_distributed(opts: TrainOptions, nproc: int | None, *, zero: int = 0,
     """Train data-parallel; the result and the group's figures (None on ranks but 0 under
     torchrun, which print nothing)."""
     check_nproc(nproc)
-    if zero not in (0, 1):
-        raise InputError(f"--zero {zero}: give 0 (every rank keeps all optimizer state) or 1 "
-                         "(each rank keeps its parameters' optimizer state); ZeRO stage 2 is "
-                         "not built yet")
+    if zero not in (0, 1, 2):
+        raise InputError(f"--zero {zero}: give 0 (every rank keeps all optimizer state), 1 "
+                         "(each rank keeps its parameters' optimizer state) or 2 (and only "
+                         "its parameters' averaged gradients)")
     torch_distributed()
     env = launched_by_torchrun()
     if env is not None:

@@ -13,6 +13,13 @@ The buffers (all numpy arrays, bound to both halves of the split step, ``dist.bo
 - optimizer state: the rank's own (ZeRO-1: only for the parameters it owns; the AdamW and
   Dropout step counters on every rank).
 
+ZeRO-2: the bucket holds only the gradients of the rank's own parameters; the gradient
+step writes every other gradient into a buffer ORT allocates when the backward produces
+it (``BoundGraph``'s transient outputs), each gradient is reduced to its owner (one gloo
+``reduce`` per gradient, in the same order on every rank: SUM, divided by the world size
+on the owner) and the sent ones are freed before the update step; loss and stop flag are
+all-reduced apart (8 bytes). Between steps a rank holds 1/N of the gradients.
+
 ``comm`` is ``dist.comm.Comm`` (torch.distributed); nothing here imports torch.
 """
 
@@ -28,6 +35,7 @@ from memcc.dist.bound import BoundGraph
 from memcc.dist.split import SplitStep, owners_of_state, update_part
 from memcc.errors import InputError
 from memcc.passes.analysis.rank_step import assign_owners as deal
+from memcc.passes.analysis.rank_step import gradient_owners
 
 
 def assign_owners(split: SplitStep, world: int) -> dict[str, int]:
@@ -70,9 +78,9 @@ class Replica:
 
     def __init__(self, split: SplitStep, comm, settings: ReplicaSettings) -> None:
         s = settings
-        if s.zero not in (0, 1):
+        if s.zero not in (0, 1, 2):
             raise InputError(f"--zero {s.zero}: memcc shards optimizer state at stage 0 "
-                             "(none) or 1 (optimizer state); stage 2 is not built yet")
+                             "(none), 1 (optimizer state) or 2 (and gradients)")
         self.split, self.comm, self.settings = split, comm, s
         info = split.full.info
         params = split.parameters
@@ -80,11 +88,16 @@ class Replica:
         order = sorted(params, key=lambda p: (self.owner[p], params.index(p)))
         self.param_views, self.param_flats = _flat(order, info)
         self._owned_ranges = self._ranges(order)
-        grads = list(dict.fromkeys(split.gradients.values()))
-        self.grad_views, self.grad_flats = _flat(grads, info, extra=2)
-        f32 = self.grad_flats[np.dtype(np.float32)]
-        self.loss_view = f32[-2:-1].reshape(())
-        self.stop_view = f32[-1:].reshape(())
+        self.grad_order = list(dict.fromkeys(split.gradients.values()))
+        # ZeRO-2: gradient -> the rank it is reduced to (None: all-reduced, kept by all).
+        self.grad_to = gradient_owners(split.spec, self.owner) if s.zero == 2 else {}
+        kept = [g for g in self.grad_order if self.grad_to.get(g, s.rank) in (None, s.rank)]
+        self.grad_views, self.grad_flats = _flat(kept, info, extra=0 if s.zero == 2 else 2)
+        # Loss and stop flag: the float32 bucket's tail, or their own 2 floats (ZeRO-2).
+        self.flags = np.zeros(2, np.float32) if s.zero == 2 else None
+        tail = self.flags if self.flags is not None else \
+            self.grad_flats[np.dtype(np.float32)][-2:]
+        self.loss_view, self.stop_view = tail[0:1].reshape(()), tail[1:2].reshape(())
         owners = owners_of_state(split)
         mine = [o for o, ps in owners.items()
                 if not ps or any(self.owner[p] == s.rank for p in ps)]
@@ -135,7 +148,8 @@ class Replica:
         grad_bufs = {**self.param_views, **self.opt_state, **self.carried, **self.batch,
                      **self.grad_views, loss: self.loss_view}
         self.grad_step = BoundGraph(split.gradient, grad_bufs, threads=s.threads,
-                                    source=f"{s.source} (gradient step)")
+                                    source=f"{s.source} (gradient step)",
+                                    transient=set(self.grad_order) - set(self.grad_views))
         part = update_part(split, self.update_state)
         upd_bufs = {**self.param_views, **self.opt_state, **self.grad_views}
         self.update_step = BoundGraph(part, upd_bufs, updates=self.update_state,
@@ -154,7 +168,9 @@ class Replica:
         self.grad_step.run()
         t1 = time.perf_counter()
         self.stop_view[...] = 1.0 if stop else 0.0
-        for flat in self.grad_flats.values():
+        if self.flags is not None:
+            self._reduce_to_owners()
+        for flat in self.grad_flats.values() if self.flags is None else ():
             self.comm.all_reduce_mean(flat)
         for out, inp in self.split.grad_carried.items():
             new = self.grad_step.outputs[out]
@@ -175,6 +191,20 @@ class Replica:
             self.seconds[key] += dt
         return float(self.loss_view), bool(self.stop_view > 0)
 
+    def _reduce_to_owners(self) -> None:
+        """ZeRO-2: each gradient averaged on its owner (all ranks in the same order), the
+        loss and stop flag on every rank; then the gradients sent are freed."""
+        sent = self.grad_step.transient_outputs
+        for g in self.grad_order:
+            arr = sent[g] if g in sent else self.grad_views[g]
+            if self.grad_to[g] is None:
+                self.comm.all_reduce_mean(arr)
+            else:
+                self.comm.reduce_mean(arr, self.grad_to[g])
+        del sent
+        self.comm.all_reduce_mean(self.flags)
+        self.grad_step.release()
+
     # ------------------------------------------------------------------ state
     def local_state(self) -> dict[str, np.ndarray]:
         """The carried values this rank holds (live arrays, not copies)."""
@@ -189,7 +219,8 @@ class Replica:
         sessions write to arrays of their own (ORT's transient memory not included)."""
         groups = (self.param_flats, self.grad_flats, self.opt_state, self.carried, self.batch,
                   self.grad_step.outputs, self.update_step.outputs)
-        return sum(a.nbytes for g in groups for a in g.values())
+        flags = self.flags.nbytes if self.flags is not None else 0
+        return flags + sum(a.nbytes for g in groups for a in g.values())
 
     def load(self, tensors: Mapping[str, np.ndarray], source: str) -> None:
         """Take this rank's values from a consolidated state (a checkpoint): re-sharding is
@@ -204,8 +235,8 @@ class Replica:
             np.copyto(buf, a)
 
     def full_state(self) -> dict[str, np.ndarray] | None:
-        """Every carried value, consolidated on rank 0 (None elsewhere): with ZeRO-1 each
-        rank's optimizer state is gathered there."""
+        """Every carried value, consolidated on rank 0 (None elsewhere): with ZeRO-1 and 2
+        each rank's optimizer state is gathered there."""
         if not self.settings.zero:
             return self.local_state() if self.settings.rank == 0 else None
         parts = self.comm.gather_object(self.opt_state)

@@ -15,14 +15,20 @@ the same nodes, which the one simulator (``passes.planning.simulate``) judges un
   a graph input of its size, which the output is written into): the bucket exists before
   the first forward node runs, and no gradient is freed by its update;
 - an update the update step cannot write in place (``passes.analysis.inplace``) writes an
-  array of its own that the rank keeps between steps: bound the same way.
+  array of its own that the rank keeps between steps: bound the same way;
+- ZeRO-2: only the gradients of the rank's own parameters are bound (its shard of the
+  bucket, 1/N of the gradients). Every other gradient is a plain graph output: ORT
+  allocates it when the backward produces it, and it lives until the step ends (the
+  simulator never frees a graph output): in the run it is reduced to its owner and freed
+  after the gradient step, so this holds it through the update step too, a bound over the
+  truth by at most the update step's transients.
 
 Plans (recompute, variants) name forward and backward nodes and values, which are the same
 here and in the step: a plan chosen on the rank's graph is lowered onto the step file,
 which ``memcc train --nproc`` splits again. Beyond the graph, gloo's ring all-reduce needs
 scratch while no ORT buffer is live (``COMM_SCRATCH_BYTES``: measured with torch 2.13's
-gloo on 100 KB to 400 MB tensors, at most 2.1 MB per rank), counted as an input held all
-step.
+gloo on 100 KB to 400 MB tensors, at most 2.1 MB per rank; ZeRO-2's ``reduce`` to a
+gradient's owner, 1 to 100 MB tensors: at most 2.0 MB), counted as an input held all step.
 
 No torch here: ``memcc.dist`` imports this to deal parameters to ranks exactly as planned.
 """
@@ -51,13 +57,14 @@ COMM_SCRATCH_INPUT = "memcc.dist.comm_scratch"
 @dataclass(frozen=True)
 class Ranks:
     """Data parallelism as a step is planned for it: ``world`` ranks, ZeRO stage ``zero``
-    (0: every rank keeps all optimizer state; 1: each keeps its parameters')."""
+    (0: every rank keeps all optimizer state; 1: each keeps its parameters'; 2: and only
+    its parameters' averaged gradients)."""
 
     world: int
     zero: int = 0
 
     def __post_init__(self) -> None:
-        if self.world < 1 or self.zero not in (0, 1):
+        if self.world < 1 or self.zero not in (0, 1, 2):
             raise ValueError(f"Ranks({self.world}, zero={self.zero})")
 
 
@@ -95,6 +102,17 @@ def state_owners(graph: Graph, spec: TrainingStep) -> dict[str, list[str]]:
     return out
 
 
+def gradient_owners(spec: TrainingStep, owner: dict[str, int]) -> dict[str, int | None]:
+    """Gradient -> the rank its average is reduced to (ZeRO-2): the owner of the parameters
+    it belongs to; None where they have several owners (a gradient two parameters share,
+    dealt apart): that one is all-reduced and every rank keeps it."""
+    ranks: dict[str, set[int]] = {}
+    for p, g in spec.gradients().items():
+        if p in owner:
+            ranks.setdefault(g, set()).add(owner[p])
+    return {g: next(iter(r)) if len(r) == 1 else None for g, r in ranks.items()}
+
+
 def owned_outputs(owners: dict[str, list[str]], owner: dict[str, int], rank: int
                   ) -> list[str]:
     """The update outputs ``rank`` computes: its parameters' and the shared counters."""
@@ -105,7 +123,8 @@ def owned_outputs(owners: dict[str, list[str]], owner: dict[str, int], rank: int
 class RankStep:
     """One rank's step (module docstring) and the bytes that make it differ from the
     fused step's: ``bucket_bytes`` (the gradient step's outputs, held all step),
-    ``state_bytes`` (the optimizer state this rank keeps), ``comm_bytes`` (gloo's
+    ``state_bytes`` (the optimizer state this rank keeps; ``bucket_bytes`` with ZeRO-2:
+    its own gradients only, the others' in ``sent_bytes``), ``comm_bytes`` (gloo's
     scratch: ``COMM_SCRATCH_BYTES``, or the bucket's bytes where fewer; in the graph as an
     input, ``COMM_SCRATCH_INPUT``)."""
 
@@ -115,6 +134,7 @@ class RankStep:
     bucket_bytes: int
     state_bytes: int
     comm_bytes: int
+    sent_bytes: int = 0
 
 
 def rank_step(graph: Graph, ranks: Ranks, rank: int = 0) -> RankStep:
@@ -137,7 +157,12 @@ def rank_step(graph: Graph, ranks: Ranks, rank: int = 0) -> RankStep:
     dropped_state = {i for o, i in spec.state.items() if o in made_by_update and o not in mine}
     gone = {i for i in dropped_state if i not in read}
     state = {o: i for o, i in spec.state.items() if o in mine}
-    grad_outputs = [spec.loss, *dict.fromkeys(spec.gradients().values()),
+    grads = list(dict.fromkeys(spec.gradients().values()))
+    sent = []  # ZeRO-2: reduced to their owners, not kept (module docstring)
+    if ranks.zero == 2:
+        to = gradient_owners(spec, owner)
+        sent = [g for g in grads if to.get(g, rank) not in (None, rank)]
+    grad_outputs = [spec.loss, *(g for g in grads if g not in sent),
                     *(o for o in spec.state if o not in made_by_update)]
     state_bytes = sum(graph.info[i].nbytes for o, i in state.items()
                       if o in made_by_update and i not in set(params))
@@ -153,18 +178,19 @@ def rank_step(graph: Graph, ranks: Ranks, rank: int = 0) -> RankStep:
         view.info[buf] = graph.info[o]
         state.pop(o, None)
     bucket_bytes = sum(graph.info[o].nbytes for o in bound if o in grad_outputs)
-    comm = min(COMM_SCRATCH_BYTES, bucket_bytes)
+    sent_bytes = sum(graph.info[g].nbytes for g in sent)
+    comm = min(COMM_SCRATCH_BYTES, bucket_bytes + sent_bytes)
     view.info[COMM_SCRATCH_INPUT] = TensorInfo(onnx.TensorProto.UINT8, (comm,))
     view.inputs = inputs + list(bound.values()) + [COMM_SCRATCH_INPUT]
     kept_outputs = [o for o in graph.outputs if o not in made_by_update or o in mine]
-    view.outputs = list(dict.fromkeys([*kept_outputs, *bound]))
+    view.outputs = list(dict.fromkeys([*kept_outputs, *bound, *sent]))
     view.metadata.update({STATE_KEY: json.dumps(state), BOUND_KEY: json.dumps(bound)})
-    return RankStep(view, rank, ranks, bucket_bytes, state_bytes, comm)
+    return RankStep(view, rank, ranks, bucket_bytes, state_bytes, comm, sent_bytes)
 
 
 def rank_steps(graph: Graph, ranks: Ranks) -> list[RankStep]:
     """Every rank's step (one for ZeRO-0, where all ranks run the same), heaviest first:
-    by optimizer state kept, the rank number breaking ties."""
+    by optimizer state and gradients kept, the rank number breaking ties."""
     count = ranks.world if ranks.zero else 1
     steps = [rank_step(graph, ranks, r) for r in range(count)]
-    return sorted(steps, key=lambda s: (-s.state_bytes, s.rank))
+    return sorted(steps, key=lambda s: (-s.state_bytes - s.bucket_bytes, s.rank))
