@@ -1,9 +1,10 @@
 """Data-parallel throughput and per-rank memory (issue 33): one process at batch 2B against
-2 gloo ranks at batch B (``--zero 0`` and ``1``), on a zoo GPT-2 with AdamW.
+2 gloo ranks at batch B (``--zero 0``, ``1`` and ``2``), on a zoo GPT-2 with AdamW.
 
     PYTHONPATH=.:tests python -m benchmarks.data_parallel --mode single --steps 12
     PYTHONPATH=.:tests python -m benchmarks.data_parallel --mode zero0 --steps 12
     PYTHONPATH=.:tests python -m benchmarks.data_parallel --mode zero1 --steps 12
+    PYTHONPATH=.:tests python -m benchmarks.data_parallel --mode zero2 --steps 12
     # GPT-2 124M (real size: width 768, depth 12, vocab 50257, 1024 positions), 128 tokens,
     # batch 1 per rank: the per-rank memory target of issue 33
     PYTHONPATH=.:tests python -m benchmarks.data_parallel --size 124m --mode zero1 --steps 4
@@ -65,7 +66,7 @@ def main() -> None:
     from memcc.trainer.loop import TrainOptions, train
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", choices=["single", "zero0", "zero1"], required=True)
+    ap.add_argument("--mode", choices=["single", "zero0", "zero1", "zero2"], required=True)
     ap.add_argument("--size", choices=sorted(SIZES), default="small")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--dir", type=Path, default=None)

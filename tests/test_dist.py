@@ -3,8 +3,11 @@
 Tiny zoo MLPs (batch 4 per rank against one process at batch 8). Two real 2-rank runs
 (each a spawn of two processes, a few seconds): one through the CLI (DDP semantics, SGD,
 its checkpoint resumed by one process), one through the API (ZeRO-1 AdamW, resumed on two
-ranks from one process's checkpoint). The step's split and one rank's replica are checked
-in-process against ``memcc.Trainer``, bit for bit.
+ranks from one process's checkpoint); the kill test's last run resumes on ZeRO-2 ranks.
+ZeRO-0, 1 and 2 are checked bit for bit against each other on 2 ranks in threads of one
+process (``_Threads``: the collectives over numpy arrays), in well under a second. The
+step's split and one rank's replica are checked in-process against ``memcc.Trainer``, bit
+for bit.
 
 Tolerance: N ranks average N per-rank mean gradients, one process takes the mean over
 the global batch: the sums run in another order, so parameters agree to float32 rounding
@@ -21,6 +24,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -191,6 +195,97 @@ def test_zero1_owners_balance_the_bytes():
     assert abs(load[0] - load[1]) <= biggest
 
 
+class _Threads:
+    """``world`` ranks as threads of this process: ``dist.comm.Comm``'s collectives over
+    numpy arrays (sums in rank order). ``reduce_mean`` leaves NaN on the ranks it does not
+    reduce to: a gradient a ZeRO-2 rank sent and then read would poison its parameters."""
+
+    def __init__(self, world: int) -> None:
+        self.world, self.slots = world, [None] * world
+        self.wait = threading.Barrier(world, timeout=60)  # a rank that failed stops the rest
+
+    def rank(self, r: int) -> _ThreadRank:
+        return _ThreadRank(self, r)
+
+
+class _ThreadRank:
+    def __init__(self, group: _Threads, rank: int) -> None:
+        self.g, self.r = group, rank
+
+    def _all(self, value) -> list:
+        self.g.slots[self.r] = value
+        self.g.wait.wait()
+        values = list(self.g.slots)
+        self.g.wait.wait()
+        return values
+
+    def all_reduce_mean(self, arr): arr[...] = sum(self._all(arr.copy())) / self.g.world
+
+    def reduce_mean(self, arr, dst):
+        total = sum(self._all(arr.copy())) / self.g.world
+        arr[...] = total if self.r == dst else np.nan
+
+    def broadcast(self, arr, src): arr[...] = self._all(arr.copy())[src]
+    def gather_object(self, obj):
+        objs = self._all(obj)
+        return objs if self.r == 0 else None
+
+    def barrier(self): self.g.wait.wait()
+
+
+def _train_in_threads(path, zero: int, batches: list) -> tuple[dict, list]:
+    """Two replicas of ``path`` at ZeRO-``zero`` (threads, ``_Threads``) trained on
+    ``batches`` (per step, per rank); rank 0's consolidated state and both replicas."""
+    graph, _ = step_for_provider(load_graph(path), "cpu")
+    group, replicas, out = _Threads(2), [None, None], {}
+
+    def rank(r: int) -> None:
+        try:
+            split = split_step(graph.copy(), TrainingStep.of(graph))  # its own initial values
+            replicas[r] = Replica(split, group.rank(r), ReplicaSettings(r, 2, zero, threads=1))
+            for step in batches:
+                replicas[r].step(step[r])
+            state = replicas[r].full_state()
+            if r == 0:
+                out.update({k: v.copy() for k, v in state.items()})
+        except BaseException as exc:
+            errors.append(exc)
+            group.wait.abort()
+
+    errors: list[BaseException] = []
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return out, replicas
+
+
+def test_zero2_keeps_each_ranks_own_gradients_and_trains_bit_identically_to_zero0(files):
+    """Two ranks (threads): ZeRO-0, 1 and 2 end K AdamW steps with the same bits; a ZeRO-2
+    rank's bucket holds only its parameters' gradients, the others' are freed after the
+    step, and the gradients it sent (NaN after their reduction) are never read."""
+    rng = np.random.default_rng(2)
+    batches = [[{"input": rng.standard_normal((4, 12)).astype(np.float32),
+                 "labels": rng.integers(0, 4, 4).astype(np.int64)} for _ in (0, 1)]
+               for _ in range(K)]
+    runs = {z: _train_in_threads(files["adamw4"], z, batches) for z in (0, 1, 2)}
+    for z in (1, 2):
+        assert sorted(runs[z][0]) == sorted(runs[0][0])
+        for name, value in runs[0][0].items():
+            np.testing.assert_array_equal(runs[z][0][name], value, err_msg=name, strict=True)
+    zero1, zero2 = runs[1][1], runs[2][1]
+    grads = zero1[0].split.gradients
+    for r, rep in enumerate(zero2):
+        assert set(rep.grad_views) == {grads[p] for p, o in rep.owner.items() if o == r}
+        assert rep.grad_step.transient_outputs == {}  # released after the reduction
+        assert rep.held_bytes() < zero1[r].held_bytes()
+    assert sum(f.nbytes for rep in zero2 for f in rep.grad_flats.values()) == \
+        sum(zero1[0].split.full.info[g].nbytes for g in set(grads.values()))
+
+
 # ---------------------------------------------------------------------------- 2 ranks
 def test_two_ranks_train_as_one_process_on_the_global_batch_and_resume_on_one(files):
     """DDP semantics through the CLI; the 2-rank checkpoint resumes in one process."""
@@ -257,7 +352,7 @@ def test_missing_torch_names_the_extra(files, monkeypatch):
     (["--nproc", "0"], "--nproc 0"),
     (["--nproc", "-3"], "--nproc -3"),
     (["--zero", "1"], "give --nproc N"),
-    (["--nproc", "2", "--zero", "2"], "--zero 2"),
+    (["--nproc", "2", "--zero", "3"], "--zero 3"),
     (["--nproc", "2", "--provider", "cuda"], "CPU (gloo)"),
     (["--nproc", "2", "--arena"], "--arena is not supported with --nproc"),
 ])
@@ -320,7 +415,8 @@ def _run_until_checkpoint_then(files, directory, signal_ranks: bool, *, resume: 
 def test_sigterm_stops_every_rank_saved_and_a_killed_rank_leaves_the_last_checkpoint(files):
     """SIGTERM to memcc: every rank stops after the same step, which is saved (exit 143).
     Resumed, then SIGKILL to one rank: the run fails naming its newest checkpoint, which
-    is whole, and a resumed 2-rank run continues it as one process would."""
+    is whole, and a resumed 2-rank ZeRO-2 run (real gloo reduces: the threads test above
+    has ZeRO-0, 1 and 2 bit-identical) continues it as one process would."""
     d = files["dir"] / "killed"
     code, stdout, stderr = _run_until_checkpoint_then(files, d, False, resume=False)
     assert code == 128 + signal.SIGTERM, stderr
@@ -336,7 +432,7 @@ def test_sigterm_stops_every_rank_saved_and_a_killed_rank_leaves_the_last_checkp
     shutil.copytree(d, files["dir"] / "killed1")
     result, _ = train_distributed(
         TrainOptions(step=files["adamw4"], data=files["data"], steps=c.step + K,
-                     checkpoint=d, resume=True, threads=1), 2, quiet=True)
+                     checkpoint=d, resume=True, threads=1), 2, zero=2, quiet=True)
     assert result.start_step == c.step and result.steps_done == c.step + K
     _single(files, "adamw", c.step + K, files["dir"] / "killed1", resume=True)
     _assert_close(_params(d), _params(files["dir"] / "killed1"))

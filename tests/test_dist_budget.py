@@ -87,6 +87,18 @@ def test_a_rank_holds_the_bucket_all_step_and_only_its_own_state():
     for s in shards:
         p = arrange_step(s.graph, TrainingStep.of(s.graph)).prediction.peak_bytes
         assert p < view.prediction.peak_bytes
+    # ZeRO-2: a rank's bucket holds its own gradients (and the loss); each other gradient
+    # is an output of the backward, held from its producer on (no longer from the start).
+    # Here the peak is at the backward's end, where every gradient exists: ZeRO-1's.
+    for s1, s2 in zip(shards, rank_steps(graph, Ranks(2, 2)), strict=True):
+        bound = TrainingStep.of(s2.graph).bound
+        assert s2.rank == s1.rank and s2.state_bytes == s1.state_bytes
+        assert s2.bucket_bytes + s2.sent_bytes == zero0.bucket_bytes
+        assert 0 < s2.bucket_bytes < 0.7 * zero0.bucket_bytes
+        assert {g for g in grads if g not in bound} <= set(s2.graph.outputs)
+        p1, p2 = (arrange_step(s.graph, TrainingStep.of(s.graph)).prediction.peak_bytes
+                  for s in (s1, s2))
+        assert p2 <= p1
 
 
 # ---------------------------------------------------------------------------- compile + run
@@ -136,7 +148,7 @@ def test_a_plan_for_other_ranks_is_named():
 
 @pytest.mark.parametrize("args,message", [
     (["--zero", "1"], "give --nproc N"),
-    (["--nproc", "2", "--zero", "2"], "--zero 2"),
+    (["--nproc", "2", "--zero", "3"], "--zero 3"),
     (["--nproc", "0"], "--nproc 0"),
     (["--nproc", "2", "--verify"], "--verify with --nproc"),
     (["--nproc", "2", "--provider", "cuda"], "--provider cuda with --nproc"),
