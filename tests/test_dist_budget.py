@@ -29,7 +29,7 @@ from memcc.passes.analysis.rank_step import (
     rank_step,
     rank_steps,
 )
-from memcc.step import RANKS_KEY, TrainingStep
+from memcc.step import RANKS_KEY, Role, TrainingStep
 from memcc.trainer import TrainOptions
 from models import mlp
 
@@ -88,14 +88,18 @@ def test_a_rank_holds_the_bucket_all_step_and_only_its_own_state():
         p = arrange_step(s.graph, TrainingStep.of(s.graph)).prediction.peak_bytes
         assert p < view.prediction.peak_bytes
     # ZeRO-2: a rank's bucket holds its own gradients (and the loss); each other gradient
-    # is an output of the backward, held from its producer on (no longer from the start).
-    # Here the peak is at the backward's end, where every gradient exists: ZeRO-1's.
+    # lives from its producer to its reduction (a node after the backward, before the
+    # updates). Here the peak is at the backward's end, where every gradient exists.
     for s1, s2 in zip(shards, rank_steps(graph, Ranks(2, 2)), strict=True):
         bound = TrainingStep.of(s2.graph).bound
         assert s2.rank == s1.rank and s2.state_bytes == s1.state_bytes
         assert s2.bucket_bytes + s2.sent_bytes == zero0.bucket_bytes
         assert 0 < s2.bucket_bytes < 0.7 * zero0.bucket_bytes
-        assert {g for g in grads if g not in bound} <= set(s2.graph.outputs)
+        names = [n.name for n in s2.graph.nodes]
+        sends = [k for k, n in enumerate(s2.graph.nodes) if n.name.startswith("memcc.dist.send/")]
+        assert {s2.graph.nodes[k].input[0] for k in sends} == {g for g in grads if g not in bound}
+        assert max(k for k, n in enumerate(names) if "send" not in n and
+                   TrainingStep.of(s2.graph).roles[n] is not Role.UPDATE) < min(sends)
         p1, p2 = (arrange_step(s.graph, TrainingStep.of(s.graph)).prediction.peak_bytes
                   for s in (s1, s2))
         assert p2 <= p1

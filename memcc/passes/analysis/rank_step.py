@@ -17,11 +17,10 @@ the same nodes, which the one simulator (``passes.planning.simulate``) judges un
 - an update the update step cannot write in place (``passes.analysis.inplace``) writes an
   array of its own that the rank keeps between steps: bound the same way;
 - ZeRO-2: only the gradients of the rank's own parameters are bound (its shard of the
-  bucket, 1/N of the gradients). Every other gradient is a plain graph output: ORT
-  allocates it when the backward produces it, and it lives until the step ends (the
-  simulator never frees a graph output): in the run it is reduced to its owner and freed
-  after the gradient step, so this holds it through the update step too, a bound over the
-  truth by at most the update step's transients.
+  bucket, 1/N of the gradients). Every other gradient is allocated when the backward
+  produces it (the run: an output ORT allocates) and freed after the backward, before the
+  updates (the run: after its reduction to its owner): here a ``Shape`` node reads it
+  there, standing for the reduction.
 
 Plans (recompute, variants) name forward and backward nodes and values, which are the same
 here and in the step: a plan chosen on the rank's graph is lowered onto the step file,
@@ -52,6 +51,8 @@ BUFFER_SUFFIX = ".rank_buffer"
 # over the truth at most, which the planner sees like any other buffer.
 COMM_SCRATCH_BYTES = 2 * 1024 * 1024 + 128 * 1024
 COMM_SCRATCH_INPUT = "memcc.dist.comm_scratch"
+# ZeRO-2: what the node standing for a sent gradient's reduction writes (``_sends``).
+SENT_SUFFIX = ".rank_sent"
 
 
 @dataclass(frozen=True)
@@ -150,18 +151,18 @@ def rank_step(graph: Graph, ranks: Ranks, rank: int = 0) -> RankStep:
     producer = {o: n for n in updates for o in n.output if o}
     keep_nodes, _ = ancestors(mine, producer)
     keep = {id(n) for n in keep_nodes}
-    # As the split runs them: every update after the all-reduce, after every other node.
-    nodes = [n for n in graph.nodes if roles.get(n.name) is not Role.UPDATE] + \
-        [n for n in graph.nodes if id(n) in keep]
-    read = {i for n in nodes for i in n.input if i}
-    dropped_state = {i for o, i in spec.state.items() if o in made_by_update and o not in mine}
-    gone = {i for i in dropped_state if i not in read}
-    state = {o: i for o, i in spec.state.items() if o in mine}
     grads = list(dict.fromkeys(spec.gradients().values()))
     sent = []  # ZeRO-2: reduced to their owners, not kept (module docstring)
     if ranks.zero == 2:
         to = gradient_owners(spec, owner)
         sent = [g for g in grads if to.get(g, rank) not in (None, rank)]
+    # As the split runs them: every update after the all-reduce, after every other node.
+    nodes = [n for n in graph.nodes if roles.get(n.name) is not Role.UPDATE] + \
+        _sends(sent, graph) + [n for n in graph.nodes if id(n) in keep]
+    read = {i for n in nodes for i in n.input if i}
+    dropped_state = {i for o, i in spec.state.items() if o in made_by_update and o not in mine}
+    gone = {i for i in dropped_state if i not in read}
+    state = {o: i for o, i in spec.state.items() if o in mine}
     grad_outputs = [spec.loss, *(g for g in grads if g not in sent),
                     *(o for o in spec.state if o not in made_by_update)]
     state_bytes = sum(graph.info[i].nbytes for o, i in state.items()
@@ -183,9 +184,20 @@ def rank_step(graph: Graph, ranks: Ranks, rank: int = 0) -> RankStep:
     view.info[COMM_SCRATCH_INPUT] = TensorInfo(onnx.TensorProto.UINT8, (comm,))
     view.inputs = inputs + list(bound.values()) + [COMM_SCRATCH_INPUT]
     kept_outputs = [o for o in graph.outputs if o not in made_by_update or o in mine]
-    view.outputs = list(dict.fromkeys([*kept_outputs, *bound, *sent]))
+    view.outputs = list(dict.fromkeys([*kept_outputs, *bound]))
+    for g in sent:
+        view.info[g + SENT_SUFFIX] = TensorInfo(onnx.TensorProto.INT64,
+                                                (len(graph.info[g].shape),))
     view.metadata.update({STATE_KEY: json.dumps(state), BOUND_KEY: json.dumps(bound)})
     return RankStep(view, rank, ranks, bucket_bytes, state_bytes, comm, sent_bytes)
+
+
+def _sends(sent: list[str], graph: Graph) -> list[onnx.NodeProto]:
+    """ZeRO-2: the gradients a rank sends, each read once more after the backward (a
+    ``Shape`` node standing for its reduction), so the simulator frees it there, before the
+    updates, as the run frees it; the nodes are the rank's graph's, never a file's."""
+    return [onnx.helper.make_node("Shape", [g], [g + SENT_SUFFIX], name=f"memcc.dist.send/{g}")
+            for g in sent if g in graph.info]
 
 
 def rank_steps(graph: Graph, ranks: Ranks) -> list[RankStep]:
