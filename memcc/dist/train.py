@@ -6,7 +6,7 @@ Global step ``k`` takes batch ``k`` of the data's seeded order at batch size ``N
 at batch B see what one process sees at batch N x B, and the data position of a run is
 counted in global batches.
 
-Checkpoints: consolidated on rank 0 (with ZeRO-1 the optimizer state is gathered there
+Checkpoints: consolidated on rank 0 (with ZeRO-1 and 2 the optimizer state is gathered there
 first) and written by ``backend.checkpoint`` as ``memcc train`` writes them (atomic, the
 newest ``keep`` kept). The signature they carry is the step's with the data inputs at the
 global batch: a checkpoint belongs to a run at a global batch size, so it resumes on any
