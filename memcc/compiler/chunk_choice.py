@@ -38,6 +38,7 @@ from memcc.compiler.chunk_clock import SharedLimit
 from memcc.compiler.chunk_fit import FREE, FitSearch, decision, search_fitting
 from memcc.compiler.loading import LOSS, loss_sites
 from memcc.errors import InputError
+from memcc.frontend.batch_chunks import BATCH, find_stems
 from memcc.frontend.build import BuildOptions
 from memcc.frontend.load import load_graph
 from memcc.frontend.row_chunks import ATTENTION, MLP, find_regions
@@ -52,15 +53,18 @@ if TYPE_CHECKING:
     from memcc.compiler.planning import Planned
     from memcc.passes.analysis.cost_model import CostModel
 
-KINDS = (LOSS, ATTENTION, MLP)
-FIELDS = {LOSS: "loss_chunks", ATTENTION: "attention_chunks", MLP: "mlp_chunks"}
-FLAGS = {LOSS: "--loss-chunks", ATTENTION: "--attention-chunks", MLP: "--mlp-chunks"}
+KINDS = (LOSS, ATTENTION, MLP, BATCH)
+FIELDS = {LOSS: "loss_chunks", ATTENTION: "attention_chunks", MLP: "mlp_chunks",
+          BATCH: "batch_chunks"}
+FLAGS = {LOSS: "--loss-chunks", ATTENTION: "--attention-chunks", MLP: "--mlp-chunks",
+         BATCH: "--batch-chunks"}
 # The settings tried, lightest first: the loss alone (no recompute, the logits are often the
-# largest tensor), then attentions and MLPs too, in 4 and in 8 chunks.
+# largest tensor), then attentions, MLPs and a convnet's stem (over batch chunks,
+# frontend/batch_chunks.py) too, in 4 and in 8 chunks.
 LADDER: tuple[dict[str, int], ...] = (
     {LOSS: 8},
-    {LOSS: 8, ATTENTION: 4, MLP: 4},
-    {LOSS: 8, ATTENTION: 8, MLP: 8},
+    {LOSS: 8, ATTENTION: 4, MLP: 4, BATCH: 4},
+    {LOSS: 8, ATTENTION: 8, MLP: 8, BATCH: 8},
 )
 # A plan within this share of the unchunked step's time ends the search of a budget the
 # step as built does not reach (no split can beat it by more).
@@ -163,7 +167,7 @@ class Choice:
 def sites(forward: Graph, build: BuildOptions) -> dict[str, int]:
     """How many places of each kind row chunks could split in ``forward``."""
     found = {kind: len(find_regions(forward, kind)) for kind in (ATTENTION, MLP)}
-    return {LOSS: loss_sites(forward, build), **found}
+    return {LOSS: loss_sites(forward, build), **found, BATCH: len(find_stems(forward))}
 
 
 def chunks_of(build: BuildOptions) -> dict[str, int]:
@@ -270,8 +274,8 @@ def choose_row_chunks(search: RowChunkSearch, graph: Graph, costs: CostModel,
     report["sites"] = found
     ladder = candidates(options.build, found)
     if not ladder:
-        report["why"] = (why + "; but the model has no loss projection, attention or MLP "
-                         "left for compile to split")
+        report["why"] = (why + "; but the model has no loss projection, attention, MLP or "
+                         "stem left for compile to split")
         return done(first)
     report["searched"] = True
     report["why"] = why
@@ -304,7 +308,7 @@ def _search_fitting(found: dict[str, int], first: Attempt, options: CompileOptio
     ladder = candidates(options.build, found)
     if not ladder:
         report["why"] = (f"the step as built fits the budget at {first_added:+.1%}, and the "
-                         "model has no loss projection, attention or MLP left to split")
+                         "model has no loss projection, attention, MLP or stem left to split")
         return
     if estimator is None:   # a caller that cannot build settings without planning
         report["why"] = f"the step as built fits the budget at {first_added:+.1%}"

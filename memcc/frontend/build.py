@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from memcc.errors import InputError
 from memcc.frontend.autocast import AutocastSummary, autocast, recast_in_backward
 from memcc.frontend.autodiff import differentiate
-from memcc.frontend.batch_chunks import chunk_stems, emit_backward
+from memcc.frontend.batch_chunks import BATCH, chunk_stems, emit_backward
 from memcc.frontend.build_options import LOSSES, OPTIMIZERS, BuildOptions
 from memcc.frontend.dropout_masks import add_counter, counter_dropouts
 from memcc.frontend.emit import Emitter
@@ -114,6 +114,8 @@ def build_training_step(forward: Graph, options: BuildOptions | None = None,
     # The stem over batch chunks (frontend/batch_chunks.py): its forward is rewritten here,
     # after the parameters are known, and its backward written after the autodiff's.
     stems = chunk_stems(graph, opts.batch_chunks or 1, source)
+    if stems:
+        row_chunks[BATCH] = {"chunks": opts.batch_chunks, "regions": len(stems)}
     seeds = chunked.seeds if chunked else None
     if opts.dynamic_loss_scale:  # the backward of scale * loss (frontend/loss_scaling.py)
         seeds = scaled_seeds(graph, emit, loss, add_scale_state(graph, opts), seeds)
