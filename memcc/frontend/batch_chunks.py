@@ -38,7 +38,7 @@ from memcc.errors import InputError
 from memcc.frontend.emit import Emitter
 from memcc.frontend.gradients import load_rules
 from memcc.frontend.gradients.registry import RULES, GradContext
-from memcc.frontend.gradients.shape_ops import concat_values
+from memcc.frontend.gradients.shape_ops import concat_values, slice_values
 from memcc.graph import Graph, TensorInfo, attr
 from memcc.step import tag_node
 
@@ -326,6 +326,10 @@ def _chunk_gy(emit: Emitter, chunked: ChunkedStem, part: tuple[int, int], g_out:
     ctx = GradContext(graph=emit.graph, emit=emit, requires_grad=set(chunk.values[2:4]))
     if chunk.pool is not None:
         g = RULES["MaxPool"](ctx, chunk.pool, [g])[0]
+        # ORT never frees an output no node reads: a one-element Slice of the recomputed
+        # pooled output (the rule reads its indices only) frees it (as variant_pool does).
+        rank = len(emit.info(chunk.pool.output[0]).shape)
+        slice_values(emit, chunk.pool.output[0], [0] * rank, [1] * rank, list(range(rank)))
     g = RULES[chunk.act.op_type](ctx, chunk.act, [g])[0]
     return chunk, g
 
