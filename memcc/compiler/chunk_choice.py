@@ -143,6 +143,7 @@ class Attempt:
         if self.estimated_added_time is not None:
             out["estimated_added_time"] = round(self.estimated_added_time, 4)
         if self.planned is not None:
+            out["as_built_peak_bytes"] = int(self.planned[0].baseline.peak_bytes)
             out["peak_bytes"] = int(self.planned[0].best.peak_bytes)
             out["needs_budget_bytes"] = self.budget_bytes(user_budget)
             out["step_time_s"] = round(self.step_time_s, 6)
