@@ -37,6 +37,7 @@ from memcc.compiler.advice import without_chunks_hint
 from memcc.compiler.chunk_clock import SharedLimit
 from memcc.compiler.chunk_fit import FREE, FitSearch, decision, search_fitting
 from memcc.compiler.loading import LOSS, loss_sites
+from memcc.compiler.stem_gate import STEM_BOUND_SHARE, stem_bound_share
 from memcc.errors import InputError
 from memcc.frontend.batch_chunks import BATCH, find_stems
 from memcc.frontend.build import BuildOptions
@@ -193,6 +194,17 @@ def candidates(build: BuildOptions, found: dict[str, int]) -> list[dict[str, int
     return out
 
 
+def _gate_stem(found: dict[str, int], build: BuildOptions, graph: Graph
+               ) -> tuple[dict[str, int], float | None]:
+    """``found`` without the stem where its batch chunks are not worth a plan
+    (``compiler/stem_gate.py``: its BatchNorm bound under ``STEM_BOUND_SHARE`` of the step
+    as built), and that share (None: not asked)."""
+    if not found.get(BATCH) or build.batch_chunks is not None:
+        return found, None
+    share = stem_bound_share(graph)
+    return (found if share >= STEM_BOUND_SHARE else {**found, BATCH: 0}), share
+
+
 def needs_search(first: Attempt, budget: Budget) -> str | None:
     """Why compile should try row chunks after the step as built (None: it should not)."""
     if budget.is_min:
@@ -216,6 +228,7 @@ def choose_row_chunks(search: RowChunkSearch, graph: Graph, costs: CostModel,
     searchable = built and given != set(KINDS)
     found = search.found if search.found is not None or not searchable else sites(
         load_graph(model, options.dims, source=label), options.build)
+    found, stem_share = _gate_stem(found, options.build, graph)
     # The settings that may be planned after the step as loaded share its --time-limit.
     later = len(candidates(options.build, found)) if searchable else 0
     clock = SharedLimit.of(options.time_limit, budget.is_min,
@@ -228,6 +241,8 @@ def choose_row_chunks(search: RowChunkSearch, graph: Graph, costs: CostModel,
                      lambda: (graph, costs), mark=0, strict=True, limit=clock.first())
     base_time = costs.total(graph)
     report: dict = {"chosen": dict(first.chunks), "searched": False}
+    if stem_share is not None:
+        report["stem_bound_share"] = round(stem_share, 4)
     tried = [first]
 
     def done(chosen: Attempt) -> Choice:
