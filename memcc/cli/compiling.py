@@ -113,9 +113,8 @@ def compile_cmd(
 ) -> None:
     """Rewrite a training step so that it fits a memory budget at the least added time.
 
-    A forward model is built first, with memcc build's options (--loss ... --mlp-chunks);
-    row chunks not given are chosen by compile where they lower the plan's cost. A
-    training step keeps the options it was built with."""
+    A forward model is built first, with memcc build's options; chunks not given are chosen
+    by compile where they lower the plan's cost. A step keeps the options it was built with."""
     if no_chunks:
         loss_chunks, attention_chunks, mlp_chunks, batch_chunks = (
             k or 1 for k in (loss_chunks, attention_chunks, mlp_chunks, batch_chunks))

@@ -194,11 +194,15 @@ def candidates(build: BuildOptions, found: dict[str, int]) -> list[dict[str, int
     return out
 
 
-def _gate_stem(found: dict[str, int], build: BuildOptions, graph: Graph
-               ) -> tuple[dict[str, int], float | None]:
-    """``found`` without the stem where its batch chunks are not worth a plan
-    (``compiler/stem_gate.py``: its BatchNorm bound under ``STEM_BOUND_SHARE`` of the step
-    as built), and that share (None: not asked)."""
+def _gate_stem(search: RowChunkSearch, options: CompileOptions, graph: Graph,
+               searchable: bool) -> tuple[dict[str, int], float | None]:
+    """The model's sites (``search.found``, else counted), without the stem where its batch
+    chunks are not worth a plan (``compiler/stem_gate.py``: its BatchNorm bound under
+    ``STEM_BOUND_SHARE`` of the step as built ``graph``), and that share (None: not
+    asked)."""
+    build = options.build
+    found = search.found if search.found is not None or not searchable else sites(
+        load_graph(search.model, options.dims, source=search.label), build)
     if not found.get(BATCH) or build.batch_chunks is not None:
         return found, None
     share = stem_bound_share(graph)
@@ -222,13 +226,11 @@ def choose_row_chunks(search: RowChunkSearch, graph: Graph, costs: CostModel,
     """Plan ``graph`` (the step as loaded) and, where it pays, the step built with other row
     chunks; return the chosen attempt (``search.passes`` then holds its passes only).
     Raises the refusal of the attempt that came nearest when no setting fits ``budget``."""
-    model, label, built = search.model, search.label, search.built
+    label, built = search.label, search.built
     passes, user_budget = search.passes, search.user_budget
     given = {k for k in KINDS if getattr(options.build, FIELDS[k]) is not None}
     searchable = built and given != set(KINDS)
-    found = search.found if search.found is not None or not searchable else sites(
-        load_graph(model, options.dims, source=label), options.build)
-    found, stem_share = _gate_stem(found, options.build, graph)
+    found, stem_share = _gate_stem(search, options, graph, searchable)
     # The settings that may be planned after the step as loaded share its --time-limit.
     later = len(candidates(options.build, found)) if searchable else 0
     clock = SharedLimit.of(options.time_limit, budget.is_min,
@@ -240,9 +242,8 @@ def choose_row_chunks(search: RowChunkSearch, graph: Graph, costs: CostModel,
     first = _attempt(search, replace(options, smallest_on_refusal=not screens),
                      lambda: (graph, costs), mark=0, strict=True, limit=clock.first())
     base_time = costs.total(graph)
-    report: dict = {"chosen": dict(first.chunks), "searched": False}
-    if stem_share is not None:
-        report["stem_bound_share"] = round(stem_share, 4)
+    report: dict = {"chosen": dict(first.chunks), "searched": False, **(
+        {"stem_bound_share": round(stem_share, 4)} if stem_share is not None else {})}
     tried = [first]
 
     def done(chosen: Attempt) -> Choice:
