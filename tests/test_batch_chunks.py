@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 
 from memcc.cli import app
 from memcc.compiler.chunk_choice import BATCH, candidates
-from memcc.compiler.stem_gate import STEM_BOUND_SHARE, stem_bound_share
+from memcc.compiler.stem_gate import stem_shares, worth_chunking
 from memcc.errors import InputError
 from memcc.frontend.batch_chunks import BATCH_CHUNKS_TOLERANCE
 from memcc.frontend.build import BuildOptions, build_training_step
@@ -43,7 +43,7 @@ def test_stem_over_batch_chunks_matches_the_whole_stem():
     assert full[0] == 8
     assert not [v for v, i in chunked.info.items() if tuple(i.shape or ()) == full]
     assert json.loads(chunked.metadata[ROW_CHUNKS_KEY])[BATCH] == {"chunks": 3, "regions": 1}
-    assert stem_bound_share(whole) >= STEM_BOUND_SHARE   # compile would try it here
+    assert worth_chunking(stem_shares(whole))   # compile would try it here
     assert_step_matches(whole, chunked, BATCH_CHUNKS_TOLERANCE, threads=(1, 2))
 
 

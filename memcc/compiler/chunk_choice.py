@@ -37,7 +37,7 @@ from memcc.compiler.advice import without_chunks_hint
 from memcc.compiler.chunk_clock import SharedLimit
 from memcc.compiler.chunk_fit import FREE, FitSearch, decision, search_fitting
 from memcc.compiler.loading import LOSS, loss_sites
-from memcc.compiler.stem_gate import STEM_BOUND_SHARE, stem_bound_share
+from memcc.compiler.stem_gate import stem_shares, worth_chunking
 from memcc.errors import InputError
 from memcc.frontend.batch_chunks import BATCH, find_stems
 from memcc.frontend.build import BuildOptions
@@ -195,18 +195,17 @@ def candidates(build: BuildOptions, found: dict[str, int]) -> list[dict[str, int
 
 
 def _gate_stem(search: RowChunkSearch, options: CompileOptions, graph: Graph,
-               searchable: bool) -> tuple[dict[str, int], float | None]:
+               searchable: bool) -> tuple[dict[str, int], tuple[float, float] | None]:
     """The model's sites (``search.found``, else counted), without the stem where its batch
-    chunks are not worth a plan (``compiler/stem_gate.py``: its BatchNorm bound under
-    ``STEM_BOUND_SHARE`` of the step as built ``graph``), and that share (None: not
-    asked)."""
+    chunks are not worth a plan (``compiler/stem_gate.py``, judged on the step as built
+    ``graph``), and its shares (None: not asked)."""
     build = options.build
     found = search.found if search.found is not None or not searchable else sites(
         load_graph(search.model, options.dims, source=search.label), build)
     if not found.get(BATCH) or build.batch_chunks is not None:
         return found, None
-    share = stem_bound_share(graph)
-    return (found if share >= STEM_BOUND_SHARE else {**found, BATCH: 0}), share
+    shares = stem_shares(graph)
+    return (found if worth_chunking(shares) else {**found, BATCH: 0}), shares
 
 
 def needs_search(first: Attempt, budget: Budget) -> str | None:
@@ -243,7 +242,7 @@ def choose_row_chunks(search: RowChunkSearch, graph: Graph, costs: CostModel,
                      lambda: (graph, costs), mark=0, strict=True, limit=clock.first())
     base_time = costs.total(graph)
     report: dict = {"chosen": dict(first.chunks), "searched": False, **(
-        {"stem_bound_share": round(stem_share, 4)} if stem_share is not None else {})}
+        {"stem_shares": [round(x, 4) for x in stem_share]} if stem_share else {})}
     tried = [first]
 
     def done(chosen: Attempt) -> Choice:
