@@ -169,12 +169,19 @@ class Choice:
 def sites(forward: Graph, build: BuildOptions) -> dict[str, int]:
     """How many places of each kind row chunks could split in ``forward``."""
     found = {kind: len(find_regions(forward, kind)) for kind in (ATTENTION, MLP)}
-    return {LOSS: loss_sites(forward, build), **found, BATCH: len(find_stems(forward))}
+    stems = len(find_stems(forward))
+    return {LOSS: loss_sites(forward, build), **found, **({BATCH: stems} if stems else {})}
 
 
 def chunks_of(build: BuildOptions) -> dict[str, int]:
-    """The counts a build uses (unset: 1)."""
-    return {k: int(getattr(build, FIELDS[k]) or 1) for k in KINDS}
+    """The counts a build uses (unset: 1; the stem's only where it is split, so that the
+    settings of a model without a stem read as they did before it was a kind)."""
+    return trim_chunks({k: int(getattr(build, FIELDS[k]) or 1) for k in KINDS})
+
+
+def trim_chunks(chunks: dict[str, int]) -> dict[str, int]:
+    """``chunks`` without the stem's entry where it is 1 (or 0 sites)."""
+    return {k: n for k, n in chunks.items() if k != BATCH or n > 1}
 
 
 def candidates(build: BuildOptions, found: dict[str, int]) -> list[dict[str, int]]:
@@ -187,7 +194,7 @@ def candidates(build: BuildOptions, found: dict[str, int]) -> list[dict[str, int
     seen = [fixed]
     out = []
     for rung in LADDER:
-        c = {k: (rung.get(k, 1) if k in auto else fixed[k]) for k in KINDS}
+        c = trim_chunks({k: (rung.get(k, 1) if k in auto else fixed.get(k, 1)) for k in KINDS})
         if c not in seen:
             seen.append(c)
             out.append(c)
@@ -228,6 +235,8 @@ def choose_row_chunks(search: RowChunkSearch, graph: Graph, costs: CostModel,
     label, built = search.label, search.built
     passes, user_budget = search.passes, search.user_budget
     given = {k for k in KINDS if getattr(options.build, FIELDS[k]) is not None}
+    if search.found is not None and not search.found.get(BATCH):
+        given.add(BATCH)   # no stem: as if its flag said 1
     searchable = built and given != set(KINDS)
     found, stem_share = _gate_stem(search, options, graph, searchable)
     # The settings that may be planned after the step as loaded share its --time-limit.
@@ -263,7 +272,8 @@ def choose_row_chunks(search: RowChunkSearch, graph: Graph, costs: CostModel,
         return done(first)
     if given == set(KINDS):
         report["why"] = "every kind was set by a flag (" + ", ".join(
-            f"{FLAGS[k]} {getattr(options.build, FIELDS[k])}" for k in KINDS) + ")"
+            f"{FLAGS[k]} {getattr(options.build, FIELDS[k])}" for k in KINDS
+            if getattr(options.build, FIELDS[k]) is not None) + ")"
         return done(first)
 
     def attempt(chunks: dict[str, int], limit: tuple[float, float],
