@@ -69,7 +69,7 @@ BatchChunksOpt = Annotated[int, typer.Option(
          "a MaxPool) over this many batch chunks, forward and backward, with the batch "
          "statistics summed over the chunks: its full-resolution activations are then "
          "held one chunk at a time, at the price of the stem's convolution run four times. "
-         "Gradients within 1e-5 of the whole stem's.")]
+         "Gradients within 1e-4 of the whole stem's.")]
 PrecisionOpt = Annotated[Literal["fp32", "bf16", "fp16"], typer.Option(
     help="fp32 (as exported), or bf16 / fp16 autocast as torch.autocast does it: matrix "
          "products and convolutions in 16-bit, softmax, norms, reductions and the loss in "

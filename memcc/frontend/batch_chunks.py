@@ -43,8 +43,11 @@ from memcc.graph import Graph, TensorInfo, attr
 from memcc.step import tag_node
 
 # Largest difference of the loss, every gradient and the running statistics against the
-# whole stem's step, relative to the value's largest magnitude (tests/test_batch_chunks.py).
-BATCH_CHUNKS_TOLERANCE = 1e-5
+# whole stem's step, relative to the value's largest magnitude (tests/test_batch_chunks.py):
+# the sums' rounding, amplified by the training BatchNorms downstream where they normalise
+# few values (1.6e-6 on a transformers ResNet export at 32 px, 5.2e-6 on the zoo's
+# ResNet-18 at 64 px, 2.1e-5 at 32 px, where its last stage is 1 x 1).
+BATCH_CHUNKS_TOLERANCE = 1e-4
 BATCH = "batch"
 RULE = "batch_chunks"
 _ACTIVATIONS = frozenset({"Relu", "Clip", "LeakyRelu"})
