@@ -39,7 +39,7 @@ from memcc.compiler.chunk_fit import FREE, FitSearch, decision, search_fitting
 from memcc.compiler.loading import LOSS, loss_sites
 from memcc.compiler.stem_gate import stem_shares, worth_chunking
 from memcc.errors import InputError
-from memcc.frontend.batch_chunks import BATCH, find_stems
+from memcc.frontend.batch_chunks import BATCH, splittable_stems
 from memcc.frontend.build import BuildOptions
 from memcc.frontend.load import load_graph
 from memcc.frontend.row_chunks import ATTENTION, MLP, find_regions
@@ -169,7 +169,7 @@ class Choice:
 def sites(forward: Graph, build: BuildOptions) -> dict[str, int]:
     """How many places of each kind row chunks could split in ``forward``."""
     found = {kind: len(find_regions(forward, kind)) for kind in (ATTENTION, MLP)}
-    stems = len(find_stems(forward))
+    stems = splittable_stems(forward)
     return {LOSS: loss_sites(forward, build), **found, **({BATCH: stems} if stems else {})}
 
 

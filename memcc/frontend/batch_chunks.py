@@ -103,8 +103,6 @@ def find_stems(graph: Graph) -> list[Stem]:
     for conv in graph.nodes:
         if conv.op_type != "Conv" or conv.input[0] not in data:
             continue
-        if (graph.info[conv.input[0]].shape or [1])[0] < 2:
-            continue
         bn = only(conv.output[0], {"BatchNormalization"})
         if bn is None or len(bn.input) < 5 or not attr(bn, "training_mode", 0):
             continue
@@ -131,12 +129,22 @@ def chunk_stems(graph: Graph, k: int, source: str) -> list[ChunkedStem]:
     if k <= 1:
         return []
     stems = find_stems(graph)
-    if not stems:
-        raise InputError(f"{source}: --batch-chunks {k}: no stem to split (a Conv of a graph "
+    if stems:  # a batch of one has nothing to split (memcc tune builds every size)
+        return [chunk_forward(graph, s, k) for s in stems if batch_of(graph, s) > 1]
+    raise InputError(f"{source}: --batch-chunks {k}: no stem to split (a Conv of a graph "
                          "input read only by a training-mode BatchNormalization, then only by "
                          "a Relu, Clip or LeakyRelu, then optionally a MaxPool); build it "
-                         "with --batch-chunks 1")
-    return [chunk_forward(graph, s, k) for s in stems]
+                     "with --batch-chunks 1")
+
+
+def splittable_stems(graph: Graph) -> int:
+    """How many stems ``--batch-chunks`` would split (a batch of one has nothing to)."""
+    return sum(batch_of(graph, s) > 1 for s in find_stems(graph))
+
+
+def batch_of(graph: Graph, stem: Stem) -> int:
+    """The batch ``stem`` runs on (its image's first dimension)."""
+    return int((graph.info[stem.conv.input[0]].shape or [1])[0])
 
 
 def chunk_forward(graph: Graph, stem: Stem, k: int) -> ChunkedStem:
@@ -151,8 +159,7 @@ def chunk_forward(graph: Graph, stem: Stem, k: int) -> ChunkedStem:
         if not bn.output[k_out]:
             bn.output[k_out] = f"{stat}.new"
             graph.info[bn.output[k_out]] = graph.info[stat]
-    batch = graph.info[stem.conv.input[0]].shape[0]
-    chunked = ChunkedStem(stem, chunk_parts(batch, k))
+    chunked = ChunkedStem(stem, chunk_parts(batch_of(graph, stem), k))
     emit = Emitter(graph, prefix="batch_chunks/", detached=True)
     chunked.mean, chunked.inv = _statistics(emit, chunked)
     pooled = [_chunk_forward(emit, chunked, part).values[-1] for part in chunked.parts]
