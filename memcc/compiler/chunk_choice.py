@@ -37,7 +37,7 @@ from memcc.compiler.advice import without_chunks_hint
 from memcc.compiler.chunk_clock import SharedLimit
 from memcc.compiler.chunk_fit import FREE, FitSearch, decision, search_fitting
 from memcc.compiler.loading import LOSS, loss_sites
-from memcc.compiler.stem_gate import stem_shares, worth_chunking
+from memcc.compiler.stem_gate import gate
 from memcc.errors import InputError
 from memcc.frontend.batch_chunks import BATCH, splittable_stems
 from memcc.frontend.build import BuildOptions
@@ -179,9 +179,9 @@ def chunks_of(build: BuildOptions) -> dict[str, int]:
     return trim_chunks({k: int(getattr(build, FIELDS[k]) or 1) for k in KINDS})
 
 
-def trim_chunks(chunks: dict[str, int]) -> dict[str, int]:
-    """``chunks`` without the stem's entry where it is 1 (or 0 sites)."""
-    return {k: n for k, n in chunks.items() if k != BATCH or n > 1}
+def trim_chunks(chunks: dict[str, int], least: int = 2) -> dict[str, int]:
+    """``chunks`` (or sites, ``least`` 1) without the stem's entry under ``least``."""
+    return {k: n for k, n in chunks.items() if k != BATCH or n >= least}
 
 
 def candidates(build: BuildOptions, found: dict[str, int]) -> list[dict[str, int]]:
@@ -201,18 +201,20 @@ def candidates(build: BuildOptions, found: dict[str, int]) -> list[dict[str, int
     return out
 
 
+def _given(build: BuildOptions, found: dict[str, int] | None) -> set[str]:
+    """The kinds whose count a flag set (a model known to have no stem: as if set to 1)."""
+    given = {k for k in KINDS if getattr(build, FIELDS[k]) is not None}
+    return given | ({BATCH} if found is not None and not found.get(BATCH) else set())
+
+
 def _gate_stem(search: RowChunkSearch, options: CompileOptions, graph: Graph,
-               searchable: bool) -> tuple[dict[str, int], tuple[float, float] | None]:
-    """The model's sites (``search.found``, else counted), without the stem where its batch
-    chunks are not worth a plan (``compiler/stem_gate.py``, judged on the step as built
-    ``graph``), and its shares (None: not asked)."""
-    build = options.build
+               searchable: bool) -> tuple[dict[str, int], dict]:
+    """The model's sites (``search.found``, else counted), gated (``stem_gate.gate``), and
+    the report's ``stem_shares`` where the gate was asked."""
     found = search.found if search.found is not None or not searchable else sites(
-        load_graph(search.model, options.dims, source=search.label), build)
-    if not found.get(BATCH) or build.batch_chunks is not None:
-        return found, None
-    shares = stem_shares(graph)
-    return (found if worth_chunking(shares) else {**found, BATCH: 0}), shares
+        load_graph(search.model, options.dims, source=search.label), options.build)
+    found, shares = gate(found, options.build.batch_chunks, graph)
+    return found, ({"stem_shares": [round(x, 4) for x in shares]} if shares else {})
 
 
 def needs_search(first: Attempt, budget: Budget) -> str | None:
@@ -232,13 +234,11 @@ def choose_row_chunks(search: RowChunkSearch, graph: Graph, costs: CostModel,
     """Plan ``graph`` (the step as loaded) and, where it pays, the step built with other row
     chunks; return the chosen attempt (``search.passes`` then holds its passes only).
     Raises the refusal of the attempt that came nearest when no setting fits ``budget``."""
-    label, built = search.label, search.built
-    passes, user_budget = search.passes, search.user_budget
-    given = {k for k in KINDS if getattr(options.build, FIELDS[k]) is not None}
-    if search.found is not None and not search.found.get(BATCH):
-        given.add(BATCH)   # no stem: as if its flag said 1
+    label, built, passes, user_budget = (search.label, search.built, search.passes,
+                                         search.user_budget)
+    given = _given(options.build, search.found)
     searchable = built and given != set(KINDS)
-    found, stem_share = _gate_stem(search, options, graph, searchable)
+    found, stem_report = _gate_stem(search, options, graph, searchable)
     # The settings that may be planned after the step as loaded share its --time-limit.
     later = len(candidates(options.build, found)) if searchable else 0
     clock = SharedLimit.of(options.time_limit, budget.is_min,
@@ -250,8 +250,7 @@ def choose_row_chunks(search: RowChunkSearch, graph: Graph, costs: CostModel,
     first = _attempt(search, replace(options, smallest_on_refusal=not screens),
                      lambda: (graph, costs), mark=0, strict=True, limit=clock.first())
     base_time = costs.total(graph)
-    report: dict = {"chosen": dict(first.chunks), "searched": False, **(
-        {"stem_shares": [round(x, 4) for x in stem_share]} if stem_share else {})}
+    report: dict = {"chosen": dict(first.chunks), "searched": False, **stem_report}
     tried = [first]
 
     def done(chosen: Attempt) -> Choice:

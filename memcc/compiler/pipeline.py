@@ -270,7 +270,7 @@ def _plan(run: CompileRun, graph: Graph, costs: CostModel) -> Planned:
                        lambda peak, s: user_budget(peak, options, s),
                        _estimator(run, graph, costs, built),
                        trim_chunks({k: (load_summary.get("splittable") or {}).get(k, 0)
-                                    for k in KINDS})),
+                                    for k in KINDS}, least=1)),
         graph, costs, options, budget)
     attempt = chosen.attempt
     outcome, rewritten, slack, plan_budget = attempt.planned

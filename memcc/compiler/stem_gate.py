@@ -58,3 +58,14 @@ def stem_shares(step: Graph) -> tuple[float, float]:
 def worth_chunking(shares: tuple[float, float]) -> bool:
     """Whether ``stem_shares`` are high enough for compile to plan the chunked stem."""
     return shares[0] >= STEM_BOUND_SHARE and shares[1] >= STEM_TENSORS_SHARE
+
+
+def gate(found: dict[str, int], given: int | None, step: Graph
+         ) -> tuple[dict[str, int], tuple[float, float] | None]:
+    """``found`` (sites per chunk kind) without the stem (``batch``) where its chunks are
+    not worth a plan, judged on the step as built ``step``, and its shares (None: not
+    asked: no stem, or ``given``, its count set by a flag)."""
+    if not found.get("batch") or given is not None:
+        return found, None
+    shares = stem_shares(step)
+    return (found if worth_chunking(shares) else {**found, "batch": 0}), shares
