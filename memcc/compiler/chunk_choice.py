@@ -214,7 +214,8 @@ def _gate_stem(search: RowChunkSearch, options: CompileOptions, graph: Graph,
     found = search.found if search.found is not None or not searchable else sites(
         load_graph(search.model, options.dims, source=search.label), options.build)
     found, shares = gate(found, options.build.batch_chunks, graph)
-    return found, ({"stem_shares": [round(x, 4) for x in shares]} if shares else {})
+    return found, ({"stem_shares": [round(x, 4) for x in shares[:2]],
+                    "stem_tensors_bytes": shares[2]} if shares else {})
 
 
 def needs_search(first: Attempt, budget: Budget) -> str | None:
