@@ -44,7 +44,10 @@ def test_stem_over_batch_chunks_matches_the_whole_stem():
     made = {o for n in chunked.nodes for o in n.output if o}
     assert not [v for v in made if tuple(chunked.info[v].shape or ()) == full]
     assert json.loads(chunked.metadata[ROW_CHUNKS_KEY])[BATCH] == {"chunks": 3, "regions": 1}
-    assert worth_chunking(stem_shares(whole))   # compile would try it here
+    # Compile would not plan it unasked here: the shares pass, but the tensors are tiny.
+    bound, tensors, size = stem_shares(whole)
+    assert bound >= 0.3 and tensors >= 0.2 and size < 1 << 20
+    assert not worth_chunking((bound, tensors, size)) and worth_chunking((bound, tensors, 2 << 20))
     assert_step_matches(whole, chunked, BATCH_CHUNKS_TOLERANCE, threads=(1, 2))
 
 
