@@ -20,6 +20,7 @@ from onnx import TensorProto
 
 from memcc.errors import GradientError
 from memcc.frontend.emit import Emitter
+from memcc.frontend.gradients import batchnorm_backward
 from memcc.frontend.gradients.registry import GradContext, register
 from memcc.frontend.gradients.shape_ops import (
     Grads,
@@ -494,6 +495,8 @@ def _batchnorm_train_grad(ctx: GradContext, node: onnx.NodeProto, gy: str, axes:
     at most about three activation-sized temporaries besides x and gy, where the textbook
     form (gxhat, its mean, its product with xhat, ...) holds five; that working set is what
     recomputation cannot remove, so it sets the smallest budget a plan can reach."""
+    if batchnorm_backward.applies(ctx, node):  # the fewest nodes (issue 30)
+        return batchnorm_backward.batchnorm_train_grad_affine(ctx, node, gy, axes, eps)
     emit = ctx.emit
     x, scale, bias = node.input[:3]
     x_info = ctx.info(x)
