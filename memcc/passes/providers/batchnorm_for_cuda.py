@@ -147,11 +147,15 @@ def _emit_batchnorm(emit: Emitter, node: onnx.NodeProto) -> tuple[str, str, str]
     momentum = float(attr(node, "momentum", 0.9))
     stat_dtype = emit.info(mean_in).dtype
 
-    mean = emit.reduce_mean(x, axes, keepdims=True)
+    # The mean reduced to [C] and viewed as [1, C, 1, ...] for the subtraction: one view,
+    # where a [1, C, 1, ...] mean needs one to [C] for the statistics and, once the sum is
+    # written over trailing axes on CUDA, one back (issue 30).
+    channel_mean = emit.reduce_mean(x, axes, keepdims=False)
+    mean = emit.reshape(channel_mean, [1, channels] + [1] * (rank - 2))
     centred = emit.sub(x, mean)
     square_sum = emit.reduce_sum_square(centred, axes, keepdims=False)
     var = emit.cast(emit.mul(square_sum, emit.scalar(1.0 / count, dtype)), stat_dtype)
-    batch_mean = emit.cast(emit.reshape(mean, [channels]), stat_dtype)
+    batch_mean = emit.cast(channel_mean, stat_dtype)
     emit.op("BatchNormalization", [x, scale, bias, batch_mean, var],
             outputs=[node.output[0]], epsilon=eps, info=x_info)
     if node.name:  # reports and the backward's provenance name the node as it was
