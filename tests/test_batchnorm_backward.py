@@ -1,4 +1,5 @@
-"""Training-mode BatchNorm's backward in the fewest nodes (memcc/frontend/gradients/batchnorm_backward.py).
+"""Training-mode BatchNorm's backward in the fewest nodes
+(memcc/frontend/gradients/batchnorm_backward.py).
 
 Checked against the general rule it replaces (``gradients/nn.py``, taken when the new form
 does not apply) on the zoo ResNet-18, at 1 and 2 intra-op threads. Tolerance: only the last
