@@ -85,8 +85,10 @@ def _reuse_statistics(nodes: list[onnx.NodeProto], emit: Emitter,
     (module docstring), in place in ``nodes``; return how many backwards were changed.
 
     The default rule begins ``mean = ReduceMean(x)``, ``c = Sub(x, mean)``, ``sq = Mul(c, c)``,
-    ``var = ReduceMean(sq)`` (``_batchnorm_train_grad``); a backward that does not begin so
-    (another rule, or a variant's) is left as it is."""
+    ``var = ReduceMean(sq)`` (``_batchnorm_train_grad``; its float32 form,
+    ``gradients/batchnorm_backward.py``, reduces ``var`` to ``[C]``, the forward's own shape,
+    so no view is made); a backward that does not begin so (another rule, or a variant's) is
+    left as it is."""
     by_rule: dict[str, list[int]] = {}
     for i, n in enumerate(nodes):
         props = node_props(n) if n.metadata_props else {}
