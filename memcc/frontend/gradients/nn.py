@@ -140,9 +140,9 @@ def _pointwise_weight_grad(emit: Emitter, x: str, gy: str, win: Window,
     n, c = xi.shape[:2]
     m = gi.shape[1]
     pixels = int(np.prod(gi.shape[2:], dtype=np.int64))
-    xr = emit.reshape(x, [n, c, pixels])
-    gr = emit.reshape(gy, [n, m, pixels])
     if min(m, c) < pixels:
+        xr = emit.reshape(x, [n, c, pixels])
+        gr = emit.reshape(gy, [n, m, pixels])
         if c <= m:
             prod = emit.op("MatMul", [gr, emit.transpose(xr, [0, 2, 1])],
                            info=TensorInfo(xi.dtype, (n, m, c)))
@@ -154,8 +154,11 @@ def _pointwise_weight_grad(emit: Emitter, x: str, gy: str, win: Window,
     else:
         # One copy of each operand: x as [N * pixels, C], gy as [M, N * pixels]; gy's
         # first, so that gy (usually read last here) is freed before x's copy is made.
-        gf = emit.reshape(emit.transpose(gr, [1, 0, 2]), [m, n * pixels])
-        xf = emit.reshape(emit.transpose(xr, [0, 2, 1]), [n * pixels, c])
+        # Transposed with their pixel axes as they are, then viewed flat: the same copies
+        # as through a [N, C, pixels] view, one Reshape fewer each (issue 30).
+        spatial = list(range(2, nd + 2))
+        gf = emit.reshape(emit.transpose(gy, [1, 0] + spatial), [m, n * pixels])
+        xf = emit.reshape(emit.transpose(x, [0] + spatial + [1]), [n * pixels, c])
         dw = emit.op("MatMul", [gf, xf], info=TensorInfo(xi.dtype, (m, c)))
     return emit.reshape(dw, list(w_info.shape))
 
