@@ -149,8 +149,17 @@ def row(name: str, tmp: Path) -> dict:
     export(name, path)
     report = compile_min(path, tmp / f"{name}.min.onnx")
     built, plan = report["baseline"]["peak_bytes"], report["plan"]["peak_bytes"]
+    chunks = report.get("row_chunks") or {}
+    # The baseline is the chosen setting's step as built; the share is of the unchunked one.
+    whole = [c for c in chunks.get("candidates") or []
+             if not any(n > 1 for n in c["chunks"].values()) and "as_built_peak_bytes" in c]
+    if whole:
+        built = whole[0]["as_built_peak_bytes"]
     b = bound(path)
     return {"model": name, "as_built_bytes": built, "min_bytes": plan,
+            "chunks": {k: n for k, n in (chunks.get("chosen") or {}).items() if n > 1},
+            "added_time": next((c.get("added_time") for c in chunks.get("candidates") or []
+                                if c.get("chosen")), None),
             "min_share": round(plan / built, 4), "peak_node": report["plan"]["peak_node"],
             "breakdown_at_peak": report["plan"]["breakdown_at_peak"],
             "picked": report["plan"]["picked_strategy"],

@@ -6,7 +6,10 @@ test file's directory on ``sys.path``.
 
 from __future__ import annotations
 
+import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 _TESTS = Path(__file__).resolve().parent
@@ -28,9 +31,24 @@ _LONGEST_FIRST = (
 )
 
 
+# The torch exports the tests share (tests/exports.py), made once per run: the controller
+# makes the directory before pytest-xdist starts its workers, which inherit its name.
+_EXPORTS_ENV = "MEMCC_TEST_EXPORTS"
+
+
 def pytest_configure(config) -> None:  # noqa: ANN001 - pytest's hook
     if hasattr(config.option, "loadscopereorder"):
         config.option.loadscopereorder = False
+    if not hasattr(config, "workerinput") and _EXPORTS_ENV not in os.environ:
+        config.memcc_exports = tempfile.mkdtemp(prefix="memcc-exports-")
+        os.environ[_EXPORTS_ENV] = config.memcc_exports
+
+
+def pytest_unconfigure(config) -> None:  # noqa: ANN001 - pytest's hook
+    made = getattr(config, "memcc_exports", None)
+    if made:
+        shutil.rmtree(made, ignore_errors=True)
+        os.environ.pop(_EXPORTS_ENV, None)
 
 
 def pytest_collection_modifyitems(session, config, items) -> None:  # noqa: ANN001

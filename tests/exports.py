@@ -8,8 +8,11 @@ local functions), so the frontend and gradient rules are tested against these fi
 
 ``export(name, exporter, tmp_path=None, training=False)`` returns
 ``(onnx_path, torch_module, example_inputs, dims)``. Each (name, exporter, training, dropout)
-is exported once per process into a session temp dir; callers get a fresh deep copy of the
-torch module, so mutating it (training steps, BatchNorm statistics) cannot leak between tests.
+is exported once per test run: into the directory ``MEMCC_TEST_EXPORTS`` names, which
+tests/conftest.py makes for the run and pytest-xdist's workers share (a file lock makes one
+worker export while another waits for it), else into a temp dir of the process. Callers get a
+fresh deep copy of the torch module, so mutating it (training steps, BatchNorm statistics)
+cannot leak between tests.
 
 Determinism: every family takes a ``dropout`` probability, and ``export`` defaults it to 0.0.
 Eval-mode exports drop Dropout whatever p is, and the returned module is in eval mode, so torch
@@ -32,8 +35,10 @@ import atexit
 import contextlib
 import copy
 import ctypes
+import fcntl
 import functools
 import io
+import json
 import logging
 import math
 import os
@@ -457,14 +462,33 @@ def make_inputs(name: str, sizes: dict[str, int] | None = None, seed: int = 0
 
 # --------------------------------------------------------------------------- export
 _SESSION_DIR: Path | None = None
+# Set by tests/conftest.py for the run: the directory every test process exports into.
+SHARED_DIR_ENV = "MEMCC_TEST_EXPORTS"
 
 
 def _session_dir() -> Path:
     global _SESSION_DIR
     if _SESSION_DIR is None:
-        _SESSION_DIR = Path(tempfile.mkdtemp(prefix="memcc-exports-"))
-        atexit.register(shutil.rmtree, _SESSION_DIR, True)
+        shared = os.environ.get(SHARED_DIR_ENV)
+        if shared:
+            _SESSION_DIR = Path(shared)
+            _SESSION_DIR.mkdir(parents=True, exist_ok=True)
+        else:
+            _SESSION_DIR = Path(tempfile.mkdtemp(prefix="memcc-exports-"))
+            atexit.register(shutil.rmtree, _SESSION_DIR, True)
     return _SESSION_DIR
+
+
+@contextlib.contextmanager
+def _exclusive(path: Path):
+    """Hold ``path``'s lock file: the processes of one run export each case once, the
+    others wait for the file rather than export it again (an export takes seconds)."""
+    with open(path.with_name(path.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 @contextlib.contextmanager
@@ -545,10 +569,18 @@ def _export_cached(name: str, exporter: str, training: bool, dropout: float,
                              f"{'-fresh' if fresh else ''}.onnx")
     fn = {"torchscript": _export_torchscript, "dynamo": _export_dynamo,
           DYNAMO_NOOPT: functools.partial(_export_dynamo, optimize=False)}[exporter]
-    t0 = time.perf_counter()
-    with _quiet():
-        fn(copy.deepcopy(module), fam, inputs, path, training)
-    seconds = time.perf_counter() - t0
+    done = path.with_name(path.name + ".json")
+    with _exclusive(path):
+        if done.exists():
+            seconds = json.loads(done.read_text())["seconds"]
+        else:
+            partial = path.with_name(path.stem + ".partial.onnx")
+            t0 = time.perf_counter()
+            with _quiet():
+                fn(copy.deepcopy(module), fam, inputs, partial, training)
+            seconds = time.perf_counter() - t0
+            os.replace(partial, path)
+            done.write_text(json.dumps({"seconds": seconds}))
     dims = _read_dims(onnx.load(str(path), load_external_data=False), inputs)
     arrays = {k: v.numpy() for k, v in inputs.items()}
     return path, module, arrays, dims, seconds

@@ -151,9 +151,12 @@ def test_rewrite_keeps_names_roles_and_leaves_other_providers_alone():
     n = summary["batchnorm_rewritten"]
     assert n == 20
     bn_names = {node.name for node in step.nodes if is_training_batchnorm(node, step.opset)}
-    inference = {node.name for node in rewritten.nodes if node.op_type == "BatchNormalization"}
-    assert inference == bn_names  # reports and provenance name the node as it was
     roles = TrainingStep.of(rewritten).roles
+    # (the backward's per-channel affines are inference-mode BatchNorms of their own:
+    # gradients/batchnorm_backward.py)
+    inference = {node.name for node in rewritten.nodes if node.op_type == "BatchNormalization"
+                 and roles[node.name] is Role.FORWARD}
+    assert inference == bn_names  # reports and provenance name the node as it was
     producers = rewritten.def_use().producer
     for out in _running_stats(step) & set(rewritten.outputs):
         assert roles[producers[out].name] is Role.FORWARD, out

@@ -31,7 +31,7 @@ def test_zoo_compile_verifies(family, tmp_path):
     model = build_model(family, **SIZES[family])
     # Whole steps: compile's row-chunk search (a smallest-peak search per setting) tripled
     # this test on the transformers; it is proved with --verify in test_chunk_choice.py.
-    opts = dict(cost="analytic", time_limit=20,
+    opts = dict(cost="analytic", time_limit=10,
                 build=BuildOptions(loss_chunks=1, attention_chunks=1, mlp_chunks=1))
     smallest = compile_model(model, CompileOptions(budget="min", **opts)).report
     # The budget the step as built needs, with the same safety margin and heap allowance

@@ -56,7 +56,8 @@ def test_train_mode_resnet_export_floor_drops_and_verifies(tmp_path):
     out, rep = tmp_path / "out.onnx", tmp_path / "out.json"
     r = CliRunner().invoke(app, [
         "compile", str(path), "--dim", "batch=8", "--budget", "min", "-o", str(out),
-        "--report", str(rep), "--cost", "analytic", "--time-limit", "20", "--verify"])
+        "--report", str(rep), "--cost", "analytic", "--time-limit", "20", "--verify",
+        "--batch-chunks", "1"])   # the unchunked step's floor (tests/test_batch_chunks.py)
     assert r.exit_code == 0, r.output
     report = json.loads(rep.read_text())
     ratio = report["plan"]["peak_bytes"] / report["baseline"]["peak_bytes"]
@@ -78,7 +79,7 @@ def test_smallest_plan_is_judged_as_trained_and_its_budget_fits(tmp_path):
     path, _, _, _ = export("hf_resnet", "torchscript", training=True)
     rep = tmp_path / "min.json"
     common = ["compile", str(path), "--dim", "batch=8", "--cost", "analytic",
-              "--time-limit", "20", "-o", str(tmp_path / "out.onnx")]
+              "--time-limit", "20", "-o", str(tmp_path / "out.onnx"), "--batch-chunks", "1"]
     r = CliRunner().invoke(app, [*common, "--budget", "min", "--report", str(rep)])
     assert r.exit_code == 0, r.output
     report = json.loads(rep.read_text())

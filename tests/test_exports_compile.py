@@ -50,7 +50,7 @@ def test_ops_ort_inlines_and_real_dropout_verify(exporter, tmp_path):
 def _assert_min_budget_verifies(path, dims: dict[str, int], tmp_path) -> None:
     out, rep = tmp_path / "out.onnx", tmp_path / "out.json"
     args = ["compile", str(path), "--budget", "min", "-o", str(out), "--report", str(rep),
-            "--cost", "analytic", "--time-limit", "20", "--verify"]
+            "--cost", "analytic", "--time-limit", "10", "--verify"]
     for k, v in dims.items():
         args += ["--dim", f"{k}={v}"]
     r = CliRunner().invoke(app, args)

@@ -59,6 +59,16 @@ def smallest(name: str, strategy: str):
                                              regions=False), baseline=base)
 
 
+@functools.cache
+def mildest_sqrtn(name: str) -> int:
+    """The mildest budget a sqrt(n) plan reaches below the step as built: the budget the
+    strategy tests compare at (searched once per model)."""
+    _, g, costs, base = built(name)
+    sq = choose_plan(g, costs, PlanRequest(Budget.MIN, strategy="sqrtn"), baseline=base)
+    return max(c["peak_bytes"] for c in sq.candidates
+               if c["strategy"] == "sqrtn" and c["peak_bytes"] < base.peak_bytes)
+
+
 def test_none_keeps_the_baseline(step):
     _, g, costs, base = step
     out = choose_plan(g, costs, PlanRequest(Budget.of(base.peak_bytes), strategy="none"),
@@ -69,7 +79,10 @@ def test_none_keeps_the_baseline(step):
 @pytest.mark.parametrize("strategy", ["ilp", "sqrtn", "auto"])
 def test_plans_fit_what_they_claim(step, strategy):
     name, g, costs, base = step
-    least = smallest(name, "auto").smallest_peak
+    # Half way between the step as built and sqrt(n)'s smallest peak (auto's smallest-peak
+    # search is the file's dearest call: the convolution steps' tests below need it, the
+    # GPT-2 step's do not).
+    least = smallest(name, "sqrtn").smallest_peak
     budget = int(least + 0.5 * (base.peak_bytes - least))
     try:
         out = choose_plan(g, costs, PlanRequest(Budget.of(budget), strategy=strategy,
@@ -87,10 +100,7 @@ def test_ilp_is_not_worse_than_sqrtn_at_equal_budget(step):
     """At the mildest budget a sqrt(n) plan reaches, the ILP alone (not auto, which would
     include the sqrt(n) plan itself) must fit at no more added time."""
     name, g, costs, base = step
-    sq = choose_plan(g, costs, PlanRequest(Budget.MIN, strategy="sqrtn"), baseline=base)
-    below = [c["peak_bytes"] for c in sq.candidates
-             if c["strategy"] == "sqrtn" and c["peak_bytes"] < base.peak_bytes]
-    budget = max(below)
+    budget = mildest_sqrtn(name)
     sq_best = choose_plan(g, costs, PlanRequest(Budget.of(budget), strategy="sqrtn"),
                           baseline=base).best
     ilp_best = choose_plan(g, costs, PlanRequest(Budget.of(budget), strategy="ilp", time_limit=30),
@@ -102,7 +112,7 @@ def test_ilp_is_not_worse_than_sqrtn_at_equal_budget(step):
 def test_infeasible_budget_names_the_smallest_reachable(step):
     _, g, costs, base = step
     with pytest.raises(BudgetError) as e:
-        choose_plan(g, costs, PlanRequest(Budget.of(base.liveness.start_bytes), time_limit=20,
+        choose_plan(g, costs, PlanRequest(Budget.of(base.liveness.start_bytes), time_limit=8,
                                           regions=False), baseline=base)
     assert base.liveness.start_bytes < e.value.smallest <= base.peak_bytes
     # The planner's words are neutral (the flags to give are compile's to name), with the
@@ -114,8 +124,8 @@ def test_zero_budget_and_unit_costs_are_handled(conv_step):
     _, g, _, base = conv_step
     costs = unit_costs(g)
     with pytest.raises(BudgetError):
-        choose_plan(g, costs, PlanRequest(Budget.of(0), time_limit=10, regions=False))
-    out = choose_plan(g, costs, PlanRequest(Budget.MIN, time_limit=20, regions=False))
+        choose_plan(g, costs, PlanRequest(Budget.of(0), time_limit=4, regions=False))
+    out = choose_plan(g, costs, PlanRequest(Budget.MIN, time_limit=5, regions=False))
     assert out.best.peak_bytes == out.smallest_peak
 
 
@@ -133,11 +143,9 @@ def test_runs_say_what_each_strategy_returned(step, strategy):
     names what ``auto`` picked, and nothing in it is inf (not JSON)."""
     import json
 
-    _, g, costs, base = step
-    sq = choose_plan(g, costs, PlanRequest(Budget.MIN, strategy="sqrtn"), baseline=base)
-    budget = max(c["peak_bytes"] for c in sq.candidates
-                 if c["strategy"] == "sqrtn" and c["peak_bytes"] < base.peak_bytes)
-    out = choose_plan(g, costs, PlanRequest(Budget.of(budget), strategy=strategy, time_limit=30),
+    name, g, costs, base = step
+    budget = mildest_sqrtn(name)
+    out = choose_plan(g, costs, PlanRequest(Budget.of(budget), strategy=strategy, time_limit=10),
                       baseline=base)
     assert out.requested == strategy
     assert out.label == f"{strategy} -> {out.picked}"
@@ -194,7 +202,7 @@ def test_the_plan_does_not_depend_on_the_time_limit(conv_step):
     budget = int(least + 0.3 * (base.peak_bytes - least))
     plans = [choose_plan(g, costs, PlanRequest(Budget.of(budget), strategy="auto", time_limit=t),
                          baseline=base)
-             for t in (300, 3000)]
+             for t in (120, 1200)]
     assert plans[0].best.plan.recompute == plans[1].best.plan.recompute, name
     assert plans[0].solver.get("limit_hit") != "time"
 
@@ -530,8 +538,8 @@ def test_auto_solves_leave_the_polish_its_share_of_the_clock(monkeypatch):
     from memcc.passes.planning.planner import _prepare
 
     _, g, costs, base = built("resnet18")
-    p = _prepare(g, costs, PlanRequest(time_limit=100), StepStructure.of(g), base)
-    assert p.reserved_s == 0.0 and 99 < p.remaining() <= 100
+    p = _prepare(g, costs, PlanRequest(time_limit=10), StepStructure.of(g), base)
+    assert p.reserved_s == 0.0 and 9 < p.remaining() <= 10
     seen = []
 
     def exact(q, budget):
@@ -542,8 +550,8 @@ def test_auto_solves_leave_the_polish_its_share_of_the_clock(monkeypatch):
     monkeypatch.setattr(polish, "exact_model", exact)
     polish.best_of_all(p, Budget.of(base.peak_bytes))
     ((reserved, left),) = seen
-    assert reserved == pytest.approx((polish.POLISH_SHARE + polish.EXCHANGE_SHARE) * 100)
-    assert left < 100 - reserved + 1e-6
+    assert reserved == pytest.approx((polish.POLISH_SHARE + polish.EXCHANGE_SHARE) * 10)
+    assert left < 10 - reserved + 1e-6
 
 
 def test_a_caller_s_deadline_binds_and_budget_min_keeps_room_for_the_region_search():

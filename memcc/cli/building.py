@@ -13,6 +13,7 @@ from memcc.api import MemccError
 from memcc.cli.app import err, fail, out, warn
 from memcc.cli.options import (
     AttentionChunksOpt,
+    BatchChunksOpt,
     DimOpt,
     FreezeOpt,
     LossChunksOpt,
@@ -44,6 +45,7 @@ def build(
     loss_chunks: LossChunksOpt = 1,
     attention_chunks: AttentionChunksOpt = 1,
     mlp_chunks: MlpChunksOpt = 1,
+    batch_chunks: BatchChunksOpt = 1,
     precision: PrecisionOpt = "fp32",
     loss_scale: LossScaleOpt = None,
 ) -> None:

@@ -18,8 +18,10 @@ from memcc.cli.log_progress import LogProgress, progress_lines
 from memcc.cli.options import (
     AttentionChunksOpt,
     AutoAttentionChunksOpt,
+    AutoBatchChunksOpt,
     AutoLossChunksOpt,
     AutoMlpChunksOpt,
+    BatchChunksOpt,
     DimOpt,
     FreezeOpt,
     JsonOpt,
@@ -101,6 +103,7 @@ def compile_cmd(
     loss_chunks: AutoLossChunksOpt = None,
     attention_chunks: AutoAttentionChunksOpt = None,
     mlp_chunks: AutoMlpChunksOpt = None,
+    batch_chunks: AutoBatchChunksOpt = None,
     precision: PrecisionOpt = "fp32",
     loss_scale: LossScaleOpt = None,
     no_chunks: NoChunksOpt = False,
@@ -110,12 +113,11 @@ def compile_cmd(
 ) -> None:
     """Rewrite a training step so that it fits a memory budget at the least added time.
 
-    A forward model is built first, with memcc build's options (--loss ... --mlp-chunks);
-    row chunks not given are chosen by compile where they lower the plan's cost. A
-    training step keeps the options it was built with."""
+    A forward model is built first, with memcc build's options; chunks not given are chosen
+    by compile where they lower the plan's cost. A step keeps the options it was built with."""
     if no_chunks:
-        loss_chunks, attention_chunks, mlp_chunks = (
-            k or 1 for k in (loss_chunks, attention_chunks, mlp_chunks))
+        loss_chunks, attention_chunks, mlp_chunks, batch_chunks = (
+            k or 1 for k in (loss_chunks, attention_chunks, mlp_chunks, batch_chunks))
     from memcc.api import CompileOptions, parse_dims
 
     out_path = output or model.with_name(model.stem + ".memcc.onnx")
@@ -204,6 +206,7 @@ def analyze_cmd(
     loss_chunks: LossChunksOpt = 1,
     attention_chunks: AttentionChunksOpt = 1,
     mlp_chunks: MlpChunksOpt = 1,
+    batch_chunks: BatchChunksOpt = 1,
     precision: PrecisionOpt = "fp32",
     loss_scale: LossScaleOpt = None,
     dim: DimOpt = None,

@@ -63,6 +63,13 @@ MlpChunksOpt = Annotated[int, typer.Option(
          "many token chunks: the backward, and a plan that recomputes the hidden "
          "activations, then hold one chunk's at a time. Gradients within 1e-5 of whole "
          "MLPs.")]
+BatchChunksOpt = Annotated[int, typer.Option(
+    "--batch-chunks", min=1,
+    help="A convnet's stem (a Conv of the image, a training-mode BatchNorm, a Relu/Clip and "
+         "a MaxPool) over this many batch chunks, forward and backward, with the batch "
+         "statistics summed over the chunks: its full-resolution activations are then "
+         "held one chunk at a time, at the price of the stem's convolution run four times. "
+         "Gradients within 1e-4 of the whole stem's.")]
 PrecisionOpt = Annotated[Literal["fp32", "bf16", "fp16"], typer.Option(
     help="fp32 (as exported), or bf16 / fp16 autocast as torch.autocast does it: matrix "
          "products and convolutions in 16-bit, softmax, norms, reductions and the loss in "
@@ -86,10 +93,12 @@ AutoAttentionChunksOpt = Annotated[Optional[int], typer.Option(  # noqa: UP045
     "--attention-chunks", min=1, help=AttentionChunksOpt.__metadata__[0].help + _CHOSEN)]
 AutoMlpChunksOpt = Annotated[Optional[int], typer.Option(  # noqa: UP045
     "--mlp-chunks", min=1, help=MlpChunksOpt.__metadata__[0].help + _CHOSEN)]
+AutoBatchChunksOpt = Annotated[Optional[int], typer.Option(  # noqa: UP045
+    "--batch-chunks", min=1, help=BatchChunksOpt.__metadata__[0].help + _CHOSEN)]
 NoChunksOpt = Annotated[bool, typer.Option(
     "--no-chunks",
-    help="Keep the loss, every attention and every MLP whole (as --loss-chunks 1 "
-         "--attention-chunks 1 --mlp-chunks 1): compile tries no row chunks.")]
+    help="Keep the loss, every attention, every MLP and the stem whole (as --loss-chunks 1 "
+         "--attention-chunks 1 --mlp-chunks 1 --batch-chunks 1): compile tries no chunks.")]
 # compile and tune plan for a provider; run and train run on one.
 PlanProviderOpt = Annotated[Literal["cpu", "cuda", "auto"], typer.Option(
     case_sensitive=False,
@@ -131,7 +140,8 @@ MarginOpt = Annotated[float, typer.Option(
 
 # The parameters of a command that hold memcc build's flags (LossOpt ... MlpChunksOpt).
 BUILD_FLAGS = ("loss", "optimizer", "lr", "momentum", "weight_decay", "freeze",
-               "loss_chunks", "attention_chunks", "mlp_chunks", "precision", "loss_scale")
+               "loss_chunks", "attention_chunks", "mlp_chunks", "batch_chunks", "precision",
+               "loss_scale")
 
 
 def build_options(given: Mapping[str, Any]) -> BuildOptions:

@@ -17,6 +17,7 @@ from memcc.cli.app import err, fail, out
 from memcc.cli.log_progress import progress_lines
 from memcc.cli.options import (
     AttentionChunksOpt,
+    BatchChunksOpt,
     FreezeOpt,
     JsonOpt,
     LossChunksOpt,
@@ -91,6 +92,7 @@ def tune_cmd(
     loss_chunks: LossChunksOpt = 1,
     attention_chunks: AttentionChunksOpt = 1,
     mlp_chunks: MlpChunksOpt = 1,
+    batch_chunks: BatchChunksOpt = 1,
     precision: PrecisionOpt = "fp32",
     loss_scale: LossScaleOpt = None,
 ) -> None:

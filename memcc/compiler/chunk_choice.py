@@ -37,7 +37,9 @@ from memcc.compiler.advice import without_chunks_hint
 from memcc.compiler.chunk_clock import SharedLimit
 from memcc.compiler.chunk_fit import FREE, FitSearch, decision, search_fitting
 from memcc.compiler.loading import LOSS, loss_sites
+from memcc.compiler.stem_gate import gate
 from memcc.errors import InputError
+from memcc.frontend.batch_chunks import BATCH, splittable_stems
 from memcc.frontend.build import BuildOptions
 from memcc.frontend.load import load_graph
 from memcc.frontend.row_chunks import ATTENTION, MLP, find_regions
@@ -52,15 +54,18 @@ if TYPE_CHECKING:
     from memcc.compiler.planning import Planned
     from memcc.passes.analysis.cost_model import CostModel
 
-KINDS = (LOSS, ATTENTION, MLP)
-FIELDS = {LOSS: "loss_chunks", ATTENTION: "attention_chunks", MLP: "mlp_chunks"}
-FLAGS = {LOSS: "--loss-chunks", ATTENTION: "--attention-chunks", MLP: "--mlp-chunks"}
+KINDS = (LOSS, ATTENTION, MLP, BATCH)
+FIELDS = {LOSS: "loss_chunks", ATTENTION: "attention_chunks", MLP: "mlp_chunks",
+          BATCH: "batch_chunks"}
+FLAGS = {LOSS: "--loss-chunks", ATTENTION: "--attention-chunks", MLP: "--mlp-chunks",
+         BATCH: "--batch-chunks"}
 # The settings tried, lightest first: the loss alone (no recompute, the logits are often the
-# largest tensor), then attentions and MLPs too, in 4 and in 8 chunks.
+# largest tensor), then attentions, MLPs and a convnet's stem (over batch chunks,
+# frontend/batch_chunks.py) too, in 4 and in 8 chunks.
 LADDER: tuple[dict[str, int], ...] = (
     {LOSS: 8},
-    {LOSS: 8, ATTENTION: 4, MLP: 4},
-    {LOSS: 8, ATTENTION: 8, MLP: 8},
+    {LOSS: 8, ATTENTION: 4, MLP: 4, BATCH: 4},
+    {LOSS: 8, ATTENTION: 8, MLP: 8, BATCH: 8},
 )
 # A plan within this share of the unchunked step's time ends the search of a budget the
 # step as built does not reach (no split can beat it by more).
@@ -139,6 +144,7 @@ class Attempt:
         if self.estimated_added_time is not None:
             out["estimated_added_time"] = round(self.estimated_added_time, 4)
         if self.planned is not None:
+            out["as_built_peak_bytes"] = int(self.planned[0].baseline.peak_bytes)
             out["peak_bytes"] = int(self.planned[0].best.peak_bytes)
             out["needs_budget_bytes"] = self.budget_bytes(user_budget)
             out["step_time_s"] = round(self.step_time_s, 6)
@@ -163,12 +169,19 @@ class Choice:
 def sites(forward: Graph, build: BuildOptions) -> dict[str, int]:
     """How many places of each kind row chunks could split in ``forward``."""
     found = {kind: len(find_regions(forward, kind)) for kind in (ATTENTION, MLP)}
-    return {LOSS: loss_sites(forward, build), **found}
+    stems = splittable_stems(forward)
+    return {LOSS: loss_sites(forward, build), **found, **({BATCH: stems} if stems else {})}
 
 
 def chunks_of(build: BuildOptions) -> dict[str, int]:
-    """The counts a build uses (unset: 1)."""
-    return {k: int(getattr(build, FIELDS[k]) or 1) for k in KINDS}
+    """The counts a build uses (unset: 1; the stem's only where it is split, so that the
+    settings of a model without a stem read as they did before it was a kind)."""
+    return trim_chunks({k: int(getattr(build, FIELDS[k]) or 1) for k in KINDS})
+
+
+def trim_chunks(chunks: dict[str, int], least: int = 2) -> dict[str, int]:
+    """``chunks`` (or sites, ``least`` 1) without the stem's entry under ``least``."""
+    return {k: n for k, n in chunks.items() if k != BATCH or n >= least}
 
 
 def candidates(build: BuildOptions, found: dict[str, int]) -> list[dict[str, int]]:
@@ -181,11 +194,28 @@ def candidates(build: BuildOptions, found: dict[str, int]) -> list[dict[str, int
     seen = [fixed]
     out = []
     for rung in LADDER:
-        c = {k: (rung.get(k, 1) if k in auto else fixed[k]) for k in KINDS}
+        c = trim_chunks({k: (rung.get(k, 1) if k in auto else fixed.get(k, 1)) for k in KINDS})
         if c not in seen:
             seen.append(c)
             out.append(c)
     return out
+
+
+def _given(build: BuildOptions, found: dict[str, int] | None) -> set[str]:
+    """The kinds whose count a flag set (a model known to have no stem: as if set to 1)."""
+    given = {k for k in KINDS if getattr(build, FIELDS[k]) is not None}
+    return given | ({BATCH} if found is not None and not found.get(BATCH) else set())
+
+
+def _gate_stem(search: RowChunkSearch, options: CompileOptions, graph: Graph,
+               searchable: bool) -> tuple[dict[str, int], dict]:
+    """The model's sites (``search.found``, else counted), gated (``stem_gate.gate``), and
+    the report's ``stem_shares`` where the gate was asked."""
+    found = search.found if search.found is not None or not searchable else sites(
+        load_graph(search.model, options.dims, source=search.label), options.build)
+    found, shares = gate(found, options.build.batch_chunks, graph)
+    return found, ({"stem_shares": [round(x, 4) for x in shares[:2]],
+                    "stem_tensors_bytes": shares[2]} if shares else {})
 
 
 def needs_search(first: Attempt, budget: Budget) -> str | None:
@@ -205,12 +235,11 @@ def choose_row_chunks(search: RowChunkSearch, graph: Graph, costs: CostModel,
     """Plan ``graph`` (the step as loaded) and, where it pays, the step built with other row
     chunks; return the chosen attempt (``search.passes`` then holds its passes only).
     Raises the refusal of the attempt that came nearest when no setting fits ``budget``."""
-    model, label, built = search.model, search.label, search.built
-    passes, user_budget = search.passes, search.user_budget
-    given = {k for k in KINDS if getattr(options.build, FIELDS[k]) is not None}
+    label, built, passes, user_budget = (search.label, search.built, search.passes,
+                                         search.user_budget)
+    given = _given(options.build, search.found)
     searchable = built and given != set(KINDS)
-    found = search.found if search.found is not None or not searchable else sites(
-        load_graph(model, options.dims, source=label), options.build)
+    found, stem_report = _gate_stem(search, options, graph, searchable)
     # The settings that may be planned after the step as loaded share its --time-limit.
     later = len(candidates(options.build, found)) if searchable else 0
     clock = SharedLimit.of(options.time_limit, budget.is_min,
@@ -222,7 +251,7 @@ def choose_row_chunks(search: RowChunkSearch, graph: Graph, costs: CostModel,
     first = _attempt(search, replace(options, smallest_on_refusal=not screens),
                      lambda: (graph, costs), mark=0, strict=True, limit=clock.first())
     base_time = costs.total(graph)
-    report: dict = {"chosen": dict(first.chunks), "searched": False}
+    report: dict = {"chosen": dict(first.chunks), "searched": False, **stem_report}
     tried = [first]
 
     def done(chosen: Attempt) -> Choice:
@@ -243,7 +272,8 @@ def choose_row_chunks(search: RowChunkSearch, graph: Graph, costs: CostModel,
         return done(first)
     if given == set(KINDS):
         report["why"] = "every kind was set by a flag (" + ", ".join(
-            f"{FLAGS[k]} {getattr(options.build, FIELDS[k])}" for k in KINDS) + ")"
+            f"{FLAGS[k]} {getattr(options.build, FIELDS[k])}" for k in KINDS
+            if getattr(options.build, FIELDS[k]) is not None) + ")"
         return done(first)
 
     def attempt(chunks: dict[str, int], limit: tuple[float, float],
@@ -270,8 +300,8 @@ def choose_row_chunks(search: RowChunkSearch, graph: Graph, costs: CostModel,
     report["sites"] = found
     ladder = candidates(options.build, found)
     if not ladder:
-        report["why"] = (why + "; but the model has no loss projection, attention or MLP "
-                         "left for compile to split")
+        report["why"] = (why + "; but the model has no loss projection, attention, MLP or "
+                         "stem left for compile to split")
         return done(first)
     report["searched"] = True
     report["why"] = why
@@ -304,7 +334,7 @@ def _search_fitting(found: dict[str, int], first: Attempt, options: CompileOptio
     ladder = candidates(options.build, found)
     if not ladder:
         report["why"] = (f"the step as built fits the budget at {first_added:+.1%}, and the "
-                         "model has no loss projection, attention or MLP left to split")
+                         "model has no loss projection, attention, MLP or stem left to split")
         return
     if estimator is None:   # a caller that cannot build settings without planning
         report["why"] = f"the step as built fits the budget at {first_added:+.1%}"

@@ -20,6 +20,7 @@ import onnx
 from memcc.compiler.options import CompileOptions
 from memcc.compiler.progress import Progress
 from memcc.errors import InputError
+from memcc.frontend.batch_chunks import BATCH, splittable_stems
 from memcc.frontend.build import BuildOptions, build_training_step, is_training_step
 from memcc.frontend.chunked_loss import projection_of
 from memcc.frontend.export_signature import ExportNote, ExportWarning
@@ -99,6 +100,8 @@ def load_step(model: str | os.PathLike | onnx.ModelProto, label: str,
                 splittable[kind] = n
         if (options.build.loss_chunks or 1) == 1 and loss_sites(graph, options.build):
             splittable[LOSS] = 1
+        if (options.build.batch_chunks or 1) == 1 and (n := splittable_stems(graph)):
+            splittable[BATCH] = n
         graph = build_training_step(graph, options.build, source=label)
         built = True
     elif FUSIONS_KEY not in graph.metadata:

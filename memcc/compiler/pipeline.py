@@ -222,7 +222,7 @@ def _plan(run: CompileRun, graph: Graph, costs: CostModel) -> Planned:
     (``compiler/chunk_choice.py``; the step as loaded is planned first), each setting
     planned under the budget (``compiler/planning.py``); the plan chosen recorded in the
     rewritten step's metadata."""
-    from memcc.compiler.chunk_choice import KINDS, RowChunkSearch, choose_row_chunks
+    from memcc.compiler.chunk_choice import KINDS, RowChunkSearch, choose_row_chunks, trim_chunks
     from memcc.compiler.costing import node_costs
     from memcc.compiler.planning import StageHooks, plan_offloading_state
     from memcc.compiler.ranks import plan_for_ranks
@@ -269,7 +269,8 @@ def _plan(run: CompileRun, graph: Graph, costs: CostModel) -> Planned:
                        plan_step, rebuild, runner.reports, run.say,
                        lambda peak, s: user_budget(peak, options, s),
                        _estimator(run, graph, costs, built),
-                       {k: (load_summary.get("splittable") or {}).get(k, 0) for k in KINDS}),
+                       trim_chunks({k: (load_summary.get("splittable") or {}).get(k, 0)
+                                    for k in KINDS}, least=1)),
         graph, costs, options, budget)
     attempt = chosen.attempt
     outcome, rewritten, slack, plan_budget = attempt.planned

@@ -9,7 +9,8 @@ here (``memcc.*`` keys) is the contract the runner and the planner read.
 
 In: a forward ``Graph`` and ``BuildOptions``. Out: a new ``Graph``, the training step,
 built in this order: row chunks (``frontend.row_chunks``), the loss (``frontend.loss``),
-the parameters (``frontend.parameters``), the backward (``frontend.autodiff``; of the
+the parameters (``frontend.parameters``), the stem over batch chunks
+(``frontend.batch_chunks``), the backward (``frontend.autodiff``; of the
 scaled loss with ``--loss-scale dynamic``, ``frontend.loss_scaling``), the update and carried
 state (``frontend.update``), the contract's metadata, memcc's fusions
 (``frontend.fuse``).
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from memcc.errors import InputError
 from memcc.frontend.autocast import AutocastSummary, autocast, recast_in_backward
 from memcc.frontend.autodiff import differentiate
+from memcc.frontend.batch_chunks import BATCH, chunk_stems, emit_backward
 from memcc.frontend.build_options import LOSSES, OPTIMIZERS, BuildOptions
 from memcc.frontend.dropout_masks import add_counter, counter_dropouts
 from memcc.frontend.emit import Emitter
@@ -109,12 +111,21 @@ def build_training_step(forward: Graph, options: BuildOptions | None = None,
     sources = parameter_sources(graph, params)
     emap = export_map_of(graph)
     report_parameters(sources, source, signature_of(graph), emap)
+    # The stem over batch chunks (frontend/batch_chunks.py): its forward is rewritten here,
+    # after the parameters are known, and its backward written after the autodiff's.
+    stems = chunk_stems(graph, opts.batch_chunks or 1, source)
+    if stems:
+        row_chunks[BATCH] = {"chunks": opts.batch_chunks, "regions": len(stems)}
     seeds = chunked.seeds if chunked else None
     if opts.dynamic_loss_scale:  # the backward of scale * loss (frontend/loss_scaling.py)
         seeds = scaled_seeds(graph, emit, loss, add_scale_state(graph, opts), seeds)
     first_backward = len(graph.nodes)
-    grads = differentiate(graph, loss, params, source=source, seeds=seeds,
-                          skip=chunked.nodes if chunked else ())
+    stem_outputs = [s.stem.output for s in stems]
+    grads = differentiate(graph, loss, params + stem_outputs, source=source, seeds=seeds,
+                          skip=[*(chunked.nodes if chunked else ()),
+                                *(n for s in stems for n in s.skip)])
+    for s in stems:
+        grads.update(emit_backward(graph, s, grads.pop(s.stem.output, None), set(params)))
     if opts.precision != "fp32":
         casts.recast_in_backward = recast_in_backward(graph, first_backward, [loss])
 

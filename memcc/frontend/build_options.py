@@ -45,7 +45,10 @@ class BuildOptions:
     # that many row chunks (frontend/row_chunks.py)
     attention_chunks: int | None = None
     mlp_chunks: int | None = None
-    # None (any of the three): not given. The step is built without those chunks (as 1);
+    # > 1: the stem (Conv of the image -> training BatchNorm -> activation [-> MaxPool])
+    # over that many batch chunks (frontend/batch_chunks.py)
+    batch_chunks: int | None = None
+    # None (any of the four): not given. The step is built without those chunks (as 1);
     # ``memcc compile`` chooses them itself where they lower the plan's cost at the budget
     # (compiler/chunk_choice.py). A number given is kept as it is (1: never split).
     # memcc's fusions applied to the built step (frontend/fuse.py); () builds it unfused
@@ -70,7 +73,8 @@ class BuildOptions:
             raise InputError(f"--loss-chunks {self.loss_chunks}: give 1 (the plain loss) or "
                              "more")
         for flag, k in (("--attention-chunks", self.attention_chunks),
-                        ("--mlp-chunks", self.mlp_chunks)):
+                        ("--mlp-chunks", self.mlp_chunks),
+                        ("--batch-chunks", self.batch_chunks)):
             if k is not None and k < 1:
                 raise InputError(f"{flag} {k}: give 1 (whole regions) or more")
         if (self.loss_chunks or 1) > 1 and self.loss != "cross-entropy":

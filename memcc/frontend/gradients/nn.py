@@ -20,6 +20,7 @@ from onnx import TensorProto
 
 from memcc.errors import GradientError
 from memcc.frontend.emit import Emitter
+from memcc.frontend.gradients import batchnorm_backward
 from memcc.frontend.gradients.registry import GradContext, register
 from memcc.frontend.gradients.shape_ops import (
     Grads,
@@ -139,9 +140,9 @@ def _pointwise_weight_grad(emit: Emitter, x: str, gy: str, win: Window,
     n, c = xi.shape[:2]
     m = gi.shape[1]
     pixels = int(np.prod(gi.shape[2:], dtype=np.int64))
-    xr = emit.reshape(x, [n, c, pixels])
-    gr = emit.reshape(gy, [n, m, pixels])
     if min(m, c) < pixels:
+        xr = emit.reshape(x, [n, c, pixels])
+        gr = emit.reshape(gy, [n, m, pixels])
         if c <= m:
             prod = emit.op("MatMul", [gr, emit.transpose(xr, [0, 2, 1])],
                            info=TensorInfo(xi.dtype, (n, m, c)))
@@ -153,8 +154,11 @@ def _pointwise_weight_grad(emit: Emitter, x: str, gy: str, win: Window,
     else:
         # One copy of each operand: x as [N * pixels, C], gy as [M, N * pixels]; gy's
         # first, so that gy (usually read last here) is freed before x's copy is made.
-        gf = emit.reshape(emit.transpose(gr, [1, 0, 2]), [m, n * pixels])
-        xf = emit.reshape(emit.transpose(xr, [0, 2, 1]), [n * pixels, c])
+        # Transposed with their pixel axes as they are, then viewed flat: the same copies
+        # as through a [N, C, pixels] view, one Reshape fewer each (issue 30).
+        spatial = list(range(2, nd + 2))
+        gf = emit.reshape(emit.transpose(gy, [1, 0] + spatial), [m, n * pixels])
+        xf = emit.reshape(emit.transpose(x, [0] + spatial + [1]), [n * pixels, c])
         dw = emit.op("MatMul", [gf, xf], info=TensorInfo(xi.dtype, (m, c)))
     return emit.reshape(dw, list(w_info.shape))
 
@@ -493,7 +497,11 @@ def _batchnorm_train_grad(ctx: GradContext, node: onnx.NodeProto, gy: str, axes:
     xhat and gy can be freed one subtraction at a time. Written this way the backward holds
     at most about three activation-sized temporaries besides x and gy, where the textbook
     form (gxhat, its mean, its product with xhat, ...) holds five; that working set is what
-    recomputation cannot remove, so it sets the smallest budget a plan can reach."""
+    recomputation cannot remove, so it sets the smallest budget a plan can reach. float32
+    steps take the same arithmetic in 14 nodes instead of 21 (``gradients/batchnorm_backward``:
+    the per-channel factors applied by inference-mode BatchNormalization nodes)."""
+    if batchnorm_backward.applies(ctx, node):  # the fewest nodes (issue 30)
+        return batchnorm_backward.batchnorm_train_grad_affine(ctx, node, gy, axes, eps)
     emit = ctx.emit
     x, scale, bias = node.input[:3]
     x_info = ctx.info(x)

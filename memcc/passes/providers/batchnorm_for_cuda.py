@@ -85,8 +85,10 @@ def _reuse_statistics(nodes: list[onnx.NodeProto], emit: Emitter,
     (module docstring), in place in ``nodes``; return how many backwards were changed.
 
     The default rule begins ``mean = ReduceMean(x)``, ``c = Sub(x, mean)``, ``sq = Mul(c, c)``,
-    ``var = ReduceMean(sq)`` (``_batchnorm_train_grad``); a backward that does not begin so
-    (another rule, or a variant's) is left as it is."""
+    ``var = ReduceMean(sq)`` (``_batchnorm_train_grad``; its float32 form,
+    ``gradients/batchnorm_backward.py``, reduces ``var`` to ``[C]``, the forward's own shape,
+    so no view is made); a backward that does not begin so (another rule, or a variant's) is
+    left as it is."""
     by_rule: dict[str, list[int]] = {}
     for i, n in enumerate(nodes):
         props = node_props(n) if n.metadata_props else {}
@@ -147,11 +149,15 @@ def _emit_batchnorm(emit: Emitter, node: onnx.NodeProto) -> tuple[str, str, str]
     momentum = float(attr(node, "momentum", 0.9))
     stat_dtype = emit.info(mean_in).dtype
 
-    mean = emit.reduce_mean(x, axes, keepdims=True)
+    # The mean reduced to [C] and viewed as [1, C, 1, ...] for the subtraction: one view,
+    # where a [1, C, 1, ...] mean needs one to [C] for the statistics and, once the sum is
+    # written over trailing axes on CUDA, one back (issue 30).
+    channel_mean = emit.reduce_mean(x, axes, keepdims=False)
+    mean = emit.reshape(channel_mean, [1, channels] + [1] * (rank - 2))
     centred = emit.sub(x, mean)
     square_sum = emit.reduce_sum_square(centred, axes, keepdims=False)
     var = emit.cast(emit.mul(square_sum, emit.scalar(1.0 / count, dtype)), stat_dtype)
-    batch_mean = emit.cast(emit.reshape(mean, [channels]), stat_dtype)
+    batch_mean = emit.cast(channel_mean, stat_dtype)
     emit.op("BatchNormalization", [x, scale, bias, batch_mean, var],
             outputs=[node.output[0]], epsilon=eps, info=x_info)
     if node.name:  # reports and the backward's provenance name the node as it was

@@ -198,14 +198,19 @@ def to_trailing_axes(graph: Graph, *, only: Callable[[list[int], list[int]], boo
         xt = emit.transpose(x, perm)
         trailing = list(range(len(kept), len(perm)))
         shape = tuple(x_info.shape[a] for a in kept)
+        # A sum that already has the reduced shape (keepdims=0) is written under its own
+        # name: a Reshape to the same shape would be one more node (issue 30).
+        direct = tuple(shape) == tuple(y_info.shape)
+        named = {"outputs": [node.output[0]]} if direct else {}
         if out.opset >= _AXES_INPUT_SINCE[node.op_type]:
             r = emit.op(node.op_type, [xt, emit.ints(trailing)], keepdims=0,
-                        info=TensorInfo(y_info.dtype, shape))
+                        info=TensorInfo(y_info.dtype, shape), **named)
         else:
             r = emit.op(node.op_type, [xt], axes=trailing, keepdims=0,
-                        info=TensorInfo(y_info.dtype, shape))
-        emit.op("Reshape", [r, emit.ints(list(y_info.shape))], outputs=[node.output[0]],
-                info=y_info)
+                        info=TensorInfo(y_info.dtype, shape), **named)
+        if not direct:
+            emit.op("Reshape", [r, emit.ints(list(y_info.shape))], outputs=[node.output[0]],
+                    info=y_info)
         if node.name:
             emit.nodes[-1].name = node.name
         props = {p.key: p.value for p in node.metadata_props if p.key in _COPIED_PROPS}

@@ -1,0 +1,85 @@
+"""Training-mode BatchNormalization's backward in the fewest nodes (issue 30).
+
+The backward as memcc first wrote it spends 21 nodes per BatchNorm: eight to
+rebuild the batch statistics and ``xhat``, three reductions, eight more for
+``dx = gamma * inv * (gy - sum(gy) / n - xhat * sum(gy * xhat) / n)`` and three Reshapes
+between ``[C]`` and ``[1, C, 1, ...]``. Most of those are per-channel scalars or views, each
+still a node (a kernel launch on CUDA, where ResNet-50's step is launch-bound).
+
+ONNX already has a node that applies a per-channel affine map to an activation and takes
+its per-channel operands as ``[C]`` vectors: BatchNormalization in inference mode,
+``y = (x - mean) * scale / sqrt(var + eps) + bias``. Fed the batch variance, it gives
+``1 / sqrt(var + eps)`` without the Add, Sqrt and Reciprocal, and needs no Reshape. So:
+
+- ``mean``: ReduceMean(x) (kept as ``[1, C, 1, ...]``), ``c = x - mean``,
+  ``var = ReduceMean(c * c)`` reduced to ``[C]`` (the same sums as before: same bits);
+- ``xhat = BN(c; scale 1, bias 0, mean 0, var)``: ``c * (1 / sqrt(var + eps)) + 0``, the
+  same bits as the old ``Mul(c, Reciprocal(Sqrt(var + eps)))`` on ORT's CPU kernel;
+- the scale and bias gradients ``sum(gy * xhat)`` and ``sum(gy)`` reduced straight to
+  ``[C]`` (same bits as before, without the Reshapes);
+- ``z = gy + xhat * (-sum(gy * xhat) / n)``, the per-channel factor viewed as
+  ``[1, C, 1, ...]`` (the same bits as the old ``gy - xhat * (sum(gy * xhat) / n)``; an
+  affine of the centred input would save the view but keep the centred input alive next to
+  ``xhat``, one activation more in the working set that sets ``--budget min``'s floor);
+- ``dx = BN(z; scale gamma, bias 0, mean sum(gy) / n, var)``, that is
+  ``gamma * inv * (z - sum(gy) / n)``.
+
+14 nodes, and 11 activation-sized passes where the old form had 12. ORT's kernel folds the
+per-channel operands first (``z * (inv * gamma) + (0 - mean * inv * gamma)``), so ``dx`` is
+rounded differently from the old ``(z - sum(gy) / n) * (gamma * inv)``:
+``tests/test_batchnorm_backward.py`` bounds the difference. Only float32 activations and
+statistics take this form (the kernel's types); anything else keeps the general rule in
+``gradients/nn.py``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto
+
+from memcc.frontend.gradients.registry import GradContext
+
+Grads = list[str | None]
+
+
+def applies(ctx: GradContext, node: onnx.NodeProto) -> bool:
+    """float32 activation and scale, rank 3 or more: what the kernel computes in."""
+    x, scale = node.input[:2]
+    x_info = ctx.info(x)
+    return (len(x_info.shape) >= 3 and x_info.dtype == TensorProto.FLOAT
+            and ctx.info(scale).dtype == TensorProto.FLOAT)
+
+
+def batchnorm_train_grad_affine(ctx: GradContext, node: onnx.NodeProto, gy: str,
+                                axes: list[int], eps: float) -> Grads:
+    """The input, scale and bias gradients in the form of the module docstring."""
+    emit = ctx.emit
+    x, scale, bias = node.input[:3]
+    x_info = ctx.info(x)
+    dtype = x_info.dtype
+    channels = int(x_info.shape[1])
+    n = float(np.prod([x_info.shape[a] for a in axes]))
+    mean = emit.reduce_mean(x, axes, keepdims=True)
+    centred = emit.sub(x, mean)
+    var = emit.reduce_mean(emit.mul(centred, centred), axes, keepdims=False)
+    zeros = emit.const(np.zeros(channels), dtype, name="zeros")
+
+    def affine(v: str, scale_c: str, mean_c: str) -> str:
+        """``(v - mean_c) * scale_c / sqrt(var + eps)``, one BatchNormalization node."""
+        return emit.op("BatchNormalization", [v, scale_c, zeros, mean_c, var],
+                       epsilon=eps, info=ctx.info(v))
+
+    xhat = affine(centred, emit.const(np.ones(channels), dtype, name="ones"), zeros)
+    sum_gy = emit.reduce_sum(gy, axes, keepdims=False)
+    sum_gy_xhat = emit.reduce_sum(emit.mul(gy, xhat), axes, keepdims=False)
+    gx = None
+    if ctx.needs_grad(x):
+        # From xhat, not from the centred input: that one is freed once xhat exists.
+        coef = emit.reshape(emit.mul(sum_gy_xhat, emit.scalar(-1.0 / n, dtype)),
+                            [1, channels] + [1] * (len(x_info.shape) - 2))
+        z = emit.add(gy, emit.mul(xhat, coef))
+        gx = affine(z, scale, emit.mul(sum_gy, emit.scalar(1.0 / n, dtype)))
+    gs = sum_gy_xhat if ctx.needs_grad(scale) else None
+    gb = emit.cast(sum_gy, ctx.info(bias).dtype) if ctx.needs_grad(bias) else None
+    return [gx, gs, gb] + [None] * (len(node.input) - 3)
