@@ -104,9 +104,19 @@ def node_props(node: onnx.NodeProto) -> dict[str, str]:
     return {p.key: p.value for p in node.metadata_props}
 
 
+def node_prop(node: onnx.NodeProto, key: str) -> str | None:
+    """One property of ``node`` as ``node_props`` reads it (the last one set wins), without
+    building the dict: the simulator asks this of every node of every plan it judges."""
+    value = None
+    for p in node.metadata_props:
+        if p.key == key:
+            value = p.value
+    return value
+
+
 def is_forward_tagged(node: onnx.NodeProto) -> bool:
     """A node a variant added to the forward pass (``memcc.role=forward``)."""
-    return bool(node.metadata_props) and node_props(node).get(ROLE_PROP) == Role.FORWARD.value
+    return bool(node.metadata_props) and node_prop(node, ROLE_PROP) == Role.FORWARD.value
 
 
 def tag_node(node: onnx.NodeProto, **props: str) -> None:

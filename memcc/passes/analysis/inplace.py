@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import onnx
 
-from memcc.graph import Graph
+from memcc.graph import DefUse, Graph
 from memcc.passes.analysis.liveness import ALIAS_OPS
 
 ELEMENTWISE_OPS = frozenset({"Add", "Sub", "Mul", "Div"})
@@ -47,34 +47,33 @@ class InPlaceUpdates:
 @dataclass(frozen=True)
 class _StepUses:
     """Who writes and who reads each value in the order the step runs, read once per step
-    for every update ``_refusal`` judges."""
+    for every update ``_refusal`` judges: the graph's def-use index (kept by the lowering,
+    so a simulation builds none) and each node's place in ``nodes``."""
 
     nodes: list[onnx.NodeProto]
     position: dict[int, int]                 # id(node) -> its place in ``nodes``
-    producer: dict[str, onnx.NodeProto]
-    readers: dict[str, list[int]]            # value -> the places of the nodes that read it
+    producer: Mapping[str, onnx.NodeProto]
+    readers_of: Mapping[str, list[onnx.NodeProto]]
     outputs: set[str]                        # the graph's outputs
     views: Mapping[str, list[str]]           # ``alias_children(nodes)``
 
     @classmethod
-    def of(cls, graph: Graph, nodes: list[onnx.NodeProto]) -> _StepUses:
-        producer: dict[str, onnx.NodeProto] = {}
-        readers: dict[str, list[int]] = {}
-        for j, n in enumerate(nodes):
-            for o in n.output:
-                if o:
-                    producer[o] = n
-            for i in n.input:
-                if i:
-                    readers.setdefault(i, []).append(j)
-        return cls(nodes, {id(n): j for j, n in enumerate(nodes)}, producer, readers,
+    def of(cls, graph: Graph, nodes: list[onnx.NodeProto] | None) -> _StepUses:
+        """``nodes``: the order (None: the graph's, whose index it then reuses)."""
+        du = graph.def_use() if nodes is None else DefUse.build(nodes)
+        nodes = graph.nodes if nodes is None else nodes
+        return cls(nodes, {id(n): j for j, n in enumerate(nodes)}, du.producer, du.readers,
                    set(graph.outputs), alias_children(nodes))
+
+    def readers(self, value: str) -> list[int]:
+        """The places of the nodes that read ``value``, in order (once per input read)."""
+        return sorted(self.position[id(r)] for r in self.readers_of.get(value, ()))
 
 
 def analyze_in_place(graph: Graph, updates: Mapping[str, str],
                      order: Sequence[onnx.NodeProto] | None = None) -> InPlaceUpdates:
     """Decide, for each ``output -> input`` update of the step, whether it can alias."""
-    uses = _StepUses.of(graph, list(order if order is not None else graph.nodes))
+    uses = _StepUses.of(graph, list(order) if order is not None else None)
     aliased: dict[str, str] = {}
     refused: dict[str, str] = {}
     taken: set[str] = set()
@@ -111,7 +110,7 @@ def _refusal(graph: Graph, uses: _StepUses, out: str, inp: str, taken: set[str]
             return f"its producer reads '{operand}' (the old value) with broadcasting"
     at = uses.position[id(node)]
     for v in shared:
-        later = [j for j in uses.readers.get(v, ()) if j > at]
+        later = [j for j in uses.readers(v) if j > at]
         if later:
             reader = uses.nodes[later[-1]]
             return (f"'{reader.name or reader.op_type}' reads the old value ('{v}') after "

@@ -24,8 +24,15 @@ VARIADIC_OPS = frozenset({"Sum", "Max", "Min", "Mean"})
 # regions at a zoo GPT-2's peak, 8 x 256 tokens, width 256).
 HEAP_SCRATCH_OPS = frozenset({"ScatterElements"})
 
+# The ops ``scratch_buffers`` gives scratch without ``cpu_threads`` (every other op: none).
+SCRATCH_OPS = frozenset({"Where", *VARIADIC_OPS, "Dropout", "ConvTranspose",
+                         "ScatterElements", "Softmax", "LogSoftmax"})
+
+
 def scratch_bytes(node: onnx.NodeProto, info: Mapping[str, TensorInfo], opset: int = 17) -> int:
     """Bytes a kernel allocates and frees inside itself (see the module docstring)."""
+    if node.op_type not in SCRATCH_OPS:  # asked of every node of every plan judged
+        return 0
     return sum(scratch_buffers(node, info, opset))
 
 

@@ -58,6 +58,7 @@ import onnx
 
 from memcc.graph import Graph, TensorInfo
 from memcc.passes.analysis.kernel_scratch import (  # noqa: F401 (re-exported)
+    SCRATCH_OPS,
     VARIADIC_OPS,
     scratch_buffers,
     scratch_bytes,
@@ -253,12 +254,12 @@ class _BufferLedger:
 
     def _new_buffer(self, name: str, birth: int, pinned: bool) -> int:
         self.buffer_of[name] = name
-        self.buffer_bytes[name] = self.nbytes(name)
+        size = self.buffer_bytes[name] = self.nbytes(name)
         self.remaining[name] = self.uses.get(name, 0)
         self.birth[name] = birth
         if pinned:
             self.pinned.add(name)
-        return self.buffer_bytes[name]
+        return size
 
     def run(self) -> None:
         for name in _preexisting(self.graph, self.nodes):
@@ -268,43 +269,49 @@ class _BufferLedger:
             self._step(j, node)
 
     def _step(self, j: int, node: onnx.NodeProto) -> None:
-        if node.op_type in NOT_EXECUTED:
+        # Run once per node of every plan judged: the dicts are bound to locals.
+        op = node.op_type
+        if op in NOT_EXECUTED:
             self.live_during.append(self.live)
             self.live_after.append(self.live)
             self.scratch.append(0)
             return
         new = 0
+        buffer_of, remaining, uses = self.buffer_of, self.remaining, self.uses
+        in_place, outputs = self.in_place, self.outputs
         for k, out in enumerate(node.output):
             if not out:
                 continue
-            if out in self.in_place:  # written into the buffer of the input it replaces
-                target = self.buffer_of.get(self.in_place[out])
+            if out in in_place:  # written into the buffer of the input it replaces
+                target = buffer_of.get(in_place[out])
             else:
-                target = None if out in self.outputs else self._shared_buffer(node, k, out)
+                target = None if out in outputs else self._shared_buffer(node, k, out)
             if target is not None:
-                self.buffer_of[out] = target
+                buffer_of[out] = target
                 self.birth[out] = j
-                self.remaining[target] += self.uses.get(out, 0)
-            elif self.host_copies and node.op_type == HOST_COPY_OP:
+                remaining[target] += uses.get(out, 0)
+            elif self.host_copies and op == HOST_COPY_OP:
                 self.host.add(out)
-                self.host_live += self._new_buffer(out, j, pinned=out in self.outputs)
+                self.host_live += self._new_buffer(out, j, pinned=out in outputs)
                 self.host_peak = max(self.host_peak, self.host_live)
             else:
-                unused = self.uses.get(out, 0) == 0
-                new += self._new_buffer(out, j, pinned=out in self.outputs or unused)
-        extra = scratch_bytes(node, self.graph.info, self.graph.opset)
+                unused = uses.get(out, 0) == 0
+                new += self._new_buffer(out, j, pinned=out in outputs or unused)
+        extra = scratch_bytes(node, self.graph.info, self.graph.opset) \
+            if op in SCRATCH_OPS else 0
         self.scratch.append(extra)
         self.live_during.append(self.live + new + extra)
         self.live += new
+        pinned, death = self.pinned, self.buffer_death
         for inp in node.input:
             if not inp:
                 continue
-            b = self.buffer_of.get(inp)
+            b = buffer_of.get(inp)
             if b is None:  # consumed but never defined: an invalid graph; count nothing
                 continue
-            self.remaining[b] -= 1
-            if self.remaining[b] == 0 and b not in self.pinned and b not in self.buffer_death:
-                self.buffer_death[b] = j
+            left = remaining[b] = remaining[b] - 1
+            if left == 0 and b not in pinned and b not in death:
+                death[b] = j
                 if b in self.host:
                     self.host_live -= self.buffer_bytes[b]
                 else:

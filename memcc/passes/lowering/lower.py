@@ -21,6 +21,8 @@ Copies (``passes/lowering/swap.py``) are planned on device providers only.
 
 from __future__ import annotations
 
+import time
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -244,19 +246,56 @@ class Lowering:
         return [{"pass": r.name, "changed": r.changed} for r in self.reports]
 
 
+class VariantMemo:
+    """The substitute-variants pass's results in one search, by the variants asked.
+
+    A search judges many plans with few sets of variants (the zoo U-Net's smallest-peak
+    search: 123 plans, 8 sets), and that pass, with its checks and the step's structure
+    after it, is a function of the step, its structure and the variants alone: judged once
+    per set, it is most of a lowering's time saved (``simulate(memo=...)``; a
+    ``PlanningContext`` keeps one). Safe to share because no pass edits its input graph
+    (``LoweringPass.run``) and the recompute and copy passes always return a copy.
+    Holds the last ``size`` sets (each a copy of the step)."""
+
+    def __init__(self, size: int = 8) -> None:
+        self.size = size
+        self._done: OrderedDict[tuple, tuple] = OrderedDict()
+
+    def key(self, graph: Graph, plan: Plan, st: StepStructure, check: str) -> tuple:
+        return id(graph), id(st), check, tuple(sorted(plan.variants.items()))
+
+    def get(self, key: tuple) -> tuple[Graph, StepStructure, PassReport] | None:
+        hit = self._done.get(key)
+        if hit is None:
+            return None
+        self._done.move_to_end(key)
+        return hit[2:]  # the step and structure keyed by id() are held in hit[:2]
+
+    def put(self, key: tuple, graph: Graph, st: StepStructure,
+            done: tuple[Graph, StepStructure, PassReport]) -> None:
+        self._done[key] = (graph, st, *done)
+        while len(self._done) > self.size:
+            self._done.popitem(last=False)
+
+
 def lower(graph: Graph, plan: Plan, structure: StepStructure | None = None, *,
-          check: str = "fast", passes: tuple[type[LoweringPass], ...] = PASSES) -> Lowering:
+          check: str = "fast", passes: tuple[type[LoweringPass], ...] = PASSES,
+          memo: VariantMemo | None = None) -> Lowering:
     """Run the passes in order (``memcc.pass_contract.PassRunner``).
 
     ``requires`` (plans the passes cannot realise) always runs. ``check`` picks the
     ``ensures``: "fast" (default: one O(nodes) walk per pass that changed the graph, about
     a tenth of a simulation), "full" (also rebuilds each def-use index and compares: tests),
-    or "off".
+    or "off". ``memo``: the variant substitutions already made (and checked) for this step
+    and structure, reused when the plan asks for the same variants (``VariantMemo``).
     """
     runner = PassRunner(check=check)
     st = structure or StepStructure.of(graph)
     g = graph
     for kind in passes:
+        if kind is SubstituteVariants and memo is not None and plan.variants:
+            g, st = _substitute_once(runner, plan, g, st, memo)
+            continue
         g = runner.apply(kind(plan, st), g)
         if runner.reports[-1].changed and issubclass(kind, SubstituteVariants):
             # The passes after this one decide over the step with the variants in place
@@ -270,3 +309,23 @@ def lower(graph: Graph, plan: Plan, structure: StepStructure | None = None, *,
         recomputed_values=tuple(rc.get("recomputed_values", ())),
         rerun_before=dict(rc.get("rerun_before", {})),
     )
+
+
+def _substitute_once(runner: PassRunner, plan: Plan, graph: Graph, st: StepStructure,
+                     memo: VariantMemo) -> tuple[Graph, StepStructure]:
+    """The substitute-variants pass through ``memo``: run (requires, run, ensures) and
+    kept the first time a set of variants is asked, its report repeated after (timed
+    as the look-up it was)."""
+    t0 = time.perf_counter()
+    key = memo.key(graph, plan, st, runner.check)
+    hit = memo.get(key)
+    if hit is not None:
+        out, st_out, report = hit
+        runner.reports.append(PassReport(report.name, dict(report.summary), report.changed,
+                                         time.perf_counter() - t0))
+        return out, st_out
+    out = runner.apply(SubstituteVariants(plan, st), graph)
+    report = runner.reports[-1]
+    st_out = StepStructure.of(out) if report.changed else st
+    memo.put(key, graph, st, (out, st_out, report))
+    return out, st_out

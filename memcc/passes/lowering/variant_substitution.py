@@ -157,7 +157,9 @@ def _replacements(graph: Graph, variants: dict[str, str], order: list[str]
 def variant_problems(graph: Graph, plan: Plan) -> list[str]:
     """Why the variants of ``plan`` cannot be realised on ``graph`` (empty: they can)."""
     asked = {n: v for n, v in plan.variants.items() if v != DEFAULT_VARIANT}
-    problems = []
+    problems: list[str] = []
+    if not asked:  # every plan's lowering asks: no walk of the step for none
+        return problems
     covered: dict[str, str] = {}   # member node -> the node whose variant replaces its rule
     for name, node, variant, got in _replacements(graph, asked, sorted(asked)):
         if node is None:

@@ -19,6 +19,7 @@ import numpy as np
 
 from memcc.graph import Graph
 from memcc.passes.analysis.cost_model import CostModel
+from memcc.passes.lowering.lower import VariantMemo
 from memcc.passes.plan import Offload, Plan, StepStructure
 from memcc.passes.planning.model.offload_terms import OffloadVars
 from memcc.passes.planning.model.problem import Problem
@@ -98,6 +99,9 @@ class PlanningContext:
     # search over the region variants; ``planner._Search``).
     prepare_s: float = 0.0
     after_s: float = 0.0
+    # The variant substitutions of the plans judged so far (``simulate(memo=...)``): a
+    # search judges many plans with few sets of variants. Results are the same without.
+    memo: VariantMemo = field(default_factory=VariantMemo, compare=False, repr=False)
 
     @property
     def host_copies(self) -> bool:
@@ -105,7 +109,8 @@ class PlanningContext:
         return self.rules.host_copies
 
     def simulate(self, plan: Plan) -> Simulation:
-        return simulate(self.graph, plan, self.costs, self.structure, self.rules)
+        return simulate(self.graph, plan, self.costs, self.structure, self.rules,
+                        self.memo)
 
     def remaining(self) -> float:
         """Seconds the solves may still take (the deadline less ``reserved_s`` and

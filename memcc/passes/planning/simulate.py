@@ -20,7 +20,7 @@ from memcc.passes.analysis.liveness import (
     LivenessReport,
     small_buffers,
 )
-from memcc.passes.lowering.lower import PassReport, lower
+from memcc.passes.lowering.lower import PassReport, VariantMemo, lower
 from memcc.passes.plan import Plan, StepStructure
 from memcc.step import TrainingStep
 
@@ -94,16 +94,18 @@ class SimulationRules:
 
 def simulate(graph: Graph, plan: Plan, costs: CostModel,
              structure: StepStructure | None = None,
-             rules: SimulationRules | None = None) -> Simulation:
+             rules: SimulationRules | None = None,
+             memo: VariantMemo | None = None) -> Simulation:
     """The plan lowered, and judged as ``memcc train`` runs it (``passes.analysis.arrange``): each
     update written over the value it replaces where that is safe, so one copy of the
     state, not two, is counted at the end of the step; ``rules`` say by whose allocation
-    rules and in which order (``SimulationRules``).
+    rules and in which order (``SimulationRules``). ``memo``: the variant substitutions of
+    this step made before (``lowering.lower.VariantMemo``): the same result, sooner.
     """
     rules = rules or SimulationRules()
     device, host_copies = rules.device, rules.host_copies
     heap_base, early_updates = rules.heap_base, rules.early_updates
-    lowered = lower(graph, plan, structure)
+    lowered = lower(graph, plan, structure, memo=memo)
     step = TrainingStep.of(lowered.graph)
     runs = arrange_step(lowered.graph, step, host_copies=host_copies or device == "cuda",
                         early_updates=early_updates)
