@@ -206,19 +206,38 @@ def analyze_liveness(graph: Graph, order: Sequence[str | onnx.NodeProto] | None 
     copies count like any buffer).
     """
     nodes = _resolve_order(graph, order)
+    table = _NodeTable.of(nodes)
+    _check_order(graph, nodes, table)
     categories = categorize(graph)
-    ledger = _BufferLedger(graph, nodes, categories, in_place, host_copies)
+    ledger = _BufferLedger(graph, table, categories, in_place, host_copies)
     ledger.run()
     return ledger.report()
 
 
 # ---------------------------------------------------------------------------- simulation
+@dataclass(frozen=True)
+class _NodeTable:
+    """The nodes in order with their op, inputs and outputs read out of the protobuf once:
+    the ledger's walks read plain tuples (every walk of a ``NodeProto``'s fields makes new
+    strings, and this runs for every plan a search judges)."""
+
+    nodes: list[onnx.NodeProto]
+    ops: list[str]
+    ins: list[tuple[str, ...]]
+    outs: list[tuple[str, ...]]
+
+    @classmethod
+    def of(cls, nodes: list[onnx.NodeProto]) -> _NodeTable:
+        return cls(nodes, [n.op_type for n in nodes], [tuple(n.input) for n in nodes],
+                   [tuple(n.output) for n in nodes])
+
+
 class _BufferLedger:
     """The buffers of one step as ORT's planner assigns them, filled by one pass over the
     nodes: which buffer each value lives in, each buffer's bytes, birth, death and remaining
     readers, and the live bytes during and after every node (read back by ``report``)."""
 
-    def __init__(self, graph: Graph, nodes: list[onnx.NodeProto],
+    def __init__(self, graph: Graph, table: _NodeTable,
                  categories: Mapping[str, str],
                  in_place: Mapping[str, str] | None = None,
                  host_copies: bool = False) -> None:
@@ -228,14 +247,16 @@ class _BufferLedger:
         self.host: set[str] = set()
         self.host_live = 0
         self.host_peak = 0
-        self.nodes = nodes
+        self.nodes = table.nodes
+        self.table = table
         self.categories = categories
         self.outputs = set(graph.outputs)
         self.uses: dict[str, int] = {}
-        for n in nodes:
-            for i in n.input:
+        uses = self.uses
+        for ins in table.ins:
+            for i in ins:
                 if i:
-                    self.uses[i] = self.uses.get(i, 0) + 1
+                    uses[i] = uses.get(i, 0) + 1
         self.buffer_of: dict[str, str] = {}
         self.buffer_bytes: dict[str, int] = {}
         self.remaining: dict[str, int] = {}
@@ -265,12 +286,13 @@ class _BufferLedger:
         for name in _preexisting(self.graph, self.nodes):
             self.live += self._new_buffer(name, BEFORE_FIRST_NODE, pinned=True)
         self.start_bytes = self.live
+        table = self.table
         for j, node in enumerate(self.nodes):
-            self._step(j, node)
+            self._step(j, node, table.ops[j], table.ins[j], table.outs[j])
 
-    def _step(self, j: int, node: onnx.NodeProto) -> None:
+    def _step(self, j: int, node: onnx.NodeProto, op: str, ins: tuple[str, ...],
+              outs: tuple[str, ...]) -> None:
         # Run once per node of every plan judged: the dicts are bound to locals.
-        op = node.op_type
         if op in NOT_EXECUTED:
             self.live_during.append(self.live)
             self.live_after.append(self.live)
@@ -279,13 +301,14 @@ class _BufferLedger:
         new = 0
         buffer_of, remaining, uses = self.buffer_of, self.remaining, self.uses
         in_place, outputs = self.in_place, self.outputs
-        for k, out in enumerate(node.output):
+        for k, out in enumerate(outs):
             if not out:
                 continue
             if out in in_place:  # written into the buffer of the input it replaces
                 target = buffer_of.get(in_place[out])
             else:
-                target = None if out in outputs else self._shared_buffer(node, k, out)
+                target = None if out in outputs or k != 0 \
+                    else self._shared_buffer(op, ins, out)
             if target is not None:
                 buffer_of[out] = target
                 self.birth[out] = j
@@ -303,7 +326,7 @@ class _BufferLedger:
         self.live_during.append(self.live + new + extra)
         self.live += new
         pinned, death = self.pinned, self.buffer_death
-        for inp in node.input:
+        for inp in ins:
             if not inp:
                 continue
             b = buffer_of.get(inp)
@@ -318,32 +341,31 @@ class _BufferLedger:
                     self.live -= self.buffer_bytes[b]
         self.live_after.append(self.live)
 
-    def _shared_buffer(self, node: onnx.NodeProto, k: int, out: str) -> str | None:
-        """The buffer ``out`` is written into instead of a new one, if ORT shares one."""
-        if k != 0 or not node.input or not node.input[0]:
+    def _shared_buffer(self, op: str, ins: tuple[str, ...], out: str) -> str | None:
+        """The buffer ``out`` (a node's first output) is written into instead of a new one,
+        if ORT shares one."""
+        if not ins or not ins[0]:
             return None
-        src = node.input[0]
+        src = ins[0]
         b = self.buffer_of.get(src)
         if b is None:
             return None
-        if node.op_type in ALIAS_OPS:
+        if op in ALIAS_OPS:
             return b
-        if node.op_type in INPLACE_OPS and b not in self.pinned and self.remaining[b] == 1:
+        if op in INPLACE_OPS and b not in self.pinned and self.remaining[b] == 1:
             if _same_size(self.graph.info.get(src), self.graph.info.get(out)):
                 return b
         return None
 
     def report(self) -> LivenessReport:
         values: dict[str, ValueLife] = {}
+        owned, birth, death = self.buffer_bytes, self.birth, self.buffer_death
+        categories = self.categories
         for name, b in self.buffer_of.items():
+            # A buffer's owner was sized when it was made (``_new_buffer``).
             values[name] = ValueLife(
-                name=name,
-                nbytes=self.nbytes(name),
-                birth=self.birth[name],
-                death=self.buffer_death.get(b),
-                buffer=b,
-                category=self.categories.get(name, "activations"),
-            )
+                name, owned[name] if name == b else self.nbytes(name), birth[name],
+                death.get(b), b, categories.get(name, "activations"))
         peak, step = self.start_bytes, BEFORE_FIRST_NODE
         for j, v in enumerate(self.live_during):
             if v > peak:
@@ -405,7 +427,7 @@ def _same_size(a: TensorInfo | None, b: TensorInfo | None) -> bool:
 
 
 def _resolve_order(graph: Graph, order) -> list[onnx.NodeProto]:
-    """The nodes in ``order`` (default: graph order), checked to be a topological order."""
+    """The nodes in ``order`` (default: graph order); ``_check_order`` checks them."""
     if order is None:
         nodes = list(graph.nodes)
     else:
@@ -420,13 +442,18 @@ def _resolve_order(graph: Graph, order) -> list[onnx.NodeProto]:
                 raise ValueError(f"order names node '{item}', which the graph does not have")
         if len(nodes) != len(graph.nodes):
             raise ValueError(f"order has {len(nodes)} nodes, the graph {len(graph.nodes)}")
-    available = set(graph.inputs) | set(graph.initializers) | {""}
-    for n in nodes:
-        missing = [i for i in n.input if i not in available]
-        if missing:
-            raise ValueError(f"order runs node '{n.name}' before its input '{missing[0]}' exists")
-        available.update(n.output)
     return nodes
+
+
+def _check_order(graph: Graph, nodes: list[onnx.NodeProto], table: _NodeTable) -> None:
+    """Refuse an order that runs a node before one of its inputs exists."""
+    available = set(graph.inputs) | set(graph.initializers) | {""}
+    for j, ins in enumerate(table.ins):
+        for i in ins:
+            if i not in available:
+                raise ValueError(
+                    f"order runs node '{nodes[j].name}' before its input '{i}' exists")
+        available.update(table.outs[j])
 
 
 # ---------------------------------------------------------------------------- categories

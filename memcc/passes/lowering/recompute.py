@@ -54,14 +54,20 @@ def apply_recompute(graph: Graph, plan: Plan, structure: StepStructure | None = 
         return RecomputeResult(out, (), ())
     cloner = _Cloner(out, recompute, plan.recompute_again & recompute)
     du = cloner.du
+    # Values a recomputed node produces, or clones made: the only inputs ``resolve`` can
+    # give another name (the rest are read as they are, without asking: this loop sees
+    # every input of the backward pass, for every plan judged).
+    rebuilt = {v for v, n in du.producer.items() if n.name in recompute}
+    clone_of = cloner.clone_of
     new_nodes: list[onnx.NodeProto] = []
+    forward = st.forward
     for node in out.nodes:
-        if node.name in st.forward:
+        if node.name in forward:
             new_nodes.append(node)
             continue
         emitted: list[onnx.NodeProto] = []
         for k, i in enumerate(node.input):
-            if i:
+            if i in rebuilt or i in clone_of:
                 r = cloner.resolve(i, emitted, node.name)
                 if r != i:
                     du.rewire(node, k, r)
@@ -86,7 +92,10 @@ class _Cloner:
         self.again = again
         self.du: DefUse = out.def_use()
         self.producers = self.du.producer
-        self.fresh = unique_namer(list(out.values()) + [n.name for n in out.nodes])
+        # Every value name (``Graph.values``: the index's produced values are the nodes'
+        # outputs) and node name is taken.
+        self.fresh = unique_namer([*out.inputs, *out.initializers, *self.producers,
+                                   *(n.name for n in out.nodes)])
         self.clone_of: dict[str, str] = {}   # forward value -> its recomputed name
         self.cloned: list[str] = []
         # Outputs read by any node of the input step; unread optional outputs are dropped
