@@ -268,3 +268,30 @@ def test_policies_named_like_jax(step):
     with pytest.raises(PlanError, match="not saved values"):
         save_only_these_values(st, ["nope"])
     assert lower(g, everything, st, check="full").cloned_nodes
+
+
+def test_variant_memo_gives_the_same_simulation(step):
+    """A search's ``VariantMemo`` (``PlanningContext.memo``) substitutes each set of variants
+    once; every plan it judges comes out as without it: peak, liveness, the lowered nodes
+    in order and the passes' reports."""
+    from memcc.passes.lowering.lower import VariantMemo
+    from memcc.passes.lowering.variant_substitution import applicable_variants, rule_nodes
+
+    g, st = step
+    rules = rule_nodes(g)
+    chosen = {n.name: vs[0].name for n in g.nodes if n.name in st.forward
+              for vs in [applicable_variants(g, n, rules)] if vs}
+    assert chosen
+    costs, memo = unit_costs(g), VariantMemo()
+    rc = sorted(st.recomputable)
+    plans = [Plan(frozenset(rc[::2]), variants=chosen), Plan(frozenset(rc[1::2]), variants=chosen),
+             Plan(frozenset(rc[::3]), variants=dict(list(chosen.items())[:1])), Plan(frozenset(rc))]
+    for plan in plans:
+        want = simulate(g, plan, costs, st)
+        got = simulate(g, plan, costs, st, memo=memo)
+        assert _names(got.graph) == _names(want.graph)
+        assert got.liveness.live_during == want.liveness.live_during
+        assert (got.peak_bytes, got.added_time_s) == (want.peak_bytes, want.added_time_s)
+        assert [(r.name, r.summary, r.changed) for r in got.passes] == \
+            [(r.name, r.summary, r.changed) for r in want.passes]
+    assert len(memo._done) == 2  # two sets of variants asked, each substituted once

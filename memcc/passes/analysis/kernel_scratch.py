@@ -9,6 +9,7 @@ request. Which kernels are modelled, and why, is told in ``liveness``'s module d
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -125,8 +126,8 @@ def _conv_transpose_columns(node: onnx.NodeProto, info: Mapping[str, TensorInfo]
     x, w = info.get(node.input[0]), info.get(node.input[1])
     if x is None or w is None or len(w.shape) < 3:
         return 0
-    kernel = int(np.prod(w.shape[2:]))
-    image = int(np.prod(x.shape[2:]))
+    kernel = math.prod(w.shape[2:])
+    image = math.prod(x.shape[2:])
     return w.shape[1] * kernel * image * x.itemsize  # w: [C_in, C_out / group, *kernel]
 
 
@@ -138,8 +139,13 @@ def scratch_on_heap(node: onnx.NodeProto) -> bool:
 
 
 def _broadcast_numel(a: Sequence[int], b: Sequence[int]) -> int:
-    try:
-        shape = np.broadcast_shapes(tuple(a), tuple(b))
-    except ValueError:
-        return 0
-    return int(np.prod(shape, dtype=np.int64)) if shape else 1
+    """Elements of ``a`` and ``b`` broadcast together (0: they do not broadcast), as
+    ``np.broadcast_shapes`` has it, in plain ints (asked for every plan judged)."""
+    n = max(len(a), len(b))
+    total = 1
+    for x, y in zip((1,) * (n - len(a)) + tuple(a), (1,) * (n - len(b)) + tuple(b),
+                    strict=True):
+        if x != y and x != 1 and y != 1:
+            return 0
+        total *= y if x == 1 else x
+    return total

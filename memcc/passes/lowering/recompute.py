@@ -20,6 +20,7 @@ frees an unconsumed output, ORT_NOTES.md §3).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import onnx
@@ -184,20 +185,22 @@ def _drop_dead_forward_outputs(nodes: list[onnx.NodeProto], st: StepStructure,
         return v in graph_outputs or du.reader_count(v) > 0
 
     changed = True
+    forward = st.forward
     while changed:
         changed = False
         kept: list[onnx.NodeProto] = []
         for n in nodes:
-            if n.name not in st.forward:
+            if n.name not in forward:
                 kept.append(n)
                 continue
-            outs = [o for o in n.output if o]
+            names = tuple(n.output)  # read once; output k is blanked at step k only
+            outs = [o for o in names if o]
             if outs and not any(read(o) for o in outs) and n.op_type not in _SIDE_EFFECTS:
                 du.remove(n)
                 changed = True
                 continue
-            for k in range(len(n.output) - 1, 0, -1):
-                o = n.output[k]
+            for k in range(len(names) - 1, 0, -1):
+                o = names[k]
                 if o and not read(o) and optional_output(n, k):
                     du.drop_output(n, k)
                     changed = True
@@ -222,8 +225,14 @@ def _outputs_required(node: onnx.NodeProto) -> bool:
 def optional_output(node: onnx.NodeProto, k: int) -> bool:
     """Whether output ``k`` of ``node`` is optional in its op's schema (ORT accepts the node
     without it)."""
+    return _optional_output(node.op_type, node.domain or "", k)
+
+
+@functools.cache
+def _optional_output(op_type: str, domain: str, k: int) -> bool:
+    """``optional_output`` by op, looked up once (the lowering asks for every plan)."""
     try:
-        schema = onnx.defs.get_schema(node.op_type, domain=node.domain or "")
+        schema = onnx.defs.get_schema(op_type, domain=domain)
     except Exception:
         return False
     outs = schema.outputs
