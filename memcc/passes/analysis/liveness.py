@@ -63,6 +63,7 @@ from memcc.passes.analysis.kernel_scratch import (  # noqa: F401 (re-exported)
     scratch_buffers,
     scratch_bytes,
 )
+from memcc.passes.analysis.node_table import NodeTable, resolve_order
 from memcc.step import TrainingStep, is_forward_tagged
 
 HOST_COPY_OP = "MemcpyToHost"  # its output lives in host memory on a device provider
@@ -205,9 +206,9 @@ def analyze_liveness(graph: Graph, order: Sequence[str | onnx.NodeProto] | None 
     peak (a device provider; on the CPU provider host and device are one memory, and the
     copies count like any buffer).
     """
-    nodes = _resolve_order(graph, order)
-    table = _NodeTable.of(nodes)
-    _check_order(graph, nodes, table)
+    nodes = resolve_order(graph, order)
+    table = NodeTable.of(nodes)
+    table.check(graph)
     categories = categorize(graph)
     ledger = _BufferLedger(graph, table, categories, in_place, host_copies)
     ledger.run()
@@ -215,29 +216,12 @@ def analyze_liveness(graph: Graph, order: Sequence[str | onnx.NodeProto] | None 
 
 
 # ---------------------------------------------------------------------------- simulation
-@dataclass(frozen=True)
-class _NodeTable:
-    """The nodes in order with their op, inputs and outputs read out of the protobuf once:
-    the ledger's walks read plain tuples (every walk of a ``NodeProto``'s fields makes new
-    strings, and this runs for every plan a search judges)."""
-
-    nodes: list[onnx.NodeProto]
-    ops: list[str]
-    ins: list[tuple[str, ...]]
-    outs: list[tuple[str, ...]]
-
-    @classmethod
-    def of(cls, nodes: list[onnx.NodeProto]) -> _NodeTable:
-        return cls(nodes, [n.op_type for n in nodes], [tuple(n.input) for n in nodes],
-                   [tuple(n.output) for n in nodes])
-
-
 class _BufferLedger:
     """The buffers of one step as ORT's planner assigns them, filled by one pass over the
     nodes: which buffer each value lives in, each buffer's bytes, birth, death and remaining
     readers, and the live bytes during and after every node (read back by ``report``)."""
 
-    def __init__(self, graph: Graph, table: _NodeTable,
+    def __init__(self, graph: Graph, table: NodeTable,
                  categories: Mapping[str, str],
                  in_place: Mapping[str, str] | None = None,
                  host_copies: bool = False) -> None:
@@ -424,36 +408,6 @@ def _preexisting(graph: Graph, nodes: Sequence[onnx.NodeProto]) -> list[str]:
 def _same_size(a: TensorInfo | None, b: TensorInfo | None) -> bool:
     """ORT's SameSize: equal shapes and equal element sizes (types may differ)."""
     return a is not None and b is not None and a.shape == b.shape and a.itemsize == b.itemsize
-
-
-def _resolve_order(graph: Graph, order) -> list[onnx.NodeProto]:
-    """The nodes in ``order`` (default: graph order); ``_check_order`` checks them."""
-    if order is None:
-        nodes = list(graph.nodes)
-    else:
-        by_name = {n.name: n for n in graph.nodes}
-        nodes = []
-        for item in order:
-            if isinstance(item, onnx.NodeProto):
-                nodes.append(item)
-            elif item in by_name:
-                nodes.append(by_name[item])
-            else:
-                raise ValueError(f"order names node '{item}', which the graph does not have")
-        if len(nodes) != len(graph.nodes):
-            raise ValueError(f"order has {len(nodes)} nodes, the graph {len(graph.nodes)}")
-    return nodes
-
-
-def _check_order(graph: Graph, nodes: list[onnx.NodeProto], table: _NodeTable) -> None:
-    """Refuse an order that runs a node before one of its inputs exists."""
-    available = set(graph.inputs) | set(graph.initializers) | {""}
-    for j, ins in enumerate(table.ins):
-        for i in ins:
-            if i not in available:
-                raise ValueError(
-                    f"order runs node '{nodes[j].name}' before its input '{i}' exists")
-        available.update(table.outs[j])
 
 
 # ---------------------------------------------------------------------------- categories
