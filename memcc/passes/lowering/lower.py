@@ -254,7 +254,8 @@ class VariantMemo:
     after it, is a function of the step, its structure and the variants alone: judged once
     per set, it is most of a lowering's time saved (``simulate(memo=...)``; a
     ``PlanningContext`` keeps one). Safe to share because no pass edits its input graph
-    (``LoweringPass.run``) and the recompute and copy passes always return a copy.
+    (``LoweringPass.run``) and the recompute pass after it always returns a copy (``lower``
+    uses the memo only when that pass runs), so no lowered step is one held here.
     Holds the last ``size`` sets (each a copy of the step)."""
 
     def __init__(self, size: int = 8) -> None:
@@ -265,10 +266,10 @@ class VariantMemo:
         return id(graph), id(st), check, tuple(sorted(plan.variants.items()))
 
     def get(self, key: tuple) -> tuple[Graph, StepStructure, PassReport] | None:
-        hit = self._done.get(key)
+        hit = self._done.pop(key, None)
         if hit is None:
             return None
-        self._done.move_to_end(key)
+        self._done[key] = hit  # the most recent last (never a KeyError, even if shared)
         return hit[2:]  # the step and structure keyed by id() are held in hit[:2]
 
     def put(self, key: tuple, graph: Graph, st: StepStructure,
@@ -293,7 +294,8 @@ def lower(graph: Graph, plan: Plan, structure: StepStructure | None = None, *,
     st = structure or StepStructure.of(graph)
     g = graph
     for kind in passes:
-        if kind is SubstituteVariants and memo is not None and plan.variants:
+        if kind is SubstituteVariants and memo is not None and plan.variants \
+                and InsertRecompute in passes:
             g, st = _substitute_once(runner, plan, g, st, memo)
             continue
         g = runner.apply(kind(plan, st), g)
