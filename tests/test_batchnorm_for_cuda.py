@@ -177,7 +177,8 @@ def test_compile_for_cuda_plans_the_rewritten_step(tmp_path):
                       .SerializeToString())
     out = tmp_path / "out.onnx"
     result = compile_model(model, CompileOptions(budget="min", provider="cuda",
-                                                 cost="analytic", offload=False), output=out)
+                                                 cost="analytic", offload=False,
+                                                 time_limit=10), output=out)
     load = next(p for p in result.report["passes"] if p["name"] == "load")
     assert load["summary"]["batchnorm_rewritten"] == 20
     written = load_graph(out)

@@ -27,7 +27,8 @@ def compiled():
     model = build_model("gpt2", batch=8, seq_len=128)
     base = compile_model(model, CompileOptions(budget="1TB", cost="analytic")).report
     budget = (base["baseline"]["peak_bytes"] * 3) // 4
-    result = compile_model(model, CompileOptions(budget=str(budget), cost="analytic"))
+    result = compile_model(model, CompileOptions(budget=str(budget), cost="analytic",
+                                                 time_limit=10))
     return result, json.loads(json.dumps(result.report))  # as written to disk
 
 
