@@ -51,6 +51,20 @@ def test_stem_over_batch_chunks_matches_the_whole_stem():
     assert_step_matches(whole, chunked, BATCH_CHUNKS_TOLERANCE, threads=(1, 2))
 
 
+def test_a_real_train_mode_export_over_batch_chunks_matches_its_whole_stem():
+    """What users feed: a transformers ResNet exported by torch.onnx in train mode (its
+    stem Conv -> BatchNorm -> Relu -> MaxPool as the exporter writes it), batch 8 bound
+    at load, in chunks of 3, 3 and 2, at 1 and 2 threads."""
+    from exports import export
+
+    path, _, _, _ = export("hf_resnet", "torchscript", training=True)
+    forward = load_graph(path, {"batch": 8})
+    whole = build_training_step(forward, BuildOptions())
+    chunked = build_training_step(forward, BuildOptions(batch_chunks=3))
+    assert json.loads(chunked.metadata[ROW_CHUNKS_KEY])[BATCH] == {"chunks": 3, "regions": 1}
+    assert_step_matches(whole, chunked, BATCH_CHUNKS_TOLERANCE, threads=(1, 2))
+
+
 def test_compile_plans_the_chunked_stem_and_verifies_it(tmp_path):
     """``--batch-chunks 4 --budget min --verify``: the plan of the chunked step runs and
     matches it; compile's ladder offers the stem's chunks where the model has a stem, and
