@@ -11,14 +11,18 @@
 #
 #   OUT=/some/dir bash benchmarks/gpu_session.sh
 #
-# PHASES="peers truth" picks phases (default: all, in the order below); a machine set up by an
-# earlier call (/tmp/env.sh exists) is not set up again.
+# PHASES="peers truth" picks phases (default: all, in the order below); MODELS="resnet50" the
+# peers' and profile's models (default both), TRUTH_MODELS="resnet18 resnet50" the zoo models
+# of truth (default all); a machine set up by an earlier call (/tmp/env.sh exists) is not set
+# up again.
 # PROVIDER=cpu SMALL=1 runs the same phases here at tiny sizes (the code path; no setup).
 set -uo pipefail
 : "${OUT:?set OUT to the folder for results}"
 PROVIDER=${PROVIDER:-cuda}
 SMALL=${SMALL:-}
-PHASES=${PHASES:-peers patches truth profile convgrad coverage}
+PHASES=${PHASES:-peers truth patches profile convgrad coverage}
+MODELS=${MODELS:-gpt2,resnet50}
+TRUTH_MODELS=${TRUTH_MODELS:-}
 LOGS=${LOGS:-/tmp/gpu_logs}
 mkdir -p "$OUT" "$LOGS"
 T0=$(date +%s)
@@ -57,8 +61,9 @@ else
   PEERS=${PEERS:-.gpu/peers}; SIZE=(); CONV=(--batch 64 --resolution 224 --rounds 10)
 fi
 STEPS=()
-for m in gpt2 resnet50; do
-  for p in "" ".fp16"; do
+for p in "" ".fp16"; do  # the fp32 steps first: a cut phase keeps them
+  for m in resnet50 gpt2; do
+    case ",$MODELS," in *",$m,"*) ;; *) continue ;; esac
     f="$PEERS/$m$p.step.onnx.xz"
     [ -f "$f" ] && STEPS+=("$m${p/./-}=$f")
   done
@@ -67,19 +72,19 @@ done
 # 1. Issue 30's and 34's targets: memcc's step against PyTorch eager (TF32 on both sides),
 #    fp32 and bf16 (torch.autocast), issue 29's GPT-2 and ResNet-50.
 #    memcc's fp16 step too (ORT's CUDA provider has no bfloat16 Conv).
-phase peers 230 $PY benchmarks/gpu_peers.py --steps-from "$PEERS" --out "$OUT/peers" \
-  --provider "$PROVIDER" --only "memcc-as-built deterministic=False" --only "torch-eager tf32=on" \
+phase peers 220 $PY benchmarks/gpu_peers.py --steps-from "$PEERS" --out "$OUT/peers" \
+  --provider "$PROVIDER" --models "$MODELS" --only "memcc-as-built deterministic=False" --only "torch-eager tf32=on" \
   --only bf16 --only fp16 --time-limit 190 --timeout 100
-# 1b. Issue 30: the weight gradients as MatMuls over patches (nineteenth session's pass, timed
+# 1b. Every session with a GPU: the zoo's memory truth.
+phase truth 130 $PY benchmarks/cuda_check.py --out "$OUT/truth" --provider "$PROVIDER" \
+  --phases env truth "${SIZE[@]}" ${TRUTH_MODELS:+--models $TRUTH_MODELS}
+# 2. Issue 30: the weight gradients as MatMuls over patches (nineteenth session's pass, timed
 #     per layer only) against memcc's Conv form, as whole ResNet-50 steps (batch 64, 224 px),
 #     each twice, interleaved by form.
-phase patches 150 $PY benchmarks/cuda_runtime.py --provider "$PROVIDER" --models resnet50 \
+phase patches 120 $PY benchmarks/cuda_runtime.py --provider "$PROVIDER" --models resnet50 \
   --forms current,conv-grad-as-conv,current,conv-grad-as-conv --variants default --steps 6
-# 2. Every session with a GPU: the zoo's memory truth.
-phase truth 140 $PY benchmarks/cuda_check.py --out "$OUT/truth" --provider "$PROVIDER" \
-  --phases env truth "${SIZE[@]}"
 # 3. Where the kernel time goes now (issue 30's table, after its changes).
-phase profile 80 $PY benchmarks/cuda_profile.py "${STEPS[@]}" --provider "$PROVIDER" \
+phase profile 70 $PY benchmarks/cuda_profile.py "${STEPS[@]}" --provider "$PROVIDER" \
   --runs 2 --out "$OUT/profile.json"
 # 4. Convolution weight gradients: standard-ONNX forms against cuDNN's backward-filter.
 phase convgrad 100 $PY benchmarks/conv_weight_grad.py --provider "$PROVIDER" \

@@ -113,6 +113,7 @@ def load_step(model: str | os.PathLike | onnx.ModelProto, label: str,
     emulated = rewrites.reports[-1].summary.get("sixteen_bit_emulated")
     as_patches = rewrites.reports[-1].summary.get("conv_weight_grads_as_patches")
     patch_bytes = rewrites.reports[-1].summary.get("patch_bytes_max")
+    concats_split = rewrites.reports[-1].summary.get("concats_split")
     step = TrainingStep.of(graph)
     params = step.parameters
     return graph, {
@@ -129,6 +130,9 @@ def load_step(model: str | os.PathLike | onnx.ModelProto, label: str,
         # chunk's patches (passes/providers/conv_weight_grad_cuda.py).
         **({"conv_weight_grads_as_patches": as_patches, "patch_bytes_max": patch_bytes}
            if as_patches else {}),
+        # Concats of more than 32 inputs nested, so that a CUDA graph captures them
+        # (passes/providers/concat_for_cuda_graphs.py).
+        **({"concats_split": concats_split} if concats_split else {}),
         # --precision bf16/fp16: what autocast did (memcc.precision), and the ops this
         # provider has no 16-bit kernel for, computed in float32 between casts
         # (passes/providers/sixteen_bit.py).

@@ -14,7 +14,9 @@ an H200 the trailing form ran issue 29's ResNet-50 step in 321 ms instead of 479
 15.1 against 18.4 ms), and gives the same bits every run. Also on CUDA: the weight gradients
 of k x k convolutions with few channels and many pixels as a MatMul over patches
 (``conv_weight_grad_cuda``: ``conv_weight_grads_as_patches`` and ``patch_bytes_max`` in the
-summary; ``MEMCC_CONV_WEIGHT_GRAD=conv`` keeps the Conv form). On every provider, last: a 16-bit
+summary; ``MEMCC_CONV_WEIGHT_GRAD=conv`` keeps the Conv form). Then every Concat of more than
+32 inputs as nested ones, which a CUDA graph can capture (``concat_for_cuda_graphs``:
+``concats_split``). On every provider, last: a 16-bit
 node the provider has no kernel for computes in float32 between casts (``sixteen_bit``).
 """
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 from memcc.graph import Graph
 from memcc.passes.providers.batchnorm_for_cuda import expand_training_batchnorm
+from memcc.passes.providers.concat_for_cuda_graphs import split_wide_concats
 from memcc.passes.providers.conv_weight_grad_cuda import (
     conv_weight_grads_as_patches,
     patches_wanted,
@@ -46,5 +49,8 @@ def for_provider(graph: Graph, provider: str) -> tuple[Graph, dict]:
         # original to the last printed digit (BENCHMARKS.md, "Issue 30 on an H200"):
         # until a float64 check of the whole step says why, the transpose form stays.
         graph, _ = to_trailing_axes(graph, only=per_channel)
+        graph, wide = split_wide_concats(graph)  # after the patches' 49-view Concats
+        if wide["concats_split"]:
+            conv = {**conv, **wide}
     graph, emulated = sixteen_bit(graph, provider)
     return graph, {"batchnorm_rewritten": rewritten_bn, **conv, **emulated}
