@@ -22,7 +22,8 @@ step is saved already rewritten, so the runner's own rewrite finds nothing left 
 ``transposed-sums`` (per-channel sums as a transpose and a trailing-axis sum, as before
 the MatMul-by-ones form; saved rewritten, likewise), ``conv-grad-as-conv`` (the current
 step run with ``MEMCC_CONV_WEIGHT_GRAD=conv``: weight gradients in memcc's Conv form, not
-as MatMuls over patches, to time that pass as a whole step).
+as MatMuls over patches, to time that pass as a whole step), ``patches-unchunked`` (the
+current step with each weight gradient's patches in one chunk, ``MEMCC_PATCH_CHUNK_BYTES``).
 Each row carries its ``form``.
 
 The figures of BENCHMARKS.md, "Issue 29 on an H200", came from this script (then kept
@@ -52,7 +53,7 @@ from memcc.backend.onnx_file import save_graph  # noqa: E402
 from memcc.backend.runner import RunRequest, run_steps  # noqa: E402
 from memcc.frontend.build import BuildOptions, build_training_step  # noqa: E402
 from memcc.frontend.load import load_graph  # noqa: E402
-from memcc.passes.providers.conv_weight_grad_cuda import FORM_ENV  # noqa: E402
+from memcc.passes.providers.conv_weight_grad_cuda import CHUNK_ENV, FORM_ENV  # noqa: E402
 from models import build_model  # noqa: E402
 
 ZOO = {"mlp": dict(batch=512, in_features=1024, width=1024, depth=4),
@@ -61,7 +62,8 @@ ZOO = {"mlp": dict(batch=512, in_features=1024, width=1024, depth=4),
        "gpt2": dict(batch=4, seq_len=256, vocab_size=8192, width=256, heads=4, depth=4)}
 SMALL = {"mlp": dict(batch=8), "resnet18": dict(batch=2), "resnet50": dict(batch=2),
          "gpt2": dict(batch=2)}
-FORMS = ("current", "unfused", "no-bn-reuse", "transposed-sums", "conv-grad-as-conv")
+FORMS = ("current", "unfused", "no-bn-reuse", "transposed-sums", "conv-grad-as-conv",
+         "patches-unchunked")
 VARIANTS = {"default": {}, "nograph": {"cuda_graph": False}, "det": {"deterministic": True}}
 FIELDS = ("losses", "step_time_s", "measured_peak_bytes", "predicted_peak_bytes",
           "measured_over_predicted", "first_step_measured_bytes",
@@ -104,23 +106,30 @@ def built_form(name: str, sizes: dict, form: str, tmp: Path) -> Path:
     return save_graph(step, tmp / f"{name}-{form}.onnx")
 
 
+# Forms that run the current step's file under another setting of the CUDA rewrite it gets
+# when loaded (an unplanned step is rewritten by the runner itself).
+ENV_FORMS = {"conv-grad-as-conv": {FORM_ENV: "conv"},
+             "patches-unchunked": {CHUNK_ENV: str(1 << 40)}}
+
+
 @contextlib.contextmanager
 def _conv_grad_form(form: str):
     """``conv-grad-as-conv``: the current step, run with ``MEMCC_CONV_WEIGHT_GRAD=conv``
     (its weight gradients in memcc's Conv form instead of patches), to time the patches
-    pass as a whole step against the step without it."""
-    if form != "conv-grad-as-conv":
-        yield
-        return
-    old = os.environ.get(FORM_ENV)
-    os.environ[FORM_ENV] = "conv"
+    pass as a whole step against the step without it; ``patches-unchunked``: with
+    ``MEMCC_PATCH_CHUNK_BYTES`` above any patches (one chunk each), to time the chunks'
+    Slices."""
+    env = ENV_FORMS.get(form, {})
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     try:
         yield
     finally:
-        if old is None:
-            os.environ.pop(FORM_ENV, None)
-        else:
-            os.environ[FORM_ENV] = old
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def device_pieces() -> dict:
@@ -180,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--forms", default="current",
                     help=f"comma-separated forms of each zoo step ({', '.join(FORMS)})")
+    ap.add_argument("--batch", type=int, help="the zoo steps' batch (default: ZOO's)")
     ap.add_argument("--device-pieces", action="store_true",
                     help="print what the runtime's pieces cost on the device (CUDA) first")
     args = ap.parse_args(argv)
@@ -199,14 +209,15 @@ def main(argv: list[str] | None = None) -> int:
         else:
             sizes = ZOO if args.provider == "cuda" else SMALL
             # A form named twice (rows interleaved by form) is built once; the
-            # conv-grad-as-conv rows run the current step's file.
+            # ENV_FORMS rows run the current step's file.
             built: dict[tuple[str, str], Path] = {}
             cases = []
             for name in [m for m in args.models.split(",") if m]:
                 for form in forms:
-                    key = (name, "current" if form == "conv-grad-as-conv" else form)
+                    key = (name, "current" if form in ENV_FORMS else form)
                     if key not in built:
-                        built[key] = built_form(name, sizes[name], key[1], Path(tmp))
+                        dims = {**sizes[name], **({"batch": args.batch} if args.batch else {})}
+                        built[key] = built_form(name, dims, key[1], Path(tmp))
                     cases.append((name, form, built[key]))
         for name, form, path in cases:
             for variant in variants:

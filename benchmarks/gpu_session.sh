@@ -20,7 +20,7 @@ set -uo pipefail
 : "${OUT:?set OUT to the folder for results}"
 PROVIDER=${PROVIDER:-cuda}
 SMALL=${SMALL:-}
-PHASES=${PHASES:-peers truth patches profile convgrad coverage}
+PHASES=${PHASES:-peers truth patches chunks batch184 fp16search profile convgrad coverage}
 MODELS=${MODELS:-gpt2,resnet50}
 TRUTH_MODELS=${TRUTH_MODELS:-}
 LOGS=${LOGS:-/tmp/gpu_logs}
@@ -83,6 +83,19 @@ phase truth 130 $PY benchmarks/cuda_check.py --out "$OUT/truth" --provider "$PRO
 #     each twice, interleaved by form.
 phase patches 120 $PY benchmarks/cuda_runtime.py --provider "$PROVIDER" --models resnet50 \
   --forms current,conv-grad-as-conv,current,conv-grad-as-conv --variants default --steps 6
+# 2b. The patches' batch chunks (twenty-second session: 1,359 Slices, 33 ms of ResNet-50's
+#     257 ms of blocking kernels at batch 184): one chunk per weight gradient against today's.
+phase chunks 110 $PY benchmarks/cuda_runtime.py --provider "$PROVIDER" --models resnet50 \
+  --forms current,patches-unchunked,current,patches-unchunked --variants default --steps 6
+# 2c. The zoo's ResNet-50 at the peers' batch: its step took 27 ms at batch 64, transformers'
+#     181 ms at 184 (the model or the batch?).
+phase batch184 90 $PY benchmarks/cuda_runtime.py --provider "$PROVIDER" --models resnet50 \
+  --forms current --variants default --steps 6 --batch "${BATCH184:-184}"
+# 2d. cuDNN's exhaustive search for fp16 (DEFAULT now: 248 ms of Conv kernels against 28.5
+#     in fp32) and fp32: time and NVML peak, ResNet-50's memcc rows only.
+phase fp16search 150 env MEMCC_CUDNN_CONV_ALGO_SEARCH=EXHAUSTIVE $PY benchmarks/gpu_peers.py \
+  --steps-from "$PEERS" --out "$OUT/fp16search" --provider "$PROVIDER" --models resnet50 \
+  --only "memcc-as-built deterministic=False" --only memcc-fp16 --time-limit 130 --timeout 100
 # 3. Where the kernel time goes now (issue 30's table, after its changes).
 phase profile 70 $PY benchmarks/cuda_profile.py "${STEPS[@]}" --provider "$PROVIDER" \
   --runs 2 --out "$OUT/profile.json"

@@ -220,6 +220,28 @@ def test_the_conv_form_can_be_kept_by_environment(monkeypatch):
     with pytest.raises(InputError, match="MEMCC_CONV_WEIGHT_GRAD=im2col"):
         for_provider(step, "cuda")
 
+
+def test_the_patch_chunk_floor_can_be_set_by_environment(monkeypatch):
+    """``MEMCC_PATCH_CHUNK_BYTES``: the least bytes a chunk's patches may hold (one chunk
+    each when it is above every patches tensor); a value that is not a positive count of
+    bytes is refused by name."""
+    from memcc.errors import InputError
+    from memcc.passes.providers.conv_weight_grad_cuda import CHUNK_ENV
+
+    step = _resnet18()  # batch 2: the default floor (64 MiB) holds both samples
+    monkeypatch.setenv(CHUNK_ENV, "1")  # the input's bytes: one sample per chunk
+    small, one = for_provider(step, "cuda")
+    monkeypatch.setenv(CHUNK_ENV, str(1 << 40))
+    whole, both = for_provider(step, "cuda")
+    assert both["patch_bytes_max"] == 2 * one["patch_bytes_max"]
+    slices = [sum(n.op_type == "Slice" for n in g.nodes) for g in (small, whole)]
+    assert slices[0] > slices[1]
+    for bad in ("0", "64MB"):
+        monkeypatch.setenv(CHUNK_ENV, bad)
+        with pytest.raises(InputError, match=f"MEMCC_PATCH_CHUNK_BYTES={bad}"):
+            for_provider(step, "cuda")
+
+
 def test_compile_for_cuda_plans_the_rewritten_step(tmp_path):
     """Planned, lowered and written for CUDA on a machine without one (costs estimated):
     the file computes the stem's weight gradient (3@32x32, 7x7) from patches, and the load

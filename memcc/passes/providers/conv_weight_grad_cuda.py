@@ -61,6 +61,7 @@ MAX_CHANNELS = 128
 MIN_PIXELS = 784
 CHUNK_FLOOR_BYTES = 64 << 20
 FORM_ENV = "MEMCC_CONV_WEIGHT_GRAD"
+CHUNK_ENV = "MEMCC_PATCH_CHUNK_BYTES"
 
 
 def patches_wanted() -> bool:
@@ -74,6 +75,27 @@ def patches_wanted() -> bool:
     if value not in ("patches", "conv"):
         raise InputError(f"{FORM_ENV}={value}: choose patches (the default) or conv")
     return value == "patches"
+def chunk_floor() -> int:
+    """The least bytes one chunk's patches may hold (``CHUNK_FLOOR_BYTES``, or
+    ``MEMCC_PATCH_CHUNK_BYTES``). On an H200 the patches' batch chunks of ResNet-50 at batch
+    184 ran as 1,359 Slice nodes, 33 ms of 257 ms of blocking kernels
+    (BENCHMARKS.md, "Twenty-second session on an H200"): the switch lets
+    ``benchmarks/cuda_runtime.py --forms patches-unchunked`` time fewer, larger chunks
+    before the default moves. Like ``MEMCC_CONV_WEIGHT_GRAD``, compile, run and train must
+    see the same value."""
+    value = os.environ.get(CHUNK_ENV, "").strip()
+    if not value:
+        return CHUNK_FLOOR_BYTES
+    try:
+        floor = int(value)
+    except ValueError:
+        floor = -1
+    if floor < 1:
+        raise InputError(f"{CHUNK_ENV}={value}: give the bytes one chunk's patches may hold "
+                         f"(a positive integer; default {CHUNK_FLOOR_BYTES})")
+    return floor
+
+
 _FLOATS = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.DOUBLE)
 
 
