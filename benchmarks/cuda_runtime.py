@@ -190,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--forms", default="current",
                     help=f"comma-separated forms of each zoo step ({', '.join(FORMS)})")
     ap.add_argument("--batch", type=int, help="the zoo steps' batch (default: ZOO's)")
+    ap.add_argument("--width", type=int,
+                    help="the zoo ResNets' width (default 16; torchvision's is 64)")
     ap.add_argument("--device-pieces", action="store_true",
                     help="print what the runtime's pieces cost on the device (CUDA) first")
     args = ap.parse_args(argv)
@@ -216,7 +218,9 @@ def main(argv: list[str] | None = None) -> int:
                 for form in forms:
                     key = (name, "current" if form in ENV_FORMS else form)
                     if key not in built:
-                        dims = {**sizes[name], **({"batch": args.batch} if args.batch else {})}
+                        dims = {**sizes[name], **({"batch": args.batch} if args.batch else {}),
+                                **({"width": args.width}
+                                   if args.width and name.startswith("resnet") else {})}
                         built[key] = built_form(name, dims, key[1], Path(tmp))
                     cases.append((name, form, built[key]))
         for name, form, path in cases:

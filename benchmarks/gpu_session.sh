@@ -20,7 +20,7 @@ set -uo pipefail
 : "${OUT:?set OUT to the folder for results}"
 PROVIDER=${PROVIDER:-cuda}
 SMALL=${SMALL:-}
-PHASES=${PHASES:-peers truth patches chunks batch184 fp16search profile convgrad coverage}
+PHASES=${PHASES:-peers truth batch184 patches chunks fp16search profile convgrad coverage}
 MODELS=${MODELS:-gpt2,resnet50}
 TRUTH_MODELS=${TRUTH_MODELS:-}
 LOGS=${LOGS:-/tmp/gpu_logs}
@@ -87,10 +87,10 @@ phase patches 120 $PY benchmarks/cuda_runtime.py --provider "$PROVIDER" --models
 #     257 ms of blocking kernels at batch 184): one chunk per weight gradient against today's.
 phase chunks 110 $PY benchmarks/cuda_runtime.py --provider "$PROVIDER" --models resnet50 \
   --forms current,patches-unchunked,current,patches-unchunked --variants default --steps 6
-# 2c. The zoo's ResNet-50 at the peers' batch: its step took 27 ms at batch 64, transformers'
-#     181 ms at 184 (the model or the batch?).
+# 2c. The zoo's ResNet-50 at torchvision's width and the peers' batch, against the peers'
+#     transformers export (181 ms at 184): what the export's graph costs.
 phase batch184 90 $PY benchmarks/cuda_runtime.py --provider "$PROVIDER" --models resnet50 \
-  --forms current --variants default --steps 6 --batch "${BATCH184:-184}"
+  --forms current --variants default --steps 6 --batch "${BATCH184:-184}" --width 64
 # 2d. cuDNN's exhaustive search for fp16 (DEFAULT now: 248 ms of Conv kernels against 28.5
 #     in fp32) and fp32: time and NVML peak, ResNet-50's memcc rows only.
 phase fp16search 150 env MEMCC_CUDNN_CONV_ALGO_SEARCH=EXHAUSTIVE $PY benchmarks/gpu_peers.py \
