@@ -8,10 +8,12 @@ and tune call this one function, so that they plan and run the same step.
 
 On CUDA: training-mode BatchNorm as standard ops (``batchnorm_for_cuda``), then every
 per-channel sum (BatchNorm's statistics, the gradients of its scale and bias: reductions over
-axes 0, 2, 3 of an NCHW tensor) as a transpose and a sum over trailing axes
-(``deterministic_reductions``): ORT's CUDA kernel adds leading-axis sums with atomics, and on
-an H200 the trailing form ran issue 29's ResNet-50 step in 321 ms instead of 479 (ResNet-18:
-15.1 against 18.4 ms), and gives the same bits every run. Also on CUDA: the weight gradients
+axes 0, 2, 3 of an NCHW tensor) as sums over trailing axes: ORT's CUDA kernel adds
+leading-axis sums with atomics, and on an H200 the trailing form ran issue 29's ResNet-50 step
+in 321 ms instead of 479 (ResNet-18: 15.1 against 18.4 ms), and gives the same bits every
+run. They were a Transpose and a trailing sum (``deterministic_reductions``); now two stages,
+over H*W and then over N, with only the [N, C] partials transposed (``per_channel_sums``:
+1.3-2.1x faster per sum on the H200). Also on CUDA: the weight gradients
 of k x k convolutions with few channels and many pixels as a MatMul over patches
 (``conv_weight_grad_cuda``: ``conv_weight_grads_as_patches`` and ``patch_bytes_max`` in the
 summary; ``MEMCC_CONV_WEIGHT_GRAD=conv`` keeps the Conv form). Then every Concat of more than
@@ -31,6 +33,7 @@ from memcc.passes.providers.conv_weight_grad_cuda import (
     patches_wanted,
 )
 from memcc.passes.providers.deterministic_reductions import per_channel, to_trailing_axes
+from memcc.passes.providers.per_channel_sums import per_channel_two_stage
 from memcc.passes.providers.sixteen_bit import for_provider as sixteen_bit
 
 
@@ -45,10 +48,10 @@ def for_provider(graph: Graph, provider: str) -> tuple[Graph, dict]:
             graph, conv = conv_weight_grads_as_patches(graph, chunk_floor=chunk_floor())
         if not conv.get("conv_weight_grads_as_patches"):
             conv = {}  # the summary names only what was rewritten
-        # Not yet ``per_channel_by_matmul``: 2% faster on the H200's ResNet-50 step, but
-        # its first loss moved by 1.6e-4 relative where the transpose form's matched the
-        # original to the last printed digit (BENCHMARKS.md, "Issue 30 on an H200"):
-        # until a float64 check of the whole step says why, the transpose form stays.
+        # Per-channel sums in two stages (no activation-sized Transpose), what is left
+        # of them (ReduceLogSum) as a Transpose and a trailing sum. Not
+        # ``per_channel_by_matmul``: it moved ResNet-50's first loss by 1.6e-4 (TF32).
+        graph, _ = per_channel_two_stage(graph)
         graph, _ = to_trailing_axes(graph, only=per_channel)
         graph, wide = split_wide_concats(graph)  # after the patches' 49-view Concats
         if wide["concats_split"]:

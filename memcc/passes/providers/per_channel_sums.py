@@ -1,0 +1,112 @@
+"""Per-channel sums of NCHW tensors in two stages, for CUDA: no activation-sized Transpose.
+
+BatchNorm's statistics and the gradients of its scale and bias reduce every axis but the
+channels of an NCHW tensor. ORT's CUDA kernel adds such leading-axis sums with atomics: slow
+and different from run to run (``deterministic_reductions``). memcc wrote them as a Transpose
+of the whole tensor to [C, N, H, W] and a sum over the trailing axes, which reads and writes
+the tensor once more than the sum itself. Here each is written in two stages instead:
+
+- x viewed as [N, C, H*W] (a Reshape: no copy), the reduction over its last axis: [N, C];
+- that [N, C] transposed to [C, N] (N*C values), and summed over its last axis: [C].
+
+Both stages reduce trailing axes (ORT's deterministic form), and only the small [N, C]
+partials are transposed. Measured on an H200 (onnxruntime-gpu 1.31.1, batch 184,
+``benchmarks/cuda_kernel_forms.py``; BENCHMARKS.md, "Issue 30 on an H200"), ms per sum:
+[184, 256, 56, 56] 0.458 against 0.582 for the Transpose form (2.62 for ORT's atomic one),
+[184, 1024, 14, 14] 0.096 against 0.199, [184, 64, 112, 112] 0.393 against 0.720, the same
+bits on every run. (The MatMul by ones was faster still, but cuBLAS rounds its inputs to
+TF32 under ORT's default, which is the likeliest reason it moved ResNet-50's first loss by
+1.6e-4: ``per_channel_by_matmul`` stays off.)
+
+ReduceSum and ReduceSumSquare take their own op in the first stage and ReduceSum in the
+second; ReduceMean takes ReduceMean in both (every [N, C] partial is a mean over the same
+count, so the mean of the means is the mean). The sums change order, so results match the
+one-stage reduction within a tolerance (``tests/test_per_channel_sums.py``: 1e-5 of the
+largest magnitude in float32, at 1 and 2 threads). Other leading-axis reductions are left to
+``to_trailing_axes``.
+"""
+
+from __future__ import annotations
+
+import onnx
+
+from memcc.frontend.emit import Emitter
+from memcc.graph import Graph, TensorInfo, node_label
+from memcc.passes.providers.deterministic_reductions import _AXES_INPUT_SINCE, reduced_axes
+from memcc.passes.providers.deterministic_scatter import _COPIED_PROPS, Report
+
+TWO_STAGE = {"ReduceSum": ("ReduceSum", "ReduceSum"),
+             "ReduceMean": ("ReduceMean", "ReduceMean"),
+             "ReduceSumSquare": ("ReduceSumSquare", "ReduceSum")}
+
+
+def _is_per_channel(graph: Graph, node: onnx.NodeProto, producers) -> bool:
+    """A reduction of every non-unit axis of a 4-D tensor but axis 1, the batch among them."""
+    if node.domain not in ("", "ai.onnx") or node.op_type not in TWO_STAGE:
+        return False
+    x, y = graph.info.get(node.input[0]), graph.info.get(node.output[0])
+    if x is None or y is None or len(x.shape) != 4:
+        return False
+    axes = reduced_axes(graph, node, 4, producers)
+    if axes is None or 1 in axes or x.shape[0] <= 1 or x.shape[1] <= 1:
+        return False
+    return 0 in axes and all(a in axes or x.shape[a] == 1 for a in (2, 3))
+
+
+def per_channel_two_stage(graph: Graph) -> tuple[Graph, Report]:
+    """A copy of ``graph`` with each per-channel reduction written in two stages (``graph``
+    itself when there is none), and a report naming every node rewritten."""
+    report = Report()
+    producers = graph.producers()
+    targets = {i for i, n in enumerate(graph.nodes) if _is_per_channel(graph, n, producers)}
+    if not targets:
+        return graph, report
+    out = graph.copy()
+    emit = Emitter(out, detached=True, prefix="sum2/")
+    nodes: list[onnx.NodeProto] = []
+    for i, node in enumerate(out.nodes):
+        if i not in targets:
+            nodes.append(node)
+            continue
+        start = len(emit.nodes)
+        _emit_two_stage(emit, node)
+        props = {p.key: p.value for p in node.metadata_props if p.key in _COPIED_PROPS}
+        for made in emit.nodes[start:]:
+            for key, value in props.items():
+                made.metadata_props.add(key=key, value=value)
+        nodes.extend(emit.nodes[start:])
+        shape = list(out.info[node.input[0]].shape)
+        report.rewritten.append(f"{node_label(node)}: per-channel {node.op_type} of {shape} "
+                                "-> over H*W, then over N")
+    out.set_nodes(nodes)
+    return out, report
+
+
+def _emit_two_stage(emit: Emitter, node: onnx.NodeProto) -> None:
+    """The two stages of ``node`` (module docstring), its output under its own name."""
+    x_info, y_info = emit.info(node.input[0]), emit.info(node.output[0])
+    n, c, h, w = (int(d) for d in x_info.shape)
+    first, second = TWO_STAGE[node.op_type]
+    if h * w > 1:
+        rows = _reduce(emit, first, emit.reshape(node.input[0], [n, c, h * w]), 2,
+                       TensorInfo(y_info.dtype, (n, c)))
+    else:  # nothing to reduce in the first stage: the square goes to the second
+        rows, second = emit.reshape(node.input[0], [n, c]), first
+    per_channel = emit.transpose(rows, [1, 0])  # [C, N]: N*C values, not N*C*H*W
+    direct = tuple(y_info.shape) == (c,)
+    total = _reduce(emit, second, per_channel, 1, TensorInfo(y_info.dtype, (c,)),
+                    outputs=[node.output[0]] if direct else None)
+    if not direct:
+        emit.op("Reshape", [total, emit.ints(list(y_info.shape))], outputs=[node.output[0]],
+                info=y_info)
+    if node.name:
+        emit.nodes[-1].name = node.name
+
+
+def _reduce(emit: Emitter, op: str, x: str, axis: int, info: TensorInfo,
+            outputs: list[str] | None = None) -> str:
+    """``op`` over ``axis`` without keeping it, in the form the graph's opset takes."""
+    named = {"outputs": outputs} if outputs else {}
+    if emit.opset >= _AXES_INPUT_SINCE[op]:
+        return emit.op(op, [x, emit.ints([axis])], keepdims=0, info=info, **named)
+    return emit.op(op, [x], axes=[axis], keepdims=0, info=info, **named)

@@ -1,0 +1,107 @@
+"""Per-channel sums in two stages for CUDA (passes/providers/per_channel_sums.py).
+
+Checked on ORT's CPU provider, which runs both forms: the same sums (in another order: within
+RTOL = 1e-5 of the largest magnitude), at 1 and 2 threads, the node's name kept, a valid step
+with shapes for every new value, no Transpose of the reduced tensor itself, and reductions
+that are not per-channel left alone. Its speed is the H200's figure in the module docstring.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper
+from test_deterministic_scatter import RTOL, _two_steps
+from threads import run_once
+
+from memcc.frontend.build import BuildOptions, build_training_step
+from memcc.frontend.load import load_graph
+from memcc.graph import topological_problems
+from memcc.passes.providers.batchnorm_for_cuda import expand_training_batchnorm
+from memcc.passes.providers.deterministic_reductions import per_channel, to_trailing_axes
+from memcc.passes.providers.per_channel_sums import per_channel_two_stage
+from memcc.passes.providers.provider_step import for_provider
+from models import build_model
+
+F32 = TensorProto.FLOAT
+
+
+def _one_reduction(op: str, shape: list[int], axes: list[int], keep: int, opset: int):
+    out_shape = [1 if a in axes else d for a, d in enumerate(shape)] if keep else \
+        [d for a, d in enumerate(shape) if a not in axes]
+    inits, inputs = [], ["x"]
+    attrs = {"keepdims": keep}
+    if opset >= (13 if op == "ReduceSum" else 18):
+        inits = [helper.make_tensor("axes", TensorProto.INT64, [len(axes)], axes)]
+        inputs.append("axes")
+    else:
+        attrs["axes"] = axes
+    node = helper.make_node(op, inputs, ["y"], name="r", **attrs)
+    g = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", F32, shape)],
+                          [helper.make_tensor_value_info("y", F32, out_shape)], inits)
+    return load_graph(helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)]))
+
+
+@pytest.mark.parametrize("op, shape, axes, keep, opset, rewritten", [
+    ("ReduceSum", [4, 6, 5, 5], [0, 2, 3], 1, 18, True),      # a BatchNorm bias gradient
+    ("ReduceSum", [4, 6, 5, 5], [0, 2, 3], 0, 18, True),      # already [C]: no Reshape
+    ("ReduceMean", [4, 6, 5, 7], [0, 2, 3], 1, 18, True),     # BatchNorm statistics
+    ("ReduceMean", [4, 6, 5, 7], [0, 2, 3], 1, 17, True),     # axes as an attribute
+    ("ReduceSumSquare", [4, 6, 5, 5], [0, 2, 3], 0, 18, True),
+    ("ReduceSumSquare", [4, 6, 1, 1], [0, 2, 3], 1, 18, True),  # H*W of 1: one stage
+    ("ReduceSum", [4, 6, 5, 1], [0, 2], 1, 18, True),         # a unit axis left out
+    ("ReduceSum", [4, 6, 5, 5], [0, 2], 1, 18, False),        # W kept: not per-channel
+    ("ReduceSum", [4, 6, 5, 5], [2, 3], 1, 18, False),        # trailing already
+    ("ReduceSum", [1, 6, 5, 5], [0, 2, 3], 1, 18, False),     # no batch to sum
+    ("ReduceLogSum", [4, 6, 5, 5], [0, 2, 3], 1, 18, False),  # left to to_trailing_axes
+])
+def test_one_reduction_matches(op, shape, axes, keep, opset, rewritten):
+    graph = _one_reduction(op, shape, axes, keep, opset)
+    out, report = per_channel_two_stage(graph)
+    assert bool(report.rewritten) == rewritten, report.to_json()
+    if not rewritten:
+        assert out is graph
+        return
+    assert topological_problems(out) == []
+    assert all(o in out.info for n in out.nodes for o in n.output)
+    transposed = [out.info[n.input[0]].numel for n in out.nodes if n.op_type == "Transpose"]
+    assert transposed == [shape[0] * shape[1]]  # the [N, C] partials only
+    x = np.random.default_rng(0).standard_normal(shape).astype(np.float32) + 0.5
+    ref = run_once(graph, {"x": x}, 1)["y"]
+    for threads in (1, 2):
+        got = run_once(out, {"x": x}, threads)["y"]
+        assert got.shape == ref.shape
+        assert float(np.abs(got.astype(np.float64) - ref).max()) <= RTOL * float(
+            np.abs(ref).max())
+    assert [n.name for n in out.nodes if n.name == "r"] == ["r"]
+
+
+def test_resnet_step_trains_as_the_transpose_form():
+    """A zoo ResNet-18 step with its BatchNorms written for CUDA: every per-channel sum in
+    two stages (none left to the Transpose form, no Transpose the size of an activation),
+    two training steps within RTOL of the Transpose form's, at 1 and 2 threads; and
+    ``for_provider`` takes this form on CUDA."""
+    step = build_training_step(load_graph(build_model("resnet18", batch=4, resolution=64,
+                                                      width=8)), BuildOptions(optimizer="sgd"))
+    expanded, _ = expand_training_batchnorm(step)
+    two_stage, report = per_channel_two_stage(expanded)
+    transposed, _ = to_trailing_axes(expanded, only=per_channel)
+    assert len(report.rewritten) >= 4 * 20  # 20 BatchNorms: two statistics, two gradients
+    left = to_trailing_axes(two_stage, only=per_channel)[1].rewritten
+    assert left == ["ReduceSum node 'grad/ReduceSum_1': axes [0] of [4, 10] -> Transpose "
+                    "[1, 0], ReduceSum over the last 1"]  # the classifier's bias: 2-D
+    ref = _two_steps(transposed, 1)
+    top = max(float(np.abs(v).max()) for v in ref.values())
+    for threads in (1, 2):
+        got = _two_steps(two_stage, threads)
+        for k, v in ref.items():
+            scale = max(float(np.abs(v).max()), 1e-3 * top)
+            assert float(np.abs(got[k].astype(np.float64) - v).max()) <= RTOL * scale, k
+    cuda, _ = for_provider(step, "cuda")
+    readers = {}
+    for n in cuda.nodes:
+        for v in n.input:
+            readers.setdefault(v, []).append(n.op_type)
+    into_sums = [cuda.info[n.input[0]].shape for n in cuda.nodes if n.op_type == "Transpose"
+                 and any(op.startswith("Reduce") for op in readers.get(n.output[0], []))]
+    assert into_sums and all(len(s) == 2 and s[0] == 4 for s in into_sums)  # [N, C] only
