@@ -220,6 +220,13 @@ def test_capture_blockers_name_the_node_and_the_reason():
     flow.nodes.append(helper.make_node("If", ["c"], ["w"], name="choose",
                                        then_branch=branch, else_branch=branch))
     assert any("'choose'" in b and "control flow" in b for b in capture_blockers(flow))
+    # ORT's CUDA Concat takes at most 32 inputs during capture (an H200 refused 49).
+    wide = _tiny([helper.make_node("Concat", ["x"] * 33, ["y"], name="cat", axis=0)], [x],
+                 [helper.make_tensor_value_info("y", TensorProto.FLOAT, [132])])
+    assert any("'cat'" in b and "33 inputs" in b for b in capture_blockers(wide))
+    narrow = _tiny([helper.make_node("Concat", ["x"] * 32, ["y"], axis=0)], [x],
+                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, [128])])
+    assert capture_blockers(narrow) == []
 
 
 def test_the_profile_names_nodes_that_ran_off_the_sessions_provider():

@@ -12,10 +12,12 @@ import onnx
 
 from memcc.frontend.constants import constant_value
 from memcc.graph import Graph, node_label
+from memcc.passes.providers.concat_for_cuda_graphs import MAX_INPUTS, is_wide_concat
 
 # Ops whose CUDA kernels cannot be replayed from a captured graph: control flow (ORT
 # refuses capture with subgraphs) and ORT's random generators, which draw their seed on the
-# host at each run, so a replay would repeat the captured draw every step.
+# host at each run, so a replay would repeat the captured draw every step. Also a Concat of
+# more than 32 inputs, which ORT's CUDA kernel refuses during capture (measured on an H200).
 _CONTROL_FLOW = {"If", "Loop", "Scan"}
 _RANDOM = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike",
            "Multinomial", "Bernoulli"}
@@ -38,6 +40,12 @@ def capture_blockers(graph: Graph) -> list[str]:
         elif node.op_type == "Dropout" and _dropout_trains(node, graph, producers):
             blockers.append(f"{node_label(node)}: a training-mode Dropout draws its mask on "
                             "the host at each run")
+        elif is_wide_concat(node):
+            # for_provider nests these on CUDA (passes/providers/concat_for_cuda_graphs.py);
+            # a step that reaches the runner with one (planned elsewhere) runs uncaptured
+            # instead of failing its capture.
+            blockers.append(f"{node_label(node)}: a Concat of {len(node.input)} inputs (ORT "
+                            f"captures at most {MAX_INPUTS})")
     for name in [*graph.inputs, *graph.outputs]:
         ti = graph.info.get(name)
         if ti is None or any(not isinstance(d, int) or d < 0 for d in ti.shape):
