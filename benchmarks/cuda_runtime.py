@@ -19,8 +19,9 @@ on the device: ``current`` (as memcc builds and rewrites it now), ``unfused`` (b
 memcc's fusions, ``BuildOptions(fusions=())``), ``no-bn-reuse`` (training-mode BatchNorm
 written for CUDA with a backward that recomputes its statistics, as before issue 30: the
 step is saved already rewritten, so the runner's own rewrite finds nothing left to do),
-``transposed-sums`` (per-channel sums as a transpose and a trailing-axis sum, as before
-the MatMul-by-ones form; saved rewritten, likewise), ``conv-grad-as-conv`` (the current
+``transposed-sums`` (per-channel sums as a transpose and a trailing-axis sum, memcc's CUDA
+form before the two-stage sums of ``passes/providers/per_channel_sums.py``; saved
+rewritten, likewise), ``conv-grad-as-conv`` (the current
 step run with ``MEMCC_CONV_WEIGHT_GRAD=conv``: weight gradients in memcc's Conv form, not
 as MatMuls over patches, to time that pass as a whole step), ``patches-unchunked`` (the
 current step with each weight gradient's patches in one chunk, ``MEMCC_PATCH_CHUNK_BYTES``).

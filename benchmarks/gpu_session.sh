@@ -20,7 +20,7 @@ set -uo pipefail
 : "${OUT:?set OUT to the folder for results}"
 PROVIDER=${PROVIDER:-cuda}
 SMALL=${SMALL:-}
-PHASES=${PHASES:-peers truth batch184 patches chunks fp16search profile convgrad coverage}
+PHASES=${PHASES:-peers sums truth batch184 patches chunks fp16search profile convgrad coverage}
 MODELS=${MODELS:-gpt2,resnet50}
 TRUTH_MODELS=${TRUTH_MODELS:-}
 LOGS=${LOGS:-/tmp/gpu_logs}
@@ -83,6 +83,11 @@ phase truth 130 $PY benchmarks/cuda_check.py --out "$OUT/truth" --provider "$PRO
 #     each twice, interleaved by form.
 phase patches 120 $PY benchmarks/cuda_runtime.py --provider "$PROVIDER" --models resnet50 \
   --forms current,conv-grad-as-conv,current,conv-grad-as-conv --variants default --steps 6
+# 2a. Per-channel sums in two stages (memcc's CUDA form since the twenty-second session, not
+#     yet timed as a step) against the Transpose form, torchvision's ResNet-50 widths.
+phase sums 150 $PY benchmarks/cuda_runtime.py --provider "$PROVIDER" --models resnet50 \
+  --forms current,transposed-sums,current,transposed-sums --variants default --steps 6 \
+  --width "${WIDTH:-64}"
 # 2b. The patches' batch chunks (twenty-second session: 1,359 Slices, 33 ms of ResNet-50's
 #     257 ms of blocking kernels at batch 184): one chunk per weight gradient against today's.
 phase chunks 110 $PY benchmarks/cuda_runtime.py --provider "$PROVIDER" --models resnet50 \
