@@ -76,6 +76,13 @@ def test_one_reduction_matches(op, shape, axes, keep, opset, rewritten):
     assert [n.name for n in out.nodes if n.name == "r"] == ["r"]
 
 
+def test_sixteen_bit_sums_keep_the_one_stage_form():
+    """A float16 sum would round its [N, C] partials to float16: left to the Transpose form."""
+    graph = _one_reduction("ReduceSum", [4, 6, 5, 5], [0, 2, 3], 0, 18)
+    graph.info["x"] = type(graph.info["x"])(TensorProto.FLOAT16, (4, 6, 5, 5))
+    assert per_channel_two_stage(graph)[0] is graph
+
+
 def test_resnet_step_trains_as_the_transpose_form():
     """A zoo ResNet-18 step with its BatchNorms written for CUDA: every per-channel sum in
     two stages (none left to the Transpose form, no Transpose the size of an activation),

@@ -23,18 +23,22 @@ second; ReduceMean takes ReduceMean in both (every [N, C] partial is a mean over
 count, so the mean of the means is the mean). The sums change order, so results match the
 one-stage reduction within a tolerance (``tests/test_per_channel_sums.py``: 1e-5 of the
 largest magnitude in float32, at 1 and 2 threads). Other leading-axis reductions are left to
-``to_trailing_axes``.
+``to_trailing_axes``, and so are 16-bit ones (below).
 """
 
 from __future__ import annotations
 
 import onnx
+from onnx import TensorProto
 
 from memcc.frontend.emit import Emitter
 from memcc.graph import Graph, TensorInfo, node_label
 from memcc.passes.providers.deterministic_reductions import _AXES_INPUT_SINCE, reduced_axes
 from memcc.passes.providers.deterministic_scatter import _COPIED_PROPS, Report
 
+# Partials are rounded to the input's type between the stages: 16-bit sums keep the one-stage
+# (Transpose) form, whose single reduction accumulates wide and rounds once.
+_WIDE_FLOATS = (TensorProto.FLOAT, TensorProto.DOUBLE)
 TWO_STAGE = {"ReduceSum": ("ReduceSum", "ReduceSum"),
              "ReduceMean": ("ReduceMean", "ReduceMean"),
              "ReduceSumSquare": ("ReduceSumSquare", "ReduceSum")}
@@ -45,7 +49,7 @@ def _is_per_channel(graph: Graph, node: onnx.NodeProto, producers) -> bool:
     if node.domain not in ("", "ai.onnx") or node.op_type not in TWO_STAGE:
         return False
     x, y = graph.info.get(node.input[0]), graph.info.get(node.output[0])
-    if x is None or y is None or len(x.shape) != 4:
+    if x is None or y is None or len(x.shape) != 4 or x.dtype not in _WIDE_FLOATS:
         return False
     axes = reduced_axes(graph, node, 4, producers)
     if axes is None or 1 in axes or x.shape[0] <= 1 or x.shape[1] <= 1:
