@@ -147,3 +147,25 @@ def test_bad_option_values():
         BuildOptions(loss="hinge")
     with pytest.raises(InputError, match="--optimizer"):
         BuildOptions(optimizer="lion")
+
+
+def test_sizes_the_model_cannot_run_at_say_why():
+    """A position table of 4 rows read at a Range of the bound sequence length: its shape
+    is known only by running the model, and at seq 8 that run fails. The error gives ORT's
+    reason (the Gather and the index) and points at --dim, not at the exporter."""
+    from onnx import helper, numpy_helper
+
+    table = numpy_helper.from_array(np.ones((4, 3), np.float32), "positions")
+    one = numpy_helper.from_array(np.array(1, np.int64), "one")
+    zero = numpy_helper.from_array(np.array(0, np.int64), "zero")
+    nodes = [helper.make_node("Shape", ["ids"], ["shape"]),
+             helper.make_node("Gather", ["shape", "one"], ["seq"], axis=0),
+             helper.make_node("Range", ["zero", "seq", "one"], ["pos"]),
+             helper.make_node("Gather", ["positions", "pos"], ["y"], name="lookup", axis=0)]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("ids", INT64, ["batch", "seq"])],
+        [helper.make_tensor_value_info("y", FLOAT, None)], [table, one, zero])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    assert load_graph(model, {"batch": 2, "seq": 4}).info["y"].shape == (4, 3)
+    with pytest.raises(ShapeError, match=r"failed: .*Gather node\. Name:'lookup'.*--dim"):
+        load_graph(model, {"batch": 2, "seq": 8})

@@ -10,6 +10,7 @@ shapes. A value whose shape stays unknown is an error that names it.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -161,13 +162,21 @@ def load_graph(
     if graph.metadata.get(KIND_KEY) == TRAINING_STEP:   # built before counter-based masks
         upgrade_step(graph)
     missing = _unknown_values(graph)
+    failed = None
     if missing:
-        _shapes_by_running(model, graph, missing, arrays)
+        failed = _shapes_by_running(model, graph, missing, arrays)
         missing = _unknown_values(graph)
     if missing:
         name = missing[0]
         producer = graph.producers().get(name)
         at = f" (output of {node_label(producer)})" if producer is not None else ""
+        if failed:  # the run that should have told the shapes could not run at these sizes
+            raise ShapeError(
+                f"{where}: value '{name}'{at} has no concrete shape from ONNX shape "
+                f"inference ({len(missing)} value(s) unknown), and running the model once "
+                f"at the bound sizes to read them failed: {failed}. Check the sizes bound "
+                "with --dim against what the model supports (a sequence longer than its "
+                "position embeddings fails this way).")
         raise ShapeError(
             f"{where}: value '{name}'{at} has no concrete shape although every symbolic "
             f"input dimension is bound ({len(missing)} value(s) unknown): neither ONNX shape "
@@ -334,24 +343,28 @@ def _unknown_values(graph: Graph) -> list[str]:
 
 
 def _shapes_by_running(model: onnx.ModelProto, graph: Graph, missing: list[str],
-                       arrays: Arrays) -> None:
-    """Run the forward graph once on dummy inputs and read the shapes inference missed."""
-    for name, (dtype, shape) in _run_for_types(model, missing, arrays).items():
+                       arrays: Arrays) -> str | None:
+    """Run the forward graph once on dummy inputs and read the shapes inference missed;
+    why the run failed, None where it ran."""
+    found, failed = _run_for_types(model, missing, arrays)
+    for name, (dtype, shape) in found.items():
         graph.info[name] = TensorInfo(dtype, shape)
+    return failed
 
 
 def _add_types_by_running(model: onnx.ModelProto, names: list[str], arrays: Arrays) -> None:
     """Record in ``model.graph.value_info`` the types ORT computes for ``names``: the
     load-time rewrites need shapes that inference leaves unknown (data-dependent Reshape
     targets in front of a SplitToSequence)."""
-    for name, (dtype, shape) in _run_for_types(model, names, arrays).items():
+    for name, (dtype, shape) in _run_for_types(model, names, arrays)[0].items():
         model.graph.value_info.append(helper.make_tensor_value_info(name, dtype, shape))
 
 
 def _run_for_types(model: onnx.ModelProto, names: list[str], arrays: Arrays
-                   ) -> dict[str, tuple[int, tuple[int, ...]]]:
+                   ) -> tuple[dict[str, tuple[int, tuple[int, ...]]], str | None]:
     """Run the model once in ORT on zero inputs; return (dtype, shape) of the tensors
-    ``names`` that it produced. Empty when the model cannot run (the caller reports)."""
+    ``names`` that it produced, and why the run failed (None where it ran; nothing found
+    then: the caller reports). ORT's own log stays quiet: the reason is in the error."""
     import onnxruntime as ort
 
     m = with_weights(model, arrays)  # a copy, its stubs filled
@@ -368,17 +381,17 @@ def _run_for_types(model: onnx.ModelProto, names: list[str], arrays: Arrays
         tt = vi.type.tensor_type
         dims = [d.dim_value for d in tt.shape.dim]
         if not tt.elem_type or any(d <= 0 for d in dims):
-            return {}
+            return {}, None
         feeds[vi.name] = np.zeros(dims, dtype=helper.tensor_dtype_to_np_dtype(tt.elem_type))
     try:
         so = ort.SessionOptions()
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-        so.log_severity_level = 3
+        so.log_severity_level = 4
         sess = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
         out_names = [o.name for o in sess.get_outputs()]
         results = sess.run(out_names, feeds)
-    except Exception:
-        return {}
+    except Exception as exc:  # ORT's message: the node and what it refused
+        return {}, _ort_reason(exc)
     wanted = set(names)
     found: dict[str, tuple[int, tuple[int, ...]]] = {}
     for name, arr in zip(out_names, results, strict=True):
@@ -386,4 +399,11 @@ def _run_for_types(model: onnx.ModelProto, names: list[str], arrays: Arrays
             dtype = (helper.np_dtype_to_tensor_dtype(arr.dtype)
                      if arr.dtype != np.bool_ else TensorProto.BOOL)
             found[name] = (dtype, tuple(int(d) for d in arr.shape))
-    return found
+    return found, None
+
+
+def _ort_reason(exc: Exception) -> str:
+    """ORT's error without its prefixes: "Non-zero status code returned while running
+    Gather node. Name:'x' Status Message: indices element out of data bounds, ..."."""
+    text = " ".join(str(exc).split())
+    return re.sub(r"^\[ONNXRuntimeError\]\s*:\s*\d+\s*:\s*\w+\s*:\s*", "", text)[:400]
