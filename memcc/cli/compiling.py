@@ -55,9 +55,9 @@ if TYPE_CHECKING:
 def compile_cmd(
     model: StepOrModelArg,
     budget: Annotated[str, typer.Option(
-        metavar="SIZE|min",
-        help="Memory budget for the whole step: 6GB (10^9), 6GiB (2^30), MB/MiB/KB/KiB/TB/"
-             "TiB, plain bytes, or 'min' for the smallest memcc can reach.")],
+        metavar="SIZE|min|P%",
+        help="Memory budget for the whole step: 6GB (10^9), 6GiB (2^30), MB/MiB/KB/KiB/TB/TiB, "
+             "bytes, 'min' (the smallest memcc can reach), or 50% of what the step needs.")],
     output: Annotated[Optional[Path], typer.Option(  # noqa: UP045
         "--output", "-o", help="Rewritten step (default: MODEL.memcc.onnx).")] = None,
     report: Annotated[Optional[Path], typer.Option(  # noqa: UP045

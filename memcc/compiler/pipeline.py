@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 
 from onnx import TensorProto
 
+from memcc.compiler.budget_share import budget_share, resolve_share
 from memcc.compiler.floor_check import check_floor
 from memcc.compiler.loading import check_provider, load_step, load_step_warned
 from memcc.compiler.options import CompileOptions, user_budget
@@ -45,6 +46,8 @@ from memcc.frontend.weights_apart import own_weights
 from memcc.graph import Graph, node_label
 from memcc.pass_contract import PassReport, PassRunner
 from memcc.passes.plan import StepStructure
+from memcc.passes.planning.refusal import BudgetError
+from memcc.sizes import format_size
 from memcc.step import ALLOCATOR_KEY, PLAN_KEY, RANKS_KEY
 
 if TYPE_CHECKING:
@@ -122,15 +125,19 @@ def compile_model(model: Model, options: CompileOptions, *,
 
     costs = run.runner.stage("cost_model", lambda: node_costs(graph, options, run.warning,
                                                               run.cuda_missing))
+    share = _resolve_share(run, graph, costs)
     planned = _plan(run, graph, costs)
     verification = _verify_stage(run, planned)
     report = build_report(ReportInputs(
         options=planned.options, budget=planned.budget, plan_budget=planned.plan_budget,
-        slack=planned.slack, was_min=options.requested_budget.is_min, outcome=planned.outcome,
+        slack=planned.slack, was_min=run.options.requested_budget.is_min,
+        outcome=planned.outcome,
         costs=planned.costs, passes=run.runner.reports,
         compile_time_s=time.perf_counter() - run.started, verification=verification,
         row_chunks=planned.row_chunks, offloaded_state=planned.offloaded,
         warnings=run.warnings, data_parallel=planned.data_parallel))
+    if share is not None:
+        report["budget_share"] = share
     _write(run, planned, report, verification)
     return CompileResult(planned.rewritten, report, planned.outcome, run.runner.reports)
 
@@ -138,6 +145,8 @@ def compile_model(model: Model, options: CompileOptions, *,
 def _start(model: Model, options: CompileOptions, output: Target, report_path: Target,
            progress: Progress | None, warn: Progress | None) -> CompileRun:
     """Before any work: the targets can be written, the provider can run what was asked."""
+    if budget_share(options.budget) is None:  # a budget memcc cannot read: before loading
+        _ = options.requested_budget
     say = progress or (lambda _msg: None)
     warnings, warning = warning_sink(warn)
     check_targets(model, output, report_path)
@@ -162,16 +171,8 @@ def _load(run: CompileRun) -> Graph:
                     "--optimizer, --lr, --freeze, ...) apply to forward models and are "
                     "ignored; rebuild the step with memcc build to change them")
     _say_sixteen_bit_emulated(run, run.runner.reports[-1].summary, graph.opset)
-    budget = options.requested_budget
-    if not budget.is_min:
-        # With --nproc, the floor of the rank keeping the most state (compiler/ranks.py).
-        if options.ranks is None:
-            planned = graph
-        else:
-            from memcc.compiler.ranks import floor_view
-
-            planned = floor_view(graph, options)
-        check_floor(planned, budget.bytes, options, label, StepStructure.of(planned))
+    if budget_share(options.budget) is None:  # a share is checked once it is bytes
+        _check_floor(graph, options, label)
     own_weights(graph)
     from memcc.backend.determinism import racing_nodes
 
@@ -185,6 +186,41 @@ def _load(run: CompileRun) -> Graph:
             "comparison can fail. Export ScatterND with a reduction as ScatterElements "
             "(docs/DETERMINISM.md).")
     return graph
+
+
+def _check_floor(graph: Graph, options: CompileOptions, label: str) -> None:
+    """A budget under the step's floor refused before any search (``floor_check``)."""
+    budget = options.requested_budget
+    if budget.is_min:
+        return
+    # With --nproc, the floor of the rank keeping the most state (compiler/ranks.py).
+    if options.ranks is None:
+        planned = graph
+    else:
+        from memcc.compiler.ranks import floor_view
+
+        planned = floor_view(graph, options)
+    check_floor(planned, budget.bytes, options, label, StepStructure.of(planned))
+
+
+def _resolve_share(run: CompileRun, graph: Graph, costs: CostModel) -> dict | None:
+    """``--budget 50%``: the budget in bytes from the step's baseline peak
+    (``compiler/budget_share.py``), then the floor check the bytes get; what the report
+    says of it (None for a budget in bytes or ``min``)."""
+    share = budget_share(run.options.budget)
+    if share is None:
+        return None
+    run.options, said = resolve_share(graph, costs, run.options, share)
+    words = (f"{said['asked']} of the {format_size(said['as_built_budget_bytes'])} the step "
+             "as built needs")
+    run.say(f"budget {words} = {format_size(said['budget_bytes'])}")
+    try:
+        _check_floor(graph, run.options, run.label)
+    except BudgetError as exc:  # the refusal in the user's words, not only the bytes
+        raise BudgetError(str(exc).replace(f"--budget {said['budget_bytes']} ",
+                                           f"--budget {words} ", 1),
+                          budget=exc.budget, smallest=exc.smallest) from None
+    return said
 
 
 def _say_sixteen_bit_emulated(run: CompileRun, summary: dict, opset: int) -> None:

@@ -167,23 +167,7 @@ def load_graph(
         failed = _shapes_by_running(model, graph, missing, arrays)
         missing = _unknown_values(graph)
     if missing:
-        name = missing[0]
-        producer = graph.producers().get(name)
-        at = f" (output of {node_label(producer)})" if producer is not None else ""
-        if failed:  # the run that should have told the shapes could not run at these sizes
-            raise ShapeError(
-                f"{where}: value '{name}'{at} has no concrete shape from ONNX shape "
-                f"inference ({len(missing)} value(s) unknown), and running the model once "
-                f"at the bound sizes to read them failed: {failed}. Check the sizes bound "
-                "with --dim against what the model supports (a sequence longer than its "
-                "position embeddings fails this way).")
-        raise ShapeError(
-            f"{where}: value '{name}'{at} has no concrete shape although every symbolic "
-            f"input dimension is bound ({len(missing)} value(s) unknown): neither ONNX shape "
-            "inference nor a run in ONNX Runtime could fix it, so it depends on the input "
-            "data or is not a plain tensor. memcc plans static shapes: export the model so "
-            "that this value's shape follows from the input shapes."
-        )
+        _refuse_unknown_shapes(graph, missing, failed, where)
     graph = PassRunner().run((Pass("fold", fold_shape_computations),
                               Pass("cast-chains", drop_cast_chains)), graph)
     if not mapped:
@@ -336,6 +320,28 @@ def _copy_field(dest: Message, fd: FieldDescriptor, value: object) -> None:
         setattr(dest, fd.name, value)
     else:  # a repeated field
         getattr(dest, fd.name).extend(value)
+
+
+def _refuse_unknown_shapes(graph: Graph, missing: list[str], failed: str | None,
+                           where: str) -> None:
+    """The ``ShapeError`` for values without a shape: where the run that reads them failed
+    at the bound sizes (``failed``: ORT's reason), that reason and the sizes to check."""
+    name = missing[0]
+    producer = graph.producers().get(name)
+    at = f" (output of {node_label(producer)})" if producer is not None else ""
+    if failed:
+        raise ShapeError(
+            f"{where}: value '{name}'{at} has no concrete shape from ONNX shape inference "
+            f"({len(missing)} value(s) unknown), and running the model once at the bound "
+            f"sizes to read them failed: {failed}. Check the sizes bound with --dim against "
+            "what the model supports (a sequence longer than its position embeddings fails "
+            "this way).")
+    raise ShapeError(
+        f"{where}: value '{name}'{at} has no concrete shape although every symbolic "
+        f"input dimension is bound ({len(missing)} value(s) unknown): neither ONNX shape "
+        "inference nor a run in ONNX Runtime could fix it, so it depends on the input "
+        "data or is not a plain tensor. memcc plans static shapes: export the model so "
+        "that this value's shape follows from the input shapes.")
 
 
 def _unknown_values(graph: Graph) -> list[str]:
