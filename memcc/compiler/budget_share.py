@@ -19,7 +19,6 @@ from memcc.compiler.options import CompileOptions, user_budget
 from memcc.errors import InputError
 from memcc.graph import Graph
 from memcc.passes.plan import Plan, StepStructure
-from memcc.passes.planning.simulate import SimulationRules, simulate
 
 _SHARE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*%\s*$")
 
@@ -44,6 +43,9 @@ def resolve_share(graph: Graph, costs, options: CompileOptions, share: float
     if options.nproc is not None:
         raise InputError(f"--budget {options.budget} with --nproc: give the per-rank budget "
                          "in bytes (memcc compile --budget min --nproc N finds the smallest)")
+    # Imported here: a budget in bytes under the floor is refused without the simulator.
+    from memcc.passes.planning.simulate import SimulationRules, simulate
+
     structure = StepStructure.of(graph)
     # As the report's baseline is judged (``planning.as_trained``): the file's order, or the
     # order memcc train runs where that is lower.
