@@ -25,6 +25,8 @@ def summary_lines(report: dict) -> list[str]:
     lines = [
         f"budget   {format_size(report['budget_bytes'])}"
         + (" (smallest reachable)" if report.get("budget_was_min") else "")
+        + (f" ({share['asked']} of the {format_size(share['as_built_budget_bytes'])} the step "
+           "as built needs)" if (share := report.get("budget_share")) else "")
         + _margin_note(report),
         f"baseline peak {format_size(b['peak_bytes'])}  ->  plan peak "
         f"{format_size(p['peak_bytes'])}  ({'fits' if p['fits'] else 'DOES NOT FIT'})",

@@ -46,6 +46,9 @@ def test_the_budget_is_that_share_of_what_the_step_as_built_needs(tmp_path):
         0.85 * share["as_built_budget_bytes"])
     assert report["plan"]["peak_bytes"] < report["baseline"]["peak_bytes"]
     assert any(line.startswith("budget 85% of the ") for line in said)
+    from memcc.api import summary_lines
+
+    assert "(85% of the " in summary_lines(report)[0]
     whole = compile_model(_mlp(tmp_path), CompileOptions(budget="100%", cost="analytic",
                                                          time_limit=5),
                           output=tmp_path / "whole.onnx")
