@@ -1,11 +1,11 @@
 """``--budget 50%``: a share of the step as built, resolved into bytes once its costs exist.
 
 A user who does not know what a step needs asks for "half of it": the budget is the share of
-the budget the step as built needs, that is of the peak the report calls the baseline (the
-step as built, simulated under the same rules as every plan: ``baseline.peak_bytes``, the
-"baseline peak" compile prints) with the margin and slack every budget keeps free
-(``options.user_budget``). So ``--budget 100%`` fits the step as built with no plan, and
-``--budget 50%`` asks for half of that. It is resolved after the cost model (the simulation
+the budget the step as built needs: its peak as the search judges it (the file's order; the
+"baseline peak" compile prints, ``baseline.peak_bytes``, is the lower of that and the order
+memcc train runs) with the margin and slack every budget keeps free (``user_budget``). So
+``--budget 100%`` fits the step as built with no plan, and ``--budget 50%`` asks for half
+of that. It is resolved after the cost model (the simulation
 needs node times, not only sizes) and before the floor check and the search, which then
 see plain bytes.
 """
@@ -47,12 +47,15 @@ def resolve_share(graph: Graph, costs, options: CompileOptions, share: float
     from memcc.passes.planning.simulate import SimulationRules, simulate
 
     structure = StepStructure.of(graph)
-    # As the report's baseline is judged (``planning.as_trained``): the file's order, or the
-    # order memcc train runs where that is lower.
-    base = min(simulate(graph, Plan(), costs, structure, rules).peak_bytes for rules in (
-        SimulationRules(options.device),
-        SimulationRules(options.device, host_copies=options.swaps, early_updates=True)))
-    whole = user_budget(base, options, options.slack_for(graph))
+    # The search judges the step in the file's order; the report's baseline is the lower of
+    # that and the order memcc train runs (``planning.as_trained``). The whole budget is
+    # the search's, so that 100% holds the step as built with nothing recomputed.
+    searched, trained = (simulate(graph, Plan(), costs, structure, rules).peak_bytes
+                         for rules in (SimulationRules(options.device),
+                                       SimulationRules(options.device, host_copies=options.swaps,
+                                                       early_updates=True)))
+    base = min(searched, trained)
+    whole = user_budget(max(searched, trained), options, options.slack_for(graph))
     budget = max(int(whole * share), 1)
     return replace(options, budget=budget), {
         "asked": str(options.budget).strip(), "share": share,
