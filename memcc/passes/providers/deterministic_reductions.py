@@ -24,7 +24,7 @@ Sums change order, so results match the original within a tolerance
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import numpy as np
 import onnx
@@ -62,6 +62,32 @@ def reduced_axes(graph: Graph, node: onnx.NodeProto, rank: int, producers) -> li
             return list(range(rank))
         axes = [int(a) for a in axes]
     return sorted({a % rank for a in axes})
+
+
+def rewrite_each(graph: Graph, targets: Collection[int], prefix: str,
+                 emit_one: Callable[[Emitter, onnx.NodeProto, int], None]) -> Graph:
+    """A copy of ``graph`` with each node at a position in ``targets`` replaced by what
+    ``emit_one(emit, node, position)`` emits (its output under the node's own name), the
+    new nodes carrying the node's provenance (role, gradient of, rule) and the last one its
+    name: the skeleton the reduction rewrites here and in ``per_channel_sums`` share."""
+    out = graph.copy()
+    emit = Emitter(out, detached=True, prefix=prefix)
+    nodes: list[onnx.NodeProto] = []
+    for i, node in enumerate(out.nodes):
+        if i not in targets:
+            nodes.append(node)
+            continue
+        start = len(emit.nodes)
+        emit_one(emit, node, i)
+        if node.name:
+            emit.nodes[-1].name = node.name
+        props = {p.key: p.value for p in node.metadata_props if p.key in _COPIED_PROPS}
+        for made in emit.nodes[start:]:
+            for key, value in props.items():
+                made.metadata_props.add(key=key, value=value)
+        nodes.extend(emit.nodes[start:])
+    out.set_nodes(nodes)
+    return out
 
 
 def per_channel(reduced: list[int], kept: list[int]) -> bool:
@@ -108,23 +134,16 @@ def per_channel_by_matmul(graph: Graph) -> tuple[Graph, Report]:
             targets.add(i)
     if not targets:
         return graph, report
-    out = graph.copy()
-    emit = Emitter(out, detached=True, prefix="det/")
-    nodes: list[onnx.NodeProto] = []
-    for i, node in enumerate(out.nodes):
-        if i not in targets:
-            nodes.append(node)
-            continue
-        x_info, y_info = out.info[node.input[0]], out.info[node.output[0]]
+
+    def by_ones(emit: Emitter, node: onnx.NodeProto, _: int) -> None:
+        x_info, y_info = emit.info(node.input[0]), emit.info(node.output[0])
         n, c, h, w = (int(d) for d in x_info.shape)
-        start = len(emit.nodes)
         f32 = x_info.dtype
         rows = node.input[0]
         if h * w > 1:
             flat = emit.reshape(node.input[0], [n * c, h * w])
-            per_row = emit.op("MatMul", [flat, emit.const(np.ones((h * w, 1), np.float32))],
-                              info=TensorInfo(f32, (n * c, 1)))
-            rows = per_row
+            rows = emit.op("MatMul", [flat, emit.const(np.ones((h * w, 1), np.float32))],
+                           info=TensorInfo(f32, (n * c, 1)))
         rows = emit.reshape(rows, [n, c])
         total = emit.op("MatMul", [emit.const(np.ones((1, n), np.float32)), rows],
                         info=TensorInfo(f32, (1, c)))
@@ -133,17 +152,10 @@ def per_channel_by_matmul(graph: Graph) -> tuple[Graph, Report]:
                             info=TensorInfo(f32, (1, c)))
         emit.op("Reshape", [total, emit.ints(list(y_info.shape))], outputs=[node.output[0]],
                 info=y_info)
-        if node.name:
-            emit.nodes[-1].name = node.name
-        props = {p.key: p.value for p in node.metadata_props if p.key in _COPIED_PROPS}
-        for m in emit.nodes[start:]:
-            for key, value in props.items():
-                m.metadata_props.add(key=key, value=value)
-        nodes.extend(emit.nodes[start:])
         report.rewritten.append(f"{node_label(node)}: axes [0, 2, 3] of {[n, c, h, w]} -> "
                                 "MatMul by ones over H*W, then over N")
-    out.set_nodes(nodes)
-    return out, report
+
+    return rewrite_each(graph, targets, "det/", by_ones), report
 
 
 def to_trailing_axes(graph: Graph, *, only: Callable[[list[int], list[int]], bool] | None
@@ -180,17 +192,10 @@ def to_trailing_axes(graph: Graph, *, only: Callable[[list[int], list[int]], boo
         targets[i] = (kept, reduced)
     if not targets:
         return graph, report
-    out = graph.copy()
-    emit = Emitter(out, detached=True, prefix="det/")
-    nodes: list[onnx.NodeProto] = []
-    for i, node in enumerate(out.nodes):
-        if i not in targets:
-            nodes.append(node)
-            continue
+
+    def trailing_form(emit: Emitter, node: onnx.NodeProto, i: int) -> None:
         kept, reduced = targets[i]
-        x_info = out.info[node.input[0]]
-        y_info = out.info[node.output[0]]
-        start = len(emit.nodes)
+        x_info, y_info = emit.info(node.input[0]), emit.info(node.output[0])
         x = emit.reshape(node.input[0], [d for d in x_info.shape if d > 1])
         # Positions in the squeezed tensor.
         big = [a for a in range(len(x_info.shape)) if x_info.shape[a] > 1]
@@ -202,7 +207,7 @@ def to_trailing_axes(graph: Graph, *, only: Callable[[list[int], list[int]], boo
         # name: a Reshape to the same shape would be one more node (issue 30).
         direct = tuple(shape) == tuple(y_info.shape)
         named = {"outputs": [node.output[0]]} if direct else {}
-        if out.opset >= _AXES_INPUT_SINCE[node.op_type]:
+        if emit.opset >= _AXES_INPUT_SINCE[node.op_type]:
             r = emit.op(node.op_type, [xt, emit.ints(trailing)], keepdims=0,
                         info=TensorInfo(y_info.dtype, shape), **named)
         else:
@@ -211,16 +216,9 @@ def to_trailing_axes(graph: Graph, *, only: Callable[[list[int], list[int]], boo
         if not direct:
             emit.op("Reshape", [r, emit.ints(list(y_info.shape))], outputs=[node.output[0]],
                     info=y_info)
-        if node.name:
-            emit.nodes[-1].name = node.name
-        props = {p.key: p.value for p in node.metadata_props if p.key in _COPIED_PROPS}
-        for n in emit.nodes[start:]:
-            for key, value in props.items():
-                n.metadata_props.add(key=key, value=value)
-        nodes.extend(emit.nodes[start:])
         report.rewritten.append(
             f"{node_label(node)}: axes {[a for a in range(len(x_info.shape)) if a in reduced]}"
             f" of {list(x_info.shape)} -> Transpose {perm}, {node.op_type} over the last "
             f"{len(trailing)}")
-    out.set_nodes(nodes)
-    return out, report
+
+    return rewrite_each(graph, targets, "det/", trailing_form), report

@@ -33,8 +33,12 @@ from onnx import TensorProto
 
 from memcc.frontend.emit import Emitter
 from memcc.graph import Graph, TensorInfo, node_label
-from memcc.passes.providers.deterministic_reductions import _AXES_INPUT_SINCE, reduced_axes
-from memcc.passes.providers.deterministic_scatter import _COPIED_PROPS, Report
+from memcc.passes.providers.deterministic_reductions import (
+    _AXES_INPUT_SINCE,
+    reduced_axes,
+    rewrite_each,
+)
+from memcc.passes.providers.deterministic_scatter import Report
 
 # Partials are rounded to the input's type between the stages: 16-bit sums keep the one-stage
 # (Transpose) form, whose single reduction accumulates wide and rounds once.
@@ -65,29 +69,19 @@ def per_channel_two_stage(graph: Graph) -> tuple[Graph, Report]:
     targets = {i for i, n in enumerate(graph.nodes) if _is_per_channel(graph, n, producers)}
     if not targets:
         return graph, report
-    out = graph.copy()
-    emit = Emitter(out, detached=True, prefix="sum2/")
-    nodes: list[onnx.NodeProto] = []
-    for i, node in enumerate(out.nodes):
-        if i not in targets:
-            nodes.append(node)
-            continue
-        start = len(emit.nodes)
+
+    def two_stage(emit: Emitter, node: onnx.NodeProto, _: int) -> None:
         _emit_two_stage(emit, node)
-        props = {p.key: p.value for p in node.metadata_props if p.key in _COPIED_PROPS}
-        for made in emit.nodes[start:]:
-            for key, value in props.items():
-                made.metadata_props.add(key=key, value=value)
-        nodes.extend(emit.nodes[start:])
-        shape = list(out.info[node.input[0]].shape)
-        report.rewritten.append(f"{node_label(node)}: per-channel {node.op_type} of {shape} "
-                                "-> over H*W, then over N")
-    out.set_nodes(nodes)
-    return out, report
+        report.rewritten.append(f"{node_label(node)}: per-channel {node.op_type} of "
+                                f"{list(emit.info(node.input[0]).shape)} -> over H*W, then "
+                                "over N")
+
+    return rewrite_each(graph, targets, "sum2/", two_stage), report
 
 
 def _emit_two_stage(emit: Emitter, node: onnx.NodeProto) -> None:
-    """The two stages of ``node`` (module docstring), its output under its own name."""
+    """The two stages of ``node`` (module docstring), its output under its own name (the
+    name is ``rewrite_each``'s to give)."""
     x_info, y_info = emit.info(node.input[0]), emit.info(node.output[0])
     n, c, h, w = (int(d) for d in x_info.shape)
     first, second = TWO_STAGE[node.op_type]
@@ -103,8 +97,6 @@ def _emit_two_stage(emit: Emitter, node: onnx.NodeProto) -> None:
     if not direct:
         emit.op("Reshape", [total, emit.ints(list(y_info.shape))], outputs=[node.output[0]],
                 info=y_info)
-    if node.name:
-        emit.nodes[-1].name = node.name
 
 
 def _reduce(emit: Emitter, op: str, x: str, axis: int, info: TensorInfo,
