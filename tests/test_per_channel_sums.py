@@ -13,7 +13,9 @@ import pytest
 from onnx import TensorProto, helper
 from test_deterministic_reductions import assert_same_sum
 from test_deterministic_scatter import RTOL, _two_steps
+from threads import run_at_threads
 
+from memcc.backend.runner import synthetic_feeds
 from memcc.frontend.build import BuildOptions, build_training_step
 from memcc.frontend.load import load_graph
 from memcc.graph import topological_problems
@@ -98,6 +100,10 @@ def test_resnet_step_trains_as_the_transpose_form():
         for k, v in ref.items():
             scale = max(float(np.abs(v).max()), 1e-3 * top)
             assert float(np.abs(got[k].astype(np.float64) - v).max()) <= RTOL * scale, k
+    # The same bits run after run at 2 and 4 threads (``run_at_threads`` fails otherwise).
+    feeds = {k: v for k, v in synthetic_feeds(two_stage, 0).items()
+             if k not in two_stage.initializers}
+    run_at_threads(two_stage, feeds, threads=(2, 4), repeats=2)
     cuda, _ = for_provider(step, "cuda")
     readers = {}
     for n in cuda.nodes:

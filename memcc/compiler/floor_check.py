@@ -19,7 +19,7 @@ from memcc.sizes import format_size
 
 
 def check_floor(graph: Graph, budget: int, options: CompileOptions, label: str,
-                 structure: StepStructure) -> None:
+                 structure: StepStructure, asked: str | None = None) -> None:
     """Refuse, before any search, a budget under the step's floor (``passes/planning/floor.py``):
     what lives across the whole step (inputs, parameters, optimizer state; no plan frees
     them) plus the largest working set of one forward node (every plan runs it), with the
@@ -41,7 +41,8 @@ def check_floor(graph: Graph, budget: int, options: CompileOptions, label: str,
             "reads and writes at once, the largest working set of any forward node (every "
             "plan runs it)" if floor.node is not None else "")
     raise BudgetError(
-        f"{label}: --budget {options.budget} ({budget:,} bytes) cannot hold this step: no "
+        f"{label}: --budget {asked or options.budget} ({budget:,} bytes) cannot hold this "
+        "step: no "
         f"plan peaks under {format_size(floor.total_bytes)} ({floor.total_bytes:,} bytes): "
         f"{format_size(floor.persistent_bytes)} of inputs, parameters and optimizer state, "
         f"live all step{node}; and the budget keeps {options.margin:.0%} + {slack:,} bytes "

@@ -46,7 +46,6 @@ from memcc.frontend.weights_apart import own_weights
 from memcc.graph import Graph, node_label
 from memcc.pass_contract import PassReport, PassRunner
 from memcc.passes.plan import StepStructure
-from memcc.passes.planning.refusal import BudgetError
 from memcc.sizes import format_size
 from memcc.step import ALLOCATOR_KEY, PLAN_KEY, RANKS_KEY
 
@@ -188,8 +187,10 @@ def _load(run: CompileRun) -> Graph:
     return graph
 
 
-def _check_floor(graph: Graph, options: CompileOptions, label: str) -> None:
-    """A budget under the step's floor refused before any search (``floor_check``)."""
+def _check_floor(graph: Graph, options: CompileOptions, label: str,
+                 asked: str | None = None) -> None:
+    """A budget under the step's floor refused before any search (``floor_check``);
+    ``asked``: the budget as the user wrote it, where that was not bytes."""
     budget = options.requested_budget
     if budget.is_min:
         return
@@ -200,7 +201,7 @@ def _check_floor(graph: Graph, options: CompileOptions, label: str) -> None:
         from memcc.compiler.ranks import floor_view
 
         planned = floor_view(graph, options)
-    check_floor(planned, budget.bytes, options, label, StepStructure.of(planned))
+    check_floor(planned, budget.bytes, options, label, StepStructure.of(planned), asked)
 
 
 def _resolve_share(run: CompileRun, graph: Graph, costs: CostModel) -> dict | None:
@@ -214,12 +215,7 @@ def _resolve_share(run: CompileRun, graph: Graph, costs: CostModel) -> dict | No
     words = (f"{said['asked']} of the {format_size(said['as_built_budget_bytes'])} the step "
              "as built needs")
     run.say(f"budget {words} = {format_size(said['budget_bytes'])}")
-    try:
-        _check_floor(graph, run.options, run.label)
-    except BudgetError as exc:  # the refusal in the user's words, not only the bytes
-        raise BudgetError(str(exc).replace(f"--budget {said['budget_bytes']} ",
-                                           f"--budget {words} ", 1),
-                          budget=exc.budget, smallest=exc.smallest) from None
+    _check_floor(graph, run.options, run.label, words)
     return said
 
 

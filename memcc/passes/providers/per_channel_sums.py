@@ -35,6 +35,7 @@ from memcc.frontend.emit import Emitter
 from memcc.graph import Graph, TensorInfo, node_label
 from memcc.passes.providers.deterministic_reductions import (
     _AXES_INPUT_SINCE,
+    per_channel,
     reduced_axes,
     rewrite_each,
 )
@@ -49,16 +50,19 @@ TWO_STAGE = {"ReduceSum": ("ReduceSum", "ReduceSum"),
 
 
 def _is_per_channel(graph: Graph, node: onnx.NodeProto, producers) -> bool:
-    """A reduction of every non-unit axis of a 4-D tensor but axis 1, the batch among them."""
+    """A float32/64 per-channel ReduceSum, ReduceMean or ReduceSumSquare of a 4-D tensor
+    (``deterministic_reductions.per_channel``)."""
     if node.domain not in ("", "ai.onnx") or node.op_type not in TWO_STAGE:
         return False
     x, y = graph.info.get(node.input[0]), graph.info.get(node.output[0])
     if x is None or y is None or len(x.shape) != 4 or x.dtype not in _WIDE_FLOATS:
         return False
     axes = reduced_axes(graph, node, 4, producers)
-    if axes is None or 1 in axes or x.shape[0] <= 1 or x.shape[1] <= 1:
+    if axes is None:
         return False
-    return 0 in axes and all(a in axes or x.shape[a] == 1 for a in (2, 3))
+    # Unit axes left out, as ``to_trailing_axes`` judges (``deterministic_reductions``).
+    return per_channel([a for a in axes if x.shape[a] > 1],
+                       [a for a in range(4) if a not in axes and x.shape[a] > 1])
 
 
 def per_channel_two_stage(graph: Graph) -> tuple[Graph, Report]:

@@ -48,9 +48,10 @@ def for_provider(graph: Graph, provider: str) -> tuple[Graph, dict]:
             graph, conv = conv_weight_grads_as_patches(graph, chunk_floor=chunk_floor())
         if not conv.get("conv_weight_grads_as_patches"):
             conv = {}  # the summary names only what was rewritten
-        # Per-channel sums in two stages (no activation-sized Transpose), what is left
-        # of them (ReduceLogSum) as a Transpose and a trailing sum. Not
-        # ``per_channel_by_matmul``: it moved ResNet-50's first loss by 1.6e-4 (TF32).
+        # Per-channel sums of float32 NCHW tensors in two stages (no activation-sized
+        # Transpose); the rest (16-bit ones, ReduceLogSum, a classifier's [N, C] bias
+        # gradient) as a Transpose and a trailing sum. Not ``per_channel_by_matmul``: it
+        # moved ResNet-50's first loss by 1.6e-4 (cuBLAS's TF32, likely; not checked).
         graph, _ = per_channel_two_stage(graph)
         graph, _ = to_trailing_axes(graph, only=per_channel)
         graph, wide = split_wide_concats(graph)  # after the patches' 49-view Concats
