@@ -125,6 +125,18 @@ def test_sqrtn_keeps_the_producers_crossing_each_cut():
     assert not x3[1] and not x3[4]  # the cheap cuts were chosen as checkpoints
 
 
+def test_fewer_segment_counts_keep_both_ends_and_the_one_nearest_sqrt_f():
+    ks = [1, 2, 3, 4, 5, 7, 10, 14, 20, 28, 40]
+    assert sqrtn.spread(ks, 24, 10) == ks
+    few = sqrtn.spread(ks, 4, 10)
+    assert len(few) <= 4 and few[0] == 1 and few[-1] == 40 and 10 in few
+    assert sqrtn.spread(ks, 1, 10) == [10]
+    crossing = np.arange(1.0, 101.0)
+    cands = sqrtn.candidates(crossing, [[i] for i in range(100)], 100, np.ones(100, dtype=bool),
+                             max_candidates=5)
+    assert 3 <= len(cands) <= 5
+
+
 def test_nothing_the_solver_writes_to_fd_1_reaches_stdout(capfd, monkeypatch):
     """HiGHS 1.16 prints its banner on fd 1 when the first Highs object is made, before
     any option can be set; a C library's write to fd 1 must end up on stderr (less the

@@ -202,11 +202,12 @@ def region_variants(graph: Graph, st: StepStructure, *,
     """Forward node -> its first applicable variant that covers a region (the rules of
     several nodes, ``Variant.region``), for every node that has one; none overlap."""
     rules = rule_nodes(graph)
+    producers = graph.producers()
     found: dict[str, str] = {}
     for node in graph.nodes:
         if node.name not in st.forward or node.name not in rules:
             continue
-        for v in applicable_variants(graph, node, rules):
+        for v in applicable_variants(graph, node, rules, producers):
             if v.region is not None and (allow_lossy or v.tier != LOSSY):
                 found[node.name] = v.name
                 break
@@ -215,11 +216,17 @@ def region_variants(graph: Graph, st: StepStructure, *,
 
 
 def applicable_variants(graph: Graph, node: onnx.NodeProto,
-                        rules: dict[str, list[onnx.NodeProto]]) -> list[Variant]:
-    """The variants a plan may choose for ``node`` on this step."""
+                        rules: dict[str, list[onnx.NodeProto]],
+                        producers: dict[str, onnx.NodeProto] | None = None) -> list[Variant]:
+    """The variants a plan may choose for ``node`` on this step. ``producers``: the
+    graph's value -> producer index, where the caller asks for many nodes (a context
+    indexing the whole graph again for each node's question was 4% of a compile)."""
     if substitutable(graph, node, rules) is not None:
         return []
-    return variants_for(variant_context(graph, node, detached_prefix="", taken=()), node)
+    ctx = variant_context(graph, node, detached_prefix="", taken=())
+    if producers is not None:
+        ctx.share_producers(producers)
+    return variants_for(ctx, node)
 
 
 def variant_context(graph: Graph, node: onnx.NodeProto, detached_prefix: str, *,

@@ -99,6 +99,9 @@ class PlanningContext:
     # search over the region variants; ``planner._Search``).
     prepare_s: float = 0.0
     after_s: float = 0.0
+    # How many sqrt(n) segment counts were simulated (``planner.segment_counts``): the
+    # region search over the same step simulates as many.
+    segment_counts: int | None = None
     # The variant substitutions of the plans judged so far (``simulate(memo=...)``): a
     # search judges many plans with few sets of variants. Results are the same without.
     memo: VariantMemo = field(default_factory=VariantMemo, compare=False, repr=False)

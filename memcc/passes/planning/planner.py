@@ -35,6 +35,7 @@ from memcc.passes.planning.model.variant_terms import (
     VariantVars,
     add_variant_terms,
 )
+from memcc.passes.planning.polish import SIMULATED_NODES_PER_S
 from memcc.passes.planning.refusal import BudgetError
 from memcc.passes.planning.request import Budget, DecisionKinds, PlanRequest
 from memcc.passes.planning.simulate import Simulation, SimulationRules, simulate
@@ -59,6 +60,15 @@ STRATEGIES = ("auto", *sorted(n for n in REGISTRY if n != "auto"))
 REGION_SHARE = 0.05
 AFTER_MIN_PREPARES = 3.0
 AFTER_MIN_PREPARES_NO_REGION = 1.5
+# The sqrt(n) segmentations are simulated outside any solver, as cut and (where nothing
+# fits, and always for ``Budget.MIN``) rebuilt again, over the step and at ``Budget.MIN``
+# over its region variants too: four simulations per segment count. They may take this
+# share of the work ``time_limit`` buys (``SIMULATED_NODES_PER_S``); past it the counts
+# are thinned (``sqrtn.spread``), at least ``MIN_SEGMENT_COUNTS`` kept. On the dynamo
+# GPT-2 export at batch 8 x 32 with row chunks (about 1,650 nodes) under --time-limit 10
+# the 13 counts simulated four times took longer than the setting's share of the limit.
+SEGMENTATION_SHARE = 0.35
+MIN_SEGMENT_COUNTS = 4
 
 
 @dataclass
@@ -270,7 +280,7 @@ class _Search:
         # lower (and CI's compile tests with it).
         sought = "sqrtn" if budget.is_min and request.strategy == "auto" else request.strategy
         asked = replace(request, budget=budget, strategy=sought, time_limit=time_limit,
-                        deadline=deadline,
+                        deadline=deadline, segment_counts=self.context.segment_counts,
                         kinds=replace(request.kinds, offload=self.context.host_copies),
                         regions=False, smallest_on_refusal=False)
         try:
@@ -345,16 +355,29 @@ def _prepare(graph: Graph, costs: CostModel, request: PlanRequest, st: StepStruc
     every = np.ones(n_units, dtype=bool)
     # Judged without host copies, as they always were (a segmentation swaps nothing).
     seg_rules = replace(rules, host_copies=False)
+    counts = segment_counts(request, len(graph.nodes))
     segmentations = [
         simulate(graph, pp.plan_units(chosen, "sqrtn", segments=k), costs, st, seg_rules)
         for k, chosen in sqrtn.candidates(pp.units.crossing_bytes, pp.units.crossing_units,
-                                          n_units, every)]
+                                          n_units, every, max_candidates=counts)]
     segmentations.append(simulate(graph, pp.plan_units(every, "sqrtn", segments=0), costs, st,
                                   seg_rules))
     now = time.perf_counter()
     deadline = now + request.time_limit if request.deadline is None else request.deadline
     return PlanningContext(graph, costs, st, base, pp, tuple(segmentations), deadline,
-                           request.time_limit, rules, prepare_s=now - began)
+                           request.time_limit, rules, prepare_s=now - began,
+                           segment_counts=counts)
+
+
+def segment_counts(request: PlanRequest, nodes: int) -> int:
+    """How many sqrt(n) segment counts this call simulates: the request's, else as many as
+    ``SEGMENTATION_SHARE`` of its work buys (a count from the limit and the step's size,
+    not the clock, so that a busy machine plans the same)."""
+    if request.segment_counts is not None:
+        return request.segment_counts
+    passes = 4 if request.budget.is_min else 2
+    work = SEGMENTATION_SHARE * request.time_limit * SIMULATED_NODES_PER_S / max(nodes, 1)
+    return max(MIN_SEGMENT_COUNTS, int(work / passes))
 
 
 def _choose(context: PlanningContext | None, base: Simulation, budget: Budget,

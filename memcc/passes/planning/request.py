@@ -98,6 +98,10 @@ class PlanRequest:
     heap_room: bool = False
     regions: bool = True
     smallest_on_refusal: bool = True
+    # How many sqrt(n) segment counts to simulate; None: as many as ``time_limit``'s work
+    # buys (``planner.segment_counts``). The region search is given its caller's count, so
+    # that its small share of the limit does not thin its segmentations.
+    segment_counts: int | None = None
 
     def at(self, budget: Budget) -> PlanRequest:
         """The same request at another budget."""

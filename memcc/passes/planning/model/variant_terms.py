@@ -208,10 +208,11 @@ def add_variant_terms(builder: ProblemBuilder, graph: Graph, st: StepStructure,
     rule_reads: dict[str, list[tuple[str, int, list[int]]]] = defaultdict(list)
     groups: dict[str, list[int]] = {}
     covering: list[tuple[int, tuple[str, ...]]] = []
+    producers = graph.producers()
     for node in view.nodes:
         if node.name not in st.forward or node.name not in view.rules:
             continue
-        candidates = [v for v in applicable_variants(graph, node, view.rules)
+        candidates = [v for v in applicable_variants(graph, node, view.rules, producers)
                       if scope.allow_lossy or v.tier != LOSSY]
         if not candidates:
             continue

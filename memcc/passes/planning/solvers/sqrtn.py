@@ -24,7 +24,7 @@ def candidates(crossing_bytes: np.ndarray, crossing_vars: list[list[int]], n_var
     root = max(1, int(math.isqrt(f)))
     ks = sorted({max(1, int(round(root * s))) for s in
                  (0.25, 0.35, 0.5, 0.7, 1.0, 1.4, 2.0, 2.8, 4.0)} | {1, 2, 3, 4})
-    ks = [k for k in ks if k <= f][:max_candidates]
+    ks = spread([k for k in ks if k <= f], max_candidates, root)
     out = []
     for k in ks:
         x = recomputable_vars.copy()
@@ -33,6 +33,21 @@ def candidates(crossing_bytes: np.ndarray, crossing_vars: list[list[int]], n_var
                 x[v] = False
         out.append((k, x))
     return out
+
+
+def spread(ks: list[int], most: int, root: int) -> list[int]:
+    """At most ``most`` of the sorted counts ``ks``, spread from the fewest segments to the
+    most, with the one nearest sqrt(F) among them: fewer simulations keep the range of
+    trade-offs (few segments: little recomputed; many: the lowest peaks once rebuilt
+    again), not only its low end."""
+    if len(ks) <= most:
+        return ks
+    near = min(ks, key=lambda k: (abs(k - root), k))
+    if most <= 1:
+        return [near]
+    picked = {ks[round(i * (len(ks) - 1) / (most - 2))] for i in range(most - 1)} \
+        if most > 2 else {ks[0]}
+    return sorted(picked | {near})
 
 
 def _cuts(crossing_bytes: np.ndarray, k: int) -> list[int]:
