@@ -5,6 +5,8 @@
     PYTHONPATH=.:tests python -m benchmarks.data_parallel --mode zero0 --steps 12
     PYTHONPATH=.:tests python -m benchmarks.data_parallel --mode zero1 --steps 12
     PYTHONPATH=.:tests python -m benchmarks.data_parallel --mode zero2 --steps 12
+    # gradients reduced in buckets of 25 MB during the backward (memcc train --bucket-mb)
+    PYTHONPATH=.:tests python -m benchmarks.data_parallel --mode zero1 --bucket-mb 25
     # GPT-2 124M (real size: width 768, depth 12, vocab 50257, 1024 positions), 128 tokens,
     # batch 1 per rank: the per-rank memory target of issue 33
     PYTHONPATH=.:tests python -m benchmarks.data_parallel --size 124m --mode zero1 --steps 4
@@ -70,6 +72,7 @@ def main() -> None:
     ap.add_argument("--size", choices=sorted(SIZES), default="small")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--dir", type=Path, default=None)
+    ap.add_argument("--bucket-mb", type=float, default=None)
     a = ap.parse_args()
     d = a.dir or Path(f"/tmp/memcc_data_parallel_{a.size}")
     b = _files(d, a.size)
@@ -82,8 +85,10 @@ def main() -> None:
         zero = int(a.mode[-1])
         r, info = train_distributed(TrainOptions(step=d / f"gpt2_b{b}.onnx",
                                                  data=d / "data.npz", steps=a.steps),
-                                    2, zero=zero, quiet=True)
-        out = {"mode": f"2 ranks x batch {b}, ZeRO-{zero}", "samples_per_s": r.samples_per_s,
+                                    2, zero=zero, quiet=True, bucket_mb=a.bucket_mb)
+        buckets = f", buckets of {a.bucket_mb:g} MB" if a.bucket_mb else ""
+        out = {"mode": f"2 ranks x batch {b}, ZeRO-{zero}{buckets}",
+               "samples_per_s": r.samples_per_s,
                "fused_step_predicted_peak_bytes_batch_b": _fused_peak(d / f"gpt2_b{b}.onnx"),
                **info}
     print(json.dumps(out))

@@ -5,7 +5,7 @@ Tiny zoo MLPs (batch 4 per rank against one process at batch 8). Two real 2-rank
 its checkpoint resumed by one process), one through the API (ZeRO-1 AdamW, resumed on two
 ranks from one process's checkpoint); the kill test's last run resumes on ZeRO-2 ranks.
 ZeRO-0, 1 and 2 are checked bit for bit against each other on 2 ranks in threads of one
-process (``_Threads``: the collectives over numpy arrays), in well under a second. The
+process (``dist_ranks.Threads``: the collectives over numpy arrays), in well under a second. The
 step's split and one rank's replica are checked in-process against ``memcc.Trainer``, bit
 for bit.
 
@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+from dist_ranks import OneRank, Threads
 from onnx_files import mlp_step_and_data
 from typer.testing import CliRunner
 
@@ -92,15 +93,6 @@ def _assert_close(a: dict, b: dict) -> None:
 def _single(files, opt: str, steps: int, directory, *, resume: bool = False):
     return train(TrainOptions(step=files[f"{opt}8"], data=files["data"], steps=steps,
                               checkpoint=directory, resume=resume, threads=1))
-
-
-class _OneRank:
-    """The collectives of a group of one: nothing to exchange."""
-
-    def all_reduce_mean(self, arr): pass
-    def broadcast(self, arr, src): pass
-    def gather_object(self, obj): return [obj]
-    def barrier(self): pass
 
 
 # ---------------------------------------------------------------------------- the split
@@ -169,7 +161,7 @@ def test_one_rank_of_the_split_step_is_bit_identical_to_the_trainer(tmp_path, mo
     trainer = Trainer(path, threads=1)
     graph, _ = step_for_provider(load_graph(path), "cpu")  # as memcc.dist.train prepares it
     split = split_step(graph, TrainingStep.of(graph))
-    replica = Replica(split, _OneRank(), ReplicaSettings(0, 1, threads=1))
+    replica = Replica(split, OneRank(), ReplicaSettings(0, 1, threads=1))
     if model == "mlp-dropout":
         assert "dropout.step" in replica.opt_state
     if model == "resnet18":
@@ -195,49 +187,11 @@ def test_zero1_owners_balance_the_bytes():
     assert abs(load[0] - load[1]) <= biggest
 
 
-class _Threads:
-    """``world`` ranks as threads of this process: ``dist.comm.Comm``'s collectives over
-    numpy arrays (sums in rank order). ``reduce_mean`` leaves NaN on the ranks it does not
-    reduce to: a gradient a ZeRO-2 rank sent and then read would poison its parameters."""
-
-    def __init__(self, world: int) -> None:
-        self.world, self.slots = world, [None] * world
-        self.wait = threading.Barrier(world, timeout=60)  # a rank that failed stops the rest
-
-    def rank(self, r: int) -> _ThreadRank:
-        return _ThreadRank(self, r)
-
-
-class _ThreadRank:
-    def __init__(self, group: _Threads, rank: int) -> None:
-        self.g, self.r = group, rank
-
-    def _all(self, value) -> list:
-        self.g.slots[self.r] = value
-        self.g.wait.wait()
-        values = list(self.g.slots)
-        self.g.wait.wait()
-        return values
-
-    def all_reduce_mean(self, arr): arr[...] = sum(self._all(arr.copy())) / self.g.world
-
-    def reduce_mean(self, arr, dst):
-        total = sum(self._all(arr.copy())) / self.g.world
-        arr[...] = total if self.r == dst else np.nan
-
-    def broadcast(self, arr, src): arr[...] = self._all(arr.copy())[src]
-    def gather_object(self, obj):
-        objs = self._all(obj)
-        return objs if self.r == 0 else None
-
-    def barrier(self): self.g.wait.wait()
-
-
 def _train_in_threads(path, zero: int, batches: list) -> tuple[dict, list]:
-    """Two replicas of ``path`` at ZeRO-``zero`` (threads, ``_Threads``) trained on
+    """Two replicas of ``path`` at ZeRO-``zero`` (threads, ``dist_ranks.Threads``) trained on
     ``batches`` (per step, per rank); rank 0's consolidated state and both replicas."""
     graph, _ = step_for_provider(load_graph(path), "cpu")
-    group, replicas, out = _Threads(2), [None, None], {}
+    group, replicas, out = Threads(2), [None, None], {}
 
     def rank(r: int) -> None:
         try:

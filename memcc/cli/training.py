@@ -114,6 +114,11 @@ def train(
         help="With --nproc: 0 = every rank keeps all optimizer state; 1 = each keeps its "
              "parameters' (ZeRO-1); 2 = and gradients are reduced to the rank that owns "
              "them, which alone keeps them (ZeRO-2).")] = 0,
+    bucket_mb: Annotated[Optional[float], typer.Option(  # noqa: UP045
+        help="With --nproc (ZeRO 0 or 1): reduce the gradients in buckets of this many MB "
+             "while the backward goes on, each bucket's parameters updated and its "
+             "gradients freed once it is reduced (DDP's default is 25). Default: one "
+             "reduction after the backward, every gradient held until then.")] = None,
 ) -> None:
     """Train a step on real data, with checkpoints a crash cannot damage."""
     from memcc.api import (
@@ -132,10 +137,13 @@ def train(
             _say_batch_size(opts, nproc)
             return
         if nproc is not None or launched_by_torchrun() is not None:
-            _train_data_parallel(opts, nproc, zero, as_json=as_json)
+            _train_data_parallel(opts, nproc, zero, as_json=as_json, bucket_mb=bucket_mb)
             return
         if zero:
             raise InputError("--zero shards optimizer state across ranks: give --nproc N")
+        if bucket_mb is not None:
+            raise InputError("--bucket-mb buckets the gradients data-parallel ranks "
+                             "average: give --nproc N")
         result = _train_with_progress(opts, quiet=as_json)
     except MemccError as exc:
         fail(exc)
@@ -161,17 +169,18 @@ def _say_batch_size(opts: TrainOptions, nproc: int | None) -> None:
 
 
 def _train_data_parallel(opts: TrainOptions, nproc: int | None, zero: int, *,
-                         as_json: bool) -> None:
+                         as_json: bool, bucket_mb: float | None = None) -> None:
     """``--nproc N`` / torchrun: train on N ranks (``memcc.dist``); rank 0 reports."""
     from memcc.api import TrainingInterrupted, train_distributed
 
     try:
-        out_ = train_distributed(opts, nproc, zero=zero, quiet=as_json)
+        out_ = train_distributed(opts, nproc, zero=zero, quiet=as_json, bucket_mb=bucket_mb)
     except TrainingInterrupted as stop:
         r = stop.result
         if as_json:
             sys.stdout.write(json.dumps(r.to_json()) + "\n")
-        again = ["--resume", "--nproc", str(nproc or "N"), "--zero", str(zero)]
+        again = ["--resume", "--nproc", str(nproc or "N"), "--zero", str(zero),
+                 *(["--bucket-mb", f"{bucket_mb:g}"] if bucket_mb is not None else [])]
         err.print(f"{r.interrupted}: all ranks stopped after step {r.steps_done} of "
                   f"{r.total_steps}; checkpoint: {r.checkpoint or 'none (no --checkpoint)'}"
                   + (f"\ncontinue with the same command and {' '.join(again)}"
@@ -186,7 +195,9 @@ def _train_data_parallel(opts: TrainOptions, nproc: int | None, zero: int, *,
     _print_trained(result)
     state = ", ".join(mb(b) for b in info["optimizer_state_bytes_per_rank"])
     out.print(f"data-parallel: {info['world_size']} ranks x {info['rank_batch']} = "
-              f"{info['global_batch']} samples a step; ZeRO-{info['zero']}; optimizer state "
+              f"{info['global_batch']} samples a step; ZeRO-{info['zero']}"
+              + (f", gradients in buckets of {mb(info['bucket_bytes'])}"
+                 if info.get("bucket_bytes") else "") + "; optimizer state "
               f"per rank: {state}", highlight=False)
     measured = info.get("step_peak_bytes_per_rank") or []
     if any(m is not None for m in measured):

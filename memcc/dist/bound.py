@@ -37,9 +37,13 @@ class BoundGraph:
 
     def __init__(self, graph: Graph, buffers: Mapping[str, np.ndarray], *,
                  updates: Mapping[str, str] | None = None, threads: int | None = None,
-                 source: str = "<step>", transient: Collection[str] = ()) -> None:
-
+                 source: str = "<step>", transient: Collection[str] = (),
+                 per_run: Collection[str] = ()) -> None:
+        """``per_run``: inputs and outputs bound anew at each ``run_with`` (a segment's
+        gradients in a bucket made for that step, values another segment made), none
+        bound here."""
         self.source = source
+        self.per_run = set(per_run)
         updates = dict(updates or {})
         sgraph, stored = session_graph(graph)
         self.aliased = dict(analyze_in_place(graph, updates).aliased) if updates else {}
@@ -49,7 +53,14 @@ class BoundGraph:
                                     SessionSettings(intra_op_threads=threads))
         self._keep = []  # arrays the bound OrtValues point into
         binding = self.session.io_binding()
+        import onnxruntime as ort
+
+        # What a per-run input is bound to between runs (ORT checks shapes only when it runs).
+        self._placeholder = ort.OrtValue.ortvalue_from_numpy(np.zeros(1, np.float32))
         for name in sgraph.inputs:
+            if name in self.per_run:
+                binding.bind_ortvalue_input(name, self._placeholder)
+                continue
             arr = buffers[name] if name in buffers else stored.get(name)
             if arr is None:
                 raise RuntimeFailure(f"{source}: nothing bound to the input '{name}'")
@@ -57,7 +68,7 @@ class BoundGraph:
         self._transient = {o: k for k, o in enumerate(sgraph.outputs) if o in set(transient)}
         self.transient_outputs: dict[str, np.ndarray] = {}
         for out in sgraph.outputs:
-            if out in self._transient:
+            if out in self.per_run or out in self._transient:  # bound now: the order is kept
                 binding.bind_output(out, "cpu")
                 continue
             if out in self.aliased:
@@ -71,6 +82,7 @@ class BoundGraph:
             binding.bind_ortvalue_output(out, self._value(arr))
         self._buffers = buffers
         self._binding = binding
+        self._output_order = list(sgraph.outputs)
 
     def _value(self, arr: np.ndarray):
         import onnxruntime as ort
@@ -92,6 +104,32 @@ class BoundGraph:
         if self._transient:
             values = self._binding.get_outputs()  # the binding's order: sgraph.outputs'
             self.transient_outputs = {o: values[k].numpy() for o, k in self._transient.items()}
+
+    def run_with(self, inputs: Mapping[str, object], outputs: Mapping[str, np.ndarray],
+                 take: Collection[str] = ()) -> dict[str, object]:
+        """One run with ``per_run`` values bound for it only: ``inputs`` (arrays, or ORT
+        values another session made: no copy), ``outputs`` written into the arrays given,
+        ``take`` allocated by ORT and handed back as ORT values. The binding keeps none of
+        them afterwards, so what the caller drops is freed."""
+        import onnxruntime as ort
+
+        b = self._binding
+        for name, v in inputs.items():
+            b.bind_ortvalue_input(name, v if isinstance(v, ort.OrtValue)
+                                  else ort.OrtValue.ortvalue_from_numpy(v))
+        for name, arr in outputs.items():
+            b.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_numpy(arr))
+        for name in take:
+            b.bind_output(name, "cpu")
+        self.run()
+        wanted = set(take)
+        values = {o: v for o, v in zip(self._output_order, b.get_outputs(), strict=True)
+                  if o in wanted} if wanted else {}
+        for name in inputs:
+            b.bind_ortvalue_input(name, self._placeholder)
+        for name in (*outputs, *take):
+            b.bind_output(name, "cpu")
+        return values
 
     def release(self) -> None:
         """Free the transient outputs of the last run: the arrays handed over are dropped

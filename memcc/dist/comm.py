@@ -53,6 +53,18 @@ def launched_by_torchrun() -> tuple[int, int, int] | None:
                          "must be set") from None
 
 
+class _Averaging:
+    """An all-reduce in flight; ``wait`` divides the sum by the world size, as
+    ``Comm.all_reduce_mean`` does (the same bits)."""
+
+    def __init__(self, work, tensor, world: int) -> None:
+        self.work, self.tensor, self.world = work, tensor, world
+
+    def wait(self) -> None:
+        self.work.wait()
+        self.tensor.div_(self.world)
+
+
 class Comm:
     """The collectives a ``dist.replica.Replica`` needs, over one gloo process group."""
 
@@ -69,6 +81,15 @@ class Comm:
         t = torch.from_numpy(arr)
         self.dist.all_reduce(t, op=self.dist.ReduceOp.SUM)
         t.div_(self.world)
+
+    def all_reduce_mean_async(self, arr: np.ndarray) -> _Averaging:
+        """``all_reduce_mean`` started in gloo's thread: ``wait()`` on the result ends it
+        (then ``arr`` holds the mean). ``arr`` must not be read or written until then."""
+        import torch
+
+        t = torch.from_numpy(arr)
+        return _Averaging(self.dist.all_reduce(t, op=self.dist.ReduceOp.SUM, async_op=True),
+                          t, self.world)
 
     def reduce_mean(self, arr: np.ndarray, dst: int) -> None:
         """Average ``arr`` over the ranks into rank ``dst``'s ``arr`` (ZeRO-2: a gradient to

@@ -39,10 +39,13 @@ def check_nproc(nproc: int | None) -> None:
 
 
 def train_distributed(opts: TrainOptions, nproc: int | None, *, zero: int = 0,
-                      quiet: bool = False) -> tuple[TrainResult, dict] | None:
+                      quiet: bool = False, bucket_mb: float | None = None
+                      ) -> tuple[TrainResult, dict] | None:
     """Train data-parallel; the result and the group's figures (None on ranks but 0 under
-    torchrun, which print nothing)."""
+    torchrun, which print nothing). ``bucket_mb``: gradients reduced in buckets of that
+    many MB while the backward goes on (``dist.overlap``)."""
     check_nproc(nproc)
+    buckets = bucket_bytes(bucket_mb, zero)
     if zero not in (0, 1, 2):
         raise InputError(f"--zero {zero}: give 0 (every rank keeps all optimizer state), 1 "
                          "(each rank keeps its parameters' optimizer state) or 2 (and only "
@@ -54,7 +57,7 @@ def train_distributed(opts: TrainOptions, nproc: int | None, *, zero: int = 0,
         if nproc is not None and nproc != world:
             raise InputError(f"--nproc {nproc}: torchrun started {world} ranks (WORLD_SIZE); "
                              "give the same number or leave --nproc out")
-        dopts = DistOptions(opts, world, zero, quiet or rank != 0)
+        dopts = DistOptions(opts, world, zero, quiet or rank != 0, buckets)
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         comm = Comm(rank, world)
         try:
@@ -63,7 +66,7 @@ def train_distributed(opts: TrainOptions, nproc: int | None, *, zero: int = 0,
             comm.close()
         return _raise_if_interrupted(out)
     assert nproc is not None
-    dopts = DistOptions(opts, nproc, zero, quiet)
+    dopts = DistOptions(opts, nproc, zero, quiet, buckets)
     run = prepare(dopts)
     checkpoint_to_resume(dopts, run)  # refuse bad input before any rank starts
     mismatch = planned_for_other_ranks(run.graph.metadata, nproc, zero)
@@ -73,6 +76,20 @@ def train_distributed(opts: TrainOptions, nproc: int | None, *, zero: int = 0,
     gc.collect()
     trim_heap()  # what checking the step file took is not held while the ranks load it
     return _raise_if_interrupted(_spawn(dopts))
+
+
+def bucket_bytes(bucket_mb: float | None, zero: int) -> int | None:
+    """``--bucket-mb`` in bytes (MB = 10^6 bytes, as torch's DDP ``bucket_cap_mb``), or
+    an ``InputError`` saying what to give."""
+    if bucket_mb is None:
+        return None
+    if not bucket_mb > 0:
+        raise InputError(f"--bucket-mb {bucket_mb}: give a size in MB above 0 (DDP's default "
+                         "is 25)")
+    if zero == 2:
+        raise InputError("--bucket-mb with --zero 2: not built (ZeRO-2 reduces each gradient "
+                         "to its owner); use --zero 1 or leave out --bucket-mb")
+    return max(1, int(bucket_mb * 1_000_000))
 
 
 def planned_for_other_ranks(metadata: dict, world: int, zero: int) -> str | None:

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from memcc.dist.bound import BoundGraph
+from memcc.dist.buckets import cut_at_buckets
+from memcc.dist.overlap import OverlappedStep, RankBuffers
 from memcc.dist.split import SplitStep, owners_of_state, update_part
 from memcc.errors import InputError
 from memcc.passes.analysis.rank_step import assign_owners as deal
@@ -70,6 +72,9 @@ class ReplicaSettings:
     zero: int = 0
     threads: int | None = None
     source: str = "<step>"
+    # Gradient buckets of this many bytes, each reduced while the backward goes on and
+    # freed after its updates (``dist.overlap``); None: one bucket held all step.
+    bucket_bytes: int | None = None
 
 
 class Replica:
@@ -81,6 +86,9 @@ class Replica:
         if s.zero not in (0, 1, 2):
             raise InputError(f"--zero {s.zero}: memcc shards optimizer state at stage 0 "
                              "(none), 1 (optimizer state) or 2 (and gradients)")
+        if s.bucket_bytes and s.zero == 2:
+            raise InputError("--bucket-mb with --zero 2: not built (ZeRO-2 reduces each "
+                             "gradient to its owner); use --zero 1 or leave out --bucket-mb")
         self.split, self.comm, self.settings = split, comm, s
         info = split.full.info
         params = split.parameters
@@ -91,10 +99,13 @@ class Replica:
         self.grad_order = list(dict.fromkeys(split.gradients.values()))
         # ZeRO-2: gradient -> the rank it is reduced to (None: all-reduced, kept by all).
         self.grad_to = gradient_owners(split.spec, self.owner) if s.zero == 2 else {}
-        kept = [g for g in self.grad_order if self.grad_to.get(g, s.rank) in (None, s.rank)]
-        self.grad_views, self.grad_flats = _flat(kept, info, extra=0 if s.zero == 2 else 2)
-        # Loss and stop flag: the float32 bucket's tail, or their own 2 floats (ZeRO-2).
-        self.flags = np.zeros(2, np.float32) if s.zero == 2 else None
+        kept = [] if s.bucket_bytes else \
+            [g for g in self.grad_order if self.grad_to.get(g, s.rank) in (None, s.rank)]
+        apart = s.zero == 2 or bool(s.bucket_bytes)
+        self.grad_views, self.grad_flats = _flat(kept, info, extra=0 if apart else 2)
+        # Loss and stop flag: the float32 bucket's tail, or their own 2 floats (ZeRO-2,
+        # buckets).
+        self.flags = np.zeros(2, np.float32) if apart else None
         tail = self.flags if self.flags is not None else \
             self.grad_flats[np.dtype(np.float32)][-2:]
         self.loss_view, self.stop_view = tail[0:1].reshape(()), tail[1:2].reshape(())
@@ -144,6 +155,14 @@ class Replica:
     def _open_sessions(self) -> None:
         split, s = self.split, self.settings
         loss = split.spec.loss
+        self.overlapped = None
+        if s.bucket_bytes:
+            buffers = RankBuffers(self.param_views, self.opt_state, self.carried, self.batch,
+                                  self.loss_view)
+            self.overlapped = OverlappedStep(split, cut_at_buckets(split, s.bucket_bytes),
+                                             buffers, self.update_state, self.comm,
+                                             s.threads, s.source)
+            return
         # The gradient step reads the Dropout counter, which the update step advances.
         grad_bufs = {**self.param_views, **self.opt_state, **self.carried, **self.batch,
                      **self.grad_views, loss: self.loss_view}
@@ -165,6 +184,8 @@ class Replica:
         t0 = time.perf_counter()
         for name, buf in self.batch.items() if batch is not None else ():
             np.copyto(buf, batch[name])
+        if self.overlapped is not None:
+            return self._overlapped_step(stop, t0)
         self.grad_step.run()
         t1 = time.perf_counter()
         self.stop_view[...] = 1.0 if stop else 0.0
@@ -172,24 +193,46 @@ class Replica:
             self._reduce_to_owners()
         for flat in self.grad_flats.values() if self.flags is None else ():
             self.comm.all_reduce_mean(flat)
-        for out, inp in self.split.grad_carried.items():
-            new = self.grad_step.outputs[out]
-            if np.issubdtype(new.dtype, np.floating):
-                self.comm.all_reduce_mean(new)
-            np.copyto(self.carried[inp], new)
+        self._average_carried(self.grad_step.outputs)
         t2 = time.perf_counter()
         self.update_step.run()
         t3 = time.perf_counter()
-        if self.settings.zero:
-            for dt, flat in self.param_flats.items():
-                for r, (a, b) in enumerate(self._owned_ranges[dt]):
-                    if b > a:
-                        self.comm.broadcast(flat[a:b], src=r)
+        self._broadcast_owned()
         t4 = time.perf_counter()
         for key, dt in (("gradient_step", t1 - t0), ("communication", t2 - t1 + t4 - t3),
                         ("update_step", t3 - t2)):
             self.seconds[key] += dt
         return float(self.loss_view), bool(self.stop_view > 0)
+
+    def _overlapped_step(self, stop: bool, t0: float) -> tuple[float, bool]:
+        """The step by buckets (``dist.overlap``): the reductions and this rank's updates
+        happen inside the segmented run; then the loss, the stop flag and the statistics
+        are averaged and the owners' parameters broadcast, as without buckets."""
+        self.overlapped.run()
+        t1 = time.perf_counter()
+        self.stop_view[...] = 1.0 if stop else 0.0
+        self.comm.all_reduce_mean(self.flags)
+        self._average_carried(self.overlapped.carried_outputs)
+        self._broadcast_owned()
+        self.seconds["gradient_step"] += t1 - t0   # its reductions and updates included
+        self.seconds["communication"] += time.perf_counter() - t1
+        return float(self.loss_view), bool(self.stop_view > 0)
+
+    def _average_carried(self, outputs: Mapping[str, np.ndarray]) -> None:
+        """The carried statistics (BatchNorm's running ones) averaged and taken."""
+        for out, inp in self.split.grad_carried.items():
+            new = outputs[out]
+            if np.issubdtype(new.dtype, np.floating):
+                self.comm.all_reduce_mean(new)
+            np.copyto(self.carried[inp], new)
+
+    def _broadcast_owned(self) -> None:
+        """ZeRO-1/2: each rank's updated parameters to the others."""
+        if self.settings.zero:
+            for dt, flat in self.param_flats.items():
+                for r, (a, b) in enumerate(self._owned_ranges[dt]):
+                    if b > a:
+                        self.comm.broadcast(flat[a:b], src=r)
 
     def _reduce_to_owners(self) -> None:
         """ZeRO-2: each gradient averaged on its owner (all ranks in the same order), the
@@ -217,8 +260,10 @@ class Replica:
         """Bytes of the arrays this rank holds between steps: parameters, its optimizer
         state, the gradient buckets, carried statistics, the batch and the outputs the
         sessions write to arrays of their own (ORT's transient memory not included)."""
+        sessions = [self.grad_step, self.update_step] if self.overlapped is None \
+            else self.overlapped.bound()
         groups = (self.param_flats, self.grad_flats, self.opt_state, self.carried, self.batch,
-                  self.grad_step.outputs, self.update_step.outputs)
+                  *(b.outputs for b in sessions))
         flags = self.flags.nbytes if self.flags is not None else 0
         return flags + sum(a.nbytes for g in groups for a in g.values())
 

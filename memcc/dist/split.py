@@ -53,7 +53,7 @@ class SplitStep:
         return list(self.spec.parameters)
 
 
-def _subgraph(full: Graph, nodes: list, outputs: list[str], extra_inputs: Iterable[str] = ()
+def subgraph(full: Graph, nodes: list, outputs: list[str], extra_inputs: Iterable[str] = ()
               ) -> Graph:
     """The graph of ``nodes`` (in ``full``'s order) computing ``outputs``: its inputs are
     the values they read that none of them produces (stored values stay initializers)."""
@@ -93,10 +93,10 @@ def split_step(graph: Graph, spec: TrainingStep, source: str = "<step>") -> Spli
                          "(memcc.gradients); it would not be averaged across ranks")
     grad_carried = {o: i for o, i in spec.state.items() if o in made_by_rest}
     update_state = {o: i for o, i in spec.state.items() if o in made_by_update}
-    gradient = _subgraph(graph, rest, [spec.loss, *dict.fromkeys(grads.values()),
+    gradient = subgraph(graph, rest, [spec.loss, *dict.fromkeys(grads.values()),
                                        *grad_carried],
                          extra_inputs=[d for d in spec.data_inputs])
-    update = _subgraph(graph, updates, list(update_state))
+    update = subgraph(graph, updates, list(update_state))
     return SplitStep(graph, spec, gradient, update, dict(grads), grad_carried, update_state)
 
 
@@ -106,7 +106,7 @@ def update_part(split: SplitStep, outputs: Iterable[str]) -> Graph:
     producer = split.update.def_use().producer
     nodes, _ = ancestors(outs, producer)
     keep = {id(n) for n in nodes}
-    return _subgraph(split.update, [n for n in split.update.nodes if id(n) in keep], outs)
+    return subgraph(split.update, [n for n in split.update.nodes if id(n) in keep], outs)
 
 
 def owners_of_state(split: SplitStep) -> dict[str, list[str]]:

@@ -21,18 +21,13 @@ import gc
 import json
 import os
 import resource
-import signal
 import sys
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
-from memcc.trainer.loop import StopRequest, stop_requests
 from memcc.backend import checkpoint as ckpt
 from memcc.backend.data import Dataset, data_inputs, load_dataset
 from memcc.backend.device_step import step_for_provider
@@ -45,7 +40,7 @@ from memcc.frontend.load import load_graph
 from memcc.graph import Graph
 from memcc.step import RANKS_KEY, TrainingStep
 from memcc.trainer.checkpoints import check_run_data_state, run_data_state
-from memcc.trainer.loop import TrainOptions, TrainResult
+from memcc.trainer.loop import StopRequest, TrainOptions, TrainResult, stop_requests
 
 
 @dataclass(frozen=True)
@@ -56,6 +51,8 @@ class DistOptions:
     world: int
     zero: int = 0
     quiet: bool = False
+    # Gradient buckets reduced during the backward (``--bucket-mb``); None: one, after it.
+    bucket_bytes: int | None = None
 
 
 def global_signature(graph: Graph, spec: TrainingStep, global_batch: int) -> dict:
@@ -186,7 +183,8 @@ def run_rank(opts: DistOptions, rank: int, comm, threads: int | None
     mem = comm.gather_object((predicted, loop.memory.peak, loop.memory.first_step))
     if rank != 0:
         return None
-    info = {"world_size": opts.world, "zero": opts.zero, "global_batch": run.dataset.batch_size,
+    info = {"world_size": opts.world, "zero": opts.zero, "bucket_bytes": opts.bucket_bytes,
+            "global_batch": run.dataset.batch_size,
             "rank_batch": run.rank_batch, "optimizer_state_bytes_per_rank": state_bytes,
             "held_bytes_per_rank": [r[0] for r in rss],
             "rss_bytes_per_rank": [r[1] for r in rss],
@@ -220,8 +218,8 @@ def _set_up(opts: DistOptions, rank: int, comm, threads: int | None) -> _SetUp:
     run = prepare(opts)
     loaded = checkpoint_to_resume(opts, run)
     predicted = predicted_rank_peak(run.graph, opts.world, opts.zero, rank)
-    replica = Replica(_split(run, t), comm, ReplicaSettings(rank, opts.world, opts.zero,
-                                                            threads, str(t.step)))
+    replica = Replica(_split(run, t), comm, ReplicaSettings(
+        rank, opts.world, opts.zero, threads, str(t.step), bucket_bytes=opts.bucket_bytes))
     out = _SetUp(run, replica, predicted)
     if loaded is not None:
         replica.load(loaded.tensors, str(loaded.path))

@@ -1,0 +1,186 @@
+"""A rank's gradient step run segment by segment, each bucket all-reduced while the next
+segments run, its parameters updated and its gradients freed once the reduction is done
+(``dist.buckets`` cuts the step; ``memcc train --nproc N --bucket-mb B``).
+
+Per step and bucket, one flat array per dtype is made when the step starts and dropped
+after the bucket's updates: between steps a rank holds no gradient, and within a step
+about the buckets in flight, where the unsegmented step holds every gradient all step.
+ZeRO-1: each rank runs the updates of the parameters it owns and all-reduces every
+bucket; the parameters are then broadcast by their owners as without buckets.
+
+``comm`` is ``dist.comm.Comm`` (or a stand-in with ``all_reduce_mean_async``); nothing
+here imports torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from memcc.dist.bound import BoundGraph
+from memcc.dist.buckets import SegmentedStep, update_points
+from memcc.dist.split import SplitStep, update_part
+from memcc.errors import InputError
+
+
+@dataclass(frozen=True)
+class RankBuffers:
+    """The arrays a rank keeps across steps (``dist.replica.Replica``'s): parameters, its
+    optimizer state, the carried statistics' inputs, the batch, and the loss's slot."""
+
+    params: Mapping[str, np.ndarray]
+    opt_state: Mapping[str, np.ndarray]
+    carried: Mapping[str, np.ndarray]
+    batch: Mapping[str, np.ndarray]
+    loss: np.ndarray
+
+
+class OverlappedStep:
+    """The gradient step's segments and the update parts run between them (module
+    docstring). ``run()`` leaves the loss in ``buffers.loss`` and the carried statistics'
+    new values in ``carried_outputs`` (not yet averaged); the parameters it owns updated."""
+
+    def __init__(self, split: SplitStep, cut: SegmentedStep, buffers: RankBuffers,
+                 update_state: Mapping[str, str], comm, threads: int | None,
+                 source: str) -> None:
+        self.split, self.cut, self.buffers, self.comm = split, cut, buffers, comm
+        info = split.full.info
+        fixed = {**buffers.params, **buffers.opt_state, **buffers.carried, **buffers.batch,
+                 split.spec.loss: buffers.loss}
+        wanted = set(split.gradient.outputs)
+        self.sessions = [
+            BoundGraph(seg.graph, fixed, threads=threads,
+                       per_run={*seg.takes, *seg.bucket,
+                                *(o for o in seg.hands_on if o not in wanted)},
+                       source=f"{source} (gradient step, segment {k + 1} of "
+                              f"{len(cut.segments)})")
+            for k, seg in enumerate(cut.segments)]
+        self.carried_outputs = {o: s.outputs[o] for s in self.sessions for o in s.outputs
+                                if o in split.grad_carried}
+        # Outputs of the gradient step that later segments read (the loss, statistics):
+        # bound once, read from where they lie.
+        self._kept = {split.spec.loss: buffers.loss, **self.carried_outputs}
+        self.updates = self._update_parts(update_state, threads, source)
+        self._layout = [_layout(seg.bucket, info) for seg in cut.segments]
+        self._done_after = self._bucket_ends()
+
+    def _update_parts(self, update_state: Mapping[str, str], threads: int | None,
+                      source: str) -> list[tuple[BoundGraph, tuple[str, ...]] | None]:
+        """Per point between segments (and one after the last), the update of the
+        parameters due there as one session, with the gradients it reads (bound per run);
+        None where none is due. State outputs no parameter owns (step counters) go last."""
+        cut, last = self.cut, len(self.cut.segments)
+        grads = set(self.split.gradients.values())
+        due = update_points(self.split, cut, update_state)
+        fixed = {**self.buffers.params, **self.buffers.opt_state}
+        parts: list[tuple[BoundGraph, tuple[str, ...]] | None] = []
+        overwritten: set[str] = set()
+        for at in range(last + 1):
+            if at not in due:
+                parts.append(None)
+                continue
+            graph = update_part(self.split, due[at])
+            stale = sorted(overwritten & set(graph.inputs))
+            if stale:
+                raise InputError(f"{source}: an update reads '{stale[0]}' after another "
+                                 "update has overwritten it; the updates cannot be split "
+                                 "by bucket (train without --bucket-mb)")
+            overwritten.update(update_state[o] for o in due[at])
+            reads = tuple(i for i in graph.inputs if i in grads)
+            part = BoundGraph(graph, fixed, updates={o: update_state[o] for o in due[at]},
+                              threads=threads, per_run=reads,
+                              source=f"{source} (update step, after segment {at})")
+            parts.append((part, reads))
+        return parts
+
+    def bound(self) -> list[BoundGraph]:
+        """Every session: the segments, then the update parts."""
+        return [*self.sessions, *(p[0] for p in self.updates if p is not None)]
+
+    def _bucket_ends(self) -> list[int]:
+        """Per bucket, the point (a segment's index, or ``len(segments)``: the end) after
+        whose updates it is no longer read: its reduction waited on, every update part
+        reading its gradients run. It is freed there."""
+        ends = []
+        for k, seg in enumerate(self.cut.segments):
+            waited = self.cut.waited_after(k)
+            readers = [at for at, p in enumerate(self.updates)
+                       if p is not None and set(p[1]) & set(seg.bucket)]
+            ends.append(max([waited, *readers]))
+        return ends
+
+    def run(self) -> None:
+        """One step's gradients, reductions and this rank's updates (class docstring)."""
+        cut, n = self.cut, len(self.cut.segments)
+        views: dict[str, np.ndarray] = {}
+        flats: dict[int, dict[np.dtype, np.ndarray]] = {}
+        handed: dict[str, object] = {}
+        pending: list[tuple[int, list]] = []  # (bucket, its reductions in flight)
+        for k, seg in enumerate(cut.segments):
+            flats[k], made_views = _new_bucket(self._layout[k])
+            views.update(made_views)
+            inputs = {v: views.get(v, self._kept.get(v)) if v not in handed else handed[v]
+                      for v in seg.takes}
+            handed.update(self.sessions[k].run_with(
+                inputs, made_views,
+                [o for o in seg.hands_on if o not in views and o not in self._kept]))
+            for v in seg.takes:
+                if cut.last_read[v] == k:
+                    handed.pop(v, None)
+            self._wait(pending, upto=k)
+            for b, after in enumerate(cut.reduce_after):
+                if after == k and flats.get(b):
+                    pending.append((b, [self.comm.all_reduce_mean_async(f)
+                                        for f in flats[b].values()]))
+            self._update(k, views, flats)
+        self._wait(pending, upto=n)
+        self._update(n, views, flats)
+
+    def _wait(self, pending: list, *, upto: int) -> None:
+        """Wait on the reductions started before segment ``upto`` ran (all of them at the
+        end), so that the updates due after it can read their buckets."""
+        for entry in list(pending):
+            b, works = entry
+            if self.cut.reduce_after[b] < upto:
+                for w in works:
+                    w.wait()
+                pending.remove(entry)
+
+    def _update(self, at: int, views: dict, flats: dict) -> None:
+        """Run the update part due after segment ``at``; then free the buckets no later
+        step of this run reads (their views and flat arrays)."""
+        part = self.updates[at]
+        if part is not None:
+            session, reads = part
+            session.run_with({g: views[g] for g in reads}, {})
+        for b, end in enumerate(self._done_after):
+            if end == at and b in flats:
+                for g in self.cut.segments[b].bucket:
+                    views.pop(g, None)
+                del flats[b]
+
+
+def _layout(bucket: tuple[str, ...], info) -> list[tuple[str, np.dtype, int, tuple]]:
+    """Where each gradient of a bucket lies in its flat arrays: (name, dtype, offset,
+    shape), one flat array per dtype."""
+    at: dict[np.dtype, int] = {}
+    out = []
+    for g in bucket:
+        ti = info[g]
+        dt = ti.np_dtype
+        out.append((g, dt, at.get(dt, 0), tuple(ti.shape)))
+        at[dt] = at.get(dt, 0) + ti.numel
+    return out
+
+
+def _new_bucket(layout: list) -> tuple[dict[np.dtype, np.ndarray], dict[str, np.ndarray]]:
+    """A bucket's flat arrays for one step (dtype -> array) and its gradients' views."""
+    sizes: dict[np.dtype, int] = {}
+    for _, dt, off, shape in layout:
+        sizes[dt] = max(sizes.get(dt, 0), off + int(np.prod(shape, dtype=np.int64)))
+    flats = {dt: np.empty(k, dt) for dt, k in sizes.items()}
+    views = {g: flats[dt][off:off + int(np.prod(shape, dtype=np.int64))].reshape(shape)
+             for g, dt, off, shape in layout}
+    return flats, views
