@@ -173,3 +173,24 @@ def test_two_spawned_ranks_by_buckets_match_two_without(tmp_path):
     assert res.exit_code == 2 and "--bucket-mb 0" in res.output
     res = runner.invoke(app, ["train", str(path), "--data", str(data), "--bucket-mb", "25"])
     assert res.exit_code == 2 and "--nproc" in res.output
+
+
+def test_the_prediction_by_buckets_holds_no_gradient_bucket(tmp_path):
+    """``memcc train --nproc --bucket-mb``'s predicted peak: the rank's graph in the order
+    the buckets run it (a valid order, the same nodes whatever the bucket size), below the
+    one-bucket prediction."""
+    from memcc.dist.bucket_memory import bucketed_rank_graph
+    from memcc.dist.memory import predicted_rank_peak
+    from memcc.graph import topological_problems
+    from memcc.passes.analysis.rank_step import Ranks
+
+    _, graph = _step(tmp_path, "gpt2", "adamw")
+    for zero in (0, 1):
+        view = bucketed_rank_graph(graph, Ranks(2, zero), 0, 1_500)
+        assert topological_problems(view) == []
+        assert sorted(n.name for n in view.nodes if not n.name.startswith("memcc.dist.hold/")) \
+            == sorted(n.name for n in bucketed_rank_graph(graph, Ranks(2, zero), 0, 10**9).nodes
+                      if not n.name.startswith("memcc.dist.hold/"))
+        whole = predicted_rank_peak(graph, 2, zero, 0)
+        by_buckets = predicted_rank_peak(graph, 2, zero, 0, 1_500)
+        assert by_buckets < whole

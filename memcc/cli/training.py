@@ -122,7 +122,6 @@ def train(
 ) -> None:
     """Train a step on real data, with checkpoints a crash cannot damage."""
     from memcc.api import (
-        InputError,
         TrainingInterrupted,
         TrainOptions,
         launched_by_torchrun,
@@ -139,11 +138,7 @@ def train(
         if nproc is not None or launched_by_torchrun() is not None:
             _train_data_parallel(opts, nproc, zero, as_json=as_json, bucket_mb=bucket_mb)
             return
-        if zero:
-            raise InputError("--zero shards optimizer state across ranks: give --nproc N")
-        if bucket_mb is not None:
-            raise InputError("--bucket-mb buckets the gradients data-parallel ranks "
-                             "average: give --nproc N")
+        _refuse_rank_options(zero, bucket_mb)
         result = _train_with_progress(opts, quiet=as_json)
     except MemccError as exc:
         fail(exc)
@@ -157,6 +152,17 @@ def train(
         sys.stdout.write(json.dumps(result.to_json()) + "\n")
         return
     _print_trained(result)
+
+
+def _refuse_rank_options(zero: int, bucket_mb: float | None) -> None:
+    """Options that mean something only with ``--nproc``."""
+    from memcc.api import InputError
+
+    if zero:
+        raise InputError("--zero shards optimizer state across ranks: give --nproc N")
+    if bucket_mb is not None:
+        raise InputError("--bucket-mb buckets the gradients data-parallel ranks average: "
+                         "give --nproc N")
 
 
 def _say_batch_size(opts: TrainOptions, nproc: int | None) -> None:

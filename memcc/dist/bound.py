@@ -15,6 +15,7 @@ CPU only: on CUDA the arrays would be device buffers crossing through DLPack (no
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -23,6 +24,17 @@ from memcc.backend.session import SessionSettings, make_session
 from memcc.errors import RuntimeFailure
 from memcc.graph import Graph
 from memcc.passes.analysis.inplace import analyze_in_place
+
+
+@dataclass(frozen=True)
+class Unbound:
+    """Values a ``BoundGraph`` does not bind to the caller's arrays once for all:
+    ``transient`` outputs ORT allocates at each run (``BoundGraph.release`` frees them);
+    ``per_run`` inputs and outputs bound anew at each ``run_with`` (a segment's gradients
+    in a bucket made for that step, values another segment made)."""
+
+    transient: Collection[str] = ()
+    per_run: Collection[str] = ()
 
 
 class BoundGraph:
@@ -37,13 +49,11 @@ class BoundGraph:
 
     def __init__(self, graph: Graph, buffers: Mapping[str, np.ndarray], *,
                  updates: Mapping[str, str] | None = None, threads: int | None = None,
-                 source: str = "<step>", transient: Collection[str] = (),
-                 per_run: Collection[str] = ()) -> None:
-        """``per_run``: inputs and outputs bound anew at each ``run_with`` (a segment's
-        gradients in a bucket made for that step, values another segment made), none
-        bound here."""
+                 source: str = "<step>", unbound: Unbound | None = None) -> None:
+        unbound = unbound or Unbound()
+        transient = unbound.transient
         self.source = source
-        self.per_run = set(per_run)
+        self.per_run = set(unbound.per_run)
         updates = dict(updates or {})
         sgraph, stored = session_graph(graph)
         self.aliased = dict(analyze_in_place(graph, updates).aliased) if updates else {}

@@ -51,6 +51,7 @@ class SegmentedStep:
     last_read: dict[str, int]
     reduce_after: tuple[int, ...]
     read_until: dict[str, int]
+    ends: tuple[int, ...]    # where each segment ends among the gradient step's nodes
 
     def waited_after(self, bucket: int) -> int:
         """The point after which bucket ``bucket``'s reduction is done: it is waited on
@@ -113,7 +114,7 @@ def _segments(split: SplitStep, ends: list[int], buckets: list[list[str]]) -> Se
     reduce_after = tuple(max([k, *(last_read.get(gr, k) for gr in b)])
                          for k, b in enumerate(buckets))
     read_until = {i: k for k, nodes in enumerate(runs) for n in nodes for i in n.input if i}
-    return SegmentedStep(tuple(segments), last_read, reduce_after, read_until)
+    return SegmentedStep(tuple(segments), last_read, reduce_after, read_until, tuple(ends))
 
 
 def update_points(split: SplitStep, cut: SegmentedStep, outputs: Iterable[str]

@@ -29,6 +29,7 @@ from memcc.backend.memory import (
     rss_bytes,
     trim_heap,
 )
+from memcc.dist.bucket_memory import bucketed_rank_graph
 from memcc.errors import RuntimeFailure
 from memcc.graph import Graph
 from memcc.passes.analysis.arrange import arrange_step
@@ -38,9 +39,15 @@ from memcc.step import TrainingStep
 MEMORY_ENV = dict(MMAP_ENV)
 
 
-def predicted_rank_peak(graph: Graph, world: int, zero: int, rank: int) -> int:
+def predicted_rank_peak(graph: Graph, world: int, zero: int, rank: int,
+                        bucket_bytes: int | None = None) -> int:
     """The predicted peak of ``rank``'s step (before its replica drops the initial values:
-    the rank's graph counts the stored state)."""
+    the rank's graph counts the stored state); by buckets of ``bucket_bytes``, in the
+    order they run (``dist.bucket_memory``)."""
+    if bucket_bytes:
+        view = bucketed_rank_graph(graph, Ranks(world, zero), rank, bucket_bytes)
+        return int(arrange_step(view, TrainingStep.of(view),
+                                early_updates=False).prediction.peak_bytes)
     view = rank_step(graph, Ranks(world, zero), rank).graph
     return int(arrange_step(view, TrainingStep.of(view)).prediction.peak_bytes)
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from memcc.dist.bound import BoundGraph
+from memcc.dist.bound import BoundGraph, Unbound
 from memcc.dist.buckets import SegmentedStep, update_points
 from memcc.dist.split import SplitStep, update_part
 from memcc.errors import InputError
@@ -28,13 +28,15 @@ from memcc.errors import InputError
 @dataclass(frozen=True)
 class RankBuffers:
     """The arrays a rank keeps across steps (``dist.replica.Replica``'s): parameters, its
-    optimizer state, the carried statistics' inputs, the batch, and the loss's slot."""
+    optimizer state, the carried statistics' inputs, the batch, and the loss's slot; and
+    the updates it runs (ZeRO-1: its own parameters')."""
 
     params: Mapping[str, np.ndarray]
     opt_state: Mapping[str, np.ndarray]
     carried: Mapping[str, np.ndarray]
     batch: Mapping[str, np.ndarray]
     loss: np.ndarray
+    updates: Mapping[str, str]   # the update outputs this rank runs -> what each replaces
 
 
 class OverlappedStep:
@@ -42,9 +44,8 @@ class OverlappedStep:
     docstring). ``run()`` leaves the loss in ``buffers.loss`` and the carried statistics'
     new values in ``carried_outputs`` (not yet averaged); the parameters it owns updated."""
 
-    def __init__(self, split: SplitStep, cut: SegmentedStep, buffers: RankBuffers,
-                 update_state: Mapping[str, str], comm, threads: int | None,
-                 source: str) -> None:
+    def __init__(self, split: SplitStep, cut: SegmentedStep, buffers: RankBuffers, comm,
+                 threads: int | None, source: str) -> None:
         self.split, self.cut, self.buffers, self.comm = split, cut, buffers, comm
         info = split.full.info
         fixed = {**buffers.params, **buffers.opt_state, **buffers.carried, **buffers.batch,
@@ -52,8 +53,8 @@ class OverlappedStep:
         wanted = set(split.gradient.outputs)
         self.sessions = [
             BoundGraph(seg.graph, fixed, threads=threads,
-                       per_run={*seg.takes, *seg.bucket,
-                                *(o for o in seg.hands_on if o not in wanted)},
+                       unbound=Unbound(per_run={*seg.takes, *seg.bucket,
+                                                *(o for o in seg.hands_on if o not in wanted)}),
                        source=f"{source} (gradient step, segment {k + 1} of "
                               f"{len(cut.segments)})")
             for k, seg in enumerate(cut.segments)]
@@ -62,7 +63,7 @@ class OverlappedStep:
         # Outputs of the gradient step that later segments read (the loss, statistics):
         # bound once, read from where they lie.
         self._kept = {split.spec.loss: buffers.loss, **self.carried_outputs}
-        self.updates = self._update_parts(update_state, threads, source)
+        self.updates = self._update_parts(buffers.updates, threads, source)
         self._layout = [_layout(seg.bucket, info) for seg in cut.segments]
         self._done_after = self._bucket_ends()
 
@@ -90,7 +91,7 @@ class OverlappedStep:
             overwritten.update(update_state[o] for o in due[at])
             reads = tuple(i for i in graph.inputs if i in grads)
             part = BoundGraph(graph, fixed, updates={o: update_state[o] for o in due[at]},
-                              threads=threads, per_run=reads,
+                              threads=threads, unbound=Unbound(per_run=reads),
                               source=f"{source} (update step, after segment {at})")
             parts.append((part, reads))
         return parts
@@ -118,17 +119,8 @@ class OverlappedStep:
         flats: dict[int, dict[np.dtype, np.ndarray]] = {}
         handed: dict[str, object] = {}
         pending: list[tuple[int, list]] = []  # (bucket, its reductions in flight)
-        for k, seg in enumerate(cut.segments):
-            flats[k], made_views = _new_bucket(self._layout[k])
-            views.update(made_views)
-            inputs = {v: views.get(v, self._kept.get(v)) if v not in handed else handed[v]
-                      for v in seg.takes}
-            handed.update(self.sessions[k].run_with(
-                inputs, made_views,
-                [o for o in seg.hands_on if o not in views and o not in self._kept]))
-            for v in seg.takes:
-                if cut.last_read[v] == k:
-                    handed.pop(v, None)
+        for k in range(n):
+            flats[k] = self._run_segment(k, views, handed)
             self._wait(pending, upto=k)
             for b, after in enumerate(cut.reduce_after):
                 if after == k and flats.get(b):
@@ -137,6 +129,26 @@ class OverlappedStep:
             self._update(k, views, flats)
         self._wait(pending, upto=n)
         self._update(n, views, flats)
+
+    def _run_segment(self, k: int, views: dict, handed: dict) -> dict:
+        """Segment ``k`` with its bucket made for this step (returned: dtype -> flat
+        array; its gradients' views added to ``views``), the values it takes from
+        ``handed`` and those it hands on added there; what no later segment reads is
+        dropped. Nothing it bound stays referenced here once it returns (a value held by
+        a local until the updates after the last segment measured 310 MB over the
+        prediction on GPT-2 124M)."""
+        seg = self.cut.segments[k]
+        flats, made_views = _new_bucket(self._layout[k])
+        views.update(made_views)
+        inputs = {v: handed[v] if v in handed else views.get(v, self._kept.get(v))
+                  for v in seg.takes}
+        handed.update(self.sessions[k].run_with(
+            inputs, made_views,
+            [o for o in seg.hands_on if o not in views and o not in self._kept]))
+        for v in seg.takes:
+            if self.cut.last_read[v] == k:
+                handed.pop(v, None)
+        return flats
 
     def _wait(self, pending: list, *, upto: int) -> None:
         """Wait on the reductions started before segment ``upto`` ran (all of them at the

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from memcc.dist.bound import BoundGraph
+from memcc.dist.bound import BoundGraph, Unbound
 from memcc.dist.buckets import cut_at_buckets
 from memcc.dist.overlap import OverlappedStep, RankBuffers
 from memcc.dist.split import SplitStep, owners_of_state, update_part
@@ -158,17 +158,17 @@ class Replica:
         self.overlapped = None
         if s.bucket_bytes:
             buffers = RankBuffers(self.param_views, self.opt_state, self.carried, self.batch,
-                                  self.loss_view)
+                                  self.loss_view, self.update_state)
             self.overlapped = OverlappedStep(split, cut_at_buckets(split, s.bucket_bytes),
-                                             buffers, self.update_state, self.comm,
-                                             s.threads, s.source)
+                                             buffers, self.comm, s.threads, s.source)
             return
         # The gradient step reads the Dropout counter, which the update step advances.
         grad_bufs = {**self.param_views, **self.opt_state, **self.carried, **self.batch,
                      **self.grad_views, loss: self.loss_view}
         self.grad_step = BoundGraph(split.gradient, grad_bufs, threads=s.threads,
                                     source=f"{s.source} (gradient step)",
-                                    transient=set(self.grad_order) - set(self.grad_views))
+                                    unbound=Unbound(transient=set(self.grad_order)
+                                                    - set(self.grad_views)))
         part = update_part(split, self.update_state)
         upd_bufs = {**self.param_views, **self.opt_state, **self.grad_views}
         self.update_step = BoundGraph(part, upd_bufs, updates=self.update_state,

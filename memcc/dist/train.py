@@ -217,7 +217,8 @@ def _set_up(opts: DistOptions, rank: int, comm, threads: int | None) -> _SetUp:
     t = opts.train
     run = prepare(opts)
     loaded = checkpoint_to_resume(opts, run)
-    predicted = predicted_rank_peak(run.graph, opts.world, opts.zero, rank)
+    predicted = predicted_rank_peak(run.graph, opts.world, opts.zero, rank,
+                                    opts.bucket_bytes)
     replica = Replica(_split(run, t), comm, ReplicaSettings(
         rank, opts.world, opts.zero, threads, str(t.step), bucket_bytes=opts.bucket_bytes))
     out = _SetUp(run, replica, predicted)
