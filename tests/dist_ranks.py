@@ -67,3 +67,25 @@ class ThreadRank:
         return objs if self.r == 0 else None
 
     def barrier(self): self.g.wait.wait()
+
+
+def run_ranks(group: Threads, body) -> None:
+    """``body(rank)`` for every rank of ``group``, each in a thread; the first failure is
+    raised here once all have stopped (a failing rank aborts the group's barrier, so the
+    others stop too)."""
+    errors: list[BaseException] = []
+
+    def rank(r: int) -> None:
+        try:
+            body(r)
+        except BaseException as exc:
+            errors.append(exc)
+            group.wait.abort()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(group.world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]

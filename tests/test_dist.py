@@ -24,14 +24,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import onnx
 import pytest
-from dist_ranks import OneRank, Threads
+from dist_ranks import OneRank, Threads, run_ranks
 from onnx_files import mlp_step_and_data
 from typer.testing import CliRunner
 
@@ -194,26 +193,15 @@ def _train_in_threads(path, zero: int, batches: list) -> tuple[dict, list]:
     group, replicas, out = Threads(2), [None, None], {}
 
     def rank(r: int) -> None:
-        try:
-            split = split_step(graph.copy(), TrainingStep.of(graph))  # its own initial values
-            replicas[r] = Replica(split, group.rank(r), ReplicaSettings(r, 2, zero, threads=1))
-            for step in batches:
-                replicas[r].step(step[r])
-            state = replicas[r].full_state()
-            if r == 0:
-                out.update({k: v.copy() for k, v in state.items()})
-        except BaseException as exc:
-            errors.append(exc)
-            group.wait.abort()
+        split = split_step(graph.copy(), TrainingStep.of(graph))  # its own initial values
+        replicas[r] = Replica(split, group.rank(r), ReplicaSettings(r, 2, zero, threads=1))
+        for step in batches:
+            replicas[r].step(step[r])
+        state = replicas[r].full_state()
+        if r == 0:
+            out.update({k: v.copy() for k, v in state.items()})
 
-    errors: list[BaseException] = []
-    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+    run_ranks(group, rank)
     return out, replicas
 
 

@@ -9,11 +9,9 @@ are cut into many segments, tied weights and BatchNorm statistics among them.
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
-from dist_ranks import OneRank, Threads
+from dist_ranks import OneRank, Threads, run_ranks
 
 from memcc import Trainer
 from memcc.backend.device_step import step_for_provider
@@ -94,26 +92,16 @@ def test_one_rank_by_buckets_is_bit_identical_to_the_trainer(tmp_path, model, op
 
 
 def _two_ranks(graph, zero: int, bucket_bytes: int | None, batches: list) -> list:
-    group, replicas, errors = Threads(2), [None, None], []
+    group, replicas = Threads(2), [None, None]
 
     def rank(r: int) -> None:
-        try:
-            split = split_step(graph.copy(), TrainingStep.of(graph))
-            replicas[r] = Replica(split, group.rank(r), ReplicaSettings(
-                r, 2, zero, threads=1, bucket_bytes=bucket_bytes))
-            for step in batches:
-                replicas[r].step(step[r])
-        except BaseException as exc:
-            errors.append(exc)
-            group.wait.abort()
+        split = split_step(graph.copy(), TrainingStep.of(graph))
+        replicas[r] = Replica(split, group.rank(r), ReplicaSettings(
+            r, 2, zero, threads=1, bucket_bytes=bucket_bytes))
+        for step in batches:
+            replicas[r].step(step[r])
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+    run_ranks(group, rank)
     return replicas
 
 
