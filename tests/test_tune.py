@@ -211,6 +211,8 @@ def test_budgets_that_cannot_fit_fail_clearly(model_file, tmp_path):
         tune(model_file, 200_000, RANGE, TuneOptions(**EXACT))
     with pytest.raises(InputError, match="give a size"):
         tune(model_file, "min", RANGE, TuneOptions(**EXACT))
+    with pytest.raises(InputError, match="--budget 50%: tune searches"):
+        tune(model_file, " 50% ", RANGE, TuneOptions(**EXACT))
     res = runner.invoke(app, ["tune", str(model_file), "--budget", "1GB", "--dim", RANGE,
                               "-o", str(tmp_path / "missing" / "x.onnx")])
     assert res.exit_code == 2 and "does not exist" in res.output

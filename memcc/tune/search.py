@@ -129,6 +129,11 @@ def _budget(budget: str | int) -> int:
         raise InputError("--budget min: tune searches for what fits a given budget; give a "
                          "size, e.g. --budget 1GB (compile --budget min gives the smallest "
                          "peak of one step)")
+    if isinstance(budget, str) and budget.strip().endswith("%"):
+        raise InputError(f"--budget {budget.strip()}: tune searches the sizes that fit one "
+                         "memory budget, which a share of each size's own peak is not; give "
+                         "a size, e.g. --budget 1GB (compile --budget 50% plans one step at a "
+                         "share of its peak)")
     # --budget 0 is searched like any budget too small: the refusal then names the bound
     # (the bytes the first size needs at least), as compile's does.
     return parse_size(budget)
