@@ -37,8 +37,9 @@ def _forward(model: str):
                                             num_classes=4)}[model]()
 
 
-def _step(tmp_path, model: str, opt: str):
-    graph = build_training_step(load_graph(_forward(model)), BuildOptions(optimizer=opt))
+def _step(tmp_path, model: str, opt: str, **build):
+    graph = build_training_step(load_graph(_forward(model)), BuildOptions(optimizer=opt,
+                                                                          **build))
     path = save_graph(graph, tmp_path / f"{model}-{opt}.onnx")
     graph, _ = step_for_provider(load_graph(path), "cpu")  # as memcc.dist.train prepares it
     return path, graph
@@ -77,13 +78,19 @@ def test_the_cut_partitions_the_backward_and_every_gradient_lies_in_one_bucket(t
 
 
 @pytest.mark.parametrize("model,opt", [("mlp", "sgd"), ("mlp", "adamw"), ("gpt2", "adamw"),
-                                       ("resnet18", "sgd")])
+                                       ("resnet18", "sgd"), ("mlp", "fp16-dynamic")])
 def test_one_rank_by_buckets_is_bit_identical_to_the_trainer(tmp_path, model, opt):
-    path, graph = _step(tmp_path, model, opt)
+    """fp16 with dynamic loss scaling: every update reads the finiteness of every gradient,
+    so all wait for the last bucket (one update part, after the backward)."""
+    build = dict(precision="fp16", loss_scale="dynamic") if opt == "fp16-dynamic" else {}
+    path, graph = _step(tmp_path, model, "adamw" if build else opt, **build)
     trainer = Trainer(path, threads=1)
     split = split_step(graph, TrainingStep.of(graph))
-    replica = Replica(split, OneRank(), ReplicaSettings(0, 1, threads=2, bucket_bytes=600))
-    assert len(replica.overlapped.cut.segments) > 2
+    replica = Replica(split, OneRank(), ReplicaSettings(0, 1, threads=2, bucket_bytes=300))
+    parts = [at for at, p in enumerate(replica.overlapped.updates) if p is not None]
+    n = len(replica.overlapped.cut.segments)
+    assert n > 2
+    assert parts == [n] if build else len(parts) > 2
     for batch in _batches(trainer):
         assert replica.step(batch) == (trainer.step(batch), False)
     mine = replica.full_state()
