@@ -25,10 +25,11 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from memcc.compiler.costing import node_costs
 from memcc.compiler.loading import check_provider, load_step_warned
+from memcc.compiler.options import DEFAULT_TIME_LIMIT as COMPILE_TIME_LIMIT
 from memcc.compiler.options import CompileOptions, user_budget
 from memcc.compiler.planning import as_trained
 from memcc.compiler.progress import warning_sink
@@ -37,7 +38,7 @@ from memcc.graph import Graph
 from memcc.passes.analysis.liveness import CATEGORIES, categorize
 from memcc.passes.analysis.step_traffic import StepTraffic, step_traffic
 from memcc.passes.plan import Plan, StepStructure
-from memcc.passes.planning.planner import PlanOutcome, choose_plan
+from memcc.passes.planning.planner import PlanOutcome, choose_plan, segment_counts
 from memcc.passes.planning.request import Budget
 from memcc.passes.planning.simulate import Simulation, SimulationRules, simulate
 from memcc.sizes import format_size
@@ -195,8 +196,12 @@ def _smallest(graph: Graph, costs, options: CompileOptions, st: StepStructure,
     """``--budget min`` as compile runs it (the same ``PlanRequest``), within
     ``options.time_limit``; the budget it reports with compile's margin and slack."""
     t0 = time.perf_counter()
-    outcome = choose_plan(graph, costs, options.plan_request(Budget.MIN), structure=st,
-                          baseline=base)
+    request = options.plan_request(Budget.MIN)
+    # The sqrt(n) segmentations compile simulates at its default limit, whatever this
+    # search's own (1 s by default): the smallest peak is compile's.
+    request = replace(request, segment_counts=segment_counts(
+        replace(request, time_limit=COMPILE_TIME_LIMIT), len(graph.nodes)))
+    outcome = choose_plan(graph, costs, request, structure=st, baseline=base)
     outcome = as_trained(graph, outcome, costs, options, st, smallest=True)
     spent = time.perf_counter() - t0
     best = outcome.best

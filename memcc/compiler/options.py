@@ -19,6 +19,8 @@ COST_SOURCES = ("auto", "measured", "analytic")
 
 
 BASE_SLACK_BYTES = 1024 * 1024
+# Seconds compile's planner may spend unless --time-limit says otherwise.
+DEFAULT_TIME_LIMIT = 60.0
 
 
 @dataclass(frozen=True)
@@ -26,7 +28,7 @@ class CompileOptions:
     budget: str | int = "min"
     strategy: str = "auto"
     provider: str = "cpu"
-    time_limit: float = 60.0
+    time_limit: float = DEFAULT_TIME_LIMIT
     cost: str = "auto"
     verify: bool = False
     # Plans target budget * (1 - margin) - slack: the liveness model ignores allocator
