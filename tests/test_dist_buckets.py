@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from dist_ranks import OneRank, Threads, run_ranks
+from onnx_files import mlp_step_and_data
 
 from memcc import Trainer
 from memcc.backend.device_step import step_for_provider
@@ -77,13 +78,38 @@ def test_the_cut_partitions_the_backward_and_every_gradient_lies_in_one_bucket(t
         cut_at_buckets(split, 0)
 
 
+def _compiled_gpt2(tmp_path):
+    """The zoo GPT-2 compiled at --budget min: recomputed nodes in the backward, which the
+    cut must carry across segments like any other value."""
+    from typer.testing import CliRunner
+
+    from memcc.cli import app
+
+    built, _ = _step(tmp_path, "gpt2", "adamw")
+    path = tmp_path / "min.onnx"
+    res = CliRunner().invoke(app, ["compile", str(built), "--budget", "min", "--strategy",
+                                   "sqrtn", "--cost", "analytic", "-o", str(path)])
+    assert res.exit_code == 0, res.output
+    graph, _ = step_for_provider(load_graph(path), "cpu")
+    return path, graph
+
+
 @pytest.mark.parametrize("model,opt", [("mlp", "sgd"), ("mlp", "adamw"), ("gpt2", "adamw"),
-                                       ("resnet18", "sgd"), ("mlp", "fp16-dynamic")])
+                                       ("resnet18", "sgd"), ("mlp", "fp16-dynamic"),
+                                       ("mlp-dropout", "adamw"), ("gpt2-compiled", "adamw")])
 def test_one_rank_by_buckets_is_bit_identical_to_the_trainer(tmp_path, model, opt):
     """fp16 with dynamic loss scaling: every update reads the finiteness of every gradient,
-    so all wait for the last bucket (one update part, after the backward)."""
+    so all wait for the last bucket (one update part, after the backward). Dropout: the
+    gradient step reads the counter the last update part advances."""
     build = dict(precision="fp16", loss_scale="dynamic") if opt == "fp16-dynamic" else {}
-    path, graph = _step(tmp_path, model, "adamw" if build else opt, **build)
+    if model == "mlp-dropout":
+        path, _ = mlp_step_and_data(tmp_path, batch=4, in_features=12, width=16, depth=3,
+                                    samples=8, optimizer=opt, dropout=0.25)
+        graph, _ = step_for_provider(load_graph(path), "cpu")
+    elif model == "gpt2-compiled":
+        path, graph = _compiled_gpt2(tmp_path)
+    else:
+        path, graph = _step(tmp_path, model, "adamw" if build else opt, **build)
     trainer = Trainer(path, threads=1)
     split = split_step(graph, TrainingStep.of(graph))
     replica = Replica(split, OneRank(), ReplicaSettings(0, 1, threads=2, bucket_bytes=300))
