@@ -15,6 +15,7 @@ import typer
 from memcc.api import MemccError
 from memcc.cli.app import err, fail, mb, out, warn
 from memcc.cli.options import CudaGraphOpt, DeterministicOpt, JsonOpt, RunProviderOpt, StepArg
+from memcc.sizes import format_size
 
 if TYPE_CHECKING:
     from memcc.api import TrainingInterrupted, TrainOptions, TrainResult
@@ -202,7 +203,7 @@ def _train_data_parallel(opts: TrainOptions, nproc: int | None, zero: int, *,
     state = ", ".join(mb(b) for b in info["optimizer_state_bytes_per_rank"])
     out.print(f"data-parallel: {info['world_size']} ranks x {info['rank_batch']} = "
               f"{info['global_batch']} samples a step; ZeRO-{info['zero']}"
-              + (f", gradients in buckets of {mb(info['bucket_bytes'])}"
+              + (f", gradients in buckets of {format_size(info['bucket_bytes'])}"
                  if info.get("bucket_bytes") else "") + "; optimizer state "
               f"per rank: {state}", highlight=False)
     measured = info.get("step_peak_bytes_per_rank") or []
