@@ -15,7 +15,6 @@ import typer
 from memcc.api import MemccError
 from memcc.cli.app import err, fail, mb, out, warn
 from memcc.cli.options import CudaGraphOpt, DeterministicOpt, JsonOpt, RunProviderOpt, StepArg
-from memcc.sizes import format_size
 
 if TYPE_CHECKING:
     from memcc.api import TrainingInterrupted, TrainOptions, TrainResult
@@ -200,6 +199,8 @@ def _train_data_parallel(opts: TrainOptions, nproc: int | None, zero: int, *,
         sys.stdout.write(json.dumps({**result.to_json(), "distributed": info}) + "\n")
         return
     _print_trained(result)
+    from memcc.api import format_size
+
     state = ", ".join(mb(b) for b in info["optimizer_state_bytes_per_rank"])
     out.print(f"data-parallel: {info['world_size']} ranks x {info['rank_batch']} = "
               f"{info['global_batch']} samples a step; ZeRO-{info['zero']}"
