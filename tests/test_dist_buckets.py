@@ -96,7 +96,8 @@ def _compiled_gpt2(tmp_path):
 
 @pytest.mark.parametrize("model,opt", [("mlp", "sgd"), ("mlp", "adamw"), ("gpt2", "adamw"),
                                        ("resnet18", "sgd"), ("mlp", "fp16-dynamic"),
-                                       ("mlp-dropout", "adamw"), ("gpt2-compiled", "adamw")])
+                                       ("mlp-dropout", "adamw"), ("gpt2-compiled", "adamw"),
+                                       ("hf-gpt2-dynamo", "adamw")])
 def test_one_rank_by_buckets_is_bit_identical_to_the_trainer(tmp_path, model, opt):
     """fp16 with dynamic loss scaling: every update reads the finiteness of every gradient,
     so all wait for the last bucket (one update part, after the backward). Dropout: the
@@ -108,6 +109,13 @@ def test_one_rank_by_buckets_is_bit_identical_to_the_trainer(tmp_path, model, op
         graph, _ = step_for_provider(load_graph(path), "cpu")
     elif model == "gpt2-compiled":
         path, graph = _compiled_gpt2(tmp_path)
+    elif model == "hf-gpt2-dynamo":  # transformers' GPT-2 by torch.onnx's dynamo exporter
+        from exports import export
+
+        forward, _, _, dims = export("gpt2", "dynamo", tmp_path)
+        built = build_training_step(load_graph(forward, dims), BuildOptions(optimizer=opt))
+        path = save_graph(built, tmp_path / "hf.onnx")
+        graph, _ = step_for_provider(load_graph(path), "cpu")
     else:
         path, graph = _step(tmp_path, model, "adamw" if build else opt, **build)
     trainer = Trainer(path, threads=1)

@@ -148,3 +148,22 @@ class BoundGraph:
         self.transient_outputs = {}
         for out in self._transient:
             self._binding.bind_output(out, "cpu")
+
+
+def flat_arrays(names: list[str], info, extra: int = 0) -> tuple[dict[str, np.ndarray], dict]:
+    """One flat array per dtype holding ``names`` in order (plus ``extra`` float32 slots):
+    name -> its view, and dtype -> the flat array."""
+    sizes: dict[np.dtype, int] = {}
+    for n in names:
+        sizes[info[n].np_dtype] = sizes.get(info[n].np_dtype, 0) + info[n].numel
+    if extra:
+        sizes[np.dtype(np.float32)] = sizes.get(np.dtype(np.float32), 0) + extra
+    flats = {dt: np.zeros(k, dt) for dt, k in sizes.items()}
+    at = dict.fromkeys(flats, 0)
+    views = {}
+    for n in names:
+        ti = info[n]
+        dt = ti.np_dtype
+        views[n] = flats[dt][at[dt]:at[dt] + ti.numel].reshape(ti.shape)
+        at[dt] += ti.numel
+    return views, flats

@@ -38,14 +38,14 @@ def bucketed_rank_graph(graph: Graph, ranks: Ranks, rank: int, bucket_bytes: int
     split = split_step(graph, TrainingStep.of(graph))
     cut = cut_at_buckets(split, bucket_bytes)
     grads = set(split.gradients.values())
-    bound = {o: b for o, b in json.loads(view.metadata[BOUND_KEY]).items()}
+    bound = json.loads(view.metadata[BOUND_KEY])
+    state = json.loads(view.metadata[STATE_KEY])
     for g in grads & set(bound):
         view.inputs.remove(bound.pop(g))
     view.outputs = [o for o in view.outputs if o not in grads]
     view.metadata[BOUND_KEY] = json.dumps(bound)
     in_view = {id(n) for n in view.nodes}
-    mine = [o for o in split.update_state if o in json.loads(view.metadata[STATE_KEY])
-            or o in bound]
+    mine = [o for o in split.update_state if o in state or o in bound]
     due = {at: [n for n in update_part(split, outs).nodes if id(n) in in_view]
            for at, outs in update_points(split, cut, mine).items()}
     read_by_mine = {i for ns in due.values() for n in ns for i in n.input}

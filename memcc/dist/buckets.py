@@ -21,9 +21,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from memcc.dist.split import SplitStep, subgraph, update_part
+from memcc.dist.split import SplitStep, subgraph
 from memcc.errors import InputError
-from memcc.graph import Graph
+from memcc.graph import Graph, ancestors
 
 
 @dataclass(frozen=True)
@@ -41,14 +41,12 @@ class Segment:
 
 @dataclass(frozen=True)
 class SegmentedStep:
-    """The segments in order and when things may happen between them: ``last_read``, a
-    handed-on value -> the last segment reading it; ``reduce_after``, per segment, the
-    segment after which its bucket's reduction starts; ``read_until``, every value a
-    segment reads -> the last segment reading it (an update overwriting a parameter or
-    state waits for it)."""
+    """The segments in order and when things may happen between them: ``reduce_after``,
+    per segment, the segment after which its bucket's reduction starts; ``read_until``,
+    every value a segment reads -> the last segment reading it (a handed-on value is
+    dropped there; an update overwriting a parameter or state waits for it)."""
 
     segments: tuple[Segment, ...]
-    last_read: dict[str, int]
     reduce_after: tuple[int, ...]
     read_until: dict[str, int]
     ends: tuple[int, ...]    # where each segment ends among the gradient step's nodes
@@ -58,6 +56,14 @@ class SegmentedStep:
         after the segment following the one that started it (one segment of overlap), or
         after the last segment (``len(segments)``)."""
         return min(self.reduce_after[bucket] + 1, len(self.segments))
+
+
+def refuse_zero2(zero: int) -> None:
+    """Buckets are all-reduced: ZeRO-2's reductions of each gradient to its owner are not
+    bucketed (and by buckets ZeRO-1 already holds no gradient between steps)."""
+    if zero == 2:
+        raise InputError("--bucket-mb with --zero 2: not built (ZeRO-2 reduces each "
+                         "gradient to its owner); use --zero 1 or leave out --bucket-mb")
 
 
 def cut_at_buckets(split: SplitStep, bucket_bytes: int) -> SegmentedStep:
@@ -93,28 +99,23 @@ def _segments(split: SplitStep, ends: list[int], buckets: list[list[str]]) -> Se
     made_in = {o: k for k, nodes in enumerate(runs) for n in nodes for o in n.output if o}
     constants = {n.output[0]: n for n in g.nodes
                  if n.op_type == "Constant" and len(n.output) == 1}
-    last_read: dict[str, int] = {}
-    takes: list[list[str]] = []
-    for k, nodes in enumerate(runs):
-        read = dict.fromkeys(i for n in nodes for i in n.input
-                             if i and made_in.get(i, k) < k and i not in constants)
-        takes.append(list(read))
-        for v in read:
-            last_read[v] = k
+    read_until = {i: k for k, nodes in enumerate(runs) for n in nodes for i in n.input if i}
+    takes = [list(dict.fromkeys(i for n in nodes for i in n.input
+                                if i and made_in.get(i, k) < k and i not in constants))
+             for k, nodes in enumerate(runs)]
     wanted = set(g.outputs)
     segments = []
     for k, nodes in enumerate(runs):
         made = [o for n in nodes for o in n.output if o]
-        hands_on = [o for o in made if o in last_read]
+        hands_on = [o for o in made if read_until.get(o, k) > k and o not in constants]
         repeated = [constants[i] for i in dict.fromkeys(
             i for n in nodes for i in n.input if i in constants and made_in[i] != k)]
         outputs = [*hands_on, *(o for o in made if o in wanted)]
         graph = subgraph(g, [*repeated, *nodes], outputs)
         segments.append(Segment(graph, tuple(buckets[k]), tuple(hands_on), tuple(takes[k])))
-    reduce_after = tuple(max([k, *(last_read.get(gr, k) for gr in b)])
+    reduce_after = tuple(max([k, *(read_until.get(gr, k) for gr in b)])
                          for k, b in enumerate(buckets))
-    read_until = {i: k for k, nodes in enumerate(runs) for n in nodes for i in n.input if i}
-    return SegmentedStep(tuple(segments), last_read, reduce_after, read_until, tuple(ends))
+    return SegmentedStep(tuple(segments), reduce_after, read_until, tuple(ends))
 
 
 def update_points(split: SplitStep, cut: SegmentedStep, outputs: Iterable[str]
@@ -126,9 +127,10 @@ def update_points(split: SplitStep, cut: SegmentedStep, outputs: Iterable[str]
     last = len(cut.segments)
     grads = set(split.gradients.values())
     bucket_of = {g: k for k, seg in enumerate(cut.segments) for g in seg.bucket}
+    producer = split.update.def_use().producer
     due: dict[int, list[str]] = {}
     for out in outputs:
-        reads = [i for i in update_part(split, [out]).inputs if i in grads]
+        reads = grads & ancestors([out], producer)[1]
         at = max([cut.read_until.get(split.update_state[out], 0),
                   *(cut.waited_after(bucket_of[g]) for g in reads)]) if reads else last
         due.setdefault(at, []).append(out)

@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from memcc.backend.memory import trim_heap
+from memcc.dist.buckets import refuse_zero2
 from memcc.dist.comm import Comm, free_port, launched_by_torchrun, torch_distributed
 from memcc.dist.memory import MEMORY_ENV
 from memcc.dist.train import DistOptions, checkpoint_to_resume, default_threads, prepare, run_rank
@@ -86,9 +87,7 @@ def bucket_bytes(bucket_mb: float | None, zero: int) -> int | None:
     if not bucket_mb > 0:
         raise InputError(f"--bucket-mb {bucket_mb}: give a size in MB above 0 (DDP's default "
                          "is 25)")
-    if zero == 2:
-        raise InputError("--bucket-mb with --zero 2: not built (ZeRO-2 reduces each gradient "
-                         "to its owner); use --zero 1 or leave out --bucket-mb")
+    refuse_zero2(zero)
     return max(1, int(bucket_mb * 1_000_000))
 
 

@@ -2,7 +2,7 @@
 segments run, its parameters updated and its gradients freed once the reduction is done
 (``dist.buckets`` cuts the step; ``memcc train --nproc N --bucket-mb B``).
 
-Per step and bucket, one flat array per dtype is made when the step starts and dropped
+Per step and bucket, one flat array per dtype is made when its segment starts and dropped
 after the bucket's updates: between steps a rank holds no gradient, and within a step
 about the buckets in flight, where the unsegmented step holds every gradient all step.
 ZeRO-1: each rank runs the updates of the parameters it owns and all-reduces every
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from memcc.dist.bound import BoundGraph, Unbound
+from memcc.dist.bound import BoundGraph, Unbound, flat_arrays
 from memcc.dist.buckets import SegmentedStep, update_points
 from memcc.dist.split import SplitStep, update_part
 from memcc.errors import InputError
@@ -47,7 +47,6 @@ class OverlappedStep:
     def __init__(self, split: SplitStep, cut: SegmentedStep, buffers: RankBuffers, comm,
                  threads: int | None, source: str) -> None:
         self.split, self.cut, self.buffers, self.comm = split, cut, buffers, comm
-        info = split.full.info
         fixed = {**buffers.params, **buffers.opt_state, **buffers.carried, **buffers.batch,
                  split.spec.loss: buffers.loss}
         wanted = set(split.gradient.outputs)
@@ -64,7 +63,6 @@ class OverlappedStep:
         # bound once, read from where they lie.
         self._kept = {split.spec.loss: buffers.loss, **self.carried_outputs}
         self.updates = self._update_parts(buffers.updates, threads, source)
-        self._layout = [_layout(seg.bucket, info) for seg in cut.segments]
         self._done_after = self._bucket_ends()
 
     def _update_parts(self, update_state: Mapping[str, str], threads: int | None,
@@ -138,7 +136,7 @@ class OverlappedStep:
         a local until the updates after the last segment measured 310 MB over the
         prediction on GPT-2 124M)."""
         seg = self.cut.segments[k]
-        flats, made_views = _new_bucket(self._layout[k])
+        made_views, flats = flat_arrays(list(seg.bucket), self.split.full.info)
         views.update(made_views)
         inputs = {v: handed[v] if v in handed else views.get(v, self._kept.get(v))
                   for v in seg.takes}
@@ -146,7 +144,7 @@ class OverlappedStep:
             inputs, made_views,
             [o for o in seg.hands_on if o not in views and o not in self._kept]))
         for v in seg.takes:
-            if self.cut.last_read[v] == k:
+            if self.cut.read_until[v] == k:
                 handed.pop(v, None)
         return flats
 
@@ -172,27 +170,3 @@ class OverlappedStep:
                 for g in self.cut.segments[b].bucket:
                     views.pop(g, None)
                 del flats[b]
-
-
-def _layout(bucket: tuple[str, ...], info) -> list[tuple[str, np.dtype, int, tuple]]:
-    """Where each gradient of a bucket lies in its flat arrays: (name, dtype, offset,
-    shape), one flat array per dtype."""
-    at: dict[np.dtype, int] = {}
-    out = []
-    for g in bucket:
-        ti = info[g]
-        dt = ti.np_dtype
-        out.append((g, dt, at.get(dt, 0), tuple(ti.shape)))
-        at[dt] = at.get(dt, 0) + ti.numel
-    return out
-
-
-def _new_bucket(layout: list) -> tuple[dict[np.dtype, np.ndarray], dict[str, np.ndarray]]:
-    """A bucket's flat arrays for one step (dtype -> array) and its gradients' views."""
-    sizes: dict[np.dtype, int] = {}
-    for _, dt, off, shape in layout:
-        sizes[dt] = max(sizes.get(dt, 0), off + int(np.prod(shape, dtype=np.int64)))
-    flats = {dt: np.empty(k, dt) for dt, k in sizes.items()}
-    views = {g: flats[dt][off:off + int(np.prod(shape, dtype=np.int64))].reshape(shape)
-             for g, dt, off, shape in layout}
-    return flats, views

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from memcc.dist.bound import BoundGraph, Unbound
-from memcc.dist.buckets import cut_at_buckets
+from memcc.dist.bound import BoundGraph, Unbound, flat_arrays
+from memcc.dist.buckets import cut_at_buckets, refuse_zero2
 from memcc.dist.overlap import OverlappedStep, RankBuffers
 from memcc.dist.split import SplitStep, owners_of_state, update_part
 from memcc.errors import InputError
@@ -44,25 +44,6 @@ def assign_owners(split: SplitStep, world: int) -> dict[str, int]:
     """Parameter -> the rank that updates it (ZeRO-1): ``passes.analysis.rank_step``'s
     deal (by bytes, largest first), the one ``memcc compile --nproc`` planned."""
     return deal(split.parameters, split.full, world)
-
-
-def _flat(names: list[str], info, extra: int = 0) -> tuple[dict[str, np.ndarray], dict]:
-    """One flat array per dtype holding ``names`` in order (plus ``extra`` float32 slots):
-    name -> its view, and dtype -> the flat array."""
-    sizes: dict[np.dtype, int] = {}
-    for n in names:
-        sizes[info[n].np_dtype] = sizes.get(info[n].np_dtype, 0) + info[n].numel
-    if extra:
-        sizes[np.dtype(np.float32)] = sizes.get(np.dtype(np.float32), 0) + extra
-    flats = {dt: np.zeros(k, dt) for dt, k in sizes.items()}
-    at = dict.fromkeys(flats, 0)
-    views = {}
-    for n in names:
-        ti = info[n]
-        dt = ti.np_dtype
-        views[n] = flats[dt][at[dt]:at[dt] + ti.numel].reshape(ti.shape)
-        at[dt] += ti.numel
-    return views, flats
 
 
 @dataclass(frozen=True)
@@ -86,15 +67,14 @@ class Replica:
         if s.zero not in (0, 1, 2):
             raise InputError(f"--zero {s.zero}: memcc shards optimizer state at stage 0 "
                              "(none), 1 (optimizer state) or 2 (and gradients)")
-        if s.bucket_bytes and s.zero == 2:
-            raise InputError("--bucket-mb with --zero 2: not built (ZeRO-2 reduces each "
-                             "gradient to its owner); use --zero 1 or leave out --bucket-mb")
+        if s.bucket_bytes:
+            refuse_zero2(s.zero)
         self.split, self.comm, self.settings = split, comm, s
         info = split.full.info
         params = split.parameters
         self.owner = assign_owners(split, s.world) if s.zero else dict.fromkeys(params, s.rank)
         order = sorted(params, key=lambda p: (self.owner[p], params.index(p)))
-        self.param_views, self.param_flats = _flat(order, info)
+        self.param_views, self.param_flats = flat_arrays(order, info)
         self._owned_ranges = self._ranges(order)
         self.grad_order = list(dict.fromkeys(split.gradients.values()))
         # ZeRO-2: gradient -> the rank it is reduced to (None: all-reduced, kept by all).
@@ -102,7 +82,7 @@ class Replica:
         kept = [] if s.bucket_bytes else \
             [g for g in self.grad_order if self.grad_to.get(g, s.rank) in (None, s.rank)]
         apart = s.zero == 2 or bool(s.bucket_bytes)
-        self.grad_views, self.grad_flats = _flat(kept, info, extra=0 if apart else 2)
+        self.grad_views, self.grad_flats = flat_arrays(kept, info, extra=0 if apart else 2)
         # Loss and stop flag: the float32 bucket's tail, or their own 2 floats (ZeRO-2,
         # buckets).
         self.flags = np.zeros(2, np.float32) if apart else None
