@@ -7,6 +7,9 @@
     PYTHONPATH=.:tests python -m benchmarks.data_parallel --mode zero2 --steps 12
     # gradients reduced in buckets of 25 MB during the backward (memcc train --bucket-mb)
     PYTHONPATH=.:tests python -m benchmarks.data_parallel --mode zero1 --bucket-mb 25
+    # rank 0 of 2 (ZeRO-1) in one process, collectives stood in for, with and without
+    # buckets, steps alternated: the segmented step's own time, without the other rank
+    PYTHONPATH=.:tests python -m benchmarks.data_parallel --size 124m --mode one-process
     # GPT-2 124M (real size: width 768, depth 12, vocab 50257, 1024 positions), 128 tokens,
     # batch 1 per rank: the per-rank memory target of issue 33
     PYTHONPATH=.:tests python -m benchmarks.data_parallel --size 124m --mode zero1 --steps 4
@@ -53,6 +56,36 @@ def _files(d: Path, size: str) -> int:
     return rank_batch
 
 
+def _one_process(path: Path, data: Path, steps: int, bucket_bytes: int) -> dict:
+    """Seconds per step of rank 0 of 2 (ZeRO-1), one bucket against ``bucket_bytes``
+    buckets, both replicas in this process with the collectives stood in for
+    (``tests/dist_ranks.OneRank``), one ORT thread, steps alternated."""
+    import time
+
+    from dist_ranks import OneRank
+
+    from memcc.backend.device_step import step_for_provider
+    from memcc.dist import split_step
+    from memcc.dist.replica import Replica, ReplicaSettings
+    from memcc.frontend.load import load_graph
+    from memcc.step import TrainingStep
+
+    g, _ = step_for_provider(load_graph(path), "cpu")
+    reps = {name: Replica(split_step(g.copy(), TrainingStep.of(g)), OneRank(),
+                          ReplicaSettings(0, 2, 1, threads=1, bucket_bytes=bb))
+            for name, bb in (("one_bucket", None), ("buckets", bucket_bytes))}
+    arrays = np.load(data)
+    times: dict[str, list[float]] = {name: [] for name in reps}
+    for _ in range(steps):
+        for name, rep in reps.items():
+            batch = {n: arrays[n][:rep.batch[n].shape[0]] for n in rep.batch}
+            t = time.perf_counter()
+            rep.step(batch)
+            times[name].append(round(time.perf_counter() - t, 3))
+    return {"mode": f"rank 0 of 2, ZeRO-1, one process, buckets of {bucket_bytes} bytes",
+            "seconds_per_step": times}
+
+
 def _fused_peak(path: Path) -> int:
     """The predicted peak of the fused step as one process trains it (updates early)."""
     from memcc.frontend.load import load_graph
@@ -68,7 +101,8 @@ def main() -> None:
     from memcc.trainer.loop import TrainOptions, train
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", choices=["single", "zero0", "zero1", "zero2"], required=True)
+    ap.add_argument("--mode", choices=["single", "zero0", "zero1", "zero2", "one-process"],
+                    required=True)
     ap.add_argument("--size", choices=sorted(SIZES), default="small")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--dir", type=Path, default=None)
@@ -76,7 +110,10 @@ def main() -> None:
     a = ap.parse_args()
     d = a.dir or Path(f"/tmp/memcc_data_parallel_{a.size}")
     b = _files(d, a.size)
-    if a.mode == "single":
+    if a.mode == "one-process":
+        out = _one_process(d / f"gpt2_b{b}.onnx", d / "data.npz", a.steps,
+                           int((a.bucket_mb or 25) * 1_000_000))
+    elif a.mode == "single":
         r = train(TrainOptions(step=d / f"gpt2_b{2 * b}.onnx", data=d / "data.npz",
                                steps=a.steps))
         out = {"mode": f"1 process, batch {2 * b}", "samples_per_s": r.samples_per_s,
