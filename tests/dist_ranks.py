@@ -1,12 +1,10 @@
 """Stand-ins for ``memcc.dist.comm.Comm`` in one process: a group of one, and ranks as
-threads whose collectives run over numpy arrays (``tests/test_dist.py``,
+threads whose collectives run over the ranks' tensors (``tests/test_dist.py``,
 ``tests/test_dist_buckets.py``)."""
 
 from __future__ import annotations
 
 import threading
-
-import numpy as np
 
 
 class _Done:
@@ -28,7 +26,7 @@ class OneRank:
 
 class Threads:
     """``world`` ranks as threads of this process: ``dist.comm.Comm``'s collectives over
-    numpy arrays (sums in rank order). ``reduce_mean`` leaves NaN on the ranks it does not
+    the ranks' tensors (sums in rank order). ``reduce_mean`` leaves NaN on the ranks it does not
     reduce to: a gradient a ZeRO-2 rank sent and then read would poison its parameters."""
 
     def __init__(self, world: int) -> None:
@@ -50,7 +48,7 @@ class ThreadRank:
         self.g.wait.wait()
         return values
 
-    def all_reduce_mean(self, arr): arr[...] = sum(self._all(arr.copy())) / self.g.world
+    def all_reduce_mean(self, arr): arr[...] = sum(self._all(arr.clone())) / self.g.world
 
     def all_reduce_mean_async(self, arr):
         """Done at once (the ranks call in the same order): the bits of ``all_reduce_mean``."""
@@ -58,10 +56,10 @@ class ThreadRank:
         return _Done()
 
     def reduce_mean(self, arr, dst):
-        total = sum(self._all(arr.copy())) / self.g.world
-        arr[...] = total if self.r == dst else np.nan
+        total = sum(self._all(arr.clone())) / self.g.world
+        arr[...] = total if self.r == dst else float("nan")
 
-    def broadcast(self, arr, src): arr[...] = self._all(arr.copy())[src]
+    def broadcast(self, arr, src): arr[...] = self._all(arr.clone())[src]
     def gather_object(self, obj):
         objs = self._all(obj)
         return objs if self.r == 0 else None

@@ -295,7 +295,7 @@ def test_missing_torch_names_the_extra(files, monkeypatch):
     (["--nproc", "-3"], "--nproc -3"),
     (["--zero", "1"], "give --nproc N"),
     (["--nproc", "2", "--zero", "3"], "--zero 3"),
-    (["--nproc", "2", "--provider", "cuda"], "CPU (gloo)"),
+    (["--nproc", "2", "--provider", "cuda"], "CUDA is not available"),
     (["--nproc", "2", "--arena"], "--arena is not supported with --nproc"),
 ])
 def test_bad_data_parallel_options_exit_2_before_any_rank_starts(files, args, message):

@@ -2,17 +2,16 @@
 
 memcc's single-device tool stays torch-free: torch comes with the optional extra
 (``pip install "memcc[dist]"``), and ``torch_distributed`` says so when it is missing.
-Arrays cross into torch with ``torch.from_numpy`` (the tensor is the array's memory: the
-collectives reduce the buffers ORT wrote, in place, no copy). On GPUs this would be DLPack
-on device buffers with NCCL (not built: this machine has no GPU).
+The buffers are torch tensors on the rank's device that ORT reads and writes through DLPack
+(``dist.tensors``): the collectives reduce the buffers ORT wrote, in place, no copy. gloo on
+the CPU; NCCL where every rank has a GPU of its own (``backend_for``); on a GPU shared by
+ranks, gloo over CUDA tensors (torch stages them through host memory).
 """
 
 from __future__ import annotations
 
 import os
 import socket
-
-import numpy as np
 
 from memcc.errors import InputError
 
@@ -53,60 +52,77 @@ def launched_by_torchrun() -> tuple[int, int, int] | None:
                          "must be set") from None
 
 
+def backend_for(device_kind: str, ranks_per_gpu: int) -> str:
+    """The process group's backend: NCCL where each rank has a GPU of its own (NCCL refuses
+    two ranks on one device), else gloo (on the CPU; over CUDA tensors on a shared GPU)."""
+    return "nccl" if device_kind == "cuda" and ranks_per_gpu == 1 else "gloo"
+
+
 class _Averaging:
     """An all-reduce in flight; ``wait`` divides the sum by the world size, as
     ``Comm.all_reduce_mean`` does (the same bits)."""
 
-    def __init__(self, work, tensor, world: int) -> None:
-        self.work, self.tensor, self.world = work, tensor, world
+    def __init__(self, work, tensor, comm: Comm) -> None:
+        self.work, self.tensor, self.comm = work, tensor, comm
 
     def wait(self) -> None:
         self.work.wait()
-        self.tensor.div_(self.world)
+        self.tensor.div_(self.comm.world)
+        self.comm.settle(self.tensor)
 
 
 class Comm:
-    """The collectives a ``dist.replica.Replica`` needs, over one gloo process group."""
+    """The collectives a ``dist.replica.Replica`` needs, over one process group (gloo, or
+    NCCL: ``backend_for``), on tensors where they lie."""
 
-    def __init__(self, rank: int, world: int) -> None:
+    def __init__(self, rank: int, world: int, backend: str = "gloo", gpu: int = 0) -> None:
         self.dist = torch_distributed()
+        # NCCL's own small tensors (flags, pickled objects) live on the rank's GPU.
+        self._small = "cpu"
+        if backend == "nccl":
+            import torch
+
+            torch.cuda.set_device(gpu)
+            self._small = f"cuda:{gpu}"
         if not self.dist.is_initialized():
-            self.dist.init_process_group("gloo", rank=rank, world_size=world)
-        self.rank, self.world = rank, world
+            self.dist.init_process_group(backend, rank=rank, world_size=world)
+        self.rank, self.world, self.backend = rank, world, backend
 
-    def all_reduce_mean(self, arr: np.ndarray) -> None:
-        """Average ``arr`` over the ranks, in place (SUM, then divided by the world size)."""
-        import torch
+    @staticmethod
+    def settle(t) -> None:
+        """On a GPU, wait until torch's streams are done with ``t`` (the collective and the
+        division ran there; ORT reads it on a stream of its own next)."""
+        if t.is_cuda:
+            import torch
 
-        t = torch.from_numpy(arr)
+            torch.cuda.synchronize(t.device)
+
+    def all_reduce_mean(self, t) -> None:
+        """Average ``t`` over the ranks, in place (SUM, then divided by the world size)."""
         self.dist.all_reduce(t, op=self.dist.ReduceOp.SUM)
         t.div_(self.world)
+        self.settle(t)
 
-    def all_reduce_mean_async(self, arr: np.ndarray) -> _Averaging:
-        """``all_reduce_mean`` started in gloo's thread: ``wait()`` on the result ends it
-        (then ``arr`` holds the mean). ``arr`` must not be read or written until then."""
-        import torch
-
-        t = torch.from_numpy(arr)
+    def all_reduce_mean_async(self, t) -> _Averaging:
+        """``all_reduce_mean`` started in the backend's thread or stream: ``wait()`` on the
+        result ends it (then ``t`` holds the mean). ``t`` must not be read or written until
+        then."""
         return _Averaging(self.dist.all_reduce(t, op=self.dist.ReduceOp.SUM, async_op=True),
-                          t, self.world)
+                          t, self)
 
-    def reduce_mean(self, arr: np.ndarray, dst: int) -> None:
-        """Average ``arr`` over the ranks into rank ``dst``'s ``arr`` (ZeRO-2: a gradient to
+    def reduce_mean(self, t, dst: int) -> None:
+        """Average ``t`` over the ranks into rank ``dst``'s ``t`` (ZeRO-2: a gradient to
         its owner; SUM, then divided there as ``all_reduce_mean`` divides: the same bits
         on 2 ranks, where a sum of two is the same in any order). gloo reduces in place
-        (measured: at most 2.0 MB of scratch); elsewhere ``arr`` is left undefined."""
-        import torch
-
-        t = torch.from_numpy(arr)
+        (measured: at most 2.0 MB of scratch); elsewhere ``t`` is left undefined."""
         self.dist.reduce(t, dst=dst, op=self.dist.ReduceOp.SUM)
         if self.rank == dst:
             t.div_(self.world)
+        self.settle(t)
 
-    def broadcast(self, arr: np.ndarray, src: int) -> None:
-        import torch
-
-        self.dist.broadcast(torch.from_numpy(arr), src=src)
+    def broadcast(self, t, src: int) -> None:
+        self.dist.broadcast(t, src=src)
+        self.settle(t)
 
     def gather_object(self, obj) -> list | None:
         """Every rank's ``obj`` on rank 0 (None elsewhere); pickled: for checkpoints only."""
@@ -121,7 +137,7 @@ class Comm:
         """Whether every rank says ``ok`` (so that all stop together on an error)."""
         import torch
 
-        t = torch.tensor([0 if ok else 1], dtype=torch.int64)
+        t = torch.tensor([0 if ok else 1], dtype=torch.int64, device=self._small)
         self.dist.all_reduce(t, op=self.dist.ReduceOp.SUM)
         return int(t.item()) == 0
 

@@ -1,11 +1,12 @@
 """Starting the ranks: ``memcc train --nproc N`` spawns N local processes; under
 ``torchrun`` this process is one rank of the launcher's group.
 
-Local launch: ``torch.multiprocessing`` (spawn start method), gloo, ``MASTER_ADDR``
-127.0.0.1 and a free ``MASTER_PORT``. Everything a rank would refuse (the step, the data,
-the checkpoint directory) is checked here first, so bad input fails once, with exit status
-2, before a process is started. A rank that fails later writes its error where the parent
-reads it; torch stops the other ranks.
+Local launch: ``torch.multiprocessing`` (spawn start method), ``MASTER_ADDR`` 127.0.0.1 and a
+free ``MASTER_PORT``; gloo on the CPU, NCCL with ``--provider cuda`` where each rank has a GPU
+of its own (``dist.placement.place_rank``, ``dist.comm.backend_for``). Everything a rank
+would refuse (the step, the data, the checkpoint directory) is checked here first, so bad
+input fails once, with exit status 2, before a process is started. A rank that fails later
+writes its error where the parent reads it; torch stops the other ranks.
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from memcc.backend.memory import trim_heap
+from memcc.backend.session import resolve_provider
 from memcc.dist.buckets import refuse_zero2
-from memcc.dist.comm import Comm, free_port, launched_by_torchrun, torch_distributed
+from memcc.dist.comm import Comm, backend_for, free_port, launched_by_torchrun, torch_distributed
 from memcc.dist.memory import MEMORY_ENV
+from memcc.dist.placement import place_rank
 from memcc.dist.train import DistOptions, checkpoint_to_resume, default_threads, prepare, run_rank
 from memcc.errors import InputError, MemccError, RuntimeFailure
 from memcc.step import RANKS_KEY
@@ -54,15 +57,16 @@ def train_distributed(opts: TrainOptions, nproc: int | None, *, zero: int = 0,
     torch_distributed()
     env = launched_by_torchrun()
     if env is not None:
-        rank, world, _ = env
+        rank, world, local_rank = env
         if nproc is not None and nproc != world:
             raise InputError(f"--nproc {nproc}: torchrun started {world} ranks (WORLD_SIZE); "
                              "give the same number or leave --nproc out")
         dopts = DistOptions(opts, world, zero, quiet or rank != 0, buckets)
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        comm = Comm(rank, world)
+        _check_placement(dopts, local)
+        comm, place = _join(dopts, rank, local_rank, local)
         try:
-            out = run_rank(dopts, rank, comm, opts.threads or default_threads(local))
+            out = run_rank(dopts, rank, comm, place)
         finally:
             comm.close()
         return _raise_if_interrupted(out)
@@ -74,6 +78,7 @@ def train_distributed(opts: TrainOptions, nproc: int | None, *, zero: int = 0,
     del run
     if mismatch and not quiet:
         print(f"warning: {opts.step}: {mismatch}", file=sys.stderr, flush=True)
+    _check_placement(dopts, nproc)
     gc.collect()
     trim_heap()  # what checking the step file took is not held while the ranks load it
     return _raise_if_interrupted(_spawn(dopts))
@@ -209,9 +214,8 @@ def _rank_main(rank: int, opts: DistOptions, port: int, tmp: str) -> None:
     os.environ["MASTER_PORT"] = str(port)
     comm = None
     try:
-        comm = Comm(rank, opts.world)
-        threads = opts.train.threads or default_threads(opts.world)
-        out = run_rank(opts, rank, comm, threads)
+        comm, place = _join(opts, rank, rank, opts.world)
+        out = run_rank(opts, rank, comm, place)
         if out is not None:
             result, info = out
             Path(tmp, "result.json").write_text(json.dumps({**result.to_json(),
@@ -224,3 +228,34 @@ def _rank_main(rank: int, opts: DistOptions, port: int, tmp: str) -> None:
     finally:
         if comm is not None:
             comm.close()
+
+
+def _join(opts: DistOptions, rank: int, local_rank: int, local_world: int):
+    """This rank's place (its GPU with ``--provider cuda``, its share of the host's cores)
+    and its process group: NCCL where every rank has a GPU of its own, else gloo."""
+    provider = resolve_provider(opts.train.provider)
+    place, sharing = place_rank(provider, local_rank, local_world, _gpus(provider),
+                                opts.train.threads or default_threads(local_world))
+    return Comm(rank, opts.world, backend_for(place.kind, sharing), place.gpu), place
+
+
+def _gpus(provider: str) -> int:
+    """The GPUs torch sees on this host (0 on the CPU)."""
+    if provider != "cuda":
+        return 0
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def _check_placement(opts: DistOptions, local_world: int) -> None:
+    """Refuse before any rank starts what a rank's placement would refuse: ``--provider
+    cuda`` without a GPU torch sees, and ZeRO-2 on a GPU shared by ranks (gloo has no
+    ``reduce`` over CUDA tensors)."""
+    provider = resolve_provider(opts.train.provider)
+    place, sharing = place_rank(provider, 0, local_world, _gpus(provider), None)
+    if place.on_gpu and sharing > 1 and opts.zero == 2:
+        raise InputError(f"--zero 2 with --provider cuda and {local_world} ranks on "
+                         f"{_gpus(provider)} GPU(s): ranks sharing a GPU talk over gloo, "
+                         "which cannot reduce CUDA tensors to one rank; use --zero 1, or "
+                         "one rank per GPU (NCCL)")

@@ -55,16 +55,21 @@ def predicted_rank_peak(graph: Graph, world: int, zero: int, rank: int,
 class RankMemory:
     """The step peak of one rank, measured around each step (module docstring)."""
 
-    def __init__(self, held_bytes: int) -> None:
+    def __init__(self, held_bytes: int, on_gpu: bool = False) -> None:
         self.held = held_bytes
         self.peak: int | None = None
         self.first_step: int | None = None
         self.steps = 0
         self._before = 0
-        self.ok = True
+        # A GPU rank's step memory is on the device, where ranks may share one GPU: not
+        # measured per rank (the prediction and the held bytes are still reported).
+        self.on_gpu = on_gpu
+        self.ok = not on_gpu
 
     @property
     def method(self) -> str:
+        if self.on_gpu:
+            return "none: a GPU rank's device memory is not measured per rank yet"
         how = CPU_METHOD if exact_cpu_measurement() else \
             "cpu-vmhwm-approximate: glibc's default thresholds (not started by memcc)"
         return (f"growth of VmHWM over the step (heap trimmed before it) plus the arrays the "

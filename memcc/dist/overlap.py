@@ -8,8 +8,9 @@ about the buckets in flight, where the unsegmented step holds every gradient all
 ZeRO-1: each rank runs the updates of the parameters it owns and all-reduces every
 bucket; the parameters are then broadcast by their owners as without buckets.
 
-``comm`` is ``dist.comm.Comm`` (or a stand-in with ``all_reduce_mean_async``); nothing
-here imports torch.
+``comm`` is ``dist.comm.Comm`` (or a stand-in with ``all_reduce_mean_async``); the
+buffers are tensors on the rank's device (``dist.tensors``), made through it: nothing here
+imports torch.
 """
 
 from __future__ import annotations
@@ -17,25 +18,25 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import numpy as np
-
 from memcc.dist.bound import BoundGraph, Unbound, flat_arrays
 from memcc.dist.buckets import SegmentedStep, update_points
+from memcc.dist.placement import Placement
 from memcc.dist.split import SplitStep, update_part
+from memcc.dist.tensors import RankDevice
 from memcc.errors import InputError
 
 
 @dataclass(frozen=True)
 class RankBuffers:
-    """The arrays a rank keeps across steps (``dist.replica.Replica``'s): parameters, its
+    """The tensors a rank keeps across steps (``dist.replica.Replica``'s): parameters, its
     optimizer state, the carried statistics' inputs, the batch, and the loss's slot; and
     the updates it runs (ZeRO-1: its own parameters')."""
 
-    params: Mapping[str, np.ndarray]
-    opt_state: Mapping[str, np.ndarray]
-    carried: Mapping[str, np.ndarray]
-    batch: Mapping[str, np.ndarray]
-    loss: np.ndarray
+    params: Mapping[str, object]
+    opt_state: Mapping[str, object]
+    carried: Mapping[str, object]
+    batch: Mapping[str, object]
+    loss: object
     updates: Mapping[str, str]   # the update outputs this rank runs -> what each replaces
 
 
@@ -45,13 +46,14 @@ class OverlappedStep:
     new values in ``carried_outputs`` (not yet averaged); the parameters it owns updated."""
 
     def __init__(self, split: SplitStep, cut: SegmentedStep, buffers: RankBuffers, comm,
-                 threads: int | None, source: str) -> None:
+                 place: Placement, source: str) -> None:
         self.split, self.cut, self.buffers, self.comm = split, cut, buffers, comm
+        self.device = RankDevice(place.kind, place.gpu)
         fixed = {**buffers.params, **buffers.opt_state, **buffers.carried, **buffers.batch,
                  split.spec.loss: buffers.loss}
         wanted = set(split.gradient.outputs)
         self.sessions = [
-            BoundGraph(seg.graph, fixed, threads=threads,
+            BoundGraph(seg.graph, fixed, place=place,
                        unbound=Unbound(per_run={*seg.takes, *seg.bucket,
                                                 *(o for o in seg.hands_on if o not in wanted)}),
                        source=f"{source} (gradient step, segment {k + 1} of "
@@ -62,10 +64,10 @@ class OverlappedStep:
         # Outputs of the gradient step that later segments read (the loss, statistics):
         # bound once, read from where they lie.
         self._kept = {split.spec.loss: buffers.loss, **self.carried_outputs}
-        self.updates = self._update_parts(buffers.updates, threads, source)
+        self.updates = self._update_parts(buffers.updates, place, source)
         self._done_after = self._bucket_ends()
 
-    def _update_parts(self, update_state: Mapping[str, str], threads: int | None,
+    def _update_parts(self, update_state: Mapping[str, str], place: Placement,
                       source: str) -> list[tuple[BoundGraph, tuple[str, ...]] | None]:
         """Per point between segments (and one after the last), the update of the
         parameters due there as one session, with the gradients it reads (bound per run);
@@ -89,7 +91,7 @@ class OverlappedStep:
             overwritten.update(update_state[o] for o in due[at])
             reads = tuple(i for i in graph.inputs if i in grads)
             part = BoundGraph(graph, fixed, updates={o: update_state[o] for o in due[at]},
-                              threads=threads, unbound=Unbound(per_run=reads),
+                              place=place, unbound=Unbound(per_run=reads),
                               source=f"{source} (update step, after segment {at})")
             parts.append((part, reads))
         return parts
@@ -113,8 +115,8 @@ class OverlappedStep:
     def run(self) -> None:
         """One step's gradients, reductions and this rank's updates (class docstring)."""
         cut, n = self.cut, len(self.cut.segments)
-        views: dict[str, np.ndarray] = {}
-        flats: dict[int, dict[np.dtype, np.ndarray]] = {}
+        views: dict[str, object] = {}
+        flats: dict[int, dict] = {}
         handed: dict[str, object] = {}
         pending: list[tuple[int, list]] = []  # (bucket, its reductions in flight)
         for k in range(n):
@@ -136,7 +138,8 @@ class OverlappedStep:
         a local until the updates after the last segment measured 310 MB over the
         prediction on GPT-2 124M)."""
         seg = self.cut.segments[k]
-        made_views, flats = flat_arrays(list(seg.bucket), self.split.full.info)
+        made_views, flats = flat_arrays(list(seg.bucket), self.split.full.info,
+                                        device=self.device)
         views.update(made_views)
         inputs = {v: handed[v] if v in handed else views.get(v, self._kept.get(v))
                   for v in seg.takes}

@@ -1,6 +1,7 @@
 """One rank's data-parallel step: gradient step, averaged gradients, update step.
 
-The buffers (all numpy arrays, bound to both halves of the split step, ``dist.bound``):
+The buffers (tensors on the rank's device, ``dist.tensors``, bound to both halves of the
+split step, ``dist.bound``):
 
 - parameters: one flat array per dtype, laid out owner by owner (ZeRO-1: rank 0's
   parameters first), each parameter a view into it, so the parameters a rank updated are
@@ -20,21 +21,24 @@ it (``BoundGraph``'s transient outputs), each gradient is reduced to its owner (
 on the owner) and the sent ones are freed before the update step; loss and stop flag are
 all-reduced apart (8 bytes). Between steps a rank holds 1/N of the gradients.
 
-``comm`` is ``dist.comm.Comm`` (torch.distributed); nothing here imports torch.
+``comm`` is ``dist.comm.Comm`` (torch.distributed); the buffers are made and copied
+through ``settings.device`` (``dist.tensors.RankDevice``): nothing here imports torch.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from memcc.dist.bound import BoundGraph, Unbound, flat_arrays
 from memcc.dist.buckets import cut_at_buckets, refuse_zero2
 from memcc.dist.overlap import OverlappedStep, RankBuffers
+from memcc.dist.placement import Placement
 from memcc.dist.split import SplitStep, owners_of_state, update_part
+from memcc.dist.tensors import RankDevice
 from memcc.errors import InputError
 from memcc.passes.analysis.rank_step import assign_owners as deal
 from memcc.passes.analysis.rank_step import gradient_owners
@@ -56,6 +60,12 @@ class ReplicaSettings:
     # Gradient buckets of this many bytes, each reduced while the backward goes on and
     # freed after its updates (``dist.overlap``); None: one bucket held all step.
     bucket_bytes: int | None = None
+    # Where the buffers and sessions live (``--provider cuda``: the rank's GPU).
+    device: RankDevice = field(default_factory=RankDevice)
+
+    @property
+    def place(self) -> Placement:
+        return Placement(self.device.kind, self.device.index, self.threads)
 
 
 class Replica:
@@ -70,11 +80,12 @@ class Replica:
         if s.bucket_bytes:
             refuse_zero2(s.zero)
         self.split, self.comm, self.settings = split, comm, s
+        self.device = dev = s.device
         info = split.full.info
         params = split.parameters
         self.owner = assign_owners(split, s.world) if s.zero else dict.fromkeys(params, s.rank)
         order = sorted(params, key=lambda p: (self.owner[p], params.index(p)))
-        self.param_views, self.param_flats = flat_arrays(order, info)
+        self.param_views, self.param_flats = flat_arrays(order, info, device=dev)
         self._owned_ranges = self._ranges(order)
         self.grad_order = list(dict.fromkeys(split.gradients.values()))
         # ZeRO-2: gradient -> the rank it is reduced to (None: all-reduced, kept by all).
@@ -82,10 +93,10 @@ class Replica:
         kept = [] if s.bucket_bytes else \
             [g for g in self.grad_order if self.grad_to.get(g, s.rank) in (None, s.rank)]
         apart = s.zero == 2 or bool(s.bucket_bytes)
-        self.grad_views, self.grad_flats = flat_arrays(kept, info, extra=0 if apart else 2)
+        self.grad_views, self.grad_flats = flat_arrays(kept, info, 0 if apart else 2, dev)
         # Loss and stop flag: the float32 bucket's tail, or their own 2 floats (ZeRO-2,
         # buckets).
-        self.flags = np.zeros(2, np.float32) if apart else None
+        self.flags = dev.zeros((2,), np.float32) if apart else None
         tail = self.flags if self.flags is not None else \
             self.grad_flats[np.dtype(np.float32)][-2:]
         self.loss_view, self.stop_view = tail[0:1].reshape(()), tail[1:2].reshape(())
@@ -93,14 +104,14 @@ class Replica:
         mine = [o for o, ps in owners.items()
                 if not ps or any(self.owner[p] == s.rank for p in ps)]
         self.update_state = {o: split.update_state[o] for o in mine}
-        self.opt_state = {i: np.array(split.full.initializers[i], order="C", copy=True)
+        self.opt_state = {i: dev.copy_of(split.full.initializers[i])
                           for i in self.update_state.values() if i not in self.param_views}
-        self.carried = {i: np.array(split.full.initializers[i], order="C", copy=True)
+        self.carried = {i: dev.copy_of(split.full.initializers[i])
                         for i in split.grad_carried.values()}
-        self.batch = {d: np.zeros(info[d].shape, info[d].np_dtype)
+        self.batch = {d: dev.zeros(info[d].shape, info[d].np_dtype)
                       for d in split.spec.data_inputs}
         for p, v in self.param_views.items():
-            np.copyto(v, split.full.initializers[p])
+            dev.write(v, split.full.initializers[p])
         self._open_sessions()
         self._drop_initial_values()
         # Where this rank's steps spent their time (seconds, summed over steps).
@@ -140,22 +151,22 @@ class Replica:
             buffers = RankBuffers(self.param_views, self.opt_state, self.carried, self.batch,
                                   self.loss_view, self.update_state)
             self.overlapped = OverlappedStep(split, cut_at_buckets(split, s.bucket_bytes),
-                                             buffers, self.comm, s.threads, s.source)
+                                             buffers, self.comm, s.place, s.source)
             return
         # The gradient step reads the Dropout counter, which the update step advances.
         grad_bufs = {**self.param_views, **self.opt_state, **self.carried, **self.batch,
                      **self.grad_views, loss: self.loss_view}
-        self.grad_step = BoundGraph(split.gradient, grad_bufs, threads=s.threads,
+        self.grad_step = BoundGraph(split.gradient, grad_bufs, place=s.place,
                                     source=f"{s.source} (gradient step)",
                                     unbound=Unbound(transient=set(self.grad_order)
                                                     - set(self.grad_views)))
         part = update_part(split, self.update_state)
         upd_bufs = {**self.param_views, **self.opt_state, **self.grad_views}
         self.update_step = BoundGraph(part, upd_bufs, updates=self.update_state,
-                                      threads=s.threads, source=f"{s.source} (update step)")
+                                      place=s.place, source=f"{s.source} (update step)")
 
     # ------------------------------------------------------------------ running
-    def step(self, batch: Mapping[str, np.ndarray] | None, *, stop: bool = False
+    def step(self, batch: Mapping[str, object] | None, *, stop: bool = False
              ) -> tuple[float, bool]:
         """One data-parallel step on this rank's ``batch`` (None: already written into
         ``self.batch``, as the training loop does, holding no second copy); returns the
@@ -163,7 +174,7 @@ class Replica:
         (``stop``)."""
         t0 = time.perf_counter()
         for name, buf in self.batch.items() if batch is not None else ():
-            np.copyto(buf, batch[name])
+            self.device.write(buf, batch[name])
         if self.overlapped is not None:
             return self._overlapped_step(stop, t0)
         self.grad_step.run()
@@ -198,13 +209,13 @@ class Replica:
         self.seconds["communication"] += time.perf_counter() - t1
         return float(self.loss_view), bool(self.stop_view > 0)
 
-    def _average_carried(self, outputs: Mapping[str, np.ndarray]) -> None:
+    def _average_carried(self, outputs: Mapping[str, object]) -> None:
         """The carried statistics (BatchNorm's running ones) averaged and taken."""
         for out, inp in self.split.grad_carried.items():
             new = outputs[out]
-            if np.issubdtype(new.dtype, np.floating):
+            if new.is_floating_point():
                 self.comm.all_reduce_mean(new)
-            np.copyto(self.carried[inp], new)
+            self.carried[inp].copy_(new)
 
     def _broadcast_owned(self) -> None:
         """ZeRO-1/2: each rank's updated parameters to the others."""
@@ -230,8 +241,16 @@ class Replica:
 
     # ------------------------------------------------------------------ state
     def local_state(self) -> dict[str, np.ndarray]:
-        """The carried values this rank holds (live arrays, not copies)."""
-        return {**self.param_views, **self.opt_state, **self.carried}
+        """The carried values this rank holds, as numpy arrays (views of the live buffers
+        on the CPU, copies from a GPU)."""
+        return self._host({**self.param_views, **self.opt_state, **self.carried})
+
+    def parameters(self) -> dict[str, np.ndarray]:
+        """The parameters as numpy arrays (as ``local_state``)."""
+        return self._host(self.param_views)
+
+    def _host(self, tensors: Mapping[str, object]) -> dict[str, np.ndarray]:
+        return {n: self.device.host(t) for n, t in tensors.items()}
 
     def optimizer_state_bytes(self) -> int:
         return sum(a.nbytes for a in self.opt_state.values())
@@ -250,24 +269,26 @@ class Replica:
     def load(self, tensors: Mapping[str, np.ndarray], source: str) -> None:
         """Take this rank's values from a consolidated state (a checkpoint): re-sharding is
         just taking the optimizer state of the parameters this rank owns now."""
-        for name, buf in self.local_state().items():
+        info = self.split.full.info
+        for name, buf in {**self.param_views, **self.opt_state, **self.carried}.items():
             if name not in tensors:
                 raise InputError(f"{source}: holds no '{name}'")
             a = np.asarray(tensors[name])
-            if a.shape != buf.shape or a.dtype != buf.dtype:
+            want = (info[name].np_dtype, tuple(info[name].shape))
+            if (a.dtype, a.shape) != want:
                 raise InputError(f"{source}: '{name}' is {a.dtype} {list(a.shape)}; the step "
-                                 f"carries {buf.dtype} {list(buf.shape)}")
-            np.copyto(buf, a)
+                                 f"carries {want[0]} {list(want[1])}")
+            self.device.write(buf, a)
 
     def full_state(self) -> dict[str, np.ndarray] | None:
         """Every carried value, consolidated on rank 0 (None elsewhere): with ZeRO-1 and 2
         each rank's optimizer state is gathered there."""
         if not self.settings.zero:
             return self.local_state() if self.settings.rank == 0 else None
-        parts = self.comm.gather_object(self.opt_state)
+        parts = self.comm.gather_object(self._host(self.opt_state))
         if parts is None:
             return None
         merged: dict[str, np.ndarray] = {}
         for part in parts:
             merged.update(part)
-        return {**self.param_views, **merged, **self.carried}
+        return {**self._host(self.param_views), **merged, **self._host(self.carried)}

@@ -25,6 +25,7 @@ import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -32,15 +33,19 @@ from memcc.backend import checkpoint as ckpt
 from memcc.backend.data import Dataset, data_inputs, load_dataset
 from memcc.backend.device_step import step_for_provider
 from memcc.backend.memory import rss_bytes, trim_heap
+from memcc.backend.session import resolve_provider
 from memcc.dist.memory import RankMemory, predicted_rank_peak
-from memcc.dist.replica import Replica, ReplicaSettings
+from memcc.dist.placement import Placement
 from memcc.dist.split import split_step
-from memcc.errors import InputError
+from memcc.errors import InputError, RuntimeFailure
 from memcc.frontend.load import load_graph
 from memcc.graph import Graph
 from memcc.step import RANKS_KEY, TrainingStep
 from memcc.trainer.checkpoints import check_run_data_state, run_data_state
 from memcc.trainer.loop import StopRequest, TrainOptions, TrainResult, stop_requests
+
+if TYPE_CHECKING:
+    from memcc.dist.replica import Replica
 
 
 @dataclass(frozen=True)
@@ -81,16 +86,19 @@ class RankRun:
 def prepare(opts: DistOptions) -> RankRun:
     """Everything checked before a rank trains (also run once before ranks are started)."""
     t = opts.train
-    if t.provider != "cpu":
-        raise InputError(f"--nproc with --provider {t.provider}: data-parallel training runs "
-                         "on the CPU (gloo) for now; NCCL on GPUs is not built yet")
+    try:
+        provider = resolve_provider(t.provider)
+    except RuntimeFailure as exc:  # no CUDA here: nothing a rank could run
+        raise InputError(f"--nproc: {exc}") from None
     unsupported = [flag for flag, on in (("--arena", t.arena), ("--cuda-graph", t.cuda_graph))
                    if on]
     if unsupported:
-        raise InputError(f"{unsupported[0]} is not supported with --nproc yet: the ranks run "
-                         "their steps from malloc, on the CPU; leave it out")
-    # As the Trainer runs it: a 16-bit step's nodes without CPU kernels in float32 between casts.
-    graph, _ = step_for_provider(load_graph(t.step), "cpu")
+        raise InputError(f"{unsupported[0]} is not supported with --nproc yet: each rank runs "
+                         "its step as separate sessions bound to its own buffers; leave it "
+                         "out")
+    # As the Trainer runs it: the provider's rewrites (on the CPU, a 16-bit step's nodes
+    # without CPU kernels in float32 between casts).
+    graph, _ = step_for_provider(load_graph(t.step), provider)
     spec = TrainingStep.of(graph).validate(str(t.step), then=f"memcc train step.onnx --data "
                                                             f"{t.data} --nproc {opts.world}")
     split = split_step(graph, spec, str(t.step))  # refused now rather than in every rank
@@ -147,7 +155,7 @@ def checkpoint_to_resume(opts: DistOptions, run: RankRun) -> ckpt.Checkpoint | N
     return c
 
 
-def run_rank(opts: DistOptions, rank: int, comm, threads: int | None
+def run_rank(opts: DistOptions, rank: int, comm, place: Placement
              ) -> tuple[TrainResult, dict] | None:
     """Train on this rank; rank 0 returns the result and the group's figures. SIGINT or
     SIGTERM on any rank stops every rank after the same step, saved (``TrainResult.
@@ -157,7 +165,7 @@ def run_rank(opts: DistOptions, rank: int, comm, threads: int | None
     # its own arrays only.
     for turn in range(opts.world):
         if turn == rank:
-            s = _set_up(opts, rank, comm, threads)
+            s = _set_up(opts, rank, comm, place)
             gc.collect()
             trim_heap()
         comm.barrier()
@@ -170,7 +178,8 @@ def run_rank(opts: DistOptions, rank: int, comm, threads: int | None
                          batches_per_epoch=run.dataset.batches_per_epoch)
     state_bytes = comm.gather_object(replica.optimizer_state_bytes())
     loop = _Loop(opts, run, replica, comm, rank, result, position,
-                 steps_done if resumed_from else None, RankMemory(replica.held_bytes()))
+                 steps_done if resumed_from else None,
+                 RankMemory(replica.held_bytes(), on_gpu=place.on_gpu))
     with stop_requests() as stop:
         loop.train(stop)
     # Each process's resident size after training (libraries and all) and its peak
@@ -179,11 +188,12 @@ def run_rank(opts: DistOptions, rank: int, comm, threads: int | None
     rss = comm.gather_object((replica.held_bytes(), rss_bytes(),
                               resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024))
     # Every rank must end with the same parameters: their digests say whether they do.
-    digests = comm.gather_object(ckpt.tensors_digest(replica.param_views)[:16])
+    digests = comm.gather_object(ckpt.tensors_digest(replica.parameters())[:16])
     mem = comm.gather_object((predicted, loop.memory.peak, loop.memory.first_step))
     if rank != 0:
         return None
     info = {"world_size": opts.world, "zero": opts.zero, "bucket_bytes": opts.bucket_bytes,
+            "device": place.kind, "backend": comm.backend,
             "global_batch": run.dataset.batch_size,
             "rank_batch": run.rank_batch, "optimizer_state_bytes_per_rank": state_bytes,
             "held_bytes_per_rank": [r[0] for r in rss],
@@ -211,16 +221,20 @@ class _SetUp:
     resumed_from: str | None = None
 
 
-def _set_up(opts: DistOptions, rank: int, comm, threads: int | None) -> _SetUp:
+def _set_up(opts: DistOptions, rank: int, comm, place: Placement) -> _SetUp:
     """Load the step and data, make the replica, take this rank's shard of the checkpoint
     ``--resume`` continues (the consolidated file is dropped before training)."""
+    from memcc.dist.replica import Replica, ReplicaSettings  # imports torch
+    from memcc.dist.tensors import RankDevice
+
     t = opts.train
     run = prepare(opts)
     loaded = checkpoint_to_resume(opts, run)
     predicted = predicted_rank_peak(run.graph, opts.world, opts.zero, rank,
                                     opts.bucket_bytes)
     replica = Replica(_split(run, t), comm, ReplicaSettings(
-        rank, opts.world, opts.zero, threads, str(t.step), bucket_bytes=opts.bucket_bytes))
+        rank, opts.world, opts.zero, place.threads, str(t.step),
+        bucket_bytes=opts.bucket_bytes, device=RankDevice(place.kind, place.gpu).check()))
     out = _SetUp(run, replica, predicted)
     if loaded is not None:
         replica.load(loaded.tensors, str(loaded.path))
@@ -251,7 +265,8 @@ class _Loop:
         while result.steps_done < run.total_steps and not stopped:
             idx = run.dataset.indices(self.position, t.seed)[self.rank * b:(self.rank + 1) * b]
             for n, a in run.dataset.arrays.items():  # into the rank's batch buffers
-                np.copyto(self.replica.batch[n], a[idx])  # (the slice is gone before the step)
+                # (the slice is gone before the step)
+                self.replica.device.write(self.replica.batch[n], a[idx])
             self.memory.start()
             loss, stopped = self.replica.step(None, stop=bool(stop))
             self.memory.stop()
