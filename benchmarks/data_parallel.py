@@ -13,6 +13,9 @@
     # GPT-2 124M (real size: width 768, depth 12, vocab 50257, 1024 positions), 128 tokens,
     # batch 1 per rank: the per-rank memory target of issue 33
     PYTHONPATH=.:tests python -m benchmarks.data_parallel --size 124m --mode zero1 --steps 4
+    # the code path on GPUs: 2 ranks with --provider cuda (ZeRO-0, ZeRO-1, ZeRO-1 by
+    # buckets) against one process at the global batch; losses and parameter digests
+    PYTHONPATH=.:tests python -m benchmarks.data_parallel --mode check --provider cuda --steps 3
 
 Prints one JSON line: samples/s over the run (first step included), and for the ranks the
 figures ``memcc train --nproc 2 --json`` reports (optimizer state and held bytes per rank,
@@ -96,13 +99,42 @@ def _fused_peak(path: Path) -> int:
     return int(arrange_step(g, TrainingStep.of(g)).prediction.peak_bytes)
 
 
+def _check(d: Path, b: int, a: argparse.Namespace) -> dict:
+    """2 ranks at batch ``b`` on ``a.provider`` (ZeRO-0, ZeRO-1, ZeRO-1 by 25 MB buckets)
+    against one process at batch 2b: every rank's parameter digest, and each run's losses
+    against the one process's (equal to float32 rounding: the batch sums run in another
+    order)."""
+    from memcc.dist.launch import train_distributed
+    from memcc.trainer.loop import TrainOptions, train
+
+    step, data = d / f"gpt2_b{b}.onnx", d / "data.npz"
+    one = train(TrainOptions(step=d / f"gpt2_b{2 * b}.onnx", data=data, steps=a.steps,
+                             provider=a.provider))
+    runs = {}
+    for zero, bucket_mb in ((0, None), (1, None), (1, 25.0)):
+        r, info = train_distributed(TrainOptions(step=step, data=data, steps=a.steps,
+                                                 provider=a.provider),
+                                    2, zero=zero, quiet=True, bucket_mb=bucket_mb)
+        runs[f"zero{zero}" + ("-buckets" if bucket_mb else "")] = {
+            "losses": r.losses, "samples_per_s": r.samples_per_s,
+            "device": info["device"], "backend": info["backend"],
+            "digests_agree": len(set(info["parameter_digest_per_rank"])) == 1,
+            "max_loss_difference_to_one_process": max(
+                abs(x - y) for x, y in zip(r.losses, one.losses, strict=True)),
+            "held_bytes_per_rank": info["held_bytes_per_rank"]}
+    return {"mode": f"check, provider {a.provider}, 2 ranks x batch {b}",
+            "one_process": {"losses": one.losses, "samples_per_s": one.samples_per_s},
+            "runs": runs}
+
+
 def main() -> None:
     from memcc.dist.launch import train_distributed
     from memcc.trainer.loop import TrainOptions, train
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", choices=["single", "zero0", "zero1", "zero2", "one-process"],
-                    required=True)
+    ap.add_argument("--mode", choices=["single", "zero0", "zero1", "zero2", "one-process",
+                                       "check"], required=True)
+    ap.add_argument("--provider", default="cpu")
     ap.add_argument("--size", choices=sorted(SIZES), default="small")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--dir", type=Path, default=None)
@@ -110,18 +142,21 @@ def main() -> None:
     a = ap.parse_args()
     d = a.dir or Path(f"/tmp/memcc_data_parallel_{a.size}")
     b = _files(d, a.size)
-    if a.mode == "one-process":
+    if a.mode == "check":
+        out = _check(d, b, a)
+    elif a.mode == "one-process":
         out = _one_process(d / f"gpt2_b{b}.onnx", d / "data.npz", a.steps,
                            int((a.bucket_mb or 25) * 1_000_000))
     elif a.mode == "single":
         r = train(TrainOptions(step=d / f"gpt2_b{2 * b}.onnx", data=d / "data.npz",
-                               steps=a.steps))
+                               steps=a.steps, provider=a.provider))
         out = {"mode": f"1 process, batch {2 * b}", "samples_per_s": r.samples_per_s,
                "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     else:
         zero = int(a.mode[-1])
         r, info = train_distributed(TrainOptions(step=d / f"gpt2_b{b}.onnx",
-                                                 data=d / "data.npz", steps=a.steps),
+                                                 data=d / "data.npz", steps=a.steps,
+                                                 provider=a.provider),
                                     2, zero=zero, quiet=True, bucket_mb=a.bucket_mb)
         buckets = f", buckets of {a.bucket_mb:g} MB" if a.bucket_mb else ""
         out = {"mode": f"2 ranks x batch {b}, ZeRO-{zero}{buckets}",

@@ -20,7 +20,7 @@ set -uo pipefail
 : "${OUT:?set OUT to the folder for results}"
 PROVIDER=${PROVIDER:-cuda}
 SMALL=${SMALL:-}
-PHASES=${PHASES:-peers sums truth batch184 patches chunks fp16search profile convgrad coverage}
+PHASES=${PHASES:-peers sums truth batch184 patches chunks fp16search profile convgrad coverage dist}
 MODELS=${MODELS:-gpt2,resnet50}
 TRUTH_MODELS=${TRUTH_MODELS:-}
 LOGS=${LOGS:-/tmp/gpu_logs}
@@ -110,6 +110,11 @@ phase convgrad 100 $PY benchmarks/conv_weight_grad.py --provider "$PROVIDER" \
 # 5. The 16-bit kernel table memcc ships for CUDA, against one-node sessions.
 phase coverage 45 $PY benchmarks/kernel_coverage.py --provider "$PROVIDER" \
   --out "$OUT/coverage.md"
+
+# 6. Issue 33: memcc train --nproc 2 --provider cuda (one GPU: 2 ranks over gloo, the code
+#    path; NCCL needs a GPU per rank) against one process: losses and parameter digests.
+phase dist 240 sh -c "PYTHONPATH=.:tests $PY -m benchmarks.data_parallel --mode check \
+  --provider $PROVIDER --steps 3 --dir /tmp/memcc_dp_check > $OUT/dist.json"
 
 echo "== done in $(( $(date +%s) - T0 )) s"
 ls -la "$OUT"

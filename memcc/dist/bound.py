@@ -158,14 +158,16 @@ class BoundGraph:
 def flat_arrays(names: list[str], info, extra: int = 0, device: RankDevice | None = None
                 ) -> tuple[dict[str, torch.Tensor], dict[np.dtype, torch.Tensor]]:
     """One flat tensor per dtype on ``device`` holding ``names`` in order (plus ``extra``
-    float32 slots): name -> its view, and dtype -> the flat tensor."""
+    float32 slots): name -> its view, and dtype -> the flat tensor. Not zeroed
+    (``RankDevice.unwritten``): every slot is written before it is read (gradients by ORT,
+    parameters copied in, the loss by ORT and the stop flag before each reduction)."""
     device = device or RankDevice()
     sizes: dict[np.dtype, int] = {}
     for n in names:
         sizes[info[n].np_dtype] = sizes.get(info[n].np_dtype, 0) + info[n].numel
     if extra:
         sizes[np.dtype(np.float32)] = sizes.get(np.dtype(np.float32), 0) + extra
-    flats = {dt: device.zeros((k,), dt) for dt, k in sizes.items()}
+    flats = {dt: device.unwritten((k,), dt) for dt, k in sizes.items()}
     at = dict.fromkeys(flats, 0)
     views = {}
     for n in names:
