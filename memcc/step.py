@@ -63,6 +63,10 @@ FUSIONS_KEY = "memcc.fusions"
 # (``passes.analysis.rank_step``: gradients written into the all-reduce bucket). Only in the
 # graphs the planner judges for a rank, never in a file memcc writes.
 BOUND_KEY = "memcc.bound"
+# "1" on a graph whose updates stand where they run, between the segments of a rank that
+# reduces its gradients by buckets (``dist.bucket_memory``): the simulator keeps that order
+# (no early updates). Only in the graphs the planner judges for a rank, never in a file.
+PLACED_KEY = "memcc.updates_placed"
 # Set by ``memcc compile --nproc N``: {"world_size", "zero", "peak_bytes_per_rank",
 # "budget_bytes"}: the ranks the plan was made for (``memcc train --nproc`` checks them).
 RANKS_KEY = "memcc.ranks"
@@ -160,6 +164,7 @@ class TrainingStep:
         self.data_inputs: tuple[str, ...] = tuple(self._json(DATA_KEY, [], list))
         self.state: dict[str, str] = dict(self._json(STATE_KEY, {}, dict))
         self.bound: dict[str, str] = dict(self._json(BOUND_KEY, {}, dict))
+        self.updates_placed: bool = md.get(PLACED_KEY) == "1"
         self.parameters: tuple[str, ...] = tuple(self._json(PARAMS_KEY, [], list))
         self.optimizer: dict = dict(self._json(OPTIMIZER_KEY, {}, dict))
         self.forward_outputs: tuple[str, ...] = tuple(

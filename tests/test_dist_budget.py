@@ -148,9 +148,46 @@ def test_a_plan_for_other_ranks_is_named():
     assert planned_for_other_ranks({}, 4, 0) is None
     said = planned_for_other_ranks(md, 4, 0)
     assert "--nproc 2 --zero 1" in said and "6,000,000" in said and "--nproc 4 --zero 0" in said
+    # A plan for one bucket holds by buckets (less is held); a plan by buckets not for one.
+    assert planned_for_other_ranks(md, 2, 1, 25_000_000) is None
+    md = {RANKS_KEY: json.dumps({"world_size": 2, "zero": 1, "budget_bytes": 6_000_000,
+                                 "bucket_bytes": 25_000_000})}
+    assert planned_for_other_ranks(md, 2, 1, 25_000_000) is None
+    said = planned_for_other_ranks(md, 2, 1)
+    assert "--bucket-mb 25 for" in said and "one bucket" in said
+
+
+def test_ranks_by_buckets_are_planned_as_they_train(files):
+    """``--bucket-mb``: each rank planned as it runs by buckets (no gradient held all
+    step), so the smallest per-rank budget drops below the one-bucket rank's; the step
+    as written, cut again at its buckets, peaks where the plan said, and two ranks
+    trained by buckets stay within it."""
+    floors = {}
+    for name, extra in (("one", []), ("by", ["--bucket-mb", "0.2"])):
+        res, report = _compile(files, f"b{name}", "min", "--nproc", "2", "--zero", "1", *extra)
+        assert res.exit_code == 0, res.output
+        floors[name] = report["budget_bytes"]
+    d = report["data_parallel"]
+    assert d["bucket_bytes"] == 200_000
+    for cut, planned in zip(d["peak_bytes_per_rank_as_cut"], d["peak_bytes_per_rank"],
+                            strict=True):
+        assert 0 < cut <= planned <= floors["by"]
+    grads = d["gradient_bucket_bytes_per_rank"][0]
+    assert floors["by"] < floors["one"] - 0.3 * grads  # 0.38 of them here (predicted)
+    step = files["dir"] / "bby.onnx"
+    assert json.loads(load_graph(step).metadata[RANKS_KEY])["bucket_bytes"] == 200_000
+    _, info = train_distributed(TrainOptions(step=step, data=files["data"], steps=2,
+                                             threads=1), 2, zero=1, quiet=True, bucket_mb=0.2)
+    assert info["bucket_bytes"] == 200_000
+    assert info["predicted_peak_bytes_per_rank"] == d["peak_bytes_per_rank_as_cut"]
+    for r in (0, 1):
+        assert 0 < info["step_peak_bytes_per_rank"][r] <= floors["by"]
 
 
 @pytest.mark.parametrize("args,message", [
+    (["--bucket-mb", "25"], "give --nproc N too"),
+    (["--nproc", "2", "--zero", "2", "--bucket-mb", "25"], "--bucket-mb with --zero 2"),
+    (["--nproc", "2", "--bucket-mb", "0"], "--bucket-mb 0"),
     (["--zero", "1"], "give --nproc N"),
     (["--nproc", "2", "--zero", "3"], "--zero 3"),
     (["--nproc", "0"], "--nproc 0"),

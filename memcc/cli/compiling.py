@@ -22,6 +22,7 @@ from memcc.cli.options import (
     AutoLossChunksOpt,
     AutoMlpChunksOpt,
     BatchChunksOpt,
+    CompileCostOpt,
     DimOpt,
     FreezeOpt,
     JsonOpt,
@@ -34,6 +35,7 @@ from memcc.cli.options import (
     MomentumOpt,
     NoChunksOpt,
     OptimizerOpt,
+    PlanBucketOpt,
     PlanNprocOpt,
     PlanProviderOpt,
     PlanZeroOpt,
@@ -65,9 +67,7 @@ def compile_cmd(
     strategy: StrategyOpt = "auto",
     provider: PlanProviderOpt = "cpu",
     time_limit: Annotated[float, typer.Option(help="Seconds the planner may spend.")] = 60.0,
-    cost: Annotated[Literal["auto", "measured", "analytic"], typer.Option(
-        help="Node times: auto (measure in ORT, estimate if that fails), measured, analytic."
-    )] = "auto",
+    cost: CompileCostOpt = "auto",
     verify: Annotated[bool, typer.Option(
         "--verify", help="Run original and rewritten step: same outputs, measured peak within "
                          "budget, planned order executed.")] = False,
@@ -110,6 +110,7 @@ def compile_cmd(
     dim: DimOpt = None,
     nproc: PlanNprocOpt = None,
     zero: PlanZeroOpt = 0,
+    bucket_mb: PlanBucketOpt = None,
 ) -> None:
     """Rewrite a training step so that it fits a memory budget at the least added time.
 
@@ -127,7 +128,7 @@ def compile_cmd(
             budget=budget, strategy=strategy, provider=provider, time_limit=time_limit,
             cost=cost, verify=verify, margin=margin, variants=variants, offload=offload,
             allow_lossy=allow_lossy, arena=arena, build=build_options(locals()),
-            dims=parse_dims(dim), nproc=nproc, zero=zero,
+            dims=parse_dims(dim), nproc=nproc, zero=zero, bucket_mb=bucket_mb,
         )
     except MemccError as exc:
         fail(exc)

@@ -126,6 +126,13 @@ PlanZeroOpt = Annotated[int, typer.Option(
     help="With --nproc: 0 = every rank keeps all optimizer state; 1 = each keeps its "
          "parameters' (ZeRO-1); 2 = and only its parameters' averaged gradients (ZeRO-2), "
          "as memcc train --nproc N --zero Z runs it.")]
+CompileCostOpt = Annotated[Literal["auto", "measured", "analytic"], typer.Option(
+    help="Node times: auto (measure in ORT, estimate if that fails), measured, analytic.")]
+PlanBucketOpt = Annotated[Optional[float], typer.Option(  # noqa: UP045
+    "--bucket-mb",
+    help="With --nproc (ZeRO 0 or 1): plan ranks that reduce their gradients in buckets of "
+         "B MB during the backward and free them after their updates, as memcc train "
+         "--nproc N --bucket-mb B runs them (no gradient held all step).")]
 StrategyOpt = Annotated[Literal["auto", "ilp", "sqrtn", "none"], typer.Option(
     help="auto (ILP, heuristics, exact polish; best fitting plan), ilp, sqrtn or none.")]
 

@@ -53,6 +53,9 @@ class CompileOptions:
     # with ZeRO stage ``zero`` (``compiler.ranks``); the budget is then per rank.
     nproc: int | None = None
     zero: int = 0
+    # With ``nproc``: the ranks reduce their gradients by buckets of this many MB during the
+    # backward (``memcc train --nproc N --bucket-mb B``, ``dist.bucket_memory``).
+    bucket_mb: float | None = None
     # When the planning must end (a ``time.perf_counter()`` value; ``PlanRequest.deadline``):
     # set by compile for each row-chunk setting it plans, so that they share one
     # --time-limit (``compiler/chunk_clock.py``); None: ``time_limit`` from when planning
@@ -104,6 +107,9 @@ class CompileOptions:
             if self.zero:
                 raise InputError(f"--zero {self.zero} plans sharded optimizer state across "
                                  "ranks: give --nproc N too")
+            if self.bucket_mb is not None:
+                raise InputError(f"--bucket-mb {self.bucket_mb:g} plans data-parallel ranks "
+                                 "that reduce their gradients by buckets: give --nproc N too")
             return
         if not 1 <= self.nproc <= 64:
             raise InputError(f"--nproc {self.nproc}: give a number of ranks from 1 to 64")
@@ -111,14 +117,18 @@ class CompileOptions:
             raise InputError(f"--zero {self.zero}: give 0 (every rank keeps all optimizer "
                              "state), 1 (each rank keeps its parameters' state) or 2 (and "
                              "only its parameters' averaged gradients)")
+        from memcc.dist.buckets import bucket_bytes
+
+        bucket_bytes(self.bucket_mb, self.zero)  # a bad --bucket-mb is refused now
         for on, what in ((self.provider != "cpu", f"--provider {self.provider}"),
                          (self.arena, "--arena"), (self.verify, "--verify")):
             if on:
                 raise InputError(
-                    f"{what} with --nproc: data-parallel ranks run on the CPU from malloc "
-                    "(memcc train --nproc), and --verify runs one process; plan with "
-                    "--provider cpu, no --arena, and check each rank's measured peak with "
-                    "memcc train --nproc N --json (distributed.step_peak_bytes_per_rank)")
+                    f"{what} with --nproc: compile plans the ranks memcc train --nproc runs "
+                    "on the CPU from malloc (a GPU rank's step is not planned per rank yet), "
+                    "and --verify runs one process; plan with --provider cpu, no --arena, "
+                    "and check each rank's measured peak with memcc train --nproc N --json "
+                    "(distributed.step_peak_bytes_per_rank)")
 
     @property
     def ranks(self):
@@ -126,6 +136,13 @@ class CompileOptions:
         from memcc.passes.analysis.rank_step import Ranks
 
         return None if self.nproc is None else Ranks(self.nproc, self.zero)
+
+    @property
+    def bucket_bytes(self) -> int | None:
+        """``bucket_mb`` in bytes (as ``memcc train`` reads it), or None: one bucket."""
+        from memcc.dist.buckets import bucket_bytes
+
+        return bucket_bytes(self.bucket_mb, self.zero)
 
     @property
     def device(self) -> str:

@@ -314,7 +314,8 @@ def _plan(run: CompileRun, graph: Graph, costs: CostModel) -> Planned:
     section = ranks.get(id(rewritten))
     if section is not None:
         rewritten.metadata[RANKS_KEY] = json.dumps(
-            {k: section[k] for k in ("world_size", "zero", "peak_bytes_per_rank")}
+            {k: section[k] for k in ("world_size", "zero", "bucket_bytes",
+                                     "peak_bytes_per_rank")}
             | {"budget_bytes": final_budget})
     return Planned(attempt.graph, attempt.costs, attempt.options, outcome, rewritten, slack,
                    plan_budget, final_budget, chosen.report, offloads.get(id(rewritten)),

@@ -27,7 +27,7 @@ from memcc.dist.buckets import cut_at_buckets, update_points
 from memcc.dist.split import split_step, update_part
 from memcc.graph import Graph, TensorInfo
 from memcc.passes.analysis.rank_step import Ranks, rank_step
-from memcc.step import BOUND_KEY, STATE_KEY, TrainingStep
+from memcc.step import BOUND_KEY, PLACED_KEY, STATE_KEY, TrainingStep
 
 HOLD_SUFFIX = ".held_to"
 
@@ -44,6 +44,7 @@ def bucketed_rank_graph(graph: Graph, ranks: Ranks, rank: int, bucket_bytes: int
         view.inputs.remove(bound.pop(g))
     view.outputs = [o for o in view.outputs if o not in grads]
     view.metadata[BOUND_KEY] = json.dumps(bound)
+    view.metadata[PLACED_KEY] = "1"   # the updates below run where they stand
     in_view = {id(n) for n in view.nodes}
     mine = [o for o in split.update_state if o in state or o in bound]
     due = {at: [n for n in update_part(split, outs).nodes if id(n) in in_view]

@@ -58,6 +58,18 @@ class SegmentedStep:
         return min(self.reduce_after[bucket] + 1, len(self.segments))
 
 
+def bucket_bytes(bucket_mb: float | None, zero: int) -> int | None:
+    """``--bucket-mb`` in bytes (MB = 10^6 bytes, as torch's DDP ``bucket_cap_mb``), or
+    an ``InputError`` saying what to give."""
+    if bucket_mb is None:
+        return None
+    if not bucket_mb > 0:
+        raise InputError(f"--bucket-mb {bucket_mb}: give a size in MB above 0 (DDP's default "
+                         "is 25)")
+    refuse_zero2(zero)
+    return max(1, int(bucket_mb * 1_000_000))
+
+
 def refuse_zero2(zero: int) -> None:
     """Buckets are all-reduced: ZeRO-2's reductions of each gradient to its owner are not
     bucketed (and by buckets ZeRO-1 already holds no gradient between steps)."""

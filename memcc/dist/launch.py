@@ -24,7 +24,7 @@ from pathlib import Path
 
 from memcc.backend.memory import trim_heap
 from memcc.backend.session import resolve_provider
-from memcc.dist.buckets import refuse_zero2
+from memcc.dist.buckets import bucket_bytes
 from memcc.dist.comm import Comm, backend_for, free_port, launched_by_torchrun, torch_distributed
 from memcc.dist.memory import MEMORY_ENV
 from memcc.dist.placement import place_rank
@@ -74,7 +74,7 @@ def train_distributed(opts: TrainOptions, nproc: int | None, *, zero: int = 0,
     dopts = DistOptions(opts, nproc, zero, quiet, buckets)
     run = prepare(dopts)
     checkpoint_to_resume(dopts, run)  # refuse bad input before any rank starts
-    mismatch = planned_for_other_ranks(run.graph.metadata, nproc, zero)
+    mismatch = planned_for_other_ranks(run.graph.metadata, nproc, zero, buckets)
     del run
     if mismatch and not quiet:
         print(f"warning: {opts.step}: {mismatch}", file=sys.stderr, flush=True)
@@ -84,31 +84,30 @@ def train_distributed(opts: TrainOptions, nproc: int | None, *, zero: int = 0,
     return _raise_if_interrupted(_spawn(dopts))
 
 
-def bucket_bytes(bucket_mb: float | None, zero: int) -> int | None:
-    """``--bucket-mb`` in bytes (MB = 10^6 bytes, as torch's DDP ``bucket_cap_mb``), or
-    an ``InputError`` saying what to give."""
-    if bucket_mb is None:
-        return None
-    if not bucket_mb > 0:
-        raise InputError(f"--bucket-mb {bucket_mb}: give a size in MB above 0 (DDP's default "
-                         "is 25)")
-    refuse_zero2(zero)
-    return max(1, int(bucket_mb * 1_000_000))
-
-
-def planned_for_other_ranks(metadata: dict, world: int, zero: int) -> str | None:
+def planned_for_other_ranks(metadata: dict, world: int, zero: int,
+                            bucket_bytes: int | None = None) -> str | None:
     """Why a step compiled with ``--nproc`` was planned for other ranks than this run's
-    (its per-rank budget then does not hold), or None."""
+    (its per-rank budget then does not hold), or None. A plan for one bucket holds for a
+    run by buckets (which holds less), not the other way round."""
     text = metadata.get(RANKS_KEY)
     if not text:
         return None
     p = json.loads(text)
-    if (p.get("world_size"), p.get("zero")) == (world, zero):
+    planned_buckets = p.get("bucket_bytes")
+    same_ranks = (p.get("world_size"), p.get("zero")) == (world, zero)
+    if same_ranks and planned_buckets in (None, bucket_bytes):
         return None
-    return (f"planned by memcc compile --nproc {p.get('world_size')} --zero {p.get('zero')} "
-            f"for a per-rank budget of {p.get('budget_bytes'):,} bytes; this run has "
-            f"{world} ranks, ZeRO-{zero}, whose peaks that plan did not check (compile "
-            f"again with --nproc {world} --zero {zero})")
+    this = f"{world} ranks, ZeRO-{zero}, " + (f"buckets of {bucket_bytes:,} bytes"
+                                               if bucket_bytes else "one bucket")
+    planned = _rank_flags(p.get("world_size"), p.get("zero"), planned_buckets)
+    return (f"planned by memcc compile {planned} for a per-rank budget of "
+            f"{p.get('budget_bytes'):,} bytes; this run has {this}, whose peaks that plan "
+            f"did not check (compile again with {_rank_flags(world, zero, bucket_bytes)})")
+
+
+def _rank_flags(world, zero, bucket_bytes: int | None) -> str:
+    return f"--nproc {world} --zero {zero}" + \
+        (f" --bucket-mb {bucket_bytes / 1e6:g}" if bucket_bytes else "")
 
 
 def _raise_if_interrupted(out: tuple[TrainResult, dict] | None

@@ -46,8 +46,7 @@ def predicted_rank_peak(graph: Graph, world: int, zero: int, rank: int,
     order they run (``dist.bucket_memory``)."""
     if bucket_bytes:
         view = bucketed_rank_graph(graph, Ranks(world, zero), rank, bucket_bytes)
-        return int(arrange_step(view, TrainingStep.of(view),
-                                early_updates=False).prediction.peak_bytes)
+        return int(arrange_step(view, TrainingStep.of(view)).prediction.peak_bytes)
     view = rank_step(graph, Ranks(world, zero), rank).graph
     return int(arrange_step(view, TrainingStep.of(view)).prediction.peak_bytes)
 

@@ -55,8 +55,9 @@ def arrange_step(graph: Graph, step: TrainingStep, *, in_place: bool = True,
     file_prediction = analyze_liveness(graph, in_place={**ip.aliased, **bound},
                                        host_copies=host_copies)
     note = ""
-    # A rank's updates run after its all-reduce, after every gradient: never moved.
-    if early_updates and ip.aliased and not bound:
+    # A rank's updates run after its all-reduce (after every gradient, or placed between
+    # its buckets' segments): never moved.
+    if early_updates and ip.aliased and not bound and not step.updates_placed:
         sched = schedule_updates_early(graph, step, ip.aliased)
         if sched.moved:
             moved = copy.copy(graph)
