@@ -113,6 +113,8 @@ class BoundGraph:
         except Exception as exc:  # pybind raises ORT's own exception types
             raise RuntimeFailure(f"{self.source}: ONNX Runtime failed while running the "
                                  f"step: {exc}") from exc
+        if self.device.on_gpu:  # ORT's stream done with the outputs before torch reads them
+            self._binding.synchronize_outputs()
         for out, inp in self.copied.items():
             self._buffers[inp].copy_(self.outputs[out])
         if self._transient:
