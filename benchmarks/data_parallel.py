@@ -8,7 +8,9 @@
     # gradients reduced in buckets of 25 MB during the backward (memcc train --bucket-mb)
     PYTHONPATH=.:tests python -m benchmarks.data_parallel --mode zero1 --bucket-mb 25
     # rank 0 of 2 (ZeRO-1) in one process, collectives stood in for, with and without
-    # buckets, steps alternated: the segmented step's own time, without the other rank
+    # buckets, steps alternated: the segmented step's own time and step peak, without the
+    # other rank (the peaks exact under the ranks' allocation rules: prefix
+    # MALLOC_MMAP_THRESHOLD_=4096 MALLOC_ARENA_MAX=1)
     PYTHONPATH=.:tests python -m benchmarks.data_parallel --size 124m --mode one-process
     # GPT-2 124M (real size: width 768, depth 12, vocab 50257, 1024 positions), 128 tokens,
     # batch 1 per rank: the per-rank memory target of issue 33
@@ -69,6 +71,7 @@ def _one_process(path: Path, data: Path, steps: int, bucket_bytes: int) -> dict:
 
     from memcc.backend.device_step import step_for_provider
     from memcc.dist import split_step
+    from memcc.dist.memory import RankMemory
     from memcc.dist.replica import Replica, ReplicaSettings
     from memcc.frontend.load import load_graph
     from memcc.step import TrainingStep
@@ -79,14 +82,19 @@ def _one_process(path: Path, data: Path, steps: int, bucket_bytes: int) -> dict:
             for name, bb in (("one_bucket", None), ("buckets", bucket_bytes))}
     arrays = np.load(data)
     times: dict[str, list[float]] = {name: [] for name in reps}
+    memory = {name: RankMemory(rep.held_bytes()) for name, rep in reps.items()}
     for _ in range(steps):
         for name, rep in reps.items():
             batch = {n: arrays[n][:rep.batch[n].shape[0]] for n in rep.batch}
             t = time.perf_counter()
+            memory[name].start()
             rep.step(batch)
+            memory[name].stop()
             times[name].append(round(time.perf_counter() - t, 3))
     return {"mode": f"rank 0 of 2, ZeRO-1, one process, buckets of {bucket_bytes} bytes",
-            "seconds_per_step": times}
+            "seconds_per_step": times,
+            "step_peak_bytes": {n: m.peak for n, m in memory.items()},
+            "memory_method": memory["buckets"].method}
 
 
 def _fused_peak(path: Path) -> int:
