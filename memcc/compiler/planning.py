@@ -17,7 +17,7 @@ from typing import NamedTuple
 from memcc.compiler.advice import chunks_hint
 from memcc.compiler.options import CompileOptions, plan_budget_under, user_budget
 from memcc.compiler.progress import Progress
-from memcc.compiler.trained_smallest import recompute_all_as_trained
+from memcc.compiler.trained_smallest import recompute_all_as_trained, shed_within
 from memcc.graph import Graph
 from memcc.pass_contract import PassReport
 from memcc.passes.analysis.cost_model import CostModel
@@ -116,8 +116,11 @@ def plan_in_budget(graph: Graph, budget: Budget, costs: CostModel, options: Comp
             if smallest is None or budget.is_min or smallest.best.peak_bytes > \
                     plan_budget_under(budget.bytes, options, own_slack(smallest)):
                 raise no_fit(exc, smallest) from None
-            return timed("plan", lambda: (smallest, plan_summary(graph, smallest, costs,
-                                                                  options, structure)))
+            fitted = _within_budget(graph, smallest, costs, options, structure,
+                                    lambda s: plan_budget_under(budget.bytes, options, max(
+                                        base_slack, options.slack_for(s.graph))))
+            return timed("plan", lambda: (fitted, plan_summary(graph, fitted, costs,
+                                                                options, structure)))
 
     outcome = plan_for(plan_budget)
     plan_sim = outcome.best
@@ -232,6 +235,21 @@ def plan_stage(graph: Graph, costs: CostModel, request: PlanRequest, options: Co
     outcome = as_trained(graph, outcome, costs, options, structure,
                          smallest=request.budget.is_min)
     return outcome, plan_summary(graph, outcome, costs, options, structure)
+
+
+def _within_budget(graph: Graph, smallest: PlanOutcome, costs: CostModel,
+                   options: CompileOptions, structure: StepStructure, ceiling) -> PlanOutcome:
+    """The smallest plan (what a budget the search could not fit in the file's order gets,
+    where it fits as trained) recomputing less where the budget allows
+    (``trained_smallest.shed_within``), said in the report's ``picked``."""
+    best = shed_within(graph, smallest.best, costs, options, structure, ceiling)
+    if best is smallest.best:
+        return smallest
+    picked = f"{smallest.picked or smallest.strategy}, then kept what the budget holds"
+    candidates = [*smallest.candidates, {"strategy": "smallest, shed to the budget",
+                                         "peak_bytes": best.peak_bytes,
+                                         "added_time_s": best.added_time_s}]
+    return replace(smallest, best=best, picked=picked, candidates=candidates)
 
 
 def as_trained(graph: Graph, outcome: PlanOutcome, costs: CostModel, options: CompileOptions,

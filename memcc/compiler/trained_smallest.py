@@ -17,10 +17,17 @@ the chosen plan's gradient-rule variants, is judged as trained too, and then the
 dearest per byte is shed where the headroom of that simulation says keeping the value
 costs no peak (one simulation checks it; a bisection over the same list where it does not
 hold). In: the step, the search's best plan as trained. Out: a better one, or None.
+
+The same shedding serves a budget the search could not fit in the file's order
+(``shed_within``): compile then takes the smallest plan, which fits as trained, and keeps
+(stops recomputing) what the budget's headroom over that plan's order holds, dearest per
+byte first: a budget above ``--budget min``'s no longer gets the smallest plan's added time
+(a first-use sweep's PoolFormer: +38.3% at a budget where ``--budget min`` planned +10.8%).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 from memcc.compiler.options import CompileOptions
@@ -64,6 +71,31 @@ def recompute_all_as_trained(graph: Graph, best: Simulation, costs: CostModel,
     return _shed(graph, sim, costs, lambda kept: judged(everything - kept), need)
 
 
+def shed_within(graph: Graph, sim: Simulation, costs: CostModel, options: CompileOptions,
+                structure: StepStructure, ceiling: Callable[[Simulation], int]
+                ) -> Simulation:
+    """``sim`` (a plan that fits, judged as trained) recomputing less where its peak stays
+    within ``ceiling(plan)`` (the budget left for a plan's peak with the heap room of its
+    own small buffers); ``sim`` itself where nothing can be kept."""
+    rules = SimulationRules(options.device, host_copies=options.swaps, early_updates=True)
+    plan = sim.plan
+
+    def judged(kept: frozenset[str]) -> Simulation | None:
+        shed = dataclasses.replace(plan, recompute=plan.recompute - kept,
+                                   recompute_again=plan.recompute_again - kept)
+        try:
+            return simulate(graph, shed, costs, structure, rules)
+        except PlanError:
+            return None
+
+    def over(s: Simulation) -> int:  # 0: fits (``_shed`` takes a trial no worse than sim)
+        return max(s.peak_bytes - ceiling(s), 0)
+
+    if over(sim):
+        return sim
+    return _shed(graph, sim, costs, judged, over, room_at=ceiling(sim))
+
+
 def _keeps_at_peak(best: Simulation, structure: StepStructure) -> bool:
     """Whether a saved value ``best`` keeps (one that could be recomputed) is live at its
     peak without being read or written there: else recomputing more cannot lower that
@@ -80,10 +112,11 @@ def _keeps_at_peak(best: Simulation, structure: StepStructure) -> bool:
 
 
 def _shed(graph: Graph, sim: Simulation, costs: CostModel, judged: Judge,
-          need: Callable[[Simulation], int]) -> Simulation:
+          need: Callable[[Simulation], int], room_at: int | None = None) -> Simulation:
     """Stop recomputing the nodes dearest per byte whose values, kept, fit the headroom
-    under ``sim``'s peak between their last forward reader and their clone; checked by one
-    simulation, else the longest prefix of that list that holds (bisection)."""
+    under ``sim``'s peak (or under ``room_at``) between their last forward reader and their
+    clone; checked by one simulation (``need`` no higher than ``sim``'s), else the longest
+    prefix of that list that holds (bisection)."""
     nodes = {n.name: n for n in graph.nodes}
     gaps = _gaps(sim)
 
@@ -91,7 +124,8 @@ def _shed(graph: Graph, sim: Simulation, costs: CostModel, judged: Judge,
         nbytes = sum(graph.info[o].nbytes for o in nodes[name].output if o in graph.info)
         return costs.of(nodes[name], graph) / max(nbytes, 1)
 
-    room = [sim.liveness.peak_bytes - v for v in sim.liveness.live_during]
+    top = sim.liveness.peak_bytes if room_at is None else room_at
+    room = [top - v for v in sim.liveness.live_during]
     chosen: list[str] = []
     for name in sorted(sim.plan.recompute, key=per_byte, reverse=True):
         spans = [gaps.get(o) for o in nodes[name].output if o]
