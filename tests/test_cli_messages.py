@@ -96,3 +96,20 @@ def test_compile_says_an_export_warning_once_though_it_builds_again_for_row_chun
     assert len(said) == 1, r.stderr
     report = json.loads((tmp_path / "c.report.json").read_text())
     assert sum("onnx::MatMul_1" in w for w in report["warnings"]) == 1, report["warnings"]
+
+
+def test_analyze_says_its_search_is_not_bounded_by_its_limit(tmp_path, monkeypatch):
+    """``analyze`` said "smallest reachable peak (up to 1 s)" and then took a minute on an
+    EfficientNet-B0 (the sweep of session 24): the segmentations run whatever the limit."""
+    from typer.testing import CliRunner
+
+    from memcc.cli import app
+
+    monkeypatch.setattr("memcc.cli.log_progress.QUIET_S", 0.0)
+    model = tmp_path / "m.onnx"
+    _made_up_names_model(model)
+    r = CliRunner().invoke(app, ["analyze", str(model), "--loss", "mse"])
+    assert r.exit_code == 0, r.output
+    assert re.search(r"smallest reachable peak \(solves up to 1 s, and \d+ sqrt\(n\) "
+                     r"segmentations of \d+ nodes simulated as compile does; --no-smallest "
+                     r"skips this\)", r.stderr), r.stderr
