@@ -305,7 +305,7 @@ def _no_compile(monkeypatch):
     def boom(*_a, **_k):
         raise AssertionError("the compile started before the paths were checked")
 
-    monkeypatch.setattr(pipeline, "load_step", boom)
+    monkeypatch.setattr(pipeline, "load_step_warned", boom)   # the load compile starts with
 
 
 def test_output_in_missing_directory_fails_before_compiling(gpt2_file, tmp_path, monkeypatch):

@@ -67,3 +67,49 @@ def test_analyze_prints_an_export_warning_as_a_warning_line(tmp_path):
     # ... and in the JSON's "warnings", which README says holds what went to stderr (the
     # export's warnings were missing there and from compile reports).
     assert any("onnx::MatMul_3" in w for w in json.loads(r.stdout)["warnings"]), r.stdout
+
+
+def test_compile_says_an_export_warning_once_though_it_builds_again_for_row_chunks(tmp_path):
+    """Compile builds a forward model again for each row-chunk setting it plans; each build
+    warned about the export again (the sweep of session 24: a dynamo MobileNetV3's two
+    warnings, 88 folded parameters, printed twice), now each is said once."""
+    from typer.testing import CliRunner
+
+    from memcc.cli import app
+
+    w1 = numpy_helper.from_array(np.ones((4, 16), np.float32), "onnx::MatMul_1")
+    w2 = numpy_helper.from_array(np.ones((16, 3), np.float32), "onnx::MatMul_2")
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "onnx::MatMul_1"], ["h"]),
+         helper.make_node("Relu", ["h"], ["r"]),
+         helper.make_node("MatMul", ["r", "onnx::MatMul_2"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 64, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 64, 3])], [w1, w2])
+    model = tmp_path / "mlp.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), model)
+    r = CliRunner().invoke(app, ["compile", str(model), "--budget", "min", "--cost",
+                                 "analytic", "--time-limit", "1", "--loss", "mse",
+                                 "-o", str(tmp_path / "c.onnx")])
+    assert r.exit_code == 0, r.output
+    assert "row chunks: planning the step built with mlp" in r.stderr, r.stderr
+    said = [line for line in r.stderr.splitlines() if "onnx::MatMul_1" in line]
+    assert len(said) == 1, r.stderr
+    report = json.loads((tmp_path / "c.report.json").read_text())
+    assert sum("onnx::MatMul_1" in w for w in report["warnings"]) == 1, report["warnings"]
+
+
+def test_analyze_says_its_search_is_not_bounded_by_its_limit(tmp_path, monkeypatch):
+    """``analyze`` said "smallest reachable peak (up to 1 s)" and then took a minute on an
+    EfficientNet-B0 (the sweep of session 24): the segmentations run whatever the limit."""
+    from typer.testing import CliRunner
+
+    from memcc.cli import app
+
+    monkeypatch.setattr("memcc.cli.log_progress.QUIET_S", 0.0)
+    model = tmp_path / "m.onnx"
+    _made_up_names_model(model)
+    r = CliRunner().invoke(app, ["analyze", str(model), "--loss", "mse"])
+    assert r.exit_code == 0, r.output
+    assert re.search(r"smallest reachable peak \(solves up to 1 s, and \d+ sqrt\(n\) "
+                     r"segmentations of \d+ nodes simulated as compile does; --no-smallest "
+                     r"skips this\)", r.stderr), r.stderr

@@ -17,3 +17,23 @@ def test_one_recomputed_value_is_singular_and_more_are_plural():
     assert any("ilp: 1 value recomputed," in line for line in one), one
     two = summary_lines(_report(["a", "b"]))
     assert any("ilp: 2 values recomputed," in line for line in two), two
+
+
+def test_chosen_row_chunks_say_their_step_time_against_the_step_without_them():
+    """The summary's added time is against the chunked step as built; a DeiT-tiny at
+    --budget min read +15.9% where the chosen split made the step 2.5 times as long as the
+    unchunked one (the sweep of session 24): the row-chunk line says that too."""
+    report = _report(["a"])
+    report["row_chunks"] = {
+        "chosen": {"loss": 1, "attention": 8, "mlp": 8}, "searched": True,
+        "candidates": [{"chunks": {"loss": 1, "attention": 1, "mlp": 1}, "added_time": 0.134,
+                        "chosen": False},
+                       {"chunks": {"loss": 1, "attention": 8, "mlp": 8}, "added_time": 1.5253,
+                        "chosen": True}]}
+    assert ("row chunks attention 8, mlp 8: predicted step time +152.5% against the step "
+            "without chunks, plan included (chosen by compile of 2 settings planned)"
+            ) in summary_lines(report)
+    report["row_chunks"]["chosen"] = {"loss": 1, "attention": 1, "mlp": 1}
+    report["row_chunks"]["candidates"][0]["chosen"] = True
+    report["row_chunks"]["candidates"][1]["chosen"] = False
+    assert "row chunks none (chosen by compile of 2 settings planned)" in summary_lines(report)

@@ -147,15 +147,23 @@ def load_step(model: str | os.PathLike | onnx.ModelProto, label: str,
 
 def load_step_warned(model: str | os.PathLike | onnx.ModelProto, label: str,
                      options: CompileOptions, warning: Callable[[str], None], *,
-                     mapped: bool = False) -> tuple[Graph, dict]:
+                     mapped: bool = False, said: set[str] | None = None) -> tuple[Graph, dict]:
     """``load_step``, its build's warnings about the export (``ExportWarning``: made-up
     names, merged or folded parameters) said through ``warning``, so that they are in the
     report's and analyze's ``warnings`` like every other thing said on stderr (they went to
-    stderr only, as Python warnings). Notes and other warnings go on as they came."""
+    stderr only, as Python warnings). Notes and other warnings go on as they came.
+
+    ``said``: the messages earlier loads of the same model said (compile builds a forward
+    model once per row-chunk setting it plans); those are not said again, and this load's
+    are added to it, so that a compile names each folded parameter or made-up name once."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ExportWarning)
         out = load_step(model, label, options, mapped=mapped)
     for w in caught:
+        if said is not None:
+            if str(w.message) in said:
+                continue
+            said.add(str(w.message))
         if issubclass(w.category, ExportWarning) and not issubclass(w.category, ExportNote):
             warning(str(w.message))
         else:

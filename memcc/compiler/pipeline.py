@@ -29,14 +29,14 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from onnx import TensorProto
 
 from memcc.compiler.budget_share import budget_share, resolve_share
 from memcc.compiler.floor_check import check_floor
-from memcc.compiler.loading import check_provider, load_step, load_step_warned
+from memcc.compiler.loading import check_provider, load_step_warned
 from memcc.compiler.options import CompileOptions, user_budget
 from memcc.compiler.progress import Progress, warning_sink
 from memcc.compiler.writing import Model, Target, check_targets, unverified_path, write_outputs
@@ -83,6 +83,9 @@ class CompileRun:
     warning: Progress            # adds one to ``warnings`` and passes it on to the caller
     cuda_missing: str | None     # why --provider cuda cannot run here (None: it can)
     started: float               # time.perf_counter() when the work began
+    # What the loads said about the export, said once though compile builds a forward model
+    # again for each row-chunk setting it plans (``load_step_warned``'s ``said``).
+    said: set[str] = field(default_factory=set)
 
 
 @dataclass(frozen=True)
@@ -163,7 +166,7 @@ def _load(run: CompileRun) -> Graph:
     options, label = run.options, run.label
     graph = run.runner.stage(
         "load", lambda: load_step_warned(run.model, label, options, run.warning,
-                                         mapped=True))
+                                         mapped=True, said=run.said))
     if not run.runner.reports[-1].summary["built_training_step"] \
             and options.build != BuildOptions():
         run.warning(f"{label} is already a training step: the build options given (--loss, "
@@ -291,7 +294,8 @@ def _plan(run: CompileRun, graph: Graph, costs: CostModel) -> Planned:
         if screened is not None:
             g = runner.stage("load", lambda: screened[:2])
             return g, runner.stage("cost_model", lambda: screened[2:])
-        g = runner.stage("load", lambda: load_step(run.model, label, opts))
+        g = runner.stage("load", lambda: load_step_warned(run.model, label, opts, run.warning,
+                                                          said=run.said))
         return g, runner.stage("cost_model",
                                lambda: node_costs(g, opts, quiet, run.cuda_missing))
 
@@ -348,7 +352,7 @@ def _estimator(run: CompileRun, graph: Graph, costs: CostModel, built: dict) -> 
             base.extend((priced, costs.total(graph) / as_loaded if as_loaded > 0 else 1.0,
                          analyze_liveness(graph).peak_bytes))
         priced, scale, peak = base
-        g, summary = load_step(run.model, run.label, opts)
+        g, summary = load_step_warned(run.model, run.label, opts, run.warning, said=run.said)
         seconds = {n.name: priced.price(n, g) * scale for n in g.nodes}
         cost_summary = {"source": costs.source, "provider": costs.provider,
                         "total_s": round(sum(seconds.values()), 6),
