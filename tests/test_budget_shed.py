@@ -1,0 +1,67 @@
+"""A budget the search cannot fit in the file's order gets the smallest plan with what the
+budget holds kept (``compiler.trained_smallest.shed_within``), not the smallest plan's added
+time: the first-use sweep's PoolFormer got +38.3% at a budget above ``--budget min``'s,
+whose own plan cost +10.8% (BENCHMARKS.md, "First use on models memcc was not tuned on")."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from memcc.backend.onnx_file import save_graph
+from memcc.cli import app
+from memcc.compiler.options import CompileOptions
+from memcc.compiler.trained_smallest import shed_within
+from memcc.frontend.build import BuildOptions, build_training_step
+from memcc.frontend.load import load_graph
+from memcc.passes.analysis.cost_model import unit_costs
+from memcc.passes.plan import Plan, StepStructure, nothing_saveable
+from memcc.passes.planning.simulate import SimulationRules, simulate
+from models import build_model
+
+runner = CliRunner()
+ARGS = ["--cost", "analytic", "--time-limit", "4", "--no-chunks"]
+
+
+@pytest.fixture(scope="module")
+def step(tmp_path_factory):
+    forward = build_model("gpt2", batch=2, seq_len=32, width=64, depth=2, heads=2,
+                          vocab_size=2048)
+    graph = build_training_step(load_graph(forward), BuildOptions(optimizer="adamw"))
+    return save_graph(graph, tmp_path_factory.mktemp("shed") / "gpt2.onnx")
+
+
+def test_shedding_keeps_what_the_ceiling_holds_and_nothing_over_it(step):
+    graph = load_graph(step)
+    st, costs = StepStructure.of(graph), unit_costs(graph)
+    rules = SimulationRules("cpu", early_updates=True)
+    everything = simulate(graph, nothing_saveable(st), costs, st, rules)
+    whole = simulate(graph, Plan(), costs, st, rules)
+    opts = CompileOptions(budget="min")
+    ceiling = (everything.peak_bytes + whole.peak_bytes) // 2
+    shed = shed_within(graph, everything, costs, opts, st, lambda s: ceiling)
+    assert shed.plan.recompute < everything.plan.recompute
+    assert shed.peak_bytes <= ceiling and shed.added_time_s < everything.added_time_s
+    # No headroom: the plan itself.
+    assert shed_within(graph, everything, costs, opts, st,
+                       lambda s: everything.peak_bytes - 1) is everything
+
+
+def test_a_budget_above_the_smallest_gets_a_plan_no_dearer_than_the_smallest(step, tmp_path):
+    reports = {}
+    for name, budget in (("min", "min"), ("near", None)):
+        if budget is None:  # just above what --budget min names: the file's order misses it
+            budget = str(int(reports["min"]["budget_bytes"] * 1.02))
+        out = tmp_path / f"{name}.onnx"
+        res = runner.invoke(app, ["compile", str(step), "--budget", budget, *ARGS, "-o",
+                                  str(out), "--report", str(tmp_path / f"{name}.json"),
+                                  *(["--verify"] if name == "near" else [])])
+        assert res.exit_code == 0, res.output
+        reports[name] = json.loads((tmp_path / f"{name}.json").read_text())
+    near, smallest = reports["near"]["plan"], reports["min"]["plan"]
+    assert "then kept what the budget holds" in res.output
+    assert near["overhead"] < smallest["overhead"]
+    assert near["peak_bytes"] <= reports["near"]["budget_bytes"]
+    assert "verify   OK" in res.output
