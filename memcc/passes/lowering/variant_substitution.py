@@ -261,6 +261,9 @@ def apply_variants(graph: Graph, plan: Plan) -> VariantResult:
     taken = set(out.values()) | {n.name for n in out.nodes if n.name}
     readers = reader_counts(out)
     producers = out.producers()
+    # The def-use index too: a region variant's matching reads it, and rebuilding it after
+    # each substitution took 9 of an EfficientNet-B0 compile's 39 s (1,499 rebuilds).
+    index = out.def_use()
     substituted, fwd_added, back_added, removed = [], [], [], []
     for name, vname in asked:
         node = by_name[name]
@@ -292,6 +295,10 @@ def apply_variants(graph: Graph, plan: Plan) -> VariantResult:
             tag_node(n, grad_of=name, rule=vname)
         for n in fwd_nodes:
             tag_node(n, role="forward", rule=vname)
+        for n in dead:
+            index.remove(n)
+        for n in (*back_nodes, *fwd_nodes):
+            index.add(n)
         body = rule_body(old, got.gouts)
         anchor = body[0] if body else old[0]
         nodes: list[onnx.NodeProto] = []
@@ -303,14 +310,20 @@ def apply_variants(graph: Graph, plan: Plan) -> VariantResult:
                 nodes.append(n)
             if n is node:
                 nodes.extend(fwd_nodes)
-        out.set_nodes(nodes)
+        out.set_nodes(nodes, index=index.attach(nodes))
+        named = list(node.output)
         _drop_outputs_only_dead_read(node, dead, readers, out.outputs)
+        for o in set(named) - set(node.output):
+            if o and index.producer.get(o) is node:
+                del index.producer[o]
         for m in got.members:
             rules[m] = []
         substituted.append((name, variant.key))
         fwd_added += [n.name for n in fwd_nodes]
         back_added += [n.name for n in back_nodes]
         removed += [n.name for n in dead]
+    # Handed on without the index kept here (its reader lists are not in node order).
+    out.set_nodes(out.nodes)
     return VariantResult(out, tuple(substituted), tuple(fwd_added), tuple(back_added),
                          tuple(removed))
 
