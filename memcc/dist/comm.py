@@ -90,12 +90,14 @@ class Comm:
 
     @staticmethod
     def settle(t) -> None:
-        """On a GPU, wait until torch's streams are done with ``t`` (the collective and the
-        division ran there; ORT reads it on a stream of its own next)."""
+        """On a GPU, wait until torch's current stream is done with ``t``: the collective
+        was waited on (``work.wait`` orders it before that stream's later work) and the
+        division ran there; ORT reads ``t`` on a stream of its own next. Other collectives
+        in flight are not waited for."""
         if t.is_cuda:
             import torch
 
-            torch.cuda.synchronize(t.device)
+            torch.cuda.current_stream(t.device).synchronize()
 
     def all_reduce_mean(self, t) -> None:
         """Average ``t`` over the ranks, in place (SUM, then divided by the world size)."""

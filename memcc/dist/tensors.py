@@ -10,8 +10,10 @@ copies on GPUs). One code path for both devices: the CPU tests run it.
 
 Streams (CUDA): ORT runs on a stream of its own and synchronizes it before ``run``
 returns (``RunOptions`` default); torch's copies and collectives run on torch's streams.
-``synchronize`` is called before ORT reads what torch wrote and after a collective, so
-neither side reads a buffer the other is still writing. Not yet run on a GPU (none was lent
+``synchronize`` (torch's current stream, not the whole device) is called before ORT reads
+what torch wrote and after a collective is waited on, so neither side reads a buffer the
+other is still writing, while a bucket's reduction in flight goes on beside the next
+segment. Not yet run on a GPU (none was lent
 to the session that wrote it): docs/DATA_PARALLEL.md says what a GPU session checks.
 
 Imported only by the modules that run ranks (torch is memcc's optional ``dist`` extra).
@@ -118,9 +120,11 @@ class RankDevice:
         return t.numpy() if not t.is_cuda else t.detach().cpu().numpy()
 
     def synchronize(self) -> None:
-        """Wait for torch's work on this device (a no-op on the CPU)."""
+        """Wait for the work torch queued on its current stream here (copies, a reduction's
+        division after its wait); a no-op on the CPU. Not the whole device: a collective
+        still in flight on NCCL's stream (a bucket the backward does not read) goes on."""
         if self.on_gpu:
-            torch.cuda.synchronize(self.torch)
+            torch.cuda.current_stream(self.torch).synchronize()
 
     def ort_output(self) -> tuple[str, int]:
         """(device type, device id) for ``IOBinding.bind_output``."""
