@@ -184,6 +184,18 @@ def test_ranks_by_buckets_are_planned_as_they_train(files):
         assert 0 < info["step_peak_bytes_per_rank"][r] <= floors["by"]
 
 
+def test_a_step_whose_cut_peaks_over_the_budget_is_refused(files, monkeypatch):
+    """Where the written step, cut again at its buckets, would peak over the per-rank
+    budget, compile refuses and writes nothing (the planned graph alone is not trusted)."""
+    import memcc.compiler.ranks as ranks
+
+    monkeypatch.setattr(ranks, "_as_cut", lambda step, options: [10**12, 10**12])
+    res, _ = _compile(files, "cutover", "20MB", "--nproc", "2", "--zero", "1",
+                      "--bucket-mb", "0.2")
+    assert res.exit_code == 2 and "cut again at its buckets" in res.output, res.output
+    assert not (files["dir"] / "cutover.onnx").exists()
+
+
 @pytest.mark.parametrize("args,message", [
     (["--bucket-mb", "25"], "give --nproc N too"),
     (["--nproc", "2", "--zero", "2", "--bucket-mb", "25"], "--bucket-mb with --zero 2"),

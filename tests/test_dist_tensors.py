@@ -96,3 +96,16 @@ def test_cuda_ranks_without_a_gpu_are_refused_with_what_to_do():
     with pytest.raises(InputError, match="sees no GPU.*--provider cpu"):
         place_rank("cuda", 0, 2, 0, None)
 
+
+
+def test_zero2_on_a_shared_gpu_is_refused_before_any_rank_starts(monkeypatch, tmp_path):
+    from memcc.dist import launch
+    from memcc.dist.train import DistOptions
+    from memcc.trainer import TrainOptions
+
+    monkeypatch.setattr(launch, "resolve_provider", lambda p: "cuda")
+    monkeypatch.setattr(launch, "_gpus", lambda p: 1)
+    opts = TrainOptions(step=tmp_path / "s.onnx", data=tmp_path / "d.npz", provider="cuda")
+    with pytest.raises(InputError, match="--zero 2 with --provider cuda and 2 ranks on 1"):
+        launch._check_placement(DistOptions(opts, 2, zero=2), 2)
+    launch._check_placement(DistOptions(opts, 2, zero=1), 2)   # ZeRO-1 shares it over gloo

@@ -92,8 +92,11 @@ def plan_in_budget(graph: Graph, budget: Budget, costs: CostModel, options: Comp
     slack = base_slack = options.slack_for(graph)
     plan_budget = None if budget.is_min else plan_budget_under(budget.bytes, options, slack)
 
+    def sim_slack(sim: Simulation) -> int:   # heap room for a plan's own small buffers
+        return max(base_slack, options.slack_for(sim.graph))
+
     def own_slack(outcome: PlanOutcome) -> int:
-        return max(base_slack, options.slack_for(outcome.best.graph))
+        return sim_slack(outcome.best)
 
     def no_fit(exc: BudgetError, trained: PlanOutcome | None) -> BudgetError:
         # what --budget min gives: the smallest plan, as trained, with its own heap room
@@ -117,8 +120,8 @@ def plan_in_budget(graph: Graph, budget: Budget, costs: CostModel, options: Comp
                     plan_budget_under(budget.bytes, options, own_slack(smallest)):
                 raise no_fit(exc, smallest) from None
             fitted = _within_budget(graph, smallest, costs, options, structure,
-                                    lambda s: plan_budget_under(budget.bytes, options, max(
-                                        base_slack, options.slack_for(s.graph))))
+                                    lambda s: plan_budget_under(budget.bytes, options,
+                                                                sim_slack(s)))
             return timed("plan", lambda: (fitted, plan_summary(graph, fitted, costs,
                                                                 options, structure)))
 

@@ -55,7 +55,7 @@ class BoundGraph:
                  source: str = "<step>", unbound: Unbound | None = None) -> None:
         unbound = unbound or Unbound()
         self.place = place = place or Placement()
-        self.device = device = RankDevice(place.kind, place.gpu)
+        self.device = device = RankDevice.of(place)
         self.source = source
         self.per_run = set(unbound.per_run)
         updates = dict(updates or {})

@@ -63,7 +63,6 @@ def train_distributed(opts: TrainOptions, nproc: int | None, *, zero: int = 0,
                              "give the same number or leave --nproc out")
         dopts = DistOptions(opts, world, zero, quiet or rank != 0, buckets)
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        _check_placement(dopts, local)
         comm, place = _join(dopts, rank, local_rank, local)
         try:
             out = run_rank(dopts, rank, comm, place)
@@ -232,9 +231,7 @@ def _rank_main(rank: int, opts: DistOptions, port: int, tmp: str) -> None:
 def _join(opts: DistOptions, rank: int, local_rank: int, local_world: int):
     """This rank's place (its GPU with ``--provider cuda``, its share of the host's cores)
     and its process group: NCCL where every rank has a GPU of its own, else gloo."""
-    provider = resolve_provider(opts.train.provider)
-    place, sharing = place_rank(provider, local_rank, local_world, _gpus(provider),
-                                opts.train.threads or default_threads(local_world))
+    place, sharing = _placement(opts, local_rank, local_world)
     return Comm(rank, opts.world, backend_for(place.kind, sharing), place.gpu), place
 
 
@@ -248,13 +245,21 @@ def _gpus(provider: str) -> int:
 
 
 def _check_placement(opts: DistOptions, local_world: int) -> None:
-    """Refuse before any rank starts what a rank's placement would refuse: ``--provider
-    cuda`` without a GPU torch sees, and ZeRO-2 on a GPU shared by ranks (gloo has no
-    ``reduce`` over CUDA tensors)."""
+    """Refuse before any rank starts what a rank's placement would refuse."""
+    _placement(opts, 0, local_world)
+
+
+def _placement(opts: DistOptions, local_rank: int, local_world: int):
+    """``place_rank`` for this run, with what it refuses: ``--provider cuda`` without a GPU
+    torch sees, and ZeRO-2 on a GPU shared by ranks (gloo has no ``reduce`` over CUDA
+    tensors)."""
     provider = resolve_provider(opts.train.provider)
-    place, sharing = place_rank(provider, 0, local_world, _gpus(provider), None)
+    gpus = _gpus(provider)
+    place, sharing = place_rank(provider, local_rank, local_world, gpus,
+                                opts.train.threads or default_threads(local_world))
     if place.on_gpu and sharing > 1 and opts.zero == 2:
         raise InputError(f"--zero 2 with --provider cuda and {local_world} ranks on "
-                         f"{_gpus(provider)} GPU(s): ranks sharing a GPU talk over gloo, "
-                         "which cannot reduce CUDA tensors to one rank; use --zero 1, or "
-                         "one rank per GPU (NCCL)")
+                         f"{gpus} GPU(s): ranks sharing a GPU talk over gloo, which cannot "
+                         "reduce CUDA tensors to one rank; use --zero 1, or one rank per "
+                         "GPU (NCCL)")
+    return place, sharing

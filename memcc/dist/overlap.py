@@ -48,7 +48,7 @@ class OverlappedStep:
     def __init__(self, split: SplitStep, cut: SegmentedStep, buffers: RankBuffers, comm,
                  place: Placement, source: str) -> None:
         self.split, self.cut, self.buffers, self.comm = split, cut, buffers, comm
-        self.device = RankDevice(place.kind, place.gpu)
+        self.device = RankDevice.of(place)
         fixed = {**buffers.params, **buffers.opt_state, **buffers.carried, **buffers.batch,
                  split.spec.loss: buffers.loss}
         wanted = set(split.gradient.outputs)

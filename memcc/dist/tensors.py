@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from memcc.dist.placement import Placement
 from memcc.errors import InputError
 
 
@@ -51,6 +52,10 @@ class RankDevice:
 
     kind: str = "cpu"
     index: int = 0
+
+    @classmethod
+    def of(cls, place: Placement) -> RankDevice:
+        return cls(place.kind, place.gpu)
 
     @property
     def torch(self) -> torch.device:
@@ -97,16 +102,22 @@ class RankDevice:
 
     # --------------------------------------------------------------- crossing
     def ortvalue(self, t: torch.Tensor):
-        """``t``'s memory as an ORT value (no copy). ORT's DLPack reader knows bool only as
-        bytes flagged bool, so a bool tensor goes as its uint8 view."""
+        """``t``'s memory as an ORT value (no copy). onnxruntime 1.31's DLPack reader knows
+        bool only as bytes flagged bool (torch's kDLBool: "Unsupported code 6"), and 1.32
+        dropped that flag: a bool tensor goes through the public reader first, else as its
+        uint8 view flagged bool."""
         import onnxruntime as ort
-        from onnxruntime.capi import _pybind_state as C
 
         if not t.is_contiguous():
             raise InputError("a buffer bound to ONNX Runtime is not contiguous")
-        if t.dtype == torch.bool:
+        if t.dtype != torch.bool:
+            return ort.OrtValue.from_dlpack(t)
+        try:
+            return ort.OrtValue.from_dlpack(t)
+        except RuntimeError:
+            from onnxruntime.capi import _pybind_state as C
+
             return ort.OrtValue(C.OrtValue.from_dlpack(t.view(torch.uint8).__dlpack__(), True))
-        return ort.OrtValue.from_dlpack(t)
 
     def tensor(self, value, dtype: np.dtype | None = None) -> torch.Tensor:
         """An ORT value as a tensor over the same memory; ``dtype`` bool restores what

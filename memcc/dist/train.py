@@ -234,7 +234,7 @@ def _set_up(opts: DistOptions, rank: int, comm, place: Placement) -> _SetUp:
                                     opts.bucket_bytes)
     replica = Replica(_split(run, t), comm, ReplicaSettings(
         rank, opts.world, opts.zero, place.threads, str(t.step),
-        bucket_bytes=opts.bucket_bytes, device=RankDevice(place.kind, place.gpu).check()))
+        bucket_bytes=opts.bucket_bytes, device=RankDevice.of(place).check()))
     out = _SetUp(run, replica, predicted)
     if loaded is not None:
         replica.load(loaded.tensors, str(loaded.path))
