@@ -494,7 +494,7 @@ def test_the_polish_is_bounded_by_a_count_of_simulations_not_by_the_clock():
     ``--time-limit``, so the same step and budget get the same plan on a quiet and on a
     loaded machine; the clock is a safety net only, and where it, not the count, stopped a
     stage the report says so (``cut_by_time_limit``)."""
-    from memcc.passes.planning import polish
+    from memcc.passes.planning import polish, work
     from memcc.passes.planning.planner import _prepare
 
     _, g, costs, base = built("unet")
@@ -502,9 +502,9 @@ def test_the_polish_is_bounded_by_a_count_of_simulations_not_by_the_clock():
     start = next(s for s in p.segmentations if s.plan.recompute)
     found = [("sqrtn", start)]
     allowed = polish.Allowance.of(p, polish.POLISH_SHARE)
-    assert allowed.moves == int(polish.POLISH_SHARE * 300 * polish.SIMULATED_NODES_PER_S
+    assert allowed.moves == int(polish.POLISH_SHARE * 300 * work.SIMULATED_NODES_PER_S
                                 / len(g.nodes))
-    assert polish.Allowance.of(replace(p, time_limit=1e-3), 0.25).moves == polish.MIN_MOVES
+    assert polish.Allowance.of(replace(p, time_limit=1e-3), 0.25).moves == work.MIN_MOVES
 
     def run(allowance):
         trades = polish.Allowance(allowance.moves, allowance.deadline)
@@ -517,11 +517,11 @@ def test_the_polish_is_bounded_by_a_count_of_simulations_not_by_the_clock():
     assert first.spent == second.spent == 6 and first.stopped == {"polish": "moves"}
     assert a is not None and b is not None
     assert a[0].plan == b[0].plan and a[0].added_time_s == b[0].added_time_s
-    assert not polish._work_said(first).get("cut_by_time_limit")
+    assert not work.account(first).get("cut_by_time_limit")
     # The deadline passed: nothing simulated, and the report names the cut.
     late = polish.Allowance(10**6, deadline=float("-inf"))
     assert run(late)[0] is None and late.spent == 0
-    said = polish._work_said(late)
+    said = work.account(late)
     assert said["cut_by_time_limit"] == ["polish"] and said["simulations"] == 0
     # Once per stage.
     fit = polish.FitTest(1.0, polish.Allowance(0), stage="trades")
@@ -579,3 +579,32 @@ def test_a_caller_s_deadline_binds_and_budget_min_keeps_room_for_the_region_sear
     allowance = polish.Allowance.of(search.context, polish.POLISH_SHARE)
     assert allowance.deadline == pytest.approx(end - room)
     assert allowance.moves == polish.Allowance.of(p, polish.POLISH_SHARE).moves
+
+
+def test_variant_kinds_on_a_rebuilt_again_plan_are_bounded_by_their_allowance():
+    """The variant kinds tried on the lowest rebuilt-again plan are counted against their
+    share of the limit's work (in that plan's lowered nodes), the kind that frees the most
+    over the schedule first; unbounded, they were most of a compile on a 2,700-node step.
+    Where the clock, not the count, stops them, nothing is simulated and the account names
+    the cut."""
+    from memcc.passes.planning import segmented, work
+    from memcc.passes.planning.planner import _prepare
+
+    _, g, costs, base = built("resnet18")
+    p = _prepare(g, costs, PlanRequest(time_limit=300), StepStructure.of(g), base)
+    kinds = segmented._kinds(p)
+    assert len(kinds) >= 2, kinds
+    assert list(kinds) == list(segmented._kinds(p))          # the same order every time
+    start = next(s for s in p.segmentations if s.plan.recompute)
+    one = work.Allowance(1)
+    got = segmented._variant_kinds(p, start, kinds, one)
+    assert one.spent == 1 and one.stopped == {"variant kinds": "moves"}
+    assert got is start or got.peak_bytes < start.peak_bytes
+    assert set(got.plan.variants) <= set(next(iter(kinds.values())))
+    late = work.Allowance(10**6, deadline=float("-inf"))
+    assert segmented._variant_kinds(p, start, kinds, late) is start and late.spent == 0
+    assert work.account(late)["cut_by_time_limit"] == ["variant kinds"]
+    allowed = work.Allowance.of(p, segmented.KINDS_SHARE, nodes=len(start.graph.nodes),
+                                least=segmented.MIN_KIND_MOVES)
+    assert allowed.moves == int(segmented.KINDS_SHARE * 300 * work.SIMULATED_NODES_PER_S
+                                / len(start.graph.nodes))

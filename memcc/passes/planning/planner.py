@@ -35,7 +35,6 @@ from memcc.passes.planning.model.variant_terms import (
     VariantVars,
     add_variant_terms,
 )
-from memcc.passes.planning.polish import SIMULATED_NODES_PER_S
 from memcc.passes.planning.refusal import BudgetError
 from memcc.passes.planning.request import Budget, DecisionKinds, PlanRequest
 from memcc.passes.planning.simulate import Simulation, SimulationRules, simulate
@@ -47,6 +46,7 @@ from memcc.passes.planning.strategies import (
     StrategyResult,
     StrategyRun,
 )
+from memcc.passes.planning.work import SIMULATED_NODES_PER_S
 
 STRATEGIES = ("auto", *sorted(n for n in REGISTRY if n != "auto"))
 # ``Budget.MIN``'s search over the region variants: the share of the time limit its work

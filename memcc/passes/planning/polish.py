@@ -6,9 +6,8 @@ out (``context.py``).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from memcc.passes.plan import Plan
 from memcc.passes.planning.context import PlanningContext, StrategyResult, strategy
@@ -16,6 +15,7 @@ from memcc.passes.planning.exact import exact_model
 from memcc.passes.planning.request import Budget
 from memcc.passes.planning.segmented import add_rebuilt_again, segmented
 from memcc.passes.planning.simulate import Simulation
+from memcc.passes.planning.work import Allowance, account
 
 POLISH_CANDIDATES = 64
 POLISH_STARTS = 4
@@ -27,47 +27,6 @@ POLISH_SHARE = 0.25
 EXCHANGE_UNITS = 16
 EXCHANGE_SHARE = 0.15
 EXCHANGE_PARTNERS = 2
-# The work a share of ``--time-limit`` buys, in simulated nodes: one simulation costs about
-# the step's node count, at 11,000-16,000 nodes a second on CI's 2-core machine with other
-# jobs running (zoo steps of 460-2,555 nodes, 2026-11-27). A count, not a clock, so that the
-# plan does not depend on how busy the machine is.
-SIMULATED_NODES_PER_S = 12_000
-MIN_MOVES = 4
-
-
-@dataclass
-class Allowance:
-    """How much one stage of the polish may search: ``moves`` simulations, a count fixed by
-    the step's size and ``--time-limit`` (``Allowance.of``), so that the same step, budget
-    and limit give the same plan on a quiet and on a loaded machine. ``deadline`` (a
-    perf_counter value: the planner's own) is only a safety net, so that the limit holds on
-    a machine much slower than ``SIMULATED_NODES_PER_S``. ``stopped``: per stage, what
-    stopped it ("moves", the same on every run; "time limit", where the plan may then depend
-    on the machine, and the report says so)."""
-
-    moves: int
-    deadline: float = float("inf")
-    spent: int = 0
-    stopped: dict[str, str] = field(default_factory=dict)
-
-    @classmethod
-    def of(cls, p: PlanningContext, share: float) -> Allowance:
-        nodes = max(len(p.graph.nodes), 1)
-        moves = int(share * p.time_limit * SIMULATED_NODES_PER_S / nodes)
-        # The safety net leaves the caller the room it asked for (``after_s``).
-        return cls(max(moves, MIN_MOVES), p.deadline - p.after_s)
-
-    def take(self, stage: str) -> bool:
-        """Whether one more simulation may run (it is counted)."""
-        why = ("moves" if self.spent >= self.moves
-               else "time limit" if time.perf_counter() > self.deadline else None)
-        if why is not None:
-            self.stopped.setdefault(stage, why)
-            return False
-        self.spent += 1
-        return True
-
-
 @dataclass(frozen=True)
 class FitTest:
     """What the polish keeps a plan to: fit ``budget`` (by ``Simulation.fit_bytes`` where
@@ -116,7 +75,7 @@ def best_of_all(p: PlanningContext, budget: Budget) -> StrategyResult:
     shedding, trading = Allowance.of(p, POLISH_SHARE), Allowance.of(p, EXCHANGE_SHARE)
     polished = _polish(p, out.plans, FitTest(target, shedding, not budget.is_min),
                        proven=proven, trades=trading)
-    said = _work_said(shedding, trading)
+    said = account(shedding, trading)
     if polished is None:
         out.add("auto", [], {"strategy": "polish", "detail": "the cheapest fitting plans",
                              "status": "no improvement", **said})
@@ -126,17 +85,6 @@ def best_of_all(p: PlanningContext, budget: Budget) -> StrategyResult:
                                 "from": start, "status": "improved", "trades": trades,
                                 **said})
     return out
-
-
-def _work_said(*allowances: Allowance) -> dict:
-    """The report's account of the polish's work: the simulations it ran, the most it was
-    allowed, and where the time limit, not the count, stopped a stage
-    (``cut_by_time_limit``: only then may another run find another plan)."""
-    stopped = {k: v for a in allowances for k, v in a.stopped.items()}
-    said = {"simulations": sum(a.spent for a in allowances),
-            "simulations_allowed": sum(a.moves for a in allowances)}
-    cut = [stage for stage, why in stopped.items() if why == "time limit"]
-    return {**said, "cut_by_time_limit": cut} if cut else said
 
 
 def _polish(p: PlanningContext, found: list[tuple[str, Simulation]], fit: FitTest, *,

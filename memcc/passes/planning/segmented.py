@@ -7,10 +7,19 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
+
 from memcc.passes.lowering.variant_substitution import overlapping
 from memcc.passes.planning.context import PlanningContext, StrategyResult, strategy
 from memcc.passes.planning.request import Budget
 from memcc.passes.planning.simulate import Simulation
+from memcc.passes.planning.work import Allowance, account
+
+# The variant kinds tried on the lowest rebuilt-again plan (``_variant_kinds``): this share
+# of the work the time limit buys, counted in that plan's lowered nodes; at least the kind
+# that could lower the peak the most is tried.
+KINDS_SHARE = 0.1
+MIN_KIND_MOVES = 1
 
 
 @strategy("none")
@@ -68,35 +77,66 @@ def add_rebuilt_again(p: PlanningContext, budget: Budget, out: StrategyResult) -
     if sims:
         lowest = min(sims, key=lambda sim: (sim.peak_bytes, sim.added_time_s))
         if not budget.holds(lowest.peak_bytes):
-            with_variants = _variant_kinds(p, lowest)
+            allowance = Allowance.of(p, KINDS_SHARE, nodes=len(lowest.graph.nodes),
+                                     least=MIN_KIND_MOVES)
+            kinds = _kinds(p)
+            with_variants = _variant_kinds(p, lowest, kinds, allowance)
+            said = {"variant_kinds": len(kinds), **account(allowance)}
             if with_variants is not lowest:
                 out.add("sqrtn", [with_variants],
                         {"strategy": "sqrtn", "rebuilt_again": True,
                          "detail": "the lowest of those, with the variant kinds that lower "
-                                   "its peak"})
+                                   "its peak", **said})
+            elif allowance.spent:
+                out.runs[-1].fields.update(said)
 
 
-def _variant_kinds(p: PlanningContext, start: Simulation) -> Simulation:
-    """``start`` with whole variant kinds added (``Conv:chunks8`` on every Conv that offers
-    it, ...) one kind at a time, each kept where the simulator finds a lower peak.
+def _kinds(p: PlanningContext) -> dict[str, dict[str, str]]:
+    """Variant kind -> {forward node: kind} over the variants the model offers, the kinds
+    that could lower a peak the most first: by the bytes each variant frees over the
+    schedule in the model (its memory terms' bytes times the steps they span, summed; where
+    a kind's nodes free more, the more likely it frees bytes at a plan's peak), summed over
+    the kind's nodes, then by name. A working set made smaller (a chunked Conv) frees much
+    for a moment, a saved value made smaller (an inverted activation) frees less for the
+    whole backward; a peak is one moment, and a rebuilt-again plan's lies in the backward.
+    The model prices variants against the step as built, not against a rebuilt-again plan,
+    so this is an order to try them in, not a verdict."""
+    problem, choice_of = p.model.problem, p.model.variants.choice_of
+    freed = np.zeros(problem.n_vars)
+    spans = problem.term_end - problem.term_start + 1
+    np.add.at(freed, problem.term_var, -problem.term_bytes * spans)
+    kinds: dict[str, dict[str, str]] = {}
+    score: dict[str, float] = {}
+    for var, (node, name) in choice_of.items():
+        kinds.setdefault(name, {}).setdefault(node, name)
+        score[name] = score.get(name, 0.0) + max(float(freed[var]), 0.0)
+    return {name: kinds[name] for name in sorted(kinds, key=lambda k: (-score[k], k))}
+
+
+def _variant_kinds(p: PlanningContext, start: Simulation, kinds: dict[str, dict[str, str]],
+                   allowance: Allowance) -> Simulation:
+    """``start`` with whole variant ``kinds`` added (``Conv:chunks8`` on every Conv that offers
+    it, ...) one kind at a time, each kept where the simulator finds a lower peak, while
+    ``allowance`` lasts (``KINDS_SHARE`` of the limit's work in ``start``'s lowered nodes).
 
     The ILP chooses variants for plans it can model; a rebuilt-again plan it cannot, so the
     simulator judges kinds instead of single nodes: a handful of simulations instead of one
-    per node, and a kind works the same way at every layer."""
-    kinds: dict[str, dict[str, str]] = {}
-    for node, name in p.model.variants.choice_of.values():
-        kinds.setdefault(name, {}).setdefault(node, name)
+    per node, and a kind works the same way at every layer. Unbounded, these were most of a
+    compile on steps of 2,700-5,000 nodes (timm's EdgeNeXt-XXS at --budget min --time-limit
+    20: 26 simulations, 20 of its 47 s; BENCHMARKS.md, "Variant kinds counted against the
+    time limit")."""
     current = start
-    for name in sorted(kinds):
-        chosen = {**kinds[name], **current.plan.variants}   # a node keeps its first kind
+    for nodes in kinds.values():
+        chosen = {**nodes, **current.plan.variants}   # a node keeps its first kind
         # A variant covering several nodes' rules (a decomposed GELU) excludes those nodes'
         # own variants: the kind chosen first keeps them.
         clash = overlapping(p.graph, chosen, keep=current.plan.variants)
         chosen = {n: v for n, v in chosen.items() if n not in clash}
         if chosen == dict(current.plan.variants):
             continue
+        if not allowance.take("variant kinds"):
+            break
         sim = p.simulate(replace(current.plan, variants=chosen))
         if sim.peak_bytes < current.peak_bytes:
             current = sim
     return current
-
