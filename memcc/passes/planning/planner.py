@@ -264,6 +264,12 @@ class _Search:
         request = self.request
         if self.context is None or not (request.kinds.variants and request.regions):
             return None
+        if not budget.is_min and time.perf_counter() > self.context.deadline:
+            # At a budget, past the deadline (a screen of a row-chunk setting, or the
+            # search before a refusal's smallest-peak one): not another whole search.
+            self.tried.append({"strategy": request.strategy, "detail": "over region variants",
+                               "status": "not run: time limit reached", "picked": False})
+            return None
         region = self._region()
         if region is None:
             return None

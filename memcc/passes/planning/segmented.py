@@ -59,21 +59,27 @@ def add_rebuilt_again(p: PlanningContext, budget: Budget, out: StrategyResult) -
     ``--budget min --no-variants``, BENCHMARKS.md): the smallest peak goes from 35.2% to
     30.1% of the step as built, at +26.9% predicted time once polished.
     Only where it is needed, since each plan costs a simulation; bounded by work (one
-    simulation per segmentation of at least two segments, one per variant kind), not by the
-    clock, so a busy machine gets the same plans. One segment rebuilds every layer from the
+    simulation per segmentation of at least two segments, the variant kinds by their share
+    of the limit), not by the clock, so a busy machine gets the same plans; at a budget the
+    deadline is a safety net (then ``cut_by_time_limit``). One segment rebuilds every layer from the
     inputs for every later one: quadratic time, and never the lowest peak where measured."""
     if any(budget.holds(sim.peak_bytes) for _, sim in out.plans):
         return
-    sims = []
-    for seg in p.segmentations:
-        if not seg.plan.recompute or int(seg.plan.notes.get("segments", 0)) < 2:
-            continue
-        plan = replace(seg.plan, recompute_again=seg.plan.recompute,
-                       notes={**seg.plan.notes, "rebuilt_again": True})
-        sims.append(p.simulate(plan))
+    segs = [seg for seg in p.segmentations
+            if seg.plan.recompute and int(seg.plan.notes.get("segments", 0)) >= 2]
+    # Counted already (``planner.segment_counts``); at a budget the deadline may cut them
+    # too (a screen of a row-chunk setting: ``compiler/chunk_clock.py``), never at the
+    # smallest peak, whose answer they are on convnets.
+    clock = Allowance(len(segs), float("inf") if budget.is_min else p.deadline - p.after_s)
+    sims = [p.simulate(replace(seg.plan, recompute_again=seg.plan.recompute,
+                               notes={**seg.plan.notes, "rebuilt_again": True}))
+            for seg in segs if clock.take("rebuilt again")]
     out.add("sqrtn", sims, {"strategy": "sqrtn", "rebuilt_again": True,
                             "detail": f"{len(sims)} segmentations, recomputed nodes rebuilt "
-                                      "again for each later use"})
+                                      "again for each later use",
+                            **({"cut_by_time_limit": ["rebuilt again"]}
+                               if clock.stopped.get("rebuilt again") == "time limit"
+                               else {})})
     if sims:
         lowest = min(sims, key=lambda sim: (sim.peak_bytes, sim.added_time_s))
         if not budget.holds(lowest.peak_bytes):
