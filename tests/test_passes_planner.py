@@ -608,3 +608,23 @@ def test_variant_kinds_on_a_rebuilt_again_plan_are_bounded_by_their_allowance():
                                 least=segmented.MIN_KIND_MOVES)
     assert allowed.moves == int(segmented.KINDS_SHARE * 300 * work.SIMULATED_NODES_PER_S
                                 / len(start.graph.nodes))
+
+
+def test_past_the_deadline_a_budget_stops_the_rebuilt_again_plans_and_the_smallest_does_not():
+    """At a budget (a row-chunk setting's screen has a twentieth of the limit) the deadline
+    stops the rebuilt-again segmentations and the entry says so; at the smallest peak they
+    are the answer on convnets and run whatever the clock says."""
+    from memcc.passes.planning import segmented
+    from memcc.passes.planning.context import StrategyResult
+    from memcc.passes.planning.planner import _prepare
+
+    _, g, costs, base = built("resnet18")
+    p = _prepare(g, costs, PlanRequest(time_limit=300), StepStructure.of(g), base)
+    late = replace(p, deadline=float("-inf"))
+    at_budget = StrategyResult()
+    segmented.add_rebuilt_again(late, Budget.of(1), at_budget)
+    (run,) = at_budget.runs
+    assert run.sims == () and run.fields["cut_by_time_limit"] == ["rebuilt again"]
+    smallest = StrategyResult()
+    segmented.add_rebuilt_again(late, Budget.MIN, smallest)
+    assert smallest.runs[0].sims and "cut_by_time_limit" not in smallest.runs[0].fields
