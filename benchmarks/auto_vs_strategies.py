@@ -2,12 +2,13 @@
 the plan ``--strategy auto`` returns is no dearer (predicted step time) than the one
 ``--strategy ilp`` or ``--strategy sqrtn`` returns alone, and it fits wherever either fits.
 
-    python benchmarks/auto_vs_strategies.py [--models gpt2,resnet18,mobilenet_v2,
-        export:gpt2:dynamo,export:hf_resnet:torchscript:train] [--budgets 50%,70%,85%]
+    python benchmarks/auto_vs_strategies.py [--models gpt2,resnet18,mobilenetv2,
+        hf-gpt2:dynamo,hf-gpt2:torchscript,PATH.onnx] [--budgets 50%,70%,85%]
         [--time-limit 10] [--out FILE.json]
 
-Models: the zoo's by name (small sizes, ``SIZES``), and ``export:NAME:EXPORTER[:train]``:
-``tests/exports.py``'s torch.onnx exports (torch needed). Every compile is
+Models: the zoo's by name (small sizes, ``SIZES``), ``hf-gpt2:FORM``: a transformers GPT-2
+exported by torch.onnx (``HF_GPT2``; torch and transformers needed), and ONNX files by path
+(the first-use sweep's: ``benchmarks/first_use_models.py``). Every compile is
 ``compile_model(model, CompileOptions(budget=B, strategy=S, cost="analytic",
 time_limit=T))``, the same options for the three strategies, in one process, one after the
 other. The figures are the planner's predictions (analytic costs, so the same on any
@@ -36,7 +37,7 @@ STRATEGIES = ("auto", "ilp", "sqrtn")
 SIZES = {
     "gpt2": dict(batch=4, seq_len=128, width=128, depth=3, heads=4),
     "resnet18": dict(batch=8, resolution=96, width=16),
-    "mobilenet_v2": dict(batch=8, resolution=64),
+    "mobilenetv2": dict(batch=8, resolution=64),
     "unet": dict(batch=2, resolution=64),
 }
 # Analytic step times are sums of priced nodes; plans equal to the last node agree to
@@ -44,16 +45,24 @@ SIZES = {
 TOLERANCE = 1e-6
 
 
+# A transformers GPT-2 (``as_built_vs_eager.export``: seeded config, no download), small
+# enough for a 10 s limit.
+HF_GPT2 = dict(batch=4, seq_len=128, vocab=8192, width=128, depth=2, heads=4)
+
+
 def model_source(spec: str, tmp: Path) -> tuple[Path, dict[str, int]]:
-    """The ONNX file (and its ``--dim`` values) a spec names."""
+    """The ONNX file (and its ``--dim`` values) a spec names: a zoo model, ``hf-gpt2:FORM``
+    (FORM: dynamo, dynamo-noopt, torchscript) or a path to an ``.onnx`` file."""
     import onnx
 
-    if spec.startswith("export:"):
-        from exports import export
+    if spec.endswith(".onnx"):
+        return Path(spec), {}
+    if spec.startswith("hf-gpt2:"):
+        from benchmarks.as_built_vs_eager import export
 
-        _, name, exporter, *mode = spec.split(":")
-        path, _, _, dims = export(name, exporter, tmp, training=mode == ["train"])
-        return path, dims
+        path = tmp / f"{spec.replace(':', '-')}.onnx"
+        export(HF_GPT2, spec.split(":", 1)[1], path)
+        return path, {}
     from models import build_model
 
     path = tmp / f"{spec}.onnx"
@@ -93,8 +102,8 @@ def verdict(row: dict[str, dict]) -> str:
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--models", default="gpt2,resnet18,mobilenet_v2,"
-                    "export:gpt2:dynamo,export:hf_resnet:torchscript:train")
+    ap.add_argument("--models", default="gpt2,resnet18,mobilenetv2,hf-gpt2:dynamo,"
+                    "hf-gpt2:torchscript")
     ap.add_argument("--budgets", default="50%,70%,85%")
     ap.add_argument("--time-limit", type=float, default=10.0)
     ap.add_argument("--out", type=Path)

@@ -17,7 +17,11 @@ from typing import NamedTuple
 from memcc.compiler.advice import chunks_hint
 from memcc.compiler.options import CompileOptions, plan_budget_under, user_budget
 from memcc.compiler.progress import Progress
-from memcc.compiler.trained_smallest import recompute_all_as_trained, shed_within
+from memcc.compiler.trained_smallest import (
+    everything_as_trained,
+    recompute_all_as_trained,
+    shed_within,
+)
 from memcc.graph import Graph
 from memcc.pass_contract import PassReport
 from memcc.passes.analysis.cost_model import CostModel
@@ -245,20 +249,28 @@ def _within_budget(graph: Graph, smallest: PlanOutcome, costs: CostModel,
     """The smallest plan (what a budget the search could not fit in the file's order gets,
     where it fits as trained) recomputing less where the budget allows
     (``trained_smallest.shed_within``), said in the report's ``picked``; and the search's
-    other answers (``PlanOutcome.alternatives``, each judged as trained), where one shed so
-    is cheaper: the smallest plan is often a rebuilt-again one, dear to start from."""
+    plan recomputing every saved value it may, and the search's other answers
+    (``PlanOutcome.alternatives``), each judged as trained, where one shed so is cheaper:
+    the smallest plan is often a rebuilt-again one, dear to start from."""
     best = shed_within(graph, smallest.best, costs, options, structure, ceiling)
     source = smallest.picked or smallest.strategy
+
+    def try_start(trained: Simulation | None, label: str) -> None:
+        nonlocal best, source
+        if trained is None or trained.peak_bytes > ceiling(trained):
+            return
+        shed = shed_within(graph, trained, costs, options, structure, ceiling)
+        if shed.added_time_s < best.added_time_s:
+            best, source = shed, label
+
+    try_start(everything_as_trained(graph, smallest.best, costs, options, structure),
+              f"{smallest.picked or smallest.strategy}, then recompute all")
     rules = SimulationRules(options.device, host_copies=options.swaps, early_updates=True)
     for other in smallest.alternatives:
         if other.added_time_s >= best.added_time_s:
             break                                   # cheapest first: none after is cheaper
-        trained = simulate(graph, other.plan, costs, structure, rules)
-        if trained.peak_bytes > ceiling(trained):
-            continue
-        shed = shed_within(graph, trained, costs, options, structure, ceiling)
-        if shed.added_time_s < best.added_time_s:
-            best, source = shed, f"{other.plan.strategy} (another plan of that search)"
+        try_start(simulate(graph, other.plan, costs, structure, rules),
+                  f"{other.plan.strategy} (another plan of that search)")
     if best is smallest.best:
         return smallest
     picked = f"{source}, then kept what the budget holds"
