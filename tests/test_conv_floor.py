@@ -83,11 +83,38 @@ def test_smallest_plan_is_judged_as_trained_and_its_budget_fits(tmp_path):
     r = CliRunner().invoke(app, [*common, "--budget", "min", "--report", str(rep)])
     assert r.exit_code == 0, r.output
     report = json.loads(rep.read_text())
-    assert report["plan"]["picked_strategy"].endswith("then recompute all"), report["plan"]
+    # The plan recomputing everything as trained, or a search's plan of the same peak at
+    # less time (since the variant kinds on rebuilt-again plans are tried by what they
+    # free: sqrtn+polish, 68.9% at +3.8% against +6.5%).
     ratio = report["plan"]["peak_bytes"] / report["baseline"]["peak_bytes"]
-    assert ratio < 0.70, ratio
+    assert ratio < 0.70, (ratio, report["plan"]["picked_strategy"])
     again = tmp_path / "again.json"
     r = CliRunner().invoke(app, [*common, "--budget", str(report["budget_bytes"]),
                                  "--report", str(again)])
     assert r.exit_code == 0, r.output
     assert json.loads(again.read_text())["plan"]["peak_bytes"] <= report["budget_bytes"]
+
+
+def test_recomputing_everything_as_trained_lowers_the_step_as_built():
+    """``trained_smallest.recompute_all_as_trained``: from a plan that keeps saved values
+    live at its peak (the step as built), the plan recomputing every saved value it may,
+    judged as trained and shed where the headroom allows, needs a smaller budget; from a
+    plan that already recomputes everything there is nothing to judge."""
+    from memcc.compiler.options import CompileOptions
+    from memcc.compiler.trained_smallest import everything_as_trained, recompute_all_as_trained
+    from memcc.passes.analysis.cost_model import unit_costs
+    from memcc.passes.plan import Plan, StepStructure, nothing_saveable
+    from memcc.passes.planning.simulate import SimulationRules, simulate
+
+    path, _, _, dims = export("hf_resnet", "torchscript", training=True)
+    graph = build_training_step(load_graph(path, {k: 8 for k in dims}), BuildOptions())
+    st, costs = StepStructure.of(graph), unit_costs(graph)
+    rules = SimulationRules("cpu", early_updates=True)
+    as_built = simulate(graph, Plan(), costs, st, rules)
+    opts = CompileOptions(budget="min")
+    got = recompute_all_as_trained(graph, as_built, costs, opts, st)
+    assert got is not None and got.peak_bytes < as_built.peak_bytes
+    assert got.plan.recompute <= nothing_saveable(st).recompute
+    everything = everything_as_trained(graph, as_built, costs, opts, st)
+    assert everything is not None and everything.plan.recompute == nothing_saveable(st).recompute
+    assert everything_as_trained(graph, everything, costs, opts, st) is None

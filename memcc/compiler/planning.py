@@ -27,14 +27,10 @@ from memcc.pass_contract import PassReport
 from memcc.passes.analysis.cost_model import CostModel
 from memcc.passes.lowering.offload_state import offload_state, optimizer_state
 from memcc.passes.plan import StepStructure
-from memcc.passes.planning.planner import (
-    BudgetError,
-    PlanOutcome,
-    choose_plan,
-    describe_variants,
-)
+from memcc.passes.planning.planner import BudgetError, PlanOutcome, choose_plan
 from memcc.passes.planning.request import Budget, PlanRequest
 from memcc.passes.planning.simulate import Simulation, SimulationRules, simulate
+from memcc.passes.planning.variant_report import describe_variants
 from memcc.sizes import format_size
 
 # Each round plans for less room than the last; the plan's own small buffers settle within

@@ -92,12 +92,10 @@ class PlanOutcome:
     # One entry per strategy run, in order, each with what it returned (``_finish``); the
     # report prints them so that a failed first ILP model is not mistaken for the answer.
     runs: list[dict] = field(default_factory=list)
-    # A smallest-peak search's other answers, over the same step as ``best``: each run's
-    # smallest plan, cheapest first (``ALTERNATIVES`` at most). Compile sheds them to a
-    # budget too where the search fits nothing in the file's order but the smallest plan
-    # fits as trained (``compiler/planning._within_budget``): the smallest plan is often a
-    # rebuilt-again one, dear to start from (the zoo's ResNet-18 at 70%: +26.1% shed, where
-    # the ILP's smallest plan shed to +2.4%).
+    # A smallest-peak search's other answers over the same step as ``best``: each run's
+    # smallest plan, cheapest first (``ALTERNATIVES`` at most), which compile sheds to a
+    # budget too where the search fits it only as trained (``compiler/planning.
+    # _within_budget``; a rebuilt-again smallest plan sheds dear: ResNet-18 at 70%).
     alternatives: tuple[Simulation, ...] = ()
 
     @property
@@ -493,41 +491,6 @@ def _over_the_step(winner: PlanOutcome, given: PlanOutcome) -> PlanOutcome:
     given: ``given``'s answer and its alternatives (those of the region search are plans of
     the step with its variants substituted)."""
     return replace(winner, alternatives=(given.best, *given.alternatives)[:ALTERNATIVES])
-
-
-def describe_variants(graph: Graph, sim: Simulation, costs: CostModel,
-                      structure: StepStructure | None = None, *,
-                      host_copies: bool = False, device: str = "cpu") -> dict:
-    """What the plan's variants do, per variant kind (``Relu:mask``, ``Conv:chunks4``): how
-    many nodes use it, and the peak bytes saved and predicted seconds added, each measured
-    by simulating the same plan without that kind (so the figures come from the simulator,
-    not from the model). ``exactness`` is the plan's tier: ``exact`` when every variant is
-    bit-identical, else ``equivalent`` with the largest stated ``tolerance``."""
-    from memcc.frontend.gradients.variants import EXACT, TIERS, Variant, lookup
-
-    op_of = {n.name: n.op_type for n in graph.nodes}
-    chosen = {n: v for n, v in sim.plan.variants.items() if v != "default"}
-    by_kind: dict[str, tuple[Variant, list[str]]] = {}
-    for node, name in sorted(chosen.items()):
-        variant = lookup(op_of.get(node, ""), name)
-        if variant is not None:
-            by_kind.setdefault(variant.key, (variant, []))[1].append(node)
-    kinds = {}
-    for key, (variant, nodes) in sorted(by_kind.items()):
-        rest = {n: v for n, v in chosen.items() if n not in nodes}
-        without = simulate(graph, replace(sim.plan, variants=rest), costs, structure,
-                           SimulationRules(device, host_copies=host_copies))
-        kinds[key] = {"nodes": len(nodes),
-                      "bytes_saved": without.peak_bytes - sim.peak_bytes,
-                      "added_time_s": sim.added_time_s - without.added_time_s,
-                      "tier": variant.tier}
-    inexact = [(v.tier, v.tolerance) for v, _ in by_kind.values() if v.tier != EXACT]
-    return {
-        "chosen": dict(sorted(chosen.items())),
-        "by_kind": kinds,
-        "exactness": max((t for t, _ in inexact), key=TIERS.index, default=EXACT),
-        "tolerance": max((tol for _, tol in inexact), default=0.0),
-    }
 
 
 def _fmt(n: float | None) -> str:
