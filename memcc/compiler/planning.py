@@ -18,6 +18,7 @@ from memcc.compiler.advice import chunks_hint
 from memcc.compiler.options import CompileOptions, plan_budget_under, user_budget
 from memcc.compiler.progress import Progress
 from memcc.compiler.trained_smallest import (
+    SHED_ROUNDS,
     everything_as_trained,
     recompute_all_as_trained,
     shed_within,
@@ -31,11 +32,16 @@ from memcc.passes.planning.planner import BudgetError, PlanOutcome, choose_plan
 from memcc.passes.planning.request import Budget, PlanRequest
 from memcc.passes.planning.simulate import Simulation, SimulationRules, simulate
 from memcc.passes.planning.variant_report import describe_variants
+from memcc.passes.planning.work import SIMULATED_NODES_PER_S
 from memcc.sizes import format_size
 
 # Each round plans for less room than the last; the plan's own small buffers settle within
 # one or two (a handful of recomputed values each time).
 REPLANS_FOR_HEAP_ROOM = 3
+# A budget fitted only as trained: the starts shed besides the smallest plan (``_within_
+# budget``; each judged as trained and shed, up to ``SHED_ROUNDS`` + 2 simulations of the
+# step) may take this share of the limit's work, at least one start.
+EXTRA_STARTS_SHARE = 0.5
 
 
 class Planned(NamedTuple):
@@ -262,9 +268,9 @@ def _within_budget(graph: Graph, smallest: PlanOutcome, costs: CostModel,
     try_start(everything_as_trained(graph, smallest.best, costs, options, structure),
               f"{smallest.picked or smallest.strategy}, then recompute all")
     rules = SimulationRules(options.device, host_copies=options.swaps, early_updates=True)
-    for other in smallest.alternatives:
-        if other.added_time_s >= best.added_time_s:
-            break                                   # cheapest first: none after is cheaper
+    starts = int(EXTRA_STARTS_SHARE * options.time_limit * SIMULATED_NODES_PER_S
+                 / (max(len(graph.nodes), 1) * (SHED_ROUNDS + 2)))
+    for other in smallest.alternatives[:max(starts - 1, 0)]:
         try_start(simulate(graph, other.plan, costs, structure, rules),
                   f"{other.plan.strategy} (another plan of that search)")
     if best is smallest.best:
