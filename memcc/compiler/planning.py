@@ -22,6 +22,7 @@ from memcc.compiler.trained_smallest import (
     everything_as_trained,
     recompute_all_as_trained,
     shed_within,
+    trained_rules,
 )
 from memcc.graph import Graph
 from memcc.pass_contract import PassReport
@@ -30,7 +31,7 @@ from memcc.passes.lowering.offload_state import offload_state, optimizer_state
 from memcc.passes.plan import StepStructure
 from memcc.passes.planning.planner import BudgetError, PlanOutcome, choose_plan
 from memcc.passes.planning.request import Budget, PlanRequest
-from memcc.passes.planning.simulate import Simulation, SimulationRules, simulate
+from memcc.passes.planning.simulate import Simulation, simulate
 from memcc.passes.planning.variant_report import describe_variants
 from memcc.passes.planning.work import SIMULATED_NODES_PER_S
 from memcc.sizes import format_size
@@ -265,9 +266,10 @@ def _within_budget(graph: Graph, smallest: PlanOutcome, costs: CostModel,
         if shed.added_time_s < best.added_time_s:
             best, source = shed, label
 
-    try_start(everything_as_trained(graph, smallest.best, costs, options, structure),
-              f"{smallest.picked or smallest.strategy}, then recompute all")
-    rules = SimulationRules(options.device, host_copies=options.swaps, early_updates=True)
+    if smallest.best.plan.strategy != "recompute all":   # as_trained chose it already
+        try_start(everything_as_trained(graph, smallest.best, costs, options, structure),
+                  f"{source}, then recompute all")
+    rules = trained_rules(options)
     starts = int(EXTRA_STARTS_SHARE * options.time_limit * SIMULATED_NODES_PER_S
                  / (max(len(graph.nodes), 1) * (SHED_ROUNDS + 2)))
     for other in smallest.alternatives[:max(starts - 1, 0)]:
@@ -297,7 +299,7 @@ def as_trained(graph: Graph, outcome: PlanOutcome, costs: CostModel, options: Co
     that recomputes every saved value it may (with the chosen plan's variants) is judged
     as trained too, and returned where it needs a smaller budget
     (``compiler/trained_smallest.py``)."""
-    rules = SimulationRules(options.device, host_copies=options.swaps, early_updates=True)
+    rules = trained_rules(options)
 
     def trained(sim: Simulation) -> Simulation:
         again = simulate(graph, sim.plan, costs, structure, rules)

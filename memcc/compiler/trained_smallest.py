@@ -40,6 +40,12 @@ from memcc.passes.planning.simulate import Simulation, SimulationRules, simulate
 # Simulations the shedding's fallback bisection may spend.
 SHED_ROUNDS = 6
 
+
+def trained_rules(options: CompileOptions) -> SimulationRules:
+    """How a plan is judged in the order ``memcc train`` runs the step (updates in place,
+    each as early as it may run)."""
+    return SimulationRules(options.device, host_copies=options.swaps, early_updates=True)
+
 Judge = Callable[[frozenset[str]], "Simulation | None"]
 
 
@@ -80,7 +86,7 @@ def everything_as_trained(graph: Graph, best: Simulation, costs: CostModel,
 def _recomputing(graph: Graph, best: Simulation, costs: CostModel, options: CompileOptions,
                  structure: StepStructure) -> Judge:
     """A judge, as trained, of plans recomputing a given set with ``best``'s variants."""
-    rules = SimulationRules(options.device, host_copies=options.swaps, early_updates=True)
+    rules = trained_rules(options)
 
     def judged(recompute: frozenset[str]) -> Simulation | None:
         plan = Plan(recompute, "recompute all", dict(best.plan.notes),
@@ -98,7 +104,7 @@ def shed_within(graph: Graph, sim: Simulation, costs: CostModel, options: Compil
     """``sim`` (a plan that fits, judged as trained) recomputing less where its peak stays
     within ``ceiling(plan)`` (the budget left for a plan's peak with the heap room of its
     own small buffers); ``sim`` itself where nothing can be kept."""
-    rules = SimulationRules(options.device, host_copies=options.swaps, early_updates=True)
+    rules = trained_rules(options)
     plan = sim.plan
 
     def judged(kept: frozenset[str]) -> Simulation | None:

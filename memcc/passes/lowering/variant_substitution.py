@@ -421,7 +421,7 @@ class _CountsFromIndex(dict):
         self._index = index
 
     def __missing__(self, value: str) -> int:
-        n = self[value] = len(self._index.readers.get(value, ()))
+        n = self[value] = self._index.reader_count(value)
         return n
 
 

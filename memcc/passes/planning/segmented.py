@@ -94,7 +94,9 @@ def add_rebuilt_again(p: PlanningContext, budget: Budget, out: StrategyResult) -
                          "detail": "the lowest of those, with the variant kinds that lower "
                                    "its peak", **said})
             elif allowance.spent:
-                out.runs[-1].fields.update(said)
+                fields = out.runs[-1].fields        # the rebuilt-again entry
+                cut = fields.get("cut_by_time_limit", []) + said.pop("cut_by_time_limit", [])
+                fields.update(said, **({"cut_by_time_limit": cut} if cut else {}))
 
 
 def _kinds(p: PlanningContext) -> dict[str, dict[str, str]]:
@@ -129,8 +131,8 @@ def _variant_kinds(p: PlanningContext, start: Simulation, kinds: dict[str, dict[
     simulator judges kinds instead of single nodes: a handful of simulations instead of one
     per node, and a kind works the same way at every layer. Unbounded, these were most of a
     compile on steps of 2,700-5,000 nodes (timm's EdgeNeXt-XXS at --budget min --time-limit
-    20: 26 simulations, 20 of its 47 s; BENCHMARKS.md, "Variant kinds counted against the
-    time limit")."""
+    20: 26 simulations, 20 of its 47 s; BENCHMARKS.md, "Variant kinds and screens counted
+    against the time limit")."""
     current = start
     for nodes in kinds.values():
         chosen = {**nodes, **current.plan.variants}   # a node keeps its first kind
