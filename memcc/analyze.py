@@ -33,6 +33,7 @@ from memcc.compiler.options import DEFAULT_TIME_LIMIT as COMPILE_TIME_LIMIT
 from memcc.compiler.options import CompileOptions, user_budget
 from memcc.compiler.planning import as_trained
 from memcc.compiler.progress import warning_sink
+from memcc.compiler.training_order import in_training_order
 from memcc.frontend.weights_apart import own_weights
 from memcc.graph import Graph
 from memcc.passes.analysis.liveness import CATEGORIES, categorize
@@ -143,7 +144,7 @@ def analyze(model: str | os.PathLike, options: CompileOptions, *, smallest: bool
     say("simulating the step as built")
     base = simulate(graph, Plan(), costs, structure, SimulationRules(options.device))
     # The step as memcc train runs it (updates early where that lowers the peak), as
-    # compile reports it; the search below starts from the file's order, as compile's does.
+    # compile reports it; the search below plans that order, as compile's does.
     trained = as_trained(graph, PlanOutcome(base, base, "none", {}), costs, options,
                          structure).best
     live = trained.liveness
@@ -159,7 +160,10 @@ def analyze(model: str | os.PathLike, options: CompileOptions, *, smallest: bool
         say(f"smallest reachable peak (solves up to {options.time_limit:g} s, and "
             f"{request.segment_counts} sqrt(n) segmentations of {len(graph.nodes):,} nodes "
             "simulated as compile does; --no-smallest skips this)")
-        found = _smallest(graph, costs, options, request, structure, base)
+        planned, _ = in_training_order(graph, options)
+        found = _smallest(planned, costs, options, request, structure, base if planned is graph
+                          else simulate(planned, Plan(), costs, structure,
+                                        SimulationRules(options.device)))
     return Analysis(
         model=label, built_training_step=bool(load["built_training_step"]),
         provider=options.provider, arena=options.arena, nodes=len(graph.nodes),

@@ -1,4 +1,4 @@
-"""A budget the search cannot fit in the file's order gets the smallest plan with what the
+"""A budget the search cannot fit in its order gets the smallest plan with what the
 budget holds kept (``compiler.trained_smallest.shed_within``), not the smallest plan's added
 time: the first-use sweep's PoolFormer got +38.3% at a budget above ``--budget min``'s,
 whose own plan cost +10.8% (BENCHMARKS.md, "First use on models memcc was not tuned on")."""
@@ -50,9 +50,12 @@ def test_shedding_keeps_what_the_ceiling_holds_and_nothing_over_it(step):
 
 
 def test_a_budget_above_the_smallest_gets_a_plan_no_dearer_than_the_smallest(step, tmp_path):
+    """Found by the search in the order the step trains (``compiler/training_order.py``) or,
+    where only the smallest plan fits, by shedding it: either way cheaper than --budget
+    min's plan, within the budget, and verified."""
     reports = {}
     for name, budget in (("min", "min"), ("near", None)):
-        if budget is None:  # just above what --budget min names: the file's order misses it
+        if budget is None:  # just above what --budget min names
             budget = str(int(reports["min"]["budget_bytes"] * 1.02))
         out = tmp_path / f"{name}.onnx"
         res = runner.invoke(app, ["compile", str(step), "--budget", budget, *ARGS, "-o",
@@ -61,7 +64,6 @@ def test_a_budget_above_the_smallest_gets_a_plan_no_dearer_than_the_smallest(ste
         assert res.exit_code == 0, res.output
         reports[name] = json.loads((tmp_path / f"{name}.json").read_text())
     near, smallest = reports["near"]["plan"], reports["min"]["plan"]
-    assert "then kept what the budget holds" in res.output
     assert near["overhead"] < smallest["overhead"]
     assert near["peak_bytes"] <= reports["near"]["budget_bytes"]
     assert "verify   OK" in res.output

@@ -70,8 +70,8 @@ def test_train_mode_resnet_export_floor_drops_and_verifies(tmp_path):
 
 
 def test_smallest_plan_is_judged_as_trained_and_its_budget_fits(tmp_path):
-    """The search judges plans in the file's order, where every gradient is held to the
-    end of the step; ``--budget min`` also judges the plan recomputing every saved value
+    """The search judges plans in the order it is given (updates moved early for the step
+    as built); ``--budget min`` also judges the plan recomputing every saved value
     (with the chosen variants) in the order ``memcc train`` runs, updates early
     (``compiler.planning._recompute_all``), and takes it where it needs less: on this
     export at batch 8, 70.5% -> 68.9% of the step as built. The budget it reports is then

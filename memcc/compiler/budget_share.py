@@ -1,13 +1,13 @@
 """``--budget 50%``: a share of the step as built, resolved into bytes once its costs exist.
 
 A user who does not know what a step needs asks for "half of it": the budget is the share of
-the budget the step as built needs: its peak as the search judges it (the file's order; the
-"baseline peak" compile prints, ``baseline.peak_bytes``, is the lower of that and the order
-memcc train runs) with the margin and slack every budget keeps free (``user_budget``). So
-``--budget 100%`` fits the step as built with no plan, and ``--budget 50%`` asks for half
-of that. It is resolved after the cost model (the simulation
-needs node times, not only sizes) and before the floor check and the search, which then
-see plain bytes.
+the budget the step as built needs: its peak as the search judges it (in the order the
+planner is given it, ``compiler/training_order.py``; the "baseline peak" compile prints,
+``baseline.peak_bytes``, is the lower of that and the order memcc train runs) with the
+margin and slack every budget keeps free (``user_budget``). So ``--budget 100%`` fits the
+step as built with no plan, and ``--budget 50%`` asks for half of that. It is resolved
+after the cost model (the simulation needs node times, not only sizes) and before the
+floor check and the search, which then see plain bytes.
 """
 
 from __future__ import annotations
@@ -44,16 +44,20 @@ def resolve_share(graph: Graph, costs, options: CompileOptions, share: float
         raise InputError(f"--budget {options.budget} with --nproc: give the per-rank budget "
                          "in bytes (memcc compile --budget min --nproc N finds the smallest)")
     # Imported here: a budget in bytes under the floor is refused without the simulator.
+    from memcc.compiler.training_order import in_training_order
     from memcc.passes.planning.simulate import SimulationRules, simulate
 
     structure = StepStructure.of(graph)
-    # The search judges the step in the file's order; the report's baseline is the lower of
-    # that and the order memcc train runs (``planning.as_trained``). The whole budget is
-    # the search's, so that 100% holds the step as built with nothing recomputed.
-    searched, trained = (simulate(graph, Plan(), costs, structure, rules).peak_bytes
-                         for rules in (SimulationRules(options.device),
-                                       SimulationRules(options.device, host_copies=options.swaps,
-                                                       early_updates=True)))
+    # The search judges the step in the order the planner is given it
+    # (``compiler/training_order.py``); the report's baseline is the lower of that and the
+    # order memcc train runs (``planning.as_trained``). The whole budget is the search's,
+    # so that 100% holds the step as built with nothing recomputed.
+    planned, _ = in_training_order(graph, options)
+    searched, trained = (simulate(g, Plan(), costs, structure, rules).peak_bytes
+                         for g, rules in ((planned, SimulationRules(options.device)),
+                                          (graph, SimulationRules(options.device,
+                                                                  host_copies=options.swaps,
+                                                                  early_updates=True))))
     base = min(searched, trained)
     whole = user_budget(max(searched, trained), options, options.slack_for(graph))
     budget = max(int(whole * share), 1)

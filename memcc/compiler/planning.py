@@ -24,6 +24,7 @@ from memcc.compiler.trained_smallest import (
     shed_within,
     trained_rules,
 )
+from memcc.compiler.training_order import in_training_order
 from memcc.graph import Graph
 from memcc.pass_contract import PassReport
 from memcc.passes.analysis.cost_model import CostModel
@@ -95,6 +96,7 @@ def plan_in_budget(graph: Graph, budget: Budget, costs: CostModel, options: Comp
     (``Simulation.fit_bytes``) and, where the plan it returns still lacks room, compile
     plans again for less."""
     timed, passes, say = hooks.timed, hooks.passes, hooks.say
+    graph, order = in_training_order(graph, options)
     request = options.plan_request(Budget.MIN)
     slack = base_slack = options.slack_for(graph)
     plan_budget = None if budget.is_min else plan_budget_under(budget.bytes, options, slack)
@@ -119,7 +121,8 @@ def plan_in_budget(graph: Graph, budget: Budget, costs: CostModel, options: Comp
         --budget min gives."""
         asked = request.at(Budget.MIN if target is None else Budget.of(target))
         try:
-            return timed("plan", lambda: plan_stage(graph, costs, asked, options, structure))
+            return timed("plan", lambda: _with(order, plan_stage(graph, costs, asked, options,
+                                                                 structure)))
         except BudgetError as exc:
             smallest = None if exc.outcome is None else as_trained(
                 graph, exc.outcome, costs, options, structure, smallest=True)
@@ -129,8 +132,8 @@ def plan_in_budget(graph: Graph, budget: Budget, costs: CostModel, options: Comp
             fitted = _within_budget(graph, smallest, costs, options, structure,
                                     lambda s: plan_budget_under(budget.bytes, options,
                                                                 sim_slack(s)))
-            return timed("plan", lambda: (fitted, plan_summary(graph, fitted, costs,
-                                                                options, structure)))
+            return timed("plan", lambda: (fitted, plan_summary(graph, fitted, costs, options,
+                                                                structure) | order))
 
     outcome = plan_for(plan_budget)
     plan_sim = outcome.best
@@ -159,6 +162,12 @@ def plan_in_budget(graph: Graph, budget: Budget, costs: CostModel, options: Comp
     if not budget.is_min:
         plan_budget = plan_budget_under(budget.bytes, options, slack)
     return Planned(outcome, rewritten, slack, plan_budget)
+
+
+def _with(order: dict, stage: tuple[PlanOutcome, dict]) -> tuple[PlanOutcome, dict]:
+    """The plan stage's outcome, its summary saying the order the step was planned in."""
+    outcome, summary = stage
+    return outcome, summary | order
 
 
 def plan_offloading_state(graph: Graph, budget: Budget, costs: CostModel,
@@ -249,7 +258,7 @@ def plan_stage(graph: Graph, costs: CostModel, request: PlanRequest, options: Co
 
 def _within_budget(graph: Graph, smallest: PlanOutcome, costs: CostModel,
                    options: CompileOptions, structure: StepStructure, ceiling) -> PlanOutcome:
-    """The smallest plan (what a budget the search could not fit in the file's order gets,
+    """The smallest plan (what a budget the search could not fit in its order gets,
     where it fits as trained) recomputing less where the budget allows
     (``trained_smallest.shed_within``), said in the report's ``picked``; and the search's
     plan recomputing every saved value it may, and the search's other answers
@@ -288,14 +297,16 @@ def as_trained(graph: Graph, outcome: PlanOutcome, costs: CostModel, options: Co
                structure: StepStructure, *, smallest: bool = False) -> PlanOutcome:
     """The chosen plan and the step as built, judged in the order ``memcc train`` runs them:
     updates in place and each moved to just after its gradient where that lowers the peak
-    (``simulate(early_updates=True)``). The search judges candidates in the file's order
-    (a bound on this one, at a third of the analysis); the step compile writes is this
-    order, so the peak it reports is the peak of the step as trained, never above the one
-    the search accepted.
+    (``simulate(early_updates=True)``). The search judges candidates in the order it was
+    given (``compiler/training_order.py``: updates moved early for the step as built; a
+    bound on this one, at a third of the analysis); the step compile writes is this order,
+    so the peak it reports is the peak of the step as trained, never above the one the
+    search accepted.
 
     ``smallest`` (the outcome of a search for the smallest peak: ``--budget min``, or a
-    refusal's): the file's order holds every gradient to the end of the step, so the plan
-    smallest there keeps saved values an order with early updates could drop; the plan
+    refusal's): a plan's own recompute can let updates move further than the search's order
+    has them, so the plan smallest there may keep saved values the trained order could
+    drop; the plan
     that recomputes every saved value it may (with the chosen plan's variants) is judged
     as trained too, and returned where it needs a smaller budget
     (``compiler/trained_smallest.py``)."""

@@ -1,13 +1,16 @@
 """The smallest plan judged as ``memcc train`` runs the step: every saved value recomputed.
 
-The planner's search judges its candidates in the file's order, a bound on the order the
-step trains in at a third of the analysis (``passes/planning/simulate.py``). In the file's
-order every parameter's gradient is held until the updates at the end of the step; in the
-order ``memcc train`` runs, each update follows its gradient, so the gradients die early.
-The plan smallest in the file's order therefore keeps saved values that the step as
-trained could drop: on transformers ResNets exported in train mode (BENCHMARKS.md, issue
-31's convolution floors) the search's smallest plan, as trained, peaked at 89.9 MB where
-recomputing every saved value peaks at 79.3 MB, the stem BatchNorm backward's own floor.
+The planner's search judges its candidates in the order of the step it is given, with each
+update where it was placed (``passes/planning/simulate.py``, the cheaper analysis);
+compile gives it the step with its updates moved early (``compiler/training_order.py``). A
+plan's own recompute can let an update move further still (a clone that was the last
+reader of a parameter's old value now runs sooner), which only the step judged as trained
+sees. When the search was still given the file's order, where every gradient is held until
+the updates at the end, this gap was wide: the plan smallest there kept saved values the
+step as trained could drop, and on transformers ResNets exported in train mode
+(BENCHMARKS.md, issue 31's convolution floors) the search's smallest plan, as trained,
+peaked at 89.9 MB where recomputing every saved value peaks at 79.3 MB, the stem
+BatchNorm backward's own floor.
 
 So for ``--budget min`` (and a refusal's smallest budget, so that the budget it names is
 one compile accepts), where a saved value the chosen plan keeps is live at its peak (else
@@ -18,7 +21,7 @@ dearest per byte is shed where the headroom of that simulation says keeping the 
 costs no peak (one simulation checks it; a bisection over the same list where it does not
 hold). In: the step, the search's best plan as trained. Out: a better one, or None.
 
-The same shedding serves a budget the search could not fit in the file's order
+The same shedding serves a budget the search could not fit in its order
 (``shed_within``): compile then takes the smallest plan, which fits as trained, and keeps
 (stops recomputing) what the budget's headroom over that plan's order holds, dearest per
 byte first: a budget above ``--budget min``'s no longer gets the smallest plan's added time

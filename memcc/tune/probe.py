@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 import onnx
 
 from memcc.compiler.planning import as_trained
+from memcc.compiler.training_order import in_training_order
 from memcc.errors import MemccError
 from memcc.frontend.build import build_training_step
 from memcc.frontend.load import load_graph
@@ -133,6 +134,7 @@ class SizeSearch:
         del self._built[b]
         lr = self.opts.lr_for(b)
         costs = self._costs(graph)
+        graph, _ = in_training_order(graph, self.compile)  # as compile plans it
         st = StepStructure.of(graph)
         # On CUDA, judged by the arena replay, as compile judges it.
         base = simulate(graph, Plan(), costs, st, SimulationRules(self.opts.provider))
@@ -180,7 +182,8 @@ class SizeSearch:
         keyword: ``PlanRequest``'s ``deadline``, added, shifted positional arguments), and
         judged as compile judges it: as ``memcc train`` runs the step (``as_trained``),
         so that the sizes tune says fit are the sizes compile reaches. ``trained=False``:
-        judged in the file's order only, an upper bound on that (the sqrt(n) bound)."""
+        judged in the order the search was given only (the step as built, updates moved early:
+        ``compiler/training_order.py``), an upper bound on that (the sqrt(n) bound)."""
         out = choose_plan(p.graph, p.costs, PlanRequest(
             budget=budget, strategy=strategy, time_limit=self.opts.time_limit,
             kinds=DecisionKinds(offload=self.opts.provider == "cuda"),

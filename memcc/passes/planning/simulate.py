@@ -79,8 +79,9 @@ class SimulationRules:
 
     ``early_updates``: also move each update to just after its gradient is complete where
     that lowers the peak (the order ``memcc compile`` writes and ``memcc train`` runs);
-    off, the file's order, a bound on it at a third of the analysis (for the many candidate
-    plans a search judges)."""
+    off, the graph's order, a bound on it at a third of the analysis (for the many candidate
+    plans a search judges; compile hands the search the step with its updates moved early
+    already, ``compiler/training_order.py``, so the bound is close)."""
 
     device: str = "cpu"
     host_copies: bool = False
