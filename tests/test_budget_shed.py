@@ -96,13 +96,13 @@ def test_each_run_of_a_smallest_peak_search_offers_its_smallest_plan_cheapest_fi
 
 
 def test_a_budget_fitted_only_as_trained_keeps_the_cheapest_start_shed(step):
-    """``compiler.planning._within_budget``: the smallest plan, the plan recomputing
+    """``compiler.shed_starts.within_budget``: the smallest plan, the plan recomputing
     everything and the search's other answers are each shed to the budget, and the
     cheapest that fits is kept, labelled with where it came from; a limit too short to
     pay for the other answers leaves them out."""
     from dataclasses import replace
 
-    from memcc.compiler.planning import _within_budget
+    from memcc.compiler.shed_starts import within_budget
     from memcc.compiler.trained_smallest import everything_as_trained, trained_rules
     from memcc.passes.planning.planner import PlanOutcome
 
@@ -122,14 +122,14 @@ def test_a_budget_fitted_only_as_trained_keeps_the_cheapest_start_shed(step):
             for k, s in starts.items() if s is not None and s.peak_bytes <= ceiling}
     smallest = PlanOutcome(best=dear, baseline=whole, strategy="sqrtn", solver={},
                            picked="sqrtn", alternatives=(other,))
-    got = _within_budget(graph, smallest, costs, opts, st, lambda _: ceiling)
+    got = within_budget(graph, smallest, costs, opts, st, lambda _: ceiling)
     assert got.best.peak_bytes <= ceiling
     assert got.best.added_time_s == min(s.added_time_s for s in shed.values())
     # Here the other answer sheds cheapest (unit costs: 10 s against the smallest's 50 s).
     assert got.best.added_time_s < shed["smallest"].added_time_s
     assert got.picked == "ilp (another plan of that search), then kept what the budget holds"
     # No time for the other answers: only the smallest and everything are shed.
-    short = _within_budget(graph, smallest, costs, replace(opts, time_limit=1e-3), st,
+    short = within_budget(graph, smallest, costs, replace(opts, time_limit=1e-3), st,
                            lambda _: ceiling)
     assert short.best.added_time_s == min(
         s.added_time_s for k, s in shed.items() if k != "other")

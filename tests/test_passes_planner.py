@@ -375,18 +375,18 @@ def test_recompute_alone_is_tried_only_where_the_rounds_may_have_missed_it():
     from types import SimpleNamespace
 
     from memcc.passes.planning.context import StrategyResult
-    from memcc.passes.planning.exact import _Rounds, _worth_recompute_alone
+    from memcc.passes.planning.exact import _Aim, _Rounds, _worth_recompute_alone
 
     def sim(strategy: str, peak: int, added: float) -> SimpleNamespace:
         return SimpleNamespace(plan=SimpleNamespace(strategy=strategy), peak_bytes=peak,
-                               added_time_s=added)
+                               fit_bytes=peak, added_time_s=added)
 
     def found(*sims: SimpleNamespace) -> StrategyResult:
         out = StrategyResult()
         out.plans = [("ilp", s) for s in sims]
         return out
 
-    step_s, target = 10.0, 1000
+    step_s, target = 10.0, _Aim(1000, False)
     near, far = _Rounds(1.0, 1020, (), "optimal", 0.0), _Rounds(1.0, 1080, (), "optimal", 0.0)
     cheap_fit, dear_fit = sim("ilp", 990, 1.1), sim("ilp", 990, 1.3)
     assert not _worth_recompute_alone(found(sim("ilp", 1020, 1.0), cheap_fit), target, near,
@@ -438,18 +438,26 @@ def test_only_rounds_stopped_at_a_limit_far_from_optimal_are_searched_again():
     from types import SimpleNamespace
 
     from memcc.passes.planning.context import StrategyResult
-    from memcc.passes.planning.exact import _Rounds, _weak_rounds
+    from memcc.passes.planning.exact import _Aim, _Rounds, _weak_rounds
 
     fits = StrategyResult()
     fits.plans = [("ilp", SimpleNamespace(plan=SimpleNamespace(strategy="ilp"),
-                                          peak_bytes=90, added_time_s=1.0))]
+                                          peak_bytes=90, fit_bytes=90, added_time_s=1.0))]
     nothing = StrategyResult()
-    assert _weak_rounds(nothing, 100, _Rounds(None, None, (), "time limit", None))
-    assert _weak_rounds(fits, 100, _Rounds(1.0, 90, (), "feasible", 0.5))
-    assert not _weak_rounds(fits, 100, _Rounds(1.0, 90, (), "feasible", 0.05))
-    assert not _weak_rounds(fits, 100, _Rounds(1.0, 90, (), "optimal", 0.02))
-    assert not _weak_rounds(nothing, 100, _Rounds(None, None, (), "infeasible", None))
-    assert not _weak_rounds(nothing, 100, _Rounds(None, None, (), "", None))
+    # Under the budget by its peak, over it with its small buffers' heap room: at a budget
+    # nothing fits (the rounds go on), at the smallest peak it holds.
+    heavy = StrategyResult()
+    heavy.plans = [("ilp", SimpleNamespace(plan=SimpleNamespace(strategy="ilp"),
+                                           peak_bytes=90, fit_bytes=110, added_time_s=1.0))]
+    close = _Rounds(1.0, 90, (), "feasible", 0.05)
+    assert _weak_rounds(heavy, _Aim(100, False), close)
+    assert not _weak_rounds(heavy, _Aim(100, True), close)
+    assert _weak_rounds(nothing, _Aim(100, False), _Rounds(None, None, (), "time limit", None))
+    assert _weak_rounds(fits, _Aim(100, False), _Rounds(1.0, 90, (), "feasible", 0.5))
+    assert not _weak_rounds(fits, _Aim(100, False), _Rounds(1.0, 90, (), "feasible", 0.05))
+    assert not _weak_rounds(fits, _Aim(100, False), _Rounds(1.0, 90, (), "optimal", 0.02))
+    assert not _weak_rounds(nothing, _Aim(100, False), _Rounds(None, None, (), "infeasible", None))
+    assert not _weak_rounds(nothing, _Aim(100, False), _Rounds(None, None, (), "", None))
 
 
 def test_the_polish_trades_a_dear_recomputed_unit_for_cheaper_ones():

@@ -17,11 +17,9 @@ from typing import NamedTuple
 from memcc.compiler.advice import chunks_hint
 from memcc.compiler.options import CompileOptions, plan_budget_under, user_budget
 from memcc.compiler.progress import Progress
+from memcc.compiler.shed_starts import cheaper_by_shedding, within_budget
 from memcc.compiler.trained_smallest import (
-    SHED_ROUNDS,
-    everything_as_trained,
     recompute_all_as_trained,
-    shed_within,
     trained_rules,
 )
 from memcc.compiler.training_order import in_training_order
@@ -34,16 +32,11 @@ from memcc.passes.planning.planner import BudgetError, PlanOutcome, choose_plan
 from memcc.passes.planning.request import Budget, PlanRequest
 from memcc.passes.planning.simulate import Simulation, simulate
 from memcc.passes.planning.variant_report import describe_variants
-from memcc.passes.planning.work import SIMULATED_NODES_PER_S
 from memcc.sizes import format_size
 
 # Each round plans for less room than the last; the plan's own small buffers settle within
 # one or two (a handful of recomputed values each time).
 REPLANS_FOR_HEAP_ROOM = 3
-# A budget fitted only as trained: the starts shed besides the smallest plan (``_within_
-# budget``; each judged as trained and shed, up to ``SHED_ROUNDS`` + 2 simulations of the
-# step) may take this share of the limit's work, at least one start.
-EXTRA_STARTS_SHARE = 0.5
 
 
 class Planned(NamedTuple):
@@ -107,6 +100,9 @@ def plan_in_budget(graph: Graph, budget: Budget, costs: CostModel, options: Comp
     def own_slack(outcome: PlanOutcome) -> int:
         return sim_slack(outcome.best)
 
+    def ceiling(sim: Simulation) -> int:  # a plan's peak within the user's budget
+        return plan_budget_under(budget.bytes, options, sim_slack(sim))
+
     def no_fit(exc: BudgetError, trained: PlanOutcome | None) -> BudgetError:
         # what --budget min gives: the smallest plan, as trained, with its own heap room
         room = slack if trained is None else own_slack(trained)
@@ -121,17 +117,16 @@ def plan_in_budget(graph: Graph, budget: Budget, costs: CostModel, options: Comp
         --budget min gives."""
         asked = request.at(Budget.MIN if target is None else Budget.of(target))
         try:
-            return timed("plan", lambda: _with(order, plan_stage(graph, costs, asked, options,
-                                                                 structure)))
+            return timed("plan", lambda: _with(order, plan_stage(
+                graph, costs, asked, options, structure,
+                None if target is None else ceiling)))
         except BudgetError as exc:
             smallest = None if exc.outcome is None else as_trained(
                 graph, exc.outcome, costs, options, structure, smallest=True)
             if smallest is None or budget.is_min or smallest.best.peak_bytes > \
                     plan_budget_under(budget.bytes, options, own_slack(smallest)):
                 raise no_fit(exc, smallest) from None
-            fitted = _within_budget(graph, smallest, costs, options, structure,
-                                    lambda s: plan_budget_under(budget.bytes, options,
-                                                                sim_slack(s)))
+            fitted = within_budget(graph, smallest, costs, options, structure, ceiling)
             return timed("plan", lambda: (fitted, plan_summary(graph, fitted, costs, options,
                                                                 structure) | order))
 
@@ -246,51 +241,19 @@ def plan_offloading_state(graph: Graph, budget: Budget, costs: CostModel,
 
 
 def plan_stage(graph: Graph, costs: CostModel, request: PlanRequest, options: CompileOptions,
-               structure: StepStructure) -> tuple[PlanOutcome, dict]:
+               structure: StepStructure,
+               ceiling: Callable[[Simulation], int] | None = None) -> tuple[PlanOutcome, dict]:
     """The plan pass for ``request`` (built from ``options``: on CUDA, saved values may also
     be swapped to host memory, never on the CPU provider, where host and device are one
-    memory), the plan judged as trained, and its report summary."""
+    memory), the plan judged as trained, at a budget (``ceiling``: the peak a plan may have
+    with its own heap room) the plan recomputing everything shed to it where that is cheaper
+    (``shed_starts.cheaper_by_shedding``), and its report summary."""
     outcome = choose_plan(graph, costs, request, structure=structure)
     outcome = as_trained(graph, outcome, costs, options, structure,
                          smallest=request.budget.is_min)
+    if ceiling is not None:
+        outcome = cheaper_by_shedding(graph, outcome, costs, options, structure, ceiling)
     return outcome, plan_summary(graph, outcome, costs, options, structure)
-
-
-def _within_budget(graph: Graph, smallest: PlanOutcome, costs: CostModel,
-                   options: CompileOptions, structure: StepStructure, ceiling) -> PlanOutcome:
-    """The smallest plan (what a budget the search could not fit in its order gets,
-    where it fits as trained) recomputing less where the budget allows
-    (``trained_smallest.shed_within``), said in the report's ``picked``; and the search's
-    plan recomputing every saved value it may, and the search's other answers
-    (``PlanOutcome.alternatives``), each judged as trained, where one shed so is cheaper:
-    the smallest plan is often a rebuilt-again one, dear to start from."""
-    best = shed_within(graph, smallest.best, costs, options, structure, ceiling)
-    source = smallest.picked or smallest.strategy
-
-    def try_start(trained: Simulation | None, label: str) -> None:
-        nonlocal best, source
-        if trained is None or trained.peak_bytes > ceiling(trained):
-            return
-        shed = shed_within(graph, trained, costs, options, structure, ceiling)
-        if shed.added_time_s < best.added_time_s:
-            best, source = shed, label
-
-    if smallest.best.plan.strategy != "recompute all":   # as_trained chose it already
-        try_start(everything_as_trained(graph, smallest.best, costs, options, structure),
-                  f"{source}, then recompute all")
-    rules = trained_rules(options)
-    starts = int(EXTRA_STARTS_SHARE * options.time_limit * SIMULATED_NODES_PER_S
-                 / (max(len(graph.nodes), 1) * (SHED_ROUNDS + 2)))
-    for other in smallest.alternatives[:max(starts - 1, 0)]:
-        try_start(simulate(graph, other.plan, costs, structure, rules),
-                  f"{other.plan.strategy} (another plan of that search)")
-    if best is smallest.best:
-        return smallest
-    picked = f"{source}, then kept what the budget holds"
-    candidates = [*smallest.candidates, {"strategy": "smallest, shed to the budget",
-                                         "peak_bytes": best.peak_bytes,
-                                         "added_time_s": best.added_time_s}]
-    return replace(smallest, best=best, picked=picked, candidates=candidates)
 
 
 def as_trained(graph: Graph, outcome: PlanOutcome, costs: CostModel, options: CompileOptions,

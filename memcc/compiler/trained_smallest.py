@@ -61,7 +61,7 @@ def recompute_all_as_trained(graph: Graph, best: Simulation, costs: CostModel,
     everything = nothing_saveable(structure).recompute
     if everything <= best.plan.recompute or not _keeps_at_peak(best, structure):
         return None
-    judged = _recomputing(graph, best, costs, options, structure)
+    judged = _recomputing(graph, best.plan, costs, options, structure)
 
     def need(s: Simulation) -> int:
         return s.peak_bytes + options.slack_for(s.graph)
@@ -73,27 +73,28 @@ def recompute_all_as_trained(graph: Graph, best: Simulation, costs: CostModel,
 
 
 def everything_as_trained(graph: Graph, best: Simulation, costs: CostModel,
-                          options: CompileOptions, structure: StepStructure
-                          ) -> Simulation | None:
-    """``best``'s variants with every saved value recomputed that may be, judged as
-    trained (None: nothing more to recompute, or it cannot be lowered): a start for
-    ``shed_within`` besides the smallest plan, which may recompute its values again for
-    each reader and shed dearer (``--strategy ilp`` on the zoo's ResNet-18 at 70% got its
-    +2.4% from it)."""
+                          options: CompileOptions, structure: StepStructure, *,
+                          variants: bool = True) -> Simulation | None:
+    """``best``'s variants (``variants=False``: none) with every saved value recomputed
+    that may be, judged as trained (None: nothing more to recompute, or it cannot be
+    lowered): a start for ``shed_within`` besides the smallest plan, which may recompute
+    its values again for each reader and shed dearer (``--strategy ilp`` on the zoo's
+    ResNet-18 at 70% got its +2.4% from it)."""
     everything = nothing_saveable(structure).recompute
-    if everything <= best.plan.recompute:
+    if everything <= best.plan.recompute and (variants or not best.plan.variants):
         return None
-    return _recomputing(graph, best, costs, options, structure)(everything)
+    plan = best.plan if variants else dataclasses.replace(best.plan, variants={})
+    return _recomputing(graph, plan, costs, options, structure)(everything)
 
 
-def _recomputing(graph: Graph, best: Simulation, costs: CostModel, options: CompileOptions,
+def _recomputing(graph: Graph, like: Plan, costs: CostModel, options: CompileOptions,
                  structure: StepStructure) -> Judge:
-    """A judge, as trained, of plans recomputing a given set with ``best``'s variants."""
+    """A judge, as trained, of plans recomputing a given set with ``like``'s variants."""
     rules = trained_rules(options)
 
     def judged(recompute: frozenset[str]) -> Simulation | None:
-        plan = Plan(recompute, "recompute all", dict(best.plan.notes),
-                    variants=dict(best.plan.variants))
+        plan = Plan(recompute, "recompute all", dict(like.notes),
+                    variants=dict(like.variants))
         try:
             return simulate(graph, plan, costs, structure, rules)
         except PlanError:

@@ -58,7 +58,7 @@ STRATEGIES = ("auto", *sorted(n for n in REGISTRY if n != "auto"))
 # the rebuilt-again plans and the plan as trained alone about 1.5. The estimate only moves
 # the solves' deadline: their work limits stay.
 REGION_SHARE = 0.05
-# The smallest-peak search's other answers kept for compile (``PlanOutcome.alternatives``).
+# A search's other answers kept for compile (``PlanOutcome.alternatives``).
 ALTERNATIVES = 3
 AFTER_MIN_PREPARES = 3.0
 AFTER_MIN_PREPARES_NO_REGION = 1.5
@@ -92,10 +92,10 @@ class PlanOutcome:
     # One entry per strategy run, in order, each with what it returned (``_finish``); the
     # report prints them so that a failed first ILP model is not mistaken for the answer.
     runs: list[dict] = field(default_factory=list)
-    # A smallest-peak search's other answers over the same step as ``best``: each run's
-    # smallest plan, cheapest first (``ALTERNATIVES`` at most), which compile sheds to a
-    # budget too where the search fits it only as trained (``compiler/planning.
-    # _within_budget``; a rebuilt-again smallest plan sheds dear: ResNet-18 at 70%).
+    # The search's other answers over the same step as ``best``: each run's smallest plan,
+    # cheapest first (``ALTERNATIVES`` at most), which compile sheds to the budget too
+    # (``compiler/shed_starts.py``: a rebuilt-again smallest plan sheds dear, ResNet-18 at
+    # 70%; the ILP's answer can be dearer than a plan shed from another start).
     alternatives: tuple[Simulation, ...] = ()
 
     @property
@@ -458,7 +458,7 @@ def _finish(base: Simulation, found: StrategyResult, target: Budget, strategy: s
     else:
         name, best = min(fitting, key=lambda p: (p[1].added_time_s, p[1].peak_bytes))
     described = _describe_runs(found.runs, best, limit, by_peak=smallest_first)
-    others = _alternatives(found, best, pool) if smallest_first else ()
+    others = _alternatives(found, best, pool)
     picked = name
     if name == "auto":
         start = next((r.get("from") for r in described if r["picked"] and r.get("from")), None)

@@ -1,0 +1,137 @@
+"""Plans shed to a budget from more than one start, the cheapest kept.
+
+Shedding (``trained_smallest.shed_within``: stop recomputing what the budget's headroom
+holds, dearest per byte first, checked by simulation as trained) is a local search, and
+where it starts decides where it ends. Compile offers it starts besides the plan it has:
+
+- ``within_budget``: a budget the search could not fit in its order where its smallest
+  plan fits as trained. The smallest plan is often rebuilt again (each value recomputed
+  once per reader), dear to start from; the plan recomputing every saved value it may
+  and the search's other answers (``PlanOutcome.alternatives``) are shed too (the zoo's
+  ResNet-18 at 70%: +26.1% from the smallest, +2.4% from another answer).
+- ``cheaper_by_shedding``: under ``auto``, a budget the search fitted. The ILP's model
+  can overstate what a plan keeps (births between its candidate points, the moves a
+  plan's clones allow the updates), and the plan recomputing everything, shed, can be
+  cheaper than its answer (the zoo's ResNet-18 at 13.1 MB: +5.9% from the ILP, +3.7%
+  shed from everything; BENCHMARKS.md, "Planning in the order the step trains").
+
+Each start costs up to ``SHED_ROUNDS`` + 2 simulations of the step, outside the planner's
+deadline, so the starts besides the plan in hand are bounded by ``EXTRA_STARTS_SHARE`` of
+the limit's work (``work.SIMULATED_NODES_PER_S``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from memcc.compiler.options import CompileOptions
+from memcc.compiler.trained_smallest import (
+    SHED_ROUNDS,
+    everything_as_trained,
+    shed_within,
+    trained_rules,
+)
+from memcc.graph import Graph
+from memcc.passes.analysis.cost_model import CostModel
+from memcc.passes.plan import StepStructure
+from memcc.passes.planning.planner import PlanOutcome
+from memcc.passes.planning.simulate import Simulation, simulate
+from memcc.passes.planning.work import SIMULATED_NODES_PER_S
+
+# The starts shed besides the plan in hand (each judged as trained and shed, up to
+# ``SHED_ROUNDS`` + 2 simulations of the step) may take this share of the limit's work.
+EXTRA_STARTS_SHARE = 0.5
+SHED = "then kept what the budget holds"
+
+
+@dataclass
+class _Shedding:
+    """The cheapest plan shed to ``ceiling`` so far (``best``) and where it came from."""
+
+    graph: Graph
+    costs: CostModel
+    options: CompileOptions
+    structure: StepStructure
+    ceiling: Callable[[Simulation], int]
+    best: Simulation
+    source: str
+
+    def offer(self, trained: Simulation | None, label: str) -> None:
+        """Shed ``trained`` (judged as trained; None: no such plan) to the ceiling and keep
+        it where it is cheaper than the best so far."""
+        if trained is None or trained.peak_bytes > self.ceiling(trained):
+            return
+        shed = shed_within(self.graph, trained, self.costs, self.options, self.structure,
+                           self.ceiling)
+        if shed.added_time_s < self.best.added_time_s:
+            self.best, self.source = shed, label
+
+    def starts(self) -> int:
+        """How many starts ``EXTRA_STARTS_SHARE`` of the limit's work buys."""
+        return int(EXTRA_STARTS_SHARE * self.options.time_limit * SIMULATED_NODES_PER_S
+                   / (max(len(self.graph.nodes), 1) * (SHED_ROUNDS + 2)))
+
+    def outcome(self, found: PlanOutcome, entry: str) -> PlanOutcome:
+        """``found`` with the best plan, labelled with its start, and a candidate
+        ``entry`` for it; ``found`` itself where nothing beat its plan."""
+        if self.best is found.best:
+            return found
+        candidates = [*found.candidates, {"strategy": entry,
+                                          "peak_bytes": self.best.peak_bytes,
+                                          "added_time_s": self.best.added_time_s}]
+        return replace(found, best=self.best, picked=f"{self.source}, {SHED}",
+                       candidates=candidates)
+
+
+def within_budget(graph: Graph, smallest: PlanOutcome, costs: CostModel,
+                  options: CompileOptions, structure: StepStructure,
+                  ceiling: Callable[[Simulation], int]) -> PlanOutcome:
+    """The smallest plan (what a budget the search could not fit in its order gets, where
+    it fits as trained) recomputing less where the budget allows, said in the report's
+    ``picked``; and the search's plan recomputing every saved value it may, and the
+    search's other answers, each judged as trained, where one shed so is cheaper."""
+    source = smallest.picked or smallest.strategy
+    s = _Shedding(graph, costs, options, structure, ceiling,
+                  shed_within(graph, smallest.best, costs, options, structure, ceiling),
+                  source)
+    if smallest.best.plan.strategy != "recompute all":   # as_trained chose it already
+        s.offer(everything_as_trained(graph, smallest.best, costs, options, structure),
+                f"{source}, then recompute all")
+    rules = trained_rules(options)
+    for other in smallest.alternatives[:max(s.starts() - 1, 0)]:
+        s.offer(simulate(graph, other.plan, costs, structure, rules),
+                f"{other.plan.strategy} (another plan of that search)")
+    return s.outcome(smallest, "smallest, shed to the budget")
+
+
+def cheaper_by_shedding(graph: Graph, found: PlanOutcome, costs: CostModel,
+                        options: CompileOptions, structure: StepStructure,
+                        ceiling: Callable[[Simulation], int]) -> PlanOutcome:
+    """``found`` (``auto``'s plan, fitting ``ceiling``), or a plan shed to the ceiling from
+    another start where that is cheaper, as many starts as the limit's work buys: the plan
+    recomputing every saved value it may with ``found``'s variants, then with those of
+    the smallest plan the search found (the zoo's ResNet-18 at 13.1 MB: the ILP's two ReLU
+    masks at +5.9%, a sqrt(n) plan's batch-chunked weight gradients shed to +3.7%), then
+    the search's other answers."""
+    best = found.best
+    source = found.picked or found.strategy
+    s = _Shedding(graph, costs, options, structure, ceiling, best, source)
+    if options.strategy != "auto" or best.added_time_s <= 0 \
+            or best.plan.strategy == "recompute all":
+        return found
+    rules = trained_rules(options)
+    others = [a for a in found.alternatives if a.plan.strategy != "none"]
+    smallest = min(others, key=lambda a: a.peak_bytes, default=None)
+    starts = [lambda: (everything_as_trained(graph, best, costs, options, structure),
+                       f"{source}, then recompute all")]
+    if smallest is not None and smallest.plan.variants != best.plan.variants:
+        starts.append(lambda: (everything_as_trained(graph, smallest, costs, options,
+                                                     structure),
+                               f"{smallest.plan.strategy}, then recompute all"))
+    starts += [lambda other=other: (simulate(graph, other.plan, costs, structure, rules),
+                                    f"{other.plan.strategy} (another plan of that search)")
+               for other in others]
+    for start in starts[:s.starts()]:
+        s.offer(*start())
+    return s.outcome(found, "another start, shed to the budget")
