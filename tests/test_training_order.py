@@ -1,0 +1,107 @@
+"""The planner plans the step in the order ``memcc train`` runs it
+(``compiler/training_order.py``), and auto sheds other starts to a budget it fitted
+(``compiler/shed_starts.cheaper_by_shedding``)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from threads import assert_step_matches
+
+from memcc.compiler import CompileOptions, compile_model
+from memcc.compiler.shed_starts import cheaper_by_shedding
+from memcc.compiler.trained_smallest import everything_as_trained, shed_within, trained_rules
+from memcc.compiler.training_order import in_training_order
+from memcc.frontend.build import BuildOptions, build_training_step
+from memcc.frontend.load import load_graph
+from memcc.passes.analysis.arrange import UPDATES_EARLY
+from memcc.passes.analysis.cost_model import unit_costs
+from memcc.passes.plan import Plan, StepStructure, nothing_saveable
+from memcc.passes.planning.planner import PlanOutcome
+from memcc.passes.planning.simulate import SimulationRules, simulate
+from models import build_model, mlp
+
+
+def _gpt2(optimizer: str = "adamw"):
+    forward = build_model("gpt2", batch=2, seq_len=32, width=64, depth=2, heads=2,
+                          vocab_size=2048)
+    return build_training_step(load_graph(forward), BuildOptions(optimizer=optimizer))
+
+
+@pytest.fixture(scope="module")
+def step():
+    return _gpt2()
+
+
+def test_the_search_is_handed_the_order_the_step_trains_in(step):
+    """The same nodes, the updates moved; judged in that order with the cheap analysis,
+    the step as built and a plan recomputing every saved value peak where ``memcc train``
+    runs them (in the file's order, which holds every gradient to the end of the step, the
+    plan peaks higher); and it computes the same bits at 1, 2 and 4 threads."""
+    options = CompileOptions(budget="min")
+    moved, said = in_training_order(step, options)
+    assert said == {"order": UPDATES_EARLY}
+    assert sorted(n.name for n in moved.nodes) == sorted(n.name for n in step.nodes)
+    assert [n.name for n in moved.nodes] != [n.name for n in step.nodes]
+    assert moved.metadata == step.metadata and moved.metadata is not step.metadata
+    st, costs = StepStructure.of(step), unit_costs(step)
+
+    def peak(graph, plan, rules):
+        return simulate(graph, plan, costs, st, rules).peak_bytes
+
+    for plan in (Plan(), nothing_saveable(st)):
+        assert peak(moved, plan, SimulationRules("cpu")) == peak(step, plan,
+                                                                 trained_rules(options))
+    every = nothing_saveable(st)
+    assert peak(moved, every, SimulationRules("cpu")) < peak(step, every,
+                                                            SimulationRules("cpu"))
+    assert_step_matches(step, moved, 0.0)
+
+
+def test_a_step_without_updates_keeps_the_file_order():
+    forward = load_graph(mlp.build(batch=2, in_features=16, width=16, depth=2,
+                                   num_classes=4))
+    graph = build_training_step(forward, BuildOptions(optimizer="none"))
+    same, said = in_training_order(graph, CompileOptions(budget="min"))
+    assert same is graph and said["order"] != UPDATES_EARLY
+
+
+def test_compile_reports_the_order_it_planned(step, tmp_path):
+    from memcc.backend.onnx_file import save_graph
+
+    path = save_graph(step, tmp_path / "gpt2.onnx")
+    result = compile_model(path, CompileOptions(budget="80%", cost="analytic", time_limit=4,
+                                                build=BuildOptions(loss_chunks=1)))
+    plan = next(p for p in result.report["passes"] if p["name"] == "plan")
+    assert plan["summary"]["order"] == UPDATES_EARLY
+
+
+def test_auto_keeps_a_start_shed_to_the_budget_where_it_is_cheaper(step):
+    """``cheaper_by_shedding``: the plan recomputing everything, shed to the ceiling, is
+    kept with its label where it costs less than the search's answer; not under another
+    strategy, and not where the answer adds no time."""
+    graph, _ = in_training_order(step, CompileOptions(budget="min"))
+    st, costs = StepStructure.of(graph), unit_costs(graph)
+    opts = CompileOptions(budget="min", time_limit=60)
+    rules = trained_rules(opts)
+    every = sorted(nothing_saveable(st).recompute)
+    most = frozenset(every[: len(every) * 7 // 10])
+    dear = simulate(graph, Plan(most, "ilp", recompute_again=most), costs, st, rules)
+    whole = simulate(graph, Plan(), costs, st, rules)
+    ceiling = (dear.peak_bytes + whole.peak_bytes) // 2
+    found = PlanOutcome(best=dear, baseline=whole, strategy="ilp", solver={}, picked="ilp")
+    expected = shed_within(graph, everything_as_trained(graph, dear, costs, opts, st),
+                           costs, opts, st, lambda _: ceiling)
+    assert expected.added_time_s < dear.added_time_s
+
+    got = cheaper_by_shedding(graph, found, costs, opts, st, lambda _: ceiling)
+    assert got.best.peak_bytes <= ceiling
+    assert got.best.added_time_s == expected.added_time_s
+    assert got.picked == "ilp, then recompute all, then kept what the budget holds"
+    assert got.candidates[-1]["added_time_s"] == expected.added_time_s
+    for other in (replace(opts, strategy="ilp"),):
+        assert cheaper_by_shedding(graph, found, costs, other, st,
+                                   lambda _: ceiling) is found
+    free = replace(found, best=whole)
+    assert cheaper_by_shedding(graph, free, costs, opts, st, lambda _: 1 << 40) is free
