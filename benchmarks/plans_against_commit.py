@@ -49,8 +49,11 @@ print(json.dumps(row))
 
 def compile_once(src: Path, model: str, budget: str, limit: float) -> dict:
     env = {**os.environ, "PYTHONPATH": f"{src}{os.pathsep}{src / 'tests'}"}
-    out = subprocess.run([sys.executable, "-c", ONE, model, budget, str(limit)], env=env,
-                         capture_output=True, text=True, check=True)
+    # Run from the side's checkout: ``python -c`` puts the working directory first on
+    # sys.path, ahead of PYTHONPATH.
+    out = subprocess.run([sys.executable, "-c", ONE, str(Path(model).resolve()), budget,
+                          str(limit)], env=env, cwd=src, capture_output=True, text=True,
+                         check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
