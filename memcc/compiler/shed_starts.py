@@ -12,7 +12,7 @@ where it starts decides where it ends. Compile offers it starts besides the plan
 - ``cheaper_by_shedding``: under ``auto``, a budget the search fitted. The ILP's model
   can overstate what a plan keeps (births between its candidate points, the moves a
   plan's clones allow the updates), and the plan recomputing everything, shed, can be
-  cheaper than its answer (the zoo's ResNet-18 at 13.1 MB: +5.9% from the ILP, +3.7%
+  cheaper than its answer (timm's LeViT-128S at 80.7 MB: +9.8% from the search, +5.2%
   shed from everything; BENCHMARKS.md, "Planning in the order the step trains").
 
 Each start costs up to ``SHED_ROUNDS`` + 2 simulations of the step, outside the planner's
@@ -110,10 +110,8 @@ def cheaper_by_shedding(graph: Graph, found: PlanOutcome, costs: CostModel,
                         ceiling: Callable[[Simulation], int]) -> PlanOutcome:
     """``found`` (``auto``'s plan, fitting ``ceiling``), or a plan shed to the ceiling from
     another start where that is cheaper, as many starts as the limit's work buys: the plan
-    recomputing every saved value it may with ``found``'s variants, then with those of
-    the smallest plan the search found (the zoo's ResNet-18 at 13.1 MB: the ILP's two ReLU
-    masks at +5.9%, a sqrt(n) plan's batch-chunked weight gradients shed to +3.7%), then
-    the search's other answers."""
+    recomputing every saved value it may, with ``found``'s variants, then the search's
+    other answers."""
     best = found.best
     source = found.picked or found.strategy
     s = _Shedding(graph, costs, options, structure, ceiling, best, source)
@@ -121,17 +119,11 @@ def cheaper_by_shedding(graph: Graph, found: PlanOutcome, costs: CostModel,
             or best.plan.strategy == "recompute all":
         return found
     rules = trained_rules(options)
-    others = [a for a in found.alternatives if a.plan.strategy != "none"]
-    smallest = min(others, key=lambda a: a.peak_bytes, default=None)
     starts = [lambda: (everything_as_trained(graph, best, costs, options, structure),
                        f"{source}, then recompute all")]
-    if smallest is not None and smallest.plan.variants != best.plan.variants:
-        starts.append(lambda: (everything_as_trained(graph, smallest, costs, options,
-                                                     structure),
-                               f"{smallest.plan.strategy}, then recompute all"))
     starts += [lambda other=other: (simulate(graph, other.plan, costs, structure, rules),
                                     f"{other.plan.strategy} (another plan of that search)")
-               for other in others]
+               for other in found.alternatives if other.plan.strategy != "none"]
     for start in starts[:s.starts()]:
         s.offer(*start())
     return s.outcome(found, "another start, shed to the budget")

@@ -73,18 +73,17 @@ def recompute_all_as_trained(graph: Graph, best: Simulation, costs: CostModel,
 
 
 def everything_as_trained(graph: Graph, best: Simulation, costs: CostModel,
-                          options: CompileOptions, structure: StepStructure, *,
-                          variants: bool = True) -> Simulation | None:
-    """``best``'s variants (``variants=False``: none) with every saved value recomputed
-    that may be, judged as trained (None: nothing more to recompute, or it cannot be
-    lowered): a start for ``shed_within`` besides the smallest plan, which may recompute
-    its values again for each reader and shed dearer (``--strategy ilp`` on the zoo's
-    ResNet-18 at 70% got its +2.4% from it)."""
+                          options: CompileOptions, structure: StepStructure
+                          ) -> Simulation | None:
+    """``best``'s variants with every saved value recomputed that may be, judged as
+    trained (None: nothing more to recompute, or it cannot be lowered): a start for
+    ``shed_within`` besides the smallest plan, which may recompute its values again for
+    each reader and shed dearer (``--strategy ilp`` on the zoo's ResNet-18 at 70% got its
+    +2.4% from it)."""
     everything = nothing_saveable(structure).recompute
-    if everything <= best.plan.recompute and (variants or not best.plan.variants):
+    if everything <= best.plan.recompute:
         return None
-    plan = best.plan if variants else dataclasses.replace(best.plan, variants={})
-    return _recomputing(graph, plan, costs, options, structure)(everything)
+    return _recomputing(graph, best.plan, costs, options, structure)(everything)
 
 
 def _recomputing(graph: Graph, like: Plan, costs: CostModel, options: CompileOptions,
