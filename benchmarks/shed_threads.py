@@ -1,9 +1,11 @@
-"""Plans shed to a budget the search fits only as trained (``compiler/planning.
-_within_budget``), run at 1 and 2 intra-op threads, twice each, every run from the written
-file (the step updates its state in place, so a second run on the same arrays would start
-from the first one's state), against the first run bit for bit; and ``--verify``.
+"""Plans shed to a budget (``compiler/shed_starts.py``), run at 1 and 2 intra-op threads,
+twice each, every run from the written file (the step updates its state in place, so a
+second run on the same arrays would start from the first one's state), against the first
+run bit for bit; and ``--verify``.
 
-    python benchmarks/shed_threads.py
+    python benchmarks/shed_threads.py [MODEL.onnx BUDGET ...]
+
+Given pairs of a file and a budget, those; else the cases below.
 
 The zoo's ResNet-18 (batch 8, 96 px, width 16) at 70% and MobileNetV2 (batch 8, 64 px) at
 50%, ``--cost analytic --time-limit 10``: the two rows of BENCHMARKS.md, "auto against ilp
@@ -31,14 +33,20 @@ CASES = (("resnet18", dict(batch=8, resolution=96, width=16), "70%"),
          ("mobilenetv2", dict(batch=8, resolution=64), "50%"))
 
 
-def main() -> int:
+def main(argv: list[str]) -> int:
     bad = 0
+    given = [(Path(m), None, b) for m, b in zip(argv[::2], argv[1::2], strict=True)]
     with tempfile.TemporaryDirectory(prefix="memcc-shed-") as tmp:
-        for name, sizes, budget in CASES:
-            src, out = Path(tmp) / f"{name}.onnx", Path(tmp) / f"{name}.memcc.onnx"
-            onnx.save(build_model(name, **sizes), str(src))
+        for name, sizes, budget in given or CASES:
+            if sizes is None:
+                src, name = name, name.stem
+            else:
+                src = Path(tmp) / f"{name}.onnx"
+                onnx.save(build_model(name, **sizes), str(src))
+            out = Path(tmp) / f"{name}.memcc.onnx"
             report = compile_model(src, CompileOptions(
-                budget=budget, cost="analytic", time_limit=10, verify=True),
+                budget=int(budget) if budget.isdigit() else budget, cost="analytic",
+                time_limit=10, verify=True),
                 output=out).report
             v = report["verification"]
             feeds = synthetic_feeds(load_graph(out), seed=0)
@@ -54,4 +62,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(main(sys.argv[1:]))

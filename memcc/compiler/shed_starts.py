@@ -22,8 +22,9 @@ the limit's work (``work.SIMULATED_NODES_PER_S``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
+from itertools import islice
 
 from memcc.compiler.options import CompileOptions
 from memcc.compiler.trained_smallest import (
@@ -72,6 +73,26 @@ class _Shedding:
         return int(EXTRA_STARTS_SHARE * self.options.time_limit * SIMULATED_NODES_PER_S
                    / (max(len(self.graph.nodes), 1) * (SHED_ROUNDS + 2)))
 
+    def offer_starts(self, found: PlanOutcome, count: int) -> None:
+        """Offer up to ``count`` starts, judged as trained, in order: ``found``'s plan
+        recomputing every saved value it may, with its variants (unless it does already),
+        then the search's other answers (the step as built among them left out: it is over
+        any budget a search was needed for). Each is simulated only when offered."""
+        rules = trained_rules(self.options)
+        source = self.source
+
+        def starts() -> Iterator[tuple[Simulation | None, str]]:
+            if found.best.plan.strategy != "recompute all":   # as_trained chose it already
+                yield (everything_as_trained(self.graph, found.best, self.costs, self.options,
+                                             self.structure), f"{source}, then recompute all")
+            for other in found.alternatives:
+                if other.plan.strategy != "none":
+                    yield (simulate(self.graph, other.plan, self.costs, self.structure, rules),
+                           f"{other.plan.strategy} (another plan of that search)")
+
+        for trained, label in islice(starts(), count):
+            self.offer(trained, label)
+
     def outcome(self, found: PlanOutcome, entry: str) -> PlanOutcome:
         """``found`` with the best plan, labelled with its start, and a candidate
         ``entry`` for it; ``found`` itself where nothing beat its plan."""
@@ -89,19 +110,12 @@ def within_budget(graph: Graph, smallest: PlanOutcome, costs: CostModel,
                   ceiling: Callable[[Simulation], int]) -> PlanOutcome:
     """The smallest plan (what a budget the search could not fit in its order gets, where
     it fits as trained) recomputing less where the budget allows, said in the report's
-    ``picked``; and the search's plan recomputing every saved value it may, and the
-    search's other answers, each judged as trained, where one shed so is cheaper."""
-    source = smallest.picked or smallest.strategy
+    ``picked``; and the other starts (``_Shedding.offer_starts``, at least one), where one
+    shed so is cheaper."""
     s = _Shedding(graph, costs, options, structure, ceiling,
                   shed_within(graph, smallest.best, costs, options, structure, ceiling),
-                  source)
-    if smallest.best.plan.strategy != "recompute all":   # as_trained chose it already
-        s.offer(everything_as_trained(graph, smallest.best, costs, options, structure),
-                f"{source}, then recompute all")
-    rules = trained_rules(options)
-    for other in smallest.alternatives[:max(s.starts() - 1, 0)]:
-        s.offer(simulate(graph, other.plan, costs, structure, rules),
-                f"{other.plan.strategy} (another plan of that search)")
+                  smallest.picked or smallest.strategy)
+    s.offer_starts(smallest, max(s.starts(), 1))
     return s.outcome(smallest, "smallest, shed to the budget")
 
 
@@ -109,21 +123,11 @@ def cheaper_by_shedding(graph: Graph, found: PlanOutcome, costs: CostModel,
                         options: CompileOptions, structure: StepStructure,
                         ceiling: Callable[[Simulation], int]) -> PlanOutcome:
     """``found`` (``auto``'s plan, fitting ``ceiling``), or a plan shed to the ceiling from
-    another start where that is cheaper, as many starts as the limit's work buys: the plan
-    recomputing every saved value it may, with ``found``'s variants, then the search's
-    other answers."""
-    best = found.best
-    source = found.picked or found.strategy
-    s = _Shedding(graph, costs, options, structure, ceiling, best, source)
-    if options.strategy != "auto" or best.added_time_s <= 0 \
-            or best.plan.strategy == "recompute all":
+    another start (``_Shedding.offer_starts``, as many as the limit's work buys) where
+    that is cheaper."""
+    if options.strategy != "auto" or found.best.added_time_s <= 0:
         return found
-    rules = trained_rules(options)
-    starts = [lambda: (everything_as_trained(graph, best, costs, options, structure),
-                       f"{source}, then recompute all")]
-    starts += [lambda other=other: (simulate(graph, other.plan, costs, structure, rules),
-                                    f"{other.plan.strategy} (another plan of that search)")
-               for other in found.alternatives if other.plan.strategy != "none"]
-    for start in starts[:s.starts()]:
-        s.offer(*start())
+    s = _Shedding(graph, costs, options, structure, ceiling, found.best,
+                  found.picked or found.strategy)
+    s.offer_starts(found, s.starts())
     return s.outcome(found, "another start, shed to the budget")
