@@ -24,7 +24,7 @@ from memcc.frontend.exported import _fingerprint, parameter_sources
 from memcc.frontend.load import _STUB_BYTES, _infer, _without_weights
 from memcc.graph import Graph, TensorInfo
 from memcc.passes.plan import StepStructure
-from memcc.passes.planning.floor import step_floor
+from memcc.passes.planning.floor import runtime_bytes, step_floor
 from memcc.passes.planning.planner import BudgetError
 from models import build_model
 
@@ -112,14 +112,35 @@ def test_the_refusal_names_the_floor_of_the_step_compile_plans(provider: str) ->
         graph, _ = load_step(model, name, options)
         st = StepStructure.of(graph)
         floor = step_floor(graph, st)
-        need = user_budget(floor.total_bytes - (0 if provider == "cpu" else sum(
-            graph.info[v].nbytes for v in _state(graph))), options, options.slack_for(graph))
+        # On CUDA the optimizer state may wait in host memory, and the session's own
+        # handles and workspaces are on the device whatever the plan.
+        need = user_budget(floor.total_bytes + runtime_bytes(provider) - (
+            0 if provider == "cpu" else sum(graph.info[v].nbytes for v in _state(graph))),
+            options, options.slack_for(graph))
         with pytest.raises(BudgetError) as refused:
             check_floor(graph, need - 1, options, name, st)
         assert refused.value.smallest == need, name
         assert "No budget under" in str(refused.value) and f"({need:,} bytes)" in str(
             refused.value), name
         check_floor(graph, need, options, name, st)
+
+
+def test_the_cuda_floor_stays_under_the_smallest_budget_compile_finds() -> None:
+    """The CUDA floor counts the session's own bytes (every predicted device peak does):
+    a budget under it on a small step is refused at once, naming them, and the bound is
+    still no higher than the budget ``--budget min`` plans for the same step on CUDA."""
+    from memcc.compiler import compile_model
+
+    model = build_model("mlp", batch=64)
+    options = CompileOptions(budget="min", provider="cuda", cost="analytic", time_limit=5)
+    graph, _ = load_step(model, "mlp", options)
+    st = StepStructure.of(graph)
+    with pytest.raises(BudgetError) as refused:
+        check_floor(graph, runtime_bytes("cuda"), options, "mlp", st)
+    assert "the CUDA session holds for itself" in str(refused.value)
+    smallest = compile_model(model, options).report["budget_bytes"]
+    assert refused.value.smallest <= smallest
+    assert runtime_bytes("cuda") < smallest and runtime_bytes("cpu") == 0
 
 
 def _state(graph: Graph) -> list[str]:

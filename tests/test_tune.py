@@ -260,9 +260,13 @@ def test_on_cuda_the_edge_follows_the_arena_as_compile_does(model_file):
     with pytest.raises(BudgetError):
         compile_model(model_file, CompileOptions(budget=budget, strategy="none",
                                                  dims={"batch": edge + 1}, **opts))
-    # Below one page nothing fits, and tune says what would (strategy none included).
-    with pytest.raises(InputError, match="needs a peak of"):
+    # Below the session's own bytes nothing fits, and tune says so before any plan; just
+    # above them, below one more page, the search says what would (strategy none included).
+    with pytest.raises(InputError, match="CUDA session's own handles and workspaces alone"):
         tune(model_file, 1_300_000, RANGE, TuneOptions(points=0, strategy="none", **opts))
+    with pytest.raises(InputError, match="needs a peak of"):
+        tune(model_file, CUDA_SESSION_BYTES + 1_300_000, RANGE,
+             TuneOptions(points=0, strategy="none", **opts))
 
 
 def test_on_cuda_tune_plans_batchnorm_as_compile_does(tmp_path):

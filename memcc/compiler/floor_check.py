@@ -13,7 +13,7 @@ from dataclasses import replace
 from memcc.compiler.options import CompileOptions, plan_budget_under, user_budget
 from memcc.graph import Graph
 from memcc.passes.plan import StepStructure
-from memcc.passes.planning.floor import step_floor
+from memcc.passes.planning.floor import runtime_bytes, step_floor
 from memcc.passes.planning.refusal import BudgetError
 from memcc.sizes import format_size
 
@@ -28,11 +28,16 @@ def check_floor(graph: Graph, budget: int, options: CompileOptions, label: str,
     this says what is at least needed, in milliseconds (the error's ``smallest`` is that
     lower bound, never above what ``--budget min`` finds)."""
     floor = step_floor(graph, structure)
+    held = "inputs, parameters and optimizer state"
     if options.provider == "cuda" and options.swaps:  # what may wait in host memory
         from memcc.passes.lowering.offload_state import optimizer_state
 
         moved = sum(b for _, b in optimizer_state(graph))
         floor = replace(floor, persistent_bytes=floor.persistent_bytes - moved)
+        if moved:
+            held = (f"inputs and parameters (the {format_size(moved)} of optimizer state "
+                    "may wait in host memory)")
+    floor = replace(floor, runtime_bytes=runtime_bytes(options.provider))
     slack = options.slack_for(graph)
     if floor.total_bytes <= plan_budget_under(budget, options, slack):
         return
@@ -40,14 +45,17 @@ def check_floor(graph: Graph, budget: int, options: CompileOptions, label: str,
     node = (f" + {format_size(floor.node_bytes)} that node {floor.node} ({floor.op_type}) "
             "reads and writes at once, the largest working set of any forward node (every "
             "plan runs it)" if floor.node is not None else "")
+    runtime = (f" + {format_size(floor.runtime_bytes)} the CUDA session holds for itself "
+               "(cuBLAS and cuDNN handles and workspaces, the captured graph), whatever the "
+               "plan" if floor.runtime_bytes else "")
     raise BudgetError(
         f"{label}: --budget {asked or options.budget} ({budget:,} bytes) cannot hold this "
-        "step: no "
-        f"plan peaks under {format_size(floor.total_bytes)} ({floor.total_bytes:,} bytes): "
-        f"{format_size(floor.persistent_bytes)} of inputs, parameters and optimizer state, "
-        f"live all step{node}; and the budget keeps {options.margin:.0%} + {slack:,} bytes "
-        f"free besides (--margin). No budget under {format_size(need)} ({need:,} bytes) can "
-        "fit: give at least that (--budget min finds the smallest that does), or shrink "
-        "the step (a smaller batch; --freeze PATTERN trains fewer parameters; sgd keeps one "
-        "state tensor per parameter, adamw two). Nothing was written.",
+        f"step: no plan peaks under {format_size(floor.total_bytes)} "
+        f"({floor.total_bytes:,} bytes): {format_size(floor.persistent_bytes)} of {held}, "
+        f"live all step{node}{runtime}; and the budget keeps {options.margin:.0%} + "
+        f"{slack:,} bytes free besides (--margin). No budget under {format_size(need)} "
+        f"({need:,} bytes) can fit: give at least that (--budget min finds the smallest "
+        "that does), or shrink the step (a smaller batch; --freeze PATTERN trains fewer "
+        "parameters; sgd keeps one state tensor per parameter, adamw two). Nothing was "
+        "written.",
         budget=budget, smallest=need)

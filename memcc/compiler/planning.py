@@ -28,6 +28,7 @@ from memcc.pass_contract import PassReport
 from memcc.passes.analysis.cost_model import CostModel
 from memcc.passes.lowering.offload_state import offload_state, optimizer_state
 from memcc.passes.plan import StepStructure
+from memcc.passes.planning.floor import runtime_bytes
 from memcc.passes.planning.planner import BudgetError, PlanOutcome, choose_plan
 from memcc.passes.planning.request import Budget, PlanRequest
 from memcc.passes.planning.simulate import Simulation, simulate
@@ -74,11 +75,21 @@ def _no_fit(budget: int, smallest: int, slack: int, options: CompileOptions,
         f"({budget:,} bytes). The smallest budget memcc can reach for it is "
         f"{format_size(smallest)} ({smallest:,} bytes; strategy {options.strategy}, with "
         f"{options.margin:.0%} + {slack:,} bytes of safety margin). "
-        f"Nothing was written. Use --budget {smallest} "
+        + _runtime_part(options)
+        + f"Nothing was written. Use --budget {smallest} "
         "or more, --budget min, or a smaller batch."
         + chunks_hint(next(p.summary for p in passes if p.name == "load")),
         budget=budget or 0, smallest=smallest,
     )
+
+
+def _runtime_part(options: CompileOptions) -> str:
+    """What of a smallest budget no plan can change on this provider, said where there is
+    some (a small model's budget on CUDA is mostly the session's own)."""
+    held = runtime_bytes(options.provider)
+    return (f"Of it, {format_size(held)} is what the CUDA session holds for itself whatever "
+            "the plan (cuBLAS and cuDNN handles and workspaces, the captured graph). "
+            if held else "")
 
 
 def plan_in_budget(graph: Graph, budget: Budget, costs: CostModel, options: CompileOptions,

@@ -28,6 +28,7 @@ from memcc.passes.analysis.cost_model import (
     host_link_for,
 )
 from memcc.passes.plan import Plan, StepStructure
+from memcc.passes.planning.floor import runtime_bytes
 from memcc.passes.planning.planner import BudgetError, PlanOutcome, choose_plan
 from memcc.passes.planning.request import Budget, DecisionKinds, PlanRequest
 from memcc.passes.planning.simulate import Simulation, SimulationRules, simulate
@@ -35,10 +36,12 @@ from memcc.passes.providers.provider_step import for_provider
 from memcc.tune.options import Say, SearchRange, TuneOptions
 
 
-def floor_bytes(step: Graph) -> int:
-    """The bytes no plan can remove: the step's inputs, parameters and optimizer state."""
+def floor_bytes(step: Graph, provider: str) -> int:
+    """The bytes no plan can remove: the step's inputs, parameters and optimizer state, and
+    on CUDA what the session holds for itself (``floor.runtime_bytes``)."""
     persistent = set(step.inputs) | set(step.initializers)
-    return int(sum(step.info[v].nbytes for v in persistent if v in step.info))
+    return int(sum(step.info[v].nbytes for v in persistent if v in step.info)) \
+        + runtime_bytes(provider)
 
 
 # ---------------------------------------------------------------------------- one size
@@ -138,7 +141,7 @@ class SizeSearch:
         st = StepStructure.of(graph)
         # On CUDA, judged by the arena replay, as compile judges it.
         base = simulate(graph, Plan(), costs, st, SimulationRules(self.opts.provider))
-        p = SizeProbe(b, graph, costs, st, base, floor_bytes(graph), lr)
+        p = SizeProbe(b, graph, costs, st, base, floor_bytes(graph, self.opts.provider), lr)
         self.probes[b] = p
         self.stats["builds"] += 1
         return p

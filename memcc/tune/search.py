@@ -71,7 +71,7 @@ def tune(model: str | os.PathLike | onnx.ModelProto, budget: str | int, dim: str
     search.slack = search.compile.slack_for(search.step(first))
     plan_budget = plan_budget_under(budget_bytes, search.compile, search.slack)
     search.budget = plan_budget
-    floor = floor_bytes(search.step(first))
+    floor = floor_bytes(search.step(first), opts.provider)
     if floor > plan_budget:  # the step as built peaks at least there: nothing fits
         raise _under_the_floor(search, first, budget_bytes, floor)
     if not search.fits(first, expect=True)[0]:
@@ -180,7 +180,9 @@ def _under_the_floor(search: SizeSearch, b: int, budget: int, floor: int) -> Inp
     need = user_budget(floor, search.compile, search.slack)
     return InputError(
         f"{label}: nothing fits {format_size(budget)} ({budget:,} bytes): at {dim}={b} "
-        f"the inputs, parameters and optimizer state alone take "
+        f"the inputs, parameters and optimizer state"
+        + (" with the CUDA session's own handles and workspaces" if search.opts.provider
+           == "cuda" else "") + " alone take "
         f"{format_size(floor)} ({floor:,} bytes; planning budget "
         f"{format_size(search.budget)} after the {search.opts.margin:.0%} + "
         f"{search.slack:,} bytes margin), and recomputation cannot shrink them (nor the "

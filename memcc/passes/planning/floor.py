@@ -19,6 +19,13 @@ Nodes that a planner decision may split are left out of the second term: the att
 and MLPs that row chunks can split (``frontend/row_chunks.py``) and everything from the
 vocabulary projection on (the chunked loss), so that the bound stays below what such a
 plan reaches. A decision that rewrites other forward nodes must leave them out here too.
+
+On CUDA a third term: what the CUDA session holds for itself whatever the plan (cuBLAS and
+cuDNN handles and workspaces, the captured graph's memory:
+``passes.analysis.device_memory.CUDA_SESSION_BYTES``), which every predicted device peak
+counts. Without it a small model's impossible budget on CUDA searched for tens of seconds
+(torchvision's ResNet-18 at 8 x 64 px: 211 MB refused after 43 s, where the session alone
+is 201 MB).
 """
 
 from __future__ import annotations
@@ -38,10 +45,22 @@ class Floor:
     node: str | None        # the forward node with the largest working set (None: none)
     op_type: str | None
     node_bytes: int         # its inputs and outputs, less the persistent ones
+    runtime_bytes: int = 0  # what the runtime holds for itself (``runtime_bytes``)
 
     @property
     def total_bytes(self) -> int:
-        return self.persistent_bytes + self.node_bytes
+        return self.persistent_bytes + self.node_bytes + self.runtime_bytes
+
+
+def runtime_bytes(device: str) -> int:
+    """What the runtime holds on ``device`` whatever the plan, counted in every predicted
+    peak there: the CUDA session's own (``CUDA_SESSION_BYTES``); none on the CPU, whose
+    predictions count the step's buffers only."""
+    if device != "cuda":
+        return 0
+    from memcc.passes.analysis.device_memory import CUDA_SESSION_BYTES
+
+    return CUDA_SESSION_BYTES
 
 
 def step_floor(graph: Graph, st: StepStructure | None = None) -> Floor:
