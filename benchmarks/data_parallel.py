@@ -15,6 +15,10 @@
     # GPT-2 124M (real size: width 768, depth 12, vocab 50257, 1024 positions), 128 tokens,
     # batch 1 per rank: the per-rank memory target of issue 33
     PYTHONPATH=.:tests python -m benchmarks.data_parallel --size 124m --mode zero1 --steps 4
+    # throughput: 1 rank at batch B on one core against 2 ranks at batch B, one core each
+    # (issue 33's "2 ranks at least 1.6x one rank where the cores allow"), and one process
+    # at the global batch 2B on both cores; interleaved rounds, ratios with 95% intervals
+    PYTHONPATH=.:tests python -m benchmarks.data_parallel --mode scaling --steps 20 --rounds 5
     # the code path on GPUs: 2 ranks with --provider cuda (ZeRO-0, ZeRO-1, ZeRO-1 by
     # buckets) against one process at the global batch; losses and parameter digests
     PYTHONPATH=.:tests python -m benchmarks.data_parallel --mode check --provider cuda --steps 3
@@ -97,6 +101,63 @@ def _one_process(path: Path, data: Path, steps: int, bucket_bytes: int) -> dict:
             "memory_method": memory["buckets"].method}
 
 
+def _scaling(d: Path, b: int, a: argparse.Namespace) -> dict:
+    """Samples/s of one rank (``memcc train``'s one process, batch ``b``, one ORT thread)
+    against 2 gloo ranks (ZeRO-1, batch ``b`` each, one thread each: one core per rank, as
+    one GPU per rank; as ``memcc train --nproc 2`` runs them, and with ``--measure-memory``)
+    and against one process at the global batch with every core; each
+    side ``a.steps`` steps (the first included: the figure ``memcc train`` prints), the
+    four in rotated order for ``a.rounds`` rounds; ratios per round with a bootstrap
+    interval (``benchmarks/stats.py``)."""
+    import os
+
+    from benchmarks.stats import ratio_interval
+    from memcc.dist.launch import train_distributed
+    from memcc.trainer.loop import TrainOptions, train
+
+    data = d / "data.npz"
+    cores = os.cpu_count() or 1
+
+    def one() -> float:
+        return train(TrainOptions(step=d / f"gpt2_b{b}.onnx", data=data, steps=a.steps,
+                                  provider=a.provider, threads=1)).samples_per_s
+
+    def two(measure_memory: bool = False) -> float:
+        r, _ = train_distributed(TrainOptions(step=d / f"gpt2_b{b}.onnx", data=data,
+                                              steps=a.steps, provider=a.provider, threads=1),
+                                 2, zero=1, quiet=True, bucket_mb=a.bucket_mb,
+                                 measure_memory=measure_memory)
+        return r.samples_per_s
+
+    def whole() -> float:
+        return train(TrainOptions(step=d / f"gpt2_b{2 * b}.onnx", data=data, steps=a.steps,
+                                  provider=a.provider, threads=cores)).samples_per_s
+
+    sides = {"one_rank_1_thread": one, "two_ranks_1_thread_each": two,
+             f"one_process_batch_{2 * b}_{cores}_threads": whole,
+             "two_ranks_measure_memory": lambda: two(measure_memory=True)}
+    names = list(sides)
+    rate: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(a.rounds):
+        for n in names[r % len(names):] + names[:r % len(names)]:
+            rate[n].append(sides[n]())
+    # Seconds per sample, so that the ratio of times is the ratio of throughputs.
+    per = {n: [1.0 / x for x in v] for n, v in rate.items()}
+    two_name, whole_name = names[1], names[2]
+    return {"mode": f"scaling, provider {a.provider}, {cores} cores, batch {b} per rank, "
+                    f"{a.steps} steps per run, {a.rounds} rounds",
+            "samples_per_s": rate,
+            "two_ranks_over_one_rank": _cell(ratio_interval(per[two_name], per[names[0]])),
+            "two_ranks_over_one_process_all_cores": _cell(
+                ratio_interval(per[two_name], per[whole_name])),
+            "two_ranks_measure_memory_over_one_rank": _cell(
+                ratio_interval(per[names[3]], per[names[0]]))}
+
+
+def _cell(r) -> dict:
+    return {"median": round(r.ratio, 3), "ci95": [round(r.low, 3), round(r.high, 3)]}
+
+
 def _fused_peak(path: Path) -> int:
     """The predicted peak of the fused step as one process trains it (updates early)."""
     from memcc.frontend.load import load_graph
@@ -141,17 +202,20 @@ def main() -> None:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--mode", choices=["single", "zero0", "zero1", "zero2", "one-process",
-                                       "check"], required=True)
+                                       "check", "scaling"], required=True)
     ap.add_argument("--provider", default="cpu")
     ap.add_argument("--size", choices=sorted(SIZES), default="small")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--dir", type=Path, default=None)
     ap.add_argument("--bucket-mb", type=float, default=None)
+    ap.add_argument("--rounds", type=int, default=5, help="--mode scaling: rounds")
     a = ap.parse_args()
     d = a.dir or Path(f"/tmp/memcc_data_parallel_{a.size}")
     b = _files(d, a.size)
     if a.mode == "check":
         out = _check(d, b, a)
+    elif a.mode == "scaling":
+        out = _scaling(d, b, a)
     elif a.mode == "one-process":
         out = _one_process(d / f"gpt2_b{b}.onnx", d / "data.npz", a.steps,
                            int((a.bucket_mb or 25) * 1_000_000))
@@ -165,7 +229,8 @@ def main() -> None:
         r, info = train_distributed(TrainOptions(step=d / f"gpt2_b{b}.onnx",
                                                  data=d / "data.npz", steps=a.steps,
                                                  provider=a.provider),
-                                    2, zero=zero, quiet=True, bucket_mb=a.bucket_mb)
+                                    2, zero=zero, quiet=True, bucket_mb=a.bucket_mb,
+                                    measure_memory=True)
         buckets = f", buckets of {a.bucket_mb:g} MB" if a.bucket_mb else ""
         out = {"mode": f"2 ranks x batch {b}, ZeRO-{zero}{buckets}",
                "samples_per_s": r.samples_per_s,

@@ -270,6 +270,10 @@ def test_zero1_shards_adamw_state_and_resumes_a_one_process_checkpoint(files):
     per_rank = info["optimizer_state_bytes_per_rank"]
     assert info["zero"] == 1 and len(per_rank) == 2
     assert len(set(info["parameter_digest_per_rank"])) == 1  # all gathered after the update
+    # Not asked to (--measure-memory), the ranks allocate as memcc train does and no step
+    # peak is measured; their resident sizes are what is shown.
+    assert info["step_peak_bytes_per_rank"] == [None, None]
+    assert info["memory_method"].startswith("none") and all(info["rss_bytes_per_rank"])
     assert sum(per_rank) == full + 4  # the AdamW step counter (4 bytes) is on both ranks
     assert max(per_rank) <= 0.55 * full
 
@@ -294,6 +298,7 @@ def test_missing_torch_names_the_extra(files, monkeypatch):
     (["--nproc", "0"], "--nproc 0"),
     (["--nproc", "-3"], "--nproc -3"),
     (["--zero", "1"], "give --nproc N"),
+    (["--measure-memory"], "give --nproc N"),
     (["--nproc", "2", "--zero", "3"], "--zero 3"),
     (["--nproc", "2", "--provider", "cuda"], "CUDA is not available"),
     (["--nproc", "2", "--arena"], "--arena is not supported with --nproc"),

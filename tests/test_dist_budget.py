@@ -131,7 +131,7 @@ def test_the_per_rank_budget_is_planned_refused_and_kept_on_two_ranks(files):
         "peak_bytes_per_rank"] == planned
     _, info = train_distributed(TrainOptions(step=files["dir"] / "mid1.onnx",
                                              data=files["data"], steps=2, threads=1),
-                                2, zero=1, quiet=True)
+                                2, zero=1, quiet=True, measure_memory=True)
     measured = info["step_peak_bytes_per_rank"]
     assert info["planned"]["budget_bytes"] == int(middle)
     assert "MALLOC_MMAP_THRESHOLD_=4096" in info["memory_method"]
@@ -177,7 +177,8 @@ def test_ranks_by_buckets_are_planned_as_they_train(files):
     step = files["dir"] / "bby.onnx"
     assert json.loads(load_graph(step).metadata[RANKS_KEY])["bucket_bytes"] == 200_000
     _, info = train_distributed(TrainOptions(step=step, data=files["data"], steps=2,
-                                             threads=1), 2, zero=1, quiet=True, bucket_mb=0.2)
+                                             threads=1), 2, zero=1, quiet=True, bucket_mb=0.2,
+                                measure_memory=True)
     assert info["bucket_bytes"] == 200_000
     assert info["predicted_peak_bytes_per_rank"] == d["peak_bytes_per_rank_as_cut"]
     for r in (0, 1):

@@ -43,11 +43,13 @@ def check_nproc(nproc: int | None) -> None:
 
 
 def train_distributed(opts: TrainOptions, nproc: int | None, *, zero: int = 0,
-                      quiet: bool = False, bucket_mb: float | None = None
-                      ) -> tuple[TrainResult, dict] | None:
+                      quiet: bool = False, bucket_mb: float | None = None,
+                      measure_memory: bool = False) -> tuple[TrainResult, dict] | None:
     """Train data-parallel; the result and the group's figures (None on ranks but 0 under
     torchrun, which print nothing). ``bucket_mb``: gradients reduced in buckets of that
-    many MB while the backward goes on (``dist.overlap``)."""
+    many MB while the backward goes on (``dist.overlap``). ``measure_memory``: each rank's
+    step peak measured, its ranks started with the allocation rules plans count
+    (``dist/memory.py``), at a cost in speed; else they allocate as ``memcc train`` does."""
     check_nproc(nproc)
     buckets = bucket_bytes(bucket_mb, zero)
     if zero not in (0, 1, 2):
@@ -61,7 +63,7 @@ def train_distributed(opts: TrainOptions, nproc: int | None, *, zero: int = 0,
         if nproc is not None and nproc != world:
             raise InputError(f"--nproc {nproc}: torchrun started {world} ranks (WORLD_SIZE); "
                              "give the same number or leave --nproc out")
-        dopts = DistOptions(opts, world, zero, quiet or rank != 0, buckets)
+        dopts = DistOptions(opts, world, zero, quiet or rank != 0, buckets, measure_memory)
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         comm, place = _join(dopts, rank, local_rank, local)
         try:
@@ -70,7 +72,7 @@ def train_distributed(opts: TrainOptions, nproc: int | None, *, zero: int = 0,
             comm.close()
         return _raise_if_interrupted(out)
     assert nproc is not None
-    dopts = DistOptions(opts, nproc, zero, quiet, buckets)
+    dopts = DistOptions(opts, nproc, zero, quiet, buckets, measure_memory)
     run = prepare(dopts)
     checkpoint_to_resume(dopts, run)  # refuse bad input before any rank starts
     mismatch = planned_for_other_ranks(run.graph.metadata, nproc, zero, buckets)
@@ -126,7 +128,8 @@ def _spawn(opts: DistOptions) -> tuple[TrainResult, dict]:
     with tempfile.TemporaryDirectory(prefix="memcc-dist-") as tmp:
         port = free_port()
         try:
-            with _environment(MEMORY_ENV):  # the ranks' allocation rules (dist/memory.py)
+            # The ranks' allocation rules where their step peaks are measured (dist/memory.py).
+            with _environment(MEMORY_ENV if opts.measure_memory else {}):
                 context = mp.start_processes(_rank_main, args=(opts, port, tmp),
                                              nprocs=opts.world, join=False,
                                              start_method="spawn")

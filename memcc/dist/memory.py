@@ -6,12 +6,21 @@ before the step the free heap is given back (``malloc_trim``) and the high-water
 reset; after it, the growth of the high-water mark (ORT's buffers of both halves, gloo's
 scratch) plus the arrays the rank holds (``Replica.held_bytes``: parameters, the gradient
 bucket, its optimizer state, carried statistics, the batch, update outputs not written in
-place). Ranks that ``memcc train --nproc`` starts run with ``MEMORY_ENV`` (every
-allocation of 4 KiB or more its own ``mmap``, one malloc arena: ``backend.memory``), the
-allocation rules the plan's peak follows (``passes.analysis.liveness``), so freed buffers
-leave the resident size at once. Under ``torchrun`` the launcher's environment decides;
-the method then says the figure is approximate. The first step (thread pools, kernel
-caches) is shown apart; the run's peak is that of the later steps.
+place). Only where asked (``memcc train --nproc N --measure-memory``): its ranks then run
+with ``MEMORY_ENV`` (every allocation of 4 KiB or more its own ``mmap``, one malloc arena:
+``backend.memory``), the allocation rules the plan's peak follows
+(``passes.analysis.liveness``), so freed buffers leave the resident size at once. That costs
+speed: every large temporary is a fresh mapping whose pages the kernel zeroes on first
+touch, and the heap is trimmed before each step. On this project's 2-core machine two ranks
+of the zoo's GPT-2 (width 256, batch 4 each) trained at 8.2-8.7 samples/s so, against
+13.2-13.5 with glibc's defaults, while one process alone trains at 9.5-9.7 (BENCHMARKS.md,
+"Data-parallel throughput"). Without it a rank allocates as ``memcc train`` does and its
+step peak is not measured (glibc's heap keeps freed buffers: a growth of the high-water
+mark would say nothing of the step); the ranks' resident sizes are reported. A process
+started with ``MEMORY_ENV`` already (``exact_cpu_measurement``) measures as asked. Under
+``torchrun`` the launcher's environment decides; the method then says whether the figure
+is exact. The first step (thread pools, kernel caches) is shown apart; the run's peak is
+that of the later steps.
 
 Predicted: the rank's step as ``passes.analysis.rank_step`` writes it, judged by
 ``passes.analysis.arrange`` (the compile's simulator, without a plan: the step file
@@ -54,7 +63,8 @@ def predicted_rank_peak(graph: Graph, world: int, zero: int, rank: int,
 class RankMemory:
     """The step peak of one rank, measured around each step (module docstring)."""
 
-    def __init__(self, held_bytes: int, on_gpu: bool = False) -> None:
+    def __init__(self, held_bytes: int, on_gpu: bool = False, measured: bool = True
+                 ) -> None:
         self.held = held_bytes
         self.peak: int | None = None
         self.first_step: int | None = None
@@ -63,12 +73,17 @@ class RankMemory:
         # A GPU rank's step memory is on the device, where ranks may share one GPU: not
         # measured per rank (the prediction and the held bytes are still reported).
         self.on_gpu = on_gpu
-        self.ok = not on_gpu
+        self.asked = measured or exact_cpu_measurement()
+        self.ok = not on_gpu and self.asked
 
     @property
     def method(self) -> str:
         if self.on_gpu:
             return "none: a GPU rank's device memory is not measured per rank yet"
+        if not self.asked:
+            return ("none: the ranks allocate from glibc's heap, as memcc train does, for "
+                    "speed; memcc train --nproc N --measure-memory measures each rank's "
+                    "step peak (slower)")
         how = CPU_METHOD if exact_cpu_measurement() else \
             "cpu-vmhwm-approximate: glibc's default thresholds (not started by memcc)"
         return (f"growth of VmHWM over the step (heap trimmed before it) plus the arrays the "

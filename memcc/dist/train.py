@@ -58,6 +58,8 @@ class DistOptions:
     quiet: bool = False
     # Gradient buckets reduced during the backward (``--bucket-mb``); None: one, after it.
     bucket_bytes: int | None = None
+    # Each rank's step peak measured (``--measure-memory``: ranks under ``MEMORY_ENV``).
+    measure_memory: bool = False
 
 
 def global_signature(graph: Graph, spec: TrainingStep, global_batch: int) -> dict:
@@ -179,7 +181,8 @@ def run_rank(opts: DistOptions, rank: int, comm, place: Placement
     state_bytes = comm.gather_object(replica.optimizer_state_bytes())
     loop = _Loop(opts, run, replica, comm, rank, result, position,
                  steps_done if resumed_from else None,
-                 RankMemory(replica.held_bytes(), on_gpu=place.on_gpu))
+                 RankMemory(replica.held_bytes(), on_gpu=place.on_gpu,
+                            measured=opts.measure_memory))
     with stop_requests() as stop:
         loop.train(stop)
     # Each process's resident size after training (libraries and all) and its peak
