@@ -106,52 +106,56 @@ def _scaling(d: Path, b: int, a: argparse.Namespace) -> dict:
     against 2 gloo ranks (ZeRO-1, batch ``b`` each, one thread each: one core per rank, as
     one GPU per rank; as ``memcc train --nproc 2`` runs them, and with ``--measure-memory``)
     and against one process at the global batch with every core; each
-    side ``a.steps`` steps (the first included: the figure ``memcc train`` prints), the
+    side ``a.steps`` steps, its rate over every step (what ``memcc train`` prints) and over
+    the steps after the first (``steady_samples_per_s``), the
     four in rotated order for ``a.rounds`` rounds; ratios per round with a bootstrap
     interval (``benchmarks/stats.py``)."""
     import os
 
     from benchmarks.stats import ratio_interval
     from memcc.dist.launch import train_distributed
-    from memcc.trainer.loop import TrainOptions, train
+    from memcc.trainer.loop import TrainOptions, TrainResult, train
 
     data = d / "data.npz"
     cores = os.cpu_count() or 1
 
-    def one() -> float:
+    def one() -> TrainResult:
         return train(TrainOptions(step=d / f"gpt2_b{b}.onnx", data=data, steps=a.steps,
-                                  provider=a.provider, threads=1)).samples_per_s
+                                  provider=a.provider, threads=1))
 
-    def two(measure_memory: bool = False) -> float:
+    def two(measure_memory: bool = False) -> TrainResult:
         r, _ = train_distributed(TrainOptions(step=d / f"gpt2_b{b}.onnx", data=data,
                                               steps=a.steps, provider=a.provider, threads=1),
                                  2, zero=1, quiet=True, bucket_mb=a.bucket_mb,
                                  measure_memory=measure_memory)
-        return r.samples_per_s
+        return r
 
-    def whole() -> float:
+    def whole() -> TrainResult:
         return train(TrainOptions(step=d / f"gpt2_b{2 * b}.onnx", data=data, steps=a.steps,
-                                  provider=a.provider, threads=cores)).samples_per_s
+                                  provider=a.provider, threads=cores))
 
     sides = {"one_rank_1_thread": one, "two_ranks_1_thread_each": two,
              f"one_process_batch_{2 * b}_{cores}_threads": whole,
              "two_ranks_measure_memory": lambda: two(measure_memory=True)}
     names = list(sides)
-    rate: dict[str, list[float]] = {n: [] for n in names}
+    runs: dict[str, list[TrainResult]] = {n: [] for n in names}
     for r in range(a.rounds):
         for n in names[r % len(names):] + names[:r % len(names)]:
-            rate[n].append(sides[n]())
-    # Seconds per sample, so that the ratio of times is the ratio of throughputs.
-    per = {n: [1.0 / x for x in v] for n, v in rate.items()}
-    two_name, whole_name = names[1], names[2]
-    return {"mode": f"scaling, provider {a.provider}, {cores} cores, batch {b} per rank, "
-                    f"{a.steps} steps per run, {a.rounds} rounds",
-            "samples_per_s": rate,
-            "two_ranks_over_one_rank": _cell(ratio_interval(per[two_name], per[names[0]])),
+            runs[n].append(sides[n]())
+    out = {"mode": f"scaling, provider {a.provider}, {cores} cores, batch {b} per rank, "
+                   f"{a.steps} steps per run, {a.rounds} rounds"}
+    for rate in ("samples_per_s", "steady_samples_per_s"):
+        got = {n: [getattr(x, rate) for x in v] for n, v in runs.items()}
+        # Seconds per sample, so that the ratio of times is the ratio of throughputs.
+        per = {n: [1.0 / x for x in v] for n, v in got.items()}
+        out[rate] = {
+            "per_run": got,
+            "two_ranks_over_one_rank": _cell(ratio_interval(per[names[1]], per[names[0]])),
             "two_ranks_over_one_process_all_cores": _cell(
-                ratio_interval(per[two_name], per[whole_name])),
+                ratio_interval(per[names[1]], per[names[2]])),
             "two_ranks_measure_memory_over_one_rank": _cell(
                 ratio_interval(per[names[3]], per[names[0]]))}
+    return out
 
 
 def _cell(r) -> dict:

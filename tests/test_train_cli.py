@@ -188,6 +188,7 @@ def test_pytorch_round_trip_train_50_steps_export_and_load_state_dict(tmp_path):
     assert r.exit_code == 0, r.output
     result = json.loads(r.output)
     assert result["steps"] == 50 and result["losses"][-1] < result["losses"][0]
+    assert result["samples_per_s"] > 0 and result["steady_samples_per_s"] > 0
     for fmt, name in (("safetensors", "w.safetensors"), ("onnx", "trained.onnx")):
         r = invoke("export", step, "--checkpoint", tmp_path / "ck", "-o", tmp_path / name,
                    "--format", fmt)

@@ -148,7 +148,8 @@ def _spawn(opts: DistOptions) -> tuple[TrainResult, dict]:
         data = json.loads((Path(tmp) / "result.json").read_text())
     info = data.pop("distributed")
     fields = {k: data[k] for k in ("start_step", "total_steps", "losses", "checkpoint",
-                                   "resumed_from", "samples_per_s", "batch_size",
+                                   "resumed_from", "samples_per_s", "steady_samples_per_s",
+                                   "batch_size",
                                    "batches_per_epoch", "interrupted")}
     return TrainResult(steps_done=data["steps"], **fields), info
 

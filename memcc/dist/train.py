@@ -43,6 +43,7 @@ from memcc.graph import Graph
 from memcc.step import RANKS_KEY, TrainingStep
 from memcc.trainer.checkpoints import check_run_data_state, run_data_state
 from memcc.trainer.loop import StopRequest, TrainOptions, TrainResult, stop_requests
+from memcc.trainer.throughput import Throughput
 
 if TYPE_CHECKING:
     from memcc.dist.replica import Replica
@@ -263,8 +264,8 @@ class _Loop:
     def train(self, stop: StopRequest) -> None:
         t, run, result = self.opts.train, self.run, self.result
         b = run.rank_batch
-        t0, done_here, stopped = time.perf_counter(), 0, False
-        shown = t0 - 1.0  # progress on stderr: at most once a second, and the last step
+        rates, stopped = Throughput(run.dataset.batch_size), False
+        shown = rates.started - 1.0  # progress on stderr: at most once a second, and the last
         while result.steps_done < run.total_steps and not stopped:
             idx = run.dataset.indices(self.position, t.seed)[self.rank * b:(self.rank + 1) * b]
             for n, a in run.dataset.arrays.items():  # into the rank's batch buffers
@@ -273,11 +274,10 @@ class _Loop:
             self.memory.start()
             loss, stopped = self.replica.step(None, stop=bool(stop))
             self.memory.stop()
-            self.position, done_here = self.position + 1, done_here + 1
+            self.position += 1
             result.steps_done += 1
             result.losses.append(loss)
-            result.samples_per_s = (done_here * run.dataset.batch_size
-                                    / (time.perf_counter() - t0))
+            result.samples_per_s, result.steady_samples_per_s = rates.step_done()
             if self.rank == 0 and not self.opts.quiet and (
                     time.perf_counter() - shown >= 1.0 or result.steps_done == run.total_steps):
                 shown = time.perf_counter()

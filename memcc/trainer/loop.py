@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import signal
 import threading
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ from memcc.graph import Graph
 from memcc.step import TrainingStep
 from memcc.trainer.checkpoints import check_run_data_state, run_data_state
 from memcc.trainer.memory import StepMemory, allocator_notes, allocator_of, process_memory_bytes
+from memcc.trainer.throughput import Throughput
 from memcc.trainer.trainer import Trainer
 
 
@@ -84,6 +84,8 @@ class TrainResult:
     checkpoint: str | None = None
     resumed_from: str | None = None
     samples_per_s: float | None = None
+    # Over the steps after the first (``trainer.throughput``); None with one step.
+    steady_samples_per_s: float | None = None
     batch_size: int = 0
     batches_per_epoch: int = 0
     allocator: str = "malloc"    # CPU: "arena" or "malloc"; "cuda-arena" on CUDA
@@ -104,7 +106,8 @@ class TrainResult:
             "total_steps": self.total_steps, "losses": self.losses,
             "final_loss": self.losses[-1] if self.losses else None,
             "checkpoint": self.checkpoint, "resumed_from": self.resumed_from,
-            "samples_per_s": self.samples_per_s, "batch_size": self.batch_size,
+            "samples_per_s": self.samples_per_s,
+            "steady_samples_per_s": self.steady_samples_per_s, "batch_size": self.batch_size,
             "batches_per_epoch": self.batches_per_epoch, "allocator": self.allocator,
             "notes": self.notes, "interrupted": self.interrupted, "memory": self.memory,
             "cuda_graph": self.cuda_graph, "deterministic": self.deterministic,
@@ -153,10 +156,10 @@ def train(opts: TrainOptions, *, on_start: Callable[[TrainResult], None] | None 
     run = _Run(opts, trainer, plan, data_fp, result, meter,
                position=int(trainer.data_state.get("batches_consumed", trainer.steps_done)),
                last_saved=trainer.steps_done if loaded is not None else None)
-    t0 = time.perf_counter()
+    rates = Throughput(plan.dataset.batch_size)
     with stop_requests() as stop:
         while trainer.steps_done < plan.total_steps and not stop:
-            progress = run.step(t0)
+            progress = run.step(rates)
             if on_step is not None:
                 on_step(progress)
         run.finish()  # still under ``stop_requests``: a signal now does not cut the write
@@ -227,7 +230,7 @@ class _Run:
     last_saved: int | None
     done_here: int = 0
 
-    def step(self, t0: float) -> TrainProgress:
+    def step(self, rates: Throughput) -> TrainProgress:
         """Train on the next batch, checkpoint every ``save_every`` steps."""
         opts, trainer, result = self.opts, self.trainer, self.result
         batch = self.plan.dataset.batch(self.position, opts.seed)
@@ -239,8 +242,7 @@ class _Run:
         self.done_here += 1
         result.losses.append(loss)
         result.steps_done = trainer.steps_done
-        elapsed = time.perf_counter() - t0
-        rate = self.done_here * self.plan.dataset.batch_size / elapsed if elapsed > 0 else 0.0
+        rate, result.steady_samples_per_s = rates.step_done()
         result.samples_per_s = rate
         if opts.checkpoint is not None and opts.save_every and \
                 trainer.steps_done % opts.save_every == 0:
