@@ -133,6 +133,27 @@ PlanBucketOpt = Annotated[Optional[float], typer.Option(  # noqa: UP045
     help="With --nproc (ZeRO 0 or 1): plan ranks that reduce their gradients in buckets of "
          "B MB during the backward and free them after their updates, as memcc train "
          "--nproc N --bucket-mb B runs them (no gradient held all step).")]
+# memcc train --nproc N: the data-parallel run.
+TrainNprocOpt = Annotated[Optional[int], typer.Option(  # noqa: UP045
+    help="Data-parallel: start N local ranks (torch.distributed, gloo; needs memcc[dist]). "
+         "Each rank trains on the step's batch, so a step takes N x batch samples; "
+         "under torchrun the ranks are torchrun's.")]
+TrainZeroOpt = Annotated[int, typer.Option(
+    help="With --nproc: 0 = every rank keeps all optimizer state; 1 = each keeps its "
+         "parameters' (ZeRO-1); 2 = and gradients are reduced to the rank that owns "
+         "them, which alone keeps them (ZeRO-2).")]
+TrainBucketOpt = Annotated[Optional[float], typer.Option(  # noqa: UP045
+    help="With --nproc (ZeRO 0 or 1): reduce the gradients in buckets of this many MB "
+         "while the backward goes on, each bucket's parameters updated and its "
+         "gradients freed once it is reduced (DDP's default is 25). Default: one "
+         "reduction after the backward, every gradient held until then.")]
+MeasureMemoryOpt = Annotated[bool, typer.Option(
+    "--measure-memory",
+    help="With --nproc on the CPU: measure each rank's step peak, the ranks started "
+         "with the allocation rules plans count (every buffer of 4 KiB or more its own "
+         "mapping). Slower: 2 ranks of a small GPT-2 on 2 cores trained at 0.55x the speed. "
+         "Default: the ranks allocate as memcc train does, and their resident sizes "
+         "are shown.")]
 StrategyOpt = Annotated[Literal["auto", "ilp", "sqrtn", "none"], typer.Option(
     help="auto (ILP, heuristics, exact polish; best fitting plan), ilp, sqrtn or none.")]
 

@@ -14,7 +14,17 @@ import typer
 
 from memcc.api import MemccError
 from memcc.cli.app import err, fail, mb, out, warn
-from memcc.cli.options import CudaGraphOpt, DeterministicOpt, JsonOpt, RunProviderOpt, StepArg
+from memcc.cli.options import (
+    CudaGraphOpt,
+    DeterministicOpt,
+    JsonOpt,
+    MeasureMemoryOpt,
+    RunProviderOpt,
+    StepArg,
+    TrainBucketOpt,
+    TrainNprocOpt,
+    TrainZeroOpt,
+)
 
 if TYPE_CHECKING:
     from memcc.api import TrainingInterrupted, TrainOptions, TrainResult
@@ -106,26 +116,10 @@ def train(
     ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object at the end.")
                        ] = False,
-    nproc: Annotated[Optional[int], typer.Option(  # noqa: UP045
-        help="Data-parallel: start N local ranks (torch.distributed, gloo; needs memcc[dist]). "
-             "Each rank trains on the step's batch, so a step takes N x batch samples; "
-             "under torchrun the ranks are torchrun's.")] = None,
-    zero: Annotated[int, typer.Option(
-        help="With --nproc: 0 = every rank keeps all optimizer state; 1 = each keeps its "
-             "parameters' (ZeRO-1); 2 = and gradients are reduced to the rank that owns "
-             "them, which alone keeps them (ZeRO-2).")] = 0,
-    bucket_mb: Annotated[Optional[float], typer.Option(  # noqa: UP045
-        help="With --nproc (ZeRO 0 or 1): reduce the gradients in buckets of this many MB "
-             "while the backward goes on, each bucket's parameters updated and its "
-             "gradients freed once it is reduced (DDP's default is 25). Default: one "
-             "reduction after the backward, every gradient held until then.")] = None,
-    measure_memory: Annotated[bool, typer.Option(
-        "--measure-memory",
-        help="With --nproc on the CPU: measure each rank's step peak, the ranks started "
-             "with the allocation rules plans count (every buffer of 4 KiB or more its own "
-             "mapping). Slower: 2 ranks of a small GPT-2 trained a third slower so. "
-             "Default: the ranks allocate as memcc train does, and their resident sizes "
-             "are shown.")] = False,
+    nproc: TrainNprocOpt = None,
+    zero: TrainZeroOpt = 0,
+    bucket_mb: TrainBucketOpt = None,
+    measure_memory: MeasureMemoryOpt = False,
 ) -> None:
     """Train a step on real data, with checkpoints a crash cannot damage."""
     from memcc.api import (
