@@ -34,6 +34,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from memcc.compiler.advice import without_chunks_hint
+from memcc.compiler.chunk_budget import search_budget
 from memcc.compiler.chunk_clock import SharedLimit
 from memcc.compiler.chunk_fit import FREE, FitSearch, decision, search_fitting
 from memcc.compiler.loading import LOSS, loss_sites
@@ -67,9 +68,6 @@ LADDER: tuple[dict[str, int], ...] = (
     {LOSS: 8, ATTENTION: 4, MLP: 4, BATCH: 4},
     {LOSS: 8, ATTENTION: 8, MLP: 8, BATCH: 8},
 )
-# A plan within this share of the unchunked step's time ends the search of a budget the
-# step as built does not reach (no split can beat it by more).
-SEARCH_ABOVE = 0.03
 # --budget min: budgets within this share of each other tie (the faster plan wins).
 MIN_TIE = 0.01
 
@@ -245,7 +243,7 @@ def choose_row_chunks(search: RowChunkSearch, graph: Graph, costs: CostModel,
     clock = SharedLimit.of(options.time_limit, budget.is_min,
                            min(later, 1) if budget.is_min else later)
     # The step as loaded: its load and cost passes are already in ``passes``. Where settings
-    # may follow at a budget, a refusal is screened (no smallest-peak search: ``_final``
+    # may follow at a budget, a refusal is screened (no smallest-peak search: ``chunk_budget``
     # searches it where nothing fits).
     screens = bool(later) and not budget.is_min
     first = _attempt(search, replace(options, smallest_on_refusal=not screens),
@@ -283,7 +281,7 @@ def choose_row_chunks(search: RowChunkSearch, graph: Graph, costs: CostModel,
         search.say(f"row chunks: planning the step built with {describe(chunks)}"
                    + (f" ({phase})" if phase else ""))
         build = replace(options.build, **{FIELDS[k]: n for k, n in chunks.items()})
-        # A screen refuses without the smallest-peak search (``_final`` does it).
+        # A screen refuses without the smallest-peak search (``chunk_budget`` does it).
         opts = replace(options, build=build, smallest_on_refusal=phase != "screen")
         mark = len(passes)
         load = (lambda: search.rebuild(opts)) if built is None else _reuse(built, passes)
@@ -308,7 +306,7 @@ def choose_row_chunks(search: RowChunkSearch, graph: Graph, costs: CostModel,
     if budget.is_min:
         chosen = _search_min(first, ladder, lambda c: attempt(c, clock.next(1)), user_budget)
     else:
-        chosen = _search_budget(first, ladder, attempt, base_time, clock)
+        chosen = search_budget(first, ladder, attempt, base_time, clock)
     return done(chosen)
 
 
@@ -366,56 +364,6 @@ def _search_fitting(found: dict[str, int], first: Attempt, options: CompileOptio
     report["why"] = decision(first_added, report["chosen"], fs.screen)
 
 
-def _search_budget(first: Attempt, ladder: list[dict[str, int]], attempt,
-                   base_time: float, clock: SharedLimit) -> Attempt:
-    """Two phases within what the step as built left of the limit: each setting screened
-    (planned with ``SCREEN_SHARE`` of it as its work), then the winner planned again with
-    the rest (``_final``). The screens: lightest split first, then heavier ones while they
-    are faster; the fastest that fits wins, and a plan within 1% of the unchunked step's
-    time ends the search (no split can beat it by more). A refused split with nothing
-    fitting yet jumps to the heaviest (the middle ones follow only if that fits): a refusal
-    costs a smallest-budget search, and where the heaviest split does not fit, a lighter
-    one is not expected to."""
-    best = first if first.fits else None
-    nearest = first
-    queue = list(ladder)
-    screened = 0
-    while queue:
-        if best is not None and base_time > 0 \
-                and best.step_time_s / base_time - 1.0 <= SEARCH_ABOVE / 3:
-            break
-        chunks = queue.pop(0)
-        a = attempt(chunks, clock.screen(screened), "screen")
-        screened += 1
-        if a.fits:
-            if best is not None and a.step_time_s >= best.step_time_s:
-                break                  # heavier and no faster: nothing left to spare
-            best = a
-            continue
-        if best is not None or chunks == ladder[-1]:
-            if best is None and _smallest(a) < _smallest(nearest):
-                nearest = a
-            break
-        if _smallest(a) < _smallest(nearest):
-            nearest = a
-        queue = queue[-1:] + queue[:-1]
-    return _final(best if best is not None else nearest, attempt, clock.final(screened))
-
-
-def _final(pick: Attempt, attempt, limit: tuple[float, float]) -> Attempt:
-    """The screens' winner (or, none fitting, the nearest: maybe the step as built, whose
-    refusal did not search the smallest peak either) planned again on its step with
-    ``limit``; the better of the two plans is kept (the final one unless it is
-    slower, or refused where the screen fit; where both refuse, the final one, whose
-    smallest budget was searched)."""
-    if pick.graph is None:
-        return pick        # a failed build
-    final = attempt(pick.chunks, limit, "final", built=pick)
-    if not final.fits:     # its smallest budget is searched, the screen's is not
-        return pick if pick.fits else final
-    return final if not pick.fits or final.step_time_s <= pick.step_time_s else pick
-
-
 def _reuse(built: Attempt, passes: list) -> Callable[[], tuple[Graph, CostModel]]:
     """Load ``built``'s step again: its build passes (not its plan's) go back into
     ``passes``, where the plan's refusal looks for the load's summary."""
@@ -423,11 +371,6 @@ def _reuse(built: Attempt, passes: list) -> Callable[[], tuple[Graph, CostModel]
         passes.extend(p for p in built.passes if p.name not in ("plan", "rewrite"))
         return built.graph, built.costs
     return load
-
-
-def _smallest(a: Attempt) -> float:
-    """The smallest budget a refused attempt names (a failed build: none)."""
-    return float(a.refusal.smallest) if a.refusal is not None else float("inf")
 
 
 def _search_min(first: Attempt, ladder: list[dict[str, int]], attempt,
@@ -487,10 +430,11 @@ def _refusal(chosen: Attempt, tried: list[Attempt], label: str) -> BudgetError:
         raise InputError(f"{label}: {chosen.error}")
     if len(tried) <= 1:
         return exc
+    last = {tuple(a.chunks.items()): a for a in tried}   # a setting's final, else its screen
     others = "; ".join(
         f"{describe(a.chunks)}: "
         + (format_size(a.refusal.smallest) if a.refusal is not None else str(a.error))
-        for a in tried if a.chunks != chosen.chunks)
+        for a in last.values() if a.chunks != chosen.chunks)
     return BudgetError(
         f"{without_chunks_hint(str(exc))} Compile also built the step with other row "
         "chunks: the smallest budget "

@@ -102,10 +102,13 @@ class SharedLimit:
         window = max(self.end - now, 0.0) * work / pool
         return work, now + max(window, MIN_PLAN_S)
 
-    def final(self, screened: int) -> tuple[float, float]:
+    def final(self, screened: int, split: int = 1, left: int = 1) -> tuple[float, float]:
         """The winner's plan after ``screened`` settings were screened: the work the
         screens left of the rest of the limit (at least a screen's), the deadline the end
-        of the limit (at least ``MIN_PLAN_S`` from now)."""
+        of the limit (at least ``MIN_PLAN_S`` from now). ``split`` plans sharing that
+        (``chunk_choice._search_both``): each gets a ``split``-th of the work, and the
+        ``left``-th part of the time left (the last one: the end of the limit)."""
         work = max(self._rest() - screened * SCREEN_SHARE * self.limit,
-                   SCREEN_SHARE * self.limit)
-        return work, max(self.end, time.perf_counter() + MIN_PLAN_S)
+                   SCREEN_SHARE * self.limit) / split
+        now = time.perf_counter()
+        return work, max(now + max(self.end - now, 0.0) / left, now + MIN_PLAN_S)
