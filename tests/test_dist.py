@@ -253,7 +253,7 @@ def test_two_ranks_train_as_one_process_on_the_global_batch_and_resume_on_one(fi
     assert res.exit_code == 2 and "global batch" in res.output
 
 
-def test_zero1_shards_adamw_state_and_resumes_a_one_process_checkpoint(files):
+def test_zero1_shards_adamw_state_and_resumes_a_one_process_checkpoint(files, monkeypatch):
     """1 process -> 2 ranks with ZeRO-1: the same parameters as the uninterrupted run, and
     each rank holds about half of the optimizer state."""
     d = files["dir"]
@@ -274,6 +274,13 @@ def test_zero1_shards_adamw_state_and_resumes_a_one_process_checkpoint(files):
     # peak is measured; their resident sizes are what is shown.
     assert info["step_peak_bytes_per_rank"] == [None, None]
     assert info["memory_method"].startswith("none") and all(info["rss_bytes_per_rank"])
+    # And memcc train shows the prediction and the resident sizes instead (this run's
+    # figures, handed to the command line's report).
+    monkeypatch.setattr("memcc.dist.launch.train_distributed", lambda *a, **k: (result, info))
+    res = runner.invoke(app, ["train", str(files["adamw4"]), "--data", str(files["data"]),
+                              "--nproc", "2", "--zero", "1"])
+    assert res.exit_code == 0, res.output
+    assert "predicted; the processes hold" in res.output and "--measure-memory" in res.output
     assert sum(per_rank) == full + 4  # the AdamW step counter (4 bytes) is on both ranks
     assert max(per_rank) <= 0.55 * full
 

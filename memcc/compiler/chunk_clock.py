@@ -106,7 +106,7 @@ class SharedLimit:
         """The winner's plan after ``screened`` settings were screened: the work the
         screens left of the rest of the limit (at least a screen's), the deadline the end
         of the limit (at least ``MIN_PLAN_S`` from now). ``split`` plans sharing that
-        (``chunk_choice._search_both``): each gets a ``split``-th of the work, and the
+        (``chunk_budget._search_both``): each gets a ``split``-th of the work, and the
         ``left``-th part of the time left (the last one: the end of the limit)."""
         work = max(self._rest() - screened * SCREEN_SHARE * self.limit,
                    SCREEN_SHARE * self.limit) / split

@@ -13,7 +13,7 @@ from dataclasses import replace
 from memcc.compiler.options import CompileOptions, plan_budget_under, user_budget
 from memcc.graph import Graph
 from memcc.passes.plan import StepStructure
-from memcc.passes.planning.floor import runtime_bytes, step_floor
+from memcc.passes.planning.floor import SESSION_HELD, runtime_bytes, step_floor
 from memcc.passes.planning.refusal import BudgetError
 from memcc.sizes import format_size
 
@@ -45,9 +45,8 @@ def check_floor(graph: Graph, budget: int, options: CompileOptions, label: str,
     node = (f" + {format_size(floor.node_bytes)} that node {floor.node} ({floor.op_type}) "
             "reads and writes at once, the largest working set of any forward node (every "
             "plan runs it)" if floor.node is not None else "")
-    runtime = (f" + {format_size(floor.runtime_bytes)} the CUDA session holds for itself "
-               "(cuBLAS and cuDNN handles and workspaces, the captured graph), whatever the "
-               "plan" if floor.runtime_bytes else "")
+    runtime = (f" + {format_size(floor.runtime_bytes)} {SESSION_HELD}, whatever the plan"
+               if floor.runtime_bytes else "")
     raise BudgetError(
         f"{label}: --budget {asked or options.budget} ({budget:,} bytes) cannot hold this "
         f"step: no plan peaks under {format_size(floor.total_bytes)} "

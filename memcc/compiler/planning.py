@@ -28,7 +28,7 @@ from memcc.pass_contract import PassReport
 from memcc.passes.analysis.cost_model import CostModel
 from memcc.passes.lowering.offload_state import offload_state, optimizer_state
 from memcc.passes.plan import StepStructure
-from memcc.passes.planning.floor import runtime_bytes
+from memcc.passes.planning.floor import SESSION_HELD, runtime_bytes
 from memcc.passes.planning.planner import BudgetError, PlanOutcome, choose_plan
 from memcc.passes.planning.request import Budget, PlanRequest
 from memcc.passes.planning.simulate import Simulation, simulate
@@ -87,9 +87,8 @@ def _runtime_part(options: CompileOptions) -> str:
     """What of a smallest budget no plan can change on this provider, said where there is
     some (a small model's budget on CUDA is mostly the session's own)."""
     held = runtime_bytes(options.provider)
-    return (f"Of it, {format_size(held)} is what the CUDA session holds for itself whatever "
-            "the plan (cuBLAS and cuDNN handles and workspaces, the captured graph). "
-            if held else "")
+    return f"Of it, {format_size(held)} is what {SESSION_HELD}, whatever the plan. " \
+        if held else ""
 
 
 def plan_in_budget(graph: Graph, budget: Budget, costs: CostModel, options: CompileOptions,

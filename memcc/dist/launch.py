@@ -240,9 +240,9 @@ def _join(opts: DistOptions, rank: int, local_rank: int, local_world: int):
         import torch
 
         # torch's own work in the rank (the averaging's division, copies) on the rank's
-        # share of the cores: at torch's default (every core) its OpenMP threads took
-        # cores the other ranks computed on (2 ranks of the zoo's GPT-2 on 2 cores:
-        # 13.5 -> 14.3-15.0 samples/s).
+        # share of the cores: at torch's default (every core) its OpenMP threads may take
+        # cores the other ranks compute on. (On 2 cores the gain was within the scaling
+        # benchmark's noise: docs/DATA_PARALLEL.md, "Throughput".)
         torch.set_num_threads(place.threads)
     return Comm(rank, opts.world, backend_for(place.kind, sharing), place.gpu), place
 

@@ -12,9 +12,10 @@ with ``MEMORY_ENV`` (every allocation of 4 KiB or more its own ``mmap``, one mal
 (``passes.analysis.liveness``), so freed buffers leave the resident size at once. That costs
 speed: every large temporary is a fresh mapping whose pages the kernel zeroes on first
 touch, and the heap is trimmed before each step. On this project's 2-core machine two ranks
-of the zoo's GPT-2 (width 256, batch 4 each) trained at 8.2-8.7 samples/s so, against
-13.2-13.5 with glibc's defaults, while one process alone trains at 9.5-9.7 (BENCHMARKS.md,
-"Data-parallel throughput"). Without it a rank allocates as ``memcc train`` does and its
+of the zoo's GPT-2 (width 256, batch 4 each) trained at 8.06 samples/s so (median of 5
+runs), against 14.78 without it, while one process alone on one core trains at 10.09
+(``benchmarks/data_parallel.py --mode scaling``; docs/DATA_PARALLEL.md, "Throughput").
+Without it a rank allocates as ``memcc train`` does and its
 step peak is not measured (glibc's heap keeps freed buffers: a growth of the high-water
 mark would say nothing of the step); the ranks' resident sizes are reported. A process
 started with ``MEMORY_ENV`` already (``exact_cpu_measurement``) measures as asked. Under

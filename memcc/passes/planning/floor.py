@@ -24,8 +24,8 @@ On CUDA a third term: what the CUDA session holds for itself whatever the plan (
 cuDNN handles and workspaces, the captured graph's memory:
 ``passes.analysis.device_memory.CUDA_SESSION_BYTES``), which every predicted device peak
 counts. Without it a small model's impossible budget on CUDA searched for tens of seconds
-(torchvision's ResNet-18 at 8 x 64 px: 211 MB refused after 43 s, where the session alone
-is 201 MB).
+(torchvision's ResNet-18 at batch 4, 64 px: 211 MB refused after 43 s, where the session
+alone is 201 MB).
 """
 
 from __future__ import annotations
@@ -50,6 +50,11 @@ class Floor:
     @property
     def total_bytes(self) -> int:
         return self.persistent_bytes + self.node_bytes + self.runtime_bytes
+
+
+# What ``runtime_bytes`` counts on CUDA, as refusals name it.
+SESSION_HELD = ("the CUDA session holds for itself (cuBLAS and cuDNN handles and "
+                "workspaces, the captured graph)")
 
 
 def runtime_bytes(device: str) -> int:
