@@ -17,7 +17,8 @@
     PYTHONPATH=.:tests python -m benchmarks.data_parallel --size 124m --mode zero1 --steps 4
     # throughput: 1 rank at batch B on one core against 2 ranks at batch B, one core each
     # (issue 33's "2 ranks at least 1.6x one rank where the cores allow"), and one process
-    # at the global batch 2B on both cores; interleaved rounds, ratios with 95% intervals
+    # at the global batch 2B on both cores, and two independent one-rank processes at once
+    # (what the cores allow); interleaved rounds, ratios with 95% intervals
     PYTHONPATH=.:tests python -m benchmarks.data_parallel --mode scaling --steps 20 --rounds 5
     # the code path on GPUs: 2 ranks with --provider cuda (ZeRO-0, ZeRO-1, ZeRO-1 by
     # buckets) against one process at the global batch; losses and parameter digests
@@ -36,8 +37,12 @@ import argparse
 import json
 import resource
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from memcc.trainer.loop import TrainResult
 
 SIZES = {"small": (dict(width=256, depth=4, heads=4, vocab_size=8192, seq_len=128), 4),
          "124m": (dict(width=768, depth=12, heads=12, vocab_size=50257, n_positions=1024,
@@ -104,17 +109,18 @@ def _one_process(path: Path, data: Path, steps: int, bucket_bytes: int) -> dict:
 def _scaling(d: Path, b: int, a: argparse.Namespace) -> dict:
     """Samples/s of one rank (``memcc train``'s one process, batch ``b``, one ORT thread)
     against 2 gloo ranks (ZeRO-1, batch ``b`` each, one thread each: one core per rank, as
-    one GPU per rank; as ``memcc train --nproc 2`` runs them, and with ``--measure-memory``)
-    and against one process at the global batch with every core; each
+    one GPU per rank; as ``memcc train --nproc 2`` runs them, and with ``--measure-memory``),
+    against one process at the global batch with every core, and against two independent
+    one-rank processes at once (the ceiling the cores allow, ``_independent``); each
     side ``a.steps`` steps, its rate over every step (what ``memcc train`` prints) and over
     the steps after the first (``steady_samples_per_s``), the
-    four in rotated order for ``a.rounds`` rounds; ratios per round with a bootstrap
+    five in rotated order for ``a.rounds`` rounds; ratios per round with a bootstrap
     interval (``benchmarks/stats.py``)."""
     import os
 
     from benchmarks.stats import ratio_interval
     from memcc.dist.launch import train_distributed
-    from memcc.trainer.loop import TrainOptions, TrainResult, train
+    from memcc.trainer.loop import TrainOptions, train
 
     data = d / "data.npz"
     cores = os.cpu_count() or 1
@@ -136,7 +142,8 @@ def _scaling(d: Path, b: int, a: argparse.Namespace) -> dict:
 
     sides = {"one_rank_1_thread": one, "two_ranks_1_thread_each": two,
              f"one_process_batch_{2 * b}_{cores}_threads": whole,
-             "two_ranks_measure_memory": lambda: two(measure_memory=True)}
+             "two_ranks_measure_memory": lambda: two(measure_memory=True),
+             "two_independent_processes": lambda: _independent(d, b, a)}
     names = list(sides)
     runs: dict[str, list[TrainResult]] = {n: [] for n in names}
     for r in range(a.rounds):
@@ -154,8 +161,36 @@ def _scaling(d: Path, b: int, a: argparse.Namespace) -> dict:
             "two_ranks_over_one_process_all_cores": _cell(
                 ratio_interval(per[names[1]], per[names[2]])),
             "two_ranks_measure_memory_over_one_rank": _cell(
-                ratio_interval(per[names[3]], per[names[0]]))}
+                ratio_interval(per[names[3]], per[names[0]])),
+            # The machine's own ceiling: two copies that never talk, against one alone.
+            "two_independent_over_one_rank": _cell(
+                ratio_interval(per[names[4]], per[names[0]])),
+            "two_ranks_over_two_independent": _cell(
+                ratio_interval(per[names[1]], per[names[4]]))}
     return out
+
+
+def _independent(d: Path, b: int, a: argparse.Namespace) -> TrainResult:
+    """Two ``memcc train`` processes at batch ``b``, one thread each, started together and
+    never talking: what the cores give two copies of the rank's step with no collective,
+    the ceiling that data-parallel ranks can reach on this machine. Their rates summed (each
+    measured while the other ran), as one result."""
+    import subprocess
+    import sys
+
+    from memcc.trainer.loop import TrainResult
+
+    cmd = [sys.executable, "-m", "memcc.cli", "train", str(d / f"gpt2_b{b}.onnx"),
+           "--data", str(d / "data.npz"), "--steps", str(a.steps), "--provider", a.provider,
+           "--threads", "1", "--json"]
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    got = [json.loads(p.communicate()[0].strip().splitlines()[-1]) for p in procs]
+    if any(p.returncode for p in procs):
+        raise SystemExit(f"an independent run failed: {cmd}")
+    return TrainResult(start_step=0, steps_done=a.steps, total_steps=a.steps,
+                       losses=got[0]["losses"],
+                       samples_per_s=sum(x["samples_per_s"] for x in got),
+                       steady_samples_per_s=sum(x["steady_samples_per_s"] for x in got))
 
 
 def _cell(r) -> dict:

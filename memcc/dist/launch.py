@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from memcc.backend.memory import trim_heap
+from memcc.backend.memory import keep_heap_between_steps, trim_heap
 from memcc.backend.session import resolve_provider
 from memcc.dist.buckets import bucket_bytes
 from memcc.dist.comm import Comm, backend_for, free_port, launched_by_torchrun, torch_distributed
@@ -244,6 +244,8 @@ def _join(opts: DistOptions, rank: int, local_rank: int, local_world: int):
         # cores the other ranks compute on. (On 2 cores the gain was within the scaling
         # benchmark's noise: docs/DATA_PARALLEL.md, "Throughput".)
         torch.set_num_threads(place.threads)
+    if not place.on_gpu:
+        keep_heap_between_steps()
     return Comm(rank, opts.world, backend_for(place.kind, sharing), place.gpu), place
 
 
