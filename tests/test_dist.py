@@ -274,6 +274,11 @@ def test_zero1_shards_adamw_state_and_resumes_a_one_process_checkpoint(files, mo
     # peak is measured; their resident sizes are what is shown.
     assert info["step_peak_bytes_per_rank"] == [None, None]
     assert info["memory_method"].startswith("none") and all(info["rss_bytes_per_rank"])
+    # where each rank's time went: rank 0's as before, and every rank's
+    assert info["seconds_per_rank"][0] == info["rank0_seconds"]
+    assert len(info["seconds_per_rank"]) == 2
+    assert all(s["gradient_step"] > 0 and s["update_step"] > 0
+               for s in info["seconds_per_rank"])
     # And memcc train shows the prediction and the resident sizes instead (this run's
     # figures, handed to the command line's report).
     monkeypatch.setattr("memcc.dist.launch.train_distributed", lambda *a, **k: (result, info))

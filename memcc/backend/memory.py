@@ -136,10 +136,12 @@ def keep_heap_between_steps() -> bool:
 
     At glibc's defaults such a rank gave back the heap's top after each step and faulted
     its pages in again the next: on the zoo GPT-2 that ``benchmarks/data_parallel.py``
-    trains, 20% of a rank's CPU time was the kernel's (page faults and zeroed pages,
-    ``perf``) against 5% for ``memcc.Trainer``'s fused step. This changes when freed memory
-    returns to the kernel, not how much a step holds at once: the peak resident size of each
-    rank was the same (769 against 768 MB) and ``trim_heap`` still returns it at the end.
+    trains, 18-20% of a rank's CPU time was the kernel's (27,000-30,000 page faults a step)
+    against 4-5% for ``memcc.Trainer``'s fused step; kept, under 1% and 0.40-0.42 s a step
+    instead of 0.50-0.51 (``benchmarks/data_parallel_costs.py --part heap``). This changes
+    when freed memory returns to the kernel, not how much a step holds at once: the peak
+    resident size was the same (757 MB both ways) and ``trim_heap`` still returns the free
+    heap at the end.
     A process started with ``MALLOC_MMAP_THRESHOLD_`` (``--measure-memory``'s exact
     measurement) keeps its own. Returns whether the settings were made."""
     if "MALLOC_MMAP_THRESHOLD_" in os.environ:

@@ -194,6 +194,7 @@ def run_rank(opts: DistOptions, rank: int, comm, place: Placement
     # Every rank must end with the same parameters: their digests say whether they do.
     digests = comm.gather_object(ckpt.tensors_digest(replica.parameters())[:16])
     mem = comm.gather_object((predicted, loop.memory.peak, loop.memory.first_step))
+    seconds = comm.gather_object({k: round(v, 4) for k, v in replica.seconds.items()})
     if rank != 0:
         return None
     info = {"world_size": opts.world, "zero": opts.zero, "bucket_bytes": opts.bucket_bytes,
@@ -209,7 +210,7 @@ def run_rank(opts: DistOptions, rank: int, comm, place: Placement
             "first_step_peak_bytes_per_rank": [m[2] for m in mem],
             "memory_method": loop.memory.method,
             "planned": json.loads(run.graph.metadata.get(RANKS_KEY) or "null"),
-            "rank0_seconds": {k: round(v, 4) for k, v in replica.seconds.items()}}
+            "rank0_seconds": seconds[0], "seconds_per_rank": seconds}
     return result, info
 
 
