@@ -109,3 +109,32 @@ def test_zero2_on_a_shared_gpu_is_refused_before_any_rank_starts(monkeypatch, tm
     with pytest.raises(InputError, match="--zero 2 with --provider cuda and 2 ranks on 1"):
         launch._check_placement(DistOptions(opts, 2, zero=2), 2)
     launch._check_placement(DistOptions(opts, 2, zero=1), 2)   # ZeRO-1 shares it over gloo
+
+
+def test_a_cpu_rank_keeps_its_heap_between_steps_and_a_gpu_rank_leaves_it(monkeypatch,
+                                                                         tmp_path):
+    """``_join`` (spawned and torchrun ranks alike) keeps a CPU rank's freed step buffers
+    in glibc's heap (``backend.memory.keep_heap_between_steps``: 1.45x -> 1.77x one rank,
+    docs/DATA_PARALLEL.md); a rank on a GPU allocates through its arena and is left as
+    it is."""
+    import torch
+
+    from memcc.dist import launch
+    from memcc.dist.train import DistOptions
+    from memcc.trainer import TrainOptions
+
+    kept: list[bool] = []
+    monkeypatch.setattr(launch, "keep_heap_between_steps", lambda: kept.append(True))
+    monkeypatch.setattr(launch, "Comm", lambda *a: a)       # no process group here
+    threads = torch.get_num_threads()
+    try:
+        for provider, gpus in (("cpu", 0), ("cuda", 2)):
+            monkeypatch.setattr(launch, "resolve_provider", lambda p, _p=provider: _p)
+            monkeypatch.setattr(launch, "_gpus", lambda p, _g=gpus: _g)
+            opts = TrainOptions(step=tmp_path / "s.onnx", data=tmp_path / "d.npz",
+                                provider=provider, threads=1)
+            _, place = launch._join(DistOptions(opts, 2, zero=1), 0, 0, 2)
+            assert place.on_gpu == (provider == "cuda")
+            assert kept == [True], provider      # once: for the CPU rank only
+    finally:
+        torch.set_num_threads(threads)

@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+
 # Three buffers of 20 MB made, written and freed, as a step's activations are: at glibc's
 # defaults the 60 MB free at the heap's top exceed its dynamic trim threshold (twice the
 # largest freed mmap, 40 MB), so every step gives them back (and the next faults them in
@@ -37,7 +39,6 @@ def _cycles(mode: str, **env: str) -> dict:
     return json.loads(out.stdout)
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 def test_freed_step_buffers_stay_in_the_heap_between_steps() -> None:
     kept, default = _cycles("keep"), _cycles("default")
     assert kept["made"] is True

@@ -114,10 +114,18 @@ def fix_mmap_threshold(nbytes: int = GLIBC_MMAP_THRESHOLD) -> bool:
     3 steps of 5 held that 4 MiB copy to the step's peak, none with the threshold fixed.
     A process started with ``MALLOC_MMAP_THRESHOLD_`` (the measuring child) keeps its own.
     Returns whether the threshold was set."""
+    return _mallopt({M_MMAP_THRESHOLD: int(nbytes)})
+
+
+def _mallopt(settings: dict[int, int]) -> bool:
+    """glibc's ``mallopt`` for each (parameter, value), unless the process was started with
+    ``MALLOC_MMAP_THRESHOLD_`` (the measuring child's exact allocator, which must stay as
+    started); whether every setting was made (False where libc is not glibc)."""
     if "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return False
     try:
-        return bool(ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, int(nbytes)))
+        libc = ctypes.CDLL("libc.so.6")
+        return all([bool(libc.mallopt(k, v)) for k, v in settings.items()])
     except (OSError, AttributeError):  # not glibc
         return False
 
@@ -144,14 +152,7 @@ def keep_heap_between_steps() -> bool:
     heap at the end.
     A process started with ``MALLOC_MMAP_THRESHOLD_`` (``--measure-memory``'s exact
     measurement) keeps its own. Returns whether the settings were made."""
-    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
-        return False
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(M_MMAP_THRESHOLD, HEAP_SERVES_UP_TO)
-                    and libc.mallopt(M_TRIM_THRESHOLD, HEAP_KEEPS_FREE))
-    except (OSError, AttributeError):  # not glibc
-        return False
+    return _mallopt({M_MMAP_THRESHOLD: HEAP_SERVES_UP_TO, M_TRIM_THRESHOLD: HEAP_KEEPS_FREE})
 
 
 def exact_cpu_measurement() -> bool:
