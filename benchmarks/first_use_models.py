@@ -1,6 +1,8 @@
-"""The first-use sweep's models (BENCHMARKS.md, "First use on models memcc was not tuned
-on"): 15 torchvision and timm models with random weights from their own constructors,
-exported as a new user exports them. torchvision and timm are not memcc's dependencies:
+"""The first-use sweeps' models (BENCHMARKS.md, "First use on models memcc was not tuned
+on" and session 29's): torchvision, timm and transformers models with random weights from
+their own constructors, exported as a new user exports them. torchvision and timm are not
+memcc's dependencies (install them in a venv of their own: torchvision's import breaks
+transformers' beside the CPU torch the tests use):
 
     pip install timm torchvision      # versions matching the installed torch
     python benchmarks/first_use_models.py --out /tmp/sweep/out [--cases levit.ts.train,...]
@@ -13,6 +15,7 @@ commands the sweep ran on them are listed in BENCHMARKS.md.
 from __future__ import annotations
 
 import argparse
+import inspect
 from pathlib import Path
 
 import torch
@@ -54,9 +57,27 @@ def ctors():
         "timm_levit": lambda: timm.create_model("levit_128s", num_classes=10, img_size=64),
         "timm_poolformer": lambda: timm.create_model("poolformer_s12", num_classes=10),
         "timm_edgenext": lambda: timm.create_model("edgenext_xx_small", num_classes=10),
+        # session 29: models no earlier sweep ran
+        "tv_mnasnet0_5": lambda: tv.mnasnet0_5(num_classes=10),
+        "tv_googlenet": lambda: tv.googlenet(num_classes=10, aux_logits=False,
+                                             init_weights=True),
+        "tv_vit": lambda: tv.VisionTransformer(image_size=32, patch_size=8, num_layers=2,
+                                               num_heads=2, hidden_dim=64, mlp_dim=128,
+                                               dropout=0.1, num_classes=10),
+        "timm_ghostnet_050": lambda: timm.create_model("ghostnet_050", num_classes=10),
+        "timm_mixnet_s": lambda: timm.create_model("mixnet_s", num_classes=10),
+        "timm_efficientnet_lite0": lambda: timm.create_model("tf_efficientnet_lite0",
+                                                             num_classes=10),
+        "timm_nf_resnet26": lambda: timm.create_model("nf_resnet26", num_classes=10),
+        "timm_xcit_nano": lambda: timm.create_model("xcit_nano_12_p8_224", num_classes=10,
+                                                    img_size=32),
+        "timm_dla34": lambda: timm.create_model("dla34", num_classes=10),
+        "timm_repvgg_a0": lambda: timm.create_model("repvgg_a0", num_classes=10),
+        "timm_fastvit_t8": lambda: timm.create_model("fastvit_t8", num_classes=10),
     }
 
 # name, model, exporter, train?, batch, px, dynamic batch axis?
+# (px: tokens for a transformers text model)
 CASES = [
     ("resnet18.ts.train", "tv_resnet18", "torchscript", True, 4, 64, False),
     ("mobilenetv3.dynamo.train", "tv_mobilenet_v3_small", "dynamo", True, 4, 64, False),
@@ -73,25 +94,68 @@ CASES = [
     ("levit.ts.train", "timm_levit", "torchscript", True, 2, 64, False),
     ("poolformer.noopt.train.dyn", "timm_poolformer", "dynamo_noopt", True, 2, 32, True),
     ("edgenext.ts.train", "timm_edgenext", "torchscript", True, 4, 64, False),
+    # session 29
+    ("mnasnet.noopt.train", "tv_mnasnet0_5", "dynamo_noopt", True, 4, 64, False),
+    ("googlenet.ts.train", "tv_googlenet", "torchscript", True, 4, 64, False),
+    ("tv_vit.noopt.train", "tv_vit", "dynamo_noopt", True, 4, 32, False),
+    ("ghostnet.ts.train", "timm_ghostnet_050", "torchscript", True, 4, 64, False),
+    ("mixnet.noopt.train.dyn", "timm_mixnet_s", "dynamo_noopt", True, 4, 64, True),
+    ("efficientnet_lite.dynamo.eval", "timm_efficientnet_lite0", "dynamo", False, 4, 64, False),
+    ("nf_resnet.ts.train", "timm_nf_resnet26", "torchscript", True, 2, 64, False),
+    ("xcit.noopt.eval", "timm_xcit_nano", "dynamo_noopt", False, 4, 32, False),
+    ("dla.ts.train", "timm_dla34", "torchscript", True, 2, 64, False),
+    ("repvgg.noopt.train", "timm_repvgg_a0", "dynamo_noopt", True, 2, 64, False),
+    ("fastvit.ts.train", "timm_fastvit_t8", "torchscript", True, 2, 64, False),
+    # transformers models (batch, tokens or px)
+    ("llama.dynamo.eval", "hf_llama", "dynamo", False, 4, 32, False),
+    ("t5.ts.train", "hf_t5", "torchscript", True, 4, 32, False),
+    ("deberta.noopt.train", "hf_deberta_v2", "dynamo_noopt", True, 4, 32, False),
+    ("segformer.noopt.train", "hf_segformer", "dynamo_noopt", True, 2, 32, False),
+    ("swin.ts.train", "hf_swin", "torchscript", True, 4, 32, False),
+    ("bart.noopt.eval.dyn", "hf_bart", "dynamo_noopt", False, 4, 16, True),
+    ("qwen3.noopt.train", "hf_qwen3", "dynamo_noopt", True, 4, 32, False),
 ]
+
+
+def _inputs(model_name: str, batch: int, size: int):
+    """(module, example inputs, input names) for a case: an image model's one image batch,
+    or a transformers model (``hf_<arch>``, benchmarks/transformers_sweep.py's configs)
+    with token ids of ``size`` tokens (images of ``size`` px for its vision models)."""
+    if not model_name.startswith("hf_"):
+        return ctors()[model_name](), (torch.randn(batch, 3, size, size),), ["x"]
+    import transformers_sweep as hf
+    arch = hf.ARCHS[model_name[3:]]
+    model = hf.Logits(arch.make(), arch.kind)
+    if arch.kind == "image":
+        return model, (torch.randn(batch, 3, size, size),), ["pixel_values"]
+    ids = torch.randint(3, hf.VOCAB, (batch, size))
+    mask = torch.ones(batch, size, dtype=torch.long)
+    if arch.kind == "seq2seq":
+        dec = torch.randint(3, hf.VOCAB, (batch, size // 2 + 1))
+        return model, (ids, mask, dec), ["input_ids", "attention_mask", "decoder_input_ids"]
+    return model, (ids, mask), ["input_ids", "attention_mask"]
 
 
 def export(case, path):
     name, model_name, exporter, train, batch, px, dyn = case
     torch.manual_seed(0)
-    model = ctors()[model_name]()
+    model, args, names = _inputs(model_name, batch, px)
     model.train(train)
-    x = torch.randn(batch, 3, px, px)
     if exporter == "torchscript":
-        torch.onnx.export(model, (x,), str(path), dynamo=False,
+        axes = {n: {0: "batch"} for n in [*names, "logits"]} if dyn else None
+        torch.onnx.export(model, args, str(path), dynamo=False,
                           training=torch.onnx.TrainingMode.TRAINING if train
                           else torch.onnx.TrainingMode.EVAL, do_constant_folding=False,
-                          input_names=["x"], output_names=["logits"], opset_version=17,
-                          dynamic_axes={"x": {0: "batch"}, "logits": {0: "batch"}} if dyn else None)
+                          input_names=names, output_names=["logits"], opset_version=17,
+                          dynamic_axes=axes)
     else:
-        kw = {"dynamic_shapes": ({0: torch.export.Dim("batch")},)} if dyn else {}
-        torch.onnx.export(model, (x,), str(path), dynamo=True, optimize=exporter == "dynamo",
-                          input_names=["x"], output_names=["logits"], **kw)
+        batch_dim = torch.export.Dim("batch")
+        shapes = tuple({0: batch_dim} for _ in args)
+        if inspect.signature(model.forward).parameters.keys() == {"args"}:
+            shapes = (shapes,)  # forward(*args): one entry, the tuple of its arguments
+        kw = {"dynamic_shapes": shapes} if dyn else {}
+        torch.onnx.export(model, args, str(path), dynamo=True, optimize=exporter == "dynamo",
+                          input_names=names, output_names=["logits"], **kw)
 
 
 def main() -> None:

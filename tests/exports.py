@@ -174,6 +174,27 @@ class HardSwishSE(nn.Module):
         return self.head((y * gate).mean((2, 3)))
 
 
+class StdConv(nn.Module):
+    """timm's NF-ResNet pattern: a convolution whose weight is standardised per output
+    channel by ``F.batch_norm(w, None, None, training=True)`` (ScaledStdConv2d), then a
+    BatchNorm with running statistics. TorchScript writes the first as a training-mode
+    BatchNormalization whose "running" inputs are computed from the weight and whose
+    running outputs nothing reads: batch statistics with no state to carry."""
+
+    def __init__(self, dropout: float = 0.0, classes: int = 4) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 6, 3, padding=1)
+        self.gain = nn.Parameter(torch.ones(6, 1, 1, 1))
+        self.bn = nn.BatchNorm2d(6)
+        self.fc = nn.Linear(6, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = F.batch_norm(self.conv.weight.reshape(1, 6, -1), None, None, training=True,
+                         momentum=0.0, eps=1e-5).reshape_as(self.conv.weight)
+        y = F.conv2d(x, self.gain * w, self.conv.bias, padding=1)
+        return self.fc(F.relu(self.bn(y)).mean(dim=(2, 3)))
+
+
 class ConvNeXtBlock(nn.Module):
     """ConvNeXt block: 7x7 depthwise conv, channels-last LayerNorm, Linear/GELU(erf), scale."""
 
@@ -423,6 +444,7 @@ EXTRA_FAMILIES: dict[str, Family] = {
     "hf_vit": Family(_hf_vit, _image, _BATCH, {0: "batch"}),
     "conv_bn": Family(ConvBN, lambda s, g: _image(s, g, 8), _BATCH, {0: "batch"}),
     "hardswish_se": Family(HardSwishSE, lambda s, g: _image(s, g, 8), _BATCH, {0: "batch"}),
+    "std_conv": Family(StdConv, lambda s, g: _image(s, g, 8), _BATCH, {0: "batch"}),
 }
 
 

@@ -104,6 +104,32 @@ def test_export_step_gradients_match_torch(family, exporter, training):
                         bn_folded=family in BN_FOLDED and not training)
 
 
+def test_weight_standardised_convolution_trains_by_batch_statistics():
+    """timm's NF-ResNets standardise convolution weights with ``F.batch_norm(w, None, None,
+    training=True)``: TorchScript writes a training-mode BatchNormalization whose running
+    inputs are computed and whose running outputs nothing reads. The build refused every
+    such model ("running statistics must be initializers"); it carries nothing for them
+    now, carries the real BatchNorm's statistics, and the gradients are torch's."""
+    path, module, inputs, dims = export("std_conv", "torchscript", training=True)
+    graph = load_graph(path, dims)
+    trained_bn = [n for n in graph.nodes if n.op_type == "BatchNormalization"
+                  and any(a.name == "training_mode" and a.i for a in n.attribute)]
+    assert len(trained_bn) == 2
+    step = build_training_step(graph, BuildOptions(optimizer="none"))
+    carried = [o for o in step.outputs if o.endswith(".new")]
+    assert sorted(carried) == ["bn.running_mean.new", "bn.running_var.new"], carried
+    labels = np.random.default_rng(0).integers(0, 4, size=(2,)).astype(np.int64)
+    runs = run_at_threads(step, {**inputs, "labels": labels})
+    m = copy.deepcopy(module)
+    m.train(True)
+    loss = torch.nn.functional.cross_entropy(m(torch.from_numpy(inputs["x"])),
+                                             torch.from_numpy(labels))
+    loss.backward()
+    for threads, out in runs.items():
+        _assert_matches(f"std_conv at {threads} threads", out, step, m, loss.item(),
+                        bn_folded=False)
+
+
 def _assert_matches(where: str, out: dict[str, np.ndarray], step, m: torch.nn.Module,
                     ref_loss: float, *, bn_folded: bool) -> None:
     assert abs(float(out["loss"]) - ref_loss) <= 1e-4 * max(1.0, abs(ref_loss)), where

@@ -37,13 +37,25 @@ def choose_parameters(graph: Graph, loss: str, bn_stats, freeze: tuple[str, ...]
 
 
 def batchnorm_running_stats(graph: Graph) -> list[tuple[object, str, str]]:
-    """(node, running_mean, running_var) of BatchNormalization nodes in training mode."""
+    """(node, running_mean, running_var) of BatchNormalization nodes in training mode.
+
+    A training-mode BatchNorm whose running statistics are computed values, not
+    initializers, and whose running outputs nothing reads has no state to carry: it is
+    ``F.batch_norm(x, None, None, training=True)`` as TorchScript writes it (timm's
+    weight-standardised convolutions normalise their weights so), and normalises by the
+    batch's statistics alone."""
+    read = {i for n in graph.nodes for i in n.input if i} | set(graph.outputs)
     out = []
     for node in graph.nodes:
         if node.op_type != "BatchNormalization" or len(node.input) < 5:
             continue
-        if attr(node, "training_mode", 0):
-            out.append((node, node.input[3], node.input[4]))
+        if not attr(node, "training_mode", 0):
+            continue
+        stats = node.input[3:5]
+        if (not all(s in graph.initializers for s in stats)
+                and not any(o in read for o in node.output[1:3] if o)):
+            continue
+        out.append((node, stats[0], stats[1]))
     return out
 
 

@@ -184,8 +184,9 @@ def carry_batchnorm_stats(out: StepWriter, bn_stats) -> list[str]:
         if mean not in graph.initializers or var not in graph.initializers:
             raise InputError(
                 f"{node_label(node)}: running statistics must be initializers to be carried "
-                "between steps"
-            )
+                f"between steps ('{mean}' and '{var}' are computed in the graph, and its "
+                "running outputs are read); export with the module's running buffers "
+                "(track_running_stats=True), or in eval mode")
         while len(node.output) < 3:
             node.output.append("")
         for k, stat in ((1, mean), (2, var)):
