@@ -10,7 +10,10 @@ itself is tested in test_trainer.py and test_train_cli.py.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import warnings
 
 import numpy as np
 import onnx
@@ -32,6 +35,7 @@ from memcc.frontend.dropout_masks import (
     counter_dropouts,
     dropout_mask,
     threshold,
+    uniform_values,
 )
 from memcc.frontend.load import load_graph
 from memcc.graph import attr
@@ -76,6 +80,55 @@ def test_the_onnx_generator_draws_its_numpy_reference_masks():
         drawn[step] = a_mask
     assert not np.array_equal(drawn[0], drawn[1])
     assert not np.array_equal(drawn[1], drawn[7])
+
+
+def _uniform_graph():
+    """x * (RandomUniformLike(x, 0.5, 2.5) < 1.5), and a float16 RandomUniform of its own
+    shape: the draws an exporter writes for an in-place dropout or a Bernoulli."""
+    nodes = [helper.make_node("RandomUniformLike", ["x"], ["u"], name="u", low=0.5, high=2.5),
+             helper.make_node("Less", ["u", "t"], ["keep"]),
+             helper.make_node("Cast", ["keep"], ["keepf"], to=TensorProto.FLOAT),
+             helper.make_node("Mul", ["x", "keepf"], ["y"]),
+             helper.make_node("RandomUniform", [], ["h"], name="h", shape=[3, 4],
+                              dtype=TensorProto.FLOAT16, seed=5.0)]
+    g = helper.make_graph(
+        nodes, "uniform", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [6, 5, 7])],
+        [helper.make_tensor_value_info("u", TensorProto.FLOAT, [6, 5, 7]),
+         helper.make_tensor_value_info("y", TensorProto.FLOAT, [6, 5, 7]),
+         helper.make_tensor_value_info("h", TensorProto.FLOAT16, [3, 4])],
+        [helper.make_tensor("t", TensorProto.FLOAT, [], [1.5])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])
+    m.ir_version = 10
+    return load_graph(m)
+
+
+def test_random_uniforms_draw_their_numpy_reference_from_the_counter():
+    """ORT seeds an unseeded RandomUniformLike from the clock (two runs of a dynamo export
+    of torchvision's MNASNet trained apart): the rewrite draws from (seed, step, element)."""
+    graph = _uniform_graph()
+    assert counter_dropouts(graph) == ["u", "h"]
+    assert not [n for n in graph.nodes if n.op_type.startswith("Random")]
+    graph.inputs = [*graph.inputs, COUNTER]
+    x = np.ones((6, 5, 7), np.float32)
+    from memcc.frontend.dropout_masks import _seed
+    u_seed = _seed(helper.make_node("RandomUniformLike", ["x"], ["u"], name="u"))
+    runs = []
+    for threads in (1, 2):
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = threads
+        sess = ort.InferenceSession(graph.to_model().SerializeToString(), opts,
+                                    providers=["CPUExecutionProvider"])
+        runs.append([sess.run(None, {"x": x, COUNTER: np.asarray(k, np.int64)})
+                     for k in (0, 1)])
+    for k, (u, y, h) in enumerate(runs[0]):
+        want = uniform_values(u_seed, k, (6, 5, 7), 0.5, 2.5)
+        np.testing.assert_array_equal(u, want)
+        np.testing.assert_array_equal(y, x * (want < 1.5))
+        np.testing.assert_array_equal(h, uniform_values(5, k, (3, 4), 0.0, 1.0, np.float16))
+        assert 0.5 <= u.min() and u.max() < 2.5 and abs(float(u.mean()) - 1.5) < 0.15
+    assert not np.array_equal(runs[0][0][0], runs[0][1][0])
+    for a, b in zip(runs[0], runs[1], strict=True):
+        assert all(np.array_equal(p, q) for p, q in zip(a, b, strict=True))
 
 
 def test_masks_keep_one_minus_ratio_and_differ_across_steps_and_nodes():
@@ -190,3 +243,46 @@ def test_export_restores_the_ratio_and_mode_the_step_no_longer_holds(tmp_path, r
     x = np.ones((3, 4), np.float32)
     (y,) = ort.InferenceSession(model.SerializeToString()).run(None, {"x": x})
     assert y.shape == (3, 5)
+
+
+def test_an_exported_in_place_dropout_trains_reproducibly_and_resumes_exactly(tmp_path):
+    """The dynamo exporter writes ``nn.Dropout(inplace=True)`` as RandomUniformLike, Less
+    and Mul (torchvision's MNASNet): the built step draws from the counter, so runs at 1 and
+    2 threads agree, a resumed run equals the straight one, and export writes the draw back."""
+    import torch
+
+    class InPlace(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
+            self.drop = torch.nn.Dropout(0.3, inplace=True)
+
+        def forward(self, x):
+            return self.b(self.drop(torch.relu(self.a(x))))
+
+    torch.manual_seed(0)
+    path = tmp_path / "inplace.onnx"
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")
+        torch.onnx.export(InPlace().train(), (torch.randn(4, 8),), str(path), dynamo=True,
+                          optimize=False, input_names=["x"])
+    assert "RandomUniformLike" in {n.op_type for n in onnx.load(str(path)).graph.node}
+    step = save_graph(build_training_step(load_graph(path), BuildOptions()), tmp_path / "s.onnx")
+    assert "RandomUniformLike" not in {n.op_type for n in onnx.load(str(step)).graph.node}
+    feeds = synthetic_feeds(load_graph(step), seed=0)
+
+    def train(threads: int, steps: int, trainer=None) -> Trainer:
+        trainer = trainer or Trainer(step, threads=threads)
+        for _ in range(steps):
+            trainer.step(feeds)
+        return trainer
+
+    straight = [train(t, 4).state_dict() for t in (1, 2)]
+    train(2, 2).save(tmp_path / "ck")
+    resumed = train(2, 2, Trainer.resume(tmp_path / "ck", threads=2)).state_dict()
+    for other in (straight[1], resumed):
+        assert sorted(other) == sorted(straight[0])
+        assert all(np.array_equal(straight[0][k], other[k]) for k in other)
+    model = onnx.load(str(Trainer(step, threads=1).export(tmp_path / "trained.onnx")))
+    ops = [n.op_type for n in model.graph.node]
+    assert ops.count("RandomUniformLike") == 1 and "Range" not in ops

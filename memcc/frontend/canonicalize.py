@@ -57,8 +57,9 @@ def seed_dropouts(nodes: Iterable[onnx.NodeProto]) -> None:
     (measured: two sessions of one model give different masks), so a step with dropout never
     gave the same loss twice and ``--verify`` could not compare a plan with its original.
     With a seed, each session draws the same sequence of masks, step after step, and the
-    other random ops already behave so (an unseeded ``RandomUniformLike`` takes its seed
-    from a fixed process-wide sequence). The seed is a hash of the node's name, so that no
+    other random ops behave so within one process (an unseeded ``RandomUniformLike`` is
+    seeded from the clock once per process; a training step draws it from a counter
+    instead, ``dropout_masks``). The seed is a hash of the node's name, so that no
     two Dropouts share a mask sequence and a rewrite that keeps the name keeps the draw.
     """
     reseed_dropouts([n for n in nodes if not any(a.name == "seed" for a in n.attribute)], "")

@@ -8,7 +8,9 @@ checkpoint can hold restores a session's generator.
 
 So a training step does not use ORT's Dropout. ``counter_dropouts`` replaces every
 training-mode ``Dropout`` (constant ratio > 0, constant ``training_mode`` true) by a
-counter-based generator written in standard ONNX ops, and gives the step a carried int64
+counter-based generator written in standard ONNX ops (and every ``RandomUniform`` /
+``RandomUniformLike``, which ORT seeds from the clock, by the same hash scaled to its
+range: ``uniform_values``), and gives the step a carried int64
 scalar, ``dropout.step``, which the step advances (``dropout.step.new = dropout.step + 1``)
 like optimizer state: it is stored in checkpoints and restored with them. Each element's
 keep/drop decision is a hash of (the node's seed attribute, the counter, the element's flat
@@ -46,6 +48,7 @@ sets the counter to the checkpoint's step (``checkpoint_counter``).
 from __future__ import annotations
 
 import json
+import zlib
 from collections.abc import Mapping
 
 import numpy as np
@@ -110,6 +113,14 @@ def dropout_mask(seed: int, step: int, shape: tuple[int, ...], ratio: float) -> 
     return dropout_hash(seed, step, shape) >= _U32(threshold(ratio))
 
 
+def uniform_values(seed: int, step: int, shape: tuple[int, ...], low: float, high: float,
+                   dtype=np.float32) -> np.ndarray:
+    """What a rewritten RandomUniform(Like) draws at ``step`` (numpy reference): the hash's
+    top 24 bits, exact in float32, scaled to [low, high)."""
+    u = (dropout_hash(seed, step, shape) // _U32(256)).astype(np.float32)
+    return (u * np.float32(2.0 ** -24 * (high - low)) + np.float32(low)).astype(dtype)
+
+
 # ------------------------------------------------------------------------- the rewrite
 def _constant(graph: Graph, name: str,
               producers: Mapping[str, onnx.NodeProto] | None = None) -> np.ndarray | None:
@@ -150,13 +161,47 @@ def rewritable(graph: Graph, node: onnx.NodeProto,
     return value
 
 
+UNIFORM_OPS = ("RandomUniformLike", "RandomUniform")
+
+
+def rewritable_uniform(graph: Graph, node: onnx.NodeProto) -> tuple | None:
+    """(shape, element type, low, high) of a RandomUniform(Like) this module rewrites (a
+    float output of rank >= 1 and known shape), else None. The dynamo exporter writes an
+    in-place ``nn.Dropout`` (torchvision's MNASNet) as RandomUniformLike, Less and Mul, and
+    ONNX's Bernoulli expands to RandomUniformLike: ORT's draw there is seeded from the
+    clock, so no two runs trained alike and no resume was exact."""
+    if node.op_type not in UNIFORM_OPS or node.domain not in ("", "ai.onnx"):
+        return None
+    ti = graph.info.get(node.output[0])
+    if ti is None or len(ti.shape) == 0 or not all(isinstance(v, int) for v in ti.shape):
+        return None
+    if ti.dtype not in (TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16,
+                            TensorProto.BFLOAT16):
+        return None
+    return tuple(ti.shape), ti.dtype, float(attr(node, "low", 0.0)), \
+        float(attr(node, "high", 1.0))
+
+
+def _seed(node: onnx.NodeProto) -> int:
+    """A Dropout's seed attribute (memcc seeds every one at load); a random op's own seed,
+    or a hash of its name."""
+    seed = attr(node, "seed", None)
+    if seed is None:
+        return zlib.crc32(node.name.encode()) & 0x7FFFFFFF
+    return int(seed)
+
+
 def counter_dropouts(graph: Graph) -> list[str]:
     """Replace every rewritable Dropout of ``graph`` (a step, in place) by the counter-based
     generator reading ``COUNTER``; return the names of the Dropouts replaced. The caller
     makes ``COUNTER`` carried state (``add_counter``)."""
-    dropouts = [n for n in graph.nodes if n.op_type == "Dropout"]
-    producers = graph.producers() if dropouts else {}
-    targets = [(n, r) for n in dropouts if (r := rewritable(graph, n, producers)) is not None]
+    producers = graph.producers() if any(n.op_type == "Dropout" for n in graph.nodes) else {}
+    targets: list[tuple[onnx.NodeProto, object]] = []   # in the graph's order: the first
+    for n in graph.nodes:                               # computes every target's keys
+        how = rewritable(graph, n, producers) if n.op_type == "Dropout" else \
+            rewritable_uniform(graph, n) if n.op_type in UNIFORM_OPS else None
+        if how is not None:
+            targets.append((n, how))
     if not targets:
         return []
     if COUNTER in graph.info and COUNTER not in graph.inputs:
@@ -164,13 +209,16 @@ def counter_dropouts(graph: Graph) -> list[str]:
                          "value of that name; rename it")
     graph.info[COUNTER] = TensorInfo(TensorProto.INT64, ())
     emit = Emitter(graph, detached=True)
-    gen = _Generator(graph, emit, [int(attr(n, "seed", 0) or 0) for n, _ in targets])
+    gen = _Generator(graph, emit, [_seed(n) for n, _ in targets])
     instead: dict[int, list[onnx.NodeProto]] = {}
-    for d, (node, ratio) in enumerate(targets):
+    for d, (node, how) in enumerate(targets):
         start = len(emit.nodes)
-        if d == 0:   # the keys of every Dropout, computed once (their inputs: the counter)
+        if d == 0:   # the keys of every target, computed once (their inputs: the counter)
             gen.keys()
-        gen.replace(node, ratio, d)
+        if node.op_type == "Dropout":
+            gen.replace(node, how, d)
+        else:
+            gen.uniform(node, how, d)
         instead[id(node)] = emit.nodes[start:]
     nodes: list[onnx.NodeProto] = []
     for n in graph.nodes:
@@ -240,11 +288,9 @@ class _Generator:
                 self.op("Mul", self._arange(cols), c(_M0), (cols,)))
         return self._index[rows, cols]
 
-    def replace(self, node: onnx.NodeProto, ratio: float, d: int) -> None:
-        graph, emit = self.graph, self.emit
-        x = node.input[0]
-        ti = graph.info[x]
-        shape = tuple(int(v) for v in ti.shape)
+    def hash(self, shape: tuple[int, ...], d: int) -> str:
+        """The element hash of target ``d`` over a tensor of ``shape`` (``dropout_hash``)."""
+        emit = self.emit
         cols = shape[-1]
         rows = int(np.prod(shape[:-1], dtype=np.int64))
         # (i + k1) * M0 with i = row * cols + col: row * cols * M0 + k1 * M0 + col * M0.
@@ -253,7 +299,47 @@ class _Generator:
         row = self.op("Add", row_base, self.k1m[d], (rows,))
         row = emit.op("Reshape", [row, emit.ints(lead)],
                       info=TensorInfo(TensorProto.UINT32, lead))
-        h = self.mix(self.op("Add", row, col, shape), self.k2[d], shape)
+        return self.mix(self.op("Add", row, col, shape), self.k2[d], shape)
+
+    def uniform(self, node: onnx.NodeProto, how: tuple, d: int) -> None:
+        """A RandomUniform(Like) as ``uniform_values``: the hash's top 24 bits, scaled."""
+        shape, elem, low, high = how
+        emit = self.emit
+        top = self.op("Div", self.hash(shape, d), self.c(256), shape)
+        f32 = TensorInfo(TensorProto.FLOAT, shape)
+        u = emit.op("Cast", [top], to=TensorProto.FLOAT, info=f32)
+        u = emit.op("Mul", [u, emit.const(np.asarray(2.0 ** -24 * (high - low), np.float32),
+                                          name="uniform.scale")], info=f32)
+        out = [node.output[0]]
+        if elem == TensorProto.FLOAT:
+            emit.op("Add", [u, emit.const(np.asarray(low, np.float32), name="uniform.low")],
+                    outputs=out, info=f32)
+        else:
+            u = emit.op("Add", [u, emit.const(np.asarray(low, np.float32),
+                                              name="uniform.low")], info=f32)
+            emit.op("Cast", [u], to=elem, outputs=out, info=TensorInfo(elem, shape))
+        self._mark_original(node)
+
+    def _mark_original(self, node: onnx.NodeProto) -> onnx.NodeProto:
+        """The last node emitted takes ``node``'s name and records it, so that an export
+        writes ``node`` back (``restore_dropouts``)."""
+        final = self.emit.nodes[-1]
+        final.name = node.name   # provenance (memcc.grad_of) keeps pointing at a node
+        final.metadata_props.extend(node.metadata_props)
+        original = onnx.NodeProto()
+        original.CopyFrom(node)
+        del original.metadata_props[:]
+        if len(original.output) > 1:   # the mask is the generator's; an export needs only y
+            del original.output[1:]
+        final.metadata_props.add(key=ORIGINAL_PROP, value=original.SerializeToString().hex())
+        return original
+
+    def replace(self, node: onnx.NodeProto, ratio: float, d: int) -> None:
+        graph, emit = self.graph, self.emit
+        x = node.input[0]
+        ti = graph.info[x]
+        shape = tuple(int(v) for v in ti.shape)
+        h = self.hash(shape, d)
         c = self.c
         mask_name = node.output[1] if len(node.output) > 1 and node.output[1] else \
             emit.fresh(f"{node.output[0]}.keep")
@@ -265,14 +351,7 @@ class _Generator:
         scaled = emit.op("Mul", [x, scale], info=ti)
         emit.op("Where", [keep, scaled, zero], outputs=[node.output[0]], info=ti)
         final = emit.nodes[-1]
-        final.name = node.name   # provenance (memcc.grad_of) keeps pointing at a node
-        final.metadata_props.extend(node.metadata_props)
-        original = onnx.NodeProto()
-        original.CopyFrom(node)
-        del original.metadata_props[:]
-        if len(original.output) > 1:   # the mask is the generator's; an export needs only y
-            del original.output[1:]
-        final.metadata_props.add(key=ORIGINAL_PROP, value=original.SerializeToString().hex())
+        original = self._mark_original(node)
         operands = {}
         for name in original.input[1:3]:
             value = _constant(graph, name)
