@@ -163,3 +163,33 @@ def test_recompute_again_must_name_recomputed_nodes():
 
     with pytest.raises(PlanError, match="recompute_again"):
         Plan(frozenset({"a"}), recompute_again=frozenset({"a", "b"}))
+
+
+def test_a_split_with_unread_pieces_is_recomputed_as_slices():
+    """A Split whose middle piece nothing reads (the dynamo exporter writes such Splits for
+    timm's MixNet): its clone dropped the unread piece, which left a Split with fewer
+    outputs than sizes, and the plan did not load. The clone is one Slice per piece it
+    needs, bit for bit."""
+    rng = np.random.default_rng(0)
+    nodes = [
+        helper.make_node("MatMul", ["x", "w1"], ["h"]),
+        helper.make_node("Split", ["h", "sizes"], ["a", "b", "c"], name="split", axis=1),
+        helper.make_node("Mul", ["a", "a"], ["a2"]),
+        helper.make_node("Mul", ["c", "c"], ["c2"]),
+        helper.make_node("Concat", ["a2", "c2"], ["ac"], axis=1),
+        helper.make_node("MatMul", ["ac", "w2"], ["logits"]),
+    ]
+    model = make_model(nodes, [("x", FLOAT, [8, 16])], [("logits", FLOAT, [8, 4])],
+                       {"w1": rng.standard_normal((16, 32)).astype(np.float32),
+                        "sizes": np.asarray([8, 10, 14], np.int64),
+                        "w2": rng.standard_normal((22, 4)).astype(np.float32)})
+    step = build_training_step(load_graph(model), BuildOptions(optimizer="none"))
+    st = StepStructure.of(step)
+    res = apply_recompute(step, Plan(frozenset({"split"})), st)
+    clones = [n for n in res.graph.nodes if n.name.startswith("split.rc")]
+    assert [n.op_type for n in clones] == ["Slice", "Slice"]
+    assert [int(res.graph.initializers[n.input[1]][0]) for n in clones] == [0, 18]
+    assert [int(res.graph.initializers[n.input[2]][0]) for n in clones] == [8, 32]
+    feeds = synthetic_feeds(step, seed=0)
+    assert compare_outputs(step_outputs(step, feeds, "cpu"),
+                           step_outputs(res.graph, feeds, "cpu"), exact=True) == []

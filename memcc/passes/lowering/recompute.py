@@ -15,7 +15,8 @@ Semantics (the simulator and every strategy rely on exactly this):
   chain that passes through them.
 Clones repeat the same kernels on the same inputs, so the rewritten step computes the same
 numbers bit for bit. Optional outputs that nobody reads are dropped from clones (ORT never
-frees an unconsumed output, ORT_NOTES.md §3).
+frees an unconsumed output, ORT_NOTES.md §3); a Split clone that needs only some pieces
+becomes one Slice per piece (a Split must write them all).
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
+import numpy as np
 import onnx
 
-from memcc.graph import DefUse, Graph, unique_namer
+from memcc.graph import DefUse, Graph, TensorInfo, unique_namer
 from memcc.passes.plan import Plan, StepStructure
 
 RECOMPUTE_SUFFIX = ".rc"
@@ -151,10 +153,14 @@ class _Cloner:
         clone.name = self.fresh(node.name + RECOMPUTE_SUFFIX)
         del clone.input[:]
         clone.input.extend(inputs)
+        needed = [bool(o) and o in self.read_before for o in node.output]
+        if node.op_type == "Split" and not all(needed):
+            self._emit_split_as_slices(node, inputs[0], needed, emitted)
+            return
         outs = []
         keep_all = _outputs_required(node)
-        for o in node.output:
-            if o and (o in self.read_before or keep_all):
+        for k, o in enumerate(node.output):
+            if o and (needed[k] or keep_all or not optional_output(node, k)):
                 name = self.fresh(o + RECOMPUTE_SUFFIX)
                 self.clone_of[o] = name
                 self.ever_cloned.add(o)
@@ -168,6 +174,39 @@ class _Cloner:
         clone.output.extend(outs)
         self.du.add(clone)
         emitted.append(clone)
+        self.cloned.append(node.name)
+
+    def _emit_split_as_slices(self, node: onnx.NodeProto, x: str, needed: list[bool],
+                              emitted: list[onnx.NodeProto]) -> None:
+        """A Split whose clone needs only some pieces, as one Slice per piece (the same
+        bits: a copy either way). A Split must write all its pieces (their count is the
+        split's), and ORT never frees a piece nobody reads, so the clone of a Split with
+        unread pieces (mixnet's mixed depthwise kernels, as the dynamo exporter writes
+        them) was invalid ONNX with them dropped and a leak with them kept."""
+        info = self.out.info
+        rank = len(info[x].shape)
+        axis = next((a.i for a in node.attribute if a.name == "axis"), 0) % rank
+        start = 0
+        for k, o in enumerate(node.output):
+            size = info[o].shape[axis]
+            if needed[k]:
+                bounds = []
+                for what, v in (("starts", start), ("ends", start + size), ("axes", axis)):
+                    c = self.fresh(f"{o}{RECOMPUTE_SUFFIX}.{what}")
+                    self.out.initializers[c] = np.asarray([v], np.int64)
+                    info[c] = TensorInfo(onnx.TensorProto.INT64, (1,))
+                    bounds.append(c)
+                name = self.fresh(o + RECOMPUTE_SUFFIX)
+                self.clone_of[o] = name
+                self.ever_cloned.add(o)
+                info[name] = info[o]
+                clone = onnx.helper.make_node(
+                    "Slice", [x, *bounds], [name],
+                    name=self.fresh(node.name + RECOMPUTE_SUFFIX))
+                clone.metadata_props.extend(node.metadata_props)
+                self.du.add(clone)
+                emitted.append(clone)
+            start += size
         self.cloned.append(node.name)
 
 
