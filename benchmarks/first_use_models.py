@@ -74,6 +74,12 @@ def ctors():
         "timm_dla34": lambda: timm.create_model("dla34", num_classes=10),
         "timm_repvgg_a0": lambda: timm.create_model("repvgg_a0", num_classes=10),
         "timm_fastvit_t8": lambda: timm.create_model("fastvit_t8", num_classes=10),
+        # stochastic depth: a random draw per sample in train mode
+        "timm_convnext_atto_dp": lambda: timm.create_model("convnext_atto", num_classes=10,
+                                                           drop_path_rate=0.2),
+        "timm_vit_tiny_dp": lambda: timm.create_model("vit_tiny_patch16_224", num_classes=10,
+                                                      img_size=32, patch_size=8,
+                                                      drop_path_rate=0.2),
     }
 
 # name, model, exporter, train?, batch, px, dynamic batch axis?
@@ -106,6 +112,8 @@ CASES = [
     ("dla.ts.train", "timm_dla34", "torchscript", True, 2, 64, False),
     ("repvgg.noopt.train", "timm_repvgg_a0", "dynamo_noopt", True, 2, 64, False),
     ("fastvit.ts.train", "timm_fastvit_t8", "torchscript", True, 2, 64, False),
+    ("convnext_dp.noopt.train", "timm_convnext_atto_dp", "dynamo_noopt", True, 4, 32, False),
+    ("vit_dp.ts.train", "timm_vit_tiny_dp", "torchscript", True, 4, 32, False),
     # transformers models (batch, tokens or px)
     ("llama.dynamo.eval", "hf_llama", "dynamo", False, 4, 32, False),
     ("t5.ts.train", "hf_t5", "torchscript", True, 4, 32, False),
