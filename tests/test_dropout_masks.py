@@ -19,7 +19,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 from benchmarks.dropout_cuda_check import ort_dropout, with_dropout
 from memcc import Trainer
@@ -286,3 +286,35 @@ def test_an_exported_in_place_dropout_trains_reproducibly_and_resumes_exactly(tm
     model = onnx.load(str(Trainer(step, threads=1).export(tmp_path / "trained.onnx")))
     ops = [n.op_type for n in model.graph.node]
     assert ops.count("RandomUniformLike") == 1 and "Range" not in ops
+
+
+def test_export_writes_a_draw_whose_shape_source_the_step_dropped_as_random_uniform(tmp_path):
+    """The dynamo exporter's optimizer draws dropout masks as RandomUniformLike of a
+    zero-filled initializer (``self_float``, torchvision's MobileNetV3): the step no longer
+    holds it once the draw reads the counter, and export failed ("neither computed nor
+    stored in the step"). It writes the RandomUniform of that shape instead."""
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"]),
+             helper.make_node("RandomUniformLike", ["self_float"], ["u"], name="draw"),
+             helper.make_node("Less", ["u", "p"], ["keep"]),
+             helper.make_node("Cast", ["keep"], ["keepf"], to=TensorProto.FLOAT),
+             helper.make_node("Mul", ["h", "keepf"], ["d"]),
+             helper.make_node("MatMul", ["d", "w2"], ["logits"])]
+    g = helper.make_graph(
+        nodes, "draw", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 8])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [4, 3])],
+        [numpy_helper.from_array(rng.standard_normal((8, 16)).astype(np.float32), "w1"),
+         numpy_helper.from_array(np.zeros((4, 16), np.float32), "self_float"),
+         numpy_helper.from_array(np.asarray(0.7, np.float32), "p"),
+         numpy_helper.from_array(rng.standard_normal((16, 3)).astype(np.float32), "w2")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])
+    m.ir_version = 10
+    step = save_graph(build_training_step(load_graph(m), BuildOptions()), tmp_path / "s.onnx")
+    trainer = Trainer(step, threads=1)
+    trainer.step(synthetic_feeds(trainer.graph, seed=0))
+    model = onnx.load(str(trainer.export(tmp_path / "trained.onnx")))
+    (draw,) = [n for n in model.graph.node if n.op_type.startswith("Random")]
+    assert draw.op_type == "RandomUniform" and list(attr(draw, "shape")) == [4, 16]
+    out = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]
+                               ).run(None, {"x": np.ones((4, 8), np.float32)})[0]
+    assert out.shape == (4, 3) and np.isfinite(out).all()

@@ -419,6 +419,8 @@ def restore_dropouts(graph: Graph) -> Graph:
             continue
         original = onnx.NodeProto()
         original.ParseFromString(bytes.fromhex(hexed))
+        if original.op_type == "RandomUniformLike" and original.input[0] not in defined:
+            original = _uniform_of_shape(original, out.info[original.output[0]])
         for name, (value, elem) in _operands(graph, n, original, props).items():
             if name in original.input and name not in defined:
                 defined.add(name)
@@ -430,6 +432,18 @@ def restore_dropouts(graph: Graph) -> Graph:
         nodes.append(original)
     out.set_nodes([*constants, *nodes])
     return out
+
+
+def _uniform_of_shape(like: onnx.NodeProto, ti: TensorInfo) -> onnx.NodeProto:
+    """A RandomUniformLike whose input only gave the shape (the dynamo exporter's
+    zero-filled ``self_float`` initializer, which the step no longer holds once the draw
+    reads the counter) as the RandomUniform of that shape: the same distribution."""
+    kept = {a.name: helper.get_attribute_value(a) for a in like.attribute
+            if a.name in ("low", "high", "seed")}
+    node = helper.make_node("RandomUniform", [], list(like.output), name=like.name,
+                            shape=list(ti.shape), dtype=ti.dtype, **kept)
+    node.metadata_props.extend(like.metadata_props)
+    return node
 
 
 def _operands(graph: Graph, node: onnx.NodeProto, original: onnx.NodeProto,
