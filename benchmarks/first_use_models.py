@@ -144,10 +144,11 @@ def _inputs(model_name: str, batch: int, size: int):
     return model, (ids, mask), ["input_ids", "attention_mask"]
 
 
-def export(case, path):
+def export(case, path, module=None):
+    """Export the case (``module``: its (model, inputs, input names), already made)."""
     name, model_name, exporter, train, batch, px, dyn = case
     torch.manual_seed(0)
-    model, args, names = _inputs(model_name, batch, px)
+    model, args, names = module or _inputs(model_name, batch, px)
     model.train(train)
     if exporter == "torchscript":
         axes = {n: {0: "batch"} for n in [*names, "logits"]} if dyn else None

@@ -240,7 +240,7 @@ def _drop_dead_forward_outputs(nodes: list[onnx.NodeProto], st: StepStructure,
                 continue
             for k in range(len(names) - 1, 0, -1):
                 o = names[k]
-                if o and not read(o) and optional_output(n, k):
+                if o and not read(o) and optional_output(n, k) and not _outputs_required(n):
                     du.drop_output(n, k)
                     changed = True
             while len(n.output) > 1 and not n.output[-1]:
