@@ -142,6 +142,24 @@ def test_not_an_onnx_file(tmp_path):
         load_graph(p)
 
 
+def test_linked_external_data_says_to_copy_it(tmp_path):
+    """onnx refuses external data behind a symbolic link (a user who links an export's
+    ``.onnx.data`` into a working folder): the error says what to do."""
+    from models import build_model
+
+    src = tmp_path / "src"
+    src.mkdir()
+    onnx.save(build_model("mlp"), str(src / "m.onnx"), save_as_external_data=True,
+              location="m.onnx.data", size_threshold=0)
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    (linked / "m.onnx").write_bytes((src / "m.onnx").read_bytes())
+    (linked / "m.onnx.data").symlink_to(src / "m.onnx.data")
+    assert load_graph(src / "m.onnx").initializers
+    with pytest.raises(InputError, match="copy the data file next to the model"):
+        load_graph(linked / "m.onnx")
+
+
 def test_bad_option_values():
     with pytest.raises(InputError, match="--loss"):
         BuildOptions(loss="hinge")

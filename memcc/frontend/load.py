@@ -86,7 +86,11 @@ def _check_read(model: onnx.ModelProto, p: Path) -> None:
     try:
         onnx.load_external_data_for_model(model, str(p.parent))
     except Exception as exc:
-        raise InputError(f"{p}: cannot read its external data next to the file: {exc}") from exc
+        hint = (" onnx reads no external data through a symbolic link: copy the data file "
+                "next to the model instead of linking it." if "symbolic link" in str(exc)
+                else "")
+        raise InputError(f"{p}: cannot read its external data next to the file: {exc}{hint}"
+                         ) from exc
 
 
 def parse_dims(items: list[str] | None) -> dict[str, int]:
