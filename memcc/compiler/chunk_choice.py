@@ -322,6 +322,8 @@ def _search_fitting(found: dict[str, int], first: Attempt, options: CompileOptio
     base_time, nodes, estimator = step
     shared, report = clock
     first_added = first.step_time_s / base_time - 1.0 if base_time > 0 else 0.0
+    # The same time summed in another order can differ in the last bit: no "-0.0%".
+    first_added = round(first_added, 9) + 0.0
     report["as_built_added_time"] = round(first_added, 4)
     if first_added <= FREE:
         report["why"] = (f"the step as built fits the budget with no added time "
