@@ -224,7 +224,8 @@ def _print_tune(result: TuneResult) -> None:
     out.print("peak: of the plan (decided by plan, baseline), the smallest reachable "
               "(min-search), the smallest sqrt(n) one (sqrtn), or inputs, parameters and "
               "state alone (floor); below-edge/above-edge: only the step as built was looked "
-              "at", highlight=False)
+              "at. A size that does not fit may peak under what the plans aim at: the heap "
+              "room its small buffers need is what misses", highlight=False)
     base = r.largest_batch_without_rewrite
     out.print(f"largest {r.range.dim}: {r.largest_batch} (without rewriting: "
               f"{base if base is not None else 'none fits'}"
