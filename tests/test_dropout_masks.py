@@ -35,9 +35,9 @@ from memcc.frontend.dropout_masks import (
     counter_dropouts,
     dropout_mask,
     threshold,
-    uniform_values,
 )
 from memcc.frontend.load import load_graph
+from memcc.frontend.random_draws import normal_values, uniform_values
 from memcc.graph import attr
 from memcc.step import STATE_KEY, TrainingStep
 from models import mlp
@@ -90,23 +90,27 @@ def _uniform_graph():
              helper.make_node("Cast", ["keep"], ["keepf"], to=TensorProto.FLOAT),
              helper.make_node("Mul", ["x", "keepf"], ["y"]),
              helper.make_node("RandomUniform", [], ["h"], name="h", shape=[3, 4],
-                              dtype=TensorProto.FLOAT16, seed=5.0)]
+                              dtype=TensorProto.FLOAT16, seed=5.0),
+             helper.make_node("RandomNormalLike", ["x"], ["n"], name="n", mean=1.0,
+                              scale=2.0)]
     g = helper.make_graph(
         nodes, "uniform", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [6, 5, 7])],
         [helper.make_tensor_value_info("u", TensorProto.FLOAT, [6, 5, 7]),
          helper.make_tensor_value_info("y", TensorProto.FLOAT, [6, 5, 7]),
-         helper.make_tensor_value_info("h", TensorProto.FLOAT16, [3, 4])],
+         helper.make_tensor_value_info("h", TensorProto.FLOAT16, [3, 4]),
+         helper.make_tensor_value_info("n", TensorProto.FLOAT, [6, 5, 7])],
         [helper.make_tensor("t", TensorProto.FLOAT, [], [1.5])])
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])
     m.ir_version = 10
     return load_graph(m)
 
 
-def test_random_uniforms_draw_their_numpy_reference_from_the_counter():
-    """ORT seeds an unseeded RandomUniformLike from the clock (two runs of a dynamo export
-    of torchvision's MNASNet trained apart): the rewrite draws from (seed, step, element)."""
+def test_random_draws_give_their_numpy_reference_from_the_counter():
+    """ORT seeds an unseeded RandomUniformLike or RandomNormalLike from the clock (two runs
+    of a dynamo export of torchvision's MNASNet trained apart): the rewrite draws from
+    (seed, step, element); the normal's transcendentals within a few ulps of numpy's."""
     graph = _uniform_graph()
-    assert counter_dropouts(graph) == ["u", "h"]
+    assert counter_dropouts(graph) == ["u", "h", "n"]
     assert not [n for n in graph.nodes if n.op_type.startswith("Random")]
     graph.inputs = [*graph.inputs, COUNTER]
     x = np.ones((6, 5, 7), np.float32)
@@ -120,7 +124,10 @@ def test_random_uniforms_draw_their_numpy_reference_from_the_counter():
                                     providers=["CPUExecutionProvider"])
         runs.append([sess.run(None, {"x": x, COUNTER: np.asarray(k, np.int64)})
                      for k in (0, 1)])
-    for k, (u, y, h) in enumerate(runs[0]):
+    n_seed = _seed(helper.make_node("RandomNormalLike", ["x"], ["n"], name="n"))
+    for k, (u, y, h, n) in enumerate(runs[0]):
+        np.testing.assert_allclose(n, normal_values(n_seed, k, (6, 5, 7), 1.0, 2.0),
+                                   rtol=1e-5, atol=1e-5)
         want = uniform_values(u_seed, k, (6, 5, 7), 0.5, 2.5)
         np.testing.assert_array_equal(u, want)
         np.testing.assert_array_equal(y, x * (want < 1.5))
@@ -129,6 +136,18 @@ def test_random_uniforms_draw_their_numpy_reference_from_the_counter():
     assert not np.array_equal(runs[0][0][0], runs[0][1][0])
     for a, b in zip(runs[0], runs[1], strict=True):
         assert all(np.array_equal(p, q) for p, q in zip(a, b, strict=True))
+
+
+def test_normal_draws_have_the_normal_distribution():
+    """Box-Muller on two hashes: mean, spread and the share within one and two standard
+    deviations of a standard normal over 2^18 values, and no correlation between steps."""
+    z = normal_values(11, 0, (256, 1024), 0.0, 1.0).astype(np.float64)
+    other = normal_values(11, 1, (256, 1024), 0.0, 1.0).astype(np.float64)
+    assert abs(z.mean()) < 0.01 and abs(z.std() - 1) < 0.01
+    assert abs((np.abs(z) < 1).mean() - 0.6827) < 0.005
+    assert abs((np.abs(z) < 2).mean() - 0.9545) < 0.003
+    assert abs(np.corrcoef(z.ravel(), other.ravel())[0, 1]) < 0.01
+    assert np.isfinite(z).all()
 
 
 def test_masks_keep_one_minus_ratio_and_differ_across_steps_and_nodes():
@@ -247,8 +266,9 @@ def test_export_restores_the_ratio_and_mode_the_step_no_longer_holds(tmp_path, r
 
 def test_an_exported_in_place_dropout_trains_reproducibly_and_resumes_exactly(tmp_path):
     """The dynamo exporter writes ``nn.Dropout(inplace=True)`` as RandomUniformLike, Less
-    and Mul (torchvision's MNASNet): the built step draws from the counter, so runs at 1 and
-    2 threads agree, a resumed run equals the straight one, and export writes the draw back."""
+    and Mul (torchvision's MNASNet), and ``torch.randn_like`` as RandomNormalLike: the built
+    step draws both from the counter, so runs at 1 and 2 threads agree, a resumed run equals
+    the straight one, and export writes the draws back."""
     import torch
 
     class InPlace(torch.nn.Module):
@@ -258,7 +278,8 @@ def test_an_exported_in_place_dropout_trains_reproducibly_and_resumes_exactly(tm
             self.drop = torch.nn.Dropout(0.3, inplace=True)
 
         def forward(self, x):
-            return self.b(self.drop(torch.relu(self.a(x))))
+            h = torch.relu(self.a(x))
+            return self.b(self.drop(h + 0.1 * torch.randn_like(h)))  # a VAE's kind of noise
 
     torch.manual_seed(0)
     path = tmp_path / "inplace.onnx"
@@ -266,9 +287,10 @@ def test_an_exported_in_place_dropout_trains_reproducibly_and_resumes_exactly(tm
         warnings.simplefilter("ignore")
         torch.onnx.export(InPlace().train(), (torch.randn(4, 8),), str(path), dynamo=True,
                           optimize=False, input_names=["x"])
-    assert "RandomUniformLike" in {n.op_type for n in onnx.load(str(path)).graph.node}
+    assert {"RandomUniformLike", "RandomNormalLike"} <= {
+        n.op_type for n in onnx.load(str(path)).graph.node}
     step = save_graph(build_training_step(load_graph(path), BuildOptions()), tmp_path / "s.onnx")
-    assert "RandomUniformLike" not in {n.op_type for n in onnx.load(str(step)).graph.node}
+    assert not [n for n in onnx.load(str(step)).graph.node if n.op_type.startswith("Random")]
     feeds = synthetic_feeds(load_graph(step), seed=0)
 
     def train(threads: int, steps: int, trainer=None) -> Trainer:
@@ -285,7 +307,8 @@ def test_an_exported_in_place_dropout_trains_reproducibly_and_resumes_exactly(tm
         assert all(np.array_equal(straight[0][k], other[k]) for k in other)
     model = onnx.load(str(Trainer(step, threads=1).export(tmp_path / "trained.onnx")))
     ops = [n.op_type for n in model.graph.node]
-    assert ops.count("RandomUniformLike") == 1 and "Range" not in ops
+    assert ops.count("RandomUniformLike") == ops.count("RandomNormalLike") == 1
+    assert "Range" not in ops
 
 
 def test_export_writes_a_draw_whose_shape_source_the_step_dropped_as_random_uniform(tmp_path):

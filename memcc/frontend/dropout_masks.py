@@ -8,9 +8,9 @@ checkpoint can hold restores a session's generator.
 
 So a training step does not use ORT's Dropout. ``counter_dropouts`` replaces every
 training-mode ``Dropout`` (constant ratio > 0, constant ``training_mode`` true) by a
-counter-based generator written in standard ONNX ops (and every ``RandomUniform`` /
-``RandomUniformLike``, which ORT seeds from the clock, by the same hash scaled to its
-range: ``uniform_values``), and gives the step a carried int64
+counter-based generator written in standard ONNX ops (and every RandomUniform(Like) and
+RandomNormal(Like), which ORT seeds from the clock, by the same hash: ``random_draws.py``),
+and gives the step a carried int64
 scalar, ``dropout.step``, which the step advances (``dropout.step.new = dropout.step + 1``)
 like optimizer state: it is stored in checkpoints and restored with them. Each element's
 keep/drop decision is a hash of (the node's seed attribute, the counter, the element's flat
@@ -113,14 +113,6 @@ def dropout_mask(seed: int, step: int, shape: tuple[int, ...], ratio: float) -> 
     return dropout_hash(seed, step, shape) >= _U32(threshold(ratio))
 
 
-def uniform_values(seed: int, step: int, shape: tuple[int, ...], low: float, high: float,
-                   dtype=np.float32) -> np.ndarray:
-    """What a rewritten RandomUniform(Like) draws at ``step`` (numpy reference): the hash's
-    top 24 bits, exact in float32, scaled to [low, high)."""
-    u = (dropout_hash(seed, step, shape) // _U32(256)).astype(np.float32)
-    return (u * np.float32(2.0 ** -24 * (high - low)) + np.float32(low)).astype(dtype)
-
-
 # ------------------------------------------------------------------------- the rewrite
 def _constant(graph: Graph, name: str,
               producers: Mapping[str, onnx.NodeProto] | None = None) -> np.ndarray | None:
@@ -161,27 +153,6 @@ def rewritable(graph: Graph, node: onnx.NodeProto,
     return value
 
 
-UNIFORM_OPS = ("RandomUniformLike", "RandomUniform")
-
-
-def rewritable_uniform(graph: Graph, node: onnx.NodeProto) -> tuple | None:
-    """(shape, element type, low, high) of a RandomUniform(Like) this module rewrites (a
-    float output of rank >= 1 and known shape), else None. The dynamo exporter writes an
-    in-place ``nn.Dropout`` (torchvision's MNASNet) as RandomUniformLike, Less and Mul, and
-    ONNX's Bernoulli expands to RandomUniformLike: ORT's draw there is seeded from the
-    clock, so no two runs trained alike and no resume was exact."""
-    if node.op_type not in UNIFORM_OPS or node.domain not in ("", "ai.onnx"):
-        return None
-    ti = graph.info.get(node.output[0])
-    if ti is None or len(ti.shape) == 0 or not all(isinstance(v, int) for v in ti.shape):
-        return None
-    if ti.dtype not in (TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16,
-                            TensorProto.BFLOAT16):
-        return None
-    return tuple(ti.shape), ti.dtype, float(attr(node, "low", 0.0)), \
-        float(attr(node, "high", 1.0))
-
-
 def _seed(node: onnx.NodeProto) -> int:
     """A Dropout's seed attribute (memcc seeds every one at load); a random op's own seed,
     or a hash of its name."""
@@ -195,11 +166,13 @@ def counter_dropouts(graph: Graph) -> list[str]:
     """Replace every rewritable Dropout of ``graph`` (a step, in place) by the counter-based
     generator reading ``COUNTER``; return the names of the Dropouts replaced. The caller
     makes ``COUNTER`` carried state (``add_counter``)."""
+    from memcc.frontend.random_draws import RANDOM_OPS, emit_draw, keys_of, rewritable_random
+
     producers = graph.producers() if any(n.op_type == "Dropout" for n in graph.nodes) else {}
     targets: list[tuple[onnx.NodeProto, object]] = []   # in the graph's order: the first
     for n in graph.nodes:                               # computes every target's keys
         how = rewritable(graph, n, producers) if n.op_type == "Dropout" else \
-            rewritable_uniform(graph, n) if n.op_type in UNIFORM_OPS else None
+            rewritable_random(graph, n) if n.op_type in RANDOM_OPS else None
         if how is not None:
             targets.append((n, how))
     if not targets:
@@ -209,16 +182,22 @@ def counter_dropouts(graph: Graph) -> list[str]:
                          "value of that name; rename it")
     graph.info[COUNTER] = TensorInfo(TensorProto.INT64, ())
     emit = Emitter(graph, detached=True)
-    gen = _Generator(graph, emit, [_seed(n) for n, _ in targets])
+    seeds: list[int] = []
+    slots: list[list[int]] = []   # per target: its keys' places among ``seeds``
+    for node, how in targets:
+        own = [_seed(node)] if node.op_type == "Dropout" else keys_of(_seed(node), how)
+        slots.append(list(range(len(seeds), len(seeds) + len(own))))
+        seeds += own
+    gen = _Generator(graph, emit, seeds)
     instead: dict[int, list[onnx.NodeProto]] = {}
     for d, (node, how) in enumerate(targets):
         start = len(emit.nodes)
         if d == 0:   # the keys of every target, computed once (their inputs: the counter)
             gen.keys()
         if node.op_type == "Dropout":
-            gen.replace(node, how, d)
+            gen.replace(node, how, slots[d][0])
         else:
-            gen.uniform(node, how, d)
+            emit_draw(gen, node, how, slots[d])
         instead[id(node)] = emit.nodes[start:]
     nodes: list[onnx.NodeProto] = []
     for n in graph.nodes:
@@ -301,26 +280,7 @@ class _Generator:
                       info=TensorInfo(TensorProto.UINT32, lead))
         return self.mix(self.op("Add", row, col, shape), self.k2[d], shape)
 
-    def uniform(self, node: onnx.NodeProto, how: tuple, d: int) -> None:
-        """A RandomUniform(Like) as ``uniform_values``: the hash's top 24 bits, scaled."""
-        shape, elem, low, high = how
-        emit = self.emit
-        top = self.op("Div", self.hash(shape, d), self.c(256), shape)
-        f32 = TensorInfo(TensorProto.FLOAT, shape)
-        u = emit.op("Cast", [top], to=TensorProto.FLOAT, info=f32)
-        u = emit.op("Mul", [u, emit.const(np.asarray(2.0 ** -24 * (high - low), np.float32),
-                                          name="uniform.scale")], info=f32)
-        out = [node.output[0]]
-        if elem == TensorProto.FLOAT:
-            emit.op("Add", [u, emit.const(np.asarray(low, np.float32), name="uniform.low")],
-                    outputs=out, info=f32)
-        else:
-            u = emit.op("Add", [u, emit.const(np.asarray(low, np.float32),
-                                              name="uniform.low")], info=f32)
-            emit.op("Cast", [u], to=elem, outputs=out, info=TensorInfo(elem, shape))
-        self._mark_original(node)
-
-    def _mark_original(self, node: onnx.NodeProto) -> onnx.NodeProto:
+    def mark_original(self, node: onnx.NodeProto) -> onnx.NodeProto:
         """The last node emitted takes ``node``'s name and records it, so that an export
         writes ``node`` back (``restore_dropouts``)."""
         final = self.emit.nodes[-1]
@@ -351,7 +311,7 @@ class _Generator:
         scaled = emit.op("Mul", [x, scale], info=ti)
         emit.op("Where", [keep, scaled, zero], outputs=[node.output[0]], info=ti)
         final = emit.nodes[-1]
-        original = self._mark_original(node)
+        original = self.mark_original(node)
         operands = {}
         for name in original.input[1:3]:
             value = _constant(graph, name)
@@ -419,8 +379,9 @@ def restore_dropouts(graph: Graph) -> Graph:
             continue
         original = onnx.NodeProto()
         original.ParseFromString(bytes.fromhex(hexed))
-        if original.op_type == "RandomUniformLike" and original.input[0] not in defined:
-            original = _uniform_of_shape(original, out.info[original.output[0]])
+        if original.op_type.endswith("Like") and original.input[0] not in defined:
+            from memcc.frontend.random_draws import shaped
+            original = shaped(original, out.info[original.output[0]])
         for name, (value, elem) in _operands(graph, n, original, props).items():
             if name in original.input and name not in defined:
                 defined.add(name)
@@ -432,18 +393,6 @@ def restore_dropouts(graph: Graph) -> Graph:
         nodes.append(original)
     out.set_nodes([*constants, *nodes])
     return out
-
-
-def _uniform_of_shape(like: onnx.NodeProto, ti: TensorInfo) -> onnx.NodeProto:
-    """A RandomUniformLike whose input only gave the shape (the dynamo exporter's
-    zero-filled ``self_float`` initializer, which the step no longer holds once the draw
-    reads the counter) as the RandomUniform of that shape: the same distribution."""
-    kept = {a.name: helper.get_attribute_value(a) for a in like.attribute
-            if a.name in ("low", "high", "seed")}
-    node = helper.make_node("RandomUniform", [], list(like.output), name=like.name,
-                            shape=list(ti.shape), dtype=ti.dtype, **kept)
-    node.metadata_props.extend(like.metadata_props)
-    return node
 
 
 def _operands(graph: Graph, node: onnx.NodeProto, original: onnx.NodeProto,
