@@ -56,6 +56,15 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from memcc.errors import InputError
+from memcc.frontend.counter_hash import (
+    K2_SALT,
+    M0,
+    M1,
+    M2,
+    SHIFT,
+    U32,
+    dropout_hash,
+)
 from memcc.frontend.emit import Emitter
 from memcc.graph import Graph, TensorInfo, attr
 
@@ -70,39 +79,7 @@ ORIGINAL_PROP = "memcc.dropout"
 # ``restore_dropouts`` writes them back as Constants where the graph no longer has them.
 OPERANDS_PROP = "memcc.dropout.operands"
 
-# Odd multipliers (from the published 32-bit integer hash constants); M2 mixes the step.
-_M0, _M1, _M2 = 0x7FEB352D, 0x846CA68B, 0x9E3779B1
-_K2_SALT = 0x6A09E667
-_SHIFT = 1 << 16
-_U32 = np.uint32
-
-
 # ------------------------------------------------------------------------- reference
-def _mix(h: np.ndarray, add: np.ndarray | int) -> np.ndarray:
-    """The element hash after its first multiply (uint32, wrapping)."""
-    h = h * h + _U32(add)
-    h = h + h // _U32(_SHIFT)
-    return h * _U32(_M1)
-
-
-def step_keys(seed: int, step: int) -> tuple[int, int]:
-    """The two per-(node, step) keys of the element hash."""
-    with np.errstate(over="ignore"):
-        s = _U32(step % (1 << 32)) * _U32(_M2) + _U32(seed % (1 << 32))
-        k1 = _mix(s * _U32(_M0), _K2_SALT)
-        k2 = _mix((k1 + _U32(_K2_SALT)) * _U32(_M0), _M2)
-    return int(k1), int(k2)
-
-
-def dropout_hash(seed: int, step: int, shape: tuple[int, ...]) -> np.ndarray:
-    """The uint32 hash of every element of a tensor of ``shape`` (numpy reference)."""
-    k1, k2 = step_keys(seed, step)
-    with np.errstate(over="ignore"):
-        i = np.arange(int(np.prod(shape, dtype=np.int64)), dtype=np.int64)
-        h = ((i % (1 << 32)).astype(_U32) + _U32(k1)) * _U32(_M0)
-        return _mix(h, k2).reshape(shape)
-
-
 def threshold(ratio: float) -> int:
     """Elements whose hash is at least this are kept: P(keep) = 1 - ratio (to 2**-32)."""
     return min(int(round(float(ratio) * 2.0 ** 32)), (1 << 32) - 1)
@@ -110,7 +87,7 @@ def threshold(ratio: float) -> int:
 
 def dropout_mask(seed: int, step: int, shape: tuple[int, ...], ratio: float) -> np.ndarray:
     """The keep mask (bool) the rewritten Dropout draws at ``step`` (numpy reference)."""
-    return dropout_hash(seed, step, shape) >= _U32(threshold(ratio))
+    return dropout_hash(seed, step, shape) >= U32(threshold(ratio))
 
 
 # ------------------------------------------------------------------------- the rewrite
@@ -219,16 +196,16 @@ class _Generator:
         self._index: dict[tuple[int, int], tuple[str, str]] = {}
 
     def c(self, v: int) -> str:
-        return self.emit.const(np.asarray(v % (1 << 32), dtype=_U32), name="dropout.k")
+        return self.emit.const(np.asarray(v % (1 << 32), dtype=U32), name="dropout.k")
 
     def op(self, kind: str, a: str, b: str, shape: tuple[int, ...] = ()) -> str:
         return self.emit.op(kind, [a, b], info=TensorInfo(TensorProto.UINT32, shape))
 
     def mix(self, h: str, add: str, shape: tuple[int, ...] = ()) -> str:
-        """As ``_mix``: ((h*h + a) + (h*h + a) // 2**16) * M1."""
+        """As ``counter_hash._mix``: ((h*h + a) + (h*h + a) // 2**16) * M1."""
         h = self.op("Add", self.op("Mul", h, h, shape), add, shape)
-        h = self.op("Add", h, self.op("Div", h, self.c(_SHIFT), shape), shape)
-        return self.op("Mul", h, self.c(_M1), shape)
+        h = self.op("Add", h, self.op("Div", h, self.c(SHIFT), shape), shape)
+        return self.op("Mul", h, self.c(M1), shape)
 
     def keys(self) -> None:
         """As ``step_keys``, for every Dropout at once."""
@@ -236,13 +213,13 @@ class _Generator:
         vec = (n,)
         step32 = e.op("Cast", [COUNTER], to=TensorProto.UINT32, name="dropout.step32",
                       info=TensorInfo(TensorProto.UINT32, ()))
-        seeds = e.const(np.asarray([v % (1 << 32) for v in self.seeds], dtype=_U32),
+        seeds = e.const(np.asarray([v % (1 << 32) for v in self.seeds], dtype=U32),
                         name="dropout.seeds")
-        s = self.op("Add", self.op("Mul", step32, c(_M2)), seeds, vec)
-        k1 = self.mix(self.op("Mul", s, c(_M0), vec), c(_K2_SALT), vec)
-        k2 = self.mix(self.op("Mul", self.op("Add", k1, c(_K2_SALT), vec), c(_M0), vec),
-                      c(_M2), vec)
-        k1m = self.op("Mul", k1, c(_M0), vec)
+        s = self.op("Add", self.op("Mul", step32, c(M2)), seeds, vec)
+        k1 = self.mix(self.op("Mul", s, c(M0), vec), c(K2_SALT), vec)
+        k2 = self.mix(self.op("Mul", self.op("Add", k1, c(K2_SALT), vec), c(M0), vec),
+                      c(M2), vec)
+        k1m = self.op("Mul", k1, c(M0), vec)
         ones = e.ints([1] * n)
         one = TensorInfo(TensorProto.UINT32, (1,))
         for k, out in ((k1m, self.k1m), (k2, self.k2)):
@@ -263,8 +240,8 @@ class _Generator:
         if (rows, cols) not in self._index:
             c = self.c
             self._index[rows, cols] = (
-                self.op("Mul", self._arange(rows), c(cols * _M0), (rows,)),
-                self.op("Mul", self._arange(cols), c(_M0), (cols,)))
+                self.op("Mul", self._arange(rows), c(cols * M0), (rows,)),
+                self.op("Mul", self._arange(cols), c(M0), (cols,)))
         return self._index[rows, cols]
 
     def hash(self, shape: tuple[int, ...], d: int) -> str:

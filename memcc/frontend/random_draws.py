@@ -31,7 +31,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from memcc.frontend.dropout_masks import dropout_hash
+from memcc.frontend.counter_hash import dropout_hash
 from memcc.graph import Graph, TensorInfo, attr
 
 UNIFORM_OPS = ("RandomUniformLike", "RandomUniform")
