@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import sys
 import tempfile
 from pathlib import Path
 
@@ -34,23 +35,21 @@ from memcc.backend.onnx_file import save_graph
 from memcc.frontend.build import BuildOptions, build_training_step
 from memcc.frontend.load import load_graph
 
+sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "tests")]
+from exports import _jitter_constant_parameters  # noqa: E402  (tests/exports.py)
+
 
 def _deterministic(model: torch.nn.Module) -> torch.nn.Module:
     """Every dropout and stochastic-depth rate 0, and no two parameters equal: exporters
     store equal constant tensors once (every zero-initialised bias as one initializer), so
     a gradient could not be told apart from its twins'."""
-    gen = torch.Generator().manual_seed(1)
     for mod in model.modules():
         if isinstance(mod, torch.nn.Dropout) or type(mod).__name__ == "StochasticDepth":
             mod.p = 0.0
         for k, v in list(vars(mod).items()):  # drop_path_prob, drop_rate, ...
             if "drop" in k and isinstance(v, float):
                 setattr(mod, k, 0.0)
-    with torch.no_grad():
-        for p in model.parameters():
-            flat = p.reshape(-1)
-            if flat.numel() > 1 and bool((flat == flat[0]).all()):
-                p.add_(0.02 * torch.randn(p.shape, generator=gen))
+    _jitter_constant_parameters(model, torch.Generator().manual_seed(1))
     return model
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT)]   # memcc from this checkout, installed or not
 MB = 1e6
 
 
@@ -50,22 +51,15 @@ def _json(out: str) -> dict:
     return json.loads(out[start + 1 if start >= 0 else out.find("{"):])
 
 
-def _data(step: Path, path: Path, samples: int = 16) -> None:
-    """Random samples for every data input of the built step, integers within their ranges."""
-    sys.path.insert(0, str(ROOT))
-    from memcc.backend.data import data_inputs
+def _data(step: Path, path: Path, batches: int = 4) -> None:
+    """Training data for the built step: ``batches`` of ``memcc run``'s synthetic batches
+    (``synthetic_feeds``: floats N(0, 1), token ids and labels within their ranges)."""
+    from memcc.backend.step_feeds import synthetic_feeds
     from memcc.frontend.load import load_graph
 
-    rng = np.random.default_rng(0)
-    arrays = {}
-    for d in data_inputs(load_graph(step)):
-        shape = (samples, *d.sample_shape)
-        if np.issubdtype(d.dtype, np.integer):
-            lo, hi = d.int_range or (0, 2)
-            arrays[d.name] = rng.integers(lo, hi, size=shape).astype(d.dtype)
-        else:
-            arrays[d.name] = rng.standard_normal(shape).astype(d.dtype)
-    np.savez(path, **arrays)
+    graph = load_graph(step)
+    parts = [synthetic_feeds(graph, seed=k) for k in range(batches)]
+    np.savez(path, **{n: np.concatenate([p[n] for p in parts]) for n in parts[0]})
 
 
 def _same_checkpoints(a: Path, b: Path) -> bool:

@@ -26,7 +26,6 @@ defined as ONNX functions are expanded before, by ``function_ops``.
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Iterable
 
 import numpy as np
@@ -34,6 +33,7 @@ import onnx
 from onnx import helper
 
 from memcc.errors import InputError
+from memcc.frontend.counter_hash import name_seed
 from memcc.frontend.sequences import SEQUENCE_OPS, SequenceScope, resolve_sequence
 from memcc.frontend.static_values import (
     Namer,
@@ -74,7 +74,7 @@ def reseed_dropouts(nodes: Iterable[onnx.NodeProto], salt: str) -> None:
         if node.op_type == "Dropout" and node.domain in ("", "ai.onnx"):
             kept = [a for a in node.attribute if a.name != "seed"]
             kept.append(helper.make_attribute(
-                "seed", zlib.crc32((node.name + salt).encode()) & 0x7FFFFFFF))
+                "seed", name_seed(node.name, salt)))
             del node.attribute[:]
             node.attribute.extend(kept)
 

@@ -7,6 +7,8 @@ it; it lives apart so that neither imports the other.
 
 from __future__ import annotations
 
+import zlib
+
 import numpy as np
 
 # Odd multipliers (from the published 32-bit integer hash constants); M2 mixes the step.
@@ -39,3 +41,10 @@ def dropout_hash(seed: int, step: int, shape: tuple[int, ...]) -> np.ndarray:
         i = np.arange(int(np.prod(shape, dtype=np.int64)), dtype=np.int64)
         h = ((i % (1 << 32)).astype(U32) + U32(k1)) * U32(M0)
         return _mix(h, k2).reshape(shape)
+
+
+def name_seed(name: str, salt: str = "") -> int:
+    """A random op's seed made from its node name (and a salt: a row chunk, a resumed
+    step), so that no two ops share a sequence and a rewrite that keeps the name keeps the
+    draw."""
+    return zlib.crc32((name + salt).encode()) & 0x7FFFFFFF

@@ -48,7 +48,6 @@ sets the counter to the checkpoint's step (``checkpoint_counter``).
 from __future__ import annotations
 
 import json
-import zlib
 from collections.abc import Mapping
 
 import numpy as np
@@ -64,6 +63,7 @@ from memcc.frontend.counter_hash import (
     SHIFT,
     U32,
     dropout_hash,
+    name_seed,
 )
 from memcc.frontend.emit import Emitter
 from memcc.graph import Graph, TensorInfo, attr
@@ -131,12 +131,10 @@ def rewritable(graph: Graph, node: onnx.NodeProto,
 
 
 def _seed(node: onnx.NodeProto) -> int:
-    """A Dropout's seed attribute (memcc seeds every one at load); a random op's own seed,
-    or a hash of its name."""
+    """A Dropout's seed attribute (memcc seeds every one at load, ``seed_dropouts``); a
+    random op's own seed, or the seed load would give it."""
     seed = attr(node, "seed", None)
-    if seed is None:
-        return zlib.crc32(node.name.encode()) & 0x7FFFFFFF
-    return int(seed)
+    return name_seed(node.name) if seed is None else int(seed)
 
 
 def counter_dropouts(graph: Graph) -> list[str]:

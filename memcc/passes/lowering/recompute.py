@@ -148,15 +148,15 @@ class _Cloner:
         """Clone ``node`` (reading the current clones of its inputs) into ``emitted``."""
         inputs = [self.clone_of.get(i, i) if i else "" for i in node.input]
         self.rerun_before[node.name] = reader
+        needed = [bool(o) and o in self.read_before for o in node.output]
+        if node.op_type == "Split" and not all(needed):
+            self._emit_split_as_slices(node, inputs[0], needed, emitted)
+            return
         clone = onnx.NodeProto()
         clone.CopyFrom(node)
         clone.name = self.fresh(node.name + RECOMPUTE_SUFFIX)
         del clone.input[:]
         clone.input.extend(inputs)
-        needed = [bool(o) and o in self.read_before for o in node.output]
-        if node.op_type == "Split" and not all(needed):
-            self._emit_split_as_slices(node, inputs[0], needed, emitted)
-            return
         outs = []
         keep_all = _outputs_required(node)
         for k, o in enumerate(node.output):
