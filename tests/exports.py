@@ -195,6 +195,23 @@ class StdConv(nn.Module):
         return self.fc(F.relu(self.bn(y)).mean(dim=(2, 3)))
 
 
+class Recurrent(nn.Module):
+    """An embedding, a recurrent layer and a classifier over the last and the mean hidden
+    state: torch.onnx writes ``nn.LSTM`` / ``nn.GRU`` as ONNX LSTM / GRU nodes (W, R and B
+    computed from torch's gate-ordered weights), which memcc unrolls over the steps."""
+
+    def __init__(self, rnn: nn.Module, classes: int = 4) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(100, 8)
+        self.rnn = rnn
+        width = rnn.hidden_size * (2 if rnn.bidirectional else 1)
+        self.head = nn.Linear(2 * width, classes)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        y, _ = self.rnn(self.emb(input_ids))
+        return self.head(torch.cat([y[:, -1], y.mean(1)], dim=-1))
+
+
 class ConvNeXtBlock(nn.Module):
     """ConvNeXt block: 7x7 depthwise conv, channels-last LayerNorm, Linear/GELU(erf), scale."""
 
@@ -445,6 +462,11 @@ EXTRA_FAMILIES: dict[str, Family] = {
     "conv_bn": Family(ConvBN, lambda s, g: _image(s, g, 8), _BATCH, {0: "batch"}),
     "hardswish_se": Family(HardSwishSE, lambda s, g: _image(s, g, 8), _BATCH, {0: "batch"}),
     "std_conv": Family(StdConv, lambda s, g: _image(s, g, 8), _BATCH, {0: "batch"}),
+    "lstm": Family(lambda p: Recurrent(nn.LSTM(8, 6, batch_first=True)), _tokens,
+                   {"input_ids": {0: "batch"}}, {0: "batch"}, _SEQ),
+    "gru": Family(lambda p: Recurrent(nn.GRU(8, 6, num_layers=2, batch_first=True,
+                                             bidirectional=True)), _tokens,
+                  {"input_ids": {0: "batch"}}, {0: "batch"}, _SEQ),
 }
 
 

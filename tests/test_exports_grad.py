@@ -17,7 +17,7 @@ import copy
 import numpy as np
 import pytest
 import torch
-from exports import DYNAMO_TRAIN_BN_DIVERGES, EXPORTERS, FAMILIES, export
+from exports import DYNAMO_NOOPT, DYNAMO_TRAIN_BN_DIVERGES, EXPORTERS, FAMILIES, export
 from threads import run_at_threads
 
 from memcc.backend.verify import compare_outputs, step_outputs
@@ -138,6 +138,35 @@ def test_weight_standardised_convolution_trains_by_batch_statistics():
     assert all(len([o for o in n.output if o]) == 3 for n in planned.nodes
                if n.op_type == "BatchNormalization" and n.name in st.forward)
     feeds = {**inputs, "labels": labels}
+    assert compare_outputs(step_outputs(step, feeds, "cpu"),
+                           step_outputs(planned, feeds, "cpu"), exact=True) == []
+
+
+@pytest.mark.parametrize("family", ["lstm", "gru"])
+@pytest.mark.parametrize("exporter", ["torchscript", DYNAMO_NOOPT])
+def test_recurrent_step_gradients_match_torch(family, exporter):
+    """nn.LSTM and a two-layer bidirectional nn.GRU, exported as ONNX LSTM / GRU nodes and
+    unrolled at load (memcc/frontend/recurrent.py): loss and every gradient are torch's
+    (backpropagation through time), at 2 and 4 threads; a plan that recomputes every
+    forward value it may gives the same bits as the step. (The dynamo exporter's optimizer
+    folds torch's weights into gate-reordered W, R and B initializers: those train, but
+    under no PyTorch name, so they cannot be matched to torch's here.)"""
+    path, module, inputs, dims = export(family, exporter, training=True)
+    graph = load_graph(path, dims)
+    assert not any(n.op_type in ("LSTM", "GRU") for n in graph.nodes)
+    step = build_training_step(graph, BuildOptions(optimizer="none"))
+    labels = np.random.default_rng(0).integers(0, 4, size=(2,)).astype(np.int64)
+    feeds = {**inputs, "labels": labels}
+    runs = run_at_threads(step, feeds)
+    m = copy.deepcopy(module)
+    loss = torch.nn.functional.cross_entropy(m(torch.from_numpy(inputs["input_ids"])),
+                                             torch.from_numpy(labels))
+    loss.backward()
+    for threads, out in runs.items():
+        _assert_matches(f"{family}/{exporter} at {threads} threads", out, step, m,
+                        loss.item(), bn_folded=False)
+    st = StepStructure.of(step)
+    planned = apply_recompute(step, Plan(frozenset(st.recomputable)), st).graph
     assert compare_outputs(step_outputs(step, feeds, "cpu"),
                            step_outputs(planned, feeds, "cpu"), exact=True) == []
 

@@ -11,10 +11,13 @@ Planning and gradient rules only ever see tensors of static shape, so:
   ``ConcatFromSequence``, ``SequenceLength``, ``SequenceInsert``, ``SequenceEmpty``) become
   ``Split``/``Squeeze``/``Concat``/``Unsqueeze`` and constants: a sequence is only a list of
   tensor names here, so no sequence value survives into the graph.
+- ``LSTM``, ``GRU`` and ``RNN`` become their steps, unrolled over the static sequence length
+  (``recurrent``): the one rewrite here that is not exact, since ORT's kernels sum in
+  another order.
 - ``If`` whose condition is a compile-time constant once dimensions are bound is replaced by
   the branch it takes (its nodes move into the main graph under fresh names).
 
-Each rewrite is exact (the same kernels on the same values). Anything that stays dynamic
+Each other rewrite is exact (the same kernels on the same values). Anything that stays dynamic
 (a sequence position computed from data, an ``If`` on data) is an ``InputError`` naming the
 node, never a missing-shape error that would send the user after ``--dim``.
 
@@ -34,6 +37,7 @@ from onnx import helper
 
 from memcc.errors import InputError
 from memcc.frontend.counter_hash import name_seed
+from memcc.frontend.recurrent import RECURRENT_OPS, unroll_recurrent
 from memcc.frontend.sequences import SEQUENCE_OPS, SequenceScope, resolve_sequence
 from memcc.frontend.static_values import (
     Namer,
@@ -46,7 +50,8 @@ from memcc.frontend.static_values import (
 
 def needs_canonicalizing(model: onnx.ModelProto) -> bool:
     """True when the graph holds anything :func:`canonicalize` rewrites."""
-    return any(n.op_type in SEQUENCE_OPS or n.op_type in ("CastLike", "If", "GatherND")
+    return any(n.op_type in SEQUENCE_OPS or n.op_type in RECURRENT_OPS
+               or n.op_type in ("CastLike", "If", "GatherND")
                for n in model.graph.node if n.domain in ("", "ai.onnx"))
 
 
@@ -84,7 +89,7 @@ def shapes_needed(model: onnx.ModelProto) -> list[str]:
     types = value_types(model)
     wanted: list[str] = []
     for n in model.graph.node:
-        if n.op_type == "SplitToSequence":
+        if n.op_type == "SplitToSequence" or n.op_type in RECURRENT_OPS:
             wanted.append(n.input[0])
         elif n.op_type == "CastLike":
             wanted.append(n.input[1])
@@ -122,6 +127,9 @@ def canonicalize(model: onnx.ModelProto, where: str) -> tuple[onnx.ModelProto, d
             changed = True
         elif node.op_type in SEQUENCE_OPS:
             out.extend(resolve_sequence(node, sequences))
+            changed = True
+        elif node.op_type in RECURRENT_OPS:
+            out.extend(unroll_recurrent(node, types, consts, fresh, where))
             changed = True
         elif node.op_type == "GatherND" and _float_data_gathernd(node, types):
             out.extend(_gathernd_as_gather(node, types, fresh))
