@@ -122,13 +122,55 @@ CASES = [
     ("swin.ts.train", "hf_swin", "torchscript", True, 4, 32, False),
     ("bart.noopt.eval.dyn", "hf_bart", "dynamo_noopt", False, 4, 16, True),
     ("qwen3.noopt.train", "hf_qwen3", "dynamo_noopt", True, 4, 32, False),
+    # recurrent models (session 30; batch, tokens): torch modules, no timm or torchvision
+    ("lstm_lm.ts.train", "rnn_lstm_lm", "torchscript", True, 8, 35, False),
+    ("lstm_lm.noopt.train", "rnn_lstm_lm", "dynamo_noopt", True, 8, 35, False),
+    ("gru_clf.dynamo.train.dyn", "rnn_gru_clf", "dynamo", True, 8, 48, True),
+    ("gru_clf.ts.eval", "rnn_gru_clf", "torchscript", False, 8, 48, False),
 ]
+
+
+class WordLM(torch.nn.Module):
+    """PyTorch's word_language_model example at a small size: embedding, two LSTM layers
+    with dropout between them, a projection to the vocabulary. (Two modules, not
+    ``nn.LSTM(num_layers=2, dropout=0.2)``: torch.onnx's TorchScript exporter refuses an
+    LSTM's own dropout in training mode.)"""
+
+    def __init__(self, vocab: int = 2000, width: int = 128) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, width)
+        self.rnn1 = torch.nn.LSTM(width, width, batch_first=True)
+        self.rnn2 = torch.nn.LSTM(width, width, batch_first=True)
+        self.drop = torch.nn.Dropout(0.2)
+        self.out = torch.nn.Linear(width, vocab)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        y, _ = self.rnn1(self.drop(self.emb(input_ids)))
+        y, _ = self.rnn2(self.drop(y))
+        return self.out(self.drop(y))
+
+
+class GRUClassifier(torch.nn.Module):
+    """A sentence classifier: embedding, bidirectional GRU, max over time, a linear head."""
+
+    def __init__(self, vocab: int = 2000, width: int = 64, classes: int = 5) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, width)
+        self.rnn = torch.nn.GRU(width, width, batch_first=True, bidirectional=True)
+        self.head = torch.nn.Linear(2 * width, classes)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        y, _ = self.rnn(self.emb(input_ids))
+        return self.head(y.amax(dim=1))
 
 
 def _inputs(model_name: str, batch: int, size: int):
     """(module, example inputs, input names) for a case: an image model's one image batch,
     or a transformers model (``hf_<arch>``, benchmarks/transformers_sweep.py's configs)
     with token ids of ``size`` tokens (images of ``size`` px for its vision models)."""
+    if model_name.startswith("rnn_"):
+        model = {"rnn_lstm_lm": WordLM, "rnn_gru_clf": GRUClassifier}[model_name]()
+        return model, (torch.randint(0, 2000, (batch, size)),), ["input_ids"]
     if not model_name.startswith("hf_"):
         return ctors()[model_name](), (torch.randn(batch, 3, size, size),), ["x"]
     import transformers_sweep as hf

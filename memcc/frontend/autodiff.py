@@ -17,6 +17,7 @@ from memcc.errors import GradientError, UnsupportedOpError
 from memcc.frontend.emit import Emitter
 from memcc.frontend.gradients import load_rules
 from memcc.frontend.gradients.registry import NON_DIFFERENTIABLE, RULES, GradContext
+from memcc.frontend.recurrent import RECURRENT_OPS
 from memcc.graph import Graph, ancestors, node_label
 from memcc.step import DEFAULT_RULE, record_rule_io, tag_node
 
@@ -120,7 +121,7 @@ def _no_rule_message(node, loss: str, wrt: Sequence[str], requires: set[str],
     path = _path_to_loss(node, loss, forward_nodes)
     shown = path if len(path) <= 6 else path[:3] + ["..."] + path[-2:]
     behind = _parameters_upstream(node, wrt, requires, forward_nodes)
-    supported = ", ".join(sorted(RULES))
+    supported = ", ".join(sorted({*RULES, *RECURRENT_OPS}))
     msg = (f"{source}: no gradient rule for {node_label(node)} (op '{node.op_type}', domain "
            f"'{node.domain or 'ai.onnx'}'), which lies on the path to the loss: "
            f"{' -> '.join(shown)} ({len(path)} nodes). ")
