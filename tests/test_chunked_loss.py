@@ -93,6 +93,70 @@ def test_real_export_matches_and_the_trained_forward_model_has_its_logits(tmp_pa
     assert np.isfinite(logits).all()
 
 
+class _WordLM:
+    """A word-level LSTM language model whose vocabulary projection is an ``nn.Linear``
+    with a bias, which both exporters write as a MatMul and an Add over rank-3 states."""
+
+    @staticmethod
+    def export(path, exporter: str):
+        import torch
+
+        class WordLM(torch.nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.emb = torch.nn.Embedding(300, 16)
+                self.rnn = torch.nn.LSTM(16, 16, batch_first=True)
+                self.out = torch.nn.Linear(16, 300)
+
+            def forward(self, input_ids):
+                return self.out(self.rnn(self.emb(input_ids))[0])
+
+        torch.manual_seed(0)
+        model = WordLM()
+        with torch.no_grad():
+            model.out.bias.normal_()
+        ids = torch.randint(0, 300, (3, 7))
+        kw = {"dynamo": False, "do_constant_folding": False, "opset_version": 17} \
+            if exporter == "torchscript" else {"dynamo": True, "optimize": False}
+        torch.onnx.export(model, (ids,), str(path), input_names=["input_ids"],
+                          output_names=["logits"], **kw)
+        return path
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_a_projection_with_a_bias_is_chunked_and_exported_with_it(tmp_path, exporter):
+    """``nn.Linear(width, vocab)`` with its bias: the chunks add the bias and take its
+    gradient (the column sums of each chunk's logits gradient); loss and every gradient
+    match the plain loss's, and the exported forward model adds the trained bias again."""
+    path = _WordLM.export(tmp_path / "lm.onnx", exporter)
+    plain = build_training_step(load_graph(path), BuildOptions())
+    chunked_step = build_training_step(load_graph(path), BuildOptions(loss_chunks=3))
+    assert sum(n.op_type == "LogSoftmax" for n in chunked_step.nodes) == 3
+    assert TrainingStep(chunked_step).loss_projection["bias"] == "out.bias"
+    compare(plain, chunked_step)
+    step_path = tmp_path / "step.onnx"
+    save_graph(chunked_step, step_path)
+    trainer = Trainer(step_path, threads=1)
+    feeds = synthetic_feeds(trainer.graph, seed=0)
+    trainer.step(feeds)
+    out = trainer.export(tmp_path / "trained.onnx")
+    data = {i.name: feeds[i.name] for i in onnx.load(str(out)).graph.input}
+    logits = ort.InferenceSession(str(out)).run(None, data)[0]
+    # The trained forward model's logits, against the plain step's forward after the same
+    # step: both read the same trained weights (within the chunks' rounding).
+    plain_trainer = Trainer(_saved(plain, tmp_path / "plain.onnx"), threads=1)
+    plain_trainer.step(feeds)
+    ref_path = plain_trainer.export(tmp_path / "plain_trained.onnx")
+    ref = ort.InferenceSession(str(ref_path)).run(None, data)[0]
+    np.testing.assert_allclose(logits, ref, rtol=1e-4, atol=1e-5)
+    assert np.abs(ref).max() > 0.5
+
+
+def _saved(graph: Graph, path):
+    save_graph(graph, path)
+    return path
+
+
 def test_what_it_cannot_take_is_refused_clearly():
     with pytest.raises(InputError, match="--loss-chunks applies to --loss cross-entropy"):
         BuildOptions(loss="mse", loss_chunks=4)

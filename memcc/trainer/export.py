@@ -139,8 +139,17 @@ def _with_projection(graph: Graph, spec: TrainingStep) -> Graph:
     if not proj or proj["output"] in graph.def_use().producer:
         return graph
     out = graph.copy(with_index=False)
-    out.set_nodes([*out.nodes, onnx.helper.make_node(
-        "MatMul", list(proj["inputs"]), [proj["output"]], name=f"{proj['output']}.projection")])
+    name = proj["output"]
+    if not proj.get("bias"):
+        out.set_nodes([*out.nodes, onnx.helper.make_node(
+            "MatMul", list(proj["inputs"]), [name], name=f"{name}.projection")])
+        return out
+    product = f"{name}.projection_product"
+    out.set_nodes([*out.nodes,
+                   onnx.helper.make_node("MatMul", list(proj["inputs"]), [product],
+                                         name=f"{name}.projection"),
+                   onnx.helper.make_node("Add", [product, proj["bias"]], [name],
+                                         name=f"{name}.projection_bias")])
     return out
 
 
