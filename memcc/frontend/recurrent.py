@@ -131,11 +131,15 @@ class _Cell:
 
 @dataclass
 class _Weights:
-    """One direction's weights as each step reads them: ``rt`` is R transposed, split for a
-    GRU into its update/reset and its candidate columns; ``bias_rh`` is a GRU's candidate
-    recurrence bias under ``linear_before_reset``; ``peep`` the LSTM peepholes i, o, f."""
+    """One direction's weights as each step reads them, every product a ``Gemm`` with
+    ``transB``: ``w`` is W as [gates * hidden, input], ``bias_x`` the bias added to the
+    input's product, ``r`` R's rows (a GRU's split into its update/reset and its candidate
+    rows), ``bias_rh`` a GRU's candidate recurrence bias under ``linear_before_reset``,
+    ``peep`` the LSTM peepholes i, o, f."""
 
-    rt: list[str]
+    w: str
+    r: list[str]
+    bias_x: str | None = None
     bias_rh: str | None = None
     peep: list[str] | None = None
 
@@ -160,13 +164,16 @@ def unroll_recurrent(node: onnx.NodeProto, types: ValueTypes, consts: StaticValu
     x = node.input[0]
     if layout:
         x = emit.one("Transpose", x, perm=[1, 0, 2])
-    x = emit.reshape(x, [seq * batch, -1])
+    # Each step's input on its own (one Split, shared by both directions): a step's input
+    # product is then a value of that step, which a plan recomputes from the step's input
+    # rather than holding every step's gates from one product over the whole sequence.
+    xs = emit.split(emit.reshape(x, [seq * batch, -1]), 0, [batch] * seq)
     per_dir = [_per_direction(node, k, dirs, layout, emit) for k in range(len(node.input))]
     ys, h_last, c_last = [], [], []
     for d in range(dirs):
         reverse = direction == "reverse" or d == 1
         inputs = {k: parts[d] for k, parts in enumerate(per_dir) if parts}
-        y, h, c = _direction(cells[d], (x, seq), inputs, reverse, emit)
+        y, h, c = _direction(cells[d], xs, inputs, reverse, emit)
         ys.append(y)
         h_last.append(h)
         c_last.append(c)
@@ -233,45 +240,47 @@ def _per_direction(node: onnx.NodeProto, k: int, dirs: int, layout: int,
     return emit.split(v, 0, [1] * dirs)
 
 
-def _direction(cell: _Cell, x_seq: tuple[str, int], inputs: dict[int, str], reverse: bool,
+def _direction(cell: _Cell, xs: list[str], inputs: dict[int, str], reverse: bool,
                emit: _Emit) -> tuple[str, str, str | None]:
     """One direction over every step: its Y as [seq * batch, hidden] in time order, its
-    last hidden state and (LSTM) its last cell state, each [batch, hidden]."""
-    x, seq = x_seq
+    last hidden state and (LSTM) its last cell state, each [batch, hidden]. A state the
+    node does not give starts at zero, and the first step skips what reads it."""
     g, h, batch = _GATES[cell.op], cell.hidden, cell.batch
-    wt = emit.one("Transpose", emit.reshape(inputs[1], [g * h, -1]), perm=[1, 0])
-    rt = emit.one("Transpose", emit.reshape(inputs[2], [g * h, h]), perm=[1, 0])
-    weights = _Weights(emit.split(rt, 1, [2 * h, h]) if cell.op == "GRU" else [rt])
-    xw = emit.one("MatMul", x, wt)
+    r = emit.reshape(inputs[2], [g * h, h])
+    weights = _Weights(emit.reshape(inputs[1], [g * h, -1]),
+                       emit.split(r, 0, [2 * h, h]) if cell.op == "GRU" else [r])
     if 3 in inputs:
-        bias_x, weights.bias_rh = _biases(cell, inputs[3], emit)
-        xw = emit.one("Add", xw, bias_x)
+        weights.bias_x, weights.bias_rh = _biases(cell, inputs[3], emit)
+    elif emit.opset < 11:   # Gemm's C is optional from opset 11 on
+        weights.bias_x = emit.const(np.zeros(g * h))
+        if cell.op == "GRU" and cell.linear_before_reset:
+            weights.bias_rh = emit.const(np.zeros(h))
     if 7 in inputs:
         weights.peep = emit.split(emit.reshape(inputs[7], [3 * h]), 0, [h] * 3)
-    steps = emit.split(xw, 0, [batch] * seq)
-    zeros = None
-    if 5 not in inputs or (cell.op == "LSTM" and 6 not in inputs):
-        zeros = emit.const(np.zeros((batch, h)))
-    state = emit.reshape(inputs[5], [batch, h]) if 5 in inputs else zeros
-    cell_state = None
-    if cell.op == "LSTM":
-        cell_state = emit.reshape(inputs[6], [batch, h]) if 6 in inputs else zeros
-    ys: list[str] = [""] * seq
-    for t in (reversed(range(seq)) if reverse else range(seq)):
+    state = emit.reshape(inputs[5], [batch, h]) if 5 in inputs else None
+    cell_state = emit.reshape(inputs[6], [batch, h]) if 6 in inputs else None
+    ys: list[str] = [""] * len(xs)
+    for t in (reversed(range(len(xs))) if reverse else range(len(xs))):
+        xw = emit.one("Gemm", *([xs[t], weights.w] + ([weights.bias_x] if weights.bias_x
+                                                      else [])), transB=1)
         if cell.op == "LSTM":
-            state, cell_state = _lstm_step(cell, steps[t], (state, cell_state), weights, emit)
+            state, cell_state = _lstm_step(cell, xw, (state, cell_state), weights, emit)
         elif cell.op == "GRU":
-            state = _gru_step(cell, steps[t], state, weights, emit)
+            state = _gru_step(cell, xw, state, weights, emit)
         else:
-            state = emit.gate(emit.one("Add", steps[t], emit.one("MatMul", state,
-                                                                   weights.rt[0])), cell, 0)
+            state = emit.gate(_recur(emit, state, weights.r[0], xw), cell, 0)
         ys[t] = state
-    y = emit.one("Concat", *ys, axis=0) if seq > 1 else ys[0]
+    y = emit.one("Concat", *ys, axis=0) if len(ys) > 1 else ys[0]
     return y, state, cell_state
 
 
+def _recur(emit: _Emit, h_prev: str | None, r: str, added: str) -> str:
+    """``h_prev @ r.T + added``; ``added`` alone where the state is zero."""
+    return added if h_prev is None else emit.one("Gemm", h_prev, r, added, transB=1)
+
+
 def _biases(cell: _Cell, b: str, emit: _Emit) -> tuple[str, str | None]:
-    """B's part added to the input projection, and a GRU's candidate recurrence bias that
+    """B's part added to the input product, and a GRU's candidate recurrence bias that
     ``linear_before_reset`` keeps inside the reset gate's product."""
     g, h = _GATES[cell.op], cell.hidden
     wb, rb = emit.split(emit.reshape(b, [2 * g * h]), 0, [g * h, g * h])
@@ -282,17 +291,19 @@ def _biases(cell: _Cell, b: str, emit: _Emit) -> tuple[str, str | None]:
     return emit.one("Add", wb, rb), None
 
 
-def _lstm_step(cell: _Cell, xw: str, states: tuple[str, str], weights: _Weights,
-               emit: _Emit) -> tuple[str, str]:
+def _lstm_step(cell: _Cell, xw: str, states: tuple[str | None, str | None],
+               weights: _Weights, emit: _Emit) -> tuple[str, str]:
     """Gates i, o, f, c (ONNX's order); peepholes read C(t-1) for i and f, C(t) for o."""
     h_prev, c_prev = states
-    pre = emit.one("Add", xw, emit.one("MatMul", h_prev, weights.rt[0]))
+    pre = _recur(emit, h_prev, weights.r[0], xw)
     i, o, f, c = emit.split(pre, 1, [cell.hidden] * 4)
-    if weights.peep:
+    if weights.peep and c_prev is not None:
         i = emit.one("Add", i, emit.one("Mul", weights.peep[0], c_prev))
         f = emit.one("Add", f, emit.one("Mul", weights.peep[2], c_prev))
-    i, f, c = emit.gate(i, cell, 0), emit.gate(f, cell, 0), emit.gate(c, cell, 1)
-    c_new = emit.one("Add", emit.one("Mul", f, c_prev), emit.one("Mul", i, c))
+    i, c = emit.gate(i, cell, 0), emit.gate(c, cell, 1)
+    c_new = emit.one("Mul", i, c)
+    if c_prev is not None:   # f * 0 adds nothing: the forget gate is not even computed
+        c_new = emit.one("Add", emit.one("Mul", emit.gate(f, cell, 0), c_prev), c_new)
     if weights.peep:
         o = emit.one("Add", o, emit.one("Mul", weights.peep[1], c_new))
     o = emit.gate(o, cell, 0)
@@ -300,22 +311,24 @@ def _lstm_step(cell: _Cell, xw: str, states: tuple[str, str], weights: _Weights,
     return h_new, c_new
 
 
-def _gru_step(cell: _Cell, xw: str, h_prev: str, weights: _Weights, emit: _Emit) -> str:
+def _gru_step(cell: _Cell, xw: str, h_prev: str | None, weights: _Weights,
+              emit: _Emit) -> str:
     """Gates z, r, h (ONNX's order); H(t) = h + z * (H(t-1) - h), i.e. (1 - z) h + z H."""
     h = cell.hidden
     x_zr, x_h = emit.split(xw, 1, [2 * h, h])
-    zr = emit.gate(emit.one("Add", x_zr, emit.one("MatMul", h_prev, weights.rt[0])),
-                   cell, 0)
+    zr = emit.gate(_recur(emit, h_prev, weights.r[0], x_zr), cell, 0)
     z, r = emit.split(zr, 1, [h, h])
     if cell.linear_before_reset:
-        hh = emit.one("MatMul", h_prev, weights.rt[1])
-        if weights.bias_rh:
-            hh = emit.one("Add", hh, weights.bias_rh)
-        pre_h = emit.one("Add", x_h, emit.one("Mul", r, hh))
+        hh = weights.bias_rh if h_prev is None else emit.one(
+            "Gemm", *([h_prev, weights.r[1]] + ([weights.bias_rh] if weights.bias_rh
+                                                 else [])), transB=1)
+        pre_h = x_h if hh is None else emit.one("Add", x_h, emit.one("Mul", r, hh))
     else:
-        pre_h = emit.one("Add", x_h, emit.one("MatMul", emit.one("Mul", r, h_prev),
-                                               weights.rt[1]))
+        pre_h = x_h if h_prev is None else _recur(emit, emit.one("Mul", r, h_prev),
+                                                  weights.r[1], x_h)
     cand = emit.gate(pre_h, cell, 1)
+    if h_prev is None:
+        return emit.one("Sub", cand, emit.one("Mul", z, cand))
     return emit.one("Add", cand, emit.one("Mul", z, emit.one("Sub", h_prev, cand)))
 
 
