@@ -297,11 +297,14 @@ def _report_export_map(sources: dict[str, ParameterSource], source: str,
         warnings.warn(
             f"{source}: {len(emap.folded)} PyTorch parameter(s) are no longer in the file: "
             "the exporter's optimizer folded them into constants (a zero bias it removed) "
-            f"or into other weights (a BatchNorm into its convolution): {_some(emap.folded)}. "
-            "They stay fixed at their values at export, and memcc "
-            "export writes no value for them (load with load_state_dict(..., strict=False): "
-            "the module keeps the values it was exported with, the ones the step used). To "
-            f"train them, export with {KEEP_EVERY_PARAMETER}.", ExportWarning, stacklevel=3)
+            "or into other weights (a BatchNorm into its convolution, an LSTM's or GRU's "
+            f"weights into its gate-ordered W, R and B): {_some(emap.folded)}. What was "
+            "folded into a constant stays fixed at its value at export; a weight it was "
+            "folded into trains under the exporter's name. memcc export writes no value for "
+            "them under their PyTorch names (load with load_state_dict(..., strict=False): "
+            "the module keeps the values it was exported with). To train and export them "
+            f"as PyTorch has them, export with {KEEP_EVERY_PARAMETER}.", ExportWarning,
+            stacklevel=3)
     if emap.unused:
         warnings.warn(
             f"{source}: {len(emap.unused)} PyTorch parameter(s) are not read by the exported "
