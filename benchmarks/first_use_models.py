@@ -127,7 +127,47 @@ CASES = [
     ("lstm_lm.noopt.train", "rnn_lstm_lm", "dynamo_noopt", True, 8, 35, False),
     ("gru_clf.dynamo.train.dyn", "rnn_gru_clf", "dynamo", True, 8, 48, True),
     ("gru_clf.ts.eval", "rnn_gru_clf", "torchscript", False, 8, 48, False),
+    # transformers audio models (session 30; batch, samples or mel frames). wav2vec2 and
+    # HuBERT do not export with dynamo (torch.export fails on their feature extractor).
+    ("wav2vec2.ts.train", "audio_wav2vec2", "torchscript", True, 2, 1600, False),
+    ("hubert.ts.eval", "audio_hubert", "torchscript", False, 2, 1600, False),
+    ("whisper.noopt.train", "audio_whisper", "dynamo_noopt", True, 2, 100, False),
 ]
+
+
+def _audio(model_name: str, batch: int, size: int):
+    """A transformers audio classifier at a small size (layer drop off: an export traces
+    one draw of it), its waveform (``size`` samples) or log-mel input (``size`` frames)."""
+    import transformers as T
+    speech = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                  intermediate_size=64, conv_dim=(16, 16, 16), conv_stride=(5, 2, 2),
+                  conv_kernel=(10, 3, 3), num_labels=10, num_conv_pos_embeddings=16,
+                  num_conv_pos_embedding_groups=4, apply_spec_augment=False, layerdrop=0.0)
+    if model_name == "audio_wav2vec2":
+        model = T.Wav2Vec2ForSequenceClassification(T.Wav2Vec2Config(**speech))
+    elif model_name == "audio_hubert":
+        model = T.HubertForSequenceClassification(T.HubertConfig(**speech))
+    else:
+        model = T.WhisperForAudioClassification(T.WhisperConfig(
+            d_model=32, encoder_layers=2, decoder_layers=1, encoder_attention_heads=2,
+            decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64,
+            num_mel_bins=16, max_source_positions=size // 2, num_labels=10,
+            encoder_layerdrop=0.0))
+    key = "input_features" if model_name == "audio_whisper" else "input_values"
+    x = torch.randn(batch, 16, size) if model_name == "audio_whisper" \
+        else torch.randn(batch, size)
+    return _Logits(model, key), (x,), [key]
+
+
+class _Logits(torch.nn.Module):
+    """A transformers model called with one named input; its logits."""
+
+    def __init__(self, model: torch.nn.Module, key: str) -> None:
+        super().__init__()
+        self.m, self.key = model, key
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.m(**{self.key: x}).logits
 
 
 class WordLM(torch.nn.Module):
@@ -168,6 +208,8 @@ def _inputs(model_name: str, batch: int, size: int):
     """(module, example inputs, input names) for a case: an image model's one image batch,
     or a transformers model (``hf_<arch>``, benchmarks/transformers_sweep.py's configs)
     with token ids of ``size`` tokens (images of ``size`` px for its vision models)."""
+    if model_name.startswith("audio_"):
+        return _audio(model_name, batch, size)
     if model_name.startswith("rnn_"):
         model = {"rnn_lstm_lm": WordLM, "rnn_gru_clf": GRUClassifier}[model_name]()
         return model, (torch.randint(0, 2000, (batch, size)),), ["input_ids"]
