@@ -78,17 +78,9 @@ def test_real_export_matches_and_the_trained_forward_model_has_its_logits(tmp_pa
     plain = build_training_step(load_graph(path, dims), BuildOptions())
     chunked_step = build_training_step(load_graph(path, dims), BuildOptions(loss_chunks=4))
     compare(plain, chunked_step)
-    step_path = tmp_path / "step.onnx"
-    save_graph(chunked_step, step_path)
-    trainer = Trainer(step_path, threads=1)
-    feeds = synthetic_feeds(trainer.graph, seed=0)
-    trainer.step(feeds)
-    out = trainer.export(tmp_path / "trained.onnx")
-    exported = onnx.load(str(out))
+    out, logits = _trained_forward(chunked_step, tmp_path / "chunked")
     forward_outputs = list(TrainingStep(chunked_step).forward_outputs)
-    assert [o.name for o in exported.graph.output] == forward_outputs
-    data = {i.name: feeds[i.name] for i in exported.graph.input}
-    logits = ort.InferenceSession(str(out)).run(None, data)[0]
+    assert [o.name for o in onnx.load(str(out)).graph.output] == forward_outputs
     assert logits.shape == chunked_step.info[forward_outputs[0]].shape
     assert np.isfinite(logits).all()
 
@@ -134,27 +126,26 @@ def test_a_projection_with_a_bias_is_chunked_and_exported_with_it(tmp_path, expo
     assert sum(n.op_type == "LogSoftmax" for n in chunked_step.nodes) == 3
     assert TrainingStep(chunked_step).loss_projection["bias"] == "out.bias"
     compare(plain, chunked_step)
-    step_path = tmp_path / "step.onnx"
-    save_graph(chunked_step, step_path)
-    trainer = Trainer(step_path, threads=1)
-    feeds = synthetic_feeds(trainer.graph, seed=0)
-    trainer.step(feeds)
-    out = trainer.export(tmp_path / "trained.onnx")
-    data = {i.name: feeds[i.name] for i in onnx.load(str(out)).graph.input}
-    logits = ort.InferenceSession(str(out)).run(None, data)[0]
+    _, logits = _trained_forward(chunked_step, tmp_path / "chunked")
     # The trained forward model's logits, against the plain step's forward after the same
     # step: both read the same trained weights (within the chunks' rounding).
-    plain_trainer = Trainer(_saved(plain, tmp_path / "plain.onnx"), threads=1)
-    plain_trainer.step(feeds)
-    ref_path = plain_trainer.export(tmp_path / "plain_trained.onnx")
-    ref = ort.InferenceSession(str(ref_path)).run(None, data)[0]
+    _, ref = _trained_forward(plain, tmp_path / "plain")
     np.testing.assert_allclose(logits, ref, rtol=1e-4, atol=1e-5)
     assert np.abs(ref).max() > 0.5
 
 
-def _saved(graph: Graph, path):
-    save_graph(graph, path)
-    return path
+def _trained_forward(step: Graph, folder) -> tuple:
+    """One training step on synthetic batch 0, then the exported forward model's path and
+    its first output on that batch."""
+    folder.mkdir()
+    step_path = folder / "step.onnx"
+    save_graph(step, step_path)
+    trainer = Trainer(step_path, threads=1)
+    feeds = synthetic_feeds(trainer.graph, seed=0)
+    trainer.step(feeds)
+    out = trainer.export(folder / "trained.onnx")
+    data = {i.name: feeds[i.name] for i in onnx.load(str(out)).graph.input}
+    return out, ort.InferenceSession(str(out)).run(None, data)[0]
 
 
 def test_what_it_cannot_take_is_refused_clearly():
