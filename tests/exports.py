@@ -212,6 +212,29 @@ class Recurrent(nn.Module):
         return self.head(torch.cat([y[:, -1], y.mean(1)], dim=-1))
 
 
+class TopKMixture(nn.Module):
+    """A mixture of experts routed by ``torch.topk``: each token's router probabilities,
+    its top 2 of 4 experts renormalised and scattered into dense weights, every expert run
+    densely and summed by those weights (how small MoE layers are written when the
+    experts' grouped kernels do not export). The router learns through TopK's values."""
+
+    def __init__(self, dropout: float = 0.0, classes: int = 4, width: int = 8) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(100, width)
+        self.router = nn.Linear(width, 4)
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(width, 16), nn.GELU(),
+                                                   nn.Linear(16, width)) for _ in range(4))
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(input_ids)
+        probs = self.router(h).softmax(-1)
+        top, idx = probs.topk(2, dim=-1)
+        weights = torch.zeros_like(probs).scatter(-1, idx, top / top.sum(-1, keepdim=True))
+        mixed = sum(weights[..., e:e + 1] * expert(h) for e, expert in enumerate(self.experts))
+        return self.head((h + mixed).mean(1))
+
+
 class ConvNeXtBlock(nn.Module):
     """ConvNeXt block: 7x7 depthwise conv, channels-last LayerNorm, Linear/GELU(erf), scale."""
 
@@ -464,6 +487,7 @@ EXTRA_FAMILIES: dict[str, Family] = {
     "std_conv": Family(StdConv, lambda s, g: _image(s, g, 8), _BATCH, {0: "batch"}),
     "lstm": Family(lambda p: Recurrent(nn.LSTM(8, 6, batch_first=True)), _tokens,
                    {"input_ids": {0: "batch"}}, {0: "batch"}, _SEQ),
+    "moe": Family(TopKMixture, _tokens, {"input_ids": {0: "batch"}}, {0: "batch"}, _SEQ),
     "gru": Family(lambda p: Recurrent(nn.GRU(8, 6, num_layers=2, batch_first=True,
                                              bidirectional=True)), _tokens,
                   {"input_ids": {0: "batch"}}, {0: "batch"}, _SEQ),

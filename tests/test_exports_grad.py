@@ -142,18 +142,21 @@ def test_weight_standardised_convolution_trains_by_batch_statistics():
                            step_outputs(planned, feeds, "cpu"), exact=True) == []
 
 
-@pytest.mark.parametrize("family", ["lstm", "gru"])
+@pytest.mark.parametrize("family", ["lstm", "gru", "moe"])
 @pytest.mark.parametrize("exporter", ["torchscript", DYNAMO_NOOPT])
-def test_recurrent_step_gradients_match_torch(family, exporter):
+def test_token_model_gradients_match_torch(family, exporter):
     """nn.LSTM and a two-layer bidirectional nn.GRU, exported as ONNX LSTM / GRU nodes and
-    unrolled at load (memcc/frontend/recurrent.py): loss and every gradient are torch's
-    (backpropagation through time), at 2 and 4 threads; a plan that recomputes every
-    forward value it may gives the same bits as the step. (The dynamo exporter's optimizer
-    folds torch's weights into gate-reordered W, R and B initializers: those train, but
-    under no PyTorch name, so they cannot be matched to torch's here.)"""
+    unrolled at load (memcc/frontend/recurrent.py), and a mixture of experts routed by
+    torch.topk (TopK's gradient rule): loss and every gradient are torch's
+    (backpropagation through time; through the top-k values to the router), at 2 and 4
+    threads; a plan that recomputes every forward value it may gives the same bits as the
+    step. (The dynamo exporter's optimizer folds torch's LSTM weights into gate-reordered
+    W, R and B initializers: those train, but under no PyTorch name, so they cannot be
+    matched to torch's here.)"""
     path, module, inputs, dims = export(family, exporter, training=True)
     graph = load_graph(path, dims)
     assert not any(n.op_type in ("LSTM", "GRU") for n in graph.nodes)
+    assert family != "moe" or any(n.op_type == "TopK" for n in graph.nodes)
     step = build_training_step(graph, BuildOptions(optimizer="none"))
     labels = np.random.default_rng(0).integers(0, 4, size=(2,)).astype(np.int64)
     feeds = {**inputs, "labels": labels}

@@ -307,3 +307,17 @@ def test_float_mod():
     nodes = [helper.make_node("Mod", ["a", "b"], ["y"], fmod=1)]
     m = make_model(nodes, [("a", FLOAT, [3, 4]), ("b", FLOAT, [4])], [("y", FLOAT, [3, 4])])
     check(m, feeds, lambda a, b: torch.fmod(a, b), ["a", "b"])
+
+
+@pytest.mark.parametrize("axis,largest", [(-1, 1), (0, 0)])
+def test_topk_values(axis, largest):
+    """A mixture of experts' router: the top-k values carry the gradient back to the
+    positions they came from; the rest get zero."""
+    feeds = {"x": rand(4, 6)}
+    nodes = [helper.make_node("Constant", [], ["k"], value=helper.make_tensor(
+                 "k", INT64, [1], [3])),
+             helper.make_node("TopK", ["x", "k"], ["y", "idx"], axis=axis, largest=largest)]
+    out_shape = [4, 3] if axis == -1 else [3, 6]
+    m = make_model(nodes, [("x", FLOAT, [4, 6])], [("y", FLOAT, out_shape)])
+    check(m, feeds, lambda x: torch.topk(x, 3, dim=axis, largest=bool(largest)).values,
+          ["x"])

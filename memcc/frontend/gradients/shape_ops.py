@@ -617,6 +617,22 @@ def _gather_elements_grad(ctx: GradContext, node: onnx.NodeProto, gouts: Grads) 
     return [gx, None]
 
 
+@register("TopK")
+def _topk_grad(ctx: GradContext, node: onnx.NodeProto, gouts: Grads) -> Grads:
+    """The values' gradient scattered back to where they were taken (a mixture of experts'
+    router weights, torch.topk): TopK's indices are distinct along its axis, so a plain
+    ScatterElements into zeros is exact and deterministic, no reduction needed."""
+    x = node.input[0]
+    if gouts[0] is None or not ctx.needs_grad(x):
+        return [None] * len(node.input)
+    x_info = ctx.info(x)
+    axis = norm_axis(int(attr(node, "axis", -1)), len(x_info.shape))
+    zeros = ctx.emit.zeros(x_info.shape, x_info.dtype)
+    gx = ctx.emit.op("ScatterElements", [zeros, node.output[1], gouts[0]], axis=axis,
+                     info=x_info)
+    return [gx] + [None] * (len(node.input) - 1)
+
+
 # ---------------------------------------------------------------------------- rearrangements
 def _block_rearrangement(node: onnx.NodeProto, x_shape: Sequence[int]) -> tuple[list[int],
                                                                                  list[int]]:
