@@ -107,6 +107,9 @@ UNARY = [
     ("LeakyRelu", {}, F.leaky_relu, (-2, 2), 17),
     ("Elu", {"alpha": 0.7}, lambda x: F.elu(x, 0.7), (-2, 2), 17),
     ("Selu", {}, F.selu, (-2, 2), 17),
+    ("Celu", {"alpha": 0.7}, lambda x: F.celu(x, 0.7), (-2, 2), 17),
+    ("Celu", {}, F.celu, (-2, 2), 20),
+    ("Atan", {}, torch.atan, (-3, 3), 17),
     ("Softplus", {}, F.softplus, (-3, 3), 17),
     ("HardSigmoid", {"alpha": 1.0 / 6.0}, F.hardsigmoid, (-4, 4), 17),
     ("HardSigmoid", {}, lambda x: torch.clamp(0.2 * x + 0.5, 0, 1), (-4, 4), 17),
@@ -116,6 +119,16 @@ UNARY = [
     ("Gelu", {"approximate": "tanh"}, lambda x: F.gelu(x, approximate="tanh"), (-3, 3), 20),
     ("Identity", {}, lambda x: x, (-2, 2), 17),
 ]
+
+
+@pytest.mark.parametrize("x_shape,slope_shape", [((3, 4), (1,)), ((3, 4), (4,)),
+                                                 ((2, 3, 4, 5), (3, 1, 1))])
+def test_prelu(x_shape, slope_shape):
+    """torch.nn.PReLU, one slope or one per channel (the dynamo exporter writes PRelu at
+    opsets whose function body onnx cannot inline)."""
+    feeds = {"x": rand(*x_shape), "slope": rand(*slope_shape, lo=0.05, hi=0.5)}
+    check([node("PRelu", ["x", "slope"])], feeds,
+          lambda x, slope: torch.where(x > 0, x, slope * x), ["x", "slope"], opset=20)
 
 
 @pytest.mark.parametrize("op,attrs,fn,dom,opset", UNARY,

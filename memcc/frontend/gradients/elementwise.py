@@ -392,6 +392,38 @@ def _elu(ctx: GradContext, node: onnx.NodeProto, x: str, y: str, g: str) -> str:
     return select(ctx, pos, g, neg_branch)
 
 
+@_unary("Celu")
+def _celu(ctx: GradContext, node: onnx.NodeProto, x: str, y: str, g: str) -> str:
+    """For x <= 0, dy/dx = exp(x / alpha) = y / alpha + 1, read off the saved output (as
+    torch's celu backward: 1 where x > 0)."""
+    alpha = float(attr(node, "alpha", 1.0))
+    pos = compare(ctx, "Greater", x, scalar_like(ctx, 0.0, x))
+    neg_branch = ctx.emit.mul(g, ctx.emit.add(scale(ctx, y, 1.0 / alpha),
+                                              scalar_like(ctx, 1.0, y)))
+    return select(ctx, pos, g, neg_branch)
+
+
+@_unary("Atan")
+def _atan(ctx: GradContext, node: onnx.NodeProto, x: str, y: str, g: str) -> str:
+    e = ctx.emit
+    return e.div(g, e.add(scalar_like(ctx, 1.0, x), e.mul(x, x)))
+
+
+@register("PRelu")
+@_on_output_grad
+def _prelu(ctx: GradContext, node: onnx.NodeProto, g: str, out: Grads) -> Grads:
+    """y = x where x > 0, else slope * x (torch.nn.PReLU; the slope broadcasts over x)."""
+    x, slope = node.input[0], node.input[1]
+    e = ctx.emit
+    pos = compare(ctx, "Greater", x, scalar_like(ctx, 0.0, x))
+    if _wants(ctx, node, 0):
+        out[0] = select(ctx, pos, g, e.mul(g, slope))
+    if _wants(ctx, node, 1):
+        out[1] = unbroadcast(ctx, select(ctx, pos, scalar_like(ctx, 0.0, g), e.mul(g, x)),
+                             slope)
+    return out
+
+
 @_unary("Selu")
 def _selu(ctx: GradContext, node: onnx.NodeProto, x: str, y: str, g: str) -> str:
     alpha = float(attr(node, "alpha", 1.67326319217681884765625))
