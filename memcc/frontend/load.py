@@ -378,6 +378,10 @@ def _run_for_types(model: onnx.ModelProto, names: list[str], arrays: Arrays
     import onnxruntime as ort
 
     m = with_weights(model, arrays)  # a copy, its stubs filled
+    # ORT plans buffers by the shapes recorded in value_info: one that inference merged
+    # wrongly (a SequenceAt of unequal parts, timm's EfficientViT-M0 by dynamo) fails the
+    # run ("Shape mismatch attempting to re-use buffer"); ORT infers what it needs itself.
+    del m.graph.value_info[:]
     existing = {o.name for o in m.graph.output}
     for name in names:
         if name not in existing:
