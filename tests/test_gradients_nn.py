@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from gradcheck import FLOAT, check_against_torch, grad_graph, make_model, onnx_grads
-from onnx import helper
+from onnx import TensorProto, helper
 
 from memcc.errors import GradientError
 from memcc.frontend.load import load_graph
@@ -423,3 +423,27 @@ def test_rotary_embedding_opset23():
 def test_mish_opset18():
     feeds = {"x": rand(3, 5)}
     check(_opset_model("Mish", feeds, (3, 5), 18), feeds, lambda x: F.mish(x), ["x"])
+
+
+@pytest.mark.parametrize("kernel,stride,pad,dilation", [
+    ((3, 3), (1, 1), (1, 1), (1, 1)), ((3, 3), (2, 2), (1, 1), (1, 1)),
+    ((2, 3), (2, 1), (0, 1), (1, 2))])
+def test_col2im_is_unfolded_back(kernel, stride, pad, dilation):
+    """Col2Im (torch's F.fold, VOLO's outlook attention) against torch: its gradient is
+    F.unfold of the image's gradient, written as a Conv with one-hot kernels."""
+    image = (7, 6)
+    cols_per = [(image[i] + 2 * pad[i] - dilation[i] * (kernel[i] - 1) - 1) // stride[i] + 1
+                for i in range(2)]
+    c = 3
+    cols = np.random.default_rng(0).standard_normal(
+        (2, c * kernel[0] * kernel[1], cols_per[0] * cols_per[1])).astype(np.float32)
+    nodes = [helper.make_node("Constant", [], ["img"], value=helper.make_tensor(
+                 "img", TensorProto.INT64, [2], list(image))),
+             helper.make_node("Constant", [], ["blk"], value=helper.make_tensor(
+                 "blk", TensorProto.INT64, [2], list(kernel))),
+             helper.make_node("Col2Im", ["cols", "img", "blk"], ["y"], strides=list(stride),
+                              pads=[pad[0], pad[1], pad[0], pad[1]], dilations=list(dilation))]
+    m = make_model(nodes, [("cols", FLOAT, list(cols.shape))], [("y", FLOAT, [2, c, *image])],
+                   opset=18)
+    check(m, {"cols": cols}, lambda cols: F.fold(cols, image, kernel, dilation=dilation,
+                                                   padding=pad, stride=stride), ["cols"])

@@ -554,6 +554,43 @@ def batchnorm_train_backward(ctx: GradContext, node: onnx.NodeProto, gy: str,
     return [gx, gs, gb] + [None] * (len(node.input) - 3)
 
 
+@register("Col2Im")
+def _col2im_grad(ctx: GradContext, node: onnx.NodeProto, gouts: Grads) -> Grads:
+    """Col2Im sums each column into the image patch it came from (``nn.Fold``; VOLO's
+    outlook attention); its adjoint takes the patches apart again (``nn.Unfold``): a
+    Conv with one-hot kernels, one output channel per kernel position, grouped by image
+    channel, so channel ``c * kH * kW + k`` of the result is the image's channel ``c`` seen
+    at kernel position ``k``, as the columns are laid out. Each output is one input value
+    times 1: exact."""
+    cols = node.input[0]
+    if gouts[0] is None or not ctx.needs_grad(cols):
+        return [None] * len(node.input)
+    block = ctx.constant_value(node.input[2])
+    if block is None or ctx.constant_value(node.input[1]) is None:
+        raise GradientError(f"{node_label(node)}: Col2Im's image and block shapes must be "
+                            "constants for its gradient")
+    kernel = [int(k) for k in np.asarray(block).reshape(-1)]
+    c_info, g_info = ctx.info(cols), ctx.info(gouts[0])
+    channels, positions, dims = g_info.shape[1], int(np.prod(kernel)), len(kernel)
+    eye = np.eye(positions, dtype=onnx.helper.tensor_dtype_to_np_dtype(g_info.dtype))
+    one_hot = np.tile(eye.reshape(positions, 1, *kernel), (channels, 1) + (1,) * dims)
+    strides = list(attr(node, "strides", [1] * dims))
+    dilations = list(attr(node, "dilations", [1] * dims))
+    pads = list(attr(node, "pads", [0] * 2 * dims))
+    spatial = tuple((n + pads[i] + pads[i + dims] - dilations[i] * (k - 1) - 1) // strides[i] + 1
+                    for i, (n, k) in enumerate(zip(g_info.shape[2:], kernel, strict=True)))
+    emit = ctx.emit
+    patches = emit.op(
+        "Conv", [gouts[0], emit.const(one_hot, g_info.dtype, name="col2im_unfold")],
+        group=channels, kernel_shape=kernel, strides=strides, dilations=dilations, pads=pads,
+        info=TensorInfo(g_info.dtype, (g_info.shape[0], channels * positions, *spatial)))
+    return [emit.reshape(patches, list(c_info.shape))] + [None] * (len(node.input) - 1)
+
+
+def helper_dtype(dtype: int) -> np.dtype:
+    return onnx.helper.tensor_dtype_to_np_dtype(dtype)
+
+
 @register("InstanceNormalization")
 def _instancenorm_grad(ctx: GradContext, node: onnx.NodeProto, gouts: Grads) -> Grads:
     emit = ctx.emit
