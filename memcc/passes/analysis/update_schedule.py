@@ -25,6 +25,7 @@ reason.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -97,30 +98,56 @@ def schedule_updates_early(graph: Graph, step: TrainingStep | None = None,
                         need.update(id(r) for r in readers.get(v, ()) if id(r) not in inside)
         return need
 
-    pending = [(c, waits_for(c)) for c in cones]
     order: list[onnx.NodeProto] = []
     placed: set[int] = set()
+    # Each cone runs once every node it waits for is placed: a count of what it still
+    # waits for, and who waits for each node, so that placing a node touches only its
+    # waiters (a scan of every cone after every node took 35 s on timm's Sequencer2d-S,
+    # a 31,777-node step with 1,500 parameters' cones).
+    needs = [waits_for(c) for c in cones]
+    left = [len(need) for need in needs]
+    waiters: dict[int, list[int]] = {}
+    for k, need in enumerate(needs):
+        for x in need:
+            waiters.setdefault(x, []).append(k)
+    ready = [k for k, n in enumerate(left) if n == 0]
+    done = [False] * len(cones)
+
+    def place(n: onnx.NodeProto, newly: list[int]) -> None:
+        order.append(n)
+        placed.add(id(n))
+        for k in waiters.get(id(n), ()):
+            left[k] -= 1
+            if left[k] == 0:
+                newly.append(k)
 
     def emit_ready() -> None:
-        progress = True
-        while progress:
-            progress = False
-            for k, (cone, need) in enumerate(pending):
-                if cone is None or not need <= placed:
+        """The ready cones in index order, passes over them as a scan in index order
+        would make: a cone made ready by a later one runs in the next pass."""
+        nonlocal ready
+        while ready:
+            heap = sorted(set(ready))
+            ready = []
+            while heap:
+                k = heapq.heappop(heap)
+                if done[k]:
                     continue
-                for n in cone:
+                done[k] = True
+                newly: list[int] = []
+                for n in cones[k]:
                     if id(n) not in placed:
-                        order.append(n)
-                        placed.add(id(n))
-                pending[k] = (None, set())
-                progress = True
+                        place(n, newly)
+                for j in newly:
+                    if j > k:
+                        heapq.heappush(heap, j)
+                    else:
+                        ready.append(j)
 
     emit_ready()
     for n in nodes:
         if id(n) in is_update:
             continue
-        order.append(n)
-        placed.add(id(n))
+        place(n, ready)
         emit_ready()
     order += [n for n in nodes if id(n) not in placed]  # cones that never became ready
     return _ensure(graph, step, nodes, order, aliased)
