@@ -235,6 +235,27 @@ class TopKMixture(nn.Module):
         return self.head((h + mixed).mean(1))
 
 
+class SpatialTransformer(nn.Module):
+    """A spatial transformer network: a small localisation net predicts an affine warp
+    (``F.affine_grid``) and the image is resampled by it (``F.grid_sample``, bilinear)
+    before the classifier: gradients reach the localisation net through the grid."""
+
+    def __init__(self, dropout: float = 0.0, classes: int = 4) -> None:
+        super().__init__()
+        self.loc = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                                 nn.Flatten(), nn.Linear(4, 6))
+        with torch.no_grad():
+            self.loc[-1].weight.mul_(0.1)
+            self.loc[-1].bias.copy_(torch.tensor([1.0, 0.1, 0.0, -0.1, 1.0, 0.0]))
+        self.head = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(),
+                                  nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        theta = self.loc(x).view(-1, 2, 3)
+        grid = F.affine_grid(theta, list(x.shape), align_corners=False)
+        return self.head(F.grid_sample(x, grid, align_corners=False))
+
+
 class ConvNeXtBlock(nn.Module):
     """ConvNeXt block: 7x7 depthwise conv, channels-last LayerNorm, Linear/GELU(erf), scale."""
 
@@ -487,6 +508,7 @@ EXTRA_FAMILIES: dict[str, Family] = {
     "std_conv": Family(StdConv, lambda s, g: _image(s, g, 8), _BATCH, {0: "batch"}),
     "lstm": Family(lambda p: Recurrent(nn.LSTM(8, 6, batch_first=True)), _tokens,
                    {"input_ids": {0: "batch"}}, {0: "batch"}, _SEQ),
+    "stn": Family(SpatialTransformer, lambda s, g: _image(s, g, 12), _BATCH, {0: "batch"}),
     "moe": Family(TopKMixture, _tokens, {"input_ids": {0: "batch"}}, {0: "batch"}, _SEQ),
     "gru": Family(lambda p: Recurrent(nn.GRU(8, 6, num_layers=2, batch_first=True,
                                              bidirectional=True)), _tokens,

@@ -174,6 +174,26 @@ def test_token_model_gradients_match_torch(family, exporter):
                            step_outputs(planned, feeds, "cpu"), exact=True) == []
 
 
+@pytest.mark.parametrize("exporter", [DYNAMO_NOOPT, "dynamo"])
+def test_spatial_transformer_gradients_match_torch(exporter):
+    """F.affine_grid and F.grid_sample (GridSample's rule, memcc/frontend/gradients/
+    grid_sample.py): the localisation net learns through the sampling grid, every gradient
+    torch's at 2 and 4 threads. (TorchScript writes affine_grid only at opset 20.)"""
+    path, module, inputs, dims = export("stn", exporter, training=True)
+    graph = load_graph(path, dims)
+    assert any(n.op_type == "GridSample" for n in graph.nodes)
+    step = build_training_step(graph, BuildOptions(optimizer="none"))
+    labels = np.array([1, 3], np.int64)
+    runs = run_at_threads(step, {**inputs, "labels": labels})
+    m = copy.deepcopy(module)
+    loss = torch.nn.functional.cross_entropy(m(torch.from_numpy(inputs["x"])),
+                                             torch.from_numpy(labels))
+    loss.backward()
+    for threads, out in runs.items():
+        _assert_matches(f"stn/{exporter} at {threads} threads", out, step, m, loss.item(),
+                        bn_folded=False)
+
+
 def _assert_matches(where: str, out: dict[str, np.ndarray], step, m: torch.nn.Module,
                     ref_loss: float, *, bn_folded: bool) -> None:
     assert abs(float(out["loss"]) - ref_loss) <= 1e-4 * max(1.0, abs(ref_loss)), where

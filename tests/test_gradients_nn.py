@@ -447,3 +447,21 @@ def test_col2im_is_unfolded_back(kernel, stride, pad, dilation):
                    opset=18)
     check(m, {"cols": cols}, lambda cols: F.fold(cols, image, kernel, dilation=dilation,
                                                    padding=pad, stride=stride), ["cols"])
+
+
+@pytest.mark.parametrize("align,padding,opset", [(0, "zeros", 16), (1, "zeros", 16),
+                                                 (0, "border", 20), (1, "border", 16)])
+def test_grid_sample_bilinear(align, padding, opset):
+    """F.grid_sample (a spatial transformer's warp) against torch, for the image and the
+    grid, with sampling points inside, on and past the border."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((2, 3, 5, 6)).astype(np.float32)
+    grid = rng.uniform(-1.2, 1.2, (2, 4, 7, 2)).astype(np.float32)
+    mode = "linear" if opset >= 20 else "bilinear"
+    nodes = [helper.make_node("GridSample", ["x", "grid"], ["y"], mode=mode,
+                              padding_mode=padding, align_corners=align)]
+    m = make_model(nodes, [("x", FLOAT, [2, 3, 5, 6]), ("grid", FLOAT, [2, 4, 7, 2])],
+                   [("y", FLOAT, [2, 3, 4, 7])], opset=opset)
+    check(m, {"x": x, "grid": grid},
+          lambda x, grid: F.grid_sample(x, grid, mode="bilinear", padding_mode=padding,
+                                        align_corners=bool(align)), ["x", "grid"])

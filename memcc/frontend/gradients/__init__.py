@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 
-_MODULES = ("elementwise", "reduction", "shape_ops", "nn")
+_MODULES = ("elementwise", "reduction", "shape_ops", "nn", "grid_sample")
 _loaded = False
 
 
