@@ -428,3 +428,9 @@ def attr(node: onnx.NodeProto, name: str, default=None):
             return helper.get_attribute_value(a)
     return default
 
+
+def text_attr(node: onnx.NodeProto, name: str, default: str) -> str:
+    """A string attribute as ``str`` (onnx hands them back as ``bytes``)."""
+    value = attr(node, name, default)
+    return value.decode() if isinstance(value, bytes) else str(value)
+

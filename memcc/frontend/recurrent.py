@@ -31,11 +31,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import helper
 
 from memcc.errors import InputError
-from memcc.frontend.static_values import Namer, StaticValues, ValueTypes, node_attr
-from memcc.graph import node_label
+from memcc.frontend.static_values import (
+    Namer,
+    StaticValues,
+    ValueTypes,
+    const_node,
+    node_attr,
+)
+from memcc.graph import node_label, text_attr
 
 RECURRENT_OPS = frozenset({"LSTM", "GRU", "RNN"})
 _GATES = {"LSTM": 4, "GRU": 3, "RNN": 1}
@@ -57,6 +63,7 @@ class _Emit:
     dtype: np.dtype
     opset: int
     nodes: list[onnx.NodeProto] = field(default_factory=list)
+    consts: dict[tuple, str] = field(default_factory=dict)
 
     def op(self, op_type: str, inputs: list[str], outputs: int | list[str] = 1,
            **attrs) -> list[str]:
@@ -70,11 +77,14 @@ class _Emit:
         return self.op(op_type, list(inputs), **attrs)[0]
 
     def const(self, value, dtype=None) -> str:
-        out = self.fresh(f"{self.base}/const")
+        """One Constant per value (every step splits and clips by the same ones)."""
         arr = np.asarray(value, dtype if dtype is not None else self.dtype)
-        self.nodes.append(helper.make_node("Constant", [], [out], name=self.fresh(
-            f"{self.base}/Constant"), value=numpy_helper.from_array(arr, out)))
-        return out
+        key = (arr.dtype.str, arr.shape, arr.tobytes())
+        if key not in self.consts:
+            node = const_node(self.fresh, arr)
+            self.nodes.append(node)
+            self.consts[key] = node.output[0]
+        return self.consts[key]
 
     def reshape(self, x: str, shape: list[int]) -> str:
         return self.one("Reshape", x, self.const(shape, np.int64))
@@ -155,8 +165,7 @@ def unroll_recurrent(node: onnx.NodeProto, types: ValueTypes, consts: StaticValu
     layout = node_attr(node, "layout", 0)
     seq, batch = (x_type[1][1], x_type[1][0]) if layout else x_type[1][:2]
     _refuse_unsupported(node, consts, seq, where)
-    direction = node_attr(node, "direction", b"forward")
-    direction = direction.decode() if isinstance(direction, bytes) else direction
+    direction = text_attr(node, "direction", "forward")
     dirs = 2 if direction == "bidirectional" else 1
     emit = _Emit(fresh, node.name or node.output[0] or node.op_type,
                  helper.tensor_dtype_to_np_dtype(x_type[0]), consts.opset)

@@ -23,18 +23,14 @@ from onnx import TensorProto
 from memcc.errors import GradientError
 from memcc.frontend.gradients.registry import GradContext, register
 from memcc.frontend.gradients.shape_ops import Grads
-from memcc.graph import TensorInfo, attr, node_label
-
-
-def _text(node: onnx.NodeProto, name: str, default: str) -> str:
-    v = attr(node, name, default)
-    return v.decode() if isinstance(v, bytes) else v
+from memcc.graph import TensorInfo, attr, node_label, text_attr
 
 
 @register("GridSample")
 def _grid_sample_grad(ctx: GradContext, node: onnx.NodeProto, gouts: Grads) -> Grads:
     x, grid = node.input[0], node.input[1]
-    mode, padding = _text(node, "mode", "bilinear"), _text(node, "padding_mode", "zeros")
+    mode = text_attr(node, "mode", "bilinear")
+    padding = text_attr(node, "padding_mode", "zeros")
     x_info = ctx.info(x)
     if mode not in ("bilinear", "linear") or padding not in ("zeros", "border") \
             or len(x_info.shape) != 4:
@@ -44,7 +40,7 @@ def _grid_sample_grad(ctx: GradContext, node: onnx.NodeProto, gouts: Grads) -> G
             f"padding_mode={padding}, rank {len(x_info.shape)}")
     if gouts[0] is None:
         return [None, None]
-    s = _Sampling.of(ctx, node, grid, padding == "border")
+    s = _Sampling(ctx, node, padding == "border")
     out: Grads = [None, None]
     if ctx.needs_grad(x):
         out[0] = s.image_grad(gouts[0])
@@ -57,24 +53,18 @@ class _Sampling:
     """The four corners' flat indices, weights and validity for every output position,
     emitted once and shared by the two gradients."""
 
-    def __init__(self, ctx: GradContext, node: onnx.NodeProto, shape: tuple[int, ...]) -> None:
+    def __init__(self, ctx: GradContext, node: onnx.NodeProto, border: bool) -> None:
         self.ctx, self.node, self.e = ctx, node, ctx.emit
-        self.n, self.c, self.h, self.w = shape
+        self.n, self.c, self.h, self.w = ctx.info(node.input[0]).shape
         self.dtype = ctx.info(node.input[0]).dtype
-
-    @classmethod
-    def of(cls, ctx: GradContext, node: onnx.NodeProto, grid: str, border: bool) -> _Sampling:
-        s = cls(ctx, node, tuple(ctx.info(node.input[0]).shape))
-        g_info = ctx.info(grid)
-        s.positions = int(np.prod(g_info.shape[1:3]))
+        self.positions = int(np.prod(ctx.info(node.input[1]).shape[1:3]))
         align = bool(attr(node, "align_corners", 0))
-        flat = s.e.reshape(grid, [s.n, s.positions, 2])
-        gx, gy = s.e.op("Split", [flat, s.e.ints([1, 1])], outputs=2, axis=2, info=[
-            TensorInfo(s.dtype, (s.n, s.positions, 1))] * 2)
-        s.x = s._axis(gx, s.w, align, border)
-        s.y = s._axis(gy, s.h, align, border)
-        s.corners = [s._corner(yk, xk) for yk in (0, 1) for xk in (0, 1)]
-        return s
+        flat = self.e.reshape(node.input[1], [self.n, self.positions, 2])
+        gx, gy = self.e.op("Split", [flat, self.e.ints([1, 1])], outputs=2, axis=2, info=[
+            TensorInfo(self.dtype, (self.n, self.positions, 1))] * 2)
+        self.x = self._axis(gx, self.w, align, border)
+        self.y = self._axis(gy, self.h, align, border)
+        self.corners = [self._corner(yk, xk) for yk in (0, 1) for xk in (0, 1)]
 
     def _const(self, value: float) -> str:
         return self.e.scalar(value, self.dtype)
@@ -113,9 +103,12 @@ class _Sampling:
                                              self._cmp("Less", xi, float(self.w))),
                            self._bool("And", self._cmp("GreaterOrEqual", yi, 0.0),
                                       self._cmp("Less", yi, float(self.h))))
-        flat = e.add(e.mul(yi, self._const(float(self.w))), xi)
-        flat = e.op("Where", [valid, flat, self._const(0.0)], info=self.ctx.info(flat))
-        index = e.expand(e.reshape(e.cast(flat, TensorProto.INT64), [self.n, 1, self.positions]),
+        # the flat index in int64: a float32 one is exact only up to 2**24 pixels
+        row, col = e.cast(yi, TensorProto.INT64), e.cast(xi, TensorProto.INT64)
+        flat = e.add(e.mul(row, e.scalar(self.w, TensorProto.INT64)), col)
+        flat = e.op("Where", [valid, flat, e.scalar(0, TensorProto.INT64)],
+                    info=self.ctx.info(flat))
+        index = e.expand(e.reshape(flat, [self.n, 1, self.positions]),
                          [self.n, self.c, self.positions])
         weight = e.mul(e.mul(self.y["w"][dy], self.x["w"][dx]), e.cast(valid, self.dtype))
         return {"index": index, "weight": e.reshape(weight, [self.n, 1, self.positions]),

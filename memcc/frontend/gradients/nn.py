@@ -30,7 +30,7 @@ from memcc.frontend.gradients.shape_ops import (
     static_value,
     tail,
 )
-from memcc.graph import TensorInfo, attr, node_label
+from memcc.graph import TensorInfo, attr, node_label, text_attr
 from memcc.step import tag_node
 
 
@@ -66,7 +66,7 @@ def _window(node: onnx.NodeProto, kernel: Sequence[int], in_sp: Sequence[int],
     nd = len(kernel)
     strides = list(attr(node, "strides", [1] * nd))
     dilations = list(attr(node, "dilations", [1] * nd))
-    auto_pad = _text(attr(node, "auto_pad"), "NOTSET")
+    auto_pad = text_attr(node, "auto_pad", "NOTSET")
     if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
         begins, ends = [], []
         for i in range(nd):
@@ -240,7 +240,7 @@ def _conv_transpose_window(node: onnx.NodeProto, kernel: Sequence[int], in_sp: S
     strides = list(attr(node, "strides", [1] * nd))
     dilations = list(attr(node, "dilations", [1] * nd))
     out_pad = list(attr(node, "output_padding", [0] * nd))
-    auto_pad = _text(attr(node, "auto_pad"), "NOTSET")
+    auto_pad = text_attr(node, "auto_pad", "NOTSET")
     pads = attr(node, "pads")
     if auto_pad == "VALID":
         begins = [0] * nd
@@ -566,9 +566,9 @@ def _col2im_grad(ctx: GradContext, node: onnx.NodeProto, gouts: Grads) -> Grads:
     if gouts[0] is None or not ctx.needs_grad(cols):
         return [None] * len(node.input)
     block = ctx.constant_value(node.input[2])
-    if block is None or ctx.constant_value(node.input[1]) is None:
-        raise GradientError(f"{node_label(node)}: Col2Im's image and block shapes must be "
-                            "constants for its gradient")
+    if block is None:
+        raise GradientError(f"{node_label(node)}: Col2Im's block shape must be a constant "
+                            "for its gradient")
     kernel = [int(k) for k in np.asarray(block).reshape(-1)]
     c_info, g_info = ctx.info(cols), ctx.info(gouts[0])
     channels, positions, dims = g_info.shape[1], int(np.prod(kernel)), len(kernel)
@@ -585,10 +585,6 @@ def _col2im_grad(ctx: GradContext, node: onnx.NodeProto, gouts: Grads) -> Grads:
         group=channels, kernel_shape=kernel, strides=strides, dilations=dilations, pads=pads,
         info=TensorInfo(g_info.dtype, (g_info.shape[0], channels * positions, *spatial)))
     return [emit.reshape(patches, list(c_info.shape))] + [None] * (len(node.input) - 1)
-
-
-def helper_dtype(dtype: int) -> np.dtype:
-    return onnx.helper.tensor_dtype_to_np_dtype(dtype)
 
 
 @register("InstanceNormalization")
@@ -669,7 +665,7 @@ def _resize_grad(ctx: GradContext, node: onnx.NodeProto, gouts: Grads) -> Grads:
     emit = ctx.emit
     x_info = ctx.info(node.input[0])
     y_info = ctx.info(node.output[0])
-    mode = _text(attr(node, "mode"), "nearest")
+    mode = text_attr(node, "mode", "nearest")
     if mode not in ("nearest", "linear", "cubic"):
         raise GradientError(f"{node_label(node)}: no gradient for Resize mode '{mode}'")
     if int(attr(node, "antialias", 0)):
@@ -723,7 +719,7 @@ def _resize_scales(ctx: GradContext, node: onnx.NodeProto, x_info: TensorInfo,
             for a, v in zip(axes, values, strict=True):
                 full[norm_axis(a, rank)] = v
             return full
-    policy = _text(attr(node, "keep_aspect_ratio_policy"), "stretch")
+    policy = text_attr(node, "keep_aspect_ratio_policy", "stretch")
     if policy != "stretch":
         raise GradientError(f"{node_label(node)}: keep_aspect_ratio_policy '{policy}' unsupported")
     return None
@@ -736,7 +732,7 @@ def _resize_matrix(node: onnx.NodeProto, n_in: int, n_out: int, scale: float | N
     from onnx import helper
     from onnx.reference import ReferenceEvaluator
 
-    mode = _text(attr(node, "mode"), "nearest")
+    mode = text_attr(node, "mode", "nearest")
     attrs = {"mode": mode}
     for key in ("coordinate_transformation_mode", "nearest_mode", "cubic_coeff_a",
                 "exclude_outside", "extrapolation_value"):

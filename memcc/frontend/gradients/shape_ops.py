@@ -20,7 +20,7 @@ from memcc.errors import GradientError
 from memcc.frontend.constants import constant_node_value, constant_value
 from memcc.frontend.emit import Emitter
 from memcc.frontend.gradients.registry import GradContext, register
-from memcc.graph import Graph, TensorInfo, attr, node_label
+from memcc.graph import Graph, TensorInfo, attr, node_label, text_attr
 
 Grads = list[str | None]
 
@@ -419,8 +419,7 @@ def _pad_params(ctx: GradContext, node: onnx.NodeProto, rank: int) -> tuple[list
 
 @register("Pad")
 def _pad_grad(ctx: GradContext, node: onnx.NodeProto, gouts: Grads) -> Grads:
-    mode = attr(node, "mode", b"constant")
-    mode = mode.decode() if isinstance(mode, bytes) else mode
+    mode = text_attr(node, "mode", "constant")
     emit = ctx.emit
     x_info = ctx.info(node.input[0])
     rank = len(x_info.shape)
@@ -641,8 +640,7 @@ def _block_rearrangement(node: onnx.NodeProto, x_shape: Sequence[int]) -> tuple[
     b = int(attr(node, "blocksize"))
     if node.op_type == "SpaceToDepth":
         return [n, c, h // b, b, w // b, b], [0, 3, 5, 1, 2, 4]
-    mode = attr(node, "mode", b"DCR")
-    mode = mode.decode() if isinstance(mode, bytes) else mode
+    mode = text_attr(node, "mode", "DCR")
     if mode == "CRD":
         return [n, c // (b * b), b, b, h, w], [0, 1, 4, 2, 5, 3]
     return [n, b, b, c // (b * b), h, w], [0, 3, 4, 1, 5, 2]
@@ -670,8 +668,7 @@ def _trilu_grad(ctx: GradContext, node: onnx.NodeProto, gouts: Grads) -> Grads:
 
 # ---------------------------------------------------------------------------- scatters
 def _scatter_reduction(node: onnx.NodeProto) -> str:
-    value = attr(node, "reduction", b"none")
-    return value.decode() if isinstance(value, bytes) else str(value)
+    return text_attr(node, "reduction", "none")
 
 
 @register("ScatterElements", "ScatterND")
