@@ -121,25 +121,13 @@ def test_weight_standardised_convolution_trains_by_batch_statistics():
     step = build_training_step(graph, BuildOptions(optimizer="none"))
     carried = [o for o in step.outputs if o.endswith(".new")]
     assert sorted(carried) == ["bn.running_mean.new", "bn.running_var.new"], carried
-    labels = np.random.default_rng(0).integers(0, 4, size=(2,)).astype(np.int64)
-    runs = run_at_threads(step, {**inputs, "labels": labels})
-    m = copy.deepcopy(module)
-    m.train(True)
-    loss = torch.nn.functional.cross_entropy(m(torch.from_numpy(inputs["x"])),
-                                             torch.from_numpy(labels))
-    loss.backward()
-    for threads, out in runs.items():
-        _assert_matches(f"std_conv at {threads} threads", out, step, m, loss.item(),
-                        bn_folded=False)
+    feeds = _matches_torch("std_conv", step, module, inputs)
     # A plan keeps the standardising BatchNorm's three outputs (ORT refuses a training-mode
     # BatchNormalization without them), though nothing reads two: same bits.
     st = StepStructure.of(step)
-    planned = apply_recompute(step, Plan(frozenset(st.recomputable)), st).graph
+    planned = _recompute_everything_gives_the_same_bits(step, feeds)
     assert all(len([o for o in n.output if o]) == 3 for n in planned.nodes
                if n.op_type == "BatchNormalization" and n.name in st.forward)
-    feeds = {**inputs, "labels": labels}
-    assert compare_outputs(step_outputs(step, feeds, "cpu"),
-                           step_outputs(planned, feeds, "cpu"), exact=True) == []
 
 
 @pytest.mark.parametrize("family", ["lstm", "gru", "moe"])
@@ -158,20 +146,8 @@ def test_token_model_gradients_match_torch(family, exporter):
     assert not any(n.op_type in ("LSTM", "GRU") for n in graph.nodes)
     assert family != "moe" or any(n.op_type == "TopK" for n in graph.nodes)
     step = build_training_step(graph, BuildOptions(optimizer="none"))
-    labels = np.random.default_rng(0).integers(0, 4, size=(2,)).astype(np.int64)
-    feeds = {**inputs, "labels": labels}
-    runs = run_at_threads(step, feeds)
-    m = copy.deepcopy(module)
-    loss = torch.nn.functional.cross_entropy(m(torch.from_numpy(inputs["input_ids"])),
-                                             torch.from_numpy(labels))
-    loss.backward()
-    for threads, out in runs.items():
-        _assert_matches(f"{family}/{exporter} at {threads} threads", out, step, m,
-                        loss.item(), bn_folded=False)
-    st = StepStructure.of(step)
-    planned = apply_recompute(step, Plan(frozenset(st.recomputable)), st).graph
-    assert compare_outputs(step_outputs(step, feeds, "cpu"),
-                           step_outputs(planned, feeds, "cpu"), exact=True) == []
+    feeds = _matches_torch(f"{family}/{exporter}", step, module, inputs)
+    _recompute_everything_gives_the_same_bits(step, feeds)
 
 
 @pytest.mark.parametrize("exporter", [DYNAMO_NOOPT, "dynamo"])
@@ -183,15 +159,34 @@ def test_spatial_transformer_gradients_match_torch(exporter):
     graph = load_graph(path, dims)
     assert any(n.op_type == "GridSample" for n in graph.nodes)
     step = build_training_step(graph, BuildOptions(optimizer="none"))
-    labels = np.array([1, 3], np.int64)
-    runs = run_at_threads(step, {**inputs, "labels": labels})
+    _matches_torch(f"stn/{exporter}", step, module, inputs)
+
+
+def _matches_torch(where: str, step, module: torch.nn.Module,
+                   inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The step (one input and labels of 4 classes, batch 2) against the module in train
+    mode at 2 and 4 threads, each run twice; returns the feeds."""
+    labels = np.random.default_rng(0).integers(0, 4, size=(2,)).astype(np.int64)
+    feeds = {**inputs, "labels": labels}
+    runs = run_at_threads(step, feeds)
     m = copy.deepcopy(module)
-    loss = torch.nn.functional.cross_entropy(m(torch.from_numpy(inputs["x"])),
-                                             torch.from_numpy(labels))
+    m.train(True)
+    loss = torch.nn.functional.cross_entropy(
+        m(**{k: torch.from_numpy(v) for k, v in inputs.items()}), torch.from_numpy(labels))
     loss.backward()
     for threads, out in runs.items():
-        _assert_matches(f"stn/{exporter} at {threads} threads", out, step, m, loss.item(),
+        _assert_matches(f"{where} at {threads} threads", out, step, m, loss.item(),
                         bn_folded=False)
+    return feeds
+
+
+def _recompute_everything_gives_the_same_bits(step, feeds: dict[str, np.ndarray]):
+    """The plan that recomputes every forward value it may: the step's bits; returns it."""
+    st = StepStructure.of(step)
+    planned = apply_recompute(step, Plan(frozenset(st.recomputable)), st).graph
+    assert compare_outputs(step_outputs(step, feeds, "cpu"),
+                           step_outputs(planned, feeds, "cpu"), exact=True) == []
+    return planned
 
 
 def _assert_matches(where: str, out: dict[str, np.ndarray], step, m: torch.nn.Module,

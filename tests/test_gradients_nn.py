@@ -425,28 +425,47 @@ def test_mish_opset18():
     check(_opset_model("Mish", feeds, (3, 5), 18), feeds, lambda x: F.mish(x), ["x"])
 
 
+IMAGE, C2I_CHANNELS = (7, 6), 3
+
+
+def _col2im_model(kernel, stride, pad, dilation):
+    cols_per = [(IMAGE[i] + 2 * pad[i] - dilation[i] * (kernel[i] - 1) - 1) // stride[i] + 1
+                for i in range(2)]
+    cols = [2, C2I_CHANNELS * kernel[0] * kernel[1], cols_per[0] * cols_per[1]]
+    nodes = [helper.make_node("Constant", [], ["img"], value=helper.make_tensor(
+                 "img", TensorProto.INT64, [2], list(IMAGE))),
+             helper.make_node("Constant", [], ["blk"], value=helper.make_tensor(
+                 "blk", TensorProto.INT64, [2], list(kernel))),
+             helper.make_node("Col2Im", ["cols", "img", "blk"], ["y"], strides=list(stride),
+                              pads=[pad[0], pad[1], pad[0], pad[1]], dilations=list(dilation))]
+    return make_model(nodes, [("cols", FLOAT, cols)], [("y", FLOAT, [2, C2I_CHANNELS, *IMAGE])],
+                      opset=18)
+
+
 @pytest.mark.parametrize("kernel,stride,pad,dilation", [
     ((3, 3), (1, 1), (1, 1), (1, 1)), ((3, 3), (2, 2), (1, 1), (1, 1)),
     ((2, 3), (2, 1), (0, 1), (1, 2))])
 def test_col2im_is_unfolded_back(kernel, stride, pad, dilation):
     """Col2Im (torch's F.fold, VOLO's outlook attention) against torch: its gradient is
     F.unfold of the image's gradient, written as a Conv with one-hot kernels."""
-    image = (7, 6)
-    cols_per = [(image[i] + 2 * pad[i] - dilation[i] * (kernel[i] - 1) - 1) // stride[i] + 1
-                for i in range(2)]
-    c = 3
-    cols = np.random.default_rng(0).standard_normal(
-        (2, c * kernel[0] * kernel[1], cols_per[0] * cols_per[1])).astype(np.float32)
-    nodes = [helper.make_node("Constant", [], ["img"], value=helper.make_tensor(
-                 "img", TensorProto.INT64, [2], list(image))),
-             helper.make_node("Constant", [], ["blk"], value=helper.make_tensor(
-                 "blk", TensorProto.INT64, [2], list(kernel))),
-             helper.make_node("Col2Im", ["cols", "img", "blk"], ["y"], strides=list(stride),
-                              pads=[pad[0], pad[1], pad[0], pad[1]], dilations=list(dilation))]
-    m = make_model(nodes, [("cols", FLOAT, list(cols.shape))], [("y", FLOAT, [2, c, *image])],
-                   opset=18)
-    check(m, {"cols": cols}, lambda cols: F.fold(cols, image, kernel, dilation=dilation,
+    m = _col2im_model(kernel, stride, pad, dilation)
+    shape = [d.dim_value for d in m.graph.input[0].type.tensor_type.shape.dim]
+    cols = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    check(m, {"cols": cols}, lambda cols: F.fold(cols, IMAGE, kernel, dilation=dilation,
                                                    padding=pad, stride=stride), ["cols"])
+
+
+def _grid_sample_model(align: int, padding: str, opset: int, mode: str = "bilinear"):
+    nodes = [helper.make_node("GridSample", ["x", "grid"], ["y"], mode=mode,
+                              padding_mode=padding, align_corners=align)]
+    return make_model(nodes, [("x", FLOAT, [2, 3, 5, 6]), ("grid", FLOAT, [2, 4, 7, 2])],
+                      [("y", FLOAT, [2, 3, 4, 7])], opset=opset)
+
+
+def _grid_feeds() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(3)
+    return {"x": rng.standard_normal((2, 3, 5, 6)).astype(np.float32),
+            "grid": rng.uniform(-1.2, 1.2, (2, 4, 7, 2)).astype(np.float32)}
 
 
 @pytest.mark.parametrize("align,padding,opset", [(0, "zeros", 16), (1, "zeros", 16),
@@ -454,14 +473,32 @@ def test_col2im_is_unfolded_back(kernel, stride, pad, dilation):
 def test_grid_sample_bilinear(align, padding, opset):
     """F.grid_sample (a spatial transformer's warp) against torch, for the image and the
     grid, with sampling points inside, on and past the border."""
-    rng = np.random.default_rng(3)
-    x = rng.standard_normal((2, 3, 5, 6)).astype(np.float32)
-    grid = rng.uniform(-1.2, 1.2, (2, 4, 7, 2)).astype(np.float32)
-    mode = "linear" if opset >= 20 else "bilinear"
-    nodes = [helper.make_node("GridSample", ["x", "grid"], ["y"], mode=mode,
-                              padding_mode=padding, align_corners=align)]
-    m = make_model(nodes, [("x", FLOAT, [2, 3, 5, 6]), ("grid", FLOAT, [2, 4, 7, 2])],
-                   [("y", FLOAT, [2, 3, 4, 7])], opset=opset)
-    check(m, {"x": x, "grid": grid},
+    m = _grid_sample_model(align, padding, opset, "linear" if opset >= 20 else "bilinear")
+    check(m, _grid_feeds(),
           lambda x, grid: F.grid_sample(x, grid, mode="bilinear", padding_mode=padding,
                                         align_corners=bool(align)), ["x", "grid"])
+
+
+def test_grid_sample_modes_without_a_rule_are_refused_by_node():
+    m = _grid_sample_model(0, "zeros", 16, "nearest")
+    with pytest.raises(GradientError, match="GridSample with mode bilinear.*mode=nearest"):
+        grad_graph(m, ["x", "grid"])
+
+
+@pytest.mark.parametrize("which", ["grid_sample", "col2im"])
+def test_scatter_and_unfold_gradients_are_the_same_at_1_2_and_4_threads(which):
+    """GridSample's image gradient scatter-adds into shared positions and Col2Im's is a
+    grouped Conv: each thread count, run twice, gives the same bits, and every count the
+    same gradient."""
+    from threads import run_at_threads
+
+    if which == "grid_sample":
+        m, feeds, wrt = _grid_sample_model(0, "zeros", 16), _grid_feeds(), ["x", "grid"]
+    else:
+        m, feeds, wrt = _col2im_model((3, 3), (2, 2), (1, 1), (1, 1)), None, ["cols"]
+        feeds = {"cols": rand(*[d.dim_value for d in
+                                m.graph.input[0].type.tensor_type.shape.dim])}
+    runs = run_at_threads(grad_graph(m, wrt, None, 123), feeds, threads=(1, 2, 4))
+    for n, out in runs.items():
+        for name, value in out.items():
+            np.testing.assert_array_equal(value, runs[1][name], err_msg=f"{name}, {n} threads")

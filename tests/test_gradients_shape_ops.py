@@ -10,6 +10,7 @@ from gradcheck import (
     FLOAT,
     INT64,
     check_against_torch,
+    grad_graph,
     make_model,
     onnx_grads,
 )
@@ -309,15 +310,25 @@ def test_float_mod():
     check(m, feeds, lambda a, b: torch.fmod(a, b), ["a", "b"])
 
 
-@pytest.mark.parametrize("axis,largest", [(-1, 1), (0, 0)])
-def test_topk_values(axis, largest):
-    """A mixture of experts' router: the top-k values carry the gradient back to the
-    positions they came from; the rest get zero."""
-    feeds = {"x": rand(4, 6)}
+def _topk_model(axis: int, largest: int):
     nodes = [helper.make_node("Constant", [], ["k"], value=helper.make_tensor(
                  "k", INT64, [1], [3])),
              helper.make_node("TopK", ["x", "k"], ["y", "idx"], axis=axis, largest=largest)]
     out_shape = [4, 3] if axis == -1 else [3, 6]
-    m = make_model(nodes, [("x", FLOAT, [4, 6])], [("y", FLOAT, out_shape)])
+    return make_model(nodes, [("x", FLOAT, [4, 6])], [("y", FLOAT, out_shape)])
+
+
+@pytest.mark.parametrize("axis,largest", [(-1, 1), (0, 0)])
+def test_topk_values(axis, largest):
+    """A mixture of experts' router: the top-k values carry the gradient back to the
+    positions they came from; the rest get zero. The same bits at 1, 2 and 4 threads."""
+    from threads import run_at_threads
+
+    feeds = {"x": rand(4, 6)}
+    m = _topk_model(axis, largest)
     check(m, feeds, lambda x: torch.topk(x, 3, dim=axis, largest=bool(largest)).values,
           ["x"])
+    runs = run_at_threads(grad_graph(m, ["x"], None, 123), feeds, threads=(1, 2, 4))
+    for n, out in runs.items():
+        for name, value in out.items():
+            np.testing.assert_array_equal(value, runs[1][name], err_msg=f"{name}, {n} threads")

@@ -17,7 +17,7 @@ import pytest
 from onnx import TensorProto, helper
 from onnx.reference import ReferenceEvaluator
 
-from memcc.errors import InputError
+from memcc.errors import InputError, MemccError
 from memcc.frontend.canonicalize import canonicalize
 from memcc.frontend.load import load_graph
 
@@ -179,3 +179,23 @@ def test_what_cannot_be_unrolled_is_refused_by_node(tmp_path, edit, match):
     with pytest.raises(InputError, match=match) as err:
         load_graph(path)
     assert "'rnn'" in str(err.value) and str(path) in str(err.value)
+
+
+def test_an_unrolled_lstm_compiles_verifies_and_refuses_what_cannot_fit(tmp_path):
+    """A torch.onnx export of nn.LSTM through memcc compile: --budget min plans, and
+    --verify runs the plan against the step (bit for bit, measured peak within budget, the
+    planned order); a budget under the step's floor is refused with the smallest budget."""
+    from exports import export
+
+    from memcc.compiler import CompileOptions, compile_model
+
+    path, _, _, dims = export("lstm", "torchscript", tmp_path, training=True)
+    result = compile_model(path, CompileOptions(budget="min", cost="analytic", verify=True,
+                                                time_limit=5, dims=dims),
+                           output=tmp_path / "min.onnx")
+    verified = result.report["verification"]
+    assert verified["ok"], verified
+    with pytest.raises(MemccError, match=r"no plan peaks under|smallest budget"):
+        compile_model(path, CompileOptions(budget=1024, cost="analytic", time_limit=5,
+                                           dims=dims), output=tmp_path / "tiny.onnx")
+    assert not (tmp_path / "tiny.onnx").exists()
