@@ -80,6 +80,10 @@ def ctors():
         "timm_vit_tiny_dp": lambda: timm.create_model("vit_tiny_patch16_224", num_classes=10,
                                                       img_size=32, patch_size=8,
                                                       drop_path_rate=0.2),
+        # session 30: Col2Im (VOLO's outlook attention), a SequenceAt of unequal parts
+        "timm_volo": lambda: timm.create_model("volo_d1_224", num_classes=10, img_size=64),
+        "timm_efficientvit_m0": lambda: timm.create_model("efficientvit_m0", num_classes=10,
+                                                          img_size=64),
     }
 
 # name, model, exporter, train?, batch, px, dynamic batch axis?
@@ -132,6 +136,10 @@ CASES = [
     ("wav2vec2.ts.train", "audio_wav2vec2", "torchscript", True, 2, 1600, False),
     ("hubert.ts.eval", "audio_hubert", "torchscript", False, 2, 1600, False),
     ("whisper.noopt.train", "audio_whisper", "dynamo_noopt", True, 2, 100, False),
+    # timm models whose dynamo exports memcc refused before session 30
+    ("volo.noopt.train", "timm_volo", "dynamo_noopt", True, 2, 64, False),
+    ("efficientvit_m0.noopt.train", "timm_efficientvit_m0", "dynamo_noopt", True, 2, 64,
+     False),
 ]
 
 
