@@ -256,6 +256,23 @@ class SpatialTransformer(nn.Module):
         return self.head(F.grid_sample(x, grid, align_corners=False))
 
 
+class Segmenter(nn.Module):
+    """A fully convolutional segmenter as torchvision's FCN heads are made: a strided
+    Conv/BatchNorm/ReLU backbone, a 1x1 classifier, and the class scores upsampled
+    bilinearly back to the image's size: logits [N, classes, H, W], the class axis 1 as
+    torch's ``cross_entropy`` takes it (``memcc build --class-axis 1``)."""
+
+    def __init__(self, dropout: float = 0.0, classes: int = 4) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 6, 3, stride=2, padding=1), nn.BatchNorm2d(6),
+                                  nn.ReLU())
+        self.classifier = nn.Conv2d(6, classes, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = self.classifier(self.body(x))
+        return F.interpolate(scores, size=x.shape[-2:], mode="bilinear", align_corners=False)
+
+
 class ConvNeXtBlock(nn.Module):
     """ConvNeXt block: 7x7 depthwise conv, channels-last LayerNorm, Linear/GELU(erf), scale."""
 
@@ -509,6 +526,7 @@ EXTRA_FAMILIES: dict[str, Family] = {
     "lstm": Family(lambda p: Recurrent(nn.LSTM(8, 6, batch_first=True)), _tokens,
                    {"input_ids": {0: "batch"}}, {0: "batch"}, _SEQ),
     "stn": Family(SpatialTransformer, lambda s, g: _image(s, g, 12), _BATCH, {0: "batch"}),
+    "segmenter": Family(Segmenter, lambda s, g: _image(s, g, 8), _BATCH, {0: "batch"}),
     "moe": Family(TopKMixture, _tokens, {"input_ids": {0: "batch"}}, {0: "batch"}, _SEQ),
     "gru": Family(lambda p: Recurrent(nn.GRU(8, 6, num_layers=2, batch_first=True,
                                              bidirectional=True)), _tokens,

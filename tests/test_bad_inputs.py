@@ -369,7 +369,7 @@ def _command(name: str):
 
 
 BUILD_FLAGS = ("--loss", "--optimizer", "--lr", "--momentum", "--weight-decay", "--freeze",
-               "--loss-chunks", "--attention-chunks", "--mlp-chunks", "--dim")
+               "--class-axis", "--loss-chunks", "--attention-chunks", "--mlp-chunks", "--dim")
 
 
 @pytest.mark.parametrize("command", ["compile", "tune"])

@@ -22,6 +22,7 @@ from threads import run_at_threads
 
 from memcc.backend.verify import compare_outputs, step_outputs
 from memcc.frontend.build import BuildOptions, build_training_step
+from memcc.frontend.export_signature import ExportNote
 from memcc.frontend.load import load_graph
 from memcc.passes.lowering.recompute import apply_recompute
 from memcc.passes.plan import Plan, StepStructure
@@ -162,11 +163,31 @@ def test_spatial_transformer_gradients_match_torch(exporter):
     _matches_torch(f"stn/{exporter}", step, module, inputs)
 
 
+@pytest.mark.parametrize("exporter", ["torchscript", DYNAMO_NOOPT])
+def test_segmenter_trains_over_the_class_axis_torch_uses(exporter):
+    """A segmenter's logits [N, C, H, W] have their classes on axis 1, where torch's
+    cross_entropy takes them: with --class-axis 1 the loss is torch's per-pixel
+    cross-entropy and every gradient torch's, at 2 and 4 threads (labels [N, H, W]).
+    Without the flag the build says which axis it took for the classes."""
+    path, module, inputs, dims = export("segmenter", exporter, training=True)
+    graph = load_graph(path, dims)
+    with pytest.warns(ExportNote, match="--class-axis 1"):
+        plain = build_training_step(graph, BuildOptions(optimizer="none"))
+    assert list(plain.info["labels"].shape) == [2, 4, 8]   # classes: the width, 8
+    step = build_training_step(load_graph(path, dims),
+                               BuildOptions(optimizer="none", class_axis=1))
+    assert list(step.info["labels"].shape) == [2, 8, 8]
+    feeds = _matches_torch(f"segmenter/{exporter}", step, module, inputs, labels=(2, 8, 8))
+    _recompute_everything_gives_the_same_bits(step, feeds)
+
+
 def _matches_torch(where: str, step, module: torch.nn.Module,
-                   inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The step (one input and labels of 4 classes, batch 2) against the module in train
-    mode at 2 and 4 threads, each run twice; returns the feeds."""
-    labels = np.random.default_rng(0).integers(0, 4, size=(2,)).astype(np.int64)
+                   inputs: dict[str, np.ndarray],
+                   labels: tuple[int, ...] = (2,)) -> dict[str, np.ndarray]:
+    """The step (one input and labels of 4 classes, batch 2; ``labels`` their shape)
+    against the module in train mode at 2 and 4 threads, each run twice; returns the
+    feeds."""
+    labels = np.random.default_rng(0).integers(0, 4, size=labels).astype(np.int64)
     feeds = {**inputs, "labels": labels}
     runs = run_at_threads(step, feeds)
     m = copy.deepcopy(module)

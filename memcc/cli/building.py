@@ -14,6 +14,7 @@ from memcc.cli.app import err, fail, out, warn
 from memcc.cli.options import (
     AttentionChunksOpt,
     BatchChunksOpt,
+    ClassAxisOpt,
     DimOpt,
     FreezeOpt,
     LossChunksOpt,
@@ -42,6 +43,7 @@ def build(
     weight_decay: WeightDecayOpt = None,
     dim: DimOpt = None,
     freeze: FreezeOpt = None,
+    class_axis: ClassAxisOpt = None,
     loss_chunks: LossChunksOpt = 1,
     attention_chunks: AttentionChunksOpt = 1,
     mlp_chunks: MlpChunksOpt = 1,

@@ -50,6 +50,11 @@ LossChunksOpt = Annotated[int, typer.Option(
          "right away: the full logits are never held. For language models, whose "
          "logits are often the largest tensor; gradients within 1e-5 of the plain "
          "loss's.")]
+ClassAxisOpt = Annotated[Optional[int], typer.Option(  # noqa: UP045
+    "--class-axis", metavar="AXIS",
+    help="Cross-entropy's class axis in the first output (default: the last, as a "
+         "language model's [batch, tokens, vocabulary] logits have it). PyTorch's "
+         "segmentation models give [N, C, H, W]: --class-axis 1, labels [N, H, W].")]
 AttentionChunksOpt = Annotated[int, typer.Option(
     "--attention-chunks", min=1,
     help="Every attention (queries-by-keys MatMul, Softmax, MatMul by the values) "
@@ -168,8 +173,8 @@ MarginOpt = Annotated[float, typer.Option(
 
 # The parameters of a command that hold memcc build's flags (LossOpt ... MlpChunksOpt).
 BUILD_FLAGS = ("loss", "optimizer", "lr", "momentum", "weight_decay", "freeze",
-               "loss_chunks", "attention_chunks", "mlp_chunks", "batch_chunks", "precision",
-               "loss_scale")
+               "class_axis", "loss_chunks", "attention_chunks", "mlp_chunks", "batch_chunks",
+               "precision", "loss_scale")
 
 
 def build_options(given: Mapping[str, Any]) -> BuildOptions:

@@ -18,6 +18,7 @@ from memcc.cli.log_progress import progress_lines
 from memcc.cli.options import (
     AttentionChunksOpt,
     BatchChunksOpt,
+    ClassAxisOpt,
     FreezeOpt,
     JsonOpt,
     LossChunksOpt,
@@ -89,6 +90,7 @@ def tune_cmd(
     momentum: MomentumOpt = 0.9,
     weight_decay: WeightDecayOpt = None,
     freeze: FreezeOpt = None,
+    class_axis: ClassAxisOpt = None,
     loss_chunks: LossChunksOpt = 1,
     attention_chunks: AttentionChunksOpt = 1,
     mlp_chunks: MlpChunksOpt = 1,

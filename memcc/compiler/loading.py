@@ -43,9 +43,13 @@ def loss_sites(forward: Graph, build: BuildOptions) -> int:
     if build.loss != "cross-entropy" or forward.opset < 16:
         return 0
     try:
-        return int(projection_of(forward, first_float_output(forward, "")) is not None)
+        logits = first_float_output(forward, "")
     except InputError:
         return 0
+    rank = len(forward.info[logits].shape)
+    if build.class_axis is not None and rank and build.class_axis % rank != rank - 1:
+        return 0      # the classes are moved last by a Transpose: no projection to split
+    return int(projection_of(forward, logits) is not None)
 
 
 def check_provider(options: CompileOptions, warning: Progress) -> str | None:

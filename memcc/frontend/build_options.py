@@ -41,6 +41,8 @@ class BuildOptions:
     # > 1: cross-entropy and the vocabulary projection over that many row chunks, each
     # chunk's gradient taken right away (frontend/chunked_loss.py)
     loss_chunks: int | None = None
+    # cross-entropy's class axis in the first output; None: the last (frontend/loss.py)
+    class_axis: int | None = None
     # > 1: every attention's scores and probabilities, every MLP's hidden activations, over
     # that many row chunks (frontend/row_chunks.py)
     attention_chunks: int | None = None
@@ -79,6 +81,9 @@ class BuildOptions:
                 raise InputError(f"{flag} {k}: give 1 (whole regions) or more")
         if (self.loss_chunks or 1) > 1 and self.loss != "cross-entropy":
             raise InputError(f"--loss-chunks applies to --loss cross-entropy, not "
+                             f"'{self.loss}'")
+        if self.class_axis is not None and self.loss != "cross-entropy":
+            raise InputError(f"--class-axis applies to --loss cross-entropy, not "
                              f"'{self.loss}'")
         if self.precision not in PRECISIONS:
             raise InputError(f"--precision '{self.precision}': choose one of "

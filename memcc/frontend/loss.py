@@ -10,6 +10,7 @@ gradients seed the autodiff where ``--loss-chunks`` > 1.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 from onnx import TensorProto
@@ -18,6 +19,7 @@ from memcc.errors import InputError
 from memcc.frontend.build_options import BuildOptions
 from memcc.frontend.chunked_loss import ChunkedLoss, emit_chunked_loss
 from memcc.frontend.emit import Emitter
+from memcc.frontend.export_signature import ExportNote
 from memcc.graph import Graph, TensorInfo, attr
 
 
@@ -36,6 +38,14 @@ def add_loss(graph: Graph, emit: Emitter, opts: BuildOptions, source: str) -> St
     logits = first_float_output(graph, source)
     data_inputs = [i for i in graph.inputs if i not in graph.initializers]
     int_ranges = index_ranges(graph, data_inputs)
+    if opts.loss == "cross-entropy":
+        moved = classes_last(graph, emit, logits, opts.class_axis, source)
+        if moved != logits and (opts.loss_chunks or 1) > 1:
+            raise InputError(f"{source}: --loss-chunks {opts.loss_chunks} with --class-axis "
+                             f"{opts.class_axis}: the chunked loss splits a vocabulary "
+                             "projection whose classes are the last axis; give one or the "
+                             "other")
+        logits = moved
     loss, extra_inputs, label_range, chunked = emit_loss(graph, emit, logits, opts.loss,
                                                          source, opts.loss_chunks or 1)
     int_ranges.update(label_range)
@@ -52,6 +62,40 @@ def first_float_output(graph: Graph, source: str) -> str:
         f"{', '.join(graph.outputs) or 'none'}). memcc builds the loss from the first "
         "floating-point output (logits, or the scalar loss with --loss none)."
     )
+
+
+def classes_last(graph: Graph, emit: Emitter, logits: str, axis: int | None,
+                 source: str) -> str:
+    """The logits with their class axis last, where cross-entropy takes it.
+
+    torch's ``cross_entropy`` reads the classes on axis 1 (``[N, C, H, W]`` for a
+    segmentation model), a language model's logits have them last (``[B, T, V]``, flattened
+    before torch's loss). memcc takes the last axis unless ``--class-axis`` says otherwise;
+    another axis is moved last by one Transpose (exact; the logits' gradient goes back
+    through its inverse), so the loss and its gradient rules stay the ones over the last
+    axis. Logits of rank 4 or more without ``--class-axis`` get a note: the last axis of an
+    image-shaped output is a width more often than a class axis."""
+    shape = graph.info[logits].shape
+    rank = len(shape)
+    if axis is None:
+        if rank >= 4:
+            warnings.warn(
+                f"{source}: cross-entropy over the last axis of '{logits}' "
+                f"{list(shape)}: {shape[-1]} classes, labels {list(shape[:-1])}. A model "
+                "with its classes on axis 1, as PyTorch's segmentation models have them "
+                f"([N, C, H, W]), needs --class-axis 1 (labels {[shape[0], *shape[2:]]})",
+                ExportNote, stacklevel=3)
+        return logits
+    if not -rank <= axis < rank or rank == 0:
+        raise InputError(f"{source}: --class-axis {axis}: '{logits}' has {rank} axes "
+                         f"{list(shape)}; give one from {-rank} to {rank - 1}")
+    axis %= rank
+    if axis == rank - 1:
+        return logits
+    perm = [i for i in range(rank) if i != axis] + [axis]
+    ti = graph.info[logits]
+    return emit.op("Transpose", [logits], perm=perm,
+                   info=TensorInfo(ti.dtype, tuple(shape[i] for i in perm)))
 
 
 def index_ranges(graph: Graph, data_inputs: list[str]) -> dict[str, list[int]]:
