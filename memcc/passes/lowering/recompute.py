@@ -223,31 +223,31 @@ def _drop_dead_forward_outputs(nodes: list[onnx.NodeProto], st: StepStructure,
     def read(v: str) -> bool:
         return v in graph_outputs or du.reader_count(v) > 0
 
-    changed = True
     forward = st.forward
-    while changed:
-        changed = False
-        kept: list[onnx.NodeProto] = []
-        for n in nodes:
-            if n.name not in forward:
-                kept.append(n)
-                continue
-            names = tuple(n.output)  # read once; output k is blanked at step k only
-            outs = [o for o in names if o]
-            if outs and not any(read(o) for o in outs) and n.op_type not in _SIDE_EFFECTS:
-                du.remove(n)
-                changed = True
-                continue
-            for k in range(len(names) - 1, 0, -1):
-                o = names[k]
-                if o and not read(o) and optional_output(n, k) and not _outputs_required(n):
-                    du.drop_output(n, k)
-                    changed = True
-            while len(n.output) > 1 and not n.output[-1]:
-                n.output.pop()
-            kept.append(n)
-        nodes = kept
-    return nodes
+    work = [n for n in reversed(nodes) if n.name in forward]   # popped in graph order
+    waiting = {id(n) for n in work}
+    removed: set[int] = set()
+    while work:        # a worklist, not passes over the step until nothing changes
+        n = work.pop()
+        waiting.discard(id(n))
+        names = tuple(n.output)  # read once; output k is blanked at step k only
+        outs = [o for o in names if o]
+        if outs and not any(read(o) for o in outs) and n.op_type not in _SIDE_EFFECTS:
+            du.remove(n)
+            removed.add(id(n))
+            for i in n.input:     # their producers may have lost their last reader
+                p = du.producer.get(i) if i else None
+                if p is not None and p.name in forward and id(p) not in waiting:
+                    work.append(p)
+                    waiting.add(id(p))
+            continue
+        for k in range(len(names) - 1, 0, -1):
+            o = names[k]
+            if o and not read(o) and optional_output(n, k) and not _outputs_required(n):
+                du.drop_output(n, k)
+        while len(n.output) > 1 and not n.output[-1]:
+            n.output.pop()
+    return [n for n in nodes if id(n) not in removed]
 
 
 _SIDE_EFFECTS = frozenset()

@@ -172,12 +172,12 @@ def _replacements(graph: Graph, variants: dict[str, str], order: list[str]
                                       Replaced | str]]:
     """For each node of ``order`` that ``variants`` gives a variant: the node, the variant
     (None where either is unknown) and what it replaces (or why it cannot)."""
-    by_name = {n.name: n for n in graph.nodes}
+    index = NodeOrder.of(graph)
     rules = rule_nodes(graph)
     for name in order:
-        node = by_name.get(name)
+        node = index.named.get(name)
         variant = lookup(node.op_type, variants[name]) if node is not None else None
-        got = replaced_rule(graph, node, variant, rules) \
+        got = replaced_rule(graph, node, variant, rules, index) \
             if node is not None and variant is not None else ""
         yield name, node, variant, got
 

@@ -51,6 +51,7 @@ from memcc.graph import Graph
 from memcc.passes.analysis.cost_model import CostModel
 from memcc.passes.analysis.liveness import LivenessReport
 from memcc.passes.lowering.variant_substitution import (
+    NodeOrder,
     Replaced,
     applicable_variants,
     replaced_rule,
@@ -159,6 +160,9 @@ class _StepView:
         self.nodes = graph.nodes
         self.du = graph.def_use()
         self.pos = {id(n): i for i, n in enumerate(self.nodes)}
+        # Each region variant's match looks its nodes up by name: not a scan of the step
+        # per candidate (3.7 s of a 30,905-node step's compile).
+        self.order = NodeOrder({n.name: n for n in self.nodes}, self.pos)
         self.values = live.values
         self.outputs = set(graph.outputs)
         self.rules = rule_nodes(graph)
@@ -237,7 +241,7 @@ def _node_candidates(view: _StepView, node: onnx.NodeProto,
     spans: dict[tuple[str, ...], Span | None] = {}
     found: list[_Candidate] = []
     for variant in variants:
-        got = replaced_rule(view.graph, node, variant, view.rules)
+        got = replaced_rule(view.graph, node, variant, view.rules, view.order)
         if isinstance(got, str):
             continue
         if got.members not in spans:
