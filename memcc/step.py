@@ -30,6 +30,9 @@ LOSS_KEY = "memcc.loss"
 DATA_KEY = "memcc.data_inputs"
 STATE_KEY = "memcc.state"
 INT_RANGES_KEY = "memcc.int_ranges"
+# --ignore-index: integer input -> the one value it may hold outside its ``int_ranges``
+# range, which the loss ignores ({"labels": -100}); absent when nothing is ignored.
+IGNORED_KEY = "memcc.ignored_values"
 PARAMS_KEY = "memcc.parameters"
 OPTIMIZER_KEY = "memcc.optimizer"
 # parameter -> {"exported_name": initializer name in the exported file, "named": it is the
@@ -182,6 +185,13 @@ class TrainingStep:
             except (ValueError, TypeError, IndexError) as exc:
                 self._errors.append(f"{INT_RANGES_KEY}: {exc}")
         self.int_ranges: dict[str, tuple[int, int]] = ranges
+        self.ignored_values: dict[str, int] = {}
+        for k, v in self._json(IGNORED_KEY, {}, dict).items():
+            if isinstance(v, int) and not isinstance(v, bool):
+                self.ignored_values[k] = v
+            else:
+                self._errors.append(f"{IGNORED_KEY}: '{k}': expected a whole number, got "
+                                    f"{v!r}")
 
     @classmethod
     def of(cls, graph: Graph) -> TrainingStep:

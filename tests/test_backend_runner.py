@@ -220,6 +220,41 @@ def test_out_of_range_labels_are_refused(tmp_path):
         run_steps(path, RunRequest(data=tmp_path / "d.npz"))
 
 
+def test_the_ignored_label_passes_the_data_check_only_where_the_step_ignores_it(tmp_path):
+    """A step built with --ignore-index -100 records it: memcc run's and memcc train's data
+    checks accept -100 in labels, still refuse any other value outside [0, classes), and
+    say the ignored value is allowed; a step built without it refuses -100. Batches drawn
+    from the seed keep to [0, classes)."""
+    from memcc.backend.data import data_inputs, load_dataset
+    from models import mlp
+
+    def step_file(name, **options):
+        step = build_training_step(load_graph(mlp.build(
+            batch=4, in_features=6, width=8, depth=1, num_classes=3)), BuildOptions(**options))
+        return step, save_graph(step, tmp_path / name)
+
+    ignoring, ignoring_path = step_file("ignoring.onnx", ignore_index=-100)
+    plain, plain_path = step_file("plain.onnx")
+    feeds = synthetic_feeds(ignoring, seed=0)
+    assert feeds["labels"].min() >= 0 and feeds["labels"].max() < 3
+    feeds["labels"] = np.array([0, -100, 2, -100], np.int64)
+    np.savez(tmp_path / "ok.npz", **feeds)
+    run_steps(ignoring_path, RunRequest(data=tmp_path / "ok.npz"))
+    load_dataset(tmp_path / "ok.npz", data_inputs(ignoring))
+    feeds["labels"] = np.array([0, -100, 3, 1], np.int64)
+    np.savez(tmp_path / "bad.npz", **feeds)
+    refused = (r"'labels' holds values besides -100 in \[0, 3\].*must lie in \[0, 3\), or "
+               r"equal -100, the value the loss ignores \(--ignore-index\)")
+    with pytest.raises(InputError, match=refused):
+        run_steps(ignoring_path, RunRequest(data=tmp_path / "bad.npz"))
+    with pytest.raises(InputError, match=refused):
+        load_dataset(tmp_path / "bad.npz", data_inputs(ignoring))
+    with pytest.raises(InputError, match=r"'labels' holds values in \[-100, 2\].*\[0, 3\)$"):
+        run_steps(plain_path, RunRequest(data=tmp_path / "ok.npz"))
+    with pytest.raises(InputError, match=r"'labels' holds values in \[-100, 2\]"):
+        load_dataset(tmp_path / "ok.npz", data_inputs(plain))
+
+
 def test_broken_state_metadata_is_reported(tmp_path):
     path = tmp_path / "s.onnx"
     linreg_step(path)

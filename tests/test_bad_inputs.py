@@ -74,6 +74,12 @@ CASES = [
          "nothing.*"),
     case("build-loss-chunks-zero", "build {f}/fwd.onnx -o {o}/s.onnx --loss-chunks 0",
          "--loss-chunks"),
+    case("build-ignore-index-with-mse",
+         "build {f}/fwd.onnx -o {o}/s.onnx --loss mse --ignore-index -100",
+         "--ignore-index applies to --loss cross-entropy, not 'mse'"),
+    case("build-ignore-index-with-loss-chunks",
+         "build {f}/fwd.onnx -o {o}/s.onnx --ignore-index -100 --loss-chunks 2",
+         "--ignore-index -100 with --loss-chunks 2"),
     case("build-attention-chunks-no-attention",
          "build {f}/fwd.onnx -o {o}/s.onnx --attention-chunks 2", "attention"),
     case("build-model-with-loss-output", "build {f}/lossy.onnx -o {o}/s.onnx", "--loss none"),
@@ -369,7 +375,8 @@ def _command(name: str):
 
 
 BUILD_FLAGS = ("--loss", "--optimizer", "--lr", "--momentum", "--weight-decay", "--freeze",
-               "--class-axis", "--loss-chunks", "--attention-chunks", "--mlp-chunks", "--dim")
+               "--class-axis", "--ignore-index", "--loss-chunks", "--attention-chunks",
+               "--mlp-chunks", "--dim")
 
 
 @pytest.mark.parametrize("command", ["compile", "tune"])

@@ -181,19 +181,58 @@ def test_segmenter_trains_over_the_class_axis_torch_uses(exporter):
     _recompute_everything_gives_the_same_bits(step, feeds)
 
 
+@pytest.mark.parametrize("exporter", ["torchscript", DYNAMO_NOOPT])
+def test_segmenter_ignores_void_pixels_as_torch_does(exporter):
+    """--ignore-index 255 (Pascal VOC's void pixels) with --class-axis 1: the loss is torch's
+    ``cross_entropy(..., ignore_index=255)``, the mean over the other pixels, and every
+    gradient torch's at 2 and 4 threads; the step records 255 for the data check. With
+    every pixel void the loss is torch's nan and every gradient 0, as torch's are."""
+    path, module, inputs, dims = export("segmenter", exporter, training=True)
+    step = build_training_step(load_graph(path, dims),
+                               BuildOptions(optimizer="none", class_axis=1, ignore_index=255))
+    assert step.metadata["memcc.ignored_values"] == '{"labels": 255}'
+    feeds = _matches_torch(f"segmenter/{exporter}", step, module, inputs, labels=(2, 8, 8),
+                           ignore_index=255)
+    assert (feeds["labels"] == 255).any() and (feeds["labels"] != 255).any()
+    void = step_outputs(step, {**feeds, "labels": np.full((2, 8, 8), 255)}, "cpu")
+    assert np.isnan(void["loss"])
+    assert all(not np.any(v) for k, v in void.items() if k.endswith(".grad"))
+
+
+def test_language_model_ignores_padded_labels_as_torch_does():
+    """--ignore-index -100 (HuggingFace's padded labels) on GPT-2's logits [B, T, V]: loss
+    and every gradient torch's ``cross_entropy`` over the flattened tokens with
+    ``ignore_index=-100``, at 2 and 4 threads."""
+    path, module, inputs, dims = export("gpt2", "torchscript", training=True)
+    step = build_training_step(load_graph(path, dims),
+                               BuildOptions(optimizer="none", ignore_index=-100))
+    feeds = _matches_torch("gpt2/torchscript", step, module, inputs, labels=(2, 8),
+                           ignore_index=-100)
+    assert (feeds["labels"] == -100).sum() == 6
+
+
 def _matches_torch(where: str, step, module: torch.nn.Module,
                    inputs: dict[str, np.ndarray],
-                   labels: tuple[int, ...] = (2,)) -> dict[str, np.ndarray]:
+                   labels: tuple[int, ...] = (2,), ignore_index: int | None = None
+                   ) -> dict[str, np.ndarray]:
     """The step (one input and labels of 4 classes, batch 2; ``labels`` their shape)
     against the module in train mode at 2 and 4 threads, each run twice; returns the
-    feeds."""
+    feeds. With ``ignore_index`` every third label is that value, and torch's loss ignores
+    it; logits with their classes last ([B, T, V]) are flattened as torch's language models
+    do, others keep their classes on axis 1."""
     labels = np.random.default_rng(0).integers(0, 4, size=labels).astype(np.int64)
+    if ignore_index is not None:
+        labels.reshape(-1)[::3] = ignore_index
     feeds = {**inputs, "labels": labels}
     runs = run_at_threads(step, feeds)
     m = copy.deepcopy(module)
     m.train(True)
+    logits = m(**{k: torch.from_numpy(v) for k, v in inputs.items()})
+    target = torch.from_numpy(labels)
+    if logits.dim() > 2 and tuple(logits.shape[:-1]) == labels.shape:
+        logits, target = logits.reshape(-1, logits.shape[-1]), target.reshape(-1)
     loss = torch.nn.functional.cross_entropy(
-        m(**{k: torch.from_numpy(v) for k, v in inputs.items()}), torch.from_numpy(labels))
+        logits, target, ignore_index=-100 if ignore_index is None else ignore_index)
     loss.backward()
     for threads, out in runs.items():
         _assert_matches(f"{where} at {threads} threads", out, step, m, loss.item(),

@@ -43,6 +43,7 @@ class DataInput:
     sample_shape: tuple[int, ...]
     batch_size: int
     int_range: tuple[int, int] | None = None
+    ignored: int | None = None     # --ignore-index: a value also allowed, outside the range
 
     def describe(self) -> str:
         return (f"samples of shape {list(self.sample_shape)} dtype {self.dtype} (the step "
@@ -60,7 +61,7 @@ def data_inputs(graph: Graph, step: TrainingStep | None = None) -> list[DataInpu
                              f"{list(ti.shape) if ti else 'unknown'}); memcc train batches "
                              "along the first axis")
         out.append(DataInput(name, ti.np_dtype, tuple(ti.shape[1:]), int(ti.shape[0]),
-                             step.int_ranges.get(name)))
+                             step.int_ranges.get(name), step.ignored_values.get(name)))
     sizes = {d.batch_size for d in out}
     if len(sizes) > 1:
         listed = ", ".join(f"'{d.name}' {d.batch_size}" for d in out)
@@ -181,7 +182,7 @@ def _read_shard(f: Path, inputs: list[DataInput]) -> dict[str, np.ndarray]:
                 f"--data {f}: array '{d.name}' has shape {list(arr.shape)} dtype {arr.dtype}; "
                 f"the step expects {d.describe()}, so an array of shape "
                 f"[N{''.join(f', {x}' for x in d.sample_shape)}] dtype {d.dtype}")
-        check_int_range(f, d.name, arr, d.int_range)
+        check_int_range(f, d.name, arr, d.int_range, d.ignored)
         counts[d.name] = int(arr.shape[0])
         out[d.name] = arr
     if len(set(counts.values())) > 1:
@@ -204,14 +205,27 @@ def require_arrays(source: str | os.PathLike, arrays: Mapping[str, np.ndarray],
 
 
 def check_int_range(source: str | os.PathLike, name: str, arr: np.ndarray,
-                    int_range: tuple[int, int] | None) -> None:
+                    int_range: tuple[int, int] | None, ignored: int | None = None) -> None:
     """An ``InputError`` when ``arr`` (array ``name`` of ``--data source``) indexes
-    something of the step's (``int_range``: [low, high)) with a value outside it."""
+    something of the step's (``int_range``: [low, high)) with a value outside it. A step
+    built with ``--ignore-index`` records the ignored label (``ignored``): that value is
+    accepted too, wherever it lies."""
     if int_range is None or not arr.size:
         return
     lo, hi = int(arr.min()), int(arr.max())
-    if lo < int_range[0] or hi >= int_range[1]:
-        raise InputError(
-            f"--data {source}: array '{name}' holds values in [{lo}, {hi}]; it indexes "
-            f"something of size {int_range[1]}, so values must lie in "
-            f"[{int_range[0]}, {int_range[1]})")
+    if lo >= int_range[0] and hi < int_range[1]:
+        return
+    if ignored is not None:
+        rest = arr[arr != ignored]
+        if not rest.size:
+            return
+        lo, hi = int(rest.min()), int(rest.max())
+        if lo >= int_range[0] and hi < int_range[1]:
+            return
+    also = "" if ignored is None else \
+        f", or equal {ignored}, the value the loss ignores (--ignore-index)"
+    besides = "" if ignored is None else f" besides {ignored}"
+    raise InputError(
+        f"--data {source}: array '{name}' holds values{besides} in [{lo}, {hi}]; it indexes "
+        f"something of size {int_range[1]}, so values must lie in "
+        f"[{int_range[0]}, {int_range[1]}){also}")

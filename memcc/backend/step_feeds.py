@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -32,19 +32,23 @@ class StepSpec:
     data_inputs: tuple[str, ...]
     state: Mapping[str, str]  # output name -> input name it replaces next step
     int_ranges: Mapping[str, tuple[int, int]]
+    # --ignore-index: input -> the value its range check also accepts (labels)
+    ignored_values: Mapping[str, int] = field(default_factory=dict)
 
 
 def read_step_spec(graph: Graph, *, source: str = "<model>") -> StepSpec:
     """Read the ``memcc.*`` metadata (through ``TrainingStep``), or say how to make a step."""
     step = TrainingStep.of(graph).validate(source)
-    return StepSpec(step.loss, step.data_inputs, step.state, step.int_ranges)
+    return StepSpec(step.loss, step.data_inputs, step.state, step.int_ranges,
+                    step.ignored_values)
 
 
 def synthetic_feeds(graph: Graph, seed: int = 0) -> dict[str, np.ndarray]:
     """One fixed batch for every input without a stored value, reproducible from ``seed``.
 
     Float data ~ N(0, 1); integer inputs listed in ``memcc.int_ranges`` (token ids, labels)
-    uniform in ``[low, high)``; other integers (attention masks) ones; bools True.
+    uniform in ``[low, high)`` (also with ``--ignore-index``: no drawn label is ignored
+    unless the ignored value lies in the range); other integers (attention masks) ones; bools True.
     """
     step = TrainingStep.of(graph)
     names = step.data_or_free_inputs()
@@ -89,6 +93,7 @@ def load_data(path: str | os.PathLike, graph: Graph, spec: StepSpec) -> dict[str
                 f"--data {p}: array '{name}' has shape {list(arr.shape)}, dtype {arr.dtype}; "
                 f"the step expects {_describe(ti)}"
             )
-        check_int_range(p, name, arr, spec.int_ranges.get(name))
+        check_int_range(p, name, arr, spec.int_ranges.get(name),
+                        spec.ignored_values.get(name))
         feeds[name] = np.asarray(arr, order="C")
     return feeds

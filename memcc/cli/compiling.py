@@ -26,6 +26,7 @@ from memcc.cli.options import (
     CompileCostOpt,
     DimOpt,
     FreezeOpt,
+    IgnoreIndexOpt,
     JsonOpt,
     LossChunksOpt,
     LossOpt,
@@ -57,10 +58,9 @@ if TYPE_CHECKING:
 
 def compile_cmd(
     model: StepOrModelArg,
-    budget: Annotated[str, typer.Option(
-        metavar="SIZE|min|P%",
-        help="Memory budget for the whole step: 6GB (10^9), 6GiB (2^30), MB/MiB/KB/KiB/TB/TiB, "
-             "bytes, 'min' (the smallest memcc can reach), or 50% of what the step needs.")],
+    budget: Annotated[str, typer.Option(metavar="SIZE|min|P%", help=(
+        "Memory budget for the whole step: 6GB (10^9), 6GiB (2^30), MB/MiB/KB/KiB/TB/TiB, "
+        "bytes, 'min' (the smallest memcc can reach), or 50% of what the step needs."))],
     output: Annotated[Optional[Path], typer.Option(  # noqa: UP045
         "--output", "-o", help="Rewritten step (default: MODEL.memcc.onnx).")] = None,
     report: Annotated[Optional[Path], typer.Option(  # noqa: UP045
@@ -102,6 +102,7 @@ def compile_cmd(
     weight_decay: WeightDecayOpt = None,
     freeze: FreezeOpt = None,
     class_axis: ClassAxisOpt = None,
+    ignore_index: IgnoreIndexOpt = None,
     loss_chunks: AutoLossChunksOpt = None,
     attention_chunks: AutoAttentionChunksOpt = None,
     mlp_chunks: AutoMlpChunksOpt = None,
@@ -207,6 +208,7 @@ def analyze_cmd(
     weight_decay: WeightDecayOpt = None,
     freeze: FreezeOpt = None,
     class_axis: ClassAxisOpt = None,
+    ignore_index: IgnoreIndexOpt = None,
     loss_chunks: LossChunksOpt = 1,
     attention_chunks: AttentionChunksOpt = 1,
     mlp_chunks: MlpChunksOpt = 1,

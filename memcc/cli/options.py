@@ -55,6 +55,13 @@ ClassAxisOpt = Annotated[Optional[int], typer.Option(  # noqa: UP045
     help="Cross-entropy's class axis in the first output (default: the last, as a "
          "language model's [batch, tokens, vocabulary] logits have it). PyTorch's "
          "segmentation models give [N, C, H, W]: --class-axis 1, labels [N, H, W].")]
+IgnoreIndexOpt = Annotated[Optional[int], typer.Option(  # noqa: UP045
+    "--ignore-index", metavar="INT",
+    help="Cross-entropy: positions whose label is INT count for nothing (torch's "
+         "ignore_index; the loss is the mean over the other positions, and the data "
+         "check accepts INT in labels). Not assumed: without the flag no value is "
+         "ignored, unlike torch's default -100. -100 for HuggingFace language-model "
+         "labels, 255 for Pascal VOC's void pixels. Not with --loss-chunks.")]
 AttentionChunksOpt = Annotated[int, typer.Option(
     "--attention-chunks", min=1,
     help="Every attention (queries-by-keys MatMul, Softmax, MatMul by the values) "
@@ -173,8 +180,8 @@ MarginOpt = Annotated[float, typer.Option(
 
 # The parameters of a command that hold memcc build's flags (LossOpt ... MlpChunksOpt).
 BUILD_FLAGS = ("loss", "optimizer", "lr", "momentum", "weight_decay", "freeze",
-               "class_axis", "loss_chunks", "attention_chunks", "mlp_chunks", "batch_chunks",
-               "precision", "loss_scale")
+               "class_axis", "ignore_index", "loss_chunks", "attention_chunks", "mlp_chunks",
+               "batch_chunks", "precision", "loss_scale")
 
 
 def build_options(given: Mapping[str, Any]) -> BuildOptions:

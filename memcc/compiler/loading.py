@@ -39,8 +39,9 @@ LOSS = "loss"
 
 def loss_sites(forward: Graph, build: BuildOptions) -> int:
     """1 where ``--loss-chunks`` could split ``forward``'s loss (a cross-entropy over the
-    logits of a vocabulary projection), else 0."""
-    if build.loss != "cross-entropy" or forward.opset < 16:
+    logits of a vocabulary projection), else 0. 0 with ``--ignore-index``: the chunked loss
+    averages over every position, so a build with it is never given loss chunks."""
+    if build.loss != "cross-entropy" or forward.opset < 16 or build.ignore_index is not None:
         return 0
     try:
         logits = first_float_output(forward, "")

@@ -43,6 +43,9 @@ class BuildOptions:
     loss_chunks: int | None = None
     # cross-entropy's class axis in the first output; None: the last (frontend/loss.py)
     class_axis: int | None = None
+    # cross-entropy: labels equal to it count for nothing (torch's ignore_index); None: no
+    # value is ignored (frontend/loss.py)
+    ignore_index: int | None = None
     # > 1: every attention's scores and probabilities, every MLP's hidden activations, over
     # that many row chunks (frontend/row_chunks.py)
     attention_chunks: int | None = None
@@ -85,6 +88,7 @@ class BuildOptions:
         if self.class_axis is not None and self.loss != "cross-entropy":
             raise InputError(f"--class-axis applies to --loss cross-entropy, not "
                              f"'{self.loss}'")
+        self._check_ignore_index()
         if self.precision not in PRECISIONS:
             raise InputError(f"--precision '{self.precision}': choose one of "
                              f"{', '.join(PRECISIONS)}")
@@ -106,6 +110,21 @@ class BuildOptions:
         if self.weight_decay is not None and self.weight_decay < 0:
             raise InputError(f"--weight-decay {self.weight_decay:g}: weight decay must not "
                              "be negative")
+
+    def _check_ignore_index(self) -> None:
+        if self.ignore_index is None:
+            return
+        if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, int) \
+                or not -2**63 <= self.ignore_index < 2**63:
+            raise InputError(f"--ignore-index {self.ignore_index!r}: give a whole number "
+                             "(an int64 label value)")
+        if self.loss != "cross-entropy":
+            raise InputError(f"--ignore-index applies to --loss cross-entropy, not "
+                             f"'{self.loss}'")
+        if (self.loss_chunks or 1) > 1:
+            raise InputError(f"--ignore-index {self.ignore_index} with --loss-chunks "
+                             f"{self.loss_chunks}: the chunked loss averages over every "
+                             "position; give one or the other")
 
     def _check_loss_scale(self) -> None:
         """GradScaler's own conditions on its arguments, named as BuildOptions fields."""

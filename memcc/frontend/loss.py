@@ -4,14 +4,15 @@ In: the forward graph (its first floating-point output is the logits, or the los
 with ``--loss none``), its emitter, the ``BuildOptions``. Out: the nodes that compute the
 scalar ``loss`` appended to the graph, and a ``StepLoss``: the loss value, the step's data
 inputs (the model's own plus ``labels`` or ``target``), the integer ranges of index inputs
-(token ids, labels) that the runner draws random batches from, and the chunked loss whose
-gradients seed the autodiff where ``--loss-chunks`` > 1.
+(token ids, labels) that the runner draws random batches from, the label value that
+``--ignore-index`` makes count for nothing, and the chunked loss whose gradients seed the
+autodiff where ``--loss-chunks`` > 1.
 """
 
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from onnx import TensorProto
 
@@ -31,6 +32,8 @@ class StepLoss:
     data_inputs: list[str]
     int_ranges: dict[str, list[int]]   # integer input -> [low, high) it ranges over
     chunked: ChunkedLoss | None        # --loss-chunks > 1: seeds and nodes for the autodiff
+    # integer input -> the value outside its range it may also hold (--ignore-index: labels)
+    ignored: dict[str, int] = field(default_factory=dict)
 
 
 def add_loss(graph: Graph, emit: Emitter, opts: BuildOptions, source: str) -> StepLoss:
@@ -46,10 +49,11 @@ def add_loss(graph: Graph, emit: Emitter, opts: BuildOptions, source: str) -> St
                              "projection whose classes are the last axis; give one or the "
                              "other")
         logits = moved
-    loss, extra_inputs, label_range, chunked = emit_loss(graph, emit, logits, opts.loss,
-                                                         source, opts.loss_chunks or 1)
+    loss, extra_inputs, label_range, chunked = emit_loss(graph, emit, logits, opts, source)
     int_ranges.update(label_range)
-    return StepLoss(loss, data_inputs + extra_inputs, int_ranges, chunked)
+    ignored = {"labels": opts.ignore_index} \
+        if opts.loss == "cross-entropy" and opts.ignore_index is not None else {}
+    return StepLoss(loss, data_inputs + extra_inputs, int_ranges, chunked, ignored)
 
 
 def first_float_output(graph: Graph, source: str) -> str:
@@ -137,10 +141,11 @@ def _through_casts(graph: Graph, name: str, consumers):
 _HALF = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
 
 
-def emit_loss(graph: Graph, emit: Emitter, logits: str, kind: str, source: str,
-               chunks: int = 1) -> tuple[str, list[str], dict, ChunkedLoss | None]:
-    """The loss value, the data inputs it adds, their integer ranges, and (``chunks`` > 1)
-    the chunked loss whose gradients the autodiff takes as seeds."""
+def emit_loss(graph: Graph, emit: Emitter, logits: str, opts: BuildOptions, source: str
+              ) -> tuple[str, list[str], dict, ChunkedLoss | None]:
+    """The loss value of ``opts.loss``, the data inputs it adds, their integer ranges, and
+    (``--loss-chunks`` > 1) the chunked loss whose gradients the autodiff takes as seeds."""
+    kind, chunks = opts.loss, opts.loss_chunks or 1
     ti = graph.info[logits]
     taken = set(graph.values())
     if ti.dtype in _HALF and kind != "none":
@@ -174,7 +179,7 @@ def emit_loss(graph: Graph, emit: Emitter, logits: str, kind: str, source: str,
         loss = emit.op("ReduceMean", [sq], outputs=["loss"], keepdims=0,
                        info=TensorInfo(ti.dtype, ()))
         return loss, ["target"], {}, None
-    # cross-entropy over the last axis, mean over all positions (torch's default)
+    # cross-entropy over the last axis, mean over the positions (torch's default)
     if len(ti.shape) < 1 or ti.shape[-1] < 1:
         raise InputError(f"{source}: cross-entropy needs logits with a class axis; "
                          f"'{logits}' has shape {list(ti.shape)}")
@@ -186,10 +191,40 @@ def emit_loss(graph: Graph, emit: Emitter, logits: str, kind: str, source: str,
     if chunks > 1:
         chunked = emit_chunked_loss(graph, emit, logits, chunks, source)
         return chunked.loss, ["labels"], ranges, chunked
+    return cross_entropy(emit, logits, ti, opts.ignore_index), ["labels"], ranges, None
+
+
+def cross_entropy(emit: Emitter, logits: str, ti: TensorInfo, ignore_index: int | None
+                  ) -> str:
+    """``loss``: torch's ``cross_entropy(logits, labels, ignore_index=...)``, classes last.
+
+    Without ``ignore_index``: ``-mean(logp[labels])`` over every position (LogSoftmax,
+    Unsqueeze, GatherElements, ReduceMean, Neg). With it, the positions whose label equals
+    it count for nothing: ``sum of -logp[label] over the kept positions / their count``.
+    Their labels are replaced by 0 before the GatherElements (an ignored value such as -100
+    or 255 would index out of range) and what it picks there is replaced by 0 (so a -inf
+    log-probability there cannot make a nan); the count is summed as -1 per kept position,
+    which makes the quotient the loss with no Neg: Equal, Where, GatherElements, Where,
+    ReduceSum, Where, ReduceSum, Div. Every ignored position gets a zero gradient. With
+    every position ignored the loss is 0/0 = nan and every gradient 0, as torch gives (its
+    ``reduction="mean"`` divides by a total weight of 0)."""
+    label_shape = ti.shape[:-1]
+    pos = TensorInfo(TensorProto.INT64, label_shape + (1,))
+    picked_info, scalar = TensorInfo(ti.dtype, label_shape + (1,)), TensorInfo(ti.dtype, ())
     logp = emit.op("LogSoftmax", [logits], axis=-1, info=ti)
-    idx = emit.unsqueeze("labels", [-1], info=TensorInfo(TensorProto.INT64, label_shape + (1,)))
-    picked = emit.op("GatherElements", [logp, idx], axis=-1,
-                     info=TensorInfo(ti.dtype, label_shape + (1,)))
-    mean = emit.reduce_mean(picked, None, keepdims=False, info=TensorInfo(ti.dtype, ()))
-    loss = emit.op("Neg", [mean], outputs=["loss"], info=TensorInfo(ti.dtype, ()))
-    return loss, ["labels"], ranges, None
+    idx = emit.unsqueeze("labels", [-1], info=pos)
+    if ignore_index is None:
+        picked = emit.op("GatherElements", [logp, idx], axis=-1, info=picked_info)
+        mean = emit.reduce_mean(picked, None, keepdims=False, info=scalar)
+        return emit.op("Neg", [mean], outputs=["loss"], info=scalar)
+    ignored = emit.op("Equal", [idx, emit.scalar(ignore_index, TensorProto.INT64)],
+                      info=TensorInfo(TensorProto.BOOL, pos.shape))
+    safe = emit.op("Where", [ignored, emit.scalar(0, TensorProto.INT64), idx], info=pos)
+    picked = emit.op("GatherElements", [logp, safe], axis=-1, info=picked_info)
+    zero = emit.scalar(0.0, ti.dtype)
+    kept = emit.op("Where", [ignored, zero, picked], info=picked_info)
+    total = emit.reduce_sum(kept, None, keepdims=False, info=scalar)
+    minus_ones = emit.op("Where", [ignored, zero, emit.scalar(-1.0, ti.dtype)],
+                         info=picked_info)
+    minus_count = emit.reduce_sum(minus_ones, None, keepdims=False, info=scalar)
+    return emit.op("Div", [total, minus_count], outputs=["loss"], info=scalar)
