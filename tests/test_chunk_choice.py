@@ -395,6 +395,33 @@ def test_a_refusal_searches_the_step_as_built_where_a_split_screened_nearer(gpt2
     assert choice.attempt.chunks["mlp"] == 8 and planned[-1] == (1, 8, 8)
 
 
+def test_the_screens_are_not_run_where_the_step_as_built_spent_the_limit(gpt2):
+    """A large step: the step as built's refused plan simulated more nodes than the limit
+    buys the settings after it, so none is screened (each would build and simulate a step
+    as large); the step as built is planned again as the final, and the report and the
+    refusal say why, naming the limit that would screen them. Counted in simulated nodes,
+    not by the clock. Where the first plan spent less, the screens run as before."""
+    from memcc.passes.planning.planner import BudgetError
+    from memcc.passes.planning.work import SIMULATED_NODES_PER_S, count_simulated
+
+    table = {(1, 1, 1): [900, 650], (8, 1, 1): 800, (8, 8, 8): (500, 1.3),
+             (8, 4, 4): (550, 1.4)}
+    spend = iter([31 * SIMULATED_NODES_PER_S, 0])   # the first plan: 31 s of work at 60 s
+
+    with pytest.raises(BudgetError) as refused:
+        _choose(gpt2, 600, table, on_plan=lambda o: count_simulated(next(spend, 0)))
+    msg = str(refused.value)
+    assert refused.value.smallest == 650            # the final's search, not the screen's
+    assert "row-chunk setting(s) not screened" in msg and "--time-limit 62 or more" in msg
+    assert "Compile also built" not in msg
+
+    spend = iter([29 * SIMULATED_NODES_PER_S])      # within the 30 s the screens share
+    choice, planned = _choose(gpt2, 600, {**table, (1, 1, 1): 900},
+                              on_plan=lambda o: count_simulated(next(spend, 0)))
+    assert planned[:3] == [(1, 1, 1), (8, 1, 1), (8, 8, 8)]
+    assert "not_screened" not in choice.report
+
+
 def test_a_refusal_after_settings_were_tried_does_not_name_the_flags():
     """Compile built the step with row chunks itself and still refused: the nearest
     attempt's hint to split attentions and MLPs by flag is dropped (the settings tried are

@@ -7,6 +7,12 @@ small share of the work (no smallest-budget search on a refusal), then the winne
 where none fits the nearest, planned again with the rest. Where none fits and a setting's
 screen came nearest, the step as built is searched too, and the refusal names the
 smaller budget of the two.
+
+On a large step the screens are not run where the step as built's own refused plan
+simulated more nodes than the limit buys the settings after it (``affordable``): each
+screen builds and costs a step as large, then simulates it, so three of them took 57 s of
+a 140 s compile of a 30,905-node step at ``--time-limit 20``. A count, not the clock: the
+same step and limit screen the same settings on a quiet and on a busy machine.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from memcc.compiler.chunk_clock import SharedLimit
+from memcc.passes.planning.work import SIMULATED_NODES_PER_S
 
 if TYPE_CHECKING:
     from memcc.compiler.chunk_choice import Attempt
@@ -24,7 +31,7 @@ SEARCH_ABOVE = 0.03
 
 
 def search_budget(first: Attempt, ladder: list[dict[str, int]], attempt,
-                  base_time: float, clock: SharedLimit) -> Attempt:
+                  base_time: float, clocked: tuple[SharedLimit, dict]) -> Attempt:
     """Two phases within what the step as built left of the limit: each setting screened
     (planned with ``SCREEN_SHARE`` of it as its work), then the winner planned again with
     the rest (``_final``; where none fits, ``_search_both``). The screens: lightest split
@@ -32,7 +39,14 @@ def search_budget(first: Attempt, ladder: list[dict[str, int]], attempt,
     within 1% of the unchunked step's time ends the search (no split can beat it by
     more). A refused split with nothing fitting yet jumps to the heaviest (the middle ones
     follow only if that fits): a refusal costs a smallest-budget search, and where the
-    heaviest split does not fit, a lighter one is not expected to."""
+    heaviest split does not fit, a lighter one is not expected to. Where the screens cost
+    more than the limit buys (``affordable``), none is run: the step as built is planned
+    again, as the final, and the report's ``not_screened`` says why."""
+    clock, report = clocked
+    why = affordable(first, clock, len(ladder))
+    if why is not None:
+        report["not_screened"] = why
+        return _final(first, attempt, clock.final(0))
     best = first if first.fits else None
     nearest = first
     queue = list(ladder)
@@ -59,6 +73,24 @@ def search_budget(first: Attempt, ladder: list[dict[str, int]], attempt,
     if best is None and nearest is not first and first.graph is not None:
         return _search_both(nearest, first, attempt, (clock, screened))
     return _final(best if best is not None else nearest, attempt, clock.final(screened))
+
+
+def affordable(first: Attempt, clock: SharedLimit, settings: int) -> str | None:
+    """None where the screens may run; else why not. They may where the step as built's
+    refused plan simulated no more nodes than ``--time-limit`` buys what follows it (the
+    limit after the step as built's share, at ``SIMULATED_NODES_PER_S``): a screen plans a
+    step at least as large, with the same fixed work (its baseline, segmentations, the
+    plan judged as trained)."""
+    spent = first.simulated_nodes
+    rest = clock.work_after_first()
+    if first.fits or spent <= rest * SIMULATED_NODES_PER_S:
+        return None
+    enough = spent / SIMULATED_NODES_PER_S / (rest / clock.limit)
+    return (f"{settings} row-chunk setting(s) not screened: the step as built's plan alone "
+            f"simulated {spent:,} nodes, more than the {rest * SIMULATED_NODES_PER_S:,.0f} "
+            f"--time-limit {clock.limit:g} leaves the settings after it (at "
+            f"{SIMULATED_NODES_PER_S:,} a second); the step as built is planned again with "
+            f"that work. --time-limit {enough:.0f} or more screens them")
 
 
 def _final(pick: Attempt, attempt, limit: tuple[float, float]) -> Attempt:

@@ -47,6 +47,7 @@ from memcc.frontend.row_chunks import ATTENTION, MLP, find_regions
 from memcc.graph import Graph
 from memcc.passes.planning.planner import BudgetError
 from memcc.passes.planning.request import Budget
+from memcc.passes.planning.work import simulated_nodes
 from memcc.report_text import describe_chunks as describe
 from memcc.sizes import format_size
 
@@ -117,6 +118,7 @@ class Attempt:
     refusal: BudgetError | None = None
     error: str | None = None          # the build itself failed (InputError)
     passes: list = field(default_factory=list)
+    simulated_nodes: int = 0          # the nodes its plan simulated (``work.simulated_nodes``)
 
     @property
     def fits(self) -> bool:
@@ -259,7 +261,7 @@ def choose_row_chunks(search: RowChunkSearch, graph: Graph, costs: CostModel,
             report["candidates"] = [
                 {**a.to_json(base_time, user_budget), "chosen": a is chosen} for a in tried]
         if not chosen.fits:
-            raise _refusal(chosen, tried, label)
+            raise _refusal(chosen, tried, label, report.get("not_screened"))
         return Choice(chosen, report)
 
     if not built:
@@ -306,7 +308,7 @@ def choose_row_chunks(search: RowChunkSearch, graph: Graph, costs: CostModel,
     if budget.is_min:
         chosen = _search_min(first, ladder, lambda c: attempt(c, clock.next(1)), user_budget)
     else:
-        chosen = search_budget(first, ladder, attempt, base_time, clock)
+        chosen = search_budget(first, ladder, attempt, base_time, (clock, report))
     return done(chosen)
 
 
@@ -410,6 +412,7 @@ def _attempt(search: RowChunkSearch, options: CompileOptions,
     # is this plan's only).
     a = Attempt(chunks_of(options.build), replace(options, smallest_on_refusal=True),
                 time_limit_s=work)
+    before = simulated_nodes()
     try:
         a.graph, a.costs = load()
         planning = replace(options, time_limit=work, deadline=deadline)
@@ -420,25 +423,31 @@ def _attempt(search: RowChunkSearch, options: CompileOptions,
         if strict:
             raise
         a.error = str(exc)
+    finally:
+        a.simulated_nodes = simulated_nodes() - before
     a.passes = passes[mark:]
     del passes[mark:]
     return a
 
 
-def _refusal(chosen: Attempt, tried: list[Attempt], label: str) -> BudgetError:
-    """The nearest attempt's refusal, saying which row chunks were tried."""
+def _refusal(chosen: Attempt, tried: list[Attempt], label: str,
+             not_screened: str | None = None) -> BudgetError:
+    """The nearest attempt's refusal, saying which row chunks were tried (or why none
+    was: ``not_screened``)."""
     exc = chosen.refusal
     if exc is None:
         raise InputError(f"{label}: {chosen.error}")
-    if len(tried) <= 1:
-        return exc
     last = {tuple(a.chunks.items()): a for a in tried}   # a setting's final, else its screen
     others = "; ".join(
         f"{describe(a.chunks)}: "
         + (format_size(a.refusal.smallest) if a.refusal is not None else str(a.error))
         for a in last.values() if a.chunks != chosen.chunks)
-    return BudgetError(
-        f"{without_chunks_hint(str(exc))} Compile also built the step with other row "
-        "chunks: the smallest budget "
-        f"above is with {describe(chosen.chunks)} (the others: {others}).",
-        budget=exc.budget, smallest=exc.smallest, outcome=exc.outcome)
+    if others:
+        said = (" Compile also built the step with other row chunks: the smallest budget "
+                f"above is with {describe(chosen.chunks)} (the others: {others}).")
+    elif not_screened:
+        said = f" Row chunks: {not_screened}."
+    else:
+        return exc
+    return BudgetError(f"{without_chunks_hint(str(exc))}{said}", budget=exc.budget,
+                       smallest=exc.smallest, outcome=exc.outcome)

@@ -88,6 +88,10 @@ class SharedLimit:
         window = max(self.end - now, 0.0) / max(left_to_plan, 1)
         return work, now + max(window, MIN_PLAN_S)
 
+    def work_after_first(self) -> float:
+        """The work, in seconds of the limit, the settings after the step as loaded get."""
+        return self._rest()
+
     def _rest(self) -> float:
         """The work left after the step as loaded's share (a count, not the clock)."""
         return (1.0 - self.first_share) * self.limit

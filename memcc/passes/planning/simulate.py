@@ -22,6 +22,7 @@ from memcc.passes.analysis.liveness import (
 )
 from memcc.passes.lowering.lower import PassReport, VariantMemo, lower
 from memcc.passes.plan import Plan, StepStructure
+from memcc.passes.planning.work import count_simulated
 from memcc.step import TrainingStep
 
 # Whose allocation rules a peak follows: the CPU provider straight from malloc, the CUDA
@@ -107,6 +108,7 @@ def simulate(graph: Graph, plan: Plan, costs: CostModel,
     device, host_copies = rules.device, rules.host_copies
     heap_base, early_updates = rules.heap_base, rules.early_updates
     lowered = lower(graph, plan, structure, memo=memo)
+    count_simulated(len(lowered.graph.nodes))
     step = TrainingStep.of(lowered.graph)
     runs = arrange_step(lowered.graph, step, host_copies=host_copies or device == "cuda",
                         early_updates=early_updates)

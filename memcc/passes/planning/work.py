@@ -24,6 +24,19 @@ if TYPE_CHECKING:
 # so that the plan does not depend on how busy the machine is.
 SIMULATED_NODES_PER_S = 12_000
 MIN_MOVES = 4
+# Every node ``simulate`` has judged in this process: what a compile's stages spent, read
+# as a difference (``compiler/chunk_budget.py`` weighs the row-chunk screens by it).
+_SIMULATED = [0]
+
+
+def count_simulated(nodes: int) -> None:
+    """``simulate`` judged a plan of ``nodes`` nodes."""
+    _SIMULATED[0] += nodes
+
+
+def simulated_nodes() -> int:
+    """The nodes simulated so far in this process (a running count: take differences)."""
+    return _SIMULATED[0]
 
 
 @dataclass
