@@ -63,6 +63,27 @@ def test_measured_costs_add_up_to_the_step_and_are_cached(step, tmp_path, monkey
     assert dict(again.seconds) == dict(first.seconds)  # from the cache, not re-measured
 
 
+def test_auto_estimates_where_measuring_would_outrun_the_time_limit(step, tmp_path,
+                                                                     monkeypatch):
+    """--cost auto measures node times (the step run 7 times, outside the planner's limit)
+    only where that is estimated to take at most a quarter of --time-limit, or the step
+    was measured before; else it estimates them and says why, naming --cost measured."""
+    from memcc.compiler.costing import node_costs
+    from memcc.compiler.options import CompileOptions
+
+    monkeypatch.setattr(profiling, "CACHE_DIR", tmp_path)
+    said: list[str] = []
+    tight = CompileOptions(budget="min", time_limit=1e-6)
+    costs, summary = node_costs(step, tight, said.append, None)
+    assert costs.source == "analytic" and "--cost measured" in summary["note"]
+    assert said and said[0].startswith("--cost auto: measuring node times would run the step 7")
+    costs, summary = node_costs(step, CompileOptions(budget="min", time_limit=60), said.append,
+                                None)
+    assert costs.source == "measured" and "note" not in summary
+    costs, _ = node_costs(step, tight, said.append, None)   # measured before: the cache
+    assert costs.source == "measured" and len(said) == 1
+
+
 def _fake_measured(step, factor_of) -> CostModel:
     """A "measured" model whose times are a known multiple of the roofline, per op type."""
     seconds = {n.name: analytic_estimate(step, n, NOMINAL_CPU) * factor_of(n.op_type)

@@ -25,12 +25,14 @@ from memcc.passes.analysis.cost_model import CostModel, DeviceRates
 
 CACHE_DIR = Path(os.environ.get("MEMCC_CACHE", Path.home() / ".cache" / "memcc"))
 # Bump when what ``measured_costs`` stores changes meaning.
-MEASURED_VERSION = "v4"
+MEASURED_VERSION = "v5"
 
 
-def model_hash(model: onnx.ModelProto) -> str:
-    """Cache key of a step: the same bytes give the same measurements."""
-    return hashlib.sha256(model.SerializeToString(deterministic=True)).hexdigest()[:24]
+def model_hash(model: onnx.ModelProto | bytes) -> str:
+    """Cache key of a step: the same bytes give the same measurements (``model``: the
+    step, or its bytes as ``SerializeToString(deterministic=True)`` writes them)."""
+    data = model if isinstance(model, bytes) else model.SerializeToString(deterministic=True)
+    return hashlib.sha256(data).hexdigest()[:24]
 
 
 def calibrate_cpu_rates(*, use_cache: bool = True) -> DeviceRates:
@@ -114,6 +116,26 @@ def _spread_executor_overhead(graph: Graph, seconds: dict[str, float], wall_s: f
         seconds[name] = seconds.get(name, 0.0) + rest * w / total
 
 
+def _cache_file(model: onnx.ModelProto | bytes, provider: str) -> Path:
+    return CACHE_DIR / "costs" / f"{model_hash(model)}-{provider}-{MEASURED_VERSION}.json"
+
+
+def _read_cache(cache: Path, provider: str, rates: DeviceRates | None) -> CostModel | None:
+    if not cache.exists():
+        return None
+    try:
+        d = json.loads(cache.read_text())
+        return CostModel(d["seconds"], "measured", provider, d["kernel_s"], rates=rates)
+    except (ValueError, KeyError):
+        return None
+
+
+def cached_costs(graph: Graph, provider: str = "cpu") -> CostModel | None:
+    """The node times ``measured_costs`` measured for this very step before, or None."""
+    data = graph.to_model().SerializeToString(deterministic=True)
+    return _read_cache(_cache_file(data, provider), provider, None)
+
+
 def measured_costs(graph: Graph, provider: str = "cpu", *, runs: int = 3,
                    use_cache: bool = True, feeds: Mapping[str, np.ndarray] | None = None,
                    rates: DeviceRates | None = None) -> CostModel:
@@ -124,38 +146,35 @@ def measured_costs(graph: Graph, provider: str = "cpu", *, runs: int = 3,
     variants, copies; ``CostModel.price``); its scale does not matter, the calibration
     against the measured nodes fixes it."""
     from memcc.backend.runner import synthetic_feeds
-    from memcc.backend.session import SessionSettings, make_session
+    from memcc.backend.session import SessionSettings, make_session, resolve_provider
 
     model = graph.to_model()
-    key = f"{model_hash(model)}-{provider}-{MEASURED_VERSION}"
-    cache = CACHE_DIR / "costs" / f"{key}.json"
-    if use_cache and cache.exists():
-        try:
-            d = json.loads(cache.read_text())
-            return CostModel(d["seconds"], "measured", provider, d["kernel_s"], rates=rates)
-        except (ValueError, KeyError):
-            pass
+    # Serialised once, for the key and (on the CPU) the session.
+    data = model.SerializeToString(deterministic=True)
+    cache = _cache_file(data, provider)
+    if use_cache and (known := _read_cache(cache, provider, rates)) is not None:
+        return known
     if feeds is None:
         feeds = synthetic_feeds(graph, seed=0)
     with tempfile.TemporaryDirectory() as tmp:
         prefix = str(Path(tmp) / "memcc_cost")
-        sess = make_session(model, provider,
+        sess = make_session(data if resolve_provider(provider) == "cpu" else model, provider,
                             SessionSettings(profile=True, profile_prefix=prefix))
         sess.run(None, dict(feeds))  # warm-up: first-run allocations are not kernel time
         for _ in range(runs):
             sess.run(None, dict(feeds))
         path = sess.end_profiling()
         events = json.loads(Path(path).read_text())
-        del sess
-        # Profiling slows kernels down; the step's real length comes from a plain session.
-        plain = make_session(model, provider)
-        plain.run(None, dict(feeds))
+        # Profiling slows kernels down: the step's real length comes from runs after it
+        # ended, in the same session, already warm (ORT records nothing once profiling
+        # ends; a resnet's step times there matched a fresh session's within noise): not
+        # a second load of the weights and a second warm-up.
         walls = []
         for _ in range(runs):
             t0 = time.perf_counter()
-            plain.run(None, dict(feeds))
+            sess.run(None, dict(feeds))
             walls.append(time.perf_counter() - t0)
-        del plain
+        del sess
     samples: dict[str, list[float]] = {}
     for ev in events:
         if ev.get("cat") != "Node":

@@ -50,6 +50,8 @@ from memcc.sizes import format_size
 from memcc.step import ALLOCATOR_KEY, PLAN_KEY, RANKS_KEY
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from memcc.compiler.chunk_choice import Estimate
     from memcc.passes.analysis.cost_model import CostModel
     from memcc.passes.planning.planner import PlanOutcome
@@ -283,6 +285,7 @@ def _plan(run: CompileRun, graph: Graph, costs: CostModel) -> Planned:
     # Steps the row-chunk screen built: (step, load summary, its priced cost model and
     # that stage's summary), by chunk counts (``_estimator``).
     built: dict[tuple, tuple[Graph, dict, CostModel, dict]] = {}
+    price_setting = _pricing(graph, costs)
 
     def rebuild(opts: CompileOptions) -> tuple[Graph, CostModel]:
         # Another build of the forward model (row chunks): its warnings were said once.
@@ -296,6 +299,11 @@ def _plan(run: CompileRun, graph: Graph, costs: CostModel) -> Planned:
             return g, runner.stage("cost_model", lambda: screened[2:])
         g = runner.stage("load", lambda: load_step_warned(run.model, label, opts, run.warning,
                                                           said=run.said))
+        if opts.cost == "auto":
+            # Priced by the step as loaded's cost model, not measured again: a profile of
+            # the whole step, outside --time-limit (50 s of a 124M-parameter GPT-2's
+            # compile with its row chunks), and its times compare with the step as loaded's.
+            return g, runner.stage("cost_model", lambda: price_setting(g))
         return g, runner.stage("cost_model",
                                lambda: node_costs(g, opts, quiet, run.cuda_missing))
 
@@ -304,7 +312,7 @@ def _plan(run: CompileRun, graph: Graph, costs: CostModel) -> Planned:
         RowChunkSearch(run.model, label, load_summary["built_training_step"],
                        plan_step, rebuild, runner.reports, run.say,
                        lambda peak, s: user_budget(peak, options, s),
-                       _estimator(run, graph, costs, built),
+                       _estimator(run, (graph, costs), price_setting, built),
                        trim_chunks({k: (load_summary.get("splittable") or {}).get(k, 0)
                                     for k in KINDS}, least=1)),
         graph, costs, options, budget)
@@ -332,35 +340,50 @@ def _chunk_key(opts: CompileOptions) -> tuple:
     return tuple(chunks_of(opts.build).values())
 
 
-def _estimator(run: CompileRun, graph: Graph, costs: CostModel, built: dict) -> Estimate:
-    """A row-chunk setting's added time as built, before any plan: the step built with it,
-    less the step as loaded, both priced by the step as loaded's cost model without its
-    measured times (the analytic estimate times the calibration fitted on the measured
-    nodes; node names are not stable across builds, so a measured time cannot be reused by
-    name), scaled so that the step as loaded's priced total is its cost model's total. The
-    step is kept in ``built`` with that pricing as its cost model, for its plan if it gets
-    one: a step that fits as built is not measured again for a setting (a profile of the
-    whole step, a minute on a transformers GPT-2, which --time-limit could not bound)."""
-    from memcc.passes.analysis.liveness import analyze_liveness
+def _pricing(graph: Graph, costs: CostModel) -> Callable[[Graph], tuple[CostModel, dict]]:
+    """Another build of the model (a row-chunk setting) priced by the step as loaded's cost
+    model without its measured times (the analytic estimate times the calibration fitted on
+    the measured nodes; node names are not stable across builds, so a measured time cannot
+    be reused by name), scaled so that the step as loaded's priced total is its cost
+    model's total; with the cost model stage's summary."""
+    base: list = []   # (the pricing model, the scale): on first use
 
-    base: list = []   # (the pricing model, the scale, the peak as loaded): on first use
-
-    def estimate(opts: CompileOptions) -> tuple[float, int, int]:
+    def price(g: Graph) -> tuple[CostModel, dict]:
         if not base:
             priced = replace(costs.calibrated(graph), seconds={})
             as_loaded = sum(priced.price(n, graph) for n in graph.nodes)
-            base.extend((priced, costs.total(graph) / as_loaded if as_loaded > 0 else 1.0,
-                         analyze_liveness(graph).peak_bytes))
-        priced, scale, peak = base
-        g, summary = load_step_warned(run.model, run.label, opts, run.warning, said=run.said)
+            base.extend((priced, costs.total(graph) / as_loaded if as_loaded > 0 else 1.0))
+        priced, scale = base
         seconds = {n.name: priced.price(n, g) * scale for n in g.nodes}
-        cost_summary = {"source": costs.source, "provider": costs.provider,
-                        "total_s": round(sum(seconds.values()), 6),
-                        "priced_from_step_as_loaded": True}
+        return replace(priced, seconds=seconds), {
+            "source": costs.source, "provider": costs.provider,
+            "total_s": round(sum(seconds.values()), 6), "priced_from_step_as_loaded": True}
+
+    return price
+
+
+def _estimator(run: CompileRun, as_loaded: tuple[Graph, CostModel],
+               price: Callable[[Graph], tuple[CostModel, dict]], built: dict) -> Estimate:
+    """A row-chunk setting's added time as built, before any plan: the step built with it,
+    less the step as loaded, both priced by the step as loaded's cost model (``price``,
+    ``_pricing``). The step is kept in ``built`` with that pricing as its cost model, for
+    its plan if it gets one: a step that fits as built is not measured again for a setting
+    (a profile of the whole step, a minute on a transformers GPT-2, which --time-limit
+    could not bound)."""
+    from memcc.passes.analysis.liveness import analyze_liveness
+
+    graph, costs = as_loaded
+    peak: list[int] = []   # the step as loaded's, on first use
+
+    def estimate(opts: CompileOptions) -> tuple[float, int, int]:
+        if not peak:
+            peak.append(analyze_liveness(graph).peak_bytes)
+        g, summary = load_step_warned(run.model, run.label, opts, run.warning, said=run.said)
+        priced, cost_summary = price(g)
         built.clear()   # one kept at a time: the search plans the last one built, if any
-        built[_chunk_key(opts)] = (g, summary, replace(priced, seconds=seconds), cost_summary)
-        return (sum(seconds.values()) - costs.total(graph), len(g.nodes),
-                peak - analyze_liveness(g).peak_bytes)
+        built[_chunk_key(opts)] = (g, summary, priced, cost_summary)
+        return (priced.total(g) - costs.total(graph), len(g.nodes),
+                peak[0] - analyze_liveness(g).peak_bytes)
 
     return estimate
 
