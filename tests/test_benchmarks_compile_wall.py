@@ -23,5 +23,7 @@ def test_one_compile_of_a_shipped_model(tmp_path):
                                                   "resnet18-small.onnx"),
                            "min", 2.0, str(tmp_path))
     assert row["rc"] == 0 and row["outcome"].startswith("strategy") and row["wall_s"] > 0
-    # A compile this short prints no progress lines (memcc/cli/log_progress.py, QUIET_S).
-    assert row["stages"] == []
+    # Progress lines come only from 3 s on (memcc/cli/log_progress.py, QUIET_S): on a
+    # quiet machine this compile prints none; on a loaded one, the stages running by then.
+    assert {name for name, _ in row["stages"]} <= {"load", "cost_model", "plan", "rewrite"}
+    assert sum(s for _, s in row["stages"]) <= row["wall_s"]
