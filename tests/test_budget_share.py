@@ -64,6 +64,23 @@ def test_a_share_under_the_floor_is_refused_in_the_users_words(tmp_path):
     assert not (tmp_path / "out.onnx").exists()
 
 
+def test_a_share_under_the_floor_is_refused_before_node_times_are_measured(tmp_path,
+                                                                             monkeypatch):
+    """The share's bytes come from the step as built's peak, which node times do not
+    change: under the floor, compile refuses before measuring them (36 s of a
+    124M-parameter GPT-2's refusal at --budget 50%, issue 31's "impossible budgets refused
+    in under 2 s")."""
+    from memcc.compiler import costing
+
+    def measured(*_a, **_k):
+        raise AssertionError("node times measured before the floor refusal")
+
+    monkeypatch.setattr(costing, "node_costs", measured)
+    with pytest.raises(MemccError, match="cannot hold"):
+        compile_model(_mlp(tmp_path), CompileOptions(budget="5%", cost="measured"),
+                      output=tmp_path / "out.onnx")
+
+
 def test_a_share_per_rank_is_refused(tmp_path):
     with pytest.raises(InputError, match="with --nproc: give the per-rank budget in bytes"):
         compile_model(_mlp(tmp_path), CompileOptions(budget="50%", cost="analytic", nproc=2),
