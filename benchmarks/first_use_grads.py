@@ -13,7 +13,9 @@ is sensitive to rounding (a ReLU or a max-pool window flips): where memcc and to
 float32 disagree, the float64 gradient says which is off. Errors are per parameter,
 relative to the larger of the gradient's largest magnitude and 1e-3 of the largest over
 all parameters (a parameter before a BatchNorm has a gradient that is zero up to
-rounding), the worst over all parameters.
+rounding), the worst over all parameters. The segmentation cases (``seg_`` models, logits
+[N, 5, H, W]) are built with ``--class-axis 1 --ignore-index 255`` and compared with
+``cross_entropy(..., ignore_index=255)`` on labels [N, H, W] a tenth of them 255.
 
     pip install timm torchvision      # in a venv of their own (see first_use_models.py)
     python benchmarks/first_use_grads.py --cases googlenet.ts.train,mnasnet.noopt.train
@@ -54,11 +56,22 @@ def _deterministic(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def _labels(model_name: str, batch: int, px: int) -> tuple[np.ndarray, dict]:
+    """A classifier's labels of 10 classes, or a segmenter's [N, H, W] of 5 classes with a
+    tenth of the pixels 255 (void); the build options and torch's loss options for them."""
+    rng = np.random.default_rng(0)
+    if not model_name.startswith("seg_"):
+        return rng.integers(0, 10, size=(batch,)).astype(np.int64), {}
+    labels = rng.integers(0, 5, size=(batch, px, px)).astype(np.int64)
+    labels[rng.random(labels.shape) < 0.1] = 255
+    return labels, {"class_axis": 1, "ignore_index": 255}
+
+
 def _torch_grads(model: torch.nn.Module, x: np.ndarray, labels: np.ndarray,
                  dtype: torch.dtype) -> tuple[float, dict[str, np.ndarray]]:
     m = copy.deepcopy(model).to(dtype)
     loss = torch.nn.functional.cross_entropy(m(torch.from_numpy(x).to(dtype)),
-                                             torch.from_numpy(labels))
+                                             torch.from_numpy(labels), ignore_index=255)
     loss.backward()
     return float(loss), {n: p.grad.double().numpy() for n, p in m.named_parameters()
                          if p.grad is not None}
@@ -80,14 +93,14 @@ def check(case: tuple) -> dict:
         path = Path(tmp) / "m.onnx"
         torch.manual_seed(0)
         fu.export(case, path, module=(model, args, names))
+        labels, seg = _labels(model_name, batch, px)
         step = build_training_step(load_graph(path, {"batch": batch} if dyn else None),
-                                   BuildOptions(optimizer="none"))
+                                   BuildOptions(optimizer="none", **seg))
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = 2
         sess = ort.InferenceSession(str(save_graph(step, Path(tmp) / "s.onnx")), opts,
                                     providers=["CPUExecutionProvider"])
         x = args[0].numpy()
-        labels = np.random.default_rng(0).integers(0, 10, size=(batch,)).astype(np.int64)
         fed = {i.name for i in sess.get_inputs()}
         out = dict(zip([o.name for o in sess.get_outputs()],
                        sess.run(None, {k: v for k, v in {names[0]: x, "labels": labels}.items()

@@ -140,6 +140,23 @@ CASES = [
     ("volo.noopt.train", "timm_volo", "dynamo_noopt", True, 2, 64, False),
     ("efficientvit_m0.noopt.train", "timm_efficientvit_m0", "dynamo_noopt", True, 2, 64,
      False),
+    # segmentation models (session 31): logits [N, 5, px, px], built with --class-axis 1
+    # --ignore-index 255 (labels [N, px, px]). TorchScript refuses UperNet's pooling to 3
+    # and 6 cells of a 2 x 2 map (its last stage at 64 px): 192 px, 6 x 6, there.
+    ("fcn_resnet50.ts.train", "seg_fcn_resnet50", "torchscript", True, 2, 64, False),
+    ("fcn_resnet50.noopt.train", "seg_fcn_resnet50", "dynamo_noopt", True, 2, 64, False),
+    ("fcn_resnet50.ts.eval", "seg_fcn_resnet50", "torchscript", False, 2, 64, False),
+    ("deeplabv3_mnv3.ts.train", "seg_deeplabv3_mnv3", "torchscript", True, 2, 64, False),
+    ("deeplabv3_mnv3.noopt.train", "seg_deeplabv3_mnv3", "dynamo_noopt", True, 2, 64, False),
+    ("lraspp_mnv3.ts.train", "seg_lraspp_mnv3", "torchscript", True, 2, 64, False),
+    ("lraspp_mnv3.noopt.train", "seg_lraspp_mnv3", "dynamo_noopt", True, 2, 64, False),
+    ("segformer_seg.ts.train", "seg_segformer", "torchscript", True, 2, 64, False),
+    ("segformer_seg.noopt.train", "seg_segformer", "dynamo_noopt", True, 2, 64, False),
+    ("upernet.ts.train", "seg_upernet", "torchscript", True, 2, 192, False),
+    ("upernet.noopt.train", "seg_upernet", "dynamo_noopt", True, 2, 64, False),
+    # ... and two at 4 x 256 px, where activations, not weights, make most of the step
+    ("lraspp_mnv3_256.ts.train", "seg_lraspp_mnv3", "torchscript", True, 4, 256, False),
+    ("segformer_seg_256.noopt.train", "seg_segformer", "dynamo_noopt", True, 4, 256, False),
 ]
 
 
@@ -212,6 +229,48 @@ class GRUClassifier(torch.nn.Module):
         return self.head(y.amax(dim=1))
 
 
+class _Segmenter(torch.nn.Module):
+    """A segmentation model's per-pixel logits at the image's size: torchvision's ``out``
+    entry, or a transformers model's logits (``upsample``: from SegFormer's quarter size,
+    as its own loss does; UperNet's are at the image's size already)."""
+
+    def __init__(self, model: torch.nn.Module, upsample: bool = False) -> None:
+        super().__init__()
+        self.m, self.upsample = model, upsample
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not hasattr(self.m, "config"):
+            return self.m(x)["out"]
+        y = self.m(pixel_values=x).logits
+        if not self.upsample:
+            return y
+        return torch.nn.functional.interpolate(y, size=x.shape[2:], mode="bilinear",
+                                               align_corners=False)
+
+
+def _segmenter(model_name: str) -> torch.nn.Module:
+    """A segmentation model of 5 classes, random weights, no auxiliary head."""
+    if model_name == "seg_segformer":
+        import transformers as T
+        return _Segmenter(T.SegformerForSemanticSegmentation(T.SegformerConfig(
+            num_encoder_blocks=4, depths=[1, 1, 1, 1], hidden_sizes=[16, 32, 48, 64],
+            decoder_hidden_size=32, num_labels=5, image_size=64)), upsample=True)
+    if model_name == "seg_upernet":
+        import transformers as T
+        return _Segmenter(T.UperNetForSemanticSegmentation(T.UperNetConfig(
+            backbone_config=T.ConvNextConfig(hidden_sizes=[16, 32, 48, 64],
+                                             depths=[1, 1, 1, 1],
+                                             out_features=["stage1", "stage2", "stage3",
+                                                           "stage4"]),
+            hidden_size=32, use_auxiliary_head=False, num_labels=5)))
+    import torchvision.models.segmentation as tvs
+    make = {"seg_fcn_resnet50": tvs.fcn_resnet50,
+            "seg_deeplabv3_mnv3": tvs.deeplabv3_mobilenet_v3_large,
+            "seg_lraspp_mnv3": tvs.lraspp_mobilenet_v3_large}[model_name]
+    extra = {} if model_name == "seg_lraspp_mnv3" else {"aux_loss": False}
+    return _Segmenter(make(weights=None, weights_backbone=None, num_classes=5, **extra))
+
+
 def _inputs(model_name: str, batch: int, size: int):
     """(module, example inputs, input names) for a case: an image model's one image batch,
     or a transformers model (``hf_<arch>``, benchmarks/transformers_sweep.py's configs)
@@ -221,6 +280,8 @@ def _inputs(model_name: str, batch: int, size: int):
     if model_name.startswith("rnn_"):
         model = {"rnn_lstm_lm": WordLM, "rnn_gru_clf": GRUClassifier}[model_name]()
         return model, (torch.randint(0, 2000, (batch, size)),), ["input_ids"]
+    if model_name.startswith("seg_"):
+        return _segmenter(model_name), (torch.randn(batch, 3, size, size),), ["x"]
     if not model_name.startswith("hf_"):
         return ctors()[model_name](), (torch.randn(batch, 3, size, size),), ["x"]
     import transformers_sweep as hf

@@ -286,3 +286,52 @@ def test_export_map_tells_merges_from_batchnorm_folds_and_copies():
     assert emap is not None and not emap.merged and not emap.folded and not emap.copies
     assert {k: v for k, v in emap.stands_for.items() if len(v) > 1} == {
         "model.transformer.wte.weight": ("model.transformer.wte.weight", "model.lm_head.weight")}
+
+
+class _TwoNorms(torch.nn.Module):
+    """Two LayerNorms and a BatchNorm of one width, fresh (weights ones, biases zeros), and
+    two linear layers that share storage (distinct parameters, one tensor in memory)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(6, 6), torch.nn.Linear(6, 6)
+        self.b.weight = torch.nn.Parameter(self.a.weight.data)  # storage shared
+        self.n1, self.n2 = torch.nn.LayerNorm(6), torch.nn.LayerNorm(6)
+        self.bn, self.head = torch.nn.BatchNorm1d(6), torch.nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.bn(self.n2(self.b(torch.relu(self.n1(self.a(x)))))))
+
+
+def test_torchscript_eval_export_trains_fresh_equal_parameters_apart(tmp_path):
+    """TorchScript's export in eval mode (its default) stores parameters equal at export
+    once: n2's weight and bias, and the BatchNorm's, are Identity copies of n1's. torch
+    trains each apart, so memcc does (each its own gradient, torch's); the linear layers
+    that share storage (not constant-filled) stay one tensor, as torch's optimizer updates
+    them, with the gradient of both uses."""
+    torch.manual_seed(0)
+    module, x = _TwoNorms().eval(), torch.randn(4, 6)
+    path = tmp_path / "norms.onnx"
+    torch.onnx.export(module, (x,), str(path), dynamo=False, opset_version=17,
+                      input_names=["x"], output_names=["logits"])
+    aliases = {n.output[0] for n in onnx.load(str(path)).graph.node if n.op_type == "Identity"}
+    assert {"n2.weight", "n2.bias", "bn.weight", "bn.bias", "b.weight"} <= aliases
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step = build_training_step(load_graph(path), BuildOptions(optimizer="none"))
+    assert any("6 parameter(s) and buffer(s)" in str(w.message) for w in caught)
+    params = TrainingStep.of(step).parameters
+    assert {"n2.weight", "n2.bias", "bn.weight", "bn.bias"} <= set(params)
+    assert "b.weight" not in params and "a.weight" in params
+    labels = np.array([0, 2, 1, 2], dtype=np.int64)
+    sess = ort.InferenceSession(step.to_model().SerializeToString(),
+                                providers=["CPUExecutionProvider"])
+    out = dict(zip([o.name for o in sess.get_outputs()],
+                   sess.run(None, {"x": x.numpy(), "labels": labels}), strict=True))
+    torch.nn.functional.cross_entropy(module(x), torch.from_numpy(labels)).backward()
+    grads = {name: p.grad.numpy() for name, p in module.named_parameters()}
+    grads["a.weight"] = grads["a.weight"] + grads.pop("b.weight")  # one tensor in memory
+    for name, ref in grads.items():
+        got = out[f"{name}.grad"]
+        err = float(np.abs(got - ref).max() / max(np.abs(ref).max(), 1e-6))
+        assert err <= 1e-5, f"{name}: relative error {err:.2e}"

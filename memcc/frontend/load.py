@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -29,9 +30,10 @@ from memcc.frontend.canonicalize import (
     shapes_needed,
 )
 from memcc.frontend.cast_chains import drop_cast_chains
+from memcc.frontend.deduplicated import untie_deduplicated
 from memcc.frontend.dropout_masks import upgrade_step
 from memcc.frontend.export_map import EXPORT_MAP_KEY, read_export_map
-from memcc.frontend.export_signature import SIGNATURE_KEY, read_signature
+from memcc.frontend.export_signature import SIGNATURE_KEY, ExportNote, read_signature
 from memcc.frontend.fold import fold_shape_computations
 from memcc.frontend.folded_copies import recompute_folded_copies
 from memcc.frontend.function_ops import expand_function_ops
@@ -134,6 +136,7 @@ def load_graph(
     else:
         model, arrays = read_model_apart(path_or_model)
         where = source or str(path_or_model)
+    _untie(model, arrays, where)
     export_map = read_export_map(model)  # from the file as written, before any rewrite
     if export_map is not None:  # folded copies of one parameter: computed from it again
         export_map = recompute_folded_copies(model, export_map, arrays)
@@ -177,6 +180,20 @@ def load_graph(
     if not mapped:
         own_weights(graph)
     return graph
+
+
+def _untie(model: onnx.ModelProto, arrays: Arrays, where: str) -> None:
+    """Parameters TorchScript's eval-mode export stored once for their equal fresh values
+    get their own initializers again (``frontend/deduplicated.py``), with a note."""
+    untied = untie_deduplicated(model, arrays)
+    if untied:
+        shown = ", ".join(untied[:4]) + (f" (+{len(untied) - 4} more)" if len(untied) > 4
+                                         else "")
+        warnings.warn(
+            f"{where}: {len(untied)} parameter(s) and buffer(s) the exporter stored as "
+            "copies of another that held the same constant value at export (TorchScript's "
+            f"eval-mode deduplication of fresh weights): {shown}. memcc gives each its own "
+            "initializer again: they train apart, as in torch.", ExportNote, stacklevel=3)
 
 
 def _differentiable_as_is() -> frozenset[str]:
