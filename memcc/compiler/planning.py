@@ -72,12 +72,13 @@ def _no_fit(budget: int, smallest: int, slack: int, options: CompileOptions,
     passes = hooks.passes
     return BudgetError(
         f"{hooks.label}: the training step does not fit in {format_size(budget)} "
-        f"({budget:,} bytes). The smallest budget memcc can reach for it is "
+        f"({budget:,} bytes). The smallest budget memcc found for it is "
         f"{format_size(smallest)} ({smallest:,} bytes; strategy {options.strategy}, with "
         f"{options.margin:.0%} + {slack:,} bytes of safety margin). "
         + _runtime_part(options)
         + f"Nothing was written. Use --budget {smallest} "
-        "or more, --budget min, or a smaller batch."
+        "or more, --budget min (it searches with the whole --time-limit, and where this "
+        "compile also planned row-chunk settings it can find less), or a smaller batch."
         + chunks_hint(next(p.summary for p in passes if p.name == "load")),
         budget=budget or 0, smallest=smallest,
     )
