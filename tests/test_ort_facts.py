@@ -368,3 +368,25 @@ def test_a_function_cannot_reach_older_opset_training_batchnorm():
         helper.make_opsetid("", 17), helper.make_opsetid("memcc.test", 1)])
     with pytest.raises(Exception, match="output size 5"):
         make_session(model, "cpu")
+
+
+def test_a_session_records_nothing_once_its_profiling_ends(tmp_path):
+    """memcc's measured node times time the step in the profiled session after
+    ``end_profiling`` (backend/profiling.py): ORT must write no more events there, and a
+    second ``end_profiling`` has no file to give."""
+    import json
+
+    from models import build_model
+
+    model = build_model("mlp", batch=8, width=16, depth=2)
+    settings = SessionSettings(profile=True, profile_prefix=str(tmp_path / "p"))
+    sess = make_session(model, "cpu", settings)
+    feeds = {i.name: np.ones([d.dim_value for d in i.type.tensor_type.shape.dim],
+                             np.float32) for i in model.graph.input}
+    sess.run(None, feeds)
+    path = sess.end_profiling()
+    events = len(json.loads(open(path).read()))
+    for _ in range(3):
+        sess.run(None, feeds)
+    assert sess.end_profiling() == ""
+    assert len(json.loads(open(path).read())) == events

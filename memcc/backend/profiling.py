@@ -136,7 +136,17 @@ def cached_costs(graph: Graph, provider: str = "cpu") -> CostModel | None:
     return _read_cache(_cache_file(data, provider), provider, None)
 
 
-def measured_costs(graph: Graph, provider: str = "cpu", *, runs: int = 3,
+# Profiled runs ``measured_costs`` takes by default; it runs the step ``measuring_runs``
+# times in all.
+PROFILED_RUNS = 3
+
+
+def measuring_runs(runs: int = PROFILED_RUNS) -> int:
+    """Steps ``measured_costs`` runs: a warm-up, ``runs`` profiled, ``runs`` timed."""
+    return 1 + 2 * runs
+
+
+def measured_costs(graph: Graph, provider: str = "cpu", *, runs: int = PROFILED_RUNS,
                    use_cache: bool = True, feeds: Mapping[str, np.ndarray] | None = None,
                    rates: DeviceRates | None = None) -> CostModel:
     """Per node: median kernel time over ``runs`` profiled runs of the graph in ORT, plus its
@@ -167,8 +177,7 @@ def measured_costs(graph: Graph, provider: str = "cpu", *, runs: int = 3,
         events = json.loads(Path(path).read_text())
         # Profiling slows kernels down: the step's real length comes from runs after it
         # ended, in the same session, already warm (ORT records nothing once profiling
-        # ends; a resnet's step times there matched a fresh session's within noise): not
-        # a second load of the weights and a second warm-up.
+        # ends: tests/test_ort_facts.py), not a second load of the weights and warm-up.
         walls = []
         for _ in range(runs):
             t0 = time.perf_counter()

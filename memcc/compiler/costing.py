@@ -11,7 +11,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from memcc.backend.profiling import cached_costs, calibrate_cpu_rates, measured_costs
+from memcc.backend.profiling import (
+    cached_costs,
+    calibrate_cpu_rates,
+    measured_costs,
+    measuring_runs,
+)
 from memcc.compiler.options import CompileOptions
 from memcc.compiler.progress import Progress
 from memcc.errors import MemccError
@@ -25,11 +30,10 @@ from memcc.passes.analysis.cost_model import (
 )
 from memcc.passes.analysis.cuda_node_times import default_calibration
 
-# --cost auto measures node times where running the step MEASURING_RUNS times (a warm-up,
-# three profiled runs, three timed ones: ``backend/profiling.measured_costs``) is estimated
-# to take at most this share of --time-limit; else it estimates them.
+# --cost auto measures node times where running the step as often as
+# ``backend/profiling.measured_costs`` does (``measuring_runs``) is estimated to take at
+# most this share of --time-limit; else it estimates them.
 MEASURE_SHARE = 0.25
-MEASURING_RUNS = 7
 
 
 def node_costs(graph: Graph, options: CompileOptions, warning: Progress,
@@ -75,7 +79,7 @@ def node_costs(graph: Graph, options: CompileOptions, warning: Progress,
 
 def too_long_to_measure(graph: Graph, options: CompileOptions) -> str | None:
     """Why ``--cost auto`` estimates this step's node times instead of measuring them, or
-    None. Measuring runs the step ``MEASURING_RUNS`` times, outside the planner's limit: a
+    None. Measuring runs the step ``measuring_runs()`` times (7), outside the planner's limit: a
     124M-parameter GPT-2 at batch 2 x 128 took 37 s of a compile on two cores, at batch
     8 x 1024 it would take minutes. Where the estimated step times that many runs exceed
     ``MEASURE_SHARE`` of ``--time-limit``, the times are estimated, unless this very step
@@ -83,10 +87,11 @@ def too_long_to_measure(graph: Graph, options: CompileOptions) -> str | None:
     if options.provider != "cpu":
         return None    # a CUDA step runs in milliseconds: measuring is cheap there
     step_s = analytic_costs(graph, calibrate_cpu_rates()).total(graph)
-    need = MEASURING_RUNS * step_s
+    runs = measuring_runs()
+    need = runs * step_s
     if need <= MEASURE_SHARE * options.time_limit or cached_costs(graph) is not None:
         return None
-    return (f"measuring node times would run the step {MEASURING_RUNS} times, about "
+    return (f"measuring node times would run the step {runs} times, about "
             f"{need:.0f} s at the {step_s:.1f} s a step is estimated to take here, more "
             f"than {MEASURE_SHARE:.0%} of --time-limit {options.time_limit:g}: they are "
             "estimated instead (calibrated on this CPU). --cost measured measures them (and "

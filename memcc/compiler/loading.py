@@ -26,7 +26,7 @@ from memcc.frontend.chunked_loss import projection_of
 from memcc.frontend.export_signature import ExportNote, ExportWarning
 from memcc.frontend.fuse import fuse_step
 from memcc.frontend.load import load_graph
-from memcc.frontend.loss import first_float_output
+from memcc.frontend.loss import first_float_output, moves_classes
 from memcc.frontend.row_chunks import ATTENTION, MLP, find_regions
 from memcc.graph import Graph
 from memcc.pass_contract import Pass, PassRunner
@@ -47,8 +47,7 @@ def loss_sites(forward: Graph, build: BuildOptions) -> int:
         logits = first_float_output(forward, "")
     except InputError:
         return 0
-    rank = len(forward.info[logits].shape)
-    if build.class_axis is not None and rank and build.class_axis % rank != rank - 1:
+    if moves_classes(build.class_axis, len(forward.info[logits].shape)):
         return 0      # the classes are moved last by a Transpose: no projection to split
     return int(projection_of(forward, logits) is not None)
 

@@ -51,8 +51,8 @@ def add_loss(graph: Graph, emit: Emitter, opts: BuildOptions, source: str) -> St
         logits = moved
     loss, extra_inputs, label_range, chunked = emit_loss(graph, emit, logits, opts, source)
     int_ranges.update(label_range)
-    ignored = {"labels": opts.ignore_index} \
-        if opts.loss == "cross-entropy" and opts.ignore_index is not None else {}
+    # BuildOptions allows --ignore-index with cross-entropy only.
+    ignored = {"labels": opts.ignore_index} if opts.ignore_index is not None else {}
     return StepLoss(loss, data_inputs + extra_inputs, int_ranges, chunked, ignored)
 
 
@@ -66,6 +66,12 @@ def first_float_output(graph: Graph, source: str) -> str:
         f"{', '.join(graph.outputs) or 'none'}). memcc builds the loss from the first "
         "floating-point output (logits, or the scalar loss with --loss none)."
     )
+
+
+def moves_classes(axis: int | None, rank: int) -> bool:
+    """Whether ``--class-axis axis`` names another axis than the last of ``rank`` axes
+    (``classes_last`` then moves it last)."""
+    return axis is not None and rank > 0 and axis % rank != rank - 1
 
 
 def classes_last(graph: Graph, emit: Emitter, logits: str, axis: int | None,
@@ -93,9 +99,9 @@ def classes_last(graph: Graph, emit: Emitter, logits: str, axis: int | None,
     if not -rank <= axis < rank or rank == 0:
         raise InputError(f"{source}: --class-axis {axis}: '{logits}' has {rank} axes "
                          f"{list(shape)}; give one from {-rank} to {rank - 1}")
-    axis %= rank
-    if axis == rank - 1:
+    if not moves_classes(axis, rank):
         return logits
+    axis %= rank
     perm = [i for i in range(rank) if i != axis] + [axis]
     ti = graph.info[logits]
     return emit.op("Transpose", [logits], perm=perm,
