@@ -192,13 +192,23 @@ def test_not_an_onnx_file(tmp_path):
     ({"x": np.zeros((N, D), np.float32)}, r"no array named 'y' \(shape \[32, 1\], dtype float32"),
     ({"x": np.zeros((N, D + 1), np.float32), "y": np.zeros((N, 1), np.float32)},
      r"'x' has shape \[32, 6\].*expects \(shape \[32, 5\]"),
-    ({"x": np.zeros((N, D), np.float64), "y": np.zeros((N, 1), np.float32)},
-     r"'x' has shape \[32, 5\], dtype float64.*dtype float32"),
+    ({"x": np.zeros((N, D), np.int64), "y": np.zeros((N, 1), np.float32)},
+     r"'x' has shape \[32, 5\], dtype int64; the step takes float32"),
 ])
 def test_bad_data_names_the_array_and_what_was_expected(linreg, tmp_path, arrays, message):
     np.savez(tmp_path / "bad.npz", **arrays)
     with pytest.raises(InputError, match=message):
         run_steps(linreg[0], RunRequest(data=tmp_path / "bad.npz"))
+
+
+def test_float64_data_runs_as_the_step_s_float32(linreg, tmp_path):
+    x = np.random.default_rng(0).standard_normal((N, D))
+    y = np.ones((N, 1), np.float32)
+    np.savez(tmp_path / "f64.npz", x=x, y=y)
+    np.savez(tmp_path / "f32.npz", x=x.astype(np.float32), y=y)
+    losses = [run_steps(linreg[0], RunRequest(data=tmp_path / f, steps=1)).losses
+              for f in ("f64.npz", "f32.npz")]
+    assert losses[0] == losses[1]
 
 
 def test_data_that_is_not_npz(linreg, tmp_path):

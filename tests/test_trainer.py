@@ -169,8 +169,16 @@ def test_corrupt_or_foreign_checkpoints_are_refused(steps, tmp_path, damage, mes
     ({"input": np.zeros((20, 11), np.float32), "labels": np.zeros(20, np.int64)},
      r"array 'input' has shape \[20, 11\] dtype float32; the step expects samples of shape "
      r"\[12\].*\[N, 12\]"),
-    ({"input": np.zeros((20, 12), np.float64), "labels": np.zeros(20, np.int64)},
-     r"array 'input' has shape \[20, 12\] dtype float64"),
+    ({"input": np.zeros((20, 12), np.int64), "labels": np.zeros(20, np.int64)},
+     r"array 'input' has shape \[20, 12\] dtype int64; the step takes float32: memcc "
+     r"converts integers to integers and floats to floats"),
+    ({"input": np.zeros((20, 12), np.float32), "labels": np.zeros(20, np.float32)},
+     r"array 'labels' .* dtype float32; the step takes int64"),
+    ({"input": np.zeros((20, 12), np.float32), "labels": np.zeros(20, np.uint64) + 2**63},
+     r"array 'labels' .* with values in \[9223372036854775808, 9223372036854775808\], "
+     r"which the step's int64 cannot hold"),
+    ({"input": np.zeros((20, 12), np.float32), "labels": np.full(20, 4, np.uint8)},
+     r"array 'labels' holds values in \[4, 4\].*\[0, 4\)"),
     ({"input": np.zeros((20, 12), np.float32), "labels": np.zeros(19, np.int64)},
      r"different numbers of samples \('input' 20, 'labels' 19\)"),
     ({"input": np.zeros((20, 12), np.float32), "labels": np.full(20, 4, np.int64)},
@@ -184,6 +192,24 @@ def test_data_mismatches_name_the_array_and_the_expected_shape(steps, tmp_path, 
     inputs = data_inputs(load_graph(steps["sgd"]))
     with pytest.raises(InputError, match=message):
         load_dataset(tmp_path / "d.npz", inputs)
+
+
+def test_data_in_a_wider_or_narrower_type_of_the_same_kind_is_converted(steps, tmp_path):
+    """uint8 labels (a segmentation mask's usual dtype) and numpy's float64 default train
+    as the step's int64 and float32 would, and the run says it converted them."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((16, 12))
+    y = rng.integers(0, 4, 16)
+    np.savez(tmp_path / "given.npz", input=x, labels=y.astype(np.uint8))
+    np.savez(tmp_path / "exact.npz", input=x.astype(np.float32), labels=y)
+    inputs = data_inputs(load_graph(steps["sgd"]))
+    given = load_dataset(tmp_path / "given.npz", inputs)
+    exact = load_dataset(tmp_path / "exact.npz", inputs)
+    assert given.fingerprint() == exact.fingerprint()
+    assert given.converted == ("--data array 'input' is float64: converted to the step's "
+                               "float32 (rounded)", "--data array 'labels' is uint8: "
+                               "converted to the step's int64")
+    assert exact.converted == ()
 
 
 def test_shards_equal_one_file_and_each_epoch_sees_every_sample_once(steps, tmp_path):

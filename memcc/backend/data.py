@@ -79,6 +79,7 @@ class Dataset:
     num_samples: int
     batch_size: int
     files: tuple[str, ...]
+    converted: tuple[str, ...] = ()     # arrays given in another dtype than the step's
     _orders: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -125,8 +126,9 @@ def load_dataset(path: str | os.PathLike, inputs: list[DataInput]) -> Dataset:
     else:
         files = [p]
     parts: dict[str, list[np.ndarray]] = {d.name: [] for d in inputs}
+    notes: set[str] = set()
     for f in files:
-        shard = _read_shard(f, inputs)
+        shard = _read_shard(f, inputs, notes)
         for name, arr in shard.items():
             parts[name].append(arr)
     arrays = {n: (a[0] if len(a) == 1 else np.concatenate(a)) for n, a in parts.items()}
@@ -135,7 +137,8 @@ def load_dataset(path: str | os.PathLike, inputs: list[DataInput]) -> Dataset:
     if n < batch:
         raise InputError(f"--data {p}: {n} samples, fewer than one batch of the step "
                          f"({batch}); memcc train drops incomplete batches")
-    return Dataset(str(p), arrays, n, batch, tuple(str(f) for f in files))
+    return Dataset(str(p), arrays, n, batch, tuple(str(f) for f in files),
+                   tuple(sorted(notes)))
 
 
 def read_npz(f: str | os.PathLike) -> dict[str, np.ndarray]:
@@ -170,18 +173,25 @@ def read_npz(f: str | os.PathLike) -> dict[str, np.ndarray]:
                          ) from None
 
 
-def _read_shard(f: Path, inputs: list[DataInput]) -> dict[str, np.ndarray]:
+def _read_shard(f: Path, inputs: list[DataInput], notes: set[str]
+                ) -> dict[str, np.ndarray]:
+    """One shard's arrays, checked and in the step's dtypes (``notes`` gets what changed)."""
     arrays = read_npz(f)
     require_arrays(f, arrays, {d.name: f"({d.describe()})" for d in inputs})
     out: dict[str, np.ndarray] = {}
     counts: dict[str, int] = {}
     for d in inputs:
         arr = arrays[d.name]
-        if arr.ndim < 1 or tuple(arr.shape[1:]) != d.sample_shape or arr.dtype != d.dtype:
+        wrong = f"--data {f}: array '{d.name}' has shape {list(arr.shape)} dtype {arr.dtype}"
+        if arr.ndim < 1 or tuple(arr.shape[1:]) != d.sample_shape:
             raise InputError(
-                f"--data {f}: array '{d.name}' has shape {list(arr.shape)} dtype {arr.dtype}; "
-                f"the step expects {d.describe()}, so an array of shape "
+                f"{wrong}; the step expects {d.describe()}, so an array of shape "
                 f"[N{''.join(f', {x}' for x in d.sample_shape)}] dtype {d.dtype}")
+        if arr.dtype != d.dtype:
+            notes.add(f"--data array '{d.name}' is {arr.dtype}: converted to the step's "
+                      f"{d.dtype}" + (" (rounded)" if d.dtype.kind == "f" and
+                                      arr.dtype.itemsize > d.dtype.itemsize else ""))
+            arr = as_step_dtype(arr, d.dtype, wrong)
         check_int_range(f, d.name, arr, d.int_range, d.ignored)
         counts[d.name] = int(arr.shape[0])
         out[d.name] = arr
@@ -190,6 +200,30 @@ def _read_shard(f: Path, inputs: list[DataInput]) -> dict[str, np.ndarray]:
         raise InputError(f"--data {f}: its arrays hold different numbers of samples ({listed})"
                          "; the first axis of every array is the sample axis")
     return out
+
+
+def as_step_dtype(arr: np.ndarray, dtype: np.dtype, wrong: str) -> np.ndarray:
+    """``arr`` in the step's ``dtype`` where converting keeps what it means: integers to
+    another integer type that holds every value (uint8 segmentation masks and int32 token
+    ids for an int64 input), floats to another float type (numpy's float64 default for a
+    float32 input: rounded as torch's ``.float()`` rounds). Anything else, a kind change
+    (floats for integer labels, booleans) or integers the type cannot hold, is refused
+    (``wrong`` says which array of which file)."""
+    dtype = np.dtype(dtype)
+    if arr.dtype == dtype:
+        return arr
+    kinds = (arr.dtype.kind, dtype.kind)
+    if kinds[0] in "iu" and kinds[1] in "iu":
+        info = np.iinfo(dtype)
+        if not arr.size or (int(arr.min()) >= info.min and int(arr.max()) <= info.max):
+            return arr.astype(dtype)
+        raise InputError(f"{wrong}, with values in [{int(arr.min())}, {int(arr.max())}], "
+                         f"which the step's {dtype} cannot hold")
+    if kinds[0] == "f" and kinds[1] == "f":
+        return arr.astype(dtype)
+    raise InputError(f"{wrong}; the step takes {dtype}: memcc converts integers to "
+                     "integers and floats to floats, not one kind to another. Save the "
+                     f"array as {dtype}")
 
 
 def require_arrays(source: str | os.PathLike, arrays: Mapping[str, np.ndarray],

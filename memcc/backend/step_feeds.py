@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 from onnx import TensorProto
 
-from memcc.backend.data import check_int_range, read_npz, require_arrays
+from memcc.backend.data import as_step_dtype, check_int_range, read_npz, require_arrays
 from memcc.errors import InputError
 from memcc.graph import Graph, TensorInfo
 from memcc.step import TrainingStep
@@ -88,11 +88,10 @@ def load_data(path: str | os.PathLike, graph: Graph, spec: StepSpec) -> dict[str
     feeds = {}
     for name, ti in want.items():
         arr = arrays[name]
-        if tuple(arr.shape) != ti.shape or arr.dtype != ti.np_dtype:
-            raise InputError(
-                f"--data {p}: array '{name}' has shape {list(arr.shape)}, dtype {arr.dtype}; "
-                f"the step expects {_describe(ti)}"
-            )
+        wrong = f"--data {p}: array '{name}' has shape {list(arr.shape)}, dtype {arr.dtype}"
+        if tuple(arr.shape) != ti.shape:
+            raise InputError(f"{wrong}; the step expects {_describe(ti)}")
+        arr = as_step_dtype(arr, ti.np_dtype, wrong)
         check_int_range(p, name, arr, spec.int_ranges.get(name),
                         spec.ignored_values.get(name))
         feeds[name] = np.asarray(arr, order="C")
