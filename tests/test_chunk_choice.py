@@ -395,6 +395,20 @@ def test_a_refusal_searches_the_step_as_built_where_a_split_screened_nearer(gpt2
     assert choice.attempt.chunks["mlp"] == 8 and planned[-1] == (1, 8, 8)
 
 
+def test_a_refusal_names_the_least_budget_any_plan_of_a_setting_needed(gpt2):
+    """The step as built's first plan (no smallest-peak search) needed less than the plan
+    its final search found: the refusal names the first's (SegFormer: 7.55 MB named where
+    the first plan's 6.90 MB compiled), and each other setting by its least too."""
+    from memcc.passes.planning.planner import BudgetError
+
+    table = {(1, 1, 1): [640, 750], (1, 4, 4): 800, (1, 8, 8): 700}
+    with pytest.raises(BudgetError) as refused:
+        _choose(gpt2, 600, table, BuildOptions(loss_chunks=1))
+    assert refused.value.smallest == 640
+    assert "the smallest budget above is with none (the others: attention 4, mlp 4: 800 B; "\
+        "attention 8, mlp 8: 700 B)" in str(refused.value)
+
+
 def test_the_screens_are_not_run_where_the_step_as_built_spent_the_limit(gpt2):
     """A large step: the step as built's refused plan simulated more nodes than the limit
     buys the settings after it, so none is screened (each would build and simulate a step

@@ -134,3 +134,46 @@ def test_a_plan_fits_a_budget_with_the_heap_room_of_the_small_buffers_it_adds(tm
     except BudgetError:
         return
     assert weighed.fit_bytes <= tight
+
+
+def _two_plans(tmp_path):
+    """The MLP step's baseline and two plans of it: one with the smaller peak but more heap
+    room for the small buffers it adds, one with a larger peak and none."""
+    from dataclasses import replace
+
+    from memcc.passes.analysis.cost_model import unit_costs
+    from memcc.passes.plan import Plan
+    from memcc.passes.planning.context import StrategyResult
+    from memcc.passes.planning.simulate import simulate
+
+    graph = build_training_step(load_graph(_mlp(tmp_path, batch=4, width=8, depth=2)), WHOLE)
+    base = simulate(graph, Plan(), unit_costs(graph))
+    low = replace(base, peak_bytes=base.peak_bytes - 300, heap_room=500)
+    high = replace(base, peak_bytes=base.peak_bytes - 100, heap_room=0)
+    found = StrategyResult()
+    found.add("none", [base], {"strategy": "none"})
+    found.add("sqrtn", [low, high], {"strategy": "sqrtn"})
+    return base, low, high, found
+
+
+def test_budget_min_picks_the_plan_of_the_smallest_budget_not_of_the_smallest_peak(tmp_path):
+    """--budget min names the smallest budget: the plan whose peak and added heap room are
+    least (the zoo's SegFormer: 6.80 MB, where the smallest peak's plan needed 7.48)."""
+    from memcc.passes.planning.planner import _finish
+
+    _, low, high, found = _two_plans(tmp_path)
+    outcome = _finish(found.plans[0][1], found, Budget.MIN, "sqrtn", smallest_first=True)
+    assert outcome.best is high and high.fit_bytes < low.fit_bytes
+
+
+def test_a_refusal_without_the_search_names_the_least_budget_of_the_plans_found(tmp_path):
+    """A screen's refusal (no smallest-peak search) names what its plans need with their
+    own heap room, not the smallest peak with the step's: that figure was refused when
+    given back as a budget."""
+    from memcc.passes.planning.planner import _finish
+
+    base, low, high, found = _two_plans(tmp_path)
+    with pytest.raises(BudgetError) as info:
+        _finish(base, found, Budget.of(1000), "sqrtn")
+    assert info.value.smallest == low.peak_bytes
+    assert info.value.smallest_fit == high.fit_bytes < low.fit_bytes

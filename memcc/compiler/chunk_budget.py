@@ -64,10 +64,10 @@ def search_budget(first: Attempt, ladder: list[dict[str, int]], attempt,
             best = a
             continue
         if best is not None or chunks == ladder[-1]:
-            if best is None and _smallest(a) < _smallest(nearest):
+            if best is None and smallest_named(a) < smallest_named(nearest):
                 nearest = a
             break
-        if _smallest(a) < _smallest(nearest):
+        if smallest_named(a) < smallest_named(nearest):
             nearest = a
         queue = queue[-1:] + queue[:-1]
     if best is None and nearest is not first and first.graph is not None:
@@ -120,9 +120,10 @@ def _search_both(nearest: Attempt, first: Attempt, attempt,
     if final.fits:
         return final
     built = attempt(first.chunks, clock.final(screened, split=2), "final", built=first)
-    return built if built.fits or _smallest(built) < _smallest(final) else final
+    return built if built.fits or smallest_named(built) < smallest_named(final) else final
 
 
-def _smallest(a: Attempt) -> float:
-    """The smallest budget a refused attempt names (a failed build: none)."""
+def smallest_named(a: Attempt) -> float:
+    """The smallest budget a refused attempt names (a failed build: none). A screen's is
+    the least budget of the plans it found (``BudgetError.smallest_fit``), no search's."""
     return float(a.refusal.smallest) if a.refusal is not None else float("inf")

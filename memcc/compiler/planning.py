@@ -117,8 +117,8 @@ def plan_in_budget(graph: Graph, budget: Budget, costs: CostModel, options: Comp
     def no_fit(exc: BudgetError, trained: PlanOutcome | None) -> BudgetError:
         # what --budget min gives: the smallest plan, as trained, with its own heap room
         room = slack if trained is None else own_slack(trained)
-        need = user_budget(exc.smallest if trained is None else trained.best.peak_bytes,
-                           options, room)
+        need = user_budget(exc.smallest_fit if trained is None else
+                           trained.best.peak_bytes, options, room)
         return _no_fit(budget.bytes, need, room, options, hooks)
 
     def plan_for(target: int | None) -> PlanOutcome:

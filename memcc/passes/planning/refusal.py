@@ -17,14 +17,19 @@ class BudgetError(MemccError):
     smallest reachable peak or budget) and, where the search for it ran, its plan
     (``outcome``: compile weighs that plan's own heap room before refusing, so the budget a
     refusal names is one it accepts). The planner's message is neutral; what a user should
-    give is composed by the caller that knows the user's flags (``compiler.planning``)."""
+    give is composed by the caller that knows the user's flags (``compiler.planning``).
+    ``smallest_fit``, where no search ran: the least any plan found needs with the heap room
+    of its own small buffers (``Simulation.fit_bytes``), which can be more than the
+    smallest peak plus the step's own room (a screen's refusal of SegFormer named 6.64 MB
+    by its peak, where that budget was then refused naming 8.07 MB)."""
 
     def __init__(self, message: str, *, budget: int, smallest: int,
                  outcome: PlanOutcome | None = None,
-                 runs: list[dict] | None = None) -> None:
+                 runs: list[dict] | None = None, smallest_fit: int | None = None) -> None:
         super().__init__(message)
         self.budget = budget
         self.smallest = smallest
+        self.smallest_fit = smallest if smallest_fit is None else smallest_fit
         self.outcome = outcome
         # The strategy runs that found nothing within the budget, as the report shows them
         # (``_describe_runs``): a later search that does fit keeps them in its report, so
