@@ -116,6 +116,22 @@ class ConvNet(nn.Module):
         return self.fc(torch.flatten(self.pool(y), 1))
 
 
+class StemAct(nn.Module):
+    """A stem of Conv, BatchNorm and a smooth activation (MobileNetV3's HardSwish,
+    EfficientNet's SiLU, which the exporters write as x * Sigmoid(x)), one conv block, a
+    global pool and a Linear: what ``--batch-chunks`` splits besides ResNet's Relu stem."""
+
+    def __init__(self, act: nn.Module, classes: int = 5) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, 2, 1, bias=False), nn.BatchNorm2d(8), act)
+        self.block = nn.Sequential(nn.Conv2d(8, 12, 3, 1, 1, bias=False), nn.BatchNorm2d(12),
+                                   nn.ReLU())
+        self.fc = nn.Linear(12, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.block(self.stem(x)).mean(dim=(2, 3)))
+
+
 def _same_pad(size: int | torch.Tensor, k: int, s: int) -> tuple:
     """TF 'SAME' padding computed from the runtime size, the way timm's pad_same does it.
 
@@ -527,6 +543,10 @@ EXTRA_FAMILIES: dict[str, Family] = {
                    {"input_ids": {0: "batch"}}, {0: "batch"}, _SEQ),
     "stn": Family(SpatialTransformer, lambda s, g: _image(s, g, 12), _BATCH, {0: "batch"}),
     "segmenter": Family(Segmenter, lambda s, g: _image(s, g, 8), _BATCH, {0: "batch"}),
+    "hardswish_stem": Family(lambda p: StemAct(nn.Hardswish()), lambda s, g: _image(s, g, 16),
+                             _BATCH, {0: "batch"}),
+    "silu_stem": Family(lambda p: StemAct(nn.SiLU()), lambda s, g: _image(s, g, 16), _BATCH,
+                        {0: "batch"}),
     "moe": Family(TopKMixture, _tokens, {"input_ids": {0: "batch"}}, {0: "batch"}, _SEQ),
     "gru": Family(lambda p: Recurrent(nn.GRU(8, 6, num_layers=2, batch_first=True,
                                              bidirectional=True)), _tokens,

@@ -65,6 +65,36 @@ def test_a_real_train_mode_export_over_batch_chunks_matches_its_whole_stem():
     assert_step_matches(whole, chunked, BATCH_CHUNKS_TOLERANCE, threads=(1, 2))
 
 
+@pytest.mark.parametrize("name, exporter, acts", [
+    ("hardswish_stem", "torchscript", ["HardSigmoid", "Mul"]),
+    ("silu_stem", "torchscript", ["Sigmoid", "Mul"]),
+    ("silu_stem", "dynamo_noopt", ["Sigmoid", "Mul"]),
+])
+def test_a_stem_with_a_smooth_activation_over_batch_chunks_matches_its_whole_stem(
+        name, exporter, acts):
+    """MobileNetV3's HardSwish stem and EfficientNet's SiLU (x * Sigmoid(x) as both
+    exporters write it, whose gradient reaches x twice) split too, exported in train
+    mode, batch 8 in chunks of 3, 3 and 2, at 1 and 2 threads."""
+    import warnings
+
+    from exports import export
+
+    from memcc.frontend.batch_chunks import find_stems
+    from memcc.frontend.exported import restore_training_batchnorm
+
+    path, _, _, _ = export(name, exporter, training=True)
+    forward = load_graph(path, {"batch": 8})
+    seen = forward.copy()
+    with warnings.catch_warnings():   # dynamo's BatchNorm, restored to train mode as build does
+        warnings.simplefilter("ignore")
+        restore_training_batchnorm(seen, str(path))
+    assert [[n.op_type for n in s.acts] for s in find_stems(seen)] == [acts]
+    whole = build_training_step(forward, BuildOptions())
+    chunked = build_training_step(forward, BuildOptions(batch_chunks=3))
+    assert json.loads(chunked.metadata[ROW_CHUNKS_KEY])[BATCH] == {"chunks": 3, "regions": 1}
+    assert_step_matches(whole, chunked, BATCH_CHUNKS_TOLERANCE, threads=(1, 2))
+
+
 def test_compile_plans_the_chunked_stem_and_verifies_it(tmp_path):
     """``--batch-chunks 4 --budget min --verify``: the plan of the chunked step runs and
     matches it; compile's ladder offers the stem's chunks where the model has a stem, and

@@ -50,21 +50,29 @@ from memcc.step import tag_node
 BATCH_CHUNKS_TOLERANCE = 1e-4
 BATCH = "batch"
 RULE = "batch_chunks"
-_ACTIVATIONS = frozenset({"Relu", "Clip", "LeakyRelu"})
+# One node on the normalised value (MobileNetV3's stem: HardSwish) ...
+_ACTIVATIONS = frozenset({"Relu", "Clip", "LeakyRelu", "HardSwish", "HardSigmoid", "Sigmoid",
+                          "Tanh", "Elu", "Selu", "Celu", "Softplus", "Gelu"})
+# ... or the value times a gate of it (SiLU as the exporters write it: x * Sigmoid(x),
+# EfficientNet's stem; a HardSwish written out: x * HardSigmoid(x)).
+_GATES = frozenset({"Sigmoid", "HardSigmoid"})
+ACTIVATIONS_SAID = ("an activation (Relu, Clip, LeakyRelu, HardSwish, Sigmoid, Tanh, Elu, "
+                    "Selu, Celu, Softplus, Gelu, or x times Sigmoid(x) or HardSigmoid(x))")
 
 
 @dataclass(frozen=True)
 class Stem:
-    """Conv -> BatchNormalization (training) -> activation [-> MaxPool] from a graph input."""
+    """Conv -> BatchNormalization (training) -> activation [-> MaxPool] from a graph input;
+    the activation is one node, or a gate and the Mul of the value by it (``acts``)."""
 
     conv: onnx.NodeProto
     bn: onnx.NodeProto
-    act: onnx.NodeProto
+    acts: tuple[onnx.NodeProto, ...]
     pool: onnx.NodeProto | None
 
     @property
     def nodes(self) -> list[onnx.NodeProto]:
-        return [self.conv, self.bn, self.act] + ([self.pool] if self.pool is not None else [])
+        return [self.conv, self.bn, *self.acts] + ([self.pool] if self.pool is not None else [])
 
     @property
     def output(self) -> str:
@@ -87,7 +95,8 @@ class ChunkedStem:
 def find_stems(graph: Graph) -> list[Stem]:
     """The stems ``chunk_forward`` can split: a Conv of a graph input (not an initializer)
     whose output only a training-mode BatchNorm reads, whose output only an activation
-    reads (then only a MaxPool, optionally); nothing in between is a graph output."""
+    reads (``_activation``; then only a MaxPool, optionally); nothing in between is a graph
+    output."""
     readers = graph.consumers()
     outputs = set(graph.outputs)
     data = {i for i in graph.inputs if i not in graph.initializers}
@@ -106,14 +115,32 @@ def find_stems(graph: Graph) -> list[Stem]:
         bn = only(conv.output[0], {"BatchNormalization"})
         if bn is None or len(bn.input) < 5 or not attr(bn, "training_mode", 0):
             continue
-        act = only(bn.output[0], _ACTIVATIONS)
-        if act is None:
+        acts = _activation(bn.output[0], readers, outputs) \
+            or ((only(bn.output[0], _ACTIVATIONS),) if only(bn.output[0], _ACTIVATIONS)
+                else ())
+        if not acts:
             continue
-        pool = only(act.output[0], {"MaxPool"})
+        pool = only(acts[-1].output[0], {"MaxPool"})
         if pool is not None and len(pool.output) > 1 and pool.output[1]:
             pool = None  # its indices are read elsewhere
-        found.append(Stem(conv, bn, act, pool))
+        found.append(Stem(conv, bn, acts, pool))
     return found
+
+
+def _activation(y: str, readers: dict, outputs: set[str]) -> tuple[onnx.NodeProto, ...]:
+    """(gate, Mul) where ``y``'s only readers are a gate of it (``_GATES``) and the Mul of
+    ``y`` by the gate's output, which nothing else reads; else ()."""
+    r = readers.get(y, [])
+    if len(r) != 2 or y in outputs:
+        return ()
+    gate = next((n for n in r if n.op_type in _GATES and list(n.input) == [y]), None)
+    mul = next((n for n in r if n.op_type == "Mul"), None)
+    if gate is None or mul is None or gate.output[0] in outputs:
+        return ()
+    if sorted(mul.input) != sorted([y, gate.output[0]]) \
+            or len(readers.get(gate.output[0], [])) != 1:
+        return ()
+    return (gate, mul)
 
 
 def chunk_parts(batch: int, k: int) -> list[tuple[int, int]]:
@@ -133,7 +160,7 @@ def chunk_stems(graph: Graph, k: int, source: str) -> list[ChunkedStem]:
         return [chunk_forward(graph, s, k) for s in stems if batch_of(graph, s) > 1]
     raise InputError(f"{source}: --batch-chunks {k}: no stem to split (a Conv of a graph "
                          "input read only by a training-mode BatchNormalization, then only by "
-                         "a Relu, Clip or LeakyRelu, then optionally a MaxPool); build it "
+                         f"{ACTIVATIONS_SAID}, then optionally a MaxPool); build it "
                      "with --batch-chunks 1")
 
 
@@ -150,14 +177,15 @@ def batch_of(graph: Graph, stem: Stem) -> int:
 def chunk_forward(graph: Graph, stem: Stem, k: int) -> ChunkedStem:
     """Replace ``stem``'s nodes by its forward over batch chunks (module docstring), in
     place of the Conv; the pooled output keeps its name, and the BatchNorm's running
-    statistics outputs theirs (named ``stat.new`` where the export left them empty), so
-    that the carried statistics (``frontend/update.py``) find them."""
+    statistics outputs theirs (named ``stat.running`` where the export left them empty, as
+    dynamo's exports restored to train mode do), so that the carried statistics
+    (``frontend/update.py``) find them."""
     bn = stem.bn
     for k_out, stat in ((1, bn.input[3]), (2, bn.input[4])):
         while len(bn.output) <= k_out:
             bn.output.append("")
-        if not bn.output[k_out]:
-            bn.output[k_out] = f"{stat}.new"
+        if not bn.output[k_out]:   # not ``stat.new``: the step writer gives that name
+            bn.output[k_out] = f"{stat}.running"
             graph.info[bn.output[k_out]] = graph.info[stat]
     chunked = ChunkedStem(stem, chunk_parts(batch_of(graph, stem), k))
     emit = Emitter(graph, prefix="batch_chunks/", detached=True)
@@ -232,9 +260,23 @@ def _slice(emit: Emitter, x: str, part: tuple[int, int]) -> str:
                    info=TensorInfo(info.dtype, (size,) + tuple(info.shape[1:])))
 
 
-def _clone(emit: Emitter, node: onnx.NodeProto, first: str) -> onnx.NodeProto:
-    """``node`` again on ``first`` (its other inputs kept), its outputs fresh, with the
-    batch of ``first``; returns the new node (already emitted)."""
+def _clone_all(emit: Emitter, nodes, names: dict[str, str]) -> list[onnx.NodeProto]:
+    """``nodes`` again, in order, each input renamed by ``names`` (which each clone's
+    output joins, so that a later node reads an earlier clone)."""
+    out = []
+    for node in nodes:
+        first = names[node.input[0]]
+        out.append(_clone(emit, node, first, [names.get(i, i) for i in node.input]))
+        names[node.output[0]] = out[-1].output[0]
+    return out
+
+
+def _clone(emit: Emitter, node: onnx.NodeProto, first: str,
+           inputs: list[str] | None = None) -> onnx.NodeProto:
+    """``node`` again on ``first`` (its other inputs kept, or ``inputs``, all of them),
+    its outputs fresh, with the batch of ``first``; returns the new node (already
+    emitted)."""
+    inputs = [first] + list(node.input[1:]) if inputs is None else inputs
     batch = emit.info(first).shape[0]
     infos = []
     for o in node.output[:1]:
@@ -242,7 +284,7 @@ def _clone(emit: Emitter, node: onnx.NodeProto, first: str) -> onnx.NodeProto:
         infos.append(TensorInfo(info.dtype, (batch,) + tuple(info.shape[1:])))
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
     attrs = {k: (v.decode() if isinstance(v, bytes) else v) for k, v in attrs.items()}
-    emit.op(node.op_type, [first] + list(node.input[1:]), info=infos[0],
+    emit.op(node.op_type, inputs, info=infos[0],
             name=node.op_type, **attrs)
     return emit.nodes[-1]
 
@@ -262,7 +304,7 @@ class _Chunk:
     activation and pooling nodes (the backward runs their gradient rules on them)."""
 
     values: list[str]
-    act: onnx.NodeProto
+    acts: list[onnx.NodeProto]
     pool: onnx.NodeProto | None
 
 
@@ -278,10 +320,10 @@ def _chunk_forward(emit: Emitter, chunked: ChunkedStem, part: tuple[int, int]) -
     gamma = _channel(emit, stem.bn.input[1], rank, info.dtype)
     beta = _channel(emit, stem.bn.input[2], rank, info.dtype)
     y = emit.add(emit.mul(xhat, gamma), beta)
-    act = _clone(emit, stem.act, y)
-    pool = _clone(emit, stem.pool, act.output[0]) if stem.pool is not None else None
-    values = [x, xhat, y, act.output[0]] + ([pool.output[0]] if pool is not None else [])
-    return _Chunk(values, act, pool)
+    acts = _clone_all(emit, stem.acts, {stem.bn.output[0]: y})
+    pool = _clone(emit, stem.pool, acts[-1].output[0]) if stem.pool is not None else None
+    values = [x, xhat, y, acts[-1].output[0]] + ([pool.output[0]] if pool is not None else [])
+    return _Chunk(values, acts, pool)
 
 
 def emit_backward(graph: Graph, chunked: ChunkedStem, g_out: str | None,
@@ -333,15 +375,22 @@ def _chunk_gy(emit: Emitter, chunked: ChunkedStem, part: tuple[int, int], g_out:
     (the pooling's and activation's own rules, on the chunk's nodes)."""
     chunk = _chunk_forward(emit, chunked, part)
     g = _slice(emit, g_out, part)
-    ctx = GradContext(graph=emit.graph, emit=emit, requires_grad=set(chunk.values[2:4]))
+    inner = {i for n in chunk.acts for i in n.input}
+    ctx = GradContext(graph=emit.graph, emit=emit,
+                      requires_grad=set(chunk.values[2:4]) | inner)
     if chunk.pool is not None:
         g = RULES["MaxPool"](ctx, chunk.pool, [g])[0]
         # ORT never frees an output no node reads: a one-element Slice of the recomputed
         # pooled output (the rule reads its indices only) frees it (as variant_pool does).
         rank = len(emit.info(chunk.pool.output[0]).shape)
         slice_values(emit, chunk.pool.output[0], [0] * rank, [1] * rank, list(range(rank)))
-    g = RULES[chunk.act.op_type](ctx, chunk.act, [g])[0]
-    return chunk, g
+    grads = {chunk.acts[-1].output[0]: g}
+    for node in reversed(chunk.acts):   # the gate's Mul first: y gets a part from each
+        got = RULES[node.op_type](ctx, node, [grads.pop(node.output[0])])
+        for name, part in zip(node.input, got, strict=False):
+            if part is not None and name in inner:
+                grads[name] = emit.add(grads[name], part) if name in grads else part
+    return chunk, grads[chunk.values[2]]
 
 
 def _conv_grads(emit: Emitter, stem: Stem, chunk: tuple[str, str], wanted: set[str],
