@@ -16,6 +16,7 @@ from memcc.backend.session import cuda_available, resolve_provider
 from memcc.errors import InputError, RuntimeFailure
 from memcc.frontend.build import BuildOptions, build_training_step
 from memcc.frontend.load import load_graph
+from memcc.graph import Graph
 
 H = helper.make_node
 F = TensorProto.FLOAT
@@ -167,7 +168,8 @@ def test_synthetic_batch_respects_int_ranges_masks_and_bools():
     m.metadata_props.add(key="memcc.int_ranges", value=json.dumps({"ids": [3, 7]}))
     feeds = synthetic_feeds(load_graph(m), seed=0)
     assert feeds["ids"].min() >= 3 and feeds["ids"].max() < 7
-    assert (feeds["mask"] == 1).all() and feeds["flag"].all()
+    assert (feeds["mask"] == 1).all()
+    assert not feeds["flag"][0] and feeds["flag"][1]      # a padding mask: head kept, tail True
     assert feeds["x"].dtype == np.float16
     again = synthetic_feeds(load_graph(m), seed=0)
     assert all(np.array_equal(feeds[k], again[k]) for k in feeds)
@@ -352,3 +354,36 @@ def test_a_child_payload_larger_than_one_command_line_argument_reaches_it():
     payload = {"jobs": [], "runs": 1, "warmup": False, "provider": "cpu", "overrides": {},
                "padding": "x" * 300_000}
     assert memory.run_child("memcc.backend.memory", payload) == {}
+
+
+def test_verify_fails_where_the_step_as_built_gives_nan(linreg, tmp_path):
+    """NaN equals NaN in the comparison, so a step whose own outputs are NaN on the
+    synthetic data (nn.TransformerEncoder under an all-True padding mask, before the
+    synthetic bools became a padding mask) verified as bit-identical while checking
+    nothing: it is a problem now, naming how many outputs."""
+    from memcc.backend.verify import verify_rewrite
+
+    model = onnx.load(str(linreg[0]))
+    b = next(t for t in model.graph.initializer if t.name == "b")
+    b.CopyFrom(onnx.numpy_helper.from_array(np.array([np.nan], np.float32), "b"))
+    graph = Graph.from_model(model)
+    report = verify_rewrite(graph, graph, budget=1 << 30)
+    assert not report["ok"] and report["outputs_not_finite"] == 3
+    assert "NaN or infinite values in 3 of 3 outputs (e.g. 'loss')" in report["problems"][0]
+    assert verify_rewrite(Graph.from_model(onnx.load(str(linreg[0]))),
+                          Graph.from_model(onnx.load(str(linreg[0]))),
+                          budget=1 << 30)["outputs_not_finite"] == 0
+
+
+def test_synthetic_bools_are_padding_masks_with_positions_either_way():
+    """Every row of a bool input holds a False head of at least one and a True tail: a
+    padding mask under torch's convention (True = padded), positions to attend to under
+    the other (True = attend)."""
+    from memcc.backend.step_feeds import _padding_mask
+
+    m = _padding_mask((4, 3, 16), np.random.default_rng(0))
+    assert m.dtype == bool and m.shape == (4, 3, 16)
+    assert (~m[..., 0]).all() and m[..., -1].all()
+    assert (np.diff(m.astype(int), axis=-1) >= 0).all()      # one switch from False to True
+    assert len(np.unique(m.sum(-1))) > 1                     # the lengths are drawn
+    assert _padding_mask((), np.random.default_rng(0)).shape == ()

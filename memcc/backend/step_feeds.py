@@ -48,7 +48,8 @@ def synthetic_feeds(graph: Graph, seed: int = 0) -> dict[str, np.ndarray]:
 
     Float data ~ N(0, 1); integer inputs listed in ``memcc.int_ranges`` (token ids, labels)
     uniform in ``[low, high)`` (also with ``--ignore-index``: no drawn label is ignored
-    unless the ignored value lies in the range); other integers (attention masks) ones; bools True.
+    unless the ignored value lies in the range); other integers (attention masks) ones; bools
+    a padding mask (``_padding_mask``).
     """
     step = TrainingStep.of(graph)
     names = step.data_or_free_inputs()
@@ -69,7 +70,7 @@ def _synthetic_array(name: str, ti: TensorInfo, rng_range, rng: np.random.Genera
     if ti.is_float:
         return rng.standard_normal(ti.shape, dtype=np.float32).astype(dt)
     if ti.dtype == TensorProto.BOOL:
-        return np.ones(ti.shape, dtype=bool)
+        return _padding_mask(ti.shape, rng)
     if np.issubdtype(dt, np.integer):
         if rng_range is not None:
             low, high = int(rng_range[0]), int(rng_range[1])
@@ -77,6 +78,20 @@ def _synthetic_array(name: str, ti: TensorInfo, rng_range, rng: np.random.Genera
         return np.ones(ti.shape, dtype=dt)
     raise InputError(f"data input '{name}' has dtype {dt}, which memcc cannot synthesise; "
                      "pass --data FILE.npz")
+
+
+def _padding_mask(shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    """A bool input as a padding mask: each row along the last axis False for a drawn
+    length of at least one, then True (the padded tail). Under either convention (True =
+    padding, as nn.Transformer's key_padding_mask; True = attend, as scaled_dot_product_
+    attention's masks) every row keeps positions to attend to; all True, as before, masked
+    every key of nn.TransformerEncoder and left its loss and gradients NaN."""
+    if not shape:
+        return np.array(False)
+    length = shape[-1]
+    lead = tuple(shape[:-1])
+    kept = rng.integers(1, length, size=lead) if length > 1 else np.ones(lead, np.int64)
+    return np.arange(length) >= kept[..., None]
 
 
 def load_data(path: str | os.PathLike, graph: Graph, spec: StepSpec) -> dict[str, np.ndarray]:

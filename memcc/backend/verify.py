@@ -165,6 +165,14 @@ def verify_rewrite(original: Graph, rewritten: Graph, *, budget: int,
                                kinds={name: kinds.get(name, "") for name in ref},
                                spread=spread)
     outputs_differing = len(problems)
+    nonfinite = [n for n, v in ref.items()
+                 if np.asarray(v).dtype.kind == "f" and not np.isfinite(v).all()]
+    if nonfinite:   # NaN equals NaN in the comparison: it would have checked nothing there
+        problems.append(
+            f"the step as built gives NaN or infinite values in {len(nonfinite)} of "
+            f"{len(ref)} outputs (e.g. '{nonfinite[0]}') on memcc's synthetic data (seed "
+            f"{seed}), so those outputs were not checked; run the step as built with "
+            "`memcc run --data` on real data to see whether it trains")
     del ref, new
     with tempfile.TemporaryDirectory(prefix="memcc-verify-") as tmp:
         path = Path(tmp) / "rewritten.onnx"
@@ -201,6 +209,7 @@ def verify_rewrite(original: Graph, rewritten: Graph, *, budget: int,
                                    if spread is not None else None),
         "outputs_match": outputs_differing == 0,
         "outputs_differing": outputs_differing,
+        "outputs_not_finite": len(nonfinite),
         "racing_nodes": [node_label(n) for n in racing_nodes(original)],
         "budget_bytes": int(budget),
         "peak_within_budget": (False if run is None else
