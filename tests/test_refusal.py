@@ -78,18 +78,23 @@ def test_small_float_initializers_reach_shape_inference_with_their_values() -> N
 
 
 def test_tied_copies_are_found_through_the_fingerprint() -> None:
-    """A matrix and its transposed copy share a fingerprint and are reported tied; a matrix
-    of the same shape with other values is not (nor does its fingerprint match)."""
+    """A matrix and its transposed copy (under a name the exporter made up) share a
+    fingerprint and are reported tied; a matrix of the same shape with other values is not
+    (nor does its fingerprint match), and neither is an equal matrix under a PyTorch name of
+    its own (a deep-copied layer: a parameter torch trains apart)."""
     rng = np.random.default_rng(0)
     w = rng.standard_normal((6, 4)).astype(np.float32)
     other = rng.standard_normal((6, 4)).astype(np.float32)
-    inits = {"w": w, "w_t": np.ascontiguousarray(w.T), "other": other,
-             "bias": rng.standard_normal(4).astype(np.float32)}
-    assert _fingerprint(w) == _fingerprint(inits["w_t"]) != _fingerprint(other)
+    w_t = "onnx::MatMul_7"
+    inits = {"w": w, w_t: np.ascontiguousarray(w.T), "other": other,
+             "bias": rng.standard_normal(4).astype(np.float32), "layers.1.w": w.copy()}
+    assert _fingerprint(w) == _fingerprint(inits[w_t]) != _fingerprint(other)
     g = Graph(nodes=[], inputs=[], outputs=[], initializers=inits,
               info={k: TensorInfo(onnx.TensorProto.FLOAT, a.shape) for k, a in inits.items()})
     sources = parameter_sources(g, list(inits))
-    assert sources["w"].tied_with == ("w_t",) and sources["w_t"].tied_with == ("w",)
+    assert sources["w"].tied_with == (w_t,)
+    assert set(sources[w_t].tied_with) == {"w", "layers.1.w"}
+    assert sources["layers.1.w"].tied_with == (w_t,)
     assert sources["other"].tied_with == () and sources["bias"].tied_with == ()
 
 

@@ -10,10 +10,12 @@ model, and ``memcc export`` would write the copies' names nowhere.
 
 Only constant-filled values are untied. Other equal values (in either mode) are parameters
 that share storage (``b.weight = nn.Parameter(a.weight.data)``), which torch's optimizer
-updates as one tensor: they stay one. Torch's own tying (one parameter under two names) is
-traced once and read under one name, never through such an Identity; an Identity the model
-itself runs on a parameter (a clone) is written in its module's scope (``/m/Identity``) and
-is left alone too.
+updates as one tensor: they stay one, with a warning (``kept_tied``): equal random values
+are also what layers deep-copied at construction hold (``nn.TransformerEncoder``'s), which
+torch trains apart, and the file cannot tell the two apart. Torch's own tying (one
+parameter under two names) is traced once and read under one name, never through such an
+Identity; an Identity the model itself runs on a parameter (a clone) is written in its
+module's scope (``/m/Identity``) and is left alone too.
 
 In: the raw ``ModelProto`` (in place, before memcc rewrites a node) and the arrays of its
 stubs (``weights_apart``). Out: each such Identity replaced by an initializer of its own
@@ -48,15 +50,12 @@ def untie_deduplicated(model: onnx.ModelProto, arrays: Arrays) -> tuple[str, ...
     kept: list[onnx.NodeProto] = []
     untied: list[str] = []
     for node in graph.node:
-        src = node.input[0] if node.op_type == "Identity" and node.domain in ("", "ai.onnx") \
-            and len(node.input) == 1 and len(node.output) == 1 else ""
-        dst = node.output[0] if src else ""
+        src = _copied(node, inits, outputs)
         t = inits.get(src)
-        if t is None or t.data_type not in FLOAT_TYPES or dst in outputs or dst in inits \
-                or is_made_up_name(dst) or "/" in node.name + dst \
-                or not _constant(src, t, arrays):
+        if t is None or not _constant(src, t, arrays):
             kept.append(node)
             continue
+        dst = node.output[0]
         copy = onnx.TensorProto()
         copy.CopyFrom(t)
         copy.name = dst
@@ -72,6 +71,36 @@ def untie_deduplicated(model: onnx.ModelProto, arrays: Arrays) -> tuple[str, ...
         del graph.value_info[:]
         graph.value_info.extend(infos)
     return tuple(untied)
+
+
+def kept_tied(model: onnx.ModelProto, arrays: Arrays) -> list[tuple[str, str]]:
+    """(copy, parameter) for each parameter TorchScript's eval-mode export stored as an
+    Identity of another holding equal values that are not constant-filled: these stay one
+    tensor (storage shared in torch), but equal random values are also what layers deep-
+    copied at construction hold (``nn.TransformerEncoder``'s), which torch trains apart."""
+    props = file_props(model)
+    if KIND_KEY in props or props.get(SIGNATURE_PROP):
+        return []
+    inits = {t.name: t for t in model.graph.initializer}
+    outputs = {o.name for o in model.graph.output}
+    return [(node.output[0], src) for node in model.graph.node
+            if (src := _copied(node, inits, outputs))
+            and not _constant(src, inits[src], arrays)]
+
+
+def _copied(node: onnx.NodeProto, inits: dict[str, onnx.TensorProto], outputs: set[str]
+            ) -> str:
+    """The float initializer an exporter's Identity copies under a PyTorch name (not the
+    model's own clone in a module scope, not a graph output), else ''."""
+    if node.op_type != "Identity" or node.domain not in ("", "ai.onnx") \
+            or len(node.input) != 1 or len(node.output) != 1:
+        return ""
+    src, dst = node.input[0], node.output[0]
+    t = inits.get(src)
+    if t is None or t.data_type not in FLOAT_TYPES or dst in outputs or dst in inits \
+            or is_made_up_name(dst) or "/" in node.name + dst:
+        return ""
+    return src
 
 
 def _constant(name: str, t: onnx.TensorProto, arrays: Arrays) -> bool:

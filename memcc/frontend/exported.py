@@ -149,7 +149,8 @@ def parameter_sources(graph: Graph, params: list[str]) -> dict[str, ParameterSou
     Tying is found by value: exporters that split one PyTorch parameter into copies (a tied
     embedding and its pre-transposed output projection) leave equal or transposed-equal
     tensors. Constant-filled tensors (fresh LayerNorm weights) are equal without being tied,
-    so they are not compared.
+    so they are not compared, and neither are two tensors known to hold distinct PyTorch
+    parameters (under their own names, or folded from them): deep-copied layers.
     """
     sig = signature_of(graph)
 
@@ -186,9 +187,21 @@ def parameter_sources(graph: Graph, params: list[str]) -> dict[str, ParameterSou
     for p in comparable:
         groups.setdefault(tied.find(p), []).append(p)
     emap = export_map_of(graph)
+
+    def origin(p: str) -> set[str]:
+        """The PyTorch parameters ``p`` is known to hold (empty: not known)."""
+        if emap is None:
+            return {p} if named(p) else set()
+        return set(emap.stands_for.get(p, ())) | set(emap.copies.get(p, ()))
+
     out: dict[str, ParameterSource] = {}
     for p in params:
-        ties = [q for q in groups.get(tied.find(p), [p]) if q != p] if p in tied else []
+        # Two tensors known to hold distinct PyTorch parameters are not a tie the exporter
+        # split: torch trains them apart too (layers deep-copied at construction, as
+        # nn.TransformerEncoder's, are equal until the first step).
+        ties = [q for q in groups.get(tied.find(p), [p]) if q != p
+                and not (origin(p) and origin(q) and not origin(p) & origin(q))] \
+            if p in tied else []
         if emap is not None:
             names = emap.stands_for.get(p, (p,) if named(p) and p not in emap.copies else ())
             computes = tuple((c, op) for c, (_, init, op) in sorted(emap.computed.items())
@@ -260,7 +273,9 @@ def report_parameters(sources: dict[str, ParameterSource], source: str,
             f"{source}: {len(tied)} group(s) of parameters hold the same values (weight "
             f"tying split into copies by the exporter, possibly transposed): {groups}. "
             "memcc trains each copy separately, so they drift apart; torch would train one "
-            "tensor.", ExportWarning, stacklevel=2)
+            "tensor where they are copies of one parameter (not where they are distinct "
+            "parameters that were equal at export, such as deep-copied layers).",
+            ExportWarning, stacklevel=2)
 
 
 def _report_export_map(sources: dict[str, ParameterSource], source: str,

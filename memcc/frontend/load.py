@@ -30,14 +30,20 @@ from memcc.frontend.canonicalize import (
     shapes_needed,
 )
 from memcc.frontend.cast_chains import drop_cast_chains
-from memcc.frontend.deduplicated import untie_deduplicated
+from memcc.frontend.deduplicated import kept_tied, untie_deduplicated
 from memcc.frontend.dropout_masks import upgrade_step
 from memcc.frontend.export_map import EXPORT_MAP_KEY, read_export_map
-from memcc.frontend.export_signature import SIGNATURE_KEY, ExportNote, read_signature
+from memcc.frontend.export_signature import (
+    SIGNATURE_KEY,
+    ExportNote,
+    ExportWarning,
+    read_signature,
+)
 from memcc.frontend.fold import fold_shape_computations
 from memcc.frontend.folded_copies import recompute_folded_copies
 from memcc.frontend.function_ops import expand_function_ops
 from memcc.frontend.ort_kernels import inlined_by_ort
+from memcc.frontend.sequences import EMBEDDING_BAG, embedding_bag_hint
 from memcc.frontend.weights_apart import STUB_BYTES, Arrays, own_weights, read_apart, with_weights
 from memcc.graph import Graph, TensorInfo, node_label
 from memcc.pass_contract import Pass, PassRunner
@@ -184,7 +190,8 @@ def load_graph(
 
 def _untie(model: onnx.ModelProto, arrays: Arrays, where: str) -> None:
     """Parameters TorchScript's eval-mode export stored once for their equal fresh values
-    get their own initializers again (``frontend/deduplicated.py``), with a note."""
+    get their own initializers again (``frontend/deduplicated.py``), with a note; those of
+    other equal values stay tied, with a warning."""
     untied = untie_deduplicated(model, arrays)
     if untied:
         shown = ", ".join(untied[:4]) + (f" (+{len(untied) - 4} more)" if len(untied) > 4
@@ -194,6 +201,18 @@ def _untie(model: onnx.ModelProto, arrays: Arrays, where: str) -> None:
             "copies of another that held the same constant value at export (TorchScript's "
             f"eval-mode deduplication of fresh weights): {shown}. memcc gives each its own "
             "initializer again: they train apart, as in torch.", ExportNote, stacklevel=3)
+    tied = kept_tied(model, arrays)
+    if tied:
+        shown = "; ".join(f"{c} -> {p}" for c, p in tied[:4]) + (
+            f" (+{len(tied) - 4} more)" if len(tied) > 4 else "")
+        warnings.warn(
+            f"{where}: {len(tied)} parameter(s) the exporter stored as copies of another that "
+            f"held the same values at export (TorchScript's eval-mode deduplication): {shown}. "
+            "memcc trains each group as one tied parameter, as torch does where they share "
+            "storage; layers deep-copied at construction (nn.TransformerEncoder's and "
+            "nn.TransformerDecoder's layers, copy.deepcopy) torch trains apart, and this step "
+            "would not. Export with training=torch.onnx.TrainingMode.TRAINING, or with "
+            "dynamo=True, optimize=False, to keep them apart.", ExportWarning, stacklevel=3)
 
 
 def _differentiable_as_is() -> frozenset[str]:
@@ -234,11 +253,14 @@ def _check_supported_structure(model: onnx.ModelProto, where: str) -> None:
             if a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS):
                 what = ("its condition depends on the input data, not only on shapes"
                         if node.op_type == "If" else "memcc handles graphs without loops")
+                hint = embedding_bag_hint(node) or (
+                    f"A Loop may also come from {EMBEDDING_BAG}"
+                    if node.op_type == "Loop" else "")
                 raise InputError(
                     f"{where}: {node_label(node)} holds a subgraph and {what}. memcc folds "
                     "an If whose condition is fixed once dimensions are bound; export the "
                     "model without data-dependent control flow (no torch.cond, no scripted "
-                    "loops)."
+                    "loops)." + (f" {hint}" if hint else "")
                 )
 
 

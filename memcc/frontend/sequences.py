@@ -39,12 +39,13 @@ class SequenceScope:
     seqs: dict[str, list[str]] = field(default_factory=dict)
 
     def dynamic(self, node: onnx.NodeProto, what: str) -> InputError:
+        hint = embedding_bag_hint(node)
         return InputError(
             f"{self.where}: {node_label(node)}: {what} is only known at run time. memcc "
             "resolves sequences of tensors at load time, so their length and every position "
-            "must be compile-time constants (binding --dim does not change this); rewrite "
-            "the model to index a fixed number of tensors (e.g. torch.split with constant "
-            "sizes)."
+            "must be compile-time constants (binding --dim does not change this)"
+            + (f". {hint}" if hint else "; rewrite the model to index a fixed number of "
+               "tensors (e.g. torch.split with constant sizes).")
         )
 
     def elements(self, node: onnx.NodeProto, name: str) -> list[str]:
@@ -65,6 +66,22 @@ class SequenceScope:
     def outside(self, node: onnx.NodeProto, p: int, items: list[str]) -> InputError:
         return InputError(f"{self.where}: {node_label(node)}: position {p} is outside the "
                           f"sequence of {len(items)} tensors")
+
+
+EMBEDDING_BAG = (
+    "nn.EmbeddingBag and F.embedding_bag, which torch.onnx writes as a Loop over the bags "
+    "that memcc cannot differentiate: with bags of one size, look the ids up as [N, bag] in "
+    "an nn.Embedding and reduce over the bag axis (.sum(1), .mean(1), .amax(1)); with bags of "
+    "several sizes, pad them to one size and multiply by a 0/1 mask before the sum instead "
+    "of passing offsets.")
+
+
+def embedding_bag_hint(node: onnx.NodeProto) -> str:
+    """What to do instead, where the dynamo exporter's records say the node was written
+    for torch's embedding_bag; else ''."""
+    meta = " ".join(p.value for p in node.metadata_props
+                    if p.key in ("namespace", "pkg.torch.onnx.fx_node"))
+    return f"It was written for {EMBEDDING_BAG}" if "embedding_bag" in meta else ""
 
 
 def resolve_sequence(node: onnx.NodeProto, scope: SequenceScope) -> list[onnx.NodeProto]:
