@@ -38,6 +38,7 @@ try:
                                             cost="analytic", time_limit=float(limit)))
     p = r.report["plan"]
     row = dict(fits=True, peak_bytes=p["peak_bytes"], added=p["overhead"],
+               budget_bytes=r.report["budget_bytes"],
                label=r.outcome.label,
                as_built=(r.report.get("budget_share") or {}).get("as_built_budget_bytes"))
 except MemccError as e:
@@ -67,8 +68,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     sides = {"base": args.base.resolve(), "this": ROOT}
-    print(f"{'model':28} {'budget':>12} {'side':>5} {'result':>22} {'peak MB':>9} {'wall s':>7}  "
-          "plan")
+    print(f"{'model':28} {'budget':>12} {'side':>5} {'result':>22} {'peak MB':>9} "
+          f"{'budget MB':>9} {'wall s':>7}  plan")
     for model in args.models:
         whole = compile_once(sides["base"], model, "100%", args.time_limit)["as_built"]
         for share in args.shares.split(","):
@@ -80,8 +81,10 @@ def main() -> None:
                     result = (f"{r['added']:+.2%}" if r["fits"]
                               else f"refused ({r['smallest'] or 0:,})")
                     peak = f"{r['peak_bytes'] / 1e6:.2f}" if r["fits"] else ""
+                    needs = f"{r['budget_bytes'] / 1e6:.2f}" if r["fits"] else ""
                     print(f"{Path(model).name[:28]:28} {budget:>12} {side:>5} {result:>22} "
-                          f"{peak:>9} {r['wall_s']:7.1f}  {r.get('label', '')}", flush=True)
+                          f"{peak:>9} {needs:>9} {r['wall_s']:7.1f}  {r.get('label', '')}",
+                          flush=True)
                     if args.out:
                         with args.out.open("a") as f:
                             f.write(json.dumps(r) + "\n")
