@@ -95,3 +95,13 @@ def test_text_output_names_every_part(gpt2):
 def test_a_missing_model_is_a_clean_error(tmp_path):
     r = runner.invoke(app, ["analyze", str(tmp_path / "nope.onnx")])
     assert r.exit_code == 2 and "nope.onnx" in r.output
+
+
+def test_the_lower_bound_on_cuda_counts_what_the_session_holds(gpt2):
+    """On CUDA every device peak holds the session's own bytes: the lower bound "no plan
+    goes under" holds them too (it was the live bytes alone: 90.92 MB for a ResNet-18 step
+    whose floor compile states as 254.66 MB)."""
+    from memcc.passes.planning.floor import runtime_bytes
+
+    got = _analyze(gpt2, "--provider", "cuda", "--strategy", "sqrtn")["smallest"]
+    assert runtime_bytes("cuda") < got["lower_bound_bytes"] <= got["peak_bytes"]

@@ -130,6 +130,10 @@ def test_compile_offloads_the_state_where_the_budget_is_out_of_reach(tmp_path):
     assert rep["used"] and len(rep["tensors"]) == len(optimizer_state(plain.graph))
     assert rep["smallest_budget_without_bytes"] == need
     assert rep["smallest_budget_bytes"] == smallest.report["budget_bytes"] < below
+    # the baseline is the step as built, whatever the state's place in the plan (it was
+    # the step with the state moved: below what the step as built needs, budget to budget)
+    assert off.report["baseline"]["peak_bytes"] == smallest.report["baseline"]["peak_bytes"] \
+        == plain.report["baseline"]["peak_bytes"] > smallest.report["plan"]["peak_bytes"]
 
 
 def test_the_cpu_provider_never_offloads_state(tmp_path):
