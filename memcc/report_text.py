@@ -51,7 +51,9 @@ def summary_lines(report: dict) -> list[str]:
         lines.append(ranks)
     v = report.get("verification")
     if v:
-        lines.append(f"verify   {'OK' if v['ok'] else 'FAILED'}: " + "; ".join(verify_checks(v)))
+        scope = " (numbers only)" if v.get("numbers_only") else ""
+        lines.append(f"verify   {'OK' if v['ok'] else 'FAILED'}{scope}: "
+                     + "; ".join(verify_checks(v)))
     return lines
 
 
@@ -89,6 +91,7 @@ def verify_checks(v: dict) -> list[str]:
         sign = "<=" if measured <= budget else ">"
         peak = f"measured peak {format_size(measured)} {sign} budget {format_size(budget)}"
     order = ("executed order = planned order" if v.get("order_matches_plan")
+             else "executed order not checked" if v.get("order_matches_plan") is None
              else "executed order differs from the plan")
     return [outputs, peak, order]
 

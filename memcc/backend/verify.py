@@ -145,6 +145,9 @@ class VerifyRun:
     steps: int = 2
     tolerance: float | None = None
     arena: bool = False
+    # Why the provider cannot run here (``--provider cuda`` without CUDA): the two steps are
+    # compared on the CPU provider, and the device peak and order are not checked.
+    numbers_only: str | None = None
 
 
 def verify_rewrite(original: Graph, rewritten: Graph, *, budget: int,
@@ -153,6 +156,8 @@ def verify_rewrite(original: Graph, rewritten: Graph, *, budget: int,
     every check runs even when an earlier one failed, so the report has all three."""
     provider, seed, steps = how.provider, how.seed, how.steps
     tolerance, arena = how.tolerance, how.arena
+    if how.numbers_only is not None:
+        return _numbers_only(original, rewritten, budget, how)
     exact = provider == "cpu" and tolerance is None
     feeds = synthetic_feeds(original, seed)
     ref = step_outputs(original, feeds, provider)
@@ -165,14 +170,7 @@ def verify_rewrite(original: Graph, rewritten: Graph, *, budget: int,
                                kinds={name: kinds.get(name, "") for name in ref},
                                spread=spread)
     outputs_differing = len(problems)
-    nonfinite = [n for n, v in ref.items()
-                 if np.asarray(v).dtype.kind == "f" and not np.isfinite(v).all()]
-    if nonfinite:   # NaN equals NaN in the comparison: it would have checked nothing there
-        problems.append(
-            f"the step as built gives NaN or infinite values in {len(nonfinite)} of "
-            f"{len(ref)} outputs (e.g. '{nonfinite[0]}') on memcc's synthetic data (seed "
-            f"{seed}), so those outputs were not checked; run the step as built with "
-            "`memcc run --data` on real data to see whether it trains")
+    nonfinite = _not_finite(ref, seed, problems)
     del ref, new
     with tempfile.TemporaryDirectory(prefix="memcc-verify-") as tmp:
         path = Path(tmp) / "rewritten.onnx"
@@ -209,7 +207,7 @@ def verify_rewrite(original: Graph, rewritten: Graph, *, budget: int,
                                    if spread is not None else None),
         "outputs_match": outputs_differing == 0,
         "outputs_differing": outputs_differing,
-        "outputs_not_finite": len(nonfinite),
+        "outputs_not_finite": nonfinite,
         "racing_nodes": [node_label(n) for n in racing_nodes(original)],
         "budget_bytes": int(budget),
         "peak_within_budget": (False if run is None else
@@ -222,6 +220,47 @@ def verify_rewrite(original: Graph, rewritten: Graph, *, budget: int,
         "step_time_s": run.step_time_s if run is not None else None,
         "gpu_mem_limit_bytes": int(budget) if provider == "cuda" else None,
     }
+
+
+def _numbers_only(original: Graph, rewritten: Graph, budget: int, how: VerifyRun) -> dict:
+    """A plan for a provider that cannot run here (CUDA): both steps run on the CPU
+    provider, whose kernels repeat the same arithmetic for a recompute, so the outputs are
+    compared bit for bit (within the variants' tolerance where the plan has some); the
+    device peak and the executed order are not checked, and the report says why."""
+    feeds = synthetic_feeds(original, how.seed)
+    ref = step_outputs(original, feeds, "cpu")
+    kinds = categorize(original)
+    problems = compare_outputs(ref, step_outputs(rewritten, feeds, "cpu"),
+                               exact=how.tolerance is None, tolerance=how.tolerance,
+                               kinds={name: kinds.get(name, "") for name in ref})
+    differing = len(problems)
+    nonfinite = _not_finite(ref, how.seed, problems)
+    return {
+        "ok": not problems, "problems": problems, "outputs_compared": len(rewritten.outputs),
+        "comparison": _comparison(how.tolerance is None, how.tolerance) + " on the CPU provider",
+        "numbers_only": how.numbers_only, "irreproducible_outputs": None,
+        "outputs_match": differing == 0, "outputs_differing": differing,
+        "outputs_not_finite": nonfinite, "racing_nodes": [], "budget_bytes": int(budget),
+        "peak_within_budget": None, "measured_peak_bytes": None,
+        "predicted_peak_bytes": None, "order_matches_plan": None,
+        "measurement_method": f"not measured: {how.provider} is not available here "
+                              f"({how.numbers_only})",
+        "step_time_s": None, "gpu_mem_limit_bytes": None,
+    }
+
+
+def _not_finite(ref: Mapping[str, np.ndarray], seed: int, problems: list[str]) -> int:
+    """How many outputs of the step as built are NaN or infinite; a problem where any is
+    (NaN equals NaN in the comparison: those outputs went unchecked)."""
+    bad = [n for n, v in ref.items()
+           if np.asarray(v).dtype.kind == "f" and not np.isfinite(v).all()]
+    if bad:
+        problems.append(
+            f"the step as built gives NaN or infinite values in {len(bad)} of "
+            f"{len(ref)} outputs (e.g. '{bad[0]}') on memcc's synthetic data (seed "
+            f"{seed}), so those outputs were not checked; run the step as built with "
+            "`memcc run --data` on real data to see whether it trains")
+    return len(bad)
 
 
 def _comparison(exact: bool, tolerance: float | None, spread: bool = False) -> str:

@@ -402,7 +402,7 @@ def _verify_stage(run: CompileRun, planned: Planned) -> dict | None:
     tolerance = _plan_tolerance(run.runner.reports)
     return run.runner.stage("verify", lambda: _verify(planned.graph, planned.rewritten,
                                                       planned.budget, planned.options,
-                                                      tolerance))
+                                                      (tolerance, run.cuda_missing)))
 
 
 def _write(run: CompileRun, planned: Planned, report: dict, verification: dict | None
@@ -448,9 +448,13 @@ def _plan_tolerance(passes: list[PassReport]) -> float | None:
 
 
 def _verify(original: Graph, rewritten: Graph, budget: int, options: CompileOptions,
-            tolerance: float | None = None):
+            how: tuple[float | None, str | None] = (None, None)):
+    """``how``: the plan's tolerance (None: bit for bit) and why CUDA is missing (None: it
+    is not, or the provider is the CPU): then the numbers are checked on the CPU only."""
     from memcc.backend.verify import VerifyRun, verify_rewrite
 
+    tolerance, cuda_missing = how
     result = verify_rewrite(original, rewritten, budget=budget, how=VerifyRun(
-        provider=options.provider, tolerance=tolerance, arena=options.arena))
+        provider=options.provider, tolerance=tolerance, arena=options.arena,
+        numbers_only=cuda_missing))
     return result, result
