@@ -201,6 +201,10 @@ def analyze_cmd(
              "slack.")] = 0.02,
     variants: Annotated[bool, typer.Option(
         "--variants/--no-variants", help="As in memcc compile.")] = True,
+    offload: Annotated[Optional[bool], typer.Option(  # noqa: UP045
+        "--offload/--no-offload",
+        help="As in memcc compile: with --provider cuda (on by default) the smallest budget "
+             "also counts the optimizer state waiting in host memory.")] = None,
     loss: LossOpt = "cross-entropy",
     optimizer: OptimizerOpt = "sgd",
     lr: LrOpt = None,
@@ -224,8 +228,8 @@ def analyze_cmd(
         opts = CompileOptions(
             budget="min", strategy=strategy, provider=provider,
             time_limit=ANALYZE_TIME_LIMIT if time_limit is None else time_limit, cost=cost,
-            margin=margin, variants=variants, arena=arena, build=build_options(locals()),
-            dims=parse_dims(dim))
+            margin=margin, variants=variants, arena=arena, offload=offload,
+            build=build_options(locals()), dims=parse_dims(dim))
         with progress_lines(err, "analyze") as say:
             result = analyze(model, opts, smallest=smallest, progress=say, warn=warn)
     except MemccError as exc:
