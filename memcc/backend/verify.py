@@ -159,19 +159,8 @@ def verify_rewrite(original: Graph, rewritten: Graph, *, budget: int,
     if how.numbers_only is not None:
         return _numbers_only(original, rewritten, budget, how)
     exact = provider == "cpu" and tolerance is None
-    feeds = synthetic_feeds(original, seed)
-    ref = step_outputs(original, feeds, provider)
-    spread = None
-    if provider == "cuda":
-        spread = run_to_run_spread(ref, step_outputs(original, feeds, provider))
-    new = step_outputs(rewritten, feeds, provider)
-    kinds = categorize(original)
-    problems = compare_outputs(ref, new, exact=exact, tolerance=tolerance,
-                               kinds={name: kinds.get(name, "") for name in ref},
-                               spread=spread)
-    outputs_differing = len(problems)
-    nonfinite = _not_finite(ref, seed, problems)
-    del ref, new
+    problems, outputs_differing, nonfinite, spread = _compared(original, rewritten, how,
+                                                               provider)
     with tempfile.TemporaryDirectory(prefix="memcc-verify-") as tmp:
         path = Path(tmp) / "rewritten.onnx"
         save_graph(rewritten, path)
@@ -227,14 +216,7 @@ def _numbers_only(original: Graph, rewritten: Graph, budget: int, how: VerifyRun
     provider, whose kernels repeat the same arithmetic for a recompute, so the outputs are
     compared bit for bit (within the variants' tolerance where the plan has some); the
     device peak and the executed order are not checked, and the report says why."""
-    feeds = synthetic_feeds(original, how.seed)
-    ref = step_outputs(original, feeds, "cpu")
-    kinds = categorize(original)
-    problems = compare_outputs(ref, step_outputs(rewritten, feeds, "cpu"),
-                               exact=how.tolerance is None, tolerance=how.tolerance,
-                               kinds={name: kinds.get(name, "") for name in ref})
-    differing = len(problems)
-    nonfinite = _not_finite(ref, how.seed, problems)
+    problems, differing, nonfinite, _ = _compared(original, rewritten, how, "cpu")
     return {
         "ok": not problems, "problems": problems, "outputs_compared": len(rewritten.outputs),
         "comparison": _comparison(how.tolerance is None, how.tolerance) + " on the CPU provider",
@@ -247,6 +229,26 @@ def _numbers_only(original: Graph, rewritten: Graph, budget: int, how: VerifyRun
                               f"({how.numbers_only})",
         "step_time_s": None, "gpu_mem_limit_bytes": None,
     }
+
+
+def _compared(original: Graph, rewritten: Graph, how: VerifyRun, provider: str
+              ) -> tuple[list[str], int, int, dict[str, float] | None]:
+    """Both steps on ``provider`` from the same synthetic batch: the problems found, how
+    many outputs differ, how many of the original's are not finite (a problem too), and on
+    CUDA the original's own run-to-run spread (``compare_outputs``)."""
+    feeds = synthetic_feeds(original, how.seed)
+    ref = step_outputs(original, feeds, provider)
+    spread = None
+    if provider == "cuda":
+        spread = run_to_run_spread(ref, step_outputs(original, feeds, provider))
+    kinds = categorize(original)
+    problems = compare_outputs(ref, step_outputs(rewritten, feeds, provider),
+                               exact=provider == "cpu" and how.tolerance is None,
+                               tolerance=how.tolerance,
+                               kinds={name: kinds.get(name, "") for name in ref},
+                               spread=spread)
+    differing = len(problems)
+    return problems, differing, _not_finite(ref, how.seed, problems), spread
 
 
 def _not_finite(ref: Mapping[str, np.ndarray], seed: int, problems: list[str]) -> int:

@@ -181,10 +181,10 @@ def plan_offloading_state(graph: Graph, budget: Budget, costs: CostModel,
                           hooks: StageHooks) -> tuple[Planned, dict | None]:
     """``plan_in_budget``, and on CUDA with offload on, the same with the optimizer state in
     host memory (``passes.lowering.offload_state``) where that reaches further or costs less: tried
-    when the budget is not reached without it, for ``--budget min`` (the smaller peak wins),
+    when the budget is not reached without it, for ``--budget min`` (the smaller budget wins),
     and when the plan without it adds more time than the state's copies would. The two
-    share ``--time-limit``, half each (each had the whole limit: ResNet-18's ``--budget min``
-    on CUDA took 53 s at ``--time-limit 20``). Returns
+    share ``--time-limit``, half each (each had the whole limit: a ResNet-18's ``--budget
+    min`` on CUDA took 33 s at ``--time-limit 20``, 22 s now; BENCHMARKS.md). Returns
     ``plan_in_budget``'s ``Planned`` and the report's ``offloaded_state`` (None: not
     tried)."""
     passes, say = hooks.passes, hooks.say
@@ -240,8 +240,8 @@ def plan_offloading_state(graph: Graph, budget: Budget, costs: CostModel,
 
     without = refusal.smallest if plain is None else reach(plain)
     off_time = off.outcome.best.added_time_s + copies_s
-    use = plain is None or (off.outcome.best.peak_bytes < plain.outcome.best.peak_bytes
-                            if budget.is_min else off_time < plain.outcome.best.added_time_s)
+    use = plain is None or (reach(off) < reach(plain) if budget.is_min
+                            else off_time < plain.outcome.best.added_time_s)
     if use:
         del passes[start:middle]
         off = _baseline_as_built(off, plain, graph, costs, options, structure)

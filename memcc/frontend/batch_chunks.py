@@ -115,9 +115,8 @@ def find_stems(graph: Graph) -> list[Stem]:
         bn = only(conv.output[0], {"BatchNormalization"})
         if bn is None or len(bn.input) < 5 or not attr(bn, "training_mode", 0):
             continue
-        acts = _activation(bn.output[0], readers, outputs) \
-            or ((only(bn.output[0], _ACTIVATIONS),) if only(bn.output[0], _ACTIVATIONS)
-                else ())
+        single = only(bn.output[0], _ACTIVATIONS)
+        acts = (single,) if single is not None else _activation(bn.output[0], readers, outputs)
         if not acts:
             continue
         pool = only(acts[-1].output[0], {"MaxPool"})
