@@ -193,3 +193,31 @@ def test_a_split_with_unread_pieces_is_recomputed_as_slices():
     feeds = synthetic_feeds(step, seed=0)
     assert compare_outputs(step_outputs(step, feeds, "cpu"),
                            step_outputs(res.graph, feeds, "cpu"), exact=True) == []
+
+
+def test_a_recomputed_training_batchnorm_leaves_the_fed_running_statistics_alone():
+    """A clone of a training-mode BatchNorm reads copies of the running statistics: ORT's
+    CPU kernel wrote into the fed buffer otherwise (tests/test_ort_facts.py), so a second
+    run on the same feeds gave other running statistics (a SegFormer plan at --budget
+    min). The plan recomputing each saved Relu of a BatchNorm, and the BatchNorm: same
+    bits as the step as built, at 1 and 2 threads, each run twice on one feeds dict, which
+    stays as it was."""
+    from threads import mismatches, run_at_threads
+
+    step = build_training_step(load_graph(build_model("resnet18", batch=4, resolution=32,
+                                                      width=8, blocks=[1, 1])),
+                               BuildOptions())
+    st = StepStructure.of(step)
+    producer = step.def_use().producer
+    relus = [producer[v] for v in st.saved if producer[v].op_type == "Relu"
+             and producer[producer[v].input[0]].op_type == "BatchNormalization"]
+    chains = frozenset(n.name for r in relus for n in (r, producer[r.input[0]]))
+    planned = apply_recompute(step, Plan(chains, "test"), st).graph
+    assert sum(n.op_type == "BatchNormalization" for n in planned.nodes) > \
+        sum(n.op_type == "BatchNormalization" for n in step.nodes)
+    feeds = synthetic_feeds(step, 0)
+    kept = {k: v.copy() for k, v in feeds.items()}
+    ours = run_at_threads(planned, feeds, threads=(1, 2), repeats=2)
+    theirs = run_at_threads(step, feeds, threads=(1, 2), repeats=1)
+    assert all(np.array_equal(feeds[k], kept[k]) for k in feeds)
+    assert not mismatches(theirs[1], ours[1]) and not mismatches(theirs[2], ours[2])

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 
-from memcc.graph import DefUse, Graph, TensorInfo, unique_namer
+from memcc.graph import DefUse, Graph, TensorInfo, attr, unique_namer
 from memcc.passes.plan import Plan, StepStructure
 
 RECOMPUTE_SUFFIX = ".rc"
@@ -152,6 +152,9 @@ class _Cloner:
         if node.op_type == "Split" and not all(needed):
             self._emit_split_as_slices(node, inputs[0], needed, emitted)
             return
+        if node.op_type == "BatchNormalization" and attr(node, "training_mode", 0) \
+                and len(inputs) >= 5:
+            inputs[3:5] = [self._own_copy(v, emitted) for v in inputs[3:5]]
         clone = onnx.NodeProto()
         clone.CopyFrom(node)
         clone.name = self.fresh(node.name + RECOMPUTE_SUFFIX)
@@ -175,6 +178,25 @@ class _Cloner:
         self.du.add(clone)
         emitted.append(clone)
         self.cloned.append(node.name)
+
+    def _own_copy(self, value: str, emitted: list[onnx.NodeProto]) -> str:
+        """``value`` times one, in a buffer of its own, for a training-mode BatchNorm's
+        clone to read as running statistics: ORT's CPU kernel writes into that input's
+        buffer where a second training BatchNorm reads it (an Identity is aliased, so it
+        does not help), which changed the state fed to the step (tests/test_ort_facts.py;
+        a SegFormer plan gave other running statistics on its second run). Its running
+        outputs are dead; x * 1 is x, bit for bit."""
+        info = self.out.info[value]
+        one = self.fresh(f"{value}{RECOMPUTE_SUFFIX}.one")
+        self.out.initializers[one] = np.ones((), info.np_dtype)
+        self.out.info[one] = TensorInfo(info.dtype, ())
+        name = self.fresh(f"{value}{RECOMPUTE_SUFFIX}.copy")
+        self.out.info[name] = info
+        copy = onnx.helper.make_node("Mul", [value, one], [name],
+                                     name=self.fresh(f"{value}{RECOMPUTE_SUFFIX}.copy"))
+        self.du.add(copy)
+        emitted.append(copy)
+        return name
 
     def _emit_split_as_slices(self, node: onnx.NodeProto, x: str, needed: list[bool],
                               emitted: list[onnx.NodeProto]) -> None:
