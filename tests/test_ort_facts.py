@@ -423,7 +423,8 @@ def test_a_second_training_batchnorm_on_the_same_running_statistics_corrupts_the
     contract the first one's output is still right (under ORT's default order it is off
     by 0.14 here). A plan that recomputes a training-mode BatchNorm makes exactly that
     second node: running a SegFormer plan twice on the same feeds gave other running
-    statistics the second time (session 32; not yet fixed in memcc: the closing note)."""
+    statistics the second time; the clone now reads copies of its own
+    (``passes/lowering/recompute.py`` ``_own_copy``)."""
     rng = np.random.default_rng(0)
     feeds = {"x": rng.standard_normal((8, 16, 8, 8), dtype=np.float32),
              "s": np.ones(16, np.float32), "b": np.zeros(16, np.float32),
