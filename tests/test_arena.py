@@ -321,7 +321,8 @@ def test_cuda_verify_caps_the_arena_at_the_budget_and_a_refused_run_does_not_fit
     on_cpu = verify.step_outputs
     monkeypatch.setattr(verify, "run_steps", refused)
     monkeypatch.setattr(verify, "step_outputs",
-                        lambda graph, feeds, provider: on_cpu(graph, feeds, "cpu"))
+                        lambda graph, feeds, provider, written=None:
+                        on_cpu(graph, feeds, "cpu", written))
     result = verify.verify_rewrite(step, step, budget=123_456,
                                    how=verify.VerifyRun(provider="cuda"))
     assert asked["gpu_mem_limit"] == 123_456 and asked["provider"] == "cuda"

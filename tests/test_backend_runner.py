@@ -374,6 +374,45 @@ def test_verify_fails_where_the_step_as_built_gives_nan(linreg, tmp_path):
     assert "NaN or infinite values in 3 of 3 outputs (e.g. 'loss')" in report["problems"][0]
 
 
+def _batchnorm_twice_on_stored_statistics() -> Graph:
+    """A step whose second training-mode BatchNorm reads the first one's stored running
+    statistics: ORT's CPU kernel writes into that fed buffer (tests/test_ort_facts.py),
+    as a recompute clone did before it read copies of its own."""
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node("BatchNormalization", ["x", "s", "b", "m", "v"],
+                              ["y", "m_new", "v_new"], training_mode=1, momentum=0.9),
+             helper.make_node("BatchNormalization", ["x", "s", "b", "m", "v"],
+                              ["y2", "m2", "v2"], training_mode=1, momentum=0.9),
+             helper.make_node("Add", ["y", "y2"], ["z"])]
+    stored = [onnx.numpy_helper.from_array(a.astype(np.float32), n) for n, a in
+              (("s", np.ones(16)), ("b", np.zeros(16)), ("m", rng.standard_normal(16)),
+               ("v", np.ones(16)))]
+    vi = helper.make_tensor_value_info
+    g = helper.make_graph(nodes, "g", [vi("x", TensorProto.FLOAT, [8, 16, 8, 8])],
+                          [vi("m_new", TensorProto.FLOAT, [16]),
+                           vi("z", TensorProto.FLOAT, [8, 16, 8, 8])], stored)
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 15)])
+    model.ir_version = 10
+    return Graph.from_model(model)
+
+
+def test_verify_fails_where_the_plan_writes_into_what_it_was_fed(linreg):
+    """One run of a plan matched the step as built, yet its second run on the same state
+    did not: the run had written into the fed running statistics (a SegFormer plan before
+    the recompute clones read copies). ``--verify`` now checks that the rewritten step
+    leaves every fed value's bytes as they were."""
+    from memcc.backend import verify
+
+    graph = _batchnorm_twice_on_stored_statistics()
+    written: list[str] = []
+    verify.step_outputs(graph, synthetic_feeds(graph, 0), "cpu", written)
+    assert written == ["m", "v"]
+    problems = verify._compared(graph, graph, verify.VerifyRun(), "cpu")[0]
+    assert len(problems) == 1 and "wrote into 2 of its fed values (e.g. 'm')" in problems[0]
+    clean = Graph.from_model(onnx.load(str(linreg[0])))
+    assert verify.verify_rewrite(clean, clean, budget=1 << 30)["ok"]
+
+
 def test_synthetic_bools_are_padding_masks_with_positions_either_way():
     """Every row of a bool input holds a False head of at least one and a True tail: a
     padding mask under torch's convention (True = padded), positions to attend to under

@@ -50,10 +50,10 @@ def _fake_cuda(monkeypatch, plan_error: float):
     calls = {"n": 0}
     real = verify.step_outputs
 
-    def step_outputs(graph, feeds, provider):
+    def step_outputs(graph, feeds, provider, written=None):
         assert provider == "cuda"
         calls["n"] += 1
-        out = real(graph, feeds, "cpu")
+        out = real(graph, feeds, "cpu", written)
         rng = np.random.default_rng(calls["n"])
         extra = plan_error if graph.metadata.get("test.plan") else 0.0
         return {k: (v + (rng.standard_normal(v.shape) * 1e-6 + extra).astype(v.dtype)

@@ -8,7 +8,10 @@ two runs of one ResNet-50 step differ, BENCHMARKS.md "CUDA on an H100"), so the 
 runs twice there and each output may differ from it by rtol 1e-5 or by
 ``SPREAD_FACTOR`` times what the original's two runs differ by, whichever is larger; the
 report says which outputs needed the second. A plan with numerically equivalent operator
-variants is compared within the largest tolerance they state. Then the
+variants is compared within the largest tolerance they state. The rewritten step must
+also leave every value it is fed as it was: one that writes into a fed buffer starts its
+next step from other values (ORT's CPU BatchNorm did, for a recomputed clone), which one
+run's outputs do not show. Then the
 rewritten file runs under ``run_steps`` (its own measuring process): the measured peak must
 be within the budget and ORT's executed order must be the planned order.
 """
@@ -31,13 +34,27 @@ from memcc.graph import Graph, node_label
 from memcc.passes.analysis.liveness import categorize
 
 
-def step_outputs(graph: Graph, feeds: dict[str, np.ndarray], provider: str
-                 ) -> dict[str, np.ndarray]:
+def step_outputs(graph: Graph, feeds: dict[str, np.ndarray], provider: str,
+                 written: list[str] | None = None) -> dict[str, np.ndarray]:
+    """Every output of one run of ``graph``; with ``written``, the names of the fed values
+    (batch, parameters, state) whose bytes the run changed are appended to it. The run gets
+    copies: the stored values are the graph's own arrays, and a run that writes into what
+    it is fed would change the step compile writes."""
     g, values = session_graph(graph)
     sess = make_session(g.to_model(), provider)
     names = list(graph.outputs)
-    out = sess.run(names, {**values, **feeds})
+    given = {**values, **feeds}
+    fed = {n: np.array(v, copy=True) for n, v in given.items()}
+    out = sess.run(names, fed)
+    if written is not None:
+        written.extend(n for n, v in given.items() if not _same_bytes(v, fed[n]))
     return dict(zip(names, out, strict=True))
+
+
+def _same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
+    a, b = np.asarray(a), np.asarray(b)
+    return a.shape == b.shape and a.dtype == b.dtype and np.array_equal(
+        a.reshape(-1).view(np.uint8), b.reshape(-1).view(np.uint8))
 
 
 # An output is compared relative to its own largest entry, or to this fraction of the largest
@@ -242,12 +259,18 @@ def _compared(original: Graph, rewritten: Graph, how: VerifyRun, provider: str
     if provider == "cuda":
         spread = run_to_run_spread(ref, step_outputs(original, feeds, provider))
     kinds = categorize(original)
-    problems = compare_outputs(ref, step_outputs(rewritten, feeds, provider),
+    written: list[str] = []
+    problems = compare_outputs(ref, step_outputs(rewritten, feeds, provider, written),
                                exact=provider == "cpu" and how.tolerance is None,
                                tolerance=how.tolerance,
                                kinds={name: kinds.get(name, "") for name in ref},
                                spread=spread)
     differing = len(problems)
+    if written:
+        problems.append(
+            f"the rewritten step wrote into {len(written)} of its fed values (e.g. "
+            f"'{written[0]}'): ORT reused a fed buffer for a node's output, so the next "
+            "step would start from other values; please report it with the model")
     return problems, differing, _not_finite(ref, how.seed, problems), spread
 
 
