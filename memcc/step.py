@@ -57,6 +57,9 @@ PLAN_KEY = "memcc.plan"
 # Set by ``memcc compile --arena``: the plan was judged by ORT's CPU arena, so it holds when
 # the CPU provider allocates through that arena (``memcc train`` and ``run`` then do).
 ALLOCATOR_KEY = "memcc.allocator"
+# Set by ``memcc compile`` and ``memcc tune``: the provider the plan was made for ("cpu" or
+# "cuda"); ``memcc run`` and ``train`` run there unless told otherwise.
+PROVIDER_KEY = "memcc.provider"
 # parameter -> the value holding its whole gradient (what the update reads).
 GRADIENTS_KEY = "memcc.gradients"
 # What memcc's fusions did to the step as built (passes/fuse.py, FusionReport.to_json()).
@@ -178,6 +181,8 @@ class TrainingStep:
         self.row_chunks: dict = dict(self._json(ROW_CHUNKS_KEY, {}, dict))
         # "arena" for a plan compiled with --arena, else None (malloc, or not compiled)
         self.allocator: str | None = self.graph.metadata.get(ALLOCATOR_KEY) or None
+        # "cpu" or "cuda" for a compiled plan, else None (a step as built)
+        self.planned_provider: str | None = self.graph.metadata.get(PROVIDER_KEY) or None
         ranges: dict[str, tuple[int, int]] = {}
         for k, v in self._json(INT_RANGES_KEY, {}, dict).items():
             try:

@@ -438,6 +438,21 @@ def test_cuda_verify_without_cuda_checks_the_numbers_on_the_cpu(gpt2_file, tmp_p
     assert v["ok"] and v["outputs_match"] and v["numbers_only"].startswith("onnxruntime-gpu")
     assert v["measured_peak_bytes"] is None and v["peak_within_budget"] is None
     assert out.exists() and json.loads(rep.read_text())["plan"]["recomputed_nodes"]
+    # run and train go where the plan was made; without CUDA, to the CPU, saying so (a
+    # user who compiled for CUDA and ran without --provider got a silent CPU run).
+    import onnx
+
+    metadata = onnx.load(str(out), load_external_data=False).metadata_props
+    assert {m.key: m.value for m in metadata}["memcc.provider"] == "cuda"
+    r = invoke("run", out, "--steps", "1")
+    assert r.exit_code == 0, r.output
+    text = " ".join(r.output.split())
+    assert "this step was planned for CUDA (memcc compile --provider cuda), but CUDA is not " \
+           "available here (onnxruntime-gpu is not installed (test)): running it on the " \
+           "CPU" in text
+    r = invoke("run", out, "--steps", "1", "--provider", "cpu", "--json")
+    assert r.exit_code == 0 and "planned for CUDA" in r.output
+    assert json.loads(r.output.splitlines()[-1])["provider"] == "cpu"
 
 
 def test_cuda_planning_without_cuda_warns(gpt2_file, tmp_path, monkeypatch):

@@ -212,6 +212,31 @@ def test_data_in_a_wider_or_narrower_type_of_the_same_kind_is_converted(steps, t
     assert exact.converted == ()
 
 
+def test_a_plan_made_for_cuda_trains_where_cuda_is_and_says_so_where_it_is_not(
+        steps, tmp_path, monkeypatch):
+    """``provider`` None (``memcc train`` without --provider): where the plan was made
+    (``memcc.provider``, written by compile and tune), else the CPU. A CUDA plan where CUDA
+    is missing trains on the CPU with a note in the run's notes; a plan run on another
+    provider than its own is noted too; a step as built has nothing to say."""
+    import memcc.backend.session as session
+    from memcc.api import TrainOptions, train
+
+    monkeypatch.setattr(session, "cuda_unavailable_reason", lambda: "no GPU (test)")
+    graph = load_graph(steps["sgd"])
+    graph.metadata["memcc.provider"] = "cuda"
+    planned = save_graph(graph, tmp_path / "cuda_plan.onnx")
+    t = Trainer(planned)
+    assert t.provider == "cpu" and "planned for CUDA" in t.provider_note
+    assert "no GPU (test)" in t.provider_note
+    assert Trainer(steps["sgd"]).provider_note is None
+    assert "runs on CPU here" in Trainer(planned, provider="cpu").provider_note
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "d.npz", input=rng.standard_normal((16, 12)).astype(np.float32),
+             labels=rng.integers(0, 4, 16))
+    result = train(TrainOptions(step=planned, data=tmp_path / "d.npz", steps=2))
+    assert any("planned for CUDA" in n for n in result.notes)
+
+
 def test_shards_equal_one_file_and_each_epoch_sees_every_sample_once(steps, tmp_path):
     rng = np.random.default_rng(0)
     x = rng.standard_normal((36, 12), dtype=np.float32)

@@ -49,7 +49,7 @@ from memcc.backend import memory
 from memcc.backend.cpu_child import execute, run_options  # noqa: F401 (re-exported)
 from memcc.backend.device_step import step_for_provider
 from memcc.backend.profile_order import check_session_order, planned_order
-from memcc.backend.session import resolve_provider
+from memcc.backend.session import provider_as_planned
 from memcc.backend.step_feeds import (  # noqa: F401 (re-exported)
     StepSpec,
     load_data,
@@ -97,6 +97,8 @@ class RunResult:
     off_provider_nodes: tuple[str, ...] = ()
     # Kernels and bytes moved by one step of the graph that ran (passes/analysis/step_traffic.py).
     traffic: StepTraffic | None = None
+    # What the user should know about how the step was run (a plan run off its provider).
+    notes: tuple[str, ...] = ()
 
     def to_json(self) -> dict:
         m, p = self.measured_peak_bytes, self.predicted_peak_bytes
@@ -125,6 +127,7 @@ class RunResult:
             "off_provider_nodes": list(self.off_provider_nodes),
             "kernels_per_step": None if self.traffic is None else self.traffic.kernels,
             "bytes_moved_per_step": None if self.traffic is None else self.traffic.bytes_moved,
+            "notes": list(self.notes),
         }
 
 
@@ -134,7 +137,7 @@ class RunRequest:
     """What ``memcc run`` asks of ``run_steps`` (``run_steps`` says what each field does)."""
 
     steps: int = 5
-    provider: str = "cpu"
+    provider: str | None = None   # None: where the step was planned, else the CPU
     seed: int = 0
     data: str | os.PathLike | None = None
     isolate: bool | None = None
@@ -180,7 +183,8 @@ def run_steps(model_path: str | os.PathLike, request: RunRequest = RunRequest())
     path = Path(model_path)
     graph = load_graph(path)
     spec = read_step_spec(graph, source=str(path))
-    prov = resolve_provider(request.provider)
+    prov, note = provider_as_planned(request.provider,
+                                     TrainingStep.of(graph).planned_provider)
     graph, _ = step_for_provider(graph, prov, deterministic=request.deterministic)
     feeds = (load_data(request.data, graph, spec) if request.data is not None
              else synthetic_feeds(graph, request.seed))
@@ -188,8 +192,10 @@ def run_steps(model_path: str | os.PathLike, request: RunRequest = RunRequest())
         if request.arena:
             raise InputError("--arena is for the CPU provider (CUDA always runs through its "
                              "arena)")
-        return _run_on_device(path, graph, spec, feeds, request)
-    return _run_on_host(path, graph, spec, feeds, request, prov)
+        result = _run_on_device(path, graph, spec, feeds, request)
+    else:
+        result = _run_on_host(path, graph, spec, feeds, request, prov)
+    return replace(result, notes=(note,)) if note else result
 
 
 def _run_on_host(path: Path, graph: Graph, spec: StepSpec, feeds: Mapping[str, np.ndarray],

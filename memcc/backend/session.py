@@ -109,6 +109,32 @@ def resolve_provider(provider: str) -> str:
     return p
 
 
+def provider_as_planned(provider: str | None, planned: str | None
+                        ) -> tuple[str, str | None]:
+    """Where ``memcc run`` and ``train`` run a step, and a note for the user, if any.
+
+    ``provider`` None: where the step was planned (``memcc compile --provider``, recorded as
+    ``step.PROVIDER_KEY``), else the CPU. A plan made for CUDA on a machine without it runs
+    on the CPU with a note, as does a plan run on a provider it was not made for: its budget
+    and predicted times are the other provider's (a user who compiled with ``--provider
+    cuda`` and ran without the flag got a CPU run and no word of it)."""
+    if provider is None:
+        if planned != "cuda":
+            return "cpu", None
+        reason = cuda_unavailable_reason()
+        if reason is None:
+            return "cuda", None
+        return "cpu", (f"this step was planned for CUDA (memcc compile --provider cuda), but "
+                       f"CUDA is not available here ({reason}): running it on the CPU, where "
+                       "its budget and predicted times do not apply")
+    resolved = resolve_provider(provider)
+    if planned is not None and planned != resolved:
+        return resolved, (f"this step was planned for {planned.upper()} (memcc compile "
+                          f"--provider {planned}) and runs on {resolved.upper()} here: its "
+                          f"budget and predicted times are {planned.upper()}'s")
+    return resolved, None
+
+
 def planning_provider(provider: str) -> str:
     """The provider ``memcc compile`` and ``memcc tune`` plan for: ``auto`` resolves as in
     ``resolve_provider`` (cuda where this onnxruntime runs CUDA, else cpu); ``cuda`` stays

@@ -116,9 +116,11 @@ PlanProviderOpt = Annotated[Literal["cpu", "cuda", "auto"], typer.Option(
     case_sensitive=False,
     help="Provider to plan and measure for; auto: cuda where this onnxruntime runs CUDA, "
          "else cpu (as run and train resolve it).")]
-RunProviderOpt = Annotated[Literal["cpu", "cuda", "auto"], typer.Option(
+RunProviderOpt = Annotated[Optional[Literal["cpu", "cuda", "auto"]], typer.Option(  # noqa: UP045
     case_sensitive=False,
-    help="Where to run; auto: cuda where this onnxruntime runs CUDA, else cpu.")]
+    help="Where to run; auto: cuda where this onnxruntime runs CUDA, else cpu. Default: "
+         "where the step was planned (memcc compile --provider; a CUDA plan runs on the CPU, "
+         "with a note, where CUDA is missing), else cpu.")]
 CudaGraphOpt = Annotated[Optional[bool], typer.Option(  # noqa: UP045
     "--cuda-graph/--no-cuda-graph",
     help="CUDA: run the step as one captured CUDA graph (ORT's enable_cuda_graph). Default: "

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 def run(
     model: StepArg,
     steps: Annotated[int, typer.Option(min=1, help="Training steps to run.")] = 5,
-    provider: RunProviderOpt = "cpu",
+    provider: RunProviderOpt = None,
     seed: Annotated[int, typer.Option(help="Seed of the fixed synthetic batch.")] = 0,
     data: Annotated[Optional[Path], typer.Option(  # noqa: UP045
         help=".npz file with one array per data input (named like the inputs).")] = None,
@@ -63,6 +63,8 @@ def run(
                                              cuda_graph=cuda_graph, deterministic=deterministic))
     except MemccError as exc:
         fail(exc)
+    for note in result.notes:
+        warn(note)
     if as_json:
         sys.stdout.write(json.dumps(result.to_json()) + "\n")
         return
@@ -100,7 +102,7 @@ def train(
     resume: Annotated[bool, typer.Option(
         "--resume", help="Continue from the newest checkpoint in --checkpoint (a fresh start "
                          "if it holds none).")] = False,
-    provider: RunProviderOpt = "cpu",
+    provider: RunProviderOpt = None,
     threads: Annotated[Optional[int], typer.Option(  # noqa: UP045
         min=1, help="ONNX Runtime intra-op threads (default: ORT's choice).")] = None,
     arena: Annotated[Optional[bool], typer.Option(  # noqa: UP045

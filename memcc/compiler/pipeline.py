@@ -47,7 +47,7 @@ from memcc.graph import Graph, node_label
 from memcc.pass_contract import PassReport, PassRunner
 from memcc.passes.plan import StepStructure
 from memcc.sizes import format_size
-from memcc.step import ALLOCATOR_KEY, PLAN_KEY, RANKS_KEY
+from memcc.step import ALLOCATOR_KEY, PLAN_KEY, PROVIDER_KEY, RANKS_KEY
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -327,6 +327,7 @@ def _plan(run: CompileRun, graph: Graph, costs: CostModel) -> Planned:
     final_budget = budget.bytes if not budget.is_min else user_budget(
         outcome.best.peak_bytes, attempt.options, slack)
     rewritten.metadata[PLAN_KEY] = json.dumps(outcome.best.plan.to_json(), sort_keys=True)
+    rewritten.metadata[PROVIDER_KEY] = attempt.options.provider
     if attempt.options.arena:
         rewritten.metadata[ALLOCATOR_KEY] = "arena"
     section = ranks.get(id(rewritten))

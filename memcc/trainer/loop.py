@@ -41,7 +41,7 @@ class TrainOptions:
     checkpoint: Path | None = None
     save_every: int | None = None
     resume: bool = False
-    provider: str = "cpu"
+    provider: str | None = None   # None: where the plan was made, else the CPU (``Trainer``)
     threads: int | None = None
     keep: int = 2
     arena: bool | None = None   # None: as the plan was compiled (``Trainer``)
@@ -209,6 +209,8 @@ def _result_before_training(trainer: Trainer, plan: TrainPlan,
                          cuda_graph=trainer.cuda_graph if trainer.provider == "cuda" else None,
                          deterministic=trainer.deterministic)
     result.notes.extend(dataset.converted)
+    if trainer.provider_note:
+        result.notes.append(trainer.provider_note)
     if trainer.provider == "cuda":
         same = ("yes (--deterministic)" if trainer.deterministic else
                 "no: runs may differ in the last bits (--deterministic)")
@@ -250,7 +252,7 @@ class _Run:
             result.checkpoint = self.save()
             self.last_saved = trainer.steps_done
         return TrainProgress(trainer.steps_done, self.plan.total_steps, loss, rate,
-                             process_memory_bytes(opts.provider), step_peak)
+                             process_memory_bytes(trainer.provider), step_peak)
 
     def save(self) -> str:
         opts = self.opts

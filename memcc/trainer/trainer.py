@@ -48,7 +48,7 @@ from memcc.backend import checkpoint as ckpt
 from memcc.backend.data import DataInput, data_inputs
 from memcc.backend.device_step import DeviceSettings, DeviceStep, StepRoles, step_for_provider
 from memcc.backend.memory import device_baseline, fix_mmap_threshold, trim_heap
-from memcc.backend.session import resolve_provider
+from memcc.backend.session import provider_as_planned
 from memcc.errors import InputError
 from memcc.frontend.dropout_masks import COUNTER, checkpoint_counter
 from memcc.frontend.load import load_graph
@@ -68,7 +68,7 @@ class TrainerOptions:
     ``Trainer`` also takes these as keywords (``memcc.Trainer(path, provider="cuda")``),
     the form README documents; this type gathers them where they travel together."""
 
-    provider: str = "cpu"
+    provider: str | None = None      # None: where the plan was made, else the CPU
     threads: int | None = None
     in_place: bool = True
     early_updates: bool = True
@@ -80,8 +80,11 @@ class TrainerOptions:
 class Trainer:
     """One training step file, ready to train: ``step(batch) -> loss`` and checkpoints.
 
-    ``provider``: ``cpu``, ``cuda`` or ``auto``. ``threads``: ORT intra-op threads (default:
-    ORT's choice; results are bit-identical at any count, docs/DETERMINISM.md).
+    ``provider``: ``cpu``, ``cuda`` or ``auto``; None (default): where the plan was made
+    (``memcc compile --provider``), else the CPU, with a note in ``provider_note`` where that
+    differs from the plan's (``backend.session.provider_as_planned``). ``threads``: ORT
+    intra-op threads (default: ORT's choice; results are bit-identical at any count,
+    docs/DETERMINISM.md).
     ``in_place=False`` gives every update its own buffer (the copying behaviour of
     ``memcc run``), for comparisons; ``early_updates=False`` keeps the file's node order
     (``passes.analysis.arrange`` moves updates early only where that predicts a lower peak).
@@ -101,12 +104,13 @@ class Trainer:
         provider, threads, arena = opts.provider, opts.threads, opts.arena
         deterministic = opts.deterministic
         self.path = Path(step_path)
-        self.provider = resolve_provider(provider)
+        loaded = graph if graph is not None else load_graph(self.path)
+        self.provider, self.provider_note = provider_as_planned(
+            provider, TrainingStep.of(loaded).planned_provider)
         # On CUDA, training-mode BatchNorm is written as standard ops (passes/
         # batchnorm_for_cuda.py); ``export`` writes the step's own form back out.
         self.graph, self._rewritten_for_provider = step_for_provider(
-            graph if graph is not None else load_graph(self.path), self.provider,
-            deterministic=deterministic)
+            loaded, self.provider, deterministic=deterministic)
         self.spec = TrainingStep.of(self.graph).validate(
             str(self.path), then="memcc.Trainer('step.onnx')")
         if arena and self.provider != "cpu":

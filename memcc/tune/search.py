@@ -100,7 +100,7 @@ def tune(model: str | os.PathLike | onnx.ModelProto, budget: str | int, dim: str
     picked = largest if opts.pick == "largest" else fastest
     chosen = search.plan(picked)
     assert chosen is not None
-    step = _compiled(chosen)
+    step = _compiled(chosen, opts.provider)
     lr = opts.lr_for(picked)
     return TuneResult(
         model=label, range=rng, budget_bytes=budget_bytes, planning_budget_bytes=plan_budget,
@@ -110,17 +110,19 @@ def tune(model: str | os.PathLike | onnx.ModelProto, budget: str | int, dim: str
         lr_rule=opts.lr_rule if lr is not None else None, lr=lr,
         lr_applied=lr is not None and opts.build.optimizer != "none",
         stats=dict(search.stats), time_s=time.perf_counter() - t0,
-        steps={b: _compiled(p.outcome) for b, p in search.probes.items()
+        steps={b: _compiled(p.outcome, opts.provider) for b, p in search.probes.items()
                if p.outcome is not None},
     )
 
 
-def _compiled(outcome: PlanOutcome) -> Graph:
-    """The rewritten step of a plan, with the plan recorded as ``memcc compile`` does."""
-    from memcc.step import PLAN_KEY
+def _compiled(outcome: PlanOutcome, provider: str) -> Graph:
+    """The rewritten step of a plan, with the plan and its provider recorded as ``memcc
+    compile`` does."""
+    from memcc.step import PLAN_KEY, PROVIDER_KEY
 
     step = outcome.best.graph
     step.metadata[PLAN_KEY] = json.dumps(outcome.best.plan.to_json(), sort_keys=True)
+    step.metadata[PROVIDER_KEY] = provider
     return step
 
 
