@@ -31,14 +31,16 @@ Sides, all at ``--threads`` intra-op threads (default 2):
   (``benchmarks.torch_peer._train_step``); ``torch.set_num_threads(threads)`` and
   ``OMP_WAIT_POLICY=PASSIVE`` (torch_peer's docstring says why).
 
-Timing: all four sides in one fresh process with glibc's default allocator
-(``memory.timing_env``), the one that exported and built the step (so torch loads once;
-its garbage is collected before any side is made). Each side is stepped ``--warmup`` times,
-then ``--rounds`` rounds in which every side runs one step, the order rotated per round
-(``benchmarks.stats``). Reported: each side's median step time with its quartiles, and
-per-round ratios memcc/ORT-ALL, memcc-arena/ORT-ALL and memcc/torch, their median and 95%
-bootstrap interval. The first loss of every side is kept: the sides run the same step on
-the same weights and batch.
+Timing: the sides in one fresh process with glibc's default allocator
+(``memory.timing_env``), the one that exported and built the step (so torch loads once; its
+garbage is collected before any side is made), except ``memcc-arena``, which runs in a
+process of its own stepped from there (``ArenaSide``: it fixes glibc's mmap threshold for
+its whole process, which slowed the other sides when it shared theirs). Each side is
+stepped ``--warmup`` times, then ``--rounds`` rounds in which every side runs one step, the
+order rotated per round (``benchmarks.stats``). Reported: each side's median step time with
+its quartiles, and per-round ratios memcc/ORT-ALL, memcc-arena/ORT-ALL and memcc/torch,
+their median and 95% bootstrap interval. The first loss of every side is kept: the sides
+run the same step on the same weights and batch.
 
 Measured peaks, each side in a fresh process under ``memory.child_env`` (every buffer of 4
 KiB or more its own mmap, returned at free), with ``memory.CpuPeakMeter``: the baseline is
@@ -349,6 +351,42 @@ def _trainer(prep: dict, threads: int, arena: bool | None):
     return Trainer(prep["step"], threads=threads, arena=arena)
 
 
+class ArenaSide:
+    """``memcc.Trainer(arena=True)`` in a process of its own, stepped from the timing
+    process through a pipe (a round trip of well under a millisecond, in its time).
+
+    Its own process because such a trainer fixes glibc's mmap threshold for the whole
+    process (``backend.memory.fix_mmap_threshold``): in the timing process every other
+    side's buffers of 128 KiB and more then became mmaps of their own, faulted in on every
+    step (memcc's malloc trainer went from 0.9x to 1.75x ORT-ALL's time on GPT-2, torch
+    from 184 to 255 ms)."""
+
+    def __init__(self, prep: dict, threads: int, data: dict[str, np.ndarray]) -> None:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.conn, theirs = ctx.Pipe()
+        self.proc = ctx.Process(target=_arena_worker, args=(theirs, prep, threads, data),
+                                daemon=True)
+        self.proc.start()
+        self.threads, self.arena = self.conn.recv()
+
+    def step(self) -> float:
+        self.conn.send("step")
+        return self.conn.recv()
+
+    def close(self) -> None:
+        self.conn.send(None)
+        self.proc.join(timeout=30)
+
+
+def _arena_worker(conn, prep: dict, threads: int, data: dict[str, np.ndarray]) -> None:
+    trainer = _trainer(prep, threads, True)
+    conn.send((trainer.threads, trainer.arena))
+    while conn.recv() is not None:
+        conn.send(trainer.step(data))
+
+
 def _torch_side(prep: dict, batch: dict[str, np.ndarray], threads: int):
     """The module, SGD with its momentum buffers, and the batch as tensors."""
     import torch
@@ -389,19 +427,20 @@ def _time_child(p: dict) -> dict:
     memory.trim_heap()
     batch = _load(prep["batch"])
     data = {n: batch[n] for n in (*prep["input_names"], prep["labels"])}
-    malloc, arena = _trainer(prep, threads, None), _trainer(prep, threads, True)
+    malloc, arena = _trainer(prep, threads, None), ArenaSide(prep, threads, data)
     ort_all = OrtAll(prep, threads)
     ort_all.load(prep)
     state = _torch_side(prep, batch, threads)
     losses: dict[str, list[float]] = {s: [] for s in SIDES}
     steps = {
         "memcc": lambda: losses["memcc"].append(malloc.step(data)),
-        "memcc-arena": lambda: losses["memcc-arena"].append(arena.step(data)),
+        "memcc-arena": lambda: losses["memcc-arena"].append(arena.step()),
         "ORT-ALL": lambda: losses["ORT-ALL"].append(ort_all.step()),
         "torch": lambda: losses["torch"].append(_train_step(*state, _forward)),
     }
     times = interleaved_times(steps, rounds=int(p["rounds"]), warmup=int(p["warmup"]),
                               order="rotate")
+    arena.close()
     import transformers
 
     return {"prep": prep, "times": times,
