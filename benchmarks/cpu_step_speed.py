@@ -358,8 +358,8 @@ class ArenaSide:
     Its own process because such a trainer fixes glibc's mmap threshold for the whole
     process (``backend.memory.fix_mmap_threshold``): in the timing process every other
     side's buffers of 128 KiB and more then became mmaps of their own, faulted in on every
-    step (memcc's malloc trainer went from 0.9x to 1.75x ORT-ALL's time on GPT-2, torch
-    from 184 to 255 ms)."""
+    step (on GPT-2, with it in the same process, memcc's malloc trainer took 1.75x
+    ORT-ALL's time and torch 255 ms; without, 0.83x and 160 ms, a run minutes later)."""
 
     def __init__(self, prep: dict, threads: int, data: dict[str, np.ndarray]) -> None:
         import multiprocessing as mp
