@@ -56,8 +56,8 @@ def test_analyze_prints_an_export_warning_as_a_warning_line(tmp_path):
     model = tmp_path / "m.onnx"
     _made_up_names_model(model)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    r = subprocess.run(
-        [sys.executable, "-m", "memcc.cli", "analyze", str(model), "--loss", "mse",
+    r = subprocess.run(  # python -m memcc: the command where its script is not on PATH
+        [sys.executable, "-m", "memcc", "analyze", str(model), "--loss", "mse",
          "--no-smallest", "--json"], capture_output=True, text=True, env=env, cwd=tmp_path,
         timeout=120)
     assert r.returncode == 0, r.stderr

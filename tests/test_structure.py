@@ -37,7 +37,7 @@ PACKAGE = "memcc"
 # Modules (and packages) directly under memcc/ that drive the rest: everything else
 # directly under memcc/ is the shared bottom. A new driver module goes here.
 DRIVERS = ("compiler", "analyze", "tune", "trainer", "report", "report_view", "report_text",
-           "api", "cli", "dist")
+           "api", "cli", "dist", "__main__")
 # Inside memcc.passes, bottom to top.
 PASS_ROOMS = ("plan", "analysis", "providers", "lowering", "planning")
 MAX_MODULE_LINES = 500
