@@ -38,7 +38,9 @@ def load_report(path: str | Path) -> dict:
     except OSError as exc:
         raise InputError(f"{p}: cannot read it ({exc.strerror or exc})") from None
     except (ValueError, UnicodeDecodeError) as exc:
-        raise InputError(f"{p}: not a JSON report ({exc})") from None
+        raise InputError(f"{p}: not a JSON report ({str(exc)[:80]}); give the .report.json "
+                         "file memcc compile wrote beside its step (or --report "
+                         "FILE.json)") from None
     missing = [k for k in REQUIRED if k not in data] if isinstance(data, dict) else REQUIRED
     if missing:
         raise InputError(f"{p}: not a memcc compile report (missing {', '.join(missing)}); "

@@ -181,6 +181,18 @@ def test_sizes(text, value):
     assert parse_size(text) == value
 
 
+@pytest.mark.parametrize("text,said", [("10Mb", "means bits; write 10MB"),
+                                       ("4Gib", "means bits; write 4GiB"),
+                                       ("-1", "must not be negative")])
+def test_sizes_that_would_be_misread_are_refused_saying_why(text, said):
+    """10Mb is megabits to most readers (it was read as 10 MB); -1 got "cannot read"."""
+    from memcc.errors import InputError
+
+    with pytest.raises(InputError, match=said):
+        parse_size(text)
+    assert parse_size("10mb") == 10**7   # all lowercase stays bytes, as people write it
+
+
 # ---------------------------------------------------------------------------- strategies
 def test_strategy_label_and_report_say_what_auto_picked(verified_80, gpt2_file, tmp_path):
     r, rep, _ = verified_80

@@ -303,7 +303,7 @@ def test_missing_torch_names_the_extra(files, monkeypatch):
     res = runner.invoke(app, ["train", str(files["sgd4"]), "--data", str(files["data"]),
                               "--nproc", "2"])
     assert res.exit_code == 2
-    assert 'pip install "memcc[dist]"' in res.output
+    assert 'pip install ".[dist]" in memcc\'s checkout' in res.output
 
 
 @pytest.mark.parametrize("args,message", [

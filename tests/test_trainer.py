@@ -405,3 +405,14 @@ def test_a_step_rewritten_for_its_provider_exports_the_model_as_built(tmp_path, 
     shared = weights.keys() & state.keys()
     assert shared, "the export must carry the trained parameters"
     assert all(np.array_equal(weights[k], state[k]) for k in shared)
+
+
+def test_checkpoints_and_exported_weights_get_the_usual_file_mode(tmp_path):
+    """safetensors files came out 0600 (mkstemp's mode) where memcc's ONNX files get the
+    umask's mode: a checkpoint another user or a job under another account reads failed."""
+    import os
+
+    umask = os.umask(0)
+    os.umask(umask)
+    out = ckpt.write_safetensors(tmp_path / "w.safetensors", {"a": np.ones(3, np.float32)})
+    assert out.stat().st_mode & 0o777 == 0o666 & ~umask

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
+from memcc.backend.onnx_file import default_permissions
 from memcc.errors import InputError
 
 FORMAT = "memcc-checkpoint/1"
@@ -191,6 +192,7 @@ def write_safetensors(path: Path, arrays: Mapping[str, np.ndarray],
     try:
         save_file({n: np.asarray(a, order="C") for n, a in arrays.items()}, str(tmp),
                   metadata=dict(metadata or {}))
+        default_permissions(tmp)   # mkstemp's 0600, as the ONNX files memcc writes do not
         _fsync_file(tmp)
         os.replace(tmp, path)
         _fsync_dir(d)

@@ -163,6 +163,9 @@ def read_npz(f: str | os.PathLike) -> dict[str, np.ndarray]:
         if "pickle" not in str(exc):
             raise InputError(f"{what[0]} ({exc}); it may be truncated or corrupt. {what[1]}"
                              ) from None
+        if not _numpy_signature(p):   # numpy calls any other file a pickle
+            raise InputError(f"{what[0]}: it is not a numpy file (no .npz or .npy "
+                             f"signature at its start). {what[1]}") from None
         raise InputError(f"{what[0]}: it holds object (pickled) arrays, which memcc does not "
                          "load (loading runs code from the file). Save numeric arrays with "
                          "numpy.savez.") from None
@@ -171,6 +174,14 @@ def read_npz(f: str | os.PathLike) -> dict[str, np.ndarray]:
         detail = str(exc) or type(exc).__name__
         raise InputError(f"{what[0]} ({detail}); it may be truncated or corrupt. {what[1]}"
                          ) from None
+
+
+def _numpy_signature(path: Path) -> bool:
+    """Whether the file starts as an .npz (a zip) or an .npy does; np.load says "pickle"
+    of every other file, which named a text or ONNX file an object array."""
+    with open(path, "rb") as f:
+        head = f.read(6)
+    return head.startswith(b"PK\x03\x04") or head == b"\x93NUMPY"
 
 
 def _read_shard(f: Path, inputs: list[DataInput], notes: set[str]

@@ -68,10 +68,10 @@ def stage_model(model: onnx.ModelProto, path: str | os.PathLike) -> list[Staged]
                     if e.key == "location":
                         e.value = data_name
             onnx.save_model(m, str(tmp))
-            _default_permissions(tmp_data)
+            default_permissions(tmp_data)
         else:
             onnx.save_model(model, str(tmp))
-        _default_permissions(tmp)
+        default_permissions(tmp)
     except BaseException:
         discard(staged)
         raise
@@ -85,7 +85,7 @@ def stage_text(text: str, path: str | os.PathLike) -> list[Staged]:
     staged = [Staged(tmp, out)]
     try:
         tmp.write_text(text)
-        _default_permissions(tmp)
+        default_permissions(tmp)
     except BaseException:
         discard(staged)
         raise
@@ -101,7 +101,7 @@ def write_atomically(path: str | os.PathLike, write: Callable[[Path], None]) -> 
     staged = [Staged(tmp, out)]
     try:
         write(tmp)
-        _default_permissions(tmp)
+        default_permissions(tmp)
     except BaseException:
         discard(staged)
         raise
@@ -221,7 +221,7 @@ def _backup_name(final: Path) -> Path:
     return tmp.with_suffix(".old")
 
 
-def _default_permissions(path: Path) -> None:
+def default_permissions(path: Path) -> None:
     """mkstemp creates files only the owner can read; give the result the usual mode."""
     umask = os.umask(0)
     os.umask(umask)

@@ -149,7 +149,8 @@ PlanBucketOpt = Annotated[Optional[float], typer.Option(  # noqa: UP045
          "--nproc N --bucket-mb B runs them (no gradient held all step).")]
 # memcc train --nproc N: the data-parallel run.
 TrainNprocOpt = Annotated[Optional[int], typer.Option(  # noqa: UP045
-    help="Data-parallel: start N local ranks (torch.distributed, gloo; needs memcc[dist]). "
+    help="Data-parallel: start N local ranks (torch.distributed, gloo; needs torch: pip "
+         "install '.[dist]' in memcc's checkout). "
          "Each rank trains on the step's batch, so a step takes N x batch samples; "
          "under torchrun the ranks are torchrun's.")]
 TrainZeroOpt = Annotated[int, typer.Option(

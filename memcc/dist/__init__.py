@@ -6,7 +6,8 @@ and update step, no torch), each rank binds both halves to buffers it owns (``bo
 ZeRO-1 optimizer state sharding, ZeRO-2 gradients reduced to their owners), ranks train and
 checkpoint in ``train`` and are started by ``launch``. torch is imported in ``comm`` only,
 when a run asks for it: memcc's single-device tool stays torch-free (``pip install
-"memcc[dist]"`` adds it). Semantics, costs and measured figures: DATA_PARALLEL.md.
+".[dist]"`` in memcc's checkout adds it). Semantics, costs and measured figures:
+DATA_PARALLEL.md.
 """
 
 from memcc.dist.split import SplitStep, owners_of_state, peaks, split_step, update_part

@@ -1,7 +1,8 @@
 """torch.distributed under memcc: the only module that imports torch, and only when asked.
 
 memcc's single-device tool stays torch-free: torch comes with the optional extra
-(``pip install "memcc[dist]"``), and ``torch_distributed`` says so when it is missing.
+(``pip install ".[dist]"`` in memcc's checkout), and ``torch_distributed`` says so when it
+is missing.
 The buffers are torch tensors on the rank's device that ORT reads and writes through DLPack
 (``dist.tensors``): the collectives reduce the buffers ORT wrote, in place, no copy. gloo on
 the CPU; NCCL where every rank has a GPU of its own (``backend_for``); on a GPU shared by
@@ -15,7 +16,7 @@ import socket
 
 from memcc.errors import InputError
 
-EXTRA_HINT = 'pip install "memcc[dist]"'
+EXTRA_HINT = 'pip install ".[dist]" in memcc\'s checkout'
 
 
 def torch_distributed():

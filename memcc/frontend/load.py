@@ -114,6 +114,9 @@ def parse_dims(items: list[str] | None) -> dict[str, int]:
             raise InputError(f"--dim '{item}': '{value}' is not an integer") from None
         if v <= 0:
             raise InputError(f"--dim '{item}': a dimension must be positive")
+        if dims.get(name.strip(), v) != v:
+            raise InputError(f"--dim {name.strip()} is given twice ({dims[name.strip()]} and "
+                             f"{v}); give it once")
         dims[name.strip()] = v
     return dims
 
@@ -287,14 +290,17 @@ def _bind_input_dims(model: onnx.ModelProto, dims: dict[str, int], where: str) -
                 used.add(key)
             else:
                 unbound.setdefault(key or f"{vi.name}[{i}]", []).append(vi.name)
+    extra = set(dims) - used
     if unbound:
         parts = [f"'{k}' (in {', '.join(sorted(set(v)))})" for k, v in unbound.items()]
         hint = " ".join(f"--dim {k}=INT" for k in unbound if "[" not in k)
+        # A misspelt --dim (bach=4) leaves its dimension unbound: name it.
+        typo = (f" (--dim {', '.join(sorted(extra))} names none of this model's "
+                "dimensions)") if extra else ""
         raise ShapeError(
-            f"{where}: unbound symbolic dimension(s): {'; '.join(parts)}. memcc plans with "
-            f"concrete sizes: bind each one, e.g. {hint or '--dim NAME=INT'}."
+            f"{where}: unbound symbolic dimension(s): {'; '.join(parts)}{typo}. memcc plans "
+            f"with concrete sizes: bind each one, e.g. {hint or '--dim NAME=INT'}."
         )
-    extra = set(dims) - used
     if extra:
         raise InputError(
             f"{where}: --dim names no symbolic dimension of this model: {sorted(extra)}; "
