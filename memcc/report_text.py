@@ -18,6 +18,14 @@ def _count(n: int, noun: str) -> str:
     return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
+def _cut_by_clock(report: dict) -> str | None:
+    """How many searches the clock stopped (solves with ``limit_hit: "time"``, polishes and
+    segmentations ``cut_by_time_limit``), said as ``2 solves``; None where none was."""
+    runs = report.get("strategies") or []
+    n = sum(r.get("limit_hit") == "time" or bool(r.get("cut_by_time_limit")) for r in runs)
+    return (f"{n} search" + ("es" if n != 1 else "")) if n else None
+
+
 def summary_lines(report: dict) -> list[str]:
     """The few lines ``memcc compile`` prints: budget, peaks, strategy, and with --verify
     each of the three checks (a user should not need the JSON to see what was proven)."""
@@ -36,6 +44,13 @@ def summary_lines(report: dict) -> list[str]:
            if p.get("recompute_again_nodes") else "")
         + f", predicted added time {p['overhead'] * 100:.1f}%",
     ]
+    cut = _cut_by_clock(report)
+    if cut and report.get("budget_was_min"):
+        limit = (report.get("options") or {}).get("time_limit")
+        lines.append(f"search   {cut} stopped by --time-limit"
+                     + (f" {limit:g} s" if isinstance(limit, (int, float)) else "")
+                     + ": a longer --time-limit may reach a smaller budget, and runs can "
+                     "differ")
     o = report.get("offloaded_state")
     if o and o["used"]:
         reach = (f"; smallest budget {format_size(o['smallest_budget_bytes'])} with it, "

@@ -37,3 +37,24 @@ def test_chosen_row_chunks_say_their_step_time_against_the_step_without_them():
     report["row_chunks"]["candidates"][0]["chosen"] = True
     report["row_chunks"]["candidates"][1]["chosen"] = False
     assert "row chunks none (chosen by compile of 2 settings planned)" in summary_lines(report)
+
+
+def test_a_smallest_budget_the_clock_cut_says_so():
+    """Two runs of --budget min on the shipped GPT-2 named 5.00 and 4.82 MB, the report
+    holding ``limit_hit: "time"`` and the summary saying "(smallest reachable)" alone (a
+    README walk-through, session 33). A search the clock stopped is now said, at
+    --budget min only (at a budget the plan fits either way)."""
+    report = _report(["a"])
+    report["budget_was_min"] = True
+    report["options"] = {"time_limit": 60.0}
+    report["strategies"] = [{"strategy": "ilp", "limit_hit": "time"},
+                            {"strategy": "polish", "cut_by_time_limit": ["polish"]},
+                            {"strategy": "ilp", "limit_hit": "work"}]
+    said = [line for line in summary_lines(report) if line.startswith("search")]
+    assert said == ["search   2 searches stopped by --time-limit 60 s: a longer --time-limit "
+                    "may reach a smaller budget, and runs can differ"]
+    report["strategies"] = [{"strategy": "ilp", "limit_hit": "work"}]
+    assert not any(line.startswith("search") for line in summary_lines(report))
+    report["strategies"] = [{"strategy": "ilp", "limit_hit": "time"}]
+    report["budget_was_min"] = False
+    assert not any(line.startswith("search") for line in summary_lines(report))
