@@ -462,6 +462,9 @@ def test_cuda_verify_without_cuda_checks_the_numbers_on_the_cpu(gpt2_file, tmp_p
     assert "this step was planned for CUDA (memcc compile --provider cuda), but CUDA is not " \
            "available here (onnxruntime-gpu is not installed (test)): running it on the " \
            "CPU" in text
+    # ... and says, before the runs, what takes the time (nothing else prints until the end)
+    assert "running c.onnx on cpu: a step to warm up and check the order, 1 measured, then " \
+           "1 timed in a process of their own" in text
     r = invoke("run", out, "--steps", "1", "--provider", "cpu", "--json")
     assert r.exit_code == 0 and "planned for CUDA" in r.output
     assert json.loads(r.output.splitlines()[-1])["provider"] == "cpu"

@@ -38,7 +38,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -149,7 +149,8 @@ class RunRequest:
     deterministic: bool = False
 
 
-def run_steps(model_path: str | os.PathLike, request: RunRequest = RunRequest()) -> RunResult:
+def run_steps(model_path: str | os.PathLike, request: RunRequest = RunRequest(), *,
+              say: Callable[[str], None] | None = None) -> RunResult:
     """Run ``request.steps`` training steps of the file at ``model_path`` and measure them.
 
     ``isolate`` (default: on CPU, unless this already is the measuring process) runs the
@@ -188,10 +189,18 @@ def run_steps(model_path: str | os.PathLike, request: RunRequest = RunRequest())
     graph, _ = step_for_provider(graph, prov, deterministic=request.deterministic)
     feeds = (load_data(request.data, graph, spec) if request.data is not None
              else synthetic_feeds(graph, request.seed))
+    if request.cuda_graph and prov != "cuda":
+        raise InputError("--cuda-graph needs --provider cuda")
+    if request.arena and prov == "cuda":
+        raise InputError("--arena is for the CPU provider (CUDA always runs through its "
+                         "arena)")
+    if say is not None:   # nothing else prints until every run is done (a 6 s step: 63 s)
+        n = request.steps
+        say(f"running {path.name} on {prov}: a step to warm up and check the order, {n} "
+            "measured" + (f", then {n} timed in a process of their own"
+                          if prov == "cpu" and request.separate_timing else "")
+            + "; the results print when all have run")
     if prov == "cuda":
-        if request.arena:
-            raise InputError("--arena is for the CPU provider (CUDA always runs through its "
-                             "arena)")
         result = _run_on_device(path, graph, spec, feeds, request)
     else:
         result = _run_on_host(path, graph, spec, feeds, request, prov)

@@ -60,7 +60,9 @@ def run(
     try:
         result = run_steps(model, RunRequest(steps=steps, provider=provider, seed=seed,
                                              data=data, in_place=in_place, arena=arena,
-                                             cuda_graph=cuda_graph, deterministic=deterministic))
+                                             cuda_graph=cuda_graph, deterministic=deterministic),
+                           say=None if as_json else
+                           lambda m: err.print(m, highlight=False, soft_wrap=True))
     except MemccError as exc:
         fail(exc)
     for note in result.notes:
