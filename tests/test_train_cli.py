@@ -136,6 +136,9 @@ def test_batch_size_check_reports_and_trains_nothing(mlp_run, tmp_path):
     assert r.exit_code == 0, r.output
     assert "60 samples in 1 file(s), batch size 8: 7 batches per epoch" in r.output
     assert "14 steps" in r.output and not (tmp_path / "ck").exists()
+    # README: write the data "in the dtype and per-sample shape --batch-size-check names"
+    said = " ".join(r.output.split())
+    assert "per sample: " in said and "float32" in said and "int64" in said, said
 
 
 def test_installed_package_never_imports_torch():
@@ -273,6 +276,11 @@ def test_exporting_weights_warns_about_names_the_exporter_made_up(tmp_path):
     assert "'onnx::MatMul_12'" in r.output and "load_state_dict will not find" in r.output
     r = invoke("export", step, "--checkpoint", tmp_path / "ck", "-o", tmp_path / "m.onnx")
     assert r.exit_code == 0 and "load_state_dict" not in r.output
+    # A format the file's name contradicts is written, and said (it was silent).
+    r = invoke("export", step, "--checkpoint", tmp_path / "ck", "-o", tmp_path / "t.onnx",
+               "--format", "safetensors")
+    assert r.exit_code == 0 and "--format safetensors writes safetensors into" in \
+        " ".join(r.output.split())
 
 
 def test_plain_output_reports_progress_steps_and_the_checkpoint(mlp_run, tmp_path):

@@ -368,6 +368,10 @@ def export_cmd(
     """Write the trained weights out: the forward ONNX model, or a safetensors file."""
     from memcc.api import export_checkpoint
 
+    suffix = output.suffix.lower()
+    if fmt is not None and suffix in (".onnx", ".safetensors") and suffix != f".{fmt.lower()}":
+        warn(f"--format {fmt} writes {fmt} into {output}, whose name says {suffix[1:]}: "
+             f"name it .{fmt.lower()} unless you mean it")
     try:
         path = export_checkpoint(model, checkpoint, output, format=fmt, warn=warn)
     except MemccError as exc:

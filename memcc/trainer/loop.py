@@ -126,7 +126,9 @@ class TrainPlan:
         d = self.dataset
         return (f"{d.num_samples} samples in {len(d.files)} file(s), batch size "
                 f"{d.batch_size}: {d.batches_per_epoch} batches per epoch "
-                f"({d.dropped_per_epoch} samples dropped per epoch), {self.total_steps} steps")
+                f"({d.dropped_per_epoch} samples dropped per epoch), {self.total_steps} steps; "
+                "per sample: " + ", ".join(f"{i.name} {list(i.sample_shape)} {i.dtype}"
+                                           for i in self.inputs))
 
 
 def plan_training(opts: TrainOptions, graph: Graph | None = None) -> TrainPlan:
