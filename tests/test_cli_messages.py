@@ -113,3 +113,14 @@ def test_analyze_says_its_search_is_not_bounded_by_its_limit(tmp_path, monkeypat
     assert re.search(r"smallest reachable peak \(solves up to 1 s, and \d+ sqrt\(n\) "
                      r"segmentations of \d+ nodes simulated as compile does; --no-smallest "
                      r"skips this\)", r.stderr), r.stderr
+
+
+def test_help_piped_keeps_every_flag_name_whole():
+    """Piped (a pager, a file), rich laid help out at 80 columns and cut seven of compile's
+    entries, flag names included (``--attention-chu…``): piped help is 120 wide."""
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "TERMINAL_WIDTH")}
+    env["PYTHONPATH"] = str(ROOT)
+    r = subprocess.run([sys.executable, "-m", "memcc", "compile", "--help"],
+                       capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 0 and "--attention-chunks" in r.stdout
+    assert "…" not in r.stdout

@@ -29,11 +29,27 @@ app.command(name="analyze")(analyze_cmd)
 app.command(name="report")(report_cmd)
 
 
+# Help piped to a file or a pager: rich lays it out at 80 columns, where the option column
+# cut flag names (``--attention-chu…``) in 7 entries of compile's help.
+PIPED_HELP_WIDTH = 120
+
+
+def _wide_help_when_piped() -> None:
+    import os
+
+    if sys.stdout.isatty() or os.environ.get("TERMINAL_WIDTH") or os.environ.get("COLUMNS"):
+        return
+    import typer.rich_utils
+
+    typer.rich_utils.MAX_WIDTH = PIPED_HELP_WIDTH
+
+
 def main() -> None:
     """The ``memcc`` command: ``app``, then an exit that a solve left running past its
     deadline cannot turn into an abort (``solvers.ilp.wait_for_left_behind``): where one
     still runs, the output is flushed and the process ends with the command's status
     without finalizing the interpreter."""
+    _wide_help_when_piped()
     try:
         app()
         code: object = 0
