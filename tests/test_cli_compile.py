@@ -396,6 +396,19 @@ def test_read_only_directory_and_file_fail_before_compiling(gpt2_file, tmp_path,
     assert existing.read_text() == "{}" and not (tmp_path / "c.onnx").exists()
 
 
+def test_a_read_only_output_file_is_refused_even_for_root(gpt2_file, tmp_path, monkeypatch):
+    """Root's os.access says every file is writable: a 0444 report was replaced and its
+    mode reset (a README walk-through as root, session 33). The mode bits decide too."""
+    _no_compile(monkeypatch)
+    existing = tmp_path / "c.json"
+    existing.write_text("{}")
+    existing.chmod(0o444)
+    r = invoke("compile", gpt2_file, "--budget", "1TB", "-o", tmp_path / "c.onnx",
+               "--report", existing)
+    assert r.exit_code == 2 and "read-only" in r.output, r.output
+    assert existing.read_text() == "{}" and existing.stat().st_mode & 0o777 == 0o444
+
+
 def test_graph_and_report_are_written_together_or_not_at_all(tmp_path, monkeypatch):
     """When the second rename fails, the first is undone: the old files come back and no
     temporary file is left (runs as root: the failure is injected)."""

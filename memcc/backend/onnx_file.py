@@ -204,7 +204,8 @@ def check_writable(path: str | os.PathLike, what: str, option: str, *,
         raise InputError(f"{where}: cannot create files in {parent} "
                          f"({exc.strerror or exc}). Make the directory writable or choose "
                          f"another path with {option}.") from None
-    if p.exists() and not os.access(p, os.W_OK):
+    # Its mode bits too: os.access says yes to root, who then replaced a 0444 file.
+    if p.exists() and (not os.access(p, os.W_OK) or not p.stat().st_mode & 0o222):
         raise InputError(f"{where}: the file exists and is read-only. Make it writable "
                          f"(chmod u+w {p}), remove it, or choose another path with {option}.")
 
