@@ -83,8 +83,8 @@ class Trainer:
     ``provider``: ``cpu``, ``cuda`` or ``auto``; None (default): where the plan was made
     (``memcc compile --provider``), else the CPU, with a note in ``provider_note`` where that
     differs from the plan's (``backend.session.provider_as_planned``). ``threads``: ORT
-    intra-op threads (default: ORT's choice; results are bit-identical at any count,
-    docs/DETERMINISM.md).
+    intra-op threads (default: ORT's choice; results are bit-identical run to run at one
+    count, not always across counts: ORT's small MatMuls, docs/DETERMINISM.md).
     ``in_place=False`` gives every update its own buffer (the copying behaviour of
     ``memcc run``), for comparisons; ``early_updates=False`` keeps the file's node order
     (``passes.analysis.arrange`` moves updates early only where that predicts a lower peak).
