@@ -58,3 +58,17 @@ def test_a_smallest_budget_the_clock_cut_says_so():
     report["strategies"] = [{"strategy": "ilp", "limit_hit": "time"}]
     report["budget_was_min"] = False
     assert not any(line.startswith("search") for line in summary_lines(report))
+
+
+def test_a_cpu_plan_beyond_its_variants_tolerance_gets_cpu_advice():
+    """A CPU plan with inexact variants that failed --verify was told about "the CUDA
+    tolerance ... on this GPU" (the plans-trained sweep, session 33: a ViT under AdamW)."""
+    from memcc.compiler.advice import next_steps
+    from memcc.compiler.options import CompileOptions
+
+    v = {"outputs_match": False, "comparison": "within relative 1e-05 (the plan's inexact "
+         "variants)", "measured_peak_bytes": 1, "budget_bytes": 10, "peak_within_budget": True,
+         "order_matches_plan": True}
+    said = " ".join(next_steps(v, CompileOptions(), 1, "m.onnx", 0))
+    assert "CUDA" not in said and "GPU" not in said
+    assert "--no-variants" in said and "within relative 1e-05" in said
