@@ -14,6 +14,10 @@ last step and whether every byte matched.
 
     python benchmarks/plans_trained.py [--cases gpt2.dynamo.eval,hf_resnet.torchscript.train]
         [--steps 4] [--threads 1,2] [--time-limit 15] [--work DIR]
+    python benchmarks/plans_trained.py --pair STEP.onnx PLAN.onnx [--steps 4] [--threads 1,2]
+
+``--pair``: two step files of the same model (a step as built and a plan of it, or two
+builds), trained side by side as above; prints the same row for them.
 
 A case is ``NAME.EXPORTER.MODE`` (``tests/exports.py`` families; ``train`` mode exports with
 Dropout 0.1 where the family has it). About 3 minutes for the default cases on 2 cores.
@@ -95,9 +99,16 @@ def main(argv: list[str]) -> int:
                     default=[1, 2])
     ap.add_argument("--time-limit", type=float, default=15)
     ap.add_argument("--work", type=Path, default=None)
+    ap.add_argument("--pair", nargs=2, type=Path, metavar=("STEP", "PLAN"), default=None)
     args = ap.parse_args(argv)
     print("| case | plan | threads | largest state difference (relative) | same bytes |")
     print("|---|---|---|---|---|")
+    if args.pair is not None:
+        for threads in args.threads:
+            worst, same = trained_apart(*args.pair, args.steps, threads)
+            print(f"| {args.pair[0].name} | {args.pair[1].name} | {threads} | {worst:.3g} "
+                  f"| {same} |")
+        return 0
     with tempfile.TemporaryDirectory(prefix="memcc-plans-trained-") as tmp:
         work = args.work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)

@@ -24,11 +24,11 @@ def parse_size(text: str | int | float) -> int:
         raise InputError(f"size '{text}' must not be negative")
     m = _PATTERN.match(text)
     unit = m.group(2).upper() if m else None
-    given = m.group(2) if m else ""
-    if given.endswith("b") and given[:-1] != given[:-1].lower():
+    if m is not None and m.group(2).endswith("b") and m.group(2)[:-1] != unit[:-1].lower():
         # 10Mb reads as megabits to most; memcc's sizes are bytes.
-        raise InputError(f"size '{text}': a lowercase b after {given[:-1]} means bits; "
-                         f"write {m.group(1)}{given[:-1]}B for bytes")
+        prefix = m.group(2)[:-1]
+        raise InputError(f"size '{text}': a lowercase b after {prefix} means bits; "
+                         f"write {m.group(1)}{prefix}B for bytes")
     if m is None or unit not in _UNITS:
         raise InputError(
             f"cannot read size '{text}': write a number with an optional unit, e.g. 6GB "

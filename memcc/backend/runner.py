@@ -212,14 +212,10 @@ def _run_on_host(path: Path, graph: Graph, spec: StepSpec, feeds: Mapping[str, n
     """``run_steps`` on the CPU provider: predicted (liveness, or the arena replay), then
     run in the measuring child (``cpu_child``) and, for the times, a second one."""
     graph, prediction, aliased = _arranged(path, graph, request.in_place)
-    if request.cuda_graph:
-        raise InputError("--cuda-graph needs --provider cuda")
+    # --cuda-graph and --arena were checked against the provider by ``run_steps``.
     arena = request.arena
     if arena is None:
-        arena = prov == "cpu" and TrainingStep.of(graph).allocator == "arena"
-    if arena and prov != "cpu":
-        raise InputError("--arena is for the CPU provider (CUDA always runs through its "
-                         "arena)")
+        arena = TrainingStep.of(graph).allocator == "arena"
     arena_report = None
     if arena:
         arena_report, arena_peak = arena_prediction(graph, prediction, spec,
