@@ -94,6 +94,10 @@ def verify_checks(v: dict) -> list[str]:
     n = v.get("outputs_compared")
     if v.get("outputs_match", not any("output" in p for p in v.get("problems", []))):
         outputs = f"{n} outputs {v.get('comparison')}"
+        judged = v.get("outputs_judged_by_gradient") or []
+        if judged:
+            outputs += (f", {len(judged)} updated parameter(s) judged by their gradients "
+                        "(the optimizer amplified their rounding noise)")
     else:
         outputs = (f"{v.get('outputs_differing', '?')} of {n} outputs differ "
                    f"(expected {v.get('comparison')})")

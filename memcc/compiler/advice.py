@@ -37,13 +37,11 @@ def next_steps(v: dict, options: CompileOptions, planned_peak: int, label: str,
         elif options.provider == "cpu":
             steps.append(
                 f"Outputs differ beyond the tolerance the plan's inexact variants state "
-                f"({v.get('comparison')}). Where the differing outputs are parameters or "
-                "optimizer state after an AdamW update, a gradient that is zero up to "
-                "rounding (a key projection's bias) may be the cause: AdamW's first step "
-                "turns that rounding into an update of the learning rate's size, whose sign "
-                "the variant's other rounding can flip. Compile with --no-variants for a plan "
-                "that gives the step as built's bits; if the difference is elsewhere, please "
-                f"report it with {label}, the command and the report.")
+                f"({v.get('comparison')}). Updated parameters whose gradients agree were "
+                "already judged by them (AdamW turns a gradient that is zero up to rounding "
+                "into an update of up to the learning rate's size), so these differ by more. "
+                "Compile with --no-variants for a plan that gives the step as built's bits, "
+                f"and please report it with {label}, the command and the report.")
         else:
             steps.append(
                 "Outputs differ beyond the CUDA tolerance: rtol 1e-5, or 4x what two runs "
