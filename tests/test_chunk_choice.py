@@ -249,8 +249,8 @@ def test_a_fitting_step_plans_only_the_settings_its_added_time_screens_in(gpt2):
         {"chunks": {"loss": 8, "attention": 1, "mlp": 1}, "estimated_added_time": 0.03,
          "planned": True, "added_time": 0.05, "result": "fits at +5.0%"},
         {"chunks": {"loss": 8, "attention": 4, "mlp": 4}, "estimated_added_time": 0.06,
-         "skipped": "estimated at +6.0% (its chunks, and the recompute its peak still "
-                    "needs), not less than the +5.0% of the best plan so far"}]
+         "skipped": "not less than the +5.0% of the best plan so far (the estimate "
+                    "counts its chunks and the recompute its peak still needs)"}]
     assert rc["why"].startswith("the step as built fits at +20.0% (recompute, variants or "
                                 "offload); loss 8 fits at less added time and was chosen")
     assert [c["chosen"] for c in rc["candidates"]] == [False, True]
@@ -266,7 +266,7 @@ def test_a_fitting_step_is_kept_where_no_setting_can_beat_it(gpt2):
     choice, planned = _choose(gpt2, 600, table, estimates={(8, 1, 1): 0.03})
     assert planned == [(1, 1, 1)] and not choice.report["searched"]
     assert choice.report["chosen"] == {"loss": 1, "attention": 1, "mlp": 1}
-    assert "not planned (estimated at +3.0%" in choice.report["why"]
+    assert "estimated +3.0%, not planned (not less than the +2.0%" in choice.report["why"]
     assert "candidates" not in choice.report
     assert row_chunks_line({"row_chunks": choice.report}) == (
         "row chunks none (1 setting screened by estimated added time, none planned: memcc "

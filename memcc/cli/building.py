@@ -90,6 +90,7 @@ def _summary(graph: Graph, output: Path, loss: str, optimizer: str) -> str:
                "trained value" if merged or folded else "")
     return (
         f"wrote {output}: {len(graph.nodes)} nodes, {len(params)} parameter tensors "
-        f"({n_params:,} values; {len(params) - unnamed} under PyTorch names, {unnamed} "
-        f"under names the exporter made up{pytorch}), loss={loss}, optimizer={optimizer}"
+        f"({n_params:,} values; {len(params) - unnamed} under the model's own names (a "
+        f"torch export's state_dict names), {unnamed} under names the exporter made "
+        f"up{pytorch}), loss={loss}, optimizer={optimizer}"
     )

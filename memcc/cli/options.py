@@ -141,7 +141,10 @@ PlanZeroOpt = Annotated[int, typer.Option(
          "parameters' (ZeRO-1); 2 = and only its parameters' averaged gradients (ZeRO-2), "
          "as memcc train --nproc N --zero Z runs it.")]
 CompileCostOpt = Annotated[Literal["auto", "measured", "analytic"], typer.Option(
-    help="Node times: auto (measure in ORT, estimate if that fails), measured, analytic.")]
+    help="Node times: auto (measure them in ORT, cached, where running the step 7 times "
+         "takes at most a quarter of --time-limit by estimate or this step was measured "
+         "before; else estimate them and warn), measured (always), analytic (estimate; "
+         "nothing runs).")]
 PlanBucketOpt = Annotated[Optional[float], typer.Option(  # noqa: UP045
     "--bucket-mb",
     help="With --nproc (ZeRO 0 or 1): plan ranks that reduce their gradients in buckets of "

@@ -82,9 +82,9 @@ def search_fitting(s: FitSearch) -> dict[str, int] | None:
             continue
         entry["estimated_added_time"] = round(own, 4)
         if own >= best_added:
-            entry["skipped"] = (f"estimated at {own:+.1%} (its chunks, and the recompute "
-                                f"its peak still needs), not less than the "
-                                f"{best_added:+.1%} of the best plan so far")
+            entry["skipped"] = (f"not less than the {best_added:+.1%} of the best plan so "
+                                "far (the estimate counts its chunks and the recompute its "
+                                "peak still needs)")
             break                     # heavier settings split more: they add more
         expected = s.spent_s * PLAN_TIME_FACTOR * max(nodes, 1) / max(s.nodes, 1)
         left = s.deadline - time.perf_counter()

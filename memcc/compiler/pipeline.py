@@ -88,6 +88,9 @@ class CompileRun:
     # What the loads said about the export, said once though compile builds a forward model
     # again for each row-chunk setting it plans (``load_step_warned``'s ``said``).
     said: set[str] = field(default_factory=set)
+    # What ``check_provider`` warned of (CUDA missing), said once the budget is past its
+    # floor: a refusal does not depend on it, and came after two long warnings.
+    provider_notes: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -131,6 +134,8 @@ def compile_model(model: Model, options: CompileOptions, *,
     # come from the step as built's peak, which they do not change, and measuring them
     # took 36 s of a 124M-parameter GPT-2's refusal at --budget 50%.
     share = _resolve_share(run, graph)
+    for note in run.provider_notes:
+        run.warning(note)
     costs = run.runner.stage("cost_model", lambda: node_costs(graph, run.options,
                                                               run.warning, run.cuda_missing))
     planned = _plan(run, graph, costs)
@@ -157,10 +162,12 @@ def _start(model: Model, options: CompileOptions, output: Target, report_path: T
     say = progress or (lambda _msg: None)
     warnings, warning = warning_sink(warn)
     check_targets(model, output, report_path)
-    cuda_missing = check_provider(options, warning)
+    notes: list[str] = []
+    cuda_missing = check_provider(options, notes.append)
     label = str(model) if isinstance(model, (str, os.PathLike)) else "<model>"
     return CompileRun(model, label, options, output, report_path, say, PassRunner(say),
-                      warnings, warning, cuda_missing, time.perf_counter())
+                      warnings, warning, cuda_missing, time.perf_counter(),
+                      provider_notes=notes)
 
 
 def _load(run: CompileRun) -> Graph:

@@ -90,8 +90,15 @@ def tune_figure(result: TuneResult):
         pad = max(1.0, 0.04 * (high - low))
         ax.set_xlim(low - pad, high + pad)
     shown = [c.peak_bytes for c in cands if c.peak_bytes is not None]
-    top = max([result.budget_bytes * 1.6, *(b * 1.05 for b in shown)])
-    ax.set_ylim(0, min(top, result.budget_bytes * 4) / mb)
+    shown += [c.baseline_peak_bytes for c in cands]
+    top = min(max([result.budget_bytes * 1.6, *(b * 1.05 for b in shown)]),
+              result.budget_bytes * 4)
+    ax.set_ylim(0, top / mb)
+    above = [c for c in cands if c.baseline_peak_bytes > top]
+    if above:  # as-built peaks past four budgets: marked at the edge, not left off unseen
+        ax.plot([c.batch for c in above], [top / mb * 0.985] * len(above), "^", ls="none",
+                color="#999999", clip_on=False,
+                label=f"peak as built above {format_size(int(top))} (off the axis)")
     ax.set_xlabel(f"{result.range.dim}")
     ax.set_ylabel("peak (MB, 10^6 bytes)")
     ax2 = ax.twinx()
