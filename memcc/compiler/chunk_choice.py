@@ -248,6 +248,9 @@ def choose_row_chunks(search: RowChunkSearch, graph: Graph, costs: CostModel,
     # may follow at a budget, a refusal is screened (no smallest-peak search: ``chunk_budget``
     # searches it where nothing fits).
     screens = bool(later) and not budget.is_min
+    if later:
+        search.say(f"row chunks: the step as built is planned first; {later} other "
+                   "setting(s) may follow, within the one --time-limit")
     first = _attempt(search, replace(options, smallest_on_refusal=not screens),
                      lambda: (graph, costs), mark=0, strict=True, limit=clock.first())
     base_time = costs.total(graph)
