@@ -323,12 +323,16 @@ def _updates_of_matching_gradients(original: Graph, rewritten: Graph,
                  for p in candidates.values()}
     candidates = {o: p for o, p in candidates.items()
                   if not any(s in found for s in states_of[p])}
-    if not candidates:
+    # Every gradient, found in both steps (a step whose gradients cannot all be compared is
+    # judged by its outputs alone).
+    if not candidates or set(grads) != set(grads_new) \
+            or not set(grads.values()) <= original.def_use().producer.keys() \
+            or not set(grads_new.values()) <= rewritten.def_use().producer.keys():
         return []
     a = step_outputs(original, feeds, provider, also=list(grads.values()))
     b = step_outputs(rewritten, feeds, provider, also=[grads_new[p] for p in grads])
     grad_a = {p: a[g] for p, g in grads.items()}
-    grad_b = {p: b[grads_new[p]] for p in grads if p in grads_new}
+    grad_b = {p: b[grads_new[p]] for p in grads}
     disagree = differing_outputs(grad_a, grad_b, exact=False, tolerance=tolerance)
     if disagree:
         return []
@@ -336,7 +340,8 @@ def _updates_of_matching_gradients(original: Graph, rewritten: Graph,
     largest_update = max((_max_abs_diff(a[out], v) for out, v in fed.items()
                           if v is not None and np.shape(v) == np.shape(a[out])), default=0.0)
     return [out for out in candidates
-            if _max_abs_diff(a[out], b[out]) <= 2.0 * largest_update]
+            if out in b and np.shape(b[out]) == np.shape(a[out])
+            and _max_abs_diff(a[out], b[out]) <= 2.0 * largest_update]
 
 
 def _not_finite(ref: Mapping[str, np.ndarray], seed: int, problems: list[str]) -> int:
