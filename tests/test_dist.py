@@ -423,3 +423,27 @@ def test_the_single_device_tool_does_not_import_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_nproc_runs_where_the_step_was_planned(files, tmp_path, monkeypatch, capsys):
+    """As one process does (``provider_as_planned``): no --provider means the provider the
+    step was compiled for; a CUDA plan without CUDA runs on the CPU and says so."""
+    from memcc.backend import session
+    from memcc.dist.launch import _on_planned_provider
+    from memcc.step import PROVIDER_KEY
+
+    model = onnx.load(str(files["sgd4"]))
+    onnx.helper.set_model_props(model, {**{p.key: p.value for p in model.metadata_props},
+                                        PROVIDER_KEY: "cuda"})
+    planned = tmp_path / "cuda_plan.onnx"
+    onnx.save(model, str(planned))
+    monkeypatch.setattr(session, "cuda_unavailable_reason", lambda: "no GPU in this test")
+    opts = TrainOptions(step=planned, data=files["data"])
+    assert _on_planned_provider(opts, say=True).provider == "cpu"
+    assert "planned for CUDA" in capsys.readouterr().err
+    # A step planned for the CPU, or built and never compiled: the CPU, nothing said.
+    plain = TrainOptions(step=files["sgd4"], data=files["data"])
+    assert _on_planned_provider(plain, say=True).provider == "cpu"
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(session, "cuda_unavailable_reason", lambda: None)
+    assert _on_planned_provider(opts, say=True).provider == "cuda"

@@ -20,6 +20,7 @@ import tempfile
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 from memcc.backend.memory import keep_heap_between_steps, trim_heap
@@ -30,7 +31,7 @@ from memcc.dist.memory import MEMORY_ENV
 from memcc.dist.placement import place_rank
 from memcc.dist.train import DistOptions, checkpoint_to_resume, default_threads, prepare, run_rank
 from memcc.errors import InputError, MemccError, RuntimeFailure
-from memcc.step import RANKS_KEY
+from memcc.step import PROVIDER_KEY, RANKS_KEY
 from memcc.trainer.loop import TrainOptions, TrainResult
 
 MAX_LOCAL_RANKS = 64
@@ -58,6 +59,7 @@ def train_distributed(opts: TrainOptions, nproc: int | None, *, zero: int = 0,
                          "its parameters' averaged gradients)")
     torch_distributed()
     env = launched_by_torchrun()
+    opts = _on_planned_provider(opts, say=not quiet and (env is None or env[0] == 0))
     if env is not None:
         rank, world, local_rank = env
         if nproc is not None and nproc != world:
@@ -83,6 +85,29 @@ def train_distributed(opts: TrainOptions, nproc: int | None, *, zero: int = 0,
     gc.collect()
     trim_heap()  # what checking the step file took is not held while the ranks load it
     return _raise_if_interrupted(_spawn(dopts))
+
+
+def _on_planned_provider(opts: TrainOptions, *, say: bool) -> TrainOptions:
+    """``opts`` with the provider resolved as ``memcc train`` resolves it for one process
+    (``backend.session.provider_as_planned``: none given, the one the step was compiled for;
+    a CUDA plan without CUDA on the CPU, with a note), so that the ranks and the checks
+    before them run where the step was planned: ``--nproc`` ran a CUDA plan on the CPU."""
+    import onnx
+
+    from memcc.backend.session import provider_as_planned
+
+    try:  # the step's own metadata; a file that cannot be read is refused by ``prepare``
+        model = onnx.load(str(opts.step), load_external_data=False)
+        planned = {p.key: p.value for p in model.metadata_props}.get(PROVIDER_KEY) or None
+    except Exception:
+        planned = None
+    try:
+        provider, note = provider_as_planned(opts.provider, planned)
+    except RuntimeFailure as exc:  # --provider cuda without CUDA: nothing a rank could run
+        raise InputError(f"--nproc: {exc}") from None
+    if note and say:
+        print(f"note: {opts.step}: {note}", file=sys.stderr, flush=True)
+    return replace(opts, provider=provider)
 
 
 def planned_for_other_ranks(metadata: dict, world: int, zero: int,
