@@ -140,8 +140,8 @@ def _print_row_chunks(rc: dict | None, console: Console) -> None:
 def _print_chunk_candidates(tried: list[dict], console: Console) -> None:
     ct = Table(title="row chunks tried (added time against the step as built, unchunked)",
                header_style="bold")
-    for col in ("chunks", "result", "peak", "needs budget", "estimated", "added time", ""):
-        ct.add_column(col, justify="left" if col in ("chunks", "result", "") else "right")
+    for col in ("chunks", "result", "peak", "needs budget", "estimated", "added time", "chosen"):
+        ct.add_column(col, justify="left" if col in ("chunks", "result", "chosen") else "right")
     for c in tried:
         # A setting screened, then planned again (``compiler/chunk_clock.py``): say which.
         name = describe_chunks(c["chunks"]) + (f" ({c['phase']})" if c.get("phase") else "")
@@ -198,7 +198,7 @@ def _print_strategies(report: dict, console: Console) -> None:
     if target is not None:
         title += f"; 'fits' means within the planning budget of {format_size(target)}"
     st = Table(title=title + ")", header_style="bold")
-    for col in ("strategy", "run", "result", ""):
+    for col in ("strategy", "run", "result", "picked"):
         st.add_column(col)
     for run in runs:
         name = run.get("strategy", "?")

@@ -246,6 +246,27 @@ def test_a_solve_left_behind_returns_the_best_answer_it_reported(monkeypatch):
     assert p.feasible(x) and p.peak(x) <= budget * (1 + 1e-6)
 
 
+def test_a_ctrl_c_during_a_solve_stops_it_and_leaves_it_to_the_exit_wait(monkeypatch):
+    """Ctrl-C while compile waits on a solve: the solve is told to stop and kept for the
+    wait at exit. Before, it ran on into the interpreter's shutdown and the command aborted
+    ("terminate called without an active exception") instead of exiting with 130."""
+
+    class InterruptedWait(threading.Event):
+        def wait(self, timeout=None):
+            if timeout and threading.current_thread() is threading.main_thread():
+                raise KeyboardInterrupt
+            return super().wait(timeout)
+
+    p = random_problem(30, 120, 1)
+    budget = 0.8 * p.peak(np.zeros(p.n_vars))
+    monkeypatch.setattr(ilp.threading, "Event", InterruptedWait)
+    with pytest.raises(KeyboardInterrupt):
+        ilp._highs(p, ilp._Ask(list(range(p.horizon)), budget, "time"), 30.0, None)
+    monkeypatch.undo()
+    assert any(t.name == "memcc-highs" for _, t in ilp._left_behind)
+    assert ilp.wait_for_left_behind(10.0)
+
+
 def test_rens_is_off_from_highs_1_16_on(monkeypatch):
     """HiGHS 1.16.0's RENS ran past the time limit and the interrupt callback; earlier
     releases keep it on. Every release branches without strong branching first

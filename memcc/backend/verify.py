@@ -239,6 +239,7 @@ def verify_rewrite(original: Graph, rewritten: Graph, *, budget: int,
                                else "none: the run failed"),
         "step_time_s": run.step_time_s if run is not None else None,
         "gpu_mem_limit_bytes": int(budget) if provider == "cuda" else None,
+        "numbers_only": None,
     }
 
 
@@ -257,7 +258,7 @@ def _numbers_only(original: Graph, rewritten: Graph, budget: int, how: VerifyRun
         "outputs_not_finite": nonfinite, "racing_nodes": [], "budget_bytes": int(budget),
         "peak_within_budget": None, "measured_peak_bytes": None,
         "predicted_peak_bytes": None, "order_matches_plan": None,
-        "measurement_method": f"not measured: {how.provider} is not available here "
+        "measurement_method": f"{how.provider} is not available here "
                               f"({how.numbers_only})",
         "step_time_s": None, "gpu_mem_limit_bytes": None,
     }

@@ -254,10 +254,11 @@ def _print_trained(result: TrainResult) -> None:
                   f"({mem['allocator']}), plan {mb(mem['predicted_peak_bytes'])}",
                   highlight=False)
     elif mem:
-        rss = f"; the process holds {mb(mem['rss_bytes'])} resident" \
-            if mem.get("rss_bytes") else ""
+        rss = (f"; the process holds {mb(mem['rss_bytes'])} resident, Python, ONNX Runtime "
+               "and the data included") if mem.get("rss_bytes") else ""
         out.print(f"memory: plan {mb(mem.get('predicted_peak_bytes'))}; the step's own peak "
-                  f"is not measured with {mem.get('allocator')}{rss}", highlight=False)
+                  f"is not measured with {mem.get('allocator')} (compile and train with "
+                  f"--arena to measure it){rss}", highlight=False)
     if result.checkpoint:
         out.print(f"checkpoint: {result.checkpoint}", highlight=False)
 

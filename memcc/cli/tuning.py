@@ -62,7 +62,8 @@ def tune_cmd(
                     "(each costs a compile).")] = 1,
     as_json: JsonOpt = False,
     plot: Annotated[Optional[Path], typer.Option(  # noqa: UP045
-        help="Plot peak and predicted throughput against the size (PNG).")] = None,
+        help="Plot peak and predicted throughput against the size (.png, .svg, .pdf...).")
+    ] = None,
     ref_batch: Annotated[Optional[int], typer.Option(  # noqa: UP045
         help="Batch size at which --ref-lr is known to work.")] = None,
     ref_lr: Annotated[Optional[float], typer.Option(  # noqa: UP045

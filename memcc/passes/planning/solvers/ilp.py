@@ -426,19 +426,32 @@ def _run_until(h, deadline: float, time_limit: float) -> tuple[bool, np.ndarray 
     thread = threading.Thread(target=work, name="memcc-highs", daemon=True)
     thread.start()
     late = min(max(LATE_SHARE * time_limit, LATE_MIN_S), LATE_MAX_S)
-    returned = done.wait(max(deadline - time.perf_counter(), 0.0) + late)
+    try:
+        returned = done.wait(max(deadline - time.perf_counter(), 0.0) + late)
+    except BaseException:  # Ctrl-C: the solve is stopped and waited for at exit, as below
+        stop.set()
+        _leave_behind(h, thread)
+        raise
     if failure:
         raise failure[0]
     if returned:
         return True, None
     stop.set()
+    _leave_behind(h, thread)
+    with lock:
+        return False, (best[0][1].copy() if best else None)
+
+
+def _leave_behind(h, thread: threading.Thread) -> None:
+    """Keep a solve whose interrupt flag is set referenced until it ends, and wait for it at
+    exit (``wait_for_left_behind``): a Ctrl-C during a solve left it running into the
+    interpreter's shutdown, which aborted ("terminate called without an active
+    exception")."""
     _left_behind[:] = [(s, t) for s, t in _left_behind if t.is_alive()]
     if not _left_behind:
         atexit.unregister(_wait_at_exit)
         atexit.register(_wait_at_exit)
     _left_behind.append((h, thread))
-    with lock:
-        return False, (best[0][1].copy() if best else None)
 
 
 def _cbc(problem: Problem, ask: _Ask, time_limit: float, incumbent: np.ndarray | None,
