@@ -79,6 +79,7 @@ _OWNERS: dict[str, tuple[str, str]] = {
     "TrainingInterrupted": ("memcc.trainer", "TrainingInterrupted"),
     "train": ("memcc.trainer", "train"),
     "plan_training": ("memcc.trainer", "plan_training"),
+    "describe_data": ("memcc.backend.data", "describe_data"),
     "latest_checkpoint": ("memcc.backend.checkpoint", "latest"),
     "export_checkpoint": ("memcc.trainer", "export_checkpoint"),
     # memcc train --nproc N (data-parallel; torch only when one of these runs)

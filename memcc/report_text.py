@@ -36,7 +36,10 @@ def summary_lines(report: dict) -> list[str]:
         + (f" ({share['asked']} of the {format_size(share['as_built_budget_bytes'])} the step "
            "as built needs)" if (share := report.get("budget_share")) else "")
         + _margin_note(report),
-        f"baseline peak {format_size(b['peak_bytes'])}  ->  plan peak "
+        f"baseline peak {format_size(b['peak_bytes'])}"
+        + (f" (as built it needs a budget of {format_size(b['needs_budget_bytes'])})"
+           if b.get("needs_budget_bytes") else "")
+        + "  ->  plan peak "
         f"{format_size(p['peak_bytes'])}  ({'fits' if p['fits'] else 'DOES NOT FIT'})",
         f"strategy {p.get('strategy_label', p['strategy'])}: "
         f"{_count(len(p['recomputed_values']), 'value')} recomputed"
@@ -51,6 +54,12 @@ def summary_lines(report: dict) -> list[str]:
                      + (f" {limit:g} s" if isinstance(limit, (int, float)) else "")
                      + ": a longer --time-limit may reach a smaller budget, and runs can "
                      "differ")
+    again = next((r["summary"]["replanned_at_smallest"] for r in report.get("passes") or []
+                  if r.get("name") == "plan" and "replanned_at_smallest" in r["summary"]), None)
+    if again and b.get("compute_cost_s"):
+        first = again["smallest_peak_plan"]["added_time_s"] / b["compute_cost_s"]
+        lines.append(f"search   the smallest-peak plan (+{first * 100:.1f}%) planned again at "
+                     f"its budget, for time: +{p['overhead'] * 100:.1f}%")
     o = report.get("offloaded_state")
     if o and o["used"]:
         reach = (f"; smallest budget {format_size(o['smallest_budget_bytes'])} with it, "

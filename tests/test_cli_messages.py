@@ -124,3 +124,23 @@ def test_help_piped_keeps_every_flag_name_whole():
                        capture_output=True, text=True, env=env, timeout=60)
     assert r.returncode == 0 and "--attention-chunks" in r.stdout
     assert "…" not in r.stdout
+
+
+def test_a_long_stage_is_said_again_while_it_runs(monkeypatch):
+    """Off a terminal a stage that runs on is said again every ``HEARTBEAT_S``: a refused
+    compile's smallest-budget search printed nothing for 50 s after its first line."""
+    import time
+
+    from memcc.cli import log_progress
+
+    monkeypatch.setattr(log_progress, "HEARTBEAT_S", 0.2)
+    lines: list[str] = []
+    with log_progress.LogProgress("compiling", lines.append, quiet_s=0.05) as log:
+        log("plan ...")
+        time.sleep(0.7)
+        log("rewrite ...")
+    time.sleep(0.3)   # nothing is said once the command is done
+    assert lines[0] == "compiling: plan ... (at 0.0 s)"
+    beats = [ln for ln in lines if "still running" in ln]
+    assert beats and all(ln.startswith("compiling: plan, still running (at ") for ln in beats)
+    assert lines[-1].startswith("compiling: rewrite ... (at ")

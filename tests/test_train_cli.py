@@ -303,3 +303,16 @@ def test_a_new_run_into_a_directory_with_checkpoints_is_refused(mlp_run, tmp_pat
     r = invoke("train", step, "--data", data, "--steps", "4", "--checkpoint", ck)
     assert r.exit_code == 2 and "already holds a run's checkpoints" in r.output
     assert "--resume" in r.output
+
+
+def test_without_data_train_says_what_the_data_must_hold(mlp_run):
+    """--batch-size-check without --data names each data input's per-sample shape and dtype
+    (what README tells a user to write); a run without --data is refused with the same."""
+    step, _ = mlp_run
+    check = invoke("train", step, "--batch-size-check")
+    assert check.exit_code == 0, check.output
+    assert "'input': samples of shape [64] dtype float32" in check.output
+    assert "'labels'" in check.output and "values in [0," in check.output
+    missing = invoke("train", step)
+    assert missing.exit_code == 2
+    assert "--data is missing" in missing.output and "'input'" in missing.output

@@ -70,6 +70,24 @@ def data_inputs(graph: Graph, step: TrainingStep | None = None) -> list[DataInpu
     return out
 
 
+def describe_data(step: str | os.PathLike) -> str:
+    """What ``--data`` must hold for the step file ``step``: one line per data input (its
+    name, per-sample shape, dtype and values), for a run given no data."""
+    from memcc.frontend.load import load_graph
+
+    graph = load_graph(step, mapped=True)
+    TrainingStep.of(graph).validate(str(step))
+    lines = []
+    for d in data_inputs(graph):
+        values = "" if d.int_range is None else \
+            f", values in [{d.int_range[0]}, {d.int_range[1] - 1}]"
+        if d.ignored is not None:
+            values += f" or {d.ignored} (ignored by the loss)"
+        lines.append(f"  '{d.name}': {d.describe()}{values}")
+    return ("an .npz file (or a directory of .npz shards) with one array per data input, "
+            "first axis the samples:\n" + "\n".join(lines))
+
+
 @dataclass(frozen=True)
 class Dataset:
     """All samples of the data, checked, with the order of batches for a seed."""

@@ -21,6 +21,9 @@ from rich.console import Console
 from rich.markup import escape
 
 QUIET_S = 3.0
+# A stage running this long is said again ("... still running"): a refused compile's
+# smallest-budget search printed one line at 2.4 s, then nothing for 50 s.
+HEARTBEAT_S = 30.0
 
 
 class LogProgress:
@@ -33,6 +36,7 @@ class LogProgress:
         self._print = print_line
         self._started = time.perf_counter()
         self._pending: tuple[str, float] | None = None  # said before quiet_s, not printed
+        self._current: tuple[str, float] | None = None  # the stage running, and since when
         self._loud = False                              # past quiet_s: print as said
         self._closed = False
         self._lock = threading.Lock()
@@ -51,6 +55,7 @@ class LogProgress:
     def __call__(self, message: str) -> None:
         with self._lock:
             at = time.perf_counter() - self._started
+            self._current = (message, at)
             if self._loud and not self._closed:
                 self._line(message, at)
             else:
@@ -64,6 +69,23 @@ class LogProgress:
             if self._pending is not None:
                 self._line(*self._pending)
                 self._pending = None
+        self._beat_later()
+
+    def _beat_later(self) -> None:
+        self._timer = threading.Timer(HEARTBEAT_S, self._beat)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _beat(self) -> None:
+        """Say the stage running again where it has run ``HEARTBEAT_S`` seconds or more."""
+        with self._lock:
+            if self._closed:
+                return
+            now = time.perf_counter() - self._started
+            if self._current is not None and now - self._current[1] >= HEARTBEAT_S:
+                stage = self._current[0].removesuffix(" ...")
+                self._print(f"{self._what}: {stage}, still running (at {now:.1f} s)")
+        self._beat_later()
 
     def _line(self, message: str, at: float) -> None:
         self._print(f"{self._what}: {message} (at {at:.1f} s)")

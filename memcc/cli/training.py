@@ -88,9 +88,9 @@ def run(
 
 def train(
     model: StepArg,
-    data: Annotated[Path, typer.Option(
+    data: Annotated[Optional[Path], typer.Option(  # noqa: UP045
         help=".npz file, or a directory of .npz shards: one array per data input, named like "
-             "it, first axis = samples.")],
+             "it, first axis = samples (left out, train says what the step takes).")] = None,
     steps: Annotated[Optional[int], typer.Option(  # noqa: UP045
         help="Train until this many steps in all (a resumed run counts its earlier steps).")
     ] = None,
@@ -133,6 +133,9 @@ def train(
     )
 
     try:
+        if data is None:
+            _say_data_wanted(model, batch_size_check)
+            return
         opts = TrainOptions(step=model, data=data, steps=steps, epochs=epochs, seed=seed,
                             checkpoint=checkpoint, save_every=save_every, resume=resume,
                             provider=provider, threads=threads, arena=arena,
@@ -158,6 +161,17 @@ def train(
         sys.stdout.write(json.dumps(result.to_json()) + "\n")
         return
     _print_trained(result)
+
+
+def _say_data_wanted(model: Path, check_only: bool) -> None:
+    """No ``--data``: what it must hold. An error, except for ``--batch-size-check``, which
+    asks just that (README: write the arrays in the shapes and dtypes it names)."""
+    from memcc.api import InputError, describe_data
+
+    wanted = describe_data(model)
+    if not check_only:
+        raise InputError(f"--data is missing: give {wanted}")
+    out.print(f"{model}: no --data given; the step takes {wanted}", highlight=False)
 
 
 def _refuse_rank_options(zero: int, bucket_mb: float | None, measure_memory: bool) -> None:

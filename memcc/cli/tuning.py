@@ -41,6 +41,11 @@ if TYPE_CHECKING:
     from memcc.api import TuneOptions, TuneResult
 
 
+# Table rows settled by the sizes either side, without a plan of their own (their JSON
+# ``peak_bytes`` is a sqrt(n) plan's, a bound that can exceed the budget of a size that fits).
+EDGE_ROWS = ("below-edge", "above-edge")
+
+
 def tune_cmd(
     model: Annotated[Path, typer.Argument(help="Forward ONNX model with a symbolic batch "
                                                "dimension.")],
@@ -218,7 +223,8 @@ def _print_tune(result: TuneResult) -> None:
     for c in r.candidates:
         extra = [rate(c.measured_samples_per_s), mb(c.measured_peak_bytes)] if measured else []
         table.add_row(
-            str(c.batch), "yes" if c.fits else "no", mb(c.peak_bytes),
+            str(c.batch), "yes" if c.fits else "no",
+            "-" if c.decided_by in EDGE_ROWS else mb(c.peak_bytes),
             mb(c.baseline_peak_bytes), "-" if c.step_s is None else f"{c.step_s * 1000:,.1f}",
             rate(c.samples_per_s), "-" if c.overhead is None else f"{c.overhead:+.1%}",
             *extra, c.decided_by)
@@ -228,9 +234,10 @@ def _print_tune(result: TuneResult) -> None:
     wide.print(table)
     out.print("peak: of the plan (decided by plan, baseline), the smallest reachable "
               "(min-search), the smallest sqrt(n) one (sqrtn), or inputs, parameters and "
-              "state alone (floor); below-edge/above-edge: only the step as built was looked "
-              "at. A size that does not fit may peak under what the plans aim at: the heap "
-              "room its small buffers need is what misses", highlight=False)
+              "state alone (floor); below-edge/above-edge: settled by the sizes either side "
+              "(a step's peak grows with the size), so only its step as built was looked at and "
+              "no peak is shown. A size that does not fit may peak under what the plans aim "
+              "at: the heap room its small buffers need is what misses", highlight=False)
     base = r.largest_batch_without_rewrite
     out.print(f"largest {r.range.dim}: {r.largest_batch} (without rewriting: "
               f"{base if base is not None else 'none fits'}"

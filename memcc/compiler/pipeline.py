@@ -55,6 +55,7 @@ if TYPE_CHECKING:
     from memcc.compiler.chunk_choice import Estimate
     from memcc.passes.analysis.cost_model import CostModel
     from memcc.passes.planning.planner import PlanOutcome
+    from memcc.passes.planning.request import Budget
 
 # The stages after ``load`` (costs, planning, report) are imported where they run: a budget
 # under the step's floor is refused after ``load``, and importing the planner, the cost
@@ -274,6 +275,7 @@ def _plan(run: CompileRun, graph: Graph, costs: CostModel) -> Planned:
     rewritten step's metadata."""
     from memcc.compiler.chunk_choice import KINDS, RowChunkSearch, choose_row_chunks, trim_chunks
     from memcc.compiler.costing import node_costs
+    from memcc.compiler.min_replan import cheaper_at_smallest
     from memcc.compiler.planning import StageHooks, plan_offloading_state
     from memcc.compiler.ranks import plan_for_ranks
 
@@ -283,9 +285,9 @@ def _plan(run: CompileRun, graph: Graph, costs: CostModel) -> Planned:
     offloads: dict[int, dict | None] = {}   # the rewritten step's id -> offloaded_state
     ranks: dict[int, dict] = {}             # the same -> its data_parallel section
 
-    def plan_step(g: Graph, c: CostModel, opts: CompileOptions) -> tuple:
+    def plan_step(g: Graph, c: CostModel, opts: CompileOptions, at: Budget = budget) -> tuple:
         def plan_one(view: Graph) -> tuple:
-            return plan_offloading_state(view, budget, c, opts, StepStructure.of(view), hooks)
+            return plan_offloading_state(view, at, c, opts, StepStructure.of(view), hooks)
 
         if opts.ranks is None:
             planned, offloaded = plan_one(g)
@@ -330,6 +332,14 @@ def _plan(run: CompileRun, graph: Graph, costs: CostModel) -> Planned:
                                     for k in KINDS}, least=1)),
         graph, costs, options, budget)
     attempt = chosen.attempt
+    if budget.is_min and options.ranks is None:
+        again = cheaper_at_smallest(
+            attempt.planned, lambda p: user_budget(p.outcome.best.peak_bytes,
+                                                   attempt.options, p.slack),
+            attempt.options, lambda at, o: plan_step(attempt.graph, attempt.costs, o, at),
+            runner.reports)
+        if again is not None:
+            attempt.planned = again
     outcome, rewritten, slack, plan_budget = attempt.planned
     final_budget = budget.bytes if not budget.is_min else user_budget(
         outcome.best.peak_bytes, attempt.options, slack)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memcc.compiler.options import BASE_SLACK_BYTES, CompileOptions
+from memcc.compiler.options import BASE_SLACK_BYTES, CompileOptions, user_budget
 from memcc.pass_contract import PassReport
 from memcc.passes.analysis.cost_model import CostModel
 from memcc.passes.analysis.phases import plan_origin, step_phases
@@ -52,7 +52,10 @@ def build_report(r: ReportInputs) -> dict:
                                     if r.options.slack_bytes is None else 0),
         "planning_budget_bytes": int(r.plan_budget if r.plan_budget is not None
                                      else plan.peak_bytes),
-        "baseline": _baseline(base),
+        "baseline": _baseline(base) | {
+            # what --budget must be for the step as built, margin and heap room included
+            "needs_budget_bytes": user_budget(base.peak_bytes, r.options,
+                                              r.options.slack_for(base.graph))},
         "plan": _plan(r, base, plan),
         "passes": [p.to_json() for p in r.passes],
         "compile_time_s": r.compile_time_s,
