@@ -45,7 +45,9 @@ def summary_lines(report: dict) -> list[str]:
         f"{_count(len(p['recomputed_values']), 'value')} recomputed"
         + (f" ({len(p['recompute_again_nodes'])} nodes rebuilt again for later readers)"
            if p.get("recompute_again_nodes") else "")
-        + f", predicted added time {p['overhead'] * 100:.1f}%",
+        + f", predicted added time {p['overhead'] * 100:.1f}%"
+        + (" (less than none: the plan's operator variants cost less than the nodes they "
+           "replace)" if p['overhead'] < -0.0005 else ""),
     ]
     cut = _cut_by_clock(report)
     if cut and report.get("budget_was_min"):

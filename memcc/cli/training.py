@@ -344,6 +344,7 @@ def _train_with_progress(opts: TrainOptions, *, quiet: bool) -> TrainResult:
     )
     task = None
     memory: dict = {}
+    started: list[bool] = []
 
     def on_start(result) -> None:
         nonlocal task
@@ -356,6 +357,8 @@ def _train_with_progress(opts: TrainOptions, *, quiet: bool) -> TrainResult:
         for note in result.notes:
             err.print(f"note: {note}", highlight=False)
         memory.update(result.memory)
+        progress.start()   # only now: an error before the first step prints alone
+        started.append(True)
         task = progress.add_task("train", total=result.total_steps,
                                  completed=result.start_step, loss="-", rate="-",
                                  mem=_train_memory(memory, None, None))
@@ -365,8 +368,11 @@ def _train_with_progress(opts: TrainOptions, *, quiet: bool) -> TrainResult:
                         rate=f"{p.samples_per_s:,.0f}",
                         mem=_train_memory(memory, p.step_peak_bytes, p.memory_bytes))
 
-    with progress:
+    try:
         return api.train(opts, on_start=on_start, on_step=on_step)
+    finally:
+        if started:   # a progress never started still prints a line when stopped
+            progress.stop()
 
 
 def export_cmd(

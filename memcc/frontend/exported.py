@@ -249,11 +249,15 @@ def report_parameters(sources: dict[str, ParameterSource], source: str,
     if unnamed:
         shown = _some([p + (f" (folded from {', '.join(sources[p].copy_of)})"
                             if sources[p].copy_of else "") for p in unnamed])
+        conv_folded = any(p.startswith("onnx::Conv_") for p in unnamed)
+        bn = (" Names like onnx::Conv_N are convolution weights with a BatchNorm folded into "
+              "them (an eval-mode export): the model then trains without BatchNorm and its "
+              "batch statistics, unlike PyTorch in train mode." if conv_folded else "")
         warnings.warn(
             f"{source}: {len(unnamed)} trained parameter(s) have names the exporter made up, "
             f"not PyTorch state_dict names: {shown}. They are folded copies (pre-transposed "
-            "weights, constant-folded lookups). To map trained weights back by name, export "
-            f"with {KEEP_EVERY_PARAMETER} or with dynamo=False "
+            f"weights, constant-folded lookups).{bn} To map trained weights back by name, "
+            f"export with {KEEP_EVERY_PARAMETER} or with dynamo=False "
             "and training=torch.onnx.TrainingMode.TRAINING.", ExportWarning, stacklevel=2)
     if emap is not None:
         _report_export_map(sources, source, emap)
