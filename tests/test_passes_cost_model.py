@@ -207,3 +207,20 @@ def test_the_planning_passes_run_nothing():
     offenders = [str(p.relative_to(passes)) for p in sorted(passes.rglob("*.py"))
                  if "memcc.backend" in p.read_text()]
     assert offenders == []
+
+
+def test_a_calibration_made_on_a_loaded_machine_is_made_again_once_it_is_quieter(monkeypatch):
+    """A calibration cached under load (two processes per core waiting) priced every later
+    step 2-6x too slow; it is now made again where the load has halved, and after a week."""
+    import time
+
+    from memcc.backend import profiling
+
+    now = time.time()
+    monkeypatch.setattr(profiling, "_load_per_core", lambda: 0.3)
+    assert profiling._stale({"calibrated_at": now, "load_per_core": 2.0})
+    assert not profiling._stale({"calibrated_at": now, "load_per_core": 0.4})
+    monkeypatch.setattr(profiling, "_load_per_core", lambda: 1.5)
+    assert not profiling._stale({"calibrated_at": now, "load_per_core": 2.0})
+    assert profiling._stale({"calibrated_at": now - 8 * 24 * 3600, "load_per_core": 0.1})
+    assert profiling._stale({"flops_per_s": 1.0})    # undated: a memcc before this one
