@@ -221,6 +221,14 @@ def _gate_stem(search: RowChunkSearch, options: CompileOptions, graph: Graph,
                     "stem_tensors_bytes": shares[2]} if shares else {})
 
 
+def _say_first(search: RowChunkSearch, later: int) -> None:
+    """Name the step as built's plan where row-chunk settings may follow: its stages were
+    the only ones no line named."""
+    if later:
+        search.say(f"row chunks: the step as built is planned first; {later} other "
+                   "setting(s) may follow, within the one --time-limit")
+
+
 def needs_search(first: Attempt, budget: Budget) -> str | None:
     """Why compile should try row chunks after the step as built (None: it should not)."""
     if budget.is_min:
@@ -245,15 +253,12 @@ def choose_row_chunks(search: RowChunkSearch, graph: Graph, costs: CostModel,
     found, stem_report = _gate_stem(search, options, graph, searchable)
     # The settings that may be planned after the step as loaded share its --time-limit.
     later = len(candidates(options.build, found)) if searchable else 0
-    clock = SharedLimit.of(options.time_limit, budget.is_min,
-                           min(later, 1) if budget.is_min else later)
-    # The step as loaded: its load and cost passes are already in ``passes``. Where settings
-    # may follow at a budget, a refusal is screened (no smallest-peak search: ``chunk_budget``
-    # searches it where nothing fits).
+    following = min(later, 1) if budget.is_min else later   # --budget min: the heaviest
+    clock = SharedLimit.of(options.time_limit, budget.is_min, following)
+    # The step as loaded (its load and cost passes are in ``passes``); where settings may
+    # follow at a budget, its refusal is a screen (``chunk_budget`` searches the smallest).
     screens = bool(later) and not budget.is_min
-    if later:
-        search.say(f"row chunks: the step as built is planned first; {later} other "
-                   "setting(s) may follow, within the one --time-limit")
+    _say_first(search, following)
     first = _attempt(search, replace(options, smallest_on_refusal=not screens),
                      lambda: (graph, costs), mark=0, strict=True, limit=clock.first())
     base_time = costs.total(graph)

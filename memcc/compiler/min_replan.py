@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
-from memcc.compiler.options import CompileOptions
+from memcc.compiler.options import CompileOptions, user_budget
 from memcc.compiler.planning import Planned
 from memcc.pass_contract import PassReport
 from memcc.passes.planning.refusal import BudgetError
@@ -59,3 +59,17 @@ def cheaper_at_smallest(planned: Planned, needs: Callable[[Planned], int],
     earlier = [p for p in passes[:start] if p.name not in ("plan", "rewrite")]
     passes[:] = earlier + passes[start:]
     return again
+
+
+def replan_chosen(attempt, plan_step: Callable, passes: list[PassReport]) -> None:
+    """``cheaper_at_smallest`` for the setting ``--budget min`` chose (``chunk_choice``'s
+    ``Attempt``; ``plan_step(graph, costs, options, budget)`` is compile's plan stage):
+    its plan is replaced where the new one is better."""
+    def needs(p: Planned) -> int:
+        return user_budget(p.outcome.best.peak_bytes, attempt.options, p.slack)
+
+    again = cheaper_at_smallest(
+        attempt.planned, needs, attempt.options,
+        lambda at, o: plan_step(attempt.graph, attempt.costs, o, at), passes)
+    if again is not None:
+        attempt.planned = again

@@ -275,7 +275,7 @@ def _plan(run: CompileRun, graph: Graph, costs: CostModel) -> Planned:
     rewritten step's metadata."""
     from memcc.compiler.chunk_choice import KINDS, RowChunkSearch, choose_row_chunks, trim_chunks
     from memcc.compiler.costing import node_costs
-    from memcc.compiler.min_replan import cheaper_at_smallest
+    from memcc.compiler.min_replan import replan_chosen
     from memcc.compiler.planning import StageHooks, plan_offloading_state
     from memcc.compiler.ranks import plan_for_ranks
 
@@ -333,29 +333,30 @@ def _plan(run: CompileRun, graph: Graph, costs: CostModel) -> Planned:
         graph, costs, options, budget)
     attempt = chosen.attempt
     if budget.is_min and options.ranks is None:
-        again = cheaper_at_smallest(
-            attempt.planned, lambda p: user_budget(p.outcome.best.peak_bytes,
-                                                   attempt.options, p.slack),
-            attempt.options, lambda at, o: plan_step(attempt.graph, attempt.costs, o, at),
-            runner.reports)
-        if again is not None:
-            attempt.planned = again
+        replan_chosen(attempt, plan_step, runner.reports)
     outcome, rewritten, slack, plan_budget = attempt.planned
     final_budget = budget.bytes if not budget.is_min else user_budget(
         outcome.best.peak_bytes, attempt.options, slack)
-    rewritten.metadata[PLAN_KEY] = json.dumps(outcome.best.plan.to_json(), sort_keys=True)
-    rewritten.metadata[PROVIDER_KEY] = attempt.options.provider
-    if attempt.options.arena:
-        rewritten.metadata[ALLOCATOR_KEY] = "arena"
     section = ranks.get(id(rewritten))
-    if section is not None:
-        rewritten.metadata[RANKS_KEY] = json.dumps(
-            {k: section[k] for k in ("world_size", "zero", "bucket_bytes",
-                                     "peak_bytes_per_rank")}
-            | {"budget_bytes": final_budget})
+    _record_plan(rewritten, outcome, attempt.options, section, final_budget)
     return Planned(attempt.graph, attempt.costs, attempt.options, outcome, rewritten, slack,
                    plan_budget, final_budget, chosen.report, offloads.get(id(rewritten)),
                    section)
+
+
+def _record_plan(rewritten: Graph, outcome: PlanOutcome, options: CompileOptions,
+                 ranks: dict | None, budget: int) -> None:
+    """What the rewritten step says of its plan (``memcc run``/``train`` read it): the
+    plan, the provider and allocator it was made for, and with ``--nproc`` the ranks."""
+    rewritten.metadata[PLAN_KEY] = json.dumps(outcome.best.plan.to_json(), sort_keys=True)
+    rewritten.metadata[PROVIDER_KEY] = options.provider
+    if options.arena:
+        rewritten.metadata[ALLOCATOR_KEY] = "arena"
+    if ranks is not None:
+        rewritten.metadata[RANKS_KEY] = json.dumps(
+            {k: ranks[k] for k in ("world_size", "zero", "bucket_bytes",
+                                   "peak_bytes_per_rank")}
+            | {"budget_bytes": budget})
 
 
 def _chunk_key(opts: CompileOptions) -> tuple:
