@@ -36,19 +36,45 @@ _LONGEST_FIRST = (
 _EXPORTS_ENV = "MEMCC_TEST_EXPORTS"
 
 
+# The CPU roofline every test prices with (``memcc.backend.profiling.calibrate_cpu_rates``):
+# a 2-core machine's, calibrated under the tests' own load. Tests that compare plans' estimated
+# times across row-chunk settings turned on the machine's speed: a quiet machine's rates (5x
+# faster kernels, the same 9.6 us per node) made a split's extra nodes dearer than its
+# recompute savings. The cache directory, a temporary one, holds these rates dated now, and
+# the node times tests measure (none from a user's cache).
+_TEST_RATES = {"flops_per_s": 32_783_478_715.64, "bytes_per_s": 2_399_683_241.62,
+               "overhead_s": 9.5695e-06, "source": "calibrated on this CPU",
+               "sixteen_bit_flops": 1.0, "load_per_core": 0.0}
+_CACHE_ENV = "MEMCC_CACHE"
+
+
+def _pinned_cache() -> str:
+    import json
+    import time
+
+    path = tempfile.mkdtemp(prefix="memcc-test-cache-")
+    Path(path, "cpu_rates.json").write_text(json.dumps(
+        {**_TEST_RATES, "calibrated_at": time.time()}))
+    return path
+
+
 def pytest_configure(config) -> None:  # noqa: ANN001 - pytest's hook
     if hasattr(config.option, "loadscopereorder"):
         config.option.loadscopereorder = False
     if not hasattr(config, "workerinput") and _EXPORTS_ENV not in os.environ:
         config.memcc_exports = tempfile.mkdtemp(prefix="memcc-exports-")
         os.environ[_EXPORTS_ENV] = config.memcc_exports
+    if not hasattr(config, "workerinput") and _CACHE_ENV not in os.environ:
+        config.memcc_cache = _pinned_cache()
+        os.environ[_CACHE_ENV] = config.memcc_cache
 
 
 def pytest_unconfigure(config) -> None:  # noqa: ANN001 - pytest's hook
-    made = getattr(config, "memcc_exports", None)
-    if made:
-        shutil.rmtree(made, ignore_errors=True)
-        os.environ.pop(_EXPORTS_ENV, None)
+    for attr, env in (("memcc_exports", _EXPORTS_ENV), ("memcc_cache", _CACHE_ENV)):
+        made = getattr(config, attr, None)
+        if made:
+            shutil.rmtree(made, ignore_errors=True)
+            os.environ.pop(env, None)
 
 
 def pytest_collection_modifyitems(session, config, items) -> None:  # noqa: ANN001
