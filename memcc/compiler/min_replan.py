@@ -40,8 +40,9 @@ def cheaper_at_smallest(planned: Planned, needs: Callable[[Planned], int],
     found = needs(planned)
     start = len(passes)
     try:
+        # A refusal here is only a miss: no smallest-peak search after it (that is done).
         again = plan_at(Budget.of(found), replace(
-            options, time_limit=options.time_limit * REPLAN_SHARE))
+            options, time_limit=options.time_limit * REPLAN_SHARE, smallest_on_refusal=False))
     except BudgetError:
         del passes[start:]
         return None
