@@ -251,6 +251,11 @@ def test_two_ranks_train_as_one_process_on_the_global_batch_and_resume_on_one(fi
     res = runner.invoke(app, ["train", str(files["sgd4"]), "--data", str(files["data"]),
                               "--nproc", "3", "--checkpoint", str(d / "two"), "--resume"])
     assert res.exit_code == 2 and "global batch" in res.output
+    # The ranks' checkpoint exports with the step they ran (written at the global batch 8,
+    # a step of batch 4): the weights do not depend on the batch.
+    res = runner.invoke(app, ["export", str(files["sgd4"]), "--checkpoint", str(d / "two"),
+                              "-o", str(d / "two.safetensors")])
+    assert res.exit_code == 0, res.output
 
 
 def test_zero1_shards_adamw_state_and_resumes_a_one_process_checkpoint(files, monkeypatch):
@@ -447,3 +452,21 @@ def test_nproc_runs_where_the_step_was_planned(files, tmp_path, monkeypatch, cap
     assert capsys.readouterr().err == ""
     monkeypatch.setattr(session, "cuda_unavailable_reason", lambda: None)
     assert _on_planned_provider(opts, say=True).provider == "cuda"
+
+
+def test_zero2_is_refused_where_an_update_reads_every_gradient(tmp_path):
+    """A dynamic loss scale's overflow check reads every gradient, which ZeRO-2 keeps on one
+    rank each: refused before any rank starts (train) and before planning (compile),
+    naming what to use instead; ranks failed with an unbound input before."""
+    step = build_training_step(load_graph(_mlp(4)), BuildOptions(precision="fp16"))
+    path = save_graph(step, tmp_path / "fp16.onnx")
+    rng = np.random.default_rng(0)
+    data = tmp_path / "d.npz"
+    np.savez(data, input=rng.standard_normal((16, 12)).astype(np.float32),
+             labels=rng.integers(0, 4, 16).astype(np.int64))
+    for args in (["train", str(path), "--data", str(data), "--nproc", "2", "--zero", "2"],
+                 ["compile", str(path), "--nproc", "2", "--zero", "2", "--budget", "1GB",
+                  "--cost", "analytic"]):
+        r = runner.invoke(app, args)
+        assert r.exit_code == 2, r.output
+        assert "--zero 2" in r.output and "--zero 1 or 0" in r.output, r.output

@@ -68,8 +68,12 @@ class Checkpoint:
 
     def check_step(self, sig: Mapping, *, purpose: str = "resume") -> None:
         """Refuse this checkpoint unless it was written for the step described by ``sig``.
-        ``purpose`` (``resume`` or ``export``) picks the advice: what to do differs."""
-        if self.fingerprint != fingerprint(sig):
+        ``purpose`` (``resume`` or ``export``) picks the advice: what to do differs. An
+        export does not look at the data inputs' batch axis: the weights do not depend on
+        it, and a data-parallel run writes its checkpoints at the global batch, which the
+        step each rank ran (the user's file) does not have."""
+        if self.fingerprint != fingerprint(sig) and not (
+                purpose == "export" and self._same_but_batch(sig)):
             advice = ("Export it with the step file that trained it (or a memcc compile of "
                       "that step), or point --checkpoint at a checkpoint of this step."
                       if purpose == "export" else
@@ -79,6 +83,26 @@ class Checkpoint:
             raise InputError(
                 f"{self.path}: written for another training step: "
                 f"{_first_difference(self.signature, sig)}. {advice}")
+
+    def _same_but_batch(self, sig: Mapping) -> bool:
+        """Whether the step this was written for differs from ``sig`` in the data inputs'
+        batch axis alone (the stored signature is the JSON its fingerprint was taken of)."""
+        try:
+            written = json.loads(self.signature or "")
+        except ValueError:
+            return False
+        return isinstance(written, dict) and \
+            fingerprint(_without_batch(written)) == fingerprint(_without_batch(sig))
+
+
+def _without_batch(sig: Mapping) -> dict:
+    """``sig`` with its data inputs' first axis (the batch) left out."""
+    data = sig.get("data_inputs")
+    if not isinstance(data, Mapping):
+        return dict(sig)
+    return {**sig, "data_inputs": {n: [v[0], list(v[1])[1:]] if isinstance(v, list)
+                                   and len(v) == 2 and isinstance(v[1], list) else v
+                                   for n, v in data.items()}}
 
 
 def signature(types: Mapping[str, tuple[np.dtype, tuple[int, ...]]], extra: Mapping

@@ -46,6 +46,11 @@ PlanOne = Callable[[Graph], tuple[Planned, dict | None]]
 def rank_views(graph: Graph, options: CompileOptions) -> list[RankStep]:
     """Every rank's graph as ``memcc train --nproc`` runs it (``rank_step.rank_steps``;
     by buckets, ``dist.bucket_memory``'s), heaviest by state first."""
+    if options.ranks.zero == 2:
+        from memcc.dist.split import check_zero2
+        from memcc.step import TrainingStep
+
+        check_zero2(graph, TrainingStep.of(graph), "the step")
     views = rank_steps(graph, options.ranks)
     bucket = options.bucket_bytes
     if not bucket:

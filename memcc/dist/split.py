@@ -117,6 +117,20 @@ def owners_of_state(split: SplitStep) -> dict[str, list[str]]:
     return {o: owners[o] for o in split.update_state}
 
 
+def check_zero2(graph: Graph, spec: TrainingStep, label: str) -> None:
+    """Refuse ZeRO-2 where an update reads the gradients of several parameters (a loss
+    scale's overflow check reads every gradient): ZeRO-2 leaves each averaged gradient on
+    its owner's rank alone, so that update could not run (``memcc train --nproc 2 --zero 2``
+    of an fp16 step failed in a rank: "nothing bound to the input 'grad/reducesum_19'")."""
+    shared = [o for o, owners in state_owners(graph, spec).items() if len(owners) > 1]
+    if shared:
+        raise InputError(
+            f"{label}: --zero 2: the update of '{shared[0]}' ({len(shared)} such) reads the "
+            "gradients of several parameters (a dynamic loss scale's overflow check reads "
+            "every gradient), and ZeRO-2 keeps each averaged gradient on one rank only. Use "
+            "--zero 1 or 0, or build the step with --loss-scale none")
+
+
 def peaks(split: SplitStep) -> dict[str, int]:
     """Predicted peak bytes (``passes.analysis.arrange``: liveness, updates in place where
     proven) of the fused step as ``memcc train`` runs it (each update moved right after its

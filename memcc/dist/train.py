@@ -36,7 +36,7 @@ from memcc.backend.memory import rss_bytes, trim_heap
 from memcc.backend.session import resolve_provider
 from memcc.dist.memory import RankMemory, predicted_rank_peak
 from memcc.dist.placement import Placement
-from memcc.dist.split import split_step
+from memcc.dist.split import check_zero2, split_step
 from memcc.errors import InputError, RuntimeFailure
 from memcc.frontend.load import load_graph
 from memcc.graph import Graph
@@ -105,6 +105,8 @@ def prepare(opts: DistOptions) -> RankRun:
     spec = TrainingStep.of(graph).validate(str(t.step), then=f"memcc train step.onnx --data "
                                                             f"{t.data} --nproc {opts.world}")
     split = split_step(graph, spec, str(t.step))  # refused now rather than in every rank
+    if opts.zero == 2:
+        check_zero2(graph, spec, str(t.step))
     odd = [g for g in split.gradients.values()
            if graph.info[g].np_dtype not in (np.float16, np.float32, np.float64)]
     if odd:
