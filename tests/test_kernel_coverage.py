@@ -147,6 +147,23 @@ def test_a_bf16_step_for_cuda_emulates_no_cast() -> None:
     assert "Cast" not in emulated and "MatMul" not in emulated
 
 
+def test_run_and_train_say_which_nodes_a_16_bit_step_computes_in_float32(tmp_path) -> None:
+    """Compile warned that a bf16 step's MatMuls run in float32 between casts on the CPU
+    (slower than the float32 build); ``memcc run`` and ``train`` said nothing of it."""
+    from memcc import Trainer
+    from memcc.backend.onnx_file import save_graph
+    from memcc.frontend.build import BuildOptions, build_training_step
+    from memcc.frontend.load import load_graph
+    from models import build_model
+
+    step = build_training_step(load_graph(build_model("gpt2", batch=2, seq_len=16, width=32,
+                                                      depth=1, heads=2)),
+                               BuildOptions(precision="bf16"))
+    trainer = Trainer(save_graph(step, tmp_path / "bf16.onnx"), provider="cpu")
+    said = [n for n in trainer.notes if "no 16-bit kernel" in n]
+    assert said and "MatMul" in said[0] and "float32 between casts" in said[0]
+
+
 def test_coverage_table_rows() -> None:
     rows = coverage_table("cuda", ["MatMul", "Conv"], 17)
     assert [(r["op"], r["bfloat16"], r["float16"]) for r in rows] == [

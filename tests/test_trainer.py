@@ -390,7 +390,7 @@ def test_a_step_rewritten_for_its_provider_exports_the_model_as_built(tmp_path, 
     step_file = save_graph(build_training_step(load_graph(path, dims), BuildOptions()),
                            tmp_path / "step.onnx")
     monkeypatch.setattr(trainer_module, "step_for_provider",
-                        lambda graph, provider, deterministic=False: (
+                        lambda graph, provider, deterministic=False, notes=None: (
                             expand_training_batchnorm(graph)[0], True))
     trainer = Trainer(step_file, threads=1)
     assert not [n for n in trainer.graph.nodes if n.op_type == "BatchNormalization"

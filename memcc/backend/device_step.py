@@ -54,8 +54,8 @@ from memcc.passes.analysis.host_state import host_resident
 HOST, DEVICE = "host", "device"
 
 
-def step_for_provider(graph: Graph, provider: str, *, deterministic: bool = False
-                      ) -> tuple[Graph, bool]:
+def step_for_provider(graph: Graph, provider: str, *, deterministic: bool = False,
+                      notes: list[str] | None = None) -> tuple[Graph, bool]:
     """The step as ``provider`` runs it, and whether anything was rewritten: on CUDA,
     training-mode BatchNorm as standard ops (``passes.providers.batchnorm_for_cuda``) and, for
     ``deterministic`` runs, every accumulating scatter in a form without atomics
@@ -67,8 +67,16 @@ def step_for_provider(graph: Graph, provider: str, *, deterministic: bool = Fals
     from memcc.passes.providers.provider_step import for_provider
 
     original = graph
-    graph, _ = for_provider(graph, provider)
+    graph, report = for_provider(graph, provider)
     changed = graph is not original
+    emulated = report.get("sixteen_bit_emulated") or {}
+    if notes is not None and emulated:
+        notes.append(f"the {provider} provider of this onnxruntime has no 16-bit kernel for "
+                     f"{sum(emulated.values())} node(s) of the step ("
+                     + ", ".join(f"{op} {n}" for op, n in sorted(emulated.items(),
+                                                                 key=lambda kv: -kv[1]))
+                     + "): they compute in float32 between casts, so the step runs slower "
+                     "than its float32 build (README, \"Mixed precision\")")
     if provider == "cuda" and deterministic:
         from memcc.passes.providers.deterministic_reductions import to_trailing_axes
         from memcc.passes.providers.deterministic_scatter import for_cuda_determinism

@@ -186,7 +186,9 @@ def run_steps(model_path: str | os.PathLike, request: RunRequest = RunRequest(),
     spec = read_step_spec(graph, source=str(path))
     prov, note = provider_as_planned(request.provider,
                                      TrainingStep.of(graph).planned_provider)
-    graph, _ = step_for_provider(graph, prov, deterministic=request.deterministic)
+    notes = [note] if note else []
+    graph, _ = step_for_provider(graph, prov, deterministic=request.deterministic,
+                                 notes=notes)
     feeds = (load_data(request.data, graph, spec) if request.data is not None
              else synthetic_feeds(graph, request.seed))
     if request.cuda_graph and prov != "cuda":
@@ -204,7 +206,7 @@ def run_steps(model_path: str | os.PathLike, request: RunRequest = RunRequest(),
         result = _run_on_device(path, graph, spec, feeds, request)
     else:
         result = _run_on_host(path, graph, spec, feeds, request, prov)
-    return replace(result, notes=(note,)) if note else result
+    return replace(result, notes=tuple(notes)) if notes else result
 
 
 def _run_on_host(path: Path, graph: Graph, spec: StepSpec, feeds: Mapping[str, np.ndarray],

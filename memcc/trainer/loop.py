@@ -211,8 +211,7 @@ def _result_before_training(trainer: Trainer, plan: TrainPlan,
                          cuda_graph=trainer.cuda_graph if trainer.provider == "cuda" else None,
                          deterministic=trainer.deterministic)
     result.notes.extend(dataset.converted)
-    if trainer.provider_note:
-        result.notes.append(trainer.provider_note)
+    result.notes.extend(trainer.notes)
     if trainer.provider == "cuda":
         same = ("yes (--deterministic)" if trainer.deterministic else
                 "no: runs may differ in the last bits (--deterministic)")

@@ -109,8 +109,11 @@ class Trainer:
             provider, TrainingStep.of(loaded).planned_provider)
         # On CUDA, training-mode BatchNorm is written as standard ops (passes/
         # batchnorm_for_cuda.py); ``export`` writes the step's own form back out.
+        # What to know about how it runs (the provider note first; a 16-bit step's nodes
+        # without kernels here).
+        self.notes: list[str] = [self.provider_note] if self.provider_note else []
         self.graph, self._rewritten_for_provider = step_for_provider(
-            loaded, self.provider, deterministic=deterministic)
+            loaded, self.provider, deterministic=deterministic, notes=self.notes)
         self.spec = TrainingStep.of(self.graph).validate(
             str(self.path), then="memcc.Trainer('step.onnx')")
         if arena and self.provider != "cpu":
