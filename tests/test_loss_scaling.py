@@ -389,3 +389,18 @@ def test_an_fp16_step_backs_off_until_its_gradients_fit_then_trains(tmp_path):
     assert len(set(losses[:skipped + 1])) == 1  # nothing changed while skipping
     assert losses[0] == pytest.approx(fp32[0], rel=1e-2)
     np.testing.assert_allclose(losses[-1], fp32[1], rtol=1e-2)
+
+
+def test_the_watch_counts_the_steps_an_overflow_skipped(forward, feeds, tmp_path):
+    """``memcc train`` reports the scale and the skipped steps (``loss_scale`` in its JSON):
+    a flat loss at the start of an fp16 run said nothing of why before."""
+    from memcc.trainer.loss_scale_watch import LossScaleWatch
+
+    t = trainer(forward, tmp_path, "w", loss_scale="dynamic")
+    watch = LossScaleWatch(t)
+    for batch in (feeds, overflowing(feeds), feeds, overflowing(feeds, np.nan)):
+        t.step(batch)
+        watch.after_step(t)
+    assert watch.to_json() == {"scale": 16384.0, "skipped_steps": 2}
+    assert t.state_value(SCALE) == scaler_state(t)[0]
+    assert LossScaleWatch(trainer(forward, tmp_path, "n", loss_scale="none")).to_json() is None

@@ -425,6 +425,10 @@ class DeviceStep:
         return self._out[name].numpy()
 
     # ------------------------------------------------------------------ state
+    def value(self, name: str) -> np.ndarray:
+        """A host copy of one carried value as it is now."""
+        return np.array(self.current()[name].numpy(), copy=True)
+
     def state_dict(self) -> dict[str, np.ndarray]:
         """Host copies of the carried values as they are now."""
         return {n: np.array(v.numpy(), copy=True) for n, v in self.current().items()}

@@ -273,6 +273,11 @@ def _print_trained(result: TrainResult) -> None:
         out.print(f"memory: plan {mb(mem.get('predicted_peak_bytes'))}; the step's own peak "
                   f"is not measured with {mem.get('allocator')} (compile and train with "
                   f"--arena to measure it){rss}", highlight=False)
+    if result.loss_scale:
+        skipped = result.loss_scale["skipped_steps"]
+        out.print(f"loss scale: {result.loss_scale['scale']:g} at the end; steps of this run "
+                  f"skipped because their 16-bit gradients overflowed: {skipped} (the scale "
+                  "halves at each, as torch.amp.GradScaler's does)", highlight=False)
     if result.checkpoint:
         out.print(f"checkpoint: {result.checkpoint}", highlight=False)
 

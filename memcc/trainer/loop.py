@@ -24,6 +24,7 @@ from memcc.frontend.load import load_graph
 from memcc.graph import Graph
 from memcc.step import TrainingStep
 from memcc.trainer.checkpoints import check_run_data_state, run_data_state
+from memcc.trainer.loss_scale_watch import LossScaleWatch
 from memcc.trainer.memory import StepMemory, allocator_notes, allocator_of, process_memory_bytes
 from memcc.trainer.throughput import Throughput
 from memcc.trainer.trainer import Trainer
@@ -99,6 +100,9 @@ class TrainResult:
     # How the step runs: "captured" as a CUDA graph, or why not; and deterministic compute.
     cuda_graph: str | None = None
     deterministic: bool = False
+    # A dynamic loss scale's value at the end and the steps of this run it skipped
+    # (``loss_scale_watch``); None without one.
+    loss_scale: dict | None = None
 
     def to_json(self) -> dict:
         return {
@@ -111,6 +115,7 @@ class TrainResult:
             "batches_per_epoch": self.batches_per_epoch, "allocator": self.allocator,
             "notes": self.notes, "interrupted": self.interrupted, "memory": self.memory,
             "cuda_graph": self.cuda_graph, "deterministic": self.deterministic,
+            "loss_scale": self.loss_scale,
         }
 
 
@@ -159,13 +164,16 @@ def train(opts: TrainOptions, *, on_start: Callable[[TrainResult], None] | None 
                position=int(trainer.data_state.get("batches_consumed", trainer.steps_done)),
                last_saved=trainer.steps_done if loaded is not None else None)
     rates = Throughput(plan.dataset.batch_size)
+    scale = LossScaleWatch(trainer)
     with stop_requests() as stop:
         while trainer.steps_done < plan.total_steps and not stop:
             progress = run.step(rates)
+            scale.after_step(trainer)
             if on_step is not None:
                 on_step(progress)
         run.finish()  # still under ``stop_requests``: a signal now does not cut the write
     result.memory = meter.to_json()
+    result.loss_scale = scale.to_json()
     if stop and result.steps_done < result.total_steps:
         result.interrupted = stop.name
         raise TrainingInterrupted(result, stop.signum)

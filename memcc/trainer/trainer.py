@@ -192,6 +192,10 @@ class Trainer:
         """Copies of every carried value (parameters, optimizer state, BN statistics)."""
         return self._step.state_dict()
 
+    def state_value(self, name: str) -> np.ndarray:
+        """A copy of one carried value (e.g. ``loss_scale.scale``), without copying the rest."""
+        return self._step.value(name)
+
     def parameters(self) -> dict[str, np.ndarray]:
         """Copies of the trainable parameters only."""
         sd = self.state_dict()
