@@ -76,8 +76,7 @@ def apply_recompute(graph: Graph, plan: Plan, structure: StepStructure | None = 
                     du.rewire(node, k, r)
         new_nodes.extend(emitted)
         new_nodes.append(node)
-    new_nodes = _drop_dead_forward_outputs(new_nodes, st, set(out.outputs), du,
-                                           cloner.ever_cloned)
+    new_nodes = _drop_dead_forward_outputs(new_nodes, st, set(out.outputs), du)
     out.set_nodes(new_nodes, du.attach(new_nodes))
     recomputed = tuple(sorted(v for v in cloner.ever_cloned if v in st.saved))
     return RecomputeResult(out, tuple(dict.fromkeys(cloner.cloned)), recomputed,
@@ -234,15 +233,13 @@ class _Cloner:
 
 
 def _drop_dead_forward_outputs(nodes: list[onnx.NodeProto], st: StepStructure,
-                               graph_outputs: set[str], du: DefUse,
-                               cloned: set[str] = frozenset()) -> list[onnx.NodeProto]:
+                               graph_outputs: set[str], du: DefUse) -> list[onnx.NodeProto]:
     """Forward outputs that only the backward read, and now nobody reads, must go.
 
     ORT never frees an output that no node consumes, so leaving one behind would pin it for
     the whole step: drop unread optional outputs, and whole forward nodes nobody reads.
     Removing a node can leave its inputs unread, so this repeats to a fixed point (which is
-    the same whatever the order of removals). Except the outputs of ``SAME_OUTPUTS_AS_CLONES``
-    ops that a clone has (``cloned``: forward values that got one), which stay.
+    the same whatever the order of removals).
     """
 
     def read(v: str) -> bool:
@@ -266,11 +263,9 @@ def _drop_dead_forward_outputs(nodes: list[onnx.NodeProto], st: StepStructure,
                     work.append(p)
                     waiting.add(id(p))
             continue
-        like_clones = n.op_type in SAME_OUTPUTS_AS_CLONES
         for k in range(len(names) - 1, 0, -1):
             o = names[k]
-            if o and not read(o) and optional_output(n, k) and not _outputs_required(n) \
-                    and not (like_clones and o in cloned):
+            if o and not read(o) and optional_output(n, k) and not _outputs_required(n):
                 du.drop_output(n, k)
         while len(n.output) > 1 and not n.output[-1]:
             n.output.pop()
@@ -278,15 +273,6 @@ def _drop_dead_forward_outputs(nodes: list[onnx.NodeProto], st: StepStructure,
 
 
 _SIDE_EFFECTS = frozenset()
-
-# Ops whose forward node keeps the outputs its clones have, read or not: ORT's
-# common-subexpression elimination (on in a default session) merges a clone with the
-# forward node it repeats and indexes the clone's outputs in the forward node's; a
-# LayerNormalization forward with its Mean and InvStdDev dropped and a clone that kept them
-# crashed onnxruntime 1.31.1 opening a BERT plan (tests/test_passes_recompute.py). Their
-# extra outputs are per-row statistics, small, and pinned for the step as unread outputs
-# are (the simulation counts them).
-SAME_OUTPUTS_AS_CLONES = frozenset({"LayerNormalization"})
 
 
 def _outputs_required(node: onnx.NodeProto) -> bool:
