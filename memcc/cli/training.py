@@ -224,6 +224,9 @@ def _train_data_parallel(opts: TrainOptions, nproc: int | None, zero: int, *,
     if as_json:
         sys.stdout.write(json.dumps({**result.to_json(), "distributed": info}) + "\n")
         return
+    if result.resumed_from:   # one process says it before its first step; the ranks, here
+        out.print(f"resumed from {result.resumed_from} (step {result.start_step})",
+                  highlight=False)
     _print_trained(result)
     from memcc.api import format_size
 
