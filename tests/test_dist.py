@@ -470,3 +470,18 @@ def test_zero2_is_refused_where_an_update_reads_every_gradient(tmp_path):
         r = runner.invoke(app, args)
         assert r.exit_code == 2, r.output
         assert "--zero 2" in r.output and "--zero 1 or 0" in r.output, r.output
+
+
+def test_one_process_training_a_step_planned_for_ranks_says_so(tmp_path):
+    """A step compiled with --nproc (``memcc.ranks`` in its metadata) trained by one process:
+    the data-parallel run warns of other ranks; one process said nothing."""
+    from memcc.step import RANKS_KEY
+
+    step = build_training_step(load_graph(_mlp(4)), BuildOptions())
+    step.metadata[RANKS_KEY] = json.dumps({"world_size": 2, "zero": 1, "bucket_bytes": None,
+                                           "peak_bytes_per_rank": [1, 1], "budget_bytes": 2})
+    t = Trainer(save_graph(step, tmp_path / "ranks.onnx"), threads=1)
+    assert any("planned for 2 data-parallel ranks" in n and "--zero 1" in n for n in t.notes)
+    plain = Trainer(save_graph(build_training_step(load_graph(_mlp(4)), BuildOptions()),
+                               tmp_path / "plain.onnx"), threads=1)
+    assert not any("data-parallel" in n for n in plain.notes)

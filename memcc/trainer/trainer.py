@@ -36,6 +36,7 @@ checkpoints every ``save_every`` steps.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -56,7 +57,7 @@ from memcc.graph import Graph
 from memcc.passes.analysis.arrange import ArrangedStep, arrange_step
 from memcc.passes.analysis.device_memory import DevicePrediction, predict_device
 from memcc.passes.analysis.inplace import InPlaceUpdates
-from memcc.step import TrainingStep
+from memcc.step import RANKS_KEY, TrainingStep
 from memcc.trainer.checkpoints import step_signature
 from memcc.trainer.export import ExportRequest, export_weights
 
@@ -112,6 +113,9 @@ class Trainer:
         # What to know about how it runs (the provider note first; a 16-bit step's nodes
         # without kernels here).
         self.notes: list[str] = [self.provider_note] if self.provider_note else []
+        ranks = _planned_ranks(loaded)
+        if ranks:
+            self.notes.append(ranks)
         self.graph, self._rewritten_for_provider = step_for_provider(
             loaded, self.provider, deterministic=deterministic, notes=self.notes)
         self.spec = TrainingStep.of(self.graph).validate(
@@ -310,6 +314,23 @@ class Trainer:
         return export_weights(graph, spec, self.state_dict(),
                               ExportRequest(path, format, [("the training step", self.path)]),
                               source=str(self.path))
+
+
+def _planned_ranks(graph: Graph) -> str | None:
+    """A note where the step was compiled for data-parallel ranks (``memcc compile --nproc``)
+    and one process trains it: the plan checked a rank's step, not this one (the data-parallel
+    run warns of other ranks; one process said nothing)."""
+    text = graph.metadata.get(RANKS_KEY)
+    if not text:
+        return None
+    try:
+        r = json.loads(text)
+        return (f"this step was planned for {int(r['world_size'])} data-parallel ranks "
+                f"(memcc compile --nproc {int(r['world_size'])} --zero {int(r['zero'])}), "
+                "and one process trains it: the plan's per-rank budget was not checked for "
+                "this step (train with --nproc, or compile without it)")
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def describe_in_place(trainer: Trainer) -> str:
