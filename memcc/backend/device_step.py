@@ -71,12 +71,12 @@ def step_for_provider(graph: Graph, provider: str, *, deterministic: bool = Fals
     changed = graph is not original
     emulated = report.get("sixteen_bit_emulated") or {}
     if notes is not None and emulated:
+        from memcc.passes.providers.sixteen_bit import describe_emulated
+
         notes.append(f"the {provider} provider of this onnxruntime has no 16-bit kernel for "
-                     f"{sum(emulated.values())} node(s) of the step ("
-                     + ", ".join(f"{op} {n}" for op, n in sorted(emulated.items(),
-                                                                 key=lambda kv: -kv[1]))
-                     + "): they compute in float32 between casts, so the step runs slower "
-                     "than its float32 build (README, \"Mixed precision\")")
+                     f"{describe_emulated(emulated)}: they compute in float32 between casts, "
+                     "so the step runs slower than its float32 build (README, \"Mixed "
+                     "precision\")")
     if provider == "cuda" and deterministic:
         from memcc.passes.providers.deterministic_reductions import to_trailing_axes
         from memcc.passes.providers.deterministic_scatter import for_cuda_determinism

@@ -248,11 +248,10 @@ def _say_sixteen_bit_emulated(run: CompileRun, summary: dict, opset: int) -> Non
     if not emulated:
         return
     from memcc.frontend.kernel_coverage import has_kernel_for
+    from memcc.passes.providers.sixteen_bit import describe_emulated
 
     precision = summary.get("precision", {}).get("precision", "16-bit")
     provider = run.options.provider
-    total = sum(emulated.values())
-    ops = ", ".join(f"{op} {n}" for op, n in sorted(emulated.items(), key=lambda kv: -kv[1]))
     other = {"bf16": ("fp16", TensorProto.FLOAT16), "fp16": ("bf16", TensorProto.BFLOAT16)}
     hint = ""
     if precision in other:
@@ -262,7 +261,7 @@ def _say_sixteen_bit_emulated(run: CompileRun, summary: dict, opset: int) -> Non
             hint = (f" With --precision {name} the provider has kernels for "
                     f"{', '.join(sorted(there))}.")
     run.warning(f"{run.label}: the {provider} provider of this onnxruntime has "
-                f"no {precision} kernel for {total} node(s) of the step ({ops}): memcc "
+                f"no {precision} kernel for {describe_emulated(emulated)}: memcc "
                 "computes them in float32 between 16-bit casts, so the step holds 16-bit "
                 "values (the memory of a 16-bit step) but runs slower than its float32 build "
                 f"(README, \"Mixed precision\"; docs/PRECISION.md lists the kernels).{hint}")
