@@ -393,16 +393,30 @@ def export_cmd(
         help="onnx (the forward model with the trained weights; default unless OUT ends in "
              ".safetensors) or safetensors (the weights under the exported model's "
              "initializer names).")] = None,
+    eval_mode: Annotated[bool, typer.Option(
+        "--eval", help="Write the ONNX model as inference runs it, as PyTorch's module.eval() "
+                       "does: training-mode BatchNorms read the trained running statistics, "
+                       "Dropouts pass their input through. Refused where the model draws "
+                       "other random numbers (stochastic depth). Without it a model exported "
+                       "in train mode keeps train mode, and export says so.")] = False,
 ) -> None:
     """Write the trained weights out: the forward ONNX model, or a safetensors file."""
     from memcc.api import export_checkpoint
+    from memcc.trainer.eval_mode import EVAL_NOTE
+
+    def said(message: str) -> None:
+        if message.startswith(EVAL_NOTE):
+            out.print(message, highlight=False)
+        else:
+            warn(message)
 
     suffix = output.suffix.lower()
     if fmt is not None and suffix in (".onnx", ".safetensors") and suffix != f".{fmt.lower()}":
         warn(f"--format {fmt} writes {fmt} into {output}, whose name says {suffix[1:]}: "
              f"name it .{fmt.lower()} unless you mean it")
     try:
-        path = export_checkpoint(model, checkpoint, output, format=fmt, warn=warn)
+        path = export_checkpoint(model, checkpoint, output, format=fmt, warn=said,
+                                 eval_mode=eval_mode)
     except MemccError as exc:
         fail(exc)
     out.print(f"wrote {path}", highlight=False)

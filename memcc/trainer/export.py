@@ -25,6 +25,7 @@ from memcc.frontend.load import load_graph
 from memcc.graph import Graph, ancestors
 from memcc.step import TrainingStep
 from memcc.trainer.checkpoints import step_signature
+from memcc.trainer.eval_mode import inference_or_train_mode
 
 EXPORT_FORMATS = ("onnx", "safetensors")
 
@@ -34,19 +35,23 @@ class ExportRequest:
     """Where an export goes and in what form: ``output``; ``format`` ``onnx`` or
     ``safetensors`` (None: by ``output``'s suffix); ``inputs``, the files the export reads
     (the step, the checkpoint) as (what, path), which ``output`` must not overwrite
-    (``check_writable``)."""
+    (``check_writable``); ``eval_mode``, the ONNX model as inference runs it
+    (``trainer/eval_mode.py``)."""
 
     output: str | os.PathLike
     format: str | None = None
     inputs: Iterable[tuple[str, str | os.PathLike]] = ()
+    eval_mode: bool = False
 
 
 def export_checkpoint(step_path: str | os.PathLike, checkpoint: str | os.PathLike,
                       output: str | os.PathLike, *, format: str | None = None,
-                      warn: Callable[[str], None] | None = None) -> Path:
+                      warn: Callable[[str], None] | None = None,
+                      eval_mode: bool = False) -> Path:
     """``memcc export``: the trained weights of ``checkpoint`` out of ``step_path``'s model.
 
-    ``warn`` hears about parameters a PyTorch ``load_state_dict`` will not find by name."""
+    ``warn`` hears about parameters a PyTorch ``load_state_dict`` will not find by name, and
+    about train-mode nodes an ONNX model keeps without ``eval_mode``."""
     path = Path(step_path)
     graph = load_graph(path)
     spec = TrainingStep.of(graph).validate(
@@ -55,8 +60,9 @@ def export_checkpoint(step_path: str | os.PathLike, checkpoint: str | os.PathLik
     c = ckpt.load(checkpoint, sig=step_signature(graph, spec), purpose="export")
     out = export_weights(graph, spec, c.tensors,
                          ExportRequest(output, format, [("the training step", path),
-                                                        ("the checkpoint", c.path)]),
-                         source=str(path))
+                                                        ("the checkpoint", c.path)],
+                                       eval_mode),
+                         source=str(path), warn=warn)
     weights_only = (format or "").lower() == "safetensors" or \
         (format is None and out.suffix == ".safetensors")
     if warn is not None and weights_only:
@@ -92,18 +98,29 @@ def weight_export_notes(spec: TrainingStep) -> list[str]:
 
 
 def export_weights(graph: Graph, spec: TrainingStep, state: Mapping[str, np.ndarray],
-                   request: ExportRequest, *, source: str = "<step>") -> Path:
+                   request: ExportRequest, *, source: str = "<step>",
+                   warn: Callable[[str], None] | None = None) -> Path:
     """Write the forward model with ``state`` as its weights, or those weights alone, as
-    ``request`` says."""
+    ``request`` says; ``warn`` hears what an ONNX model keeps of train mode, or what
+    ``eval_mode`` changed."""
     from memcc.backend.onnx_file import check_writable, save_graph
 
     out, format, inputs = Path(request.output), request.format, request.inputs
     fmt = (format or ("safetensors" if out.suffix == ".safetensors" else "onnx")).lower()
     if fmt not in EXPORT_FORMATS:
         raise InputError(f"--format '{format}': choose one of {', '.join(EXPORT_FORMATS)}")
+    if request.eval_mode and fmt != "onnx":
+        raise InputError("--eval writes the ONNX model as inference runs it; a safetensors "
+                         "file holds the weights and running statistics alone (PyTorch's "
+                         "module.eval() does the rest): drop --eval, or write .onnx")
     check_writable(out, "the exported model", "--output/-o", inputs=inputs)
-    fwd = forward_graph(graph, spec, state, source=source)
+    notes: list[str] = []
+    fwd = forward_graph(graph, spec, state, source=source, eval_mode=request.eval_mode,
+                        notes=notes)
     if fmt == "onnx":
+        for note in notes:
+            if warn is not None:
+                warn(note)
         return save_graph(fwd, out)
     sources = spec.parameter_sources()
     weights: dict[str, np.ndarray] = {}
@@ -154,8 +171,11 @@ def _with_projection(graph: Graph, spec: TrainingStep) -> Graph:
 
 
 def forward_graph(graph: Graph, spec: TrainingStep, state: Mapping[str, np.ndarray], *,
-                  source: str = "<step>") -> Graph:
-    """The forward model inside a step: the nodes its outputs need, ``state`` as weights."""
+                  source: str = "<step>", eval_mode: bool = False,
+                  notes: list[str] | None = None) -> Graph:
+    """The forward model inside a step: the nodes its outputs need, ``state`` as weights;
+    with ``eval_mode`` as inference runs it. ``notes`` hears what train mode it keeps, or
+    what ``eval_mode`` changed."""
     outputs = list(spec.forward_outputs)
     if not outputs:
         raise InputError(f"{source}: the step does not record its forward model's outputs "
@@ -164,6 +184,10 @@ def forward_graph(graph: Graph, spec: TrainingStep, state: Mapping[str, np.ndarr
     # A rewritten Dropout goes back as the plain node (the counter is the step's alone).
     # A --precision bf16/fp16 step: the forward as exported, float32 (master weights).
     graph = without_autocast(restore_dropouts(_with_projection(graph, spec)))
+    graph, note = inference_or_train_mode(graph, spec, outputs, eval_mode=eval_mode,
+                                          source=source)
+    if note and notes is not None:
+        notes.append(note)
     du = graph.def_use()
     stored = set(graph.initializers) | set(state)
     reached, values = ancestors(outputs, du.producer)

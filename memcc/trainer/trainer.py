@@ -304,15 +304,18 @@ class Trainer:
         return trainer
 
     # ------------------------------------------------------------------ export
-    def export(self, path: str | os.PathLike, *, format: str | None = None) -> Path:
-        """Write the trained forward model (``onnx``) or its weights (``safetensors``);
-        the format defaults to the file suffix."""
+    def export(self, path: str | os.PathLike, *, format: str | None = None,
+               eval_mode: bool = False) -> Path:
+        """Write the trained forward model (``onnx``; with ``eval_mode`` as inference runs
+        it, ``memcc export --eval``) or its weights (``safetensors``); the format defaults
+        to the file suffix."""
         graph, spec = self.graph, self.spec
         if self._rewritten_for_provider:
             graph = load_graph(self.path)
             spec = TrainingStep.of(graph)
         return export_weights(graph, spec, self.state_dict(),
-                              ExportRequest(path, format, [("the training step", self.path)]),
+                              ExportRequest(path, format, [("the training step", self.path)],
+                                            eval_mode),
                               source=str(self.path))
 
 

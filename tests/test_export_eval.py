@@ -1,0 +1,137 @@
+"""``memcc export --eval``: the trained model written as PyTorch's eval mode runs it.
+
+A model exported in train mode keeps train mode in the forward model ``memcc export``
+writes (batch statistics, dropping Dropouts); the deployment a user trains for is
+``module.eval()``. These tests train a step two SGD steps, export it with ``--eval`` and
+hold its ONNX output against the PyTorch module in eval mode loaded with the exported
+weights, for both exporters; a step rewritten for CUDA (BatchNorm as reductions) exports
+the same model; a random draw outside Dropout is refused, not written.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import safetensors.torch
+import torch
+from exports import DYNAMO_NOOPT, export
+from typer.testing import CliRunner
+
+from memcc import api
+from memcc.cli import app
+from memcc.errors import InputError
+from memcc.frontend.build import BuildOptions
+from memcc.passes.providers.provider_step import for_provider
+from memcc.step import TrainingStep
+from memcc.trainer import Trainer, forward_graph
+
+
+def _trained(exporter: str, tmp_path: Path) -> tuple[Path, Path, torch.nn.Module, dict]:
+    """The MobileNet block (three BatchNorms, a Dropout of 0.1) exported in train mode,
+    built, trained two SGD steps and checkpointed."""
+    path, module, inputs, dims = export("mobilenet_block", exporter, training=True,
+                                        dropout=0.1)
+    step_path = tmp_path / "s.onnx"
+    api.build(path, step_path, dims=dims, options=BuildOptions(optimizer="sgd", lr=0.1))
+    trainer = Trainer(step_path)
+    labels = np.random.default_rng(0).integers(0, 10, size=2).astype(np.int64)
+    for _ in range(2):
+        trainer.step({**inputs, "labels": labels})
+    trainer.save(tmp_path / "ckpt")
+    return step_path, tmp_path / "ckpt", module, inputs
+
+
+def _export(step: Path, ckpt: Path, out: Path, *flags: str) -> str:
+    r = CliRunner().invoke(app, ["export", str(step), "--checkpoint", str(ckpt), "-o",
+                                 str(out), *flags])
+    assert r.exit_code == 0, r.output
+    return r.output
+
+
+def _run(path: Path, inputs: dict[str, np.ndarray], threads: int) -> np.ndarray:
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    return sess.run(None, {i.name: inputs[i.name] for i in sess.get_inputs()})[0]
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", DYNAMO_NOOPT])
+def test_eval_export_computes_what_pytorch_eval_mode_does(exporter, tmp_path):
+    step, ckpt, module, inputs = _trained(exporter, tmp_path)
+    said = _export(step, ckpt, tmp_path / "eval.onnx", "--eval")
+    assert "eval mode: 3 BatchNorm(s)" in said and "1 Dropout(s)" in said, said
+    plain = _export(step, ckpt, tmp_path / "train.onnx")
+    assert "keeps train mode" in plain and "--eval" in plain, plain
+    _export(step, ckpt, tmp_path / "w.safetensors")
+
+    weights = safetensors.torch.load_file(tmp_path / "w.safetensors")
+    missing, unexpected = module.load_state_dict(weights, strict=False)
+    assert not unexpected and all(k.endswith("num_batches_tracked") for k in missing), \
+        (missing, unexpected)
+    module.eval()
+    with torch.no_grad():
+        want = module(**{k: torch.from_numpy(v) for k, v in inputs.items()}).numpy()
+    scale = float(np.abs(want).max())
+    for threads in (1, 2):
+        got = _run(tmp_path / "eval.onnx", inputs, threads)
+        assert np.abs(got - want).max() <= 1e-5 * scale, (threads, got, want)
+    # The train-mode file normalises by the batch: another answer (the test can fail).
+    assert np.abs(_run(tmp_path / "train.onnx", inputs, 1) - want).max() > 1e-3 * scale
+    fwd = onnx.load(tmp_path / "eval.onnx")
+    assert not any(a.name == "training_mode" and a.i for n in fwd.graph.node
+                   for a in n.attribute)
+
+
+def test_a_step_rewritten_for_cuda_exports_the_same_eval_model(tmp_path):
+    """On CUDA a training-mode BatchNorm is reductions feeding an inference-mode one
+    (``passes/providers/batchnorm_for_cuda.py``): ``--eval`` points that node at the
+    running statistics, and the reductions go."""
+    path, _, inputs, dims = export("mobilenet_block", "torchscript", training=True,
+                                   dropout=0.1)
+    step = api.build(path, tmp_path / "s.onnx", dims=dims, options=BuildOptions())
+    spec = TrainingStep.of(step)
+    state = {k: np.asarray(v) for k, v in step.initializers.items()}
+    on_cuda = for_provider(step, "cuda")[0]
+    assert any(n.op_type == "ReduceSumSquare" for n in on_cuda.nodes)
+    plain, cuda = (forward_graph(g, spec, state, eval_mode=True) for g in (step, on_cuda))
+    assert not any(n.op_type == "ReduceSumSquare" for n in cuda.nodes)
+    assert sorted(n.op_type for n in cuda.nodes) == sorted(n.op_type for n in plain.nodes)
+    from memcc.backend.onnx_file import save_graph
+    a, b = (save_graph(g, tmp_path / f"{k}.onnx") for k, g in (("a", plain), ("b", cuda)))
+    assert np.array_equal(_run(a, inputs, 1), _run(b, inputs, 1))
+
+
+class _Noisy(torch.nn.Module):
+    """Gaussian noise in train mode, as a noise layer (or stochastic depth) writes it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            x = x + 0.1 * torch.randn_like(x)
+        return self.fc(x)
+
+
+def test_a_random_draw_outside_dropout_is_refused_and_nothing_written(tmp_path):
+    module = _Noisy().train()
+    x = torch.randn(2, 6)
+    src = tmp_path / "noisy.onnx"
+    torch.onnx.export(module, (x,), str(src), dynamo=False, input_names=["x"],
+                      output_names=["logits"], training=torch.onnx.TrainingMode.TRAINING,
+                      do_constant_folding=False)
+    step = api.build(src, tmp_path / "s.onnx", options=BuildOptions())
+    spec = TrainingStep.of(step)
+    with pytest.raises(InputError, match="random draw.*RandomNormalLike"):
+        forward_graph(step, spec, dict(step.initializers), eval_mode=True)
+    Trainer(tmp_path / "s.onnx").save(tmp_path / "ckpt")
+    r = CliRunner().invoke(app, ["export", str(tmp_path / "s.onnx"), "--checkpoint",
+                                 str(tmp_path / "ckpt"), "-o", str(tmp_path / "e.onnx"),
+                                 "--eval"])
+    assert r.exit_code != 0 and "random draw" in r.output, r.output
+    assert not (tmp_path / "e.onnx").exists()
