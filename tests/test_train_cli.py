@@ -215,12 +215,14 @@ def test_pytorch_round_trip_train_50_steps_export_and_load_state_dict(tmp_path):
     assert rel <= 1e-5, rel
     onnx.checker.check_model(onnx.load(str(tmp_path / "trained.onnx")))
 
-    # BatchNorm statistics are updated through a second buffer, not in place: still the
-    # copying runner's numbers.
+    # The running mean comes out of the BatchNorm kernel, updated through a second buffer,
+    # not in place; the running variance of this PyTorch model is the Mul that makes it
+    # PyTorch's (frontend/running_variance.py), which writes in place. Still the copying
+    # runner's numbers.
     from memcc import Trainer
 
     trainer = Trainer(step, threads=1)
-    assert set(trainer.in_place.refused) == {"bn.running_mean.new", "bn.running_var.new"}
+    assert set(trainer.in_place.refused) == {"bn.running_mean.new"}
     feeds = {"input": batch, "labels": rng.integers(0, 4, 8)}
     losses = [trainer.step(feeds) for _ in range(3)]
     ref_losses, ref_state = _copying_loop(step, feeds, 3)

@@ -43,6 +43,7 @@ from memcc.frontend.fold import fold_shape_computations
 from memcc.frontend.folded_copies import recompute_folded_copies
 from memcc.frontend.function_ops import expand_function_ops
 from memcc.frontend.ort_kernels import inlined_by_ort
+from memcc.frontend.running_variance import PRODUCER_KEY
 from memcc.frontend.sequences import EMBEDDING_BAG, embedding_bag_hint
 from memcc.frontend.weights_apart import STUB_BYTES, Arrays, own_weights, read_apart, with_weights
 from memcc.graph import Graph, TensorInfo, node_label
@@ -168,6 +169,8 @@ def load_graph(
         model = _infer(model, where)
     _check_supported_structure(model, where)
     graph = Graph.from_model(model, weights=arrays)
+    if model.producer_name:  # whose BatchNorm semantics the step follows
+        graph.metadata.setdefault(PRODUCER_KEY, model.producer_name)
     signature = read_signature(model)
     if signature is not None:  # the builder reads which initializers are torch buffers
         graph.metadata[SIGNATURE_KEY] = signature.to_json()

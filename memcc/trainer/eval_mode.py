@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import onnx
 
 from memcc.errors import InputError
+from memcc.frontend.running_variance import carried_value
 from memcc.graph import Graph, ancestors, attr
 from memcc.step import TrainingStep
 
@@ -85,10 +86,12 @@ def in_eval_mode(graph: Graph, spec: TrainingStep, outputs: list[str], *,
     docstring lists; raises ``InputError`` where the outputs read a random draw."""
     carried = set(spec.state.values())
     running = _running_of_batch_statistics(graph, spec)
+    producer = graph.def_use().producer
     nodes: list[onnx.NodeProto] = []
     bns = drops = 0
     for n in graph.nodes:
-        stats = list(n.input[3:5])
+        # The running variance of a PyTorch model is fed divided (running_variance.py).
+        stats = [carried_value(s, producer) for s in n.input[3:5]]
         if n.op_type == "BatchNormalization" and len(stats) == 2:
             if _is_training_bn(n) and set(stats) <= carried:
                 nodes.append(_inference_batchnorm(n, stats))
@@ -143,13 +146,14 @@ def _running_of_batch_statistics(graph: Graph, spec: TrainingStep) -> dict[str, 
     producer = graph.def_use().producer
     found: dict[str, str] = {}
     for new, old in spec.state.items():
-        add = producer.get(new)
+        add = producer.get(carried_value(new, producer))
         if add is None or add.op_type != "Add":
             continue
         muls = [producer.get(i) for i in add.input]
         if not all(m is not None and m.op_type == "Mul" for m in muls):
             continue
-        reads = [set(m.input) for m in muls]  # type: ignore[union-attr]
+        reads = [{carried_value(i, producer) for i in m.input}  # type: ignore[union-attr]
+                 for m in muls]
         for mine, other in ((reads[0], reads[1]), (reads[1], reads[0])):
             if old in mine:
                 for batch in other:
