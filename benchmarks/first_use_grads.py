@@ -16,6 +16,9 @@ all parameters (a parameter before a BatchNorm has a gradient that is zero up to
 rounding), the worst over all parameters. The segmentation cases (``seg_`` models, logits
 [N, 5, H, W]) are built with ``--class-axis 1 --ignore-index 255`` and compared with
 ``cross_entropy(..., ignore_index=255)`` on labels [N, H, W] a tenth of them 255.
+In train-mode cases the running statistics the step carries (BatchNorm's ``running_mean``
+and ``running_var`` under torch's buffer names) are held against torch's after the same
+forward from the same starting values (the last column; same relative measure).
 
     pip install timm torchvision      # in a venv of their own (see first_use_models.py)
     python benchmarks/first_use_grads.py --cases googlenet.ts.train,mnasnet.noopt.train
@@ -68,11 +71,21 @@ def _labels(model_name: str, batch: int, px: int) -> tuple[np.ndarray, dict]:
 
 
 def _torch_grads(model: torch.nn.Module, x: np.ndarray, labels: np.ndarray,
-                 dtype: torch.dtype) -> tuple[float, dict[str, np.ndarray]]:
+                 dtype: torch.dtype, stats: dict[str, np.ndarray] | None = None
+                 ) -> tuple[float, dict[str, np.ndarray]]:
+    """Loss and parameter gradients; with ``stats`` (running statistics by buffer name,
+    the step's initial ones), the buffers start from them, and ``stats`` receives the
+    values the forward left (a train-mode export ran the module once already)."""
     m = copy.deepcopy(model).to(dtype)
+    buffers = dict(m.named_buffers())
+    with torch.no_grad():
+        for k, v in (stats or {}).items():
+            buffers[k].copy_(torch.from_numpy(np.array(v)))
     loss = torch.nn.functional.cross_entropy(m(torch.from_numpy(x).to(dtype)),
                                              torch.from_numpy(labels), ignore_index=255)
     loss.backward()
+    if stats is not None:
+        stats.update({k: buffers[k].double().numpy() for k in stats})
     return float(loss), {n: p.grad.double().numpy() for n, p in m.named_parameters()
                          if p.grad is not None}
 
@@ -112,9 +125,16 @@ def check(case: tuple) -> dict:
              and k[:-5] in torch_values and np.array_equal(
                  np.asarray(step.initializers[k[:-5]]).reshape(-1),
                  torch_values[k[:-5]].reshape(-1))}
-    loss32, g32 = _torch_grads(model, x, labels, torch.float32)
+    # The BatchNorm running statistics the step carries under torch's buffer names.
+    buffers = dict(model.named_buffers())
+    stats = {k[:-4]: np.asarray(step.initializers[k[:-4]]) for k in out
+             if k.endswith(".new") and k[:-4] in buffers and "running_" in k}
+    loss32, g32 = _torch_grads(model, x, labels, torch.float32, stats)
     loss64, g64 = _torch_grads(model, x, labels, torch.float64)
+    carried = {k: out[f"{k}.new"].astype(np.float64) for k in stats}
     return {"case": name, "loss_memcc": float(out["loss"]), "loss_torch32": loss32,
+            "running_stats": (_worst(carried, stats) if stats else (float("nan"), "none")),
+            "stats_compared": len(stats),
             "loss_torch64": loss64, "compared": len(set(memcc) & set(g64)), "of": len(g64),
             "memcc_vs_torch32": _worst(memcc, g32), "memcc_vs_torch64": _worst(memcc, g64),
             "torch32_vs_torch64": _worst(g32, g64)}
@@ -128,13 +148,16 @@ def main() -> None:
     fu._torchvision_schemas()
     wanted = set(a.cases.split(",")) if a.cases else None
     print("| case | loss memcc / torch fp32 | gradients compared | memcc vs torch fp32 | "
-          "memcc vs torch fp64 | torch fp32 vs torch fp64 |\n|---|---|---|---|---|---|")
+          "memcc vs torch fp64 | torch fp32 vs torch fp64 | running statistics vs torch "
+          "fp32 |\n|---|---|---|---|---|---|---|")
     for case in fu.CASES:
         if case[1].startswith(("hf_", "rnn_")) or (wanted is not None and case[0] not in wanted):
             continue
         r = check(case)
         cells = [f"{r[k][0]:.1e} ({r[k][1]})" for k in
                  ("memcc_vs_torch32", "memcc_vs_torch64", "torch32_vs_torch64")]
+        cells.append(f"{r['running_stats'][0]:.1e} ({r['stats_compared']} compared; "
+                     f"worst {r['running_stats'][1]})")
         print(f"| {r['case']} | {r['loss_memcc']:.6f} / {r['loss_torch32']:.6f} | "
               f"{r['compared']} of {r['of']} | " + " | ".join(cells) + " |", flush=True)
 
