@@ -454,6 +454,32 @@ def test_nproc_runs_where_the_step_was_planned(files, tmp_path, monkeypatch, cap
     assert _on_planned_provider(opts, say=True).provider == "cuda"
 
 
+def test_json_runs_still_warn_on_stderr(files, tmp_path, monkeypatch, capsys):
+    """``--json`` keeps stdout for its object; the note that a CUDA plan runs on the CPU and
+    the warning that the step was planned for other ranks still reach stderr (both were
+    dropped with --json)."""
+    from memcc.backend import session
+    from memcc.dist import launch
+    from memcc.step import PROVIDER_KEY
+
+    model = onnx.load(str(files["sgd4"]))
+    onnx.helper.set_model_props(model, {**{p.key: p.value for p in model.metadata_props},
+                                        PROVIDER_KEY: "cuda"})
+    planned = tmp_path / "cuda_plan.onnx"
+    onnx.save(model, str(planned))
+    monkeypatch.setattr(session, "cuda_unavailable_reason", lambda: "no GPU in this test")
+    monkeypatch.setattr(launch, "planned_for_other_ranks", lambda *a: "planned for 4 ranks")
+    monkeypatch.setattr(launch, "_check_placement", lambda *a: None)
+    monkeypatch.setattr(launch, "_spawn", lambda dopts: ("ran", dopts.quiet))
+    monkeypatch.setattr(launch, "_raise_if_interrupted", lambda out: out)
+    out = launch.train_distributed(TrainOptions(step=planned, data=files["data"]), 2,
+                                   quiet=True)
+    assert out == ("ran", True)
+    err = capsys.readouterr()
+    assert "planned for CUDA" in err.err and "warning:" in err.err
+    assert "planned for 4 ranks" in err.err and err.out == ""
+
+
 def test_zero2_is_refused_where_an_update_reads_every_gradient(tmp_path):
     """A dynamic loss scale's overflow check reads every gradient, which ZeRO-2 keeps on one
     rank each: refused before any rank starts (train) and before planning (compile),

@@ -59,7 +59,8 @@ def train_distributed(opts: TrainOptions, nproc: int | None, *, zero: int = 0,
                          "its parameters' averaged gradients)")
     torch_distributed()
     env = launched_by_torchrun()
-    opts = _on_planned_provider(opts, say=not quiet and (env is None or env[0] == 0))
+    # Notes and warnings go to stderr even with --json (``quiet``), whose object is stdout's.
+    opts = _on_planned_provider(opts, say=env is None or env[0] == 0)
     if env is not None:
         rank, world, local_rank = env
         if nproc is not None and nproc != world:
@@ -79,7 +80,7 @@ def train_distributed(opts: TrainOptions, nproc: int | None, *, zero: int = 0,
     checkpoint_to_resume(dopts, run)  # refuse bad input before any rank starts
     mismatch = planned_for_other_ranks(run.graph.metadata, nproc, zero, buckets)
     del run
-    if mismatch and not quiet:
+    if mismatch:
         print(f"warning: {opts.step}: {mismatch}", file=sys.stderr, flush=True)
     _check_placement(dopts, nproc)
     gc.collect()
