@@ -230,29 +230,30 @@ def _train_data_parallel(opts: TrainOptions, nproc: int | None, zero: int, *,
     _print_trained(result)
     from memcc.api import format_size
 
-    state = ", ".join(mb(b) for b in info["optimizer_state_bytes_per_rank"])
     out.print(f"data-parallel: {info['world_size']} ranks x {info['rank_batch']} = "
               f"{info['global_batch']} samples a step; ZeRO-{info['zero']}"
               + (f", gradients in buckets of {format_size(info['bucket_bytes'])}"
                  if info.get("bucket_bytes") else "") + "; optimizer state "
-              f"per rank: {state}", highlight=False)
+              + _by_rank(info["optimizer_state_bytes_per_rank"]), highlight=False)
     measured = info.get("step_peak_bytes_per_rank") or []
+    predicted = info["predicted_peak_bytes_per_rank"]
     if any(m is not None for m in measured):
         planned = info.get("planned") or {}
-        out.print("memory per rank: step peak "
-                  + ", ".join(mb(m) for m in measured) + " measured, "
-                  + ", ".join(mb(p) for p in info["predicted_peak_bytes_per_rank"])
-                  + " predicted"
+        out.print("step peak measured / predicted: " + _by_rank(measured, predicted)
                   + (f"; budget {mb(planned['budget_bytes'])} per rank (memcc compile "
                      f"--nproc {planned['world_size']})" if planned else ""),
                   highlight=False)
     elif info.get("rss_bytes_per_rank"):
-        out.print("memory per rank: "
-                  + ", ".join(mb(p) for p in info["predicted_peak_bytes_per_rank"])
-                  + " predicted; the processes hold "
-                  + ", ".join(mb(r) for r in info["rss_bytes_per_rank"])
-                  + " resident (each step's own peak is measured with --measure-memory)",
+        out.print("step peak predicted / the process resident: "
+                  + _by_rank(predicted, info["rss_bytes_per_rank"])
+                  + " (each step's own peak is measured with --measure-memory)",
                   highlight=False)
+
+
+def _by_rank(*columns: list[int | None]) -> str:
+    """``rank 0 A / B, rank 1 A / B, ...``: one figure per column for each rank."""
+    return ", ".join(f"rank {r} " + " / ".join(mb(c[r]) for c in columns)
+                     for r in range(len(columns[0])))
 
 
 def _print_trained(result: TrainResult) -> None:
