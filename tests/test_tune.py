@@ -354,5 +354,23 @@ def test_tune_figure_draws_what_each_row_knows_and_the_whole_search():
         assert all("MB" in a.get_ylabel() or "samples" in a.get_ylabel() for a in fig.axes)
         assert max(y for y in plan.get_ydata()) <= ax.get_ylim()[1]
         assert 150e6 / mb <= ax.get_ylim()[1]  # the floor at 64 is on the chart
+        assert not any("measured" in ln.get_label() for a in fig.axes for ln in a.get_lines())
+    finally:
+        plt.close(fig)
+    # --measure: the measured peaks and speeds are drawn beside the predictions.
+    import dataclasses
+
+    rows[1] = dataclasses.replace(rows[1], measured_step_s=0.025, measured_peak_bytes=84e6)
+    rows[3] = dataclasses.replace(rows[3], measured_step_s=0.05, measured_peak_bytes=97e6)
+    fig = tune_figure(_figure_result(rows, largest=16, base_edge=8, budget=100_000_000,
+                                     target=96_950_000))
+    try:
+        found = {ln.get_label(): ln for a in fig.axes for ln in a.get_lines()}
+        peak = found["peak measured in ONNX Runtime (--measure)"]
+        assert list(peak.get_xdata()) == [8, 16]
+        assert list(peak.get_ydata()) == pytest.approx([84.0, 97.0])
+        speed = next(ln for label, ln in found.items() if label.startswith("measured samples"))
+        assert list(speed.get_ydata()) == pytest.approx([8 / 0.025, 16 / 0.05])
+        assert "measured" in fig.axes[1].get_ylabel()
     finally:
         plt.close(fig)

@@ -74,6 +74,11 @@ def tune_figure(result: TuneResult):
                 [(c.peak_bytes if c.peak_bytes is not None else c.baseline_peak_bytes) / mb
                  for c in misses], "x", ls="none", color="#c0392b", markersize=9,
                 label="does not fit")
+    peaks = [c for c in cands if c.measured_peak_bytes is not None]
+    if peaks:  # --measure: what ORT's run of each measured size peaked at
+        ax.plot([c.batch for c in peaks], [c.measured_peak_bytes / mb for c in peaks], "*",
+                ls="none", color="#1f5fa8", markersize=10,
+                label="peak measured in ONNX Runtime (--measure)")
     ax.axhline(result.budget_bytes / mb, color="#c0392b", lw=1.2,
                label=f"budget {format_size(result.budget_bytes)}")
     ax.axhline(result.planning_budget_bytes / mb, color="#c0392b", lw=1.2, ls=":",
@@ -91,6 +96,7 @@ def tune_figure(result: TuneResult):
         ax.set_xlim(low - pad, high + pad)
     shown = [c.peak_bytes for c in cands if c.peak_bytes is not None]
     shown += [c.baseline_peak_bytes for c in cands]
+    shown += [c.measured_peak_bytes for c in peaks]
     top = min(max([result.budget_bytes * 1.6, *(b * 1.05 for b in shown)]),
               result.budget_bytes * 4)
     ax.set_ylim(0, top / mb)
@@ -105,7 +111,13 @@ def tune_figure(result: TuneResult):
     timed = [c for c in cands if c.samples_per_s is not None]
     ax2.plot([c.batch for c in timed], [c.samples_per_s for c in timed], "s-",
              color="#2e8b57", label="predicted samples/s")
-    ax2.set_ylabel(f"predicted samples/s ({result.cost_source} cost model)")
+    measured = [c for c in cands if c.measured_samples_per_s is not None]
+    if measured:
+        ax2.plot([c.batch for c in measured], [c.measured_samples_per_s for c in measured],
+                 "*", ls="none", color="#2e8b57", markersize=10,
+                 label="measured samples/s (--measure, median step)")
+    ax2.set_ylabel(f"samples/s (predicted: {result.cost_source} cost model"
+                   + ("; stars measured)" if measured else ")"))
     ax2.set_ylim(bottom=0)
     lines = ax.get_legend_handles_labels()
     lines2 = ax2.get_legend_handles_labels()
