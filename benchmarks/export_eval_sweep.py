@@ -1,0 +1,102 @@
+"""``memcc export --eval`` against PyTorch's eval mode on every family of tests/exports.py.
+
+Each family is exported in train mode with Dropout 0.1 by each exporter, built (SGD,
+learning rate 0.1), trained two steps on its example batch, checkpointed and exported with
+``--eval`` (ONNX) and as safetensors. The safetensors are loaded into the PyTorch module
+(``strict=False``; keys PyTorch wanted and did not get are counted), the module is put in
+eval mode, and its output on the example batch is held against ONNX Runtime's run of the
+eval model (2 threads): the largest difference over the largest output. A row says what
+export printed or refused.
+
+    python benchmarks/export_eval_sweep.py [--families convnet,gpt2] [--exporters torchscript]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "tests")]
+from exports import DYNAMO_NOOPT, EXPORTERS, FAMILIES, export  # noqa: E402  (tests/exports.py)
+
+
+def check(family: str, exporter: str) -> str:
+    """One row of the table (without its first two cells)."""
+    import onnxruntime as ort
+    import safetensors.torch
+    import torch
+    from typer.testing import CliRunner
+
+    from memcc import api
+    from memcc.cli import app
+    from memcc.frontend.build import BuildOptions
+    from memcc.trainer import Trainer
+
+    try:
+        path, module, inputs, dims = export(family, exporter, training=True, dropout=0.1)
+    except Exception as exc:  # noqa: BLE001  (the exporter's own failure: a row)
+        return f"torch.onnx.export failed: {type(exc).__name__} | - | -"
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        d = Path(tmp)
+        try:
+            graph = api.build(path, d / "s.onnx", dims=dims,
+                              options=BuildOptions(optimizer="sgd", lr=0.1))
+        except Exception as exc:  # noqa: BLE001  (a row, not a crash)
+            return f"build refused: {str(exc)[:80]} | - | -"
+        trainer = Trainer(d / "s.onnx")
+        logits = trainer.spec.forward_outputs[0]
+        classes = int(graph.info[logits].shape[-1])
+        shape = graph.info[trainer.spec.data_inputs[-1]].shape
+        labels = np.random.default_rng(0).integers(0, classes, size=shape).astype(np.int64)
+        for _ in range(2):
+            trainer.step({**inputs, trainer.spec.data_inputs[-1]: labels})
+        trainer.save(d / "ck")
+        runner = CliRunner()
+        with contextlib.redirect_stderr(io.StringIO()):
+            r = runner.invoke(app, ["export", str(d / "s.onnx"), "--checkpoint", str(d / "ck"),
+                                    "-o", str(d / "e.onnx"), "--eval"])
+            w = runner.invoke(app, ["export", str(d / "s.onnx"), "--checkpoint", str(d / "ck"),
+                                    "-o", str(d / "w.safetensors")])
+        said = " ".join(r.output.split())
+        if r.exit_code != 0:
+            return f"refused: {said[:120]} | - | -"
+        if w.exit_code != 0:
+            return f"{said[:100]} | safetensors failed | -"
+        missing, unexpected = module.load_state_dict(
+            safetensors.torch.load_file(d / "w.safetensors"), strict=False)
+        missing = [k for k in missing if not k.endswith("num_batches_tracked")]
+        module.eval()
+        with torch.no_grad():
+            want = module(**{k: torch.from_numpy(v) for k, v in inputs.items()}).numpy()
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = 2
+        sess = ort.InferenceSession(str(d / "e.onnx"), opts, providers=["CPUExecutionProvider"])
+        got = sess.run(None, {i.name: inputs[i.name] for i in sess.get_inputs()})[0]
+        err = float(np.abs(got - want).max() / np.abs(want).max())
+        note = said.split("wrote")[0].replace("eval mode: ", "").strip() or "-"
+        return (f"{note} | {len(missing)} missing, {len(unexpected)} unexpected | "
+                f"{err:.1e}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--families", default=",".join(FAMILIES))
+    ap.add_argument("--exporters", default=",".join((*EXPORTERS, DYNAMO_NOOPT)))
+    a = ap.parse_args()
+    print("| family | exporter | export --eval said | state_dict keys | eval model vs torch "
+          "eval |\n|---|---|---|---|---|")
+    for family in a.families.split(","):
+        for exporter in a.exporters.split(","):
+            print(f"| {family} | {exporter} | {check(family, exporter)} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
