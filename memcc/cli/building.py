@@ -72,6 +72,23 @@ def build(
         elif issubclass(w.category, api.ExportWarning):
             warn(str(w.message))
     out.print(_summary(graph, output, loss, optimizer))
+    if opts.dynamic_loss_scale:
+        err.print(f"note: {_loss_scale_note(graph)}", highlight=False, soft_wrap=True)
+
+
+def _loss_scale_note(graph: Graph) -> str:
+    """What the dynamic loss scale costs in memory, said where it is chosen: the overflow
+    check reads every gradient, so none is freed before it (a loss-scaled fp16 ResNet-18
+    peaked 25% above its float32 step, its gradients outweighing the halved activations)."""
+    from memcc.api import TrainingStep, format_size
+
+    grads = sum(graph.info[p].numel * 4 for p in TrainingStep.of(graph).parameters)
+    return (f"the dynamic loss scale (--precision fp16's default) checks every gradient for "
+            f"overflow before any update, so all of them ({format_size(grads)} here) live "
+            "at once at the end of the backward: where they outweigh what 16-bit "
+            "activations save, the step peaks above its float32 build (compare memcc "
+            "analyze of the two). --precision bf16 needs no loss scale; --loss-scale none drops "
+            "the check (and the protection from overflow)")
 
 
 def _summary(graph: Graph, output: Path, loss: str, optimizer: str) -> str:
