@@ -335,3 +335,36 @@ def test_torchscript_eval_export_trains_fresh_equal_parameters_apart(tmp_path):
         got = out[f"{name}.grad"]
         err = float(np.abs(got - ref).max() / max(np.abs(ref).max(), 1e-6))
         assert err <= 1e-5, f"{name}: relative error {err:.2e}"
+
+
+def test_nested_sequentials_keep_their_state_dict_names(tmp_path):
+    """TorchScript names a Sequential's child after its parent as it spelt it
+    (``/features/features.0/features.0.0/Conv``): the scope was read as
+    ``features.0.features.0.0``, each convolution looked read by a module without
+    parameters of its own, and its made-up second name broke a strict load (torchvision's
+    MobileNetV3 and timm's EfficientNet: 102 and 205 unexpected keys)."""
+    import torch.nn as nn
+
+    def block(i: int, o: int) -> nn.Sequential:
+        return nn.Sequential(nn.Conv2d(i, o, 3, padding=1), nn.BatchNorm2d(o), nn.ReLU())
+
+    module = nn.Sequential()
+    module.add_module("features", nn.Sequential(nn.Sequential(block(3, 4)),
+                                                nn.Sequential(block(4, 6), block(6, 6))))
+    module.add_module("pool", nn.AdaptiveAvgPool2d(1))
+    module.add_module("flat", nn.Flatten())
+    module.add_module("fc", nn.Linear(6, 3))
+    x = torch.randn(2, 3, 8, 8)
+    path = tmp_path / "nested.onnx"
+    torch.onnx.export(module.train(), (x,), str(path), dynamo=False, input_names=["x"],
+                      output_names=["logits"], training=torch.onnx.TrainingMode.TRAINING)
+    step, _ = _build(path, tmp_path / "s.onnx", {})
+    names = {n for src in step.parameter_sources().values()
+             for n in src.get("pytorch_names") or ()}
+    assert names and names <= set(module.state_dict()), sorted(names - set(module.state_dict()))
+    Trainer(tmp_path / "s.onnx").save(tmp_path / "ck")
+    r = CliRunner().invoke(app, ["export", str(tmp_path / "s.onnx"), "--checkpoint",
+                                 str(tmp_path / "ck"), "-o", str(tmp_path / "w.safetensors")])
+    assert r.exit_code == 0, r.output
+    module.load_state_dict(safetensors.torch.load_file(tmp_path / "w.safetensors"),
+                           strict=True)

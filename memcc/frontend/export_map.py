@@ -301,12 +301,17 @@ def _read_scope_ties(model: onnx.ModelProto) -> ExportMap | None:
 
 def _scope_module(node_name: str) -> str:
     """``/model/lm_head/Transpose`` -> ``model.lm_head``; TorchScript spells a Sequential's
-    child with its parent's name (``/stem/stem.0/Conv`` -> ``stem.0``)."""
+    child with its parent's name as it spelt it (``/stem/stem.0/Conv`` -> ``stem.0``;
+    ``/features/features.0/features.0.0/Conv`` -> ``features.0.0``, not
+    ``features.0.features.0.0``)."""
     parts: list[str] = []
+    previous = ""
     for seg in node_name[1:].split("/")[:-1]:
-        if parts and seg.startswith(parts[-1] + "."):
-            seg = seg[len(parts[-1]) + 1:]
+        spelt = seg
+        if previous and seg.startswith(previous + "."):
+            seg = seg[len(previous) + 1:]
         parts.append(seg)
+        previous = spelt
     return ".".join(parts)
 
 
