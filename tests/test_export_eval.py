@@ -135,3 +135,36 @@ def test_a_random_draw_outside_dropout_is_refused_and_nothing_written(tmp_path):
                                  "--eval"])
     assert r.exit_code != 0 and "random draw" in r.output, r.output
     assert not (tmp_path / "e.onnx").exists()
+
+
+def test_the_exported_model_keeps_its_named_axes_where_it_runs_at_other_sizes(tmp_path):
+    """The user's model took any batch; the step was built at one. The exported model has
+    the named axes back where it runs at other sizes (a TorchScript ResNet: Flatten, no
+    folded reshape), checked against torch's eval mode at batch 1 and 3; where a reshape
+    was folded at the built sizes (GPT-2), it stays at them and export says why."""
+    path, module, inputs, dims = export("convnet", "torchscript", training=True)
+    api.build(path, tmp_path / "s.onnx", dims=dims, options=BuildOptions())
+    Trainer(tmp_path / "s.onnx").save(tmp_path / "ck")
+    said = _export(tmp_path / "s.onnx", tmp_path / "ck", tmp_path / "e.onnx", "--eval")
+    assert "written at the sizes" not in said, said
+    _export(tmp_path / "s.onnx", tmp_path / "ck", tmp_path / "w.safetensors")
+    module.load_state_dict(safetensors.torch.load_file(tmp_path / "w.safetensors"),
+                           strict=False)
+    module.eval()
+    sess = ort.InferenceSession(str(tmp_path / "e.onnx"), providers=["CPUExecutionProvider"])
+    assert sess.get_inputs()[0].shape[0] == "batch"
+    rng = np.random.default_rng(3)
+    for batch in (1, 3):
+        x = rng.standard_normal((batch, *inputs["x"].shape[1:])).astype(np.float32)
+        with torch.no_grad():
+            want = module(torch.from_numpy(x)).numpy()
+        got = sess.run(None, {"x": x})[0]
+        assert got.shape == want.shape and np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+    path, _, _, dims = export("gpt2", "torchscript", training=True)
+    api.build(path, tmp_path / "g.onnx", dims=dims, options=BuildOptions())
+    Trainer(tmp_path / "g.onnx").save(tmp_path / "gk")
+    said = _export(tmp_path / "g.onnx", tmp_path / "gk", tmp_path / "g_e.onnx", "--eval")
+    assert "written at the sizes it was built for (batch=2, seq=8)" in " ".join(said.split())
+    sess = ort.InferenceSession(str(tmp_path / "g_e.onnx"), providers=["CPUExecutionProvider"])
+    assert sess.get_inputs()[0].shape == [2, 8]

@@ -9,6 +9,7 @@ shapes. A value whose shape stays unknown is an error that names it.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import warnings
@@ -45,6 +46,7 @@ from memcc.frontend.function_ops import expand_function_ops
 from memcc.frontend.ort_kernels import inlined_by_ort
 from memcc.frontend.running_variance import PRODUCER_KEY
 from memcc.frontend.sequences import EMBEDDING_BAG, embedding_bag_hint
+from memcc.frontend.symbolic_dims import SYMBOLIC_DIMS_KEY, symbolic_dims_of
 from memcc.frontend.weights_apart import STUB_BYTES, Arrays, own_weights, read_apart, with_weights
 from memcc.graph import Graph, TensorInfo, node_label
 from memcc.pass_contract import Pass, PassRunner
@@ -152,6 +154,7 @@ def load_graph(
         export_map = recompute_folded_copies(model, export_map, arrays)
     if model.functions:
         model = onnx.inliner.inline_local_functions(model)
+    symbolic = symbolic_dims_of(model)  # before binding: the exported model's own axes
     _bind_input_dims(model, dict(dims or {}), where)
     model = _infer(model, where)
     expanded = expand_function_ops(model, _differentiable_as_is() - _inlined_by_ort(model))
@@ -169,6 +172,8 @@ def load_graph(
         model = _infer(model, where)
     _check_supported_structure(model, where)
     graph = Graph.from_model(model, weights=arrays)
+    if symbolic:  # memcc export writes the forward model with them again
+        graph.metadata.setdefault(SYMBOLIC_DIMS_KEY, json.dumps(symbolic))
     if model.producer_name:  # whose BatchNorm semantics the step follows
         graph.metadata.setdefault(PRODUCER_KEY, model.producer_name)
     signature = read_signature(model)

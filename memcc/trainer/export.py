@@ -22,10 +22,12 @@ from memcc.errors import InputError
 from memcc.frontend.autocast import without_autocast
 from memcc.frontend.dropout_masks import restore_dropouts
 from memcc.frontend.load import load_graph
+from memcc.frontend.symbolic_dims import recorded
 from memcc.graph import Graph, ancestors
 from memcc.step import TrainingStep
 from memcc.trainer.checkpoints import step_signature
 from memcc.trainer.eval_mode import inference_or_train_mode
+from memcc.trainer.named_axes import with_named_axes
 
 EXPORT_FORMATS = ("onnx", "safetensors")
 
@@ -103,7 +105,7 @@ def export_weights(graph: Graph, spec: TrainingStep, state: Mapping[str, np.ndar
     """Write the forward model with ``state`` as its weights, or those weights alone, as
     ``request`` says; ``warn`` hears what an ONNX model keeps of train mode, or what
     ``eval_mode`` changed."""
-    from memcc.backend.onnx_file import check_writable, save_graph
+    from memcc.backend.onnx_file import check_writable, save_model
 
     out, format, inputs = Path(request.output), request.format, request.inputs
     fmt = (format or ("safetensors" if out.suffix == ".safetensors" else "onnx")).lower()
@@ -118,10 +120,11 @@ def export_weights(graph: Graph, spec: TrainingStep, state: Mapping[str, np.ndar
     fwd = forward_graph(graph, spec, state, source=source, eval_mode=request.eval_mode,
                         notes=notes)
     if fmt == "onnx":
-        for note in notes:
+        model, fixed = with_named_axes(fwd.to_model(), recorded(graph.metadata))
+        for note in [*notes, *([fixed] if fixed else [])]:
             if warn is not None:
                 warn(note)
-        return save_graph(fwd, out)
+        return save_model(model, out)
     sources = spec.parameter_sources()
     weights: dict[str, np.ndarray] = {}
     for n in exported_weight_names(graph, spec, fwd):
