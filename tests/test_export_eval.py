@@ -168,3 +168,47 @@ def test_the_exported_model_keeps_its_named_axes_where_it_runs_at_other_sizes(tm
     assert "written at the sizes it was built for (batch=2, seq=8)" in " ".join(said.split())
     sess = ort.InferenceSession(str(tmp_path / "g_e.onnx"), providers=["CPUExecutionProvider"])
     assert sess.get_inputs()[0].shape == [2, 8]
+
+
+class _DropPath(torch.nn.Module):
+    """An in-place nn.Dropout and timm's stochastic depth (``bernoulli_`` on a [B, 1]
+    tensor, divided by the keep probability): the dynamo exporter writes both as
+    ``x * (RandomUniformLike < keep) / keep``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(6, 6)
+        self.drop = torch.nn.Dropout(0.2, inplace=True)
+        self.fc2 = torch.nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.drop(torch.relu(self.fc1(x)))
+        if self.training:
+            keep = 0.9
+            mask = y.new_empty((y.shape[0], 1)).bernoulli_(keep).div_(keep)
+            y = y * mask
+        return self.fc2(x + y)
+
+
+@pytest.mark.parametrize("optimize", [False, True])
+def test_dropout_written_as_a_random_mask_passes_through(optimize, tmp_path):
+    torch.manual_seed(0)
+    module = _DropPath().train()
+    x = torch.randn(4, 6)
+    src = tmp_path / "m.onnx"
+    torch.onnx.export(module, (x,), dynamo=True, optimize=optimize, input_names=["x"],
+                      output_names=["logits"]).save(str(src))
+    api.build(src, tmp_path / "s.onnx", options=BuildOptions(lr=0.1))
+    trainer = Trainer(tmp_path / "s.onnx")
+    trainer.step({"x": x.numpy(), "labels": np.array([0, 1, 2, 0])})
+    trainer.save(tmp_path / "ck")
+    said = _export(tmp_path / "s.onnx", tmp_path / "ck", tmp_path / "e.onnx", "--eval")
+    assert "2 Dropout(s) pass their input through" in said, said
+    assert "2 Dropout(s) are in training mode" in _export(
+        tmp_path / "s.onnx", tmp_path / "ck", tmp_path / "t.onnx")
+    _export(tmp_path / "s.onnx", tmp_path / "ck", tmp_path / "w.safetensors")
+    module.load_state_dict(safetensors.torch.load_file(tmp_path / "w.safetensors"))
+    with torch.no_grad():
+        want = module.eval()(x).numpy()
+    got = _run(tmp_path / "e.onnx", {"x": x.numpy()}, 1)
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()

@@ -15,11 +15,14 @@ running statistics the training accumulated, and no dropping. So ``--eval`` writ
 - every Dropout without its ``training_mode`` input, which ONNX defines as inference: the
   input passes through.
 
+- every Dropout written as a random mask, ``x * (RandomUniform(Like) < keep) / keep`` (the
+  dynamo exporter's in-place ``nn.Dropout``, timm's stochastic depth), as ``x``.
+
 A training-mode BatchNormalization whose statistics are computed, not carried (timm's
 weight standardisation: ``F.batch_norm(w, None, None, training=True)``), stays: PyTorch
-computes it so in eval mode too. Random draws outside Dropout (stochastic depth, noise
-layers) are refused: what eval mode does instead (skip the branch, scale it, keep it) is
-the module's code, not the graph's, so no rewrite can know it.
+computes it so in eval mode too. Other random draws (noise layers) are refused: what eval
+mode does instead (skip the branch, scale it, keep it) is the module's code, not the
+graph's, so no rewrite can know it.
 """
 
 from __future__ import annotations
@@ -63,7 +66,7 @@ def inference_or_train_mode(graph: Graph, spec: TrainingStep, outputs: list[str]
             "nothing to change (no training-mode BatchNorm or Dropout)")
     bns, drops = train_mode_nodes(graph, outputs)
     kept = [f"{bns} BatchNorm(s) normalise by each batch's statistics"] * bool(bns) + \
-        [f"{drops} Dropout(s) drop values"] * bool(drops)
+        [f"{drops} Dropout(s) are in training mode"] * bool(drops)
     if not kept:
         return graph, None
     return graph, (f"the model keeps train mode as it was exported ({' and '.join(kept)}); "
@@ -71,12 +74,15 @@ def inference_or_train_mode(graph: Graph, spec: TrainingStep, outputs: list[str]
 
 
 def train_mode_nodes(graph: Graph, outputs: list[str]) -> tuple[int, int]:
-    """How many training-mode BatchNormalizations and training Dropouts the forward
-    outputs read (a plain export keeps them; ``memcc export`` says so)."""
-    reached, _ = ancestors(outputs, graph.def_use().producer)
+    """How many training-mode BatchNormalizations and Dropouts (nodes, or masks written as
+    random draws) the forward outputs read (a plain export keeps them; ``memcc export``
+    says so)."""
+    producer = graph.def_use().producer
+    reached, _ = ancestors(outputs, producer)
+    masked = _dropped_by_masks(graph, producer)
     bns = sum(1 for n in reached if _is_training_bn(n))
-    drops = sum(1 for n in reached if n.op_type == "Dropout" and len(n.input) > 2
-                and n.input[2])
+    drops = sum(1 for n in reached if (n.op_type == "Dropout" and len(n.input) > 2
+                                       and n.input[2]) or id(n) in masked)
     return bns, drops
 
 
@@ -87,42 +93,114 @@ def in_eval_mode(graph: Graph, spec: TrainingStep, outputs: list[str], *,
     carried = set(spec.state.values())
     running = _running_of_batch_statistics(graph, spec)
     producer = graph.def_use().producer
+    masked = _dropped_by_masks(graph, producer)
     nodes: list[onnx.NodeProto] = []
-    bns = drops = 0
+    made: dict[int, str] = {}  # id of a rewritten node -> "bn" or "dropout"
     for n in graph.nodes:
-        # The running variance of a PyTorch model is fed divided (running_variance.py).
-        stats = [carried_value(s, producer) for s in n.input[3:5]]
-        if n.op_type == "BatchNormalization" and len(stats) == 2:
-            if _is_training_bn(n) and set(stats) <= carried:
-                nodes.append(_inference_batchnorm(n, stats))
-                bns += 1
-                continue
-            if not _is_training_bn(n) and all(s in running for s in stats):
-                nodes.append(_inference_batchnorm(n, [running[s] for s in stats]))
-                bns += 1
-                continue
-        if n.op_type == "Dropout" and len(n.input) > 2 and n.input[2]:
-            c = onnx.NodeProto()
-            c.CopyFrom(n)
-            del c.input[2:]
-            nodes.append(c)
-            drops += 1
-            continue
-        nodes.append(n)
+        new, kind = _in_eval_mode(n, masked, producer, carried, running)
+        nodes.append(new)
+        if kind:
+            made[id(new)] = kind
     out = graph.copy(with_index=False)
     out.set_nodes(nodes)
     reached, _ = ancestors(outputs, out.def_use().producer)
+    kinds = [made[id(n)] for n in reached if id(n) in made]
+    bns, drops = kinds.count("bn"), kinds.count("dropout")
     draws = [n for n in reached if n.op_type in RANDOM_OPS]
     if draws:
         names = ", ".join(f"'{n.name or n.output[0]}' ({n.op_type})" for n in draws[:3])
         raise InputError(
             f"{source}: --eval cannot write this model for inference: its outputs read "
-            f"{len(draws)} random draw(s) outside Dropout ({names}; stochastic depth or a "
-            "noise layer), and what eval mode does instead is the module's code, not the "
+            f"{len(draws)} random draw(s) that are no Dropout mask ({names}; a noise "
+            "layer, or a mask memcc does not recognise), and what eval mode does instead is the module's code, not the "
             "graph's. Export the weights (--format safetensors) and load them into the "
             "PyTorch module in eval mode, or export the module from PyTorch in eval mode "
             "and give it these weights")
     return EvalMode(out, bns, drops)
+
+
+def _in_eval_mode(n: onnx.NodeProto, masked: dict[int, str],
+                  producer: dict[str, onnx.NodeProto], carried: set[str],
+                  running: dict[str, str]) -> tuple[onnx.NodeProto, str | None]:
+    """The node as eval mode runs it, and what it was ("bn", "dropout"; None: kept)."""
+    if id(n) in masked:  # x * (rand < keep) / keep: x, as in eval mode
+        return onnx.helper.make_node("Identity", [masked[id(n)]], [n.output[0]],
+                                     name=n.name), "dropout"
+    # The running variance of a PyTorch model is fed divided (running_variance.py).
+    stats = [carried_value(s, producer) for s in n.input[3:5]]
+    if n.op_type == "BatchNormalization" and len(stats) == 2:
+        if _is_training_bn(n) and set(stats) <= carried:
+            return _inference_batchnorm(n, stats), "bn"
+        if not _is_training_bn(n) and all(s in running for s in stats):
+            return _inference_batchnorm(n, [running[s] for s in stats]), "bn"
+    if n.op_type == "Dropout" and len(n.input) > 2 and n.input[2]:
+        c = onnx.NodeProto()
+        c.CopyFrom(n)
+        del c.input[2:]
+        return c, "dropout"
+    return n, None
+
+
+def _dropped_by_masks(graph: Graph, producer: dict[str, onnx.NodeProto]
+                      ) -> dict[int, str]:
+    """Dropout written as a random mask (the dynamo exporter's in-place ``nn.Dropout`` and
+    ``bernoulli_``, timm's stochastic depth): ``Mul(x, Div(Cast(Less(RandomUniform(Like),
+    keep)), keep))``, the mask's mean 1. id of the Mul -> x, which eval mode passes on."""
+    found: dict[int, str] = {}
+    for n in graph.nodes:
+        if n.op_type != "Mul" or len(n.input) != 2:
+            continue
+        for x, mask in ((n.input[0], n.input[1]), (n.input[1], n.input[0])):
+            keep = _scaled_uniform_mask(mask, graph, producer)
+            if keep is not None:
+                found[id(n)] = x
+                break
+    return found
+
+
+def _scaled_uniform_mask(value: str, graph: Graph, producer: dict[str, onnx.NodeProto]
+                         ) -> float | None:
+    """``keep`` where ``value`` is ``Cast(Less(uniform [0, 1), keep)) / keep``."""
+    div = producer.get(value)
+    if div is None or div.op_type != "Div":
+        return None
+    scale = _constant(div.input[1], graph, producer)
+    cast = producer.get(div.input[0])
+    if cast is None or cast.op_type not in ("Cast", "CastLike"):
+        return None
+    less = producer.get(cast.input[0])
+    if less is None or less.op_type != "Less":
+        return None
+    draw = producer.get(less.input[0])
+    if draw is None or draw.op_type not in ("RandomUniform", "RandomUniformLike") or \
+            float(attr(draw, "low", 0.0)) != 0.0 or float(attr(draw, "high", 1.0)) != 1.0:
+        return None
+    keep = _constant(less.input[1], graph, producer)
+    if keep is None or scale is None or not 0.0 < keep <= 1.0 or \
+            abs(keep - scale) > 1e-6 * keep:
+        return None
+    return keep
+
+
+def _constant(value: str, graph: Graph, producer: dict[str, onnx.NodeProto]) -> float | None:
+    """A scalar constant through Cast / CastLike (None: not one)."""
+    import numpy as np
+
+    node = producer.get(value)
+    while node is not None and node.op_type in ("Cast", "CastLike"):
+        value = node.input[0]
+        node = producer.get(value)
+    if node is None:
+        arr = graph.initializers.get(value)
+    elif node.op_type == "Constant" and len(node.attribute) == 1:
+        a = node.attribute[0]
+        arr = {"value": lambda: onnx.numpy_helper.to_array(a.t), "value_float": lambda: a.f,
+               "value_int": lambda: a.i}.get(a.name, lambda: None)()
+    else:
+        return None
+    if arr is None or np.asarray(arr).size != 1:
+        return None
+    return float(np.asarray(arr).reshape(()))
 
 
 def _is_training_bn(node: onnx.NodeProto) -> bool:
