@@ -82,6 +82,7 @@ _OWNERS: dict[str, tuple[str, str]] = {
     "describe_data": ("memcc.backend.data", "describe_data"),
     "latest_checkpoint": ("memcc.backend.checkpoint", "latest"),
     "export_checkpoint": ("memcc.trainer", "export_checkpoint"),
+    "EVAL_NOTE": ("memcc.trainer.eval_mode", "EVAL_NOTE"),
     # memcc train --nproc N (data-parallel; torch only when one of these runs)
     "train_distributed": ("memcc.dist", "train_distributed"),
     "launched_by_torchrun": ("memcc.dist.comm", "launched_by_torchrun"),

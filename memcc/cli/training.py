@@ -402,8 +402,7 @@ def export_cmd(
                        "in train mode keeps train mode, and export says so.")] = False,
 ) -> None:
     """Write the trained weights out: the forward ONNX model, or a safetensors file."""
-    from memcc.api import export_checkpoint
-    from memcc.trainer.eval_mode import EVAL_NOTE
+    from memcc.api import EVAL_NOTE, export_checkpoint
 
     def said(message: str) -> None:
         if message.startswith(EVAL_NOTE):

@@ -42,7 +42,7 @@ from memcc.frontend.loss_scaling import add_scale_state, scaled_seeds
 from memcc.frontend.loss_scaling import metadata as loss_scale_record
 from memcc.frontend.parameters import batchnorm_running_stats, choose_parameters
 from memcc.frontend.row_chunks import ATTENTION, MLP, chunk_regions
-from memcc.frontend.running_variance import feed_scaled_running_var
+from memcc.frontend.running_variance import unbias_running_var
 from memcc.frontend.update import OutputNamer, StepWriter, carry_batchnorm_stats, emit_update
 from memcc.graph import Graph
 from memcc.step import (  # the contract's keys live with its one reader, memcc.step
@@ -109,7 +109,7 @@ def build_training_step(forward: Graph, options: BuildOptions | None = None,
 
     restore_training_batchnorm(graph, source)
     bn_stats = batchnorm_running_stats(graph)
-    feed_scaled_running_var(graph, bn_stats)  # PyTorch's running variance, for its models
+    unbias_running_var(graph, bn_stats)  # PyTorch's running variance, for its models
     params = choose_parameters(graph, loss, bn_stats, opts.freeze, source)
     sources = parameter_sources(graph, params)
     emap = export_map_of(graph)

@@ -13,13 +13,13 @@ batch of 8: 14% in the batch's share).
 So for a model PyTorch exported (the file's ``producer_name``, kept by ``load_graph`` as
 ``memcc.producer``) the step writes PyTorch's update from the kernel's: the node is fed
 ``running / k`` (``k = n / (n - 1)``) and its output is multiplied by ``k``, which gives
-``running * momentum + var * k * (1 - momentum)``: two per-channel Muls. The division comes
-before the kernel, not a correction after it that reads ``running`` again, because ORT's
-CPU kernel writes its update into the running-statistics input's buffer where another node
-reads that input (``tests/test_ort_facts.py``), and the correction read the updated value.
-The running mean is the same in both. Other producers keep ONNX's definition (Keras, for
-one, updates with the population variance). ``carried_value`` finds the running variance
-behind the two Muls for ``memcc export --eval``.
+``running * momentum + var * k * (1 - momentum)``: two per-channel Muls beside the node. The
+division comes before the kernel, not a correction after it that reads ``running`` again,
+because ORT's CPU kernel writes its update into the running-statistics input's buffer where
+another node reads that input (``tests/test_ort_facts.py``), and the correction read the
+updated value. The running mean is the same in both. Other producers keep ONNX's
+definition (Keras, for one, updates with the population variance). ``carried_value`` finds
+the running variance behind the two Muls for ``memcc export --eval``.
 """
 
 from __future__ import annotations
@@ -29,14 +29,14 @@ from collections.abc import Mapping
 import numpy as np
 import onnx
 
-from memcc.frontend.emit import Emitter
 from memcc.graph import Graph, TensorInfo
+from memcc.step import Role, tag_node
 
 PRODUCER_KEY = "memcc.producer"
 PYTORCH = "pytorch"
 # The names of the two Muls (the node names; their outputs may be renamed to ``stat.new``).
 FED_SUFFIX = ".unbiased_fed"
-UPDATED_SUFFIX = ".unbiased_update"
+UPDATED_SUFFIX = ".unbiased"
 
 
 def follows_pytorch(graph: Graph) -> bool:
@@ -52,50 +52,66 @@ def _factor(graph: Graph, node: onnx.NodeProto) -> float | None:
     return count / (count - 1) if count > 1 else None
 
 
-def feed_scaled_running_var(graph: Graph, bn_stats) -> int:
+def unbias_running_var(graph: Graph, bn_stats) -> int:
     """Feed each training-mode BatchNorm of ``bn_stats`` (node, mean, var) its running
-    variance divided by ``k``, in place in ``graph``; return how many. Only for a model
-    ``follows_pytorch``; ``scaled_update`` then writes the output back."""
+    variance divided by ``k`` and multiply what it writes by ``k``, in place in ``graph``
+    (both Muls in the forward pass, beside the node, so that nothing outside the forward
+    reads the node: a plan that recomputes its output need not run it again for the
+    update). Returns how many; none unless the model ``follows_pytorch``. The value
+    holding PyTorch's update is ``unbiased_value``'s."""
     if not follows_pytorch(graph):
         return 0
-    inserts: dict[int, list[onnx.NodeProto]] = {}
+    before: dict[int, list[onnx.NodeProto]] = {}
+    after: dict[int, list[onnx.NodeProto]] = {}
+    carried: dict[str, str] = {}
     for node, _, var in bn_stats:
         k = _factor(graph, node)
         if k is None or node.input[4] != var:
             continue
+        info = graph.info[var]
+        while len(node.output) < 3:
+            node.output.append("")
+        if not node.output[2]:
+            node.output[2] = f"{var}.scaled"
+            graph.info[node.output[2]] = info
         # Names of their own (the build's emitter, made before, does not know them).
-        fed, factor = f"{var}{FED_SUFFIX}", f"{var}{FED_SUFFIX}.factor"
-        dtype = graph.info[var].dtype
-        inserts[id(node)] = [
-            onnx.helper.make_node("Constant", [], [factor], name=factor,
-                                  value=onnx.helper.make_tensor(factor, dtype, [], [1.0 / k])),
-            onnx.helper.make_node("Mul", [var, factor], [fed], name=fed)]
-        graph.info[factor] = TensorInfo(dtype, ())
-        graph.info[fed] = graph.info[var]
+        fed, unbiased = f"{var}{FED_SUFFIX}", f"{var}{UPDATED_SUFFIX}"
+        before[id(node)] = _scaled(var, 1.0 / k, fed, info)
+        after[id(node)] = _scaled(node.output[2], k, unbiased, info)
+        for made in (fed, unbiased):
+            graph.info[made] = info
+            graph.info[f"{made}.factor"] = TensorInfo(info.dtype, ())
         node.input[4] = fed
-    if inserts:
+        carried[var] = unbiased
+    if carried:
         nodes = []
         for n in graph.nodes:
-            nodes.extend(inserts.get(id(n), ()))
+            nodes.extend(before.get(id(n), ()))
             nodes.append(n)
+            nodes.extend(after.get(id(n), ()))
         # In place: the build's emitter appends to this very list.
         graph.nodes[:] = nodes
         graph.set_nodes(graph.nodes)
-    return len(inserts)
+    return len(carried)
 
 
-def scaled_update(emit: Emitter, node: onnx.NodeProto, var: str, updated: str,
-                  output: str) -> bool:
-    """Write PyTorch's running variance as ``output``, from ``updated``, the node's output
-    over the fed ``var / k``; False where ``feed_scaled_running_var`` did not feed this
-    node."""
-    if node.input[4] == var:
-        return False
-    k = _factor(emit.graph, node)
-    emit.op("Mul", [updated, emit.scalar(k, emit.info(var).dtype)], outputs=[output],
-            info=emit.info(var))
-    emit.nodes[-1].name = f"{var}{UPDATED_SUFFIX}"
-    return True
+def unbiased_value(node: onnx.NodeProto, var: str) -> str | None:
+    """The value holding PyTorch's running variance for a node ``unbias_running_var`` fed
+    (None: another node, whose own output is carried)."""
+    return f"{var}{UPDATED_SUFFIX}" if node.input[4] == f"{var}{FED_SUFFIX}" else None
+
+
+def _scaled(value: str, factor: float, output: str, info: TensorInfo) -> list[onnx.NodeProto]:
+    """``output = value * factor``, a Constant and a Mul named after ``output``, tagged as
+    the forward pass's (the running statistics are no ancestors of the loss)."""
+    const = f"{output}.factor"
+    nodes = [onnx.helper.make_node("Constant", [], [const], name=const,
+                                   value=onnx.helper.make_tensor(const, info.dtype, [],
+                                                                 [factor])),
+             onnx.helper.make_node("Mul", [value, const], [output], name=output)]
+    for n in nodes:
+        tag_node(n, role=Role.FORWARD.value)
+    return nodes
 
 
 def carried_value(value: str, producer: Mapping[str, onnx.NodeProto]) -> str:

@@ -22,7 +22,7 @@ from memcc.errors import InputError
 from memcc.frontend import loss_scaling
 from memcc.frontend.build_options import BuildOptions
 from memcc.frontend.emit import Emitter
-from memcc.frontend.running_variance import scaled_update
+from memcc.frontend.running_variance import unbiased_value
 from memcc.graph import Graph, TensorInfo, node_label
 from memcc.step import record_rule_io, rule_io
 
@@ -178,8 +178,8 @@ def _state_input(graph: Graph, name: str, ti: TensorInfo) -> str:
 
 
 def carry_batchnorm_stats(out: StepWriter, bn_stats) -> list[str]:
-    """BatchNorm in training mode updates its running stats: make them carried state (the
-    variance as PyTorch updates it for a PyTorch model: ``frontend/running_variance.py``)."""
+    """BatchNorm in training mode updates its running stats: make them carried state (for
+    a PyTorch model the variance as PyTorch updates it: ``frontend/running_variance.py``)."""
     graph, state, namer = out.graph, out.state, out.namer
     outputs = []
     for node, mean, var in bn_stats:
@@ -196,11 +196,9 @@ def carry_batchnorm_stats(out: StepWriter, bn_stats) -> list[str]:
                 raise InputError(f"{node_label(node)}: running statistic '{stat}' is shared "
                                  "by several BatchNormalization nodes")
             new_name = f"{stat}.new"
-            if k == 2 and node.input[4] != stat:  # fed var / k (frontend/running_variance.py)
-                if not node.output[k]:
-                    node.output[k] = f"{stat}.scaled"
-                    graph.info[node.output[k]] = graph.info[stat]
-                scaled_update(out.emit, node, stat, node.output[k], new_name)
+            unbiased = unbiased_value(node, stat) if k == 2 else None
+            if unbiased is not None:  # PyTorch's update (frontend/running_variance.py)
+                new_name = namer.name(unbiased, new_name)
             elif node.output[k]:
                 new_name = namer.name(node.output[k], new_name)
             else:

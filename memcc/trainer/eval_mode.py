@@ -112,10 +112,10 @@ def in_eval_mode(graph: Graph, spec: TrainingStep, outputs: list[str], *,
         raise InputError(
             f"{source}: --eval cannot write this model for inference: its outputs read "
             f"{len(draws)} random draw(s) that are no Dropout mask ({names}; a noise "
-            "layer, or a mask memcc does not recognise), and what eval mode does instead is the module's code, not the "
-            "graph's. Export the weights (--format safetensors) and load them into the "
-            "PyTorch module in eval mode, or export the module from PyTorch in eval mode "
-            "and give it these weights")
+            "layer, or a mask memcc does not recognise), and what eval mode does instead "
+            "is the module's code, not the graph's. Export the weights (--format "
+            "safetensors) and load them into the PyTorch module in eval mode, or export "
+            "the module from PyTorch in eval mode and give it these weights")
     return EvalMode(out, bns, drops)
 
 

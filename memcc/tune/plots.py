@@ -107,18 +107,7 @@ def tune_figure(result: TuneResult):
                 label=f"peak as built above {format_size(int(top))} (off the axis)")
     ax.set_xlabel(f"{result.range.dim}")
     ax.set_ylabel("peak (MB, 10^6 bytes)")
-    ax2 = ax.twinx()
-    timed = [c for c in cands if c.samples_per_s is not None]
-    ax2.plot([c.batch for c in timed], [c.samples_per_s for c in timed], "s-",
-             color="#2e8b57", label="predicted samples/s")
-    measured = [c for c in cands if c.measured_samples_per_s is not None]
-    if measured:
-        ax2.plot([c.batch for c in measured], [c.measured_samples_per_s for c in measured],
-                 "*", ls="none", color="#2e8b57", markersize=10,
-                 label="measured samples/s (--measure, median step)")
-    ax2.set_ylabel(f"samples/s (predicted: {result.cost_source} cost model"
-                   + ("; stars measured)" if measured else ")"))
-    ax2.set_ylim(bottom=0)
+    ax2 = _draw_rates(ax.twinx(), cands, result.cost_source)
     lines = ax.get_legend_handles_labels()
     lines2 = ax2.get_legend_handles_labels()
     ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], loc="upper center",
@@ -128,3 +117,20 @@ def tune_figure(result: TuneResult):
                  fontsize=10)
     fig.tight_layout()
     return fig
+
+
+def _draw_rates(ax2, cands: list, cost_source: str):
+    """Predicted samples/s per size, and with ``--measure`` the measured ones as stars, on
+    the right-hand axis; returns it."""
+    timed = [c for c in cands if c.samples_per_s is not None]
+    ax2.plot([c.batch for c in timed], [c.samples_per_s for c in timed], "s-",
+             color="#2e8b57", label="predicted samples/s")
+    measured = [c for c in cands if c.measured_samples_per_s is not None]
+    if measured:
+        ax2.plot([c.batch for c in measured], [c.measured_samples_per_s for c in measured],
+                 "*", ls="none", color="#2e8b57", markersize=10,
+                 label="measured samples/s (--measure, median step)")
+    ax2.set_ylabel(f"samples/s (predicted: {cost_source} cost model"
+                   + ("; stars measured)" if measured else ")"))
+    ax2.set_ylim(bottom=0)
+    return ax2
