@@ -257,8 +257,10 @@ def report_parameters(sources: dict[str, ParameterSource], source: str,
             f"{source}: {len(unnamed)} trained parameter(s) have names the exporter made up, "
             f"not PyTorch state_dict names: {shown}. They are folded copies (pre-transposed "
             f"weights, constant-folded lookups).{bn} To map trained weights back by name, "
-            f"export with {KEEP_EVERY_PARAMETER} or with dynamo=False "
-            "and training=torch.onnx.TrainingMode.TRAINING.", ExportWarning, stacklevel=2)
+            f"export with {KEEP_EVERY_PARAMETER} or with dynamo=False, "
+            "training=torch.onnx.TrainingMode.TRAINING and do_constant_folding=False (its "
+            "constant folding, on by default, makes the copies in train mode too).",
+            ExportWarning, stacklevel=2)
     if emap is not None:
         _report_export_map(sources, source, emap)
     elif sig is not None:
