@@ -210,6 +210,13 @@ def test_data_in_a_wider_or_narrower_type_of_the_same_kind_is_converted(steps, t
                                "float32 (rounded)", "--data array 'labels' is uint8: "
                                "converted to the step's int64")
     assert exact.converted == ()
+    # An array the step does not take is left unread, with a note (README said an error,
+    # and training took it in silence).
+    np.savez(tmp_path / "extra.npz", input=x.astype(np.float32), labels=y, weights=y * 0.5)
+    extra = load_dataset(tmp_path / "extra.npz", inputs)
+    assert extra.fingerprint() == exact.fingerprint()
+    assert extra.converted == ("--data arrays ['weights'] are not inputs of the step and are "
+                               "not read (its data inputs are ['input', 'labels'])",)
 
 
 def test_a_plan_made_for_cuda_trains_where_cuda_is_and_says_so_where_it_is_not(

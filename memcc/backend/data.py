@@ -207,6 +207,10 @@ def _read_shard(f: Path, inputs: list[DataInput], notes: set[str]
     """One shard's arrays, checked and in the step's dtypes (``notes`` gets what changed)."""
     arrays = read_npz(f)
     require_arrays(f, arrays, {d.name: f"({d.describe()})" for d in inputs})
+    unused = sorted(set(arrays) - {d.name for d in inputs})
+    if unused:  # sample weights, ids: not an error, but nothing the step reads
+        notes.add(f"--data arrays {unused} are not inputs of the step and are not read (its "
+                  f"data inputs are {[d.name for d in inputs]})")
     out: dict[str, np.ndarray] = {}
     counts: dict[str, int] = {}
     for d in inputs:

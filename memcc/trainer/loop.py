@@ -10,6 +10,7 @@ written every ``save_every`` steps and at the end. A ``TrainResult`` leaves, or
 
 from __future__ import annotations
 
+import math
 import signal
 import threading
 from collections.abc import Callable, Iterator
@@ -19,7 +20,7 @@ from pathlib import Path
 
 from memcc.backend import checkpoint as ckpt
 from memcc.backend.data import DataInput, Dataset, data_inputs, load_dataset
-from memcc.errors import InputError
+from memcc.errors import InputError, RuntimeFailure
 from memcc.frontend.load import load_graph
 from memcc.graph import Graph
 from memcc.step import TrainingStep
@@ -165,15 +166,23 @@ def train(opts: TrainOptions, *, on_start: Callable[[TrainResult], None] | None 
                last_saved=trainer.steps_done if loaded is not None else None)
     rates = Throughput(plan.dataset.batch_size)
     scale = LossScaleWatch(trainer)
+    run.loss_scaled = scale.active
+    diverged = False
     with stop_requests() as stop:
         while trainer.steps_done < plan.total_steps and not stop:
             progress = run.step(rates)
             scale.after_step(trainer)
             if on_step is not None:
                 on_step(progress)
-        run.finish()  # still under ``stop_requests``: a signal now does not cut the write
+            diverged = run.diverged(progress.loss)
+            if diverged:
+                break
+        if not diverged:
+            run.finish()  # still under ``stop_requests``: a signal now does not cut the write
     result.memory = meter.to_json()
     result.loss_scale = scale.to_json()
+    if diverged:
+        raise RuntimeFailure(_diverged(result, opts))
     if stop and result.steps_done < result.total_steps:
         result.interrupted = stop.name
         raise TrainingInterrupted(result, stop.signum)
@@ -227,6 +236,22 @@ def _result_before_training(trainer: Trainer, plan: TrainPlan,
     return result
 
 
+def _diverged(result: TrainResult, opts: TrainOptions) -> str:
+    """Why training stopped at a loss that is not a number: the parameters the step wrote
+    are not either, so no checkpoint of them is written (nor one of the steps after, which
+    would push the good ones out of ``--keep``)."""
+    shown = ", ".join(f"{v:.4g}" for v in result.losses[-5:])
+    latest = ckpt.latest(opts.checkpoint) if opts.checkpoint is not None else None
+    kept = (f"the newest checkpoint, {latest}, is from before it (continue from it with "
+            "--resume after changing what diverged)" if latest is not None else
+            "no checkpoint was written")
+    return (f"{opts.step}: step {result.steps_done}: the loss is {result.losses[-1]} (the "
+            f"last losses: {shown}), so the parameters the step wrote are not finite either: "
+            f"training stopped, and nothing of this step was saved; {kept}. A learning rate "
+            "too large for the model diverges so (memcc build --lr), and so does data with "
+            "nan or inf in it")
+
+
 @dataclass
 class _Run:
     """One ``memcc train`` run under way: where in the data it stands (``position``, in
@@ -241,6 +266,10 @@ class _Run:
     position: int
     last_saved: int | None
     done_here: int = 0
+    loss_scaled: bool = False  # a non-finite loss is a skipped step, not a diverged one
+
+    def diverged(self, loss: float) -> bool:
+        return not math.isfinite(loss) and not self.loss_scaled
 
     def step(self, rates: Throughput) -> TrainProgress:
         """Train on the next batch, checkpoint every ``save_every`` steps."""
@@ -257,7 +286,7 @@ class _Run:
         rate, result.steady_samples_per_s = rates.step_done()
         result.samples_per_s = rate
         if opts.checkpoint is not None and opts.save_every and \
-                trainer.steps_done % opts.save_every == 0:
+                trainer.steps_done % opts.save_every == 0 and not self.diverged(loss):
             result.checkpoint = self.save()
             self.last_saved = trainer.steps_done
         return TrainProgress(trainer.steps_done, self.plan.total_steps, loss, rate,
