@@ -97,6 +97,8 @@ CASES = [
     case("compile-text-file", "compile {f}/notes.txt --budget 1GB -o {o}/c.onnx", "notes.txt"),
     case("compile-budget-zero", "compile {f}/step.onnx --budget 0 -o {o}/c.onnx", "0"),
     case("compile-budget-1KB", "compile {f}/step.onnx --budget 1KB -o {o}/c.onnx", "1KB"),
+    case("compile-budget-bare-fraction", "compile {f}/step.onnx --budget 0.5 -o {o}/c.onnx",
+         "write 50%"),
     case("compile-budget-negative", "compile {f}/step.onnx --budget -5MB -o {o}/c.onnx",
          "-5MB"),
     case("compile-budget-words", "compile {f}/step.onnx --budget abc -o {o}/c.onnx", "abc"),

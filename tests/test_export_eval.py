@@ -66,7 +66,9 @@ def test_eval_export_computes_what_pytorch_eval_mode_does(exporter, tmp_path):
     assert "eval mode: 3 BatchNorm(s)" in said and "1 Dropout(s)" in said, said
     plain = _export(step, ckpt, tmp_path / "train.onnx")
     assert "keeps train mode" in plain and "--eval" in plain, plain
-    _export(step, ckpt, tmp_path / "w.safetensors")
+    assert "the format follows the name" not in _export(step, ckpt, tmp_path / "w.safetensors")
+    # A PyTorch user's habit, weights.pt, gets the ONNX model: said, not silent.
+    assert "the format follows the name" in _export(step, ckpt, tmp_path / "w.pt")
 
     weights = safetensors.torch.load_file(tmp_path / "w.safetensors")
     missing, unexpected = module.load_state_dict(weights, strict=False)

@@ -153,7 +153,7 @@ PlanBucketOpt = Annotated[Optional[float], typer.Option(  # noqa: UP045
 # memcc train --nproc N: the data-parallel run.
 TrainNprocOpt = Annotated[Optional[int], typer.Option(  # noqa: UP045
     help="Data-parallel: start N local ranks (torch.distributed, gloo; needs torch: pip "
-         "install '.[dist]' in memcc's checkout). "
+         "install '.\\[dist]' in memcc's checkout). "
          "Each rank trains on the step's batch, so a step takes N x batch samples; "
          "under torchrun the ranks are torchrun's.")]
 TrainZeroOpt = Annotated[int, typer.Option(

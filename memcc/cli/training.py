@@ -414,6 +414,10 @@ def export_cmd(
     if fmt is not None and suffix in (".onnx", ".safetensors") and suffix != f".{fmt.lower()}":
         warn(f"--format {fmt} writes {fmt} into {output}, whose name says {suffix[1:]}: "
              f"name it .{fmt.lower()} unless you mean it")
+    elif fmt is None and suffix not in (".onnx", ".safetensors"):
+        warn(f"{output}: the format follows the name, and a name that does not end in "
+             ".safetensors gets the ONNX model; for the weights (a PyTorch state_dict) name "
+             "it .safetensors or give --format safetensors")
     try:
         path = export_checkpoint(model, checkpoint, output, format=fmt, warn=said,
                                  eval_mode=eval_mode)

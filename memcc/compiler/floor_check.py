@@ -48,7 +48,8 @@ def check_floor(graph: Graph, budget: int, options: CompileOptions, label: str,
     runtime = (f" + {format_size(floor.runtime_bytes)} {SESSION_HELD}, whatever the plan"
                if floor.runtime_bytes else "")
     raise BudgetError(
-        f"{label}: --budget {asked or options.budget} ({budget:,} bytes) cannot hold this "
+        f"{label}: --budget {asked or options.budget} ({budget:,} bytes"
+        f"{_bare_number_hint(str(asked or options.budget))}) cannot hold this "
         f"step: no plan peaks under {format_size(floor.total_bytes)} "
         f"({floor.total_bytes:,} bytes): {format_size(floor.persistent_bytes)} of {held}, "
         f"live all step{node}{runtime}; and the budget keeps {options.margin:.0%} + "
@@ -58,3 +59,13 @@ def check_floor(graph: Graph, budget: int, options: CompileOptions, label: str,
         "parameters; sgd keeps one state tensor per parameter, adamw two). Nothing was "
         "written.",
         budget=budget, smallest=need)
+
+
+def _bare_number_hint(given: str) -> str:
+    """For ``--budget 50`` or ``0.5`` (50 bytes, 0 bytes): what the user likely meant."""
+    text = given.strip()
+    if not text.replace(".", "", 1).isdigit() or float(text) >= 1e6:
+        return ""
+    share = f"{float(text) * 100:g}%" if float(text) < 1 else f"{text}%"
+    return (f"; a number without a unit is bytes: for a share of the step as built write "
+            f"{share}, for megabytes {text}MB")

@@ -81,7 +81,11 @@ def weight_export_notes(spec: TrainingStep) -> list[str]:
     if unnamed:
         notes.append(f"{len(unnamed)} parameter(s) carry names the exporter made up (e.g. "
                      f"'{unnamed[0]}'); PyTorch's load_state_dict will not find them by "
-                     "these names")
+                     "these names, so a module loaded from this file keeps its own values "
+                     "there and computes something else than the trained model (the exported "
+                     "ONNX model has them all). To load every weight by name, export the "
+                     "model with torch.onnx.export(..., dynamo=True, optimize=False) and "
+                     "build and train that")
     merged = {p: src["merged"] for p, src in spec.parameter_sources().items()
               if src.get("merged")}
     if merged:
