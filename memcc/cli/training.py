@@ -269,7 +269,9 @@ def _print_trained(result: TrainResult) -> None:
     mem = result.memory or {}
     if mem.get("measured_peak_bytes") is not None:
         out.print(f"memory: step peak {mb(mem['measured_peak_bytes'])} measured "
-                  f"({mem['allocator']}), plan {mb(mem['predicted_peak_bytes'])}",
+                  f"({mem['allocator']}), {mb(mem['predicted_peak_bytes'])} predicted for "
+                  "this meter (compile's plan peak also counts the arena regions the step "
+                  "before left reserved)",
                   highlight=False)
     elif mem:
         rss = (f"; the process holds {mb(mem['rss_bytes'])} resident, Python, ONNX Runtime "
