@@ -84,9 +84,10 @@ def unbias_running_var(graph: Graph, bn_stats) -> int:
         node.input[4] = fed
         carried[var] = unbiased
     if carried:
-        nodes = []
+        # The divisions first of all (they read graph inputs alone): a rewrite that moves
+        # the node's readers earlier (the stem over batch chunks) still finds them made.
+        nodes = [m for ms in before.values() for m in ms]
         for n in graph.nodes:
-            nodes.extend(before.get(id(n), ()))
             nodes.append(n)
             nodes.extend(after.get(id(n), ()))
         # In place: the build's emitter appends to this very list.
