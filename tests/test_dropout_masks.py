@@ -341,3 +341,24 @@ def test_export_writes_a_draw_whose_shape_source_the_step_dropped_as_random_unif
     out = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]
                                ).run(None, {"x": np.ones((4, 8), np.float32)})[0]
     assert out.shape == (4, 3) and np.isfinite(out).all()
+
+
+def test_build_warns_about_dropouts_that_never_drop_beside_ones_that_do():
+    """transformers' GPT-2 in train mode: scaled_dot_product_attention's attention dropout
+    is exported without training_mode (an identity in ONNX) beside Dropouts that train; the
+    step trained without it in silence. A model without Dropout, or with none that
+    trains, hears nothing."""
+    from exports import export
+
+    from memcc.frontend.export_signature import ExportWarning
+
+    said = {}
+    for dropout in (0.1, 0.0):
+        path, _, _, dims = export("gpt2", "torchscript", training=True, dropout=dropout)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", ExportWarning)
+            build_training_step(load_graph(path, dims), BuildOptions())
+        said[dropout] = [str(w.message) for w in caught if "no training mode" in str(w.message)]
+    assert len(said[0.1]) == 1 and "2 Dropout node(s)" in said[0.1][0], said
+    assert "attn" in said[0.1][0]
+    assert said[0.0] == []

@@ -26,7 +26,7 @@ from memcc.frontend.autocast import AutocastSummary, autocast, recast_in_backwar
 from memcc.frontend.autodiff import differentiate
 from memcc.frontend.batch_chunks import BATCH, chunk_stems, emit_backward
 from memcc.frontend.build_options import LOSSES, OPTIMIZERS, BuildOptions
-from memcc.frontend.dropout_masks import add_counter, counter_dropouts
+from memcc.frontend.dropout_masks import add_counter, counter_dropouts, warn_inactive_dropouts
 from memcc.frontend.emit import Emitter
 from memcc.frontend.export_map import EXPORT_MAP_KEY, ExportMap, export_map_of
 from memcc.frontend.export_signature import signature_of
@@ -108,6 +108,7 @@ def build_training_step(forward: Graph, options: BuildOptions | None = None,
     loss, chunked = step_loss.loss, step_loss.chunked
 
     restore_training_batchnorm(graph, source)
+    warn_inactive_dropouts(graph, source)
     bn_stats = batchnorm_running_stats(graph)
     unbias_running_var(graph, bn_stats)  # PyTorch's running variance, for its models
     params = choose_parameters(graph, loss, bn_stats, opts.freeze, source)

@@ -48,6 +48,7 @@ sets the counter to the checkpoint's step (``checkpoint_counter``).
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Mapping
 
 import numpy as np
@@ -128,6 +129,38 @@ def rewritable(graph: Graph, node: onnx.NodeProto,
     if not 0.0 < value < 1.0 or ti is None or len(ti.shape) == 0:
         return None
     return value
+
+
+def warn_inactive_dropouts(graph: Graph, source: str) -> list[str]:
+    """Dropouts with a ratio above 0 but no training mode (ONNX runs them as an identity) in
+    a model whose other Dropouts train: the exporter wrote these as inference (the
+    attention dropout inside ``scaled_dot_product_attention``, in both exporters), so the
+    step does not drop there where PyTorch in train mode does. Warned, not changed: the
+    graph cannot say which the user meant. Returns their names."""
+    producers = graph.producers()
+    dropouts = [n for n in graph.nodes if n.op_type == "Dropout"
+                and n.domain in ("", "ai.onnx")]
+    if not any(rewritable(graph, n, producers) for n in dropouts):
+        return []
+    idle = []
+    for n in dropouts:
+        mode = _constant(graph, n.input[2], producers) if len(n.input) > 2 else np.asarray(0)
+        ratio = _constant(graph, n.input[1], producers) if len(n.input) > 1 and \
+            n.input[1] else None
+        if mode is not None and not bool(np.asarray(mode).reshape(-1)[0]) and \
+                ratio is not None and float(np.asarray(ratio).reshape(-1)[0]) > 0.0:
+            idle.append(n.name or n.output[0])
+    if idle:
+        from memcc.frontend.export_signature import ExportWarning
+
+        warnings.warn(
+            f"{source}: {len(idle)} Dropout node(s) have a ratio above 0 but no training mode "
+            f"(e.g. '{idle[0]}'), so ONNX runs them as an identity and the step does not "
+            "drop there, while the model's other Dropouts train: the exporter wrote these "
+            "for inference (PyTorch's scaled_dot_product_attention exports its attention "
+            "dropout so), where PyTorch in train mode drops. The step trains without them.",
+            ExportWarning, stacklevel=2)
+    return idle
 
 
 def _seed(node: onnx.NodeProto) -> int:
