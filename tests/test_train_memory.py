@@ -57,7 +57,8 @@ def test_arena_training_measures_the_step_the_plan_counts(steps):
     text = runner.invoke(app, ["train", str(paths[True]), "--data", str(data), "--steps", "2",
                                "--threads", "1"])
     assert text.exit_code == 0, text.output
-    assert "memory: step peak" in text.output and "(arena), plan" in text.output
+    assert "memory: step peak" in text.output and "(arena)," in text.output
+    assert "predicted for this meter" in text.output
 
 
 def test_malloc_training_names_the_resident_size_and_measures_nothing(steps):

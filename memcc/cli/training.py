@@ -328,8 +328,9 @@ def _train_memory(memory: dict, step_peak: int | None, rss: int | None) -> str:
     way) the process's resident size, named so."""
     plan = f"plan {mb(memory.get('predicted_peak_bytes'))}"
     allocator = memory.get("allocator")
-    if allocator == "arena":
-        return f"arena step {mb(step_peak) if step_peak else '-'} ({plan})"
+    if allocator == "arena":  # the arena model as the meter sees it (_print_trained)
+        return (f"arena step {mb(step_peak) if step_peak else '-'} (predicted "
+                f"{mb(memory.get('predicted_peak_bytes'))})")
     if allocator == "cuda-arena":
         return f"device step {mb(step_peak)} ({plan})"
     return f"process rss {mb(rss) if rss else '-'} ({plan}, malloc)"
