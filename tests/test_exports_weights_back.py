@@ -368,3 +368,15 @@ def test_nested_sequentials_keep_their_state_dict_names(tmp_path):
     assert r.exit_code == 0, r.output
     module.load_state_dict(safetensors.torch.load_file(tmp_path / "w.safetensors"),
                            strict=True)
+
+
+def test_a_folded_batchnorm_gets_a_warning_of_its_own(tmp_path):
+    """A TorchScript eval-mode export folds each BatchNorm into its convolution
+    (``onnx::Conv_N``): the step trains another model. That was one clause inside the long
+    made-up-names warning; it is now a short warning of its own, first."""
+    path, _, _, dims = export("convnet", "torchscript")
+    _, said = _build(path, tmp_path / "s.onnx", dims)
+    first = next(i for i, m in enumerate(said) if "folded into the convolutions" in m)
+    names = next(i for i, m in enumerate(said) if "names the exporter made up" in m)
+    assert first < names and "12 parameters named onnx::Conv_N" in said[first], said
+    assert "training=torch.onnx.TrainingMode.TRAINING" in said[first]

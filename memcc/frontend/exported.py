@@ -249,14 +249,20 @@ def report_parameters(sources: dict[str, ParameterSource], source: str,
     if unnamed:
         shown = _some([p + (f" (folded from {', '.join(sources[p].copy_of)})"
                             if sources[p].copy_of else "") for p in unnamed])
-        conv_folded = any(p.startswith("onnx::Conv_") for p in unnamed)
-        bn = (" Names like onnx::Conv_N are convolution weights with a BatchNorm folded into "
-              "them (an eval-mode export): the model then trains without BatchNorm and its "
-              "batch statistics, unlike PyTorch in train mode." if conv_folded else "")
+        conv_folded = sum(p.startswith("onnx::Conv_") for p in unnamed)
+        if conv_folded:  # its own short warning first: the step trains another model
+            warnings.warn(
+                f"{source}: exported in eval mode, its BatchNorms folded into the "
+                f"convolutions ({conv_folded} parameters named onnx::Conv_N): the step "
+                "trains without "
+                "BatchNorm and its batch statistics, unlike PyTorch in train mode. Export "
+                "with model.train() and torch.onnx.export(..., training=torch.onnx."
+                "TrainingMode.TRAINING, do_constant_folding=False) to train it as PyTorch "
+                "does.", ExportWarning, stacklevel=2)
         warnings.warn(
             f"{source}: {len(unnamed)} trained parameter(s) have names the exporter made up, "
             f"not PyTorch state_dict names: {shown}. They are folded copies (pre-transposed "
-            f"weights, constant-folded lookups).{bn} To map trained weights back by name, "
+            f"weights, constant-folded lookups). To map trained weights back by name, "
             f"export with {KEEP_EVERY_PARAMETER} or with dynamo=False, "
             "training=torch.onnx.TrainingMode.TRAINING and do_constant_folding=False (its "
             "constant folding, on by default, makes the copies in train mode too).",
