@@ -400,9 +400,10 @@ def export_cmd(
     eval_mode: Annotated[bool, typer.Option(
         "--eval", help="Write the ONNX model as inference runs it, as PyTorch's module.eval() "
                        "does: training-mode BatchNorms read the trained running statistics, "
-                       "Dropouts pass their input through. Refused where the model draws "
-                       "other random numbers (stochastic depth). Without it a model exported "
-                       "in train mode keeps train mode, and export says so.")] = False,
+                       "Dropouts (and dropout masks such as stochastic depth) pass their "
+                       "input through. Refused where the model draws other random numbers "
+                       "(a noise layer). Without it a model exported in train mode keeps "
+                       "train mode, and export says so.")] = False,
 ) -> None:
     """Write the trained weights out: the forward ONNX model, or a safetensors file."""
     from memcc.api import EVAL_NOTE, export_checkpoint
