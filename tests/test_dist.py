@@ -431,18 +431,25 @@ def test_the_single_device_tool_does_not_import_torch():
     assert out.stdout.strip() == "False"
 
 
+def _planned_for_cuda(step, tmp_path):
+    """``step`` as compile writes a CUDA plan of it (``memcc.provider`` = cuda)."""
+    from memcc.step import PROVIDER_KEY
+
+    model = onnx.load(str(step))
+    onnx.helper.set_model_props(model, {**{p.key: p.value for p in model.metadata_props},
+                                        PROVIDER_KEY: "cuda"})
+    planned = tmp_path / "cuda_plan.onnx"
+    onnx.save(model, str(planned))
+    return planned
+
+
 def test_nproc_runs_where_the_step_was_planned(files, tmp_path, monkeypatch, capsys):
     """As one process does (``provider_as_planned``): no --provider means the provider the
     step was compiled for; a CUDA plan without CUDA runs on the CPU and says so."""
     from memcc.backend import session
     from memcc.dist.launch import _on_planned_provider
-    from memcc.step import PROVIDER_KEY
 
-    model = onnx.load(str(files["sgd4"]))
-    onnx.helper.set_model_props(model, {**{p.key: p.value for p in model.metadata_props},
-                                        PROVIDER_KEY: "cuda"})
-    planned = tmp_path / "cuda_plan.onnx"
-    onnx.save(model, str(planned))
+    planned = _planned_for_cuda(files["sgd4"], tmp_path)
     monkeypatch.setattr(session, "cuda_unavailable_reason", lambda: "no GPU in this test")
     opts = TrainOptions(step=planned, data=files["data"])
     assert _on_planned_provider(opts, say=True).provider == "cpu"
@@ -461,13 +468,8 @@ def test_json_runs_still_warn_on_stderr(files, tmp_path, monkeypatch, capsys):
     dropped with --json)."""
     from memcc.backend import session
     from memcc.dist import launch
-    from memcc.step import PROVIDER_KEY
 
-    model = onnx.load(str(files["sgd4"]))
-    onnx.helper.set_model_props(model, {**{p.key: p.value for p in model.metadata_props},
-                                        PROVIDER_KEY: "cuda"})
-    planned = tmp_path / "cuda_plan.onnx"
-    onnx.save(model, str(planned))
+    planned = _planned_for_cuda(files["sgd4"], tmp_path)
     monkeypatch.setattr(session, "cuda_unavailable_reason", lambda: "no GPU in this test")
     monkeypatch.setattr(launch, "planned_for_other_ranks", lambda *a: "planned for 4 ranks")
     monkeypatch.setattr(launch, "_check_placement", lambda *a: None)
