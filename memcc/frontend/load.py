@@ -428,7 +428,6 @@ def _run_for_types(model: onnx.ModelProto, names: list[str], arrays: Arrays
     """Run the model once in ORT on zero inputs; return (dtype, shape) of the tensors
     ``names`` that it produced, and why the run failed (None where it ran; nothing found
     then: the caller reports). ORT's own log stays quiet: the reason is in the error."""
-    import onnxruntime as ort
 
     m = with_weights(model, arrays)  # a copy, its stubs filled
     # ORT plans buffers by the shapes recorded in value_info: one that inference merged
@@ -451,14 +450,9 @@ def _run_for_types(model: onnx.ModelProto, names: list[str], arrays: Arrays
             return {}, None
         feeds[vi.name] = np.zeros(dims, dtype=helper.tensor_dtype_to_np_dtype(tt.elem_type))
     try:
-        so = ort.SessionOptions()
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-        so.log_severity_level = 4
-        sess = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
-        out_names = [o.name for o in sess.get_outputs()]
-        results = sess.run(out_names, feeds)
+        out_names, results = run_quietly(m, feeds)
     except Exception as exc:  # ORT's message: the node and what it refused
-        return {}, _ort_reason(exc)
+        return {}, ort_reason(exc)
     wanted = set(names)
     found: dict[str, tuple[int, tuple[int, ...]]] = {}
     for name, arr in zip(out_names, results, strict=True):
@@ -469,7 +463,25 @@ def _run_for_types(model: onnx.ModelProto, names: list[str], arrays: Arrays
     return found, None
 
 
-def _ort_reason(exc: Exception) -> str:
+def run_quietly(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]
+                ) -> tuple[list[str], list]:
+    """Every output of ``model`` on ``feeds`` in a CPU session with ORT's logging off (a
+    failure is an answer to the caller, raised, not an error line on stderr) and its graph
+    optimizations off."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    so.log_severity_level = 4
+    run = ort.RunOptions()
+    run.log_severity_level = 4
+    sess = ort.InferenceSession(model.SerializeToString(), so,
+                                providers=["CPUExecutionProvider"])
+    names = [o.name for o in sess.get_outputs()]
+    return names, sess.run(names, dict(feeds), run)
+
+
+def ort_reason(exc: Exception) -> str:
     """ORT's error without its prefixes: "Non-zero status code returned while running
     Gather node. Name:'x' Status Message: indices element out of data bounds, ..."."""
     text = " ".join(str(exc).split())

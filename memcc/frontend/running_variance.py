@@ -61,9 +61,8 @@ def unbias_running_var(graph: Graph, bn_stats) -> int:
     holding PyTorch's update is ``unbiased_value``'s."""
     if not follows_pytorch(graph):
         return 0
-    before: dict[int, list[onnx.NodeProto]] = {}
+    before: list[onnx.NodeProto] = []
     after: dict[int, list[onnx.NodeProto]] = {}
-    carried: dict[str, str] = {}
     for node, _, var in bn_stats:
         k = _factor(graph, node)
         if k is None or node.input[4] != var:
@@ -76,24 +75,23 @@ def unbias_running_var(graph: Graph, bn_stats) -> int:
             graph.info[node.output[2]] = info
         # Names of their own (the build's emitter, made before, does not know them).
         fed, unbiased = f"{var}{FED_SUFFIX}", f"{var}{UPDATED_SUFFIX}"
-        before[id(node)] = _scaled(var, 1.0 / k, fed, info)
+        before += _scaled(var, 1.0 / k, fed, info)
         after[id(node)] = _scaled(node.output[2], k, unbiased, info)
         for made in (fed, unbiased):
             graph.info[made] = info
             graph.info[f"{made}.factor"] = TensorInfo(info.dtype, ())
         node.input[4] = fed
-        carried[var] = unbiased
-    if carried:
+    if after:
         # The divisions first of all (they read graph inputs alone): a rewrite that moves
         # the node's readers earlier (the stem over batch chunks) still finds them made.
-        nodes = [m for ms in before.values() for m in ms]
+        nodes = list(before)
         for n in graph.nodes:
             nodes.append(n)
             nodes.extend(after.get(id(n), ()))
         # In place: the build's emitter appends to this very list.
         graph.nodes[:] = nodes
         graph.set_nodes(graph.nodes)
-    return len(carried)
+    return len(after)
 
 
 def unbiased_value(node: onnx.NodeProto, var: str) -> str | None:

@@ -33,6 +33,7 @@ def symbolic_dims_of(model: onnx.ModelProto) -> dict[str, list[str | None]]:
 
 
 def recorded(metadata: dict[str, str]) -> dict[str, list[str | None]]:
+    """What ``load_graph`` recorded of a step's (or model's) axes; empty where nothing."""
     return json.loads(metadata.get(SYMBOLIC_DIMS_KEY) or "{}")
 
 

@@ -13,8 +13,7 @@ running statistics the training accumulated, and no dropping. So ``--eval`` writ
   node is pointed at the running statistics its batch statistics updated, and the reductions
   fall away with everything else the outputs no longer read.
 - every Dropout without its ``training_mode`` input, which ONNX defines as inference: the
-  input passes through.
-
+  input passes through;
 - every Dropout written as a random mask, ``x * (RandomUniform(Like) < keep) / keep`` (the
   dynamo exporter's in-place ``nn.Dropout``, timm's stochastic depth), as ``x``.
 
@@ -32,6 +31,7 @@ from dataclasses import dataclass
 import onnx
 
 from memcc.errors import InputError
+from memcc.frontend.constants import constant_value
 from memcc.frontend.running_variance import carried_value
 from memcc.graph import Graph, ancestors, attr
 from memcc.step import TrainingStep
@@ -91,8 +91,8 @@ def in_eval_mode(graph: Graph, spec: TrainingStep, outputs: list[str], *,
     """``graph`` (a step whose Dropouts are plain nodes again) with the rewrites the module
     docstring lists; raises ``InputError`` where the outputs read a random draw."""
     carried = set(spec.state.values())
-    running = _running_of_batch_statistics(graph, spec)
     producer = graph.def_use().producer
+    running = _running_of_batch_statistics(spec, producer)
     masked = _dropped_by_masks(graph, producer)
     nodes: list[onnx.NodeProto] = []
     made: dict[int, str] = {}  # id of a rewritten node -> "bn" or "dropout"
@@ -126,9 +126,9 @@ def _in_eval_mode(n: onnx.NodeProto, masked: dict[int, str],
     if id(n) in masked:  # x * (rand < keep) / keep: x, as in eval mode
         return onnx.helper.make_node("Identity", [masked[id(n)]], [n.output[0]],
                                      name=n.name), "dropout"
-    # The running variance of a PyTorch model is fed divided (running_variance.py).
-    stats = [carried_value(s, producer) for s in n.input[3:5]]
-    if n.op_type == "BatchNormalization" and len(stats) == 2:
+    if n.op_type == "BatchNormalization" and len(n.input) >= 5:
+        # The running variance of a PyTorch model is fed divided (running_variance.py).
+        stats = [carried_value(s, producer) for s in n.input[3:5]]
         if _is_training_bn(n) and set(stats) <= carried:
             return _inference_batchnorm(n, stats), "bn"
         if not _is_training_bn(n) and all(s in running for s in stats):
@@ -184,23 +184,12 @@ def _scaled_uniform_mask(value: str, graph: Graph, producer: dict[str, onnx.Node
 
 def _constant(value: str, graph: Graph, producer: dict[str, onnx.NodeProto]) -> float | None:
     """A scalar constant through Cast / CastLike (None: not one)."""
-    import numpy as np
-
     node = producer.get(value)
     while node is not None and node.op_type in ("Cast", "CastLike"):
         value = node.input[0]
         node = producer.get(value)
-    if node is None:
-        arr = graph.initializers.get(value)
-    elif node.op_type == "Constant" and len(node.attribute) == 1:
-        a = node.attribute[0]
-        arr = {"value": lambda: onnx.numpy_helper.to_array(a.t), "value_float": lambda: a.f,
-               "value_int": lambda: a.i}.get(a.name, lambda: None)()
-    else:
-        return None
-    if arr is None or np.asarray(arr).size != 1:
-        return None
-    return float(np.asarray(arr).reshape(()))
+    arr = constant_value(graph, value, producer)
+    return None if arr is None or arr.size != 1 else float(arr.reshape(()))
 
 
 def _is_training_bn(node: onnx.NodeProto) -> bool:
@@ -217,11 +206,11 @@ def _inference_batchnorm(node: onnx.NodeProto, stats: list[str]) -> onnx.NodePro
     return made
 
 
-def _running_of_batch_statistics(graph: Graph, spec: TrainingStep) -> dict[str, str]:
+def _running_of_batch_statistics(spec: TrainingStep, producer: dict[str, onnx.NodeProto]
+                                 ) -> dict[str, str]:
     """Batch statistic -> the carried running statistic it updates, where the update is
     written as nodes: ``R.new = Add(Mul(R, momentum), Mul(batch, 1 - momentum))`` (the
     CUDA form of a training-mode BatchNorm)."""
-    producer = graph.def_use().producer
     found: dict[str, str] = {}
     for new, old in spec.state.items():
         add = producer.get(carried_value(new, producer))

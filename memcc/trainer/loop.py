@@ -22,6 +22,7 @@ from memcc.backend import checkpoint as ckpt
 from memcc.backend.data import DataInput, Dataset, data_inputs, load_dataset
 from memcc.errors import InputError, RuntimeFailure
 from memcc.frontend.load import load_graph
+from memcc.frontend.loss_scaling import SCALE
 from memcc.graph import Graph
 from memcc.step import TrainingStep
 from memcc.trainer.checkpoints import check_run_data_state, run_data_state
@@ -166,7 +167,6 @@ def train(opts: TrainOptions, *, on_start: Callable[[TrainResult], None] | None 
                last_saved=trainer.steps_done if loaded is not None else None)
     rates = Throughput(plan.dataset.batch_size)
     scale = LossScaleWatch(trainer)
-    run.loss_scaled = scale.active
     diverged = False
     with stop_requests() as stop:
         while trainer.steps_done < plan.total_steps and not stop:
@@ -266,10 +266,10 @@ class _Run:
     position: int
     last_saved: int | None
     done_here: int = 0
-    loss_scaled: bool = False  # a non-finite loss is a skipped step, not a diverged one
 
     def diverged(self, loss: float) -> bool:
-        return not math.isfinite(loss) and not self.loss_scaled
+        """A loss that is no number, where no loss scale skips such a step instead."""
+        return not math.isfinite(loss) and SCALE not in self.trainer.spec.state.values()
 
     def step(self, rates: Throughput) -> TrainProgress:
         """Train on the next batch, checkpoint every ``save_every`` steps."""

@@ -13,6 +13,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
+from memcc.frontend.load import ort_reason, run_quietly
 from memcc.frontend.symbolic_dims import relax
 
 
@@ -39,26 +40,16 @@ def _fails_at(model: onnx.ModelProto, axes: dict[str, list[str | None]],
               trial: dict[str, int]) -> str | None:
     """Why ``model`` does not run at the ``trial`` sizes (None: it does, and its outputs
     have those sizes on their named axes)."""
-    import onnxruntime as ort
-
     feeds = {}
     for vi in model.graph.input:
         dims = [trial[d.dim_param] if d.dim_param else int(d.dim_value)
                 for d in vi.type.tensor_type.shape.dim]
         dtype = helper.tensor_dtype_to_np_dtype(vi.type.tensor_type.elem_type)
         feeds[vi.name] = np.zeros(dims, dtype)
-    try:  # quietly: a failure here is an answer, not an error to log
-        so = ort.SessionOptions()
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-        so.log_severity_level = 4
-        run = ort.RunOptions()
-        run.log_severity_level = 4
-        sess = ort.InferenceSession(model.SerializeToString(), so,
-                                    providers=["CPUExecutionProvider"])
-        results = sess.run(None, feeds, run)
+    try:
+        _, results = run_quietly(model, feeds)
     except Exception as exc:  # noqa: BLE001  (any failure means: keep the built sizes)
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        return f"ONNX Runtime failed: {first[:200]}"
+        return f"ONNX Runtime failed: {ort_reason(exc)[:200]}"
     for vi, value in zip(model.graph.output, results, strict=True):
         for k, name in enumerate(axes.get(vi.name) or ()):
             if name and (k >= value.ndim or value.shape[k] != trial[name]):
