@@ -69,6 +69,11 @@ def test_eval_export_computes_what_pytorch_eval_mode_does(exporter, tmp_path):
     assert "the format follows the name" not in _export(step, ckpt, tmp_path / "w.safetensors")
     # A PyTorch user's habit, weights.pt, gets the ONNX model: said, not silent.
     assert "the format follows the name" in _export(step, ckpt, tmp_path / "w.pt")
+    # --eval is about the ONNX graph; with safetensors it is refused, nothing written.
+    r = CliRunner().invoke(app, ["export", str(step), "--checkpoint", str(ckpt), "-o",
+                                 str(tmp_path / "e.safetensors"), "--eval"])
+    assert r.exit_code != 0 and "--eval writes the ONNX model" in r.output, r.output
+    assert not (tmp_path / "e.safetensors").exists()
 
     weights = safetensors.torch.load_file(tmp_path / "w.safetensors")
     missing, unexpected = module.load_state_dict(weights, strict=False)
