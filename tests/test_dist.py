@@ -45,6 +45,7 @@ from memcc.dist.replica import Replica, ReplicaSettings, assign_owners
 from memcc.errors import InputError
 from memcc.frontend.build import BuildOptions, build_training_step
 from memcc.frontend.load import load_graph
+from memcc.frontend.update_groups import update_units
 from memcc.step import Role, TrainingStep
 from memcc.trainer import TrainOptions, train
 from models import build_model, mlp
@@ -107,8 +108,11 @@ def test_the_step_is_cut_at_its_updates(opt):
     assert set(split.gradient.outputs) == {spec.loss, *split.gradients.values()}
     assert set(split.update.outputs) == set(spec.state)
     owners = owners_of_state(split)
-    for p in spec.parameters:
-        assert owners[f"{p}.new"] == [p]
+    units = update_units(graph, spec.state, spec.parameters)
+    assert any(len(u) > 1 for u in units)  # the vectors' grouped update
+    for unit in units:  # a parameter's update reads its own gradient, or its group's
+        for p in unit:
+            assert owners[f"{p}.new"] == sorted(unit)
     if opt == "adamw":
         assert owners["adamw.step.new"] == []
 

@@ -20,6 +20,7 @@ from memcc.backend.runner import synthetic_feeds
 from memcc.compiler import CompileOptions, compile_model
 from memcc.frontend.build import BuildOptions, build_training_step
 from memcc.frontend.load import load_graph
+from memcc.frontend.update_groups import update_units
 from memcc.graph import Graph
 from memcc.passes.analysis.arrange import arrange_step
 from memcc.passes.analysis.device_memory import bound_infos, predict_step
@@ -59,7 +60,10 @@ def test_the_state_offloaded_trains_bit_for_bit(opt, kinds):
     state = optimizer_state(graph, min_bytes=0)
     params = TrainingStep.of(graph).trainable()
     assert {n.rsplit(".", 1)[1] for n, _ in state} == kinds
-    assert len(state) == len(kinds) * len(params)  # one (SGD) or two (AdamW) per parameter
+    # one (SGD) or two (AdamW) per parameter, or per group of vectors updated together
+    units = update_units(graph, TrainingStep.of(graph).state, params)
+    assert len(units) < len(params)
+    assert len(state) == len(kinds) * len(units)
     moved = offload_state(graph, [n for n, _ in state])
     g = moved.graph
     assert host_resident(g) == {n for n, _ in state}

@@ -9,6 +9,7 @@ import pytest
 from memcc.backend.runner import RunRequest, run_steps
 from memcc.frontend.build import BuildOptions, build_training_step
 from memcc.frontend.load import load_graph
+from memcc.frontend.update_groups import GROUP_PREFIX
 from memcc.passes.analysis.arrange import UPDATES_EARLY, arrange_step
 from memcc.passes.analysis.inplace import analyze_in_place
 from memcc.passes.analysis.liveness import allocation_bytes, analyze_liveness
@@ -69,7 +70,12 @@ def test_a_cone_computes_the_decayed_parameter_just_before_it_is_read():
     assert sched.moved, sched.reason
     order = sched.nodes
     producer = {o: j for j, n in enumerate(order) for o in n.output}
-    for p in spec.parameters:
+    # every parameter's own update, and each group's over its joined vector
+    updated = [n.output[0][:-len(".new")] for n in order if n.op_type == "Sub"
+               and n.output[0].endswith(".new") and spec.roles.get(n.name) is Role.UPDATE]
+    assert {p for p in spec.parameters if f"{p}.new" in producer} & set(updated)
+    assert any(p.startswith(GROUP_PREFIX) for p in updated)
+    for p in updated:
         sub = order[producer[f"{p}.new"]]
         decayed = order[producer[sub.input[0]]]
         assert decayed.op_type == "Mul" and p in decayed.input

@@ -27,6 +27,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from memcc.errors import InputError
+from memcc.frontend.update_groups import update_units
 from memcc.graph import Graph, ancestors
 from memcc.passes.analysis.rank_step import state_owners
 from memcc.step import Role, TrainingStep
@@ -122,7 +123,10 @@ def check_zero2(graph: Graph, spec: TrainingStep, label: str) -> None:
     scale's overflow check reads every gradient): ZeRO-2 leaves each averaged gradient on
     its owner's rank alone, so that update could not run (``memcc train --nproc 2 --zero 2``
     of an fp16 step failed in a rank: "nothing bound to the input 'grad/reducesum_19'")."""
-    shared = [o for o, owners in state_owners(graph, spec).items() if len(owners) > 1]
+    together = {p: k for k, unit in enumerate(update_units(graph, spec.state, spec.parameters))
+                for p in unit}  # a grouped update's parameters are dealt to one rank
+    shared = [o for o, owners in state_owners(graph, spec).items()
+              if len({together.get(p, p) for p in owners}) > 1]
     if shared:
         raise InputError(
             f"{label}: --zero 2: the update of '{shared[0]}' ({len(shared)} such) reads the "

@@ -70,6 +70,9 @@ class BuildOptions:
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
     growth_interval: int = 2000
+    # the vector parameters' updates as one update of their concatenation, a few kernels
+    # instead of a few per parameter, the same bits (frontend/update_groups.py)
+    grouped_updates: bool = True
 
     def __post_init__(self) -> None:
         if self.loss not in LOSSES:

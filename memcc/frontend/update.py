@@ -14,6 +14,7 @@ holds that rule; here only where each coefficient goes).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 from onnx import TensorProto
@@ -23,6 +24,7 @@ from memcc.frontend import loss_scaling
 from memcc.frontend.build_options import BuildOptions
 from memcc.frontend.emit import Emitter
 from memcc.frontend.running_variance import unbiased_value
+from memcc.frontend.update_groups import group_name, vector_groups
 from memcc.graph import Graph, TensorInfo, node_label
 from memcc.step import record_rule_io, rule_io
 
@@ -53,17 +55,18 @@ def emit_update(out: StepWriter, params: list[str], grads: dict[str, str],
         grads, found_inf = unscaled.grads, unscaled.found_inf
     u = _Update(out, opts, loss_scaling.Coefficients(emit, found_inf), outputs)
     adam = _adamw_step(u) if opts.optimizer == "adamw" else None
+    groups = vector_groups(graph, params) \
+        if opts.optimizer != "none" and opts.grouped_updates else []
+    grouped = {p for ps in groups for p in ps}
+    rule = _sgd if opts.optimizer == "sgd" else partial(_adamw, adam=adam)
     for p in params:
-        g = grads.get(p)
-        if g is None:  # parameter on a path that carries no gradient (e.g. masked out)
-            g = emit.zeros_like(p)
+        g = grads.get(p) or emit.zeros_like(p)  # None: on a path no gradient reaches
         if opts.optimizer == "none":
             outputs.append(namer.name(g, f"{p}.grad"))
-        elif opts.optimizer == "sgd":
-            _sgd(u, p, g)
-        else:
-            assert adam is not None
-            _adamw(u, p, g, adam)
+        elif p not in grouped:
+            _carry(u, p, rule(u, p, g, p))
+    for ps in groups:
+        _grouped(u, ps, [grads.get(p) or emit.zeros_like(p) for p in ps], rule)
     if found_inf is not None:
         outputs += loss_scaling.update_scale(emit, out.state, found_inf, opts)
         if opts.optimizer == "none":  # the gradients are as they came: say whether finite
@@ -83,8 +86,32 @@ class _Update:
     outputs: list[str]
 
 
-def _sgd(u: _Update, p: str, g: str) -> None:
-    """torch.optim.SGD: weight decay, momentum buffer, step (a skipped step keeps all)."""
+def _carry(u: _Update, p: str, new_p: str) -> None:
+    """``new_p`` is ``p``'s value at the next step: a step output."""
+    u.out.state[new_p] = p
+    u.outputs.append(new_p)
+
+
+def _grouped(u: _Update, ps: list[str], gs: list[str], rule) -> None:
+    """One ``rule`` update of the parameters ``ps`` joined, their new values split back
+    (``frontend/update_groups.py``): the same arithmetic per element, a few kernels."""
+    graph, emit = u.out.graph, u.out.emit
+    ti = graph.info[ps[0]]
+    sizes = [graph.info[p].shape[0] for p in ps]
+    name = group_name(graph, ti.np_dtype)
+    flat = TensorInfo(ti.dtype, (sum(sizes),))
+    joined = emit.op("Concat", ps, outputs=[name], info=flat, axis=0)
+    g = emit.op("Concat", gs, info=flat, axis=0)
+    new = rule(u, joined, g, name)
+    news = emit.op("Split", [new, emit.ints(sizes)], outputs=[f"{p}.new" for p in ps],
+                   info=[graph.info[p] for p in ps], axis=0)
+    for p, new_p in zip(ps, news, strict=True):
+        _carry(u, p, new_p)
+
+
+def _sgd(u: _Update, p: str, g: str, name: str) -> str:
+    """torch.optim.SGD: weight decay, momentum buffer, step (a skipped step keeps all);
+    the new value, ``name.new``, whose state is ``name.momentum``."""
     graph, emit, state = u.out.graph, u.out.emit, u.out.state
     opts, coef, outputs = u.opts, u.coef, u.outputs
     ti = graph.info[p]
@@ -92,16 +119,14 @@ def _sgd(u: _Update, p: str, g: str) -> None:
         g = emit.add(g, emit.mul(coef(opts.decay, ti.dtype, skipped=0.0), p))
     step = g
     if opts.momentum:
-        buf = _state_input(graph, f"{p}.momentum", ti)
+        buf = _state_input(graph, f"{name}.momentum", ti)
         step = emit.op("Add", [emit.mul(coef(opts.momentum, ti.dtype, skipped=1.0), buf), g],
                        outputs=[f"{buf}.new"], info=ti)
         state[step] = buf
         outputs.append(step)
-    new_p = emit.op("Sub", [p, emit.mul(coef(opts.learning_rate, ti.dtype, skipped=0.0),
-                                        step)],
-                    outputs=[f"{p}.new"], info=ti)
-    state[new_p] = p
-    outputs.append(new_p)
+    return emit.op("Sub", [p, emit.mul(coef(opts.learning_rate, ti.dtype, skipped=0.0),
+                                       step)],
+                   outputs=[f"{name}.new"], info=ti)
 
 
 @dataclass(frozen=True)
@@ -139,15 +164,16 @@ def _adamw_step(u: _Update) -> _AdamStep:
                      emit.sub(one, emit.binary("Pow", emit.scalar(b2, f32), count)))
 
 
-def _adamw(u: _Update, p: str, g: str, adam: _AdamStep) -> None:
-    """torch.optim.AdamW: the two moments, decoupled weight decay, the step."""
+def _adamw(u: _Update, p: str, g: str, name: str, *, adam: _AdamStep) -> str:
+    """torch.optim.AdamW: the two moments, decoupled weight decay, the step; the new
+    value, ``name.new``, whose state is ``name.exp_avg`` and ``name.exp_avg_sq``."""
     graph, emit, state = u.out.graph, u.out.emit, u.out.state
     opts, coef, outputs = u.opts, u.coef, u.outputs
     ti = graph.info[p]
     dt = ti.dtype
     lr, wd = opts.learning_rate, opts.decay
-    m = _state_input(graph, f"{p}.exp_avg", ti)
-    v = _state_input(graph, f"{p}.exp_avg_sq", ti)
+    m = _state_input(graph, f"{name}.exp_avg", ti)
+    v = _state_input(graph, f"{name}.exp_avg_sq", ti)
     b1, b2 = opts.betas
     m_new = emit.op("Add", [emit.mul(coef(b1, dt, skipped=1.0), m),
                             emit.mul(coef(1 - b1, dt), g)],
@@ -161,12 +187,11 @@ def _adamw(u: _Update, p: str, g: str, adam: _AdamStep) -> None:
     m_hat = emit.div(m_new, emit.cast(adam.bc1, dt))
     v_hat = emit.div(v_new, emit.cast(adam.bc2, dt))
     denom = emit.add(emit.unary("Sqrt", v_hat), coef(opts.eps, dt))
+    step = emit.mul(coef(lr, dt, skipped=0.0), emit.div(m_hat, denom))
+    # Written last, right before its reader: a parameter-sized value (and where ``p`` is a
+    # group's joined vector, one the scheduler's leaves rule would not defer).
     decayed = emit.mul(coef(1 - lr * wd, dt, skipped=1.0), p) if wd else p
-    new_p = emit.op("Sub", [decayed, emit.mul(coef(lr, dt, skipped=0.0),
-                                              emit.div(m_hat, denom))],
-                    outputs=[f"{p}.new"], info=ti)
-    state[new_p] = p
-    outputs.append(new_p)
+    return emit.op("Sub", [decayed, step], outputs=[f"{name}.new"], info=ti)
 
 
 def _state_input(graph: Graph, name: str, ti: TensorInfo) -> str:

@@ -10,6 +10,8 @@ needed at the moment the new one is written:
 - the producer of ``P.new`` is an element-wise kernel (``Add``, ``Sub``, ``Mul``, ``Div``)
   whose output has ``P``'s exact type, so each element is read before it is overwritten,
   and any operand that shares ``P``'s buffer has the output's shape (no broadcast reads);
+  or a ``Split`` that does not read ``P`` (a grouped update's, ``frontend/update_groups.py``:
+  it copies from the joined new value, made after the join read ``P``);
 - no node after the producer (in execution order) reads ``P`` or a value that shares its
   buffer (Reshape, Identity, ... ``liveness.ALIAS_OPS``): the producer is the last reader of
   the old value, or comes after it;
@@ -98,12 +100,15 @@ def _refusal(graph: Graph, uses: _StepUses, out: str, inp: str, taken: set[str]
         return f"'{inp}' is itself a graph output"
     if inp in taken:
         return f"another update is already written over '{inp}'"
-    if node.op_type not in ELEMENTWISE_OPS:
-        return f"its producer is {node.op_type}, not an element-wise Add/Sub/Mul/Div"
+    split = node.op_type == "Split"
+    if node.op_type not in ELEMENTWISE_OPS and not split:
+        return f"its producer is {node.op_type}, not an element-wise Add/Sub/Mul/Div or a Split"
     ti_out, ti_in = graph.info.get(out), graph.info.get(inp)
     if ti_out is None or ti_out != ti_in:
         return f"its type differs from '{inp}'"
     shared = sharing_buffer(uses.views, inp)
+    if split and shared & set(node.input):
+        return f"its producer, a Split, reads the old value ('{inp}')"
     for operand in node.input:
         if operand in shared and graph.info.get(operand) is not None and \
                 graph.info[operand].shape != ti_out.shape:

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 import onnx
 
+from memcc.frontend.update_groups import update_units
 from memcc.graph import Graph, TensorInfo, ancestors
 from memcc.passes.analysis.inplace import analyze_in_place
 from memcc.step import BOUND_KEY, STATE_KEY, Role, TrainingStep
@@ -71,14 +72,17 @@ class Ranks:
 
 def assign_owners(parameters: list[str], graph: Graph, world: int) -> dict[str, int]:
     """Parameter -> the rank that updates it (ZeRO-1): largest first, each to the rank
-    holding the fewest bytes so far, so the ranks' optimizer state is balanced by bytes."""
+    holding the fewest bytes so far, so the ranks' optimizer state is balanced by bytes.
+    The parameters of one grouped update (``frontend/update_groups.py``) go to one rank
+    together: their update reads all their gradients and writes one joined state."""
     info = graph.info
+    units = update_units(graph, json.loads(graph.metadata.get(STATE_KEY, "{}")), parameters)
     load = [0] * world
     owner: dict[str, int] = {}
-    for p in sorted(parameters, key=lambda p: (-info[p].nbytes, p)):
+    for unit in sorted(units, key=lambda u: (-sum(info[p].nbytes for p in u), u[0])):
         r = min(range(world), key=lambda k: (load[k], k))
-        owner[p] = r
-        load[r] += info[p].nbytes
+        owner.update(dict.fromkeys(unit, r))
+        load[r] += sum(info[p].nbytes for p in unit)
     return owner
 
 

@@ -1,0 +1,68 @@
+"""Which parameters one optimizer update serves together, and how to find them again.
+
+A convnet or a transformer has many vector parameters (BatchNorm and LayerNorm scales and
+shifts, biases: 107 of ResNet-50's 161), each a few hundred floats, each with its own
+update: four kernels per parameter for SGD with momentum, a dozen for AdamW. On CUDA each is
+a launch for almost no work (PyTorch's ``foreach`` optimizers batch them for that reason).
+ONNX has no op over a list of tensors, so memcc writes them as one update over their
+concatenation: the vectors and their gradients are joined (``Concat``), the optimizer runs
+once over the joined vector with one joined state (``grouped.float32.momentum``), and the
+new value is split back into each parameter's (``Split``). The arithmetic is element-wise,
+so each element goes through the same operations as alone: the step's outputs are the
+same bits as with an update per parameter (tests/test_update_groups.py). The price is
+the copies (three vector-sized, a few hundred kilobytes per step on ResNet-50) and that the
+group's gradients all live until the last of them is made.
+
+``update_units`` reads the groups back off a built step (the parameters whose new values
+one ``Split`` writes), for whatever must keep a group together: the ZeRO deal of
+parameters to ranks (``passes.analysis.rank_step``), gradient buckets (``dist.buckets``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from memcc.graph import Graph
+
+GROUP_PREFIX = "grouped"
+
+
+def vector_groups(graph: Graph, params: Sequence[str]) -> list[list[str]]:
+    """The parameters updated together: the floating-point vectors (rank 1), by dtype,
+    where a dtype has two or more, in ``params``' order."""
+    by_dtype: dict[np.dtype, list[str]] = {}
+    for p in params:
+        ti = graph.info.get(p)
+        if ti is None or ti.shape is None or len(ti.shape) != 1:
+            continue
+        if not np.issubdtype(ti.np_dtype, np.floating):
+            continue
+        by_dtype.setdefault(np.dtype(ti.np_dtype), []).append(p)
+    return [ps for ps in by_dtype.values() if len(ps) > 1]
+
+
+def group_name(graph: Graph, dtype: np.dtype) -> str:
+    """A name for a group's joined vector that no value of ``graph`` has, nor its state."""
+    base = f"{GROUP_PREFIX}.{np.dtype(dtype).name}"
+    name, k = base, 1
+    while any(n in graph.info for n in (name, f"{name}.new", f"{name}.momentum",
+                                        f"{name}.exp_avg", f"{name}.exp_avg_sq")):
+        k += 1
+        name = f"{base}_{k}"
+    return name
+
+
+def update_units(graph: Graph, state: Mapping[str, str], params: Sequence[str]
+                 ) -> list[list[str]]:
+    """``params`` in the units their updates come in: each group's parameters (their new
+    values, ``state``'s outputs, are written by one Split), every other parameter alone."""
+    producer = graph.producers()
+    new_of = {i: o for o, i in state.items()}
+    units: dict[str, list[str]] = {}
+    for p in params:
+        node = producer.get(new_of.get(p, ""))
+        key = f"split:{node.name}" if node is not None and node.op_type == "Split" else p
+        units.setdefault(key, []).append(p)
+    return list(units.values())

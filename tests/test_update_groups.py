@@ -1,0 +1,107 @@
+"""The vector parameters' updates as one update of their concatenation
+(memcc/frontend/update_groups.py).
+
+The optimizer's arithmetic is element-wise, so the grouped step must give the same bits as
+the step with an update per parameter, over several steps (the joined optimizer state
+carried from step to step), at 1 and 2 intra-op threads; with fewer nodes; its new values
+written in place; its parameters dealt to one rank together.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from threads import run_once
+
+from memcc.backend.runner import synthetic_feeds
+from memcc.frontend.build import BuildOptions, build_training_step
+from memcc.frontend.load import load_graph
+from memcc.frontend.update_groups import update_units
+from memcc.graph import Graph
+from memcc.passes.analysis.inplace import analyze_in_place
+from memcc.passes.analysis.rank_step import assign_owners
+from memcc.step import TrainingStep
+from models import build_model
+
+MODELS = {"resnet18": ("sgd", dict(batch=4, resolution=32, width=8)),
+          "gpt2": ("adamw", {})}
+
+
+def _steps(model: str, **opts) -> tuple[Graph, Graph]:
+    opt, dims = MODELS[model]
+    fwd = load_graph(build_model(model, **dims))
+    return tuple(build_training_step(fwd, BuildOptions(optimizer=opt, grouped_updates=g,
+                                                       **opts))
+                 for g in (False, True))
+
+
+def _train(step: Graph, steps: int, threads: int) -> dict[str, np.ndarray]:
+    """``steps`` steps, each fed the state the last one wrote; the last step's outputs."""
+    spec = TrainingStep.of(step)
+    feeds = {k: v for k, v in synthetic_feeds(step, 0).items() if k not in step.initializers}
+    carried: dict[str, np.ndarray] = {}
+    for _ in range(steps):
+        g = step.copy()
+        g.initializers.update(carried)
+        out = run_once(g, feeds, threads)
+        carried = {spec.state[o]: out[o] for o in spec.state}
+    return out
+
+
+def _joined_state(step: Graph, out: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The per-parameter optimizer state outputs of ``step``, joined as the grouped step
+    joins them (the Concat of each group's parameters, in its order)."""
+    joined = {}
+    for node in step.nodes:
+        if node.op_type == "Concat" and node.output[0].startswith("grouped."):
+            for kind in ("momentum", "exp_avg", "exp_avg_sq"):
+                parts = [f"{p}.{kind}.new" for p in node.input]
+                if all(p in out for p in parts):
+                    joined[f"{node.output[0]}.{kind}.new"] = parts
+    return joined
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_the_grouped_step_trains_to_the_same_bits_in_fewer_nodes(model):
+    apart, grouped = _steps(model)
+    units = update_units(grouped, TrainingStep.of(grouped).state,
+                         TrainingStep.of(grouped).parameters)
+    vectors = max(units, key=len)
+    assert len(vectors) > 5  # the biases and norm scales and shifts
+    per_vector = 4 if model == "resnet18" else 11  # SGD momentum; AdamW
+    assert len(grouped.nodes) <= len(apart.nodes) - (per_vector - 1) * len(vectors)
+    joined = _joined_state(grouped, {o: None for o in apart.outputs})
+    assert joined  # the grouped step's joined state, per kind
+    for threads in (1, 2):
+        want, got = _train(apart, 3, threads), _train(grouped, 3, threads)
+        for name, value in got.items():
+            expected = np.concatenate([want[p] for p in joined[name]]) \
+                if name in joined else want[name]
+            assert np.array_equal(expected, value), (threads, name)
+
+
+def test_the_grouped_update_is_written_in_place():
+    _, grouped = _steps("resnet18")
+    spec = TrainingStep.of(grouped)
+    result = analyze_in_place(grouped, spec.state)
+    split_outputs = {o for n in grouped.nodes if n.op_type == "Split" for o in n.output}
+    assert split_outputs and split_outputs <= set(result.aliased)
+
+
+def test_a_group_is_dealt_to_one_rank_and_zero2_takes_it():
+    from memcc.dist.split import check_zero2
+
+    _, grouped = _steps("resnet18")
+    spec = TrainingStep.of(grouped)
+    vectors = max(update_units(grouped, spec.state, spec.parameters), key=len)
+    owner = assign_owners(spec.parameters, grouped, 3)
+    assert len({owner[p] for p in vectors}) == 1
+    assert len(set(owner.values())) == 3
+    check_zero2(grouped, spec, "step")  # the group's update reads only its own gradients
+
+
+def test_without_grouping_every_parameter_has_its_own_state():
+    apart, _ = _steps("resnet18")
+    spec = TrainingStep.of(apart)
+    assert all(len(u) == 1 for u in update_units(apart, spec.state, spec.parameters))
+    assert not any(n.startswith("grouped.") for n in apart.initializers)
