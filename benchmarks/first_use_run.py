@@ -104,7 +104,7 @@ def run_case(src: Path, work: Path, tl: float, timeout: float) -> dict:
         row["min"] = _fail(rc, err)
         return row
     rep = json.loads((w / "min.report.json").read_text())
-    row["min"] = {"budget_mb": round(rep["budget_bytes"] / MB, 1),
+    row["min"] = {"budget_mb": round(rep["budget_bytes"] / MB, 2),
                   "plan_mb": round(rep["plan"]["peak_bytes"] / MB, 1),
                   "share": built and round(rep["plan"]["peak_bytes"] / built, 3),
                   "added": round(rep["plan"]["overhead"], 3), "s": round(s, 1),
@@ -151,7 +151,7 @@ def _between(src: Path, w: Path, budget: float, plan: list[str], timeout: float)
         return _fail(rc, err)
     rep = json.loads((w / "mid.report.json").read_text())
     v = rep.get("verification") or {}
-    return {"budget_mb": round(budget / MB, 1), "plan_mb": round(rep["plan"]["peak_bytes"] / MB, 1),
+    return {"budget_mb": round(budget / MB, 2), "plan_mb": round(rep["plan"]["peak_bytes"] / MB, 1),
             "measured_mb": v.get("measured_peak_bytes") and round(v["measured_peak_bytes"] / MB, 1),
             "added": round(rep["plan"]["overhead"], 3), "verify": v.get("ok"), "s": round(s, 1)}
 

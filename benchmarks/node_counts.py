@@ -1,5 +1,6 @@
 """The nodes of a built step by op type and by origin, and what the fewest-node BatchNorm
-backward (memcc/frontend/gradients/batchnorm_backward.py) changes on the CPU (issue 30).
+backward (memcc/frontend/gradients/batchnorm_backward.py) or the grouped updates of the
+vector parameters (memcc/frontend/update_groups.py) change on the CPU (issue 30).
 
 Origins: ``forward`` (the model's own nodes), ``forward: BatchNorm expanded`` (what the CUDA
 provider's rewrite puts in place of a training-mode BatchNorm, ``passes/providers/
@@ -7,14 +8,16 @@ batchnorm_for_cuda.py``, running statistics included), ``backward: <op>`` (by th
 op whose gradient rule emitted the node), ``update: optimizer``. ``kernels`` leaves out
 Constant nodes (ONNX Runtime turns them into initializers when it loads the file).
 
-With ``--time`` the step is also built with the general BatchNorm rule (``gradients/nn.py``,
-what every step used before) and both are run under memcc's execution contract, paired
-round by round (``benchmarks/stats.py``); printed: the largest difference of any output over
-its largest magnitude, the median step times and the ratio new / before with its 95% interval,
-and the planner's predicted peak of each step as built.
+"before" is the step built with the general BatchNorm rule (``gradients/nn.py``, what
+every step used before; ``--against batchnorm-rule``) or with an update per parameter
+(``--against apart-updates``, ``BuildOptions(grouped_updates=False)``). With ``--time`` both
+are run under memcc's execution contract, paired round by round (``benchmarks/stats.py``);
+printed: the largest difference of any output both steps have over its largest magnitude,
+the median step times and the ratio new / before with its 95% interval, and the planner's
+predicted peak of each step as built.
 
-    python benchmarks/node_counts.py [--models resnet50,gpt2] [--time] [--rounds 15]
-        [--threads 2] [--clock wall|cpu] [--out FILE.json]
+    python benchmarks/node_counts.py [--models resnet50,gpt2] [--against apart-updates]
+        [--optimizer sgd|adamw] [--time] [--rounds 15] [--threads 2] [--clock wall|cpu] [--out FILE.json]
 
 Sizes: the zoo's ResNet-50 at batch 8, 64 px and GPT-2 width 256, depth 4, batch 8 x 128
 (``benchmarks/fusions.py``'s); node counts do not depend on them.
@@ -78,14 +81,18 @@ def count(step: Graph) -> dict:
             "by_op": dict(ops.most_common()), "by_origin": dict(per_origin)}
 
 
-def _builds(name: str) -> dict[str, Graph]:
+def _builds(name: str, against: str, optimizer: str) -> dict[str, Graph]:
     zoo, opts = ZOO[f"zoo-{name}"]
     from models import build_model
 
     fwd = load_graph(build_model(zoo, **opts))
-    new = build_training_step(fwd, BuildOptions())
+    new = build_training_step(fwd, BuildOptions(optimizer=optimizer))
+    if against == "apart-updates":
+        return {"before": build_training_step(fwd, BuildOptions(optimizer=optimizer,
+                                                                grouped_updates=False)),
+                "new": new}
     with mock.patch.object(batchnorm_backward, "applies", lambda *_: False):
-        before = build_training_step(fwd, BuildOptions())
+        before = build_training_step(fwd, BuildOptions(optimizer=optimizer))
     return {"before": before, "new": new}
 
 
@@ -102,6 +109,8 @@ def timed(steps: dict[str, Graph], rounds: int, threads: int, clock: str = "wall
         runs[label] = (lambda s=sess, n=names, f=feeds: s.run(n, f))
     worst = 0.0
     for k, a in outputs["before"].items():
+        if k not in outputs["new"]:  # the per-parameter optimizer state (grouped: joined)
+            continue
         a64, b64 = a.astype(np.float64), outputs["new"][k].astype(np.float64)
         worst = max(worst, float(np.max(np.abs(a64 - b64)))
                     / max(float(np.max(np.abs(a64))), 1e-30))
@@ -118,6 +127,9 @@ def timed(steps: dict[str, Graph], rounds: int, threads: int, clock: str = "wall
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="resnet50,gpt2")
+    ap.add_argument("--against", choices=("batchnorm-rule", "apart-updates"),
+                    default="batchnorm-rule")
+    ap.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
     ap.add_argument("--time", action="store_true")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--threads", type=int, default=2)
@@ -131,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         if f"zoo-{name}" not in ZOO:
             ap.error(f"unknown model {name!r}; choose from "
                      f"{sorted(k.removeprefix('zoo-') for k in ZOO)}")
-        steps = _builds(name)
+        steps = _builds(name, args.against, args.optimizer)
         row = {"model": name}
         for label, step in steps.items():
             row[label] = {"cpu": count(step), "cuda": count(for_provider(step, "cuda")[0])}

@@ -35,7 +35,7 @@ from memcc.passes.providers.conv_weight_grad_cuda import (
     use_patches,
 )
 from memcc.passes.providers.provider_step import for_provider
-from memcc.step import PLAN_KEY
+from memcc.step import PLAN_KEY, Role, TrainingStep
 from models import build_model
 
 RTOL = 1e-5
@@ -256,7 +256,10 @@ def test_compile_for_cuda_plans_the_rewritten_step(tmp_path):
     load = next(p for p in result.report["passes"] if p["name"] == "load")
     assert load["summary"]["conv_weight_grads_as_patches"] == 1
     assert load["summary"]["patch_bytes_max"] == 2 * 49 * 3 * 16 * 16 * 4  # one chunk
-    ops = [n.op_type for n in load_graph(out).nodes]
+    written = load_graph(out)
+    roles = TrainingStep.of(written).roles
+    # not the update's (its vector parameters' joined: frontend/update_groups.py)
+    ops = [n.op_type for n in written.nodes if roles.get(n.name) is not Role.UPDATE]
     # 20 forward Convs and 16 of the 17 k x k weight gradients; the stem's from patches,
     # whose 49 taps' Concat is nested so that a CUDA graph captures it (at most 32 inputs).
     assert load["summary"]["concats_split"] == 1

@@ -83,9 +83,12 @@ def test_state_dict_uses_the_forward_models_initializer_names(steps):
     params = trainer.parameters()
     assert params and set(params) <= forward_names
     # the vectors' momentum is one joined buffer (frontend/update_groups.py)
-    vectors = {p for p in params if trainer.state_dict()[p].ndim == 1}
-    assert vectors and set(trainer.state_dict()) == set(params) | {
-        f"{p}.momentum" for p in set(params) - vectors} | {"grouped.float32.momentum"}
+    state = trainer.state_dict()
+    vectors = {p for p in params if state[p].ndim == 1}
+    joined = {n for n in state if n.startswith("grouped.")}
+    assert vectors and joined == {"grouped.float32.momentum"}
+    assert set(state) == set(params) | {f"{p}.momentum" for p in set(params) - vectors} | joined
+    assert state["grouped.float32.momentum"].size == sum(state[p].size for p in vectors)
 
 
 def test_updates_that_are_read_later_keep_their_own_buffer():

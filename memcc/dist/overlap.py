@@ -24,6 +24,7 @@ from memcc.dist.placement import Placement
 from memcc.dist.split import SplitStep, update_part
 from memcc.dist.tensors import RankDevice
 from memcc.errors import InputError
+from memcc.frontend.update_groups import update_units
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,11 @@ class OverlappedStep:
         # bound once, read from where they lie.
         self._kept = {split.spec.loss: buffers.loss, **self.carried_outputs}
         self.updates = self._update_parts(buffers.updates, place, source)
+        # A grouped update's gradients (``frontend/update_groups.py``): copied out of their
+        # bucket when it is freed, so that the group, updated at the end, holds no bucket.
+        self._grouped = {split.gradients[p] for unit in update_units(
+            split.full, split.spec.state, split.parameters) if len(unit) > 1
+            for p in unit if p in split.gradients}
         self._done_after = self._bucket_ends()
 
     def _update_parts(self, update_state: Mapping[str, str], place: Placement,
@@ -108,7 +114,7 @@ class OverlappedStep:
         for k, seg in enumerate(self.cut.segments):
             waited = self.cut.waited_after(k)
             readers = [at for at, p in enumerate(self.updates)
-                       if p is not None and set(p[1]) & set(seg.bucket)]
+                       if p is not None and set(p[1]) & (set(seg.bucket) - self._grouped)]
             ends.append(max([waited, *readers]))
         return ends
 
@@ -171,5 +177,8 @@ class OverlappedStep:
         for b, end in enumerate(self._done_after):
             if end == at and b in flats:
                 for g in self.cut.segments[b].bucket:
-                    views.pop(g, None)
+                    view = views.pop(g, None)
+                    if g in self._grouped and view is not None and any(
+                            p is not None and g in p[1] for p in self.updates[at + 1:]):
+                        views[g] = self.device.copy_of(view)  # a vector, read later
                 del flats[b]

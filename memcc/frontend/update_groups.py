@@ -29,9 +29,17 @@ from memcc.graph import Graph
 GROUP_PREFIX = "grouped"
 
 
+# Parameters per group at most: a Concat of more inputs cannot be captured in a CUDA graph
+# (ORT's CUDA Concat takes at most 32 input pointers then; passes/providers/
+# concat_for_cuda_graphs.py), and a smaller group's gradients are complete sooner, so its
+# update can run earlier in the backward.
+MAX_GROUP = 32
+
+
 def vector_groups(graph: Graph, params: Sequence[str]) -> list[list[str]]:
-    """The parameters updated together: the floating-point vectors (rank 1), by dtype,
-    where a dtype has two or more, in ``params``' order."""
+    """The parameters updated together: the floating-point vectors (rank 1), by dtype in
+    ``params``' order, cut into as few runs of at most ``MAX_GROUP`` as there can be, as
+    equal as they can be; a dtype with one vector has none."""
     by_dtype: dict[np.dtype, list[str]] = {}
     for p in params:
         ti = graph.info.get(p)
@@ -40,7 +48,13 @@ def vector_groups(graph: Graph, params: Sequence[str]) -> list[list[str]]:
         if not np.issubdtype(ti.np_dtype, np.floating):
             continue
         by_dtype.setdefault(np.dtype(ti.np_dtype), []).append(p)
-    return [ps for ps in by_dtype.values() if len(ps) > 1]
+    groups = []
+    for ps in by_dtype.values():
+        k = -(-len(ps) // MAX_GROUP)
+        sizes = [len(ps) // k + (1 if i < len(ps) % k else 0) for i in range(k)]
+        starts = [sum(sizes[:i]) for i in range(k)]
+        groups += [ps[a:a + n] for a, n in zip(starts, sizes, strict=True) if n > 1]
+    return groups
 
 
 def group_name(graph: Graph, dtype: np.dtype) -> str:
