@@ -17,7 +17,8 @@ the median step times and the ratio new / before with its 95% interval, and the 
 predicted peak of each step as built.
 
     python benchmarks/node_counts.py [--models resnet50,gpt2] [--against apart-updates]
-        [--optimizer sgd|adamw] [--time] [--rounds 15] [--threads 2] [--clock wall|cpu] [--out FILE.json]
+        [--optimizer sgd|adamw] [--time] [--rounds 15] [--threads 2] [--clock wall|cpu]
+        [--out FILE.json]
 
 Sizes: the zoo's ResNet-50 at batch 8, 64 px and GPT-2 width 256, depth 4, batch 8 x 128
 (``benchmarks/fusions.py``'s); node counts do not depend on them.
