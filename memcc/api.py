@@ -39,6 +39,7 @@ _OWNERS: dict[str, tuple[str, str]] = {
     # build: a forward model -> a training step
     "BuildOptions": ("memcc.frontend.build", "BuildOptions"),
     "parse_dims": ("memcc.frontend.load", "parse_dims"),
+    "update_units": ("memcc.frontend.update_groups", "update_units"),
     "ExportWarning": ("memcc.frontend.exported", "ExportWarning"),
     "ExportNote": ("memcc.frontend.exported", "ExportNote"),
     "Graph": ("memcc.graph", "Graph"),

@@ -92,7 +92,8 @@ def _loss_scale_note(graph: Graph) -> str:
 
 
 def _summary(graph: Graph, output: Path, loss: str, optimizer: str) -> str:
-    """What the written step holds: nodes, parameters and where their names came from."""
+    """What the written step holds: nodes, parameters and where their names came from,
+    and how many vector parameters are updated together (frontend/update_groups.py)."""
     from memcc.api import TrainingStep
 
     step = TrainingStep.of(graph)
@@ -109,5 +110,16 @@ def _summary(graph: Graph, output: Path, loss: str, optimizer: str) -> str:
         f"wrote {output}: {len(graph.nodes)} nodes, {len(params)} parameter tensors "
         f"({n_params:,} values; {len(params) - unnamed} under the model's own names (a "
         f"torch export's state_dict names), {unnamed} under names the exporter made "
-        f"up{pytorch}), loss={loss}, optimizer={optimizer}"
+        f"up{pytorch}), loss={loss}, optimizer={optimizer}{_grouped(graph, step)}"
     )
+
+
+def _grouped(graph: Graph, step) -> str:
+    from memcc.api import update_units
+
+    groups = [u for u in update_units(graph, step.state, step.parameters) if len(u) > 1]
+    if not groups:
+        return ""
+    return (f" ({sum(map(len, groups))} vector parameters updated as "
+            f"{len(groups)} joined vector{'s' if len(groups) > 1 else ''}: the same bits, "
+            "fewer kernels)")
