@@ -76,7 +76,8 @@ def test_rewritten_step_matches_the_step_as_built(source, tmp_path):
     before = sum(is_training_batchnorm(n, step.opset) for n in step.nodes)
     assert before > 0
     rewritten, report = expand_training_batchnorm(step)
-    assert report == {"batchnorm_rewritten": before, "statistics_reused": before}
+    assert report == {"batchnorm_rewritten": before, "statistics_reused": before,
+                      "running_statistics_updates": -(-2 * before // 32)}
     assert not [n for n in rewritten.nodes if is_training_batchnorm(n, rewritten.opset)]
     feeds = _data(step)
     stats = {o for o in step.outputs if o in _running_stats(step)}
@@ -207,7 +208,8 @@ def test_batchnorm_over_two_axes_with_its_own_momentum_and_epsilon(tmp_path):
     other than the defaults: the rewrite keeps all three."""
     step = build_training_step(load_graph(_linear_bn1d(tmp_path)), BuildOptions())
     rewritten, report = expand_training_batchnorm(step)
-    assert report == {"batchnorm_rewritten": 1, "statistics_reused": 1}
+    assert report == {"batchnorm_rewritten": 1, "statistics_reused": 1,
+                      "running_statistics_updates": 1}
     feeds = _data(step)
     stats = {o for o in step.outputs if o in _running_stats(step)}
     assert len(stats) == 2
@@ -216,3 +218,26 @@ def test_batchnorm_over_two_axes_with_its_own_momentum_and_epsilon(tmp_path):
         for name, value in built.items():
             limit = STATS_RTOL if name in stats else STEP_RTOL
             assert _relative(value, first[name]) <= limit, (threads, name)
+
+
+def test_running_statistics_updated_together_give_the_same_bits(monkeypatch):
+    """Up to 32 running statistics updated over their concatenation: per element the same
+    Mul, Mul and Add as one statistic alone, so the same bits, in six nodes per group
+    instead of three per statistic; every node after what it reads."""
+    from memcc.graph import topological_problems
+    from memcc.passes.providers import batchnorm_for_cuda
+
+    step = _zoo_step()
+    grouped, report = expand_training_batchnorm(step)
+    monkeypatch.setattr(batchnorm_for_cuda, "MAX_GROUP", 1)
+    apart, alone = expand_training_batchnorm(step)
+    n_bn = report["batchnorm_rewritten"]
+    assert alone["running_statistics_updates"] == 2 * n_bn
+    assert report["running_statistics_updates"] == 2
+    assert len(apart.nodes) - len(grouped.nodes) == 3 * 2 * n_bn - 2 * 7
+    assert topological_problems(grouped) == []
+    feeds = _data(step)
+    for threads in (1, 2):
+        want, got = run_once(apart, feeds, threads), run_once(grouped, feeds, threads)
+        for name, value in want.items():
+            assert np.array_equal(value, got[name]), (threads, name)

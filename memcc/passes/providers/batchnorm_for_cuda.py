@@ -15,7 +15,10 @@ provider has kernels for:
 - the output, from ``BatchNormalization`` in inference mode fed those statistics: one
   kernel, so the output costs no activation-sized temporaries beyond the centred input,
   which is freed once the variance exists;
-- the running statistics, ``input * momentum + batch * (1 - momentum)`` per channel.
+- the running statistics, ``input * momentum + batch * (1 - momentum)`` per channel,
+  of up to 32 statistics at once over their concatenation (as the optimizer updates the
+  vector parameters, ``frontend/update_groups.py``): a few kernels per group instead of
+  three per statistic.
 
 The backward (memcc's rule, ``frontend/gradients/nn.py``) recomputes the statistics from
 the input, because on the CPU the BatchNormalization kernel does not give them out. Here the
@@ -36,11 +39,13 @@ nodes: the planner sees standard ops there.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import numpy as np
 import onnx
 
 from memcc.frontend.emit import Emitter
-from memcc.graph import DefUse, Graph, attr
+from memcc.graph import DefUse, Graph, TensorInfo, attr
 from memcc.step import DEFAULT_RULE, GRAD_OF_PROP, RULE_PROP, Role, node_props, tag_node
 
 
@@ -62,21 +67,117 @@ def expand_training_batchnorm(graph: Graph, *, reuse_statistics: bool = True
     emit = Emitter(out, detached=True)
     nodes: list[onnx.NodeProto] = []
     stats: dict[str, tuple[str, str, str]] = {}
+    running: list[_RunningUpdate] = []
     for node in out.nodes:
         if not is_training_batchnorm(node, out.opset):
             nodes.append(node)
             continue
         start = len(emit.nodes)
-        stats[node.name] = _emit_batchnorm(emit, node)
+        stats[node.name] = _emit_batchnorm(emit, node, running)
         made = emit.nodes[start:]
-        for n in made:
-            # The running statistics are no ancestors of the loss: the tag keeps them (and
-            # every other node here) in the forward pass (TrainingStep.forward).
-            tag_node(n, role=Role.FORWARD.value)
         nodes.extend(made)
+        for u in running:
+            u.after = u.after if u.after >= 0 else len(nodes)
+    nodes = _update_running_statistics(emit, nodes, running, out)
+    for n in emit.nodes:
+        # The running statistics are no ancestors of the loss: the tag keeps them (and
+        # every other node here) in the forward pass (TrainingStep.forward).
+        tag_node(n, role=Role.FORWARD.value)
     reused = _reuse_statistics(nodes, emit, stats) if reuse_statistics else 0
     out.set_nodes(nodes)
-    return out, {"batchnorm_rewritten": len(targets), "statistics_reused": reused}
+    return out, {"batchnorm_rewritten": len(targets), "statistics_reused": reused,
+                 "running_statistics_updates": len({id(u.group) for u in running})}
+
+
+# Running statistics updated together at most (the Concat inputs a CUDA graph can capture:
+# concat_for_cuda_graphs.MAX_INPUTS).
+MAX_GROUP = 32
+
+
+@dataclass
+class _RunningUpdate:
+    """One running statistic's update, ``out = running * momentum + batch * (1 -
+    momentum)``, and where its BatchNorm's nodes end in the new node list (``after``)."""
+
+    running: str
+    batch: str
+    out: str
+    momentum: float
+    after: int = -1
+    group: list = field(default_factory=list)
+
+
+def _update_running_statistics(emit: Emitter, nodes: list[onnx.NodeProto],
+                               updates: list[_RunningUpdate], graph: Graph
+                               ) -> list[onnx.NodeProto]:
+    """The running statistics' updates, joined: consecutive statistics of one momentum and
+    dtype, at most ``MAX_GROUP``, as one ``Concat``-update-``Split`` after the last of their
+    BatchNorms (six kernels per BatchNorm were six per group; per element the same
+    arithmetic, the same bits). Nodes that read an update before it is made (PyTorch's
+    running-variance factor beside its BatchNorm) move after it, in their order."""
+    groups: list[list[_RunningUpdate]] = []
+    for u in updates:
+        key = (u.momentum, emit.info(u.running).dtype)
+        last = groups[-1] if groups else None
+        if last and len(last) < MAX_GROUP and (last[0].momentum,
+                                                emit.info(last[0].running).dtype) == key:
+            last.append(u)
+        else:
+            groups.append([u])
+    inserts: dict[int, list[onnx.NodeProto]] = {}
+    for group in groups:
+        start = len(emit.nodes)
+        _emit_group(emit, group)
+        for u in group:
+            u.group = group
+        inserts.setdefault(group[-1].after, []).extend(emit.nodes[start:])
+    placed = [n for i in range(len(nodes) + 1)
+              for n in (inserts.get(i, []) + ([nodes[i]] if i < len(nodes) else []))]
+    return _in_dependency_order(placed, set(graph.inputs) | set(graph.initializers))
+
+
+def _emit_group(emit: Emitter, group: list[_RunningUpdate]) -> None:
+    first = emit.info(group[0].running)
+    dtype, m = first.dtype, group[0].momentum
+    if len(group) == 1:
+        u = group[0]
+        kept = emit.mul(u.running, emit.scalar(m, dtype))
+        emit.op("Add", [kept, emit.mul(u.batch, emit.scalar(1.0 - m, dtype))],
+                outputs=[u.out], info=emit.info(u.running))
+        return
+    sizes = [int(np.prod(emit.info(u.running).shape)) for u in group]
+    flat = TensorInfo(dtype, (sum(sizes),))
+    running = emit.op("Concat", [u.running for u in group], info=flat, axis=0)
+    batch = emit.op("Concat", [u.batch for u in group], info=flat, axis=0)
+    new = emit.op("Add", [emit.mul(running, emit.scalar(m, dtype)),
+                          emit.mul(batch, emit.scalar(1.0 - m, dtype))], info=flat)
+    emit.op("Split", [new, emit.ints(sizes)], outputs=[u.out for u in group],
+            info=[emit.info(u.running) for u in group], axis=0)
+
+
+def _in_dependency_order(nodes: list[onnx.NodeProto], given: set[str]
+                         ) -> list[onnx.NodeProto]:
+    """``nodes`` in their order, except that a node reading a value not yet made waits
+    until it is (then runs at once, before the next node)."""
+    made = set(given)
+    order: list[onnx.NodeProto] = []
+    waiting: list[onnx.NodeProto] = []
+
+    def ready(n: onnx.NodeProto) -> bool:
+        return all(not i or i in made for i in n.input)
+
+    for n in nodes:
+        if not ready(n):
+            waiting.append(n)
+            continue
+        order.append(n)
+        made.update(o for o in n.output if o)
+        while (now := [w for w in waiting if ready(w)]):
+            for w in now:
+                waiting.remove(w)
+                order.append(w)
+                made.update(o for o in w.output if o)
+    return order + waiting
 
 
 def _reuse_statistics(nodes: list[onnx.NodeProto], emit: Emitter,
@@ -136,9 +237,11 @@ def _reuse_statistics(nodes: list[onnx.NodeProto], emit: Emitter,
     return changed
 
 
-def _emit_batchnorm(emit: Emitter, node: onnx.NodeProto) -> tuple[str, str, str]:
-    """Emit the node as the module docstring says; return (input, batch mean as
-    [1, C, 1, ...], batch variance as [C])."""
+def _emit_batchnorm(emit: Emitter, node: onnx.NodeProto, running: list[_RunningUpdate]
+                    ) -> tuple[str, str, str]:
+    """Emit the node as the module docstring says, its running statistics' updates added
+    to ``running`` (written later, joined); return (input, batch mean as [1, C, 1, ...],
+    batch variance as [C])."""
     x, scale, bias, mean_in, var_in = node.input[:5]
     x_info = emit.info(x)
     rank, dtype = len(x_info.shape), x_info.dtype
@@ -162,9 +265,7 @@ def _emit_batchnorm(emit: Emitter, node: onnx.NodeProto) -> tuple[str, str, str]
             outputs=[node.output[0]], epsilon=eps, info=x_info)
     if node.name:  # reports and the backward's provenance name the node as it was
         emit.nodes[-1].name = node.name
-    for k, (running, batch) in enumerate(((mean_in, batch_mean), (var_in, var)), start=1):
+    for k, (stat, batch) in enumerate(((mean_in, batch_mean), (var_in, var)), start=1):
         if len(node.output) > k and node.output[k]:
-            kept = emit.mul(running, emit.scalar(momentum, stat_dtype))
-            emit.op("Add", [kept, emit.mul(batch, emit.scalar(1.0 - momentum, stat_dtype))],
-                    outputs=[node.output[k]], info=emit.info(running))
+            running.append(_RunningUpdate(stat, batch, node.output[k], momentum))
     return x, mean, var
