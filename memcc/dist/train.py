@@ -42,7 +42,14 @@ from memcc.frontend.load import load_graph
 from memcc.graph import Graph
 from memcc.step import RANKS_KEY, TrainingStep
 from memcc.trainer.checkpoints import check_run_data_state, run_data_state
-from memcc.trainer.loop import StopRequest, TrainOptions, TrainResult, stop_requests
+from memcc.trainer.loop import (
+    StopRequest,
+    TrainOptions,
+    TrainResult,
+    diverged_message,
+    diverges,
+    stop_requests,
+)
 from memcc.trainer.throughput import Throughput
 
 if TYPE_CHECKING:
@@ -188,6 +195,8 @@ def run_rank(opts: DistOptions, rank: int, comm, place: Placement
                             measured=opts.measure_memory))
     with stop_requests() as stop:
         loop.train(stop)
+    if loop.diverged:  # on every rank at the same step: no collective is left waiting
+        raise RuntimeFailure(diverged_message(result, opts.train))
     # Each process's resident size after training (libraries and all) and its peak
     # (Linux: ru_maxrss in KiB; loading the step file holds all of its state for a while).
     trim_heap()
@@ -263,6 +272,9 @@ class _Loop:
     position: int
     last_saved: int | None
     memory: RankMemory
+    # A step's loss was no number (every rank sees the same: the loss is averaged across
+    # them), so the loop stopped there without saving it (``trainer.loop.diverges``).
+    diverged: bool = False
 
     def train(self, stop: StopRequest) -> None:
         t, run, result = self.opts.train, self.run, self.result
@@ -281,6 +293,9 @@ class _Loop:
             result.steps_done += 1
             result.losses.append(loss)
             result.samples_per_s, result.steady_samples_per_s = rates.step_done()
+            if diverges(loss, run.spec):
+                self.diverged = True
+                return
             if self.rank == 0 and not self.opts.quiet and (
                     time.perf_counter() - shown >= 1.0 or result.steps_done == run.total_steps):
                 shown = time.perf_counter()

@@ -182,7 +182,7 @@ def train(opts: TrainOptions, *, on_start: Callable[[TrainResult], None] | None 
     result.memory = meter.to_json()
     result.loss_scale = scale.to_json()
     if diverged:
-        raise RuntimeFailure(_diverged(result, opts))
+        raise RuntimeFailure(diverged_message(result, opts))
     if stop and result.steps_done < result.total_steps:
         result.interrupted = stop.name
         raise TrainingInterrupted(result, stop.signum)
@@ -236,7 +236,12 @@ def _result_before_training(trainer: Trainer, plan: TrainPlan,
     return result
 
 
-def _diverged(result: TrainResult, opts: TrainOptions) -> str:
+def diverges(loss: float, spec: TrainingStep) -> bool:
+    """A loss that is no number, where no loss scale skips such a step instead."""
+    return not math.isfinite(loss) and SCALE not in spec.state.values()
+
+
+def diverged_message(result: TrainResult, opts: TrainOptions) -> str:
     """Why training stopped at a loss that is not a number: the parameters the step wrote
     are not either, so no checkpoint of them is written (nor one of the steps after, which
     would push the good ones out of ``--keep``)."""
@@ -268,8 +273,7 @@ class _Run:
     done_here: int = 0
 
     def diverged(self, loss: float) -> bool:
-        """A loss that is no number, where no loss scale skips such a step instead."""
-        return not math.isfinite(loss) and SCALE not in self.trainer.spec.state.values()
+        return diverges(loss, self.trainer.spec)
 
     def step(self, rates: Throughput) -> TrainProgress:
         """Train on the next batch, checkpoint every ``save_every`` steps."""
