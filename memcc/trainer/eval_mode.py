@@ -210,10 +210,14 @@ def _running_of_batch_statistics(spec: TrainingStep, producer: dict[str, onnx.No
                                  ) -> dict[str, str]:
     """Batch statistic -> the carried running statistic it updates, where the update is
     written as nodes: ``R.new = Add(Mul(R, momentum), Mul(batch, 1 - momentum))`` (the
-    CUDA form of a training-mode BatchNorm)."""
+    CUDA form of a training-mode BatchNorm), or that over the concatenations of several
+    statistics, split back (``batchnorm_for_cuda``'s grouped form)."""
     found: dict[str, str] = {}
     for new, old in spec.state.items():
         add = producer.get(carried_value(new, producer))
+        if add is not None and add.op_type == "Split":
+            found.update(_grouped_running(add, old, producer))
+            continue
         if add is None or add.op_type != "Add":
             continue
         muls = [producer.get(i) for i in add.input]
@@ -227,3 +231,25 @@ def _running_of_batch_statistics(spec: TrainingStep, producer: dict[str, onnx.No
                     if batch in producer and producer[batch].op_type != "Constant":
                         found[batch] = old
     return found
+
+
+def _grouped_running(split: onnx.NodeProto, old: str, producer: dict[str, onnx.NodeProto]
+                     ) -> dict[str, str]:
+    """{batch statistic: ``old``} where ``split`` splits ``Add(Mul(Concat(R...), m),
+    Mul(Concat(batch...), 1 - m))`` and ``old`` is one of the ``R``; else {}."""
+    add = producer.get(split.input[0])
+    if add is None or add.op_type != "Add":
+        return {}
+    joins = []
+    for value in add.input:
+        mul = producer.get(value)
+        concat = next((producer[i] for i in (mul.input if mul is not None and
+                                            mul.op_type == "Mul" else ())
+                       if i in producer and producer[i].op_type == "Concat"), None)
+        if concat is None:
+            return {}
+        joins.append([carried_value(i, producer) for i in concat.input])
+    for mine, other in ((joins[0], joins[1]), (joins[1], joins[0])):
+        if old in mine and len(mine) == len(other):
+            return {other[mine.index(old)]: old}
+    return {}
