@@ -105,3 +105,32 @@ def test_without_grouping_every_parameter_has_its_own_state():
     spec = TrainingStep.of(apart)
     assert all(len(u) == 1 for u in update_units(apart, spec.state, spec.parameters))
     assert not any(n.startswith("grouped.") for n in apart.initializers)
+
+
+def test_checkpoints_hold_the_state_per_parameter_and_resume_either_build(tmp_path):
+    """A checkpoint stores a group's joined optimizer state as its parameters' (the names
+    an update per parameter gives them), so a run resumes on a step built with or without
+    grouped updates, to the same bits."""
+    from memcc import Trainer
+    from memcc.backend import checkpoint as ckpt
+    from memcc.backend.onnx_file import save_graph
+
+    apart, grouped = _steps("resnet18")
+    paths = {k: save_graph(g, tmp_path / f"{k}.onnx")
+             for k, g in (("apart", apart), ("grouped", grouped))}
+    spec = TrainingStep.of(grouped)
+    batch = {k: v for k, v in synthetic_feeds(grouped, 0).items() if k in spec.data_inputs}
+    vectors = [p for p in spec.parameters if len(grouped.info[p].shape) == 1]
+    for first, then in (("grouped", "apart"), ("apart", "grouped")):
+        a = Trainer(paths[first], threads=1)
+        for _ in range(2):
+            a.step(batch)
+        saved = a.save(tmp_path / f"ck-{first}")
+        held = ckpt.load(saved).tensors
+        assert not any(n.startswith("grouped.") for n in held)
+        assert all(f"{p}.momentum" in held for p in vectors)
+        b = Trainer(paths[then], threads=1)
+        b.restore(saved)
+        assert a.step(batch) == b.step(batch)
+        want, got = a.parameters(), b.parameters()
+        assert all(np.array_equal(want[p], got[p]) for p in want)

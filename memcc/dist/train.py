@@ -41,7 +41,13 @@ from memcc.errors import InputError, RuntimeFailure
 from memcc.frontend.load import load_graph
 from memcc.graph import Graph
 from memcc.step import RANKS_KEY, TrainingStep
-from memcc.trainer.checkpoints import check_run_data_state, run_data_state
+from memcc.trainer.checkpoints import (
+    check_run_data_state,
+    checkpoint_tensors,
+    run_data_state,
+    step_signature,
+    step_tensors,
+)
 from memcc.trainer.loop import (
     StopRequest,
     TrainOptions,
@@ -72,12 +78,7 @@ class DistOptions:
 
 def global_signature(graph: Graph, spec: TrainingStep, global_batch: int) -> dict:
     """``trainer.checkpoints.step_signature`` with the data inputs at the global batch."""
-    carried = {inp: (graph.info[inp].np_dtype, tuple(graph.info[inp].shape))
-               for inp in spec.state.values()}
-    data = {n: [str(graph.info[n].np_dtype), [global_batch, *graph.info[n].shape[1:]]]
-            for n in spec.data_or_free_inputs() if n in graph.info}
-    return ckpt.signature(carried, {"optimizer": spec.optimizer.get("name"),
-                                    "loss": spec.loss, "data_inputs": data})
+    return step_signature(graph, spec, global_batch)
 
 
 @dataclass
@@ -253,7 +254,7 @@ def _set_up(opts: DistOptions, rank: int, comm, place: Placement) -> _SetUp:
         bucket_bytes=opts.bucket_bytes, device=RankDevice.of(place).check()))
     out = _SetUp(run, replica, predicted)
     if loaded is not None:
-        replica.load(loaded.tensors, str(loaded.path))
+        replica.load(step_tensors(run.graph, run.spec, loaded.tensors), str(loaded.path))
         out.steps_done, out.resumed_from = loaded.step, str(loaded.path)
         out.position = int(loaded.data_state.get("batches_consumed", loaded.step))
     return out
@@ -318,6 +319,7 @@ class _Loop:
         state = self.replica.full_state()
         if state is not None:
             assert t.checkpoint is not None
+            state = checkpoint_tensors(run.graph, run.spec, state)
             self.result.checkpoint = str(ckpt.save(t.checkpoint, state, ckpt.CheckpointInfo(
                 step=self.result.steps_done, sig=run.sig,
                 data_state=run_data_state(t.seed, self.position, run.dataset, run.data_fp),

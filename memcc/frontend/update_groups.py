@@ -21,6 +21,7 @@ parameters to ranks (``passes.analysis.rank_step``), gradient buckets (``dist.bu
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -80,3 +81,62 @@ def update_units(graph: Graph, state: Mapping[str, str], params: Sequence[str]
         key = f"split:{node.name}" if node is not None and node.op_type == "Split" else p
         units.setdefault(key, []).append(p)
     return list(units.values())
+
+
+STATE_KINDS = ("momentum", "exp_avg", "exp_avg_sq")
+
+
+@dataclass(frozen=True)
+class JoinedState:
+    """A group's joined optimizer state input (``grouped.float32.momentum``) and what it
+    holds, in order: each parameter's state under the name an update per parameter gives
+    it (``P.momentum``), with the parameter's shape."""
+
+    name: str
+    parts: tuple[tuple[str, tuple[int, ...]], ...]
+
+
+def joined_states(graph: Graph, state: Mapping[str, str]) -> list[JoinedState]:
+    """The joined state inputs of ``graph``'s grouped updates: ``G.kind``, where ``G`` is
+    the Concat joining the group's parameters (its inputs, in order)."""
+    producer = graph.producers()
+    out = []
+    for value in state.values():
+        group, _, kind = value.rpartition(".")
+        concat = producer.get(group)
+        if kind not in STATE_KINDS or concat is None or concat.op_type != "Concat" \
+                or not group.startswith(GROUP_PREFIX):
+            continue
+        out.append(JoinedState(value, tuple((f"{p}.{kind}", tuple(graph.info[p].shape))
+                                            for p in concat.input)))
+    return out
+
+
+def per_parameter(tensors: Mapping[str, np.ndarray], joined: Sequence[JoinedState]
+                  ) -> dict[str, np.ndarray]:
+    """``tensors`` with each joined state split into its parameters' (views, no copy):
+    the state as an update per parameter holds it, what checkpoints store, so that a
+    checkpoint does not depend on whether the step groups its updates."""
+    out = dict(tensors)
+    for j in joined:
+        if j.name not in out:
+            continue
+        flat, at = np.asarray(out.pop(j.name)), 0
+        for name, shape in j.parts:
+            n = int(np.prod(shape))
+            out[name] = flat[at:at + n].reshape(shape)
+            at += n
+    return out
+
+
+def joined(tensors: Mapping[str, np.ndarray], joined_: Sequence[JoinedState]
+           ) -> dict[str, np.ndarray]:
+    """``per_parameter``'s inverse: each joined state made from its parameters' where
+    ``tensors`` has them all (the other way round, left as it is)."""
+    out = dict(tensors)
+    for j in joined_:
+        names = [name for name, _ in j.parts]
+        if j.name in out or not all(n in out for n in names):
+            continue
+        out[j.name] = np.concatenate([np.asarray(out.pop(n)).reshape(-1) for n in names])
+    return out

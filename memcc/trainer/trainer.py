@@ -58,7 +58,7 @@ from memcc.passes.analysis.arrange import ArrangedStep, arrange_step
 from memcc.passes.analysis.device_memory import DevicePrediction, predict_device
 from memcc.passes.analysis.inplace import InPlaceUpdates
 from memcc.step import RANKS_KEY, TrainingStep
-from memcc.trainer.checkpoints import step_signature
+from memcc.trainer.checkpoints import checkpoint_tensors, step_signature, step_tensors
 from memcc.trainer.export import ExportRequest, export_weights
 
 
@@ -193,7 +193,10 @@ class Trainer:
         return self._step.held_bytes()
 
     def state_dict(self) -> dict[str, np.ndarray]:
-        """Copies of every carried value (parameters, optimizer state, BN statistics)."""
+        """Copies of every carried value (parameters, optimizer state, BN statistics) as
+        the step carries them: a grouped update's optimizer state joined
+        (``grouped.float32.momentum``; checkpoints hold it per parameter,
+        ``trainer.checkpoints.checkpoint_tensors``)."""
         return self._step.state_dict()
 
     def state_value(self, name: str) -> np.ndarray:
@@ -207,7 +210,10 @@ class Trainer:
 
     def load_state_dict(self, tensors: Mapping[str, np.ndarray], *, source: str = "state"
                         ) -> None:
-        """Overwrite every carried value; names, dtypes and shapes must match exactly."""
+        """Overwrite every carried value; names, dtypes and shapes must match exactly
+        (the optimizer state per parameter, as ``state_dict`` gives it, or joined as the
+        step carries it)."""
+        tensors = step_tensors(self.graph, self.spec, tensors)
         missing = sorted(set(self._step.state) - set(tensors))
         extra = sorted(set(tensors) - set(self._step.state))
         if missing or extra:
@@ -258,7 +264,7 @@ class Trainer:
         if data_state is not None:
             self.data_state = dict(data_state)
         # On CPU the live arrays go straight to the writer (no copy: nothing runs meanwhile).
-        state = self._step.host_state()
+        state = checkpoint_tensors(self.graph, self.spec, self._step.host_state())
         return ckpt.save(directory, state, ckpt.CheckpointInfo(
             step=self.steps_done, sig=self.signature(), data_state=self.data_state,
             step_file=str(self.path.resolve())), keep=keep)
