@@ -60,10 +60,12 @@ def emit_update(out: StepWriter, params: list[str], grads: dict[str, str],
     grouped = {p for ps in groups for p in ps}
     rule = _sgd if opts.optimizer == "sgd" else partial(_adamw, adam=adam)
     for p in params:
+        if p in grouped:
+            continue
         g = grads.get(p) or emit.zeros_like(p)  # None: on a path no gradient reaches
         if opts.optimizer == "none":
             outputs.append(namer.name(g, f"{p}.grad"))
-        elif p not in grouped:
+        else:
             _carry(u, p, rule(u, p, g, p))
     for ps in groups:
         _grouped(u, ps, [grads.get(p) or emit.zeros_like(p) for p in ps], rule)
