@@ -134,3 +134,24 @@ def test_checkpoints_hold_the_state_per_parameter_and_resume_either_build(tmp_pa
         assert a.step(batch) == b.step(batch)
         want, got = a.parameters(), b.parameters()
         assert all(np.array_equal(want[p], got[p]) for p in want)
+
+
+def test_the_cli_builds_either_and_says_which(tmp_path):
+    from typer.testing import CliRunner
+
+    from memcc.cli import app
+    from memcc.frontend.load import load_graph as load
+
+    model = tmp_path / "r.onnx"
+    model.write_bytes(build_model("resnet18", batch=2, resolution=32, width=8)
+                      .SerializeToString())
+    said, splits = {}, {}
+    for flag in ("--grouped-updates", "--no-grouped-updates"):
+        out = tmp_path / f"{flag}.onnx"
+        res = CliRunner().invoke(app, ["build", str(model), "-o", str(out), flag])
+        assert res.exit_code == 0, res.output
+        said[flag] = " ".join(res.output.split())
+        splits[flag] = sum(n.op_type == "Split" for n in load(out).nodes)
+    assert "41 vector parameters updated as 2 joined vectors" in said["--grouped-updates"]
+    assert "joined" not in said["--no-grouped-updates"]
+    assert splits == {"--grouped-updates": 2, "--no-grouped-updates": 0}

@@ -17,6 +17,7 @@ from memcc.cli.options import (
     ClassAxisOpt,
     DimOpt,
     FreezeOpt,
+    GroupedUpdatesOpt,
     IgnoreIndexOpt,
     LossChunksOpt,
     LossOpt,
@@ -52,6 +53,7 @@ def build(
     batch_chunks: BatchChunksOpt = 1,
     precision: PrecisionOpt = "fp32",
     loss_scale: LossScaleOpt = None,
+    grouped_updates: GroupedUpdatesOpt = True,
 ) -> None:
     """Build a complete training step (loss, backward, optimizer) in standard ONNX ops."""
     import warnings

@@ -26,6 +26,7 @@ from memcc.cli.options import (
     CompileCostOpt,
     DimOpt,
     FreezeOpt,
+    GroupedUpdatesOpt,
     IgnoreIndexOpt,
     JsonOpt,
     LossChunksOpt,
@@ -44,6 +45,7 @@ from memcc.cli.options import (
     PrecisionOpt,
     StepOrModelArg,
     StrategyOpt,
+    VerifyOpt,
     WeightDecayOpt,
     build_options,
 )
@@ -69,9 +71,7 @@ def compile_cmd(
     provider: PlanProviderOpt = "cpu",
     time_limit: Annotated[float, typer.Option(help="Seconds the planner may spend.")] = 60.0,
     cost: CompileCostOpt = "auto",
-    verify: Annotated[bool, typer.Option(
-        "--verify", help="Run original and rewritten step: same outputs, measured peak within "
-                         "budget, planned order executed.")] = False,
+    verify: VerifyOpt = False,
     margin: MarginOpt = 0.02,
     offload: Annotated[Optional[bool], typer.Option(  # noqa: UP045
         "--offload/--no-offload",
@@ -109,6 +109,7 @@ def compile_cmd(
     batch_chunks: AutoBatchChunksOpt = None,
     precision: PrecisionOpt = "fp32",
     loss_scale: LossScaleOpt = None,
+    grouped_updates: GroupedUpdatesOpt = True,
     no_chunks: NoChunksOpt = False,
     dim: DimOpt = None,
     nproc: PlanNprocOpt = None,
@@ -232,6 +233,7 @@ def analyze_cmd(
     batch_chunks: BatchChunksOpt = 1,
     precision: PrecisionOpt = "fp32",
     loss_scale: LossScaleOpt = None,
+    grouped_updates: GroupedUpdatesOpt = True,
     dim: DimOpt = None,
 ) -> None:
     """Show the step as built: predicted peak, what it is made of, the smallest budget."""

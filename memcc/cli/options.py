@@ -94,6 +94,15 @@ LossScaleOpt = Annotated[Optional[Literal["dynamic", "none"]], typer.Option(  # 
          "overflow and adapt the scale, as torch.amp.GradScaler does, inside the step "
          "(the scale is carried state, checkpointed). none: no scaling. Default: dynamic "
          "with --precision fp16, else none.")]
+VerifyOpt = Annotated[bool, typer.Option(
+    "--verify", help="Run original and rewritten step: same outputs, measured peak within "
+                     "budget, planned order executed.")]
+GroupedUpdatesOpt = Annotated[bool, typer.Option(
+    "--grouped-updates/--no-grouped-updates",
+    help="Update the vector parameters (biases, norm scales and shifts) together, up to 32 "
+         "at once over their concatenation: the same bits in fewer kernels, the optimizer "
+         "state of each group joined in the step (checkpoints hold it per parameter). "
+         "--no-grouped-updates: an update per parameter.")]
 # compile: not given (None) = compile chooses (compiler/chunk_choice.py); a number overrides.
 _CHOSEN = (" Not given: compile plans the step without it first; only where that does not "
            "fit the budget (or with --budget min) does it also build and plan the step with "
@@ -187,7 +196,7 @@ MarginOpt = Annotated[float, typer.Option(
 # The parameters of a command that hold memcc build's flags (LossOpt ... MlpChunksOpt).
 BUILD_FLAGS = ("loss", "optimizer", "lr", "momentum", "weight_decay", "freeze",
                "class_axis", "ignore_index", "loss_chunks", "attention_chunks", "mlp_chunks",
-               "batch_chunks", "precision", "loss_scale")
+               "batch_chunks", "precision", "loss_scale", "grouped_updates")
 
 
 def build_options(given: Mapping[str, Any]) -> BuildOptions:

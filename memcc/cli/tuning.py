@@ -20,6 +20,7 @@ from memcc.cli.options import (
     BatchChunksOpt,
     ClassAxisOpt,
     FreezeOpt,
+    GroupedUpdatesOpt,
     IgnoreIndexOpt,
     JsonOpt,
     LossChunksOpt,
@@ -60,8 +61,7 @@ def tune_cmd(
     output: Annotated[Optional[Path], typer.Option(  # noqa: UP045
         "--output", "-o", help="Write the compiled step of the picked size here.")] = None,
     pick: Annotated[Literal["fastest", "largest"], typer.Option(
-        help="fastest (highest predicted samples/s) or largest: the size -o writes.")
-    ] = "fastest",
+        help="fastest (highest predicted samples/s) or largest: the size -o writes.")] = "fastest",
     points: Annotated[int, typer.Option(
         min=0, help="Sizes planned between the largest without rewriting and the largest "
                     "(each costs a compile).")] = 1,
@@ -105,6 +105,7 @@ def tune_cmd(
     batch_chunks: BatchChunksOpt = 1,
     precision: PrecisionOpt = "fp32",
     loss_scale: LossScaleOpt = None,
+    grouped_updates: GroupedUpdatesOpt = True,
 ) -> None:
     """Find the largest batch, and the fastest, whose training step fits a memory budget.
 
