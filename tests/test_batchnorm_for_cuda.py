@@ -224,12 +224,12 @@ def test_running_statistics_updated_together_give_the_same_bits(monkeypatch):
     """Up to 32 running statistics updated over their concatenation: per element the same
     Mul, Mul and Add as one statistic alone, so the same bits, in six nodes per group
     instead of three per statistic; every node after what it reads."""
+    from memcc.frontend import update_groups
     from memcc.graph import topological_problems
-    from memcc.passes.providers import batchnorm_for_cuda
 
     step = _zoo_step()
     grouped, report = expand_training_batchnorm(step)
-    monkeypatch.setattr(batchnorm_for_cuda, "MAX_GROUP", 1)
+    monkeypatch.setattr(update_groups, "MAX_GROUP", 1)
     apart, alone = expand_training_batchnorm(step)
     n_bn = report["batchnorm_rewritten"]
     assert alone["running_statistics_updates"] == 2 * n_bn

@@ -72,6 +72,10 @@ class OverlappedStep:
             split.full, split.spec.state, split.parameters) if len(unit) > 1
             for p in unit if p in split.gradients}
         self._done_after = self._bucket_ends()
+        # Per bucket, the grouped gradients an update part after its end still reads.
+        self._copied = [[g for g in seg.bucket if g in self._grouped and any(
+            p is not None and g in p[1] for p in self.updates[end + 1:])]
+            for seg, end in zip(self.cut.segments, self._done_after, strict=True)]
 
     def _update_parts(self, update_state: Mapping[str, str], place: Placement,
                       source: str) -> list[tuple[BoundGraph, tuple[str, ...]] | None]:
@@ -176,9 +180,8 @@ class OverlappedStep:
             session.run_with({g: views[g] for g in reads}, {})
         for b, end in enumerate(self._done_after):
             if end == at and b in flats:
+                copies = {g: self.device.copy_of(views[g]) for g in self._copied[b]}
                 for g in self.cut.segments[b].bucket:
-                    view = views.pop(g, None)
-                    if g in self._grouped and view is not None and any(
-                            p is not None and g in p[1] for p in self.updates[at + 1:]):
-                        views[g] = self.device.copy_of(view)  # a vector, read later
+                    views.pop(g, None)
+                views.update(copies)  # vectors a later update part reads
                 del flats[b]

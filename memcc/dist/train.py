@@ -76,11 +76,6 @@ class DistOptions:
     measure_memory: bool = False
 
 
-def global_signature(graph: Graph, spec: TrainingStep, global_batch: int) -> dict:
-    """``trainer.checkpoints.step_signature`` with the data inputs at the global batch."""
-    return step_signature(graph, spec, global_batch)
-
-
 @dataclass
 class RankRun:
     """What one rank trains with: the step cut in two, the data at the global batch."""
@@ -127,7 +122,7 @@ def prepare(opts: DistOptions) -> RankRun:
         raise InputError(f"--data {t.data}: {data.num_samples} samples, fewer than one global "
                          f"batch ({opts.world} ranks x {b})")
     total = t.steps if t.steps is not None else (t.epochs or 1) * glob.batches_per_epoch
-    return RankRun(graph, spec, glob, b, total, global_signature(graph, spec, b * opts.world),
+    return RankRun(graph, spec, glob, b, total, step_signature(graph, spec, b * opts.world),
                    glob.fingerprint())
 
 

@@ -24,7 +24,7 @@ from memcc.frontend import loss_scaling
 from memcc.frontend.build_options import BuildOptions
 from memcc.frontend.emit import Emitter
 from memcc.frontend.running_variance import unbiased_value
-from memcc.frontend.update_groups import group_name, vector_groups
+from memcc.frontend.update_groups import emit_joined, group_name, vector_groups
 from memcc.graph import Graph, TensorInfo, node_label
 from memcc.step import record_rule_io, rule_io
 
@@ -97,16 +97,9 @@ def _carry(u: _Update, p: str, new_p: str) -> None:
 def _grouped(u: _Update, ps: list[str], gs: list[str], rule) -> None:
     """One ``rule`` update of the parameters ``ps`` joined, their new values split back
     (``frontend/update_groups.py``): the same arithmetic per element, a few kernels."""
-    graph, emit = u.out.graph, u.out.emit
-    ti = graph.info[ps[0]]
-    sizes = [graph.info[p].shape[0] for p in ps]
-    name = group_name(graph, ti.np_dtype)
-    flat = TensorInfo(ti.dtype, (sum(sizes),))
-    joined = emit.op("Concat", ps, outputs=[name], info=flat, axis=0)
-    g = emit.op("Concat", gs, info=flat, axis=0)
-    new = rule(u, joined, g, name)
-    news = emit.op("Split", [new, emit.ints(sizes)], outputs=[f"{p}.new" for p in ps],
-                   info=[graph.info[p] for p in ps], axis=0)
+    name = group_name(u.out.graph, u.out.graph.info[ps[0]].np_dtype)
+    news = emit_joined(u.out.emit, [ps, gs], [f"{p}.new" for p in ps],
+                       lambda joined, g: rule(u, joined, g, name), name=name)
     for p, new_p in zip(ps, news, strict=True):
         _carry(u, p, new_p)
 

@@ -20,50 +20,77 @@ parameters to ranks (``passes.analysis.rank_step``), gradient buckets (``dist.bu
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
-from memcc.graph import Graph
+from memcc.frontend.emit import Emitter
+from memcc.graph import Graph, TensorInfo
+
+T = TypeVar("T")
 
 GROUP_PREFIX = "grouped"
+# The optimizer state a parameter's update carries (``frontend/update.py``'s names).
+STATE_KINDS = ("momentum", "exp_avg", "exp_avg_sq")
 
 
-# Parameters per group at most: a Concat of more inputs cannot be captured in a CUDA graph
-# (ORT's CUDA Concat takes at most 32 input pointers then; passes/providers/
+# Values per group at most (parameters here, running statistics in passes/providers/
+# batchnorm_for_cuda.py): a Concat of more inputs cannot be captured in a CUDA graph (ORT's
+# CUDA Concat takes at most 32 input pointers then; passes/providers/
 # concat_for_cuda_graphs.py), and a smaller group's gradients are complete sooner, so its
 # update can run earlier in the backward.
 MAX_GROUP = 32
 
 
 def vector_groups(graph: Graph, params: Sequence[str]) -> list[list[str]]:
-    """The parameters updated together: the floating-point vectors (rank 1), by dtype in
-    ``params``' order, cut into as few runs of at most ``MAX_GROUP`` as there can be, as
-    equal as they can be; a dtype with one vector has none."""
-    by_dtype: dict[np.dtype, list[str]] = {}
-    for p in params:
-        ti = graph.info.get(p)
-        if ti is None or ti.shape is None or len(ti.shape) != 1:
-            continue
-        if not np.issubdtype(ti.np_dtype, np.floating):
-            continue
-        by_dtype.setdefault(np.dtype(ti.np_dtype), []).append(p)
-    groups = []
-    for ps in by_dtype.values():
-        k = -(-len(ps) // MAX_GROUP)
-        sizes = [len(ps) // k + (1 if i < len(ps) % k else 0) for i in range(k)]
+    """The parameters updated together: the floating-point vectors (rank 1) in
+    ``balanced_runs`` by dtype; a run of one vector is no group."""
+    vectors = [p for p in params if (ti := graph.info.get(p)) is not None
+               and ti.shape is not None and len(ti.shape) == 1
+               and np.issubdtype(ti.np_dtype, np.floating)]
+    return [run for run in balanced_runs(vectors, lambda p: graph.info[p].dtype)
+            if len(run) > 1]
+
+
+def balanced_runs(items: Sequence[T], key: Callable[[T], Hashable]) -> list[list[T]]:
+    """``items`` by ``key`` (in their order), each key's cut into as few runs of at most
+    ``MAX_GROUP`` as there can be, as equal as they can be."""
+    by_key: dict[Hashable, list[T]] = {}
+    for item in items:
+        by_key.setdefault(key(item), []).append(item)
+    runs = []
+    for same in by_key.values():
+        k = -(-len(same) // MAX_GROUP)
+        sizes = [len(same) // k + (1 if i < len(same) % k else 0) for i in range(k)]
         starts = [sum(sizes[:i]) for i in range(k)]
-        groups += [ps[a:a + n] for a, n in zip(starts, sizes, strict=True) if n > 1]
-    return groups
+        runs += [same[a:a + n] for a, n in zip(starts, sizes, strict=True)]
+    return runs
+
+
+def emit_joined(emit: Emitter, parts: Sequence[Sequence[str]], outputs: Sequence[str],
+                update: Callable[..., str], *, name: str | None = None) -> list[str]:
+    """One ``update`` over joined vectors: each of ``parts`` (lists of vectors of the same
+    sizes, in the same order) joined by a Concat (the first one named ``name``, where
+    given), ``update`` called on the joined values, its result split back into
+    ``outputs``, with the first part's shapes. Per element the same arithmetic as on each
+    vector alone."""
+    infos = [emit.info(v) for v in parts[0]]
+    sizes = [int(np.prod(ti.shape)) for ti in infos]
+    flat = TensorInfo(infos[0].dtype, (sum(sizes),))
+    joins = [emit.op("Concat", list(vs), outputs=[name] if name and k == 0 else 1,
+                     info=flat, axis=0) for k, vs in enumerate(parts)]
+    return emit.op("Split", [update(*joins), emit.ints(sizes)], outputs=list(outputs),
+                   info=infos, axis=0)
 
 
 def group_name(graph: Graph, dtype: np.dtype) -> str:
     """A name for a group's joined vector that no value of ``graph`` has, nor its state."""
     base = f"{GROUP_PREFIX}.{np.dtype(dtype).name}"
     name, k = base, 1
-    while any(n in graph.info for n in (name, f"{name}.new", f"{name}.momentum",
-                                        f"{name}.exp_avg", f"{name}.exp_avg_sq")):
+    while any(n in graph.info for n in (name, f"{name}.new",
+                                        *(f"{name}.{kind}" for kind in STATE_KINDS))):
         k += 1
         name = f"{base}_{k}"
     return name
@@ -81,9 +108,6 @@ def update_units(graph: Graph, state: Mapping[str, str], params: Sequence[str]
         key = f"split:{node.name}" if node is not None and node.op_type == "Split" else p
         units.setdefault(key, []).append(p)
     return list(units.values())
-
-
-STATE_KINDS = ("momentum", "exp_avg", "exp_avg_sq")
 
 
 @dataclass(frozen=True)

@@ -243,12 +243,13 @@ def _grouped_running(split: onnx.NodeProto, old: str, producer: dict[str, onnx.N
     joins = []
     for value in add.input:
         mul = producer.get(value)
-        concat = next((producer[i] for i in (mul.input if mul is not None and
-                                            mul.op_type == "Mul" else ())
-                       if i in producer and producer[i].op_type == "Concat"), None)
-        if concat is None:
+        if mul is None or mul.op_type != "Mul":
             return {}
-        joins.append([carried_value(i, producer) for i in concat.input])
+        concats = [producer[i] for i in mul.input
+                   if i in producer and producer[i].op_type == "Concat"]
+        if not concats:
+            return {}
+        joins.append([carried_value(i, producer) for i in concats[0].input])
     for mine, other in ((joins[0], joins[1]), (joins[1], joins[0])):
         if old in mine and len(mine) == len(other):
             return {other[mine.index(old)]: old}

@@ -210,9 +210,9 @@ class Trainer:
 
     def load_state_dict(self, tensors: Mapping[str, np.ndarray], *, source: str = "state"
                         ) -> None:
-        """Overwrite every carried value; names, dtypes and shapes must match exactly
-        (the optimizer state per parameter, as ``state_dict`` gives it, or joined as the
-        step carries it)."""
+        """Overwrite every carried value; names, dtypes and shapes must match exactly (a
+        grouped update's optimizer state joined, as ``state_dict`` gives it, or per
+        parameter, as checkpoints hold it)."""
         tensors = step_tensors(self.graph, self.spec, tensors)
         missing = sorted(set(self._step.state) - set(tensors))
         extra = sorted(set(tensors) - set(self._step.state))

@@ -39,13 +39,14 @@ nodes: the planner sees standard ops there.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import onnx
 
 from memcc.frontend.emit import Emitter
-from memcc.graph import DefUse, Graph, TensorInfo, attr
+from memcc.frontend.update_groups import balanced_runs, emit_joined
+from memcc.graph import DefUse, Graph, attr
 from memcc.step import DEFAULT_RULE, GRAD_OF_PROP, RULE_PROP, Role, node_props, tag_node
 
 
@@ -72,13 +73,12 @@ def expand_training_batchnorm(graph: Graph, *, reuse_statistics: bool = True
         if not is_training_batchnorm(node, out.opset):
             nodes.append(node)
             continue
-        start = len(emit.nodes)
+        start, before = len(emit.nodes), len(running)
         stats[node.name] = _emit_batchnorm(emit, node, running)
-        made = emit.nodes[start:]
-        nodes.extend(made)
-        for u in running:
-            u.after = u.after if u.after >= 0 else len(nodes)
-    nodes = _update_running_statistics(emit, nodes, running, out)
+        nodes.extend(emit.nodes[start:])
+        for u in running[before:]:  # its updates go after its nodes, or later, joined
+            u.after = len(nodes)
+    nodes, groups = _update_running_statistics(emit, nodes, running, out)
     for n in emit.nodes:
         # The running statistics are no ancestors of the loss: the tag keeps them (and
         # every other node here) in the forward pass (TrainingStep.forward).
@@ -86,12 +86,7 @@ def expand_training_batchnorm(graph: Graph, *, reuse_statistics: bool = True
     reused = _reuse_statistics(nodes, emit, stats) if reuse_statistics else 0
     out.set_nodes(nodes)
     return out, {"batchnorm_rewritten": len(targets), "statistics_reused": reused,
-                 "running_statistics_updates": len({id(u.group) for u in running})}
-
-
-# Running statistics updated together at most (the Concat inputs a CUDA graph can capture:
-# concat_for_cuda_graphs.MAX_INPUTS).
-MAX_GROUP = 32
+                 "running_statistics_updates": groups}
 
 
 @dataclass
@@ -104,55 +99,41 @@ class _RunningUpdate:
     out: str
     momentum: float
     after: int = -1
-    group: list = field(default_factory=list)
 
 
 def _update_running_statistics(emit: Emitter, nodes: list[onnx.NodeProto],
                                updates: list[_RunningUpdate], graph: Graph
-                               ) -> list[onnx.NodeProto]:
-    """The running statistics' updates, joined: consecutive statistics of one momentum and
-    dtype, at most ``MAX_GROUP``, as one ``Concat``-update-``Split`` after the last of their
+                               ) -> tuple[list[onnx.NodeProto], int]:
+    """The running statistics' updates, joined (``update_groups.balanced_runs`` by momentum
+    and dtype; ``emit_joined``): one Concat-update-Split per group after the last of its
     BatchNorms (six kernels per BatchNorm were six per group; per element the same
     arithmetic, the same bits). Nodes that read an update before it is made (PyTorch's
-    running-variance factor beside its BatchNorm) move after it, in their order."""
-    groups: list[list[_RunningUpdate]] = []
-    for u in updates:
-        key = (u.momentum, emit.info(u.running).dtype)
-        last = groups[-1] if groups else None
-        if last and len(last) < MAX_GROUP and (last[0].momentum,
-                                                emit.info(last[0].running).dtype) == key:
-            last.append(u)
-        else:
-            groups.append([u])
+    running-variance factor beside its BatchNorm) move after it, in their order. Returns
+    the nodes and how many groups."""
+    groups = balanced_runs(updates, lambda u: (u.momentum, emit.info(u.running).dtype))
     inserts: dict[int, list[onnx.NodeProto]] = {}
     for group in groups:
-        start = len(emit.nodes)
-        _emit_group(emit, group)
-        for u in group:
-            u.group = group
-        inserts.setdefault(group[-1].after, []).extend(emit.nodes[start:])
+        start, m = len(emit.nodes), group[0].momentum
+        if len(group) == 1:
+            _mixed(emit, group[0].running, group[0].batch, m, group[0].out)
+        else:
+            emit_joined(emit, [[u.running for u in group], [u.batch for u in group]],
+                        [u.out for u in group], lambda r, b, m=m: _mixed(emit, r, b, m))
+        inserts.setdefault(max(u.after for u in group), []).extend(emit.nodes[start:])
     placed = [n for i in range(len(nodes) + 1)
               for n in (inserts.get(i, []) + ([nodes[i]] if i < len(nodes) else []))]
-    return _in_dependency_order(placed, set(graph.inputs) | set(graph.initializers))
+    return _in_dependency_order(placed, set(graph.inputs) | set(graph.initializers)), \
+        len(groups)
 
 
-def _emit_group(emit: Emitter, group: list[_RunningUpdate]) -> None:
-    first = emit.info(group[0].running)
-    dtype, m = first.dtype, group[0].momentum
-    if len(group) == 1:
-        u = group[0]
-        kept = emit.mul(u.running, emit.scalar(m, dtype))
-        emit.op("Add", [kept, emit.mul(u.batch, emit.scalar(1.0 - m, dtype))],
-                outputs=[u.out], info=emit.info(u.running))
-        return
-    sizes = [int(np.prod(emit.info(u.running).shape)) for u in group]
-    flat = TensorInfo(dtype, (sum(sizes),))
-    running = emit.op("Concat", [u.running for u in group], info=flat, axis=0)
-    batch = emit.op("Concat", [u.batch for u in group], info=flat, axis=0)
-    new = emit.op("Add", [emit.mul(running, emit.scalar(m, dtype)),
-                          emit.mul(batch, emit.scalar(1.0 - m, dtype))], info=flat)
-    emit.op("Split", [new, emit.ints(sizes)], outputs=[u.out for u in group],
-            info=[emit.info(u.running) for u in group], axis=0)
+def _mixed(emit: Emitter, running: str, batch: str, momentum: float, out: str | None = None
+           ) -> str:
+    """``running * momentum + batch * (1 - momentum)``, as ONNX's BatchNormalization
+    updates a running statistic."""
+    dtype = emit.info(running).dtype
+    return emit.op("Add", [emit.mul(running, emit.scalar(momentum, dtype)),
+                           emit.mul(batch, emit.scalar(1.0 - momentum, dtype))],
+                   outputs=[out] if out else 1, info=emit.info(running))
 
 
 def _in_dependency_order(nodes: list[onnx.NodeProto], given: set[str]
