@@ -10,7 +10,8 @@ Constant nodes (ONNX Runtime turns them into initializers when it loads the file
 
 "before" is the step built with the general BatchNorm rule (``gradients/nn.py``, what
 every step used before; ``--against batchnorm-rule``) or with an update per parameter
-(``--against apart-updates``, ``BuildOptions(grouped_updates=False)``). With ``--time`` both
+(``--against apart-updates``, ``BuildOptions(grouped_updates=False)``, and for CUDA an
+update per running statistic). With ``--time`` both
 are run under memcc's execution contract, paired round by round (``benchmarks/stats.py``);
 printed: the largest difference of any output both steps have over its largest magnitude,
 the median step times and the ratio new / before with its 95% interval, and the planner's
@@ -42,9 +43,11 @@ import numpy as np  # noqa: E402
 from benchmarks.fusions import ZOO, _session  # noqa: E402
 from benchmarks.stats import interleaved_times, ratio_interval  # noqa: E402
 from memcc.backend.runner import synthetic_feeds  # noqa: E402
+from memcc.frontend import update_groups  # noqa: E402
 from memcc.frontend.build import BuildOptions, build_training_step  # noqa: E402
 from memcc.frontend.gradients import batchnorm_backward  # noqa: E402
 from memcc.frontend.load import load_graph  # noqa: E402
+from memcc.frontend.update_groups import MAX_GROUP  # noqa: E402
 from memcc.graph import Graph  # noqa: E402
 from memcc.passes.providers.provider_step import for_provider  # noqa: E402
 from memcc.step import GRAD_OF_PROP, ROLE_PROP, Role, TrainingStep, node_props  # noqa: E402
@@ -147,7 +150,11 @@ def main(argv: list[str] | None = None) -> int:
         steps = _builds(name, args.against, args.optimizer)
         row = {"model": name}
         for label, step in steps.items():
-            row[label] = {"cpu": count(step), "cuda": count(for_provider(step, "cuda")[0])}
+            # apart-updates: the CUDA build's running statistics apart too (one group each)
+            apart = args.against == "apart-updates" and label == "before"
+            with mock.patch.object(update_groups, "MAX_GROUP", 1 if apart else MAX_GROUP):
+                cuda = for_provider(step, "cuda")[0]
+            row[label] = {"cpu": count(step), "cuda": count(cuda)}
             print(f"{name} {label}: {row[label]['cpu']['nodes']} nodes on the CPU, "
                   f"{row[label]['cuda']['nodes']} for CUDA "
                   f"({row[label]['cpu']['kernels']} / {row[label]['cuda']['kernels']} kernels)")

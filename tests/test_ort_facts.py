@@ -463,3 +463,30 @@ def test_a_small_matmul_gives_other_bits_at_another_thread_count():
         # x86-64 machines (AVX-512) with ORT 1.31.1 and 1.32.0.
         pytest.xfail("this CPU's MLAS gives [32, 512] @ [512, 128] the same bits at 1 and 2 "
                      "threads: the hazard docs/DETERMINISM.md describes is not seen here")
+
+
+def test_a_function_cannot_reach_batchnorms_older_training_kernel():
+    """Issue 30 asked whether the five-output BatchNormalization of opset 9-13, whose CUDA
+    kernel runs cuDNN's training form, can be used inside a step at opset 14 or later: a
+    model-local function importing opset 13 is refused (the ONNX checker and ORT alike),
+    so the CUDA provider's training-mode BatchNorm stays written as standard ops."""
+    c = 3
+    names = ["x", "s", "b", "m", "v"]
+    outs = ["y", "rm", "rv", "sm", "sv"]
+    fn = helper.make_function("memcc.fn", "BN13", names, outs,
+                              [H("BatchNormalization", names, outs)],
+                              [helper.make_opsetid("", 13)])
+    g = helper.make_graph(
+        [H("BN13", names, outs, domain="memcc.fn")], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, c, 4, 4])]
+        + [helper.make_tensor_value_info(n, TensorProto.FLOAT, [c]) for n in names[1:]],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, c, 4, 4])]
+        + [helper.make_tensor_value_info(n, TensorProto.FLOAT, [c]) for n in outs[1:]])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17),
+                                            helper.make_opsetid("memcc.fn", 1)],
+                          functions=[fn])
+    m.ir_version = 8
+    with pytest.raises(onnx.checker.ValidationError, match="not compatible"):
+        onnx.checker.check_model(m, full_check=True)
+    with pytest.raises(Exception, match="output size 5"):
+        make_session(m, "cpu", SessionSettings())

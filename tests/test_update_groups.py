@@ -155,3 +155,19 @@ def test_the_cli_builds_either_and_says_which(tmp_path):
     assert "41 vector parameters updated as 2 joined vectors" in said["--grouped-updates"]
     assert "joined" not in said["--no-grouped-updates"]
     assert splits == {"--grouped-updates": 2, "--no-grouped-updates": 0}
+
+
+def test_a_split_that_reads_the_old_value_is_not_written_over_it():
+    """In place only where the Split copies from another value: one that splits the old
+    value itself would read what it overwrites."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    p = helper.make_tensor_value_info("p", TensorProto.FLOAT, [4])
+    new = helper.make_tensor_value_info("p.new", TensorProto.FLOAT, [4])
+    sizes = onnx.numpy_helper.from_array(np.array([4], np.int64), "sizes")
+    model = helper.make_model(helper.make_graph(
+        [helper.make_node("Split", ["p", "sizes"], ["p.new"], name="split", axis=0)],
+        "g", [p], [new], [sizes]), opset_imports=[helper.make_opsetid("", 17)])
+    result = analyze_in_place(Graph.from_model(model), {"p.new": "p"})
+    assert result.aliased == {} and "reads the old value" in result.refused["p.new"]
