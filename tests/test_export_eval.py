@@ -18,7 +18,7 @@ import onnxruntime as ort
 import pytest
 import safetensors.torch
 import torch
-from exports import DYNAMO_NOOPT, export
+from exports import DYNAMO_NOOPT, export, make_inputs, torch_forward
 from typer.testing import CliRunner
 
 from memcc import api
@@ -147,8 +147,7 @@ def test_a_random_draw_outside_dropout_is_refused_and_nothing_written(tmp_path):
 def test_the_exported_model_keeps_its_named_axes_where_it_runs_at_other_sizes(tmp_path):
     """The user's model took any batch; the step was built at one. The exported model has
     the named axes back where it runs at other sizes (a TorchScript ResNet: Flatten, no
-    folded reshape), checked against torch's eval mode at batch 1 and 3; where a reshape
-    was folded at the built sizes (GPT-2), it stays at them and export says why."""
+    folded reshape), checked against torch's eval mode at batch 1 and 3."""
     path, module, inputs, dims = export("convnet", "torchscript", training=True)
     api.build(path, tmp_path / "s.onnx", dims=dims, options=BuildOptions())
     Trainer(tmp_path / "s.onnx").save(tmp_path / "ck")
@@ -168,12 +167,45 @@ def test_the_exported_model_keeps_its_named_axes_where_it_runs_at_other_sizes(tm
         got = sess.run(None, {"x": x})[0]
         assert got.shape == want.shape and np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
 
-    path, _, _, dims = export("gpt2", "torchscript", training=True)
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_a_transformer_is_exported_at_any_batch_and_sequence(tmp_path, exporter):
+    """memcc folds the exporter's shape computations at the built sizes (batch 2, 8
+    tokens); export puts them back, so GPT-2 runs at other batches and lengths as torch's
+    eval mode does, after training and from a compiled step too (the dynamo export's
+    `Concat([-1], Shape(mask)[1:2])` reads a constant that folding left unused: it is
+    recorded with the folded node). A step whose attention runs in row chunks splits rows
+    at the built sizes: it stays at them and export names the node."""
+    path, module, _, dims = export("gpt2", exporter, training=True)
     api.build(path, tmp_path / "g.onnx", dims=dims, options=BuildOptions())
-    Trainer(tmp_path / "g.onnx").save(tmp_path / "gk")
-    said = _export(tmp_path / "g.onnx", tmp_path / "gk", tmp_path / "g_e.onnx", "--eval")
-    assert "written at the sizes it was built for (batch=2, seq=8)" in " ".join(said.split())
+    api.compile_model(tmp_path / "g.onnx", api.CompileOptions(budget="min", time_limit=10),
+                      output=tmp_path / "g.memcc.onnx")
+    trainer = Trainer(tmp_path / "g.memcc.onnx")
+    batch = {k: v.numpy() for k, v in make_inputs("gpt2", seed=1).items()}
+    trainer.step(batch | {"labels": batch["input_ids"]})
+    trainer.save(tmp_path / "gk")
+    said = _export(tmp_path / "g.memcc.onnx", tmp_path / "gk", tmp_path / "g_e.onnx",
+                   "--eval")
+    assert "written at the sizes" not in said, said
+    _export(tmp_path / "g.memcc.onnx", tmp_path / "gk", tmp_path / "w.safetensors")
+    module.load_state_dict(safetensors.torch.load_file(tmp_path / "w.safetensors"),
+                           strict=False)
+    module.eval()
     sess = ort.InferenceSession(str(tmp_path / "g_e.onnx"), providers=["CPUExecutionProvider"])
+    assert [i.shape for i in sess.get_inputs()] == [["batch", "seq"]] * 2
+    for sizes in ({"batch": 1, "seq": 5}, {"batch": 3, "seq": 11}):
+        feeds = {k: v.numpy() for k, v in make_inputs("gpt2", sizes, seed=4).items()}
+        want = torch_forward(module, feeds)
+        got = sess.run(None, feeds)[0]
+        assert got.shape == want.shape and np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+    api.build(path, tmp_path / "c.onnx", dims=dims, options=BuildOptions(attention_chunks=2))
+    Trainer(tmp_path / "c.onnx").save(tmp_path / "ck")
+    said = " ".join(_export(tmp_path / "c.onnx", tmp_path / "ck", tmp_path / "c_e.onnx",
+                            "--eval").split())
+    assert "written at the sizes it was built for (batch=2, seq=8)" in said
+    assert "Split" in said, said
+    sess = ort.InferenceSession(str(tmp_path / "c_e.onnx"), providers=["CPUExecutionProvider"])
     assert sess.get_inputs()[0].shape == [2, 8]
 
 
@@ -219,3 +251,31 @@ def test_dropout_written_as_a_random_mask_passes_through(optimize, tmp_path):
         want = module.eval()(x).numpy()
     got = _run(tmp_path / "e.onnx", {"x": x.numpy()}, 1)
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def test_a_model_exported_in_train_mode_builds_again_and_trains_as_its_step(tmp_path):
+    """A user trains, exports the model (train mode, as PyTorch exported it) and builds a
+    step from that file again, to train on: the BatchNorms' running outputs the step
+    named `stat.new` are renamed in the file (the new build gives them those names), they
+    read their running statistics as stored, and the file keeps PyTorch as its producer,
+    so the new step updates the running variance as PyTorch does. One more step of each
+    on the same batch gives the same bits (SGD without momentum: no state to carry)."""
+    path, _, inputs, dims = export("convnet", "torchscript", training=True)
+    opts = BuildOptions(momentum=0.0)
+    api.build(path, tmp_path / "s.onnx", dims=dims, options=opts)
+    labels = np.array([0, 1, 2, 0])[: inputs["x"].shape[0]]
+    first = Trainer(tmp_path / "s.onnx")
+    first.step({"x": inputs["x"], "labels": labels})
+    first.save(tmp_path / "ck")
+    _export(tmp_path / "s.onnx", tmp_path / "ck", tmp_path / "m.onnx")
+    api.build(tmp_path / "m.onnx", tmp_path / "again.onnx", dims=dims, options=opts)
+    assert {p.key: p.value for p in onnx.load(tmp_path / "again.onnx").metadata_props}[
+        "memcc.producer"] == "pytorch"
+    batch = {"x": inputs["x"][::-1].copy(), "labels": labels[::-1].copy()}
+    again = Trainer(tmp_path / "again.onnx")
+    again.step(batch)
+    first.step(batch)
+    want, got = first.state_dict(), again.state_dict()
+    assert set(got) <= set(want) and any("running_var" in k for k in got)
+    for k, v in got.items():
+        assert np.array_equal(v, want[k]), k

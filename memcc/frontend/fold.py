@@ -10,9 +10,17 @@ Only small integer values (shape arithmetic) computed from Shape/Size and from n
 constants are folded: nothing that reads a parameter, so no weight is baked into a constant,
 and no float tensor, because a folded value lives for the whole step (a ConstantOfShape
 zeros tensor computed when needed is cheaper than one held from the start).
+
+Each Constant keeps the node it replaced (``FOLDED_FROM``, on the Constant's metadata), so
+that ``memcc export`` can write the forward model with the exporter's shape computations
+again (``with_shape_computations``): folded, a reshape to ``[8, 16, 12, 64]`` holds the
+built batch, and the model the user exported took any.
 """
 
 from __future__ import annotations
+
+import base64
+import heapq
 
 import numpy as np
 import onnx
@@ -22,6 +30,7 @@ from memcc.frontend.constants import constant_node_value
 from memcc.graph import Graph, TensorInfo
 
 MAX_FOLDED_ELEMENTS = 4096
+FOLDED_FROM = "memcc.folded_from"
 _NEVER = frozenset({"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike",
                     "Bernoulli", "Multinomial", "Dropout"})
 
@@ -33,7 +42,7 @@ def fold_shape_computations(graph: Graph) -> tuple[Graph, dict]:
     for name, arr in graph.initializers.items():
         if name not in graph.inputs and not np.issubdtype(np.asarray(arr).dtype, np.floating):
             known[name] = np.asarray(arr)
-    folded = 0
+    folded: set[str] = set()
     new_nodes: list[onnx.NodeProto] = []
     for node in graph.nodes:
         value = _fold(node, graph, known)
@@ -48,11 +57,15 @@ def fold_shape_computations(graph: Graph) -> tuple[Graph, dict]:
         known[out] = value
         graph.info[out] = TensorInfo(helper.np_dtype_to_tensor_dtype(value.dtype),
                                      tuple(int(d) for d in value.shape))
-        new_nodes.append(helper.make_node("Constant", [], [out], name=node.name,
-                                          value=numpy_helper.from_array(value, out)))
-        folded += 1
+        const = helper.make_node("Constant", [], [out], name=node.name,
+                                 value=numpy_helper.from_array(value, out))
+        # With the values of the exporter's constants it read, which may go unused now.
+        const.metadata_props.add(key=FOLDED_FROM, value=_record(node, {
+            i: known[i] for i in node.input if i in known and i not in folded}))
+        new_nodes.append(const)
+        folded.add(out)
     graph.nodes = new_nodes
-    return graph, {"folded": folded}
+    return graph, {"folded": len(folded)}
 
 
 def _fold(node: onnx.NodeProto, graph: Graph, known: dict[str, np.ndarray]
@@ -99,3 +112,90 @@ def _evaluate(node: onnx.NodeProto, graph: Graph, known: dict[str, np.ndarray]
     if info is not None and tuple(value.shape) != tuple(info.shape):
         return None
     return value
+
+
+def _record(node: onnx.NodeProto, constants: dict[str, np.ndarray]) -> str:
+    """``node`` and the ``constants`` it reads, as text for a metadata property: a graph
+    of the node, without its exporter metadata (dynamo's stack traces) or doc string, and
+    the constants as initializers."""
+    bare = onnx.NodeProto()
+    bare.CopyFrom(node)
+    del bare.metadata_props[:]
+    bare.ClearField("doc_string")
+    record = helper.make_graph([bare], "folded", [], [], [
+        numpy_helper.from_array(np.asarray(v), k) for k, v in constants.items()])
+    return base64.b64encode(record.SerializeToString()).decode("ascii")
+
+
+def _recorded(node: onnx.NodeProto) -> onnx.GraphProto | None:
+    """What ``_record`` wrote on a folded Constant (None: not one)."""
+    text = next((p.value for p in node.metadata_props if p.key == FOLDED_FROM), None)
+    if node.op_type != "Constant" or text is None:
+        return None
+    record = onnx.GraphProto()
+    record.ParseFromString(base64.b64decode(text))
+    if len(record.node) != 1 or list(record.node[0].output) != list(node.output):
+        return None
+    return record
+
+
+def with_shape_computations(graph: Graph) -> tuple[Graph, int]:
+    """A copy of ``graph`` in which every folded Constant whose recorded node can run again
+    (its inputs are in the graph, recorded with it, or restored too) is that node again,
+    in an order where each node follows its inputs' producers; and how many were restored.
+    The values are the same at the built sizes; at other sizes they follow the inputs, as
+    in the model the exporter wrote. Nodes of other memcc passes that fixed a size stay as
+    they are: the caller checks the result at other sizes."""
+    records = {i: r for i, n in enumerate(graph.nodes) if (r := _recorded(n)) is not None}
+    available = set(graph.inputs) | set(graph.initializers)
+    available |= {o for i, n in enumerate(graph.nodes) if i not in records
+                  for o in n.output if o}
+    restored: dict[int, onnx.GraphProto] = {}
+    while True:  # a record may read another: restored once that one is
+        more = {i: r for i, r in records.items() if i not in restored and all(
+            not x or x in available or any(t.name == x for t in r.initializer)
+            for x in r.node[0].input)}
+        if not more:
+            break
+        restored.update(more)
+        available |= {r.node[0].output[0] for r in more.values()}
+    if not restored:
+        return graph, 0
+    out = graph.copy(with_index=False)
+    for r in restored.values():
+        for t in r.initializer:
+            if t.name not in available:
+                out.initializers[t.name] = numpy_helper.to_array(t)
+                out.info[t.name] = TensorInfo(t.data_type, tuple(t.dims))
+                available.add(t.name)
+    nodes = [restored[i].node[0] if i in restored else n for i, n in enumerate(out.nodes)]
+    out.set_nodes(_in_dependency_order(nodes, set(out.inputs) | set(out.initializers)))
+    return out, len(restored)
+
+
+def _in_dependency_order(nodes: list[onnx.NodeProto], given: set[str]
+                         ) -> list[onnx.NodeProto]:
+    """``nodes`` sorted so that every node follows the producers of its inputs, otherwise
+    in their order (Kahn's algorithm, the earliest ready node first)."""
+    producer = {o: i for i, n in enumerate(nodes) for o in n.output if o}
+    waits = [0] * len(nodes)
+    readers: dict[int, list[int]] = {}
+    for i, n in enumerate(nodes):
+        for x in dict.fromkeys(n.input):
+            j = producer.get(x)
+            if x and x not in given and j is not None and j != i:
+                waits[i] += 1
+                readers.setdefault(j, []).append(i)
+    ready = [i for i, w in enumerate(waits) if w == 0]
+    heapq.heapify(ready)
+    order: list[onnx.NodeProto] = []
+    while ready:
+        i = heapq.heappop(ready)
+        order.append(nodes[i])
+        for r in readers.get(i, ()):
+            waits[r] -= 1
+            if waits[r] == 0:
+                heapq.heappush(ready, r)
+    if len(order) != len(nodes):  # a cycle: cannot be, as each restored node reads
+        return nodes               # only values made before its Constant was folded
+    return order

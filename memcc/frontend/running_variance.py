@@ -121,3 +121,21 @@ def carried_value(value: str, producer: Mapping[str, onnx.NodeProto]) -> str:
         value = node.input[0]
         node = producer.get(value)
     return value
+
+
+def fed_as_stored(graph: Graph) -> Graph:
+    """``graph`` with each BatchNormalization reading its running statistics as stored,
+    not through the division ``unbias_running_var`` feeds it (a copy; ``graph`` itself
+    where there is none). For the forward model ``memcc export`` writes: its outputs do not
+    depend on that input in train mode, and built again from that file (whose producer
+    export keeps), the step divides once more, as it does for PyTorch's file."""
+    producer = graph.def_use().producer
+    if not any(n.op_type == "BatchNormalization" and any(
+            carried_value(i, producer) != i for i in n.input[3:5]) for n in graph.nodes):
+        return graph
+    out = graph.copy(with_index=False)
+    for n in out.nodes:
+        if n.op_type == "BatchNormalization":
+            for k in range(3, min(5, len(n.input))):
+                n.input[k] = carried_value(n.input[k], producer)
+    return out

@@ -7,7 +7,8 @@ and output's axes as the exporter wrote them (``memcc.symbolic_dims``: name -> o
 per axis, the dimension's name or null), and ``relax`` writes them back into a model.
 Whether the written model really runs at other sizes is the export's to check
 (``trainer/export.py``): memcc folds shape computations at the bound sizes, so a reshape to
-``[8, 16, 12, 64]`` holds the batch in a constant.
+``[8, 16, 12, 64]`` holds the batch in a constant until export puts the exporter's
+computation back (``fold.with_shape_computations``).
 """
 
 from __future__ import annotations

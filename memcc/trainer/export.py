@@ -14,6 +14,7 @@ import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -21,13 +22,18 @@ from memcc.backend import checkpoint as ckpt
 from memcc.errors import InputError
 from memcc.frontend.autocast import without_autocast
 from memcc.frontend.dropout_masks import restore_dropouts
+from memcc.frontend.fold import with_shape_computations
 from memcc.frontend.load import load_graph
+from memcc.frontend.running_variance import PRODUCER_KEY, fed_as_stored
 from memcc.frontend.symbolic_dims import recorded
 from memcc.graph import Graph, ancestors
 from memcc.step import TrainingStep
 from memcc.trainer.checkpoints import step_signature
 from memcc.trainer.eval_mode import inference_or_train_mode
 from memcc.trainer.named_axes import with_named_axes
+
+if TYPE_CHECKING:
+    import onnx
 
 EXPORT_FORMATS = ("onnx", "safetensors")
 
@@ -124,7 +130,7 @@ def export_weights(graph: Graph, spec: TrainingStep, state: Mapping[str, np.ndar
     fwd = forward_graph(graph, spec, state, source=source, eval_mode=request.eval_mode,
                         notes=notes)
     if fmt == "onnx":
-        model, fixed = with_named_axes(fwd.to_model(), recorded(graph.metadata))
+        model, fixed = _at_any_size(graph, spec, state, request, fwd)
         for note in [*notes, *([fixed] if fixed else [])]:
             if warn is not None:
                 warn(note)
@@ -137,6 +143,24 @@ def export_weights(graph: Graph, spec: TrainingStep, state: Mapping[str, np.ndar
         for name in sources.get(n, {}).get("pytorch_names") or [n]:
             weights.setdefault(name, np.asarray(state[n]))
     return ckpt.write_safetensors(out, weights, {"format": "pt", "memcc.step_file": source})
+
+
+def _at_any_size(graph: Graph, spec: TrainingStep, state: Mapping[str, np.ndarray],
+                 request: ExportRequest, fwd: Graph) -> tuple[onnx.ModelProto, str | None]:
+    """The forward model with the named axes the user's model had, and what to say where it
+    keeps the built sizes (``named_axes.with_named_axes``). First with the exporter's shape
+    computations that memcc folded put back (``fold.with_shape_computations``), which is
+    what lets a transformer run at another batch or sequence; where that does not run at
+    other sizes, ``fwd`` as it is (folded, at the built sizes)."""
+    axes = recorded(graph.metadata)
+    unfolded, restored = with_shape_computations(graph)
+    if not (restored and axes):
+        return with_named_axes(fwd.to_model(), axes)
+    model, fixed = with_named_axes(
+        forward_graph(unfolded, spec, state, eval_mode=request.eval_mode).to_model(), axes)
+    if fixed is None:
+        return model, None
+    return fwd.to_model(), fixed  # why the restored model fails, said of the folded one
 
 
 def made_up_names(spec: TrainingStep) -> list[str]:
@@ -190,7 +214,7 @@ def forward_graph(graph: Graph, spec: TrainingStep, state: Mapping[str, np.ndarr
                          "; rebuild the step with memcc build to export it")
     # A rewritten Dropout goes back as the plain node (the counter is the step's alone).
     # A --precision bf16/fp16 step: the forward as exported, float32 (master weights).
-    graph = without_autocast(restore_dropouts(_with_projection(graph, spec)))
+    graph = fed_as_stored(without_autocast(restore_dropouts(_with_projection(graph, spec))))
     graph, note = inference_or_train_mode(graph, spec, outputs, eval_mode=eval_mode,
                                           source=source)
     if note and notes is not None:
@@ -219,6 +243,7 @@ def forward_graph(graph: Graph, spec: TrainingStep, state: Mapping[str, np.ndarr
             c.metadata_props.extend(keep)
             nodes.append(c)
     used = {i for n in nodes for i in n.input if i} | set(outputs)
+    _rename_running_outputs(nodes, used)
     produced = {o for n in nodes for o in n.output if o}
     values = used | produced
     # Carried values come from ``state`` (a Trainer drops their initial values).
@@ -230,9 +255,24 @@ def forward_graph(graph: Graph, spec: TrainingStep, state: Mapping[str, np.ndarr
         nodes=nodes, inputs=inputs, outputs=outputs, initializers=inits,
         info={k: v for k, v in graph.info.items() if k in values},
         opsets=dict(graph.opsets),
-        metadata={k: v for k, v in graph.metadata.items() if not k.startswith("memcc.")},
+        # Whose BatchNorm semantics a step built again from this model follows.
+        metadata={k: v for k, v in graph.metadata.items()
+                  if not k.startswith("memcc.") or k == PRODUCER_KEY},
         name=graph.name,
     )
+
+
+def _rename_running_outputs(nodes: list, used: set[str]) -> None:
+    """A training-mode BatchNorm's running-statistics outputs, unread in the forward model,
+    renamed ``Y.running_mean`` / ``Y.running_var`` after its output ``Y``: the step named them
+    ``stat.new``, the name a step built again from this model gives them, which would then
+    be taken (and ORT's shape inference wants all three outputs in training mode)."""
+    for n in nodes:
+        if n.op_type != "BatchNormalization":
+            continue
+        for k, what in ((1, "running_mean"), (2, "running_var")):
+            if k < len(n.output) and n.output[k] and n.output[k] not in used:
+                n.output[k] = f"{n.output[0]}.{what}"
 
 
 # ---------------------------------------------------------------------------- memcc train

@@ -3,8 +3,10 @@
 ``frontend/symbolic_dims.py`` records them; here they are written back and checked: the
 model is run once in ONNX Runtime with every named axis at another size (1, or 2 where the
 step was built at 1) on zeros, and kept only where it runs and its outputs follow the new
-sizes. Elsewhere (a reshape's target folded at the built sizes, a row-chunked attention's
-slices) the model stays at the built sizes and export says why.
+sizes. The shape computations memcc folded at build are put back first
+(``fold.with_shape_computations``, by ``trainer/export.py``); where a rewrite of memcc's own
+holds the built sizes (a row-chunked attention's splits) the model stays at them and export
+says why.
 """
 
 from __future__ import annotations
@@ -31,9 +33,10 @@ def with_named_axes(model: onnx.ModelProto, axes: dict[str, list[str | None]]
     if failed is None:
         return relaxed, None
     return model, (f"the model is written at the sizes it was built for ({built}), not with "
-                   f"its named axes: at {at} {failed} (memcc folds shape computations at the "
-                   "built sizes). To deploy at other sizes, load the weights (--format "
-                   "safetensors) into the PyTorch module, or build and train at that size")
+                   f"its named axes: at {at} {failed} (a rewrite memcc made at the built "
+                   "sizes, such as row chunks' splits). To deploy at other sizes, load the "
+                   "weights (--format safetensors) into the PyTorch module, or build and "
+                   "train at that size")
 
 
 def _fails_at(model: onnx.ModelProto, axes: dict[str, list[str | None]],
