@@ -38,8 +38,10 @@ OPTIMIZER_KEY = "memcc.optimizer"
 # parameter -> {"exported_name": initializer name in the exported file, "named": it is the
 # PyTorch state_dict name, "pytorch_names": [every state_dict name its value is], "merged":
 # [those the exporter's optimizer merged into it], "tied_with": [parameters holding the same
-# values], "copy_of": [initializers a made-up copy was folded from], "folded_copies":
-# {made-up copy the exporter folded from it: the op the step now computes it with}}
+# values], "copy_of": [initializers a made-up copy was folded from], "copy_op": the op
+# that made that copy from its one parameter (export writes it back through the inverse),
+# "folded_copies": {made-up copy the exporter folded from it: the op the step now computes
+# it with}}
 PARAM_SOURCES_KEY = "memcc.parameter_sources"
 # The other half of the same record: PyTorch parameters no step parameter holds, -> "folded"
 # (the exporter's optimizer made them constants) or "unused" (the model never reads them).
@@ -252,7 +254,8 @@ class TrainingStep:
         parameters holding the same values: one PyTorch parameter exported as copies),
         ``pytorch_names`` (every ``state_dict`` name whose value the parameter is: its own,
         those the dynamo exporter's optimizer merged into it, those torch ties to them;
-        empty for a made-up copy), ``merged``, ``copy_of`` and ``folded_copies`` (copies
+        empty for a made-up copy), ``merged``, ``copy_of``, ``copy_op`` (the op that made
+        such a copy from its parameter, ``Transpose(perm=[1, 0])``) and ``folded_copies`` (copies
         the exporter folded from this parameter that the step computes from it again,
         ``{"val_303": "Transpose(perm=[1, 0])"}``). With ``folded_parameters``
         this is the one record of where the trained values belong. Steps built before this

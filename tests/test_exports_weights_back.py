@@ -158,6 +158,30 @@ def test_optimized_export_weights_go_back_to_every_name(tmp_path):
     assert _rel(_onnx_logits(onnx.load(str(fwd)), inputs), theirs) <= 1e-5
 
 
+def test_pre_transposed_linear_weights_go_back_under_their_names(tmp_path):
+    """The dynamo exporter's optimizer folds `Transpose(W)` for every `nn.Linear` it writes
+    as a MatMul, and with no other reader of W the parameter is gone from the file: a
+    transformers Llama's 14 projection weights (and its output layer) are trained under
+    `val_N` names. Its records say each copy feeds an `aten.linear` as the weight, so the
+    copy is W transposed: export writes it back under W's name, transposed, and PyTorch
+    loads every weight strictly and computes memcc's exported ONNX model."""
+    path, module, inputs, dims = export("llama", "dynamo", training=True, fresh=True)
+    emap = read_export_map(onnx.load(str(path)))
+    assert emap.copies and set(emap.copy_ops) == set(emap.copies)
+    assert set(emap.copy_ops.values()) == {"Transpose(perm=[1, 0])"}
+    step, msgs = _build(path, tmp_path / "step.onnx", dims)
+    assert not any("made up" in m for m in msgs), msgs
+    copies = {p: s for p, s in step.parameter_sources().items() if s.get("copy_of")}
+    assert len(copies) == len(emap.copies)
+    weights, fwd, output = _train_and_export(tmp_path / "step.onnx", inputs, tmp_path)
+    assert "made up" not in output, output
+    before = _torch_logits(module, inputs)
+    module.load_state_dict(safetensors.torch.load_file(str(weights)), strict=True)
+    theirs = _torch_logits(module, inputs)
+    assert _rel(theirs, before) > 1e-3  # the trained weights, not the exported ones
+    assert _rel(_onnx_logits(onnx.load(str(fwd)), inputs), theirs) <= 1e-5
+
+
 def test_optimized_export_step_gradients_match_torch():
     """The recomputed copy's gradient flows into its parameter: lm_head.weight (which torch
     ties to wte.weight) gets the gradient of both its uses, the embedding lookup and the

@@ -103,6 +103,9 @@ def _summary(graph: Graph, output: Path, loss: str, optimizer: str) -> str:
     n_params = sum(graph.info[p].numel for p in params)
     sources = step.parameter_sources()
     unnamed = sum(not s.get("named", True) for s in sources.values())
+    copies = sum(bool(s.get("copy_op")) for s in sources.values())
+    back = (f", {copies} of them copies the exporter folded from a parameter, which export "
+            "writes back under its name" if copies else "")
     merged = sum(len(s.get("merged", ())) for s in sources.values())
     folded = len(step.folded_parameters())
     pytorch = (f"; they hold {len(step.state_dict_names())} PyTorch parameters, {merged} of "
@@ -112,7 +115,7 @@ def _summary(graph: Graph, output: Path, loss: str, optimizer: str) -> str:
         f"wrote {output}: {len(graph.nodes)} nodes, {len(params)} parameter tensors "
         f"({n_params:,} values; {len(params) - unnamed} under the model's own names (a "
         f"torch export's state_dict names), {unnamed} under names the exporter made "
-        f"up{pytorch}), loss={loss}, optimizer={optimizer}{_grouped(graph, step)}"
+        f"up{back}{pytorch}), loss={loss}, optimizer={optimizer}{_grouped(graph, step)}"
     )
 
 

@@ -57,6 +57,9 @@ class ExportMap:
     from (a pre-transposed weight, trained under the made-up name). ``computed``: a copy
     ``recompute_folded_copies`` replaced by a node reading its parameter -> (the PyTorch
     parameter, the initializer holding it, the op written: ``Transpose(perm=[1, 0])``).
+    ``copy_ops``: a copy whose parameter no initializer holds -> the op that made it from
+    the parameter, where the exporter's records say (``_copy_ops``): ``memcc export`` writes
+    the trained copy back under the parameter's name through that op's inverse.
     """
 
     stands_for: dict[str, tuple[str, ...]] = field(default_factory=dict)
@@ -65,11 +68,13 @@ class ExportMap:
     unused: tuple[str, ...] = ()
     copies: dict[str, tuple[str, ...]] = field(default_factory=dict)
     computed: dict[str, tuple[str, str, str]] = field(default_factory=dict)
+    copy_ops: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps({"stands_for": self.stands_for, "merged": self.merged,
                            "folded": list(self.folded), "unused": list(self.unused),
-                           "copies": self.copies, "computed": self.computed})
+                           "copies": self.copies, "computed": self.computed,
+                           "copy_ops": self.copy_ops})
 
     @classmethod
     def from_json(cls, text: str | None) -> ExportMap | None:
@@ -81,7 +86,8 @@ class ExportMap:
                    tuple(d.get("folded", ())), tuple(d.get("unused", ())),
                    {k: tuple(v) for k, v in d.get("copies", {}).items()},
                    {k: (str(v[0]), str(v[1]), str(v[2]))
-                    for k, v in d.get("computed", {}).items()})
+                    for k, v in d.get("computed", {}).items()},
+                   {k: str(v) for k, v in d.get("copy_ops", {}).items()})
 
 
 def _literal_list(text: str | None) -> list[str]:
@@ -146,7 +152,8 @@ def read_export_map(model: onnx.ModelProto) -> ExportMap | None:
                     if ph not in rec.own and ph not in merged_into and ph not in copied
                     and ph in read_by_fx)
     stands_for, merged = _names_per_initializer(rec, merged_into, tied)
-    return ExportMap(stands_for, merged, tuple(folded), tuple(sorted(unused)), copies)
+    return ExportMap(stands_for, merged, tuple(folded), tuple(sorted(unused)), copies,
+                     copy_ops=_copy_ops(model, rec, copies))
 
 
 def _parameter_placeholders(signature: str) -> dict[str, str]:
@@ -205,6 +212,29 @@ def _folded_copies(model: onnx.ModelProto, rec: _Records) -> dict[str, tuple[str
         if src and all(phs):
             copies[t.name] = tuple(rec.placeholders[ph] for ph in phs if ph)
     return copies
+
+
+def _copy_ops(model: onnx.ModelProto, rec: _Records, copies: dict[str, tuple[str, ...]]
+              ) -> dict[str, str]:
+    """The op that made each 2-D copy of one parameter, where every node reading the copy
+    is a MatMul by it written for an ``aten.linear`` whose weight is that parameter: the
+    exporter writes ``linear(x, W)`` as ``MatMul(x, Transpose(W))`` and its optimizer folds
+    the Transpose (the dynamo exports of transformers' BERT, Llama and ViT: every Linear
+    weight; measured equal to the parameter transposed in ``tests/test_exports_weights_back
+    .py``). Other readers say nothing certain: no op."""
+    dims = {t.name: len(t.dims) for t in model.graph.initializer}
+    verdict: dict[str, bool] = {}
+    for node in model.graph.node:
+        for k, i in enumerate(node.input):
+            if i not in copies or len(copies[i]) != 1:
+                continue
+            fx = next((p.value for p in node.metadata_props if p.key == FX_NODE_PROP), "")
+            call = fx.splitlines()[0].split("=", 1)[-1] if fx else ""
+            args = _FX_ARG.findall(call.split("](", 1)[-1])
+            linear = (node.op_type == "MatMul" and k == 1 and "aten.linear" in call
+                      and len(args) >= 2 and args[1] == rec.by_target.get(copies[i][0]))
+            verdict[i] = verdict.get(i, True) and linear
+    return {c: "Transpose(perm=[1, 0])" for c, ok in verdict.items() if ok and dims[c] == 2}
 
 
 def _merged_into(rec: _Records, copied: set[str]) -> dict[str, str]:

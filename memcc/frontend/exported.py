@@ -126,6 +126,9 @@ class ParameterSource:
     pytorch_names: tuple[str, ...] = field(default=())
     merged: tuple[str, ...] = field(default=())  # of pytorch_names, merged by the exporter
     copy_of: tuple[str, ...] = field(default=())  # a made-up copy folded from these
+    # The op that made the copy from its one parameter (``ExportMap.copy_ops``), whose
+    # inverse ``memcc export`` applies to write it under that parameter's name; "": unknown.
+    copy_op: str = ""
     # Copies the exporter folded from this parameter that the step computes from it again
     # (``recompute_folded_copies``): (made-up name, op), e.g. ("val_303", "Transpose(...)").
     folded_copies: tuple[tuple[str, str], ...] = field(default=())
@@ -138,6 +141,8 @@ class ParameterSource:
                 d[key] = list(getattr(self, key))
         if self.folded_copies:
             d["folded_copies"] = dict(self.folded_copies)
+        if self.copy_op:
+            d["copy_op"] = self.copy_op
         return d
 
 
@@ -207,7 +212,8 @@ def parameter_sources(graph: Graph, params: list[str]) -> dict[str, ParameterSou
             computes = tuple((c, op) for c, (_, init, op) in sorted(emap.computed.items())
                              if init == p)
             out[p] = ParameterSource(p, named(p), tuple(ties), names, emap.merged.get(p, ()),
-                                     emap.copies.get(p, ()), computes)
+                                     emap.copies.get(p, ()), copy_op=emap.copy_ops.get(p, ""),
+                                     folded_copies=computes)
         else:
             out[p] = ParameterSource(p, named(p), tuple(ties), (p,) if named(p) else ())
     return out
@@ -245,7 +251,8 @@ def report_parameters(sources: dict[str, ParameterSource], source: str,
                       sig: Signature | None, emap: ExportMap | None = None) -> None:
     """Warn about parameters without a PyTorch name, about weight tying, and (from the
     dynamo exporter's records) about PyTorch parameters the exporter merged or folded."""
-    unnamed = [p for p, s in sources.items() if not s.named]
+    # Copies whose op is known go back under their parameter's name: no warning.
+    unnamed = [p for p, s in sources.items() if not s.named and not s.copy_op]
     if unnamed:
         shown = _some([p + (f" (folded from {', '.join(sources[p].copy_of)})"
                             if sources[p].copy_of else "") for p in unnamed])

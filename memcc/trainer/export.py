@@ -139,9 +139,16 @@ def export_weights(graph: Graph, spec: TrainingStep, state: Mapping[str, np.ndar
     weights: dict[str, np.ndarray] = {}
     for n in exported_weight_names(graph, spec, fwd):
         # Under every PyTorch name the value stands for (merged and tied parameters too),
-        # so that a strict load_state_dict finds them all; else under its own name.
-        for name in sources.get(n, {}).get("pytorch_names") or [n]:
-            weights.setdefault(name, np.asarray(state[n]))
+        # so that a strict load_state_dict finds them all; a copy the exporter folded from
+        # a parameter, through the inverse of its op under that parameter's name; else
+        # under its own name.
+        src = sources.get(n, {})
+        names, value = src.get("pytorch_names") or [n], np.asarray(state[n])
+        if not src.get("pytorch_names") and src.get("copy_op") and \
+                len(src.get("copy_of", ())) == 1:
+            names, value = list(src["copy_of"]), undo_copy_op(src["copy_op"], value)
+        for name in names:
+            weights.setdefault(name, value)
     return ckpt.write_safetensors(out, weights, {"format": "pt", "memcc.step_file": source})
 
 
@@ -165,8 +172,20 @@ def _at_any_size(graph: Graph, spec: TrainingStep, state: Mapping[str, np.ndarra
 
 def made_up_names(spec: TrainingStep) -> list[str]:
     """Parameters whose names the exporter made up (``onnx::MatMul_12``, ``val_3``; recorded
-    by ``memcc build``): a PyTorch ``load_state_dict`` will not find them by these names."""
-    return [p for p, src in spec.parameter_sources().items() if not src.get("named", True)]
+    by ``memcc build``) and that export cannot write under a PyTorch name: a PyTorch
+    ``load_state_dict`` will not find them."""
+    return [p for p, src in spec.parameter_sources().items()
+            if not src.get("named", True) and not src.get("copy_op")]
+
+
+def undo_copy_op(op: str, value: np.ndarray) -> np.ndarray:
+    """The parameter a copy was made from by ``op`` (``ExportMap.copy_ops``): for
+    ``Transpose(perm=p)``, the copy transposed by p's inverse."""
+    perm = [int(d) for d in op.removeprefix("Transpose(perm=[").removesuffix("])").split(",")]
+    if not op.startswith("Transpose(perm=") or sorted(perm) != list(range(value.ndim)):
+        raise InputError(f"cannot write a weight back through '{op}'; report it with the "
+                         "model")
+    return np.ascontiguousarray(np.transpose(value, np.argsort(perm)))
 
 
 def exported_weight_names(graph: Graph, spec: TrainingStep, fwd: Graph) -> list[str]:
