@@ -208,6 +208,21 @@ def test_a_transformer_is_exported_at_any_batch_and_sequence(tmp_path, exporter)
     sess = ort.InferenceSession(str(tmp_path / "c_e.onnx"), providers=["CPUExecutionProvider"])
     assert sess.get_inputs()[0].shape == [2, 8]
 
+    # A step built before memcc kept what it folded: the message says so.
+    old = onnx.load(tmp_path / "g.onnx")
+    keep = [p for p in old.metadata_props if p.key != "memcc.fold_records"]
+    del old.metadata_props[:]
+    old.metadata_props.extend(keep)
+    for n in old.graph.node:
+        kept = [p for p in n.metadata_props if p.key != "memcc.folded_from"]
+        del n.metadata_props[:]
+        n.metadata_props.extend(kept)
+    onnx.save(old, tmp_path / "old.onnx")
+    Trainer(tmp_path / "old.onnx").save(tmp_path / "ok")
+    said = " ".join(_export(tmp_path / "old.onnx", tmp_path / "ok", tmp_path / "o_e.onnx",
+                            "--eval").split())
+    assert "this step was built before memcc kept what it folded" in said, said
+
 
 class _DropPath(torch.nn.Module):
     """An in-place nn.Dropout and timm's stochastic depth (``bernoulli_`` on a [B, 1]

@@ -28,9 +28,12 @@ from onnx import helper, numpy_helper
 
 from memcc.frontend.constants import constant_node_value
 from memcc.graph import Graph, TensorInfo
+from memcc.step import KIND_KEY, TRAINING_STEP
 
 MAX_FOLDED_ELEMENTS = 4096
 FOLDED_FROM = "memcc.folded_from"
+# Graph metadata: set where a forward model was folded with records (kept by its step).
+FOLD_RECORDS_KEY = "memcc.fold_records"
 _NEVER = frozenset({"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike",
                     "Bernoulli", "Multinomial", "Dropout"})
 
@@ -65,6 +68,8 @@ def fold_shape_computations(graph: Graph) -> tuple[Graph, dict]:
         new_nodes.append(const)
         folded.add(out)
     graph.nodes = new_nodes
+    if graph.metadata.get(KIND_KEY) != TRAINING_STEP:  # a step's records are its model's
+        graph.metadata[FOLD_RECORDS_KEY] = "1"
     return graph, {"folded": len(folded)}
 
 
@@ -137,6 +142,12 @@ def _recorded(node: onnx.NodeProto) -> onnx.GraphProto | None:
     if len(record.node) != 1 or list(record.node[0].output) != list(node.output):
         return None
     return record
+
+
+def has_fold_records(graph: Graph) -> bool:
+    """Whether ``graph`` (a step, or a model) was folded by a memcc that records what it
+    folded: a step built before then had its forward model's shapes folded for good."""
+    return FOLD_RECORDS_KEY in graph.metadata
 
 
 def with_shape_computations(graph: Graph) -> tuple[Graph, int]:

@@ -22,7 +22,7 @@ from memcc.backend import checkpoint as ckpt
 from memcc.errors import InputError
 from memcc.frontend.autocast import without_autocast
 from memcc.frontend.dropout_masks import restore_dropouts
-from memcc.frontend.fold import with_shape_computations
+from memcc.frontend.fold import has_fold_records, with_shape_computations
 from memcc.frontend.load import load_graph
 from memcc.frontend.running_variance import PRODUCER_KEY, fed_as_stored
 from memcc.frontend.symbolic_dims import recorded
@@ -30,7 +30,7 @@ from memcc.graph import Graph, ancestors
 from memcc.step import TrainingStep
 from memcc.trainer.checkpoints import step_signature
 from memcc.trainer.eval_mode import inference_or_train_mode
-from memcc.trainer.named_axes import with_named_axes
+from memcc.trainer.named_axes import FOLDED_BEFORE, OWN_REWRITE, with_named_axes
 
 if TYPE_CHECKING:
     import onnx
@@ -160,11 +160,13 @@ def _at_any_size(graph: Graph, spec: TrainingStep, state: Mapping[str, np.ndarra
     what lets a transformer run at another batch or sequence; where that does not run at
     other sizes, ``fwd`` as it is (folded, at the built sizes)."""
     axes = recorded(graph.metadata)
+    reason = OWN_REWRITE if has_fold_records(graph) else FOLDED_BEFORE
     unfolded, restored = with_shape_computations(graph)
     if not (restored and axes):
-        return with_named_axes(fwd.to_model(), axes)
+        return with_named_axes(fwd.to_model(), axes, reason)
     model, fixed = with_named_axes(
-        forward_graph(unfolded, spec, state, eval_mode=request.eval_mode).to_model(), axes)
+        forward_graph(unfolded, spec, state, eval_mode=request.eval_mode).to_model(), axes,
+        reason)
     if fixed is None:
         return model, None
     return fwd.to_model(), fixed  # why the restored model fails, said of the folded one

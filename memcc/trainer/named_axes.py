@@ -18,11 +18,16 @@ from onnx import helper
 from memcc.frontend.load import ort_reason, run_quietly
 from memcc.frontend.symbolic_dims import relax
 
+OWN_REWRITE = "a rewrite memcc made at the built sizes, such as row chunks' splits"
+FOLDED_BEFORE = ("memcc folded its shape computations at the built sizes, and this step "
+                 "was built before memcc kept what it folded: built again, it may keep its "
+                 "axes")
 
-def with_named_axes(model: onnx.ModelProto, axes: dict[str, list[str | None]]
-                    ) -> tuple[onnx.ModelProto, str | None]:
+
+def with_named_axes(model: onnx.ModelProto, axes: dict[str, list[str | None]],
+                    reason: str = OWN_REWRITE) -> tuple[onnx.ModelProto, str | None]:
     """``model`` with ``axes`` written back where it runs so, else as it is, and what to
-    tell the user in that case (None: nothing)."""
+    tell the user in that case (None: nothing), with ``reason``: why it may not run."""
     relaxed, bound = relax(model, axes)
     if not bound:
         return model, None
@@ -33,10 +38,9 @@ def with_named_axes(model: onnx.ModelProto, axes: dict[str, list[str | None]]
     if failed is None:
         return relaxed, None
     return model, (f"the model is written at the sizes it was built for ({built}), not with "
-                   f"its named axes: at {at} {failed} (a rewrite memcc made at the built "
-                   "sizes, such as row chunks' splits). To deploy at other sizes, load the "
-                   "weights (--format safetensors) into the PyTorch module, or build and "
-                   "train at that size")
+                   f"its named axes: at {at} {failed} ({reason}). To deploy at other "
+                   "sizes, load the weights (--format safetensors) into the PyTorch "
+                   "module, or build and train at that size")
 
 
 def _fails_at(model: onnx.ModelProto, axes: dict[str, list[str | None]],
@@ -52,7 +56,10 @@ def _fails_at(model: onnx.ModelProto, axes: dict[str, list[str | None]],
     try:
         _, results = run_quietly(model, feeds)
     except Exception as exc:  # noqa: BLE001  (any failure means: keep the built sizes)
-        return f"ONNX Runtime failed: {ort_reason(exc)[:200]}"
+        said = ort_reason(exc)
+        if len(said) > 200:  # at a word's end
+            said = said[:200].rsplit(" ", 1)[0] + " ..."
+        return f"ONNX Runtime failed: {said}"
     for vi, value in zip(model.graph.output, results, strict=True):
         for k, name in enumerate(axes.get(vi.name) or ()):
             if name and (k >= value.ndim or value.shape[k] != trial[name]):
