@@ -37,8 +37,8 @@ def summary_lines(report: dict) -> list[str]:
            "as built needs)" if (share := report.get("budget_share")) else "")
         + _margin_note(report),
         f"baseline peak {format_size(b['peak_bytes'])}"
-        + (f" (as built it needs a budget of {format_size(b['needs_budget_bytes'])})"
-           if b.get("needs_budget_bytes") else "")
+        + (f" ({_chosen_chunks(report)}as built it needs a budget of "
+           f"{format_size(b['needs_budget_bytes'])})" if b.get("needs_budget_bytes") else "")
         + "  ->  plan peak "
         f"{format_size(p['peak_bytes'])}  ({'fits' if p['fits'] else 'DOES NOT FIT'})",
         f"strategy {p.get('strategy_label', p['strategy'])}: "
@@ -134,6 +134,16 @@ def _margin_note(report: dict) -> str:
     return (f"; margin {report['margin']:.0%} + {format_size(report['slack_bytes'])}, "
             f"{format_size(heap)} of it for the heap of "
             f"{heap // HEAP_BYTES_PER_SMALL_BUFFER:,} small buffers")
+
+
+def _chosen_chunks(report: dict) -> str:
+    """``with loss 8: `` where compile chose row chunks, whose step the baseline is (the
+    budget's share is of the step as loaded); else nothing."""
+    rc = report.get("row_chunks") or {}
+    chosen = rc.get("chosen") or {}
+    if rc.get("searched") and any(n > 1 for n in chosen.values()):
+        return f"the step with {describe_chunks(chosen)} compile chose: "
+    return ""
 
 
 def describe_chunks(chunks: dict[str, int]) -> str:

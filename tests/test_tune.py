@@ -88,6 +88,8 @@ def test_the_table_is_consistent_and_the_search_compiled_few_sizes(searched):
     # Planner calls (plans and smallest-peak searches) are few; builds stay well under
     # the 400 sizes of the range.
     assert r.stats["plans"] + r.stats["min_searches"] <= 8
+    # A size the smallest-peak search decided counts a search (a refused plan runs one).
+    assert r.stats["min_searches"] >= any(c.decided_by == "min-search" for c in r.candidates)
     assert r.stats["builds"] < 40
     doc = r.to_json()
     for key in ("largest_batch", "largest_batch_without_rewrite", "fastest_batch",

@@ -77,8 +77,10 @@ MlpChunksOpt = Annotated[int, typer.Option(
          "MLPs.")]
 BatchChunksOpt = Annotated[int, typer.Option(
     "--batch-chunks", min=1,
-    help="A convnet's stem (a Conv of the image, a training-mode BatchNorm, a Relu/Clip and "
-         "a MaxPool) over this many batch chunks, forward and backward, with the batch "
+    help="A convnet's stem (a Conv of the image, a training-mode BatchNorm, an activation "
+         "(Relu, Clip, LeakyRelu, HardSwish, Sigmoid, Tanh, Elu, Selu, Celu, Softplus, Gelu, "
+         "SiLU; README lists the forms), optionally a MaxPool) over this many batch "
+         "chunks, forward and backward, with the batch "
          "statistics summed over the chunks: its full-resolution activations are then "
          "held one chunk at a time, at the price of the stem's convolution run four times. "
          "Gradients within 1e-4 of the whole stem's.")]
@@ -104,10 +106,11 @@ GroupedUpdatesOpt = Annotated[bool, typer.Option(
          "state of each group joined in the step (checkpoints hold it per parameter). "
          "--no-grouped-updates: an update per parameter.")]
 # compile: not given (None) = compile chooses (compiler/chunk_choice.py); a number overrides.
-_CHOSEN = (" Not given: compile plans the step without it first; only where that does not "
-           "fit the budget (or with --budget min) does it also build and plan the step with "
-           "it, keeping the plan that fits at the least added time (--budget min: the "
-           "smallest); the report's row_chunks says what was tried.")
+_CHOSEN = (" Not given: compile plans the step without it first, and also builds and plans "
+           "the step with it where that does not fit the budget, with --budget min, or where "
+           "the plan adds time and a quick estimate says the split would add less; it keeps "
+           "the plan that fits at the least added time (--budget min: the smallest); the "
+           "report's row_chunks says what was tried.")
 AutoLossChunksOpt = Annotated[Optional[int], typer.Option(  # noqa: UP045
     "--loss-chunks", min=1, help=LossChunksOpt.__metadata__[0].help + _CHOSEN)]
 AutoAttentionChunksOpt = Annotated[Optional[int], typer.Option(  # noqa: UP045

@@ -264,6 +264,9 @@ class SizeSearch:
             if least is not None and least.best.fit_bytes <= self.budget:
                 p.outcome = least
                 return least
+            # The refusal ran the smallest-peak search: its answer decides this size
+            # ("min-search"), so it counts as one.
+            self.stats["min_searches"] += 1
             p.smallest = exc.smallest if least is None else least.best.peak_bytes
             # Refused at this budget: no plan fits it with its heap room, whatever its peak.
             p.smallest_fit = max(p.smallest, self.budget + 1)
