@@ -404,3 +404,21 @@ def test_a_folded_batchnorm_gets_a_warning_of_its_own(tmp_path):
     names = next(i for i, m in enumerate(said) if "names the exporter made up" in m)
     assert first < names and "12 parameters named onnx::Conv_N" in said[first], said
     assert "training=torch.onnx.TrainingMode.TRAINING" in said[first]
+
+
+def test_weights_holding_a_folded_batchnorm_are_said_at_export(tmp_path):
+    """The dynamo exporter's optimizer folds a train-mode BatchNorm into the convolution
+    before it and keeps the convolution's PyTorch name; build warns that the step trains
+    another model, and `memcc export` to safetensors says again that those weights, loaded
+    into the module that runs its own BatchNorm, apply it twice."""
+    path, _, inputs, dims = export("convnet", "dynamo", training=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ExportWarning)
+        api.build(path, tmp_path / "s.onnx", dims=dims, options=BuildOptions())
+    Trainer(tmp_path / "s.onnx").save(tmp_path / "ck")
+    r = CliRunner().invoke(app, ["export", str(tmp_path / "s.onnx"), "--checkpoint",
+                                 str(tmp_path / "ck"), "-o", str(tmp_path / "w.safetensors")])
+    said = " ".join(r.output.split())
+    assert r.exit_code == 0, r.output
+    assert "the exporter folded 6 BatchNorm(s) into the convolutions" in said, said
+    assert "applies it twice" in said

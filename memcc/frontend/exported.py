@@ -64,6 +64,15 @@ KEEP_EVERY_PARAMETER = "torch.onnx.export(..., dynamo=True, optimize=False)"
 
 
 # ---------------------------------------------------------------------------- BatchNorm
+def folded_batchnorms(graph: Graph) -> list[str]:
+    """The BatchNorm modules torch ran in train mode (their running mean is a buffer the
+    program mutates) whose statistics the file no longer holds: the dynamo exporter's
+    optimizer folded them into the convolutions before them."""
+    sig = signature_of(graph)
+    return sorted(b[:-len(".running_mean")] for b in (sig.mutated_buffers if sig else ())
+                  if b.endswith("running_mean") and b not in graph.initializers)
+
+
 def restore_training_batchnorm(graph: Graph, source: str) -> list[str]:
     """Put BatchNorm written in inference form back in training mode where the signature
     proves torch ran it in train mode; warn where it cannot. Returns the restored nodes."""
@@ -98,12 +107,11 @@ def restore_training_batchnorm(graph: Graph, source: str) -> list[str]:
             "unlike torch's train mode. If the model should train its BatchNorm, export "
             "with torch.onnx.export(..., dynamo=False, training=torch.onnx.TrainingMode."
             "TRAINING) or with dynamo=True and optimize=False.", ExportWarning, stacklevel=2)
-    folded = sorted(b for b in (sig.mutated_buffers if sig else ())
-                    if b.endswith("running_mean") and b not in graph.initializers)
+    folded = folded_batchnorms(graph)
     if folded:
         warnings.warn(
             f"{source}: the model was exported in train mode with BatchNorm "
-            f"({len(folded)} layer(s), e.g. '{folded[0][:-len('.running_mean')]}'), but the "
+            f"({len(folded)} layer(s), e.g. '{folded[0]}'), but the "
             "exporter's optimizer folded them into the convolutions: batch statistics are "
             "gone and the step trains a different model. Export with torch.onnx.export(..., "
             "dynamo=True, optimize=False) (memcc restores the batch statistics) or with "

@@ -22,6 +22,7 @@ from memcc.backend import checkpoint as ckpt
 from memcc.errors import InputError
 from memcc.frontend.autocast import without_autocast
 from memcc.frontend.dropout_masks import restore_dropouts
+from memcc.frontend.exported import folded_batchnorms
 from memcc.frontend.fold import has_fold_records, with_shape_computations
 from memcc.frontend.load import load_graph
 from memcc.frontend.running_variance import PRODUCER_KEY, fed_as_stored
@@ -100,6 +101,14 @@ def weight_export_notes(spec: TrainingStep) -> list[str]:
                      f"by the exporter's optimizer and trained as one tied parameter with "
                      f"another (e.g. {', '.join(names[:2])} with {p}); each is written with "
                      "its group's trained value")
+    bn = folded_batchnorms(spec.graph)
+    if bn:
+        notes.append(f"the exporter folded {len(bn)} BatchNorm(s) into the convolutions "
+                     f"before them (e.g. '{bn[0]}'): the weights written under those "
+                     "convolutions' names hold each BatchNorm's scale and shift too, so a "
+                     "PyTorch module loading them, which runs its own BatchNorm, applies it "
+                     "twice. Run the exported ONNX model instead, or export the module with "
+                     "torch.onnx.export(..., dynamo=True, optimize=False) and train that")
     folded = sorted(spec.folded_parameters())
     if folded:
         notes.append(f"{len(folded)} PyTorch parameter(s) have no trained value (folded into "
