@@ -422,3 +422,19 @@ def test_weights_holding_a_folded_batchnorm_are_said_at_export(tmp_path):
     assert r.exit_code == 0, r.output
     assert "the exporter folded 6 BatchNorm(s) into the convolutions" in said, said
     assert "applies it twice" in said
+
+
+@pytest.mark.parametrize("exporter", ["dynamo", DYNAMO_NOOPT])
+def test_a_dynamo_export_in_eval_mode_is_told_to_call_train(exporter):
+    """A convnet exported with `module.eval()`: the program updates no running statistic,
+    which the signature shows. Build says the module was in eval mode and to call
+    `module.train()` (before, with `optimize=False` it advised exporting with
+    `optimize=False`, what the user had done)."""
+    path, _, _, dims = export("convnet", exporter, training=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ExportWarning)
+        build_training_step(load_graph(path, dims), BuildOptions())
+    said = [str(w.message) for w in caught if issubclass(w.category, ExportWarning)]
+    eval_mode = [m for m in said if "exported with the module in eval mode" in m]
+    assert eval_mode and "module.train()" in eval_mode[0], said
+    assert not any("inference form" in m for m in said), said

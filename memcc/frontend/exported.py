@@ -73,6 +73,16 @@ def folded_batchnorms(graph: Graph) -> list[str]:
                   if b.endswith("running_mean") and b not in graph.initializers)
 
 
+def eval_mode_batchnorms(graph: Graph) -> list[str]:
+    """The BatchNorm modules of a dynamo export made with the module in eval mode: the
+    signature lists their running statistics as buffers, and the program mutates none of
+    them (in train mode it mutates every one). Empty for other files."""
+    sig = signature_of(graph)
+    if sig is None or any(b.endswith("running_mean") for b in sig.mutated_buffers):
+        return []
+    return sorted(b[:-len(".running_mean")] for b in sig.buffers if b.endswith("running_mean"))
+
+
 def restore_training_batchnorm(graph: Graph, source: str) -> list[str]:
     """Put BatchNorm written in inference form back in training mode where the signature
     proves torch ran it in train mode; warn where it cannot. Returns the restored nodes."""
@@ -100,7 +110,18 @@ def restore_training_batchnorm(graph: Graph, source: str) -> list[str]:
             "form although torch ran them in train mode (the dynamo exporter drops the "
             "flag); memcc restored batch statistics and carries the running statistics as "
             "state, as torch does.", ExportWarning, stacklevel=2)
-    if kept:
+    in_eval = eval_mode_batchnorms(graph)
+    if in_eval:
+        warnings.warn(
+            f"{source}: exported with the module in eval mode: the exported program updates "
+            f"none of its {len(in_eval)} BatchNorm(s)' running statistics (e.g. "
+            f"'{in_eval[0]}'), so the step trains with frozen statistics"
+            + (" (or, where the exporter's optimizer folded them into the convolutions, "
+               "none)" if not kept else "")
+            + ", unlike PyTorch in train mode. Call module.train() before "
+            "torch.onnx.export(..., dynamo=True, optimize=False) to train them as PyTorch "
+            "does.", ExportWarning, stacklevel=2)
+    elif kept:
         warnings.warn(
             f"{source}: {len(kept)} BatchNormalization node(s) use their running statistics "
             f"(inference form), e.g. {kept[0]}: the step trains with frozen statistics, "
