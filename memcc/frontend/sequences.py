@@ -43,7 +43,9 @@ class SequenceScope:
         return InputError(
             f"{self.where}: {node_label(node)}: {what} is only known at run time. memcc "
             "resolves sequences of tensors at load time, so their length and every position "
-            "must be compile-time constants (binding --dim does not change this)"
+            "must be compile-time constants (--dim makes them so only where the bound sizes "
+            "are within what the model supports: a sequence longer than its position "
+            "embeddings leaves shapes unknown)"
             + (f". {hint}" if hint else "; rewrite the model to index a fixed number of "
                "tensors (e.g. torch.split with constant sizes).")
         )
