@@ -438,3 +438,35 @@ def test_a_dynamo_export_in_eval_mode_is_told_to_call_train(exporter):
     eval_mode = [m for m in said if "exported with the module in eval mode" in m]
     assert eval_mode and "module.train()" in eval_mode[0], said
     assert not any("inference form" in m for m in said), said
+
+
+def test_a_folded_attention_scale_is_a_constant_not_a_parameter(tmp_path):
+    """The dynamo exporter's optimizer folds `scaled_dot_product_attention`'s scale into a
+    one-element initializer under a made-up name, folded from constants alone; it was
+    trained as a parameter PyTorch does not have (the module then computed something else
+    after training: 2.6e-3 on this ViT). It is a constant now: the safetensors load
+    strictly and PyTorch computes memcc's exported ONNX model."""
+    path, module, inputs, dims = export("vit", "dynamo", training=True)
+    emap = read_export_map(onnx.load(str(path)))
+    assert emap.constants
+    labels = np.array([0, 1] * inputs["x"].shape[0])[: inputs["x"].shape[0]]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ExportWarning)
+        graph = api.build(path, tmp_path / "s.onnx", dims=dims,
+                          options=BuildOptions(optimizer="sgd", lr=0.5, momentum=0.0))
+    assert not set(emap.constants) & set(TrainingStep.of(graph).parameters)
+    trainer = Trainer(tmp_path / "s.onnx")
+    for _ in range(2):
+        trainer.step({**inputs, "labels": labels.astype(np.int64)})
+    trainer.save(tmp_path / "ck")
+    runner = CliRunner()
+    for out in ("w.safetensors", "fwd.onnx"):
+        r = runner.invoke(app, ["export", str(tmp_path / "s.onnx"), "--checkpoint",
+                                str(tmp_path / "ck"), "-o", str(tmp_path / out)])
+        assert r.exit_code == 0, r.output
+    before = _torch_logits(module, inputs)
+    module.load_state_dict(safetensors.torch.load_file(str(tmp_path / "w.safetensors")),
+                           strict=True)
+    theirs = _torch_logits(module, inputs)
+    assert _rel(theirs, before) > 1e-3
+    assert _rel(_onnx_logits(onnx.load(str(tmp_path / "fwd.onnx")), inputs), theirs) <= 1e-5

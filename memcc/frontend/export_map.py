@@ -19,6 +19,7 @@ import json
 import re
 from dataclasses import dataclass, field
 
+import numpy as np
 import onnx
 
 from memcc.frontend.export_signature import (
@@ -60,6 +61,9 @@ class ExportMap:
     ``copy_ops``: a copy whose parameter no initializer holds -> the op that made it from
     the parameter, where the exporter's records say (``_copy_ops``): ``memcc export`` writes
     the trained copy back under the parameter's name through that op's inverse.
+    ``constants``: one-element initializers the optimizer folded from values none of which
+    is a parameter (the attention scale of ``scaled_dot_product_attention``): constants of
+    the model, which the step does not train.
     """
 
     stands_for: dict[str, tuple[str, ...]] = field(default_factory=dict)
@@ -69,12 +73,13 @@ class ExportMap:
     copies: dict[str, tuple[str, ...]] = field(default_factory=dict)
     computed: dict[str, tuple[str, str, str]] = field(default_factory=dict)
     copy_ops: dict[str, str] = field(default_factory=dict)
+    constants: tuple[str, ...] = ()
 
     def to_json(self) -> str:
         return json.dumps({"stands_for": self.stands_for, "merged": self.merged,
                            "folded": list(self.folded), "unused": list(self.unused),
                            "copies": self.copies, "computed": self.computed,
-                           "copy_ops": self.copy_ops})
+                           "copy_ops": self.copy_ops, "constants": list(self.constants)})
 
     @classmethod
     def from_json(cls, text: str | None) -> ExportMap | None:
@@ -87,7 +92,8 @@ class ExportMap:
                    {k: tuple(v) for k, v in d.get("copies", {}).items()},
                    {k: (str(v[0]), str(v[1]), str(v[2]))
                     for k, v in d.get("computed", {}).items()},
-                   {k: str(v) for k, v in d.get("copy_ops", {}).items()})
+                   {k: str(v) for k, v in d.get("copy_ops", {}).items()},
+                   tuple(d.get("constants", ())))
 
 
 def _literal_list(text: str | None) -> list[str]:
@@ -153,7 +159,8 @@ def read_export_map(model: onnx.ModelProto) -> ExportMap | None:
                     and ph in read_by_fx)
     stands_for, merged = _names_per_initializer(rec, merged_into, tied)
     return ExportMap(stands_for, merged, tuple(folded), tuple(sorted(unused)), copies,
-                     copy_ops=_copy_ops(model, rec, copies))
+                     copy_ops=_copy_ops(model, rec, copies),
+                     constants=_folded_constants(model, rec))
 
 
 def _parameter_placeholders(signature: str) -> dict[str, str]:
@@ -212,6 +219,23 @@ def _folded_copies(model: onnx.ModelProto, rec: _Records) -> dict[str, tuple[str
         if src and all(phs):
             copies[t.name] = tuple(rec.placeholders[ph] for ph in phs if ph)
     return copies
+
+
+def _folded_constants(model: onnx.ModelProto, rec: _Records) -> tuple[str, ...]:
+    """One-element float initializers whose ``folded_from`` record names values none of
+    which holds or is a parameter: the optimizer folded them from constants alone (a
+    scale), so they are no weight, whatever their made-up name."""
+    found = []
+    for t in model.graph.initializer:
+        if t.name in rec.origin or t.data_type not in FLOAT_TYPES:
+            continue
+        if int(np.prod(t.dims, dtype=np.int64)) != 1:
+            continue
+        src = _literal_list(rec.meta.get(t.name, {}).get(FOLDED_FROM_PROP))
+        if src and not any(x in rec.origin or x in rec.by_target or x in rec.placeholders
+                           for x in src):
+            found.append(t.name)
+    return tuple(sorted(found))
 
 
 def _copy_ops(model: onnx.ModelProto, rec: _Records, copies: dict[str, tuple[str, ...]]

@@ -15,6 +15,7 @@ import numpy as np
 
 from memcc.errors import InputError
 from memcc.frontend.autodiff import differentiable_values
+from memcc.frontend.export_map import export_map_of
 from memcc.frontend.export_signature import signature_of
 from memcc.graph import Graph, attr
 
@@ -62,8 +63,10 @@ def batchnorm_running_stats(graph: Graph) -> list[tuple[object, str, str]]:
 def _trainable_parameters(graph: Graph, loss: str, bn_stats) -> list[str]:
     """Float initializers on a differentiable path to the loss, minus BN statistics.
 
-    Scalar constants that exporters store as initializers (0-d tensors, and one-element
-    tensors TorchScript names ``onnx::...``) are constants of the model, not parameters.
+    Scalar constants that exporters store as initializers (0-d tensors, one-element
+    tensors TorchScript names ``onnx::...``, and one-element tensors the dynamo exporter's
+    optimizer folded from constants alone: ``ExportMap.constants``) are constants of the
+    model, not parameters.
     Exporters also store pre-transposed copies of weights under made-up names
     (``onnx::MatMul_12``, ``val_3``): those are the parameters the graph uses, so they train.
     ONNX cannot tell a torch buffer from a parameter; buffers known by name (rotary
@@ -74,6 +77,9 @@ def _trainable_parameters(graph: Graph, loss: str, bn_stats) -> list[str]:
     sig = signature_of(graph)
     if sig is not None:  # the dynamo exporter says which initializers are torch buffers
         excluded.update(sig.buffers)
+    emap = export_map_of(graph)
+    if emap is not None:  # ... and which one-element ones it folded from constants alone
+        excluded.update(emap.constants)
     for node in graph.nodes:
         if node.op_type == "BatchNormalization" and len(node.input) >= 5:
             excluded.update(node.input[3:5])
