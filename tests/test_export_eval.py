@@ -174,8 +174,8 @@ def test_a_transformer_is_exported_at_any_batch_and_sequence(tmp_path, exporter)
     tokens); export puts them back, so GPT-2 runs at other batches and lengths as torch's
     eval mode does, after training and from a compiled step too (the dynamo export's
     `Concat([-1], Shape(mask)[1:2])` reads a constant that folding left unused: it is
-    recorded with the folded node). A step whose attention runs in row chunks splits rows
-    at the built sizes: it stays at them and export names the node."""
+    recorded with the folded node). A step built with row chunks is exported with every
+    region computed whole again, except where a flat MLP's chunks dropped its Reshapes."""
     path, module, _, dims = export("gpt2", exporter, training=True)
     api.build(path, tmp_path / "g.onnx", dims=dims, options=BuildOptions())
     api.compile_model(tmp_path / "g.onnx", api.CompileOptions(budget="min", time_limit=10),
@@ -199,14 +199,28 @@ def test_a_transformer_is_exported_at_any_batch_and_sequence(tmp_path, exporter)
         got = sess.run(None, feeds)[0]
         assert got.shape == want.shape and np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
 
-    api.build(path, tmp_path / "c.onnx", dims=dims, options=BuildOptions(attention_chunks=2))
+    # Row chunks: chunk 0 of each region computes every row again in the exported model
+    # (frontend/whole_rows.py). TorchScript's GPT-2 MLP runs on flat rows, whose chunks
+    # dropped the Reshapes a shape computation reads: that export keeps the built sizes.
+    api.build(path, tmp_path / "c.onnx", dims=dims,
+              options=BuildOptions(attention_chunks=2, mlp_chunks=3))
     Trainer(tmp_path / "c.onnx").save(tmp_path / "ck")
     said = " ".join(_export(tmp_path / "c.onnx", tmp_path / "ck", tmp_path / "c_e.onnx",
                             "--eval").split())
-    assert "written at the sizes it was built for (batch=2, seq=8)" in said
-    assert "Split" in said, said
     sess = ort.InferenceSession(str(tmp_path / "c_e.onnx"), providers=["CPUExecutionProvider"])
-    assert sess.get_inputs()[0].shape == [2, 8]
+    if exporter == "torchscript":
+        assert "written at the sizes it was built for (batch=2, seq=8)" in said, said
+        assert "Reshape" in said, said
+        assert sess.get_inputs()[0].shape == [2, 8]
+    else:
+        assert "written at the sizes" not in said, said
+        fresh = export("gpt2", exporter, training=True)[1].eval()  # untrained, as saved
+        for sizes in ({"batch": 1, "seq": 5}, {"batch": 3, "seq": 11}):
+            feeds = {k: v.numpy() for k, v in make_inputs("gpt2", sizes, seed=4).items()}
+            want = torch_forward(fresh, feeds)
+            got = sess.run(None, feeds)[0]
+            assert got.shape == want.shape
+            assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
 
     # A step built before memcc kept what it folded: the message says so.
     old = onnx.load(tmp_path / "g.onnx")

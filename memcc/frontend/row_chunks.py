@@ -46,6 +46,7 @@ from memcc.errors import InputError
 from memcc.frontend.canonicalize import reseed_dropouts
 from memcc.frontend.emit import Emitter
 from memcc.frontend.gradients.shape_ops import norm_axis, split_values
+from memcc.frontend.whole_rows import record_whole_rows
 from memcc.graph import Graph, TensorInfo, attr
 
 # Relative difference of the loss and every gradient to the whole regions', at 1, 2 and 4
@@ -348,8 +349,9 @@ def _rewrite(graph: Graph, emit: Emitter, region: RowRegion,
         return split_of[v]
 
     outs: list[str] = []
+    first: dict[str, str] = {}  # chunk 0's values -> the whole ones (frontend/whole_rows.py)
     for c in range(k):
-        renamed: dict[str, str] = {}
+        renamed: dict[str, str] = first if c == 0 else {}
 
         def chunk_of(v: str, c: int = c, renamed: dict[str, str] = renamed) -> str:
             if not v or v in renamed:
@@ -392,4 +394,12 @@ def _rewrite(graph: Graph, emit: Emitter, region: RowRegion,
     # Joined under the original name, so the output's readers stay as they are.
     emit.op("Concat", outs, outputs=[out], axis=len(graph.info[out].shape) - 2,
             info=graph.info[out])
+    made = {o for n in emit.nodes[start:] for o in n.output}
+    # Flat chunks dropped the region's Reshapes, so its inner values keep their chunk
+    # names there (a shape computation read off the whole 3-D value would misread a flat
+    # one): only the joined output is named back.
+    inner = {} if region.flat else {new: o for o, new in first.items()
+                                    if new in made and new != o}
+    record_whole_rows(emit.nodes[-1], {p[0]: v for v, p in split_of.items() if p[0] != v},
+                      {**inner, outs[0]: out})
     return emit.nodes[start:]

@@ -27,6 +27,7 @@ from memcc.frontend.fold import has_fold_records, with_shape_computations
 from memcc.frontend.load import load_graph
 from memcc.frontend.running_variance import PRODUCER_KEY, fed_as_stored
 from memcc.frontend.symbolic_dims import recorded
+from memcc.frontend.whole_rows import with_whole_rows
 from memcc.graph import Graph, ancestors
 from memcc.step import TrainingStep
 from memcc.trainer.checkpoints import step_signature
@@ -164,14 +165,16 @@ def export_weights(graph: Graph, spec: TrainingStep, state: Mapping[str, np.ndar
 def _at_any_size(graph: Graph, spec: TrainingStep, state: Mapping[str, np.ndarray],
                  request: ExportRequest, fwd: Graph) -> tuple[onnx.ModelProto, str | None]:
     """The forward model with the named axes the user's model had, and what to say where it
-    keeps the built sizes (``named_axes.with_named_axes``). First with the exporter's shape
-    computations that memcc folded put back (``fold.with_shape_computations``), which is
-    what lets a transformer run at another batch or sequence; where that does not run at
-    other sizes, ``fwd`` as it is (folded, at the built sizes)."""
+    keeps the built sizes (``named_axes.with_named_axes``). First with row-chunked regions
+    computed whole (``whole_rows.with_whole_rows``) and the exporter's shape computations
+    that memcc folded put back (``fold.with_shape_computations``), which is what lets a
+    transformer run at another batch or sequence; where that does not run at other sizes,
+    ``fwd`` as it is (folded and chunked, at the built sizes)."""
     axes = recorded(graph.metadata)
     reason = OWN_REWRITE if has_fold_records(graph) else FOLDED_BEFORE
-    unfolded, restored = with_shape_computations(graph)
-    if not (restored and axes):
+    whole, regions = with_whole_rows(graph)
+    unfolded, restored = with_shape_computations(whole)
+    if not ((restored or regions) and axes):
         return with_named_axes(fwd.to_model(), axes, reason)
     model, fixed = with_named_axes(
         forward_graph(unfolded, spec, state, eval_mode=request.eval_mode).to_model(), axes,

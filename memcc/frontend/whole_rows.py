@@ -1,0 +1,57 @@
+"""Row-chunked regions computed whole again, for the model ``memcc export`` writes.
+
+``frontend/row_chunks.py`` splits an attention's or an MLP's rows into chunks of fixed
+sizes: a Split at the built sizes, a copy of the region per chunk, a Concat. The step needs
+them; a model exported with them runs at the built sizes only. The Concat that joins a
+region's chunks records how to undo the split (``WHOLE_ROWS``): which chunk-0 value each
+split value's first part is, and which original value each of chunk 0's outputs stands
+for. ``with_whole_rows`` renames chunk 0's nodes back to the whole values and drops the
+Concat, so chunk 0 computes every row (its nodes are row-wise: the same arithmetic per
+row) and the other chunks and the Splits are left unread, for the exporter's pruning.
+"""
+
+from __future__ import annotations
+
+import json
+
+import onnx
+
+from memcc.graph import Graph
+
+WHOLE_ROWS = "memcc.whole_rows"
+
+
+def record_whole_rows(concat: onnx.NodeProto, parts: dict[str, str],
+                      outputs: dict[str, str]) -> None:
+    """On a region's joining ``concat``: ``parts`` (chunk 0's part of a split value -> the
+    value) and ``outputs`` (a value chunk 0 computes -> the original value it stands for)."""
+    concat.metadata_props.add(key=WHOLE_ROWS,
+                              value=json.dumps({"parts": parts, "outputs": outputs}))
+
+
+def with_whole_rows(graph: Graph) -> tuple[Graph, int]:
+    """A copy of ``graph`` in which every recorded region is computed whole by its chunk 0
+    (module docstring), and how many regions; ``graph`` itself where none was recorded."""
+    records = [(i, json.loads(p.value)) for i, n in enumerate(graph.nodes)
+               if n.op_type == "Concat" for p in n.metadata_props if p.key == WHOLE_ROWS]
+    if not records:
+        return graph, 0
+    back: dict[str, str] = {}     # what chunk 0's nodes read -> the whole value
+    renamed: dict[str, str] = {}  # what they write -> the whole value
+    for _, rec in records:
+        back.update(rec["parts"])
+        renamed.update(rec["outputs"])
+    back.update(renamed)
+    joins = {i for i, _ in records}
+    out = graph.copy(with_index=False)
+    nodes = []
+    for i, n in enumerate(out.nodes):
+        if i in joins:  # chunk 0's last node now writes the joined value itself
+            continue
+        for k, v in enumerate(n.input):
+            n.input[k] = back.get(v, v)
+        for k, v in enumerate(n.output):
+            n.output[k] = renamed.get(v, v)
+        nodes.append(n)
+    out.set_nodes(nodes)
+    return out, len(records)
