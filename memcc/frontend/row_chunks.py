@@ -34,6 +34,9 @@ Regions are found by structure, not by names:
 Rows are computed by the same arithmetic, but the gradients of what every chunk reads
 (the keys and values, the weights) become sums over the chunks, rounded in another order:
 the tier is equivalent, within ``ROW_CHUNKS_TOLERANCE`` (tests/test_row_chunks.py).
+
+The Concat that joins a region's chunks records how to compute the region whole again
+(``frontend/whole_rows.py``): ``memcc export`` writes the model so, at any row count.
 """
 
 from __future__ import annotations

@@ -4,9 +4,9 @@
 model is run once in ONNX Runtime with every named axis at another size (1, or 2 where the
 step was built at 1) on zeros, and kept only where it runs and its outputs follow the new
 sizes. The shape computations memcc folded at build are put back first
-(``fold.with_shape_computations``, by ``trainer/export.py``); where a rewrite of memcc's own
-holds the built sizes (a row-chunked attention's splits) the model stays at them and export
-says why.
+(``fold.with_shape_computations``, by ``trainer/export.py``), and row-chunked regions
+computed whole (``whole_rows``); where a rewrite of memcc's own still holds the built sizes
+(the chunks of an MLP on flat rows) the model stays at them and export says why.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from onnx import helper
 from memcc.frontend.load import ort_reason, run_quietly
 from memcc.frontend.symbolic_dims import relax
 
-OWN_REWRITE = "a rewrite memcc made at the built sizes, such as row chunks' splits"
+OWN_REWRITE = ("a rewrite memcc made at the built sizes, such as the row chunks of an MLP "
+               "on flat rows")
 FOLDED_BEFORE = ("memcc folded its shape computations at the built sizes, and this step "
                  "was built before memcc kept what it folded: built again, it may keep its "
                  "axes")
