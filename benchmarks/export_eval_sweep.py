@@ -12,6 +12,7 @@ same for the plain export, which keeps train mode. A row says what export printe
 refused.
 
     python benchmarks/export_eval_sweep.py [--families convnet,gpt2] [--exporters torchscript]
+        [--row-chunks 2]
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from exports import (  # noqa: E402  (tests/exports.py)
 )
 
 
-def check(family: str, exporter: str) -> str:
+def check(family: str, exporter: str, chunks: int = 1) -> str:
     """One row of the table (without its first two cells)."""
     import safetensors.torch
     import torch
@@ -58,7 +59,11 @@ def check(family: str, exporter: str) -> str:
         d = Path(tmp)
         try:
             graph = api.build(path, d / "s.onnx", dims=dims,
-                              options=BuildOptions(optimizer="sgd", lr=0.1))
+                              options=BuildOptions(optimizer="sgd", lr=0.1,
+                                                   attention_chunks=chunks if chunks > 1
+                                                   else None,
+                                                   mlp_chunks=chunks + 1 if chunks > 1
+                                                   else None))
         except Exception as exc:  # noqa: BLE001  (a row, not a crash)
             return f"build refused: {str(exc)[:80]} | - | - | -"
         trainer = Trainer(d / "s.onnx")
@@ -127,13 +132,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--families", default=",".join(FAMILIES))
     ap.add_argument("--exporters", default=",".join((*EXPORTERS, DYNAMO_NOOPT)))
+    ap.add_argument("--row-chunks", type=int, default=1,
+                    help="K > 1: build with --attention-chunks K --mlp-chunks K+1 (families "
+                         "with both: GPT-2, Llama, BERT, ViT)")
     a = ap.parse_args()
     print("| family | exporter | export --eval said | state_dict keys | eval model vs torch "
           "eval | at other sizes | plain export (train mode kept) vs torch eval |\n"
           "|---|---|---|---|---|---|---|")
     for name in a.families.split(","):
         for exporter in a.exporters.split(","):
-            print(f"| {name} | {exporter} | {check(name, exporter)} |", flush=True)
+            print(f"| {name} | {exporter} | {check(name, exporter, a.row_chunks)} |",
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -308,3 +308,26 @@ def test_a_model_exported_in_train_mode_builds_again_and_trains_as_its_step(tmp_
     assert set(got) <= set(want) and any("running_var" in k for k in got)
     for k, v in got.items():
         assert np.array_equal(v, want[k]), k
+
+
+def test_a_row_chunked_vit_with_dropout_exports_whole_at_any_batch(tmp_path):
+    """A ViT with Dropout 0.1 built over row chunks: each chunk's Dropout is put back as
+    a plain node before the chunks are joined again (it records the chunk's names), and a
+    value name the chunking freed and the backward reused (`mul_38`) stays the chunk's.
+    The eval model keeps its batch axis and matches torch's eval mode at batch 1 and 3."""
+    path, module, inputs, dims = export("vit", "dynamo", training=True, dropout=0.1)
+    api.build(path, tmp_path / "s.onnx", dims=dims,
+              options=BuildOptions(attention_chunks=2, mlp_chunks=3))
+    Trainer(tmp_path / "s.onnx").save(tmp_path / "ck")
+    said = _export(tmp_path / "s.onnx", tmp_path / "ck", tmp_path / "e.onnx", "--eval")
+    assert "written at the sizes" not in said, said
+    module.eval()
+    sess = ort.InferenceSession(str(tmp_path / "e.onnx"), providers=["CPUExecutionProvider"])
+    assert sess.get_inputs()[0].shape[0] == "batch"
+    rng = np.random.default_rng(5)
+    for batch in (1, 3):
+        x = rng.standard_normal((batch, *inputs["x"].shape[1:])).astype(np.float32)
+        with torch.no_grad():
+            want = module(torch.from_numpy(x)).numpy()
+        got = sess.run(None, {"x": x})[0]
+        assert got.shape == want.shape and np.abs(got - want).max() <= 1e-5 * np.abs(want).max()

@@ -157,7 +157,8 @@ def with_shape_computations(graph: Graph) -> tuple[Graph, int]:
     The values are the same at the built sizes; at other sizes they follow the inputs, as
     in the model the exporter wrote. Nodes of other memcc passes that fixed a size stay as
     they are: the caller checks the result at other sizes."""
-    records = {i: r for i, n in enumerate(graph.nodes) if (r := _recorded(n)) is not None}
+    records = {i: r for i, n in enumerate(graph.nodes) if (r := _recorded(n)) is not None
+               and _reads_what_it_read(graph, r, n)}
     available = set(graph.inputs) | set(graph.initializers)
     available |= {o for i, n in enumerate(graph.nodes) if i not in records
                   for o in n.output if o}
@@ -182,6 +183,23 @@ def with_shape_computations(graph: Graph) -> tuple[Graph, int]:
     nodes = [restored[i].node[0] if i in restored else n for i, n in enumerate(out.nodes)]
     out.set_nodes(_in_dependency_order(nodes, set(out.inputs) | set(out.initializers)))
     return out, len(restored)
+
+
+def _reads_what_it_read(graph: Graph, record: onnx.GraphProto, folded: onnx.NodeProto
+                        ) -> bool:
+    """Whether a recorded ``Shape`` reads a value of the shape it read when it was folded
+    (another rewrite may have removed that value and given its name to another one): its
+    folded value against the value's shape now. Other nodes are checked through them."""
+    node = record.node[0]
+    if node.op_type != "Shape":
+        return True
+    info = graph.info.get(node.input[0])
+    value = constant_node_value(folded)
+    if info is None or value is None:
+        return False
+    start = next((a.i for a in node.attribute if a.name == "start"), 0)
+    end = next((a.i for a in node.attribute if a.name == "end"), None)
+    return [int(d) for d in value.reshape(-1)] == list(info.shape)[slice(start, end)]
 
 
 def _in_dependency_order(nodes: list[onnx.NodeProto], given: set[str]

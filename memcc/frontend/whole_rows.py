@@ -41,8 +41,13 @@ def with_whole_rows(graph: Graph) -> tuple[Graph, int]:
     for _, rec in records:
         back.update(rec["parts"])
         renamed.update(rec["outputs"])
-    back.update(renamed)
     joins = {i for i, _ in records}
+    # A whole value's name that a later rewrite gave to another value stays unused: that
+    # chunk value keeps its chunk name.
+    taken = {o for i, n in enumerate(graph.nodes) if i not in joins for o in n.output
+             if o and o not in renamed}
+    renamed = {c: w for c, w in renamed.items() if w not in taken}
+    back.update(renamed)
     out = graph.copy(with_index=False)
     nodes = []
     for i, n in enumerate(out.nodes):

@@ -172,15 +172,21 @@ def _at_any_size(graph: Graph, spec: TrainingStep, state: Mapping[str, np.ndarra
     ``fwd`` as it is (folded and chunked, at the built sizes)."""
     axes = recorded(graph.metadata)
     reason = OWN_REWRITE if has_fold_records(graph) else FOLDED_BEFORE
-    whole, regions = with_whole_rows(graph)
+    # Dropouts back first: a chunk's Dropout records the chunk's names, renamed below.
+    whole, regions = with_whole_rows(restore_dropouts(graph))
     unfolded, restored = with_shape_computations(whole)
     if not ((restored or regions) and axes):
         return with_named_axes(fwd.to_model(), axes, reason)
-    model, fixed = with_named_axes(
-        forward_graph(unfolded, spec, state, eval_mode=request.eval_mode).to_model(), axes,
-        reason)
+    try:
+        model, fixed = with_named_axes(
+            forward_graph(unfolded, spec, state, eval_mode=request.eval_mode).to_model(),
+            axes, reason)
+    except InputError:  # not a forward model any more: the step as it is, below
+        fixed = "?"
     if fixed is None:
         return model, None
+    if fixed == "?":
+        return with_named_axes(fwd.to_model(), axes, reason)
     return fwd.to_model(), fixed  # why the restored model fails, said of the folded one
 
 
