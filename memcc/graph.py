@@ -10,6 +10,7 @@ the order the execution contract asks ORT to keep.
 from __future__ import annotations
 
 import functools
+import heapq
 import itertools
 import math
 from collections.abc import Callable, Iterable, Mapping
@@ -355,6 +356,33 @@ def ancestors(values: Iterable[str], producer: Mapping[str, onnx.NodeProto],
         nodes.append(node)
         stack.extend(i for i in inputs_of(node) if i)
     return nodes, seen
+
+
+def in_dependency_order(nodes: list[onnx.NodeProto]) -> list[onnx.NodeProto]:
+    """``nodes`` in their order, except that a node reading a value another of them makes
+    later waits until it is made, then comes first (Kahn's algorithm, the earliest ready
+    node first). Values no node makes (inputs, initializers) are ready from the start. A
+    cycle leaves ``nodes`` as they are (``topological_problems`` says why)."""
+    producer = {o: i for i, n in enumerate(nodes) for o in n.output if o}
+    waits = [0] * len(nodes)
+    readers: dict[int, list[int]] = {}
+    for i, n in enumerate(nodes):
+        for x in dict.fromkeys(n.input):
+            j = producer.get(x) if x else None
+            if j is not None and j != i:
+                waits[i] += 1
+                readers.setdefault(j, []).append(i)
+    ready = [i for i, w in enumerate(waits) if w == 0]
+    heapq.heapify(ready)
+    order: list[onnx.NodeProto] = []
+    while ready:
+        i = heapq.heappop(ready)
+        order.append(nodes[i])
+        for r in readers.get(i, ()):
+            waits[r] -= 1
+            if waits[r] == 0:
+                heapq.heappush(ready, r)
+    return order if len(order) == len(nodes) else list(nodes)
 
 
 def topological_problems(graph: Graph) -> list[str]:

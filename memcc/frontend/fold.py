@@ -20,14 +20,13 @@ built batch, and the model the user exported took any.
 from __future__ import annotations
 
 import base64
-import heapq
 
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
 from memcc.frontend.constants import constant_node_value
-from memcc.graph import Graph, TensorInfo
+from memcc.graph import Graph, TensorInfo, in_dependency_order
 from memcc.step import KIND_KEY, TRAINING_STEP
 
 MAX_FOLDED_ELEMENTS = 4096
@@ -181,7 +180,7 @@ def with_shape_computations(graph: Graph) -> tuple[Graph, int]:
                 out.info[t.name] = TensorInfo(t.data_type, tuple(t.dims))
                 available.add(t.name)
     nodes = [restored[i].node[0] if i in restored else n for i, n in enumerate(out.nodes)]
-    out.set_nodes(_in_dependency_order(nodes, set(out.inputs) | set(out.initializers)))
+    out.set_nodes(in_dependency_order(nodes))
     return out, len(restored)
 
 
@@ -200,31 +199,3 @@ def _reads_what_it_read(graph: Graph, record: onnx.GraphProto, folded: onnx.Node
     start = next((a.i for a in node.attribute if a.name == "start"), 0)
     end = next((a.i for a in node.attribute if a.name == "end"), None)
     return [int(d) for d in value.reshape(-1)] == list(info.shape)[slice(start, end)]
-
-
-def _in_dependency_order(nodes: list[onnx.NodeProto], given: set[str]
-                         ) -> list[onnx.NodeProto]:
-    """``nodes`` sorted so that every node follows the producers of its inputs, otherwise
-    in their order (Kahn's algorithm, the earliest ready node first)."""
-    producer = {o: i for i, n in enumerate(nodes) for o in n.output if o}
-    waits = [0] * len(nodes)
-    readers: dict[int, list[int]] = {}
-    for i, n in enumerate(nodes):
-        for x in dict.fromkeys(n.input):
-            j = producer.get(x)
-            if x and x not in given and j is not None and j != i:
-                waits[i] += 1
-                readers.setdefault(j, []).append(i)
-    ready = [i for i, w in enumerate(waits) if w == 0]
-    heapq.heapify(ready)
-    order: list[onnx.NodeProto] = []
-    while ready:
-        i = heapq.heappop(ready)
-        order.append(nodes[i])
-        for r in readers.get(i, ()):
-            waits[r] -= 1
-            if waits[r] == 0:
-                heapq.heappush(ready, r)
-    if len(order) != len(nodes):  # a cycle: cannot be, as each restored node reads
-        return nodes               # only values made before its Constant was folded
-    return order

@@ -46,7 +46,7 @@ import onnx
 
 from memcc.frontend.emit import Emitter
 from memcc.frontend.update_groups import balanced_runs, emit_joined
-from memcc.graph import DefUse, Graph, attr
+from memcc.graph import DefUse, Graph, attr, in_dependency_order
 from memcc.step import DEFAULT_RULE, GRAD_OF_PROP, RULE_PROP, Role, node_props, tag_node
 
 
@@ -78,7 +78,7 @@ def expand_training_batchnorm(graph: Graph, *, reuse_statistics: bool = True
         nodes.extend(emit.nodes[start:])
         for u in running[before:]:  # its updates go after its nodes, or later, joined
             u.after = len(nodes)
-    nodes, groups = _update_running_statistics(emit, nodes, running, out)
+    nodes, groups = _update_running_statistics(emit, nodes, running)
     for n in emit.nodes:
         # The running statistics are no ancestors of the loss: the tag keeps them (and
         # every other node here) in the forward pass (TrainingStep.forward).
@@ -102,7 +102,7 @@ class _RunningUpdate:
 
 
 def _update_running_statistics(emit: Emitter, nodes: list[onnx.NodeProto],
-                               updates: list[_RunningUpdate], graph: Graph
+                               updates: list[_RunningUpdate]
                                ) -> tuple[list[onnx.NodeProto], int]:
     """The running statistics' updates, joined (``update_groups.balanced_runs`` by momentum
     and dtype; ``emit_joined``): one Concat-update-Split per group after the last of its
@@ -122,8 +122,7 @@ def _update_running_statistics(emit: Emitter, nodes: list[onnx.NodeProto],
         inserts.setdefault(max(u.after for u in group), []).extend(emit.nodes[start:])
     placed = [n for i in range(len(nodes) + 1)
               for n in (inserts.get(i, []) + ([nodes[i]] if i < len(nodes) else []))]
-    return _in_dependency_order(placed, set(graph.inputs) | set(graph.initializers)), \
-        len(groups)
+    return in_dependency_order(placed), len(groups)
 
 
 def _mixed(emit: Emitter, running: str, batch: str, momentum: float, out: str | None = None
@@ -134,31 +133,6 @@ def _mixed(emit: Emitter, running: str, batch: str, momentum: float, out: str | 
     return emit.op("Add", [emit.mul(running, emit.scalar(momentum, dtype)),
                            emit.mul(batch, emit.scalar(1.0 - momentum, dtype))],
                    outputs=[out] if out else 1, info=emit.info(running))
-
-
-def _in_dependency_order(nodes: list[onnx.NodeProto], given: set[str]
-                         ) -> list[onnx.NodeProto]:
-    """``nodes`` in their order, except that a node reading a value not yet made waits
-    until it is (then runs at once, before the next node)."""
-    made = set(given)
-    order: list[onnx.NodeProto] = []
-    waiting: list[onnx.NodeProto] = []
-
-    def ready(n: onnx.NodeProto) -> bool:
-        return all(not i or i in made for i in n.input)
-
-    for n in nodes:
-        if not ready(n):
-            waiting.append(n)
-            continue
-        order.append(n)
-        made.update(o for o in n.output if o)
-        while (now := [w for w in waiting if ready(w)]):
-            for w in now:
-                waiting.remove(w)
-                order.append(w)
-                made.update(o for o in w.output if o)
-    return order + waiting
 
 
 def _reuse_statistics(nodes: list[onnx.NodeProto], emit: Emitter,
