@@ -172,22 +172,21 @@ def _at_any_size(graph: Graph, spec: TrainingStep, state: Mapping[str, np.ndarra
     ``fwd`` as it is (folded and chunked, at the built sizes)."""
     axes = recorded(graph.metadata)
     reason = OWN_REWRITE if has_fold_records(graph) else FOLDED_BEFORE
+    if not axes:  # the user's model had fixed sizes: nothing to put back
+        return fwd.to_model(), None
     # Dropouts back first: a chunk's Dropout records the chunk's names, renamed below.
     whole, regions = with_whole_rows(restore_dropouts(graph))
     unfolded, restored = with_shape_computations(whole)
-    if not ((restored or regions) and axes):
-        return with_named_axes(fwd.to_model(), axes, reason)
-    try:
-        model, fixed = with_named_axes(
-            forward_graph(unfolded, spec, state, eval_mode=request.eval_mode).to_model(),
-            axes, reason)
-    except InputError:  # not a forward model any more: the step as it is, below
-        fixed = "?"
-    if fixed is None:
-        return model, None
-    if fixed == "?":
-        return with_named_axes(fwd.to_model(), axes, reason)
-    return fwd.to_model(), fixed  # why the restored model fails, said of the folded one
+    if restored or regions:
+        try:
+            model, fixed = with_named_axes(
+                forward_graph(unfolded, spec, state, eval_mode=request.eval_mode).to_model(),
+                axes, reason)
+        except InputError:  # not a forward model any more: the step's own, below
+            pass
+        else:  # where it fails, why, said of the step's own forward (at the built sizes)
+            return (model, None) if fixed is None else (fwd.to_model(), fixed)
+    return with_named_axes(fwd.to_model(), axes, reason)
 
 
 def made_up_names(spec: TrainingStep) -> list[str]:
@@ -201,8 +200,9 @@ def made_up_names(spec: TrainingStep) -> list[str]:
 def undo_copy_op(op: str, value: np.ndarray) -> np.ndarray:
     """The parameter a copy was made from by ``op`` (``ExportMap.copy_ops``): for
     ``Transpose(perm=p)``, the copy transposed by p's inverse."""
-    perm = [int(d) for d in op.removeprefix("Transpose(perm=[").removesuffix("])").split(",")]
-    if not op.startswith("Transpose(perm=") or sorted(perm) != list(range(value.ndim)):
+    perm = [int(d) for d in op.removeprefix("Transpose(perm=[").removesuffix("])").split(",")
+            if d.strip().isdigit()] if op.startswith("Transpose(perm=[") else []
+    if sorted(perm) != list(range(value.ndim)):
         raise InputError(f"cannot write a weight back through '{op}'; report it with the "
                          "model")
     return np.ascontiguousarray(np.transpose(value, np.argsort(perm)))
