@@ -59,6 +59,32 @@ def _run(path: Path, inputs: dict[str, np.ndarray], threads: int) -> np.ndarray:
     return sess.run(None, {i.name: inputs[i.name] for i in sess.get_inputs()})[0]
 
 
+def _agrees_with_torch(path: Path, module: torch.nn.Module,
+                       batches: list[dict[str, np.ndarray]]) -> None:
+    """The exported model at 1 and 2 threads against the module in eval mode on each
+    batch (other sizes than it was built at): within 1e-5 of the largest output."""
+    module.eval()
+    for feeds in batches:
+        want = torch_forward(module, feeds)
+        for threads in (1, 2):
+            got = _run(path, feeds, threads)
+            assert got.shape == want.shape
+            assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def _images(like: np.ndarray, seed: int) -> list[dict[str, np.ndarray]]:
+    """Batches of 1 and 3 images shaped as ``like``'s."""
+    rng = np.random.default_rng(seed)
+    return [{"x": rng.standard_normal((b, *like.shape[1:])).astype(np.float32)}
+            for b in (1, 3)]
+
+
+def _token_batches(seed: int) -> list[dict[str, np.ndarray]]:
+    """GPT-2 inputs at 1 x 5 and 3 x 11 tokens (built at 2 x 8)."""
+    return [{k: v.numpy() for k, v in make_inputs("gpt2", sizes, seed=seed).items()}
+            for sizes in ({"batch": 1, "seq": 5}, {"batch": 3, "seq": 11})]
+
+
 @pytest.mark.parametrize("exporter", ["torchscript", DYNAMO_NOOPT])
 def test_eval_export_computes_what_pytorch_eval_mode_does(exporter, tmp_path):
     step, ckpt, module, inputs = _trained(exporter, tmp_path)
@@ -156,16 +182,9 @@ def test_the_exported_model_keeps_its_named_axes_where_it_runs_at_other_sizes(tm
     _export(tmp_path / "s.onnx", tmp_path / "ck", tmp_path / "w.safetensors")
     module.load_state_dict(safetensors.torch.load_file(tmp_path / "w.safetensors"),
                            strict=False)
-    module.eval()
     sess = ort.InferenceSession(str(tmp_path / "e.onnx"), providers=["CPUExecutionProvider"])
     assert sess.get_inputs()[0].shape[0] == "batch"
-    rng = np.random.default_rng(3)
-    for batch in (1, 3):
-        x = rng.standard_normal((batch, *inputs["x"].shape[1:])).astype(np.float32)
-        with torch.no_grad():
-            want = module(torch.from_numpy(x)).numpy()
-        got = sess.run(None, {"x": x})[0]
-        assert got.shape == want.shape and np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+    _agrees_with_torch(tmp_path / "e.onnx", module, _images(inputs["x"], 3))
 
 
 @pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
@@ -190,14 +209,9 @@ def test_a_transformer_is_exported_at_any_batch_and_sequence(tmp_path, exporter)
     _export(tmp_path / "g.memcc.onnx", tmp_path / "gk", tmp_path / "w.safetensors")
     module.load_state_dict(safetensors.torch.load_file(tmp_path / "w.safetensors"),
                            strict=False)
-    module.eval()
     sess = ort.InferenceSession(str(tmp_path / "g_e.onnx"), providers=["CPUExecutionProvider"])
     assert [i.shape for i in sess.get_inputs()] == [["batch", "seq"]] * 2
-    for sizes in ({"batch": 1, "seq": 5}, {"batch": 3, "seq": 11}):
-        feeds = {k: v.numpy() for k, v in make_inputs("gpt2", sizes, seed=4).items()}
-        want = torch_forward(module, feeds)
-        got = sess.run(None, feeds)[0]
-        assert got.shape == want.shape and np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+    _agrees_with_torch(tmp_path / "g_e.onnx", module, _token_batches(4))
 
     # Row chunks: chunk 0 of each region computes every row again in the exported model
     # (frontend/whole_rows.py). TorchScript's GPT-2 MLP runs on flat rows, whose chunks
@@ -214,13 +228,8 @@ def test_a_transformer_is_exported_at_any_batch_and_sequence(tmp_path, exporter)
         assert sess.get_inputs()[0].shape == [2, 8]
     else:
         assert "written at the sizes" not in said, said
-        fresh = export("gpt2", exporter, training=True)[1].eval()  # untrained, as saved
-        for sizes in ({"batch": 1, "seq": 5}, {"batch": 3, "seq": 11}):
-            feeds = {k: v.numpy() for k, v in make_inputs("gpt2", sizes, seed=4).items()}
-            want = torch_forward(fresh, feeds)
-            got = sess.run(None, feeds)[0]
-            assert got.shape == want.shape
-            assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+        fresh = export("gpt2", exporter, training=True)[1]  # untrained, as saved
+        _agrees_with_torch(tmp_path / "c_e.onnx", fresh, _token_batches(4))
 
     # A step built before memcc kept what it folded: the message says so.
     old = onnx.load(tmp_path / "g.onnx")
@@ -282,7 +291,9 @@ def test_dropout_written_as_a_random_mask_passes_through(optimize, tmp_path):
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
 
 
-def test_a_model_exported_in_train_mode_builds_again_and_trains_as_its_step(tmp_path):
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_model_exported_in_train_mode_builds_again_and_trains_as_its_step(tmp_path,
+                                                                            threads):
     """A user trains, exports the model (train mode, as PyTorch exported it) and builds a
     step from that file again, to train on: the BatchNorms' running outputs the step
     named `stat.new` are renamed in the file (the new build gives them those names), they
@@ -293,7 +304,7 @@ def test_a_model_exported_in_train_mode_builds_again_and_trains_as_its_step(tmp_
     opts = BuildOptions(momentum=0.0)
     api.build(path, tmp_path / "s.onnx", dims=dims, options=opts)
     labels = np.array([0, 1, 2, 0])[: inputs["x"].shape[0]]
-    first = Trainer(tmp_path / "s.onnx")
+    first = Trainer(tmp_path / "s.onnx", threads=threads)
     first.step({"x": inputs["x"], "labels": labels})
     first.save(tmp_path / "ck")
     _export(tmp_path / "s.onnx", tmp_path / "ck", tmp_path / "m.onnx")
@@ -301,7 +312,7 @@ def test_a_model_exported_in_train_mode_builds_again_and_trains_as_its_step(tmp_
     assert {p.key: p.value for p in onnx.load(tmp_path / "again.onnx").metadata_props}[
         "memcc.producer"] == "pytorch"
     batch = {"x": inputs["x"][::-1].copy(), "labels": labels[::-1].copy()}
-    again = Trainer(tmp_path / "again.onnx")
+    again = Trainer(tmp_path / "again.onnx", threads=threads)
     again.step(batch)
     first.step(batch)
     want, got = first.state_dict(), again.state_dict()
@@ -321,13 +332,6 @@ def test_a_row_chunked_vit_with_dropout_exports_whole_at_any_batch(tmp_path):
     Trainer(tmp_path / "s.onnx").save(tmp_path / "ck")
     said = _export(tmp_path / "s.onnx", tmp_path / "ck", tmp_path / "e.onnx", "--eval")
     assert "written at the sizes" not in said, said
-    module.eval()
     sess = ort.InferenceSession(str(tmp_path / "e.onnx"), providers=["CPUExecutionProvider"])
     assert sess.get_inputs()[0].shape[0] == "batch"
-    rng = np.random.default_rng(5)
-    for batch in (1, 3):
-        x = rng.standard_normal((batch, *inputs["x"].shape[1:])).astype(np.float32)
-        with torch.no_grad():
-            want = module(torch.from_numpy(x)).numpy()
-        got = sess.run(None, {"x": x})[0]
-        assert got.shape == want.shape and np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+    _agrees_with_torch(tmp_path / "e.onnx", module, _images(inputs["x"], 5))
