@@ -400,9 +400,27 @@ def _rewrite(graph: Graph, emit: Emitter, region: RowRegion,
     made = {o for n in emit.nodes[start:] for o in n.output}
     # Flat chunks dropped the region's Reshapes, so its inner values keep their chunk
     # names there (a shape computation read off the whole 3-D value would misread a flat
-    # one): only the joined output is named back.
+    # one): only the joined output is named back, and the 3-D values are recorded as
+    # Reshapes of chunk 0's flat ones.
     inner = {} if region.flat else {new: o for o, new in first.items()
                                     if new in made and new != o}
     record_whole_rows(emit.nodes[-1], {p[0]: v for v, p in split_of.items() if p[0] != v},
-                      {**inner, outs[0]: out})
+                      {**inner, outs[0]: out},
+                      _unflattened(graph, region, first) if region.flat else {})
     return emit.nodes[start:]
+
+
+def _unflattened(graph: Graph, region: RowRegion, first: dict[str, str]
+                 ) -> dict[str, tuple[str, str, list[int]]]:
+    """A flat region's values that were not 2-D: each one -> (chunk 0's flat value, the
+    shape input of the dropped Reshape that gave values of its shape that shape, the
+    shape)."""
+    shape_of = {tuple(graph.info[n.output[0]].shape): n.input[1] for n in region.members
+                if n.op_type == "Reshape" and len(graph.info[n.output[0]].shape) != 2}
+    out = {}
+    for n in region.members:
+        for o in n.output:
+            ti = graph.info.get(o)
+            if o and ti is not None and tuple(ti.shape) in shape_of and o in first:
+                out[o] = (first[o], shape_of[tuple(ti.shape)], list(ti.shape))
+    return out

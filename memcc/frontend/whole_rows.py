@@ -8,6 +8,13 @@ split value's first part is, and which original value each of chunk 0's outputs 
 for. ``with_whole_rows`` renames chunk 0's nodes back to the whole values and drops the
 Concat, so chunk 0 computes every row (its nodes are row-wise: the same arithmetic per
 row) and the other chunks and the Splits are left unread, for the exporter's pruning.
+
+A flat region (an MLP whose products run on [tokens, width] rows) dropped its Reshapes
+from the chunks, so its values that were 3-D exist only flat; a shape computation the
+exporter wrote reads them (GPT-2's Conv1D: ``x.size()[:-1] + (nf,)``). The record keeps
+each such value as chunk 0's flat value, the shape input of the Reshape that made it 3-D
+and its shape (``reshaped``); ``with_whole_rows`` puts those Reshapes back, so that
+``fold.with_shape_computations`` can put the shape computations back after it.
 """
 
 from __future__ import annotations
@@ -16,17 +23,23 @@ import json
 
 import onnx
 
-from memcc.graph import Graph
+from memcc.graph import Graph, TensorInfo, in_dependency_order
 
 WHOLE_ROWS = "memcc.whole_rows"
 
 
 def record_whole_rows(concat: onnx.NodeProto, parts: dict[str, str],
-                      outputs: dict[str, str]) -> None:
+                      outputs: dict[str, str],
+                      reshaped: dict[str, tuple[str, str, list[int]]] | None = None
+                      ) -> None:
     """On a region's joining ``concat``: ``parts`` (chunk 0's part of a split value -> the
-    value) and ``outputs`` (a value chunk 0 computes -> the original value it stands for)."""
-    concat.metadata_props.add(key=WHOLE_ROWS,
-                              value=json.dumps({"parts": parts, "outputs": outputs}))
+    value), ``outputs`` (a value chunk 0 computes -> the original value it stands for) and
+    ``reshaped`` (a flat region's value that was not 2-D -> chunk 0's flat value, the
+    shape input that made it so, and its shape at the built sizes)."""
+    record = {"parts": parts, "outputs": outputs}
+    if reshaped:
+        record["reshaped"] = {v: list(r) for v, r in reshaped.items()}
+    concat.metadata_props.add(key=WHOLE_ROWS, value=json.dumps(record))
 
 
 def with_whole_rows(graph: Graph) -> tuple[Graph, int]:
@@ -58,5 +71,26 @@ def with_whole_rows(graph: Graph) -> tuple[Graph, int]:
         for k, v in enumerate(n.output):
             n.output[k] = renamed.get(v, v)
         nodes.append(n)
-    out.set_nodes(nodes)
+    unflat = _reshapes_back(out, nodes, [r for _, r in records], taken)
+    out.set_nodes(in_dependency_order([*nodes, *unflat]) if unflat else nodes)
     return out, len(records)
+
+
+def _reshapes_back(graph: Graph, nodes: list[onnx.NodeProto], records: list[dict],
+                   taken: set[str]) -> list[onnx.NodeProto]:
+    """The Reshapes that give a flat region's 3-D values back (module docstring), where
+    their flat value and shape input are in the graph and no other value took the name."""
+    made = set(graph.inputs) | set(graph.initializers)
+    made |= {o for n in nodes for o in n.output if o}
+    back = []
+    for rec in records:
+        for whole, (flat, shape, dims) in rec.get("reshaped", {}).items():
+            ti = graph.info.get(flat)
+            if whole in taken or whole in made or flat not in made or shape not in made \
+                    or ti is None:
+                continue
+            back.append(onnx.helper.make_node("Reshape", [flat, shape], [whole],
+                                              name=f"{whole}/whole_rows"))
+            graph.info[whole] = TensorInfo(ti.dtype, tuple(dims))
+            made.add(whole)
+    return back
