@@ -138,6 +138,39 @@ def test_a_step_rewritten_for_cuda_exports_the_same_eval_model(tmp_path):
     assert np.array_equal(_run(a, inputs, 1), _run(b, inputs, 1))
 
 
+@pytest.mark.parametrize("exporter", ["torchscript", DYNAMO_NOOPT])
+def test_a_step_rewritten_for_cuda_exports_the_same_train_model_and_weights(exporter,
+                                                                            tmp_path):
+    """A step compiled for CUDA writes its BatchNorms back as training-mode nodes over the
+    running statistics (``trainer/batchnorm_back.py``): the train-mode ONNX model computes
+    the same bits as the CPU step's, and the weights carry the running statistics (before,
+    the CUDA form's export had none, and kept the reductions)."""
+    path, _, inputs, dims = export("mobilenet_block", exporter, training=True, dropout=0.0)
+    step = api.build(path, tmp_path / "s.onnx", dims=dims, options=BuildOptions())
+    on_cuda = for_provider(step, "cuda")[0]
+    rng = np.random.default_rng(0)
+    state = {k: np.asarray(v) for k, v in step.initializers.items()}
+    running = [k for k in state if "running" in k]
+    assert running
+    for k in running:  # trained-looking statistics, not the initial ones
+        state[k] = (state[k] + rng.uniform(0.1, 0.5, state[k].shape)).astype(state[k].dtype)
+    fwd = {k: forward_graph(g, TrainingStep.of(g), state)
+           for k, g in (("plain", step), ("cuda", on_cuda))}
+    assert sorted(n.op_type for n in fwd["cuda"].nodes) == \
+        sorted(n.op_type for n in fwd["plain"].nodes)
+    from memcc.backend.onnx_file import save_graph
+    from memcc.trainer import exported_weight_names
+    files = {k: save_graph(g, tmp_path / f"{k}.onnx") for k, g in fwd.items()}
+    for threads in (1, 2):
+        assert np.array_equal(_run(files["plain"], inputs, threads),
+                              _run(files["cuda"], inputs, threads))
+    names = {k: set(exported_weight_names(g, TrainingStep.of(g), fwd[k]))
+             for k, g in (("plain", step), ("cuda", on_cuda))}
+    assert names["cuda"] == names["plain"] and set(running) <= names["cuda"]
+    for k in running:
+        assert np.array_equal(fwd["cuda"].initializers[k], state[k]), k
+
+
 class _Noisy(torch.nn.Module):
     """Gaussian noise in train mode, as a noise layer (or stochastic depth) writes it."""
 

@@ -31,10 +31,10 @@ from dataclasses import dataclass
 import onnx
 
 from memcc.errors import InputError
-from memcc.frontend.constants import constant_value
 from memcc.frontend.running_variance import carried_value
 from memcc.graph import Graph, ancestors, attr
 from memcc.step import TrainingStep
+from memcc.trainer.batchnorm_back import running_of_batch_statistics, scalar_constant
 
 # How the export's line on what --eval changed begins (the CLI prints it as a fact, not as
 # a warning).
@@ -92,7 +92,7 @@ def in_eval_mode(graph: Graph, spec: TrainingStep, outputs: list[str], *,
     docstring lists; raises ``InputError`` where the outputs read a random draw."""
     carried = set(spec.state.values())
     producer = graph.def_use().producer
-    running = _running_of_batch_statistics(spec, producer)
+    running = running_of_batch_statistics(spec, producer)
     masked = _dropped_by_masks(graph, producer)
     nodes: list[onnx.NodeProto] = []
     made: dict[int, str] = {}  # id of a rewritten node -> "bn" or "dropout"
@@ -164,7 +164,7 @@ def _scaled_uniform_mask(value: str, graph: Graph, producer: dict[str, onnx.Node
     div = producer.get(value)
     if div is None or div.op_type != "Div":
         return None
-    scale = _constant(div.input[1], graph, producer)
+    scale = scalar_constant(div.input[1], graph, producer)
     cast = producer.get(div.input[0])
     if cast is None or cast.op_type not in ("Cast", "CastLike"):
         return None
@@ -175,21 +175,11 @@ def _scaled_uniform_mask(value: str, graph: Graph, producer: dict[str, onnx.Node
     if draw is None or draw.op_type not in ("RandomUniform", "RandomUniformLike") or \
             float(attr(draw, "low", 0.0)) != 0.0 or float(attr(draw, "high", 1.0)) != 1.0:
         return None
-    keep = _constant(less.input[1], graph, producer)
+    keep = scalar_constant(less.input[1], graph, producer)
     if keep is None or scale is None or not 0.0 < keep <= 1.0 or \
             abs(keep - scale) > 1e-6 * keep:
         return None
     return keep
-
-
-def _constant(value: str, graph: Graph, producer: dict[str, onnx.NodeProto]) -> float | None:
-    """A scalar constant through Cast / CastLike (None: not one)."""
-    node = producer.get(value)
-    while node is not None and node.op_type in ("Cast", "CastLike"):
-        value = node.input[0]
-        node = producer.get(value)
-    arr = constant_value(graph, value, producer)
-    return None if arr is None or arr.size != 1 else float(arr.reshape(()))
 
 
 def _is_training_bn(node: onnx.NodeProto) -> bool:
@@ -204,53 +194,3 @@ def _inference_batchnorm(node: onnx.NodeProto, stats: list[str]) -> onnx.NodePro
         epsilon=float(attr(node, "epsilon", 1e-5)))
     made.domain = node.domain
     return made
-
-
-def _running_of_batch_statistics(spec: TrainingStep, producer: dict[str, onnx.NodeProto]
-                                 ) -> dict[str, str]:
-    """Batch statistic -> the carried running statistic it updates, where the update is
-    written as nodes: ``R.new = Add(Mul(R, momentum), Mul(batch, 1 - momentum))`` (the
-    CUDA form of a training-mode BatchNorm), or that over the concatenations of several
-    statistics, split back (``batchnorm_for_cuda``'s grouped form)."""
-    found: dict[str, str] = {}
-    for new, old in spec.state.items():
-        add = producer.get(carried_value(new, producer))
-        if add is not None and add.op_type == "Split":
-            found.update(_grouped_running(add, old, producer))
-            continue
-        if add is None or add.op_type != "Add":
-            continue
-        muls = [producer.get(i) for i in add.input]
-        if not all(m is not None and m.op_type == "Mul" for m in muls):
-            continue
-        reads = [{carried_value(i, producer) for i in m.input}  # type: ignore[union-attr]
-                 for m in muls]
-        for mine, other in ((reads[0], reads[1]), (reads[1], reads[0])):
-            if old in mine:
-                for batch in other:
-                    if batch in producer and producer[batch].op_type != "Constant":
-                        found[batch] = old
-    return found
-
-
-def _grouped_running(split: onnx.NodeProto, old: str, producer: dict[str, onnx.NodeProto]
-                     ) -> dict[str, str]:
-    """{batch statistic: ``old``} where ``split`` splits ``Add(Mul(Concat(R...), m),
-    Mul(Concat(batch...), 1 - m))`` and ``old`` is one of the ``R``; else {}."""
-    add = producer.get(split.input[0])
-    if add is None or add.op_type != "Add":
-        return {}
-    joins = []
-    for value in add.input:
-        mul = producer.get(value)
-        if mul is None or mul.op_type != "Mul":
-            return {}
-        concats = [producer[i] for i in mul.input
-                   if i in producer and producer[i].op_type == "Concat"]
-        if not concats:
-            return {}
-        joins.append([carried_value(i, producer) for i in concats[0].input])
-    for mine, other in ((joins[0], joins[1]), (joins[1], joins[0])):
-        if old in mine and len(mine) == len(other):
-            return {other[mine.index(old)]: old}
-    return {}

@@ -30,6 +30,7 @@ from memcc.frontend.symbolic_dims import recorded
 from memcc.frontend.whole_rows import with_whole_rows
 from memcc.graph import Graph, ancestors
 from memcc.step import TrainingStep
+from memcc.trainer.batchnorm_back import training_batchnorms_back
 from memcc.trainer.checkpoints import step_signature
 from memcc.trainer.eval_mode import inference_or_train_mode
 from memcc.trainer.named_axes import FOLDED_BEFORE, OWN_REWRITE, with_named_axes
@@ -253,7 +254,9 @@ def forward_graph(graph: Graph, spec: TrainingStep, state: Mapping[str, np.ndarr
                          "; rebuild the step with memcc build to export it")
     # A rewritten Dropout goes back as the plain node (the counter is the step's alone).
     # A --precision bf16/fp16 step: the forward as exported, float32 (master weights).
-    graph = fed_as_stored(without_autocast(restore_dropouts(_with_projection(graph, spec))))
+    # A step compiled for CUDA: its BatchNorms as the model has them (batchnorm_back.py).
+    graph = without_autocast(restore_dropouts(_with_projection(graph, spec)))
+    graph = fed_as_stored(training_batchnorms_back(graph, spec)[0])
     graph, note = inference_or_train_mode(graph, spec, outputs, eval_mode=eval_mode,
                                           source=source)
     if note and notes is not None:
