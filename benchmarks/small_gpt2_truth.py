@@ -7,7 +7,10 @@ This exports it, compiles `--budget min` with malloc and with the arena, and run
 with `memcc run --steps 4 --json` (its `measured_over_predicted`), and the step as built
 for comparison.
 
-    python benchmarks/small_gpt2_truth.py [--time-limit 60]
+    python benchmarks/small_gpt2_truth.py [--time-limit 60] [--keep DIR]
+
+``--keep DIR`` leaves the export and the three steps there (``benchmarks/alloc_trace.py``
+reads them).
 """
 
 from __future__ import annotations
@@ -57,9 +60,11 @@ def memcc(*args: str) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--time-limit", default="60")
+    ap.add_argument("--keep", type=Path, help="write the export and the steps here")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        d = Path(tmp)
+        d = a.keep or Path(tmp)
+        d.mkdir(parents=True, exist_ok=True)
         export(d / "g.onnx")
         dims = ["--dim", "batch=4", "--dim", "seq=64"]
         memcc("build", str(d / "g.onnx"), *dims, "-o", str(d / "built.onnx"))
