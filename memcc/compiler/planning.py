@@ -10,6 +10,7 @@ here, once (``_no_fit``; a budget under the step's floor: ``compiler/floor_check
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import NamedTuple
@@ -65,17 +66,21 @@ class StageHooks:
 
 
 def _no_fit(budget: int, smallest: int, slack: int, options: CompileOptions,
-            hooks: StageHooks) -> BudgetError:
+            hooks: StageHooks, clock_cut: bool = False) -> BudgetError:
     """Compile's refusal of ``budget``: ``smallest`` is the budget --budget min gives (the
     smallest plan, as trained, with ``slack`` for its heap room), and the message says
-    what to give."""
+    what to give; ``clock_cut``: the search was stopped by --time-limit (a walk-through's
+    GPT-2 was refused 10.03 MB at --time-limit 0.5 and fitted it at 30)."""
     passes = hooks.passes
+    cut = (f"The search was cut short by the time --time-limit gave it "
+           f"({options.time_limit:g} s): a longer --time-limit may fit this budget. "
+           if clock_cut else "")
     return BudgetError(
         f"{hooks.label}: the training step does not fit in {format_size(budget)} "
         f"({budget:,} bytes). The smallest budget memcc found for it is "
         f"{format_size(smallest)} ({smallest:,} bytes; strategy {options.strategy}, with "
         f"{options.margin:.0%} + {slack:,} bytes of safety margin). "
-        + _runtime_part(options)
+        + cut + _runtime_part(options)
         + f"Nothing was written. Use --budget {smallest} "
         "or more, --budget min (it searches with the whole --time-limit, and where this "
         "compile also planned row-chunk settings it can find less), or a smaller batch."
@@ -100,6 +105,7 @@ def plan_in_budget(graph: Graph, budget: Budget, costs: CostModel, options: Comp
     (``Simulation.fit_bytes``) and, where the plan it returns still lacks room, compile
     plans again for less."""
     timed, passes, say = hooks.timed, hooks.passes, hooks.say
+    started = time.perf_counter()
     graph, order = in_training_order(graph, options)
     request = options.plan_request(Budget.MIN)
     slack = base_slack = options.slack_for(graph)
@@ -119,7 +125,11 @@ def plan_in_budget(graph: Graph, budget: Budget, costs: CostModel, options: Comp
         room = slack if trained is None else own_slack(trained)
         need = user_budget(exc.smallest_fit if trained is None else
                            trained.best.peak_bytes, options, room)
-        return _no_fit(budget.bytes, need, room, options, hooks)
+        runs = [r for o in (exc.outcome, trained) if o is not None for r in o.runs]
+        cut = any(r.get("limit_hit") == "time" or bool(r.get("cut_by_time_limit"))
+                  or "time limit" in str(r.get("status") or "") for r in runs) or \
+            time.perf_counter() >= (options.deadline or started + options.time_limit)
+        return _no_fit(budget.bytes, need, room, options, hooks, cut)
 
     def plan_for(target: int | None) -> PlanOutcome:
         """The plan for ``target`` (None: the smallest); where none fits it, the smallest
