@@ -89,6 +89,16 @@ def _no_fit(budget: int, smallest: int, slack: int, options: CompileOptions,
     )
 
 
+def _cut_by_clock(outcomes: list[PlanOutcome | None], options: CompileOptions,
+                  started: float) -> bool:
+    """Whether --time-limit stopped the search: a solve the clock stopped or left unrun,
+    or planning past its deadline."""
+    runs = [r for o in outcomes if o is not None for r in o.runs]
+    return any(r.get("limit_hit") == "time" or bool(r.get("cut_by_time_limit"))
+               or "time limit" in str(r.get("status") or "") for r in runs) or \
+        time.perf_counter() >= (options.deadline or started + options.time_limit)
+
+
 def _runtime_part(options: CompileOptions) -> str:
     """What of a smallest budget no plan can change on this provider, said where there is
     some (a small model's budget on CUDA is mostly the session's own)."""
@@ -125,10 +135,7 @@ def plan_in_budget(graph: Graph, budget: Budget, costs: CostModel, options: Comp
         room = slack if trained is None else own_slack(trained)
         need = user_budget(exc.smallest_fit if trained is None else
                            trained.best.peak_bytes, options, room)
-        runs = [r for o in (exc.outcome, trained) if o is not None for r in o.runs]
-        cut = any(r.get("limit_hit") == "time" or bool(r.get("cut_by_time_limit"))
-                  or "time limit" in str(r.get("status") or "") for r in runs) or \
-            time.perf_counter() >= (options.deadline or started + options.time_limit)
+        cut = _cut_by_clock([exc.outcome, trained], options, started)
         return _no_fit(budget.bytes, need, room, options, hooks, cut)
 
     def plan_for(target: int | None) -> PlanOutcome:
