@@ -276,6 +276,20 @@ def _some(names: list[str] | tuple[str, ...], k: int = 6) -> str:
     return ", ".join(names[:k]) + (f" (+{len(names) - k} more)" if len(names) > k else "")
 
 
+def _copies_of_nothing(unnamed: list[str], sources: dict[str, ParameterSource]) -> str:
+    """What to say of made-up names that copy no parameter memcc can see: buffers the
+    exporter's optimizer folded look so (Llama's rotary cos and sin tables, ``unsqueeze_N``
+    of a dynamo export with ``optimize=True``), and PyTorch trains no buffer."""
+    orphans = [p for p in unnamed if not sources[p].copy_of and not sources[p].pytorch_names]
+    if not orphans:
+        return ""
+    flags = " ".join(f"--freeze '{p}'" for p in orphans[:4])
+    return (f" {len(orphans)} of them copy no parameter memcc can see "
+            f"({_some(orphans, 4)}): buffers the exporter folded look like that (rotary "
+            "position tables do), and PyTorch does not train buffers; if these are, keep them "
+            f"fixed with {flags}{' ...' if len(orphans) > 4 else ''}.")
+
+
 def report_parameters(sources: dict[str, ParameterSource], source: str,
                       sig: Signature | None, emap: ExportMap | None = None) -> None:
     """Warn about parameters without a PyTorch name, about weight tying, and (from the
@@ -301,8 +315,8 @@ def report_parameters(sources: dict[str, ParameterSource], source: str,
             f"weights, constant-folded lookups). To map trained weights back by name, "
             f"export with {KEEP_EVERY_PARAMETER} or with dynamo=False, "
             "training=torch.onnx.TrainingMode.TRAINING and do_constant_folding=False (its "
-            "constant folding, on by default, makes the copies in train mode too).",
-            ExportWarning, stacklevel=2)
+            "constant folding, on by default, makes the copies in train mode too)."
+            + _copies_of_nothing(unnamed, sources), ExportWarning, stacklevel=2)
     if emap is not None:
         _report_export_map(sources, source, emap)
     elif sig is not None:
