@@ -51,8 +51,8 @@ def test_a_smallest_budget_the_clock_cut_says_so():
                             {"strategy": "polish", "cut_by_time_limit": ["polish"]},
                             {"strategy": "ilp", "limit_hit": "work"}]
     said = [line for line in summary_lines(report) if line.startswith("search")]
-    assert said == ["search   2 searches stopped by --time-limit 60 s: a longer --time-limit "
-                    "may reach a smaller budget, and runs can differ"]
+    assert said == ["search   2 searches stopped by their share of --time-limit 60 s: a longer "
+                    "--time-limit may reach a smaller budget, and runs can differ"]
     report["strategies"] = [{"strategy": "ilp", "limit_hit": "work"}]
     assert not any(line.startswith("search") for line in summary_lines(report))
     report["strategies"] = [{"strategy": "ilp", "limit_hit": "time"}]
