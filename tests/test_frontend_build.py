@@ -135,6 +135,18 @@ def test_a_dim_the_model_lacks_names_the_ones_it_has():
         load_graph(model, {"batch": 4, "seq": 3})
 
 
+def test_a_dim_on_a_model_without_symbolic_dimensions_says_to_drop_it():
+    """A walk-through read 'its symbolic dimensions are none' on a model with fixed sizes."""
+    model, _ = mlp_model()
+    for vi in [*model.graph.input, *model.graph.output]:
+        for d in vi.type.tensor_type.shape.dim:
+            if d.dim_param:
+                d.dim_value = 4
+    with pytest.raises(InputError, match=r"it has none \(every size is fixed in the file\), "
+                                         r"so drop --dim"):
+        load_graph(model, {"batch": 4})
+
+
 def test_not_an_onnx_file(tmp_path):
     p = tmp_path / "junk.onnx"
     p.write_bytes(b"\x00\x01 definitely not protobuf \xff" * 10)

@@ -312,7 +312,9 @@ def _bind_input_dims(model: onnx.ModelProto, dims: dict[str, int], where: str) -
     if extra:
         raise InputError(
             f"{where}: --dim names no symbolic dimension of this model: {sorted(extra)}; "
-            f"its symbolic dimensions are {known or 'none'}"
+            + (f"its symbolic dimensions are {known}" if known else
+               "it has none (every size is fixed in the file), so drop --dim; to train at "
+               "other sizes, export the model with dynamic axes")
         )
 
 
