@@ -144,3 +144,27 @@ def test_a_long_stage_is_said_again_while_it_runs(monkeypatch):
     beats = [ln for ln in lines if "still running" in ln]
     assert beats and all(ln.startswith("compiling: plan, still running (at ") for ln in beats)
     assert lines[-1].startswith("compiling: rewrite ... (at ")
+
+
+def test_ctrl_c_in_tune_and_compile_says_what_was_written(tmp_path, monkeypatch):
+    """Compile said "interrupted: nothing was written"; tune exited 130 with no word (a
+    walk-through's Ctrl-C). Both say it now, through one function."""
+    from typer.testing import CliRunner
+
+    import memcc.api
+    import memcc.cli.tuning
+    from memcc.cli import app
+
+    def stop(*_args, **_kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(memcc.cli.tuning, "_tune", stop)
+    monkeypatch.setattr(memcc.api, "compile_model", stop)
+    model = Path(__file__).resolve().parents[1] / "examples" / "gpt2-small.onnx"
+    for args in (["tune", str(model), "--budget", "10MB", "--dim", "batch=1..4", "-o",
+                  str(tmp_path / "t.onnx")],
+                 ["compile", str(model), "--budget", "10MB", "-o", str(tmp_path / "c.onnx")]):
+        r = CliRunner().invoke(app, args)
+        assert r.exit_code == 130, r.output
+        assert "interrupted: nothing was written" in r.output, r.output
+    assert not list(tmp_path.iterdir())

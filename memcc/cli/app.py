@@ -8,6 +8,7 @@ Commands are added in ``memcc/cli/__init__.py``, in the order ``memcc --help`` l
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 from typing import Annotated, NoReturn
 
 import typer
@@ -67,6 +68,22 @@ def fail(exc: MemccError) -> NoReturn:
 def warn(message: str) -> None:
     """A compile goes on, but the user should know (e.g. costs estimated, not measured)."""
     err.print(f"[bold yellow]warning:[/] {escape(message)}", highlight=False, soft_wrap=True)
+
+
+def interrupted(paths: list[Path | None], before: list[int | None]) -> NoReturn:
+    """After Ctrl-C: say which of ``paths`` were written since their ``stamps`` were
+    ``before`` (memcc writes a file whole or not at all), and exit 130."""
+    written = [str(p) for p, t in zip(paths, before, strict=True)
+               if p is not None and stamps(p)[0] != t]
+    err.print("interrupted: " + (f"{' and '.join(written)} had been written"
+                                 if written else "nothing was written"), highlight=False)
+    raise typer.Exit(code=130)
+
+
+def stamps(*paths: Path | None) -> list[int | None]:
+    """Each file's modification time (None: absent, or no path), to tell what an
+    interrupted command wrote."""
+    return [p.stat().st_mtime_ns if p is not None and p.exists() else None for p in paths]
 
 
 def mb(n: int | None) -> str:

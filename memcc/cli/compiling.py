@@ -13,7 +13,7 @@ import typer
 from rich.markup import escape
 
 from memcc.api import MemccError
-from memcc.cli.app import err, fail, out, warn
+from memcc.cli.app import err, fail, interrupted, out, stamps, warn
 from memcc.cli.log_progress import LogProgress, progress_lines
 from memcc.cli.options import (
     AttentionChunksOpt,
@@ -162,18 +162,14 @@ def _compile(model: Path, opts: CompileOptions, out_path: Path, report_path: Pat
 
     log = None if err.is_terminal else LogProgress(
         "compiling", lambda line: err.print(escape(line), highlight=False, soft_wrap=True))
-    before = _stamps(out_path, report_path)
+    before = stamps(out_path, report_path)
     try:
         with log or err.status("compiling") as shown:  # off a terminal, no status line
             status = None if log else shown
             result = compile_model(model, opts, output=out_path, report_path=report_path,
                                    progress=_progress(status, log), warn=warn)
     except KeyboardInterrupt:
-        written = [str(p) for p, t in zip((out_path, report_path), before, strict=True)
-                   if _stamps(p)[0] != t]
-        err.print("interrupted: " + (f"{' and '.join(written)} had been written"
-                                     if written else "nothing was written"), highlight=False)
-        raise typer.Exit(code=130) from None
+        interrupted([out_path, report_path], before)
     except VerificationError as exc:
         # The summary says which checks failed; the error, what to try and what was written.
         for line in summary_lines(exc.report):
@@ -184,12 +180,6 @@ def _compile(model: Path, opts: CompileOptions, out_path: Path, report_path: Pat
     for line in summary_lines(result.report):
         out.print(line, highlight=False)
     out.print(f"wrote {out_path} and {report_path}", highlight=False)
-
-
-def _stamps(*paths: Path) -> list[int | None]:
-    """Each file's modification time (None: absent), to tell what an interrupted command
-    wrote (memcc writes a file whole or not at all)."""
-    return [p.stat().st_mtime_ns if p.exists() else None for p in paths]
 
 
 def analyze_cmd(

@@ -13,7 +13,7 @@ import typer
 from rich.console import Console
 
 from memcc.api import MemccError
-from memcc.cli.app import err, fail, out
+from memcc.cli.app import err, fail, interrupted, out, stamps
 from memcc.cli.log_progress import progress_lines
 from memcc.cli.options import (
     AttentionChunksOpt,
@@ -113,6 +113,7 @@ def tune_cmd(
     instead be derived from --ref-batch/--ref-lr."""
     from memcc.api import InputError, TuneOptions, parse_dims
 
+    before = stamps(output, plot)
     try:
         searched = _searched_range(dim)
         if lr is not None and ref_lr is not None:
@@ -124,6 +125,8 @@ def tune_cmd(
             ref_batch=ref_batch, ref_lr=ref_lr, lr_rule=lr_rule)
         writes = _TuneOutputs(output, plot, measure, measure_top, provider)
         result = _tune(model, budget, searched, opts, writes)
+    except KeyboardInterrupt:  # as compile says it (a walk-through's Ctrl-C got no word)
+        interrupted([output, plot], before)
     except MemccError as exc:
         fail(exc)
     _print_tuned(result, writes, as_json=as_json)
