@@ -289,24 +289,81 @@ def _merged_into(rec: _Records, copied: set[str]) -> dict[str, str]:
 
 def _tied_and_unused(rec: _Records, read_by_fx: set[str], copied: set[str],
                      merged_into: dict[str, str]) -> tuple[dict[str, str], list[str]]:
-    """A parameter the traced program never reads, in a module whose nodes read another
-    module's parameter of the same attribute, is tied to it (torch.export traces a tied
-    weight through one placeholder only); one that is not is unused."""
+    """Parameters the traced program never reads: tied to another one, or unused.
+
+    torch.export traces a tensor with several ``state_dict`` names through the placeholder
+    of its last name in the signature only: every earlier name's placeholder is unread. So an
+    unread parameter is unused, or an earlier name of a later parameter of the same
+    attribute that some node reads. Which, is read from where the model ran (each node's
+    module), in this order: its module's nodes read another module's parameter (GPT-2's
+    ``wte`` looks up ``lm_head.weight``); its module never ran under its own path, and the
+    modules with its parameter names that ran reading another module's all read one (T5's
+    ``shared`` runs as ``encoder.embed_tokens`` and ``decoder.embed_tokens``, on
+    ``lm_head.weight``); its module ran, and one child of it holds and reads such a
+    parameter (BERT's ``cls.predictions.bias`` is its ``decoder.bias``). Else it is unused.
+    The records hold no shapes: a module's own parameter that its forward never reads,
+    beside a child's of the same attribute, is taken for that child's."""
     placeholders = rec.placeholders
     tied: dict[str, str] = {}
-    unused: list[str] = []
+    rest: list[str] = []
     for ph, target in placeholders.items():
         if ph in rec.own or ph in read_by_fx or ph in copied:
             continue
-        module = target.rsplit(".", 1)[0] if "." in target else ""
+        module = _module(target)
         others = {a for args, _, mod in rec.groups.values() if mod == module for a in args
                   if _attribute(placeholders[a]) == _attribute(target)
                   and (a in rec.own or a in merged_into)}
         if len(others) == 1:
             tied[target] = placeholders[others.pop()]
         else:
+            rest.append(ph)
+    order = {ph: k for k, ph in enumerate(placeholders)}
+    ran = {mod for _, _, mod in rec.groups.values()}
+    unused: list[str] = []
+    for ph in rest:
+        target = placeholders[ph]
+        module = _module(target)
+        if not module:
+            to = None
+        elif any(m == module or m.startswith(module + ".") for m in ran):
+            to = _read_below(rec, target, set(rec.own) | set(merged_into))
+        else:
+            to = _alias_module_read(rec, target, tied)
+        if to is not None and order[rec.by_target[to]] > order[ph]:
+            tied[target] = to
+        else:
             unused.append(target)
     return tied, unused
+
+
+def _module(target: str) -> str:
+    """``model.h.0.ln_1.weight`` -> ``model.h.0.ln_1``."""
+    return target.rsplit(".", 1)[0] if "." in target else ""
+
+
+def _read_below(rec: _Records, target: str, held: set[str]) -> str | None:
+    """The one parameter of ``target``'s attribute, held by an initializer, that a child of
+    ``target``'s module holds and reads (``cls.predictions.decoder.bias`` for
+    ``cls.predictions.bias``); None where there is none, or more than one."""
+    module = _module(target)
+    found = {rec.placeholders[a] for args, _, mod in rec.groups.values()
+             if mod.startswith(module + ".") for a in args
+             if a in held and _attribute(rec.placeholders[a]) == _attribute(target)
+             and _module(_module(rec.placeholders[a])) == module}
+    return found.pop() if len(found) == 1 else None
+
+
+def _alias_module_read(rec: _Records, target: str, tied: dict[str, str]) -> str | None:
+    """The one parameter that the modules with the same parameter names as ``target``'s
+    module, which ran reading another module's parameter, read for its attribute: the
+    module ran under their paths (one module object, several names)."""
+    def names_of(module: str) -> set[str]:
+        return {_attribute(t) for t in rec.by_target if _module(t) == module}
+
+    module = _module(target)
+    reads = {to for t, to in tied.items() if _attribute(t) == _attribute(target)
+             and _module(t) != module and names_of(_module(t)) == names_of(module)}
+    return reads.pop() if len(reads) == 1 else None
 
 
 def _names_per_initializer(rec: _Records, merged_into: dict[str, str], tied: dict[str, str]

@@ -385,5 +385,6 @@ def _report_export_map(sources: dict[str, ParameterSource], source: str,
     if emap.unused:
         warnings.warn(
             f"{source}: {len(emap.unused)} PyTorch parameter(s) are not read by the exported "
-            f"model and have no trained value: {_some(emap.unused)}.", ExportWarning,
-            stacklevel=3)
+            f"model and have no trained value: {_some(emap.unused)}. (Where torch ties one "
+            "to another parameter, one tensor under two names, no record said which: load "
+            "with load_state_dict(..., strict=False).)", ExportWarning, stacklevel=3)
