@@ -7,7 +7,7 @@ module's names, so that README's strict ``load_state_dict`` works: GPT-2's
 ``transformer.wte.weight`` (its module looks up ``lm_head.weight``), T5's
 ``shared.weight`` (the module that runs as ``encoder.embed_tokens``) and BERT's
 ``cls.predictions.bias`` (its ``decoder.bias``). ``memcc build`` must not call such an alias
-untrained.
+untrained, and ``--freeze`` matches a parameter by any of its PyTorch names.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from memcc import api
+from memcc.errors import InputError
 from memcc.frontend.build import BuildOptions
 from memcc.frontend.export_map import read_export_map
 from memcc.frontend.export_signature import ExportWarning
@@ -118,6 +119,19 @@ def test_tied_aliases_are_written_and_load_strictly(tmp_path, name):
     assert not torch.equal(trained, module.state_dict()[held])  # trained, not as exported
     for n in (held, *aliases):
         assert torch.equal(state[n], trained), n
+
+
+def test_freeze_matches_a_tied_alias(tmp_path):
+    """GPT-2's dynamo export holds the tied embedding as lm_head.weight: a pattern for
+    transformer.wte freezes it; one matching nothing names the aliases in its error."""
+    module, inputs = _model("gpt2")
+    path = _export(module, inputs, tmp_path / "gpt2.onnx")
+    step, _ = _build(path, tmp_path / "step.onnx", freeze=("model.transformer.wte*",))
+    assert "model.lm_head.weight" not in step.parameters
+    assert "model.transformer.wpe.weight" in step.parameters
+    with pytest.raises(InputError, match="matches no trainable parameter") as err:
+        _build(path, tmp_path / "step2.onnx", freeze=("model.transformer.wtx*",))
+    assert "model.lm_head.weight = model.transformer.wte.weight" in str(err.value)
 
 
 class _Spare(nn.Module):

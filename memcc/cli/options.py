@@ -41,7 +41,8 @@ WeightDecayOpt = Annotated[Optional[float], typer.Option(  # noqa: UP045
     help="Weight decay (default: sgd 0, adamw 0.01).")]
 FreezeOpt = Annotated[Optional[list[str]], typer.Option(  # noqa: UP045
     "--freeze", metavar="PATTERN",
-    help="Keep parameters whose initializer names match this shell pattern fixed: "
+    help="Keep parameters whose names (initializer names, or any PyTorch name they stand "
+         "for: tied aliases) match this shell pattern fixed: "
          "their gradients are never built (repeatable), e.g. --freeze 'embeddings.*'.")]
 LossChunksOpt = Annotated[int, typer.Option(
     "--loss-chunks", min=1,

@@ -27,7 +27,7 @@ def choose_parameters(graph: Graph, loss: str, bn_stats, freeze: tuple[str, ...]
                       source: str) -> list[str]:
     """The parameters the step trains; an error when there are none."""
     params = _trainable_parameters(graph, loss, bn_stats)
-    params = _apply_freeze(params, freeze, source)
+    params = _apply_freeze(params, freeze, source, _pytorch_names(graph, params))
     if not params:
         raise InputError(
             f"{source}: no trainable parameters: no floating-point initializer lies on a "
@@ -92,16 +92,38 @@ def _trainable_parameters(graph: Graph, loss: str, bn_stats) -> list[str]:
     return [n for n in candidates if n in reachable]
 
 
-def _apply_freeze(params: list[str], patterns: tuple[str, ...], source: str) -> list[str]:
-    """Drop parameters matching any ``--freeze`` pattern; a pattern that matches nothing is
-    an error (a typo would otherwise silently train everything)."""
+def _pytorch_names(graph: Graph, params: list[str]) -> dict[str, tuple[str, ...]]:
+    """Each parameter's initializer name and every PyTorch name it stands for, from the
+    exporter's records (``ExportMap``): those merged into it, its tied aliases (GPT-2's
+    dynamo export holds ``transformer.wte.weight`` as ``lm_head.weight``), and for a copy
+    the exporter folded from parameters, theirs."""
+    emap = export_map_of(graph)
+    if emap is None:
+        return {p: (p,) for p in params}
+    return {p: tuple(dict.fromkeys((p, *emap.stands_for.get(p, ()), *emap.copies.get(p, ()))))
+            for p in params}
+
+
+def _apply_freeze(params: list[str], patterns: tuple[str, ...], source: str,
+                  names: dict[str, tuple[str, ...]]) -> list[str]:
+    """Drop parameters any of whose ``names`` matches a ``--freeze`` pattern; a pattern that
+    matches nothing is an error (a typo would otherwise silently train everything)."""
     if not patterns:
         return params
+
+    def frozen(p: str, pat: str) -> bool:
+        return any(fnmatch.fnmatchcase(n, pat) for n in names.get(p, (p,)))
+
     for pat in patterns:
-        if not any(fnmatch.fnmatchcase(p, pat) for p in params):
+        if not any(frozen(p, pat) for p in params):
+            aliased = [f"{p} = {' = '.join(names[p][1:])}" for p in params
+                       if len(names.get(p, ())) > 1]
             raise InputError(
-                f"{source}: --freeze '{pat}' matches no trainable parameter; parameters are "
-                f"named like {', '.join(params[:3])}. Patterns use shell wildcards, e.g. "
-                "--freeze 'embeddings.*'."
+                f"{source}: --freeze '{pat}' matches no trainable parameter (by its "
+                "initializer name or any PyTorch name it stands for, tied aliases "
+                f"included); parameters are named like {', '.join(params[:3])}"
+                + (f" ({len(aliased)} with other PyTorch names too, e.g. "
+                   f"{'; '.join(aliased[:2])})" if aliased else "")
+                + ". Patterns use shell wildcards, e.g. --freeze 'embeddings.*'."
             )
-    return [p for p in params if not any(fnmatch.fnmatchcase(p, pat) for pat in patterns)]
+    return [p for p in params if not any(frozen(p, pat) for pat in patterns)]
