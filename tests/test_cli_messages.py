@@ -158,7 +158,7 @@ def test_ctrl_c_in_tune_and_compile_says_what_was_written(tmp_path, monkeypatch)
     def stop(*_args, **_kw):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(memcc.cli.tuning, "_tune", stop)
+    monkeypatch.setattr(memcc.cli.tuning, "_tune_and_write", stop)
     monkeypatch.setattr(memcc.api, "compile_model", stop)
     model = Path(__file__).resolve().parents[1] / "examples" / "gpt2-small.onnx"
     for args in (["tune", str(model), "--budget", "10MB", "--dim", "batch=1..4", "-o",

@@ -113,7 +113,6 @@ def tune_cmd(
     instead be derived from --ref-batch/--ref-lr."""
     from memcc.api import InputError, TuneOptions, parse_dims
 
-    before = stamps(output, plot)
     try:
         searched = _searched_range(dim)
         if lr is not None and ref_lr is not None:
@@ -125,8 +124,6 @@ def tune_cmd(
             ref_batch=ref_batch, ref_lr=ref_lr, lr_rule=lr_rule)
         writes = _TuneOutputs(output, plot, measure, measure_top, provider)
         result = _tune(model, budget, searched, opts, writes)
-    except KeyboardInterrupt:  # as compile says it (a walk-through's Ctrl-C got no word)
-        interrupted([output, plot], before)
     except MemccError as exc:
         fail(exc)
     _print_tuned(result, writes, as_json=as_json)
@@ -159,7 +156,18 @@ def _searched_range(dim: list[str]) -> str:
 
 def _tune(model: Path, budget: str, searched: str, opts: TuneOptions,
           writes: _TuneOutputs) -> TuneResult:
-    """Check the paths to write, search, measure, write the step and the plot."""
+    """Check the paths to write, search, measure, write the step and the plot; after
+    Ctrl-C, say what was written."""
+    output, plot = writes.output, writes.plot
+    before = stamps(output, plot)
+    try:
+        return _tune_and_write(model, budget, searched, opts, writes)
+    except KeyboardInterrupt:  # as compile says it (a walk-through's Ctrl-C got no word)
+        interrupted([output, plot], before)
+
+
+def _tune_and_write(model: Path, budget: str, searched: str, opts: TuneOptions,
+                    writes: _TuneOutputs) -> TuneResult:
     from memcc.api import check_plot_path, check_writable, measure_tune, plot_tune, tune, write_step
 
     output, plot = writes.output, writes.plot
