@@ -22,11 +22,13 @@ from memcc.graph import Graph, ancestors, node_label
 from memcc.step import DEFAULT_RULE, record_rule_io, tag_node
 
 
-def differentiable_values(graph: Graph, loss: str, wrt: Sequence[str]) -> set[str]:
-    """Values on a floating-point path from any of ``wrt`` to ``loss``."""
+def differentiable_values(graph: Graph, loss: str, wrt: Sequence[str],
+                          cut: Collection[str] = ()) -> set[str]:
+    """Values on a floating-point path from any of ``wrt`` to ``loss`` (not through the
+    nodes named in ``cut``)."""
     forward: set[str] = set(w for w in wrt if graph.info[w].is_float)
     for node in graph.nodes:
-        if node.op_type in NON_DIFFERENTIABLE:
+        if node.op_type in NON_DIFFERENTIABLE or node.name in cut:
             continue
         if any(i in forward for i in node.input if i):
             for o in node.output:
@@ -34,7 +36,7 @@ def differentiable_values(graph: Graph, loss: str, wrt: Sequence[str]) -> set[st
                     forward.add(o)
     backward: set[str] = {loss}
     for node in reversed(graph.nodes):
-        if node.op_type in NON_DIFFERENTIABLE:
+        if node.op_type in NON_DIFFERENTIABLE or node.name in cut:
             continue
         if any(o in backward for o in node.output if o):
             backward.update(i for i in node.input if i)

@@ -14,6 +14,8 @@ Planning and gradient rules only ever see tensors of static shape, so:
 - ``LSTM``, ``GRU`` and ``RNN`` become their steps, unrolled over the static sequence length
   (``recurrent``): the one rewrite here that is not exact, since ORT's kernels sum in
   another order.
+- ``SoftmaxCrossEntropyLoss`` and ``NegativeLogLikelihoodLoss`` (a model that computes its
+  own loss) become ``LogSoftmax``, ``GatherElements``, masks and reductions (``loss_ops``).
 - ``If`` whose condition is a compile-time constant once dimensions are bound is replaced by
   the branch it takes (its nodes move into the main graph under fresh names).
 
@@ -37,6 +39,7 @@ from onnx import helper
 
 from memcc.errors import InputError
 from memcc.frontend.counter_hash import name_seed
+from memcc.frontend.loss_ops import LOSS_OPS, loss_shapes_needed, rewrite_loss_op
 from memcc.frontend.recurrent import RECURRENT_OPS, unroll_recurrent
 from memcc.frontend.sequences import SEQUENCE_OPS, SequenceScope, resolve_sequence
 from memcc.frontend.static_values import (
@@ -51,7 +54,7 @@ from memcc.frontend.static_values import (
 def needs_canonicalizing(model: onnx.ModelProto) -> bool:
     """True when the graph holds anything :func:`canonicalize` rewrites."""
     return any(n.op_type in SEQUENCE_OPS or n.op_type in RECURRENT_OPS
-               or n.op_type in ("CastLike", "If", "GatherND")
+               or n.op_type in LOSS_OPS or n.op_type in ("CastLike", "If", "GatherND")
                for n in model.graph.node if n.domain in ("", "ai.onnx"))
 
 
@@ -95,6 +98,8 @@ def shapes_needed(model: onnx.ModelProto) -> list[str]:
             wanted.append(n.input[1])
         elif n.op_type == "GatherND":
             wanted += [n.input[0], n.input[1]]
+        elif n.op_type in LOSS_OPS:
+            wanted += loss_shapes_needed(n)
     return [w for w in dict.fromkeys(wanted)
             if w and (w not in types or types[w][1] is None)]
 
@@ -133,6 +138,9 @@ def canonicalize(model: onnx.ModelProto, where: str) -> tuple[onnx.ModelProto, d
             changed = True
         elif node.op_type == "GatherND" and _float_data_gathernd(node, types):
             out.extend(_gathernd_as_gather(node, types, fresh))
+            changed = True
+        elif node.op_type in LOSS_OPS:
+            out.extend(rewrite_loss_op(node, types, consts.opset, fresh, where))
             changed = True
         elif node.op_type == "If":
             cond = consts.value(node.input[0])

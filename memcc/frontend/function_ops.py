@@ -16,6 +16,7 @@ import onnx.defs
 import onnx.inliner
 from onnx import helper
 
+from memcc.frontend.loss_ops import LOSS_OPS
 from memcc.frontend.sequences import SEQUENCE_OPS
 from memcc.frontend.static_values import Namer, value_types
 
@@ -32,7 +33,7 @@ def expand_function_ops(model: onnx.ModelProto, keep: frozenset[str] | set[str]
     as they are."""
     types = value_types(model)
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
-    rewritten_here = SEQUENCE_OPS | {"CastLike", "If", "GatherND"}
+    rewritten_here = SEQUENCE_OPS | LOSS_OPS | {"CastLike", "If", "GatherND"}
     bodies = {i: body for i, node in enumerate(model.graph.node)
               if node.domain in ("", "ai.onnx") and node.op_type not in keep
               and node.op_type not in rewritten_here

@@ -17,6 +17,7 @@ from memcc.errors import InputError
 from memcc.frontend.autodiff import differentiable_values
 from memcc.frontend.export_map import export_map_of
 from memcc.frontend.export_signature import signature_of
+from memcc.frontend.loss_ops import CLASS_WEIGHTS_KEY
 from memcc.graph import Graph, attr
 
 # torch buffers that exporters store as float initializers (never parameters).
@@ -70,7 +71,8 @@ def _trainable_parameters(graph: Graph, loss: str, bn_stats) -> list[str]:
     Exporters also store pre-transposed copies of weights under made-up names
     (``onnx::MatMul_12``, ``val_3``): those are the parameters the graph uses, so they train.
     ONNX cannot tell a torch buffer from a parameter; buffers known by name (rotary
-    ``inv_freq``, BatchNorm statistics) are not trained.
+    ``inv_freq``, BatchNorm statistics) are not trained, nor initializers that reach the
+    loss only as a loss op's class weights (``frontend.loss_ops``).
     """
     excluded = {s for _, m, v in bn_stats for s in (m, v)}
     excluded.update(n for n in graph.initializers if n.endswith(BUFFER_SUFFIXES))
@@ -88,7 +90,11 @@ def _trainable_parameters(graph: Graph, loss: str, bn_stats) -> list[str]:
         if n not in excluded and graph.info[n].is_float and np.ndim(a) > 0
         and not (n.startswith("onnx::") and np.size(a) == 1)
     ]
-    reachable = differentiable_values(graph, loss, candidates)
+    # A loss op's class weights are never trained (torch's nll_loss has no gradient for
+    # them; TorchScript stores a weight buffer as an initializer): cut where they are read.
+    cut = {n.name for n in graph.nodes
+           if any(p.key == CLASS_WEIGHTS_KEY for p in n.metadata_props)}
+    reachable = differentiable_values(graph, loss, candidates, cut)
     return [n for n in candidates if n in reachable]
 
 
