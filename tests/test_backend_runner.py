@@ -425,3 +425,18 @@ def test_synthetic_bools_are_padding_masks_with_positions_either_way():
     assert (np.diff(m.astype(int), axis=-1) >= 0).all()      # one switch from False to True
     assert len(np.unique(m.sum(-1))) > 1                     # the lengths are drawn
     assert _padding_mask((), np.random.default_rng(0)).shape == ()
+
+
+def test_labels_padded_with_minus_100_are_told_of_ignore_index():
+    """A step built without --ignore-index refuses -100 labels; the refusal says the flag
+    (a walk-through: the message was clear but could have named it)."""
+    from memcc.backend.data import check_int_range
+    from memcc.errors import InputError
+
+    labels = np.array([3, -100, 7, -100])
+    with pytest.raises(InputError, match="build the step with --ignore-index -100"):
+        check_int_range("d.npz", "labels", labels, (0, 10))
+    with pytest.raises(InputError) as other:
+        check_int_range("d.npz", "labels", np.array([3, -1]), (0, 10))
+    assert "--ignore-index" not in str(other.value)
+    check_int_range("d.npz", "labels", labels, (0, 10), ignored=-100)

@@ -292,7 +292,13 @@ def check_int_range(source: str | os.PathLike, name: str, arr: np.ndarray,
     also = "" if ignored is None else \
         f", or equal {ignored}, the value the loss ignores (--ignore-index)"
     besides = "" if ignored is None else f" besides {ignored}"
+    # PyTorch's cross-entropy ignores -100 by default: a step built without it reads the
+    # labels a user padded so as class indices (a walk-through asked for the hint).
+    hint = "" if ignored is not None or lo >= int_range[0] or \
+        np.any((arr < int_range[0]) & (arr != -100)) else \
+        ("; the values below 0 are all -100, the label PyTorch's cross-entropy ignores: "
+         "build the step with --ignore-index -100 to ignore them too")
     raise InputError(
         f"--data {source}: array '{name}' holds values{besides} in [{lo}, {hi}]; it indexes "
         f"something of size {int_range[1]}, so values must lie in "
-        f"[{int_range[0]}, {int_range[1]}){also}")
+        f"[{int_range[0]}, {int_range[1]}){also}{hint}")
