@@ -314,14 +314,17 @@ def describe(a: Analysis) -> list[str]:
         how = ("exact: the peak memcc compile --budget min plans with these options"
                if s.exact
                else f"an estimate: the search stopped at --time-limit {s.time_limit:g} s, so "
-                    "this is an upper bound (a longer memcc compile --budget min may reach "
-                    f"less; no plan goes under {format_size(s.lower_bound_bytes)})")
+                    "this is an upper bound on the smallest peak (a longer search may reach "
+                    "less, and memcc compile --budget min, a search of its own, can settle "
+                    f"above or below it; no plan goes under {format_size(s.lower_bound_bytes)})")
         lines.append(f"smallest peak     {format_size(s.peak_bytes)} "
                      f"({s.peak_bytes / a.peak_bytes:.0%} of as built; strategy "
                      f"{s.strategy_label}; {how})")
         lines.append(f"smallest budget   {format_size(s.budget_bytes)} ({s.budget_bytes:,} "
                      "bytes: the peak with compile's margin and slack"
                      + ("; with the optimizer state in host memory" if s.state_in_host_memory
-                        else "") + f"; --budget {s.budget_bytes} compiles)")
+                        else "") + f"; --budget {s.budget_bytes} fits this plan"
+                     + ("" if s.exact else ", which compile's own search may not find: where "
+                        "it refuses, it names the budget it found") + ")")
     lines.append(f"analyzed in {a.time_s:.1f} s")
     return lines
