@@ -71,6 +71,12 @@ def test_a_budget_only_chunks_reach_compiles_without_flags(gpt2, tmp_path):
     print_report(result.report, Console(file=buf, width=200))
     printed = buf.getvalue()
     assert "row chunks tried" in printed and "<- chosen" in printed
+    assert "optimizer state's copies" not in printed  # nothing was offloaded (CPU)
+    offloaded = {**result.report, "offloaded_state": {"used": True}}
+    buf = io.StringIO()
+    print_report(offloaded, Console(file=buf, width=400))
+    assert "before the optimizer state's copies to and from host memory" in \
+        " ".join(buf.getvalue().split())  # the title wraps at the table's width
     # The chosen step computes the unchunked step's loss and gradients within tolerance.
     chunked = BuildOptions(**{f"{k}_chunks": n for k, n in rc["chosen"].items()})
     assert_step_matches(build_training_step(load_graph(gpt2), WHOLE),
