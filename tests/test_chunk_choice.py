@@ -463,3 +463,18 @@ def test_a_setting_that_cannot_be_built_is_set_aside(gpt2):
     assert planned == [(1, 1, 1), (8, 1, 1), (8, 8, 8), (8, 4, 4), (8, 8, 8)]
     assert choice.report["chosen"] == {"loss": 8, "attention": 8, "mlp": 8}
     assert choice.report["candidates"][1]["refused"] == "cannot build (8, 1, 1)"
+
+
+def test_settings_beyond_a_regions_rows_are_cut_and_not_planned_twice():
+    """Row chunks cut a count above a region's rows to its rows (``row_chunks._rewrite``),
+    so on MLPs of 4 rows (MobileNetV3's squeeze-excitation at batch 4) "mlp 8" built the
+    step "mlp 4" did and compile planned it twice (a walk-through: 23.05 MB each)."""
+    from memcc.compiler.chunk_choice import candidates
+
+    found = {"loss": 0, "attention": 0, "mlp": 3}
+    assert candidates(BuildOptions(), found) == [{"loss": 1, "attention": 1, "mlp": 4},
+                                                 {"loss": 1, "attention": 1, "mlp": 8}]
+    assert candidates(BuildOptions(), found, {"mlp": 4}) == [
+        {"loss": 1, "attention": 1, "mlp": 4}]
+    assert candidates(BuildOptions(), found, {"mlp": 6}) == [
+        {"loss": 1, "attention": 1, "mlp": 4}, {"loss": 1, "attention": 1, "mlp": 6}]

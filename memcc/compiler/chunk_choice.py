@@ -104,6 +104,8 @@ class RowChunkSearch:
     user_budget: Callable[[int, int], int]
     estimate: Estimate | None = None
     found: dict[str, int] | None = None
+    # The most rows a region of each kind has (the load pass's ``splittable_rows``).
+    rows: dict[str, int] | None = None
 
 
 @dataclass
@@ -187,17 +189,22 @@ def trim_chunks(chunks: dict[str, int], least: int = 2) -> dict[str, int]:
     return {k: n for k, n in chunks.items() if k != BATCH or n >= least}
 
 
-def candidates(build: BuildOptions, found: dict[str, int]) -> list[dict[str, int]]:
+def candidates(build: BuildOptions, found: dict[str, int],
+               rows: dict[str, int] | None = None) -> list[dict[str, int]]:
     """The ladder's settings for this model: kinds given by flags kept, kinds without a
-    site left whole; duplicates and the setting as built dropped."""
+    site left whole, counts above ``rows`` (the most rows a region of the kind has) cut to
+    it, as the build cuts them; duplicates and the setting as built dropped (a walk-through
+    saw "mlp 4" and "mlp 8" planned on MobileNetV3's 4-row MLPs, the same step twice)."""
     fixed = chunks_of(build)
     auto = {k for k in KINDS if getattr(build, FIELDS[k]) is None and found.get(k)}
     if build.precision != "fp32":  # the chunked loss is float32-only (BuildOptions says)
         auto.discard(LOSS)
+    most = rows or {}
     seen = [fixed]
     out = []
     for rung in LADDER:
-        c = trim_chunks({k: (rung.get(k, 1) if k in auto else fixed.get(k, 1)) for k in KINDS})
+        c = trim_chunks({k: (min(rung.get(k, 1), most.get(k, rung.get(k, 1))) if k in auto
+                             else fixed.get(k, 1)) for k in KINDS})
         if c not in seen:
             seen.append(c)
             out.append(c)
@@ -252,7 +259,7 @@ def choose_row_chunks(search: RowChunkSearch, graph: Graph, costs: CostModel,
     searchable = built and given != set(KINDS)
     found, stem_report = _gate_stem(search, options, graph, searchable)
     # The settings that may be planned after the step as loaded share its --time-limit.
-    later = len(candidates(options.build, found)) if searchable else 0
+    later = len(candidates(options.build, found, search.rows)) if searchable else 0
     following = min(later, 1) if budget.is_min else later   # --budget min: the heaviest
     clock = SharedLimit.of(options.time_limit, budget.is_min, following)
     # The step as loaded (its load and cost passes are in ``passes``); where settings may
@@ -305,11 +312,11 @@ def choose_row_chunks(search: RowChunkSearch, graph: Graph, costs: CostModel,
 
     why = needs_search(first, budget)
     if why is None:
-        _search_fitting(found, first, options, (base_time, len(graph.nodes), search.estimate),
-                        (clock, report), attempt)
+        step = (base_time, len(graph.nodes), search.estimate)
+        _search_fitting((found, search.rows), first, options, step, (clock, report), attempt)
         return done(next((a for a in tried if a.chunks == report["chosen"]), first))
     report["sites"] = found
-    ladder = candidates(options.build, found)
+    ladder = candidates(options.build, found, search.rows)
     if not ladder:
         report["why"] = (why + "; but the model has no loss projection, attention, MLP or "
                          "stem left for compile to split")
@@ -323,16 +330,18 @@ def choose_row_chunks(search: RowChunkSearch, graph: Graph, costs: CostModel,
     return done(chosen)
 
 
-def _search_fitting(found: dict[str, int], first: Attempt, options: CompileOptions,
+def _search_fitting(sites_rows: tuple[dict[str, int], dict[str, int] | None],
+                    first: Attempt, options: CompileOptions,
                     step: tuple[float, int, Estimate | None],
                     clock: tuple[SharedLimit, dict], attempt) -> None:
     """A step that fits as built (``compiler/chunk_fit.py``): where its plan adds time,
     the settings whose own added time, estimated from their build, is below it are planned
     within what is left of ``--time-limit`` (``clock[0]``, shared with the step as built's
     plan); ``report`` (``clock[1]``) gets ``chosen``, ``screened`` and why. ``step``: the
-    unchunked step's time and nodes, and how to estimate a setting (``found``: the
-    model's sites)."""
+    unchunked step's time and nodes, and how to estimate a setting (``sites_rows``: the
+    model's sites, and the most rows a region of each kind has)."""
     base_time, nodes, estimator = step
+    found, rows = sites_rows
     shared, report = clock
     first_added = first.step_time_s / base_time - 1.0 if base_time > 0 else 0.0
     # The same time summed in another order can differ in the last bit: no "-0.0%".
@@ -344,7 +353,7 @@ def _search_fitting(found: dict[str, int], first: Attempt, options: CompileOptio
                          "was built or planned")
         return
     report["sites"] = found
-    ladder = candidates(options.build, found)
+    ladder = candidates(options.build, found, rows)
     if not ladder:
         report["why"] = (f"the step as built fits the budget at {first_added:+.1%}, and the "
                          "model has no loss projection, attention, MLP or stem left to split")

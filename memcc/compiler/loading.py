@@ -97,13 +97,15 @@ def load_step(model: str | os.PathLike | onnx.ModelProto, label: str,
     graph = load_graph(model, options.dims, source=label, mapped=mapped)
     built = False
     splittable: dict[str, int] = {}
+    rows: dict[str, int] = {}  # the most rows a region of each kind has
     rewrites = PassRunner()  # the step's graph-to-graph rewrites (their reports stay here)
     if not is_training_step(graph):
         # What row chunks could split that this build leaves whole (a hint if nothing fits).
         for kind, k in ((ATTENTION, options.build.attention_chunks),
                         (MLP, options.build.mlp_chunks)):
-            if (k or 1) == 1 and (n := len(find_regions(graph, kind))):
-                splittable[kind] = n
+            if (k or 1) == 1 and (regions := find_regions(graph, kind)):
+                splittable[kind] = len(regions)
+                rows[kind] = max(r.rows for r in regions)
         if (options.build.loss_chunks or 1) == 1 and loss_sites(graph, options.build):
             splittable[LOSS] = 1
         if (options.build.batch_chunks or 1) == 1 and (n := splittable_stems(graph)):
@@ -129,6 +131,9 @@ def load_step(model: str | os.PathLike | onnx.ModelProto, label: str,
         # Attentions / MLPs over row chunks (memcc build --attention-chunks/--mlp-chunks).
         **({"row_chunks": step.row_chunks} if step.row_chunks else {}),
         **({"splittable": splittable} if splittable else {}),
+        # More chunks than rows split no further (row_chunks clips them): compile's
+        # settings are clipped the same way, so that none is planned twice.
+        **({"splittable_rows": rows} if rows else {}),
         # Training-mode BatchNorms written as the CUDA provider runs them
         # (passes/providers/batchnorm_for_cuda.py).
         **({"batchnorm_rewritten": rewritten_for_cuda} if rewritten_for_cuda else {}),

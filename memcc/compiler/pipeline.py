@@ -328,7 +328,8 @@ def _plan(run: CompileRun, graph: Graph, costs: CostModel) -> Planned:
                        lambda peak, s: user_budget(peak, options, s),
                        _estimator(run, (graph, costs), price_setting, built),
                        trim_chunks({k: (load_summary.get("splittable") or {}).get(k, 0)
-                                    for k in KINDS}, least=1)),
+                                    for k in KINDS}, least=1),
+                       load_summary.get("splittable_rows")),
         graph, costs, options, budget)
     attempt = chosen.attempt
     if budget.is_min and options.ranks is None:
