@@ -292,6 +292,10 @@ def test_plain_output_reports_progress_steps_and_the_checkpoint(mlp_run, tmp_pat
                "--threads", "1")
     assert r.exit_code == 0, r.output
     assert "trained steps 1-3 of 3; final loss" in r.output and "samples/s" in r.output
+    # Off a terminal, whole progress lines (the bar's last frame was cut at 80 columns).
+    lines = [line for line in r.output.splitlines() if line.startswith("train ")]
+    assert [line.split()[1] for line in lines] == ["1/3", "2/3", "3/3"], r.output
+    assert all("samples/s" in line and "…" not in line for line in lines), r.output
     assert f"checkpoint: {ck / 'ckpt-000000003.safetensors'}" in r.output
     r = invoke("train", step, "--data", data, "--steps", "3", "--checkpoint", ck, "--resume")
     assert r.exit_code == 0 and "nothing to do: already at step 3 of 3" in r.output

@@ -348,15 +348,19 @@ def _train_with_progress(opts: TrainOptions, *, quiet: bool) -> TrainResult:
 
     from memcc import api
 
+    # Off a terminal (a log, a pipe) the bar's last frame was cut at 80 columns with "...":
+    # there, a plain line every tenth of the run instead.
+    logged = not quiet and not err.is_terminal
     progress = Progress(
         TextColumn("[bold]train[/]"), BarColumn(), MofNCompleteColumn(),
         TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[rate]} samples/s"),
         TextColumn("{task.fields[mem]}"), TimeRemainingColumn(),
-        console=err, disable=quiet, transient=False,
+        console=err, disable=quiet or logged, transient=False,
     )
     task = None
     memory: dict = {}
     started: list[bool] = []
+    total: list[int] = []
 
     def on_start(result) -> None:
         nonlocal task
@@ -374,11 +378,16 @@ def _train_with_progress(opts: TrainOptions, *, quiet: bool) -> TrainResult:
         task = progress.add_task("train", total=result.total_steps,
                                  completed=result.start_step, loss="-", rate="-",
                                  mem=_train_memory(memory, None, None))
+        total.append(result.total_steps)
 
     def on_step(p) -> None:
-        progress.update(task, completed=p.step, loss=f"{p.loss:.4f}",
-                        rate=f"{p.samples_per_s:,.0f}",
-                        mem=_train_memory(memory, p.step_peak_bytes, p.memory_bytes))
+        fields = dict(loss=f"{p.loss:.4f}", rate=f"{p.samples_per_s:,.0f}",
+                      mem=_train_memory(memory, p.step_peak_bytes, p.memory_bytes))
+        progress.update(task, completed=p.step, **fields)
+        n = total[0] if total else p.step
+        if logged and (p.step >= n or p.step % max(n // 10, 1) == 0):
+            err.print(f"train {p.step}/{n} loss {fields['loss']} {fields['rate']} samples/s "
+                      f"{fields['mem']}", highlight=False, soft_wrap=True)
 
     try:
         return api.train(opts, on_start=on_start, on_step=on_step)
