@@ -111,9 +111,9 @@ def build_training_step(forward: Graph, options: BuildOptions | None = None,
     warn_inactive_dropouts(graph, source)
     bn_stats = batchnorm_running_stats(graph)
     unbias_running_var(graph, bn_stats)  # PyTorch's running variance, for its models
-    params = choose_parameters(graph, loss, bn_stats, opts.freeze, source)
-    sources = parameter_sources(graph, params)
     emap = export_map_of(graph)
+    params = choose_parameters(graph, loss, bn_stats, opts.freeze, source, emap)
+    sources = parameter_sources(graph, params)
     report_parameters(sources, source, signature_of(graph), emap)
     # The stem over batch chunks (frontend/batch_chunks.py): its forward is rewritten here,
     # after the parameters are known, and its backward written after the autodiff's.

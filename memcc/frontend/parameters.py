@@ -15,7 +15,7 @@ import numpy as np
 
 from memcc.errors import InputError
 from memcc.frontend.autodiff import differentiable_values
-from memcc.frontend.export_map import export_map_of
+from memcc.frontend.export_map import ExportMap
 from memcc.frontend.export_signature import signature_of
 from memcc.frontend.loss_ops import CLASS_WEIGHTS_KEY
 from memcc.graph import Graph, attr
@@ -25,10 +25,11 @@ BUFFER_SUFFIXES = ("inv_freq", "running_mean", "running_var", "num_batches_track
 
 
 def choose_parameters(graph: Graph, loss: str, bn_stats, freeze: tuple[str, ...],
-                      source: str) -> list[str]:
-    """The parameters the step trains; an error when there are none."""
-    params = _trainable_parameters(graph, loss, bn_stats)
-    params = _apply_freeze(params, freeze, source, _pytorch_names(graph, params))
+                      source: str, emap: ExportMap | None = None) -> list[str]:
+    """The parameters the step trains; an error when there are none. ``emap``: the
+    exporter's records (``export_map_of(graph)``, read once by the caller)."""
+    params = _trainable_parameters(graph, loss, bn_stats, emap)
+    params = _apply_freeze(params, freeze, source, _pytorch_names(emap, params))
     if not params:
         raise InputError(
             f"{source}: no trainable parameters: no floating-point initializer lies on a "
@@ -61,7 +62,8 @@ def batchnorm_running_stats(graph: Graph) -> list[tuple[object, str, str]]:
     return out
 
 
-def _trainable_parameters(graph: Graph, loss: str, bn_stats) -> list[str]:
+def _trainable_parameters(graph: Graph, loss: str, bn_stats, emap: ExportMap | None
+                          ) -> list[str]:
     """Float initializers on a differentiable path to the loss, minus BN statistics.
 
     Scalar constants that exporters store as initializers (0-d tensors, one-element
@@ -79,7 +81,6 @@ def _trainable_parameters(graph: Graph, loss: str, bn_stats) -> list[str]:
     sig = signature_of(graph)
     if sig is not None:  # the dynamo exporter says which initializers are torch buffers
         excluded.update(sig.buffers)
-    emap = export_map_of(graph)
     if emap is not None:  # ... and which one-element ones it folded from constants alone
         excluded.update(emap.constants)
     for node in graph.nodes:
@@ -98,12 +99,11 @@ def _trainable_parameters(graph: Graph, loss: str, bn_stats) -> list[str]:
     return [n for n in candidates if n in reachable]
 
 
-def _pytorch_names(graph: Graph, params: list[str]) -> dict[str, tuple[str, ...]]:
+def _pytorch_names(emap: ExportMap | None, params: list[str]) -> dict[str, tuple[str, ...]]:
     """Each parameter's initializer name and every PyTorch name it stands for, from the
     exporter's records (``ExportMap``): those merged into it, its tied aliases (GPT-2's
     dynamo export holds ``transformer.wte.weight`` as ``lm_head.weight``), and for a copy
     the exporter folded from parameters, theirs."""
-    emap = export_map_of(graph)
     if emap is None:
         return {p: (p,) for p in params}
     return {p: tuple(dict.fromkeys((p, *emap.stands_for.get(p, ()), *emap.copies.get(p, ()))))

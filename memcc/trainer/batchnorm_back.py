@@ -21,15 +21,17 @@ import onnx
 
 from memcc.frontend.constants import constant_value
 from memcc.frontend.running_variance import carried_value
-from memcc.graph import Graph, attr
+from memcc.graph import DefUse, Graph, attr
 from memcc.step import TrainingStep
 
 
 def training_batchnorms_back(graph: Graph, spec: TrainingStep) -> tuple[Graph, int]:
     """A copy of ``graph`` with every CUDA-form BatchNorm (module docstring) a training-mode
     BatchNormalization again, and how many; ``graph`` itself where there is none."""
-    producer = graph.def_use().producer
-    updates = _running_updates(graph, spec, producer)
+    if not any(_inference_form(n) for n in graph.nodes):  # no CUDA form: no graph walk
+        return graph, 0
+    du = graph.def_use()
+    updates = _running_updates(graph, spec, du)
     nodes, back = [], 0
     for n in graph.nodes:
         stats = [updates.get(s) for s in n.input[3:5]] if _inference_form(n) else []
@@ -57,14 +59,14 @@ def _inference_form(n: onnx.NodeProto) -> bool:
         int(attr(n, "training_mode", 0)) == 0
 
 
-def _running_updates(graph: Graph, spec: TrainingStep, producer: dict[str, onnx.NodeProto]
+def _running_updates(graph: Graph, spec: TrainingStep, du: DefUse
                      ) -> dict[str, tuple[str, float]]:
     """Batch statistic -> (the value its running statistic's update multiplies by the
     momentum, the momentum): ``Add(Mul(R, m), Mul(batch, 1 - m))``, R alone or in a Concat
     of several (the grouped form)."""
+    producer, readers = du.producer, du.readers
     running = running_of_batch_statistics(spec, producer)
     wanted = set(running.values())
-    readers = graph.def_use().readers
     found: dict[str, tuple[str, float]] = {}
     for n in graph.nodes:
         if n.op_type != "Mul" or len(n.input) != 2:
