@@ -41,8 +41,12 @@ from memcc.passes.analysis.step_traffic import StepTraffic, step_traffic
 from memcc.passes.lowering.offload_state import offload_state, optimizer_state
 from memcc.passes.plan import Plan, StepStructure
 from memcc.passes.planning.floor import runtime_bytes
-from memcc.passes.planning.planner import PlanOutcome, choose_plan, segment_counts
-from memcc.passes.planning.request import Budget, PlanRequest
+from memcc.passes.planning.planner import (
+    PlanOutcome,
+    choose_plan,
+    segment_counts,
+)
+from memcc.passes.planning.request import Budget, PlanRequest, stopped_by_clock
 from memcc.passes.planning.simulate import Simulation, SimulationRules, simulate
 from memcc.sizes import format_size
 from memcc.step import TrainingStep
@@ -229,8 +233,7 @@ def _smallest(graph: Graph, costs, options: CompileOptions, request: PlanRequest
     # Solves stopped by the clock say so (``limit_hit``), solves skipped for want of time
     # in their status. The polish is cut silently, but it only sheds recompute at the same
     # peak: it changes the plan's time and heap room, never the smallest peak.
-    cut = any(r.get("limit_hit") == "time" or "time limit" in str(r.get("status") or "")
-              for r in outcome.runs)
+    cut = any(stopped_by_clock(r, polish=False) for r in outcome.runs)
     return Smallest(peak_bytes=int(best.peak_bytes),
                     budget_bytes=user_budget(best.peak_bytes, options, slack),
                     exact=not cut, lower_bound_bytes=min(

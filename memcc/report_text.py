@@ -10,6 +10,7 @@ either depending on the other.
 from __future__ import annotations
 
 from memcc.passes.analysis.liveness import HEAP_BYTES_PER_SMALL_BUFFER
+from memcc.passes.planning.request import stopped_by_clock
 from memcc.sizes import format_size
 
 
@@ -19,10 +20,9 @@ def _count(n: int, noun: str) -> str:
 
 
 def _cut_by_clock(report: dict) -> str | None:
-    """How many searches the clock stopped (solves with ``limit_hit: "time"``, polishes and
-    segmentations ``cut_by_time_limit``), said as ``2 solves``; None where none was."""
-    runs = report.get("strategies") or []
-    n = sum(r.get("limit_hit") == "time" or bool(r.get("cut_by_time_limit")) for r in runs)
+    """How many searches the clock stopped or left unrun (``request.stopped_by_clock``),
+    said as ``2 searches``; None where none was."""
+    n = sum(stopped_by_clock(r) for r in report.get("strategies") or [])
     return (f"{n} search" + ("es" if n != 1 else "")) if n else None
 
 

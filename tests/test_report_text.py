@@ -55,6 +55,9 @@ def test_a_smallest_budget_the_clock_cut_says_so():
                     "--time-limit may reach a smaller budget, and runs can differ"]
     report["strategies"] = [{"strategy": "ilp", "limit_hit": "work"}]
     assert not any(line.startswith("search") for line in summary_lines(report))
+    # A solve the clock left unrun counts too (request.stopped_by_clock, as analyze reads it).
+    report["strategies"] = [{"strategy": "ilp", "status": "not run: time limit reached"}]
+    assert any(line.startswith("search   1 search stopped") for line in summary_lines(report))
     report["strategies"] = [{"strategy": "ilp", "limit_hit": "time"}]
     report["budget_was_min"] = False
     assert not any(line.startswith("search") for line in summary_lines(report))

@@ -30,8 +30,12 @@ from memcc.passes.analysis.cost_model import CostModel
 from memcc.passes.lowering.offload_state import offload_state, optimizer_state
 from memcc.passes.plan import Plan, StepStructure
 from memcc.passes.planning.floor import SESSION_HELD, runtime_bytes
-from memcc.passes.planning.planner import BudgetError, PlanOutcome, choose_plan
-from memcc.passes.planning.request import Budget, PlanRequest
+from memcc.passes.planning.planner import (
+    BudgetError,
+    PlanOutcome,
+    choose_plan,
+)
+from memcc.passes.planning.request import Budget, PlanRequest, stopped_by_clock
 from memcc.passes.planning.simulate import Simulation, SimulationRules, simulate
 from memcc.passes.planning.variant_report import describe_variants
 from memcc.sizes import format_size
@@ -93,9 +97,7 @@ def _cut_by_clock(outcomes: list[PlanOutcome | None], options: CompileOptions,
                   started: float) -> bool:
     """Whether --time-limit stopped the search: a solve the clock stopped or left unrun,
     or planning past its deadline."""
-    runs = [r for o in outcomes if o is not None for r in o.runs]
-    return any(r.get("limit_hit") == "time" or bool(r.get("cut_by_time_limit"))
-               or "time limit" in str(r.get("status") or "") for r in runs) or \
+    return any(stopped_by_clock(r) for o in outcomes if o is not None for r in o.runs) or \
         time.perf_counter() >= (options.deadline or started + options.time_limit)
 
 

@@ -11,8 +11,9 @@ refusal's smallest-budget search is the same request at ``Budget.MIN``.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import KW_ONLY, dataclass, field, replace
-from typing import ClassVar
+from typing import Any, ClassVar
 
 # The strategies the planner registers (``planner.STRATEGIES``, which checks it equals this):
 # named here for the options to check without importing every strategy.
@@ -106,3 +107,12 @@ class PlanRequest:
     def at(self, budget: Budget) -> PlanRequest:
         """The same request at another budget."""
         return replace(self, budget=budget)
+
+
+def stopped_by_clock(run: Mapping[str, Any], *, polish: bool = True) -> bool:
+    """Whether --time-limit stopped one strategy run (a row of ``PlanOutcome.runs``): a solve
+    the clock cut (``limit_hit``) or left unrun (its ``status``), or, with ``polish``, a
+    polish or segmentation it cut (``cut_by_time_limit``), which sheds recompute at the same
+    peak and so never moves a smallest peak."""
+    return (run.get("limit_hit") == "time" or "time limit" in str(run.get("status") or "")
+            or (polish and bool(run.get("cut_by_time_limit"))))
