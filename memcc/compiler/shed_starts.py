@@ -36,7 +36,7 @@ from memcc.compiler.trained_smallest import (
 from memcc.graph import Graph
 from memcc.passes.analysis.cost_model import CostModel
 from memcc.passes.plan import StepStructure
-from memcc.passes.planning.planner import PlanOutcome
+from memcc.passes.planning.planner import ALTERNATIVES, PlanOutcome
 from memcc.passes.planning.simulate import Simulation, simulate
 from memcc.passes.planning.work import SIMULATED_NODES_PER_S
 
@@ -85,7 +85,7 @@ class _Shedding:
             if found.best.plan.strategy != "recompute all":   # as_trained chose it already
                 yield (everything_as_trained(self.graph, found.best, self.costs, self.options,
                                              self.structure), f"{source}, then recompute all")
-            for other in found.alternatives:
+            for other in found.alternatives[:ALTERNATIVES]:   # the cheapest few
                 if other.plan.strategy != "none":
                     yield (simulate(self.graph, other.plan, self.costs, self.structure, rules),
                            f"{other.plan.strategy} (another plan of that search)")
