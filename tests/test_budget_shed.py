@@ -77,8 +77,8 @@ def test_each_run_of_a_smallest_peak_search_offers_its_smallest_plan_cheapest_fi
     70%: the smallest plan, rebuilt again, shed to +26.1%, the ILP's seed to +2.4%)."""
     from types import SimpleNamespace
 
+    from memcc.passes.planning.alternatives import runs_smallest
     from memcc.passes.planning.context import StrategyResult
-    from memcc.passes.planning.planner import _alternatives
 
     def sim(peak: int, time: float):
         return SimpleNamespace(peak_bytes=peak, added_time_s=time)
@@ -91,10 +91,10 @@ def test_each_run_of_a_smallest_peak_search_offers_its_smallest_plan_cheapest_fi
     found.add("auto", [d], {})
     found.add("none", [e], {})
     pool = [(n, s) for n, s in found.plans if n != "none"]
-    got = _alternatives(found, best, pool)
+    got = runs_smallest(found, best, pool)
     assert got == (a, d)                      # sqrtn's smallest is the answer itself
     # More runs than compile sheds: none is left out (the step as built, e, first).
-    assert _alternatives(found, sim(0, 0.0), found.plans) == (e, a, d, best)
+    assert runs_smallest(found, sim(0, 0.0), found.plans) == (e, a, d, best)
 
 
 def test_a_budget_fitted_only_as_trained_keeps_the_cheapest_start_shed(step):

@@ -170,3 +170,40 @@ def test_budget_min_judges_every_run_s_smallest_plan_however_many_runs_are_cheap
     assert any(a is looks for a in outcome.alternatives)
     got = as_trained(graph, outcome, costs, opts, st, smallest=True)
     assert got.best.plan is small.plan and got.best.fit_bytes < pick.fit_bytes
+
+
+def test_budget_min_judges_a_run_s_other_plans_near_the_pick_as_trained(step):
+    """A run's smallest plan as searched need not be its smallest as trained: where the
+    pick's own run also returned a plan that looked a little larger, ``as_trained`` judges
+    that one too (``PlanOutcome.near``) and keeps it where its budget is less as trained
+    (a dynamo timm LCNet-050: an 18-segment sqrt(n) plan, 11.02 MB as trained, was never
+    judged once a longer ``--time-limit`` added a 25-segment plan that looked smaller and
+    was 11.37 MB as trained). None is judged where the step is too large for the
+    simulations ``NEAR_SIMULATED_NODES`` buys."""
+    from memcc.compiler import planning
+    from memcc.passes.planning.context import StrategyResult
+    from memcc.passes.planning.planner import _finish
+    from memcc.passes.planning.request import Budget
+
+    graph, _ = in_training_order(step, CompileOptions(budget="min"))
+    st, costs = StepStructure.of(graph), unit_costs(graph)
+    opts = CompileOptions(budget="min", time_limit=60, strategy="none")
+    every = sorted(nothing_saveable(st).recompute)
+    pick = simulate(graph, Plan(frozenset(every[: len(every) // 2]), "sqrtn"), costs, st)
+    small = simulate(graph, Plan(frozenset(every), "sqrtn"), costs, st, trained_rules(opts))
+    assert small.fit_bytes < pick.fit_bytes
+    looks = replace(small, peak_bytes=pick.fit_bytes - small.heap_room + 1)
+    whole = simulate(graph, Plan(), costs, st)
+    found = StrategyResult()
+    found.add("none", [whole], {"strategy": "none"})
+    found.add("sqrtn", [pick, looks], {"strategy": "sqrtn"})
+    outcome = _finish(whole, found, Budget.MIN, "auto", smallest_first=True)
+    assert outcome.best is pick and not any(a is looks for a in outcome.alternatives)
+    assert any(a is looks for a in outcome.near)
+    got = planning.as_trained(graph, outcome, costs, opts, st, smallest=True)
+    assert got.best.plan is small.plan and got.best.fit_bytes < pick.fit_bytes
+    few = len(graph.nodes) - 1   # buys no simulation of this step
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(planning, "NEAR_SIMULATED_NODES", few)
+        kept = planning.as_trained(graph, outcome, costs, opts, st, smallest=True)
+    assert kept.best.plan is pick.plan

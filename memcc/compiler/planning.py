@@ -294,6 +294,19 @@ def _baseline_as_built(off: Planned, plain: Planned | None, graph: Graph, costs:
 # ``as_trained``: another run's smallest plan is judged as trained where its budget is within
 # this factor of the search's pick.
 ALTERNATIVES_WINDOW = 1.10
+# ... and the search's other plans within it, as many as simulating this many nodes allows
+# (about 2 s; fixed, not a share of --time-limit, so that analyze, which searches with
+# compile's segmentations under a limit of its own, judges the same plans as compile).
+NEAR_SIMULATED_NODES = 24_000
+
+
+def _to_judge(graph: Graph, outcome: PlanOutcome, near: float) -> list[Simulation]:
+    """The plans ``--budget min`` judges as trained besides the pick: each run's smallest
+    within ``near`` bytes of budget, then as many of the others within it, smallest budget
+    first, as ``NEAR_SIMULATED_NODES`` of simulation buys (``planning.alternatives``)."""
+    judged = [a for a in outcome.alternatives if a.fit_bytes <= near]
+    more = NEAR_SIMULATED_NODES // max(len(graph.nodes), 1)
+    return judged + [a for a in outcome.near if a.fit_bytes <= near][:more]
 
 
 def plan_stage(graph: Graph, costs: CostModel, request: PlanRequest, options: CompileOptions,
@@ -345,7 +358,7 @@ def as_trained(graph: Graph, outcome: PlanOutcome, costs: CostModel, options: Co
         # whole step (2-3 s on a 30,905-node one), and the trained order moved GhostNet's
         # by 5%.
         near = outcome.best.fit_bytes * ALTERNATIVES_WINDOW
-        for alt in (a for a in outcome.alternatives if a.fit_bytes <= near):
+        for alt in _to_judge(graph, outcome, near):
             again = trained(alt)
             if (again.fit_bytes, again.peak_bytes) < (best.fit_bytes, best.peak_bytes):
                 best, picked = again, f"{outcome.picked or outcome.strategy}: another run's " \

@@ -28,6 +28,7 @@ from memcc.passes.analysis.cost_model import CostModel
 from memcc.passes.analysis.liveness import LivenessReport, small_buffers
 from memcc.passes.lowering.variant_substitution import apply_variants, region_variants
 from memcc.passes.plan import Plan, StepStructure
+from memcc.passes.planning.alternatives import nearest, runs_smallest
 from memcc.passes.planning.model.offload_terms import OffloadVars, add_offload_terms
 from memcc.passes.planning.model.problem import ProblemBuilder
 from memcc.passes.planning.model.recompute_terms import add_recompute_terms
@@ -98,6 +99,8 @@ class PlanOutcome:
     # (``compiler/shed_starts.py``), ``--budget min`` judges all as trained (three only:
     # a longer --time-limit's cheaper runs pushed out LCNet-050's, 11.19 -> 11.63 MB).
     alternatives: tuple[Simulation, ...] = ()
+    # Every other plan over that step, smallest budget first (``alternatives.nearest``).
+    near: tuple[Simulation, ...] = ()
 
     @property
     def label(self) -> str:
@@ -459,7 +462,7 @@ def _finish(base: Simulation, found: StrategyResult, target: Budget, strategy: s
     else:
         name, best = min(fitting, key=lambda p: (p[1].added_time_s, p[1].peak_bytes))
     described = _describe_runs(found.runs, best, limit, by_peak=smallest_first)
-    others = _alternatives(found, best, pool)
+    others = runs_smallest(found, best, pool)
     picked = name
     if name == "auto":
         start = next((r.get("from") for r in described if r["picked"] and r.get("from")), None)
@@ -468,30 +471,15 @@ def _finish(base: Simulation, found: StrategyResult, target: Budget, strategy: s
         picked = f"{name} (sqrt(n) seed)"
     return PlanOutcome(best=best, baseline=base, strategy=name, solver=solver_info,
                        candidates=cands, smallest_peak=smallest, requested=strategy,
-                       picked=picked, runs=described, alternatives=others)
-
-
-def _alternatives(found: StrategyResult, best: Simulation,
-                  pool: list[tuple[str, Simulation]]) -> tuple[Simulation, ...]:
-    """Each run's smallest plan other than ``best`` (among the plans the strategy asked for
-    may return: ``pool``), cheapest first, every one."""
-    allowed = {id(sim) for _, sim in pool}
-    own = [min((s for s in run.sims if id(s) in allowed),
-               key=lambda s: (s.peak_bytes, s.added_time_s), default=None)
-           for run in found.runs]
-    seen, out = {id(best)}, []
-    for sim in sorted((s for s in own if s is not None), key=lambda s: s.added_time_s):
-        if id(sim) not in seen:
-            seen.add(id(sim))
-            out.append(sim)
-    return tuple(out)
+                       picked=picked, runs=described, alternatives=others,
+                       near=nearest(best, pool, others))
 
 
 def _over_the_step(winner: PlanOutcome, given: PlanOutcome) -> PlanOutcome:
     """``winner`` (the search over region variants) with alternatives over the step as
     given: ``given``'s answer and its alternatives (those of the region search are plans of
     the step with its variants substituted)."""
-    return replace(winner, alternatives=(given.best, *given.alternatives))
+    return replace(winner, alternatives=(given.best, *given.alternatives), near=given.near)
 
 
 def _fmt(n: float | None) -> str:
