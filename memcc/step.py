@@ -33,6 +33,8 @@ INT_RANGES_KEY = "memcc.int_ranges"
 # --ignore-index: integer input -> the one value it may hold outside its ``int_ranges``
 # range, which the loss ignores ({"labels": -100}); absent when nothing is ignored.
 IGNORED_KEY = "memcc.ignored_values"
+# The labels input the cross-entropy loss adds to a step (``frontend/loss.py``).
+LABELS = "labels"
 PARAMS_KEY = "memcc.parameters"
 OPTIMIZER_KEY = "memcc.optimizer"
 # parameter -> {"exported_name": initializer name in the exported file, "named": it is the

@@ -228,7 +228,7 @@ def test_out_of_range_labels_are_refused(tmp_path):
     feeds = synthetic_feeds(step, seed=0)
     feeds["labels"] = np.full_like(feeds["labels"], 3)
     np.savez(tmp_path / "d.npz", **feeds)
-    with pytest.raises(InputError, match=r"'labels' holds values in \[3, 3\].*\[0, 3\)"):
+    with pytest.raises(InputError, match=r"'labels' holds values from 3 to 3.*\[0, 3\)"):
         run_steps(path, RunRequest(data=tmp_path / "d.npz"))
 
 
@@ -255,16 +255,16 @@ def test_the_ignored_label_passes_the_data_check_only_where_the_step_ignores_it(
     load_dataset(tmp_path / "ok.npz", data_inputs(ignoring))
     feeds["labels"] = np.array([0, -100, 3, 1], np.int64)
     np.savez(tmp_path / "bad.npz", **feeds)
-    refused = (r"'labels' holds values besides -100 in \[0, 3\].*must lie in \[0, 3\), or "
+    refused = (r"'labels' holds values besides -100 from 0 to 3.*must lie in \[0, 3\), or "
                r"equal -100, the value the loss ignores \(--ignore-index\)")
     with pytest.raises(InputError, match=refused):
         run_steps(ignoring_path, RunRequest(data=tmp_path / "bad.npz"))
     with pytest.raises(InputError, match=refused):
         load_dataset(tmp_path / "bad.npz", data_inputs(ignoring))
-    with pytest.raises(InputError, match=r"'labels' holds values in \[-100, 2\].*\[0, 3\); the "
+    with pytest.raises(InputError, match=r"'labels' holds values from -100 to 2.*\[0, 3\); the "
                                          r"values below 0 are all -100.*--ignore-index -100"):
         run_steps(plain_path, RunRequest(data=tmp_path / "ok.npz"))
-    with pytest.raises(InputError, match=r"'labels' holds values in \[-100, 2\]"):
+    with pytest.raises(InputError, match=r"'labels' holds values from -100 to 2"):
         load_dataset(tmp_path / "ok.npz", data_inputs(plain))
 
 
@@ -441,3 +441,7 @@ def test_labels_padded_with_minus_100_are_told_of_ignore_index():
         check_int_range("d.npz", "labels", np.array([3, -1]), (0, 10))
     assert "--ignore-index" not in str(other.value)
     check_int_range("d.npz", "labels", labels, (0, 10), ignored=-100)
+    # Token ids padded with -100 are no labels: the flag would not help them (a walk-through).
+    with pytest.raises(InputError) as ids:
+        check_int_range("d.npz", "input_ids", labels, (0, 10))
+    assert "--ignore-index" not in str(ids.value)

@@ -201,6 +201,9 @@ def test_unknown_or_fixed_dimensions_say_how_to_export(model_file, tmp_path):
     with pytest.raises(InputError, match=r"symbolic dimensions are batch") as exc:
         tune(model_file, BUDGET, "seq=1..8", TuneOptions(**EXACT))
     assert "dynamic_axes" in str(exc.value)
+    # a sequence is no batch axis: not advised as axis 0 (a walk-through read {0: 'seq'})
+    assert "{0: 'seq'}" not in str(exc.value) and "batch axis" not in str(exc.value)
+    assert "{AXIS: 'seq'}" in str(exc.value)
     fixed = tmp_path / "fixed.onnx"
     onnx.save(_mlp(dynamic=False), str(fixed))
     with pytest.raises(InputError, match="no symbolic dimension") as exc:

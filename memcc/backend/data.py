@@ -31,7 +31,7 @@ import numpy as np
 
 from memcc.errors import InputError
 from memcc.graph import Graph, TensorInfo
-from memcc.step import TrainingStep
+from memcc.step import LABELS, TrainingStep
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,9 @@ class Dataset:
     num_samples: int
     batch_size: int
     files: tuple[str, ...]
-    converted: tuple[str, ...] = ()     # arrays given in another dtype than the step's
+    # what reading the data changed or left out: arrays given in another dtype than the
+    # step's (converted), arrays no input reads, files of a shard directory not read
+    notes: tuple[str, ...] = ()
     _orders: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -145,6 +147,11 @@ def load_dataset(path: str | os.PathLike, inputs: list[DataInput]) -> Dataset:
         files = [p]
     parts: dict[str, list[np.ndarray]] = {d.name: [] for d in inputs}
     notes: set[str] = set()
+    if p.is_dir() and (skipped := sorted(f.name for f in p.iterdir()
+                                         if f.is_file() and f.suffix != ".npz")):
+        # a shard saved with numpy.save (.npy) would be silently left out (a walk-through)
+        notes.add(f"{len(skipped)} file(s) of {p} not read (only .npz shards are): "
+                  + ", ".join(skipped[:5]) + (", ..." if len(skipped) > 5 else ""))
     for f in files:
         shard = _read_shard(f, inputs, notes)
         for name, arr in shard.items():
@@ -294,11 +301,13 @@ def check_int_range(source: str | os.PathLike, name: str, arr: np.ndarray,
     besides = "" if ignored is None else f" besides {ignored}"
     # PyTorch's cross-entropy ignores -100 by default: a step built without it reads the
     # labels a user padded so as class indices (a walk-through asked for the hint).
-    hint = "" if ignored is not None or lo >= int_range[0] or \
+    # Only the labels memcc's cross-entropy reads (--ignore-index applies to them alone; an
+    # input's -100 padding is no label, and the flag would not help it).
+    hint = "" if name != LABELS or ignored is not None or lo >= int_range[0] or \
         np.any((arr < int_range[0]) & (arr != -100)) else \
         ("; the values below 0 are all -100, the label PyTorch's cross-entropy ignores: "
          "build the step with --ignore-index -100 to ignore them too")
     raise InputError(
-        f"--data {source}: array '{name}' holds values{besides} in [{lo}, {hi}]; it indexes "
+        f"--data {source}: array '{name}' holds values{besides} from {lo} to {hi}; it indexes "
         f"something of size {int_range[1]}, so values must lie in "
         f"[{int_range[0]}, {int_range[1]}){also}{hint}")

@@ -22,6 +22,7 @@ from memcc.frontend.chunked_loss import ChunkedLoss, emit_chunked_loss
 from memcc.frontend.emit import Emitter
 from memcc.frontend.export_signature import ExportNote
 from memcc.graph import Graph, TensorInfo, attr
+from memcc.step import LABELS
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,7 @@ def add_loss(graph: Graph, emit: Emitter, opts: BuildOptions, source: str) -> St
     loss, extra_inputs, label_range, chunked = emit_loss(graph, emit, logits, opts, source)
     int_ranges.update(label_range)
     # BuildOptions allows --ignore-index with cross-entropy only.
-    ignored = {"labels": opts.ignore_index} if opts.ignore_index is not None else {}
+    ignored = {LABELS: opts.ignore_index} if opts.ignore_index is not None else {}
     return StepLoss(loss, data_inputs + extra_inputs, int_ranges, chunked, ignored)
 
 

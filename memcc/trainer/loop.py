@@ -227,7 +227,7 @@ def _result_before_training(trainer: Trainer, plan: TrainPlan,
                          allocator=allocator_of(trainer), notes=allocator_notes(trainer),
                          cuda_graph=trainer.cuda_graph if trainer.provider == "cuda" else None,
                          deterministic=trainer.deterministic)
-    result.notes.extend(dataset.converted)
+    result.notes.extend(dataset.notes)
     result.notes.extend(trainer.notes)
     if trainer.provider == "cuda":
         same = ("yes (--deterministic)" if trainer.deterministic else

@@ -167,13 +167,18 @@ def _check_searchable(model: onnx.ModelProto, label: str, rng: SearchRange,
         return
     have = (f"its symbolic dimensions are {', '.join(sorted(symbolic))} (search one of "
             "them)" if symbolic else "it has no symbolic dimension")
+    # The batch is axis 0 of every input; another dimension (a sequence) sits where the
+    # model has it, which the file cannot say (a walk-through: "seq" was advised as axis 0).
+    batch = "batch" in rng.dim.lower()
+    axis, which = ("0", "a dynamic batch axis") if batch else \
+        ("AXIS", f"'{rng.dim}' a dynamic axis (AXIS: the inputs' axis that holds it)")
     raise InputError(
         f"{label}: no input has a symbolic dimension named '{rng.dim}'; {have}. Inputs: "
-        f"{'; '.join(shapes) or 'none'}. Export the model with a dynamic batch axis: "
+        f"{'; '.join(shapes) or 'none'}. Export the model with {which}: "
         "torch.onnx.export(model, args, f, input_names=['input'], "
-        f"dynamic_axes={{'input': {{0: '{rng.dim}'}}}}), or with dynamo=True, "
-        f"dynamic_shapes={{'input': {{0: torch.export.Dim('{rng.dim}')}}}}; the zoo's "
-        "builders take -O dynamic_batch=true")
+        f"dynamic_axes={{'input': {{{axis}: '{rng.dim}'}}}}), or with dynamo=True, "
+        f"dynamic_shapes={{'input': {{{axis}: torch.export.Dim('{rng.dim}')}}}}"
+        + ("; the zoo's builders take -O dynamic_batch=true" if batch else ""))
 
 
 def _under_the_floor(search: SizeSearch, b: int, budget: int, floor: int) -> InputError:
