@@ -152,9 +152,11 @@ def export_weights(graph: Graph, spec: TrainingStep, state: Mapping[str, np.ndar
         # Under every PyTorch name the value stands for (merged and tied parameters too),
         # so that a strict load_state_dict finds them all; a copy the exporter folded from
         # a parameter, through the inverse of its op under that parameter's name; else
-        # under its own name.
+        # under its own name. The value is the forward model's: ``state``'s for what the
+        # step trains or carries, the step's own for what it keeps frozen (an inference-form
+        # BatchNorm's statistics, which no checkpoint holds).
         src = sources.get(n, {})
-        names, value = src.get("pytorch_names") or [n], np.asarray(state[n])
+        names, value = src.get("pytorch_names") or [n], np.asarray(fwd.initializers[n])
         if not src.get("pytorch_names") and src.get("copy_op") and \
                 len(src.get("copy_of", ())) == 1:
             names, value = list(src["copy_of"]), undo_copy_op(src["copy_op"], value)
@@ -211,8 +213,8 @@ def undo_copy_op(op: str, value: np.ndarray) -> np.ndarray:
 
 def exported_weight_names(graph: Graph, spec: TrainingStep, fwd: Graph) -> list[str]:
     """Parameters, other carried values the forward model reads, and BatchNorm statistics
-    (carried in training mode, frozen in eval-mode exports); never optimizer state, which
-    only update nodes read."""
+    (carried in training mode, frozen in eval-mode exports: initializers of the step that
+    no checkpoint holds); never optimizer state, which only update nodes read."""
     keep = set(spec.state.values()) | set(spec.parameters)
     keep |= {i for n in fwd.nodes if n.op_type == "BatchNormalization" for i in n.input[3:5]}
     return [n for n in fwd.initializers if n in keep]
