@@ -5,15 +5,21 @@ optimizer wrote so) reads its running statistics as initializers the step keeps 
 are no carried state, so a checkpoint does not hold them. `memcc export` to safetensors
 looked each written weight up in the checkpoint alone and ended in a KeyError traceback;
 it now writes the step's own value for them.
+
+A fresh BatchNorm's statistics hold the same values as its weight and bias, and the dynamo
+exporter's optimizer stores them once; those weights were then left untrained, taken for
+statistics. The statistics get initializers of their own (``exported.statistics_apart``).
 """
 
 from __future__ import annotations
 
+import copy
 import warnings
 from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
+import pytest
 import safetensors.numpy
 import torch
 from torch import nn
@@ -23,6 +29,7 @@ from memcc import api
 from memcc.cli import app
 from memcc.frontend.build import BuildOptions
 from memcc.frontend.export_signature import ExportWarning
+from memcc.step import TrainingStep
 from memcc.trainer import Trainer
 
 
@@ -106,6 +113,49 @@ def test_frozen_batchnorm_statistics_are_written_from_the_step(tmp_path):
     written = safetensors.numpy.load_file(str(weights))
     for k, v in stats.items():
         np.testing.assert_array_equal(written[k], v)
+    theirs, ours, missing = _torch_and_onnx(module, weights, fwd, x)
+    assert set(missing) <= {"bn.num_batches_tracked"}, missing
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def _torch_trained(module: nn.Module, x: np.ndarray) -> dict[str, np.ndarray]:
+    """``module`` trained as ``_train_and_export`` trains the step: two SGD steps (lr 0.5)."""
+    opt = torch.optim.SGD(module.parameters(), lr=0.5)
+    for _ in range(2):
+        opt.zero_grad()
+        nn.functional.cross_entropy(module(torch.from_numpy(x)),
+                                    torch.tensor([0, 1, 2, 0])).backward()
+        opt.step()
+    return {k: v.detach().numpy().copy() for k, v in module.state_dict().items()}
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_statistics_stored_as_the_weights_are_given_their_own(tmp_path, training):
+    """A fresh BatchNorm's running variance and mean hold its weight's ones and its bias's
+    zeros, and the dynamo exporter's optimizer stores them once: `BatchNormalization(x,
+    bn.weight, bn.bias, bn.bias, bn.weight)`. The weight and bias, read as statistics, were
+    not trained (4 parameters, not 6), and in train mode the layer kept frozen statistics.
+    The statistics get their own initializers under the buffers' names: the step trains
+    what torch trains (in train mode with batch statistics and running statistics carried),
+    and the module loading the file computes the exported ONNX model."""
+    path, module, x = _export(tmp_path, training=training, fresh=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ExportWarning)
+        graph = api.build(path, tmp_path / "check.onnx", options=BuildOptions())
+    said = " ".join(str(w.message) for w in caught)
+    assert "BatchNorm running statistic(s) as the weights" in said, said
+    assert not any("folded them into the convolutions" in str(w.message) for w in caught)
+    assert {"bn.weight", "bn.bias"} <= set(TrainingStep.of(graph).parameters)
+    reference = _torch_trained(copy.deepcopy(module), x)
+    weights, fwd = _train_and_export(path, x, tmp_path)
+    written = safetensors.numpy.load_file(str(weights))
+    for k in ("bn.weight", "bn.bias", "bn.running_mean", "bn.running_var", "fc.weight"):
+        np.testing.assert_allclose(written[k], reference[k], rtol=1e-4, atol=1e-5, err_msg=k)
+    assert not np.allclose(written["bn.weight"], 1.0)  # trained
+    module.eval()  # the exported ONNX model as inference runs it, against torch's eval
+    r = CliRunner().invoke(app, ["export", str(tmp_path / "step.onnx"), "--checkpoint",
+                                 str(tmp_path / "ck"), "--eval", "-o", str(fwd)])
+    assert r.exit_code == 0, r.output
     theirs, ours, missing = _torch_and_onnx(module, weights, fwd, x)
     assert set(missing) <= {"bn.num_batches_tracked"}, missing
     np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5)

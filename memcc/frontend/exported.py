@@ -36,6 +36,7 @@ training mode (``restore_training_batchnorm``), each parameter's source
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import warnings
 from dataclasses import dataclass, field
@@ -43,7 +44,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 
-from memcc.frontend.export_map import ExportMap, export_map_of
+from memcc.frontend.export_map import NAME_SCOPES_PROP, ExportMap, export_map_of
 from memcc.frontend.export_signature import (
     ExportNote,
     ExportWarning,
@@ -51,7 +52,7 @@ from memcc.frontend.export_signature import (
     is_made_up_name,
     signature_of,
 )
-from memcc.graph import Graph, attr, node_label
+from memcc.graph import Graph, attr, node_label, unique_namer
 from memcc.union_find import UnionFind
 
 __all__ = [
@@ -83,9 +84,66 @@ def eval_mode_batchnorms(graph: Graph) -> list[str]:
     return sorted(b[:-len(".running_mean")] for b in sig.buffers if b.endswith("running_mean"))
 
 
+def _module_of(node: onnx.NodeProto) -> str:
+    """The PyTorch module a dynamo export wrote ``node`` for (its name scopes' last module),
+    or "" where the file does not say."""
+    text = next((p.value for p in node.metadata_props if p.key == NAME_SCOPES_PROP), "")
+    try:
+        scopes = ast.literal_eval(text) if text else []
+    except (ValueError, SyntaxError):
+        return ""
+    return str(scopes[-2]) if isinstance(scopes, list) and len(scopes) >= 2 else ""
+
+
+def statistics_apart(graph: Graph, source: str) -> list[str]:
+    """Give BatchNorm running statistics that share an initializer with a weight one of
+    their own (the same values); the names given.
+
+    The dynamo exporter's optimizer stores equal initializers once: a fresh BatchNorm's
+    running variance (ones) and mean (zeros) are its weight and bias, so the node reads
+    ``BatchNormalization(x, w, b, b, w)`` (timm mixnet, whose BatchNorm follows a Concat and
+    is not folded into a convolution). Statistics are never trained, so the weight and bias
+    were not either, and a train-mode layer could not get its running statistics back. Each
+    statistic gets the PyTorch buffer's name where the signature has it (``bn.running_mean``)
+    and a made-up one (``bn.bias.running_mean``) elsewhere."""
+    sig = signature_of(graph)
+    read = {i for n in graph.nodes for k, i in enumerate(n.input)
+            if i and not (n.op_type == "BatchNormalization" and k in (3, 4))}
+    read |= set(graph.outputs)
+    fresh = unique_namer([*graph.initializers, *graph.info, *graph.inputs])
+    du, given = graph.def_use(), []
+    for node in graph.nodes:
+        if node.op_type != "BatchNormalization" or len(node.input) < 5:
+            continue
+        module = _module_of(node)
+        for k, what in ((3, "running_mean"), (4, "running_var")):
+            stat, buffer = node.input[k], f"{module}.{what}"
+            named = sig is not None and module and buffer in sig.buffers
+            if stat not in graph.initializers or stat == buffer or \
+                    not (stat in read or named):
+                continue
+            name = buffer if named and (buffer in given or buffer not in graph.info) \
+                else fresh(f"{stat}.{what}")
+            if name not in given:
+                graph.initializers[name] = np.array(graph.initializers[stat])
+                graph.info[name] = graph.info[stat]
+                given.append(name)
+            du.rewire(node, k, name)
+    if given:
+        warnings.warn(
+            f"{source}: the exporter stored {len(given)} BatchNorm running statistic(s) as "
+            f"the weights holding the same values (e.g. '{given[0]}'), which left those "
+            "weights untrained; each statistic has its own copy now, and the weights train "
+            "as in torch.", ExportNote, stacklevel=3)
+    return given
+
+
 def restore_training_batchnorm(graph: Graph, source: str) -> list[str]:
     """Put BatchNorm written in inference form back in training mode where the signature
-    proves torch ran it in train mode; warn where it cannot. Returns the restored nodes."""
+    proves torch ran it in train mode; warn where it cannot. Returns the restored nodes.
+    Statistics the exporter stored as weights get their own initializers first
+    (``statistics_apart``)."""
+    statistics_apart(graph, source)
     sig = signature_of(graph)
     restored: list[str] = []
     kept: list[str] = []
