@@ -187,6 +187,52 @@ def test_trained_weights_export_as_the_float32_forward_model(tmp_path):
     assert logits.dtype == np.float32 and np.isfinite(logits).all()
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_a_step_compiled_for_the_cpu_exports_a_forward_model_ort_loads(tmp_path, precision):
+    """compile writes the CPU provider's float32 computing into a 16-bit step (``f32/``
+    Casts around each node without a 16-bit kernel). The exported forward model kept them:
+    a Cast down to 16-bit whose output the float32 model types float32, which ONNX Runtime
+    refused ("Type (tensor(float)) of output arg ... of node (f32/Cast_N) does not match
+    expected type (tensor(float16))"). Now it is the model the step as built exports, bit
+    for bit, and its loss is the step's within 16-bit rounding."""
+    import onnx
+    import onnxruntime as ort
+
+    from memcc import Trainer
+    from memcc.step import TrainingStep
+    from memcc.trainer.export import ExportRequest, export_weights
+
+    model = build_model("gpt2")
+    built = build_training_step(load_graph(model), BuildOptions(precision=precision))
+    compiled, report = for_provider(built, "cpu")
+    assert report["sixteen_bit_emulated"]
+    path = tmp_path / "step.onnx"
+    onnx.save(compiled.to_model(), str(path))
+    feeds = make_feeds(model, seed=0)
+    labels = make_labels(model, seed=0)
+    trainer = Trainer(path)
+    for _ in range(2):
+        trainer.step({**feeds, "labels": labels})
+    state = trainer.state_dict()
+    out = trainer.export(tmp_path / "trained.onnx")
+    assert not [n for n in onnx.load(str(out)).graph.node if n.op_type == "Cast"
+                and (n.name.startswith("f32/") or any(a.name == "to" and a.i in (BF, H)
+                                                      for a in n.attribute))]
+    logits = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"]).run(
+        None, feeds)[0]
+    as_built = export_weights(built, TrainingStep.of(built), state,
+                              ExportRequest(tmp_path / "built.onnx"))
+    theirs = ort.InferenceSession(str(as_built), providers=["CPUExecutionProvider"]).run(
+        None, feeds)[0]
+    np.testing.assert_array_equal(logits, theirs)
+    # The step's forward at these weights (its loss, before its update) computes in 16-bit.
+    loss = trainer.step({**feeds, "labels": labels})
+    z = logits - logits.max(-1, keepdims=True)
+    logp = z - np.log(np.exp(z).sum(-1, keepdims=True))
+    ours = -np.take_along_axis(logp, labels[..., None], -1).mean()
+    assert abs(ours - loss) <= 2e-2 * abs(loss), (ours, loss)
+
+
 def test_16_bit_products_are_priced_at_the_tensor_core_rate_on_cuda_only():
     """The CUDA rates price a 16-bit MatMul at twice the float32 rate (the datasheets'
     ratio, not measured); on the CPU the provider pass has made it a float32 MatMul."""

@@ -47,7 +47,7 @@ from onnx import TensorProto
 
 from memcc.frontend.emit import Emitter
 from memcc.frontend.kernel_coverage import float_constraint
-from memcc.graph import SIXTEEN_BIT_TYPES, Graph, TensorInfo
+from memcc.graph import SIXTEEN_BIT_TYPES, Graph, TensorInfo, attr
 from memcc.step import tag_node
 
 SIXTEEN = {"bf16": TensorProto.BFLOAT16, "fp16": TensorProto.FLOAT16}  # --precision
@@ -261,25 +261,38 @@ def _is_autocast(node: onnx.NodeProto) -> bool:
     return any(p.key == f"memcc.{CAST_TAG}" for p in node.metadata_props)
 
 
+def _float32_identity(graph: Graph, node: onnx.NodeProto) -> bool:
+    """A Cast from float32 or a 16-bit float to one of them: the identity in float32."""
+    floats = (F32, *SIXTEEN_BIT_TYPES)
+    src = graph.info.get(node.input[0])
+    return src is not None and src.dtype in floats and attr(node, "to") in floats
+
+
 def _widens(graph: Graph, node: onnx.NodeProto) -> bool:
     src, dst = graph.info.get(node.input[0]), graph.info.get(node.output[0])
     return src is not None and dst is not None and dst.dtype == F32 \
         and src.dtype in SIXTEEN_BIT_TYPES
 
 
-def without_autocast(graph: Graph) -> Graph:
+def without_autocast(graph: Graph, keep: Collection[str] = ()) -> Graph:
     """``graph`` with autocast's Casts taken out and its 16-bit values float32 again: the
     forward model as exported, for ``memcc train``'s export of trained weights (master
-    weights are float32; a user runs the model as it came, or autocasts it again). A graph
-    without autocast's Casts comes back as it is."""
+    weights are float32; a user runs the model as it came, or autocasts it again). So are
+    the Casts ``passes/providers/sixteen_bit.py`` adds where a compiled step computes a node
+    in float32 for its provider (``f32/Cast_14``), and every other Cast between float32 and
+    a 16-bit type: identities once every 16-bit value is float32 (kept, the 16-bit target
+    of one would contradict its float32 output's type, and ONNX Runtime refuses the
+    model). A Cast writing one of the graph's outputs or of ``keep`` (the forward model's
+    outputs) becomes an Identity, keeping the name. A graph without autocast's Casts comes
+    back as it is."""
     if not any(n.op_type == "Cast" and _is_autocast(n) for n in graph.nodes):
         return graph
     g = graph.copy()
-    outputs = set(g.outputs)
+    outputs = set(g.outputs) | set(keep)
     source: dict[str, str] = {}
     nodes = []
     for n in g.nodes:
-        if n.op_type == "Cast" and _is_autocast(n):
+        if n.op_type == "Cast" and (_is_autocast(n) or _float32_identity(g, n)):
             if n.output[0] in outputs:  # keep the name the model's users read
                 n.op_type = "Identity"
                 del n.attribute[:]

@@ -257,7 +257,7 @@ def forward_graph(graph: Graph, spec: TrainingStep, state: Mapping[str, np.ndarr
     # A rewritten Dropout goes back as the plain node (the counter is the step's alone).
     # A --precision bf16/fp16 step: the forward as exported, float32 (master weights).
     # A step compiled for CUDA: its BatchNorms as the model has them (batchnorm_back.py).
-    graph = without_autocast(restore_dropouts(_with_projection(graph, spec)))
+    graph = without_autocast(restore_dropouts(_with_projection(graph, spec)), keep=outputs)
     graph = fed_as_stored(training_batchnorms_back(graph, spec)[0])
     graph, note = inference_or_train_mode(graph, spec, outputs, eval_mode=eval_mode,
                                           source=source)
