@@ -153,10 +153,15 @@ def read_export_map(model: onnx.ModelProto) -> ExportMap | None:
     copied = {rec.by_target[n] for names in copies.values() for n in names}
     merged_into = _merged_into(rec, copied)
     read_by_fx = {a for args, _, _ in rec.groups.values() for a in args}
-    tied, unused = _tied_and_unused(rec, read_by_fx, copied, merged_into)
+    # Named by a folded_from record: the program read it, and the optimizer folded what it
+    # read into a constant (a position table's static-length lookup): no alias of anything.
+    into_constants = _folded_into_constants(model, rec) - copied - set(merged_into)
+    tied, unused = _tied_and_unused(rec, read_by_fx, copied | into_constants, merged_into)
+    tied, unlike = _same_kind_ties(model, rec, merged_into, tied)
+    unused += unlike
     folded = sorted(placeholders[ph] for ph in placeholders
                     if ph not in rec.own and ph not in merged_into and ph not in copied
-                    and ph in read_by_fx)
+                    and (ph in read_by_fx or ph in into_constants))
     stands_for, merged = _names_per_initializer(rec, merged_into, tied)
     return ExportMap(stands_for, merged, tuple(folded), tuple(sorted(unused)), copies,
                      copy_ops=_copy_ops(model, rec, copies),
@@ -219,6 +224,54 @@ def _folded_copies(model: onnx.ModelProto, rec: _Records) -> dict[str, tuple[str
         if src and all(phs):
             copies[t.name] = tuple(rec.placeholders[ph] for ph in phs if ph)
     return copies
+
+
+def _folded_into_constants(model: onnx.ModelProto, rec: _Records) -> set[str]:
+    """Placeholders without an initializer of their own that an initializer's
+    ``folded_from`` record names (by placeholder, or by the parameter's name): the traced
+    program read them, and the optimizer folded the computation into that constant (ALBERT's
+    and BART's position tables: ``embedding_2`` <- ``position_embeddings.weight`` and the
+    ``position_ids`` buffer)."""
+    found: set[str] = set()
+    for t in model.graph.initializer:
+        for x in _literal_list(rec.meta.get(t.name, {}).get(FOLDED_FROM_PROP)):
+            ph = rec.origin.get(x) or rec.by_target.get(x) or (x if x in rec.placeholders
+                                                               else None)
+            if ph is not None and ph not in rec.own:
+                found.add(ph)
+    return found
+
+
+def _known_kinds(model: onnx.ModelProto) -> dict[str, tuple[int, tuple[int, ...]]]:
+    """Value -> (element type, dims) wherever the file says both in full (initializers,
+    graph inputs, value_info)."""
+    kinds: dict[str, tuple[int, tuple[int, ...]]] = {}
+    for v in (*model.graph.input, *model.graph.value_info):
+        tt = v.type.tensor_type
+        dims = tuple(d.dim_value if d.HasField("dim_value") else -1 for d in tt.shape.dim)
+        if tt.elem_type and tt.HasField("shape") and -1 not in dims:
+            kinds[v.name] = (tt.elem_type, dims)
+    kinds.update({t.name: (t.data_type, tuple(t.dims)) for t in model.graph.initializer})
+    return kinds
+
+
+def _same_kind_ties(model: onnx.ModelProto, rec: _Records, merged_into: dict[str, str],
+                    tied: dict[str, str]) -> tuple[dict[str, str], list[str]]:
+    """``tied`` without the ties between tensors the file gives different element types or
+    shapes (one tensor under two names has one shape), and the names so dropped: a name is
+    better written nowhere than under another tensor."""
+    kinds = _known_kinds(model)
+    keep: dict[str, str] = {}
+    dropped: list[str] = []
+    for alias, to in tied.items():
+        ph = rec.by_target[to]
+        holder = rec.own.get(ph) or merged_into.get(ph) or to
+        mine, theirs = kinds.get(alias), kinds.get(holder)
+        if mine is not None and theirs is not None and mine != theirs:
+            dropped.append(alias)
+        else:
+            keep[alias] = to
+    return keep, dropped
 
 
 def _folded_constants(model: onnx.ModelProto, rec: _Records) -> tuple[str, ...]:
@@ -302,7 +355,9 @@ def _tied_and_unused(rec: _Records, read_by_fx: set[str], copied: set[str],
     ``lm_head.weight``); its module ran, and one child of it holds and reads such a
     parameter (BERT's ``cls.predictions.bias`` is its ``decoder.bias``). Else it is unused.
     The records hold no shapes: a module's own parameter that its forward never reads,
-    beside a child's of the same attribute, is taken for that child's."""
+    beside a child's of the same attribute, is taken for that child's. The caller leaves
+    out (in ``copied``) parameters a ``folded_from`` record names, which the program read,
+    and drops ties the file's shapes refute (``_same_kind_ties``)."""
     placeholders = rec.placeholders
     tied: dict[str, str] = {}
     rest: list[str] = []
