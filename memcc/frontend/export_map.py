@@ -26,8 +26,8 @@ from memcc.frontend.export_signature import (
     SIGNATURE_LINE,
     SIGNATURE_PROP,
     file_props,
-    is_made_up_name,
 )
+from memcc.frontend.scope_ties import read_scope_ties
 from memcc.graph import FLOAT_TYPES, Graph
 from memcc.step import KIND_KEY
 
@@ -440,45 +440,9 @@ def _names_per_initializer(rec: _Records, merged_into: dict[str, str], tied: dic
 
 
 def _read_scope_ties(model: onnx.ModelProto) -> ExportMap | None:
-    """Weight tying in a TorchScript export, from its node names (``/model/lm_head/
-    Transpose``: the module a node ran in). TorchScript stores a tied weight once, under one
-    of its names, and the other module reads it: a node in module ``M`` that has no
-    initializer of its own reads ``X.weight``, so ``M.weight`` is ``X.weight``. Only named
-    float initializers are mapped; None when the file has no such node (no scope names, or
-    no tying), so that the names alone decide, as before."""
-    floats = {t.name for t in model.graph.initializer
-              if t.data_type in FLOAT_TYPES and not is_made_up_name(t.name)}
-    owners = {f.rsplit(".", k)[0] for f in floats for k in range(1, f.count(".") + 1)}
-    tied: dict[str, set[str]] = {}
-    for node in model.graph.node:
-        if not node.name.startswith("/") or node.name.count("/") < 2:
-            continue
-        module = _scope_module(node.name)
-        if module in owners:
-            continue  # the module has parameters of its own: not a tied reader
-        for i in node.input:
-            if i in floats and "." in i and not i.startswith(module + "."):
-                tied.setdefault(i, set()).add(f"{module}.{_attribute(i)}")
-    if not tied:
-        return None
-    stands_for = {f: (f, *sorted(tied.get(f, ()))) for f in sorted(floats)}
-    return ExportMap(stands_for)
-
-
-def _scope_module(node_name: str) -> str:
-    """``/model/lm_head/Transpose`` -> ``model.lm_head``; TorchScript spells a Sequential's
-    child with its parent's name as it spelt it (``/stem/stem.0/Conv`` -> ``stem.0``;
-    ``/features/features.0/features.0.0/Conv`` -> ``features.0.0``, not
-    ``features.0.features.0.0``)."""
-    parts: list[str] = []
-    previous = ""
-    for seg in node_name[1:].split("/")[:-1]:
-        spelt = seg
-        if previous and seg.startswith(previous + "."):
-            seg = seg[len(previous) + 1:]
-        parts.append(seg)
-        previous = spelt
-    return ".".join(parts)
+    """Weight tying in a TorchScript export, from its node names (``scope_ties``)."""
+    stands_for = read_scope_ties(model)
+    return ExportMap(stands_for) if stands_for is not None else None
 
 
 def export_map_of(graph: Graph) -> ExportMap | None:
