@@ -197,7 +197,7 @@ def _contract(forward: Graph, built: _Built, out: StepWriter, opts: BuildOptions
         PARAMS_KEY: json.dumps(built.params),
         PARAM_SOURCES_KEY: json.dumps({p: s.to_json() for p, s in built.sources.items()}),
         **({FOLDED_PARAMS_KEY: json.dumps({**{n: "folded" for n in emap.folded},
-                                           **{n: "unused" for n in emap.unused}})}
+                                           **{n: _unused(emap, n) for n in emap.unused}})}
            if emap is not None and (emap.folded or emap.unused) else {}),
         FORWARD_OUTPUTS_KEY: json.dumps(list(forward.outputs)),
         **({PROJECTION_KEY: json.dumps(chunked.projection)} if chunked else {}),
@@ -218,3 +218,11 @@ def _drop_unused_initializers(graph: Graph) -> None:
     used = {i for n in graph.nodes for i in n.input} | set(graph.inputs) | set(graph.outputs)
     for name in [n for n in graph.initializers if n not in used]:
         del graph.initializers[name]
+
+
+def _unused(emap: ExportMap, name: str) -> str:
+    """What ``memcc.folded_parameters`` says of a parameter the exported model never reads:
+    ``unused``, and the parameters it may be a second name of where the records say several
+    (``ExportMap.maybe_tied``)."""
+    maybe = emap.maybe_tied.get(name)
+    return f"unused; maybe a second name of one of {', '.join(maybe)}" if maybe else "unused"

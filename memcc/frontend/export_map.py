@@ -63,7 +63,8 @@ class ExportMap:
     the trained copy back under the parameter's name through that op's inverse.
     ``constants``: one-element initializers the optimizer folded from values none of which
     is a parameter (the attention scale of ``scaled_dot_product_attention``): constants of
-    the model, which the step does not train.
+    the model, which the step does not train. ``maybe_tied``: unused parameters that the
+    records say may be a second name of one of several parameters (``_tied_and_unused``).
     """
 
     stands_for: dict[str, tuple[str, ...]] = field(default_factory=dict)
@@ -74,12 +75,14 @@ class ExportMap:
     computed: dict[str, tuple[str, str, str]] = field(default_factory=dict)
     copy_ops: dict[str, str] = field(default_factory=dict)
     constants: tuple[str, ...] = ()
+    maybe_tied: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps({"stands_for": self.stands_for, "merged": self.merged,
                            "folded": list(self.folded), "unused": list(self.unused),
                            "copies": self.copies, "computed": self.computed,
-                           "copy_ops": self.copy_ops, "constants": list(self.constants)})
+                           "copy_ops": self.copy_ops, "constants": list(self.constants),
+                           "maybe_tied": self.maybe_tied})
 
     @classmethod
     def from_json(cls, text: str | None) -> ExportMap | None:
@@ -93,7 +96,8 @@ class ExportMap:
                    {k: (str(v[0]), str(v[1]), str(v[2]))
                     for k, v in d.get("computed", {}).items()},
                    {k: str(v) for k, v in d.get("copy_ops", {}).items()},
-                   tuple(d.get("constants", ())))
+                   tuple(d.get("constants", ())),
+                   {k: tuple(v) for k, v in d.get("maybe_tied", {}).items()})
 
 
 def _literal_list(text: str | None) -> list[str]:
@@ -156,7 +160,8 @@ def read_export_map(model: onnx.ModelProto) -> ExportMap | None:
     # Named by a folded_from record: the program read it, and the optimizer folded what it
     # read into a constant (a position table's static-length lookup): no alias of anything.
     into_constants = _folded_into_constants(model, rec) - copied - set(merged_into)
-    tied, unused = _tied_and_unused(rec, read_by_fx, copied | into_constants, merged_into)
+    tied, unused, maybe = _tied_and_unused(rec, read_by_fx, copied | into_constants,
+                                           merged_into)
     tied, unlike = _same_kind_ties(model, rec, merged_into, tied)
     unused += unlike
     folded = sorted(placeholders[ph] for ph in placeholders
@@ -165,7 +170,7 @@ def read_export_map(model: onnx.ModelProto) -> ExportMap | None:
     stands_for, merged = _names_per_initializer(rec, merged_into, tied)
     return ExportMap(stands_for, merged, tuple(folded), tuple(sorted(unused)), copies,
                      copy_ops=_copy_ops(model, rec, copies),
-                     constants=_folded_constants(model, rec))
+                     constants=_folded_constants(model, rec), maybe_tied=maybe)
 
 
 def _parameter_placeholders(signature: str) -> dict[str, str]:
@@ -341,7 +346,8 @@ def _merged_into(rec: _Records, copied: set[str]) -> dict[str, str]:
 
 
 def _tied_and_unused(rec: _Records, read_by_fx: set[str], copied: set[str],
-                     merged_into: dict[str, str]) -> tuple[dict[str, str], list[str]]:
+                     merged_into: dict[str, str]
+                     ) -> tuple[dict[str, str], list[str], dict[str, tuple[str, ...]]]:
     """Parameters the traced program never reads: tied to another one, or unused.
 
     torch.export traces a tensor with several ``state_dict`` names through the placeholder
@@ -357,7 +363,10 @@ def _tied_and_unused(rec: _Records, read_by_fx: set[str], copied: set[str],
     The records hold no shapes: a module's own parameter that its forward never reads,
     beside a child's of the same attribute, is taken for that child's. The caller leaves
     out (in ``copied``) parameters a ``folded_from`` record names, which the program read,
-    and drops ties the file's shapes refute (``_same_kind_ties``)."""
+    and drops ties the file's shapes refute (``_same_kind_ties``). Third: the unused
+    parameters with several such children, by the children's parameters (ALBERT's
+    ``predictions.bias``: its ``decoder.bias``, but ``dense.bias`` and ``LayerNorm.bias`` are
+    as likely by the records), which no record decides between."""
     placeholders = rec.placeholders
     tied: dict[str, str] = {}
     rest: list[str] = []
@@ -375,20 +384,25 @@ def _tied_and_unused(rec: _Records, read_by_fx: set[str], copied: set[str],
     order = {ph: k for k, ph in enumerate(placeholders)}
     ran = {mod for _, _, mod in rec.groups.values()}
     unused: list[str] = []
+    maybe: dict[str, tuple[str, ...]] = {}
     for ph in rest:
         target = placeholders[ph]
         module = _module(target)
         if not module:
             to = None
         elif any(m == module or m.startswith(module + ".") for m in ran):
-            to = _read_below(rec, target, set(rec.own) | set(merged_into))
+            below = [t for t in _read_below(rec, target, set(rec.own) | set(merged_into))
+                     if order[rec.by_target[t]] > order[ph]]
+            to = below[0] if len(below) == 1 else None
+            if len(below) > 1:
+                maybe[target] = tuple(below)
         else:
             to = _alias_module_read(rec, target, tied)
         if to is not None and order[rec.by_target[to]] > order[ph]:
             tied[target] = to
         else:
             unused.append(target)
-    return tied, unused
+    return tied, unused, maybe
 
 
 def _module(target: str) -> str:
@@ -396,16 +410,16 @@ def _module(target: str) -> str:
     return target.rsplit(".", 1)[0] if "." in target else ""
 
 
-def _read_below(rec: _Records, target: str, held: set[str]) -> str | None:
-    """The one parameter of ``target``'s attribute, held by an initializer, that a child of
+def _read_below(rec: _Records, target: str, held: set[str]) -> list[str]:
+    """The parameters of ``target``'s attribute, held by an initializer, that a child of
     ``target``'s module holds and reads (``cls.predictions.decoder.bias`` for
-    ``cls.predictions.bias``); None where there is none, or more than one."""
+    ``cls.predictions.bias``), sorted."""
     module = _module(target)
     found = {rec.placeholders[a] for args, _, mod in rec.groups.values()
              if mod.startswith(module + ".") for a in args
              if a in held and _attribute(rec.placeholders[a]) == _attribute(target)
              and _module(_module(rec.placeholders[a])) == module}
-    return found.pop() if len(found) == 1 else None
+    return sorted(found)
 
 
 def _alias_module_read(rec: _Records, target: str, tied: dict[str, str]) -> str | None:

@@ -55,11 +55,15 @@ class Signature:
     parameters: frozenset[str] = frozenset()
     buffers: frozenset[str] = frozenset()
     mutated_buffers: frozenset[str] = frozenset()
+    # BUFFER lines marked persistent=True: in the module's state_dict (BART's
+    # final_logits_bias), where a non-persistent buffer (position_ids) is not.
+    persistent_buffers: frozenset[str] = frozenset()
 
     def to_json(self) -> str:
         return json.dumps({"parameters": sorted(self.parameters),
                            "buffers": sorted(self.buffers),
-                           "mutated_buffers": sorted(self.mutated_buffers)})
+                           "mutated_buffers": sorted(self.mutated_buffers),
+                           "persistent_buffers": sorted(self.persistent_buffers)})
 
     @classmethod
     def from_json(cls, text: str | None) -> Signature | None:
@@ -67,7 +71,8 @@ class Signature:
             return None
         d = json.loads(text)
         return cls(frozenset(d.get("parameters", ())), frozenset(d.get("buffers", ())),
-                   frozenset(d.get("mutated_buffers", ())))
+                   frozenset(d.get("mutated_buffers", ())),
+                   frozenset(d.get("persistent_buffers", ())))
 
 
 def read_signature(model: onnx.ModelProto) -> Signature | None:
@@ -78,6 +83,7 @@ def read_signature(model: onnx.ModelProto) -> Signature | None:
     params: set[str] = set()
     buffers: set[str] = set()
     mutated: set[str] = set()
+    persistent: set[str] = set()
     for line in text.splitlines():
         m = SIGNATURE_LINE.match(line)
         if not m or not m.group(3):
@@ -87,9 +93,12 @@ def read_signature(model: onnx.ModelProto) -> Signature | None:
             params.add(target)
         elif kind in ("BUFFER", "CONSTANT_TENSOR"):
             buffers.add(target)
+            if kind == "BUFFER" and "persistent=True" in line:
+                persistent.add(target)
         elif kind == "BUFFER_MUTATION":
             mutated.add(target)
-    return Signature(frozenset(params), frozenset(buffers), frozenset(mutated))
+    return Signature(frozenset(params), frozenset(buffers), frozenset(mutated),
+                     frozenset(persistent))
 
 
 def signature_of(graph: Graph) -> Signature | None:

@@ -441,8 +441,11 @@ def _report_export_map(sources: dict[str, ParameterSource], source: str,
             f"as PyTorch has them, export with {KEEP_EVERY_PARAMETER}.", ExportWarning,
             stacklevel=3)
     if emap.unused:
+        maybe = "".join(f" {n} may be a second name of one of {', '.join(c)}, or of none: "
+                        "the records do not say which, so it gets no value." for n, c in
+                        list(emap.maybe_tied.items())[:2])
         warnings.warn(
             f"{source}: {len(emap.unused)} PyTorch parameter(s) are not read by the exported "
             f"model and have no trained value: {_some(emap.unused)}. (Where torch ties one "
             "to another parameter, one tensor under two names, no record said which: load "
-            "with load_state_dict(..., strict=False).)", ExportWarning, stacklevel=3)
+            f"with load_state_dict(..., strict=False).){maybe}", ExportWarning, stacklevel=3)

@@ -22,6 +22,7 @@ from memcc.backend import checkpoint as ckpt
 from memcc.errors import InputError
 from memcc.frontend.autocast import without_autocast
 from memcc.frontend.dropout_masks import restore_dropouts
+from memcc.frontend.export_signature import signature_of
 from memcc.frontend.exported import folded_batchnorms
 from memcc.frontend.fold import has_fold_records, with_shape_computations
 from memcc.frontend.load import load_graph
@@ -111,12 +112,15 @@ def weight_export_notes(spec: TrainingStep) -> list[str]:
                      "PyTorch module loading them, which runs its own BatchNorm, applies it "
                      "twice. Run the exported ONNX model instead, or export the module with "
                      "torch.onnx.export(..., dynamo=True, optimize=False) and train that")
-    folded = sorted(spec.folded_parameters())
+    kinds = spec.folded_parameters()
+    folded = sorted(kinds)
     if folded:
+        maybe = next((f" ('{n}' is not read by the exported model: {kinds[n]})"
+                      for n in folded if kinds[n].startswith("unused;")), "")
         notes.append(f"{len(folded)} PyTorch parameter(s) have no trained value (folded into "
                      f"constants by the exporter, or unused), e.g. '{folded[0]}'; they are not "
                      "written: load with load_state_dict(..., strict=False), and the module "
-                     "keeps the values it was exported with")
+                     f"keeps the values it was exported with{maybe}")
     return notes
 
 
@@ -162,7 +166,26 @@ def export_weights(graph: Graph, spec: TrainingStep, state: Mapping[str, np.ndar
             names, value = list(src["copy_of"]), undo_copy_op(src["copy_op"], value)
         for name in names:
             weights.setdefault(name, value)
+    weights.update(_persistent_buffers(graph, fwd, set(weights), warn))
     return ckpt.write_safetensors(out, weights, {"format": "pt", "memcc.step_file": source})
+
+
+def _persistent_buffers(graph: Graph, fwd: Graph, written: set[str],
+                        warn: Callable[[str], None] | None) -> dict[str, np.ndarray]:
+    """The persistent buffers of a dynamo export (its graph signature's ``persistent=True``
+    lines: in the module's ``state_dict``, so a strict load wants them) that the forward
+    model holds, with the value it holds: constants memcc never trains (BART's
+    ``final_logits_bias``). ``warn`` hears of the others, which no file says the value of."""
+    sig = signature_of(graph)
+    names = sorted(sig.persistent_buffers - written) if sig is not None else []
+    held = {n: np.asarray(fwd.initializers[n]) for n in names if n in fwd.initializers}
+    gone = [n for n in names if n not in held]
+    if gone and warn is not None:
+        warn(f"{len(gone)} persistent buffer(s) of the module are not in the step (the "
+             f"exporter folded them into constants, or the model never reads them), e.g. "
+             f"'{gone[0]}'; they are not written: load with load_state_dict(..., "
+             "strict=False), and the module keeps its own values")
+    return held
 
 
 def _at_any_size(graph: Graph, spec: TrainingStep, state: Mapping[str, np.ndarray],

@@ -1,0 +1,105 @@
+"""What ``memcc export`` writes of a dynamo ``optimize=False`` export beyond its parameters.
+
+A persistent buffer the model reads (BART's ``final_logits_bias``) is in the module's
+``state_dict``, so the strict load README promises wants it: the step holds it as a
+constant, and export writes that value under its name; a non-persistent buffer
+(``position_ids``) is not written. A parameter no node reads, whose module has several
+children with a parameter of its attribute (ALBERT's ``predictions.bias``: tied to
+``decoder.bias``, beside ``dense.bias`` and ``LayerNorm.bias``), has no record saying which
+it is a second name of: it is left out, and build and export name the candidates.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import numpy as np
+import onnx
+import safetensors.torch
+import torch
+from torch import nn
+
+from memcc import api
+from memcc.frontend.build import BuildOptions
+from memcc.frontend.export_map import read_export_map
+from memcc.frontend.export_signature import ExportWarning
+from memcc.step import TrainingStep
+from memcc.trainer import Trainer
+
+VOCAB, BATCH, SEQ = 16, 2, 5
+
+
+class Head(nn.Module):
+    """ALBERT's MLM head in small: its own bias, tied to the decoder's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bias = nn.Parameter(torch.zeros(VOCAB))
+        self.dense = nn.Linear(8, 8)
+        self.decoder = nn.Linear(8, VOCAB)
+        self.decoder.bias = self.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.decoder(torch.tanh(self.dense(x)))
+
+
+class WithBuffers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 8)
+        self.head = Head()
+        self.register_buffer("final_bias", torch.randn(1, VOCAB))  # persistent
+        self.register_buffer("position_ids", torch.arange(SEQ), persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids) + self.position_ids.unsqueeze(-1).to(torch.float32) * 0.01
+        return self.head(x) + self.final_bias
+
+
+def _export(path: Path) -> tuple[nn.Module, Path]:
+    torch.manual_seed(0)
+    module = WithBuffers().train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prog = torch.onnx.export(module, (torch.randint(0, VOCAB, (BATCH, SEQ)),),
+                                 input_names=["ids"], output_names=["logits"], dynamo=True,
+                                 optimize=False, verbose=False)
+    prog.save(str(path), external_data=False)
+    return module, path
+
+
+def _build(path: Path, out: Path) -> tuple[object, list[str]]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ExportWarning)
+        graph = api.build(path, out, options=BuildOptions(optimizer="sgd", lr=0.5))
+    return graph, [str(w.message) for w in caught if issubclass(w.category, ExportWarning)]
+
+
+def test_a_persistent_buffer_is_written_with_its_value(tmp_path):
+    module, path = _export(tmp_path / "m.onnx")
+    _build(path, tmp_path / "step.onnx")
+    trainer = Trainer(tmp_path / "step.onnx")
+    rng = np.random.default_rng(0)
+    trainer.step({"ids": rng.integers(0, VOCAB, (BATCH, SEQ)).astype(np.int64),
+                  "labels": rng.integers(0, VOCAB, (BATCH, SEQ)).astype(np.int64)})
+    weights = safetensors.torch.load_file(str(trainer.export(tmp_path / "w.safetensors")))
+    assert torch.equal(weights["final_bias"], module.final_bias)  # a constant: as exported
+    assert "position_ids" not in weights  # not in the state_dict
+    torch.manual_seed(0)
+    fresh = WithBuffers()
+    result = fresh.load_state_dict(weights, strict=False)
+    assert result.missing_keys == ["head.bias"] and not result.unexpected_keys
+
+
+def test_an_unread_parameter_with_several_candidates_is_named_with_them(tmp_path):
+    _, path = _export(tmp_path / "m.onnx")
+    emap = read_export_map(onnx.load(str(path)))
+    assert emap is not None and emap.unused == ("head.bias",)
+    assert emap.maybe_tied == {"head.bias": ("head.decoder.bias", "head.dense.bias")}
+    graph, msgs = _build(path, tmp_path / "step.onnx")
+    told = [m for m in msgs if "not read by the exported" in m]
+    assert told and "head.bias may be a second name of one of head.decoder.bias, " \
+        "head.dense.bias" in told[0]
+    assert TrainingStep.of(graph).folded_parameters() == {
+        "head.bias": "unused; maybe a second name of one of head.decoder.bias, head.dense.bias"}
