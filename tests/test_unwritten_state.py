@@ -103,3 +103,41 @@ def test_an_unread_parameter_with_several_candidates_is_named_with_them(tmp_path
         "head.dense.bias" in told[0]
     assert TrainingStep.of(graph).folded_parameters() == {
         "head.bias": "unused; maybe a second name of one of head.decoder.bias, head.dense.bias"}
+
+
+class WithBatchNorm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.fc = nn.Linear(4, VOCAB)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.relu(self.bn(self.conv(x))).mean((2, 3)))
+
+
+def test_a_batchnorm_s_step_counter_is_no_warning_and_loads_strictly(tmp_path):
+    """``num_batches_tracked`` is a persistent buffer the step does not keep; torch's
+    BatchNorm loads a state_dict without it, strictly, so export does not warn of it (the
+    persistent-buffer warning named it on every dynamo convnet)."""
+    from memcc.trainer.export import export_checkpoint
+
+    torch.manual_seed(0)
+    module = WithBatchNorm().train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prog = torch.onnx.export(module, (torch.randn(BATCH, 3, 8, 8),), input_names=["x"],
+                                 output_names=["logits"], dynamo=True, optimize=False)
+    prog.save(str(tmp_path / "m.onnx"), external_data=False)
+    _build(tmp_path / "m.onnx", tmp_path / "step.onnx")
+    trainer = Trainer(tmp_path / "step.onnx")
+    rng = np.random.default_rng(0)
+    trainer.step({"x": rng.standard_normal((BATCH, 3, 8, 8)).astype(np.float32),
+                  "labels": rng.integers(0, VOCAB, BATCH).astype(np.int64)})
+    trainer.save(tmp_path / "ck")
+    told: list[str] = []
+    out = export_checkpoint(tmp_path / "step.onnx", tmp_path / "ck", tmp_path / "w.safetensors",
+                            warn=told.append)
+    assert not any("num_batches_tracked" in m for m in told)
+    weights = safetensors.torch.load_file(str(out))
+    WithBatchNorm().load_state_dict(weights, strict=True)

@@ -179,7 +179,10 @@ def _persistent_buffers(graph: Graph, fwd: Graph, written: set[str],
     sig = signature_of(graph)
     names = sorted(sig.persistent_buffers - written) if sig is not None else []
     held = {n: np.asarray(fwd.initializers[n]) for n in names if n in fwd.initializers}
-    gone = [n for n in names if n not in held]
+    # A BatchNorm's step counter is no state memcc keeps, and torch's BatchNorm loads a
+    # state_dict without it, even strictly (it keeps its own): not worth a warning on every
+    # convnet (snag 13 of session 38's walk-through).
+    gone = [n for n in names if n not in held and not n.endswith(".num_batches_tracked")]
     if gone and warn is not None:
         warn(f"{len(gone)} persistent buffer(s) of the module are not in the step (the "
              f"exporter folded them into constants, or the model never reads them), e.g. "
