@@ -144,6 +144,14 @@ def compile_min(path: Path, out: Path) -> dict:
     return json.loads(out.with_suffix(".report.json").read_text())
 
 
+def _replanned(report: dict) -> int | None:
+    """The smallest-peak plan's peak where ``--budget min`` kept a plan made again for time
+    at its budget instead (``compiler/min_replan.py``), else None."""
+    plan_pass = next((p for p in report.get("passes", []) if p.get("name") == "plan"), {})
+    again = (plan_pass.get("summary") or {}).get("replanned_at_smallest")
+    return None if again is None else again["smallest_peak_plan"]["peak_bytes"]
+
+
 def row(name: str, tmp: Path) -> dict:
     path = tmp / f"{name}.onnx"
     export(name, path)
@@ -161,6 +169,11 @@ def row(name: str, tmp: Path) -> dict:
             "added_time": next((c.get("added_time") for c in chunks.get("candidates") or []
                                 if c.get("chosen")), None),
             "min_share": round(plan / built, 4), "peak_node": report["plan"]["peak_node"],
+            # the budget --budget min names (the plan may peak under it: planned again for
+            # time at that budget, compiler/min_replan.py: then the smallest-peak plan's peak)
+            "budget_bytes": report["budget_bytes"],
+            "budget_share": round(report["budget_bytes"] / built, 4),
+            "smallest_peak_replaced": _replanned(report),
             "breakdown_at_peak": report["plan"]["breakdown_at_peak"],
             "picked": report["plan"]["picked_strategy"],
             "compile_s": round(report["compile_time_s"], 1),
