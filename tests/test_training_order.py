@@ -146,17 +146,8 @@ def test_budget_min_judges_every_run_s_smallest_plan_however_many_runs_are_cheap
     from memcc.passes.planning.planner import _finish
     from memcc.passes.planning.request import Budget
 
-    graph, _ = in_training_order(step, CompileOptions(budget="min"))
-    st, costs = StepStructure.of(graph), unit_costs(graph)
-    opts = CompileOptions(budget="min", time_limit=60, strategy="none")
-    every = sorted(nothing_saveable(st).recompute)
-    pick = simulate(graph, Plan(frozenset(every[: len(every) // 2]), "ilp"), costs, st)
-    small = simulate(graph, Plan(frozenset(every), "sqrtn"), costs, st, trained_rules(opts))
-    assert small.fit_bytes < pick.fit_bytes
-    # Judged in the search's order it looked a little larger than the pick (the search's
-    # order holds what the trained order drops), and it was the dearest run's.
-    looks = replace(small, peak_bytes=pick.fit_bytes - small.heap_room + 1)
-    whole = simulate(graph, Plan(), costs, st)
+    graph, st, costs, opts, every = _min_search_parts(step)
+    pick, small, looks, whole = _pick_and_smaller_as_trained(graph, st, costs, opts, "ilp")
     found = StrategyResult()
     found.add("none", [whole], {"strategy": "none"})
     found.add("ilp", [pick], {"strategy": "ilp"})
@@ -185,15 +176,8 @@ def test_budget_min_judges_a_run_s_other_plans_near_the_pick_as_trained(step):
     from memcc.passes.planning.planner import _finish
     from memcc.passes.planning.request import Budget
 
-    graph, _ = in_training_order(step, CompileOptions(budget="min"))
-    st, costs = StepStructure.of(graph), unit_costs(graph)
-    opts = CompileOptions(budget="min", time_limit=60, strategy="none")
-    every = sorted(nothing_saveable(st).recompute)
-    pick = simulate(graph, Plan(frozenset(every[: len(every) // 2]), "sqrtn"), costs, st)
-    small = simulate(graph, Plan(frozenset(every), "sqrtn"), costs, st, trained_rules(opts))
-    assert small.fit_bytes < pick.fit_bytes
-    looks = replace(small, peak_bytes=pick.fit_bytes - small.heap_room + 1)
-    whole = simulate(graph, Plan(), costs, st)
+    graph, st, costs, opts, _ = _min_search_parts(step)
+    pick, small, looks, whole = _pick_and_smaller_as_trained(graph, st, costs, opts, "sqrtn")
     found = StrategyResult()
     found.add("none", [whole], {"strategy": "none"})
     found.add("sqrtn", [pick, looks], {"strategy": "sqrtn"})
@@ -207,3 +191,25 @@ def test_budget_min_judges_a_run_s_other_plans_near_the_pick_as_trained(step):
         mp.setattr(planning, "NEAR_SIMULATED_NODES", few)
         kept = planning.as_trained(graph, outcome, costs, opts, st, smallest=True)
     assert kept.best.plan is pick.plan
+
+
+def _min_search_parts(step):
+    """The step in training order, its structure, unit costs, ``--budget min`` options
+    (strategy none: no recompute-all candidate after) and every saveable value's node."""
+    graph, _ = in_training_order(step, CompileOptions(budget="min"))
+    st, costs = StepStructure.of(graph), unit_costs(graph)
+    opts = CompileOptions(budget="min", time_limit=60, strategy="none")
+    return graph, st, costs, opts, sorted(nothing_saveable(st).recompute)
+
+
+def _pick_and_smaller_as_trained(graph, st, costs, opts, strategy: str):
+    """A search's pick (half the saveable values recomputed, named ``strategy``), a plan
+    recomputing all of them (smaller as trained), the same plan as the search judged it (a
+    little larger than the pick: the search's order holds what the trained order drops),
+    and the step as built."""
+    every = sorted(nothing_saveable(st).recompute)
+    pick = simulate(graph, Plan(frozenset(every[: len(every) // 2]), strategy), costs, st)
+    small = simulate(graph, Plan(frozenset(every), "sqrtn"), costs, st, trained_rules(opts))
+    assert small.fit_bytes < pick.fit_bytes
+    looks = replace(small, peak_bytes=pick.fit_bytes - small.heap_room + 1)
+    return pick, small, looks, simulate(graph, Plan(), costs, st)
