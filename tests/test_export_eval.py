@@ -318,6 +318,53 @@ def test_dropout_written_as_a_random_mask_passes_through(optimize, tmp_path):
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
 
 
+class _HfDropPath(torch.nn.Module):
+    """HuggingFace's stochastic depth (Swin, ConvNeXt, BEiT): ``x / keep * floor(keep +
+    rand)``, which both exporters write as ``Mul(Div(x, keep), Floor(Add(keep,
+    RandomUniformLike)))``; ``--eval`` refused it as a random draw that is no Dropout mask
+    (a walk-through, Swin TorchScript)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(6, 6)
+        self.fc2 = torch.nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.fc1(x))
+        if self.training:
+            keep = 0.8
+            mask = (keep + torch.rand((y.shape[0], 1), dtype=y.dtype)).floor()
+            y = y.div(keep) * mask
+        return self.fc2(x + y)
+
+
+@pytest.mark.parametrize("dynamo", [False, True])
+def test_huggingface_drop_path_passes_through_in_eval(dynamo, tmp_path):
+    torch.manual_seed(0)
+    module = _HfDropPath().train()
+    x = torch.randn(4, 6)
+    src = tmp_path / "m.onnx"
+    if dynamo:
+        torch.onnx.export(module, (x,), dynamo=True, optimize=False, input_names=["x"],
+                          output_names=["logits"]).save(str(src))
+    else:
+        torch.onnx.export(module, (x,), str(src), dynamo=False, input_names=["x"],
+                          output_names=["logits"], do_constant_folding=False,
+                          training=torch.onnx.TrainingMode.TRAINING)
+    api.build(src, tmp_path / "s.onnx", options=BuildOptions(lr=0.1))
+    trainer = Trainer(tmp_path / "s.onnx")
+    trainer.step({"x": x.numpy(), "labels": np.array([0, 1, 2, 0])})
+    trainer.save(tmp_path / "ck")
+    said = _export(tmp_path / "s.onnx", tmp_path / "ck", tmp_path / "e.onnx", "--eval")
+    assert "1 Dropout(s) pass their input through" in said, said
+    _export(tmp_path / "s.onnx", tmp_path / "ck", tmp_path / "w.safetensors")
+    module.load_state_dict(safetensors.torch.load_file(tmp_path / "w.safetensors"))
+    with torch.no_grad():
+        want = module.eval()(x).numpy()
+    got = _run(tmp_path / "e.onnx", {"x": x.numpy()}, 1)
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_a_model_exported_in_train_mode_builds_again_and_trains_as_its_step(tmp_path,
                                                                             threads):

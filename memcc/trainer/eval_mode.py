@@ -145,7 +145,9 @@ def _dropped_by_masks(graph: Graph, producer: dict[str, onnx.NodeProto]
                       ) -> dict[int, str]:
     """Dropout written as a random mask (the dynamo exporter's in-place ``nn.Dropout`` and
     ``bernoulli_``, timm's stochastic depth): ``Mul(x, Div(Cast(Less(RandomUniform(Like),
-    keep)), keep))``, the mask's mean 1. id of the Mul -> x, which eval mode passes on."""
+    keep)), keep))``, the mask's mean 1; or HuggingFace's ``drop_path``,
+    ``Mul(Div(x, keep), Floor(Add(keep, RandomUniform(Like))))``. id of the Mul -> x, which
+    eval mode passes on."""
     found: dict[int, str] = {}
     for n in graph.nodes:
         if n.op_type != "Mul" or len(n.input) != 2:
@@ -155,7 +157,35 @@ def _dropped_by_masks(graph: Graph, producer: dict[str, onnx.NodeProto]
             if keep is not None:
                 found[id(n)] = x
                 break
+            kept = _floored_uniform_mask(x, mask, graph, producer)
+            if kept is not None:
+                found[id(n)] = kept
+                break
     return found
+
+
+def _floored_uniform_mask(scaled: str, mask: str, graph: Graph,
+                          producer: dict[str, onnx.NodeProto]) -> str | None:
+    """``x`` where ``scaled * mask`` is ``(x / keep) * Floor(keep + uniform [0, 1))``:
+    HuggingFace's stochastic depth (``drop_path``, Swin, ConvNeXt, BEiT), whose eval mode
+    passes ``x`` on."""
+    floor, div = producer.get(mask), producer.get(scaled)
+    if floor is None or floor.op_type != "Floor" or div is None or div.op_type != "Div":
+        return None
+    add = producer.get(floor.input[0])
+    if add is None or add.op_type != "Add":
+        return None
+    for keep_in, draw_in in ((add.input[0], add.input[1]), (add.input[1], add.input[0])):
+        draw = producer.get(draw_in)
+        if draw is None or draw.op_type not in ("RandomUniform", "RandomUniformLike") or \
+                float(attr(draw, "low", 0.0)) != 0.0 or float(attr(draw, "high", 1.0)) != 1.0:
+            continue
+        keep = scalar_constant(keep_in, graph, producer)
+        scale = scalar_constant(div.input[1], graph, producer)
+        if keep is not None and scale is not None and 0.0 < keep <= 1.0 and \
+                abs(keep - scale) <= 1e-6 * keep:
+            return div.input[0]
+    return None
 
 
 def _scaled_uniform_mask(value: str, graph: Graph, producer: dict[str, onnx.NodeProto]
