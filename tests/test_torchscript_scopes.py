@@ -28,11 +28,23 @@ from memcc.trainer import Trainer
 VOCAB, BATCH, SEQ = 16, 2, 5
 
 
-class SharedLayer(nn.Module):
-    """One layer run twice, a weight-normed layer, and a head tied to the embedding."""
+class Inner(nn.Module):
+    """A module whose child its parent calls past it (OPT's causal-LM head calls
+    ``self.model.decoder``: TorchScript's scope is ``model/decoder`` for the module
+    ``model.model.decoder``)."""
 
     def __init__(self) -> None:
         super().__init__()
+        self.decoder = nn.Linear(8, 8)
+
+
+class SharedLayer(nn.Module):
+    """One layer run twice, a weight-normed layer, a module called past its parent, and a
+    head tied to the embedding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = Inner()
         self.emb = nn.Embedding(VOCAB, 8)
         self.layer = nn.Linear(8, 8)
         self.norm = nn.utils.parametrizations.weight_norm(nn.Linear(8, 8))
@@ -41,7 +53,7 @@ class SharedLayer(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.layer(torch.tanh(self.layer(self.emb(ids))))
-        return self.head(self.norm(x))
+        return self.head(self.norm(self.inner.decoder(x)))
 
 
 def test_repeated_calls_and_parametrizations_load_strictly(tmp_path):
@@ -70,6 +82,7 @@ def test_repeated_calls_and_parametrizations_load_strictly(tmp_path):
     fresh = SharedLayer()
     fresh.load_state_dict(weights, strict=True)
     trained = trainer.parameters()
-    for name in ("layer.weight", "norm.parametrizations.weight.original0"):
+    for name in ("layer.weight", "norm.parametrizations.weight.original0",
+                 "inner.decoder.weight"):
         assert torch.equal(fresh.state_dict()[name], torch.from_numpy(trained[name])), name
         assert not torch.equal(fresh.state_dict()[name], module.state_dict()[name]), name

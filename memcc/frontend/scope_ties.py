@@ -51,14 +51,27 @@ def _own_read(module: str, param: str) -> bool:
     module called again gets its scope suffixed (ALBERT's one shared layer, run per layer:
     ``attention/query_1`` reads ``attention.query.weight``; ``albert_layers.0_1``), and a
     parametrization runs in a scope named after the attribute it computes (weight norm:
-    ``conv/weight/weight.0`` reads ``conv.parametrizations.weight.original0``)."""
+    ``conv/weight/weight.0`` reads ``conv.parametrizations.weight.original0``), and a module
+    reached past a level of its path runs under its path with that level left out."""
     m = _PARAMETRIZED.match(param)
     if m and (module == f"{m[1]}.{m[2]}" or module.startswith(f"{m[1]}.{m[2]}.")):
         return True
     mine, theirs = module.split("."), param.rsplit(".", 1)[0].split(".")
-    return len(mine) == len(theirs) and all(
-        a == b or re.fullmatch(re.escape(b) + r"_\d+", a)
-        for a, b in zip(mine, theirs, strict=True))
+    if not mine or not theirs or not _same_part(mine[-1], theirs[-1]):
+        return False
+    # A module called by a path that skips a level of its own (OPT's causal-LM head calls
+    # ``self.model.decoder`` itself: the scope is ``model/decoder`` for the module
+    # ``model.model.decoder``) runs under a scope that is its path with levels left out.
+    k = 0
+    for part in theirs:
+        if k < len(mine) and _same_part(mine[k], part):
+            k += 1
+    return k == len(mine)
+
+
+def _same_part(scope: str, name: str) -> bool:
+    """A scope segment of the module ``name`` (``query`` or, called again, ``query_1``)."""
+    return scope == name or re.fullmatch(re.escape(name) + r"_\d+", scope) is not None
 
 
 def _scope_module(node_name: str) -> str:
