@@ -63,8 +63,9 @@ def summary_lines(report: dict) -> list[str]:
                   if r.get("name") == "plan" and "replanned_at_smallest" in r["summary"]), None)
     if again and b.get("compute_cost_s"):
         first = again["smallest_peak_plan"]["added_time_s"] / b["compute_cost_s"]
-        lines.append(f"search   the smallest-peak plan (+{first * 100:.1f}%) planned again at "
-                     f"its budget, for time: +{p['overhead'] * 100:.1f}%")
+        # signed: a plan can be faster than the step as built (a walk-through read "+-0.1%")
+        lines.append(f"search   the smallest-peak plan ({first * 100:+.1f}%) planned again at "
+                     f"its budget, for time: {p['overhead'] * 100:+.1f}%")
     o = report.get("offloaded_state")
     if o and o["used"]:
         reach = (f"; smallest budget {format_size(o['smallest_budget_bytes'])} with it, "

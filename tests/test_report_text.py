@@ -75,3 +75,15 @@ def test_a_cpu_plan_beyond_its_variants_tolerance_gets_cpu_advice():
     said = " ".join(next_steps(v, CompileOptions(), 1, "m.onnx", 0))
     assert "CUDA" not in said and "GPU" not in said
     assert "--no-variants" in said and "within relative 1e-05" in said
+
+
+def test_the_replan_for_time_signs_its_added_times():
+    """A plan made again for time can add less than nothing (its variants cost less than
+    the nodes they replace): the line read "for time: +-0.1%" (a walk-through)."""
+    report = _report(["a"])
+    report["plan"]["overhead"] = -0.001
+    report["baseline"]["compute_cost_s"] = 1.0
+    report["passes"] = [{"name": "plan", "summary": {"replanned_at_smallest": {
+        "smallest_peak_plan": {"added_time_s": 0.25}}}}]
+    line = next(x for x in summary_lines(report) if "planned again" in x)
+    assert "(+25.0%)" in line and line.endswith("for time: -0.1%") and "+-" not in line
