@@ -405,7 +405,8 @@ def _report_export_map(sources: dict[str, ParameterSource], source: str,
     computed = [(c, torch_name, op) for c, (torch_name, init, op) in emap.computed.items()
                 if init in sources]
     if computed:
-        what = {"Identity": "an exact", "Transpose": "a transposed", "Reshape": "a reshaped"}
+        what = {"Identity": "an exact", "Transpose": "a transposed", "Reshape": "a reshaped",
+                "Expand": "a broadcast (per batch slot)"}
         told = "; ".join(f"{c} was {what[op.split('(')[0]]} copy of {n}: now computed from it "
                          f"({op}), trained as one" for c, n, op in computed[:4])
         more = f" (+{len(computed) - 4} more)" if len(computed) > 4 else ""

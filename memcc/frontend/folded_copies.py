@@ -5,7 +5,10 @@ In: a dynamo-exported ONNX model (in place, before memcc rewrites a node) and it
 folded from a parameter (``val_303 = Transpose(lm_head.weight)``). Out: each copy whose
 values are its parameter transposed, reshaped or as is, bit for bit, replaced by that op
 reading the parameter's initializer, and the map with those copies moved from ``copies`` to
-``computed``. So the step trains one tensor where PyTorch does.
+``computed``. So the step trains one tensor where PyTorch does. A copy broadcast from a
+parameter no initializer holds along the batch axis (``cls_token.expand(batch, -1, -1)``
+folded into ``expand``) becomes ``Expand`` of an initializer under the parameter's name
+(``recompute_broadcast_copies``).
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ import numpy as np
 import onnx
 import onnx.numpy_helper
 
-from memcc.frontend.export_map import ExportMap
+from memcc.frontend.export_map import FOLDED_FROM_PROP, ExportMap, _literal_list
+from memcc.frontend.export_signature import SIGNATURE_LINE, SIGNATURE_PROP, file_props
 
 # Tensors of more dimensions than this are not searched for a transposition (6! orders).
 _MAX_PERMUTED_RANK = 6
@@ -133,6 +137,114 @@ def recompute_folded_copies(model: onnx.ModelProto, emap: ExportMap,
         computed[name] = (params[0], holder, _op_text(op, arg))
     if not gone:
         return emap
+    _drop_initializers(model, gone, front)
+    return replace(emap, copies=copies, computed=computed)
+
+
+def _broadcast_source(copy: np.ndarray) -> np.ndarray | None:
+    """The parameter a copy was broadcast from along its first axis (``token.expand(batch,
+    -1, -1)``: the copy's first slot, of shape ``(1, ...)``), where every slot of the copy
+    equals the first bit for bit; else None. Only the first axis is taken as broadcast: a
+    constant-filled copy (a zero-initialized token) would fit a broadcast along any axis,
+    and the batch axis is the one the exporter folded (it knew the batch size)."""
+    if copy.ndim < 2 or copy.shape[0] < 2 or copy.size == 0:
+        return None
+    first = copy[:1]
+    if np.ascontiguousarray(np.broadcast_to(first, copy.shape)).tobytes() \
+            != np.ascontiguousarray(copy).tobytes():
+        return None
+    return np.ascontiguousarray(first)
+
+
+def recompute_broadcast_copies(model: onnx.ModelProto, emap: ExportMap,
+                               weights: Mapping[str, np.ndarray] | None = None) -> ExportMap:
+    """Compute each copy folded from a parameter broadcast to the batch from that parameter
+    again, in ``model`` (in place).
+
+    The dynamo exporter's optimizer folds ``cls_token.expand(batch, -1, -1)`` (DeiT, ViT in
+    train mode) into a batch-sized initializer ``expand`` and drops the parameter. Trained as
+    found, each batch slot gets a token of its own, and the same image in two slots gives
+    two answers. A copy folded from one parameter that no initializer holds, whose every
+    slot along the first axis equals the first, gets an initializer under the parameter's
+    own name holding that slot, and ``Expand`` of it replaces the copy: the step trains the
+    parameter once, its gradient summed over the batch as torch's is, and ``memcc export``
+    writes it under its name. Returns the map with the copy moved from ``copies`` to
+    ``computed`` and the parameter standing for itself.
+    """
+    weights = weights or {}
+    inits = {t.name: t for t in model.graph.initializer}
+    taken = set(inits) | {o for n in model.graph.node for o in n.output} \
+        | {i for n in model.graph.node for i in n.input} | {i.name for i in model.graph.input}
+    held = {n for names in emap.stands_for.values() for n in names}
+    copies, computed = dict(emap.copies), dict(emap.computed)
+    stands_for = dict(emap.stands_for)
+    front: list[onnx.NodeProto] = []
+    for name, param in _copies_of_one_parameter(model, emap).items():
+        if name not in inits or param in held or param in taken or name in emap.copy_ops:
+            continue
+        t = inits[name]
+        try:
+            copy = weights[name] if name in weights else onnx.numpy_helper.to_array(t)
+            source = _broadcast_source(np.asarray(copy))
+        except Exception:  # data the file does not hold (external data not loaded)
+            source = None
+        if source is None:
+            continue
+        shape = f"{name}.shape"
+        while shape in taken:
+            shape += "_"
+        taken |= {shape, param}
+        model.graph.initializer.extend([
+            onnx.numpy_helper.from_array(source, param),
+            onnx.numpy_helper.from_array(np.asarray(copy.shape, dtype=np.int64), shape)])
+        front.append(onnx.helper.make_node("Expand", [param, shape], [name],
+                                           name=f"memcc.recompute/{name}"))
+        copies.pop(name, None)
+        stands_for[param] = (param,)
+        computed[name] = (param, param, f"Expand(shape={list(copy.shape)})")
+    if not front:
+        return emap
+    gone = {n.output[0] for n in front}
+    _drop_initializers(model, gone, front)
+    return replace(emap, stands_for=stands_for, copies=copies, computed=computed,
+                   folded=tuple(p for p in emap.folded if p not in stands_for))
+
+
+def _copies_of_one_parameter(model: onnx.ModelProto, emap: ExportMap) -> dict[str, str]:
+    """Made-up initializer -> the one parameter it was folded from: ``emap.copies`` of one
+    parameter, and initializers whose ``folded_from`` record names one parameter that no
+    initializer holds (``emap.folded``) and otherwise only values that are neither a
+    placeholder of the graph signature (a buffer, an input) nor a graph input: the
+    exporter's constants (``expand`` <- ``cls_token`` and the expand's sizes)."""
+    found = {c: ps[0] for c, ps in emap.copies.items() if len(ps) == 1}
+    signature = file_props(model).get(SIGNATURE_PROP) or ""
+    params: dict[str, str] = {}  # placeholder or parameter name -> parameter name
+    named: set[str] = {i.name for i in model.graph.input}
+    for line in signature.splitlines():
+        m = SIGNATURE_LINE.match(line)
+        if m:
+            named |= {m.group(1), m.group(3) or m.group(1)}
+            if m.group(2) == "PARAMETER" and m.group(3):
+                params[m.group(1)] = params[m.group(3)] = m.group(3)
+    records = {v.name: {p.key: p.value for p in v.metadata_props}
+               for v in model.graph.value_info if v.metadata_props}
+    folded = set(emap.folded)
+    for t in model.graph.initializer:
+        if t.name in found or t.name in emap.stands_for:
+            continue
+        src = _literal_list(records.get(t.name, {}).get(FOLDED_FROM_PROP))
+        from_params = {params[x] for x in src if x in params}
+        others = [x for x in src if x not in params]
+        if len(from_params) == 1 and from_params <= folded \
+                and not any(x in named for x in others):
+            found[t.name] = from_params.pop()
+    return found
+
+
+def _drop_initializers(model: onnx.ModelProto, gone: set[str],
+                       front: list[onnx.NodeProto]) -> None:
+    """``model`` without the initializers (and graph inputs) named in ``gone``, and with the
+    nodes ``front`` that now compute them put first."""
     kept = [t for t in model.graph.initializer if t.name not in gone]
     del model.graph.initializer[:]
     model.graph.initializer.extend(kept)
@@ -142,4 +254,3 @@ def recompute_folded_copies(model: onnx.ModelProto, emap: ExportMap,
     nodes = [*front, *model.graph.node]
     del model.graph.node[:]
     model.graph.node.extend(nodes)
-    return replace(emap, copies=copies, computed=computed)

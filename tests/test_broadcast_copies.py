@@ -1,0 +1,108 @@
+"""A parameter the dynamo exporter folded broadcast to the batch trains once.
+
+``optimize=True`` folds ``cls_token.expand(batch, -1, -1)`` (DeiT, ViT in train mode) into a
+batch-sized initializer ``expand`` and drops ``cls_token``. memcc trained ``expand`` as a
+made-up parameter of its own: every batch slot got its own token, and a walk-through's DeiT
+gave 4 different answers for one image in 4 slots (spread 0.953). The step now computes
+``expand`` as ``Expand(cls_token)`` (``folded_copies.recompute_broadcast_copies``).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import safetensors.torch
+import torch
+from exports import _quiet
+from torch import nn
+from typer.testing import CliRunner
+
+from memcc import api
+from memcc.cli import app
+from memcc.frontend.build import BuildOptions
+from memcc.frontend.export_map import read_export_map
+from memcc.frontend.export_signature import ExportWarning
+from memcc.step import TrainingStep
+from memcc.trainer import Trainer
+
+LR = 0.5
+
+
+class _ClsToken(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.cls_token = nn.Parameter(torch.randn(1, 1, 8, generator=g))
+        self.proj = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cls = self.cls_token.expand(x.shape[0], -1, -1)
+        h = torch.cat([cls, self.proj(x)], dim=1)
+        return self.head(torch.tanh(h).mean(1))
+
+
+def _export(tmp_path):
+    torch.manual_seed(0)
+    module = _ClsToken().train()
+    x = torch.randn(4, 5, 8, generator=torch.Generator().manual_seed(1))
+    path = tmp_path / "cls.onnx"
+    with _quiet():
+        torch.onnx.export(module, (x,), str(path), dynamo=True, optimize=True,
+                          input_names=["x"], output_names=["logits"])
+    return path, module, x.numpy()
+
+
+def _cli(*args: str) -> None:
+    r = CliRunner().invoke(app, list(args))
+    assert r.exit_code == 0, r.output
+
+
+def test_a_token_broadcast_to_the_batch_trains_once_as_its_parameter(tmp_path):
+    path, module, x = _export(tmp_path)
+    emap = read_export_map(onnx.load(str(path)))
+    assert "cls_token" in emap.folded  # as exported: "folded into constants"
+    step_path = tmp_path / "s.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ExportWarning)
+        graph = api.build(path, step_path, options=BuildOptions(optimizer="sgd", lr=LR,
+                                                                momentum=0.0))
+    params = TrainingStep.of(graph).parameters
+    batch_sized = [t.name for t in onnx.load(str(path)).graph.initializer
+                   if tuple(t.dims) == (4, 1, 8)]  # the folded expand
+    assert batch_sized and "cls_token" in params and not set(batch_sized) & set(params)
+    labels = np.array([0, 1, 2, 1], dtype=np.int64)
+    trainer = Trainer(step_path)
+    trainer.step({"x": x, "labels": labels})
+    trainer.save(tmp_path / "ck1")
+    # One SGD step, as torch takes it (the token's gradient summed over the batch).
+    loss = nn.functional.cross_entropy(module(torch.from_numpy(x)), torch.from_numpy(labels))
+    loss.backward()
+    with torch.no_grad():
+        for p in module.parameters():
+            p -= LR * p.grad
+    _cli("export", str(step_path), "--checkpoint", str(tmp_path / "ck1"),
+         "-o", str(tmp_path / "w1.safetensors"))
+    got = safetensors.torch.load_file(str(tmp_path / "w1.safetensors"))
+    assert got["cls_token"].shape == module.cls_token.shape
+    for name, p in module.state_dict().items():
+        err = float((got[name] - p).abs().max() / p.abs().max())
+        assert err <= 1e-4, f"{name}: {err:.2e} from torch's SGD step"
+    for _ in range(3):
+        trainer.step({"x": x, "labels": labels})
+    trainer.save(tmp_path / "ck")
+    for out, flags in (("w.safetensors", ()), ("eval.onnx", ("--eval",))):
+        _cli("export", str(step_path), "--checkpoint", str(tmp_path / "ck"),
+             "-o", str(tmp_path / out), *flags)
+    module.load_state_dict(safetensors.torch.load_file(str(tmp_path / "w.safetensors")),
+                           strict=True)
+    sess = ort.InferenceSession(str(tmp_path / "eval.onnx"), providers=["CPUExecutionProvider"])
+    same = np.repeat(x[:1], 4, axis=0)
+    rows = sess.run(None, {sess.get_inputs()[0].name: same})[0]
+    assert np.abs(rows - rows[0]).max() == 0.0, rows  # one token for every slot
+    with torch.no_grad():
+        theirs = module.eval()(torch.from_numpy(same)).numpy()
+    assert np.abs(rows - theirs).max() <= 1e-5 * max(1.0, np.abs(theirs).max())
