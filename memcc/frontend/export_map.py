@@ -100,7 +100,7 @@ class ExportMap:
                    {k: tuple(v) for k, v in d.get("maybe_tied", {}).items()})
 
 
-def _literal_list(text: str | None) -> list[str]:
+def literal_list(text: str | None) -> list[str]:
     """The exporter writes lists as Python literals (``['a', 'b']``)."""
     if not text:
         return []
@@ -208,7 +208,7 @@ def _index_records(model: onnx.ModelProto, placeholders: dict[str, str],
         if name not in groups:
             call = fx.split("=", 1)[1] if "=" in fx else fx
             args = [a for a in dict.fromkeys(_FX_ARG.findall(call)) if a in placeholders]
-            scopes = _literal_list(nprops.get(NAME_SCOPES_PROP))
+            scopes = literal_list(nprops.get(NAME_SCOPES_PROP))
             groups[name] = (args, [], scopes[-2] if len(scopes) >= 2 else "")
         reads = groups[name][1]
         for i in node.input:
@@ -224,7 +224,7 @@ def _folded_copies(model: onnx.ModelProto, rec: _Records) -> dict[str, tuple[str
     for t in model.graph.initializer:
         if t.name in rec.origin:
             continue
-        src = _literal_list(rec.meta.get(t.name, {}).get(FOLDED_FROM_PROP))
+        src = literal_list(rec.meta.get(t.name, {}).get(FOLDED_FROM_PROP))
         phs = [rec.origin.get(x) or rec.by_target.get(x) for x in src]
         if src and all(phs):
             copies[t.name] = tuple(rec.placeholders[ph] for ph in phs if ph)
@@ -239,7 +239,7 @@ def _folded_into_constants(model: onnx.ModelProto, rec: _Records) -> set[str]:
     ``position_ids`` buffer)."""
     found: set[str] = set()
     for t in model.graph.initializer:
-        for x in _literal_list(rec.meta.get(t.name, {}).get(FOLDED_FROM_PROP)):
+        for x in literal_list(rec.meta.get(t.name, {}).get(FOLDED_FROM_PROP)):
             ph = rec.origin.get(x) or rec.by_target.get(x) or (x if x in rec.placeholders
                                                                else None)
             if ph is not None and ph not in rec.own:
@@ -289,7 +289,7 @@ def _folded_constants(model: onnx.ModelProto, rec: _Records) -> tuple[str, ...]:
             continue
         if int(np.prod(t.dims, dtype=np.int64)) != 1:
             continue
-        src = _literal_list(rec.meta.get(t.name, {}).get(FOLDED_FROM_PROP))
+        src = literal_list(rec.meta.get(t.name, {}).get(FOLDED_FROM_PROP))
         if src and not any(x in rec.origin or x in rec.by_target or x in rec.placeholders
                            for x in src):
             found.append(t.name)

@@ -21,7 +21,7 @@ import numpy as np
 import onnx
 import onnx.numpy_helper
 
-from memcc.frontend.export_map import FOLDED_FROM_PROP, ExportMap, _literal_list
+from memcc.frontend.export_map import FOLDED_FROM_PROP, ExportMap, literal_list
 from memcc.frontend.export_signature import SIGNATURE_LINE, SIGNATURE_PROP, file_props
 
 # Tensors of more dimensions than this are not searched for a transposition (6! orders).
@@ -232,7 +232,7 @@ def _copies_of_one_parameter(model: onnx.ModelProto, emap: ExportMap) -> dict[st
     for t in model.graph.initializer:
         if t.name in found or t.name in emap.stands_for:
             continue
-        src = _literal_list(records.get(t.name, {}).get(FOLDED_FROM_PROP))
+        src = literal_list(records.get(t.name, {}).get(FOLDED_FROM_PROP))
         from_params = {params[x] for x in src if x in params}
         others = [x for x in src if x not in params]
         if len(from_params) == 1 and from_params <= folded \
