@@ -137,7 +137,9 @@ def read_export_map(model: onnx.ModelProto) -> ExportMap | None:
     signature (TorchScript) or without the per-node records (older exporters), where the
     names alone are all there is. A parameter without an initializer of its own is, in this
     order: merged (its FX node's ONNX nodes read another parameter's initializer of the same
-    attribute, one that its own FX node reads too), copied (a made-up initializer was
+    attribute, or the one initializer the FX node does not name where it is the one
+    parameter the FX node names that no initializer holds, one that its own FX node reads
+    too), copied (a made-up initializer was
     folded from it: a pre-transposed weight, trained under the made-up name), folded (its
     FX node survives but reads no initializer for it), tied (no FX node reads it, and its
     module's nodes read another module's parameter of the same attribute) or unused.
@@ -332,12 +334,20 @@ def _merged_into(rec: _Records, copied: set[str]) -> dict[str, str]:
     for args, reads, _ in rec.groups.values():
         missing = [a for a in args if a not in rec.own and a not in copied]
         foreign = [i for i in reads if origin[i] not in args and i in own_read]
+        pairs = []
         for ph in missing:
             pick = next((i for i in foreign if _attribute(placeholders[origin[i]])
                          == _attribute(placeholders[ph])), None)
-            if pick is None:
-                continue
-            foreign.remove(pick)
+            if pick is not None:
+                foreign.remove(pick)
+                pairs.append((ph, pick))
+        rest = [ph for ph in missing if ph not in dict(pairs)]
+        if len(rest) == 1 and len(foreign) == 1:
+            # The one parameter the FX node names that no initializer holds, and the one
+            # initializer its nodes read that it does not name: ConvNeXt-V2's zero
+            # ``grn.bias``, read as the zero ``grn.weight`` (``Add(mul_1, grn.weight)``).
+            pairs.append((rest[0], foreign[0]))
+        for ph, pick in pairs:
             if merged_into.setdefault(ph, pick) != pick:
                 unresolved.add(ph)  # two FX nodes disagree: claim nothing
     for ph in unresolved:
