@@ -302,14 +302,21 @@ def test_dropout_written_as_a_random_mask_passes_through(optimize, tmp_path):
     src = tmp_path / "m.onnx"
     torch.onnx.export(module, (x,), dynamo=True, optimize=optimize, input_names=["x"],
                       output_names=["logits"]).save(str(src))
+    _trained_eval_is_torch_s(module, x, src, tmp_path, passed=2)
+    assert "2 Dropout(s) are in training mode" in _export(
+        tmp_path / "s.onnx", tmp_path / "ck", tmp_path / "t.onnx")
+
+
+def _trained_eval_is_torch_s(module: torch.nn.Module, x: torch.Tensor, src, tmp_path,
+                             passed: int) -> None:
+    """Build ``src``, train a step, export: ``--eval`` passes ``passed`` random masks
+    through, and runs as the module loaded with the exported weights does in eval mode."""
     api.build(src, tmp_path / "s.onnx", options=BuildOptions(lr=0.1))
     trainer = Trainer(tmp_path / "s.onnx")
     trainer.step({"x": x.numpy(), "labels": np.array([0, 1, 2, 0])})
     trainer.save(tmp_path / "ck")
     said = _export(tmp_path / "s.onnx", tmp_path / "ck", tmp_path / "e.onnx", "--eval")
-    assert "2 Dropout(s) pass their input through" in said, said
-    assert "2 Dropout(s) are in training mode" in _export(
-        tmp_path / "s.onnx", tmp_path / "ck", tmp_path / "t.onnx")
+    assert f"{passed} Dropout(s) pass their input through" in said, said
     _export(tmp_path / "s.onnx", tmp_path / "ck", tmp_path / "w.safetensors")
     module.load_state_dict(safetensors.torch.load_file(tmp_path / "w.safetensors"))
     with torch.no_grad():
@@ -351,18 +358,7 @@ def test_huggingface_drop_path_passes_through_in_eval(dynamo, tmp_path):
         torch.onnx.export(module, (x,), str(src), dynamo=False, input_names=["x"],
                           output_names=["logits"], do_constant_folding=False,
                           training=torch.onnx.TrainingMode.TRAINING)
-    api.build(src, tmp_path / "s.onnx", options=BuildOptions(lr=0.1))
-    trainer = Trainer(tmp_path / "s.onnx")
-    trainer.step({"x": x.numpy(), "labels": np.array([0, 1, 2, 0])})
-    trainer.save(tmp_path / "ck")
-    said = _export(tmp_path / "s.onnx", tmp_path / "ck", tmp_path / "e.onnx", "--eval")
-    assert "1 Dropout(s) pass their input through" in said, said
-    _export(tmp_path / "s.onnx", tmp_path / "ck", tmp_path / "w.safetensors")
-    module.load_state_dict(safetensors.torch.load_file(tmp_path / "w.safetensors"))
-    with torch.no_grad():
-        want = module.eval()(x).numpy()
-    got = _run(tmp_path / "e.onnx", {"x": x.numpy()}, 1)
-    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+    _trained_eval_is_torch_s(module, x, src, tmp_path, passed=1)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
