@@ -106,3 +106,16 @@ def test_a_token_broadcast_to_the_batch_trains_once_as_its_parameter(tmp_path):
     with torch.no_grad():
         theirs = module.eval()(torch.from_numpy(same)).numpy()
     assert np.abs(rows - theirs).max() <= 1e-5 * max(1.0, np.abs(theirs).max())
+
+
+def test_a_copy_whose_first_axis_is_no_batch_is_not_taken_for_a_broadcast(tmp_path):
+    """Only a copy whose first axis is an input's (the batch the exporter traced at) is a
+    broadcast: a zero-initialized weight copied by some op fits one as well."""
+    from memcc.frontend.folded_copies import recompute_broadcast_copies
+
+    path, _, _ = _export(tmp_path)
+    model = onnx.load(str(path))
+    emap = read_export_map(model)
+    assert recompute_broadcast_copies(onnx.load(str(path)), emap) is not emap
+    model.graph.input[0].type.tensor_type.shape.dim[0].dim_value = 3  # another batch
+    assert recompute_broadcast_copies(model, emap) is emap

@@ -179,8 +179,14 @@ def recompute_broadcast_copies(model: onnx.ModelProto, emap: ExportMap,
     copies, computed = dict(emap.copies), dict(emap.computed)
     stands_for = dict(emap.stands_for)
     front: list[onnx.NodeProto] = []
+    # The first axis the exporter folded is the batch the model was traced at: a copy whose
+    # first axis is no input's is not taken for one (a zero-initialized weight copied by
+    # some op would fit a broadcast of its first row too).
+    batches = {int(i.type.tensor_type.shape.dim[0].dim_value) for i in model.graph.input
+               if i.name not in inits and len(i.type.tensor_type.shape.dim) > 0}
     for name, param in _copies_of_one_parameter(model, emap).items():
-        if name not in inits or param in held or param in taken or name in emap.copy_ops:
+        if name not in inits or param in held or param in taken or name in emap.copy_ops \
+                or (inits[name].dims[:1] or [0])[0] not in batches:
             continue
         t = inits[name]
         try:
