@@ -14,6 +14,7 @@ import warnings
 import numpy as np
 import onnx
 import onnxruntime as ort
+import pytest
 import safetensors.torch
 import torch
 from exports import _quiet
@@ -24,7 +25,7 @@ from memcc import api
 from memcc.cli import app
 from memcc.frontend.build import BuildOptions
 from memcc.frontend.export_map import read_export_map
-from memcc.frontend.export_signature import ExportWarning
+from memcc.frontend.export_signature import ExportNote, ExportWarning
 from memcc.step import TrainingStep
 from memcc.trainer import Trainer
 
@@ -119,3 +120,50 @@ def test_a_copy_whose_first_axis_is_no_batch_is_not_taken_for_a_broadcast(tmp_pa
     assert recompute_broadcast_copies(onnx.load(str(path)), emap) is not emap
     model.graph.input[0].type.tensor_type.shape.dim[0].dim_value = 3  # another batch
     assert recompute_broadcast_copies(model, emap) is emap
+
+
+class _Masked(nn.Module):
+    """A mask computed from a buffer and sizes alone, expanded to the batch: the
+    optimizer folds it into a batch-sized initializer (DeiT's ``val_78``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 3)
+        self.register_buffer("pos", torch.arange(5).float(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = (self.pos[None, :, None] < 3).float().expand(x.shape[0], -1, 8) * -1.0
+        return self.fc(x + mask).mean(1)
+
+
+def test_a_constant_repeated_over_the_batch_is_not_trained(tmp_path):
+    """Trained as found, each batch slot got a mask of its own; torch computes the same
+    constant every step (``folded_copies.constant_broadcasts``)."""
+    torch.manual_seed(0)
+    module = _Masked().train()
+    x = torch.randn(4, 5, 8)
+    path = tmp_path / "m.onnx"
+    with _quiet():
+        torch.onnx.export(module, (x,), str(path), dynamo=True, optimize=True,
+                          input_names=["x"], output_names=["logits"])
+    batch_sized = [t.name for t in onnx.load(str(path)).graph.initializer
+                   if tuple(t.dims) == (4, 5, 8)]
+    assert batch_sized  # the folded mask, as the exporter wrote it
+    with pytest.warns(ExportNote, match="repeated over the batch"):
+        graph = api.build(path, tmp_path / "s.onnx",
+                          options=BuildOptions(optimizer="sgd", lr=LR, momentum=0.0))
+    assert not set(batch_sized) & set(TrainingStep.of(graph).parameters)
+    labels = np.array([0, 1, 2, 1], dtype=np.int64)
+    trainer = Trainer(tmp_path / "s.onnx")
+    trainer.step({"x": x.numpy(), "labels": labels})
+    nn.functional.cross_entropy(module(x), torch.from_numpy(labels)).backward()
+    with torch.no_grad():
+        for p in module.parameters():
+            p -= LR * p.grad
+    trainer.save(tmp_path / "ck")
+    _cli("export", str(tmp_path / "s.onnx"), "--checkpoint", str(tmp_path / "ck"),
+         "-o", str(tmp_path / "w.safetensors"))
+    got = safetensors.torch.load_file(str(tmp_path / "w.safetensors"))
+    for name in ("fc.weight", "fc.bias"):
+        want = module.state_dict()[name]
+        assert float((got[name] - want).abs().max()) <= 1e-5 * float(want.abs().max()), name

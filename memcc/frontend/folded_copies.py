@@ -14,6 +14,7 @@ folded into ``expand``) becomes ``Expand`` of an initializer under the parameter
 from __future__ import annotations
 
 import itertools
+import warnings
 from collections.abc import Mapping
 from dataclasses import replace
 
@@ -22,7 +23,12 @@ import onnx
 import onnx.numpy_helper
 
 from memcc.frontend.export_map import FOLDED_FROM_PROP, ExportMap, literal_list
-from memcc.frontend.export_signature import SIGNATURE_LINE, SIGNATURE_PROP, file_props
+from memcc.frontend.export_signature import (
+    SIGNATURE_LINE,
+    SIGNATURE_PROP,
+    ExportNote,
+    file_props,
+)
 
 # Tensors of more dimensions than this are not searched for a transposition (6! orders).
 _MAX_PERMUTED_RANK = 6
@@ -223,22 +229,12 @@ def _copies_of_one_parameter(model: onnx.ModelProto, emap: ExportMap) -> dict[st
     placeholder of the graph signature (a buffer, an input) nor a graph input: the
     exporter's constants (``expand`` <- ``cls_token`` and the expand's sizes)."""
     found = {c: ps[0] for c, ps in emap.copies.items() if len(ps) == 1}
-    signature = file_props(model).get(SIGNATURE_PROP) or ""
-    params: dict[str, str] = {}  # placeholder or parameter name -> parameter name
-    named: set[str] = {i.name for i in model.graph.input}
-    for line in signature.splitlines():
-        m = SIGNATURE_LINE.match(line)
-        if m:
-            named |= {m.group(1), m.group(3) or m.group(1)}
-            if m.group(2) == "PARAMETER" and m.group(3):
-                params[m.group(1)] = params[m.group(3)] = m.group(3)
-    records = {v.name: {p.key: p.value for p in v.metadata_props}
-               for v in model.graph.value_info if v.metadata_props}
-    folded = set(emap.folded)
+    params, named = _signature_names(model)
+    records, folded = _folded_from(model), set(emap.folded)
     for t in model.graph.initializer:
         if t.name in found or t.name in emap.stands_for:
             continue
-        src = literal_list(records.get(t.name, {}).get(FOLDED_FROM_PROP))
+        src = records.get(t.name, [])
         from_params = {params[x] for x in src if x in params}
         others = [x for x in src if x not in params]
         if len(from_params) == 1 and from_params <= folded \
@@ -260,3 +256,82 @@ def _drop_initializers(model: onnx.ModelProto, gone: set[str],
     nodes = [*front, *model.graph.node]
     del model.graph.node[:]
     model.graph.node.extend(nodes)
+
+
+def _signature_names(model: onnx.ModelProto) -> tuple[dict[str, str], set[str]]:
+    """From the graph signature: placeholder or parameter name -> parameter name, and every
+    name it gives a placeholder (parameters, buffers, inputs) with the graph's inputs."""
+    params: dict[str, str] = {}
+    named: set[str] = {i.name for i in model.graph.input}
+    for line in (file_props(model).get(SIGNATURE_PROP) or "").splitlines():
+        m = SIGNATURE_LINE.match(line)
+        if m:
+            named |= {m.group(1), m.group(3) or m.group(1)}
+            if m.group(2) == "PARAMETER" and m.group(3):
+                params[m.group(1)] = params[m.group(3)] = m.group(3)
+    return params, named
+
+
+def _folded_from(model: onnx.ModelProto) -> dict[str, list[str]]:
+    """Initializer -> the values the exporter's optimizer folded it from (its record)."""
+    out: dict[str, list[str]] = {}
+    for v in model.graph.value_info:
+        for p in v.metadata_props:
+            if p.key == FOLDED_FROM_PROP:
+                out[v.name] = literal_list(p.value)
+    return out
+
+
+def constant_broadcasts(model: onnx.ModelProto, emap: ExportMap,
+                        weights: Mapping[str, np.ndarray] | None = None) -> ExportMap:
+    """The map with made-up initializers that are constants repeated over the batch added
+    to ``constants`` (never trained).
+
+    The optimizer folds an attention mask computed from buffers and sizes alone, expanded
+    to the batch (DeiT's ``val_78``, ``(4, 1, 18, 18)``), into a batch-sized initializer;
+    trained as found, each batch slot got a mask of its own, where torch computes the same
+    constant every step. Taken: a float initializer no parameter stands for, whose first
+    axis is an input's (the batch the model was traced at, 2 or more), every slot equal to
+    the first bit for bit, and whose ``folded_from`` record names no parameter."""
+    weights = weights or {}
+    params, _ = _signature_names(model)
+    batches = {int(i.type.tensor_type.shape.dim[0].dim_value) for i in model.graph.input
+               if len(i.type.tensor_type.shape.dim) > 0} - {0, 1}
+    known = set(emap.stands_for) | set(emap.copies) | set(emap.computed) | set(emap.constants)
+    records, found = _folded_from(model), []
+    for t in model.graph.initializer:
+        if t.name in known or not t.dims or t.dims[0] not in batches or \
+                t.data_type not in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16,
+                                    onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE):
+            continue
+        src = records.get(t.name, [])
+        if not src or any(x in params for x in src):
+            continue
+        try:
+            value = weights[t.name] if t.name in weights else onnx.numpy_helper.to_array(t)
+        except Exception:  # data the file does not hold (external data not loaded)
+            continue
+        if _broadcast_source(np.asarray(value)) is not None:
+            found.append(t.name)
+    if not found:
+        return emap
+    return replace(emap, constants=tuple(sorted({*emap.constants, *found})))
+
+
+def folded_values_as_torch_has_them(model: onnx.ModelProto, emap: ExportMap,
+                                    weights: Mapping[str, np.ndarray] | None,
+                                    source: str) -> ExportMap:
+    """``recompute_folded_copies``, ``recompute_broadcast_copies`` and
+    ``constant_broadcasts`` in turn (``model`` in place), saying which constants were kept
+    fixed."""
+    emap = recompute_broadcast_copies(model, recompute_folded_copies(model, emap, weights),
+                                      weights)
+    before = set(emap.constants)
+    emap = constant_broadcasts(model, emap, weights)
+    if fixed := sorted(set(emap.constants) - before):
+        warnings.warn(
+            f"{source}: {len(fixed)} initializer(s) the exporter's optimizer folded from "
+            f"buffers and sizes alone and repeated over the batch (e.g. '{fixed[0]}': an "
+            "attention mask) are constants of the model, kept fixed as torch computes them "
+            "each step, not trained per batch slot", ExportNote, stacklevel=3)
+    return emap

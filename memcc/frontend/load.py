@@ -41,7 +41,7 @@ from memcc.frontend.export_signature import (
     read_signature,
 )
 from memcc.frontend.fold import fold_shape_computations
-from memcc.frontend.folded_copies import recompute_broadcast_copies, recompute_folded_copies
+from memcc.frontend.folded_copies import folded_values_as_torch_has_them
 from memcc.frontend.function_ops import expand_function_ops
 from memcc.frontend.ort_kernels import inlined_by_ort
 from memcc.frontend.running_variance import PRODUCER_KEY
@@ -150,9 +150,8 @@ def load_graph(
         where = source or str(path_or_model)
     _untie(model, arrays, where)
     export_map = read_export_map(model)  # from the file as written, before any rewrite
-    if export_map is not None:  # folded copies of one parameter: computed from it again
-        export_map = recompute_folded_copies(model, export_map, arrays)
-        export_map = recompute_broadcast_copies(model, export_map, arrays)
+    if export_map is not None:  # folded copies of a parameter: computed from it again
+        export_map = folded_values_as_torch_has_them(model, export_map, arrays, where)
     if model.functions:
         model = onnx.inliner.inline_local_functions(model)
     symbolic = symbolic_dims_of(model)  # before binding: the exported model's own axes
