@@ -36,7 +36,6 @@ training mode (``restore_training_batchnorm``), each parameter's source
 
 from __future__ import annotations
 
-import ast
 import hashlib
 import warnings
 from dataclasses import dataclass, field
@@ -44,7 +43,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 
-from memcc.frontend.export_map import NAME_SCOPES_PROP, ExportMap, export_map_of
+from memcc.frontend.export_map import NAME_SCOPES_PROP, ExportMap, export_map_of, literal_list
 from memcc.frontend.export_signature import (
     ExportNote,
     ExportWarning,
@@ -87,12 +86,9 @@ def eval_mode_batchnorms(graph: Graph) -> list[str]:
 def _module_of(node: onnx.NodeProto) -> str:
     """The PyTorch module a dynamo export wrote ``node`` for (its name scopes' last module),
     or "" where the file does not say."""
-    text = next((p.value for p in node.metadata_props if p.key == NAME_SCOPES_PROP), "")
-    try:
-        scopes = ast.literal_eval(text) if text else []
-    except (ValueError, SyntaxError):
-        return ""
-    return str(scopes[-2]) if isinstance(scopes, list) and len(scopes) >= 2 else ""
+    text = next((p.value for p in node.metadata_props if p.key == NAME_SCOPES_PROP), None)
+    scopes = literal_list(text)
+    return scopes[-2] if len(scopes) >= 2 else ""
 
 
 def statistics_apart(graph: Graph, source: str) -> list[str]:

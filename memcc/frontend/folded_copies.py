@@ -29,6 +29,7 @@ from memcc.frontend.export_signature import (
     ExportNote,
     file_props,
 )
+from memcc.graph import FLOAT_TYPES
 
 # Tensors of more dimensions than this are not searched for a transposition (6! orders).
 _MAX_PERMUTED_RANK = 6
@@ -188,8 +189,7 @@ def recompute_broadcast_copies(model: onnx.ModelProto, emap: ExportMap,
     # The first axis the exporter folded is the batch the model was traced at: a copy whose
     # first axis is no input's is not taken for one (a zero-initialized weight copied by
     # some op would fit a broadcast of its first row too).
-    batches = {int(i.type.tensor_type.shape.dim[0].dim_value) for i in model.graph.input
-               if i.name not in inits and len(i.type.tensor_type.shape.dim) > 0}
+    batches = _input_batches(model)
     for name, param in _copies_of_one_parameter(model, emap).items():
         if name not in inits or param in held or param in taken or name in emap.copy_ops \
                 or (inits[name].dims[:1] or [0])[0] not in batches:
@@ -295,14 +295,12 @@ def constant_broadcasts(model: onnx.ModelProto, emap: ExportMap,
     the first bit for bit, and whose ``folded_from`` record names no parameter."""
     weights = weights or {}
     params, _ = _signature_names(model)
-    batches = {int(i.type.tensor_type.shape.dim[0].dim_value) for i in model.graph.input
-               if len(i.type.tensor_type.shape.dim) > 0} - {0, 1}
+    batches = _input_batches(model)
     known = set(emap.stands_for) | set(emap.copies) | set(emap.computed) | set(emap.constants)
     records, found = _folded_from(model), []
     for t in model.graph.initializer:
         if t.name in known or not t.dims or t.dims[0] not in batches or \
-                t.data_type not in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16,
-                                    onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE):
+                t.data_type not in FLOAT_TYPES:
             continue
         src = records.get(t.name, [])
         if not src or any(x in params for x in src):
@@ -335,3 +333,11 @@ def folded_values_as_torch_has_them(model: onnx.ModelProto, emap: ExportMap,
             "attention mask) are constants of the model, kept fixed as torch computes them "
             "each step, not trained per batch slot", ExportNote, stacklevel=3)
     return emap
+
+
+def _input_batches(model: onnx.ModelProto) -> set[int]:
+    """The first axes of the data inputs (the batch the model was traced at), 2 or more: a
+    batch of 1 would make any ``(1, ...)`` tensor look broadcast."""
+    inits = {t.name for t in model.graph.initializer}
+    return {int(i.type.tensor_type.shape.dim[0].dim_value) for i in model.graph.input
+            if i.name not in inits and len(i.type.tensor_type.shape.dim) > 0} - {0, 1}
