@@ -23,9 +23,9 @@ import numpy as np
 import onnx
 
 from memcc.frontend.export_signature import (
-    SIGNATURE_LINE,
     SIGNATURE_PROP,
     file_props,
+    parameter_placeholders,
 )
 from memcc.frontend.scope_ties import read_scope_ties
 from memcc.graph import FLOAT_TYPES, Graph
@@ -147,7 +147,7 @@ def read_export_map(model: onnx.ModelProto) -> ExportMap | None:
     props = file_props(model)
     if KIND_KEY in props:  # a step memcc built: it records its own sources
         return None
-    placeholders = _parameter_placeholders(props.get(SIGNATURE_PROP) or "")
+    placeholders = parameter_placeholders(model)
     fx_nodes = [n for n in model.graph.node
                 if any(p.key == FX_NODE_PROP for p in n.metadata_props)]
     if not placeholders and not props.get(SIGNATURE_PROP):
@@ -173,16 +173,6 @@ def read_export_map(model: onnx.ModelProto) -> ExportMap | None:
     return ExportMap(stands_for, merged, tuple(folded), tuple(sorted(unused)), copies,
                      copy_ops=_copy_ops(model, rec, copies),
                      constants=_folded_constants(model, rec), maybe_tied=maybe)
-
-
-def _parameter_placeholders(signature: str) -> dict[str, str]:
-    """FX placeholder -> PyTorch parameter name, from the signature's PARAMETER lines."""
-    placeholders: dict[str, str] = {}
-    for line in signature.splitlines():
-        m = SIGNATURE_LINE.match(line)
-        if m and m.group(2) == "PARAMETER" and m.group(3):
-            placeholders[m.group(1)] = m.group(3)
-    return placeholders
 
 
 def _index_records(model: onnx.ModelProto, placeholders: dict[str, str],

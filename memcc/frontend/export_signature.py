@@ -75,20 +75,36 @@ class Signature:
                    frozenset(d.get("persistent_buffers", ())))
 
 
+def signature_entries(model: onnx.ModelProto) -> list[tuple[str, str, str | None, str]]:
+    """(placeholder, kind, target or None, the whole line) for each entry of the dynamo
+    exporter's graph signature; none for a file without one. The one reader of its lines,
+    so that every pass that needs a placeholder's parameter or a buffer's persistence
+    parses them alike."""
+    out = []
+    for line in (file_props(model).get(SIGNATURE_PROP) or "").splitlines():
+        m = SIGNATURE_LINE.match(line)
+        if m:
+            out.append((m.group(1), m.group(2), m.group(3), line))
+    return out
+
+
+def parameter_placeholders(model: onnx.ModelProto) -> dict[str, str]:
+    """FX placeholder -> PyTorch parameter name, from the signature's PARAMETER lines."""
+    return {ph: target for ph, kind, target, _ in signature_entries(model)
+            if kind == "PARAMETER" and target}
+
+
 def read_signature(model: onnx.ModelProto) -> Signature | None:
     """Parse the dynamo exporter's graph signature, if the file has one."""
-    text = file_props(model).get(SIGNATURE_PROP)
-    if not text:
+    if not file_props(model).get(SIGNATURE_PROP):
         return None
     params: set[str] = set()
     buffers: set[str] = set()
     mutated: set[str] = set()
     persistent: set[str] = set()
-    for line in text.splitlines():
-        m = SIGNATURE_LINE.match(line)
-        if not m or not m.group(3):
+    for _, kind, target, line in signature_entries(model):
+        if not target:
             continue
-        kind, target = m.group(2), m.group(3)
         if kind == "PARAMETER":
             params.add(target)
         elif kind in ("BUFFER", "CONSTANT_TENSOR"):

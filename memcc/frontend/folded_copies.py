@@ -23,12 +23,7 @@ import onnx
 import onnx.numpy_helper
 
 from memcc.frontend.export_map import FOLDED_FROM_PROP, ExportMap, literal_list
-from memcc.frontend.export_signature import (
-    SIGNATURE_LINE,
-    SIGNATURE_PROP,
-    ExportNote,
-    file_props,
-)
+from memcc.frontend.export_signature import ExportNote, signature_entries
 from memcc.graph import FLOAT_TYPES
 
 # Tensors of more dimensions than this are not searched for a transposition (6! orders).
@@ -263,12 +258,10 @@ def _signature_names(model: onnx.ModelProto) -> tuple[dict[str, str], set[str]]:
     name it gives a placeholder (parameters, buffers, inputs) with the graph's inputs."""
     params: dict[str, str] = {}
     named: set[str] = {i.name for i in model.graph.input}
-    for line in (file_props(model).get(SIGNATURE_PROP) or "").splitlines():
-        m = SIGNATURE_LINE.match(line)
-        if m:
-            named |= {m.group(1), m.group(3) or m.group(1)}
-            if m.group(2) == "PARAMETER" and m.group(3):
-                params[m.group(1)] = params[m.group(3)] = m.group(3)
+    for placeholder, kind, target, _ in signature_entries(model):
+        named |= {placeholder, target or placeholder}
+        if kind == "PARAMETER" and target:
+            params[placeholder] = params[target] = target
     return params, named
 
 
