@@ -14,6 +14,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass, field
 
+import numpy as np
 from onnx import TensorProto
 
 from memcc.errors import InputError
@@ -201,6 +202,20 @@ def emit_loss(graph: Graph, emit: Emitter, logits: str, opts: BuildOptions, sour
     return cross_entropy(emit, logits, ti, opts.ignore_index), ["labels"], ranges, None
 
 
+def _picked(emit: Emitter, logp: str, idx: str, ti: TensorInfo, info: TensorInfo) -> str:
+    """``logp`` at the label ``idx`` along the last axis, keeping that axis (size 1). From
+    opset 16 a ``GatherElements`` (its gradient scatters with ``reduction='add'``, which
+    opset 16 brought); before, the sum over the class axis of ``logp`` where the class
+    equals the label and 0 elsewhere (Equal, Where, ReduceSum: exact, and its gradient
+    needs no scatter), as ``loss_ops._picked`` does for ONNX's own loss ops."""
+    if emit.opset >= 16:
+        return emit.op("GatherElements", [logp, idx], axis=-1, info=info)
+    classes = emit.const(np.arange(ti.shape[-1], dtype=np.int64))
+    hit = emit.op("Equal", [idx, classes], info=TensorInfo(TensorProto.BOOL, ti.shape))
+    kept = emit.op("Where", [hit, logp, emit.scalar(0.0, ti.dtype)], info=ti)
+    return emit.reduce_sum(kept, [-1], keepdims=True, info=info)
+
+
 def cross_entropy(emit: Emitter, logits: str, ti: TensorInfo, ignore_index: int | None
                   ) -> str:
     """``loss``: torch's ``cross_entropy(logits, labels, ignore_index=...)``, classes last.
@@ -221,13 +236,13 @@ def cross_entropy(emit: Emitter, logits: str, ti: TensorInfo, ignore_index: int 
     logp = emit.op("LogSoftmax", [logits], axis=-1, info=ti)
     idx = emit.unsqueeze("labels", [-1], info=pos)
     if ignore_index is None:
-        picked = emit.op("GatherElements", [logp, idx], axis=-1, info=picked_info)
+        picked = _picked(emit, logp, idx, ti, picked_info)
         mean = emit.reduce_mean(picked, None, keepdims=False, info=scalar)
         return emit.op("Neg", [mean], outputs=["loss"], info=scalar)
     ignored = emit.op("Equal", [idx, emit.scalar(ignore_index, TensorProto.INT64)],
                       info=TensorInfo(TensorProto.BOOL, pos.shape))
     safe = emit.op("Where", [ignored, emit.scalar(0, TensorProto.INT64), idx], info=pos)
-    picked = emit.op("GatherElements", [logp, safe], axis=-1, info=picked_info)
+    picked = _picked(emit, logp, safe, ti, picked_info)
     zero = emit.scalar(0.0, ti.dtype)
     kept = emit.op("Where", [ignored, zero, picked], info=picked_info)
     total = emit.reduce_sum(kept, None, keepdims=False, info=scalar)
