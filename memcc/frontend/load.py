@@ -24,6 +24,7 @@ from google.protobuf.message import Message
 from onnx import TensorProto, helper, shape_inference
 
 from memcc.errors import InputError, ShapeError
+from memcc.frontend.batchnorm_opset13 import lift_training_batchnorm
 from memcc.frontend.canonicalize import (
     canonicalize,
     needs_canonicalizing,
@@ -154,6 +155,7 @@ def load_graph(
         export_map = folded_values_as_torch_has_them(model, export_map, arrays, where)
     if model.functions:
         model = onnx.inliner.inline_local_functions(model)
+    lift_training_batchnorm(model, where)  # opset 13's training BatchNorm: opset 14's form
     symbolic = symbolic_dims_of(model)  # before binding: the exported model's own axes
     _bind_input_dims(model, dict(dims or {}), where)
     model = _infer(model, where)
