@@ -379,7 +379,22 @@ def restore_dropouts(graph: Graph) -> Graph:
     defined = {*out.initializers, *out.inputs, *(o for n in out.nodes for o in n.output)}
     constants: list[onnx.NodeProto] = []
     nodes = []
+    # A 16-bit step compiled for a provider without a 16-bit kernel for the generator's
+    # last node computes it in float32 and casts its result down to the Dropout's output
+    # (passes/providers/sixteen_bit.py): the original writes that output again, so those
+    # Casts go (their float32 source is no longer written).
+    renamed = {}
     for n in out.nodes:
+        hexed = next((p.value for p in n.metadata_props if p.key == ORIGINAL_PROP), None)
+        if hexed is not None:
+            original = onnx.NodeProto()
+            original.ParseFromString(bytes.fromhex(hexed))
+            renamed.update({mine: theirs for mine, theirs in zip(n.output, original.output,
+                                                                 strict=False)
+                            if mine and theirs and mine != theirs})
+    for n in out.nodes:
+        if n.op_type == "Cast" and len(n.input) == 1 and renamed.get(n.input[0]) == n.output[0]:
+            continue
         props = {p.key: p.value for p in n.metadata_props}
         hexed = props.get(ORIGINAL_PROP)
         if hexed is None:

@@ -19,7 +19,8 @@ because ORT's CPU kernel writes its update into the running-statistics input's b
 another node reads that input (``tests/test_ort_facts.py``), and the correction read the
 updated value. The running mean is the same in both. Other producers keep ONNX's
 definition (Keras, for one, updates with the population variance). ``carried_value`` finds
-the running variance behind the two Muls for ``memcc export --eval``.
+the running variance behind the two Muls (and behind the Casts of a 16-bit step that
+computes them in float32) for ``memcc export --eval``.
 """
 
 from __future__ import annotations
@@ -114,13 +115,37 @@ def _scaled(value: str, factor: float, output: str, info: TensorInfo) -> list[on
 
 
 def carried_value(value: str, producer: Mapping[str, onnx.NodeProto]) -> str:
-    """The value behind the two Muls (``value`` itself elsewhere)."""
+    """The value behind the two Muls (``value`` itself elsewhere), and behind the Casts
+    around them where a 16-bit step computes its BatchNorm (and the Muls) in float32
+    between casts for its provider (``passes/providers/sixteen_bit.py``): a float16
+    BatchNorm compiled for the CPU reads ``Cast(Cast(Mul(Cast(running_var))))``. The
+    value found may then have another element type than ``value``: ``read_as`` gives a
+    node that reads it in ``value``'s."""
+    return _behind(value, producer)[0]
+
+
+def _behind(value: str, producer: Mapping[str, onnx.NodeProto]) -> tuple[str, bool]:
+    """``carried_value``'s value, and whether the way there passed one of the Muls."""
     node = producer.get(value)
-    while node is not None and node.op_type == "Mul" and \
-            node.name.endswith((FED_SUFFIX, UPDATED_SUFFIX)):
+    divided = False
+    while node is not None and (node.op_type == "Cast" or (
+            node.op_type == "Mul" and node.name.endswith((FED_SUFFIX, UPDATED_SUFFIX)))):
+        divided |= node.op_type == "Mul"
         value = node.input[0]
         node = producer.get(value)
-    return value
+    return value, divided
+
+
+def read_as(graph: Graph, value: str, carried: str) -> tuple[str, list[onnx.NodeProto]]:
+    """``carried`` as a node that read ``value`` can read it: ``carried`` itself where the
+    two have one element type (or either is unknown), else a Cast of it to ``value``'s
+    type (named after ``value``) and that Cast, to put before the reader."""
+    want, have = graph.info.get(value), graph.info.get(carried)
+    if want is None or have is None or want.dtype == have.dtype:
+        return carried, []
+    name = f"{value}.stored"
+    graph.info[name] = TensorInfo(want.dtype, have.shape)
+    return name, [onnx.helper.make_node("Cast", [carried], [name], name=name, to=want.dtype)]
 
 
 def fed_as_stored(graph: Graph) -> Graph:
@@ -128,14 +153,22 @@ def fed_as_stored(graph: Graph) -> Graph:
     not through the division ``unbias_running_var`` feeds it (a copy; ``graph`` itself
     where there is none). For the forward model ``memcc export`` writes: its outputs do not
     depend on that input in train mode, and built again from that file (whose producer
-    export keeps), the step divides once more, as it does for PyTorch's file."""
+    export keeps), the step divides once more, as it does for PyTorch's file. A node that
+    reads the statistic through Casts (a 16-bit step computing it in float32) reads a Cast
+    of the stored value."""
     producer = graph.def_use().producer
     if not any(n.op_type == "BatchNormalization" and any(
-            carried_value(i, producer) != i for i in n.input[3:5]) for n in graph.nodes):
+            _behind(i, producer)[1] for i in n.input[3:5]) for n in graph.nodes):
         return graph
     out = graph.copy(with_index=False)
+    nodes: list[onnx.NodeProto] = []
     for n in out.nodes:
         if n.op_type == "BatchNormalization":
             for k in range(3, min(5, len(n.input))):
-                n.input[k] = carried_value(n.input[k], producer)
+                stored, divided = _behind(n.input[k], producer)
+                if divided:
+                    n.input[k], casts = read_as(out, n.input[k], stored)
+                    nodes.extend(casts)
+        nodes.append(n)
+    out.set_nodes(nodes)
     return out

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import onnx
 
 from memcc.errors import InputError
-from memcc.frontend.running_variance import carried_value
+from memcc.frontend.running_variance import carried_value, read_as
 from memcc.graph import Graph, ancestors, attr
 from memcc.step import TrainingStep
 from memcc.trainer.batchnorm_back import running_of_batch_statistics, scalar_constant
@@ -96,12 +96,12 @@ def in_eval_mode(graph: Graph, spec: TrainingStep, outputs: list[str], *,
     masked = _dropped_by_masks(graph, producer)
     nodes: list[onnx.NodeProto] = []
     made: dict[int, str] = {}  # id of a rewritten node -> "bn" or "dropout"
-    for n in graph.nodes:
-        new, kind = _in_eval_mode(n, masked, producer, carried, running)
-        nodes.append(new)
-        if kind:
-            made[id(new)] = kind
     out = graph.copy(with_index=False)
+    for n in graph.nodes:
+        new, kind = _in_eval_mode(out, n, masked, producer, carried, running)
+        nodes.extend(new)
+        if kind:
+            made[id(new[-1])] = kind
     out.set_nodes(nodes)
     reached, _ = ancestors(outputs, out.def_use().producer)
     kinds = [made[id(n)] for n in reached if id(n) in made]
@@ -119,26 +119,34 @@ def in_eval_mode(graph: Graph, spec: TrainingStep, outputs: list[str], *,
     return EvalMode(out, bns, drops)
 
 
-def _in_eval_mode(n: onnx.NodeProto, masked: dict[int, str],
+def _in_eval_mode(graph: Graph, n: onnx.NodeProto, masked: dict[int, str],
                   producer: dict[str, onnx.NodeProto], carried: set[str],
-                  running: dict[str, str]) -> tuple[onnx.NodeProto, str | None]:
-    """The node as eval mode runs it, and what it was ("bn", "dropout"; None: kept)."""
+                  running: dict[str, str]) -> tuple[list[onnx.NodeProto], str | None]:
+    """The nodes to put where ``n`` stood as eval mode runs it (the node last), and what
+    it was ("bn", "dropout"; None: kept)."""
     if id(n) in masked:  # x * (rand < keep) / keep: x, as in eval mode
-        return onnx.helper.make_node("Identity", [masked[id(n)]], [n.output[0]],
-                                     name=n.name), "dropout"
+        x, y = masked[id(n)], n.output[0]
+        want, have = graph.info.get(y), graph.info.get(x)
+        if want is not None and have is not None and want.dtype != have.dtype:
+            # A 16-bit mask Mul computed in float32 (or x read through a Cast up).
+            return [onnx.helper.make_node("Cast", [x], [y], name=n.name, to=want.dtype)
+                    ], "dropout"
+        return [onnx.helper.make_node("Identity", [x], [y], name=n.name)], "dropout"
     if n.op_type == "BatchNormalization" and len(n.input) >= 5:
-        # The running variance of a PyTorch model is fed divided (running_variance.py).
+        # The running variance of a PyTorch model is fed divided (running_variance.py),
+        # and a 16-bit step compiled for a provider without a 16-bit BatchNorm reads
+        # float32 Casts of its statistics (passes/providers/sixteen_bit.py).
         stats = [carried_value(s, producer) for s in n.input[3:5]]
         if _is_training_bn(n) and set(stats) <= carried:
-            return _inference_batchnorm(n, stats), "bn"
+            return _inference_batchnorm(graph, n, stats), "bn"
         if not _is_training_bn(n) and all(s in running for s in stats):
-            return _inference_batchnorm(n, [running[s] for s in stats]), "bn"
+            return _inference_batchnorm(graph, n, [running[s] for s in stats]), "bn"
     if n.op_type == "Dropout" and len(n.input) > 2 and n.input[2]:
         c = onnx.NodeProto()
         c.CopyFrom(n)
         del c.input[2:]
-        return c, "dropout"
-    return n, None
+        return [c], "dropout"
+    return [n], None
 
 
 def _dropped_by_masks(graph: Graph, producer: dict[str, onnx.NodeProto]
@@ -169,14 +177,14 @@ def _floored_uniform_mask(scaled: str, mask: str, graph: Graph,
     """``x`` where ``scaled * mask`` is ``(x / keep) * Floor(keep + uniform [0, 1))``:
     HuggingFace's stochastic depth (``drop_path``, Swin, ConvNeXt, BEiT), whose eval mode
     passes ``x`` on."""
-    floor, div = producer.get(mask), producer.get(scaled)
+    floor, div = _made_by(mask, producer)[0], _made_by(scaled, producer)[0]
     if floor is None or floor.op_type != "Floor" or div is None or div.op_type != "Div":
         return None
-    add = producer.get(floor.input[0])
+    add = _made_by(floor.input[0], producer)[0]
     if add is None or add.op_type != "Add":
         return None
     for keep_in, draw_in in ((add.input[0], add.input[1]), (add.input[1], add.input[0])):
-        draw = producer.get(draw_in)
+        draw = _made_by(draw_in, producer)[0]
         if draw is None or draw.op_type not in ("RandomUniform", "RandomUniformLike") or \
                 float(attr(draw, "low", 0.0)) != 0.0 or float(attr(draw, "high", 1.0)) != 1.0:
             continue
@@ -191,17 +199,18 @@ def _floored_uniform_mask(scaled: str, mask: str, graph: Graph,
 def _scaled_uniform_mask(value: str, graph: Graph, producer: dict[str, onnx.NodeProto]
                          ) -> float | None:
     """``keep`` where ``value`` is ``Cast(Less(uniform [0, 1), keep)) / keep``."""
-    div = producer.get(value)
+    div = _made_by(value, producer)[0]
     if div is None or div.op_type != "Div":
         return None
     scale = scalar_constant(div.input[1], graph, producer)
-    cast = producer.get(div.input[0])
+    less, cast = _made_by(div.input[0], producer)
+    if less is not None and less.op_type == "CastLike":
+        cast, less = less, _made_by(less.input[0], producer)[0]
     if cast is None or cast.op_type not in ("Cast", "CastLike"):
         return None
-    less = producer.get(cast.input[0])
     if less is None or less.op_type != "Less":
         return None
-    draw = producer.get(less.input[0])
+    draw = _made_by(less.input[0], producer)[0]
     if draw is None or draw.op_type not in ("RandomUniform", "RandomUniformLike") or \
             float(attr(draw, "low", 0.0)) != 0.0 or float(attr(draw, "high", 1.0)) != 1.0:
         return None
@@ -212,15 +221,37 @@ def _scaled_uniform_mask(value: str, graph: Graph, producer: dict[str, onnx.Node
     return keep
 
 
+def _made_by(value: str, producer: dict[str, onnx.NodeProto]
+             ) -> tuple[onnx.NodeProto | None, onnx.NodeProto | None]:
+    """The node that computes ``value`` behind any Casts (a 16-bit step compiled for a
+    provider without the 16-bit kernel reads float32 Casts of its operands and casts its
+    results down: ``passes/providers/sixteen_bit.py``), and the last Cast passed (None:
+    none)."""
+    node, cast = producer.get(value), None
+    while node is not None and node.op_type == "Cast":
+        cast = node
+        node = producer.get(node.input[0])
+    return node, cast
+
+
 def _is_training_bn(node: onnx.NodeProto) -> bool:
     return node.op_type == "BatchNormalization" and int(attr(node, "training_mode", 0)) == 1
 
 
-def _inference_batchnorm(node: onnx.NodeProto, stats: list[str]) -> onnx.NodeProto:
+def _inference_batchnorm(graph: Graph, node: onnx.NodeProto, stats: list[str]
+                         ) -> list[onnx.NodeProto]:
     """The node in inference form over ``stats`` (mean, variance): one output, only
-    ``epsilon`` (``momentum`` is meaningless there)."""
+    ``epsilon`` (``momentum`` is meaningless there); a statistic of another element type
+    than the node read (a float16 one a float32-computed node read through a Cast) is cast
+    to it, the Casts before the node."""
+    casts: list[onnx.NodeProto] = []
+    read = []
+    for was, stat in zip(node.input[3:5], stats, strict=True):
+        name, made_casts = read_as(graph, was, stat)
+        read.append(name)
+        casts.extend(made_casts)
     made = onnx.helper.make_node(
-        "BatchNormalization", [*node.input[:3], *stats], [node.output[0]], name=node.name,
+        "BatchNormalization", [*node.input[:3], *read], [node.output[0]], name=node.name,
         epsilon=float(attr(node, "epsilon", 1e-5)))
     made.domain = node.domain
-    return made
+    return [*casts, made]
