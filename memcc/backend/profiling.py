@@ -199,7 +199,10 @@ def measured_costs(graph: Graph, provider: str = "cpu", *, runs: int = PROFILED_
     against the measured nodes fixes it."""
     from memcc.backend.runner import synthetic_feeds
     from memcc.backend.session import SessionSettings, make_session, resolve_provider
+    from memcc.backend.step_feeds import refuse_bfloat16_feeds
 
+    refuse_bfloat16_feeds(graph, source="the step", doing="measure its node times",
+                          instead="--cost analytic estimates them without running it")
     model = graph.to_model()
     # Serialised once, for the key and (on the CPU) the session.
     data = model.SerializeToString(deterministic=True)

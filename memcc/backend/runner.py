@@ -54,6 +54,7 @@ from memcc.backend.step_feeds import (  # noqa: F401 (re-exported)
     StepSpec,
     load_data,
     read_step_spec,
+    refuse_bfloat16_feeds,
     synthetic_feeds,
 )
 from memcc.errors import InputError
@@ -189,6 +190,7 @@ def run_steps(model_path: str | os.PathLike, request: RunRequest = RunRequest(),
     notes = [note] if note else []
     graph, _ = step_for_provider(graph, prov, deterministic=request.deterministic,
                                  notes=notes)
+    refuse_bfloat16_feeds(graph, source=str(path), doing="run the step")
     feeds = (load_data(request.data, graph, spec) if request.data is not None
              else synthetic_feeds(graph, request.seed))
     if request.cuda_graph and prov != "cuda":

@@ -111,3 +111,43 @@ def load_data(path: str | os.PathLike, graph: Graph, spec: StepSpec) -> dict[str
                         spec.ignored_values.get(name))
         feeds[name] = np.asarray(arr, order="C")
     return feeds
+
+
+def bfloat16_feeds(graph: Graph) -> tuple[list[str], list[str]]:
+    """The values a run of ``graph`` would feed (its inputs: the batch, carried state) and
+    fetch (its outputs: gradients, updated state) as bfloat16 arrays: a model exported
+    after ``.to(torch.bfloat16)``. Carried state counts where it is stored in the graph
+    (a parameter the step updates is fed back each step). A ``--precision bf16`` step has
+    none: its inputs, outputs and master weights are float32, its bfloat16 values inside."""
+    step = TrainingStep.of(graph)
+    fed = dict.fromkeys([*graph.inputs, *step.state.values()])
+    bf16 = TensorProto.BFLOAT16
+    inputs = [n for n in fed if n in graph.info and graph.info[n].dtype == bf16]
+    outputs = [n for n in graph.outputs if n in graph.info and graph.info[n].dtype == bf16]
+    return inputs, outputs
+
+
+def refuse_bfloat16_feeds(graph: Graph, *, source: str, doing: str, instead: str = "") -> None:
+    """Raise ``InputError`` where a run of ``graph`` would feed or fetch bfloat16 arrays
+    (``bfloat16_feeds``): numpy has no bfloat16 of its own, and onnxruntime's Python API
+    (1.31) neither converts ``ml_dtypes``' bfloat16 arrays into inputs (``memcc run`` failed
+    with "Actual: (tensor(string))", a compile's measurement with "Numpy_type 256 can't be
+    converted to MLDataType") nor bfloat16 outputs into arrays, on any provider. ``doing``:
+    what would have run it ("run the step"); ``instead``: what the command can do without
+    running the step, said first."""
+    inputs, outputs = bfloat16_feeds(graph)
+    if not inputs and not outputs:
+        return
+    named = inputs or outputs
+    shown = ", ".join(f"'{n}'" for n in named[:4]) + (f" and {len(named) - 4} more"
+                                                     if len(named) > 4 else "")
+    what = (f"{len(inputs)} bfloat16 input(s) ({shown})" if inputs
+            else f"{len(outputs)} bfloat16 output(s) ({shown})")
+    raise InputError(
+        f"{source}: cannot {doing}: the step has {what}, from a model exported in "
+        "bfloat16, and ONNX Runtime's Python API feeds and returns no bfloat16 arrays "
+        "(numpy has no bfloat16 type), on any provider. "
+        + (f"{instead}. " if instead else "")
+        + "To train it, export the model in float32 and build it with --precision bf16 "
+        "(bfloat16 compute, float32 inputs, outputs and master weights), or export it in "
+        "float16")

@@ -29,6 +29,7 @@ from memcc.backend.determinism import racing_nodes
 from memcc.backend.onnx_file import save_graph
 from memcc.backend.runner import RunRequest, run_steps, session_graph, synthetic_feeds
 from memcc.backend.session import make_session
+from memcc.backend.step_feeds import refuse_bfloat16_feeds
 from memcc.errors import RuntimeFailure
 from memcc.graph import Graph, node_label
 from memcc.passes.analysis.liveness import categorize
@@ -186,6 +187,7 @@ def verify_rewrite(original: Graph, rewritten: Graph, *, budget: int,
     every check runs even when an earlier one failed, so the report has all three."""
     provider, seed, steps = how.provider, how.seed, how.steps
     tolerance, arena = how.tolerance, how.arena
+    refuse_bfloat16_feeds(rewritten, source="the step", doing="verify the plan by running it")
     if how.numbers_only is not None:
         return _numbers_only(original, rewritten, budget, how)
     exact = provider == "cpu" and tolerance is None

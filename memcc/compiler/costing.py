@@ -17,6 +17,7 @@ from memcc.backend.profiling import (
     measured_costs,
     measuring_runs,
 )
+from memcc.backend.step_feeds import bfloat16_feeds
 from memcc.compiler.options import CompileOptions
 from memcc.compiler.progress import Progress
 from memcc.errors import MemccError
@@ -43,6 +44,11 @@ def node_costs(graph: Graph, options: CompileOptions, warning: Progress,
     if cuda_missing is not None and options.cost == "auto":
         note = f"CUDA is not available, estimated instead: {cuda_missing}"
     elif options.cost == "auto" and (note := too_long_to_measure(graph, options)):
+        warning(f"--cost auto: {note}")
+    elif options.cost == "auto" and any(bfloat16_feeds(graph)):
+        note = ("the step has bfloat16 inputs or outputs (a model exported in bfloat16), "
+                "which ONNX Runtime's Python API cannot feed or return: node times estimated, "
+                "not measured")
         warning(f"--cost auto: {note}")
     elif options.cost in ("auto", "measured"):
         try:

@@ -128,6 +128,7 @@ def compile_model(model: Model, options: CompileOptions, *,
     """
     run = _start(model, options, output, report_path, progress, warn)
     graph = _load(run)
+    _refuse_bfloat16_runs(run, graph)
     from memcc.compiler.costing import node_costs
     from memcc.compiler.report import ReportInputs, build_report
 
@@ -169,6 +170,22 @@ def _start(model: Model, options: CompileOptions, output: Target, report_path: T
     return CompileRun(model, label, options, output, report_path, say, PassRunner(say),
                       warnings, warning, cuda_missing, time.perf_counter(),
                       provider_notes=notes)
+
+
+def _refuse_bfloat16_runs(run: CompileRun, graph: Graph) -> None:
+    """A step with bfloat16 inputs or outputs (a model exported in bfloat16) cannot be run
+    from Python (``step_feeds.refuse_bfloat16_feeds``): --verify and --cost measured, which
+    run it, are refused before anything is planned (--cost auto estimates instead)."""
+    from memcc.backend.step_feeds import refuse_bfloat16_feeds
+
+    if run.options.verify:
+        refuse_bfloat16_feeds(graph, source=run.label, doing="verify the plan (--verify "
+                              "runs the step)", instead="Without --verify, compile plans it "
+                              "(its node times estimated with --cost analytic or auto)")
+    if run.options.cost == "measured":
+        refuse_bfloat16_feeds(graph, source=run.label, doing="measure its node times "
+                              "(--cost measured runs the step)", instead="--cost analytic "
+                              "(or auto) estimates them without running it")
 
 
 def _load(run: CompileRun) -> Graph:

@@ -34,6 +34,7 @@ from memcc.backend.data import Dataset, data_inputs, load_dataset
 from memcc.backend.device_step import step_for_provider
 from memcc.backend.memory import rss_bytes, trim_heap
 from memcc.backend.session import resolve_provider
+from memcc.backend.step_feeds import refuse_bfloat16_feeds
 from memcc.dist.memory import RankMemory, predicted_rank_peak
 from memcc.dist.placement import Placement
 from memcc.dist.split import check_zero2, split_step
@@ -107,6 +108,7 @@ def prepare(opts: DistOptions) -> RankRun:
     graph, _ = step_for_provider(load_graph(t.step), provider)
     spec = TrainingStep.of(graph).validate(str(t.step), then=f"memcc train step.onnx --data "
                                                             f"{t.data} --nproc {opts.world}")
+    refuse_bfloat16_feeds(graph, source=str(t.step), doing="train the step")
     split = split_step(graph, spec, str(t.step))  # refused now rather than in every rank
     if opts.zero == 2:
         check_zero2(graph, spec, str(t.step))

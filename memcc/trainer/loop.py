@@ -20,6 +20,7 @@ from pathlib import Path
 
 from memcc.backend import checkpoint as ckpt
 from memcc.backend.data import DataInput, Dataset, data_inputs, load_dataset
+from memcc.backend.step_feeds import refuse_bfloat16_feeds
 from memcc.errors import InputError, RuntimeFailure
 from memcc.frontend.load import load_graph
 from memcc.frontend.loss_scaling import SCALE
@@ -143,6 +144,8 @@ def plan_training(opts: TrainOptions, graph: Graph | None = None) -> TrainPlan:
     graph = graph if graph is not None else load_graph(opts.step)
     spec = TrainingStep.of(graph).validate(str(opts.step),
                                            then=f"memcc train step.onnx --data {opts.data}")
+    # Before the data: its check would ask for bfloat16 arrays, which no .npz holds.
+    refuse_bfloat16_feeds(graph, source=str(opts.step), doing="train the step")
     inputs = data_inputs(graph, spec)
     dataset = load_dataset(opts.data, inputs)
     total = opts.steps if opts.steps is not None else \

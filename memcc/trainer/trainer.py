@@ -50,6 +50,7 @@ from memcc.backend.data import DataInput, data_inputs
 from memcc.backend.device_step import DeviceSettings, DeviceStep, StepRoles, step_for_provider
 from memcc.backend.memory import device_baseline, fix_mmap_threshold, trim_heap
 from memcc.backend.session import provider_as_planned
+from memcc.backend.step_feeds import refuse_bfloat16_feeds
 from memcc.errors import InputError
 from memcc.frontend.dropout_masks import COUNTER, checkpoint_counter
 from memcc.frontend.load import load_graph
@@ -120,6 +121,7 @@ class Trainer:
             loaded, self.provider, deterministic=deterministic, notes=self.notes)
         self.spec = TrainingStep.of(self.graph).validate(
             str(self.path), then="memcc.Trainer('step.onnx')")
+        refuse_bfloat16_feeds(self.graph, source=str(self.path), doing="train the step")
         if arena and self.provider != "cpu":
             raise InputError("--arena is for the CPU provider: CUDA always allocates through "
                              "its arena")

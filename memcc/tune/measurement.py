@@ -28,6 +28,13 @@ def measure(result: TuneResult, *, top: int = 3, steps: int = 3, provider: str =
     say = progress or (lambda _m: None)
     timed = sorted((c for c in result.candidates if c.samples_per_s is not None
                     and c.batch in result.steps), key=lambda c: -(c.samples_per_s or 0))
+    from memcc.backend.step_feeds import refuse_bfloat16_feeds
+
+    for c in timed[:top]:  # before any of them runs
+        refuse_bfloat16_feeds(result.steps[c.batch], source=result.model,
+                              doing="measure the sizes (--measure runs their steps)",
+                              instead="Without --measure, tune ranks the sizes by their "
+                                      "predicted times")
     measured: dict[int, tuple[float, int | None]] = {}
     with tempfile.TemporaryDirectory(prefix="memcc-tune-") as tmp:
         for c in timed[:top]:
