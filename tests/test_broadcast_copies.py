@@ -26,6 +26,7 @@ from memcc.cli import app
 from memcc.frontend.build import BuildOptions
 from memcc.frontend.export_map import read_export_map
 from memcc.frontend.export_signature import ExportNote, ExportWarning
+from memcc.frontend.folded_copies import row_lookups
 from memcc.step import TrainingStep
 from memcc.trainer import Trainer
 
@@ -167,3 +168,95 @@ def test_a_constant_repeated_over_the_batch_is_not_trained(tmp_path):
     for name in ("fc.weight", "fc.bias"):
         want = module.state_dict()[name]
         assert float((got[name] - want).abs().max()) <= 1e-5 * float(want.abs().max()), name
+
+
+SEQ, OFFSET = 5, 2
+
+
+class _Positions(nn.Module):
+    """BART's learned positions in small: rows ``arange(S) + 2`` of a table, expanded to
+    the batch. At static shapes the optimizer folds the lookup into a batch-sized
+    initializer whose ``folded_from`` record names the table beside ``arange``, ``add``
+    and ``index``: the rows, not the table ([12, 8])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.pos = nn.Embedding(12, 8)
+        with torch.no_grad():
+            self.pos.weight.copy_(torch.randn(12, 8, generator=g))
+        self.proj = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        p = self.pos.weight[torch.arange(s) + OFFSET].expand(b, -1, -1)
+        return self.head(torch.tanh(self.proj(x) + p).mean(1))
+
+
+@pytest.mark.parametrize("batch", [4])
+def test_a_folded_lookup_of_rows_trains_under_its_own_name_not_the_table_s(tmp_path, batch):
+    """The lookup's rows train once for every batch slot, as torch's do, but under a
+    made-up name: written under the table's name, the [1, 5, 8] rows made a strict=False
+    load fail on the [12, 8] table (BART's ``embed_positions``). At batch 1 (GPT-2's
+    ``wpe``, BERT's position table: no broadcast) the exporter's copy itself trains. Build
+    and export say that the table is not written, naming it, and how to train it."""
+    torch.manual_seed(0)
+    module = _Positions().train()
+    x = torch.randn(batch, SEQ, 8, generator=torch.Generator().manual_seed(1))
+    path = tmp_path / "pos.onnx"
+    with _quiet():
+        torch.onnx.export(module, (x,), str(path), dynamo=True, optimize=True,
+                          input_names=["x"], output_names=["logits"])
+    batch_sized = [t.name for t in onnx.load(str(path)).graph.initializer
+                   if tuple(t.dims) == (batch, SEQ, 8)]
+    if not batch_sized:
+        pytest.skip("this torch does not fold the position lookup at static shapes")
+    step_path = tmp_path / "s.onnx"
+    with pytest.warns(ExportWarning, match="pos.weight was folded into a lookup of some of "
+                                           "its rows") as caught:
+        graph = api.build(path, step_path, options=BuildOptions(optimizer="sgd", lr=LR,
+                                                                momentum=0.0))
+    assert any("optimize=False" in str(w.message) for w in caught)
+    params = TrainingStep.of(graph).parameters
+    rows = f"{batch_sized[0]}.rows" if batch > 1 else batch_sized[0]
+    assert "pos.weight" not in params and rows in params
+    assert tuple(graph.initializers[rows].shape) == (1, SEQ, 8)  # one slot, shared
+    labels = np.array([0, 1, 2, 1][:batch], dtype=np.int64)
+    trainer = Trainer(step_path)
+    trainer.step({"x": x.numpy(), "labels": labels})
+    trainer.save(tmp_path / "ck")
+    nn.functional.cross_entropy(module(x), torch.from_numpy(labels)).backward()
+    with torch.no_grad():
+        for p in module.parameters():
+            p -= LR * p.grad
+    r = CliRunner().invoke(app, ["export", str(step_path), "--checkpoint",
+                                 str(tmp_path / "ck"), "-o", str(tmp_path / "w.safetensors")])
+    assert r.exit_code == 0, r.output
+    said = " ".join(r.output.split())
+    assert "'pos.weight' (its rows trained as" in said and "not written" in said
+    assert "optimize=False" in said
+    got = safetensors.torch.load_file(str(tmp_path / "w.safetensors"))
+    assert "pos.weight" not in got
+    # The rows trained as torch trains them: its table's rows 2..6 after the same step.
+    want = module.pos.weight.detach()[OFFSET:OFFSET + SEQ]
+    assert float((got[rows][0] - want).abs().max()) <= 1e-5 * float(want.abs().max())
+    fresh = _Positions()
+    result = fresh.load_state_dict(got, strict=False)  # failed on the table's shape
+    assert result.missing_keys == ["pos.weight"] and result.unexpected_keys == [rows]
+    assert torch.equal(fresh.pos.weight, _Positions().pos.weight)  # torch keeps its table
+    model = onnx.load(str(path))
+    assert row_lookups(model, read_export_map(model)) == {batch_sized[0]: "pos.weight"}
+
+
+def test_a_broadcast_whose_parameter_has_another_size_is_a_lookup(tmp_path):
+    """The record's names are the exporter's convention; where the file gives the folded
+    parameter's shape too, a copy neither of whose sizes (whole, one slot) is the
+    parameter's is no broadcast of it, whatever the record says."""
+    path, _, _ = _export(tmp_path)
+    model = onnx.load(str(path))
+    emap = read_export_map(model)
+    assert not row_lookups(model, emap)  # cls_token and constants: a broadcast
+    model.graph.value_info.append(
+        onnx.helper.make_tensor_value_info("cls_token", onnx.TensorProto.FLOAT, [2, 8]))
+    assert row_lookups(model, emap) == {"expand": "cls_token"}

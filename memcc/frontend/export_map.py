@@ -65,6 +65,11 @@ class ExportMap:
     is a parameter (the attention scale of ``scaled_dot_product_attention``): constants of
     the model, which the step does not train. ``maybe_tied``: unused parameters that the
     records say may be a second name of one of several parameters (``_tied_and_unused``).
+    ``lookups``: a made-up initializer the optimizer folded from a lookup of some rows of
+    one parameter that no initializer holds (``embedding_1`` <- ``wpe.weight[arange(S)]``,
+    a position table looked up at a static length) -> that parameter (``_row_lookups``):
+    the step trains those rows under a made-up name, and ``memcc export`` cannot write the
+    table back. Filled in by ``folded_copies.row_lookups``, from the same records.
     """
 
     stands_for: dict[str, tuple[str, ...]] = field(default_factory=dict)
@@ -76,13 +81,14 @@ class ExportMap:
     copy_ops: dict[str, str] = field(default_factory=dict)
     constants: tuple[str, ...] = ()
     maybe_tied: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    lookups: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps({"stands_for": self.stands_for, "merged": self.merged,
                            "folded": list(self.folded), "unused": list(self.unused),
                            "copies": self.copies, "computed": self.computed,
                            "copy_ops": self.copy_ops, "constants": list(self.constants),
-                           "maybe_tied": self.maybe_tied})
+                           "maybe_tied": self.maybe_tied, "lookups": self.lookups})
 
     @classmethod
     def from_json(cls, text: str | None) -> ExportMap | None:
@@ -97,7 +103,8 @@ class ExportMap:
                     for k, v in d.get("computed", {}).items()},
                    {k: str(v) for k, v in d.get("copy_ops", {}).items()},
                    tuple(d.get("constants", ())),
-                   {k: tuple(v) for k, v in d.get("maybe_tied", {}).items()})
+                   {k: tuple(v) for k, v in d.get("maybe_tied", {}).items()},
+                   {k: str(v) for k, v in d.get("lookups", {}).items()})
 
 
 def literal_list(text: str | None) -> list[str]:

@@ -215,6 +215,10 @@ class ParameterSource:
     # Copies the exporter folded from this parameter that the step computes from it again
     # (``recompute_folded_copies``): (made-up name, op), e.g. ("val_303", "Transpose(...)").
     folded_copies: tuple[tuple[str, str], ...] = field(default=())
+    # The PyTorch parameter some of whose rows this made-up parameter is, looked up and
+    # folded by the exporter (``ExportMap.lookups``: ``embedding_1`` <- ``wpe.weight``): no
+    # value of that parameter, so ``memcc export`` writes nothing under its name.
+    rows_of: str = ""
 
     def to_json(self) -> dict:
         d: dict = {"exported_name": self.exported_name, "named": self.named,
@@ -226,6 +230,8 @@ class ParameterSource:
             d["folded_copies"] = dict(self.folded_copies)
         if self.copy_op:
             d["copy_op"] = self.copy_op
+        if self.rows_of:
+            d["rows_of"] = self.rows_of
         return d
 
 
@@ -296,7 +302,7 @@ def parameter_sources(graph: Graph, params: list[str]) -> dict[str, ParameterSou
                              if init == p)
             out[p] = ParameterSource(p, named(p), tuple(ties), names, emap.merged.get(p, ()),
                                      emap.copies.get(p, ()), copy_op=emap.copy_ops.get(p, ""),
-                                     folded_copies=computes)
+                                     folded_copies=computes, rows_of=emap.lookups.get(p, ""))
         else:
             out[p] = ParameterSource(p, named(p), tuple(ties), (p,) if named(p) else ())
     return out
@@ -348,8 +354,10 @@ def report_parameters(sources: dict[str, ParameterSource], source: str,
                       sig: Signature | None, emap: ExportMap | None = None) -> None:
     """Warn about parameters without a PyTorch name, about weight tying, and (from the
     dynamo exporter's records) about PyTorch parameters the exporter merged or folded."""
-    # Copies whose op is known go back under their parameter's name: no warning.
-    unnamed = [p for p, s in sources.items() if not s.named and not s.copy_op]
+    # Copies whose op is known go back under their parameter's name: no warning. Rows
+    # looked up from a parameter get a warning of their own (``_report_lookups``).
+    unnamed = [p for p, s in sources.items() if not s.named and not s.copy_op
+               and not s.rows_of]
     if unnamed:
         shown = _some([p + (f" (folded from {', '.join(sources[p].copy_of)})"
                             if sources[p].copy_of else "") for p in unnamed])
@@ -398,8 +406,9 @@ def _report_export_map(sources: dict[str, ParameterSource], source: str,
                        emap: ExportMap) -> None:
     """Name every PyTorch parameter the exporter's optimizer merged into another or folded
     into a constant: the step as exported trains a different model than torch would."""
+    _report_lookups(sources, source, emap)
     computed = [(c, torch_name, op) for c, (torch_name, init, op) in emap.computed.items()
-                if init in sources]
+                if init in sources and init not in emap.lookups]
     if computed:
         what = {"Identity": "an exact", "Transpose": "a transposed", "Reshape": "a reshaped",
                 "Expand": "a broadcast (per batch slot)"}
@@ -425,12 +434,14 @@ def _report_export_map(sources: dict[str, ParameterSource], source: str,
             "export --format safetensors writes the group's trained value under every name. "
             f"To train every parameter on its own, export with {KEEP_EVERY_PARAMETER}.",
             ExportWarning, stacklevel=3)
-    if emap.folded:
+    looked_up = {s.rows_of for s in sources.values() if s.rows_of}
+    folded = [p for p in emap.folded if p not in looked_up]
+    if folded:
         warnings.warn(
-            f"{source}: {len(emap.folded)} PyTorch parameter(s) are no longer in the file: "
+            f"{source}: {len(folded)} PyTorch parameter(s) are no longer in the file: "
             "the exporter's optimizer folded them into constants (a zero bias it removed) "
             "or into other weights (a BatchNorm into its convolution, an LSTM's or GRU's "
-            f"weights into its gate-ordered W, R and B): {_some(emap.folded)}. What was "
+            f"weights into its gate-ordered W, R and B): {_some(folded)}. What was "
             "folded into a constant stays fixed at its value at export; a weight it was "
             "folded into trains under the exporter's name. memcc export writes no value for "
             "them under their PyTorch names (load with load_state_dict(..., strict=False): "
@@ -446,3 +457,26 @@ def _report_export_map(sources: dict[str, ParameterSource], source: str,
             f"model and have no trained value: {_some(emap.unused)}. (Where torch ties one "
             "to another parameter, one tensor under two names, no record said which: load "
             f"with load_state_dict(..., strict=False).){maybe}", ExportWarning, stacklevel=3)
+
+
+def _report_lookups(sources: dict[str, ParameterSource], source: str,
+                    emap: ExportMap) -> None:
+    """Name every PyTorch parameter the exporter's optimizer folded into a lookup of some of
+    its rows (``ExportMap.lookups``), and what the step trains instead."""
+    rows = {p: s.rows_of for p, s in sources.items() if s.rows_of}
+    if not rows:
+        return
+    shared = {init for c, (_, init, _) in emap.computed.items() if init in rows}
+    told = "; ".join(
+        f"{param} was folded into a lookup of some of its rows, which memcc trains as "
+        f"'{p}'" + (" (one value shared by every batch slot)" if p in shared else "")
+        for p, param in list(rows.items())[:4])
+    more = f" (+{len(rows) - 4} more)" if len(rows) > 4 else ""
+    warnings.warn(
+        f"{source}: {told}{more}. The exporter's optimizer looked the rows up at the "
+        "sizes the model was traced at (a position table at a static length) and folded "
+        "them into a constant: the step trains those rows, as PyTorch would, but not the "
+        "table, and memcc export cannot write the table back from them: PyTorch keeps its "
+        "own values for it (load_state_dict(..., strict=False)). To train the table, "
+        f"export with {KEEP_EVERY_PARAMETER} (or with dynamic shapes).", ExportWarning,
+        stacklevel=4)

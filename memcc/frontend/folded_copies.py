@@ -8,12 +8,16 @@ reading the parameter's initializer, and the map with those copies moved from ``
 ``computed``. So the step trains one tensor where PyTorch does. A copy broadcast from a
 parameter no initializer holds along the batch axis (``cls_token.expand(batch, -1, -1)``
 folded into ``expand``) becomes ``Expand`` of an initializer under the parameter's name
-(``recompute_broadcast_copies``).
+(``recompute_broadcast_copies``); one folded from a lookup of some of the parameter's rows
+(``ExportMap.lookups``: a position table looked up at a static length) becomes ``Expand``
+of an initializer under a made-up name of its own (``embedding_1.rows``), since it is not
+the parameter.
 """
 
 from __future__ import annotations
 
 import itertools
+import re
 import warnings
 from collections.abc import Mapping
 from dataclasses import replace
@@ -172,6 +176,14 @@ def recompute_broadcast_copies(model: onnx.ModelProto, emap: ExportMap,
     parameter once, its gradient summed over the batch as torch's is, and ``memcc export``
     writes it under its name. Returns the map with the copy moved from ``copies`` to
     ``computed`` and the parameter standing for itself.
+
+    A copy folded from a lookup of some rows of the parameter (``ExportMap.lookups``:
+    BART's ``embed_positions.weight[arange(S) + 2]`` expanded to the batch, ``embedding_1``
+    [2, 16, 32] beside a [34, 32] table) holds the same rows in every slot too, and trains
+    as one value shared by every slot as well; but it is not the parameter, so its slot
+    gets an initializer of a made-up name of its own (``embedding_1.rows``), which the map's
+    ``lookups`` then name instead of the copy: never written under the parameter's name,
+    which torch holds in another shape.
     """
     weights = weights or {}
     inits = {t.name: t for t in model.graph.initializer}
@@ -185,9 +197,12 @@ def recompute_broadcast_copies(model: onnx.ModelProto, emap: ExportMap,
     # first axis is no input's is not taken for one (a zero-initialized weight copied by
     # some op would fit a broadcast of its first row too).
     batches = _input_batches(model)
-    for name, param in _copies_of_one_parameter(model, emap).items():
-        if name not in inits or param in held or param in taken or name in emap.copy_ops \
-                or (inits[name].dims[:1] or [0])[0] not in batches:
+    lookups = dict(emap.lookups)
+    for name, param in [*_copies_of_one_parameter(model, emap).items(),
+                        *emap.lookups.items()]:
+        rows = name in emap.lookups
+        if name not in inits or (not rows and (param in held or param in taken)) \
+                or name in emap.copy_ops or (inits[name].dims[:1] or [0])[0] not in batches:
             continue
         t = inits[name]
         try:
@@ -197,16 +212,20 @@ def recompute_broadcast_copies(model: onnx.ModelProto, emap: ExportMap,
             source = None
         if source is None:
             continue
-        shape = f"{name}.shape"
-        while shape in taken:
-            shape += "_"
-        taken |= {shape, param}
+        # A lookup of rows is no parameter: its one slot trains under a name of its own.
+        own = _fresh(f"{name}.rows", taken) if rows else param
+        shape = _fresh(f"{name}.shape", taken)
+        taken |= {shape, own}
         model.graph.initializer.extend([
-            onnx.numpy_helper.from_array(source, param),
+            onnx.numpy_helper.from_array(source, own),
             onnx.numpy_helper.from_array(np.asarray(copy.shape, dtype=np.int64), shape)])
-        front.append(onnx.helper.make_node("Expand", [param, shape], [name],
+        front.append(onnx.helper.make_node("Expand", [own, shape], [name],
                                            name=f"memcc.recompute/{name}"))
         copies.pop(name, None)
+        if rows:
+            lookups[own] = lookups.pop(name)
+            computed[name] = (own, own, f"Expand(shape={list(copy.shape)})")
+            continue
         stands_for[param] = (param,)
         computed[name] = (param, param, f"Expand(shape={list(copy.shape)})")
     if not front:
@@ -214,7 +233,80 @@ def recompute_broadcast_copies(model: onnx.ModelProto, emap: ExportMap,
     gone = {n.output[0] for n in front}
     _drop_initializers(model, gone, front)
     return replace(emap, stands_for=stands_for, copies=copies, computed=computed,
-                   folded=tuple(p for p in emap.folded if p not in stands_for))
+                   folded=tuple(p for p in emap.folded if p not in stands_for),
+                   lookups=lookups)
+
+
+def _fresh(name: str, taken: set[str]) -> str:
+    while name in taken:
+        name += "_"
+    return name
+
+
+# FX ops (an FX node is named after its op: ``expand``, ``unsqueeze_3``) that give a tensor
+# another shape, broadcast or copy it, but leave its values where they are: a folded chain of
+# these alone on one parameter is that parameter broadcast (DeiT's
+# ``cls_token.expand(B, -1, -1)``), which the step can compute from it again.
+_SHAPE_OPS = frozenset({
+    "expand", "expand_copy", "broadcast_to", "repeat", "unsqueeze", "unsqueeze_copy",
+    "squeeze", "squeeze_copy", "view", "view_copy", "reshape", "_unsafe_view", "clone",
+    "contiguous", "alias", "alias_copy", "detach", "detach_copy", "lift_fresh_copy",
+    "_to_copy", "to"})
+_EXPORTER_CONSTANT = re.compile(r"^val_\d+$")
+_NUMBERED = re.compile(r"_\d+$")
+
+
+def row_lookups(model: onnx.ModelProto, emap: ExportMap) -> dict[str, str]:
+    """Made-up float initializers the optimizer folded from a lookup of rows of one
+    parameter that no initializer holds (``emap.folded``) -> that parameter
+    (``ExportMap.lookups``); read from the file as exported, before any rewrite.
+
+    A position table looked up at a static length (``wpe.weight[arange(S)]``, BART's
+    ``embed_positions.weight[arange(S) + 2]``, maybe expanded to the batch) is folded into
+    ``embedding_1`` [1 or B, S, d], whose ``folded_from`` record names the parameter, the
+    exporter's constants (``val_N``) and the traced FX nodes in between (``arange``,
+    ``add``, ``index``, ``expand``; or a buffer: BERT's ``token_type_ids``). A broadcast of
+    the parameter itself (DeiT's ``cls_token.expand``) is recorded with the parameter and
+    constants alone. So the two are told apart by what the record (and the initializer's
+    own name, the last FX node folded: ``embedding_1``) names besides the parameter and the
+    constants: FX nodes of ops that only reshape, broadcast or copy (``_SHAPE_OPS``) leave
+    the parameter's values as they are; any other op (a lookup ``embedding``/``index``/
+    ``gather``/``slice``/``select``, the ``arange`` and ``add`` computing its indices,
+    arithmetic) or a buffer means the copy holds something computed from the parameter,
+    not the parameter, and cannot be written under its name. Names are a convention of the
+    exporter, so where the file also gives the parameter's shape (a value_info of its name
+    or placeholder), a copy neither of whose sizes (whole, or one slot along the first
+    axis) is the parameter's is taken for a lookup too, whatever its record says; the
+    dynamo exporter writes no shape for a parameter it folded away, so there the names
+    decide."""
+    params, _ = _signature_names(model)
+    records, folded = _folded_from(model), set(emap.folded)
+    sizes = {v.name: [d.dim_value if d.HasField("dim_value") else -1
+                      for d in v.type.tensor_type.shape.dim]
+             for v in (*model.graph.input, *model.graph.value_info)
+             if v.type.tensor_type.HasField("shape")}
+    placeholders = {target: ph for ph, target in params.items() if ph != target}
+    found: dict[str, str] = {}
+    for t in model.graph.initializer:
+        if t.name in emap.stands_for or t.name in emap.copies or \
+                t.data_type not in FLOAT_TYPES:
+            continue
+        src = records.get(t.name, [])
+        from_params = {params[x] for x in src if x in params}
+        if len(from_params) != 1 or not from_params <= folded:
+            continue
+        param = from_params.pop()
+        others = [x for x in [t.name, *src]
+                  if x not in params and not _EXPORTER_CONSTANT.match(x)]
+        computed = any(_NUMBERED.sub("", x) not in _SHAPE_OPS for x in others)
+        dims = sizes.get(param) or sizes.get(placeholders.get(param, ""))
+        if not computed and dims and -1 not in dims:
+            size = int(np.prod(dims, dtype=np.int64))
+            whole = int(np.prod(t.dims, dtype=np.int64))
+            computed = size not in (whole, int(np.prod(t.dims[1:], dtype=np.int64)))
+        if computed:
+            found[t.name] = param
+    return found
 
 
 def _copies_of_one_parameter(model: onnx.ModelProto, emap: ExportMap) -> dict[str, str]:
@@ -227,7 +319,7 @@ def _copies_of_one_parameter(model: onnx.ModelProto, emap: ExportMap) -> dict[st
     params, named = _signature_names(model)
     records, folded = _folded_from(model), set(emap.folded)
     for t in model.graph.initializer:
-        if t.name in found or t.name in emap.stands_for:
+        if t.name in found or t.name in emap.stands_for or t.name in emap.lookups:
             continue
         src = records.get(t.name, [])
         from_params = {params[x] for x in src if x in params}
@@ -312,9 +404,10 @@ def constant_broadcasts(model: onnx.ModelProto, emap: ExportMap,
 def folded_values_as_torch_has_them(model: onnx.ModelProto, emap: ExportMap,
                                     weights: Mapping[str, np.ndarray] | None,
                                     source: str) -> ExportMap:
-    """``recompute_folded_copies``, ``recompute_broadcast_copies`` and
+    """``row_lookups``, ``recompute_folded_copies``, ``recompute_broadcast_copies`` and
     ``constant_broadcasts`` in turn (``model`` in place), saying which constants were kept
     fixed."""
+    emap = replace(emap, lookups=row_lookups(model, emap))
     emap = recompute_broadcast_copies(model, recompute_folded_copies(model, emap, weights),
                                       weights)
     before = set(emap.constants)

@@ -112,8 +112,12 @@ def weight_export_notes(spec: TrainingStep) -> list[str]:
                      "PyTorch module loading them, which runs its own BatchNorm, applies it "
                      "twice. Run the exported ONNX model instead, or export the module with "
                      "torch.onnx.export(..., dynamo=True, optimize=False) and train that")
+    rows = {p: src["rows_of"] for p, src in spec.parameter_sources().items()
+            if src.get("rows_of")}
+    if rows:
+        notes.append(lookup_note(rows))
     kinds = spec.folded_parameters()
-    folded = sorted(kinds)
+    folded = sorted(set(kinds) - set(rows.values()))
     if folded:
         maybe = next((f" ('{n}' is not read by the exported model: {kinds[n]})"
                       for n in folded if kinds[n].startswith("unused;")), "")
@@ -122,6 +126,21 @@ def weight_export_notes(spec: TrainingStep) -> list[str]:
                      "written: load with load_state_dict(..., strict=False), and the module "
                      f"keeps the values it was exported with{maybe}")
     return notes
+
+
+def lookup_note(rows: Mapping[str, str]) -> str:
+    """What export says of PyTorch parameters the exporter's optimizer folded into a lookup
+    of some of their rows (``rows``: the made-up parameter the step trains -> the PyTorch
+    parameter), naming each: their tables are not written."""
+    told = ", ".join(f"'{param}' (its rows trained as '{p}')" for p, param in rows.items())
+    return (f"{len(rows)} PyTorch parameter(s) were folded by the exporter's optimizer into "
+            f"a lookup of some of their rows, which memcc trained under another name: "
+            f"{told}. export cannot write a table back from the rows it looked up, so these "
+            "parameters are not written: a module loaded with load_state_dict(..., "
+            "strict=False) keeps its own values for them, and computes something else than "
+            "the trained model (the exported ONNX model has the trained rows). To train "
+            "and export them, export the model with torch.onnx.export(..., dynamo=True, "
+            "optimize=False), or with dynamic shapes, and build and train that")
 
 
 def export_weights(graph: Graph, spec: TrainingStep, state: Mapping[str, np.ndarray],
@@ -221,9 +240,11 @@ def _at_any_size(graph: Graph, spec: TrainingStep, state: Mapping[str, np.ndarra
 def made_up_names(spec: TrainingStep) -> list[str]:
     """Parameters whose names the exporter made up (``onnx::MatMul_12``, ``val_3``; recorded
     by ``memcc build``) and that export cannot write under a PyTorch name: a PyTorch
-    ``load_state_dict`` will not find them."""
+    ``load_state_dict`` will not find them. Rows looked up from a parameter (``rows_of``)
+    are said apart, naming the parameter (``lookup_note``)."""
     return [p for p, src in spec.parameter_sources().items()
-            if not src.get("named", True) and not src.get("copy_op")]
+            if not src.get("named", True) and not src.get("copy_op")
+            and not src.get("rows_of")]
 
 
 def undo_copy_op(op: str, value: np.ndarray) -> np.ndarray:
