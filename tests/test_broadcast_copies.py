@@ -194,7 +194,7 @@ class _Positions(nn.Module):
         return self.head(torch.tanh(self.proj(x) + p).mean(1))
 
 
-@pytest.mark.parametrize("batch", [4])
+@pytest.mark.parametrize("batch", [4, 1])
 def test_a_folded_lookup_of_rows_trains_under_its_own_name_not_the_table_s(tmp_path, batch):
     """The lookup's rows train once for every batch slot, as torch's do, but under a
     made-up name: written under the table's name, the [1, 5, 8] rows made a strict=False
