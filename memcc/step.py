@@ -48,6 +48,11 @@ PARAM_SOURCES_KEY = "memcc.parameter_sources"
 # The other half of the same record: PyTorch parameters no step parameter holds, -> "folded"
 # (the exporter's optimizer made them constants) or "unused" (the model never reads them).
 FOLDED_PARAMS_KEY = "memcc.folded_parameters"
+# Made-up initializers the step does not train (off the loss path) that the exporter folded
+# from one PyTorch parameter by a known op -> {"copy_of": the parameter, "copy_op": the op}
+# (``ExportMap.copy_ops``): ``memcc export`` writes them back under the parameter's name
+# unchanged, as the trained copies of ``memcc.parameter_sources``.
+UNTRAINED_COPIES_KEY = "memcc.untrained_copies"
 # The forward model's own outputs (logits, ...): ``memcc export`` writes them back out.
 FORWARD_OUTPUTS_KEY = "memcc.forward_outputs"
 # With --loss-chunks the step never forms the logits: the projection that computed them
@@ -276,6 +281,13 @@ class TrainingStep:
         exporter's optimizer turned them into constants: no trained value) or ``"unused"``
         (the exported model never reads them). Empty when the file did not say."""
         return {str(k): str(v) for k, v in self._json(FOLDED_PARAMS_KEY, {}, dict).items()}
+
+    def untrained_copies(self) -> dict[str, dict]:
+        """Made-up initializers the step does not train, each a copy the exporter folded
+        from one PyTorch parameter by a known op: ``{"copy_of": name, "copy_op": op}``.
+        Empty for steps built before this was recorded."""
+        return {str(k): dict(v) for k, v in self._json(UNTRAINED_COPIES_KEY, {}, dict).items()
+                if isinstance(v, dict)}
 
     def state_dict_names(self) -> dict[str, str]:
         """PyTorch ``state_dict`` name -> the trained parameter holding its value."""

@@ -6,7 +6,10 @@ constant, and export writes that value under its name; a non-persistent buffer
 (``position_ids``) is not written. A parameter no node reads, whose module has several
 children with a parameter of its attribute (ALBERT's ``predictions.bias``: tied to
 ``decoder.bias``, beside ``dense.bias`` and ``LayerNorm.bias``), has no record saying which
-it is a second name of: it is left out, and build and export name the candidates.
+it is a second name of: it is left out, and build and export name the candidates. A
+second head off the loss path (torchvision's ``aux_classifier``), and weights ``--freeze``
+keeps fixed, are in the step but not trained: export writes them with the values of the
+exported model, as torch leaves them, so that a strict load finds them.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import pytest
 import safetensors.torch
 import torch
 from torch import nn
@@ -141,3 +145,53 @@ def test_a_batchnorm_s_step_counter_is_no_warning_and_loads_strictly(tmp_path):
     assert not any("num_batches_tracked" in m for m in told)
     weights = safetensors.torch.load_file(str(out))
     WithBatchNorm().load_state_dict(weights, strict=True)
+
+
+class TwoHeads(nn.Module):
+    """A second output head off the loss path (the loss reads the first output only)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.head, self.aux = nn.Linear(8, 16), nn.Linear(16, 4), nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.relu(self.body(x))
+        return self.head(h), self.aux(h)
+
+
+@pytest.mark.parametrize("case", ["torchscript", "dynamo", "dynamo-3d-optimized", "frozen"])
+def test_weights_the_step_does_not_train_are_written_unchanged(tmp_path, case):
+    """Left out, they made a strict load_state_dict fail, without a word from export. With
+    ``optimize=True`` and 3-D input the second head's weight is a pre-transposed ``val_N``
+    copy only: written back transposed under its name (``memcc.untrained_copies``)."""
+    from memcc.trainer.export import export_checkpoint
+
+    torch.manual_seed(0)
+    module = TwoHeads().train()
+    x = torch.randn(4, 5, 8) if case.endswith("3d-optimized") else torch.randn(4, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(module, (x,), str(tmp_path / "m.onnx"), input_names=["x"],
+                          output_names=["out", "aux"], dynamo=case.startswith("dynamo"),
+                          optimize=case.endswith("optimized"))
+        api.build(tmp_path / "m.onnx", tmp_path / "step.onnx",
+                  options=BuildOptions(optimizer="sgd", lr=0.5,
+                                       freeze=("body.*",) if case == "frozen" else ()))
+    trainer = Trainer(tmp_path / "step.onnx")
+    labels = np.array([0, 1, 2, 3], dtype=np.int64)
+    for _ in range(2):
+        trainer.step({"x": x.numpy(), "labels": labels[:, None].repeat(5, 1)
+                      if x.ndim == 3 else labels})
+    trainer.save(tmp_path / "ck")
+    told: list[str] = []
+    out = export_checkpoint(tmp_path / "step.onnx", tmp_path / "ck", tmp_path / "w.safetensors",
+                            warn=told.append)
+    weights = safetensors.torch.load_file(str(out))
+    fresh = TwoHeads()
+    fresh.load_state_dict(weights, strict=True)
+    fixed = ("body", "aux") if case == "frozen" else ("aux",)
+    for name, value in module.state_dict().items():
+        same = torch.equal(weights[name], value)
+        assert same == name.startswith(fixed), name  # the rest trained
+    said = [m for m in told if "does not train" in m]
+    assert said and all(f"{m}.weight" in said[0] for m in fixed), told

@@ -61,6 +61,7 @@ from memcc.step import (  # the contract's keys live with its one reader, memcc.
     PROJECTION_KEY,
     ROW_CHUNKS_KEY,
     STATE_KEY,
+    UNTRAINED_COPIES_KEY,
     Role,
     tag_node,
 )
@@ -199,6 +200,8 @@ def _contract(forward: Graph, built: _Built, out: StepWriter, opts: BuildOptions
         **({FOLDED_PARAMS_KEY: json.dumps({**{n: "folded" for n in emap.folded},
                                            **{n: _unused(emap, n) for n in emap.unused}})}
            if emap is not None and (emap.folded or emap.unused) else {}),
+        **({UNTRAINED_COPIES_KEY: json.dumps(untrained)}
+           if (untrained := _untrained_copies(emap, built.params)) else {}),
         FORWARD_OUTPUTS_KEY: json.dumps(list(forward.outputs)),
         **({PROJECTION_KEY: json.dumps(chunked.projection)} if chunked else {}),
         **({ROW_CHUNKS_KEY: json.dumps(built.row_chunks)} if built.row_chunks else {}),
@@ -212,6 +215,17 @@ def _contract(forward: Graph, built: _Built, out: StepWriter, opts: BuildOptions
             **({"loss_scale": loss_scale_record(opts)} if opts.dynamic_loss_scale else {}),
         }),
     }
+
+
+def _untrained_copies(emap: ExportMap | None, params: list[str]) -> dict[str, dict]:
+    """Copies of one parameter by a known op that the step does not train (a second head's
+    pre-transposed weight, off the loss path): what ``memcc.untrained_copies`` records, so
+    that ``memcc export`` writes them back under the parameter's name."""
+    if emap is None:
+        return {}
+    return {c: {"copy_of": emap.copies[c][0], "copy_op": op}
+            for c, op in emap.copy_ops.items()
+            if c not in params and len(emap.copies.get(c, ())) == 1}
 
 
 def _drop_unused_initializers(graph: Graph) -> None:

@@ -22,10 +22,11 @@ from memcc.backend import checkpoint as ckpt
 from memcc.errors import InputError
 from memcc.frontend.autocast import without_autocast
 from memcc.frontend.dropout_masks import restore_dropouts
-from memcc.frontend.export_signature import signature_of
+from memcc.frontend.export_signature import is_made_up_name, signature_of
 from memcc.frontend.exported import folded_batchnorms
 from memcc.frontend.fold import has_fold_records, with_shape_computations
 from memcc.frontend.load import load_graph
+from memcc.frontend.parameters import BUFFER_SUFFIXES
 from memcc.frontend.running_variance import PRODUCER_KEY, fed_as_stored
 from memcc.frontend.symbolic_dims import recorded
 from memcc.frontend.whole_rows import with_whole_rows
@@ -185,8 +186,59 @@ def export_weights(graph: Graph, spec: TrainingStep, state: Mapping[str, np.ndar
             names, value = list(src["copy_of"]), undo_copy_op(src["copy_op"], value)
         for name in names:
             weights.setdefault(name, value)
+    weights.update(_untrained_parameters(graph, spec, fwd, set(weights), warn))
     weights.update(_persistent_buffers(graph, fwd, set(weights), warn))
     return ckpt.write_safetensors(out, weights, {"format": "pt", "memcc.step_file": source})
+
+
+def _untrained_parameters(graph: Graph, spec: TrainingStep, fwd: Graph, written: set[str],
+                          warn: Callable[[str], None] | None) -> dict[str, np.ndarray]:
+    """The model's parameters that the step does not train, with the values the forward
+    model holds (those of the exported model): a second head off the loss path
+    (torchvision's ``aux_classifier``, a two-head model's second output), or weights
+    ``--freeze`` keeps fixed. Torch leaves them unchanged in such training too, and a
+    strict ``load_state_dict`` wants them. Which initializers are parameters: with a dynamo
+    export's graph signature, its ``PARAMETER`` names; without one (TorchScript), float
+    initializers named by PyTorch, not by the exporter (``onnx::MatMul_12``,
+    ``export_signature.is_made_up_name``), and not buffers known by name (a rotary
+    ``inv_freq``, a BatchNorm's statistics: ``frontend.parameters.BUFFER_SUFFIXES``). A
+    copy the exporter folded from such a parameter by a known op (a pre-transposed
+    ``val_N``, recorded at build: ``memcc.untrained_copies``) is written back under the
+    parameter's name through that op's inverse, as a trained copy is.
+    ``warn`` hears of the written ones, and of a signature's parameters that are neither
+    written nor said to be folded or unused (``memcc.folded_parameters``): no file holds
+    their value (an exporter's copy of one off the loss path, under a made-up name)."""
+    sig = signature_of(graph)
+    trained = set(spec.parameters)
+    kept: dict[str, np.ndarray] = {}
+    for copy, src in spec.untrained_copies().items():  # a copy the exporter folded
+        if copy in fwd.initializers and src.get("copy_of") not in written | set(kept):
+            kept[str(src["copy_of"])] = undo_copy_op(str(src.get("copy_op", "")),
+                                                    np.asarray(fwd.initializers[copy]))
+    for name, value in fwd.initializers.items():
+        if name in written or name in trained:
+            continue
+        a = np.asarray(value)
+        if a.dtype.kind != "f" or a.ndim == 0:
+            continue
+        if (name in sig.parameters) if sig is not None else \
+                (not is_made_up_name(name) and not name.endswith(BUFFER_SUFFIXES)):
+            kept[name] = a
+    if kept and warn is not None:
+        names = sorted(kept)
+        warn(f"{len(kept)} parameter(s) the step does not train (off the loss path, such as "
+             f"a second head, or kept fixed by --freeze) are written with the values of the "
+             "exported model, which training leaves unchanged, as torch does: "
+             f"{', '.join(names[:6])}{' ...' if len(names) > 6 else ''}")
+    if sig is not None and warn is not None:
+        said = written | set(kept) | set(spec.folded_parameters())
+        if gone := sorted(sig.parameters - said):
+            warn(f"{len(gone)} PyTorch parameter(s) have no value in the step (the step "
+                 "does not train them, and the exporter holds them under another name, or "
+                 f"not at all): {', '.join(gone[:6])}{' ...' if len(gone) > 6 else ''}; they "
+                 "are not written: load with load_state_dict(..., strict=False), and the "
+                 "module keeps its own values")
+    return kept
 
 
 def _persistent_buffers(graph: Graph, fwd: Graph, written: set[str],
