@@ -136,7 +136,8 @@ def _in_eval_mode(graph: Graph, n: onnx.NodeProto, masked: dict[int, str],
         # The running variance of a PyTorch model is fed divided (running_variance.py),
         # and a 16-bit step compiled for a provider without a 16-bit BatchNorm reads
         # float32 Casts of its statistics (passes/providers/sixteen_bit.py).
-        stats = [carried_value(s, producer) for s in n.input[3:5]]
+        stats = [carried_value(_behind_copies(s, graph, producer), producer)
+                 for s in n.input[3:5]]
         if _is_training_bn(n) and set(stats) <= carried:
             return _inference_batchnorm(graph, n, stats), "bn"
         if not _is_training_bn(n) and all(s in running for s in stats):
@@ -219,6 +220,20 @@ def _scaled_uniform_mask(value: str, graph: Graph, producer: dict[str, onnx.Node
             abs(keep - scale) > 1e-6 * keep:
         return None
     return keep
+
+
+def _behind_copies(value: str, graph: Graph, producer: dict[str, onnx.NodeProto]) -> str:
+    """``value`` behind any ``Mul`` by a scalar one: the copy of a running statistic that a
+    recomputed training BatchNorm's clone reads (``passes/lowering/recompute.py``
+    ``_own_copy``). Such a clone computes a forward output where the step runs the nodes
+    that read it after the backward (a head off the loss path, as Inception's auxiliary
+    classifier), so eval mode must find the statistics behind the copy too."""
+    node = producer.get(value)
+    while node is not None and node.op_type == "Mul" and len(node.input) == 2 and \
+            scalar_constant(node.input[1], graph, producer) == 1.0:
+        value = node.input[0]
+        node = producer.get(value)
+    return value
 
 
 def _made_by(value: str, producer: dict[str, onnx.NodeProto]
