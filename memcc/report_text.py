@@ -109,6 +109,13 @@ def verify_checks(v: dict) -> list[str]:
     n = v.get("outputs_compared")
     if v.get("outputs_match", not any("output" in p for p in v.get("problems", []))):
         outputs = f"{n} outputs {v.get('comparison')}"
+        sensitive = v.get("input_sensitive_outputs")
+        if sensitive:
+            # "within relative T (...), or within 4x what 1 ulp ...": the count goes on
+            # the second, so that the line says how many needed it.
+            base, sep, rest = str(v.get("comparison")).partition(", or within ")
+            outputs = (f"{n} outputs {base}, {sensitive} of them only within {rest}" if sep
+                       else f"{outputs} ({sensitive} of them only by the latter)")
         judged = v.get("outputs_judged_by_gradient") or []
         if judged:
             outputs += (f", {len(judged)} updated parameter(s) judged by their gradients "
