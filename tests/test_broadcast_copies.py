@@ -10,6 +10,7 @@ gave 4 different answers for one image in 4 slots (spread 0.953). The step now c
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 
 import numpy as np
 import onnx
@@ -260,3 +261,118 @@ def test_a_broadcast_whose_parameter_has_another_size_is_a_lookup(tmp_path):
     model.graph.value_info.append(
         onnx.helper.make_tensor_value_info("cls_token", onnx.TensorProto.FLOAT, [2, 8]))
     assert row_lookups(model, emap) == {"expand": "cls_token"}
+
+
+TYPES_SEQ, TYPES_D = 5, 8
+
+
+class _TokenTypes(nn.Module):
+    """BERT's token-type and position embeddings in small: a type table looked up at a
+    buffer of zeros (``token_type_ids``) and a position table at a buffer ``arange(S)``
+    (``position_ids``), both expanded to the batch. At static shapes the optimizer folds
+    each lookup into an initializer [B, S, d]; the type lookup holds row 0 at every
+    position."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.tok = nn.Embedding(2, TYPES_D)
+        self.pos = nn.Embedding(TYPES_SEQ, TYPES_D)
+        with torch.no_grad():
+            self.tok.weight.copy_(torch.randn(2, TYPES_D, generator=g))
+            self.pos.weight.copy_(torch.randn(TYPES_SEQ, TYPES_D, generator=g))
+        self.register_buffer("ids", torch.zeros(1, TYPES_SEQ, dtype=torch.int64),
+                             persistent=False)
+        self.register_buffer("pid", torch.arange(TYPES_SEQ).unsqueeze(0), persistent=False)
+        self.head = nn.Linear(TYPES_D, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        h = x + self.tok(self.ids.expand(b, s)) + self.pos(self.pid.expand(b, s))
+        return self.head(torch.tanh(h).mean(1))
+
+
+@pytest.mark.parametrize("batch", [4, 1])
+def test_a_lookup_of_one_row_at_every_position_trains_one_vector(tmp_path, batch):
+    """BERT's token-type lookup at a buffer of zeros holds row 0 at every position: torch
+    trains that one row, its gradient summed over batch and positions, where memcc trained
+    one copy per position (each its own step, none torch's). It now trains one vector
+    ``Expand``-ed to the lookup's shape; the position lookup (a buffer of positions, rows
+    all different) still trains one vector per position."""
+    torch.manual_seed(0)
+    module = _TokenTypes().train()
+    x = torch.randn(batch, TYPES_SEQ, TYPES_D, generator=torch.Generator().manual_seed(1))
+    path = tmp_path / "types.onnx"
+    with _quiet():
+        torch.onnx.export(module, (x,), str(path), dynamo=True, optimize=True,
+                          input_names=["x"], output_names=["logits"])
+    model = onnx.load(str(path))
+    folded = {p: n for n, p in row_lookups(model, read_export_map(model)).items()}
+    if set(folded) != {"tok.weight", "pos.weight"}:
+        pytest.skip("this torch does not fold the embedding lookups at static shapes")
+    step_path = tmp_path / "s.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ExportWarning)
+        graph = api.build(path, step_path, options=BuildOptions(optimizer="sgd", lr=LR,
+                                                                momentum=0.0))
+    params = TrainingStep.of(graph).parameters
+    types = f"{folded['tok.weight']}.rows"
+    positions = f"{folded['pos.weight']}.rows" if batch > 1 else folded["pos.weight"]
+    assert types in params and positions in params
+    labels = np.array([0, 1, 2, 1][:batch], dtype=np.int64)
+    trainer = Trainer(step_path)
+    trainer.step({"x": x.numpy(), "labels": labels})
+    trainer.save(tmp_path / "ck")
+    nn.functional.cross_entropy(module(x), torch.from_numpy(labels)).backward()
+    with torch.no_grad():
+        for p in module.parameters():
+            p -= LR * p.grad
+    _cli("export", str(step_path), "--checkpoint", str(tmp_path / "ck"),
+         "-o", str(tmp_path / "w.safetensors"))
+    got = safetensors.torch.load_file(str(tmp_path / "w.safetensors"))
+    # The type vector took torch's step for row 0 (summed over batch and positions).
+    want = module.tok.weight.detach()[0]
+    err = float((got[types].reshape(-1, TYPES_D) - want).abs().max() / want.abs().max())
+    assert err <= 1e-6, f"token-type vector {err:.2e} from torch's row 0"
+    assert tuple(got[types].shape) == (1, 1, TYPES_D)  # one vector, not one per position
+    # The positions still train one row each: torch's rows 0..S-1 after the same step.
+    want = module.pos.weight.detach()
+    assert tuple(got[positions].shape) == (1, TYPES_SEQ, TYPES_D)
+    err = float((got[positions][0] - want).abs().max() / want.abs().max())
+    assert err <= 1e-6, f"position rows {err:.2e} from torch's"
+    for name in ("head.weight", "head.bias"):
+        want = module.state_dict()[name]
+        assert float((got[name] - want).abs().max()) <= 1e-5 * float(want.abs().max()), name
+
+
+@pytest.mark.parametrize("module_class,fill", [(_Positions, "zeros"),
+                                               (_Positions, "one row"),
+                                               (_TokenTypes, "zeros")])
+def test_equal_positions_of_a_table_of_equal_rows_keep_one_vector_each(tmp_path,
+                                                                      module_class, fill):
+    """Equal positions do not prove one row: a position table whose rows are equal at
+    export (zero-initialised, or one row repeated) looked up at ``arange(S)``
+    (``_Positions``: the record names ``arange``) or a zero-initialised one at a buffer of
+    positions (``_TokenTypes``' ``pid``: constant-filled) gives equal positions too, and
+    torch trains each row apart. None is collapsed to one vector; nor is a zero-initialised
+    type table, whose values cannot tell."""
+    from memcc.frontend.folded_copies import recompute_broadcast_copies
+
+    module = module_class().train()
+    with torch.no_grad():
+        for m in module.modules():
+            if isinstance(m, nn.Embedding):
+                m.weight.copy_(m.weight[:1].clone() if fill == "one row" else 0.0)
+    x = torch.randn(4, SEQ, 8)
+    path = tmp_path / "zero.onnx"
+    with _quiet():
+        torch.onnx.export(module, (x,), str(path), dynamo=True, optimize=True,
+                          input_names=["x"], output_names=["logits"])
+    model = onnx.load(str(path))
+    emap = read_export_map(model)
+    emap = replace(emap, lookups=row_lookups(model, emap))
+    if not emap.lookups:
+        pytest.skip("this torch does not fold the embedding lookups at static shapes")
+    emap = recompute_broadcast_copies(model, emap)
+    inits = {t.name: tuple(t.dims) for t in model.graph.initializer}
+    assert {inits[n] for n in emap.lookups} == {(1, SEQ, 8)}, emap.lookups

@@ -11,7 +11,8 @@ folded into ``expand``) becomes ``Expand`` of an initializer under the parameter
 (``recompute_broadcast_copies``); one folded from a lookup of some of the parameter's rows
 (``ExportMap.lookups``: a position table looked up at a static length) becomes ``Expand``
 of an initializer under a made-up name of its own (``embedding_1.rows``), since it is not
-the parameter.
+the parameter; one holding the same row at every position (BERT's token types, looked up at
+a buffer of zeros) becomes ``Expand`` of that one vector (``_one_row_looked_up``).
 """
 
 from __future__ import annotations
@@ -183,7 +184,9 @@ def recompute_broadcast_copies(model: onnx.ModelProto, emap: ExportMap,
     as one value shared by every slot as well; but it is not the parameter, so its slot
     gets an initializer of a made-up name of its own (``embedding_1.rows``), which the map's
     ``lookups`` then name instead of the copy: never written under the parameter's name,
-    which torch holds in another shape.
+    which torch holds in another shape. Where that slot holds one row at every position
+    too (BERT's ``token_type_ids``, a buffer of zeros), the one row trains, as torch's
+    does, ``Expand``-ed to every position as well (``_one_row_looked_up`` says when).
     """
     weights = weights or {}
     inits = {t.name: t for t in model.graph.initializer}
@@ -198,16 +201,21 @@ def recompute_broadcast_copies(model: onnx.ModelProto, emap: ExportMap,
     # some op would fit a broadcast of its first row too).
     batches = _input_batches(model)
     lookups = dict(emap.lookups)
+    records = _folded_from(model)
     for name, param in [*_copies_of_one_parameter(model, emap).items(),
                         *emap.lookups.items()]:
         rows = name in emap.lookups
+        batch = name in inits and (inits[name].dims[:1] or [0])[0] in batches
         if name not in inits or (not rows and (param in held or param in taken)) \
-                or name in emap.copy_ops or (inits[name].dims[:1] or [0])[0] not in batches:
+                or name in emap.copy_ops or not (batch or rows):
             continue
         t = inits[name]
         try:
-            copy = weights[name] if name in weights else onnx.numpy_helper.to_array(t)
-            source = _broadcast_source(np.asarray(copy))
+            copy = np.asarray(weights[name] if name in weights
+                              else onnx.numpy_helper.to_array(t))
+            source = _broadcast_source(copy) if batch else None
+            if rows:
+                source = _one_row_looked_up(copy, source, records.get(name, []))
         except Exception:  # data the file does not hold (external data not loaded)
             source = None
         if source is None:
@@ -235,6 +243,43 @@ def recompute_broadcast_copies(model: onnx.ModelProto, emap: ExportMap,
     return replace(emap, stands_for=stands_for, copies=copies, computed=computed,
                    folded=tuple(p for p in emap.folded if p not in stands_for),
                    lookups=lookups)
+
+
+def _one_row_looked_up(copy: np.ndarray, slot: np.ndarray | None,
+                       record: list[str]) -> np.ndarray | None:
+    """What the step trains for a lookup of rows ``copy`` [1 or B, S, ...]: one vector
+    ``(1, 1, ...)`` where every position holds the same row, else the slot shared by the
+    batch (``slot``, from ``_broadcast_source``; None where the batch slots differ or the
+    first axis is no batch: then the copy trains as found).
+
+    BERT's token-type embedding is looked up at ``token_type_ids``, a buffer of zeros: the
+    exporter folds ``token_type_embeddings.weight[zeros(B, S)]`` into ``embedding_2``
+    [B, S, d] holding row 0 of the table S times. Torch trains that one row, its gradient
+    summed over the batch and the positions; trained as S vectors (one per position),
+    they took S different steps, none of them torch's, and drifted apart. So where every
+    position of the one slot equals the first bit for bit, one vector is trained and
+    ``Expand``-ed to the copy's shape.
+
+    The risk: equal values do not prove one row. A position table whose rows are equal at
+    export (zero- or constant-initialised) looked up at ``arange(S)`` gives equal positions
+    too, and torch trains each of its rows apart: collapsed, they would stay equal for ever.
+    So the collapse is taken only where (a) the ``folded_from`` record names no ``arange``
+    (the indices come from a buffer or constants, not from a range of positions), and (b)
+    the vector is not constant-filled (a zero-initialised table, whose rows are equal
+    whatever indices a buffer holds: BERT keeps its position ids in a buffer too). Distinct
+    rows of a table that is not constant-filled do not coincide bit for bit, so (b) leaves
+    only a table built of one repeated row, looked up at a buffer of positions."""
+    base = slot if slot is not None else (copy if copy.shape[:1] == (1,) else None)
+    if base is None or base.ndim < 3 or base.shape[1] < 2 or base.size == 0 or \
+            any(_NUMBERED.sub("", x) == "arange" for x in record):
+        return slot
+    one = np.ascontiguousarray(base[:, :1])
+    flat = one.reshape(-1)
+    if np.ascontiguousarray(np.broadcast_to(one, base.shape)).tobytes() \
+            != np.ascontiguousarray(base).tobytes() or \
+            flat.tobytes() == np.repeat(flat[:1], flat.size).tobytes():
+        return slot
+    return one
 
 
 def _fresh(name: str, taken: set[str]) -> str:
