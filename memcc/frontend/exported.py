@@ -469,7 +469,8 @@ def _report_lookups(sources: dict[str, ParameterSource], source: str,
     shared = {init for c, (_, init, _) in emap.computed.items() if init in rows}
     told = "; ".join(
         f"{param} was folded into a lookup of some of its rows, which memcc trains as "
-        f"'{p}'" + (" (one value shared by every batch slot)" if p in shared else "")
+        f"'{p}'" + (" (one value shared by every batch slot, and by every position where each "
+                     "held the same row)" if p in shared else "")
         for p, param in list(rows.items())[:4])
     more = f" (+{len(rows) - 4} more)" if len(rows) > 4 else ""
     warnings.warn(
