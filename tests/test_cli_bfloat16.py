@@ -72,6 +72,12 @@ def test_train_is_refused_before_the_data_is_checked(files, tmp_path):
 
     with pytest.raises(InputError, match="bfloat16 input"):
         Trainer(files / "s.onnx")
+    # Without --data (and with --batch-size-check), train describes the arrays to write:
+    # none can be, so it refuses instead (a re-check found it describing bfloat16 arrays).
+    for extra in ([], ["--batch-size-check"]):
+        r = invoke("train", files / "s.onnx", "--steps", "1", *extra)
+        _refused(r, "train the step")
+        assert "dtype bfloat16" not in r.output
 
 
 def test_compile_plans_with_estimated_costs_and_refuses_what_runs_the_step(files, tmp_path):

@@ -73,10 +73,13 @@ def data_inputs(graph: Graph, step: TrainingStep | None = None) -> list[DataInpu
 def describe_data(step: str | os.PathLike) -> str:
     """What ``--data`` must hold for the step file ``step``: one line per data input (its
     name, per-sample shape, dtype and values), for a run given no data."""
+    from memcc.backend.step_feeds import refuse_bfloat16_feeds  # it imports this module
     from memcc.frontend.load import load_graph
 
     graph = load_graph(step, mapped=True)
     TrainingStep.of(graph).validate(str(step))
+    # No data can feed a bfloat16 step: say so rather than describe arrays no .npz holds.
+    refuse_bfloat16_feeds(graph, source=str(step), doing="train the step")
     lines = []
     for d in data_inputs(graph):
         values = "" if d.int_range is None else \
