@@ -59,9 +59,27 @@ def _export(tmp_path):
     return path, module, x.numpy()
 
 
-def _cli(*args: str) -> None:
+def _cli(*args: str) -> str:
     r = CliRunner().invoke(app, list(args))
     assert r.exit_code == 0, r.output
+    return r.output
+
+
+def _one_step_each(step_path, module: nn.Module, x: torch.Tensor, labels: np.ndarray,
+                   tmp_path) -> tuple[Trainer, dict, str]:
+    """One SGD step of the step by memcc (checkpointed and exported as safetensors) and the
+    same step of ``module`` by torch (its gradients summed over the batch): the trainer, to
+    go on, memcc's exported weights and what export said."""
+    trainer = Trainer(step_path)
+    trainer.step({"x": x.numpy(), "labels": labels})
+    trainer.save(tmp_path / "ck1")
+    nn.functional.cross_entropy(module(x), torch.from_numpy(labels)).backward()
+    with torch.no_grad():
+        for p in module.parameters():
+            p -= LR * p.grad
+    said = _cli("export", str(step_path), "--checkpoint", str(tmp_path / "ck1"),
+                "-o", str(tmp_path / "w1.safetensors"))
+    return trainer, safetensors.torch.load_file(str(tmp_path / "w1.safetensors")), said
 
 
 def test_a_token_broadcast_to_the_batch_trains_once_as_its_parameter(tmp_path):
@@ -78,18 +96,9 @@ def test_a_token_broadcast_to_the_batch_trains_once_as_its_parameter(tmp_path):
                    if tuple(t.dims) == (4, 1, 8)]  # the folded expand
     assert batch_sized and "cls_token" in params and not set(batch_sized) & set(params)
     labels = np.array([0, 1, 2, 1], dtype=np.int64)
-    trainer = Trainer(step_path)
-    trainer.step({"x": x, "labels": labels})
-    trainer.save(tmp_path / "ck1")
     # One SGD step, as torch takes it (the token's gradient summed over the batch).
-    loss = nn.functional.cross_entropy(module(torch.from_numpy(x)), torch.from_numpy(labels))
-    loss.backward()
-    with torch.no_grad():
-        for p in module.parameters():
-            p -= LR * p.grad
-    _cli("export", str(step_path), "--checkpoint", str(tmp_path / "ck1"),
-         "-o", str(tmp_path / "w1.safetensors"))
-    got = safetensors.torch.load_file(str(tmp_path / "w1.safetensors"))
+    trainer, got, _ = _one_step_each(step_path, module, torch.from_numpy(x), labels,
+                                     tmp_path)
     assert got["cls_token"].shape == module.cls_token.shape
     for name, p in module.state_dict().items():
         err = float((got[name] - p).abs().max() / p.abs().max())
@@ -156,16 +165,7 @@ def test_a_constant_repeated_over_the_batch_is_not_trained(tmp_path):
                           options=BuildOptions(optimizer="sgd", lr=LR, momentum=0.0))
     assert not set(batch_sized) & set(TrainingStep.of(graph).parameters)
     labels = np.array([0, 1, 2, 1], dtype=np.int64)
-    trainer = Trainer(tmp_path / "s.onnx")
-    trainer.step({"x": x.numpy(), "labels": labels})
-    nn.functional.cross_entropy(module(x), torch.from_numpy(labels)).backward()
-    with torch.no_grad():
-        for p in module.parameters():
-            p -= LR * p.grad
-    trainer.save(tmp_path / "ck")
-    _cli("export", str(tmp_path / "s.onnx"), "--checkpoint", str(tmp_path / "ck"),
-         "-o", str(tmp_path / "w.safetensors"))
-    got = safetensors.torch.load_file(str(tmp_path / "w.safetensors"))
+    _, got, _ = _one_step_each(tmp_path / "s.onnx", module, x, labels, tmp_path)
     for name in ("fc.weight", "fc.bias"):
         want = module.state_dict()[name]
         assert float((got[name] - want).abs().max()) <= 1e-5 * float(want.abs().max()), name
@@ -224,20 +224,10 @@ def test_a_folded_lookup_of_rows_trains_under_its_own_name_not_the_table_s(tmp_p
     assert "pos.weight" not in params and rows in params
     assert tuple(graph.initializers[rows].shape) == (1, SEQ, 8)  # one slot, shared
     labels = np.array([0, 1, 2, 1][:batch], dtype=np.int64)
-    trainer = Trainer(step_path)
-    trainer.step({"x": x.numpy(), "labels": labels})
-    trainer.save(tmp_path / "ck")
-    nn.functional.cross_entropy(module(x), torch.from_numpy(labels)).backward()
-    with torch.no_grad():
-        for p in module.parameters():
-            p -= LR * p.grad
-    r = CliRunner().invoke(app, ["export", str(step_path), "--checkpoint",
-                                 str(tmp_path / "ck"), "-o", str(tmp_path / "w.safetensors")])
-    assert r.exit_code == 0, r.output
-    said = " ".join(r.output.split())
+    _, got, output = _one_step_each(step_path, module, x, labels, tmp_path)
+    said = " ".join(output.split())
     assert "'pos.weight' (its rows trained as" in said and "not written" in said
     assert "optimize=False" in said
-    got = safetensors.torch.load_file(str(tmp_path / "w.safetensors"))
     assert "pos.weight" not in got
     # The rows trained as torch trains them: its table's rows 2..6 after the same step.
     want = module.pos.weight.detach()[OFFSET:OFFSET + SEQ]
@@ -320,16 +310,7 @@ def test_a_lookup_of_one_row_at_every_position_trains_one_vector(tmp_path, batch
     positions = f"{folded['pos.weight']}.rows" if batch > 1 else folded["pos.weight"]
     assert types in params and positions in params
     labels = np.array([0, 1, 2, 1][:batch], dtype=np.int64)
-    trainer = Trainer(step_path)
-    trainer.step({"x": x.numpy(), "labels": labels})
-    trainer.save(tmp_path / "ck")
-    nn.functional.cross_entropy(module(x), torch.from_numpy(labels)).backward()
-    with torch.no_grad():
-        for p in module.parameters():
-            p -= LR * p.grad
-    _cli("export", str(step_path), "--checkpoint", str(tmp_path / "ck"),
-         "-o", str(tmp_path / "w.safetensors"))
-    got = safetensors.torch.load_file(str(tmp_path / "w.safetensors"))
+    _, got, _ = _one_step_each(step_path, module, x, labels, tmp_path)
     # The type vector took torch's step for row 0 (summed over batch and positions).
     want = module.tok.weight.detach()[0]
     err = float((got[types].reshape(-1, TYPES_D) - want).abs().max() / want.abs().max())
