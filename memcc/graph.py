@@ -358,6 +358,22 @@ def ancestors(values: Iterable[str], producer: Mapping[str, onnx.NodeProto],
     return nodes, seen
 
 
+def behind(value: str, producer: Mapping[str, onnx.NodeProto],
+           passes: Callable[[onnx.NodeProto], bool]) -> tuple[str, list[onnx.NodeProto]]:
+    """``value`` followed back through its producers while ``passes`` accepts them (each
+    read through its first input: Casts, a scaling by a constant): the value the chain
+    starts from, and the nodes passed, nearest first. Where a rewrite wrapped a value
+    (a 16-bit provider's Casts, the running variance's correction, a recompute's copy),
+    the passes that must find the value itself look through the wrapping with this."""
+    passed: list[onnx.NodeProto] = []
+    node = producer.get(value)
+    while node is not None and node.input and passes(node):
+        passed.append(node)
+        value = node.input[0]
+        node = producer.get(value)
+    return value, passed
+
+
 def in_dependency_order(nodes: list[onnx.NodeProto]) -> list[onnx.NodeProto]:
     """``nodes`` in their order, except that a node reading a value another of them makes
     later waits until it is made, then comes first (Kahn's algorithm, the earliest ready

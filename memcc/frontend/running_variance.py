@@ -30,7 +30,7 @@ from collections.abc import Mapping
 import numpy as np
 import onnx
 
-from memcc.graph import Graph, TensorInfo
+from memcc.graph import Graph, TensorInfo, behind
 from memcc.step import Role, tag_node
 
 PRODUCER_KEY = "memcc.producer"
@@ -126,14 +126,9 @@ def carried_value(value: str, producer: Mapping[str, onnx.NodeProto]) -> str:
 
 def _behind(value: str, producer: Mapping[str, onnx.NodeProto]) -> tuple[str, bool]:
     """``carried_value``'s value, and whether the way there passed one of the Muls."""
-    node = producer.get(value)
-    divided = False
-    while node is not None and (node.op_type == "Cast" or (
-            node.op_type == "Mul" and node.name.endswith((FED_SUFFIX, UPDATED_SUFFIX)))):
-        divided |= node.op_type == "Mul"
-        value = node.input[0]
-        node = producer.get(value)
-    return value, divided
+    value, passed = behind(value, producer, lambda n: n.op_type == "Cast" or (
+        n.op_type == "Mul" and n.name.endswith((FED_SUFFIX, UPDATED_SUFFIX))))
+    return value, any(n.op_type == "Mul" for n in passed)
 
 
 def read_as(graph: Graph, value: str, carried: str) -> tuple[str, list[onnx.NodeProto]]:

@@ -21,7 +21,7 @@ import onnx
 
 from memcc.frontend.constants import constant_value
 from memcc.frontend.running_variance import carried_value
-from memcc.graph import DefUse, Graph, attr
+from memcc.graph import DefUse, Graph, attr, behind
 from memcc.step import TrainingStep
 
 
@@ -149,9 +149,6 @@ def _grouped_running(split: onnx.NodeProto, old: str, producer: dict[str, onnx.N
 def scalar_constant(value: str, graph: Graph, producer: dict[str, onnx.NodeProto]
                     ) -> float | None:
     """A scalar constant through Cast / CastLike (None: not one)."""
-    node = producer.get(value)
-    while node is not None and node.op_type in ("Cast", "CastLike"):
-        value = node.input[0]
-        node = producer.get(value)
+    value, _ = behind(value, producer, lambda n: n.op_type in ("Cast", "CastLike"))
     arr = constant_value(graph, value, producer)
     return None if arr is None or arr.size != 1 else float(arr.reshape(()))

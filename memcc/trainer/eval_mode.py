@@ -32,7 +32,7 @@ import onnx
 
 from memcc.errors import InputError
 from memcc.frontend.running_variance import carried_value, read_as
-from memcc.graph import Graph, ancestors, attr
+from memcc.graph import Graph, ancestors, attr, behind
 from memcc.step import TrainingStep
 from memcc.trainer.batchnorm_back import running_of_batch_statistics, scalar_constant
 
@@ -228,12 +228,8 @@ def _behind_copies(value: str, graph: Graph, producer: dict[str, onnx.NodeProto]
     ``_own_copy``). Such a clone computes a forward output where the step runs the nodes
     that read it after the backward (a head off the loss path, as Inception's auxiliary
     classifier), so eval mode must find the statistics behind the copy too."""
-    node = producer.get(value)
-    while node is not None and node.op_type == "Mul" and len(node.input) == 2 and \
-            scalar_constant(node.input[1], graph, producer) == 1.0:
-        value = node.input[0]
-        node = producer.get(value)
-    return value
+    return behind(value, producer, lambda n: n.op_type == "Mul" and len(n.input) == 2
+                  and scalar_constant(n.input[1], graph, producer) == 1.0)[0]
 
 
 def _made_by(value: str, producer: dict[str, onnx.NodeProto]
@@ -242,11 +238,8 @@ def _made_by(value: str, producer: dict[str, onnx.NodeProto]
     provider without the 16-bit kernel reads float32 Casts of its operands and casts its
     results down: ``passes/providers/sixteen_bit.py``), and the last Cast passed (None:
     none)."""
-    node, cast = producer.get(value), None
-    while node is not None and node.op_type == "Cast":
-        cast = node
-        node = producer.get(node.input[0])
-    return node, cast
+    value, casts = behind(value, producer, lambda n: n.op_type == "Cast")
+    return producer.get(value), (casts[-1] if casts else None)
 
 
 def _is_training_bn(node: onnx.NodeProto) -> bool:
