@@ -8,6 +8,11 @@ operands first), so every output stays within 1e-5 of its largest magnitude here
 at most 1.5e-6; the difference grows with depth: 5.5e-6 on the zoo ResNet-50 at batch 4,
 64 px, 1.1e-5 at batch 8); what does not depend on any ``dx`` (the loss, the running
 statistics, the last BatchNorm's scale and bias updates) is the same bits.
+
+The projection ``gy - xhat * sum(gy * xhat) / n`` is written with one more inference-mode
+BatchNormalization (fed a variance of ``n * n``, no epsilon) where it took a Mul, a Reshape,
+a Mul and an Add: checked bit for bit against that form, on one node for many counts and on
+a whole step whose counts are not powers of two, at 1 and 2 threads.
 """
 
 from __future__ import annotations
@@ -15,10 +20,13 @@ from __future__ import annotations
 from unittest import mock
 
 import numpy as np
+import onnx
 import pytest
-from threads import run_once
+from onnx import TensorProto, helper, numpy_helper
+from threads import mismatches, run_once
 
 from memcc.backend.runner import synthetic_feeds
+from memcc.backend.session import SessionSettings, make_session
 from memcc.frontend.build import BuildOptions, build_training_step
 from memcc.frontend.gradients import batchnorm_backward
 from memcc.frontend.load import load_graph
@@ -42,12 +50,67 @@ def _backward_nodes(step, forward_node: str) -> list[str]:
             and node_props(n).get(GRAD_OF_PROP) == forward_node]
 
 
-def test_fourteen_nodes_per_batchnorm_instead_of_21(steps):
+def test_twelve_nodes_per_batchnorm_instead_of_21(steps):
     old, new = steps
     assert len(_backward_nodes(old, "layer1.0.bn2")) == 21
     ops = _backward_nodes(new, "layer1.0.bn2")
-    assert len(ops) == 14 and ops.count("BatchNormalization") == 2
-    assert "Reciprocal" not in ops and "Sqrt" not in ops
+    assert len(ops) == 12 and ops.count("BatchNormalization") == 3
+    assert "Reciprocal" not in ops and "Sqrt" not in ops and "Reshape" not in ops
+
+
+def _projection_model(n: int, channels: int) -> onnx.ModelProto:
+    """The new projection (``new``) and the four-node one it replaces (``old``) on one
+    input, as ``_less_projection`` writes them."""
+    init = [numpy_helper.from_array(np.zeros(channels, np.float32), "zeros"),
+            numpy_helper.from_array(np.full(channels, np.float32(n) * np.float32(n)), "sq"),
+            numpy_helper.from_array(np.array(-1.0 / n, np.float32), "k"),
+            numpy_helper.from_array(np.array([1, channels, 1, 1], np.int64), "view")]
+    nodes = [helper.make_node("BatchNormalization", ["xhat", "s", "zeros", "zeros", "sq"],
+                              ["p"], epsilon=0.0),
+             helper.make_node("Sub", ["gy", "p"], ["new"]),
+             helper.make_node("Mul", ["s", "k"], ["c"]),
+             helper.make_node("Reshape", ["c", "view"], ["cv"]),
+             helper.make_node("Mul", ["xhat", "cv"], ["q"]),
+             helper.make_node("Add", ["gy", "q"], ["old"])]
+    io = [helper.make_tensor_value_info(k, TensorProto.FLOAT, None)
+          for k in ("xhat", "s", "gy", "new", "old")]
+    graph = helper.make_graph(nodes, "projection", io[:3], io[3:], init)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)],
+                             ir_version=8)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_projection_by_the_count_is_the_four_node_forms_bits(threads):
+    """ORT's kernel folds ``scale * (1 / sqrt(n * n))`` first and adds 0: the same float32
+    product as ``scale * (-1 / n)`` up to its sign, for every count tried."""
+    rng = np.random.default_rng(0)
+    shape = (4, 16, 9, 9)
+    counts = [*range(1, 3000, 37), 6272, 25088, 100352, 401408]
+    assert all(batchnorm_backward._count_root_is_exact(n) for n in counts)
+    for n in counts:
+        sess = make_session(_projection_model(n, 16), "cpu",
+                            SessionSettings(intra_op_threads=threads))
+        feeds = {"xhat": rng.standard_normal(shape, dtype=np.float32),
+                 "s": (rng.standard_normal(16) * 1e3).astype(np.float32),
+                 "gy": rng.standard_normal(shape, dtype=np.float32)}
+        new, old = sess.run(["new", "old"], feeds)
+        assert np.array_equal(new, old), n
+
+
+def test_a_step_with_the_projection_by_the_count_gives_the_old_forms_bits():
+    """Counts that are not powers of two (batch 3 at 56 px: 2,352 down to 12 per channel):
+    every output of the step the same bits as with the four-node projection, 1 and 2
+    threads."""
+    fwd = load_graph(build_model("resnet18", batch=3, resolution=56, width=8))
+    new = build_training_step(fwd, BuildOptions())
+    with mock.patch.object(batchnorm_backward, "_count_root_is_exact", lambda _: False):
+        old = build_training_step(fwd, BuildOptions())
+    def kernels(step):
+        return sum(n.op_type != "Constant" for n in step.nodes)
+    assert kernels(old) - kernels(new) == 2 * 20  # a Mul and a Reshape per BatchNorm
+    feeds = {k: v for k, v in synthetic_feeds(old, 0).items() if k not in old.initializers}
+    for threads in (1, 2):
+        assert not mismatches(run_once(old, feeds, threads), run_once(new, feeds, threads))
 
 
 def test_outputs_match_the_general_rule_at_1_and_2_threads(steps):

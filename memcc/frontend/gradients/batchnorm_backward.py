@@ -17,14 +17,18 @@ its per-channel operands as ``[C]`` vectors: BatchNormalization in inference mod
   same bits as the old ``Mul(c, Reciprocal(Sqrt(var + eps)))`` on ORT's CPU kernel;
 - the scale and bias gradients ``sum(gy * xhat)`` and ``sum(gy)`` reduced straight to
   ``[C]`` (same bits as before, without the Reshapes);
-- ``z = gy + xhat * (-sum(gy * xhat) / n)``, the per-channel factor viewed as
-  ``[1, C, 1, ...]`` (the same bits as the old ``gy - xhat * (sum(gy * xhat) / n)``; an
-  affine of the centred input would save the view but keep the centred input alive next to
-  ``xhat``, one activation more in the working set that sets ``--budget min``'s floor);
+- ``z = gy - BN(xhat; scale sum(gy * xhat), bias 0, mean 0, var n * n, epsilon 0)``: the
+  kernel's factor ``sum(gy * xhat) * (1 / sqrt(n * n))`` is the float32 product of the old
+  ``sum(gy * xhat) * (-1 / n)`` up to its sign, so ``z`` is the same bits as the old
+  ``gy + xhat * view(sum(gy * xhat) * (-1 / n))`` without the Mul on ``[C]`` and the view
+  to ``[1, C, 1, ...]`` (``_less_projection``; an affine of the centred input would save
+  more but keep the centred input alive next to ``xhat``, one activation more in the
+  working set that sets ``--budget min``'s floor);
 - ``dx = BN(z; scale gamma, bias 0, mean sum(gy) / n, var)``, that is
   ``gamma * inv * (z - sum(gy) / n)``.
 
-14 nodes, and 11 activation-sized passes where the old form had 12. ORT's kernel folds the
+12 nodes (14 before the projection above), and 11 activation-sized passes where the
+old form had 12. ORT's kernel folds the
 per-channel operands first (``z * (inv * gamma) + (0 - mean * inv * gamma)``), so ``dx`` is
 rounded differently from the old ``(z - sum(gy) / n) * (gamma * inv)``:
 ``tests/test_batchnorm_backward.py`` bounds the difference. Only float32 activations and
@@ -38,6 +42,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto
 
+from memcc.frontend.emit import Emitter
 from memcc.frontend.gradients.registry import GradContext
 
 Grads = list[str | None]
@@ -76,10 +81,40 @@ def batchnorm_train_grad_affine(ctx: GradContext, node: onnx.NodeProto, gy: str,
     gx = None
     if ctx.needs_grad(x):
         # From xhat, not from the centred input: that one is freed once xhat exists.
-        coef = emit.reshape(emit.mul(sum_gy_xhat, emit.scalar(-1.0 / n, dtype)),
-                            [1, channels] + [1] * (len(x_info.shape) - 2))
-        z = emit.add(gy, emit.mul(xhat, coef))
+        z = _less_projection(emit, gy, xhat, sum_gy_xhat, n, zeros)
         gx = affine(z, scale, emit.mul(sum_gy, emit.scalar(1.0 / n, dtype)))
     gs = sum_gy_xhat if ctx.needs_grad(scale) else None
     gb = emit.cast(sum_gy, ctx.info(bias).dtype) if ctx.needs_grad(bias) else None
     return [gx, gs, gb] + [None] * (len(node.input) - 3)
+
+
+def _count_root_is_exact(n: float) -> bool:
+    """Whether float32 ``1 / sqrt(n * n)`` is float32 ``1 / n``, as the kernel computes
+    it from a variance of ``n * n`` and no epsilon (true of every count tried, the checks
+    of ``tests/test_batchnorm_backward.py``; kept as a guard, the count is known here)."""
+    square = np.float32(n) * np.float32(n)
+    return bool(np.isfinite(square) and np.float32(1.0) / np.sqrt(square) == np.float32(1.0 / n))
+
+
+def _less_projection(emit: Emitter, gy: str, xhat: str, sum_gy_xhat: str, n: float,
+                     zeros: str) -> str:
+    """``z = gy - xhat * (sum(gy * xhat) / n)`` in two nodes where it took four.
+
+    The per-channel factor ``sum(gy * xhat) / n`` is applied by an inference-mode
+    BatchNormalization fed a variance of ``n * n`` and no epsilon: its kernel folds
+    ``sum * (1 / sqrt(n * n))`` per channel, which is the same float32 product as the old
+    ``sum * (-1 / n)`` up to its sign, and multiplies ``xhat`` by it plus 0. So ``gy - that``
+    is the same bits as the old ``gy + xhat * view(sum * (-1 / n))``, without the Mul on
+    ``[C]`` and the Reshape to ``[1, C, 1, ...]`` (issue 30). Where the count's root is not
+    exact in float32 (the guard above) the old form is written."""
+    info = emit.info(xhat)
+    channels = int(info.shape[1])
+    if not _count_root_is_exact(n):
+        coef = emit.reshape(emit.mul(sum_gy_xhat, emit.scalar(-1.0 / n, info.dtype)),
+                            [1, channels] + [1] * (len(info.shape) - 2))
+        return emit.add(gy, emit.mul(xhat, coef))
+    squared = emit.const(np.full(channels, float(np.float32(n) * np.float32(n))), info.dtype,
+                         name="count_squared")
+    projected = emit.op("BatchNormalization", [xhat, sum_gy_xhat, zeros, zeros, squared],
+                        epsilon=0.0, info=info)
+    return emit.sub(gy, projected)
