@@ -53,7 +53,9 @@ def _refused(r, doing: str) -> None:
     assert "Traceback" not in r.output and "tensor(string)" not in r.output, r.output
     text = " ".join(r.output.split())
     assert f"cannot {doing}" in text, text
-    assert "bfloat16 input(s) ('x'" in text, text
+    assert "1 bfloat16 input(s) ('x')" in text, text
+    # the weights are named as what they are, not as inputs (a walk-through's snag)
+    assert "8 bfloat16 parameter(s) or state ('0.weight', " in text, text  # and momenta
     assert "--precision bf16" in text and "float16" in text, text
 
 

@@ -127,6 +127,12 @@ def bfloat16_feeds(graph: Graph) -> tuple[list[str], list[str]]:
     return inputs, outputs
 
 
+def _listed(names: list[str]) -> str:
+    """The first four names quoted, and how many more."""
+    more = f" and {len(names) - 4} more" if len(names) > 4 else ""
+    return ", ".join(f"'{n}'" for n in names[:4]) + more
+
+
 def refuse_bfloat16_feeds(graph: Graph, *, source: str, doing: str, instead: str = "") -> None:
     """Raise ``InputError`` where a run of ``graph`` would feed or fetch bfloat16 arrays
     (``bfloat16_feeds``): numpy has no bfloat16 of its own, and onnxruntime's Python API
@@ -138,11 +144,13 @@ def refuse_bfloat16_feeds(graph: Graph, *, source: str, doing: str, instead: str
     inputs, outputs = bfloat16_feeds(graph)
     if not inputs and not outputs:
         return
-    named = inputs or outputs
-    shown = ", ".join(f"'{n}'" for n in named[:4]) + (f" and {len(named) - 4} more"
-                                                     if len(named) > 4 else "")
-    what = (f"{len(inputs)} bfloat16 input(s) ({shown})" if inputs
-            else f"{len(outputs)} bfloat16 output(s) ({shown})")
+    stored = set(TrainingStep.of(graph).state.values()) | set(graph.initializers)
+    batch = [n for n in inputs if n not in stored]
+    carried = [n for n in inputs if n in stored]
+    parts = [f"{len(names)} bfloat16 {kind} ({_listed(names)})"
+             for kind, names in (("input(s)", batch), ("parameter(s) or state", carried),
+                                 ("output(s)", [] if inputs else outputs)) if names]
+    what = " and ".join(parts)
     raise InputError(
         f"{source}: cannot {doing}: the step has {what}, from a model exported in "
         "bfloat16, and ONNX Runtime's Python API feeds and returns no bfloat16 arrays "
