@@ -11,6 +11,7 @@ from onnx import TensorProto, helper
 
 from memcc.errors import GradientError
 from memcc.frontend.load import load_graph
+from memcc.step import GRAD_OF_PROP, node_props
 
 RNG = np.random.default_rng(1)
 
@@ -127,6 +128,65 @@ def test_pointwise_conv_weight_gradient_is_the_same_at_1_2_and_4_threads():
         for name, value in out.items():
             np.testing.assert_allclose(value, runs[1][name], rtol=1e-5, atol=1e-5,
                                        err_msg=f"{name} at {n} threads")
+
+
+def _views_with_sizes(graph):
+    """``graph`` with every Reshape, Flatten and Slice end of the pointwise rule spelled
+    with the sizes it resolves to, as the rule wrote them until issue 30's change."""
+    out = graph.copy()
+    for node in out.nodes:
+        if node.op_type not in ("Reshape", "Flatten", "Slice"):
+            continue
+        name = f"sized_{node.output[0]}"
+        if node.op_type == "Slice":
+            out.initializers[name] = np.asarray(out.info[node.input[0]].shape[2:], np.int64)
+            node.input[2] = name
+            continue
+        out.initializers[name] = np.asarray(out.info[node.output[0]].shape, np.int64)
+        if node.op_type == "Flatten":
+            node.op_type = "Reshape"
+            del node.attribute[:]
+            node.input.append(name)
+        else:
+            node.input[1] = name
+    return out
+
+
+def test_pointwise_weight_gradients_share_their_shape_constants_and_keep_the_bits():
+    """Two 1x1 convolutions of different sizes in each layout (batched with x or with gy
+    transposed, flattened, strided) hold one shape constant per kind of view, not one per
+    layer (issue 30), and give the same bits as views spelled with sizes, at 1 and 2
+    threads."""
+    from threads import run_at_threads
+
+    layers = [(3, 8, 1), (8, 3, 1), (48, 44, 1), (4, 6, 2)]  # (cin, cout, stride)
+    nodes, ins, feeds, outs = [], [], {}, []
+    for i, (cin, cout, stride) in enumerate(layers):
+        for j, size in enumerate((6, 4)):
+            tag = f"{i}{j}"
+            feeds[f"x{tag}"] = rand(2, cin + j, size, size + 1)
+            feeds[f"w{tag}"] = rand(cout + j, cin + j, 1, 1)
+            nodes.append(helper.make_node("Conv", [f"x{tag}", f"w{tag}"], [f"y{tag}"],
+                                          strides=[stride] * 2))
+            ins += [(k, FLOAT, list(feeds[k].shape)) for k in (f"x{tag}", f"w{tag}")]
+            outs.append(f"y{tag}")
+    nodes += [helper.make_node("ReduceSum", [o], [f"s{o}"], keepdims=0) for o in outs]
+    nodes.append(helper.make_node("Sum", [f"s{o}" for o in outs], ["y"]))
+    model = make_model(nodes, ins, [("y", FLOAT, [])])
+    weights = [k for k in feeds if k.startswith("w")]
+    g = grad_graph(model, weights, None, 123)
+    convs = {n.name for n in g.nodes if n.op_type == "Conv"}
+    rule = [n for n in g.nodes if n.metadata_props and node_props(n).get(GRAD_OF_PROP) in convs]
+    made = {n.output[0]: n for n in rule if n.op_type == "Constant"}
+    shapes = {i for n in rule if n.op_type in ("Reshape", "Slice") for i in n.input[1:]}
+    # [0, 0, -1], [0, 0, 1, 1] and the strided Slice's starts, ends, axes and steps.
+    assert len(shapes) == 6 and shapes <= set(made), sorted(shapes)
+    assert {"Flatten", "FusedMatMul"} & {n.op_type for n in rule} == {"Flatten"}
+    runs = run_at_threads(g, feeds, threads=(1, 2))
+    sized = run_at_threads(_views_with_sizes(g), feeds, threads=(1, 2))
+    for n in (1, 2):
+        for name, value in runs[n].items():
+            assert np.array_equal(value, sized[n][name]), (n, name)
 
 
 @pytest.mark.parametrize("group,stride,pad,out_pad,dil", [

@@ -117,6 +117,18 @@ def _is_pointwise(win: Window, group: int, in_sp: Sequence[int],
                     for i, s, o in zip(in_sp, win.strides, out_sp, strict=True)))
 
 
+_TO_THE_END = int(np.iinfo(np.int64).max)  # a Slice end past every axis (ONNX clamps it)
+
+
+def _shared_view(emit: Emitter, x: str, shape: Sequence[int], spelled: Sequence[int]) -> str:
+    """Reshape ``x`` to ``shape`` through a shape constant that says it without sizes
+    (``0``: the input's size on that axis, ``-1``: the rest), so every layer of the step
+    shares one Constant node for the same kind of view (issue 30: the 1x1 weight gradients
+    of the zoo ResNet-50 had 34 shape constants, one per layer size)."""
+    return emit.op("Reshape", [x, emit.ints(spelled)],
+                   info=TensorInfo(emit.info(x).dtype, tuple(shape)))
+
+
 def _pointwise_weight_grad(emit: Emitter, x: str, gy: str, win: Window,
                            w_info: TensorInfo) -> str:
     """dW[m, c] = sum_{n,p} gy[n, m, p] * x[n, c, p*s] as a MatMul over pixels.
@@ -131,18 +143,27 @@ def _pointwise_weight_grad(emit: Emitter, x: str, gy: str, win: Window,
     sum over the batch follows. Otherwise both operands are flattened, x to [N * pixels, C]
     and gy to [M, N * pixels] (one copy each, as the default's two), and one MatMul
     contracts them.
+
+    Every view here is spelled without sizes (``Flatten``, or a Reshape to ``[0, 0, -1]``
+    and ``[0, 0, 1, 1]``), so the step holds one shape constant per kind of view, not one
+    per layer. One Einsum (``nmhw,nchw->mc``) would be two nodes instead of five or six, and
+    the same bits as the flattened form, but ORT's CPU kernel was 2-18% slower on every
+    flattened ResNet-50 layer at one thread and 24-63% on the batched ones, and its two
+    transposed copies are buffers of its own that liveness does not see (BENCHMARKS.md,
+    "Fewer nodes for a convolution's backward").
     """
     xi, gi = emit.info(x), emit.info(gy)
     nd = len(xi.shape) - 2
     if any(s != 1 for s in win.strides):
-        x = slice_values(emit, x, [0] * nd, list(xi.shape[2:]), list(range(2, nd + 2)),
+        # Every stride-th pixel "to the end", spelled so that all such layers share it.
+        x = slice_values(emit, x, [0] * nd, [_TO_THE_END] * nd, list(range(2, nd + 2)),
                          list(win.strides))
     n, c = xi.shape[:2]
     m = gi.shape[1]
     pixels = int(np.prod(gi.shape[2:], dtype=np.int64))
     if min(m, c) < pixels:
-        xr = emit.reshape(x, [n, c, pixels])
-        gr = emit.reshape(gy, [n, m, pixels])
+        xr = _shared_view(emit, x, [n, c, pixels], [0, 0, -1])
+        gr = _shared_view(emit, gy, [n, m, pixels], [0, 0, -1])
         if c <= m:
             prod = emit.op("MatMul", [gr, emit.transpose(xr, [0, 2, 1])],
                            info=TensorInfo(xi.dtype, (n, m, c)))
@@ -157,10 +178,12 @@ def _pointwise_weight_grad(emit: Emitter, x: str, gy: str, win: Window,
         # Transposed with their pixel axes as they are, then viewed flat: the same copies
         # as through a [N, C, pixels] view, one Reshape fewer each (issue 30).
         spatial = list(range(2, nd + 2))
-        gf = emit.reshape(emit.transpose(gy, [1, 0] + spatial), [m, n * pixels])
-        xf = emit.reshape(emit.transpose(x, [0] + spatial + [1]), [n * pixels, c])
+        gf = emit.op("Flatten", [emit.transpose(gy, [1, 0] + spatial)], axis=1,
+                     info=TensorInfo(gi.dtype, (m, n * pixels)))
+        xf = emit.op("Flatten", [emit.transpose(x, [0] + spatial + [1])], axis=nd + 1,
+                     info=TensorInfo(xi.dtype, (n * pixels, c)))
         dw = emit.op("MatMul", [gf, xf], info=TensorInfo(xi.dtype, (m, c)))
-    return emit.reshape(dw, list(w_info.shape))
+    return _shared_view(emit, dw, list(w_info.shape), [0, 0] + [1] * nd)
 
 
 def _conv_weight_grad(emit: Emitter, x: str, gy: str, win: Window, group: int,
