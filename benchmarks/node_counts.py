@@ -13,14 +13,17 @@ every step used before; ``--against batchnorm-rule``) or with an update per para
 (``--against apart-updates``, ``BuildOptions(grouped_updates=False)``, and for CUDA an
 update per running statistic) or with the BatchNorm backward's projection
 ``gy - xhat * sum(gy * xhat) / n`` as a Mul, a Reshape, a Mul and an Add instead of one more
-inference-mode BatchNormalization (``--against projection-by-view``). With ``--time`` both
+inference-mode BatchNormalization (``--against projection-by-view``) or with the 1x1
+convolutions' weight gradients viewing their operands through shape constants with the
+layer's sizes, one per size, as they did before sharing them (``--against sized-views``,
+``gradients/nn.py`` ``_pointwise_weight_grad``). With ``--time`` both
 are run under memcc's execution contract, paired round by round (``benchmarks/stats.py``);
 printed: the largest difference of any output both steps have over its largest magnitude,
 the median step times and the ratio new / before with its 95% interval, and the planner's
 predicted peak of each step as built.
 
     python benchmarks/node_counts.py [--models resnet50,gpt2]
-        [--against apart-updates|projection-by-view]
+        [--against apart-updates|projection-by-view|sized-views]
         [--optimizer sgd|adamw] [--time] [--rounds 15] [--threads 2] [--clock wall|cpu]
         [--out FILE.json]
 
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import sys
 import time
@@ -48,7 +52,8 @@ from benchmarks.stats import interleaved_times, ratio_interval  # noqa: E402
 from memcc.backend.runner import synthetic_feeds  # noqa: E402
 from memcc.frontend import update_groups  # noqa: E402
 from memcc.frontend.build import BuildOptions, build_training_step  # noqa: E402
-from memcc.frontend.gradients import batchnorm_backward  # noqa: E402
+from memcc.frontend.gradients import batchnorm_backward, nn  # noqa: E402
+from memcc.frontend.gradients.shape_ops import slice_values  # noqa: E402
 from memcc.frontend.load import load_graph  # noqa: E402
 from memcc.frontend.update_groups import MAX_GROUP  # noqa: E402
 from memcc.graph import Graph  # noqa: E402
@@ -88,6 +93,27 @@ def count(step: Graph) -> dict:
             "by_op": dict(ops.most_common()), "by_origin": dict(per_origin)}
 
 
+@contextlib.contextmanager
+def _sized_views():
+    """The 1x1 weight-gradient rule with every view spelled with the layer's sizes."""
+    def sized(emit, x, shape, _spelled=None):
+        return emit.reshape(x, shape)
+
+    def flat(emit, x, axis):
+        shape = emit.info(x).shape
+        return emit.reshape(x, [int(np.prod(shape[:axis])), int(np.prod(shape[axis:]))])
+
+    def strided(emit, x, strides):
+        nd = len(strides)
+        return slice_values(emit, x, [0] * nd, list(emit.info(x).shape[2:]),
+                            list(range(2, nd + 2)), list(strides))
+
+    with mock.patch.object(nn, "_shared_view", sized), \
+            mock.patch.object(nn, "_flat_view", flat), \
+            mock.patch.object(nn, "_every_stride", strided):
+        yield
+
+
 def _builds(name: str, against: str, optimizer: str) -> dict[str, Graph]:
     zoo, opts = ZOO[f"zoo-{name}"]
     from models import build_model
@@ -96,6 +122,10 @@ def _builds(name: str, against: str, optimizer: str) -> dict[str, Graph]:
     new = build_training_step(fwd, BuildOptions(optimizer=optimizer))
     if against == "projection-by-view":
         with mock.patch.object(batchnorm_backward, "_count_root_is_exact", lambda _: False):
+            return {"before": build_training_step(fwd, BuildOptions(optimizer=optimizer)),
+                    "new": new}
+    if against == "sized-views":
+        with _sized_views():
             return {"before": build_training_step(fwd, BuildOptions(optimizer=optimizer)),
                     "new": new}
     if against == "apart-updates":
@@ -139,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="resnet50,gpt2")
     ap.add_argument("--against", choices=("batchnorm-rule", "apart-updates",
-                                          "projection-by-view"),
+                                          "projection-by-view", "sized-views"),
                     default="batchnorm-rule")
     ap.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
     ap.add_argument("--time", action="store_true")

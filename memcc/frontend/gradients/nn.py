@@ -129,6 +129,23 @@ def _shared_view(emit: Emitter, x: str, shape: Sequence[int], spelled: Sequence[
                    info=TensorInfo(emit.info(x).dtype, tuple(shape)))
 
 
+def _flat_view(emit: Emitter, x: str, axis: int) -> str:
+    """``x`` as a matrix, the axes before ``axis`` as its rows: a Flatten, which needs no
+    shape constant."""
+    shape = emit.info(x).shape
+    rows = int(np.prod(shape[:axis], dtype=np.int64))
+    return emit.op("Flatten", [x], axis=axis,
+                   info=TensorInfo(emit.info(x).dtype, (rows, int(np.prod(shape)) // rows)))
+
+
+def _every_stride(emit: Emitter, x: str, strides: Sequence[int]) -> str:
+    """The pixels a strided 1x1 convolution reads: every stride-th "to the end", spelled so
+    that all such layers share the Slice's constants."""
+    nd = len(strides)
+    return slice_values(emit, x, [0] * nd, [_TO_THE_END] * nd, list(range(2, nd + 2)),
+                        list(strides))
+
+
 def _pointwise_weight_grad(emit: Emitter, x: str, gy: str, win: Window,
                            w_info: TensorInfo) -> str:
     """dW[m, c] = sum_{n,p} gy[n, m, p] * x[n, c, p*s] as a MatMul over pixels.
@@ -155,9 +172,7 @@ def _pointwise_weight_grad(emit: Emitter, x: str, gy: str, win: Window,
     xi, gi = emit.info(x), emit.info(gy)
     nd = len(xi.shape) - 2
     if any(s != 1 for s in win.strides):
-        # Every stride-th pixel "to the end", spelled so that all such layers share it.
-        x = slice_values(emit, x, [0] * nd, [_TO_THE_END] * nd, list(range(2, nd + 2)),
-                         list(win.strides))
+        x = _every_stride(emit, x, win.strides)
     n, c = xi.shape[:2]
     m = gi.shape[1]
     pixels = int(np.prod(gi.shape[2:], dtype=np.int64))
@@ -178,10 +193,8 @@ def _pointwise_weight_grad(emit: Emitter, x: str, gy: str, win: Window,
         # Transposed with their pixel axes as they are, then viewed flat: the same copies
         # as through a [N, C, pixels] view, one Reshape fewer each (issue 30).
         spatial = list(range(2, nd + 2))
-        gf = emit.op("Flatten", [emit.transpose(gy, [1, 0] + spatial)], axis=1,
-                     info=TensorInfo(gi.dtype, (m, n * pixels)))
-        xf = emit.op("Flatten", [emit.transpose(x, [0] + spatial + [1])], axis=nd + 1,
-                     info=TensorInfo(xi.dtype, (n * pixels, c)))
+        gf = _flat_view(emit, emit.transpose(gy, [1, 0] + spatial), 1)
+        xf = _flat_view(emit, emit.transpose(x, [0] + spatial + [1]), nd + 1)
         dw = emit.op("MatMul", [gf, xf], info=TensorInfo(xi.dtype, (m, c)))
     return _shared_view(emit, dw, list(w_info.shape), [0, 0] + [1] * nd)
 
