@@ -164,10 +164,10 @@ def _pointwise_weight_grad(emit: Emitter, x: str, gy: str, win: Window,
     Every view here is spelled without sizes (``Flatten``, or a Reshape to ``[0, 0, -1]``
     and ``[0, 0, 1, 1]``), so the step holds one shape constant per kind of view, not one
     per layer. One Einsum (``nmhw,nchw->mc``) would be two nodes instead of five or six, and
-    the same bits as the flattened form, but ORT's CPU kernel was 2-18% slower on every
-    flattened ResNet-50 layer at one thread and 24-63% on the batched ones, and its two
+    the same bits as the flattened form, but ORT's CPU kernel was 4-36% slower on every
+    flattened ResNet-50 layer at one thread and 13-60% on the batched ones, and its two
     transposed copies are buffers of its own that liveness does not see (BENCHMARKS.md,
-    "Fewer nodes for a convolution's backward").
+    "Fewer nodes for a convolution's backward"; ``benchmarks/pointwise_grad_forms.py``).
     """
     xi, gi = emit.info(x), emit.info(gy)
     nd = len(xi.shape) - 2
