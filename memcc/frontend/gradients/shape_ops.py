@@ -9,6 +9,7 @@ Concat/Reshape/Slice over constants) are folded here, see ``static_value``.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -19,6 +20,7 @@ from onnx import TensorProto, helper, numpy_helper
 from memcc.errors import GradientError
 from memcc.frontend.constants import constant_node_value, constant_value
 from memcc.frontend.emit import Emitter
+from memcc.frontend.export_map import FX_NODE_PROP
 from memcc.frontend.gradients.registry import GradContext, register
 from memcc.graph import Graph, TensorInfo, attr, node_label, text_attr
 
@@ -507,7 +509,7 @@ def _gather_grad(ctx: GradContext, node: onnx.NodeProto, gouts: Grads) -> Grads:
     d_shape = ctx.info(data).shape
     axis = norm_axis(int(attr(node, "axis", 0)), len(d_shape))
     idx_rank = len(ctx.info(indices).shape)
-    g = gouts[0]
+    g = _without_padding_rows(ctx, node, gouts[0])
     # Bring the index dimensions to the front: g is then [*I, *D[:axis], *D[axis+1:]].
     g_rank = len(ctx.info(g).shape)
     perm = list(range(axis, axis + idx_rank)) + list(range(axis)) + list(
@@ -520,6 +522,44 @@ def _gather_grad(ctx: GradContext, node: onnx.NodeProto, gouts: Grads) -> Grads:
         rows = _onehot_rows(ctx, indices, g, rows_shape)
     back = list(range(1, axis + 1)) + [0] + list(range(axis + 1, len(d_shape)))
     return [emit.transpose(rows, back), None]
+
+
+# ``nn.Embedding(padding_idx=P)`` as the dynamo exporter records it on the Gather it
+# writes: ``aten.embedding.default(%weight, %ids, P, ...)``; P -1: no padding row.
+_EMBEDDING_CALL = re.compile(r"aten\.embedding\.default\]?\(args = \(%\w+, %\w+, (-?\d+)")
+
+
+def padding_row(node: onnx.NodeProto) -> int | None:
+    """The padding row of the embedding a Gather was exported from, or None.
+
+    The ONNX op has no such notion: ``nn.Embedding(padding_idx=P)`` reads row P like any
+    other, but torch never passes that row a gradient. The TorchScript exporter drops P; the
+    dynamo exporter keeps the FX call on the node (``pkg.torch.onnx.fx_node``), which says
+    it."""
+    if node.op_type != "Gather" or int(attr(node, "axis", 0)) != 0:
+        return None
+    fx = next((p.value for p in node.metadata_props if p.key == FX_NODE_PROP), "")
+    m = _EMBEDDING_CALL.search(fx)
+    return int(m.group(1)) if m and int(m.group(1)) >= 0 else None
+
+
+def _without_padding_rows(ctx: GradContext, node: onnx.NodeProto, g: str) -> str:
+    """The output gradient with every position that looked up the padding row zeroed, so
+    that row's gradient is 0 as torch's (its other rows get the same sums as before)."""
+    pad = padding_row(node)
+    if pad is None:
+        return g
+    emit = ctx.emit
+    indices = node.input[1]
+    dtype = ctx.info(indices).dtype
+    hit = emit.op("Equal", [indices, emit.const(np.asarray(pad), dtype)],
+                  info=TensorInfo(TensorProto.BOOL, ctx.info(indices).shape))
+    trailing = len(ctx.info(g).shape) - len(ctx.info(indices).shape)
+    if trailing:
+        rank = len(ctx.info(indices).shape)
+        hit = emit.unsqueeze(hit, list(range(rank, rank + trailing)))
+    zero = emit.const(np.zeros((), dtype=ctx.info(g).np_dtype), ctx.info(g).dtype)
+    return emit.op("Where", [hit, zero, g], info=ctx.info(g))
 
 
 def _positive_indices(ctx: GradContext, indices: str, dim: int) -> str:
