@@ -19,7 +19,6 @@ import json
 import re
 from dataclasses import dataclass, field
 
-import numpy as np
 import onnx
 
 from memcc.frontend.export_signature import (
@@ -61,8 +60,9 @@ class ExportMap:
     ``copy_ops``: a copy whose parameter no initializer holds -> the op that made it from
     the parameter, where the exporter's records say (``_copy_ops``): ``memcc export`` writes
     the trained copy back under the parameter's name through that op's inverse.
-    ``constants``: one-element initializers the optimizer folded from values none of which
-    is a parameter (the attention scale of ``scaled_dot_product_attention``): constants of
+    ``constants``: initializers the optimizer folded from values none of which is or was
+    folded from a parameter (the attention scale of ``scaled_dot_product_attention``, the
+    ones an ``InstanceNorm`` without affine is written with, a folded buffer): constants of
     the model, which the step does not train. ``maybe_tied``: unused parameters that the
     records say may be a second name of one of several parameters (``_tied_and_unused``).
     ``lookups``: a made-up initializer the optimizer folded from a lookup of some rows of
@@ -279,20 +279,38 @@ def _same_kind_ties(model: onnx.ModelProto, rec: _Records, merged_into: dict[str
 
 
 def _folded_constants(model: onnx.ModelProto, rec: _Records) -> tuple[str, ...]:
-    """One-element float initializers whose ``folded_from`` record names values none of
-    which holds or is a parameter: the optimizer folded them from constants alone (a
-    scale), so they are no weight, whatever their made-up name."""
+    """Float initializers no parameter stands for whose ``folded_from`` record names values
+    none of which holds or is a parameter, nor was folded from one (records followed
+    through the values they name): the optimizer folded them from constants, buffers and
+    sizes alone (a scale; the ones and zeros ``InstanceNorm`` and ``LayerNorm`` without
+    affine are written with; ``BCEWithLogitsLoss``'s ``pos_weight - 1``; rotary tables from
+    ``inv_freq``), so they are no weight, whatever their made-up name: torch trains none of
+    them. An initializer without a record stays a parameter (nothing says otherwise)."""
+    records = {t.name: literal_list(rec.meta.get(t.name, {}).get(FOLDED_FROM_PROP))
+               for t in model.graph.initializer}
+    records.update({v: literal_list(m.get(FOLDED_FROM_PROP)) for v, m in rec.meta.items()
+                    if v not in records})
     found = []
     for t in model.graph.initializer:
         if t.name in rec.origin or t.data_type not in FLOAT_TYPES:
             continue
-        if int(np.prod(t.dims, dtype=np.int64)) != 1:
-            continue
-        src = literal_list(rec.meta.get(t.name, {}).get(FOLDED_FROM_PROP))
-        if src and not any(x in rec.origin or x in rec.by_target or x in rec.placeholders
-                           for x in src):
+        if records[t.name] and not _reaches_parameter(t.name, records, rec):
             found.append(t.name)
     return tuple(sorted(found))
+
+
+def _reaches_parameter(name: str, records: dict[str, list[str]], rec: _Records) -> bool:
+    """Whether a value the optimizer folded was folded from a parameter, directly or
+    through values it folded before."""
+    seen, todo = {name}, list(records.get(name, ()))
+    while todo:
+        x = todo.pop()
+        if x in rec.origin or x in rec.by_target or x in rec.placeholders:
+            return True
+        if x not in seen:
+            seen.add(x)
+            todo.extend(records.get(x, ()))
+    return False
 
 
 def _copy_ops(model: onnx.ModelProto, rec: _Records, copies: dict[str, tuple[str, ...]]

@@ -455,14 +455,16 @@ def folded_values_as_torch_has_them(model: onnx.ModelProto, emap: ExportMap,
     emap = replace(emap, lookups=row_lookups(model, emap))
     emap = recompute_broadcast_copies(model, recompute_folded_copies(model, emap, weights),
                                       weights)
-    before = set(emap.constants)
     emap = constant_broadcasts(model, emap, weights)
-    if fixed := sorted(set(emap.constants) - before):
+    sizes = {t.name: int(np.prod(t.dims, dtype=np.int64)) for t in model.graph.initializer}
+    # One-element ones (a scale) go unsaid, as before tensors were taken too.
+    if fixed := sorted(c for c in emap.constants if sizes.get(c, 1) > 1):
         warnings.warn(
             f"{source}: {len(fixed)} initializer(s) the exporter's optimizer folded from "
-            f"buffers and sizes alone and repeated over the batch (e.g. '{fixed[0]}': an "
-            "attention mask) are constants of the model, kept fixed as torch computes them "
-            "each step, not trained per batch slot", ExportNote, stacklevel=3)
+            f"buffers, constants and sizes alone (e.g. '{fixed[0]}': an attention mask "
+            "repeated over the batch, the ones and zeros of a norm without affine, a folded "
+            "buffer) are constants of the model, kept fixed as torch computes them each "
+            "step, not trained", ExportNote, stacklevel=3)
     return emap
 
 
