@@ -26,6 +26,8 @@ reads them carries ``CLASS_WEIGHTS_KEY`` and ``parameters`` leaves such initiali
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import onnx
 from onnx import TensorProto, helper
@@ -85,6 +87,14 @@ def rewrite_loss_op(node: onnx.NodeProto, types: ValueTypes, opset: int, fresh: 
         raise InputError(f"{label}: reduction '{reduction}' is none of {', '.join(_REDUCTIONS)}"
                          " (the ONNX standard's); export the model's logits instead and build"
                          " with --loss cross-entropy")
+    if smoothing := _dropped_label_smoothing(node):
+        raise InputError(
+            f"{label}: PyTorch's cross_entropy(..., label_smoothing={smoothing}) was exported "
+            "as this op, which has no label smoothing (the dynamo exporter drops it): the "
+            "step would train the unsmoothed loss (memcc's --loss cross-entropy has no "
+            "smoothing either). Write the smoothed loss out in the model, which exports as "
+            "ops memcc differentiates: without ignored labels, (1 - e) * F.nll_loss(logp, "
+            "y) + e * (-logp.mean(-1)).mean() with logp = F.log_softmax(logits, -1)")
     b = _Nodes(node, fresh, opset)
     if node.op_type == "SoftmaxCrossEntropyLoss":
         log_out = node.output[1] if len(node.output) > 1 and node.output[1] else None
@@ -113,6 +123,20 @@ def rewrite_loss_op(node: onnx.NodeProto, types: ValueTypes, opset: int, fresh: 
         kept = b.op("Where", [ignored, zero, weight or b.const(np.asarray(1, np_dtype))])
     _reduce(b, per, reduction, kept, node.output[0])
     return b.nodes
+
+
+# The FX call the dynamo exporter records on the node: cross_entropy_loss(input, target,
+# weight, reduction, ignore_index, label_smoothing).
+_CROSS_ENTROPY_CALL = re.compile(
+    r"aten\.cross_entropy_loss\.default\]?\(args = \((?:[^,]+, ){5}([-+.\deE]+)\)")
+
+
+def _dropped_label_smoothing(node: onnx.NodeProto) -> float:
+    """The ``label_smoothing`` of the torch call this op was exported from (0.0 where none,
+    or where no record says)."""
+    fx = next((p.value for p in node.metadata_props if p.key == "pkg.torch.onnx.fx_node"), "")
+    m = _CROSS_ENTROPY_CALL.search(fx)
+    return float(m.group(1)) if m else 0.0
 
 
 def _checked_types(types: ValueTypes, scores: str, labels: str, label: str
