@@ -5,9 +5,15 @@ prediction on this model: GPT-2 with 2 layers of width 128, 4 heads, a vocabular
 and 64 positions, exported in train mode by the TorchScript exporter at 4 x 64 tokens.
 This exports it, compiles `--budget min` with malloc and with the arena, and runs each plan
 with `memcc run --steps 4 --json` (its `measured_over_predicted`), and the step as built
-for comparison.
+for comparison. Then the step as it trains: each step trained by `memcc train --arena
+--steps 6 --json` on synthetic tokens, its meter (`trainer.StepMemory`: the growth of the
+high-water mark over a step plus the arrays the trainer holds, the largest of the steps
+after the first) against the prediction it prints, ``--repeats`` times in fresh processes.
+`memcc run`'s meter counts the whole process over a baseline, so it also sees the Python
+and ORT objects its measuring child makes for every input it binds each step (BENCHMARKS.md,
+"Session 41"); the trainer binds its inputs once.
 
-    python benchmarks/small_gpt2_truth.py [--time-limit 60] [--keep DIR]
+    python benchmarks/small_gpt2_truth.py [--time-limit 60] [--repeats 2] [--keep DIR]
 
 ``--keep DIR`` leaves the export and the three steps there (``benchmarks/alloc_trace.py``
 reads them).
@@ -61,6 +67,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--time-limit", default="60")
     ap.add_argument("--keep", type=Path, help="write the export and the steps here")
+    ap.add_argument("--repeats", type=int, default=2,
+                    help="`memcc train --arena` runs per step (fresh processes)")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         d = a.keep or Path(tmp)
@@ -79,6 +87,26 @@ def main() -> None:
             print(f"{name}: measured {r['measured_peak_bytes'] / 2**20:.2f} MiB, predicted "
                   f"{r['predicted_peak_bytes'] / 2**20:.2f} MiB, measured/predicted "
                   f"{r['measured_over_predicted']:.3f}")
+        trained(d, steps, a.repeats)
+
+
+def trained(d: Path, steps: dict[str, Path], repeats: int) -> None:
+    """Each step as ``memcc train --arena`` runs it: measured over predicted per run."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    data = d / "tokens.npz"
+    np.savez(data, input_ids=rng.integers(0, 1000, (32, 64)),
+             attention_mask=np.ones((32, 64), np.int64),
+             labels=rng.integers(0, 1000, (32, 64)))
+    for name, step in steps.items():
+        ratios = []
+        for _ in range(repeats):
+            m = json.loads(memcc("train", str(step), "--data", str(data), "--steps", "6",
+                                 "--arena", "--json"))["memory"]
+            ratios.append(m["measured_peak_bytes"] / m["predicted_peak_bytes"])
+        print(f"{name}, trained (--arena): predicted {m['predicted_peak_bytes'] / 2**20:.2f} "
+              f"MiB, measured/predicted " + ", ".join(f"{r:.3f}" for r in ratios))
 
 
 if __name__ == "__main__":
