@@ -11,13 +11,12 @@ was another one than torch's. Their ``folded_from`` records name no parameter
 
 from __future__ import annotations
 
-import copy
 import warnings
 
 import numpy as np
 import onnx
 import torch
-from threads import run_at_threads
+from sgd_steps import memcc_sgd_steps, torch_sgd_steps
 
 from memcc.frontend.build import BuildOptions, build_training_step
 from memcc.frontend.export_map import read_export_map
@@ -39,19 +38,6 @@ class _Net(torch.nn.Module):
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         h = self.ln(self.norm(self.conv(x)).mean((2, 3)))
         return self.loss(self.head(h), y)
-
-
-def _torch_steps(module: torch.nn.Module, inputs: dict, steps: int) -> list[float]:
-    m = copy.deepcopy(module)
-    opt = torch.optim.SGD(m.parameters(), lr=LR)
-    losses = []
-    for _ in range(steps):
-        opt.zero_grad()
-        loss = m(**inputs)
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
-    return losses
 
 
 def test_folded_buffers_and_norm_constants_stay_fixed(tmp_path):
@@ -77,12 +63,8 @@ def test_folded_buffers_and_norm_constants_stay_fixed(tmp_path):
         n for n, _ in module.named_parameters()}
     assert set(TrainingStep.of(step).parameter_sources()) == {
         "conv.weight", "conv.bias", "head.weight", "head.bias"}
-    want = _torch_steps(module, inputs, 3)
+    want, _ = torch_sgd_steps(module, inputs, 3, LR)
     feeds = {k: v.numpy() for k, v in inputs.items()}
     for threads in (1, 2):
-        got, state = [], {}
-        for _ in range(3):
-            out = run_at_threads(step, {**feeds, **state}, threads=(threads,))[threads]
-            got.append(float(out["loss"]))
-            state = {k[:-4]: v for k, v in out.items() if k.endswith(".new")}
+        got, _ = memcc_sgd_steps(step, feeds, 3, threads)
         np.testing.assert_allclose(got, want, rtol=1e-5)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import itertools
 import re
-import warnings
 from collections.abc import Mapping
 from dataclasses import replace
 
@@ -28,7 +27,7 @@ import onnx
 import onnx.numpy_helper
 
 from memcc.frontend.export_map import FOLDED_FROM_PROP, ExportMap, literal_list
-from memcc.frontend.export_signature import ExportNote, signature_entries
+from memcc.frontend.export_signature import signature_entries
 from memcc.graph import FLOAT_TYPES
 
 # Tensors of more dimensions than this are not searched for a transposition (6! orders).
@@ -444,28 +443,6 @@ def constant_broadcasts(model: onnx.ModelProto, emap: ExportMap,
     if not found:
         return emap
     return replace(emap, constants=tuple(sorted({*emap.constants, *found})))
-
-
-def folded_values_as_torch_has_them(model: onnx.ModelProto, emap: ExportMap,
-                                    weights: Mapping[str, np.ndarray] | None,
-                                    source: str) -> ExportMap:
-    """``row_lookups``, ``recompute_folded_copies``, ``recompute_broadcast_copies`` and
-    ``constant_broadcasts`` in turn (``model`` in place), saying which constants were kept
-    fixed."""
-    emap = replace(emap, lookups=row_lookups(model, emap))
-    emap = recompute_broadcast_copies(model, recompute_folded_copies(model, emap, weights),
-                                      weights)
-    emap = constant_broadcasts(model, emap, weights)
-    sizes = {t.name: int(np.prod(t.dims, dtype=np.int64)) for t in model.graph.initializer}
-    # One-element ones (a scale) go unsaid, as before tensors were taken too.
-    if fixed := sorted(c for c in emap.constants if sizes.get(c, 1) > 1):
-        warnings.warn(
-            f"{source}: {len(fixed)} initializer(s) the exporter's optimizer folded from "
-            f"buffers, constants and sizes alone (e.g. '{fixed[0]}': an attention mask "
-            "repeated over the batch, the ones and zeros of a norm without affine, a folded "
-            "buffer) are constants of the model, kept fixed as torch computes them each "
-            "step, not trained", ExportNote, stacklevel=3)
-    return emap
 
 
 def _input_batches(model: onnx.ModelProto) -> set[int]:

@@ -42,7 +42,7 @@ from memcc.frontend.export_signature import (
     read_signature,
 )
 from memcc.frontend.fold import fold_shape_computations
-from memcc.frontend.folded_copies import folded_values_as_torch_has_them
+from memcc.frontend.folded_values import folded_values_as_torch_has_them
 from memcc.frontend.function_ops import expand_function_ops
 from memcc.frontend.ort_kernels import inlined_by_ort
 from memcc.frontend.running_variance import PRODUCER_KEY

@@ -1,0 +1,141 @@
+"""Values the dynamo exporter's optimizer folded, made what torch has again, in one call.
+
+In: a dynamo-exported ONNX model (in place, before memcc rewrites a node) and its
+``ExportMap``. Out: the map after ``folded_values_as_torch_has_them``: the folded copies of
+one parameter computed from it again and the folded constants kept fixed
+(``folded_copies``), and a value folded from a parameter that an initializer holds, beside
+others whose share was zero at export, computed as ``Expand`` of that initializer
+(``recompute_held_broadcasts``): an RNN's first step, ``linear(zeros, W_hh, b_hh)``, is
+``b_hh`` broadcast, and the step then gives ``b_hh`` that step's gradient too.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from dataclasses import replace
+
+import numpy as np
+import onnx
+import onnx.numpy_helper
+
+from memcc.frontend.export_map import ExportMap
+from memcc.frontend.export_signature import ExportNote
+from memcc.frontend.folded_copies import (
+    _drop_initializers,
+    _folded_from,
+    _fresh,
+    _signature_names,
+    constant_broadcasts,
+    recompute_broadcast_copies,
+    recompute_folded_copies,
+    row_lookups,
+)
+from memcc.graph import FLOAT_TYPES
+
+
+def _broadcast_of(source: np.ndarray, copy: np.ndarray) -> bool:
+    """Whether ``copy`` is ``source`` broadcast (numpy's rules, ``Expand``'s), bit for bit."""
+    if source.dtype != copy.dtype or source.ndim > copy.ndim or source.size == 0:
+        return False
+    try:
+        if np.broadcast_shapes(source.shape, copy.shape) != copy.shape:
+            return False
+    except ValueError:
+        return False
+    return np.ascontiguousarray(np.broadcast_to(source, copy.shape)).tobytes() \
+        == np.ascontiguousarray(copy).tobytes()
+
+
+def _held_parameters(emap: ExportMap, inits: set[str]) -> dict[str, str]:
+    """PyTorch parameter -> the initializer that holds it (its own, merged or tied)."""
+    held: dict[str, str] = {}
+    for init, names in emap.stands_for.items():
+        if init in inits:
+            for n in names:
+                held.setdefault(n, init)
+    return held
+
+
+def recompute_held_broadcasts(model: onnx.ModelProto, emap: ExportMap,
+                              weights: Mapping[str, np.ndarray] | None = None) -> ExportMap:
+    """Compute each folded value that is a held parameter broadcast from it again, in
+    ``model`` (in place).
+
+    ``nn.RNN`` exported by dynamo with ``optimize=True`` runs its first step on a zero
+    state: ``linear(zeros, weight_hh_l0, bias_hh_l0)``, which the optimizer folds into
+    ``linear_1`` [1, B, H], ``bias_hh_l0`` broadcast; the later steps read ``bias_hh_l0``
+    itself. Trained as a made-up parameter, ``linear_1`` took the first step's gradient
+    and ``bias_hh_l0`` lacked it: 0.37 (relative) off torch's update after one SGD step.
+
+    Taken: a float initializer no earlier rewrite claimed whose ``folded_from`` record names
+    parameters, exactly one of which an initializer holds and broadcasts to it bit for bit.
+    ``Expand`` of that initializer replaces it. The other parameters the record names gave
+    nothing to the value at export (the weight multiplied by the zero state), and their
+    gradient through it is zero as well where, as here, they multiplied constant zeros; a
+    value that is the parameter times something equal to one at export would not be, and
+    nothing in the record tells the two apart. A constant-filled value is left as it was (a
+    zero bias broadcasts to any zeros, whatever the exporter folded): it trains under its
+    made-up name, which ``report_parameters`` warns of.
+    """
+    weights = weights or {}
+    inits = {t.name: t for t in model.graph.initializer}
+    held = _held_parameters(emap, set(inits))
+    params, _ = _signature_names(model)
+    records = _folded_from(model)
+    known = {*emap.stands_for, *emap.copies, *emap.computed, *emap.constants, *emap.lookups}
+    taken = set(inits) | {o for n in model.graph.node for o in n.output}
+
+    def value(name: str) -> np.ndarray:
+        return np.asarray(weights[name] if name in weights
+                          else onnx.numpy_helper.to_array(inits[name]))
+
+    computed = dict(emap.computed)
+    front: list[onnx.NodeProto] = []
+    for t in model.graph.initializer:
+        named = sorted({params[x] for x in records.get(t.name, []) if x in params} & set(held))
+        if t.name in known or t.data_type not in FLOAT_TYPES or not named:
+            continue
+        try:
+            copy = value(t.name)
+            flat = copy.reshape(-1)
+            fits = [p for p in named if not np.all(flat == flat[:1])
+                    and _broadcast_of(value(held[p]), copy)]
+        except Exception:  # data the file does not hold (external data not loaded)
+            fits = []
+        if len(fits) != 1:
+            continue
+        holder, shape = held[fits[0]], _fresh(f"{t.name}.shape", taken)
+        taken.add(shape)
+        model.graph.initializer.append(
+            onnx.numpy_helper.from_array(np.asarray(copy.shape, dtype=np.int64), shape))
+        front.append(onnx.helper.make_node("Expand", [holder, shape], [t.name],
+                                           name=f"memcc.recompute/{t.name}"))
+        computed[t.name] = (fits[0], holder, f"Expand(shape={list(copy.shape)})")
+    if not front:
+        return emap
+    _drop_initializers(model, {n.output[0] for n in front}, front)
+    return replace(emap, computed=computed)
+
+
+def folded_values_as_torch_has_them(model: onnx.ModelProto, emap: ExportMap,
+                                    weights: Mapping[str, np.ndarray] | None,
+                                    source: str) -> ExportMap:
+    """``row_lookups``, ``recompute_folded_copies``, ``recompute_broadcast_copies``,
+    ``recompute_held_broadcasts`` and ``constant_broadcasts`` in turn (``model`` in place),
+    saying which constants were kept fixed."""
+    emap = replace(emap, lookups=row_lookups(model, emap))
+    emap = recompute_broadcast_copies(model, recompute_folded_copies(model, emap, weights),
+                                      weights)
+    emap = constant_broadcasts(model, recompute_held_broadcasts(model, emap, weights),
+                               weights)
+    sizes = {t.name: int(np.prod(t.dims, dtype=np.int64)) for t in model.graph.initializer}
+    # One-element ones (a scale) go unsaid, as before tensors were taken too.
+    if fixed := sorted(c for c in emap.constants if sizes.get(c, 1) > 1):
+        warnings.warn(
+            f"{source}: {len(fixed)} initializer(s) the exporter's optimizer folded from "
+            f"buffers, constants and sizes alone (e.g. '{fixed[0]}': an attention mask "
+            "repeated over the batch, the ones and zeros of a norm without affine, a folded "
+            "buffer) are constants of the model, kept fixed as torch computes them each "
+            "step, not trained", ExportNote, stacklevel=3)
+    return emap
