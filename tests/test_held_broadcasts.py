@@ -24,6 +24,7 @@ from memcc.frontend.build import BuildOptions, build_training_step
 from memcc.frontend.export_map import read_export_map
 from memcc.frontend.folded_values import recompute_held_broadcasts
 from memcc.frontend.load import load_graph
+from memcc.graph import Graph
 from memcc.step import TrainingStep
 
 LR = 0.5
@@ -40,6 +41,33 @@ class _Rnn(torch.nn.Module):
         return torch.nn.functional.mse_loss(self.head(self.rnn(x)[0]), t)
 
 
+class _CellOnce(torch.nn.Module):
+    """A cell run once on ``hx=None``: its ``bias_hh`` is read at the zero state only."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.cell = getattr(torch.nn, kind)(4, 6)
+        self.head = torch.nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        h = self.cell(x)
+        return torch.nn.functional.mse_loss(self.head(h[0] if isinstance(h, tuple) else h), t)
+
+
+def _export(module: torch.nn.Module, inputs: dict, path: Path) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(module, (), kwargs=inputs, dynamo=True, optimize=True,
+                          verbose=False).save(str(path))
+
+
+def _build(path: Path) -> Graph:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return build_training_step(load_graph(path), BuildOptions(
+            loss="none", optimizer="sgd", lr=LR, momentum=0.0))
+
+
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory) -> tuple[torch.nn.Module, dict, Path]:
     torch.manual_seed(0)
@@ -47,19 +75,13 @@ def exported(tmp_path_factory) -> tuple[torch.nn.Module, dict, Path]:
     gen = torch.Generator().manual_seed(1)
     inputs = {"x": torch.randn(2, 5, 4, generator=gen), "t": torch.randn(2, 5, 3, generator=gen)}
     path = tmp_path_factory.mktemp("rnn") / "m.onnx"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(module, (), kwargs=inputs, dynamo=True, optimize=True,
-                          verbose=False).save(str(path))
+    _export(module, inputs, path)
     return module, inputs, path
 
 
 def test_rnn_first_step_bias_trains_as_the_bias(exported):
     module, inputs, path = exported
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        step = build_training_step(load_graph(path), BuildOptions(
-            loss="none", optimizer="sgd", lr=LR, momentum=0.0))
+    step = _build(path)
     holder = TrainingStep.of(step).state_dict_names()["rnn.bias_hh_l0"]
     want_losses, want = torch_sgd_steps(module, inputs, STEPS, LR)
     old = module.rnn.bias_hh_l0.detach().numpy()
@@ -86,3 +108,22 @@ def test_a_constant_filled_fold_is_left_as_found(exported):
                 np.zeros_like(onnx.numpy_helper.to_array(t)), t.name))
     assert recompute_held_broadcasts(model, emap).computed == emap.computed
     assert taken <= {t.name for t in model.graph.initializer}
+
+
+@pytest.mark.parametrize("kind", ["RNNCell", "LSTMCell"])
+def test_a_cell_run_once_trains_its_bias_once_not_per_batch_slot(tmp_path, kind):
+    """No initializer holds ``bias_hh``: the folded ``linear`` [B, H] trains as one slot."""
+    torch.manual_seed(0)
+    module = _CellOnce(kind)
+    gen = torch.Generator().manual_seed(1)
+    inputs = {"x": torch.randn(3, 4, generator=gen), "t": torch.randn(3, 3, generator=gen)}
+    _export(module, inputs, tmp_path / "m.onnx")
+    step = _build(tmp_path / "m.onnx")
+    want, _ = torch_sgd_steps(module, inputs, STEPS, LR)
+    feeds = {k: v.numpy() for k, v in inputs.items()}
+    for threads in (1, 2):
+        got, _ = memcc_sgd_steps(step, feeds, STEPS, threads)
+        np.testing.assert_allclose(got, want, rtol=1e-5)
+    slots = [p for p, s in TrainingStep.of(step).parameter_sources().items()
+             if p.endswith(".slot")]
+    assert len(slots) == 1, slots

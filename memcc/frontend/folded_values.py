@@ -6,7 +6,9 @@ one parameter computed from it again and the folded constants kept fixed
 (``folded_copies``), and a value folded from a parameter that an initializer holds, beside
 others whose share was zero at export, computed as ``Expand`` of that initializer
 (``recompute_held_broadcasts``): an RNN's first step, ``linear(zeros, W_hh, b_hh)``, is
-``b_hh`` broadcast, and the step then gives ``b_hh`` that step's gradient too.
+``b_hh`` broadcast, and the step then gives ``b_hh`` that step's gradient too; where no
+initializer holds the parameter (a cell run once), its slot along the batch trains once
+under a made-up name (``linear.slot``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from memcc.frontend.folded_copies import (
     _drop_initializers,
     _folded_from,
     _fresh,
+    _input_batches,
     _signature_names,
     constant_broadcasts,
     recompute_broadcast_copies,
@@ -57,10 +60,26 @@ def _held_parameters(emap: ExportMap, inits: set[str]) -> dict[str, str]:
     return held
 
 
+def _batch_slot(copy: np.ndarray, batches: set[int]) -> np.ndarray | None:
+    """``copy`` with every axis before the last along which its slots are all equal bit for
+    bit cut to one slot (``[B, H]`` -> ``[1, H]``, ``[1, B, H]`` -> ``[1, 1, H]``), where one
+    such axis is an input's batch; else None."""
+    slot, cut = copy, False
+    for axis in range(copy.ndim - 1):
+        if slot.shape[axis] < 2:
+            continue
+        first = np.take(slot, [0], axis=axis)
+        if np.ascontiguousarray(np.broadcast_to(first, slot.shape)).tobytes() \
+                == np.ascontiguousarray(slot).tobytes():
+            cut |= slot.shape[axis] in batches
+            slot = first
+    return np.ascontiguousarray(slot) if cut else None
+
+
 def recompute_held_broadcasts(model: onnx.ModelProto, emap: ExportMap,
                               weights: Mapping[str, np.ndarray] | None = None) -> ExportMap:
-    """Compute each folded value that is a held parameter broadcast from it again, in
-    ``model`` (in place).
+    """Compute each folded value that is a parameter broadcast from it again, in ``model``
+    (in place).
 
     ``nn.RNN`` exported by dynamo with ``optimize=True`` runs its first step on a zero
     state: ``linear(zeros, weight_hh_l0, bias_hh_l0)``, which the optimizer folds into
@@ -77,45 +96,60 @@ def recompute_held_broadcasts(model: onnx.ModelProto, emap: ExportMap,
     nothing in the record tells the two apart. A constant-filled value is left as it was (a
     zero bias broadcasts to any zeros, whatever the exporter folded): it trains under its
     made-up name, which ``report_parameters`` warns of.
+
+    Where no initializer holds any parameter the record names (an ``nn.RNNCell`` called
+    once, on ``hx=None``: ``bias_hh`` is read nowhere else), the arrays cannot say which
+    parameter it is, nor its shape; but a value whose slots along an input's batch axis are
+    equal is one value broadcast to the batch, and trained per slot it drifts apart as no
+    torch parameter does. So its slot trains once, ``Expand``-ed, under a made-up name
+    (``linear.slot``) recorded as folded from those parameters.
     """
     weights = weights or {}
     inits = {t.name: t for t in model.graph.initializer}
     held = _held_parameters(emap, set(inits))
     params, _ = _signature_names(model)
-    records = _folded_from(model)
+    records, batches = _folded_from(model), _input_batches(model)
     known = {*emap.stands_for, *emap.copies, *emap.computed, *emap.constants, *emap.lookups}
     taken = set(inits) | {o for n in model.graph.node for o in n.output}
+    copies, computed = dict(emap.copies), dict(emap.computed)
+    front: list[onnx.NodeProto] = []
 
     def value(name: str) -> np.ndarray:
         return np.asarray(weights[name] if name in weights
                           else onnx.numpy_helper.to_array(inits[name]))
 
-    computed = dict(emap.computed)
-    front: list[onnx.NodeProto] = []
-    for t in model.graph.initializer:
-        named = sorted({params[x] for x in records.get(t.name, []) if x in params} & set(held))
+    for t in list(model.graph.initializer):
+        named = sorted({params[x] for x in records.get(t.name, []) if x in params})
         if t.name in known or t.data_type not in FLOAT_TYPES or not named:
             continue
         try:
             copy = value(t.name)
             flat = copy.reshape(-1)
-            fits = [p for p in named if not np.all(flat == flat[:1])
-                    and _broadcast_of(value(held[p]), copy)]
+            if np.all(flat == flat[:1]):
+                continue
+            fits = [p for p in named if p in held and _broadcast_of(value(held[p]), copy)]
+            slot = None if any(p in held for p in named) else _batch_slot(copy, batches)
         except Exception:  # data the file does not hold (external data not loaded)
-            fits = []
-        if len(fits) != 1:
             continue
-        holder, shape = held[fits[0]], _fresh(f"{t.name}.shape", taken)
-        taken.add(shape)
+        if len(fits) == 1:
+            source = held[fits[0]]
+            computed[t.name] = (fits[0], source, f"Expand(shape={list(copy.shape)})")
+        elif slot is not None:
+            source = _fresh(f"{t.name}.slot", taken)
+            model.graph.initializer.append(onnx.numpy_helper.from_array(slot, source))
+            copies[source] = tuple(named)
+        else:
+            continue
+        shape = _fresh(f"{t.name}.shape", taken)
+        taken |= {shape, source}
         model.graph.initializer.append(
             onnx.numpy_helper.from_array(np.asarray(copy.shape, dtype=np.int64), shape))
-        front.append(onnx.helper.make_node("Expand", [holder, shape], [t.name],
+        front.append(onnx.helper.make_node("Expand", [source, shape], [t.name],
                                            name=f"memcc.recompute/{t.name}"))
-        computed[t.name] = (fits[0], holder, f"Expand(shape={list(copy.shape)})")
     if not front:
         return emap
     _drop_initializers(model, {n.output[0] for n in front}, front)
-    return replace(emap, computed=computed)
+    return replace(emap, copies=copies, computed=computed)
 
 
 def folded_values_as_torch_has_them(model: onnx.ModelProto, emap: ExportMap,
