@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 
-from memcc.frontend.export_map import NAME_SCOPES_PROP, ExportMap, export_map_of, literal_list
+from memcc.frontend.export_map import ExportMap, export_map_of
 from memcc.frontend.export_signature import (
     ExportNote,
     ExportWarning,
@@ -51,6 +51,7 @@ from memcc.frontend.export_signature import (
     is_made_up_name,
     signature_of,
 )
+from memcc.frontend.norm_modes import eval_mode_batchnorms, module_of, untracked_instance_norms
 from memcc.graph import Graph, attr, node_label, unique_namer
 from memcc.union_find import UnionFind
 
@@ -73,24 +74,6 @@ def folded_batchnorms(graph: Graph) -> list[str]:
                   if b.endswith("running_mean") and b not in graph.initializers)
 
 
-def eval_mode_batchnorms(graph: Graph) -> list[str]:
-    """The BatchNorm modules of a dynamo export made with the module in eval mode: the
-    signature lists their running statistics as buffers, and the program mutates none of
-    them (in train mode it mutates every one). Empty for other files."""
-    sig = signature_of(graph)
-    if sig is None or any(b.endswith("running_mean") for b in sig.mutated_buffers):
-        return []
-    return sorted(b[:-len(".running_mean")] for b in sig.buffers if b.endswith("running_mean"))
-
-
-def _module_of(node: onnx.NodeProto) -> str:
-    """The PyTorch module a dynamo export wrote ``node`` for (its name scopes' last module),
-    or "" where the file does not say."""
-    text = next((p.value for p in node.metadata_props if p.key == NAME_SCOPES_PROP), None)
-    scopes = literal_list(text)
-    return scopes[-2] if len(scopes) >= 2 else ""
-
-
 def statistics_apart(graph: Graph, source: str) -> list[str]:
     """Give BatchNorm running statistics that share an initializer with a weight one of
     their own (the same values); the names given.
@@ -111,7 +94,7 @@ def statistics_apart(graph: Graph, source: str) -> list[str]:
     for node in graph.nodes:
         if node.op_type != "BatchNormalization" or len(node.input) < 5:
             continue
-        module = _module_of(node)
+        module = module_of(node)
         for k, what in ((3, "running_mean"), (4, "running_var")):
             stat, buffer = node.input[k], f"{module}.{what}"
             named = sig is not None and module and buffer in sig.buffers
@@ -182,6 +165,15 @@ def restore_training_batchnorm(graph: Graph, source: str) -> list[str]:
             "unlike torch's train mode. If the model should train its BatchNorm, export "
             "with torch.onnx.export(..., dynamo=False, training=torch.onnx.TrainingMode."
             "TRAINING) or with dynamo=True and optimize=False.", ExportWarning, stacklevel=2)
+    if untracked := untracked_instance_norms(graph):
+        warnings.warn(
+            f"{source}: {len(untracked)} InstanceNorm(track_running_stats=True) layer(s) "
+            f"(e.g. '{untracked[0]}') exported in train mode: the step normalizes each "
+            "sample by its own statistics, as torch does, but the exported program updates "
+            "none of their running statistics, which torch's train mode does (eval mode "
+            "reads them): they stay as exported, and memcc export writes none (load its weights "
+            "with load_state_dict(..., strict=False)).",
+            ExportWarning, stacklevel=2)
     folded = folded_batchnorms(graph)
     if folded:
         warnings.warn(
