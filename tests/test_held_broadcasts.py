@@ -21,7 +21,7 @@ import torch
 from sgd_steps import memcc_sgd_steps, torch_sgd_steps
 
 from memcc.frontend.build import BuildOptions, build_training_step
-from memcc.frontend.export_map import read_export_map
+from memcc.frontend.export_map import FOLDED_FROM_PROP, literal_list, read_export_map
 from memcc.frontend.folded_values import recompute_held_broadcasts
 from memcc.frontend.load import load_graph
 from memcc.graph import Graph
@@ -40,6 +40,26 @@ class _Rnn(torch.nn.Module):
     def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.mse_loss(self.head(self.rnn(x)[0]), t)
 
+
+
+def _folded_from_bias(model: onnx.ModelProto, emap) -> str:
+    """The one initializer ``recompute_held_broadcasts`` takes in the RNN's export."""
+    taken = set(recompute_held_broadcasts(_copy(model), emap).computed) - set(emap.computed)
+    assert len(taken) == 1, taken
+    return taken.pop()
+
+
+def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    return out
+
+
+def _zero(model: onnx.ModelProto, names: set[str]) -> None:
+    for t in model.graph.initializer:
+        if t.name in names:
+            t.CopyFrom(onnx.numpy_helper.from_array(
+                np.zeros_like(onnx.numpy_helper.to_array(t)), t.name))
 
 class _CellOnce(torch.nn.Module):
     """A cell run once on ``hx=None``: its ``bias_hh`` is read at the zero state only."""
@@ -97,17 +117,26 @@ def test_rnn_first_step_bias_trains_as_the_bias(exported):
 
 def test_a_constant_filled_fold_is_left_as_found(exported):
     """A zero bias broadcasts to any zeros: the values cannot say the fold was the bias."""
-    _, _, path = exported
-    model = onnx.load(str(path))
+    model = onnx.load(str(exported[2]))
     emap = read_export_map(model)
-    taken = set(recompute_held_broadcasts(onnx.load(str(path)), emap).computed)
-    assert len(taken) == 1, taken
-    for t in model.graph.initializer:
-        if t.name in taken | {"rnn.bias_hh_l0"}:
-            t.CopyFrom(onnx.numpy_helper.from_array(
-                np.zeros_like(onnx.numpy_helper.to_array(t)), t.name))
+    folded = _folded_from_bias(model, emap)
+    _zero(model, {folded, "rnn.bias_hh_l0"})
     assert recompute_held_broadcasts(model, emap).computed == emap.computed
-    assert taken <= {t.name for t in model.graph.initializer}
+    assert folded in {t.name for t in model.graph.initializer}
+
+
+def test_a_fold_beside_a_held_zero_parameter_is_left_as_found(exported):
+    """``b1 + b2`` with a zero ``b2`` equals ``b1`` broadcast too: which one gave the value
+    (and so which gets the gradient) is not in the arrays."""
+    model = onnx.load(str(exported[2]))
+    emap = read_export_map(model)
+    folded = _folded_from_bias(model, emap)
+    record = next(p for v in model.graph.value_info if v.name == folded
+                  for p in v.metadata_props if p.key == FOLDED_FROM_PROP)
+    record.value = str([*literal_list(record.value), "rnn.bias_ih_l0"])
+    assert _folded_from_bias(model, emap) == folded  # a random second bias: still taken
+    _zero(model, {"rnn.bias_ih_l0"})
+    assert recompute_held_broadcasts(model, emap).computed == emap.computed
 
 
 @pytest.mark.parametrize("kind", ["RNNCell", "LSTMCell"])

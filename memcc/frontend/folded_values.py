@@ -50,6 +50,12 @@ def _broadcast_of(source: np.ndarray, copy: np.ndarray) -> bool:
         == np.ascontiguousarray(copy).tobytes()
 
 
+def _constant(a: np.ndarray) -> bool:
+    """Whether every element equals the first (no pattern for the values to prove)."""
+    flat = a.reshape(-1)
+    return bool(np.all(flat == flat[:1]))
+
+
 def _held_parameters(emap: ExportMap, inits: set[str]) -> dict[str, str]:
     """PyTorch parameter -> the initializer that holds it (its own, merged or tied)."""
     held: dict[str, str] = {}
@@ -93,9 +99,11 @@ def recompute_held_broadcasts(model: onnx.ModelProto, emap: ExportMap,
     nothing to the value at export (the weight multiplied by the zero state), and their
     gradient through it is zero as well where, as here, they multiplied constant zeros; a
     value that is the parameter times something equal to one at export would not be, and
-    nothing in the record tells the two apart. A constant-filled value is left as it was (a
-    zero bias broadcasts to any zeros, whatever the exporter folded): it trains under its
-    made-up name, which ``report_parameters`` warns of.
+    nothing in the record tells the two apart. So the value is left as it was where another
+    parameter the record names is held and constant-filled (``b1 + b2`` with a zero ``b2``
+    equals ``b1`` broadcast; ``b1 * g`` with ``g`` all ones too), and where the value is
+    constant-filled (a zero bias broadcasts to any zeros, whatever the exporter folded): it
+    trains under its made-up name, which ``report_parameters`` warns of.
 
     Where no initializer holds any parameter the record names (an ``nn.RNNCell`` called
     once, on ``hx=None``: ``bias_hh`` is read nowhere else), the arrays cannot say which
@@ -124,10 +132,11 @@ def recompute_held_broadcasts(model: onnx.ModelProto, emap: ExportMap,
             continue
         try:
             copy = value(t.name)
-            flat = copy.reshape(-1)
-            if np.all(flat == flat[:1]):
+            if _constant(copy):
                 continue
             fits = [p for p in named if p in held and _broadcast_of(value(held[p]), copy)]
+            if any(_constant(value(held[p])) for p in named if p in held and p not in fits):
+                continue
             slot = None if any(p in held for p in named) else _batch_slot(copy, batches)
         except Exception:  # data the file does not hold (external data not loaded)
             continue
