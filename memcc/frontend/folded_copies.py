@@ -143,7 +143,7 @@ def recompute_folded_copies(model: onnx.ModelProto, emap: ExportMap,
         computed[name] = (params[0], holder, _op_text(op, arg))
     if not gone:
         return emap
-    _drop_initializers(model, gone, front)
+    drop_initializers(model, gone, front)
     return replace(emap, copies=copies, computed=computed)
 
 
@@ -198,9 +198,9 @@ def recompute_broadcast_copies(model: onnx.ModelProto, emap: ExportMap,
     # The first axis the exporter folded is the batch the model was traced at: a copy whose
     # first axis is no input's is not taken for one (a zero-initialized weight copied by
     # some op would fit a broadcast of its first row too).
-    batches = _input_batches(model)
+    batches = input_batches(model)
     lookups = dict(emap.lookups)
-    records = _folded_from(model)
+    records = folded_from(model)
     for name, param in [*_copies_of_one_parameter(model, emap).items(),
                         *emap.lookups.items()]:
         rows = name in emap.lookups
@@ -220,8 +220,8 @@ def recompute_broadcast_copies(model: onnx.ModelProto, emap: ExportMap,
         if source is None:
             continue
         # A lookup of rows is no parameter: its one slot trains under a name of its own.
-        own = _fresh(f"{name}.rows", taken) if rows else param
-        shape = _fresh(f"{name}.shape", taken)
+        own = fresh_name(f"{name}.rows", taken) if rows else param
+        shape = fresh_name(f"{name}.shape", taken)
         taken |= {shape, own}
         model.graph.initializer.extend([
             onnx.numpy_helper.from_array(source, own),
@@ -238,7 +238,7 @@ def recompute_broadcast_copies(model: onnx.ModelProto, emap: ExportMap,
     if not front:
         return emap
     gone = {n.output[0] for n in front}
-    _drop_initializers(model, gone, front)
+    drop_initializers(model, gone, front)
     return replace(emap, stands_for=stands_for, copies=copies, computed=computed,
                    folded=tuple(p for p in emap.folded if p not in stands_for),
                    lookups=lookups)
@@ -281,7 +281,7 @@ def _one_row_looked_up(copy: np.ndarray, slot: np.ndarray | None,
     return one
 
 
-def _fresh(name: str, taken: set[str]) -> str:
+def fresh_name(name: str, taken: set[str]) -> str:
     while name in taken:
         name += "_"
     return name
@@ -323,8 +323,8 @@ def row_lookups(model: onnx.ModelProto, emap: ExportMap) -> dict[str, str]:
     axis) is the parameter's is taken for a lookup too, whatever its record says; the
     dynamo exporter writes no shape for a parameter it folded away, so there the names
     decide."""
-    params, _ = _signature_names(model)
-    records, folded = _folded_from(model), set(emap.folded)
+    params, _ = signature_names(model)
+    records, folded = folded_from(model), set(emap.folded)
     sizes = {v.name: [d.dim_value if d.HasField("dim_value") else -1
                       for d in v.type.tensor_type.shape.dim]
              for v in (*model.graph.input, *model.graph.value_info)
@@ -360,8 +360,8 @@ def _copies_of_one_parameter(model: onnx.ModelProto, emap: ExportMap) -> dict[st
     placeholder of the graph signature (a buffer, an input) nor a graph input: the
     exporter's constants (``expand`` <- ``cls_token`` and the expand's sizes)."""
     found = {c: ps[0] for c, ps in emap.copies.items() if len(ps) == 1}
-    params, named = _signature_names(model)
-    records, folded = _folded_from(model), set(emap.folded)
+    params, named = signature_names(model)
+    records, folded = folded_from(model), set(emap.folded)
     for t in model.graph.initializer:
         if t.name in found or t.name in emap.stands_for or t.name in emap.lookups:
             continue
@@ -374,7 +374,7 @@ def _copies_of_one_parameter(model: onnx.ModelProto, emap: ExportMap) -> dict[st
     return found
 
 
-def _drop_initializers(model: onnx.ModelProto, gone: set[str],
+def drop_initializers(model: onnx.ModelProto, gone: set[str],
                        front: list[onnx.NodeProto]) -> None:
     """``model`` without the initializers (and graph inputs) named in ``gone``, and with the
     nodes ``front`` that now compute them put first."""
@@ -389,7 +389,7 @@ def _drop_initializers(model: onnx.ModelProto, gone: set[str],
     model.graph.node.extend(nodes)
 
 
-def _signature_names(model: onnx.ModelProto) -> tuple[dict[str, str], set[str]]:
+def signature_names(model: onnx.ModelProto) -> tuple[dict[str, str], set[str]]:
     """From the graph signature: placeholder or parameter name -> parameter name, and every
     name it gives a placeholder (parameters, buffers, inputs) with the graph's inputs."""
     params: dict[str, str] = {}
@@ -401,7 +401,7 @@ def _signature_names(model: onnx.ModelProto) -> tuple[dict[str, str], set[str]]:
     return params, named
 
 
-def _folded_from(model: onnx.ModelProto) -> dict[str, list[str]]:
+def folded_from(model: onnx.ModelProto) -> dict[str, list[str]]:
     """Initializer -> the values the exporter's optimizer folded it from (its record)."""
     out: dict[str, list[str]] = {}
     for v in model.graph.value_info:
@@ -423,10 +423,10 @@ def constant_broadcasts(model: onnx.ModelProto, emap: ExportMap,
     axis is an input's (the batch the model was traced at, 2 or more), every slot equal to
     the first bit for bit, and whose ``folded_from`` record names no parameter."""
     weights = weights or {}
-    params, _ = _signature_names(model)
-    batches = _input_batches(model)
+    params, _ = signature_names(model)
+    batches = input_batches(model)
     known = set(emap.stands_for) | set(emap.copies) | set(emap.computed) | set(emap.constants)
-    records, found = _folded_from(model), []
+    records, found = folded_from(model), []
     for t in model.graph.initializer:
         if t.name in known or not t.dims or t.dims[0] not in batches or \
                 t.data_type not in FLOAT_TYPES:
@@ -445,7 +445,7 @@ def constant_broadcasts(model: onnx.ModelProto, emap: ExportMap,
     return replace(emap, constants=tuple(sorted({*emap.constants, *found})))
 
 
-def _input_batches(model: onnx.ModelProto) -> set[int]:
+def input_batches(model: onnx.ModelProto) -> set[int]:
     """The first axes of the data inputs (the batch the model was traced at), 2 or more: a
     batch of 1 would make any ``(1, ...)`` tensor look broadcast."""
     inits = {t.name for t in model.graph.initializer}

@@ -24,15 +24,15 @@ import onnx.numpy_helper
 from memcc.frontend.export_map import ExportMap
 from memcc.frontend.export_signature import ExportNote
 from memcc.frontend.folded_copies import (
-    _drop_initializers,
-    _folded_from,
-    _fresh,
-    _input_batches,
-    _signature_names,
     constant_broadcasts,
+    drop_initializers,
+    folded_from,
+    fresh_name,
+    input_batches,
     recompute_broadcast_copies,
     recompute_folded_copies,
     row_lookups,
+    signature_names,
 )
 from memcc.graph import FLOAT_TYPES
 
@@ -115,8 +115,8 @@ def recompute_held_broadcasts(model: onnx.ModelProto, emap: ExportMap,
     weights = weights or {}
     inits = {t.name: t for t in model.graph.initializer}
     held = _held_parameters(emap, set(inits))
-    params, _ = _signature_names(model)
-    records, batches = _folded_from(model), _input_batches(model)
+    params, _ = signature_names(model)
+    records, batches = folded_from(model), input_batches(model)
     known = {*emap.stands_for, *emap.copies, *emap.computed, *emap.constants, *emap.lookups}
     taken = set(inits) | {o for n in model.graph.node for o in n.output}
     copies, computed = dict(emap.copies), dict(emap.computed)
@@ -144,12 +144,12 @@ def recompute_held_broadcasts(model: onnx.ModelProto, emap: ExportMap,
             source = held[fits[0]]
             computed[t.name] = (fits[0], source, f"Expand(shape={list(copy.shape)})")
         elif slot is not None:
-            source = _fresh(f"{t.name}.slot", taken)
+            source = fresh_name(f"{t.name}.slot", taken)
             model.graph.initializer.append(onnx.numpy_helper.from_array(slot, source))
             copies[source] = tuple(named)
         else:
             continue
-        shape = _fresh(f"{t.name}.shape", taken)
+        shape = fresh_name(f"{t.name}.shape", taken)
         taken |= {shape, source}
         model.graph.initializer.append(
             onnx.numpy_helper.from_array(np.asarray(copy.shape, dtype=np.int64), shape))
@@ -157,7 +157,7 @@ def recompute_held_broadcasts(model: onnx.ModelProto, emap: ExportMap,
                                            name=f"memcc.recompute/{t.name}"))
     if not front:
         return emap
-    _drop_initializers(model, {n.output[0] for n in front}, front)
+    drop_initializers(model, {n.output[0] for n in front}, front)
     return replace(emap, copies=copies, computed=computed)
 
 
