@@ -197,9 +197,8 @@ def _contract(forward: Graph, built: _Built, out: StepWriter, opts: BuildOptions
         **({IGNORED_KEY: json.dumps(step_loss.ignored)} if step_loss.ignored else {}),
         PARAMS_KEY: json.dumps(built.params),
         PARAM_SOURCES_KEY: json.dumps({p: s.to_json() for p, s in built.sources.items()}),
-        **({FOLDED_PARAMS_KEY: json.dumps({**{n: "folded" for n in emap.folded},
-                                           **{n: _unused(emap, n) for n in emap.unused}})}
-           if emap is not None and (emap.folded or emap.unused) else {}),
+        **({FOLDED_PARAMS_KEY: json.dumps(unwritten)}
+           if (unwritten := _unwritten(emap)) else {}),
         **({UNTRAINED_COPIES_KEY: json.dumps(untrained)}
            if (untrained := _untrained_copies(emap, built.params)) else {}),
         FORWARD_OUTPUTS_KEY: json.dumps(list(forward.outputs)),
@@ -232,6 +231,21 @@ def _drop_unused_initializers(graph: Graph) -> None:
     used = {i for n in graph.nodes for i in n.input} | set(graph.inputs) | set(graph.outputs)
     for name in [n for n in graph.initializers if n not in used]:
         del graph.initializers[name]
+
+
+def _unwritten(emap: ExportMap | None) -> dict[str, str]:
+    """What ``memcc.folded_parameters`` records: the PyTorch parameters no step parameter
+    holds under their name, each with why (folded, unused, or merged into a constant folded
+    from another parameter, which the step trains under a made-up name)."""
+    if emap is None:
+        return {}
+    def source(c: str) -> str:
+        return emap.lookups.get(c) or ", ".join(emap.copies.get(c, ())) or "another parameter"
+
+    merged = {n: f"merged; with {source(c)} into '{c}', trained as one"
+              for c, names in emap.merged.items() if c not in emap.stands_for for n in names}
+    return {**{n: "folded" for n in emap.folded}, **{n: _unused(emap, n) for n in emap.unused},
+            **merged}
 
 
 def _unused(emap: ExportMap, name: str) -> str:

@@ -413,7 +413,8 @@ def _report_export_map(sources: dict[str, ParameterSource], source: str,
             "constant (checked: equal bit for bit); memcc computes the copy from the "
             "parameter again, so the step trains one tensor, as PyTorch does.",
             ExportNote, stacklevel=3)
-    merged = {p: s.merged for p, s in sources.items() if s.merged}
+    merged = {p: s.merged for p, s in sources.items() if s.merged and s.pytorch_names}
+    _report_merged_folds(sources, source, emap)
     if merged:
         n = sum(len(m) for m in merged.values())
         groups = "; ".join(f"{', '.join(m)} -> {p}" for p, m in list(merged.items())[:4])
@@ -424,8 +425,8 @@ def _report_export_map(sources: dict[str, ParameterSource], source: str,
             f"initialised weights): {groups}{more}. memcc trains each group as one tied "
             "parameter: a different model from PyTorch's, which trains them apart; memcc "
             "export --format safetensors writes the group's trained value under every name. "
-            f"To train every parameter on its own, export with {KEEP_EVERY_PARAMETER}.",
-            ExportWarning, stacklevel=3)
+            f"To train every parameter on its own, export with {KEEP_EVERY_PARAMETER} (or "
+            "give them distinct values before exporting).", ExportWarning, stacklevel=3)
     looked_up = {s.rows_of for s in sources.values() if s.rows_of}
     folded = [p for p in emap.folded if p not in looked_up]
     if folded:
@@ -449,6 +450,26 @@ def _report_export_map(sources: dict[str, ParameterSource], source: str,
             f"model and have no trained value: {_some(emap.unused)}. (Where torch ties one "
             "to another parameter, one tensor under two names, no record said which: load "
             f"with load_state_dict(..., strict=False).){maybe}", ExportWarning, stacklevel=3)
+
+
+def _report_merged_folds(sources: dict[str, ParameterSource], source: str,
+                         emap: ExportMap) -> None:
+    """Name the parameters the optimizer merged into another's folded constant that the
+    step trains under a made-up name (``merged_folds``): torch trains them apart, and no
+    value is written back for either."""
+    told = [f"{', '.join(s.merged)} with "
+            f"{s.rows_of or ', '.join(s.copy_of) or 'another parameter'} "
+            f"(trained as one, '{p}')" for p, s in sources.items()
+            if s.merged and not s.pytorch_names]
+    if told:
+        warnings.warn(
+            f"{source}: {len(told)} PyTorch parameter(s) held the same values at export as "
+            "another, and the exporter's optimizer merged the constant it folded from each "
+            f"into the other's: {_some(told, 4)}. The step trains one value where PyTorch "
+            "trains two (the first loss matches; later steps drift apart), and memcc export "
+            "writes neither back under its PyTorch name. To train each on its own, export "
+            f"with {KEEP_EVERY_PARAMETER} (or give them distinct values before exporting).",
+            ExportWarning, stacklevel=4)
 
 
 def _report_lookups(sources: dict[str, ParameterSource], source: str,

@@ -192,15 +192,14 @@ def recompute_broadcast_copies(model: onnx.ModelProto, emap: ExportMap,
     taken = set(inits) | {o for n in model.graph.node for o in n.output} \
         | {i for n in model.graph.node for i in n.input} | {i.name for i in model.graph.input}
     held = {n for names in emap.stands_for.values() for n in names}
-    copies, computed = dict(emap.copies), dict(emap.computed)
+    copies, computed, merged = dict(emap.copies), dict(emap.computed), dict(emap.merged)
     stands_for = dict(emap.stands_for)
     front: list[onnx.NodeProto] = []
     # The first axis the exporter folded is the batch the model was traced at: a copy whose
     # first axis is no input's is not taken for one (a zero-initialized weight copied by
     # some op would fit a broadcast of its first row too).
     batches = input_batches(model)
-    lookups = dict(emap.lookups)
-    records = folded_from(model)
+    lookups, records = dict(emap.lookups), folded_from(model)
     for name, param in [*_copies_of_one_parameter(model, emap).items(),
                         *emap.lookups.items()]:
         rows = name in emap.lookups
@@ -229,19 +228,29 @@ def recompute_broadcast_copies(model: onnx.ModelProto, emap: ExportMap,
         front.append(onnx.helper.make_node("Expand", [own, shape], [name],
                                            name=f"memcc.recompute/{name}"))
         copies.pop(name, None)
+        into = _moved(merged, name, own)
         if rows:
             lookups[own] = lookups.pop(name)
             computed[name] = (own, own, f"Expand(shape={list(copy.shape)})")
             continue
-        stands_for[param] = (param,)
+        stands_for[param] = (param, *into)
         computed[name] = (param, param, f"Expand(shape={list(copy.shape)})")
     if not front:
         return emap
     gone = {n.output[0] for n in front}
     drop_initializers(model, gone, front)
     return replace(emap, stands_for=stands_for, copies=copies, computed=computed,
-                   folded=tuple(p for p in emap.folded if p not in stands_for),
+                   merged=merged, folded=tuple(p for p in emap.folded if p not in stands_for),
                    lookups=lookups)
+
+
+def _moved(merged: dict[str, tuple[str, ...]], name: str, to: str) -> tuple[str, ...]:
+    """The parameters the optimizer merged into the fold ``name`` (``merged_folds``), now
+    kept under ``to``, the initializer that replaces it."""
+    into = merged.pop(name, ())
+    if into:
+        merged[to] = into
+    return into
 
 
 def _one_row_looked_up(copy: np.ndarray, slot: np.ndarray | None,

@@ -34,6 +34,7 @@ from memcc.frontend.folded_copies import (
     row_lookups,
     signature_names,
 )
+from memcc.frontend.merged_folds import merged_folds
 from memcc.graph import FLOAT_TYPES
 
 
@@ -164,9 +165,11 @@ def recompute_held_broadcasts(model: onnx.ModelProto, emap: ExportMap,
 def folded_values_as_torch_has_them(model: onnx.ModelProto, emap: ExportMap,
                                     weights: Mapping[str, np.ndarray] | None,
                                     source: str) -> ExportMap:
-    """``row_lookups``, ``recompute_folded_copies``, ``recompute_broadcast_copies``,
-    ``recompute_held_broadcasts`` and ``constant_broadcasts`` in turn (``model`` in place),
-    saying which constants were kept fixed."""
+    """``merged_folds``, ``row_lookups``, ``recompute_folded_copies``,
+    ``recompute_broadcast_copies``, ``recompute_held_broadcasts`` and
+    ``constant_broadcasts`` in turn (``model`` in place), saying which constants were kept
+    fixed."""
+    emap = merged_folds(model, emap)
     emap = replace(emap, lookups=row_lookups(model, emap))
     emap = recompute_broadcast_copies(model, recompute_folded_copies(model, emap, weights),
                                       weights)

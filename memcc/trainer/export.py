@@ -98,7 +98,7 @@ def weight_export_notes(spec: TrainingStep) -> list[str]:
                      "model with torch.onnx.export(..., dynamo=True, optimize=False) and "
                      "build and train that")
     merged = {p: src["merged"] for p, src in spec.parameter_sources().items()
-              if src.get("merged")}
+              if src.get("merged") and src.get("pytorch_names")}
     if merged:
         p, names = next(iter(merged.items()))
         notes.append(f"{sum(len(m) for m in merged.values())} PyTorch parameter(s) were merged "
@@ -122,6 +122,9 @@ def weight_export_notes(spec: TrainingStep) -> list[str]:
     if folded:
         maybe = next((f" ('{n}' is not read by the exported model: {kinds[n]})"
                       for n in folded if kinds[n].startswith("unused;")), "")
+        maybe += next((f" ('{n}' held the same values as another parameter at export: "
+                       f"{kinds[n].split('; ', 1)[1]}; export with optimize=False to train "
+                       "it on its own)" for n in folded if kinds[n].startswith("merged;")), "")
         notes.append(f"{len(folded)} PyTorch parameter(s) have no trained value (folded into "
                      f"constants by the exporter, or unused), e.g. '{folded[0]}'; they are not "
                      "written: load with load_state_dict(..., strict=False), and the module "
