@@ -135,3 +135,31 @@ def test_a_table_merged_into_another_layers_fold_is_called_merged_not_unread(tmp
     labels = np.array([0, 2, 1, 2], dtype=np.int64)
     _, output = _train_and_export(step, {"x": x.numpy(), "labels": labels}, tmp_path)
     assert "'layers.1.A_log' held the same values as another parameter" in output, output
+
+
+class _Rms(torch.nn.Module):
+    """Gemma's RMSNorm: ``x * (1 + weight)``, which the optimizer folds into ``add_N``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.head = torch.nn.Linear(4, 4), torch.nn.Linear(4, 3)
+        self.weight = torch.nn.Parameter(0.1 * torch.randn(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.head(h * (1.0 + self.weight))
+
+
+def test_export_says_why_a_weight_folded_into_one_plus_weight_is_not_written(tmp_path):
+    torch.manual_seed(0)
+    module, x = _Rms().train(), torch.randn(4, 4)
+    path, step = tmp_path / "rms.onnx", tmp_path / "s.onnx"
+    _export(module, x, path)
+    _build(path, step)
+    labels = np.array([0, 2, 1, 2], dtype=np.int64)
+    saved, output = _train_and_export(step, {"x": x.numpy(), "labels": labels}, tmp_path)
+    assert "weight" not in saved
+    said = " ".join(output.split())
+    assert "'weight' was folded with constants the file does not keep" in said, said
+    assert "optimize=False" in said and "rows it looked up" not in said, said

@@ -11,6 +11,7 @@ a written file leaves. Nothing here trains.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -136,8 +137,22 @@ def lookup_note(rows: Mapping[str, str]) -> str:
     """What export says of PyTorch parameters the exporter's optimizer folded into a lookup
     of some of their rows (``rows``: the made-up parameter the step trains -> the PyTorch
     parameter), naming each: their tables are not written."""
+    computed = {p: param for p, param in rows.items() if _arithmetic(p)}
+    rows = {p: param for p, param in rows.items() if p not in computed}
     told = ", ".join(f"'{param}' (its rows trained as '{p}')" for p, param in rows.items())
-    return (f"{len(rows)} PyTorch parameter(s) were folded by the exporter's optimizer into "
+    said = "; ".join(
+        f"'{param}' was folded with constants the file does not keep into '{p}' (by "
+        f"'{_arithmetic(p)}', as Gemma's RMSNorm computes 1 + weight), which memcc trained "
+        "instead" for p, param in computed.items())
+    if said:
+        said = (f"{said}: export cannot compute a parameter back without those constants, "
+                "so it is not written (load_state_dict(..., strict=False) keeps the module's "
+                "own value; the exported ONNX model has the trained one). To train and "
+                "export it, export with torch.onnx.export(..., dynamo=True, optimize=False)")
+        if not rows:
+            return said
+        said += ". "
+    return said + (f"{len(rows)} PyTorch parameter(s) were folded by the exporter's optimizer into "
             f"a lookup of some of their rows, which memcc trained under another name: "
             f"{told}. export cannot write a table back from the rows it looked up, so these "
             "parameters are not written: a module loaded with load_state_dict(..., "
@@ -145,6 +160,18 @@ def lookup_note(rows: Mapping[str, str]) -> str:
             "the trained model (the exported ONNX model has the trained rows). To train "
             "and export them, export the model with torch.onnx.export(..., dynamo=True, "
             "optimize=False), or with dynamic shapes, and build and train that")
+
+
+# FX ops (a made-up name is its last folded FX node's) that compute values rather than look
+# rows up: a parameter folded through one of them is no table (Gemma's ``add_4``, 1 + w).
+_ARITHMETIC = frozenset({"add", "sub", "rsub", "mul", "div", "neg", "exp", "log", "pow",
+                         "sqrt", "rsqrt", "reciprocal", "softplus", "sigmoid", "tanh"})
+
+
+def _arithmetic(name: str) -> str:
+    """The arithmetic op a made-up name (``add_4``, ``neg``) says it was folded by, or ''."""
+    op = re.sub(r"_\d+$", "", name.removesuffix(".rows"))
+    return op if op in _ARITHMETIC else ""
 
 
 def export_weights(graph: Graph, spec: TrainingStep, state: Mapping[str, np.ndarray],
