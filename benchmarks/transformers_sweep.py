@@ -215,8 +215,9 @@ def make(name: str) -> tuple[Logits, tuple, list[str], bool]:
         return Logits(model, "image"), (torch.randn(2, 3, IMG, IMG, generator=gen),), \
             ["pixel_values"], training
     # Token ids avoid the special tokens 0-2: nn.Embedding(padding_idx=...) keeps the
-    # padding row's gradient at zero in torch, and the ONNX file does not record padding_idx
-    # (README: coverage), so a batch without padding is what both sides agree on.
+    # padding row's gradient at zero in torch, and a TorchScript file does not record
+    # padding_idx (the dynamo exporter does, and memcc honours it; README: coverage), so a
+    # batch without padding is what all three forms agree on.
     ids = torch.randint(3, VOCAB, (2, 8), generator=gen)
     mask = torch.ones(2, 8, dtype=torch.long)
     if arch.kind == "seq2seq":
