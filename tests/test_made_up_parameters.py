@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import warnings
 
-from memcc.frontend.exported import ParameterSource, report_parameters
+from memcc.frontend.exported import ParameterSource
+from memcc.frontend.parameter_report import report_parameters
 
 
 def _said(sources: dict[str, ParameterSource]) -> str:

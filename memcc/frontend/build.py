@@ -33,13 +33,13 @@ from memcc.frontend.export_signature import signature_of
 from memcc.frontend.exported import (
     ParameterSource,
     parameter_sources,
-    report_parameters,
     restore_training_batchnorm,
 )
 from memcc.frontend.fuse import fuse_step
 from memcc.frontend.loss import StepLoss, add_loss
 from memcc.frontend.loss_scaling import add_scale_state, scaled_seeds
 from memcc.frontend.loss_scaling import metadata as loss_scale_record
+from memcc.frontend.parameter_report import report_parameters
 from memcc.frontend.parameters import batchnorm_running_stats, choose_parameters
 from memcc.frontend.row_chunks import ATTENTION, MLP, chunk_regions
 from memcc.frontend.running_variance import unbias_running_var

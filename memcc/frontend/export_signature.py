@@ -124,3 +124,16 @@ def signature_of(graph: Graph) -> Signature | None:
 def is_made_up_name(name: str) -> bool:
     """True for names exporters invent for folded copies and constants."""
     return bool(_MADE_UP.match(name))
+
+
+# FX ops (a made-up name is its last folded FX node's) that compute values rather than look
+# rows up: a parameter folded through one of them is no table (Gemma's ``add_4``, 1 + w).
+_ARITHMETIC = frozenset({"add", "sub", "rsub", "mul", "div", "neg", "exp", "log", "pow",
+                         "sqrt", "rsqrt", "reciprocal", "softplus", "sigmoid", "tanh"})
+
+
+def folding_arithmetic(name: str) -> str:
+    """The arithmetic op a made-up name (``add_4``, ``neg``, ``add_4.rows``) says the
+    exporter's optimizer folded it by, or '' (a lookup, a view, or no such name)."""
+    op = re.sub(r"_\d+$", "", name.removesuffix(".rows"))
+    return op if op in _ARITHMETIC else ""

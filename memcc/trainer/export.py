@@ -11,7 +11,6 @@ a written file leaves. Nothing here trains.
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +22,7 @@ from memcc.backend import checkpoint as ckpt
 from memcc.errors import InputError
 from memcc.frontend.autocast import without_autocast
 from memcc.frontend.dropout_masks import restore_dropouts
-from memcc.frontend.export_signature import is_made_up_name, signature_of
+from memcc.frontend.export_signature import folding_arithmetic, is_made_up_name, signature_of
 from memcc.frontend.exported import folded_batchnorms
 from memcc.frontend.fold import has_fold_records, with_shape_computations
 from memcc.frontend.load import load_graph
@@ -137,12 +136,12 @@ def lookup_note(rows: Mapping[str, str]) -> str:
     """What export says of PyTorch parameters the exporter's optimizer folded into a lookup
     of some of their rows (``rows``: the made-up parameter the step trains -> the PyTorch
     parameter), naming each: their tables are not written."""
-    computed = {p: param for p, param in rows.items() if _arithmetic(p)}
+    computed = {p: param for p, param in rows.items() if folding_arithmetic(p)}
     rows = {p: param for p, param in rows.items() if p not in computed}
     told = ", ".join(f"'{param}' (its rows trained as '{p}')" for p, param in rows.items())
     said = "; ".join(
         f"'{param}' was folded with constants the file does not keep into '{p}' (by "
-        f"'{_arithmetic(p)}', as Gemma's RMSNorm computes 1 + weight), which memcc trained "
+        f"'{folding_arithmetic(p)}', as Gemma's RMSNorm computes 1 + weight), which memcc trained "
         "instead" for p, param in computed.items())
     if said:
         said = (f"{said}: export cannot compute a parameter back without those constants, "
@@ -160,18 +159,6 @@ def lookup_note(rows: Mapping[str, str]) -> str:
             "the trained model (the exported ONNX model has the trained rows). To train "
             "and export them, export the model with torch.onnx.export(..., dynamo=True, "
             "optimize=False), or with dynamic shapes, and build and train that")
-
-
-# FX ops (a made-up name is its last folded FX node's) that compute values rather than look
-# rows up: a parameter folded through one of them is no table (Gemma's ``add_4``, 1 + w).
-_ARITHMETIC = frozenset({"add", "sub", "rsub", "mul", "div", "neg", "exp", "log", "pow",
-                         "sqrt", "rsqrt", "reciprocal", "softplus", "sigmoid", "tanh"})
-
-
-def _arithmetic(name: str) -> str:
-    """The arithmetic op a made-up name (``add_4``, ``neg``) says it was folded by, or ''."""
-    op = re.sub(r"_\d+$", "", name.removesuffix(".rows"))
-    return op if op in _ARITHMETIC else ""
 
 
 def export_weights(graph: Graph, spec: TrainingStep, state: Mapping[str, np.ndarray],
