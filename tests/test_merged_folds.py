@@ -158,7 +158,7 @@ def test_export_says_why_a_weight_folded_into_one_plus_weight_is_not_written(tmp
     _export(module, x, path)
     built = " ".join(_build(path, step).split())
     # build says the same, not "a lookup of some of its rows" (no table was looked up)
-    assert "folded 1 PyTorch parameter(s) with constants the file does not keep: " \
+    assert "folded 1 PyTorch parameter(s) into values computed from them: " \
         "weight into 'add" in built, built
     assert "lookup of some of its rows" not in built, built
     labels = np.array([0, 2, 1, 2], dtype=np.int64)

@@ -203,10 +203,10 @@ def _report_lookups(sources: dict[str, ParameterSource], source: str,
 
 
 def _report_computed_folds(computed: dict[str, str], source: str) -> None:
-    """Name the PyTorch parameters the optimizer folded by arithmetic with constants of its
-    own (Gemma's RMSNorm weight into ``add_4`` = 1 + weight): no table and no rows, but a
-    value the step trains as torch computes it, which export cannot turn back into the
-    parameter (the file does not keep the constants)."""
+    """Name the PyTorch parameters the optimizer folded by arithmetic (Gemma's RMSNorm
+    weight into ``add_4`` = 1 + weight, Mamba's ``-exp(A_log)`` into ``neg``): no table and
+    no rows, but a value the step trains in the parameter's place, which export does not
+    turn back into the parameter (the file does not keep the constants such ops read)."""
     if not computed:
         return
     told = "; ".join(f"{param} into '{p}' (by '{folding_arithmetic(p)}')"
@@ -214,8 +214,8 @@ def _report_computed_folds(computed: dict[str, str], source: str) -> None:
     more = f" (+{len(computed) - 4} more)" if len(computed) > 4 else ""
     warnings.warn(
         f"{source}: the exporter's optimizer folded {len(computed)} PyTorch parameter(s) "
-        f"with constants the file does not keep: {told}{more}. The step trains each folded "
-        "value, as PyTorch computes it from the parameter, but memcc export cannot compute "
-        "the parameter back and does not write it (load_state_dict(..., strict=False) keeps "
-        f"the module's own value). To train and export it, export with "
-        f"{KEEP_EVERY_PARAMETER}.", ExportWarning, stacklevel=5)
+        f"into values computed from them: {told}{more}. The step trains each computed "
+        "value, not the parameter, and memcc export does not compute the parameter back "
+        "(the file keeps no record of the constants such ops read) and does not write it "
+        "(load_state_dict(..., strict=False) keeps the module's own value). To train and "
+        f"export it, export with {KEEP_EVERY_PARAMETER}.", ExportWarning, stacklevel=5)
