@@ -50,12 +50,16 @@ def stage_model(model: onnx.ModelProto, path: str | os.PathLike) -> list[Staged]
     out = Path(path)
     if out.parent and not out.parent.exists():
         raise InputError(f"{out}: directory {out.parent} does not exist")
-    size = model.ByteSize()
+    whole = _serialized_if_small(model)
     tmp = _mkstemp(out)
     data_name = out.name + ".data"
     staged = [Staged(tmp, out)]
     try:
-        if size > EXTERNAL_DATA_THRESHOLD:
+        if whole is not None:
+            tmp.write_bytes(whole)
+        elif not _inline(model) and model.ByteSize() <= EXTERNAL_DATA_THRESHOLD:
+            onnx.save_model(model, str(tmp))
+        else:
             tmp_data = tmp.with_suffix(".data.tmp")
             onnx.save_model(model, str(tmp), save_as_external_data=True,
                             all_tensors_to_one_file=True, location=tmp_data.name,
@@ -69,13 +73,40 @@ def stage_model(model: onnx.ModelProto, path: str | os.PathLike) -> list[Staged]
                         e.value = data_name
             onnx.save_model(m, str(tmp))
             default_permissions(tmp_data)
-        else:
-            onnx.save_model(model, str(tmp))
         default_permissions(tmp)
     except BaseException:
         discard(staged)
         raise
     return staged
+
+
+def _serialized_if_small(model: onnx.ModelProto) -> bytes | None:
+    """The model's bytes as ``onnx.save_model`` writes them when it fits one protobuf
+    message with margin (``EXTERNAL_DATA_THRESHOLD``), else None. Serialised once: the
+    size test used to be ``ByteSize()``, which upb computes by serialising the whole model
+    (5 s of a 124M-parameter GPT-2's compile), and ``save_model`` then serialised it again.
+    Only a model whose tensors all sit inline (``_inline``) takes this path, so
+    ``save_model``'s writing of external data would have done nothing."""
+    if not _inline(model):
+        return None
+    try:
+        whole = model.SerializeToString()
+    except ValueError:   # over protobuf's 2 GiB: external data
+        return None
+    return whole if len(whole) <= EXTERNAL_DATA_THRESHOLD else None
+
+
+def _inline(model: onnx.ModelProto) -> bool:
+    """No tensor of ``model`` (initializer, node attribute) refers to an external data
+    file, and no node holds a subgraph (not looked into: the old path takes those)."""
+    tensors = list(model.graph.initializer)
+    for node in model.graph.node:
+        for a in node.attribute:
+            if a.HasField("g") or a.graphs:
+                return False
+            tensors += [a.t] if a.HasField("t") else []
+            tensors += a.tensors
+    return all(t.data_location != onnx.TensorProto.EXTERNAL for t in tensors)
 
 
 def stage_text(text: str, path: str | os.PathLike) -> list[Staged]:
