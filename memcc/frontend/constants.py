@@ -51,3 +51,28 @@ def constant_node_value(node) -> np.ndarray | None:
             return None
     _ = helper
     return None
+
+
+def constant_filled(a: np.ndarray) -> bool:
+    """Whether ``a`` has elements and every one equals the first: no pattern its values
+    could prove (a zero bias, a ones-initialised scale). A sample decides most arrays
+    (trained or random weights) without a pass over all of them."""
+    flat = a.reshape(-1)
+    if flat.size == 0 or np.any(flat[:64] != flat[0]):
+        return False
+    return bool(np.all(flat == flat[0]))
+
+
+def broadcasts_to(source: np.ndarray, target: np.ndarray) -> bool:
+    """Whether ``target`` is ``source`` broadcast (numpy's rules, ``Expand``'s), bit for
+    bit: how a folded copy is told to be one parameter repeated."""
+    if source.dtype != target.dtype or source.ndim > target.ndim or source.size == 0:
+        return False
+    try:
+        if np.broadcast_shapes(source.shape, target.shape) != target.shape:
+            return False
+    except ValueError:
+        return False
+    return np.ascontiguousarray(np.broadcast_to(source, target.shape)).tobytes() \
+        == np.ascontiguousarray(target).tobytes()
+

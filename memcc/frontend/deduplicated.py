@@ -31,6 +31,7 @@ import onnx
 import onnx.numpy_helper
 from onnx.external_data_helper import uses_external_data
 
+from memcc.frontend.constants import constant_filled
 from memcc.frontend.export_signature import SIGNATURE_PROP, file_props, is_made_up_name
 from memcc.frontend.weights_apart import Arrays
 from memcc.graph import FLOAT_TYPES
@@ -112,5 +113,4 @@ def _constant(name: str, t: onnx.TensorProto, arrays: Arrays) -> bool:
         return False
     else:
         a = onnx.numpy_helper.to_array(t)
-    flat = a.reshape(-1)
-    return flat.size > 0 and bool(np.all(flat[:64] == flat[0])) and bool(np.all(flat == flat[0]))
+    return constant_filled(a)

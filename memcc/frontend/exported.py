@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 
+from memcc.frontend.constants import constant_filled
 from memcc.frontend.export_map import export_map_of
 from memcc.frontend.export_signature import (
     ExportNote,
@@ -245,7 +246,7 @@ def parameter_sources(graph: Graph, params: list[str]) -> dict[str, ParameterSou
                             + a.dtype.str.encode()).hexdigest()
 
     arrays = {p: np.asarray(graph.initializers[p]) for p in params}
-    comparable = [p for p, a in arrays.items() if a.size > 1 and not _constant(a)]
+    comparable = [p for p, a in arrays.items() if a.size > 1 and not constant_filled(a)]
     tied = UnionFind(comparable)
     # Hashing every weight (and every matrix's transpose) took seconds on a GPT-2-size
     # model: only parameters whose cheap fingerprint matches another's can be equal.
@@ -293,15 +294,6 @@ def parameter_sources(graph: Graph, params: list[str]) -> dict[str, ParameterSou
         else:
             out[p] = ParameterSource(p, named(p), tuple(ties), (p,) if named(p) else ())
     return out
-
-
-def _constant(a: np.ndarray) -> bool:
-    """Whether every element equals the first; a sample decides most arrays (trained or
-    random weights) without a pass over all of them."""
-    flat = a.reshape(-1)
-    if np.any(flat[:64] != flat[0]):
-        return False
-    return bool(np.all(flat == flat[0]))
 
 
 def _fingerprint(a: np.ndarray) -> tuple:

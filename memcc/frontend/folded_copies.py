@@ -26,6 +26,7 @@ import numpy as np
 import onnx
 import onnx.numpy_helper
 
+from memcc.frontend.constants import broadcasts_to
 from memcc.frontend.export_map import FOLDED_FROM_PROP, ExportMap, literal_list
 from memcc.frontend.export_signature import signature_entries
 from memcc.graph import FLOAT_TYPES
@@ -156,8 +157,7 @@ def _broadcast_source(copy: np.ndarray) -> np.ndarray | None:
     if copy.ndim < 2 or copy.shape[0] < 2 or copy.size == 0:
         return None
     first = copy[:1]
-    if np.ascontiguousarray(np.broadcast_to(first, copy.shape)).tobytes() \
-            != np.ascontiguousarray(copy).tobytes():
+    if not broadcasts_to(first, copy):
         return None
     return np.ascontiguousarray(first)
 
@@ -283,8 +283,7 @@ def _one_row_looked_up(copy: np.ndarray, slot: np.ndarray | None,
         return slot
     one = np.ascontiguousarray(base[:, :1])
     flat = one.reshape(-1)
-    if np.ascontiguousarray(np.broadcast_to(one, base.shape)).tobytes() \
-            != np.ascontiguousarray(base).tobytes() or \
+    if not broadcasts_to(one, base) or \
             flat.tobytes() == np.repeat(flat[:1], flat.size).tobytes():
         return slot
     return one

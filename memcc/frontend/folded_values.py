@@ -21,6 +21,7 @@ import numpy as np
 import onnx
 import onnx.numpy_helper
 
+from memcc.frontend.constants import broadcasts_to, constant_filled
 from memcc.frontend.export_map import ExportMap
 from memcc.frontend.export_signature import ExportNote
 from memcc.frontend.folded_copies import (
@@ -36,25 +37,6 @@ from memcc.frontend.folded_copies import (
 )
 from memcc.frontend.merged_folds import merged_folds
 from memcc.graph import FLOAT_TYPES
-
-
-def _broadcast_of(source: np.ndarray, copy: np.ndarray) -> bool:
-    """Whether ``copy`` is ``source`` broadcast (numpy's rules, ``Expand``'s), bit for bit."""
-    if source.dtype != copy.dtype or source.ndim > copy.ndim or source.size == 0:
-        return False
-    try:
-        if np.broadcast_shapes(source.shape, copy.shape) != copy.shape:
-            return False
-    except ValueError:
-        return False
-    return np.ascontiguousarray(np.broadcast_to(source, copy.shape)).tobytes() \
-        == np.ascontiguousarray(copy).tobytes()
-
-
-def _constant(a: np.ndarray) -> bool:
-    """Whether every element equals the first (no pattern for the values to prove)."""
-    flat = a.reshape(-1)
-    return bool(np.all(flat == flat[:1]))
 
 
 def _held_parameters(emap: ExportMap, inits: set[str]) -> dict[str, str]:
@@ -76,8 +58,7 @@ def _batch_slot(copy: np.ndarray, batches: set[int]) -> np.ndarray | None:
         if slot.shape[axis] < 2:
             continue
         first = np.take(slot, [0], axis=axis)
-        if np.ascontiguousarray(np.broadcast_to(first, slot.shape)).tobytes() \
-                == np.ascontiguousarray(slot).tobytes():
+        if broadcasts_to(first, slot):
             cut |= slot.shape[axis] in batches
             slot = first
     return np.ascontiguousarray(slot) if cut else None
@@ -133,10 +114,10 @@ def recompute_held_broadcasts(model: onnx.ModelProto, emap: ExportMap,
             continue
         try:
             copy = value(t.name)
-            if _constant(copy):
+            if constant_filled(copy):
                 continue
-            fits = [p for p in named if p in held and _broadcast_of(value(held[p]), copy)]
-            if any(_constant(value(held[p])) for p in named if p in held and p not in fits):
+            fits = [p for p in named if p in held and broadcasts_to(value(held[p]), copy)]
+            if any(constant_filled(value(held[p])) for p in named if p in held and p not in fits):
                 continue
             slot = None if any(p in held for p in named) else _batch_slot(copy, batches)
         except Exception:  # data the file does not hold (external data not loaded)
