@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -32,6 +33,7 @@ from memcc.step import TrainingStep
 from memcc.trainer import Trainer
 
 LR = 0.5
+SGD = BuildOptions(optimizer="sgd", lr=LR, momentum=0.0)
 
 
 class _ClsToken(nn.Module):
@@ -82,15 +84,19 @@ def _one_step_each(step_path, module: nn.Module, x: torch.Tensor, labels: np.nda
     return trainer, safetensors.torch.load_file(str(tmp_path / "w1.safetensors")), said
 
 
+def _build_quietly(path: Path, step_path: Path):
+    """``memcc build`` of ``path`` under plain SGD, its export warnings silenced."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ExportWarning)
+        return api.build(path, step_path, options=SGD)
+
+
 def test_a_token_broadcast_to_the_batch_trains_once_as_its_parameter(tmp_path):
     path, module, x = _export(tmp_path)
     emap = read_export_map(onnx.load(str(path)))
     assert "cls_token" in emap.folded  # as exported: "folded into constants"
     step_path = tmp_path / "s.onnx"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ExportWarning)
-        graph = api.build(path, step_path, options=BuildOptions(optimizer="sgd", lr=LR,
-                                                                momentum=0.0))
+    graph = _build_quietly(path, step_path)
     params = TrainingStep.of(graph).parameters
     batch_sized = [t.name for t in onnx.load(str(path)).graph.initializer
                    if tuple(t.dims) == (4, 1, 8)]  # the folded expand
@@ -162,7 +168,7 @@ def test_a_constant_repeated_over_the_batch_is_not_trained(tmp_path):
     assert batch_sized  # the folded mask, as the exporter wrote it
     with pytest.warns(ExportNote, match="repeated over the batch"):
         graph = api.build(path, tmp_path / "s.onnx",
-                          options=BuildOptions(optimizer="sgd", lr=LR, momentum=0.0))
+                          options=SGD)
     assert not set(batch_sized) & set(TrainingStep.of(graph).parameters)
     labels = np.array([0, 1, 2, 1], dtype=np.int64)
     _, got, _ = _one_step_each(tmp_path / "s.onnx", module, x, labels, tmp_path)
@@ -216,8 +222,7 @@ def test_a_folded_lookup_of_rows_trains_under_its_own_name_not_the_table_s(tmp_p
     step_path = tmp_path / "s.onnx"
     with pytest.warns(ExportWarning, match="pos.weight was folded into a lookup of some of "
                                            "its rows") as caught:
-        graph = api.build(path, step_path, options=BuildOptions(optimizer="sgd", lr=LR,
-                                                                momentum=0.0))
+        graph = api.build(path, step_path, options=SGD)
     assert any("optimize=False" in str(w.message) for w in caught)
     params = TrainingStep.of(graph).parameters
     rows = f"{batch_sized[0]}.rows" if batch > 1 else batch_sized[0]
@@ -301,10 +306,7 @@ def test_a_lookup_of_one_row_at_every_position_trains_one_vector(tmp_path, batch
     if set(folded) != {"tok.weight", "pos.weight"}:
         pytest.skip("this torch does not fold the embedding lookups at static shapes")
     step_path = tmp_path / "s.onnx"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ExportWarning)
-        graph = api.build(path, step_path, options=BuildOptions(optimizer="sgd", lr=LR,
-                                                                momentum=0.0))
+    graph = _build_quietly(path, step_path)
     params = TrainingStep.of(graph).parameters
     types = f"{folded['tok.weight']}.rows"
     positions = f"{folded['pos.weight']}.rows" if batch > 1 else folded["pos.weight"]
