@@ -14,7 +14,7 @@ under a made-up name (``linear.slot``).
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 
 import numpy as np
@@ -64,6 +64,20 @@ def _batch_slot(copy: np.ndarray, batches: set[int]) -> np.ndarray | None:
     return np.ascontiguousarray(slot) if cut else None
 
 
+def _array_reader(inits: Mapping[str, onnx.TensorProto], weights: Mapping[str, np.ndarray]
+                  ) -> Callable[[str], np.ndarray]:
+    """An initializer's array by name, each read once: a parameter many folds name (a tied
+    embedding's) is compared with each of them."""
+    read: dict[str, np.ndarray] = {}
+
+    def value(name: str) -> np.ndarray:
+        if name not in read:
+            read[name] = np.asarray(weights[name] if name in weights
+                                    else onnx.numpy_helper.to_array(inits[name]))
+        return read[name]
+    return value
+
+
 def recompute_held_broadcasts(model: onnx.ModelProto, emap: ExportMap,
                               weights: Mapping[str, np.ndarray] | None = None) -> ExportMap:
     """Compute each folded value that is a parameter broadcast from it again, in ``model``
@@ -104,9 +118,7 @@ def recompute_held_broadcasts(model: onnx.ModelProto, emap: ExportMap,
     copies, computed = dict(emap.copies), dict(emap.computed)
     front: list[onnx.NodeProto] = []
 
-    def value(name: str) -> np.ndarray:
-        return np.asarray(weights[name] if name in weights
-                          else onnx.numpy_helper.to_array(inits[name]))
+    value = _array_reader(inits, weights)
 
     for t in list(model.graph.initializer):
         named = sorted({params[x] for x in records.get(t.name, []) if x in params})
