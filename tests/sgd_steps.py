@@ -21,7 +21,8 @@ from memcc.graph import Graph
 def torch_sgd_steps(module: torch.nn.Module, inputs: Mapping[str, torch.Tensor], steps: int,
                     lr: float) -> tuple[list[float], dict[str, np.ndarray]]:
     """The losses of ``steps`` SGD steps of a copy of ``module`` (which returns its loss) on
-    ``inputs``, and its parameters after them, by ``state_dict`` name."""
+    ``inputs``, and its state after them (parameters and the buffers its forward writes),
+    by ``state_dict`` name."""
     m = copy.deepcopy(module)
     opt = torch.optim.SGD(m.parameters(), lr=lr)
     losses = []
@@ -31,7 +32,7 @@ def torch_sgd_steps(module: torch.nn.Module, inputs: Mapping[str, torch.Tensor],
         loss.backward()
         opt.step()
         losses.append(float(loss.detach()))
-    return losses, {n: p.detach().numpy().copy() for n, p in m.named_parameters()}
+    return losses, {n: p.detach().numpy().copy() for n, p in m.state_dict().items()}
 
 
 def memcc_sgd_steps(step: Graph, feeds: Mapping[str, np.ndarray], steps: int, threads: int

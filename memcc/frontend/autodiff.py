@@ -19,13 +19,17 @@ from memcc.frontend.gradients import load_rules
 from memcc.frontend.gradients.registry import NON_DIFFERENTIABLE, RULES, GradContext
 from memcc.frontend.recurrent import RECURRENT_OPS
 from memcc.graph import Graph, ancestors, node_label
-from memcc.step import DEFAULT_RULE, record_rule_io, tag_node
+from memcc.step import DEFAULT_RULE, node_prop, record_rule_io, tag_node
 
+# A node whose outputs torch computes without gradient (a buffer's new value written under
+# torch.no_grad, ``frontend/buffer_updates.py``): no gradient passes through it.
+NO_GRAD_PROP = "memcc.no_grad"
 
 def differentiable_values(graph: Graph, loss: str, wrt: Sequence[str],
                           cut: Collection[str] = ()) -> set[str]:
     """Values on a floating-point path from any of ``wrt`` to ``loss`` (not through the
-    nodes named in ``cut``)."""
+    nodes named in ``cut``, nor through those marked ``NO_GRAD_PROP``)."""
+    cut = set(cut) | {n.name for n in graph.nodes if node_prop(n, NO_GRAD_PROP)}
     forward: set[str] = set(w for w in wrt if graph.info[w].is_float)
     for node in graph.nodes:
         if node.op_type in NON_DIFFERENTIABLE or node.name in cut:

@@ -25,6 +25,7 @@ from memcc.errors import InputError
 from memcc.frontend.autocast import AutocastSummary, autocast, recast_in_backward
 from memcc.frontend.autodiff import differentiate
 from memcc.frontend.batch_chunks import BATCH, chunk_stems, emit_backward
+from memcc.frontend.buffer_updates import BufferUpdates, buffer_updates, carry_buffer_updates
 from memcc.frontend.build_options import LOSSES, OPTIMIZERS, BuildOptions
 from memcc.frontend.dropout_masks import add_counter, counter_dropouts, warn_inactive_dropouts
 from memcc.frontend.emit import Emitter
@@ -112,6 +113,7 @@ def build_training_step(forward: Graph, options: BuildOptions | None = None,
     warn_inactive_dropouts(graph, source)
     bn_stats = batchnorm_running_stats(graph)
     unbias_running_var(graph, bn_stats)  # PyTorch's running variance, for its models
+    written = buffer_updates(graph, bn_stats, source)  # other buffers the forward writes
     emap = export_map_of(graph)
     params = choose_parameters(graph, loss, bn_stats, opts.freeze, source, emap)
     sources = parameter_sources(graph, params)
@@ -135,7 +137,8 @@ def build_training_step(forward: Graph, options: BuildOptions | None = None,
         casts.recast_in_backward = recast_in_backward(graph, first_backward, [loss])
 
     out = StepWriter(graph, emit, {}, OutputNamer(graph, emit))
-    graph.outputs = _emit_step_end(out, step_loss.loss, params, grads, opts, bn_stats)
+    graph.outputs = _emit_step_end(out, step_loss.loss, params, grads, opts,
+                                   (bn_stats, written))
     graph.inputs = step_loss.data_inputs + [p for p in params] + [
         s for s in out.state.values() if s not in params
     ]
@@ -169,13 +172,16 @@ def _chunk_rows(graph: Graph, opts: BuildOptions, source: str) -> dict[str, dict
 
 
 def _emit_step_end(out: StepWriter, loss: str, params: list[str], grads: dict[str, str],
-                   opts: BuildOptions, bn_stats) -> list[str]:
-    """The update, the carried statistics and the dropout counter; the step's outputs."""
+                   opts: BuildOptions, carried: tuple[list, BufferUpdates]) -> list[str]:
+    """The update, the carried statistics and written buffers (``carried``) and the dropout
+    counter; the step's outputs."""
     graph = out.graph
     outputs = [loss]
     first_update = len(graph.nodes)
     outputs += emit_update(out, params, grads, opts)
+    bn_stats, written = carried
     outputs += carry_batchnorm_stats(out, bn_stats)
+    outputs += carry_buffer_updates(out, written)
     out.namer.apply()
     for node in graph.nodes[first_update:]:  # provenance: TrainingStep.roles reads it
         tag_node(node, role=Role.UPDATE.value)

@@ -58,12 +58,16 @@ class Signature:
     # BUFFER lines marked persistent=True: in the module's state_dict (BART's
     # final_logits_bias), where a non-persistent buffer (position_ids) is not.
     persistent_buffers: frozenset[str] = frozenset()
+    # (the program's output value, the buffer it is the new value of), one per
+    # BUFFER_MUTATION line: what the forward writes back into each mutated buffer
+    mutations: tuple[tuple[str, str], ...] = ()
 
     def to_json(self) -> str:
         return json.dumps({"parameters": sorted(self.parameters),
                            "buffers": sorted(self.buffers),
                            "mutated_buffers": sorted(self.mutated_buffers),
-                           "persistent_buffers": sorted(self.persistent_buffers)})
+                           "persistent_buffers": sorted(self.persistent_buffers),
+                           "mutations": [list(m) for m in self.mutations]})
 
     @classmethod
     def from_json(cls, text: str | None) -> Signature | None:
@@ -72,7 +76,8 @@ class Signature:
         d = json.loads(text)
         return cls(frozenset(d.get("parameters", ())), frozenset(d.get("buffers", ())),
                    frozenset(d.get("mutated_buffers", ())),
-                   frozenset(d.get("persistent_buffers", ())))
+                   frozenset(d.get("persistent_buffers", ())),
+                   tuple((v, b) for v, b in d.get("mutations", ())))
 
 
 def signature_entries(model: onnx.ModelProto) -> list[tuple[str, str, str | None, str]]:
@@ -102,7 +107,8 @@ def read_signature(model: onnx.ModelProto) -> Signature | None:
     buffers: set[str] = set()
     mutated: set[str] = set()
     persistent: set[str] = set()
-    for _, kind, target, line in signature_entries(model):
+    mutations: list[tuple[str, str]] = []
+    for value, kind, target, line in signature_entries(model):
         if not target:
             continue
         if kind == "PARAMETER":
@@ -113,8 +119,9 @@ def read_signature(model: onnx.ModelProto) -> Signature | None:
                 persistent.add(target)
         elif kind == "BUFFER_MUTATION":
             mutated.add(target)
+            mutations.append((value, target))
     return Signature(frozenset(params), frozenset(buffers), frozenset(mutated),
-                     frozenset(persistent))
+                     frozenset(persistent), tuple(mutations))
 
 
 def signature_of(graph: Graph) -> Signature | None:

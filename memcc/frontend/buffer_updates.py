@@ -1,0 +1,87 @@
+"""Buffers a dynamo-exported forward writes, besides BatchNorm's running statistics.
+
+A forward may write a buffer in place: an exponential moving average of its features, a
+codebook's usage counts, a step counter. torch.export records each write as a
+``BUFFER_MUTATION`` output of the program (the value, the buffer), and the dynamo exporter
+keeps the nodes that compute the value where the forward reads it after the write, but
+drops the output itself. Read as it is, the file makes a step that reads the buffer as
+exported at every step (the write is lost, so the model drifts from torch's from the second
+step on) and that differentiates through the new value, which torch computes without
+gradient: a buffer written in place under ``torch.no_grad()`` (written with gradient,
+torch's second backward fails, so no model that trains in torch does that).
+
+In: a ``Graph`` loaded from a dynamo export (its graph signature) and the BatchNorm
+statistics the builder carries already. Out: ``buffer_updates``: each written buffer whose
+new value the file still computes, carried as its next value (``carry_buffer_updates``
+names it ``<buffer>.new``) with the node computing it cut from the backward
+(``NO_GRAD_PROP``, read by ``autodiff.differentiable_values``); and the buffers whose new
+value the file does not hold (nothing the model outputs reads it, or the exporter's
+optimizer folded the buffer into constants), which stay as exported and which the builder
+warns of. TorchScript files record no writes (and do not tell buffers from parameters:
+README, ``--freeze``).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+from memcc.frontend.autodiff import NO_GRAD_PROP
+from memcc.frontend.export_signature import ExportWarning, signature_of
+from memcc.frontend.update import StepWriter
+from memcc.graph import Graph
+
+# BatchNorm's own buffers: the builder carries the statistics by the node's semantics
+# (``update.carry_batchnorm_stats``) and the counter drives nothing a step computes.
+_NORM_BUFFERS = (".running_mean", ".running_var", ".num_batches_tracked")
+
+
+@dataclass(frozen=True)
+class BufferUpdates:
+    """``carried``: (value, buffer) pairs, the value the buffer's next value; ``lost``:
+    written buffers whose new value the file does not hold."""
+
+    carried: tuple[tuple[str, str], ...] = ()
+    lost: tuple[str, ...] = ()
+
+
+def buffer_updates(graph: Graph, bn_stats, source: str) -> BufferUpdates:
+    """The buffers the forward writes, other than BatchNorm's, and the values written;
+    tags each value's node as computed without gradient, and notes the lost writes."""
+    sig = signature_of(graph)
+    if sig is None:
+        return BufferUpdates()
+    carried_stats = {s for _, m, v in bn_stats for s in (m, v)}
+    producers = {o: n for n in graph.nodes for o in n.output if o}
+    carried, lost = [], []
+    for value, buffer in sig.mutations:
+        if buffer in carried_stats or buffer.endswith(_NORM_BUFFERS):
+            continue
+        node = producers.get(value)
+        if node is None or buffer not in graph.initializers or \
+                graph.info[value].dtype != graph.info[buffer].dtype or \
+                graph.info[value].shape != graph.info[buffer].shape:
+            lost.append(buffer)
+            continue
+        node.metadata_props.add(key=NO_GRAD_PROP, value="1")
+        carried.append((value, buffer))
+    if lost:
+        warnings.warn(
+            f"{source}: the forward writes {len(lost)} buffer(s) (e.g. '{lost[0]}') whose "
+            "new value the step cannot carry: the file does not compute the value written "
+            "(the exporter drops it where nothing the model outputs reads it) or no longer "
+            "holds the buffer (the exporter's optimizer folds buffers into constants: "
+            "export with optimize=False). The step keeps them as exported, where torch's "
+            "forward updates them.", ExportWarning, stacklevel=2)
+    return BufferUpdates(tuple(carried), tuple(lost))
+
+
+def carry_buffer_updates(out: StepWriter, updates: BufferUpdates) -> list[str]:
+    """Each written buffer's new value as a step output, ``<buffer>.new``, carried into
+    the buffer at the next step as PyTorch's in-place write does; the outputs added."""
+    outputs = []
+    for value, buffer in updates.carried:
+        new_name = out.namer.name(value, f"{buffer}.new")
+        out.state[new_name] = buffer
+        outputs.append(new_name)
+    return outputs

@@ -1,0 +1,94 @@
+"""A buffer the forward writes (not BatchNorm's) is carried as torch writes it, gradient-free.
+
+A walk-through trained a module that centres its features by a running mean kept in a
+buffer (``ema.mul_(0.9).add_(0.1 * h.mean(0))`` under ``torch.no_grad()``), exported by
+dynamo: memcc read the buffer as exported at every step and differentiated through the new
+value, so the losses left torch's from the second step on (1.2e-2 relative after a few SGD
+steps, the buffer 100% off after 20). The write is the program's ``BUFFER_MUTATION`` output;
+the step now carries that value into the buffer and passes no gradient through it
+(``frontend/buffer_updates.py``).
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from sgd_steps import memcc_sgd_steps, torch_sgd_steps
+
+from memcc.frontend.build import BuildOptions, build_training_step
+from memcc.frontend.export_signature import ExportWarning
+from memcc.frontend.load import load_graph
+from memcc.graph import Graph
+from memcc.step import TrainingStep
+
+LR = 0.5
+STEPS = 3
+
+
+class _Centred(torch.nn.Module):
+    """Features centred by their running mean, a buffer written in the forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(4, 6)
+        self.fc = torch.nn.Linear(6, 3)
+        self.register_buffer("ema", torch.zeros(6))
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.fc1(x))
+        with torch.no_grad():
+            self.ema.mul_(0.9).add_(0.1 * h.mean(0))
+        return torch.nn.functional.mse_loss(self.fc(h - self.ema), t)
+
+
+def _export(module: torch.nn.Module, inputs: dict, path: Path, optimize: bool) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(copy.deepcopy(module), (), kwargs=inputs, dynamo=True,
+                          optimize=optimize, verbose=False).save(str(path))
+
+
+def _build(path: Path) -> Graph:
+    return build_training_step(load_graph(path), BuildOptions(
+        loss="none", optimizer="sgd", lr=LR, momentum=0.0))
+
+
+@pytest.fixture(scope="module")
+def module_and_inputs() -> tuple[torch.nn.Module, dict]:
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1)
+    return _Centred(), {"x": torch.randn(5, 4, generator=gen),
+                        "t": torch.randn(5, 3, generator=gen)}
+
+
+def test_a_written_buffer_is_carried_and_passes_no_gradient(module_and_inputs, tmp_path):
+    module, inputs = module_and_inputs
+    _export(module, inputs, tmp_path / "m.onnx", optimize=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ExportWarning)  # nothing lost, nothing to warn of
+        step = _build(tmp_path / "m.onnx")
+    spec = TrainingStep.of(step)
+    assert spec.state["ema.new"] == "ema"
+    assert "ema" not in spec.parameters
+    want_losses, want = torch_sgd_steps(module, inputs, STEPS, LR)
+    feeds = {k: v.numpy() for k, v in inputs.items()}
+    for threads in (1, 2):
+        got, state = memcc_sgd_steps(step, feeds, STEPS, threads)
+        np.testing.assert_allclose(got, want_losses, rtol=1e-5)
+        for name in ("ema", "fc1.weight", "fc1.bias"):  # fc1's gradient: none via ema
+            old = module.state_dict()[name].numpy()
+            np.testing.assert_allclose(state[name] - old, want[name] - old, rtol=1e-4,
+                                       atol=1e-6, err_msg=name)
+
+
+def test_a_write_the_file_lost_is_named(module_and_inputs, tmp_path):
+    """The optimizer folds ``0.9 * ema`` into a constant: no buffer is left to carry."""
+    module, inputs = module_and_inputs
+    _export(module, inputs, tmp_path / "m.onnx", optimize=True)
+    with pytest.warns(ExportWarning, match="writes 1 buffer.*'ema'.*optimize=False"):
+        _build(tmp_path / "m.onnx")
