@@ -11,6 +11,7 @@ ONNX's.
 from __future__ import annotations
 
 import copy
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -148,3 +149,22 @@ def test_batch_chunked_stem_updates_pytorchs_running_variance(tmp_path):
         for name, value in want.items():
             err = np.abs(out[f"{name}.new"] - value).max() / np.abs(value).max()
             assert err <= tol, (step is whole, name, err)
+
+
+@pytest.mark.parametrize("momentum", [None, 1.0, 0.1])
+def test_statistics_of_the_last_batch_alone_are_named(tmp_path, momentum):
+    """TorchScript fixes ``BatchNorm(momentum=None)``'s cumulative factor at export (1 for a
+    fresh module: ONNX momentum 0), so the step keeps each batch's statistics alone where
+    torch averages them: build says so (the file cannot tell it from momentum=1.0)."""
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3),
+                                 torch.nn.BatchNorm2d(4, momentum=momentum)).train()
+    path = tmp_path / "m.onnx"
+    torch.onnx.export(module, (torch.randn(2, 3, 6, 6),), str(path), dynamo=False,
+                      input_names=["x"], training=torch.onnx.TrainingMode.TRAINING,
+                      do_constant_folding=False)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        build_training_step(load_graph(path), BuildOptions(loss="mse"))
+    named = [w for w in seen if "have momentum 0" in str(w.message)]
+    assert len(named) == (0 if momentum == 0.1 else 1), [str(w.message) for w in seen]

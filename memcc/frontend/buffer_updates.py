@@ -19,6 +19,14 @@ value the file does not hold (nothing the model outputs reads it, or the exporte
 optimizer folded the buffer into constants), which stay as exported and which the builder
 warns of. TorchScript files record no writes (and do not tell buffers from parameters:
 README, ``--freeze``).
+
+Also here, ``warn_last_batch_statistics``: a training BatchNorm whose file says momentum 0,
+which TorchScript writes for ``BatchNorm(momentum=None)`` (PyTorch's cumulative average over
+every batch) of a fresh module: its factor ``1 / num_batches_tracked`` is fixed at export,
+1 after the traced call, so the step keeps each batch's statistics alone, where torch's
+averages drift apart from it from the second step on (2.2x the statistics' change off after
+20 steps, a walk-through's figure). The file cannot tell it from ``momentum=1.0``; the
+builder says what it does.
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ from dataclasses import dataclass
 from memcc.frontend.autodiff import NO_GRAD_PROP
 from memcc.frontend.export_signature import ExportWarning, signature_of
 from memcc.frontend.update import StepWriter
-from memcc.graph import Graph
+from memcc.graph import Graph, attr, node_label
 
 # BatchNorm's own buffers: the builder carries the statistics by the node's semantics
 # (``update.carry_batchnorm_stats``) and the counter drives nothing a step computes.
@@ -85,3 +93,18 @@ def carry_buffer_updates(out: StepWriter, updates: BufferUpdates) -> list[str]:
         out.state[new_name] = buffer
         outputs.append(new_name)
     return outputs
+
+
+def warn_last_batch_statistics(bn_stats, source: str) -> None:
+    """Warn of training BatchNorms whose running statistics are each batch's alone (ONNX
+    momentum 0): PyTorch's ``momentum=1.0``, or ``momentum=None`` exported by TorchScript."""
+    last = [node_label(node) for node, _, _ in bn_stats
+            if float(attr(node, "momentum", 0.9)) == 0.0]
+    if last:
+        warnings.warn(
+            f"{source}: {len(last)} training BatchNormalization node(s) (e.g. {last[0]}) "
+            "have momentum 0: each step sets their running statistics to that batch's "
+            "alone, as PyTorch's momentum=1.0 does. TorchScript writes this for "
+            "BatchNorm(momentum=None) (a cumulative average over all batches, whose factor "
+            "the export fixed), which the step cannot follow: if that is the model, set a "
+            "momentum (e.g. 0.1) before exporting.", ExportWarning, stacklevel=2)

@@ -25,7 +25,12 @@ from memcc.errors import InputError
 from memcc.frontend.autocast import AutocastSummary, autocast, recast_in_backward
 from memcc.frontend.autodiff import differentiate
 from memcc.frontend.batch_chunks import BATCH, chunk_stems, emit_backward
-from memcc.frontend.buffer_updates import BufferUpdates, buffer_updates, carry_buffer_updates
+from memcc.frontend.buffer_updates import (
+    BufferUpdates,
+    buffer_updates,
+    carry_buffer_updates,
+    warn_last_batch_statistics,
+)
 from memcc.frontend.build_options import LOSSES, OPTIMIZERS, BuildOptions
 from memcc.frontend.dropout_masks import add_counter, counter_dropouts, warn_inactive_dropouts
 from memcc.frontend.emit import Emitter
@@ -113,6 +118,7 @@ def build_training_step(forward: Graph, options: BuildOptions | None = None,
     warn_inactive_dropouts(graph, source)
     bn_stats = batchnorm_running_stats(graph)
     unbias_running_var(graph, bn_stats)  # PyTorch's running variance, for its models
+    warn_last_batch_statistics(bn_stats, source)
     written = buffer_updates(graph, bn_stats, source)  # other buffers the forward writes
     emap = export_map_of(graph)
     params = choose_parameters(graph, loss, bn_stats, opts.freeze, source, emap)
