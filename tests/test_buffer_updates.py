@@ -46,6 +46,29 @@ class _Centred(torch.nn.Module):
         return torch.nn.functional.mse_loss(self.fc(h - self.ema), t)
 
 
+class _Cached(torch.nn.Module):
+    """The last step's features kept in a buffer (read before the write, else the exporter
+    drops the buffer): copied detached and read back after (``detach``), or copied under
+    ``torch.no_grad()`` (not read after), where the value written is the model's own."""
+
+    def __init__(self, detach: bool) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(4, 6)
+        self.fc = torch.nn.Linear(6, 3)
+        self.register_buffer("cache", torch.zeros(5, 6))
+        self.detach = detach
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.fc1(x))
+        last = self.cache.mean()
+        if self.detach:
+            self.cache.copy_(h.detach())
+            return torch.nn.functional.mse_loss(self.fc(h) + last + self.cache.mean(), t)
+        with torch.no_grad():
+            self.cache.copy_(h)
+        return torch.nn.functional.mse_loss(self.fc(h) + last, t)
+
+
 def _export(module: torch.nn.Module, inputs: dict, path: Path, optimize: bool) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -66,24 +89,50 @@ def module_and_inputs() -> tuple[torch.nn.Module, dict]:
                         "t": torch.randn(5, 3, generator=gen)}
 
 
+def _trains_as_torch(module: torch.nn.Module, inputs: dict, step: Graph, buffer: str) -> None:
+    spec = TrainingStep.of(step)
+    assert spec.state[f"{buffer}.new"] == buffer
+    assert buffer not in spec.parameters
+    want_losses, want = torch_sgd_steps(module, inputs, STEPS, LR)
+    feeds = {k: v.numpy() for k, v in inputs.items()}
+    for threads in (1, 2):
+        got, state = memcc_sgd_steps(step, feeds, STEPS, threads)
+        np.testing.assert_allclose(got, want_losses, rtol=1e-5)
+        for name in (buffer, "fc1.weight", "fc1.bias"):  # fc1's gradient: none via the buffer
+            old = module.state_dict()[name].numpy()
+            np.testing.assert_allclose(state[name] - old, want[name] - old, rtol=1e-4,
+                                       atol=1e-6, err_msg=name)
+
+
 def test_a_written_buffer_is_carried_and_passes_no_gradient(module_and_inputs, tmp_path):
     module, inputs = module_and_inputs
     _export(module, inputs, tmp_path / "m.onnx", optimize=False)
     with warnings.catch_warnings():
         warnings.simplefilter("error", ExportWarning)  # nothing lost, nothing to warn of
         step = _build(tmp_path / "m.onnx")
-    spec = TrainingStep.of(step)
-    assert spec.state["ema.new"] == "ema"
-    assert "ema" not in spec.parameters
-    want_losses, want = torch_sgd_steps(module, inputs, STEPS, LR)
-    feeds = {k: v.numpy() for k, v in inputs.items()}
-    for threads in (1, 2):
-        got, state = memcc_sgd_steps(step, feeds, STEPS, threads)
-        np.testing.assert_allclose(got, want_losses, rtol=1e-5)
-        for name in ("ema", "fc1.weight", "fc1.bias"):  # fc1's gradient: none via ema
-            old = module.state_dict()[name].numpy()
-            np.testing.assert_allclose(state[name] - old, want[name] - old, rtol=1e-4,
-                                       atol=1e-6, err_msg=name)
+    _trains_as_torch(module, inputs, step, "ema")
+
+
+def test_a_detached_copy_read_back_passes_no_gradient(module_and_inputs, tmp_path):
+    """The exporter's ``detach`` is an Identity, the buffer's value alone: cut there."""
+    _, inputs = module_and_inputs
+    module = _Cached(detach=True)
+    _export(module, inputs, tmp_path / "m.onnx", optimize=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ExportWarning)
+        step = _build(tmp_path / "m.onnx")
+    _trains_as_torch(module, inputs, step, "cache")
+
+
+def test_a_copy_of_the_models_own_value_keeps_its_gradient(module_and_inputs, tmp_path):
+    """``cache.copy_(h)`` under no_grad writes ``h`` itself, which the model reads too:
+    cutting its node would leave ``fc1`` untrained. Carried, not cut, and named."""
+    _, inputs = module_and_inputs
+    module = _Cached(detach=False)
+    _export(module, inputs, tmp_path / "m.onnx", optimize=False)
+    with pytest.warns(ExportWarning, match="copies into 1 buffer.*'cache'"):
+        step = _build(tmp_path / "m.onnx")
+    _trains_as_torch(module, inputs, step, "cache")
 
 
 def test_a_write_the_file_lost_is_named(module_and_inputs, tmp_path):

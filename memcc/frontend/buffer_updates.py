@@ -20,6 +20,19 @@ optimizer folded the buffer into constants), which stay as exported and which th
 warns of. TorchScript files record no writes (and do not tell buffers from parameters:
 README, ``--freeze``).
 
+Which values the backward may not pass through: the file does not say which nodes torch ran
+under ``torch.no_grad()``, and after the write every read of the buffer reads the value
+written, under the value's own name. So the node is cut only where the value is the
+buffer's alone: an Identity (the exporter's ``detach``) or a value computed from the old
+buffer (a running mean, a queue, a counter: an in-place update, which a model that trains in
+torch makes without gradient). A value the model computed for itself and then copied into
+the buffer (``buf.copy_(h)`` under ``torch.no_grad()``) keeps its gradient, which the
+model's own reads need; a read of the buffer after such a write would pass gradient where
+torch's passes none, so the builder warns of the copy (``buf.copy_(h.detach())`` makes the
+buffer's value its own). Missed: a value computed with gradient from the old buffer and then
+copied into it (``h2 = h * buf``, then ``buf.copy_(h2)`` under ``no_grad``, ``h2`` read by
+the model) is cut as an update would be.
+
 Also here, ``warn_last_batch_statistics``: a training BatchNorm whose file says momentum 0,
 which TorchScript writes for ``BatchNorm(momentum=None)`` (PyTorch's cumulative average over
 every batch) of a fresh module: its factor ``1 / num_batches_tracked`` is fixed at export,
@@ -37,7 +50,7 @@ from dataclasses import dataclass
 from memcc.frontend.autodiff import NO_GRAD_PROP
 from memcc.frontend.export_signature import ExportWarning, signature_of
 from memcc.frontend.update import StepWriter
-from memcc.graph import Graph, attr, node_label
+from memcc.graph import Graph, ancestors, attr, node_label
 
 # BatchNorm's own buffers: the builder carries the statistics by the node's semantics
 # (``update.carry_batchnorm_stats``) and the counter drives nothing a step computes.
@@ -61,7 +74,7 @@ def buffer_updates(graph: Graph, bn_stats, source: str) -> BufferUpdates:
         return BufferUpdates()
     carried_stats = {s for _, m, v in bn_stats for s in (m, v)}
     producers = {o: n for n in graph.nodes for o in n.output if o}
-    carried, lost = [], []
+    carried, lost, copied = [], [], []
     for value, buffer in sig.mutations:
         if buffer in carried_stats or buffer.endswith(_NORM_BUFFERS):
             continue
@@ -71,16 +84,28 @@ def buffer_updates(graph: Graph, bn_stats, source: str) -> BufferUpdates:
                 graph.info[value].shape != graph.info[buffer].shape:
             lost.append(buffer)
             continue
-        node.metadata_props.add(key=NO_GRAD_PROP, value="1")
+        if node.op_type == "Identity" or buffer in ancestors([value], producers)[1]:
+            node.metadata_props.add(key=NO_GRAD_PROP, value="1")
+        elif any(value in n.input for n in graph.nodes):
+            copied.append(f"'{buffer}' with '{value}'")
         carried.append((value, buffer))
     if lost:
         warnings.warn(
             f"{source}: the forward writes {len(lost)} buffer(s) (e.g. '{lost[0]}') whose "
             "new value the step cannot carry: the file does not compute the value written "
-            "(the exporter drops it where nothing the model outputs reads it) or no longer "
-            "holds the buffer (the exporter's optimizer folds buffers into constants: "
-            "export with optimize=False). The step keeps them as exported, where torch's "
-            "forward updates them.", ExportWarning, stacklevel=2)
+            "(the exporter drops it where nothing the model outputs reads it) or does not "
+            "hold the buffer (the exporter drops one the forward overwrites unread, and its "
+            "optimizer folds buffers into constants: export with optimize=False). The step "
+            "keeps them as exported, where torch's forward updates them.",
+            ExportWarning, stacklevel=2)
+    if copied:
+        warnings.warn(
+            f"{source}: the forward copies into {len(copied)} buffer(s) a value it also "
+            f"uses itself ({copied[0]}): the step carries the write and keeps the value's "
+            "gradient for the model's own reads, but a read of the buffer after the write "
+            "reads the same value and would pass gradient where torch passes none. Write "
+            "buf.copy_(x.detach()) if the forward reads the buffer after writing it.",
+            ExportWarning, stacklevel=2)
     return BufferUpdates(tuple(carried), tuple(lost))
 
 
