@@ -203,6 +203,10 @@ CASES = [
          "--format pickle", "pickle"),
     case("export-out-missing-dir", "export {f}/step.onnx --checkpoint {f}/ck -o "
          "{o}/no/w.onnx", "no"),
+    case("export-no-checkpoint", "export {f}/step.onnx -o {o}/w.safetensors",
+         "--checkpoint"),
+    case("export-checkpoint-as-step", "export {f}/ck -o {o}/w.safetensors",
+         "memcc export STEP.onnx --checkpoint"),
     # --- tune
     case("tune-budget-words", "tune {f}/dyn.onnx --budget abc --dim batch=1..8", "abc"),
     case("tune-budget-zero", "tune {f}/dyn.onnx --budget 0 --dim batch=1..8", "0"),

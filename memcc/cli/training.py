@@ -398,9 +398,10 @@ def _train_with_progress(opts: TrainOptions, *, quiet: bool) -> TrainResult:
 
 def export_cmd(
     model: Annotated[Path, typer.Argument(help="The training step the checkpoint belongs to.")],
-    checkpoint: Annotated[Path, typer.Option(
-        help="Checkpoint file, or a directory (its newest checkpoint).")],
-    output: Annotated[Path, typer.Option("--output", "-o", help="Where to write.")],
+    checkpoint: Annotated[Optional[Path], typer.Option(  # noqa: UP045
+        help="Checkpoint file, or a directory (its newest checkpoint): what memcc train "
+             "--checkpoint wrote.")] = None,
+    output: Annotated[Path, typer.Option("--output", "-o", help="Where to write.")] = ...,
     fmt: Annotated[Optional[Literal["onnx", "safetensors"]], typer.Option(  # noqa: UP045
         "--format", case_sensitive=False,
         help="onnx (the forward model with the trained weights; default unless OUT ends in "
@@ -423,6 +424,8 @@ def export_cmd(
         else:
             warn(message)
 
+    if checkpoint is None:
+        fail(_no_checkpoint(model))
     suffix = output.suffix.lower()
     if fmt is not None and suffix in (".onnx", ".safetensors") and suffix != f".{fmt.lower()}":
         warn(f"--format {fmt} writes {fmt} into {output}, whose name says {suffix[1:]}: "
@@ -437,4 +440,17 @@ def export_cmd(
     except MemccError as exc:
         fail(exc)
     out.print(f"wrote {path}", highlight=False)
+
+
+def _no_checkpoint(model: Path) -> MemccError:
+    """The refusal of an export without ``--checkpoint``, saying where the checkpoint goes
+    where the argument given is one (a directory or a .safetensors file)."""
+    from memcc.api import InputError
+
+    if model.is_dir() or model.suffix.lower() == ".safetensors":
+        return InputError(f"{model} is a checkpoint, where export wants the training step "
+                          "first: memcc export STEP.onnx --checkpoint "
+                          f"{model} -o OUT")
+    return InputError(f"give --checkpoint: the checkpoint of {model} to export (the "
+                      "directory memcc train --checkpoint wrote, or one of its files)")
 
