@@ -1,4 +1,6 @@
 """Per-channel sums of NCHW tensors in two stages, for CUDA: no activation-sized Transpose.
+(NCHW here stands for any [N, C, ...] of rank 3 to 5: the spatial axes are one axis of
+H*W or D*H*W values in the first stage.)
 
 BatchNorm's statistics and the gradients of its scale and bias reduce every axis but the
 channels of an NCHW tensor. ORT's CUDA kernel adds such leading-axis sums with atomics: slow
@@ -28,6 +30,8 @@ largest magnitude in float32, at 1 and 2 threads). Other leading-axis reductions
 
 from __future__ import annotations
 
+import math
+
 import onnx
 from onnx import TensorProto
 
@@ -50,19 +54,22 @@ TWO_STAGE = {"ReduceSum": ("ReduceSum", "ReduceSum"),
 
 
 def _is_per_channel(graph: Graph, node: onnx.NodeProto, producers) -> bool:
-    """A float32/64 per-channel ReduceSum, ReduceMean or ReduceSumSquare of a 4-D tensor
-    (``deterministic_reductions.per_channel``)."""
+    """A float32/64 per-channel ReduceSum, ReduceMean or ReduceSumSquare of an [N, C, ...]
+    tensor of rank 3 to 5 (``deterministic_reductions.per_channel``): BatchNorm1d over a
+    sequence, BatchNorm2d, BatchNorm3d. Rank 2 ([N, C]: the Transpose form is already
+    this form's second stage) is left to ``to_trailing_axes``."""
     if node.domain not in ("", "ai.onnx") or node.op_type not in TWO_STAGE:
         return False
     x, y = graph.info.get(node.input[0]), graph.info.get(node.output[0])
-    if x is None or y is None or len(x.shape) != 4 or x.dtype not in _WIDE_FLOATS:
+    if x is None or y is None or len(x.shape) < 3 or x.dtype not in _WIDE_FLOATS:
         return False
-    axes = reduced_axes(graph, node, 4, producers)
+    rank = len(x.shape)
+    axes = reduced_axes(graph, node, rank, producers)
     if axes is None:
         return False
     # Unit axes left out, as ``to_trailing_axes`` judges (``deterministic_reductions``).
     return per_channel([a for a in axes if x.shape[a] > 1],
-                       [a for a in range(4) if a not in axes and x.shape[a] > 1])
+                       [a for a in range(rank) if a not in axes and x.shape[a] > 1])
 
 
 def per_channel_two_stage(graph: Graph) -> tuple[Graph, Report]:
@@ -87,10 +94,11 @@ def _emit_two_stage(emit: Emitter, node: onnx.NodeProto) -> None:
     """The two stages of ``node`` (module docstring), its output under its own name (the
     name is ``rewrite_each``'s to give)."""
     x_info, y_info = emit.info(node.input[0]), emit.info(node.output[0])
-    n, c, h, w = (int(d) for d in x_info.shape)
+    n, c, *spatial = (int(d) for d in x_info.shape)
+    pixels = math.prod(spatial)
     first, second = TWO_STAGE[node.op_type]
-    if h * w > 1:
-        rows = _reduce(emit, first, emit.reshape(node.input[0], [n, c, h * w]), 2,
+    if pixels > 1:
+        rows = _reduce(emit, first, emit.reshape(node.input[0], [n, c, pixels]), 2,
                        TensorInfo(y_info.dtype, (n, c)))
     else:  # nothing to reduce in the first stage: the square goes to the second
         rows, second = emit.reshape(node.input[0], [n, c]), first
