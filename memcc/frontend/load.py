@@ -32,6 +32,7 @@ from memcc.frontend.canonicalize import (
     shapes_needed,
 )
 from memcc.frontend.cast_chains import drop_cast_chains
+from memcc.frontend.conv3d_bias import drop_zero_conv3d_bias
 from memcc.frontend.deduplicated import kept_tied, untie_deduplicated
 from memcc.frontend.dropout_masks import upgrade_step
 from memcc.frontend.export_map import EXPORT_MAP_KEY, read_export_map
@@ -156,6 +157,7 @@ def load_graph(
     if model.functions:
         model = onnx.inliner.inline_local_functions(model)
     lift_training_batchnorm(model, where)  # opset 13's training BatchNorm: opset 14's form
+    drop_zero_conv3d_bias(model)  # dynamo's [M, 2] zero bias of a Conv3d: ORT refuses it
     symbolic = symbolic_dims_of(model)  # before binding: the exported model's own axes
     _bind_input_dims(model, dict(dims or {}), where)
     model = _infer(model, where)
