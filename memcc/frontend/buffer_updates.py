@@ -22,16 +22,21 @@ README, ``--freeze``).
 
 Which values the backward may not pass through: the file does not say which nodes torch ran
 under ``torch.no_grad()``, and after the write every read of the buffer reads the value
-written, under the value's own name. So the node is cut only where the value is the
-buffer's alone: an Identity (the exporter's ``detach``) or a value computed from the old
-buffer (a running mean, a queue, a counter: an in-place update, which a model that trains in
-torch makes without gradient). A value the model computed for itself and then copied into
-the buffer (``buf.copy_(h)`` under ``torch.no_grad()``) keeps its gradient, which the
-model's own reads need; a read of the buffer after such a write would pass gradient where
-torch's passes none, so the builder warns of the copy (``buf.copy_(h.detach())`` makes the
-buffer's value its own). Missed: a value computed with gradient from the old buffer and then
-copied into it (``h2 = h * buf``, then ``buf.copy_(h2)`` under ``no_grad``, ``h2`` read by
-the model) is cut as an update would be.
+written, under the value's own name. So the node is cut only where the value is the buffer's
+alone: an Identity (the exporter's ``detach``) or a value computed from the old value of a
+buffer the forward writes (a running mean, a queue, a counter: an in-place update, which a
+model that trains in torch makes without gradient; or another buffer's, as
+``spectral_norm``'s power iteration writes ``_u`` from ``_v`` and ``_v`` from ``_u``, where
+the old ``_u`` is never read and the exporter drops it: cut all the same, since the weight
+is divided by ``u . W v`` with both vectors constants, 2.7e-3 relative off torch after two
+SGD steps when ``_u`` passed gradient). A value the model computed for itself and then
+copied into the buffer (``buf.copy_(h)`` under ``torch.no_grad()``) keeps its gradient,
+which the model's own reads need; a read of the buffer after such a write would pass
+gradient where torch's passes none, so the builder warns of the copy
+(``buf.copy_(h.detach())`` makes the buffer's value its own). Missed: a value computed with
+gradient from the old value of a written buffer and then copied into one (``h2 = h * buf``,
+then ``buf.copy_(h2)`` under ``no_grad``, ``h2`` read by the model) is cut as an update
+would be.
 
 Also here, ``warn_last_batch_statistics``: a training BatchNorm whose file says momentum 0,
 which TorchScript writes for ``BatchNorm(momentum=None)`` (PyTorch's cumulative average over
@@ -74,19 +79,23 @@ def buffer_updates(graph: Graph, bn_stats, source: str) -> BufferUpdates:
         return BufferUpdates()
     carried_stats = {s for _, m, v in bn_stats for s in (m, v)}
     producers = {o: n for n in graph.nodes for o in n.output if o}
+    writes = [(v, b) for v, b in sig.mutations
+              if b not in carried_stats and not b.endswith(_NORM_BUFFERS)]
+    written = {b for _, b in writes}
     carried, lost, copied = [], [], []
-    for value, buffer in sig.mutations:
-        if buffer in carried_stats or buffer.endswith(_NORM_BUFFERS):
-            continue
+    for value, buffer in writes:
         node = producers.get(value)
+        # cut even where the buffer is lost (spectral_norm's _u, overwritten unread)
+        cut = node is not None and (node.op_type == "Identity"
+                                    or bool(written & ancestors([value], producers)[1]))
+        if cut:
+            node.metadata_props.add(key=NO_GRAD_PROP, value="1")
         if node is None or buffer not in graph.initializers or \
                 graph.info[value].dtype != graph.info[buffer].dtype or \
                 graph.info[value].shape != graph.info[buffer].shape:
             lost.append(buffer)
             continue
-        if node.op_type == "Identity" or buffer in ancestors([value], producers)[1]:
-            node.metadata_props.add(key=NO_GRAD_PROP, value="1")
-        elif any(value in n.input for n in graph.nodes):
+        if not cut and any(value in n.input for n in graph.nodes):
             copied.append(f"'{buffer}' with '{value}'")
         carried.append((value, buffer))
     if lost:
