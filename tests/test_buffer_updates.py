@@ -46,6 +46,25 @@ class _Centred(torch.nn.Module):
         return torch.nn.functional.mse_loss(self.fc(h - self.ema), t)
 
 
+class _BiasCorrected(torch.nn.Module):
+    """A running mean corrected for its start at zero by a step counter, an int64 buffer
+    the forward increments (``steps += 1``), as Adam corrects its moments."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(4, 6)
+        self.fc = torch.nn.Linear(6, 3)
+        self.register_buffer("ema", torch.zeros(6))
+        self.register_buffer("steps", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.fc1(x))
+        with torch.no_grad():
+            self.steps += 1
+            self.ema.mul_(0.9).add_(0.1 * h.mean(0))
+        return torch.nn.functional.mse_loss(self.fc(h - self.ema / (1 - 0.9 ** self.steps)), t)
+
+
 class _SpectralNormed(torch.nn.Module):
     """``spectral_norm``'s power iteration writes ``_u`` from ``_v`` and then ``_v`` from
     ``_u`` under ``torch.no_grad()``, and the weight is divided by ``u . W v`` with both
@@ -148,6 +167,22 @@ def test_a_copy_of_the_models_own_value_keeps_its_gradient(module_and_inputs, tm
     with pytest.warns(ExportWarning, match="copies into 1 buffer.*'cache'"):
         step = _build(tmp_path / "m.onnx")
     _trains_as_torch(module, inputs, step, "cache")
+
+
+def test_a_written_step_counter_counts(module_and_inputs, tmp_path):
+    """``steps + 1`` reads an int64 initializer and a constant: the load folded it into a
+    constant 1 (shape arithmetic's rule), so ``steps.new`` was 1 at every step and the
+    correction stayed the first step's (3.8e-2 relative off torch's third loss)."""
+    _, inputs = module_and_inputs
+    torch.manual_seed(0)
+    module = _BiasCorrected()
+    _export(module, inputs, tmp_path / "m.onnx", optimize=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ExportWarning)
+        step = _build(tmp_path / "m.onnx")
+    _trains_as_torch(module, inputs, step, "ema")
+    got = memcc_sgd_steps(step, {k: v.numpy() for k, v in inputs.items()}, STEPS, 1)[1]
+    assert int(got["steps"]) == STEPS
 
 
 def test_spectral_norms_vectors_pass_no_gradient(module_and_inputs, tmp_path):

@@ -9,7 +9,10 @@ turns them into Constant nodes, which ORT loads as initializers and never schedu
 Only small integer values (shape arithmetic) computed from Shape/Size and from non-float
 constants are folded: nothing that reads a parameter, so no weight is baked into a constant,
 and no float tensor, because a folded value lives for the whole step (a ConstantOfShape
-zeros tensor computed when needed is cheaper than one held from the start).
+zeros tensor computed when needed is cheaper than one held from the start). An integer
+buffer the forward writes (a step counter, ``steps += 1``: a ``BUFFER_MUTATION`` of the
+dynamo exporter's signature) is no constant: the step carries it, and its ``steps + 1``
+folded from the exported value was written back as 1 at every step.
 
 Each Constant keeps the node it replaced (``FOLDED_FROM``, on the Constant's metadata), so
 that ``memcc export`` can write the forward model with the exporter's shape computations
@@ -26,6 +29,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from memcc.frontend.constants import constant_node_value
+from memcc.frontend.export_signature import signature_of
 from memcc.graph import Graph, TensorInfo, in_dependency_order
 from memcc.step import KIND_KEY, TRAINING_STEP
 
@@ -41,8 +45,11 @@ def fold_shape_computations(graph: Graph) -> tuple[Graph, dict]:
     """Replace statically known small nodes by Constant nodes in place; return the graph
     and how many (the pass contract, ``memcc/pass_contract.py``)."""
     known: dict[str, np.ndarray] = {}
+    sig = signature_of(graph)
+    written = sig.mutated_buffers if sig is not None else frozenset()
     for name, arr in graph.initializers.items():
-        if name not in graph.inputs and not np.issubdtype(np.asarray(arr).dtype, np.floating):
+        if name not in graph.inputs and name not in written and \
+                not np.issubdtype(np.asarray(arr).dtype, np.floating):
             known[name] = np.asarray(arr)
     folded: set[str] = set()
     new_nodes: list[onnx.NodeProto] = []
