@@ -135,8 +135,8 @@ def restore_training_batchnorm(graph: Graph, source: str) -> list[str]:
                     node.attribute.remove(a)
             node.attribute.append(onnx.helper.make_attribute("training_mode", 1))
             restored.append(node.name)
-        else:
-            kept.append(node_label(node))
+        elif stats & set(graph.initializers):  # not statistics the forward computes
+            kept.append(node_label(node))  # (BatchNorm(track_running_stats=False)'s)
     if restored:
         warnings.warn(
             f"{source}: {len(restored)} BatchNormalization node(s) were exported in inference "
