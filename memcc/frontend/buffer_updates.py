@@ -53,7 +53,7 @@ import warnings
 from dataclasses import dataclass
 
 from memcc.frontend.autodiff import NO_GRAD_PROP
-from memcc.frontend.export_signature import ExportWarning, signature_of
+from memcc.frontend.export_signature import ExportNote, ExportWarning, signature_of
 from memcc.frontend.update import StepWriter
 from memcc.graph import Graph, ancestors, attr, node_label
 
@@ -65,7 +65,8 @@ _NORM_BUFFERS = (".running_mean", ".running_var", ".num_batches_tracked")
 @dataclass(frozen=True)
 class BufferUpdates:
     """``carried``: (value, buffer) pairs, the value the buffer's next value; ``lost``:
-    written buffers whose new value the file does not hold."""
+    written buffers whose new value the file does not hold (not those the file does not
+    hold at all, overwritten unread: their values are computed anew, and noted)."""
 
     carried: tuple[tuple[str, str], ...] = ()
     lost: tuple[str, ...] = ()
@@ -82,7 +83,7 @@ def buffer_updates(graph: Graph, bn_stats, source: str) -> BufferUpdates:
     writes = [(v, b) for v, b in sig.mutations
               if b not in carried_stats and not b.endswith(_NORM_BUFFERS)]
     written = {b for _, b in writes}
-    carried, lost, copied = [], [], []
+    carried, lost, copied, unread = [], [], [], []
     for value, buffer in writes:
         node = producers.get(value)
         # cut even where the buffer is lost (spectral_norm's _u, overwritten unread)
@@ -90,6 +91,10 @@ def buffer_updates(graph: Graph, bn_stats, source: str) -> BufferUpdates:
                                     or bool(written & ancestors([value], producers)[1]))
         if cut:
             node.metadata_props.add(key=NO_GRAD_PROP, value="1")
+        if node is not None and buffer not in graph.info and \
+                not _reads_folded(graph, value, producers, sig.parameters | sig.buffers):
+            unread.append(buffer)  # spectral_norm's _u: computed anew at each step
+            continue
         if node is None or buffer not in graph.initializers or \
                 graph.info[value].dtype != graph.info[buffer].dtype or \
                 graph.info[value].shape != graph.info[buffer].shape:
@@ -107,6 +112,13 @@ def buffer_updates(graph: Graph, bn_stats, source: str) -> BufferUpdates:
             "optimizer folds buffers into constants: export with optimize=False). The step "
             "keeps them as exported, where torch's forward updates them.",
             ExportWarning, stacklevel=2)
+    if unread:
+        warnings.warn(
+            f"{source}: the forward overwrites {len(unread)} buffer(s) it does not read "
+            f"before (e.g. '{unread[0]}'), which the exporter does not keep: the step "
+            "computes their values anew at each step, as torch's forward does, but memcc "
+            "export writes none of them (load_state_dict(..., strict=False) keeps the "
+            "module's own, which its eval mode reads).", ExportNote, stacklevel=2)
     if copied:
         warnings.warn(
             f"{source}: the forward copies into {len(copied)} buffer(s) a value it also "
@@ -116,6 +128,14 @@ def buffer_updates(graph: Graph, bn_stats, source: str) -> BufferUpdates:
             "buf.copy_(x.detach()) if the forward reads the buffer after writing it.",
             ExportWarning, stacklevel=2)
     return BufferUpdates(tuple(carried), tuple(lost))
+
+
+def _reads_folded(graph: Graph, value: str, producers, state: frozenset[str]) -> bool:
+    """Whether ``value`` is computed from an initializer that is no PyTorch parameter or
+    buffer: a constant the exporter's optimizer folded, maybe from the buffer written (so
+    a buffer missing from the file was folded, not overwritten unread)."""
+    return any(v in graph.initializers and v not in state
+               for v in ancestors([value], producers)[1])
 
 
 def carry_buffer_updates(out: StepWriter, updates: BufferUpdates) -> list[str]:
