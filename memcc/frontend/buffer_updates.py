@@ -12,13 +12,14 @@ torch's second backward fails, so no model that trains in torch does that).
 
 In: a ``Graph`` loaded from a dynamo export (its graph signature) and the BatchNorm
 statistics the builder carries already. Out: ``buffer_updates``: each written buffer whose
-new value the file still computes, carried as its next value (``carry_buffer_updates``
-names it ``<buffer>.new``) with the node computing it cut from the backward
-(``NO_GRAD_PROP``, read by ``autodiff.differentiable_values``); and the buffers whose new
-value the file does not hold (nothing the model outputs reads it, or the exporter's
-optimizer folded the buffer into constants), which stay as exported and which the builder
-warns of. TorchScript files record no writes (and do not tell buffers from parameters:
-README, ``--freeze``).
+new value the file still computes, carried as its next value (``carry_buffer_updates`` names
+it ``<buffer>.new``) with the node computing it cut from the backward (``NO_GRAD_PROP``,
+read by ``autodiff.differentiable_values``); and the buffers whose new value the file does
+not hold (nothing the model outputs reads it, or the exporter's optimizer folded the buffer
+into constants), which stay as exported and which the builder warns of; a buffer the forward
+overwrites unread, which the exporter drops (``spectral_norm``'s ``_u``), is added as zeros
+and carried, so that ``memcc export`` writes the value torch's eval mode reads. TorchScript
+files record no writes (and do not tell buffers from parameters: README, ``--freeze``).
 
 Which values the backward may not pass through: the file does not say which nodes torch ran
 under ``torch.no_grad()``, and after the write every read of the buffer reads the value
@@ -51,6 +52,9 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+
+import numpy as np
+from onnx import helper
 
 from memcc.frontend.autodiff import NO_GRAD_PROP
 from memcc.frontend.export_signature import ExportNote, ExportWarning, signature_of
@@ -93,7 +97,9 @@ def buffer_updates(graph: Graph, bn_stats, source: str) -> BufferUpdates:
             node.metadata_props.add(key=NO_GRAD_PROP, value="1")
         if node is not None and buffer not in graph.info and \
                 not _reads_folded(graph, value, producers, sig.parameters | sig.buffers):
-            unread.append(buffer)  # spectral_norm's _u: computed anew at each step
+            unread.append(buffer)  # spectral_norm's _u: computed anew at each step,
+            _hold_unread(graph, value, buffer)  # carried for memcc export and eval mode
+            carried.append((value, buffer))
             continue
         if node is None or buffer not in graph.initializers or \
                 graph.info[value].dtype != graph.info[buffer].dtype or \
@@ -116,9 +122,9 @@ def buffer_updates(graph: Graph, bn_stats, source: str) -> BufferUpdates:
         warnings.warn(
             f"{source}: the forward overwrites {len(unread)} buffer(s) it does not read "
             f"before (e.g. '{unread[0]}'), which the exporter does not keep: the step "
-            "computes their values anew at each step, as torch's forward does, but memcc "
-            "export writes none of them (load_state_dict(..., strict=False) keeps the "
-            "module's own, which its eval mode reads).", ExportNote, stacklevel=2)
+            "computes their values anew at each step, as torch's forward does, and carries "
+            "the last (zeros before the first step) so that memcc export writes them for "
+            "the module's eval mode.", ExportNote, stacklevel=2)
     if copied:
         warnings.warn(
             f"{source}: the forward copies into {len(copied)} buffer(s) a value it also "
@@ -128,6 +134,16 @@ def buffer_updates(graph: Graph, bn_stats, source: str) -> BufferUpdates:
             "buf.copy_(x.detach()) if the forward reads the buffer after writing it.",
             ExportWarning, stacklevel=2)
     return BufferUpdates(tuple(carried), tuple(lost))
+
+
+def _hold_unread(graph: Graph, value: str, buffer: str) -> None:
+    """A buffer the file does not hold, as an initializer of zeros shaped like the value
+    written into it: the forward never reads it (it overwrites it first), so the zeros
+    reach nothing; carried, it holds the last value written, as torch's buffer does."""
+    info = graph.info[value]
+    graph.initializers[buffer] = np.zeros(info.shape, helper.tensor_dtype_to_np_dtype(
+        info.dtype))
+    graph.info[buffer] = info
 
 
 def _reads_folded(graph: Graph, value: str, producers, state: frozenset[str]) -> bool:

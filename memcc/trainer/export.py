@@ -204,7 +204,7 @@ def export_weights(graph: Graph, spec: TrainingStep, state: Mapping[str, np.ndar
         for name in names:
             weights.setdefault(name, value)
     weights.update(_untrained_parameters(graph, spec, fwd, set(weights), warn))
-    weights.update(_persistent_buffers(graph, fwd, set(weights), warn))
+    weights.update(_persistent_buffers(graph, fwd, state, set(weights), warn))
     return ckpt.write_safetensors(out, weights, {"format": "pt", "memcc.step_file": source})
 
 
@@ -258,15 +258,19 @@ def _untrained_parameters(graph: Graph, spec: TrainingStep, fwd: Graph, written:
     return kept
 
 
-def _persistent_buffers(graph: Graph, fwd: Graph, written: set[str],
-                        warn: Callable[[str], None] | None) -> dict[str, np.ndarray]:
+def _persistent_buffers(graph: Graph, fwd: Graph, state: Mapping[str, np.ndarray],
+                        written: set[str], warn: Callable[[str], None] | None
+                        ) -> dict[str, np.ndarray]:
     """The persistent buffers of a dynamo export (its graph signature's ``persistent=True``
     lines: in the module's ``state_dict``, so a strict load wants them) that the forward
     model holds, with the value it holds: constants memcc never trains (BART's
-    ``final_logits_bias``). ``warn`` hears of the others, which no file says the value of."""
+    ``final_logits_bias``); or that the step carries though the forward model does not
+    read them (``spectral_norm``'s ``_u``, overwritten unread: ``buffer_updates``), with
+    the value carried. ``warn`` hears of the others, which no file says the value of."""
     sig = signature_of(graph)
     names = sorted(sig.persistent_buffers - written) if sig is not None else []
-    held = {n: np.asarray(fwd.initializers[n]) for n in names if n in fwd.initializers}
+    held = {n: np.asarray(fwd.initializers[n] if n in fwd.initializers else state[n])
+            for n in names if n in fwd.initializers or n in state}
     # A BatchNorm's step counter is no state memcc keeps, and torch's BatchNorm loads a
     # state_dict without it, even strictly (it keeps its own): not worth a warning on every
     # convnet (snag 13 of session 38's walk-through).
