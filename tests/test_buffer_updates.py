@@ -233,6 +233,35 @@ def test_spectral_norms_unread_vector_is_carried_and_exported(module_and_inputs,
                                    rtol=1e-5)
 
 
+class _EvoNormed(torch.nn.Module):
+    """timm's ``EvoNorm2dB0`` in train mode: its own ``running_var``, written and read in
+    eval mode alone, so the exporter drops the write (nothing the loss reads needs it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(4, 6)
+        self.fc = torch.nn.Linear(6, 3)
+        self.norm = torch.nn.Module()
+        self.norm.register_buffer("running_var", torch.ones(6))
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)
+        var = h.var(0, unbiased=False)
+        with torch.no_grad():
+            self.norm.running_var.copy_(0.9 * self.norm.running_var + 0.1 * var)
+        return torch.nn.functional.mse_loss(self.fc(h / (var + 1e-5).sqrt()), t)
+
+
+def test_a_running_var_of_no_batchnorm_is_not_taken_for_one(module_and_inputs, tmp_path):
+    """The builder skipped every written ``*.running_var`` as BatchNorm's, which it carries
+    by the node: EvoNorm's write was lost with nothing said (the buffer 100% of its change
+    off torch's after 2 steps, and missing from ``memcc export``)."""
+    _, inputs = module_and_inputs
+    _export(_EvoNormed(), inputs, tmp_path / "m.onnx", optimize=False)
+    with pytest.warns(ExportWarning, match=r"writes 1 buffer.*'norm\.running_var'"):
+        _build(tmp_path / "m.onnx")
+
+
 def test_a_write_the_file_lost_is_named(module_and_inputs, tmp_path):
     """The optimizer folds ``0.9 * ema`` into a constant: no buffer is left to carry."""
     module, inputs = module_and_inputs

@@ -62,8 +62,11 @@ from memcc.frontend.update import StepWriter
 from memcc.graph import Graph, ancestors, attr, node_label
 
 # BatchNorm's own buffers: the builder carries the statistics by the node's semantics
-# (``update.carry_batchnorm_stats``) and the counter drives nothing a step computes.
-_NORM_BUFFERS = (".running_mean", ".running_var", ".num_batches_tracked")
+# (``update.carry_batchnorm_stats``) and the counter drives nothing a step computes. A
+# name alone does not make a statistic BatchNorm's: timm's EvoNorm2dB0 writes a
+# ``running_var`` of its own, without a ``running_mean`` (``_folded_statistic``).
+_NORM_BUFFERS = (".running_mean", ".running_var")
+_COUNTER = ".num_batches_tracked"
 
 
 @dataclass(frozen=True)
@@ -84,8 +87,8 @@ def buffer_updates(graph: Graph, bn_stats, source: str) -> BufferUpdates:
         return BufferUpdates()
     carried_stats = {s for _, m, v in bn_stats for s in (m, v)}
     producers = {o: n for n in graph.nodes for o in n.output if o}
-    writes = [(v, b) for v, b in sig.mutations
-              if b not in carried_stats and not b.endswith(_NORM_BUFFERS)]
+    writes = [(v, b) for v, b in sig.mutations if b not in carried_stats and not
+              b.endswith(_COUNTER) and not _folded_statistic(graph, b, sig.mutated_buffers)]
     written = {b for _, b in writes}
     carried, lost, copied, unread = [], [], [], []
     for value, buffer in writes:
@@ -134,6 +137,20 @@ def buffer_updates(graph: Graph, bn_stats, source: str) -> BufferUpdates:
             "buf.copy_(x.detach()) if the forward reads the buffer after writing it.",
             ExportWarning, stacklevel=2)
     return BufferUpdates(tuple(carried), tuple(lost))
+
+
+def _folded_statistic(graph: Graph, buffer: str, mutated: frozenset[str]) -> bool:
+    """Whether ``buffer`` is a running statistic of a BatchNorm (the forward writes both
+    its module's ``running_mean`` and ``running_var``) that the file no longer holds: the
+    exporter's optimizer folded the BatchNorm into its convolution, which the builder warns
+    of (``exported.folded_batchnorms``). EvoNorm's lone ``running_var`` is no such one: its
+    write is carried, or warned of as lost, as any other buffer's."""
+    for suffix in _NORM_BUFFERS:
+        if buffer.endswith(suffix):
+            module = buffer[:-len(suffix)]
+            return buffer not in graph.info and \
+                {module + s for s in _NORM_BUFFERS} <= mutated
+    return False
 
 
 def _hold_unread(graph: Graph, value: str, buffer: str) -> None:
