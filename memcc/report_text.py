@@ -55,7 +55,8 @@ def summary_lines(report: dict) -> list[str]:
         # "of" --time-limit: the smallest-peak search gets what the compile's other
         # stages leave of it (a walk-through read "stopped by --time-limit 30 s" on a
         # compile of 22 s in all).
-        lines.append(f"search   {cut} stopped by their share of --time-limit"
+        whose = "its" if cut.startswith("1 ") else "their"  # "1 search ... its share"
+        lines.append(f"search   {cut} stopped by {whose} share of --time-limit"
                      + (f" {limit:g} s" if isinstance(limit, (int, float)) else "")
                      + ": a longer --time-limit may reach a smaller budget, and runs can "
                      "differ")

@@ -57,7 +57,8 @@ def test_a_smallest_budget_the_clock_cut_says_so():
     assert not any(line.startswith("search") for line in summary_lines(report))
     # A solve the clock left unrun counts too (request.stopped_by_clock, as analyze reads it).
     report["strategies"] = [{"strategy": "ilp", "status": "not run: time limit reached"}]
-    assert any(line.startswith("search   1 search stopped") for line in summary_lines(report))
+    assert any(line.startswith("search   1 search stopped by its share of --time-limit 60 s")
+               for line in summary_lines(report))  # not "1 search ... their share
     report["strategies"] = [{"strategy": "ilp", "limit_hit": "time"}]
     report["budget_was_min"] = False
     assert not any(line.startswith("search") for line in summary_lines(report))
