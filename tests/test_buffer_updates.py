@@ -84,18 +84,23 @@ class _SpectralNormed(torch.nn.Module):
 class _Cached(torch.nn.Module):
     """The last step's features kept in a buffer (read before the write, else the exporter
     drops the buffer): copied detached and read back after (``detach``), or copied under
-    ``torch.no_grad()`` (not read after), where the value written is the model's own."""
+    ``torch.no_grad()`` (not read after), where the value written is the model's own;
+    ``centred``: the features centred by a running mean, another buffer written."""
 
-    def __init__(self, detach: bool) -> None:
+    def __init__(self, detach: bool, centred: bool = False) -> None:
         super().__init__()
         self.fc1 = torch.nn.Linear(4, 6)
         self.fc = torch.nn.Linear(6, 3)
         self.register_buffer("cache", torch.zeros(5, 6))
-        self.detach = detach
+        self.register_buffer("ema", torch.full((6,), 0.1))
+        self.detach, self.centred = detach, centred
 
     def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        h = torch.tanh(self.fc1(x))
-        last = self.cache.mean()
+        h = torch.tanh(self.fc1(x) - self.ema if self.centred else self.fc1(x))
+        if self.centred:  # read after the write, else the exporter drops the new value
+            with torch.no_grad():
+                self.ema.mul_(0.9).add_(0.1 * h.mean(0))
+        last = self.cache.mean() + self.ema.mean()
         if self.detach:
             self.cache.copy_(h.detach())
             return torch.nn.functional.mse_loss(self.fc(h) + last + self.cache.mean(), t)
@@ -160,11 +165,14 @@ def test_a_detached_copy_read_back_passes_no_gradient(module_and_inputs, tmp_pat
     _trains_as_torch(module, inputs, step, "cache")
 
 
-def test_a_copy_of_the_models_own_value_keeps_its_gradient(module_and_inputs, tmp_path):
+@pytest.mark.parametrize("centred", [False, True])
+def test_a_copy_of_the_models_own_value_keeps_its_gradient(module_and_inputs, tmp_path,
+                                                           centred):
     """``cache.copy_(h)`` under no_grad writes ``h`` itself, which the model reads too:
-    cutting its node would leave ``fc1`` untrained. Carried, not cut, and named."""
+    cutting its node would leave ``fc1`` untrained. Carried, not cut, and named; also
+    where ``h`` read another written buffer (``centred``), since the batch reaches it."""
     _, inputs = module_and_inputs
-    module = _Cached(detach=False)
+    module = _Cached(detach=False, centred=centred)
     _export(module, inputs, tmp_path / "m.onnx", optimize=False)
     with pytest.warns(ExportWarning, match="copies into 1 buffer.*'cache'"):
         step = _build(tmp_path / "m.onnx")

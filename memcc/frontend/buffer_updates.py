@@ -31,13 +31,16 @@ model that trains in torch makes without gradient; or another buffer's, as
 the old ``_u`` is never read and the exporter drops it: cut all the same, since the weight
 is divided by ``u . W v`` with both vectors constants, 2.7e-3 relative off torch after two
 SGD steps when ``_u`` passed gradient). A value the model computed for itself and then
-copied into the buffer (``buf.copy_(h)`` under ``torch.no_grad()``) keeps its gradient,
+copied into the buffer (``buf.copy_(h)`` under ``torch.no_grad()``), also where ``h``
+read another written buffer (features centred by a running mean, then kept: a value of
+another buffer's is cut only where no data input reaches it, as none reaches
+``spectral_norm``'s vectors), keeps its gradient,
 which the model's own reads need; a read of the buffer after such a write would pass
 gradient where torch's passes none, so the builder warns of the copy
 (``buf.copy_(h.detach())`` makes the buffer's value its own). Missed: a value computed with
-gradient from the old value of a written buffer and then copied into one (``h2 = h * buf``,
-then ``buf.copy_(h2)`` under ``no_grad``, ``h2`` read by the model) is cut as an update
-would be.
+gradient from a buffer's old value and then copied into that buffer (``h2 = h * buf``, then
+``buf.copy_(h2)`` under ``no_grad``, ``h2`` read by the model), or from another's with no
+data input, is cut as an update would be.
 
 Also here, ``warn_last_batch_statistics``: a training BatchNorm whose file says momentum 0,
 which TorchScript writes for ``BatchNorm(momentum=None)`` (PyTorch's cumulative average over
@@ -90,12 +93,13 @@ def buffer_updates(graph: Graph, bn_stats, source: str) -> BufferUpdates:
     writes = [(v, b) for v, b in sig.mutations if b not in carried_stats and not
               b.endswith(_COUNTER) and not _folded_statistic(graph, b, sig.mutated_buffers)]
     written = {b for _, b in writes}
+    data = {i for i in graph.inputs if i not in graph.initializers}
     carried, lost, copied, unread = [], [], [], []
     for value, buffer in writes:
         node = producers.get(value)
         # cut even where the buffer is lost (spectral_norm's _u, overwritten unread)
-        cut = node is not None and (node.op_type == "Identity"
-                                    or bool(written & ancestors([value], producers)[1]))
+        cut = node is not None and _the_buffers_alone(node, value, buffer,
+                                                     (written, data, producers))
         if cut:
             node.metadata_props.add(key=NO_GRAD_PROP, value="1")
         if node is not None and buffer not in graph.info and \
@@ -137,6 +141,18 @@ def buffer_updates(graph: Graph, bn_stats, source: str) -> BufferUpdates:
             "buf.copy_(x.detach()) if the forward reads the buffer after writing it.",
             ExportWarning, stacklevel=2)
     return BufferUpdates(tuple(carried), tuple(lost))
+
+
+def _the_buffers_alone(node, value: str, buffer: str, step: tuple) -> bool:
+    """Whether the value written into ``buffer`` is the buffers' alone, so that no gradient
+    may pass through it (module docstring): an Identity (``detach``), a value computed from
+    the buffer's old value, or one computed from another written buffer's and from no data
+    input (``spectral_norm``'s ``_u``). ``step``: the written buffers, the data inputs and
+    the producers."""
+    written, data, producers = step
+    reached = ancestors([value], producers)[1]
+    return node.op_type == "Identity" or buffer in reached or \
+        bool(written & reached) and not data & reached
 
 
 def _folded_statistic(graph: Graph, buffer: str, mutated: frozenset[str]) -> bool:
