@@ -80,6 +80,10 @@ class Graph:
     metadata: dict[str, str] = field(default_factory=dict)
     name: str = "memcc"
     _def_use: DefUse | None = field(default=None, init=False, repr=False, compare=False)
+    # ``copy(share_nodes=True)``: the graph whose node objects this one holds, and a cache
+    # slot for what an analysis reads of each node once per graph (passes/analysis/node_table).
+    shares: Graph | None = field(default=None, init=False, repr=False, compare=False)
+    _rows: object = field(default=None, init=False, repr=False, compare=False)
 
     # ------------------------------------------------------------------ conversion
     @classmethod
@@ -187,24 +191,21 @@ class Graph:
                 seen.add(name)
                 yield name
 
-    def copy(self, *, with_index: bool = True) -> Graph:
+    def copy(self, *, with_index: bool = True, share_nodes: bool = False) -> Graph:
         """A deep copy of the nodes; the def-use index comes along (remapped, cheaper than
-        a rebuild) when this graph has a current one and ``with_index``."""
-        nodes = []
-        for n in self.nodes:
-            c = onnx.NodeProto()
+        a rebuild) when this graph has a current one and ``with_index``.
+
+        ``share_nodes``: the same node objects instead (a simulation's lowering copied
+        every node of the step for each plan judged, and edits few): the caller must not
+        edit a node in place before ``DefUse.own`` gave it one of its own."""
+        nodes = list(self.nodes)
+        for k, n in enumerate(() if share_nodes else self.nodes):
+            nodes[k] = c = onnx.NodeProto()
             c.CopyFrom(n)
-            nodes.append(c)
-        g = Graph(
-            nodes=nodes,
-            inputs=list(self.inputs),
-            outputs=list(self.outputs),
-            initializers=dict(self.initializers),
-            info=dict(self.info),
-            opsets=dict(self.opsets),
-            metadata=dict(self.metadata),
-            name=self.name,
-        )
+        g = Graph(nodes, list(self.inputs), list(self.outputs), dict(self.initializers),
+                  dict(self.info), dict(self.opsets), dict(self.metadata), self.name)
+        if share_nodes:
+            g.shares = self.shares or self
         du = self._def_use
         if with_index and du is not None and du.tracks(self.nodes):
             g._def_use = du.remapped(self.nodes, nodes)
@@ -309,13 +310,30 @@ class DefUse:
             del self.readers[value]
 
     def remapped(self, old: list[onnx.NodeProto], new: list[onnx.NodeProto]) -> DefUse:
-        """The same index over ``new``, a node-for-node copy of ``old`` (``Graph.copy``)."""
+        """The same index over ``new``, a node-for-node copy of ``old`` (``Graph.copy``), or
+        the same nodes (then a copy of the index, to edit apart)."""
         to_new = {id(a): b for a, b in zip(old, new, strict=True)}
         du = DefUse()
         du.producer = {v: to_new[id(n)] for v, n in self.producer.items()}
         du.readers = {v: [to_new[id(n)] for n in r] for v, r in self.readers.items()}
         du._nodes, du._size = new, len(new)
         return du
+
+    def own(self, nodes: list[onnx.NodeProto], k: int) -> onnx.NodeProto:
+        """``nodes[k]`` replaced, in the list and here, by a copy of its own to edit (a
+        graph that shares its nodes, ``Graph.copy(share_nodes=True)``)."""
+        old = nodes[k]
+        nodes[k] = new = onnx.NodeProto()
+        new.CopyFrom(old)
+        for o in old.output:
+            if o and self.producer.get(o) is old:
+                self.producer[o] = new
+        for i in dict.fromkeys(old.input):
+            r = self.readers.get(i) if i else None
+            for j, x in enumerate(r or ()):
+                if x is old:
+                    r[j] = new
+        return new
 
     def check(self, nodes: list[onnx.NodeProto]) -> list[str]:
         """Differences between this index and one rebuilt from ``nodes`` (empty: correct)."""

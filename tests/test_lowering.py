@@ -232,7 +232,9 @@ def test_ensures_catch_a_stale_index(step):
         def run(self, graph):
             out, summary = super().run(graph)
             du = out.def_use()
-            node = out.nodes[-1]
+            # The lowered step shares the step's nodes: one of its own to edit (the index
+            # told), then an edit behind the index's back.
+            node = du.own(out.nodes, len(out.nodes) - 1)
             node.input[0] = node.input[0]  # fine; now an edit behind the index's back:
             node.output[0], keep = node.output[0] + ".renamed", node.output[0]
             out.outputs = [o if o != keep else node.output[0] for o in out.outputs]

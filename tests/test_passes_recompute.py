@@ -221,3 +221,35 @@ def test_a_recomputed_training_batchnorm_leaves_the_fed_running_statistics_alone
     theirs = run_at_threads(step, feeds, threads=(1, 2), repeats=1)
     assert all(np.array_equal(feeds[k], kept[k]) for k in feeds)
     assert not mismatches(theirs[1], ours[1]) and not mismatches(theirs[2], ours[2])
+
+
+def test_the_lowered_step_shares_the_nodes_it_keeps_and_edits_copies_of_its_own():
+    """The lowering keeps the step's nodes as they are (no deep copy per plan judged):
+    the step planned is left byte for byte as it was, a kept node is the step's own object,
+    every node it edited (a backward reader given a clone, MaxPool losing its Indices) is a
+    copy, and the index it hands on is right. Liveness reads the shared nodes' rows once
+    per step, and gets the table it would have read node by node."""
+    from memcc.passes.analysis.liveness import analyze_liveness
+    from memcc.passes.analysis.node_table import NodeTable, rows_of
+
+    step = build_training_step(load_graph(build_model("resnet18", batch=2, resolution=64)),
+                               BuildOptions(optimizer="none"))
+    st = StepStructure.of(step)
+    before = [n.SerializeToString() for n in step.nodes]
+    pool = next(n for n in step.nodes if n.op_type == "MaxPool")
+    relus = [n.name for n in step.nodes if n.name in st.recomputable and n.op_type == "Relu"]
+    res = apply_recompute(step, Plan(frozenset({pool.name, *relus[:3]})), st)
+    assert [n.SerializeToString() for n in step.nodes] == before
+    g = res.graph
+    assert g.shares is step and g.def_use().check(g.nodes) == []
+    mine = {id(n): n for n in step.nodes}
+    kept = [n for n in g.nodes if id(n) in mine]
+    edited = [n for n in g.nodes if id(n) not in mine and n.name in {m.name for m in step.nodes}]
+    assert len(kept) > len(step.nodes) // 2 and edited
+    assert all(n.SerializeToString() != mine_n.SerializeToString()
+               for n in edited for mine_n in step.nodes if mine_n.name == n.name)
+    new_pool = next(n for n in g.nodes if n.name == pool.name)
+    assert new_pool is not pool and len(new_pool.output) < len(pool.output)
+    plain, known = NodeTable.of(g.nodes), NodeTable.of(g.nodes, rows_of(step))
+    assert (known.ops, known.ins, known.outs) == (plain.ops, plain.ins, plain.outs)
+    assert analyze_liveness(g).live_during == analyze_liveness(g.copy()).live_during

@@ -403,6 +403,10 @@ def plan_summary(graph, outcome: PlanOutcome, costs, options, structure) -> dict
 
 def rewrite_stage(plan_sim: Simulation, base_sim: Simulation) -> tuple[Graph, dict]:
     g = plan_sim.graph
+    if g.shares is not None:   # the lowering kept the step's nodes: the step written owns its
+        own = g.copy()
+        g.set_nodes(own.nodes, own.def_use())
+        g.shares = None
     return g, {
         "nodes_before": len(base_sim.graph.nodes), "nodes_after": len(g.nodes),
         "cloned_nodes": len(plan_sim.cloned_nodes),

@@ -63,7 +63,7 @@ from memcc.passes.analysis.kernel_scratch import (  # noqa: F401 (re-exported)
     scratch_buffers,
     scratch_bytes,
 )
-from memcc.passes.analysis.node_table import NodeTable, resolve_order
+from memcc.passes.analysis.node_table import NodeTable, resolve_order, rows_of
 from memcc.step import TrainingStep, is_forward_tagged
 
 HOST_COPY_OP = "MemcpyToHost"  # its output lives in host memory on a device provider
@@ -207,7 +207,7 @@ def analyze_liveness(graph: Graph, order: Sequence[str | onnx.NodeProto] | None 
     copies count like any buffer).
     """
     nodes = resolve_order(graph, order)
-    table = NodeTable.of(nodes)
+    table = NodeTable.of(nodes, rows_of(graph.shares) if graph.shares is not None else None)
     table.check(graph)
     categories = categorize(graph)
     ledger = _BufferLedger(graph, table, categories, in_place, host_copies)

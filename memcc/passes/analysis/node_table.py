@@ -9,12 +9,28 @@ Leaves: the table, or a ``ValueError`` for an order that is not one.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import onnx
 
 from memcc.graph import Graph
+
+# A node with its op, inputs and outputs, as read once.
+Row = tuple[onnx.NodeProto, str, tuple[str, ...], tuple[str, ...]]
+
+
+def rows_of(graph: Graph) -> dict[int, Row]:
+    """The rows of ``graph``'s nodes by id, read once and kept on it while its node list is
+    the one read (the list object and its length, as ``DefUse.tracks``). For the step a
+    search plans, whose nodes every lowered plan shares (``Graph.copy(share_nodes=True)``)
+    and no pass edits in place: each simulation read all of them again."""
+    kept = graph._rows
+    if isinstance(kept, tuple) and kept[0] is graph.nodes and kept[1] == len(graph.nodes):
+        return kept[2]
+    rows = {id(n): (n, n.op_type, tuple(n.input), tuple(n.output)) for n in graph.nodes}
+    graph._rows = (graph.nodes, len(graph.nodes), rows)
+    return rows
 
 
 @dataclass(frozen=True)
@@ -27,9 +43,24 @@ class NodeTable:
     outs: list[tuple[str, ...]]
 
     @classmethod
-    def of(cls, nodes: list[onnx.NodeProto]) -> NodeTable:
-        return cls(nodes, [n.op_type for n in nodes], [tuple(n.input) for n in nodes],
-                   [tuple(n.output) for n in nodes])
+    def of(cls, nodes: list[onnx.NodeProto], known: Mapping[int, Row] | None = None
+           ) -> NodeTable:
+        """``known``: rows read before, by node id (``rows_of``): a node whose row is there
+        is not read again (the row holds the node, so an id is never another node's)."""
+        if not known:
+            return cls(nodes, [n.op_type for n in nodes], [tuple(n.input) for n in nodes],
+                       [tuple(n.output) for n in nodes])
+        ops: list[str] = []
+        ins: list[tuple[str, ...]] = []
+        outs: list[tuple[str, ...]] = []
+        for n in nodes:
+            r = known.get(id(n))
+            if r is None or r[0] is not n:
+                r = (n, n.op_type, tuple(n.input), tuple(n.output))
+            ops.append(r[1])
+            ins.append(r[2])
+            outs.append(r[3])
+        return cls(nodes, ops, ins, outs)
 
     def check(self, graph: Graph) -> None:
         """Refuse an order that runs a node before one of its inputs exists."""

@@ -46,13 +46,16 @@ def apply_recompute(graph: Graph, plan: Plan, structure: StepStructure | None = 
                     ) -> RecomputeResult:
     """Return a new graph realising ``plan``; ``graph`` is left untouched.
 
-    The copy's def-use index (carried over from ``graph`` when it has one) is kept correct
+    The new graph holds ``graph``'s nodes where it keeps them as they are
+    (``Graph.copy(share_nodes=True)``): a node it edits (a backward reader given a clone,
+    a forward node losing an unread output) is a copy of its own (``DefUse.own``). The
+    copy's def-use index (carried over from ``graph`` when it has one) is kept correct
     through every edit and handed on with the result, so the passes after this one and
     liveness do not rebuild it.
     """
     st = structure or StepStructure.of(graph)
     recompute = plan.recompute & st.recomputable
-    out = graph.copy(with_index=bool(recompute))
+    out = graph.copy(with_index=bool(recompute), share_nodes=bool(recompute))
     if not recompute:
         return RecomputeResult(out, (), ())
     cloner = _Cloner(out, recompute, plan.recompute_again & recompute)
@@ -64,15 +67,18 @@ def apply_recompute(graph: Graph, plan: Plan, structure: StepStructure | None = 
     clone_of = cloner.clone_of
     new_nodes: list[onnx.NodeProto] = []
     forward = st.forward
-    for node in out.nodes:
+    for at, node in enumerate(out.nodes):
         if node.name in forward:
             new_nodes.append(node)
             continue
         emitted: list[onnx.NodeProto] = []
+        ours = False
         for k, i in enumerate(node.input):
             if i in rebuilt or i in clone_of:
                 r = cloner.resolve(i, emitted, node.name)
                 if r != i:
+                    if not ours:   # shared with ``graph``: edited in a copy of its own
+                        node, ours = du.own(out.nodes, at), True
                     du.rewire(node, k, r)
         new_nodes.extend(emitted)
         new_nodes.append(node)
@@ -249,6 +255,21 @@ def _drop_dead_forward_outputs(nodes: list[onnx.NodeProto], st: StepStructure,
     work = [n for n in reversed(nodes) if n.name in forward]   # popped in graph order
     waiting = {id(n) for n in work}
     removed: set[int] = set()
+    at: dict[int, int] = {}   # a node's place in ``nodes``, once one is edited
+    mine: set[int] = set()    # the nodes edited: copies of their own
+
+    def own(n: onnx.NodeProto) -> onnx.NodeProto:
+        """``n`` to edit: a copy of its own (``nodes`` share those of the step planned)."""
+        if id(n) in mine:
+            return n
+        if not at:
+            at.update((id(m), k) for k, m in enumerate(nodes))
+        k = at[id(n)]
+        n = du.own(nodes, k)
+        at[id(n)] = k
+        mine.add(id(n))
+        return n
+
     while work:        # a worklist, not passes over the step until nothing changes
         n = work.pop()
         waiting.discard(id(n))
@@ -266,9 +287,12 @@ def _drop_dead_forward_outputs(nodes: list[onnx.NodeProto], st: StepStructure,
         for k in range(len(names) - 1, 0, -1):
             o = names[k]
             if o and not read(o) and optional_output(n, k) and not _outputs_required(n):
+                n = own(n)
                 du.drop_output(n, k)
-        while len(n.output) > 1 and not n.output[-1]:
-            n.output.pop()
+        if len(n.output) > 1 and not n.output[-1]:
+            n = own(n)
+            while len(n.output) > 1 and not n.output[-1]:
+                n.output.pop()
     return [n for n in nodes if id(n) not in removed]
 
 
