@@ -478,3 +478,30 @@ def test_settings_beyond_a_regions_rows_are_cut_and_not_planned_twice():
         {"loss": 1, "attention": 1, "mlp": 4}]
     assert candidates(BuildOptions(), found, {"mlp": 6}) == [
         {"loss": 1, "attention": 1, "mlp": 4}, {"loss": 1, "attention": 1, "mlp": 6}]
+
+
+def test_a_compile_reads_the_forward_model_once_for_all_its_settings(gpt2, tmp_path,
+                                                                     monkeypatch):
+    """Each row-chunk setting is another build of the forward model, not another read of
+    it: the file was read and run in ORT for its shapes once per setting (3-5 s a setting
+    on a 124M GPT-2)."""
+    from memcc.compiler import loading
+    from memcc.frontend.weights_apart import _mapped
+
+    reads: list[str] = []
+    real = loading.load_graph
+
+    def counted(*args, **kwargs):
+        reads.append(str(args[0]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(loading, "load_graph", counted)
+    said: list[str] = []
+    result = compile_model(gpt2, CompileOptions(budget="min", cost="analytic", time_limit=5),
+                           output=tmp_path / "out.onnx", progress=said.append)
+    assert any(m.startswith("row chunks: planning the step built with") for m in said)
+    assert len(result.report["row_chunks"]["candidates"]) == 2
+    assert reads == [str(gpt2)]
+    # The step written owns its nodes and weights (not the step planned's, not the file's).
+    assert result.graph.shares is None
+    assert not any(_mapped(a) for a in result.graph.initializers.values())

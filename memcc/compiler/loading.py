@@ -14,6 +14,7 @@ import os
 import re
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import onnx
@@ -29,6 +30,7 @@ from memcc.frontend.fuse import fuse_step
 from memcc.frontend.load import load_graph
 from memcc.frontend.loss import first_float_output, moves_classes
 from memcc.frontend.row_chunks import ATTENTION, MLP, find_regions
+from memcc.frontend.weights_apart import own_weights
 from memcc.graph import Graph
 from memcc.pass_contract import Pass, PassRunner
 from memcc.passes.providers.provider_step import for_provider
@@ -88,13 +90,32 @@ def check_provider(options: CompileOptions, warning: Progress) -> str | None:
     return reason
 
 
+def read_once(model: str | os.PathLike | onnx.ModelProto, label: str, options: CompileOptions,
+              mapped: bool, kept: dict | None) -> Graph:
+    """``load_graph``'s graph of ``model``; with ``kept`` (one compile's), a forward model
+    read once for all its builds (each row-chunk setting builds it again, and reading it
+    again, its ORT run for shapes included, was 3-5 s of a 124M GPT-2's compile). The
+    build copies the graph it is given, so the one kept stays as read; its weights may be
+    views into the file (``mapped``): a step built from it owns them unless ``mapped``."""
+    key = (str(model), tuple(sorted(options.dims.items()))) \
+        if kept is not None and isinstance(model, (str, os.PathLike)) else None
+    if key in (kept or {}):
+        return kept[key]
+    graph = load_graph(model, options.dims, source=label, mapped=mapped)
+    if key is not None and not is_training_step(graph):
+        kept[key] = graph
+    return graph
+
+
 def load_step(model: str | os.PathLike | onnx.ModelProto, label: str,
-              options: CompileOptions, *, mapped: bool = False) -> tuple[Graph, dict]:
+              options: CompileOptions, *, mapped: bool = False,
+              kept: dict | None = None) -> tuple[Graph, dict]:
     """The ``load`` stage: the model read (``frontend.load``), built into a training step
     when it is a forward model, fused when an older memcc built it, and rewritten for the
     provider; with the ``load`` pass's summary. ``mapped``: the file's weights stay views
-    into it (``load_graph``; the caller owns them before the file could change)."""
-    graph = load_graph(model, options.dims, source=label, mapped=mapped)
+    into it (``load_graph``; the caller owns them before the file could change). ``kept``:
+    the forward models this compile read (``read_once``)."""
+    graph = read_once(model, label, options, mapped, kept)
     built = False
     splittable: dict[str, int] = {}
     rows: dict[str, int] = {}  # the most rows a region of each kind has
@@ -112,6 +133,8 @@ def load_step(model: str | os.PathLike | onnx.ModelProto, label: str,
             splittable[BATCH] = n
         graph = build_training_step(graph, options.build, source=label)
         built = True
+        if not mapped:
+            own_weights(graph)   # where the forward model kept holds views into the file
     elif FUSIONS_KEY not in graph.metadata:
         # A step built before memcc fused its steps: fused here, as build would have.
         graph = rewrites.apply(Pass("fuse", fuse_step), graph)
@@ -156,26 +179,40 @@ def load_step(model: str | os.PathLike | onnx.ModelProto, label: str,
     }
 
 
+@dataclass
+class EarlierLoads:
+    """What one compile's loads of its model share (it builds a forward model again for
+    each row-chunk setting it plans): the messages said (``load_step_warned``) and the
+    forward model as read (``read_once``)."""
+
+    said: set[str] = field(default_factory=set)
+    kept: dict = field(default_factory=dict)
+
+
 def load_step_warned(model: str | os.PathLike | onnx.ModelProto, label: str,
                      options: CompileOptions, warning: Callable[[str], None], *,
-                     mapped: bool = False, said: set[str] | None = None) -> tuple[Graph, dict]:
+                     mapped: bool = False, earlier: EarlierLoads | None = None
+                     ) -> tuple[Graph, dict]:
     """``load_step``, its build's warnings about the export (``ExportWarning``: made-up
     names, merged or folded parameters) said through ``warning``, so that they are in the
     report's and analyze's ``warnings`` like every other thing said on stderr (they went to
     stderr only, as Python warnings). Notes and other warnings go on as they came.
 
-    ``said``: the messages earlier loads of the same model said (compile builds a forward
-    model once per row-chunk setting it plans); those are not said again, and this load's
-    are added to it, so that a compile names each folded parameter or made-up name once.
+    ``earlier``: what earlier loads of the same model left (compile builds a forward model
+    once per row-chunk setting it plans): the messages they said are not said again, and
+    this load's are added to them, so that a compile names each folded parameter or
+    made-up name once; the forward model they read is read no more (``read_once``).
     Said again means the same up to counts and quoted names: a row-chunk setting's build
     finds the same idle Dropouts as 8 chunk copies (``'.../Dropout/r0'``)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ExportWarning)
-        out = load_step(model, label, options, mapped=mapped)
-    earlier = set(said or ())
+        out = load_step(model, label, options, mapped=mapped,
+                        kept=earlier.kept if earlier is not None else None)
+    said = earlier.said if earlier is not None else None
+    earlier_said = set(said or ())
     for w in caught:
         if said is not None:
-            if _gist(str(w.message)) in earlier:
+            if _gist(str(w.message)) in earlier_said:
                 continue
             said.add(_gist(str(w.message)))
         if issubclass(w.category, ExportWarning) and not issubclass(w.category, ExportNote):

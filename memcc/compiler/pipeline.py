@@ -36,7 +36,7 @@ from onnx import TensorProto
 
 from memcc.compiler.budget_share import budget_share, resolve_share
 from memcc.compiler.floor_check import check_floor
-from memcc.compiler.loading import check_provider, load_step_warned
+from memcc.compiler.loading import EarlierLoads, check_provider, load_step_warned
 from memcc.compiler.options import CompileOptions, user_budget
 from memcc.compiler.progress import Progress, warning_sink
 from memcc.compiler.writing import Model, Target, check_targets, unverified_path, write_outputs
@@ -87,8 +87,8 @@ class CompileRun:
     cuda_missing: str | None     # why --provider cuda cannot run here (None: it can)
     started: float               # time.perf_counter() when the work began
     # What the loads said about the export, said once though compile builds a forward model
-    # again for each row-chunk setting it plans (``load_step_warned``'s ``said``).
-    said: set[str] = field(default_factory=set)
+    # again for each row-chunk setting it plans, and that model as read, read once.
+    earlier: EarlierLoads = field(default_factory=EarlierLoads)
     # What ``check_provider`` warned of (CUDA missing), said once the budget is past its
     # floor: a refusal does not depend on it, and came after two long warnings.
     provider_notes: list[str] = field(default_factory=list)
@@ -196,7 +196,7 @@ def _load(run: CompileRun) -> Graph:
     options, label = run.options, run.label
     graph = run.runner.stage(
         "load", lambda: load_step_warned(run.model, label, options, run.warning,
-                                         mapped=True, said=run.said))
+                                         mapped=True, earlier=run.earlier))
     if not run.runner.reports[-1].summary["built_training_step"] \
             and options.build != BuildOptions():
         run.warning(f"{label} is already a training step: the build options given (--loss, "
@@ -329,7 +329,7 @@ def _plan(run: CompileRun, graph: Graph, costs: CostModel) -> Planned:
             g = runner.stage("load", lambda: screened[:2])
             return g, runner.stage("cost_model", lambda: screened[2:])
         g = runner.stage("load", lambda: load_step_warned(run.model, label, opts, run.warning,
-                                                          said=run.said))
+                                                          earlier=run.earlier))
         if opts.cost == "auto":
             # Priced by the step as loaded's cost model, not measured again: a profile of
             # the whole step, outside --time-limit (50 s of a 124M-parameter GPT-2's
@@ -420,7 +420,8 @@ def _estimator(run: CompileRun, as_loaded: tuple[Graph, CostModel],
     def estimate(opts: CompileOptions) -> tuple[float, int, int]:
         if not peak:
             peak.append(analyze_liveness(graph).peak_bytes)
-        g, summary = load_step_warned(run.model, run.label, opts, run.warning, said=run.said)
+        g, summary = load_step_warned(run.model, run.label, opts, run.warning,
+                                      earlier=run.earlier)
         priced, cost_summary = price(g)
         built.clear()   # one kept at a time: the search plans the last one built, if any
         built[_chunk_key(opts)] = (g, summary, priced, cost_summary)
