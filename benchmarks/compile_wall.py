@@ -4,12 +4,15 @@
     git worktree add /tmp/base REV
     python benchmarks/compile_wall.py DIR/gpt2.onnx DIR/resnet50.onnx [--base /tmp/base]
         [--budgets min,50%] [--time-limit 60] [--rounds 1] [--warm-cache] [--out FILE.jsonl]
+        [--cost auto|measured|analytic] [--rates ~/.cache/memcc/cpu_rates.json]
 
 Each compile is the command line (``memcc compile MODEL --budget B --time-limit T``, the
 default ``--cost auto``) in a fresh process with the side's source first on ``PYTHONPATH``,
 the sides interleaved round by round, so a change in the machine's load falls on both. Each
 run gets an empty ``MEMCC_CACHE`` (node times measured anew, as on a first compile) unless
-``--warm-cache``, where each side keeps one cache across its runs. Printed per run: the wall
+``--warm-cache``, where each side keeps one cache across its runs; ``--rates`` copies one CPU
+calibration into every run's cache (with ``--cost analytic`` the two sides then price every
+plan alike, and should write the same plans). Printed per run: the wall
 time, how long each stage took (from the progress lines: load, cost_model, budget, plan,
 rewrite, of every row-chunk setting planned; a compile that ends within 3 s prints no
 progress lines, so none), and the outcome line (or the refusal's first
@@ -27,6 +30,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -82,12 +86,13 @@ def stages(log: str) -> list[tuple[str, float]]:
     return [(name, round(nxt - at, 1)) for (name, at), (_, nxt) in pairs]
 
 
-def one(side: Path, model: str, budget: str, limit: float, cache: str) -> dict:
+def one(side: Path, model: str, budget: str, limit: float, cache: str,
+        cost: str = "auto") -> dict:
     env = {**os.environ, "PYTHONPATH": str(side), "MEMCC_CACHE": cache}
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-c", SAY_WHERE + "from memcc.cli import main; main()", "compile",
-               str(Path(model).resolve()),
-               "--budget", budget, "--time-limit", str(limit), "-o", f"{tmp}/out.onnx"]
+               str(Path(model).resolve()), "--budget", budget, "--time-limit", str(limit),
+               "--cost", cost, "-o", f"{tmp}/out.onnx"]
         t0 = time.perf_counter()
         # Run from elsewhere: from the checkout, ``python -c`` imports its memcc first.
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=tmp)
@@ -111,6 +116,9 @@ def main() -> None:
     ap.add_argument("--time-limit", type=float, default=60.0)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--warm-cache", action="store_true")
+    ap.add_argument("--cost", default="auto", choices=("auto", "measured", "analytic"))
+    ap.add_argument("--rates", type=Path, help="a cpu_rates.json every run's cache starts "
+                    "with (--cost analytic: both sides price with the same calibration)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     if args.export:
@@ -122,7 +130,10 @@ def main() -> None:
             for budget in args.budgets.split(","):
                 for side in (sides if r % 2 == 0 else sides[::-1]):
                     cache = caches[side] if args.warm_cache else tempfile.mkdtemp()
-                    row = one(side, model, budget, args.time_limit, cache) | {"round": r}
+                    if args.rates:
+                        shutil.copyfile(args.rates, Path(cache) / "cpu_rates.json")
+                    row = one(side, model, budget, args.time_limit, cache, args.cost) \
+                        | {"round": r, "cost": args.cost}
                     print(json.dumps(row), flush=True)
                     if args.out:
                         with args.out.open("a") as f:
