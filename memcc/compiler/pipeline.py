@@ -46,6 +46,7 @@ from memcc.frontend.weights_apart import own_weights
 from memcc.graph import Graph, node_label
 from memcc.pass_contract import PassReport, PassRunner
 from memcc.passes.plan import StepStructure
+from memcc.passes.planning.work import few_full_collections
 from memcc.sizes import format_size
 from memcc.step import ALLOCATOR_KEY, PLAN_KEY, PROVIDER_KEY, RANKS_KEY
 
@@ -140,7 +141,8 @@ def compile_model(model: Model, options: CompileOptions, *,
         run.warning(note)
     costs = run.runner.stage("cost_model", lambda: node_costs(graph, run.options,
                                                               run.warning, run.cuda_missing))
-    planned = _plan(run, graph, costs)
+    with few_full_collections():   # the plans' garbage goes by reference counts
+        planned = _plan(run, graph, costs)
     verification = _verify_stage(run, planned)
     report = build_report(ReportInputs(
         options=planned.options, budget=planned.budget, plan_budget=planned.plan_budget,
