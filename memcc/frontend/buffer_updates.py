@@ -57,6 +57,7 @@ import warnings
 from dataclasses import dataclass
 
 import numpy as np
+import onnx
 from onnx import helper
 
 from memcc.frontend.autodiff import NO_GRAD_PROP
@@ -143,7 +144,8 @@ def buffer_updates(graph: Graph, bn_stats, source: str) -> BufferUpdates:
     return BufferUpdates(tuple(carried), tuple(lost))
 
 
-def _the_buffers_alone(node, value: str, buffer: str, step: tuple) -> bool:
+def _the_buffers_alone(node: onnx.NodeProto, value: str, buffer: str,
+                       step: tuple[set[str], set[str], dict[str, onnx.NodeProto]]) -> bool:
     """Whether the value written into ``buffer`` is the buffers' alone, so that no gradient
     may pass through it (module docstring): an Identity (``detach``), a value computed from
     the buffer's old value, or one computed from another written buffer's and from no data
