@@ -19,7 +19,7 @@ from typing import Any
 _OWNERS = {
     "next_steps": "advice", "BASE_SLACK_BYTES": "options", "COST_SOURCES": "options",
     "CompileOptions": "options", "plan_budget_under": "options", "user_budget": "options",
-    "CompileResult": "pipeline", "VerificationError": "pipeline",
+    "CompileResult": "pipeline", "VerificationError": "verifying",
     "compile_model": "pipeline", "as_trained": "planning", "warning_sink": "progress",
     "unverified_path": "writing",
 }

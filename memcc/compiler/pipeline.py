@@ -39,8 +39,8 @@ from memcc.compiler.floor_check import check_floor
 from memcc.compiler.loading import EarlierLoads, check_provider, load_step_warned
 from memcc.compiler.options import CompileOptions, user_budget
 from memcc.compiler.progress import Progress, warning_sink
+from memcc.compiler.verifying import VerificationError, plan_tolerance, verify_plan
 from memcc.compiler.writing import Model, Target, check_targets, unverified_path, write_outputs
-from memcc.errors import MemccError
 from memcc.frontend.build import BuildOptions
 from memcc.frontend.weights_apart import own_weights
 from memcc.graph import Graph, node_label
@@ -438,10 +438,10 @@ def _verify_stage(run: CompileRun, planned: Planned) -> dict | None:
     planned; None without ``--verify``."""
     if not planned.options.verify:
         return None
-    tolerance = _plan_tolerance(run.runner.reports)
-    return run.runner.stage("verify", lambda: _verify(planned.graph, planned.rewritten,
-                                                      planned.budget, planned.options,
-                                                      (tolerance, run.cuda_missing)))
+    tolerance = plan_tolerance(run.runner.reports)
+    return run.runner.stage("verify", lambda: verify_plan(planned.graph, planned.rewritten,
+                                                          planned.budget, planned.options,
+                                                          (tolerance, run.cuda_missing)))
 
 
 def _write(run: CompileRun, planned: Planned, report: dict, verification: dict | None
@@ -470,30 +470,3 @@ def _write(run: CompileRun, planned: Planned, report: dict, verification: dict |
         )
     run.say(f"writing {output}" if output is not None else "writing the report")
     write_outputs(output, planned.rewritten, report_path, report)
-
-
-class VerificationError(MemccError):
-    def __init__(self, message: str, *, report: dict) -> None:
-        super().__init__(message)
-        self.report = report
-
-
-def _plan_tolerance(passes: list[PassReport]) -> float | None:
-    """None when every rewrite repeats the same arithmetic (compare bit for bit), else the
-    largest relative error the chosen variants state (``equivalent`` tier)."""
-    plan = next((p.summary for p in passes if p.name == "plan"), {})
-    v = plan.get("variants") or {}
-    return None if v.get("exactness", "exact") == "exact" else float(v["tolerance"])
-
-
-def _verify(original: Graph, rewritten: Graph, budget: int, options: CompileOptions,
-            how: tuple[float | None, str | None] = (None, None)):
-    """``how``: the plan's tolerance (None: bit for bit) and why CUDA is missing (None: it
-    is not, or the provider is the CPU): then the numbers are checked on the CPU only."""
-    from memcc.backend.verify import VerifyRun, verify_rewrite
-
-    tolerance, cuda_missing = how
-    result = verify_rewrite(original, rewritten, budget=budget, how=VerifyRun(
-        provider=options.provider, tolerance=tolerance, arena=options.arena,
-        numbers_only=cuda_missing))
-    return result, result
