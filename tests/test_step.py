@@ -11,10 +11,11 @@ from gradcheck import FLOAT, make_model
 from onnx import helper
 
 from memcc.backend.runner import read_step_spec
+from memcc.def_use import DefUse
 from memcc.errors import InputError
 from memcc.frontend.build import BuildOptions, build_training_step
 from memcc.frontend.load import load_graph
-from memcc.graph import DefUse, Graph, topological_problems
+from memcc.graph import Graph, topological_problems
 from memcc.passes.analysis.liveness import categorize
 from memcc.passes.plan import StepStructure
 from memcc.step import DEFAULT_RULE, Role, TrainingStep

@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import onnx
 
+from memcc.def_use import DefUse
 from memcc.frontend.constants import constant_value
 from memcc.frontend.running_variance import carried_value
-from memcc.graph import DefUse, Graph, attr, behind
+from memcc.graph import Graph, attr, behind
 from memcc.step import TrainingStep
 
 

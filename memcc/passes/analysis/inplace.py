@@ -31,7 +31,8 @@ from dataclasses import dataclass
 
 import onnx
 
-from memcc.graph import DefUse, Graph
+from memcc.def_use import DefUse
+from memcc.graph import Graph
 from memcc.passes.analysis.liveness import ALIAS_OPS
 
 ELEMENTWISE_OPS = frozenset({"Add", "Sub", "Mul", "Div"})

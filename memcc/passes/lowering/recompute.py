@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 
-from memcc.graph import DefUse, Graph, TensorInfo, attr, unique_namer
+from memcc.def_use import DefUse
+from memcc.graph import Graph, TensorInfo, attr, unique_namer
 from memcc.passes.plan import Plan, StepStructure
 
 RECOMPUTE_SUFFIX = ".rc"

@@ -44,9 +44,10 @@ from dataclasses import dataclass
 import numpy as np
 import onnx
 
+from memcc.def_use import DefUse
 from memcc.frontend.emit import Emitter
 from memcc.frontend.update_groups import balanced_runs, emit_joined
-from memcc.graph import DefUse, Graph, attr, in_dependency_order
+from memcc.graph import Graph, attr, in_dependency_order
 from memcc.step import DEFAULT_RULE, GRAD_OF_PROP, RULE_PROP, Role, node_props, tag_node
 
 

@@ -50,10 +50,11 @@ from dataclasses import dataclass
 import onnx
 from onnx import TensorProto
 
+from memcc.def_use import DefUse
 from memcc.errors import InputError
 from memcc.frontend.emit import Emitter
 from memcc.frontend.gradients.shape_ops import slice_axis, slice_values
-from memcc.graph import DefUse, Graph, TensorInfo, attr
+from memcc.graph import Graph, TensorInfo, attr
 from memcc.step import PLAN_KEY
 
 WEIGHT_GRAD_PROP = "memcc.conv_weight_grad"  # written by _conv_weight_grad on its Conv
