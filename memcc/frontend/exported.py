@@ -142,7 +142,7 @@ def restore_training_batchnorm(graph: Graph, source: str) -> list[str]:
             f"{source}: {len(restored)} BatchNormalization node(s) were exported in inference "
             "form although torch ran them in train mode (the dynamo exporter drops the "
             "flag); memcc restored batch statistics and carries the running statistics as "
-            "state, as torch does.", ExportWarning, stacklevel=2)
+            "state, as torch does.", ExportNote, stacklevel=2)  # fixed: a note, not a warning
     in_eval = eval_mode_batchnorms(graph)
     if in_eval:
         warnings.warn(
