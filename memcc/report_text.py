@@ -19,11 +19,9 @@ def _count(n: int, noun: str) -> str:
     return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
-def _cut_by_clock(report: dict) -> str | None:
-    """How many searches the clock stopped or left unrun (``request.stopped_by_clock``),
-    said as ``2 searches``; None where none was."""
-    n = sum(stopped_by_clock(r) for r in report.get("strategies") or [])
-    return (f"{n} search" + ("es" if n != 1 else "")) if n else None
+def _cut_by_clock(report: dict) -> int:
+    """How many searches the clock stopped or left unrun (``request.stopped_by_clock``)."""
+    return sum(stopped_by_clock(r) for r in report.get("strategies") or [])
 
 
 def summary_lines(report: dict) -> list[str]:
@@ -55,8 +53,9 @@ def summary_lines(report: dict) -> list[str]:
         # "of" --time-limit: the smallest-peak search gets what the compile's other
         # stages leave of it (a walk-through read "stopped by --time-limit 30 s" on a
         # compile of 22 s in all).
-        whose = "its" if cut.startswith("1 ") else "their"  # "1 search ... its share"
-        lines.append(f"search   {cut} stopped by {whose} share of --time-limit"
+        searches = f"{cut} search" + ("es" if cut != 1 else "")
+        lines.append(f"search   {searches} stopped by {'its' if cut == 1 else 'their'} "
+                     "share of --time-limit"
                      + (f" {limit:g} s" if isinstance(limit, (int, float)) else "")
                      + ": a longer --time-limit may reach a smaller budget, and runs can "
                      "differ")
