@@ -90,7 +90,7 @@ def buffer_updates(graph: Graph, bn_stats, source: str) -> BufferUpdates:
     if sig is None:
         return BufferUpdates()
     carried_stats = {s for _, m, v in bn_stats for s in (m, v)}
-    producers = {o: n for n in graph.nodes for o in n.output if o}
+    producers, readers = graph.producers(), graph.consumers()
     writes = [(v, b) for v, b in sig.mutations if b not in carried_stats and not
               b.endswith(_COUNTER) and not _folded_statistic(graph, b, sig.mutated_buffers)]
     written = {b for _, b in writes}
@@ -98,13 +98,13 @@ def buffer_updates(graph: Graph, bn_stats, source: str) -> BufferUpdates:
     carried, lost, copied, unread = [], [], [], []
     for value, buffer in writes:
         node = producers.get(value)
+        reached = ancestors([value], producers)[1] if node is not None else set()
         # cut even where the buffer is lost (spectral_norm's _u, overwritten unread)
-        cut = node is not None and _the_buffers_alone(node, value, buffer,
-                                                     (written, data, producers))
+        cut = node is not None and _the_buffers_alone(node, buffer, reached, (written, data))
         if cut:
             node.metadata_props.add(key=NO_GRAD_PROP, value="1")
         if node is not None and buffer not in graph.info and \
-                not _reads_folded(graph, value, producers, sig.parameters | sig.buffers):
+                not _reads_folded(graph, reached, sig.parameters | sig.buffers):
             unread.append(buffer)  # spectral_norm's _u: computed anew at each step,
             _hold_unread(graph, value, buffer)  # carried for memcc export and eval mode
             carried.append((value, buffer))
@@ -114,7 +114,7 @@ def buffer_updates(graph: Graph, bn_stats, source: str) -> BufferUpdates:
                 graph.info[value].shape != graph.info[buffer].shape:
             lost.append(buffer)
             continue
-        if not cut and any(value in n.input for n in graph.nodes):
+        if not cut and value in readers:
             copied.append(f"'{buffer}' with '{value}'")
         carried.append((value, buffer))
     if lost:
@@ -144,15 +144,14 @@ def buffer_updates(graph: Graph, bn_stats, source: str) -> BufferUpdates:
     return BufferUpdates(tuple(carried), tuple(lost))
 
 
-def _the_buffers_alone(node: onnx.NodeProto, value: str, buffer: str,
-                       step: tuple[set[str], set[str], dict[str, onnx.NodeProto]]) -> bool:
-    """Whether the value written into ``buffer`` is the buffers' alone, so that no gradient
-    may pass through it (module docstring): an Identity (``detach``), a value computed from
-    the buffer's old value, or one computed from another written buffer's and from no data
-    input (``spectral_norm``'s ``_u``). ``step``: the written buffers, the data inputs and
-    the producers."""
-    written, data, producers = step
-    reached = ancestors([value], producers)[1]
+def _the_buffers_alone(node: onnx.NodeProto, buffer: str, reached: set[str],
+                       step: tuple[set[str], set[str]]) -> bool:
+    """Whether the value ``node`` writes into ``buffer`` is the buffers' alone, so that no
+    gradient may pass through it (module docstring): an Identity (``detach``), a value
+    computed from the buffer's old value, or one computed from another written buffer's and
+    from no data input (``spectral_norm``'s ``_u``). ``reached``: the values the written
+    value is computed from; ``step``: the written buffers and the data inputs."""
+    written, data = step
     return node.op_type == "Identity" or buffer in reached or \
         bool(written & reached) and not data & reached
 
@@ -181,12 +180,11 @@ def _hold_unread(graph: Graph, value: str, buffer: str) -> None:
     graph.info[buffer] = info
 
 
-def _reads_folded(graph: Graph, value: str, producers, state: frozenset[str]) -> bool:
-    """Whether ``value`` is computed from an initializer that is no PyTorch parameter or
-    buffer: a constant the exporter's optimizer folded, maybe from the buffer written (so
-    a buffer missing from the file was folded, not overwritten unread)."""
-    return any(v in graph.initializers and v not in state
-               for v in ancestors([value], producers)[1])
+def _reads_folded(graph: Graph, reached: set[str], state: frozenset[str]) -> bool:
+    """Whether a value computed from ``reached`` reads an initializer that is no PyTorch
+    parameter or buffer: a constant the exporter's optimizer folded, maybe from the buffer
+    written (so a buffer missing from the file was folded, not overwritten unread)."""
+    return any(v in graph.initializers and v not in state for v in reached)
 
 
 def carry_buffer_updates(out: StepWriter, updates: BufferUpdates) -> list[str]:
