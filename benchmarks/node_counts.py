@@ -16,14 +16,16 @@ update per running statistic) or with the BatchNorm backward's projection
 inference-mode BatchNormalization (``--against projection-by-view``) or with the 1x1
 convolutions' weight gradients viewing their operands through shape constants with the
 layer's sizes, one per size, as they did before sharing them (``--against sized-views``,
-``gradients/nn.py`` ``_pointwise_weight_grad``). With ``--time`` both
+``gradients/nn.py`` ``_pointwise_weight_grad``) or with the BatchNorm backward's ``xhat``
+and batch variance from reductions instead of one training-mode BatchNormalization
+(``--against statistics-by-reductions``). With ``--time`` both
 are run under memcc's execution contract, paired round by round (``benchmarks/stats.py``);
 printed: the largest difference of any output both steps have over its largest magnitude,
 the median step times and the ratio new / before with its 95% interval, and the planner's
 predicted peak of each step as built.
 
     python benchmarks/node_counts.py [--models resnet50,gpt2]
-        [--against apart-updates|projection-by-view|sized-views]
+        [--against apart-updates|projection-by-view|sized-views|statistics-by-reductions]
         [--optimizer sgd|adamw] [--time] [--rounds 15] [--threads 2] [--clock wall|cpu]
         [--out FILE.json]
 
@@ -114,6 +116,21 @@ def _sized_views():
         yield
 
 
+def _statistics_by_reductions(ctx, x, zeros, eps):
+    """The float32 BatchNorm backward's ``xhat`` and variance as it made them before one
+    training-mode BatchNormalization did: ReduceMean, Sub, Mul, ReduceMean and an
+    inference-mode BatchNormalization of the centred input."""
+    emit = ctx.emit
+    info = ctx.info(x)
+    axes = [0] + list(range(2, len(info.shape)))
+    centred = emit.sub(x, emit.reduce_mean(x, axes, keepdims=True))
+    var = emit.reduce_mean(emit.mul(centred, centred), axes, keepdims=False)
+    ones = emit.const(np.ones(int(info.shape[1])), info.dtype, name="ones")
+    xhat = emit.op("BatchNormalization", [centred, ones, zeros, zeros, var], epsilon=eps,
+                   info=info)
+    return xhat, var
+
+
 def _builds(name: str, against: str, optimizer: str) -> dict[str, Graph]:
     zoo, opts = ZOO[f"zoo-{name}"]
     from models import build_model
@@ -122,6 +139,10 @@ def _builds(name: str, against: str, optimizer: str) -> dict[str, Graph]:
     new = build_training_step(fwd, BuildOptions(optimizer=optimizer))
     if against == "projection-by-view":
         with mock.patch.object(batchnorm_backward, "_count_root_is_exact", lambda _: False):
+            return {"before": build_training_step(fwd, BuildOptions(optimizer=optimizer)),
+                    "new": new}
+    if against == "statistics-by-reductions":
+        with mock.patch.object(batchnorm_backward, "_normalised", _statistics_by_reductions):
             return {"before": build_training_step(fwd, BuildOptions(optimizer=optimizer)),
                     "new": new}
     if against == "sized-views":
@@ -169,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="resnet50,gpt2")
     ap.add_argument("--against", choices=("batchnorm-rule", "apart-updates",
-                                          "projection-by-view", "sized-views"),
+                                          "projection-by-view", "sized-views",
+                                          "statistics-by-reductions"),
                     default="batchnorm-rule")
     ap.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
     ap.add_argument("--time", action="store_true")

@@ -29,6 +29,7 @@ from memcc.frontend.load import load_graph
 from memcc.passes.analysis.liveness import categorize
 from memcc.passes.providers.batchnorm_for_cuda import (
     expand_training_batchnorm,
+    is_model_batchnorm,
     is_training_batchnorm,
 )
 from memcc.passes.providers.provider_step import for_provider
@@ -60,7 +61,7 @@ def _relative(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def _running_stats(graph) -> set[str]:
-    return {o for n in graph.nodes if is_training_batchnorm(n, graph.opset)
+    return {o for n in graph.nodes if is_model_batchnorm(n, graph.opset)
             for o in n.output[1:3] if o} | {
         out for out, inp in TrainingStep.of(graph).state.items()
         if any(inp in n.input[3:5] for n in graph.nodes if n.op_type == "BatchNormalization")}
@@ -73,7 +74,7 @@ def test_rewritten_step_matches_the_step_as_built(source, tmp_path):
     else:
         path, _, _, dims = export("conv_bn", source, tmp_path, training=True)
         step = build_training_step(load_graph(path, dims), BuildOptions())
-    before = sum(is_training_batchnorm(n, step.opset) for n in step.nodes)
+    before = sum(is_model_batchnorm(n, step.opset) for n in step.nodes)
     assert before > 0
     rewritten, report = expand_training_batchnorm(step)
     assert report == {"batchnorm_rewritten": before, "statistics_reused": before,
@@ -93,20 +94,21 @@ def test_rewritten_step_matches_the_step_as_built(source, tmp_path):
 
 
 def test_the_backward_reads_the_forwards_statistics_and_moves_less():
-    """Each backward reads the forward's batch mean (the same value) and variance (the one
-    the normalisation used) instead of recomputing them: two activation-sized reductions
-    and a Mul fewer per BatchNorm, outputs within the stated tolerance of the backward that
+    """Each backward normalises by the forward's batch mean and variance (the ones the
+    forward's normalisation used) instead of recomputing them: two activation-sized
+    reductions, a Sub and a Mul fewer per BatchNorm, outputs within the stated tolerance of the backward that
     recomputes them, at 1 and 2 threads."""
     from memcc.passes.analysis.step_traffic import step_traffic
 
     step = _zoo_step()
-    n_bn = sum(is_training_batchnorm(n, step.opset) for n in step.nodes)
+    n_bn = sum(is_model_batchnorm(n, step.opset) for n in step.nodes)
     again, kept = expand_training_batchnorm(step, reuse_statistics=False)
     reused, report = expand_training_batchnorm(step)
     assert kept["statistics_reused"] == 0 and report["statistics_reused"] == n_bn
     a, b = step_traffic(again), step_traffic(reused)
     assert b.kernels < a.kernels and b.bytes_moved < a.bytes_moved
-    assert a.by_op["ReduceMean"].kernels - b.by_op["ReduceMean"].kernels == 2 * n_bn
+    for op in ("ReduceMean", "ReduceSumSquare", "Sub"):
+        assert a.by_op[op].kernels - b.by_op[op].kernels == n_bn, op
     feeds = _data(step)
     stats = {o for o in step.outputs if o in _running_stats(step)}
     for threads in (1, 2):
@@ -151,7 +153,7 @@ def test_rewrite_keeps_names_roles_and_leaves_other_providers_alone():
     rewritten, summary = for_provider(step, "cuda")
     n = summary["batchnorm_rewritten"]
     assert n == 20
-    bn_names = {node.name for node in step.nodes if is_training_batchnorm(node, step.opset)}
+    bn_names = {node.name for node in step.nodes if is_model_batchnorm(node, step.opset)}
     roles = TrainingStep.of(rewritten).roles
     # (the backward's per-channel affines are inference-mode BatchNorms of their own:
     # gradients/batchnorm_backward.py)

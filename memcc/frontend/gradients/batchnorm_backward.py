@@ -44,6 +44,7 @@ from onnx import TensorProto
 
 from memcc.frontend.emit import Emitter
 from memcc.frontend.gradients.registry import GradContext
+from memcc.graph import TensorInfo
 
 Grads = list[str | None]
 
@@ -65,27 +66,49 @@ def batchnorm_train_grad_affine(ctx: GradContext, node: onnx.NodeProto, gy: str,
     dtype = x_info.dtype
     channels = int(x_info.shape[1])
     n = float(np.prod([x_info.shape[a] for a in axes]))
-    mean = emit.reduce_mean(x, axes, keepdims=True)
-    centred = emit.sub(x, mean)
-    var = emit.reduce_mean(emit.mul(centred, centred), axes, keepdims=False)
     zeros = emit.const(np.zeros(channels), dtype, name="zeros")
-
-    def affine(v: str, scale_c: str, mean_c: str) -> str:
-        """``(v - mean_c) * scale_c / sqrt(var + eps)``, one BatchNormalization node."""
-        return emit.op("BatchNormalization", [v, scale_c, zeros, mean_c, var],
-                       epsilon=eps, info=ctx.info(v))
-
-    xhat = affine(centred, emit.const(np.ones(channels), dtype, name="ones"), zeros)
+    xhat, var = _normalised(ctx, x, zeros, eps)
     sum_gy = emit.reduce_sum(gy, axes, keepdims=False)
     sum_gy_xhat = emit.reduce_sum(emit.mul(gy, xhat), axes, keepdims=False)
     gx = None
     if ctx.needs_grad(x):
-        # From xhat, not from the centred input: that one is freed once xhat exists.
         z = _less_projection(emit, gy, xhat, sum_gy_xhat, n, zeros)
-        gx = affine(z, scale, emit.mul(sum_gy, emit.scalar(1.0 / n, dtype)))
+        # gamma * (z - sum(gy) / n) / sqrt(var + eps), one node
+        mean_gy = emit.mul(sum_gy, emit.scalar(1.0 / n, dtype))
+        gx = emit.op("BatchNormalization", [z, scale, zeros, mean_gy, var], epsilon=eps,
+                     info=x_info)
     gs = sum_gy_xhat if ctx.needs_grad(scale) else None
     gb = emit.cast(sum_gy, ctx.info(bias).dtype) if ctx.needs_grad(bias) else None
     return [gx, gs, gb] + [None] * (len(node.input) - 3)
+
+
+def _normalised(ctx: GradContext, x: str, zeros: str, eps: float) -> tuple[str, str]:
+    """``xhat`` and the batch variance ``[C]`` from one training-mode BatchNormalization
+    of ``x`` with scale 1, bias 0, momentum 0 and running statistics 0: its running
+    outputs are then the batch's own (``0 * 0 + batch * 1``), and its output is ``x``
+    normalised by them, as the forward's node normalised it. On the CPU provider
+    (``onnxruntime/core/providers/cpu/nn/batch_norm.h``) the variance is the population
+    one, the sum of squared deviations over the count; the mean output is not read.
+    Where the CUDA provider runs the step, ``passes/providers/batchnorm_for_cuda.py``
+    replaces this node by an inference-mode one fed the forward's statistics.
+
+    ORT's CPU kernel writes its running outputs into its running inputs' buffers (the
+    kernel is registered with ``Alias(3, 1)``, ``Alias(4, 2)``), whoever else reads them:
+    fed a shared constant it would overwrite the zeros every other node reads. So each such
+    node reads two buffers of its own, made each step by one Split of a zeros constant
+    (``zeros``, the ``[C]`` constant, is read by the other nodes of the rule)."""
+    emit = ctx.emit
+    info = ctx.info(x)
+    channels = int(info.shape[1])
+    stat = TensorInfo(info.dtype, (channels,))
+    ones = emit.const(np.ones(channels), info.dtype, name="ones")
+    own = emit.op("Split", [emit.const(np.zeros(2 * channels), info.dtype, name="zeros")],
+                  outputs=2, axis=0, info=[stat, stat],
+                  num_outputs=2 if emit.opset >= 18 else None)
+    xhat, _, var = emit.op("BatchNormalization", [x, ones, zeros, *own], outputs=3,
+                           info=[info, stat, stat], epsilon=eps, momentum=0.0,
+                           training_mode=1)
+    return xhat, var
 
 
 def _count_root_is_exact(n: float) -> bool:

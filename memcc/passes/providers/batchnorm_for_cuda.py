@@ -57,37 +57,118 @@ def is_training_batchnorm(node: onnx.NodeProto, opset: int) -> bool:
             and opset >= 14 and int(attr(node, "training_mode", 0)) == 1)
 
 
+def is_model_batchnorm(node: onnx.NodeProto, opset: int) -> bool:
+    """A training-mode BatchNormalization of the model's, not a backward's statistics node
+    (``_backward_of``): what carries running statistics."""
+    return is_training_batchnorm(node, opset) and _backward_of(node) is None
+
+
 def expand_training_batchnorm(graph: Graph, *, reuse_statistics: bool = True
                                ) -> tuple[Graph, dict]:
     """A copy of ``graph`` with every training-mode BatchNormalization written as above
-    (``graph`` itself when there is none), and a report: how many nodes were rewritten and
-    how many of their backwards read the forward's statistics (``reuse_statistics``)."""
+    (``graph`` itself when there is none), and a report: how many of the model's nodes were
+    rewritten and how many of their backwards read the forward's statistics
+    (``reuse_statistics``)."""
     targets = [n for n in graph.nodes if is_training_batchnorm(n, graph.opset)]
     if not targets:
         return graph, {"batchnorm_rewritten": 0, "statistics_reused": 0}
     out = graph.copy()
     emit = Emitter(out, detached=True)
     nodes: list[onnx.NodeProto] = []
-    stats: dict[str, tuple[str, str, str]] = {}
+    stats: dict[str, _Statistics] = {}
     running: list[_RunningUpdate] = []
+    renamed: dict[str, str] = {}
+    buffers: set[str] = set()  # the running inputs of the backwards' statistics nodes
+    reused = 0
     for node in out.nodes:
         if not is_training_batchnorm(node, out.opset):
             nodes.append(node)
             continue
         start, before = len(emit.nodes), len(running)
-        stats[node.name] = _emit_batchnorm(emit, node, running)
-        nodes.extend(emit.nodes[start:])
+        source = _backward_of(node)
+        if source is None:
+            stats[node.name] = _emit_batchnorm(emit, node, running)
+        else:
+            buffers.update(node.input[3:5])
+            reused += _emit_backward_statistics(
+                emit, node, stats.get(source) if reuse_statistics else None, renamed)
+        made = emit.nodes[start:]
+        if source is not None:
+            for n in made:
+                n.metadata_props.extend(node.metadata_props)  # the backward's provenance
+        nodes.extend(made)
         for u in running[before:]:  # its updates go after its nodes, or later, joined
             u.after = len(nodes)
+    _read_renamed(nodes, renamed)
+    nodes = _without_unread_buffers(nodes, buffers)
     nodes, groups = _update_running_statistics(emit, nodes, running)
     for n in emit.nodes:
-        # The running statistics are no ancestors of the loss: the tag keeps them (and
-        # every other node here) in the forward pass (TrainingStep.forward).
-        tag_node(n, role=Role.FORWARD.value)
-    reused = _reuse_statistics(nodes, emit, stats) if reuse_statistics else 0
+        if not n.metadata_props:
+            # The running statistics are no ancestors of the loss: the tag keeps them (and
+            # every other node of a forward BatchNorm) in the forward pass
+            # (TrainingStep.forward).
+            tag_node(n, role=Role.FORWARD.value)
+    if reuse_statistics:
+        reused += _reuse_statistics(nodes, emit, stats)
     out.set_nodes(nodes)
-    return out, {"batchnorm_rewritten": len(targets), "statistics_reused": reused,
+    return out, {"batchnorm_rewritten": len(stats), "statistics_reused": reused,
                  "running_statistics_updates": groups}
+
+
+def _backward_of(node: onnx.NodeProto) -> str | None:
+    """The forward node whose backward ``node`` belongs to (None: a node of the model):
+    memcc's float32 BatchNorm backward begins with a training-mode BatchNormalization of
+    the forward's input for ``xhat`` and the batch variance
+    (``frontend/gradients/batchnorm_backward.py``)."""
+    return node_props(node).get(GRAD_OF_PROP) if node.metadata_props else None
+
+
+@dataclass(frozen=True)
+class _Statistics:
+    """What a rewritten forward BatchNorm computed: its input, the batch mean as
+    ``[1, C, 1, ...]`` and as ``[C]``, and the batch variance ``[C]`` (statistics' dtype)."""
+
+    x: str
+    mean_view: str
+    mean: str
+    var: str
+
+
+def _emit_backward_statistics(emit: Emitter, node: onnx.NodeProto,
+                              fwd: _Statistics | None, renamed: dict[str, str]) -> int:
+    """Write a backward's statistics node (``_backward_of``): ``xhat`` from an
+    inference-mode BatchNormalization fed the forward's batch statistics where they are
+    the same input's in the same dtype (returns 1), else from the statistics computed
+    again as a forward BatchNorm's are (returns 0). Its mean and variance outputs are
+    recorded in ``renamed`` as the values that now hold them."""
+    x, ones, zeros = node.input[:3]
+    x_info = emit.info(x)
+    if fwd is not None and fwd.x == x and emit.info(fwd.var).dtype == x_info.dtype:
+        emit.op("BatchNormalization", [x, ones, zeros, fwd.mean, fwd.var],
+                outputs=[node.output[0]], epsilon=float(attr(node, "epsilon", 1e-5)),
+                info=x_info)
+        renamed.update({node.output[1]: fwd.mean, node.output[2]: fwd.var})
+        return 1
+    own = _emit_batchnorm(emit, node, None)
+    renamed.update({node.output[1]: own.mean, node.output[2]: own.var})
+    return 0
+
+
+def _without_unread_buffers(nodes: list[onnx.NodeProto], buffers: set[str]
+                            ) -> list[onnx.NodeProto]:
+    """``nodes`` less those that made the backwards' statistics nodes their own running
+    inputs (a Split of zeros each), which nothing reads once those nodes are rewritten."""
+    read = {i for n in nodes for i in n.input}
+    return [n for n in nodes
+            if not (set(n.output) & buffers) or any(o in read for o in n.output if o)]
+
+
+def _read_renamed(nodes: list[onnx.NodeProto], renamed: dict[str, str]) -> None:
+    """Point every input named in ``renamed`` at the value that holds it now."""
+    for n in nodes:
+        for k, value in enumerate(n.input):
+            if value in renamed:
+                n.input[k] = renamed[value]
 
 
 @dataclass
@@ -137,7 +218,7 @@ def _mixed(emit: Emitter, running: str, batch: str, momentum: float, out: str | 
 
 
 def _reuse_statistics(nodes: list[onnx.NodeProto], emit: Emitter,
-                      stats: dict[str, tuple[str, str, str]]) -> int:
+                      stats: dict[str, _Statistics]) -> int:
     """Make each rewritten BatchNorm's backward read the forward's mean and variance
     (module docstring), in place in ``nodes``; return how many backwards were changed.
 
@@ -158,7 +239,7 @@ def _reuse_statistics(nodes: list[onnx.NodeProto], emit: Emitter,
     inserts: dict[int, list[onnx.NodeProto]] = {}
     changed = 0
     for name, idx in by_rule.items():
-        x, fwd_mean, fwd_var = stats[name]
+        x, fwd_mean, fwd_var = stats[name].x, stats[name].mean_view, stats[name].var
         if len(idx) < 4:
             continue
         m, c, sq, v = (nodes[i] for i in idx[:4])
@@ -193,11 +274,11 @@ def _reuse_statistics(nodes: list[onnx.NodeProto], emit: Emitter,
     return changed
 
 
-def _emit_batchnorm(emit: Emitter, node: onnx.NodeProto, running: list[_RunningUpdate]
-                    ) -> tuple[str, str, str]:
+def _emit_batchnorm(emit: Emitter, node: onnx.NodeProto,
+                    running: list[_RunningUpdate] | None) -> _Statistics:
     """Emit the node as the module docstring says, its running statistics' updates added
-    to ``running`` (written later, joined); return (input, batch mean as [1, C, 1, ...],
-    batch variance as [C])."""
+    to ``running`` (written later, joined; None: the node's running outputs are its batch
+    statistics, ``_backward_of``); return what it computed."""
     x, scale, bias, mean_in, var_in = node.input[:5]
     x_info = emit.info(x)
     rank, dtype = len(x_info.shape), x_info.dtype
@@ -222,6 +303,6 @@ def _emit_batchnorm(emit: Emitter, node: onnx.NodeProto, running: list[_RunningU
     if node.name:  # reports and the backward's provenance name the node as it was
         emit.nodes[-1].name = node.name
     for k, (stat, batch) in enumerate(((mean_in, batch_mean), (var_in, var)), start=1):
-        if len(node.output) > k and node.output[k]:
+        if running is not None and len(node.output) > k and node.output[k]:
             running.append(_RunningUpdate(stat, batch, node.output[k], momentum))
-    return x, mean, var
+    return _Statistics(x, mean, batch_mean, var)
