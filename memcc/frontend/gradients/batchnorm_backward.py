@@ -11,10 +11,15 @@ its per-channel operands as ``[C]`` vectors: BatchNormalization in inference mod
 ``y = (x - mean) * scale / sqrt(var + eps) + bias``. Fed the batch variance, it gives
 ``1 / sqrt(var + eps)`` without the Add, Sqrt and Reciprocal, and needs no Reshape. So:
 
-- ``mean``: ReduceMean(x) (kept as ``[1, C, 1, ...]``), ``c = x - mean``,
-  ``var = ReduceMean(c * c)`` reduced to ``[C]`` (the same sums as before: same bits);
-- ``xhat = BN(c; scale 1, bias 0, mean 0, var)``: ``c * (1 / sqrt(var + eps)) + 0``, the
-  same bits as the old ``Mul(c, Reciprocal(Sqrt(var + eps)))`` on ORT's CPU kernel;
+- ``xhat`` and the batch variance ``var`` (``[C]``) from one more training-mode
+  BatchNormalization of ``x``, with scale 1, bias 0 and momentum 0 (``_normalised``): its
+  running-statistics outputs are then the batch's own statistics, and its output is ``x``
+  normalised by them, as the forward's node normalised it. Where it took ReduceMean, Sub,
+  Mul, ReduceMean and an inference-mode BatchNormalization of the centred input, it is one
+  node that reads ``x`` three times and writes ``xhat`` once, and no centred input or its
+  square is ever alive (the working set that sets ``--budget min``'s floor is smaller). It
+  reads two zero buffers of its own, made by one Split (ORT writes the running outputs
+  into them);
 - the scale and bias gradients ``sum(gy * xhat)`` and ``sum(gy)`` reduced straight to
   ``[C]`` (same bits as before, without the Reshapes);
 - ``z = gy - BN(xhat; scale sum(gy * xhat), bias 0, mean 0, var n * n, epsilon 0)``: the
@@ -27,11 +32,11 @@ its per-channel operands as ``[C]`` vectors: BatchNormalization in inference mod
 - ``dx = BN(z; scale gamma, bias 0, mean sum(gy) / n, var)``, that is
   ``gamma * inv * (z - sum(gy) / n)``.
 
-12 nodes (14 before the projection above), and 11 activation-sized passes where the
-old form had 12. ORT's kernel folds the
-per-channel operands first (``z * (inv * gamma) + (0 - mean * inv * gamma)``), so ``dx`` is
-rounded differently from the old ``(z - sum(gy) / n) * (gamma * inv)``:
-``tests/test_batchnorm_backward.py`` bounds the difference. Only float32 activations and
+9 nodes (12 with the statistics from reductions, 14 before the projection above). ORT's
+kernel folds the per-channel operands first (``z * (inv * gamma) + (0 - mean * inv *
+gamma)``), so ``dx`` is rounded differently from the old ``(z - sum(gy) / n) * (gamma *
+inv)``, and the training kernel takes ``1 / sqrt`` as ``sqrt(1 / (var + eps))`` and sums in
+its own order: ``tests/test_batchnorm_backward.py`` bounds the difference. Only float32 activations and
 statistics take this form (the kernel's types); anything else keeps the general rule in
 ``gradients/nn.py``.
 """

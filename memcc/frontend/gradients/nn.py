@@ -564,7 +564,7 @@ def _batchnorm_train_grad(ctx: GradContext, node: onnx.NodeProto, gy: str, axes:
     at most about three activation-sized temporaries besides x and gy, where the textbook
     form (gxhat, its mean, its product with xhat, ...) holds five; that working set is what
     recomputation cannot remove, so it sets the smallest budget a plan can reach. float32
-    steps take the same arithmetic in 12 nodes instead of 21 (``gradients/batchnorm_backward``:
+    steps take the same arithmetic in 9 nodes instead of 21 (``gradients/batchnorm_backward``:
     the per-channel factors applied by inference-mode BatchNormalization nodes)."""
     if batchnorm_backward.applies(ctx, node):  # the fewest nodes (issue 30)
         return batchnorm_backward.batchnorm_train_grad_affine(ctx, node, gy, axes, eps)
