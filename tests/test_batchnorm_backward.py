@@ -25,7 +25,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from threads import mismatches, run_once
 
-from memcc.backend.runner import synthetic_feeds
+from memcc.backend.runner import session_graph, synthetic_feeds
 from memcc.backend.session import SessionSettings, make_session
 from memcc.frontend.build import BuildOptions, build_training_step
 from memcc.frontend.gradients import batchnorm_backward
@@ -130,3 +130,38 @@ def test_outputs_match_the_general_rule_at_1_and_2_threads(steps):
             a, b = value.astype(np.float64), got[name].astype(np.float64)
             scale = max(float(np.max(np.abs(a))), 1e-30)
             assert float(np.max(np.abs(a - b))) <= RTOL * scale, (threads, name)
+
+
+def _statistics_nodes(step) -> list[onnx.NodeProto]:
+    return [n for n in step.nodes if n.op_type == "BatchNormalization"
+            and any(a.name == "training_mode" and a.i for a in n.attribute)
+            and n.metadata_props and node_props(n).get(GRAD_OF_PROP)]
+
+
+def test_the_statistics_node_writes_into_buffers_no_other_node_reads(steps):
+    """ORT's CPU kernel writes a training-mode BatchNormalization's running outputs into its
+    running inputs' buffers, so the backward's statistics node reads two made for it alone
+    (a Split of zeros per node), and one session runs the step three times to the same bits,
+    at 1 and 2 threads. Fed the rule's shared ``zeros`` instead (as a first version was), the
+    statistics of one layer overwrote the zeros another reads: conv weights 1e2-1e4 off."""
+    _, new = steps
+    stats = _statistics_nodes(new)
+    assert len(stats) == 20
+    readers: dict[str, int] = {}
+    for n in new.nodes:
+        for i in n.input:
+            readers[i] = readers.get(i, 0) + 1
+    producers = new.producers()
+    for n in stats:
+        assert all(readers[b] == 1 and producers[b].op_type == "Split" for b in n.input[3:5])
+        assert len(n.output) == 3 and float(next(
+            a.f for a in n.attribute if a.name == "momentum")) == 0.0
+    feeds = {k: v for k, v in synthetic_feeds(new, 0).items() if k not in new.initializers}
+    names = list(new.outputs)
+    graph, values = session_graph(new)
+    for threads in (1, 2):
+        sess = make_session(graph.to_model(), "cpu", SessionSettings(intra_op_threads=threads))
+        runs = [dict(zip(names, sess.run(names, {**values, **feeds}), strict=True))
+                for _ in range(3)]
+        assert not mismatches(runs[0], runs[1]) and not mismatches(runs[0], runs[2])
+        assert not mismatches(runs[0], run_once(new, feeds, threads))

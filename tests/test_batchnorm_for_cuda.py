@@ -96,8 +96,8 @@ def test_rewritten_step_matches_the_step_as_built(source, tmp_path):
 def test_the_backward_reads_the_forwards_statistics_and_moves_less():
     """Each backward normalises by the forward's batch mean and variance (the ones the
     forward's normalisation used) instead of recomputing them: two activation-sized
-    reductions, a Sub and a Mul fewer per BatchNorm, outputs within the stated tolerance of the backward that
-    recomputes them, at 1 and 2 threads."""
+    reductions, a Sub and a Mul fewer per BatchNorm, outputs within the stated tolerance of
+    the backward that recomputes them, at 1 and 2 threads."""
     from memcc.passes.analysis.step_traffic import step_traffic
 
     step = _zoo_step()

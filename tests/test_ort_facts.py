@@ -490,3 +490,36 @@ def test_a_function_cannot_reach_batchnorms_older_training_kernel():
         onnx.checker.check_model(m, full_check=True)
     with pytest.raises(Exception, match="output size 5"):
         make_session(m, "cpu", SessionSettings())
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_training_batchnorm_with_momentum_zero_gives_out_the_batch_statistics(threads):
+    """memcc's float32 BatchNorm backward (``frontend/gradients/batchnorm_backward.py``) reads
+    ``xhat`` and the batch variance off one training-mode BatchNormalization with momentum 0:
+    its running outputs ``in * 0 + batch * 1`` are the batch mean and the population
+    variance (not the unbiased one), whatever finite values its running inputs held, and its
+    output is the input normalised by them."""
+    vi = helper.make_tensor_value_info
+    io = ["x", "s", "b", "m", "v"]
+    node = helper.make_node("BatchNormalization", io, ["y", "rm", "rv"], epsilon=1e-5,
+                            momentum=0.0, training_mode=1)
+    graph = helper.make_graph([node], "g", [vi("x", TensorProto.FLOAT, [6, 5, 7, 3])]
+                              + [vi(n, TensorProto.FLOAT, [5]) for n in io[1:]],
+                              [vi(n, TensorProto.FLOAT, None) for n in ("y", "rm", "rv")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 15)])
+    model.ir_version = 10
+    sess = make_session(model, "cpu", SessionSettings(intra_op_threads=threads))
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((6, 5, 7, 3)) * 3 + 2).astype(np.float32)
+    axes = (0, 2, 3)
+    mean, var = x.astype(np.float64).mean(axes), x.astype(np.float64).var(axes)
+    for held in (0.0, 123.0):
+        y, rm, rv = sess.run(None, {"x": x, "s": np.ones(5, np.float32),
+                                    "b": np.zeros(5, np.float32),
+                                    "m": np.full(5, held, np.float32),
+                                    "v": np.full(5, held, np.float32)})
+        np.testing.assert_allclose(rm, mean, rtol=1e-5)
+        np.testing.assert_allclose(rv, var, rtol=1e-5)
+        assert np.max(np.abs(rv / var - 1)) < 0.1 * (1 / (x.size // 5 - 1))  # not unbiased
+        xhat = (x - mean.reshape(1, 5, 1, 1)) / np.sqrt(var.reshape(1, 5, 1, 1) + 1e-5)
+        np.testing.assert_allclose(y, xhat, atol=1e-5)

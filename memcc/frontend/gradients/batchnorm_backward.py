@@ -36,9 +36,9 @@ its per-channel operands as ``[C]`` vectors: BatchNormalization in inference mod
 kernel folds the per-channel operands first (``z * (inv * gamma) + (0 - mean * inv *
 gamma)``), so ``dx`` is rounded differently from the old ``(z - sum(gy) / n) * (gamma *
 inv)``, and the training kernel takes ``1 / sqrt`` as ``sqrt(1 / (var + eps))`` and sums in
-its own order: ``tests/test_batchnorm_backward.py`` bounds the difference. Only float32 activations and
-statistics take this form (the kernel's types); anything else keeps the general rule in
-``gradients/nn.py``.
+its own order: ``tests/test_batchnorm_backward.py`` bounds the difference. Only float32
+activations and statistics take this form (the kernel's types); anything else keeps the
+general rule in ``gradients/nn.py``.
 """
 
 from __future__ import annotations
