@@ -116,7 +116,7 @@ def _sized_views():
         yield
 
 
-def _statistics_by_reductions(ctx, x, zeros, eps):
+def statistics_by_reductions(ctx, x, zeros, eps):
     """The float32 BatchNorm backward's ``xhat`` and variance as it made them before one
     training-mode BatchNormalization did: ReduceMean, Sub, Mul, ReduceMean and an
     inference-mode BatchNormalization of the centred input."""
@@ -142,7 +142,7 @@ def _builds(name: str, against: str, optimizer: str) -> dict[str, Graph]:
             return {"before": build_training_step(fwd, BuildOptions(optimizer=optimizer)),
                     "new": new}
     if against == "statistics-by-reductions":
-        with mock.patch.object(batchnorm_backward, "_normalised", _statistics_by_reductions):
+        with mock.patch.object(batchnorm_backward, "_normalised", statistics_by_reductions):
             return {"before": build_training_step(fwd, BuildOptions(optimizer=optimizer)),
                     "new": new}
     if against == "sized-views":

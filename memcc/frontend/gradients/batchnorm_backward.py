@@ -43,15 +43,19 @@ general rule in ``gradients/nn.py``.
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import onnx
-from onnx import TensorProto
+from onnx import TensorProto, numpy_helper
 
 from memcc.frontend.emit import Emitter
 from memcc.frontend.gradients.registry import GradContext
 from memcc.graph import TensorInfo
 
 Grads = list[str | None]
+# The name of the constants the statistics nodes' own buffers are split from.
+BUFFERS = "statistics_buffers"
 
 
 def applies(ctx: GradContext, node: onnx.NodeProto) -> bool:
@@ -100,20 +104,42 @@ def _normalised(ctx: GradContext, x: str, zeros: str, eps: float) -> tuple[str, 
     ORT's CPU kernel writes its running outputs into its running inputs' buffers (the
     kernel is registered with ``Alias(3, 1)``, ``Alias(4, 2)``), whoever else reads them:
     fed a shared constant it would overwrite the zeros every other node reads. So each such
-    node reads two buffers of its own, made each step by one Split of a zeros constant
-    (``zeros``, the ``[C]`` constant, is read by the other nodes of the rule)."""
+    node reads two buffers of its own, made each step by one Split of a constant
+    (``_own_buffers``; ``zeros``, the ``[C]`` constant, is read by the other nodes of the
+    rule)."""
     emit = ctx.emit
     info = ctx.info(x)
     channels = int(info.shape[1])
     stat = TensorInfo(info.dtype, (channels,))
     ones = emit.const(np.ones(channels), info.dtype, name="ones")
-    own = emit.op("Split", [emit.const(np.zeros(2 * channels), info.dtype, name="zeros")],
-                  outputs=2, axis=0, info=[stat, stat],
-                  num_outputs=2 if emit.opset >= 18 else None)
-    xhat, _, var = emit.op("BatchNormalization", [x, ones, zeros, *own], outputs=3,
-                           info=[info, stat, stat], epsilon=eps, momentum=0.0,
+    xhat, _, var = emit.op("BatchNormalization",
+                           [x, ones, zeros, *_own_buffers(emit, channels, info.dtype)],
+                           outputs=3, info=[info, stat, stat], epsilon=eps, momentum=0.0,
                            training_mode=1)
     return xhat, var
+
+
+def _own_buffers(emit: Emitter, channels: int, dtype: int) -> list[str]:
+    """Two ``[C]`` buffers made by one Split, for one statistics node to write into.
+
+    What they hold does not matter (momentum 0: ``held * 0 + batch``), as long as it is
+    finite, but it must differ from every other such Split's constant: with its graph
+    optimizations on (the defaults of a plain ``InferenceSession``), ONNX Runtime's
+    common-subexpression elimination merges Splits of equal constants, and two statistics
+    nodes then write into one buffer (measured: outputs 0.53 relative off on the zoo
+    ResNet-18 with zeros for all). Each node takes the next two integers after the largest
+    any such constant of the graph holds, one per half (equal halves were not seen to be
+    merged; distinct, no merge of equal values could give the two statistics one buffer)."""
+    held = 0
+    for n in itertools.chain(emit.graph.nodes, () if emit.nodes is emit.graph.nodes
+                             else emit.nodes):
+        if n.op_type == "Constant" and BUFFERS in n.output[0]:
+            held = max(held, int(numpy_helper.to_array(n.attribute[0].t).max()))
+    first = held + 1
+    values = np.concatenate([np.full(channels, first), np.full(channels, first + 1)])
+    stat = TensorInfo(dtype, (channels,))
+    return emit.op("Split", [emit.const(values, dtype, name=BUFFERS)], outputs=2, axis=0,
+                   info=[stat, stat], num_outputs=2 if emit.opset >= 18 else None)
 
 
 def _count_root_is_exact(n: float) -> bool:
