@@ -276,3 +276,52 @@ def test_a_write_the_file_lost_is_named(module_and_inputs, tmp_path):
     _export(module, inputs, tmp_path / "m.onnx", optimize=True)
     with pytest.warns(ExportWarning, match="writes 1 buffer.*'ema'.*optimize=False"):
         _build(tmp_path / "m.onnx")
+
+
+class _SmoothedFeatures(torch.nn.Module):
+    """Features smoothed by the last step's (``f = 0.9 * buf + 0.1 * h``, with gradient),
+    kept in the buffer under ``torch.no_grad()``: the value written is computed from the
+    buffer's old value, as an update is, but it is the model's own; ``read_after``: the
+    model also reads the buffer after the write, which the file cannot tell from ``f``."""
+
+    def __init__(self, read_after: bool) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(4, 6)
+        self.fc = torch.nn.Linear(6, 3)
+        self.register_buffer("smooth", torch.full((5, 6), 0.1))
+        self.read_after = read_after
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        f = 0.9 * self.smooth + 0.1 * torch.tanh(self.fc1(x))
+        with torch.no_grad():
+            self.smooth.copy_(f)
+        out = self.fc(f)
+        return torch.nn.functional.mse_loss(out * self.smooth.mean() if self.read_after
+                                            else out, t)
+
+
+def test_a_copy_computed_from_the_buffers_old_value_keeps_its_gradient(module_and_inputs,
+                                                                       tmp_path):
+    """``f`` reads the buffer's old value, so its node was cut as an update's: ``fc1``,
+    which reaches the loss through ``f`` alone, was left out of the step with nothing said
+    (its weights never trained, the third loss 4.3e-3 relative off torch's at lr 0.5). A cut that
+    takes every path from a parameter to the loss away is not torch's: kept, and named."""
+    _, inputs = module_and_inputs
+    torch.manual_seed(0)
+    module = _SmoothedFeatures(read_after=False)
+    _export(module, inputs, tmp_path / "m.onnx", optimize=False)
+    with pytest.warns(ExportWarning, match=r"'smooth' with 'add'.*'fc1\.bias' reaches"):
+        step = _build(tmp_path / "m.onnx")
+    _trains_as_torch(module, inputs, step, "smooth")
+
+
+def test_a_copy_read_back_after_the_write_is_named(module_and_inputs, tmp_path):
+    """Read back after the write, the buffer's value is ``f``'s own name in the file, which
+    passes gradient where torch passes none: that cannot be told from the file, so build
+    names the buffer and says what makes it exact (``copy_(f.detach())``)."""
+    _, inputs = module_and_inputs
+    module = _SmoothedFeatures(read_after=True)
+    _export(module, inputs, tmp_path / "m.onnx", optimize=False)
+    with pytest.warns(ExportWarning, match=r"'smooth' with 'add'.*copy_\(x\.detach\(\)\)"):
+        step = _build(tmp_path / "m.onnx")
+    assert "fc1.weight" in TrainingStep.of(step).parameters

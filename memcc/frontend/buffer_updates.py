@@ -37,10 +37,16 @@ another buffer's is cut only where no data input reaches it, as none reaches
 ``spectral_norm``'s vectors), keeps its gradient,
 which the model's own reads need; a read of the buffer after such a write would pass
 gradient where torch's passes none, so the builder warns of the copy
-(``buf.copy_(h.detach())`` makes the buffer's value its own). Missed: a value computed with
-gradient from a buffer's old value and then copied into that buffer (``h2 = h * buf``, then
-``buf.copy_(h2)`` under ``no_grad``, ``h2`` read by the model), or from another's with no
-data input, is cut as an update would be.
+(``buf.copy_(h.detach())`` makes the buffer's value its own). A value computed with
+gradient from the buffer's old value and then copied into it (``f = 0.9 * buf + 0.1 * h``,
+read by the model, then ``buf.copy_(f)`` under ``no_grad``) looks like an update: it is
+cut as one unless the cut takes every path to the loss from some parameter away (torch
+gives a parameter no gradient only where the forward reads it under ``no_grad`` alone, so
+such a cut is taken for a copy of the model's own value: kept and warned of as one).
+Missed: such a value that each parameter also reaches the loss by another path, which is
+cut; and an update under ``no_grad`` that is a parameter's only way to the loss, which is
+kept (the warning says to ``--freeze`` it, or to write ``buf.copy_(x.detach())``, which
+makes either case exact).
 
 Also here, ``warn_last_batch_statistics``: a training BatchNorm whose file says momentum 0,
 which TorchScript writes for ``BatchNorm(momentum=None)`` (PyTorch's cumulative average over
@@ -60,7 +66,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from memcc.frontend.autodiff import NO_GRAD_PROP
+from memcc.frontend.autodiff import NO_GRAD_PROP, differentiable_values
 from memcc.frontend.export_signature import ExportNote, ExportWarning, signature_of
 from memcc.frontend.update import StepWriter
 from memcc.graph import Graph, ancestors, attr, node_label
@@ -83,9 +89,11 @@ class BufferUpdates:
     lost: tuple[str, ...] = ()
 
 
-def buffer_updates(graph: Graph, bn_stats, source: str) -> BufferUpdates:
+def buffer_updates(graph: Graph, bn_stats, source: str, loss: str) -> BufferUpdates:
     """The buffers the forward writes, other than BatchNorm's, and the values written;
-    tags each value's node as computed without gradient, and notes the lost writes."""
+    tags each value's node as computed without gradient, and notes the lost writes.
+    ``loss``: the step's loss, which a cut must not take parameters away from
+    (``_starves``)."""
     sig = signature_of(graph)
     if sig is None:
         return BufferUpdates()
@@ -96,11 +104,17 @@ def buffer_updates(graph: Graph, bn_stats, source: str) -> BufferUpdates:
     written = {b for _, b in writes}
     data = {i for i in graph.inputs if i not in graph.initializers}
     carried, lost, copied, unread = [], [], [], []
+    trained = _StepParameters(loss, sig.parameters)
     for value, buffer in writes:
         node = producers.get(value)
         reached = ancestors([value], producers)[1] if node is not None else set()
         # cut even where the buffer is lost (spectral_norm's _u, overwritten unread)
         cut = node is not None and _the_buffers_alone(node, buffer, reached, (written, data))
+        starved = trained.starved_by(graph, node) if cut else []
+        if starved:  # the model's own value, computed with gradient: keep it
+            cut = False
+            copied.append(f"'{buffer}' with '{value}', the only way '{starved[0]}' reaches "
+                          "the loss")
         if cut:
             node.metadata_props.add(key=NO_GRAD_PROP, value="1")
         if node is not None and buffer not in graph.info and \
@@ -114,7 +128,7 @@ def buffer_updates(graph: Graph, bn_stats, source: str) -> BufferUpdates:
                 graph.info[value].shape != graph.info[buffer].shape:
             lost.append(buffer)
             continue
-        if not cut and value in readers:
+        if not cut and value in readers and not starved:
             copied.append(f"'{buffer}' with '{value}'")
         carried.append((value, buffer))
     if lost:
@@ -139,8 +153,11 @@ def buffer_updates(graph: Graph, bn_stats, source: str) -> BufferUpdates:
             f"uses itself ({copied[0]}): the step carries the write and keeps the value's "
             "gradient for the model's own reads, but a read of the buffer after the write "
             "reads the same value and would pass gradient where torch passes none. Write "
-            "buf.copy_(x.detach()) if the forward reads the buffer after writing it.",
-            ExportWarning, stacklevel=2)
+            "buf.copy_(x.detach()) if the forward reads the buffer after writing it. A "
+            "value computed from the buffer's old value is taken for the model's own only "
+            "where parameters reach the loss through it alone: if the forward computes it "
+            "under torch.no_grad(), --freeze those parameters (torch gives them no "
+            "gradient), or write buf.copy_(x.detach()).", ExportWarning, stacklevel=2)
     return BufferUpdates(tuple(carried), tuple(lost))
 
 
@@ -154,6 +171,27 @@ def _the_buffers_alone(node: onnx.NodeProto, buffer: str, reached: set[str],
     written, data = step
     return node.op_type == "Identity" or buffer in reached or \
         bool(written & reached) and not data & reached
+
+
+class _StepParameters:
+    """The parameters the loss reaches, to hold a cut against: a cut that takes every path
+    from a parameter to the loss away is not torch's (module docstring)."""
+
+    def __init__(self, loss: str, parameters: frozenset[str]) -> None:
+        self.loss, self.parameters = loss, parameters
+        self._before: set[str] | None = None
+
+    def starved_by(self, graph: Graph, node: onnx.NodeProto) -> list[str]:
+        """The parameters that reach the loss, but through ``node`` alone (sorted); none
+        for an Identity, the exporter's ``detach``, which is the buffer's whatever it
+        takes away."""
+        if node.op_type == "Identity":
+            return []
+        wrt = sorted(p for p in self.parameters if p in graph.info)
+        if self._before is None:
+            self._before = differentiable_values(graph, self.loss, wrt) & set(wrt)
+        after = differentiable_values(graph, self.loss, wrt, {node.name})
+        return sorted(self._before - after)
 
 
 def _folded_statistic(graph: Graph, buffer: str, mutated: frozenset[str]) -> bool:

@@ -119,7 +119,7 @@ def build_training_step(forward: Graph, options: BuildOptions | None = None,
     bn_stats = batchnorm_running_stats(graph)
     unbias_running_var(graph, bn_stats)  # PyTorch's running variance, for its models
     warn_last_batch_statistics(bn_stats, source)
-    written = buffer_updates(graph, bn_stats, source)  # other buffers the forward writes
+    written = buffer_updates(graph, bn_stats, source, loss)  # other buffers the forward writes
     emap = export_map_of(graph)
     params = choose_parameters(graph, loss, bn_stats, opts.freeze, source, emap)
     sources = parameter_sources(graph, params)
