@@ -15,7 +15,13 @@ running statistics the training accumulated, and no dropping. So ``--eval`` writ
 - every Dropout without its ``training_mode`` input, which ONNX defines as inference: the
   input passes through;
 - every Dropout written as a random mask, ``x * (RandomUniform(Like) < keep) / keep`` (the
-  dynamo exporter's in-place ``nn.Dropout``, timm's stochastic depth), as ``x``.
+  dynamo exporter's in-place ``nn.Dropout``, timm's stochastic depth), as ``x``;
+- every spectral norm (``torch.nn.utils.parametrizations.spectral_norm``'s ``_u`` and
+  ``_v``, the old hook's ``weight_u`` and ``weight_v``, which the step carries:
+  ``frontend/buffer_updates.py``) reading its stored vectors where the file runs the power
+  iteration: torch's eval mode divides by ``u . W v`` of the vectors the last training step
+  wrote, with no iteration; one more from the trained weight put the outputs 3.6e-3 to
+  3.4e-2 of their largest off torch's (``tests/test_eval_spectral_norm.py``).
 
 A training-mode BatchNormalization whose statistics are computed, not carried (timm's
 weight standardisation: ``F.batch_norm(w, None, None, training=True)``), stays: PyTorch
@@ -50,6 +56,7 @@ class EvalMode:
     graph: Graph
     batchnorms: int
     dropouts: int
+    spectral_norms: int = 0
 
 
 def inference_or_train_mode(graph: Graph, spec: TrainingStep, outputs: list[str], *,
@@ -60,10 +67,12 @@ def inference_or_train_mode(graph: Graph, spec: TrainingStep, outputs: list[str]
         made = in_eval_mode(graph, spec, outputs, source=source)
         done = [f"{made.batchnorms} BatchNorm(s) read their running statistics"] \
             * bool(made.batchnorms) + \
-            [f"{made.dropouts} Dropout(s) pass their input through"] * bool(made.dropouts)
+            [f"{made.dropouts} Dropout(s) pass their input through"] * bool(made.dropouts) + \
+            [f"{made.spectral_norms} spectral norm(s) read their stored vectors without a "
+             "power iteration"] * bool(made.spectral_norms)
         return made.graph, EVAL_NOTE + (
             f"{' and '.join(done)}, as in PyTorch's eval mode" if done else
-            "nothing to change (no training-mode BatchNorm or Dropout)")
+            "nothing to change (no training-mode BatchNorm, Dropout or spectral norm)")
     bns, drops = train_mode_nodes(graph, outputs)
     kept = [f"{bns} BatchNorm(s) normalise by each batch's statistics"] * bool(bns) + \
         [f"{drops} Dropout(s) are in training mode"] * bool(drops)
@@ -94,10 +103,12 @@ def in_eval_mode(graph: Graph, spec: TrainingStep, outputs: list[str], *,
     producer = graph.def_use().producer
     running = running_of_batch_statistics(spec, producer)
     masked = _dropped_by_masks(graph, producer)
+    vectors = _power_iterated(graph, spec, producer)
     nodes: list[onnx.NodeProto] = []
     made: dict[int, str] = {}  # id of a rewritten node -> "bn" or "dropout"
     out = graph.copy(with_index=False)
     for n in graph.nodes:
+        n = _reading_stored(n, vectors)
         new, kind = _in_eval_mode(out, n, masked, producer, carried, running)
         nodes.extend(new)
         if kind:
@@ -106,6 +117,8 @@ def in_eval_mode(graph: Graph, spec: TrainingStep, outputs: list[str], *,
     reached, _ = ancestors(outputs, out.def_use().producer)
     kinds = [made[id(n)] for n in reached if id(n) in made]
     bns, drops = kinds.count("bn"), kinds.count("dropout")
+    read = {i for n in reached for i in n.input}
+    norms = sum(v.endswith("_v") and v in read for v in set(vectors.values()))
     draws = [n for n in reached if n.op_type in RANDOM_OPS]
     if draws:
         names = ", ".join(f"'{n.name or n.output[0]}' ({n.op_type})" for n in draws[:3])
@@ -116,7 +129,46 @@ def in_eval_mode(graph: Graph, spec: TrainingStep, outputs: list[str], *,
             "is the module's code, not the graph's. Export the weights (--format "
             "safetensors) and load them into the PyTorch module in eval mode, or export "
             "the module from PyTorch in eval mode and give it these weights")
-    return EvalMode(out, bns, drops)
+    return EvalMode(out, bns, drops, norms)
+
+
+# A spectral norm's vectors: the parametrization's ``<module>.parametrizations.<name>.<i>._u``
+# and ``._v`` (its parameter ``....original``), the old hook's ``<module>.<name>_u`` and
+# ``_v`` (its parameter ``<module>.<name>_orig``).
+_PARAMETRIZED = ".parametrizations."
+
+
+def _power_iterated(graph: Graph, spec: TrainingStep, producer: dict[str, onnx.NodeProto]
+                    ) -> dict[str, str]:
+    """Each value the step writes into a spectral norm's ``u`` or ``v`` (and the value the
+    step names so behind an Identity), mapped to that buffer: eval mode reads the buffer
+    where the forward reads the value, and the power iteration falls away unread."""
+    written = {b: v for v, b in spec.state.items()}
+    names = set(graph.inputs) | set(graph.initializers)
+    vectors: dict[str, str] = {}
+    for buffer, value in written.items():
+        stem = buffer[:-2]
+        if buffer[-2:] not in ("_u", "_v") or stem + ("_v" if buffer[-1] == "u" else "_u") \
+                not in written:
+            continue
+        if not (_PARAMETRIZED in stem and stem.endswith(".") or stem + "_orig" in names):
+            continue
+        vectors[value] = buffer
+        node = producer.get(value)
+        if node is not None and node.op_type == "Identity":
+            vectors[node.input[0]] = buffer
+    return vectors
+
+
+def _reading_stored(n: onnx.NodeProto, vectors: dict[str, str]) -> onnx.NodeProto:
+    """``n``, or a copy of it that reads the stored vectors where it read the values the
+    power iteration writes into them (the step's node is left as it is)."""
+    if not any(i in vectors for i in n.input):
+        return n
+    c = onnx.NodeProto()
+    c.CopyFrom(n)
+    c.input[:] = [vectors.get(i, i) for i in n.input]
+    return c
 
 
 def _in_eval_mode(graph: Graph, n: onnx.NodeProto, masked: dict[int, str],
