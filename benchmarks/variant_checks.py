@@ -95,11 +95,15 @@ def min_search(args: argparse.Namespace) -> None:
 
 def bn_inverted(args: argparse.Namespace) -> None:
     g = _step(args.model, optimizer="sgd")
-    st = StepStructure.of(g)
+    st, rules = StepStructure.of(g), rule_nodes(g)
     feeds = synthetic_feeds(g, seed=0)
     ref = step_outputs(g, feeds, "cpu")
     worst: dict[int, float] = defaultdict(float)
-    for node in (n for n in g.nodes if n.op_type == "BatchNormalization"):
+    # The model's BatchNorms, as a plan offers them the variant: the backward's own
+    # BatchNormalization nodes are no forward nodes and lowering refuses them.
+    offered = [n for n in g.nodes if n.op_type == "BatchNormalization" and n.name in st.forward
+               and any(v.name == "inverted" for v in applicable_variants(g, n, rules))]
+    for node in offered:
         shape = g.info[node.input[0]].shape
         per_channel = int(shape[0] * np.prod(shape[2:]))
         new = step_outputs(lower(g, Plan(variants={node.name: "inverted"}), st).graph,
