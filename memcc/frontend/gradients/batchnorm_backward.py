@@ -17,8 +17,9 @@ its per-channel operands as ``[C]`` vectors: BatchNormalization in inference mod
   normalised by them, as the forward's node normalised it. Where it took ReduceMean, Sub,
   Mul, ReduceMean and an inference-mode BatchNormalization of the centred input, it is one
   node that reads ``x`` three times and writes ``xhat`` once, and no centred input or its
-  square is ever alive (the working set that sets ``--budget min``'s floor is smaller). It
-  reads two zero buffers of its own, made by one Split (ORT writes the running outputs
+  square is ever alive (the floors ``--budget min`` reached on three convnets did not
+  drop: the backward's later nodes set them; BENCHMARKS.md, session 43). It reads two
+  buffers of its own, made by one Split of a constant (ORT writes the running outputs
   into them);
 - the scale and bias gradients ``sum(gy * xhat)`` and ``sum(gy)`` reduced straight to
   ``[C]`` (same bits as before, without the Reshapes);
