@@ -20,16 +20,21 @@ provider has kernels for:
   vector parameters, ``frontend/update_groups.py``): a few kernels per group instead of
   three per statistic.
 
-The backward (memcc's rule, ``frontend/gradients/nn.py``) recomputes the statistics from
-the input, because on the CPU the BatchNormalization kernel does not give them out. Here the
-forward computes them as nodes of its own, so the backward reads them instead: the batch
-mean it uses is the forward's (the same value: the same ReduceMean of the same input), and
-its variance is the forward's (the one the normalisation used; the rule's own is the mean
-of squares, within an ulp or two of it). That removes from every BatchNorm's backward two
-activation-sized reductions (each a Transpose and a trailing sum on CUDA, below) and one
-activation-sized Mul, and keeps two [C]-sized values from the forward to the backward
-(``reuse_statistics``; the zoo's ResNet-50 step at batch 8, 224 px: 5.10 to 4.30 GB moved
-per step by ``passes/analysis/step_traffic.py``; not yet timed on a GPU).
+The float32 backward (``frontend/gradients/batchnorm_backward.py``) begins with a
+training-mode BatchNormalization of the input, momentum 0, for ``xhat`` and the batch
+variance, reading two buffers a Split of a constant makes: here it becomes an inference-mode
+BatchNormalization of the input fed the forward's batch mean and variance (the statistics
+computed again, as a forward's are, where the forward's are not the same input's), and the
+Split and its constant go. The general rule (``frontend/gradients/nn.py``, other dtypes)
+recomputes the statistics from the input with reductions; there the backward reads the
+forward's instead: the batch mean it uses is the forward's (the same value: the same
+ReduceMean of the same input), and its variance is the forward's (the one the normalisation
+used; the rule's own is the mean of squares, within an ulp or two of it). Either way two
+activation-sized reductions (each two stages of sums on CUDA, below) and an activation-sized
+Mul leave every BatchNorm's backward, and two [C]-sized values are kept from the forward to
+the backward (``reuse_statistics``; the zoo's ResNet-50 step at batch 8, 224 px: 5.10 to 4.30
+GB moved per step by ``passes/analysis/step_traffic.py`` when first written; not yet timed on
+a GPU).
 
 The arithmetic is not the CPU kernel's, so a step rewritten here matches the step as built
 within a tolerance, not bit for bit (``tests/test_batchnorm_for_cuda.py`` states it).
@@ -156,11 +161,18 @@ def _emit_backward_statistics(emit: Emitter, node: onnx.NodeProto,
 
 def _without_unread_buffers(nodes: list[onnx.NodeProto], buffers: set[str]
                             ) -> list[onnx.NodeProto]:
-    """``nodes`` less those that made the backwards' statistics nodes their own running
-    inputs (a Split of zeros each), which nothing reads once those nodes are rewritten."""
-    read = {i for n in nodes for i in n.input}
-    return [n for n in nodes
-            if not (set(n.output) & buffers) or any(o in read for o in n.output if o)]
+    """``nodes`` less the Splits that made the backwards' statistics nodes their own running
+    inputs, and the constants they split, which nothing reads once those nodes are
+    rewritten."""
+    def unread(kept: list[onnx.NodeProto], made_by) -> set[int]:
+        read = {i for n in kept for i in n.input}
+        return {id(n) for n in kept if made_by(n) and not any(o in read for o in n.output)}
+
+    splits = unread(nodes, lambda n: bool(set(n.output) & buffers))
+    split_inputs = {i for n in nodes if id(n) in splits for i in n.input}
+    kept = [n for n in nodes if id(n) not in splits]
+    constants = unread(kept, lambda n: n.op_type == "Constant" and n.output[0] in split_inputs)
+    return [n for n in kept if id(n) not in constants]
 
 
 def _read_renamed(nodes: list[onnx.NodeProto], renamed: dict[str, str]) -> None:
