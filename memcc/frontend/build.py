@@ -45,6 +45,7 @@ from memcc.frontend.fuse import fuse_step
 from memcc.frontend.loss import StepLoss, add_loss
 from memcc.frontend.loss_scaling import add_scale_state, scaled_seeds
 from memcc.frontend.loss_scaling import metadata as loss_scale_record
+from memcc.frontend.model_types import refuse_mixed_type_bindings, warn_sixteen_bit_parameters
 from memcc.frontend.parameter_report import report_parameters
 from memcc.frontend.parameters import batchnorm_running_stats, choose_parameters
 from memcc.frontend.row_chunks import ATTENTION, MLP, chunk_regions
@@ -124,6 +125,7 @@ def build_training_step(forward: Graph, options: BuildOptions | None = None,
     params = choose_parameters(graph, loss, bn_stats, opts.freeze, source, emap)
     sources = parameter_sources(graph, params)
     report_parameters(sources, source, signature_of(graph), emap)
+    warn_sixteen_bit_parameters(graph, params, opts.optimizer, source)
     # The stem over batch chunks (frontend/batch_chunks.py): its forward is rewritten here,
     # after the parameters are known, and its backward written after the autodiff's.
     stems = chunk_stems(graph, opts.batch_chunks or 1, source)
@@ -158,7 +160,8 @@ def build_training_step(forward: Graph, options: BuildOptions | None = None,
 
 
 def _check_forward(forward: Graph, source: str) -> None:
-    """A forward model at opset 13 or later, not a step already."""
+    """A forward model at opset 13 or later, not a step already, that ONNX Runtime loads
+    as far as its ops' element types go (``frontend/model_types.py``)."""
     if is_training_step(forward):
         raise InputError(f"{source}: already a memcc training step; pass the forward model")
     if forward.opset < 13:
@@ -166,6 +169,7 @@ def _check_forward(forward: Graph, source: str) -> None:
             f"{source}: opset {forward.opset} is older than 13, which memcc needs for its "
             "backward ops; re-export with opset_version >= 13"
         )
+    refuse_mixed_type_bindings(forward, source)
 
 
 def _chunk_rows(graph: Graph, opts: BuildOptions, source: str) -> dict[str, dict[str, int]]:

@@ -1,0 +1,119 @@
+"""Models a user who already trains in 16 bits exports (``memcc/frontend/model_types.py``).
+
+A twelfth walk-through found two: a model exported under ``torch.autocast`` built without a
+word and its step failed at ``memcc run`` with ONNX Runtime's type error about a temporary
+file (the exporter writes a LayerNorm's bfloat16 input beside its float32 weight, which
+ONNX forbids); and a ``.half()`` model trained with AdamW went NaN from the second step,
+silently, as torch's AdamW makes it (eps is 0 in float16).
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+import torch.nn.functional as F
+from onnx import TensorProto, helper
+
+from memcc import api
+from memcc.errors import InputError
+from memcc.frontend.export_signature import ExportWarning
+from memcc.trainer import Trainer
+
+
+class Net(torch.nn.Module):
+    """Linear, LayerNorm, ReLU, Linear: the LayerNorm is what autocast's export breaks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(8, 32)
+        self.ln = torch.nn.LayerNorm(32)
+        self.fc2 = torch.nn.Linear(32, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.relu(self.ln(self.fc1(x))))
+
+
+def _export(module: torch.nn.Module, x: torch.Tensor, path: Path) -> Path:
+    torch.onnx.export(module, (x,), str(path), dynamo=False, input_names=["x"],
+                      output_names=["logits"], training=torch.onnx.TrainingMode.TRAINING,
+                      do_constant_folding=False)
+    return path
+
+
+def test_an_export_under_autocast_is_refused_naming_the_node_and_the_flag(tmp_path):
+    """Before: built, then ``run`` failed on "Type parameter (T) of Optype
+    (LayerNormalization) bound to different types" in ``session.onnx``."""
+    torch.manual_seed(0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        path = _export(Net(), torch.randn(4, 8), tmp_path / "autocast.onnx")
+    with pytest.raises(InputError) as e:
+        api.build(path, tmp_path / "step.onnx")
+    text = str(e.value)
+    assert str(path) in text and "LayerNormalization node '/ln/LayerNormalization'" in text
+    assert "bfloat16" in text and "float (ln.weight, ln.bias)" in text
+    assert "torch.autocast" in text and "--precision bf16" in text
+    assert not (tmp_path / "step.onnx").exists()
+
+
+def test_a_mixed_binding_without_sixteen_bits_is_refused_without_the_autocast_hint(tmp_path):
+    """Any op fed two types for one of its type parameters, not only autocast's."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])
+    w = helper.make_tensor("w", TensorProto.DOUBLE, [3], np.ones(3))
+    graph = helper.make_graph([helper.make_node("LayerNormalization", ["x", "w"], ["y"],
+                                                name="norm")], "g", [x], [y], [w])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.save(model, tmp_path / "m.onnx")
+    with pytest.raises(InputError) as e:
+        api.build(tmp_path / "m.onnx", tmp_path / "s.onnx", options=api.BuildOptions(loss="mse"))
+    text = str(e.value)
+    assert ("LayerNormalization node 'norm' binds its type T to 2 element types, float (x); "
+            "double (w)") in text
+    assert "autocast" not in text
+
+
+def _half_step(tmp_path: Path, optimizer: str) -> tuple[Path, list[warnings.WarningMessage]]:
+    torch.manual_seed(1)
+    path = _export(Net().half(), torch.randn(4, 8).half(), tmp_path / "half.onnx")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        api.build(path, tmp_path / f"{optimizer}.onnx",
+                  options=api.BuildOptions(optimizer=optimizer, lr=1e-3))
+    return tmp_path / f"{optimizer}.onnx", [w for w in caught
+                                             if issubclass(w.category, ExportWarning)]
+
+
+def test_sixteen_bit_parameters_are_said_to_train_without_master_weights(tmp_path):
+    _, said = _half_step(tmp_path, "sgd")
+    text = " ".join(str(w.message) for w in said)
+    assert "6 trained parameter(s) are float16" in text, text
+    assert "no float32 master weights" in text and "--precision bf16" in text
+    assert "AdamW" not in text   # the NaN is AdamW's on float16 only
+
+
+def test_adamw_on_float16_parameters_goes_non_finite_as_torchs_and_is_warned(tmp_path):
+    """The warning's claim, held against torch: one AdamW step of the ``.half()`` model
+    leaves non-finite weights in both (fc1's rows behind dead ReLUs, ``eps`` 0 in float16)."""
+    step, said = _half_step(tmp_path, "adamw")
+    assert any("infinite or NaN update" in str(w.message) for w in said)
+    torch.manual_seed(1)
+    module = Net().half()
+    torch.manual_seed(0)
+    x, labels = torch.randn(4, 8).half(), torch.randint(0, 5, (4,))
+    ref = copy.deepcopy(module)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    F.cross_entropy(ref(x).float(), labels).backward()
+    opt.step()
+    trainer = Trainer(step)
+    trainer.step({"x": x.numpy(), "labels": labels.numpy()})
+    weights = trainer.state_dict()
+    for name in ("fc1.weight", "fc2.weight"):
+        ours = np.isfinite(weights[name])
+        theirs = np.isfinite(dict(ref.named_parameters())[name].detach().numpy())
+        assert not theirs.all() and not ours.all(), name
