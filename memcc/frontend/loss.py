@@ -70,6 +70,27 @@ def first_float_output(graph: Graph, source: str) -> str:
     )
 
 
+def _later_scalars(graph: Graph) -> str:
+    """What to say where --loss none finds no scalar first output but a later one is."""
+    scalars = [o for o in graph.outputs[1:] if graph.info.get(o) is not None
+               and graph.info[o].is_float and graph.info[o].numel == 1]
+    if not scalars:
+        return ""
+    return (f"; its output '{scalars[0]}' is a scalar: if that is the loss, export the model "
+            "with it first (return the loss before the logits, as transformers models do "
+            "when given labels)")
+
+
+def _own_loss_hint(graph: Graph, name: str) -> str:
+    """Why a model may already hold the data input the loss adds: it takes it itself,
+    because it computes its own loss (a module that returns ``cross_entropy(z, labels)``)."""
+    if name not in graph.inputs:
+        return ""
+    return (f": an input of the model, as in a model that computes its own loss. If it does, "
+            "build it with --loss none, which trains its first output as the loss"
+            f"{_later_scalars(graph)}")
+
+
 def moves_classes(axis: int | None, rank: int) -> bool:
     """Whether ``--class-axis axis`` names another axis than the last of ``rank`` axes
     (``classes_last`` then moves it last)."""
@@ -173,6 +194,7 @@ def emit_loss(graph: Graph, emit: Emitter, logits: str, opts: BuildOptions, sour
             raise InputError(
                 f"{source}: --loss none needs the first floating-point output to be the "
                 f"scalar loss, but '{logits}' has shape {list(ti.shape)}"
+                f"{_later_scalars(graph)}"
             )
         loss = emit.op("Reshape", [logits, emit.ints([])], outputs=["loss"],
                        info=TensorInfo(ti.dtype, ())) if logits != "loss" else logits
@@ -180,7 +202,8 @@ def emit_loss(graph: Graph, emit: Emitter, logits: str, opts: BuildOptions, sour
     if kind == "mse":
         for name in ("target",):
             if name in taken:
-                raise InputError(f"{source}: the model already has a value named '{name}'")
+                raise InputError(f"{source}: the model already has a value named '{name}'"
+                                 f"{_own_loss_hint(graph, name)}")
         graph.info["target"] = ti
         diff = emit.sub(logits, "target")
         sq = emit.mul(diff, diff)
@@ -189,10 +212,13 @@ def emit_loss(graph: Graph, emit: Emitter, logits: str, opts: BuildOptions, sour
         return loss, ["target"], {}, None
     # cross-entropy over the last axis, mean over the positions (torch's default)
     if len(ti.shape) < 1 or ti.shape[-1] < 1:
+        own = (". A scalar first output is a loss the model computes itself: build with "
+               "--loss none") if not ti.shape else ""
         raise InputError(f"{source}: cross-entropy needs logits with a class axis; "
-                         f"'{logits}' has shape {list(ti.shape)}")
+                         f"'{logits}' has shape {list(ti.shape)}{own}")
     if "labels" in taken:
-        raise InputError(f"{source}: the model already has a value named 'labels'")
+        raise InputError(f"{source}: the model already has a value named 'labels'"
+                         f"{_own_loss_hint(graph, 'labels')}")
     label_shape = ti.shape[:-1]
     graph.info["labels"] = TensorInfo(TensorProto.INT64, label_shape)
     ranges = {"labels": [0, int(ti.shape[-1])]}
