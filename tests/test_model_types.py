@@ -3,7 +3,8 @@
 A twelfth walk-through found two: a model exported under ``torch.autocast`` built without a
 word and its step failed at ``memcc run`` with ONNX Runtime's type error about a temporary
 file (the exporter writes a LayerNorm's bfloat16 input beside its float32 weight, which
-ONNX forbids); and a ``.half()`` model trained with AdamW went NaN from the second step,
+ONNX forbids; now computed in float32 as torch computes it, and other such mixes refused
+at build); and a ``.half()`` model trained with AdamW went NaN from the second step,
 silently, as torch's AdamW makes it (eps is 0 in float16).
 """
 
@@ -19,10 +20,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from onnx import TensorProto, helper
+from sgd_steps import memcc_sgd_steps
 
 from memcc import api
 from memcc.errors import InputError
 from memcc.frontend.export_signature import ExportWarning
+from memcc.frontend.load import load_graph
+from memcc.passes.providers.sixteen_bit import for_provider
 from memcc.trainer import Trainer
 
 
@@ -46,19 +50,49 @@ def _export(module: torch.nn.Module, x: torch.Tensor, path: Path) -> Path:
     return path
 
 
-def test_an_export_under_autocast_is_refused_naming_the_node_and_the_flag(tmp_path):
+def _autocast_sgd(module: torch.nn.Module, x: torch.Tensor, labels: torch.Tensor,
+                  steps: int) -> tuple[list[float], dict[str, np.ndarray]]:
+    """torch's SGD (lr 0.1) of a copy of ``module`` run under CPU bfloat16 autocast."""
+    m = copy.deepcopy(module)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = F.cross_entropy(m(x).float(), labels)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    return losses, {k: v.detach().numpy() for k, v in m.state_dict().items()}
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_an_export_under_autocast_trains_as_torchs_autocast(tmp_path, threads):
     """Before: built, then ``run`` failed on "Type parameter (T) of Optype
-    (LayerNormalization) bound to different types" in ``session.onnx``."""
+    (LayerNormalization) bound to different types" in ``session.onnx``. The LayerNorm now
+    computes in float32 and returns bfloat16, as torch's: 3 SGD steps within bfloat16's
+    rounding of torch's under autocast (measured: losses 1e-7 relative, weights 1e-3 of their
+    change, where torch's float32 steps are 2.5e-3 of it away)."""
     torch.manual_seed(0)
+    module = Net()
+    x, labels = torch.randn(4, 8), torch.randint(0, 5, (4,))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        path = _export(Net(), torch.randn(4, 8), tmp_path / "autocast.onnx")
-    with pytest.raises(InputError) as e:
-        api.build(path, tmp_path / "step.onnx")
-    text = str(e.value)
-    assert str(path) in text and "LayerNormalization node '/ln/LayerNormalization'" in text
-    assert "bfloat16" in text and "float (ln.weight, ln.bias)" in text
-    assert "torch.autocast" in text and "--precision bf16" in text
-    assert not (tmp_path / "step.onnx").exists()
+        path = _export(copy.deepcopy(module), x, tmp_path / "autocast.onnx")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        api.build(path, tmp_path / "step.onnx",
+                  options=api.BuildOptions(lr=0.1, momentum=0.0))
+    assert any("LayerNormalization node '/ln/LayerNormalization'" in str(w.message)
+               for w in caught)
+    step, _ = for_provider(load_graph(tmp_path / "step.onnx"), "cpu")
+    losses, state = memcc_sgd_steps(step, {"x": x.numpy(), "labels": labels.numpy()}, 3,
+                                    threads)
+    want_losses, want = _autocast_sgd(module, x, labels, 3)
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    start = module.state_dict()
+    for name, value in want.items():
+        change = float(np.abs(value - start[name].numpy()).max())
+        assert np.abs(state[name] - value).max() <= 1e-2 * change, name
 
 
 def test_a_mixed_binding_without_sixteen_bits_is_refused_without_the_autocast_hint(tmp_path):
@@ -76,6 +110,25 @@ def test_a_mixed_binding_without_sixteen_bits_is_refused_without_the_autocast_hi
     assert ("LayerNormalization node 'norm' binds its type T to 2 element types, float (x); "
             "double (w)") in text
     assert "autocast" not in text
+
+
+def test_a_bfloat16_conv_the_loader_cannot_run_is_named_not_blamed_on_dim(tmp_path):
+    """The dynamo exporter's autocast convnet (opset 20): shape inference leaves values
+    unknown, the loader's run of the model to read them fails on the bfloat16 Conv, which
+    Conv takes from opset 22 only. Before: "Check the sizes bound with --dim"."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.BatchNorm2d(4),
+                              torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1),
+                              torch.nn.Flatten(), torch.nn.Linear(4, 5))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.onnx.export(net, (torch.randn(2, 3, 8, 8),), dynamo=True, optimize=False,
+                          input_names=["x"], output_names=["logits"]).save(
+                              str(tmp_path / "m.onnx"))
+    with pytest.raises(InputError) as e:
+        api.build(tmp_path / "m.onnx", tmp_path / "s.onnx")
+    text = str(e.value)
+    assert "Conv node" in text and "bfloat16" in text and "does not take at opset" in text
+    assert "--precision bf16" in text and "--dim" not in text
 
 
 def _half_step(tmp_path: Path, optimizer: str) -> tuple[Path, list[warnings.WarningMessage]]:

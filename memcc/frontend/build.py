@@ -45,7 +45,11 @@ from memcc.frontend.fuse import fuse_step
 from memcc.frontend.loss import StepLoss, add_loss
 from memcc.frontend.loss_scaling import add_scale_state, scaled_seeds
 from memcc.frontend.loss_scaling import metadata as loss_scale_record
-from memcc.frontend.model_types import refuse_mixed_type_bindings, warn_sixteen_bit_parameters
+from memcc.frontend.model_types import (
+    refuse_unloadable_types,
+    warn_sixteen_bit_parameters,
+    widen_mixed_sixteen_bit,
+)
 from memcc.frontend.parameter_report import report_parameters
 from memcc.frontend.parameters import batchnorm_running_stats, choose_parameters
 from memcc.frontend.row_chunks import ATTENTION, MLP, chunk_regions
@@ -103,6 +107,9 @@ def build_training_step(forward: Graph, options: BuildOptions | None = None,
     opts = options or BuildOptions()
     _check_forward(forward, source)
     graph = forward.copy()
+    # torch.autocast's exported LayerNorm in float32; any other op fed two types refused
+    widen_mixed_sixteen_bit(graph, source)
+    refuse_unloadable_types(graph, source, taken=False)
     row_chunks = _chunk_rows(graph, opts, source)
     # Before the loss: the loss is taken in float32 whatever the forward computes in.
     graph, casts = autocast(graph, opts.precision)
@@ -160,8 +167,7 @@ def build_training_step(forward: Graph, options: BuildOptions | None = None,
 
 
 def _check_forward(forward: Graph, source: str) -> None:
-    """A forward model at opset 13 or later, not a step already, that ONNX Runtime loads
-    as far as its ops' element types go (``frontend/model_types.py``)."""
+    """A forward model at opset 13 or later, not a step already."""
     if is_training_step(forward):
         raise InputError(f"{source}: already a memcc training step; pass the forward model")
     if forward.opset < 13:
@@ -169,7 +175,6 @@ def _check_forward(forward: Graph, source: str) -> None:
             f"{source}: opset {forward.opset} is older than 13, which memcc needs for its "
             "backward ops; re-export with opset_version >= 13"
         )
-    refuse_mixed_type_bindings(forward, source)
 
 
 def _chunk_rows(graph: Graph, opts: BuildOptions, source: str) -> dict[str, dict[str, int]]:
