@@ -131,6 +131,33 @@ def test_a_bfloat16_conv_the_loader_cannot_run_is_named_not_blamed_on_dim(tmp_pa
     assert "--precision bf16" in text and "--dim" not in text
 
 
+def test_a_sixteen_bit_model_the_loader_cannot_run_for_shapes_is_told_why(tmp_path):
+    """transformers GPT-2 exported by dynamo under autocast: 70 shapes unknown to ONNX's
+    inference (an ``arange`` of the sequence length), and ORT's CPU provider has no bfloat16
+    Gemm to run the model for them. Here the same in four nodes: a Range of a Shape, and a
+    bfloat16 Gemm. Before: "Check the sizes bound with --dim"."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])
+    outs = [helper.make_tensor_value_info("y", TensorProto.BFLOAT16, None),
+            helper.make_tensor_value_info("r", TensorProto.INT64, None)]
+    inits = [helper.make_tensor("w", TensorProto.FLOAT, [4, 3], np.ones(12, np.float32)),
+             helper.make_tensor("zero", TensorProto.INT64, [], [0]),
+             helper.make_tensor("one", TensorProto.INT64, [], [1])]
+    nodes = [helper.make_node("Cast", ["x"], ["xb"], to=TensorProto.BFLOAT16),
+             helper.make_node("Cast", ["w"], ["wb"], to=TensorProto.BFLOAT16),
+             helper.make_node("Gemm", ["xb", "wb"], ["y"], name="gemm"),
+             helper.make_node("Shape", ["x"], ["s"]),
+             helper.make_node("Gather", ["s", "zero"], ["n"]),
+             helper.make_node("Range", ["zero", "n", "one"], ["r"])]
+    onnx.save(helper.make_model(helper.make_graph(nodes, "g", [x], outs, inits),
+                                opset_imports=[helper.make_opsetid("", 17)]),
+              tmp_path / "m.onnx")
+    with pytest.raises(InputError) as e:
+        api.build(tmp_path / "m.onnx", tmp_path / "s.onnx", options=api.BuildOptions(loss="mse"))
+    text = str(e.value)
+    assert "no 16-bit kernel" in text and "Gemm" in text and "--precision bf16" in text
+    assert "--dim" not in text
+
+
 def _half_step(tmp_path: Path, optimizer: str) -> tuple[Path, list[warnings.WarningMessage]]:
     torch.manual_seed(1)
     path = _export(Net().half(), torch.randn(4, 8).half(), tmp_path / "half.onnx")

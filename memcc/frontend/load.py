@@ -45,7 +45,7 @@ from memcc.frontend.export_signature import (
 from memcc.frontend.fold import fold_shape_computations
 from memcc.frontend.folded_values import folded_values_as_torch_has_them
 from memcc.frontend.function_ops import expand_function_ops
-from memcc.frontend.model_types import refuse_unloadable_types
+from memcc.frontend.model_types import refuse_unloadable_types, refuse_unrunnable_sixteen_bit
 from memcc.frontend.ort_kernels import inlined_by_ort
 from memcc.frontend.running_variance import PRODUCER_KEY
 from memcc.frontend.sequences import EMBEDDING_BAG, embedding_bag_hint
@@ -395,6 +395,7 @@ def _refuse_unknown_shapes(graph: Graph, missing: list[str], failed: str | None,
     at = f" (output of {node_label(producer)})" if producer is not None else ""
     if failed:  # ORT's reason may be a type the file's op does not take: say that first
         refuse_unloadable_types(graph, where)
+        refuse_unrunnable_sixteen_bit(graph, failed, where)
         raise ShapeError(
             f"{where}: value '{name}'{at} has no concrete shape from ONNX shape inference "
             f"({len(missing)} value(s) unknown), and running the model once at the bound "

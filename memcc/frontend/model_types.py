@@ -123,6 +123,22 @@ def refuse_unloadable_types(graph: Graph, source: str, *, taken: bool = True) ->
             f"so no step built from it could run. {hint}")
 
 
+def refuse_unrunnable_sixteen_bit(graph: Graph, failed: str, source: str) -> None:
+    """Where the loader had to run a model to learn the shapes ONNX's inference left unknown
+    and ONNX Runtime's CPU provider has no kernel for one of its 16-bit ops (a bfloat16
+    Gemm of transformers GPT-2 exported under ``torch.autocast``), say that, not that the
+    sizes may be wrong: the float32 export with ``--precision`` is what works."""
+    if "Could not find an implementation" not in failed or not any(
+            info.dtype in SIXTEEN_BIT for info in graph.info.values()):
+        return
+    raise InputError(
+        f"{source}: ONNX shape inference left some values' shapes unknown, and memcc could "
+        "not run the model to read them: ONNX Runtime's CPU provider has no 16-bit kernel "
+        f"for one of its ops ({failed.strip()[:200]}). A model exported in 16 bits or under "
+        "torch.autocast: export the float32 model and build it with --precision bf16 (or "
+        "fp16), memcc's own autocast, whose steps compute such ops in float32.")
+
+
 def warn_sixteen_bit_parameters(graph: Graph, params: Sequence[str], optimizer: str,
                                 source: str) -> None:
     """Warn where trained parameters are 16-bit: their update is 16-bit too (see above)."""
