@@ -288,6 +288,20 @@ def test_a_wrong_batch_is_refused_naming_the_array(steps):
     assert trainer.steps_done == 0
 
 
+def test_a_batch_of_other_types_trains_as_memcc_train_converts_it(steps):
+    """int32 labels and numpy's float64 inputs: converted as ``memcc train --data`` converts
+    them (the same losses as the step's own types); floats for integer labels refused."""
+    feeds = synthetic_feeds(Trainer(steps["sgd"], threads=1).graph, seed=0)
+    want = Trainer(steps["sgd"], threads=1)
+    got = Trainer(steps["sgd"], threads=1)
+    other = {"input": feeds["input"].astype(np.float64),
+             "labels": feeds["labels"].astype(np.int32)}
+    for _ in range(2):
+        assert got.step(other) == want.step(feeds)
+    with pytest.raises(InputError, match=r"array 'labels' is float32; the step takes int64"):
+        got.step({**feeds, "labels": feeds["labels"].astype(np.float32)})
+
+
 def test_exported_onnx_is_the_forward_model_with_the_trained_weights(steps, tmp_path):
     trainer = Trainer(steps["sgd"], threads=1)
     feeds = synthetic_feeds(trainer.graph, seed=0)

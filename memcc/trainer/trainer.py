@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 
 from memcc.backend import checkpoint as ckpt
-from memcc.backend.data import DataInput, data_inputs
+from memcc.backend.data import DataInput, as_step_dtype, data_inputs
 from memcc.backend.device_step import DeviceSettings, DeviceStep, StepRoles, step_for_provider
 from memcc.backend.memory import device_baseline, fix_mmap_threshold, trim_heap
 from memcc.backend.session import provider_as_planned
@@ -238,7 +238,10 @@ class Trainer:
 
     # ------------------------------------------------------------------ training
     def check_batch(self, batch: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """The batch as C-contiguous arrays, or an error naming the array at fault."""
+        """The batch as C-contiguous arrays in the step's types, or an error naming the
+        array at fault. Types convert as ``memcc train --data`` converts them
+        (``as_step_dtype``: int32 labels, numpy's float64), so that a loop over the same
+        arrays trains in Python as on the command line."""
         feeds = {}
         for d in self.inputs:
             if d.name not in batch:
@@ -246,10 +249,11 @@ class Trainer:
                                  f"{[x.name for x in self.inputs]})")
             a = np.asarray(batch[d.name])
             want = (d.batch_size, *d.sample_shape)
-            if tuple(a.shape) != want or a.dtype != d.dtype:
+            if tuple(a.shape) != want:
                 raise InputError(f"batch: array '{d.name}' has shape {list(a.shape)} dtype "
                                  f"{a.dtype}; the step expects shape {list(want)} dtype "
                                  f"{d.dtype}")
+            a = as_step_dtype(a, d.dtype, f"batch: array '{d.name}' is {a.dtype}")
             feeds[d.name] = np.asarray(a, order="C")
         return feeds
 
