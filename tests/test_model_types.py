@@ -197,3 +197,16 @@ def test_adamw_on_float16_parameters_goes_non_finite_as_torchs_and_is_warned(tmp
         ours = np.isfinite(weights[name])
         theirs = np.isfinite(dict(ref.named_parameters())[name].detach().numpy())
         assert not theirs.all() and not ours.all(), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_precision_on_a_sixteen_bit_model_names_its_weights(tmp_path, dtype):
+    """``--precision`` finds no float32 product to cast on a ``.half()`` model: the refusal
+    says the weights are 16-bit already and to export the float32 module."""
+    torch.manual_seed(1)
+    path = _export(Net().to(dtype), torch.randn(4, 8).to(dtype), tmp_path / "m.onnx")
+    with pytest.raises(InputError, match=r"no float32 matrix product") as info:
+        api.build(path, tmp_path / "s.onnx", options=api.BuildOptions(precision="fp16"))
+    name = "float16" if dtype == torch.float16 else "bfloat16"
+    assert f"weights are {name} already" in str(info.value)
+    assert ".half()" in str(info.value)
