@@ -190,3 +190,29 @@ def test_the_step_gives_the_same_bits_under_onnxruntimes_default_optimizations(s
         for _ in range(2):
             got = dict(zip(names, sess.run(names, {**held, **feeds}), strict=True))
             assert not mismatches(want, got), threads
+
+
+def test_a_variant_that_writes_the_rule_again_keeps_each_nodes_constant_its_own(steps):
+    """``bf16_saved`` runs the default rule again on a twin of the node (lowering, after
+    build): its statistics node takes values no constant of the step holds, so the lowered
+    step also gives the same bits under ORT's default optimizations."""
+    import onnxruntime as ort
+
+    from memcc.passes.lowering.variant_substitution import apply_variants
+    from memcc.passes.plan import Plan
+
+    _, new = steps
+    bns = ["layer1.0.bn1", "layer1.0.bn2", "layer1.1.bn1", "layer1.1.bn2"]  # one width
+    out = apply_variants(new, Plan(variants={b: "bf16_saved" for b in bns})).graph
+    values = [float(numpy_helper.to_array(n.attribute[0].t).max()) for n in out.nodes
+              if n.op_type == "Constant" and batchnorm_backward.BUFFERS in n.output[0]]
+    assert len(values) == len(set(values)) == 20
+    feeds = {k: v for k, v in synthetic_feeds(out, 0).items() if k not in out.initializers}
+    graph, held = session_graph(out)
+    options = ort.SessionOptions()  # graph optimizations on, as by default
+    options.intra_op_num_threads = 2
+    sess = ort.InferenceSession(graph.to_model().SerializeToString(), options,
+                                providers=["CPUExecutionProvider"])
+    names = list(out.outputs)
+    got = dict(zip(names, sess.run(names, {**held, **feeds}), strict=True))
+    assert not mismatches(run_once(out, feeds, 2), got)
