@@ -386,3 +386,27 @@ def test_cpu_plans_made_for_the_cpu_arena_verify_through_it_and_train_through_it
     assert "arena" in run.prediction and "arena" in run.timing_method
     with pytest.raises(InputError, match="--arena is for --provider cpu"):
         CompileOptions(budget="min", arena=True, provider="cuda")
+
+
+def test_a_plan_compiled_for_malloc_and_trained_through_the_arena_says_its_arena_peak(
+        tmp_path):
+    """``memcc train --arena`` on a plan compiled without ``--arena`` (what the malloc note
+    offers, and ``memcc tune -o`` writes): the budget was checked for malloc only, and the
+    arena can hold much more (a tuned ResNet under 30 MB measured 42.9 MB through it), so
+    the trainer says the arena's predicted peak next to the one the plan was made at; a
+    plan trained as it was compiled gets no such note."""
+    from memcc.compiler import CompileOptions, compile_model
+    from memcc.trainer import Trainer
+    from memcc.trainer.memory import StepMemory, allocator_notes
+
+    step, path = _step(tmp_path, "gpt2", batch=2, seq_len=32, width=32, depth=1, heads=2)
+    out = tmp_path / "malloc_plan.onnx"
+    compile_model(path, CompileOptions(budget="90%", cost="analytic", time_limit=5),
+                  output=out)
+    through_arena = Trainer(out, arena=True)
+    [note] = allocator_notes(through_arena)
+    figure = f"{StepMemory(through_arena).predicted:,} bytes through the arena"
+    assert figure in note and f"{through_arena.predicted_peak_bytes:,} it was planned" in note
+    assert "compile with --arena" in note
+    assert "glibc's heap" in allocator_notes(Trainer(out))[0]
+    assert allocator_notes(Trainer(path, arena=True)) == []
