@@ -50,6 +50,14 @@ def execute(payload: Mapping) -> dict:
     feeds = load_npz(payload["feeds"])
     run(feeds)
     order = check_session_order(session, payload["planned"])
+    if arena:
+        # After the first run ORT's CPU arena can hold more than it holds between later
+        # steps, and a baseline taken then counts that as the session's own: on two compiled
+        # --arena plans of real exports the steps read 2.3 MB (a transformers ResNet, batch
+        # 16, 9.43-9.55 MB after two or three warm-up runs) and 7.2 MB (MobileNetV2, batch
+        # 16, 73.1-73.3 MB) low after one (BENCHMARKS.md, session 43). A second run puts the
+        # baseline between two steady steps. Without the arena one run gives what two do.
+        run(feeds)
     del feeds
     meter.set_baseline()
 

@@ -200,7 +200,11 @@ def run_steps(model_path: str | os.PathLike, request: RunRequest = RunRequest(),
                          "arena)")
     if say is not None:   # nothing else prints until every run is done (a 6 s step: 63 s)
         n = request.steps
-        say(f"running {path.name} on {prov}: a step to warm up and check the order, {n} "
+        arena = prov == "cpu" and (request.arena if request.arena is not None
+                                   else TrainingStep.of(graph).allocator == "arena")
+        warm = "two steps to warm up (the CPU arena's first holds more) and check the order" \
+            if arena else "a step to warm up and check the order"
+        say(f"running {path.name} on {prov}: {warm}, {n} "
             "measured" + (f", then {n} timed in a process of their own"
                           if prov == "cpu" and request.separate_timing else "")
             + "; the results print when all have run")
