@@ -86,7 +86,8 @@ def test_arena_log_reads_ort_s_regions_and_sets_them_against_the_replay(tmp_path
                      "--phases", "arena_log", "--models", "mlp"])
     (row,) = json.loads((tmp_path / "summary.json").read_text())["arena_log"]
     assert "error" not in row, row
-    assert len(row["ort_regions_per_run"]) == 4  # the warm-up and three measured runs
+    # two warm-up runs through the CPU arena (one on CUDA) and three measured ones
+    assert len(row["ort_regions_per_run"]) == 5
     assert row["ort_regions_per_run"][-1] == row["replay_regions_last_run"] > 0
     assert row["in_ort_not_replay"] == [] and row["in_replay_not_ort"] == []
 
