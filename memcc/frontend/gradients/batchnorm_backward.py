@@ -45,6 +45,7 @@ general rule in ``gradients/nn.py``.
 from __future__ import annotations
 
 import itertools
+import weakref
 
 import numpy as np
 import onnx
@@ -57,6 +58,8 @@ from memcc.graph import TensorInfo
 Grads = list[str | None]
 # The name of the constants the statistics nodes' own buffers are split from.
 BUFFERS = "statistics_buffers"
+# Per emitter, the largest value such a constant it wrote holds (``_own_buffers``).
+_largest_held: weakref.WeakKeyDictionary[Emitter, int] = weakref.WeakKeyDictionary()
 
 
 def applies(ctx: GradContext, node: onnx.NodeProto) -> bool:
@@ -130,13 +133,16 @@ def _own_buffers(emit: Emitter, channels: int, dtype: int) -> list[str]:
     nodes then write into one buffer (measured: outputs 0.53 relative off on the zoo
     ResNet-18 with zeros for all). Each node takes the next two integers after the largest
     any such constant of the graph holds, one per half (equal halves were not seen to be
-    merged; distinct, no merge of equal values could give the two statistics one buffer)."""
-    held = 0
-    for n in itertools.chain(emit.graph.nodes, () if emit.nodes is emit.graph.nodes
-                             else emit.nodes):
-        if n.op_type == "Constant" and BUFFERS in n.output[0]:
-            held = max(held, int(numpy_helper.to_array(n.attribute[0].t).max()))
-    first = held + 1
+    merged; distinct, no merge of equal values could give the two statistics one buffer).
+    The graph is read for that once per emitter (``_largest_held``), not once per node."""
+    first = _largest_held.get(emit)
+    if first is None:
+        first = max((int(numpy_helper.to_array(n.attribute[0].t).max())
+                     for n in itertools.chain(emit.graph.nodes, () if emit.nodes is
+                                              emit.graph.nodes else emit.nodes)
+                     if n.op_type == "Constant" and BUFFERS in n.output[0]), default=0)
+    first += 1
+    _largest_held[emit] = first + 1
     values = np.concatenate([np.full(channels, first), np.full(channels, first + 1)])
     stat = TensorInfo(dtype, (channels,))
     return emit.op("Split", [emit.const(values, dtype, name=BUFFERS)], outputs=2, axis=0,
