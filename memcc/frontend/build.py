@@ -47,6 +47,7 @@ from memcc.frontend.loss_scaling import add_scale_state, scaled_seeds
 from memcc.frontend.loss_scaling import metadata as loss_scale_record
 from memcc.frontend.model_types import (
     refuse_unloadable_types,
+    sixteen_bit_already,
     warn_sixteen_bit_parameters,
     widen_mixed_sixteen_bit,
 )
@@ -117,7 +118,7 @@ def build_training_step(forward: Graph, options: BuildOptions | None = None,
         raise InputError(f"{source}: --precision {opts.precision}: the model has no float32 "
                          "matrix product or convolution (MatMul, Gemm, Conv, ConvTranspose, "
                          "Einsum) to compute in 16-bit, so the step would be the float32 one; "
-                         f"build it without --precision{_sixteen_bit_already(graph)}")
+                         f"build it without --precision{sixteen_bit_already(graph)}")
     emit = Emitter(graph)
     step_loss = add_loss(graph, emit, opts, source)
     loss, chunked = step_loss.loss, step_loss.chunked
@@ -164,18 +165,6 @@ def build_training_step(forward: Graph, options: BuildOptions | None = None,
     graph, _ = fuse_step(graph, opts.fusions)
     _drop_unused_initializers(graph)
     return graph
-
-
-def _sixteen_bit_already(graph: Graph) -> str:
-    """What to add where --precision finds nothing to cast because the model's weights are
-    16-bit already (a module exported after ``.half()`` or ``.to(torch.bfloat16)``)."""
-    kinds = {str(a.dtype) for a in graph.initializers.values()
-             if str(a.dtype) in ("float16", "bfloat16")}
-    if not kinds:
-        return ""
-    return (f". Its weights are {' and '.join(sorted(kinds))} already, as a module exported "
-            "after .half() or .to(torch.bfloat16) has them: export the float32 module and "
-            "build that with --precision, which keeps float32 master weights")
 
 
 def _check_forward(forward: Graph, source: str) -> None:

@@ -139,6 +139,18 @@ def refuse_unrunnable_sixteen_bit(graph: Graph, failed: str, source: str) -> Non
         "fp16), memcc's own autocast, whose steps compute such ops in float32.")
 
 
+def sixteen_bit_already(graph: Graph) -> str:
+    """What to add where ``--precision`` finds nothing to cast because the model's weights
+    are 16-bit already (a module exported after ``.half()`` or ``.to(torch.bfloat16)``)."""
+    kinds = sorted({SIXTEEN_BIT[graph.info[n].dtype] for n in graph.initializers
+                    if n in graph.info and graph.info[n].dtype in SIXTEEN_BIT})
+    if not kinds:
+        return ""
+    return (f". Its weights are {' and '.join(kinds)} already, as a module exported after "
+            ".half() or .to(torch.bfloat16) has them: export the float32 module and build "
+            "that with --precision, which keeps float32 master weights")
+
+
 def warn_sixteen_bit_parameters(graph: Graph, params: Sequence[str], optimizer: str,
                                 source: str) -> None:
     """Warn where trained parameters are 16-bit: their update is 16-bit too (see above)."""
@@ -176,7 +188,7 @@ def widen_mixed_sixteen_bit(graph: Graph, source: str) -> int:
     exported as one LayerNormalization that ONNX's single ``T`` forbids. Rewritten so, the
     file's types are ONNX's and the step's arithmetic is torch's (``tests/test_model_types.py``
     holds 3 SGD steps to torch's under autocast)."""
-    emit = Emitter(graph, detached=True)
+    emit: Emitter | None = None  # made at the first such node (it reads every name)
     nodes, rewritten = [], []
     for node in graph.nodes:
         problem = (_binding_problem(graph, node, graph.opset, False)
@@ -184,6 +196,7 @@ def widen_mixed_sixteen_bit(graph: Graph, source: str) -> int:
         if problem is None or set(problem[1]) - set(SIXTEEN_BIT) != {TensorProto.FLOAT}:
             nodes.append(node)
             continue
+        emit = emit or Emitter(graph, detached=True)
         for t, values in problem[1].items():
             for v in values if t in SIXTEEN_BIT else ():
                 wide = emit.cast(v, TensorProto.FLOAT)
