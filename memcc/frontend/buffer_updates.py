@@ -93,7 +93,7 @@ def buffer_updates(graph: Graph, bn_stats, source: str, loss: str) -> BufferUpda
     """The buffers the forward writes, other than BatchNorm's, and the values written;
     tags each value's node as computed without gradient, and notes the lost writes.
     ``loss``: the step's loss, which a cut must not take parameters away from
-    (``_starves``)."""
+    (``_starved_by``)."""
     sig = signature_of(graph)
     if sig is None:
         return BufferUpdates()
@@ -104,13 +104,12 @@ def buffer_updates(graph: Graph, bn_stats, source: str, loss: str) -> BufferUpda
     written = {b for _, b in writes}
     data = {i for i in graph.inputs if i not in graph.initializers}
     carried, lost, copied, unread = [], [], [], []
-    trained = _StepParameters(loss, sig.parameters)
     for value, buffer in writes:
         node = producers.get(value)
         reached = ancestors([value], producers)[1] if node is not None else set()
         # cut even where the buffer is lost (spectral_norm's _u, overwritten unread)
         cut = node is not None and _the_buffers_alone(node, buffer, reached, (written, data))
-        starved = trained.starved_by(graph, node) if cut else []
+        starved = _starved_by(graph, loss, sig.parameters, node) if cut else []
         if starved:  # the model's own value, computed with gradient: keep it
             cut = False
             copied.append(f"'{buffer}' with '{value}', the only way '{starved[0]}' reaches "
@@ -173,25 +172,17 @@ def _the_buffers_alone(node: onnx.NodeProto, buffer: str, reached: set[str],
         bool(written & reached) and not data & reached
 
 
-class _StepParameters:
-    """The parameters the loss reaches, to hold a cut against: a cut that takes every path
-    from a parameter to the loss away is not torch's (module docstring)."""
-
-    def __init__(self, loss: str, parameters: frozenset[str]) -> None:
-        self.loss, self.parameters = loss, parameters
-        self._before: set[str] | None = None
-
-    def starved_by(self, graph: Graph, node: onnx.NodeProto) -> list[str]:
-        """The parameters that reach the loss, but through ``node`` alone (sorted); none
-        for an Identity, the exporter's ``detach``, which is the buffer's whatever it
-        takes away."""
-        if node.op_type == "Identity":
-            return []
-        wrt = sorted(p for p in self.parameters if p in graph.info)
-        if self._before is None:
-            self._before = differentiable_values(graph, self.loss, wrt) & set(wrt)
-        after = differentiable_values(graph, self.loss, wrt, {node.name})
-        return sorted(self._before - after)
+def _starved_by(graph: Graph, loss: str, parameters: frozenset[str],
+                node: onnx.NodeProto) -> list[str]:
+    """The parameters that reach the loss, past the cuts already made, through ``node``
+    alone (sorted): a cut that takes every path from a parameter to the loss away is not
+    torch's (module docstring). None for an Identity, the exporter's ``detach``, which is
+    the buffer's whatever it takes away."""
+    if node.op_type == "Identity":
+        return []
+    wrt = sorted(p for p in parameters if p in graph.info)
+    before = differentiable_values(graph, loss, wrt) & set(wrt)
+    return sorted(before - differentiable_values(graph, loss, wrt, {node.name}))
 
 
 def _folded_statistic(graph: Graph, buffer: str, mutated: frozenset[str]) -> bool:
