@@ -200,10 +200,9 @@ def run_steps(model_path: str | os.PathLike, request: RunRequest = RunRequest(),
                          "arena)")
     if say is not None:   # nothing else prints until every run is done (a 6 s step: 63 s)
         n = request.steps
-        arena = prov == "cpu" and (request.arena if request.arena is not None
-                                   else TrainingStep.of(graph).allocator == "arena")
-        warm = "two steps to warm up (the CPU arena's first holds more) and check the order" \
-            if arena else "a step to warm up and check the order"
+        warm = ("two steps to warm up (the CPU arena's first holds more) and check the order"
+                if prov == "cpu" and _through_arena(request, graph)
+                else "a step to warm up and check the order")
         say(f"running {path.name} on {prov}: {warm}, {n} "
             "measured" + (f", then {n} timed in a process of their own"
                           if prov == "cpu" and request.separate_timing else "")
@@ -215,15 +214,20 @@ def run_steps(model_path: str | os.PathLike, request: RunRequest = RunRequest(),
     return replace(result, notes=tuple(notes)) if notes else result
 
 
+def _through_arena(request: RunRequest, graph: Graph) -> bool:
+    """Whether the CPU run allocates through ORT's arena: as asked, else as compiled."""
+    if request.arena is not None:
+        return request.arena
+    return TrainingStep.of(graph).allocator == "arena"
+
+
 def _run_on_host(path: Path, graph: Graph, spec: StepSpec, feeds: Mapping[str, np.ndarray],
                  request: RunRequest, prov: str) -> RunResult:
     """``run_steps`` on the CPU provider: predicted (liveness, or the arena replay), then
     run in the measuring child (``cpu_child``) and, for the times, a second one."""
     graph, prediction, aliased = _arranged(path, graph, request.in_place)
     # --cuda-graph and --arena were checked against the provider by ``run_steps``.
-    arena = request.arena
-    if arena is None:
-        arena = TrainingStep.of(graph).allocator == "arena"
+    arena = _through_arena(request, graph)
     arena_report = None
     if arena:
         arena_report, arena_peak = arena_prediction(graph, prediction, spec,
